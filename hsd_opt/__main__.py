@@ -1,0 +1,3 @@
+from hsd_opt.cli import main
+
+main()

@@ -1,0 +1,346 @@
+"""The two file formats that are the contract between the commands: ``hsd-profile/1`` and ``hsd-plan/1``.
+
+Plain dataclasses, plain functions. ``load_profile``/``load_plan`` validate and raise
+:class:`~hsd_opt.errors.InputFileError` naming the file and the field; ``profile_from_dict``/``plan_from_dict``
+do the same for in-memory dicts (``source`` names them in messages).
+
+Units: every cost is in seconds (wall time); acceptance rates are probabilities in [0, 1]; budgets are tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsd_opt.errors import InputFileError
+from hsd_opt.jsonio import read_json, write_json
+
+PROFILE_FORMAT = "hsd-profile/1"
+PLAN_FORMAT = "hsd-plan/1"
+
+#: Drafter kinds the project knows. Unknown kinds are accepted (other tools may add their own).
+KNOWN_KINDS = ("target", "early_exit", "model", "ngram_context", "bigram_model", "aded", "mixed_ngram")
+
+
+@dataclass
+class ModelEntry:
+    """One drafter (or the target) in a profile.
+
+    Attributes:
+        name: unique name used as key everywhere (``"layer8"``, ``"ngram"``, ``"layer30"``).
+        kind: one of :data:`KNOWN_KINDS` (others allowed).
+        cost: seconds for one forward step of one token with a warm cache.
+        can_verify: whether it yields next-token distributions for given positions (n-gram drafters cannot;
+            they may only be the bottom level of a hierarchy).
+        layer: for ``early_exit``/``target`` of a layered model, the number of decoder layers run (1-based).
+        extra: any other fields of the entry, kept on round-trip.
+    """
+
+    name: str
+    kind: str
+    cost: float
+    can_verify: bool
+    layer: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify}
+        if self.layer is not None:
+            d["layer"] = self.layer
+        d.update(self.extra)
+        return d
+
+
+@dataclass
+class Profile:
+    """Measured acceptance rates and costs of a drafter pool for one target (``hsd-profile/1``).
+
+    Attributes:
+        target: name of the target entry in ``models``.
+        models: the pool, cheapest first by convention (the solver orders by ``cost`` itself).
+        acceptance: ``acceptance[drafter][verifier]`` in [0, 1]; a missing pair means "not measured" and the
+            solver then never puts ``drafter`` directly under ``verifier``.
+        verify_cost: optional ``verify_cost[verifier][drafter]``: seconds for ``verifier`` to verify a block
+            drafted by ``drafter`` (a number), or a list ``[s_1, ..., s_n]`` of seconds for a verify pass over
+            t = 1..n tokens (a block of l drafts is a pass over t = l + 1 tokens). Used in place of
+            ``cost[verifier]`` on that edge (activation reuse between exits of one model).
+        cost_curve: optional ``cost_curve[verifier] = [s_1, ..., s_n]``: seconds for one forward pass over
+            t = 1..n tokens at once (seed 002 Sec. 3: verifying t tokens is not always as cheap as one).
+        extra: every other top-level field (provenance, greedy agreement, counts, confidence intervals, ...),
+            kept on round-trip.
+    """
+
+    target: str
+    models: list[ModelEntry]
+    acceptance: dict[str, dict[str, float]]
+    verify_cost: dict[str, dict[str, float | list[float]]] = field(default_factory=dict)
+    cost_curve: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def entry(self, name: str) -> ModelEntry:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def accept(self, drafter: str, verifier: str) -> float | None:
+        """``acceptance[drafter][verifier]`` or ``None`` when not measured. A model always accepts itself (1.0)."""
+        if drafter == verifier:
+            return 1.0
+        return self.acceptance.get(drafter, {}).get(verifier)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": PROFILE_FORMAT, "target": self.target,
+                             "models": [m.to_dict() for m in self.models],
+                             "acceptance": self.acceptance}
+        if self.verify_cost:
+            d["verify_cost"] = self.verify_cost
+        if self.cost_curve:
+            d["cost_curve"] = self.cost_curve
+        for k, v in self.extra.items():
+            if k not in d:
+                d[k] = v
+        return d
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of the profile (for plans to record which profile they came from)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Plan:
+    """A solved hierarchy (``hsd-plan/1``).
+
+    Attributes:
+        tmax: the largest budget allowed when solving (tokens).
+        hierarchy: model names, cheapest (bottom, drafts autoregressively) first, target last.
+        budgets: ``budgets[i]`` = T_i, tokens level i hands upward per call; ``len(budgets) == len(hierarchy) - 1``;
+            non-decreasing, each in 1..tmax.
+        expected_latency: predicted seconds per generated token.
+        expected_speedup: target cost / expected_latency.
+        baselines: ``{"target_only": {...}, "best_single_draft": {...}}`` each with ``expected_latency``.
+        extra: every other field (target, solver, alternatives, profile provenance), kept on round-trip.
+    """
+
+    tmax: int
+    hierarchy: list[str]
+    budgets: list[int]
+    expected_latency: float
+    expected_speedup: float
+    baselines: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return self.hierarchy[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": PLAN_FORMAT, "tmax": self.tmax, "hierarchy": list(self.hierarchy),
+                             "budgets": list(self.budgets), "expected_latency": self.expected_latency,
+                             "expected_speedup": self.expected_speedup, "baselines": self.baselines}
+        for k, v in self.extra.items():
+            if k not in d:
+                d[k] = v
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive_curve(source: str, fieldname: str, v: Any) -> list[float]:
+    if not isinstance(v, list) or not v:
+        raise InputFileError(source, "expected a non-empty list of seconds for t = 1..n tokens", fieldname)
+    out = []
+    for i, s in enumerate(v):
+        if not _is_number(s) or s <= 0:
+            raise InputFileError(source, f"expected a cost in seconds > 0, got {s!r}", f"{fieldname}[{i}]")
+        out.append(float(s))
+    return out
+
+
+def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[str]]:
+    """Validate a parsed ``hsd-profile/1`` object. Returns the profile and a list of warnings.
+
+    Refused (``InputFileError`` naming ``source`` and the field): wrong ``format``, no or duplicate models,
+    a missing target, a cost that is not a number > 0, an acceptance outside [0, 1] or naming an unknown
+    model, a target that cannot verify. Warned, not refused: an acceptance triple that breaks the
+    triangle bound a[i][j] + a[j][k] <= a[i][k] + 1 (seed 003, App. B.3), beyond a 0.02 tolerance for noise.
+    """
+    if not isinstance(d, dict):
+        raise InputFileError(source, "expected a JSON object")
+    fmt = d.get("format")
+    if fmt != PROFILE_FORMAT:
+        raise InputFileError(source, f"expected {PROFILE_FORMAT!r}, got {fmt!r}", "format")
+    models_raw = d.get("models")
+    if not isinstance(models_raw, list) or not models_raw:
+        raise InputFileError(source, "expected a non-empty list of models", "models")
+    models: list[ModelEntry] = []
+    seen: set[str] = set()
+    for i, m in enumerate(models_raw):
+        f = f"models[{i}]"
+        if not isinstance(m, dict):
+            raise InputFileError(source, "expected an object", f)
+        name = m.get("name")
+        if not isinstance(name, str) or not name:
+            raise InputFileError(source, "expected a non-empty string", f + ".name")
+        if name in seen:
+            raise InputFileError(source, f"duplicate model name {name!r}", f + ".name")
+        seen.add(name)
+        kind = m.get("kind", "model")
+        if not isinstance(kind, str):
+            raise InputFileError(source, "expected a string", f + ".kind")
+        cost = m.get("cost")
+        if not _is_number(cost) or cost <= 0:
+            raise InputFileError(source, f"expected a cost in seconds > 0, got {cost!r}", f + ".cost")
+        can_verify = m.get("can_verify", True)
+        if not isinstance(can_verify, bool):
+            raise InputFileError(source, f"expected true or false, got {can_verify!r}", f + ".can_verify")
+        layer = m.get("layer")
+        if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
+            raise InputFileError(source, f"expected a layer index >= 0, got {layer!r}", f + ".layer")
+        extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer")}
+        models.append(ModelEntry(name, kind, float(cost), can_verify, layer, extra))
+    target = d.get("target")
+    if not isinstance(target, str) or not target:
+        raise InputFileError(source, "missing: expected the name of the target model", "target")
+    if target not in seen:
+        raise InputFileError(source, f"{target!r} is not among models ({', '.join(sorted(seen))})", "target")
+    if not next(m for m in models if m.name == target).can_verify:
+        raise InputFileError(source, "the target must be able to verify (can_verify: true)", "target")
+
+    acc_raw = d.get("acceptance", {})
+    if not isinstance(acc_raw, dict):
+        raise InputFileError(source, "expected an object acceptance[drafter][verifier]", "acceptance")
+    acceptance: dict[str, dict[str, float]] = {}
+    for dr, row in acc_raw.items():
+        if dr not in seen:
+            raise InputFileError(source, f"unknown drafter {dr!r}", f"acceptance.{dr}")
+        if not isinstance(row, dict):
+            raise InputFileError(source, "expected an object {verifier: rate}", f"acceptance.{dr}")
+        acceptance[dr] = {}
+        for ve, a in row.items():
+            f = f"acceptance.{dr}.{ve}"
+            if ve not in seen:
+                raise InputFileError(source, f"unknown verifier {ve!r}", f)
+            if not _is_number(a) or not 0.0 <= a <= 1.0:
+                raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
+            acceptance[dr][ve] = float(a)
+
+    verify_cost: dict[str, dict[str, float | list[float]]] = {}
+    vc_raw = d.get("verify_cost", {}) or {}
+    if not isinstance(vc_raw, dict):
+        raise InputFileError(source, "expected an object verify_cost[verifier][drafter]", "verify_cost")
+    for ve, row in vc_raw.items():
+        if ve not in seen:
+            raise InputFileError(source, f"unknown verifier {ve!r}", f"verify_cost.{ve}")
+        if not isinstance(row, dict):
+            raise InputFileError(source, "expected an object {drafter: seconds}", f"verify_cost.{ve}")
+        verify_cost[ve] = {}
+        for dr, c in row.items():
+            f = f"verify_cost.{ve}.{dr}"
+            if dr not in seen:
+                raise InputFileError(source, f"unknown drafter {dr!r}", f)
+            if isinstance(c, list):
+                verify_cost[ve][dr] = _positive_curve(source, f, c)
+            elif _is_number(c) and c > 0:
+                verify_cost[ve][dr] = float(c)
+            else:
+                raise InputFileError(source, f"expected seconds > 0 or a list of them, got {c!r}", f)
+
+    cost_curve: dict[str, list[float]] = {}
+    cc_raw = d.get("cost_curve", {}) or {}
+    if not isinstance(cc_raw, dict):
+        raise InputFileError(source, "expected an object cost_curve[model] = [seconds for t=1..n]", "cost_curve")
+    for name, curve in cc_raw.items():
+        if name not in seen:
+            raise InputFileError(source, f"unknown model {name!r}", f"cost_curve.{name}")
+        cost_curve[name] = _positive_curve(source, f"cost_curve.{name}", curve)
+
+    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve"}
+    extra = {k: v for k, v in d.items() if k not in known}
+    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra)
+    return prof, triangle_warnings(prof, source)
+
+
+def triangle_warnings(profile: Profile, source: str = "<profile>", tol: float = 0.02) -> list[str]:
+    """Acceptance triples that break a[i][j] + a[j][k] <= a[i][k] + 1 by more than ``tol`` (one line each)."""
+    out = []
+    names = profile.names
+    for i in names:
+        for j in names:
+            for k in names:
+                if len({i, j, k}) < 3:
+                    continue
+                aij, ajk, aik = profile.accept(i, j), profile.accept(j, k), profile.accept(i, k)
+                if aij is None or ajk is None or aik is None:
+                    continue
+                if aij + ajk > aik + 1 + tol:
+                    out.append(f"{source}: acceptance: {i}->{j} ({aij:.3f}) + {j}->{k} ({ajk:.3f}) exceeds "
+                               f"{i}->{k} ({aik:.3f}) + 1: breaks the triangle bound (seed 003, App. B.3)")
+    return out
+
+
+def load_profile(path: str | os.PathLike) -> tuple[Profile, list[str]]:
+    """Read and validate ``hsd-profile/1`` from ``path``. Returns ``(profile, warnings)``."""
+    return profile_from_dict(read_json(path), str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    """Write ``profile`` atomically."""
+    write_json(path, profile.to_dict())
+
+
+def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
+    """Validate a parsed ``hsd-plan/1`` object; errors name ``source`` and the field."""
+    if not isinstance(d, dict):
+        raise InputFileError(source, "expected a JSON object")
+    if d.get("format") != PLAN_FORMAT:
+        raise InputFileError(source, f"expected {PLAN_FORMAT!r}, got {d.get('format')!r}", "format")
+    tmax = d.get("tmax")
+    if not isinstance(tmax, int) or isinstance(tmax, bool) or tmax < 1:
+        raise InputFileError(source, f"expected an integer >= 1, got {tmax!r}", "tmax")
+    h = d.get("hierarchy")
+    if not isinstance(h, list) or not h or not all(isinstance(x, str) and x for x in h):
+        raise InputFileError(source, "expected a non-empty list of model names, target last", "hierarchy")
+    if len(set(h)) != len(h):
+        raise InputFileError(source, f"a model appears twice in {h}", "hierarchy")
+    b = d.get("budgets")
+    if not isinstance(b, list) or len(b) != len(h) - 1:
+        raise InputFileError(source, f"expected {len(h) - 1} budgets (one per level below the target)", "budgets")
+    for i, t in enumerate(b):
+        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= tmax:
+            raise InputFileError(source, f"expected an integer in 1..tmax={tmax}, got {t!r}", f"budgets[{i}]")
+        if i and t < b[i - 1]:
+            raise InputFileError(source, f"budgets must be non-decreasing (T_0 <= T_1 <= ...), got {b}", "budgets")
+    for key in ("expected_latency", "expected_speedup"):
+        v = d.get(key)
+        if not _is_number(v) or v <= 0:
+            raise InputFileError(source, f"expected a number > 0, got {v!r}", key)
+    baselines = d.get("baselines", {})
+    if not isinstance(baselines, dict):
+        raise InputFileError(source, "expected an object", "baselines")
+    known = {"format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines"}
+    extra = {k: v for k, v in d.items() if k not in known}
+    return Plan(tmax, list(h), list(b), float(d["expected_latency"]), float(d["expected_speedup"]), baselines, extra)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and validate ``hsd-plan/1`` from ``path``."""
+    return plan_from_dict(read_json(path), str(path))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write ``plan`` atomically."""
+    write_json(path, plan.to_dict())
