@@ -1,0 +1,14 @@
+"""The hierarchy solver: exact latency model, GSP graph, dp / LP / brute-force solvers, Monte-Carlo check.
+
+Modules: :mod:`.latency` (gamma, latency of a hierarchy, baselines), :mod:`.instance` (shared arrays and the
+edge rules), :mod:`.graph` (networkx GSP graph), :mod:`.dp`, :mod:`.lp`, :mod:`.brute`, :mod:`.simulate`,
+:mod:`.api` (``solve``, ``evaluate``, ``simulate``).
+"""
+
+from hsd_opt.solver.api import SOLVERS, evaluate, optimum, simulate, solve
+from hsd_opt.solver.graph import build_gsp_graph
+from hsd_opt.solver.latency import best_single_draft, gamma, gamma_table, hierarchy_latency, target_only
+from hsd_opt.solver.simulate import SimResult
+
+__all__ = ["SOLVERS", "SimResult", "best_single_draft", "build_gsp_graph", "evaluate", "gamma", "gamma_table",
+           "hierarchy_latency", "optimum", "simulate", "solve", "target_only"]

@@ -1,0 +1,105 @@
+"""The solver's public functions: :func:`solve`, :func:`evaluate`, :func:`simulate` (plain data in and out)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import Plan, Profile, load_profile
+from hsd_opt.solver.brute import brute, brute_ranked
+from hsd_opt.solver.dp import Solution, dp, dp_ranked
+from hsd_opt.solver.graph import build_gsp_graph
+from hsd_opt.solver.instance import build_instance
+from hsd_opt.solver.latency import best_single_draft, hierarchy_latency, target_only
+from hsd_opt.solver.lp import solve_lp
+from hsd_opt.solver.simulate import SimResult
+from hsd_opt.solver.simulate import simulate as _simulate
+
+SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
+
+
+def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
+    return profile if isinstance(profile, Profile) else load_profile(profile)[0]
+
+
+def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | None = None) -> Solution:
+    """The optimal hierarchy by one solver, as a :class:`Solution` (latency in seconds per token).
+
+    ``lp``/``lp-cvxpy`` report the exact latency of the decoded hierarchy (the LP objective is in ``info``).
+    """
+    if solver not in SOLVERS:
+        raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
+    inst = build_instance(profile, tmax)
+    if max_depth is not None and (int(max_depth) != max_depth or max_depth < 1):
+        raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth!r}")
+    if solver == "dp":
+        return dp(inst, max_depth)
+    if solver == "brute":
+        return brute(profile, tmax, max_depth)
+    sol = solve_lp(build_gsp_graph(inst, max_depth=max_depth), "highs" if solver == "lp" else "cvxpy")
+    if sol is None or not sol.latency < inst.cK:
+        return Solution(inst.cK, [profile.target], [], sol.info if sol else {})
+    sol.latency = hierarchy_latency(profile, sol.hierarchy, sol.budgets)
+    return sol
+
+
+def _entry(profile: Profile, hierarchy: list[str], budgets: list[int], latency: float) -> dict:
+    return {"hierarchy": list(hierarchy), "budgets": list(budgets), "expected_latency": latency,
+            "expected_speedup": target_only(profile) / latency}
+
+
+def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", max_depth: int | None = None,
+          top: int = 5) -> Plan:
+    """Latency-optimal hierarchy and budgets for ``profile`` with budgets in 1..``tmax`` tokens.
+
+    Args:
+        profile: a :class:`Profile` or a path to ``hsd-profile/1``.
+        tmax: largest budget (tokens), >= 1.
+        solver: ``dp`` (default, exact Bellman recursion), ``lp`` (GSP LP, scipy HiGHS), ``lp-cvxpy``,
+            ``brute`` (enumeration; small pools only).
+        max_depth: most models in the hierarchy, target included (2 = one drafter + target); None: no limit.
+        top: how many hierarchies to rank; ``alternatives`` holds the next-best ``top - 1`` distinct ones
+            (computed by the ranked dp, or by enumeration with ``brute``).
+
+    Returns:
+        a :class:`Plan` (``hsd-plan/1``): latencies in seconds per token, speed-up vs the target alone.
+    """
+    profile = _as_profile(profile)
+    sol = optimum(profile, tmax, solver, max_depth)
+    cK = target_only(profile)
+    bsd = best_single_draft(profile, tmax)
+    baselines = {"target_only": _entry(profile, [profile.target], [], cK)}
+    if bsd is not None:
+        baselines["best_single_draft"] = _entry(profile, *bsd)
+    if top > 1:
+        ranked = (brute_ranked(profile, tmax, max_depth) if solver == "brute"
+                  else dp_ranked(build_instance(profile, tmax), top, max_depth))
+    else:
+        ranked = []
+    alts = [_entry(profile, s.hierarchy, s.budgets, s.latency) for s in ranked if s.hierarchy != sol.hierarchy]
+    extra = {"target": profile.target, "solver": solver, "max_depth": max_depth,
+             "profile_sha256": profile.fingerprint(), "latency_unit": "seconds/token",
+             "alternatives": alts[: max(0, top - 1)]}
+    prov = profile.extra.get("provenance")
+    if prov is not None:
+        extra["provenance"] = prov
+    return Plan(int(tmax), sol.hierarchy, sol.budgets, float(sol.latency), cK / sol.latency, baselines, extra)
+
+
+def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], budgets: Sequence[int]) -> float:
+    """Expected seconds per token of ``hierarchy`` (cheapest first, target last) with ``budgets`` (tokens)."""
+    return hierarchy_latency(_as_profile(profile), hierarchy, budgets)
+
+
+def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Plan, budgets: Sequence[int] | None = None,
+             rounds: int = 20000, seed: int = 0) -> SimResult:
+    """Monte-Carlo seconds per token of a hierarchy (or a :class:`Plan`) under IID acceptance, with its
+    standard error and the predicted value; see :mod:`hsd_opt.solver.simulate`."""
+    if isinstance(hierarchy, Plan):
+        hierarchy, budgets = hierarchy.hierarchy, hierarchy.budgets
+    if budgets is None:
+        raise HsdError("simulate: budgets are required with a hierarchy")
+    if int(rounds) != rounds or rounds < 1:
+        raise HsdError(f"--rounds: expected an integer >= 1, got {rounds!r}")
+    return _simulate(_as_profile(profile), hierarchy, budgets, int(rounds), int(seed))

@@ -1,0 +1,89 @@
+"""Monte-Carlo of Algorithm 1 (seed 003) under IID acceptance: validates the latency model.
+
+Semantics (the runtime the model of DESIGN.md section 3 describes): the bottom level drafts exactly ``T_0``
+tokens per call (``T_0`` autoregressive steps); an intermediate level ``i`` calls the level below, verifies
+the block of ``T_{i-1}`` drafts in one pass (``1 + min(G, T_{i-1})`` tokens kept, ``P(G >= m) = a^m``, the
+corrected or bonus token included), repeats until it holds at least ``T_i`` tokens and hands up exactly ``T_i``
+(the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
+``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hsd_opt.formats import Profile
+from hsd_opt.solver.latency import hierarchy_latency, verify_cost
+
+
+@dataclass
+class SimResult:
+    """Simulated seconds per token ``latency`` with standard error ``stderr`` (ratio estimator over target
+    rounds), the model's ``predicted`` seconds per token, ``rel_diff = latency / predicted - 1``, and the
+    number of target ``rounds`` and generated ``tokens``."""
+
+    latency: float
+    stderr: float
+    predicted: float
+    rel_diff: float
+    rounds: int
+    tokens: int
+
+
+def _tokens_per_round(rng: np.random.Generator, a: float, t: int, size: int) -> np.ndarray:
+    """``1 + min(G, t)`` with ``P(G >= m) = a^m``, shape ``(size,)``."""
+    if a >= 1.0:
+        return np.full(size, t + 1)
+    g = rng.geometric(1.0 - a, size) - 1
+    return 1 + np.minimum(g, t)
+
+
+def _block_times(rng, level: int, M: int, T, acc, vcost, c0) -> np.ndarray:
+    """Seconds for ``M`` independent calls of ``level`` to hand up a block of ``T[level]`` tokens, shape (M,)."""
+    if level == 0:
+        return np.full(M, T[0] * c0)
+    need, t, a = T[level], T[level - 1], acc[level - 1]
+    have = np.zeros(M, dtype=np.int64)
+    rounds = np.zeros(M, dtype=np.int64)
+    active = np.arange(M)
+    while active.size:
+        have[active] += _tokens_per_round(rng, a, t, active.size)
+        rounds[active] += 1
+        active = active[have[active] < need]
+    sub = _block_times(rng, level - 1, int(rounds.sum()), T, acc, vcost, c0)
+    ids = np.repeat(np.arange(M), rounds)
+    return rounds * vcost[level - 1] + np.bincount(ids, weights=sub, minlength=M)
+
+
+def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int], rounds: int = 20000,
+             seed: int = 0, chunk: int = 2000) -> SimResult:
+    """Simulate ``rounds`` target verify rounds of HSD with ``hierarchy``/``budgets`` (numpy RNG ``seed``).
+
+    ``chunk`` target rounds are simulated at once (memory grows with chunk times the rounds per round).
+    """
+    hierarchy, budgets = list(hierarchy), [int(b) for b in budgets]
+    predicted = hierarchy_latency(profile, hierarchy, budgets)    # also validates the hierarchy
+    rng = np.random.default_rng(seed)
+    n = len(hierarchy) - 1
+    if n == 0:
+        return SimResult(predicted, 0.0, predicted, 0.0, rounds, rounds)
+    acc = [profile.accept(lo, hi) for lo, hi in zip(hierarchy[:-1], hierarchy[1:])]
+    # vcost[i-1]: level i (1..n, n = target) verifying a block of budgets[i-1] drafts of level i-1
+    vcost = [verify_cost(profile, hierarchy[i], hierarchy[i - 1], budgets[i - 1] + 1) for i in range(1, n + 1)]
+    c0 = profile.entry(hierarchy[0]).cost
+    times, toks = [], []
+    done = 0
+    while done < rounds:
+        M = min(chunk, rounds - done)
+        draft = _block_times(rng, n - 1, M, budgets, acc, vcost, c0)
+        times.append(vcost[n - 1] + draft)
+        toks.append(_tokens_per_round(rng, acc[n - 1], budgets[n - 1], M))
+        done += M
+    t = np.concatenate(times)
+    k = np.concatenate(toks).astype(float)
+    L = t.sum() / k.sum()
+    se = float(np.std(t - L * k, ddof=1) / np.sqrt(len(t)) / k.mean()) if len(t) > 1 else float("nan")
+    return SimResult(float(L), se, predicted, float(L / predicted - 1.0), int(rounds), int(k.sum()))
