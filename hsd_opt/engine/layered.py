@@ -1,0 +1,238 @@
+"""A layer-by-layer decoder over a Llama-family model's weights, with one static KV cache per layer.
+
+This is the engine every early exit of one model shares (DESIGN.md section 6). A :class:`DecodeState` holds the
+token sequence, a K/V cache per decoder layer, and ``lens[l]``: how many positions layer ``l`` has processed.
+Because layer ``l + 1`` can only process what layer ``l`` has, ``lens`` is non-increasing in ``l``.
+
+- ``advance(state, b)`` runs layers ``0 .. b-1`` over every position each has not processed yet, starting each
+  layer from where it stopped. An early exit after ``b`` layers that verifies drafts made by an exit after
+  ``a < b`` layers therefore runs only layers ``a .. b-1`` on them, from the saved residual stream at boundary
+  ``a``: no layer is computed twice for a position that is kept.
+- ``crop(state, n)`` cuts the sequence and every layer's cache back to ``n`` positions (after a rejection).
+- ``logits(state, b, start, end)`` applies the exit head of boundary ``b`` to the saved residual stream.
+
+Boundaries count layers: boundary ``b`` is the residual stream after ``b`` decoder layers (0 = embeddings,
+``n_layers`` = the last layer, whose head is the model's own final norm + LM head).
+
+Shapes: batch size 1. Hidden states ``[m, d]`` for ``m`` positions, logits ``[m, V]`` (float32).
+Supported architectures: Llama, Mistral, Qwen2, Qwen3, SmolLM (pre-norm decoder layers with ``self_attn``
+q/k/v/o projections and an ``mlp``), which covers LayerSkip's Llama-2/3 checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from hsd_opt.errors import HsdError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
+ExitHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class DecodeState:
+    """Per-sequence decoding state of one :class:`LayeredLM`.
+
+    Attributes:
+        tokens: ``[max_len]`` token ids; the first ``n`` are the sequence.
+        n: number of tokens in the sequence.
+        lens: ``lens[l]`` positions processed by layer ``l`` (non-increasing in ``l``).
+        k, v: per layer ``[1, n_kv_heads, max_len, head_dim]`` caches.
+        resid: boundary -> ``[max_len, d]`` residual stream saved at that boundary (only for boundaries asked
+            for: exits, and frontiers where a pass stopped).
+    """
+
+    tokens: torch.Tensor
+    n: int
+    lens: list[int]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    resid: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        return self.tokens.shape[0]
+
+    def token_list(self) -> list[int]:
+        return self.tokens[: self.n].tolist()
+
+
+class LayeredLM:
+    """Our own forward pass over a Hugging Face causal LM's modules, one layer range at a time.
+
+    Args:
+        model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
+        exit_heads: optional boundary -> :data:`ExitHead` for trained early-exit heads; boundaries without one
+            use the model's final norm and LM head (the "logit lens").
+    """
+
+    def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None):
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            raise HsdError(f"model type {getattr(cfg, 'model_type', None)!r} is not supported by the layered "
+                           f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        self.model = model
+        base = model.model
+        self.embed = base.embed_tokens
+        self.layers = list(base.layers)
+        self.norm = base.norm
+        self.lm_head = model.lm_head
+        self.rotary = base.rotary_emb
+        self.n_layers = len(self.layers)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.exit_heads: dict[int, ExitHead] = dict(exit_heads or {})
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def new_state(self, max_len: int, save_boundaries: Iterable[int] = ()) -> DecodeState:
+        """An empty state with room for ``max_len`` tokens; residuals are kept at ``save_boundaries``."""
+        shape = (1, self.n_kv, max_len, self.head_dim)
+        st = DecodeState(
+            tokens=torch.zeros(max_len, dtype=torch.long, device=self.device), n=0,
+            lens=[0] * self.n_layers,
+            k=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)],
+            v=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)],
+        )
+        for b in save_boundaries:
+            self._resid(st, b)
+        return st
+
+    def _resid(self, st: DecodeState, b: int) -> torch.Tensor:
+        if not 0 <= b <= self.n_layers:
+            raise HsdError(f"layer {b} is out of range: the model has layers 1..{self.n_layers}")
+        if b not in st.resid:
+            st.resid[b] = torch.zeros(st.max_len, self.hidden_size, dtype=self.dtype, device=self.device)
+        return st.resid[b]
+
+    def append(self, st: DecodeState, token_ids) -> None:
+        """Append tokens (list or 1-D tensor) to the sequence; nothing is computed until :meth:`advance`."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        m = ids.numel()
+        if st.n + m > st.max_len:
+            raise HsdError(f"sequence of {st.n + m} tokens exceeds the decoding state's max_len {st.max_len}")
+        st.tokens[st.n: st.n + m] = ids
+        st.n += m
+
+    def crop(self, st: DecodeState, n: int) -> None:
+        """Keep the first ``n`` tokens; every layer forgets positions ``>= n`` (its cache is overwritten later)."""
+        if n < 0 or n > st.n:
+            raise ValueError(f"crop to {n} outside 0..{st.n}")
+        st.n = n
+        st.lens = [min(x, n) for x in st.lens]
+
+    # ------------------------------------------------------------------------------------------ compute
+
+    def _layer(self, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+        """Run decoder layer ``l`` on hidden ``x`` ``[m, d]`` for positions ``start .. start+m-1``."""
+        layer = self.layers[l]
+        attn = layer.self_attn
+        m = x.shape[0]
+        end = start + m
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(m, self.n_heads, self.head_dim).transpose(0, 1)
+        k = attn.k_proj(h).view(m, self.n_kv, self.head_dim).transpose(0, 1)
+        v = attn.v_proj(h).view(m, self.n_kv, self.head_dim).transpose(0, 1)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        st.k[l][0, :, start:end] = k
+        st.v[l][0, :, start:end] = v
+        keys = st.k[l][:, :, :end]
+        vals = st.v[l][:, :, :end]
+        if m == 1:
+            mask = None
+        else:
+            rows = torch.arange(start, end, device=x.device).unsqueeze(1)
+            cols = torch.arange(end, device=x.device).unsqueeze(0)
+            mask = cols <= rows
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        o = o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)
+        x = x + attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _rope(self, start: int, end: int):
+        pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+        dummy = torch.empty(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(dummy, pos)
+        return cos[0].unsqueeze(0), sin[0].unsqueeze(0)  # [1, m, head_dim] broadcast over heads
+
+    @torch.no_grad()
+    def advance(self, st: DecodeState, upto: int) -> int:
+        """Run layers ``0 .. upto-1`` over every position each has not processed; return positions computed.
+
+        The residual stream after ``upto`` layers is saved for the new positions, as it is at every boundary
+        in ``st.resid``. The return value (sum over layers of positions processed) is what the pass cost.
+        """
+        if not 0 <= upto <= self.n_layers:
+            raise HsdError(f"layer {upto} is out of range: the model has layers 1..{self.n_layers}")
+        n = st.n
+        if upto == 0 or (st.lens[upto - 1] >= n):
+            return 0
+        lo = st.lens[upto - 1]
+        cos_all, sin_all = self._rope(lo, n)
+        x: torch.Tensor | None = None
+        x_start = n
+        work = 0
+        for l in range(upto):
+            start = st.lens[l]
+            if start >= n:
+                continue
+            if l == 0:
+                x = self.embed(st.tokens[start:n])
+                x_start = start
+            elif start < x_start:  # a frontier: positions this layer lacks but the one below had done before
+                old = st.resid[l][start:x_start]
+                x = old if x is None else torch.cat([old, x], dim=0)
+                x_start = start
+            off = x_start - lo
+            x = self._layer(l, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
+            work += x.shape[0]
+            st.lens[l] = n
+            if (l + 1) in st.resid and l + 1 != upto:
+                st.resid[l + 1][x_start:n] = x
+        self._resid(st, upto)[x_start:n] = x
+        return work
+
+    def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
+        """Exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
+        fn = self.exit_heads.get(boundary)
+        if fn is not None:
+            return fn(hidden).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def logits(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
+        """Logits ``[end-start, V]`` of the exit after ``boundary`` layers at positions ``start .. end-1``
+        (the distribution of the token at position ``p + 1`` given tokens ``0..p``). Call :meth:`advance` first."""
+        if boundary > 0 and st.lens[boundary - 1] < end:
+            raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
+        return self.head(st.resid[boundary][start:end], boundary)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Teacher-forced pass over ``input_ids`` (1-D); returns boundary -> hidden ``[L, d]`` (for profiling)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        bs = sorted(set(boundaries))
+        st = self.new_state(ids.numel(), save_boundaries=bs)
+        self.append(st, ids)
+        self.advance(st, max(bs) if bs else 0)
+        return {b: st.resid[b][: ids.numel()].clone() for b in bs}

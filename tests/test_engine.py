@@ -1,0 +1,105 @@
+"""The layered engine computes exactly what the Hugging Face forward computes, whatever order layers run in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError
+from tests.conftest import make_tiny_llama
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+    return out
+
+
+def _lens_ok(st):
+    return all(a >= b for a, b in zip(st.lens, st.lens[1:]))
+
+
+def test_full_forward_matches_hf():
+    model = make_tiny_llama(seed=1)
+    eng = LayeredLM(model)
+    ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(0))
+    ref = _reference(model, ids)
+    st = eng.new_state(40, save_boundaries=[4])
+    eng.append(st, ids)
+    eng.advance(st, 4)
+    assert torch.allclose(eng.logits(st, 4, 0, 30), ref.logits[0], atol=1e-5)
+
+
+def test_interleaved_exits_and_crops_match_hf():
+    """Exits at 1 and 3 of 4 layers advanced in arbitrary interleavings, with crops, equal a fresh full pass."""
+    model = make_tiny_llama(seed=2)
+    eng = LayeredLM(model)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (48,), generator=gen)
+    ref = _reference(model, ids)
+    st = eng.new_state(64, save_boundaries=[1, 3, 4])
+    n = 0
+    rng = torch.Generator().manual_seed(2)
+    steps = 0
+    while n < 48 or st.lens[-1] < 48:
+        m = int(torch.randint(1, 5, (1,), generator=rng))
+        if n < 48:
+            m = min(m, 48 - n)
+            eng.append(st, ids[n:n + m])
+            n += m
+        b = int(torch.randint(1, 5, (1,), generator=rng))
+        eng.advance(st, b)
+        assert _lens_ok(st)
+        if steps % 3 == 2 and n > 4:  # a rejection: drop the last tokens, then re-append the same ones
+            keep = n - int(torch.randint(1, 4, (1,), generator=rng))
+            eng.crop(st, keep)
+            n = keep
+        if n == 48:
+            eng.advance(st, 4)
+        steps += 1
+    for b in (1, 3):
+        hb = model.lm_head(model.model.norm(ref.hidden_states[b][0]))
+        assert torch.allclose(eng.logits(st, b, 0, 48), hb, atol=1e-5), b
+    assert torch.allclose(eng.logits(st, 4, 0, 48), ref.logits[0], atol=1e-5)
+
+
+def test_advance_reuses_lower_layers():
+    """Verifying at exit 4 drafts made at exit 1 runs only layers 1..3 on them: work counts positions x layers."""
+    model = make_tiny_llama(seed=3)
+    eng = LayeredLM(model)
+    st = eng.new_state(32, save_boundaries=[1, 4])
+    eng.append(st, list(range(3, 13)))
+    assert eng.advance(st, 4) == 10 * 4
+    eng.append(st, [5, 6, 7])
+    assert eng.advance(st, 1) == 3 * 1
+    assert eng.advance(st, 4) == 3 * 3
+    assert eng.advance(st, 4) == 0
+
+
+def test_hidden_states_and_bad_layer():
+    model = make_tiny_llama(seed=4)
+    eng = LayeredLM(model)
+    ids = torch.arange(3, 20)
+    ref = _reference(model, ids)
+    hs = eng.hidden_states(ids, [2, 3])
+    assert torch.allclose(hs[2], ref.hidden_states[2][0], atol=1e-5)
+    st = eng.new_state(8)
+    with pytest.raises(HsdError, match="out of range"):
+        eng.advance(st, 5)
+
+
+def test_exit_head_override():
+    model = make_tiny_llama(seed=5)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape)
+        return torch.zeros(h.shape[0], 64)
+
+    eng = LayeredLM(model, exit_heads={2: head})
+    st = eng.new_state(8, save_boundaries=[2])
+    eng.append(st, [3, 4, 5])
+    eng.advance(st, 2)
+    assert torch.equal(eng.logits(st, 2, 0, 3), torch.zeros(3, 64))
+    assert calls == [torch.Size([3, 32])]
