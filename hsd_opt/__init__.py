@@ -18,9 +18,12 @@ from hsd_opt.formats import (
     save_profile,
 )
 
+from hsd_opt.solver import build_gsp_graph, evaluate, gamma, hierarchy_latency, simulate, solve
+
 __version__ = "0.1.0"
 
 __all__ = [
     "HsdError", "InputFileError", "ModelEntry", "Plan", "Profile", "load_plan", "load_profile",
     "plan_from_dict", "profile_from_dict", "save_plan", "save_profile", "__version__",
 ]
+__all__ += ["solve", "evaluate", "simulate", "gamma", "hierarchy_latency", "build_gsp_graph"]

@@ -1,5 +1,129 @@
-"""`hsd solve` commands (filled in by its issue)."""
+"""`hsd solve` (latency-optimal hierarchy and budgets) and `hsd simulate` (Monte-Carlo check of a plan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import load_plan, load_profile, save_plan
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.5g}"
+
+
+def _chain(h: list[str], b: list[int]) -> str:
+    if len(h) == 1:
+        return h[0]
+    return " <- ".join(f"{m}" + (f" (T={b[i]})" if i < len(b) else "") for i, m in reversed(list(enumerate(h))))
+
+
+def plan_table(plan) -> Table:
+    """Rich table: the plan, best single draft, target alone, next-best alternatives."""
+    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.extra.get('solver', '?')})")
+    t.add_column("")
+    t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
+    t.add_column("ms/token", justify="right")
+    t.add_column("speed-up", justify="right")
+    t.add_row("[bold]plan[/]", _chain(plan.hierarchy, plan.budgets), _ms(plan.expected_latency),
+              f"{plan.expected_speedup:.3f}x")
+    bsd = plan.baselines.get("best_single_draft")
+    if bsd:
+        t.add_row("best single draft", _chain(bsd["hierarchy"], bsd["budgets"]), _ms(bsd["expected_latency"]),
+                  f"{bsd['expected_speedup']:.3f}x")
+    tgt = plan.baselines["target_only"]
+    t.add_row("target alone", tgt["hierarchy"][0], _ms(tgt["expected_latency"]), "1.000x")
+    for n, alt in enumerate(plan.extra.get("alternatives", []), 2):
+        t.add_row(f"#{n}", _chain(alt["hierarchy"], alt["budgets"]), _ms(alt["expected_latency"]),
+                  f"{alt['expected_speedup']:.3f}x")
+    return t
+
+
+def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
+    names = set(profile.names)
+    for i, m in enumerate(plan.hierarchy):
+        if m not in names:
+            raise InputFileError(plan_path, f"model {m!r} is not in the profile ({', '.join(profile.names)})",
+                                 f"hierarchy[{i}]")
+    if plan.hierarchy[-1] != profile.target:
+        raise InputFileError(plan_path, f"ends with {plan.hierarchy[-1]!r} but the profile's target is "
+                                        f"{profile.target!r}", "hierarchy")
+    for lo, hi in zip(plan.hierarchy[:-1], plan.hierarchy[1:]):
+        if profile.accept(lo, hi) is None:
+            raise InputFileError(plan_path, f"{hi!r} verifies {lo!r} but the profile has no acceptance.{lo}.{hi}",
+                                 "hierarchy")
+        if not profile.entry(hi).can_verify:
+            raise InputFileError(plan_path, f"{hi!r} cannot verify (can_verify: false in the profile)", "hierarchy")
 
 
 def register(app):
-    """Add this group's commands to the typer ``app``."""
+    """Add ``solve`` and ``simulate`` to the typer ``app``."""
+    from hsd_opt.cli import cli_command, console, warn
+
+    @app.command("solve")
+    @cli_command
+    def solve_cmd(
+        profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON (acceptance rates, costs)."),
+        tmax: int = typer.Option(15, "--tmax", help="Largest budget T (tokens) any level may hand up."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Write the hsd-plan/1 JSON here (atomically)."),
+        solver: str = typer.Option("dp", "--solver", help="dp (default, exact DP) | lp (GSP LP, HiGHS) | "
+                                                          "lp-cvxpy | brute (enumeration, small pools)."),
+        max_depth: Optional[int] = typer.Option(None, "--max-depth",
+                                                help="Most models in the hierarchy, target included."),
+        top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
+    ):
+        """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
+        from hsd_opt.solver.api import SOLVERS, solve
+
+        if tmax < 1:
+            raise HsdError(f"--tmax: expected an integer >= 1, got {tmax}")
+        if solver not in SOLVERS:
+            raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
+        if max_depth is not None and max_depth < 1:
+            raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth}")
+        if top < 1:
+            raise HsdError(f"--top: expected an integer >= 1, got {top}")
+        prof, warnings = load_profile(profile)
+        for w in warnings:
+            warn(w)
+        plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top)
+        console.print(plan_table(plan))
+        if out is not None:
+            save_plan(plan, out)
+            console.print(f"wrote {out}")
+
+    @app.command("simulate")
+    @cli_command
+    def simulate_cmd(
+        plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON written by `hsd solve`."),
+        profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON the plan is checked against."),
+        rounds: int = typer.Option(20000, "--rounds", help="Target verify rounds to simulate."),
+        seed: int = typer.Option(0, "--seed", help="Random seed (numpy)."),
+    ):
+        """Monte-Carlo of Algorithm 1 under IID acceptance: simulated vs predicted latency of a plan."""
+        from hsd_opt.solver.api import simulate
+
+        if rounds < 1:
+            raise HsdError(f"--rounds: expected an integer >= 1, got {rounds}")
+        prof, warnings = load_profile(profile)
+        for w in warnings:
+            warn(w)
+        pl = load_plan(plan)
+        _check_plan_against_profile(pl, str(plan), prof)
+        r = simulate(prof, pl, rounds=rounds, seed=seed)
+        t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed})")
+        t.add_column("hierarchy")
+        t.add_column("predicted ms/token", justify="right")
+        t.add_column("simulated ms/token", justify="right")
+        t.add_column("std. error", justify="right")
+        t.add_column("rel. diff", justify="right")
+        t.add_row(_chain(pl.hierarchy, pl.budgets), _ms(r.predicted), _ms(r.latency), _ms(r.stderr),
+                  f"{100 * r.rel_diff:+.2f}%")
+        console.print(t)
+        if abs(pl.expected_latency / r.predicted - 1) > 1e-6:
+            warn(f"{plan}: expected_latency {pl.expected_latency:.6g} differs from the profile's model "
+                 f"{r.predicted:.6g} (plan solved from another profile?)")

@@ -95,8 +95,11 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         n = len(below[i])
         gam.append(table[p: p + n])
         p += n
-        rows = [verify_cost_row(profile, names[i], names[k], tmax) for k in below[i]]
-        vcost.append(np.array(rows).reshape(n, tmax))
+        vc = np.full((n, tmax), cost[i])                      # scalar cost unless a curve or pair cost says
+        if names[i] in profile.verify_cost or names[i] in profile.cost_curve:
+            for kk, k in enumerate(below[i]):
+                vc[kk] = verify_cost_row(profile, names[i], names[k], tmax)
+        vcost.append(vc)
     src = np.array([i for i, n in enumerate(names) if profile.accept(n, K) is not None], dtype=int)
     js = np.arange(1, tmax + 1)
     src_rate = np.array([target_rate(profile.accept(names[i], K), js) for i in src]).reshape(len(src), tmax)

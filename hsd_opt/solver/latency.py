@@ -64,19 +64,18 @@ def gamma_table(a: np.ndarray, tmax: int) -> np.ndarray:
     a = np.asarray(a, dtype=float).reshape(-1)
     P = a.shape[0]
     ts = np.arange(1, tmax + 1)
-    A = a[:, None]                                   # (P, 1)
-    At = A ** ts[None, :]                            # (P, tmax): a^t  (0**0 never occurs: t >= 1)
-    f = np.zeros((P, tmax, tmax + 1))                # f[p, t-1, n], f[..., 0] = 0
-    S = np.zeros((P, tmax))
+    tix = np.arange(tmax)
+    A = a[None, :]                                   # (1, P)
+    At = A ** ts[:, None]                            # (tmax, P): a^t  (t >= 1, so no 0**0)
+    f = np.zeros((tmax + 1, tmax, P))                # f[n, t-1, p], f[0] = 0; p last for contiguous gathers
+    S = np.zeros((tmax, P))
     for n in range(1, tmax + 1):
-        i1 = np.clip(n - ts - 1, 0, None)            # f(n - t - 1), 0 when the index is <= 0
-        i0 = np.clip(n - ts, 0, None)
-        f_back1 = f[:, np.arange(tmax), i1]          # (P, tmax)
-        f_back0 = f[:, np.arange(tmax), i0]
+        f_back1 = f[np.clip(n - ts - 1, 0, None), tix]     # f(n - t - 1), 0 when the index is <= 0
+        f_back0 = f[np.clip(n - ts, 0, None), tix]         # f(n - t)
         fn = 1.0 + (1.0 - A) * S + At * f_back1
-        f[:, :, n] = fn
+        f[n] = fn
         S = fn + A * S - At * f_back0
-    return f[:, :, 1:]
+    return np.ascontiguousarray(f[1:].transpose(2, 1, 0))
 
 
 def target_rate(a: float | np.ndarray, T: int | np.ndarray) -> float | np.ndarray:
