@@ -1,0 +1,251 @@
+"""dp == lp (scipy HiGHS) == brute force on random small instances; gamma; graph; costs; ranking."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hsd_opt.errors import HsdError
+from hsd_opt.solver import build_gsp_graph, gamma, gamma_table, hierarchy_latency
+from hsd_opt.solver.api import optimum
+from hsd_opt.solver.brute import brute_ranked
+from hsd_opt.solver.dp import dp_ranked
+from hsd_opt.solver.instance import build_instance, cost_order
+from hsd_opt.solver.latency import curve_at, verify_cost
+from tests.solver_helpers import random_profile
+
+REL = 1e-9
+
+
+def _admissible(profile, sol, tmax, max_depth=None):
+    """The rules every solver must respect."""
+    h, b = sol.hierarchy, sol.budgets
+    assert h[-1] == profile.target and len(b) == len(h) - 1
+    assert all(1 <= x <= tmax for x in b) and b == sorted(b)
+    order = cost_order(profile)
+    assert [order.index(m) for m in h] == sorted(order.index(m) for m in h)
+    for lo, hi in zip(h[:-1], h[1:]):
+        assert profile.accept(lo, hi) is not None and profile.entry(hi).can_verify
+    if max_depth is not None:
+        assert len(h) <= max_depth
+
+
+def _check_agree(profile, tmax, max_depth=None, solvers=("dp", "lp", "brute")):
+    sols = {s: optimum(profile, tmax, s, max_depth) for s in solvers}
+    best = sols["brute"].latency
+    for s, sol in sols.items():
+        _admissible(profile, sol, tmax, max_depth)
+        assert math.isclose(sol.latency, best, rel_tol=REL), (s, sol, sols["brute"])
+        # the hierarchy is the same up to ties: its exact latency is the optimum
+        assert math.isclose(hierarchy_latency(profile, sol.hierarchy, sol.budgets), best, rel_tol=REL)
+        if "lp_objective" in sol.info and len(sol.hierarchy) > 1:
+            assert math.isclose(sol.info["lp_objective"], best, rel_tol=1e-7)
+    return sols
+
+
+CASES = [(seed, nv, vc, cc) for seed in range(60) for nv, vc, cc in
+         [(False, False, False), (True, False, False), (False, True, True), (True, True, False), (True, False, True)]]
+
+
+@pytest.mark.parametrize("seed,non_verifying,vcost,ccurve", CASES)
+def test_dp_lp_brute_agree(seed, non_verifying, vcost, ccurve):
+    rng = np.random.default_rng(1000 + seed)
+    prof = random_profile(rng, int(rng.integers(1, 5)), non_verifying=non_verifying, verify_cost=vcost,
+                          cost_curve=ccurve)
+    tmax = int(rng.integers(1, 6))
+    _check_agree(prof, tmax)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_max_depth_agree(seed):
+    rng = np.random.default_rng(5000 + seed)
+    prof = random_profile(rng, 4, non_verifying=seed % 2 == 0, verify_cost=seed % 3 == 0)
+    tmax = int(rng.integers(2, 5))
+    for md in (1, 2, 3, 4):
+        sols = _check_agree(prof, tmax, max_depth=md)
+        if md == 1:
+            assert sols["dp"].hierarchy == ["t"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cvxpy_backend_agrees(seed):
+    rng = np.random.default_rng(7000 + seed)
+    prof = random_profile(rng, 3, non_verifying=seed % 2 == 1, verify_cost=seed >= 2)
+    sol = optimum(prof, 4, "lp-cvxpy")
+    ref = optimum(prof, 4, "dp")
+    assert math.isclose(sol.latency, ref.latency, rel_tol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_ranked_dp_matches_enumeration(seed):
+    rng = np.random.default_rng(9000 + seed)
+    prof = random_profile(rng, 4, non_verifying=seed % 2 == 0, verify_cost=seed % 3 == 0, missing=0.1)
+    tmax = int(rng.integers(1, 5))
+    md = None if seed % 4 else 3
+    got = dp_ranked(build_instance(prof, tmax), 6, md)
+    want = brute_ranked(prof, tmax, md)[:6]
+    assert [g.latency for g in got] == pytest.approx([w.latency for w in want], rel=REL)
+    assert len({tuple(g.hierarchy) for g in got}) == len(got)
+    for g in got:
+        assert math.isclose(hierarchy_latency(prof, g.hierarchy, g.budgets), g.latency, rel_tol=REL)
+
+
+def _gamma_reference(a, t, T):
+    """Independent: expected rounds by the first-step recursion written with explicit probabilities."""
+    memo = {}
+
+    def f(n):
+        if n <= 0:
+            return 0.0
+        if n not in memo:
+            s = 1.0
+            for g in range(t + 1):            # G = g accepted drafts (g = t: all accepted)
+                p = a ** g * (1 - a) if g < t else a ** t
+                s += p * f(n - 1 - g)
+            memo[n] = s
+        return memo[n]
+
+    return f(T)
+
+
+def test_gamma_exact_values():
+    for a in (0.0, 0.2, 0.5, 0.77, 0.95, 1.0):
+        for t in range(1, 9):
+            for T in range(1, 12):
+                assert math.isclose(gamma(a, t, T), _gamma_reference(a, t, T), rel_tol=1e-12)
+    assert gamma(0.0, 4, 7) == 7.0                    # one token per round
+    assert gamma(1.0, 3, 9) == 3.0                    # t + 1 = 4 tokens per round: ceil(9 / 4)
+    tab = gamma_table(np.array([0.0, 0.31, 0.9, 1.0]), 10)
+    for p, a in enumerate((0.0, 0.31, 0.9, 1.0)):
+        for t in range(1, 11):
+            for T in range(1, 11):
+                assert math.isclose(tab[p, t - 1, T - 1], gamma(a, t, T), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("a,t,T", [(0.3, 2, 5), (0.7, 4, 9), (0.9, 3, 12), (0.5, 6, 4)])
+def test_gamma_against_simulation(a, t, T):
+    rng = np.random.default_rng(42)
+    n = 200_000
+    have = np.zeros(n, dtype=int)
+    rounds = np.zeros(n, dtype=int)
+    active = np.arange(n)
+    while active.size:
+        acc = rng.random((active.size, t)) < a                  # IID acceptance of each draft in the block
+        g = np.where(acc.all(axis=1), t, np.argmin(acc, axis=1))   # accepted prefix length
+        have[active] += 1 + g
+        rounds[active] += 1
+        active = active[have[active] < T]
+    se = rounds.std() / np.sqrt(n)
+    assert abs(rounds.mean() - gamma(a, t, T)) < 4 * se + 1e-12
+
+
+def test_graph_matches_table2():
+    rng = np.random.default_rng(3)
+    prof = random_profile(rng, 3, missing=0.0)
+    tmax = 3
+    G = build_gsp_graph(prof, tmax)
+    inst = build_instance(prof, tmax)
+    K = prof.target
+    cK = prof.entry(K).cost
+    for u, v, d in G.edges(data=True):
+        if d["kind"] == "source":
+            a = prof.accept(v[0], K)
+            R = (1 - a) / (1 - a ** (v[1] + 1))
+            assert math.isclose(d["mu"], R) and math.isclose(d["cost"], R * cK)
+        elif d["kind"] == "verify":
+            (i, j), (k, l) = u, v
+            g = gamma(prof.accept(k, i), l, j)
+            assert l <= j and math.isclose(d["mu"], g) and math.isclose(d["cost"], g * prof.entry(i).cost)
+        elif d["kind"] == "sink":
+            assert v == (u[0], "L") and d["mu"] == 1 and math.isclose(d["cost"], u[1] * prof.entry(u[0]).cost)
+        else:
+            assert u == v and d["mu"] == 0.5 and d["cost"] == 0
+    assert G.graph["source"] == (K,)
+    assert nx_is_dag_without_loops(G)
+    assert len(inst.names) == 3
+
+
+def nx_is_dag_without_loops(G):
+    import networkx as nx
+
+    H = G.copy()
+    H.remove_edges_from([(u, v) for u, v, d in G.edges(data=True) if d["kind"] == "loop"])
+    return nx.is_directed_acyclic_graph(H)
+
+
+def test_curve_extrapolation_and_cost_precedence():
+    assert curve_at([1.0, 2.0, 4.0], 2) == 2.0
+    assert curve_at([1.0, 2.0, 4.0], 6) == 4.0 + 2.0 * 3       # linear from the last two points
+    assert curve_at([3.0, 2.0], 5) == 2.0                      # a decreasing tail is held flat
+    assert curve_at([0.5], 9) == 0.5
+    from hsd_opt.formats import profile_from_dict
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.1}, {"name": "b", "cost": 0.3}, {"name": "t", "cost": 1.0}],
+         "acceptance": {"a": {"b": 0.8, "t": 0.5}, "b": {"t": 0.7}},
+         "verify_cost": {"t": {"b": 0.4}, "b": {"a": [0.2, 0.25, 0.3]}},
+         "cost_curve": {"t": [1.0, 1.1, 1.3]}}
+    p = profile_from_dict(d)[0]
+    assert verify_cost(p, "t", "b", 7) == 0.4                  # pair scalar wins
+    assert verify_cost(p, "b", "a", 5) == pytest.approx(0.3 + 0.05 * 2)
+    assert verify_cost(p, "t", "a", 3) == 1.3                  # cost curve at t = l + 1
+    assert verify_cost(p, "t", "a", 4) == pytest.approx(1.5)
+    # hand-computed latency of a <- b <- t with budgets [2, 3]
+    B0 = 2 * 0.1
+    B1 = gamma(0.8, 2, 3) * (verify_cost(p, "b", "a", 3) + B0)
+    L = (0.4 + B1) * (1 - 0.7) / (1 - 0.7 ** 4)
+    assert hierarchy_latency(p, ["a", "b", "t"], [2, 3]) == pytest.approx(L, rel=1e-12)
+
+
+def test_constant_cost_curve_changes_nothing():
+    rng = np.random.default_rng(11)
+    prof = random_profile(rng, 4, missing=0.0)
+    base = optimum(prof, 6)
+    prof.cost_curve = {m.name: [m.cost] * 3 for m in prof.models}
+    same = optimum(prof, 6)
+    assert same.hierarchy == base.hierarchy and same.budgets == base.budgets
+    assert same.latency == pytest.approx(base.latency, rel=1e-12)
+
+
+def test_verify_cost_can_make_a_deeper_hierarchy_pay():
+    """Cheap verification between exits of one model (activation reuse) turns a 2-level plan into 3 levels."""
+    from hsd_opt.formats import profile_from_dict
+    d = {"format": "hsd-profile/1", "target": "l30",
+         "models": [{"name": "l4", "cost": 0.15}, {"name": "l12", "cost": 0.4}, {"name": "l30", "cost": 1.0}],
+         "acceptance": {"l4": {"l12": 0.55, "l30": 0.45}, "l12": {"l30": 0.7}}}
+    p = profile_from_dict(d)[0]
+    plain = optimum(p, 10)
+    p.verify_cost = {"l12": {"l4": 0.4 * 8 / 12}, "l30": {"l12": 18 / 30}}
+    reuse = optimum(p, 10)
+    assert reuse.latency < plain.latency
+    assert len(reuse.hierarchy) >= len(plain.hierarchy)
+    assert math.isclose(reuse.latency, optimum(p, 10, "brute").latency, rel_tol=REL)
+
+
+def test_bad_arguments():
+    rng = np.random.default_rng(0)
+    prof = random_profile(rng, 2)
+    with pytest.raises(HsdError, match="--tmax"):
+        optimum(prof, 0)
+    with pytest.raises(HsdError, match="--solver"):
+        optimum(prof, 3, "magic")
+    with pytest.raises(HsdError, match="--max-depth"):
+        optimum(prof, 3, "dp", 0)
+    with pytest.raises(HsdError, match="not in the profile"):
+        hierarchy_latency(prof, ["nope", "t"], [2])
+    with pytest.raises(HsdError, match="budgets"):
+        hierarchy_latency(prof, ["d0", "t"], [])
+
+
+def test_target_alone_when_drafters_do_not_pay():
+    from hsd_opt.formats import plan_from_dict
+    from hsd_opt.solver import solve
+    from hsd_opt.formats import profile_from_dict
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.6}, {"name": "t", "cost": 1.0}], "acceptance": {"a": {"t": 0.05}}}
+    p = profile_from_dict(d)[0]
+    for s in ("dp", "lp", "brute"):
+        plan = solve(p, 8, solver=s)
+        assert plan.hierarchy == ["t"] and plan.budgets == [] and plan.expected_speedup == 1.0
+        assert plan_from_dict(plan.to_dict()).hierarchy == ["t"]

@@ -1,0 +1,153 @@
+"""The paper's numbers: DESIGN.md section 3 check values (App. B.3), Table 9 (App. B.4), simulation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hsd_opt import load_profile
+from hsd_opt.formats import profile_from_dict
+from hsd_opt.solver import simulate, solve
+from hsd_opt.solver.api import optimum
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def restrict(p, keep):
+    q = copy.deepcopy(p)
+    q.models = [m for m in q.models if m.name in keep]
+    q.acceptance = {d: {v: a for v, a in r.items() if v in keep} for d, r in q.acceptance.items() if d in keep}
+    return q
+
+
+@pytest.fixture(scope="module")
+def b3():
+    p, warnings = load_profile(DATA / "example_profile.json")
+    assert warnings == []          # Table 6 respects the triangle bound
+    return p
+
+
+@pytest.mark.parametrize("keep,latency,budgets", [
+    (["m5", "m6"], 14.3659, [5]),
+    (["m4", "m5", "m6"], 11.2106, [4, 8]),
+    (["m3", "m4", "m5", "m6"], 10.6565, [6, 7, 8]),
+])
+@pytest.mark.parametrize("solver", ["dp", "lp", "brute"])
+def test_design_check_values(b3, keep, latency, budgets, solver):
+    sol = optimum(restrict(b3, keep), 10, solver)
+    assert sol.hierarchy == keep
+    assert sol.budgets == budgets
+    assert round(sol.latency, 4) == latency
+
+
+def test_adding_models_never_hurts_b3(b3):
+    """App. B.3: each new (smaller) model can only lower the optimal latency."""
+    names = ["m6", "m5", "m4", "m3", "m2", "m1"]
+    lat = [optimum(restrict(b3, names[: n + 1]), 10).latency for n in range(6)]
+    assert lat[0] == 33.0
+    assert all(b <= a + 1e-12 for a, b in zip(lat, lat[1:]))
+
+
+def test_table8_second_example():
+    """Table 8 (paper): 33.00, 19.31, 15.45, 14.61, 14.46, 14.40 for 1..6 models. The 1- and 2-model values
+    involve no gamma and must match to the printed digits. With 3+ models the paper's *empirically estimated*
+    gamma (its Algorithm 1 hands up every accepted token, possibly more than T) gives lower latencies than the
+    exact gamma of DESIGN.md section 3 (ours: 17.10, 15.58, 15.52, 15.52), as in Table 1 (10.89 vs 11.21);
+    we only require that ours is never below the paper's and still improves with more models."""
+    p, _ = load_profile(DATA / "example_profile_table7.json")
+    names = ["m6", "m5", "m4", "m3", "m2", "m1"]
+    paper = [33.00, 19.31, 15.45, 14.61, 14.46, 14.40]
+    got = [optimum(restrict(p, names[: n + 1]), 10).latency for n in range(6)]
+    assert round(got[0], 2) == paper[0] and round(got[1], 2) == paper[1]
+    assert all(g >= w - 0.005 for g, w in zip(got, paper))
+    assert all(b <= a + 1e-12 for a, b in zip(got, got[1:])) and got[3] < got[2] < got[1]
+
+
+def test_simulate_matches_prediction_b3(b3):
+    plan = solve(b3, 10)
+    r = simulate(b3, plan, rounds=100_000, seed=1)
+    assert r.predicted == pytest.approx(plan.expected_latency, rel=1e-12)
+    assert abs(r.rel_diff) < 0.01
+    assert abs(r.latency - r.predicted) < 4 * r.stderr
+
+
+def test_simulate_uses_verify_costs():
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.05, "can_verify": False}, {"name": "b", "cost": 0.3},
+                    {"name": "t", "cost": 1.0}],
+         "acceptance": {"a": {"b": 0.7, "t": 0.5}, "b": {"t": 0.75}},
+         "verify_cost": {"b": {"a": [0.3, 0.32, 0.35]}}, "cost_curve": {"t": [1.0, 1.05, 1.1, 1.2]}}
+    p = profile_from_dict(d)[0]
+    for h, b in ((["a", "b", "t"], [3, 6]), (["b", "t"], [5]), (["a", "t"], [2])):
+        r = simulate(p, h, b, rounds=60_000, seed=3)
+        assert abs(r.latency - r.predicted) < 4 * r.stderr, (h, r)
+
+
+# ------------------------------------------------------------------------------------------- Table 9 (App. B.4)
+
+# Speed-ups of the optimal hierarchy, rows a(C, B) = 0.0 .. 0.9, columns cost of C = 1, 2, 4, ..., 256
+# (the OCR header lists 1..128 but every row has nine values; the ninth, all 1.20, is read as cost 256).
+TABLE9 = """1.20 1.20 1.20 1.20 1.20 1.20 1.20 1.20 1.20
+1.20 1.20 1.20 1.20 1.20 1.20 1.20 1.20 1.20
+1.21 1.21 1.20 1.20 1.20 1.20 1.20 1.20 1.20
+1.23 1.23 1.22 1.22 1.21 1.20 1.20 1.20 1.20
+1.25 1.25 1.24 1.24 1.23 1.21 1.20 1.20 1.20
+1.27 1.27 1.27 1.26 1.25 1.23 1.20 1.20 1.20
+1.30 1.29 1.29 1.28 1.27 1.25 1.22 1.20 1.20
+1.34 1.33 1.33 1.32 1.30 1.28 1.24 1.20 1.20
+1.42 1.41 1.40 1.38 1.35 1.31 1.27 1.21 1.20
+1.65 1.64 1.63 1.60 1.55 1.48 1.39 1.25 1.20"""
+C_COSTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+A_CB = [round(0.1 * r, 1) for r in range(10)]
+
+
+def table9_profile(cost_c: float, a_cb: float):
+    """App. B.4: target A (cost 1024), B (256), a(B, A) = 0.5; C with a(C, A) the triangle lower bound."""
+    a_ca = max(0.0, a_cb + 0.5 - 1.0)
+    return profile_from_dict({"format": "hsd-profile/1", "target": "A",
+                              "models": [{"name": "C", "cost": cost_c}, {"name": "B", "cost": 256.0},
+                                         {"name": "A", "cost": 1024.0}],
+                              "acceptance": {"B": {"A": 0.5}, "C": {"B": a_cb, "A": a_ca}}})[0]
+
+
+@pytest.fixture(scope="module")
+def table9():
+    speed = np.zeros((10, 9))
+    hier = {}
+    for r, acb in enumerate(A_CB):
+        for c, cc in enumerate(C_COSTS):
+            sol = optimum(table9_profile(cc, acb), 32)
+            speed[r, c] = 1024.0 / sol.latency
+            hier[acb, cc] = "-".join(reversed(sol.hierarchy))
+    return speed, hier
+
+
+def test_table9_speedups(table9):
+    """The paper prints two decimals (rounding error <= 0.005) and estimated gamma empirically, we use the
+    exact gamma; we allow 0.01 in absolute speed-up (observed max 0.006, at a(C,B)=0.2, cost 2)."""
+    speed, _ = table9
+    paper = np.array([[float(x) for x in line.split()] for line in TABLE9.splitlines()])
+    assert np.abs(speed - paper).max() < 0.01
+
+
+def test_table9_hierarchy_pattern(table9):
+    _, hier = table9
+    # C useless (accepts nothing) or as expensive as B: A-B
+    for cc in C_COSTS:
+        assert hier[0.0, cc] == "A-B"
+    for acb in A_CB:
+        assert hier[acb, 256] == "A-B"
+    # cheap and accurate C: C is used, directly under A or under B
+    for cc in (1, 2, 4):
+        assert hier[0.9, cc] in ("A-C", "A-B-C")
+    # cheap C with a fair acceptance to B: the full hierarchy A-B-C
+    for acb in (0.3, 0.4, 0.5, 0.6, 0.7):
+        assert hier[acb, 1] == "A-B-C"
+    # expensive C with mediocre acceptance: A-B
+    for acb in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5):
+        assert hier[acb, 128] == "A-B"
+    # the paper: "when C has both a low cost and high acceptance rate to A, it becomes optimal only to use C"
+    assert hier[0.9, 1] == "A-C"
