@@ -1,0 +1,173 @@
+"""`hsd solve` / `hsd simulate` through typer's CliRunner: success paths and every bad input (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hsd_opt.cli import app
+from hsd_opt.formats import load_plan
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def out_of(res) -> str:
+    """stdout and stderr together (click >= 8.2 keeps both in ``output``)."""
+    return res.output + (getattr(res, "stderr", "") if getattr(res, "stderr_bytes", None) else "")
+
+
+def good_profile() -> dict:
+    return json.loads((DATA / "example_profile.json").read_text())
+
+
+def write(tmp_path, obj, name="profile.json") -> Path:
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return p
+
+
+def test_solve_writes_plan_and_simulate_agrees(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", plan_path)
+    assert res.exit_code == 0, out_of(res)
+    text = out_of(res)
+    for word in ("plan", "best single draft", "target alone", "#2", "ms/token"):
+        assert word in text
+    plan = load_plan(plan_path)
+    assert plan.hierarchy == ["m1", "m3", "m4", "m5", "m6"] and plan.budgets == [5, 6, 7, 8]
+    assert plan.baselines["best_single_draft"]["hierarchy"] == ["m5", "m6"]
+    assert plan.baselines["target_only"]["expected_latency"] == 33.0
+    assert plan.extra["target"] == "m6" and plan.extra["solver"] == "dp" and len(plan.extra["profile_sha256"]) == 64
+    assert 1 <= len(plan.extra["alternatives"]) <= 4 and "provenance" in plan.extra
+    res = run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json", "--rounds", 50000)
+    assert res.exit_code == 0, out_of(res)
+    assert "simulated" in out_of(res) and "predicted" in out_of(res)
+
+
+@pytest.mark.parametrize("solver", ["lp", "brute", "lp-cvxpy"])
+def test_solve_other_solvers_same_plan(tmp_path, solver):
+    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 6, "--solver", solver,
+              "--max-depth", 3, "--top", 2, "--out", tmp_path / "p.json")
+    assert res.exit_code == 0, out_of(res)
+    plan = load_plan(tmp_path / "p.json")
+    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 6, "--max-depth", 3,
+              "--out", tmp_path / "q.json")
+    ref = load_plan(tmp_path / "q.json")
+    assert len(plan.hierarchy) <= 3
+    assert plan.expected_latency == pytest.approx(ref.expected_latency, rel=1e-9)
+
+
+def _expect_error(res, *needles):
+    text = out_of(res)
+    assert res.exit_code == 2, text
+    assert "Traceback" not in text
+    assert "error:" in text
+    for n in needles:
+        assert n in text, (n, text)
+
+
+def test_malformed_json(tmp_path):
+    p = write(tmp_path, '{"format": "hsd-profile/1", "models": [')
+    _expect_error(run("solve", "--profile", p, "--tmax", 5), str(p), "malformed JSON")
+
+
+def test_missing_file(tmp_path):
+    _expect_error(run("solve", "--profile", tmp_path / "nope.json"), "nope.json", "not found")
+
+
+def test_wrong_format(tmp_path):
+    d = good_profile()
+    d["format"] = "hsd-plan/1"
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "format")
+
+
+def test_missing_target(tmp_path):
+    d = good_profile()
+    del d["target"]
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "target")
+    d["target"] = "m9"
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "target", "m9")
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "x"])
+def test_acceptance_out_of_range(tmp_path, value):
+    d = good_profile()
+    d["acceptance"]["m4"]["m5"] = value
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "acceptance.m4.m5")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, None])
+def test_bad_cost(tmp_path, value):
+    d = good_profile()
+    d["models"][2]["cost"] = value
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "models[2].cost")
+
+
+@pytest.mark.parametrize("tmax", [0, -3])
+def test_tmax_below_one(tmax):
+    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", tmax), "--tmax")
+
+
+def test_bad_solver_and_depth():
+    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--solver", "magic"), "--solver")
+    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--max-depth", 0), "--max-depth")
+
+
+def test_triangle_violation_warns_but_solves(tmp_path):
+    d = good_profile()
+    d["acceptance"]["m4"]["m6"] = 0.1          # m4->m5 0.75 + m5->m6 0.8 > 0.1 + 1
+    p = write(tmp_path, d)
+    res = run("solve", "--profile", p, "--tmax", 6, "--out", tmp_path / "plan.json")
+    assert res.exit_code == 0, out_of(res)
+    assert "warning" in out_of(res) and "triangle" in out_of(res)
+    assert (tmp_path / "plan.json").exists()
+
+
+def test_simulate_plan_with_unknown_model(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    assert run("solve", "--profile", DATA / "example_profile.json", "--tmax", 6, "--out", plan_path).exit_code == 0
+    d = json.loads(plan_path.read_text())
+    d["hierarchy"][0] = "ghost"
+    bad = write(tmp_path, d, "bad_plan.json")
+    _expect_error(run("simulate", "--plan", bad, "--profile", DATA / "example_profile.json"),
+                  str(bad), "hierarchy[0]", "ghost")
+
+
+def test_simulate_plan_with_other_target_and_bad_plan_fields(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    assert run("solve", "--profile", DATA / "example_profile.json", "--tmax", 6, "--out", plan_path).exit_code == 0
+    d = json.loads(plan_path.read_text())
+    prof = good_profile()
+    prof["target"] = "m5"
+    prof_path = write(tmp_path, prof, "p5.json")
+    _expect_error(run("simulate", "--plan", plan_path, "--profile", prof_path), str(plan_path), "hierarchy")
+    d["budgets"] = [3, 2] + d["budgets"][2:]
+    bad = write(tmp_path, d, "bad_budgets.json")
+    _expect_error(run("simulate", "--plan", bad, "--profile", DATA / "example_profile.json"), str(bad), "budgets")
+    _expect_error(run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json",
+                      "--rounds", 0), "--rounds")
+
+
+def test_target_only_plan_round_trips(tmp_path):
+    prof = {"format": "hsd-profile/1", "target": "t",
+            "models": [{"name": "a", "cost": 0.7}, {"name": "t", "cost": 1.0}], "acceptance": {"a": {"t": 0.1}}}
+    p = write(tmp_path, prof)
+    res = run("solve", "--profile", p, "--tmax", 4, "--out", tmp_path / "plan.json")
+    assert res.exit_code == 0, out_of(res)
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.hierarchy == ["t"] and plan.budgets == []
+    res = run("simulate", "--plan", tmp_path / "plan.json", "--profile", p, "--rounds", 10)
+    assert res.exit_code == 0, out_of(res)
