@@ -1,0 +1,51 @@
+"""Time the one-off model-bigram table build (seed 002 Sec. 4.1) for the embedded model.
+
+Usage: .venv/bin/python benchmarks/drafters_bigram_build.py [--model /tmp/smol] [--top-k 16] [--batch-size 256]
+Writes benchmarks/results/drafters_bigram_build.json and the table into $HSD_CACHE (or --cache-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from hsd_opt.drafters.bigram import build_bigram_table, model_fingerprint, table_path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/smol")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--rows", type=int, default=None, help="build only this many rows (probe)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafters_bigram_build.json"))
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    h = model_fingerprint(model)
+    t0 = time.perf_counter()
+    table = build_bigram_table(model, top_k=a.top_k, batch_size=a.batch_size, vocab_size=a.rows)
+    secs = time.perf_counter() - t0
+    table.meta["model_hash"] = h
+    res = {"model": a.model, "model_hash": h, "rows": table.vocab_size, "top_k": a.top_k,
+           "batch_size": a.batch_size, "seconds": secs, "rows_per_second": table.vocab_size / secs,
+           "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    if a.rows is None:
+        path = table.save(table_path(a.cache_dir, h, a.top_k, None))
+        res["table"] = str(path)
+        res["table_bytes"] = os.path.getsize(path)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

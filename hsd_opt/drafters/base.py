@@ -1,0 +1,54 @@
+"""The interface of learning-free (token-level) drafters.
+
+A :class:`TokenDrafter` proposes token ids without a neural forward of its own. Its draft distribution is
+one-hot (q(x) = 1 for the proposed token), so it can only be the bottom level of a hierarchy
+(``can_verify = False``). All token sequences are plain Python lists / sequences of ``int`` ids.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+
+class TokenDrafter(abc.ABC):
+    """A drafter that proposes token ids without a neural forward of its own (bottom level only).
+
+    Attributes:
+        name: unique in a profile, e.g. ``"ngram"``, ``"bigram"``, ``"aded"``.
+        kind: ``"ngram_context" | "bigram_model" | "aded" | "mixed_ngram"``.
+        can_verify: always False: a one-hot drafter has no distribution to verify others with.
+    """
+
+    name: str = "token"
+    kind: str = "token"
+    can_verify: bool = False
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start of a new sequence whose first tokens are ``prompt_ids``. Default: no state to reset."""
+
+    @abc.abstractmethod
+    def propose(self, context: Sequence[int], n: int) -> list[int]:
+        """Return EXACTLY ``n`` token ids continuing ``context`` (prompt + generated so far).
+
+        Deterministic: the same context gives the same proposal (q is one-hot). When nothing matches,
+        each implementation documents its fallback; it never returns fewer than ``n`` ids.
+        """
+
+    def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        """Return ``k`` rows of ``w`` ids each, best first. Default: one row, ``[propose(context, w)]``.
+
+        Implementations that can rank several continuations return exactly ``k`` rows (padding with
+        duplicates of lower-ranked rows if they have fewer distinct ones, documented per class).
+        """
+        return [self.propose(context, w)]
+
+    def observe(self, context: Sequence[int], accepted: Sequence[int]) -> None:
+        """``accepted`` tokens were just verified and appended after ``context``. Default: no-op."""
+
+    def config(self) -> dict:
+        """JSON-able parameters that rebuild this drafter with :func:`hsd_opt.drafters.make_token_drafter`."""
+        return {"kind": self.kind, "name": self.name}
+
+    def __repr__(self) -> str:  # pragma: no cover - cosmetic
+        return f"{type(self).__name__}({self.config()})"

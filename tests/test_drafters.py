@@ -1,0 +1,231 @@
+"""Learning-free drafters (issue 6): context n-grams, model bigram, mixed batches, factory. Tiny models only."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hsd_opt.drafters import make_token_drafter
+from hsd_opt.drafters.bigram import (BigramDrafter, BigramTable, build_bigram_table, load_or_build_bigram_table,
+                                     table_path, unigram_from_weights)
+from hsd_opt.drafters.mixed import MixedNgramDrafter, mixed_greedy_decode, verify_batch, verify_batch_greedy
+from hsd_opt.drafters.ngram import ContextNgramDrafter
+from hsd_opt.errors import HsdError
+
+
+# ---------------------------------------------------------------- context n-gram matcher
+def test_ngram_counts_rank_first():
+    # after query (1,): continuations 5 (twice) and 7 (once, but more recent) -> count wins
+    ctx = [1, 5, 9, 1, 5, 9, 1, 7, 9, 1]
+    d = ContextNgramDrafter(q=1, w=1)
+    assert d.candidates(ctx, 5, 1) == [[5], [7]]
+    assert d.propose(ctx, 1) == [5]
+
+
+def test_ngram_recency_breaks_ties():
+    ctx = [1, 5, 9, 1, 7, 9, 1]
+    d = ContextNgramDrafter(q=1, w=2)
+    assert d.candidates(ctx, 5, 2) == [[7, 9], [5, 9]]  # equal counts: the later occurrence first
+    assert d.propose(ctx, 2) == [7, 9]
+
+
+def test_ngram_longer_query_first_then_backoff():
+    # query (3, 1): seen once, followed by 8; query (1,) alone is followed by 5 three times
+    ctx = [1, 5, 0, 1, 5, 0, 1, 5, 3, 1, 8, 2, 3, 1]
+    d = ContextNgramDrafter(q=2, w=1)
+    assert d.candidates(ctx, 3, 1) == [[8], [5]]
+    assert d.propose(ctx, 1) == [8]
+    # unknown bigram query backs off to the unigram query
+    ctx2 = [1, 5, 0, 1, 5, 0, 4, 1]
+    assert ContextNgramDrafter(q=2, w=1).propose(ctx2, 1) == [5]
+    assert ContextNgramDrafter(q=2, min_q=2, w=1).candidates(ctx2, 3, 1) == []
+
+
+def test_ngram_only_full_continuations_and_exact_n():
+    ctx = [4, 1, 2, 3, 1, 2]
+    d = ContextNgramDrafter(q=2, w=3)
+    # query (1, 2) occurs at the start with continuation [3, 1, 2]; the query itself never matches
+    assert d.propose(ctx, 3) == [3, 1, 2]
+    # n = 6 has no full continuation: chained one-token predictions, still exactly 6 ids
+    out = d.propose(ctx, 6)
+    assert len(out) == 6 and out[:3] == [3, 1, 2]
+    assert d._seq == ctx  # the virtual extension was undone
+
+
+def test_ngram_no_match_fallback_and_batch_shape():
+    d = ContextNgramDrafter(q=3, w=4)
+    assert d.propose([10, 11, 12], 4) == [12, 12, 12, 12]  # nothing repeats: repeat the last token
+    assert d.propose([], 3) == [0, 0, 0]
+    rows = d.propose_batch([1, 2, 1, 3, 1, 4, 1], 5, 1)
+    assert len(rows) == 5 and all(len(r) == 1 for r in rows)
+    assert rows[:3] == [[4], [3], [2]]
+
+
+def test_ngram_incremental_index_matches_fresh():
+    rng = random.Random(0)
+    d = ContextNgramDrafter(q=3, w=3)
+    seq = [rng.randrange(6) for _ in range(40)]
+    d.reset(seq[:10])
+    ctx = seq[:10]
+    for step in range(60):
+        if rng.random() < 0.3 and len(ctx) > 5:  # rollback
+            ctx = ctx[: len(ctx) - rng.randrange(1, 4)]
+        else:
+            acc = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            d.observe(ctx, acc)
+            ctx = ctx + acc
+        fresh = ContextNgramDrafter(q=3, w=3)
+        assert d.propose_batch(ctx, 4, 3) == fresh.propose_batch(ctx, 4, 3)
+        assert d.propose(ctx, 5) == fresh.propose(ctx, 5)
+
+
+# ---------------------------------------------------------------- tiny model
+def tiny_llama(seed: int = 0, init: float = 0.2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=init)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def table(model):
+    return build_bigram_table(model, top_k=8, batch_size=24, progress=False)
+
+
+def test_bigram_table_equals_direct_model_calls(model, table):
+    assert table.ids.shape == (64, 8) and table.probs.shape == (64, 8)
+    with torch.no_grad():
+        for x in range(64):
+            p = torch.softmax(model(torch.tensor([[x]])).logits[0, -1].float(), -1)
+            top = torch.topk(p, 8)
+            assert table.ids[x].tolist() == top.indices.tolist()
+            np.testing.assert_allclose(table.probs[x], top.values.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_bigram_table_with_bos(model):
+    t = build_bigram_table(model, top_k=4, bos_id=1, progress=False, vocab_size=10)
+    with torch.no_grad():
+        for x in range(10):
+            p = torch.softmax(model(torch.tensor([[1, x]])).logits[0, -1], -1)
+            assert t.ids[x].tolist() == torch.topk(p, 4).indices.tolist()
+
+
+def test_unigram_is_distance_from_mean(model):
+    ids, logp = unigram_from_weights(model, keep=64)
+    E = model.get_input_embeddings().weight.detach()
+    U = model.get_output_embeddings().weight.detach()
+    C = E.T @ E / E.shape[0]
+    D = U - U.mean(0)
+    d = torch.sqrt(torch.einsum("vi,ij,vj->v", D, C, D))
+    assert ids.tolist() == torch.argsort(d, stable=True).tolist()
+    np.testing.assert_allclose(np.exp(logp).sum(), 1.0, rtol=1e-4)
+    np.testing.assert_allclose(logp[0], float(-d.min() - torch.logsumexp(-d, 0)), rtol=1e-4)
+
+
+def test_bigram_cache_round_trip(model, tmp_path):
+    t1 = load_or_build_bigram_table(model, "abc123", top_k=4, cache_dir=tmp_path, progress=False)
+    path = table_path(tmp_path, "abc123", 4, None)
+    assert path.exists() and t1.path == str(path)
+    t2 = load_or_build_bigram_table(None, "abc123", top_k=4, cache_dir=tmp_path)  # no model: must load
+    assert np.array_equal(t1.ids, t2.ids) and np.array_equal(t1.probs, t2.probs)
+    assert np.array_equal(t1.unigram_ids, t2.unigram_ids) and t2.meta["model_hash"] == "abc123"
+    with pytest.raises(HsdError):
+        load_or_build_bigram_table(None, "other", top_k=4, cache_dir=tmp_path)
+
+
+def test_bigram_drafter_and_extended_bigram(table):
+    d = BigramDrafter(table)
+    x = 5
+    chain = d.propose([3, x], 4)
+    assert len(chain) == 4 and chain[0] == table.ids[x, 0] and chain[1] == table.ids[chain[0], 0]
+    assert table.extended(x, 1, 4) == [chain]  # beam width 1 is greedy chaining
+    rows = d.propose_batch([x], 8, 2)
+    assert len(rows) == 8 and len({tuple(r) for r in rows}) == 8
+    # with k = top_k the 2-step beam is exact: compare with brute force over all chains
+    lp = np.log(table.probs)
+    brute = sorted(((lp[x, i] + lp[table.ids[x, i], j], (int(table.ids[x, i]), int(table.ids[table.ids[x, i], j])))
+                    for i in range(8) for j in range(8)), key=lambda t: -t[0])
+    assert [tuple(r) for r in rows] == [c for _, c in brute[:8]]
+    assert d.propose([], 3)[0] == table.unigram_ids[0]
+
+
+# ---------------------------------------------------------------- mixed batches + verification
+def _logits_fn(model):
+    def fn(ids):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+    return fn
+
+
+def _greedy(model, prompt, n):
+    ctx = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ctx.append(int(model(torch.tensor([ctx])).logits[0, -1].argmax()))
+    return ctx[len(prompt):]
+
+
+def test_mixed_rows_ngram_first_then_bigram(table):
+    m = MixedNgramDrafter(ContextNgramDrafter(q=1), BigramDrafter(table), k=4, w=2)
+    ctx = [7, 8, 9, 7, 8, 3, 7]
+    rows = m.propose_batch(ctx, 4, 2)
+    assert rows[:2] == [[8, 3], [8, 9]] and m.last_sources == ["ngram", "ngram", "bigram", "bigram"]
+    assert len({tuple(r) for r in rows}) == 4
+    assert m.propose(ctx, 2) == [8, 3]
+
+
+@pytest.mark.parametrize("k,w", [(1, 3), (4, 3), (6, 5)])
+def test_mixed_greedy_equals_target_greedy(model, table, k, w):
+    prompt = [3, 17, 42, 3, 17, 9, 25, 3]
+    ref = _greedy(model, prompt, 40)
+    drafter = MixedNgramDrafter(ContextNgramDrafter(q=2), BigramDrafter(table), k=k, w=w)
+    out, stats = mixed_greedy_decode(_logits_fn(model), prompt, drafter, k, w, 40)
+    assert out == ref
+    assert stats["calls"] <= 40 and stats["tokens_per_call"] >= 1
+
+
+def test_verify_picks_longest_row_and_bonus(model):
+    ctx = [3, 17, 42]
+    ref = _greedy(model, ctx, 4)
+    bad = (ref[0] + 1) % 64
+    rows = [[bad, 0, 0, 0], ref[:2] + [(ref[2] + 1) % 64, 0], ref[:1] + [0, 0, 0]]
+    res = verify_batch_greedy(_logits_fn(model), ctx, rows)
+    assert (res.row, res.n_accepted, res.tokens) == (1, 2, ref[:3])
+    # a logits_fn returning only the last w + 1 positions works too
+    res2 = verify_batch_greedy(lambda ids: _logits_fn(model)(ids)[:, -5:], ctx, rows)
+    assert res2 == res
+
+
+def test_sampling_with_several_rows_is_refused(model):
+    with pytest.raises(HsdError, match="not lossless"):
+        verify_batch(_logits_fn(model), [1, 2], [[3, 4], [5, 6]], temperature=0.7)
+    g = torch.Generator().manual_seed(0)
+    res = verify_batch(_logits_fn(model), [1, 2], [[3, 4]], temperature=0.7, generator=g)
+    assert len(res.tokens) == res.n_accepted + 1 and 0 <= res.n_accepted <= 2
+
+
+def test_factory_rebuilds_from_config(table, tmp_path):
+    table.save(tmp_path / "t.npz")
+    ng = ContextNgramDrafter(q=3, w=5, name="ng3")
+    bg = BigramDrafter(str(tmp_path / "t.npz"))
+    mixed = MixedNgramDrafter(ng, bg, k=3, w=2)
+    ctx = [1, 2, 3, 1, 2, 4, 1, 2]
+    for d in (ng, bg, mixed):
+        cfg = d.config()
+        rebuilt = make_token_drafter(**cfg)
+        assert rebuilt.config() == cfg
+        assert rebuilt.propose_batch(ctx, 3, 2) == d.propose_batch(ctx, 3, 2)
+    with pytest.raises(HsdError):
+        make_token_drafter("nope")
+    with pytest.raises(HsdError):
+        make_token_drafter("ngram_context", bogus=1)
