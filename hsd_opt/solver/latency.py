@@ -200,9 +200,10 @@ def best_single_draft(profile: Profile, tmax: int) -> tuple[list[str], list[int]
 
     best = None
     K = profile.target
+    js = np.arange(1, tmax + 1)
     for d in source_candidates(profile):
-        for T in range(1, tmax + 1):
-            L = hierarchy_latency(profile, [d, K], [T])
-            if best is None or L < best[2]:
-                best = ([d, K], [T], L)
+        L = target_rate(profile.accept(d, K), js) * (verify_cost_row(profile, K, d, tmax) + js * profile.entry(d).cost)
+        j = int(np.argmin(L))
+        if best is None or L[j] < best[2]:
+            best = ([d, K], [j + 1], float(L[j]))
     return best
