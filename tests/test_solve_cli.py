@@ -171,3 +171,8 @@ def test_target_only_plan_round_trips(tmp_path):
     assert plan.hierarchy == ["t"] and plan.budgets == []
     res = run("simulate", "--plan", tmp_path / "plan.json", "--profile", p, "--rounds", 10)
     assert res.exit_code == 0, out_of(res)
+
+
+def test_brute_refuses_huge_instances():
+    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", 200, "--solver", "brute"),
+                  "--solver brute")

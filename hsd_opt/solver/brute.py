@@ -6,11 +6,17 @@ Uses :func:`~hsd_opt.solver.latency.hierarchy_latency` (the scalar formula), ind
 from __future__ import annotations
 
 from itertools import combinations, combinations_with_replacement
+from math import comb
+
+from hsd_opt.errors import HsdError
 
 from hsd_opt.formats import Profile
 from hsd_opt.solver.dp import Solution
 from hsd_opt.solver.instance import cost_order
 from hsd_opt.solver.latency import hierarchy_latency, target_only
+
+
+MAX_EVALUATIONS = 2_000_000
 
 
 def admissible_chains(profile: Profile, max_depth: int | None = None):
@@ -29,7 +35,17 @@ def admissible_chains(profile: Profile, max_depth: int | None = None):
 
 
 def brute_ranked(profile: Profile, tmax: int, max_depth: int | None = None) -> list[Solution]:
-    """Every admissible drafting hierarchy with its best budgets, best first (ties: fewer levels first)."""
+    """Every admissible drafting hierarchy with its best budgets, best first (ties: fewer levels first).
+
+    Refuses (:class:`HsdError`) instances with more than :data:`MAX_EVALUATIONS` (chain, budgets) pairs.
+    """
+    order = cost_order(profile)
+    D = order.index(profile.target)
+    nmax = D if max_depth is None else min(D, max_depth - 1)
+    work = sum(comb(D, n) * comb(tmax + n - 1, n) for n in range(1, nmax + 1))
+    if work > MAX_EVALUATIONS:
+        raise HsdError(f"--solver brute: {work:.3g} candidate (hierarchy, budgets) pairs is too many "
+                       f"(limit {MAX_EVALUATIONS:.0e}); use dp or lower --tmax / --max-depth")
     out = []
     for chain in admissible_chains(profile, max_depth):
         best = None
