@@ -84,6 +84,9 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     prov = profile.extra.get("provenance")
     if prov is not None:
         extra["provenance"] = prov
+    # Every model entry of the pool, so `hsd run`/`hsd bench` can rebuild the hierarchy and the baselines
+    # (kind, layer, token-drafter config) from the plan alone.
+    extra["models"] = [m.to_dict() for m in profile.models]
     return Plan(int(tmax), sol.hierarchy, sol.budgets, float(sol.latency), cK / sol.latency, baselines, extra)
 
 
