@@ -156,7 +156,9 @@ class BigramTable:
         if hit is not None:
             return hit
         kk = self.top_k
-        logp = np.log(np.maximum(self.probs, 1e-30))
+        logp = self._ext_cache.get("logp")
+        if logp is None:
+            logp = self._ext_cache["logp"] = np.log(np.maximum(self.probs, 1e-30))
         seqs = np.array([[x]], dtype=np.int64)  # [beams, t]
         score = np.zeros(1)
         for _ in range(w):
@@ -173,6 +175,7 @@ class BigramTable:
         rows = [list(map(int, r[1:])) for r in seqs]
         if len(self._ext_cache) > 100_000:
             self._ext_cache.clear()
+            self._ext_cache["logp"] = logp
         self._ext_cache[key] = rows
         return rows
 

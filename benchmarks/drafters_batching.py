@@ -1,0 +1,63 @@
+"""Where does batching stop being free on this machine? (seed 002, N-Grammys, Sec. 3)
+
+Times one target forward on an input block of ``k`` rows x ``(w + 1)`` new tokens after a KV cache of
+``l`` context tokens (the cache repeated to ``k`` rows), relative to ``(k, w) = (1, 0)``, i.e. plain greedy
+decoding. On a GPU the block is memory bound (flat) up to a point; on this 2-core CPU it is not.
+
+Usage: .venv/bin/python benchmarks/drafters_batching.py [--ctx 128 512] [--k 1 2 4 8 16] [--w 0 1 3 7 15]
+Writes benchmarks/results/drafters_batching.json. Model: /tmp/smol (SmolLM2-135M) when present, else a tiny
+random Llama (recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafters_common import RESULTS, load_model, machine_load, target_forward_seconds  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--w", type=int, nargs="+", default=[0, 1, 3, 7, 15])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--free", type=float, default=1.25, help="slowdown still counted as 'free'")
+    ap.add_argument("--out", default=str(RESULTS / "drafters_batching.json"))
+    a = ap.parse_args()
+    model, tok = load_model()
+    res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
+           "stat": f"min of {a.reps} after 1 warm-up", "free_threshold": a.free, "load_before": machine_load(),
+           "grid": []}
+    t_start = time.time()
+    for l in a.ctx:
+        base = None
+        for k in a.k:
+            for w in a.w:
+                s = target_forward_seconds(model, l, k=k, new_tokens=w + 1, reps=a.reps)
+                if (k, w) == (1, 0) or base is None:
+                    base = base or s
+                row = {"ctx": l, "k": k, "w": w, "tokens": k * (w + 1), "seconds": s, "slowdown": s / base}
+                res["grid"].append(row)
+                print(json.dumps(row), flush=True)
+    frontier = {}
+    for l in a.ctx:
+        cells = [r for r in res["grid"] if r["ctx"] == l]
+        free = [r for r in cells if r["slowdown"] <= a.free]
+        frontier[str(l)] = {"max_free_tokens": max((r["tokens"] for r in free), default=1),
+                            "free_cells": [[r["k"], r["w"]] for r in free]}
+    res["free_frontier"] = frontier
+    res["load_after"] = machine_load()
+    res["wall_seconds"] = time.time() - t_start
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(frontier, indent=1))
+
+
+if __name__ == "__main__":
+    main()
