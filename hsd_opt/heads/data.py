@@ -1,0 +1,169 @@
+"""Training text for exit heads: continuations the target model itself generates from the prompt suite.
+
+Generated token sequences (chat template + prompt + continuation) are cached in
+``<cache>/heads-data/<key>.json`` keyed by the model id and revision, a hash of the prompts and the generation
+settings, so repeated runs skip generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from hsd_opt.errors import InputFileError
+from hsd_opt.jsonio import read_json, write_json
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
+
+#: Used when no prompt suite file is available (a fresh checkout without ``data/prompts.jsonl``).
+FALLBACK_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain how a hash table works and what its average lookup cost is.",
+    "Summarise the causes of the French Revolution in a short paragraph.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give three tips for writing clear technical documentation.",
+    "Solve: a train travels 120 km in 1.5 hours. What is its average speed?",
+    "Translate into French: The weather is nice today and we are going to the park.",
+]
+
+
+def load_prompts(path: str | Path | None = None) -> list[str]:
+    """Prompts from a JSON-lines file of ``{"prompt": ..., ...}`` (or plain strings); the default suite when
+    ``path`` is None (falling back to a small built-in list if the suite file is absent)."""
+    if path is None:
+        if not DEFAULT_PROMPTS.is_file():
+            return list(FALLBACK_PROMPTS)
+        path = DEFAULT_PROMPTS
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputFileError(str(p), "file not found") from None
+    except OSError as e:
+        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputFileError(str(p), f"malformed JSON: {e.msg}", f"line {i}") from None
+        text = obj.get("prompt") if isinstance(obj, dict) else obj
+        if not isinstance(text, str) or not text.strip():
+            raise InputFileError(str(p), "expected a non-empty string or an object with a string 'prompt'",
+                                 f"line {i}")
+        out.append(text)
+    if not out:
+        raise InputFileError(str(p), "no prompts in the file")
+    return out
+
+
+def sequences_sha256(seqs: Sequence[Sequence[int]]) -> str:
+    """Hash of a list of token sequences (the training data's identity in a heads file)."""
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(json.dumps(list(map(int, s))).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _encode_prompt(tokenizer, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(map(int, ids))
+    return list(map(int, tokenizer(prompt)["input_ids"]))
+
+
+def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 4096, *, temperature: float = 0.7,
+                                top_p: float = 0.95, seed: int = 0, batch_size: int = 8, max_new: int = 256,
+                                cache: bool = True, progress: bool = True, with_prompt_lens: bool = False):
+    """Token sequences (prompt + the target's own continuation), about ``tokens`` generated tokens in total.
+
+    Each prompt gets ``ceil(tokens / len(prompts))`` new tokens (at most ``max_new`` per sample; more samples per
+    prompt when needed), sampled with light temperature for diversity. Cached on disk (see module doc).
+    With ``with_prompt_lens`` returns ``(sequences, prompt_lens)``: each sequence's prompt length (its first
+    generated token is at index ``prompt_len``).
+    """
+    from hsd_opt.models.loading import cache_dir
+
+    model, tok = loaded.model, loaded.tokenizer
+    per_prompt = max(1, math.ceil(tokens / len(prompts)))
+    new = min(max_new, per_prompt)
+    samples = max(1, math.ceil(per_prompt / new))
+    settings = {"model": loaded.model_id, "revision": loaded.revision, "prompts": hashlib.sha256(
+        json.dumps(list(prompts)).encode()).hexdigest(), "new": new, "samples": samples, "temperature": temperature,
+        "top_p": top_p, "seed": seed, "v": 1}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir() / "heads-data" / f"{key}.json"
+    if cache and path.is_file():
+        try:
+            obj = read_json(path)
+            if obj.get("settings") == settings:
+                seqs = [list(map(int, s)) for s in obj["sequences"]]
+                return (seqs, list(map(int, obj["prompt_lens"]))) if with_prompt_lens else seqs
+        except Exception:
+            pass
+    encoded = [_encode_prompt(tok, p) for p in prompts for _ in range(samples)]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    eos = tok.eos_token_id
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    seqs: list[list[int]] = []
+    plens: list[int] = []
+    t0 = time.time()
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as prog:
+        task = prog.add_task("generating training text", total=len(encoded))
+        for i in range(0, len(encoded), batch_size):
+            batch = encoded[i: i + batch_size]
+            L = max(len(x) for x in batch)
+            ids = torch.full((len(batch), L), pad, dtype=torch.long)
+            att = torch.zeros((len(batch), L), dtype=torch.long)
+            for j, x in enumerate(batch):  # left padding
+                ids[j, L - len(x):] = torch.tensor(x)
+                att[j, L - len(x):] = 1
+            torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=gen)))
+            with torch.no_grad():
+                out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=new,
+                                     do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                                     top_p=top_p if temperature > 0 else None, top_k=None, pad_token_id=pad)
+            for j, x in enumerate(batch):
+                cont = out[j, L:].tolist()
+                if eos is not None and eos in cont:
+                    cont = cont[: cont.index(eos) + 1]
+                seqs.append(list(x) + [int(c) for c in cont])
+                plens.append(len(x))
+            prog.advance(task, len(batch))
+    if cache:
+        write_json(path, {"settings": settings, "seconds": round(time.time() - t0, 2), "sequences": seqs,
+                          "prompt_lens": plens}, indent=None)
+    return (seqs, plens) if with_prompt_lens else seqs
+
+
+def split_indices(n: int, holdout: float = 0.2, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Deterministic split of ``n`` sequences: (train indices, held-out indices); one held out at least."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    k = min(n - 1, max(1, round(holdout * n))) if n > 1 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def split_sequences(seqs: Sequence[Sequence[int]], holdout: float = 0.2, seed: int = 0):
+    """Deterministic split by sequence: (train, held_out); at least one sequence on each side when possible."""
+    n = len(seqs)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    k = min(n - 1, max(1, round(holdout * n))) if n > 1 else 0
+    held = sorted(order[:k])
+    train = sorted(order[k:])
+    return [list(seqs[i]) for i in train], [list(seqs[i]) for i in held]

@@ -1,0 +1,177 @@
+"""The heads file: ``heads.safetensors`` holding the translator tensors and a JSON header in its metadata.
+
+Tensors (float32): ``layer{b}.weight`` ``[d, d]`` (affine) or ``layer{b}.u`` ``[d, r]`` + ``layer{b}.v``
+``[r, d]`` (lowrank), ``layer{b}.bias`` ``[d]``, and ``vocab_ids`` ``[K]`` (int64) for a reduced-vocabulary head.
+Metadata key ``hsd_heads`` holds JSON::
+
+    {"format": "hsd-heads/1", "model": "embedded:smollm2-135m", "revision": "sha256:...",
+     "hidden_size": 576, "vocab_size": 49152, "n_layers": 30, "layers": [1, 2, ...], "kind": "affine",
+     "rank": null, "vocab_subset": null | K, "training_data_sha256": "...", "hsd_opt_version": "0.1.0",
+     "train": {...settings and per-layer held-out results...}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.heads.modules import KINDS, TranslatorHead
+from hsd_opt.jsonio import atomic_write_bytes
+
+FORMAT = "hsd-heads/1"
+META_KEY = "hsd_heads"
+
+
+class HeadsModelMismatch(HsdError):
+    """A heads file made for a different model. The message names the file and the field that differs."""
+
+    def __init__(self, path: str, field: str, message: str):
+        self.path, self.field = str(path), field
+        super().__init__(f"{path}: {field}: {message}")
+
+
+def _unwrap(model) -> tuple[Any, str | None, str | None]:
+    """Accept a ``LoadedModel`` or a bare ``transformers`` model -> (model, model_id, revision)."""
+    if hasattr(model, "model") and hasattr(model, "model_id") and hasattr(model, "tokenizer"):
+        return model.model, model.model_id, model.revision
+    return model, None, None
+
+
+def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, model_id: str | None = None,
+               revision: str | None = None, training_data_sha256: str = "", train: dict | None = None) -> dict:
+    """Write ``heads`` (boundary -> head, all of one kind) atomically to ``path``; return the header."""
+    from safetensors.torch import save
+
+    from hsd_opt import __version__
+
+    m, mid, rev = _unwrap(model)
+    model_id = model_id if model_id is not None else (mid or getattr(m.config, "_name_or_path", "") or "")
+    revision = revision if revision is not None else (rev or "")
+    if not heads:
+        raise HsdError("no heads to save")
+    layers = sorted(heads)
+    first = heads[layers[0]]
+    tensors: dict[str, torch.Tensor] = {}
+    for b in layers:
+        h = heads[b]
+        if h.kind != first.kind:
+            raise HsdError("all heads in one file must be of one kind")
+        if h.kind == "affine":
+            tensors[f"layer{b}.weight"] = h.weight.detach().float().cpu().contiguous()
+        else:
+            tensors[f"layer{b}.u"] = h.u.detach().float().cpu().contiguous()
+            tensors[f"layer{b}.v"] = h.v.detach().float().cpu().contiguous()
+        tensors[f"layer{b}.bias"] = h.bias.detach().float().cpu().contiguous()
+    if first.vocab_ids is not None:
+        tensors["vocab_ids"] = first.vocab_ids.detach().cpu().long().contiguous()
+    header = {
+        "format": FORMAT, "model": model_id, "revision": revision,
+        "hidden_size": int(m.config.hidden_size), "vocab_size": int(m.lm_head.weight.shape[0]),
+        "n_layers": int(m.config.num_hidden_layers), "layers": layers, "kind": first.kind,
+        "rank": first.rank if first.kind == "lowrank" else None,
+        "vocab_subset": None if first.vocab_ids is None else int(first.vocab_ids.numel()),
+        "training_data_sha256": training_data_sha256, "hsd_opt_version": __version__,
+        "train": train or {},
+    }
+    atomic_write_bytes(path, save(tensors, metadata={META_KEY: json.dumps(header)}))
+    return header
+
+
+def read_heads_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and header of a heads file; a missing, corrupt or foreign file raises :class:`InputFileError`."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.exists():
+        raise InputFileError(str(p), "file not found")
+    if p.is_dir():
+        raise InputFileError(str(p), "is a directory, expected a heads .safetensors file")
+    try:
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise InputFileError(str(p), f"not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if META_KEY not in meta:
+        raise InputFileError(str(p), f"no {META_KEY!r} header in the safetensors metadata: not an hsd heads file")
+    try:
+        header = json.loads(meta[META_KEY])
+    except json.JSONDecodeError as e:
+        raise InputFileError(str(p), f"malformed JSON header: {e.msg}", META_KEY) from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise InputFileError(str(p), f"expected format {FORMAT!r}, got {header.get('format') if isinstance(header, dict) else header!r}",
+                             "format")
+    for key in ("hidden_size", "vocab_size", "n_layers", "layers", "kind"):
+        if key not in header:
+            raise InputFileError(str(p), "missing from the header", key)
+    if header["kind"] not in KINDS:
+        raise InputFileError(str(p), f"unknown head kind {header['kind']!r} (known: {', '.join(KINDS)})", "kind")
+    return tensors, header
+
+
+def load_heads(path: str | Path, model, expected_model_id: str | None = None,
+               expected_revision: str | None = None) -> tuple[dict[int, TranslatorHead], dict]:
+    """Load a heads file for ``model`` (a ``LoadedModel`` or a ``transformers`` model) -> (boundary -> head, header).
+
+    Refuses (:class:`HeadsModelMismatch`, an :class:`HsdError`) a file made for another model: hidden size,
+    vocabulary size, layer count, or — when known from ``LoadedModel`` or the ``expected_*`` arguments — model id
+    and revision. A missing or corrupt file raises :class:`InputFileError`.
+    """
+    tensors, header = read_heads_file(path)
+    m, mid, rev = _unwrap(model)
+    expected_model_id = expected_model_id if expected_model_id is not None else mid
+    expected_revision = expected_revision if expected_revision is not None else rev
+    p = str(path)
+    cfg = m.config
+    checks = [("hidden_size", int(cfg.hidden_size)), ("vocab_size", int(m.lm_head.weight.shape[0])),
+              ("n_layers", int(cfg.num_hidden_layers))]
+    for field, have in checks:
+        if int(header[field]) != have:
+            raise HeadsModelMismatch(p, field, f"the heads were trained for a model with {field} {header[field]}, "
+                                               f"but this model has {have} (heads for {header.get('model')!r})")
+    if expected_model_id and header.get("model") and header["model"] != expected_model_id:
+        raise HeadsModelMismatch(p, "model", f"the heads were trained for {header['model']!r}, not "
+                                             f"{expected_model_id!r}")
+    if expected_revision and header.get("revision") and header["revision"] != expected_revision:
+        raise HeadsModelMismatch(p, "revision", f"the heads were trained for revision {header['revision']!r} of "
+                                                f"{header.get('model')!r}, but the loaded model is revision "
+                                                f"{expected_revision!r}")
+    vocab_ids = tensors.get("vocab_ids")
+    if vocab_ids is not None:
+        if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= header["vocab_size"] \
+                or int(vocab_ids.min()) < 0:
+            raise InputFileError(p, "must be a non-empty 1-D tensor of token ids below vocab_size", "vocab_ids")
+    dev = m.lm_head.weight.device
+    heads: dict[int, TranslatorHead] = {}
+    n_layers = int(cfg.num_hidden_layers)
+    d = int(cfg.hidden_size)
+    for b in header["layers"]:
+        if not isinstance(b, int) or not 1 <= b < n_layers:
+            raise InputFileError(p, f"layer {b!r} outside 1..{n_layers - 1}", "layers")
+        rank = int(header.get("rank") or 64)
+        if header["kind"] == "lowrank":
+            u = tensors.get(f"layer{b}.u")
+            rank = int(u.shape[1]) if u is not None and u.dim() == 2 else rank
+        head = TranslatorHead(m, header["kind"], rank=rank, vocab_ids=vocab_ids)
+        names = ["weight", "bias"] if header["kind"] == "affine" else ["u", "v", "bias"]
+        state = {}
+        for n in names:
+            t = tensors.get(f"layer{b}.{n}")
+            want = tuple(getattr(head, n).shape)
+            if t is None:
+                raise InputFileError(p, "tensor missing", f"layer{b}.{n}")
+            if tuple(t.shape) != want:
+                raise InputFileError(p, f"shape {tuple(t.shape)}, expected {want} for hidden size {d}",
+                                     f"layer{b}.{n}")
+            state[n] = t
+        with torch.no_grad():
+            for n, t in state.items():
+                getattr(head, n).copy_(t.to(dev))
+        head.eval()
+        head.requires_grad_(False)
+        heads[b] = head
+    return heads, header

@@ -1,0 +1,198 @@
+"""Trained exit heads (issue 4) on tiny randomly initialised Llamas: training, the file format, refusal of a
+file made for another model, reduced-vocabulary heads, the layered engine with loaded heads, resume, CLI errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.conftest import make_tiny_llama
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.heads import (HeadsModelMismatch, RawHead, TranslatorHead, evaluate_heads, load_heads, parse_layers,
+                           save_heads, train_heads)
+
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32, scale=20.0)
+
+
+def _seqs(n=10, length=40, seed=1, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    return train_heads(tiny, LAYERS, _seqs(), epochs=4, lr=1e-2, progress=False, train_vocab="full")
+
+
+def test_training_reduces_heldout_kl_and_raises_acceptance(trained):
+    for b in LAYERS:
+        assert trained.after[b]["kl"] < 0.9 * trained.before[b]["kl"], b
+        assert trained.after[b]["acceptance"] > trained.before[b]["acceptance"], b
+    assert trained.history[-1]["train_loss"] < trained.history[0]["train_loss"]
+
+
+def test_untrained_head_is_the_logit_lens(tiny):
+    h = torch.randn(5, 32)
+    for kind in ("affine", "lowrank"):
+        head = TranslatorHead(tiny, kind, rank=4)
+        torch.testing.assert_close(head(h), RawHead(tiny)(h))
+
+
+def test_candidate_vocabulary_training_also_improves(tiny):
+    r = train_heads(tiny, [2], _seqs(), epochs=3, lr=1e-2, progress=False, train_vocab="candidates", topk=4,
+                    negatives=8)
+    assert r.after[2]["kl"] < r.before[2]["kl"]
+
+
+def test_save_load_round_trip_is_exact(tiny, trained, tmp_path):
+    path = tmp_path / "heads.safetensors"
+    header = save_heads(path, trained.heads, tiny, model_id="tiny-a", revision="r1",
+                        training_data_sha256=trained.data_sha256, train=trained.summary())
+    assert header["layers"] == LAYERS and header["kind"] == "affine" and header["vocab_subset"] is None
+    heads, meta = load_heads(path, tiny, expected_model_id="tiny-a", expected_revision="r1")
+    assert sorted(heads) == LAYERS
+    assert meta["model"] == "tiny-a" and meta["training_data_sha256"] == trained.data_sha256
+    h = torch.randn(7, 32)
+    for b in LAYERS:
+        assert torch.equal(heads[b](h), trained.heads[b](h))
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert set(f.keys()) == {f"layer{b}.{n}" for b in LAYERS for n in ("weight", "bias")}
+
+
+def test_lowrank_round_trip(tiny, tmp_path):
+    r = train_heads(tiny, [2], _seqs(4), kind="lowrank", rank=4, epochs=1, progress=False, evaluate=False)
+    path = tmp_path / "lr.safetensors"
+    save_heads(path, r.heads, tiny, model_id="tiny-a", revision="r1")
+    heads, meta = load_heads(path, tiny)
+    assert meta["kind"] == "lowrank" and meta["rank"] == 4
+    h = torch.randn(3, 32)
+    assert torch.equal(heads[2](h), r.heads[2](h))
+
+
+def test_heads_for_a_different_model_are_refused(tiny, trained, tmp_path):
+    path = tmp_path / "heads.safetensors"
+    save_heads(path, trained.heads, tiny, model_id="tiny-a", revision="r1")
+    other = make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=48, heads=4)
+    with pytest.raises(HeadsModelMismatch, match=r"heads\.safetensors: hidden_size: .*32.*48"):
+        load_heads(path, other)
+    other_vocab = make_tiny_llama(seed=3, vocab_size=80, layers=4, hidden=32)
+    with pytest.raises(HsdError, match="vocab_size"):
+        load_heads(path, other_vocab)
+    with pytest.raises(HsdError, match=r"heads\.safetensors: model: .*'tiny-a'.*'tiny-b'"):
+        load_heads(path, tiny, expected_model_id="tiny-b")
+    with pytest.raises(HsdError, match=r"revision: .*'r1'.*'r2'"):
+        load_heads(path, tiny, expected_model_id="tiny-a", expected_revision="r2")
+
+
+def test_missing_or_corrupt_file_is_an_input_file_error(tiny, tmp_path):
+    with pytest.raises(InputFileError, match="nope.safetensors: file not found"):
+        load_heads(tmp_path / "nope.safetensors", tiny)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    with pytest.raises(InputFileError, match="bad.safetensors"):
+        load_heads(bad, tiny)
+    from safetensors.torch import save_file
+
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(plain))
+    with pytest.raises(InputFileError, match="not an hsd heads file"):
+        load_heads(plain, tiny)
+
+
+def test_reduced_vocab_head_is_a_proper_distribution_on_its_subset(tiny, tmp_path):
+    r = train_heads(tiny, [1, 3], _seqs(), vocab_subset=16, epochs=2, lr=1e-2, progress=False)
+    ids = r.vocab_ids
+    assert ids.numel() == 16
+    h = torch.randn(6, 32)
+    z = r.heads[3](h)
+    assert z.shape == (6, 64)
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(z[:, outside]).all() and torch.isfinite(z[:, ids]).all()
+    q = torch.softmax(z, -1)
+    torch.testing.assert_close(q.sum(-1), torch.ones(6))
+    assert (q[:, outside] == 0).all()
+    path = tmp_path / "sub.safetensors"
+    save_heads(path, r.heads, tiny, model_id="tiny-a", revision="r1")
+    heads, meta = load_heads(path, tiny)
+    assert meta["vocab_subset"] == 16
+    assert torch.equal(heads[3](h), z)
+
+
+def test_layered_engine_uses_loaded_heads(tiny, trained, tmp_path):
+    path = tmp_path / "heads.safetensors"
+    save_heads(path, trained.heads, tiny, model_id="tiny-a", revision="r1")
+    heads, _ = load_heads(path, tiny)
+    lm = LayeredLM(tiny, heads)
+    raw = LayeredLM(tiny)
+    ids = _seqs(1, 12, seed=5)[0]
+    hs = raw.hidden_states(ids, [2])
+    st = lm.new_state(16, save_boundaries=[2])
+    lm.append(st, ids)
+    lm.advance(st, 2)
+    got = lm.logits(st, 2, 0, len(ids))
+    torch.testing.assert_close(got, heads[2](hs[2]).float())
+    assert not torch.allclose(got, raw.head(hs[2], 2))
+    # the last boundary still uses the model's own head
+    lm.advance(st, 4)
+    torch.testing.assert_close(lm.logits(st, 4, 0, len(ids)), raw.head(raw.hidden_states(ids, [4])[4], 4))
+
+
+def test_resume_after_interruption_matches_an_uninterrupted_run(tiny, tmp_path):
+    seqs = _seqs(6, 30)
+    kw = dict(epochs=2, lr=1e-2, progress=False, evaluate=False, train_vocab="full")
+    full = train_heads(tiny, [2, 3], seqs, **kw)
+    ckpt = tmp_path / "h.ckpt"
+
+    def boom(msg):
+        if msg.startswith("epoch 1/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, log=boom, **kw)
+    assert ckpt.is_file()
+    msgs = []
+    resumed = train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, log=msgs.append, **kw)
+    assert any(m.startswith("resuming") for m in msgs)
+    h = torch.randn(4, 32)
+    for b in (2, 3):
+        torch.testing.assert_close(resumed.heads[b](h), full.heads[b](h))
+    with pytest.raises(HsdError, match="different settings"):
+        train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, **dict(kw, lr=5e-3))
+
+
+def test_parse_layers():
+    assert parse_layers("all", 5) == [1, 2, 3, 4]
+    assert parse_layers("4, 2,3", 30) == [2, 3, 4]
+    assert parse_layers("2-4", 30) == [2, 3, 4]
+    for bad in ("30", "0", "x", ""):
+        with pytest.raises(HsdError, match="--layers"):
+            parse_layers(bad, 30)
+
+
+def test_evaluate_raw_last_layer_agrees_fully(tiny):
+    r = evaluate_heads(tiny, {3: RawHead(tiny)}, _seqs(2, 10))
+    assert 0 < r[3]["acceptance"] <= 1
+
+
+def test_cli_errors_exit_2_with_one_line(tmp_path):
+    from hsd_opt.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["heads", "eval", "--heads", str(tmp_path / "missing.safetensors")])
+    assert res.exit_code == 2
+    assert "missing.safetensors: file not found" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["heads", "train", "--kind", "mlp", "--out", str(tmp_path / "h.safetensors")])
+    assert res.exit_code == 2 and "--kind" in res.output
+    res = runner.invoke(app, ["heads", "train", "--prompts", str(tmp_path / "p.jsonl"),
+                              "--out", str(tmp_path / "h.safetensors")])
+    assert res.exit_code == 2 and "p.jsonl: file not found" in res.output
