@@ -6,10 +6,10 @@ The target verifies all rows in ONE forward call on ``k`` copies of the context,
 (input ``[k, L0 + w]``); greedy acceptance keeps the row with the longest prefix equal to the target's own
 argmax, plus the target's next token after it. Output is therefore token for token the target's greedy output.
 
-Sampling (temperature > 0) with ``k > 1`` is refused: accepting the best of several rows is not lossless
-under sampling without a multi-draft scheme (e.g. SpecTr / recursive rejection), out of scope here. With
-``k = 1`` the standard rejection rule for a one-hot draft is used (accept ``x`` w.p. ``p(x)``, else resample
-from ``p`` with ``x`` removed), which is lossless.
+Sampling (temperature > 0) with ``k > 1`` is refused by default: accepting the best of several rows is not
+lossless under sampling. ``verify_batch(..., multi_draft=True)`` opts into a lossless recursive-rejection
+scheme over the rows seen as a token tree. With ``k = 1`` the standard rejection rule for a one-hot draft is
+used (accept ``x`` w.p. ``p(x)``, else resample from ``p`` with ``x`` removed), which is lossless.
 """
 
 from __future__ import annotations
@@ -134,35 +134,56 @@ def verify_batch_greedy(logits_fn: LogitsFn, context: Sequence[int],
 
 
 def verify_batch(logits_fn: LogitsFn, context: Sequence[int], drafts: Sequence[Sequence[int]],
-                 temperature: float = 0.0, generator=None) -> BatchVerifyResult:
-    """Greedy (``temperature == 0``) for any ``k``; speculative sampling of a one-hot draft for ``k == 1``.
+                 temperature: float = 0.0, generator=None, multi_draft: bool = False) -> BatchVerifyResult:
+    """Greedy (``temperature == 0``) for any ``k``; speculative sampling for ``temperature > 0``.
 
-    Raises :class:`HsdError` for ``temperature > 0`` with ``k > 1`` (lossless multi-draft verification is not
-    implemented). ``generator`` is an optional ``torch.Generator`` for the acceptance coin flips.
+    Sampling with ``k == 1``: the standard rule for a one-hot draft (accept ``x`` w.p. ``p(x)``, else sample
+    from ``p`` with ``x`` removed). Sampling with ``k > 1`` raises :class:`HsdError` unless ``multi_draft=True``,
+    which uses recursive rejection over the rows viewed as a token tree (SpecInfer-style, for one-hot drafts):
+    at each depth the distinct next tokens of the rows still alive are tried best row first, token ``x``
+    accepted w.p. ``q(x) / sum(q)`` where ``q`` is the target distribution with the already rejected siblings
+    zeroed; if all are rejected, the output is sampled from that residual. Each emitted token has exactly the
+    target's conditional distribution (lossless); tested statistically in tests/test_drafters.py.
+    ``generator`` is an optional ``torch.Generator``. No top-p/top-k here: pass already-warped logits.
     """
     import torch
 
     if temperature <= 0:
         return verify_batch_greedy(logits_fn, context, drafts)
-    if len(drafts) > 1:
+    if len(drafts) > 1 and not multi_draft:
         raise HsdError(
-            f"sampling (temperature={temperature}) with k={len(drafts)} draft rows is not supported: "
-            "picking the best of several rows is not lossless under sampling; use k=1 or greedy decoding")
+            f"sampling (temperature={temperature}) with k={len(drafts)} draft rows is refused: picking the "
+            "best of several rows is not lossless under sampling; use k=1, greedy decoding, or "
+            "multi_draft=True (recursive rejection over the draft tree)")
     d, logits = _batch_logits(logits_fn, context, drafts)
-    p = torch.softmax(logits[0].double() / temperature, dim=-1)  # [w + 1, V]
-    w = d.shape[1]
+    k, w = d.shape
+
+    def dist(r: int, j: int):  # target distribution at draft position j of row r, [V] float64
+        return torch.softmax(logits[r, j].double() / temperature, dim=-1)
+
+    alive = list(range(k))
     out: list[int] = []
     for j in range(w):
-        x = int(d[0, j])
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[j, x]):
-            out.append(x)
-            continue
-        resid = p[j].clone()
-        resid[x] = 0.0
-        out.append(int(torch.multinomial(resid / resid.sum(), 1, generator=generator)))
-        return BatchVerifyResult(0, j, out)
-    out.append(int(torch.multinomial(p[w], 1, generator=generator)))
-    return BatchVerifyResult(0, w, out)
+        q = dist(alive[0], j)  # the same distribution for every alive row (same prefix)
+        tried: list[int] = []
+        for r in alive:
+            x = int(d[r, j])
+            if x in tried:
+                continue
+            tried.append(x)
+            tot = float(q.sum())
+            if tot > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) * tot < float(q[x]):
+                out.append(x)
+                alive = [rr for rr in alive if int(d[rr, j]) == x]
+                break
+            q[x] = 0.0
+        else:
+            if float(q.sum()) <= 0:  # numerically impossible unless p is one-hot on rejected tokens
+                q = dist(alive[0], j)
+            out.append(int(torch.multinomial(q / q.sum(), 1, generator=generator)))
+            return BatchVerifyResult(alive[0], j, out)
+    out.append(int(torch.multinomial(dist(alive[0], w), 1, generator=generator)))
+    return BatchVerifyResult(alive[0], w, out)
 
 
 def mixed_greedy_decode(logits_fn: LogitsFn, prompt_ids: Sequence[int], drafter: TokenDrafter, k: int, w: int,
