@@ -1,0 +1,175 @@
+"""Measured costs of a layered model's exits (seconds, wall time, median over repeats after warm-up).
+
+Three things are measured on one :class:`~hsd_opt.engine.layered.LayeredLM` with a warm KV cache over a
+context of ``context_len`` tokens:
+
+1. a direct **step time** of a few exits (target, quartiles): append one token, ``advance(state, b)``
+   (layers ``0 .. b-1`` on that token) and the exit head at ``b``; crop back; repeat; median. Kept as a check
+   (``step_measured`` in the model entries) of the per-layer model, whose t = 1 value is the ``cost``.
+2. **per-layer timings** ``layer[l][t]`` of decoder layer ``l`` on ``t`` new tokens (t = 1..tmax+1), plus
+   ``base[t]`` (embedding + rotary tables) and ``head_b[t]`` (the exit head of boundary ``b`` on t rows; one
+   shared timing when every exit uses the model's own final norm + LM head). These are the very calls
+   ``advance`` makes, timed one by one.
+3. From (2), by summation (the **per-layer cost model**):
+
+   - ``cost[b] = base[1] + sum_{l < b} layer[l][1] + head_b[1]``: one decode step of exit ``b`` (monotone in b);
+   - ``cost_curve[b][t-1] = base[t] + sum_{l < b} layer[l][t] + head_b[t]``: one pass of exit ``b`` over t
+     tokens (verifying t - 1 drafts plus the bonus token);
+   - ``verify_cost[b][a][t-1] = base[t] + sum_{a <= l < b} layer[l][t] + head_b[t]`` for exits ``a < b``:
+     exit ``b`` verifying drafts of exit ``a`` with activation reuse (layers ``0 .. a-1`` already ran on the
+     drafts when exit ``a`` drafted them, so only layers ``a .. b-1`` and the head run).
+
+   Timing all ~n²/2 pairs directly would take minutes; the model needs n x (tmax+1) layer timings. A direct
+   measurement of the full model over t tokens is kept as a check (``cost_model_check`` in the profile).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@dataclass
+class LayerCosts:
+    """Result of :func:`measure_costs` for one layered model (all seconds)."""
+
+    step: dict[int, float]                      # boundary -> directly measured decode step (a few exits)
+    layer: list[list[float]]                    # layer[l][t-1]
+    base: list[float]                           # base[t-1]: embedding + rotary tables
+    head: dict[int, list[float]]                # boundary -> head on t rows; key -1 = shared default head
+    check: dict[str, Any] = field(default_factory=dict)
+
+    def head_t(self, b: int, t: int) -> float:
+        return (self.head.get(b) or self.head[-1])[t - 1]
+
+    def step_cost(self, b: int) -> float:
+        """Seconds of one decode step (1 token, warm cache) of exit ``b``: the per-layer model at t = 1
+        (monotone in ``b`` by construction, unlike direct timings of single steps on a noisy machine)."""
+        return self.curve(b, 1)[0]
+
+    def curve(self, b: int, tmax1: int) -> list[float]:
+        """Seconds for exit ``b`` to run one pass over t = 1..tmax1 tokens (per-layer model)."""
+        return [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(b)) + self.head_t(b, t)
+                for t in range(1, tmax1 + 1)]
+
+    def verify_curve(self, a: int, b: int, tmax1: int) -> list[float]:
+        """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse)."""
+        return [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(a, b)) + self.head_t(b, t)
+                for t in range(1, tmax1 + 1)]
+
+
+def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=g)
+
+
+@torch.no_grad()
+def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int = 5, warmup: int = 2,
+                  curve_repeats: int = 3, context_len: int = 64, check: bool = True,
+                  step_check: bool = True) -> LayerCosts:
+    """Measure step costs of ``boundaries`` and per-layer timings for t = 1..tmax+1 (see the module doc)."""
+    tmax1 = tmax + 1
+    n_layers = eng.n_layers
+    bs = sorted(set(boundaries))
+    extra = max(tmax1, 1) + 2
+    st = eng.new_state(context_len + extra, save_boundaries=bs)
+    ctx = _ids(eng, context_len + extra)
+    eng.append(st, ctx[:context_len])
+    eng.advance(st, n_layers)
+    n0 = st.n
+
+    # 1. direct step cost of a few exits (the target and quartiles): a check of the per-layer model
+    step: dict[int, float] = {}
+    check_bs = sorted({bs[-1], bs[len(bs) // 4], bs[len(bs) // 2], bs[(3 * len(bs)) // 4]}) if step_check else []
+    for b in check_bs:
+        times = []
+        for r in range(warmup + repeats):
+            eng.append(st, ctx[n0:n0 + 1])
+            t0 = _now()
+            eng.advance(st, b)
+            eng.logits(st, b, n0, n0 + 1)
+            dt = _now() - t0
+            eng.crop(st, n0)
+            if r >= warmup:
+                times.append(dt)
+        step[b] = statistics.median(times)
+
+    # 2. per-layer timings for t new tokens, the same calls advance() makes
+    layer = [[0.0] * tmax1 for _ in range(n_layers)]
+    base = [0.0] * tmax1
+    head_keys = sorted(b for b in bs if b in eng.exit_heads) + [-1]
+    head: dict[int, list[float]] = {k: [0.0] * tmax1 for k in head_keys}
+    for t in range(1, tmax1 + 1):
+        lt = [[] for _ in range(n_layers)]
+        bt, ht = [], {k: [] for k in head_keys}
+        reps = max(curve_repeats, repeats) if t == 1 else curve_repeats  # t = 1 is the step cost: more repeats
+        for r in range(warmup + reps):
+            eng.append(st, ctx[n0:n0 + t])
+            t0 = _now()
+            x = eng.embed(st.tokens[n0:n0 + t])
+            cos, sin = eng._rope(n0, n0 + t)
+            t1 = _now()
+            times = []
+            for l in range(n_layers):
+                a = _now()
+                x = eng._layer(l, x, st, n0, cos, sin)
+                times.append(_now() - a)
+            hts = {}
+            for k in head_keys:
+                a = _now()
+                eng.head(x, k) if k != -1 else eng.lm_head(eng.norm(x)).float()
+                hts[k] = _now() - a
+            eng.crop(st, n0)
+            if r >= warmup:
+                bt.append(t1 - t0)
+                for l in range(n_layers):
+                    lt[l].append(times[l])
+                for k in head_keys:
+                    ht[k].append(hts[k])
+        base[t - 1] = statistics.median(bt)
+        for l in range(n_layers):
+            layer[l][t - 1] = statistics.median(lt[l])
+        for k in head_keys:
+            head[k][t - 1] = statistics.median(ht[k])
+    lc = LayerCosts(step, layer, base, head)
+
+    # 3. a direct check of the model: the full model over t tokens, a few t
+    if check:
+        measured, modelled = {}, {}
+        for t in sorted({1, max(1, tmax1 // 2), tmax1}):
+            times = []
+            for r in range(1 + curve_repeats):
+                eng.append(st, ctx[n0:n0 + t])
+                t0 = _now()
+                eng.advance(st, n_layers)
+                eng.logits(st, n_layers, n0, n0 + t)
+                dt = _now() - t0
+                eng.crop(st, n0)
+                if r >= 1:
+                    times.append(dt)
+            measured[str(t)] = statistics.median(times)
+            modelled[str(t)] = lc.curve(n_layers, t)[t - 1]
+        lc.check = {"boundary": n_layers, "measured": measured, "modelled": modelled}
+    return lc
+
+
+def time_token_drafter(drafter, contexts: Sequence[Sequence[int]], repeats: int = 3) -> float:
+    """Median seconds of ``propose(context, 1)`` over a few contexts (fallback when no timing was gathered)."""
+    times = []
+    for _ in range(repeats):
+        for c in contexts:
+            drafter.reset(list(c[: max(1, len(c) // 2)]))
+            t0 = time.perf_counter()
+            drafter.propose(list(c), 1)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) if times else 1e-6

@@ -1,0 +1,105 @@
+"""Prompt suites for profiling: JSON lines ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``.
+
+The default suite ships inside the package (``hsd_opt/data/prompts.jsonl``, read with importlib.resources);
+``data/prompts.jsonl`` in the repository is the same file. ``task`` is optional (``"other"`` when absent) and
+is only used to report acceptance per task type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from hsd_opt.errors import InputFileError
+
+DEFAULT_SUITE = "prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a suite: its text, task type and 0-based index in the file."""
+
+    index: int
+    prompt: str
+    task: str
+
+
+def default_prompts_path() -> Path:
+    """Path of the suite shipped in the package (``hsd_opt/data/prompts.jsonl``)."""
+    ref = resources.files("hsd_opt").joinpath("data", DEFAULT_SUITE)
+    return Path(str(ref))
+
+
+def load_prompts(path: str | Path | None = None) -> tuple[list[PromptItem], str, str]:
+    """Read and validate a prompt file; ``None`` means the default suite.
+
+    Returns ``(items, sha256_of_file_bytes, source_name)``.
+
+    Raises:
+        InputFileError: missing or empty file, a malformed line, a line without a non-empty string ``prompt``,
+            a ``task`` that is not a string (the message names the file and the line).
+    """
+    if path is None:
+        p = default_prompts_path()
+        source = "default suite (hsd_opt/data/prompts.jsonl)"
+    else:
+        p = Path(path)
+        source = str(p)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise InputFileError(str(p), "file not found") from None
+    except IsADirectoryError:
+        raise InputFileError(str(p), "is a directory, expected a JSON-lines prompt file") from None
+    except OSError as e:
+        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputFileError(str(p), "not UTF-8 text") from None
+    items: list[PromptItem] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"line {lineno}"
+        try:
+            obj: Any = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputFileError(str(p), f"malformed JSON ({e.msg} at column {e.colno}); expected "
+                                         '{"prompt": "...", "task": "..."}', where) from None
+        if not isinstance(obj, dict):
+            raise InputFileError(str(p), 'expected an object {"prompt": "...", "task": "..."}', where)
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputFileError(str(p), 'missing "prompt" (expected a non-empty string)', where)
+        task = obj.get("task", "other")
+        if not isinstance(task, str) or not task:
+            raise InputFileError(str(p), f'"task" must be a non-empty string, got {task!r}', where)
+        items.append(PromptItem(len(items), prompt, task))
+    if not items:
+        raise InputFileError(str(p), 'empty prompt file: expected JSON lines {"prompt": "...", "task": "..."}')
+    return items, hashlib.sha256(raw).hexdigest(), source
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids of ``prompt``: the tokenizer's chat template (one user turn + generation prompt) unless
+    ``raw`` or the tokenizer has none; otherwise the plain encoding (with the tokenizer's special tokens)."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        ids = list(out)
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(x) for x in ids]
+    return [int(x) for x in tokenizer(prompt)["input_ids"]]
+
+
+def task_names(items: Sequence[PromptItem]) -> list[str]:
+    """Task types of a suite, sorted (a fixed order for per-task statistics)."""
+    return sorted({it.task for it in items})

@@ -1,0 +1,333 @@
+"""The profiler on tiny randomly initialised Llamas: streamed statistics are exact, shards/ranks/resume merge
+exactly, bad input exits with code 2 and one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hsd_opt.cli import app
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import load_profile
+from hsd_opt.profiler.prompts import load_prompts
+from hsd_opt.profiler.run import NeuralDrafter, ProfileConfig, parse_layers, profile_sequence, run_profile
+from hsd_opt.profiler.stats import PairStats
+from tests.conftest import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--tmax", "3", "--cost-repeats", "1", "--quiet"]
+
+
+def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4) -> Path:
+    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``) saved as a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": 4 + i for i in range(n_words)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    model = make_tiny_llama(seed=seed, vocab_size=len(vocab), layers=layers, scale=8.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    fast.save_pretrained(str(path))
+    return path
+
+
+def write_prompts(path: Path, n: int = 5, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tasks = ["code", "math", "chat"]
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in rng.integers(0, 12, size=int(rng.integers(4, 12))))
+            f.write(json.dumps({"prompt": words, "task": tasks[i % 3]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": save_tiny(root / "model"), "copy": save_tiny(root / "copy"),
+            "other_tok": save_tiny(root / "other", n_words=70), "prompts": write_prompts(root / "prompts.jsonl"),
+            "root": root}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
+
+
+def _cli(args):
+    r = CliRunner().invoke(app, args)
+    return r
+
+
+def _stats(path: Path) -> PairStats:
+    prof, _ = load_profile(path)
+    return PairStats.from_dict(prof.extra["stats"])
+
+
+def _same_stats(a: PairStats, b: PairStats):
+    assert a.neural == b.neural and a.token == b.token and a.tasks == b.tasks
+    np.testing.assert_allclose(a.nn, b.nn, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(a.tn, b.tn, rtol=1e-12, atol=1e-12)
+    for k in ("prompts", "prompt_tokens", "generated_tokens"):
+        assert a.counters[k] == b.counters[k]
+
+
+# ------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_streamed_equals_direct_computation(temperature):
+    """Chunked, streamed sums equal sum-min / argmax / p_j(proposal) computed from stored full distributions."""
+    from hsd_opt.drafters.ngram import ContextNgramDrafter
+
+    model = make_tiny_llama(seed=5, vocab_size=64, layers=4, scale=8.0)
+    eng = LayeredLM(model)
+    neural = [NeuralDrafter(f"layer{b}", "early_exit", eng, b) for b in (1, 2, 3, 4)]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 20, (9,), generator=g).tolist()
+    cont = torch.randint(3, 20, (13,), generator=g).tolist()
+    ngram = ContextNgramDrafter(name="ngram")
+    acc, agr, acc_t, agr_t, _ = profile_sequence(neural, [ngram], prompt, cont, temperature, chunk=5)
+
+    full = prompt + cont
+    with torch.no_grad():
+        out = model(torch.tensor(full)[None], output_hidden_states=True)
+    P = len(prompt)
+    dists, ams = [], []
+    for b in (1, 2, 3, 4):
+        with torch.no_grad():
+            lg = out.logits[0] if b == 4 else model.lm_head(model.model.norm(out.hidden_states[b][0]))
+        lg = lg[P - 1:P - 1 + len(cont)]
+        dists.append(torch.softmax(lg / (temperature or 1.0), -1).double())
+        ams.append(lg.argmax(-1))
+    for i in range(4):
+        for j in range(i + 1, 4):
+            direct = torch.minimum(dists[i], dists[j]).sum(-1).numpy()
+            np.testing.assert_allclose(acc[i, j], direct, atol=1e-5)
+            assert (agr[i, j] == (ams[i] == ams[j]).numpy()).all()
+    ref = ContextNgramDrafter(name="ngram")
+    ref.reset(prompt)
+    for g_ in range(len(cont)):
+        y = ref.propose(full[:P + g_], 1)[0]
+        ref.observe(full[:P + g_], [full[P + g_]])
+        for j in range(4):
+            assert acc_t[0, j, g_] == pytest.approx(float(dists[j][g_, y]), abs=1e-6)
+            assert agr_t[0, j, g_] == (y == int(ams[j][g_]))
+
+
+def test_pairstats_merge_flat_json_and_ci():
+    rng = np.random.default_rng(0)
+    parts = []
+    for _ in range(3):
+        s = PairStats(["a", "b", "c"], ["ng"], ["code", "math"], ["prompts"])
+        for task in ("code", "math"):
+            m = 7
+            s.add_neural(task, rng.random((3, 3, m)), rng.random((3, 3, m)) > 0.5)
+            s.add_token(task, rng.random((1, 3, m)), rng.random((1, 3, m)) > 0.5)
+        s.count("prompts", 2)
+        parts.append(s)
+    total = parts[0].merge(parts[1]).merge(parts[2])
+    back = PairStats.from_dict(json.loads(json.dumps(total.to_dict())))
+    np.testing.assert_array_equal(back.nn, total.nn)
+    assert back.counters["prompts"] == 6
+    flat = PairStats(["a", "b", "c"], ["ng"], ["code", "math"], ["prompts"])
+    flat.load_flat(parts[0].flat() + parts[1].flat() + parts[2].flat())
+    np.testing.assert_allclose(flat.nn, total.nn)
+    assert total.acceptance("a", "c") == total.acceptance("c", "a")       # symmetric measure
+    lo, hi = total.ci95("a", "b")
+    assert lo < total.acceptance("a", "b") < hi
+    assert total.n("ng", "b") == 42 and total.acceptance("b", "ng") is None
+    with pytest.raises(ValueError):
+        total.merge(PairStats(["a", "b"], [], ["code"]))
+
+
+def test_parse_layers():
+    assert parse_layers("all", 4) == [1, 2, 3, 4]
+    assert parse_layers("1,3", 4) == [1, 3, 4]
+    assert parse_layers("2-3", 6) == [2, 3, 6]
+    with pytest.raises(HsdError, match=r"--layers.*1\.\.4"):
+        parse_layers("5", 4)
+    with pytest.raises(HsdError, match="--layers"):
+        parse_layers("0", 4)
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "profile.json"
+    os.environ["HSD_CACHE"] = str(tmp_path_factory.getbasetemp() / "hsd-cache")
+    r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
+              "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters", "ngram,bigram",
+              "--device", "cpu"] + FAST)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
+    prof, warnings = load_profile(full_run)
+    names = prof.names
+    assert prof.target == "layer4"
+    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "bigram"} == set(names)
+    costs = [m.cost for m in prof.models]
+    assert costs == sorted(costs)                                # cheapest first
+    # the draft model is an identical copy of the target: acceptance 1, agreement 1
+    a = prof.acceptance.get("copy", {}).get("layer4", prof.acceptance.get("layer4", {}).get("copy"))
+    assert a == pytest.approx(1.0, abs=1e-5)
+    assert prof.entry("copy").kind == "model" and prof.entry("ngram").can_verify is False
+    assert prof.entry("ngram").extra["config"]["kind"] == "ngram_context"
+    for d, row in prof.acceptance.items():
+        for v, x in row.items():
+            assert 0 <= x <= 1 and names.index(d) < names.index(v)
+    assert len(prof.cost_curve["layer4"]) == 4
+    assert len(prof.verify_cost["layer4"]["layer1"]) == 4
+    assert prof.verify_cost["layer4"]["layer1"][0] < prof.cost_curve["layer4"][0]
+    pv = prof.extra["provenance"]
+    assert pv["prompts_sha256"] == load_prompts(tiny["prompts"])[1]
+    assert pv["prompt_count"] == 5 and pv["generated_tokens"] > 0 and pv["heads"] is None
+    assert set(prof.extra["acceptance_by_task"]) <= {"code", "math", "chat"}
+    assert "ci95" in prof.extra and "greedy_agreement" in prof.extra and "counts" in prof.extra
+    r = _cli(["solve", "--profile", str(full_run), "--tmax", "3"])
+    assert r.exit_code == 0, r.output
+
+
+def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
+    parts = []
+    for k in (0, 1):
+        out = tmp_path / f"shard{k}.json"
+        r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
+                  "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters", "ngram,bigram",
+                  "--shard", f"{k}/2", "--device", "cpu"] + FAST)
+        assert r.exit_code == 0, r.output
+        parts.append(out)
+    merged = tmp_path / "merged.json"
+    r = _cli(["profile", "merge", str(parts[0]), str(parts[1]), "-o", str(merged)])
+    assert r.exit_code == 0, r.output
+    _same_stats(_stats(merged), _stats(full_run))
+    m, _ = load_profile(merged)
+    f, _ = load_profile(full_run)
+    for d, row in f.acceptance.items():
+        for v, x in row.items():
+            if d in m.acceptance and v in m.acceptance[d]:
+                assert m.acceptance[d][v] == pytest.approx(x, abs=1e-12)
+    # a profile of a different model is refused, naming the field
+    other = tmp_path / "other.json"
+    r = _cli(["profile", "--model", str(tiny["other_tok"]), "--prompts", str(tiny["prompts"]), "--out", str(other),
+              "--max-new-tokens", "4", "--token-drafters", "none", "--device", "cpu"] + FAST)
+    assert r.exit_code == 0, r.output
+    r = _cli(["profile", "merge", str(parts[0]), str(other), "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "provenance.model" in r.output
+
+
+def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
+    def cfg(out, **kw):
+        base = dict(model=str(tiny["model"]), out=out, prompts=tiny["prompts"], max_new_tokens=6, device="cpu",
+                    token_drafters=["ngram"], tmax=2, cost_repeats=1, curve_repeats=1, progress=False)
+        base.update(kw)
+        return ProfileConfig(**base)
+
+    ref = run_profile(cfg(tmp_path / "ref.json"))
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_2(k):
+        if k == 2:
+            raise Crash()
+
+    out = tmp_path / "run.json"
+    with pytest.raises(Crash):
+        run_profile(cfg(out), on_prompt=crash_after_2)
+    partial = Path(str(out) + ".partial.json")
+    assert partial.exists() and not out.exists()
+    assert len(json.loads(partial.read_text())["done"]) == 2
+    with pytest.raises(InputFileError, match="max_new_tokens"):          # different settings: refused
+        run_profile(cfg(out, max_new_tokens=7, resume=True))
+    done_again = []
+    prof = run_profile(cfg(out, resume=True), on_prompt=done_again.append)
+    assert len(done_again) == 3                                          # only the 3 missing prompts ran
+    assert out.exists() and not partial.exists()
+    a = PairStats.from_dict(prof.extra["stats"])
+    b = PairStats.from_dict(ref.extra["stats"])
+    _same_stats(a, b)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_gloo_ranks_equal_single_run(full_run, tiny, tmp_path):
+    out = tmp_path / "dist.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "hsd_opt", "profile", "--model", str(tiny["model"]), "--prompts",
+           str(tiny["prompts"]), "--out", str(out), "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]),
+           "--token-drafters", "ngram,bigram", "--device", "cpu"] + FAST
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _same_stats(_stats(out), _stats(full_run))
+    prof, _ = load_profile(out)
+    assert prof.extra["provenance"]["world_size"] == 2
+    assert not list(tmp_path.glob("*.partial*"))
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_exit_2(tiny, tmp_path):
+    base = ["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"] + FAST
+    cases = []
+    r = _cli(base + ["--model", "no-such-model"])
+    cases.append((r, "smollm2-135m"))                                    # lists the known models
+    r = _cli(base + ["--model", str(tmp_path / "missing.gguf")])
+    cases.append((r, "GGUF file not found"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(empty)])
+    cases.append((r, "empty prompt file"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "w1 w2", "task": "chat"}\n{"prompt": "w1\n')
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(bad)])
+    cases.append((r, "line 2"))
+    noprompt = tmp_path / "noprompt.jsonl"
+    noprompt.write_text('{"text": "w1 w2", "task": "chat"}\n')
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(noprompt)])
+    cases.append((r, 'missing "prompt"'))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--layers", "2,9"])
+    cases.append((r, "1..4"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--draft-model",
+                     str(tiny["other_tok"])])
+    cases.append((r, "tokenizer differs"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--token-drafters", "foo"])
+    cases.append((r, "unknown token drafter"))
+    for r, needle in cases:
+        text = " ".join(r.output.split())
+        assert r.exit_code == 2, (needle, r.output)
+        assert needle in text, (needle, r.output)
+        assert "Traceback" not in r.output
+
+
+def test_default_suite_is_packaged_and_valid():
+    items, sha, _ = load_prompts(None)
+    assert len(items) >= 8 and {"code", "math", "chat", "summarization"} <= {it.task for it in items}
+    repo_copy = REPO / "data" / "prompts.jsonl"
+    if repo_copy.exists():
+        assert repo_copy.read_bytes() == (REPO / "hsd_opt" / "data" / "prompts.jsonl").read_bytes()
