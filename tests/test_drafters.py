@@ -264,3 +264,20 @@ def test_multi_draft_sampling_is_lossless():
     emp = counts / N
     # total variation distance between empirical and exact joint law (36 cells, N = 6000: noise ~0.03)
     assert 0.5 * float((emp - joint).abs().sum()) < 0.06
+
+
+@pytest.mark.parametrize("kind", ["ngram", "bigram", "aded"])
+def test_each_drafter_greedy_equals_target_greedy(model, table, kind):
+    from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+
+    prompt = [5, 9, 5, 9, 33, 2, 5, 9]
+    ref = _greedy(model, prompt, 30)
+    if kind == "ngram":
+        d = ContextNgramDrafter(q=2)
+    elif kind == "bigram":
+        d = BigramDrafter(table)
+    else:
+        d = AdedDrafter(TrigramMatrix.from_sequences([prompt + ref[:10]], threshold=1), iterations=20)
+    for k in (1, 3):
+        out, _ = mixed_greedy_decode(_logits_fn(model), prompt, d, k, 3, 30)
+        assert out == ref
