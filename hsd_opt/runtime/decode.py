@@ -1,0 +1,383 @@
+"""Hierarchical Speculative Decoding (seed 003, Algorithm 1) with speculative-sampling verification
+(Algorithm 2, Leviathan et al.) at every level, over our layered engine.
+
+A hierarchy is a list of :class:`Level` s, cheapest (bottom) first, target last:
+
+- a **model level** is the exit after ``boundary`` decoder layers of a :class:`~hsd_opt.engine.layered.LayeredLM`
+  (the target's own exits all share ONE :class:`~hsd_opt.engine.layered.DecodeState`, i.e. one KV cache per
+  layer; another model of the same tokenizer has its own engine and state);
+- a **token level** is a :class:`~hsd_opt.drafters.base.TokenDrafter` (n-gram, bigram, ADED): bottom only,
+  its draft distribution is one-hot.
+
+All levels see one token sequence. Every state holds it; ``_append``/``_crop`` keep them in sync, so a rejection
+at any level crops every cache back to the accepted length. A model level verifying a block calls
+``advance(state, boundary)``, which only runs the layers (and positions) not yet computed: an exit at ``b``
+verifying drafts of an exit at ``a < b`` of the same model runs layers ``a .. b-1`` on them, nothing twice.
+
+Semantics (DESIGN.md section 3): the bottom level drafts exactly ``T_0`` tokens per call, autoregressively;
+an intermediate level ``i`` keeps requesting blocks from below and verifying them until it holds ``>= T_i``
+verified tokens, then hands up EXACTLY ``T_i`` (``mode="exact"``; surplus tokens are dropped and caches
+cropped) or all of them (``mode="eager"``); the target verifies one block per round. Fewer tokens are handed
+up only at EOS or at the ``max_new_tokens`` limit, which every level respects (nothing is produced past EOS
+or past the limit).
+
+Greedy (``temperature == 0``): a draft is accepted while it equals the verifier's argmax; then the verifier's
+argmax is appended. Sampling: each level's ``p`` is its own processed distribution (temperature, then top-p,
+identically at every level); a draft ``x`` with draft distribution ``q`` is accepted with probability
+``min(1, p(x)/q(x))``; at the first rejection a token is sampled from ``norm(max(p - q, 0))``, and if every
+draft is accepted a bonus token is sampled from ``p``. Each level hands up its tokens together with its own
+``p`` rows at those positions (Algorithm 2 line 23), which the level above uses as ``q``.
+
+Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32, batch size 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hsd_opt.errors import HsdError
+
+
+@dataclass
+class Level:
+    """One level of a hierarchy.
+
+    Attributes:
+        name: the plan's name for it (``"layer8"``, ``"ngram"``, ``"layer30"``).
+        lm: the :class:`LayeredLM` of a model level (None for a token level).
+        boundary: number of decoder layers the exit runs (``lm.n_layers`` for the model's own head).
+        drafter: a :class:`TokenDrafter` for a token level (None for a model level).
+    """
+
+    name: str
+    lm: Any = None
+    boundary: int = 0
+    drafter: Any = None
+
+    @property
+    def is_model(self) -> bool:
+        return self.lm is not None
+
+
+@dataclass
+class LevelStats:
+    """Counters of one level. For a verifying level: ``calls`` verify passes, ``drafted`` draft tokens it checked,
+    ``accepted`` of those accepted, ``rejections`` rounds ending in a rejection. For the bottom level: ``calls``
+    draft calls and ``drafted`` tokens it produced."""
+
+    name: str
+    calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"name": self.name, "calls": self.calls, "drafted": self.drafted, "accepted": self.accepted,
+             "rejections": self.rejections}
+        # a = P(accept one draft): accepted / (accepted + rejections) estimates the profile's a (each round is
+        # a run of Bernoulli(a) acceptances up to the first rejection); accepted / drafted is the raw fraction.
+        tried = self.accepted + self.rejections
+        d["acceptance_rate"] = self.accepted / tried if tried else None
+        d["accepted_fraction"] = self.accepted / self.drafted if self.drafted and tried else None
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`HSD.generate`.
+
+    Attributes:
+        token_ids: generated ids only (after the prompt), ending at EOS (included) or at ``max_new_tokens``.
+        stats: ``tokens``, ``seconds`` (wall, prefill included), ``prefill_seconds``, ``decode_seconds``,
+            ``tokens_per_s``, ``seconds_per_token`` (decode only, comparable with a plan's
+            ``expected_latency``), ``target_calls``, ``tokens_per_target_call``, ``levels`` (list of
+            :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"``).
+    """
+
+    token_ids: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then top-p (nucleus):
+    keep the smallest set of most probable tokens whose mass reaches ``top_p`` (at least one), renormalise."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, idx = torch.sort(p, dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) >= top_p  # mass strictly before this token already reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+class HSD:
+    """Runs one hierarchy: ``HSD(levels, budgets).generate(prompt_ids, max_new_tokens, ...)``.
+
+    Args:
+        levels: bottom first, target last (``levels[-1]`` must be a model level). A depth-1 hierarchy is our
+            autoregressive loop; depth 2 is single-draft speculative decoding.
+        budgets: ``T_0 .. T_{n-2}`` (``len(levels) - 1`` ints >= 1).
+        eos_ids: token ids that end a sequence.
+        mode: ``"exact"`` (every intermediate level hands up exactly T_i tokens per call) or ``"eager"`` (hands up
+            every verified token once it holds at least T_i).
+        residual: keep True. False resamples from ``p`` instead of ``norm(max(p - q, 0))`` after a rejection: a
+            deliberately wrong sampler, used only to prove that the statistical test catches a wrong rule.
+    """
+
+    def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
+                 mode: str = "exact", residual: bool = True):
+        levels = list(levels)
+        if not levels or not levels[-1].is_model:
+            raise HsdError("a hierarchy needs a model as its last level (the target)")
+        if len(budgets) != len(levels) - 1:
+            raise HsdError(f"budgets: expected {len(levels) - 1} values for {len(levels)} levels, got {len(budgets)}")
+        for i, t in enumerate(budgets):
+            if int(t) < 1:
+                raise HsdError(f"budgets[{i}]: expected a budget >= 1, got {t}")
+        for lv in levels[1:]:
+            if not lv.is_model:
+                raise HsdError(f"{lv.name!r} cannot verify: a token drafter may only be the bottom level")
+        if mode not in ("exact", "eager"):
+            raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+        self.levels = levels
+        self.budgets = [int(t) for t in budgets] or [1]
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.mode = mode
+        self.residual = residual  # False only in tests: a deliberately wrong sampler (resample from p)
+        # one engine state per distinct LayeredLM; exits of one model share it
+        self._lms: list[Any] = []
+        for lv in levels:
+            if lv.is_model and all(lv.lm is not m for m in self._lms):
+                self._lms.append(lv.lm)
+        self._states: list[Any] = [None] * len(self._lms)
+        self._level_state = [next(i for i, m in enumerate(self._lms) if m is lv.lm) if lv.is_model else -1
+                             for lv in levels]
+
+    # ------------------------------------------------------------------------------------------ sequence
+
+    def _append(self, toks: list[int]) -> None:
+        if not toks:
+            return
+        self.seq.extend(toks)
+        ids = torch.tensor(toks, dtype=torch.long, device=self._lms[0].device)
+        for lm, st in zip(self._lms, self._states):
+            lm.append(st, ids if lm.device == ids.device else ids.to(lm.device))
+
+    def _crop(self, n: int) -> None:
+        if n < len(self.seq):
+            del self.seq[n:]
+            for lm, st in zip(self._lms, self._states):
+                lm.crop(st, n)
+
+    def _ended(self) -> bool:
+        return len(self.seq) >= self.limit or (len(self.seq) > self.n_prompt and self.seq[-1] in self.eos)
+
+    def _cut_eos(self, toks: list[int]) -> list[int]:
+        for i, t in enumerate(toks):
+            if t in self.eos:
+                return toks[: i + 1]
+        return toks
+
+    # ------------------------------------------------------------------------------------------ levels
+
+    def _dist(self, k: int, start: int, end: int) -> torch.Tensor:
+        """Level k's logits (greedy) or processed probabilities (sampling) at positions start..end-1: [m, V]."""
+        lv = self.levels[k]
+        st = self._states[self._level_state[k]]
+        lv.lm.advance(st, lv.boundary)
+        logits = lv.lm.logits(st, lv.boundary, start, end)
+        if self.greedy:
+            return logits
+        return process_logits(logits, self.temperature, self.top_p)
+
+    def _sample(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p, 1, generator=self.gen))
+
+    def _draft(self) -> tuple[list[int], torch.Tensor | None]:
+        """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS); returns (ids, q rows)."""
+        lv, st_stats = self.levels[0], self.stats[0]
+        n = min(self.budgets[0] if len(self.levels) > 1 else 1, self.limit - len(self.seq))
+        st_stats.calls += 1
+        if not lv.is_model:
+            toks = self._cut_eos([int(t) for t in lv.drafter.propose(self.seq, n)][:n])
+            if len(toks) != n and (not toks or toks[-1] not in self.eos):
+                raise HsdError(f"drafter {lv.name!r} returned {len(toks)} tokens, expected {n}")
+            self._append(toks)
+            st_stats.drafted += len(toks)
+            return toks, None
+        toks: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(n):
+            m = len(self.seq)
+            d = self._dist(0, m - 1, m)
+            if self.greedy:
+                t = int(d[0].argmax())
+            else:
+                t = self._sample(d[0])
+                rows.append(d)
+            toks.append(t)
+            self._append([t])
+            if t in self.eos:
+                break
+        st_stats.drafted += len(toks)
+        return toks, (torch.cat(rows) if rows else None)
+
+    def _level(self, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """Algorithm 1 at level k >= 1: returns the tokens it hands up (already appended to the sequence) and its
+        own distribution rows at them (sampling) — T_k tokens for an intermediate level, one round at the top."""
+        if k == 0:
+            return self._draft()
+        top = k == len(self.levels) - 1
+        budget = None if top else self.budgets[k]
+        n0 = len(self.seq)
+        out: list[int] = []
+        out_p: list[torch.Tensor] = []
+        stats = self.stats[k]
+        while not self._ended():
+            s = len(self.seq)  # first draft position
+            drafts, q = self._level(k - 1)
+            d = len(drafts)
+            if d == 0:
+                break
+            p = self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
+            stats.calls += 1
+            stats.drafted += d
+            if self.greedy:
+                g = p.argmax(-1).tolist()
+                j = 0
+                while j < d and drafts[j] == g[j]:
+                    j += 1
+                fix = g[j] if j <= d else None
+            else:
+                j, fix = self._verify(p, q, drafts)
+            stats.accepted += j
+            if j < d:
+                stats.rejections += 1
+                self._crop(s + j)
+            new = drafts[:j]
+            if not (j == d and drafts[-1] in self.eos) and s + j < self.limit:
+                new = new + [fix]
+                self._append([fix])
+            out.extend(new)
+            if not self.greedy:
+                out_p.append(p[: len(new)])
+            if top or (budget is not None and len(out) >= budget):
+                break
+        if budget is not None and self.mode == "exact" and len(out) > budget:
+            out = out[:budget]
+            self._crop(n0 + budget)
+        if self.greedy or not out_p:
+            return out, None
+        probs = torch.cat(out_p)
+        return out, probs[: len(out)]
+
+    def _verify(self, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]) -> tuple[int, int]:
+        """Algorithm 2 on ``d`` drafts: p ``[d+1, V]`` verifier probabilities, q ``[d, V]`` draft probabilities
+        (None: one-hot). Returns (accepted count j, the corrected or bonus token)."""
+        d = len(drafts)
+        x = torch.tensor(drafts, device=p.device)
+        ar = torch.arange(d, device=p.device)
+        px = p[ar, x]
+        qx = q[ar, x] if q is not None else torch.ones_like(px)
+        u = torch.rand(d, generator=self.gen, device=p.device)
+        ok = (u * qx < px).tolist()  # u < p/q  <=>  accept with probability min(1, p/q)
+        j = 0
+        while j < d and ok[j]:
+            j += 1
+        if j == d:
+            return j, self._sample(p[d])
+        if not self.residual:  # deliberately wrong (tests only): resample from p instead of the residual
+            return j, self._sample(p[j])
+        if q is not None:
+            r = (p[j] - q[j]).clamp_(min=0.0)
+        else:
+            r = p[j].clone()
+            r[drafts[j]] = 0.0
+        if float(r.sum()) <= 0.0:  # p == q up to rounding: the residual is empty, p itself is exact
+            r = p[j]
+        return j, self._sample(r)
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
+
+        ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming).
+        """
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise HsdError("empty prompt: need at least one token")
+        if max_new_tokens < 1:
+            raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise HsdError(f"--temperature: expected >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
+        self.greedy = temperature == 0
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        dev = self._lms[0].device
+        self.gen = torch.Generator(device=dev).manual_seed(int(seed))
+        self.n_prompt = len(prompt)
+        self.limit = len(prompt) + int(max_new_tokens)
+        max_len = self.limit + max(self.budgets) + 2
+        for i, lm in enumerate(self._lms):
+            st = self._states[i]
+            if st is None or st.max_len < max_len:
+                bounds = sorted({lv.boundary for lv in self.levels if lv.lm is lm})
+                st = lm.new_state(max(max_len, 256), save_boundaries=bounds)
+                self._states[i] = st
+            lm.crop(st, 0)
+        self.stats = [LevelStats(lv.name) for lv in self.levels]
+        self.seq = []
+        for lv in self.levels:
+            if lv.drafter is not None:
+                lv.drafter.reset(prompt)
+        t0 = time.perf_counter()
+        self._append(prompt)
+        # prefill: every model computes the prompt up to its highest level in one pass
+        for i, lm in enumerate(self._lms):
+            top_b = max(lv.boundary for lv in self.levels if lv.lm is lm)
+            lm.advance(self._states[i], top_b)
+        _sync(dev)
+        t1 = time.perf_counter()
+        depth = len(self.levels)
+        while not self._ended():
+            before = len(self.seq)
+            if depth == 1:
+                toks, _ = self._draft()
+            else:
+                toks, _ = self._level(depth - 1)
+            if not toks:
+                break
+            for lv in self.levels:
+                if lv.drafter is not None:
+                    lv.drafter.observe(self.seq[:before], toks)
+            if on_tokens is not None:
+                on_tokens(toks)
+        _sync(dev)
+        t2 = time.perf_counter()
+        out = self.seq[self.n_prompt:]
+        n = len(out)
+        target_calls = self.stats[-1].calls if depth > 1 else self.stats[0].calls
+        stats = {
+            "tokens": n, "seconds": t2 - t0, "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+            "tokens_per_s": n / (t2 - t0) if t2 > t0 else None,
+            "seconds_per_token": (t2 - t1) / n if n else None,
+            "target_calls": target_calls, "tokens_per_target_call": n / target_calls if target_calls else None,
+            "hierarchy": [lv.name for lv in self.levels], "budgets": list(self.budgets[: depth - 1]),
+            "mode": self.mode, "levels": [s.to_dict() for s in self.stats],
+            "stopped": "eos" if out and out[-1] in self.eos else "max_new_tokens",
+        }
+        return GenerationResult(out, stats)
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,196 @@
+"""The HSD runtime is lossless under greedy decoding: on tiny random Llamas, every hierarchy (depth 2..4, early
+exits, another model, a token drafter at the bottom, varied budgets, exact and eager modes) emits exactly our
+autoregressive greedy output, token for token, including EOS in the middle and max_new_tokens limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.decode import HSD, Level, process_logits
+from tests.conftest import make_tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run ~25x faster on one thread than with OpenMP threads fighting over 2 shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class CycleDrafter:
+    """A deterministic token drafter for tests: proposes ``(last + k * step) % V`` continuations and sometimes
+    copies the token that followed the last token earlier in the context (so it is right now and then)."""
+
+    name, kind, can_verify = "cycle", "test", False
+
+    def __init__(self, vocab: int, step: int = 7):
+        self.vocab, self.step, self.observed = vocab, step, 0
+
+    def reset(self, prompt_ids):
+        self.observed = 0
+
+    def propose(self, context, n):
+        ctx = list(context)
+        out = []
+        for _ in range(n):
+            last = ctx[-1]
+            nxt = None
+            for i in range(len(ctx) - 2, -1, -1):
+                if ctx[i] == last:
+                    nxt = ctx[i + 1]
+                    break
+            if nxt is None:
+                nxt = (last + self.step) % self.vocab
+            out.append(nxt)
+            ctx.append(nxt)
+        return out
+
+    def observe(self, context, accepted):
+        self.observed += len(accepted)
+
+
+def _ar(lm, prompt, n, eos=()):
+    return HSD([Level("target", lm, lm.n_layers)], [], eos_ids=eos).generate(prompt, n).token_ids
+
+
+def _random_hierarchy(rng, lm, other, vocab):
+    """A random chain, cheapest first: optional token drafter, some exits of lm (and maybe another model)."""
+    L = lm.n_layers
+    depth = rng.choice([2, 3, 4])
+    exits = sorted(rng.sample(range(1, L), k=min(depth - 1, L - 1)))
+    levels = [Level(f"layer{b}", lm, b) for b in exits]
+    if other is not None and rng.random() < 0.3:
+        levels.insert(0, Level("other", other, other.n_layers))
+    if rng.random() < 0.4:
+        levels.insert(0, Level("cycle", drafter=CycleDrafter(vocab)))
+    levels = levels[: depth - 1] if len(levels) > depth - 1 else levels
+    levels.append(Level(f"layer{L}", lm, L))
+    budgets = sorted(rng.randint(1, 6) for _ in range(len(levels) - 1))
+    return levels, budgets
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_lossless_tiny_random_hierarchies(seed):
+    rng = random.Random(seed)
+    vocab = 48
+    # peaky weights so the exits agree with the target some of the time and both branches are exercised
+    model = make_tiny_llama(seed=seed, vocab_size=vocab, layers=6, scale=6.0)
+    lm = LayeredLM(model)
+    other = LayeredLM(make_tiny_llama(seed=100 + seed, vocab_size=vocab, layers=2, scale=6.0))
+    prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+    n_new = rng.randint(1, 40)
+    ref = _ar(lm, prompt, n_new)
+    assert len(ref) == n_new
+    eos_tok = ref[len(ref) // 2]  # an EOS in the middle of the reference
+    ref_eos = ref[: ref.index(eos_tok) + 1]
+    assert _ar(lm, prompt, n_new, eos=[eos_tok]) == ref_eos
+    for trial in range(4):
+        levels, budgets = _random_hierarchy(rng, lm, other, vocab)
+        for mode in ("exact", "eager"):
+            for eos, want in (((), ref), ((eos_tok,), ref_eos)):
+                h = HSD(levels, budgets, eos_ids=eos, mode=mode)
+                res = h.generate(prompt, n_new)
+                assert res.token_ids == want, ([lv.name for lv in levels], budgets, mode, eos)
+                assert res.stats["tokens"] == len(want)
+                assert res.stats["stopped"] == ("eos" if eos and want[-1] == eos_tok else "max_new_tokens")
+
+
+def test_greedy_lossless_fixed_depths_and_acceptance():
+    """Depth 2, 3 and 4 exit chains with several budgets; the exits agree with the target often enough that
+    multi-token acceptances happen (checked), and the engine state is reused across prompts."""
+    model = make_tiny_llama(seed=11, vocab_size=32, layers=8, scale=8.0)
+    lm = LayeredLM(model)
+    prompts = [[5, 9, 3], [7] * 5, list(range(4, 20))]
+    chains = [([6], [[1], [3], [8]]), ([3, 6], [[1, 2], [2, 5], [4, 4]]), ([2, 4, 7], [[1, 1, 1], [2, 3, 6], [3, 3, 9]])]
+    any_multi = False
+    for exits, budget_sets in chains:
+        levels = [Level(f"layer{b}", lm, b) for b in exits] + [Level("layer8", lm, 8)]
+        for budgets in budget_sets:
+            for mode in ("exact", "eager"):
+                h = HSD(levels, budgets, mode=mode)
+                for p in prompts:
+                    res = h.generate(p, 30)
+                    assert res.token_ids == _ar(lm, p, 30)
+                    any_multi |= res.stats["tokens_per_target_call"] > 1.5
+    assert any_multi
+
+
+def test_exact_mode_hands_up_exactly_budget():
+    """In exact mode the target verifies blocks of exactly T_{n-1} drafts (except at the end of generation)."""
+    model = make_tiny_llama(seed=4, vocab_size=32, layers=6, scale=8.0)
+    lm = LayeredLM(model)
+    sizes = []
+    orig = HSD._level
+
+    def spy(self, k):
+        room = self.limit - len(self.seq)
+        toks, q = orig(self, k)
+        if k == 1 and len(self.levels) == 3:
+            sizes.append((len(toks), room))
+        return toks, q
+
+    HSD._level = spy
+    try:
+        h = HSD([Level("l1", lm, 1), Level("l3", lm, 3), Level("l6", lm, 6)], [2, 5], mode="exact")
+        h.generate([3, 4, 5], 60)
+    finally:
+        HSD._level = orig
+    assert len(sizes) > 5 and all(n == min(5, room) for n, room in sizes)
+
+
+def test_token_drafter_bottom_and_observe():
+    model = make_tiny_llama(seed=5, vocab_size=40, layers=4, scale=6.0)
+    lm = LayeredLM(model)
+    dr = CycleDrafter(40)
+    prompt = [3, 4, 5, 6, 3, 4, 5]
+    h = HSD([Level("cycle", drafter=dr), Level("layer2", lm, 2), Level("layer4", lm, 4)], [3, 4])
+    res = h.generate(prompt, 25)
+    assert res.token_ids == _ar(lm, prompt, 25)
+    assert dr.observed == 25
+    st = res.stats
+    assert [lv["name"] for lv in st["levels"]] == ["cycle", "layer2", "layer4"]
+    assert st["levels"][0]["drafted"] >= 1 and st["target_calls"] == st["levels"][-1]["calls"]
+
+
+def test_ngram_drafter_if_available():
+    drafters = pytest.importorskip("hsd_opt.drafters")
+    dr = drafters.make_token_drafter("ngram_context", q=2, w=4)
+    model = make_tiny_llama(seed=6, vocab_size=40, layers=4, scale=6.0)
+    lm = LayeredLM(model)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    for budgets in ([1, 2], [3, 3], [4, 8]):
+        h = HSD([Level("ngram", drafter=dr), Level("layer1", lm, 1), Level("layer4", lm, 4)], budgets)
+        assert h.generate(prompt, 30).token_ids == _ar(lm, prompt, 30)
+
+
+def test_bad_hierarchies_and_inputs():
+    lm = LayeredLM(make_tiny_llama(seed=1))
+    with pytest.raises(HsdError, match="token drafter may only be the bottom"):
+        HSD([Level("a", lm, 1), Level("c", drafter=CycleDrafter(64)), Level("t", lm, 4)], [1, 2])
+    with pytest.raises(HsdError, match="budgets"):
+        HSD([Level("a", lm, 1), Level("t", lm, 4)], [1, 2])
+    with pytest.raises(HsdError, match="budget >= 1"):
+        HSD([Level("a", lm, 1), Level("t", lm, 4)], [0])
+    h = HSD([Level("a", lm, 1), Level("t", lm, 4)], [2])
+    with pytest.raises(HsdError, match="empty prompt"):
+        h.generate([], 4)
+    with pytest.raises(HsdError, match="max-new-tokens"):
+        h.generate([3], 0)
+    with pytest.raises(HsdError, match="top-p"):
+        h.generate([3], 2, temperature=1.0, top_p=0.0)
+
+
+def test_process_logits_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = process_logits(logits, 1.0, 0.8)
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    p = process_logits(logits, 1.0, 0.5)  # the top token alone reaches 0.5
+    assert torch.allclose(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.allclose(process_logits(logits, 1.0, 1.0), torch.exp(logits))
