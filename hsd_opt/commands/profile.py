@@ -78,6 +78,8 @@ def register(app):
         shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                                   "(merge the shards with hsd profile merge)."),
         max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+        threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default). Costs are "
+                                                         "measured with this setting: use the one you run with."),
         quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
     ):
         """Measure acceptance rates a[i][j] and costs of early exits, draft models and token drafters."""
@@ -110,7 +112,7 @@ def register(app):
                             token_drafters=explicit, heads=heads, temperature=temperature,
                             max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
                             resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),
-                            max_prompts=max_prompts, progress=not quiet)
+                            max_prompts=max_prompts, progress=not quiet, threads=threads)
         try:
             prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
         except KeyboardInterrupt:

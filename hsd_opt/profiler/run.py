@@ -44,7 +44,7 @@ from hsd_opt.profiler.stats import PairStats
 
 DEFAULT_MAX_NEW_TOKENS = 32
 PARTIAL_FORMAT = "hsd-profile-partial/1"
-DEFAULT_TOKEN_DRAFTERS = ("ngram", "bigram")
+DEFAULT_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
 KNOWN_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
 #: Settings a checkpoint must share with the run that resumes it (and profiles must share to merge).
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "max_new_tokens", "raw",
@@ -79,6 +79,7 @@ class ProfileConfig:
     max_prompts: int | None = None
     chunk: int = 16
     progress: bool = True
+    threads: int = 0                                # CPU threads for torch (0: torch's default)
 
 
 # -------------------------------------------------------------------------------------------- helpers
@@ -213,15 +214,64 @@ def _make_token_drafter(name: str, lm, explicit: bool = True):
                              f"token: ~3.5 min for SmolLM2-135M on 2 CPU cores)")
         table = load_or_build_bigram_table(lm.model, key, top_k=16, progress=True)
         return BigramDrafter(table, name="bigram")
-    if name == "aded":
-        import importlib
-
-        mod = importlib.import_module("hsd_opt.drafters.aded")
-        builder = getattr(mod, "profiler_drafter", None)
-        if builder is None:
-            raise ImportError("hsd_opt.drafters.aded has no profiler_drafter(loaded_model)")
-        return builder(lm)
     return None
+
+
+def _aded_available(explicit: bool) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("hsd_opt.drafters.aded") is not None:
+        return True
+    if explicit:
+        raise HsdError("--token-drafters: 'aded' is not available in this installation (no hsd_opt.drafters.aded)")
+    return False
+
+
+def _build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
+    """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
+    the cache under a content hash so its config() rebuilds it."""
+    from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+    from hsd_opt.models.loading import cache_dir
+
+    allc = dict(conts)
+    if world > 1:
+        import torch.distributed as dist
+
+        _ensure_dist(torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"))
+        got: list = [None] * world
+        dist.all_gather_object(got, conts)
+        for c in got:
+            allc.update(c)
+    seqs = [allc[k] for k in sorted(allc, key=int)]
+    h = hashlib.sha256(repr(seqs).encode()).hexdigest()[:16]
+    path = cache_dir() / "aded" / f"aded-{h}.npz"
+    if path.exists():
+        m = TrigramMatrix.load(path)
+    else:
+        m = TrigramMatrix.from_sequences(seqs)
+        m.save(path)
+    if len(m) == 0:
+        warn("aded: the continuations hold no tri-gram seen twice; its matrix is empty (it will repeat tokens)")
+    return AdedDrafter(m, name="aded")
+
+
+def _fresh(d):
+    """A drafter in its initial state for one prompt. Adaptive drafters whose state outlives reset() (ADED's
+    matrix) are rebuilt from their config, so every prompt is profiled independently of the others: shards,
+    ranks and resumed runs then add up exactly."""
+    if getattr(d, "kind", "") == "aded":
+        from hsd_opt.drafters import make_token_drafter
+
+        cfg = dict(d.config())
+        return make_token_drafter(cfg.pop("kind"), **cfg)
+    return d
+
+
+def _encode(lm, it: PromptItem, raw: bool, source: str) -> list[int]:
+    ids = encode_prompt(lm.tokenizer, it.prompt, raw)
+    if not ids:
+        raise InputFileError(source, "prompt encodes to no tokens", f"line of prompt {it.index + 1}")
+    return ids
 
 
 # -------------------------------------------------------------------------------------------- core
@@ -351,6 +401,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         raise HsdError(f"--temperature: expected >= 0, got {cfg.temperature}")
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
     items, prompts_sha, prompts_source = load_prompts(cfg.prompts)
     tasks = task_names(items)
     if cfg.max_prompts is not None:
@@ -366,7 +418,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             raise InputFileError(str(cfg.heads), "file not found", None)
         from hsd_opt.heads import load_heads
 
-        exit_heads, heads_meta = load_heads(str(cfg.heads), lm.model)
+        exit_heads, heads_meta = load_heads(str(cfg.heads), lm)
         heads_sha = file_sha256(Path(cfg.heads))
     eng = LayeredLM(lm.model, exit_heads=exit_heads)
     n_layers = eng.n_layers
@@ -388,7 +440,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         taken.add(name)
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
         drafts.append(dlm)
-    tds = build_token_drafters(cfg.token_drafters, lm, cfg.token_drafters is not None, warn)
+    requested = list(cfg.token_drafters) if cfg.token_drafters is not None else list(DEFAULT_TOKEN_DRAFTERS)
+    want_aded = "aded" in requested and _aded_available(cfg.token_drafters is not None)
+    tds = build_token_drafters([n for n in requested if n != "aded"], lm, cfg.token_drafters is not None, warn)
     for d in tds:
         if d.name in taken:
             raise HsdError(f"--token-drafters: name {d.name!r} is already used by another drafter")
@@ -400,17 +454,19 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens), "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": lm.dtype, "layers": boundaries,
         "draft_models": [nd.model_id for nd in neural if nd.kind == "model"],
-        "token_drafters": [d.config() for d in tds], "shard": list(cfg.shard) if cfg.shard else None,
+        "token_drafters": [f"{d.kind}:{d.name}" for d in tds] + (["aded:aded"] if want_aded else []), "shard": list(cfg.shard) if cfg.shard else None,
         "max_prompts": cfg.max_prompts, "world_size": world,
     }
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
-    counters += [f"propose_seconds.{d.name}" for d in tds] + [f"propose_calls.{d.name}" for d in tds]
-    stats = PairStats([nd.name for nd in neural], [d.name for d in tds], tasks, counters)
+    token_names = [d.name for d in tds] + (["aded"] if want_aded else [])
+    counters += [f"propose_seconds.{n}" for n in token_names] + [f"propose_calls.{n}" for n in token_names]
+    stats = PairStats([nd.name for nd in neural], token_names, tasks, counters)
 
     mine = [it for it in items if cfg.shard is None or it.index % cfg.shard[1] == cfg.shard[0]]
     mine = [it for j, it in enumerate(mine) if j % world == rank]
     partial = _partial_path(Path(cfg.out), rank, world)
     done: list[int] = []
+    conts: dict[str, list[int]] = {}
     if cfg.resume and partial.exists():
         ck = read_json(partial)
         if not isinstance(ck, dict) or ck.get("format") != PARTIAL_FORMAT:
@@ -419,25 +475,42 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         _check_settings(ck.get("settings", {}), settings, str(partial), RESUME_FIELDS, "this checkpoint")
         stats = PairStats.from_dict(ck["stats"])
         done = [int(x) for x in ck.get("done", [])]
+        conts = {str(k): [int(t) for t in v] for k, v in ck.get("continuations", {}).items()}
         log(f"resuming from {partial}: {len(done)} prompt(s) already profiled")
     elif cfg.resume:
         warn(f"--resume: no checkpoint at {partial}; starting from the beginning")
     todo = [it for it in mine if it.index not in set(done)]
 
+    def _checkpoint() -> None:
+        write_json(partial, {"format": PARTIAL_FORMAT, "settings": settings, "rank": rank, "world_size": world,
+                             "done": done, "continuations": conts, "stats": stats.to_dict()}, indent=None)
+
     eos = _eos_ids(lm)
     progress = _progress(cfg.progress and rank == 0)
-    task_id = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
     t_prof = time.perf_counter()
     try:
-        for k, it in enumerate(todo, 1):
-            ids = encode_prompt(lm.tokenizer, it.prompt, cfg.raw)
-            if not ids:
-                raise InputFileError(settings["prompts"], "prompt encodes to no tokens", f"line of prompt {it.index + 1}")
+        # phase 1: the target's continuations (checkpointed; they are also ADED's default corpus)
+        need_gen = [it for it in mine if str(it.index) not in conts]
+        gid = progress.add_task("generating", total=len(mine), completed=len(mine) - len(need_gen)) \
+            if progress else None
+        for it in need_gen:
+            ids = _encode(lm, it, cfg.raw, settings["prompts"])
             gen = None
             if cfg.temperature > 0:
                 gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + it.index)
-            cont = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen)
-            acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(neural, tds, ids, cont, cfg.temperature,
+            conts[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen)
+            _checkpoint()
+            if progress:
+                progress.update(gid, advance=1)
+        if want_aded:
+            tds.append(_build_aded(conts, world, warn))
+        # phase 2: every drafter's distribution at every generated position, streamed into the sums
+        pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
+        for k, it in enumerate(todo, 1):
+            ids = _encode(lm, it, cfg.raw, settings["prompts"])
+            cont = conts[str(it.index)]
+            fresh = [_fresh(d) for d in tds]
+            acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(neural, fresh, ids, cont, cfg.temperature,
                                                                      cfg.chunk)
             stats.add_neural(it.task, acc_nn, agr_nn)
             if tds:
@@ -450,10 +523,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             stats.count("generated_tokens", len(cont))
             stats.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
             done.append(it.index)
-            write_json(partial, {"format": PARTIAL_FORMAT, "settings": settings, "rank": rank, "world_size": world,
-                                 "done": done, "stats": stats.to_dict()}, indent=None)
+            _checkpoint()
             if progress:
-                progress.update(task_id, advance=1,
+                progress.update(pid, advance=1,
                                 description=f"profiling ({int(stats.counters['generated_tokens'])} tokens)")
             if on_prompt:
                 on_prompt(k)
@@ -507,6 +579,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                     "total_seconds": round(time.perf_counter() - t_start, 3)},
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hsd_opt_version": _version(), "torch": torch.__version__, "world_size": world,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     _, warnings = profile_from_dict(prof.to_dict(), str(cfg.out))
     save_profile(prof, cfg.out)
