@@ -27,3 +27,27 @@ __all__ = [
     "plan_from_dict", "profile_from_dict", "save_plan", "save_profile", "__version__",
 ]
 __all__ += ["solve", "evaluate", "simulate", "gamma", "hierarchy_latency", "build_gsp_graph"]
+
+
+def train_heads(*args, **kwargs):
+    """Train per-layer exit heads (lazy wrapper of :func:`hsd_opt.heads.train.train_heads`; imports torch)."""
+    from hsd_opt.heads.train import train_heads as _f
+
+    return _f(*args, **kwargs)
+
+
+def load_heads(*args, **kwargs):
+    """Load a heads file for a model (lazy wrapper of :func:`hsd_opt.heads.io.load_heads`; imports torch)."""
+    from hsd_opt.heads.io import load_heads as _f
+
+    return _f(*args, **kwargs)
+
+
+def save_heads(*args, **kwargs):
+    """Write a heads file (lazy wrapper of :func:`hsd_opt.heads.io.save_heads`; imports torch)."""
+    from hsd_opt.heads.io import save_heads as _f
+
+    return _f(*args, **kwargs)
+
+
+__all__ += ["train_heads", "load_heads", "save_heads"]

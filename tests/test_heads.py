@@ -196,3 +196,24 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
     res = runner.invoke(app, ["heads", "train", "--prompts", str(tmp_path / "p.jsonl"),
                               "--out", str(tmp_path / "h.safetensors")])
     assert res.exit_code == 2 and "p.jsonl: file not found" in res.output
+
+
+def test_batched_generation_matches_layered_greedy(tiny):
+    from hsd_opt.heads.data import _generate_batched, split_sequences
+
+    prompts = [_seqs(1, n, seed=n)[0] for n in (5, 9, 3)]  # different lengths: left padding
+    seqs, plens = _generate_batched(tiny, prompts, 6, None, 0.0, 1.0, 0, 8, False)
+    lm = LayeredLM(tiny)
+    for x, s, pl in zip(prompts, seqs, plens):
+        assert pl == len(x) and s[:pl] == x and len(s) == pl + 6
+        st = lm.new_state(len(x) + 6)
+        lm.append(st, x)
+        out = []
+        for _ in range(6):
+            lm.advance(st, 4)
+            t = int(lm.logits(st, 4, st.n - 1, st.n)[0].argmax())
+            out.append(t)
+            lm.append(st, [t])
+        assert s[pl:] == out
+    tr, ho = split_sequences(_seqs(10, 4), 0.2)
+    assert len(tr) == 8 and len(ho) == 2
