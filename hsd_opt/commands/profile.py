@@ -66,7 +66,7 @@ def register(app):
         no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
         temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy continuations (acceptance "
                                                                      "then uses softmax(logits)); > 0 samples."),
-        max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens the target generates per "
+        max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Tokens the target generates per "
                                                                         "prompt (fewer at EOS)."),
         raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
@@ -78,8 +78,9 @@ def register(app):
         shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                                   "(merge the shards with hsd profile merge)."),
         max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
-        threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default). Costs are "
-                                                         "measured with this setting: use the one you run with."),
+        threads: int = typer.Option(0, "--threads", help="CPU threads for torch. 0 = auto: torch's default, or 1 "
+                                                         "when the machine is already oversubscribed. Costs are "
+                                                         "measured with this setting."),
         quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
     ):
         """Measure acceptance rates a[i][j] and costs of early exits, draft models and token drafters."""
