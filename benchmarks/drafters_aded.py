@@ -1,6 +1,6 @@
 """ADED's MCTS cost per call vs its iteration count, against the target's forward time (seed 004 + issue 6).
 
-1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 128 tokens for every prompt of
+1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 96 tokens for every prompt of
    data/prompts.jsonl (cached in /tmp/hsdbench).
 2. Two folds: the tri-gram matrix is built from the prompts + generations of one half of the suite (the
    default ADED corpus: text the target itself generates) and evaluated on the other half, so no continuation
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
     ap.add_argument("--w", type=int, default=4)
     ap.add_argument("--threshold", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--bigram-table", default=None, help="default: the table of drafters_bigram_build.json")
     ap.add_argument("--out", default=str(RESULTS / "drafters_aded.json"))
     a = ap.parse_args()

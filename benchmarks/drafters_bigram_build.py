@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--rows", type=int, default=None, help="build only this many rows (probe)")
+    ap.add_argument("--bos", default="auto", help="'auto' (config BOS), an id, or 'none'")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafters_bigram_build.json"))
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -32,14 +33,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     h = model_fingerprint(model)
     t0 = time.perf_counter()
-    table = build_bigram_table(model, top_k=a.top_k, batch_size=a.batch_size, vocab_size=a.rows)
+    bos = None if a.bos == "none" else (a.bos if a.bos == "auto" else int(a.bos))
+    load = os.getloadavg()
+    table = build_bigram_table(model, top_k=a.top_k, batch_size=a.batch_size, vocab_size=a.rows, bos_id=bos)
     secs = time.perf_counter() - t0
     table.meta["model_hash"] = h
     res = {"model": a.model, "model_hash": h, "rows": table.vocab_size, "top_k": a.top_k,
            "batch_size": a.batch_size, "seconds": secs, "rows_per_second": table.vocab_size / secs,
-           "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+           "bos_id": table.meta["bos_id"], "torch_threads": torch.get_num_threads(),
+           "cpu": platform.processor() or platform.machine(), "loadavg_before": load, "loadavg_after": os.getloadavg()}
     if a.rows is None:
-        path = table.save(table_path(a.cache_dir, h, a.top_k, None))
+        path = table.save(table_path(a.cache_dir, h, a.top_k, table.meta["bos_id"]))
         res["table"] = str(path)
         res["table_bytes"] = os.path.getsize(path)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def table(model):
-    return build_bigram_table(model, top_k=8, batch_size=24, progress=False)
+    return build_bigram_table(model, top_k=8, batch_size=24, bos_id=None, progress=False)
 
 
 def test_bigram_table_equals_direct_model_calls(model, table):
@@ -113,9 +113,11 @@ def test_bigram_table_equals_direct_model_calls(model, table):
 
 
 def test_bigram_table_with_bos(model):
-    t = build_bigram_table(model, top_k=4, bos_id=1, progress=False, vocab_size=10)
+    t = build_bigram_table(model, top_k=4, bos_id=1, batch_size=7, progress=False, vocab_size=20)
+    assert t.meta["bos_id"] == 1
+    assert build_bigram_table(model, top_k=4, progress=False, vocab_size=2).meta["bos_id"] == model.config.bos_token_id
     with torch.no_grad():
-        for x in range(10):
+        for x in range(20):
             p = torch.softmax(model(torch.tensor([[1, x]])).logits[0, -1], -1)
             assert t.ids[x].tolist() == torch.topk(p, 4).indices.tolist()
 
@@ -133,14 +135,16 @@ def test_unigram_is_distance_from_mean(model):
 
 
 def test_bigram_cache_round_trip(model, tmp_path):
-    t1 = load_or_build_bigram_table(model, "abc123", top_k=4, cache_dir=tmp_path, progress=False)
+    t1 = load_or_build_bigram_table(model, "abc123", top_k=4, cache_dir=tmp_path, bos_id=None, progress=False)
     path = table_path(tmp_path, "abc123", 4, None)
     assert path.exists() and t1.path == str(path)
-    t2 = load_or_build_bigram_table(None, "abc123", top_k=4, cache_dir=tmp_path)  # no model: must load
+    t2 = load_or_build_bigram_table(None, "abc123", top_k=4, cache_dir=tmp_path, bos_id=None)  # must load
     assert np.array_equal(t1.ids, t2.ids) and np.array_equal(t1.probs, t2.probs)
     assert np.array_equal(t1.unigram_ids, t2.unigram_ids) and t2.meta["model_hash"] == "abc123"
     with pytest.raises(HsdError):
-        load_or_build_bigram_table(None, "other", top_k=4, cache_dir=tmp_path)
+        load_or_build_bigram_table(None, "other", top_k=4, cache_dir=tmp_path, bos_id=None)
+    with pytest.raises(HsdError):
+        load_or_build_bigram_table(None, "abc123", top_k=4, cache_dir=tmp_path)  # "auto" needs the model
 
 
 def test_bigram_drafter_and_extended_bigram(table):

@@ -5,10 +5,13 @@
   likely next tokens per row are kept: ``ids [V, top_k] int32`` and ``probs [V, top_k] float32`` (probabilities
   under the full-vocabulary softmax, so rows sum to <= 1).
 
-  BOS choice: by default NO BOS is prepended (``bos_id=None``), i.e. the row is literally ``p_M(. | x)``
-  with ``x`` at position 0. Rationale: during decoding the token before the drafted one is in the middle of
-  the text, not after a BOS, and the paper's pseudo-code calls ``model(x)``; it also halves the build time.
-  Pass ``bos_id`` to build ``p_M(. | BOS, x)`` instead (stored in the cache key and the file).
+  BOS choice: by default a one-token prefix IS prepended: the row of ``x`` is ``p_M(. | bos, x)`` with
+  ``bos = model.config.bos_token_id`` (``bos_id="auto"``; pass an id or None to override). Measured on SmolLM2
+  (the prompt suite's 815 prompt tokens, agreement of the row's argmax with the model's full-context argmax):
+  no prefix 3.2% top-1 / 15.2% top-5 (at position 0 the model predicts '-' or ',' after almost every token, an
+  attention-sink artefact), ``<|im_start|>`` (its config BOS, id 1) 13.3% / 35.0%, ``<|endoftext|>`` (id 0)
+  12.3% / 34.8%, a newline 15.3% / 36.1%. The prefix's KV cache is computed once and shared by every batch,
+  so the build costs the same as without it. The id used is stored in the file and in the cache key.
 
 * **Unigram** (q = 0): ``d(x) = ||u_x - u_mean||_V`` with ``u_x`` the output (LM-head) embedding of ``x``,
   ``u_mean`` their mean, and ``<a, b>_V = a^T C b`` with ``C = E^T E / |X|`` from the input embeddings ``E``
@@ -67,7 +70,7 @@ def table_path(cache_dir: str | os.PathLike | None, model_hash: str, top_k: int,
     """Where the table of this model/top_k/BOS choice lives: ``<cache_dir>/bigram-<hash>-k<top_k>[-bos<id>].npz``."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     suffix = "" if bos_id is None else f"-bos{bos_id}"
-    return root / f"bigram-{model_hash}-k{top_k}{suffix}.npz"
+    return root / f"bigram-{model_hash}-k{top_k}{suffix}.npz"  # suffix "" = built without a prefix
 
 
 @dataclass
@@ -201,26 +204,56 @@ def unigram_from_weights(model, keep: int = 1024) -> tuple[np.ndarray, np.ndarra
     return top.indices.numpy().astype(np.int32), top.values.numpy().astype(np.float32)
 
 
+AUTO = "auto"
+
+
+def resolve_bos(model, bos_id) -> int | None:
+    """``"auto"`` -> ``model.config.bos_token_id`` (None if the config has none); ints and None pass through."""
+    if bos_id == AUTO:
+        b = getattr(getattr(model, "config", None), "bos_token_id", None)
+        return int(b) if b is not None else None
+    return None if bos_id is None else int(bos_id)
+
+
+def _prefix_cache(model, bos_id: int, device):
+    """KV cache of the one-token prefix ``[bos_id]`` (batch 1), or None if this transformers cannot do it."""
+    import torch
+
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([[bos_id]], device=device), past_key_values=cache, use_cache=True)
+        return cache
+    except Exception:  # pragma: no cover - older/newer cache APIs: fall back to [bos, x] inputs
+        return None
+
+
 def build_bigram_table(
     model,
     top_k: int = 16,
     batch_size: int = 256,
-    bos_id: int | None = None,
+    bos_id: int | None | str = AUTO,
     vocab_size: int | None = None,
     progress: bool = True,
 ) -> BigramTable:
-    """Compute the top-k bigram table of a Hugging Face causal LM: one ``model(input_ids).logits`` call per batch.
+    """Compute the top-k bigram table of a Hugging Face causal LM: one forward call per batch of rows.
 
     Args:
         model: a causal LM (``model(input_ids=LongTensor[b, L]).logits -> [b, L, V]``), any device.
         top_k: kept next tokens per row.
         batch_size: rows per forward call (single-token contexts, so memory ~ batch_size * V floats).
-        bos_id: if given, each context is ``[bos_id, x]`` instead of ``[x]`` (see module docstring).
+        bos_id: ``"auto"`` (default: ``model.config.bos_token_id``), an id, or None. With an id each row is
+            ``p_M(. | bos_id, x)``; the prefix's KV cache is computed once and shared by all rows, so the
+            build costs the same as without it. See the module docstring for why a prefix is the default.
         vocab_size: rows to compute (default: the LM-head size).
         progress: show a rich progress bar.
     """
+    import copy
+
     import torch
 
+    bos_id = resolve_bos(model, bos_id)
     V_out = model.get_output_embeddings().weight.shape[0]
     V = int(vocab_size or V_out)
     device = next(model.parameters()).device
@@ -233,12 +266,19 @@ def build_bigram_table(
     try:
         task = bar.add_task("bigram table", total=V) if bar else None
         with torch.inference_mode():
+            prefix = _prefix_cache(model, bos_id, device) if bos_id is not None else None
             for s in range(0, V, batch_size):
                 e = min(V, s + batch_size)
                 x = torch.arange(s, e, device=device, dtype=torch.long)[:, None]
-                if bos_id is not None:
-                    x = torch.cat([torch.full_like(x, int(bos_id)), x], dim=1)
-                logits = model(input_ids=x, use_cache=False).logits[:, -1, :].float()
+                if prefix is not None:
+                    cache = copy.deepcopy(prefix)
+                    cache.batch_repeat_interleave(e - s)
+                    out = model(input_ids=x, past_key_values=cache, use_cache=True)
+                else:
+                    if bos_id is not None:
+                        x = torch.cat([torch.full_like(x, bos_id), x], dim=1)
+                    out = model(input_ids=x, use_cache=False)
+                logits = out.logits[:, -1, :].float()
                 lp = torch.log_softmax(logits, dim=-1)
                 top = torch.topk(lp, top_k, dim=-1)
                 ids[s:e] = top.indices.cpu().numpy()
@@ -271,14 +311,19 @@ def load_or_build_bigram_table(
     model_hash: str,
     top_k: int = 16,
     cache_dir: str | os.PathLike | None = None,
-    bos_id: int | None = None,
+    bos_id: int | None | str = AUTO,
     batch_size: int = 256,
     progress: bool = True,
 ) -> BigramTable:
     """Load ``table_path(cache_dir, model_hash, top_k, bos_id)`` if present, else build it and save it there.
 
-    ``model`` may be None when the table is known to be cached (raises :class:`HsdError` otherwise).
+    ``model`` may be None when the table is known to be cached and ``bos_id`` is given explicitly (an int or
+    None; ``"auto"`` needs the model's config). Raises :class:`HsdError` when it cannot be loaded or built.
     """
+    if bos_id == AUTO:
+        if model is None:
+            raise HsdError("bos_id='auto' needs the model (pass the BOS id used when the table was built)")
+        bos_id = resolve_bos(model, bos_id)
     path = table_path(cache_dir, model_hash, top_k, bos_id)
     if path.exists():
         return BigramTable.load(path)
