@@ -1,0 +1,13 @@
+"""The HSD runtime (issue 5): lossless Hierarchical Speculative Decoding over the layered engine.
+
+    from hsd_opt.runtime import HSD, Level, hsd_for_plan
+    h = hsd_for_plan(plan, loaded)               # levels from the plan, exits sharing one KV cache
+    res = h.generate(prompt_ids, max_new_tokens=128, temperature=0.0)
+    res.token_ids, res.stats
+"""
+
+from hsd_opt.runtime.decode import HSD, GenerationResult, Level, process_logits
+from hsd_opt.runtime.runner import build_levels, encode_prompt, hsd_for_plan, load_prompts
+
+__all__ = ["HSD", "Level", "GenerationResult", "process_logits", "build_levels", "hsd_for_plan",
+           "encode_prompt", "load_prompts"]

@@ -1,0 +1,208 @@
+"""From a plan to a running hierarchy: load the model the plan was solved for, build its levels, encode prompts.
+
+A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries
+for them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``).
+Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM
+of the same tokenizer), and token drafters (``ngram_context``, ``bigram_model``, ``aded``, ... with ``config``,
+rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted when every name
+is ``layer<N>`` (the profiler's naming).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.runtime.decode import HSD, Level
+
+MODEL_KINDS = ("target", "early_exit")
+
+
+def plan_entries(plan, source: str = "plan") -> dict[str, dict]:
+    """Name -> model entry for every level of ``plan`` (from ``plan.extra["models"]``, else inferred)."""
+    entries = {}
+    for e in plan.extra.get("models") or []:
+        if isinstance(e, dict) and isinstance(e.get("name"), str):
+            entries[e["name"]] = e
+    out = {}
+    for i, name in enumerate(plan.hierarchy):
+        e = entries.get(name)
+        if e is None:
+            m = re.fullmatch(r"layer(\d+)", name)
+            if not m:
+                raise InputFileError(source, f"{name!r} is not described in the plan's models (and is not a "
+                                             f"'layer<N>' exit)", f"hierarchy[{i}]")
+            e = {"name": name, "kind": "target" if i == len(plan.hierarchy) - 1 else "early_exit",
+                 "layer": int(m.group(1))}
+        out[name] = e
+    return out
+
+
+def check_provenance(plan, loaded, source: str = "plan") -> None:
+    """Refuse a plan profiled on another model or revision than ``loaded`` (a :class:`LoadedModel`)."""
+    from hsd_opt.models.loading import resolve_model_name
+
+    prov = plan.extra.get("provenance") or {}
+    want = prov.get("model")
+    if want and resolve_model_name(want) != loaded.model_id:
+        raise InputFileError(source, f"the plan was made for model {want!r}, not {loaded.model_id!r}",
+                             "provenance.model")
+    rev = prov.get("revision")
+    if rev and loaded.revision and rev != loaded.revision:
+        raise InputFileError(source, f"the plan was made for revision {rev!r} of {loaded.model_id!r}, but the "
+                                     f"loaded weights are revision {loaded.revision!r}", "provenance.revision")
+
+
+def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None = None,
+                 dtype: str | None = None) -> list[Level]:
+    """The :class:`Level` list (bottom first) of ``plan`` over ``loaded`` (its target). Exits share ``lm``
+    (a :class:`LayeredLM` of the target, built here if None, with the plan's trained heads when it names them).
+
+    Raises:
+        InputFileError: a layer the model lacks, an exit above the target, a target that is not the model's last
+            layer, a token drafter above the bottom, an unknown kind, a model of another tokenizer.
+    """
+    from hsd_opt.engine.layered import LayeredLM
+
+    if lm is None:
+        lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
+    entries = plan_entries(plan, source)
+    L = lm.n_layers
+    levels: list[Level] = []
+    top = len(plan.hierarchy) - 1
+    for i, name in enumerate(plan.hierarchy):
+        e = entries[name]
+        kind = e.get("kind", "model")
+        where = f"hierarchy[{i}] ({name})"
+        if kind in MODEL_KINDS:
+            layer = e.get("layer")
+            if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= L:
+                raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {loaded.model_id} has "
+                                             f"layers 1..{L}", where)
+            if i == top and layer != L:
+                raise InputFileError(source, f"the target {name!r} is layer {layer}, but the model has {L} layers",
+                                     where)
+            levels.append(Level(name, lm, layer))
+        elif kind == "model":
+            from hsd_opt.engine.layered import LayeredLM as _L
+            from hsd_opt.models.loading import check_same_tokenizer, load_model
+
+            ref = e.get("model")
+            if not isinstance(ref, str):
+                raise InputFileError(source, f"model entry {name!r} needs 'model' (id or path)", where)
+            other = load_model(ref, device=device or loaded.device, dtype=dtype or loaded.dtype)
+            check_same_tokenizer(loaded.tokenizer, other.tokenizer, ref)
+            olm = _L(other.model)
+            levels.append(Level(name, olm, olm.n_layers))
+        else:
+            if i != 0:
+                raise InputFileError(source, f"{name!r} ({kind}) cannot verify: a token drafter may only be the "
+                                             f"bottom level", where)
+            from hsd_opt.drafters import make_token_drafter
+
+            cfg = dict(e.get("config") or {})
+            cfg.setdefault("name", name)
+            levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
+    if not levels[-1].is_model or levels[-1].lm is not lm:
+        raise InputFileError(source, "the last level must be the target model", "hierarchy")
+    return levels
+
+
+def load_plan_heads(plan, loaded, source: str = "plan"):
+    """Trained exit heads named by ``provenance.heads`` (None when the plan uses the shared final head)."""
+    path = (plan.extra.get("provenance") or {}).get("heads")
+    if not path:
+        return None
+    try:
+        from hsd_opt.heads import load_heads
+    except ImportError:
+        raise InputFileError(source, "the plan uses trained exit heads but hsd_opt.heads.load_heads is not "
+                                     "available", "provenance.heads") from None
+    heads, _meta = load_heads(path, loaded.model)
+    return heads
+
+
+def hsd_for_plan(plan, loaded, lm=None, mode: str = "exact", source: str = "plan", hierarchy=None,
+                 budgets=None) -> HSD:
+    """An :class:`HSD` runner for ``plan`` (or for ``hierarchy``/``budgets`` drawn from the same plan's models)."""
+    if hierarchy is not None:
+        from copy import copy
+
+        plan = copy(plan)
+        plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
+    levels = build_levels(plan, loaded, lm=lm, source=source)
+    return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
+
+
+def eos_ids(loaded) -> list[int]:
+    """EOS ids of the model: the generation config's (may be a list) and the tokenizer's."""
+    ids: set[int] = set()
+    gc = getattr(loaded.model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(loaded.model.config, "eos_token_id", None),
+                getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids of ``prompt``: the chat template with a generation prompt (unless ``raw`` or the tokenizer has no
+    template), else plain encoding. An empty or blank prompt raises HsdError."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise HsdError("empty prompt: it encodes to no tokens")
+    return [int(t) for t in ids]
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Read a JSON-lines prompt file (``{"prompt": "...", "task": "..."}`` per line; blank lines skipped).
+
+    Raises:
+        InputFileError: missing file, malformed JSON, a line without a non-empty ``prompt`` string (naming the
+            file and line), or no prompts at all.
+    """
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputFileError(str(p), "file not found") from None
+    except OSError as e:
+        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputFileError(str(p), f"line {i}: malformed JSON ({e.msg})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+            raise InputFileError(str(p), f"line {i}: expected an object with a non-empty \"prompt\" string")
+        out.append(d)
+    if not out:
+        raise InputFileError(str(p), "no prompts (expected JSON lines {\"prompt\": ..., \"task\": ...})")
+    return out[:limit] if limit else out
+
+
+def predicted_latency(plan, hierarchy: Sequence[str]) -> float | None:
+    """The plan's predicted seconds/token for ``hierarchy`` (the plan itself, a baseline, or an alternative)."""
+    if list(hierarchy) == list(plan.hierarchy):
+        return plan.expected_latency
+    cands = list(plan.baselines.values()) + list(plan.extra.get("alternatives") or [])
+    for c in cands:
+        if isinstance(c, dict) and list(c.get("hierarchy") or []) == list(hierarchy):
+            return c.get("expected_latency")
+    return None

@@ -1,0 +1,165 @@
+"""`hsd run` / `hsd bench` through typer's CliRunner on a tiny random Llama saved with the embedded model's
+tokenizer, and every bad input (exit code 2, one line naming the field or flag)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hsd_opt.cli import app
+from tests.conftest import make_tiny_llama
+
+runner = CliRunner()
+
+
+def _out(res) -> str:
+    return res.output + (getattr(res, "stderr", "") if getattr(res, "stderr_bytes", None) else "")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded):
+    """A 4-layer random Llama with SmolLM2's tokenizer (vocab 49152, EOS 2, chat template), saved to disk."""
+    d = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_llama(seed=0, vocab_size=len(embedded.tokenizer), layers=4, scale=4.0)
+    model.save_pretrained(d / "m")
+    embedded.tokenizer.save_pretrained(d / "m")
+    other = make_tiny_llama(seed=1, vocab_size=len(embedded.tokenizer), layers=2)
+    other.save_pretrained(d / "other")
+    embedded.tokenizer.save_pretrained(d / "other")
+    return d
+
+
+def _plan(path, model_dir, hierarchy=("layer1", "layer2", "layer4"), budgets=(2, 3), models=None, **prov):
+    models = models or [{"name": "layer1", "kind": "early_exit", "layer": 1},
+                        {"name": "layer2", "kind": "early_exit", "layer": 2},
+                        {"name": "ngram", "kind": "ngram_context", "config": {"q": 2, "w": 4}},
+                        {"name": "layer4", "kind": "target", "layer": 4}]
+    d = {"format": "hsd-plan/1", "tmax": 8, "hierarchy": list(hierarchy), "budgets": list(budgets),
+         "expected_latency": 0.01, "expected_speedup": 1.5,
+         "baselines": {"target_only": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.015},
+                       "best_single_draft": {"hierarchy": ["layer2", "layer4"], "budgets": [3],
+                                             "expected_latency": 0.012, "expected_speedup": 1.25}},
+         "models": models,
+         "provenance": {"model": str(model_dir), "revision": None, "heads": None, "device": "cpu",
+                        "dtype": "float32", **prov}}
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.runner import encode_prompt, hsd_for_plan
+    from hsd_opt.formats import load_plan
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer1", "layer2", "layer4"),
+                 budgets=(1, 2, 3))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there", "task": "chat"}\n\n{"prompt": "Count: 1 2 3", "task": "math"}\n')
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "9",
+                              "--json", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    assert "tokens per target call" in _out(res)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ["Hello there", "Count: 1 2 3"]
+    loaded = load_model(str(tiny_dir / "m"), device="cpu")
+    p = load_plan(plan)
+    ar = hsd_for_plan(p, loaded, hierarchy=["layer4"], budgets=[])
+    for x in lines:
+        assert set(x) >= {"prompt", "token_ids", "text", "stats"}
+        ref = ar.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 9).token_ids
+        assert x["token_ids"] == ref
+        assert x["stats"]["tokens"] == len(ref) and x["stats"]["levels"][0]["name"] == "ngram"
+    # sampling, raw prompt, eager mode
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "abc", "--raw", "--temperature", "0.7",
+                              "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "5", "--mode", "eager"])
+    assert res.exit_code == 0, _out(res)
+
+
+def test_bench_tiny(tiny_dir, tmp_path):
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Write a list"}\n{"prompt": "third"}\n')
+    rep_path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--limit", "2",
+                              "--max-new-tokens", "6", "--json", str(rep_path), "--plot", str(png)])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(rep_path.read_text())
+    ms = rep["methods"]
+    assert set(ms) == {"hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd"}
+    for m in ("ar", "single_draft", "hsd", "hf_ar", "hf_prompt_lookup"):
+        assert ms[m]["matches_reference"] is True, m
+        assert ms[m]["tokens_per_s"] > 0 and "speedup_vs_hf_ar" in ms[m] and "speedup_vs_ar" in ms[m]
+    assert "matches_reference" in ms["hf_early_exit"] or "error" in ms["hf_early_exit"]
+    assert ms["hsd"]["predicted_seconds_per_token"] == 0.01 and ms["hsd"]["seconds_per_token"] > 0
+    assert rep["prompts"] == 2 and png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("layer40", "layer 40"),
+    ("target_not_last", "the model has 4 layers"),
+    ("token_above_bottom", "may only be the bottom"),
+    ("other_model", "provenance.model"),
+    ("revision", "provenance.revision"),
+    ("unknown_name", "hierarchy[0]"),
+])
+def test_bad_plans(tiny_dir, tmp_path, case, needle):
+    m = tiny_dir / "m"
+    args = []
+    if case == "layer40":
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("layer40", "layer4"), budgets=(2,),
+                     models=[{"name": "layer40", "kind": "early_exit", "layer": 40},
+                             {"name": "layer4", "kind": "target", "layer": 4}])
+    elif case == "target_not_last":
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("layer1", "layer2"), budgets=(2,),
+                     models=[{"name": "layer1", "kind": "early_exit", "layer": 1},
+                             {"name": "layer2", "kind": "target", "layer": 2}])
+    elif case == "token_above_bottom":
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("layer1", "ngram", "layer4"), budgets=(2, 3))
+    elif case == "other_model":
+        plan = _plan(tmp_path / "p.json", m)
+        args = ["--model", str(tiny_dir / "other")]
+    elif case == "revision":
+        plan = _plan(tmp_path / "p.json", m, revision="sha256:0000")
+    else:
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("mystery", "layer4"), budgets=(2,))
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + args)
+    assert res.exit_code == 2, _out(res)
+    assert needle in _out(res) and "Traceback" not in _out(res)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--prompt", "  "], "empty prompt"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--prompt", "hi", "--top-p", "0"], "--top-p"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature"),
+    ([], "--prompt"),
+    (["--prompt", "hi", "--mode", "lazy"], "--mode"),
+    (["--prompts", "BADLINES"], "line 2"),
+    (["--prompts", "EMPTYFILE"], "no prompts"),
+])
+def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
+    plan = _plan(tmp_path / "p.json", tiny_dir / "m")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    extra = [str(bad) if a == "BADLINES" else str(empty) if a == "EMPTYFILE" else a for a in extra]
+    res = runner.invoke(app, ["run", "--plan", str(plan)] + extra)
+    assert res.exit_code == 2, _out(res)
+    assert needle in _out(res) and "Traceback" not in _out(res)
+
+
+def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text('{"format": "hsd-plan/9"}')
+    res = runner.invoke(app, ["run", "--plan", str(p), "--prompt", "hi"])
+    assert res.exit_code == 2 and "format" in _out(res)
+    plan = _plan(tmp_path / "q.json", tiny_dir / "m")
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--max-new-tokens", "0"])
+    assert res.exit_code == 2 and "--max-new-tokens" in _out(res)
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", "ar,warp"])
+    assert res.exit_code == 2 and "--methods" in _out(res)
