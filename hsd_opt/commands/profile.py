@@ -37,7 +37,7 @@ def register(app):
     from hsd_opt.cli import cli_command, console, warn
 
     profile_app = typer.Typer(
-        help="Measure acceptance rates a[i][j] and costs of a drafter pool for one target (hsd-profile/1).\n\n"
+        help="Measure acceptance rates a(i, j) and costs of a drafter pool for one target (hsd-profile/1).\n\n"
              "hsd profile --model smollm2-135m --out profile.json   |   hsd profile merge a.json b.json -o c.json",
         invoke_without_command=True, no_args_is_help=False)
     app.add_typer(profile_app, name="profile")
@@ -83,7 +83,7 @@ def register(app):
                                                          "measured with this setting."),
         quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
     ):
-        """Measure acceptance rates a[i][j] and costs of early exits, draft models and token drafters."""
+        """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
         if ctx.invoked_subcommand is not None:
             return
         from hsd_opt.errors import HsdError

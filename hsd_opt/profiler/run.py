@@ -319,6 +319,28 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
     return out
 
 
+def _exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Float32 logits ``[m, V]`` of every drafter at ``rows``. Exits that share their model's own final norm +
+    LM head are computed in ONE matmul over all their rows (the LM head's weights are read once instead of once
+    per exit: ~3x faster for SmolLM2's 30 exits); trained exit heads are applied one by one."""
+    out: list[torch.Tensor | None] = [None] * len(neural)
+    groups: dict[int, list[int]] = {}
+    for k, nd in enumerate(neural):
+        if nd.boundary in nd.engine.exit_heads:
+            h = hidden[id(nd.engine)][nd.boundary][rows.to(nd.engine.device)]
+            out[k] = nd.engine.head(h, nd.boundary)
+        else:
+            groups.setdefault(id(nd.engine), []).append(k)
+    for ks in groups.values():
+        eng = neural[ks[0]].engine
+        hs = torch.cat([hidden[id(eng)][neural[k].boundary][rows.to(eng.device)] for k in ks])
+        lg = eng.lm_head(eng.norm(hs)).float()
+        m = rows.numel()
+        for n, k in enumerate(ks):
+            out[k] = lg[n * m:(n + 1) * m]
+    return out  # type: ignore[return-value]
+
+
 def pairwise_overlap(P: torch.Tensor, block: int = 2048) -> torch.Tensor:
     """``out[i, j, p] = sum_x min(P[i, p, x], P[j, p, x])`` for ``i < j`` (zeros elsewhere); ``P`` is ``[N, m, V]``.
 
@@ -387,9 +409,7 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
         r = rows[c0:c0 + chunk]
         m = r.numel()
         probs, am = [], []
-        for nd in neural:
-            h = hidden[id(nd.engine)][nd.boundary][r.to(nd.engine.device)]
-            lg = nd.engine.head(h, nd.boundary)
+        for lg in _exit_logits(neural, hidden, r):
             am.append(lg.argmax(-1).cpu())
             probs.append(_probs(lg, temperature).cpu())
         Pm = torch.stack(probs)                     # [N, m, V]
