@@ -61,7 +61,7 @@ def step_cost(model, heads_by_name: dict, layers: list[int], ctx: list[int], rep
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a loaded 2-core machine)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -155,7 +155,8 @@ def main() -> None:
                  "train_positions": res.train_positions, "heldout_positions": res.heldout_positions,
                  "generation_seconds_incl_cache": round(gen_s, 2)},
         "heads_file": str(args.out), "heads_file_bytes": Path(args.out).stat().st_size,
-        "train_seconds": round(res.seconds, 2), "eval_seconds": round(res.eval_seconds, 2),
+        "train_seconds": round(res.seconds, 2), "train_cpu_seconds": round(res.cpu_seconds, 2),
+        "load_average_at_end": list(__import__("os").getloadavg()), "eval_seconds": round(res.eval_seconds, 2),
         "settings": res.settings, "history": res.history,
         "per_layer": {str(b): {"before": res.before[b], "after": res.after[b]} for b in layers},
         "reduced_vocab": subset, "step_cost_ms": cost, "header": {k: v for k, v in header.items() if k != "train"},

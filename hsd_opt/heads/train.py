@@ -49,7 +49,8 @@ class TrainResult:
         history: per epoch ``{"epoch", "train_loss", "seconds"}`` (mean loss per layer and position).
         vocab_ids: the reduced vocabulary (or None).
         data_sha256: hash of the training and held-out sequences.
-        seconds: wall time of training (excluding evaluation); ``settings``: the training settings.
+        seconds: wall time of training (excluding evaluation); ``cpu_seconds``: this process's CPU time over the
+            same span (all threads; tells a loaded machine from slow code); ``settings``: the training settings.
     """
 
     heads: dict[int, TranslatorHead]
@@ -63,10 +64,12 @@ class TrainResult:
     settings: dict = field(default_factory=dict)
     train_positions: int = 0
     heldout_positions: int = 0
+    cpu_seconds: float = 0.0
 
     def summary(self) -> dict:
         """JSON-able: settings, timings and the per-layer before/after table."""
         return {"settings": self.settings, "train_seconds": round(self.seconds, 2),
+                "train_cpu_seconds": round(self.cpu_seconds, 2),
                 "eval_seconds": round(self.eval_seconds, 2), "train_positions": self.train_positions,
                 "heldout_positions": self.heldout_positions, "data_sha256": self.data_sha256,
                 "history": self.history,
@@ -262,6 +265,7 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
         before = evaluate_heads(m, {b: RawHead(m) for b in layers}, held, held_st)
         t_eval += time.time() - t0
     t_start = time.time()
+    cpu_start = time.process_time()
     expected, cand = _prepass(lm, train_seqs, train_st, settings["topk"])
     vocab_ids = frequent_vocab(expected, K).to(lm.device) if K else None
     heads = {b: TranslatorHead(m, kind, rank=rank, vocab_ids=vocab_ids) for b in layers}
@@ -282,6 +286,8 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
             base_ids, rest = None, None
     n_neg = min(settings["negatives"], rest.numel()) if rest is not None else 0
     corr = math.log(rest.numel() / n_neg) if n_neg else 0.0
+    say(f"training softmax over {'all ' + str(V) if base_ids is None else base_ids.numel()} tokens"
+        + (f" + {n_neg} sampled negatives" if n_neg else "") + f"; prepass {time.time() - t_start:.1f} s")
     params = [p for h in heads.values() for p in h.parameters()]
     opt = torch.optim.Adam(params, lr=settings["lr"])
     bt = settings["batch_tokens"]
@@ -381,6 +387,7 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
             say(f"epoch {epoch + 1}/{settings['epochs']}: mean train KL {loss_sum / max(1, loss_n):.4f}")
             last_ck = time.time()
     seconds = elapsed0 + time.time() - t_start
+    cpu_seconds = time.process_time() - cpu_start
     for h in heads.values():
         h.eval()
         h.requires_grad_(False)
@@ -397,4 +404,4 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
     n_held = sum(len(s) - max(0, a - 1) for s, a in zip(held, held_st))
     return TrainResult(heads=heads, before=before, after=after, history=history, vocab_ids=vocab_ids,
                        data_sha256=data_hash, seconds=seconds, eval_seconds=t_eval, settings=settings,
-                       train_positions=n_train, heldout_positions=n_held)
+                       train_positions=n_train, heldout_positions=n_held, cpu_seconds=cpu_seconds)
