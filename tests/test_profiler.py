@@ -369,3 +369,23 @@ def test_trained_heads_are_used_and_recorded(tiny, tmp_path):
     r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(plain),
               "--heads", str(tmp_path / "nope.safetensors"), "--device", "cpu"] + FAST)
     assert r.exit_code == 2 and "nope.safetensors" in r.output
+
+
+def test_pairwise_overlap_blocks_and_batched_heads():
+    from hsd_opt.profiler.run import _exit_logits, pairwise_overlap
+
+    P = torch.softmax(torch.randn(5, 3, 23) * 2, -1)
+    got = pairwise_overlap(P, block=4)                                 # ragged last block
+    for i in range(5):
+        for j in range(5):
+            want = torch.minimum(P[i], P[j]).sum(-1) if i < j else torch.zeros(3)
+            assert torch.allclose(got[i, j], want, atol=1e-6)
+    model = make_tiny_llama(seed=7, vocab_size=40, layers=3)
+    eng = LayeredLM(model, exit_heads={2: lambda h: torch.zeros(h.shape[0], 40)})
+    neural = [NeuralDrafter(f"layer{b}", "early_exit", eng, b) for b in (1, 2, 3)]
+    hid = {id(eng): eng.hidden_states(list(range(3, 12)), [1, 2, 3])}
+    rows = torch.tensor([2, 5, 7])
+    lgs = _exit_logits(neural, hid, rows)
+    for nd, lg in zip(neural, lgs):
+        assert torch.allclose(lg, eng.head(hid[id(eng)][nd.boundary][rows], nd.boundary), atol=1e-5)
+    assert torch.count_nonzero(lgs[1]) == 0                            # the trained head of exit 2 was used
