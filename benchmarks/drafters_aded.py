@@ -1,7 +1,7 @@
 """ADED's MCTS cost per call vs its iteration count, against the target's forward time (seed 004 + issue 6).
 
-1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 96 tokens for every prompt of
-   data/prompts.jsonl (cached in /tmp/hsdbench).
+1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 64 tokens for the first 3 prompts
+   of every task of data/prompts.jsonl (cached in /tmp/hsdbench).
 2. Two folds: the tri-gram matrix is built from the prompts + generations of one half of the suite (the
    default ADED corpus: text the target itself generates) and evaluated on the other half, so no continuation
    is in its own matrix.
@@ -63,13 +63,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
     ap.add_argument("--w", type=int, default=4)
     ap.add_argument("--threshold", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-task", type=int, default=3, help="prompts per task of data/prompts.jsonl (0: all)")
     ap.add_argument("--bigram-table", default=None, help="default: the table of drafters_bigram_build.json")
     ap.add_argument("--out", default=str(RESULTS / "drafters_aded.json"))
     a = ap.parse_args()
     t_start = time.time()
     model, tok = load_model()
-    gens = greedy_generations(model, tok, a.max_new_tokens)
+    gens = greedy_generations(model, tok, a.max_new_tokens, per_task=a.per_task or None)
     res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
            "w": a.w, "threshold": a.threshold, "prompts": len(gens),
            "generated_tokens": sum(len(g["gen_ids"]) for g in gens), "load_before": machine_load()}

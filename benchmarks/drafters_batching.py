@@ -4,7 +4,7 @@ Times one target forward on an input block of ``k`` rows x ``(w + 1)`` new token
 ``l`` context tokens (the cache repeated to ``k`` rows), relative to ``(k, w) = (1, 0)``, i.e. plain greedy
 decoding. On a GPU the block is memory bound (flat) up to a point; on this 2-core CPU it is not.
 
-Usage: .venv/bin/python benchmarks/drafters_batching.py [--ctx 128 512] [--k 1 2 4 8 16] [--w 0 1 3 7 15]
+Usage: .venv/bin/python benchmarks/drafters_batching.py [--ctx 256] [--k 1 2 4 8 16] [--w 0 1 3 7]
 Writes benchmarks/results/drafters_batching.json. Model: /tmp/smol (SmolLM2-135M) when present, else a tiny
 random Llama (recorded in the JSON).
 """
@@ -23,9 +23,9 @@ from drafters_common import RESULTS, load_model, machine_load, target_forward_se
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ctx", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--w", type=int, nargs="+", default=[0, 1, 3, 7, 15])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[256])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--w", type=int, nargs="+", default=[0, 1, 3, 7])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--free", type=float, default=1.25, help="slowdown still counted as 'free'")
     ap.add_argument("--out", default=str(RESULTS / "drafters_batching.json"))

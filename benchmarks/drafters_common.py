@@ -32,8 +32,18 @@ def load_model(path: str = SMOL):
     return LlamaForCausalLM(cfg).eval(), None
 
 
-def prompts(path: Path = ROOT / "data" / "prompts.jsonl") -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def prompts(path: Path = ROOT / "data" / "prompts.jsonl", per_task: int | None = None) -> list[dict]:
+    """The prompt suite; ``per_task``: keep only the first that many prompts of every task."""
+    ps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if per_task is None:
+        return ps
+    seen: dict[str, int] = {}
+    out = []
+    for p in ps:
+        seen[p["task"]] = seen.get(p["task"], 0) + 1
+        if seen[p["task"]] <= per_task:
+            out.append(p)
+    return out
 
 
 def encode_prompt(tok, text: str) -> list[int]:
@@ -45,14 +55,14 @@ def encode_prompt(tok, text: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def greedy_generations(model, tok, max_new_tokens: int = 96, cache: Path | None = None,
-                       threads: int | None = 1) -> list[dict]:
+def greedy_generations(model, tok, max_new_tokens: int = 64, cache: Path | None = None,
+                       threads: int | None = 1, per_task: int | None = 3) -> list[dict]:
     """``[{"task", "prompt_ids", "gen_ids"}]`` for every prompt of the suite (target greedy, KV cache).
 
     ``threads``: torch threads while generating (1 by default: far faster than 2 when other processes
     oversubscribe this 2-core machine); restored afterwards.
     """
-    cache = cache or Path(os.environ.get("HSD_BENCH_TMP", "/tmp/hsdbench")) / f"gens-{max_new_tokens}.json"
+    cache = cache or Path(os.environ.get("HSD_BENCH_TMP", "/tmp/hsdbench")) / f"gens-{max_new_tokens}-{per_task}.json"
     if cache.exists() and tok is not None:
         return json.loads(cache.read_text())
     out = []
@@ -60,14 +70,14 @@ def greedy_generations(model, tok, max_new_tokens: int = 96, cache: Path | None 
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _generate_all(model, tok, max_new_tokens, cache, out)
+        return _generate_all(model, tok, max_new_tokens, cache, out, per_task)
     finally:
         torch.set_num_threads(old_threads)
 
 
-def _generate_all(model, tok, max_new_tokens, cache, out):
+def _generate_all(model, tok, max_new_tokens, cache, out, per_task):
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts()):
+    for i, p in enumerate(prompts(per_task=per_task)):
         ids = encode_prompt(tok, p["prompt"])
         with torch.inference_mode():
             g = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
