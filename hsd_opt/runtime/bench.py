@@ -59,8 +59,11 @@ def _best_exit(plan) -> int | None:
 
 def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, raw: bool = False,
               mode: str = "exact", methods: Sequence[str] = METHODS, log: Callable[[str], None] | None = None,
-              source: str = "plan") -> dict[str, Any]:
-    """Benchmark ``methods`` over ``prompts`` (strings); returns the JSON report ``{"methods": {...}, ...}``."""
+              source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None) -> dict[str, Any]:
+    """Benchmark ``methods`` over ``prompts`` (strings); returns the JSON report ``{"methods": {...}, ...}``.
+
+    ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``.
+    """
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.runtime.runner import load_plan_heads, predicted_latency
 
@@ -109,6 +112,9 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
             ours(m, list(bsd["hierarchy"]), list(bsd["budgets"]))
         elif m == "hsd":
             ours(m, list(plan.hierarchy), list(plan.budgets))
+
+    for name, (hh, bb) in (extra or {}).items():
+        ours(name, list(hh), list(bb))
 
     # warm-up (a refused method is recorded and dropped)
     for m in list(runners):

@@ -104,6 +104,7 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
             from hsd_opt.drafters import make_token_drafter
 
             cfg = dict(e.get("config") or {})
+            cfg.pop("kind", None)
             cfg.setdefault("name", name)
             levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
     if not levels[-1].is_model or levels[-1].lm is not lm:

@@ -1,0 +1,94 @@
+"""Runtime benchmark (issue 5): `hsd bench` on the embedded SmolLM2-135M with a solved plan, plus extra
+hierarchies from the same plan's pool (its ranked alternatives), written to benchmarks/results/.
+
+    .venv/bin/python benchmarks/runtime_bench.py --plan plan.json --limit 4 --max-new-tokens 32 [--alternatives 3]
+
+Writes runtime_bench.json (the `hsd bench` report + the machine's load), runtime_bench.png and prints a markdown
+table. Timings on a shared 2-core machine are noisy: compare ratios from one run (methods interleave per prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"))
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--alternatives", type=int, default=2, help="also run the plan's first N alternatives")
+    ap.add_argument("--hierarchy", action="append", default=[],
+                    help="extra hierarchy NAME=m0,m1,...,target:T0,T1,... (repeatable)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 when the load is high)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "runtime_bench"))
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args()
+
+    import torch
+
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.bench import plot_report, run_bench
+    from hsd_opt.runtime.runner import check_provenance, load_prompts
+
+    load = os.getloadavg()
+    torch.set_num_threads(a.threads or (1 if load[0] > 2 else 2))
+    plan = load_plan(a.plan)
+    prov = plan.extra.get("provenance") or {}
+    loaded = load_model(prov.get("model", "smollm2-135m"), device=a.device, dtype=prov.get("dtype") or "auto")
+    check_provenance(plan, loaded, a.plan)
+    extra = {}
+    for i, alt in enumerate((plan.extra.get("alternatives") or [])[: a.alternatives], 2):
+        extra[f"alt{i}"] = (alt["hierarchy"], alt["budgets"])
+    for spec in a.hierarchy:
+        name, rest = spec.split("=", 1)
+        h, _, b = rest.partition(":")
+        extra[name] = (h.split(","), [int(x) for x in b.split(",") if x])
+    texts = [d["prompt"] for d in load_prompts(a.prompts, a.limit)]
+    t0 = time.time()
+    rep = run_bench(plan, loaded, texts, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
+    rep["wall_seconds"] = time.time() - t0
+    rep["command"] = " ".join([".venv/bin/python", "benchmarks/runtime_bench.py"] + sys.argv[1:])
+    rep["load_average_before"], rep["load_average_after"] = list(load), list(os.getloadavg())
+    rep["platform"] = platform.platform()
+    rep["cpus"] = os.cpu_count()
+    for name, alt_plan in ((n, extra[n]) for n in extra):
+        for alt in plan.extra.get("alternatives") or []:
+            if alt["hierarchy"] == list(alt_plan[0]) and alt["budgets"] == list(alt_plan[1]):
+                rep["methods"][name]["predicted_seconds_per_token"] = alt["expected_latency"]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(out) + ".json").write_text(json.dumps(rep, indent=2) + "\n")
+    plot_report(rep, str(out) + ".png")
+    print(f"\n{rep['command']}\n")
+    print("| method | hierarchy (budgets) | tokens/s | vs hf_ar | vs ar | tok/target call | ms/tok predicted | "
+          "ms/tok measured | == greedy ref |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    f = lambda x, s=".2f": "-" if x is None else format(x, s)  # noqa: E731
+    for m, d in rep["methods"].items():
+        if "error" in d:
+            print(f"| {m} | error: {d['error'][:80]} | | | | | | | |")
+            continue
+        h = d.get("hierarchy")
+        hs = (" <- ".join(reversed(h)) + f" ({d.get('budgets')})") if h else \
+            (f"assistant_early_exit={d['assistant_early_exit']}" if "assistant_early_exit" in d else "HF")
+        pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
+        print(f"| {m} | {hs} | {f(d['tokens_per_s'])} | {f(d.get('speedup_vs_hf_ar'))} | {f(d.get('speedup_vs_ar'))} "
+              f"| {f(d.get('tokens_per_target_call'))} | {f(pr and pr * 1e3, '.1f')} | {f(me and me * 1e3, '.1f')} "
+              f"| {d.get('matches_reference')} |")
+    print(f"\nhf_ar matches our AR reference: {rep['hf_ar_matches_reference']}; threads {rep['torch_threads']}, "
+          f"load {rep['load_average_before']} -> {rep['load_average_after']}, {rep['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
