@@ -260,6 +260,8 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     partial = Path(str(out) + ".partial.json")
     assert partial.exists() and not out.exists()
     assert len(json.loads(partial.read_text())["done"]) == 2
+    with pytest.raises(HsdError, match="--resume"):                      # never silently overwritten
+        run_profile(cfg(out))
     with pytest.raises(InputFileError, match="max_new_tokens"):          # different settings: refused
         run_profile(cfg(out, max_new_tokens=7, resume=True))
     done_again = []

@@ -512,7 +512,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens), "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": lm.dtype, "layers": boundaries,
         "draft_models": [nd.model_id for nd in neural if nd.kind == "model"],
-        "token_drafters": [f"{d.kind}:{d.name}" for d in tds] + (["aded:aded"] if want_aded else []), "shard": list(cfg.shard) if cfg.shard else None,
+        "token_drafters": [f"{d.kind}:{d.name}" for d in tds] + (["aded:aded"] if want_aded else []),
+        "shard": list(cfg.shard) if cfg.shard else None,
         "max_prompts": cfg.max_prompts, "world_size": world,
     }
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
@@ -537,6 +538,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         log(f"resuming from {partial}: {len(done)} prompt(s) already profiled")
     elif cfg.resume:
         warn(f"--resume: no checkpoint at {partial}; starting from the beginning")
+    elif partial.exists():
+        raise HsdError(f"{partial}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
+                       f"delete it to start over")
     todo = [it for it in mine if it.index not in set(done)]
 
     def _checkpoint() -> None:
