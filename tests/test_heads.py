@@ -217,3 +217,13 @@ def test_batched_generation_matches_layered_greedy(tiny):
         assert s[pl:] == out
     tr, ho = split_sequences(_seqs(10, 4), 0.2)
     assert len(tr) == 8 and len(ho) == 2
+
+
+def test_training_works_with_autograd_globally_off(tiny):
+    prev = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # as load_model() leaves it
+    try:
+        r = train_heads(tiny, [2], _seqs(4), epochs=1, lr=1e-2, progress=False, evaluate=False)
+        assert not torch.equal(r.heads[2].weight, torch.zeros_like(r.heads[2].weight))
+    finally:
+        torch.set_grad_enabled(prev)

@@ -242,8 +242,9 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     requires = [p.requires_grad for p in m.parameters()]
     m.requires_grad_(False)
     try:
-        return _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
-                      checkpoint_every, evaluate, progress, say)
+        with torch.enable_grad():  # load_model() turns autograd off process-wide
+            return _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
+                          checkpoint_every, evaluate, progress, say)
     finally:
         for p, r in zip(m.parameters(), requires):
             p.requires_grad_(r)
