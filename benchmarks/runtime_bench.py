@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"))
     ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--per-task", type=int, default=None, help="take the first N prompts of each task instead")
+    ap.add_argument("--profile", default=None, help="hsd-profile/1 to predict latency of extra hierarchies")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--alternatives", type=int, default=2, help="also run the plan's first N alternatives")
     ap.add_argument("--hierarchy", action="append", default=[],
@@ -54,7 +56,19 @@ def main() -> None:
         name, rest = spec.split("=", 1)
         h, _, b = rest.partition(":")
         extra[name] = (h.split(","), [int(x) for x in b.split(",") if x])
-    texts = [d["prompt"] for d in load_prompts(a.prompts, a.limit)]
+    rows = load_prompts(a.prompts)
+    if a.per_task:
+        seen: dict[str, int] = {}
+        picked = []
+        for r in rows:
+            t = r.get("task", "?")
+            if seen.get(t, 0) < a.per_task:
+                seen[t] = seen.get(t, 0) + 1
+                picked.append(r)
+        rows = picked
+    else:
+        rows = rows[: a.limit]
+    texts = [d["prompt"] for d in rows]
     t0 = time.time()
     rep = run_bench(plan, loaded, texts, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
     rep["wall_seconds"] = time.time() - t0
@@ -66,6 +80,15 @@ def main() -> None:
         for alt in plan.extra.get("alternatives") or []:
             if alt["hierarchy"] == list(alt_plan[0]) and alt["budgets"] == list(alt_plan[1]):
                 rep["methods"][name]["predicted_seconds_per_token"] = alt["expected_latency"]
+    if a.profile:
+        from hsd_opt.solver import evaluate
+
+        for name, (hh, bb) in extra.items():
+            if rep["methods"].get(name, {}).get("predicted_seconds_per_token") is None and name in rep["methods"]:
+                rep["methods"][name]["predicted_seconds_per_token"] = evaluate(a.profile, hh, bb)
+                d = rep["methods"][name]
+                if d.get("seconds_per_token"):
+                    d["measured_over_predicted"] = d["seconds_per_token"] / d["predicted_seconds_per_token"]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(str(out) + ".json").write_text(json.dumps(rep, indent=2) + "\n")

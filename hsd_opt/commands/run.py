@@ -194,12 +194,11 @@ def register(app):
         rep["model"] = loaded.provenance()
         t = Table(title=f"hsd bench: {len(texts)} prompts x {max_new_tokens} tokens, greedy ({loaded.model_id}, "
                         f"{loaded.device}, {rep['torch_threads']} threads)")
-        for c in ("method", "tokens/s", "vs hf_ar", "vs ar", "tok/target call", "ms/tok pred", "ms/tok meas",
-                  "== ref"):
+        for c in ("method", "tok/s", "x hf_ar", "x ar", "tok/call", "pred ms", "meas ms", "=ref"):
             t.add_column(c, justify="right" if c != "method" else "left")
         for m, d in rep["methods"].items():
             if "error" in d:
-                t.add_row(m, "error", d["error"][:60], "", "", "", "", "")
+                t.add_row(m, "error", "", "", "", "", "", "-")
                 continue
             pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
             t.add_row(m, _fmt(d["tokens_per_s"], ".2f"), _fmt(d.get("speedup_vs_hf_ar"), ".2f"),
