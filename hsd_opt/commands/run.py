@@ -135,6 +135,8 @@ def register(app):
                 if quiet:
                     return
                 s = tok.decode(got, skip_special_tokens=True)
+                if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
+                    return
                 if s.startswith(shown[0]):
                     sys.stdout.write(s[len(shown[0]):])
                     sys.stdout.flush()
