@@ -27,9 +27,15 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--w", type=int, nargs="+", default=[0, 1, 3, 7])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (0: torch default); 1 is far more stable when the machine is oversubscribed")
     ap.add_argument("--free", type=float, default=1.25, help="slowdown still counted as 'free'")
     ap.add_argument("--out", default=str(RESULTS / "drafters_batching.json"))
     a = ap.parse_args()
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
     model, tok = load_model()
     res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
            "stat": f"min of {a.reps} after 1 warm-up", "free_threshold": a.free, "load_before": machine_load(),
