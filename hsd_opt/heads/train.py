@@ -188,9 +188,9 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
                 held_out: Sequence[Sequence[int]] | None = None, starts: Sequence[int] | None = None,
                 held_out_starts: Sequence[int] | None = None, holdout: float = 0.2, kind: str = "affine",
                 rank: int = 64, vocab_subset: int | None = None, epochs: int = 3, lr: float = 2e-3,
-                batch_tokens: int = 64, train_vocab: str = "auto", negatives: int = 1024, topk: int = 32,
+                batch_tokens: int = 32, train_vocab: str = "auto", negatives: int = 1024, topk: int = 32,
                 max_len: int = 1024, seed: int = 0, checkpoint: str | Path | None = None, resume: bool = False,
-                checkpoint_every: float = 60.0, evaluate: bool = True, progress: bool = True,
+                checkpoint_every: float = 60.0, evaluate: bool = True, revert_worse: bool = True, progress: bool = True,
                 log: Callable[[str], None] | None = None) -> TrainResult:
     """Train one exit head per boundary in ``layers`` to match the final layer's next-token distribution.
 
@@ -207,6 +207,8 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
         train_vocab: ``"auto"`` (candidates on CPU, full on CUDA), ``"full"`` or ``"candidates"`` (module doc).
         checkpoint, resume, checkpoint_every: resumable training (module doc).
         evaluate: compute held-out metrics before and after.
+        revert_worse: (full-vocabulary heads, with ``evaluate``) a head whose held-out acceptance is below the raw
+            exit's is reset to the identity translator, i.e. the raw exit (``after`` then says ``reverted``).
     """
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
@@ -237,7 +239,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     settings = {"layers": layers, "kind": kind, "rank": rank if kind == "lowrank" else None,
                 "vocab_subset": vocab_subset, "epochs": epochs, "lr": lr, "batch_tokens": batch_tokens,
                 "train_vocab": train_vocab, "negatives": negatives, "topk": topk, "seed": seed,
-                "max_len": max_len}
+                "max_len": max_len, "revert_worse": revert_worse}
     say = log or (lambda s: None)
     requires = [p.requires_grad for p in m.parameters()]
     m.requires_grad_(False)
@@ -396,6 +398,14 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
     if evaluate and held:
         t0 = time.time()
         after = evaluate_heads(m, heads, held, held_st)
+        if vocab_ids is None and settings.get("revert_worse") and before:
+            for b in layers:  # a head that does worse than the raw lens on held-out text becomes the raw lens
+                if after[b]["acceptance"] < before[b]["acceptance"]:
+                    with torch.no_grad():
+                        for prm in heads[b].parameters():
+                            prm.zero_()
+                    after[b] = dict(before[b], reverted=True)
+                    say(f"layer {b}: trained head did worse than the raw exit on held-out text; reverted to it")
         if vocab_ids is not None:
             raw_sub = evaluate_heads(m, {b: RawHead(m, vocab_ids) for b in layers}, held, held_st)
             for b in layers:
