@@ -223,12 +223,14 @@ def _make_token_drafter(name: str, lm, explicit: bool = True):
 
         return ContextNgramDrafter(name="ngram")
     if name == "bigram":
-        from hsd_opt.drafters.bigram import (BigramDrafter, load_or_build_bigram_table, model_fingerprint,
-                                             table_path)
+        from hsd_opt.drafters import bigram as bg
 
-        key = model_fingerprint(lm.model)
-        if not explicit and not table_path(None, key, 16, None).exists():
-            raise _NotCached(f"the bigram table of this model is not cached yet ({table_path(None, key, 16, None)});"
+        BigramDrafter, load_or_build_bigram_table = bg.BigramDrafter, bg.load_or_build_bigram_table
+        key = bg.model_fingerprint(lm.model)
+        bos = bg.resolve_bos(lm.model, bg.AUTO) if hasattr(bg, "resolve_bos") else None
+        cached = bg.table_path(None, key, 16, bos)
+        if not explicit and not cached.exists():
+            raise _NotCached(f"the bigram table of this model is not cached yet ({cached});"
                              f" pass --token-drafters ngram,bigram once to build it (one forward per vocabulary "
                              f"token: ~3.5 min for SmolLM2-135M on 2 CPU cores)")
         table = load_or_build_bigram_table(lm.model, key, top_k=16, progress=True)
