@@ -58,22 +58,8 @@ def matrix_of(train, threshold):
     return TrigramMatrix.from_sequences([g["prompt_ids"] + g["gen_ids"] for g in train], threshold=threshold)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
-    ap.add_argument("--w", type=int, default=4)
-    ap.add_argument("--threshold", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--per-task", type=int, default=3, help="prompts per task of data/prompts.jsonl (0: all)")
-    ap.add_argument("--bigram-table", default=None, help="default: the table of drafters_bigram_build.json")
-    ap.add_argument("--out", default=str(RESULTS / "drafters_aded.json"))
-    a = ap.parse_args()
-    t_start = time.time()
-    model, tok = load_model()
-    gens = greedy_generations(model, tok, a.max_new_tokens, per_task=a.per_task or None)
-    res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
-           "w": a.w, "threshold": a.threshold, "prompts": len(gens),
-           "generated_tokens": sum(len(g["gen_ids"]) for g in gens), "load_before": machine_load()}
+def run_sweep(a, model, gens, res):
+    """Target timings + ADED iteration sweep into ``res``; returns (one-token s, verify s)."""
     c1 = target_forward_seconds(model, 256, 1, 1, reps=7)
     cv = target_forward_seconds(model, 256, 1, a.w + 1, reps=7)
     res["target_forward_ms"] = {"one_token_ctx256": 1e3 * c1, f"verify_{a.w + 1}_tokens_ctx256": 1e3 * cv}
@@ -99,6 +85,39 @@ def main() -> None:
     res["balance_iterations"] = (1e3 * c1 - icpt) / slope if slope > 0 else None
     res["balance_note"] = ("iteration count at which one MCTS call costs as much as one target forward "
                            "(one token, KV cache of 256), from a linear fit of MCTS ms per call vs iterations")
+    return c1, cv
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
+    ap.add_argument("--w", type=int, default=4)
+    ap.add_argument("--threshold", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-task", type=int, default=3, help="prompts per task of data/prompts.jsonl (0: all)")
+    ap.add_argument("--bigram-table", default=None, help="default: the table of drafters_bigram_build.json")
+    ap.add_argument("--out", default=str(RESULTS / "drafters_aded.json"))
+    ap.add_argument("--drafters-only", action="store_true",
+                    help="keep the target timings and the sweep of an existing --out, redo the drafter comparison")
+    a = ap.parse_args()
+    t_start = time.time()
+    model, tok = load_model()
+    gens = greedy_generations(model, tok, a.max_new_tokens, per_task=a.per_task or None)
+    res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
+           "w": a.w, "threshold": a.threshold, "prompts": len(gens),
+           "generated_tokens": sum(len(g["gen_ids"]) for g in gens), "load_before": machine_load()}
+    if a.drafters_only and Path(a.out).exists():
+        old = json.loads(Path(a.out).read_text())
+        old.update({k: v for k, v in res.items() if k != "load_before"})
+        res = old
+        c1 = res["target_forward_ms"]["one_token_ctx256"] / 1e3
+        cv = res["target_forward_ms"][f"verify_{a.w + 1}_tokens_ctx256"] / 1e3
+    else:
+        c1, cv = run_sweep(a, model, gens, res)
+
+    def speedup(s):  # greedy, one draft row: tokens per call over (verify forward + drafting)
+        return s["tokens_per_call"] * c1 / (cv + s["draft_ms_per_call"] / 1e3)
 
     table_file = a.bigram_table
     if table_file is None:
