@@ -391,3 +391,26 @@ def test_pairwise_overlap_blocks_and_batched_heads():
     for nd, lg in zip(neural, lgs):
         assert torch.allclose(lg, eng.head(hid[id(eng)][nd.boundary][rows], nd.boundary), atol=1e-5)
     assert torch.count_nonzero(lgs[1]) == 0                            # the trained head of exit 2 was used
+
+
+def test_verify_curve_runs_lower_layers_on_the_last_draft():
+    """A verify pass of exit b over drafts of exit a < b runs layers a..b-1 on every position and layers 0..a-1
+    on the last draft only (the drafter never fed it back in): the engine's own work accounting says so too."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.profiler.costs import LayerCosts
+    from tests.conftest import make_tiny_llama
+
+    layer = [[1.0 * (l + 1) * t for t in range(1, 5)] for l in range(4)]  # layer l on t tokens: (l+1)*t s
+    lc = LayerCosts(step={}, layer=layer, base=[0.0] * 4, head={-1: [0.5] * 4})
+    curve = lc.verify_curve(1, 4, 4)
+    assert curve[0] == pytest.approx((2 + 3 + 4) * 1 + 0.5)            # t = 1: no draft, x0 already at layer 1
+    assert curve[2] == pytest.approx(1 * 1 + (2 + 3 + 4) * 3 + 0.5)    # t = 3: layer 0 on the last draft only
+    eng = LayeredLM(make_tiny_llama(seed=7))
+    st = eng.new_state(32, save_boundaries=[1, 4])
+    eng.append(st, list(range(3, 11)))
+    eng.advance(st, 4)
+    eng.append(st, [5])                      # x0, the verifier's own last token
+    for d in (6, 7):                         # exit 1 drafts two tokens: feeds x0 and the first draft
+        eng.advance(st, 1)
+        eng.append(st, [d])
+    assert eng.advance(st, 4) == 1 * 1 + 3 * 3  # layer 0 on the last draft, layers 1..3 on three positions

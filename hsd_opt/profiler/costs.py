@@ -15,9 +15,11 @@ context of ``context_len`` tokens:
    - ``cost[b] = base[1] + sum_{l < b} layer[l][1] + head_b[1]``: one decode step of exit ``b`` (monotone in b);
    - ``cost_curve[b][t-1] = base[t] + sum_{l < b} layer[l][t] + head_b[t]``: one pass of exit ``b`` over t
      tokens (verifying t - 1 drafts plus the bonus token);
-   - ``verify_cost[b][a][t-1] = base[t] + sum_{a <= l < b} layer[l][t] + head_b[t]`` for exits ``a < b``:
-     exit ``b`` verifying drafts of exit ``a`` with activation reuse (layers ``0 .. a-1`` already ran on the
-     drafts when exit ``a`` drafted them, so only layers ``a .. b-1`` and the head run).
+   - ``verify_cost[b][a][t-1] = base[t] + [t >= 2] sum_{l < a} layer[l][1] + sum_{a <= l < b} layer[l][t]
+     + head_b[t]`` for exits ``a < b``: exit ``b`` verifying ``t - 1`` drafts of exit ``a`` with activation
+     reuse. Drafting ran layers ``0 .. a-1`` on the token before the block and on every draft but the last
+     (the drafter never feeds its own last draft back in), so the verify pass runs layers ``a .. b-1`` on all
+     ``t`` positions and layers ``0 .. a-1`` on the last draft alone.
 
    Timing all ~n²/2 pairs directly would take minutes; the model needs n x (tmax+1) layer timings. A direct
    measurement of the full model over t tokens is kept as a check (``cost_model_check`` in the profile).
@@ -63,9 +65,11 @@ class LayerCosts:
                 for t in range(1, tmax1 + 1)]
 
     def verify_curve(self, a: int, b: int, tmax1: int) -> list[float]:
-        """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse)."""
-        return [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(a, b)) + self.head_t(b, t)
-                for t in range(1, tmax1 + 1)]
+        """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse): layers
+        ``a .. b-1`` on all t positions, layers ``0 .. a-1`` on the last draft (t >= 2), the head on t rows."""
+        lower = sum(self.layer[l][0] for l in range(a))
+        return [self.base[t - 1] + (lower if t >= 2 else 0.0) + sum(self.layer[l][t - 1] for l in range(a, b))
+                + self.head_t(b, t) for t in range(1, tmax1 + 1)]
 
 
 def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
