@@ -20,6 +20,7 @@ from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import read_json, write_json
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
+PACKAGE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"  # same suite, installed copy
 
 #: Used when no prompt suite file is available (a fresh checkout without ``data/prompts.jsonl``).
 FALLBACK_PROMPTS = [
@@ -38,9 +39,10 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
     """Prompts from a JSON-lines file of ``{"prompt": ..., ...}`` (or plain strings); the default suite when
     ``path`` is None (falling back to a small built-in list if the suite file is absent)."""
     if path is None:
-        if not DEFAULT_PROMPTS.is_file():
+        found = [c for c in (DEFAULT_PROMPTS, PACKAGE_PROMPTS) if c.is_file()]
+        if not found:
             return list(FALLBACK_PROMPTS)
-        path = DEFAULT_PROMPTS
+        path = found[0]
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
