@@ -48,7 +48,11 @@ def _best_exit(plan) -> int | None:
         entries = {}
     allm = {e["name"]: e for e in plan.extra.get("models") or [] if isinstance(e, dict) and "name" in e}
     allm.update(entries)
-    for n in names[:-1] + plan.hierarchy[:-1]:
+    # The best single draft or the plan itself when they use an exit; else the best-ranked two-level
+    # alternative whose drafter is an exit (the solver ranks alternatives by predicted latency).
+    alt_drafters = [a["hierarchy"][0] for a in plan.extra.get("alternatives") or []
+                    if isinstance(a, dict) and len(a.get("hierarchy") or []) == 2]
+    for n in names[:-1] + plan.hierarchy[:-1] + alt_drafters:
         e = allm.get(n)
         if e is None and n.startswith("layer") and n[5:].isdigit():
             return int(n[5:])
@@ -98,7 +102,7 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
         elif m == "hf_early_exit":
             ex = _best_exit(plan)
             if ex is None:
-                errors[m] = "the plan has no early exit to self-speculate with"
+                errors[m] = "neither the plan nor its alternatives use an early exit to self-speculate with"
                 continue
             hier[m] = {"assistant_early_exit": ex}
             runners[m] = (lambda e: lambda ids, n: (_hf_generate(loaded, ids, n, eos, assistant_early_exit=e),
