@@ -16,56 +16,15 @@ from typing import Sequence
 
 import torch
 
-from hsd_opt.errors import InputFileError
+from hsd_opt.profiler.prompts import encode_prompt
+from hsd_opt.profiler.prompts import load_prompts as _load_prompt_items
 from hsd_opt.jsonio import read_json, write_json
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
-PACKAGE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"  # same suite, installed copy
-
-#: Used when no prompt suite file is available (a fresh checkout without ``data/prompts.jsonl``).
-FALLBACK_PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain how a hash table works and what its average lookup cost is.",
-    "Summarise the causes of the French Revolution in a short paragraph.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give three tips for writing clear technical documentation.",
-    "Solve: a train travels 120 km in 1.5 hours. What is its average speed?",
-    "Translate into French: The weather is nice today and we are going to the park.",
-]
-
-
 def load_prompts(path: str | Path | None = None) -> list[str]:
-    """Prompts from a JSON-lines file of ``{"prompt": ..., ...}`` (or plain strings); the default suite when
-    ``path`` is None (falling back to a small built-in list if the suite file is absent)."""
-    if path is None:
-        found = [c for c in (DEFAULT_PROMPTS, PACKAGE_PROMPTS) if c.is_file()]
-        if not found:
-            return list(FALLBACK_PROMPTS)
-        path = found[0]
-    p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputFileError(str(p), "file not found") from None
-    except OSError as e:
-        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputFileError(str(p), f"malformed JSON: {e.msg}", f"line {i}") from None
-        text = obj.get("prompt") if isinstance(obj, dict) else obj
-        if not isinstance(text, str) or not text.strip():
-            raise InputFileError(str(p), "expected a non-empty string or an object with a string 'prompt'",
-                                 f"line {i}")
-        out.append(text)
-    if not out:
-        raise InputFileError(str(p), "no prompts in the file")
-    return out
+    """Prompt texts of a JSON-lines suite (the packaged default suite when ``path`` is None); validation and
+    errors are :func:`hsd_opt.profiler.prompts.load_prompts`'s."""
+    items, _, _ = _load_prompt_items(path)
+    return [it.prompt for it in items]
 
 
 def sequences_sha256(seqs: Sequence[Sequence[int]]) -> str:
@@ -75,16 +34,6 @@ def sequences_sha256(seqs: Sequence[Sequence[int]]) -> str:
         h.update(json.dumps(list(map(int, s))).encode())
         h.update(b"\n")
     return h.hexdigest()
-
-
-def _encode_prompt(tokenizer, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(map(int, ids))
-    return list(map(int, tokenizer(prompt)["input_ids"]))
 
 
 def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 4096, *, temperature: float = 0.7,
@@ -116,7 +65,7 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
                 return (seqs, list(map(int, obj["prompt_lens"]))) if with_prompt_lens else seqs
         except Exception:
             pass
-    encoded = [_encode_prompt(tok, p) for p in prompts for _ in range(samples)]
+    encoded = [encode_prompt(tok, p) for p in prompts for _ in range(samples)]
     t0 = time.time()
     seqs, plens = _generate_batched(model, encoded, new, tok.eos_token_id, temperature, top_p, seed,
                                     batch_size, progress)

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from hsd_opt.errors import InputFileError
+from hsd_opt.errors import HsdError, InputFileError
 
 DEFAULT_SUITE = "prompts.jsonl"
 
@@ -81,13 +81,16 @@ def load_prompts(path: str | Path | None = None) -> tuple[list[PromptItem], str,
             raise InputFileError(str(p), f'"task" must be a non-empty string, got {task!r}', where)
         items.append(PromptItem(len(items), prompt, task))
     if not items:
-        raise InputFileError(str(p), 'empty prompt file: expected JSON lines {"prompt": "...", "task": "..."}')
+        raise InputFileError(str(p), 'empty prompt file: no prompts (expected JSON lines {"prompt": "...", "task": "..."})')
     return items, hashlib.sha256(raw).hexdigest(), source
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """Token ids of ``prompt``: the tokenizer's chat template (one user turn + generation prompt) unless
-    ``raw`` or the tokenizer has none; otherwise the plain encoding (with the tokenizer's special tokens)."""
+    ``raw`` or the tokenizer has none; otherwise the plain encoding (with the tokenizer's special tokens).
+    An empty or blank prompt, or one that encodes to no tokens, raises :class:`HsdError`."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
     if not raw and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True)
@@ -97,7 +100,10 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         return [int(x) for x in ids]
-    return [int(x) for x in tokenizer(prompt)["input_ids"]]
+    ids = [int(x) for x in tokenizer(prompt)["input_ids"]]
+    if not ids:
+        raise HsdError("empty prompt: it encodes to no tokens")
+    return ids
 
 
 def task_names(items: Sequence[PromptItem]) -> list[str]:

@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from hsd_opt.profiler.prompts import encode_prompt  # noqa: F401  (re-exported)
+from hsd_opt.profiler.prompts import load_prompts as _load_prompt_items
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.runtime.decode import HSD, Level
 
@@ -151,51 +153,12 @@ def eos_ids(loaded) -> list[int]:
     return sorted(ids)
 
 
-def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
-    """Token ids of ``prompt``: the chat template with a generation prompt (unless ``raw`` or the tokenizer has no
-    template), else plain encoding. An empty or blank prompt raises HsdError."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    if not ids:
-        raise HsdError("empty prompt: it encodes to no tokens")
-    return [int(t) for t in ids]
-
-
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Read a JSON-lines prompt file (``{"prompt": "...", "task": "..."}`` per line; blank lines skipped).
-
-    Raises:
-        InputFileError: missing file, malformed JSON, a line without a non-empty ``prompt`` string (naming the
-            file and line), or no prompts at all.
-    """
-    p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputFileError(str(p), "file not found") from None
-    except OSError as e:
-        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputFileError(str(p), f"line {i}: malformed JSON ({e.msg})") from None
-        if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
-            raise InputFileError(str(p), f"line {i}: expected an object with a non-empty \"prompt\" string")
-        out.append(d)
-    if not out:
-        raise InputFileError(str(p), "no prompts (expected JSON lines {\"prompt\": ..., \"task\": ...})")
-    return out[:limit] if limit else out
+    """Read a JSON-lines prompt file as ``[{"prompt": ..., "task": ...}]`` (first ``limit`` rows); validation
+    and errors (naming the file and line) are :func:`hsd_opt.profiler.prompts.load_prompts`'s."""
+    items, _, _ = _load_prompt_items(path)
+    rows = [{"prompt": it.prompt, "task": it.task} for it in items]
+    return rows[:limit] if limit else rows
 
 
 def predicted_latency(plan, hierarchy: Sequence[str]) -> float | None:
