@@ -110,16 +110,11 @@ def register(app):
         quiet: bool = typer.Option(False, "--quiet", help="Do not stream the text."),
     ):
         """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats."""
-        from hsd_opt.errors import HsdError
         from hsd_opt.jsonio import atomic_write_bytes
+        from hsd_opt.runtime.decode import check_generation_args
         from hsd_opt.runtime.runner import encode_prompt, hsd_for_plan
 
-        if max_new_tokens < 1:
-            raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise HsdError(f"--temperature: expected >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
+        check_generation_args(max_new_tokens, temperature, top_p)
         texts = _prompts(prompt, prompts)
         p, loaded = _load(plan, model, device, dtype)
         h = hsd_for_plan(p, loaded, mode=mode, source=str(plan))

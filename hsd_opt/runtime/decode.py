@@ -42,6 +42,17 @@ import torch
 from hsd_opt.errors import HsdError
 
 
+def check_generation_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Refuse ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p`` outside (0, 1] with a one-line
+    :class:`HsdError` naming the flag (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
+    if max_new_tokens < 1:
+        raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise HsdError(f"--temperature: expected >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
+
+
 @dataclass
 class Level:
     """One level of a hierarchy.
@@ -314,12 +325,7 @@ class HSD:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
-        if max_new_tokens < 1:
-            raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise HsdError(f"--temperature: expected >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
+        check_generation_args(max_new_tokens, temperature, top_p)
         self.greedy = temperature == 0
         self.temperature, self.top_p = float(temperature), float(top_p)
         dev = self._lms[0].device
