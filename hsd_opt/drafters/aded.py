@@ -49,8 +49,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from hsd_opt.drafters.base import TokenDrafter
-from hsd_opt.errors import InputFileError
+from hsd_opt.drafters.base import TokenDrafter, read_npz_table
 
 MATRIX_FORMAT = "hsd-trigram/1"
 
@@ -111,16 +110,8 @@ class TrigramMatrix:
 
     @classmethod
     def load(cls, path: str | os.PathLike, backoff: bool = True) -> "TrigramMatrix":
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
-                a, b, c, p = (z[k].tolist() for k in ("a", "b", "c", "p"))
-        except FileNotFoundError:
-            raise InputFileError(str(path), "tri-gram matrix not found") from None
-        except (KeyError, ValueError, OSError) as e:
-            raise InputFileError(str(path), f"not a tri-gram matrix ({e})") from None
-        if meta.get("format") != MATRIX_FORMAT:
-            raise InputFileError(str(path), f"format {meta.get('format')!r}, expected {MATRIX_FORMAT!r}")
+        z, meta = read_npz_table(path, "tri-gram matrix", MATRIX_FORMAT, ("a", "b", "c", "p"))
+        a, b, c, p = (z[k].tolist() for k in ("a", "b", "c", "p"))
         meta.pop("format", None)
         table: dict[tuple[int, int], dict[int, float]] = {}
         for ai, bi, ci, pi in zip(a, b, c, p):

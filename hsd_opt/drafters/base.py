@@ -52,3 +52,28 @@ class TokenDrafter(abc.ABC):
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"{type(self).__name__}({self.config()})"
+
+
+def read_npz_table(path, what: str, fmt: str, keys: Sequence[str]) -> tuple[dict, dict]:
+    """Arrays ``keys`` and the JSON ``meta`` of an ``.npz`` table written by a drafter's ``save``.
+
+    Raises :class:`~hsd_opt.errors.InputFileError` naming ``path`` when the file is missing, is not such a
+    table (``what`` says which), or has another ``format`` than ``fmt``.
+    """
+    import json
+
+    import numpy as np
+
+    from hsd_opt.errors import InputFileError
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: z[k] for k in keys}
+    except FileNotFoundError:
+        raise InputFileError(str(path), f"{what} not found") from None
+    except (KeyError, ValueError, OSError) as e:
+        raise InputFileError(str(path), f"not a {what} ({e})") from None
+    if meta.get("format") != fmt:
+        raise InputFileError(str(path), f"format {meta.get('format')!r}, expected {fmt!r}")
+    return arrays, meta

@@ -38,8 +38,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hsd_opt.drafters.base import TokenDrafter
-from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.drafters.base import TokenDrafter, read_npz_table
+from hsd_opt.errors import HsdError
 
 TABLE_FORMAT = "hsd-bigram/1"
 
@@ -124,19 +124,8 @@ class BigramTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "BigramTable":
         """Read a table written by :meth:`save`; raises :class:`InputFileError` on a bad file."""
-        import json
-
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
-                t = cls(z["ids"], z["probs"], z["unigram_ids"], z["unigram_logp"], meta, str(path))
-        except FileNotFoundError:
-            raise InputFileError(str(path), "bigram table not found") from None
-        except (KeyError, ValueError, OSError) as e:
-            raise InputFileError(str(path), f"not a bigram table ({e})") from None
-        if meta.get("format") != TABLE_FORMAT:
-            raise InputFileError(str(path), f"format {meta.get('format')!r}, expected {TABLE_FORMAT!r}")
-        return t
+        z, meta = read_npz_table(path, "bigram table", TABLE_FORMAT, ("ids", "probs", "unigram_ids", "unigram_logp"))
+        return cls(z["ids"], z["probs"], z["unigram_ids"], z["unigram_logp"], meta, str(path))
 
     # ---- lookups -----------------------------------------------------------------------------------------
     def greedy_chain(self, x: int, n: int) -> list[int]:
