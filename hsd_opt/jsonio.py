@@ -11,17 +11,32 @@ from typing import Any
 from hsd_opt.errors import InputFileError
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; a missing file or malformed JSON raises :class:`InputFileError` naming the file."""
+def read_bytes(path: str | os.PathLike, expected: str = "a JSON file") -> bytes:
+    """The bytes of a file; missing, a directory or unreadable raises :class:`InputFileError` naming the file
+    (``expected`` says what kind of file was wanted)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_bytes()
     except FileNotFoundError:
         raise InputFileError(str(p), "file not found") from None
     except IsADirectoryError:
-        raise InputFileError(str(p), "is a directory, expected a JSON file") from None
+        raise InputFileError(str(p), f"is a directory, expected {expected}") from None
     except OSError as e:
         raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
+
+
+def read_text(path: str | os.PathLike, expected: str = "a JSON file") -> str:
+    """UTF-8 text of a file (see :func:`read_bytes`); text that is not UTF-8 raises :class:`InputFileError`."""
+    try:
+        return read_bytes(path, expected).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputFileError(str(path), "not UTF-8 text") from None
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; a missing file or malformed JSON raises :class:`InputFileError` naming the file."""
+    p = Path(path)
+    text = read_text(p)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

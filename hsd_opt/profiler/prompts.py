@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.jsonio import read_bytes
 
 DEFAULT_SUITE = "prompts.jsonl"
 
@@ -49,14 +50,7 @@ def load_prompts(path: str | Path | None = None) -> tuple[list[PromptItem], str,
     else:
         p = Path(path)
         source = str(p)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise InputFileError(str(p), "file not found") from None
-    except IsADirectoryError:
-        raise InputFileError(str(p), "is a directory, expected a JSON-lines prompt file") from None
-    except OSError as e:
-        raise InputFileError(str(p), f"cannot read: {e.strerror}") from None
+    raw = read_bytes(p, "a JSON-lines prompt file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
