@@ -240,6 +240,20 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name)
 
 
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """EOS ids of a loaded model, sorted: the generation config's (may be a list), the model config's and the
+    tokenizer's."""
+    ids: set[int] = set()
+    gc = getattr(loaded.model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(loaded.model.config, "eos_token_id", None),
+                getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """Refuse a draft model whose tokenizer differs from the target's (vocab and special tokens)."""
     if target_tok.get_vocab() != draft_tok.get_vocab():

@@ -39,6 +39,7 @@ import torch
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import PROFILE_FORMAT, ModelEntry, Profile, profile_from_dict, save_profile
 from hsd_opt.jsonio import read_json, write_json
+from hsd_opt.models.loading import eos_token_ids, file_sha256
 from hsd_opt.profiler.prompts import PromptItem, encode_prompt, load_prompts, task_names
 from hsd_opt.profiler.stats import PairStats
 
@@ -121,26 +122,6 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
     if not m or not int(m.group(2)) >= 1 or not int(m.group(1)) < int(m.group(2)):
         raise HsdError(f"--shard: expected K/N with 0 <= K < N (e.g. 0/4), got {spec!r}")
     return int(m.group(1)), int(m.group(2))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 22), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
-def _eos_ids(lm) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(lm.tokenizer, "eos_token_id", None),
-                getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None),
-                getattr(lm.model.config, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
 
 
 def _short_name(model_id: str, taken: set[str]) -> str:
@@ -549,7 +530,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         write_json(partial, {"format": PARTIAL_FORMAT, "settings": settings, "rank": rank, "world_size": world,
                              "done": done, "continuations": conts, "stats": stats.to_dict()}, indent=None)
 
-    eos = _eos_ids(lm)
+    eos = set(eos_token_ids(lm))
     progress = _progress(cfg.progress and rank == 0)
     t_prof = time.perf_counter()
     try:

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.profiler.prompts import encode_prompt  # noqa: F401  (re-exported)
 from hsd_opt.profiler.prompts import load_prompts as _load_prompt_items
 from hsd_opt.errors import HsdError, InputFileError
@@ -138,19 +139,6 @@ def hsd_for_plan(plan, loaded, lm=None, mode: str = "exact", source: str = "plan
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
     levels = build_levels(plan, loaded, lm=lm, source=source)
     return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
-
-
-def eos_ids(loaded) -> list[int]:
-    """EOS ids of the model: the generation config's (may be a list) and the tokenizer's."""
-    ids: set[int] = set()
-    gc = getattr(loaded.model, "generation_config", None)
-    for src in (getattr(gc, "eos_token_id", None), getattr(loaded.model.config, "eos_token_id", None),
-                getattr(loaded.tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return sorted(ids)
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
