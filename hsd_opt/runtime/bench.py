@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hsd_opt.runtime.decode import LevelStats
 from hsd_opt.runtime.runner import encode_prompt, eos_ids, hsd_for_plan
 
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd")
@@ -133,7 +134,7 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
     secs: dict[str, float] = {m: 0.0 for m in names}
     dec: dict[str, float] = {m: 0.0 for m in names}
     tcalls: dict[str, int] = {m: 0 for m in names}
-    levels: dict[str, list[dict]] = {}
+    levels: dict[str, list[LevelStats]] = {}
     for i, ids in enumerate(ids_list):
         order = names[i % len(names):] + names[: i % len(names)]
         for m in order:
@@ -144,11 +145,10 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
             if st is not None:
                 dec[m] += st["decode_seconds"]
                 tcalls[m] += st["target_calls"]
-                acc = levels.setdefault(m, [dict(lv) for lv in st["levels"]])
-                if i:
-                    for a, b in zip(acc, st["levels"]):
-                        for k in ("calls", "drafted", "accepted", "rejections"):
-                            a[k] += b[k]
+                acc = levels.setdefault(m, [LevelStats(lv["name"]) for lv in st["levels"]])
+                for a, b in zip(acc, st["levels"]):
+                    for k in ("calls", "drafted", "accepted", "rejections"):
+                        setattr(a, k, getattr(a, k) + b[k])
         log(f"prompt {i + 1}/{len(ids_list)} done")
     ref = outs.get("ar")
     report: dict[str, Any] = {"methods": {}}
@@ -161,11 +161,7 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
             d["matches_reference"] = all(same)
             d["prompts_matching"] = sum(same)
         if m in levels:
-            for lv in levels[m]:
-                tried = lv["accepted"] + lv["rejections"]
-                lv["acceptance_rate"] = lv["accepted"] / tried if tried else None
-                lv["accepted_fraction"] = lv["accepted"] / lv["drafted"] if lv["drafted"] and tried else None
-            d["levels"] = levels[m]
+            d["levels"] = [lv.to_dict() for lv in levels[m]]
             d["seconds_per_token"] = dec[m] / n if n else None
             d["target_calls"] = tcalls[m]
             d["tokens_per_target_call"] = n / tcalls[m] if tcalls[m] else None

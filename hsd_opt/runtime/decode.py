@@ -263,7 +263,7 @@ class HSD:
                 j = 0
                 while j < d and drafts[j] == g[j]:
                     j += 1
-                fix = g[j] if j <= d else None
+                fix = g[j]  # j <= d: row d is the bonus token's distribution
             else:
                 j, fix = self._verify(p, q, drafts)
             stats.accepted += j
