@@ -22,7 +22,7 @@ q/k/v/o projections and an ``mlp``), which covers LayerSkip's Llama-2/3 checkpoi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,30 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str) -> list[int]:
+    """Layer numbers from a ``--layers`` value: ``"all"``/``"*"`` -> 1..max_layer, ``"4,8,12"``, ranges ``"2-6"``,
+    or a sequence of ints; sorted, without repeats (possibly empty). Anything malformed, or a layer outside
+    1..max_layer, raises :class:`HsdError` naming ``--layers`` (``range_note`` says what the valid range means)."""
+    if not isinstance(spec, str):
+        out = [int(x) for x in spec]
+    elif spec.strip().lower() in ("all", "*"):
+        return list(range(1, max_layer + 1))
+    else:
+        out = []
+        for part in spec.split(","):
+            a, dash, b = part.strip().partition("-")
+            if not part.strip():
+                continue
+            if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
+                raise HsdError(f"--layers: expected 'all' or numbers like 4,8,14 or 2-6 (layers 1..{max_layer}), "
+                               f"got {part.strip()!r}")
+            out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
+    for v in out:
+        if not 1 <= v <= max_layer:
+            raise HsdError(f"--layers: layer {v} is out of range: {range_note}")
+    return sorted(set(out))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -79,33 +79,13 @@ class TrainResult:
 
 def parse_layers(spec: str | Sequence[int], n_layers: int) -> list[int]:
     """``"all"`` -> 1..n_layers-1; ``"4,8,14"`` -> [4, 8, 14]; checked against the model (HsdError otherwise)."""
-    if isinstance(spec, str):
-        s = spec.strip().lower()
-        if s in ("all", "*"):
-            return list(range(1, n_layers))
-        out = []
-        for part in s.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "-" in part:
-                a, _, b = part.partition("-")
-                if not (a.strip().isdigit() and b.strip().isdigit()):
-                    raise HsdError(f"--layers: expected 'all' or numbers like 4,8,14 or 2-6, got {spec!r}")
-                out.extend(range(int(a), int(b) + 1))
-            elif part.isdigit():
-                out.append(int(part))
-            else:
-                raise HsdError(f"--layers: expected 'all' or numbers like 4,8,14 or 2-6, got {spec!r}")
-    else:
-        out = [int(x) for x in spec]
+    from hsd_opt.engine.layered import parse_layer_spec
+
+    note = f"exit heads go after layers 1..{n_layers - 1} (layer {n_layers} is the model's own output)"
+    out = parse_layer_spec(spec, n_layers - 1, note)
     if not out:
         raise HsdError("--layers: no layers given")
-    bad = [b for b in out if not 1 <= b < n_layers]
-    if bad:
-        raise HsdError(f"--layers: layer {bad[0]} is out of range: exit heads go after layers 1..{n_layers - 1} "
-                       f"(layer {n_layers} is the model's own output)")
-    return sorted(set(out))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

@@ -87,32 +87,12 @@ class ProfileConfig:
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """``"all"`` -> 1..n; ``"4,8,12"`` -> those (the target's last layer n is always added). Boundaries count
-    decoder layers run (layer b = the residual stream after b layers)."""
-    spec = (spec or "all").strip().lower()
-    if spec == "all":
-        return list(range(1, n_layers + 1))
-    out = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                vals = range(a, b + 1)
-            else:
-                vals = [int(part)]
-        except ValueError:
-            raise HsdError(f"--layers: expected 'all' or a comma list of layer numbers 1..{n_layers}, "
-                           f"got {part!r}") from None
-        for v in vals:
-            if not 1 <= v <= n_layers:
-                raise HsdError(f"--layers: layer {v} is out of range: valid layers are 1..{n_layers} "
-                               f"(the model has {n_layers} decoder layers)")
-            out.add(v)
-    out.add(n_layers)
-    return sorted(out)
+    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the target's last layer n is always added).
+    Boundaries count decoder layers run (layer b = the residual stream after b layers)."""
+    from hsd_opt.engine.layered import parse_layer_spec
+
+    note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
+    return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
