@@ -60,7 +60,7 @@ def register(app):
                                                                    "final norm + LM head."),
         token_drafters: Optional[str] = typer.Option(None, "--token-drafters",
                                                      help="Comma list of ngram,bigram,aded, or 'none'. Default: "
-                                                          "ngram, plus bigram when its table is cached."),
+                                                          "ngram and aded, plus bigram when its table is cached."),
         no_ngram: bool = typer.Option(False, "--no-ngram", help="Leave the context n-gram drafter out."),
         no_bigram: bool = typer.Option(False, "--no-bigram", help="Leave the model-bigram drafter out."),
         no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
