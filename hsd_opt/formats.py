@@ -23,7 +23,7 @@ PROFILE_FORMAT = "hsd-profile/1"
 PLAN_FORMAT = "hsd-plan/1"
 
 #: Drafter kinds the project knows. Unknown kinds are accepted (other tools may add their own).
-KNOWN_KINDS = ("target", "early_exit", "model", "ngram_context", "bigram_model", "aded", "mixed_ngram")
+KNOWN_KINDS = ("target", "early_exit", "model", "quantized", "ngram_context", "bigram_model", "aded", "mixed_ngram")
 
 
 @dataclass
@@ -126,7 +126,8 @@ class Plan:
             non-decreasing, each in 1..tmax.
         expected_latency: predicted seconds per generated token.
         expected_speedup: target cost / expected_latency.
-        baselines: ``{"target_only": {...}, "best_single_draft": {...}}`` each with ``expected_latency``.
+        baselines: ``{"target_only": {...}, "best_single_draft": {...}, "best_early_exit": {...}}`` each with
+            ``expected_latency`` (best_early_exit: the best two-level plan whose drafter is an early exit).
         extra: every other field (target, solver, alternatives, profile provenance), kept on round-trip.
     """
 

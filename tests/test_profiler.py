@@ -16,6 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
+from hsd_opt.engine import quantized as qmod
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_profile
@@ -185,7 +186,11 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     prof, warnings = load_profile(full_run)
     names = prof.names
     assert prof.target == "layer4"
-    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "bigram", "aded"} == set(names)
+    quantized = {"int8", "int4"} if qmod.kernels_available("cpu") else set()   # the default --quantized
+    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "bigram", "aded"} | quantized == set(names)
+    for q in quantized:
+        assert prof.entry(q).kind == "quantized" and prof.entry(q).extra["quantization"]["bits"] == int(q[3:])
+        assert 0.0 < prof.accept(q, "layer4") <= 1.0
     costs = [m.cost for m in prof.models]
     assert costs == sorted(costs)                                # cheapest first
     # the draft model is an identical copy of the target: acceptance 1, agreement 1

@@ -1,6 +1,6 @@
 """Lossless greedy HSD on the embedded SmolLM2-135M-Instruct: hand-written plans of depth 2, 3 and 4 (early exits
-sharing one KV cache, and the context n-gram drafter at the bottom) emit exactly our autoregressive greedy ids on
-prompts of the suite; our AR loop equals Hugging Face ``generate`` greedy."""
+sharing one KV cache, the int4 copy of the target, and the context n-gram drafter at the bottom) emit exactly our
+autoregressive greedy ids on prompts of the suite; our AR loop equals Hugging Face ``generate`` greedy."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def setup(embedded):
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def quantized(embedded):
+    from hsd_opt.engine.quantized import QuantizedLM
+
+    return QuantizedLM(embedded.model, bits=4)
+
+
 def _ngram():
     drafters = pytest.importorskip("hsd_opt.drafters")
     return drafters.make_token_drafter("ngram_context", q=2, w=4)
@@ -43,10 +50,13 @@ def _ngram():
     (["layer26"], [3]),                                   # depth 2: one exit
     (["ngram", "layer29"], [2, 3]),                       # depth 3: n-gram -> exit -> target
     (["layer6", "layer14", "layer22"], [1, 2, 3]),        # depth 4: three exits, one shared cache
+    (["int4"], [12]),                                     # depth 2: the int4 copy of the target
+    (["ngram", "int4", "layer28"], [1, 6, 8]),            # depth 4: n-gram -> int4 copy -> exit -> target
 ])
-def test_embedded_greedy_lossless(setup, chain, budgets):
+def test_embedded_greedy_lossless(setup, quantized, chain, budgets):
     _, lm, eos, prompts, refs = setup
-    levels = [Level(n, drafter=_ngram()) if n == "ngram" else Level(n, lm, int(n[5:])) for n in chain]
+    levels = [Level(n, drafter=_ngram()) if n == "ngram" else Level(n, quantized, 30) if n == "int4"
+              else Level(n, lm, int(n[5:])) for n in chain]
     h = HSD(levels + [Level("layer30", lm, 30)], budgets, eos_ids=eos)
     n = 2 if len(chain) >= 3 else len(prompts)  # the deep logit-lens chain is the slowest (low acceptance)
     for p, ref in list(zip(prompts, refs))[:n]:

@@ -55,6 +55,10 @@ def register(app):
                                                             "(the last layer, the target, is always included)."),
         draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
                                                                         "tokenizer (repeatable)."),
+        quantized: Optional[str] = typer.Option(None, "--quantized",
+                                                help="Quantized copies of the target as drafters: comma list of "
+                                                     "int8,int4, or 'none'. Default: int8,int4 where the packed "
+                                                     "int8/int4 kernels run (CPU), else none."),
         heads: Optional[Path] = typer.Option(None, "--heads", help="Trained exit heads (safetensors) for the "
                                                                    "early exits; default: the model's own "
                                                                    "final norm + LM head."),
@@ -108,8 +112,13 @@ def register(app):
         if dropped:
             explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
                         if n not in dropped]
+        if quantized is not None:
+            from hsd_opt.engine.quantized import parse_quantized
+
+            parse_quantized(quantized, "cpu")  # check the names before loading anything
         rank, _ = dist_info()
         cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
+                            quantized=quantized,
                             token_drafters=explicit, heads=heads, temperature=temperature,
                             max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
                             resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),

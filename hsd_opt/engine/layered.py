@@ -118,7 +118,7 @@ class LayeredLM:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.hidden_size = cfg.hidden_size
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self.vocab_size = getattr(self.lm_head, "out_features", None) or self.lm_head.weight.shape[0]
         self.exit_heads: dict[int, ExitHead] = dict(exit_heads or {})
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype

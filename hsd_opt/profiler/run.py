@@ -49,9 +49,10 @@ DEFAULT_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
 KNOWN_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
 #: Settings a checkpoint must share with the run that resumes it (and profiles must share to merge).
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "max_new_tokens", "raw",
-                 "seed", "dtype", "layers", "draft_models", "token_drafters", "shard", "max_prompts", "world_size")
+                 "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard", "max_prompts",
+                 "world_size")
 MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "max_new_tokens", "raw", "dtype", "layers",
-                "draft_models", "token_drafters")
+                "draft_models", "quantized", "token_drafters")
 
 
 @dataclass
@@ -63,6 +64,7 @@ class ProfileConfig:
     prompts: Path | None = None
     layers: str = "all"
     draft_models: list[str] = field(default_factory=list)
+    quantized: str | None = None                    # --quantized: None = default (int8,int4 where kernels run)
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
     heads: Path | None = None
     temperature: float = 0.0
@@ -144,7 +146,7 @@ class NeuralDrafter:
     """A drafter with a distribution: an exit ``boundary`` of ``engine`` (the target's or a draft model's)."""
 
     name: str
-    kind: str                      # target | early_exit | model
+    kind: str                      # target | early_exit | model | quantized
     engine: Any                    # LayeredLM
     boundary: int
     model_id: str | None = None
@@ -461,6 +463,16 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         taken.add(name)
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
         drafts.append(dlm)
+    from hsd_opt.engine.quantized import QuantizedLM, parse_quantized, quant_spec
+
+    for qname in parse_quantized(cfg.quantized, eng.device):
+        if qname in taken:
+            raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
+        bits, group = quant_spec(qname)
+        log(f"quantizing a copy of the target: {qname}")
+        qeng = QuantizedLM(lm.model, bits=bits, group_size=group, name=qname)
+        taken.add(qname)
+        neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers))
     requested = list(cfg.token_drafters) if cfg.token_drafters is not None else list(DEFAULT_TOKEN_DRAFTERS)
     want_aded = "aded" in requested and _aded_available(cfg.token_drafters is not None)
     tds = build_token_drafters([n for n in requested if n != "aded"], lm, cfg.token_drafters is not None, warn)
@@ -475,6 +487,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens), "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": lm.dtype, "layers": boundaries,
         "draft_models": [nd.model_id for nd in neural if nd.kind == "model"],
+        "quantized": [nd.name for nd in neural if nd.kind == "quantized"],
         "token_drafters": [f"{d.kind}:{d.name}" for d in tds] + (["aded:aded"] if want_aded else []),
         "shard": list(cfg.shard) if cfg.shard else None,
         "max_prompts": cfg.max_prompts, "world_size": world,
@@ -599,7 +612,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                              "for the TV acceptance and argmax for greedy_agreement"),
         "cost_model": "per-layer: cost, cost_curve and verify_cost are sums of median per-layer timings "
                       "(hsd_opt/profiler/costs.py); step_measured = direct median of one warm decode step",
-        "cost_model_check": {nd.name: lcs[id(nd.engine)].check for nd in neural if nd.kind in ("target", "model")},
+        "cost_model_check": {nd.name: lcs[id(nd.engine)].check for nd in neural
+                             if nd.kind in ("target", "model", "quantized")},
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                     "total_seconds": round(time.perf_counter() - t_start, 3)},
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -686,6 +700,13 @@ def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[
             "acceptance_by_task": {t: v for t, v in by_task.items() if v}}
 
 
+def quantization_entry(qeng) -> dict[str, Any]:
+    """The ``quantization`` field of a quantized drafter's profile entry (what the runtime rebuilds it from)."""
+    return {"bits": qeng.bits, "group_size": qeng.group_size, "head_bits": qeng.head_bits,
+            "packed_kernels": qeng.packed, "activation_dtype": str(qeng.dtype).replace("torch.", ""),
+            "weight_bytes": qeng.weight_bytes()}
+
+
 def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
                   target_name: str) -> Profile:
     tmax1 = tmax + 1
@@ -697,10 +718,12 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
         extra: dict[str, Any] = {}
         if nd.kind == "model":
             extra["model"] = nd.model_id
+        if nd.kind == "quantized":
+            extra["quantization"] = quantization_entry(nd.engine)
         if nd.boundary in lc.step:
             extra["step_measured"] = lc.step[nd.boundary]
         entries.append(ModelEntry(nd.name, nd.kind, max(lc.step_cost(nd.boundary), 1e-9), True,
-                                  nd.boundary if nd.kind != "model" else None, extra))
+                                  nd.boundary if nd.kind not in ("model", "quantized") else None, extra))
         cost_curve[nd.name] = [max(x, 1e-9) for x in lc.curve(nd.boundary, tmax1)]
     for nv in neural:
         for nd in neural:

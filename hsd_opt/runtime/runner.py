@@ -3,7 +3,8 @@
 A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries
 for them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``).
 Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM
-of the same tokenizer), and token drafters (``ngram_context``, ``bigram_model``, ``aded``, ... with ``config``,
+of the same tokenizer), ``quantized`` (``quantization``: a weight-quantized copy of the target, rebuilt here with
+:class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``, ... with ``config``,
 rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted when every name
 is ``layer<N>`` (the profiler's naming).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -74,6 +76,7 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
         lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
     entries = plan_entries(plan, source)
     L = lm.n_layers
+    quantized = _QUANTIZED.setdefault(loaded.model, {})
     levels: list[Level] = []
     top = len(plan.hierarchy) - 1
     for i, name in enumerate(plan.hierarchy):
@@ -89,6 +92,8 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
                 raise InputFileError(source, f"the target {name!r} is layer {layer}, but the model has {L} layers",
                                      where)
             levels.append(Level(name, lm, layer))
+        elif kind == "quantized":
+            levels.append(_quantized_level(name, e, loaded, quantized, source, where))
         elif kind == "model":
             from hsd_opt.engine.layered import LayeredLM as _L
             from hsd_opt.models.loading import check_same_tokenizer, load_model
@@ -113,6 +118,36 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
     if not levels[-1].is_model or levels[-1].lm is not lm:
         raise InputFileError(source, "the last level must be the target model", "hierarchy")
     return levels
+
+
+#: model -> {(bits, group_size, head_bits): QuantizedLM}: one quantized copy per model and setting per process
+#: (bench builds several hierarchies from one plan; quantizing SmolLM2-135M takes ~5 s).
+_QUANTIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _quantized_level(name: str, e: dict, loaded, cache: dict, source: str, where: str) -> Level:
+    """A level over a quantized copy of the target from a ``quantized`` entry (one copy per distinct setting)."""
+    from hsd_opt.engine.quantized import QuantizedLM
+
+    q = e.get("quantization")
+    if not isinstance(q, dict):
+        raise InputFileError(source, f"quantized entry {name!r} needs 'quantization' ({{bits, group_size, "
+                                     f"head_bits}})", where)
+    bits, group, head_bits = q.get("bits"), q.get("group_size", 32), q.get("head_bits", 8)
+    if bits not in (4, 8) or head_bits not in (4, 8) or not isinstance(group, int) or (bits == 4 and group < 1):
+        raise InputFileError(source, f"quantized entry {name!r}: expected bits 4|8, head_bits 4|8 and an integer "
+                                     f"group_size, got {q!r}", where + ".quantization")
+    key = (bits, group, head_bits)
+    if key not in cache:
+        try:
+            cache[key] = QuantizedLM(loaded.model, bits=bits, group_size=group, head_bits=head_bits, name=name)
+        except HsdError as err:
+            raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
+    qlm = cache[key]
+    layer = e.get("layer", qlm.n_layers)
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= qlm.n_layers:
+        raise InputFileError(source, f"layer {layer!r} of {name!r}: the model has layers 1..{qlm.n_layers}", where)
+    return Level(name, qlm, layer)
 
 
 def load_plan_heads(plan, loaded, source: str = "plan"):
