@@ -23,7 +23,7 @@ def _chain(h: list[str], b: list[int]) -> str:
 
 
 def plan_table(plan) -> Table:
-    """Rich table: the plan, best single draft, target alone, next-best alternatives."""
+    """Rich table: the plan, best single draft, best early exit, target alone, next-best alternatives."""
     t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.extra.get('solver', '?')})")
     t.add_column("")
     t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
@@ -31,10 +31,11 @@ def plan_table(plan) -> Table:
     t.add_column("speed-up", justify="right")
     t.add_row("[bold]plan[/]", _chain(plan.hierarchy, plan.budgets), _ms(plan.expected_latency),
               f"{plan.expected_speedup:.3f}x")
-    bsd = plan.baselines.get("best_single_draft")
-    if bsd:
-        t.add_row("best single draft", _chain(bsd["hierarchy"], bsd["budgets"]), _ms(bsd["expected_latency"]),
-                  f"{bsd['expected_speedup']:.3f}x")
+    for key, label in (("best_single_draft", "best single draft"), ("best_early_exit", "best early exit")):
+        b = plan.baselines.get(key)
+        if b:
+            t.add_row(label, _chain(b["hierarchy"], b["budgets"]), _ms(b["expected_latency"]),
+                      f"{b['expected_speedup']:.3f}x")
     tgt = plan.baselines["target_only"]
     t.add_row("target alone", tgt["hierarchy"][0], _ms(tgt["expected_latency"]), "1.000x")
     for n, alt in enumerate(plan.extra.get("alternatives", []), 2):

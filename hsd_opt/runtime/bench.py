@@ -41,8 +41,9 @@ def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], **kw) -> 
 def _best_exit(plan) -> int | None:
     from hsd_opt.runtime.runner import plan_entries
 
+    bee = plan.baselines.get("best_early_exit") or {}
     bsd = plan.baselines.get("best_single_draft") or {}
-    names = list(bsd.get("hierarchy") or [])
+    names = list(bee.get("hierarchy") or [])[:1] + list(bsd.get("hierarchy") or [])
     try:
         entries = plan_entries(plan)
     except Exception:

@@ -72,6 +72,9 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     baselines = {"target_only": _entry(profile, [profile.target], [], cK)}
     if bsd is not None:
         baselines["best_single_draft"] = _entry(profile, *bsd)
+    bee = best_single_draft(profile, tmax, kinds=("early_exit",))
+    if bee is not None:
+        baselines["best_early_exit"] = _entry(profile, *bee)
     if top > 1:
         ranked = (brute_ranked(profile, tmax, max_depth) if solver == "brute"
                   else dp_ranked(build_instance(profile, tmax), top, max_depth))

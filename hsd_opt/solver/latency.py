@@ -190,11 +190,13 @@ def target_only(profile: Profile) -> float:
     return profile.entry(profile.target).cost
 
 
-def best_single_draft(profile: Profile, tmax: int) -> tuple[list[str], list[int], float] | None:
+def best_single_draft(profile: Profile, tmax: int,
+                      kinds: Sequence[str] | None = None) -> tuple[list[str], list[int], float] | None:
     """The best hierarchy ``[drafter, target]`` with ``T`` in 1..tmax: ``(hierarchy, budgets, seconds/token)``.
 
     Candidates are the drafters the solvers may put under the target (acceptance to the target measured and
-    cheaper than the target, see :mod:`hsd_opt.solver.instance`). ``None`` when there is no candidate.
+    cheaper than the target, see :mod:`hsd_opt.solver.instance`), restricted to entries of ``kinds`` when given.
+    ``None`` when there is no candidate.
     """
     from hsd_opt.solver.instance import source_candidates
 
@@ -202,6 +204,8 @@ def best_single_draft(profile: Profile, tmax: int) -> tuple[list[str], list[int]
     K = profile.target
     js = np.arange(1, tmax + 1)
     for d in source_candidates(profile):
+        if kinds is not None and profile.entry(d).kind not in kinds:
+            continue
         L = target_rate(profile.accept(d, K), js) * (verify_cost_row(profile, K, d, tmax) + js * profile.entry(d).cost)
         j = int(np.argmin(L))
         if best is None or L[j] < best[2]:
