@@ -249,3 +249,28 @@ def test_target_alone_when_drafters_do_not_pay():
         plan = solve(p, 8, solver=s)
         assert plan.hierarchy == ["t"] and plan.budgets == [] and plan.expected_speedup == 1.0
         assert plan_from_dict(plan.to_dict()).hierarchy == ["t"]
+
+
+def test_best_early_exit_baseline_is_the_best_exit_pair():
+    """``baselines.best_early_exit`` is the best [exit, target] pair by enumeration, and absent without exits."""
+    from hsd_opt.formats import profile_from_dict
+    from hsd_opt.solver import evaluate, solve
+
+    d = {"format": "hsd-profile/1", "target": "layer8",
+         "models": [{"name": "ngram", "kind": "ngram_context", "cost": 1e-4, "can_verify": False},
+                    {"name": "layer2", "kind": "early_exit", "cost": 0.25, "layer": 2, "can_verify": True},
+                    {"name": "layer4", "kind": "early_exit", "cost": 0.5, "layer": 4, "can_verify": True},
+                    {"name": "int4", "kind": "quantized", "cost": 0.4, "can_verify": True},
+                    {"name": "layer8", "kind": "target", "cost": 1.0, "layer": 8, "can_verify": True}],
+         "acceptance": {"ngram": {"layer8": 0.3}, "layer2": {"layer8": 0.4}, "layer4": {"layer8": 0.8},
+                        "int4": {"layer8": 0.97}}}
+    prof = profile_from_dict(d, "<t>")[0]
+    plan = solve(prof, 6)
+    bee = plan.baselines["best_early_exit"]
+    best = min((evaluate(prof, [e, "layer8"], [t]), e, t) for e in ("layer2", "layer4") for t in range(1, 7))
+    assert bee["hierarchy"] == [best[1], "layer8"] and bee["budgets"] == [best[2]]
+    assert bee["expected_latency"] == pytest.approx(best[0])
+    assert plan.baselines["best_single_draft"]["hierarchy"] == ["int4", "layer8"]
+    d["models"] = [m for m in d["models"] if m["kind"] != "early_exit"]
+    d["acceptance"] = {k: v for k, v in d["acceptance"].items() if not k.startswith("layer")}
+    assert "best_early_exit" not in solve(profile_from_dict(d, "<t>")[0], 6).baselines
