@@ -103,3 +103,30 @@ def test_exit_head_override():
     eng.advance(st, 2)
     assert torch.equal(eng.logits(st, 2, 0, 3), torch.zeros(3, 64))
     assert calls == [torch.Size([3, 32])]
+
+
+def test_direct_layer_path_is_bit_identical_to_the_modules(tiny_llama):
+    """The engine calls the weights directly (no nn.Module overhead) only because it equals the modules exactly."""
+    lm = LayeredLM(tiny_llama)
+    assert lm._weights is not None
+    ref = LayeredLM(tiny_llama)
+    ref._weights = None                                        # force the module path
+    ids = torch.randint(3, 64, (25,), generator=torch.Generator().manual_seed(0))
+    a, b = lm.new_state(32), ref.new_state(32)
+    for eng, st in ((lm, a), (ref, b)):
+        eng.append(st, ids[:20])
+        eng.advance(st, 4)
+        eng.append(st, ids[20:])
+        eng.advance(st, 4)
+    assert torch.equal(lm.logits(a, 4, 0, 25), ref.logits(b, 4, 0, 25))
+
+
+def test_direct_path_is_refused_when_modules_differ():
+    """A model whose layers do something else than the Llama ops (here: a patched norm) keeps the module path."""
+    model = make_tiny_llama(seed=5)
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.forward = lambda x, _f=norm.forward: _f(x) * 1.5     # an instance-level change the direct path lacks
+    assert LayeredLM(model)._weights is None
+    model = make_tiny_llama(seed=5)
+    model.model.layers[0].mlp._hf_hook = object()              # accelerate-dispatched: go through the modules
+    assert LayeredLM(model)._weights is None

@@ -160,7 +160,8 @@ def test_profile_solve_run_with_quantized_drafter(tmp_path, monkeypatch):
     prof = json.loads(prof_path.read_text())
     e = next(m for m in prof["models"] if m["name"] == "int8")
     assert e["kind"] == "quantized" and e["quantization"]["bits"] == 8 and e["can_verify"] is True
-    assert 0.5 <= prof["acceptance"]["int8"]["layer2"] <= 1.0
+    acc = prof["acceptance"]  # keyed cheaper -> dearer; on a tiny model the int8 copy may cost more than the target
+    assert 0.5 <= acc.get("int8", {}).get("layer2", acc.get("layer2", {}).get("int8", -1)) <= 1.0
     assert prof["provenance"]["quantized"] == ["int8"]
     assert len(prof["cost_curve"]["int8"]) == 4
     plan_path = tmp_path / "plan.json"

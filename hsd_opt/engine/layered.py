@@ -59,6 +59,53 @@ def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str)
     return sorted(set(out))
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, op for op as ``LlamaRMSNorm.forward`` (float32 statistics, result in x's dtype)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class _LayerWeights:
+    """Direct references to one decoder layer's parameters (no copies)."""
+
+    def __init__(self, layer):
+        a, mlp = layer.self_attn, layer.mlp
+        self.ln1, self.eps1 = layer.input_layernorm.weight, _norm_eps(layer.input_layernorm)
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm)
+        self.q, self.bq = a.q_proj.weight, a.q_proj.bias
+        self.k, self.bk = a.k_proj.weight, a.k_proj.bias
+        self.v, self.bv = a.v_proj.weight, a.v_proj.bias
+        self.o, self.bo = a.o_proj.weight, a.o_proj.bias
+        self.gate, self.bgate = mlp.gate_proj.weight, mlp.gate_proj.bias
+        self.up, self.bup = mlp.up_proj.weight, mlp.up_proj.bias
+        self.down, self.bdown = mlp.down_proj.weight, mlp.down_proj.bias
+        act = mlp.act_fn
+        self.act = F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
+        self.qk_norm = hasattr(a, "q_norm")
+
+
+def _norm_eps(norm) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(norm, attr, None)
+        if isinstance(v, float):
+            return v
+    return 1e-6
+
+
+def _lean_weights(model, layers) -> list[_LayerWeights] | None:
+    """Per-layer weight references for the direct path, or None when the model has accelerate hooks (offloaded
+    or dispatched weights must go through the modules) or a layer lacks the expected projections/norms.
+    :meth:`LayeredLM._check_direct_path` then checks the direct path against the modules, bit for bit."""
+    if any(hasattr(mod, "_hf_hook") for mod in model.modules()):
+        return None
+    try:
+        out = [_LayerWeights(layer) for layer in layers]
+    except AttributeError:
+        return None
+    return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -120,8 +167,11 @@ class LayeredLM:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = getattr(self.lm_head, "out_features", None) or self.lm_head.weight.shape[0]
         self.exit_heads: dict[int, ExitHead] = dict(exit_heads or {})
+        self._weights = _lean_weights(model, self.layers)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self._weights is not None and not self._check_direct_path():
+            self._weights = None
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -164,7 +214,67 @@ class LayeredLM:
     # ------------------------------------------------------------------------------------------ compute
 
     def _layer(self, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
-        """Run decoder layer ``l`` on hidden ``x`` ``[m, d]`` for positions ``start .. start+m-1``."""
+        """Run decoder layer ``l`` on hidden ``x`` ``[m, d]`` for positions ``start .. start+m-1``.
+
+        The same tensor operations, in the same order, as the Hugging Face modules (so the logits are bit-identical
+        to theirs), called directly on the weights: at ~10 µs per module call, skipping ``nn.Module.__call__``
+        saves ~10% of a SmolLM2-135M decode step on a CPU. Models with accelerate hooks (offloading) go through
+        the modules."""
+        w = self._weights[l] if self._weights is not None else None
+        if w is None:
+            return self._layer_modules(l, x, st, start, cos, sin)
+        layer = self.layers[l]
+        attn = layer.self_attn
+        m = x.shape[0]
+        end = start + m
+        h = _rms_norm(x, w.ln1, w.eps1)
+        q = F.linear(h, w.q, w.bq).view(m, self.n_heads, self.head_dim).transpose(0, 1)
+        k = F.linear(h, w.k, w.bk).view(m, self.n_kv, self.head_dim).transpose(0, 1)
+        v = F.linear(h, w.v, w.bv).view(m, self.n_kv, self.head_dim).transpose(0, 1)
+        if w.qk_norm:  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = self._attend(l, q, k, v, st, start, end)
+        x = x + F.linear(o, w.o, w.bo)
+        h = _rms_norm(x, w.ln2, w.eps2)
+        return x + F.linear(w.act(F.linear(h, w.gate, w.bgate)) * F.linear(h, w.up, w.bup), w.down, w.bdown)
+
+    def _attend(self, l: int, q, k, v, st: DecodeState, start: int, end: int) -> torch.Tensor:
+        """Write k/v ``[n_kv, m, hd]`` at positions start..end-1 of layer l's cache; causal attention of q
+        ``[n_heads, m, hd]`` over positions 0..end-1 -> ``[m, n_heads * hd]``."""
+        m = end - start
+        st.k[l][0, :, start:end] = k
+        st.v[l][0, :, start:end] = v
+        keys = st.k[l][:, :, :end]
+        vals = st.v[l][:, :, :end]
+        if m == 1:
+            mask = None
+        else:
+            rows = torch.arange(start, end, device=q.device).unsqueeze(1)
+            cols = torch.arange(end, device=q.device).unsqueeze(0)
+            mask = cols <= rows
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)
+
+    @torch.no_grad()
+    def _check_direct_path(self) -> bool:
+        """True when :meth:`_layer`'s direct path gives bit-identical hidden states to the modules on every layer
+        (random input, 3 positions); otherwise the engine uses the modules."""
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(3, self.hidden_size, generator=g).to(device=self.device, dtype=self.dtype)
+        cos, sin = self._rope(0, 3)
+        for l in range(self.n_layers):
+            a, b = self.new_state(3), self.new_state(3)
+            ya = LayeredLM._layer(self, l, x, a, 0, cos, sin)
+            yb = self._layer_modules(l, x, b, 0, cos, sin)
+            if not torch.equal(ya, yb):
+                return False
+        return True
+
+    def _layer_modules(self, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+        """:meth:`_layer` through the Hugging Face modules (their hooks run)."""
         layer = self.layers[l]
         attn = layer.self_attn
         m = x.shape[0]
@@ -177,19 +287,7 @@ class LayeredLM:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        st.k[l][0, :, start:end] = k
-        st.v[l][0, :, start:end] = v
-        keys = st.k[l][:, :, :end]
-        vals = st.v[l][:, :, :end]
-        if m == 1:
-            mask = None
-        else:
-            rows = torch.arange(start, end, device=x.device).unsqueeze(1)
-            cols = torch.arange(end, device=x.device).unsqueeze(0)
-            mask = cols <= rows
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
-                                           enable_gqa=self.n_kv != self.n_heads)
-        o = o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)
+        o = self._attend(l, q, k, v, st, start, end)
         x = x + attn.o_proj(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
