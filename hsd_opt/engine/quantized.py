@@ -14,8 +14,8 @@ LM head, with ``bfloat16`` activations and KV cache:
   (``torch.ops.aten._weight_int4pack_mm_for_cpu``). GGUF ``Q4_1`` weights (like the embedded SmolLM2) are
   groups of 32 with a scale and a minimum, so ``bits=4, group_size=32`` recovers their 4-bit codes.
 
-The layer code is lean (q/k/v fused into one matmul, gate/up into one, ``F.rms_norm``), because at these step
-costs Python overhead per op is a large share of the time. On devices without these kernels (CUDA, MPS), the
+The layer code is lean (q/k/v fused into one matmul, gate/up into one, q and k rotated together,
+``F.rms_norm``), because at these step costs the overhead per op is a large share of the time. On devices without these kernels (CUDA, MPS), the
 weights are dequantized once into the activation dtype and applied with ``F.linear``: a 16-bit copy of the
 target, which only pays when the target itself runs in 32 bits.
 
@@ -197,7 +197,7 @@ class QuantizedLM(LayeredLM):
         return F.embedding(ids, self._embed_w)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self._norm_w, self._norm_eps)
+        return _rms(x, self._norm_w, self._norm_eps)
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         return self._head(self._final_norm(hidden.to(ACT_DTYPE))).float()
@@ -211,27 +211,32 @@ class QuantizedLM(LayeredLM):
         ql = self.qlayers[l]
         m = x.shape[0]
         end = start + m
-        d = x.shape[-1]
-        h = F.rms_norm(x, (d,), ql.ln1, ql.eps1)
-        q, k, v = ql.qkv(h).split(ql.split, dim=-1)
-        q = q.view(m, self.n_heads, self.head_dim).transpose(0, 1)
-        k = k.view(m, self.n_kv, self.head_dim).transpose(0, 1)
-        v = v.view(m, self.n_kv, self.head_dim).transpose(0, 1)
-        if ql.q_norm is not None:  # Qwen3
-            q, k = ql.q_norm(q).to(ACT_DTYPE), ql.k_norm(k).to(ACT_DTYPE)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        st.k[l][0, :, start:end] = k
-        st.v[l][0, :, start:end] = v
+        H, KV = self.n_heads, self.n_kv
+        h = _rms(x, ql.ln1, ql.eps1)
+        qkv = ql.qkv(h).view(m, H + 2 * KV, self.head_dim)
+        if ql.q_norm is not None:  # Qwen3: per-head norms before the rotation
+            qk = torch.cat([ql.q_norm(qkv[:, :H]), ql.k_norm(qkv[:, H:H + KV])], 1).to(ACT_DTYPE)
+        else:
+            qk = qkv[:, :H + KV]
+        c, s = cos[0].unsqueeze(1), sin[0].unsqueeze(1)               # [m, 1, hd]: q and k rotated together
+        qk = qk * c + _rotate_half(qk) * s
+        q = qk[:, :H].transpose(0, 1)                                 # [H, m, hd]
+        st.k[l][0, :, start:end] = qk[:, H:].transpose(0, 1)
+        st.v[l][0, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
         mask = None
         if m > 1:
             mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
         o = F.scaled_dot_product_attention(q.unsqueeze(0), st.k[l][:, :, :end], st.v[l][:, :, :end],
-                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        x = x + ql.o(o[0].transpose(0, 1).reshape(m, -1))
-        h = F.rms_norm(x, (d,), ql.ln2, ql.eps2)
-        g, u = ql.gate_up(h).split([ql.inter, ql.inter], dim=-1)
+                                           attn_mask=mask, enable_gqa=KV != H)
+        o = o[0].transpose(0, 1).reshape(m, H * self.head_dim)
+        x = x + ql.o(o)
+        g, u = ql.gate_up(_rms(x, ql.ln2, ql.eps2)).split([ql.inter, ql.inter], dim=-1)
         return x + ql.down(F.silu(g) * u)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bfloat16 ``x`` ``[m, d]`` (``F.rms_norm``: faster than the op-by-op form on a CPU)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _eps(norm) -> float:
