@@ -190,7 +190,8 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "bigram", "aded"} | quantized == set(names)
     for q in quantized:
         assert prof.entry(q).kind == "quantized" and prof.entry(q).extra["quantization"]["bits"] == int(q[3:])
-        assert 0.0 < prof.accept(q, "layer4") <= 1.0
+        a = prof.accept(q, "layer4") or prof.accept("layer4", q)   # keyed cheaper -> dearer (a tiny copy may cost more)
+        assert a is not None and 0.0 < a <= 1.0
     costs = [m.cost for m in prof.models]
     assert costs == sorted(costs)                                # cheapest first
     # the draft model is an identical copy of the target: acceptance 1, agreement 1
@@ -419,3 +420,21 @@ def test_verify_curve_runs_lower_layers_on_the_last_draft():
         eng.advance(st, 1)
         eng.append(st, [d])
     assert eng.advance(st, 4) == 1 * 1 + 3 * 3  # layer 0 on the last draft, layers 1..3 on three positions
+    # with a direct whole-model measurement, the target's curve is that measurement and verify curves into it
+    # are scaled by measured / per-layer sum at each t
+    lc.full = [20.0, 30.0, 40.0, 50.0]
+    assert lc.curve(4, 4) == [20.0, 30.0, 40.0, 50.0] and lc.step_cost(4) == 20.0
+    model = [0.5 + 10.0 * t for t in range(1, 5)]
+    assert lc.verify_curve(1, 4, 4)[2] == pytest.approx(curve[2] * 40.0 / model[2])
+    assert lc.curve(2, 4) == [0.5 + 3.0 * t for t in range(1, 5)]    # exits keep the per-layer model
+
+
+def test_measure_costs_times_the_whole_model_at_every_t():
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.profiler.costs import measure_costs
+    from tests.conftest import make_tiny_llama
+
+    lc = measure_costs(LayeredLM(make_tiny_llama(seed=7)), [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1)
+    assert len(lc.full) == 4 and all(x > 0 for x in lc.full)
+    assert lc.curve(4, 4) == lc.full
+    assert set(lc.check["measured"]) == {"1", "2", "4"} and lc.check["measured"]["4"] == lc.full[3]
