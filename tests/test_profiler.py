@@ -437,4 +437,14 @@ def test_measure_costs_times_the_whole_model_at_every_t():
     lc = measure_costs(LayeredLM(make_tiny_llama(seed=7)), [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1)
     assert len(lc.full) == 4 and all(x > 0 for x in lc.full)
     assert lc.curve(4, 4) == lc.full
-    assert set(lc.check["measured"]) == {"1", "2", "4"} and lc.check["measured"]["4"] == lc.full[3]
+    assert all(a <= b for a, b in zip(lc.full, lc.full[1:]))            # isotonic: never cheaper for more t
+    assert all(a <= b for row in lc.layer for a, b in zip(row, row[1:]))
+    assert set(lc.check["measured"]) == {"1", "2", "4"}                   # the raw medians, kept as a check
+
+
+def test_isotonic_fit():
+    from hsd_opt.profiler.costs import isotonic
+
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0]
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and isotonic([]) == []

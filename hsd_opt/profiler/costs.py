@@ -10,6 +10,7 @@ context of ``context_len`` tokens:
    ``base[t]`` (embedding + rotary tables) and ``head_b[t]`` (the exit head of boundary ``b`` on t rows; one
    shared timing when every exit uses the model's own final norm + LM head). These are the very calls
    ``advance`` makes, timed one by one.
+   Each timing is made non-decreasing in t by an isotonic (least-squares) fit: dips are timing noise.
 3. From (2), by summation (the **per-layer cost model**):
 
    - ``cost[b] = base[1] + sum_{l < b} layer[l][1] + head_b[1]``: one decode step of exit ``b`` (monotone in b);
@@ -85,6 +86,24 @@ class LayerCosts:
         return out
 
 
+def isotonic(xs: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``xs`` in least squares (pool adjacent violators).
+
+    A pass over more tokens does not cost less; dips in measured medians are timing noise (large on a shared
+    machine), and a solver fed them would pick budgets for a verify pass that only looked cheap."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for x in xs:
+        blocks.append([float(x), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2 = blocks.pop()
+            m1, w1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    out: list[float] = []
+    for m, w in blocks:
+        out.extend([m] * int(w))
+    return out
+
+
 def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=g)
@@ -126,11 +145,16 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     base = [0.0] * tmax1
     head_keys = sorted(b for b in bs if b in eng.exit_heads) + [-1]
     head: dict[int, list[float]] = {k: [0.0] * tmax1 for k in head_keys}
-    for t in range(1, tmax1 + 1):
-        lt = [[] for _ in range(n_layers)]
-        bt, ht = [], {k: [] for k in head_keys}
-        reps = max(curve_repeats, repeats) if t == 1 else curve_repeats  # t = 1 is the step cost: more repeats
-        for r in range(warmup + reps):
+    lt = [[[] for _ in range(n_layers)] for _ in range(tmax1)]
+    bt: list[list[float]] = [[] for _ in range(tmax1)]
+    ht = {k: [[] for _ in range(tmax1)] for k in head_keys}
+    # rounds over every t (not all repeats of one t in a row): a slow spell of a shared machine then hits every
+    # t alike instead of bending the curve; t = 1 (the step cost) gets extra rounds
+    n_rounds = warmup + max(curve_repeats, repeats)
+    for r in range(n_rounds):
+        for t in range(1, tmax1 + 1):
+            if r >= warmup + curve_repeats and t > 1:
+                continue
             eng.append(st, ctx[n0:n0 + t])
             t0 = _now()
             x = eng.embed(st.tokens[n0:n0 + t])
@@ -148,26 +172,29 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                 hts[k] = _now() - a
             eng.crop(st, n0)
             if r >= warmup:
-                bt.append(t1 - t0)
+                bt[t - 1].append(t1 - t0)
                 for l in range(n_layers):
-                    lt[l].append(times[l])
+                    lt[t - 1][l].append(times[l])
                 for k in head_keys:
-                    ht[k].append(hts[k])
-        base[t - 1] = statistics.median(bt)
+                    ht[k][t - 1].append(hts[k])
+    for t in range(1, tmax1 + 1):
+        base[t - 1] = statistics.median(bt[t - 1])
         for l in range(n_layers):
-            layer[l][t - 1] = statistics.median(lt[l])
+            layer[l][t - 1] = statistics.median(lt[t - 1][l])
         for k in head_keys:
-            head[k][t - 1] = statistics.median(ht[k])
+            head[k][t - 1] = statistics.median(ht[k][t - 1])
+    layer = [isotonic(row) for row in layer]
+    base = isotonic(base)
+    head = {k: isotonic(v) for k, v in head.items()}
     lc = LayerCosts(step, layer, base, head)
 
     # 3. the whole model over t tokens, measured directly for every t: its cost curve (what a verify pass of the
     #    target or of another model costs) and a check of the per-layer model. Summed per-layer medians miss
     #    effects of the whole pass (cache traffic between layers): up to ~20% at t = 16 for SmolLM2 on a CPU.
     if check:
-        full = []
-        for t in range(1, tmax1 + 1):
-            times = []
-            for r in range(warmup + (repeats if t == 1 else max(curve_repeats, 3))):
+        ft: list[list[float]] = [[] for _ in range(tmax1)]
+        for r in range(warmup + max(repeats, curve_repeats, 3)):
+            for t in range(1, tmax1 + 1):                  # rounds over every t, as above
                 eng.append(st, ctx[n0:n0 + t])
                 t0 = _now()
                 eng.advance(st, n_layers)
@@ -175,10 +202,10 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                 dt = _now() - t0
                 eng.crop(st, n0)
                 if r >= warmup:
-                    times.append(dt)
-            full.append(statistics.median(times))
+                    ft[t - 1].append(dt)
+        full = [statistics.median(x) for x in ft]
         modelled = lc.curve(n_layers, tmax1)
-        lc.full = full
+        lc.full = isotonic(full)
         pick = sorted({1, max(1, tmax1 // 2), tmax1})
         lc.check = {"boundary": n_layers, "measured": {str(t): full[t - 1] for t in pick},
                     "modelled": {str(t): modelled[t - 1] for t in pick}}
