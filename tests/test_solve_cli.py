@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
-from hsd_opt.formats import load_plan
+from hsd_opt.formats import load_plan, load_profile
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 runner = CliRunner()
@@ -36,7 +36,8 @@ def write(tmp_path, obj, name="profile.json") -> Path:
 
 def test_solve_writes_plan_and_simulate_agrees(tmp_path):
     plan_path = tmp_path / "plan.json"
-    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", plan_path)
+    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", plan_path,
+              "--min-gain", 0)
     assert res.exit_code == 0, out_of(res)
     text = out_of(res)
     for word in ("plan", "best single draft", "target alone", "#2", "ms/token"):
@@ -176,3 +177,25 @@ def test_target_only_plan_round_trips(tmp_path):
 def test_brute_refuses_huge_instances():
     _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", 200, "--solver", "brute"),
                   "--solver brute")
+
+
+def test_min_gain_keeps_a_deeper_level_only_if_it_pays_enough(tmp_path):
+    """Default --min-gain 0.03: the paper's 5-level optimum beats the best 4-level plan by less than 3%, so the
+    CLI keeps the 4-level one and reports the exact optimum; the API default (0) is the exact optimum."""
+    from hsd_opt.solver import evaluate, solve
+
+    prof = load_profile(DATA / "example_profile.json")[0]
+    exact = solve(prof, 10)
+    assert exact.hierarchy == ["m1", "m3", "m4", "m5", "m6"] and "exact_optimum" not in exact.extra
+    four = solve(prof, 10, max_depth=4)
+    assert exact.expected_latency > four.expected_latency * 0.97          # the 5th level gains < 3%
+    res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", tmp_path / "p.json")
+    assert res.exit_code == 0, out_of(res)
+    plan = load_plan(tmp_path / "p.json")
+    assert plan.hierarchy == four.hierarchy and plan.budgets == four.budgets
+    assert plan.extra["exact_optimum"]["hierarchy"] == exact.hierarchy and plan.extra["min_gain"] == 0.03
+    assert plan.expected_latency == pytest.approx(evaluate(prof, plan.hierarchy, plan.budgets))
+    assert "--min-gain 0" in " ".join(out_of(res).split())
+    for bad in ("-0.1", "1.5"):
+        res = run("solve", "--profile", DATA / "example_profile.json", "--min-gain", bad)
+        assert res.exit_code == 2 and "--min-gain" in out_of(res)

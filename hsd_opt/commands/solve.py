@@ -76,6 +76,10 @@ def register(app):
         max_depth: Optional[int] = typer.Option(None, "--max-depth",
                                                 help="Most models in the hierarchy, target included."),
         top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
+        min_gain: float = typer.Option(0.03, "--min-gain",
+                                       help="Add a level only if predicted at least this fraction faster than "
+                                            "the best plan with fewer levels (measurement noise); 0 = the exact "
+                                            "optimum."),
     ):
         """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
         from hsd_opt.solver.api import SOLVERS, solve
@@ -88,11 +92,18 @@ def register(app):
             raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth}")
         if top < 1:
             raise HsdError(f"--top: expected an integer >= 1, got {top}")
+        if not 0.0 <= min_gain < 1.0:
+            raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
         prof, warnings = load_profile(profile)
         for w in warnings:
             warn(w)
-        plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top)
+        plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain)
         console.print(plan_table(plan))
+        ex = plan.extra.get("exact_optimum")
+        if ex:
+            console.print(f"the exact optimum {_chain(ex['hierarchy'], ex['budgets'])} "
+                          f"({ex['expected_latency'] * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
+                          f"the plan; pass --min-gain 0 to choose it")
         if out is not None:
             save_plan(plan, out)
             console.print(f"wrote {out}")

@@ -23,8 +23,9 @@ context of ``context_len`` tokens:
      ``t`` positions and layers ``0 .. a-1`` on the last draft alone.
 
    Timing all ~n²/2 pairs directly would take minutes; the model needs n x (tmax+1) layer timings.
-4. The **whole model** over t = 1..tmax+1 tokens, timed directly: the cost curve (and step cost) of the last
-   layer, i.e. of the target's verify pass and of a separate draft model, where per-layer sums underestimate
+4. The **whole model** over t = 1..tmax+1 tokens, timed directly (``2 x repeats`` rounds: a draft model's step
+   cost is multiplied by its budget in every round, so its noise matters most): the cost curve (and step cost)
+   of the last layer, i.e. of the target's verify pass and of a separate draft model, where per-layer sums underestimate
    long passes; the per-layer model's figures for it are kept as a check (``cost_model_check`` in the profile).
 """
 
@@ -193,7 +194,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     #    effects of the whole pass (cache traffic between layers): up to ~20% at t = 16 for SmolLM2 on a CPU.
     if check:
         ft: list[list[float]] = [[] for _ in range(tmax1)]
-        for r in range(warmup + max(repeats, curve_repeats, 3)):
+        for r in range(warmup + max(2 * repeats, curve_repeats, 3)):
             for t in range(1, tmax1 + 1):                  # rounds over every t, as above
                 eng.append(st, ctx[n0:n0 + t])
                 t0 = _now()

@@ -44,13 +44,23 @@ def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | No
     return sol
 
 
+def _shallowest_within(profile: Profile, tmax: int, solver: str, depth: int, min_gain: float) -> Solution:
+    """The optimum over at most ``depth`` models, keeping each extra level only if it gains >= ``min_gain``."""
+    chosen = optimum(profile, tmax, solver, 2)
+    for d in range(3, depth + 1):
+        s = optimum(profile, tmax, solver, d)
+        if s.latency <= chosen.latency * (1.0 - min_gain):
+            chosen = s
+    return chosen
+
+
 def _entry(profile: Profile, hierarchy: list[str], budgets: list[int], latency: float) -> dict:
     return {"hierarchy": list(hierarchy), "budgets": list(budgets), "expected_latency": latency,
             "expected_speedup": target_only(profile) / latency}
 
 
 def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", max_depth: int | None = None,
-          top: int = 5) -> Plan:
+          top: int = 5, min_gain: float = 0.0) -> Plan:
     """Latency-optimal hierarchy and budgets for ``profile`` with budgets in 1..``tmax`` tokens.
 
     Args:
@@ -61,12 +71,21 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         max_depth: most models in the hierarchy, target included (2 = one drafter + target); None: no limit.
         top: how many hierarchies to rank; ``alternatives`` holds the next-best ``top - 1`` distinct ones
             (computed by the ranked dp, or by enumeration with ``brute``).
+        min_gain: 0 (default) = the exact optimum. ``g > 0``: a hierarchy with more levels is chosen only when it
+            is predicted at least a fraction ``g`` faster than the best one with fewer levels (measured costs and
+            acceptance rates are noisy; a deeper plan that wins by less than their error may well lose when run).
+            The exact optimum is then kept in ``extra["exact_optimum"]`` when it differs.
 
     Returns:
         a :class:`Plan` (``hsd-plan/1``): latencies in seconds per token, speed-up vs the target alone.
     """
     profile = _as_profile(profile)
+    if not 0.0 <= float(min_gain) < 1.0:
+        raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain!r}")
     sol = optimum(profile, tmax, solver, max_depth)
+    exact = sol
+    if min_gain > 0 and len(sol.hierarchy) > 2:
+        sol = _shallowest_within(profile, tmax, solver, len(sol.hierarchy), float(min_gain))
     cK = target_only(profile)
     bsd = best_single_draft(profile, tmax)
     baselines = {"target_only": _entry(profile, [profile.target], [], cK)}
@@ -81,9 +100,11 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     else:
         ranked = []
     alts = [_entry(profile, s.hierarchy, s.budgets, s.latency) for s in ranked if s.hierarchy != sol.hierarchy]
-    extra = {"target": profile.target, "solver": solver, "max_depth": max_depth,
+    extra = {"target": profile.target, "solver": solver, "max_depth": max_depth, "min_gain": float(min_gain),
              "profile_sha256": profile.fingerprint(), "latency_unit": "seconds/token",
              "alternatives": alts[: max(0, top - 1)]}
+    if exact.hierarchy != sol.hierarchy:
+        extra["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency)
     prov = profile.extra.get("provenance")
     if prov is not None:
         extra["provenance"] = prov
