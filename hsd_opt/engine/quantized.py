@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine.layered import LayeredLM, _rotate_half
+from hsd_opt.engine.layered import LayeredLM, _norm_eps as _eps, _rotate_half
 from hsd_opt.errors import HsdError
 
 #: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
@@ -237,11 +237,3 @@ class QuantizedLM(LayeredLM):
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of bfloat16 ``x`` ``[m, d]`` (``F.rms_norm``: faster than the op-by-op form on a CPU)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _eps(norm) -> float:
-    for attr in ("variance_epsilon", "eps"):
-        v = getattr(norm, attr, None)
-        if isinstance(v, float):
-            return v
-    return 1e-6
