@@ -148,6 +148,10 @@ class LayeredLM:
             use the model's final norm and LM head (the "logit lens").
     """
 
+    #: Call the float layers' weights directly (checked against the modules when built). Subclasses with their
+    #: own :meth:`_layer` set it False and skip that set-up.
+    direct_path = True
+
     def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -167,9 +171,9 @@ class LayeredLM:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = getattr(self.lm_head, "out_features", None) or self.lm_head.weight.shape[0]
         self.exit_heads: dict[int, ExitHead] = dict(exit_heads or {})
-        self._weights = _lean_weights(model, self.layers)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self._weights = _lean_weights(model, self.layers) if self.direct_path else None
         if self._weights is not None and not self._check_direct_path():
             self._weights = None
 
@@ -265,8 +269,8 @@ class LayeredLM:
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(3, self.hidden_size, generator=g).to(device=self.device, dtype=self.dtype)
         cos, sin = self._rope(0, 3)
+        a, b = self.new_state(3), self.new_state(3)  # layer l writes only its own cache slot
         for l in range(self.n_layers):
-            a, b = self.new_state(3), self.new_state(3)
             ya = LayeredLM._layer(self, l, x, a, 0, cos, sin)
             yb = self._layer_modules(l, x, b, 0, cos, sin)
             if not torch.equal(ya, yb):

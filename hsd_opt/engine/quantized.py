@@ -90,9 +90,10 @@ class QuantLinear:
         if bits == 8:
             scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
             q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            deq = q.float() * scale[:, None]
             if packed:
                 self.q, self.scale = q.contiguous(), scale.to(act_dtype)
+            else:
+                self.weight = (q.float() * scale[:, None]).to(act_dtype)
         elif bits == 4:
             g = group_size
             if K % g:
@@ -101,8 +102,9 @@ class QuantLinear:
             lo, hi = wg.amin(-1), wg.amax(-1)
             step = ((hi - lo) / 15.0).clamp_min(1e-12)
             q = torch.round((wg - lo[..., None]) / step[..., None]).clamp_(0, 15)
-            deq = (q * step[..., None] + lo[..., None]).reshape(N, K)
-            if packed:
+            if not packed:
+                self.weight = (q * step[..., None] + lo[..., None]).reshape(N, K).to(act_dtype)
+            else:
                 # the kernel computes (q - 8) * scale + zero per group: zero = lo + 8 * step
                 self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                     q.to(torch.int32).reshape(N, K).contiguous(), 1)
@@ -110,10 +112,6 @@ class QuantLinear:
                 self.group_size = g
         else:
             raise HsdError(f"unsupported bit width {bits} (expected 8 or 4)")
-        if not packed:
-            self.weight = deq.to(act_dtype).to(weight.device)
-            if self.bias is not None:
-                self.bias = self.bias.to(weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
@@ -134,16 +132,15 @@ class QuantLinear:
 def _fused(linears: Sequence, bits: int, group_size: int, packed: bool) -> QuantLinear:
     w = torch.cat([m.weight.detach().float() for m in linears], 0)
     if any(m.bias is not None for m in linears):
-        b = torch.cat([(m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0]))
-                       for m in linears])
+        b = torch.cat([(m.bias.detach().float() if m.bias is not None
+                        else torch.zeros(m.weight.shape[0], device=m.weight.device)) for m in linears])
     else:
         b = None
     return QuantLinear(w, b, bits, group_size, packed)
 
 
 class _QLayer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2", "eps1", "eps2", "q_norm", "k_norm", "split",
-                 "inter")
+    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2", "eps1", "eps2", "q_norm", "k_norm", "inter")
 
 
 class QuantizedLM(LayeredLM):
@@ -155,6 +152,8 @@ class QuantizedLM(LayeredLM):
     the model's final norm and the quantized LM head. ``name`` is what profiles and plans call it.
     """
 
+    direct_path = False  # its own _layer over the quantized weights
+
     def __init__(self, model, bits: int = 4, group_size: int = 32, head_bits: int = 8, name: str | None = None):
         super().__init__(model)
         act = getattr(model.config, "hidden_act", "silu")
@@ -164,14 +163,12 @@ class QuantizedLM(LayeredLM):
         packed = kernels_available(dev)
         self.bits, self.group_size, self.head_bits, self.packed = bits, group_size, head_bits, packed
         self.name = name or f"int{bits}"
-        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         self.qlayers: list[_QLayer] = []
         with torch.no_grad():
             for layer in self.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 ql = _QLayer()
                 ql.qkv = _fused([a.q_proj, a.k_proj, a.v_proj], bits, group_size, packed)
-                ql.split = [H * hd, KV * hd, KV * hd]
                 ql.o = _fused([a.o_proj], bits, group_size, packed)
                 ql.gate_up = _fused([mlp.gate_proj, mlp.up_proj], bits, group_size, packed)
                 ql.inter = mlp.gate_proj.weight.shape[0]
