@@ -67,8 +67,16 @@ class LayerCosts:
     def curve(self, b: int, tmax1: int) -> list[float]:
         """Seconds for exit ``b`` to run one pass over t = 1..tmax1 tokens: the direct measurement for the whole
         model (``b`` = every layer) when there is one, else the per-layer model."""
-        if self.full is not None and b == len(self.layer) and len(self.full) >= tmax1:
+        if self._direct(b, tmax1):
             return list(self.full[:tmax1])
+        return self._summed(b, tmax1)
+
+    def _direct(self, b: int, tmax1: int) -> bool:
+        """Whether exit ``b`` is the whole model and its pass was timed directly up to ``tmax1`` tokens."""
+        return self.full is not None and b == len(self.layer) and len(self.full) >= tmax1
+
+    def _summed(self, b: int, tmax1: int) -> list[float]:
+        """The per-layer model of a pass of exit ``b`` over t = 1..tmax1 tokens."""
         return [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(b)) + self.head_t(b, t)
                 for t in range(1, tmax1 + 1)]
 
@@ -79,11 +87,9 @@ class LayerCosts:
         lower = sum(self.layer[l][0] for l in range(a))
         out = [self.base[t - 1] + (lower if t >= 2 else 0.0) + sum(self.layer[l][t - 1] for l in range(a, b))
                + self.head_t(b, t) for t in range(1, tmax1 + 1)]
-        if self.full is not None and b == len(self.layer) and len(self.full) >= tmax1:
+        if self._direct(b, tmax1):
             # calibrated: scaled by the whole model's directly measured / per-layer cost over the same t tokens
-            model = [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(b)) + self.head_t(b, t)
-                     for t in range(1, tmax1 + 1)]
-            out = [x * self.full[i] / model[i] for i, x in enumerate(out)]
+            out = [x * f / m for x, f, m in zip(out, self.full, self._summed(b, tmax1))]
         return out
 
 
@@ -205,7 +211,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                 if r >= warmup:
                     ft[t - 1].append(dt)
         full = [statistics.median(x) for x in ft]
-        modelled = lc.curve(n_layers, tmax1)
+        modelled = lc._summed(n_layers, tmax1)
         lc.full = isotonic(full)
         pick = sorted({1, max(1, tmax1 // 2), tmax1})
         lc.check = {"boundary": n_layers, "measured": {str(t): full[t - 1] for t in pick},

@@ -610,8 +610,10 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                               for k, t in enumerate(stats.tasks)},
         "temperature_note": ("acceptance uses softmax(logits / T); at T = 0 the plain softmax(logits) (T = 1) "
                              "for the TV acceptance and argmax for greedy_agreement"),
-        "cost_model": "per-layer: cost, cost_curve and verify_cost are sums of median per-layer timings "
-                      "(hsd_opt/profiler/costs.py); step_measured = direct median of one warm decode step",
+        "cost_model": "exits: cost, cost_curve and verify_cost are sums of median per-layer timings; the whole "
+                      "model (target, draft model, quantized copy): cost and cost_curve timed directly, verify "
+                      "curves into the target scaled to them; all non-decreasing in t (hsd_opt/profiler/costs.py); "
+                      "step_measured = direct median of one warm decode step",
         "cost_model_check": {nd.name: lcs[id(nd.engine)].check for nd in neural
                              if nd.kind in ("target", "model", "quantized")},
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
