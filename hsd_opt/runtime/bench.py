@@ -43,18 +43,18 @@ def _best_exit(plan) -> int | None:
 
     bee = plan.baselines.get("best_early_exit") or {}
     bsd = plan.baselines.get("best_single_draft") or {}
-    names = list(bee.get("hierarchy") or [])[:1] + list(bsd.get("hierarchy") or [])
+    drafters = list(bee.get("hierarchy") or [])[:-1] + list(bsd.get("hierarchy") or [])[:-1]
     try:
         entries = plan_entries(plan)
     except Exception:
         entries = {}
     allm = {e["name"]: e for e in plan.extra.get("models") or [] if isinstance(e, dict) and "name" in e}
     allm.update(entries)
-    # The best single draft or the plan itself when they use an exit; else the best-ranked two-level
-    # alternative whose drafter is an exit (the solver ranks alternatives by predicted latency).
+    # The best early exit, else the best single draft or the plan itself when they use an exit; else the
+    # best-ranked two-level alternative whose drafter is an exit (alternatives are ranked by predicted latency).
     alt_drafters = [a["hierarchy"][0] for a in plan.extra.get("alternatives") or []
                     if isinstance(a, dict) and len(a.get("hierarchy") or []) == 2]
-    for n in names[:-1] + plan.hierarchy[:-1] + alt_drafters:
+    for n in drafters + plan.hierarchy[:-1] + alt_drafters:
         e = allm.get(n)
         if e is None and n.startswith("layer") and n[5:].isdigit():
             return int(n[5:])
