@@ -77,9 +77,9 @@ def register(app):
                                                 help="Most models in the hierarchy, target included."),
         top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
         min_gain: float = typer.Option(0.03, "--min-gain",
-                                       help="Add a level only if predicted at least this fraction faster than "
-                                            "the best plan with fewer levels (measurement noise); 0 = the exact "
-                                            "optimum."),
+                                       help="Add a second drafter level (or more) only if predicted at least "
+                                            "this fraction faster than the best plan with fewer levels "
+                                            "(measurement noise); 0 = the exact optimum."),
     ):
         """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
         from hsd_opt.solver.api import SOLVERS, solve

@@ -71,9 +71,10 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         max_depth: most models in the hierarchy, target included (2 = one drafter + target); None: no limit.
         top: how many hierarchies to rank; ``alternatives`` holds the next-best ``top - 1`` distinct ones
             (computed by the ranked dp, or by enumeration with ``brute``).
-        min_gain: 0 (default) = the exact optimum. ``g > 0``: a hierarchy with more levels is chosen only when it
-            is predicted at least a fraction ``g`` faster than the best one with fewer levels (measured costs and
-            acceptance rates are noisy; a deeper plan that wins by less than their error may well lose when run).
+        min_gain: 0 (default) = the exact optimum. ``g > 0``: a hierarchy of three or more models is chosen only
+            when it is predicted at least a fraction ``g`` faster than the best one with fewer models (measured
+            costs and acceptance rates are noisy; a deeper plan that wins by less than their error may well lose
+            when run). A single draft is always weighed against the target alone without this margin.
             The exact optimum is then kept in ``extra["exact_optimum"]`` when it differs.
 
     Returns:
