@@ -107,6 +107,36 @@ def test_quantized_engine_tracks_the_float_model(tiny, bits):
     assert (inc.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
+    """The TorchScript layer stack computes exactly what the per-layer Python path computes: the same caches and
+    hidden states, through prefill, single steps, crops and saved exit boundaries (runs split at boundary 2)."""
+    fast, slow = QuantizedLM(tiny, bits=bits), QuantizedLM(tiny, bits=bits, scripted=False)
+    if qmod.kernels_available("cpu"):
+        assert fast._stack is not None            # it applies to a Llama without biases and is bit-exact here
+    assert slow._stack is None
+    ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(5))
+    states = []
+    for q in (fast, slow):
+        st = q.new_state(64, save_boundaries=[2, 4])
+        q.append(st, ids[:17])
+        q.advance(st, 4)
+        for i in range(17, 26):                   # one token at a time, with an exit pass at layer 2 first
+            q.append(st, ids[i:i + 1])
+            q.advance(st, 2)
+            q.advance(st, 4)
+        q.crop(st, 21)
+        q.append(st, ids[21:40])
+        q.advance(st, 2)
+        q.append(st, ids[:3])                     # layers 0-1 ahead of layers 2-3: a frontier at boundary 2
+        q.advance(st, 4)
+        states.append(st)
+    a, b = states
+    assert a.lens == b.lens == [43] * 4
+    assert all(torch.equal(x[:, :, :43], y[:, :, :43]) for x, y in zip(a.k + a.v, b.k + b.v))
+    assert torch.equal(a.resid[4][:43], b.resid[4][:43]) and torch.equal(a.resid[2][:43], b.resid[2][:43])
+
+
 def test_dequantized_fallback_matches_packed_kernels(tiny, monkeypatch):
     packed = QuantizedLM(tiny, bits=8)
     monkeypatch.setattr(qmod, "kernels_available", lambda device="cpu": False)

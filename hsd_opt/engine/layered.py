@@ -295,6 +295,13 @@ class LayeredLM:
         x = x + attn.o_proj(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
+    def _run_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+        """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
+        written as it goes). Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
+        for l in range(l0, l1):
+            x = self._layer(l, x, st, start, cos, sin)
+        return x
+
     def _rope(self, start: int, end: int):
         pos = torch.arange(start, end, device=self.device).unsqueeze(0)
         dummy = torch.empty(1, dtype=self.dtype, device=self.device)
@@ -318,9 +325,11 @@ class LayeredLM:
         x: torch.Tensor | None = None
         x_start = n
         work = 0
-        for l in range(upto):
+        l = 0
+        while l < upto:
             start = st.lens[l]
             if start >= n:
+                l += 1
                 continue
             if l == 0:
                 x = self.embed(st.tokens[start:n])
@@ -329,12 +338,18 @@ class LayeredLM:
                 old = st.resid[l][start:x_start]
                 x = old if x is None else torch.cat([old, x], dim=0)
                 x_start = start
+            # a run of layers l..r-1 that all lack exactly positions x_start..n-1, with no boundary to save inside
+            r = l + 1
+            while r < upto and st.lens[r] == x_start and r not in st.resid:
+                r += 1
             off = x_start - lo
-            x = self._layer(l, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
-            work += x.shape[0]
-            st.lens[l] = n
-            if (l + 1) in st.resid and l + 1 != upto:
-                st.resid[l + 1][x_start:n] = x
+            x = self._run_layers(l, r, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
+            work += x.shape[0] * (r - l)
+            for j in range(l, r):
+                st.lens[j] = n
+            if r in st.resid and r != upto:
+                st.resid[r][x_start:n] = x
+            l = r
         self._resid(st, upto)[x_start:n] = x
         return work
 
