@@ -203,7 +203,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
         ft: list[list[float]] = [[] for _ in range(tmax1)]
         for r in range(warmup + max(2 * repeats, curve_repeats, 3)):
             for t in range(1, tmax1 + 1):                  # rounds over every t, as above
-                for timed in (False, True):                # a pass of the same size first, untimed: a drafter's
+                for _ in range(2):                         # a pass of the same size first, untimed: a drafter's
                     eng.append(st, ctx[n0:n0 + t])         # passes come in runs of one size (its budget, or
                     t0 = _now()                            # T_below + 1 when it verifies); right after a long
                     eng.advance(st, n_layers)              # pass, t = 1 measured ~15% slow here
