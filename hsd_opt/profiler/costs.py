@@ -76,18 +76,18 @@ class LayerCosts:
         """Whether exit ``b`` is the whole model and its pass was timed directly up to ``tmax1`` tokens."""
         return self.full is not None and b == len(self.layer) and len(self.full) >= tmax1
 
-    def _summed(self, b: int, tmax1: int) -> list[float]:
-        """The per-layer model of a pass of exit ``b`` over t = 1..tmax1 tokens."""
-        return [self.base[t - 1] + sum(self.layer[l][t - 1] for l in range(b)) + self.head_t(b, t)
-                for t in range(1, tmax1 + 1)]
+    def _summed(self, b: int, tmax1: int, a: int = 0) -> list[float]:
+        """The per-layer model of a pass of exit ``b`` over t = 1..tmax1 tokens; with ``a > 0``, of the pass that
+        verifies drafts of exit ``a`` (layers ``a .. b-1`` on all t positions, ``0 .. a-1`` on the last draft)."""
+        lower = sum(self.layer[l][0] for l in range(a))
+        return [self.base[t - 1] + (lower if t >= 2 else 0.0) + sum(self.layer[l][t - 1] for l in range(a, b))
+                + self.head_t(b, t) for t in range(1, tmax1 + 1)]
 
     def verify_curve(self, a: int, b: int, tmax1: int) -> list[float]:
         """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse): layers
         ``a .. b-1`` on all t positions, layers ``0 .. a-1`` on the last draft (t >= 2), the head on t rows. Into
         the whole model (``b`` = every layer) the sum is scaled to its direct measurement over t tokens."""
-        lower = sum(self.layer[l][0] for l in range(a))
-        out = [self.base[t - 1] + (lower if t >= 2 else 0.0) + sum(self.layer[l][t - 1] for l in range(a, b))
-               + self.head_t(b, t) for t in range(1, tmax1 + 1)]
+        out = self._summed(b, tmax1, a)
         if self._direct(b, tmax1):
             # calibrated: scaled by the whole model's directly measured / per-layer cost over the same t tokens
             out = [x * f / m for x, f, m in zip(out, self.full, self._summed(b, tmax1))]
