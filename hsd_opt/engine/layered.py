@@ -106,6 +106,12 @@ def _lean_weights(model, layers) -> list[_LayerWeights] | None:
     return out
 
 
+def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """``[end - start, end]`` boolean mask: query position ``start + i`` may attend to key positions ``<= start + i``
+    (new positions over a KV cache that holds positions ``0 .. start - 1``)."""
+    return torch.arange(end, device=device).unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -252,12 +258,7 @@ class LayeredLM:
         st.v[l][0, :, start:end] = v
         keys = st.k[l][:, :, :end]
         vals = st.v[l][:, :, :end]
-        if m == 1:
-            mask = None
-        else:
-            rows = torch.arange(start, end, device=q.device).unsqueeze(1)
-            cols = torch.arange(end, device=q.device).unsqueeze(0)
-            mask = cols <= rows
+        mask = None if m == 1 else _causal_mask(start, end, q.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
                                            enable_gqa=self.n_kv != self.n_heads)
         return o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine.layered import LayeredLM, _norm_eps as _eps, _rotate_half
+from hsd_opt.engine.layered import LayeredLM, _causal_mask, _norm_eps as _eps, _rotate_half
 from hsd_opt.errors import HsdError
 
 #: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
@@ -157,12 +157,10 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
     end = start + m
     c = cos.unsqueeze(1)
     s = sin.unsqueeze(1)
-    half = head_dim // 2
     d = x.shape[-1]
     mask: Optional[torch.Tensor] = None
     if m > 1:
-        cols = torch.arange(end, device=x.device).unsqueeze(0)
-        mask = cols <= torch.arange(start, end, device=x.device).unsqueeze(1)
+        mask = _causal_mask(start, end, x.device)
     for l in range(len(ks)):
         w = weights[l]
         h = F.rms_norm(x, [d], w[8], eps[l])
@@ -172,7 +170,7 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
             qkv = torch.ops.aten._weight_int8pack_mm(h, w[0], w[1])
         qkv = qkv.view(m, n_heads + 2 * n_kv, head_dim)
         qk = qkv[:, :n_heads + n_kv]
-        qk = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), -1) * s
+        qk = qk * c + _rotate_half(qk) * s
         ks[l][0, :, start:end] = qk[:, n_heads:].transpose(0, 1)
         vs[l][0, :, start:end] = qkv[:, n_heads + n_kv:].transpose(0, 1)
         o = F.scaled_dot_product_attention(qk[:, :n_heads].transpose(0, 1).unsqueeze(0), ks[l][:, :, :end],
@@ -327,9 +325,7 @@ class QuantizedLM(LayeredLM):
         q = qk[:, :H].transpose(0, 1)                                 # [H, m, hd]
         st.k[l][0, :, start:end] = qk[:, H:].transpose(0, 1)
         st.v[l][0, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
-        mask = None
-        if m > 1:
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        mask = None if m == 1 else _causal_mask(start, end, x.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), st.k[l][:, :, :end], st.v[l][:, :, :end],
                                            attn_mask=mask, enable_gqa=KV != H)
         o = o[0].transpose(0, 1).reshape(m, H * self.head_dim)
