@@ -675,9 +675,15 @@ def _progress(enabled: bool):
 # -------------------------------------------------------------------------------------------- output
 
 
-def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool]) -> dict[str, Any]:
+def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool],
+                       target: str) -> dict[str, Any]:
     """acceptance / greedy_agreement / counts / ci95 / acceptance_by_task for ``drafter`` before ``verifier`` in
-    ``order`` (cheapest first) where the verifier can verify."""
+    ``order`` (cheapest first) where the verifier can verify.
+
+    The target verifies every drafter and drafts for none, wherever its measured cost puts it in ``order``: on a
+    tiny or loaded machine a drafter can time dearer than the target, and its pair with the target must still be
+    recorded (the solver then leaves that drafter out by cost)."""
+    order = [n for n in order if n != target] + [target]
     acc: dict[str, dict[str, float]] = {}
     agr: dict[str, dict[str, float]] = {}
     cnt: dict[str, dict[str, int]] = {}
@@ -738,9 +744,9 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
         c = secs / calls if calls > 0 else 1e-6
         entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()}))
     rank = {nd.name: (0, nd.boundary) for nd in neural}
-    entries.sort(key=lambda e: (e.cost, rank.get(e.name, (0, 0))))
+    entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
     order = [e.name for e in entries]
-    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries})
+    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
     extra = {k: v for k, v in res.items() if k != "acceptance"}
     extra["stats"] = stats.to_dict()
     return Profile(target_name, entries, res["acceptance"], verify_cost, cost_curve, extra)
@@ -791,7 +797,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         stats = stats.merge(s)
     entries = first.models
     order = [e.name for e in entries]
-    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries})
+    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
     extra = dict(first.extra)
     extra.update({k: v for k, v in res.items() if k != "acceptance"})
     extra["stats"] = stats.to_dict()
