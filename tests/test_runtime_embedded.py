@@ -1,6 +1,7 @@
 """Lossless greedy HSD on the embedded SmolLM2-135M-Instruct: hand-written plans of depth 2, 3 and 4 (early exits
 sharing one KV cache, the int4 copy of the target, and the context n-gram drafter at the bottom) emit exactly our
-autoregressive greedy ids on prompts of the suite; our AR loop equals Hugging Face ``generate`` greedy."""
+autoregressive greedy ids on prompts of the suite; so do the solved plan (built the way ``hsd run`` builds it) and
+plans of depth 3 and 4 on every prompt of the suite; our AR loop equals Hugging Face ``generate`` greedy."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsd_opt.drafters import make_token_drafter
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.runner import encode_prompt, eos_ids, load_prompts
 
 N_NEW = 16  # ~1 min on an idle 2-core CPU; ~6 min when the machine is shared (load ~10)
-SUITE = Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"
+N_SUITE = 12  # tokens per prompt on the whole suite (24 prompts)
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "data" / "prompts.jsonl"
+# The plan `hsd solve` made from the profile of the README's measured figures (int4 copy -> target, T = 15).
+SOLVED_PLAN = REPO / "benchmarks" / "results" / "runtime_bench_plan.json"
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +47,24 @@ def quantized(embedded):
     return QuantizedLM(embedded.model, bits=4)
 
 
+@pytest.fixture(scope="module")
+def quantized8(embedded):
+    from hsd_opt.engine.quantized import QuantizedLM
+
+    return QuantizedLM(embedded.model, bits=8)
+
+
 def _ngram():
-    drafters = pytest.importorskip("hsd_opt.drafters")
-    return drafters.make_token_drafter("ngram_context", q=2, w=4)
+    return make_token_drafter("ngram_context", q=2, w=4)
+
+
+def _hierarchy(chain, budgets, lm, quantized, eos, quantized8=None) -> HSD:
+    """``chain`` (names: ``ngram``, ``int4``, ``int8`` or ``layer<N>``, bottom first) under the target
+    ``layer30``."""
+    copies = {"int4": quantized, "int8": quantized8}
+    levels = [Level(n, drafter=_ngram()) if n == "ngram" else Level(n, copies[n], 30) if n in copies
+              else Level(n, lm, int(n[5:])) for n in chain]
+    return HSD(levels + [Level("layer30", lm, 30)], budgets, eos_ids=eos)
 
 
 @pytest.mark.parametrize("chain,budgets", [
@@ -55,9 +76,7 @@ def _ngram():
 ])
 def test_embedded_greedy_lossless(setup, quantized, chain, budgets):
     _, lm, eos, prompts, refs = setup
-    levels = [Level(n, drafter=_ngram()) if n == "ngram" else Level(n, quantized, 30) if n == "int4"
-              else Level(n, lm, int(n[5:])) for n in chain]
-    h = HSD(levels + [Level("layer30", lm, 30)], budgets, eos_ids=eos)
+    h = _hierarchy(chain, budgets, lm, quantized, eos)
     n = 2 if len(chain) >= 3 else len(prompts)  # the deep logit-lens chain is the slowest (low acceptance)
     for p, ref in list(zip(prompts, refs))[:n]:
         res = h.generate(p, N_NEW)
@@ -84,3 +103,38 @@ def test_our_ar_equals_hf_generate(setup):
         if eos[0] in hf:
             hf = hf[: hf.index(eos[0]) + 1]
         assert hf == ref
+
+
+@pytest.fixture(scope="module")
+def whole_suite(setup):
+    """Every prompt of the suite, encoded, with our AR greedy reference of ``N_SUITE`` tokens."""
+    loaded, lm, eos, _, _ = setup
+    prompts = [encode_prompt(loaded.tokenizer, r["prompt"]) for r in load_prompts(SUITE)]
+    ar = HSD([Level("layer30", lm, 30)], [], eos_ids=eos)
+    return prompts, [ar.generate(p, N_SUITE).token_ids for p in prompts]
+
+
+def test_solved_plan_lossless_on_every_suite_prompt(setup, whole_suite):
+    from hsd_opt.formats import load_plan
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    loaded, lm, _, _, _ = setup
+    plan = load_plan(SOLVED_PLAN)
+    assert len(plan.hierarchy) >= 2                      # a plan that drafts, not the target alone
+    h = hsd_for_plan(plan, loaded, lm=lm, source=str(SOLVED_PLAN))
+    prompts, refs = whole_suite
+    assert len(prompts) == 24
+    for k, (p, ref) in enumerate(zip(prompts, refs)):
+        assert h.generate(p, N_SUITE).token_ids == ref, (plan.hierarchy, k)
+
+
+@pytest.mark.parametrize("chain,budgets", [
+    (["ngram", "int4"], [1, 12]),                         # depth 3
+    (["ngram", "int4", "int8"], [1, 6, 12]),              # depth 4: three engines' caches and a token drafter
+])
+def test_deeper_plans_lossless_on_every_suite_prompt(setup, quantized, quantized8, whole_suite, chain, budgets):
+    _, lm, eos, _, _ = setup
+    h = _hierarchy(chain, budgets, lm, quantized, eos, quantized8)
+    prompts, refs = whole_suite
+    for k, (p, ref) in enumerate(zip(prompts, refs)):
+        assert h.generate(p, N_SUITE).token_ids == ref, (chain, budgets, k)
