@@ -56,6 +56,17 @@ class CycleDrafter:
         self.observed += len(accepted)
 
 
+class AbstainingCycleDrafter(CycleDrafter):
+    """:class:`CycleDrafter` that may abstain: by context length mod 3 it proposes nothing, half a block or a
+    whole block (deterministic, so the draft distribution stays one-hot)."""
+
+    name, may_abstain = "abstaining", True
+
+    def propose(self, context, n):
+        keep = (0, n, max(1, n // 2))[len(context) % 3]
+        return super().propose(context, n)[:keep]
+
+
 def _ar(lm, prompt, n, eos=()):
     return HSD([Level("target", lm, lm.n_layers)], [], eos_ids=eos).generate(prompt, n).token_ids
 
@@ -169,6 +180,38 @@ def test_ngram_drafter_at_the_bottom_is_lossless():
     for budgets in ([1, 2], [3, 3], [4, 8]):
         h = HSD([Level("ngram", drafter=dr), Level("layer1", lm, 1), Level("layer4", lm, 4)], budgets)
         assert h.generate(prompt, 30).token_ids == _ar(lm, prompt, 30)
+
+
+def test_abstaining_drafters_at_the_bottom_are_lossless():
+    """Rounds where the bottom proposes nothing are plain steps of the level above; short blocks are verified
+    as they are. Both the n-gram lookup (abstains without a 2-gram match) and a drafter that abstains on a
+    third of the contexts give exactly the greedy reference, and every kind of round occurs."""
+    from hsd_opt.drafters import make_token_drafter
+
+    model = make_tiny_llama(seed=6, vocab_size=40, layers=4, scale=6.0)
+    lm = LayeredLM(model)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    ref = _ar(lm, prompt, 30)
+    lookup = make_token_drafter("ngram_context", name="lookup", q=3, w=4, min_q=2, abstain=True)
+    assert lookup.may_abstain and lookup.propose([1, 2, 3, 4], 3) == []
+    for dr in (lookup, AbstainingCycleDrafter(40)):
+        for budgets in ([1, 2], [3, 3], [4, 8]):
+            h = HSD([Level(dr.name, drafter=dr), Level("layer1", lm, 1), Level("layer4", lm, 4)], budgets)
+            res = h.generate(prompt, 30)
+            assert res.token_ids == ref, (dr.name, budgets)
+            bottom = res.stats["levels"][0]
+            assert 0 < bottom["abstained"] < bottom["calls"] and bottom["drafted"] > 0
+        h = HSD([Level(dr.name, drafter=dr), Level("layer4", lm, 4)], [3])
+        assert h.generate(prompt, 30).token_ids == ref
+    with pytest.raises(HsdError, match="returned 1 tokens, expected 3"):   # only a drafter that may abstain may
+        HSD([Level("cut", drafter=_Short(40)), Level("layer4", lm, 4)], [3]).generate(prompt, 5)
+
+
+class _Short(CycleDrafter):
+    name = "cut"
+
+    def propose(self, context, n):
+        return super().propose(context, n)[:1]
 
 
 def test_bad_hierarchies_and_inputs():

@@ -12,7 +12,7 @@ import torch
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.runtime.decode import HSD, Level, process_logits
 from tests.conftest import make_tiny_llama
-from tests.test_runtime import CycleDrafter
+from tests.test_runtime import AbstainingCycleDrafter, CycleDrafter
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
 PROMPT = [3, 5, 7]
@@ -78,6 +78,16 @@ def test_sampling_token_drafter_temperature_top_p(peaky):
     probs = _exact(model, 0.8, 0.9)
     levels = [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer2", lm, 2), Level("layer4", lm, 4)]
     p_ok = _pvalue(HSD(levels, [1, 2], mode="eager"), probs, 0.8, 0.9)
+    assert p_ok > 1e-3, p_ok
+
+
+def test_sampling_with_an_abstaining_drafter(peaky):
+    """A bottom drafter that proposes nothing, half a block or a whole block: the target's distribution still."""
+    model, lm = peaky
+    probs = _exact(model, 1.0, 1.0)
+    levels = [Level("abstaining", drafter=AbstainingCycleDrafter(V, step=1)), Level("layer2", lm, 2),
+              Level("layer4", lm, 4)]
+    p_ok = _pvalue(HSD(levels, [2, 2]), probs, 1.0, 1.0)
     assert p_ok > 1e-3, p_ok
 
 

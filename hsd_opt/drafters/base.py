@@ -23,16 +23,21 @@ class TokenDrafter(abc.ABC):
     name: str = "token"
     kind: str = "token"
     can_verify: bool = False
+    #: True for a drafter that proposes only where it is confident and otherwise returns no tokens (or fewer
+    #: than asked): the level above then takes one step of its own. Its acceptance is measured over the
+    #: positions where it proposes, and the share of those positions is its ``draft_rate`` in a profile.
+    may_abstain: bool = False
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start of a new sequence whose first tokens are ``prompt_ids``. Default: no state to reset."""
 
     @abc.abstractmethod
     def propose(self, context: Sequence[int], n: int) -> list[int]:
-        """Return EXACTLY ``n`` token ids continuing ``context`` (prompt + generated so far).
+        """Return EXACTLY ``n`` token ids continuing ``context`` (prompt + generated so far); a drafter with
+        :attr:`may_abstain` returns at most ``n`` (``[]``: it abstains).
 
         Deterministic: the same context gives the same proposal (q is one-hot). When nothing matches,
-        each implementation documents its fallback; it never returns fewer than ``n`` ids.
+        each implementation documents its fallback; only an abstaining drafter returns fewer than ``n`` ids.
         """
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:

@@ -148,8 +148,8 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
                 tcalls[m] += st["target_calls"]
                 acc = levels.setdefault(m, [LevelStats(lv["name"]) for lv in st["levels"]])
                 for a, b in zip(acc, st["levels"]):
-                    for k in ("calls", "drafted", "accepted", "rejections"):
-                        setattr(a, k, getattr(a, k) + b[k])
+                    for k in ("calls", "drafted", "accepted", "rejections", "abstained"):
+                        setattr(a, k, getattr(a, k) + b.get(k, 0))
         log(f"prompt {i + 1}/{len(ids_list)} done")
     ref = outs.get("ar")
     report: dict[str, Any] = {"methods": {}}

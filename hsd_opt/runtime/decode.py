@@ -78,17 +78,21 @@ class Level:
 class LevelStats:
     """Counters of one level. For a verifying level: ``calls`` verify passes, ``drafted`` draft tokens it checked,
     ``accepted`` of those accepted, ``rejections`` rounds ending in a rejection. For the bottom level: ``calls``
-    draft calls and ``drafted`` tokens it produced."""
+    draft calls, ``drafted`` tokens it produced and ``abstained`` calls where it proposed nothing."""
 
     name: str
     calls: int = 0
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0
+    abstained: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "calls": self.calls, "drafted": self.drafted, "accepted": self.accepted,
              "rejections": self.rejections}
+        if self.abstained:
+            d["abstained"] = self.abstained
+            d["draft_rate"] = 1.0 - self.abstained / self.calls
         # a = P(accept one draft): accepted / (accepted + rejections) estimates the profile's a (each round is
         # a run of Bernoulli(a) acceptances up to the first rejection); accepted / drafted is the raw fraction.
         tried = self.accepted + self.rejections
@@ -210,14 +214,17 @@ class HSD:
         return int(torch.multinomial(p, 1, generator=self.gen))
 
     def _draft(self) -> tuple[list[int], torch.Tensor | None]:
-        """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS); returns (ids, q rows)."""
+        """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS, or from a token drafter
+        that may abstain: none at all when it does); returns (ids, q rows)."""
         lv, st_stats = self.levels[0], self.stats[0]
         n = min(self.budgets[0] if len(self.levels) > 1 else 1, self.limit - len(self.seq))
         st_stats.calls += 1
         if not lv.is_model:
             toks = self._cut_eos([int(t) for t in lv.drafter.propose(self.seq, n)][:n])
-            if len(toks) != n and (not toks or toks[-1] not in self.eos):
+            short = len(toks) != n and (not toks or toks[-1] not in self.eos)
+            if short and not getattr(lv.drafter, "may_abstain", False):
                 raise HsdError(f"drafter {lv.name!r} returned {len(toks)} tokens, expected {n}")
+            st_stats.abstained += not toks
             self._append(toks)
             st_stats.drafted += len(toks)
             return toks, None
@@ -253,8 +260,9 @@ class HSD:
             s = len(self.seq)  # first draft position
             drafts, q = self._level(k - 1)
             d = len(drafts)
-            if d == 0:
+            if d == 0 and self._ended():
                 break
+            # d == 0 without the end: the drafter below abstained, and this pass is a plain step of level k
             p = self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
             stats.calls += 1
             stats.drafted += d
@@ -271,7 +279,7 @@ class HSD:
                 stats.rejections += 1
                 self._crop(s + j)
             new = drafts[:j]
-            if not (j == d and drafts[-1] in self.eos) and s + j < self.limit:
+            if not (j == d > 0 and drafts[-1] in self.eos) and s + j < self.limit:
                 new = new + [fix]
                 self._append([fix])
             out.extend(new)
@@ -291,7 +299,7 @@ class HSD:
         """Algorithm 2 on ``d`` drafts: p ``[d+1, V]`` verifier probabilities, q ``[d, V]`` draft probabilities
         (None: one-hot). Returns (accepted count j, the corrected or bonus token)."""
         d = len(drafts)
-        x = torch.tensor(drafts, device=p.device)
+        x = torch.tensor(drafts, dtype=torch.long, device=p.device)
         ar = torch.arange(d, device=p.device)
         px = p[ar, x]
         qx = q[ar, x] if q is not None else torch.ones_like(px)
