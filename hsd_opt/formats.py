@@ -38,6 +38,9 @@ class ModelEntry:
             they may only be the bottom level of a hierarchy).
         layer: for ``early_exit``/``target`` of a layered model, the number of decoder layers run (1-based).
         extra: any other fields of the entry, kept on round-trip.
+        draft_rate: share of the calls in which it proposes a block, in (0, 1]; below 1 only for a drafter that
+            cannot verify and abstains where it has no confident guess (its ``acceptance`` is then measured over
+            the positions where it proposes). Written only when below 1.
     """
 
     name: str
@@ -46,11 +49,14 @@ class ModelEntry:
     can_verify: bool
     layer: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    draft_rate: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify}
         if self.layer is not None:
             d["layer"] = self.layer
+        if self.draft_rate < 1.0:
+            d["draft_rate"] = self.draft_rate
         d.update(self.extra)
         return d
 
@@ -211,8 +217,14 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
         layer = m.get("layer")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
             raise InputFileError(source, f"expected a layer index >= 0, got {layer!r}", f + ".layer")
-        extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer")}
-        models.append(ModelEntry(name, kind, float(cost), can_verify, layer, extra))
+        rate = m.get("draft_rate", 1.0)
+        if not _is_number(rate) or not 0.0 < rate <= 1.0:
+            raise InputFileError(source, f"expected a share of calls in (0, 1], got {rate!r}", f + ".draft_rate")
+        if rate < 1.0 and can_verify:
+            raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
+                                 f + ".draft_rate")
+        extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate")}
+        models.append(ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate)))
     target = d.get("target")
     if not isinstance(target, str) or not target:
         raise InputFileError(source, "missing: expected the name of the target model", "target")

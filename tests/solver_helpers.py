@@ -8,14 +8,21 @@ from hsd_opt.formats import Profile, profile_from_dict
 
 
 def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: bool = False,
-                   verify_cost: bool = False, cost_curve: bool = False, missing: float = 0.2) -> Profile:
+                   verify_cost: bool = False, cost_curve: bool = False, missing: float = 0.2,
+                   abstaining: bool = False) -> Profile:
     """A target ``t`` (cost 1.0) and ``n_drafters`` drafters ``d0..`` with random costs (seconds),
-    acceptances (some pairs missing), optionally drafters that cannot verify, pair verify costs (scalars or
-    curves) and cost curves. Models are listed in random order (the solver sorts by cost itself)."""
+    acceptances (some pairs missing), optionally drafters that cannot verify (``abstaining``: most of those
+    get a ``draft_rate`` below 1), pair verify costs (scalars or curves) and cost curves. Models are listed
+    in random order (the solver sorts by cost itself)."""
     costs = rng.uniform(0.005, 0.9, n_drafters)
     names = [f"d{i}" for i in range(n_drafters)]
     models = [{"name": n, "kind": "model", "cost": float(c),
-               "can_verify": bool(not non_verifying or rng.random() > 0.4)} for n, c in zip(names, costs)]
+               "can_verify": bool(not (non_verifying or abstaining) or rng.random() > 0.4)}
+              for n, c in zip(names, costs)]
+    if abstaining:
+        for m in models:
+            if not m["can_verify"] and rng.random() < 0.8:
+                m["draft_rate"] = float(rng.uniform(0.05, 0.95))
     models.append({"name": "t", "kind": "target", "cost": 1.0, "can_verify": True})
     rng.shuffle(models)
     allc = {m["name"]: m["cost"] for m in models}

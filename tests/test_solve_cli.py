@@ -101,6 +101,32 @@ def test_missing_target(tmp_path):
     _expect_error(run("solve", "--profile", p), str(p), "target", "m9")
 
 
+@pytest.mark.parametrize("value,can_verify,needle", [(0.0, False, "(0, 1]"), (1.2, False, "(0, 1]"),
+                                                     ("x", False, "(0, 1]"), (0.5, True, "cannot verify")])
+def test_bad_draft_rate(tmp_path, value, can_verify, needle):
+    d = good_profile()
+    d["models"][0].update(draft_rate=value, can_verify=can_verify)
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p), str(p), "models[0].draft_rate", needle)
+
+
+def test_draft_rate_round_trips_and_is_used(tmp_path):
+    """A profile with an abstaining bottom drafter: solve and simulate agree on the plan's latency."""
+    d = good_profile()
+    bottom = min(d["models"], key=lambda m: m["cost"])
+    bottom.update(draft_rate=0.4, can_verify=False)
+    p = write(tmp_path, d)
+    res = run("solve", "--profile", p, "--tmax", 6, "--min-gain", 0, "--out", tmp_path / "plan.json")
+    assert res.exit_code == 0, out_of(res)
+    from hsd_opt.formats import load_profile
+    from hsd_opt.solver import evaluate
+    prof, _ = load_profile(p)
+    assert prof.entry(bottom["name"]).draft_rate == 0.4
+    assert prof.to_dict()["models"][[m["name"] for m in d["models"]].index(bottom["name"])]["draft_rate"] == 0.4
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.expected_latency == pytest.approx(evaluate(prof, plan.hierarchy, plan.budgets), rel=1e-9)
+
+
 @pytest.mark.parametrize("value", [1.5, -0.1, "x"])
 def test_acceptance_out_of_range(tmp_path, value):
     d = good_profile()

@@ -13,7 +13,7 @@ from hsd_opt.solver.api import optimum
 from hsd_opt.solver.brute import brute_ranked
 from hsd_opt.solver.dp import dp_ranked
 from hsd_opt.solver.instance import build_instance, cost_order
-from hsd_opt.solver.latency import curve_at, verify_cost
+from hsd_opt.solver.latency import curve_at, round_counts, round_tables, verify_cost
 from tests.solver_helpers import random_profile
 
 REL = 1e-9
@@ -56,6 +56,22 @@ def test_dp_lp_brute_agree(seed, non_verifying, vcost, ccurve):
                           cost_curve=ccurve)
     tmax = int(rng.integers(1, 6))
     _check_agree(prof, tmax)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_dp_lp_brute_agree_with_abstaining_drafters(seed):
+    """Bottom drafters that propose in only a share of their calls (draft_rate < 1): the three solvers agree,
+    with and without a depth limit, and the ranked dp equals the enumeration."""
+    rng = np.random.default_rng(11000 + seed)
+    prof = random_profile(rng, int(rng.integers(2, 6)), abstaining=True, verify_cost=seed % 3 == 0,
+                          cost_curve=seed % 4 == 1, missing=0.1)
+    assert any(m.draft_rate < 1 for m in prof.models) or seed % 10   # most instances have one
+    tmax = int(rng.integers(1, 6))
+    _check_agree(prof, tmax)
+    _check_agree(prof, tmax, max_depth=2 + seed % 2)
+    got = dp_ranked(build_instance(prof, tmax), 5)
+    want = brute_ranked(prof, tmax)[:5]
+    assert [g.latency for g in got] == pytest.approx([w.latency for w in want], rel=REL)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -122,6 +138,68 @@ def test_gamma_exact_values():
         for t in range(1, 11):
             for T in range(1, 11):
                 assert math.isclose(tab[p, t - 1, T - 1], gamma(a, t, T), rel_tol=1e-12)
+
+
+def _round_counts_reference(a, f, t, T):
+    """Independent: (matched, unmatched) expected rounds by the first-step recursion over the two kinds."""
+    memo = {}
+
+    def mu(n):
+        if n <= 0:
+            return 0.0, 0.0
+        if n not in memo:
+            m, u = f, 1.0 - f
+            um, uu = mu(n - 1)                 # the drafter abstained: one token
+            m, u = m + (1 - f) * um, u + (1 - f) * uu
+            for g in range(t + 1):             # it proposed and g drafts were accepted
+                p = f * (a ** g * (1 - a) if g < t else a ** t)
+                gm, gu = mu(n - 1 - g)
+                m, u = m + p * gm, u + p * gu
+            memo[n] = (m, u)
+        return memo[n]
+
+    return mu(T)
+
+
+def test_round_counts_exact_values_and_table():
+    for a in (0.0, 0.4, 0.71, 1.0):
+        for f in (0.05, 0.32, 0.9, 1.0):
+            for t in range(1, 7):
+                for T in range(1, 10):
+                    M, U = round_counts(a, f, t, T)
+                    rm, ru = _round_counts_reference(a, f, t, T)
+                    assert math.isclose(M, rm, rel_tol=1e-12) and math.isclose(U, ru, rel_tol=1e-12, abs_tol=1e-15)
+    assert round_counts(0.6, 1.0, 3, 7) == (gamma(0.6, 3, 7), 0.0)
+    assert round_counts(0.9, 0.5, 4, 1) == (0.5, 0.5)              # one round of either kind makes 1 token
+    a, f = np.array([0.0, 0.31, 0.9, 1.0, 0.5]), np.array([0.2, 0.5, 0.95, 0.7, 1.0])
+    M, U = round_tables(a, f, 8)
+    for p in range(len(a)):
+        for t in range(1, 9):
+            for T in range(1, 9):
+                m, u = round_counts(a[p], f[p], t, T)
+                assert math.isclose(M[p, t - 1, T - 1], m, rel_tol=1e-12)
+                assert math.isclose(U[p, t - 1, T - 1], u, rel_tol=1e-12, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("a,f,t,T", [(0.71, 0.32, 3, 15), (0.5, 0.8, 2, 6), (0.9, 0.1, 4, 9)])
+def test_round_counts_against_simulation(a, f, t, T):
+    rng = np.random.default_rng(7)
+    n = 100_000
+    have = np.zeros(n, dtype=int)
+    matched = np.zeros(n, dtype=int)
+    unmatched = np.zeros(n, dtype=int)
+    active = np.arange(n)
+    while active.size:
+        proposes = rng.random(active.size) < f
+        acc = rng.random((active.size, t)) < a
+        g = np.where(acc.all(axis=1), t, np.argmin(acc, axis=1))
+        have[active] += np.where(proposes, 1 + g, 1)
+        matched[active] += proposes
+        unmatched[active] += ~proposes
+        active = active[have[active] < T]
+    M, U = round_counts(a, f, t, T)
+    assert abs(matched.mean() - M) < 4 * matched.std() / np.sqrt(n) + 1e-12
+    assert abs(unmatched.mean() - U) < 4 * unmatched.std() / np.sqrt(n) + 1e-12
 
 
 @pytest.mark.parametrize("a,t,T", [(0.3, 2, 5), (0.7, 4, 9), (0.9, 3, 12), (0.5, 6, 4)])

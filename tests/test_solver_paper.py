@@ -10,7 +10,7 @@ import pytest
 
 from hsd_opt import load_profile
 from hsd_opt.formats import profile_from_dict
-from hsd_opt.solver import simulate, solve
+from hsd_opt.solver import hierarchy_latency, simulate, solve
 from hsd_opt.solver.api import optimum
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -84,6 +84,25 @@ def test_simulate_uses_verify_costs():
     for h, b in ((["a", "b", "t"], [3, 6]), (["b", "t"], [5]), (["a", "t"], [2])):
         r = simulate(p, h, b, rounds=60_000, seed=3)
         assert abs(r.latency - r.predicted) < 4 * r.stderr, (h, r)
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.75])
+def test_simulate_matches_prediction_with_an_abstaining_bottom(rate):
+    """A bottom drafter proposing in a share ``rate`` of its calls: the Monte-Carlo of the rounds (its own
+    code) agrees with the exact model at depth 2 and 3, and abstaining where the drafter is bad pays."""
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.001, "can_verify": False, "draft_rate": rate},
+                    {"name": "b", "cost": 0.3}, {"name": "t", "cost": 1.0}],
+         "acceptance": {"a": {"b": 0.7, "t": 0.65}, "b": {"t": 0.95}},
+         "cost_curve": {"b": [0.3, 0.4, 0.45, 0.5, 0.6], "t": [1.0, 1.1, 1.3, 1.5, 1.6, 1.8, 2.0]}}
+    p = profile_from_dict(d)[0]
+    for h, b in ((["a", "b", "t"], [3, 6]), (["a", "t"], [2]), (["a", "b", "t"], [1, 1])):
+        r = simulate(p, h, b, rounds=60_000, seed=5)
+        assert abs(r.latency - r.predicted) < 4 * r.stderr, (h, r)
+    # the same acceptance where it proposes, but proposing always with acceptance rate * 0.7 on average:
+    always = profile_from_dict({**d, "models": [{**d["models"][0], "draft_rate": 1.0}] + d["models"][1:],
+                                "acceptance": {"a": {"b": 0.7 * rate, "t": 0.65 * rate}, "b": {"t": 0.95}}})[0]
+    assert hierarchy_latency(p, ["a", "b", "t"], [3, 6]) < hierarchy_latency(always, ["a", "b", "t"], [3, 6])
 
 
 # ------------------------------------------------------------------------------------------- Table 9 (App. B.4)

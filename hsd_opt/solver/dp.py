@@ -53,6 +53,9 @@ def _relax(inst: Instance, i: int, Vsrc: np.ndarray, mask: np.ndarray):
         return None
     tmax = inst.tmax
     val = inst.gam[i] * (inst.vcost[i][:, :, None] + Vsrc[ks][:, :, None])      # (nk, l, j)
+    ab = inst.abst[i]
+    if len(ab):                                                                   # rounds the drafter abstained
+        val[ab] += inst.gam_u[i] * inst.v_abst[i][:, None, None]
     val[:, mask] = np.inf
     flat = val.reshape(-1, tmax)
     arg = flat.argmin(axis=0)
@@ -112,7 +115,7 @@ def dp(inst: Instance, max_depth: int | None = None) -> Solution:
         return Solution(inst.cK, [inst.target], [])
     V, bk, bl = dp_values(inst, max_depth)
     d = V.shape[0] - 1
-    vals = inst.src_rate * (inst.src_cost + V[d, inst.src])                        # (ns, tmax)
+    vals = inst.src_rate * (inst.src_cost + V[d, inst.src]) + inst.src_add         # (ns, tmax)
     a = int(np.argmin(vals))
     s, j = divmod(a, inst.tmax)
     L = float(vals[s, j])
@@ -160,6 +163,9 @@ def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[So
             if use_edges:
                 val = inst.gam[i][:, :, None, :] * (inst.vcost[i][:, :, None, None]
                                                     + Vt[src_layer, ks][:, :, :, None])      # (nk, l, m, j)
+                ab = inst.abst[i]
+                if len(ab):
+                    val[ab] += (inst.gam_u[i] * inst.v_abst[i][:, None, None])[:, :, None, :]
                 val = np.where(mask[None, :, None, :], np.inf, val)
                 cids = Cid[src_layer, ks].reshape(-1)                                        # (nk*l*m,)
                 flat = val.reshape(-1, tmax)
@@ -183,7 +189,8 @@ def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[So
                 for m, (val_m, c, b) in enumerate(entries[:top]):
                     Vt[d, i, j, m], Cid[d, i, j, m], back[d, i, j, m] = val_m, c, b
     d = nl - 1
-    vals = inst.src_rate[:, :, None] * (inst.src_cost[:, :, None] + Vt[d, inst.src])      # (ns, tmax, m)
+    vals = (inst.src_rate[:, :, None] * (inst.src_cost[:, :, None] + Vt[d, inst.src])
+            + inst.src_add[:, :, None])                                                     # (ns, tmax, m)
     cids = Cid[d, inst.src]
     v = vals.reshape(-1)
     order = np.argsort(v, kind="stable")

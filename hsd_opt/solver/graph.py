@@ -13,6 +13,8 @@ edge                       mu                                  cost
 =========================  ==================================  ===============================
 
 ``v_i(k, l)`` is the verify cost of :func:`hsd_opt.solver.latency.verify_cost` (``c_i`` with scalar costs).
+Into a drafter ``k`` that abstains (``draft_rate < 1``): ``mu = M`` and the cost adds ``U (v_i(1) + c_k)``
+for the rounds without a block; the source edge adds ``src_add`` (:mod:`hsd_opt.solver.instance`).
 With ``max_depth`` the drafter vertices carry a third element, the number of drafters still allowed including
 this one: ``(name, j, r)``; verify edges go from ``r`` to ``r - 1``. Only vertices reachable from the source
 are kept. Building is O(D^2 tmax^2) Python objects: use it for inspection and the LP on small instances; the
@@ -49,7 +51,8 @@ def build_gsp_graph(profile: Profile | Instance, tmax: int | None = None, max_de
         for j in range(1, T + 1):
             R = float(inst.src_rate[s, j - 1])
             v = node(i, j, top_r)
-            G.add_edge(src, v, mu=R, cost=R * float(inst.src_cost[s, j - 1]), kind="source")
+            G.add_edge(src, v, mu=R, cost=R * float(inst.src_cost[s, j - 1]) + float(inst.src_add[s, j - 1]),
+                       kind="source")
             stack.append((int(i), j, top_r))
     seen = set()
     while stack:
@@ -63,10 +66,15 @@ def build_gsp_graph(profile: Profile | Instance, tmax: int | None = None, max_de
         G.add_edge((name, "L"), (name, "L"), mu=0.5, cost=0.0, kind="loop")
         if layered and r <= 1:
             continue
+        abst = {int(kk): x for x, kk in enumerate(inst.abst[i])}
         for kk, k in enumerate(inst.below[i]):
             for l in range(1, j + 1):
                 g = float(inst.gam[i][kk, l - 1, j - 1])
+                c = g * float(inst.vcost[i][kk, l - 1])
+                if kk in abst:
+                    x = abst[kk]
+                    c += float(inst.gam_u[i][x, l - 1, j - 1]) * float(inst.v_abst[i][x])
                 r2 = r - 1 if layered else r
-                G.add_edge(u, node(k, l, r2), mu=g, cost=g * float(inst.vcost[i][kk, l - 1]), kind="verify")
+                G.add_edge(u, node(k, l, r2), mu=g, cost=c, kind="verify")
                 stack.append((int(k), l, r2))
     return G

@@ -7,7 +7,11 @@ Rules (the same for every solver):
 - ``i`` verifies ``k`` (edge ``(i, j) -> (k, l)``) only if ``k`` comes before ``i`` in that order,
   ``acceptance[k][i]`` is measured and ``i`` can verify; the target verifies ``i`` if ``acceptance[i][target]``
   is measured. A drafter with ``can_verify: false`` therefore only appears at the bottom;
-- budgets: ``l <= j`` on every verify edge, i.e. ``1 <= T_0 <= ... <= T_{n-1} <= tmax``.
+- budgets: ``l <= j`` on every verify edge, i.e. ``1 <= T_0 <= ... <= T_{n-1} <= tmax``;
+- a drafter with ``draft_rate f < 1`` (it abstains in a share ``1 - f`` of its calls; only a drafter that cannot
+  verify, so only at the bottom) makes the edges into it cost ``M v_i(l + 1) + U (v_i(1) + c_k)`` with
+  multiplier ``M`` (:func:`~hsd_opt.solver.latency.round_counts`), and the source edge into it
+  ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_latency`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
-from hsd_opt.solver.latency import gamma_table, target_rate, verify_cost_row
+from hsd_opt.solver.latency import gamma_table, round_tables, target_rate, verify_cost, verify_cost_row
 
 
 def cost_order(profile: Profile) -> list[str]:
@@ -44,11 +48,19 @@ class Instance:
         cost: ``(D,)`` seconds per autoregressive step (the bottom level pays ``T_0 * cost``).
         can_verify: ``(D,)`` bool.
         below: ``below[i]`` = int array of the drafters ``i`` may verify (ascending).
-        gam: ``gam[i]`` = ``(len(below[i]), tmax, tmax)``, ``gamma(a[k][i], l, j)`` at ``[kk, l-1, j-1]``.
+        gam: ``gam[i]`` = ``(len(below[i]), tmax, tmax)``, ``gamma(a[k][i], l, j)`` at ``[kk, l-1, j-1]``
+            (for a drafter k that abstains: ``M``, the expected rounds in which k proposes).
         vcost: ``vcost[i]`` = ``(len(below[i]), tmax)`` seconds for ``i`` to verify a block of ``l`` drafts of k.
+        abst: ``abst[i]`` = int array of the rows ``kk`` of ``below[i]`` whose drafter abstains (``draft_rate < 1``).
+        gam_u: ``gam_u[i]`` = ``(len(abst[i]), tmax, tmax)``: ``U``, expected rounds in which it abstains.
+        v_abst: ``v_abst[i]`` = ``(len(abst[i]),)`` seconds of such a round: ``i``'s pass over one token plus the
+            drafter's call.
         src: int array of drafters the target may verify.
-        src_rate: ``(len(src), tmax)``: ``R = (1-a)/(1-a^(j+1))``, target passes per token with budget j.
+        src_rate: ``(len(src), tmax)``: ``R = (1-a)/(1-a^(j+1))``, target passes per token with budget j
+            (for an abstaining drafter: the passes over its blocks per token).
         src_cost: ``(len(src), tmax)`` seconds of one target pass over a block of j drafts.
+        src_add: ``(len(src), tmax)`` seconds per token of the rounds an abstaining drafter leaves to the target
+            (0 for the others). The latency over ``src[s]`` is ``src_rate * (src_cost + V) + src_add``.
     """
 
     names: list[str]
@@ -60,9 +72,13 @@ class Instance:
     below: list[np.ndarray]
     gam: list[np.ndarray]
     vcost: list[np.ndarray]
+    abst: list[np.ndarray]
+    gam_u: list[np.ndarray]
+    v_abst: list[np.ndarray]
     src: np.ndarray
     src_rate: np.ndarray
     src_cost: np.ndarray
+    src_add: np.ndarray
 
 
 def build_instance(profile: Profile, tmax: int) -> Instance:
@@ -76,6 +92,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     D = len(names)
     entries = [profile.entry(n) for n in names]
     cost = np.array([e.cost for e in entries], dtype=float)
+    rate = np.array([e.draft_rate for e in entries], dtype=float)
     can_verify = np.array([e.can_verify for e in entries], dtype=bool)
     below: list[np.ndarray] = []
     pairs_a: list[float] = []
@@ -89,12 +106,24 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
                     pairs_a.append(a)
         below.append(np.array(ks, dtype=int))
     table = gamma_table(np.array(pairs_a), tmax) if pairs_a else np.zeros((0, tmax, tmax))
-    gam, vcost = [], []
+    gam, vcost, abst, gam_u, v_abst = [], [], [], [], []
     p = 0
     for i in range(D):
         n = len(below[i])
-        gam.append(table[p: p + n])
+        g = table[p: p + n]
+        ab = np.array([kk for kk, k in enumerate(below[i]) if rate[k] < 1.0], dtype=int)
+        if len(ab):
+            M, U = round_tables(np.array(pairs_a[p: p + n])[ab], rate[below[i][ab]], tmax)
+            g = g.copy()
+            g[ab] = M
+        else:
+            U = np.zeros((0, tmax, tmax))
         p += n
+        gam.append(g)
+        abst.append(ab)
+        gam_u.append(U)
+        v_abst.append(np.array([verify_cost(profile, names[i], names[below[i][kk]], 1) + cost[below[i][kk]]
+                                for kk in ab]))
         vc = np.full((n, tmax), cost[i])                      # scalar cost unless a curve or pair cost says
         if names[i] in profile.verify_cost or names[i] in profile.cost_curve:
             for kk, k in enumerate(below[i]):
@@ -104,5 +133,12 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     js = np.arange(1, tmax + 1)
     src_rate = np.array([target_rate(profile.accept(names[i], K), js) for i in src]).reshape(len(src), tmax)
     src_cost = np.array([verify_cost_row(profile, K, names[i], tmax) for i in src]).reshape(len(src), tmax)
-    return Instance(names, K, profile.entry(K).cost, tmax, cost, can_verify, below, gam, vcost,
-                    src, src_rate, src_cost)
+    src_add = np.zeros((len(src), tmax))
+    for s_, i in enumerate(src):
+        f = rate[i]
+        if f < 1.0:   # rounds: f with a block (target pass + V), 1 - f without (one target step + a failed call)
+            per_round = f / src_rate[s_] + 1.0 - f                                   # E[tokens per round]
+            src_add[s_] = (1.0 - f) * (verify_cost(profile, K, names[i], 1) + cost[i]) / per_round
+            src_rate[s_] = f / per_round
+    return Instance(names, K, profile.entry(K).cost, tmax, cost, can_verify, below, gam, vcost, abst, gam_u,
+                    v_abst, src, src_rate, src_cost, src_add)

@@ -10,6 +10,18 @@ Hierarchy ``m_0, ..., m_{n-1}, K`` (cheapest first, target last), budgets ``1 <=
 
 where ``v_i`` is the cost of one verify pass of ``m_i`` over a block of ``T_{i-1}`` drafts (t = T_{i-1} + 1
 tokens), see :func:`verify_cost`. With only scalar costs ``v_i = c[m_i]``: the paper's model exactly.
+
+A bottom drafter with ``draft_rate f < 1`` (a token drafter that abstains where it has no confident guess)
+proposes its block in a share ``f`` of the rounds of the level above and nothing in the others, which are
+then one plain step of that level (one token, a pass over ``t = 1``). ``a`` is its acceptance where it
+proposes. A round yields ``N = 1`` with probability ``(1 - f) + f (1 - a)``, else ``1 + min(G, t)`` as before, and
+the level above (``m_1``) pays, exactly (:func:`round_counts`)::
+
+    B_1 = M * (v_1(T_0 + 1) + B_0) + U * (v_1(1) + c[m_0])
+
+with ``M`` / ``U`` the expected rounds with / without a block until ``T_1`` tokens are accumulated; directly
+under the target, ``L = (f (v_K + B_0) + (1 - f) (v_K(1) + c[m_0])) / (f (1 + a + ... + a^T_0) + 1 - f)``.
+``f = 1`` gives ``M = gamma``, ``U = 0``: the model above.
 """
 
 from __future__ import annotations
@@ -78,6 +90,59 @@ def gamma_table(a: np.ndarray, tmax: int) -> np.ndarray:
     return np.ascontiguousarray(f[1:].transpose(2, 1, 0))
 
 
+def _round_sizes(a: float, f: float, t: int) -> list[float]:
+    """``P(N = k)``, k = 1..t+1, for a round over a bottom drafter proposing ``t`` tokens with probability ``f``."""
+    p = [f * a ** (k - 1) * (1.0 - a) for k in range(1, t + 1)] + [f * a ** t]
+    p[0] += 1.0 - f
+    return p
+
+
+@lru_cache(maxsize=65536)
+def round_counts(a: float, f: float, t: int, T: int) -> tuple[float, float]:
+    """``(M, U)``: expected rounds with a block of ``t`` drafts (``M``) and without one (``U``, the drafter
+    abstained) until at least ``T`` tokens are accumulated, for a bottom drafter that proposes with probability
+    ``f`` and whose drafts are accepted at rate ``a``. Exact renewal recursion:
+    ``M(n) = f + sum_k P(N = k) M(n - k)``, ``U(n) = (1 - f) + sum_k P(N = k) U(n - k)``. ``f = 1``:
+    ``(gamma(a, t, T), 0)``.
+    """
+    a, f, t, T = float(a), float(f), int(t), int(T)
+    if f >= 1.0:
+        return gamma(a, t, T), 0.0
+    if t < 1:
+        raise ValueError("round_counts: t must be >= 1")
+    p = _round_sizes(a, f, t)
+    M = [0.0] * (T + 1)
+    U = [0.0] * (T + 1)
+    for n in range(1, T + 1):
+        m, u = f, 1.0 - f
+        for k in range(1, min(t + 1, n - 1) + 1):
+            m += p[k - 1] * M[n - k]
+            u += p[k - 1] * U[n - k]
+        M[n], U[n] = m, u
+    return M[T], U[T]
+
+
+def round_tables(a: np.ndarray, f: np.ndarray, tmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`round_counts` for every pair ``(a[p], f[p])`` and t, n in 1..tmax: two arrays of shape
+    ``(P, tmax, tmax)`` indexed ``[p, t - 1, n - 1]`` (``M``, ``U``). O(P tmax^3): meant for the few pairs with
+    an abstaining drafter (:func:`gamma_table` covers ``f = 1`` in O(P tmax^2))."""
+    a = np.asarray(a, dtype=float).reshape(-1)
+    f = np.asarray(f, dtype=float).reshape(-1)
+    P = a.shape[0]
+    M = np.zeros((P, tmax, tmax + 1))           # [p, t-1, n], n = 0 column is 0
+    U = np.zeros((P, tmax, tmax + 1))
+    for t in range(1, tmax + 1):
+        k = np.arange(1, t + 2)
+        pk = f[:, None] * a[:, None] ** (k - 1)[None, :] * np.where(k <= t, 1.0 - a[:, None], 1.0)   # (P, t+1)
+        pk[:, 0] += 1.0 - f
+        for n in range(1, tmax + 1):
+            kk = min(t + 1, n - 1)
+            back = n - np.arange(1, kk + 1)                                                        # n - k
+            M[:, t - 1, n] = f + (pk[:, :kk] * M[:, t - 1, back]).sum(-1)
+            U[:, t - 1, n] = (1.0 - f) + (pk[:, :kk] * U[:, t - 1, back]).sum(-1)
+    return M[:, :, 1:], U[:, :, 1:]
+
+
 def target_rate(a: float | np.ndarray, T: int | np.ndarray) -> float | np.ndarray:
     """``R = (1 - a) / (1 - a^(T+1)) = 1 / (1 + a + ... + a^T)``: target verify passes per generated token.
 
@@ -89,6 +154,22 @@ def target_rate(a: float | np.ndarray, T: int | np.ndarray) -> float | np.ndarra
         geo = np.where(a == 1.0, T + 1.0, (1.0 - a ** (T + 1)) / np.where(a == 1.0, 0.5, 1.0 - a))
     r = 1.0 / geo
     return float(r) if r.ndim == 0 else r
+
+
+def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.ndarray, v_step: float,
+                c_draft: float) -> float | np.ndarray:
+    """Seconds per token of the target over a level that hands up blocks of ``T`` tokens at ``c_draft`` seconds
+    per token with acceptance ``a`` (``T`` may be an array of budgets, with ``v_block`` the target's pass over
+    ``T + 1`` tokens for each). ``f < 1``: that level is a bottom drafter proposing with probability ``f``; the
+    other rounds are one target step (``v_step``, the pass over one token) plus the drafter's failed call."""
+    T = np.asarray(T)
+    block = v_block + T * c_draft
+    if f >= 1.0:
+        out = target_rate(a, T) * block
+    else:
+        geo = 1.0 / target_rate(a, T)
+        out = (f * block + (1.0 - f) * (v_step + c_draft)) / (f * geo + 1.0 - f)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 # ------------------------------------------------------------------------------------------------ costs
@@ -175,14 +256,21 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
     _check_hierarchy(profile, hierarchy, budgets)
     if len(hierarchy) == 1:
         return profile.entry(hierarchy[0]).cost
-    B = budgets[0] * profile.entry(hierarchy[0]).cost
+    bottom = profile.entry(hierarchy[0])
+    f = bottom.draft_rate
+    B = budgets[0] * bottom.cost
     for i in range(1, len(hierarchy) - 1):
         lo, hi = hierarchy[i - 1], hierarchy[i]
-        g = gamma(profile.accept(lo, hi), budgets[i - 1], budgets[i])
-        B = g * (verify_cost(profile, hi, lo, budgets[i - 1] + 1) + B)
+        M, U = round_counts(profile.accept(lo, hi), f if i == 1 else 1.0, budgets[i - 1], budgets[i])
+        B = M * (verify_cost(profile, hi, lo, budgets[i - 1] + 1) + B)
+        if U:
+            B += U * (verify_cost(profile, hi, lo, 1) + bottom.cost)
     lo, K = hierarchy[-2], hierarchy[-1]
-    vK = verify_cost(profile, K, lo, budgets[-1] + 1)
-    return (vK + B) * target_rate(profile.accept(lo, K), budgets[-1])
+    if len(hierarchy) > 2 or f >= 1.0:
+        vK = verify_cost(profile, K, lo, budgets[-1] + 1)
+        return (vK + B) * target_rate(profile.accept(lo, K), budgets[-1])
+    return top_latency(profile.accept(lo, K), f, budgets[0], verify_cost(profile, K, lo, budgets[0] + 1),
+                       verify_cost(profile, K, lo, 1), bottom.cost)
 
 
 def target_only(profile: Profile) -> float:
@@ -206,7 +294,9 @@ def best_single_draft(profile: Profile, tmax: int,
     for d in source_candidates(profile):
         if kinds is not None and profile.entry(d).kind not in kinds:
             continue
-        L = target_rate(profile.accept(d, K), js) * (verify_cost_row(profile, K, d, tmax) + js * profile.entry(d).cost)
+        e = profile.entry(d)
+        L = top_latency(profile.accept(d, K), e.draft_rate, js, verify_cost_row(profile, K, d, tmax),
+                        verify_cost(profile, K, d, 1), e.cost)
         j = int(np.argmin(L))
         if best is None or L[j] < best[2]:
             best = ([d, K], [j + 1], float(L[j]))

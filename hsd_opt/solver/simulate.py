@@ -6,6 +6,9 @@ the block of ``T_{i-1}`` drafts in one pass (``1 + min(G, T_{i-1})`` tokens kept
 corrected or bonus token included), repeats until it holds at least ``T_i`` tokens and hands up exactly ``T_i``
 (the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
 ``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`.
+A bottom drafter with ``draft_rate f < 1`` proposes its block in each round of the level above with
+probability ``f``; otherwise that round is one pass of the level above over one token (one token kept) plus the
+drafter's failed call (its ``cost``).
 """
 
 from __future__ import annotations
@@ -41,21 +44,32 @@ def _tokens_per_round(rng: np.random.Generator, a: float, t: int, size: int) -> 
     return 1 + np.minimum(g, t)
 
 
-def _block_times(rng, level: int, M: int, T, acc, vcost, c0) -> np.ndarray:
+def _rounds_over(rng, level: int, M: int, T, acc, vcost, c0, f, v_step) -> tuple[np.ndarray, np.ndarray]:
+    """``M`` rounds of ``level`` (1..n) over the level below: ``(tokens kept (M,), seconds (M,))``."""
+    t, a = T[level - 1], acc[level - 1]
+    toks = _tokens_per_round(rng, a, t, M)
+    secs = vcost[level - 1] + _block_times(rng, level - 1, M, T, acc, vcost, c0, f, v_step)
+    if level == 1 and f < 1.0:   # the bottom abstained: a plain step of this level and the drafter's call
+        off = rng.random(M) >= f
+        toks[off] = 1
+        secs[off] = v_step + c0
+    return toks, secs
+
+
+def _block_times(rng, level: int, M: int, T, acc, vcost, c0, f=1.0, v_step=0.0) -> np.ndarray:
     """Seconds for ``M`` independent calls of ``level`` to hand up a block of ``T[level]`` tokens, shape (M,)."""
     if level == 0:
         return np.full(M, T[0] * c0)
-    need, t, a = T[level], T[level - 1], acc[level - 1]
+    need = T[level]
     have = np.zeros(M, dtype=np.int64)
-    rounds = np.zeros(M, dtype=np.int64)
+    secs = np.zeros(M)
     active = np.arange(M)
     while active.size:
-        have[active] += _tokens_per_round(rng, a, t, active.size)
-        rounds[active] += 1
+        k, c = _rounds_over(rng, level, active.size, T, acc, vcost, c0, f, v_step)
+        have[active] += k
+        secs[active] += c
         active = active[have[active] < need]
-    sub = _block_times(rng, level - 1, int(rounds.sum()), T, acc, vcost, c0)
-    ids = np.repeat(np.arange(M), rounds)
-    return rounds * vcost[level - 1] + np.bincount(ids, weights=sub, minlength=M)
+    return secs
 
 
 def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int], rounds: int = 20000,
@@ -74,13 +88,15 @@ def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
     # vcost[i-1]: level i (1..n, n = target) verifying a block of budgets[i-1] drafts of level i-1
     vcost = [verify_cost(profile, hierarchy[i], hierarchy[i - 1], budgets[i - 1] + 1) for i in range(1, n + 1)]
     c0 = profile.entry(hierarchy[0]).cost
+    f = profile.entry(hierarchy[0]).draft_rate
+    v_step = verify_cost(profile, hierarchy[1], hierarchy[0], 1)      # level 1's pass when the bottom abstains
     times, toks = [], []
     done = 0
     while done < rounds:
         M = min(chunk, rounds - done)
-        draft = _block_times(rng, n - 1, M, budgets, acc, vcost, c0)
-        times.append(vcost[n - 1] + draft)
-        toks.append(_tokens_per_round(rng, acc[n - 1], budgets[n - 1], M))
+        k, c = _rounds_over(rng, n, M, budgets, acc, vcost, c0, f, v_step)
+        times.append(c)
+        toks.append(k)
         done += M
     t = np.concatenate(times)
     k = np.concatenate(toks).astype(float)
