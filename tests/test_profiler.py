@@ -110,7 +110,8 @@ def test_streamed_equals_direct_computation(temperature):
     prompt = torch.randint(3, 20, (9,), generator=g).tolist()
     cont = torch.randint(3, 20, (13,), generator=g).tolist()
     ngram = ContextNgramDrafter(name="ngram")
-    acc, agr, acc_t, agr_t, _ = profile_sequence(neural, [ngram], prompt, cont, temperature, chunk=5)
+    lookup = ContextNgramDrafter(name="lookup", q=3, min_q=2, abstain=True)
+    acc, agr, acc_t, agr_t, _ = profile_sequence(neural, [ngram, lookup], prompt, cont, temperature, chunk=5)
 
     full = prompt + cont
     with torch.no_grad():
@@ -128,14 +129,26 @@ def test_streamed_equals_direct_computation(temperature):
             direct = torch.minimum(dists[i], dists[j]).sum(-1).numpy()
             np.testing.assert_allclose(acc[i, j], direct, atol=1e-5)
             assert (agr[i, j] == (ams[i] == ams[j]).numpy()).all()
-    ref = ContextNgramDrafter(name="ngram")
-    ref.reset(prompt)
-    for g_ in range(len(cont)):
-        y = ref.propose(full[:P + g_], 1)[0]
-        ref.observe(full[:P + g_], [full[P + g_]])
-        for j in range(4):
-            assert acc_t[0, j, g_] == pytest.approx(float(dists[j][g_, y]), abs=1e-6)
-            assert agr_t[0, j, g_] == (y == int(ams[j][g_]))
+    refs = [ContextNgramDrafter(name="ngram"), ContextNgramDrafter(name="lookup", q=3, min_q=2, abstain=True)]
+    abstained = 0
+    for t, ref in enumerate(refs):
+        ref.reset(prompt)
+        for g_ in range(len(cont)):
+            prop = ref.propose(full[:P + g_], 1)
+            ref.observe(full[:P + g_], [full[P + g_]])
+            for j in range(4):
+                if not prop:                                   # abstained: NaN, never counted as agreement
+                    assert np.isnan(acc_t[t, j, g_]) and not agr_t[t, j, g_]
+                    continue
+                assert acc_t[t, j, g_] == pytest.approx(float(dists[j][g_, prop[0]]), abs=1e-6)
+                assert agr_t[t, j, g_] == (prop[0] == int(ams[j][g_]))
+            abstained += not prop
+    assert 0 < abstained < len(cont)                           # the lookup both proposed and abstained
+    st = PairStats(["layer1", "layer2", "layer3", "layer4"], ["ngram", "lookup"], ["code"])
+    st.add_token("code", acc_t, agr_t)
+    assert st.proposals("ngram") == len(cont) and st.proposals("lookup") == len(cont) - abstained
+    made = ~np.isnan(acc_t[1, 3])
+    assert st.acceptance("lookup", "layer4") == pytest.approx(acc_t[1, 3][made].mean(), abs=1e-12)
 
 
 def test_pairstats_merge_flat_json_and_ci():
@@ -206,7 +219,7 @@ def full_run(tiny, tmp_path_factory):
     try:
         r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
                   "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters",
-                  "ngram,bigram,aded", "--device", "cpu"] + FAST)
+                  "ngram,lookup,bigram,aded", "--device", "cpu"] + FAST)
     finally:
         torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
@@ -218,7 +231,11 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     names = prof.names
     assert prof.target == "layer4"
     quantized = {"int8", "int4"} if qmod.kernels_available("cpu") else set()   # the default --quantized
-    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "bigram", "aded"} | quantized == set(names)
+    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "lookup", "bigram", "aded"} | quantized == set(names)
+    assert 0 < prof.entry("lookup").draft_rate < 1 and prof.entry("ngram").draft_rate == 1   # it abstained sometimes
+    st = PairStats.from_dict(prof.extra["stats"])
+    assert prof.entry("lookup").draft_rate == pytest.approx(
+        st.proposals("lookup") / st.counters["propose_calls.lookup"], rel=1e-12)
     for q in quantized:
         assert prof.entry(q).kind == "quantized" and prof.entry(q).extra["quantization"]["bits"] == int(q[3:])
         a = prof.accept(q, "layer4")          # keyed drafter -> target even where a tiny copy times dearer
@@ -250,7 +267,7 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     for k in (0, 1):
         out = tmp_path / f"shard{k}.json"
         r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
-                  "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters", "ngram,bigram,aded",
+                  "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters", "ngram,lookup,bigram,aded",
                   "--shard", f"{k}/2", "--device", "cpu"] + FAST)
         assert r.exit_code == 0, r.output
         parts.append(out)
@@ -262,6 +279,7 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     _same_stats(_stats(merged), _stats(full_run), skip_tokens=("aded",))
     m, _ = load_profile(merged)
     f, _ = load_profile(full_run)
+    assert m.entry("lookup").draft_rate == pytest.approx(f.entry("lookup").draft_rate, rel=1e-12)
     for d, row in f.acceptance.items():
         for v, x in row.items():
             if d in m.acceptance and v in m.acceptance[d]:
@@ -322,7 +340,7 @@ def test_torchrun_two_gloo_ranks_equal_single_run(full_run, tiny, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), "-m", "hsd_opt", "profile", "--model", str(tiny["model"]), "--prompts",
            str(tiny["prompts"]), "--out", str(out), "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]),
-           "--token-drafters", "ngram,bigram,aded", "--device", "cpu"] + FAST
+           "--token-drafters", "ngram,lookup,bigram,aded", "--device", "cpu"] + FAST
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _same_stats(_stats(out), _stats(full_run))

@@ -63,9 +63,11 @@ def register(app):
                                                                    "early exits; default: the model's own "
                                                                    "final norm + LM head."),
         token_drafters: Optional[str] = typer.Option(None, "--token-drafters",
-                                                     help="Comma list of ngram,bigram,aded, or 'none'. Default: "
-                                                          "ngram and aded, plus bigram when its table is cached."),
+                                                     help="Comma list of ngram,lookup,bigram,aded, or 'none'. "
+                                                          "Default: ngram, lookup and aded, plus bigram when its "
+                                                          "table is cached."),
         no_ngram: bool = typer.Option(False, "--no-ngram", help="Leave the context n-gram drafter out."),
+        no_lookup: bool = typer.Option(False, "--no-lookup", help="Leave the abstaining n-gram lookup out."),
         no_bigram: bool = typer.Option(False, "--no-bigram", help="Leave the model-bigram drafter out."),
         no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
         temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy continuations (acceptance "
@@ -108,7 +110,8 @@ def register(app):
             explicit: list[str] | None = names
         else:
             explicit = None
-        dropped = {n for n, flag in (("ngram", no_ngram), ("bigram", no_bigram), ("aded", no_aded)) if flag}
+        dropped = {n for n, flag in (("ngram", no_ngram), ("lookup", no_lookup), ("bigram", no_bigram),
+                                     ("aded", no_aded)) if flag}
         if dropped:
             explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
                         if n not in dropped]

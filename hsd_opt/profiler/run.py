@@ -29,7 +29,7 @@ import hashlib
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -45,8 +45,8 @@ from hsd_opt.profiler.stats import PairStats
 
 DEFAULT_MAX_NEW_TOKENS = 24
 PARTIAL_FORMAT = "hsd-profile-partial/1"
-DEFAULT_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
-KNOWN_TOKEN_DRAFTERS = ("ngram", "bigram", "aded")
+DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
+KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 #: Settings a checkpoint must share with the run that resumes it (and profiles must share to merge).
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "max_new_tokens", "raw",
                  "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard", "max_prompts",
@@ -153,7 +153,8 @@ class NeuralDrafter:
 
 
 def build_token_drafters(names: Sequence[str] | None, lm, explicit: bool, warn: Callable[[str], None]):
-    """Instantiate token drafters by name: ``ngram`` (context n-gram), ``bigram`` (model bigram table, built
+    """Instantiate token drafters by name: ``ngram`` (context n-gram), ``lookup`` (context n-gram that abstains
+    without a 2- or 3-gram match, prompt-lookup style), ``bigram`` (model bigram table, built
     once and disk-cached), ``aded`` (when its module exists). With the default pool a missing module is
     skipped silently; a name asked for explicitly and unavailable is an error."""
     out = []
@@ -185,6 +186,10 @@ def _make_token_drafter(name: str, lm, explicit: bool = True):
         from hsd_opt.drafters.ngram import ContextNgramDrafter
 
         return ContextNgramDrafter(name="ngram")
+    if name == "lookup":
+        from hsd_opt.drafters.ngram import ContextNgramDrafter
+
+        return ContextNgramDrafter(name="lookup", q=3, w=4, min_q=2, abstain=True)
     if name == "bigram":
         from hsd_opt.drafters import bigram as bg
 
@@ -337,7 +342,8 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
     """Per-position statistics of one prompt + continuation (see the module doc).
 
     Returns ``(acc_nn [N, N, G], agree_nn [N, N, G], acc_tn [T, N, G], agree_tn [T, N, G], propose_seconds[T])``
-    as numpy arrays (``i < j`` filled for the neural ones), ``G = len(continuation)``.
+    as numpy arrays (``i < j`` filled for the neural ones), ``G = len(continuation)``; ``acc_tn`` is NaN (and
+    ``agree_tn`` False) at positions where a token drafter abstained.
     """
     P, G = len(prompt_ids), len(continuation)
     full = list(prompt_ids) + list(continuation)
@@ -357,8 +363,9 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
         for g in range(G):
             ctx = full[:P + g]
             t0 = time.perf_counter()
-            props[ti, g] = int(d.propose(ctx, 1)[0])
+            prop = d.propose(ctx, 1)
             secs[ti] += time.perf_counter() - t0
+            props[ti, g] = int(prop[0]) if prop else -1      # -1: it abstained (NaN in acc_tn)
             d.observe(ctx, [full[P + g]])
 
     # one teacher-forced pass per engine, residual streams at every exit boundary
@@ -385,8 +392,12 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
             pr = torch.as_tensor(props[:, c0:c0 + m])                      # [T, m]
             idx = torch.arange(m)
             for ti in range(T):
-                acc_tn[ti, :, c0:c0 + m] = Pm[:, idx, pr[ti]].double().numpy()
-                agr_tn[ti, :, c0:c0 + m] = (A == pr[ti][None, :]).numpy()
+                made = pr[ti] >= 0
+                y = pr[ti].clamp(min=0)
+                acc = Pm[:, idx, y].double()
+                acc[:, ~made] = float("nan")
+                acc_tn[ti, :, c0:c0 + m] = acc.numpy()
+                agr_tn[ti, :, c0:c0 + m] = ((A == y[None, :]) & made[None, :]).numpy()
         del Pm
     return acc_nn, agr_nn, acc_tn, agr_tn, secs
 
@@ -675,6 +686,15 @@ def _progress(enabled: bool):
 # -------------------------------------------------------------------------------------------- output
 
 
+def draft_rate(stats: PairStats, token: str) -> float:
+    """Share of the positions where token drafter ``token`` proposed (1 for a drafter that never abstains; a
+    floor of 1e-6 for one that never proposed, whose acceptance is then not measured)."""
+    calls = stats.counters.get(f"propose_calls.{token}", 0.0)
+    if calls <= 0:
+        return 1.0
+    return min(1.0, max(1e-6, stats.proposals(token) / calls))
+
+
 def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool],
                        target: str) -> dict[str, Any]:
     """acceptance / greedy_agreement / counts / ci95 / acceptance_by_task for ``drafter`` before ``verifier`` in
@@ -742,7 +762,8 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
         calls = stats.counters.get(f"propose_calls.{d.name}", 0.0)
         secs = stats.counters.get(f"propose_seconds.{d.name}", 0.0)
         c = secs / calls if calls > 0 else 1e-6
-        entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()}))
+        entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()},
+                                  draft_rate(stats, d.name)))
     rank = {nd.name: (0, nd.boundary) for nd in neural}
     entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
     order = [e.name for e in entries]
@@ -795,7 +816,8 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         seen.add(key)
         prompt_sets.append(prov.get("prompts_sha256"))
         stats = stats.merge(s)
-    entries = first.models
+    entries = [replace(e, draft_rate=draft_rate(stats, e.name)) if e.name in stats.token else e
+               for e in first.models]
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
     extra = dict(first.extra)

@@ -7,7 +7,8 @@ For every pair of drafters the profiler accumulates, per task type of the prompt
 - ``sumsq`` = sum of ``a**2`` (for the variance, hence the confidence interval),
 - ``agree`` = number of positions where the greedy choices agree (``argmax p_i == argmax p_j``; for a token
   drafter ``y == argmax p_j``),
-- ``count`` = number of positions.
+- ``count`` = number of positions (for a token drafter that may abstain: of the positions where it proposed;
+  the share of those is its ``draft_rate``, :meth:`PairStats.proposals` over its ``propose_calls``).
 
 Neural drafters (early exits, draft models, the target: anything with a distribution) form a symmetric
 relation — ``sum_x min(p_i, p_j)`` and argmax agreement do not depend on which one drafts — so one entry per
@@ -70,14 +71,21 @@ class PairStats:
         self.nn[COUNT, k][iu] += a.shape[-1]
 
     def add_token(self, task: str, acc: np.ndarray, agree: np.ndarray) -> None:
-        """Add per-position values of token drafters: ``acc``/``agree`` ``[T, N, m]``."""
+        """Add per-position values of token drafters: ``acc``/``agree`` ``[T, N, m]``; ``acc`` NaN marks a
+        position where the drafter proposed nothing (it abstained), which is not counted."""
         k = self.task_index(task)
         a = np.asarray(acc, dtype=np.float64)
-        g = np.asarray(agree, dtype=np.float64)
+        seen = ~np.isnan(a)
+        a = np.where(seen, a, 0.0)
+        g = np.where(seen, np.asarray(agree, dtype=np.float64), 0.0)
         self.tn[SUM, k] += a.sum(-1)
         self.tn[SUMSQ, k] += (a * a).sum(-1)
         self.tn[AGREE, k] += g.sum(-1)
-        self.tn[COUNT, k] += a.shape[-1]
+        self.tn[COUNT, k] += seen.sum(-1)
+
+    def proposals(self, token: str) -> float:
+        """Positions where token drafter ``token`` proposed (all tasks)."""
+        return float(self.tn[COUNT, :, self.token.index(token), 0].sum()) if self.neural else 0.0
 
     def count(self, name: str, value: float = 1.0) -> None:
         self.counters[name] = self.counters.get(name, 0.0) + float(value)
