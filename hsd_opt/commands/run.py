@@ -65,7 +65,8 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     for lv in stats["levels"]:
         a = lv.get("acceptance_rate")
         t.add_row(f"level {lv['name']}", f"calls {lv['calls']}, drafted {lv['drafted']}, accepted {lv['accepted']}"
-                  + (f", a={a:.3f}" if a is not None else ""))
+                  + (f", a={a:.3f}" if a is not None else "")
+                  + (f", proposed in {lv['draft_rate']:.0%} of calls" if "draft_rate" in lv else ""))
     return t
 
 
@@ -74,15 +75,12 @@ def _sum_stats(all_stats: list[dict]) -> dict:
     s["tokens_per_s"] = s["tokens"] / s["seconds"] if s["seconds"] else None
     s["seconds_per_token"] = s["decode_seconds"] / s["tokens"] if s["tokens"] else None
     s["tokens_per_target_call"] = s["tokens"] / s["target_calls"] if s["target_calls"] else None
-    levels = [dict(lv) for lv in all_stats[0]["levels"]]
-    for st in all_stats[1:]:
-        for a, b in zip(levels, st["levels"]):
-            for k in ("calls", "drafted", "accepted", "rejections"):
-                a[k] += b[k]
-    for lv in levels:
-        tried = lv["accepted"] + lv["rejections"]
-        lv["acceptance_rate"] = lv["accepted"] / tried if tried else None
-    s["levels"] = levels
+    from hsd_opt.runtime.decode import add_levels
+
+    levels = None
+    for st in all_stats:
+        levels = add_levels(levels, st["levels"])
+    s["levels"] = [lv.to_dict() for lv in levels]
     return s
 
 

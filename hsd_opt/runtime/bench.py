@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hsd_opt.runtime.decode import LevelStats
+from hsd_opt.runtime.decode import LevelStats, add_levels
 from hsd_opt.runtime.runner import encode_prompt, eos_ids, hsd_for_plan
 
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd")
@@ -146,10 +146,7 @@ def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, ra
             if st is not None:
                 dec[m] += st["decode_seconds"]
                 tcalls[m] += st["target_calls"]
-                acc = levels.setdefault(m, [LevelStats(lv["name"]) for lv in st["levels"]])
-                for a, b in zip(acc, st["levels"]):
-                    for k in ("calls", "drafted", "accepted", "rejections", "abstained"):
-                        setattr(a, k, getattr(a, k) + b.get(k, 0))
+                levels[m] = add_levels(levels.get(m), st["levels"])
         log(f"prompt {i + 1}/{len(ids_list)} done")
     ref = outs.get("ar")
     report: dict[str, Any] = {"methods": {}}

@@ -101,6 +101,16 @@ class LevelStats:
         return d
 
 
+def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]]) -> list[LevelStats]:
+    """Add one generation's per-level counters (``stats["levels"]``, bottom first) into ``total`` (a new list
+    when None) and return it: how ``hsd run`` and ``hsd bench`` report several prompts at once."""
+    total = total if total is not None else [LevelStats(lv["name"]) for lv in levels]
+    for a, b in zip(total, levels):
+        for k in ("calls", "drafted", "accepted", "rejections", "abstained"):
+            setattr(a, k, getattr(a, k) + b.get(k, 0))
+    return total
+
+
 @dataclass
 class GenerationResult:
     """Output of :func:`HSD.generate`.
