@@ -11,7 +11,7 @@ Rules (the same for every solver):
 - a drafter with ``draft_rate f < 1`` (it abstains in a share ``1 - f`` of its calls; only a drafter that cannot
   verify, so only at the bottom) makes the edges into it cost ``M v_i(l + 1) + U (v_i(1) + c_k)`` with
   multiplier ``M`` (:func:`~hsd_opt.solver.latency.round_counts`), and the source edge into it
-  ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_latency`).
+  ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_rate`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
-from hsd_opt.solver.latency import gamma_table, round_tables, target_rate, verify_cost, verify_cost_row
+from hsd_opt.solver.latency import gamma_table, round_tables, top_rate, verify_cost, verify_cost_row
 
 
 def cost_order(profile: Profile) -> list[str]:
@@ -131,14 +131,11 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         vcost.append(vc)
     src = np.array([i for i, n in enumerate(names) if profile.accept(n, K) is not None], dtype=int)
     js = np.arange(1, tmax + 1)
-    src_rate = np.array([target_rate(profile.accept(names[i], K), js) for i in src]).reshape(len(src), tmax)
-    src_cost = np.array([verify_cost_row(profile, K, names[i], tmax) for i in src]).reshape(len(src), tmax)
+    src_rate = np.zeros((len(src), tmax))
     src_add = np.zeros((len(src), tmax))
     for s_, i in enumerate(src):
-        f = rate[i]
-        if f < 1.0:   # rounds: f with a block (target pass + V), 1 - f without (one target step + a failed call)
-            per_round = f / src_rate[s_] + 1.0 - f                                   # E[tokens per round]
-            src_add[s_] = (1.0 - f) * (verify_cost(profile, K, names[i], 1) + cost[i]) / per_round
-            src_rate[s_] = f / per_round
+        src_rate[s_], src_add[s_] = top_rate(profile.accept(names[i], K), rate[i], js,
+                                             verify_cost(profile, K, names[i], 1), cost[i])
+    src_cost = np.array([verify_cost_row(profile, K, names[i], tmax) for i in src]).reshape(len(src), tmax)
     return Instance(names, K, profile.entry(K).cost, tmax, cost, can_verify, below, gam, vcost, abst, gam_u,
                     v_abst, src, src_rate, src_cost, src_add)

@@ -163,13 +163,20 @@ def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.nda
     ``T + 1`` tokens for each). ``f < 1``: that level is a bottom drafter proposing with probability ``f``; the
     other rounds are one target step (``v_step``, the pass over one token) plus the drafter's failed call."""
     T = np.asarray(T)
-    block = v_block + T * c_draft
-    if f >= 1.0:
-        out = target_rate(a, T) * block
-    else:
-        geo = 1.0 / target_rate(a, T)
-        out = (f * block + (1.0 - f) * (v_step + c_draft)) / (f * geo + 1.0 - f)
+    rate, add = top_rate(a, f, T, v_step, c_draft)
+    out = rate * (v_block + T * c_draft) + add
     return float(out) if np.ndim(out) == 0 else out
+
+
+def top_rate(a: float, f: float, T: int | np.ndarray, v_step: float, c_draft: float):
+    """``(rate, add)`` with :func:`top_latency` ``= rate * (v_block + T c_draft) + add``: the target's passes over
+    a block per token, and the seconds per token of the rounds an abstaining drafter (``f < 1``) leaves to the
+    target as plain steps. ``f = 1``: ``(target_rate(a, T), 0)``. The GSP source edge uses the two apart."""
+    rate = target_rate(a, T)
+    if f >= 1.0:
+        return rate, 0.0 * rate
+    per_round = f / rate + 1.0 - f                                  # E[tokens per round]
+    return f / per_round, (1.0 - f) * (v_step + c_draft) / per_round
 
 
 # ------------------------------------------------------------------------------------------------ costs
