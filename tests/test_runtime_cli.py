@@ -163,3 +163,23 @@ def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "--max-new-tokens" in _out(res)
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", "ar,warp"])
     assert res.exit_code == 2 and "--methods" in _out(res)
+
+
+def test_stats_table_reads_bottom_as_proposals_and_upper_levels_as_checks():
+    from rich.console import Console
+
+    from hsd_opt.commands.run import stats_table
+    from hsd_opt.runtime.decode import LevelStats
+
+    levels = [LevelStats("lookup", calls=10, drafted=6, abstained=7).to_dict(),
+              LevelStats("int4", calls=10, drafted=6, accepted=4, rejections=2).to_dict(),
+              LevelStats("layer30", calls=2, drafted=12, accepted=11, rejections=1).to_dict()]
+    stats = {"tokens": 13, "seconds": 1.0, "tokens_per_s": 13.0, "target_calls": 2, "tokens_per_target_call": 6.5,
+             "seconds_per_token": 0.05, "levels": levels}
+    console = Console(width=200, record=True)
+    console.print(stats_table(stats, 0.04))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in console.export_text().splitlines() if "level " in line}
+    assert rows["level lookup"] == "draft calls 10, proposed 6 tokens (in 30% of calls)"
+    assert rows["level int4"] == "passes 10, checked 6 drafts, accepted 4, a=0.667"
+    assert rows["level layer30"] == "passes 2, checked 12 drafts, accepted 11, a=0.917"

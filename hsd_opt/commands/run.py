@@ -62,11 +62,16 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     t.add_row("ms/token (plan's prediction)", _fmt(predicted and predicted * 1e3, ".2f"))
     if spt and predicted:
         t.add_row("measured / predicted", f"{spt / predicted:.2f}")
-    for lv in stats["levels"]:
-        a = lv.get("acceptance_rate")
-        t.add_row(f"level {lv['name']}", f"calls {lv['calls']}, drafted {lv['drafted']}, accepted {lv['accepted']}"
-                  + (f", a={a:.3f}" if a is not None else "")
-                  + (f", proposed in {lv['draft_rate']:.0%} of calls" if "draft_rate" in lv else ""))
+    for i, lv in enumerate(stats["levels"]):
+        if i == 0:  # the bottom drafter: it proposes, nothing is verified at its level
+            row = f"draft calls {lv['calls']}, proposed {lv['drafted']} tokens"
+            if "draft_rate" in lv:
+                row += f" (in {lv['draft_rate']:.0%} of calls)"
+        else:  # a verifying level: its passes over the drafts of the level below
+            a = lv.get("acceptance_rate")
+            row = (f"passes {lv['calls']}, checked {lv['drafted']} drafts, accepted {lv['accepted']}"
+                   + (f", a={a:.3f}" if a is not None else ""))
+        t.add_row(f"level {lv['name']}", row)
     return t
 
 
