@@ -148,26 +148,87 @@ def test_dequantized_fallback_matches_packed_kernels(tiny, monkeypatch):
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
 
 
+@pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("chain,budgets", [(["int4"], [6]), (["ngram", "int8"], [1, 4]),
-                                           (["int4", "int8"], [2, 5])])
-def test_hsd_with_quantized_drafters_is_lossless(tiny, chain, budgets):
+                                           (["int4", "int8"], [2, 5]), (["layer2", "int4"], [1, 3])])
+def test_hsd_with_quantized_drafters_is_lossless(tiny, chain, budgets, share):
     from hsd_opt.drafters import make_token_drafter
 
     lm = LayeredLM(tiny)
     engines = {"int4": QuantizedLM(tiny, bits=4), "int8": QuantizedLM(tiny, bits=8)}
+    shared = []  # (engine name, positions copied) for every share_prompt call
+    for name, e in engines.items():
+        def spy(*a, _e=e, _name=name, **k):
+            shared.append((_name, QuantizedLM.share_prompt(_e, *a, **k)))
+            return shared[-1][1]
+        e.share_prompt = spy
     levels = [Level(n, drafter=make_token_drafter("ngram_context", q=2, w=4)) if n == "ngram"
+              else Level(n, lm, 2) if n == "layer2"            # an exit of the target below a quantized copy
               else Level(n, engines[n], 4) for n in chain]
-    h = HSD(levels + [Level("layer4", lm, 4)], budgets, eos_ids=[2])
+    h = HSD(levels + [Level("layer4", lm, 4)], budgets, eos_ids=[2], share_prompt=share)
     ar = HSD([Level("layer4", lm, 4)], [], eos_ids=[2])
     accepted = 0
     for s in range(4):
-        prompt = torch.randint(3, 64, (6,), generator=torch.Generator().manual_seed(s)).tolist()
+        prompt = torch.randint(3, 64, (6 + s,), generator=torch.Generator().manual_seed(s)).tolist()
         res = h.generate(prompt, 24)
         assert res.token_ids == ar.generate(prompt, 24).token_ids
         accepted += res.stats["levels"][-1]["accepted"]
         out = h.generate(prompt, 8, temperature=0.8, seed=s)
         assert 1 <= len(out.token_ids) <= 8
     assert accepted > 0                                            # the quantized copy's drafts are accepted
+    copies = sorted({n for n in chain if n in engines})
+    if share:   # each quantized copy took the target's prompt cache, all but the last position, every call
+        assert sorted({n for n, _ in shared}) == copies
+        assert [m for _, m in shared] == [5 + s for s in range(4) for _ in range(2) for _ in copies]
+    else:
+        assert shared == []
+
+
+def test_share_prompt_copies_the_targets_cache_and_computes_the_last_position(tiny):
+    lm, q = LayeredLM(tiny), QuantizedLM(tiny, bits=8)
+    ids = torch.randint(3, 64, (12,), generator=torch.Generator().manual_seed(7))
+    src = lm.new_state(32)
+    lm.append(src, ids)
+    lm.advance(src, 4)
+    st = q.new_state(32, save_boundaries=[4])
+    q.append(st, ids)
+    assert q.can_share_prompt(lm) and not q.can_share_prompt(q) and not lm.can_share_prompt(lm)
+    assert q.share_prompt(st, lm, src, 4) == 11 and st.lens == [11] * 4
+    assert q.advance(st, 4) == 4                                   # one position per layer left to compute
+    for l in range(4):
+        assert torch.equal(st.k[l][:, :, :11], src.k[l][:, :, :11].to(torch.bfloat16))
+        assert torch.equal(st.v[l][:, :, :11], src.v[l][:, :, :11].to(torch.bfloat16))
+    # the same thing done by hand: the copy's own prefill, its cache overwritten, the last position recomputed
+    ref = q.new_state(32, save_boundaries=[4])
+    q.append(ref, ids)
+    q.advance(ref, 4)
+    for l in range(4):
+        ref.k[l][:, :, :11] = src.k[l][:, :, :11]
+        ref.v[l][:, :, :11] = src.v[l][:, :, :11]
+    q.crop(ref, 11)
+    q.append(ref, ids[11:])
+    q.advance(ref, 4)
+    assert torch.equal(q.logits(st, 4, 11, 12), q.logits(ref, 4, 11, 12))
+    # and it is close to what the copy's own cache gives (the target's keys stand in for its own)
+    own = q.new_state(32)
+    q.append(own, ids)
+    q.advance(own, 4)
+    assert int(q.logits(st, 4, 11, 12).argmax()) == int(q.logits(own, 4, 11, 12).argmax())
+    # refused: another model, another sequence, a source that has not computed the prompt
+    other = LayeredLM(make_tiny_llama(seed=9, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2))
+    with pytest.raises(HsdError, match="different model"):
+        q.share_prompt(q.new_state(32), other, src, 4)
+    bad = q.new_state(32)
+    q.append(bad, ids.flip(0))
+    with pytest.raises(HsdError, match="different sequence"):
+        q.share_prompt(bad, lm, src, 4)
+    half = lm.new_state(32)
+    lm.append(half, ids)
+    lm.advance(half, 2)
+    fresh = q.new_state(32)
+    q.append(fresh, ids)
+    with pytest.raises(HsdError, match="not computed"):
+        q.share_prompt(fresh, lm, half, 4)
 
 
 def _save_tiny(path):

@@ -221,6 +221,39 @@ class LayeredLM:
         st.n = n
         st.lens = [min(x, n) for x in st.lens]
 
+    def can_share_prompt(self, src: "LayeredLM") -> bool:
+        """True when ``src`` computes the same model as this engine (this one a copy of it, e.g. a
+        :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``src.model``) with caches of the same shape, so its
+        keys and values can stand in for this engine's (:meth:`share_prompt`)."""
+        return (src is not self and src.model is self.model and src.n_layers == self.n_layers
+                and src.n_kv == self.n_kv and src.head_dim == self.head_dim)
+
+    @torch.no_grad()
+    def share_prompt(self, st: DecodeState, src: "LayeredLM", src_st: DecodeState, upto: int) -> int:
+        """Fill layers ``0 .. upto-1`` of ``st`` for positions ``0 .. n-2`` with ``src``'s keys and values (cast
+        to this engine's dtype) instead of computing them; return the positions copied per layer.
+
+        For a quantized copy of the target this skips its own prefill: the target has computed the prompt
+        anyway, and the copy's later drafts attend to the target's keys and values of the prompt (close to its
+        own; drafts are verified, so the output is unchanged). The last position is left for :meth:`advance`,
+        which computes it (and the residual stream the first draft reads). Residuals at inner boundaries are not
+        filled for the copied positions: call :meth:`advance` with ``upto`` at least as high as any later call.
+        """
+        if not self.can_share_prompt(src):
+            raise HsdError("share_prompt: the source engine computes a different model")
+        m = st.n - 1
+        if m <= 0 or not 0 < upto <= self.n_layers or any(x != 0 for x in st.lens):
+            return 0
+        if src_st.n < st.n or not torch.equal(src_st.tokens[:st.n].to(st.tokens.device), st.tokens[:st.n]):
+            raise HsdError("share_prompt: the source state holds a different sequence")
+        if any(src_st.lens[l] < m for l in range(upto)):
+            raise HsdError(f"share_prompt: the source has not computed the first {m} positions up to layer {upto}")
+        for l in range(upto):
+            st.k[l][:, :, :m] = src_st.k[l][:, :, :m].to(device=self.device, dtype=self.dtype)
+            st.v[l][:, :, :m] = src_st.v[l][:, :, :m].to(device=self.device, dtype=self.dtype)
+            st.lens[l] = m
+        return m
+
     # ------------------------------------------------------------------------------------------ compute
 
     def _layer(self, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:

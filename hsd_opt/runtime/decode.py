@@ -152,10 +152,13 @@ class HSD:
             every verified token once it holds at least T_i).
         residual: keep True. False resamples from ``p`` instead of ``norm(max(p - q, 0))`` after a rejection: a
             deliberately wrong sampler, used only to prove that the statistical test catches a wrong rule.
+        share_prompt: a drafter that is a copy of the target (a quantized copy) takes the target's keys and
+            values of the prompt instead of computing its own prefill (:meth:`LayeredLM.share_prompt`). Its drafts
+            change slightly, the output does not (drafts are verified). False: every model prefills on its own.
     """
 
     def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
-                 mode: str = "exact", residual: bool = True):
+                 mode: str = "exact", residual: bool = True, share_prompt: bool = True):
         levels = list(levels)
         if not levels or not levels[-1].is_model:
             raise HsdError("a hierarchy needs a model as its last level (the target)")
@@ -174,6 +177,7 @@ class HSD:
         self.eos = frozenset(int(e) for e in eos_ids)
         self.mode = mode
         self.residual = residual  # False only in tests: a deliberately wrong sampler (resample from p)
+        self.share_prompt = share_prompt
         # one engine state per distinct LayeredLM; exits of one model share it
         self._lms: list[Any] = []
         for lv in levels:
@@ -365,10 +369,16 @@ class HSD:
                 lv.drafter.reset(prompt)
         t0 = time.perf_counter()
         self._append(prompt)
-        # prefill: every model computes the prompt up to its highest level in one pass
-        for i, lm in enumerate(self._lms):
+        # prefill: every model computes the prompt up to its highest level in one pass, the target first; a copy
+        # of the target (a quantized drafter) takes the target's keys and values and computes the last position
+        ti = self._level_state[-1]
+        target, target_st = self._lms[ti], self._states[ti]
+        for i in [ti] + [i for i in range(len(self._lms)) if i != ti]:
+            lm, st = self._lms[i], self._states[i]
             top_b = max(lv.boundary for lv in self.levels if lv.lm is lm)
-            lm.advance(self._states[i], top_b)
+            if self.share_prompt and lm.can_share_prompt(target) and target_st.lens[top_b - 1] >= len(prompt):
+                lm.share_prompt(st, target, target_st, top_b)
+            lm.advance(st, top_b)
         _sync(dev)
         t1 = time.perf_counter()
         depth = len(self.levels)
