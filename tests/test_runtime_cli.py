@@ -183,3 +183,6 @@ def test_stats_table_reads_bottom_as_proposals_and_upper_levels_as_checks():
     assert rows["level lookup"] == "draft calls 10, proposed 6 tokens (in 30% of calls)"
     assert rows["level int4"] == "passes 10, checked 6 drafts, accepted 4, a=0.667"
     assert rows["level layer30"] == "passes 2, checked 12 drafts, accepted 11, a=0.917"
+    console = Console(width=200, record=True)            # the target alone: its steps, not "draft calls"
+    console.print(stats_table({**stats, "levels": [LevelStats("layer30", calls=13, drafted=13).to_dict()]}, 0.04))
+    assert "steps 13, generated 13 tokens" in console.export_text()

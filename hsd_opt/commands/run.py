@@ -63,7 +63,9 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     if spt and predicted:
         t.add_row("measured / predicted", f"{spt / predicted:.2f}")
     for i, lv in enumerate(stats["levels"]):
-        if i == 0:  # the bottom drafter: it proposes, nothing is verified at its level
+        if len(stats["levels"]) == 1:  # the target alone (a plan where no drafter pays): plain decode steps
+            row = f"steps {lv['calls']}, generated {lv['drafted']} tokens"
+        elif i == 0:  # the bottom drafter: it proposes, nothing is verified at its level
             row = f"draft calls {lv['calls']}, proposed {lv['drafted']} tokens"
             if "draft_rate" in lv:
                 row += f" (in {lv['draft_rate']:.0%} of calls)"
