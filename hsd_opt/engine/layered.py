@@ -1,8 +1,9 @@
 """A layer-by-layer decoder over a Llama-family model's weights, with one static KV cache per layer.
 
-This is the engine every early exit of one model shares (DESIGN.md section 6). A :class:`DecodeState` holds the
-token sequence, a K/V cache per decoder layer, and ``lens[l]``: how many positions layer ``l`` has processed.
-Because layer ``l + 1`` can only process what layer ``l`` has, ``lens`` is non-increasing in ``l``.
+This is the engine every early exit of one model shares (``docs/design.md#layered-forward-and-shared-caches``). A
+:class:`DecodeState` holds the token sequence, a K/V cache per decoder layer, and ``lens[l]``: how many positions
+layer ``l`` has processed. Because layer ``l + 1`` can only process what layer ``l`` has, ``lens`` is non-increasing
+in ``l``.
 
 - ``advance(state, b)`` runs layers ``0 .. b-1`` over every position each has not processed yet, starting each
   layer from where it stopped. An early exit after ``b`` layers that verifies drafts made by an exit after
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm_reference, rotate_half
 from hsd_opt.errors import HsdError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -59,20 +61,13 @@ def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str)
     return sorted(set(out))
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, op for op as ``LlamaRMSNorm.forward`` (float32 statistics, result in x's dtype)."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class _LayerWeights:
     """Direct references to one decoder layer's parameters (no copies)."""
 
     def __init__(self, layer):
         a, mlp = layer.self_attn, layer.mlp
-        self.ln1, self.eps1 = layer.input_layernorm.weight, _norm_eps(layer.input_layernorm)
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm)
+        self.ln1, self.eps1 = layer.input_layernorm.weight, norm_eps(layer.input_layernorm)
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, norm_eps(layer.post_attention_layernorm)
         self.q, self.bq = a.q_proj.weight, a.q_proj.bias
         self.k, self.bk = a.k_proj.weight, a.k_proj.bias
         self.v, self.bv = a.v_proj.weight, a.v_proj.bias
@@ -83,14 +78,6 @@ class _LayerWeights:
         act = mlp.act_fn
         self.act = F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
         self.qk_norm = hasattr(a, "q_norm")
-
-
-def _norm_eps(norm) -> float:
-    for attr in ("variance_epsilon", "eps"):
-        v = getattr(norm, attr, None)
-        if isinstance(v, float):
-            return v
-    return 1e-6
 
 
 def _lean_weights(model, layers) -> list[_LayerWeights] | None:
@@ -104,17 +91,6 @@ def _lean_weights(model, layers) -> list[_LayerWeights] | None:
     except AttributeError:
         return None
     return out
-
-
-def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """``[end - start, end]`` boolean mask: query position ``start + i`` may attend to key positions ``<= start + i``
-    (new positions over a KV cache that holds positions ``0 .. start - 1``)."""
-    return torch.arange(end, device=device).unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 @dataclass
@@ -260,9 +236,8 @@ class LayeredLM:
         """Run decoder layer ``l`` on hidden ``x`` ``[m, d]`` for positions ``start .. start+m-1``.
 
         The same tensor operations, in the same order, as the Hugging Face modules (so the logits are bit-identical
-        to theirs), called directly on the weights: at ~10 µs per module call, skipping ``nn.Module.__call__``
-        saves ~10% of a SmolLM2-135M decode step on a CPU. Models with accelerate hooks (offloading) go through
-        the modules."""
+        to theirs), called directly on the weights, which skips ``nn.Module.__call__``'s overhead per module.
+        Models with accelerate hooks (offloading) go through the modules."""
         w = self._weights[l] if self._weights is not None else None
         if w is None:
             return self._layer_modules(l, x, st, start, cos, sin)
@@ -270,17 +245,17 @@ class LayeredLM:
         attn = layer.self_attn
         m = x.shape[0]
         end = start + m
-        h = _rms_norm(x, w.ln1, w.eps1)
+        h = rms_norm_reference(x, w.ln1, w.eps1)
         q = F.linear(h, w.q, w.bq).view(m, self.n_heads, self.head_dim).transpose(0, 1)
         k = F.linear(h, w.k, w.bk).view(m, self.n_kv, self.head_dim).transpose(0, 1)
         v = F.linear(h, w.v, w.bv).view(m, self.n_kv, self.head_dim).transpose(0, 1)
         if w.qk_norm:  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         o = self._attend(l, q, k, v, st, start, end)
         x = x + F.linear(o, w.o, w.bo)
-        h = _rms_norm(x, w.ln2, w.eps2)
+        h = rms_norm_reference(x, w.ln2, w.eps2)
         return x + F.linear(w.act(F.linear(h, w.gate, w.bgate)) * F.linear(h, w.up, w.bup), w.down, w.bdown)
 
     def _attend(self, l: int, q, k, v, st: DecodeState, start: int, end: int) -> torch.Tensor:
@@ -291,7 +266,7 @@ class LayeredLM:
         st.v[l][0, :, start:end] = v
         keys = st.k[l][:, :, :end]
         vals = st.v[l][:, :, :end]
-        mask = None if m == 1 else _causal_mask(start, end, q.device)
+        mask = None if m == 1 else causal_mask(start, end, q.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
                                            enable_gqa=self.n_kv != self.n_heads)
         return o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)
@@ -323,8 +298,8 @@ class LayeredLM:
         v = attn.v_proj(h).view(m, self.n_kv, self.head_dim).transpose(0, 1)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         o = self._attend(l, q, k, v, st, start, end)
         x = x + attn.o_proj(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))

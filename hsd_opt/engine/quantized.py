@@ -1,9 +1,8 @@
 """A weight-quantized copy of the target as a drafter: the target itself, cheaper and slightly less exact.
 
-A model the user already has, stored in fewer bits, agrees with itself on nearly every token (SmolLM2-135M,
-greedy, on the prompt suite: ~0.99 for int8, ~0.97 for int4) while a decode step reads 4-8x fewer weight bytes.
-On a CPU, where a decode step is bound by memory traffic, that makes it a strong drafter for speculative
-decoding; the full-precision target verifies, so the output stays the target's.
+A model the user already has, stored in fewer bits, agrees with itself on nearly every token while a decode step
+reads 4-8x fewer weight bytes. On a CPU, where a decode step is bound by memory traffic, that makes it a strong
+drafter for speculative decoding; the full-precision target verifies, so the output stays the target's.
 
 :class:`QuantizedLM` is a :class:`~hsd_opt.engine.layered.LayeredLM` (same state, ``advance``, ``crop``,
 ``logits``; its early exits share its own KV cache) over weight-only quantized copies of the decoder layers and the
@@ -14,10 +13,10 @@ LM head, with ``bfloat16`` activations and KV cache:
   (``torch.ops.aten._weight_int4pack_mm_for_cpu``). GGUF ``Q4_1`` weights (like the embedded SmolLM2) are
   groups of 32 with a scale and a minimum, so ``bits=4, group_size=32`` recovers their 4-bit codes.
 
-The layer code is lean (q/k/v fused into one matmul, gate/up into one, q and k rotated together,
-``F.rms_norm``), because at these step costs the overhead per op is a large share of the time. On devices without these kernels (CUDA, MPS), the
-weights are dequantized once into the activation dtype and applied with ``F.linear``: a 16-bit copy of the
-target, which only pays when the target itself runs in 32 bits.
+The layer code is lean (q/k/v fused into one matmul, gate/up into one, q and k rotated together, ``F.rms_norm``),
+because at these step costs the overhead per op is a large share of the time. On devices without these kernels
+(CUDA, MPS), the weights are dequantized once into the activation dtype and applied with ``F.linear``: a 16-bit copy
+of the target, which only pays when the target itself runs in 32 bits.
 
 Shapes: hidden ``[m, d]``, logits ``[m, V]`` float32, batch size 1.
 """
@@ -30,7 +29,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine.layered import LayeredLM, _causal_mask, _norm_eps as _eps, _rotate_half
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm, rotate_half
 from hsd_opt.errors import HsdError
 
 #: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
@@ -152,7 +152,7 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
     run of layers with no Qwen3 q/k norms and no biases. ``weights[l]`` = [qkv, qkv scale, o, o scale, gate_up,
     gate_up scale, down, down scale, ln1, ln2]; ``eps[l]`` the norms' epsilon; ``ks``/``vs`` the layers' caches
     ``[1, n_kv, max_len, head_dim]``; ``cos``/``sin`` ``[m, head_dim]``. Compiled with TorchScript, which runs it
-    without the Python interpreter between ops: that saves ~25% of an int4 SmolLM2-135M step on a CPU."""
+    without the Python interpreter between ops (at these step costs, the interpreter's time is a large share)."""
     m = x.shape[0]
     end = start + m
     c = cos.unsqueeze(1)
@@ -160,7 +160,7 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
     d = x.shape[-1]
     mask: Optional[torch.Tensor] = None
     if m > 1:
-        mask = _causal_mask(start, end, x.device)
+        mask = causal_mask(start, end, x.device)
     for l in range(len(ks)):
         w = weights[l]
         h = F.rms_norm(x, [d], w[8], eps[l])
@@ -170,7 +170,7 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
             qkv = torch.ops.aten._weight_int8pack_mm(h, w[0], w[1])
         qkv = qkv.view(m, n_heads + 2 * n_kv, head_dim)
         qk = qkv[:, :n_heads + n_kv]
-        qk = qk * c + _rotate_half(qk) * s
+        qk = qk * c + rotate_half(qk) * s
         ks[l][0, :, start:end] = qk[:, n_heads:].transpose(0, 1)
         vs[l][0, :, start:end] = qkv[:, n_heads + n_kv:].transpose(0, 1)
         o = F.scaled_dot_product_attention(qk[:, :n_heads].transpose(0, 1).unsqueeze(0), ks[l][:, :, :end],
@@ -208,7 +208,7 @@ class QuantizedLM(LayeredLM):
 
     The original model is only read: its weights are quantized into new tensors (int8: ~1/4, int4: ~1/8 of the
     float32 bytes, plus a bfloat16 embedding table). The LM head is quantized to ``head_bits`` (default 8: the
-    head decides every token, and 4 bits there cost SmolLM2 ~3 points of agreement for ~1 ms). Early exits use
+    head decides every token, and 4 bits there cost agreement for little time). Early exits use
     the model's final norm and the quantized LM head. ``name`` is what profiles and plans call it. ``scripted``
     (default True) runs runs of layers through the TorchScript :func:`_layer_stack` where it applies and matches
     :meth:`_layer` bit for bit (checked when built); False always uses :meth:`_layer`.
@@ -238,14 +238,14 @@ class QuantizedLM(LayeredLM):
                 ql.down = _fused([mlp.down_proj], bits, group_size, packed)
                 ql.ln1 = layer.input_layernorm.weight.detach().to(ACT_DTYPE)
                 ql.ln2 = layer.post_attention_layernorm.weight.detach().to(ACT_DTYPE)
-                ql.eps1 = _eps(layer.input_layernorm)
-                ql.eps2 = _eps(layer.post_attention_layernorm)
+                ql.eps1 = norm_eps(layer.input_layernorm)
+                ql.eps2 = norm_eps(layer.post_attention_layernorm)
                 ql.q_norm = getattr(a, "q_norm", None)
                 ql.k_norm = getattr(a, "k_norm", None)
                 self.qlayers.append(ql)
             self._embed_w = self.embed.weight.detach().to(ACT_DTYPE)
             self._norm_w = self.norm.weight.detach().to(ACT_DTYPE)
-            self._norm_eps = _eps(self.norm)
+            self._norm_eps = norm_eps(self.norm)
             self._head = _fused([model.lm_head], head_bits, group_size, packed)
         self.dtype = ACT_DTYPE
         self.embed = self._embed
@@ -292,7 +292,7 @@ class QuantizedLM(LayeredLM):
         return F.embedding(ids, self._embed_w)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self._norm_w, self._norm_eps)
+        return rms_norm(x, self._norm_w, self._norm_eps)
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         return self._head(self._final_norm(hidden.to(ACT_DTYPE))).float()
@@ -314,26 +314,21 @@ class QuantizedLM(LayeredLM):
         m = x.shape[0]
         end = start + m
         H, KV = self.n_heads, self.n_kv
-        h = _rms(x, ql.ln1, ql.eps1)
+        h = rms_norm(x, ql.ln1, ql.eps1)
         qkv = ql.qkv(h).view(m, H + 2 * KV, self.head_dim)
         if ql.q_norm is not None:  # Qwen3: per-head norms before the rotation
             qk = torch.cat([ql.q_norm(qkv[:, :H]), ql.k_norm(qkv[:, H:H + KV])], 1).to(ACT_DTYPE)
         else:
             qk = qkv[:, :H + KV]
         c, s = cos[0].unsqueeze(1), sin[0].unsqueeze(1)               # [m, 1, hd]: q and k rotated together
-        qk = qk * c + _rotate_half(qk) * s
+        qk = qk * c + rotate_half(qk) * s
         q = qk[:, :H].transpose(0, 1)                                 # [H, m, hd]
         st.k[l][0, :, start:end] = qk[:, H:].transpose(0, 1)
         st.v[l][0, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
-        mask = None if m == 1 else _causal_mask(start, end, x.device)
+        mask = None if m == 1 else causal_mask(start, end, x.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), st.k[l][:, :, :end], st.v[l][:, :, :end],
                                            attn_mask=mask, enable_gqa=KV != H)
         o = o[0].transpose(0, 1).reshape(m, H * self.head_dim)
         x = x + ql.o(o)
-        g, u = ql.gate_up(_rms(x, ql.ln2, ql.eps2)).split([ql.inter, ql.inter], dim=-1)
+        g, u = ql.gate_up(rms_norm(x, ql.ln2, ql.eps2)).split([ql.inter, ql.inter], dim=-1)
         return x + ql.down(F.silu(g) * u)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of bfloat16 ``x`` ``[m, d]`` (``F.rms_norm``: faster than the op-by-op form on a CPU)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -1,0 +1,44 @@
+"""Small tensor operations every engine shares (plain functions, TorchScript-compatible).
+
+Shapes: hidden ``[m, d]`` for ``m`` positions; heads ``[..., head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm op for op as ``LlamaRMSNorm.forward`` (float32 statistics, result in ``x``'s dtype), so
+    a forward built on it is bit-identical to the Hugging Face modules."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension with ``F.rms_norm`` (one fused op; the sums may be ordered differently
+    from :func:`rms_norm_reference`)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def norm_eps(norm) -> float:
+    """The epsilon of a Hugging Face RMSNorm module (``variance_epsilon`` or ``eps``; 1e-6 if it has none)."""
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(norm, attr, None)
+        if isinstance(v, float):
+            return v
+    return 1e-6
+
+
+def causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """``[end - start, end]`` boolean mask: query position ``start + i`` may attend to key positions
+    ``<= start + i`` (new positions over a KV cache that holds positions ``0 .. start - 1``)."""
+    return torch.arange(end, device=device).unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension (the rotary embedding's pairing)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
