@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from hsd_opt.commands.common import cli_command
+from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 
 
@@ -25,116 +27,113 @@ def results_table(title: str, before: dict, after: dict) -> Table:
 
 
 def _data(loaded, prompts: Optional[Path], tokens: int, holdout: float, seed: int):
-    from hsd_opt.heads.data import generate_training_sequences, load_prompts, split_indices
+    from hsd_opt.heads.data import generate_training_sequences, split_indices
+    from hsd_opt.prompts import load_prompts
 
-    plist = load_prompts(prompts)
+    plist = load_prompts(prompts).texts
     seqs, plens = generate_training_sequences(loaded, plist, tokens=tokens, seed=seed, with_prompt_lens=True)
     tr, ho = split_indices(len(seqs), holdout, seed)
     return ([seqs[i] for i in tr], [plens[i] for i in tr], [seqs[i] for i in ho], [plens[i] for i in ho])
 
 
-def register(app):
-    """Add the ``heads`` command group to the typer ``app``."""
-    from hsd_opt.cli import cli_command, console, err_console
+app = typer.Typer(help="Trained early-exit heads: distil each layer's exit to the final layer.",
+                  no_args_is_help=True)
 
-    heads_app = typer.Typer(help="Trained early-exit heads: distil each layer's exit to the final layer.",
-                            no_args_is_help=True)
 
-    @heads_app.command("train")
-    @cli_command
-    def train(
-        model: str = typer.Option("smollm2-135m", "--model", help="Target model (alias, hub id or path)."),
-        layers: str = typer.Option("all", "--layers", help="'all' (1..n-1) or a list like 4,8,14 or 2-6."),
-        out: Path = typer.Option(..., "--out", help="Heads file to write (.safetensors)."),
-        prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt suite (JSON lines with 'prompt'); "
-                                                                       "default data/prompts.jsonl."),
-        tokens: int = typer.Option(4096, "--tokens", help="Tokens of training text the target generates."),
-        epochs: int = typer.Option(3, "--epochs"),
-        lr: float = typer.Option(2e-3, "--lr"),
-        kind: str = typer.Option("affine", "--kind", help="affine | lowrank"),
-        rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator."),
-        vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
-                                                                    "tokens (cheaper shallow exits)."),
-        train_vocab: str = typer.Option("auto", "--train-vocab", help="auto | full | candidates (see docs)."),
-        holdout: float = typer.Option(0.2, "--holdout", help="Fraction of sequences held out for evaluation."),
-        device: str = typer.Option("auto", "--device"),
-        dtype: str = typer.Option("auto", "--dtype"),
-        threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
-        seed: int = typer.Option(0, "--seed"),
-        resume: bool = typer.Option(False, "--resume", help="Continue from OUT.ckpt if present."),
-    ):
-        """Train per-layer exit heads on text the target generates from the prompt suite."""
-        import torch
+@app.command("train")
+@cli_command
+def train(
+    model: str = typer.Option("smollm2-135m", "--model", help="Target model (alias, hub id or path)."),
+    layers: str = typer.Option("all", "--layers", help="'all' (1..n-1) or a list like 4,8,14 or 2-6."),
+    out: Path = typer.Option(..., "--out", help="Heads file to write (.safetensors)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt suite (JSON lines with 'prompt'); "
+                                                                   "default: the suite shipped with hsd-opt."),
+    tokens: int = typer.Option(4096, "--tokens", help="Tokens of training text the target generates."),
+    epochs: int = typer.Option(3, "--epochs"),
+    lr: float = typer.Option(2e-3, "--lr"),
+    kind: str = typer.Option("affine", "--kind", help="affine | lowrank"),
+    rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator."),
+    vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
+                                                                "tokens (cheaper shallow exits)."),
+    train_vocab: str = typer.Option("auto", "--train-vocab", help="auto | full | candidates (see docs)."),
+    holdout: float = typer.Option(0.2, "--holdout", help="Fraction of sequences held out for evaluation."),
+    device: str = typer.Option("auto", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT.ckpt if present."),
+):
+    """Train per-layer exit heads on text the target generates from the prompt suite."""
+    import torch
 
-        from hsd_opt.heads import KINDS, parse_layers, save_heads, train_heads
-        from hsd_opt.models.loading import load_model
+    from hsd_opt.heads import KINDS, parse_layers, save_heads, train_heads
+    from hsd_opt.models.loading import load_model
 
-        if kind not in KINDS:
-            raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-        if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
-            raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
-        if prompts is not None and not prompts.is_file():
-            raise HsdError(f"{prompts}: file not found")
-        if threads:
-            torch.set_num_threads(threads)
-        loaded = load_model(model, device=device, dtype=dtype)
-        n = loaded.model.config.num_hidden_layers
-        bs = parse_layers(layers, n)
-        if vocab_subset and vocab_subset >= loaded.model.lm_head.weight.shape[0]:
-            raise HsdError(f"--vocab-subset {vocab_subset} is not smaller than the vocabulary")
-        tr, tr_st, ho, ho_st = _data(loaded, prompts, tokens, holdout, seed)
-        ckpt = Path(str(out) + ".ckpt")
-        res = train_heads(loaded, bs, tr, starts=tr_st, held_out=ho, held_out_starts=ho_st, kind=kind, rank=rank,
-                          vocab_subset=vocab_subset or None, epochs=epochs, lr=lr, train_vocab=train_vocab,
-                          seed=seed, checkpoint=ckpt, resume=resume,
-                          log=lambda s: err_console.print(s, markup=False))
-        save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
-                   train=dict(res.summary(), prompts=str(prompts or "data/prompts.jsonl"), tokens=tokens,
-                              holdout=holdout))
-        ckpt.unlink(missing_ok=True)
-        console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
-                                    res.before, res.after))
-        console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
+    if kind not in KINDS:
+        raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
+        raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
+    if prompts is not None and not prompts.is_file():
+        raise HsdError(f"{prompts}: file not found")
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, device=device, dtype=dtype)
+    n = loaded.model.config.num_hidden_layers
+    bs = parse_layers(layers, n)
+    if vocab_subset and vocab_subset >= loaded.model.lm_head.weight.shape[0]:
+        raise HsdError(f"--vocab-subset {vocab_subset} is not smaller than the vocabulary")
+    tr, tr_st, ho, ho_st = _data(loaded, prompts, tokens, holdout, seed)
+    ckpt = Path(str(out) + ".ckpt")
+    res = train_heads(loaded, bs, tr, starts=tr_st, held_out=ho, held_out_starts=ho_st, kind=kind, rank=rank,
+                      vocab_subset=vocab_subset or None, epochs=epochs, lr=lr, train_vocab=train_vocab,
+                      seed=seed, checkpoint=ckpt, resume=resume,
+                      log=lambda s: err_console.print(s, markup=False))
+    save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
+               train=dict(res.summary(), prompts=str(prompts) if prompts else None, tokens=tokens,
+                          holdout=holdout))
+    ckpt.unlink(missing_ok=True)
+    console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
+                                res.before, res.after))
+    console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
 
-    @heads_app.command("eval")
-    @cli_command
-    def evaluate(
-        model: str = typer.Option("smollm2-135m", "--model"),
-        heads: Path = typer.Option(..., "--heads", help="Heads file (.safetensors) from `hsd heads train`."),
-        prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt suite; default: the one the heads "
-                                                                       "were trained on (held-out split)."),
-        tokens: Optional[int] = typer.Option(None, "--tokens", help="Default: as in training."),
-        device: str = typer.Option("auto", "--device"),
-        dtype: str = typer.Option("auto", "--dtype"),
-        threads: int = typer.Option(0, "--threads"),
-        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the table as JSON."),
-    ):
-        """Per-layer held-out acceptance and greedy agreement with the final layer: raw exits vs trained heads."""
-        import torch
 
-        from hsd_opt.heads import RawHead, evaluate_heads, load_heads, read_heads_file
-        from hsd_opt.jsonio import write_json
-        from hsd_opt.models.loading import load_model
+@app.command("eval")
+@cli_command
+def evaluate(
+    model: str = typer.Option("smollm2-135m", "--model"),
+    heads: Path = typer.Option(..., "--heads", help="Heads file (.safetensors) from `hsd heads train`."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt suite; default: the one the heads "
+                                                                   "were trained on (held-out split)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Default: as in training."),
+    device: str = typer.Option("auto", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    threads: int = typer.Option(0, "--threads"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the table as JSON."),
+):
+    """Per-layer held-out acceptance and greedy agreement with the final layer: raw exits vs trained heads."""
+    import torch
 
-        if threads:
-            torch.set_num_threads(threads)
-        read_heads_file(heads)  # a missing/corrupt file fails before the model loads
-        loaded = load_model(model, device=device, dtype=dtype)
-        hs, header = load_heads(heads, loaded)
-        tr = header.get("train") or {}
-        if prompts is None and tr.get("prompts") and Path(tr["prompts"]).is_file():
-            prompts = Path(tr["prompts"])
-        seed = int((tr.get("settings") or {}).get("seed") or 0)
-        _, _, ho, ho_st = _data(loaded, prompts, tokens or int(tr.get("tokens") or 4096),
-                                float(tr.get("holdout") or 0.2), seed)
-        before = evaluate_heads(loaded, {b: RawHead(loaded.model) for b in hs}, ho, ho_st)
-        after = evaluate_heads(loaded, hs, ho, ho_st)
-        n = loaded.model.config.num_hidden_layers
-        console.print(results_table(f"{heads}: held-out agreement with layer {n} ({header['kind']}"
-                                    + (f", vocab {header['vocab_subset']}" if header.get("vocab_subset") else "")
-                                    + ")", before, after))
-        if json_out:
-            write_json(json_out, {"heads": str(heads), "model": loaded.model_id, "revision": loaded.revision,
-                                  "layers": {str(b): {"before": before[b], "after": after[b]} for b in hs}})
+    from hsd_opt.heads import RawHead, evaluate_heads, load_heads, read_heads_file
+    from hsd_opt.jsonio import write_json
+    from hsd_opt.models.loading import load_model
 
-    app.add_typer(heads_app, name="heads")
+    if threads:
+        torch.set_num_threads(threads)
+    read_heads_file(heads)  # a missing/corrupt file fails before the model loads
+    loaded = load_model(model, device=device, dtype=dtype)
+    hs, header = load_heads(heads, loaded)
+    tr = header.get("train") or {}
+    if prompts is None and tr.get("prompts") and Path(tr["prompts"]).is_file():
+        prompts = Path(tr["prompts"])
+    seed = int((tr.get("settings") or {}).get("seed") or 0)
+    _, _, ho, ho_st = _data(loaded, prompts, tokens or int(tr.get("tokens") or 4096),
+                            float(tr.get("holdout") or 0.2), seed)
+    before = evaluate_heads(loaded, {b: RawHead(loaded.model) for b in hs}, ho, ho_st)
+    after = evaluate_heads(loaded, hs, ho, ho_st)
+    n = loaded.model.config.num_hidden_layers
+    console.print(results_table(f"{heads}: held-out agreement with layer {n} ({header['kind']}"
+                                + (f", vocab {header['vocab_subset']}" if header.get("vocab_subset") else "")
+                                + ")", before, after))
+    if json_out:
+        write_json(json_out, {"heads": str(heads), "model": loaded.model_id, "revision": loaded.revision,
+                              "layers": {str(b): {"before": before[b], "after": after[b]} for b in hs}})

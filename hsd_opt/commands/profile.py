@@ -8,6 +8,9 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from hsd_opt.commands.common import cli_command
+from hsd_opt.console import console, err_console, warn
+
 
 def acceptance_table(prof, max_rows: int = 64) -> Table:
     """Rich table: per drafter, its cost, acceptance / greedy agreement against the target, and the 95% CI."""
@@ -32,128 +35,124 @@ def acceptance_table(prof, max_rows: int = 64) -> Table:
     return t
 
 
-def register(app):
-    """Add the ``profile`` group (``hsd profile --model ...`` and ``hsd profile merge ...``)."""
-    from hsd_opt.cli import cli_command, console, warn
+app = typer.Typer(
+    help="Measure acceptance rates a(i, j) and costs of a drafter pool for one target (hsd-profile/1).\n\n"
+         "hsd profile --model smollm2-135m --out profile.json   |   hsd profile merge a.json b.json -o c.json",
+    invoke_without_command=True, no_args_is_help=False)
 
-    profile_app = typer.Typer(
-        help="Measure acceptance rates a(i, j) and costs of a drafter pool for one target (hsd-profile/1).\n\n"
-             "hsd profile --model smollm2-135m --out profile.json   |   hsd profile merge a.json b.json -o c.json",
-        invoke_without_command=True, no_args_is_help=False)
-    app.add_typer(profile_app, name="profile")
 
-    @profile_app.callback(invoke_without_command=True)
-    @cli_command
-    def profile_cmd(
-        ctx: typer.Context,
-        model: Optional[str] = typer.Option(None, "--model", help="Target: alias (hsd models list), hub id, "
-                                                                   "local directory or .gguf file."),
-        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
-        prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
-                                                                        "default: the built-in suite."),
-        layers: str = typer.Option("all", "--layers", help="Early exits: all, or a list like 4,8,12 or 2-10 "
-                                                            "(the last layer, the target, is always included)."),
-        draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
-                                                                        "tokenizer (repeatable)."),
-        quantized: Optional[str] = typer.Option(None, "--quantized",
-                                                help="Quantized copies of the target as drafters: comma list of "
-                                                     "int8,int4, or 'none'. Default: int8,int4 where the packed "
-                                                     "int8/int4 kernels run (CPU), else none."),
-        heads: Optional[Path] = typer.Option(None, "--heads", help="Trained exit heads (safetensors) for the "
-                                                                   "early exits; default: the model's own "
-                                                                   "final norm + LM head."),
-        token_drafters: Optional[str] = typer.Option(None, "--token-drafters",
-                                                     help="Comma list of ngram,lookup,bigram,aded, or 'none'. "
-                                                          "Default: ngram, lookup and aded, plus bigram when its "
-                                                          "table is cached."),
-        no_ngram: bool = typer.Option(False, "--no-ngram", help="Leave the context n-gram drafter out."),
-        no_lookup: bool = typer.Option(False, "--no-lookup", help="Leave the abstaining n-gram lookup out."),
-        no_bigram: bool = typer.Option(False, "--no-bigram", help="Leave the model-bigram drafter out."),
-        no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
-        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy continuations (acceptance "
-                                                                     "then uses softmax(logits)); > 0 samples."),
-        max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Tokens the target generates per "
-                                                                        "prompt (fewer at EOS)."),
-        raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
-        dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
-        seed: int = typer.Option(0, "--seed", help="Sampling seed (temperature > 0)."),
-        resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial.json."),
-        tmax: int = typer.Option(15, "--tmax", help="Cost curves cover t = 1..tmax+1 tokens."),
-        cost_repeats: int = typer.Option(5, "--cost-repeats", help="Timed repeats per cost (median)."),
-        shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
-                                                                  "(merge the shards with hsd profile merge)."),
-        max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
-        threads: int = typer.Option(0, "--threads", help="CPU threads for torch. 0 = auto: torch's default, or 1 "
-                                                         "when the machine is already oversubscribed. Costs are "
-                                                         "measured with this setting."),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
-    ):
-        """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
-        if ctx.invoked_subcommand is not None:
-            return
-        from hsd_opt.errors import HsdError
-        from hsd_opt.profiler.run import (DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS, ProfileConfig,
-                                          dist_info, parse_shard, run_profile)
+@app.callback(invoke_without_command=True)
+@cli_command
+def profile_cmd(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="Target: alias (hsd models list), hub id, "
+                                                               "local directory or .gguf file."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
+                                                                    "default: the built-in suite."),
+    layers: str = typer.Option("all", "--layers", help="Early exits: all, or a list like 4,8,12 or 2-10 "
+                                                        "(the last layer, the target, is always included)."),
+    draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
+                                                                    "tokenizer (repeatable)."),
+    quantized: Optional[str] = typer.Option(None, "--quantized",
+                                            help="Quantized copies of the target as drafters: comma list of "
+                                                 "int8,int4, or 'none'. Default: int8,int4 where the packed "
+                                                 "int8/int4 kernels run (CPU), else none."),
+    heads: Optional[Path] = typer.Option(None, "--heads", help="Trained exit heads (safetensors) for the "
+                                                               "early exits; default: the model's own "
+                                                               "final norm + LM head."),
+    token_drafters: Optional[str] = typer.Option(None, "--token-drafters",
+                                                 help="Comma list of ngram,lookup,bigram,aded, or 'none'. "
+                                                      "Default: ngram, lookup and aded, plus bigram when its "
+                                                      "table is cached."),
+    no_ngram: bool = typer.Option(False, "--no-ngram", help="Leave the context n-gram drafter out."),
+    no_lookup: bool = typer.Option(False, "--no-lookup", help="Leave the abstaining n-gram lookup out."),
+    no_bigram: bool = typer.Option(False, "--no-bigram", help="Leave the model-bigram drafter out."),
+    no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy continuations (acceptance "
+                                                                 "then uses softmax(logits)); > 0 samples."),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Tokens the target generates per "
+                                                                    "prompt (fewer at EOS)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (temperature > 0)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial.json."),
+    tmax: int = typer.Option(15, "--tmax", help="Cost curves cover t = 1..tmax+1 tokens."),
+    cost_repeats: int = typer.Option(5, "--cost-repeats", help="Timed repeats per cost (median)."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
+                                                              "(merge the shards with hsd profile merge)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads for torch. 0 = auto: torch's default, or 1 "
+                                                     "when the machine is already oversubscribed. Costs are "
+                                                     "measured with this setting."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
+):
+    """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from hsd_opt.errors import HsdError
+    from hsd_opt.profiler.dist import dist_info
+    from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
+    from hsd_opt.profiler.run import ProfileConfig, parse_shard, run_profile
 
-        if not model:
-            raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
-        if out is None:
-            raise HsdError("--out is required: where to write the profile JSON")
-        if token_drafters is not None:
-            names = [] if token_drafters.strip().lower() == "none" else \
-                [x.strip() for x in token_drafters.split(",") if x.strip()]
-            for n in names:
-                if n not in KNOWN_TOKEN_DRAFTERS:
-                    raise HsdError(f"--token-drafters: unknown token drafter {n!r}; known: "
-                                   f"{', '.join(KNOWN_TOKEN_DRAFTERS)} (or none)")
-            explicit: list[str] | None = names
-        else:
-            explicit = None
-        dropped = {n for n, flag in (("ngram", no_ngram), ("lookup", no_lookup), ("bigram", no_bigram),
-                                     ("aded", no_aded)) if flag}
-        if dropped:
-            explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
-                        if n not in dropped]
-        if quantized is not None:
-            from hsd_opt.engine.quantized import parse_quantized
+    if not model:
+        raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
+    if out is None:
+        raise HsdError("--out is required: where to write the profile JSON")
+    if token_drafters is not None:
+        names = [] if token_drafters.strip().lower() == "none" else \
+            [x.strip() for x in token_drafters.split(",") if x.strip()]
+        for n in names:
+            if n not in KNOWN_TOKEN_DRAFTERS:
+                raise HsdError(f"--token-drafters: unknown token drafter {n!r}; known: "
+                               f"{', '.join(KNOWN_TOKEN_DRAFTERS)} (or none)")
+        explicit: list[str] | None = names
+    else:
+        explicit = None
+    dropped = {n for n, flag in (("ngram", no_ngram), ("lookup", no_lookup), ("bigram", no_bigram),
+                                 ("aded", no_aded)) if flag}
+    if dropped:
+        explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
+                    if n not in dropped]
+    if quantized is not None:
+        from hsd_opt.engine.quantized import parse_quantized
 
-            parse_quantized(quantized, "cpu")  # check the names before loading anything
-        rank, _ = dist_info()
-        cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
-                            quantized=quantized,
-                            token_drafters=explicit, heads=heads, temperature=temperature,
-                            max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
-                            resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),
-                            max_prompts=max_prompts, progress=not quiet, threads=threads)
-        try:
-            prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
-        except KeyboardInterrupt:
-            from hsd_opt.cli import err_console
+        parse_quantized(quantized, "cpu")  # check the names before loading anything
+    rank, _ = dist_info()
+    cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
+                        quantized=quantized,
+                        token_drafters=explicit, heads=heads, temperature=temperature,
+                        max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
+                        resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),
+                        max_prompts=max_prompts, progress=not quiet, threads=threads)
+    try:
+        prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: the statistics of every finished prompt are in {out}.partial.json; "
+                          f"rerun with --resume to continue")
+        raise typer.Exit(130)
+    if prof is None or rank != 0:
+        return
+    if not quiet:
+        console.print(acceptance_table(prof))
+    pv = prof.extra["provenance"]
+    console.print(f"wrote {out}: {len(prof.models)} drafters, {pv['prompt_count']} prompts, "
+                  f"{pv['generated_tokens']} generated tokens, {pv['timings']['total_seconds']:.1f} s")
 
-            err_console.print(f"interrupted: the statistics of every finished prompt are in {out}.partial.json; "
-                              f"rerun with --resume to continue")
-            raise typer.Exit(130)
-        if prof is None or rank != 0:
-            return
-        if not quiet:
-            console.print(acceptance_table(prof))
-        pv = prof.extra["provenance"]
-        console.print(f"wrote {out}: {len(prof.models)} drafters, {pv['prompt_count']} prompts, "
-                      f"{pv['generated_tokens']} generated tokens, {pv['timings']['total_seconds']:.1f} s")
 
-    @profile_app.command("merge")
-    @cli_command
-    def merge_cmd(
-        profiles: List[Path] = typer.Argument(..., help="Profiles of the same model and settings."),
-        out: Path = typer.Option(..., "--out", "-o", help="Write the merged hsd-profile/1 JSON here."),
-    ):
-        """Combine profiles of the same model exactly (sums of the statistics; costs of the first)."""
-        from hsd_opt.formats import save_profile
-        from hsd_opt.profiler.run import merge_profiles
+@app.command("merge")
+@cli_command
+def merge_cmd(
+    profiles: List[Path] = typer.Argument(..., help="Profiles of the same model and settings."),
+    out: Path = typer.Option(..., "--out", "-o", help="Write the merged hsd-profile/1 JSON here."),
+):
+    """Combine profiles of the same model exactly (sums of the statistics; costs of the first)."""
+    from hsd_opt.formats import save_profile
+    from hsd_opt.profiler.assemble import merge_profiles
 
-        prof = merge_profiles(profiles, warn=warn)
-        save_profile(prof, out)
-        pv = prof.extra["provenance"]
-        console.print(f"wrote {out}: merged {len(profiles)} profiles, {pv['prompt_count']} prompts, "
-                      f"{pv['generated_tokens']} generated tokens (costs from {profiles[0]})")
+    prof = merge_profiles(profiles, warn=warn)
+    save_profile(prof, out)
+    pv = prof.extra["provenance"]
+    console.print(f"wrote {out}: merged {len(profiles)} profiles, {pv['prompt_count']} prompts, "
+                  f"{pv['generated_tokens']} generated tokens (costs from {profiles[0]})")

@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from hsd_opt.commands.common import cli_command
+from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_plan, load_profile, save_plan
 
@@ -61,81 +63,74 @@ def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
             raise InputFileError(plan_path, f"{hi!r} cannot verify (can_verify: false in the profile)", "hierarchy")
 
 
-def register(app):
-    """Add ``solve`` and ``simulate`` to the typer ``app``."""
-    from hsd_opt.cli import cli_command, console, warn
+@cli_command
+def solve_cmd(
+    profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON (acceptance rates, costs)."),
+    tmax: int = typer.Option(15, "--tmax", help="Largest budget T (tokens) any level may hand up."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the hsd-plan/1 JSON here (atomically)."),
+    solver: str = typer.Option("dp", "--solver", help="dp (default, exact DP) | lp (GSP LP, HiGHS) | "
+                                                      "lp-cvxpy | brute (enumeration, small pools)."),
+    max_depth: Optional[int] = typer.Option(None, "--max-depth",
+                                            help="Most models in the hierarchy, target included."),
+    top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
+    min_gain: float = typer.Option(0.03, "--min-gain",
+                                   help="Add a second drafter level (or more) only if predicted at least "
+                                        "this fraction faster than the best plan with fewer levels "
+                                        "(measurement noise); 0 = the exact optimum."),
+):
+    """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
+    from hsd_opt.solver.api import SOLVERS, solve
 
-    @app.command("solve")
-    @cli_command
-    def solve_cmd(
-        profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON (acceptance rates, costs)."),
-        tmax: int = typer.Option(15, "--tmax", help="Largest budget T (tokens) any level may hand up."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Write the hsd-plan/1 JSON here (atomically)."),
-        solver: str = typer.Option("dp", "--solver", help="dp (default, exact DP) | lp (GSP LP, HiGHS) | "
-                                                          "lp-cvxpy | brute (enumeration, small pools)."),
-        max_depth: Optional[int] = typer.Option(None, "--max-depth",
-                                                help="Most models in the hierarchy, target included."),
-        top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
-        min_gain: float = typer.Option(0.03, "--min-gain",
-                                       help="Add a second drafter level (or more) only if predicted at least "
-                                            "this fraction faster than the best plan with fewer levels "
-                                            "(measurement noise); 0 = the exact optimum."),
-    ):
-        """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
-        from hsd_opt.solver.api import SOLVERS, solve
+    if tmax < 1:
+        raise HsdError(f"--tmax: expected an integer >= 1, got {tmax}")
+    if solver not in SOLVERS:
+        raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
+    if max_depth is not None and max_depth < 1:
+        raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth}")
+    if top < 1:
+        raise HsdError(f"--top: expected an integer >= 1, got {top}")
+    if not 0.0 <= min_gain < 1.0:
+        raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
+    prof, warnings = load_profile(profile)
+    warn_some(warnings)
+    plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain)
+    console.print(plan_table(plan))
+    ex = plan.extra.get("exact_optimum")
+    if ex:
+        console.print(f"the exact optimum {_chain(ex['hierarchy'], ex['budgets'])} "
+                      f"({ex['expected_latency'] * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
+                      f"the plan; pass --min-gain 0 to choose it")
+    if out is not None:
+        save_plan(plan, out)
+        console.print(f"wrote {out}")
 
-        if tmax < 1:
-            raise HsdError(f"--tmax: expected an integer >= 1, got {tmax}")
-        if solver not in SOLVERS:
-            raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
-        if max_depth is not None and max_depth < 1:
-            raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth}")
-        if top < 1:
-            raise HsdError(f"--top: expected an integer >= 1, got {top}")
-        if not 0.0 <= min_gain < 1.0:
-            raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
-        prof, warnings = load_profile(profile)
-        for w in warnings:
-            warn(w)
-        plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain)
-        console.print(plan_table(plan))
-        ex = plan.extra.get("exact_optimum")
-        if ex:
-            console.print(f"the exact optimum {_chain(ex['hierarchy'], ex['budgets'])} "
-                          f"({ex['expected_latency'] * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
-                          f"the plan; pass --min-gain 0 to choose it")
-        if out is not None:
-            save_plan(plan, out)
-            console.print(f"wrote {out}")
 
-    @app.command("simulate")
-    @cli_command
-    def simulate_cmd(
-        plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON written by `hsd solve`."),
-        profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON the plan is checked against."),
-        rounds: int = typer.Option(20000, "--rounds", help="Target verify rounds to simulate."),
-        seed: int = typer.Option(0, "--seed", help="Random seed (numpy)."),
-    ):
-        """Monte-Carlo of Algorithm 1 under IID acceptance: simulated vs predicted latency of a plan."""
-        from hsd_opt.solver.api import simulate
+@cli_command
+def simulate_cmd(
+    plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON written by `hsd solve`."),
+    profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON the plan is checked against."),
+    rounds: int = typer.Option(20000, "--rounds", help="Target verify rounds to simulate."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (numpy)."),
+):
+    """Monte-Carlo of Algorithm 1 under IID acceptance: simulated vs predicted latency of a plan."""
+    from hsd_opt.solver.api import simulate
 
-        if rounds < 1:
-            raise HsdError(f"--rounds: expected an integer >= 1, got {rounds}")
-        prof, warnings = load_profile(profile)
-        for w in warnings:
-            warn(w)
-        pl = load_plan(plan)
-        _check_plan_against_profile(pl, str(plan), prof)
-        r = simulate(prof, pl, rounds=rounds, seed=seed)
-        t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed})")
-        t.add_column("hierarchy")
-        t.add_column("predicted ms/token", justify="right")
-        t.add_column("simulated ms/token", justify="right")
-        t.add_column("std. error", justify="right")
-        t.add_column("rel. diff", justify="right")
-        t.add_row(_chain(pl.hierarchy, pl.budgets), _ms(r.predicted), _ms(r.latency), _ms(r.stderr),
-                  f"{100 * r.rel_diff:+.2f}%")
-        console.print(t)
-        if abs(pl.expected_latency / r.predicted - 1) > 1e-6:
-            warn(f"{plan}: expected_latency {pl.expected_latency:.6g} differs from the profile's model "
-                 f"{r.predicted:.6g} (plan solved from another profile?)")
+    if rounds < 1:
+        raise HsdError(f"--rounds: expected an integer >= 1, got {rounds}")
+    prof, warnings = load_profile(profile)
+    warn_some(warnings)
+    pl = load_plan(plan)
+    _check_plan_against_profile(pl, str(plan), prof)
+    r = simulate(prof, pl, rounds=rounds, seed=seed)
+    t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed})")
+    t.add_column("hierarchy")
+    t.add_column("predicted ms/token", justify="right")
+    t.add_column("simulated ms/token", justify="right")
+    t.add_column("std. error", justify="right")
+    t.add_column("rel. diff", justify="right")
+    t.add_row(_chain(pl.hierarchy, pl.budgets), _ms(r.predicted), _ms(r.latency), _ms(r.stderr),
+              f"{100 * r.rel_diff:+.2f}%")
+    console.print(t)
+    if abs(pl.expected_latency / r.predicted - 1) > 1e-6:
+        warn(f"{plan}: expected_latency {pl.expected_latency:.6g} differs from the profile's model "
+             f"{r.predicted:.6g} (plan solved from another profile?)")

@@ -1,0 +1,49 @@
+"""The terminal output every layer shares: one console for results (stdout), one for messages (stderr).
+
+Commands print results on :data:`console`; progress, warnings and errors go to :data:`err_console`, so that
+piping a command's output keeps only the results. Lower layers (profiler, runtime, heads) never print on their
+own: they take ``log``/``warn`` callbacks, and :func:`progress_bar` when they show progress.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """Print ``warning: message`` on stderr."""
+    err_console.print(f"[yellow]warning:[/] {message}", markup=True)
+
+
+def warn_some(messages: list[str], limit: int = 5) -> None:
+    """:func:`warn` the first ``limit`` of ``messages`` and how many more there were."""
+    for m in messages[:limit]:
+        warn(m)
+    if len(messages) > limit:
+        warn(f"... and {len(messages) - limit} more like these")
+
+
+def error(message: str) -> None:
+    """Print ``error: message`` on stderr (the one line a usage error gets)."""
+    err_console.print(f"[bold red]error:[/] {message}", markup=True)
+
+
+def progress_bar(transient: bool = False):
+    """A started :class:`rich.progress.Progress` on stderr with a bar, count, elapsed time and ETA; call
+    ``.stop()`` when done."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=transient)
+    p.start()
+    return p
