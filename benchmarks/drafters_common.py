@@ -47,12 +47,13 @@ def prompts(path: Path = ROOT / "data" / "prompts.jsonl", per_task: int | None =
 
 
 def encode_prompt(tok, text: str) -> list[int]:
+    """The chat-template ids of ``text`` (:func:`hsd_opt.prompts.encode_prompt`); bytes mod 512 without a
+    tokenizer (the random stand-in model)."""
     if tok is None:
         return [int(b) % 512 for b in text.encode()][:64]
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    from hsd_opt.prompts import encode_prompt as encode
+
+    return encode(tok, text)
 
 
 def greedy_generations(model, tok, max_new_tokens: int = 64, cache: Path | None = None,

@@ -1,4 +1,4 @@
-"""Benchmark (issue 4): trained exit heads on SmolLM2-135M on this CPU.
+"""Benchmark: trained exit heads on SmolLM2-135M on this CPU.
 
 Trains affine translator heads for every layer 1..29 on the target's own continuations of the prompt suite,
 reports held-out acceptance (sum_x min(p_exit, p_final)) and greedy agreement vs the final layer before
@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hsd_opt.engine.layered import LayeredLM  # noqa: E402
-from hsd_opt.heads import (generate_training_sequences, load_heads, load_prompts, parse_layers,  # noqa: E402
-                           save_heads, train_heads)
+from hsd_opt.heads import generate_training_sequences, load_heads, parse_layers, save_heads, train_heads  # noqa: E402
 from hsd_opt.heads.data import split_indices  # noqa: E402
 from hsd_opt.heads.modules import RawHead, TranslatorHead  # noqa: E402
 from hsd_opt.jsonio import write_json  # noqa: E402
 from hsd_opt.models.loading import load_model  # noqa: E402
+from hsd_opt.prompts import load_prompts  # noqa: E402
 
 
 @torch.no_grad()
@@ -81,7 +81,7 @@ def main() -> None:
     m = loaded.model
     n_layers = m.config.num_hidden_layers
     layers = parse_layers(args.layers, n_layers)
-    prompts = load_prompts(None)
+    prompts = load_prompts(None).texts
     t0 = time.time()
     seqs, plens = generate_training_sequences(loaded, prompts, tokens=args.tokens, with_prompt_lens=True)
     gen_s = time.time() - t0

@@ -1,4 +1,4 @@
-"""Runtime benchmark (issue 5): `hsd bench` on the embedded SmolLM2-135M with a solved plan, plus extra
+"""Runtime benchmark: `hsd bench` on the embedded SmolLM2-135M with a solved plan, plus extra
 hierarchies from the same plan's pool (its ranked alternatives), written to benchmarks/results/.
 
     .venv/bin/python benchmarks/runtime_bench.py --plan plan.json --limit 4 --max-new-tokens 32 [--alternatives 3]
@@ -40,8 +40,9 @@ def main() -> None:
 
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import load_prompts
     from hsd_opt.runtime.bench import plot_report, run_bench
-    from hsd_opt.runtime.runner import check_provenance, load_prompts
+    from hsd_opt.runtime.runner import check_provenance
 
     load = os.getloadavg()
     torch.set_num_threads(a.threads or (1 if load[0] > 2 else 2))
@@ -56,19 +57,19 @@ def main() -> None:
         name, rest = spec.split("=", 1)
         h, _, b = rest.partition(":")
         extra[name] = (h.split(","), [int(x) for x in b.split(",") if x])
-    rows = load_prompts(a.prompts)
+    rows = load_prompts(a.prompts).items
     if a.per_task:
         seen: dict[str, int] = {}
         picked = []
         for r in rows:
-            t = r.get("task", "?")
+            t = r.task
             if seen.get(t, 0) < a.per_task:
                 seen[t] = seen.get(t, 0) + 1
                 picked.append(r)
         rows = picked
     else:
         rows = rows[: a.limit]
-    texts = [d["prompt"] for d in rows]
+    texts = [r.prompt for r in rows]
     t0 = time.time()
     rep = run_bench(plan, loaded, texts, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
     rep["wall_seconds"] = time.time() - t0

@@ -11,20 +11,12 @@ import hashlib
 import json
 import math
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from hsd_opt.profiler.prompts import encode_prompt
-from hsd_opt.profiler.prompts import load_prompts as _load_prompt_items
 from hsd_opt.jsonio import read_json, write_json
-
-def load_prompts(path: str | Path | None = None) -> list[str]:
-    """Prompt texts of a JSON-lines suite (the packaged default suite when ``path`` is None); validation and
-    errors are :func:`hsd_opt.profiler.prompts.load_prompts`'s."""
-    items, _, _ = _load_prompt_items(path)
-    return [it.prompt for it in items]
+from hsd_opt.prompts import encode_prompt
 
 
 def sequences_sha256(seqs: Sequence[Sequence[int]]) -> str:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.heads.modules import KINDS, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
+from hsd_opt.models.loading import unwrap_model
 
 FORMAT = "hsd-heads/1"
 META_KEY = "hsd_heads"
@@ -34,13 +34,6 @@ class HeadsModelMismatch(HsdError):
         super().__init__(f"{path}: {field}: {message}")
 
 
-def _unwrap(model) -> tuple[Any, str | None, str | None]:
-    """Accept a ``LoadedModel`` or a bare ``transformers`` model -> (model, model_id, revision)."""
-    if hasattr(model, "model") and hasattr(model, "model_id") and hasattr(model, "tokenizer"):
-        return model.model, model.model_id, model.revision
-    return model, None, None
-
-
 def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, model_id: str | None = None,
                revision: str | None = None, training_data_sha256: str = "", train: dict | None = None) -> dict:
     """Write ``heads`` (boundary -> head, all of one kind) atomically to ``path``; return the header."""
@@ -48,7 +41,7 @@ def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, mod
 
     from hsd_opt import __version__
 
-    m, mid, rev = _unwrap(model)
+    m, mid, rev = unwrap_model(model)
     model_id = model_id if model_id is not None else (mid or getattr(m.config, "_name_or_path", "") or "")
     revision = revision if revision is not None else (rev or "")
     if not heads:
@@ -103,8 +96,8 @@ def read_heads_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     except json.JSONDecodeError as e:
         raise InputFileError(str(p), f"malformed JSON header: {e.msg}", META_KEY) from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise InputFileError(str(p), f"expected format {FORMAT!r}, got {header.get('format') if isinstance(header, dict) else header!r}",
-                             "format")
+        got = header.get("format") if isinstance(header, dict) else header
+        raise InputFileError(str(p), f"expected format {FORMAT!r}, got {got!r}", "format")
     for key in ("hidden_size", "vocab_size", "n_layers", "layers", "kind"):
         if key not in header:
             raise InputFileError(str(p), "missing from the header", key)
@@ -122,7 +115,7 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
     and revision. A missing or corrupt file raises :class:`InputFileError`.
     """
     tensors, header = read_heads_file(path)
-    m, mid, rev = _unwrap(model)
+    m, mid, rev = unwrap_model(model)
     expected_model_id = expected_model_id if expected_model_id is not None else mid
     expected_revision = expected_revision if expected_revision is not None else rev
     p = str(path)

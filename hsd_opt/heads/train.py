@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.heads.data import sequences_sha256, split_indices
-from hsd_opt.heads.io import _unwrap
 from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
+from hsd_opt.models.loading import unwrap_model
 
 
 @dataclass
@@ -100,7 +100,7 @@ def evaluate_heads(model, heads: Mapping[int, Callable], sequences: Sequence[Seq
     ``argmax q == argmax p``, and KL(p || q) (for a head with ``-inf`` logits — a reduced vocabulary — the KL to
     ``p`` renormalised on the head's support). Returns boundary -> means over positions.
     """
-    m, _, _ = _unwrap(model)
+    m, _, _ = unwrap_model(model)
     lm = LayeredLM(m)
     layers = sorted(heads)
     n = lm.n_layers
@@ -192,7 +192,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     """
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    m, _, _ = _unwrap(model)
+    m, _, _ = unwrap_model(model)
     lm = LayeredLM(m)
     layers = sorted(set(int(b) for b in layers))
     for b in layers:
@@ -234,8 +234,14 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
 
 def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
            checkpoint_every, evaluate, progress, say) -> TrainResult:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     n = lm.n_layers
     V = lm.vocab_size

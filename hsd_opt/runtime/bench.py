@@ -18,8 +18,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hsd_opt.prompts import encode_prompt
 from hsd_opt.runtime.decode import LevelStats, add_levels
-from hsd_opt.runtime.runner import encode_prompt, eos_ids, hsd_for_plan
+from hsd_opt.runtime.runner import eos_ids, hsd_for_plan
 
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd")
 

@@ -1,5 +1,5 @@
-"""Hierarchical Speculative Decoding (seed 003, Algorithm 1) with speculative-sampling verification
-(Algorithm 2, Leviathan et al.) at every level, over our layered engine.
+"""Hierarchical Speculative Decoding (HSD paper, arXiv 2510.19705, Algorithm 1) with speculative-sampling
+verification (its Algorithm 2; Leviathan et al.) at every level, over our layered engine.
 
 A hierarchy is a list of :class:`Level` s, cheapest (bottom) first, target last:
 
@@ -14,12 +14,12 @@ at any level crops every cache back to the accepted length. A model level verify
 ``advance(state, boundary)``, which only runs the layers (and positions) not yet computed: an exit at ``b``
 verifying drafts of an exit at ``a < b`` of the same model runs layers ``a .. b-1`` on them, nothing twice.
 
-Semantics (DESIGN.md section 3): the bottom level drafts exactly ``T_0`` tokens per call, autoregressively;
-an intermediate level ``i`` keeps requesting blocks from below and verifying them until it holds ``>= T_i``
-verified tokens, then hands up EXACTLY ``T_i`` (``mode="exact"``; surplus tokens are dropped and caches
-cropped) or all of them (``mode="eager"``); the target verifies one block per round. Fewer tokens are handed
-up only at EOS or at the ``max_new_tokens`` limit, which every level respects (nothing is produced past EOS
-or past the limit).
+Semantics (``docs/design.md#levels-and-the-recursion``): the bottom level drafts exactly ``T_0`` tokens per call,
+autoregressively; an intermediate level ``i`` keeps requesting blocks from below and verifying them until it holds
+``>= T_i`` verified tokens, then hands up EXACTLY ``T_i`` (``mode="exact"``; surplus tokens are dropped and caches
+cropped) or all of them (``mode="eager"``); the target verifies one block per round. Fewer tokens are handed up only
+at EOS or at the ``max_new_tokens`` limit, which every level respects (nothing is produced past EOS or past the
+limit).
 
 Greedy (``temperature == 0``): a draft is accepted while it equals the verifier's argmax; then the verifier's
 argmax is appended. Sampling: each level's ``p`` is its own processed distribution (temperature, then top-p,

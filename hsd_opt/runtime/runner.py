@@ -1,26 +1,22 @@
-"""From a plan to a running hierarchy: load the model the plan was solved for, build its levels, encode prompts.
+"""From a plan to a running hierarchy: check the model the plan was solved for, build its levels.
 
-A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries
-for them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``).
-Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM
-of the same tokenizer), ``quantized`` (``quantization``: a weight-quantized copy of the target, rebuilt here with
-:class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``, ... with ``config``,
-rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted when every name
-is ``layer<N>`` (the profiler's naming).
+A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries for
+them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``). Entry
+kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM of the
+same tokenizer), ``quantized`` (``quantization``: a weight-quantized copy of the target, rebuilt here with
+:class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``,
+... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted
+when every name is ``layer<N>`` (the profiler's naming).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import weakref
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
-from hsd_opt.profiler.prompts import encode_prompt  # noqa: F401  (re-exported)
-from hsd_opt.profiler.prompts import load_prompts as _load_prompt_items
 from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.runtime.decode import HSD, Level
 
 MODEL_KINDS = ("target", "early_exit")
@@ -121,7 +117,7 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
 
 
 #: model -> {(bits, group_size, head_bits): QuantizedLM}: one quantized copy per model and setting per process
-#: (bench builds several hierarchies from one plan; quantizing SmolLM2-135M takes ~5 s).
+#: (bench builds several hierarchies from one plan, and quantizing takes seconds).
 _QUANTIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -174,14 +170,6 @@ def hsd_for_plan(plan, loaded, lm=None, mode: str = "exact", source: str = "plan
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
     levels = build_levels(plan, loaded, lm=lm, source=source)
     return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
-
-
-def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Read a JSON-lines prompt file as ``[{"prompt": ..., "task": ...}]`` (first ``limit`` rows); validation
-    and errors (naming the file and line) are :func:`hsd_opt.profiler.prompts.load_prompts`'s."""
-    items, _, _ = _load_prompt_items(path)
-    rows = [{"prompt": it.prompt, "task": it.task} for it in items]
-    return rows[:limit] if limit else rows
 
 
 def predicted_latency(plan, hierarchy: Sequence[str]) -> float | None:

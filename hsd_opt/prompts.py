@@ -1,8 +1,10 @@
-"""Prompt suites for profiling: JSON lines ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``.
+"""Prompt files: reading and validating them, and turning a prompt into token ids.
 
-The default suite ships inside the package (``hsd_opt/data/prompts.jsonl``, read with importlib.resources);
-``data/prompts.jsonl`` in the repository is the same file. ``task`` is optional (``"other"`` when absent) and
-is only used to report acceptance per task type.
+A prompt file is JSON lines ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``; ``task`` is
+optional (``"other"`` when absent) and groups the reports per task type. The project's own suite ships inside the
+package (``hsd_opt/data/prompts.jsonl``, read with importlib.resources; ``data/prompts.jsonl`` in the repository
+is a link to it), so every command finds it from any directory. The profiler, the runtime, the benchmarks and
+the heads trainer all read prompts through this module.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import read_bytes
@@ -29,16 +31,33 @@ class PromptItem:
     task: str
 
 
+@dataclass(frozen=True)
+class PromptSuite:
+    """A validated prompt file: its ``items`` in file order, the SHA-256 of the file's bytes (what profiles
+    record to tell suites apart) and ``source``, the name messages use for it."""
+
+    items: list[PromptItem]
+    sha256: str
+    source: str
+
+    @property
+    def texts(self) -> list[str]:
+        return [it.prompt for it in self.items]
+
+    @property
+    def tasks(self) -> list[str]:
+        """Task types of the suite, sorted (a fixed order for per-task statistics)."""
+        return sorted({it.task for it in self.items})
+
+
 def default_prompts_path() -> Path:
     """Path of the suite shipped in the package (``hsd_opt/data/prompts.jsonl``)."""
     ref = resources.files("hsd_opt").joinpath("data", DEFAULT_SUITE)
     return Path(str(ref))
 
 
-def load_prompts(path: str | Path | None = None) -> tuple[list[PromptItem], str, str]:
-    """Read and validate a prompt file; ``None`` means the default suite.
-
-    Returns ``(items, sha256_of_file_bytes, source_name)``.
+def load_prompts(path: str | Path | None = None) -> PromptSuite:
+    """Read and validate a prompt file; ``None`` means the suite shipped in the package.
 
     Raises:
         InputFileError: missing or empty file, a malformed line, a line without a non-empty string ``prompt``,
@@ -75,8 +94,9 @@ def load_prompts(path: str | Path | None = None) -> tuple[list[PromptItem], str,
             raise InputFileError(str(p), f'"task" must be a non-empty string, got {task!r}', where)
         items.append(PromptItem(len(items), prompt, task))
     if not items:
-        raise InputFileError(str(p), 'empty prompt file: no prompts (expected JSON lines {"prompt": "...", "task": "..."})')
-    return items, hashlib.sha256(raw).hexdigest(), source
+        raise InputFileError(str(p), 'empty prompt file: no prompts (expected JSON lines {"prompt": "...", '
+                                     '"task": "..."})')
+    return PromptSuite(items, hashlib.sha256(raw).hexdigest(), source)
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
@@ -98,8 +118,3 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     if not ids:
         raise HsdError("empty prompt: it encodes to no tokens")
     return ids
-
-
-def task_names(items: Sequence[PromptItem]) -> list[str]:
-    """Task types of a suite, sorted (a fixed order for per-task statistics)."""
-    return sorted({it.task for it in items})
