@@ -198,7 +198,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
 
     # 3. the whole model over t tokens, measured directly for every t: its cost curve (what a verify pass of the
     #    target or of another model costs) and a check of the per-layer model. Summed per-layer medians miss
-    #    effects of the whole pass (cache traffic between layers): up to ~20% at t = 16 for SmolLM2 on a CPU.
+    #    effects of the whole pass (cache traffic between layers), most of all on long passes.
     if check:
         ft: list[list[float]] = [[] for _ in range(tmax1)]
         for r in range(warmup + max(2 * repeats, curve_repeats, 3)):
@@ -206,7 +206,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                 for _ in range(2):                         # a pass of the same size first, untimed: a drafter's
                     eng.append(st, ctx[n0:n0 + t])         # passes come in runs of one size (its budget, or
                     t0 = _now()                            # T_below + 1 when it verifies); right after a long
-                    eng.advance(st, n_layers)              # pass, t = 1 measured ~15% slow here
+                    eng.advance(st, n_layers)              # pass, a short pass measures slow
                     eng.logits(st, n_layers, n0, n0 + t)
                     dt = _now() - t0
                     eng.crop(st, n0)

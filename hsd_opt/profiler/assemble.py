@@ -1,0 +1,161 @@
+"""Turning the measured sums into an ``hsd-profile/1`` :class:`~hsd_opt.formats.Profile`, and merging
+profiles of the same model exactly (see ``docs/design.md#the-profiler`` and ``docs/design.md#hsd-profile1``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import ModelEntry, Profile
+from hsd_opt.profiler.pool import NeuralDrafter
+from hsd_opt.profiler.stats import PairStats
+
+#: Settings profiles must share to be merged.
+MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "max_new_tokens", "raw", "dtype", "layers",
+                "draft_models", "quantized", "token_drafters")
+
+
+def draft_rate(stats: PairStats, token: str) -> float:
+    """Share of the positions where token drafter ``token`` proposed (1 for a drafter that never abstains; a
+    floor of 1e-6 for one that never proposed, whose acceptance is then not measured)."""
+    calls = stats.counters.get(f"propose_calls.{token}", 0.0)
+    if calls <= 0:
+        return 1.0
+    return min(1.0, max(1e-6, stats.proposals(token) / calls))
+
+
+def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool],
+                       target: str) -> dict[str, Any]:
+    """acceptance / greedy_agreement / counts / ci95 / acceptance_by_task for ``drafter`` before ``verifier`` in
+    ``order`` (cheapest first) where the verifier can verify.
+
+    The target verifies every drafter and drafts for none, wherever its measured cost puts it in ``order``: on a
+    tiny or loaded machine a drafter can time dearer than the target, and its pair with the target must still be
+    recorded (the solver then leaves that drafter out by cost)."""
+    order = [n for n in order if n != target] + [target]
+    acc: dict[str, dict[str, float]] = {}
+    agr: dict[str, dict[str, float]] = {}
+    cnt: dict[str, dict[str, int]] = {}
+    ci: dict[str, dict[str, list[float]]] = {}
+    by_task: dict[str, dict[str, dict[str, float]]] = {t: {} for t in stats.tasks}
+    for i, d in enumerate(order):
+        for v in order[i + 1:]:
+            if not can_verify.get(v, False):
+                continue
+            a = stats.acceptance(d, v)
+            if a is None:
+                continue
+            acc.setdefault(d, {})[v] = a
+            agr.setdefault(d, {})[v] = stats.agreement(d, v)
+            cnt.setdefault(d, {})[v] = stats.n(d, v)
+            ci.setdefault(d, {})[v] = stats.ci95(d, v)
+            for t in stats.tasks:
+                at = stats.acceptance(d, v, t)
+                if at is not None:
+                    by_task[t].setdefault(d, {})[v] = at
+    return {"acceptance": acc, "greedy_agreement": agr, "counts": cnt, "ci95": ci,
+            "acceptance_by_task": {t: v for t, v in by_task.items() if v}}
+
+
+def quantization_entry(qeng) -> dict[str, Any]:
+    """The ``quantization`` field of a quantized drafter's profile entry (what the runtime rebuilds it from)."""
+    return {"bits": qeng.bits, "group_size": qeng.group_size, "head_bits": qeng.head_bits,
+            "packed_kernels": qeng.packed, "activation_dtype": str(qeng.dtype).replace("torch.", ""),
+            "weight_bytes": qeng.weight_bytes()}
+
+
+def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
+                  target_name: str) -> Profile:
+    tmax1 = tmax + 1
+    entries: list[ModelEntry] = []
+    cost_curve: dict[str, list[float]] = {}
+    verify_cost: dict[str, dict[str, list[float]]] = {}
+    for nd in neural:
+        lc = lcs[id(nd.engine)]
+        extra: dict[str, Any] = {}
+        if nd.kind == "model":
+            extra["model"] = nd.model_id
+        if nd.kind == "quantized":
+            extra["quantization"] = quantization_entry(nd.engine)
+        if nd.boundary in lc.step:
+            extra["step_measured"] = lc.step[nd.boundary]
+        entries.append(ModelEntry(nd.name, nd.kind, max(lc.step_cost(nd.boundary), 1e-9), True,
+                                  nd.boundary if nd.kind not in ("model", "quantized") else None, extra))
+        cost_curve[nd.name] = [max(x, 1e-9) for x in lc.curve(nd.boundary, tmax1)]
+    for nv in neural:
+        for nd in neural:
+            if nd.engine is nv.engine and nd.boundary < nv.boundary:
+                verify_cost.setdefault(nv.name, {})[nd.name] = [
+                    max(x, 1e-9) for x in lcs[id(nv.engine)].verify_curve(nd.boundary, nv.boundary, tmax1)]
+    for d in tds:
+        calls = stats.counters.get(f"propose_calls.{d.name}", 0.0)
+        secs = stats.counters.get(f"propose_seconds.{d.name}", 0.0)
+        c = secs / calls if calls > 0 else 1e-6
+        entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()},
+                                  draft_rate(stats, d.name)))
+    rank = {nd.name: (0, nd.boundary) for nd in neural}
+    entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
+    order = [e.name for e in entries]
+    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
+    extra = {k: v for k, v in res.items() if k != "acceptance"}
+    extra["stats"] = stats.to_dict()
+    return Profile(target_name, entries, res["acceptance"], verify_cost, cost_curve, extra)
+
+
+def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> Profile:
+    """Combine profiles of the same model and settings exactly: the raw sums (``stats``) are added and every
+    rate is recomputed. Costs, cost curves and verify costs are the FIRST profile's (costs are measurements of
+    one machine, not sums; profile costs on the machine you will run on)."""
+    from hsd_opt.formats import load_profile
+
+    warn = warn or (lambda s: None)
+    if len(paths) < 2:
+        raise HsdError("hsd profile merge: give at least two profiles")
+    profs = []
+    for p in paths:
+        prof, _ = load_profile(p)
+        if "stats" not in prof.extra:
+            raise InputFileError(str(p), "has no raw statistics (made by another tool?); cannot merge exactly",
+                                 "stats")
+        profs.append((Path(p), prof))
+    p0, first = profs[0]
+    prov0 = first.extra.get("provenance", {})
+    stats = PairStats.from_dict(first.extra["stats"])
+    seen = {(prov0.get("prompts_sha256"), str(prov0.get("shard")))}
+    prompt_sets = [prov0.get("prompts_sha256")]
+    for p, prof in profs[1:]:
+        prov = prof.extra.get("provenance", {})
+        for f in MERGE_FIELDS:
+            if prov.get(f) != prov0.get(f):
+                raise InputFileError(str(p), f"cannot merge: {f} = {prov.get(f)!r} but {p0} has {prov0.get(f)!r}",
+                                     f"provenance.{f}")
+        if prof.target != first.target:
+            raise InputFileError(str(p), f"cannot merge: target {prof.target!r} but {p0} has {first.target!r}",
+                                 "target")
+        s = PairStats.from_dict(prof.extra["stats"])
+        if s.neural + s.token != stats.neural + stats.token:
+            raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
+                                         f"{stats.neural + stats.token}", "stats")
+        key = (prov.get("prompts_sha256"), str(prov.get("shard")))
+        if key in seen and prov.get("world_size", 1) == 1:
+            warn(f"{p}: same prompt set and shard as an earlier profile: its positions are counted twice")
+        seen.add(key)
+        prompt_sets.append(prov.get("prompts_sha256"))
+        stats = stats.merge(s)
+    entries = [replace(e, draft_rate=draft_rate(stats, e.name)) if e.name in stats.token else e
+               for e in first.models]
+    order = [e.name for e in entries]
+    res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
+    extra = dict(first.extra)
+    extra.update({k: v for k, v in res.items() if k != "acceptance"})
+    extra["stats"] = stats.to_dict()
+    prov = dict(prov0)
+    prov.update({"merged_from": [str(p) for p, _ in profs], "prompts_sha256_list": prompt_sets,
+                 "prompt_count": int(stats.counters.get("prompts", 0)),
+                 "prompt_tokens": int(stats.counters.get("prompt_tokens", 0)),
+                 "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
+                 "costs_from": str(p0)})
+    extra["provenance"] = prov
+    return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra)

@@ -1,0 +1,75 @@
+"""The profiler's checkpoint: after every prompt, the statistics so far go atomically to
+``<out>.partial.json`` (per rank under torchrun: ``<out>.partial.rank<r>.json``), so an interrupted run loses
+nothing and ``--resume`` continues it. A checkpoint made with other settings is refused, naming the setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.jsonio import read_json, write_json
+from hsd_opt.profiler.stats import PairStats
+
+PARTIAL_FORMAT = "hsd-profile-partial/1"
+#: Settings a checkpoint must share with the run that resumes it.
+RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "max_new_tokens", "raw",
+                 "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard", "max_prompts",
+                 "world_size")
+
+
+def partial_path(out: Path, rank: int, world: int) -> Path:
+    """Where the checkpoint of ``out`` goes for this rank."""
+    return out.with_name(out.name + (".partial.json" if world == 1 else f".partial.rank{rank}.json"))
+
+
+@dataclass
+class Checkpoint:
+    """The resumable state of one rank: the settings, the statistics, the prompts done (indices into the suite)
+    and the target's continuations (prompt index as a string -> token ids)."""
+
+    path: Path
+    settings: dict[str, Any]
+    stats: PairStats
+    rank: int = 0
+    world: int = 1
+    done: list[int] = field(default_factory=list)
+    continuations: dict[str, list[int]] = field(default_factory=dict)
+
+    def save(self) -> None:
+        write_json(self.path, {"format": PARTIAL_FORMAT, "settings": self.settings, "rank": self.rank,
+                               "world_size": self.world, "done": self.done, "continuations": self.continuations,
+                               "stats": self.stats.to_dict()}, indent=None)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank: int, world: int, resume: bool,
+                    log: Callable[[str], None], warn: Callable[[str], None]) -> Checkpoint:
+    """A fresh checkpoint at ``path``, or with ``resume`` the one found there (its settings must equal
+    ``settings`` in every :data:`RESUME_FIELDS`). Without ``resume``, an existing checkpoint is refused rather
+    than overwritten."""
+    ck = Checkpoint(path, settings, stats, rank, world)
+    if resume and path.exists():
+        d = read_json(path)
+        if not isinstance(d, dict) or d.get("format") != PARTIAL_FORMAT:
+            raise InputFileError(str(path), f"not a profiler checkpoint (expected format {PARTIAL_FORMAT!r})",
+                                 "format")
+        theirs = d.get("settings", {})
+        for f in RESUME_FIELDS:
+            if theirs.get(f) != settings.get(f):
+                raise InputFileError(str(path), f"this checkpoint was made with {f} = {theirs.get(f)!r}, this run "
+                                                f"has {settings.get(f)!r}; rerun without --resume (or delete it) "
+                                                f"to start over", f"settings.{f}")
+        ck.stats = PairStats.from_dict(d["stats"])
+        ck.done = [int(x) for x in d.get("done", [])]
+        ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}
+        log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
+    elif resume:
+        warn(f"--resume: no checkpoint at {path}; starting from the beginning")
+    elif path.exists():
+        raise HsdError(f"{path}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
+                       f"delete it to start over")
+    return ck

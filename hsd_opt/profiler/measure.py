@@ -1,0 +1,165 @@
+"""What the profiler measures on one prompt: the target's continuation and every drafter's distribution at
+every generated position, reduced to per-position acceptance and greedy agreement for every pair.
+
+For each prompt of the suite:
+
+1. the target generates a continuation with its own layered engine (greedy at ``temperature == 0``, else
+   sampling from ``softmax(logits / T)`` with a seeded generator), stopping at EOS or ``max_new_tokens``;
+2. ONE teacher-forced pass over prompt + continuation keeps the residual stream at every exit boundary
+   (:meth:`LayeredLM.hidden_states`); draft models and quantized copies run their own pass;
+3. in chunks of ``chunk`` positions, each drafter's next-token distribution at every generated position is
+   computed (exit head -> ``softmax(logits / T)``; at ``T == 0`` the plain ``softmax(logits)`` is used for the
+   acceptance and ``argmax`` for greedy agreement), and for every pair the per-position
+   ``sum_x min(p_i(x), p_j(x))`` and argmax agreement are computed. Only ``[N, chunk, V]`` probabilities exist at
+   a time; nothing vocab-sized is kept across chunks;
+4. token drafters propose one token at every generated position from the true context (``reset`` with the
+   prompt, ``observe`` fed the true continuation as it goes, as at run time); their acceptance against
+   verifier j is ``p_j(proposal)`` and agreement is ``proposal == argmax p_j``.
+
+See ``docs/design.md#acceptance-statistics``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hsd_opt.profiler.pool import NeuralDrafter
+
+
+@torch.no_grad()
+def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, eos: set[int],
+             generator: torch.Generator | None = None) -> list[int]:
+    """The target's continuation of ``prompt_ids`` (greedy at T = 0), up to and including an EOS token."""
+    n = eng.n_layers
+    st = eng.new_state(len(prompt_ids) + max_new_tokens + 1)
+    eng.append(st, list(prompt_ids))
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        eng.advance(st, n)
+        logits = eng.logits(st, n, st.n - 1, st.n)[0]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, -1)
+            tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        else:
+            tok = int(torch.argmax(logits))
+        out.append(tok)
+        if tok in eos:
+            break
+        eng.append(st, [tok])
+    return out
+
+
+def exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Float32 logits ``[m, V]`` of every drafter at ``rows``. Exits that share their model's own final norm +
+    LM head are computed in ONE matmul over all their rows (the LM head's weights are read once instead of once
+    per exit); trained exit heads are applied one by one."""
+    out: list[torch.Tensor | None] = [None] * len(neural)
+    groups: dict[int, list[int]] = {}
+    for k, nd in enumerate(neural):
+        if nd.boundary in nd.engine.exit_heads:
+            h = hidden[id(nd.engine)][nd.boundary][rows.to(nd.engine.device)]
+            out[k] = nd.engine.head(h, nd.boundary)
+        else:
+            groups.setdefault(id(nd.engine), []).append(k)
+    for ks in groups.values():
+        eng = neural[ks[0]].engine
+        hs = torch.cat([hidden[id(eng)][neural[k].boundary][rows.to(eng.device)] for k in ks])
+        lg = eng.lm_head(eng.norm(hs)).float()
+        m = rows.numel()
+        for n, k in enumerate(ks):
+            out[k] = lg[n * m:(n + 1) * m]
+    return out  # type: ignore[return-value]
+
+
+def pairwise_overlap(P: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """``out[i, j, p] = sum_x min(P[i, p, x], P[j, p, x])`` for ``i < j`` (zeros elsewhere); ``P`` is ``[N, m, V]``.
+
+    Computed in vocabulary blocks of ``block`` columns into a reused buffer, so the ``[N, m, block]`` temporaries
+    stay in cache (the sum is the same up to float32 summation order)."""
+    N, m, V = P.shape
+    out = torch.zeros(N, N, m, dtype=torch.float32, device=P.device)
+    if N < 2:
+        return out
+    buf = torch.empty(N - 1, m, min(block, V), dtype=P.dtype, device=P.device)
+    for v0 in range(0, V, block):
+        Pb = P[:, :, v0:v0 + block].contiguous()
+        b = Pb.shape[-1]
+        for i in range(N - 1):
+            o = buf[: N - i - 1, :, :b]
+            torch.minimum(Pb[i:i + 1], Pb[i + 1:], out=o)
+            out[i, i + 1:] += o.sum(-1, dtype=torch.float32)
+    return out
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+
+
+@torch.no_grad()
+def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, prompt_ids: Sequence[int],
+                     continuation: Sequence[int], temperature: float, chunk: int = 16):
+    """Per-position statistics of one prompt + continuation (see the module doc).
+
+    Returns ``(acc_nn [N, N, G], agree_nn [N, N, G], acc_tn [T, N, G], agree_tn [T, N, G], propose_seconds[T])``
+    as numpy arrays (``i < j`` filled for the neural ones), ``G = len(continuation)``; ``acc_tn`` is NaN (and
+    ``agree_tn`` False) at positions where a token drafter abstained.
+    """
+    P, G = len(prompt_ids), len(continuation)
+    full = list(prompt_ids) + list(continuation)
+    N, T = len(neural), len(token_drafters)
+    acc_nn = np.zeros((N, N, G), dtype=np.float64)
+    agr_nn = np.zeros((N, N, G), dtype=bool)
+    acc_tn = np.zeros((T, N, G), dtype=np.float64)
+    agr_tn = np.zeros((T, N, G), dtype=bool)
+    secs = np.zeros(T)
+    if G == 0:
+        return acc_nn, agr_nn, acc_tn, agr_tn, secs
+
+    # token drafters: one proposal per generated position from the true context, observing the truth
+    props = np.zeros((T, G), dtype=np.int64)
+    for ti, d in enumerate(token_drafters):
+        d.reset(full[:P])
+        for g in range(G):
+            ctx = full[:P + g]
+            t0 = time.perf_counter()
+            prop = d.propose(ctx, 1)
+            secs[ti] += time.perf_counter() - t0
+            props[ti, g] = int(prop[0]) if prop else -1      # -1: it abstained (NaN in acc_tn)
+            d.observe(ctx, [full[P + g]])
+
+    # one teacher-forced pass per engine, residual streams at every exit boundary
+    inp = full[:-1]
+    hidden: dict[int, dict[int, torch.Tensor]] = {}
+    engines = {}
+    for nd in neural:
+        engines.setdefault(id(nd.engine), (nd.engine, set()))[1].add(nd.boundary)
+    for key, (eng, bs) in engines.items():
+        hidden[key] = eng.hidden_states(inp, bs)
+    rows = torch.arange(P - 1, P - 1 + G)
+    for c0 in range(0, G, chunk):
+        r = rows[c0:c0 + chunk]
+        m = r.numel()
+        probs, am = [], []
+        for lg in exit_logits(neural, hidden, r):
+            am.append(lg.argmax(-1).cpu())
+            probs.append(_probs(lg, temperature).cpu())
+        Pm = torch.stack(probs)                     # [N, m, V]
+        A = torch.stack(am)                         # [N, m]
+        acc_nn[:, :, c0:c0 + m] = pairwise_overlap(Pm).double().numpy()
+        agr_nn[:, :, c0:c0 + m] = (A[:, None, :] == A[None, :, :]).numpy()
+        if T:
+            pr = torch.as_tensor(props[:, c0:c0 + m])                      # [T, m]
+            idx = torch.arange(m)
+            for ti in range(T):
+                made = pr[ti] >= 0
+                y = pr[ti].clamp(min=0)
+                acc = Pm[:, idx, y].double()
+                acc[:, ~made] = float("nan")
+                acc_tn[ti, :, c0:c0 + m] = acc.numpy()
+                agr_tn[ti, :, c0:c0 + m] = ((A == y[None, :]) & made[None, :]).numpy()
+        del Pm
+    return acc_nn, agr_nn, acc_tn, agr_tn, secs

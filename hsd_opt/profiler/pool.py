@@ -1,0 +1,220 @@
+"""The drafter pool a profile measures: exits of the target, draft models, quantized copies, token drafters.
+
+Neural drafters (anything with a next-token distribution) are :class:`NeuralDrafter` s: an exit ``boundary`` of
+a :class:`~hsd_opt.engine.layered.LayeredLM` (the target's, a draft model's or a quantized copy's). Token
+drafters (:class:`~hsd_opt.drafters.base.TokenDrafter`) only propose; they are built by name here. See
+``docs/design.md#the-profiler``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.profiler.dist import all_gather
+from hsd_opt.prompts import PromptItem, encode_prompt
+
+#: Token drafters a profile includes by default (``bigram`` only once its table is cached).
+DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
+#: Token drafters ``--token-drafters`` accepts.
+KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the target's last layer n is always added).
+    Boundaries count decoder layers run (layer b = the residual stream after b layers)."""
+    from hsd_opt.engine.layered import parse_layer_spec
+
+    note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
+    return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
+
+
+def short_name(model_id: str, taken: set[str]) -> str:
+    """A profile name for a draft model: the last part of its id or path, made unique against ``taken``."""
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model_id.rstrip("/")).name or model_id).strip("-") or "draft"
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}-{k}", k + 1
+    return name
+
+
+@dataclass
+class NeuralDrafter:
+    """A drafter with a distribution: an exit ``boundary`` of ``engine`` (the target's or a draft model's)."""
+
+    name: str
+    kind: str                      # target | early_exit | model | quantized
+    engine: Any                    # LayeredLM
+    boundary: int
+    model_id: str | None = None
+
+
+def build_token_drafters(names: Sequence[str] | None, lm, explicit: bool, warn: Callable[[str], None]):
+    """Instantiate token drafters by name: ``ngram`` (context n-gram), ``lookup`` (context n-gram that abstains
+    without a 2- or 3-gram match, prompt-lookup style), ``bigram`` (model bigram table, built
+    once and disk-cached), ``aded`` (when its module exists). With the default pool a missing module is
+    skipped silently; a name asked for explicitly and unavailable is an error."""
+    out = []
+    for name in (names if names is not None else DEFAULT_TOKEN_DRAFTERS):
+        try:
+            d = _make_token_drafter(name, lm, explicit)
+        except _NotCached as e:
+            warn(f"token drafter {name!r} skipped: {e}")
+            continue
+        except ImportError as e:
+            if explicit:
+                raise HsdError(f"--token-drafters: {name!r} is not available in this installation ({e})") from None
+            continue
+        except HsdError:
+            raise
+        if d is None:
+            raise HsdError(f"--token-drafters: unknown token drafter {name!r}; known: "
+                           f"{', '.join(KNOWN_TOKEN_DRAFTERS)}")
+        out.append(d)
+    return out
+
+
+class _NotCached(Exception):
+    pass
+
+
+def _make_token_drafter(name: str, lm, explicit: bool = True):
+    if name == "ngram":
+        from hsd_opt.drafters.ngram import ContextNgramDrafter
+
+        return ContextNgramDrafter(name="ngram")
+    if name == "lookup":
+        from hsd_opt.drafters.ngram import ContextNgramDrafter
+
+        return ContextNgramDrafter(name="lookup", q=3, w=4, min_q=2, abstain=True)
+    if name == "bigram":
+        from hsd_opt.drafters import bigram as bg
+
+        BigramDrafter, load_or_build_bigram_table = bg.BigramDrafter, bg.load_or_build_bigram_table
+        key = bg.model_fingerprint(lm.model)
+        bos = bg.resolve_bos(lm.model, bg.AUTO) if hasattr(bg, "resolve_bos") else None
+        cached = bg.table_path(None, key, 16, bos)
+        if not explicit and not cached.exists():
+            raise _NotCached(f"the bigram table of this model is not cached yet ({cached});"
+                             f" pass --token-drafters ngram,bigram once to build it (one forward per vocabulary "
+                             f"token: minutes on a CPU)")
+        table = load_or_build_bigram_table(lm.model, key, top_k=16, progress=True)
+        return BigramDrafter(table, name="bigram")
+    return None
+
+
+def aded_available(explicit: bool) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("hsd_opt.drafters.aded") is not None:
+        return True
+    if explicit:
+        raise HsdError("--token-drafters: 'aded' is not available in this installation (no hsd_opt.drafters.aded)")
+    return False
+
+
+def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
+    """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
+    the cache under a content hash so its config() rebuilds it."""
+    from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+    from hsd_opt.models.loading import cache_dir
+
+    allc = dict(conts)
+    if world > 1:
+        for c in all_gather(conts, world):
+            allc.update(c)
+    seqs = [allc[k] for k in sorted(allc, key=int)]
+    h = hashlib.sha256(repr(seqs).encode()).hexdigest()[:16]
+    path = cache_dir() / "aded" / f"aded-{h}.npz"
+    if path.exists():
+        m = TrigramMatrix.load(path)
+    else:
+        m = TrigramMatrix.from_sequences(seqs)
+        m.save(path)
+    if len(m) == 0:
+        warn("aded: the continuations hold no tri-gram seen twice; its matrix is empty (it will repeat tokens)")
+    return AdedDrafter(m, name="aded")
+
+
+def fresh_drafter(d):
+    """A drafter in its initial state for one prompt. Adaptive drafters whose state outlives reset() (ADED's
+    matrix) are rebuilt from their config, so every prompt is profiled independently of the others: shards,
+    ranks and resumed runs then add up exactly."""
+    if getattr(d, "kind", "") == "aded":
+        from hsd_opt.drafters import make_token_drafter
+
+        cfg = dict(d.config())
+        return make_token_drafter(cfg.pop("kind"), **cfg)
+    return d
+
+
+def encode_item(lm, it: PromptItem, raw: bool, source: str) -> list[int]:
+    ids = encode_prompt(lm.tokenizer, it.prompt, raw)
+    if not ids:
+        raise InputFileError(source, "prompt encodes to no tokens", f"line of prompt {it.index + 1}")
+    return ids
+
+
+@dataclass
+class Pool:
+    """Every drafter of one profile: ``neural`` (the target's exits in layer order, the target among them,
+    then draft models and quantized copies), ``token`` drafters, whether ADED is wanted (it is built
+    later, from the target's continuations), and the loaded draft models (kept alive with their engines)."""
+
+    neural: list[NeuralDrafter]
+    token: list[Any]
+    want_aded: bool
+    draft_models: list[Any]
+
+    @property
+    def token_names(self) -> list[str]:
+        return [d.name for d in self.token] + (["aded"] if self.want_aded else [])
+
+
+def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], quantized: str | None,
+               token_drafters: Sequence[str] | None, device: str, dtype: str, log: Callable[[str], None],
+               warn: Callable[[str], None]) -> Pool:
+    """The pool for target ``lm`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
+    ``eng``: its exits at ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on
+    ``device``/``dtype``, refused when its tokenizer differs), the ``quantized`` copies of the target
+    (``--quantized`` syntax) and the named ``token_drafters`` (None: the default pool). Names are unique."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.quantized import QuantizedLM, parse_quantized, quant_spec
+    from hsd_opt.models.loading import check_same_tokenizer, load_model
+
+    n_layers = eng.n_layers
+    neural = [NeuralDrafter(f"layer{b}", "target" if b == n_layers else "early_exit", eng, b) for b in boundaries]
+    taken = {nd.name for nd in neural}
+    drafts = []
+    for dm in draft_models:
+        try:
+            dlm = load_model(dm, device=device, dtype=dtype)
+        except HsdError as e:
+            raise HsdError(str(e).replace("--model", "--draft-model", 1)) from None
+        check_same_tokenizer(lm.tokenizer, dlm.tokenizer, dm)
+        deng = LayeredLM(dlm.model)
+        name = short_name(dlm.model_id, taken)
+        taken.add(name)
+        neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
+        drafts.append(dlm)
+    for qname in parse_quantized(quantized, eng.device):
+        if qname in taken:
+            raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
+        bits, group = quant_spec(qname)
+        log(f"quantizing a copy of the target: {qname}")
+        qeng = QuantizedLM(lm.model, bits=bits, group_size=group, name=qname)
+        taken.add(qname)
+        neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers))
+    explicit = token_drafters is not None
+    requested = list(token_drafters) if explicit else list(DEFAULT_TOKEN_DRAFTERS)
+    want_aded = "aded" in requested and aded_available(explicit)
+    tds = build_token_drafters([n for n in requested if n != "aded"], lm, explicit, warn)
+    for d in tds:
+        if d.name in taken:
+            raise HsdError(f"--token-drafters: name {d.name!r} is already used by another drafter")
+        taken.add(d.name)
+    return Pool(neural, tds, want_aded, drafts)
