@@ -6,13 +6,15 @@ Run: ``.venv/bin/python benchmarks/solver_scaling.py [--repeats 5]``
 
 Times are wall seconds, median over repeats: ``build`` = the shared arrays (gamma tables, edge costs),
 ``dp`` = the Bellman recursion, ``total`` = ``hsd_opt.solver.api.optimum(profile, tmax)`` end to end
-(``build + dp``), ``ranked5`` = the top-5 distinct hierarchies used for a plan's alternatives.
+(``build + dp``), ``ranked5`` = the top-5 distinct hierarchies used for a plan's alternatives, ``solve`` =
+``hsd_opt.solver.api.solve(profile, tmax, min_gain=0.03)`` end to end, what ``hsd solve`` runs with its default
+flags once the profile is loaded (build, dp, the optima per depth for the min-gain rule, the ranked
+alternatives and the baselines). ``ranked5`` and ``solve`` are timed on the two headline pools only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hsd_opt.formats import profile_from_dict
-from hsd_opt.solver.api import optimum
+from hsd_opt.solver.api import optimum, solve
 from hsd_opt.solver.dp import dp, dp_ranked
 from hsd_opt.solver.instance import build_instance
 
@@ -64,6 +66,8 @@ def measure(K: int, tmax: int, repeats: int, ranked: bool) -> dict:
     row["speedup"] = 1.0 / sol.latency
     if ranked:
         row["ranked5_s"] = timeit(lambda: dp_ranked(inst, 5), max(1, repeats // 3))
+        row["solve_s"] = timeit(lambda: solve(prof, tmax, min_gain=0.03), max(1, repeats // 3))
+        row["solve_levels"] = len(solve(prof, tmax, min_gain=0.03).hierarchy)
     return row
 
 
@@ -74,13 +78,15 @@ def main() -> None:
     args = ap.parse_args()
     headline = [measure(80, 32, args.repeats, True), measure(32, 15, args.repeats, True)]
     grid = [measure(K, T, args.repeats, False) for K in (8, 16, 32, 64, 80, 128) for T in (8, 16, 32, 64)]
-    print(f"{'K':>4} {'tmax':>5} {'build s':>9} {'dp s':>9} {'total s':>9} {'ranked5 s':>10} {'levels':>6} {'speedup':>8}")
+    print(f"{'K':>4} {'tmax':>5} {'build s':>9} {'dp s':>9} {'total s':>9} {'ranked5 s':>10} {'solve s':>9} "
+          f"{'levels':>6} {'speedup':>8}")
     for r in headline + [None] + grid:
         if r is None:
-            print("-" * 68)
+            print("-" * 78)
             continue
         rk = f"{r['ranked5_s']:10.4f}" if "ranked5_s" in r else " " * 10
-        print(f"{r['K']:>4} {r['tmax']:>5} {r['build_s']:9.4f} {r['dp_s']:9.4f} {r['total_s']:9.4f} {rk} "
+        sv = f"{r['solve_s']:9.4f}" if "solve_s" in r else " " * 9
+        print(f"{r['K']:>4} {r['tmax']:>5} {r['build_s']:9.4f} {r['dp_s']:9.4f} {r['total_s']:9.4f} {rk} {sv} "
               f"{r['levels']:>6} {r['speedup']:8.3f}")
     out = {"what": "dp solver wall time (median seconds) on random pools, see benchmarks/solver_scaling.py",
            "machine": {"platform": platform.platform(), "python": platform.python_version(),

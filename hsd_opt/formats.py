@@ -75,7 +75,8 @@ class Profile:
             t = 1..n tokens (a block of l drafts is a pass over t = l + 1 tokens). Used in place of
             ``cost[verifier]`` on that edge (activation reuse between exits of one model).
         cost_curve: optional ``cost_curve[verifier] = [s_1, ..., s_n]``: seconds for one forward pass over
-            t = 1..n tokens at once (seed 002 Sec. 3: verifying t tokens is not always as cheap as one).
+            t = 1..n tokens at once (verifying t tokens is not always as cheap as one step;
+            ``docs/design.md#costs-of-a-pass-over-t-tokens``).
         extra: every other top-level field (provenance, greedy agreement, counts, confidence intervals, ...),
             kept on round-trip.
     """
@@ -183,7 +184,8 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     Refused (``InputFileError`` naming ``source`` and the field): wrong ``format``, no or duplicate models,
     a missing target, a cost that is not a number > 0, an acceptance outside [0, 1] or naming an unknown
     model, a target that cannot verify. Warned, not refused: an acceptance triple that breaks the
-    triangle bound a[i][j] + a[j][k] <= a[i][k] + 1 (seed 003, App. B.3), beyond a 0.02 tolerance for noise.
+    triangle bound a[i][j] + a[j][k] <= a[i][k] + 1 (HSD paper, arXiv 2510.19705, App. B.3), beyond a 0.02
+    tolerance for noise.
     """
     if not isinstance(d, dict):
         raise InputFileError(source, "expected a JSON object")
@@ -288,20 +290,27 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
 
 
 def triangle_warnings(profile: Profile, source: str = "<profile>", tol: float = 0.02) -> list[str]:
-    """Acceptance triples that break a[i][j] + a[j][k] <= a[i][k] + 1 by more than ``tol`` (one line each)."""
-    out = []
+    """Acceptance triples ``(i, j, k)`` of distinct models that break a[i][j] + a[j][k] <= a[i][k] + 1 by more
+    than ``tol`` (one line each, in the order of ``profile.names``)."""
+    import numpy as np
+
     names = profile.names
-    for i in names:
-        for j in names:
-            for k in names:
-                if len({i, j, k}) < 3:
-                    continue
-                aij, ajk, aik = profile.accept(i, j), profile.accept(j, k), profile.accept(i, k)
-                if aij is None or ajk is None or aik is None:
-                    continue
-                if aij + ajk > aik + 1 + tol:
-                    out.append(f"{source}: acceptance: {i}->{j} ({aij:.3f}) + {j}->{k} ({ajk:.3f}) exceeds "
-                               f"{i}->{k} ({aik:.3f}) + 1: breaks the triangle bound (seed 003, App. B.3)")
+    n = len(names)
+    idx = {m: p for p, m in enumerate(names)}
+    a = np.full((n, n), np.nan)
+    for d, row in profile.acceptance.items():
+        for v, x in row.items():
+            a[idx[d], idx[v]] = x
+    np.fill_diagonal(a, np.nan)             # triples of distinct models only
+    with np.errstate(invalid="ignore"):
+        bad = a[:, :, None] + a[None, :, :] > a[:, None, :] + 1 + tol    # [i, j, k]: a_ij + a_jk > a_ik + 1 + tol
+    out = []
+    for i, j, k in np.argwhere(bad):
+        if i == k:
+            continue
+        out.append(f"{source}: acceptance: {names[i]}->{names[j]} ({a[i, j]:.3f}) + {names[j]}->{names[k]} "
+                   f"({a[j, k]:.3f}) exceeds {names[i]}->{names[k]} ({a[i, k]:.3f}) + 1: breaks the triangle bound "
+                   f"(HSD paper, App. B.3)")
     return out
 
 

@@ -1,8 +1,10 @@
-"""The hierarchy solver: exact latency model, GSP graph, dp / LP / brute-force solvers, Monte-Carlo check.
+"""The hierarchy solver: exact latency model, GSP graph, dp / LP / brute-force solvers, Monte-Carlo check
+(`docs/design.md#the-gsp-reduction-and-the-solvers`).
 
-Modules: :mod:`.latency` (gamma, latency of a hierarchy, baselines), :mod:`.instance` (shared arrays and the
-edge rules), :mod:`.graph` (networkx GSP graph), :mod:`.dp`, :mod:`.lp`, :mod:`.brute`, :mod:`.simulate`,
-:mod:`.api` (``solve``, ``evaluate``, ``simulate``).
+Modules, each importing only those listed before it: :mod:`.hierarchy` (the ``Solution`` record and the rules
+every solver shares: cost order, depth limit, min-gain choice), :mod:`.latency` (gamma, latency of a hierarchy,
+baselines), :mod:`.instance` (shared arrays and the edge rules), :mod:`.dp`, :mod:`.graph` (networkx GSP graph),
+:mod:`.lp`, :mod:`.brute`, :mod:`.simulate`, :mod:`.api` (``solve``, ``evaluate``, ``simulate``).
 """
 
 from hsd_opt.solver.api import SOLVERS, evaluate, optimum, simulate, solve

@@ -8,9 +8,10 @@ from typing import Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Plan, Profile, load_profile
 from hsd_opt.solver.brute import brute, brute_ranked
-from hsd_opt.solver.dp import Solution, dp, dp_ranked
+from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
 from hsd_opt.solver.graph import build_gsp_graph
-from hsd_opt.solver.instance import build_instance
+from hsd_opt.solver.hierarchy import Solution, check_max_depth, pick_by_min_gain
+from hsd_opt.solver.instance import Instance, build_instance
 from hsd_opt.solver.latency import best_single_draft, hierarchy_latency, target_only
 from hsd_opt.solver.lp import solve_lp
 from hsd_opt.solver.simulate import SimResult
@@ -23,20 +24,19 @@ def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
     return profile if isinstance(profile, Profile) else load_profile(profile)[0]
 
 
-def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | None = None) -> Solution:
-    """The optimal hierarchy by one solver, as a :class:`Solution` (latency in seconds per token).
-
-    ``lp``/``lp-cvxpy`` report the exact latency of the decoded hierarchy (the LP objective is in ``info``).
-    """
+def _checked_instance(profile: Profile, tmax: int, solver: str, max_depth: int | None) -> Instance:
     if solver not in SOLVERS:
         raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
     inst = build_instance(profile, tmax)
-    if max_depth is not None and (int(max_depth) != max_depth or max_depth < 1):
-        raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth!r}")
+    check_max_depth(max_depth)
+    return inst
+
+
+def _optimum_of(profile: Profile, inst: Instance, solver: str, max_depth: int | None) -> Solution:
     if solver == "dp":
         return dp(inst, max_depth)
     if solver == "brute":
-        return brute(profile, tmax, max_depth)
+        return brute(profile, inst.tmax, max_depth)
     sol = solve_lp(build_gsp_graph(inst, max_depth=max_depth), "highs" if solver == "lp" else "cvxpy")
     if sol is None or not sol.latency < inst.cK:
         return Solution(inst.cK, [profile.target], [], sol.info if sol else {})
@@ -44,14 +44,20 @@ def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | No
     return sol
 
 
-def _shallowest_within(profile: Profile, tmax: int, solver: str, depth: int, min_gain: float) -> Solution:
-    """The optimum over at most ``depth`` models, keeping each extra level only if it gains >= ``min_gain``."""
-    chosen = optimum(profile, tmax, solver, 2)
-    for d in range(3, depth + 1):
-        s = optimum(profile, tmax, solver, d)
-        if s.latency <= chosen.latency * (1.0 - min_gain):
-            chosen = s
-    return chosen
+def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | None = None) -> Solution:
+    """The optimal hierarchy by one solver, as a :class:`Solution` (latency in seconds per token).
+
+    ``lp``/``lp-cvxpy`` report the exact latency of the decoded hierarchy (the LP objective is in ``info``).
+    """
+    return _optimum_of(profile, _checked_instance(profile, tmax, solver, max_depth), solver, max_depth)
+
+
+def _optima_by_depth(profile: Profile, inst: Instance, solver: str, depth: int) -> list[Solution]:
+    """The optimum with at most ``n`` models for n = 2..``depth``: one layered pass with ``dp``
+    (:func:`~hsd_opt.solver.dp.dp_by_depth`), one solve per depth with the other solvers."""
+    if solver == "dp":
+        return dp_by_depth(inst, depth)[1:]
+    return [_optimum_of(profile, inst, solver, n) for n in range(2, depth + 1)]
 
 
 def _entry(profile: Profile, hierarchy: list[str], budgets: list[int], latency: float) -> dict:
@@ -74,7 +80,8 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         min_gain: 0 (default) = the exact optimum. ``g > 0``: a hierarchy of three or more models is chosen only
             when it is predicted at least a fraction ``g`` faster than the best one with fewer models (measured
             costs and acceptance rates are noisy; a deeper plan that wins by less than their error may well lose
-            when run). A single draft is always weighed against the target alone without this margin.
+            when run). A single draft is always weighed against the target alone without this margin
+            (:func:`~hsd_opt.solver.hierarchy.pick_by_min_gain`, `docs/design.md#depth-and-min-gain`).
             The exact optimum is then kept in ``extra["exact_optimum"]`` when it differs.
 
     Returns:
@@ -83,10 +90,11 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     profile = _as_profile(profile)
     if not 0.0 <= float(min_gain) < 1.0:
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain!r}")
-    sol = optimum(profile, tmax, solver, max_depth)
+    inst = _checked_instance(profile, tmax, solver, max_depth)
+    sol = _optimum_of(profile, inst, solver, max_depth)
     exact = sol
     if min_gain > 0 and len(sol.hierarchy) > 2:
-        sol = _shallowest_within(profile, tmax, solver, len(sol.hierarchy), float(min_gain))
+        sol = pick_by_min_gain(_optima_by_depth(profile, inst, solver, len(sol.hierarchy)), float(min_gain))
     cK = target_only(profile)
     bsd = best_single_draft(profile, tmax)
     baselines = {"target_only": _entry(profile, [profile.target], [], cK)}
@@ -97,7 +105,7 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         baselines["best_early_exit"] = _entry(profile, *bee)
     if top > 1:
         ranked = (brute_ranked(profile, tmax, max_depth) if solver == "brute"
-                  else dp_ranked(build_instance(profile, tmax), top, max_depth))
+                  else dp_ranked(inst, top, max_depth))
     else:
         ranked = []
     alts = [_entry(profile, s.hierarchy, s.budgets, s.latency) for s in ranked if s.hierarchy != sol.hierarchy]
@@ -120,8 +128,8 @@ def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], bud
     return hierarchy_latency(_as_profile(profile), hierarchy, budgets)
 
 
-def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Plan, budgets: Sequence[int] | None = None,
-             rounds: int = 20000, seed: int = 0) -> SimResult:
+def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Plan,
+             budgets: Sequence[int] | None = None, rounds: int = 20000, seed: int = 0) -> SimResult:
     """Monte-Carlo seconds per token of a hierarchy (or a :class:`Plan`) under IID acceptance, with its
     standard error and the predicted value; see :mod:`hsd_opt.solver.simulate`."""
     if isinstance(hierarchy, Plan):

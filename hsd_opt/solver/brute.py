@@ -1,4 +1,5 @@
-"""Brute force: every admissible chain and every non-decreasing budget vector, for tests on small instances.
+"""Brute force: every admissible chain and every non-decreasing budget vector, for tests on small instances
+(`docs/design.md#the-three-solvers`).
 
 Uses :func:`~hsd_opt.solver.latency.hierarchy_latency` (the scalar formula), independent of the dp/LP code.
 """
@@ -9,22 +10,20 @@ from itertools import combinations, combinations_with_replacement
 from math import comb
 
 from hsd_opt.errors import HsdError
-
 from hsd_opt.formats import Profile
-from hsd_opt.solver.dp import Solution
-from hsd_opt.solver.instance import cost_order
+from hsd_opt.solver.hierarchy import Solution, cost_order, drafter_limit
 from hsd_opt.solver.latency import hierarchy_latency, target_only
-
 
 MAX_EVALUATIONS = 2_000_000
 
 
 def admissible_chains(profile: Profile, max_depth: int | None = None):
-    """Yield every hierarchy (cheapest first, target last) allowed by the rules of :mod:`.instance`."""
+    """Yield every hierarchy (cheapest first, target last) allowed by the rules of :mod:`.instance`
+    (`docs/design.md#the-graph`), with at most ``max_depth`` models."""
     order = cost_order(profile)
     K = profile.target
     drafters = order[: order.index(K)]
-    nmax = len(drafters) if max_depth is None else min(len(drafters), max_depth - 1)
+    nmax = drafter_limit(len(drafters), max_depth)
     for n in range(1, nmax + 1):
         for sub in combinations(drafters, n):        # combinations keep cost order
             chain = list(sub) + [K]
@@ -41,7 +40,7 @@ def brute_ranked(profile: Profile, tmax: int, max_depth: int | None = None) -> l
     """
     order = cost_order(profile)
     D = order.index(profile.target)
-    nmax = D if max_depth is None else min(D, max_depth - 1)
+    nmax = drafter_limit(D, max_depth)
     work = sum(comb(D, n) * comb(tmax + n - 1, n) for n in range(1, nmax + 1))
     if work > MAX_EVALUATIONS:
         raise HsdError(f"--solver brute: {work:.3g} candidate (hierarchy, budgets) pairs is too many "

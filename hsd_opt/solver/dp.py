@@ -1,43 +1,27 @@
-"""The default solver: exact Bellman recursion over the GSP DAG (DESIGN.md section 4), vectorised with numpy.
+"""The default solver: exact Bellman recursion over the GSP DAG, vectorised with numpy
+(`docs/design.md#the-three-solvers`).
 
-Without the sink loops the GSP graph is a DAG (verify edges go to cheaper drafters), and for a path the GSP
-cost is ``V(v) = min_e [c(e) + mu(e) V(head(e))]``; the sink edge gives ``V(i, j) = j c_i`` at the bottom.
-Processing drafters cheapest first makes every ``V(k, .)`` ready before ``V(i, .)`` needs it. Per drafter the
-relaxation is one ``(n_below, tmax, tmax)`` array operation: O(D^2 tmax^2) numbers in total.
+Without the sink loops the GSP graph (`docs/design.md#the-graph`) is a DAG (verify edges go to cheaper
+drafters), and for a path the GSP cost is ``V(v) = min_e [c(e) + mu(e) V(head(e))]``; the sink edge gives
+``V(i, j) = j c_i`` at the bottom. Processing drafters cheapest first makes every ``V(k, .)`` ready before
+``V(i, .)`` needs it. Per drafter the relaxation is one ``(n_below, tmax, tmax)`` array operation:
+O(D^2 tmax^2) numbers per sweep.
 
-``max_depth`` (models including the target) adds a layer index: ``V_d`` uses at most ``d`` drafters.
-:func:`dp_ranked` keeps, per vertex, the best ``top`` *distinct* sub-hierarchies (exact: if ``i + H`` is among
-the ``top`` best at ``(i, j)``, then ``H`` is among the ``top`` best at the ``(k, l)`` it uses).
+``max_depth`` (models including the target) adds a layer index: layer ``d`` uses at most ``d + 1`` drafters and
+reads layer ``d - 1`` (`docs/design.md#depth-and-min-gain`). :func:`dp_by_depth` keeps the optimum of every
+depth from one layered pass, for the min-gain rule. :func:`dp_ranked` keeps, per vertex, the best ``top``
+*distinct* sub-hierarchies (exact: if ``i + H`` is among the ``top`` best at ``(i, j)``, then ``H`` is among the
+``top`` best at the ``(k, l)`` it uses).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from hsd_opt.errors import HsdError
+from hsd_opt.solver.hierarchy import Solution, drafter_limit
 from hsd_opt.solver.instance import Instance
 
-
-@dataclass
-class Solution:
-    """A hierarchy (cheapest first, target last), its budgets (tokens) and latency (seconds per token)."""
-
-    latency: float
-    hierarchy: list[str]
-    budgets: list[int]
-    info: dict = field(default_factory=dict)
-
-
-def _drafter_limit(inst: Instance, max_depth: int | None) -> int:
-    """Max number of drafters below the target; ``len(names)`` means unlimited."""
-    D = len(inst.names)
-    if max_depth is None:
-        return D
-    if int(max_depth) != max_depth or max_depth < 1:
-        raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth!r}")
-    return min(D, int(max_depth) - 1)
+__all__ = ["Solution", "dp", "dp_by_depth", "dp_ranked", "dp_values"]
 
 
 def _upper_mask(tmax: int) -> np.ndarray:
@@ -46,62 +30,96 @@ def _upper_mask(tmax: int) -> np.ndarray:
     return r[:, None] > r[None, :]
 
 
+def _edge_values(inst: Instance, i: int, Vbelow: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Seconds of the verify edge ``(i, j) -> (k, l)`` plus ``mu`` times ``Vbelow[kk, l-1]`` (the value of the
+    sub-hierarchy under ``k = below[i][kk]``): shape ``(nk, l, j)``, inf where the budget rule forbids l > j."""
+    val = inst.gam[i] * (inst.vcost[i][:, :, None] + Vbelow[:, :, None])         # (nk, l, j)
+    ab = inst.abst[i]
+    if len(ab):                                                                   # rounds the drafter abstained
+        val[ab] += inst.gam_u[i] * inst.v_abst[i][:, None, None]
+    val[:, mask] = np.inf
+    return val
+
+
 def _relax(inst: Instance, i: int, Vsrc: np.ndarray, mask: np.ndarray):
     """Best verify edge out of every ``(i, j)``: returns ``(value (tmax,), k (tmax,), l (tmax,))`` or None."""
     ks = inst.below[i]
     if len(ks) == 0:
         return None
     tmax = inst.tmax
-    val = inst.gam[i] * (inst.vcost[i][:, :, None] + Vsrc[ks][:, :, None])      # (nk, l, j)
-    ab = inst.abst[i]
-    if len(ab):                                                                   # rounds the drafter abstained
-        val[ab] += inst.gam_u[i] * inst.v_abst[i][:, None, None]
-    val[:, mask] = np.inf
-    flat = val.reshape(-1, tmax)
+    flat = _edge_values(inst, i, Vsrc[ks], mask).reshape(-1, tmax)
     arg = flat.argmin(axis=0)
     return flat[arg, np.arange(tmax)], ks[arg // tmax], arg % tmax + 1
+
+
+def _sweep(inst: Instance, src: np.ndarray | None, mask: np.ndarray, edges: bool = True):
+    """One Bellman sweep over the drafters, cheapest first: ``(V, bk, bl)``, each ``(D, tmax)``.
+
+    The verify edges read ``src`` (the layer below), or the values being filled when ``src`` is None (no depth
+    limit); ``edges=False``: the sink edges only (layer 0, every drafter at the bottom).
+    """
+    D, tmax = len(inst.names), inst.tmax
+    js = np.arange(1, tmax + 1)
+    V = np.empty((D, tmax))
+    bk = np.full((D, tmax), -1, dtype=int)
+    bl = np.full((D, tmax), -1, dtype=int)
+    for i in range(D):
+        V[i] = js * inst.cost[i]
+        if not edges:
+            continue
+        r = _relax(inst, i, V if src is None else src, mask)
+        if r is None:
+            continue
+        best, k, l = r
+        better = best < V[i]
+        V[i] = np.where(better, best, V[i])
+        bk[i] = np.where(better, k, -1)
+        bl[i] = np.where(better, l, -1)
+    return V, bk, bl
 
 
 def dp_values(inst: Instance, max_depth: int | None = None):
     """Bellman values. Returns ``(V, bk, bl)`` with shapes ``(L, D, tmax)``: ``V[d, i, j-1]`` the least expected
     seconds for drafter ``i`` to hand up ``j`` tokens using at most ``d+1`` drafters (only ``L = 1`` layer,
-    unlimited, when ``max_depth`` is None); ``bk/bl`` the next drafter and its budget (-1: ``i`` is the bottom).
+    unlimited, when ``max_depth`` allows every drafter); ``bk/bl`` the next drafter and its budget (-1: ``i`` is
+    the bottom).
     """
-    D, tmax = len(inst.names), inst.tmax
-    dmax = _drafter_limit(inst, max_depth)
-    js = np.arange(1, tmax + 1)
-    mask = _upper_mask(tmax)
-    layered = dmax < D
-    nl = max(dmax, 1) if layered else 1
-    V = np.full((nl, D, tmax), np.inf)
-    bk = np.full((nl, D, tmax), -1, dtype=int)
-    bl = np.full((nl, D, tmax), -1, dtype=int)
-    for d in range(nl):
-        src = V[d - 1] if (layered and d > 0) else V[d]
-        for i in range(D):
-            V[d, i] = js * inst.cost[i]
-            if layered and d == 0:
-                continue
-            r = _relax(inst, i, src, mask)
-            if r is None:
-                continue
-            best, k, l = r
-            better = best < V[d, i]
-            V[d, i] = np.where(better, best, V[d, i])
-            bk[d, i] = np.where(better, k, -1)
-            bl[d, i] = np.where(better, l, -1)
-    return V, bk, bl
+    D = len(inst.names)
+    dmax = drafter_limit(D, max_depth)
+    mask = _upper_mask(inst.tmax)
+    if dmax >= D:
+        layers = [_sweep(inst, None, mask)]
+    else:
+        layers = [_sweep(inst, None, mask, edges=False)]
+        for _ in range(1, dmax):
+            layers.append(_sweep(inst, layers[-1][0], mask))
+    return tuple(np.stack([layer[x] for layer in layers]) for x in range(3))
 
 
-def _backtrack(inst: Instance, bk, bl, d: int, i: int, j: int, layered: bool) -> Solution:
+def _backtrack(inst: Instance, bk, bl, d: int, i: int, j: int) -> Solution:
+    """The chain from ``(i, j)`` at layer ``d``, each step reading the layer below. ``bk``/``bl`` are indexed by
+    layer; layers past the last read the last (a converged pass, or the single layer without a depth limit)."""
+    last = len(bk) - 1
     chain = [(i, j)]
-    while bk[d, i, j - 1] >= 0:
-        i, j = int(bk[d, i, j - 1]), int(bl[d, i, j - 1])
-        if layered:
-            d -= 1
+    while bk[min(d, last)][i, j - 1] >= 0:
+        x = min(d, last)
+        i, j = int(bk[x][i, j - 1]), int(bl[x][i, j - 1])
+        d = max(d - 1, 0)
         chain.append((i, j))
     chain.reverse()
     return Solution(0.0, [inst.names[i] for i, _ in chain] + [inst.target], [j for _, j in chain])
+
+
+def _at_source(inst: Instance, V: np.ndarray) -> tuple[float, int, int]:
+    """Best source edge over the values ``V`` (D, tmax): ``(seconds per token, drafter, budget)``."""
+    vals = inst.src_rate * (inst.src_cost + V[inst.src]) + inst.src_add         # (ns, tmax)
+    a = int(np.argmin(vals))
+    s, j = divmod(a, inst.tmax)
+    return float(vals[s, j]), int(inst.src[s]), j + 1
+
+
+def _target_alone(inst: Instance) -> Solution:
+    return Solution(inst.cK, [inst.target], [])
 
 
 def dp(inst: Instance, max_depth: int | None = None) -> Solution:
@@ -110,32 +128,98 @@ def dp(inst: Instance, max_depth: int | None = None) -> Solution:
     ``latency`` is seconds per token. Ties keep the target alone, then the fewer levels, then cheaper drafters
     and smaller budgets.
     """
-    dmax = _drafter_limit(inst, max_depth)
+    dmax = drafter_limit(len(inst.names), max_depth)
     if dmax == 0 or len(inst.src) == 0:
-        return Solution(inst.cK, [inst.target], [])
+        return _target_alone(inst)
     V, bk, bl = dp_values(inst, max_depth)
     d = V.shape[0] - 1
-    vals = inst.src_rate * (inst.src_cost + V[d, inst.src]) + inst.src_add         # (ns, tmax)
-    a = int(np.argmin(vals))
-    s, j = divmod(a, inst.tmax)
-    L = float(vals[s, j])
+    L, i, j = _at_source(inst, V[d])
     if not L < inst.cK:
-        return Solution(inst.cK, [inst.target], [])
-    sol = _backtrack(inst, bk, bl, d, int(inst.src[s]), j + 1, V.shape[0] > 1)
+        return _target_alone(inst)
+    sol = _backtrack(inst, bk, bl, d, i, j)
     sol.latency = L
     return sol
+
+
+def dp_by_depth(inst: Instance, max_depth: int | None = None) -> list[Solution]:
+    """The optimum of every depth from one layered pass: ``out[n - 1]`` is the optimal plan with at most ``n``
+    models (target included), for n = 1 .. ``D + 1`` with ``D`` drafters, or up to ``max_depth`` if lower.
+
+    ``out[n - 1]`` equals ``dp(inst, max_depth=n)``: the same hierarchy, budgets and latency, ties included.
+    Layer ``d`` of the recursion holds the values with at most ``d + 1`` drafters; the pass stops when a layer
+    equals the one below (values are non-increasing in ``d``, and a layer that repeats the one below repeats
+    forever after), so its cost is about one :func:`dp` per layer computed, not per depth.
+    """
+    D = len(inst.names)
+    dmax = drafter_limit(D, max_depth)
+    if dmax == 0 or len(inst.src) == 0:
+        return [_target_alone(inst) for _ in range(dmax + 1)]
+    mask = _upper_mask(inst.tmax)
+    layers = [_sweep(inst, None, mask, edges=False)]
+    while len(layers) < dmax:
+        nxt = _sweep(inst, layers[-1][0], mask)
+        if np.array_equal(nxt[0], layers[-1][0]):
+            layers.append(nxt)            # the fixed point: every deeper layer is this one (values and choices)
+            break
+        layers.append(nxt)
+    bk = [layer[1] for layer in layers]
+    bl = [layer[2] for layer in layers]
+    at_source = [_at_source(inst, layer[0]) for layer in layers]
+    out = [_target_alone(inst)]
+    for d in range(dmax):                 # n = d + 2 models: the source reads layer d
+        L, i, j = at_source[min(d, len(layers) - 1)]
+        if not L < inst.cK:
+            out.append(_target_alone(inst))
+            continue
+        sol = _backtrack(inst, bk, bl, d, i, j)
+        sol.latency = L
+        out.append(sol)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- ranked (top-n)
 
 
+def _ranked_candidates(inst: Instance, i: int, Vbelow: np.ndarray, mask: np.ndarray):
+    """The verify edges out of drafter ``i`` that can lead to one of the ``top`` best chains at some ``(i, j)``.
+
+    ``Vbelow[kk, l-1, m]`` (nk, tmax, top): the value of the ``m``-th best chain under ``k = below[i][kk]`` with
+    budget ``l`` (ascending in ``m``, inf where there is none). A candidate is ``(kk, l, m)`` into budget ``j``
+    with value ``mu * Vbelow + cost``. The ``top`` chains at one ``(k, l)`` are distinct, so the ``top``-th
+    distinct chain at ``(i, j)`` is no worse than the worst of them at the best such ``(k, l)``: ``bound[j]``.
+    Every finite candidate up to the bound is returned (a few more may be), as arrays ``(j, value, kk, l - 1, m)``
+    sorted by ``j``, then value, then the flat index ``(kk, l, m)``: for each ``j`` the start of the stable sort
+    of all candidates, long enough to hold the ``top`` best distinct chains.
+    """
+    top = Vbelow.shape[2]
+    best = _edge_values(inst, i, Vbelow[:, :, 0], mask)                        # m = 0 is the least per (k, l)
+    bound = _edge_values(inst, i, Vbelow[:, :, top - 1], mask).reshape(-1, inst.tmax).min(axis=0)
+    kk, l, j = np.nonzero((best <= bound[None, None, :]) & np.isfinite(best))
+    val = inst.gam[i][kk, l, j][:, None] * (inst.vcost[i][kk, l][:, None] + Vbelow[kk, l, :])   # (n, top)
+    ab = inst.abst[i]
+    if len(ab):
+        pos = np.full(len(inst.below[i]), -1)
+        pos[ab] = np.arange(len(ab))
+        p = pos[kk]
+        hit = p >= 0
+        val[hit] += (inst.gam_u[i][p[hit], l[hit], j[hit]] * inst.v_abst[i][p[hit]])[:, None]
+    m = np.broadcast_to(np.arange(top), val.shape).reshape(-1)
+    kk, l, j = (np.repeat(x, top) for x in (kk, l, j))
+    val = val.reshape(-1)
+    keep = np.isfinite(val)
+    kk, l, j, m, val = kk[keep], l[keep], j[keep], m[keep], val[keep]
+    order = np.lexsort(((kk * inst.tmax + l) * top + m, val, j))
+    return j[order], val[order], kk[order], l[order], m[order]
+
+
 def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[Solution]:
     """The ``top`` best *distinct* drafting hierarchies (each with its best budgets), best first.
 
-    The target alone is not in the list. Cost: about ``top`` times :func:`dp` plus a sort per vertex.
+    The target alone is not in the list. Cost: about ``top`` times :func:`dp` plus a sort per vertex over the
+    candidates that can still be among its ``top``.
     """
     D, tmax = len(inst.names), inst.tmax
-    dmax = _drafter_limit(inst, max_depth)
+    dmax = drafter_limit(D, max_depth)
     if top < 1 or dmax == 0 or len(inst.src) == 0:
         return []
     js = np.arange(1, tmax + 1)
@@ -161,30 +245,22 @@ def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[So
             ks = inst.below[i]
             use_edges = len(ks) > 0 and not (layered and d == 0)
             if use_edges:
-                val = inst.gam[i][:, :, None, :] * (inst.vcost[i][:, :, None, None]
-                                                    + Vt[src_layer, ks][:, :, :, None])      # (nk, l, m, j)
-                ab = inst.abst[i]
-                if len(ab):
-                    val[ab] += (inst.gam_u[i] * inst.v_abst[i][:, None, None])[:, :, None, :]
-                val = np.where(mask[None, :, None, :], np.inf, val)
-                cids = Cid[src_layer, ks].reshape(-1)                                        # (nk*l*m,)
-                flat = val.reshape(-1, tmax)
+                cj, cv, ckk, cl, cm = _ranked_candidates(inst, i, Vt[src_layer, ks], mask)
+                cc = Cid[src_layer, ks][ckk, cl, cm].tolist()
+                ck, cl, cm, cv = ks[ckk].tolist(), cl.tolist(), cm.tolist(), cv.tolist()
+                cuts = np.searchsorted(cj, np.arange(tmax + 1)).tolist()
             for j in range(tmax):
                 entries = [(float(js[j] * inst.cost[i]), sink_cid, (-1, -1, -1))]
                 if use_edges:
-                    v = flat[:, j]
-                    order = np.argsort(v, kind="stable")
                     seen: set[int] = set()
-                    for o in order:
-                        if not np.isfinite(v[o]) or len(seen) >= top:
+                    for q in range(cuts[j], cuts[j + 1]):
+                        if len(seen) >= top:
                             break
-                        c = int(cids[o])
+                        c = cc[q]
                         if c < 0 or c in seen:
                             continue
                         seen.add(c)
-                        kk, rem = divmod(int(o), tmax * top)
-                        l, m = divmod(rem, top)
-                        entries.append((float(v[o]), intern((i,) + chains[c]), (int(ks[kk]), l + 1, m)))
+                        entries.append((cv[q], intern((i,) + chains[c]), (ck[q], cl[q] + 1, cm[q])))
                 entries.sort(key=lambda e: e[0])
                 for m, (val_m, c, b) in enumerate(entries[:top]):
                     Vt[d, i, j, m], Cid[d, i, j, m], back[d, i, j, m] = val_m, c, b

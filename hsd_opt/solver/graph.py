@@ -1,4 +1,5 @@
-"""The GSP graph of the HSD problem (seed 003 Sec. 3.3, Table 2; DESIGN.md section 4) as a networkx DiGraph.
+"""The GSP graph of the HSD problem as a networkx DiGraph (`docs/design.md#the-graph`; HSD paper
+(arXiv 2510.19705), Section 3.3 and Table 2).
 
 Vertices: the source ``(target,)``; ``(name, j)`` for every usable drafter and budget j in 1..tmax; a sink
 ``(name, "L")`` per drafter. Edge attributes ``mu`` (flow multiplier), ``cost`` (seconds) and ``kind``:
@@ -16,25 +17,31 @@ edge                       mu                                  cost
 Into a drafter ``k`` that abstains (``draft_rate < 1``): ``mu = M`` and the cost adds ``U (v_i(1) + c_k)``
 for the rounds without a block; the source edge adds ``src_add`` (:mod:`hsd_opt.solver.instance`).
 With ``max_depth`` the drafter vertices carry a third element, the number of drafters still allowed including
-this one: ``(name, j, r)``; verify edges go from ``r`` to ``r - 1``. Only vertices reachable from the source
-are kept. Building is O(D^2 tmax^2) Python objects: use it for inspection and the LP on small instances; the
-``dp`` solver works on the same numbers without networkx.
+this one: ``(name, j, r)``; verify edges go from ``r`` to ``r - 1`` (`docs/design.md#depth-and-min-gain`). Only
+vertices reachable from the source are kept. Building is O(D^2 tmax^2) Python objects: use it for inspection and
+the LP on small instances (`docs/design.md#the-three-solvers`); the ``dp`` solver works on the same numbers
+without networkx.
 """
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from hsd_opt.formats import Profile
-from hsd_opt.solver.dp import _drafter_limit
+from hsd_opt.solver.hierarchy import drafter_limit
 from hsd_opt.solver.instance import Instance, build_instance
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 def build_gsp_graph(profile: Profile | Instance, tmax: int | None = None, max_depth: int | None = None) -> nx.DiGraph:
     """Build the GSP DiGraph. ``graph.graph`` holds ``source``, ``target``, ``tmax``, ``max_depth``."""
+    import networkx as nx  # imported here: the dp solver and the CLI's start-up do without it
+
     inst = profile if isinstance(profile, Instance) else build_instance(profile, tmax)
     D, T = len(inst.names), inst.tmax
-    dmax = _drafter_limit(inst, max_depth)
+    dmax = drafter_limit(D, max_depth)
     layered = dmax < D
     src = (inst.target,)
     G = nx.DiGraph(source=src, target=inst.target, tmax=T, max_depth=max_depth)

@@ -1,9 +1,10 @@
-"""A profile turned into the arrays the solvers share (the data of the GSP graph, DESIGN.md section 4).
+"""A profile turned into the arrays the solvers share: the data of the GSP graph (`docs/design.md#the-graph`).
 
 Rules (the same for every solver):
 
-- drafters are every model but the target, ordered by ``(cost, list index)``; only drafters before the target
-  in that order (cheaper, ties by list order) may be used, so every hierarchy is strictly cheaper going down;
+- drafters are every model but the target, ordered by ``(cost, list index)``
+  (:func:`~hsd_opt.solver.hierarchy.cost_order`); only drafters before the target in that order (cheaper, ties
+  by list order) may be used, so every hierarchy is strictly cheaper going down;
 - ``i`` verifies ``k`` (edge ``(i, j) -> (k, l)``) only if ``k`` comes before ``i`` in that order,
   ``acceptance[k][i]`` is measured and ``i`` can verify; the target verifies ``i`` if ``acceptance[i][target]``
   is measured. A drafter with ``can_verify: false`` therefore only appears at the bottom;
@@ -11,7 +12,7 @@ Rules (the same for every solver):
 - a drafter with ``draft_rate f < 1`` (it abstains in a share ``1 - f`` of its calls; only a drafter that cannot
   verify, so only at the bottom) makes the edges into it cost ``M v_i(l + 1) + U (v_i(1) + c_k)`` with
   multiplier ``M`` (:func:`~hsd_opt.solver.latency.round_counts`), and the source edge into it
-  ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_rate`).
+  ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_rate`; `docs/design.md#abstaining-drafters`).
 """
 
 from __future__ import annotations
@@ -22,20 +23,8 @@ import numpy as np
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
+from hsd_opt.solver.hierarchy import cost_order
 from hsd_opt.solver.latency import gamma_table, round_tables, top_rate, verify_cost, verify_cost_row
-
-
-def cost_order(profile: Profile) -> list[str]:
-    """All model names ordered by ``(cost, list index)``: cheapest first."""
-    idx = {m.name: i for i, m in enumerate(profile.models)}
-    return sorted(profile.names, key=lambda n: (profile.entry(n).cost, idx[n]))
-
-
-def source_candidates(profile: Profile) -> list[str]:
-    """Drafters the target may verify directly: before the target in :func:`cost_order`, acceptance measured."""
-    order = cost_order(profile)
-    K = profile.target
-    return [n for n in order[: order.index(K)] if profile.accept(n, K) is not None]
 
 
 @dataclass

@@ -1,21 +1,25 @@
-"""The exact latency model of HSD (DESIGN.md section 3; seed 003 Sec. 2.4, Corollary 3.1).
+"""The exact latency model of HSD (`docs/design.md#the-latency-model`), after the HSD paper ("Fast Inference via
+Hierarchical Speculative Decoding", arXiv 2510.19705), Section 2.4 and Corollary 3.1.
 
 Units: costs and latencies are seconds (latency is seconds per generated token); budgets and ``t`` are tokens.
 
-Hierarchy ``m_0, ..., m_{n-1}, K`` (cheapest first, target last), budgets ``1 <= T_0 <= ... <= T_{n-1}``::
+Hierarchy ``m_0, ..., m_{n-1}, K`` (cheapest first, target last), budgets ``1 <= T_0 <= ... <= T_{n-1}``
+(`docs/design.md#latency-of-a-hierarchy`)::
 
     B_0 = T_0 * c[m_0]                                                # bottom drafts T_0 tokens, one at a time
     B_i = gamma(a[m_{i-1}][m_i], T_{i-1}, T_i) * (v_i + B_{i-1})      # level i produces a block of T_i tokens
     L   = (v_K + B_{n-1}) / (1 + a + ... + a^T_{n-1}),  a = a[m_{n-1}][K]
 
 where ``v_i`` is the cost of one verify pass of ``m_i`` over a block of ``T_{i-1}`` drafts (t = T_{i-1} + 1
-tokens), see :func:`verify_cost`. With only scalar costs ``v_i = c[m_i]``: the paper's model exactly.
+tokens), see :func:`verify_cost` (`docs/design.md#costs-of-a-pass-over-t-tokens`); ``gamma`` is the expected
+number of rounds, :func:`gamma` (`docs/design.md#rounds-and-gamma`). With only scalar costs ``v_i = c[m_i]``:
+the paper's model exactly.
 
-A bottom drafter with ``draft_rate f < 1`` (a token drafter that abstains where it has no confident guess)
-proposes its block in a share ``f`` of the rounds of the level above and nothing in the others, which are
-then one plain step of that level (one token, a pass over ``t = 1``). ``a`` is its acceptance where it
-proposes. A round yields ``N = 1`` with probability ``(1 - f) + f (1 - a)``, else ``1 + min(G, t)`` as before, and
-the level above (``m_1``) pays, exactly (:func:`round_counts`)::
+A bottom drafter with ``draft_rate f < 1`` (a token drafter that abstains where it has no confident guess,
+`docs/design.md#abstaining-drafters`) proposes its block in a share ``f`` of the rounds of the level above and
+nothing in the others, which are then one plain step of that level (one token, a pass over ``t = 1``). ``a`` is
+its acceptance where it proposes. A round yields ``N = 1`` with probability ``(1 - f) + f (1 - a)``, else
+``1 + min(G, t)`` as before, and the level above (``m_1``) pays, exactly (:func:`round_counts`)::
 
     B_1 = M * (v_1(T_0 + 1) + B_0) + U * (v_1(1) + c[m_0])
 
@@ -33,6 +37,7 @@ import numpy as np
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
+from hsd_opt.solver.hierarchy import source_candidates
 
 # ------------------------------------------------------------------------------------------------ gamma
 
@@ -42,9 +47,9 @@ def gamma(a: float, t: int, T: int) -> float:
     """Expected number of draft/verify rounds until at least ``T`` tokens are accumulated (exact).
 
     One round yields ``N = 1 + min(G, t)`` tokens with ``P(G >= m) = a^m`` (``G`` accepted drafts out of a block
-    of ``t``, plus the corrected or bonus token). Renewal recursion: ``f(n) = 1 + sum_k P(N = k) f(n - k)``,
-    ``f(n <= 0) = 0``, ``gamma = f(T)``. Direct O(T * t) evaluation, cached; :func:`gamma_table` is the
-    vectorised version used by the solvers.
+    of ``t``, plus the corrected or bonus token). Renewal recursion (`docs/design.md#rounds-and-gamma`):
+    ``f(n) = 1 + sum_k P(N = k) f(n - k)``, ``f(n <= 0) = 0``, ``gamma = f(T)``. Direct O(T * t) evaluation,
+    cached; :func:`gamma_table` is the vectorised version used by the solvers.
 
     Args:
         a: acceptance rate in [0, 1].
@@ -71,7 +76,7 @@ def gamma_table(a: np.ndarray, tmax: int) -> np.ndarray:
 
     Returns an array of shape ``(P, tmax, tmax)`` indexed ``[p, t - 1, n - 1]``. O(P * tmax^2) with the
     running sum ``S(n) = sum_{m=1..t} a^(m-1) f(n-m)``: ``f(n) = 1 + (1-a) S(n) + a^t f(n-t-1)`` and
-    ``S(n+1) = f(n) + a S(n) - a^t f(n-t)``.
+    ``S(n+1) = f(n) + a S(n) - a^t f(n-t)`` (the recursion of `docs/design.md#rounds-and-gamma`).
     """
     a = np.asarray(a, dtype=float).reshape(-1)
     P = a.shape[0]
@@ -91,7 +96,8 @@ def gamma_table(a: np.ndarray, tmax: int) -> np.ndarray:
 
 
 def _round_sizes(a: float, f: float, t: int) -> list[float]:
-    """``P(N = k)``, k = 1..t+1, for a round over a bottom drafter proposing ``t`` tokens with probability ``f``."""
+    """``P(N = k)``, k = 1..t+1, for a round over a bottom drafter proposing ``t`` tokens with probability ``f``
+    (`docs/design.md#abstaining-drafters`)."""
     p = [f * a ** (k - 1) * (1.0 - a) for k in range(1, t + 1)] + [f * a ** t]
     p[0] += 1.0 - f
     return p
@@ -101,9 +107,9 @@ def _round_sizes(a: float, f: float, t: int) -> list[float]:
 def round_counts(a: float, f: float, t: int, T: int) -> tuple[float, float]:
     """``(M, U)``: expected rounds with a block of ``t`` drafts (``M``) and without one (``U``, the drafter
     abstained) until at least ``T`` tokens are accumulated, for a bottom drafter that proposes with probability
-    ``f`` and whose drafts are accepted at rate ``a``. Exact renewal recursion:
-    ``M(n) = f + sum_k P(N = k) M(n - k)``, ``U(n) = (1 - f) + sum_k P(N = k) U(n - k)``. ``f = 1``:
-    ``(gamma(a, t, T), 0)``.
+    ``f`` and whose drafts are accepted at rate ``a``. Exact renewal recursion
+    (`docs/design.md#abstaining-drafters`): ``M(n) = f + sum_k P(N = k) M(n - k)``,
+    ``U(n) = (1 - f) + sum_k P(N = k) U(n - k)``. ``f = 1``: ``(gamma(a, t, T), 0)``.
     """
     a, f, t, T = float(a), float(f), int(t), int(T)
     if f >= 1.0:
@@ -125,7 +131,8 @@ def round_counts(a: float, f: float, t: int, T: int) -> tuple[float, float]:
 def round_tables(a: np.ndarray, f: np.ndarray, tmax: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`round_counts` for every pair ``(a[p], f[p])`` and t, n in 1..tmax: two arrays of shape
     ``(P, tmax, tmax)`` indexed ``[p, t - 1, n - 1]`` (``M``, ``U``). O(P tmax^3): meant for the few pairs with
-    an abstaining drafter (:func:`gamma_table` covers ``f = 1`` in O(P tmax^2))."""
+    an abstaining drafter (:func:`gamma_table` covers ``f = 1`` in O(P tmax^2));
+    `docs/design.md#abstaining-drafters`."""
     a = np.asarray(a, dtype=float).reshape(-1)
     f = np.asarray(f, dtype=float).reshape(-1)
     P = a.shape[0]
@@ -147,6 +154,7 @@ def target_rate(a: float | np.ndarray, T: int | np.ndarray) -> float | np.ndarra
     """``R = (1 - a) / (1 - a^(T+1)) = 1 / (1 + a + ... + a^T)``: target verify passes per generated token.
 
     Written as the reciprocal of the geometric sum so ``a == 1`` gives ``1 / (T + 1)`` without a 0/0.
+    `docs/design.md#latency-of-a-hierarchy`.
     """
     a = np.asarray(a, dtype=float)
     T = np.asarray(T)
@@ -161,7 +169,8 @@ def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.nda
     """Seconds per token of the target over a level that hands up blocks of ``T`` tokens at ``c_draft`` seconds
     per token with acceptance ``a`` (``T`` may be an array of budgets, with ``v_block`` the target's pass over
     ``T + 1`` tokens for each). ``f < 1``: that level is a bottom drafter proposing with probability ``f``; the
-    other rounds are one target step (``v_step``, the pass over one token) plus the drafter's failed call."""
+    other rounds are one target step (``v_step``, the pass over one token) plus the drafter's failed call.
+    `docs/design.md#latency-of-a-hierarchy`, `docs/design.md#abstaining-drafters`."""
     T = np.asarray(T)
     rate, add = top_rate(a, f, T, v_step, c_draft)
     out = rate * (v_block + T * c_draft) + add
@@ -171,7 +180,8 @@ def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.nda
 def top_rate(a: float, f: float, T: int | np.ndarray, v_step: float, c_draft: float):
     """``(rate, add)`` with :func:`top_latency` ``= rate * (v_block + T c_draft) + add``: the target's passes over
     a block per token, and the seconds per token of the rounds an abstaining drafter (``f < 1``) leaves to the
-    target as plain steps. ``f = 1``: ``(target_rate(a, T), 0)``. The GSP source edge uses the two apart."""
+    target as plain steps. ``f = 1``: ``(target_rate(a, T), 0)``. The GSP source edge uses the two apart
+    (`docs/design.md#abstaining-drafters`, `docs/design.md#the-graph`)."""
     rate = target_rate(a, T)
     if f >= 1.0:
         return rate, 0.0 * rate
@@ -186,7 +196,8 @@ def curve_at(curve: Sequence[float], t: int) -> float:
     """Seconds of a pass over ``t`` tokens from ``curve = [s_1, ..., s_n]`` (``s_t`` for t = 1..n).
 
     Beyond the end, extrapolate linearly from the last two points; a decreasing tail is held flat (a pass over
-    more tokens is never cheaper than the last measured one) and a one-point curve is flat.
+    more tokens is never cheaper than the last measured one) and a one-point curve is flat
+    (`docs/design.md#costs-of-a-pass-over-t-tokens`).
     """
     n = len(curve)
     if 1 <= t <= n:
@@ -203,7 +214,8 @@ def verify_cost(profile: Profile, verifier: str, drafter: str, t: int) -> float:
     """Seconds for ``verifier`` to verify a block drafted by ``drafter`` in one pass over ``t`` tokens.
 
     A block of ``l`` drafts is a pass over ``t = l + 1`` tokens. Precedence: ``verify_cost[verifier][drafter]``
-    (a number, or a curve evaluated at ``t``), else ``cost_curve[verifier]`` at ``t``, else ``cost[verifier]``.
+    (a number, or a curve evaluated at ``t``), else ``cost_curve[verifier]`` at ``t``, else ``cost[verifier]``
+    (`docs/design.md#costs-of-a-pass-over-t-tokens`).
     """
     vc = profile.verify_cost.get(verifier, {}).get(drafter)
     if vc is not None:
@@ -215,7 +227,8 @@ def verify_cost(profile: Profile, verifier: str, drafter: str, t: int) -> float:
 
 
 def verify_cost_row(profile: Profile, verifier: str, drafter: str, tmax: int) -> np.ndarray:
-    """``verify_cost(profile, verifier, drafter, l + 1)`` for blocks l = 1..tmax, shape ``(tmax,)`` seconds."""
+    """``verify_cost(profile, verifier, drafter, l + 1)`` for blocks l = 1..tmax, shape ``(tmax,)`` seconds
+    (`docs/design.md#costs-of-a-pass-over-t-tokens`)."""
     vc = profile.verify_cost.get(verifier, {}).get(drafter)
     if vc is None:
         vc = profile.cost_curve.get(verifier)
@@ -255,6 +268,8 @@ def _check_hierarchy(profile: Profile, hierarchy: Sequence[str], budgets: Sequen
 def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int]) -> float:
     """Expected seconds per generated token of HSD with ``hierarchy`` (cheapest first, target last) and
     ``budgets`` (``budgets[i]`` = T_i tokens, one per level below the target). ``[target]`` alone: its cost.
+    The formulas of the module docstring (`docs/design.md#latency-of-a-hierarchy`,
+    `docs/design.md#abstaining-drafters`).
 
     Raises :class:`HsdError` for unknown models, a wrong target, a pair without a measured acceptance or a
     verifier that cannot verify. Does not require budgets to be non-decreasing (the solvers do).
@@ -281,7 +296,7 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
 
 
 def target_only(profile: Profile) -> float:
-    """Seconds per token of the target alone: its ``cost``."""
+    """Seconds per token of the target alone: its ``cost`` (`docs/design.md#latency-of-a-hierarchy`)."""
     return profile.entry(profile.target).cost
 
 
@@ -289,12 +304,11 @@ def best_single_draft(profile: Profile, tmax: int,
                       kinds: Sequence[str] | None = None) -> tuple[list[str], list[int], float] | None:
     """The best hierarchy ``[drafter, target]`` with ``T`` in 1..tmax: ``(hierarchy, budgets, seconds/token)``.
 
-    Candidates are the drafters the solvers may put under the target (acceptance to the target measured and
-    cheaper than the target, see :mod:`hsd_opt.solver.instance`), restricted to entries of ``kinds`` when given.
-    ``None`` when there is no candidate.
+    Candidates are the drafters the solvers may put under the target
+    (:func:`~hsd_opt.solver.hierarchy.source_candidates`: acceptance to the target measured and cheaper than the
+    target), restricted to entries of ``kinds`` when given. ``None`` when there is no candidate. The latency is
+    :func:`top_latency` for every ``T`` (`docs/design.md#latency-of-a-hierarchy`).
     """
-    from hsd_opt.solver.instance import source_candidates
-
     best = None
     K = profile.target
     js = np.arange(1, tmax + 1)

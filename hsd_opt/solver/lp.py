@@ -1,23 +1,30 @@
-"""The GSP linear program (seed 003 Def. 3.3) over :func:`~hsd_opt.solver.graph.build_gsp_graph`.
+"""The GSP linear program over :func:`~hsd_opt.solver.graph.build_gsp_graph` (`docs/design.md#the-three-solvers`;
+HSD paper (arXiv 2510.19705), Definition 3.3).
 
 minimise ``sum_e f(e) cost(e)`` s.t. ``out(v) - sum_in mu(e) f(e) = [v == source]``, ``f >= 0``.
 Backends: scipy HiGHS (``linprog(method="highs")``, default) and cvxpy. The optimal flow is an augmented path
-(Oldham 2001, Lemma 3.6); the hierarchy is decoded by following, from the source, the out-edge carrying the
+(Oldham, "Combinatorial approximation algorithms for generalized flow problems", J. Algorithms
+2001, Lemma 3.6); the hierarchy is decoded by following, from the source, the out-edge carrying the
 most flow until a sink edge. A convex combination of equally good paths decodes to one of them.
 """
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
 import numpy as np
-import scipy.sparse as sp
 
 from hsd_opt.errors import HsdError
-from hsd_opt.solver.dp import Solution
+from hsd_opt.solver.hierarchy import Solution
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 def lp_matrices(G: nx.DiGraph):
     """``(edges, c, A_eq, b_eq)`` of the GSP LP: one column per edge, one row per vertex."""
+    import scipy.sparse as sp  # imported here, like scipy.optimize below: only the LP solvers need it
+
     nodes = list(G.nodes)
     nidx = {v: n for n, v in enumerate(nodes)}
     edges = list(G.edges(data=True))

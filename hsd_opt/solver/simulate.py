@@ -1,10 +1,11 @@
-"""Monte-Carlo of Algorithm 1 (seed 003) under IID acceptance: validates the latency model.
+"""Monte-Carlo of HSD under IID acceptance (HSD paper (arXiv 2510.19705), Algorithm 1): validates the latency
+model (`docs/design.md#monte-carlo-check`).
 
-Semantics (the runtime the model of DESIGN.md section 3 describes): the bottom level drafts exactly ``T_0``
-tokens per call (``T_0`` autoregressive steps); an intermediate level ``i`` calls the level below, verifies
-the block of ``T_{i-1}`` drafts in one pass (``1 + min(G, T_{i-1})`` tokens kept, ``P(G >= m) = a^m``, the
-corrected or bonus token included), repeats until it holds at least ``T_i`` tokens and hands up exactly ``T_i``
-(the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
+Semantics (the runtime the model of `docs/design.md#the-latency-model` describes): the bottom level drafts
+exactly ``T_0`` tokens per call (``T_0`` autoregressive steps); an intermediate level ``i`` calls the level below,
+verifies the block of ``T_{i-1}`` drafts in one pass (``1 + min(G, T_{i-1})`` tokens kept, ``P(G >= m) = a^m``,
+the corrected or bonus token included), repeats until it holds at least ``T_i`` tokens and hands up exactly
+``T_i`` (the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
 ``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`.
 A bottom drafter with ``draft_rate f < 1`` proposes its block in each round of the level above with
 probability ``f``; otherwise that round is one pass of the level above over one token (one token kept) plus the
