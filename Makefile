@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: all install model test demo bench clean
+.PHONY: all install model check test test-fast demo bench clean
 
 all: install
 
@@ -31,8 +31,16 @@ $(VENV)/.model: $(VENV)/.installed
 
 model: $(VENV)/.model
 
+# ruff, configured in pyproject.toml (CI runs it before the tests).
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check hsd_opt tests benchmarks
+
 test: $(VENV)/.model
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The inner loop: solver, formats, drafters, tiny-model runtime and CLI (no embedded model, nothing slow).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not embedded" tests
 
 demo: $(VENV)/.model
 	mkdir -p $(OUT)

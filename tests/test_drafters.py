@@ -1,4 +1,4 @@
-"""Learning-free drafters (issue 6): context n-grams, model bigram, mixed batches, factory. Tiny models only."""
+"""Learning-free drafters : context n-grams, model bigram, mixed batches, factory. Tiny models only."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from hsd_opt.drafters import make_token_drafter
-from hsd_opt.drafters.bigram import (BigramDrafter, BigramTable, build_bigram_table, load_or_build_bigram_table,
-                                     table_path, unigram_from_weights)
+from hsd_opt.drafters.bigram import (
+    BigramDrafter,
+    build_bigram_table,
+    load_or_build_bigram_table,
+    table_path,
+    unigram_from_weights,
+)
 from hsd_opt.drafters.mixed import MixedNgramDrafter, mixed_greedy_decode, verify_batch, verify_batch_greedy
 from hsd_opt.drafters.ngram import ContextNgramDrafter
 from hsd_opt.errors import HsdError
@@ -112,6 +117,7 @@ def test_bigram_table_equals_direct_model_calls(model, table):
             np.testing.assert_allclose(table.probs[x], top.values.numpy(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bigram_table_with_bos(model):
     t = build_bigram_table(model, top_k=4, bos_id=1, batch_size=7, progress=False, vocab_size=20)
     assert t.meta["bos_id"] == 1
@@ -188,6 +194,7 @@ def test_mixed_rows_ngram_first_then_bigram(table):
     assert m.propose(ctx, 2) == [8, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,w", [(1, 3), (4, 3), (6, 5)])
 def test_mixed_greedy_equals_target_greedy(model, table, k, w):
     prompt = [3, 17, 42, 3, 17, 9, 25, 3]
@@ -270,6 +277,7 @@ def test_multi_draft_sampling_is_lossless():
     assert 0.5 * float((emp - joint).abs().sum()) < 0.06
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ngram", "bigram", "aded"])
 def test_each_drafter_greedy_equals_target_greedy(model, table, kind):
     from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix

@@ -1,4 +1,4 @@
-"""ADED (seed 004): tri-gram matrix (Eq. 1), Algorithm 2 update, MCTS draft maker (Algorithm 1), drafter."""
+"""ADED (arXiv 2407.12021): tri-gram matrix (Eq. 1), Algorithm 2 update, MCTS draft maker (Algorithm 1), drafter."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from tests.conftest import make_tiny_llama
+from tests.helpers import make_tiny_llama
 
 
 def _reference(model, ids):

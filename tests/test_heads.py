@@ -1,4 +1,4 @@
-"""Trained exit heads (issue 4) on tiny randomly initialised Llamas: training, the file format, refusal of a
+"""Trained exit heads on tiny randomly initialised Llamas: training, the file format, refusal of a
 file made for another model, reduced-vocabulary heads, the layered engine with loaded heads, resume, CLI errors."""
 
 from __future__ import annotations
@@ -7,11 +7,19 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.conftest import make_tiny_llama
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.heads import (HeadsModelMismatch, RawHead, TranslatorHead, evaluate_heads, load_heads, parse_layers,
-                           save_heads, train_heads)
+from hsd_opt.heads import (
+    HeadsModelMismatch,
+    RawHead,
+    TranslatorHead,
+    evaluate_heads,
+    load_heads,
+    parse_layers,
+    save_heads,
+    train_heads,
+)
+from tests.helpers import make_tiny_llama
 
 LAYERS = [1, 2, 3]
 

@@ -13,50 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from hsd_opt.cli import app
 from hsd_opt.engine import quantized as qmod
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_profile
-from hsd_opt.profiler.prompts import load_prompts
-from hsd_opt.profiler.run import NeuralDrafter, ProfileConfig, parse_layers, profile_sequence, run_profile
+from hsd_opt.profiler.measure import profile_sequence
+from hsd_opt.profiler.pool import NeuralDrafter, parse_layers
+from hsd_opt.profiler.run import ProfileConfig, run_profile
 from hsd_opt.profiler.stats import PairStats
-from tests.conftest import make_tiny_llama
+from hsd_opt.prompts import load_prompts
+from tests.helpers import make_tiny_llama, run_cli, save_tiny, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 # One torch thread in every profile run of this file: float32 reductions split over 2 threads differ from 1
 # thread (each torchrun rank's) in the 7th digit, and the exact-merge comparisons below would see it.
 FAST = ["--tmax", "3", "--cost-repeats", "1", "--quiet", "--threads", "1"]
-
-
-def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4) -> Path:
-    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``) saved as a model directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": 4 + i for i in range(n_words)})
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    model = make_tiny_llama(seed=seed, vocab_size=len(vocab), layers=layers, scale=8.0)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
-    fast.save_pretrained(str(path))
-    return path
-
-
-def write_prompts(path: Path, n: int = 5, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    tasks = ["code", "math", "chat"]
-    with open(path, "w") as f:
-        for i in range(n):
-            words = " ".join(f"w{int(x)}" for x in rng.integers(0, 12, size=int(rng.integers(4, 12))))
-            f.write(json.dumps({"prompt": words, "task": tasks[i % 3]}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +49,7 @@ def _isolate(tmp_path_factory, monkeypatch):
 
 
 def _cli(args):
-    r = CliRunner().invoke(app, args)
-    return r
+    return run_cli(*args)
 
 
 def _stats(path: Path) -> PairStats:
@@ -180,7 +151,7 @@ def test_pairstats_merge_flat_json_and_ci():
 def test_results_keep_every_drafter_target_pair_whatever_the_measured_costs():
     """A drafter that times dearer than the target (a tiny model on a loaded machine) keeps its acceptance
     against the target, and the target never appears as a drafter."""
-    from hsd_opt.profiler.run import results_from_stats
+    from hsd_opt.profiler.assemble import results_from_stats
 
     st = PairStats(["layer1", "layer2", "layer4"], ["ngram"], ["code"])
     rng = np.random.default_rng(0)
@@ -231,7 +202,8 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     names = prof.names
     assert prof.target == "layer4"
     quantized = {"int8", "int4"} if qmod.kernels_available("cpu") else set()   # the default --quantized
-    assert {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "lookup", "bigram", "aded"} | quantized == set(names)
+    pool = {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "lookup", "bigram", "aded"}
+    assert pool | quantized == set(names)
     assert 0 < prof.entry("lookup").draft_rate < 1 and prof.entry("ngram").draft_rate == 1   # it abstained sometimes
     st = PairStats.from_dict(prof.extra["stats"])
     assert prof.entry("lookup").draft_rate == pytest.approx(
@@ -254,7 +226,7 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     assert len(prof.verify_cost["layer4"]["layer1"]) == 4
     assert prof.verify_cost["layer4"]["layer1"][0] < prof.cost_curve["layer4"][0]
     pv = prof.extra["provenance"]
-    assert pv["prompts_sha256"] == load_prompts(tiny["prompts"])[1]
+    assert pv["prompts_sha256"] == load_prompts(tiny["prompts"]).sha256
     assert pv["prompt_count"] == 5 and pv["generated_tokens"] > 0 and pv["heads"] is None
     assert set(prof.extra["acceptance_by_task"]) <= {"code", "math", "chat"}
     assert "ci95" in prof.extra and "greedy_agreement" in prof.extra and "counts" in prof.extra
@@ -267,7 +239,8 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     for k in (0, 1):
         out = tmp_path / f"shard{k}.json"
         r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
-                  "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters", "ngram,lookup,bigram,aded",
+                  "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]),
+                  "--token-drafters", "ngram,lookup,bigram,aded",
                   "--shard", f"{k}/2", "--device", "cpu"] + FAST)
         assert r.exit_code == 0, r.output
         parts.append(out)
@@ -296,7 +269,8 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
 def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     def cfg(out, **kw):
         base = dict(model=str(tiny["model"]), out=out, prompts=tiny["prompts"], max_new_tokens=6, device="cpu",
-                    token_drafters=["ngram", "aded"], tmax=2, cost_repeats=1, curve_repeats=1, progress=False)
+                    token_drafters=["ngram", "aded"], tmax=2, cost_repeats=1, curve_repeats=1, progress=False,
+                    threads=1)  # a fixed thread count: auto picks 1 on a busy machine, and sums differ with it
         base.update(kw)
         return ProfileConfig(**base)
 
@@ -334,6 +308,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_torchrun_two_gloo_ranks_equal_single_run(full_run, tiny, tmp_path):
     out = tmp_path / "dist.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -386,11 +361,11 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
 
 
 def test_default_suite_is_packaged_and_valid():
-    items, sha, _ = load_prompts(None)
-    assert len(items) >= 8 and {"code", "math", "chat", "summarization"} <= {it.task for it in items}
+    suite = load_prompts(None)
+    assert len(suite.items) >= 8 and {"code", "math", "chat", "summarization"} <= set(suite.tasks)
+    # data/prompts.jsonl is the packaged suite itself (a link), not a copy that could drift
     repo_copy = REPO / "data" / "prompts.jsonl"
-    if repo_copy.exists():
-        assert repo_copy.read_bytes() == (REPO / "hsd_opt" / "data" / "prompts.jsonl").read_bytes()
+    assert repo_copy.resolve() == (REPO / "hsd_opt" / "data" / "prompts.jsonl").resolve()
 
 
 def test_trained_heads_are_used_and_recorded(tiny, tmp_path):
@@ -429,7 +404,7 @@ def test_trained_heads_are_used_and_recorded(tiny, tmp_path):
 
 
 def test_pairwise_overlap_blocks_and_batched_heads():
-    from hsd_opt.profiler.run import _exit_logits, pairwise_overlap
+    from hsd_opt.profiler.measure import exit_logits, pairwise_overlap
 
     P = torch.softmax(torch.randn(5, 3, 23) * 2, -1)
     got = pairwise_overlap(P, block=4)                                 # ragged last block
@@ -442,18 +417,19 @@ def test_pairwise_overlap_blocks_and_batched_heads():
     neural = [NeuralDrafter(f"layer{b}", "early_exit", eng, b) for b in (1, 2, 3)]
     hid = {id(eng): eng.hidden_states(list(range(3, 12)), [1, 2, 3])}
     rows = torch.tensor([2, 5, 7])
-    lgs = _exit_logits(neural, hid, rows)
+    lgs = exit_logits(neural, hid, rows)
     for nd, lg in zip(neural, lgs):
         assert torch.allclose(lg, eng.head(hid[id(eng)][nd.boundary][rows], nd.boundary), atol=1e-5)
     assert torch.count_nonzero(lgs[1]) == 0                            # the trained head of exit 2 was used
 
 
+@pytest.mark.slow
 def test_verify_curve_runs_lower_layers_on_the_last_draft():
     """A verify pass of exit b over drafts of exit a < b runs layers a..b-1 on every position and layers 0..a-1
     on the last draft only (the drafter never fed it back in): the engine's own work accounting says so too."""
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.profiler.costs import LayerCosts
-    from tests.conftest import make_tiny_llama
+    from tests.helpers import make_tiny_llama
 
     layer = [[1.0 * (l + 1) * t for t in range(1, 5)] for l in range(4)]  # layer l on t tokens: (l+1)*t s
     lc = LayerCosts(step={}, layer=layer, base=[0.0] * 4, head={-1: [0.5] * 4})
@@ -478,10 +454,11 @@ def test_verify_curve_runs_lower_layers_on_the_last_draft():
     assert lc.curve(2, 4) == [0.5 + 3.0 * t for t in range(1, 5)]    # exits keep the per-layer model
 
 
+@pytest.mark.slow
 def test_measure_costs_times_the_whole_model_at_every_t():
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.profiler.costs import measure_costs
-    from tests.conftest import make_tiny_llama
+    from tests.helpers import make_tiny_llama
 
     lc = measure_costs(LayeredLM(make_tiny_llama(seed=7)), [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1)
     assert len(lc.full) == 4 and all(x > 0 for x in lc.full)

@@ -15,7 +15,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM, QuantLinear, parse_quantized, quant_spec
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
-from tests.conftest import make_tiny_llama
+from tests.helpers import make_tiny_llama, save_tiny, write_prompts
 
 runner = CliRunner()
 
@@ -81,6 +81,7 @@ def _q4_ready(model):
     return m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_engine_tracks_the_float_model(tiny, bits):
     model = tiny if bits == 8 else _q4_ready(tiny)
@@ -107,6 +108,7 @@ def test_quantized_engine_tracks_the_float_model(tiny, bits):
     assert (inc.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
     """The TorchScript layer stack computes exactly what the per-layer Python path computes: the same caches and
@@ -148,6 +150,7 @@ def test_dequantized_fallback_matches_packed_kernels(tiny, monkeypatch):
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("chain,budgets", [(["int4"], [6]), (["ngram", "int8"], [1, 4]),
                                            (["int4", "int8"], [2, 5]), (["layer2", "int4"], [1, 3])])
@@ -232,14 +235,10 @@ def test_share_prompt_copies_the_targets_cache_and_computes_the_last_position(ti
 
 
 def _save_tiny(path):
-    from tests.test_profiler import save_tiny
-
     return save_tiny(path, layers=2)
 
 
 def test_profile_solve_run_with_quantized_drafter(tmp_path, monkeypatch):
-    from tests.test_profiler import write_prompts
-
     monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
     model = _save_tiny(tmp_path / "m")
     prompts = write_prompts(tmp_path / "p.jsonl", n=3)
@@ -268,7 +267,8 @@ def test_profile_solve_run_with_quantized_drafter(tmp_path, monkeypatch):
     row = json.loads(out.read_text())
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
-    from hsd_opt.runtime.runner import encode_prompt, hsd_for_plan
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
 
     loaded = load_model(str(model), device="cpu")
     ar = hsd_for_plan(load_plan(plan_path), loaded, hierarchy=["layer2"], budgets=[])

@@ -12,7 +12,7 @@ import torch
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level, process_logits
-from tests.conftest import make_tiny_llama
+from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,49 +22,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-class CycleDrafter:
-    """A deterministic token drafter for tests: proposes ``(last + k * step) % V`` continuations and sometimes
-    copies the token that followed the last token earlier in the context (so it is right now and then)."""
-
-    name, kind, can_verify = "cycle", "test", False
-
-    def __init__(self, vocab: int, step: int = 7):
-        self.vocab, self.step, self.observed = vocab, step, 0
-
-    def reset(self, prompt_ids):
-        self.observed = 0
-
-    def propose(self, context, n):
-        ctx = list(context)
-        out = []
-        for _ in range(n):
-            last = ctx[-1]
-            nxt = None
-            for i in range(len(ctx) - 2, -1, -1):
-                if ctx[i] == last:
-                    nxt = ctx[i + 1]
-                    break
-            if nxt is None:
-                nxt = (last + self.step) % self.vocab
-            out.append(nxt)
-            ctx.append(nxt)
-        return out
-
-    def observe(self, context, accepted):
-        self.observed += len(accepted)
-
-
-class AbstainingCycleDrafter(CycleDrafter):
-    """:class:`CycleDrafter` that may abstain: by context length mod 3 it proposes nothing, half a block or a
-    whole block (deterministic, so the draft distribution stays one-hot)."""
-
-    name, may_abstain = "abstaining", True
-
-    def propose(self, context, n):
-        keep = (0, n, max(1, n // 2))[len(context) % 3]
-        return super().propose(context, n)[:keep]
 
 
 def _ar(lm, prompt, n, eos=()):
@@ -87,6 +44,7 @@ def _random_hierarchy(rng, lm, other, vocab):
     return levels, budgets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_greedy_lossless_tiny_random_hierarchies(seed):
     rng = random.Random(seed)
@@ -113,13 +71,15 @@ def test_greedy_lossless_tiny_random_hierarchies(seed):
                 assert res.stats["stopped"] == ("eos" if eos and want[-1] == eos_tok else "max_new_tokens")
 
 
+@pytest.mark.slow
 def test_greedy_lossless_fixed_depths_and_acceptance():
     """Depth 2, 3 and 4 exit chains with several budgets; the exits agree with the target often enough that
     multi-token acceptances happen (checked), and the engine state is reused across prompts."""
     model = make_tiny_llama(seed=11, vocab_size=32, layers=8, scale=8.0)
     lm = LayeredLM(model)
     prompts = [[5, 9, 3], [7] * 5, list(range(4, 20))]
-    chains = [([6], [[1], [3], [8]]), ([3, 6], [[1, 2], [2, 5], [4, 4]]), ([2, 4, 7], [[1, 1, 1], [2, 3, 6], [3, 3, 9]])]
+    chains = [([6], [[1], [3], [8]]), ([3, 6], [[1, 2], [2, 5], [4, 4]]),
+              ([2, 4, 7], [[1, 1, 1], [2, 3, 6], [3, 3, 9]])]
     any_multi = False
     for exits, budget_sets in chains:
         levels = [Level(f"layer{b}", lm, b) for b in exits] + [Level("layer8", lm, 8)]

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
-from tests.conftest import make_tiny_llama
+from tests.helpers import make_tiny_llama
 
 runner = CliRunner()
 
@@ -50,9 +49,10 @@ def _plan(path, model_dir, hierarchy=("layer1", "layer2", "layer4"), budgets=(2,
 
 
 def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
-    from hsd_opt.models.loading import load_model
-    from hsd_opt.runtime.runner import encode_prompt, hsd_for_plan
     from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
 
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer1", "layer2", "layer4"),
                  budgets=(1, 2, 3))

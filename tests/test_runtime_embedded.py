@@ -13,10 +13,11 @@ import torch
 
 from hsd_opt.drafters import make_token_drafter
 from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.models.loading import eos_token_ids as eos_ids
+from hsd_opt.prompts import encode_prompt, load_prompts
 from hsd_opt.runtime.decode import HSD, Level
-from hsd_opt.runtime.runner import encode_prompt, eos_ids, load_prompts
 
-N_NEW = 16  # ~1 min on an idle 2-core CPU; ~6 min when the machine is shared (load ~10)
+N_NEW = 16  # tokens per prompt in the per-depth tests (three prompts)
 N_SUITE = 12  # tokens per prompt on the whole suite (24 prompts)
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "data" / "prompts.jsonl"
@@ -29,10 +30,9 @@ SOLVED_PLAN = REPO / "benchmarks" / "results" / "runtime_bench_lookup_plan.json"
 def setup(embedded):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the test machine's 2 cores are shared; one thread is faster under load
-    rows = load_prompts(SUITE)
     by_task: dict[str, str] = {}
-    for r in rows:
-        by_task.setdefault(r.get("task", "?"), r["prompt"])
+    for it in load_prompts(SUITE).items:
+        by_task.setdefault(it.task, it.prompt)
     prompts = [encode_prompt(embedded.tokenizer, by_task[t]) for t in ("code", "math", "chat") if t in by_task]
     lm = LayeredLM(embedded.model)
     eos = eos_ids(embedded)
@@ -111,7 +111,7 @@ def test_our_ar_equals_hf_generate(setup):
 def whole_suite(setup):
     """Every prompt of the suite, encoded, with our AR greedy reference of ``N_SUITE`` tokens."""
     loaded, lm, eos, _, _ = setup
-    prompts = [encode_prompt(loaded.tokenizer, r["prompt"]) for r in load_prompts(SUITE)]
+    prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(SUITE).texts]
     ar = HSD([Level("layer30", lm, 30)], [], eos_ids=eos)
     return prompts, [ar.generate(p, N_SUITE).token_ids for p in prompts]
 

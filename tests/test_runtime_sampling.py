@@ -11,11 +11,12 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.runtime.decode import HSD, Level, process_logits
-from tests.conftest import make_tiny_llama
-from tests.test_runtime import AbstainingCycleDrafter, CycleDrafter
+from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
 PROMPT = [3, 5, 7]
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

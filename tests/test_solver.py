@@ -1,20 +1,24 @@
-"""dp == lp (scipy HiGHS) == brute force on random small instances; gamma; graph; costs; ranking."""
+"""dp == lp (scipy HiGHS) == brute force on random small instances; gamma; graph; costs; ranking; optima per
+depth and the min-gain choice; the solver's import structure."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hsd_opt.errors import HsdError
 from hsd_opt.solver import build_gsp_graph, gamma, gamma_table, hierarchy_latency
-from hsd_opt.solver.api import optimum
+from hsd_opt.solver.api import optimum, solve
 from hsd_opt.solver.brute import brute_ranked
-from hsd_opt.solver.dp import dp_ranked
-from hsd_opt.solver.instance import build_instance, cost_order
+from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
+from hsd_opt.solver.hierarchy import cost_order
+from hsd_opt.solver.instance import build_instance
 from hsd_opt.solver.latency import curve_at, round_counts, round_tables, verify_cost
-from tests.solver_helpers import random_profile
+from tests.helpers import random_profile
 
 REL = 1e-9
 
@@ -317,9 +321,8 @@ def test_bad_arguments():
 
 
 def test_target_alone_when_drafters_do_not_pay():
-    from hsd_opt.formats import plan_from_dict
+    from hsd_opt.formats import plan_from_dict, profile_from_dict
     from hsd_opt.solver import solve
-    from hsd_opt.formats import profile_from_dict
     d = {"format": "hsd-profile/1", "target": "t",
          "models": [{"name": "a", "cost": 0.6}, {"name": "t", "cost": 1.0}], "acceptance": {"a": {"t": 0.05}}}
     p = profile_from_dict(d)[0]
@@ -332,7 +335,7 @@ def test_target_alone_when_drafters_do_not_pay():
 def test_best_early_exit_baseline_is_the_best_exit_pair():
     """``baselines.best_early_exit`` is the best [exit, target] pair by enumeration, and absent without exits."""
     from hsd_opt.formats import profile_from_dict
-    from hsd_opt.solver import evaluate, solve
+    from hsd_opt.solver import evaluate
 
     d = {"format": "hsd-profile/1", "target": "layer8",
          "models": [{"name": "ngram", "kind": "ngram_context", "cost": 1e-4, "can_verify": False},
@@ -352,3 +355,142 @@ def test_best_early_exit_baseline_is_the_best_exit_pair():
     d["models"] = [m for m in d["models"] if m["kind"] != "early_exit"]
     d["acceptance"] = {k: v for k, v in d["acceptance"].items() if not k.startswith("layer")}
     assert "best_early_exit" not in solve(profile_from_dict(d, "<t>")[0], 6).baselines
+
+
+# ------------------------------------------------------------------------------ optima per depth and min-gain
+
+
+def _same_plan(a, b):
+    return (a.hierarchy, a.budgets, a.latency) == (b.hierarchy, b.budgets, b.latency)
+
+
+def _depth_cases():
+    for seed in range(120):
+        rng = np.random.default_rng(21000 + seed)
+        prof = random_profile(rng, int(rng.integers(1, 8)), abstaining=seed % 3 == 1, non_verifying=seed % 3 == 2,
+                              verify_cost=seed % 2 == 0, cost_curve=seed % 5 == 0,
+                              missing=float(rng.uniform(0.0, 0.4)))
+        yield seed, prof, int(rng.integers(1, 9))
+
+
+def test_optima_by_depth_equal_the_depth_limited_optimum():
+    """One layered pass gives, for every depth d, exactly the plan of ``optimum(..., max_depth=d)``: same
+    hierarchy, budgets and latency (ties broken the same way), with and without a depth limit."""
+    for seed, prof, tmax in _depth_cases():
+        inst = build_instance(prof, tmax)
+        D = len(inst.names)
+        for max_depth in (None, 1, 2, 3, D + 3):
+            by_depth = dp_by_depth(inst, max_depth)
+            assert len(by_depth) == (D + 1 if max_depth is None else min(max_depth, D + 1)), (seed, max_depth)
+            for d, sol in enumerate(by_depth, start=1):
+                want = optimum(prof, tmax, "dp", max_depth=d)
+                assert _same_plan(sol, want), (seed, max_depth, d, sol, want)
+                assert len(sol.hierarchy) <= d
+        assert _same_plan(dp_by_depth(inst)[-1], dp(inst))
+
+
+def _min_gain_by_one_solve_per_depth(prof, tmax, solver, max_depth, min_gain):
+    """Reference for the min-gain rule: one solve per depth. A deeper optimum replaces the plan chosen so far
+    only if it is at least a fraction ``min_gain`` faster; the best single draft stands against the target
+    alone without the margin; depths up to that of the exact optimum."""
+    exact = optimum(prof, tmax, solver, max_depth)
+    if min_gain == 0 or len(exact.hierarchy) <= 2:
+        return exact, exact
+    chosen = optimum(prof, tmax, solver, 2)
+    for d in range(3, len(exact.hierarchy) + 1):
+        s = optimum(prof, tmax, solver, d)
+        if s.latency <= chosen.latency * (1.0 - min_gain):
+            chosen = s
+    return chosen, exact
+
+
+def test_min_gain_choice_matches_one_solve_per_depth():
+    shallower = 0
+    for seed, prof, tmax in _depth_cases():
+        for max_depth in (None, 3):
+            for g in (0.0, 0.005, 0.03, 0.1, 0.3):
+                want, exact = _min_gain_by_one_solve_per_depth(prof, tmax, "dp", max_depth, g)
+                plan = solve(prof, tmax, max_depth=max_depth, top=1, min_gain=g)
+                assert (plan.hierarchy, plan.budgets, plan.expected_latency) == \
+                    (want.hierarchy, want.budgets, want.latency), (seed, max_depth, g)
+                if exact.hierarchy != want.hierarchy:
+                    shallower += 1
+                    ex = plan.extra["exact_optimum"]
+                    assert (ex["hierarchy"], ex["budgets"], ex["expected_latency"]) == \
+                        (exact.hierarchy, exact.budgets, exact.latency)
+                else:
+                    assert "exact_optimum" not in plan.extra
+    assert shallower > 20          # the rule did choose a shallower plan in many of these instances
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_gain_with_brute_matches_one_solve_per_depth(seed):
+    rng = np.random.default_rng(23000 + seed)
+    prof = random_profile(rng, 4, abstaining=seed % 2 == 1, missing=0.05)
+    for g in (0.01, 0.05):
+        want, _ = _min_gain_by_one_solve_per_depth(prof, 4, "brute", None, g)
+        plan = solve(prof, 4, solver="brute", top=1, min_gain=g)
+        assert (plan.hierarchy, plan.budgets, plan.expected_latency) == (want.hierarchy, want.budgets, want.latency)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ranked_dp_matches_enumeration_on_larger_pools(seed):
+    """Six or seven drafters and long budgets: many candidate chains per vertex, the top 8 still exact."""
+    rng = np.random.default_rng(25000 + seed)
+    prof = random_profile(rng, 6 + seed % 2, abstaining=seed % 3 == 0, verify_cost=seed % 2 == 0, missing=0.05)
+    tmax = 5 if seed % 2 else 6
+    md = None if seed % 4 else 4
+    got = dp_ranked(build_instance(prof, tmax), 8, md)
+    want = brute_ranked(prof, tmax, md)[:8]
+    assert [g.latency for g in got] == pytest.approx([w.latency for w in want], rel=REL)
+    assert len({tuple(g.hierarchy) for g in got}) == len(got)
+    for g in got:
+        assert math.isclose(hierarchy_latency(prof, g.hierarchy, g.budgets), g.latency, rel_tol=REL)
+
+
+# ----------------------------------------------------------------------------------------- import structure
+
+
+def test_solver_imports_flow_one_way():
+    """Inside hsd_opt.solver: no import cycle (module level or in a function) and no module imports another
+    module's private (underscore) names."""
+    pkg = Path(__file__).resolve().parent.parent / "hsd_opt" / "solver"
+    deps: dict[str, set[str]] = {}
+    for path in pkg.glob("*.py"):
+        mod = path.stem
+        deps[mod] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hsd_opt.solver."):
+                other = node.module.split(".")[2]
+                deps[mod].add(other)
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{mod} imports private {private} from {other}"
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        assert state.get(m) != 1, f"import cycle: {' -> '.join(stack + [m])}"
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for o in deps.get(m, ()):
+            visit(o, stack + [m])
+        state[m] = 2
+
+    for m in deps:
+        visit(m, [])
+    assert "hierarchy" in deps["latency"] and not deps["hierarchy"]
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_ranked_dp_any_top_matches_enumeration(seed):
+    """Every list length: the ``top`` best distinct hierarchies are the first ``top`` of the enumeration."""
+    rng = np.random.default_rng(27000 + seed)
+    prof = random_profile(rng, int(rng.integers(2, 7)), non_verifying=seed % 3 == 0, abstaining=seed % 3 == 1,
+                          verify_cost=seed % 2 == 0, missing=float(rng.uniform(0.0, 0.4)))
+    tmax = int(rng.integers(1, 7))
+    inst = build_instance(prof, tmax)
+    for md in (None, 3):
+        want = brute_ranked(prof, tmax, md)
+        for top in (1, 2, 3, 5):
+            got = dp_ranked(inst, top, md)
+            assert [g.latency for g in got] == pytest.approx([w.latency for w in want[:top]], rel=REL), (md, top)

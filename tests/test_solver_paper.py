@@ -1,4 +1,5 @@
-"""The paper's numbers: DESIGN.md section 3 check values (App. B.3), Table 9 (App. B.4), simulation."""
+"""The numbers of the HSD paper ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705): the
+check values of App. B.3, Table 8, Table 9 (App. B.4); and the Monte-Carlo check of the latency model."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def test_table8_second_example():
     """Table 8 (paper): 33.00, 19.31, 15.45, 14.61, 14.46, 14.40 for 1..6 models. The 1- and 2-model values
     involve no gamma and must match to the printed digits. With 3+ models the paper's *empirically estimated*
     gamma (its Algorithm 1 hands up every accepted token, possibly more than T) gives lower latencies than the
-    exact gamma of DESIGN.md section 3 (ours: 17.10, 15.58, 15.52, 15.52), as in Table 1 (10.89 vs 11.21);
-    we only require that ours is never below the paper's and still improves with more models."""
+    exact gamma of docs/design.md#rounds-and-gamma (ours: 17.10, 15.58, 15.52, 15.52), as in Table 1 (10.89 vs
+    11.21); we only require that ours is never below the paper's and still improves with more models."""
     p, _ = load_profile(DATA / "example_profile_table7.json")
     names = ["m6", "m5", "m4", "m3", "m2", "m1"]
     paper = [33.00, 19.31, 15.45, 14.61, 14.46, 14.40]

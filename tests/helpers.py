@@ -1,0 +1,177 @@
+"""What several test files share: tiny models, the CLI with its output, deterministic token drafters, random
+solver instances. Plain functions and classes (fixtures live in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from typer.testing import CliRunner
+
+from hsd_opt.formats import Profile, profile_from_dict
+
+# ------------------------------------------------------------------------------------------------ tiny models
+
+
+def make_tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 4, hidden: int = 32, heads: int = 4,
+                    kv_heads: int = 2, scale: float = 1.0):
+    """A randomly initialised ``LlamaForCausalLM`` small enough for exhaustive tests (float32, CPU, eval).
+
+    ``scale`` multiplies the initial weight std (larger = peakier next-token distributions).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=512, initializer_range=0.02 * scale, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4) -> Path:
+    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``) saved as a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": 4 + i for i in range(n_words)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    model = make_tiny_llama(seed=seed, vocab_size=len(vocab), layers=layers, scale=8.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    fast.save_pretrained(str(path))
+    return path
+
+
+def write_prompts(path: Path, n: int = 5, seed: int = 0) -> Path:
+    """``n`` prompts of random words ``w0 .. w11`` (tasks code, math, chat in turn) as a JSON-lines file."""
+    rng = np.random.default_rng(seed)
+    tasks = ["code", "math", "chat"]
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in rng.integers(0, 12, size=int(rng.integers(4, 12))))
+            f.write(json.dumps({"prompt": words, "task": tasks[i % 3]}) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def run_cli(*args):
+    """Invoke ``hsd`` in-process with ``args`` (converted to strings); returns click's ``Result``."""
+    from hsd_opt.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def cli_output(res) -> str:
+    """stdout and stderr of a :func:`run_cli` result together (click >= 8.2 keeps both in ``output``)."""
+    return res.output + (getattr(res, "stderr", "") if getattr(res, "stderr_bytes", None) else "")
+
+
+# ------------------------------------------------------------------------------------------------ token drafters
+
+
+class CycleDrafter:
+    """A deterministic token drafter: proposes ``(last + k * step) % V`` continuations and sometimes copies the
+    token that followed the last token earlier in the context (so it is right now and then)."""
+
+    name, kind, can_verify = "cycle", "test", False
+
+    def __init__(self, vocab: int, step: int = 7):
+        self.vocab, self.step, self.observed = vocab, step, 0
+
+    def reset(self, prompt_ids):
+        self.observed = 0
+
+    def propose(self, context, n):
+        ctx = list(context)
+        out = []
+        for _ in range(n):
+            last = ctx[-1]
+            nxt = None
+            for i in range(len(ctx) - 2, -1, -1):
+                if ctx[i] == last:
+                    nxt = ctx[i + 1]
+                    break
+            if nxt is None:
+                nxt = (last + self.step) % self.vocab
+            out.append(nxt)
+            ctx.append(nxt)
+        return out
+
+    def observe(self, context, accepted):
+        self.observed += len(accepted)
+
+
+class AbstainingCycleDrafter(CycleDrafter):
+    """:class:`CycleDrafter` that may abstain: by context length mod 3 it proposes nothing, half a block or a
+    whole block (deterministic, so the draft distribution stays one-hot)."""
+
+    name, may_abstain = "abstaining", True
+
+    def propose(self, context, n):
+        keep = (0, n, max(1, n // 2))[len(context) % 3]
+        return super().propose(context, n)[:keep]
+
+
+# ------------------------------------------------------------------------------------------------ solver instances
+
+
+def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: bool = False,
+                   verify_cost: bool = False, cost_curve: bool = False, missing: float = 0.2,
+                   abstaining: bool = False) -> Profile:
+    """A target ``t`` (cost 1.0) and ``n_drafters`` drafters ``d0..`` with random costs (seconds),
+    acceptances (some pairs missing), optionally drafters that cannot verify (``abstaining``: most of those
+    get a ``draft_rate`` below 1), pair verify costs (scalars or curves) and cost curves. Models are listed
+    in random order (the solver sorts by cost itself)."""
+    costs = rng.uniform(0.005, 0.9, n_drafters)
+    names = [f"d{i}" for i in range(n_drafters)]
+    models = [{"name": n, "kind": "model", "cost": float(c),
+               "can_verify": bool(not (non_verifying or abstaining) or rng.random() > 0.4)}
+              for n, c in zip(names, costs)]
+    if abstaining:
+        for m in models:
+            if not m["can_verify"] and rng.random() < 0.8:
+                m["draft_rate"] = float(rng.uniform(0.05, 0.95))
+    models.append({"name": "t", "kind": "target", "cost": 1.0, "can_verify": True})
+    rng.shuffle(models)
+    allc = {m["name"]: m["cost"] for m in models}
+    acc: dict = {}
+    for lo in names:
+        for hi in names + ["t"]:
+            if lo == hi or allc[lo] >= allc[hi]:
+                continue
+            if hi != "t" and rng.random() < missing:
+                continue
+            if hi == "t" and rng.random() < missing / 2:
+                continue
+            base = 0.25 + 0.7 * (allc[lo] / allc[hi]) ** 0.3
+            acc.setdefault(lo, {})[hi] = float(np.clip(base + rng.normal(0, 0.1), 0.0, 1.0))
+    d = {"format": "hsd-profile/1", "target": "t", "models": models, "acceptance": acc}
+    if verify_cost:
+        vc: dict = {}
+        for lo, row in acc.items():
+            for hi in row:
+                if rng.random() < 0.5:
+                    if rng.random() < 0.5:
+                        vc.setdefault(hi, {})[lo] = float(allc[hi] * rng.uniform(0.3, 1.2))
+                    else:
+                        n = int(rng.integers(1, 5))
+                        vc.setdefault(hi, {})[lo] = [float(allc[hi] * (1 + 0.1 * k) * rng.uniform(0.5, 1.0))
+                                                     for k in range(n)]
+        d["verify_cost"] = vc
+    if cost_curve:
+        cc = {}
+        for n in names + ["t"]:
+            if rng.random() < 0.6:
+                L = int(rng.integers(1, 6))
+                cc[n] = [float(allc[n] * (1 + rng.uniform(0, 0.15) * k)) for k in range(L)]
+        d["cost_curve"] = cc
+    return profile_from_dict(d, "<random>")[0]

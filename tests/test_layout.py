@@ -1,0 +1,180 @@
+"""The package's structure: imports flow one way, no module takes another's private names, no process labels.
+
+Layers, lowest first (a module imports only from its own layer or below, and subpackages form no cycle):
+
+0. ``errors``, ``jsonio``, ``console``
+1. ``formats``, ``prompts``
+2. ``solver``, ``engine``, ``drafters``, ``models``
+3. ``runtime``, ``profiler``, ``heads``
+4. ``server``
+5. ``commands``, ``cli``, ``__main__``
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "hsd_opt"
+LAYERS = {
+    "errors": 0, "jsonio": 0, "console": 0,
+    "formats": 1, "prompts": 1,
+    "solver": 2, "engine": 2, "drafters": 2, "models": 2,
+    "runtime": 3, "profiler": 3, "heads": 3,
+    "server": 4,
+    "commands": 5, "cli": 5, "__main__": 5,
+}
+
+
+def _unit(module: str) -> str | None:
+    """``hsd_opt.solver.dp`` -> ``solver``; ``hsd_opt`` itself -> None (the package root re-exports)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "hsd_opt" else None
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        yield name, ast.parse(path.read_text(), str(path))
+
+
+def _imports(tree: ast.AST, module: str):
+    """``(imported module, names)`` of every import anywhere in the module (functions included)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                pkg = module.split(".")[: len(module.split(".")) - node.level + (1 if _is_pkg(module) else 0)]
+                base = ".".join(pkg + ([base] if base else []))
+            yield base, [a.name for a in node.names]
+
+
+def _is_pkg(module: str) -> bool:
+    return (REPO / Path(*module.split(".")) / "__init__.py").exists()
+
+
+def test_every_module_has_a_layer():
+    units = {_unit(m) for m, _ in _modules()} - {None}
+    assert units <= set(LAYERS), f"add {sorted(units - set(LAYERS))} to LAYERS"
+
+
+def test_imports_flow_down_the_layers():
+    bad = []
+    for mod, tree in _modules():
+        src = _unit(mod)
+        if src is None:
+            continue
+        for target, _ in _imports(tree, mod):
+            dst = _unit(target)
+            if dst is not None and dst != src and LAYERS[dst] > LAYERS[src]:
+                bad.append(f"{mod} imports {target} (layer {LAYERS[dst]} above {LAYERS[src]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_subpackages_import_each_other_without_a_cycle():
+    graph: dict[str, set[str]] = {}
+    for mod, tree in _modules():
+        src = _unit(mod)
+        for target, _ in _imports(tree, mod):
+            dst = _unit(target)
+            if src and dst and dst != src:
+                graph.setdefault(src, set()).add(dst)
+    seen, stack = set(), []
+
+    def visit(u):
+        if u in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(u):] + [u]))
+        if u in seen:
+            return
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            visit(v)
+        stack.pop()
+        seen.add(u)
+
+    for u in sorted(graph):
+        visit(u)
+
+
+def test_modules_inside_a_subpackage_import_each_other_without_a_cycle():
+    graph: dict[str, set[str]] = {}
+    for mod, tree in _modules():
+        for target, names in _imports(tree, mod):
+            if not target.startswith("hsd_opt."):
+                continue
+            for t in [target] + [f"{target}.{n}" for n in names]:
+                if (REPO / Path(*t.split("."))).with_suffix(".py").exists() and t != mod:
+                    graph.setdefault(mod, set()).add(t)
+    state: dict[str, int] = {}
+
+    def visit(u, path):
+        if state.get(u) == 1:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(u):] + [u]))
+        if state.get(u) == 2:
+            return
+        state[u] = 1
+        for v in sorted(graph.get(u, ())):
+            visit(v, path + [u])
+        state[u] = 2
+
+    for u in sorted(graph):
+        visit(u, [])
+
+
+def test_no_module_takes_another_modules_private_names():
+    bad = []
+    for mod, tree in _modules():
+        for target, names in _imports(tree, mod):
+            if target.startswith("hsd_opt") and target != mod:
+                bad += [f"{mod}: from {target} import {n}" for n in names if n.startswith("_") and n != "__version__"]
+    assert not bad, "\n".join(bad)
+
+
+LOWER_LAYERS = ["hsd_opt.solver", "hsd_opt.engine.quantized", "hsd_opt.drafters", "hsd_opt.models.loading",
+                "hsd_opt.heads", "hsd_opt.profiler.run", "hsd_opt.runtime.runner", "hsd_opt.runtime.bench"]
+
+
+def test_lower_layers_do_not_import_the_cli():
+    """Importing the layers under the CLI, one after the other in a fresh interpreter, never imports typer,
+    ``hsd_opt.cli`` or ``hsd_opt.commands`` (the first module that does is named)."""
+    code = ("import importlib, sys\n"
+            f"for m in {LOWER_LAYERS!r}:\n"
+            "    importlib.import_module(m)\n"
+            "    bad = [n for n in sys.modules if n in ('typer', 'hsd_opt.cli') or n.startswith('hsd_opt.commands')]\n"
+            "    if bad:\n"
+            "        print(m, 'imported', ','.join(bad)); break\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == ""
+
+
+# Process labels have no meaning to a reader of the repository: papers are cited by title and arXiv id, the design
+# by docs/design.md. (The patterns are assembled here so that this file does not match them itself.)
+SHARED_NOTES = "DESIGN" + ".md"
+LABELS = re.compile("|".join(["se" + r"ed 00[0-9]", "iss" + r"ue [0-9]", "the bri" + "ef", "we were giv" + "en",
+                              re.escape(SHARED_NOTES)]), re.IGNORECASE)
+
+
+def test_no_process_labels_in_the_repository():
+    roots = [PKG, REPO / "tests", REPO / "benchmarks", REPO / "docs", REPO / "data", REPO / "README.md"]
+    files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*"))
+             if p.is_file() and p.suffix in (".py", ".md", ".toml", ".txt", ".json", ".jsonl")]
+    hits = []
+    for p in files:
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            for m in LABELS.finditer(line):
+                if m.group(0) == SHARED_NOTES or m.group(0).lower() != SHARED_NOTES.lower():  # docs/design.md is ours
+                    hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:100]}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_package_ships_its_type_marker_and_suite():
+    assert (PKG / "py.typed").is_file()
+    assert (PKG / "data" / "prompts.jsonl").is_file()
