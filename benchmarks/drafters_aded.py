@@ -1,4 +1,4 @@
-"""ADED's MCTS cost per call vs its iteration count, against the target's forward time (seed 004 + issue 6).
+"""ADED's MCTS cost per call vs its iteration count, against the target's forward time (ADED, arXiv 2407.12021).
 
 1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 64 tokens for the first 3 prompts
    of every task of data/prompts.jsonl (cached in /tmp/hsdbench).
@@ -27,8 +27,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drafters_common import (RESULTS, greedy_generations, load_model, machine_load, simulate_greedy,  # noqa: E402
-                             summarize, target_forward_seconds)
+from drafters_common import (  # noqa: E402
+    RESULTS,
+    greedy_generations,
+    load_model,
+    machine_load,
+    simulate_greedy,
+    summarize,
+    target_forward_seconds,
+)
 
 from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix  # noqa: E402
 from hsd_opt.drafters.bigram import BigramDrafter, BigramTable  # noqa: E402

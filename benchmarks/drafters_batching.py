@@ -1,4 +1,4 @@
-"""Where does batching stop being free on this machine? (seed 002, N-Grammys, Sec. 3)
+"""Where does batching stop being free on this machine? (N-Grammys paper, arXiv 2411.03786, Sec. 3)
 
 Times one target forward on an input block of ``k`` rows x ``(w + 1)`` new tokens after a KV cache of
 ``l`` context tokens (the cache repeated to ``k`` rows), relative to ``(k, w) = (1, 0)``, i.e. plain greedy

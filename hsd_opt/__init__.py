@@ -17,7 +17,6 @@ from hsd_opt.formats import (
     save_plan,
     save_profile,
 )
-
 from hsd_opt.solver import build_gsp_graph, evaluate, gamma, hierarchy_latency, simulate, solve
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Learning-free drafters (issue 6): context n-grams, model bigram, mixed batches, ADED.
+"""Learning-free drafters: context n-grams, model bigram, mixed batches, ADED
+(``docs/design.md#token-drafters``).
 
 All implement :class:`hsd_opt.drafters.base.TokenDrafter`. :func:`make_token_drafter` rebuilds one from the
 ``config()`` dict stored in a profile / plan entry, e.g.::

@@ -1,4 +1,5 @@
-"""ADED drafter (seed 004): adaptive tri-gram matrix + MCTS draft maker.
+"""The ADED drafter ("Adaptive Draft-Verification for Efficient Large Language Model Decoding", arXiv
+2407.12021): an adaptive tri-gram matrix and an MCTS draft maker. See ``docs/design.md#token-drafters``.
 
 * :class:`TrigramMatrix` — Eq. (1): ``P(c | a, b) = C(a, b, c) / C(a, b)`` counted over a corpus of token
   sequences. Tri-grams seen fewer than ``threshold`` times are dropped (the appendix's "threshold for the
@@ -190,7 +191,8 @@ class MctsDraftMaker:
     def __init__(self, matrix: TrigramMatrix, iterations: int = 150, c1: float = 32.0, c2: float = 8.0,
                  depth: int = 4, n_candidates: int = 24, max_children: int = 16, seed: int = 0):
         self.matrix, self.iterations, self.c1, self.c2 = matrix, int(iterations), float(c1), float(c2)
-        self.depth, self.n_candidates, self.max_children, self.seed = int(depth), int(n_candidates), int(max_children), int(seed)
+        self.depth, self.n_candidates = int(depth), int(n_candidates)
+        self.max_children, self.seed = int(max_children), int(seed)
 
     def _untried(self, a: int, b: int) -> tuple[list[int], list[float]]:
         toks, vals = self.matrix.candidates(a, b)
@@ -210,7 +212,8 @@ class MctsDraftMaker:
                 best, best_v = ch, v
         return best
 
-    def search(self, a: int, b: int, depth: int | None = None, iterations: int | None = None) -> list[tuple[list[int], float]]:
+    def search(self, a: int, b: int, depth: int | None = None,
+               iterations: int | None = None) -> list[tuple[list[int], float]]:
         """Ranked ``(tokens, score)`` continuations after the context tail ``(a, b)``, each ``<= depth`` long.
 
         Every token follows the matrix support (or its backoff). Empty list when ``(a, b)`` has no successor.
@@ -315,7 +318,8 @@ class AdedDrafter(TokenDrafter):
         self.matrix = matrix if isinstance(matrix, TrigramMatrix) else TrigramMatrix.load(matrix, backoff=backoff)
         self.matrix.backoff = backoff
         self.maker = MctsDraftMaker(self.matrix, iterations, c1, c2, depth, n_candidates, max_children, seed)
-        self.adapt, self.increment, self.max_prob, self.max_length = adapt, float(increment), float(max_prob), int(max_length)
+        self.adapt, self.increment = adapt, float(increment)
+        self.max_prob, self.max_length = float(max_prob), int(max_length)
         self.name = name
         self._memo: tuple | None = None
 

@@ -1,17 +1,16 @@
-"""Model-derived unigram and bigram drafters (seed 002, N-Grammys, Sec. 4.1 and App. B.1).
+"""Model-derived unigram and bigram drafters (N-Grammys paper, arXiv 2411.03786, Sec. 4.1 and App. B.1).
 
 * **Bigram**: ``p_M(. | x)`` for every token ``x`` of the vocabulary, from ONE forward of the causal LM on the
   single-token context ``[x]`` (batched: ``input_ids`` of shape ``[batch, 1]``). Only the ``top_k`` most
   likely next tokens per row are kept: ``ids [V, top_k] int32`` and ``probs [V, top_k] float32`` (probabilities
   under the full-vocabulary softmax, so rows sum to <= 1).
 
-  BOS choice: by default a one-token prefix IS prepended: the row of ``x`` is ``p_M(. | bos, x)`` with
-  ``bos = model.config.bos_token_id`` (``bos_id="auto"``; pass an id or None to override). Measured on SmolLM2
-  (the prompt suite's 815 prompt tokens, agreement of the row's argmax with the model's full-context argmax):
-  no prefix 3.2% top-1 / 15.2% top-5 (at position 0 the model predicts '-' or ',' after almost every token, an
-  attention-sink artefact), ``<|im_start|>`` (its config BOS, id 1) 13.3% / 35.0%, ``<|endoftext|>`` (id 0)
-  12.3% / 34.8%, a newline 15.3% / 36.1%. The prefix's KV cache is computed once and shared by every batch,
-  so the build costs the same as without it. The id used is stored in the file and in the cache key.
+  BOS choice: by default a one-token prefix IS prepended: the row of ``x`` is ``p_M(. | bos, x)`` with ``bos =
+  model.config.bos_token_id`` (``bos_id="auto"``; pass an id or None to override). Without a prefix, position 0 is
+  an attention sink (the model predicts punctuation after almost every token) and the rows agree far less often with
+  the model's full-context argmax (the comparison is in ``docs/results.md``). The prefix's KV cache is computed once
+  and shared by every batch, so the build costs the same as without it. The id used is stored in the file and in the
+  cache key.
 
 * **Unigram** (q = 0): ``d(x) = ||u_x - u_mean||_V`` with ``u_x`` the output (LM-head) embedding of ``x``,
   ``u_mean`` their mean, and ``<a, b>_V = a^T C b`` with ``C = E^T E / |X|`` from the input embeddings ``E``
@@ -174,7 +173,7 @@ class BigramTable:
 
 # ---- building -------------------------------------------------------------------------------------------
 def unigram_from_weights(model, keep: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-    """Seed 002 Sec. 4.1 unigram from the embeddings: ``(ids [keep], logp [keep])``, best first.
+    """The N-Grammys unigram (Sec. 4.1) from the embeddings: ``(ids [keep], logp [keep])``, best first.
 
     ``d(x) = sqrt((u_x - u_mean)^T C (u_x - u_mean))``, ``C = E^T E / |X|`` (input embeddings ``E [V, d]``),
     ``u`` the output embeddings (LM-head rows ``[V, d]``), ``log p(x) = -d(x) - logsumexp(-d)``.

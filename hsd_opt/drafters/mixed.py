@@ -1,4 +1,4 @@
-"""Mixed batched drafts and their one-call verification (seed 002, N-Grammys, Sec. 4.3).
+"""Mixed batched drafts and their one-call verification (N-Grammys paper, arXiv 2411.03786, Sec. 4.3).
 
 A batch is ``k`` rows of ``w`` draft tokens: first as many distinct context n-gram continuations as the
 context offers (possibly zero), then rows of the extended model bigram (deduplicated) fill the rest.

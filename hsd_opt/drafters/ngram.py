@@ -1,4 +1,4 @@
-"""Context-derived n-gram drafter (seed 002, N-Grammys, Sec. 4.2 and App. B.2).
+"""Context-derived n-gram drafter (N-Grammys paper, arXiv 2411.03786, Sec. 4.2 and App. B.2).
 
 For the last ``q`` tokens of the context (the query), find ALL earlier occurrences of that q-gram in the
 context; the ``w`` tokens that follow an occurrence are a candidate continuation. Candidates are ranked by
@@ -18,8 +18,8 @@ Choices where the paper is silent (documented here, tested in tests/test_drafter
   ``propose_batch`` pads missing rows with copies of ``propose(context, w)``.
 * ``abstain=True`` (prompt-lookup style, the default pool's ``lookup``): no fallback; ``propose`` returns ``[]``
   when no q-gram with ``q >= min_q`` has a full continuation. The guesses the fallback makes are rarely right
-  (on the suite's greedy continuations, 0.02 against 0.71 where a 2-gram matches), so the level above is better
-  off taking its own step there.
+  (far less often than a matched 2-gram's continuation), so the level above is better off taking its own step
+  there.
 
 Index: ``positions[q][gram]`` = increasing list of positions ``i`` with ``seq[i-q:i] == gram`` (the continuation
 starts at ``i``). It is kept in sync incrementally with the context passed to any call (append when the
@@ -35,7 +35,7 @@ from hsd_opt.drafters.base import TokenDrafter
 
 
 class ContextNgramDrafter(TokenDrafter):
-    """Seed 002 Sec. 4.2 context matcher.
+    """The N-Grammys context matcher (Sec. 4.2).
 
     Args:
         q: query length (last q context tokens), backing off down to ``min_q``.
@@ -52,7 +52,8 @@ class ContextNgramDrafter(TokenDrafter):
                  abstain: bool = False):
         if q < 1 or min_q < 1 or min_q > q:
             raise ValueError(f"need 1 <= min_q <= q, got q={q}, min_q={min_q}")
-        self.q, self.w, self.min_q, self.max_occurrences, self.name = int(q), int(w), int(min_q), int(max_occurrences), name
+        self.q, self.w, self.min_q, self.max_occurrences = int(q), int(w), int(min_q), int(max_occurrences)
+        self.name = name
         self.abstain = self.may_abstain = bool(abstain)
         self._seq: list[int] = []
         self._pos: dict[int, dict[tuple, list[int]]] = {qq: {} for qq in range(1, self.q + 1)}
