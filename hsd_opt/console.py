@@ -31,9 +31,10 @@ def error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {message}", markup=True)
 
 
-def progress_bar(transient: bool = False):
-    """A started :class:`rich.progress.Progress` on stderr with a bar, count, elapsed time and ETA; call
-    ``.stop()`` when done."""
+def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""):
+    """A :class:`rich.progress.Progress` on stderr: description, bar, count, elapsed time and ETA (``fields``: a
+    template of extra task fields shown before the times, e.g. ``"loss {task.fields[loss]}"``). Use it as a
+    context manager, or ``start()``/``stop()`` it; ``enabled=False`` shows nothing."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -43,7 +44,7 @@ def progress_bar(transient: bool = False):
         TimeRemainingColumn,
     )
 
-    p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                 TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=transient)
-    p.start()
-    return p
+    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    cols += [TextColumn(fields)] if fields else []
+    cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    return Progress(*cols, console=err_console, transient=transient, disable=not enabled)

@@ -37,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
 from hsd_opt.errors import HsdError
 
@@ -250,9 +251,10 @@ def build_bigram_table(
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    bar = _progress(progress)
+    bar = progress_bar(progress)
+    bar.start()
     try:
-        task = bar.add_task("bigram table", total=V) if bar else None
+        task = bar.add_task("bigram table", total=V)
         with torch.inference_mode():
             prefix = _prefix_cache(model, bos_id, device) if bos_id is not None else None
             for s in range(0, V, batch_size):
@@ -271,27 +273,14 @@ def build_bigram_table(
                 top = torch.topk(lp, top_k, dim=-1)
                 ids[s:e] = top.indices.cpu().numpy()
                 probs[s:e] = top.values.exp().cpu().numpy()
-                if bar:
-                    bar.update(task, advance=e - s)
+                bar.update(task, advance=e - s)
     finally:
-        if bar:
-            bar.stop()
+        bar.stop()
         model.train(was_training)
     uni_ids, uni_logp = unigram_from_weights(model)
     meta = {"top_k": top_k, "bos_id": bos_id, "vocab_size": V, "build_seconds": time.perf_counter() - t0,
             "batch_size": batch_size}
     return BigramTable(ids, probs, uni_ids, uni_logp, meta)
-
-
-def _progress(enabled: bool):
-    if not enabled:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                 transient=False)
-    p.start()
-    return p
 
 
 def load_or_build_bigram_table(

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from hsd_opt.console import progress_bar
 from hsd_opt.jsonio import read_json, write_json
 from hsd_opt.prompts import encode_prompt
 
@@ -85,13 +86,11 @@ def _generate_batched(model, encoded, new, eos, temperature, top_p, seed, batch_
     One batched forward per step is far cheaper per token than batch-1 decoding on a CPU, and this loop avoids
     ``generate``'s per-step overheads. Sequences stop at EOS; each gets at most ``new`` tokens.
     """
-    from rich.progress import Progress
-
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seqs: list[list[int]] = []
     plens: list[int] = []
-    with Progress(disable=not progress, transient=True) as prog:
+    with progress_bar(progress, transient=True) as prog:
         task = prog.add_task("generating training text", total=len(encoded) * new)
         for i in range(0, len(encoded), batch_size):
             batch = encoded[i: i + batch_size]

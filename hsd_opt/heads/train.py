@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from hsd_opt.console import progress_bar
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.heads.data import sequences_sha256, split_indices
@@ -234,15 +235,6 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
 
 def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
            checkpoint_every, evaluate, progress, say) -> TrainResult:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     n = lm.n_layers
     V = lm.vocab_size
     kind, rank, K = settings["kind"], settings["rank"] or 64, settings["vocab_subset"]
@@ -319,9 +311,7 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
 
     t_run = time.time()
     last_ck = time.time()
-    cols = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*cols, disable=not progress, transient=False) as prog:
+    with progress_bar(progress, fields="loss {task.fields[loss]}") as prog:
         task = prog.add_task(f"training {len(layers)} heads", total=total_steps, completed=step, loss="-")
         for epoch in range(epoch0, settings["epochs"]):
             order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))

@@ -184,6 +184,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         from hsd_opt.console import progress_bar
 
         progress = progress_bar()
+        progress.start()
     t_prof = time.perf_counter()
     try:
         # generate: the target's continuations (checkpointed; they are also ADED's default corpus)
