@@ -71,8 +71,13 @@ def run_cli(*args):
 
 
 def cli_output(res) -> str:
-    """stdout and stderr of a :func:`run_cli` result together (click >= 8.2 keeps both in ``output``)."""
-    return res.output + (getattr(res, "stderr", "") if getattr(res, "stderr_bytes", None) else "")
+    """stdout and stderr of a :func:`run_cli` result together, each once (click >= 8.2 already interleaves
+    stderr into ``output``; older versions keep it apart)."""
+    try:
+        err = res.stderr
+    except ValueError:  # stderr not captured separately
+        err = ""
+    return res.output if err in res.output else res.output + err
 
 
 # ------------------------------------------------------------------------------------------------ token drafters

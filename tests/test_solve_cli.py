@@ -6,22 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from hsd_opt.cli import app
 from hsd_opt.formats import load_plan, load_profile
+from tests.helpers import cli_output, run_cli
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def out_of(res) -> str:
-    """stdout and stderr together (click >= 8.2 keeps both in ``output``)."""
-    return res.output + (getattr(res, "stderr", "") if getattr(res, "stderr_bytes", None) else "")
+run = run_cli
+out_of = cli_output
 
 
 def good_profile() -> dict:
