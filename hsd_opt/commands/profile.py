@@ -14,7 +14,10 @@ from hsd_opt.console import console, err_console, warn
 
 def acceptance_table(prof, max_rows: int = 64) -> Table:
     """Rich table: per drafter, its cost, acceptance / greedy agreement against the target, and the 95% CI."""
-    t = Table(title=f"acceptance against the target {prof.target} (cost = one warm decode step)")
+    pv = prof.extra.get("provenance") or {}
+    how = (f"sampling at temperature {pv['temperature']:g}, top-p {pv.get('top_p', 1.0):g}"
+           if pv.get("temperature") else "greedy")
+    t = Table(title=f"acceptance against the target {prof.target}, {how} (cost = one warm decode step)")
     for c, j in (("drafter", "left"), ("kind", "left"), ("cost ms", "right"), ("accept", "right"),
                  ("95% CI", "right"), ("greedy agree", "right"), ("n", "right")):
         t.add_column(c, justify=j)
@@ -71,6 +74,8 @@ def profile_cmd(
     no_aded: bool = typer.Option(False, "--no-aded", help="Leave the ADED drafter out."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy continuations (acceptance "
                                                                  "then uses softmax(logits)); > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] after the temperature, as `hsd run "
+                                                     "--top-p` samples (needs --temperature > 0)."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Tokens the target generates per "
                                                                     "prompt (fewer at EOS)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -122,7 +127,7 @@ def profile_cmd(
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
                         quantized=quantized,
-                        token_drafters=explicit, heads=heads, temperature=temperature,
+                        token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)

@@ -9,27 +9,46 @@ from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import ModelEntry, Profile
+from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
-MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "max_new_tokens", "raw", "dtype", "layers",
-                "draft_models", "quantized", "token_drafters")
+MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "max_new_tokens", "raw", "dtype",
+                "layers", "draft_models", "quantized", "token_drafters")
 
 
-def draft_rate(stats: PairStats, token: str) -> float:
-    """Share of the positions where token drafter ``token`` proposed (1 for a drafter that never abstains; a
-    floor of 1e-6 for one that never proposed, whose acceptance is then not measured)."""
-    calls = stats.counters.get(f"propose_calls.{token}", 0.0)
-    if calls <= 0:
-        return 1.0
-    return min(1.0, max(1e-6, stats.proposals(token) / calls))
+def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float | None:
+    """Share of the positions where token drafter ``token`` proposed, over all tasks or in ``task`` (1 for a
+    drafter that never abstains; a floor of 1e-6 for one that never proposed, whose acceptance is then not
+    measured). A token drafter is called once per generated position, so its calls in a task are the task's
+    generated tokens; None for a task whose count was not recorded (profiles made before it was)."""
+    if task is None:
+        calls = stats.counters.get(f"propose_calls.{token}", 0.0)
+        if calls <= 0:
+            return 1.0
+    else:
+        calls = stats.counters.get(f"generated_tokens.{task}", 0.0)
+        if calls <= 0:
+            return None
+    return min(1.0, max(1e-6, stats.proposals(token, task) / calls))
+
+
+def positions_by_task(stats: PairStats) -> dict[str, int]:
+    """Generated positions per task: the recorded count, else the largest pair count of the task (profiles made
+    before the count was recorded)."""
+    out = {}
+    for k, t in enumerate(stats.tasks):
+        c = stats.counters.get(f"generated_tokens.{t}")
+        out[t] = int(c) if c is not None else (int(stats.nn[3, k].max()) if stats.nn.size else 0)
+    return out
 
 
 def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool],
                        target: str) -> dict[str, Any]:
     """acceptance / greedy_agreement / counts / ci95 / acceptance_by_task for ``drafter`` before ``verifier`` in
-    ``order`` (cheapest first) where the verifier can verify.
+    ``order`` (cheapest first) where the verifier can verify, and ``draft_rate_by_task[task][drafter]`` for the
+    token drafters that abstain somewhere (the solver's per-task view, ``docs/design.md#plans-per-task``).
 
     The target verifies every drafter and drafts for none, wherever its measured cost puts it in ``order``: on a
     tiny or loaded machine a drafter can time dearer than the target, and its pair with the target must still be
@@ -55,8 +74,19 @@ def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[
                 at = stats.acceptance(d, v, t)
                 if at is not None:
                     by_task[t].setdefault(d, {})[v] = at
-    return {"acceptance": acc, "greedy_agreement": agr, "counts": cnt, "ci95": ci,
-            "acceptance_by_task": {t: v for t, v in by_task.items() if v}}
+    rates: dict[str, dict[str, float]] = {}
+    for tok in stats.token:
+        if draft_rate(stats, tok) >= 1.0:
+            continue
+        for t in stats.tasks:
+            r = draft_rate(stats, tok, t)
+            if r is not None:
+                rates.setdefault(t, {})[tok] = r
+    out = {"acceptance": acc, "greedy_agreement": agr, "counts": cnt, "ci95": ci,
+           "acceptance_by_task": {t: v for t, v in by_task.items() if v}}
+    if rates:
+        out["draft_rate_by_task"] = rates
+    return out
 
 
 def quantization_entry(qeng) -> dict[str, Any]:
@@ -128,9 +158,9 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     for p, prof in profs[1:]:
         prov = prof.extra.get("provenance", {})
         for f in MERGE_FIELDS:
-            if prov.get(f) != prov0.get(f):
-                raise InputFileError(str(p), f"cannot merge: {f} = {prov.get(f)!r} but {p0} has {prov0.get(f)!r}",
-                                     f"provenance.{f}")
+            if setting(prov, f) != setting(prov0, f):
+                raise InputFileError(str(p), f"cannot merge: {f} = {setting(prov, f)!r} but {p0} has "
+                                             f"{setting(prov0, f)!r}", f"provenance.{f}")
         if prof.target != first.target:
             raise InputFileError(str(p), f"cannot merge: target {prof.target!r} but {p0} has {first.target!r}",
                                  "target")
@@ -149,6 +179,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
     extra = dict(first.extra)
+    extra.pop("draft_rate_by_task", None)
     extra.update({k: v for k, v in res.items() if k != "acceptance"})
     extra["stats"] = stats.to_dict()
     prov = dict(prov0)
@@ -156,6 +187,6 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "prompt_count": int(stats.counters.get("prompts", 0)),
                  "prompt_tokens": int(stats.counters.get("prompt_tokens", 0)),
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
-                 "costs_from": str(p0)})
+                 "positions_by_task": positions_by_task(stats), "costs_from": str(p0)})
     extra["provenance"] = prov
     return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra)

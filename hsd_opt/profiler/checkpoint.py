@@ -14,9 +14,16 @@ from hsd_opt.profiler.stats import PairStats
 
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
-RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "max_new_tokens", "raw",
-                 "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard", "max_prompts",
-                 "world_size")
+RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "max_new_tokens",
+                 "raw", "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard",
+                 "max_prompts", "world_size")
+#: The value a setting had before it was recorded (files written before ``top_p`` existed sampled without it).
+SETTING_DEFAULTS = {"top_p": 1.0}
+
+
+def setting(settings: dict[str, Any], name: str) -> Any:
+    """``settings[name]``, or its :data:`SETTING_DEFAULTS` value when a file made before it existed lacks it."""
+    return settings.get(name, SETTING_DEFAULTS.get(name))
 
 
 def partial_path(out: Path, rank: int, world: int) -> Path:
@@ -59,10 +66,11 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                                  "format")
         theirs = d.get("settings", {})
         for f in RESUME_FIELDS:
-            if theirs.get(f) != settings.get(f):
-                raise InputFileError(str(path), f"this checkpoint was made with {f} = {theirs.get(f)!r}, this run "
-                                                f"has {settings.get(f)!r}; rerun without --resume (or delete it) "
-                                                f"to start over", f"settings.{f}")
+            was, now = setting(theirs, f), setting(settings, f)
+            if was != now:
+                raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
+                                                f"rerun without --resume (or delete it) to start over",
+                                     f"settings.{f}")
         ck.stats = PairStats.from_dict(d["stats"])
         ck.done = [int(x) for x in d.get("done", [])]
         ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}

@@ -4,14 +4,15 @@ every generated position, reduced to per-position acceptance and greedy agreemen
 For each prompt of the suite:
 
 1. the target generates a continuation with its own layered engine (greedy at ``temperature == 0``, else
-   sampling from ``softmax(logits / T)`` with a seeded generator), stopping at EOS or ``max_new_tokens``;
+   sampling with a seeded generator from the runtime's processed distribution: ``softmax(logits / T)``, then
+   top-p, :func:`~hsd_opt.runtime.decode.process_logits`), stopping at EOS or ``max_new_tokens``;
 2. ONE teacher-forced pass over prompt + continuation keeps the residual stream at every exit boundary
    (:meth:`LayeredLM.hidden_states`); draft models and quantized copies run their own pass;
 3. in chunks of ``chunk`` positions, each drafter's next-token distribution at every generated position is
-   computed (exit head -> ``softmax(logits / T)``; at ``T == 0`` the plain ``softmax(logits)`` is used for the
-   acceptance and ``argmax`` for greedy agreement), and for every pair the per-position
-   ``sum_x min(p_i(x), p_j(x))`` and argmax agreement are computed. Only ``[N, chunk, V]`` probabilities exist at
-   a time; nothing vocab-sized is kept across chunks;
+   computed (exit head -> ``softmax(logits / T)`` then top-p, as speculative sampling sees it at every level; at
+   ``T == 0`` the plain ``softmax(logits)`` is used for the acceptance and ``argmax`` for greedy agreement), and
+   for every pair the per-position ``sum_x min(p_i(x), p_j(x))`` and argmax agreement are computed. Only
+   ``[N, chunk, V]`` probabilities exist at a time; nothing vocab-sized is kept across chunks;
 4. token drafters propose one token at every generated position from the true context (``reset`` with the
    prompt, ``observe`` fed the true continuation as it goes, as at run time); their acceptance against
    verifier j is ``p_j(proposal)`` and agreement is ``proposal == argmax p_j``.
@@ -28,12 +29,14 @@ import numpy as np
 import torch
 
 from hsd_opt.profiler.pool import NeuralDrafter
+from hsd_opt.runtime.decode import process_logits
 
 
 @torch.no_grad()
 def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, eos: set[int],
-             generator: torch.Generator | None = None) -> list[int]:
-    """The target's continuation of ``prompt_ids`` (greedy at T = 0), up to and including an EOS token."""
+             generator: torch.Generator | None = None, top_p: float = 1.0) -> list[int]:
+    """The target's continuation of ``prompt_ids`` (greedy at T = 0, else sampled from the distribution processed
+    with ``temperature`` and ``top_p``), up to and including an EOS token."""
     n = eng.n_layers
     st = eng.new_state(len(prompt_ids) + max_new_tokens + 1)
     eng.append(st, list(prompt_ids))
@@ -42,7 +45,7 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
         eng.advance(st, n)
         logits = eng.logits(st, n, st.n - 1, st.n)[0]
         if temperature > 0:
-            probs = torch.softmax(logits / temperature, -1)
+            probs = process_logits(logits[None], temperature, top_p)[0]
             tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         else:
             tok = int(torch.argmax(logits))
@@ -95,13 +98,17 @@ def pairwise_overlap(P: torch.Tensor, block: int = 2048) -> torch.Tensor:
     return out
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+def _probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities ``[m, V]`` a drafter's logits stand for: the runtime's processing at ``temperature > 0``
+    (temperature, then top-p), the plain ``softmax(logits)`` at 0."""
+    if temperature > 0:
+        return process_logits(logits, temperature, top_p)
+    return torch.softmax(logits, dim=-1)
 
 
 @torch.no_grad()
 def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, prompt_ids: Sequence[int],
-                     continuation: Sequence[int], temperature: float, chunk: int = 16):
+                     continuation: Sequence[int], temperature: float, chunk: int = 16, top_p: float = 1.0):
     """Per-position statistics of one prompt + continuation (see the module doc).
 
     Returns ``(acc_nn [N, N, G], agree_nn [N, N, G], acc_tn [T, N, G], agree_tn [T, N, G], propose_seconds[T])``
@@ -146,7 +153,7 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
         probs, am = [], []
         for lg in exit_logits(neural, hidden, r):
             am.append(lg.argmax(-1).cpu())
-            probs.append(_probs(lg, temperature).cpu())
+            probs.append(_probs(lg, temperature, top_p).cpu())
         Pm = torch.stack(probs)                     # [N, m, V]
         A = torch.stack(am)                         # [N, m]
         acc_nn[:, :, c0:c0 + m] = pairwise_overlap(Pm).double().numpy()

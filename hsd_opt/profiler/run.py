@@ -22,7 +22,7 @@ import torch
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
-from hsd_opt.profiler.assemble import build_profile
+from hsd_opt.profiler.assemble import build_profile, positions_by_task
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
@@ -46,6 +46,7 @@ class ProfileConfig:
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
     heads: Path | None = None
     temperature: float = 0.0
+    top_p: float = 1.0                              # nucleus mass applied after the temperature (sampling only)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
     device: str = "auto"
@@ -97,6 +98,10 @@ def _validate(cfg: ProfileConfig) -> None:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
         raise HsdError(f"--temperature: expected >= 0, got {cfg.temperature}")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise HsdError(f"--top-p: expected a value in (0, 1], got {cfg.top_p}")
+    if cfg.top_p < 1.0 and cfg.temperature == 0:
+        raise HsdError(f"--top-p {cfg.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
 
@@ -124,7 +129,8 @@ def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries,
     return {
         "model": lm.model_id, "revision": lm.revision, "heads": str(cfg.heads) if cfg.heads else None,
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
-        "temperature": float(cfg.temperature), "max_new_tokens": int(cfg.max_new_tokens), "raw": bool(cfg.raw),
+        "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "max_new_tokens": int(cfg.max_new_tokens),
+        "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": lm.dtype, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
         "quantized": [nd.name for nd in pool.neural if nd.kind == "quantized"],
@@ -168,6 +174,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     settings = _settings(cfg, lm, heads_sha, suite, boundaries, pool, world)
     token_names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
+    counters += [f"generated_tokens.{t}" for t in suite.tasks]      # per task: a token drafter's calls there
     counters += [f"propose_seconds.{n}" for n in token_names] + [f"propose_calls.{n}" for n in token_names]
     stats = PairStats([nd.name for nd in pool.neural], token_names, suite.tasks, counters)
 
@@ -195,7 +202,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             gen = None
             if cfg.temperature > 0:
                 gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + it.index)
-            ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen)
+            ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
+                                                       cfg.top_p)
             ck.save()
             if progress:
                 progress.update(gid, advance=1)
@@ -209,7 +217,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             ids = encode_item(lm, it, cfg.raw, suite.source)
             cont = ck.continuations[str(it.index)]
             acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
-                pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk)
+                pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p)
             st = ck.stats
             st.add_neural(it.task, acc_nn, agr_nn)
             if tds:
@@ -220,6 +228,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             st.count("prompts")
             st.count("prompt_tokens", len(ids))
             st.count("generated_tokens", len(cont))
+            st.count(f"generated_tokens.{it.task}", len(cont))
             st.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
             ck.done.append(it.index)
             ck.save()
@@ -262,10 +271,10 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "prompt_count": int(stats.counters["prompts"]),
         "prompt_tokens": int(stats.counters["prompt_tokens"]),
         "generated_tokens": int(stats.counters["generated_tokens"]),
-        "positions_by_task": {t: int(stats.nn[3, k].max()) if stats.nn.size else 0
-                              for k, t in enumerate(stats.tasks)},
-        "temperature_note": ("acceptance uses softmax(logits / T); at T = 0 the plain softmax(logits) (T = 1) "
-                             "for the TV acceptance and argmax for greedy_agreement"),
+        "positions_by_task": positions_by_task(stats),
+        "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
+                             "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
+                             "acceptance and argmax for greedy_agreement"),
         "cost_model": "exits: cost, cost_curve and verify_cost are sums of median per-layer timings; the whole "
                       "model (target, draft model, quantized copy): cost and cost_curve timed directly, verify "
                       "curves into the target scaled to them; all non-decreasing in t (docs/design.md#the-cost-"

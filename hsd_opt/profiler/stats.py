@@ -83,9 +83,12 @@ class PairStats:
         self.tn[AGREE, k] += g.sum(-1)
         self.tn[COUNT, k] += seen.sum(-1)
 
-    def proposals(self, token: str) -> float:
-        """Positions where token drafter ``token`` proposed (all tasks)."""
-        return float(self.tn[COUNT, :, self.token.index(token), 0].sum()) if self.neural else 0.0
+    def proposals(self, token: str, task: str | None = None) -> float:
+        """Positions where token drafter ``token`` proposed (all tasks, or one task)."""
+        if not self.neural:
+            return 0.0
+        sel = slice(None) if task is None else self.task_index(task)
+        return float(self.tn[COUNT, sel, self.token.index(token), 0].sum())
 
     def count(self, name: str, value: float = 1.0) -> None:
         self.counters[name] = self.counters.get(name, 0.0) + float(value)
