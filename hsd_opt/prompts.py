@@ -1,10 +1,21 @@
-"""Prompt files: reading and validating them, and turning a prompt into token ids.
+"""Prompt files: reading and validating them, and turning a prompt (or a conversation) into token ids.
 
-A prompt file is JSON lines ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``; ``task`` is
-optional (``"other"`` when absent) and groups the reports per task type. The project's own suite ships inside the
-package (``hsd_opt/data/prompts.jsonl``, read with importlib.resources; ``data/prompts.jsonl`` in the repository
-is a link to it), so every command finds it from any directory. The profiler, the runtime, the benchmarks and
-the heads trainer all read prompts through this module.
+A prompt file is JSON lines, one prompt per line, in either of two forms (they may be mixed):
+
+- ours: ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``; ``task`` is optional (``"other"``
+  when absent) and groups the reports per task type;
+- Spec-Bench's question format as it is: ``{"question_id": 82, "category": "writing", "turns": ["...", "..."]}``
+  (the benchmark of "Unlocking Efficiency in Large Language Model Inference: A Comprehensive Survey of
+  Speculative Decoding", arXiv 2401.07851). The task of such a line is its category GROUP: the eight MT-bench
+  categories (:data:`MT_BENCH_CATEGORIES`) form the group ``mt_bench``, every other category (translation,
+  summarization, qa, math_reasoning, rag) is its own group, which is how Spec-Bench reports. The raw category
+  is kept in :attr:`PromptItem.category` for a finer report.
+
+The prompt of an item is its first turn; a later turn is sent after the model's own answer to the previous one
+(:func:`conversation_ids`), as MT-bench does. The project's own suite ships inside the package
+(``hsd_opt/data/prompts.jsonl``, read with importlib.resources; ``data/prompts.jsonl`` in the repository is a link
+to it), so every command finds it from any directory. The profiler, the runtime, the benchmarks and the heads
+trainer all read prompts through this module.
 """
 
 from __future__ import annotations
@@ -14,21 +25,53 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import read_bytes
 
 DEFAULT_SUITE = "prompts.jsonl"
+#: Spec-Bench categories that come from MT-bench; they are reported together as the group ``mt_bench``.
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+MT_BENCH_GROUP = "mt_bench"
+#: What a report groups prompts by: ``group`` (the task: our ``task``, Spec-Bench's category group) or
+#: ``category`` (Spec-Bench's raw category; the task for our own lines).
+REPORT_KEYS = ("group", "category")
+#: Which turns of a multi-turn item are run: the first only, or every turn after the model's own answers.
+TURN_MODES = ("first", "all")
+_EXPECTED = ('expected {"prompt": "...", "task": "..."} or a Spec-Bench question {"question_id": ..., '
+             '"category": "...", "turns": ["...", ...]}')
 
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt of a suite: its text, task type and 0-based index in the file."""
+    """One prompt of a suite.
+
+    Attributes:
+        index: 0-based position in the file (blank lines skipped).
+        prompt: the text of the first user turn.
+        task: the task type (ours) or Spec-Bench category group: what reports group by.
+        category: Spec-Bench's raw category (the task for our own lines).
+        question_id: Spec-Bench's ``question_id`` (None for our own lines).
+        turns: every user turn, the first being ``prompt`` (one turn for our own lines).
+    """
 
     index: int
     prompt: str
     task: str
+    category: str = ""
+    question_id: Any = None
+    turns: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.category:
+            object.__setattr__(self, "category", self.task)
+        if not self.turns:
+            object.__setattr__(self, "turns", (self.prompt,))
+
+    def key(self, by: str = "group") -> str:
+        """What a report groups this item under: its task (``by="group"``) or its raw category."""
+        return self.category if by == "category" else self.task
 
 
 @dataclass(frozen=True)
@@ -50,18 +93,55 @@ class PromptSuite:
         return sorted({it.task for it in self.items})
 
 
+def spec_bench_group(category: str) -> str:
+    """The report group of a Spec-Bench category: ``mt_bench`` for the MT-bench ones, else the category."""
+    return MT_BENCH_GROUP if category in MT_BENCH_CATEGORIES else category
+
+
 def default_prompts_path() -> Path:
     """Path of the suite shipped in the package (``hsd_opt/data/prompts.jsonl``)."""
     ref = resources.files("hsd_opt").joinpath("data", DEFAULT_SUITE)
     return Path(str(ref))
 
 
+def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
+    """One line's object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
+    if not isinstance(obj, dict):
+        raise InputFileError(source, _EXPECTED, where)
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputFileError(source, '"prompt" must be a non-empty string', where)
+        task = obj.get("task", "other")
+        if not isinstance(task, str) or not task:
+            raise InputFileError(source, f'"task" must be a non-empty string, got {task!r}', where)
+        return PromptItem(index, prompt, task)
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise InputFileError(source, '"turns" must be a non-empty list of strings (Spec-Bench format)', where)
+        for k, t in enumerate(turns):
+            if not isinstance(t, str) or not t.strip():
+                raise InputFileError(source, f'"turns"[{k}] must be a non-empty string', where)
+        cat = obj.get("category")
+        if not isinstance(cat, str) or not cat:
+            raise InputFileError(source, f'"category" must be a non-empty string (Spec-Bench format), got {cat!r}',
+                                 where)
+        qid = obj.get("question_id")
+        if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (int, str))):
+            raise InputFileError(source, f'"question_id" must be an integer or a string, got {qid!r}', where)
+        return PromptItem(index, turns[0], spec_bench_group(cat), cat, qid, tuple(turns))
+    raise InputFileError(source, f'missing "prompt" (or Spec-Bench\'s "turns"): {_EXPECTED}', where)
+
+
 def load_prompts(path: str | Path | None = None) -> PromptSuite:
-    """Read and validate a prompt file; ``None`` means the suite shipped in the package.
+    """Read and validate a prompt file (ours or Spec-Bench's format); ``None`` means the suite shipped in the
+    package.
 
     Raises:
-        InputFileError: missing or empty file, a malformed line, a line without a non-empty string ``prompt``,
-            a ``task`` that is not a string (the message names the file and the line).
+        InputFileError: missing or empty file, a malformed line, a line in neither format, a line without a
+            non-empty ``prompt`` (ours) or ``turns`` and ``category`` (Spec-Bench), a bad ``task`` or
+            ``question_id`` (the message names the file and the line).
     """
     if path is None:
         p = default_prompts_path()
@@ -82,21 +162,82 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         try:
             obj: Any = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputFileError(str(p), f"malformed JSON ({e.msg} at column {e.colno}); expected "
-                                         '{"prompt": "...", "task": "..."}', where) from None
-        if not isinstance(obj, dict):
-            raise InputFileError(str(p), 'expected an object {"prompt": "...", "task": "..."}', where)
-        prompt = obj.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InputFileError(str(p), 'missing "prompt" (expected a non-empty string)', where)
-        task = obj.get("task", "other")
-        if not isinstance(task, str) or not task:
-            raise InputFileError(str(p), f'"task" must be a non-empty string, got {task!r}', where)
-        items.append(PromptItem(len(items), prompt, task))
+            raise InputFileError(str(p), f"malformed JSON ({e.msg} at column {e.colno}); {_EXPECTED}",
+                                 where) from None
+        items.append(_item(obj, len(items), str(p), where))
     if not items:
-        raise InputFileError(str(p), 'empty prompt file: no prompts (expected JSON lines {"prompt": "...", '
-                                     '"task": "..."})')
+        raise InputFileError(str(p), f"empty prompt file: no prompts ({_EXPECTED})")
     return PromptSuite(items, hashlib.sha256(raw).hexdigest(), source)
+
+
+def check_report_key(by: str) -> str:
+    """``by`` if it is one of :data:`REPORT_KEYS`, else a one-line :class:`HsdError` naming ``--by``."""
+    if by not in REPORT_KEYS:
+        raise HsdError(f"--by: expected {' or '.join(REPORT_KEYS)}, got {by!r}")
+    return by
+
+
+def check_turn_mode(turns: str) -> str:
+    """``turns`` if it is one of :data:`TURN_MODES`, else a one-line :class:`HsdError` naming ``--turns``."""
+    if turns not in TURN_MODES:
+        raise HsdError(f"--turns: expected {' or '.join(TURN_MODES)}, got {turns!r}")
+    return turns
+
+
+def select_items(items: Sequence[PromptItem], limit: int | None = None, per_task: int | None = None,
+                 by: str = "group") -> list[PromptItem]:
+    """A deterministic selection: the first ``per_task`` items of each task (or category, ``by="category"``) in
+    file order, then the first ``limit`` of those. None means no limit."""
+    for flag, n in (("--limit", limit), ("--limit-per-task", per_task)):
+        if n is not None and n < 1:
+            raise HsdError(f"{flag}: expected >= 1, got {n}")
+    out = list(items)
+    if per_task is not None:
+        seen: dict[str, int] = {}
+        picked = []
+        for it in out:
+            k = it.key(by)
+            if seen.get(k, 0) < per_task:
+                seen[k] = seen.get(k, 0) + 1
+                picked.append(it)
+        out = picked
+    return out[:limit] if limit is not None else out
+
+
+def user_turns(item: PromptItem, turns: str = "first") -> list[str]:
+    """The user turns of ``item`` that are run: the first only (``"first"``) or every one (``"all"``)."""
+    return list(item.turns if turns == "all" else item.turns[:1])
+
+
+def conversation_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = (), raw: bool = False) -> list[int]:
+    """Token ids of user turn ``len(answers)`` of a conversation: the user ``turns[:len(answers) + 1]`` with the
+    model's ``answers`` (decoded text) between them, through the tokenizer's chat template with the generation
+    prompt. With ``raw`` or a tokenizer without a template: the plain encoding of the texts joined by blank
+    lines. The first turn alone is :func:`encode_prompt`."""
+    n = len(answers) + 1
+    if len(turns) < n:
+        raise HsdError(f"conversation: {len(answers)} answers need at least {n} user turns, got {len(turns)}")
+    if n == 1:
+        return encode_prompt(tokenizer, turns[0], raw=raw)
+    if not raw and getattr(tokenizer, "chat_template", None):
+        msgs: list[dict[str, str]] = []
+        for k in range(n):
+            msgs.append({"role": "user", "content": turns[k]})
+            if k < len(answers):
+                msgs.append({"role": "assistant", "content": answers[k]})
+        return _chat_ids(tokenizer, msgs)
+    parts = [x for k in range(n) for x in ([turns[k], answers[k]] if k < len(answers) else [turns[k]])]
+    return encode_prompt(tokenizer, "\n\n".join(parts), raw=True)
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+        out = out["input_ids"]
+    ids = list(out)
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(x) for x in ids]
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
@@ -106,14 +247,7 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     if not isinstance(prompt, str) or not prompt.strip():
         raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
     if not raw and getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
-            out = out["input_ids"]
-        ids = list(out)
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        return [int(x) for x in ids]
+        return _chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     ids = [int(x) for x in tokenizer(prompt)["input_ids"]]
     if not ids:
         raise HsdError("empty prompt: it encodes to no tokens")
