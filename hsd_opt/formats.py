@@ -135,7 +135,8 @@ class Plan:
         expected_speedup: target cost / expected_latency.
         baselines: ``{"target_only": {...}, "best_single_draft": {...}, "best_early_exit": {...}}`` each with
             ``expected_latency`` (best_early_exit: the best two-level plan whose drafter is an early exit).
-        extra: every other field (target, solver, alternatives, profile provenance), kept on round-trip.
+        extra: every other field (target, solver, alternatives, profile provenance, the optional ``by_task``
+            section of plans per task), kept on round-trip.
     """
 
     tmax: int
@@ -149,6 +150,20 @@ class Plan:
     @property
     def target(self) -> str:
         return self.hierarchy[-1]
+
+    @property
+    def tasks(self) -> list[str]:
+        """Tasks with their own plan in the ``by_task`` section (sorted; empty without one)."""
+        return sorted(self.extra.get("by_task") or {})
+
+    def for_task(self, task: str | None) -> tuple[list[str], list[int], float, str]:
+        """``(hierarchy, budgets, expected_latency, which)`` to run a prompt of ``task`` with: the ``by_task``
+        entry of the task when the plan has one (``which = "by_task.<task>"``), else the plan itself
+        (``which = "plan"``; also for ``task=None``, an unknown task)."""
+        e = (self.extra.get("by_task") or {}).get(task) if task is not None else None
+        if e:
+            return list(e["hierarchy"]), list(e["budgets"]), float(e["expected_latency"]), f"by_task.{task}"
+        return list(self.hierarchy), list(self.budgets), self.expected_latency, "plan"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": PLAN_FORMAT, "tmax": self.tmax, "hierarchy": list(self.hierarchy),
@@ -324,6 +339,44 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     write_json(path, profile.to_dict())
 
 
+def _check_levels(d: dict, source: str, tmax: int, at: str = "") -> tuple[list[str], list[int]]:
+    """``hierarchy`` and ``budgets`` of a plan (or of its ``by_task`` entry at ``at``), validated."""
+    h = d.get("hierarchy")
+    if not isinstance(h, list) or not h or not all(isinstance(x, str) and x for x in h):
+        raise InputFileError(source, "expected a non-empty list of model names, target last", at + "hierarchy")
+    if len(set(h)) != len(h):
+        raise InputFileError(source, f"a model appears twice in {h}", at + "hierarchy")
+    b = d.get("budgets")
+    if not isinstance(b, list) or len(b) != len(h) - 1:
+        raise InputFileError(source, f"expected {len(h) - 1} budgets (one per level below the target)",
+                             at + "budgets")
+    for i, t in enumerate(b):
+        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= tmax:
+            raise InputFileError(source, f"expected an integer in 1..tmax={tmax}, got {t!r}", f"{at}budgets[{i}]")
+        if i and t < b[i - 1]:
+            raise InputFileError(source, f"budgets must be non-decreasing (T_0 <= T_1 <= ...), got {b}",
+                                 at + "budgets")
+    return list(h), list(b)
+
+
+def _check_by_task(by_task: Any, source: str, tmax: int, target: str) -> None:
+    """The optional ``by_task`` section: ``{task: {hierarchy, budgets, expected_latency, ...}}``, each entry a
+    valid hierarchy ending with the plan's target."""
+    if not isinstance(by_task, dict):
+        raise InputFileError(source, "expected an object {task: {hierarchy, budgets, expected_latency}}", "by_task")
+    for task, e in by_task.items():
+        at = f"by_task.{task}."
+        if not isinstance(e, dict):
+            raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
+        h, _ = _check_levels(e, source, tmax, at)
+        if h[-1] != target:
+            raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}",
+                                 at + "hierarchy")
+        v = e.get("expected_latency")
+        if not _is_number(v) or v <= 0:
+            raise InputFileError(source, f"expected a number > 0, got {v!r}", at + "expected_latency")
+
+
 def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     """Validate a parsed ``hsd-plan/1`` object; errors name ``source`` and the field."""
     if not isinstance(d, dict):
@@ -333,19 +386,7 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     tmax = d.get("tmax")
     if not isinstance(tmax, int) or isinstance(tmax, bool) or tmax < 1:
         raise InputFileError(source, f"expected an integer >= 1, got {tmax!r}", "tmax")
-    h = d.get("hierarchy")
-    if not isinstance(h, list) or not h or not all(isinstance(x, str) and x for x in h):
-        raise InputFileError(source, "expected a non-empty list of model names, target last", "hierarchy")
-    if len(set(h)) != len(h):
-        raise InputFileError(source, f"a model appears twice in {h}", "hierarchy")
-    b = d.get("budgets")
-    if not isinstance(b, list) or len(b) != len(h) - 1:
-        raise InputFileError(source, f"expected {len(h) - 1} budgets (one per level below the target)", "budgets")
-    for i, t in enumerate(b):
-        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= tmax:
-            raise InputFileError(source, f"expected an integer in 1..tmax={tmax}, got {t!r}", f"budgets[{i}]")
-        if i and t < b[i - 1]:
-            raise InputFileError(source, f"budgets must be non-decreasing (T_0 <= T_1 <= ...), got {b}", "budgets")
+    h, b = _check_levels(d, source, tmax)
     for key in ("expected_latency", "expected_speedup"):
         v = d.get(key)
         if not _is_number(v) or v <= 0:
@@ -353,9 +394,11 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     baselines = d.get("baselines", {})
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
+    if d.get("by_task") is not None:
+        _check_by_task(d["by_task"], source, tmax, h[-1])
     known = {"format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines"}
     extra = {k: v for k, v in d.items() if k not in known}
-    return Plan(tmax, list(h), list(b), float(d["expected_latency"]), float(d["expected_speedup"]), baselines, extra)
+    return Plan(tmax, h, b, float(d["expected_latency"]), float(d["expected_speedup"]), baselines, extra)
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

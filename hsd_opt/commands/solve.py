@@ -46,6 +46,28 @@ def plan_table(plan) -> Table:
     return t
 
 
+def tasks_table(plan) -> Table:
+    """Rich table of a plan's ``by_task`` section: each task's best hierarchy next to the overall plan there."""
+    t = Table(title="plans per task (acceptance of each task's prompts; costs shared)")
+    for c, j in (("task", "left"), ("positions", "right"), ("hierarchy (budgets in tokens)", "left"),
+                 ("ms/token", "right"), ("speed-up", "right"), ("plan's ms/token", "right"), ("gain", "right")):
+        t.add_column(c, justify=j)
+    for task, e in (plan.extra.get("by_task") or {}).items():
+        here = (e.get("overall_hierarchies") or {}).get("plan")
+        t.add_row(task, "-" if e.get("positions") is None else str(e["positions"]),
+                  _chain(e["hierarchy"], e["budgets"]), _ms(e["expected_latency"]),
+                  f"{e['expected_speedup']:.3f}x", "-" if here is None else _ms(here),
+                  "-" if here is None else f"{here / e['expected_latency'] - 1:+.1%}")
+    return t
+
+
+def _warn_fallbacks(fallbacks: dict[str, list[str]]) -> None:
+    for task, pairs in fallbacks.items():
+        if pairs:
+            more = f", ... ({len(pairs)} in all)" if len(pairs) > 4 else ""
+            warn(f"task {task}: no per-task figure for {', '.join(pairs[:4])}{more}: the overall value is used")
+
+
 def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
     names = set(profile.names)
     for i, m in enumerate(plan.hierarchy):
@@ -77,9 +99,15 @@ def solve_cmd(
                                    help="Add a second drafter level (or more) only if predicted at least "
                                         "this fraction faster than the best plan with fewer levels "
                                         "(measurement noise); 0 = the exact optimum."),
+    task: Optional[str] = typer.Option(None, "--task", help="Solve for the prompts of one task: the profile's "
+                                                            "acceptance for that task (acceptance_by_task)."),
+    per_task: bool = typer.Option(False, "--per-task", help="Also solve every task of the profile and add the "
+                                                            "plans per task (by_task) to the plan; hsd run and "
+                                                            "hsd bench use them for prompts of a known task."),
 ):
-    """Find the latency-optimal hierarchy of drafters and budgets for a profile."""
+    """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     from hsd_opt.solver.api import SOLVERS, solve
+    from hsd_opt.solver.tasks import profile_tasks, solve_tasks, task_positions, task_profile
 
     if tmax < 1:
         raise HsdError(f"--tmax: expected an integer >= 1, got {tmax}")
@@ -91,10 +119,29 @@ def solve_cmd(
         raise HsdError(f"--top: expected an integer >= 1, got {top}")
     if not 0.0 <= min_gain < 1.0:
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
+    if task is not None and per_task:
+        raise HsdError("give one of --task TASK (a plan for one task) or --per-task (a plan with a section per task)")
     prof, warnings = load_profile(profile)
     warn_some(warnings)
+    full = prof
+    if task is not None:
+        prof, fallbacks = task_profile(full, task)
+        _warn_fallbacks({task: fallbacks})
+    elif per_task and not profile_tasks(full):
+        raise HsdError("--per-task: the profile has no per-task statistics (acceptance_by_task); profile a prompt "
+                       "file whose lines name their task (or Spec-Bench questions) to get them")
     plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain)
+    if task is not None:
+        plan.extra.update({"task": task, "profile_sha256": full.fingerprint()})
+        n = task_positions(full, task)
+        console.print(f"the plan for the prompts of task {task!r}" + (f" ({n} positions profiled)" if n else ""))
+    if per_task:
+        by_task, fallbacks = solve_tasks(full, plan, tmax, solver=solver, max_depth=max_depth, min_gain=min_gain)
+        _warn_fallbacks(fallbacks)
+        plan.extra["by_task"] = by_task
     console.print(plan_table(plan))
+    if per_task:
+        console.print(tasks_table(plan))
     ex = plan.extra.get("exact_optimum")
     if ex:
         console.print(f"the exact optimum {_chain(ex['hierarchy'], ex['budgets'])} "

@@ -1,0 +1,100 @@
+"""Plans per task: the profile as the prompts of one task see it, and the best hierarchy for each task.
+
+A profile measured on a mix of tasks keeps, next to the overall figures, each task's acceptance
+(``acceptance_by_task[task][drafter][verifier]``) and each abstaining token drafter's share of proposals in the
+task (``draft_rate_by_task[task][drafter]``). Costs do not depend on the task. :func:`task_profile` is the
+profile with the task's figures in place of the overall ones; a pair without data for the task keeps the overall
+value, and is named so the caller can say so. :func:`solve_tasks` solves every task's view: the ``by_task``
+section of a plan (``docs/design.md#plans-per-task``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import Plan, Profile
+from hsd_opt.solver.api import solve
+from hsd_opt.solver.latency import hierarchy_latency, target_only
+
+
+def profile_tasks(profile: Profile) -> list[str]:
+    """The tasks with per-task acceptance in ``profile`` (sorted; empty for a profile without them)."""
+    by = profile.extra.get("acceptance_by_task")
+    return sorted(by) if isinstance(by, dict) else []
+
+
+def task_positions(profile: Profile, task: str) -> int | None:
+    """Generated positions the profile measured for ``task`` (None when not recorded)."""
+    n = ((profile.extra.get("provenance") or {}).get("positions_by_task") or {}).get(task)
+    return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+
+def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
+    """``profile`` as the prompts of ``task`` see it, and the pairs that fell back to the overall value.
+
+    Every measured pair takes the task's acceptance where the task has data for it; an abstaining token drafter
+    takes the task's ``draft_rate``. Returns ``(view, fallbacks)``: ``fallbacks`` names each pair
+    (``"drafter->verifier"``) and draft rate (``"draft_rate of drafter"``) kept at the overall value.
+
+    Raises:
+        HsdError: the profile has no per-task statistics, or none for ``task`` (naming the tasks it has).
+    """
+    tasks = profile_tasks(profile)
+    if not tasks:
+        raise HsdError("--task: the profile has no per-task statistics (acceptance_by_task); profile a prompt file "
+                       "whose lines name their task (or Spec-Bench questions) to get them")
+    if task not in tasks:
+        raise HsdError(f"--task: the profile has no statistics for task {task!r}; it has {', '.join(tasks)}")
+    acc_t = profile.extra["acceptance_by_task"][task] or {}
+    rates_t = (profile.extra.get("draft_rate_by_task") or {}).get(task) or {}
+    fallbacks: list[str] = []
+    acceptance: dict[str, dict[str, float]] = {}
+    for d, row in profile.acceptance.items():
+        for v, a in row.items():
+            at = (acc_t.get(d) or {}).get(v)
+            if at is None:
+                fallbacks.append(f"{d}->{v}")
+                at = a
+            acceptance.setdefault(d, {})[v] = float(at)
+    models = []
+    for m in profile.models:
+        if m.draft_rate < 1.0:
+            r = rates_t.get(m.name)
+            if r is None:
+                fallbacks.append(f"draft_rate of {m.name}")
+            else:
+                m = replace(m, draft_rate=min(1.0, max(1e-6, float(r))))
+        models.append(m)
+    extra = {k: v for k, v in profile.extra.items() if k not in ("stats",)}
+    extra["task"] = task
+    return Profile(profile.target, models, acceptance, profile.verify_cost, profile.cost_curve, extra), fallbacks
+
+
+def solve_tasks(profile: Profile, plan: Plan, tmax: int, solver: str = "dp", max_depth: int | None = None,
+                min_gain: float = 0.0, tasks: Sequence[str] | None = None) -> tuple[dict[str, Any], dict[str, list]]:
+    """The ``by_task`` section of ``plan`` (solved from ``profile``): for each task (default: every task of the
+    profile) the best hierarchy under the task's view, with the same settings as the plan.
+
+    Returns ``(by_task, fallbacks)``. ``by_task[task]`` is ``{hierarchy, budgets, expected_latency,
+    expected_speedup, positions, fallback_pairs, overall_hierarchies}``, where ``overall_hierarchies`` holds the
+    expected latency (seconds per token) on this task of the plan's own hierarchy (``plan``) and of its
+    baselines: what running the overall plan on the task's prompts predicts. ``fallbacks[task]`` lists the pairs
+    kept at the overall value (:func:`task_profile`).
+    """
+    out: dict[str, Any] = {}
+    notes: dict[str, list] = {}
+    for task in (tasks if tasks is not None else profile_tasks(profile)):
+        view, fallbacks = task_profile(profile, task)
+        p = solve(view, tmax, solver=solver, max_depth=max_depth, top=1, min_gain=min_gain)
+        overall = {"plan": hierarchy_latency(view, plan.hierarchy, plan.budgets)}
+        for key, b in plan.baselines.items():
+            if isinstance(b, dict) and b.get("hierarchy"):
+                overall[key] = hierarchy_latency(view, b["hierarchy"], b.get("budgets") or [])
+        out[task] = {"hierarchy": p.hierarchy, "budgets": p.budgets, "expected_latency": p.expected_latency,
+                     "expected_speedup": target_only(view) / p.expected_latency,
+                     "positions": task_positions(profile, task), "fallback_pairs": len(fallbacks),
+                     "overall_hierarchies": overall}
+        notes[task] = fallbacks
+    return out, notes
