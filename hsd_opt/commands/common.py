@@ -1,9 +1,11 @@
-"""What every command shares: turning :class:`~hsd_opt.errors.HsdError` into one line and exit code 2."""
+"""What the commands share: turning :class:`~hsd_opt.errors.HsdError` into one line and exit code 2, table cells,
+loading a plan with its model (`hsd run`, `hsd bench`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
 
 import typer
 
@@ -35,3 +37,27 @@ def cli_command(fn: F) -> F:
 def fmt(x, spec: str = ".3g") -> str:
     """``x`` formatted with ``spec``, or ``-`` for None (table cells)."""
     return "-" if x is None else format(x, spec)
+
+
+def level_acceptance(d: dict) -> str:
+    """Acceptance of each verifying level, bottom up (``"0.62 / 0.91"``), from a report's ``levels``."""
+    levels = d.get("levels") or []
+    return "/".join(fmt(lv.get("acceptance_rate"), ".2f") for lv in levels[1:]) or "-"
+
+
+def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str]):
+    """Load the plan and the model it names (or ``model``, which must match the plan's provenance)."""
+    from hsd_opt.errors import InputFileError
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.runner import check_provenance
+
+    plan = load_plan(str(plan_path))
+    prov = plan.extra.get("provenance") or {}
+    name = model or prov.get("model")
+    if not name:
+        raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
+                             "provenance.model")
+    loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
+    check_provenance(plan, loaded, str(plan_path))
+    return plan, loaded

@@ -1,4 +1,5 @@
-"""`hsd run` (generate with a plan's hierarchy, lossless, streaming) and `hsd bench` (every method side by side)."""
+"""`hsd run`: generate with a plan's hierarchy (or its plans per task), lossless, streaming; stats overall and per
+task."""
 
 from __future__ import annotations
 
@@ -9,43 +10,31 @@ from typing import Optional
 
 import typer
 
-from hsd_opt.commands.common import cli_command, fmt
+from hsd_opt.commands.common import cli_command, fmt, level_acceptance, load_plan_and_model
 from hsd_opt.console import console
 
 
-def _load(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str]):
-    """Load the plan and the model it names (or ``model``, which must match the plan's provenance)."""
-    from hsd_opt.errors import InputFileError
-    from hsd_opt.formats import load_plan
-    from hsd_opt.models.loading import load_model
-    from hsd_opt.runtime.runner import check_provenance
-
-    plan = load_plan(str(plan_path))
-    prov = plan.extra.get("provenance") or {}
-    name = model or prov.get("model")
-    if not name:
-        raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
-                             "provenance.model")
-    loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
-    check_provenance(plan, loaded, str(plan_path))
-    return plan, loaded
-
-
-def _prompts(prompt: Optional[str], prompts: Optional[Path]) -> list[str]:
+def _items(prompt: Optional[str], prompts: Optional[Path], task: Optional[str], limit_per_task: Optional[int],
+           by: str):
     from hsd_opt.errors import HsdError
-    from hsd_opt.prompts import load_prompts
+    from hsd_opt.prompts import PromptItem, load_prompts, select_items
 
     if (prompt is None) == (prompts is None):
         raise HsdError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompt is not None:
         if not prompt.strip():
             raise HsdError("--prompt: empty prompt")
-        return [prompt]
-    return load_prompts(prompts).texts
+        if limit_per_task is not None:
+            raise HsdError("--limit-per-task applies to --prompts FILE")
+        return [PromptItem(0, prompt, task or "other")]
+    if task is not None:
+        raise HsdError("--task applies to --prompt TEXT (the lines of --prompts name their own task)")
+    return select_items(load_prompts(prompts).items, None, limit_per_task, by)
 
 
 def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
-    """Rich table of one generation's (or a summed run's) stats."""
+    """Rich table of one generation's (or a summed run's) stats (``levels`` may be absent: several
+    hierarchies, plans per task)."""
     from rich.table import Table
 
     t = Table(title=title)
@@ -61,8 +50,11 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     t.add_row("ms/token (plan's prediction)", fmt(predicted and predicted * 1e3, ".2f"))
     if spt and predicted:
         t.add_row("measured / predicted", f"{spt / predicted:.2f}")
-    for i, lv in enumerate(stats["levels"]):
-        if len(stats["levels"]) == 1:  # the target alone (a plan where no drafter pays): plain decode steps
+    levels = stats.get("levels")
+    if levels is None:
+        t.add_row("levels", "per task below (each task ran its own hierarchy)")
+    for i, lv in enumerate(levels or []):
+        if len(levels) == 1:  # the target alone (a plan where no drafter pays): plain decode steps
             row = f"steps {lv['calls']}, generated {lv['drafted']} tokens"
         elif i == 0:  # the bottom drafter: it proposes, nothing is verified at its level
             row = f"draft calls {lv['calls']}, proposed {lv['drafted']} tokens"
@@ -76,31 +68,55 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     return t
 
 
-def _sum_stats(all_stats: list[dict]) -> dict:
-    s = {k: sum(x[k] for x in all_stats) for k in ("tokens", "seconds", "decode_seconds", "target_calls")}
-    s["tokens_per_s"] = s["tokens"] / s["seconds"] if s["seconds"] else None
-    s["seconds_per_token"] = s["decode_seconds"] / s["tokens"] if s["tokens"] else None
-    s["tokens_per_target_call"] = s["tokens"] / s["target_calls"] if s["target_calls"] else None
-    from hsd_opt.runtime.decode import add_levels
+def _chain(hierarchy: list[str], budgets: list[int]) -> str:
+    return " <- ".join(reversed(hierarchy)) + (f" (T={budgets})" if budgets else "")
 
-    levels = None
-    for st in all_stats:
-        levels = add_levels(levels, st["levels"])
-    s["levels"] = [lv.to_dict() for lv in levels]
-    return s
+
+def tasks_table(per: dict, by: str, plans: dict[str, tuple[list[str], list[int]]]):
+    """Rich table of ``hsd run``'s figures per task (``per``: task -> :meth:`Totals.to_dict`), and the lines
+    naming the hierarchy each plan that ran is."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=f"per {'category' if by == 'category' else 'task'}", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("task", "n", "turns", "tokens", "tok/s", "tok/call", "accept", "pred", "meas"):
+        t.add_column(c, justify="left" if c == "task" else "right", no_wrap=c == "task")
+    ran: dict[str, list[str]] = {}
+    for task, d in per.items():
+        pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
+        t.add_row(task, str(d["prompts"]), str(d["generations"]), str(d["tokens"]), fmt(d["tokens_per_s"], ".2f"),
+                  fmt(d.get("tokens_per_target_call"), ".2f"), level_acceptance(d), fmt(pr and pr * 1e3, ".1f"),
+                  fmt(me and me * 1e3, ".1f"))
+        for w in d.get("plans", []):
+            ran.setdefault(w, []).append(task)
+    notes = ["n: prompts; tok/call: tokens per target call; accept: acceptance of each verifying level, bottom "
+             "up; pred, meas: decode ms/token, the plan's prediction and measured"]
+    notes += [f"{w} ran {', '.join(ran.get(w, []))}: {_chain(*plans[w])}" for w in sorted(plans)]
+    return t, notes
 
 
 @cli_command
 def run_cmd(
     plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The prompt text."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\": ...} (one run each)."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens generated per prompt."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines, ours {\"prompt\", \"task\"} or "
+                                                                    "Spec-Bench questions (one run each)."),
+    task: Optional[str] = typer.Option(None, "--task", help="The task of --prompt: runs the plan's plan for it "
+                                                            "when the plan has plans per task (by_task)."),
+    turns: str = typer.Option("first", "--turns", help="first | all: every turn of a multi-turn prompt, each "
+                                                       "after the model's own answer to the previous one."),
+    limit_per_task: Optional[int] = typer.Option(None, "--limit-per-task", help="Use the first N prompts of "
+                                                                                "each task of --prompts."),
+    by: str = typer.Option("group", "--by", help="Report per group (the task) or per category (Spec-Bench)."),
+    per_task: bool = typer.Option(True, "--per-task/--no-per-task", help="Run a prompt of a known task with the "
+                                                                         "plan's plan for that task (by_task), "
+                                                                         "when it has one."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens generated per prompt (per turn)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (lossless)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON line per prompt here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON line per prompt (per turn) here."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
@@ -108,106 +124,74 @@ def run_cmd(
                                                      "(the latency model); eager: every verified token."),
     quiet: bool = typer.Option(False, "--quiet", help="Do not stream the text."),
 ):
-    """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats."""
+    """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task)."""
     from hsd_opt.jsonio import atomic_write_bytes
-    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
     from hsd_opt.runtime.decode import check_generation_args
-    from hsd_opt.runtime.runner import hsd_for_plan
+    from hsd_opt.runtime.report import Generation, totals_by
+    from hsd_opt.runtime.runner import hsd_for_plan, plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p)
-    texts = _prompts(prompt, prompts)
-    p, loaded = _load(plan, model, device, dtype)
-    h = hsd_for_plan(p, loaded, mode=mode, source=str(plan))
+    check_turn_mode(turns)
+    check_report_key(by)
+    items = _items(prompt, prompts, task, limit_per_task, by)
+    p, loaded = load_plan_and_model(plan, model, device, dtype)
     tok = loaded.tokenizer
-    ids_list = [encode_prompt(tok, t, raw=raw) for t in texts]
-    lines, all_stats = [], []
-    for text, ids in zip(texts, ids_list):
-        got: list[int] = []
-        shown = [""]
+    runners: dict[str, object] = {}
+    plans: dict[str, tuple[list[str], list[int]]] = {}
+    lines, gens = [], []
+    for it in items:
+        hh, bb, pred, which = plan_for_prompt(p, it.task, per_task)
+        if which not in runners:
+            runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb)
+            plans[which] = (hh, bb)
+        h = runners[which]
+        answers: list[str] = []
+        for k, text in enumerate(user_turns(it, turns)):
+            ids = conversation_ids(tok, it.turns, answers, raw)
+            got: list[int] = []
+            shown = [""]
 
-        def stream(block, got=got, shown=shown):
-            got.extend(block)
-            if quiet:
-                return
-            s = tok.decode(got, skip_special_tokens=True)
-            if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
-                return
-            if s.startswith(shown[0]):
-                sys.stdout.write(s[len(shown[0]):])
-                sys.stdout.flush()
-                shown[0] = s
+            def stream(block, got=got, shown=shown):
+                got.extend(block)
+                if quiet:
+                    return
+                s = tok.decode(got, skip_special_tokens=True)
+                if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
+                    return
+                if s.startswith(shown[0]):
+                    sys.stdout.write(s[len(shown[0]):])
+                    sys.stdout.flush()
+                    shown[0] = s
 
-        res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                         on_tokens=stream)
-        if not quiet:
-            sys.stdout.write("\n")
-        all_stats.append(res.stats)
-        lines.append({"prompt": text, "token_ids": res.token_ids,
-                      "text": tok.decode(res.token_ids, skip_special_tokens=True), "stats": res.stats})
-    total = _sum_stats(all_stats)
-    console.print(stats_table(total, p.expected_latency,
-                              f"hsd run: {' <- '.join(reversed(p.hierarchy))} (T={p.budgets}, {mode})"))
+            res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             on_tokens=stream)
+            if not quiet:
+                sys.stdout.write("\n")
+            answer = tok.decode(res.token_ids, skip_special_tokens=True)
+            answers.append(answer)
+            gens.append(Generation(it.index, k, it.task, it.category, res.token_ids, res.stats["seconds"],
+                                   res.stats, which, pred))
+            line = {"prompt": text, "task": it.task, "category": it.category, "turn": k, "plan": which,
+                    "token_ids": res.token_ids, "text": answer, "stats": res.stats}
+            if it.question_id is not None:
+                line["question_id"] = it.question_id
+            lines.append(line)
+    overall, per = totals_by(gens, by)
+    total = overall.to_dict()
+    if len(plans) == 1:
+        (w, hb), = plans.items()
+        title = f"hsd run: {_chain(*hb)}{'' if w == 'plan' else f' ({w})'}, {mode}"
+    else:
+        title = f"hsd run: {len(plans)} hierarchies (plans per task), {mode}"
+    console.print(stats_table(total, total.get("predicted_seconds_per_token"), title))
+    if len(per) > 1 or len(plans) > 1:
+        table, notes = tasks_table({t: x.to_dict() for t, x in per.items()}, by, plans)
+        console.print(table)
+        for line in notes:
+            console.print(line, style="dim")
     if json_out is not None:
         atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
         console.print(f"wrote {json_out}")
 
 
-@cli_command
-def bench_cmd(
-    plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines prompt file; default: the "
-                                                                   "suite shipped with hsd-opt."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N prompts."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per prompt."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
-    model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
-    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
-    methods: str = typer.Option(",".join(("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft",
-                                          "hsd")), "--methods", help="Comma-separated subset of methods."),
-):
-    """Greedy benchmark on the same prompts: HF generate (AR, prompt lookup, early-exit self-speculation),
-    our AR loop, the plan's best single draft, and the HSD plan."""
-    from rich.table import Table
-
-    from hsd_opt.errors import HsdError
-    from hsd_opt.jsonio import write_json
-    from hsd_opt.prompts import load_prompts
-    from hsd_opt.runtime.bench import METHODS, plot_report, run_bench
-
-    if max_new_tokens < 1:
-        raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    if limit is not None and limit < 1:
-        raise HsdError(f"--limit: expected >= 1, got {limit}")
-    ms = [m.strip() for m in methods.split(",") if m.strip()]
-    bad = [m for m in ms if m not in METHODS]
-    if bad or not ms:
-        raise HsdError(f"--methods: unknown {', '.join(bad) or '(none)'}; known: {', '.join(METHODS)}")
-    texts = load_prompts(prompts).texts[:limit]
-    p, loaded = _load(plan, model, device, dtype)
-    rep = run_bench(p, loaded, texts, max_new_tokens, raw=raw, mode=mode, methods=ms,
-                    log=lambda s: console.print(s, style="dim"), source=str(plan))
-    rep["model"] = loaded.provenance()
-    t = Table(title=f"hsd bench: {len(texts)} prompts x {max_new_tokens} tokens, greedy ({loaded.model_id}, "
-                    f"{loaded.device}, {rep['torch_threads']} threads)")
-    for c in ("method", "tok/s", "x hf_ar", "x ar", "tok/call", "pred ms", "meas ms", "=ref"):
-        t.add_column(c, justify="right" if c != "method" else "left")
-    for m, d in rep["methods"].items():
-        if "error" in d:
-            t.add_row(m, "error", "", "", "", "", "", "-")
-            continue
-        pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
-        t.add_row(m, fmt(d["tokens_per_s"], ".2f"), fmt(d.get("speedup_vs_hf_ar"), ".2f"),
-                  fmt(d.get("speedup_vs_ar"), ".2f"), fmt(d.get("tokens_per_target_call"), ".2f"),
-                  fmt(pr and pr * 1e3, ".1f"), fmt(me and me * 1e3, ".1f"),
-                  {True: "yes", False: "NO", None: "-"}[d.get("matches_reference")])
-    console.print(t)
-    if json_out is not None:
-        write_json(json_out, rep)
-        console.print(f"wrote {json_out}")
-    if plot is not None:
-        plot_report(rep, plot)
-        console.print(f"wrote {plot}")

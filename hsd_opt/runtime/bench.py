@@ -1,37 +1,94 @@
 """``hsd bench``: every decoding method side by side on the same prompts, in one process.
 
-Methods (greedy): ``hf_ar`` (Hugging Face ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens``),
+Methods: ``hf_ar`` (Hugging Face ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens``),
 ``hf_early_exit`` (``assistant_early_exit`` at the plan's best single exit; when transformers refuses it for this
 model the error is recorded), ``ar`` (our autoregressive loop on the layered engine), ``single_draft`` (the plan's
-``baselines.best_single_draft``), ``hsd`` (the plan). The greedy reference is ``ar``'s output; every method
-reports ``matches_reference``.
+``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task`` (the plan's plans per task, ``by_task``: each
+prompt runs its task's hierarchy, the plan itself for a task without one; only for a plan that has them).
 
-Timing: one warm-up generation per method, then per prompt every method runs once, in rotating order (so load
-from other processes spreads evenly over methods). ``tokens_per_s`` = generated tokens / wall seconds (prefill
-included, as HF's); our methods also report decode-only ``seconds_per_token`` next to the plan's prediction.
+Greedy (temperature 0): the reference is ``ar``'s output and every method reports ``matches_reference``.
+Sampling (``temperature > 0``, optionally ``top_p``): every method samples from the same processed distribution
+(Hugging Face methods with ``do_sample`` and ``top_k=0``, seeded with ``torch.manual_seed``; ours with their own
+seeded generator), prompt ``i`` with seed ``seed + i`` (its index in the file; a later turn ``k`` with
+``seed + i + 1000003 k``). Outputs are draws and are not compared token for token: the tests prove that our
+sampler keeps the target's distribution.
+
+Prompts: :class:`~hsd_opt.prompts.PromptItem` s (or plain strings). With ``turns="all"`` each later turn of a
+multi-turn item (MT-bench) is sent after the method's OWN answer to the previous turn, under greedy and sampling
+alike: a lossless method answers like the reference, so it sees the reference's conversation, and one that does
+not is reported as not matching (it is then judged on its own conversation, as a user would see it).
+
+Timing: one warm-up generation per method (and per hierarchy of ``hsd_task``), then per prompt every method runs
+its whole conversation once, in rotating order (so load from other processes spreads evenly over methods).
+``tokens_per_s`` = generated tokens / wall seconds, every turn counted (prefill included, as HF's); our methods
+also report decode-only ``seconds_per_token`` next to the plan's prediction. Figures are reported overall and per
+task (:mod:`hsd_opt.runtime.report`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from hsd_opt.prompts import encode_prompt
-from hsd_opt.runtime.decode import LevelStats, add_levels
+from hsd_opt.errors import HsdError
+from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
+from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan
 
-METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd")
+__all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "build_runners", "converse", "plot_report", "run_bench"]
+
+METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd", "hsd_task")
+#: Methods run when none are named: all but ``hsd_task``, which runs when the plan has plans per task.
+DEFAULT_METHODS = METHODS[:-1]
+#: Seed offset between turns of one prompt (sampling): turn k of prompt i draws with seed + i + k * this.
+TURN_SEED_STRIDE = 1_000_003
 
 
-def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], **kw) -> list[int]:
+@dataclass(frozen=True)
+class Sampling:
+    """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-p
+    with a seed per prompt and turn (:meth:`seed_for`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def seed_for(self, item: int, turn: int) -> int:
+        return int(self.seed) + int(item) + TURN_SEED_STRIDE * int(turn)
+
+    def to_dict(self) -> dict[str, float] | None:
+        return None if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+
+def check_sampling(sampling: Sampling) -> None:
+    """Refuse a negative temperature, a top-p outside (0, 1], or a top-p below 1 at temperature 0 (one line)."""
+    if sampling.temperature < 0:
+        raise HsdError(f"--temperature: expected >= 0, got {sampling.temperature}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise HsdError(f"--top-p: expected a value in (0, 1], got {sampling.top_p}")
+    if sampling.greedy and sampling.top_p < 1.0:
+        raise HsdError(f"--top-p {sampling.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+
+
+def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], sampling: Sampling, seed: int,
+                 **kw) -> list[int]:
     model = loaded.model
     inp = torch.tensor([ids], device=model.device)
     pad = loaded.tokenizer.pad_token_id
-    out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=eos, pad_token_id=pad if pad is not None else eos[0], temperature=None,
-                         top_p=None, top_k=None, **kw)
+    if sampling.greedy:
+        how = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    else:  # the same processing as ours: temperature, then top-p, and no top-k (HF's default would be 50)
+        torch.manual_seed(seed)
+        how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+    out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, eos_token_id=eos,
+                         pad_token_id=pad if pad is not None else eos[0], **how, **kw)
     new = out[0, len(ids):].tolist()
     for i, t in enumerate(new):
         if t in eos:
@@ -64,151 +121,200 @@ def _best_exit(plan) -> int | None:
     return None
 
 
-def run_bench(plan, loaded, prompts: Sequence[str], max_new_tokens: int = 64, raw: bool = False,
-              mode: str = "exact", methods: Sequence[str] = METHODS, log: Callable[[str], None] | None = None,
-              source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None) -> dict[str, Any]:
-    """Benchmark ``methods`` over ``prompts`` (strings); returns the JSON report ``{"methods": {...}, ...}``.
+def _as_items(prompts: Sequence[str | PromptItem]) -> list[PromptItem]:
+    return [p if isinstance(p, PromptItem) else PromptItem(i, p, "other") for i, p in enumerate(prompts)]
 
-    ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``.
-    """
+
+#: A method: (prompt ids, max new tokens, seed, task) -> (generated ids, our stats or None, plan used or None,
+#: predicted seconds/token or None).
+Runner = Callable[[list[int], int, int, str], tuple[list[int], dict | None, str | None, float | None]]
+
+
+def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode: str, source: str,
+                  tasks: Sequence[str], extra: dict[str, tuple[list[str], list[int]]] | None = None):
+    """``(runners, descriptions, errors)`` for ``methods`` (and ``extra`` hierarchies of the plan's models).
+    ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.runtime.runner import load_plan_heads, predicted_latency
+    from hsd_opt.runtime.runner import load_plan_heads, plan_for_prompt, predicted_latency, task_prediction
 
-    log = log or (lambda s: None)
     eos = eos_ids(loaded)
-    ids_list = [encode_prompt(loaded.tokenizer, p, raw=raw) for p in prompts]
     lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
     target = plan.hierarchy[-1]
     bsd = plan.baselines.get("best_single_draft") or None
-    runners: dict[str, Callable[[list[int], int], tuple[list[int], dict | None]]] = {}
-    predicted: dict[str, float | None] = {}
+    runners: dict[str, Runner] = {}
+    desc: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    hier: dict[str, Any] = {}
+    built: dict[tuple, Any] = {}
 
-    def ours(name, hierarchy, budgets):
-        h = hsd_for_plan(plan, loaded, lm=lm, mode=mode, source=source, hierarchy=hierarchy, budgets=budgets)
+    def hsd(hierarchy, budgets):
+        key = (tuple(hierarchy), tuple(budgets))
+        if key not in built:
+            built[key] = hsd_for_plan(plan, loaded, lm=lm, mode=mode, source=source, hierarchy=list(hierarchy),
+                                      budgets=list(budgets))
+        return built[key]
 
-        def go(ids, n):
-            r = h.generate(ids, n)
-            return r.token_ids, r.stats
+    def gen(h, ids, n, seed):
+        r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+        return r.token_ids, r.stats
 
-        runners[name] = go
-        predicted[name] = predicted_latency(plan, hierarchy) if hierarchy != [target] else \
+    def ours(name, hierarchy, budgets, key=None):
+        h = hsd(hierarchy, budgets)
+        pred = predicted_latency(plan, hierarchy) if hierarchy != [target] else \
             (plan.baselines.get("target_only") or {}).get("expected_latency")
-        hier[name] = {"hierarchy": list(hierarchy), "budgets": list(budgets)}
+
+        def run(ids, n, seed, task):
+            toks, st = gen(h, ids, n, seed)
+            return toks, st, None, task_prediction(plan, task, key, pred)
+
+        runners[name] = run
+        desc[name] = {"hierarchy": list(hierarchy), "budgets": list(budgets)}
+
+    def per_task():
+        plans = {}
+        for t in list(tasks) + [None]:
+            hh, bb, _, which = plan_for_prompt(plan, t)
+            plans[which] = {"hierarchy": hh, "budgets": bb}
+            hsd(hh, bb)
+
+        def run(ids, n, seed, task):
+            hh, bb, pred, which = plan_for_prompt(plan, task)
+            toks, st = gen(hsd(hh, bb), ids, n, seed)
+            return toks, st, which, pred
+
+        runners["hsd_task"] = run
+        desc["hsd_task"] = {"plans": plans}
+
+    def hf(name, **kw):
+        runners[name] = lambda ids, n, seed, task: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw),
+                                                    None, None, None)
 
     for m in methods:
         if m == "hf_ar":
-            runners[m] = lambda ids, n: (_hf_generate(loaded, ids, n, eos), None)
+            hf(m)
         elif m == "hf_prompt_lookup":
-            runners[m] = lambda ids, n: (_hf_generate(loaded, ids, n, eos, prompt_lookup_num_tokens=10), None)
+            hf(m, prompt_lookup_num_tokens=10)
         elif m == "hf_early_exit":
             ex = _best_exit(plan)
             if ex is None:
                 errors[m] = "neither the plan nor its alternatives use an early exit to self-speculate with"
                 continue
-            hier[m] = {"assistant_early_exit": ex}
-            runners[m] = (lambda e: lambda ids, n: (_hf_generate(loaded, ids, n, eos, assistant_early_exit=e),
-                                                    None))(ex)
+            desc[m] = {"assistant_early_exit": ex}
+            hf(m, assistant_early_exit=ex)
         elif m == "ar":
-            ours(m, [target], [])
+            ours(m, [target], [], "target_only")
         elif m == "single_draft":
             if not bsd:
                 errors[m] = "the plan has no baselines.best_single_draft"
                 continue
-            ours(m, list(bsd["hierarchy"]), list(bsd["budgets"]))
+            ours(m, list(bsd["hierarchy"]), list(bsd["budgets"]), "best_single_draft")
         elif m == "hsd":
-            ours(m, list(plan.hierarchy), list(plan.budgets))
-
+            ours(m, list(plan.hierarchy), list(plan.budgets), "plan")
+        elif m == "hsd_task":
+            if not plan.tasks:
+                errors[m] = "the plan has no plans per task (by_task): solve with hsd solve --per-task"
+                continue
+            per_task()
     for name, (hh, bb) in (extra or {}).items():
         ours(name, list(hh), list(bb))
+    return runners, desc, errors, built
 
-    # warm-up (a refused method is recorded and dropped)
+
+def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, max_new_tokens: int,
+             sampling: Sampling) -> list[Generation]:
+    """Run ``item``'s turns with one method: turn k is sent after the method's own answers to turns 0..k-1
+    (:func:`~hsd_opt.prompts.conversation_ids`). Returns one :class:`Generation` per turn (only the generation
+    call is timed)."""
+    answers: list[str] = []
+    out = []
+    for k, _ in enumerate(user_turns(item, turns)):
+        ids = conversation_ids(tokenizer, item.turns, answers, raw)
+        t0 = time.perf_counter()
+        toks, st, which, pred = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item.task)
+        dt = time.perf_counter() - t0
+        out.append(Generation(item.index, k, item.task, item.category, toks, dt, st, which, pred))
+        answers.append(tokenizer.decode(toks, skip_special_tokens=True))
+    return out
+
+
+def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens: int = 64, raw: bool = False,
+              mode: str = "exact", methods: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
+              source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None,
+              turns: str = "first", sampling: Sampling | None = None, by: str = "group") -> dict[str, Any]:
+    """Benchmark ``methods`` (default: :data:`DEFAULT_METHODS`, plus ``hsd_task`` when the plan has plans per
+    task) over ``prompts``; returns the JSON report ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
+
+    ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``.
+    ``turns``: ``"first"`` or ``"all"`` (every turn, after the method's own answers); ``by``: ``"group"`` (the
+    task) or ``"category"`` (Spec-Bench's raw category) for the ``by_task`` section.
+    """
+    log = log or (lambda s: None)
+    sampling = sampling or Sampling()
+    check_sampling(sampling)
+    check_turn_mode(turns)
+    check_report_key(by)
+    items = _as_items(prompts)
+    if not items:
+        raise HsdError("no prompts to benchmark")
+    if methods is None:
+        methods = list(DEFAULT_METHODS) + (["hsd_task"] if plan.tasks else [])
+    tok = loaded.tokenizer
+    runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
+                                                 sorted({it.task for it in items}), extra)
+
+    # warm-up (a refused method is recorded and dropped); every hierarchy of hsd_task once
+    ids0 = conversation_ids(tok, items[0].turns, [], raw)
+    for h in built.values():
+        h.generate(ids0, min(8, max_new_tokens), temperature=sampling.temperature, top_p=sampling.top_p)
     for m in list(runners):
         try:
-            runners[m](ids_list[0], min(8, max_new_tokens))
+            runners[m](ids0, min(8, max_new_tokens), sampling.seed, items[0].task)
         except Exception as e:  # noqa: BLE001 - HF may refuse a generation mode for this model
             errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             del runners[m]
             log(f"{m}: skipped ({errors[m]})")
     names = list(runners)
-    outs: dict[str, list[list[int]]] = {m: [] for m in names}
-    secs: dict[str, float] = {m: 0.0 for m in names}
-    dec: dict[str, float] = {m: 0.0 for m in names}
-    tcalls: dict[str, int] = {m: 0 for m in names}
-    levels: dict[str, list[LevelStats]] = {}
-    for i, ids in enumerate(ids_list):
+    gens: dict[str, list[Generation]] = {m: [] for m in names}
+    for i, it in enumerate(items):
         order = names[i % len(names):] + names[: i % len(names)]
         for m in order:
-            t0 = time.perf_counter()
-            toks, st = runners[m](ids, max_new_tokens)
-            secs[m] += time.perf_counter() - t0
-            outs[m].append(toks)
-            if st is not None:
-                dec[m] += st["decode_seconds"]
-                tcalls[m] += st["target_calls"]
-                levels[m] = add_levels(levels.get(m), st["levels"])
-        log(f"prompt {i + 1}/{len(ids_list)} done")
-    ref = outs.get("ar")
-    report: dict[str, Any] = {"methods": {}}
+            gens[m] += converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+        log(f"prompt {i + 1}/{len(items)} done")
+
+    report: dict[str, Any] = {"methods": {}, "by_task": {}}
+    ref = outputs_by_item(gens["ar"]) if sampling.greedy and "ar" in gens else None
     for m in names:
-        n = sum(len(o) for o in outs[m])
-        d: dict[str, Any] = {"tokens": n, "seconds": secs[m], "tokens_per_s": n / secs[m] if secs[m] else None}
-        d.update(hier.get(m, {}))
-        if ref is not None:
-            same = [a == b for a, b in zip(outs[m], ref)]
-            d["matches_reference"] = all(same)
-            d["prompts_matching"] = sum(same)
-        if m in levels:
-            d["levels"] = [lv.to_dict() for lv in levels[m]]
-            d["seconds_per_token"] = dec[m] / n if n else None
-            d["target_calls"] = tcalls[m]
-            d["tokens_per_target_call"] = n / tcalls[m] if tcalls[m] else None
-            pr = predicted.get(m)
-            d["predicted_seconds_per_token"] = pr
-            if pr and d["seconds_per_token"]:
-                d["measured_over_predicted"] = d["seconds_per_token"] / pr
+        overall, per = totals_by(gens[m], by)
+        outs = outputs_by_item(gens[m]) if ref is not None else None
+        d = {**overall.to_dict(), **desc.get(m, {})}
+        if outs is not None:
+            add_matches(d, overall.items, outs, ref)
+        elif not sampling.greedy:
+            d["matches_reference"] = None
         report["methods"][m] = d
-    for m, d in report["methods"].items():
-        for base in ("hf_ar", "ar"):
-            b = report["methods"].get(base, {}).get("tokens_per_s")
-            d[f"speedup_vs_{base}"] = d["tokens_per_s"] / b if b and d["tokens_per_s"] else None
+        for task, t in per.items():
+            td = t.to_dict()
+            if outs is not None:
+                add_matches(td, t.items, outs, ref)
+            report["by_task"].setdefault(task, {})[m] = td
+    add_speedups(report["methods"])
+    for ms in report["by_task"].values():
+        add_speedups(ms)
     for m, e in errors.items():
         report["methods"].setdefault(m, {})["error"] = e
-    report["reference"] = "ar"
+    report["reference"] = "ar" if sampling.greedy else None
     report["hf_ar_matches_reference"] = report["methods"].get("hf_ar", {}).get("matches_reference")
-    report["prompts"] = len(ids_list)
+    if not sampling.greedy:
+        report["matches_reference_note"] = ("not compared under sampling: outputs are draws (the tests prove that "
+                                            "the sampler keeps the target's distribution)")
+    report["sampling"] = sampling.to_dict()
+    report["prompts"] = len(items)
+    report["turns"] = turns
+    report["by"] = by
     report["max_new_tokens"] = max_new_tokens
     report["mode"] = mode
     report["plan"] = {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
-                      "expected_latency": plan.expected_latency}
+                      "expected_latency": plan.expected_latency, "tasks": plan.tasks}
     report["torch_threads"] = torch.get_num_threads()
     return report
 
 
-def plot_report(report: dict[str, Any], path) -> None:
-    """PNG: tokens/s per method (left) and predicted vs measured ms/token for our methods (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ms = {m: d for m, d in report["methods"].items() if d.get("tokens_per_s")}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(ms)
-    a.bar(names, [ms[m]["tokens_per_s"] for m in names], color="tab:blue")
-    a.set_ylabel("tokens / s")
-    a.set_title("throughput (greedy, same prompts)")
-    a.tick_params(axis="x", rotation=30)
-    ours = [m for m in names if ms[m].get("seconds_per_token")]
-    x = range(len(ours))
-    b.bar([i - 0.2 for i in x], [1e3 * (ms[m].get("predicted_seconds_per_token") or 0) for m in ours], 0.4,
-          label="predicted (plan)")
-    b.bar([i + 0.2 for i in x], [1e3 * ms[m]["seconds_per_token"] for m in ours], 0.4, label="measured")
-    b.set_xticks(list(x), ours)
-    b.set_ylabel("ms / token (decode)")
-    b.set_title("latency: predicted vs measured")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -181,3 +181,24 @@ def predicted_latency(plan, hierarchy: Sequence[str]) -> float | None:
         if isinstance(c, dict) and list(c.get("hierarchy") or []) == list(hierarchy):
             return c.get("expected_latency")
     return None
+
+
+def task_prediction(plan, task: str | None, key: str | None, fallback: float | None) -> float | None:
+    """The plan's predicted seconds/token on prompts of ``task`` for one of its overall hierarchies (``key``:
+    ``"plan"`` or a baseline's name): ``by_task[task].overall_hierarchies[key]`` when the plan has plans per task
+    and one for ``task`` (the hierarchy's latency under that task's acceptance), else ``fallback``."""
+    e = (plan.extra.get("by_task") or {}).get(task) or {} if task is not None else {}
+    v = (e.get("overall_hierarchies") or {}).get(key) if key else None
+    return float(v) if v is not None else fallback
+
+
+def plan_for_prompt(plan, task: str | None, per_task: bool = True) -> tuple[list[str], list[int], float, str]:
+    """``(hierarchy, budgets, predicted seconds/token, which)`` to run a prompt of ``task`` with: its task's plan
+    (``which = "by_task.<task>"``) when ``per_task`` and the plan has one, else the plan itself (``"plan"``),
+    predicted for that task when the plan knows it (:func:`task_prediction`)."""
+    if per_task:
+        h, b, pred, which = plan.for_task(task)
+        if which != "plan":
+            return h, b, pred, which
+    return (list(plan.hierarchy), list(plan.budgets),
+            task_prediction(plan, task, "plan", plan.expected_latency), "plan")
