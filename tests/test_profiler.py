@@ -69,10 +69,12 @@ def _same_stats(a: PairStats, b: PairStats, skip_tokens=()):
 # ------------------------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_streamed_equals_direct_computation(temperature):
-    """Chunked, streamed sums equal sum-min / argmax / p_j(proposal) computed from stored full distributions."""
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (0.7, 0.6)])
+def test_streamed_equals_direct_computation(temperature, top_p):
+    """Chunked, streamed sums equal sum-min / argmax / p_j(proposal) computed from stored full distributions
+    (processed as the runtime samples: temperature, then top-p)."""
     from hsd_opt.drafters.ngram import ContextNgramDrafter
+    from hsd_opt.runtime.decode import process_logits
 
     model = make_tiny_llama(seed=5, vocab_size=64, layers=4, scale=8.0)
     eng = LayeredLM(model)
@@ -82,7 +84,8 @@ def test_streamed_equals_direct_computation(temperature):
     cont = torch.randint(3, 20, (13,), generator=g).tolist()
     ngram = ContextNgramDrafter(name="ngram")
     lookup = ContextNgramDrafter(name="lookup", q=3, min_q=2, abstain=True)
-    acc, agr, acc_t, agr_t, _ = profile_sequence(neural, [ngram, lookup], prompt, cont, temperature, chunk=5)
+    acc, agr, acc_t, agr_t, _ = profile_sequence(neural, [ngram, lookup], prompt, cont, temperature, chunk=5,
+                                                 top_p=top_p)
 
     full = prompt + cont
     with torch.no_grad():
@@ -93,7 +96,10 @@ def test_streamed_equals_direct_computation(temperature):
         with torch.no_grad():
             lg = out.logits[0] if b == 4 else model.lm_head(model.model.norm(out.hidden_states[b][0]))
         lg = lg[P - 1:P - 1 + len(cont)]
-        dists.append(torch.softmax(lg / (temperature or 1.0), -1).double())
+        p = process_logits(lg, temperature, top_p) if temperature else torch.softmax(lg, -1)
+        if top_p < 1:
+            assert (p == 0).any(dim=-1).all()                 # the nucleus dropped tokens at every position
+        dists.append(p.double())
         ams.append(lg.argmax(-1))
     for i in range(4):
         for j in range(i + 1, 4):
@@ -229,6 +235,13 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     assert pv["prompts_sha256"] == load_prompts(tiny["prompts"]).sha256
     assert pv["prompt_count"] == 5 and pv["generated_tokens"] > 0 and pv["heads"] is None
     assert set(prof.extra["acceptance_by_task"]) <= {"code", "math", "chat"}
+    # per task: generated positions add up, and so do the lookup's proposals (its draft rate per task)
+    pos = pv["positions_by_task"]
+    assert sum(pos.values()) == pv["generated_tokens"] and pv["top_p"] == 1.0
+    rates = {t: r["lookup"] for t, r in prof.extra["draft_rate_by_task"].items()}
+    assert set(rates) == set(pos) and "ngram" not in prof.extra["draft_rate_by_task"]["code"]
+    assert sum(rates[t] * pos[t] for t in pos) == pytest.approx(                # (a rate's floor is 1e-6)
+        prof.entry("lookup").draft_rate * sum(pos.values()), abs=1e-4)
     assert "ci95" in prof.extra and "greedy_agreement" in prof.extra and "counts" in prof.extra
     r = _cli(["solve", "--profile", str(full_run), "--tmax", "3"])
     assert r.exit_code == 0, r.output
@@ -302,6 +315,22 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     _same_stats(a, b)
 
 
+def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_path):
+    outs = {}
+    for top_p in (0.9, 1.0):
+        outs[top_p] = tmp_path / f"p{top_p}.json"
+        r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out",
+                  str(outs[top_p]), "--max-new-tokens", "4", "--layers", "2", "--token-drafters", "none",
+                  "--quantized", "none", "--temperature", "0.8", "--top-p", str(top_p), "--device", "cpu"] + FAST)
+        assert r.exit_code == 0, r.output
+    prof, _ = load_profile(outs[0.9])
+    pv = prof.extra["provenance"]
+    assert pv["temperature"] == 0.8 and pv["top_p"] == 0.9 and "top-p" in pv["temperature_note"]
+    assert 0 < prof.accept("layer2", "layer4") <= 1
+    r = _cli(["profile", "merge", str(outs[0.9]), str(outs[1.0]), "-o", str(tmp_path / "m.json")])
+    assert r.exit_code == 2 and "provenance.top_p" in r.output
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -353,6 +382,11 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
     cases.append((r, "tokenizer differs"))
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--token-drafters", "foo"])
     cases.append((r, "unknown token drafter"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--top-p", "0.9"])
+    cases.append((r, "--top-p 0.9 needs --temperature > 0"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--temperature", "1",
+                     "--top-p", "0"])
+    cases.append((r, "--top-p: expected a value in (0, 1]"))
     for r, needle in cases:
         text = " ".join(r.output.split())
         assert r.exit_code == 2, (needle, r.output)
