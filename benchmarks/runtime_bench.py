@@ -40,7 +40,7 @@ def main() -> None:
 
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
-    from hsd_opt.prompts import load_prompts
+    from hsd_opt.prompts import load_prompts, select_items
     from hsd_opt.runtime.bench import plot_report, run_bench
     from hsd_opt.runtime.runner import check_provenance
 
@@ -58,20 +58,9 @@ def main() -> None:
         h, _, b = rest.partition(":")
         extra[name] = (h.split(","), [int(x) for x in b.split(",") if x])
     rows = load_prompts(a.prompts).items
-    if a.per_task:
-        seen: dict[str, int] = {}
-        picked = []
-        for r in rows:
-            t = r.task
-            if seen.get(t, 0) < a.per_task:
-                seen[t] = seen.get(t, 0) + 1
-                picked.append(r)
-        rows = picked
-    else:
-        rows = rows[: a.limit]
-    texts = [r.prompt for r in rows]
+    rows = select_items(rows, per_task=a.per_task) if a.per_task else rows[: a.limit]
     t0 = time.time()
-    rep = run_bench(plan, loaded, texts, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
+    rep = run_bench(plan, loaded, rows, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
     rep["wall_seconds"] = time.time() - t0
     rep["command"] = " ".join([".venv/bin/python", "benchmarks/runtime_bench.py"] + sys.argv[1:])
     rep["load_average_before"], rep["load_average_after"] = list(load), list(os.getloadavg())
