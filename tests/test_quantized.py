@@ -57,7 +57,7 @@ def test_int4_recovers_q4_1_weights_exactly():
 def test_spec_parsing():
     assert quant_spec("int8") == (8, 0) and quant_spec(" INT4 ") == (4, 32)
     assert parse_quantized("none", "cpu") == [] and parse_quantized("int4,int8,int4", "cpu") == ["int4", "int8"]
-    assert parse_quantized(None, "cpu") == (["int8", "int4"] if qmod.kernels_available("cpu") else [])
+    assert parse_quantized(None, "cpu") == ["int8", "int4"] and parse_quantized(None, "meta") == []
     with pytest.raises(HsdError, match="--quantized"):
         quant_spec("int3")
 
@@ -82,10 +82,12 @@ def _q4_ready(model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("use_kernels", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_engine_tracks_the_float_model(tiny, bits):
+def test_quantized_engine_tracks_the_float_model(tiny, bits, use_kernels):
     model = tiny if bits == 8 else _q4_ready(tiny)
-    lm, q = LayeredLM(model), QuantizedLM(model, bits=bits)
+    lm, q = LayeredLM(model), QuantizedLM(model, bits=bits, kernels=use_kernels)
+    assert q.uses_kernels == use_kernels
     assert q.n_layers == 4 and q.vocab_size == 64 and q.weight_bytes() > 0
     ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(1))
     ref = lm.head(lm.hidden_states(ids, [4])[4], 4)
@@ -113,8 +115,9 @@ def test_quantized_engine_tracks_the_float_model(tiny, bits):
 def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
     """The TorchScript layer stack computes exactly what the per-layer Python path computes: the same caches and
     hidden states, through prefill, single steps, crops and saved exit boundaries (runs split at boundary 2)."""
-    fast, slow = QuantizedLM(tiny, bits=bits), QuantizedLM(tiny, bits=bits, scripted=False)
-    if qmod.kernels_available("cpu"):
+    fast = QuantizedLM(tiny, bits=bits, kernels=False)
+    slow = QuantizedLM(tiny, bits=bits, scripted=False, kernels=False)
+    if qmod.packed_kernels_available("cpu"):
         assert fast._stack is not None            # it applies to a Llama without biases and is bit-exact here
     assert slow._stack is None
     ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(5))
@@ -140,9 +143,9 @@ def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
 
 
 def test_dequantized_fallback_matches_packed_kernels(tiny, monkeypatch):
-    packed = QuantizedLM(tiny, bits=8)
-    monkeypatch.setattr(qmod, "kernels_available", lambda device="cpu": False)
-    plain = QuantizedLM(tiny, bits=8)
+    packed = QuantizedLM(tiny, bits=8, kernels=False)
+    monkeypatch.setattr(qmod, "packed_kernels_available", lambda device="cpu": False)
+    plain = QuantizedLM(tiny, bits=8, kernels=False)
     assert packed.packed and not plain.packed
     ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(2))
     a = packed.head(packed.hidden_states(ids, [4])[4], 4)
@@ -199,8 +202,8 @@ def test_share_prompt_copies_the_targets_cache_and_computes_the_last_position(ti
     assert q.share_prompt(st, lm, src, 4) == 11 and st.lens == [11] * 4
     assert q.advance(st, 4) == 4                                   # one position per layer left to compute
     for l in range(4):
-        assert torch.equal(st.k[l][:, :, :11], src.k[l][:, :, :11].to(torch.bfloat16))
-        assert torch.equal(st.v[l][:, :, :11], src.v[l][:, :, :11].to(torch.bfloat16))
+        assert torch.equal(st.k[l][:, :, :11], src.k[l][:, :, :11].to(q.dtype))
+        assert torch.equal(st.v[l][:, :, :11], src.v[l][:, :, :11].to(q.dtype))
     # the same thing done by hand: the copy's own prefill, its cache overwritten, the last position recomputed
     ref = q.new_state(32, save_boundaries=[4])
     q.append(ref, ids)

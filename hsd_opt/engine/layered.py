@@ -23,11 +23,12 @@ q/k/v/o projections and an ``mlp``), which covers LayerSkip's Llama-2/3 checkpoi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from hsd_opt.engine import kernels
 from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm_reference, rotate_half
 from hsd_opt.errors import HsdError
 
@@ -104,6 +105,7 @@ class DecodeState:
         k, v: per layer ``[1, n_kv_heads, max_len, head_dim]`` caches.
         resid: boundary -> ``[max_len, d]`` residual stream saved at that boundary (only for boundaries asked
             for: exits, and frontiers where a pass stopped).
+        cache_ptrs: the caches' addresses as the decode kernels take them (filled on first use).
     """
 
     tokens: torch.Tensor
@@ -112,6 +114,7 @@ class DecodeState:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     resid: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache_ptrs: Any = None
 
     @property
     def max_len(self) -> int:
@@ -124,17 +127,29 @@ class DecodeState:
 class LayeredLM:
     """Our own forward pass over a Hugging Face causal LM's modules, one layer range at a time.
 
+    Two compute paths share the state, ``advance`` and ``crop``:
+
+    - the **torch path** (:meth:`_layer`): the Hugging Face modules' operations in their order, called directly
+      on the weights, bit for bit the modules' output (checked when built); any device;
+    - the **kernel path** (:mod:`hsd_opt.engine.kernels`, on CPUs where they build): one call per run of layers
+      over the weights in place, batch-invariant, float32 activations and caches. Passes over at most
+      :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take it; longer passes
+      (prefill) of a float32 model take the torch path (a blocked GEMM is faster there), those of a bfloat16
+      model run through the kernels in chunks.
+
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
         exit_heads: optional boundary -> :data:`ExitHead` for trained early-exit heads; boundaries without one
             use the model's final norm and LM head (the "logit lens").
+        kernels: use the kernel path: None (default) where available (CPU, a C compiler, a float32 or bfloat16
+            model of a supported layout, ``HSD_KERNELS`` not 0); False never; True requires it.
     """
 
     #: Call the float layers' weights directly (checked against the modules when built). Subclasses with their
     #: own :meth:`_layer` set it False and skip that set-up.
     direct_path = True
 
-    def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None):
+    def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None, kernels: bool | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise HsdError(f"model type {getattr(cfg, 'model_type', None)!r} is not supported by the layered "
@@ -158,6 +173,83 @@ class LayeredLM:
         self._weights = _lean_weights(model, self.layers) if self.direct_path else None
         if self._weights is not None and not self._check_direct_path():
             self._weights = None
+        #: the kernel path: a :class:`~hsd_opt.engine.kernels.LayerStack`, the LM head and final norm weight
+        self._kstack: kernels.LayerStack | None = None
+        self._khead: kernels.Mat | None = None
+        self._knorm: torch.Tensor | None = None
+        #: long passes (prefill) take the torch path: true for float32 models, whose torch path is exact
+        self._torch_long_passes = True
+        if kernels is not False:
+            self._setup_kernels(required=bool(kernels))
+
+    # ------------------------------------------------------------------------------------------ kernels
+
+    def _kernel_layout_problem(self) -> str | None:
+        """Why the kernels cannot run this model's layers (None when they can)."""
+        if self.device.type != "cpu":
+            return f"the model is on {self.device}"
+        if self._weights is None:
+            return "the model's layers are not plain weights (hooks or an unexpected layout)"
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return f"dtype {self.dtype} (expected float32 or bfloat16)"
+        w0 = self._weights[0]
+        if w0.qk_norm:
+            return "per-head q/k norms (Qwen3)"
+        if any(w.act is not F.silu for w in self._weights):
+            return "an activation other than SiLU"
+        if len({(w.eps1, w.eps2) for w in self._weights}) != 1:
+            return "norm epsilons that differ between layers"
+        if any(b is not None for w in self._weights for b in (w.bo, w.bgate, w.bup, w.bdown)):
+            return "biases outside q/k/v"
+        if self.head_dim % 2:
+            return "an odd head size"
+        return None
+
+    def _setup_kernels(self, required: bool) -> None:
+        """Build the kernel path when the kernels load and the model's layout fits (see :class:`LayeredLM`);
+        ``required``: raise :class:`HsdError` instead of keeping the torch path."""
+        problem = self._kernel_layout_problem()
+        lib = kernels.load() if problem is None else None
+        if problem is None and lib is None:
+            problem = "the kernels are unavailable (no C compiler, or HSD_KERNELS=0)"
+        if problem is not None:
+            if required:
+                raise HsdError(f"kernels: {problem}")
+            return
+        wl = self._weights
+        mats = [kernels.LayerMats(*(kernels.Mat.dense(w, b) for w, b in (
+            (x.q, x.bq), (x.k, x.bk), (x.v, x.bv), (x.o, None), (x.gate, None), (x.up, None), (x.down, None))),
+            x.ln1, x.ln2) for x in wl]
+        inter = wl[0].gate.shape[0]
+        self._kstack = kernels.LayerStack(lib, mats, self.n_heads, self.n_kv, self.head_dim, self.hidden_size, inter,
+                                          wl[0].eps1, wl[0].eps2)
+        self._khead = kernels.Mat.dense(self.lm_head.weight, getattr(self.lm_head, "bias", None))
+        self._knorm = self.norm.weight.detach().float().contiguous()
+        self._knorm_eps = norm_eps(self.norm)
+        if self.dtype != torch.float32:  # bfloat16 weights: float32 activations and caches, no torch path
+            self._torch_long_passes = False
+            self.dtype = torch.float32
+
+    @property
+    def uses_kernels(self) -> bool:
+        """True when decode passes run on the CPU kernels (:mod:`hsd_opt.engine.kernels`)."""
+        return self._kstack is not None
+
+    def _kernel_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
+        if st.cache_ptrs is None:
+            st.cache_ptrs = (kernels.cache_ptrs(st.k), kernels.cache_ptrs(st.v))
+        kp, vp = st.cache_ptrs
+        x = x.to(torch.float32).clone()  # updated in place; the caller's tensor may be a saved residual
+        c, s = cos[0].float(), sin[0].float()
+        step = kernels.MAX_PASS
+        for i in range(0, x.shape[0], step):
+            self._kstack.run(l0, l1, x[i:i + step], start + i, c[i:i + step], s[i:i + step], kp, vp, st.max_len)
+        return x
+
+    def _kernel_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        lib = self._kstack.lib
+        h = kernels.rms_norm(lib, hidden, self._knorm, self._knorm_eps)
+        return kernels.linear(lib, self._khead, h)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -277,7 +369,7 @@ class LayeredLM:
         (random input, 3 positions); otherwise the engine uses the modules."""
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(3, self.hidden_size, generator=g).to(device=self.device, dtype=self.dtype)
-        cos, sin = self._rope(0, 3)
+        cos, sin = self.rope(0, 3)
         a, b = self.new_state(3), self.new_state(3)  # layer l writes only its own cache slot
         for l in range(self.n_layers):
             ya = LayeredLM._layer(self, l, x, a, 0, cos, sin)
@@ -304,14 +396,18 @@ class LayeredLM:
         x = x + attn.o_proj(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def _run_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+    def run_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
-        written as it goes). Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
+        written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else layer by
+        layer with :meth:`_layer`. Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
+        if self._kstack is not None and (x.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+            return self._kernel_layers(l0, l1, x, st, start, cos, sin)
         for l in range(l0, l1):
             x = self._layer(l, x, st, start, cos, sin)
         return x
 
-    def _rope(self, start: int, end: int):
+    def rope(self, start: int, end: int):
+        """Rotary tables ``(cos, sin)``, each ``[1, end - start, head_dim]``, for positions ``start .. end-1``."""
         pos = torch.arange(start, end, device=self.device).unsqueeze(0)
         dummy = torch.empty(1, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(dummy, pos)
@@ -330,7 +426,7 @@ class LayeredLM:
         if upto == 0 or (st.lens[upto - 1] >= n):
             return 0
         lo = st.lens[upto - 1]
-        cos_all, sin_all = self._rope(lo, n)
+        cos_all, sin_all = self.rope(lo, n)
         x: torch.Tensor | None = None
         x_start = n
         work = 0
@@ -352,7 +448,7 @@ class LayeredLM:
             while r < upto and st.lens[r] == x_start and r not in st.resid:
                 r += 1
             off = x_start - lo
-            x = self._run_layers(l, r, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
+            x = self.run_layers(l, r, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):
                 st.lens[j] = n
@@ -367,6 +463,8 @@ class LayeredLM:
         fn = self.exit_heads.get(boundary)
         if fn is not None:
             return fn(hidden).float()
+        if self._khead is not None and (hidden.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+            return self._kernel_head(hidden)
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.no_grad()

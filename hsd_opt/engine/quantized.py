@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm, rotate_half
 from hsd_opt.errors import HsdError
@@ -48,10 +49,10 @@ def quant_spec(name: str) -> tuple[int, int]:
 
 
 def parse_quantized(spec: str | None, device) -> list[str]:
-    """The ``--quantized`` flag: ``None`` -> the default (``int8,int4`` where the packed kernels run on
-    ``device``, else none); ``"none"`` -> []; else a comma list of :data:`QUANT_KINDS` names."""
+    """The ``--quantized`` flag: ``None`` -> the default (``int8,int4`` on a CPU, where int8/int4 kernels run;
+    else none); ``"none"`` -> []; else a comma list of :data:`QUANT_KINDS` names."""
     if spec is None:
-        return list(QUANT_KINDS) if kernels_available(device) else []
+        return list(QUANT_KINDS) if torch.device(device).type == "cpu" else []
     if spec.strip().lower() in ("", "none"):
         return []
     out = []
@@ -63,8 +64,8 @@ def parse_quantized(spec: str | None, device) -> list[str]:
     return out
 
 
-def kernels_available(device: torch.device | str = "cpu") -> bool:
-    """True when the packed int8/int4 matmul kernels run on ``device`` (CPU builds of torch >= 2.6)."""
+def packed_kernels_available(device: torch.device | str = "cpu") -> bool:
+    """True when torch's packed int8/int4 matmul kernels run on ``device`` (CPU builds of torch >= 2.6)."""
     return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") \
         and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
@@ -204,28 +205,40 @@ def _scripted_stack():
 
 
 class QuantizedLM(LayeredLM):
-    """A :class:`LayeredLM` over a weight-quantized copy of ``model`` (``bits`` 8 or 4), bfloat16 activations.
+    """A :class:`LayeredLM` over a weight-quantized copy of ``model`` (``bits`` 8 or 4).
 
-    The original model is only read: its weights are quantized into new tensors (int8: ~1/4, int4: ~1/8 of the
-    float32 bytes, plus a bfloat16 embedding table). The LM head is quantized to ``head_bits`` (default 8: the
-    head decides every token, and 4 bits there cost agreement for little time). Early exits use
-    the model's final norm and the quantized LM head. ``name`` is what profiles and plans call it. ``scripted``
-    (default True) runs runs of layers through the TorchScript :func:`_layer_stack` where it applies and matches
-    :meth:`_layer` bit for bit (checked when built); False always uses :meth:`_layer`.
+    The original model is only read: its weights are quantized into new tensors (int8: ~1/4, int4: ~1/6 of the
+    float32 bytes). The LM head is quantized to ``head_bits`` (default 8: the head decides every token, and 4 bits
+    there cost agreement for little time). Early exits use the model's final norm and the quantized LM head.
+    ``name`` is what profiles and plans call it.
+
+    Two implementations, chosen when built:
+
+    - on the CPU decode kernels (:mod:`hsd_opt.engine.kernels`; ``kernels`` None or True): int8 per row or int4
+      in groups of 32 with a scale and a minimum, float32 activations and caches, the model's own embedding
+      table; every pass, prefill included, runs on the kernels (in chunks);
+    - otherwise torch's operations with bfloat16 activations: its packed int8/int4 CPU kernels, or on other
+      devices the de-quantized weights with ``F.linear``; ``scripted`` (default True) runs runs of layers
+      through the TorchScript :func:`_layer_stack` where it applies and matches :meth:`_layer` bit for bit
+      (checked when built).
     """
 
     direct_path = False  # its own _layer over the quantized weights
 
     def __init__(self, model, bits: int = 4, group_size: int = 32, head_bits: int = 8, name: str | None = None,
-                 scripted: bool = True):
-        super().__init__(model)
+                 scripted: bool = True, kernels: bool | None = None):
+        super().__init__(model, kernels=False)
         act = getattr(model.config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise HsdError(f"quantized drafter: activation {act!r} is not supported (expected silu)")
-        dev = self.device
-        packed = kernels_available(dev)
-        self.bits, self.group_size, self.head_bits, self.packed = bits, group_size, head_bits, packed
+        self.bits, self.group_size, self.head_bits = bits, group_size, head_bits
         self.name = name or f"int{bits}"
+        self._stack, self._stack_weights, self._stack_eps = None, None, None
+        if kernels is not False and self._setup_quantized_kernels(required=bool(kernels)):
+            return
+        dev = self.device
+        packed = packed_kernels_available(dev)
+        self.packed = packed
         self.qlayers: list[_QLayer] = []
         with torch.no_grad():
             for layer in self.layers:
@@ -252,9 +265,64 @@ class QuantizedLM(LayeredLM):
         self.norm = self._final_norm
         self.lm_head = self._head
         self.vocab_size = self._head.out_features
-        self._stack, self._stack_weights, self._stack_eps = None, None, None
         if scripted:
             self._setup_stack()
+
+    def _kernel_layout_problem(self) -> str | None:
+        if self.device.type != "cpu":
+            return f"the model is on {self.device}"
+        if any(hasattr(layer.self_attn, "q_norm") for layer in self.layers):
+            return "per-head q/k norms (Qwen3)"
+        if self.bits == 4 and self.group_size != kernels.GROUP:
+            return f"int4 groups of {self.group_size} columns (the kernels take {kernels.GROUP})"
+        inter = self.layers[0].mlp.gate_proj.weight.shape[0]
+        if self.bits == 4 and (self.hidden_size % kernels.GROUP or inter % kernels.GROUP
+                               or (self.n_heads * self.head_dim) % kernels.GROUP):
+            return f"widths not divisible by {kernels.GROUP}"
+        eps = {(norm_eps(l.input_layernorm), norm_eps(l.post_attention_layernorm)) for l in self.layers}
+        if len(eps) != 1:
+            return "norm epsilons that differ between layers"
+        if any(getattr(m, "bias", None) is not None for l in self.layers
+               for m in (l.self_attn.o_proj, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)):
+            return "biases outside q/k/v"
+        return None
+
+    @torch.no_grad()
+    def _setup_quantized_kernels(self, required: bool) -> bool:
+        """Quantize the layers and the head for the CPU decode kernels; False (or :class:`HsdError` when
+        ``required``) when they cannot run this model here."""
+        problem = self._kernel_layout_problem()
+        lib = kernels.load() if problem is None else None
+        if problem is None and lib is None:
+            problem = "the kernels are unavailable (no C compiler, or HSD_KERNELS=0)"
+        if problem is not None:
+            if required:
+                raise HsdError(f"kernels: {problem}")
+            return False
+
+        def q(lin, bits=self.bits):
+            return kernels.quantize(lin.weight, bits, lin.bias)
+
+        mats = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            mats.append(kernels.LayerMats(q(a.q_proj), q(a.k_proj), q(a.v_proj), q(a.o_proj), q(mlp.gate_proj),
+                                          q(mlp.up_proj), q(mlp.down_proj), layer.input_layernorm.weight,
+                                          layer.post_attention_layernorm.weight))
+        l0 = self.layers[0]
+        self._kstack = kernels.LayerStack(lib, mats, self.n_heads, self.n_kv, self.head_dim, self.hidden_size,
+                                          l0.mlp.gate_proj.weight.shape[0], norm_eps(l0.input_layernorm),
+                                          norm_eps(l0.post_attention_layernorm))
+        self._khead = q(self.model.lm_head, self.head_bits)
+        self._knorm = self.norm.weight.detach().float().contiguous()
+        self._knorm_eps = norm_eps(self.norm)
+        self._torch_long_passes = False
+        self.packed = False
+        self.dtype = torch.float32
+        self._embed_w = self.model.model.embed_tokens.weight.detach().float()  # the model's own when float32
+        self.embed = self._embed
+        self.vocab_size = self._khead.rows
+        return True
 
     def _setup_stack(self) -> None:
         """Use the TorchScript layer stack (:func:`_layer_stack`) when it applies (packed kernels, no biases, no
@@ -275,14 +343,14 @@ class QuantizedLM(LayeredLM):
         self._stack = fn
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(3, self.hidden_size, generator=g).to(device=self.device, dtype=ACT_DTYPE)
-        cos, sin = self._rope(0, 3)
+        cos, sin = self.rope(0, 3)
         a, b = self.new_state(3), self.new_state(3)
         n = min(2, self.n_layers)
         try:
             with torch.no_grad():
-                ya = self._run_layers(0, n, x, a, 0, cos, sin)
+                ya = self.run_layers(0, n, x, a, 0, cos, sin)
                 self._stack = None
-                yb = LayeredLM._run_layers(self, 0, n, x, b, 0, cos, sin)
+                yb = LayeredLM.run_layers(self, 0, n, x, b, 0, cos, sin)
             ok = torch.equal(ya, yb)
         except Exception:  # noqa: BLE001 - the scripted path failed on this build: keep the Python one
             ok = False
@@ -295,16 +363,22 @@ class QuantizedLM(LayeredLM):
         return rms_norm(x, self._norm_w, self._norm_eps)
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
+        if self._khead is not None:
+            return self._kernel_head(hidden)
         return self._head(self._final_norm(hidden.to(ACT_DTYPE))).float()
 
     def weight_bytes(self) -> int:
         """Bytes of quantized weights one full decode step reads (layers + LM head)."""
+        if self._kstack is not None:
+            return self._kstack.nbytes() + self._khead.nbytes()
         return sum(m.nbytes() for ql in self.qlayers for m in (ql.qkv, ql.o, ql.gate_up, ql.down)) \
             + self._head.nbytes()
 
-    def _run_layers(self, l0: int, l1: int, x: torch.Tensor, st, start: int, cos, sin) -> torch.Tensor:
+    def run_layers(self, l0: int, l1: int, x: torch.Tensor, st, start: int, cos, sin) -> torch.Tensor:
+        if self._kstack is not None:
+            return self._kernel_layers(l0, l1, x, st, start, cos, sin)
         if self._stack is None:
-            return LayeredLM._run_layers(self, l0, l1, x, st, start, cos, sin)
+            return LayeredLM.run_layers(self, l0, l1, x, st, start, cos, sin)
         return self._stack(x, cos[0], sin[0], start, st.k[l0:l1], st.v[l0:l1], self._stack_weights[l0:l1],
                            self._stack_eps[l0:l1], self.bits, self.group_size, self.n_heads, self.n_kv,
                            self.head_dim, self.qlayers[0].inter)

@@ -166,17 +166,17 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
             eng.append(st, ctx[n0:n0 + t])
             t0 = _now()
             x = eng.embed(st.tokens[n0:n0 + t])
-            cos, sin = eng._rope(n0, n0 + t)
+            cos, sin = eng.rope(n0, n0 + t)
             t1 = _now()
             times = []
             for l in range(n_layers):
                 a = _now()
-                x = eng._layer(l, x, st, n0, cos, sin)
+                x = eng.run_layers(l, l + 1, x, st, n0, cos, sin)
                 times.append(_now() - a)
             hts = {}
             for k in head_keys:
                 a = _now()
-                eng.head(x, k) if k != -1 else eng.lm_head(eng.norm(x)).float()
+                eng.head(x, k)
                 hts[k] = _now() - a
             eng.crop(st, n0)
             if r >= warmup:

@@ -1,0 +1,526 @@
+/* CPU decode kernels for hsd-opt: a run of pre-norm decoder layers (Llama / Mistral / Qwen2) and the LM head at
+ * batch 1, for passes over a few positions (one decode step, or a verify pass over a block of drafts).
+ *
+ * Why: at batch 1 a decode step reads every weight once, so it is bound by memory bandwidth, not arithmetic; the
+ * stock float32 matrix-vector products and the per-operation overhead of an eager framework take several times
+ * the time the weights take to read. This file streams each weight row once per pass, for every position of the
+ * pass, in one parallel region per run of layers (OpenMP; the same runtime torch uses, so threads are shared).
+ *
+ * Weights stay where the caller keeps them (no copies): float32 or bfloat16 matrices as the model stores them,
+ * or quantized copies (int8 per output row; int4 in groups of 32 input columns with a scale and a minimum per
+ * group, like GGUF Q4_1). Activations, keys and values are float32.
+ *
+ * Batch invariance: every output element (position t, output row r) is computed by the same sequence of
+ * operations whatever the number of positions in the pass and whatever tile it falls in: one 8-lane accumulator
+ * over the input columns in order, one fixed horizontal sum, then the bias. Attention of a position depends only
+ * on its own query and the cached keys and values. So a pass over t positions gives bit for bit the same hidden
+ * states and logits as t one-position steps: speculative verification sees exactly the numbers a plain decode
+ * loop would.
+ *
+ * Interface: plain C structs (mirrored with ctypes in kernels.py), no allocation (the caller passes a work
+ * buffer of hsd_work_floats() floats). Build: cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__) && !defined(HSD_PORTABLE)
+#include <immintrin.h>
+#define HSD_AVX2 1
+#else
+#define HSD_AVX2 0
+#endif
+
+enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3 };
+#define HSD_GROUP 32
+#define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
+
+typedef struct {
+    int32_t type, rows, cols, pad;
+    const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2] */
+    const float *scale;  /* q8: [rows]; q4: [rows, cols / 32] */
+    const float *zero;   /* q4: [rows, cols / 32], the group minimum: w = code * scale + zero */
+    const float *bias;   /* [rows] or NULL */
+} hsd_mat;
+
+typedef struct {
+    hsd_mat q, k, v, o, gate, up, down;
+    const float *ln1, *ln2; /* [hidden] norm weights */
+} hsd_layer;
+
+typedef struct {
+    int32_t n_heads, n_kv, head_dim, hidden, inter, pad;
+    float eps1, eps2;
+    const hsd_layer *layers;
+} hsd_model;
+
+int hsd_version(void) { return 3; }
+int hsd_simd(void) { return HSD_AVX2; }
+
+/* ------------------------------------------------------------------------------------------------ dot products */
+
+/* Every output element is W[r] . x[t] computed as: one 8-lane accumulator over the columns in order (lane j
+ * takes columns j, j + 8, ...; acc = fma(w, x, acc)), a fixed horizontal sum, then the tail columns (cols % 8) in
+ * order. The weights enter as float32 values: stored float32, widened bfloat16, int8 codes (the row scale is
+ * applied to the sum), or int4 de-quantized as fma(code, scale, minimum). The tiles below only choose which
+ * elements are computed together, never the operations of one element. */
+
+#if HSD_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+#define ACC(a, w, x) a = _mm256_fmadd_ps(w, x, a)
+#else
+typedef struct { float l[8]; } lanes8;
+static inline float hsum_lanes(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+#endif
+
+static inline float tail(const float *w, const float *x, int c0, int K, float s) {
+    for (int c = c0; c < K; c++) s = fmaf(w[c], x[c], s);
+    return s;
+}
+
+/* s[t * 4 + i] = w_i . x_t for 4 rows (float32, K columns) and m positions (x row stride xs). */
+static void dots4(const float *const *w, int K, const float *x, int xs, int m, float *s) {
+    const int K8 = K & ~7;
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    int t = 0;
+#if HSD_AVX2
+    for (; t + 3 <= m; t += 3) {
+        const float *xa = x + (size_t)t * xs, *xb = xa + xs, *xc = xb + xs;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int c = 0; c < K8; c += 8) {
+            __m256 u = _mm256_loadu_ps(xa + c), v = _mm256_loadu_ps(xb + c), z = _mm256_loadu_ps(xc + c), q;
+            q = _mm256_loadu_ps(w0 + c); ACC(a0, q, u); ACC(b0, q, v); ACC(c0, q, z);
+            q = _mm256_loadu_ps(w1 + c); ACC(a1, q, u); ACC(b1, q, v); ACC(c1, q, z);
+            q = _mm256_loadu_ps(w2 + c); ACC(a2, q, u); ACC(b2, q, v); ACC(c2, q, z);
+            q = _mm256_loadu_ps(w3 + c); ACC(a3, q, u); ACC(b3, q, v); ACC(c3, q, z);
+        }
+        float *o = s + (size_t)t * 4;
+        o[0] = tail(w0, xa, K8, K, hsum8(a0)); o[1] = tail(w1, xa, K8, K, hsum8(a1));
+        o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
+        o[4] = tail(w0, xb, K8, K, hsum8(b0)); o[5] = tail(w1, xb, K8, K, hsum8(b1));
+        o[6] = tail(w2, xb, K8, K, hsum8(b2)); o[7] = tail(w3, xb, K8, K, hsum8(b3));
+        o[8] = tail(w0, xc, K8, K, hsum8(c0)); o[9] = tail(w1, xc, K8, K, hsum8(c1));
+        o[10] = tail(w2, xc, K8, K, hsum8(c2)); o[11] = tail(w3, xc, K8, K, hsum8(c3));
+    }
+    for (; t < m; t++) {
+        const float *xa = x + (size_t)t * xs;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int c = 0; c < K8; c += 8) {
+            __m256 u = _mm256_loadu_ps(xa + c);
+            ACC(a0, _mm256_loadu_ps(w0 + c), u); ACC(a1, _mm256_loadu_ps(w1 + c), u);
+            ACC(a2, _mm256_loadu_ps(w2 + c), u); ACC(a3, _mm256_loadu_ps(w3 + c), u);
+        }
+        float *o = s + (size_t)t * 4;
+        o[0] = tail(w0, xa, K8, K, hsum8(a0)); o[1] = tail(w1, xa, K8, K, hsum8(a1));
+        o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
+    }
+#else
+    for (; t < m; t++) {
+        const float *xa = x + (size_t)t * xs;
+        for (int i = 0; i < 4; i++) {
+            float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int c = 0; c < K8; c += 8)
+                for (int j = 0; j < 8; j++) l[j] = fmaf(w[i][c + j], xa[c + j], l[j]);
+            s[(size_t)t * 4 + i] = tail(w[i], xa, K8, K, hsum_lanes(l));
+        }
+    }
+#endif
+}
+
+/* Weight (r, c) of a bf16 / int8 matrix as float32. */
+static inline float wval(const hsd_mat *A, int r, int c) {
+    size_t i = (size_t)r * A->cols + c;
+    if (A->type == HSD_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)A->w)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return (float)((const int8_t *)A->w)[i];
+}
+
+/* Row r of A as float32 values into buf[K] (the values every kernel computes with). */
+static void expand_row(const hsd_mat *A, int r, float *buf) {
+    const int K = A->cols;
+    if (A->type == HSD_BF16) {
+        const uint16_t *p = (const uint16_t *)A->w + (size_t)r * K;
+        for (int c = 0; c < K; c++) {
+            uint32_t u = (uint32_t)p[c] << 16;
+            memcpy(buf + c, &u, 4);
+        }
+    } else if (A->type == HSD_Q8) {
+        const int8_t *p = (const int8_t *)A->w + (size_t)r * K;
+        for (int c = 0; c < K; c++) buf[c] = (float)p[c];
+    } else { /* HSD_Q4 */
+        const int G = K / HSD_GROUP;
+        const uint8_t *p = (const uint8_t *)A->w + (size_t)r * (K / 2);
+        const float *sc = A->scale + (size_t)r * G, *zr = A->zero + (size_t)r * G;
+        for (int g = 0; g < G; g++) {
+            const uint8_t *b = p + g * 16;
+            float *o = buf + g * HSD_GROUP;
+#if HSD_AVX2
+            const __m256i mask = _mm256_set1_epi32(0xF);
+            const __m256 s = _mm256_broadcast_ss(sc + g), z = _mm256_broadcast_ss(zr + g);
+            __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+            __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mask)), s, z));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mask)), s, z));
+            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), s, z));
+            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), s, z));
+#else
+            for (int j = 0; j < 16; j++) {
+                o[j] = fmaf((float)(b[j] & 15), sc[g], zr[g]);
+                o[j + 16] = fmaf((float)(b[j] >> 4), sc[g], zr[g]);
+            }
+#endif
+        }
+    }
+}
+
+#if HSD_AVX2
+/* 8 weights of a bf16 / int8 row at column c, converted in registers to the values expand_row stores. */
+static inline __m256 conv8(const hsd_mat *A, size_t off) {
+    if (A->type == HSD_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)A->w + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)A->w + off))));
+}
+
+/* s[t * 4 + i] = W[r + i] . x_t for 4 rows of a bf16 / int8 / int4 matrix and m <= 2 positions, converting the
+ * weights in registers: the same values and operations as expand_row followed by dots4, without the buffer. */
+static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, float *s) {
+    const int K = A->cols;
+    const float *xb = x + (m > 1 ? xs : 0);
+    __m256 a[4], b[4];
+    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+    if (A->type == HSD_Q4) {
+        const int G = K / HSD_GROUP;
+        const __m256i mask = _mm256_set1_epi32(0xF);
+        const uint8_t *p[4];
+        const float *sc[4], *zr[4];
+        for (int i = 0; i < 4; i++) {
+            p[i] = (const uint8_t *)A->w + (size_t)(r + i) * (K / 2);
+            sc[i] = A->scale + (size_t)(r + i) * G;
+            zr[i] = A->zero + (size_t)(r + i) * G;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *u = x + g * HSD_GROUP, *v = xb + g * HSD_GROUP;
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *q = p[i] + g * 16;
+                const __m256 sv = _mm256_broadcast_ss(sc[i] + g), zv = _mm256_broadcast_ss(zr[i] + g);
+                __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+                __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+                __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mask)), sv, zv);
+                __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mask)), sv, zv);
+                __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), sv, zv);
+                __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), sv, zv);
+                a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(u), a[i]);
+                a[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(u + 8), a[i]);
+                a[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(u + 16), a[i]);
+                a[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(u + 24), a[i]);
+                if (m > 1) {
+                    b[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v), b[i]);
+                    b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), b[i]);
+                    b[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), b[i]);
+                    b[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), b[i]);
+                }
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            s[i] = hsum8(a[i]);
+            if (m > 1) s[4 + i] = hsum8(b[i]);
+        }
+        return;
+    }
+    const int K8 = K & ~7;
+    for (int c = 0; c < K8; c += 8) {
+        const __m256 u = _mm256_loadu_ps(x + c), v = _mm256_loadu_ps(xb + c);
+        for (int i = 0; i < 4; i++) {
+            __m256 w = conv8(A, (size_t)(r + i) * K + c);
+            a[i] = _mm256_fmadd_ps(w, u, a[i]);
+            if (m > 1) b[i] = _mm256_fmadd_ps(w, v, b[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        float ta = hsum8(a[i]), tb = hsum8(b[i]);
+        for (int c = K8; c < K; c++) {
+            float w = wval(A, r + i, c);
+            ta = fmaf(w, x[c], ta);
+            tb = fmaf(w, xb[c], tb);
+        }
+        s[i] = ta;
+        if (m > 1) s[4 + i] = tb;
+    }
+}
+#endif
+
+/* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
+ * buf: 4 * cols floats of scratch for the expanded rows (unused for float32 weights). */
+static void mat_rows(const hsd_mat *A, const float *x, int xs, int m, float *y, int ys, int r0, int r1, int acc,
+                     float *buf) {
+    const int K = A->cols;
+    float s[4 * HSD_MAX_TILE_T];
+    for (int r = r0; r < r1; r += 4) {
+        const int n = r1 - r < 4 ? r1 - r : 4;
+#if HSD_AVX2
+        if (A->type != HSD_F32 && m <= 2 && n == 4) { /* convert in registers: the values expand_row stores */
+            direct4(A, r, x, xs, m, s);
+            for (int t = 0; t < m; t++)
+                for (int i = 0; i < 4; i++) {
+                    float d = s[t * 4 + i];
+                    if (A->type == HSD_Q8) d *= A->scale[r + i];
+                    if (A->bias) d += A->bias[r + i];
+                    float *out = y + (size_t)t * ys + r + i;
+                    *out = acc ? *out + d : d;
+                }
+            continue;
+        }
+#endif
+        const float *w[4];
+        for (int i = 0; i < 4; i++) {
+            int ri = r + (i < n ? i : n - 1); /* a short last block repeats its last row */
+            if (A->type == HSD_F32) {
+                w[i] = (const float *)A->w + (size_t)ri * K;
+            } else {
+                if (i < n) expand_row(A, ri, buf + (size_t)i * K);
+                w[i] = buf + (size_t)(i < n ? i : n - 1) * K;
+            }
+        }
+        for (int t0 = 0; t0 < m; t0 += HSD_MAX_TILE_T) {
+            const int mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
+            dots4(w, K, x + (size_t)t0 * xs, xs, mt, s);
+            for (int t = 0; t < mt; t++)
+                for (int i = 0; i < n; i++) {
+                    float d = s[t * 4 + i];
+                    if (A->type == HSD_Q8) d *= A->scale[r + i];
+                    if (A->bias) d += A->bias[r + i];
+                    float *out = y + (size_t)(t0 + t) * ys + r + i;
+                    *out = acc ? *out + d : d;
+                }
+        }
+    }
+}
+
+/* This thread's share [*a, *b) of n items, in blocks of `align` items (static, contiguous). */
+static inline void share(int n, int align, int *a, int *b) {
+    int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int blocks = (n + align - 1) / align;
+    int lo = (int)((long)blocks * id / nt), hi = (int)((long)blocks * (id + 1) / nt);
+    *a = lo * align < n ? lo * align : n;
+    *b = hi * align < n ? hi * align : n;
+}
+
+/* Rows of several matrices that read the same input, as if stacked: this thread's share of the stacked rows. */
+static void stacked_rows(const hsd_mat *const *mats, float *const *outs, const int *ys, int n, const float *x, int xs,
+                         int m, float *buf) {
+    int total = 0;
+    for (int i = 0; i < n; i++) total += mats[i]->rows;
+    int a, b;
+    share(total, 4, &a, &b);
+    int base = 0;
+    for (int i = 0; i < n; i++) {
+        int lo = a - base, hi = b - base, R = mats[i]->rows;
+        if (lo < 0) lo = 0;
+        if (hi > R) hi = R;
+        if (lo < hi) mat_rows(mats[i], x, xs, m, outs[i], ys[i], lo, hi, 0, buf);
+        base += R;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ small ops */
+
+static void rms_norm_rows(const float *x, int m, int d, const float *w, float eps, float *out) {
+    for (int t = 0; t < m; t++) {
+        const float *p = x + (size_t)t * d;
+        float s = 0.f;
+        for (int c = 0; c < d; c++) s += p[c] * p[c];
+        float r = 1.0f / sqrtf(s / (float)d + eps);
+        for (int c = 0; c < d; c++) out[(size_t)t * d + c] = w[c] * (p[c] * r);
+    }
+}
+
+/* HF's rotate_half rotation of one head vector: v * cos + rotate_half(v) * sin, rotate_half([a, b]) = [-b, a]. */
+static inline void rope(float *v, const float *cs, const float *sn, int hd) {
+    const int h = hd / 2;
+    for (int i = 0; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i + h] + a * sn[i + h];
+    }
+}
+
+static inline float dot_hd(const float *a, const float *b, int n) {
+#if HSD_AVX2
+    if ((n & 7) == 0) {
+        __m256 s = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+        return hsum8(s);
+    }
+#endif
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Causal attention of one query head over positions 0..p of its key/value head: out[hd]. sc: scratch [p + 1]. */
+static void attend_one(const float *q, const float *K, const float *V, int p, int hd, float *sc, float *out) {
+    const float scale = 1.0f / sqrtf((float)hd);
+    float mx = -INFINITY;
+    for (int j = 0; j <= p; j++) {
+        float s = dot_hd(q, K + (size_t)j * hd, hd) * scale;
+        sc[j] = s;
+        if (s > mx) mx = s;
+    }
+    float sum = 0.f;
+    for (int j = 0; j <= p; j++) {
+        float e = expf(sc[j] - mx);
+        sc[j] = e;
+        sum += e;
+    }
+    for (int i = 0; i < hd; i++) out[i] = 0.f;
+    for (int j = 0; j <= p; j++) {
+        const float *vj = V + (size_t)j * hd;
+        const float e = sc[j];
+        for (int i = 0; i < hd; i++) out[i] += e * vj[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < hd; i++) out[i] *= inv;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* ------------------------------------------------------------------------------------------------ the pass */
+
+static int max_cols(const hsd_model *M) {
+    int k = M->hidden > M->inter ? M->hidden : M->inter;
+    return M->n_heads * M->head_dim > k ? M->n_heads * M->head_dim : k;
+}
+
+/* Floats of work buffer hsd_layers needs for m positions with keys up to cache_len and nthreads threads. */
+long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
+    const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
+    return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I)
+        + (long)nthreads * ((cache_len + 16) + 4L * max_cols(M) + 16);
+}
+
+/* Decoder layers l0 .. l1-1 on x [m, hidden] (in place) at positions start .. start+m-1.
+ * cos, sin: [m, head_dim] rotary tables of those positions. kc[l], vc[l]: layer l's cache [n_kv, cache_len,
+ * head_dim] (positions < start already filled; this pass writes start .. start+m-1). work: hsd_work_floats()
+ * floats. Returns 0, or -1 on bad arguments. */
+int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, const float *cos, const float *sin,
+               float *const *kc, float *const *vc, int cache_len, float *work, int nthreads) {
+    const int H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
+    if (m < 1 || start < 0 || start + m > cache_len || KV < 1 || H % KV || hd % 2) return -1;
+    const int QW = H * hd, KW = KV * hd, QKVW = QW + 2 * KW;
+    float *h = work;                     /* [m, d] normed input */
+    float *qkv = h + (size_t)m * d;      /* [m, QKVW] */
+    float *att = qkv + (size_t)m * QKVW; /* [m, QW] */
+    float *gu = att + (size_t)m * QW;    /* [m, 2I]: gate | up, then silu(gate) * up in the gate half */
+    float *scr = gu + (size_t)m * 2 * I; /* per thread: attention scores, expanded weight rows */
+    const size_t per_thread = (size_t)(cache_len + 16) + 4 * (size_t)max_cols(M) + 16;
+    const int rep = H / KV;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num();
+        float *sc = scr + (size_t)tid * per_thread;
+        float *buf = sc + cache_len + 16;
+        for (int l = l0; l < l1; l++) {
+            const hsd_layer *L = &M->layers[l];
+            float *K = kc[l], *V = vc[l];
+            /* 1. input norm */
+#pragma omp single
+            rms_norm_rows(x, m, d, L->ln1, M->eps1, h);
+            /* 2. q, k, v (implicit barrier above) */
+            {
+                const hsd_mat *mats[3] = {&L->q, &L->k, &L->v};
+                float *outs[3] = {qkv, qkv + QW, qkv + QW + KW};
+                int ys[3] = {QKVW, QKVW, QKVW};
+                stacked_rows(mats, outs, ys, 3, h, d, m, buf);
+            }
+#pragma omp barrier
+            /* 3. rotate q and k; write k and v into the cache */
+#pragma omp for schedule(static)
+            for (int task = 0; task < m * (H + KV); task++) {
+                int t = task / (H + KV), hh = task % (H + KV);
+                float *row = qkv + (size_t)t * QKVW;
+                const float *cs = cos + (size_t)t * hd, *sn = sin + (size_t)t * hd;
+                if (hh < H) {
+                    rope(row + hh * hd, cs, sn, hd);
+                } else {
+                    int g = hh - H;
+                    float *kv = row + QW + g * hd;
+                    rope(kv, cs, sn, hd);
+                    size_t at = ((size_t)g * cache_len + start + t) * hd;
+                    memcpy(K + at, kv, hd * sizeof(float));
+                    memcpy(V + at, row + QW + KW + g * hd, hd * sizeof(float));
+                }
+            }
+            /* 4. attention (implicit barrier above) */
+#pragma omp for schedule(static)
+            for (int task = 0; task < m * H; task++) {
+                int t = task / H, hh = task % H, g = hh / rep;
+                attend_one(qkv + (size_t)t * QKVW + hh * hd, K + (size_t)g * cache_len * hd,
+                           V + (size_t)g * cache_len * hd, start + t, hd, sc, att + (size_t)t * QW + hh * hd);
+            }
+            /* 5. x += o(att) (implicit barrier above) */
+            {
+                int a, b;
+                share(d, 4, &a, &b);
+                mat_rows(&L->o, att, QW, m, x, d, a, b, 1, buf);
+            }
+#pragma omp barrier
+            /* 6. post-attention norm */
+#pragma omp single
+            rms_norm_rows(x, m, d, L->ln2, M->eps2, h);
+            /* 7. gate and up for this thread's rows, then silu(gate) * up */
+            {
+                int a, b;
+                share(I, 4, &a, &b);
+                mat_rows(&L->gate, h, d, m, gu, 2 * I, a, b, 0, buf);
+                mat_rows(&L->up, h, d, m, gu + I, 2 * I, a, b, 0, buf);
+                for (int t = 0; t < m; t++) {
+                    float *row = gu + (size_t)t * 2 * I;
+                    for (int r = a; r < b; r++) row[r] = silu(row[r]) * row[I + r];
+                }
+            }
+#pragma omp barrier
+            /* 8. x += down(act) */
+            {
+                int a, b;
+                share(d, 4, &a, &b);
+                mat_rows(&L->down, gu, 2 * I, m, x, d, a, b, 1, buf);
+            }
+#pragma omp barrier
+        }
+    }
+    return 0;
+}
+
+/* y [m, rows] = A x for x [m, cols] (e.g. the LM head on normed hidden states), rows split over threads.
+ * work: nthreads * 4 * cols floats (expanded rows; unused for float32 weights). */
+int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, int nthreads) {
+    if (m < 1 || (A->type != HSD_F32 && !work)) return -1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int a, b;
+        share(A->rows, 4, &a, &b);
+        float *buf = work ? work + (size_t)omp_get_thread_num() * 4 * A->cols : NULL;
+        mat_rows(A, x, A->cols, m, y, A->rows, a, b, 0, buf);
+    }
+    return 0;
+}
+
+/* out [m, d] = RMSNorm(x) with weight w (float32 statistics). */
+void hsd_rms_norm(const float *x, int m, int d, const float *w, float eps, float *out) {
+    rms_norm_rows(x, m, d, w, eps, out);
+}

@@ -1,0 +1,207 @@
+"""The CPU decode kernels: numerically the operations they replace, batch-invariant bit for bit, the same
+decoding as the torch path, built once and cached, and refused or skipped cleanly where they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.quantized import QuantizedLM, QuantLinear
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.decode import HSD, Level
+from tests.helpers import make_tiny_llama
+
+LIB = kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
+
+
+def _mat(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> kernels.Mat:
+    if kind == "f32":
+        return kernels.Mat.dense(w.contiguous(), b)
+    if kind == "bf16":
+        return kernels.Mat.dense(w.bfloat16().contiguous(), b)
+    return kernels.quantize(w, 8 if kind == "q8" else 4, b)
+
+
+@pytest.mark.parametrize("kind,rows,cols", [(k, r, c) for k in ("f32", "bf16", "q8", "q4")
+                                             for r, c in ((37, 64), (8, 96), (5, 40)) if k != "q4" or c % 32 == 0])
+def test_linear_is_the_matrix_product_of_its_weights(kind, rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    w, b = torch.randn(rows, cols, generator=g), torch.randn(rows, generator=g)
+    mat = _mat(kind, w, b)
+    deq = mat.dequantized()
+    for m in (1, 2, 3, 5, 7):
+        x = torch.randn(m, cols, generator=g)
+        got = kernels.linear(LIB, mat, x)
+        want = x.double() @ deq.double().t() + b.double()
+        assert got.shape == (m, rows) and got.dtype == torch.float32
+        assert (got.double() - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+    if kind != "f32":   # quantized (or rounded) weights, each within half a step of the original
+        assert not torch.equal(deq, w)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
+def test_linear_is_batch_invariant(kind):
+    """A product over m rows gives, bit for bit, what m one-row products give, at every m (tiles differ)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(45, 128, generator=g)
+    mat = _mat(kind, w, torch.randn(45, generator=g))
+    x = torch.randn(70, 128, generator=g)
+    one = torch.cat([kernels.linear(LIB, mat, x[i:i + 1]) for i in range(70)])
+    for m in (2, 3, 4, 6, 7, 70):
+        assert torch.equal(kernels.linear(LIB, mat, x[:m]), one[:m]), m
+
+
+def test_q4_codes_recover_q4_1_weights_and_match_the_torch_copy():
+    """GGUF Q4_1 groups (code * d + m, codes 0..15) come back exactly; the kernels' int4 copy de-quantizes to
+    the torch path's int4 copy of the same weight."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 4, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(48, 4, 1, generator=g) * 0.01 + 1e-3
+    m = torch.randn(48, 4, 1, generator=g) * 0.05
+    w = (q * d + m).reshape(48, 128)
+    torch.testing.assert_close(kernels.quantize_q4(w).dequantized(), w, rtol=0, atol=1e-6)
+    w2 = torch.randn(16, 64, generator=g)
+    ref = QuantLinear(w2, None, 4, packed=False, act_dtype=torch.float32).weight
+    torch.testing.assert_close(kernels.quantize_q4(w2).dequantized(), ref, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)
+
+
+def _engines(model):
+    return {"f32": LayeredLM(model, kernels=True), "q8": QuantizedLM(model, bits=8, kernels=True),
+            "q4": QuantizedLM(model, bits=4, kernels=True),
+            "bf16": LayeredLM(_bf16(model), kernels=True)}
+
+
+def _bf16(model):
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
+def test_a_pass_over_t_positions_equals_t_steps_bit_for_bit(tiny, kind):
+    """The property speculative verification relies on: hidden states, caches and logits of a verify pass over a
+    block equal those of one-token steps over it, exactly."""
+    eng = _engines(tiny)[kind]
+    assert eng.uses_kernels
+    ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(4))
+    a, b = eng.new_state(40, save_boundaries=[2, 4]), eng.new_state(40, save_boundaries=[2, 4])
+    for st in (a, b):
+        eng.append(st, ids[:12])
+        eng.advance(st, 4)
+    eng.append(a, ids[12:30])
+    eng.advance(a, 2)                 # an exit pass first: the verify pass resumes from boundary 2
+    eng.advance(a, 4)
+    for i in range(12, 30):
+        eng.append(b, ids[i:i + 1])
+        eng.advance(b, 4)
+    assert torch.equal(eng.logits(a, 4, 11, 30), eng.logits(b, 4, 11, 30))
+    assert torch.equal(eng.logits(a, 2, 12, 30), eng.logits(b, 2, 12, 30))
+    assert all(torch.equal(x[:, :, :30], y[:, :, :30]) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+def test_kernel_path_tracks_the_torch_path(tiny):
+    """float32: the same model computed with reordered sums (logits agree to ~1e-5); bfloat16 weights with
+    float32 activations: close to the float32 model."""
+    ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(1))
+    ref = LayeredLM(tiny, kernels=False)
+    assert not ref.uses_kernels
+    want = ref.head(ref.hidden_states(ids, [4])[4], 4)
+    lean = LayeredLM(tiny, kernels=True)
+    st = lean.new_state(48)
+    lean.append(st, ids[:1])
+    lean.advance(st, 4)
+    for i in range(1, 40):           # decode steps, the kernels' own passes
+        lean.append(st, ids[i:i + 1])
+        lean.advance(st, 4)
+    got = lean.logits(st, 4, 0, 40)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    bf = LayeredLM(_bf16(tiny), kernels=True)
+    assert bf.dtype == torch.float32                      # float32 activations and caches
+    got_bf = bf.head(bf.hidden_states(ids, [4])[4], 4)
+    assert (got_bf.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_long_passes_of_a_float32_model_take_the_exact_torch_path(tiny):
+    """Prefill longer than MAX_PASS runs the torch path (bit for bit the modules); shorter passes the kernels."""
+    lean, ref = LayeredLM(tiny, kernels=True), LayeredLM(tiny, kernels=False)
+    n = kernels.MAX_PASS + 5
+    ids = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(lean.hidden_states(ids, [4])[4], ref.hidden_states(ids, [4])[4])
+    short = ids[:10]
+    assert not torch.equal(lean.hidden_states(short, [4])[4], ref.hidden_states(short, [4])[4])
+
+
+@pytest.mark.parametrize("chain,budgets", [(["layer1", "layer4"], [3]), (["q4", "layer2", "layer4"], [2, 3]),
+                                           (["q8", "q4", "layer4"], [4, 2])])
+def test_hsd_on_the_kernels_equals_their_ar(tiny, chain, budgets):
+    lm = LayeredLM(tiny, kernels=True)
+    q = {"q4": QuantizedLM(tiny, bits=4, kernels=True), "q8": QuantizedLM(tiny, bits=8, kernels=True)}
+    levels = [Level(n, q[n], 4) if n in q else Level(n, lm, int(n[5:])) for n in chain]
+    ar = HSD([Level("layer4", lm, 4)], [])
+    h = HSD(levels, budgets)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        p = torch.randint(3, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        assert h.generate(p, 40).token_ids == ar.generate(p, 40).token_ids
+
+
+def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    cc = kernels.compiler()
+    path = kernels.library_path(cc)
+    assert str(path).startswith(str(tmp_path)) and not path.exists()
+    said = []
+    kernels.build(cc, path, log=said.append)
+    assert path.is_file() and said and "compiling" in said[0]
+    assert not list(path.parent.glob("*.partial"))       # written atomically
+    assert kernels.library_path(cc) == path               # same source, compiler and CPU: the same file
+
+
+def test_the_portable_build_agrees_with_itself_and_the_reference(tmp_path, monkeypatch):
+    """The variant without AVX2 (what a CPU without it gets) computes the same products, batch-invariant."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    lib = kernels.load(portable=True)
+    assert lib is not None and lib.hsd_simd() == 0
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(21, 64, generator=g)
+    for kind in ("f32", "bf16", "q8", "q4"):
+        mat = _mat(kind, w, None)
+        x = torch.randn(6, 64, generator=g)
+        got = kernels.linear(lib, mat, x)
+        assert (got - x @ mat.dequantized().t()).abs().max() <= 1e-4 * (1 + got.abs().max())
+        assert torch.equal(got, torch.cat([kernels.linear(lib, mat, x[i:i + 1]) for i in range(6)]))
+
+
+def test_switched_off_or_impossible_means_the_torch_path(tiny, monkeypatch):
+    monkeypatch.setenv("HSD_KERNELS", "0")
+    assert kernels.load() is None
+    assert not LayeredLM(tiny).uses_kernels and not QuantizedLM(tiny, bits=8).uses_kernels
+    with pytest.raises(HsdError, match="kernels: the kernels are unavailable"):
+        LayeredLM(tiny, kernels=True)
+    monkeypatch.delenv("HSD_KERNELS")
+    assert LayeredLM(tiny).uses_kernels                   # the default where they run
+    import copy
+
+    with pytest.raises(HsdError, match="kernels: dtype torch.float16"):
+        LayeredLM(copy.deepcopy(tiny).half(), kernels=True)
+    assert not LayeredLM(copy.deepcopy(tiny).half()).uses_kernels
+
+
+def test_a_failed_build_is_reported_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "SOURCE", tmp_path / "broken.c")
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    said = []
+    assert kernels.load(log=said.append, portable=True) is None
+    assert any("unavailable" in s and "failed" in s for s in said)
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.partial"))
