@@ -104,6 +104,7 @@ def test_bench_tiny(tiny_dir, tmp_path):
     ("token_above_bottom", "may only be the bottom"),
     ("other_model", "provenance.model"),
     ("revision", "provenance.revision"),
+    ("dtype", "provenance.dtype"),
     ("unknown_name", "hierarchy[0]"),
 ])
 def test_bad_plans(tiny_dir, tmp_path, case, needle):
@@ -124,6 +125,9 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
         args = ["--model", str(tiny_dir / "other")]
     elif case == "revision":
         plan = _plan(tmp_path / "p.json", m, revision="sha256:0000")
+    elif case == "dtype":   # a plan for the float32 target, run on the bfloat16 one
+        plan = _plan(tmp_path / "p.json", m)
+        args = ["--dtype", "bfloat16"]
     else:
         plan = _plan(tmp_path / "p.json", m, hierarchy=("mystery", "layer4"), budgets=(2,))
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + args)

@@ -43,7 +43,7 @@ def plan_entries(plan, source: str = "plan") -> dict[str, dict]:
 
 
 def check_provenance(plan, loaded, source: str = "plan") -> None:
-    """Refuse a plan profiled on another model or revision than ``loaded`` (a :class:`LoadedModel`)."""
+    """Refuse a plan profiled on another model, revision or dtype than ``loaded`` (a :class:`LoadedModel`)."""
     from hsd_opt.models.loading import resolve_model_name
 
     prov = plan.extra.get("provenance") or {}
@@ -55,6 +55,11 @@ def check_provenance(plan, loaded, source: str = "plan") -> None:
     if rev and loaded.revision and rev != loaded.revision:
         raise InputFileError(source, f"the plan was made for revision {rev!r} of {loaded.model_id!r}, but the "
                                      f"loaded weights are revision {loaded.revision!r}", "provenance.revision")
+    dtype = prov.get("dtype")
+    if dtype and loaded.dtype and dtype != loaded.dtype:
+        raise InputFileError(source, f"the plan was made for the {dtype} target, but the model is loaded in "
+                                     f"{loaded.dtype} (another target, with its own greedy output: profile and "
+                                     f"solve for it, or drop --dtype)", "provenance.dtype")
 
 
 def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None = None,
