@@ -32,6 +32,7 @@ MODEL = "m"  # the served name: the model directory's name
 PROMPTS = ["w1 w2 w3 w4", "w9 w8 w7 w6 w5 w9 w8", "w20 w3 w20 w3"]  # the second one ends at EOS
 STOP_PROMPT = "w30 w31 w32"  # its raw greedy continuation is 14 words long
 N = 14  # max_tokens of the equality tests
+LEAVE_TOKENS = 120  # max_tokens of a client that goes away mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -359,11 +360,15 @@ def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct,
     runner, _, tok = direct
     from hsd_opt.prompts import encode_prompt
 
-    want = {}
+    want, lens = {}, {}
     for p in PROMPTS:  # sequential references, straight from HSD.generate
         for kind, raw in (("chat", False), ("completion", True)):
             ids = runner.generate(encode_prompt(tok, p, raw=raw), N).token_ids
             want[kind, p] = (tok.decode(ids, skip_special_tokens=True), finish_of(ids, N))
+            lens[kind, p] = len(ids)
+    # the client that leaves asks for a long answer: this many tokens, were it not cancelled
+    full = len(runner.generate(encode_prompt(tok, STOP_PROMPT), LEAVE_TOKENS).token_ids)
+    assert full > 2 * N
     before = httpx.get(srv.url + "/health", timeout=30).json()
     got, errors = [], []
 
@@ -380,8 +385,8 @@ def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct,
 
     def leaver():
         c = client(srv)
-        with c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
-                                       max_tokens=400, temperature=0, stream=True) as s:
+        with c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}],
+                                       max_tokens=LEAVE_TOKENS, temperature=0, stream=True) as s:
             for ch in s:
                 if ch.choices and ch.choices[0].delta.content:
                     break  # generation is under way: go away
@@ -397,6 +402,8 @@ def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct,
         assert res == want[key], key
     h = _poll(srv.url, lambda h: not h["busy"] and h["waiting"] == 0 and h["cancelled"] > before["cancelled"])
     assert h["completed"] - before["completed"] == 32 and h["cancelled"] - before["cancelled"] == 1
+    left = h["generated_tokens"] - before["generated_tokens"] - sum(lens[key] for key, _ in got)
+    assert 0 < left < full  # the abandoned generation stopped early
     assert h["failed"] == before["failed"] and h["refused"] == before["refused"]
     no_tracebacks(caplog)
 

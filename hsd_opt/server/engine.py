@@ -93,7 +93,7 @@ class Engine:
         self._live: set[Job] = set()  # waiting or running
         self._thread: threading.Thread | None = None
         self.running: Job | None = None
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0, "generated_tokens": 0}
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -133,8 +133,9 @@ class Engine:
         return self._queue.qsize()
 
     def status(self) -> dict[str, Any]:
-        """``waiting``, ``busy`` and the counts of ``completed``, ``cancelled``, ``failed`` and ``refused``
-        (queue full) requests since start."""
+        """``waiting``, ``busy``, the counts of ``completed``, ``cancelled``, ``failed`` and ``refused``
+        (queue full) requests since start, and ``generated_tokens``: every token the engine committed (of
+        cancelled generations too, up to where they stopped)."""
         return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": self.running is not None,
                 **self.counts}
 
@@ -178,6 +179,7 @@ class Engine:
             self.counts["failed"] += 1
             job.emit(("error", f"generation failed: {type(e).__name__}: {e}"))
             return
+        self.counts["generated_tokens"] += len(res.token_ids)
         if job.cancelled:
             self.counts["cancelled"] += 1
             job.emit(("cancelled", None))
