@@ -352,6 +352,37 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     no_tracebacks(caplog)
 
 
+class FailingRunner:
+    """Fails its first ``n`` generations after one block (a stand-in for an engine bug), then delegates."""
+
+    def __init__(self, runner, n: int):
+        self.runner, self.n = runner, n
+
+    def generate(self, prompt_ids, max_new_tokens, on_tokens=None, **kw):
+        if self.n > 0:
+            self.n -= 1
+            on_tokens([5])
+            raise RuntimeError("boom")
+        return self.runner.generate(prompt_ids, max_new_tokens, on_tokens=on_tokens, **kw)
+
+
+def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(tiny, direct, caplog):
+    app, _ = prepare_server(tiny[0], device="cpu")
+    info = app.state.service.info
+    failing = Engine(FailingRunner(direct[0], 2), info.tokenizer)
+    with BackgroundServer(create_app(failing, info), on_stop=failing.cancel_all) as srv:
+        c = client(srv)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert e.value.status_code == 500 and "boom" in e.value.body["message"]
+        with pytest.raises(openai.APIError, match="boom"):
+            stream_completion(c, PROMPTS[0], max_tokens=4, temperature=0)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        assert httpx.get(srv.url + "/health", timeout=30).json()["failed"] == 2
+    assert sum("generation failed" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 2
+
+
 def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct, caplog):
     """8 clients x 4 streamed greedy requests (chat and completions over three prompts) while one more client
     leaves mid-stream: every response is complete and equal to the sequential output, none is lost, the

@@ -30,7 +30,7 @@ Event = tuple[str, Any]
 
 
 def _error(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -202,6 +202,9 @@ def create_app(engine: Engine, info: ModelInfo, api_key: str | None = None,
                 return await fn(request)
             except ApiError as e:
                 return _error(e)
+            except Exception as e:  # a bug: logged with its traceback, answered with an error body
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
         return endpoint
 

@@ -113,7 +113,10 @@ class Engine:
         """Cancel every job, let the worker finish the current block and end (waits up to ``timeout`` s)."""
         self.cancel_all()
         if self._thread is not None:
-            self._queue.put(None)  # the queue only holds cancelled jobs now, which the worker skips
+            try:  # the queue only holds cancelled jobs now, which the worker skips
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                pass
             self._thread.join(timeout)
             self._thread = None
 
@@ -149,6 +152,10 @@ class Engine:
             self.running = job
             try:
                 self._run(job)
+            except Exception as e:  # a bug in the engine: log it, tell the client, keep serving
+                log.exception("generation failed")
+                self.counts["failed"] += 1
+                job.emit(("error", f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 self.running = None
                 with self._lock:
@@ -171,14 +178,8 @@ class Engine:
                 job.emit(("text", delta))
             return text.stopped
 
-        try:
-            res = self.runner.generate(req.prompt_ids, req.max_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, seed=req.seed, on_tokens=on_tokens)
-        except Exception as e:  # a bug in the engine: log it, tell the client, keep serving
-            log.exception("generation failed")
-            self.counts["failed"] += 1
-            job.emit(("error", f"generation failed: {type(e).__name__}: {e}"))
-            return
+        res = self.runner.generate(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                   seed=req.seed, on_tokens=on_tokens)
         self.counts["generated_tokens"] += len(res.token_ids)
         if job.cancelled:
             self.counts["cancelled"] += 1

@@ -46,9 +46,9 @@ class ModelInfo:
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request. ``prompt_ids``: token ids (chat template applied for ``kind == "chat"``);
-    ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the OpenAI
-    API); ``top_p`` in (0, 1]; ``seed`` (drawn at
-    random when the request gives none); ``stop``: up to 4 non-empty strings."""
+    ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the
+    OpenAI API); ``top_p`` in (0, 1]; ``seed`` (drawn at random when the request gives none); ``stop``: up to 4
+    non-empty strings."""
 
     kind: str
     model: str
