@@ -493,6 +493,8 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
+    """``hsd serve`` in a subprocess: progress and the ready line on stderr, a request, a bad request logged
+    without a traceback, and Ctrl-C during an open stream: the stream ends at once, the process exits 0."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(tiny[0]), "--port", "0",
                              "--device", "cpu"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -513,8 +515,25 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
                                       temperature=0)
         assert r.usage.completion_tokens >= 1
         assert httpx.post(url + "/completions", content=b"{", timeout=30).status_code == 400
+        started, ended = threading.Event(), []
+
+        def long_stream():  # still streaming when Ctrl-C comes
+            try:
+                for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}],
+                                                    max_tokens=400, temperature=0, stream=True):
+                    if ch.choices and ch.choices[0].delta.content:
+                        started.set()
+                ended.append("finished")
+            except openai.APIError as e:  # the server cancelled it: an error event
+                ended.append(str(e))
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
+        t.join(60)
+        assert not t.is_alive() and len(ended) == 1 and "server is stopping" in ended[0], ended
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -523,3 +542,4 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
     assert proc.returncode == 0, log
     assert "loading" in log and "stopped" in log and "Traceback" not in log
     assert '"POST /v1/completions HTTP/1.1" 400' in log
+    assert "timeout graceful shutdown exceeded" not in log  # the open stream ended when its job was cancelled
