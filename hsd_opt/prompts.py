@@ -230,6 +230,21 @@ def conversation_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = (
     return encode_prompt(tokenizer, "\n\n".join(parts), raw=True)
 
 
+def chat_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ``[{"role": ..., "content": ...}, ...]`` ready for the model's next turn: the
+    tokenizer's chat template with the generation prompt, or (a tokenizer without a template) the plain encoding
+    of the contents joined by blank lines. An empty conversation, or one that encodes to no tokens, raises
+    :class:`HsdError`; a template that refuses the conversation (say, roles out of order) too, with its reason."""
+    if not messages:
+        raise HsdError("empty conversation: need at least one message")
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return _chat_ids(tokenizer, [dict(m) for m in messages])
+        except Exception as e:  # jinja2's TemplateError (raise_exception in the template) and the like
+            raise HsdError(f"the chat template refuses this conversation: {e}") from None
+    return encode_prompt(tokenizer, "\n\n".join(m["content"] for m in messages), raw=True)
+
+
 def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding

@@ -31,8 +31,14 @@ def make_tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 4, hidden
     return LlamaForCausalLM(cfg).eval()
 
 
-def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4) -> Path:
-    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``) saved as a model directory."""
+#: A chat template for :func:`save_tiny`'s word-level tokenizer (roles are unknown words there).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                      "{% if add_generation_prompt %}<s> assistant {% endif %}")
+
+
+def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4, chat_template: str | None = None) -> Path:
+    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``, with ``chat_template`` if
+    given) saved as a model directory."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,6 +48,8 @@ def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4) -> 
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
     model = make_tiny_llama(seed=seed, vocab_size=len(vocab), layers=layers, scale=8.0)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
@@ -57,6 +65,27 @@ def write_prompts(path: Path, n: int = 5, seed: int = 0) -> Path:
         for i in range(n):
             words = " ".join(f"w{int(x)}" for x in rng.integers(0, 12, size=int(rng.integers(4, 12))))
             f.write(json.dumps({"prompt": words, "task": tasks[i % 3]}) + "\n")
+    return path
+
+
+def write_plan(path: Path, model_dir, hierarchy=("layer1", "layer2", "layer4"), budgets=(2, 3), models=None,
+               **prov) -> Path:
+    """An ``hsd-plan/1`` file for a 4-layer tiny model in ``model_dir`` (exits ``layer1``, ``layer2``, the
+    target ``layer4`` and an ``ngram`` drafter unless ``models`` says otherwise); ``prov`` overrides provenance
+    fields."""
+    models = models or [{"name": "layer1", "kind": "early_exit", "layer": 1},
+                        {"name": "layer2", "kind": "early_exit", "layer": 2},
+                        {"name": "ngram", "kind": "ngram_context", "config": {"q": 2, "w": 4}},
+                        {"name": "layer4", "kind": "target", "layer": 4}]
+    d = {"format": "hsd-plan/1", "tmax": 8, "hierarchy": list(hierarchy), "budgets": list(budgets),
+         "expected_latency": 0.01, "expected_speedup": 1.5,
+         "baselines": {"target_only": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.015},
+                       "best_single_draft": {"hierarchy": ["layer2", "layer4"], "budgets": [3],
+                                             "expected_latency": 0.012, "expected_speedup": 1.25}},
+         "models": models,
+         "provenance": {"model": str(model_dir), "revision": None, "heads": None, "device": "cpu",
+                        "dtype": "float32", **prov}}
+    path.write_text(json.dumps(d))
     return path
 
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
-from tests.helpers import make_tiny_llama
+from tests.helpers import make_tiny_llama, write_plan
 
 runner = CliRunner()
 
@@ -31,21 +31,7 @@ def tiny_dir(tmp_path_factory, embedded):
     return d
 
 
-def _plan(path, model_dir, hierarchy=("layer1", "layer2", "layer4"), budgets=(2, 3), models=None, **prov):
-    models = models or [{"name": "layer1", "kind": "early_exit", "layer": 1},
-                        {"name": "layer2", "kind": "early_exit", "layer": 2},
-                        {"name": "ngram", "kind": "ngram_context", "config": {"q": 2, "w": 4}},
-                        {"name": "layer4", "kind": "target", "layer": 4}]
-    d = {"format": "hsd-plan/1", "tmax": 8, "hierarchy": list(hierarchy), "budgets": list(budgets),
-         "expected_latency": 0.01, "expected_speedup": 1.5,
-         "baselines": {"target_only": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.015},
-                       "best_single_draft": {"hierarchy": ["layer2", "layer4"], "budgets": [3],
-                                             "expected_latency": 0.012, "expected_speedup": 1.25}},
-         "models": models,
-         "provenance": {"model": str(model_dir), "revision": None, "heads": None, "device": "cpu",
-                        "dtype": "float32", **prov}}
-    path.write_text(json.dumps(d))
-    return path
+_plan = write_plan
 
 
 def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):

@@ -120,7 +120,8 @@ class GenerationResult:
         stats: ``tokens``, ``seconds`` (wall, prefill included), ``prefill_seconds``, ``decode_seconds``,
             ``tokens_per_s``, ``seconds_per_token`` (decode only, comparable with a plan's
             ``expected_latency``), ``target_calls``, ``tokens_per_target_call``, ``levels`` (list of
-            :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"``).
+            :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"`` |
+            ``"callback"``: ``on_tokens`` asked to stop).
     """
 
     token_ids: list[int]
@@ -339,10 +340,14 @@ class HSD:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
 
-        ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming).
+        ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
+        returns True the generation ends after that block (a stop string was seen, the client went away) and the
+        result holds every committed token, with ``stats["stopped"] == "callback"``. Each call starts afresh:
+        every cache is cropped to nothing and every token drafter reset, so nothing of an earlier (or abandoned)
+        generation carries over.
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -382,7 +387,8 @@ class HSD:
         _sync(dev)
         t1 = time.perf_counter()
         depth = len(self.levels)
-        while not self._ended():
+        asked_stop = False
+        while not self._ended() and not asked_stop:
             before = len(self.seq)
             if depth == 1:
                 toks, _ = self._draft()
@@ -394,7 +400,7 @@ class HSD:
                 if lv.drafter is not None:
                     lv.drafter.observe(self.seq[:before], toks)
             if on_tokens is not None:
-                on_tokens(toks)
+                asked_stop = on_tokens(toks) is True
         _sync(dev)
         t2 = time.perf_counter()
         out = self.seq[self.n_prompt:]
@@ -407,7 +413,8 @@ class HSD:
             "target_calls": target_calls, "tokens_per_target_call": n / target_calls if target_calls else None,
             "hierarchy": [lv.name for lv in self.levels], "budgets": list(self.budgets[: depth - 1]),
             "mode": self.mode, "levels": [s.to_dict() for s in self.stats],
-            "stopped": "eos" if out and out[-1] in self.eos else "max_new_tokens",
+            "stopped": ("eos" if out and out[-1] in self.eos else "callback" if asked_stop
+                        else "max_new_tokens"),
         }
         return GenerationResult(out, stats)
 

@@ -1,0 +1,109 @@
+"""`hsd serve`: an OpenAI-compatible HTTP server for a plan (``hsd_opt.server``; docs/cli.md#hsd-serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from hsd_opt.commands.common import cli_command, load_plan_and_model
+from hsd_opt.console import err_console
+from hsd_opt.errors import HsdError
+
+
+def served_name(model_id: str) -> str:
+    """The model id clients send: ``embedded:smollm2-135m`` -> ``smollm2-135m``, a directory or file -> its
+    name, a hub id as it is."""
+    if model_id.startswith("embedded:"):
+        return model_id.split(":", 1)[1]
+    p = Path(model_id)
+    return p.name if p.exists() else model_id
+
+
+def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str]) -> None:
+    """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
+    ``--default-max-tokens`` < 1 or an empty ``--model-name``."""
+    if not 0 <= port <= 65535:
+        raise HsdError(f"--port: expected 0..65535, got {port}")
+    if max_queue < 1:
+        raise HsdError(f"--max-queue: expected >= 1, got {max_queue}")
+    if default_max_tokens < 1:
+        raise HsdError(f"--default-max-tokens: expected >= 1, got {default_max_tokens}")
+    if model_name is not None and not model_name.strip():
+        raise HsdError("--model-name: empty name")
+
+
+def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto", dtype: Optional[str] = None,
+                   mode: str = "exact", model_name: Optional[str] = None, default_max_tokens: int = 256,
+                   max_queue: int = 16, api_key: Optional[str] = None, say=None) -> tuple[Any, Any]:
+    """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included),
+    warm it up, and return ``(app, engine)``: the Starlette app and its :class:`~hsd_opt.server.Engine`
+    (the app's lifespan starts and stops the engine). ``say(message)`` reports progress."""
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
+    from hsd_opt.server import Engine, ModelInfo, create_app
+
+    say = say or (lambda m: None)
+    say(f"loading {plan} and its model ...")
+    p, loaded = load_plan_and_model(plan, model, device, dtype)
+    chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
+    say(f"building the hierarchy {chain} on {loaded.device} ...")
+    runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan))
+    tok = loaded.tokenizer
+    runner.generate(encode_prompt(tok, "Hello", raw=True), 2)  # warm-up: first passes allocate and compile
+    max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
+    name = model_name or served_name(loaded.model_id)
+    info = ModelInfo(name, tok, max_positions, default_max_tokens)
+    engine = Engine(runner, tok, max_queue=max_queue)
+    about = {"plan": str(plan), "hierarchy": list(p.hierarchy), "budgets": list(p.budgets), "mode": mode,
+             "max_positions": max_positions}
+    return create_app(engine, info, api_key=api_key, about=about), engine
+
+
+@cli_command
+def serve_cmd(
+    plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HSD_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Most requests waiting while one is decoded; one more "
+                                                          "is answered 429."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
+                                                                        "plan's model, e.g. smollm2-135m)."),
+    default_max_tokens: int = typer.Option(256, "--default-max-tokens",
+                                           help="max_tokens of a chat request that gives none (completions: "
+                                                "16, as the OpenAI API)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
+    model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
+    mode: str = typer.Option("exact", "--mode", help="exact | eager (as `hsd run --mode`)."),
+):
+    """Serve the plan's hierarchy over an OpenAI-compatible HTTP API (chat and text completions, streamed or not),
+    one request at a time, lossless."""
+    from hsd_opt.server.serving import bind_socket, log_config, make_server
+
+    check_serve_args(port, max_queue, default_max_tokens, model_name)
+    if mode not in ("exact", "eager"):
+        raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+    sock = bind_socket(host, port)  # before the long load: a taken port fails at once
+    try:
+        app, engine = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
+                                     api_key, say=lambda m: err_console.print(m))
+        h, p = sock.getsockname()[:2]
+        url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
+        svc = app.state.service
+
+        def ready():
+            err_console.print(f"ready: {svc.info.name} at {url}/v1 (max queue {max_queue}"
+                              f"{', API key required' if api_key else ''}); Ctrl-C stops")
+
+        server = make_server(app, on_ready=ready, on_stop=engine.cancel_all, logging_config=log_config())
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+            pass
+        err_console.print("stopped")
+    finally:
+        sock.close()

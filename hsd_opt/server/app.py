@@ -1,0 +1,264 @@
+"""The ASGI application (Starlette): OpenAI-compatible routes over one :class:`~hsd_opt.server.engine.Engine`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent events with
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. Every error is an OpenAI-style
+body (:mod:`hsd_opt.server.errors`); a refused request is logged as one access-log line, never a traceback.
+With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from hsd_opt.server.engine import Engine, Job, QueueFull
+from hsd_opt.server.errors import ApiError, error_body
+from hsd_opt.server.requests import GenerationRequest, ModelInfo, parse_json, parse_request
+from hsd_opt.server.responses import DONE, chunk, completion_body, hsd_figures, new_id, now, sse, usage_chunk
+
+log = logging.getLogger("hsd_opt.server")
+Event = tuple[str, Any]
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <key>`` (compared in constant time)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                what = "a wrong API key" if token.strip() else "no API key"
+                err = ApiError(401, f"{what}: send 'Authorization: Bearer KEY' with the server's --api-key",
+                               "invalid_request_error", None, "invalid_api_key")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class EventStream:
+    """An ASGI response of server-sent events from ``chunks``; when the client disconnects, ``on_disconnect``
+    is called at once (it cancels the job and wakes ``chunks``), and nothing more is sent."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], None]):
+        self.chunks, self.on_disconnect = chunks, on_disconnect
+
+    async def __call__(self, scope, receive, send):
+        gone = asyncio.Event()
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            self.on_disconnect()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            async for data in self.chunks:
+                if gone.is_set():
+                    break
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the connection broke while sending
+            pass
+        finally:
+            watcher.cancel()
+            self.on_disconnect()  # harmless once the job ended
+            aclose = getattr(self.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client disconnects (the request body has already been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Service:
+    """What the routes share: the engine, the served model and what ``/health`` tells about the plan."""
+
+    def __init__(self, engine: Engine, info: ModelInfo, about: dict[str, Any] | None = None):
+        self.engine, self.info, self.about = engine, info, dict(about or {})
+
+    def submit(self, req: GenerationRequest) -> tuple[Job, asyncio.Queue]:
+        """Queue ``req``; its events arrive on the returned asyncio queue. 429 when the queue is full."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev: Event) -> None:  # called from the worker thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the event loop has closed: the server is gone
+                pass
+
+        job = Job(req, emit)
+        try:
+            self.engine.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
+                           "queue_full") from None
+        return job, events
+
+    async def generate(self, request: Request, kind: str) -> Response | EventStream:
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=400)
+        req = parse_request(parse_json(raw), kind, self.info)
+        job, events = self.submit(req)
+        rid, created = new_id(kind), now()
+        if req.stream:
+            def gone():
+                job.cancel()
+                events.put_nowait(("gone", None))
+
+            return EventStream(self._chunks(req, events, rid, created), gone)
+        outcome = await self._wait(request, job, events)
+        if outcome is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(completion_body(kind, rid, created, req.model, outcome))
+
+    async def _wait(self, request: Request, job: Job, events: asyncio.Queue):
+        """The job's :class:`Outcome`, or None if the client disconnected first (the job is then cancelled)."""
+        disconnect = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            while True:
+                get = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return None
+                kind, val = get.result()
+                if kind == "done":
+                    return val
+                if kind == "cancelled":
+                    raise ApiError(503, "the request was cancelled: the server is stopping", "server_error",
+                                   None, "cancelled")
+                if kind == "error":
+                    raise ApiError(500, val, "server_error")
+        finally:
+            disconnect.cancel()
+            job.cancel()  # a no-op once it ended
+
+    async def _chunks(self, req: GenerationRequest, events: asyncio.Queue, rid: str,
+                      created: int) -> AsyncIterator[bytes]:
+        kind, model = req.kind, req.model
+        if kind == "chat":
+            yield sse(chunk(kind, rid, created, model, role=True))
+        while True:
+            what, val = await events.get()
+            if what == "text":
+                yield sse(chunk(kind, rid, created, model, text=val))
+            elif what == "done":
+                yield sse(chunk(kind, rid, created, model, finish_reason=val.finish_reason,
+                                extra={"hsd": hsd_figures(val)}))
+                if req.include_usage:
+                    yield sse(usage_chunk(kind, rid, created, model, val))
+                yield DONE
+                return
+            elif what == "cancelled":
+                yield sse(error_body("the request was cancelled: the server is stopping", "server_error", None,
+                                     "cancelled"))
+                return
+            elif what == "error":
+                yield sse(error_body(val, "server_error"))
+                return
+            else:  # "gone": the client disconnected
+                return
+
+
+def create_app(engine: Engine, info: ModelInfo, api_key: str | None = None,
+               about: dict[str, Any] | None = None) -> Starlette:
+    """The Starlette app serving ``engine`` as the model ``info.name``. Its lifespan starts the engine's worker
+    and stops it (cancelling what is queued or running). ``about``: extra fields for ``GET /health`` (the plan,
+    its hierarchy)."""
+    svc = Service(engine, info, about)
+
+    def guarded(fn: Callable[[Request], Awaitable[Any]]):
+        async def endpoint(request: Request):
+            try:
+                return await fn(request)
+            except ApiError as e:
+                return _error(e)
+            except Exception as e:  # a bug: logged with its traceback, answered with an error body
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+        return endpoint
+
+    async def chat(request: Request):
+        return await svc.generate(request, "chat")
+
+    async def completions(request: Request):
+        return await svc.generate(request, "completion")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "hsd-opt"}
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request):
+        if request.path_params["model"] != info.name:
+            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist; this server serves "
+                                f"{info.name!r}", "invalid_request_error", "model", "model_not_found")
+        return JSONResponse(model_card())
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "model": info.name, **svc.about, **engine.status()})
+
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}; see /v1/chat/completions, /v1/completions, " \
+                  f"/v1/models, /health"
+            return _error(ApiError(404, msg, "invalid_request_error", None, "not_found"))
+        if exc.status_code == 405:
+            msg = f"{request.method} is not allowed on {request.url.path}"
+            resp = _error(ApiError(405, msg, "invalid_request_error", None, "method_not_allowed"))
+            if exc.headers:
+                resp.headers.update(exc.headers)
+            return resp
+        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app.state.service = svc
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

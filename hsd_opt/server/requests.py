@@ -1,0 +1,234 @@
+"""Validating the bodies of ``POST /v1/chat/completions`` and ``POST /v1/completions`` into a
+:class:`GenerationRequest`; every refusal is an :class:`~hsd_opt.server.errors.ApiError` (400) naming the field.
+
+Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
+``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``
+and ``n`` (1 only). Other fields of the OpenAI API are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from hsd_opt.errors import HsdError
+from hsd_opt.prompts import chat_ids, encode_prompt
+from hsd_opt.server.errors import ApiError, bad_request
+
+#: The OpenAI API's default ``max_tokens`` of ``/v1/completions``.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: The OpenAI API's default temperature (it samples unless told ``"temperature": 0``).
+DEFAULT_TEMPERATURE = 1.0
+#: At most this many stop strings (as the OpenAI API).
+MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What validation needs to know about the served model.
+
+    Attributes:
+        name: the model id clients send and ``GET /v1/models`` lists.
+        tokenizer: its tokenizer (chat template, plain encoding).
+        max_positions: the model's context in tokens: prompt + ``max_tokens`` may not exceed it.
+        default_max_tokens: ``max_tokens`` of a chat request that gives none (capped by the room left).
+    """
+
+    name: str
+    tokenizer: Any
+    max_positions: int
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request. ``prompt_ids``: token ids (chat template applied for ``kind == "chat"``);
+    ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the
+    OpenAI API); ``top_p`` in (0, 1]; ``seed`` (drawn at random when the request gives none); ``stop``: up to 4
+    non-empty strings."""
+
+    kind: str
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 (malformed JSON, not UTF-8, not an object)."""
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}") \
+            from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _type_name(x: Any) -> str:
+    return "null" if x is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "array", dict: "object"}.get(type(x), type(x).__name__)
+
+
+def _int(body: dict, key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'{key}' must be an integer, got {_type_name(v)} {json.dumps(v)}", key)
+    return v
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(f"'{key}' must be a number, got {_type_name(v)} {json.dumps(v)}", key)
+    return float(v)
+
+
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {_type_name(v)}", key)
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"'stop' must be a string or an array of strings, got {_type_name(v)}", "stop")
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise bad_request("'stop' strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    where = f"messages[{i}].content"
+    if isinstance(c, str):
+        return c
+    if c is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(c, list):
+        parts = []
+        for k, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}[{k}]: only text parts ({{\"type\": \"text\", \"text\": \"...\"}}) "
+                                  f"are supported", f"{where}[{k}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"'{where}' must be a string or an array of text parts, got {_type_name(c)}", where)
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    if "messages" not in body:
+        raise bad_request("missing required field 'messages'", "messages")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise bad_request(f"'messages' must be an array of messages, got {_type_name(msgs)}", "messages")
+    if not msgs:
+        raise bad_request("'messages' must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"'messages[{i}]' must be an object, got {_type_name(m)}", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                              f"messages[{i}].role")
+        out.append({"role": role, "content": _content(m, i)})
+    if not any(m["content"].strip() for m in out):
+        raise bad_request("every message in 'messages' is empty", "messages")
+    return out
+
+
+def _prompt(body: dict) -> str:
+    if "prompt" not in body:
+        raise bad_request("missing required field 'prompt'", "prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise bad_request(f"'prompt' must be a string (or an array of one string), got {_type_name(p)}", "prompt")
+    if not p.strip():
+        raise bad_request("'prompt' is empty", "prompt")
+    return p
+
+
+def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> GenerationRequest:
+    """Validate a request body of ``kind`` (``"chat"`` or ``"completion"``) for the model ``info``.
+
+    Raises:
+        ApiError: 400 for a missing or empty ``messages``/``prompt``, a field of the wrong type, ``max_tokens``
+            < 1 or beyond the context (prompt + ``max_tokens`` > ``info.max_positions``), ``temperature`` < 0,
+            ``top_p`` outside (0, 1], ``n`` other than 1, more than 4 or empty ``stop`` strings; 404 for another
+            model than ``info.name``.
+    """
+    model = body.get("model", info.name)
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {_type_name(model)}", "model")
+    if model != info.name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise bad_request(f"'n' must be 1 (one choice per request), got {n}", "n")
+    max_tokens = _int(body, "max_tokens")
+    key = "max_tokens"
+    if kind == "chat" and max_tokens is None:
+        max_tokens, key = _int(body, "max_completion_tokens"), "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'{key}' must be at least 1, got {max_tokens}", key)
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    if temperature < 0:
+        raise bad_request(f"'temperature' must be >= 0, got {temperature:g}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    seed = _int(body, "seed")
+    stop = _stop(body)
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
+    include_usage = _bool(opts or {}, "include_usage") if stream else False
+    try:
+        if kind == "chat":
+            ids = chat_ids(info.tokenizer, _messages(body))
+        else:
+            ids = encode_prompt(info.tokenizer, _prompt(body), raw=True)
+    except HsdError as e:
+        raise bad_request(str(e), "messages" if kind == "chat" else "prompt") from None
+    room = info.max_positions - len(ids)
+    field = "messages" if kind == "chat" else "prompt"
+    if room < 1:
+        raise bad_request(f"the prompt is {len(ids)} tokens; the model's context is {info.max_positions} tokens, "
+                          f"which leaves no room to generate", field, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(room, info.default_max_tokens if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS)
+    elif max_tokens > room:
+        raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
+                          f"of {info.max_positions} tokens", key, "context_length_exceeded")
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage)

@@ -1,0 +1,107 @@
+"""The OpenAI API's response bodies and stream chunks for chat and text completions, with the HSD figures
+under an extra ``hsd`` field that OpenAI clients ignore, and server-sent events.
+
+Shapes (``kind`` is ``"chat"`` or ``"completion"``):
+
+- chat: ``{"id": "chatcmpl-...", "object": "chat.completion", "created", "model", "choices": [{"index": 0,
+  "message": {"role": "assistant", "content"}, "logprobs": null, "finish_reason"}], "usage", "hsd"}``;
+  chunks ``"object": "chat.completion.chunk"`` with ``"delta"`` (the first one ``{"role": "assistant",
+  "content": ""}``, the last one ``{}`` with the ``finish_reason`` and ``hsd``);
+- completion: ``{"id": "cmpl-...", "object": "text_completion", ..., "choices": [{"index": 0, "text",
+  "logprobs": null, "finish_reason"}], "usage", "hsd"}``; chunks of the same object with the new ``text``.
+
+A stream is ``data: {chunk}\\n\\n`` events ending with ``data: [DONE]\\n\\n``; with
+``stream_options.include_usage`` a last chunk before it holds ``usage`` and no choices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from hsd_opt.server.engine import Outcome
+
+DONE = b"data: [DONE]\n\n"
+
+
+def new_id(kind: str) -> str:
+    """A fresh response id: ``chatcmpl-<hex>`` or ``cmpl-<hex>``."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def now() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
+    return int(time.time())
+
+
+def usage(o: Outcome) -> dict[str, int]:
+    """``prompt_tokens``, ``completion_tokens`` (the ids returned: cut at a stop string) and their sum."""
+    n = len(o.token_ids)
+    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": n, "total_tokens": o.prompt_tokens + n}
+
+
+def hsd_figures(o: Outcome) -> dict[str, Any]:
+    """The HSD figures of one generation: ``hierarchy`` (bottom first) and ``budgets``, ``mode``,
+    ``target_calls``, ``tokens_per_target_call``, ``acceptance`` (each verifying level's acceptance rate, by
+    name), ``levels`` (per-level counters), ``generated_tokens`` (every token committed, past a stop string
+    too), ``token_ids`` (the returned ids), and times in seconds: ``queue_seconds``, ``prefill_seconds``,
+    ``decode_seconds``, ``seconds`` (prefill + decode) and ``tokens_per_s``."""
+    s = o.stats
+    levels = s.get("levels") or []
+    return {
+        "hierarchy": s.get("hierarchy"), "budgets": s.get("budgets"), "mode": s.get("mode"),
+        "target_calls": s.get("target_calls"), "tokens_per_target_call": s.get("tokens_per_target_call"),
+        "acceptance": {lv["name"]: lv.get("acceptance_rate") for lv in levels[1:]},
+        "levels": levels, "generated_tokens": s.get("tokens"), "token_ids": list(o.token_ids),
+        "queue_seconds": o.queue_seconds, "prefill_seconds": s.get("prefill_seconds"),
+        "decode_seconds": s.get("decode_seconds"), "seconds": s.get("seconds"),
+        "tokens_per_s": s.get("tokens_per_s"),
+    }
+
+
+def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome) -> dict[str, Any]:
+    """The whole (non-streamed) response."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                  "finish_reason": o.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [choice], "usage": usage(o), "hsd": hsd_figures(o)}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
+          finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk: new ``text`` (chat: ``delta.content``), the chat's opening ``role`` delta, or the
+    closing chunk with ``finish_reason`` (and ``extra`` fields such as ``hsd``)."""
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    out = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+           "choices": [choice]}
+    out.update(extra or {})
+    return out
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, o: Outcome) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the ``usage``."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [], "usage": usage(o)}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

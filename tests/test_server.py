@@ -1,0 +1,545 @@
+"""`hsd serve` through the real ``openai`` client, on a tiny random Llama with a word-level tokenizer and a chat
+template (a depth-4 plan: n-gram -> exit 1 -> exit 2 -> target): greedy output equal to ``hsd run``'s token for
+token, chat and completions, streamed and not; stop strings; seeded sampling; no state carried between requests;
+every bad request answered with its status and an OpenAI-style error body, and no traceback in the server log;
+the API key; the full queue (429); a load of concurrent streaming clients with one that disconnects mid-stream;
+the command itself (subprocess: ready line, Ctrl-C) and its flag errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from hsd_opt.commands.serve import prepare_server
+from hsd_opt.server import BackgroundServer, Engine, create_app
+from hsd_opt.server.text import TextStream
+from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan
+
+MODEL = "m"  # the served name: the model directory's name
+PROMPTS = ["w1 w2 w3 w4", "w9 w8 w7 w6 w5 w9 w8", "w20 w3 w20 w3"]  # the second one ends at EOS
+STOP_PROMPT = "w30 w31 w32"  # its raw greedy continuation is 14 words long
+N = 14  # max_tokens of the equality tests
+LEAVE_TOKENS = 120  # max_tokens of a client that goes away mid-stream
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(plan path, model directory): a 4-layer tiny Llama with a chat template and a depth-4 plan over it."""
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = save_tiny(root / MODEL, chat_template=TINY_CHAT_TEMPLATE)
+    plan = write_plan(root / "plan.json", model_dir, hierarchy=("ngram", "layer1", "layer2", "layer4"),
+                      budgets=(1, 2, 3))
+    return plan, model_dir
+
+
+@pytest.fixture(scope="module")
+def direct(tiny):
+    """``(runner, tokenizer)``: the plan's :class:`HSD` built as ``hsd run`` builds it, in the test process (the
+    reference the server is compared with), and its target alone (our greedy AR loop)."""
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    plan, model_dir = tiny
+    loaded = load_model(str(model_dir), device="cpu")
+    p = load_plan(plan)
+    return hsd_for_plan(p, loaded), hsd_for_plan(p, loaded, hierarchy=["layer4"], budgets=[]), loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """A server for the tiny plan on 127.0.0.1 (a free port) in a thread: ``(server, engine)``."""
+    app, engine = prepare_server(tiny[0], device="cpu", max_queue=16)
+    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
+        yield srv, engine
+
+
+def client(srv, **kw) -> OpenAI:
+    return OpenAI(base_url=srv.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+
+
+def no_tracebacks(caplog) -> None:
+    """The server log (every record of this test, from every thread) holds no traceback and no error."""
+    bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR or "Traceback" in r.getMessage()]
+    assert not bad, [r.getMessage() for r in bad]
+
+
+def hsd_run_ids(plan: Path, prompt: str, *args) -> list[int]:
+    """Token ids that ``hsd run --plan plan --prompt prompt ARGS`` writes to its --json file."""
+    out = plan.parent / "run.jsonl"
+    res = run_cli("run", "--plan", plan, "--prompt", prompt, "--device", "cpu", "--quiet", "--json", out, *args)
+    assert res.exit_code == 0, cli_output(res)
+    return json.loads(out.read_text().splitlines()[0])["token_ids"]
+
+
+def finish_of(ids: list[int], max_tokens: int, eos: int = 2) -> str:
+    return "stop" if ids and ids[-1] == eos else "length"
+
+
+def stream_chat(c: OpenAI, prompt: str, **kw) -> tuple[str, object]:
+    """Streamed chat: (the concatenated content, the last chunk with a finish_reason)."""
+    text, last = [], None
+    for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True,
+                                        **kw):
+        if ch.choices and ch.choices[0].delta.content:
+            text.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            last = ch
+    return "".join(text), last
+
+
+def stream_completion(c: OpenAI, prompt: str, **kw) -> tuple[str, object]:
+    text, last = [], None
+    for ch in c.completions.create(model=MODEL, prompt=prompt, stream=True, **kw):
+        if ch.choices:
+            text.append(ch.choices[0].text)
+            if ch.choices[0].finish_reason:
+                last = ch
+    return "".join(text), last
+
+
+# ------------------------------------------------------------------------------------------------ lossless output
+
+
+def test_greedy_chat_and_completion_equal_hsd_run_token_for_token(tiny, direct, served, caplog):
+    plan, _ = tiny
+    _, ar, tok = direct
+    from hsd_opt.prompts import encode_prompt
+
+    c = client(served[0])
+    for prompt in PROMPTS[:2]:
+        want = hsd_run_ids(plan, prompt, "--max-new-tokens", N)               # `hsd run`, chat template
+        assert want == ar.generate(encode_prompt(tok, prompt), N).token_ids   # lossless: the target's greedy
+        text = tok.decode(want, skip_special_tokens=True)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=N,
+                                      temperature=0)
+        assert r.model_extra["hsd"]["token_ids"] == want
+        assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == finish_of(want, N)
+        n_prompt = len(encode_prompt(tok, prompt))
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+            (n_prompt, len(want), n_prompt + len(want))
+        h = r.model_extra["hsd"]
+        assert h["hierarchy"] == ["ngram", "layer1", "layer2", "layer4"] and h["budgets"] == [1, 2, 3]
+        assert set(h["acceptance"]) == {"layer1", "layer2", "layer4"} and h["target_calls"] >= 1
+        assert h["tokens_per_target_call"] == pytest.approx(len(want) / h["target_calls"])
+        streamed, last = stream_chat(c, prompt, max_tokens=N, temperature=0)
+        assert streamed == text and last.choices[0].finish_reason == finish_of(want, N)
+        assert last.model_extra["hsd"]["token_ids"] == want
+
+        want_raw = hsd_run_ids(plan, prompt, "--max-new-tokens", N, "--raw")  # `hsd run --raw`: no template
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0)
+        assert r.model_extra["hsd"]["token_ids"] == want_raw
+        assert r.choices[0].text == tok.decode(want_raw, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(encode_prompt(tok, prompt, raw=True))
+        streamed, last = stream_completion(c, prompt, max_tokens=N, temperature=0)
+        assert streamed == r.choices[0].text and last.choices[0].finish_reason == r.choices[0].finish_reason
+    no_tracebacks(caplog)
+
+
+def test_stream_is_server_sent_events_ending_with_done(served):
+    srv, _ = served
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(ch["object"] == "text_completion" for ch in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5  # include_usage
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "hsd" in chunks[-2]
+
+
+def test_stop_strings_cut_the_text_before_them(served, direct):
+    c = client(served[0])
+    _, _, tok = direct
+    r = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0)
+    ids, text = r.model_extra["hsd"]["token_ids"], r.choices[0].text
+    words = text.split()
+    assert len(words) >= 6
+    for stop in [words[3] + " " + words[4], [words[4] + " ", "never-there"]]:
+        s = [stop] if isinstance(stop, str) else stop
+        at = min(i for i in (text.find(x) for x in s) if i >= 0)
+        # the generation ends at the first token whose text completes the stop string
+        n = next(k for k in range(1, len(ids) + 1) if any(x in tok.decode(ids[:k], skip_special_tokens=True)
+                                                         for x in s))
+        r2 = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0, stop=stop)
+        assert r2.choices[0].text == text[:at] and r2.choices[0].finish_reason == "stop"
+        assert r2.model_extra["hsd"]["token_ids"] == ids[:n] and r2.usage.completion_tokens == n
+        streamed, last = stream_completion(c, STOP_PROMPT, max_tokens=N, temperature=0, stop=stop)
+        assert streamed == text[:at] and last.choices[0].finish_reason == "stop"
+    r3 = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0, stop="w99 w99")
+    assert r3.choices[0].text == text and r3.choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_seeded_sampling_is_reproducible_and_equals_hsd_run(tiny, served):
+    c = client(served[0])
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, temperature=0.9,
+              top_p=0.95)
+    a = c.chat.completions.create(seed=7, **kw).model_extra["hsd"]["token_ids"]
+    b = c.chat.completions.create(seed=7, **kw).model_extra["hsd"]["token_ids"]
+    assert a == b
+    assert a == hsd_run_ids(tiny[0], PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--top-p", 0.95,
+                            "--seed", 7)
+    others = {tuple(c.chat.completions.create(seed=s, **kw).model_extra["hsd"]["token_ids"]) for s in (1, 2, 3)}
+    assert len(others | {tuple(a)}) > 1  # the seed matters
+
+
+def test_no_state_carries_over_between_requests(served):
+    srv, _ = served
+    c = client(srv)
+    kw = dict(model=MODEL, max_tokens=N, temperature=0)
+    first = c.completions.create(prompt=PROMPTS[2], **kw).model_extra["hsd"]["token_ids"]
+    c.completions.create(prompt=PROMPTS[1], seed=3, **{**kw, "temperature": 1.0})  # another prompt, sampled
+    with c.completions.create(prompt=PROMPTS[0], stream=True, **{**kw, "max_tokens": 300}) as s:
+        next(iter(s))  # a client that goes away after one chunk
+    again = c.completions.create(prompt=PROMPTS[2], **kw).model_extra["hsd"]["token_ids"]
+    assert again == first
+
+
+# ------------------------------------------------------------------------------------------------ bad requests
+
+
+LONG = " ".join(["w5"] * 600)  # 600 tokens: more than the tiny model's 512 positions
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "w1 w2"}]
+BAD = [
+    (COMP, b"{bad json", 400, None, None),
+    (COMP, b"\xff\xfe", 400, None, None),
+    (COMP, [1, 2], 400, None, None),
+    (CHAT, {"model": MODEL}, 400, "messages", None),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),
+    (CHAT, {"model": MODEL, "messages": "w1"}, 400, "messages", None),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "w1"}]}, 400, "messages[0].role", None),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0]", None),
+    (COMP, {"model": MODEL}, 400, "prompt", None),
+    (COMP, {"model": MODEL, "prompt": 5}, 400, "prompt", None),
+    (COMP, {"model": MODEL, "prompt": "  "}, 400, "prompt", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "max_tokens": "9"}, 400, "max_tokens", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "max_tokens": 2.5}, 400, "max_tokens", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "max_tokens": True}, 400, "max_tokens", None),
+    (COMP, {"model": MODEL, "prompt": "w1 w2", "max_tokens": 511}, 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    (COMP, {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    (COMP, {"model": MODEL, "prompt": "w1", "temperature": -0.1}, 400, "temperature", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "temperature": "hot"}, 400, "temperature", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_p": 0}, 400, "top_p", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_p": 1.01}, 400, "top_p", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop": 5}, 400, "stop", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop": [""]}, 400, "stop", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "stream", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "seed": "x"}, 400, "seed", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n", None),
+    (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model", "model_not_found"),
+    ("/v1/embeddings", {"model": MODEL, "input": "w1"}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD, ids=[f"{i}-{c[2]}-{c[3]}" for i, c in enumerate(BAD)])
+def test_bad_requests_get_an_error_body_and_no_traceback(served, caplog, path, body, status, param, code):
+    srv, _ = served
+    caplog.set_level(logging.INFO)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+    assert err["type"] == "invalid_request_error"
+    assert any(f'"POST {path} HTTP/1.1" {status}' in r.getMessage() for r in caplog.records)  # the log was seen
+    no_tracebacks(caplog)
+
+
+def test_wrong_method_and_the_openai_clients_view_of_errors(served, caplog):
+    srv, _ = served
+    r = httpx.get(srv.url + CHAT, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    c = client(srv)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
+    assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="other", prompt="w1", max_tokens=3)
+    assert [m.id for m in c.models.list().data] == [MODEL] and c.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(srv.url + "/health", timeout=30).json()
+    assert health["status"] == "ok" and health["hierarchy"] == ["ngram", "layer1", "layer2", "layer4"]
+    no_tracebacks(caplog)
+
+
+def test_api_key_is_required_when_set(tiny, caplog):
+    app, engine = prepare_server(tiny[0], device="cpu", api_key="sekrit")
+    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
+        for key in ("wrong", None):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            r = httpx.get(srv.url + "/v1/models", headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, api_key="wrong").completions.create(model=MODEL, prompt="w1", max_tokens=2)
+        r = client(srv, api_key="sekrit").completions.create(model=MODEL, prompt="w1", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200  # open
+    no_tracebacks(caplog)
+
+
+# ------------------------------------------------------------------------------------------------ queue and load
+
+
+class GatedRunner:
+    """Delegates to an HSD runner once ``gate`` is open: lets a test hold the engine busy."""
+
+    def __init__(self, runner, gate: threading.Event):
+        self.runner, self.gate = runner, gate
+
+    def generate(self, *args, **kwargs):
+        assert self.gate.wait(60)
+        return self.runner.generate(*args, **kwargs)
+
+
+def _poll(url: str, pred, timeout: float = 30.0) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health", timeout=30).json()
+        if pred(h) or time.monotonic() > end:
+            return h
+        time.sleep(0.02)
+
+
+def test_full_queue_answers_429(tiny, direct, caplog):
+    app, engine = prepare_server(tiny[0], device="cpu")  # for its ModelInfo
+    gate = threading.Event()
+    svc = app.state.service
+    gated = Engine(GatedRunner(direct[0], gate), svc.info.tokenizer, max_queue=1)
+    with BackgroundServer(create_app(gated, svc.info), on_stop=gated.cancel_all) as srv:
+        c = client(srv)
+        results: list = []
+
+        def ask():
+            results.append(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0))
+
+        first = threading.Thread(target=ask)
+        first.start()
+        assert _poll(srv.url, lambda h: h["busy"])["busy"]            # decoding (held at the gate)
+        second = threading.Thread(target=ask)
+        second.start()
+        assert _poll(srv.url, lambda h: h["waiting"] == 1)["waiting"] == 1
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        gate.set()
+        first.join(60)
+        second.join(60)
+        assert len(results) == 2 and results[0].choices[0].text == results[1].choices[0].text
+        assert _poll(srv.url, lambda h: h["completed"] == 2)["refused"] == 1
+    no_tracebacks(caplog)
+
+
+class FailingRunner:
+    """Fails its first ``n`` generations after one block (a stand-in for an engine bug), then delegates."""
+
+    def __init__(self, runner, n: int):
+        self.runner, self.n = runner, n
+
+    def generate(self, prompt_ids, max_new_tokens, on_tokens=None, **kw):
+        if self.n > 0:
+            self.n -= 1
+            on_tokens([5])
+            raise RuntimeError("boom")
+        return self.runner.generate(prompt_ids, max_new_tokens, on_tokens=on_tokens, **kw)
+
+
+def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(tiny, direct, caplog):
+    app, _ = prepare_server(tiny[0], device="cpu")
+    info = app.state.service.info
+    failing = Engine(FailingRunner(direct[0], 2), info.tokenizer)
+    with BackgroundServer(create_app(failing, info), on_stop=failing.cancel_all) as srv:
+        c = client(srv)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert e.value.status_code == 500 and "boom" in e.value.body["message"]
+        with pytest.raises(openai.APIError, match="boom"):
+            stream_completion(c, PROMPTS[0], max_tokens=4, temperature=0)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        assert httpx.get(srv.url + "/health", timeout=30).json()["failed"] == 2
+    assert sum("generation failed" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 2
+
+
+def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct, caplog):
+    """8 clients x 4 streamed greedy requests (chat and completions over three prompts) while one more client
+    leaves mid-stream: every response is complete and equal to the sequential output, none is lost, the
+    abandoned generation is cancelled."""
+    srv, engine = served
+    runner, _, tok = direct
+    from hsd_opt.prompts import encode_prompt
+
+    want, lens = {}, {}
+    for p in PROMPTS:  # sequential references, straight from HSD.generate
+        for kind, raw in (("chat", False), ("completion", True)):
+            ids = runner.generate(encode_prompt(tok, p, raw=raw), N).token_ids
+            want[kind, p] = (tok.decode(ids, skip_special_tokens=True), finish_of(ids, N))
+            lens[kind, p] = len(ids)
+    # the client that leaves asks for a long answer: this many tokens, were it not cancelled
+    full = len(runner.generate(encode_prompt(tok, STOP_PROMPT), LEAVE_TOKENS).token_ids)
+    assert full > 2 * N
+    before = httpx.get(srv.url + "/health", timeout=30).json()
+    got, errors = [], []
+
+    def worker(i: int):
+        c = client(srv)
+        try:
+            for k in range(4):
+                p, kind = PROMPTS[(i + k) % 3], ("chat", "completion")[(i + k) % 2]
+                fn = stream_chat if kind == "chat" else stream_completion
+                text, last = fn(c, p, max_tokens=N, temperature=0)
+                got.append(((kind, p), (text, last.choices[0].finish_reason if last else None)))
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    def leaver():
+        c = client(srv)
+        with c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}],
+                                       max_tokens=LEAVE_TOKENS, temperature=0, stream=True) as s:
+            for ch in s:
+                if ch.choices and ch.choices[0].delta.content:
+                    break  # generation is under way: go away
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)] + [threading.Thread(target=leaver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert len(got) == 32
+    for key, res in got:
+        assert res == want[key], key
+    h = _poll(srv.url, lambda h: not h["busy"] and h["waiting"] == 0 and h["cancelled"] > before["cancelled"])
+    assert h["completed"] - before["completed"] == 32 and h["cancelled"] - before["cancelled"] == 1
+    left = h["generated_tokens"] - before["generated_tokens"] - sum(lens[key] for key, _ in got)
+    assert 0 < left < full  # the abandoned generation stopped early
+    assert h["failed"] == before["failed"] and h["refused"] == before["refused"]
+    no_tracebacks(caplog)
+
+
+# ------------------------------------------------------------------------------------------------ text stream
+
+
+class CharTokenizer:
+    """Ids are indexes into ``pieces``; decoding concatenates them (``\\ufffd`` pieces stand for half a
+    character until the next piece completes it: ``"\\ufffd" + "!"`` decodes to ``"é"``)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids).replace("\ufffd!", "é")
+
+
+def test_text_stream_holds_back_possible_stops_and_half_characters():
+    tok = CharTokenizer(["ab", "c", "x", "\ufffd", "!", "cd", "e"])
+    ts = TextStream(tok, ["cde"])
+    assert ts.feed([0, 1]) == "ab"        # "c" may start "cde": held
+    assert ts.feed([3]) == ""             # a half character: wait
+    assert ts.feed([4, 5]) == "cé"        # "c" cannot start the stop any more; "cd" can: held
+    assert ts.feed([6, 2]) == "" and ts.stopped and ts.ids == [0, 1, 3, 4, 5, 6]
+    assert ts.text == "abcé" and ts.finish() == ""
+    ts = TextStream(tok, ["zz"])
+    assert ts.feed([0, 1, 2]) == "abcx" and ts.finish() == "" and not ts.stopped
+    ts = TextStream(tok)
+    assert ts.feed([0, 3]) == "" and ts.feed([4]) == "abé" and ts.feed([2]) == "x"
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
+    plan = tiny[0]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cases = [(["--plan", tmp_path / "nope.json"], "nope.json"),
+             (["--plan", plan, "--port", "70000"], "--port"),
+             (["--plan", plan, "--max-queue", "0"], "--max-queue"),
+             (["--plan", plan, "--mode", "lazy"], "--mode"),
+             (["--plan", plan, "--port", str(port)], "--port")]
+    try:
+        for args, needle in cases:
+            res = run_cli("serve", *args)
+            out = cli_output(res)
+            errors = [x for x in out.splitlines() if x.startswith("error:")]
+            assert res.exit_code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in out, out
+    finally:
+        taken.close()
+
+
+@pytest.mark.slow
+def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
+    """``hsd serve`` in a subprocess: progress and the ready line on stderr, a request, a bad request logged
+    without a traceback, and Ctrl-C during an open stream: the stream ends at once, the process exits 0."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(tiny[0]), "--port", "0",
+                             "--device", "cpu"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        url = None
+        end = time.monotonic() + 120
+        while url is None and time.monotonic() < end:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("ready: "):
+                url = line.split(" at ")[1].split()[0]
+        assert url and url.startswith("http://127.0.0.1:"), "".join(lines)
+        c = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1 w2"}], max_tokens=3,
+                                      temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert httpx.post(url + "/completions", content=b"{", timeout=30).status_code == 400
+        started, ended = threading.Event(), []
+
+        def long_stream():  # still streaming when Ctrl-C comes
+            try:
+                for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}],
+                                                    max_tokens=400, temperature=0, stream=True):
+                    if ch.choices and ch.choices[0].delta.content:
+                        started.set()
+                ended.append("finished")
+            except openai.APIError as e:  # the server cancelled it: an error event
+                ended.append(str(e))
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        t.join(60)
+        assert not t.is_alive() and len(ended) == 1 and "server is stopping" in ended[0], ended
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    log = "".join(lines) + err
+    assert proc.returncode == 0, log
+    assert "loading" in log and "stopped" in log and "Traceback" not in log
+    assert '"POST /v1/completions HTTP/1.1" 400' in log
+    assert "timeout graceful shutdown exceeded" not in log  # the open stream ended when its job was cancelled

@@ -1,0 +1,56 @@
+"""`hsd serve` on the embedded SmolLM2-135M-Instruct with the solved plan (the abstaining lookup -> the int4 copy
+-> the target), through the ``openai`` client: greedy chat and completions, streamed and not, are token for token
+the target's greedy output and the plan's own ``HSD.generate``; a stop string cuts the text; a seed reproduces a
+sampled answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from hsd_opt.commands.serve import prepare_server
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.models.loading import eos_token_ids
+from hsd_opt.prompts import encode_prompt
+from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.server import BackgroundServer
+
+REPO = Path(__file__).resolve().parents[1]
+SOLVED_PLAN = REPO / "benchmarks" / "results" / "runtime_bench_lookup_plan.json"
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+N = 24
+
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]
+
+
+def test_server_on_the_embedded_plan_is_lossless(embedded):
+    tok = embedded.tokenizer
+    ar = HSD([Level("layer30", LayeredLM(embedded.model), 30)], [], eos_ids=eos_token_ids(embedded))
+    want = ar.generate(encode_prompt(tok, PROMPT), N).token_ids                 # the target's greedy output
+    want_raw = ar.generate(encode_prompt(tok, PROMPT, raw=True), N).token_ids
+    app, engine = prepare_server(SOLVED_PLAN, device="cpu")
+    assert engine.runner.generate(encode_prompt(tok, PROMPT), N).token_ids == want  # the plan, directly
+    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        msgs = [{"role": "user", "content": PROMPT}]
+        r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0)
+        assert r.model_extra["hsd"]["token_ids"] == want
+        assert r.model_extra["hsd"]["hierarchy"] == ["lookup", "int4", "layer30"]
+        text = tok.decode(want, skip_special_tokens=True)
+        assert r.choices[0].message.content == text
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0, stream=True) if ch.choices)
+        assert streamed == text
+
+        r = c.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=N, temperature=0)
+        assert r.model_extra["hsd"]["token_ids"] == want_raw
+        raw_text = r.choices[0].text
+        stop = raw_text.strip().split()[2]  # the third word of the answer
+        cut = c.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=N, temperature=0, stop=stop)
+        assert cut.choices[0].text == raw_text[: raw_text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+        kw = dict(model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0.8, top_p=0.9, seed=11)
+        a, b = (c.chat.completions.create(**kw).model_extra["hsd"]["token_ids"] for _ in range(2))
+        assert a == b and len(a) >= 1
