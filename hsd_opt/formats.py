@@ -62,6 +62,35 @@ class ModelEntry:
 
 
 @dataclass
+class ContextCosts:
+    """Costs measured with ``context`` tokens already in the KV cache (one entry of ``context_costs``).
+
+    Attributes:
+        context: tokens in the cache before the timed pass (>= 1).
+        cost: model -> seconds of one decode step (one token) at that context.
+        cost_curve: model -> ``[s_1, ..., s_n]`` seconds of a pass over t = 1..n tokens at that context.
+        verify_cost: verifier -> drafter -> seconds (or a curve over t) of a verify pass at that context.
+
+    A model (or pair) listed here takes its cost from here, interpolated in the context
+    (``docs/design.md#costs-that-depend-on-the-context``); the top-level figures are then only what a reader
+    that ignores ``context_costs`` uses.
+    """
+
+    context: int
+    cost: dict[str, float] = field(default_factory=dict)
+    cost_curve: dict[str, list[float]] = field(default_factory=dict)
+    verify_cost: dict[str, dict[str, float | list[float]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"context": self.context, "cost": self.cost}
+        if self.cost_curve:
+            d["cost_curve"] = self.cost_curve
+        if self.verify_cost:
+            d["verify_cost"] = self.verify_cost
+        return d
+
+
+@dataclass
 class Profile:
     """Measured acceptance rates and costs of a drafter pool for one target (``hsd-profile/1``).
 
@@ -79,6 +108,9 @@ class Profile:
             ``docs/design.md#costs-of-a-pass-over-t-tokens``).
         extra: every other top-level field (provenance, greedy agreement, counts, confidence intervals, ...),
             kept on round-trip.
+        context_costs: optional costs measured at several context lengths, in increasing context order
+            (:class:`ContextCosts`); empty for a profile measured at one context. The solver interpolates them
+            linearly in the context (``docs/design.md#costs-that-depend-on-the-context``).
     """
 
     target: str
@@ -87,6 +119,12 @@ class Profile:
     verify_cost: dict[str, dict[str, float | list[float]]] = field(default_factory=dict)
     cost_curve: dict[str, list[float]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    context_costs: list[ContextCosts] = field(default_factory=list)
+
+    @property
+    def contexts(self) -> list[int]:
+        """The context lengths (tokens) of ``context_costs``, increasing; empty for a single-context profile."""
+        return [c.context for c in self.context_costs]
 
     @property
     def names(self) -> list[str]:
@@ -112,6 +150,8 @@ class Profile:
             d["verify_cost"] = self.verify_cost
         if self.cost_curve:
             d["cost_curve"] = self.cost_curve
+        if self.context_costs:
+            d["context_costs"] = [c.to_dict() for c in self.context_costs]
         for k, v in self.extra.items():
             if k not in d:
                 d[k] = v
@@ -268,40 +308,104 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
                 raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
             acceptance[dr][ve] = float(a)
 
-    verify_cost: dict[str, dict[str, float | list[float]]] = {}
-    vc_raw = d.get("verify_cost", {}) or {}
-    if not isinstance(vc_raw, dict):
-        raise InputFileError(source, "expected an object verify_cost[verifier][drafter]", "verify_cost")
-    for ve, row in vc_raw.items():
+    verify_cost = _verify_costs(source, d.get("verify_cost", {}) or {}, seen, "verify_cost")
+    cost_curve = _cost_curves(source, d.get("cost_curve", {}) or {}, seen, "cost_curve")
+    context_costs = _context_costs(source, d.get("context_costs"), seen)
+
+    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs"}
+    extra = {k: v for k, v in d.items() if k not in known}
+    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs)
+    return prof, triangle_warnings(prof, source)
+
+
+def _verify_costs(source: str, raw: Any, seen: set[str], at: str) -> dict[str, dict[str, float | list[float]]]:
+    """``verify_cost[verifier][drafter]`` (seconds > 0, or a curve of them) at field ``at``, names known."""
+    if not isinstance(raw, dict):
+        raise InputFileError(source, "expected an object verify_cost[verifier][drafter]", at)
+    out: dict[str, dict[str, float | list[float]]] = {}
+    for ve, row in raw.items():
         if ve not in seen:
-            raise InputFileError(source, f"unknown verifier {ve!r}", f"verify_cost.{ve}")
+            raise InputFileError(source, f"unknown verifier {ve!r}", f"{at}.{ve}")
         if not isinstance(row, dict):
-            raise InputFileError(source, "expected an object {drafter: seconds}", f"verify_cost.{ve}")
-        verify_cost[ve] = {}
+            raise InputFileError(source, "expected an object {drafter: seconds}", f"{at}.{ve}")
+        out[ve] = {}
         for dr, c in row.items():
-            f = f"verify_cost.{ve}.{dr}"
+            f = f"{at}.{ve}.{dr}"
             if dr not in seen:
                 raise InputFileError(source, f"unknown drafter {dr!r}", f)
             if isinstance(c, list):
-                verify_cost[ve][dr] = _positive_curve(source, f, c)
+                out[ve][dr] = _positive_curve(source, f, c)
             elif _is_number(c) and c > 0:
-                verify_cost[ve][dr] = float(c)
+                out[ve][dr] = float(c)
             else:
                 raise InputFileError(source, f"expected seconds > 0 or a list of them, got {c!r}", f)
+    return out
 
-    cost_curve: dict[str, list[float]] = {}
-    cc_raw = d.get("cost_curve", {}) or {}
-    if not isinstance(cc_raw, dict):
-        raise InputFileError(source, "expected an object cost_curve[model] = [seconds for t=1..n]", "cost_curve")
-    for name, curve in cc_raw.items():
+
+def _cost_curves(source: str, raw: Any, seen: set[str], at: str) -> dict[str, list[float]]:
+    """``cost_curve[model]`` (a non-empty list of seconds > 0) at field ``at``, names known."""
+    if not isinstance(raw, dict):
+        raise InputFileError(source, "expected an object cost_curve[model] = [seconds for t=1..n]", at)
+    out: dict[str, list[float]] = {}
+    for name, curve in raw.items():
         if name not in seen:
-            raise InputFileError(source, f"unknown model {name!r}", f"cost_curve.{name}")
-        cost_curve[name] = _positive_curve(source, f"cost_curve.{name}", curve)
+            raise InputFileError(source, f"unknown model {name!r}", f"{at}.{name}")
+        out[name] = _positive_curve(source, f"{at}.{name}", curve)
+    return out
 
-    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve"}
-    extra = {k: v for k, v in d.items() if k not in known}
-    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra)
-    return prof, triangle_warnings(prof, source)
+
+def _context_costs(source: str, raw: Any, seen: set[str]) -> list[ContextCosts]:
+    """The optional ``context_costs`` list: entries in increasing ``context`` order, each naming the same models
+    (and pairs) as the first, so that every figure is interpolated between like figures."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not raw:
+        raise InputFileError(source, "expected a non-empty list of {context, cost, cost_curve, verify_cost}",
+                             "context_costs")
+    out: list[ContextCosts] = []
+    for i, e in enumerate(raw):
+        at = f"context_costs[{i}]"
+        if not isinstance(e, dict):
+            raise InputFileError(source, "expected an object {context, cost, cost_curve, verify_cost}", at)
+        unknown = sorted(set(e) - {"context", "cost", "cost_curve", "verify_cost"})
+        if unknown:
+            raise InputFileError(source, f"unknown field {unknown[0]!r} (known: context, cost, cost_curve, "
+                                         f"verify_cost)", f"{at}.{unknown[0]}")
+        c = e.get("context")
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise InputFileError(source, f"expected a context length in tokens (an integer >= 1), got {c!r}",
+                                 f"{at}.context")
+        if out and c <= out[-1].context:
+            raise InputFileError(source, f"contexts must increase: {c} after {out[-1].context}", f"{at}.context")
+        cost_raw = e.get("cost", {})
+        if not isinstance(cost_raw, dict):
+            raise InputFileError(source, "expected an object {model: seconds}", f"{at}.cost")
+        cost: dict[str, float] = {}
+        for name, v in cost_raw.items():
+            if name not in seen:
+                raise InputFileError(source, f"unknown model {name!r}", f"{at}.cost.{name}")
+            if not _is_number(v) or v <= 0:
+                raise InputFileError(source, f"expected a cost in seconds > 0, got {v!r}", f"{at}.cost.{name}")
+            cost[name] = float(v)
+        entry = ContextCosts(c, cost, _cost_curves(source, e.get("cost_curve", {}) or {}, seen, f"{at}.cost_curve"),
+                             _verify_costs(source, e.get("verify_cost", {}) or {}, seen, f"{at}.verify_cost"))
+        if out:
+            _same_keys(source, at, entry, out[0])
+        out.append(entry)
+    return out
+
+
+def _same_keys(source: str, at: str, entry: ContextCosts, first: ContextCosts) -> None:
+    """Refuse an entry of ``context_costs`` that names other models (or pairs) than the first one."""
+    pairs = (("cost", set(entry.cost), set(first.cost)),
+             ("cost_curve", set(entry.cost_curve), set(first.cost_curve)),
+             ("verify_cost", {f"{v}.{d}" for v, r in entry.verify_cost.items() for d in r},
+              {f"{v}.{d}" for v, r in first.verify_cost.items() for d in r}))
+    for name, mine, theirs in pairs:
+        if mine != theirs:
+            diff = sorted(mine ^ theirs)
+            raise InputFileError(source, f"{diff[0]} is in one context but not in context_costs[0]: every context "
+                                         f"must list the same models", f"{at}.{name}")
 
 
 def triangle_warnings(profile: Profile, source: str = "<profile>", tol: float = 0.02) -> list[str]:
@@ -359,6 +463,31 @@ def _check_levels(d: dict, source: str, tmax: int, at: str = "") -> tuple[list[s
     return list(h), list(b)
 
 
+def _check_latency_table(v: Any, source: str, at: str) -> None:
+    """An optional ``latency_by_context``: ``[[context tokens >= 1, seconds > 0], ...]``, contexts increasing."""
+    if v is None:
+        return
+    if not isinstance(v, list) or not v:
+        raise InputFileError(source, "expected a non-empty list of [context, seconds per token] pairs", at)
+    last = None
+    for i, pt in enumerate(v):
+        if (not isinstance(pt, list) or len(pt) != 2 or not _is_number(pt[0]) or pt[0] < 1
+                or not _is_number(pt[1]) or pt[1] <= 0):
+            raise InputFileError(source, f"expected [context tokens >= 1, seconds per token > 0], got {pt!r}",
+                                 f"{at}[{i}]")
+        if last is not None and pt[0] <= last:
+            raise InputFileError(source, f"contexts must increase: {pt[0]!r} after {last!r}", f"{at}[{i}]")
+        last = pt[0]
+
+
+def _check_context_fields(d: dict, source: str, at: str = "") -> None:
+    """The optional ``context`` (tokens >= 1) and ``latency_by_context`` of a plan or of one of its entries."""
+    c = d.get("context")
+    if c is not None and (not _is_number(c) or c < 1):
+        raise InputFileError(source, f"expected a context length in tokens (>= 1), got {c!r}", at + "context")
+    _check_latency_table(d.get("latency_by_context"), source, at + "latency_by_context")
+
+
 def _check_by_task(by_task: Any, source: str, tmax: int, target: str) -> None:
     """The optional ``by_task`` section: ``{task: {hierarchy, budgets, expected_latency, ...}}``, each entry a
     valid hierarchy ending with the plan's target."""
@@ -375,6 +504,14 @@ def _check_by_task(by_task: Any, source: str, tmax: int, target: str) -> None:
         v = e.get("expected_latency")
         if not _is_number(v) or v <= 0:
             raise InputFileError(source, f"expected a number > 0, got {v!r}", at + "expected_latency")
+        _check_context_fields(e, source, at)
+        tables = e.get("overall_hierarchies_by_context")
+        if tables is not None:
+            if not isinstance(tables, dict):
+                raise InputFileError(source, "expected an object {key: latency_by_context}",
+                                     at + "overall_hierarchies_by_context")
+            for key, tb in tables.items():
+                _check_latency_table(tb, source, f"{at}overall_hierarchies_by_context.{key}")
 
 
 def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
@@ -394,6 +531,14 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     baselines = d.get("baselines", {})
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
+    _check_context_fields(d, source)
+    for key, entry in baselines.items():
+        if isinstance(entry, dict):
+            _check_latency_table(entry.get("latency_by_context"), source, f"baselines.{key}.latency_by_context")
+    alts = d.get("alternatives")
+    for i, a in enumerate(alts if isinstance(alts, list) else []):
+        if isinstance(a, dict):
+            _check_latency_table(a.get("latency_by_context"), source, f"alternatives[{i}].latency_by_context")
     if d.get("by_task") is not None:
         _check_by_task(d["by_task"], source, tmax, h[-1])
     known = {"format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines"}
