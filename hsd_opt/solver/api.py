@@ -1,4 +1,9 @@
-"""The solver's public functions: :func:`solve`, :func:`evaluate`, :func:`simulate` (plain data in and out)."""
+"""The solver's public functions: :func:`solve`, :func:`evaluate`, :func:`simulate` (plain data in and out).
+
+Each takes an optional ``context`` (tokens): a profile with costs at several context lengths is first resolved at
+that context (:func:`~hsd_opt.solver.context.profile_at_context`; by default at the profile's typical context,
+:func:`~hsd_opt.solver.context.typical_context`), and everything after works on the resolved profile
+(`docs/design.md#costs-that-depend-on-the-context`)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Plan, Profile, load_profile
 from hsd_opt.solver.brute import brute, brute_ranked
+from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
 from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
 from hsd_opt.solver.graph import build_gsp_graph
 from hsd_opt.solver.hierarchy import Solution, check_max_depth, pick_by_min_gain
@@ -22,6 +28,22 @@ SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
 
 def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
     return profile if isinstance(profile, Profile) else load_profile(profile)[0]
+
+
+def resolve_context(profile: Profile, context: float | None = None) -> tuple[Profile, float | None, str | None]:
+    """``(profile at the context, the context in tokens, where it came from)``: ``context`` when given, else the
+    profile's :func:`~hsd_opt.solver.context.typical_context`. A profile without ``context_costs`` is returned as
+    it is with ``(None, None)``: its costs do not depend on the context."""
+    if not profile.context_costs:
+        if context is not None:
+            check_context(context)
+        return profile, None, None
+    if context is not None:
+        ctx, source = check_context(context), CONTEXT_GIVEN
+        ctx = int(ctx) if ctx == int(ctx) else ctx
+    else:
+        ctx, source = typical_context(profile)
+    return profile_at_context(profile, ctx), ctx, source
 
 
 def _checked_instance(profile: Profile, tmax: int, solver: str, max_depth: int | None) -> Instance:
@@ -44,11 +66,14 @@ def _optimum_of(profile: Profile, inst: Instance, solver: str, max_depth: int | 
     return sol
 
 
-def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | None = None) -> Solution:
-    """The optimal hierarchy by one solver, as a :class:`Solution` (latency in seconds per token).
+def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | None = None,
+            context: float | None = None) -> Solution:
+    """The optimal hierarchy by one solver, as a :class:`Solution` (latency in seconds per token), at ``context``
+    tokens (default: the profile's typical context; ignored without ``context_costs``).
 
     ``lp``/``lp-cvxpy`` report the exact latency of the decoded hierarchy (the LP objective is in ``info``).
     """
+    profile, _, _ = resolve_context(profile, context)
     return _optimum_of(profile, _checked_instance(profile, tmax, solver, max_depth), solver, max_depth)
 
 
@@ -60,14 +85,20 @@ def _optima_by_depth(profile: Profile, inst: Instance, solver: str, depth: int) 
     return [_optimum_of(profile, inst, solver, n) for n in range(2, depth + 1)]
 
 
-def _entry(profile: Profile, hierarchy: list[str], budgets: list[int], latency: float) -> dict:
-    return {"hierarchy": list(hierarchy), "budgets": list(budgets), "expected_latency": latency,
-            "expected_speedup": target_only(profile) / latency}
+def _entry(profile: Profile, hierarchy: list[str], budgets: list[int], latency: float,
+           full: Profile | None = None, resolved: dict | None = None) -> dict:
+    """A plan entry; with ``full`` (the profile before resolving its context) holding ``context_costs``, also the
+    entry's ``latency_by_context`` (:func:`~hsd_opt.solver.context.latency_table`)."""
+    e = {"hierarchy": list(hierarchy), "budgets": list(budgets), "expected_latency": latency,
+         "expected_speedup": target_only(profile) / latency}
+    if full is not None and full.context_costs:
+        e["latency_by_context"] = latency_table(full, hierarchy, budgets, resolved)
+    return e
 
 
 def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", max_depth: int | None = None,
-          top: int = 5, min_gain: float = 0.0) -> Plan:
-    """Latency-optimal hierarchy and budgets for ``profile`` with budgets in 1..``tmax`` tokens.
+          top: int = 5, min_gain: float = 0.0, context: float | None = None) -> Plan:
+    """Latency-optimal hierarchy and budgets for ``profile`` with budgets in 1..``tmax`` tokens, at ``context``.
 
     Args:
         profile: a :class:`Profile` or a path to ``hsd-profile/1``.
@@ -83,11 +114,19 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
             when run). A single draft is always weighed against the target alone without this margin
             (:func:`~hsd_opt.solver.hierarchy.pick_by_min_gain`, `docs/design.md#depth-and-min-gain`).
             The exact optimum is then kept in ``extra["exact_optimum"]`` when it differs.
+        context: tokens in the KV cache the costs are taken at, for a profile with ``context_costs``
+            (`docs/design.md#costs-that-depend-on-the-context`); None: the profile's typical context (its mean
+            prompt plus half its mean generation; a task's view: that task's). Ignored for a profile measured at
+            one context.
 
     Returns:
-        a :class:`Plan` (``hsd-plan/1``): latencies in seconds per token, speed-up vs the target alone.
+        a :class:`Plan` (``hsd-plan/1``): latencies in seconds per token, speed-up vs the target alone. With
+        ``context_costs``: ``context`` and ``context_from`` (where the context came from), and a
+        ``latency_by_context`` table next to every latency (the plan, its baselines and alternatives).
     """
-    profile = _as_profile(profile)
+    full = _as_profile(profile)
+    profile, ctx, ctx_from = resolve_context(full, context)
+    resolved: dict = {}
     if not 0.0 <= float(min_gain) < 1.0:
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain!r}")
     inst = _checked_instance(profile, tmax, solver, max_depth)
@@ -97,45 +136,56 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         sol = pick_by_min_gain(_optima_by_depth(profile, inst, solver, len(sol.hierarchy)), float(min_gain))
     cK = target_only(profile)
     bsd = best_single_draft(profile, tmax)
-    baselines = {"target_only": _entry(profile, [profile.target], [], cK)}
+    baselines = {"target_only": _entry(profile, [profile.target], [], cK, full, resolved)}
     if bsd is not None:
-        baselines["best_single_draft"] = _entry(profile, *bsd)
+        baselines["best_single_draft"] = _entry(profile, *bsd, full, resolved)
     bee = best_single_draft(profile, tmax, kinds=("early_exit",))
     if bee is not None:
-        baselines["best_early_exit"] = _entry(profile, *bee)
+        baselines["best_early_exit"] = _entry(profile, *bee, full, resolved)
     if top > 1:
         ranked = (brute_ranked(profile, tmax, max_depth) if solver == "brute"
                   else dp_ranked(inst, top, max_depth))
     else:
         ranked = []
-    alts = [_entry(profile, s.hierarchy, s.budgets, s.latency) for s in ranked if s.hierarchy != sol.hierarchy]
+    alts = [_entry(profile, s.hierarchy, s.budgets, s.latency, full, resolved)
+            for s in ranked if s.hierarchy != sol.hierarchy][: max(0, top - 1)]
     extra = {"target": profile.target, "solver": solver, "max_depth": max_depth, "min_gain": float(min_gain),
-             "profile_sha256": profile.fingerprint(), "latency_unit": "seconds/token",
-             "alternatives": alts[: max(0, top - 1)]}
+             "profile_sha256": full.fingerprint(), "latency_unit": "seconds/token",
+             "alternatives": alts}
+    if ctx is not None:
+        extra["context"] = ctx
+        extra["context_from"] = ctx_from
+        extra["latency_by_context"] = latency_table(full, sol.hierarchy, sol.budgets, resolved)
     if exact.hierarchy != sol.hierarchy:
-        extra["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency)
-    prov = profile.extra.get("provenance")
+        extra["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency, full, resolved)
+    prov = full.extra.get("provenance")
     if prov is not None:
         extra["provenance"] = prov
     # Every model entry of the pool, so `hsd run`/`hsd bench` can rebuild the hierarchy and the baselines
     # (kind, layer, token-drafter config) from the plan alone.
-    extra["models"] = [m.to_dict() for m in profile.models]
+    extra["models"] = [m.to_dict() for m in full.models]
     return Plan(int(tmax), sol.hierarchy, sol.budgets, float(sol.latency), cK / sol.latency, baselines, extra)
 
 
-def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], budgets: Sequence[int]) -> float:
-    """Expected seconds per token of ``hierarchy`` (cheapest first, target last) with ``budgets`` (tokens)."""
-    return hierarchy_latency(_as_profile(profile), hierarchy, budgets)
+def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], budgets: Sequence[int],
+             context: float | None = None) -> float:
+    """Expected seconds per token of ``hierarchy`` (cheapest first, target last) with ``budgets`` (tokens), at
+    ``context`` tokens (default: the profile's typical context; ignored without ``context_costs``)."""
+    return hierarchy_latency(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets)
 
 
 def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Plan,
-             budgets: Sequence[int] | None = None, rounds: int = 20000, seed: int = 0) -> SimResult:
+             budgets: Sequence[int] | None = None, rounds: int = 20000, seed: int = 0,
+             context: float | None = None) -> SimResult:
     """Monte-Carlo seconds per token of a hierarchy (or a :class:`Plan`) under IID acceptance, with its
-    standard error and the predicted value; see :mod:`hsd_opt.solver.simulate`."""
+    standard error and the predicted value, at ``context`` tokens (default: a plan's own ``context``, else the
+    profile's typical context; ignored without ``context_costs``); see :mod:`hsd_opt.solver.simulate`."""
     if isinstance(hierarchy, Plan):
+        if context is None:
+            context = hierarchy.extra.get("context")
         hierarchy, budgets = hierarchy.hierarchy, hierarchy.budgets
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")
     if int(rounds) != rounds or rounds < 1:
         raise HsdError(f"--rounds: expected an integer >= 1, got {rounds!r}")
-    return _simulate(_as_profile(profile), hierarchy, budgets, int(rounds), int(seed))
+    return _simulate(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets, int(rounds), int(seed))
