@@ -24,9 +24,21 @@ def _chain(h: list[str], b: list[int]) -> str:
     return " <- ".join(f"{m}" + (f" (T={b[i]})" if i < len(b) else "") for i, m in reversed(list(enumerate(h))))
 
 
+CONTEXT_FROM = {"given": "--context", "profile_prompts": "the profiled prompts", "task_prompts": "the task's prompts",
+                "first_measured_context": "the first measured context"}
+
+
+def _context_note(plan) -> str:
+    c = plan.extra.get("context")
+    if c is None:
+        return ""
+    src = CONTEXT_FROM.get(plan.extra.get("context_from"), plan.extra.get("context_from"))
+    return f", costs at a context of {c:g} tokens" + (f" from {src}" if src else "")
+
+
 def plan_table(plan) -> Table:
     """Rich table: the plan, best single draft, best early exit, target alone, next-best alternatives."""
-    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.extra.get('solver', '?')})")
+    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.extra.get('solver', '?')}{_context_note(plan)})")
     t.add_column("")
     t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
     t.add_column("ms/token", justify="right")
@@ -48,13 +60,19 @@ def plan_table(plan) -> Table:
 
 def tasks_table(plan) -> Table:
     """Rich table of a plan's ``by_task`` section: each task's best hierarchy next to the overall plan there."""
-    t = Table(title="plans per task (acceptance of each task's prompts; costs shared)")
-    for c, j in (("task", "left"), ("positions", "right"), ("hierarchy (budgets in tokens)", "left"),
-                 ("ms/token", "right"), ("speed-up", "right"), ("plan's ms/token", "right"), ("gain", "right")):
+    by_task = plan.extra.get("by_task") or {}
+    contexts = any(e.get("context") is not None for e in by_task.values())
+    t = Table(title="plans per task (acceptance of each task's prompts; costs shared"
+                    + (", at each task's context)" if contexts else ")"))
+    cols = [("task", "left"), ("positions", "right")] + ([("context", "right")] if contexts else [])
+    cols += [("hierarchy (budgets in tokens)", "left"), ("ms/token", "right"), ("speed-up", "right"),
+             ("plan's ms/token", "right"), ("gain", "right")]
+    for c, j in cols:
         t.add_column(c, justify=j)
-    for task, e in (plan.extra.get("by_task") or {}).items():
+    for task, e in by_task.items():
         here = (e.get("overall_hierarchies") or {}).get("plan")
-        t.add_row(task, "-" if e.get("positions") is None else str(e["positions"]),
+        ctx = [f"{e['context']:g}" if e.get("context") is not None else "-"] if contexts else []
+        t.add_row(task, "-" if e.get("positions") is None else str(e["positions"]), *ctx,
                   _chain(e["hierarchy"], e["budgets"]), _ms(e["expected_latency"]),
                   f"{e['expected_speedup']:.3f}x", "-" if here is None else _ms(here),
                   "-" if here is None else f"{here / e['expected_latency'] - 1:+.1%}")
@@ -104,6 +122,11 @@ def solve_cmd(
     per_task: bool = typer.Option(False, "--per-task", help="Also solve every task of the profile and add the "
                                                             "plans per task (by_task) to the plan; hsd run and "
                                                             "hsd bench use them for prompts of a known task."),
+    context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache to take the costs at "
+                                                                 "(a profile with costs at several contexts). "
+                                                                 "Default: the profile's mean prompt length plus "
+                                                                 "half its mean generation (per task: the "
+                                                                 "task's)."),
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     from hsd_opt.solver.api import SOLVERS, solve
@@ -121,8 +144,12 @@ def solve_cmd(
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
     if task is not None and per_task:
         raise HsdError("give one of --task TASK (a plan for one task) or --per-task (a plan with a section per task)")
+    if context is not None and context < 1:
+        raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
     prof, warnings = load_profile(profile)
     warn_some(warnings)
+    if context is not None and not prof.context_costs:
+        warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
     full = prof
     if task is not None:
         prof, fallbacks = task_profile(full, task)
@@ -130,13 +157,14 @@ def solve_cmd(
     elif per_task and not profile_tasks(full):
         raise HsdError("--per-task: the profile has no per-task statistics (acceptance_by_task); profile a prompt "
                        "file whose lines name their task (or Spec-Bench questions) to get them")
-    plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain)
+    plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain, context=context)
     if task is not None:
         plan.extra.update({"task": task, "profile_sha256": full.fingerprint()})
         n = task_positions(full, task)
         console.print(f"the plan for the prompts of task {task!r}" + (f" ({n} positions profiled)" if n else ""))
     if per_task:
-        by_task, fallbacks = solve_tasks(full, plan, tmax, solver=solver, max_depth=max_depth, min_gain=min_gain)
+        by_task, fallbacks = solve_tasks(full, plan, tmax, solver=solver, max_depth=max_depth, min_gain=min_gain,
+                                         context=context)
         _warn_fallbacks(fallbacks)
         plan.extra["by_task"] = by_task
     console.print(plan_table(plan))
@@ -158,18 +186,24 @@ def simulate_cmd(
     profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON the plan is checked against."),
     rounds: int = typer.Option(20000, "--rounds", help="Target verify rounds to simulate."),
     seed: int = typer.Option(0, "--seed", help="Random seed (numpy)."),
+    context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache to take the costs at; "
+                                                                 "default: the context the plan was solved for."),
 ):
     """Monte-Carlo of Algorithm 1 under IID acceptance: simulated vs predicted latency of a plan."""
     from hsd_opt.solver.api import simulate
 
     if rounds < 1:
         raise HsdError(f"--rounds: expected an integer >= 1, got {rounds}")
+    if context is not None and context < 1:
+        raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
     prof, warnings = load_profile(profile)
     warn_some(warnings)
     pl = load_plan(plan)
     _check_plan_against_profile(pl, str(plan), prof)
-    r = simulate(prof, pl, rounds=rounds, seed=seed)
-    t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed})")
+    r = simulate(prof, pl, rounds=rounds, seed=seed, context=context)
+    at = context if context is not None else pl.extra.get("context")
+    at = f", context {at:g} tokens" if at is not None and prof.context_costs else ""
+    t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed}{at})")
     t.add_column("hierarchy")
     t.add_column("predicted ms/token", justify="right")
     t.add_column("simulated ms/token", justify="right")
@@ -178,6 +212,6 @@ def simulate_cmd(
     t.add_row(_chain(pl.hierarchy, pl.budgets), _ms(r.predicted), _ms(r.latency), _ms(r.stderr),
               f"{100 * r.rel_diff:+.2f}%")
     console.print(t)
-    if abs(pl.expected_latency / r.predicted - 1) > 1e-6:
+    if context is None and abs(pl.expected_latency / r.predicted - 1) > 1e-6:
         warn(f"{plan}: expected_latency {pl.expected_latency:.6g} differs from the profile's model "
              f"{r.predicted:.6g} (plan solved from another profile?)")
