@@ -32,9 +32,9 @@ def _items(prompt: Optional[str], prompts: Optional[Path], task: Optional[str], 
     return select_items(load_prompts(prompts).items, None, limit_per_task, by)
 
 
-def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
+def stats_table(stats: dict, predicted: float | None, title: str = "hsd run", at: float | None = None):
     """Rich table of one generation's (or a summed run's) stats (``levels`` may be absent: several
-    hierarchies, plans per task)."""
+    hierarchies, plans per task); ``at``: the context (tokens) the prediction was taken at."""
     from rich.table import Table
 
     t = Table(title=title)
@@ -47,7 +47,8 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run"):
     t.add_row("tokens per target call", fmt(stats["tokens_per_target_call"], ".2f"))
     spt = stats.get("seconds_per_token")
     t.add_row("ms/token decode (measured)", fmt(spt and spt * 1e3, ".2f"))
-    t.add_row("ms/token (plan's prediction)", fmt(predicted and predicted * 1e3, ".2f"))
+    t.add_row("ms/token (plan's prediction)" + ("" if at is None else f" at context {at:.0f}"),
+              fmt(predicted and predicted * 1e3, ".2f"))
     if spt and predicted:
         t.add_row("measured / predicted", f"{spt / predicted:.2f}")
     levels = stats.get("levels")
@@ -129,7 +130,7 @@ def run_cmd(
     from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
     from hsd_opt.runtime.decode import check_generation_args
     from hsd_opt.runtime.report import Generation, totals_by
-    from hsd_opt.runtime.runner import hsd_for_plan, plan_for_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan, plan_for_prompt, prediction_context, run_context
 
     check_generation_args(max_new_tokens, temperature, top_p)
     check_turn_mode(turns)
@@ -141,7 +142,7 @@ def run_cmd(
     plans: dict[str, tuple[list[str], list[int]]] = {}
     lines, gens = [], []
     for it in items:
-        hh, bb, pred, which = plan_for_prompt(p, it.task, per_task)
+        hh, bb, _, which = plan_for_prompt(p, it.task, per_task)
         if which not in runners:
             runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb)
             plans[which] = (hh, bb)
@@ -170,10 +171,14 @@ def run_cmd(
                 sys.stdout.write("\n")
             answer = tok.decode(res.token_ids, skip_special_tokens=True)
             answers.append(answer)
+            ctx = run_context(len(ids), len(res.token_ids))
+            pred = plan_for_prompt(p, it.task, per_task, context=ctx)[2]
+            at = prediction_context(p, ctx)
             gens.append(Generation(it.index, k, it.task, it.category, res.token_ids, res.stats["seconds"],
-                                   res.stats, which, pred))
+                                   res.stats, which, pred, ctx, at))
             line = {"prompt": text, "task": it.task, "category": it.category, "turn": k, "plan": which,
-                    "token_ids": res.token_ids, "text": answer, "stats": res.stats}
+                    "token_ids": res.token_ids, "text": answer, "stats": res.stats, "context": ctx,
+                    "predicted_seconds_per_token": pred, "predicted_at_context": at}
             if it.question_id is not None:
                 line["question_id"] = it.question_id
             lines.append(line)
@@ -184,7 +189,8 @@ def run_cmd(
         title = f"hsd run: {_chain(*hb)}{'' if w == 'plan' else f' ({w})'}, {mode}"
     else:
         title = f"hsd run: {len(plans)} hierarchies (plans per task), {mode}"
-    console.print(stats_table(total, total.get("predicted_seconds_per_token"), title))
+    console.print(stats_table(total, total.get("predicted_seconds_per_token"), title,
+                              total.get("predicted_at_context")))
     if len(per) > 1 or len(plans) > 1:
         table, notes = tasks_table({t: x.to_dict() for t, x in per.items()}, by, plans)
         console.print(table)

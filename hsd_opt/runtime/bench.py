@@ -36,7 +36,7 @@ import torch
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
-from hsd_opt.runtime.runner import eos_ids, hsd_for_plan
+from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, predicts_by_context, run_context
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "build_runners", "converse", "plot_report", "run_bench"]
 
@@ -126,8 +126,9 @@ def _as_items(prompts: Sequence[str | PromptItem]) -> list[PromptItem]:
 
 
 #: A method: (prompt ids, max new tokens, seed, task) -> (generated ids, our stats or None, plan used or None,
-#: predicted seconds/token or None).
-Runner = Callable[[list[int], int, int, str], tuple[list[int], dict | None, str | None, float | None]]
+#: predicted seconds/token or None, the context in tokens it was predicted at or None).
+Runner = Callable[[list[int], int, int, str],
+                  tuple[list[int], dict | None, str | None, float | None, float | None]]
 
 
 def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode: str, source: str,
@@ -135,7 +136,14 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
     """``(runners, descriptions, errors)`` for ``methods`` (and ``extra`` hierarchies of the plan's models).
     ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.runtime.runner import load_plan_heads, plan_for_prompt, predicted_latency, task_prediction
+    from hsd_opt.runtime.runner import (
+        load_plan_heads,
+        plan_for_prompt,
+        predicted_latency,
+        prediction_context,
+        run_context,
+        task_prediction,
+    )
 
     eos = eos_ids(loaded)
     lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
@@ -159,12 +167,12 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
 
     def ours(name, hierarchy, budgets, key=None):
         h = hsd(hierarchy, budgets)
-        pred = predicted_latency(plan, hierarchy) if hierarchy != [target] else \
-            (plan.baselines.get("target_only") or {}).get("expected_latency")
 
         def run(ids, n, seed, task):
             toks, st = gen(h, ids, n, seed)
-            return toks, st, None, task_prediction(plan, task, key, pred)
+            ctx = run_context(len(ids), len(toks))
+            pred = predicted_latency(plan, hierarchy, ctx)
+            return toks, st, None, task_prediction(plan, task, key, pred, ctx), prediction_context(plan, ctx)
 
         runners[name] = run
         desc[name] = {"hierarchy": list(hierarchy), "budgets": list(budgets)}
@@ -177,16 +185,17 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
             hsd(hh, bb)
 
         def run(ids, n, seed, task):
-            hh, bb, pred, which = plan_for_prompt(plan, task)
+            hh, bb, _, which = plan_for_prompt(plan, task)
             toks, st = gen(hsd(hh, bb), ids, n, seed)
-            return toks, st, which, pred
+            ctx = run_context(len(ids), len(toks))
+            return toks, st, which, plan_for_prompt(plan, task, context=ctx)[2], prediction_context(plan, ctx)
 
         runners["hsd_task"] = run
         desc["hsd_task"] = {"plans": plans}
 
     def hf(name, **kw):
         runners[name] = lambda ids, n, seed, task: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw),
-                                                    None, None, None)
+                                                    None, None, None, None)
 
     for m in methods:
         if m == "hf_ar":
@@ -229,9 +238,10 @@ def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, ma
     for k, _ in enumerate(user_turns(item, turns)):
         ids = conversation_ids(tokenizer, item.turns, answers, raw)
         t0 = time.perf_counter()
-        toks, st, which, pred = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item.task)
+        toks, st, which, pred, at = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item.task)
         dt = time.perf_counter() - t0
-        out.append(Generation(item.index, k, item.task, item.category, toks, dt, st, which, pred))
+        out.append(Generation(item.index, k, item.task, item.category, toks, dt, st, which, pred,
+                              run_context(len(ids), len(toks)), at))
         answers.append(tokenizer.decode(toks, skip_special_tokens=True))
     return out
 
@@ -313,7 +323,10 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     report["max_new_tokens"] = max_new_tokens
     report["mode"] = mode
     report["plan"] = {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
-                      "expected_latency": plan.expected_latency, "tasks": plan.tasks}
+                      "expected_latency": plan.expected_latency, "tasks": plan.tasks,
+                      "context": plan.extra.get("context")}
+    report["prediction_context"] = ("each generation's own: prompt + half the generated tokens"
+                                    if predicts_by_context(plan) else "the plan's")
     report["torch_threads"] = torch.get_num_threads()
     return report
 

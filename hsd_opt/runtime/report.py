@@ -1,9 +1,10 @@
 """Adding up generations into the figures ``hsd bench`` and ``hsd run`` report, overall and per task.
 
 A :class:`Generation` is one call of a method on one turn of one prompt. :class:`Totals` holds sums only (tokens,
-seconds, decode seconds, target calls, per-level counters, predicted seconds weighted by tokens), so the totals of
-the tasks add up exactly to the overall ones; every rate (tokens/s, ms/token, tokens per target call, acceptance
-per level, predicted ms/token) is derived from the sums by :meth:`Totals.to_dict`.
+seconds, decode seconds, target calls, per-level counters, predicted seconds and contexts weighted by tokens), so
+the totals of the tasks add up exactly to the overall ones; every rate (tokens/s, ms/token, tokens per target call,
+acceptance per level, predicted ms/token, the mean context and the context predicted at) is derived from the sums
+by :meth:`Totals.to_dict`.
 
 Units: seconds (wall time), tokens.
 """
@@ -20,8 +21,10 @@ from hsd_opt.runtime.decode import LevelStats, add_levels
 class Generation:
     """One generation: ``item`` (index of the prompt in its file), ``turn`` (0-based), the prompt's ``task`` and
     ``category``, the generated ``token_ids``, wall ``seconds`` (prefill included), our runtime's ``stats``
-    (None for Hugging Face methods), the plan it ran (``"plan"``, ``"by_task.<task>"``; None when not a plan)
-    and the plan's ``predicted`` seconds per token for it (None when unknown)."""
+    (None for Hugging Face methods), the plan it ran (``"plan"``, ``"by_task.<task>"``; None when not a plan),
+    the plan's ``predicted`` seconds per token for it (None when unknown), its ``context`` (tokens: the prompt
+    plus half the generated tokens) and the context the prediction was taken at (``predicted_at``: the
+    generation's own for a plan with costs at several contexts, else the plan's; None when unknown)."""
 
     item: int
     turn: int
@@ -32,6 +35,8 @@ class Generation:
     stats: dict[str, Any] | None = None
     plan: str | None = None
     predicted: float | None = None
+    context: float | None = None
+    predicted_at: float | None = None
 
     def key(self, by: str = "group") -> str:
         return self.category if by == "category" else self.task
@@ -55,6 +60,10 @@ class Totals:
     plans: set = field(default_factory=set)
     predicted_seconds: float = 0.0        # sum of predicted seconds/token x tokens
     unpredicted: int = 0                  # generations without a prediction
+    context_tokens: float = 0.0           # sum of context x tokens (generations with a context)
+    context_weight: int = 0               # tokens of the generations with a context
+    predicted_at_tokens: float = 0.0      # sum of the prediction's context x tokens
+    predicted_at_unknown: int = 0         # generations with a prediction but no context for it
 
     def add(self, g: Generation) -> "Totals":
         self.items.add(g.item)
@@ -68,6 +77,13 @@ class Totals:
             self.unpredicted += 1
         else:
             self.predicted_seconds += g.predicted * n
+            if g.predicted_at is None:
+                self.predicted_at_unknown += 1
+            else:
+                self.predicted_at_tokens += g.predicted_at * n
+        if g.context is not None:
+            self.context_tokens += g.context * n
+            self.context_weight += n
         if g.stats is not None:
             self.ours = True
             self.decode_seconds += g.stats["decode_seconds"]
@@ -89,7 +105,7 @@ class Totals:
         """Add ``other``'s sums into these (what the overall figures are: the sum of the tasks')."""
         self.items |= other.items
         for k in ("generations", "tokens", "seconds", "decode_seconds", "target_calls", "predicted_seconds",
-                  "unpredicted"):
+                  "unpredicted", "context_tokens", "context_weight", "predicted_at_tokens", "predicted_at_unknown"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.ours |= other.ours
         self.plans |= other.plans
@@ -104,6 +120,8 @@ class Totals:
         n, s = self.tokens, self.seconds
         d: dict[str, Any] = {"prompts": len(self.items), "generations": self.generations, "tokens": n,
                              "seconds": s, "tokens_per_s": n / s if s else None}
+        if self.context_weight:
+            d["mean_context"] = self.context_tokens / self.context_weight
         if self.ours:
             d["decode_seconds"] = self.decode_seconds
             d["seconds_per_token"] = self.decode_seconds / n if n else None
@@ -113,6 +131,8 @@ class Totals:
                 d["levels"] = [lv.to_dict() for lv in self.levels]
             pr = self.predicted_seconds / n if n and not self.unpredicted else None
             d["predicted_seconds_per_token"] = pr
+            d["predicted_at_context"] = (self.predicted_at_tokens / n if pr is not None and not
+                                         self.predicted_at_unknown else None)
             if pr and d["seconds_per_token"]:
                 d["measured_over_predicted"] = d["seconds_per_token"] / pr
         if self.plans:

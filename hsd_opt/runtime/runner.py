@@ -18,6 +18,7 @@ from typing import Sequence
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.solver.context import latency_at
 
 MODEL_KINDS = ("target", "early_exit")
 
@@ -177,33 +178,68 @@ def hsd_for_plan(plan, loaded, lm=None, mode: str = "exact", source: str = "plan
     return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
 
 
-def predicted_latency(plan, hierarchy: Sequence[str]) -> float | None:
-    """The plan's predicted seconds/token for ``hierarchy`` (the plan itself, a baseline, or an alternative)."""
+def run_context(prompt_tokens: int, generated: int) -> float:
+    """The context (tokens) a generation's prediction is taken at: the prompt plus half the generated tokens. It
+    decodes at contexts ``prompt .. prompt + generated - 1``, and costs are linear in the context, so its mean cost
+    per token is the cost at this context (`docs/design.md#costs-that-depend-on-the-context`)."""
+    return float(prompt_tokens) + generated / 2.0
+
+
+def predicts_by_context(plan) -> bool:
+    """Whether the plan's predictions depend on the context (it was solved from costs at several contexts and
+    carries ``latency_by_context`` tables)."""
+    return plan.extra.get("latency_by_context") is not None
+
+
+def prediction_context(plan, context: float | None) -> float | None:
+    """The context a prediction for a run at ``context`` is taken at: ``context`` for a plan whose predictions
+    depend on it, else the context the plan was solved for (None when the plan does not record one)."""
+    return context if context is not None and predicts_by_context(plan) else plan.extra.get("context")
+
+
+def _at(entry: dict, latency, context: float | None) -> float | None:
+    """``latency`` (an entry's ``expected_latency``), or its ``latency_by_context`` table at ``context``."""
+    table = entry.get("latency_by_context") if isinstance(entry, dict) else None
+    if context is not None and table:
+        return latency_at(table, context)
+    return None if latency is None else float(latency)
+
+
+def predicted_latency(plan, hierarchy: Sequence[str], context: float | None = None) -> float | None:
+    """The plan's predicted seconds/token for ``hierarchy`` (the plan itself, a baseline, or an alternative), at
+    ``context`` tokens when the plan has ``latency_by_context`` tables (None: at the plan's own context)."""
     if list(hierarchy) == list(plan.hierarchy):
-        return plan.expected_latency
+        return _at(plan.extra, plan.expected_latency, context)
     cands = list(plan.baselines.values()) + list(plan.extra.get("alternatives") or [])
     for c in cands:
         if isinstance(c, dict) and list(c.get("hierarchy") or []) == list(hierarchy):
-            return c.get("expected_latency")
+            return _at(c, c.get("expected_latency"), context)
     return None
 
 
-def task_prediction(plan, task: str | None, key: str | None, fallback: float | None) -> float | None:
+def task_prediction(plan, task: str | None, key: str | None, fallback: float | None,
+                    context: float | None = None) -> float | None:
     """The plan's predicted seconds/token on prompts of ``task`` for one of its overall hierarchies (``key``:
     ``"plan"`` or a baseline's name): ``by_task[task].overall_hierarchies[key]`` when the plan has plans per task
-    and one for ``task`` (the hierarchy's latency under that task's acceptance), else ``fallback``."""
+    and one for ``task`` (the hierarchy's latency under that task's acceptance; at ``context`` tokens from
+    ``overall_hierarchies_by_context`` when the plan has it), else ``fallback``."""
     e = (plan.extra.get("by_task") or {}).get(task) or {} if task is not None else {}
     v = (e.get("overall_hierarchies") or {}).get(key) if key else None
-    return float(v) if v is not None else fallback
+    if v is None:
+        return fallback
+    table = (e.get("overall_hierarchies_by_context") or {}).get(key)
+    return _at({"latency_by_context": table}, v, context)
 
 
-def plan_for_prompt(plan, task: str | None, per_task: bool = True) -> tuple[list[str], list[int], float, str]:
+def plan_for_prompt(plan, task: str | None, per_task: bool = True,
+                    context: float | None = None) -> tuple[list[str], list[int], float, str]:
     """``(hierarchy, budgets, predicted seconds/token, which)`` to run a prompt of ``task`` with: its task's plan
     (``which = "by_task.<task>"``) when ``per_task`` and the plan has one, else the plan itself (``"plan"``),
-    predicted for that task when the plan knows it (:func:`task_prediction`)."""
+    predicted for that task when the plan knows it (:func:`task_prediction`), at ``context`` tokens when the
+    plan's predictions depend on the context (None: at the plan's own contexts)."""
     if per_task:
         h, b, pred, which = plan.for_task(task)
         if which != "plan":
-            return h, b, pred, which
+            return h, b, _at(plan.extra["by_task"][task], pred, context), which
     return (list(plan.hierarchy), list(plan.budgets),
-            task_prediction(plan, task, "plan", plan.expected_latency), "plan")
+            task_prediction(plan, task, "plan", _at(plan.extra, plan.expected_latency, context), context), "plan")
