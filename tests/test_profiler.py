@@ -195,7 +195,7 @@ def full_run(tiny, tmp_path_factory):
     try:
         r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
                   "--max-new-tokens", "8", "--draft-model", str(tiny["copy"]), "--token-drafters",
-                  "ngram,lookup,bigram,aded", "--device", "cpu"] + FAST)
+                  "ngram,lookup,bigram,aded", "--device", "cpu", "--cost-contexts", "600,8"] + FAST)
     finally:
         torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
@@ -242,8 +242,44 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     assert sum(rates[t] * pos[t] for t in pos) == pytest.approx(                # (a rate's floor is 1e-6)
         prof.entry("lookup").draft_rate * sum(pos.values()), abs=1e-4)
     assert "ci95" in prof.extra and "greedy_agreement" in prof.extra and "counts" in prof.extra
+    # prompts and their lengths per task (each task's typical context) add up to the totals
+    assert sum(pv["prompts_by_task"].values()) == pv["prompt_count"] == 5
+    assert sum(pv["prompt_tokens_by_task"].values()) == pv["prompt_tokens"]
+    assert set(pv["prompt_tokens_by_task"]) == set(pos)
     r = _cli(["solve", "--profile", str(full_run), "--tmax", "3"])
     assert r.exit_code == 0, r.output
+
+
+def test_profile_records_costs_at_every_context(full_run):
+    """``--cost-contexts 600,8`` on a model of 512 positions: costs at 8 and at the longest context that fits a pass
+    of tmax + 1 = 4 tokens (507), for every model and pair, non-decreasing in t and in the context; the top-level
+    costs are the first context's (token drafters: their mean over the profiled positions)."""
+    prof, _ = load_profile(full_run)
+    pv = prof.extra["provenance"]
+    assert prof.contexts == [8, 507] and pv["cost_contexts"] == {"requested": [8, 600], "measured": [8, 507]}
+    first, last = prof.context_costs
+    assert set(first.cost) == set(prof.names)                            # every model, token drafters included
+    assert set(first.cost_curve) == {m.name for m in prof.models if m.can_verify}
+    assert first.verify_cost == prof.verify_cost and first.cost_curve == prof.cost_curve
+    for m in prof.models:
+        if m.can_verify:
+            assert m.cost == first.cost[m.name] == first.cost_curve[m.name][0]
+            for e in (first, last):                                      # non-decreasing in t ...
+                assert e.cost_curve[m.name] == sorted(e.cost_curve[m.name])
+            assert all(a <= b for a, b in zip(first.cost_curve[m.name], last.cost_curve[m.name]))  # ... and context
+        assert first.cost[m.name] <= last.cost[m.name]
+    pairs = [(v, d) for v, row in first.verify_cost.items() for d in row]
+    assert ("layer4", "layer1") in pairs and ("layer3", "layer2") in pairs
+    for v, d in pairs:
+        assert all(a <= b for a, b in zip(first.verify_cost[v][d], last.verify_cost[v][d]))
+        assert len(last.verify_cost[v][d]) == 4
+    # the solver takes them at the profile's typical context: mean prompt + half the mean generation
+    ctx = round((pv["prompt_tokens"] + pv["generated_tokens"] / 2) / pv["prompt_count"])
+    r = _cli(["solve", "--profile", str(full_run), "--tmax", "3", "--out", str(full_run.with_name("plan.json"))])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(full_run.with_name("plan.json").read_text())
+    assert plan["context"] == ctx and plan["context_from"] == "profile_prompts"
+    assert [c for c, _ in plan["latency_by_context"]] == [8, 507]
 
 
 def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
@@ -386,6 +422,8 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--temperature", "1",
                      "--top-p", "0"])
     cases.append((r, "--top-p: expected a value in (0, 1]"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--cost-contexts", "64,x"])
+    cases.append((r, "--cost-contexts: expected context lengths in tokens"))
     for r, needle in cases:
         text = " ".join(r.output.split())
         assert r.exit_code == 2, (needle, r.output)
@@ -464,8 +502,8 @@ def test_verify_curve_runs_lower_layers_on_the_last_draft():
     from hsd_opt.profiler.costs import LayerCosts
     from tests.helpers import make_tiny_llama
 
-    layer = [[1.0 * (l + 1) * t for t in range(1, 5)] for l in range(4)]  # layer l on t tokens: (l+1)*t s
-    lc = LayerCosts(step={}, layer=layer, base=[0.0] * 4, head={-1: [0.5] * 4})
+    seg = {b: [1.0 * b * t for t in range(1, 5)] for b in range(1, 5)}  # advance to b (layer b-1) on t tokens: b*t s
+    lc = LayerCosts(context=64, n_layers=4, seg=seg, head={-1: [0.5] * 4})
     curve = lc.verify_curve(1, 4, 4)
     assert curve[0] == pytest.approx((2 + 3 + 4) * 1 + 0.5)            # t = 1: no draft, x0 already at layer 1
     assert curve[2] == pytest.approx(1 * 1 + (2 + 3 + 4) * 3 + 0.5)    # t = 3: layer 0 on the last draft only
@@ -478,27 +516,65 @@ def test_verify_curve_runs_lower_layers_on_the_last_draft():
         eng.advance(st, 1)
         eng.append(st, [d])
     assert eng.advance(st, 4) == 1 * 1 + 3 * 3  # layer 0 on the last draft, layers 1..3 on three positions
-    # with a direct whole-model measurement, the target's curve is that measurement and verify curves into it
-    # are scaled by measured / per-layer sum at each t
+    # with a direct whole-model measurement, the target's curve is that measurement, and every other curve (exits,
+    # verify passes) is its segment sum scaled by measured / summed over the whole model at each t
     lc.full = [20.0, 30.0, 40.0, 50.0]
     assert lc.curve(4, 4) == [20.0, 30.0, 40.0, 50.0] and lc.step_cost(4) == 20.0
-    model = [0.5 + 10.0 * t for t in range(1, 5)]
-    assert lc.verify_curve(1, 4, 4)[2] == pytest.approx(curve[2] * 40.0 / model[2])
-    assert lc.curve(2, 4) == [0.5 + 3.0 * t for t in range(1, 5)]    # exits keep the per-layer model
+    whole = [0.5 + 10.0 * t for t in range(1, 5)]
+    assert lc.verify_curve(1, 4, 4)[2] == pytest.approx(curve[2] * 40.0 / whole[2])
+    assert lc.curve(2, 4) == pytest.approx([(0.5 + 3.0 * t) * f / w for t, f, w in zip(range(1, 5), lc.full, whole)])
 
 
 @pytest.mark.slow
-def test_measure_costs_times_the_whole_model_at_every_t():
+def test_measure_costs_times_every_context_through_the_engine():
+    """Costs at two contexts, timed through the engine's public calls: one result per context, the whole model
+    timed directly at the first, every curve non-decreasing in t; the progress callback fires as often as
+    ``measure_steps`` says (the profiler's progress bar total)."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.profiler.costs import measure_costs
+    from hsd_opt.profiler.costs import measure_costs, measure_steps
     from tests.helpers import make_tiny_llama
 
-    lc = measure_costs(LayeredLM(make_tiny_llama(seed=7)), [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1)
-    assert len(lc.full) == 4 and all(x > 0 for x in lc.full)
-    assert lc.curve(4, 4) == lc.full
-    assert all(a <= b for a, b in zip(lc.full, lc.full[1:]))            # isotonic: never cheaper for more t
-    assert all(a <= b for row in lc.layer for a, b in zip(row, row[1:]))
-    assert set(lc.check["measured"]) == {"1", "2", "4"}                   # the raw medians, kept as a check
+    steps: list[str] = []
+    eng = LayeredLM(make_tiny_llama(seed=7))
+    lcs = measure_costs(eng, [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[300, 8],
+                        on_step=steps.append)
+    assert [lc.context for lc in lcs] == [8, 300]
+    assert len(steps) == measure_steps([8, 300], 2, tmax=3, repeats=1, warmup=0, curve_repeats=1)
+    assert any("prefill 300/300" in s for s in steps)
+    first, second = lcs
+    assert len(first.full) == 4 and all(x > 0 for x in first.full)
+    assert first.curve(4, 4) == first.full and second.curve(4, 4) == second.full
+    assert set(first.check["measured"]) == {"1", "2", "4"} and first.step   # the raw medians, kept as a check
+    for lc in lcs:
+        for b in (1, 4):
+            assert lc.seg[b] == sorted(lc.seg[b]) and len(lc.seg[b]) == 4      # isotonic: never cheaper for more t
+        assert lc.full == sorted(lc.full)
+        assert lc.verify_curve(1, 4, 4)[1] <= lc.curve(4, 4)[1]             # activation reuse: layer 0 on one
+
+
+def test_monotone_in_context_keeps_the_order_in_t():
+    from hsd_opt.profiler.costs import monotone_in_context
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        k, n = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        fit = monotone_in_context(rng.uniform(0.1, 1.0, (k, n)).tolist())
+        assert all(row == sorted(row) for row in fit)                          # non-decreasing in t
+        assert all(fit[i][t] <= fit[i + 1][t] for i in range(k - 1) for t in range(n))   # and in the context
+    assert monotone_in_context([[1.0, 3.0], [2.0, 2.0]]) == [[1.0, 2.5], [2.0, 2.5]]
+
+
+def test_cost_contexts_flag_parsing_and_the_models_positions():
+    from hsd_opt.profiler.costs import fit_contexts, parse_contexts, t_grid
+
+    assert parse_contexts("2048, 64,512,64") == [64, 512, 2048]
+    for bad in ("", "64,x", "0", "64,-5", "1.5"):
+        with pytest.raises(HsdError, match="--cost-contexts"):
+            parse_contexts(bad)
+    assert fit_contexts([64, 512, 2048], 8192, 15) == [64, 512, 2048]
+    assert fit_contexts([64, 512, 2048], 1024, 15) == [64, 512, 1007]       # lowered to the longest that fits
+    assert fit_contexts([600, 2048], 512, 3) == [507] and fit_contexts([9], None, 3) == [9]
+    assert t_grid(16) == [1, 2, 4, 8, 16] and t_grid(4) == [1, 2, 4] and t_grid(1) == [1] and t_grid(6) == [1, 2, 4, 6]
 
 
 def test_isotonic_fit():

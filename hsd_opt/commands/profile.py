@@ -85,6 +85,10 @@ def profile_cmd(
     resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial.json."),
     tmax: int = typer.Option(15, "--tmax", help="Cost curves cover t = 1..tmax+1 tokens."),
     cost_repeats: int = typer.Option(5, "--cost-repeats", help="Timed repeats per cost (median)."),
+    cost_contexts: str = typer.Option("64,512,2048", "--cost-contexts",
+                                      help="Context lengths (tokens in the KV cache) to measure the costs at, "
+                                           "comma-separated; longer ones than the model holds are lowered to "
+                                           "the longest that fits. The solver interpolates between them."),
     shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                               "(merge the shards with hsd profile merge)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
@@ -97,6 +101,7 @@ def profile_cmd(
     if ctx.invoked_subcommand is not None:
         return
     from hsd_opt.errors import HsdError
+    from hsd_opt.profiler.costs import parse_contexts
     from hsd_opt.profiler.dist import dist_info
     from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
     from hsd_opt.profiler.run import ProfileConfig, parse_shard, run_profile
@@ -105,6 +110,7 @@ def profile_cmd(
         raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
     if out is None:
         raise HsdError("--out is required: where to write the profile JSON")
+    contexts = tuple(parse_contexts(cost_contexts))
     if token_drafters is not None:
         names = [] if token_drafters.strip().lower() == "none" else \
             [x.strip() for x in token_drafters.split(",") if x.strip()]
@@ -129,7 +135,8 @@ def profile_cmd(
                         quantized=quantized,
                         token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
-                        resume=resume, tmax=tmax, cost_repeats=cost_repeats, shard=parse_shard(shard),
+                        resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
+                        shard=parse_shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)
     try:
         prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)

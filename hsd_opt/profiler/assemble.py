@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import ModelEntry, Profile
+from hsd_opt.formats import ContextCosts, ModelEntry, Profile
 from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
@@ -32,6 +32,17 @@ def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float |
         if calls <= 0:
             return None
     return min(1.0, max(1e-6, stats.proposals(token, task) / calls))
+
+
+def prompts_by_task(stats: PairStats) -> tuple[dict[str, int], dict[str, int]]:
+    """``(prompts, prompt tokens)`` per task, from the counters ``prompts.<task>`` and ``prompt_tokens.<task>``;
+    a task whose counters were not recorded (profiles made before they were) is left out of both."""
+    n, p = {}, {}
+    for t in stats.tasks:
+        a, b = stats.counters.get(f"prompts.{t}"), stats.counters.get(f"prompt_tokens.{t}")
+        if a is not None and b is not None:
+            n[t], p[t] = int(a), int(b)
+    return n, p
 
 
 def positions_by_task(stats: PairStats) -> dict[str, int]:
@@ -96,14 +107,44 @@ def quantization_entry(qeng) -> dict[str, Any]:
             "weight_bytes": qeng.weight_bytes()}
 
 
-def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
-                  target_name: str) -> Profile:
+def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
+                  token_costs: dict[str, list[float]] | None = None) -> list[ContextCosts]:
+    """Every model's step cost, cost curve and verify curves at each measured context, non-decreasing in t and
+    in the context (:func:`~hsd_opt.profiler.costs.monotone_in_context`). ``lcs[id(engine)]`` is the list of
+    :class:`~hsd_opt.profiler.costs.LayerCosts` of an engine, one per context (the same contexts for every
+    engine); ``token_costs[name]`` a token drafter's seconds per ``propose`` at each context."""
+    from hsd_opt.profiler.costs import isotonic, monotone_in_context
+
     tmax1 = tmax + 1
+    per = next(iter(lcs.values()))
+    contexts = [lc.context for lc in per]
+    curves = {nd.name: monotone_in_context([lc.curve(nd.boundary, tmax1) for lc in lcs[id(nd.engine)]])
+              for nd in neural}
+    verify = {(nv.name, nd.name): monotone_in_context([lc.verify_curve(nd.boundary, nv.boundary, tmax1)
+                                                       for lc in lcs[id(nv.engine)]])
+              for nv in neural for nd in neural if nd.engine is nv.engine and nd.boundary < nv.boundary}
+    tok = {n: isotonic(v) for n, v in (token_costs or {}).items()}
+    out = []
+    for k, c in enumerate(contexts):
+        cost = {n: max(cv[k][0], 1e-9) for n, cv in curves.items()}
+        cost.update({n: max(v[k], 1e-9) for n, v in tok.items()})
+        vc: dict[str, dict[str, float | list[float]]] = {}
+        for (v, d), cv in verify.items():
+            vc.setdefault(v, {})[d] = [max(x, 1e-9) for x in cv[k]]
+        out.append(ContextCosts(c, cost, {n: [max(x, 1e-9) for x in cv[k]] for n, cv in curves.items()}, vc))
+    return out
+
+
+def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
+                  target_name: str, token_costs: dict[str, list[float]] | None = None) -> Profile:
+    """The profile from the sums and the costs (:func:`context_costs`). The top-level costs are those of the
+    first (shortest) context, a token drafter's its mean ``propose`` time over the profiled positions; the costs
+    at every context are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
+    cc = context_costs(neural, lcs, tmax, token_costs)
+    first = cc[0]
     entries: list[ModelEntry] = []
-    cost_curve: dict[str, list[float]] = {}
-    verify_cost: dict[str, dict[str, list[float]]] = {}
     for nd in neural:
-        lc = lcs[id(nd.engine)]
+        lc = lcs[id(nd.engine)][0]
         extra: dict[str, Any] = {}
         if nd.kind == "model":
             extra["model"] = nd.model_id
@@ -111,14 +152,8 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
             extra["quantization"] = quantization_entry(nd.engine)
         if nd.boundary in lc.step:
             extra["step_measured"] = lc.step[nd.boundary]
-        entries.append(ModelEntry(nd.name, nd.kind, max(lc.step_cost(nd.boundary), 1e-9), True,
+        entries.append(ModelEntry(nd.name, nd.kind, first.cost[nd.name], True,
                                   nd.boundary if nd.kind not in ("model", "quantized") else None, extra))
-        cost_curve[nd.name] = [max(x, 1e-9) for x in lc.curve(nd.boundary, tmax1)]
-    for nv in neural:
-        for nd in neural:
-            if nd.engine is nv.engine and nd.boundary < nv.boundary:
-                verify_cost.setdefault(nv.name, {})[nd.name] = [
-                    max(x, 1e-9) for x in lcs[id(nv.engine)].verify_curve(nd.boundary, nv.boundary, tmax1)]
     for d in tds:
         calls = stats.counters.get(f"propose_calls.{d.name}", 0.0)
         secs = stats.counters.get(f"propose_seconds.{d.name}", 0.0)
@@ -131,7 +166,7 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
     extra = {k: v for k, v in res.items() if k != "acceptance"}
     extra["stats"] = stats.to_dict()
-    return Profile(target_name, entries, res["acceptance"], verify_cost, cost_curve, extra)
+    return Profile(target_name, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra, cc)
 
 
 def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> Profile:
@@ -188,5 +223,13 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "prompt_tokens": int(stats.counters.get("prompt_tokens", 0)),
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
                  "positions_by_task": positions_by_task(stats), "costs_from": str(p0)})
+    # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
+    complete = all(set(prompts_by_task(PairStats.from_dict(pr.extra["stats"]))[0]) ==
+                   set(PairStats.from_dict(pr.extra["stats"]).tasks) for _, pr in profs)
+    for key, v in zip(("prompts_by_task", "prompt_tokens_by_task"), prompts_by_task(stats)):
+        prov.pop(key, None)
+        if v and complete:
+            prov[key] = v
     extra["provenance"] = prov
-    return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra)
+    return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra,
+                   first.context_costs)

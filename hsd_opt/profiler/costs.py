@@ -1,33 +1,34 @@
-"""Measured costs of a layered model's exits (seconds, wall time, median over repeats after warm-up).
+"""Measured costs of a layered model's exits at several context lengths (seconds, wall time, medians over repeats
+after warm-up); `docs/design.md#the-cost-model`.
 
-Three things are measured on one :class:`~hsd_opt.engine.layered.LayeredLM` with a warm KV cache over a
-context of ``context_len`` tokens:
+Everything is timed through the engine's public API, the calls the runtime makes: ``new_state``, ``append``,
+``advance``, ``logits``, ``crop`` (and a token drafter's ``propose``), so whatever path the engine takes inside is
+what gets timed. For each context length ``c`` (tokens already in the KV cache) one decoding state is prefilled
+with ``c`` tokens; then, on ``t`` new tokens:
 
-1. a direct **step time** of a few exits (target, quartiles): append one token, ``advance(state, b)``
-   (layers ``0 .. b-1`` on that token) and the exit head at ``b``; crop back; repeat; median. Kept as a check
-   (``step_measured`` in the model entries) of the per-layer model, whose t = 1 value is the ``cost``.
-2. **per-layer timings** ``layer[l][t]`` of decoder layer ``l`` on ``t`` new tokens (t = 1..tmax+1), plus
-   ``base[t]`` (embedding + rotary tables) and ``head_b[t]`` (the exit head of boundary ``b`` on t rows; one
-   shared timing when every exit uses the model's own final norm + LM head). These are the very calls
-   ``advance`` makes, timed one by one.
-   Each timing is made non-decreasing in t by an isotonic (least-squares) fit: dips are timing noise.
-3. From (2), by summation (the **per-layer cost model**):
+1. a direct **step time** of a few exits (target, quartiles) at the first context: append one token,
+   ``advance(state, b)``, ``logits`` at ``b``; crop back; median. Kept as a check (``step_measured``).
+2. **segment timings** ``seg[b][t]``: append t tokens, then ``advance(state, b)`` for every exit boundary ``b`` in
+   increasing order, each call timed on its own (it runs layers ``b_prev .. b-1`` on the t positions; the first
+   also the embedding), then ``logits`` of each distinct exit head on t rows (``head[b][t]``; one shared timing
+   when the exits use the model's own final norm and LM head). Rounds go over every context and every t (not all
+   repeats of one in a row), so a slow spell of a shared machine hits them alike. The first context is timed at
+   every t = 1..tmax+1; the others on a grid of t (1, 2, 4, ..., tmax+1), their difference to the first context
+   interpolated linearly in t in between (attention over the cache adds a smooth amount per position; the
+   shape of the curve over t, steps where kernels change tiles, is the first context's).
+3. the **whole model** over t = 1..tmax+1 tokens, timed directly at the first context (``2 x repeats`` rounds,
+   each timed pass right after an untimed pass of the same size, as a drafter's passes come): the cost curve of
+   the last layer, i.e. of the target's verify pass and of a separate draft model or quantized copy. At another
+   context it is the first context's plus the sum of the segments' differences.
+4. From these, per context (:class:`LayerCosts`): ``curve(b)``, one pass of exit ``b`` over t tokens, is the sum
+   of the segments up to ``b`` plus its head; ``verify_curve(a, b)``, exit ``b`` verifying drafts of exit ``a < b``
+   (activation reuse: the drafting ran layers ``0 .. a-1`` on every draft but the last), the segments above ``a``
+   on t positions, those up to ``a`` on one, and the head. Every sum is scaled at each t by the whole model's
+   direct timing over its own sum: each segment was one ``advance`` call, so a sum over k segments pays the call's
+   fixed work k times where the runtime's one call pays it once (and misses effects of a whole pass).
 
-   - ``cost[b] = base[1] + sum_{l < b} layer[l][1] + head_b[1]``: one decode step of exit ``b`` (monotone in b);
-   - ``cost_curve[b][t-1] = base[t] + sum_{l < b} layer[l][t] + head_b[t]``: one pass of exit ``b`` over t
-     tokens (verifying t - 1 drafts plus the bonus token);
-   - ``verify_cost[b][a][t-1] = base[t] + [t >= 2] sum_{l < a} layer[l][1] + sum_{a <= l < b} layer[l][t]
-     + head_b[t]`` for exits ``a < b``: exit ``b`` verifying ``t - 1`` drafts of exit ``a`` with activation
-     reuse. Drafting ran layers ``0 .. a-1`` on the token before the block and on every draft but the last
-     (the drafter never feeds its own last draft back in), so the verify pass runs layers ``a .. b-1`` on all
-     ``t`` positions and layers ``0 .. a-1`` on the last draft alone.
-
-   Timing all ~n²/2 pairs directly would take minutes; the model needs n x (tmax+1) layer timings.
-4. The **whole model** over t = 1..tmax+1 tokens, timed directly (``2 x repeats`` rounds: a draft model's step
-   cost is multiplied by its budget in every round, so its noise matters most; each timed pass follows an
-   untimed pass of the same size, as a drafter's passes do in the runtime): the cost curve (and step cost)
-   of the last layer, i.e. of the target's verify pass and of a separate draft model, where per-layer sums underestimate
-   long passes; the per-layer model's figures for it are kept as a check (``cost_model_check`` in the profile).
+Every timing series is made non-decreasing in t by an isotonic least-squares fit (dips are noise), and
+:func:`monotone_in_context` makes the figures non-decreasing in the context as well.
 """
 
 from __future__ import annotations
@@ -35,9 +36,17 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
+
+from hsd_opt.errors import HsdError
+
+#: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
+DEFAULT_CONTEXTS = (64, 512, 2048)
+#: Tokens appended per ``advance`` call when a state is prefilled (progress is reported after each).
+PREFILL_CHUNK = 256
 
 
 def _now() -> float:
@@ -46,59 +55,109 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def parse_contexts(spec: str | Sequence[int]) -> list[int]:
+    """``"64,512,2048"`` (or a sequence of ints) -> sorted distinct context lengths >= 1; :class:`HsdError`
+    naming ``--cost-contexts`` otherwise."""
+    parts = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
+    out = set()
+    for p in parts:
+        try:
+            c = int(p)
+        except (TypeError, ValueError):
+            c = 0
+        if c < 1 or str(p).strip() in ("", "True", "False"):
+            raise HsdError(f"--cost-contexts: expected context lengths in tokens (integers >= 1, comma-separated, "
+                           f"e.g. 64,512,2048), got {spec!r}")
+        out.add(c)
+    if not out:
+        raise HsdError("--cost-contexts: expected at least one context length")
+    return sorted(out)
+
+
+def fit_contexts(contexts: Sequence[int], max_positions: int | None, tmax: int) -> list[int]:
+    """The contexts that fit in ``max_positions`` (the model's) with a pass of ``tmax + 1`` tokens after them:
+    longer ones are lowered to the longest that fits (then duplicates dropped), sorted."""
+    if not max_positions:
+        return sorted(set(int(c) for c in contexts))
+    cap = int(max_positions) - (int(tmax) + 2)
+    if cap < 1:
+        raise HsdError(f"--tmax {tmax}: a pass over tmax + 1 tokens does not fit in the model's {max_positions} "
+                       f"positions")
+    return sorted({min(int(c), cap) for c in contexts})
+
+
+def t_grid(tmax1: int) -> list[int]:
+    """Pass sizes timed at the contexts after the first: 1, 2, 4, ... up to ``tmax1``, and ``tmax1``."""
+    out, t = [], 1
+    while t < tmax1:
+        out.append(t)
+        t *= 2
+    return out + [tmax1]
+
+
 @dataclass
 class LayerCosts:
-    """Result of :func:`measure_costs` for one layered model (all seconds)."""
+    """The timings of one layered model at one context (all seconds), and the cost model built on them.
 
-    step: dict[int, float]                      # boundary -> directly measured decode step (a few exits)
-    layer: list[list[float]]                    # layer[l][t-1]
-    base: list[float]                           # base[t-1]: embedding + rotary tables
-    head: dict[int, list[float]]                # boundary -> head on t rows; key -1 = shared default head
+    Attributes:
+        context: tokens in the KV cache when the passes ran.
+        n_layers: the model's decoder layers (the boundary of the whole model).
+        seg: boundary ``b`` -> ``[s_1, ..., s_tmax1]``: ``advance`` to ``b`` right after the previous boundary,
+            on t new tokens (the first boundary's also embeds them).
+        head: boundary -> exit head (``logits``) on t rows; key -1: the shared head of exits without their own.
+        full: the whole model's pass over t tokens, timed directly (None: not timed).
+        step: boundary -> a directly timed decode step of that exit (a check; first context only).
+        check: the whole model's direct timings against the sum of its segments at a few t (first context only).
+    """
+
+    context: int
+    n_layers: int
+    seg: dict[int, list[float]]
+    head: dict[int, list[float]]
+    full: list[float] | None = None
+    step: dict[int, float] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
-    full: list[float] | None = None             # full[t-1]: direct median of a whole-model pass over t tokens
 
     def head_t(self, b: int, t: int) -> float:
         return (self.head.get(b) or self.head[-1])[t - 1]
 
     def step_cost(self, b: int) -> float:
-        """Seconds of one decode step (1 token, warm cache) of exit ``b``: the per-layer model at t = 1
-        (monotone in ``b`` by construction, unlike direct timings of single steps on a noisy machine)."""
+        """Seconds of one decode step (1 token, warm cache) of exit ``b``: its curve at t = 1."""
         return self.curve(b, 1)[0]
 
-    def curve(self, b: int, tmax1: int) -> list[float]:
-        """Seconds for exit ``b`` to run one pass over t = 1..tmax1 tokens: the direct measurement for the whole
-        model (``b`` = every layer) when there is one, else the per-layer model."""
-        if self._direct(b, tmax1):
-            return list(self.full[:tmax1])
-        return self._summed(b, tmax1)
-
-    def _direct(self, b: int, tmax1: int) -> bool:
-        """Whether exit ``b`` is the whole model and its pass was timed directly up to ``tmax1`` tokens."""
-        return self.full is not None and b == len(self.layer) and len(self.full) >= tmax1
-
-    def _summed(self, b: int, tmax1: int, a: int = 0) -> list[float]:
-        """The per-layer model of a pass of exit ``b`` over t = 1..tmax1 tokens; with ``a > 0``, of the pass that
-        verifies drafts of exit ``a`` (layers ``a .. b-1`` on all t positions, ``0 .. a-1`` on the last draft)."""
-        lower = sum(self.layer[l][0] for l in range(a))
-        return [self.base[t - 1] + (lower if t >= 2 else 0.0) + sum(self.layer[l][t - 1] for l in range(a, b))
+    def summed(self, b: int, tmax1: int, a: int = 0) -> list[float]:
+        """The segment sum of a pass of exit ``b`` over t = 1..tmax1 tokens; with ``a > 0`` (a boundary), of the
+        pass that verifies drafts of exit ``a``: segments above ``a`` on t positions, those up to ``a`` on the
+        last draft only (t >= 2), and the head of ``b`` on t rows. Unscaled (see :meth:`curve`)."""
+        lower = sum(s[0] for k, s in self.seg.items() if k <= a)
+        return [(lower if t >= 2 else 0.0) + sum(s[t - 1] for k, s in self.seg.items() if a < k <= b)
                 + self.head_t(b, t) for t in range(1, tmax1 + 1)]
 
+    def _scale(self, tmax1: int) -> list[float]:
+        """Per t: the whole model's direct timing over the sum of its segments (1 without a direct timing)."""
+        if self.full is None or len(self.full) < tmax1 or self.n_layers not in self.seg:
+            return [1.0] * tmax1
+        return [f / s if s > 0 else 1.0 for f, s in zip(self.full, self.summed(self.n_layers, tmax1))]
+
+    def curve(self, b: int, tmax1: int) -> list[float]:
+        """Seconds for exit ``b`` to run one pass over t = 1..tmax1 tokens: the direct timing for the whole model,
+        else the segment sum scaled to it."""
+        if b == self.n_layers and self.full is not None and len(self.full) >= tmax1:
+            return list(self.full[:tmax1])
+        return [x * f for x, f in zip(self.summed(b, tmax1), self._scale(tmax1))]
+
     def verify_curve(self, a: int, b: int, tmax1: int) -> list[float]:
-        """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse): layers
-        ``a .. b-1`` on all t positions, layers ``0 .. a-1`` on the last draft (t >= 2), the head on t rows. Into
-        the whole model (``b`` = every layer) the sum is scaled to its direct measurement over t tokens."""
-        out = self._summed(b, tmax1, a)
-        if self._direct(b, tmax1):
-            # calibrated: scaled by the whole model's directly measured / per-layer cost over the same t tokens
-            out = [x * f / m for x, f, m in zip(out, self.full, self._summed(b, tmax1))]
-        return out
+        """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse), scaled like
+        :meth:`curve`."""
+        return [x * f for x, f in zip(self.summed(b, tmax1, a), self._scale(tmax1))]
 
 
 def isotonic(xs: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to ``xs`` in least squares (pool adjacent violators).
 
-    A pass over more tokens does not cost less; dips in measured medians are timing noise (large on a shared
-    machine), and a solver fed them would pick budgets for a verify pass that only looked cheap."""
+    A pass over more tokens (or at a longer context) does not cost less; dips in measured medians are timing
+    noise (large on a shared machine), and a solver fed them would pick budgets for a pass that only looked
+    cheap."""
     blocks: list[list[float]] = []  # [mean, weight]
     for x in xs:
         blocks.append([float(x), 1.0])
@@ -112,122 +171,208 @@ def isotonic(xs: Sequence[float]) -> list[float]:
     return out
 
 
+def monotone_in_context(curves: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``curves[k]`` (seconds over t = 1..n at the k-th context, increasing contexts) made non-decreasing in t,
+    then at every t non-decreasing in the context. The second fit keeps the first: isotonic regression is
+    order-preserving (``x <= y`` pointwise gives ``fit(x) <= fit(y)``), so columns that were ordered stay so."""
+    rows = [isotonic(c) for c in curves]
+    if not rows:
+        return []
+    cols = [isotonic([r[t] for r in rows]) for t in range(len(rows[0]))]
+    return [[cols[t][k] for t in range(len(cols))] for k in range(len(rows))]
+
+
 def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=g)
 
 
+def _prefill(eng, st, ids: torch.Tensor, n: int, step: Callable[[str], None]) -> None:
+    """Fill ``st`` with the first ``n`` of ``ids`` through every layer, :data:`PREFILL_CHUNK` tokens per call."""
+    for s in range(0, n, PREFILL_CHUNK):
+        eng.append(st, ids[s: min(n, s + PREFILL_CHUNK)])
+        eng.advance(st, eng.n_layers)
+        step(f"prefill {min(n, s + PREFILL_CHUNK)}/{n} tokens")
+
+
+def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[int, int], t: int):
+    """One pass over ``t`` new tokens as segments: ``({b: seconds of advance to b}, {key: seconds of logits})``.
+    ``heads`` maps a head key to the boundary whose ``logits`` time it. The state is cropped back after."""
+    n0 = st.n
+    eng.append(st, ids[n0:n0 + t])
+    seg = {}
+    for b in bs:
+        a = _now()
+        eng.advance(st, b)
+        seg[b] = _now() - a
+    hd = {}
+    for k, b in heads.items():
+        a = _now()
+        eng.logits(st, b, n0, n0 + t)
+        hd[k] = _now() - a
+    eng.crop(st, n0)
+    return seg, hd
+
+
+def _head_keys(eng, bs: Sequence[int]) -> dict[int, int]:
+    """Head key -> the boundary to time it at: each boundary with its own trained head, and -1 (the model's own
+    final norm and LM head, shared by the other exits) at the last boundary without one."""
+    own = getattr(eng, "exit_heads", {}) or {}
+    keys = {b: b for b in bs if b in own}
+    shared = [b for b in bs if b not in own]
+    if shared:
+        keys[-1] = shared[-1]
+    return keys
+
+
+def measure_steps(contexts: Sequence[int], n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
+                  curve_repeats: int = 3, check: bool = True, step_check: bool = True) -> int:
+    """How many times :func:`measure_costs` calls ``on_step`` with these settings (for a progress bar's total)."""
+    curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
+    prefill = sum(-(-int(c) // PREFILL_CHUNK) for c in set(contexts))
+    n_check = len(_check_boundaries(list(range(n_boundaries)))) if step_check else 0
+    rounds = (warmup + max(curve_repeats, repeats)) * len(set(contexts))
+    direct = warmup + max(2 * repeats, curve_repeats, 3) if check else 0
+    return prefill + n_check + rounds + direct
+
+
+def _check_boundaries(bs: Sequence[int]) -> list[int]:
+    """The exits whose step is timed directly as a check: the last and the quartiles."""
+    return sorted({bs[-1], bs[len(bs) // 4], bs[len(bs) // 2], bs[(3 * len(bs)) // 4]})
+
+
+def _median_rows(samples: dict, tmax1: int) -> dict[int, list[float]]:
+    """``{key: {t: [seconds, ...]}}`` -> ``{key: [median at t = 1..tmax1]}`` (NaN where a t was not timed)."""
+    return {k: [statistics.median(v[t]) if v.get(t) else float("nan") for t in range(1, tmax1 + 1)]
+            for k, v in samples.items()}
+
+
+def _shifted(base_fit: list[float], base_raw: list[float], raw: list[float], grid: list[int]) -> list[float]:
+    """``base_fit`` plus the difference ``raw - base_raw`` measured on ``grid`` (t values), interpolated in t."""
+    xs = np.array(grid, dtype=float)
+    diff = np.array([raw[t - 1] - base_raw[t - 1] for t in grid])
+    ts = np.arange(1, len(base_fit) + 1, dtype=float)
+    return [max(1e-12, b + d) for b, d in zip(base_fit, np.interp(ts, xs, diff))]
+
+
 @torch.no_grad()
 def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int = 5, warmup: int = 2,
-                  curve_repeats: int = 3, context_len: int = 64, check: bool = True,
-                  step_check: bool = True) -> LayerCosts:
-    """Measure step costs of ``boundaries`` and per-layer timings for t = 1..tmax+1 (see the module doc)."""
+                  curve_repeats: int = 3, contexts: Sequence[int] = (64,), check: bool = True,
+                  step_check: bool = True, on_step: Callable[[str], None] | None = None) -> list[LayerCosts]:
+    """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
+    :class:`LayerCosts` per context, in increasing context order. ``on_step(message)`` is called after every
+    prefill chunk, direct step check and round (:func:`measure_steps` counts them), at most a few seconds
+    apart."""
+    step_cb = on_step or (lambda s: None)
+    curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
     tmax1 = tmax + 1
     n_layers = eng.n_layers
     bs = sorted(set(boundaries))
-    extra = max(tmax1, 1) + 2
-    st = eng.new_state(context_len + extra, save_boundaries=bs)
-    ctx = _ids(eng, context_len + extra)
-    eng.append(st, ctx[:context_len])
-    eng.advance(st, n_layers)
-    n0 = st.n
+    ctxs = sorted(set(int(c) for c in contexts))
+    grid = t_grid(tmax1)
+    ids = _ids(eng, ctxs[-1] + tmax1 + 1)
+    states = []
+    for c in ctxs:
+        st = eng.new_state(c + tmax1 + 1, save_boundaries=bs)
+        _prefill(eng, st, ids, c, lambda s, c=c: step_cb(f"context {c}: {s}"))
+        states.append(st)
+    base = states[0]
+    n0 = base.n
 
-    # 1. direct step cost of a few exits (the target and quartiles): a check of the per-layer model
+    # 1. direct step cost of a few exits (the target and quartiles): a check of the segment model
     step: dict[int, float] = {}
-    check_bs = sorted({bs[-1], bs[len(bs) // 4], bs[len(bs) // 2], bs[(3 * len(bs)) // 4]}) if step_check else []
-    for b in check_bs:
+    for b in (_check_boundaries(bs) if step_check else []):
         times = []
         for r in range(warmup + repeats):
-            eng.append(st, ctx[n0:n0 + 1])
+            eng.append(base, ids[n0:n0 + 1])
             t0 = _now()
-            eng.advance(st, b)
-            eng.logits(st, b, n0, n0 + 1)
+            eng.advance(base, b)
+            eng.logits(base, b, n0, n0 + 1)
             dt = _now() - t0
-            eng.crop(st, n0)
+            eng.crop(base, n0)
             if r >= warmup:
                 times.append(dt)
         step[b] = statistics.median(times)
+        step_cb(f"context {ctxs[0]}: step of exit {b}")
 
-    # 2. per-layer timings for t new tokens, the same calls advance() makes
-    layer = [[0.0] * tmax1 for _ in range(n_layers)]
-    base = [0.0] * tmax1
-    head_keys = sorted(b for b in bs if b in eng.exit_heads) + [-1]
-    head: dict[int, list[float]] = {k: [0.0] * tmax1 for k in head_keys}
-    lt = [[[] for _ in range(n_layers)] for _ in range(tmax1)]
-    bt: list[list[float]] = [[] for _ in range(tmax1)]
-    ht = {k: [[] for _ in range(tmax1)] for k in head_keys}
-    # rounds over every t (not all repeats of one t in a row): a slow spell of a shared machine then hits every
-    # t alike instead of bending the curve; t = 1 (the step cost) gets extra rounds
+    # 2. segment timings, in rounds over every context and t; t = 1 (the step cost) gets extra rounds
+    heads = _head_keys(eng, bs)
+    seg_s = [{b: {} for b in bs} for _ in ctxs]
+    head_s: dict[int, dict[int, list[float]]] = {k: {} for k in heads}
     n_rounds = warmup + max(curve_repeats, repeats)
     for r in range(n_rounds):
-        for t in range(1, tmax1 + 1):
-            if r >= warmup + curve_repeats and t > 1:
-                continue
-            eng.append(st, ctx[n0:n0 + t])
-            t0 = _now()
-            x = eng.embed(st.tokens[n0:n0 + t])
-            cos, sin = eng.rope(n0, n0 + t)
-            t1 = _now()
-            times = []
-            for l in range(n_layers):
-                a = _now()
-                x = eng.run_layers(l, l + 1, x, st, n0, cos, sin)
-                times.append(_now() - a)
-            hts = {}
-            for k in head_keys:
-                a = _now()
-                eng.head(x, k)
-                hts[k] = _now() - a
-            eng.crop(st, n0)
-            if r >= warmup:
-                bt[t - 1].append(t1 - t0)
-                for l in range(n_layers):
-                    lt[t - 1][l].append(times[l])
-                for k in head_keys:
-                    ht[k][t - 1].append(hts[k])
-    for t in range(1, tmax1 + 1):
-        base[t - 1] = statistics.median(bt[t - 1])
-        for l in range(n_layers):
-            layer[l][t - 1] = statistics.median(lt[t - 1][l])
-        for k in head_keys:
-            head[k][t - 1] = statistics.median(ht[k][t - 1])
-    layer = [isotonic(row) for row in layer]
-    base = isotonic(base)
-    head = {k: isotonic(v) for k, v in head.items()}
-    lc = LayerCosts(step, layer, base, head)
+        for k, st in enumerate(states):
+            ts = list(range(1, tmax1 + 1)) if k == 0 else grid
+            if r >= warmup + curve_repeats:
+                ts = [1]
+            for t in ts:
+                seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t)
+                if r >= warmup:
+                    for b, x in seg.items():
+                        seg_s[k][b].setdefault(t, []).append(x)
+                    for h, x in hd.items():
+                        head_s[h].setdefault(t, []).append(x)
+            step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}")
+    raw = [_median_rows(s, tmax1) for s in seg_s]
+    seg0 = {b: isotonic(v) for b, v in raw[0].items()}
+    head = {h: isotonic(v) for h, v in _median_rows(head_s, tmax1).items()}
+    out = [LayerCosts(ctxs[0], n_layers, seg0, head, step=step)]
 
-    # 3. the whole model over t tokens, measured directly for every t: its cost curve (what a verify pass of the
-    #    target or of another model costs) and a check of the per-layer model. Summed per-layer medians miss
-    #    effects of the whole pass (cache traffic between layers), most of all on long passes.
+    # 3. the whole model over t tokens, timed directly at the first context: its cost curve (what a verify pass
+    #    of the target or of another model costs) and the scale of the segment sums
     if check:
         ft: list[list[float]] = [[] for _ in range(tmax1)]
-        for r in range(warmup + max(2 * repeats, curve_repeats, 3)):
+        n_direct = warmup + max(2 * repeats, curve_repeats, 3)
+        for r in range(n_direct):
             for t in range(1, tmax1 + 1):                  # rounds over every t, as above
                 for _ in range(2):                         # a pass of the same size first, untimed: a drafter's
-                    eng.append(st, ctx[n0:n0 + t])         # passes come in runs of one size (its budget, or
+                    eng.append(base, ids[n0:n0 + t])       # passes come in runs of one size (its budget, or
                     t0 = _now()                            # T_below + 1 when it verifies); right after a long
-                    eng.advance(st, n_layers)              # pass, a short pass measures slow
-                    eng.logits(st, n_layers, n0, n0 + t)
+                    eng.advance(base, n_layers)            # pass, a short pass measures slow
+                    eng.logits(base, n_layers, n0, n0 + t)
                     dt = _now() - t0
-                    eng.crop(st, n0)
+                    eng.crop(base, n0)
                 if r >= warmup:
                     ft[t - 1].append(dt)
+            step_cb(f"context {ctxs[0]}: whole model, round {r + 1}/{n_direct}")
         full = [statistics.median(x) for x in ft]
-        modelled = lc._summed(n_layers, tmax1)
-        lc.full = isotonic(full)
+        modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
+        out[0].full = isotonic(full)
         pick = sorted({1, max(1, tmax1 // 2), tmax1})
-        lc.check = {"boundary": n_layers, "measured": {str(t): full[t - 1] for t in pick},
-                    "modelled": {str(t): modelled[t - 1] for t in pick}}
-    return lc
+        out[0].check = {"boundary": n_layers, "context": ctxs[0],
+                        "measured": {str(t): full[t - 1] for t in pick},
+                        "modelled": {str(t): modelled[t - 1] for t in pick}}
+
+    # 4. the other contexts: the first context's curves plus the measured difference, interpolated over t
+    for k in range(1, len(ctxs)):
+        seg = {b: isotonic(_shifted(seg0[b], raw[0][b], raw[k][b], grid)) for b in bs}
+        full_k = None
+        if out[0].full is not None:
+            extra = [sum(seg[b][t] - seg0[b][t] for b in bs) for t in range(tmax1)]
+            full_k = isotonic([max(1e-12, f + x) for f, x in zip(out[0].full, extra)])
+        out.append(LayerCosts(ctxs[k], n_layers, seg, head, full_k))
+    return out
 
 
-def time_token_drafter(drafter, contexts: Sequence[Sequence[int]], repeats: int = 3) -> float:
-    """Median seconds of ``propose(context, 1)`` over a few contexts (fallback when no timing was gathered)."""
-    times = []
-    for _ in range(repeats):
-        for c in contexts:
-            drafter.reset(list(c[: max(1, len(c) // 2)]))
+def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 8,
+                       repeats: int = 3) -> float:
+    """Mean seconds of one ``propose(context, 1)`` of a token drafter at context lengths ``context ..
+    context + positions - 1`` of ``stream`` (token ids of real text; repeated when shorter), fed as at run time:
+    ``reset`` with the first ``context`` tokens, ``observe`` of each next token. Per position the median of
+    ``repeats`` calls. ``make()`` returns the drafter in its initial state."""
+    stream = list(stream) or [0]
+    need = context + positions + 1
+    text = (stream * (need // len(stream) + 1))[:need]
+    d = make()
+    d.reset(text[:context])
+    per = []
+    for j in range(positions):
+        ctx = text[:context + j]
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
-            drafter.propose(list(c), 1)
+            d.propose(ctx, 1)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) if times else 1e-6
+        per.append(statistics.median(times))
+        d.observe(ctx, [text[context + j]])
+    return max(1e-9, sum(per) / len(per))

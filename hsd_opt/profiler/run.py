@@ -22,8 +22,9 @@ import torch
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
-from hsd_opt.profiler.assemble import build_profile, positions_by_task
+from hsd_opt.profiler.assemble import build_profile, positions_by_task, prompts_by_task
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
+from hsd_opt.profiler.costs import DEFAULT_CONTEXTS, fit_contexts, measure_costs, measure_steps, time_token_drafter
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, fresh_drafter, parse_layers
@@ -57,6 +58,7 @@ class ProfileConfig:
     cost_repeats: int = 5
     cost_warmup: int = 2
     curve_repeats: int = 2
+    cost_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # tokens in the KV cache the costs are measured at
     shard: tuple[int, int] | None = None            # (k, n): this run does prompts i with i % n == k
     max_prompts: int | None = None
     chunk: int = 16
@@ -175,6 +177,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     token_names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
     counters += [f"generated_tokens.{t}" for t in suite.tasks]      # per task: a token drafter's calls there
+    counters += [f"{c}.{t}" for c in ("prompts", "prompt_tokens") for t in suite.tasks]   # per task: its context
     counters += [f"propose_seconds.{n}" for n in token_names] + [f"propose_calls.{n}" for n in token_names]
     stats = PairStats([nd.name for nd in pool.neural], token_names, suite.tasks, counters)
 
@@ -227,6 +230,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                 st.count(f"propose_calls.{d.name}", len(cont))
             st.count("prompts")
             st.count("prompt_tokens", len(ids))
+            st.count(f"prompts.{it.task}")
+            st.count(f"prompt_tokens.{it.task}", len(ids))
             st.count("generated_tokens", len(cont))
             st.count(f"generated_tokens.{it.task}", len(cont))
             st.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
@@ -250,21 +255,26 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             barrier()
             return None
 
-    # costs
-    from hsd_opt.profiler.costs import measure_costs
-
-    log("measuring costs")
+    # costs, at every context length that fits the models
     t_cost = time.perf_counter()
     by_engine: dict[int, tuple[Any, list[int]]] = {}
-    for nd in pool.neural:
+    label: dict[int, str] = {}                    # an engine's name in the progress bar: its deepest drafter's
+    for nd in sorted(pool.neural, key=lambda nd: nd.boundary):
         by_engine.setdefault(id(nd.engine), (nd.engine, []))[1].append(nd.boundary)
-    lcs = {k: measure_costs(e, bs, tmax=cfg.tmax, repeats=cfg.cost_repeats, warmup=cfg.cost_warmup,
-                            curve_repeats=cfg.curve_repeats)
-           for k, (e, bs) in by_engine.items()}
+        label[id(nd.engine)] = nd.name
+    most = _max_positions(e for e, _ in by_engine.values())
+    contexts = fit_contexts(cfg.cost_contexts, most, cfg.tmax)
+    if contexts != sorted(set(cfg.cost_contexts)):
+        warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
+             f"{', '.join(map(str, contexts))} tokens")
+    log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
+    lcs, token_costs = _measure_all_costs(cfg, by_engine, label, contexts, tds,
+                                          _suite_text(lm, mine, ck, cfg, suite))
     cost_seconds = time.perf_counter() - t_cost
 
     # assemble, with provenance, and write
-    prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name)
+    prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs)
+    task_prompts, task_prompt_tokens = prompts_by_task(stats)
     prof.extra["provenance"] = {
         **settings,
         "source": lm.source, "device": lm.device, "heads_meta": heads_meta or None,
@@ -272,14 +282,18 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "prompt_tokens": int(stats.counters["prompt_tokens"]),
         "generated_tokens": int(stats.counters["generated_tokens"]),
         "positions_by_task": positions_by_task(stats),
+        **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
+        "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": contexts},
         "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
                              "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
                              "acceptance and argmax for greedy_agreement"),
-        "cost_model": "exits: cost, cost_curve and verify_cost are sums of median per-layer timings; the whole "
-                      "model (target, draft model, quantized copy): cost and cost_curve timed directly, verify "
-                      "curves into the target scaled to them; all non-decreasing in t (docs/design.md#the-cost-"
-                      "model); step_measured = direct median of one warm decode step",
-        "cost_model_check": {nd.name: lcs[id(nd.engine)].check for nd in pool.neural
+        "cost_model": "exits: cost, cost_curve and verify_cost are sums of median timings of advance() per "
+                      "exit boundary scaled to the whole model's direct timing; the whole model (target, draft "
+                      "model, quantized copy): cost and cost_curve timed directly; at every context of "
+                      "context_costs (the top-level costs: the first); all non-decreasing in t and in the "
+                      "context (docs/design.md#the-cost-model); step_measured = direct median of one warm "
+                      "decode step",
+        "cost_model_check": {nd.name: lcs[id(nd.engine)][0].check for nd in pool.neural
                              if nd.kind in ("target", "model", "quantized")},
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                     "total_seconds": round(time.perf_counter() - t_start, 3)},
@@ -297,6 +311,59 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     if world > 1:
         barrier()
     return prof
+
+
+def _max_positions(engines) -> int | None:
+    """The fewest positions any of ``engines``' models holds (``max_position_embeddings``; None: unknown)."""
+    ns = [getattr(getattr(e.model, "config", None), "max_position_embeddings", None) for e in engines]
+    ns = [int(n) for n in ns if isinstance(n, int) and n > 0]
+    return min(ns) if ns else None
+
+
+def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: PromptSuite) -> list[int]:
+    """Token ids of the profiled prompts, each followed by the target's continuation: the real text a token
+    drafter's ``propose`` is timed on."""
+    out: list[int] = []
+    for it in items:
+        cont = ck.continuations.get(str(it.index))
+        if cont is not None:
+            out += encode_item(lm, it, cfg.raw, suite.source) + list(cont)
+    return out
+
+
+def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], contexts: list[int], tds: list,
+                       text: list[int]):
+    """``({id(engine): [LayerCosts per context]}, {token drafter: [seconds per propose at each context]})``, with
+    a progress bar (every step a few seconds at most) unless ``cfg.progress`` is off."""
+    steps = sum(measure_steps(contexts, len(bs), cfg.tmax, cfg.cost_repeats, cfg.cost_warmup, cfg.curve_repeats)
+                for _, bs in by_engine.values()) + len(tds) * len(contexts)
+    progress = None
+    if cfg.progress:
+        from hsd_opt.console import progress_bar
+
+        progress = progress_bar()
+        progress.start()
+        pid = progress.add_task("measuring costs", total=steps)
+    try:
+        lcs = {}
+        for k, (e, bs) in by_engine.items():
+            def step(msg: str, name=label[k]) -> None:
+                if progress:
+                    progress.update(pid, advance=1, description=f"costs: {name}, {msg}")
+
+            lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, repeats=cfg.cost_repeats, warmup=cfg.cost_warmup,
+                                   curve_repeats=cfg.curve_repeats, contexts=contexts, on_step=step)
+        token_costs = {}
+        for d in tds:
+            token_costs[d.name] = []
+            for c in contexts:
+                token_costs[d.name].append(time_token_drafter(lambda d=d: fresh_drafter(d), text, c))
+                if progress:
+                    progress.update(pid, advance=1, description=f"costs: {d.name}, context {c}")
+    finally:
+        if progress:
+            progress.stop()
+    return lcs, token_costs
 
 
 def _version() -> str:
