@@ -160,11 +160,12 @@ class AbstainingCycleDrafter(CycleDrafter):
 
 def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: bool = False,
                    verify_cost: bool = False, cost_curve: bool = False, missing: float = 0.2,
-                   abstaining: bool = False) -> Profile:
+                   abstaining: bool = False, contexts: bool = False, growing: bool = False) -> Profile:
     """A target ``t`` (cost 1.0) and ``n_drafters`` drafters ``d0..`` with random costs (seconds),
     acceptances (some pairs missing), optionally drafters that cannot verify (``abstaining``: most of those
     get a ``draft_rate`` below 1), pair verify costs (scalars or curves) and cost curves. Models are listed
-    in random order (the solver sorts by cost itself)."""
+    in random order (the solver sorts by cost itself). ``contexts``: also ``context_costs`` at 2..4 random
+    context lengths for most models and for the curves and pair costs (:func:`random_context_costs`)."""
     costs = rng.uniform(0.005, 0.9, n_drafters)
     names = [f"d{i}" for i in range(n_drafters)]
     models = [{"name": n, "kind": "model", "cost": float(c),
@@ -208,4 +209,38 @@ def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: 
                 L = int(rng.integers(1, 6))
                 cc[n] = [float(allc[n] * (1 + rng.uniform(0, 0.15) * k)) for k in range(L)]
         d["cost_curve"] = cc
+    if contexts:
+        d["context_costs"] = random_context_costs(rng, d, growing)
     return profile_from_dict(d, "<random>")[0]
+
+
+def random_context_costs(rng: np.random.Generator, d: dict, growing: bool = False) -> list[dict]:
+    """``context_costs`` for the profile dict ``d``: 2..4 increasing contexts; most models (always the target),
+    every cost curve and every pair verify cost get a value at each, the top-level figure times a factor per
+    context. The factors are random (a model may get cheaper at a longer context, and the cost order change);
+    ``growing``: non-decreasing in the context, as the profiler writes them."""
+    n = int(rng.integers(2, 5))
+    ctxs = sorted(int(x) for x in rng.choice(np.arange(1, 4000), size=n, replace=False))
+    names = [m["name"] for m in d["models"] if m["name"] == "t" or rng.random() < 0.8]
+
+    def factors():
+        f = rng.uniform(0.5, 2.0, n)
+        return np.sort(f) if growing else f
+
+    fc = {m: factors() for m in names}
+    fcc = {m: factors() for m in d.get("cost_curve", {})}
+    fvc = {(v, k): factors() for v, row in d.get("verify_cost", {}).items() for k in row}
+    cost = {m["name"]: m["cost"] for m in d["models"]}
+    out = []
+    for i, c in enumerate(ctxs):
+        e = {"context": c, "cost": {m: float(cost[m] * fc[m][i]) for m in names}}
+        if fcc:
+            e["cost_curve"] = {m: [float(x * fcc[m][i]) for x in d["cost_curve"][m]] for m in fcc}
+        if fvc:
+            vc: dict = {}
+            for (v, k), f in fvc.items():
+                x = d["verify_cost"][v][k]
+                vc.setdefault(v, {})[k] = [float(y * f[i]) for y in x] if isinstance(x, list) else float(x * f[i])
+            e["verify_cost"] = vc
+        out.append(e)
+    return out

@@ -197,3 +197,57 @@ def test_bad_workload_flags(tiny, cmd, args, needle):
     r = run_cli(cmd, "--plan", tiny["plan"], *base, *args, "--device", "cpu")
     assert r.exit_code == 2, cli_output(r)
     assert needle in cli_output(r) and "Traceback" not in cli_output(r)
+
+
+def _with_context_tables(plan: dict) -> dict:
+    """``plan`` as solved from costs at contexts 2 and 1002: every latency rises by 1e-5 s per context token."""
+    p = json.loads(json.dumps(plan))
+
+    def table(v):
+        return [[2, v], [1002, v + 0.01]]
+
+    p.update(context=100, context_from="profile_prompts", latency_by_context=table(p["expected_latency"]))
+    for b in p["baselines"].values():
+        b["latency_by_context"] = table(b["expected_latency"])
+    e = p["by_task"]["translation"]
+    e.update(context=50, latency_by_context=table(e["expected_latency"]),
+             overall_hierarchies_by_context={k: table(v) for k, v in e["overall_hierarchies"].items()})
+    return p
+
+
+def test_run_and_bench_predict_at_each_generations_context(tiny):
+    """With a plan solved from costs at several contexts, ``hsd run`` predicts every generation at its own context
+    (prompt + half the generated tokens) and says so; ``hsd bench`` reports the context its figures were
+    predicted at. A plan without context tables predicts its own figure and reports no context."""
+    plan = tiny["root"] / "plan_ctx.json"
+    plan.write_text(json.dumps(_with_context_tables(tiny["plan_dict"])))
+    out = tiny["root"] / "run_ctx.jsonl"
+    r = run_cli("run", "--plan", plan, "--prompts", tiny["questions"], "--max-new-tokens", 4, "--quiet",
+                "--json", out, "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    assert "(plan's prediction) at" in cli_output(r)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == len(QUESTIONS)
+    for x in lines:
+        prompt = x["context"] - len(x["token_ids"]) / 2
+        assert prompt == int(prompt) and prompt >= len(x["prompt"].split())   # the prompt's tokens (chat template)
+        assert x["predicted_at_context"] == x["context"]
+        base = 0.009 if x["plan"] == "by_task.translation" else 0.01
+        assert x["predicted_seconds_per_token"] == pytest.approx(base + (x["context"] - 2) * 1e-5, rel=1e-12)
+    rep_path = tiny["root"] / "bench_ctx.json"
+    r = run_cli("bench", "--plan", plan, "--prompts", tiny["questions"], "--max-new-tokens", 4,
+                "--methods", "ar,hsd", "--json", rep_path, "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    rep = json.loads(rep_path.read_text())
+    assert rep["plan"]["context"] == 100 and rep["prediction_context"].startswith("each generation's own")
+    for task, ms in [(None, rep["methods"])] + list(rep["by_task"].items()):
+        for m, base in (("ar", 0.015), ("hsd", 0.011 if task == "translation" else 0.01)):
+            d = ms[m]
+            assert d["predicted_at_context"] == pytest.approx(d["mean_context"], rel=1e-12)
+            if task is not None:                  # linear in the context: the mean context gives the mean figure
+                assert d["predicted_seconds_per_token"] == pytest.approx(
+                    base + (d["predicted_at_context"] - 2) * 1e-5, rel=1e-9), (task, m)
+    r = run_cli("run", "--plan", tiny["plan"], "--prompt", "w1 w2", "--max-new-tokens", 3, "--quiet",
+                "--json", out, "--device", "cpu")
+    x = json.loads(out.read_text())
+    assert r.exit_code == 0 and x["predicted_seconds_per_token"] == 0.01 and x["predicted_at_context"] is None
