@@ -68,15 +68,17 @@ def main() -> None:
     rep["cpus"] = os.cpu_count()
     for name, alt_plan in ((n, extra[n]) for n in extra):
         for alt in plan.extra.get("alternatives") or []:
-            if alt["hierarchy"] == list(alt_plan[0]) and alt["budgets"] == list(alt_plan[1]):
+            if (alt["hierarchy"] == list(alt_plan[0]) and alt["budgets"] == list(alt_plan[1])
+                    and rep["methods"].get(name, {}).get("predicted_seconds_per_token") is None):
                 rep["methods"][name]["predicted_seconds_per_token"] = alt["expected_latency"]
     if a.profile:
         from hsd_opt.solver import evaluate
 
         for name, (hh, bb) in extra.items():
             if rep["methods"].get(name, {}).get("predicted_seconds_per_token") is None and name in rep["methods"]:
-                rep["methods"][name]["predicted_seconds_per_token"] = evaluate(a.profile, hh, bb)
+                # at the run's mean context (the latency is linear in it between measured contexts)
                 d = rep["methods"][name]
+                d["predicted_seconds_per_token"] = evaluate(a.profile, hh, bb, context=d.get("mean_context"))
                 if d.get("seconds_per_token"):
                     d["measured_over_predicted"] = d["seconds_per_token"] / d["predicted_seconds_per_token"]
     out = Path(a.out)
