@@ -305,6 +305,11 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
         for v, x in row.items():
             if d in m.acceptance and v in m.acceptance[d]:
                 assert m.acceptance[d][v] == pytest.approx(x, abs=1e-12)
+    # costs (at every context) are the first file's; each task's prompts and their tokens add up like the rest
+    first, _ = load_profile(parts[0])
+    assert m.context_costs == first.context_costs and m.contexts == [64, 507]
+    for key in ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task"):
+        assert m.extra["provenance"][key] == f.extra["provenance"][key], key
     # a profile of a different model is refused, naming the field
     other = tmp_path / "other.json"
     r = _cli(["profile", "--model", str(tiny["other_tok"]), "--prompts", str(tiny["prompts"]), "--out", str(other),
@@ -536,11 +541,19 @@ def test_measure_costs_times_every_context_through_the_engine():
 
     steps: list[str] = []
     eng = LayeredLM(make_tiny_llama(seed=7))
+    states: dict = {}
     lcs = measure_costs(eng, [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[300, 8],
-                        on_step=steps.append)
-    assert [lc.context for lc in lcs] == [8, 300]
+                        on_step=steps.append, keep_states=states)
+    assert [lc.context for lc in lcs] == [8, 300] and sorted(states) == [8, 300] and states[300].n == 300
     assert len(steps) == measure_steps([8, 300], 2, tmax=3, repeats=1, warmup=0, curve_repeats=1)
     assert any("prefill 300/300" in s for s in steps)
+    if qmod.kernels_available("cpu"):          # a quantized copy takes the target's keys and values, as at run time
+        q = qmod.QuantizedLM(eng.model, bits=8)
+        qsteps: list[str] = []
+        qlcs = measure_costs(q, [4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[8, 300],
+                             on_step=qsteps.append, share_from=(eng, states))
+        assert len(qsteps) == measure_steps([8, 300], 1, tmax=3, repeats=1, warmup=0, curve_repeats=1, shared=True)
+        assert "context 300: prefill 300/300 tokens (shared)" in qsteps and len(qlcs) == 2
     first, second = lcs
     assert len(first.full) == 4 and all(x > 0 for x in first.full)
     assert first.curve(4, 4) == first.full and second.curve(4, 4) == second.full

@@ -4,7 +4,8 @@ after warm-up); `docs/design.md#the-cost-model`.
 Everything is timed through the engine's public API, the calls the runtime makes: ``new_state``, ``append``,
 ``advance``, ``logits``, ``crop`` (and a token drafter's ``propose``), so whatever path the engine takes inside is
 what gets timed. For each context length ``c`` (tokens already in the KV cache) one decoding state is prefilled
-with ``c`` tokens; then, on ``t`` new tokens:
+with ``c`` tokens (a quantized copy of the target takes the target's keys and values instead, as the runtime's
+shared prompt cache does); then, on ``t`` new tokens:
 
 1. a direct **step time** of a few exits (target, quartiles) at the first context: append one token,
    ``advance(state, b)``, ``logits`` at ``b``; crop back; median. Kept as a check (``step_measured``).
@@ -187,8 +188,16 @@ def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=g)
 
 
-def _prefill(eng, st, ids: torch.Tensor, n: int, step: Callable[[str], None]) -> None:
-    """Fill ``st`` with the first ``n`` of ``ids`` through every layer, :data:`PREFILL_CHUNK` tokens per call."""
+def _prefill(eng, st, ids: torch.Tensor, n: int, step: Callable[[str], None], share=None) -> None:
+    """Fill ``st`` with the first ``n`` of ``ids`` through every layer, :data:`PREFILL_CHUNK` tokens per call; or,
+    with ``share = (source engine, its state holding the same n tokens)``, as the runtime prefills a copy of the
+    target: the source's keys and values (``share_prompt``), then the last position (one ``advance``)."""
+    if share is not None:
+        eng.append(st, ids[:n])
+        eng.share_prompt(st, share[0], share[1], eng.n_layers)
+        eng.advance(st, eng.n_layers)
+        step(f"prefill {n}/{n} tokens (shared)")
+        return
     for s in range(0, n, PREFILL_CHUNK):
         eng.append(st, ids[s: min(n, s + PREFILL_CHUNK)])
         eng.advance(st, eng.n_layers)
@@ -226,13 +235,17 @@ def _head_keys(eng, bs: Sequence[int]) -> dict[int, int]:
 
 
 def measure_steps(contexts: Sequence[int], n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
-                  curve_repeats: int = 3, check: bool = True, step_check: bool = True) -> int:
-    """How many times :func:`measure_costs` calls ``on_step`` with these settings (for a progress bar's total)."""
+                  curve_repeats: int = 3, check: bool = True, step_check: bool = True, shared: bool = False) -> int:
+    """How many times :func:`measure_costs` calls ``on_step`` with these settings (for a progress bar's total;
+    ``shared``: the prompt is shared from another engine's states)."""
     curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
-    prefill = sum(-(-int(c) // PREFILL_CHUNK) for c in set(contexts))
+    ctxs = sorted(set(contexts))
+    tmax1 = tmax + 1
+    prefill = len(ctxs) if shared else sum(-(-int(c) // PREFILL_CHUNK) for c in ctxs)
     n_check = len(_check_boundaries(list(range(n_boundaries)))) if step_check else 0
-    rounds = (warmup + max(curve_repeats, repeats)) * len(set(contexts))
-    direct = warmup + max(2 * repeats, curve_repeats, 3) if check else 0
+    timed = tmax1 + (len(ctxs) - 1) * len(t_grid(tmax1))
+    rounds = (warmup + curve_repeats) * timed + (max(curve_repeats, repeats) - curve_repeats) * len(ctxs)
+    direct = (warmup + max(2 * repeats, curve_repeats, 3)) * tmax1 if check else 0
     return prefill + n_check + rounds + direct
 
 
@@ -258,11 +271,16 @@ def _shifted(base_fit: list[float], base_raw: list[float], raw: list[float], gri
 @torch.no_grad()
 def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int = 5, warmup: int = 2,
                   curve_repeats: int = 3, contexts: Sequence[int] = (64,), check: bool = True,
-                  step_check: bool = True, on_step: Callable[[str], None] | None = None) -> list[LayerCosts]:
+                  step_check: bool = True, on_step: Callable[[str], None] | None = None,
+                  keep_states: dict | None = None, share_from=None) -> list[LayerCosts]:
     """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
     :class:`LayerCosts` per context, in increasing context order. ``on_step(message)`` is called after every
-    prefill chunk, direct step check and round (:func:`measure_steps` counts them), at most a few seconds
-    apart."""
+    prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them): a progress bar
+    moves at least every few seconds.
+
+    ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from = (engine,
+    {context: state})``, such states of the target, for an engine that is a copy of it (``can_share_prompt``):
+    its contexts are filled from the target's keys and values, as the runtime does, instead of prefilled."""
     step_cb = on_step or (lambda s: None)
     curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
     tmax1 = tmax + 1
@@ -274,8 +292,11 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     states = []
     for c in ctxs:
         st = eng.new_state(c + tmax1 + 1, save_boundaries=bs)
-        _prefill(eng, st, ids, c, lambda s, c=c: step_cb(f"context {c}: {s}"))
+        share = (share_from[0], share_from[1][c]) if share_from is not None else None
+        _prefill(eng, st, ids, c, lambda s, c=c: step_cb(f"context {c}: {s}"), share)
         states.append(st)
+    if keep_states is not None:
+        keep_states.update(zip(ctxs, states))
     base = states[0]
     n0 = base.n
 
@@ -302,9 +323,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     n_rounds = warmup + max(curve_repeats, repeats)
     for r in range(n_rounds):
         for k, st in enumerate(states):
-            ts = list(range(1, tmax1 + 1)) if k == 0 else grid
-            if r >= warmup + curve_repeats:
-                ts = [1]
+            ts = [1] if r >= warmup + curve_repeats else list(range(1, tmax1 + 1)) if k == 0 else grid
             for t in ts:
                 seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t)
                 if r >= warmup:
@@ -312,7 +331,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                         seg_s[k][b].setdefault(t, []).append(x)
                     for h, x in hd.items():
                         head_s[h].setdefault(t, []).append(x)
-            step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}")
+                step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}, t = {t}")
     raw = [_median_rows(s, tmax1) for s in seg_s]
     seg0 = {b: isotonic(v) for b, v in raw[0].items()}
     head = {h: isotonic(v) for h, v in _median_rows(head_s, tmax1).items()}
@@ -334,7 +353,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                     eng.crop(base, n0)
                 if r >= warmup:
                     ft[t - 1].append(dt)
-            step_cb(f"context {ctxs[0]}: whole model, round {r + 1}/{n_direct}")
+                step_cb(f"context {ctxs[0]}: whole model, round {r + 1}/{n_direct}, t = {t}")
         full = [statistics.median(x) for x in ft]
         modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
         out[0].full = isotonic(full)
@@ -354,25 +373,22 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     return out
 
 
-def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 8,
-                       repeats: int = 3) -> float:
+def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 16) -> float:
     """Mean seconds of one ``propose(context, 1)`` of a token drafter at context lengths ``context ..
     context + positions - 1`` of ``stream`` (token ids of real text; repeated when shorter), fed as at run time:
-    ``reset`` with the first ``context`` tokens, ``observe`` of each next token. Per position the median of
-    ``repeats`` calls. ``make()`` returns the drafter in its initial state."""
+    ``reset`` with the first ``context`` tokens, then at each position one ``propose`` (a second call on the same
+    context could hit the drafter's memo) and ``observe`` of the next token. ``make()`` returns the drafter in its
+    initial state."""
     stream = list(stream) or [0]
     need = context + positions + 1
     text = (stream * (need // len(stream) + 1))[:need]
     d = make()
     d.reset(text[:context])
-    per = []
+    total = 0.0
     for j in range(positions):
         ctx = text[:context + j]
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            d.propose(ctx, 1)
-            times.append(time.perf_counter() - t0)
-        per.append(statistics.median(times))
+        t0 = time.perf_counter()
+        d.propose(ctx, 1)
+        total += time.perf_counter() - t0
         d.observe(ctx, [text[context + j]])
-    return max(1e-9, sum(per) / len(per))
+    return max(1e-9, total / positions)

@@ -257,7 +257,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # costs, at every context length that fits the models
     t_cost = time.perf_counter()
-    by_engine: dict[int, tuple[Any, list[int]]] = {}
+    by_engine: dict[int, tuple[Any, list[int]]] = {id(eng): (eng, [])}       # the target's engine first
     label: dict[int, str] = {}                    # an engine's name in the progress bar: its deepest drafter's
     for nd in sorted(pool.neural, key=lambda nd: nd.boundary):
         by_engine.setdefault(id(nd.engine), (nd.engine, []))[1].append(nd.boundary)
@@ -334,9 +334,12 @@ def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: Prom
 def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], contexts: list[int], tds: list,
                        text: list[int]):
     """``({id(engine): [LayerCosts per context]}, {token drafter: [seconds per propose at each context]})``, with
-    a progress bar (every step a few seconds at most) unless ``cfg.progress`` is off."""
-    steps = sum(measure_steps(contexts, len(bs), cfg.tmax, cfg.cost_repeats, cfg.cost_warmup, cfg.curve_repeats)
-                for _, bs in by_engine.values()) + len(tds) * len(contexts)
+    a progress bar (every step a few seconds at most) unless ``cfg.progress`` is off. ``by_engine`` starts with
+    the target's engine, whose prefilled states its copies (quantized drafters) then share, as at run time."""
+    first = next(iter(by_engine.values()))[0]               # the target's engine, measured first
+    shared = {k: k != id(first) and e.can_share_prompt(first) for k, (e, _) in by_engine.items()}
+    steps = sum(measure_steps(contexts, len(bs), cfg.tmax, cfg.cost_repeats, cfg.cost_warmup, cfg.curve_repeats,
+                              shared=shared[k]) for k, (_, bs) in by_engine.items()) + len(tds) * len(contexts)
     progress = None
     if cfg.progress:
         from hsd_opt.console import progress_bar
@@ -346,13 +349,17 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
         pid = progress.add_task("measuring costs", total=steps)
     try:
         lcs = {}
+        states: dict = {}                                   # the target's prefilled states, shared with its copies
         for k, (e, bs) in by_engine.items():
             def step(msg: str, name=label[k]) -> None:
                 if progress:
                     progress.update(pid, advance=1, description=f"costs: {name}, {msg}")
 
             lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, repeats=cfg.cost_repeats, warmup=cfg.cost_warmup,
-                                   curve_repeats=cfg.curve_repeats, contexts=contexts, on_step=step)
+                                   curve_repeats=cfg.curve_repeats, contexts=contexts, on_step=step,
+                                   keep_states=states if e is first else None,
+                                   share_from=(first, states) if shared[k] else None)
+        states.clear()
         token_costs = {}
         for d in tds:
             token_costs[d.name] = []
