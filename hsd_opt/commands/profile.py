@@ -148,6 +148,10 @@ def profile_cmd(
         return
     if not quiet:
         console.print(acceptance_table(prof))
+        steps = [f"{e.context} tokens {e.cost[prof.target] * 1e3:.4g} ms" for e in prof.context_costs
+                 if prof.target in e.cost]
+        if steps:
+            console.print(f"target step by context: {', '.join(steps)} (context_costs; hsd solve interpolates)")
     pv = prof.extra["provenance"]
     console.print(f"wrote {out}: {len(prof.models)} drafters, {pv['prompt_count']} prompts, "
                   f"{pv['generated_tokens']} generated tokens, {pv['timings']['total_seconds']:.1f} s")
