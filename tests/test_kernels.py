@@ -166,6 +166,29 @@ def test_long_passes_of_a_float32_model_take_the_exact_torch_path(tiny):
     assert not torch.equal(lean.hidden_states(short, [4])[4], ref.hidden_states(short, [4])[4])
 
 
+@pytest.mark.parametrize("kind", ["bf16", "q8", "q4"])
+def test_long_passes_of_the_other_engines_are_float32_gemms_close_to_the_kernels(tiny, kind):
+    """Prefill-sized passes of bfloat16 / quantized engines run the torch operations in float32 over the same
+    weights (no activation rounding), close to what their decode steps compute on the kernels."""
+    eng = _engines(tiny)[kind]
+    n = kernels.MAX_PASS + 6
+    ids = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(3))
+    long = eng.head(eng.hidden_states(ids, [4])[4], 4)               # one pass over n rows, one head call
+    st = eng.new_state(n + 1)
+    rows = []
+    for i in range(n):
+        eng.append(st, ids[i:i + 1])
+        eng.advance(st, 4)
+        rows.append(eng.logits(st, 4, i, i + 1))
+    steps = torch.cat(rows)
+    if kind == "bf16":   # the same float32 values in another order
+        assert (long - steps).abs().max() <= 1e-4 * steps.abs().max()
+    else:                # the steps also round the activations to int8 per group of 32 columns
+        l1 = (long.softmax(-1) - steps.softmax(-1)).abs().sum(-1).mean().item()
+        agree = (long.argmax(-1) == steps.argmax(-1)).float().mean().item()
+        assert l1 <= 0.1 and agree >= 0.85, (l1, agree)
+
+
 @pytest.mark.parametrize("chain,budgets", [(["layer1", "layer4"], [3]), (["q4", "layer2", "layer4"], [2, 3]),
                                            (["q8", "q4", "layer4"], [4, 2])])
 def test_hsd_on_the_kernels_equals_their_ar(tiny, chain, budgets):

@@ -284,6 +284,21 @@ class LayerMats:
         return sum(m.nbytes() for m in self.mats)
 
 
+class DenseLayer:
+    """One layer's weights as float32 ``[out, in]`` tensors and biases, named as the engine's torch path reads
+    them (``q, bq, k, bk, ..., ln1, eps1, act``)."""
+
+    def __init__(self, lm: LayerMats, eps1: float, eps2: float):
+        import torch.nn.functional as F
+
+        names = ("q", "k", "v", "o", "gate", "up", "down")
+        for name, m in zip(names, lm.mats):
+            setattr(self, name, m.dequantized())
+            setattr(self, "b" + name, m.bias)
+        self.ln1, self.ln2, self.eps1, self.eps2 = lm.ln1, lm.ln2, eps1, eps2
+        self.act, self.qk_norm = F.silu, False
+
+
 class LayerStack:
     """A model's decoder layers as the kernels see them (pre-norm, rotary, grouped-query attention, SiLU MLP).
 
@@ -307,11 +322,17 @@ class LayerStack:
         self.c = _CModel(n_heads, n_kv, head_dim, hidden, inter, 0, eps1, eps2,
                          ctypes.cast(arr, ctypes.POINTER(_CLayer)))
         self.hidden = hidden
+        self.eps1, self.eps2 = eps1, eps2
         self._work = torch.empty(0)
         self._xg = torch.empty(0)
 
     def nbytes(self) -> int:
         return sum(lm.nbytes() for lm in self.layers)
+
+    def dense_layer(self, l: int) -> "DenseLayer":
+        """Layer ``l``'s weights as float32 tensors (converted or de-quantized for one pass; float32 weights are
+        the stored tensors themselves), in the fields the engine's torch path reads."""
+        return DenseLayer(self.layers[l], self.eps1, self.eps2)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))

@@ -134,8 +134,8 @@ class LayeredLM:
     - the **kernel path** (:mod:`hsd_opt.engine.kernels`, on CPUs where they build): one call per run of layers
       over the weights in place, batch-invariant, float32 activations and caches. Passes over at most
       :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take it; longer passes
-      (prefill) of a float32 model take the torch path (a blocked GEMM is faster there), those of a bfloat16
-      model run through the kernels in chunks.
+      (prefill) take the torch path (a blocked GEMM is faster there): the exact one for a float32 model, and
+      for bfloat16 weights the same operations in float32 over each layer's weights converted for the pass.
 
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
@@ -235,6 +235,15 @@ class LayeredLM:
         """True when decode passes run on the CPU kernels (:mod:`hsd_opt.engine.kernels`)."""
         return self._kstack is not None
 
+    def _dense_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
+        """A long pass of a kernel engine without an exact torch path (bfloat16 weights, quantized copies): the
+        torch path's operations in float32 over each layer's weights converted to float32 for the pass (a
+        blocked GEMM, faster than the decode kernels on hundreds of positions)."""
+        x = x.float()
+        for l in range(l0, l1):
+            x = self._layer_with(self._kstack.dense_layer(l), l, x, st, start, cos, sin)
+        return x
+
     def _kernel_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
         if st.cache_ptrs is None:
             st.cache_ptrs = (kernels.cache_ptrs(st.k), kernels.cache_ptrs(st.v))
@@ -333,8 +342,11 @@ class LayeredLM:
         w = self._weights[l] if self._weights is not None else None
         if w is None:
             return self._layer_modules(l, x, st, start, cos, sin)
-        layer = self.layers[l]
-        attn = layer.self_attn
+        return self._layer_with(w, l, x, st, start, cos, sin)
+
+    def _layer_with(self, w, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+        """:meth:`_layer`'s operations over the weights ``w`` (a :class:`_LayerWeights` or the same fields)."""
+        attn = self.layers[l].self_attn
         m = x.shape[0]
         end = start + m
         h = rms_norm_reference(x, w.ln1, w.eps1)
@@ -400,8 +412,10 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else layer by
         layer with :meth:`_layer`. Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
-        if self._kstack is not None and (x.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+        if self._kstack is not None and x.shape[0] <= kernels.MAX_PASS:
             return self._kernel_layers(l0, l1, x, st, start, cos, sin)
+        if self._kstack is not None and not self._torch_long_passes:
+            return self._dense_layers(l0, l1, x, st, start, cos, sin)
         for l in range(l0, l1):
             x = self._layer(l, x, st, start, cos, sin)
         return x
@@ -463,8 +477,11 @@ class LayeredLM:
         fn = self.exit_heads.get(boundary)
         if fn is not None:
             return fn(hidden).float()
-        if self._khead is not None and (hidden.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+        if self._khead is not None and hidden.shape[0] <= kernels.MAX_PASS:
             return self._kernel_head(hidden)
+        if self._khead is not None and not self._torch_long_passes:   # many rows: float32 GEMM over the head
+            h = rms_norm_reference(hidden.float(), self._knorm, self._knorm_eps)
+            return F.linear(h, self._khead.dequantized(), self._khead.bias)
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.no_grad()
