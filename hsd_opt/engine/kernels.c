@@ -35,6 +35,7 @@
 
 enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3 };
 #define HSD_GROUP 32
+#define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
 
 typedef struct {
@@ -286,6 +287,8 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
             const __m256 e0 = _mm256_set1_ps(d0[g]);
             const int hi = g & 1;
             const size_t off = (size_t)16 * (g - hi);
+            if (!hi)
+                for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wp[i] + off + HSD_PREFETCH), _MM_HINT_T0);
 #define Q4ROW(i, A0, B0)                                                                                       \
     {                                                                                                           \
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wp[i] + off));                                  \
@@ -310,6 +313,7 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
             const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
             const __m256 e0 = _mm256_set1_ps(d0[g]), e1 = _mm256_set1_ps(d1[g]);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wp[i] + g * HSD_GROUP + HSD_PREFETCH), _MM_HINT_T0);
 #define Q8ROW(i, A0, B0)                                                                                       \
     {                                                                                                           \
         const __m256i w = _mm256_loadu_si256((const __m256i *)(wp[i] + g * HSD_GROUP));                         \
