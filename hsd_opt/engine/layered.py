@@ -81,6 +81,39 @@ class _LayerWeights:
         self.qk_norm = hasattr(a, "q_norm")
 
 
+#: Set on a ``transformers`` model whose float decoder weights were released (:func:`release_float_weights`).
+RELEASED_MARK = "_hsd_float_weights_released"
+
+
+def is_released(model) -> bool:
+    """True when :func:`release_float_weights` emptied ``model``'s float decoder weights."""
+    return bool(getattr(model, RELEASED_MARK, False))
+
+
+def release_float_weights(model) -> int:
+    """Free ``model``'s float decoder matrices (q/k/v/o/gate/up/down of every layer, and an LM head not tied to
+    the embeddings) once every quantized copy needed is built from them; return the bytes released. The
+    embeddings, norms, biases and rotary tables stay (quantized copies read them in place).
+
+    Each weight becomes an empty tensor, so nothing can compute with it by mistake: a later float engine over
+    the model is refused (:class:`LayeredLM`), and so is a new quantized copy; a Hugging Face forward fails on
+    the shapes. An engine built before still holds its own reference, and that storage stays alive."""
+    freed = 0
+    base = model.model
+    linears = [getattr(layer.self_attn, n) for layer in base.layers for n in ("q_proj", "k_proj", "v_proj",
+                                                                               "o_proj")]
+    linears += [getattr(layer.mlp, n) for layer in base.layers for n in ("gate_proj", "up_proj", "down_proj")]
+    if model.lm_head.weight is not base.embed_tokens.weight:
+        linears.append(model.lm_head)
+    with torch.no_grad():
+        for lin in linears:
+            w = lin.weight
+            freed += w.numel() * w.element_size()
+            lin.weight = torch.nn.Parameter(w.new_empty(0), requires_grad=False)
+    setattr(model, RELEASED_MARK, True)
+    return freed
+
+
 def _lean_weights(model, layers) -> list[_LayerWeights] | None:
     """Per-layer weight references for the direct path, or None when the model has accelerate hooks (offloaded
     or dispatched weights must go through the modules) or a layer lacks the expected projections/norms.
@@ -148,12 +181,18 @@ class LayeredLM:
     #: Call the float layers' weights directly (checked against the modules when built). Subclasses with their
     #: own :meth:`_layer` set it False and skip that set-up.
     direct_path = True
+    #: A copy of another engine's model (a quantized copy): it may take that engine's prompt keys and values
+    #: (:meth:`share_prompt`). An engine over the model's own weights never takes another's.
+    is_copy = False
 
     def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None, kernels: bool | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise HsdError(f"model type {getattr(cfg, 'model_type', None)!r} is not supported by the layered "
                            f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if self.direct_path and is_released(model):
+            raise HsdError("the model's float weights were released after quantizing it; a float engine over it "
+                           "needs the model loaded anew")
         self.model = model
         base = model.model
         self.embed = base.embed_tokens
@@ -290,11 +329,11 @@ class LayeredLM:
         st.lens = [min(x, n) for x in st.lens]
 
     def can_share_prompt(self, src: "LayeredLM") -> bool:
-        """True when ``src`` computes the same model as this engine (this one a copy of it, e.g. a
-        :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``src.model``) with caches of the same shape, so its
-        keys and values can stand in for this engine's (:meth:`share_prompt`)."""
-        return (src is not self and src.model is self.model and src.n_layers == self.n_layers
-                and src.n_kv == self.n_kv and src.head_dim == self.head_dim)
+        """True when this engine is a copy (:attr:`is_copy`, e.g. a :class:`~hsd_opt.engine.quantized.QuantizedLM`)
+        of the model ``src`` runs over its own weights, with caches of the same shape, so ``src``'s keys and values
+        can stand in for this engine's (:meth:`share_prompt`). The model may be the target or a draft model."""
+        return (self.is_copy and not src.is_copy and src is not self and src.model is self.model
+                and src.n_layers == self.n_layers and src.n_kv == self.n_kv and src.head_dim == self.head_dim)
 
     @torch.no_grad()
     def share_prompt(self, st: DecodeState, src: "LayeredLM", src_st: DecodeState, upto: int) -> int:
