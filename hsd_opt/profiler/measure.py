@@ -58,8 +58,8 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
 
 def exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tensor) -> list[torch.Tensor]:
     """Float32 logits ``[m, V]`` of every drafter at ``rows``. Exits that share their model's own final norm +
-    LM head are computed in ONE matmul over all their rows (the LM head's weights are read once instead of once
-    per exit); trained exit heads are applied one by one."""
+    LM head (a quantized copy: its quantized head) are computed in ONE matmul over all their rows (the LM head's
+    weights are read once instead of once per exit); trained exit heads are applied one by one."""
     out: list[torch.Tensor | None] = [None] * len(neural)
     groups: dict[int, list[int]] = {}
     for k, nd in enumerate(neural):
@@ -71,7 +71,8 @@ def exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tenso
     for ks in groups.values():
         eng = neural[ks[0]].engine
         hs = torch.cat([hidden[id(eng)][neural[k].boundary][rows.to(eng.device)] for k in ks])
-        lg = eng.lm_head(eng.norm(hs)).float()
+        # a copy (quantized) applies its own head, as at run time; the model's own modules otherwise
+        lg = eng.head(hs, neural[ks[0]].boundary) if eng.is_copy else eng.lm_head(eng.norm(hs)).float()
         m = rows.numel()
         for n, k in enumerate(ks):
             out[k] = lg[n * m:(n + 1) * m]
