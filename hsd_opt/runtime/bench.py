@@ -4,8 +4,9 @@ Methods: ``hf_ar`` (Hugging Face ``generate``), ``hf_prompt_lookup`` (``prompt_l
 ``hf_early_exit`` (``assistant_early_exit`` at the plan's best single exit; when transformers refuses it for this
 model the error is recorded), ``hf_assisted`` (assisted generation with a draft model as ``assistant_model``: the
 ``assistant`` given, else the plan's draft model, :func:`assistant_ref`), ``ar`` (our autoregressive loop on the
-layered engine), ``single_draft`` (the plan's ``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task`` (the plan's plans per task, ``by_task``: each
-prompt runs its task's hierarchy, the plan itself for a task without one; only for a plan that has them).
+layered engine), ``single_draft`` (the plan's ``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task``
+(the plan's plans per task, ``by_task``: each prompt runs its task's hierarchy, the plan itself for a task without
+one; only for a plan that has them).
 
 Greedy (temperature 0): the reference is ``ar``'s output and every method reports ``matches_reference``. For a
 plan made for a quantized target (``--target-precision int4``) ``ar`` is that copy's own loop, while the Hugging
