@@ -109,10 +109,13 @@ def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
     model under the target, and under its own float model, runs lossless and takes the prompt cache of the
     small model's engine when that engine is a level."""
     prof_path = tmp_path / "prof.json"
-    prof = _profile(family, prof_path, "--draft-model", family["small"], "--layers", "2",
+    prof = _profile(family, prof_path, "--draft-model", family["small"], "--layers", "2", "--draft-layers", "1",
                     "--quantized", f"int8,{family['small']}:int4")
     e = {m["name"]: m for m in prof["models"]}
-    assert set(e) == {"layer2", "layer4", "small", "small-int4", "int8", "lookup"}
+    assert set(e) == {"layer2", "layer4", "small-layer1", "small", "small-int4", "int8", "lookup"}
+    assert e["small-layer1"]["kind"] == "early_exit" and e["small-layer1"]["layer"] == 1
+    assert e["small-layer1"]["model"] == str(family["small"]) and "model" not in e["layer2"]
+    assert "small-layer1" in prof["verify_cost"]["small"]          # exits of one model: activation reuse
     assert e["small-int4"]["kind"] == "quantized" and e["small-int4"]["model"] == str(family["small"])
     assert e["small-int4"]["quantization"]["bits"] == 4 and "model" not in e["int8"]
     assert e["small"]["kind"] == "model" and e["small"]["model"] == str(family["small"])
@@ -122,7 +125,8 @@ def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
     assert 0.0 < acc.get("small-int4", {}).get("layer4", acc.get("layer4", {}).get("small-int4", -1)) <= 1.0
     plan_path = tmp_path / "plan.json"
     for hierarchy, budgets in ((["small-int4", "layer4"], [3]), (["lookup", "small-int4", "small", "layer4"],
-                                                                  [1, 2, 3])):
+                                                                  [1, 2, 3]),
+                               (["small-layer1", "small", "layer4"], [2, 3])):
         _plan(prof_path, plan_path, hierarchy, budgets)
         row = _run_json(plan_path, tmp_path / "run.jsonl")
         assert row["token_ids"] == _ar(plan_path) and len(row["token_ids"]) == 10
@@ -233,6 +237,7 @@ def test_profile_run_an_int4_target_and_refuse_another_precision(family, tmp_pat
     (["--target-precision", "bfloat16", "--dtype", "float32"], "disagree"),
     (["--target-precision", "int4", "--heads", "h.safetensors"], "--heads"),
     (["--quantized", "small:int3"], "--quantized"),
+    (["--draft-layers", "1"], "--draft-model"),
     (["--quantized", "./no-such-model:int4"], "--quantized"),
     (["--cost-budget", "soon"], "--cost-budget"),
     (["--cost-budget", "-3"], "--cost-budget")])

@@ -76,6 +76,9 @@ def profile_cmd(
                                                         "(the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
                                                                     "tokenizer (repeatable)."),
+    draft_layers: Optional[str] = typer.Option(None, "--draft-layers",
+                                               help="Early exits of every draft model too (its own layers, "
+                                                    "e.g. 12,18), named <draft>-layer12."),
     quantized: Optional[str] = typer.Option(None, "--quantized",
                                             help="Quantized copies as drafters, comma list: int8, int4 (of the "
                                                  "target), MODEL:int8, MODEL:int4 (of a draft model, named "
@@ -162,8 +165,11 @@ def profile_cmd(
 
     resolve_target_precision(target_precision, dtype)
     budget = parse_cost_budget(cost_budget)
+    if draft_layers is not None and not draft_model:
+        raise HsdError("--draft-layers: exits of draft models need --draft-model")
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
+                        draft_layers=draft_layers,
                         quantized=quantized,
                         token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,

@@ -24,13 +24,16 @@ DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 
 
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the target's last layer n is always added).
-    Boundaries count decoder layers run (layer b = the residual stream after b layers)."""
+def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[int]:
+    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the model's last layer n is always added).
+    Boundaries count decoder layers run (layer b = the residual stream after b layers). Errors name ``flag``."""
     from hsd_opt.engine.layered import parse_layer_spec
 
     note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
-    return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
+    try:
+        return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
+    except HsdError as e:
+        raise HsdError(str(e).replace("--layers", flag, 1)) from None
 
 
 def short_name(model_id: str, taken: set[str]) -> str:
@@ -178,13 +181,15 @@ class Pool:
 
 def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], quantized: str | None,
                token_drafters: Sequence[str] | None, device: str, dtype: str, log: Callable[[str], None],
-               warn: Callable[[str], None]) -> Pool:
+               warn: Callable[[str], None], draft_layers: str | None = None) -> Pool:
     """The pool for target ``lm`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
     when its tokenizer differs), the ``quantized`` copies (``--quantized`` syntax: ``int8``/``int4`` of the
     target, ``MODEL:int4`` of a draft model) and the named ``token_drafters`` (None: the default pool). Names
-    are unique; a copy of draft model ``D`` is named ``D-int4``.
+    are unique; a copy of draft model ``D`` is named ``D-int4``. ``draft_layers`` (``--draft-layers`` syntax, in
+    each draft model's own layers): early exits of the draft models too, named ``D-layer<b>``, sharing the draft
+    model's engine as the target's exits share the target's.
 
     Every model is loaded once: its engines reference its weights. A model that only serves as the source of
     quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
@@ -215,6 +220,11 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
         deng = LayeredLM(dlm.model)
         name = short_name(dlm.model_id, taken)
         taken.add(name)
+        for b in (parse_layers(draft_layers, deng.n_layers, "--draft-layers") if draft_layers else [])[:-1]:
+            if f"{name}-layer{b}" in taken:
+                raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
+            taken.add(f"{name}-layer{b}")
+            neural.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
         drafts[dlm.model_id] = DraftSource(dlm, name, True)
     for ref, kind in parse_quantized_copies(quantized, eng.device if not eng.is_copy else "meta"):

@@ -56,6 +56,7 @@ class ProfileConfig:
     prompts: Path | None = None
     layers: str = "all"
     draft_models: list[str] = field(default_factory=list)
+    draft_layers: str | None = None                 # --draft-layers: early exits of each draft model too
     quantized: str | None = None                    # --quantized: None = default (int8,int4 where kernels run)
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
     heads: Path | None = None
@@ -176,6 +177,7 @@ def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries,
         "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": lm.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
+        "draft_layers": sorted({nd.boundary for nd in pool.neural if nd.kind == "early_exit" and nd.model_id}),
         "quantized": [nd.name for nd in pool.neural if nd.kind == "quantized"],
         "token_drafters": [f"{d.kind}:{d.name}" for d in pool.token] + (["aded:aded"] if pool.want_aded else []),
         "shard": list(cfg.shard) if cfg.shard else None,
@@ -213,7 +215,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     boundaries = parse_layers(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
     pool = build_pool(lm, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn)
+                      cfg.dtype, log, warn, cfg.draft_layers)
     settings = _settings(cfg, lm, heads_sha, suite, boundaries, pool, world, precision)
     token_names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]

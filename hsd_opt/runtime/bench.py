@@ -121,7 +121,7 @@ def _best_exit(plan) -> int | None:
         e = allm.get(n)
         if e is None and n.startswith("layer") and n[5:].isdigit():
             return int(n[5:])
-        if e and e.get("kind") == "early_exit":
+        if e and e.get("kind") == "early_exit" and "model" not in e:     # the target's own exits only
             return int(e["layer"])
     return None
 

@@ -1,12 +1,14 @@
 """From a plan to a running hierarchy: check the model the plan was solved for, build its levels.
 
 A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries for
-them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``). Entry
-kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM of the
-same tokenizer), ``quantized`` (``quantization``: a weight-quantized copy of the target, rebuilt here with
+them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``,
+``target_precision``). Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run; with ``model``, an
+exit of that draft model), ``model`` (``model``: another causal LM of the same tokenizer), ``quantized``
+(``quantization``: a weight-quantized copy of the target, or with ``model`` of that draft model, rebuilt here with
 :class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``,
 ... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted
-when every name is ``layer<N>`` (the profiler's naming).
+when every name is ``layer<N>`` (the profiler's naming). Each draft model is loaded once per process, and each
+quantized copy built once per model and setting.
 """
 
 from __future__ import annotations
@@ -131,7 +133,14 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
         e = entries[name]
         kind = e.get("kind", "model")
         where = f"hierarchy[{i}] ({name})"
-        if kind in MODEL_KINDS:
+        if kind == "early_exit" and isinstance(e.get("model"), str):     # an exit of a draft model
+            olm = draft_engine(load_draft_model(loaded, e["model"], device, dtype))
+            layer = e.get("layer")
+            if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= olm.n_layers:
+                raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e['model']} has layers "
+                                             f"1..{olm.n_layers}", where)
+            levels.append(Level(name, olm, layer))
+        elif kind in MODEL_KINDS:
             layer = e.get("layer")
             if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= L:
                 raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {loaded.model_id} has "
@@ -244,7 +253,8 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
 
     entries = {e.get("name"): e for e in plan.extra.get("models") or [] if isinstance(e, dict)}
     floats = {resolve_model_name(entries[n]["model"]) for h in hierarchies for n in h
-              if entries.get(n, {}).get("kind") == "model" and isinstance(entries[n].get("model"), str)}
+              if entries.get(n, {}).get("kind") in ("model", "early_exit")
+              and isinstance(entries[n].get("model"), str)}
     freed = 0
     for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items()):
         if mid not in floats and not is_released(other.model) and other.model in _QUANTIZED:
