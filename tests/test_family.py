@@ -313,6 +313,12 @@ def test_refinement_times_directly_where_the_scale_moves():
     assert refine_sizes({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.3, 16: 1.31}, 0.05) == [5, 6, 7]
     assert refine_sizes({1: 1.0, 2: 1.5, 4: 1.52}, 0.05) == []           # neighbours: nothing in between
     assert refine_sizes({1: 1.0, 4: 1.0, 8: 1.049}, 0.05) == []
+    # within an allowance: the largest change first, as long as its sizes fit (each size costs t seconds here)
+    scale = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.4, 16: 1.4}
+    assert refine_sizes(scale, 0.05) == [3, 5, 6, 7]
+    assert refine_sizes(scale, 0.05, cost=float, allowance=18.0) == [5, 6, 7]
+    assert refine_sizes(scale, 0.05, cost=float, allowance=17.9) == [3]
+    assert refine_sizes(scale, 0.05, cost=float, allowance=0.0) == []
 
 
 @pytest.mark.parametrize("level", ["full", "grid", "coarse"])
@@ -339,6 +345,12 @@ def test_cost_plans_bound_the_timing_calls(level):
     whole = sum(passes["steps"].values()) + direct                      # one advance each (steps, direct)
     segments = 3 * sum(passes["segments"].values())                     # an advance per boundary
     assert len(advances) == -(-40 // 16) + whole + segments
+    if level != "full":               # no allowance left over the plan: exactly the promised timings
+        steps2 = []
+        measure_costs(eng, [1, 2, 4], tmax=7, contexts=[8, 40], on_step=lambda m, s: steps2.append(m), plan=plan,
+                      calib=calib, on_extend=lambda n, s: pytest.fail("refined without an allowance"), chunk=16,
+                      refine_seconds=0.0)
+        assert len(steps2) == n
     timed = lcs[0].check["timed_t"]
     assert timed == (list(range(1, 9)) if level == "full" else sorted({1, 2, 4, 8} | set(timed)))
     for lc in lcs:

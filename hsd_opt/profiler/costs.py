@@ -443,16 +443,24 @@ def _shifted(base_fit: list[float], base_raw: list[float], raw: list[float], gri
     return [max(1e-12, b + d) for b, d in zip(base_fit, np.interp(ts, xs, diff))]
 
 
-def refine_sizes(scale: dict[int, float], tol: float) -> list[int]:
+def refine_sizes(scale: dict[int, float], tol: float, cost: Callable[[int], float] | None = None,
+                 allowance: float | None = None) -> list[int]:
     """The t between neighbouring timed sizes (keys of ``scale``: the whole model's direct timing over its
     segment sum) whose scales differ by more than ``tol`` (relative): there the per-layer model does not predict
-    the whole pass, so it is timed directly."""
+    the whole pass, so it is timed directly. With ``allowance`` (seconds) and ``cost(t)`` (seconds to time size
+    t), the gaps with the largest change first, as long as their sizes fit the allowance together."""
     ts = sorted(scale)
-    out = []
-    for a, b in zip(ts, ts[1:]):
-        if b - a > 1 and abs(scale[b] / scale[a] - 1.0) > tol:
-            out.extend(range(a + 1, b))
-    return out
+    gaps = [(abs(scale[b] / scale[a] - 1.0), list(range(a + 1, b))) for a, b in zip(ts, ts[1:])
+            if b - a > 1 and abs(scale[b] / scale[a] - 1.0) > tol]
+    out: list[int] = []
+    left = allowance
+    for _, sizes in sorted(gaps, key=lambda g: -g[0]):
+        need = sum(cost(t) for t in sizes) if cost is not None else 0.0
+        if left is not None and need > left:
+            continue
+        out.extend(sizes)
+        left = None if left is None else left - need
+    return sorted(out)
 
 
 @torch.no_grad()
@@ -461,14 +469,14 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                   step_check: bool = True, on_step: Callable[..., None] | None = None,
                   keep_states: dict | None = None, share_from=None, plan: CostPlan | None = None,
                   calib: Calibration | None = None, on_extend: Callable[[int, float], None] | None = None,
-                  chunk: int = PREFILL_CHUNK) -> list[LayerCosts]:
+                  chunk: int = PREFILL_CHUNK, refine_seconds: float | None = None) -> list[LayerCosts]:
     """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
     :class:`LayerCosts` per context, in increasing context order. ``on_step(message, seconds)`` is called after
     every prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them; ``seconds``:
     what ``calib`` expects the step to take): a progress bar moves at least every few seconds. ``plan``
     (default: the full plan of ``repeats``, ``warmup`` and ``curve_repeats``) says what is timed; a refinement of
     the direct timings first calls ``on_extend(steps, seconds)`` with what it adds (at most
-    :func:`refine_bound` steps).
+    :func:`refine_bound` steps, and within ``refine_seconds`` as ``calib`` prices them; None: no limit).
 
     Only the longest context is prefilled (``chunk`` tokens per call); the shorter ones copy its first keys and
     values. ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from =
@@ -558,7 +566,8 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
         timed = _time_direct(eng, base, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
                              n_direct, warmup, calib, direct_cb)
         scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
-        more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(scale, plan.refine_tol)
+        more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
+            scale, plan.refine_tol, lambda t: 2 * n_direct * calib.pass_seconds(t), refine_seconds)
         if more:
             if on_extend is not None:
                 on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))

@@ -30,6 +30,7 @@ from hsd_opt.profiler.costs import (
     PREFILL_CHUNK,
     calibrate,
     choose_plan,
+    estimate_seconds,
     fit_contexts,
     measure_costs,
     time_token_drafter,
@@ -410,6 +411,8 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
         plan, est = choose_plan(budget, engines, contexts, cfg.tmax, cfg.cost_repeats, cfg.cost_warmup,
                                 cfg.curve_repeats)
         tok_est = 0.05 * len(tds) * len(contexts)
+        est_of = {k: estimate_seconds(plan, calib[k], contexts, len(by_engine[k][1]), cfg.tmax, source[k] is not None)
+                  for k in order}
         note = (f"cost plan {plan.level!r}: about {est:.0f} s for {len(order)} engine(s)"
                 + ("" if cfg.cost_budget is None else f" (--cost-budget {cfg.cost_budget:.0f} s)"))
         if budget is not None and est > budget:
@@ -432,9 +435,11 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
                     progress.update(pid, total=progress.tasks[pid].total + seconds)
 
             chunk = max(MAX_PASS + 1, min(PREFILL_CHUNK, int(PROGRESS_SECONDS / calib[k].prefill_token)))
+            # refinements of the direct timings share what the budget leaves over the plan, by engine cost
+            slack = None if budget is None else max(0.0, budget - est) * est_of[k] / max(est, 1e-9)
             feeds = any(source[j] == k for j in order)
             lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, contexts=contexts, on_step=step, plan=plan, calib=calib[k],
-                                   on_extend=extend, chunk=chunk,
+                                   on_extend=extend, chunk=chunk, refine_seconds=slack,
                                    keep_states=states.setdefault(k, {}) if feeds else None,
                                    share_from=(by_engine[source[k]][0], states[source[k]]) if source[k] else None)
         states.clear()
