@@ -30,6 +30,13 @@ shared prompt cache does); then, on ``t`` new tokens:
 
 Every timing series is made non-decreasing in t by an isotonic least-squares fit (dips are noise), and
 :func:`monotone_in_context` makes the figures non-decreasing in the context as well.
+
+How much of this is timed is a :class:`CostPlan` (`docs/design.md#the-cost-budget`): ``full`` is the scheme
+above; ``grid`` and ``coarse`` time the whole model directly on the grid of t only, its curve elsewhere the
+segment sum scaled by the interpolated ratio of the two, refined with direct timings where that ratio moves
+(:func:`refine_sizes`). :func:`calibrate` times an engine briefly, :func:`estimate_seconds` prices a plan with
+that, and :func:`choose_plan` takes the most thorough plan that fits a budget in seconds. Only the longest context
+is prefilled; the shorter ones copy its first keys and values.
 """
 
 from __future__ import annotations
