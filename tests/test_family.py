@@ -418,6 +418,10 @@ def test_released_float_weights_leave_the_copy_working(family):
     h = HSD([Level("s4", copy, 2), Level("big", target, 4)], [3], eos_ids=[2])
     before = [h.generate(p, 12).token_ids for p in _prompts(2)]
     n = sum(p.numel() for p in small.model.parameters())
+    reader = LayeredLM(small.model)
+    with pytest.raises(HsdError, match="float engine"):          # it reads the weights in place: kept
+        release_float_weights(small.model)
+    del reader
     freed = release_float_weights(small.model)
     assert is_released(small.model) and freed > 0
     assert sum(p.numel() for p in small.model.parameters()) * 4 == n * 4 - freed
@@ -453,12 +457,27 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     c = hsd_for_plan(plan, loaded, hierarchy=["small", "layer4"], budgets=[3])
     assert loads == [str(family["small"])]
     assert a.levels[0].lm is b.levels[0].lm and a.levels[1].lm is c.levels[0].lm
-    assert release_unused_floats(plan, loaded, [["small", "layer4"]]) == 0     # the float one runs: kept
     small_model = a.levels[1].lm.model
+    assert release_unused_floats(plan, loaded, [["small", "layer4"]]) == 0     # the float one runs: kept
+    assert release_unused_floats(plan, loaded, [["small-int4", "layer4"]]) == 0   # its engine is alive: kept
     assert not is_released(small_model)
-    ref = hsd_for_plan(plan, loaded, hierarchy=["layer4"], budgets=[])
+    # a run of the copy alone (another target load: its own draft cache): the small model's floats go
+    fresh = _load(family["big"])
+    only = hsd_for_plan(plan, fresh, hierarchy=["small-int4", "layer4"], budgets=[3])
     p = _prompts(1)[0]
-    want = ref.generate(p, 12).token_ids
-    assert release_unused_floats(plan, loaded, [["small-int4", "layer4"]]) > 0
-    assert is_released(small_model) and not is_released(loaded.model)
-    assert b.generate(p, 12).token_ids == want
+    want = hsd_for_plan(plan, fresh, hierarchy=["layer4"], budgets=[]).generate(p, 12).token_ids
+    assert release_unused_floats(plan, fresh, [["small-int4", "layer4"]]) > 0
+    assert is_released(only.levels[0].lm.model) and not is_released(fresh.model)
+    assert only.generate(p, 12).token_ids == want
+
+
+def test_drop_pages_gives_back_a_view_of_a_buffer():
+    from hsd_opt.models.memory import drop_pages
+
+    buf = torch.ones(64 * 4096, dtype=torch.uint8)
+    base = buf.data_ptr()
+    start = (-base) % 4096 + 4096                                   # a page boundary inside the buffer
+    view = buf[start: start + 3 * 4096 + 100]
+    assert drop_pages(view) == 3 * 4096 and int(view[: 3 * 4096].sum()) == 0     # the pages read zeros now
+    assert int(buf[:start].sum()) == start and int(view[3 * 4096:].sum()) == 100  # nothing else changed
+    assert drop_pages(torch.ones(3 * 4096, dtype=torch.uint8)) == 0              # owns its storage

@@ -35,11 +35,36 @@ def test_linear_is_the_matrix_product_of_its_weights(kind, rows, cols):
     for m in (1, 2, 3, 5, 7):
         x = torch.randn(m, cols, generator=g)
         got = kernels.linear(LIB, mat, x)
-        want = x.double() @ deq.double().t() + b.double()
+        if kind in ("q4", "q8") and cols % kernels.GROUP == 0:
+            want = _integer_reference(mat, x) + b.double()
+        else:
+            want = x.double() @ deq.double().t() + b.double()
         assert got.shape == (m, rows) and got.dtype == torch.float32
         assert (got.double() - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+        # and what the weights compute on the unquantized input, to within the activations' rounding
+        exact = x.double() @ deq.double().t() + b.double()
+        assert (got.double() - exact).abs().max() <= 0.02 * (1 + exact.abs().max())
     if kind != "f32":   # quantized (or rounded) weights, each within half a step of the original
         assert not torch.equal(deq, w)
+
+
+def _integer_reference(mat: kernels.Mat, x: torch.Tensor) -> torch.Tensor:
+    """int4 / int8 rows times int8 activations, the scheme of kernels.c's integer path, in float64: each
+    position's input quantized per group of 32 columns to round(x * 127 / max|x|), scale max|x| / 127."""
+    m, K = x.shape
+    xg = x.reshape(m, K // 32, 32)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv[..., None]).double()                    # [m, G, 32]
+    d, sums = (amax / 127.0).double(), xg.sum(-1).double()           # [m, G]
+    if mat.kind == kernels.Q4:
+        _, scale, zero = mat.tensors
+        codes = kernels.q4_codes(mat).double()                       # [N, G, 32]
+        dots = torch.einsum("ngc,mgc->mng", codes, q)                # [m, N, G]
+        return (dots * scale.double()[None] * d[:, None]).sum(-1) + sums @ zero.double().t()
+    codes, scale = mat.tensors
+    dots = torch.einsum("ngc,mgc->mng", codes.double().reshape(mat.rows, K // 32, 32), q)
+    return (dots * d[:, None]).sum(-1) * scale.double()[None]
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
@@ -141,6 +166,29 @@ def test_long_passes_of_a_float32_model_take_the_exact_torch_path(tiny):
     assert not torch.equal(lean.hidden_states(short, [4])[4], ref.hidden_states(short, [4])[4])
 
 
+@pytest.mark.parametrize("kind", ["bf16", "q8", "q4"])
+def test_long_passes_of_the_other_engines_are_float32_gemms_close_to_the_kernels(tiny, kind):
+    """Prefill-sized passes of bfloat16 / quantized engines run the torch operations in float32 over the same
+    weights (no activation rounding), close to what their decode steps compute on the kernels."""
+    eng = _engines(tiny)[kind]
+    n = kernels.MAX_PASS + 6
+    ids = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(3))
+    long = eng.head(eng.hidden_states(ids, [4])[4], 4)               # one pass over n rows, one head call
+    st = eng.new_state(n + 1)
+    rows = []
+    for i in range(n):
+        eng.append(st, ids[i:i + 1])
+        eng.advance(st, 4)
+        rows.append(eng.logits(st, 4, i, i + 1))
+    steps = torch.cat(rows)
+    if kind == "bf16":   # the same float32 values in another order
+        assert (long - steps).abs().max() <= 1e-4 * steps.abs().max()
+    else:                # the steps also round the activations to int8 per group of 32 columns
+        l1 = (long.softmax(-1) - steps.softmax(-1)).abs().sum(-1).mean().item()
+        agree = (long.argmax(-1) == steps.argmax(-1)).float().mean().item()
+        assert l1 <= 0.1 and agree >= 0.85, (l1, agree)
+
+
 @pytest.mark.parametrize("chain,budgets", [(["layer1", "layer4"], [3]), (["q4", "layer2", "layer4"], [2, 3]),
                                            (["q8", "q4", "layer4"], [4, 2])])
 def test_hsd_on_the_kernels_equals_their_ar(tiny, chain, budgets):
@@ -178,7 +226,10 @@ def test_the_portable_build_agrees_with_itself_and_the_reference(tmp_path, monke
         mat = _mat(kind, w, None)
         x = torch.randn(6, 64, generator=g)
         got = kernels.linear(lib, mat, x)
-        assert (got - x @ mat.dequantized().t()).abs().max() <= 1e-4 * (1 + got.abs().max())
+        want = _integer_reference(mat, x) if kind in ("q4", "q8") else (x @ mat.dequantized().t()).double()
+        assert (got.double() - want).abs().max() <= 1e-4 * (1 + got.abs().max())
+        if kind in ("q4", "q8"):    # exact integer sums, the same lanes: the same bits as the AVX2 build
+            assert torch.equal(got, kernels.linear(LIB, mat, x))
         assert torch.equal(got, torch.cat([kernels.linear(lib, mat, x[i:i + 1]) for i in range(6)]))
 
 

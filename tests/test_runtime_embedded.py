@@ -1,8 +1,9 @@
 """Lossless greedy HSD on the embedded SmolLM2-135M-Instruct: hand-written plans of depth 2, 3 and 4 (early exits
 sharing one KV cache, the int4 copy of the target, and the context n-gram drafter at the bottom) emit exactly our
 autoregressive greedy ids on prompts of the suite; so do the solved plan (built the way ``hsd run`` builds it, with
-the abstaining lookup at the bottom) and plans of depth 3 and 4 on every prompt of the suite; our AR loop equals
-Hugging Face ``generate`` greedy."""
+the abstaining lookup at the bottom) and plans of depth 3 and 4 on every prompt of the suite; our AR loop on the
+decode kernels equals Hugging Face ``generate`` greedy and the torch path on every prompt of the suite; a bfloat16
+target's hierarchies equal its own AR."""
 
 from __future__ import annotations
 
@@ -94,19 +95,6 @@ def test_embedded_eager_mode_and_sampling_run(setup):
     assert 1 <= len(out.token_ids) <= 8
 
 
-def test_our_ar_equals_hf_generate(setup):
-    loaded, _, eos, prompts, refs = setup
-    for p, ref in list(zip(prompts, refs))[:2]:
-        ids = torch.tensor([p])
-        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW,
-                                    do_sample=False, eos_token_id=eos, pad_token_id=eos[0], temperature=None,
-                                    top_p=None, top_k=None)
-        hf = out[0, len(p):].tolist()
-        if eos[0] in hf:
-            hf = hf[: hf.index(eos[0]) + 1]
-        assert hf == ref
-
-
 @pytest.fixture(scope="module")
 def whole_suite(setup):
     """Every prompt of the suite, encoded, with our AR greedy reference of ``N_SUITE`` tokens."""
@@ -114,6 +102,51 @@ def whole_suite(setup):
     prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(SUITE).texts]
     ar = HSD([Level("layer30", lm, 30)], [], eos_ids=eos)
     return prompts, [ar.generate(p, N_SUITE).token_ids for p in prompts]
+
+
+def test_our_ar_on_the_kernels_equals_hf_generate_on_every_suite_prompt(setup, whole_suite):
+    """The kernels reorder float32 sums (docs/design.md#decode-kernels); greedy outputs still agree with HF
+    ``generate`` on every prompt of the suite."""
+    loaded, lm, eos, _, _ = setup
+    assert lm.uses_kernels
+    prompts, refs = whole_suite
+    for k, (p, ref) in enumerate(zip(prompts, refs)):
+        ids = torch.tensor([p])
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_SUITE,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=eos[0], temperature=None,
+                                    top_p=None, top_k=None)
+        hf = out[0, len(p):].tolist()
+        hit = [i for i, t in enumerate(hf) if t in eos]
+        assert (hf[: hit[0] + 1] if hit else hf) == ref, k
+
+
+def test_the_torch_path_gives_the_kernels_greedy_output_on_every_suite_prompt(setup, whole_suite):
+    loaded, _, eos, _, _ = setup
+    eager = LayeredLM(loaded.model, kernels=False)
+    ar = HSD([Level("layer30", eager, 30)], [], eos_ids=eos)
+    prompts, refs = whole_suite
+    for k, (p, ref) in enumerate(zip(prompts, refs)):
+        assert ar.generate(p, N_SUITE).token_ids == ref, k
+
+
+def test_bfloat16_target_hsd_equals_its_own_ar(setup):
+    """A bfloat16 target is another target with its own greedy output; its int4 copy and exits draft for it
+    losslessly."""
+    from hsd_opt.engine.quantized import QuantizedLM
+    from hsd_opt.models.loading import load_model
+
+    _, _, eos, prompts, _ = setup
+    bf = load_model("smollm2-135m", device="cpu", dtype="bfloat16")
+    lm = LayeredLM(bf.model)
+    assert lm.uses_kernels and bf.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    q4 = QuantizedLM(bf.model, bits=4)
+    ar = HSD([Level("layer30", lm, 30)], [], eos_ids=eos)
+    for chain, budgets in ((["int4"], [8]), (["ngram", "int4"], [1, 12]), (["layer22", "layer28"], [2, 4])):
+        levels = [Level(n, drafter=_ngram()) if n == "ngram" else Level(n, q4, 30) if n == "int4"
+                  else Level(n, lm, int(n[5:])) for n in chain]
+        h = HSD(levels + [Level("layer30", lm, 30)], budgets, eos_ids=eos)
+        for p in prompts:
+            assert h.generate(p, N_NEW).token_ids == ar.generate(p, N_NEW).token_ids, chain
 
 
 def test_solved_plan_lossless_on_every_suite_prompt(setup, whole_suite):

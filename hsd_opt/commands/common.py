@@ -71,4 +71,17 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
         resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
     check_provenance(plan, loaded, str(plan_path), target_precision)
+    prepare_kernels(loaded.device)
     return plan, loaded
+
+
+def prepare_kernels(device: str) -> None:
+    """On a CPU, load the decode kernels now, so that their one-time build (a few seconds) is announced on stderr
+    rather than passing silently inside the first engine that wants them."""
+    from hsd_opt.models.loading import resolve_device
+
+    if resolve_device(str(device)).type == "cpu":
+        from hsd_opt.console import err_console
+        from hsd_opt.engine import kernels
+
+        kernels.load(log=lambda m: err_console.print(m))

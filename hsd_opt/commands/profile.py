@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from hsd_opt.commands.common import cli_command
+from hsd_opt.commands.common import cli_command, prepare_kernels
 from hsd_opt.console import console, err_console, warn
 
 
@@ -177,6 +177,8 @@ def profile_cmd(
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
                         shard=parse_shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)
+    if not quiet:
+        prepare_kernels(device)
     try:
         prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
     except KeyboardInterrupt:

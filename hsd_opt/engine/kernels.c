@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__) && !defined(HSD_PORTABLE)
@@ -38,7 +39,9 @@ enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3 };
 
 typedef struct {
     int32_t type, rows, cols, pad;
-    const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2] */
+    const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, 16 * groups
+                          * rounded up to even]: 32 bytes per pair of groups, byte j = code j of the first group
+                          * (low nibble) | code j of the second (high nibble) */
     const float *scale;  /* q8: [rows]; q4: [rows, cols / 32] */
     const float *zero;   /* q4: [rows, cols / 32], the group minimum: w = code * scale + zero */
     const float *bias;   /* [rows] or NULL */
@@ -55,7 +58,7 @@ typedef struct {
     const hsd_layer *layers;
 } hsd_model;
 
-int hsd_version(void) { return 3; }
+int hsd_version(void) { return 5; }
 int hsd_simd(void) { return HSD_AVX2; }
 
 /* ------------------------------------------------------------------------------------------------ dot products */
@@ -75,7 +78,6 @@ static inline float hsum8(__m256 v) {
 }
 #define ACC(a, w, x) a = _mm256_fmadd_ps(w, x, a)
 #else
-typedef struct { float l[8]; } lanes8;
 static inline float hsum_lanes(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
@@ -89,9 +91,9 @@ static inline float tail(const float *w, const float *x, int c0, int K, float s)
 /* s[t * 4 + i] = w_i . x_t for 4 rows (float32, K columns) and m positions (x row stride xs). */
 static void dots4(const float *const *w, int K, const float *x, int xs, int m, float *s) {
     const int K8 = K & ~7;
-    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     int t = 0;
 #if HSD_AVX2
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     for (; t + 3 <= m; t += 3) {
         const float *xa = x + (size_t)t * xs, *xb = xa + xs, *xc = xb + xs;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -160,29 +162,6 @@ static void expand_row(const hsd_mat *A, int r, float *buf) {
     } else if (A->type == HSD_Q8) {
         const int8_t *p = (const int8_t *)A->w + (size_t)r * K;
         for (int c = 0; c < K; c++) buf[c] = (float)p[c];
-    } else { /* HSD_Q4 */
-        const int G = K / HSD_GROUP;
-        const uint8_t *p = (const uint8_t *)A->w + (size_t)r * (K / 2);
-        const float *sc = A->scale + (size_t)r * G, *zr = A->zero + (size_t)r * G;
-        for (int g = 0; g < G; g++) {
-            const uint8_t *b = p + g * 16;
-            float *o = buf + g * HSD_GROUP;
-#if HSD_AVX2
-            const __m256i mask = _mm256_set1_epi32(0xF);
-            const __m256 s = _mm256_broadcast_ss(sc + g), z = _mm256_broadcast_ss(zr + g);
-            __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-            __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mask)), s, z));
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mask)), s, z));
-            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), s, z));
-            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), s, z));
-#else
-            for (int j = 0; j < 16; j++) {
-                o[j] = fmaf((float)(b[j] & 15), sc[g], zr[g]);
-                o[j + 16] = fmaf((float)(b[j] >> 4), sc[g], zr[g]);
-            }
-#endif
-        }
     }
 }
 
@@ -196,52 +175,13 @@ static inline __m256 conv8(const hsd_mat *A, size_t off) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)A->w + off))));
 }
 
-/* s[t * 4 + i] = W[r + i] . x_t for 4 rows of a bf16 / int8 / int4 matrix and m <= 2 positions, converting the
+/* s[t * 4 + i] = W[r + i] . x_t for 4 rows of a bf16 / int8 matrix and m <= 2 positions, converting the
  * weights in registers: the same values and operations as expand_row followed by dots4, without the buffer. */
 static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, float *s) {
     const int K = A->cols;
     const float *xb = x + (m > 1 ? xs : 0);
     __m256 a[4], b[4];
     for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-    if (A->type == HSD_Q4) {
-        const int G = K / HSD_GROUP;
-        const __m256i mask = _mm256_set1_epi32(0xF);
-        const uint8_t *p[4];
-        const float *sc[4], *zr[4];
-        for (int i = 0; i < 4; i++) {
-            p[i] = (const uint8_t *)A->w + (size_t)(r + i) * (K / 2);
-            sc[i] = A->scale + (size_t)(r + i) * G;
-            zr[i] = A->zero + (size_t)(r + i) * G;
-        }
-        for (int g = 0; g < G; g++) {
-            const float *u = x + g * HSD_GROUP, *v = xb + g * HSD_GROUP;
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *q = p[i] + g * 16;
-                const __m256 sv = _mm256_broadcast_ss(sc[i] + g), zv = _mm256_broadcast_ss(zr[i] + g);
-                __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-                __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
-                __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mask)), sv, zv);
-                __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mask)), sv, zv);
-                __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), sv, zv);
-                __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), sv, zv);
-                a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(u), a[i]);
-                a[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(u + 8), a[i]);
-                a[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(u + 16), a[i]);
-                a[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(u + 24), a[i]);
-                if (m > 1) {
-                    b[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v), b[i]);
-                    b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), b[i]);
-                    b[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), b[i]);
-                    b[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), b[i]);
-                }
-            }
-        }
-        for (int i = 0; i < 4; i++) {
-            s[i] = hsum8(a[i]);
-            if (m > 1) s[4 + i] = hsum8(b[i]);
-        }
-        return;
-    }
     const int K8 = K & ~7;
     for (int c = 0; c < K8; c += 8) {
         const __m256 u = _mm256_loadu_ps(x + c), v = _mm256_loadu_ps(xb + c);
@@ -264,10 +204,218 @@ static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, floa
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------------ integer path */
+
+/* int4 and int8 weights (with whole groups of 32 columns) multiply int8 activations, as llama.cpp's Q4_1 x Q8_1
+ * and Q8_0 x Q8_0 dot products do: each position's input is quantized per group of 32 columns to
+ * q = round(x * 127 / max|x|) with scale d = max|x| / 127, and the exact float sum s of the group is kept.
+ * For an int4 row (codes c, group scale a, minimum z) and an int8 row (codes c, row scale a):
+ *     int4: W[r] . x ~ sum_g (a_g d_g) (c_g . q_g) + sum_g z_g s_g
+ *     int8: W[r] . x ~ a * sum_g d_g (c_g . q_g)
+ * The integer dot products are exact; the float part accumulates 8 lanes (lane i: columns 4i..4i+3 of each
+ * group) over the groups in order, then one fixed horizontal sum, then the minimum term in group order: the same
+ * operations for every position whatever the tile, so the path stays batch-invariant. */
+
+typedef struct {
+    const int8_t *q; /* [m, cols] */
+    const float *d;  /* [m, cols / 32] */
+    const float *s;  /* [m, cols / 32] */
+    int cols;
+} qx_t;
+
+/* Bytes of one int4 row of G groups: 32 per pair of groups (an odd last group takes a whole pair's bytes). */
+static inline size_t q4_row_bytes(int G) { return (size_t)16 * (G + (G & 1)); }
+
+static inline int int_path(const hsd_mat *A) {
+    return (A->type == HSD_Q4 || A->type == HSD_Q8) && A->cols % HSD_GROUP == 0;
+}
+
+/* Quantize x [m, K] (row stride xs) for the integer path into q [m, K], d and s [m, K / 32]. */
+static void quantize_x(const float *x, int xs, int m, int K, int8_t *q, float *d, float *s) {
+    const int G = K / HSD_GROUP;
+    for (int t = 0; t < m; t++)
+        for (int g = 0; g < G; g++) {
+            const float *p = x + (size_t)t * xs + g * HSD_GROUP;
+            int8_t *o = q + (size_t)t * K + g * HSD_GROUP;
+            float amax = 0.f, sum = 0.f;
+            for (int j = 0; j < HSD_GROUP; j++) {
+                float a = fabsf(p[j]);
+                amax = a > amax ? a : amax;
+                sum += p[j];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int j = 0; j < HSD_GROUP; j++) o[j] = (int8_t)nearbyintf(p[j] * inv);
+            d[(size_t)t * G + g] = amax / 127.f;
+            s[(size_t)t * G + g] = sum;
+        }
+}
+
+#if HSD_AVX2
+
+/* 8 lanes of exact integer sums (lane i: columns 4i..4i+3) as float: unsigned u times signed y. */
+static inline __m256 idot(__m256i u, __m256i y) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
+}
+#else
+static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c: 32 signed codes */
+    for (int i = 0; i < 8; i++)
+        out[i] = (float)(c[4 * i] * y[4 * i] + c[4 * i + 1] * y[4 * i + 1] + c[4 * i + 2] * y[4 * i + 2]
+                         + c[4 * i + 3] * y[4 * i + 3]);
+}
+#endif
+
+#if HSD_AVX2
+/* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second. */
+static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *A, const int *rr, const qx_t *X,
+                                                                 int t0, const int MT, float *s) {
+    const int K = A->cols, G = K / HSD_GROUP;
+    const int8_t *xq0 = X->q + (size_t)t0 * K, *xq1 = xq0 + (MT > 1 ? K : 0);
+    const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
+    const uint8_t *wp[4];
+    const float *sp[4];
+    for (int i = 0; i < 4; i++) {
+        wp[i] = A->type == HSD_Q4 ? (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G)
+                                  : (const uint8_t *)A->w + (size_t)rr[i] * K;
+        sp[i] = A->type == HSD_Q4 ? A->scale + (size_t)rr[i] * G : NULL;
+    }
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    if (A->type == HSD_Q4) {
+        const __m256i mask = _mm256_set1_epi8(0xF);
+        for (int g = 0; g < G; g++) {
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
+            const __m256 e0 = _mm256_set1_ps(d0[g]);
+            const int hi = g & 1;
+            const size_t off = (size_t)16 * (g - hi);
+#define Q4ROW(i, A0, B0)                                                                                       \
+    {                                                                                                           \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wp[i] + off));                                  \
+        const __m256i c = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, mask);                            \
+        const __m256 sc = _mm256_set1_ps(sp[i][g]);                                                             \
+        A0 = _mm256_fmadd_ps(idot(c, y0), _mm256_mul_ps(sc, e0), A0);                                           \
+        if (MT > 1) B0 = _mm256_fmadd_ps(idot(c, y1), _mm256_mul_ps(sc, e1), B0);                              \
+    }
+            if (MT > 1) {
+                const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
+                const __m256 e1 = _mm256_set1_ps(d1[g]);
+                Q4ROW(0, a0, b0) Q4ROW(1, a1, b1) Q4ROW(2, a2, b2) Q4ROW(3, a3, b3)
+            } else {
+                const __m256i y1 = y0;
+                const __m256 e1 = e0;
+                Q4ROW(0, a0, b0) Q4ROW(1, a1, b1) Q4ROW(2, a2, b2) Q4ROW(3, a3, b3)
+            }
+#undef Q4ROW
+        }
+    } else {
+        for (int g = 0; g < G; g++) {
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
+            const __m256 e0 = _mm256_set1_ps(d0[g]), e1 = _mm256_set1_ps(d1[g]);
+#define Q8ROW(i, A0, B0)                                                                                       \
+    {                                                                                                           \
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wp[i] + g * HSD_GROUP));                         \
+        const __m256i aw = _mm256_sign_epi8(w, w);                                                              \
+        A0 = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y0, w)), e0, A0);                                        \
+        if (MT > 1) B0 = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y1, w)), e1, B0);                           \
+    }
+            Q8ROW(0, a0, b0) Q8ROW(1, a1, b1) Q8ROW(2, a2, b2) Q8ROW(3, a3, b3)
+#undef Q8ROW
+        }
+    }
+    s[0] = hsum8(a0); s[1] = hsum8(a1); s[2] = hsum8(a2); s[3] = hsum8(a3);
+    if (MT > 1) { s[4] = hsum8(b0); s[5] = hsum8(b1); s[6] = hsum8(b2); s[7] = hsum8(b3); }
+}
+#endif
+
+/* s[t * 4 + i] for rows r .. r+3 (rows past n repeat row n-1) and positions t < mt <= 2 of X: the float part of
+ * the dot products above, before the minimum term, the int8 row scale and the bias. The int4 group factor is
+ * (scale_g * d_g), computed as one float product. */
+static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, float *s) {
+    int rr[4];
+    for (int i = 0; i < 4; i++) rr[i] = r + (i < n ? i : n - 1);
+#if HSD_AVX2
+    if (mt > 1)
+        int_dots4_avx2(A, rr, X, t0, 2, s);
+    else
+        int_dots4_avx2(A, rr, X, t0, 1, s);
+#else
+    const int K = A->cols, G = K / HSD_GROUP;
+    for (int t = 0; t < mt; t++) {
+        const int8_t *xq = X->q + (size_t)(t0 + t) * K;
+        const float *dd = X->d + (size_t)(t0 + t) * G;
+        for (int i = 0; i < 4; i++) {
+            float l[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
+            int c[32];
+            for (int g = 0; g < G; g++) {
+                float sc;
+                if (A->type == HSD_Q4) {
+                    const uint8_t *b = (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G) + 16 * (g - (g & 1));
+                    for (int j = 0; j < 32; j++) c[j] = (g & 1) ? b[j] >> 4 : b[j] & 15;
+                    sc = A->scale[(size_t)rr[i] * G + g] * dd[g];
+                } else {
+                    const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
+                    for (int j = 0; j < 32; j++) c[j] = w[j];
+                    sc = dd[g];
+                }
+                idot_lanes(c, xq + g * HSD_GROUP, f);
+                for (int j = 0; j < 8; j++) l[j] = fmaf(f[j], sc, l[j]);
+            }
+            s[t * 4 + i] = hsum_lanes(l);
+        }
+    }
+#endif
+}
+
+/* sum_g z[g] * v[g] over G groups: 8 lanes over the groups in order, one fixed horizontal sum, then the tail. */
+static inline float group_dot(const float *z, const float *v, int G) {
+    const int G8 = G & ~7;
+#if HSD_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (int g = 0; g < G8; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(v + g), a);
+    float t = hsum8(a);
+#else
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int g = 0; g < G8; g += 8)
+        for (int j = 0; j < 8; j++) l[j] = fmaf(z[g + j], v[g + j], l[j]);
+    float t = hsum_lanes(l);
+#endif
+    for (int g = G8; g < G; g++) t = fmaf(z[g], v[g], t);
+    return t;
+}
+
+/* Rows [r0, r1) of an integer-path matrix: y[t * ys + r] (+)= W[r] . x_t for the m positions of X. */
+static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
+    const int G = A->cols / HSD_GROUP;
+    float s[8];
+    for (int r = r0; r < r1; r += 4) {
+        const int n = r1 - r < 4 ? r1 - r : 4;
+        for (int t0 = 0; t0 < m; t0 += 2) {
+            const int mt = m - t0 < 2 ? m - t0 : 2;
+            int_dots4(A, r, n, X, t0, mt, s);
+            for (int t = 0; t < mt; t++)
+                for (int i = 0; i < n; i++) {
+                    float v = s[t * 4 + i];
+                    if (A->type == HSD_Q4) {
+                        v += group_dot(A->zero + (size_t)(r + i) * G, X->s + (size_t)(t0 + t) * G, G);
+                    } else {
+                        v *= A->scale[r + i];
+                    }
+                    if (A->bias) v += A->bias[r + i];
+                    float *out = y + (size_t)(t0 + t) * ys + r + i;
+                    *out = acc ? *out + v : v;
+                }
+        }
+    }
+}
+
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
- * buf: 4 * cols floats of scratch for the expanded rows (unused for float32 weights). */
-static void mat_rows(const hsd_mat *A, const float *x, int xs, int m, float *y, int ys, int r0, int r1, int acc,
-                     float *buf) {
+ * X: x quantized for the integer path (used when int_path(A)). buf: 4 * cols floats of scratch for expanded
+ * rows (bfloat16, and int8 without whole groups). */
+static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
+                     int acc, float *buf) {
+    if (int_path(A)) {
+        int_rows(A, X, m, y, ys, r0, r1, acc);
+        return;
+    }
     const int K = A->cols;
     float s[4 * HSD_MAX_TILE_T];
     for (int r = r0; r < r1; r += 4) {
@@ -322,7 +470,7 @@ static inline void share(int n, int align, int *a, int *b) {
 
 /* Rows of several matrices that read the same input, as if stacked: this thread's share of the stacked rows. */
 static void stacked_rows(const hsd_mat *const *mats, float *const *outs, const int *ys, int n, const float *x, int xs,
-                         int m, float *buf) {
+                         const qx_t *X, int m, float *buf) {
     int total = 0;
     for (int i = 0; i < n; i++) total += mats[i]->rows;
     int a, b;
@@ -332,7 +480,7 @@ static void stacked_rows(const hsd_mat *const *mats, float *const *outs, const i
         int lo = a - base, hi = b - base, R = mats[i]->rows;
         if (lo < 0) lo = 0;
         if (hi > R) hi = R;
-        if (lo < hi) mat_rows(mats[i], x, xs, m, outs[i], ys[i], lo, hi, 0, buf);
+        if (lo < hi) mat_rows(mats[i], x, xs, X, m, outs[i], ys[i], lo, hi, 0, buf);
         base += R;
     }
 }
@@ -409,8 +557,9 @@ static int max_cols(const hsd_model *M) {
 /* Floats of work buffer hsd_layers needs for m positions with keys up to cache_len and nthreads threads. */
 long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
     const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
-    return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I)
-        + (long)nthreads * ((cache_len + 16) + 4L * max_cols(M) + 16);
+    const long mk = max_cols(M);
+    return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + mk / 4 + 2 * (mk / HSD_GROUP) + 16)
+        + (long)nthreads * ((cache_len + 16) + 4L * mk + 16);
 }
 
 /* Decoder layers l0 .. l1-1 on x [m, hidden] (in place) at positions start .. start+m-1.
@@ -426,26 +575,35 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
     float *qkv = h + (size_t)m * d;      /* [m, QKVW] */
     float *att = qkv + (size_t)m * QKVW; /* [m, QW] */
     float *gu = att + (size_t)m * QW;    /* [m, 2I]: gate | up, then silu(gate) * up in the gate half */
-    float *scr = gu + (size_t)m * 2 * I; /* per thread: attention scores, expanded weight rows */
-    const size_t per_thread = (size_t)(cache_len + 16) + 4 * (size_t)max_cols(M) + 16;
+    const int mk = max_cols(M);
+    float *xd = gu + (size_t)m * 2 * I;                  /* [m, mk / 32] quantized inputs: scales */
+    float *xsum = xd + (size_t)m * (mk / HSD_GROUP);      /* [m, mk / 32] group sums */
+    int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
+    float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
+    const size_t per_thread = (size_t)(cache_len + 16) + 4 * (size_t)mk + 16;
     const int rep = H / KV;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num();
         float *sc = scr + (size_t)tid * per_thread;
         float *buf = sc + cache_len + 16;
+        qx_t X = {xq, xd, xsum, 0};
         for (int l = l0; l < l1; l++) {
             const hsd_layer *L = &M->layers[l];
             float *K = kc[l], *V = vc[l];
             /* 1. input norm */
 #pragma omp single
-            rms_norm_rows(x, m, d, L->ln1, M->eps1, h);
+            {
+                rms_norm_rows(x, m, d, L->ln1, M->eps1, h);
+                if (int_path(&L->q) || int_path(&L->k) || int_path(&L->v)) quantize_x(h, d, m, d, xq, xd, xsum);
+            }
             /* 2. q, k, v (implicit barrier above) */
             {
                 const hsd_mat *mats[3] = {&L->q, &L->k, &L->v};
                 float *outs[3] = {qkv, qkv + QW, qkv + QW + KW};
                 int ys[3] = {QKVW, QKVW, QKVW};
-                stacked_rows(mats, outs, ys, 3, h, d, m, buf);
+                X.cols = d;
+                stacked_rows(mats, outs, ys, 3, h, d, &X, m, buf);
             }
 #pragma omp barrier
             /* 3. rotate q and k; write k and v into the cache */
@@ -473,21 +631,30 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
                            V + (size_t)g * cache_len * hd, start + t, hd, sc, att + (size_t)t * QW + hh * hd);
             }
             /* 5. x += o(att) (implicit barrier above) */
+            if (int_path(&L->o)) {
+#pragma omp single
+                quantize_x(att, QW, m, QW, xq, xd, xsum);
+            }
             {
                 int a, b;
                 share(d, 4, &a, &b);
-                mat_rows(&L->o, att, QW, m, x, d, a, b, 1, buf);
+                X.cols = QW;
+                mat_rows(&L->o, att, QW, &X, m, x, d, a, b, 1, buf);
             }
 #pragma omp barrier
             /* 6. post-attention norm */
 #pragma omp single
-            rms_norm_rows(x, m, d, L->ln2, M->eps2, h);
+            {
+                rms_norm_rows(x, m, d, L->ln2, M->eps2, h);
+                if (int_path(&L->gate) || int_path(&L->up)) quantize_x(h, d, m, d, xq, xd, xsum);
+            }
             /* 7. gate and up for this thread's rows, then silu(gate) * up */
             {
                 int a, b;
                 share(I, 4, &a, &b);
-                mat_rows(&L->gate, h, d, m, gu, 2 * I, a, b, 0, buf);
-                mat_rows(&L->up, h, d, m, gu + I, 2 * I, a, b, 0, buf);
+                X.cols = d;
+                mat_rows(&L->gate, h, d, &X, m, gu, 2 * I, a, b, 0, buf);
+                mat_rows(&L->up, h, d, &X, m, gu + I, 2 * I, a, b, 0, buf);
                 for (int t = 0; t < m; t++) {
                     float *row = gu + (size_t)t * 2 * I;
                     for (int r = a; r < b; r++) row[r] = silu(row[r]) * row[I + r];
@@ -495,10 +662,15 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
             }
 #pragma omp barrier
             /* 8. x += down(act) */
+            if (int_path(&L->down)) {
+#pragma omp single
+                quantize_x(gu, 2 * I, m, I, xq, xd, xsum);
+            }
             {
                 int a, b;
                 share(d, 4, &a, &b);
-                mat_rows(&L->down, gu, 2 * I, m, x, d, a, b, 1, buf);
+                X.cols = I;
+                mat_rows(&L->down, gu, 2 * I, &X, m, x, d, a, b, 1, buf);
             }
 #pragma omp barrier
         }
@@ -510,13 +682,32 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
  * work: nthreads * 4 * cols floats (expanded rows; unused for float32 weights). */
 int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, int nthreads) {
     if (m < 1 || (A->type != HSD_F32 && !work)) return -1;
+    qx_t X = {NULL, NULL, NULL, A->cols};
+    int8_t *xq = NULL;
+    float *xd = NULL;
+    if (int_path(A)) {
+        const int G = A->cols / HSD_GROUP;
+        xq = malloc((size_t)m * A->cols);
+        xd = malloc(sizeof(float) * 2 * (size_t)m * G);
+        if (!xq || !xd) {
+            free(xq);
+            free(xd);
+            return -1;
+        }
+        quantize_x(x, A->cols, m, A->cols, xq, xd, xd + (size_t)m * G);
+        X.q = xq;
+        X.d = xd;
+        X.s = xd + (size_t)m * G;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int a, b;
         share(A->rows, 4, &a, &b);
         float *buf = work ? work + (size_t)omp_get_thread_num() * 4 * A->cols : NULL;
-        mat_rows(A, x, A->cols, m, y, A->rows, a, b, 0, buf);
+        mat_rows(A, x, A->cols, &X, m, y, A->rows, a, b, 0, buf);
     }
+    free(xq);
+    free(xd);
     return 0;
 }
 

@@ -212,8 +212,7 @@ class Mat:
             return w.float()
         if self.kind == Q8:
             return w.float() * self.tensors[1][:, None]
-        codes = torch.cat([w & 15, w >> 4], -1)  # [rows, groups, 32] in column order
-        g = codes.float() * self.tensors[1][..., None] + self.tensors[2][..., None]
+        g = q4_codes(self).float() * self.tensors[1][..., None] + self.tensors[2][..., None]
         return g.reshape(self.rows, self.cols)
 
 
@@ -232,8 +231,9 @@ def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
 def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = GROUP) -> Mat:
     """Asymmetric int4 in groups of 32 input columns: ``w ~ code * scale + minimum`` per group (``scale = (max -
     min) / 15``), the scheme of GGUF's Q4_1, whose codes it recovers exactly from de-quantized Q4_1 weights.
-    Stored as bytes ``[rows, cols / 32, 16]``: byte ``b`` of a group holds code ``b`` (low nibble) and code
-    ``b + 16`` (high nibble)."""
+    Stored as bytes ``[rows, pairs, 32]`` with ``pairs = ceil(groups / 2)``: byte ``j`` of pair ``p`` holds code
+    ``j`` of group ``2p`` (low nibble) and code ``j`` of group ``2p + 1`` (high nibble), so one 32-byte load and
+    a mask (or a shift and a mask) give a group's 32 codes in column order."""
     if group_size != GROUP:
         raise HsdError(f"kernels: int4 groups are {GROUP} columns, got {group_size}")
     w = weight.detach().float()
@@ -244,8 +244,19 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None, group_si
     lo, hi = wg.amin(-1), wg.amax(-1)
     step = ((hi - lo) / 15.0).clamp_min(1e-12)
     q = torch.round((wg - lo[..., None]) / step[..., None]).clamp_(0, 15).to(torch.uint8)
-    packed = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+    G = K // GROUP
+    if G % 2:
+        q = torch.cat([q, torch.zeros(N, 1, GROUP, dtype=torch.uint8)], 1)
+    q = q.reshape(N, -1, 2, GROUP)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
     return Mat(Q4, N, K, [packed, step.contiguous(), lo.contiguous()], bias)
+
+
+def q4_codes(mat: Mat) -> torch.Tensor:
+    """The codes of an int4 :class:`Mat` as uint8 ``[rows, groups, 32]`` in column order (0..15)."""
+    packed = mat.tensors[0]
+    pairs = torch.stack([packed & 15, packed >> 4], 2)      # [rows, pairs, 2, 32]
+    return pairs.reshape(mat.rows, -1, GROUP)[:, : mat.cols // GROUP]
 
 
 def quantize(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> Mat:
@@ -273,6 +284,21 @@ class LayerMats:
         return sum(m.nbytes() for m in self.mats)
 
 
+class DenseLayer:
+    """One layer's weights as float32 ``[out, in]`` tensors and biases, named as the engine's torch path reads
+    them (``q, bq, k, bk, ..., ln1, eps1, act``)."""
+
+    def __init__(self, lm: LayerMats, eps1: float, eps2: float):
+        import torch.nn.functional as F
+
+        names = ("q", "k", "v", "o", "gate", "up", "down")
+        for name, m in zip(names, lm.mats):
+            setattr(self, name, m.dequantized())
+            setattr(self, "b" + name, m.bias)
+        self.ln1, self.ln2, self.eps1, self.eps2 = lm.ln1, lm.ln2, eps1, eps2
+        self.act, self.qk_norm = F.silu, False
+
+
 class LayerStack:
     """A model's decoder layers as the kernels see them (pre-norm, rotary, grouped-query attention, SiLU MLP).
 
@@ -296,11 +322,17 @@ class LayerStack:
         self.c = _CModel(n_heads, n_kv, head_dim, hidden, inter, 0, eps1, eps2,
                          ctypes.cast(arr, ctypes.POINTER(_CLayer)))
         self.hidden = hidden
+        self.eps1, self.eps2 = eps1, eps2
         self._work = torch.empty(0)
         self._xg = torch.empty(0)
 
     def nbytes(self) -> int:
         return sum(lm.nbytes() for lm in self.layers)
+
+    def dense_layer(self, l: int) -> "DenseLayer":
+        """Layer ``l``'s weights as float32 tensors (converted or de-quantized for one pass; float32 weights are
+        the stored tensors themselves), in the fields the engine's torch path reads."""
+        return DenseLayer(self.layers[l], self.eps1, self.eps2)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))

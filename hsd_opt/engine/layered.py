@@ -22,6 +22,7 @@ q/k/v/o projections and an ``mlp``), which covers LayerSkip's Llama-2/3 checkpoi
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -85,6 +86,16 @@ class _LayerWeights:
 RELEASED_MARK = "_hsd_float_weights_released"
 
 
+#: Set on a ``transformers`` model: the live float engines (:class:`LayeredLM`) over its own weights.
+FLOAT_ENGINES_MARK = "_hsd_float_engines"
+
+
+def float_engines(model) -> list:
+    """The float engines (:class:`LayeredLM` over the model's own weights) still alive over ``model``."""
+    ws = getattr(model, FLOAT_ENGINES_MARK, None)
+    return list(ws) if ws is not None else []
+
+
 def is_released(model) -> bool:
     """True when :func:`release_float_weights` emptied ``model``'s float decoder weights."""
     return bool(getattr(model, RELEASED_MARK, False))
@@ -97,7 +108,16 @@ def release_float_weights(model) -> int:
 
     Each weight becomes an empty tensor, so nothing can compute with it by mistake: a later float engine over
     the model is refused (:class:`LayeredLM`), and so is a new quantized copy; a Hugging Face forward fails on
-    the shapes. An engine built before still holds its own reference, and that storage stays alive."""
+    the shapes. Weights that are views into one buffer (:func:`~hsd_opt.models.memory.resident_weights`) give
+    their pages back to the OS. Refused (:class:`HsdError`) while a float engine over the model is alive: it
+    reads those weights in place."""
+    import gc
+
+    from hsd_opt.models.memory import drop_pages
+
+    gc.collect()
+    if float_engines(model):
+        raise HsdError("release_float_weights: a float engine over the model still reads its weights")
     freed = 0
     base = model.model
     linears = [getattr(layer.self_attn, n) for layer in base.layers for n in ("q_proj", "k_proj", "v_proj",
@@ -110,6 +130,8 @@ def release_float_weights(model) -> int:
             w = lin.weight
             freed += w.numel() * w.element_size()
             lin.weight = torch.nn.Parameter(w.new_empty(0), requires_grad=False)
+            drop_pages(w)
+            del w
     setattr(model, RELEASED_MARK, True)
     return freed
 
@@ -167,8 +189,8 @@ class LayeredLM:
     - the **kernel path** (:mod:`hsd_opt.engine.kernels`, on CPUs where they build): one call per run of layers
       over the weights in place, batch-invariant, float32 activations and caches. Passes over at most
       :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take it; longer passes
-      (prefill) of a float32 model take the torch path (a blocked GEMM is faster there), those of a bfloat16
-      model run through the kernels in chunks.
+      (prefill) take the torch path (a blocked GEMM is faster there): the exact one for a float32 model, and
+      for bfloat16 weights the same operations in float32 over each layer's weights converted for the pass.
 
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
@@ -193,6 +215,10 @@ class LayeredLM:
         if self.direct_path and is_released(model):
             raise HsdError("the model's float weights were released after quantizing it; a float engine over it "
                            "needs the model loaded anew")
+        if self.direct_path:                 # reads the weights in place: they may not be released under it
+            if getattr(model, FLOAT_ENGINES_MARK, None) is None:
+                setattr(model, FLOAT_ENGINES_MARK, weakref.WeakSet())
+            getattr(model, FLOAT_ENGINES_MARK).add(self)
         self.model = model
         base = model.model
         self.embed = base.embed_tokens
@@ -273,6 +299,15 @@ class LayeredLM:
     def uses_kernels(self) -> bool:
         """True when decode passes run on the CPU kernels (:mod:`hsd_opt.engine.kernels`)."""
         return self._kstack is not None
+
+    def _dense_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
+        """A long pass of a kernel engine without an exact torch path (bfloat16 weights, quantized copies): the
+        torch path's operations in float32 over each layer's weights converted to float32 for the pass (a
+        blocked GEMM, faster than the decode kernels on hundreds of positions)."""
+        x = x.float()
+        for l in range(l0, l1):
+            x = self._layer_with(self._kstack.dense_layer(l), l, x, st, start, cos, sin)
+        return x
 
     def _kernel_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
         if st.cache_ptrs is None:
@@ -372,8 +407,11 @@ class LayeredLM:
         w = self._weights[l] if self._weights is not None else None
         if w is None:
             return self._layer_modules(l, x, st, start, cos, sin)
-        layer = self.layers[l]
-        attn = layer.self_attn
+        return self._layer_with(w, l, x, st, start, cos, sin)
+
+    def _layer_with(self, w, l: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
+        """:meth:`_layer`'s operations over the weights ``w`` (a :class:`_LayerWeights` or the same fields)."""
+        attn = self.layers[l].self_attn
         m = x.shape[0]
         end = start + m
         h = rms_norm_reference(x, w.ln1, w.eps1)
@@ -439,8 +477,10 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else layer by
         layer with :meth:`_layer`. Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
-        if self._kstack is not None and (x.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+        if self._kstack is not None and x.shape[0] <= kernels.MAX_PASS:
             return self._kernel_layers(l0, l1, x, st, start, cos, sin)
+        if self._kstack is not None and not self._torch_long_passes:
+            return self._dense_layers(l0, l1, x, st, start, cos, sin)
         for l in range(l0, l1):
             x = self._layer(l, x, st, start, cos, sin)
         return x
@@ -502,8 +542,11 @@ class LayeredLM:
         fn = self.exit_heads.get(boundary)
         if fn is not None:
             return fn(hidden).float()
-        if self._khead is not None and (hidden.shape[0] <= kernels.MAX_PASS or not self._torch_long_passes):
+        if self._khead is not None and hidden.shape[0] <= kernels.MAX_PASS:
             return self._kernel_head(hidden)
+        if self._khead is not None and not self._torch_long_passes:   # many rows: float32 GEMM over the head
+            h = rms_norm_reference(hidden.float(), self._knorm, self._knorm_eps)
+            return F.linear(h, self._khead.dequantized(), self._khead.bias)
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.no_grad()

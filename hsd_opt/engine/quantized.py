@@ -407,7 +407,7 @@ class QuantizedLM(LayeredLM):
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         if self._khead is not None:
-            return self._kernel_head(hidden)
+            return LayeredLM.head(self, hidden, boundary)
         return self._head(self._final_norm(hidden.to(ACT_DTYPE))).float()
 
     def weight_bytes(self) -> int:
@@ -419,7 +419,7 @@ class QuantizedLM(LayeredLM):
 
     def run_layers(self, l0: int, l1: int, x: torch.Tensor, st, start: int, cos, sin) -> torch.Tensor:
         if self._kstack is not None:
-            return self._kernel_layers(l0, l1, x, st, start, cos, sin)
+            return LayeredLM.run_layers(self, l0, l1, x, st, start, cos, sin)
         if self._stack is None:
             return LayeredLM.run_layers(self, l0, l1, x, st, start, cos, sin)
         return self._stack(x, cos[0], sin[0], start, st.k[l0:l1], st.v[l0:l1], self._stack_weights[l0:l1],

@@ -274,6 +274,10 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     model.to(dev)
     model.eval()
     torch.set_grad_enabled(False)
+    if dev.type == "cpu":
+        from hsd_opt.models.memory import resident_weights
+
+        resident_weights(model)
     dtype_name = str(dt).replace("torch.", "")
     return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name)
 

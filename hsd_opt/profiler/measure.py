@@ -71,8 +71,7 @@ def exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tenso
     for ks in groups.values():
         eng = neural[ks[0]].engine
         hs = torch.cat([hidden[id(eng)][neural[k].boundary][rows.to(eng.device)] for k in ks])
-        # a copy (quantized) applies its own head, as at run time; the model's own modules otherwise
-        lg = eng.head(hs, neural[ks[0]].boundary) if eng.is_copy else eng.lm_head(eng.norm(hs)).float()
+        lg = eng.head(hs, neural[ks[0]].boundary)   # the model's own head (none of these has a trained one)
         m = rows.numel()
         for n, k in enumerate(ks):
             out[k] = lg[n * m:(n + 1) * m]

@@ -256,13 +256,20 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
               if entries.get(n, {}).get("kind") in ("model", "early_exit")
               and isinstance(entries[n].get("model"), str)}
     freed = 0
-    for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items()):
-        if mid not in floats and not is_released(other.model) and other.model in _QUANTIZED:
-            freed += release_float_weights(other.model)
-            if log:
-                log(f"{mid}: only its quantized copies run; its float weights are released")
-    if plan_target_precision(plan) in QUANT_KINDS and not is_released(loaded.model):
-        freed += release_float_weights(loaded.model)
+    models = [other.model for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
+              if mid not in floats and other.model in _QUANTIZED]
+    if plan_target_precision(plan) in QUANT_KINDS:
+        models.append(loaded.model)
+    for model in models:
+        if is_released(model):
+            continue
+        try:
+            freed += release_float_weights(model)
+        except HsdError:            # a float engine over it is alive (built for another hierarchy): keep them
+            continue
+        if log:
+            log(f"{getattr(model.config, '_name_or_path', 'a model')}: only quantized copies run; its float "
+                f"weights are released")
     return freed
 
 

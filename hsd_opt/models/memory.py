@@ -1,0 +1,82 @@
+"""Where a loaded model's weights live in memory: resident, contiguous, on huge pages where the OS offers them.
+
+``transformers`` loads safetensors files by mapping them: the weights stay pages of the file, read from disk on
+first touch and dropped again whenever the OS needs memory (then a decode step that should take milliseconds
+waits on the disk). A decoder reads every weight on every step, so on a CPU we copy them once into one anonymous
+buffer, advised for transparent huge pages on Linux (fewer TLB misses when a step streams hundreds of
+megabytes). Tied weights (an embedding shared with the LM head) stay shared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20  # bytes of a huge page on x86-64 and most ARM Linux systems
+
+
+def _advise_huge_pages(addr: int, length: int) -> bool:
+    if not sys.platform.startswith("linux") or length <= 0:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_MADV_DONTNEED = 4
+
+
+def drop_pages(tensor) -> int:
+    """Give the memory under ``tensor`` back to the OS when it is a view into a larger buffer
+    (:func:`resident_weights`), which dropping the tensor would not free: ``madvise(MADV_DONTNEED)`` on the whole
+    pages inside its bytes (Linux). The caller guarantees nothing reads them again (they would read zeros).
+    Returns the bytes given back (0 elsewhere, or for a tensor that owns its storage: dropping it frees that)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() <= nbytes or \
+            not sys.platform.startswith("linux"):
+        return 0
+    page = 4096
+    lo = (tensor.data_ptr() + page - 1) // page * page
+    hi = (tensor.data_ptr() + nbytes) // page * page
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        ok = libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo if ok else 0
+
+
+def resident_weights(model) -> int:
+    """Move every parameter and buffer of ``model`` (on the CPU) into one anonymous, huge-page-advised buffer,
+    keeping shapes, dtypes and ties; return the bytes moved (0 for a model that is not on the CPU).
+
+    The model's tensors become views into the buffer (``param.data`` is replaced), so the modules and every
+    engine that reads the weights see the same memory."""
+    import torch
+
+    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return 0
+    groups: dict[tuple[int, tuple, torch.dtype], list] = {}
+    for t in tensors:   # tied tensors share storage and layout: move them once
+        groups.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), []).append(t)
+    sizes = [(ts, (ts[0].numel() * ts[0].element_size() + 63) // 64 * 64) for ts in groups.values()]
+    total = sum(n for _, n in sizes)
+    buf = torch.empty(total + _HUGE, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % _HUGE
+    _advise_huge_pages(buf.data_ptr() + start, total)
+    off = start
+    with torch.no_grad():
+        for ts, n in sizes:
+            src = ts[0].data
+            view = buf[off: off + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+            view.copy_(src)
+            for t in ts:
+                t.data = view
+            off += n
+    return total
