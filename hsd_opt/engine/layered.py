@@ -86,13 +86,14 @@ class _LayerWeights:
 RELEASED_MARK = "_hsd_float_weights_released"
 
 
-#: Set on a ``transformers`` model: the live float engines (:class:`LayeredLM`) over its own weights.
-FLOAT_ENGINES_MARK = "_hsd_float_engines"
+#: model -> the live float engines (:class:`LayeredLM` over its own weights), kept off the model itself (which
+#: may be deep-copied).
+_FLOAT_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def float_engines(model) -> list:
     """The float engines (:class:`LayeredLM` over the model's own weights) still alive over ``model``."""
-    ws = getattr(model, FLOAT_ENGINES_MARK, None)
+    ws = _FLOAT_ENGINES.get(model)
     return list(ws) if ws is not None else []
 
 
@@ -216,9 +217,7 @@ class LayeredLM:
             raise HsdError("the model's float weights were released after quantizing it; a float engine over it "
                            "needs the model loaded anew")
         if self.direct_path:                 # reads the weights in place: they may not be released under it
-            if getattr(model, FLOAT_ENGINES_MARK, None) is None:
-                setattr(model, FLOAT_ENGINES_MARK, weakref.WeakSet())
-            getattr(model, FLOAT_ENGINES_MARK).add(self)
+            _FLOAT_ENGINES.setdefault(model, weakref.WeakSet()).add(self)
         self.model = model
         base = model.model
         self.embed = base.embed_tokens
