@@ -55,12 +55,18 @@ FAMILY_OUT := $(OUT)/family
 demo-family: $(VENV)/.installed
 	$(HSD) models fetch qwen2.5-coder-0.5b
 	$(HSD) models fetch qwen2.5-coder-1.5b
-	@echo "Both fetched. Next: profile the 1.5B with the 0.5B as a draft model, solve, run, bench:"
+	@echo "Both fetched. Next: the 1.5B as the target, exits of both models, the 0.5B as a draft model, int8/int4 copies of"
+	@echo "both and the token drafters; solve, run, bench (docs/design.md#the-cost-budget: the cost phase keeps to"
+	@echo "--cost-budget, 480 s by default):"
 	@echo "  mkdir -p $(FAMILY_OUT)"
-	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --out $(FAMILY_OUT)/profile.json"
+	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --layers 14,21,25 --draft-model qwen2.5-coder-0.5b --draft-layers 12,18 --quantized int8,int4,qwen2.5-coder-0.5b:int8,qwen2.5-coder-0.5b:int4 --max-prompts 8 --out $(FAMILY_OUT)/profile.json"
 	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile.json --tmax 15 --out $(FAMILY_OUT)/plan.json"
 	@echo "  $(HSD) run --plan $(FAMILY_OUT)/plan.json --prompt 'Write a Python function that merges two sorted lists.' --max-new-tokens 96"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench.json"
+	@echo "The stored int4 1.5B as a target of its own (its int4 exits, the 0.5B's int4 copy and token drafters below it):"
+	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --target-precision int4 --layers 14,21,25 --quantized qwen2.5-coder-0.5b:int4 --max-prompts 8 --out $(FAMILY_OUT)/profile-int4.json"
+	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile-int4.json --tmax 15 --out $(FAMILY_OUT)/plan-int4.json"
+	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan-int4.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench-int4.json"
 
 bench: $(VENV)/.model
 	$(PY) benchmarks/solver_scaling.py

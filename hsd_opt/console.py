@@ -31,20 +31,22 @@ def error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {message}", markup=True)
 
 
-def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""):
-    """A :class:`rich.progress.Progress` on stderr: description, bar, count, elapsed time and ETA (``fields``: a
+def progress_bar(enabled: bool = True, transient: bool = False, fields: str = "", percent: bool = False):
+    """A :class:`rich.progress.Progress` on stderr: description, bar, count (``percent``: the share done, for
+    tasks counted in other units than items, e.g. estimated seconds), elapsed time and ETA (``fields``: a
     template of extra task fields shown before the times, e.g. ``"loss {task.fields[loss]}"``). Use it as a
     context manager, or ``start()``/``stop()`` it; ``enabled=False`` shows nothing."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    cols = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn() if percent else MofNCompleteColumn()]
     cols += [TextColumn(fields)] if fields else []
     cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     return Progress(*cols, console=err_console, transient=transient, disable=not enabled)

@@ -36,9 +36,8 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'
                       "{% if add_generation_prompt %}<s> assistant {% endif %}")
 
 
-def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4, chat_template: str | None = None) -> Path:
-    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``, with ``chat_template`` if
-    given) saved as a model directory."""
+def word_tokenizer(n_words: int = 60, chat_template: str | None = None):
+    """A WordLevel tokenizer ``<pad> <s> </s> <unk> w0 .. w{n-1}`` (whitespace-split), with ``chat_template``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,11 +49,79 @@ def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4, cha
                                    unk_token="<unk>")
     if chat_template:
         fast.chat_template = chat_template
-    model = make_tiny_llama(seed=seed, vocab_size=len(vocab), layers=layers, scale=8.0)
+    return fast
+
+
+def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4, chat_template: str | None = None) -> Path:
+    """A tiny Llama + a WordLevel tokenizer (``<pad> <s> </s> <unk> w0 .. w{n-1}``, with ``chat_template`` if
+    given) saved as a model directory."""
+    fast = word_tokenizer(n_words, chat_template)
+    model = make_tiny_llama(seed=seed, vocab_size=len(fast), layers=layers, scale=8.0)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     fast.save_pretrained(str(path))
     return path
+
+
+def make_tiny_qwen2_family(seed: int = 0, vocab_size: int = 64, layers: int = 4, hidden: int = 64, heads: int = 4,
+                           kv_heads: int = 2, tied: bool = True):
+    """A randomly initialised ``Qwen2ForCausalLM`` (float32, CPU, eval; q/k/v biases drawn non-zero) whose widths
+    suit the int4 kernels (multiples of 32): a tiny member of a model family."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=512, tie_word_embeddings=tied, use_sliding_window=False,
+                      rope_theta=1e6, rms_norm_eps=1e-6, initializer_range=0.16, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+#: The chat template of :func:`qwen2_tokenizer` (Qwen's turn markers).
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen2_tokenizer():
+    """A tiny tokenizer of the Qwen2 kind (the class ``transformers`` loads for a Qwen2 model directory): byte-level
+    BPE without merges over the printable ASCII characters, so every character is a token (``w12`` is three),
+    with Qwen's special tokens ``<|endoftext|>`` (0), ``<|im_start|>`` (1), ``<|im_end|>`` (2, the EOS)."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in ["\u0120", "\u010a", "\u0109"] + [chr(c) for c in range(33, 127)]:   # space, newline, tab
+        vocab[ch] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    return tok
+
+
+def save_tiny_family(root: Path) -> tuple[Path, Path]:
+    """``(big, small)``: two tiny Qwen2 models of one tokenizer (:func:`qwen2_tokenizer`) saved as model
+    directories, the way a model family shares one (a 4-layer "big" target and a 2-layer "small" draft model).
+    The small one is the big one's first layers plus noise, so that its drafts are right now and then."""
+    tok = qwen2_tokenizer()
+    big = make_tiny_qwen2_family(seed=0, vocab_size=128, layers=4, hidden=64)
+    small = make_tiny_qwen2_family(seed=1, vocab_size=128, layers=2, hidden=64)
+    with torch.no_grad():        # the big one's first layers plus noise: its drafts are right now and then
+        for name, p in small.named_parameters():
+            p.copy_(dict(big.named_parameters())[name] + 0.02 * torch.randn_like(p))
+    out = []
+    for name, model in (("big", big), ("small", small)):
+        path = root / name
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(path))
+        tok.save_pretrained(str(path))
+        out.append(path)
+    return out[0], out[1]
 
 
 def write_prompts(path: Path, n: int = 5, seed: int = 0) -> Path:

@@ -543,7 +543,7 @@ def test_measure_costs_times_every_context_through_the_engine():
     eng = LayeredLM(make_tiny_llama(seed=7))
     states: dict = {}
     lcs = measure_costs(eng, [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[300, 8],
-                        on_step=steps.append, keep_states=states)
+                        on_step=lambda m, s: steps.append(m), keep_states=states)
     assert [lc.context for lc in lcs] == [8, 300] and sorted(states) == [8, 300] and states[300].n == 300
     assert len(steps) == measure_steps([8, 300], 2, tmax=3, repeats=1, warmup=0, curve_repeats=1)
     assert any("prefill 300/300" in s for s in steps)
@@ -552,7 +552,7 @@ def test_measure_costs_times_every_context_through_the_engine():
     q = QuantizedLM(eng.model, bits=8)           # a quantized copy takes the target's keys and values, as at run time
     qsteps: list[str] = []
     qlcs = measure_costs(q, [4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[8, 300],
-                         on_step=qsteps.append, share_from=(eng, states))
+                         on_step=lambda m, s: qsteps.append(m), share_from=(eng, states))
     assert len(qsteps) == measure_steps([8, 300], 1, tmax=3, repeats=1, warmup=0, curve_repeats=1, shared=True)
     assert "context 300: prefill 300/300 tokens (shared)" in qsteps and len(qlcs) == 2
     first, second = lcs

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from hsd_opt.commands.common import cli_command, fmt, level_acceptance, load_plan_and_model
+from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, level_acceptance, load_plan_and_model
 from hsd_opt.console import console, warn
 
 
@@ -81,16 +81,22 @@ def bench_cmd(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
+    target_precision: Optional[str] = typer.Option(None, "--target-precision", help=TARGET_PRECISION_HELP),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help="The draft model of hf_assisted (HF "
+                                                                      "assisted generation, assistant_model); "
+                                                                      "default: the plan's draft model."),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated subset of hf_ar, "
-                                                                  "hf_prompt_lookup, hf_early_exit, ar, "
-                                                                  "single_draft, hsd, hsd_task (default: all; "
-                                                                  "hsd_task when the plan has plans per task)."),
+                                                                  "hf_prompt_lookup, hf_early_exit, hf_assisted, "
+                                                                  "ar, single_draft, hsd, hsd_task (default: all; "
+                                                                  "hf_assisted with a draft model, hsd_task when "
+                                                                  "the plan has plans per task)."),
 ):
-    """Benchmark on the same prompts: HF generate (AR, prompt lookup, early-exit self-speculation), our AR loop,
-    the plan's best single draft, the HSD plan (and its plans per task), overall and per task."""
+    """Benchmark on the same prompts: HF generate (AR, prompt lookup, early-exit self-speculation, assisted by the
+    draft model), our AR loop, the plan's best single draft, the HSD plan (and its plans per task), overall and
+    per task."""
     from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
@@ -109,13 +115,14 @@ def bench_cmd(
         if bad or not ms:
             raise HsdError(f"--methods: unknown {', '.join(bad) or '(none)'}; known: {', '.join(METHODS)}")
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
-    p, loaded = load_plan_and_model(plan, model, device, dtype)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     prof_t = (p.extra.get("provenance") or {}).get("temperature")
     if prof_t is not None and (prof_t > 0) != (temperature > 0):
         warn(f"{plan}: the plan was profiled {'greedy' if not prof_t else f'at temperature {prof_t:g}'}; its "
              f"predictions are for that setting, not for this run's")
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
-                    sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan))
+                    sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
+                    assistant=assistant)
     rep["model"] = loaded.provenance()
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
     how = "greedy" if sampling.greedy else f"sampling T={temperature:g}, top-p {top_p:g}, seed {seed}"
@@ -126,6 +133,8 @@ def bench_cmd(
         console.print(table)
     for line in notes:
         console.print(line, style="dim")
+    if rep.get("reference_note"):
+        console.print(f"=ref: {rep['reference_note']}")
     if rep.get("matches_reference_note"):
         console.print(f"=ref: {rep['matches_reference_note']}")
     if json_out is not None:

@@ -45,8 +45,15 @@ def level_acceptance(d: dict) -> str:
     return "/".join(fmt(lv.get("acceptance_rate"), ".2f") for lv in levels[1:]) or "-"
 
 
-def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str]):
-    """Load the plan and the model it names (or ``model``, which must match the plan's provenance)."""
+#: The help of ``--target-precision`` on ``hsd run``, ``hsd bench`` and ``hsd serve``.
+TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, bfloat16, int8 or int4 (refused "
+                         "otherwise). Default: the plan's provenance.target_precision.")
+
+
+def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
+                        target_precision: Optional[str] = None):
+    """Load the plan and the model it names (or ``model``, which must match the plan's provenance); refuse a
+    plan made for another target precision than ``target_precision`` (None: the plan's own)."""
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
@@ -58,8 +65,12 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     if not name:
         raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
                              "provenance.model")
+    if target_precision is not None:
+        from hsd_opt.engine.quantized import resolve_target_precision
+
+        resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
-    check_provenance(plan, loaded, str(plan_path))
+    check_provenance(plan, loaded, str(plan_path), target_precision)
     prepare_kernels(loaded.device)
     return plan, loaded
 

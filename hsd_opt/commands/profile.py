@@ -38,6 +38,25 @@ def acceptance_table(prof, max_rows: int = 64) -> Table:
     return t
 
 
+def parse_cost_budget(spec: str) -> float | None:
+    """``--cost-budget``: ``auto`` -> the default seconds, ``none`` -> None (no budget), else seconds > 0."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.profiler.run import DEFAULT_COST_BUDGET
+
+    s = spec.strip().lower()
+    if s == "auto":
+        return DEFAULT_COST_BUDGET
+    if s in ("none", "off"):
+        return None
+    try:
+        v = float(s)
+    except ValueError:
+        v = -1.0
+    if not v > 0 or v != v or v == float("inf"):
+        raise HsdError(f"--cost-budget: expected seconds > 0, auto or none, got {spec!r}")
+    return v
+
+
 app = typer.Typer(
     help="Measure acceptance rates a(i, j) and costs of a drafter pool for one target (hsd-profile/1).\n\n"
          "hsd profile --model smollm2-135m --out profile.json   |   hsd profile merge a.json b.json -o c.json",
@@ -57,10 +76,14 @@ def profile_cmd(
                                                         "(the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
                                                                     "tokenizer (repeatable)."),
+    draft_layers: Optional[str] = typer.Option(None, "--draft-layers",
+                                               help="Early exits of every draft model too (its own layers, "
+                                                    "e.g. 12,18), named <draft>-layer12."),
     quantized: Optional[str] = typer.Option(None, "--quantized",
-                                            help="Quantized copies of the target as drafters: comma list of "
-                                                 "int8,int4, or 'none'. Default: int8,int4 where the packed "
-                                                 "int8/int4 kernels run (CPU), else none."),
+                                            help="Quantized copies as drafters, comma list: int8, int4 (of the "
+                                                 "target), MODEL:int8, MODEL:int4 (of a draft model, named "
+                                                 "<name>-int4), or 'none'. Default: int8,int4 of a float target "
+                                                 "on a CPU, else none."),
     heads: Optional[Path] = typer.Option(None, "--heads", help="Trained exit heads (safetensors) for the "
                                                                "early exits; default: the model's own "
                                                                "final norm + LM head."),
@@ -81,6 +104,10 @@ def profile_cmd(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    target_precision: str = typer.Option("auto", "--target-precision",
+                                         help="The target: auto (the loaded dtype), float32, bfloat16, or int8 / "
+                                              "int4: a quantized copy of the model on the CPU kernels is the "
+                                              "target itself (its own greedy output is the reference)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (temperature > 0)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial.json."),
     tmax: int = typer.Option(15, "--tmax", help="Cost curves cover t = 1..tmax+1 tokens."),
@@ -89,6 +116,10 @@ def profile_cmd(
                                       help="Context lengths (tokens in the KV cache) to measure the costs at, "
                                            "comma-separated; longer ones than the model holds are lowered to "
                                            "the longest that fits. The solver interpolates between them."),
+    cost_budget: str = typer.Option("auto", "--cost-budget",
+                                    help="Seconds the cost phase may take: the most thorough cost plan whose "
+                                         "estimate fits is used (docs/design.md#the-cost-budget). auto = 480; "
+                                         "none = always the full plan."),
     shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                               "(merge the shards with hsd profile merge)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
@@ -127,14 +158,22 @@ def profile_cmd(
         explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
                     if n not in dropped]
     if quantized is not None:
-        from hsd_opt.engine.quantized import parse_quantized
+        from hsd_opt.engine.quantized import parse_quantized_copies
 
-        parse_quantized(quantized, "cpu")  # check the names before loading anything
+        parse_quantized_copies(quantized, "cpu")  # check the names before loading anything
+    from hsd_opt.engine.quantized import resolve_target_precision
+
+    resolve_target_precision(target_precision, dtype)
+    budget = parse_cost_budget(cost_budget)
+    if draft_layers is not None and not draft_model:
+        raise HsdError("--draft-layers: exits of draft models need --draft-model")
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
+                        draft_layers=draft_layers,
                         quantized=quantized,
                         token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype, seed=seed,
+                        max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
+                        target_precision=target_precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
                         shard=parse_shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)

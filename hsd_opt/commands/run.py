@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from hsd_opt.commands.common import cli_command, fmt, level_acceptance, load_plan_and_model
+from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, level_acceptance, load_plan_and_model
 from hsd_opt.console import console
 
 
@@ -120,6 +120,7 @@ def run_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON line per prompt (per turn) here."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
+    target_precision: Optional[str] = typer.Option(None, "--target-precision", help=TARGET_PRECISION_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     mode: str = typer.Option("exact", "--mode", help="exact: levels hand up exactly T_i tokens per call "
                                                      "(the latency model); eager: every verified token."),
@@ -130,22 +131,31 @@ def run_cmd(
     from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
     from hsd_opt.runtime.decode import check_generation_args
     from hsd_opt.runtime.report import Generation, totals_by
-    from hsd_opt.runtime.runner import hsd_for_plan, plan_for_prompt, prediction_context, run_context
+    from hsd_opt.runtime.runner import (
+        hsd_for_plan,
+        plan_for_prompt,
+        prediction_context,
+        release_unused_floats,
+        run_context,
+    )
 
     check_generation_args(max_new_tokens, temperature, top_p)
     check_turn_mode(turns)
     check_report_key(by)
     items = _items(prompt, prompts, task, limit_per_task, by)
-    p, loaded = load_plan_and_model(plan, model, device, dtype)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     tok = loaded.tokenizer
     runners: dict[str, object] = {}
     plans: dict[str, tuple[list[str], list[int]]] = {}
     lines, gens = [], []
-    for it in items:
+    for it in items:                      # every hierarchy first: then the unused float weights can go
         hh, bb, _, which = plan_for_prompt(p, it.task, per_task)
         if which not in runners:
             runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb)
             plans[which] = (hh, bb)
+    release_unused_floats(p, loaded, [hh for hh, _ in plans.values()])
+    for it in items:
+        which = plan_for_prompt(p, it.task, per_task)[3]
         h = runners[which]
         answers: list[str] = []
         for k, text in enumerate(user_turns(it, turns)):

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from hsd_opt.commands.common import cli_command, load_plan_and_model
+from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, load_plan_and_model
 from hsd_opt.console import err_console
 from hsd_opt.errors import HsdError
 
@@ -36,20 +36,22 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
 
 def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto", dtype: Optional[str] = None,
                    mode: str = "exact", model_name: Optional[str] = None, default_max_tokens: int = 256,
-                   max_queue: int = 16, api_key: Optional[str] = None, say=None) -> tuple[Any, Any]:
+                   max_queue: int = 16, api_key: Optional[str] = None, say=None,
+                   target_precision: Optional[str] = None) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included),
     warm it up, and return ``(app, engine)``: the Starlette app and its :class:`~hsd_opt.server.Engine`
     (the app's lifespan starts and stops the engine). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
-    from hsd_opt.runtime.runner import hsd_for_plan
+    from hsd_opt.runtime.runner import hsd_for_plan, release_unused_floats
     from hsd_opt.server import Engine, ModelInfo, create_app
 
     say = say or (lambda m: None)
     say(f"loading {plan} and its model ...")
-    p, loaded = load_plan_and_model(plan, model, device, dtype)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
     say(f"building the hierarchy {chain} on {loaded.device} ...")
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan))
+    release_unused_floats(p, loaded, [p.hierarchy], log=say)
     tok = loaded.tokenizer
     runner.generate(encode_prompt(tok, "Hello", raw=True), 2)  # warm-up: first passes allocate and compile
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
@@ -77,6 +79,7 @@ def serve_cmd(
                                                 "16, as the OpenAI API)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
+    target_precision: Optional[str] = typer.Option(None, "--target-precision", help=TARGET_PRECISION_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (as `hsd run --mode`)."),
 ):
@@ -90,7 +93,7 @@ def serve_cmd(
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, engine = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
-                                     api_key, say=lambda m: err_console.print(m))
+                                     api_key, say=lambda m: err_console.print(m), target_precision=target_precision)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service

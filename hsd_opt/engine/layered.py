@@ -22,6 +22,7 @@ q/k/v/o projections and an ``mlp``), which covers LayerSkip's Llama-2/3 checkpoi
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -79,6 +80,61 @@ class _LayerWeights:
         act = mlp.act_fn
         self.act = F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
         self.qk_norm = hasattr(a, "q_norm")
+
+
+#: Set on a ``transformers`` model whose float decoder weights were released (:func:`release_float_weights`).
+RELEASED_MARK = "_hsd_float_weights_released"
+
+
+#: model -> the live float engines (:class:`LayeredLM` over its own weights), kept off the model itself (which
+#: may be deep-copied).
+_FLOAT_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def float_engines(model) -> list:
+    """The float engines (:class:`LayeredLM` over the model's own weights) still alive over ``model``."""
+    ws = _FLOAT_ENGINES.get(model)
+    return list(ws) if ws is not None else []
+
+
+def is_released(model) -> bool:
+    """True when :func:`release_float_weights` emptied ``model``'s float decoder weights."""
+    return bool(getattr(model, RELEASED_MARK, False))
+
+
+def release_float_weights(model) -> int:
+    """Free ``model``'s float decoder matrices (q/k/v/o/gate/up/down of every layer, and an LM head not tied to
+    the embeddings) once every quantized copy needed is built from them; return the bytes released. The
+    embeddings, norms, biases and rotary tables stay (quantized copies read them in place).
+
+    Each weight becomes an empty tensor, so nothing can compute with it by mistake: a later float engine over
+    the model is refused (:class:`LayeredLM`), and so is a new quantized copy; a Hugging Face forward fails on
+    the shapes. Weights that are views into one buffer (:func:`~hsd_opt.models.memory.resident_weights`) give
+    their pages back to the OS. Refused (:class:`HsdError`) while a float engine over the model is alive: it
+    reads those weights in place."""
+    import gc
+
+    from hsd_opt.models.memory import drop_pages
+
+    gc.collect()
+    if float_engines(model):
+        raise HsdError("release_float_weights: a float engine over the model still reads its weights")
+    freed = 0
+    base = model.model
+    linears = [getattr(layer.self_attn, n) for layer in base.layers for n in ("q_proj", "k_proj", "v_proj",
+                                                                               "o_proj")]
+    linears += [getattr(layer.mlp, n) for layer in base.layers for n in ("gate_proj", "up_proj", "down_proj")]
+    if model.lm_head.weight is not base.embed_tokens.weight:
+        linears.append(model.lm_head)
+    with torch.no_grad():
+        for lin in linears:
+            w = lin.weight
+            freed += w.numel() * w.element_size()
+            lin.weight = torch.nn.Parameter(w.new_empty(0), requires_grad=False)
+            drop_pages(w)
+            del w
+    setattr(model, RELEASED_MARK, True)
+    return freed
 
 
 def _lean_weights(model, layers) -> list[_LayerWeights] | None:
@@ -148,12 +204,20 @@ class LayeredLM:
     #: Call the float layers' weights directly (checked against the modules when built). Subclasses with their
     #: own :meth:`_layer` set it False and skip that set-up.
     direct_path = True
+    #: A copy of another engine's model (a quantized copy): it may take that engine's prompt keys and values
+    #: (:meth:`share_prompt`). An engine over the model's own weights never takes another's.
+    is_copy = False
 
     def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None, kernels: bool | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise HsdError(f"model type {getattr(cfg, 'model_type', None)!r} is not supported by the layered "
                            f"engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if self.direct_path and is_released(model):
+            raise HsdError("the model's float weights were released after quantizing it; a float engine over it "
+                           "needs the model loaded anew")
+        if self.direct_path:                 # reads the weights in place: they may not be released under it
+            _FLOAT_ENGINES.setdefault(model, weakref.WeakSet()).add(self)
         self.model = model
         base = model.model
         self.embed = base.embed_tokens
@@ -299,11 +363,11 @@ class LayeredLM:
         st.lens = [min(x, n) for x in st.lens]
 
     def can_share_prompt(self, src: "LayeredLM") -> bool:
-        """True when ``src`` computes the same model as this engine (this one a copy of it, e.g. a
-        :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``src.model``) with caches of the same shape, so its
-        keys and values can stand in for this engine's (:meth:`share_prompt`)."""
-        return (src is not self and src.model is self.model and src.n_layers == self.n_layers
-                and src.n_kv == self.n_kv and src.head_dim == self.head_dim)
+        """True when this engine is a copy (:attr:`is_copy`, e.g. a :class:`~hsd_opt.engine.quantized.QuantizedLM`)
+        of the model ``src`` runs over its own weights, with caches of the same shape, so ``src``'s keys and values
+        can stand in for this engine's (:meth:`share_prompt`). The model may be the target or a draft model."""
+        return (self.is_copy and not src.is_copy and src is not self and src.model is self.model
+                and src.n_layers == self.n_layers and src.n_kv == self.n_kv and src.head_dim == self.head_dim)
 
     @torch.no_grad()
     def share_prompt(self, st: DecodeState, src: "LayeredLM", src_st: DecodeState, upto: int) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine import kernels
-from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.layered import LayeredLM, is_released
 from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm, rotate_half
 from hsd_opt.errors import HsdError
 
@@ -49,19 +49,58 @@ def quant_spec(name: str) -> tuple[int, int]:
 
 
 def parse_quantized(spec: str | None, device) -> list[str]:
-    """The ``--quantized`` flag: ``None`` -> the default (``int8,int4`` on a CPU, where int8/int4 kernels run;
-    else none); ``"none"`` -> []; else a comma list of :data:`QUANT_KINDS` names."""
+    """The ``--quantized`` copies of the target: ``None`` -> the default (``int8,int4`` on a CPU, where int8/int4
+    kernels run; else none); ``"none"`` -> []; else the :data:`QUANT_KINDS` names of the list (copies of draft
+    models, ``MODEL:int4``, are left out: :func:`parse_quantized_copies`)."""
+    return [kind for model, kind in parse_quantized_copies(spec, device) if model is None]
+
+
+def parse_quantized_copies(spec: str | None, device) -> list[tuple[str | None, str]]:
+    """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4`` are copies of the target (``model``
+    None), ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id or path as ``--draft-model`` takes
+    it; the kind follows the last colon). ``None`` -> the default (``int8,int4`` of the target on a CPU, else
+    none); ``"none"`` -> []. Repeats are dropped; a bad kind or an empty model raises :class:`HsdError` naming
+    ``--quantized``."""
     if spec is None:
-        return list(QUANT_KINDS) if torch.device(device).type == "cpu" else []
+        return [(None, k) for k in QUANT_KINDS] if torch.device(device).type == "cpu" else []
     if spec.strip().lower() in ("", "none"):
         return []
-    out = []
+    out: list[tuple[str | None, str]] = []
     for part in spec.split(","):
-        if part.strip():
-            quant_spec(part)
-            if part.strip().lower() not in out:
-                out.append(part.strip().lower())
+        part = part.strip()
+        if not part:
+            continue
+        model, colon, kind = part.rpartition(":")
+        if colon and not model.strip():
+            raise HsdError(f"--quantized: expected int8, int4 or MODEL:int8, MODEL:int4, got {part!r}")
+        quant_spec(kind)
+        item = (model.strip() or None, kind.strip().lower())
+        if item not in out:
+            out.append(item)
     return out
+
+
+#: What ``--target-precision`` takes: the float dtypes the target may be loaded in, and the quantized copies
+#: of it that may be the target themselves.
+TARGET_PRECISIONS = ("float32", "bfloat16", "float16", "int8", "int4")
+
+
+def resolve_target_precision(precision: str | None, dtype: str | None) -> tuple[str | None, str | None]:
+    """``(load dtype, precision)`` for ``--target-precision`` and ``--dtype``: a float precision is the dtype the
+    model is loaded in (a different explicit ``--dtype`` is refused); ``int8``/``int4`` load the model in
+    ``dtype`` (auto: float32 on a CPU) and quantize it. ``precision`` None or ``"auto"``: the loaded dtype
+    (returned as None, to be read off the loaded model). :class:`HsdError` names the flag on bad input."""
+    p = (precision or "auto").strip().lower()
+    d = None if dtype in (None, "", "auto") else dtype
+    if p == "auto":
+        return d or "auto", None
+    if p not in TARGET_PRECISIONS:
+        raise HsdError(f"--target-precision: expected auto or {', '.join(TARGET_PRECISIONS)}, got {precision!r}")
+    if p in QUANT_KINDS:
+        return d or "auto", p
+    if d is not None and d.lower() not in (p, {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[p]):
+        raise HsdError(f"--target-precision {p} and --dtype {dtype} disagree: give one of them")
+    return p, p
 
 
 def packed_kernels_available(device: torch.device | str = "cpu") -> bool:
@@ -224,9 +263,13 @@ class QuantizedLM(LayeredLM):
     """
 
     direct_path = False  # its own _layer over the quantized weights
+    is_copy = True       # may take the prompt's keys and values from an engine over the model's own weights
 
     def __init__(self, model, bits: int = 4, group_size: int = 32, head_bits: int = 8, name: str | None = None,
                  scripted: bool = True, kernels: bool | None = None):
+        if is_released(model):
+            raise HsdError("the model's float weights were released after quantizing it; build every quantized "
+                           "copy before releasing them")
         super().__init__(model, kernels=False)
         act = getattr(model.config, "hidden_act", "silu")
         if act not in ("silu", "swish"):

@@ -26,6 +26,31 @@ def _advise_huge_pages(addr: int, length: int) -> bool:
         return False
 
 
+_MADV_DONTNEED = 4
+
+
+def drop_pages(tensor) -> int:
+    """Give the memory under ``tensor`` back to the OS when it is a view into a larger buffer
+    (:func:`resident_weights`), which dropping the tensor would not free: ``madvise(MADV_DONTNEED)`` on the whole
+    pages inside its bytes (Linux). The caller guarantees nothing reads them again (they would read zeros).
+    Returns the bytes given back (0 elsewhere, or for a tensor that owns its storage: dropping it frees that)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() <= nbytes or \
+            not sys.platform.startswith("linux"):
+        return 0
+    page = 4096
+    lo = (tensor.data_ptr() + page - 1) // page * page
+    hi = (tensor.data_ptr() + nbytes) // page * page
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        ok = libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo if ok else 0
+
+
 def resident_weights(model) -> int:
     """Move every parameter and buffer of ``model`` (on the CPU) into one anonymous, huge-page-advised buffer,
     keeping shapes, dtypes and ties; return the bytes moved (0 for a model that is not on the CPU).

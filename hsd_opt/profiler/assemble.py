@@ -15,7 +15,7 @@ from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
 MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "max_new_tokens", "raw", "dtype",
-                "layers", "draft_models", "quantized", "token_drafters")
+                "target_precision", "layers", "draft_models", "draft_layers", "quantized", "token_drafters")
 
 
 def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float | None:
@@ -146,9 +146,9 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
     for nd in neural:
         lc = lcs[id(nd.engine)][0]
         extra: dict[str, Any] = {}
-        if nd.kind == "model":
-            extra["model"] = nd.model_id
-        if nd.kind == "quantized":
+        if nd.model_id:
+            extra["model"] = nd.model_id          # a draft model, or the draft model an exit or a copy is of
+        if nd.kind == "quantized" or (nd.kind == "target" and nd.engine.is_copy):
             extra["quantization"] = quantization_entry(nd.engine)
         if nd.boundary in lc.step:
             extra["step_measured"] = lc.step[nd.boundary]

@@ -15,14 +15,17 @@ from hsd_opt.profiler.stats import PairStats
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "max_new_tokens",
-                 "raw", "seed", "dtype", "layers", "draft_models", "quantized", "token_drafters", "shard",
-                 "max_prompts", "world_size")
+                 "raw", "seed", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
+                 "token_drafters", "shard", "max_prompts", "world_size")
 #: The value a setting had before it was recorded (files written before ``top_p`` existed sampled without it).
-SETTING_DEFAULTS = {"top_p": 1.0}
+SETTING_DEFAULTS = {"top_p": 1.0, "draft_layers": []}
 
 
 def setting(settings: dict[str, Any], name: str) -> Any:
-    """``settings[name]``, or its :data:`SETTING_DEFAULTS` value when a file made before it existed lacks it."""
+    """``settings[name]``, or its :data:`SETTING_DEFAULTS` value when a file made before it existed lacks it (a
+    missing ``target_precision``: the ``dtype``, the only target there was)."""
+    if name == "target_precision" and settings.get(name) is None:
+        return settings.get("dtype")
     return settings.get(name, SETTING_DEFAULTS.get(name))
 
 

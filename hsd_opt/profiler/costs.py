@@ -30,6 +30,13 @@ shared prompt cache does); then, on ``t`` new tokens:
 
 Every timing series is made non-decreasing in t by an isotonic least-squares fit (dips are noise), and
 :func:`monotone_in_context` makes the figures non-decreasing in the context as well.
+
+How much of this is timed is a :class:`CostPlan` (`docs/design.md#the-cost-budget`): ``full`` is the scheme
+above; ``grid`` and ``coarse`` time the whole model directly on the grid of t only, its curve elsewhere the
+segment sum scaled by the interpolated ratio of the two, refined with direct timings where that ratio moves
+(:func:`refine_sizes`). :func:`calibrate` times an engine briefly, :func:`estimate_seconds` prices a plan with
+that, and :func:`choose_plan` takes the most thorough plan that fits a budget in seconds. Only the longest context
+is prefilled; the shorter ones copy its first keys and values.
 """
 
 from __future__ import annotations
@@ -188,20 +195,205 @@ def _ids(eng, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=g)
 
 
-def _prefill(eng, st, ids: torch.Tensor, n: int, step: Callable[[str], None], share=None) -> None:
-    """Fill ``st`` with the first ``n`` of ``ids`` through every layer, :data:`PREFILL_CHUNK` tokens per call; or,
-    with ``share = (source engine, its state holding the same n tokens)``, as the runtime prefills a copy of the
-    target: the source's keys and values (``share_prompt``), then the last position (one ``advance``)."""
+@dataclass(frozen=True)
+class CostPlan:
+    """How many timings the cost phase takes per engine (`docs/design.md#the-cost-budget`).
+
+    Attributes:
+        level: ``"full"``, ``"grid"`` or ``"coarse"`` (:data:`PLAN_LEVELS`, most timings first).
+        warmup: untimed rounds before the timed ones (segments, direct timings, step checks).
+        repeats: timed rounds at t = 1 (the step cost; medians) and of the step checks; the whole model's direct
+            timings take ``warmup + max(2 * repeats, curve_repeats, 3)`` rounds.
+        curve_repeats: timed rounds over every pass size t (segment timings).
+        seg_every_t: segments at the first context timed at every t = 1..tmax+1 (else on :func:`t_grid`, the
+            others interpolated linearly in t).
+        direct_every_t: the whole model timed directly at every t (else on :func:`t_grid`, and at the t between
+            two grid points too where the per-layer model's scale, direct / segment sum, moves by more than
+            ``refine_tol`` between them; elsewhere the segment sum times the interpolated scale).
+        refine_tol: relative change of that scale between neighbouring grid points that asks for direct timings
+            in between.
+    """
+
+    level: str = "full"
+    warmup: int = 2
+    repeats: int = 5
+    curve_repeats: int = 2
+    seg_every_t: bool = True
+    direct_every_t: bool = True
+    refine_tol: float = 0.05
+
+    @property
+    def direct_rounds(self) -> int:
+        """Rounds of direct whole-model timings (warm-up included)."""
+        return self.warmup + max(2 * self.repeats, self.curve_repeats, 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "warmup": self.warmup, "repeats": self.repeats,
+                "curve_repeats": self.curve_repeats, "seg_every_t": self.seg_every_t,
+                "direct_every_t": self.direct_every_t, "refine_tol": self.refine_tol}
+
+
+#: The cost plans from most to fewest timings; :func:`choose_plan` takes the first that fits the budget.
+PLAN_LEVELS = ("full", "grid", "coarse")
+
+
+def cost_plan(level: str, repeats: int = 5, warmup: int = 2, curve_repeats: int = 2) -> CostPlan:
+    """The plan of ``level`` from the configured repeats (``--cost-repeats``): ``full`` as configured (every t,
+    timed directly too); ``grid`` times the whole model directly on the grid of t only (refined where the
+    per-layer model does not predict it), with at most 3 repeats and 1 warm-up round; ``coarse`` also times the
+    segments at the first context on the grid, with 2 repeats and 1 round over every t."""
+    repeats, warmup, curve_repeats = max(1, int(repeats)), max(0, int(warmup)), max(1, int(curve_repeats))
+    if level == "full":
+        return CostPlan("full", warmup, repeats, curve_repeats, True, True)
+    if level == "grid":
+        return CostPlan("grid", min(warmup, 1), min(repeats, 3), min(curve_repeats, 2), True, False)
+    if level == "coarse":
+        return CostPlan("coarse", min(warmup, 1), min(repeats, 2), 1, False, False)
+    raise HsdError(f"unknown cost plan {level!r} (expected one of {', '.join(PLAN_LEVELS)})")
+
+
+@dataclass
+class Calibration:
+    """Quick timings of one engine that price a cost plan (:func:`calibrate`; seconds).
+
+    Attributes:
+        prefill_token: seconds per prompt token of a prefill.
+        step: one pass over 1 token at a short context.
+        pass_max: one pass over ``t_max`` tokens.
+        t_max: the largest pass size timed (tmax + 1).
+    """
+
+    prefill_token: float
+    step: float
+    pass_max: float
+    t_max: int
+
+    def pass_seconds(self, t: int) -> float:
+        """A pass over ``t`` tokens, linear between the two timed sizes."""
+        if self.t_max <= 1:
+            return self.step
+        return self.step + max(0.0, self.pass_max - self.step) * (t - 1) / (self.t_max - 1)
+
+
+@torch.no_grad()
+def calibrate(eng, tmax: int, tokens: int = 96) -> Calibration:
+    """Time a prefill of ``tokens`` tokens and one pass over 1 and over ``tmax + 1`` tokens after it (each right
+    after an untimed pass of the same size): what :func:`estimate_seconds` prices a cost plan with. A few
+    seconds on a 1.5B model on a CPU."""
+    tmax1 = tmax + 1
+    ids = _ids(eng, tokens + tmax1 + 1, seed=1)
+    st = eng.new_state(tokens + tmax1 + 1)
+    eng.append(st, ids[:tokens])
+    a = _now()
+    eng.advance(st, eng.n_layers)
+    prefill = (_now() - a) / tokens
+    out = {}
+    for t in (1, tmax1):
+        for _ in range(2):
+            eng.append(st, ids[tokens:tokens + t])
+            a = _now()
+            eng.advance(st, eng.n_layers)
+            eng.logits(st, eng.n_layers, tokens, tokens + t)
+            out[t] = _now() - a
+            eng.crop(st, tokens)
+    return Calibration(max(prefill, 1e-9), max(out[1], 1e-9), max(out[tmax1], 1e-9), tmax1)
+
+
+def plan_passes(plan: CostPlan, contexts: Sequence[int], n_boundaries: int, tmax: int, check: bool = True,
+                step_check: bool = True) -> dict[str, dict[int, int]]:
+    """The passes :func:`measure_costs` runs under ``plan`` (refinements aside), by phase and pass size t:
+    ``{"steps": {1: n}, "segments": {t: n}, "direct": {t: n}}``; a direct timing counts twice (the untimed pass
+    of the same size before it)."""
+    tmax1 = tmax + 1
+    grid = t_grid(tmax1)
+    k = len(set(contexts))
+    steps = {1: len(_check_boundaries(list(range(n_boundaries)))) * (plan.warmup + plan.repeats)} if step_check \
+        else {}
+    seg: dict[int, int] = {}
+    t0 = list(range(1, tmax1 + 1)) if plan.seg_every_t else grid
+    for r in range(plan.warmup + max(plan.curve_repeats, plan.repeats)):
+        if r >= plan.warmup + plan.curve_repeats:
+            seg[1] = seg.get(1, 0) + k
+            continue
+        for t in t0 + grid * (k - 1):
+            seg[t] = seg.get(t, 0) + 1
+    direct: dict[int, int] = {}
+    if check:
+        for t in (range(1, tmax1 + 1) if plan.direct_every_t else grid):
+            direct[t] = 2 * plan.direct_rounds
+    return {"steps": steps, "segments": seg, "direct": direct}
+
+
+def measure_steps(contexts: Sequence[int], n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
+                  curve_repeats: int = 3, check: bool = True, step_check: bool = True, shared: bool = False,
+                  plan: CostPlan | None = None, chunk: int = PREFILL_CHUNK) -> int:
+    """How many times :func:`measure_costs` calls ``on_step`` with these settings before any refinement (a
+    progress bar's total; ``shared``: the prompt is shared from another engine's states). A refinement adds at
+    most :func:`refine_bound` more."""
+    plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
+    ctxs = sorted(set(int(c) for c in contexts))
+    prefill = len(ctxs) if shared else -(-ctxs[-1] // chunk) + len(ctxs) - 1
+    n = plan_passes(plan, ctxs, n_boundaries, tmax, check, step_check)
+    n_check = len(_check_boundaries(list(range(n_boundaries)))) if step_check else 0
+    return prefill + n_check + sum(n["segments"].values()) + len(n["direct"]) * plan.direct_rounds
+
+
+def refine_bound(plan: CostPlan, tmax: int) -> int:
+    """The most ``on_step`` calls a refinement of the direct timings adds (every t off the grid, all rounds)."""
+    if plan.direct_every_t:
+        return 0
+    return (tmax + 1 - len(t_grid(tmax + 1))) * plan.direct_rounds
+
+
+def estimate_seconds(plan: CostPlan, calib: Calibration, contexts: Sequence[int], n_boundaries: int, tmax: int,
+                     shared: bool = False) -> float:
+    """Seconds :func:`measure_costs` is expected to take for one engine under ``plan`` (refinements aside): its
+    prefill (the longest context; none when shared) and every pass :func:`plan_passes` lists, priced with
+    ``calib``."""
+    prefill = 0.0 if shared else max(contexts) * calib.prefill_token
+    n = plan_passes(plan, contexts, n_boundaries, tmax)
+    return prefill + sum(calib.pass_seconds(t) * c for phase in n.values() for t, c in phase.items())
+
+
+def choose_plan(budget: float | None, engines: Sequence[tuple[Calibration, int, bool]], contexts: Sequence[int],
+                tmax: int, repeats: int, warmup: int, curve_repeats: int) -> tuple[CostPlan, float]:
+    """``(plan, estimated seconds)``: the first plan of :data:`PLAN_LEVELS` whose estimate over ``engines``
+    (``(calibration, exit boundaries, shares its prompt)`` each) fits ``budget`` seconds, else the last; None:
+    no budget, the full plan."""
+    for level in PLAN_LEVELS:
+        plan = cost_plan(level, repeats, warmup, curve_repeats)
+        est = sum(estimate_seconds(plan, c, contexts, nb, tmax, sh) for c, nb, sh in engines)
+        if budget is None or est <= budget:
+            break
+    return plan, est
+
+
+def _prefill(eng, st, ids: torch.Tensor, n: int, step: Callable[[str], None], share=None,
+             chunk: int = PREFILL_CHUNK) -> None:
+    """Fill ``st`` with the first ``n`` of ``ids`` through every layer, ``chunk`` tokens per call; or, with
+    ``share = (source engine, its state holding the same n tokens)``, as the runtime prefills a copy of the
+    source's model: the source's keys and values (``share_prompt``), then the last position (one ``advance``)."""
     if share is not None:
         eng.append(st, ids[:n])
         eng.share_prompt(st, share[0], share[1], eng.n_layers)
         eng.advance(st, eng.n_layers)
         step(f"prefill {n}/{n} tokens (shared)")
         return
-    for s in range(0, n, PREFILL_CHUNK):
-        eng.append(st, ids[s: min(n, s + PREFILL_CHUNK)])
+    for s in range(0, n, chunk):
+        eng.append(st, ids[s: min(n, s + chunk)])
         eng.advance(st, eng.n_layers)
-        step(f"prefill {min(n, s + PREFILL_CHUNK)}/{n} tokens")
+        step(f"prefill {min(n, s + chunk)}/{n} tokens")
+
+
+def _prefix(eng, st, src, ids: torch.Tensor, n: int) -> None:
+    """Fill ``st`` with the first ``n`` of ``ids`` by copying them from ``src``, a state of the same engine that
+    holds a longer prefill of the same ids (causal attention: the first ``n`` keys and values of a longer
+    prompt are those of its first ``n`` tokens)."""
+    eng.append(st, ids[:n])
+    for layer in range(eng.n_layers):
+        st.k[layer][:, :, :n] = src.k[layer][:, :, :n]
+        st.v[layer][:, :, :n] = src.v[layer][:, :, :n]
+    st.lens = [n] * eng.n_layers
 
 
 def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[int, int], t: int):
@@ -234,30 +426,20 @@ def _head_keys(eng, bs: Sequence[int]) -> dict[int, int]:
     return keys
 
 
-def measure_steps(contexts: Sequence[int], n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
-                  curve_repeats: int = 3, check: bool = True, step_check: bool = True, shared: bool = False) -> int:
-    """How many times :func:`measure_costs` calls ``on_step`` with these settings (for a progress bar's total;
-    ``shared``: the prompt is shared from another engine's states)."""
-    curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
-    ctxs = sorted(set(contexts))
-    tmax1 = tmax + 1
-    prefill = len(ctxs) if shared else sum(-(-int(c) // PREFILL_CHUNK) for c in ctxs)
-    n_check = len(_check_boundaries(list(range(n_boundaries)))) if step_check else 0
-    timed = tmax1 + (len(ctxs) - 1) * len(t_grid(tmax1))
-    rounds = (warmup + curve_repeats) * timed + (max(curve_repeats, repeats) - curve_repeats) * len(ctxs)
-    direct = (warmup + max(2 * repeats, curve_repeats, 3)) * tmax1 if check else 0
-    return prefill + n_check + rounds + direct
-
-
 def _check_boundaries(bs: Sequence[int]) -> list[int]:
     """The exits whose step is timed directly as a check: the last and the quartiles."""
     return sorted({bs[-1], bs[len(bs) // 4], bs[len(bs) // 2], bs[(3 * len(bs)) // 4]})
 
 
 def _median_rows(samples: dict, tmax1: int) -> dict[int, list[float]]:
-    """``{key: {t: [seconds, ...]}}`` -> ``{key: [median at t = 1..tmax1]}`` (NaN where a t was not timed)."""
-    return {k: [statistics.median(v[t]) if v.get(t) else float("nan") for t in range(1, tmax1 + 1)]
-            for k, v in samples.items()}
+    """``{key: {t: [seconds, ...]}}`` -> ``{key: [median at t = 1..tmax1]}``, linear in t between the t that
+    were timed (a row timed on a grid of t)."""
+    out = {}
+    for k, v in samples.items():
+        ts = sorted(t for t in v if v[t])
+        med = [statistics.median(v[t]) for t in ts]
+        out[k] = [float(x) for x in np.interp(np.arange(1, tmax1 + 1), ts, med)] if ts else [float("nan")] * tmax1
+    return out
 
 
 def _shifted(base_fit: list[float], base_raw: list[float], raw: list[float], grid: list[int]) -> list[float]:
@@ -268,33 +450,73 @@ def _shifted(base_fit: list[float], base_raw: list[float], raw: list[float], gri
     return [max(1e-12, b + d) for b, d in zip(base_fit, np.interp(ts, xs, diff))]
 
 
+def refine_sizes(scale: dict[int, float], tol: float, cost: Callable[[int], float] | None = None,
+                 allowance: float | None = None) -> list[int]:
+    """The t between neighbouring timed sizes (keys of ``scale``: the whole model's direct timing over its
+    segment sum) whose scales differ by more than ``tol`` (relative): there the per-layer model does not predict
+    the whole pass, so it is timed directly. With ``allowance`` (seconds) and ``cost(t)`` (seconds to time size
+    t), the gaps with the largest change first, as long as their sizes fit the allowance together."""
+    ts = sorted(scale)
+    gaps = [(abs(scale[b] / scale[a] - 1.0), list(range(a + 1, b))) for a, b in zip(ts, ts[1:])
+            if b - a > 1 and abs(scale[b] / scale[a] - 1.0) > tol]
+    out: list[int] = []
+    left = allowance
+    for _, sizes in sorted(gaps, key=lambda g: -g[0]):
+        need = sum(cost(t) for t in sizes) if cost is not None else 0.0
+        if left is not None and need > left:
+            continue
+        out.extend(sizes)
+        left = None if left is None else left - need
+    return sorted(out)
+
+
 @torch.no_grad()
 def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int = 5, warmup: int = 2,
                   curve_repeats: int = 3, contexts: Sequence[int] = (64,), check: bool = True,
-                  step_check: bool = True, on_step: Callable[[str], None] | None = None,
-                  keep_states: dict | None = None, share_from=None) -> list[LayerCosts]:
+                  step_check: bool = True, on_step: Callable[..., None] | None = None,
+                  keep_states: dict | None = None, share_from=None, plan: CostPlan | None = None,
+                  calib: Calibration | None = None, on_extend: Callable[[int, float], None] | None = None,
+                  chunk: int = PREFILL_CHUNK, refine_seconds: float | None = None) -> list[LayerCosts]:
     """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
-    :class:`LayerCosts` per context, in increasing context order. ``on_step(message)`` is called after every
-    prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them): a progress bar
-    moves at least every few seconds.
+    :class:`LayerCosts` per context, in increasing context order. ``on_step(message, seconds)`` is called after
+    every prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them; ``seconds``:
+    what ``calib`` expects the step to take): a progress bar moves at least every few seconds. ``plan``
+    (default: the full plan of ``repeats``, ``warmup`` and ``curve_repeats``) says what is timed; a refinement of
+    the direct timings first calls ``on_extend(steps, seconds)`` with what it adds (at most
+    :func:`refine_bound` steps, and within ``refine_seconds`` as ``calib`` prices them; None: no limit).
 
-    ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from = (engine,
-    {context: state})``, such states of the target, for an engine that is a copy of it (``can_share_prompt``):
-    its contexts are filled from the target's keys and values, as the runtime does, instead of prefilled."""
-    step_cb = on_step or (lambda s: None)
-    curve_repeats, repeats = max(1, curve_repeats), max(1, repeats)
+    Only the longest context is prefilled (``chunk`` tokens per call); the shorter ones copy its first keys and
+    values. ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from =
+    (engine, {context: state})``, such states of the engine over the model's own weights, for an engine that is
+    a copy of it (``can_share_prompt``): its contexts are filled from those keys and values, as the runtime
+    does, instead of prefilled."""
+    plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
+    calib = calib or Calibration(1.0, 1.0, 1.0, 1)
+
+    def step_cb(msg: str, seconds: float) -> None:
+        if on_step is not None:
+            on_step(msg, seconds)
+
+    warmup, repeats, curve_repeats = plan.warmup, plan.repeats, plan.curve_repeats
     tmax1 = tmax + 1
     n_layers = eng.n_layers
     bs = sorted(set(boundaries))
     ctxs = sorted(set(int(c) for c in contexts))
     grid = t_grid(tmax1)
     ids = _ids(eng, ctxs[-1] + tmax1 + 1)
-    states = []
-    for c in ctxs:
-        st = eng.new_state(c + tmax1 + 1, save_boundaries=bs)
-        share = (share_from[0], share_from[1][c]) if share_from is not None else None
-        _prefill(eng, st, ids, c, lambda s, c=c: step_cb(f"context {c}: {s}"), share)
-        states.append(st)
+    states = [eng.new_state(c + tmax1 + 1, save_boundaries=bs) for c in ctxs]
+    for k in reversed(range(len(ctxs))):          # the longest first: the others are its prefixes
+        c = ctxs[k]
+        if share_from is not None:
+            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}", calib.step),
+                     share=(share_from[0], share_from[1][c]))
+        elif k == len(ctxs) - 1:
+            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}",
+                                                                   calib.prefill_token * min(chunk, c)),
+                     chunk=chunk)
+        else:
+            _prefix(eng, states[k], states[-1], ids, c)
+            step_cb(f"context {c}: prefill {c}/{c} tokens (prefix of {ctxs[-1]})", calib.step)
     if keep_states is not None:
         keep_states.update(zip(ctxs, states))
     base = states[0]
@@ -314,16 +536,17 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
             if r >= warmup:
                 times.append(dt)
         step[b] = statistics.median(times)
-        step_cb(f"context {ctxs[0]}: step of exit {b}")
+        step_cb(f"context {ctxs[0]}: step of exit {b}", calib.step * (warmup + repeats))
 
     # 2. segment timings, in rounds over every context and t; t = 1 (the step cost) gets extra rounds
     heads = _head_keys(eng, bs)
     seg_s = [{b: {} for b in bs} for _ in ctxs]
     head_s: dict[int, dict[int, list[float]]] = {k: {} for k in heads}
     n_rounds = warmup + max(curve_repeats, repeats)
+    t0s = list(range(1, tmax1 + 1)) if plan.seg_every_t else grid
     for r in range(n_rounds):
         for k, st in enumerate(states):
-            ts = [1] if r >= warmup + curve_repeats else list(range(1, tmax1 + 1)) if k == 0 else grid
+            ts = [1] if r >= warmup + curve_repeats else t0s if k == 0 else grid
             for t in ts:
                 seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t)
                 if r >= warmup:
@@ -331,35 +554,42 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                         seg_s[k][b].setdefault(t, []).append(x)
                     for h, x in hd.items():
                         head_s[h].setdefault(t, []).append(x)
-                step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}, t = {t}")
+                step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}, t = {t}", calib.pass_seconds(t))
     raw = [_median_rows(s, tmax1) for s in seg_s]
     seg0 = {b: isotonic(v) for b, v in raw[0].items()}
     head = {h: isotonic(v) for h, v in _median_rows(head_s, tmax1).items()}
     out = [LayerCosts(ctxs[0], n_layers, seg0, head, step=step)]
 
     # 3. the whole model over t tokens, timed directly at the first context: its cost curve (what a verify pass
-    #    of the target or of another model costs) and the scale of the segment sums
+    #    of the target or of another model costs) and the scale of the segment sums. Under a budget on the grid
+    #    of t, and in between where the scale moves (there the per-layer model does not predict the pass)
     if check:
-        ft: list[list[float]] = [[] for _ in range(tmax1)]
-        n_direct = warmup + max(2 * repeats, curve_repeats, 3)
-        for r in range(n_direct):
-            for t in range(1, tmax1 + 1):                  # rounds over every t, as above
-                for _ in range(2):                         # a pass of the same size first, untimed: a drafter's
-                    eng.append(base, ids[n0:n0 + t])       # passes come in runs of one size (its budget, or
-                    t0 = _now()                            # T_below + 1 when it verifies); right after a long
-                    eng.advance(base, n_layers)            # pass, a short pass measures slow
-                    eng.logits(base, n_layers, n0, n0 + t)
-                    dt = _now() - t0
-                    eng.crop(base, n0)
-                if r >= warmup:
-                    ft[t - 1].append(dt)
-                step_cb(f"context {ctxs[0]}: whole model, round {r + 1}/{n_direct}, t = {t}")
-        full = [statistics.median(x) for x in ft]
+        n_direct = plan.direct_rounds
         modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
+
+        def direct_cb(m: str, x: float) -> None:
+            step_cb(f"context {ctxs[0]}: {m}", x)
+
+        timed = _time_direct(eng, base, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
+                             n_direct, warmup, calib, direct_cb)
+        scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
+        more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
+            scale, plan.refine_tol, lambda t: 2 * n_direct * calib.pass_seconds(t), refine_seconds)
+        if more:
+            if on_extend is not None:
+                on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))
+            timed.update(_time_direct(eng, base, ids, more, n_direct, warmup, calib, direct_cb))
+            scale.update({t: timed[t] / modelled[t - 1] for t in more})
+        ts = sorted(timed)
+        if len(scale) == len(timed):
+            s_t = np.interp(np.arange(1, tmax1 + 1), ts, [scale[t] for t in ts])
+            full = [timed[t] if t in timed else modelled[t - 1] * float(s_t[t - 1]) for t in range(1, tmax1 + 1)]
+        else:
+            full = [float(x) for x in np.interp(np.arange(1, tmax1 + 1), ts, [timed[t] for t in ts])]
         out[0].full = isotonic(full)
-        pick = sorted({1, max(1, tmax1 // 2), tmax1})
-        out[0].check = {"boundary": n_layers, "context": ctxs[0],
-                        "measured": {str(t): full[t - 1] for t in pick},
+        pick = sorted({1, max(1, tmax1 // 2), tmax1} & set(ts))
+        out[0].check = {"boundary": n_layers, "context": ctxs[0], "timed_t": ts,
+                        "measured": {str(t): timed[t] for t in pick},
                         "modelled": {str(t): modelled[t - 1] for t in pick}}
 
     # 4. the other contexts: the first context's curves plus the measured difference, interpolated over t
@@ -371,6 +601,29 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
             full_k = isotonic([max(1e-12, f + x) for f, x in zip(out[0].full, extra)])
         out.append(LayerCosts(ctxs[k], n_layers, seg, head, full_k))
     return out
+
+
+def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, warmup: int, calib: Calibration,
+                 step: Callable[[str, float], None]) -> dict[int, float]:
+    """Median seconds of the whole model's pass over each ``t`` of ``ts`` (``rounds`` rounds over every t, the
+    first ``warmup`` untimed), each timed pass right after an untimed pass of the same size: a drafter's passes
+    come in runs of one size (its budget, or T_below + 1 when it verifies), and right after a long pass a short
+    pass measures slow."""
+    n0, n = st.n, eng.n_layers
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    for r in range(rounds):
+        for t in ts:
+            for _ in range(2):
+                eng.append(st, ids[n0:n0 + t])
+                t0 = _now()
+                eng.advance(st, n)
+                eng.logits(st, n, n0, n0 + t)
+                dt = _now() - t0
+                eng.crop(st, n0)
+            if r >= warmup:
+                times[t].append(dt)
+            step(f"whole model, round {r + 1}/{rounds}, t = {t}", 2 * calib.pass_seconds(t))
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 16) -> float:

@@ -58,8 +58,8 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
 
 def exit_logits(neural: Sequence[NeuralDrafter], hidden: dict, rows: torch.Tensor) -> list[torch.Tensor]:
     """Float32 logits ``[m, V]`` of every drafter at ``rows``. Exits that share their model's own final norm +
-    LM head are computed in ONE matmul over all their rows (the LM head's weights are read once instead of once
-    per exit); trained exit heads are applied one by one."""
+    LM head (a quantized copy: its quantized head) are computed in ONE matmul over all their rows (the LM head's
+    weights are read once instead of once per exit); trained exit heads are applied one by one."""
     out: list[torch.Tensor | None] = [None] * len(neural)
     groups: dict[int, list[int]] = {}
     for k, nd in enumerate(neural):

@@ -24,18 +24,22 @@ DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 
 
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the target's last layer n is always added).
-    Boundaries count decoder layers run (layer b = the residual stream after b layers)."""
+def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[int]:
+    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the model's last layer n is always added).
+    Boundaries count decoder layers run (layer b = the residual stream after b layers). Errors name ``flag``."""
     from hsd_opt.engine.layered import parse_layer_spec
 
     note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
-    return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
+    try:
+        return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
+    except HsdError as e:
+        raise HsdError(str(e).replace("--layers", flag, 1)) from None
 
 
 def short_name(model_id: str, taken: set[str]) -> str:
     """A profile name for a draft model: the last part of its id or path, made unique against ``taken``."""
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model_id.rstrip("/")).name or model_id).strip("-") or "draft"
+    bare = re.sub(r"^[a-z][a-z-]*:(?!\\)", "", model_id)         # embedded:..., split-gguf:... -> the alias
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(bare.rstrip("/")).name or bare).strip("-") or "draft"
     name, k = base, 2
     while name in taken:
         name, k = f"{base}-{k}", k + 1
@@ -177,38 +181,71 @@ class Pool:
 
 def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], quantized: str | None,
                token_drafters: Sequence[str] | None, device: str, dtype: str, log: Callable[[str], None],
-               warn: Callable[[str], None]) -> Pool:
+               warn: Callable[[str], None], draft_layers: str | None = None) -> Pool:
     """The pool for target ``lm`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
-    ``eng``: its exits at ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on
-    ``device``/``dtype``, refused when its tokenizer differs), the ``quantized`` copies of the target
-    (``--quantized`` syntax) and the named ``token_drafters`` (None: the default pool). Names are unique."""
-    from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.engine.quantized import QuantizedLM, parse_quantized, quant_spec
+    ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
+    ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
+    when its tokenizer differs), the ``quantized`` copies (``--quantized`` syntax: ``int8``/``int4`` of the
+    target, ``MODEL:int4`` of a draft model) and the named ``token_drafters`` (None: the default pool). Names
+    are unique; a copy of draft model ``D`` is named ``D-int4``. ``draft_layers`` (``--draft-layers`` syntax, in
+    each draft model's own layers): early exits of the draft models too, named ``D-layer<b>``, sharing the draft
+    model's engine as the target's exits share the target's.
+
+    Every model is loaded once: its engines reference its weights. A model that only serves as the source of
+    quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
+    float decoder weights released once the pool is built (:func:`~hsd_opt.engine.layered.release_float_weights`)."""
+    from hsd_opt.engine.layered import LayeredLM, release_float_weights
+    from hsd_opt.engine.quantized import QuantizedLM, parse_quantized_copies, quant_spec
     from hsd_opt.models.loading import check_same_tokenizer, load_model
 
     n_layers = eng.n_layers
     neural = [NeuralDrafter(f"layer{b}", "target" if b == n_layers else "early_exit", eng, b) for b in boundaries]
     taken = {nd.name for nd in neural}
-    drafts = []
-    for dm in draft_models:
+    drafts: dict[str, DraftSource] = {}
+
+    def load_draft(ref: str, flag: str):
         try:
-            dlm = load_model(dm, device=device, dtype=dtype)
+            dlm = load_model(ref, device=device, dtype=dtype)
         except HsdError as e:
-            raise HsdError(str(e).replace("--model", "--draft-model", 1)) from None
-        check_same_tokenizer(lm.tokenizer, dlm.tokenizer, dm)
+            raise HsdError(str(e).replace("--model", flag, 1)) from None
+        check_same_tokenizer(lm.tokenizer, dlm.tokenizer, ref)
+        if dlm.model_id == lm.model_id:
+            raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
+        return dlm
+
+    for dm in draft_models:
+        if find_draft(dm, drafts) is not None:
+            raise HsdError(f"--draft-model: {dm} is given twice")
+        dlm = load_draft(dm, "--draft-model")
         deng = LayeredLM(dlm.model)
         name = short_name(dlm.model_id, taken)
         taken.add(name)
+        for b in (parse_layers(draft_layers, deng.n_layers, "--draft-layers") if draft_layers else [])[:-1]:
+            if f"{name}-layer{b}" in taken:
+                raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
+            taken.add(f"{name}-layer{b}")
+            neural.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
-        drafts.append(dlm)
-    for qname in parse_quantized(quantized, eng.device):
+        drafts[dlm.model_id] = DraftSource(dlm, name, True)
+    for ref, kind in parse_quantized_copies(quantized, eng.device if not eng.is_copy else "meta"):
+        bits, group = quant_spec(kind)
+        if ref is None:
+            if eng.is_copy:
+                raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
+                               f"copies of it are no drafters (quantize draft models: MODEL:{kind})")
+            src, qname, model_id, what = lm.model, kind, None, "the target"
+        else:
+            ds = find_draft(ref, drafts)
+            if ds is None:
+                dlm = load_draft(ref, "--quantized")
+                ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
+            src, qname, model_id, what = ds.loaded.model, f"{ds.name}-{kind}", ds.loaded.model_id, ds.name
         if qname in taken:
             raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
-        bits, group = quant_spec(qname)
-        log(f"quantizing a copy of the target: {qname}")
-        qeng = QuantizedLM(lm.model, bits=bits, group_size=group, name=qname)
+        log(f"quantizing a copy of {what}: {qname}")
+        qeng = QuantizedLM(src, bits=bits, group_size=group, name=qname)
         taken.add(qname)
-        neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers))
+        neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id))
     explicit = token_drafters is not None
     requested = list(token_drafters) if explicit else list(DEFAULT_TOKEN_DRAFTERS)
     want_aded = "aded" in requested and aded_available(explicit)
@@ -217,4 +254,35 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
         if d.name in taken:
             raise HsdError(f"--token-drafters: name {d.name!r} is already used by another drafter")
         taken.add(d.name)
-    return Pool(neural, tds, want_aded, drafts)
+    # models that only feed quantized copies (the bigram table above was the last reader of the target's)
+    for ds in drafts.values():
+        if not ds.float_drafter:
+            log(f"{ds.name}: only its quantized copies are drafters; released "
+                f"{release_float_weights(ds.loaded.model) / 1e9:.2f} GB of float weights")
+    if eng.is_copy:
+        log(f"the target is a quantized copy: released {release_float_weights(lm.model) / 1e9:.2f} GB of float "
+            f"weights")
+    return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
+
+
+@dataclass
+class DraftSource:
+    """A loaded draft model of the pool: ``loaded`` (a :class:`~hsd_opt.models.loading.LoadedModel`), its profile
+    ``name`` (its copies are ``<name>-int4``, ...) and whether its float engine is a drafter itself."""
+
+    loaded: Any
+    name: str
+    float_drafter: bool
+
+
+def find_draft(ref: str, drafts: dict[str, DraftSource]) -> DraftSource | None:
+    """The loaded draft model ``ref`` names (an alias, id or path as typed, or its profile name), else None."""
+    from hsd_opt.models.loading import resolve_model_name
+
+    want = resolve_model_name(ref)
+    for ds in drafts.values():
+        mid = ds.loaded.model_id
+        if want in (mid, ds.name) or (Path(want).exists() and Path(mid).exists()
+                                      and Path(want).resolve() == Path(mid).resolve()):
+            return ds
+    return None

@@ -19,12 +19,22 @@ from typing import Any, Callable
 
 import torch
 
+from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
 from hsd_opt.profiler.assemble import build_profile, positions_by_task, prompts_by_task
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
-from hsd_opt.profiler.costs import DEFAULT_CONTEXTS, fit_contexts, measure_costs, measure_steps, time_token_drafter
+from hsd_opt.profiler.costs import (
+    DEFAULT_CONTEXTS,
+    PREFILL_CHUNK,
+    calibrate,
+    choose_plan,
+    estimate_seconds,
+    fit_contexts,
+    measure_costs,
+    time_token_drafter,
+)
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, fresh_drafter, parse_layers
@@ -32,6 +42,10 @@ from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts
 
 DEFAULT_MAX_NEW_TOKENS = 24
+#: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).
+DEFAULT_COST_BUDGET = 480.0
+#: Seconds a progress tick of the cost phase may take at most, where the calibration lets a prefill chunk fit.
+PROGRESS_SECONDS = 3.0
 
 
 @dataclass
@@ -43,6 +57,7 @@ class ProfileConfig:
     prompts: Path | None = None
     layers: str = "all"
     draft_models: list[str] = field(default_factory=list)
+    draft_layers: str | None = None                 # --draft-layers: early exits of each draft model too
     quantized: str | None = None                    # --quantized: None = default (int8,int4 where kernels run)
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
     heads: Path | None = None
@@ -52,6 +67,7 @@ class ProfileConfig:
     raw: bool = False
     device: str = "auto"
     dtype: str = "auto"
+    target_precision: str = "auto"                  # auto (the loaded dtype) | float32 | bfloat16 | int8 | int4
     seed: int = 0
     resume: bool = False
     tmax: int = 15
@@ -59,6 +75,7 @@ class ProfileConfig:
     cost_warmup: int = 2
     curve_repeats: int = 2
     cost_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # tokens in the KV cache the costs are measured at
+    cost_budget: float | None = DEFAULT_COST_BUDGET  # seconds for the cost phase (None: the full plan)
     shard: tuple[int, int] | None = None            # (k, n): this run does prompts i with i % n == k
     max_prompts: int | None = None
     chunk: int = 16
@@ -109,11 +126,21 @@ def _validate(cfg: ProfileConfig) -> None:
 
 
 def _load_target(cfg: ProfileConfig):
-    """``(loaded model, its LayeredLM, heads sha256 or None, heads metadata)``; trained exit heads when asked."""
+    """``(loaded model, the target's engine, heads sha256 or None, heads metadata, target precision)``: a
+    :class:`LayeredLM` over the loaded weights (with trained exit heads when asked), or with ``--target-precision
+    int8|int4`` a :class:`~hsd_opt.engine.quantized.QuantizedLM` of them on the CPU kernels, which is then the
+    target itself (its greedy output is the reference)."""
     from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.quantized import QUANT_KINDS, resolve_target_precision
     from hsd_opt.models.loading import load_model
 
-    lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    load_dtype, precision = resolve_target_precision(cfg.target_precision, cfg.dtype)
+    if precision in QUANT_KINDS and cfg.heads is not None:
+        raise HsdError(f"--heads: trained exit heads belong to the float target, not to --target-precision "
+                       f"{precision}")
+    lm = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
+    if precision in QUANT_KINDS:
+        return lm, quantized_target(lm, precision), None, {}, precision
     exit_heads, heads_meta, heads_sha = None, {}, None
     if cfg.heads is not None:
         if not Path(cfg.heads).is_file():
@@ -122,10 +149,26 @@ def _load_target(cfg: ProfileConfig):
 
         exit_heads, heads_meta = load_heads(str(cfg.heads), lm)
         heads_sha = file_sha256(Path(cfg.heads))
-    return lm, LayeredLM(lm.model, exit_heads=exit_heads), heads_sha, heads_meta
+    return lm, LayeredLM(lm.model, exit_heads=exit_heads), heads_sha, heads_meta, lm.dtype
 
 
-def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries, pool: Pool, world: int) -> dict:
+def quantized_target(lm, precision: str):
+    """The ``precision`` (``int8``/``int4``) copy of ``lm``'s model as a target: on the CPU kernels only, whose
+    batch invariance makes its verify passes compute exactly what its own decode steps compute (so greedy HSD
+    over it equals its own autoregressive loop); :class:`HsdError` naming ``--target-precision`` otherwise."""
+    from hsd_opt.engine.quantized import QuantizedLM, quant_spec
+
+    bits, group = quant_spec(precision)
+    n = lm.model.config.num_hidden_layers
+    try:
+        return QuantizedLM(lm.model, bits=bits, group_size=group, name=f"layer{n}", kernels=True)
+    except HsdError as e:
+        raise HsdError(f"--target-precision {precision}: a quantized target runs on the CPU decode kernels only "
+                       f"({e})") from None
+
+
+def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries, pool: Pool, world: int,
+              precision: str) -> dict:
     """What a profile was made with: what a resumed run must share (``checkpoint.RESUME_FIELDS``) and merged
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
@@ -133,8 +176,9 @@ def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries,
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "max_new_tokens": int(cfg.max_new_tokens),
         "raw": bool(cfg.raw),
-        "seed": int(cfg.seed), "dtype": lm.dtype, "layers": list(boundaries),
+        "seed": int(cfg.seed), "dtype": lm.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
+        "draft_layers": sorted({nd.boundary for nd in pool.neural if nd.kind == "early_exit" and nd.model_id}),
         "quantized": [nd.name for nd in pool.neural if nd.kind == "quantized"],
         "token_drafters": [f"{d.kind}:{d.name}" for d in pool.token] + (["aded:aded"] if pool.want_aded else []),
         "shard": list(cfg.shard) if cfg.shard else None,
@@ -168,12 +212,12 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # load the target, then the pool
     t_start = time.perf_counter()
-    lm, eng, heads_sha, heads_meta = _load_target(cfg)
+    lm, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = parse_layers(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
     pool = build_pool(lm, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn)
-    settings = _settings(cfg, lm, heads_sha, suite, boundaries, pool, world)
+                      cfg.dtype, log, warn, cfg.draft_layers)
+    settings = _settings(cfg, lm, heads_sha, suite, boundaries, pool, world, precision)
     token_names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
     counters += [f"generated_tokens.{t}" for t in suite.tasks]      # per task: a token drafter's calls there
@@ -268,8 +312,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
              f"{', '.join(map(str, contexts))} tokens")
     log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
-    lcs, token_costs = _measure_all_costs(cfg, by_engine, label, contexts, tds,
-                                          _suite_text(lm, mine, ck, cfg, suite))
+    lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds,
+                                                     _suite_text(lm, mine, ck, cfg, suite), log, warn)
     cost_seconds = time.perf_counter() - t_cost
 
     # assemble, with provenance, and write
@@ -284,6 +328,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "positions_by_task": positions_by_task(stats),
         **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
         "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": contexts},
+        "cost_plan": plan_info,
         "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
                              "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
                              "acceptance and argmax for greedy_agreement"),
@@ -332,33 +377,71 @@ def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: Prom
 
 
 def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], contexts: list[int], tds: list,
-                       text: list[int]):
-    """``({id(engine): [LayerCosts per context]}, {token drafter: [seconds per propose at each context]})``, with
-    a progress bar (every step a few seconds at most) unless ``cfg.progress`` is off. ``by_engine`` starts with
-    the target's engine, whose prefilled states its copies (quantized drafters) then share, as at run time."""
-    first = next(iter(by_engine.values()))[0]               # the target's engine, measured first
-    shared = {k: k != id(first) and e.can_share_prompt(first) for k, (e, _) in by_engine.items()}
-    steps = sum(measure_steps(contexts, len(bs), cfg.tmax, cfg.cost_repeats, cfg.cost_warmup, cfg.curve_repeats,
-                              shared=shared[k]) for k, (_, bs) in by_engine.items()) + len(tds) * len(contexts)
+                       text: list[int], log: Callable[[str], None], warn: Callable[[str], None]):
+    """``({id(engine): [LayerCosts per context]}, {token drafter: [seconds per propose at each context]}, the
+    cost plan as a dict for the provenance)``.
+
+    First every engine is calibrated (:func:`~hsd_opt.profiler.costs.calibrate`, seconds each), then the most
+    thorough cost plan whose estimate fits ``cfg.cost_budget`` is chosen
+    (:func:`~hsd_opt.profiler.costs.choose_plan`); the progress bar's units are the estimated seconds, so its
+    ETA holds across engines of very different sizes, and it moves at least every few seconds (prefill chunks
+    sized from the calibration). ``by_engine`` starts with the target's engine; an engine over a model's own
+    weights is measured before the copies of that model, which take its prefilled states as at run time."""
+    order = [k for k in by_engine if not by_engine[k][0].is_copy] + [k for k in by_engine if by_engine[k][0].is_copy]
+    source = {}
+    for k in order:
+        e = by_engine[k][0]
+        source[k] = next((j for j in order if by_engine[j][0] is not e and e.can_share_prompt(by_engine[j][0])), None)
     progress = None
     if cfg.progress:
         from hsd_opt.console import progress_bar
 
-        progress = progress_bar()
+        progress = progress_bar(percent=True)
         progress.start()
-        pid = progress.add_task("measuring costs", total=steps)
     try:
-        lcs = {}
-        states: dict = {}                                   # the target's prefilled states, shared with its copies
-        for k, (e, bs) in by_engine.items():
-            def step(msg: str, name=label[k]) -> None:
-                if progress:
-                    progress.update(pid, advance=1, description=f"costs: {name}, {msg}")
+        t0 = time.perf_counter()
+        calib = {}
+        cid = progress.add_task("costs: calibrating", total=len(order)) if progress else None
+        for k in order:
+            calib[k] = calibrate(by_engine[k][0], cfg.tmax)
+            if progress:
+                progress.update(cid, advance=1, description=f"costs: calibrated {label[k]}")
+        budget = None if cfg.cost_budget is None else max(0.0, cfg.cost_budget - (time.perf_counter() - t0))
+        engines = [(calib[k], len(by_engine[k][1]), source[k] is not None) for k in order]
+        plan, est = choose_plan(budget, engines, contexts, cfg.tmax, cfg.cost_repeats, cfg.cost_warmup,
+                                cfg.curve_repeats)
+        tok_est = 0.05 * len(tds) * len(contexts)
+        est_of = {k: estimate_seconds(plan, calib[k], contexts, len(by_engine[k][1]), cfg.tmax, source[k] is not None)
+                  for k in order}
+        note = (f"cost plan {plan.level!r}: about {est:.0f} s for {len(order)} engine(s)"
+                + ("" if cfg.cost_budget is None else f" (--cost-budget {cfg.cost_budget:.0f} s)"))
+        if budget is not None and est > budget:
+            warn(f"{note}; even the coarsest plan is over the budget: measuring with it anyway")
+        else:
+            log(note)
+        pid = progress.add_task("measuring costs", total=est + tok_est) if progress else None
 
-            lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, repeats=cfg.cost_repeats, warmup=cfg.cost_warmup,
-                                   curve_repeats=cfg.curve_repeats, contexts=contexts, on_step=step,
-                                   keep_states=states if e is first else None,
-                                   share_from=(first, states) if shared[k] else None)
+        lcs = {}
+        states: dict = {}                       # prefilled states of engines over their own weights, by engine
+        for k in order:
+            e, bs = by_engine[k]
+
+            def step(msg: str, seconds: float = 1.0, name=label[k]) -> None:
+                if progress:
+                    progress.update(pid, advance=seconds, description=f"costs: {name}, {msg}")
+
+            def extend(n_steps: int, seconds: float) -> None:
+                if progress:
+                    progress.update(pid, total=progress.tasks[pid].total + seconds)
+
+            chunk = max(MAX_PASS + 1, min(PREFILL_CHUNK, int(PROGRESS_SECONDS / calib[k].prefill_token)))
+            # refinements of the direct timings share what the budget leaves over the plan, by engine cost
+            slack = None if budget is None else max(0.0, budget - est) * est_of[k] / max(est, 1e-9)
+            feeds = any(source[j] == k for j in order)
+            lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, contexts=contexts, on_step=step, plan=plan, calib=calib[k],
+                                   on_extend=extend, chunk=chunk, refine_seconds=slack,
+                                   keep_states=states.setdefault(k, {}) if feeds else None,
+                                   share_from=(by_engine[source[k]][0], states[source[k]]) if source[k] else None)
         states.clear()
         token_costs = {}
         for d in tds:
@@ -366,11 +449,14 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
             for c in contexts:
                 token_costs[d.name].append(time_token_drafter(lambda d=d: fresh_drafter(d), text, c))
                 if progress:
-                    progress.update(pid, advance=1, description=f"costs: {d.name}, context {c}")
+                    progress.update(pid, advance=0.05, description=f"costs: {d.name}, context {c}")
     finally:
         if progress:
             progress.stop()
-    return lcs, token_costs
+    info = {**plan.to_dict(), "budget_seconds": cfg.cost_budget, "estimated_seconds": round(est, 1),
+            "calibration": {label[k]: {"step": c.step, "pass_max": c.pass_max, "prefill_token": c.prefill_token}
+                            for k, c in calib.items()}}
+    return lcs, token_costs, info
 
 
 def _version() -> str:

@@ -2,11 +2,15 @@
 
 Methods: ``hf_ar`` (Hugging Face ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens``),
 ``hf_early_exit`` (``assistant_early_exit`` at the plan's best single exit; when transformers refuses it for this
-model the error is recorded), ``ar`` (our autoregressive loop on the layered engine), ``single_draft`` (the plan's
-``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task`` (the plan's plans per task, ``by_task``: each
-prompt runs its task's hierarchy, the plan itself for a task without one; only for a plan that has them).
+model the error is recorded), ``hf_assisted`` (assisted generation with a draft model as ``assistant_model``: the
+``assistant`` given, else the plan's draft model, :func:`assistant_ref`), ``ar`` (our autoregressive loop on the
+layered engine), ``single_draft`` (the plan's ``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task``
+(the plan's plans per task, ``by_task``: each prompt runs its task's hierarchy, the plan itself for a task without
+one; only for a plan that has them).
 
-Greedy (temperature 0): the reference is ``ar``'s output and every method reports ``matches_reference``.
+Greedy (temperature 0): the reference is ``ar``'s output and every method reports ``matches_reference``. For a
+plan made for a quantized target (``--target-precision int4``) ``ar`` is that copy's own loop, while the Hugging
+Face methods run the float model, the baseline users compare against: they are not expected to match.
 Sampling (``temperature > 0``, optionally ``top_p``): every method samples from the same processed distribution
 (Hugging Face methods with ``do_sample`` and ``top_k=0``, seeded with ``torch.manual_seed``; ours with their own
 seeded generator), prompt ``i`` with seed ``seed + i`` (its index in the file; a later turn ``k`` with
@@ -36,11 +40,12 @@ import torch
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
-from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, predicts_by_context, run_context
+from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 
-__all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "build_runners", "converse", "plot_report", "run_bench"]
+__all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "assistant_ref", "build_runners", "converse", "plot_report",
+           "run_bench"]
 
-METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd", "hsd_task")
+METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "hf_assisted", "ar", "single_draft", "hsd", "hsd_task")
 #: Methods run when none are named: all but ``hsd_task``, which runs when the plan has plans per task.
 DEFAULT_METHODS = METHODS[:-1]
 #: Seed offset between turns of one prompt (sampling): turn k of prompt i draws with seed + i + k * this.
@@ -116,7 +121,7 @@ def _best_exit(plan) -> int | None:
         e = allm.get(n)
         if e is None and n.startswith("layer") and n[5:].isdigit():
             return int(n[5:])
-        if e and e.get("kind") == "early_exit":
+        if e and e.get("kind") == "early_exit" and "model" not in e:     # the target's own exits only
             return int(e["layer"])
     return None
 
@@ -131,22 +136,35 @@ Runner = Callable[[list[int], int, int, str],
                   tuple[list[int], dict | None, str | None, float | None, float | None]]
 
 
+def assistant_ref(plan) -> str | None:
+    """The draft model ``hf_assisted`` hands Hugging Face as ``assistant_model``: the model of the plan's first
+    ``model`` entry, else the model a quantized copy of a draft model was made from; None without either."""
+    entries = [e for e in plan.extra.get("models") or [] if isinstance(e, dict) and isinstance(e.get("model"), str)]
+    for kind in ("model", "quantized"):
+        for e in entries:
+            if e.get("kind") == kind:
+                return e["model"]
+    return None
+
+
 def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode: str, source: str,
-                  tasks: Sequence[str], extra: dict[str, tuple[list[str], list[int]]] | None = None):
+                  tasks: Sequence[str], extra: dict[str, tuple[list[str], list[int]]] | None = None,
+                  assistant: str | None = None):
     """``(runners, descriptions, errors)`` for ``methods`` (and ``extra`` hierarchies of the plan's models).
-    ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front."""
-    from hsd_opt.engine.layered import LayeredLM
+    ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front. ``assistant``:
+    the draft model of ``hf_assisted`` (default :func:`assistant_ref`)."""
     from hsd_opt.runtime.runner import (
-        load_plan_heads,
+        load_draft_model,
         plan_for_prompt,
         predicted_latency,
         prediction_context,
         run_context,
+        target_engine,
         task_prediction,
     )
 
     eos = eos_ids(loaded)
-    lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
+    lm = target_engine(plan, loaded, source)
     target = plan.hierarchy[-1]
     bsd = plan.baselines.get("best_single_draft") or None
     runners: dict[str, Runner] = {}
@@ -209,6 +227,14 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
                 continue
             desc[m] = {"assistant_early_exit": ex}
             hf(m, assistant_early_exit=ex)
+        elif m == "hf_assisted":
+            ref = assistant or assistant_ref(plan)
+            if ref is None:
+                errors[m] = "the plan has no draft model to assist with: give --assistant MODEL"
+                continue
+            draft = load_draft_model(loaded, ref)
+            desc[m] = {"assistant_model": draft.model_id}
+            hf(m, assistant_model=draft.model)
         elif m == "ar":
             ours(m, [target], [], "target_only")
         elif m == "single_draft":
@@ -249,11 +275,13 @@ def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, ma
 def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens: int = 64, raw: bool = False,
               mode: str = "exact", methods: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
               source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None,
-              turns: str = "first", sampling: Sampling | None = None, by: str = "group") -> dict[str, Any]:
+              turns: str = "first", sampling: Sampling | None = None, by: str = "group",
+              assistant: str | None = None) -> dict[str, Any]:
     """Benchmark ``methods`` (default: :data:`DEFAULT_METHODS`, plus ``hsd_task`` when the plan has plans per
     task) over ``prompts``; returns the JSON report ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
 
-    ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``.
+    ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``;
+    ``assistant``: the draft model of ``hf_assisted`` (default: the plan's, :func:`assistant_ref`).
     ``turns``: ``"first"`` or ``"all"`` (every turn, after the method's own answers); ``by``: ``"group"`` (the
     task) or ``"category"`` (Spec-Bench's raw category) for the ``by_task`` section.
     """
@@ -266,10 +294,11 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     if not items:
         raise HsdError("no prompts to benchmark")
     if methods is None:
-        methods = list(DEFAULT_METHODS) + (["hsd_task"] if plan.tasks else [])
+        methods = [m for m in DEFAULT_METHODS if m != "hf_assisted" or assistant or assistant_ref(plan)]
+        methods += ["hsd_task"] if plan.tasks else []
     tok = loaded.tokenizer
     runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
-                                                 sorted({it.task for it in items}), extra)
+                                                 sorted({it.task for it in items}), extra, assistant)
 
     # warm-up (a refused method is recorded and dropped); every hierarchy of hsd_task once
     ids0 = conversation_ids(tok, items[0].turns, [], raw)
@@ -312,6 +341,12 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     for m, e in errors.items():
         report["methods"].setdefault(m, {})["error"] = e
     report["reference"] = "ar" if sampling.greedy else None
+    precision = plan_target_precision(plan, source)
+    report["target_precision"] = precision
+    if precision in ("int8", "int4"):
+        report["reference_note"] = (f"the target is the {precision} copy: ar is its own loop and the reference; "
+                                    f"the hf_* methods run the {loaded.dtype} model (the baseline to compare "
+                                    f"against) and are not expected to match it")
     report["hf_ar_matches_reference"] = report["methods"].get("hf_ar", {}).get("matches_reference")
     if not sampling.greedy:
         report["matches_reference_note"] = ("not compared under sampling: outputs are draws (the tests prove that "

@@ -153,9 +153,10 @@ class HSD:
             every verified token once it holds at least T_i).
         residual: keep True. False resamples from ``p`` instead of ``norm(max(p - q, 0))`` after a rejection: a
             deliberately wrong sampler, used only to prove that the statistical test catches a wrong rule.
-        share_prompt: a drafter that is a copy of the target (a quantized copy) takes the target's keys and
-            values of the prompt instead of computing its own prefill (:meth:`LayeredLM.share_prompt`). Its drafts
-            change slightly, the output does not (drafts are verified). False: every model prefills on its own.
+        share_prompt: a drafter that is a copy (a quantized copy) of a model another level runs over its own
+            weights (the target, or a draft model) takes that level's keys and values of the prompt instead of
+            computing its own prefill (:meth:`LayeredLM.share_prompt`). Its drafts change slightly, the output does
+            not (drafts are verified). False, or no such level: every model prefills on its own.
     """
 
     def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
@@ -374,16 +375,22 @@ class HSD:
                 lv.drafter.reset(prompt)
         t0 = time.perf_counter()
         self._append(prompt)
-        # prefill: every model computes the prompt up to its highest level in one pass, the target first; a copy
-        # of the target (a quantized drafter) takes the target's keys and values and computes the last position
+        # prefill: every model computes the prompt up to its highest level in one pass, the target first, then
+        # the engines over a model's own weights; a copy of a model one of them runs (a quantized drafter of the
+        # target or of a draft model) takes that engine's keys and values and computes the last position. The
+        # target always computes its own.
         ti = self._level_state[-1]
-        target, target_st = self._lms[ti], self._states[ti]
-        for i in [ti] + [i for i in range(len(self._lms)) if i != ti]:
+        rest = [i for i in range(len(self._lms)) if i != ti]
+        done: list[int] = []
+        for i in [ti] + [i for i in rest if not self._lms[i].is_copy] + [i for i in rest if self._lms[i].is_copy]:
             lm, st = self._lms[i], self._states[i]
             top_b = max(lv.boundary for lv in self.levels if lv.lm is lm)
-            if self.share_prompt and lm.can_share_prompt(target) and target_st.lens[top_b - 1] >= len(prompt):
-                lm.share_prompt(st, target, target_st, top_b)
+            src = next((j for j in done if self.share_prompt and i != ti and lm.can_share_prompt(self._lms[j])
+                        and self._states[j].lens[top_b - 1] >= len(prompt)), None)
+            if src is not None:
+                lm.share_prompt(st, self._lms[src], self._states[src], top_b)
             lm.advance(st, top_b)
+            done.append(i)
         _sync(dev)
         t1 = time.perf_counter()
         depth = len(self.levels)

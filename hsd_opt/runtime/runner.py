@@ -1,12 +1,14 @@
 """From a plan to a running hierarchy: check the model the plan was solved for, build its levels.
 
 A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries for
-them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``). Entry
-kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run), ``model`` (``model``: another causal LM of the
-same tokenizer), ``quantized`` (``quantization``: a weight-quantized copy of the target, rebuilt here with
+them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``,
+``target_precision``). Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run; with ``model``, an
+exit of that draft model), ``model`` (``model``: another causal LM of the same tokenizer), ``quantized``
+(``quantization``: a weight-quantized copy of the target, or with ``model`` of that draft model, rebuilt here with
 :class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``,
 ... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted
-when every name is ``layer<N>`` (the profiler's naming).
+when every name is ``layer<N>`` (the profiler's naming). Each draft model is loaded once per process, and each
+quantized copy built once per model and setting.
 """
 
 from __future__ import annotations
@@ -43,8 +45,23 @@ def plan_entries(plan, source: str = "plan") -> dict[str, dict]:
     return out
 
 
-def check_provenance(plan, loaded, source: str = "plan") -> None:
-    """Refuse a plan profiled on another model, revision or dtype than ``loaded`` (a :class:`LoadedModel`)."""
+def plan_target_precision(plan, source: str = "plan") -> str:
+    """The target precision ``plan`` was profiled for: ``provenance.target_precision``, else (plans made before
+    it was recorded) the ``dtype``, else ``float32``. An unknown value raises :class:`InputFileError`."""
+    from hsd_opt.engine.quantized import TARGET_PRECISIONS
+
+    prov = plan.extra.get("provenance") or {}
+    p = prov.get("target_precision") or prov.get("dtype") or "float32"
+    if p not in TARGET_PRECISIONS:
+        raise InputFileError(source, f"unknown target precision {p!r} (known: {', '.join(TARGET_PRECISIONS)})",
+                             "provenance.target_precision")
+    return p
+
+
+def check_provenance(plan, loaded, source: str = "plan", target_precision: str | None = None) -> None:
+    """Refuse a plan profiled on another model, revision or dtype than ``loaded`` (a :class:`LoadedModel`), or
+    for another target precision than ``target_precision`` (``--target-precision``; None or ``auto``: the
+    plan's own)."""
     from hsd_opt.models.loading import resolve_model_name
 
     prov = plan.extra.get("provenance") or {}
@@ -61,31 +78,69 @@ def check_provenance(plan, loaded, source: str = "plan") -> None:
         raise InputFileError(source, f"the plan was made for the {dtype} target, but the model is loaded in "
                                      f"{loaded.dtype} (another target, with its own greedy output: profile and "
                                      f"solve for it, or drop --dtype)", "provenance.dtype")
+    made = plan_target_precision(plan, source)
+    asked = (target_precision or "auto").strip().lower()
+    if asked not in ("auto", made):
+        raise InputFileError(source, f"the plan was made for the {made} target, not the {asked} one (another "
+                                     f"target, with its own greedy output: profile and solve with "
+                                     f"--target-precision {asked}, or drop --target-precision)",
+                             "provenance.target_precision")
+
+
+def target_engine(plan, loaded, source: str = "plan"):
+    """The engine of ``plan``'s target over ``loaded``: a :class:`LayeredLM` over its weights (with the plan's
+    trained heads), or, for a plan made for an ``int8``/``int4`` target (``provenance.target_precision``), that
+    quantized copy on the CPU kernels (one per process and setting, as for copies that draft)."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.quantized import QUANT_KINDS
+
+    precision = plan_target_precision(plan, source)
+    if precision not in QUANT_KINDS:
+        return LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
+    from hsd_opt.engine.quantized import quant_spec
+
+    name = plan.hierarchy[-1]
+    e = {m.get("name"): m for m in plan.extra.get("models") or [] if isinstance(m, dict)}.get(name) or {}
+    bits, group = quant_spec(precision)
+    q = e.get("quantization") if isinstance(e.get("quantization"), dict) else {"bits": bits, "group_size": group}
+    if q.get("bits") != bits:
+        raise InputFileError(source, f"the target {name!r} is quantized to {q.get('bits')} bits, but the plan's "
+                                     f"target precision is {precision}", "provenance.target_precision")
+    eng = quantized_engine(loaded.model, q, name, source, "provenance.target_precision")
+    if not eng.uses_kernels:
+        raise InputFileError(source, f"an {precision} target runs on the CPU decode kernels only, which are "
+                                     f"unavailable here (a CPU build with a C compiler, HSD_KERNELS not 0)",
+                             "provenance.target_precision")
+    return eng
 
 
 def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None = None,
                  dtype: str | None = None) -> list[Level]:
     """The :class:`Level` list (bottom first) of ``plan`` over ``loaded`` (its target). Exits share ``lm``
-    (a :class:`LayeredLM` of the target, built here if None, with the plan's trained heads when it names them).
+    (the target's engine, :func:`target_engine`, built here if None).
 
     Raises:
         InputFileError: a layer the model lacks, an exit above the target, a target that is not the model's last
             layer, a token drafter above the bottom, an unknown kind, a model of another tokenizer.
     """
-    from hsd_opt.engine.layered import LayeredLM
-
     if lm is None:
-        lm = LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
+        lm = target_engine(plan, loaded, source)
     entries = plan_entries(plan, source)
     L = lm.n_layers
-    quantized = _QUANTIZED.setdefault(loaded.model, {})
     levels: list[Level] = []
     top = len(plan.hierarchy) - 1
     for i, name in enumerate(plan.hierarchy):
         e = entries[name]
         kind = e.get("kind", "model")
         where = f"hierarchy[{i}] ({name})"
-        if kind in MODEL_KINDS:
+        if kind == "early_exit" and isinstance(e.get("model"), str):     # an exit of a draft model
+            olm = draft_engine(load_draft_model(loaded, e["model"], device, dtype))
+            layer = e.get("layer")
+            if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= olm.n_layers:
+                raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e['model']} has layers "
+                                             f"1..{olm.n_layers}", where)
+            levels.append(Level(name, olm, layer))
+        elif kind in MODEL_KINDS:
             layer = e.get("layer")
             if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= L:
                 raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {loaded.model_id} has "
@@ -95,17 +150,12 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
                                      where)
             levels.append(Level(name, lm, layer))
         elif kind == "quantized":
-            levels.append(_quantized_level(name, e, loaded, quantized, source, where))
+            levels.append(_quantized_level(name, e, loaded, source, where, device, dtype))
         elif kind == "model":
-            from hsd_opt.engine.layered import LayeredLM as _L
-            from hsd_opt.models.loading import check_same_tokenizer, load_model
-
             ref = e.get("model")
             if not isinstance(ref, str):
                 raise InputFileError(source, f"model entry {name!r} needs 'model' (id or path)", where)
-            other = load_model(ref, device=device or loaded.device, dtype=dtype or loaded.dtype)
-            check_same_tokenizer(loaded.tokenizer, other.tokenizer, ref)
-            olm = _L(other.model)
+            olm = draft_engine(load_draft_model(loaded, ref, device, dtype))
             levels.append(Level(name, olm, olm.n_layers))
         else:
             if i != 0:
@@ -125,13 +175,40 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
 #: model -> {(bits, group_size, head_bits): QuantizedLM}: one quantized copy per model and setting per process
 #: (bench builds several hierarchies from one plan, and quantizing takes seconds).
 _QUANTIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: target model -> {(model id, device, dtype): LoadedModel}: each draft model is loaded once per process.
+_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: draft model -> its LayeredLM (one per process: its float level and the copies sharing its prompt use it).
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _quantized_level(name: str, e: dict, loaded, cache: dict, source: str, where: str) -> Level:
-    """A level over a quantized copy of the target from a ``quantized`` entry (one copy per distinct setting)."""
+def load_draft_model(loaded, ref: str, device: str | None = None, dtype: str | None = None):
+    """The draft model ``ref`` (alias, id or path) of target ``loaded``, loaded once per process on ``device``/
+    ``dtype`` (default: the target's) and checked to share the target's tokenizer."""
+    from hsd_opt.models.loading import check_same_tokenizer, load_model, resolve_model_name
+
+    cache = _DRAFTS.setdefault(loaded.model, {})
+    key = (resolve_model_name(ref), device or loaded.device, dtype or loaded.dtype)
+    if key not in cache:
+        other = load_model(ref, device=key[1], dtype=key[2])
+        check_same_tokenizer(loaded.tokenizer, other.tokenizer, ref)
+        cache[key] = other
+    return cache[key]
+
+
+def draft_engine(other):
+    """The :class:`LayeredLM` over a loaded draft model's own weights (one per process)."""
+    from hsd_opt.engine.layered import LayeredLM
+
+    if other.model not in _ENGINES:
+        _ENGINES[other.model] = LayeredLM(other.model)
+    return _ENGINES[other.model]
+
+
+def quantized_engine(model, q, name: str, source: str, where: str):
+    """The :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``model`` for a ``quantization`` field ``q``
+    (``{bits, group_size, head_bits}``), built once per model and setting per process."""
     from hsd_opt.engine.quantized import QuantizedLM
 
-    q = e.get("quantization")
     if not isinstance(q, dict):
         raise InputFileError(source, f"quantized entry {name!r} needs 'quantization' ({{bits, group_size, "
                                      f"head_bits}})", where)
@@ -139,17 +216,61 @@ def _quantized_level(name: str, e: dict, loaded, cache: dict, source: str, where
     if bits not in (4, 8) or head_bits not in (4, 8) or not isinstance(group, int) or (bits == 4 and group < 1):
         raise InputFileError(source, f"quantized entry {name!r}: expected bits 4|8, head_bits 4|8 and an integer "
                                      f"group_size, got {q!r}", where + ".quantization")
+    cache = _QUANTIZED.setdefault(model, {})
     key = (bits, group, head_bits)
     if key not in cache:
         try:
-            cache[key] = QuantizedLM(loaded.model, bits=bits, group_size=group, head_bits=head_bits, name=name)
+            cache[key] = QuantizedLM(model, bits=bits, group_size=group, head_bits=head_bits, name=name)
         except HsdError as err:
             raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
-    qlm = cache[key]
+    return cache[key]
+
+
+def _quantized_level(name: str, e: dict, loaded, source: str, where: str, device: str | None,
+                     dtype: str | None) -> Level:
+    """A level over a quantized copy from a ``quantized`` entry: of the target, or with ``model`` of that draft
+    model (one copy per model and setting)."""
+    ref = e.get("model")
+    if ref is not None and not isinstance(ref, str):
+        raise InputFileError(source, f"quantized entry {name!r}: 'model' must be a model id or path", where)
+    model = load_draft_model(loaded, ref, device, dtype).model if ref else loaded.model
+    qlm = quantized_engine(model, e.get("quantization"), name, source, where)
     layer = e.get("layer", qlm.n_layers)
     if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= qlm.n_layers:
         raise InputFileError(source, f"layer {layer!r} of {name!r}: the model has layers 1..{qlm.n_layers}", where)
     return Level(name, qlm, layer)
+
+
+def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], log=None) -> int:
+    """Once every hierarchy that will run is built: release the float weights of each model no level of
+    ``hierarchies`` runs over its own weights, the draft models loaded only for their quantized copies and,
+    for a plan with a quantized target, the target's (:func:`~hsd_opt.engine.layered.release_float_weights`).
+    Returns the bytes released. For ``hsd run`` and ``hsd serve``; ``hsd bench`` keeps them (its Hugging Face
+    baselines run the float models)."""
+    from hsd_opt.engine.layered import is_released, release_float_weights
+    from hsd_opt.engine.quantized import QUANT_KINDS
+    from hsd_opt.models.loading import resolve_model_name
+
+    entries = {e.get("name"): e for e in plan.extra.get("models") or [] if isinstance(e, dict)}
+    floats = {resolve_model_name(entries[n]["model"]) for h in hierarchies for n in h
+              if entries.get(n, {}).get("kind") in ("model", "early_exit")
+              and isinstance(entries[n].get("model"), str)}
+    freed = 0
+    models = [other.model for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
+              if mid not in floats and other.model in _QUANTIZED]
+    if plan_target_precision(plan) in QUANT_KINDS:
+        models.append(loaded.model)
+    for model in models:
+        if is_released(model):
+            continue
+        try:
+            freed += release_float_weights(model)
+        except HsdError:            # a float engine over it is alive (built for another hierarchy): keep them
+            continue
+        if log:
+            log(f"{getattr(model.config, '_name_or_path', 'a model')}: only quantized copies run; its float "
+                f"weights are released")
+    return freed
 
 
 def load_plan_heads(plan, loaded, source: str = "plan"):
