@@ -84,13 +84,42 @@ static inline float hsum_lanes(const float *l) {
 }
 #endif
 
+/* A range of weight bytes to pull into the cache while the current rows compute (a few rows ahead): without it,
+ * a tile that has its rows in L1 computes while nothing is read from memory, and memory and arithmetic take
+ * turns instead of overlapping. */
+typedef struct {
+    const char *p, *end;
+} prefetch_t;
+
+static inline void prefetch_line(prefetch_t *pf) {
+    if (pf->p < pf->end) {
+#if HSD_AVX2
+        _mm_prefetch(pf->p, _MM_HINT_T0);
+#endif
+        pf->p += 64;
+    }
+}
+
+/* Rows [r, r + 4) of A, HSD_AHEAD blocks of 4 rows ahead of the block at row r0 (empty past the matrix end). */
+#define HSD_AHEAD 2
+static inline prefetch_t prefetch_ahead(const hsd_mat *A, int r0) {
+    const size_t eb = A->type == HSD_F32 ? 4 : A->type == HSD_BF16 ? 2 : 1;
+    const int r = r0 + 4 * HSD_AHEAD, n = A->rows - r < 4 ? A->rows - r : 4;
+    prefetch_t pf = {NULL, NULL};
+    if (n > 0) {
+        pf.p = (const char *)A->w + (size_t)r * A->cols * eb;
+        pf.end = pf.p + (size_t)n * A->cols * eb;
+    }
+    return pf;
+}
+
 static inline float tail(const float *w, const float *x, int c0, int K, float s) {
     for (int c = c0; c < K; c++) s = fmaf(w[c], x[c], s);
     return s;
 }
 
 /* s[t * 4 + i] = w_i . x_t for 4 rows (float32, K columns) and m positions (x row stride xs). */
-static void dots4(const float *const *w, int K, const float *x, int xs, int m, float *s) {
+static void dots4(const float *const *w, int K, const float *x, int xs, int m, float *s, prefetch_t *pf) {
     const int K8 = K & ~7;
     int t = 0;
 #if HSD_AVX2
@@ -100,6 +129,7 @@ static void dots4(const float *const *w, int K, const float *x, int xs, int m, f
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
         for (int c = 0; c < K8; c += 8) {
+            prefetch_line(pf);
             __m256 u = _mm256_loadu_ps(xa + c), v = _mm256_loadu_ps(xb + c), z = _mm256_loadu_ps(xc + c), q;
             q = _mm256_loadu_ps(w0 + c); ACC(a0, q, u); ACC(b0, q, v); ACC(c0, q, z);
             q = _mm256_loadu_ps(w1 + c); ACC(a1, q, u); ACC(b1, q, v); ACC(c1, q, z);
@@ -118,6 +148,8 @@ static void dots4(const float *const *w, int K, const float *x, int xs, int m, f
         const float *xa = x + (size_t)t * xs;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int c = 0; c < K8; c += 8) {
+            prefetch_line(pf);
+            prefetch_line(pf);
             __m256 u = _mm256_loadu_ps(xa + c);
             ACC(a0, _mm256_loadu_ps(w0 + c), u); ACC(a1, _mm256_loadu_ps(w1 + c), u);
             ACC(a2, _mm256_loadu_ps(w2 + c), u); ACC(a3, _mm256_loadu_ps(w3 + c), u);
@@ -127,6 +159,7 @@ static void dots4(const float *const *w, int K, const float *x, int xs, int m, f
         o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
     }
 #else
+    (void)pf;
     for (; t < m; t++) {
         const float *xa = x + (size_t)t * xs;
         for (int i = 0; i < 4; i++) {
@@ -178,13 +211,14 @@ static inline __m256 conv8(const hsd_mat *A, size_t off) {
 
 /* s[t * 4 + i] = W[r + i] . x_t for 4 rows of a bf16 / int8 matrix and m <= 2 positions, converting the
  * weights in registers: the same values and operations as expand_row followed by dots4, without the buffer. */
-static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, float *s) {
+static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, float *s, prefetch_t *pf) {
     const int K = A->cols;
     const float *xb = x + (m > 1 ? xs : 0);
     __m256 a[4], b[4];
     for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
     const int K8 = K & ~7;
     for (int c = 0; c < K8; c += 8) {
+        prefetch_line(pf);
         const __m256 u = _mm256_loadu_ps(x + c), v = _mm256_loadu_ps(xb + c);
         for (int i = 0; i < 4; i++) {
             __m256 w = conv8(A, (size_t)(r + i) * K + c);
@@ -426,7 +460,8 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
         const int n = r1 - r < 4 ? r1 - r : 4;
 #if HSD_AVX2
         if (A->type != HSD_F32 && m <= 2 && n == 4) { /* convert in registers: the values expand_row stores */
-            direct4(A, r, x, xs, m, s);
+            prefetch_t pf = prefetch_ahead(A, r);
+            direct4(A, r, x, xs, m, s, &pf);
             for (int t = 0; t < m; t++)
                 for (int i = 0; i < 4; i++) {
                     float d = s[t * 4 + i];
@@ -448,9 +483,10 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
                 w[i] = buf + (size_t)(i < n ? i : n - 1) * K;
             }
         }
+        prefetch_t pf = prefetch_ahead(A, r);
         for (int t0 = 0; t0 < m; t0 += HSD_MAX_TILE_T) {
             const int mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
-            dots4(w, K, x + (size_t)t0 * xs, xs, mt, s);
+            dots4(w, K, x + (size_t)t0 * xs, xs, mt, s, &pf);
             for (int t = 0; t < mt; t++)
                 for (int i = 0; i < n; i++) {
                     float d = s[t * 4 + i];
