@@ -43,8 +43,8 @@ typedef struct {
     const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, 16 * groups
                           * rounded up to even]: 32 bytes per pair of groups, byte j = code j of the first group
                           * (low nibble) | code j of the second (high nibble) */
-    const float *scale;  /* q8: [rows]; q4: [rows, cols / 32] */
-    const float *zero;   /* q4: [rows, cols / 32], the group minimum: w = code * scale + zero */
+    const void *scale;   /* q8: float32 [rows]; q4: float16 bits [rows, cols / 32] */
+    const void *zero;    /* q4: float16 bits [rows, cols / 32], the group minimum: w = code * scale + zero */
     const float *bias;   /* [rows] or NULL */
 } hsd_mat;
 
@@ -59,7 +59,7 @@ typedef struct {
     const hsd_layer *layers;
 } hsd_model;
 
-int hsd_version(void) { return 5; }
+int hsd_version(void) { return 6; }
 int hsd_simd(void) { return HSD_AVX2; }
 
 /* ------------------------------------------------------------------------------------------------ dot products */
@@ -83,6 +83,37 @@ static inline float hsum_lanes(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 #endif
+
+/* An IEEE half (float16 bits) as float32, exactly (int4 scales and minimums are stored in half precision, as
+ * GGUF's Q4_1 stores them). */
+static inline float half_to_float(uint16_t h) {
+#if HSD_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, f = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        if (f == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int sh = 0;
+            uint32_t m = f;
+            while (!(m & 0x400)) {
+                m <<= 1;
+                sh++;
+            }
+            bits = sign | ((uint32_t)(127 - 15 - sh + 1) << 23) | ((m & 0x3FF) << 13);
+        }
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (f << 13);
+    } else {
+        bits = sign | ((e - 15 + 127) << 23) | (f << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
 
 /* A range of weight bytes to pull into the cache while the current rows compute (a few rows ahead): without it,
  * a tile that has its rows in L1 computes while nothing is read from memory, and memory and arithmetic take
@@ -307,11 +338,11 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
     const int8_t *xq0 = X->q + (size_t)t0 * K, *xq1 = xq0 + (MT > 1 ? K : 0);
     const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
     const uint8_t *wp[4];
-    const float *sp[4];
+    const uint16_t *sp[4];
     for (int i = 0; i < 4; i++) {
         wp[i] = A->type == HSD_Q4 ? (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G)
                                   : (const uint8_t *)A->w + (size_t)rr[i] * K;
-        sp[i] = A->type == HSD_Q4 ? A->scale + (size_t)rr[i] * G : NULL;
+        sp[i] = A->type == HSD_Q4 ? (const uint16_t *)A->scale + (size_t)rr[i] * G : NULL;
     }
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     if (A->type == HSD_Q4) {
@@ -327,7 +358,7 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
     {                                                                                                           \
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wp[i] + off));                                  \
         const __m256i c = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, mask);                            \
-        const __m256 sc = _mm256_set1_ps(sp[i][g]);                                                             \
+        const __m256 sc = _mm256_set1_ps(half_to_float(sp[i][g]));                                              \
         A0 = _mm256_fmadd_ps(idot(c, y0), _mm256_mul_ps(sc, e0), A0);                                           \
         if (MT > 1) B0 = _mm256_fmadd_ps(idot(c, y1), _mm256_mul_ps(sc, e1), B0);                              \
     }
@@ -388,7 +419,7 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
                 if (A->type == HSD_Q4) {
                     const uint8_t *b = (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G) + 16 * (g - (g & 1));
                     for (int j = 0; j < 32; j++) c[j] = (g & 1) ? b[j] >> 4 : b[j] & 15;
-                    sc = A->scale[(size_t)rr[i] * G + g] * dd[g];
+                    sc = half_to_float(((const uint16_t *)A->scale)[(size_t)rr[i] * G + g]) * dd[g];
                 } else {
                     const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
                     for (int j = 0; j < 32; j++) c[j] = w[j];
@@ -403,20 +434,22 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
 #endif
 }
 
-/* sum_g z[g] * v[g] over G groups: 8 lanes over the groups in order, one fixed horizontal sum, then the tail. */
-static inline float group_dot(const float *z, const float *v, int G) {
+/* sum_g z[g] * v[g] over G groups (z: float16 bits): 8 lanes over the groups in order, one fixed horizontal sum,
+ * then the tail in order. */
+static inline float group_dot(const uint16_t *z, const float *v, int G) {
     const int G8 = G & ~7;
 #if HSD_AVX2
     __m256 a = _mm256_setzero_ps();
-    for (int g = 0; g < G8; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(v + g), a);
+    for (int g = 0; g < G8; g += 8)
+        a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g))), _mm256_loadu_ps(v + g), a);
     float t = hsum8(a);
 #else
     float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int g = 0; g < G8; g += 8)
-        for (int j = 0; j < 8; j++) l[j] = fmaf(z[g + j], v[g + j], l[j]);
+        for (int j = 0; j < 8; j++) l[j] = fmaf(half_to_float(z[g + j]), v[g + j], l[j]);
     float t = hsum_lanes(l);
 #endif
-    for (int g = G8; g < G; g++) t = fmaf(z[g], v[g], t);
+    for (int g = G8; g < G; g++) t = fmaf(half_to_float(z[g]), v[g], t);
     return t;
 }
 
@@ -433,9 +466,9 @@ static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, i
                 for (int i = 0; i < n; i++) {
                     float v = s[t * 4 + i];
                     if (A->type == HSD_Q4) {
-                        v += group_dot(A->zero + (size_t)(r + i) * G, X->s + (size_t)(t0 + t) * G, G);
+                        v += group_dot((const uint16_t *)A->zero + (size_t)(r + i) * G, X->s + (size_t)(t0 + t) * G, G);
                     } else {
-                        v *= A->scale[r + i];
+                        v *= ((const float *)A->scale)[r + i];
                     }
                     if (A->bias) v += A->bias[r + i];
                     float *out = y + (size_t)(t0 + t) * ys + r + i;
@@ -465,7 +498,7 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             for (int t = 0; t < m; t++)
                 for (int i = 0; i < 4; i++) {
                     float d = s[t * 4 + i];
-                    if (A->type == HSD_Q8) d *= A->scale[r + i];
+                    if (A->type == HSD_Q8) d *= ((const float *)A->scale)[r + i];
                     if (A->bias) d += A->bias[r + i];
                     float *out = y + (size_t)t * ys + r + i;
                     *out = acc ? *out + d : d;
@@ -490,7 +523,7 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             for (int t = 0; t < mt; t++)
                 for (int i = 0; i < n; i++) {
                     float d = s[t * 4 + i];
-                    if (A->type == HSD_Q8) d *= A->scale[r + i];
+                    if (A->type == HSD_Q8) d *= ((const float *)A->scale)[r + i];
                     if (A->bias) d += A->bias[r + i];
                     float *out = y + (size_t)(t0 + t) * ys + r + i;
                     *out = acc ? *out + d : d;

@@ -212,7 +212,7 @@ class Mat:
             return w.float()
         if self.kind == Q8:
             return w.float() * self.tensors[1][:, None]
-        g = q4_codes(self).float() * self.tensors[1][..., None] + self.tensors[2][..., None]
+        g = q4_codes(self).float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
         return g.reshape(self.rows, self.cols)
 
 
@@ -230,7 +230,8 @@ def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
 
 def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = GROUP) -> Mat:
     """Asymmetric int4 in groups of 32 input columns: ``w ~ code * scale + minimum`` per group (``scale = (max -
-    min) / 15``), the scheme of GGUF's Q4_1, whose codes it recovers exactly from de-quantized Q4_1 weights.
+    min) / 15``, scale and minimum stored as float16), the scheme of GGUF's Q4_1, whose codes, scales and minimums
+    it recovers exactly from de-quantized Q4_1 weights.
     Stored as bytes ``[rows, pairs, 32]`` with ``pairs = ceil(groups / 2)``: byte ``j`` of pair ``p`` holds code
     ``j`` of group ``2p`` (low nibble) and code ``j`` of group ``2p + 1`` (high nibble), so one 32-byte load and
     a mask (or a shift and a mask) give a group's 32 codes in column order."""
@@ -242,8 +243,11 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None, group_si
         raise HsdError(f"int4 quantization needs input width divisible by {GROUP}, got {K}")
     wg = w.reshape(N, K // GROUP, GROUP)
     lo, hi = wg.amin(-1), wg.amax(-1)
-    step = ((hi - lo) / 15.0).clamp_min(1e-12)
-    q = torch.round((wg - lo[..., None]) / step[..., None]).clamp_(0, 15).to(torch.uint8)
+    # scale and minimum in float16 (as Q4_1 stores them); the codes are rounded against those stored values
+    step = ((hi - lo) / 15.0).clamp_min(6.1e-5).half()
+    lo = lo.half()
+    sf, lf = step.float(), lo.float()
+    q = torch.round((wg - lf[..., None]) / sf[..., None]).clamp_(0, 15).to(torch.uint8)
     G = K // GROUP
     if G % 2:
         q = torch.cat([q, torch.zeros(N, 1, GROUP, dtype=torch.uint8)], 1)
