@@ -331,81 +331,76 @@ static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c:
 #endif
 
 #if HSD_AVX2
-/* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second. */
+/* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second.
+ * sf: the int4 rows' group scales as float32, [4][G]. */
 static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *A, const int *rr, const qx_t *X,
-                                                                 int t0, const int MT, float *s) {
+                                                                 int t0, const int MT, const float *sf, float *s) {
     const int K = A->cols, G = K / HSD_GROUP;
     const int8_t *xq0 = X->q + (size_t)t0 * K, *xq1 = xq0 + (MT > 1 ? K : 0);
     const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
     const uint8_t *wp[4];
-    const uint16_t *sp[4];
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 4; i++)
         wp[i] = A->type == HSD_Q4 ? (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G)
                                   : (const uint8_t *)A->w + (size_t)rr[i] * K;
-        sp[i] = A->type == HSD_Q4 ? (const uint16_t *)A->scale + (size_t)rr[i] * G : NULL;
-    }
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 a[4], b[4];
+    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
     if (A->type == HSD_Q4) {
         const __m256i mask = _mm256_set1_epi8(0xF);
-        for (int g = 0; g < G; g++) {
+        for (int g = 0; g < G; g += 2) {   /* a pair of groups shares one 32-byte block of codes */
+            const int two = g + 1 < G;
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
-            const __m256 e0 = _mm256_set1_ps(d0[g]);
-            const int hi = g & 1;
-            const size_t off = (size_t)16 * (g - hi);
-            if (!hi)
-                for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wp[i] + off + HSD_PREFETCH), _MM_HINT_T0);
-#define Q4ROW(i, A0, B0)                                                                                       \
-    {                                                                                                           \
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(wp[i] + off));                                  \
-        const __m256i c = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, mask);                            \
-        const __m256 sc = _mm256_set1_ps(half_to_float(sp[i][g]));                                              \
-        A0 = _mm256_fmadd_ps(idot(c, y0), _mm256_mul_ps(sc, e0), A0);                                           \
-        if (MT > 1) B0 = _mm256_fmadd_ps(idot(c, y1), _mm256_mul_ps(sc, e1), B0);                              \
-    }
-            if (MT > 1) {
-                const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
-                const __m256 e1 = _mm256_set1_ps(d1[g]);
-                Q4ROW(0, a0, b0) Q4ROW(1, a1, b1) Q4ROW(2, a2, b2) Q4ROW(3, a3, b3)
-            } else {
-                const __m256i y1 = y0;
-                const __m256 e1 = e0;
-                Q4ROW(0, a0, b0) Q4ROW(1, a1, b1) Q4ROW(2, a2, b2) Q4ROW(3, a3, b3)
+            const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0;
+            const __m256i z0 = two ? _mm256_loadu_si256((const __m256i *)(xq0 + (g + 1) * HSD_GROUP)) : y0;
+            const __m256i z1 = MT > 1 && two ? _mm256_loadu_si256((const __m256i *)(xq1 + (g + 1) * HSD_GROUP)) : z0;
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *blk = wp[i] + (size_t)16 * g;
+                _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)blk);
+                const __m256i c = _mm256_and_si256(v, mask);
+                const float sg = sf[i * G + g];
+                a[i] = _mm256_fmadd_ps(idot(c, y0), _mm256_set1_ps(sg * d0[g]), a[i]);
+                if (MT > 1) b[i] = _mm256_fmadd_ps(idot(c, y1), _mm256_set1_ps(sg * d1[g]), b[i]);
+                if (two) {
+                    const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    const float sh = sf[i * G + g + 1];
+                    a[i] = _mm256_fmadd_ps(idot(c2, z0), _mm256_set1_ps(sh * d0[g + 1]), a[i]);
+                    if (MT > 1) b[i] = _mm256_fmadd_ps(idot(c2, z1), _mm256_set1_ps(sh * d1[g + 1]), b[i]);
+                }
             }
-#undef Q4ROW
         }
     } else {
         for (int g = 0; g < G; g++) {
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
             const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
             const __m256 e0 = _mm256_set1_ps(d0[g]), e1 = _mm256_set1_ps(d1[g]);
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wp[i] + g * HSD_GROUP + HSD_PREFETCH), _MM_HINT_T0);
-#define Q8ROW(i, A0, B0)                                                                                       \
-    {                                                                                                           \
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wp[i] + g * HSD_GROUP));                         \
-        const __m256i aw = _mm256_sign_epi8(w, w);                                                              \
-        A0 = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y0, w)), e0, A0);                                        \
-        if (MT > 1) B0 = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y1, w)), e1, B0);                           \
-    }
-            Q8ROW(0, a0, b0) Q8ROW(1, a1, b1) Q8ROW(2, a2, b2) Q8ROW(3, a3, b3)
-#undef Q8ROW
+            for (int i = 0; i < 4; i++) {
+                const int8_t *blk = (const int8_t *)wp[i] + g * HSD_GROUP;
+                _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);
+                const __m256i w = _mm256_loadu_si256((const __m256i *)blk);
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                a[i] = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y0, w)), e0, a[i]);
+                if (MT > 1) b[i] = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y1, w)), e1, b[i]);
+            }
         }
     }
-    s[0] = hsum8(a0); s[1] = hsum8(a1); s[2] = hsum8(a2); s[3] = hsum8(a3);
-    if (MT > 1) { s[4] = hsum8(b0); s[5] = hsum8(b1); s[6] = hsum8(b2); s[7] = hsum8(b3); }
+    for (int i = 0; i < 4; i++) {
+        s[i] = hsum8(a[i]);
+        if (MT > 1) s[4 + i] = hsum8(b[i]);
+    }
 }
 #endif
 
 /* s[t * 4 + i] for rows r .. r+3 (rows past n repeat row n-1) and positions t < mt <= 2 of X: the float part of
  * the dot products above, before the minimum term, the int8 row scale and the bias. The int4 group factor is
  * (scale_g * d_g), computed as one float product. */
-static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, float *s) {
+static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, const float *sf, float *s) {
     int rr[4];
     for (int i = 0; i < 4; i++) rr[i] = r + (i < n ? i : n - 1);
 #if HSD_AVX2
     if (mt > 1)
-        int_dots4_avx2(A, rr, X, t0, 2, s);
+        int_dots4_avx2(A, rr, X, t0, 2, sf, s);
     else
-        int_dots4_avx2(A, rr, X, t0, 1, s);
+        int_dots4_avx2(A, rr, X, t0, 1, sf, s);
 #else
     const int K = A->cols, G = K / HSD_GROUP;
     for (int t = 0; t < mt; t++) {
@@ -419,7 +414,7 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
                 if (A->type == HSD_Q4) {
                     const uint8_t *b = (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G) + 16 * (g - (g & 1));
                     for (int j = 0; j < 32; j++) c[j] = (g & 1) ? b[j] >> 4 : b[j] & 15;
-                    sc = half_to_float(((const uint16_t *)A->scale)[(size_t)rr[i] * G + g]) * dd[g];
+                    sc = sf[i * G + g] * dd[g];
                 } else {
                     const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
                     for (int j = 0; j < 32; j++) c[j] = w[j];
@@ -454,14 +449,20 @@ static inline float group_dot(const uint16_t *z, const float *v, int G) {
 }
 
 /* Rows [r0, r1) of an integer-path matrix: y[t * ys + r] (+)= W[r] . x_t for the m positions of X. */
-static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
+static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc,
+                     float *sf) {
     const int G = A->cols / HSD_GROUP;
     float s[8];
     for (int r = r0; r < r1; r += 4) {
         const int n = r1 - r < 4 ? r1 - r : 4;
+        if (A->type == HSD_Q4) /* the block's group scales as float32, once for all its positions */
+            for (int i = 0; i < 4; i++) {
+                const uint16_t *h = (const uint16_t *)A->scale + (size_t)(r + (i < n ? i : n - 1)) * G;
+                for (int g = 0; g < G; g++) sf[i * G + g] = half_to_float(h[g]);
+            }
         for (int t0 = 0; t0 < m; t0 += 2) {
             const int mt = m - t0 < 2 ? m - t0 : 2;
-            int_dots4(A, r, n, X, t0, mt, s);
+            int_dots4(A, r, n, X, t0, mt, sf, s);
             for (int t = 0; t < mt; t++)
                 for (int i = 0; i < n; i++) {
                     float v = s[t * 4 + i];
@@ -484,7 +485,7 @@ static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, i
 static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
                      int acc, float *buf) {
     if (int_path(A)) {
-        int_rows(A, X, m, y, ys, r0, r1, acc);
+        int_rows(A, X, m, y, ys, r0, r1, acc, buf);
         return;
     }
     const int K = A->cols;
