@@ -7,13 +7,14 @@ overhead against ``HSD.generate`` called directly on the same prompts.
 Steps (everything on 127.0.0.1; the run is bounded by --timeout and stops by itself):
 
 1. starts ``hsd serve --plan PLAN --port 0`` in a subprocess (or uses ``--url``) and waits for its ready line;
-2. sequential: each distinct prompt once through the server, one request at a time (the reference answers);
+2. sequential: each distinct prompt once through the server, one request at a time (the reference answers),
+   interleaved with the plan's ``HSD.generate`` in this process on the same prompt ids (``hsd run``'s code
+   path), in a worker thread (as the server decodes) and in the main thread (as ``hsd run``), the order rotating
+   per prompt; checks the token ids equal the server's;
 3. load: ``--clients`` threads, each sending ``--requests`` streamed greedy requests one after the other (chat
    through the model's template, or ``--kind completion``), prompts of the suite in turn; records the time to the
    first token and the end of every stream; checks every answer equals the sequential one;
-4. stops the server (SIGINT) and runs the plan's ``HSD.generate`` in this process on the same prompt ids
-   (``hsd run``'s code path), in a worker thread (as the server decodes) and in the main thread (as ``hsd run``),
-   checks the token ids equal the server's, and compares tokens/s.
+4. stops the server (SIGINT) and compares the tokens/s of the sequential phase.
 
 Reports (JSON to --out, written atomically): requests/s, time to first token p50/p95 (seconds), tokens/s per
 stream (p50/p95/mean; a stream's tokens over its time from request to last token, queueing included, and over
@@ -117,6 +118,41 @@ def pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
+def load_direct(a):
+    """The plan's runner in this process (``hsd run``'s code path): returns ``direct(prompt, worker)`` ->
+    ``(token ids, seconds)``, decoding in a worker thread (as the server does) or in the calling thread."""
+    import torch
+
+    from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    plan, loaded = load_plan_and_model(Path(a.plan), None, a.device, None)
+    runner = hsd_for_plan(plan, loaded, source=a.plan)
+    runner.generate(encode_prompt(loaded.tokenizer, "Hello", raw=True), 2)  # warm-up, as the server does
+
+    def direct(prompt: str, worker: bool) -> tuple[list[int], float]:
+        ids = encode_prompt(loaded.tokenizer, prompt, raw=a.kind == "completion")
+        out: dict = {}
+
+        def work():
+            t = time.perf_counter()
+            out["ids"] = list(runner.generate(ids, a.max_tokens).token_ids)
+            out["seconds"] = time.perf_counter() - t
+
+        if worker:
+            th = threading.Thread(target=work)
+            th.start()
+            th.join()
+        else:
+            work()
+        return out["ids"], out["seconds"]
+
+    return direct
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", default=str(REPO / "out" / "plan.json"))
@@ -156,8 +192,25 @@ def main() -> None:
                        timeout=a.timeout)
         model = probe.models.list().data[0].id
 
-        # sequential: each distinct prompt once, one request at a time (also the reference answers)
-        seq = {p: stream_once(probe, model, a.kind, p, a.max_tokens) for p in distinct}
+        # sequential: each distinct prompt once through the server, one request at a time (the reference
+        # answers), interleaved with the same prompt decoded directly in this process (worker thread, main
+        # thread), the order rotating per prompt, so that the machine's drift falls on every side alike
+        direct = load_direct(a) if not a.no_direct else None
+        seq: dict[str, dict] = {}
+        runs: dict[str, dict] = {"direct": {"tokens": 0, "seconds": 0.0}, "direct_main_thread":
+                                 {"tokens": 0, "seconds": 0.0}}
+        differ: list[str] = []  # prompts whose direct ids differ from the server's
+        for i, p in enumerate(distinct):
+            order = ["server", "direct", "direct_main_thread"] if direct else ["server"]
+            order = order[i % len(order):] + order[: i % len(order)]
+            for what in order:
+                if what == "server":
+                    seq[p] = stream_once(probe, model, a.kind, p, a.max_tokens)
+                    continue
+                ids, seconds = direct(p, worker=what == "direct")
+                runs[what]["tokens"] += len(ids)
+                runs[what]["seconds"] += seconds
+                runs[what].setdefault("ids", {})[p] = ids
         print(f"sequential: {len(seq)} requests done", flush=True)
 
         # load: clients x requests, streamed, concurrent
@@ -212,48 +265,15 @@ def main() -> None:
                              "tokens_per_s": s_tokens / s_seconds if s_seconds else None,
                              "engine_seconds": e_seconds, "http_overhead_seconds": s_seconds - e_seconds}}
 
-    if not a.no_direct:
+    if direct is not None:
         import torch
 
-        from hsd_opt.commands.common import load_plan_and_model
-        from hsd_opt.prompts import encode_prompt
-        from hsd_opt.runtime.runner import hsd_for_plan
-
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        plan, loaded = load_plan_and_model(Path(a.plan), None, a.device, None)
-        runner = hsd_for_plan(plan, loaded, source=a.plan)
-        runner.generate(encode_prompt(loaded.tokenizer, "Hello", raw=True), 2)  # warm-up, as the server does
-        differ: list[str] = []  # prompts whose direct ids differ from the server's
-
-        def direct(where: str) -> dict:
-            """Every distinct prompt once through runner.generate, in this thread or in a worker thread."""
-            out = {"tokens": 0, "seconds": 0.0}
-
-            def work():
-                for p, r in seq.items():
-                    ids = encode_prompt(loaded.tokenizer, p, raw=a.kind == "completion")
-                    t = time.perf_counter()
-                    res = runner.generate(ids, a.max_tokens)
-                    out["seconds"] += time.perf_counter() - t
-                    out["tokens"] += len(res.token_ids)
-                    if res.token_ids != r["token_ids"]:
-                        differ.append(p)
-
-            if where == "main":
-                work()
-            else:
-                th = threading.Thread(target=work)
-                th.start()
-                th.join()
-            return {"requests": len(seq), **out,
-                    "tokens_per_s": out["tokens"] / out["seconds"] if out["seconds"] else None,
-                    "torch_threads": torch.get_num_threads()}
-
-        # the server decodes in a worker thread; `hsd run` in the main thread. Both are measured: under an
-        # oversubscribed CPU, torch with 2 threads can be several times slower in the main thread.
-        sequential["direct"] = direct("worker")
-        sequential["direct_main_thread"] = direct("main")
+        for key in ("direct", "direct_main_thread"):
+            r = runs[key]
+            differ += [p for p, ids in r.pop("ids").items() if ids != seq[p]["token_ids"]]
+            sequential[key] = {"requests": len(seq), **r,
+                               "tokens_per_s": r["tokens"] / r["seconds"] if r["seconds"] else None,
+                               "torch_threads": torch.get_num_threads()}
         sequential["outputs_equal"] = not differ
         st = sequential["server"]["tokens_per_s"]
         for key, name in (("direct", "server_over_direct"), ("direct_main_thread", "server_over_direct_main_thread")):
