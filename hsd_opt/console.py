@@ -31,15 +31,19 @@ def error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {message}", markup=True)
 
 
-def progress_bar(enabled: bool = True, transient: bool = False, fields: str = "", percent: bool = False):
+def progress_bar(enabled: bool = True, transient: bool = False, fields: str = "", percent: bool = False,
+                 every: float = 10.0):
     """A :class:`rich.progress.Progress` on stderr: description, bar, count (``percent``: the share done, for
     tasks counted in other units than items, e.g. estimated seconds), elapsed time and ETA (``fields``: a
     template of extra task fields shown before the times, e.g. ``"loss {task.fields[loss]}"``). Use it as a
-    context manager, or ``start()``/``stop()`` it; ``enabled=False`` shows nothing."""
+    context manager, or ``start()``/``stop()`` it; ``enabled=False`` shows nothing.
+
+    On a stderr that is not a terminal (a log file, a pipe, CI) a live bar cannot redraw, so each task prints a
+    plain line instead — ``description: done/total, elapsed, ETA`` — at most once per ``every`` seconds and
+    when it completes."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
@@ -49,4 +53,61 @@ def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""
     cols = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn() if percent else MofNCompleteColumn()]
     cols += [TextColumn(fields)] if fields else []
     cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-    return Progress(*cols, console=err_console, transient=transient, disable=not enabled)
+    return progress_class()(*cols, console=err_console, transient=transient, disable=not enabled, every=every,
+                             percent=percent)
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_class():
+    """:class:`rich.progress.Progress` with plain progress lines for consoles that are not terminals (imported
+    lazily: ``rich.progress`` is only paid for by commands that show progress)."""
+    import time
+
+    from rich.progress import Progress
+
+    class LoggedProgress(Progress):
+        def __init__(self, *columns, every: float = 10.0, percent: bool = False, **kwargs):
+            super().__init__(*columns, **kwargs)
+            self._every, self._percent, self._last_line = every, percent, {}
+
+        def _line(self, task_id) -> None:
+            if self.disable or self.console.is_terminal:
+                return
+            task = next((t for t in self.tasks if t.id == task_id), None)
+            if task is None:
+                return
+            now = time.monotonic()
+            last = self._last_line.get(task_id)
+            done = task.total is not None and task.completed >= task.total
+            if last == "finished" or (not done and last is not None and now - last < self._every):
+                return
+            self._last_line[task_id] = "finished" if done else now
+            if task.total is None:
+                count = f"{task.completed:g}"
+            elif self._percent:
+                count = f"{100 * task.completed / task.total:.0f}%" if task.total else "100%"
+            else:
+                count = f"{task.completed:g}/{task.total:g}"
+            self.console.print(f"{task.description}: {count}, elapsed {_clock(task.elapsed)}, "
+                               f"ETA {_clock(0 if done else task.time_remaining)}", markup=False, highlight=False)
+
+        def add_task(self, *args, **kwargs):
+            task_id = super().add_task(*args, **kwargs)
+            self._last_line[task_id] = time.monotonic()  # the first line after ``every`` seconds of work
+            return task_id
+
+        def update(self, task_id, *args, **kwargs) -> None:
+            super().update(task_id, *args, **kwargs)
+            self._line(task_id)
+
+        def advance(self, task_id, advance: float = 1) -> None:
+            super().advance(task_id, advance)
+            self._line(task_id)
+
+    return LoggedProgress
