@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: all install model check test test-fast demo demo-family bench clean
+.PHONY: test-family all install model check test test-fast demo demo-family bench clean
 
 all: install
 
@@ -67,6 +67,9 @@ demo-family: $(VENV)/.installed
 	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --target-precision int4 --layers 14,21,25 --quantized qwen2.5-coder-0.5b:int4 --max-prompts 8 --out $(FAMILY_OUT)/profile-int4.json"
 	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile-int4.json --tmax 15 --out $(FAMILY_OUT)/plan-int4.json"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan-int4.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench-int4.json"
+
+test-family: $(VENV)/.installed
+	HSD_FAMILY_PLAN=$${HSD_FAMILY_PLAN:-$(FAMILY_OUT)/plan.json} $(PY) -m pytest -q -p no:cacheprovider -m family tests
 
 bench: $(VENV)/.model
 	$(PY) benchmarks/solver_scaling.py
