@@ -98,3 +98,27 @@ def test_sampling_is_reproducible(peaky):
     a = h.generate(PROMPT, 10, temperature=1.0, seed=7).token_ids
     b = h.generate(PROMPT, 10, temperature=1.0, seed=7).token_ids
     assert a == b and len(a) == 10
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The definition: sort the whole vocabulary, drop tokens whose preceding mass reaches top_p, renormalise."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    sp, idx = torch.sort(p, dim=-1, descending=True)
+    sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+    p = torch.zeros_like(p).scatter_(-1, idx, sp)
+    return p / p.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 20.0])
+def test_top_p_over_the_most_probable_tokens_equals_the_full_sort(scale):
+    """process_logits finds the nucleus among the top k tokens (growing k); its probabilities must be exactly those
+    of sorting the whole vocabulary, from flat distributions (nucleus of thousands) to peaked ones (of one)."""
+    g = torch.Generator().manual_seed(int(scale * 100))
+    for _ in range(20):
+        m = int(torch.randint(1, 5, (), generator=g))
+        logits = torch.randn(m, 5000, generator=g) * scale
+        t = float(torch.rand((), generator=g)) * 1.5 + 0.2
+        top_p = float(torch.rand((), generator=g)) * 0.98 + 0.01
+        got = process_logits(logits, t, top_p)
+        assert torch.equal(got, _nucleus_by_full_sort(logits, t, top_p)), (scale, m, t, top_p)
+        assert torch.allclose(got.sum(-1), torch.ones(m))
