@@ -171,6 +171,17 @@ def load(log: Callable[[str], None] | None = None, portable: bool = False) -> ct
         return lib
 
 
+def load_for_model(problem: str | None, required: bool) -> ctypes.CDLL | None:
+    """The library for an engine whose layout check gave ``problem`` (None: the kernels can run it): None when
+    there is a problem or the library cannot be had, or :class:`HsdError` naming why when ``required``."""
+    lib = load() if problem is None else None
+    if problem is None and lib is None:
+        problem = "the kernels are unavailable (no C compiler, or HSD_KERNELS=0)"
+    if problem is not None and required:
+        raise HsdError(f"kernels: {problem}")
+    return lib
+
+
 def available(device: torch.device | str) -> bool:
     """True when the kernels can run passes on ``device`` (CPU only) and the library loads."""
     return torch.device(device).type == "cpu" and load() is not None

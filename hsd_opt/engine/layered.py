@@ -272,13 +272,8 @@ class LayeredLM:
     def _setup_kernels(self, required: bool) -> None:
         """Build the kernel path when the kernels load and the model's layout fits (see :class:`LayeredLM`);
         ``required``: raise :class:`HsdError` instead of keeping the torch path."""
-        problem = self._kernel_layout_problem()
-        lib = kernels.load() if problem is None else None
-        if problem is None and lib is None:
-            problem = "the kernels are unavailable (no C compiler, or HSD_KERNELS=0)"
-        if problem is not None:
-            if required:
-                raise HsdError(f"kernels: {problem}")
+        lib = kernels.load_for_model(self._kernel_layout_problem(), required)
+        if lib is None:
             return
         wl = self._weights
         mats = [kernels.LayerMats(*(kernels.Mat.dense(w, b) for w, b in (

@@ -334,13 +334,8 @@ class QuantizedLM(LayeredLM):
     def _setup_quantized_kernels(self, required: bool) -> bool:
         """Quantize the layers and the head for the CPU decode kernels; False (or :class:`HsdError` when
         ``required``) when they cannot run this model here."""
-        problem = self._kernel_layout_problem()
-        lib = kernels.load() if problem is None else None
-        if problem is None and lib is None:
-            problem = "the kernels are unavailable (no C compiler, or HSD_KERNELS=0)"
-        if problem is not None:
-            if required:
-                raise HsdError(f"kernels: {problem}")
+        lib = kernels.load_for_model(self._kernel_layout_problem(), required)
+        if lib is None:
             return False
 
         def q(lin, bits=self.bits):
