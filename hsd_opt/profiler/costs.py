@@ -156,8 +156,10 @@ class LayerCosts:
 
     def verify_curve(self, a: int, b: int, tmax1: int) -> list[float]:
         """Seconds for exit ``b`` to verify over t tokens drafted by exit ``a < b`` (activation reuse), scaled like
-        :meth:`curve`."""
-        return [x * f for x, f in zip(self.summed(b, tmax1, a), self._scale(tmax1))]
+        :meth:`curve`; never more than that full pass (the sums differ only in their order of addition when the
+        lower segments cost the same on one position as on t)."""
+        full = self.curve(b, tmax1)
+        return [min(x * f, c) for x, f, c in zip(self.summed(b, tmax1, a), self._scale(tmax1), full)]
 
 
 def isotonic(xs: Sequence[float]) -> list[float]:
