@@ -12,21 +12,20 @@ from __future__ import annotations
 import ctypes
 import sys
 
+_MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20  # bytes of a huge page on x86-64 and most ARM Linux systems
 
 
-def _advise_huge_pages(addr: int, length: int) -> bool:
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    """``madvise(addr, length, advice)`` through libc on Linux; False elsewhere or when it fails."""
     if not sys.platform.startswith("linux") or length <= 0:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
-
-
-_MADV_DONTNEED = 4
 
 
 def drop_pages(tensor) -> int:
@@ -35,20 +34,12 @@ def drop_pages(tensor) -> int:
     pages inside its bytes (Linux). The caller guarantees nothing reads them again (they would read zeros).
     Returns the bytes given back (0 elsewhere, or for a tensor that owns its storage: dropping it frees that)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() <= nbytes or \
-            not sys.platform.startswith("linux"):
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() <= nbytes:
         return 0
     page = 4096
     lo = (tensor.data_ptr() + page - 1) // page * page
     hi = (tensor.data_ptr() + nbytes) // page * page
-    if hi <= lo:
-        return 0
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        ok = libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0
-    except (OSError, AttributeError):
-        return 0
-    return hi - lo if ok else 0
+    return hi - lo if _madvise(lo, hi - lo, _MADV_DONTNEED) else 0
 
 
 def resident_weights(model) -> int:
@@ -69,7 +60,7 @@ def resident_weights(model) -> int:
     total = sum(n for _, n in sizes)
     buf = torch.empty(total + _HUGE, dtype=torch.uint8)
     start = (-buf.data_ptr()) % _HUGE
-    _advise_huge_pages(buf.data_ptr() + start, total)
+    _madvise(buf.data_ptr() + start, total, _MADV_HUGEPAGE)
     off = start
     with torch.no_grad():
         for ts, n in sizes:
