@@ -256,11 +256,11 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
               if entries.get(n, {}).get("kind") in ("model", "early_exit")
               and isinstance(entries[n].get("model"), str)}
     freed = 0
-    models = [other.model for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
+    models = [(mid, other.model) for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
               if mid not in floats and other.model in _QUANTIZED]
     if plan_target_precision(plan) in QUANT_KINDS:
-        models.append(loaded.model)
-    for model in models:
+        models.append((loaded.model_id, loaded.model))
+    for name, model in models:
         if is_released(model):
             continue
         try:
@@ -268,8 +268,7 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
         except HsdError:            # a float engine over it is alive (built for another hierarchy): keep them
             continue
         if log:
-            log(f"{getattr(model.config, '_name_or_path', 'a model')}: only quantized copies run; its float "
-                f"weights are released")
+            log(f"{name}: only its quantized copies run; its float weights are released")
     return freed
 
 
