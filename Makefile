@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: test-family all install model check test test-fast demo demo-family bench clean
+.PHONY: all install model check test test-fast test-family demo demo-family bench clean
 
 all: install
 
