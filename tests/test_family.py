@@ -469,15 +469,3 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     assert release_unused_floats(plan, fresh, [["small-int4", "layer4"]]) > 0
     assert is_released(only.levels[0].lm.model) and not is_released(fresh.model)
     assert only.generate(p, 12).token_ids == want
-
-
-def test_drop_pages_gives_back_a_view_of_a_buffer():
-    from hsd_opt.models.memory import drop_pages
-
-    buf = torch.ones(64 * 4096, dtype=torch.uint8)
-    base = buf.data_ptr()
-    start = (-base) % 4096 + 4096                                   # a page boundary inside the buffer
-    view = buf[start: start + 3 * 4096 + 100]
-    assert drop_pages(view) == 3 * 4096 and int(view[: 3 * 4096].sum()) == 0     # the pages read zeros now
-    assert int(buf[:start].sum()) == start and int(view[3 * 4096:].sum()) == 100  # nothing else changed
-    assert drop_pages(torch.ones(3 * 4096, dtype=torch.uint8)) == 0              # owns its storage

@@ -1,10 +1,11 @@
-"""Loaded weights are moved into one resident buffer: same values, same ties, one storage."""
+"""Loaded weights are moved into one resident buffer (same values, same ties, one storage), and pages of
+released weights inside it go back to the OS."""
 
 from __future__ import annotations
 
 import torch
 
-from hsd_opt.models.memory import resident_weights
+from hsd_opt.models.memory import drop_pages, resident_weights
 from tests.helpers import make_tiny_llama
 
 
@@ -21,3 +22,13 @@ def test_weights_move_into_one_buffer_keeping_values_and_ties():
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
     assert torch.equal(model(ids).logits, before)
     assert resident_weights(model.to("meta")) == 0                   # not on the CPU: left alone
+
+
+def test_drop_pages_gives_back_a_view_of_a_buffer():
+    buf = torch.ones(64 * 4096, dtype=torch.uint8)
+    base = buf.data_ptr()
+    start = (-base) % 4096 + 4096                                   # a page boundary inside the buffer
+    view = buf[start: start + 3 * 4096 + 100]
+    assert drop_pages(view) == 3 * 4096 and int(view[: 3 * 4096].sum()) == 0     # the pages read zeros now
+    assert int(buf[:start].sum()) == start and int(view[3 * 4096:].sum()) == 100  # nothing else changed
+    assert drop_pages(torch.ones(3 * 4096, dtype=torch.uint8)) == 0              # owns its storage
