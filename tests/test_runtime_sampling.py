@@ -122,3 +122,35 @@ def test_top_p_over_the_most_probable_tokens_equals_the_full_sort(scale):
         got = process_logits(logits, t, top_p)
         assert torch.equal(got, _nucleus_by_full_sort(logits, t, top_p)), (scale, m, t, top_p)
         assert torch.allclose(got.sum(-1), torch.ones(m))
+
+
+def _draws(sampler, p, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.bincount(torch.tensor([sampler(p, g) for _ in range(n)]), minlength=p.numel())
+
+
+def test_sample_token_draws_from_its_weights_and_never_a_zero_one():
+    """The inverse-CDF sampler follows unnormalised weights (chi-square) and never returns a token of weight 0;
+    the same test rejects a sampler that draws uniformly over the positive weights."""
+    from scipy.stats import chisquare
+
+    from hsd_opt.runtime.decode import sample_token
+
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0, 0.5, 2.5, 0.0])  # sums to 13, not 1
+    n = 4000
+    cnt = _draws(sample_token, w, n)
+    assert int(cnt[w == 0].sum()) == 0
+    pos = w > 0
+    exp = (w[pos] / w.sum() * n).tolist()
+    assert chisquare(cnt[pos].tolist(), exp).pvalue > 1e-3
+
+    def uniform(p, g):  # a deliberately wrong sampler
+        support = torch.nonzero(p > 0).flatten()
+        return int(support[torch.randint(len(support), (1,), generator=g)])
+
+    assert chisquare(_draws(uniform, w, n)[pos].tolist(), exp).pvalue < 1e-6
+    # a single positive weight anywhere, last position included
+    for k in (0, 4, 8):
+        one = torch.zeros(9)
+        one[k] = 0.2
+        assert set(_draws(sample_token, one, 50).nonzero().flatten().tolist()) == {k}

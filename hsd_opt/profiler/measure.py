@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hsd_opt.profiler.pool import NeuralDrafter
-from hsd_opt.runtime.decode import process_logits
+from hsd_opt.runtime.decode import process_logits, sample_token
 
 
 @torch.no_grad()
@@ -46,7 +46,7 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
         logits = eng.logits(st, n, st.n - 1, st.n)[0]
         if temperature > 0:
             probs = process_logits(logits[None], temperature, top_p)[0]
-            tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+            tok = sample_token(probs.cpu(), generator)
         else:
             tok = int(torch.argmax(logits))
         out.append(tok)
