@@ -355,7 +355,14 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     _same_stats(a, b)
 
 
-def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_path):
+def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_path, monkeypatch):
+    """A profile made with a temperature records it and top-p, and adds the sampling work of a pass over t tokens
+    (``sampling_seconds``, here a patched 1, 2, 3, 4 s, far above any pass of the tiny model) to every model's
+    costs, and to no token drafter's."""
+    from hsd_opt.profiler import run as profiler_run
+
+    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1: [1.0 + t for t in
+                                                                                               range(tmax1)])
     outs = {}
     for top_p in (0.9, 1.0):
         outs[top_p] = tmp_path / f"p{top_p}.json"
@@ -367,6 +374,11 @@ def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_p
     pv = prof.extra["provenance"]
     assert pv["temperature"] == 0.8 and pv["top_p"] == 0.9 and "top-p" in pv["temperature_note"]
     assert 0 < prof.accept("layer2", "layer4") <= 1
+    assert pv["sampling_seconds"] == [1.0, 2.0, 3.0, 4.0] and "sampling_seconds" in pv["cost_model"]
+    for e in prof.context_costs:
+        for m in ("layer2", "layer4"):
+            assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.cost_curve[m])) and 1 < e.cost[m] < 1.5
+        assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.verify_cost["layer4"]["layer2"]))
     r = _cli(["profile", "merge", str(outs[0.9]), str(outs[1.0]), "-o", str(tmp_path / "m.json")])
     assert r.exit_code == 2 and "provenance.top_p" in r.output
 
@@ -597,3 +609,13 @@ def test_isotonic_fit():
     assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert isotonic([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0]
     assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and isotonic([]) == []
+
+
+def test_time_sampling_is_a_non_decreasing_cost_per_pass():
+    """The sampling cost of a pass over t = 1..tmax1 tokens: positive, non-decreasing, one value per t."""
+    from hsd_opt.profiler.costs import time_sampling
+
+    rows = torch.randn(40, 5000, generator=torch.Generator().manual_seed(0)) * 3
+    c = time_sampling(rows, 0.7, 0.9, 6, repeats=3)
+    assert len(c) == 6 and all(x > 0 for x in c) and c == sorted(c)
+    assert time_sampling(rows, 1.0, 1.0, 1, repeats=2)[0] > 0

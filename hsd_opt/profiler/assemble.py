@@ -108,11 +108,15 @@ def quantization_entry(qeng) -> dict[str, Any]:
 
 
 def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
-                  token_costs: dict[str, list[float]] | None = None) -> list[ContextCosts]:
+                  token_costs: dict[str, list[float]] | None = None,
+                  sampling: Sequence[float] | None = None) -> list[ContextCosts]:
     """Every model's step cost, cost curve and verify curves at each measured context, non-decreasing in t and
     in the context (:func:`~hsd_opt.profiler.costs.monotone_in_context`). ``lcs[id(engine)]`` is the list of
     :class:`~hsd_opt.profiler.costs.LayerCosts` of an engine, one per context (the same contexts for every
-    engine); ``token_costs[name]`` a token drafter's seconds per ``propose`` at each context."""
+    engine); ``token_costs[name]`` a token drafter's seconds per ``propose`` at each context; ``sampling[t - 1]``
+    (profiles made with a temperature, :func:`~hsd_opt.profiler.costs.time_sampling`) the seconds spent on the
+    distributions of a model's pass over t tokens, added to every model's pass (a token drafter's drafts are
+    one-hot: nothing to process)."""
     from hsd_opt.profiler.costs import isotonic, monotone_in_context
 
     tmax1 = tmax + 1
@@ -124,6 +128,11 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
                                                        for lc in lcs[id(nv.engine)]])
               for nv in neural for nd in neural if nd.engine is nv.engine and nd.boundary < nv.boundary}
     tok = {n: isotonic(v) for n, v in (token_costs or {}).items()}
+    if sampling is not None:
+        extra = list(sampling)[:tmax1]
+        extra += [extra[-1]] * (tmax1 - len(extra))
+        curves = {n: [[x + e for x, e in zip(row, extra)] for row in cv] for n, cv in curves.items()}
+        verify = {k: [[x + e for x, e in zip(row, extra)] for row in cv] for k, cv in verify.items()}
     out = []
     for k, c in enumerate(contexts):
         cost = {n: max(cv[k][0], 1e-9) for n, cv in curves.items()}
@@ -136,11 +145,13 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
 
 
 def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
-                  target_name: str, token_costs: dict[str, list[float]] | None = None) -> Profile:
-    """The profile from the sums and the costs (:func:`context_costs`). The top-level costs are those of the
-    first (shortest) context, a token drafter's its mean ``propose`` time over the profiled positions; the costs
-    at every context are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
-    cc = context_costs(neural, lcs, tmax, token_costs)
+                  target_name: str, token_costs: dict[str, list[float]] | None = None,
+                  sampling: Sequence[float] | None = None) -> Profile:
+    """The profile from the sums and the costs (:func:`context_costs`; ``sampling``: the per-pass cost of the
+    sampled distributions, in every model's costs). The top-level costs are those of the first (shortest)
+    context, a token drafter's its mean ``propose`` time over the profiled positions; the costs at every context
+    are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
     first = cc[0]
     entries: list[ModelEntry] = []
     for nd in neural:

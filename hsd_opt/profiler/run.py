@@ -33,6 +33,7 @@ from hsd_opt.profiler.costs import (
     estimate_seconds,
     fit_contexts,
     measure_costs,
+    time_sampling,
     time_token_drafter,
 )
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
@@ -312,12 +313,17 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
              f"{', '.join(map(str, contexts))} tokens")
     log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
-    lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds,
-                                                     _suite_text(lm, mine, ck, cfg, suite), log, warn)
+    text = _suite_text(lm, mine, ck, cfg, suite)
+    lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds, text, log, warn)
+    sampling = None
+    if cfg.temperature > 0:
+        sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1)
+        log(f"sampling: {sampling[0] * 1e3:.2f} ms per draft step, {sampling[-1] * 1e3:.2f} ms per pass over "
+            f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
     cost_seconds = time.perf_counter() - t_cost
 
     # assemble, with provenance, and write
-    prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs)
+    prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs, sampling)
     task_prompts, task_prompt_tokens = prompts_by_task(stats)
     prof.extra["provenance"] = {
         **settings,
@@ -337,7 +343,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                       "model, quantized copy): cost and cost_curve timed directly; at every context of "
                       "context_costs (the top-level costs: the first); all non-decreasing in t and in the "
                       "context (docs/design.md#the-cost-model); step_measured = direct median of one warm "
-                      "decode step",
+                      "decode step; with a temperature, sampling_seconds[t - 1] (processing a pass's t rows "
+                      "of logits and one draw) is included in every model's pass over t tokens",
+        "sampling_seconds": sampling,
         "cost_model_check": {nd.name: lcs[id(nd.engine)][0].check for nd in pool.neural
                              if nd.kind in ("target", "model", "quantized")},
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
@@ -374,6 +382,17 @@ def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: Prom
         if cont is not None:
             out += encode_item(lm, it, cfg.raw, suite.source) + list(cont)
     return out
+
+
+def _target_rows(eng, text: list[int], n: int, most: int = 64) -> torch.Tensor:
+    """Logits ``[m, V]`` of the target over the first ``max(n, most)`` tokens of ``text`` (real text: the rows
+    :func:`~hsd_opt.profiler.costs.time_sampling` processes)."""
+    ids = (list(text) or [0]) * (max(n, most) // max(len(text), 1) + 1)
+    ids = ids[:max(n, most)]
+    st = eng.new_state(len(ids))
+    eng.append(st, ids)
+    eng.advance(st, eng.n_layers)
+    return eng.logits(st, eng.n_layers, 0, len(ids))
 
 
 def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], contexts: list[int], tds: list,
