@@ -173,11 +173,16 @@ def test_long_passes_of_a_float32_model_take_the_exact_torch_path(tiny):
 @pytest.mark.parametrize("kind", ["bf16", "q8", "q4"])
 def test_long_passes_of_the_other_engines_are_float32_gemms_close_to_the_kernels(tiny, kind):
     """Prefill-sized passes of bfloat16 / quantized engines run the torch operations in float32 over the same
-    weights (no activation rounding), close to what their decode steps compute on the kernels."""
+    weights (no activation rounding), close to what their decode steps compute on the kernels; the profiler's
+    teacher-forced ``hidden_states`` computes exactly what the steps compute (the numbers the runtime drafts with,
+    not the prefill path's)."""
     eng = _engines(tiny)[kind]
     n = kernels.MAX_PASS + 6
     ids = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(3))
-    long = eng.head(eng.hidden_states(ids, [4])[4], 4)               # one pass over n rows, one head call
+    one = eng.new_state(n, save_boundaries=[4])
+    eng.append(one, ids)
+    eng.advance(one, 4)                                              # one pass over n rows
+    long = eng.logits(one, 4, 0, n)
     st = eng.new_state(n + 1)
     rows = []
     for i in range(n):
@@ -185,6 +190,9 @@ def test_long_passes_of_the_other_engines_are_float32_gemms_close_to_the_kernels
         eng.advance(st, 4)
         rows.append(eng.logits(st, 4, i, i + 1))
     steps = torch.cat(rows)
+    h = eng.hidden_states(ids, [4])[4]     # the profiler's heads take rows in blocks of at most MAX_PASS too
+    assert torch.equal(torch.cat([eng.head(h[i:i + kernels.MAX_PASS], 4) for i in range(0, n, kernels.MAX_PASS)]),
+                       steps)
     if kind == "bf16":   # the same float32 values in another order
         assert (long - steps).abs().max() <= 1e-4 * steps.abs().max()
     else:                # the steps also round the activations to int8 per group of 32 columns
