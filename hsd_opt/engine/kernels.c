@@ -153,6 +153,15 @@ static inline float tail(const float *w, const float *x, int c0, int K, float s)
 }
 
 #if HSD_AVX2
+/* o[i] = w_i . x for the 4 rows from their 8-lane accumulators: the fixed horizontal sum, then the tail columns. */
+static inline void finish4(float *o, const float *const *w, const float *x, int K8, int K, __m256 a0, __m256 a1,
+                           __m256 a2, __m256 a3) {
+    o[0] = tail(w[0], x, K8, K, hsum8(a0));
+    o[1] = tail(w[1], x, K8, K, hsum8(a1));
+    o[2] = tail(w[2], x, K8, K, hsum8(a2));
+    o[3] = tail(w[3], x, K8, K, hsum8(a3));
+}
+
 /* s[t * 4 + i] = w_i . x_t for the 4 rows and positions t .. t+2: 12 accumulators. Over the rows' first use, when
  * they stream from memory, its 12 FMAs per 4 weight loads keep arithmetic and memory overlapped. */
 static inline void tile4x3(const float *const *w, int K, const float *x, int xs, int t, float *s, prefetch_t *pf) {
@@ -170,12 +179,9 @@ static inline void tile4x3(const float *const *w, int K, const float *x, int xs,
         q = _mm256_loadu_ps(w3 + c); ACC(a3, q, u); ACC(b3, q, v); ACC(c3, q, z);
     }
     float *o = s + (size_t)t * 4;
-    o[0] = tail(w0, xa, K8, K, hsum8(a0)); o[1] = tail(w1, xa, K8, K, hsum8(a1));
-    o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
-    o[4] = tail(w0, xb, K8, K, hsum8(b0)); o[5] = tail(w1, xb, K8, K, hsum8(b1));
-    o[6] = tail(w2, xb, K8, K, hsum8(b2)); o[7] = tail(w3, xb, K8, K, hsum8(b3));
-    o[8] = tail(w0, xc, K8, K, hsum8(c0)); o[9] = tail(w1, xc, K8, K, hsum8(c1));
-    o[10] = tail(w2, xc, K8, K, hsum8(c2)); o[11] = tail(w3, xc, K8, K, hsum8(c3));
+    finish4(o, w, xa, K8, K, a0, a1, a2, a3);
+    finish4(o + 4, w, xb, K8, K, b0, b1, b2, b3);
+    finish4(o + 8, w, xc, K8, K, c0, c1, c2, c3);
 }
 
 /* The same for positions t, t+1 with the 2 inputs and 4 weight vectors held in registers (REG: loads the
@@ -197,10 +203,8 @@ static inline void tile4x2(const float *const *w, int K, const float *x, int xs,
         ACC(b0, q0, v); ACC(b1, q1, v); ACC(b2, q2, v); ACC(b3, q3, v);
     }
     float *o = s + (size_t)t * 4;
-    o[0] = tail(w0, xa, K8, K, hsum8(a0)); o[1] = tail(w1, xa, K8, K, hsum8(a1));
-    o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
-    o[4] = tail(w0, xb, K8, K, hsum8(b0)); o[5] = tail(w1, xb, K8, K, hsum8(b1));
-    o[6] = tail(w2, xb, K8, K, hsum8(b2)); o[7] = tail(w3, xb, K8, K, hsum8(b3));
+    finish4(o, w, xa, K8, K, a0, a1, a2, a3);
+    finish4(o + 4, w, xb, K8, K, b0, b1, b2, b3);
 }
 
 /* One position (a decode step is memory-bound: two cache lines of the rows ahead are asked for per 8 columns). */
@@ -216,9 +220,7 @@ static inline void tile4x1(const float *const *w, int K, const float *x, int xs,
         ACC(a0, _mm256_loadu_ps(w0 + c), u); ACC(a1, _mm256_loadu_ps(w1 + c), u);
         ACC(a2, _mm256_loadu_ps(w2 + c), u); ACC(a3, _mm256_loadu_ps(w3 + c), u);
     }
-    float *o = s + (size_t)t * 4;
-    o[0] = tail(w0, xa, K8, K, hsum8(a0)); o[1] = tail(w1, xa, K8, K, hsum8(a1));
-    o[2] = tail(w2, xa, K8, K, hsum8(a2)); o[3] = tail(w3, xa, K8, K, hsum8(a3));
+    finish4(s + (size_t)t * 4, w, xa, K8, K, a0, a1, a2, a3);
 }
 #endif
 
