@@ -628,15 +628,19 @@ def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, war
     return {t: statistics.median(v) for t, v in times.items()}
 
 
+def text_of_length(stream: Sequence[int], n: int) -> list[int]:
+    """The first ``n`` token ids of ``stream`` repeated as often as needed (``[0]`` when it is empty)."""
+    stream = list(stream) or [0]
+    return (stream * (n // len(stream) + 1))[:n]
+
+
 def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 16) -> float:
     """Mean seconds of one ``propose(context, 1)`` of a token drafter at context lengths ``context ..
     context + positions - 1`` of ``stream`` (token ids of real text; repeated when shorter), fed as at run time:
     ``reset`` with the first ``context`` tokens, then at each position one ``propose`` (a second call on the same
     context could hit the drafter's memo) and ``observe`` of the next token. ``make()`` returns the drafter in its
     initial state."""
-    stream = list(stream) or [0]
-    need = context + positions + 1
-    text = (stream * (need // len(stream) + 1))[:need]
+    text = text_of_length(stream, context + positions + 1)
     d = make()
     d.reset(text[:context])
     total = 0.0

@@ -33,6 +33,7 @@ from hsd_opt.profiler.costs import (
     estimate_seconds,
     fit_contexts,
     measure_costs,
+    text_of_length,
     time_sampling,
     time_token_drafter,
 )
@@ -387,8 +388,7 @@ def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: Prom
 def _target_rows(eng, text: list[int], n: int, most: int = 64) -> torch.Tensor:
     """Logits ``[m, V]`` of the target over the first ``max(n, most)`` tokens of ``text`` (real text: the rows
     :func:`~hsd_opt.profiler.costs.time_sampling` processes)."""
-    ids = (list(text) or [0]) * (max(n, most) // max(len(text), 1) + 1)
-    ids = ids[:max(n, most)]
+    ids = text_of_length(text, max(n, most))
     st = eng.new_state(len(ids))
     eng.append(st, ids)
     eng.advance(st, eng.n_layers)
