@@ -11,51 +11,68 @@ from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, lev
 from hsd_opt.console import console, warn
 
 
-def _row(d: dict) -> list[str]:
+def _row(d: dict, retimed: bool = False) -> list[str]:
     pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
+    rt = d.get("retimed_predicted_seconds_per_token")
     return [fmt(d.get("tokens_per_s"), ".2f"), fmt(d.get("speedup_vs_hf_ar"), ".2f"),
             fmt(d.get("speedup_vs_ar"), ".2f"), fmt(d.get("tokens_per_target_call"), ".2f"), level_acceptance(d),
-            fmt(pr and pr * 1e3, ".1f"), fmt(me and me * 1e3, ".1f"),
-            {True: "yes", False: "NO", None: "-"}[d.get("matches_reference")]]
+            fmt(pr and pr * 1e3, ".1f"), *([fmt(rt and rt * 1e3, ".1f")] if retimed else []),
+            fmt(me and me * 1e3, ".1f"), {True: "yes", False: "NO", None: "-"}[d.get("matches_reference")]]
 
 
 COLUMNS = ("tok/s", "xhf_ar", "xar", "tok/call", "accept", "pred", "meas", "=ref")
 LEGEND = ("xhf_ar, xar: speed-up in tokens/s over hf_ar, ar; tok/call: tokens per target call; accept: "
           "acceptance of each verifying level, bottom up; pred, meas: decode ms/token, the plan's prediction and "
           "measured; =ref: the output equals our AR's")
+RETIME_LEGEND = ("retimed: the prediction with the profile's costs scaled to the engines' step times measured "
+                 "during this run (--retime)")
 
 
-def methods_table(methods: dict, title: str):
-    """Rich table of methods (a bench report's ``methods``, or one task's)."""
+def methods_table(methods: dict, title: str, retimed: bool = False):
+    """Rich table of methods (a bench report's ``methods``, or one task's); ``retimed``: with the column of
+    predictions re-timed during the run (``hsd bench --retime``)."""
     from rich import box
     from rich.table import Table
 
+    cols = COLUMNS[:6] + ("retimed",) + COLUMNS[6:] if retimed else COLUMNS
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("method", no_wrap=True)
-    for c in COLUMNS:
+    for c in cols:
         t.add_column(c, justify="right")
     for m, d in methods.items():
         if "error" in d:
-            t.add_row(m, "error", *[""] * (len(COLUMNS) - 2), "-")
+            t.add_row(m, "error", *[""] * (len(cols) - 2), "-")
             continue
-        t.add_row(m, *_row(d))
+        t.add_row(m, *_row(d, retimed))
     return t
 
 
 def bench_tables(rep: dict, title: str):
     """Rich tables of a bench report: the methods overall, then one per task (or category); and the lines that
     read the columns and say which plan ``hsd_task`` ran for each task."""
-    tables = [methods_table(rep["methods"], title)]
+    rt = "retime" in rep
+    tables = [methods_table(rep["methods"], title, rt)]
     kind = "category" if rep.get("by") == "category" else "task"
     ran = []
     for task, ms in rep.get("by_task", {}).items():
         n = max((d.get("prompts", 0) for d in ms.values()), default=0)
         g = max((d.get("generations", 0) for d in ms.values()), default=0)
         tables.append(methods_table(ms, f"{kind} {task}: {n} prompt{'s' * (n != 1)}"
-                                        + (f", {g} turns" if g != n else "")))
+                                        + (f", {g} turns" if g != n else ""), rt))
         if (ms.get("hsd_task") or {}).get("plans"):
             ran.append(f"{task}: {', '.join(ms['hsd_task']['plans'])}")
-    return tables, [LEGEND] + (["hsd_task ran " + "; ".join(ran)] if ran else [])
+    notes = [LEGEND] + ([RETIME_LEGEND] + retime_lines(rep["retime"]) if rt else [])
+    return tables, notes + (["hsd_task ran " + "; ".join(ran)] if ran else [])
+
+
+def retime_lines(retime: dict) -> list[str]:
+    """One line per engine timed by ``hsd bench --retime``: profiled and measured step, and the factor."""
+    out = []
+    for name, e in (retime.get("engines") or {}).items():
+        out.append(f"retime {name} ({', '.join(e['levels'])}): step at context {e['context']} "
+                   f"{e['profiled_step'] * 1e3:.2f} ms profiled, {e['measured_step_median'] * 1e3:.2f} ms measured "
+                   f"(x{e['factor_median']:.2f}, {e['factor_min']:.2f}-{e['factor_max']:.2f} over the prompts)")
+    return out
 
 
 @cli_command
@@ -85,6 +102,11 @@ def bench_cmd(
     assistant: Optional[str] = typer.Option(None, "--assistant", help="The draft model of hf_assisted (HF "
                                                                       "assisted generation, assistant_model); "
                                                                       "default: the plan's draft model."),
+    retime: Optional[Path] = typer.Option(None, "--retime", help="The profile the plan was solved from: time "
+                                                                "each engine's step before every prompt and "
+                                                                "also report the prediction with the profile's "
+                                                                "costs scaled to that speed (the machine's drift "
+                                                                "since profiling, taken out)."),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
@@ -115,6 +137,13 @@ def bench_cmd(
         if bad or not ms:
             raise HsdError(f"--methods: unknown {', '.join(bad) or '(none)'}; known: {', '.join(METHODS)}")
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    retime_profile = None
+    if retime is not None:
+        from hsd_opt.console import warn_some
+        from hsd_opt.formats import load_profile
+
+        retime_profile, warnings = load_profile(retime)
+        warn_some(warnings)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     prof_t = (p.extra.get("provenance") or {}).get("temperature")
     if prof_t is not None and (prof_t > 0) != (temperature > 0):
@@ -122,7 +151,7 @@ def bench_cmd(
              f"predictions are for that setting, not for this run's")
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
-                    assistant=assistant)
+                    assistant=assistant, retime=retime_profile, retime_source=str(retime))
     rep["model"] = loaded.provenance()
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
     how = "greedy" if sampling.greedy else f"sampling T={temperature:g}, top-p {top_p:g}, seed {seed}"

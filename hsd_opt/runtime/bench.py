@@ -276,14 +276,17 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
               mode: str = "exact", methods: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
               source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None,
               turns: str = "first", sampling: Sampling | None = None, by: str = "group",
-              assistant: str | None = None) -> dict[str, Any]:
+              assistant: str | None = None, retime=None, retime_source: str = "profile") -> dict[str, Any]:
     """Benchmark ``methods`` (default: :data:`DEFAULT_METHODS`, plus ``hsd_task`` when the plan has plans per
     task) over ``prompts``; returns the JSON report ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
 
     ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``;
     ``assistant``: the draft model of ``hf_assisted`` (default: the plan's, :func:`assistant_ref`).
     ``turns``: ``"first"`` or ``"all"`` (every turn, after the method's own answers); ``by``: ``"group"`` (the
-    task) or ``"category"`` (Spec-Bench's raw category) for the ``by_task`` section.
+    task) or ``"category"`` (Spec-Bench's raw category) for the ``by_task`` section. ``retime``: the profile the
+    plan was solved from (a :class:`~hsd_opt.formats.Profile`; ``retime_source`` names it in errors): before each
+    prompt the engines' steps are timed (:class:`~hsd_opt.runtime.retime.StepClock`) and every generation of ours
+    is priced again with the profile's costs scaled to that speed (``retimed_predicted_seconds_per_token``).
     """
     log = log or (lambda s: None)
     sampling = sampling or Sampling()
@@ -293,6 +296,10 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     items = _as_items(prompts)
     if not items:
         raise HsdError("no prompts to benchmark")
+    if retime is not None:
+        from hsd_opt.runtime.retime import StepClock, check_profile_for_plan
+
+        check_profile_for_plan(retime, plan, retime_source)
     if methods is None:
         methods = [m for m in DEFAULT_METHODS if m != "hf_assisted" or assistant or assistant_ref(plan)]
         methods += ["hsd_task"] if plan.tasks else []
@@ -312,11 +319,18 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
             del runners[m]
             log(f"{m}: skipped ({errors[m]})")
     names = list(runners)
+    clock = None
+    if retime is not None:
+        clock = StepClock(retime, [built[k] for k in built])
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     for i, it in enumerate(items):
         order = names[i % len(names):] + names[: i % len(names)]
+        factor = clock.measure() if clock is not None else None
         for m in order:
-            gens[m] += converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+            new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+            if factor is not None:
+                _retime(new, m, desc, plan, retime, factor)
+            gens[m] += new
         log(f"prompt {i + 1}/{len(items)} done")
 
     report: dict[str, Any] = {"methods": {}, "by_task": {}}
@@ -363,6 +377,30 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     report["prediction_context"] = ("each generation's own: prompt + half the generated tokens"
                                     if predicts_by_context(plan) else "the plan's")
     report["torch_threads"] = torch.get_num_threads()
+    if clock is not None:
+        report["retime"] = {"profile": retime_source, "engines": clock.summary(),
+                            "note": "retimed_predicted_seconds_per_token: the plan's latency model with the "
+                                    "profile's costs scaled per engine by its step time measured before each "
+                                    "prompt"}
     return report
+
+
+def _retime(gens: Sequence[Generation], method: str, desc: dict, plan, profile, factor: dict[str, float]) -> None:
+    """Set ``retimed`` on our ``gens`` of ``method``: its hierarchy priced with ``profile``'s costs scaled by
+    ``factor`` (:func:`~hsd_opt.runtime.retime.retimed_latency`), at the context and under the task acceptance
+    its own prediction used."""
+    from hsd_opt.runtime.retime import profile_task, retimed_latency
+    from hsd_opt.runtime.runner import plan_for_prompt
+
+    for g in gens:
+        if g.stats is None:
+            continue
+        if method == "hsd_task":
+            hh, bb = plan_for_prompt(plan, g.task)[:2]
+        elif "hierarchy" in desc.get(method, {}):
+            hh, bb = desc[method]["hierarchy"], desc[method]["budgets"]
+        else:
+            continue
+        g.retimed = retimed_latency(profile, hh, bb, factor, g.predicted_at, profile_task(profile, plan, g.task))
 
 

@@ -24,7 +24,9 @@ class Generation:
     (None for Hugging Face methods), the plan it ran (``"plan"``, ``"by_task.<task>"``; None when not a plan),
     the plan's ``predicted`` seconds per token for it (None when unknown), its ``context`` (tokens: the prompt
     plus half the generated tokens) and the context the prediction was taken at (``predicted_at``: the
-    generation's own for a plan with costs at several contexts, else the plan's; None when unknown)."""
+    generation's own for a plan with costs at several contexts, else the plan's; None when unknown);
+    ``retimed``: the same prediction with the profile's costs scaled to the engines' speed measured while the
+    benchmark ran (:mod:`hsd_opt.runtime.retime`; None when not asked for)."""
 
     item: int
     turn: int
@@ -37,6 +39,7 @@ class Generation:
     predicted: float | None = None
     context: float | None = None
     predicted_at: float | None = None
+    retimed: float | None = None
 
     def key(self, by: str = "group") -> str:
         return self.category if by == "category" else self.task
@@ -64,6 +67,8 @@ class Totals:
     context_weight: int = 0               # tokens of the generations with a context
     predicted_at_tokens: float = 0.0      # sum of the prediction's context x tokens
     predicted_at_unknown: int = 0         # generations with a prediction but no context for it
+    retimed_seconds: float = 0.0          # sum of re-timed predicted seconds/token x tokens
+    retimed_count: int = 0                # generations with a re-timed prediction
 
     def add(self, g: Generation) -> "Totals":
         self.items.add(g.item)
@@ -81,6 +86,9 @@ class Totals:
                 self.predicted_at_unknown += 1
             else:
                 self.predicted_at_tokens += g.predicted_at * n
+        if g.retimed is not None:
+            self.retimed_seconds += g.retimed * n
+            self.retimed_count += 1
         if g.context is not None:
             self.context_tokens += g.context * n
             self.context_weight += n
@@ -105,7 +113,8 @@ class Totals:
         """Add ``other``'s sums into these (what the overall figures are: the sum of the tasks')."""
         self.items |= other.items
         for k in ("generations", "tokens", "seconds", "decode_seconds", "target_calls", "predicted_seconds",
-                  "unpredicted", "context_tokens", "context_weight", "predicted_at_tokens", "predicted_at_unknown"):
+                  "unpredicted", "context_tokens", "context_weight", "predicted_at_tokens", "predicted_at_unknown",
+                  "retimed_seconds", "retimed_count"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.ours |= other.ours
         self.plans |= other.plans
@@ -135,6 +144,11 @@ class Totals:
                                          self.predicted_at_unknown else None)
             if pr and d["seconds_per_token"]:
                 d["measured_over_predicted"] = d["seconds_per_token"] / pr
+            if self.retimed_count and self.retimed_count == self.generations and n:
+                rt = self.retimed_seconds / n
+                d["retimed_predicted_seconds_per_token"] = rt
+                if d["seconds_per_token"]:
+                    d["measured_over_retimed"] = d["seconds_per_token"] / rt
         if self.plans:
             d["plans"] = sorted(self.plans)
         return d

@@ -1,0 +1,183 @@
+"""Predictions at the machine's speed of the moment: a profile's costs scaled by step times measured now.
+
+A plan predicts with the costs timed when its profile was made. On a machine whose speed drifts (a shared VM, a
+laptop that throttles) the engines may run 10-30% faster or slower during a benchmark, and not all by the same
+factor (on the project's VM the integer kernels and the float32 stream drift independently, within minutes).
+``hsd bench --retime PROFILE`` times one decode step of every engine the benchmarked hierarchies run, once per
+prompt, interleaved with the methods (:class:`StepClock`), and prices each of our generations again with the
+profile's costs scaled engine by engine by the ratio of that step to the profile's step at the same context
+(:func:`scale_costs`, :func:`retimed_latency`). The latency model (acceptance, expected rounds, budgets) is
+unchanged; only the costs are brought to the moment. So the gap between the re-timed prediction and the measured
+time is the model's error, and the gap between the two predictions the machine's drift.
+
+One ratio scales all of an engine's costs (steps, passes over t tokens, verify passes, at every context): the
+drift is taken to be a uniform change of speed. Token drafters keep their costs (microseconds).
+
+Units: seconds; contexts in tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import ContextCosts, Profile
+from hsd_opt.solver.context import profile_at_context
+from hsd_opt.solver.latency import hierarchy_latency
+from hsd_opt.solver.tasks import profile_tasks, task_profile
+
+
+def _scaled(v, f: float):
+    return [x * f for x in v] if isinstance(v, list) else v * f
+
+
+def scale_costs(profile: Profile, factor: Mapping[str, float]) -> Profile:
+    """``profile`` with every cost of model ``m`` multiplied by ``factor[m]`` (1 for models not named): its step
+    ``cost``, its ``cost_curve``, the verify passes it runs (``verify_cost[m]``), at the top level and in every
+    ``context_costs`` entry. Acceptance and everything else are kept."""
+    def f(name: str) -> float:
+        return float(factor.get(name, 1.0))
+
+    def verify(vc: Mapping[str, Mapping[str, Any]]) -> dict:
+        return {v: {d: _scaled(x, f(v)) for d, x in row.items()} for v, row in vc.items()}
+
+    def curves(cc: Mapping[str, list]) -> dict:
+        return {m: _scaled(c, f(m)) for m, c in cc.items()}
+
+    models = [replace(m, cost=m.cost * f(m.name)) for m in profile.models]
+    ctx = [ContextCosts(e.context, {m: c * f(m) for m, c in e.cost.items()}, curves(e.cost_curve),
+                        verify(e.verify_cost)) for e in profile.context_costs]
+    return Profile(profile.target, models, profile.acceptance, verify(profile.verify_cost),
+                   curves(profile.cost_curve), dict(profile.extra), ctx)
+
+
+def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
+                    factor: Mapping[str, float], context: float | None = None, task: str | None = None) -> float:
+    """Predicted seconds per token of ``hierarchy``/``budgets`` with ``profile``'s costs scaled by ``factor``
+    (:func:`scale_costs`), under ``task``'s acceptance when given (:func:`~hsd_opt.solver.tasks.task_profile`),
+    at ``context`` tokens when given and the profile has costs at several contexts."""
+    p = scale_costs(profile, factor)
+    if task is not None:
+        p = task_profile(p, task)[0]
+    if context is not None and p.context_costs:
+        p = profile_at_context(p, context)
+    return hierarchy_latency(p, hierarchy, budgets)
+
+
+def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
+    """Refuse a profile that cannot price ``plan``: another model, or a level it does not describe (``source``
+    names the profile in the error)."""
+    pm = (profile.extra.get("provenance") or {}).get("model")
+    qm = (plan.extra.get("provenance") or {}).get("model")
+    if pm and qm and pm != qm:
+        raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r}")
+    names = {m.name for m in profile.models}
+    missing = [n for n in plan.hierarchy if n not in names]
+    if missing:
+        raise HsdError(f"--retime {source}: the profile does not describe {', '.join(missing)} (give the profile "
+                       f"the plan was solved from)")
+
+
+def profile_task(profile: Profile, plan, task: str | None) -> str | None:
+    """The task whose acceptance prices a prompt of ``task``: the task itself when the plan predicts per task
+    (it has ``by_task``) and the profile has statistics for it, else None (the overall acceptance), as the
+    plan's own predictions do."""
+    if task is None or task not in (plan.extra.get("by_task") or {}):
+        return None
+    return task if task in profile_tasks(profile) else None
+
+
+class StepClock:
+    """Times one decode step of each engine of ``hierarchies`` (built :class:`~hsd_opt.runtime.decode.HSD` s) at
+    the profile's first context, and turns it into cost factors against ``profile`` (:meth:`factors`).
+
+    For each distinct engine the level with the most layers is timed (append a token, ``advance`` to its
+    boundary, its logits, crop back: what a decode step does), and its profiled step is that level's ``cost`` at
+    the first measured context; every level on that engine gets the same factor."""
+
+    def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5):
+        self.profile = profile
+        self.repeats = repeats
+        self.context = profile.contexts[0] if profile.context_costs else 64
+        costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
+        sampling = (profile.extra.get("provenance") or {}).get("sampling_seconds") or [0.0]
+        engines: dict[int, dict[str, Any]] = {}
+        for h in hierarchies:
+            for lv in h.levels:
+                if not lv.is_model:
+                    continue
+                e = engines.setdefault(id(lv.lm), {"lm": lv.lm, "names": set(), "top": None})
+                e["names"].add(lv.name)
+                if e["top"] is None or lv.boundary > e["top"].boundary:
+                    e["top"] = lv
+        self.engines = []
+        for e in engines.values():
+            top = e["top"]
+            if top.name not in costs:
+                raise HsdError(f"--retime: the profile has no cost for {top.name!r}")
+            # the profiled cost includes the sampled distributions' processing (profiles made with a temperature)
+            step = max(costs[top.name] - float(sampling[0]), 1e-9)
+            self.engines.append({"lm": e["lm"], "names": sorted(e["names"]), "name": top.name,
+                                 "boundary": top.boundary, "profiled": step, "measured": []})
+        self._states: dict[int, Any] = {}
+
+    def _state(self, lm):
+        st = self._states.get(id(lm))
+        if st is None:
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, max(4, lm.vocab_size - 1), (self.context,), generator=g)
+            st = lm.new_state(self.context + 2)
+            lm.append(st, ids.to(lm.device))
+            lm.advance(st, lm.n_layers)
+            self._states[id(lm)] = st
+        return st
+
+    @torch.no_grad()
+    def measure(self) -> dict[str, float]:
+        """Time every engine now (one warm-up step, then the median of ``repeats``) and return the factors."""
+        for e in self.engines:
+            lm, b = e["lm"], e["boundary"]
+            st = self._state(lm)
+            tok = torch.tensor([7], device=lm.device)
+            times = []
+            for r in range(self.repeats + 1):
+                t0 = time.perf_counter()
+                lm.append(st, tok)
+                lm.advance(st, b)
+                lm.logits(st, b, st.n - 1, st.n)
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize(lm.device)
+                dt = time.perf_counter() - t0
+                lm.crop(st, st.n - 1)
+                if r:
+                    times.append(dt)
+            e["measured"].append(statistics.median(times))
+        return self.factors(-1)
+
+    def factors(self, i: int | None = None) -> dict[str, float]:
+        """Model name -> measured / profiled step: of measurement ``i`` (None: the median of all so far)."""
+        out = {}
+        for e in self.engines:
+            if not e["measured"]:
+                continue
+            m = e["measured"][i] if i is not None else statistics.median(e["measured"])
+            for n in e["names"]:
+                out[n] = m / e["profiled"]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """For the report: per engine, the profiled step, the median measured step and their ratio (seconds)."""
+        out = {}
+        for e in self.engines:
+            if e["measured"]:
+                m = statistics.median(e["measured"])
+                out[e["name"]] = {"levels": e["names"], "context": self.context, "profiled_step": e["profiled"],
+                                  "measured_step_median": m, "factor_median": m / e["profiled"],
+                                  "factor_min": min(e["measured"]) / e["profiled"],
+                                  "factor_max": max(e["measured"]) / e["profiled"]}
+        return out
