@@ -642,27 +642,72 @@ static inline float dot_hd(const float *a, const float *b, int n) {
     return s;
 }
 
+/* sc[j] = (q . K[j]) * scale for j < n, each dot_hd's value: four keys at a time (four independent accumulator
+ * chains instead of one: one key's 8 dependent FMAs and its horizontal sum left the FMA units idle). */
+static void attention_scores(const float *q, const float *K, int n, int hd, float scale, float *sc) {
+    int j = 0;
+#if HSD_AVX2
+    if ((hd & 7) == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = K + (size_t)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int i = 0; i < hd; i += 8) {
+                const __m256 u = _mm256_loadu_ps(q + i);
+                a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k1 + i), a1);
+                a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k2 + i), a2);
+                a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k3 + i), a3);
+            }
+            sc[j] = hsum8(a0) * scale;
+            sc[j + 1] = hsum8(a1) * scale;
+            sc[j + 2] = hsum8(a2) * scale;
+            sc[j + 3] = hsum8(a3) * scale;
+        }
+    }
+#endif
+    for (; j < n; j++) sc[j] = dot_hd(q, K + (size_t)j * hd, hd) * scale;
+}
+
+/* out[i] = sum_j e[j] * V[j][i] over j < n in order, one multiply then one add per term (no FMA: the values of
+ * the plain loop), 32 output lanes at a time held in registers over every key. */
+static void attention_values(const float *e, const float *V, int n, int hd, float *out) {
+    int i0 = 0;
+#if HSD_AVX2
+    for (; i0 + 32 <= hd; i0 += 32) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (int j = 0; j < n; j++) {
+            const float *vj = V + (size_t)j * hd + i0;
+            const __m256 w = _mm256_set1_ps(e[j]);
+            o0 = _mm256_add_ps(o0, _mm256_mul_ps(w, _mm256_loadu_ps(vj)));
+            o1 = _mm256_add_ps(o1, _mm256_mul_ps(w, _mm256_loadu_ps(vj + 8)));
+            o2 = _mm256_add_ps(o2, _mm256_mul_ps(w, _mm256_loadu_ps(vj + 16)));
+            o3 = _mm256_add_ps(o3, _mm256_mul_ps(w, _mm256_loadu_ps(vj + 24)));
+        }
+        _mm256_storeu_ps(out + i0, o0);
+        _mm256_storeu_ps(out + i0 + 8, o1);
+        _mm256_storeu_ps(out + i0 + 16, o2);
+        _mm256_storeu_ps(out + i0 + 24, o3);
+    }
+#endif
+    for (int i = i0; i < hd; i++) out[i] = 0.f;
+    for (int j = 0; j < n; j++) {
+        const float *vj = V + (size_t)j * hd;
+        for (int i = i0; i < hd; i++) out[i] += e[j] * vj[i];
+    }
+}
+
 /* Causal attention of one query head over positions 0..p of its key/value head: out[hd]. sc: scratch [p + 1]. */
 static void attend_one(const float *q, const float *K, const float *V, int p, int hd, float *sc, float *out) {
-    const float scale = 1.0f / sqrtf((float)hd);
+    attention_scores(q, K, p + 1, hd, 1.0f / sqrtf((float)hd), sc);
     float mx = -INFINITY;
-    for (int j = 0; j <= p; j++) {
-        float s = dot_hd(q, K + (size_t)j * hd, hd) * scale;
-        sc[j] = s;
-        if (s > mx) mx = s;
-    }
+    for (int j = 0; j <= p; j++) mx = sc[j] > mx ? sc[j] : mx;
     float sum = 0.f;
     for (int j = 0; j <= p; j++) {
         float e = expf(sc[j] - mx);
         sc[j] = e;
         sum += e;
     }
-    for (int i = 0; i < hd; i++) out[i] = 0.f;
-    for (int j = 0; j <= p; j++) {
-        const float *vj = V + (size_t)j * hd;
-        const float e = sc[j];
-        for (int i = 0; i < hd; i++) out[i] += e * vj[i];
-    }
+    attention_values(sc, V, p + 1, hd, out);
     const float inv = 1.0f / sum;
     for (int i = 0; i < hd; i++) out[i] *= inv;
 }
