@@ -112,12 +112,14 @@ def tiny(tmp_path_factory):
 
 
 def test_bench_reports_predictions_retimed_at_the_measured_speed(tiny):
-    out = tiny["root"] / "bench.json"
+    out, png = tiny["root"] / "bench.json", tiny["root"] / "bench.png"
     r = run_cli("bench", "--plan", tiny["plan"], "--prompts", tiny["prompts"], "--limit", 1, "--max-new-tokens", 6,
-                "--methods", "ar,single_draft,hsd", "--retime", tiny["profile"], "--json", out, "--device", "cpu")
+                "--methods", "ar,single_draft,hsd", "--retime", tiny["profile"], "--json", out, "--plot", png,
+                "--device", "cpu")
     assert r.exit_code == 0, cli_output(r)
     assert "retimed" in cli_output(r) and "retime layer4 (layer1, layer2, layer4)" in " ".join(cli_output(r).split())
     rep = json.loads(out.read_text())
+    assert png.stat().st_size > 1000
     e = rep["retime"]["engines"]["layer4"]
     f = e["factor_median"]                                   # one prompt: one measurement
     assert e["factor_min"] == e["factor_max"] == f > 0 and e["profiled_step"] == 0.015

@@ -192,8 +192,9 @@ def add_speedups(methods: dict[str, dict[str, Any]]) -> None:
 
 
 def plot_report(report: dict[str, Any], path) -> None:
-    """PNG: tokens/s per method (left), predicted vs measured ms/token for our methods (middle), and per task
-    the speed-up over ``hf_ar`` of every method (right; tokens/s when ``hf_ar`` was not run)."""
+    """PNG: tokens/s per method (left), predicted (and re-timed, ``--retime``) vs measured ms/token for our methods
+    (middle), and per task the speed-up over ``hf_ar`` of every method (right; tokens/s when ``hf_ar`` was not
+    run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,9 +212,13 @@ def plot_report(report: dict[str, Any], path) -> None:
     a.tick_params(axis="x", rotation=30)
     ours = [m for m in names if ms[m].get("seconds_per_token")]
     x = range(len(ours))
-    b.bar([i - 0.2 for i in x], [1e3 * (ms[m].get("predicted_seconds_per_token") or 0) for m in ours], 0.4,
-          label="predicted (plan)")
-    b.bar([i + 0.2 for i in x], [1e3 * ms[m]["seconds_per_token"] for m in ours], 0.4, label="measured")
+    bars = [("predicted_seconds_per_token", "predicted (plan)")]
+    if any(ms[m].get("retimed_predicted_seconds_per_token") for m in ours):
+        bars.append(("retimed_predicted_seconds_per_token", "predicted, costs re-timed"))
+    bars.append(("seconds_per_token", "measured"))
+    w = 0.8 / len(bars)
+    for k, (key, label) in enumerate(bars):
+        b.bar([i - 0.4 + w * (k + 0.5) for i in x], [1e3 * (ms[m].get(key) or 0) for m in ours], w, label=label)
     b.set_xticks(list(x), ours)
     b.tick_params(axis="x", rotation=30)
     b.set_ylabel("ms / token (decode)")
