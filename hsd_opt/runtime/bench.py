@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -41,6 +41,9 @@ from hsd_opt.errors import HsdError
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
+
+if TYPE_CHECKING:
+    from hsd_opt.formats import Profile
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "assistant_ref", "build_runners", "converse", "plot_report",
            "run_bench"]
@@ -276,7 +279,8 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
               mode: str = "exact", methods: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
               source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None,
               turns: str = "first", sampling: Sampling | None = None, by: str = "group",
-              assistant: str | None = None, retime=None, retime_source: str = "profile") -> dict[str, Any]:
+              assistant: str | None = None, retime: "Profile | None" = None,
+              retime_source: str = "profile") -> dict[str, Any]:
     """Benchmark ``methods`` (default: :data:`DEFAULT_METHODS`, plus ``hsd_task`` when the plan has plans per
     task) over ``prompts``; returns the JSON report ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
 
@@ -321,7 +325,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     names = list(runners)
     clock = None
     if retime is not None:
-        clock = StepClock(retime, [built[k] for k in built])
+        clock = StepClock(retime, list(built.values()))
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     for i, it in enumerate(items):
         order = names[i % len(names):] + names[: i % len(names)]
