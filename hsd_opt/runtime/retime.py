@@ -101,7 +101,6 @@ class StepClock:
     the first measured context; every level on that engine gets the same factor."""
 
     def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5):
-        self.profile = profile
         self.repeats = repeats
         self.context = profile.contexts[0] if profile.context_costs else 64
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
