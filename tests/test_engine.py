@@ -130,3 +130,22 @@ def test_direct_path_is_refused_when_modules_differ():
     model = make_tiny_llama(seed=5)
     model.model.layers[0].mlp._hf_hook = object()              # accelerate-dispatched: go through the modules
     assert LayeredLM(model)._weights is None
+
+
+@pytest.mark.parametrize("m,start", [(1, 0), (2, 0), (37, 0), (300, 0), (5, 11), (64, 100)])
+def test_causal_attention_equals_the_masked_kernel_bit_for_bit(m, start):
+    """A pass from position 0 takes the attention kernel's causal mode (it skips the masked blocks): its values
+    are exactly those of the explicit mask; a pass over a filled cache is the masked kernel itself."""
+    import torch.nn.functional as F
+
+    from hsd_opt.engine.ops import causal_attention, causal_mask
+
+    g = torch.Generator().manual_seed(m + start)
+    q = torch.randn(1, 6, m, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, start + m, 16, generator=g)
+    masked = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, start + m, q.device),
+                                            enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v, start), masked)
+    if m > 1:                                  # the mask matters: attending to every key gives other values
+        full = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert not torch.equal(causal_attention(q, k, v, start), full)

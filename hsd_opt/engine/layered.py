@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine import kernels
-from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm_reference, rotate_half
+from hsd_opt.engine.ops import causal_attention, norm_eps, rms_norm_reference, rotate_half
 from hsd_opt.errors import HsdError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -429,9 +429,7 @@ class LayeredLM:
         st.v[l][0, :, start:end] = v
         keys = st.k[l][:, :, :end]
         vals = st.v[l][:, :, :end]
-        mask = None if m == 1 else causal_mask(start, end, q.device)
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        o = causal_attention(q.unsqueeze(0), keys, vals, start)
         return o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim)
 
     @torch.no_grad()

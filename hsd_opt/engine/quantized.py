@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM, is_released
-from hsd_opt.engine.ops import causal_mask, norm_eps, rms_norm, rotate_half
+from hsd_opt.engine.ops import causal_attention, causal_mask, norm_eps, rms_norm, rotate_half
 from hsd_opt.errors import HsdError
 
 #: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
@@ -198,8 +198,8 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
     c = cos.unsqueeze(1)
     s = sin.unsqueeze(1)
     d = x.shape[-1]
-    mask: Optional[torch.Tensor] = None
-    if m > 1:
+    mask: Optional[torch.Tensor] = None   # from position 0 the kernel's causal mode (see ops.causal_attention)
+    if m > 1 and start > 0:
         mask = causal_mask(start, end, x.device)
     for l in range(len(ks)):
         w = weights[l]
@@ -214,7 +214,8 @@ def _layer_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: i
         ks[l][0, :, start:end] = qk[:, n_heads:].transpose(0, 1)
         vs[l][0, :, start:end] = qkv[:, n_heads + n_kv:].transpose(0, 1)
         o = F.scaled_dot_product_attention(qk[:, :n_heads].transpose(0, 1).unsqueeze(0), ks[l][:, :, :end],
-                                           vs[l][:, :, :end], attn_mask=mask, enable_gqa=n_kv != n_heads)
+                                           vs[l][:, :, :end], attn_mask=mask, is_causal=m > 1 and start == 0,
+                                           enable_gqa=n_kv != n_heads)
         o = o[0].transpose(0, 1).reshape(m, n_heads * head_dim)
         if bits == 4:
             x = x + torch.ops.aten._weight_int4pack_mm_for_cpu(o, w[2], group_size, w[3])
@@ -437,9 +438,7 @@ class QuantizedLM(LayeredLM):
         q = qk[:, :H].transpose(0, 1)                                 # [H, m, hd]
         st.k[l][0, :, start:end] = qk[:, H:].transpose(0, 1)
         st.v[l][0, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
-        mask = None if m == 1 else causal_mask(start, end, x.device)
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), st.k[l][:, :, :end], st.v[l][:, :, :end],
-                                           attn_mask=mask, enable_gqa=KV != H)
+        o = causal_attention(q.unsqueeze(0), st.k[l][:, :, :end], st.v[l][:, :, :end], start)
         o = o[0].transpose(0, 1).reshape(m, H * self.head_dim)
         x = x + ql.o(o)
         g, u = ql.gate_up(rms_norm(x, ql.ln2, ql.eps2)).split([ql.inter, ql.inter], dim=-1)
