@@ -506,7 +506,14 @@ static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, i
         if (A->type == HSD_Q4) /* the block's group scales as float32, once for all its positions */
             for (int i = 0; i < 4; i++) {
                 const uint16_t *h = (const uint16_t *)A->scale + (size_t)(r + (i < n ? i : n - 1)) * G;
-                for (int g = 0; g < G; g++) sf[i * G + g] = half_to_float(h[g]);
+            {
+                int g = 0;
+#if HSD_AVX2
+                for (; g + 8 <= G; g += 8)
+                    _mm256_storeu_ps(sf + i * G + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+#endif
+                for (; g < G; g++) sf[i * G + g] = half_to_float(h[g]);
+            }
             }
         for (int t0 = 0; t0 < m; t0 += 2) {
             const int mt = m - t0 < 2 ? m - t0 : 2;
