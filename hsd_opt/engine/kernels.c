@@ -60,7 +60,7 @@ typedef struct {
     const hsd_layer *layers;
 } hsd_model;
 
-int hsd_version(void) { return 7; }
+int hsd_version(void) { return 8; }
 int hsd_simd(void) { return HSD_AVX2; }
 
 /* ------------------------------------------------------------------------------------------------ dot products */
@@ -882,6 +882,29 @@ int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, i
     }
     free(xq);
     free(xd);
+    return 0;
+}
+
+/* y[j] = A[row[j]] . x[pos[j]] (+ bias) for n (row, position) pairs of a float32 matrix, x [m, cols]: each value
+ * exactly what hsd_linear gives for that row and position (the same operations per element, whatever rows are
+ * computed together). Pairs of one position must be adjacent. Single-threaded (a few rows). Returns 0, or -1 on
+ * a bad row. */
+int hsd_rows_f32(const hsd_mat *A, const long *row, const long *pos, int n, const float *x, float *y) {
+    if (A->type != HSD_F32 || n < 0) return -1;
+    for (int j = 0; j < n; j++)
+        if (row[j] < 0 || row[j] >= A->rows || pos[j] < 0) return -1;
+    const int K = A->cols;
+    float s[4];
+    prefetch_t pf = {NULL, NULL};
+    for (int j = 0; j < n;) {
+        int k = 1;
+        while (k < 4 && j + k < n && pos[j + k] == pos[j]) k++;
+        const float *w[4];
+        for (int i = 0; i < 4; i++) w[i] = (const float *)A->w + (size_t)row[j + (i < k ? i : k - 1)] * K;
+        dots4(w, K, x + (size_t)pos[j] * K, K, 1, s, &pf);
+        for (int i = 0; i < k; i++) y[j + i] = A->bias ? s[i] + A->bias[row[j + i]] : s[i];
+        j += k;
+    }
     return 0;
 }
 

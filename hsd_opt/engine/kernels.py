@@ -138,6 +138,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int]
     lib.hsd_linear.restype = ctypes.c_int
     lib.hsd_linear.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, ctypes.c_int]
+    lib.hsd_rows_f32.restype = ctypes.c_int
+    lib.hsd_rows_f32.argtypes = [ctypes.POINTER(_CMat), _P, _P, ctypes.c_int, _P, _P]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     return lib
@@ -386,6 +388,20 @@ def linear(lib, mat: Mat, x: torch.Tensor, out: torch.Tensor | None = None) -> t
     rc = lib.hsd_linear(ctypes.byref(mat.c), x.data_ptr(), m, y.data_ptr(), _ptr(work), nt)
     if rc != 0:
         raise HsdError("kernels: bad linear call")
+    return y
+
+
+def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``W[rows[j]] . x[positions[j]] (+ b)`` for a float32 :class:`Mat` -> ``[n]`` float32, each value exactly
+    what :func:`linear` gives at that row and position. ``rows``/``positions``: int64 ``[n]``, the pairs of one
+    position adjacent; ``x`` ``[m, cols]`` float32."""
+    x = x.float().contiguous()
+    rows, positions = rows.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    y = torch.empty(rows.numel(), dtype=torch.float32)
+    if (positions.numel() and int(positions.max()) >= x.shape[0]) or \
+            lib.hsd_rows_f32(ctypes.byref(mat.c), rows.data_ptr(), positions.data_ptr(), rows.numel(),
+                             x.data_ptr(), y.data_ptr()) != 0:
+        raise HsdError("kernels: bad rows call")
     return y
 
 

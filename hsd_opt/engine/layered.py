@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from hsd_opt.engine import kernels
 from hsd_opt.engine.ops import causal_attention, norm_eps, rms_norm_reference, rotate_half
+from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.errors import HsdError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -180,6 +181,15 @@ class DecodeState:
         return self.tokens[: self.n].tolist()
 
 
+def pass_output(eng, greedy: bool) -> Callable:
+    """What a decode pass of ``eng`` ends with, as the runtime computes it: ``(state, boundary, start, end) ->``
+    the greedy tokens (``greedy_ids``, where the engine has it: greedy decoding reads no more of the head than
+    it needs) or the logits (sampling)."""
+    fast = getattr(eng, "greedy_ids", None) if greedy else None
+    return fast or eng.logits
+
+
+
 class LayeredLM:
     """Our own forward pass over a Hugging Face causal LM's modules, one layer range at a time.
 
@@ -241,6 +251,8 @@ class LayeredLM:
         self._kstack: kernels.LayerStack | None = None
         self._khead: kernels.Mat | None = None
         self._knorm: torch.Tensor | None = None
+        #: greedy tokens of the float32 kernel head without computing all its logits (None: no screen)
+        self._screen: HeadScreen | None = None
         #: long passes (prefill) take the torch path: true for float32 models, whose torch path is exact
         self._torch_long_passes = True
         if kernels is not False:
@@ -285,6 +297,8 @@ class LayeredLM:
         self._khead = kernels.Mat.dense(self.lm_head.weight, getattr(self.lm_head, "bias", None))
         self._knorm = self.norm.weight.detach().float().contiguous()
         self._knorm_eps = norm_eps(self.norm)
+        if self._khead.kind == kernels.F32 and self._khead.bias is None and self.hidden_size % kernels.GROUP == 0:
+            self._screen = HeadScreen(lib, self._khead)
         if self.dtype != torch.float32:  # bfloat16 weights: float32 activations and caches, no torch path
             self._torch_long_passes = False
             self.dtype = torch.float32
@@ -548,6 +562,20 @@ class LayeredLM:
         if boundary > 0 and st.lens[boundary - 1] < end:
             raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
         return self.head(st.resid[boundary][start:end], boundary)
+
+    @torch.no_grad()
+    def greedy_ids(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
+        """Greedy tokens ``[end-start]`` (int64) at positions ``start .. end-1``: ``logits(...).argmax(-1)``,
+        through the head's int8 screen where the engine has one (:mod:`hsd_opt.engine.screen`: the same ids
+        from about a quarter of the head's bytes). Call :meth:`advance` first."""
+        if self._screen is not None and boundary not in self.exit_heads:
+            if boundary > 0 and st.lens[boundary - 1] < end:
+                raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
+            h = kernels.rms_norm(self._kstack.lib, st.resid[boundary][start:end], self._knorm, self._knorm_eps)
+            ids = self._screen.argmax(h)
+            if ids is not None:
+                return ids
+        return self.logits(st, boundary, start, end).argmax(-1)
 
     @torch.no_grad()
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 
 #: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
@@ -278,11 +279,12 @@ class Calibration:
 
 
 @torch.no_grad()
-def calibrate(eng, tmax: int, tokens: int = 96) -> Calibration:
+def calibrate(eng, tmax: int, tokens: int = 96, greedy: bool = True) -> Calibration:
     """Time a prefill of ``tokens`` tokens and one pass over 1 and over ``tmax + 1`` tokens after it (each right
     after an untimed pass of the same size): what :func:`estimate_seconds` prices a cost plan with. A few
     seconds on a 1.5B model on a CPU."""
     tmax1 = tmax + 1
+    output = pass_output(eng, greedy)
     ids = _ids(eng, tokens + tmax1 + 1, seed=1)
     st = eng.new_state(tokens + tmax1 + 1)
     eng.append(st, ids[:tokens])
@@ -295,7 +297,7 @@ def calibrate(eng, tmax: int, tokens: int = 96) -> Calibration:
             eng.append(st, ids[tokens:tokens + t])
             a = _now()
             eng.advance(st, eng.n_layers)
-            eng.logits(st, eng.n_layers, tokens, tokens + t)
+            output(st, eng.n_layers, tokens, tokens + t)
             out[t] = _now() - a
             eng.crop(st, tokens)
     return Calibration(max(prefill, 1e-9), max(out[1], 1e-9), max(out[tmax1], 1e-9), tmax1)
@@ -398,9 +400,12 @@ def _prefix(eng, st, src, ids: torch.Tensor, n: int) -> None:
     st.lens = [n] * eng.n_layers
 
 
-def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[int, int], t: int):
-    """One pass over ``t`` new tokens as segments: ``({b: seconds of advance to b}, {key: seconds of logits})``.
-    ``heads`` maps a head key to the boundary whose ``logits`` time it. The state is cropped back after."""
+def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[int, int], t: int,
+                   greedy: bool = True):
+    """One pass over ``t`` new tokens as segments: ``({b: seconds of advance to b}, {key: seconds of the head})``.
+    ``heads`` maps a head key to the boundary whose head (:func:`pass_output`) times it. The state is cropped
+    back after."""
+    output = pass_output(eng, greedy)
     n0 = st.n
     eng.append(st, ids[n0:n0 + t])
     seg = {}
@@ -411,7 +416,7 @@ def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[in
     hd = {}
     for k, b in heads.items():
         a = _now()
-        eng.logits(st, b, n0, n0 + t)
+        output(st, b, n0, n0 + t)
         hd[k] = _now() - a
     eng.crop(st, n0)
     return seg, hd
@@ -478,7 +483,8 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                   step_check: bool = True, on_step: Callable[..., None] | None = None,
                   keep_states: dict | None = None, share_from=None, plan: CostPlan | None = None,
                   calib: Calibration | None = None, on_extend: Callable[[int, float], None] | None = None,
-                  chunk: int = PREFILL_CHUNK, refine_seconds: float | None = None) -> list[LayerCosts]:
+                  chunk: int = PREFILL_CHUNK, refine_seconds: float | None = None,
+                  greedy: bool = True, text: Sequence[int] | None = None) -> list[LayerCosts]:
     """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
     :class:`LayerCosts` per context, in increasing context order. ``on_step(message, seconds)`` is called after
     every prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them; ``seconds``:
@@ -491,7 +497,9 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     values. ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from =
     (engine, {context: state})``, such states of the engine over the model's own weights, for an engine that is
     a copy of it (``can_share_prompt``): its contexts are filled from those keys and values, as the runtime
-    does, instead of prefilled."""
+    does, instead of prefilled. ``greedy``: passes end as greedy decoding's do (:func:`pass_output`), else with
+    the logits sampling needs. ``text``: token ids the timed passes read (repeated to length; default random
+    ids): real text, because how peaked the head's distributions are decides what a greedy head reads."""
     plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
     calib = calib or Calibration(1.0, 1.0, 1.0, 1)
 
@@ -505,7 +513,8 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     bs = sorted(set(boundaries))
     ctxs = sorted(set(int(c) for c in contexts))
     grid = t_grid(tmax1)
-    ids = _ids(eng, ctxs[-1] + tmax1 + 1)
+    n_ids = ctxs[-1] + tmax1 + 1
+    ids = torch.tensor(text_of_length(text, n_ids)) if text else _ids(eng, n_ids)
     states = [eng.new_state(c + tmax1 + 1, save_boundaries=bs) for c in ctxs]
     for k in reversed(range(len(ctxs))):          # the longest first: the others are its prefixes
         c = ctxs[k]
@@ -532,7 +541,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
             eng.append(base, ids[n0:n0 + 1])
             t0 = _now()
             eng.advance(base, b)
-            eng.logits(base, b, n0, n0 + 1)
+            pass_output(eng, greedy)(base, b, n0, n0 + 1)
             dt = _now() - t0
             eng.crop(base, n0)
             if r >= warmup:
@@ -550,7 +559,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
         for k, st in enumerate(states):
             ts = [1] if r >= warmup + curve_repeats else t0s if k == 0 else grid
             for t in ts:
-                seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t)
+                seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t, greedy)
                 if r >= warmup:
                     for b, x in seg.items():
                         seg_s[k][b].setdefault(t, []).append(x)
@@ -573,14 +582,14 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
             step_cb(f"context {ctxs[0]}: {m}", x)
 
         timed = _time_direct(eng, base, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
-                             n_direct, warmup, calib, direct_cb)
+                             n_direct, warmup, calib, direct_cb, greedy)
         scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
         more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
             scale, plan.refine_tol, lambda t: 2 * n_direct * calib.pass_seconds(t), refine_seconds)
         if more:
             if on_extend is not None:
                 on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))
-            timed.update(_time_direct(eng, base, ids, more, n_direct, warmup, calib, direct_cb))
+            timed.update(_time_direct(eng, base, ids, more, n_direct, warmup, calib, direct_cb, greedy))
             scale.update({t: timed[t] / modelled[t - 1] for t in more})
         ts = sorted(timed)
         if len(scale) == len(timed):
@@ -606,12 +615,13 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
 
 
 def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, warmup: int, calib: Calibration,
-                 step: Callable[[str, float], None]) -> dict[int, float]:
+                 step: Callable[[str, float], None], greedy: bool = True) -> dict[int, float]:
     """Median seconds of the whole model's pass over each ``t`` of ``ts`` (``rounds`` rounds over every t, the
     first ``warmup`` untimed), each timed pass right after an untimed pass of the same size: a drafter's passes
     come in runs of one size (its budget, or T_below + 1 when it verifies), and right after a long pass a short
     pass measures slow."""
     n0, n = st.n, eng.n_layers
+    output = pass_output(eng, greedy)
     times: dict[int, list[float]] = {t: [] for t in ts}
     for r in range(rounds):
         for t in ts:
@@ -619,7 +629,7 @@ def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, war
                 eng.append(st, ids[n0:n0 + t])
                 t0 = _now()
                 eng.advance(st, n)
-                eng.logits(st, n, n0, n0 + t)
+                output(st, n, n0, n0 + t)
                 dt = _now() - t0
                 eng.crop(st, n0)
             if r >= warmup:

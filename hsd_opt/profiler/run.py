@@ -422,7 +422,7 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
         calib = {}
         cid = progress.add_task("costs: calibrating", total=len(order)) if progress else None
         for k in order:
-            calib[k] = calibrate(by_engine[k][0], cfg.tmax)
+            calib[k] = calibrate(by_engine[k][0], cfg.tmax, greedy=cfg.temperature == 0)
             if progress:
                 progress.update(cid, advance=1, description=f"costs: calibrated {label[k]}")
         budget = None if cfg.cost_budget is None else max(0.0, cfg.cost_budget - (time.perf_counter() - t0))
@@ -459,6 +459,7 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
             feeds = any(source[j] == k for j in order)
             lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, contexts=contexts, on_step=step, plan=plan, calib=calib[k],
                                    on_extend=extend, chunk=chunk, refine_seconds=slack,
+                                   greedy=cfg.temperature == 0, text=text,
                                    keep_states=states.setdefault(k, {}) if feeds else None,
                                    share_from=(by_engine[source[k]][0], states[source[k]]) if source[k] else None)
         states.clear()

@@ -325,7 +325,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     names = list(runners)
     clock = None
     if retime is not None:
-        clock = StepClock(retime, list(built.values()))
+        clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     for i, it in enumerate(items):
         order = names[i % len(names):] + names[: i % len(names)]

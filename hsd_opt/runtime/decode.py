@@ -252,6 +252,16 @@ class HSD:
             return logits
         return process_logits(logits, self.temperature, self.top_p)
 
+    def _greedy(self, k: int, start: int, end: int) -> list[int]:
+        """Level k's greedy tokens at positions start..end-1 (the argmax of its logits; engines with a
+        ``greedy_ids`` method give them without computing every logit)."""
+        lv = self.levels[k]
+        st = self._states[self._level_state[k]]
+        lv.lm.advance(st, lv.boundary)
+        fast = getattr(lv.lm, "greedy_ids", None)
+        ids = fast(st, lv.boundary, start, end) if fast else lv.lm.logits(st, lv.boundary, start, end).argmax(-1)
+        return ids.tolist()
+
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)
 
@@ -274,10 +284,10 @@ class HSD:
         rows: list[torch.Tensor] = []
         for _ in range(n):
             m = len(self.seq)
-            d = self._dist(0, m - 1, m)
             if self.greedy:
-                t = int(d[0].argmax())
+                t = self._greedy(0, m - 1, m)[0]
             else:
+                d = self._dist(0, m - 1, m)
                 t = self._sample(d[0])
                 rows.append(d)
             toks.append(t)
@@ -305,16 +315,16 @@ class HSD:
             if d == 0 and self._ended():
                 break
             # d == 0 without the end: the drafter below abstained, and this pass is a plain step of level k
-            p = self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
             stats.calls += 1
             stats.drafted += d
             if self.greedy:
-                g = p.argmax(-1).tolist()
+                g = self._greedy(k, s - 1, s + d)  # g[i]: the level's token at position s + i
                 j = 0
                 while j < d and drafts[j] == g[j]:
                     j += 1
                 fix = g[j]  # j <= d: row d is the bonus token's distribution
             else:
+                p = self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
                 j, fix = self._verify(p, q, drafts)
             stats.accepted += j
             if j < d:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.solver.context import profile_at_context
@@ -100,8 +101,11 @@ class StepClock:
     boundary, its logits, crop back: what a decode step does), and its profiled step is that level's ``cost`` at
     the first measured context; every level on that engine gets the same factor."""
 
-    def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5):
+    def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5,
+                 text: Sequence[int] | None = None, greedy: bool = True):
         self.repeats = repeats
+        self.text = list(text or [])   # token ids the steps read (real text, as the profile's timings do)
+        self.greedy = greedy
         self.context = profile.contexts[0] if profile.context_costs else 64
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
         sampling = (profile.extra.get("provenance") or {}).get("sampling_seconds") or [0.0]
@@ -124,12 +128,18 @@ class StepClock:
             self.engines.append({"lm": e["lm"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
         self._states: dict[int, Any] = {}
+        self._next: dict[int, torch.Tensor] = {}     # the token each engine's timed step appends
 
     def _state(self, lm):
         st = self._states.get(id(lm))
         if st is None:
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randint(3, max(4, lm.vocab_size - 1), (self.context,), generator=g)
+            if self.text:
+                ids = torch.tensor((self.text * (self.context // len(self.text) + 2))[: self.context + 1])
+            else:
+                g = torch.Generator().manual_seed(0)
+                ids = torch.randint(3, max(4, lm.vocab_size - 1), (self.context + 1,), generator=g)
+            self._next[id(lm)] = ids[-1:]
+            ids = ids[:-1]
             st = lm.new_state(self.context + 2)
             lm.append(st, ids.to(lm.device))
             lm.advance(st, lm.n_layers)
@@ -142,13 +152,14 @@ class StepClock:
         for e in self.engines:
             lm, b = e["lm"], e["boundary"]
             st = self._state(lm)
-            tok = torch.tensor([7], device=lm.device)
+            tok = self._next[id(lm)].to(lm.device)
+            output = pass_output(lm, self.greedy)
             times = []
             for r in range(self.repeats + 1):
                 t0 = time.perf_counter()
                 lm.append(st, tok)
                 lm.advance(st, b)
-                lm.logits(st, b, st.n - 1, st.n)
+                output(st, b, st.n - 1, st.n)
                 if lm.device.type == "cuda":
                     torch.cuda.synchronize(lm.device)
                 dt = time.perf_counter() - t0

@@ -1,0 +1,104 @@
+"""The int8 screen of a float32 head gives exactly the head's greedy tokens: its bound holds on every row, the
+argmax over its candidates is the argmax over the vocabulary (first index on ties), and it steps aside where it
+cannot help."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
+from tests.helpers import make_tiny_llama
+
+LIB = kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
+
+
+def _head(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)   # rows of many norms
+    w[:, 3] *= 20                                       # an outlier column, as real heads have
+    return w.contiguous()
+
+
+def _inputs(m: int, cols: int, seed: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(m, cols, generator=g) * scale
+    h[:, 5] *= 30                                       # an outlier activation coarsens its group's int8 step
+    return h
+
+
+@pytest.mark.parametrize("cols", [32, 96, 576])
+def test_the_bound_holds_on_every_row(cols):
+    w = _head(3000, cols, cols)
+    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    for seed, scale in ((1, 0.1), (2, 1.0), (3, 30.0)):
+        h = _inputs(2, cols, seed, scale)
+        approx = kernels.linear(LIB, screen.q8, h)
+        exact = kernels.linear(LIB, screen.head, h)
+        err = (approx.double() - exact.double()).abs()
+        assert (err <= screen.bounds(h).double()).all()
+
+
+def test_rows_f32_are_the_values_of_the_full_head():
+    w = _head(517, 96, 0)
+    mat = kernels.Mat.dense(w)
+    h = _inputs(2, 96, 4, 1.0)
+    full = kernels.linear(LIB, mat, h)
+    rows = torch.tensor([0, 5, 6, 7, 511, 516, 3, 3, 9])
+    pos = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    assert torch.equal(kernels.rows_f32(LIB, mat, rows, pos, h), full[pos, rows])
+
+
+def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
+    w = _head(4000, 64, 7)
+    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
+    w[2000] = w[1000]                                   # an exact tie: the first index wins, as in torch.argmax
+    w[1500] = w[1200] * (1 + 1e-7)                      # a near tie
+    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    g = torch.Generator().manual_seed(8)
+    checked = 0
+    for trial in range(300):
+        m = 1 + trial % MAX_POSITIONS
+        h = torch.randn(m, 64, generator=g) * (0.05 + trial / 30)
+        if trial % 3 == 0:                              # aim at the tied and nearly tied rows
+            h[0] = w[[1000, 1200][trial % 2]] * 3 + 0.01 * torch.randn(64, generator=g)
+        got = screen.argmax(h)
+        want = kernels.linear(LIB, screen.head, h).argmax(-1)
+        if got is not None:
+            assert torch.equal(got, want), trial
+            checked += 1
+    assert checked > 200
+    tie = torch.stack([w[1000] * 3])
+    assert int(screen.argmax(tie)[0]) == int(kernels.linear(LIB, screen.head, tie).argmax(-1)[0]) == 1000
+
+
+def test_the_screen_steps_aside_where_it_cannot_help():
+    w = _head(4000, 64, 9)
+    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    assert screen.argmax(torch.randn(MAX_POSITIONS + 1, 64)) is None        # long passes: the full head
+    flat = torch.ones(4000, 64) + 1e-4 * torch.randn(4000, 64, generator=torch.Generator().manual_seed(1))
+    flat_screen = HeadScreen(LIB, kernels.Mat.dense(flat))   # every logit within the bound: too many candidates
+    assert flat_screen.argmax(torch.randn(1, 64)) is None
+    bad = torch.randn(1, 64)
+    bad[0, 1] = float("nan")
+    assert screen.argmax(bad) is None
+    with pytest.raises(ValueError):
+        HeadScreen(LIB, kernels.Mat.dense(torch.randn(10, 64), torch.randn(10)))   # a head with a bias
+
+
+def test_engine_greedy_ids_equal_the_logits_argmax_at_every_exit():
+    model = make_tiny_llama(seed=3, scale=8.0)
+    eng = LayeredLM(model)
+    assert eng._screen is not None
+    ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(2))
+    st = eng.new_state(48, save_boundaries=[2])
+    eng.append(st, ids)
+    for b in (2, 4):
+        eng.advance(st, b)
+        for s in range(0, 38):
+            for m in (1, 2, 3):
+                assert torch.equal(eng.greedy_ids(st, b, s, min(s + m, 40)),
+                                   eng.logits(st, b, s, min(s + m, 40)).argmax(-1))
