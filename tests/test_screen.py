@@ -102,3 +102,26 @@ def test_engine_greedy_ids_equal_the_logits_argmax_at_every_exit():
             for m in (1, 2, 3):
                 assert torch.equal(eng.greedy_ids(st, b, s, min(s + m, 40)),
                                    eng.logits(st, b, s, min(s + m, 40)).argmax(-1))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_cost_timings_end_passes_as_the_runtime_does(greedy):
+    """Greedy profiles time the head the runtime uses in greedy decoding (the screen), sampled ones the logits;
+    the timed passes read the given text."""
+    from hsd_opt.profiler.costs import measure_costs
+
+    eng = LayeredLM(make_tiny_llama(seed=4))
+    calls = {"greedy_ids": 0}
+    real = eng.greedy_ids
+
+    def counted(*a):
+        calls["greedy_ids"] += 1
+        return real(*a)
+
+    eng.greedy_ids = counted
+    text = [int(t) for t in torch.randint(3, 64, (50,), generator=torch.Generator().manual_seed(5))]
+    states: dict = {}
+    measure_costs(eng, [2, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=(16,), greedy=greedy,
+                  text=text, keep_states=states)
+    assert (calls["greedy_ids"] > 0) == greedy
+    assert states[16].token_list()[:16] == text[:16]

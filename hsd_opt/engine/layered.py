@@ -189,7 +189,6 @@ def pass_output(eng, greedy: bool) -> Callable:
     return fast or eng.logits
 
 
-
 class LayeredLM:
     """Our own forward pass over a Hugging Face causal LM's modules, one layer range at a time.
 

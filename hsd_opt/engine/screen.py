@@ -9,8 +9,10 @@ within a bound ``e_r`` of the float32 logits ``l_r`` that the kernels compute, f
 
 where ``rho_r = |Wq_r - W_r|`` (the row's quantization error, Euclidean norm), ``delta`` bounds ``|hq - h|`` (the
 activation's quantization error: at most half a step per element, from its group maxima) and ``margin_r`` covers
-float rounding in both computations (``1e-4 (|W_r| + rho_r)(|h| + delta)``, several times the worst-case
-rounding of sums of this length). Every row whose interval ``[a_r - e_r, a_r + e_r]`` reaches the highest lower
+float rounding in both computations (``mu (|W_r| + rho_r)(|h| + delta)`` with ``mu`` the larger of 1e-4 and
+four times ``(d / 8 + 64)`` float32 roundings, ``d`` the hidden size: the 8-lane sums of the kernels round
+about ``d / 8`` times per lane, and each rounding errs by at most ``2^-24`` of the sum of magnitudes, which is at
+most ``|W_r| |h|``). Every row whose interval ``[a_r - e_r, a_r + e_r]`` reaches the highest lower
 bound is a candidate; the row with the largest logit is always one of them, and a row left out has a logit below
 it. The candidates' logits are then computed by the same float32 kernel operations as the full head
 (:func:`~hsd_opt.engine.kernels.rows_f32`), so the argmax over them (first index on ties, as ``torch.argmax``)
@@ -29,7 +31,7 @@ import torch
 
 from hsd_opt.engine import kernels
 
-#: Relative allowance for float rounding in both head computations (see the module doc).
+#: Least relative allowance for float rounding in both head computations (see the module doc).
 ROUNDING_MARGIN = 1e-4
 #: Passes over more positions compute the full logits.
 MAX_POSITIONS = 2
@@ -47,13 +49,18 @@ class HeadScreen:
         self.lib, self.head = lib, head
         w = head.tensors[0]
         self.q8 = kernels.quantize_q8(w)
-        w64 = w.double()
-        wq64 = self.q8.tensors[0].double() * self.q8.tensors[1].double()[:, None]   # exact products
-        rho = (wq64 - w64).norm(dim=1)                # |Wq_r - W_r|
-        wnorm = w64.norm(dim=1)                       # |W_r|
-        # e_r = rho_r (|h| + delta) + |W_r| delta + margin (|W_r| + rho_r)(|h| + delta), as
+        codes, scale = self.q8.tensors[0], self.q8.tensors[1]
+        rho = torch.empty(w.shape[0], dtype=torch.float64)     # |Wq_r - W_r|
+        wnorm = torch.empty(w.shape[0], dtype=torch.float64)   # |W_r|
+        for a in range(0, w.shape[0], 4096):                   # in float64 (exact products), a block at a time
+            w64 = w[a:a + 4096].double()
+            wq64 = codes[a:a + 4096].double() * scale[a:a + 4096].double()[:, None]
+            rho[a:a + 4096] = (wq64 - w64).norm(dim=1)
+            wnorm[a:a + 4096] = w64.norm(dim=1)
+        # e_r = rho_r (|h| + delta) + |W_r| delta + mu (|W_r| + rho_r)(|h| + delta), as
         # e_r = c_r (|h| + delta) + |W_r| delta; float32 (its rounding is far inside the margin)
-        self.c = (rho * (1 + ROUNDING_MARGIN) + ROUNDING_MARGIN * wnorm).float()
+        mu = max(ROUNDING_MARGIN, 4 * (head.cols / 8 + 64) * 2.0 ** -24)
+        self.c = (rho * (1 + mu) + mu * wnorm).float()
         self.wnorm = wnorm.float()
 
     def nbytes(self) -> int:

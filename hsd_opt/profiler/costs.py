@@ -279,13 +279,15 @@ class Calibration:
 
 
 @torch.no_grad()
-def calibrate(eng, tmax: int, tokens: int = 96, greedy: bool = True) -> Calibration:
+def calibrate(eng, tmax: int, tokens: int = 96, greedy: bool = True,
+              text: Sequence[int] | None = None) -> Calibration:
     """Time a prefill of ``tokens`` tokens and one pass over 1 and over ``tmax + 1`` tokens after it (each right
     after an untimed pass of the same size): what :func:`estimate_seconds` prices a cost plan with. A few
-    seconds on a 1.5B model on a CPU."""
+    seconds on a 1.5B model on a CPU. ``greedy``, ``text``: as in :func:`measure_costs`."""
     tmax1 = tmax + 1
     output = pass_output(eng, greedy)
-    ids = _ids(eng, tokens + tmax1 + 1, seed=1)
+    n_ids = tokens + tmax1 + 1
+    ids = torch.tensor(text_of_length(text, n_ids)) if text else _ids(eng, n_ids, seed=1)
     st = eng.new_state(tokens + tmax1 + 1)
     eng.append(st, ids[:tokens])
     a = _now()

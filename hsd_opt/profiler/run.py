@@ -422,7 +422,7 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
         calib = {}
         cid = progress.add_task("costs: calibrating", total=len(order)) if progress else None
         for k in order:
-            calib[k] = calibrate(by_engine[k][0], cfg.tmax, greedy=cfg.temperature == 0)
+            calib[k] = calibrate(by_engine[k][0], cfg.tmax, greedy=cfg.temperature == 0, text=text)
             if progress:
                 progress.update(cid, advance=1, description=f"costs: calibrated {label[k]}")
         budget = None if cfg.cost_budget is None else max(0.0, cfg.cost_budget - (time.perf_counter() - t0))
