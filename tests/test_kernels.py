@@ -137,6 +137,26 @@ def test_a_pass_over_t_positions_equals_t_steps_bit_for_bit(tiny, kind):
     assert all(torch.equal(x[:, :, :30], y[:, :, :30]) for x, y in zip(a.k + a.v, b.k + b.v))
 
 
+@pytest.mark.parametrize("kind", ["f32", "q4"])
+def test_attention_over_a_long_cache_is_the_same_whichever_way_heads_are_grouped(kind):
+    """From 256 cached positions on, the query heads sharing a key/value head are attended together (their keys
+    and values read once); a pass that starts before that point attends head by head. Both give the same values:
+    a pass over positions 250..269 equals one-token steps over them, bit for bit."""
+    model = make_tiny_llama(seed=5, vocab_size=64, layers=2, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    eng = LayeredLM(model, kernels=True) if kind == "f32" else QuantizedLM(model, bits=4, kernels=True)
+    ids = torch.randint(3, 64, (270,), generator=torch.Generator().manual_seed(6))
+    a, b = eng.new_state(280), eng.new_state(280)
+    for st in (a, b):
+        eng.append(st, ids[:250])
+        eng.advance(st, 2)
+    eng.append(a, ids[250:270])
+    eng.advance(a, 2)
+    for i in range(250, 270):
+        eng.append(b, ids[i:i + 1])
+        eng.advance(b, 2)
+    assert torch.equal(eng.logits(a, 2, 250, 270), eng.logits(b, 2, 250, 270))
+
+
 def test_kernel_path_tracks_the_torch_path(tiny):
     """float32: the same model computed with reordered sums (logits agree to ~1e-5); bfloat16 weights with
     float32 activations: close to the float32 model."""

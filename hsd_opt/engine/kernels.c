@@ -60,7 +60,7 @@ typedef struct {
     const hsd_layer *layers;
 } hsd_model;
 
-int hsd_version(void) { return 8; }
+int hsd_version(void) { return 9; }
 int hsd_simd(void) { return HSD_AVX2; }
 
 /* ------------------------------------------------------------------------------------------------ dot products */
@@ -676,12 +676,19 @@ static void attention_scores(const float *q, const float *K, int n, int hd, floa
 }
 
 /* out[i] = sum_j e[j] * V[j][i] over j < n in order, one multiply then one add per term (no FMA: the values of
- * the plain loop), 32 output lanes at a time held in registers over every key. */
-static void attention_values(const float *e, const float *V, int n, int hd, float *out) {
+ * the plain loop), 32 output lanes at a time held in registers over every key. acc: add to the sums in out (the
+ * same values as one call over all the keys). */
+static void attention_values(const float *e, const float *V, int n, int hd, float *out, int acc) {
     int i0 = 0;
 #if HSD_AVX2
     for (; i0 + 32 <= hd; i0 += 32) {
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        if (acc) { /* carry on the sums of earlier keys (stored exactly) */
+            o0 = _mm256_loadu_ps(out + i0);
+            o1 = _mm256_loadu_ps(out + i0 + 8);
+            o2 = _mm256_loadu_ps(out + i0 + 16);
+            o3 = _mm256_loadu_ps(out + i0 + 24);
+        }
         for (int j = 0; j < n; j++) {
             const float *vj = V + (size_t)j * hd + i0;
             const __m256 w = _mm256_set1_ps(e[j]);
@@ -696,7 +703,8 @@ static void attention_values(const float *e, const float *V, int n, int hd, floa
         _mm256_storeu_ps(out + i0 + 24, o3);
     }
 #endif
-    for (int i = i0; i < hd; i++) out[i] = 0.f;
+    if (!acc)
+        for (int i = i0; i < hd; i++) out[i] = 0.f;
     for (int j = 0; j < n; j++) {
         const float *vj = V + (size_t)j * hd;
         for (int i = i0; i < hd; i++) out[i] += e[j] * vj[i];
@@ -714,9 +722,48 @@ static void attend_one(const float *q, const float *K, const float *V, int p, in
         sc[j] = e;
         sum += e;
     }
-    attention_values(sc, V, p + 1, hd, out);
+    attention_values(sc, V, p + 1, hd, out, 0);
     const float inv = 1.0f / sum;
     for (int i = 0; i < hd; i++) out[i] *= inv;
+}
+
+/* Keys per block of attend_shared: a block of keys (then of values) stays in L1 while every query reads it. */
+#define HSD_KEY_BLOCK 64
+/* From this many cached positions on, the query heads of one key/value head are attended together. */
+#define HSD_SHARED_ATTENTION 256
+
+/* attend_one for the nq query heads that share one key/value head (query r at q + r * hd, its output at
+ * out + r * hd), operation for operation, so the same values; each block of keys and of values is read from
+ * memory once for all of them instead of once per query head. sc: scratch [nq][p + 1]. */
+static void attend_shared(const float *q, int nq, const float *K, const float *V, int p, int hd, float *sc,
+                          float *out) {
+    const int n = p + 1;
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) { /* blocks of a multiple of 4 keys: attention_scores' groups */
+        const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
+        for (int r = 0; r < nq; r++)
+            attention_scores(q + (size_t)r * hd, K + (size_t)j0 * hd, nb, hd, scale, sc + (size_t)r * n + j0);
+    }
+    float inv[64];
+    for (int r0 = 0; r0 < nq; r0 += 64) {
+        const int nr = nq - r0 < 64 ? nq - r0 : 64;
+        for (int r = r0; r < r0 + nr; r++) {
+            float *e = sc + (size_t)r * n, mx = -INFINITY, sum = 0.f;
+            for (int j = 0; j < n; j++) mx = e[j] > mx ? e[j] : mx;
+            for (int j = 0; j < n; j++) {
+                e[j] = expf(e[j] - mx);
+                sum += e[j];
+            }
+            inv[r - r0] = 1.0f / sum;
+        }
+        for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) {
+            const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
+            for (int r = r0; r < r0 + nr; r++)
+                attention_values(sc + (size_t)r * n + j0, V + (size_t)j0 * hd, nb, hd, out + (size_t)r * hd, j0 > 0);
+        }
+        for (int r = r0; r < r0 + nr; r++)
+            for (int i = 0; i < hd; i++) out[(size_t)r * hd + i] *= inv[r - r0];
+    }
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -733,7 +780,7 @@ long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
     const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
     const long mk = max_cols(M);
     return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + mk / 4 + 2 * (mk / HSD_GROUP) + 16)
-        + (long)nthreads * ((cache_len + 16) + 4L * mk + 16);
+        + (long)nthreads * ((H / KV) * (cache_len + 16) + 4L * mk + 16);
 }
 
 /* Decoder layers l0 .. l1-1 on x [m, hidden] (in place) at positions start .. start+m-1.
@@ -754,13 +801,16 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
     float *xsum = xd + (size_t)m * (mk / HSD_GROUP);      /* [m, mk / 32] group sums */
     int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
     float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
-    const size_t per_thread = (size_t)(cache_len + 16) + 4 * (size_t)mk + 16;
     const int rep = H / KV;
+    const size_t per_thread = (size_t)rep * (cache_len + 16) + 4 * (size_t)mk + 16;
+    /* long caches: the query heads of a key/value head together (its keys and values read once, not rep times);
+     * short ones: one task per query head (more tasks to share between threads). The same values either way. */
+    const int shared = rep > 1 && start + 1 >= HSD_SHARED_ATTENTION;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num();
         float *sc = scr + (size_t)tid * per_thread;
-        float *buf = sc + cache_len + 16;
+        float *buf = sc + (size_t)rep * (cache_len + 16);
         qx_t X = {xq, xd, xsum, 0};
         for (int l = l0; l < l1; l++) {
             const hsd_layer *L = &M->layers[l];
@@ -799,10 +849,17 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
             }
             /* 4. attention (implicit barrier above) */
 #pragma omp for schedule(static)
-            for (int task = 0; task < m * H; task++) {
-                int t = task / H, hh = task % H, g = hh / rep;
-                attend_one(qkv + (size_t)t * QKVW + hh * hd, K + (size_t)g * cache_len * hd,
-                           V + (size_t)g * cache_len * hd, start + t, hd, sc, att + (size_t)t * QW + hh * hd);
+            for (int task = 0; task < m * (shared ? KV : H); task++) {
+                if (shared) {
+                    int t = task / KV, g = task % KV;
+                    attend_shared(qkv + (size_t)t * QKVW + g * rep * hd, rep, K + (size_t)g * cache_len * hd,
+                                  V + (size_t)g * cache_len * hd, start + t, hd, sc,
+                                  att + (size_t)t * QW + g * rep * hd);
+                } else {
+                    int t = task / H, hh = task % H, g = hh / rep;
+                    attend_one(qkv + (size_t)t * QKVW + hh * hd, K + (size_t)g * cache_len * hd,
+                               V + (size_t)g * cache_len * hd, start + t, hd, sc, att + (size_t)t * QW + hh * hd);
+                }
             }
             /* 5. x += o(att) (implicit barrier above) */
             if (int_path(&L->o)) {
