@@ -98,8 +98,10 @@ class StepClock:
     the profile's first context, and turns it into cost factors against ``profile`` (:meth:`factors`).
 
     For each distinct engine the level with the most layers is timed (append a token, ``advance`` to its
-    boundary, its logits, crop back: what a decode step does), and its profiled step is that level's ``cost`` at
-    the first measured context; every level on that engine gets the same factor."""
+    boundary, end the pass as the runtime does: :func:`~hsd_opt.engine.layered.pass_output`, greedy tokens when
+    ``greedy``, else the logits; crop back), on ``text`` (token ids, repeated to the context; default random ids),
+    and its profiled step is that level's ``cost`` at the first measured context; every level on that engine gets
+    the same factor."""
 
     def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5,
                  text: Sequence[int] | None = None, greedy: bool = True):
