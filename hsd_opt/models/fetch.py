@@ -341,10 +341,10 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
 
     converted, revision, converted_now = None, f"sha256:{spec.sha256}", False
     if convert:
-        converted_now = not is_converted(out)
+        converted_now = not is_converted(out, spec.sha256)
         if converted_now:
             check_free_space(cache, {"float32 copy": spec.float32_bytes}, label)
-            say(f"de-quantizing {out.name} to float32 into {converted_dir(out)} (once; a minute or two)")
+            say(f"de-quantizing {out.name} to float32 into {converted_dir(out, spec.sha256)} (once; a minute or two)")
         t0 = time.perf_counter()
         converted, revision = convert_gguf(out, sha256=spec.sha256)
         if converted_now:

@@ -144,31 +144,75 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def converted_dir(gguf: Path) -> Path:
-    """The cache directory that holds (or will hold) the de-quantized copy of ``gguf``, keyed by the file's path,
-    size and mtime. It is complete when it holds ``hsd_source.json`` (:func:`is_converted`)."""
+#: Where the cache remembers the SHA-256 of each GGUF file it has seen, by path, size and mtime.
+SHA256_INDEX = "sha256-index.json"
+
+
+def gguf_sha256(gguf: Path, sha256: str | None = None) -> str:
+    """The SHA-256 (hex) of ``gguf``'s bytes: ``sha256`` when the caller knows it, else remembered in the cache's
+    index by the file's path, size and mtime, else computed (a second or a few per GB) and remembered. The index
+    is rewritten atomically; a lost entry is only computed again."""
+    st = gguf.stat()
+    stamp = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    index = cache_dir() / "models" / SHA256_INDEX
+    try:
+        known = json.loads(index.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    digest = sha256 or known.get(stamp)
+    if not isinstance(digest, str) or not digest:
+        digest = file_sha256(gguf)
+    if known.get(stamp) != digest:
+        known[stamp] = digest
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".index-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f)
+            os.replace(tmp, index)
+        except OSError:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return digest
+
+
+def converted_dir(gguf: Path, sha256: str | None = None) -> Path:
+    """The cache directory that holds (or will hold) the de-quantized copy of ``gguf``, keyed by the file's name
+    and content (:func:`gguf_sha256`), so the same file installed in several environments is converted once. It
+    is complete when it holds ``hsd_source.json`` (:func:`is_converted`)."""
+    return cache_dir() / "models" / f"{gguf.stem}-{gguf_sha256(gguf, sha256)[:16]}"
+
+
+def _path_keyed_dir(gguf: Path) -> Path:
+    """Where versions before the content key kept the copy of ``gguf`` (by path, size and mtime)."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
-def is_converted(gguf: Path) -> bool:
-    """True when the de-quantized copy of ``gguf`` is in the cache."""
-    return (converted_dir(gguf) / "hsd_source.json").is_file()
+def is_converted(gguf: Path, sha256: str | None = None) -> bool:
+    """True when the de-quantized copy of ``gguf`` is in the cache (under either key)."""
+    return (converted_dir(gguf, sha256) / "hsd_source.json").is_file() or \
+        (_path_keyed_dir(gguf) / "hsd_source.json").is_file()
 
 
 def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> tuple[Path, str]:
     """De-quantize a GGUF file once into a cached transformers directory; return ``(dir, "sha256:<hex>")``.
 
-    The cache entry is :func:`converted_dir`, written atomically (a temporary directory renamed into place), so an
-    interrupted conversion never leaves a half-written cache. ``sha256``: the file's digest when the caller
-    already knows it (it is hashed otherwise).
+    The cache entry is :func:`converted_dir` (keyed by the file's content), written atomically (a temporary
+    directory renamed into place), so an interrupted conversion never leaves a half-written cache. ``sha256``: the
+    file's digest when the caller already knows it (it is hashed once otherwise).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = converted_dir(gguf)
+    digest = gguf_sha256(gguf, sha256)
+    out = converted_dir(gguf, digest)
     root = out.parent
     meta = out / "hsd_source.json"
+    legacy = _path_keyed_dir(gguf)
+    if not meta.is_file() and (legacy / "hsd_source.json").is_file():
+        os.replace(legacy, out)               # a copy made before the content key: moved, not made again
     if meta.is_file():
         return out, json.loads(meta.read_text())["revision"]
     root.mkdir(parents=True, exist_ok=True)
@@ -183,7 +227,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         model.is_quantized = False
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        revision = "sha256:" + (sha256 or file_sha256(gguf))
+        revision = "sha256:" + digest
         (tmp / "hsd_source.json").write_text(json.dumps({"gguf": str(gguf), "revision": revision}))
         if out.exists():
             shutil.rmtree(out)
