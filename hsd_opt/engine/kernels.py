@@ -237,7 +237,9 @@ def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
     """Symmetric int8 per output row: ``w ~ code * scale[r]``, ``scale = max|w[r]| / 127``."""
     w = weight.detach().float()
     scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for a in range(0, w.shape[0], 4096):        # a block of rows at a time (the same values, in cache)
+        q[a:a + 4096] = torch.round(w[a:a + 4096] / scale[a:a + 4096, None]).clamp_(-127, 127)
     return Mat(Q8, w.shape[0], w.shape[1], [q, scale.contiguous()], bias)
 
 

@@ -50,13 +50,17 @@ class HeadScreen:
         w = head.tensors[0]
         self.q8 = kernels.quantize_q8(w)
         codes, scale = self.q8.tensors[0], self.q8.tensors[1]
-        rho = torch.empty(w.shape[0], dtype=torch.float64)     # |Wq_r - W_r|
-        wnorm = torch.empty(w.shape[0], dtype=torch.float64)   # |W_r|
-        for a in range(0, w.shape[0], 4096):                   # in float64 (exact products), a block at a time
-            w64 = w[a:a + 4096].double()
-            wq64 = codes[a:a + 4096].double() * scale[a:a + 4096].double()[:, None]
-            rho[a:a + 4096] = (wq64 - w64).norm(dim=1)
-            wnorm[a:a + 4096] = w64.norm(dim=1)
+        rho = torch.empty(w.shape[0])     # |Wq_r - W_r|
+        wnorm = torch.empty(w.shape[0])   # |W_r|
+        for a in range(0, w.shape[0], 4096):                   # float32, a block of rows at a time
+            wb = w[a:a + 4096]
+            rho[a:a + 4096] = torch.linalg.vector_norm(codes[a:a + 4096].float() * scale[a:a + 4096, None] - wb, dim=1)
+            wnorm[a:a + 4096] = torch.linalg.vector_norm(wb, dim=1)
+        # float32 norms of d terms err by at most about 2 d roundings (relative); the products code * scale by one
+        # rounding of |Wq_r| each, which adds at most 2^-24 (|W_r| + rho_r) to rho_r: both made upper bounds here
+        up = 1 + 2 * head.cols * 2.0 ** -24
+        wnorm = wnorm.double() * up
+        rho = rho.double() * up + 2.0 ** -23 * (wnorm + rho.double())
         # e_r = rho_r (|h| + delta) + |W_r| delta + mu (|W_r| + rho_r)(|h| + delta), as
         # e_r = c_r (|h| + delta) + |W_r| delta; float32 (its rounding is far inside the margin)
         mu = max(ROUNDING_MARGIN, 4 * (head.cols / 8 + 64) * 2.0 ** -24)
