@@ -98,6 +98,12 @@ def spec_bench_group(category: str) -> str:
     return MT_BENCH_GROUP if category in MT_BENCH_CATEGORIES else category
 
 
+def text_of_length(stream: Sequence[int], n: int) -> list[int]:
+    """The first ``n`` token ids of ``stream`` repeated as often as needed (``[0]`` when it is empty)."""
+    stream = list(stream) or [0]
+    return (stream * (n // len(stream) + 1))[:n]
+
+
 def default_prompts_path() -> Path:
     """Path of the suite shipped in the package (``hsd_opt/data/prompts.jsonl``)."""
     ref = resources.files("hsd_opt").joinpath("data", DEFAULT_SUITE)

@@ -181,12 +181,17 @@ class DecodeState:
         return self.tokens[: self.n].tolist()
 
 
+def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
+    """Refuse to read a boundary's hidden states at positions ``advance`` has not computed yet."""
+    if boundary > 0 and st.lens[boundary - 1] < end:
+        raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
+
+
 def pass_output(eng, greedy: bool) -> Callable:
     """What a decode pass of ``eng`` ends with, as the runtime computes it: ``(state, boundary, start, end) ->``
-    the greedy tokens (``greedy_ids``, where the engine has it: greedy decoding reads no more of the head than
-    it needs) or the logits (sampling)."""
-    fast = getattr(eng, "greedy_ids", None) if greedy else None
-    return fast or eng.logits
+    the greedy tokens (``greedy_ids``: greedy decoding reads no more of the head than it needs) or the logits
+    (sampling)."""
+    return eng.greedy_ids if greedy else eng.logits
 
 
 class LayeredLM:
@@ -558,8 +563,7 @@ class LayeredLM:
     def logits(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
         """Logits ``[end-start, V]`` of the exit after ``boundary`` layers at positions ``start .. end-1``
         (the distribution of the token at position ``p + 1`` given tokens ``0..p``). Call :meth:`advance` first."""
-        if boundary > 0 and st.lens[boundary - 1] < end:
-            raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
+        _check_computed(st, boundary, end)
         return self.head(st.resid[boundary][start:end], boundary)
 
     @torch.no_grad()
@@ -568,8 +572,7 @@ class LayeredLM:
         through the head's int8 screen where the engine has one (:mod:`hsd_opt.engine.screen`: the same ids
         from about a quarter of the head's bytes). Call :meth:`advance` first."""
         if self._screen is not None and boundary not in self.exit_heads:
-            if boundary > 0 and st.lens[boundary - 1] < end:
-                raise RuntimeError(f"positions up to {end} not computed at boundary {boundary}; advance first")
+            _check_computed(st, boundary, end)
             h = kernels.rms_norm(self._kstack.lib, st.resid[boundary][start:end], self._knorm, self._knorm_eps)
             ids = self._screen.argmax(h)
             if ids is not None:

@@ -148,12 +148,17 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 SHA256_INDEX = "sha256-index.json"
 
 
+def _file_stamp(path: Path) -> str:
+    """``path|size|mtime``: what tells a file apart from a replaced one without reading it."""
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+
+
 def gguf_sha256(gguf: Path, sha256: str | None = None) -> str:
     """The SHA-256 (hex) of ``gguf``'s bytes: ``sha256`` when the caller knows it, else remembered in the cache's
     index by the file's path, size and mtime, else computed (a second or a few per GB) and remembered. The index
     is rewritten atomically; a lost entry is only computed again."""
-    st = gguf.stat()
-    stamp = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    stamp = _file_stamp(gguf)
     index = cache_dir() / "models" / SHA256_INDEX
     try:
         known = json.loads(index.read_text())
@@ -181,13 +186,16 @@ def converted_dir(gguf: Path, sha256: str | None = None) -> Path:
     """The cache directory that holds (or will hold) the de-quantized copy of ``gguf``, keyed by the file's name
     and content (:func:`gguf_sha256`), so the same file installed in several environments is converted once. It
     is complete when it holds ``hsd_source.json`` (:func:`is_converted`)."""
-    return cache_dir() / "models" / f"{gguf.stem}-{gguf_sha256(gguf, sha256)[:16]}"
+    return _content_keyed_dir(gguf, gguf_sha256(gguf, sha256))
+
+
+def _content_keyed_dir(gguf: Path, digest: str) -> Path:
+    return cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}"
 
 
 def _path_keyed_dir(gguf: Path) -> Path:
     """Where versions before the content key kept the copy of ``gguf`` (by path, size and mtime)."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(_file_stamp(gguf).encode()).hexdigest()[:16]
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
@@ -207,7 +215,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     digest = gguf_sha256(gguf, sha256)
-    out = converted_dir(gguf, digest)
+    out = _content_keyed_dir(gguf, digest)
     root = out.parent
     meta = out / "hsd_source.json"
     legacy = _path_keyed_dir(gguf)
@@ -297,9 +305,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         source, load_from = "local", str(p)
         weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
         if weights:
-            st = weights[0].stat()
-            key = f"{weights[0].resolve()}|{st.st_size}|{int(st.st_mtime)}"
-            revision = "local:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+            revision = "local:" + hashlib.sha256(_file_stamp(weights[0]).encode()).hexdigest()[:16]
     elif "/" in resolved and not resolved.startswith((".", "/")):
         source, load_from = "hub", resolved
     else:

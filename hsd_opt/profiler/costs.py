@@ -51,6 +51,7 @@ import torch
 
 from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
+from hsd_opt.prompts import text_of_length
 
 #: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
 DEFAULT_CONTEXTS = (64, 512, 2048)
@@ -638,12 +639,6 @@ def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, war
                 times[t].append(dt)
             step(f"whole model, round {r + 1}/{rounds}, t = {t}", 2 * calib.pass_seconds(t))
     return {t: statistics.median(v) for t, v in times.items()}
-
-
-def text_of_length(stream: Sequence[int], n: int) -> list[int]:
-    """The first ``n`` token ids of ``stream`` repeated as often as needed (``[0]`` when it is empty)."""
-    stream = list(stream) or [0]
-    return (stream * (n // len(stream) + 1))[:n]
 
 
 def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: int, positions: int = 16) -> float:

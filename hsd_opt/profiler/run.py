@@ -33,7 +33,6 @@ from hsd_opt.profiler.costs import (
     estimate_seconds,
     fit_contexts,
     measure_costs,
-    text_of_length,
     time_sampling,
     time_token_drafter,
 )
@@ -41,7 +40,7 @@ from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, fresh_drafter, parse_layers
 from hsd_opt.profiler.stats import PairStats
-from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts
+from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length
 
 DEFAULT_MAX_NEW_TOKENS = 24
 #: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).

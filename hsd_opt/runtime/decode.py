@@ -253,14 +253,12 @@ class HSD:
         return process_logits(logits, self.temperature, self.top_p)
 
     def _greedy(self, k: int, start: int, end: int) -> list[int]:
-        """Level k's greedy tokens at positions start..end-1 (the argmax of its logits; engines with a
-        ``greedy_ids`` method give them without computing every logit)."""
+        """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
+        which need not compute every logit)."""
         lv = self.levels[k]
         st = self._states[self._level_state[k]]
         lv.lm.advance(st, lv.boundary)
-        fast = getattr(lv.lm, "greedy_ids", None)
-        ids = fast(st, lv.boundary, start, end) if fast else lv.lm.logits(st, lv.boundary, start, end).argmax(-1)
-        return ids.tolist()
+        return lv.lm.greedy_ids(st, lv.boundary, start, end).tolist()
 
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)

@@ -28,6 +28,7 @@ import torch
 from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
+from hsd_opt.prompts import text_of_length
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency
 from hsd_opt.solver.tasks import profile_tasks, task_profile
@@ -129,32 +130,28 @@ class StepClock:
             step = max(costs[top.name] - float(sampling[0]), 1e-9)
             self.engines.append({"lm": e["lm"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
-        self._states: dict[int, Any] = {}
-        self._next: dict[int, torch.Tensor] = {}     # the token each engine's timed step appends
+        self._states: dict[int, tuple[Any, torch.Tensor]] = {}   # engine -> (state at the context, next token)
 
     def _state(self, lm):
-        st = self._states.get(id(lm))
-        if st is None:
+        """``(state holding the context, the token a timed step appends)`` of engine ``lm``, made once."""
+        if id(lm) not in self._states:
             if self.text:
-                ids = torch.tensor((self.text * (self.context // len(self.text) + 2))[: self.context + 1])
+                ids = torch.tensor(text_of_length(self.text, self.context + 1))
             else:
                 g = torch.Generator().manual_seed(0)
                 ids = torch.randint(3, max(4, lm.vocab_size - 1), (self.context + 1,), generator=g)
-            self._next[id(lm)] = ids[-1:]
-            ids = ids[:-1]
             st = lm.new_state(self.context + 2)
-            lm.append(st, ids.to(lm.device))
+            lm.append(st, ids[:-1].to(lm.device))
             lm.advance(st, lm.n_layers)
-            self._states[id(lm)] = st
-        return st
+            self._states[id(lm)] = (st, ids[-1:].to(lm.device))
+        return self._states[id(lm)]
 
     @torch.no_grad()
     def measure(self) -> dict[str, float]:
         """Time every engine now (one warm-up step, then the median of ``repeats``) and return the factors."""
         for e in self.engines:
             lm, b = e["lm"], e["boundary"]
-            st = self._state(lm)
-            tok = self._next[id(lm)].to(lm.device)
+            st, tok = self._state(lm)
             output = pass_output(lm, self.greedy)
             times = []
             for r in range(self.repeats + 1):
