@@ -379,10 +379,74 @@ static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c:
 #endif
 
 #if HSD_AVX2
-/* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second.
- * sf: the int4 rows' group scales as float32, [4][G]. */
+/* Two adjacent float16 values as one 32-bit integer (their bits, in memory order). */
+static inline int32_t load2h(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* int4 rows wp[0..3] (G groups) against one or two positions (MT): s[t * 4 + i] = sum over g of the 8-lane
+ * integer dot of group g times its factor scale_g * d_g (one float product: the float16 scale converted exactly,
+ * times the position's d_g), in group order, then hsum8. sc[i]: row i's float16 scales; d0 / d1: the group scales
+ * of the position(s). Named accumulators (not an array the compiler would keep in memory); a pair of groups
+ * shares one 32-byte block of codes (low nibbles: group g, high: group g + 1). */
+static inline __attribute__((always_inline)) void q4_dots4(const uint8_t *const *wp, const uint16_t *const *sc,
+                                                          int G, const int8_t *xq0, const int8_t *xq1,
+                                                          const float *d0, const float *d1, const int MT, float *s) {
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const uint8_t *w0 = wp[0], *w1 = wp[1], *w2 = wp[2], *w3 = wp[3];
+    const uint16_t *s0 = sc[0], *s1 = sc[1], *s2 = sc[2], *s3 = sc[3];
+#define Q4_ROW(w, h, a, b)                                                                                      \
+    do {                                                                                                        \
+        const uint8_t *blk = w + (size_t)16 * g;                                                                \
+        _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);                                          \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)blk);                                             \
+        const __m128 sg = _mm_cvtph_ps(_mm_cvtsi32_si128(two ? load2h(h + g) : h[g]));                          \
+        const __m128 f0 = _mm_mul_ps(sg, e0);                                                                   \
+        const __m256i lo = _mm256_and_si256(v, mask);                                                           \
+        a = _mm256_fmadd_ps(idot(lo, y0), _mm256_broadcastss_ps(f0), a);                                        \
+        if (MT > 1) b = _mm256_fmadd_ps(idot(lo, y1), _mm256_broadcastss_ps(_mm_mul_ps(sg, e1)), b);            \
+        if (two) {                                                                                              \
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);                                 \
+            a = _mm256_fmadd_ps(idot(hi, z0), _mm256_broadcastss_ps(_mm_movehdup_ps(f0)), a);                   \
+            if (MT > 1)                                                                                         \
+                b = _mm256_fmadd_ps(idot(hi, z1), _mm256_broadcastss_ps(_mm_movehdup_ps(_mm_mul_ps(sg, e1))), b); \
+        }                                                                                                       \
+    } while (0)
+    int g = 0;
+    for (; g + 1 < G; g += 2) {
+        const int two = 1;
+        const __m128 e0 = _mm_castpd_ps(_mm_load_sd((const double *)(d0 + g)));
+        const __m128 e1 = MT > 1 ? _mm_castpd_ps(_mm_load_sd((const double *)(d1 + g))) : e0;
+        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
+        const __m256i z0 = _mm256_loadu_si256((const __m256i *)(xq0 + (g + 1) * HSD_GROUP));
+        const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0;
+        const __m256i z1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + (g + 1) * HSD_GROUP)) : z0;
+        Q4_ROW(w0, s0, a0, b0);
+        Q4_ROW(w1, s1, a1, b1);
+        Q4_ROW(w2, s2, a2, b2);
+        Q4_ROW(w3, s3, a3, b3);
+    }
+    if (g < G) { /* an odd last group: the low nibbles of a block */
+        const int two = 0;
+        const __m128 e0 = _mm_set_ss(d0[g]), e1 = MT > 1 ? _mm_set_ss(d1[g]) : e0;
+        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP)), z0 = y0;
+        const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0, z1 = y1;
+        Q4_ROW(w0, s0, a0, b0);
+        Q4_ROW(w1, s1, a1, b1);
+        Q4_ROW(w2, s2, a2, b2);
+        Q4_ROW(w3, s3, a3, b3);
+    }
+#undef Q4_ROW
+    s[0] = hsum8(a0), s[1] = hsum8(a1), s[2] = hsum8(a2), s[3] = hsum8(a3);
+    if (MT > 1) s[4] = hsum8(b0), s[5] = hsum8(b1), s[6] = hsum8(b2), s[7] = hsum8(b3);
+}
+
+/* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second. */
 static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *A, const int *rr, const qx_t *X,
-                                                                 int t0, const int MT, const float *sf, float *s) {
+                                                                 int t0, const int MT, float *s) {
     const int K = A->cols, G = K / HSD_GROUP;
     const int8_t *xq0 = X->q + (size_t)t0 * K, *xq1 = xq0 + (MT > 1 ? K : 0);
     const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
@@ -390,33 +454,15 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
     for (int i = 0; i < 4; i++)
         wp[i] = A->type == HSD_Q4 ? (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G)
                                   : (const uint8_t *)A->w + (size_t)rr[i] * K;
+    if (A->type == HSD_Q4) {
+        const uint16_t *sc[4];
+        for (int i = 0; i < 4; i++) sc[i] = (const uint16_t *)A->scale + (size_t)rr[i] * G;
+        q4_dots4(wp, sc, G, xq0, xq1, d0, d1, MT, s);
+        return;
+    }
     __m256 a[4], b[4];
     for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-    if (A->type == HSD_Q4) {
-        const __m256i mask = _mm256_set1_epi8(0xF);
-        for (int g = 0; g < G; g += 2) {   /* a pair of groups shares one 32-byte block of codes */
-            const int two = g + 1 < G;
-            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
-            const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0;
-            const __m256i z0 = two ? _mm256_loadu_si256((const __m256i *)(xq0 + (g + 1) * HSD_GROUP)) : y0;
-            const __m256i z1 = MT > 1 && two ? _mm256_loadu_si256((const __m256i *)(xq1 + (g + 1) * HSD_GROUP)) : z0;
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *blk = wp[i] + (size_t)16 * g;
-                _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);
-                const __m256i v = _mm256_loadu_si256((const __m256i *)blk);
-                const __m256i c = _mm256_and_si256(v, mask);
-                const float sg = sf[i * G + g];
-                a[i] = _mm256_fmadd_ps(idot(c, y0), _mm256_set1_ps(sg * d0[g]), a[i]);
-                if (MT > 1) b[i] = _mm256_fmadd_ps(idot(c, y1), _mm256_set1_ps(sg * d1[g]), b[i]);
-                if (two) {
-                    const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                    const float sh = sf[i * G + g + 1];
-                    a[i] = _mm256_fmadd_ps(idot(c2, z0), _mm256_set1_ps(sh * d0[g + 1]), a[i]);
-                    if (MT > 1) b[i] = _mm256_fmadd_ps(idot(c2, z1), _mm256_set1_ps(sh * d1[g + 1]), b[i]);
-                }
-            }
-        }
-    } else {
+    {
         for (int g = 0; g < G; g++) {
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
             const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
@@ -441,14 +487,14 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
 /* s[t * 4 + i] for rows r .. r+3 (rows past n repeat row n-1) and positions t < mt <= 2 of X: the float part of
  * the dot products above, before the minimum term, the int8 row scale and the bias. The int4 group factor is
  * (scale_g * d_g), computed as one float product. */
-static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, const float *sf, float *s) {
+static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, float *s) {
     int rr[4];
     for (int i = 0; i < 4; i++) rr[i] = r + (i < n ? i : n - 1);
 #if HSD_AVX2
     if (mt > 1)
-        int_dots4_avx2(A, rr, X, t0, 2, sf, s);
+        int_dots4_avx2(A, rr, X, t0, 2, s);
     else
-        int_dots4_avx2(A, rr, X, t0, 1, sf, s);
+        int_dots4_avx2(A, rr, X, t0, 1, s);
 #else
     const int K = A->cols, G = K / HSD_GROUP;
     for (int t = 0; t < mt; t++) {
@@ -462,7 +508,7 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
                 if (A->type == HSD_Q4) {
                     const uint8_t *b = (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G) + 16 * (g - (g & 1));
                     for (int j = 0; j < 32; j++) c[j] = (g & 1) ? b[j] >> 4 : b[j] & 15;
-                    sc = sf[i * G + g] * dd[g];
+                    sc = half_to_float(((const uint16_t *)A->scale)[(size_t)rr[i] * G + g]) * dd[g];
                 } else {
                     const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
                     for (int j = 0; j < 32; j++) c[j] = w[j];
@@ -496,33 +542,53 @@ static inline float group_dot(const uint16_t *z, const float *v, int G) {
     return t;
 }
 
+/* group_dot of four rows at once (z[i]: row i's float16 bits): the same operations for each row as group_dot
+ * (its 8-lane accumulator, the same tree of horizontal sums, then the tail in order), so the same values. */
+static inline void group_dot4(const uint16_t *const *z, const float *v, int G, float *out) {
+    const int G8 = G & ~7;
+#if HSD_AVX2
+    __m256 a[4];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_setzero_ps();
+    for (int g = 0; g < G8; g += 8) {
+        const __m256 x = _mm256_loadu_ps(v + g);
+        for (int i = 0; i < 4; i++)
+            a[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z[i] + g))), x, a[i]);
+    }
+    /* hsum8 of each: u_j = l_j + l_{j+4}; then (u_0 + u_2) + (u_1 + u_3), here with the rows in the lanes */
+    __m128 u[4];
+    for (int i = 0; i < 4; i++) u[i] = _mm_add_ps(_mm256_castps256_ps128(a[i]), _mm256_extractf128_ps(a[i], 1));
+    _MM_TRANSPOSE4_PS(u[0], u[1], u[2], u[3]); /* u[j]: lane j of the four rows */
+    __m128 t = _mm_add_ps(_mm_add_ps(u[0], u[2]), _mm_add_ps(u[1], u[3]));
+    for (int g = G8; g < G; g++) {
+        const __m128i h = _mm_setr_epi16((short)z[0][g], (short)z[1][g], (short)z[2][g], (short)z[3][g], 0, 0, 0, 0);
+        t = _mm_fmadd_ps(_mm_cvtph_ps(h), _mm_set1_ps(v[g]), t);
+    }
+    _mm_storeu_ps(out, t);
+#else
+    for (int i = 0; i < 4; i++) out[i] = group_dot(z[i], v, G);
+#endif
+}
+
 /* Rows [r0, r1) of an integer-path matrix: y[t * ys + r] (+)= W[r] . x_t for the m positions of X. */
-static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc,
-                     float *sf) {
-    const int G = A->cols / HSD_GROUP;
+static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
+    const int G = A->cols / HSD_GROUP, q4 = A->type == HSD_Q4;
     float s[8];
     for (int r = r0; r < r1; r += 4) {
         const int n = r1 - r < 4 ? r1 - r : 4;
-        if (A->type == HSD_Q4) /* the block's group scales as float32, once for all its positions */
-            for (int i = 0; i < 4; i++) {
-                const uint16_t *h = (const uint16_t *)A->scale + (size_t)(r + (i < n ? i : n - 1)) * G;
-            {
-                int g = 0;
-#if HSD_AVX2
-                for (; g + 8 <= G; g += 8)
-                    _mm256_storeu_ps(sf + i * G + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
-#endif
-                for (; g < G; g++) sf[i * G + g] = half_to_float(h[g]);
-            }
-            }
         for (int t0 = 0; t0 < m; t0 += 2) {
             const int mt = m - t0 < 2 ? m - t0 : 2;
-            int_dots4(A, r, n, X, t0, mt, sf, s);
+            int_dots4(A, r, n, X, t0, mt, s);
+            float mins[8]; /* int4: the minimum terms sum_g zero_g * (sum of x over group g) */
+            if (q4) {
+                const uint16_t *z[4];
+                for (int i = 0; i < 4; i++) z[i] = (const uint16_t *)A->zero + (size_t)(r + (i < n ? i : n - 1)) * G;
+                for (int t = 0; t < mt; t++) group_dot4(z, X->s + (size_t)(t0 + t) * G, G, mins + 4 * t);
+            }
             for (int t = 0; t < mt; t++)
                 for (int i = 0; i < n; i++) {
                     float v = s[t * 4 + i];
-                    if (A->type == HSD_Q4) {
-                        v += group_dot((const uint16_t *)A->zero + (size_t)(r + i) * G, X->s + (size_t)(t0 + t) * G, G);
+                    if (q4) {
+                        v += mins[t * 4 + i];
                     } else {
                         v *= ((const float *)A->scale)[r + i];
                     }
@@ -540,7 +606,7 @@ static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, i
 static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
                      int acc, float *buf) {
     if (int_path(A)) {
-        int_rows(A, X, m, y, ys, r0, r1, acc, buf);
+        int_rows(A, X, m, y, ys, r0, r1, acc);
         return;
     }
     const int K = A->cols;
