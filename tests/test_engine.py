@@ -149,3 +149,28 @@ def test_causal_attention_equals_the_masked_kernel_bit_for_bit(m, start):
     if m > 1:                                  # the mask matters: attending to every key gives other values
         full = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         assert not torch.equal(causal_attention(q, k, v, start), full)
+
+
+def test_rotary_table_slices_equal_the_module_for_any_positions(tiny_llama):
+    """The engine computes the rotary tables once and slices them; every slice equals what the model's rotary
+    module gives for exactly those positions, bit for bit, also after the table has grown."""
+    lm = LayeredLM(tiny_llama)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        a = int(torch.randint(0, 2500, (1,), generator=g))
+        b = a + int(torch.randint(1, 70, (1,), generator=g))
+        c1, s1 = lm.rope(a, b)
+        c2, s2 = lm._rope_direct(a, b)
+        assert c1.shape == (1, b - a, lm.head_dim)
+        assert torch.equal(c1, c2) and torch.equal(s1, s2), (a, b)
+    assert lm._rope_table[0].shape[1] >= 2500
+
+
+def test_dynamic_rotary_embeddings_are_not_tabled(tiny_llama, monkeypatch):
+    """A dynamic rotary embedding's frequencies depend on the sequence: computed per call, never tabled."""
+    monkeypatch.setattr(tiny_llama.model.rotary_emb, "rope_type", "dynamic", raising=False)
+    lm = LayeredLM(tiny_llama)
+    c, s = lm.rope(3, 8)
+    assert getattr(lm, "_rope_table", None) is None
+    c2, s2 = lm._rope_direct(3, 8)
+    assert torch.equal(c, c2) and torch.equal(s, s2)

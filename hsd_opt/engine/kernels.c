@@ -444,6 +444,38 @@ static inline __attribute__((always_inline)) void q4_dots4(const uint8_t *const 
     if (MT > 1) s[4] = hsum8(b0), s[5] = hsum8(b1), s[6] = hsum8(b2), s[7] = hsum8(b3);
 }
 
+/* int8 rows wp[0..3] (G groups of 32 columns) against one or two positions (MT): s[t * 4 + i] = sum over g of
+ * the 8-lane integer dot of group g (|w| times sign(w) y, for the unsigned-by-signed multiply) times d_g, in group
+ * order, then hsum8 (the row scale is applied by the caller). Named accumulators, as in q4_dots4. */
+static inline __attribute__((always_inline)) void q8_dots4(const uint8_t *const *wp, int G, const int8_t *xq0,
+                                                          const int8_t *xq1, const float *d0, const float *d1,
+                                                          const int MT, float *s) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int8_t *w0 = (const int8_t *)wp[0], *w1 = (const int8_t *)wp[1], *w2 = (const int8_t *)wp[2],
+                 *w3 = (const int8_t *)wp[3];
+#define Q8_ROW(w, a, b)                                                                                         \
+    do {                                                                                                        \
+        const int8_t *blk = w + g * HSD_GROUP;                                                                  \
+        _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);                                          \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)blk);                                            \
+        const __m256i aw = _mm256_sign_epi8(wv, wv);                                                            \
+        a = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y0, wv)), e0, a);                                         \
+        if (MT > 1) b = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y1, wv)), e1, b);                             \
+    } while (0)
+    for (int g = 0; g < G; g++) {
+        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
+        const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0;
+        const __m256 e0 = _mm256_broadcast_ss(d0 + g), e1 = MT > 1 ? _mm256_broadcast_ss(d1 + g) : e0;
+        Q8_ROW(w0, a0, b0);
+        Q8_ROW(w1, a1, b1);
+        Q8_ROW(w2, a2, b2);
+        Q8_ROW(w3, a3, b3);
+    }
+#undef Q8_ROW
+    s[0] = hsum8(a0), s[1] = hsum8(a1), s[2] = hsum8(a2), s[3] = hsum8(a3);
+    if (MT > 1) s[4] = hsum8(b0), s[5] = hsum8(b1), s[6] = hsum8(b2), s[7] = hsum8(b3);
+}
+
 /* The AVX2 body of int_dots4 for exactly MT (1 or 2) positions: constant MT lets the compiler drop the second. */
 static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *A, const int *rr, const qx_t *X,
                                                                  int t0, const int MT, float *s) {
@@ -458,28 +490,8 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
         const uint16_t *sc[4];
         for (int i = 0; i < 4; i++) sc[i] = (const uint16_t *)A->scale + (size_t)rr[i] * G;
         q4_dots4(wp, sc, G, xq0, xq1, d0, d1, MT, s);
-        return;
-    }
-    __m256 a[4], b[4];
-    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-    {
-        for (int g = 0; g < G; g++) {
-            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
-            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP));
-            const __m256 e0 = _mm256_set1_ps(d0[g]), e1 = _mm256_set1_ps(d1[g]);
-            for (int i = 0; i < 4; i++) {
-                const int8_t *blk = (const int8_t *)wp[i] + g * HSD_GROUP;
-                _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);
-                const __m256i w = _mm256_loadu_si256((const __m256i *)blk);
-                const __m256i aw = _mm256_sign_epi8(w, w);
-                a[i] = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y0, w)), e0, a[i]);
-                if (MT > 1) b[i] = _mm256_fmadd_ps(idot(aw, _mm256_sign_epi8(y1, w)), e1, b[i]);
-            }
-        }
-    }
-    for (int i = 0; i < 4; i++) {
-        s[i] = hsum8(a[i]);
-        if (MT > 1) s[4 + i] = hsum8(b[i]);
+    } else {
+        q8_dots4(wp, G, xq0, xq1, d0, d1, MT, s);
     }
 }
 #endif

@@ -496,7 +496,23 @@ class LayeredLM:
         return x
 
     def rope(self, start: int, end: int):
-        """Rotary tables ``(cos, sin)``, each ``[1, end - start, head_dim]``, for positions ``start .. end-1``."""
+        """Rotary tables ``(cos, sin)``, each ``[1, end - start, head_dim]``, for positions ``start .. end-1``.
+
+        Static rotary embeddings (every type but the dynamic ones, whose frequencies depend on the sequence
+        length) are computed once for positions ``0 .. n-1`` (``n`` doubling as needed) and sliced: the model's
+        rotary module gives each position the same values whichever other positions it computes with, and a
+        decode step then spends no time on them.
+        """
+        if "dynamic" in str(getattr(self.rotary, "rope_type", "default")):
+            return self._rope_direct(start, end)
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[1] < end or table[0].dtype != self.dtype or table[0].device != self.device:
+            n = max(end, 2 * (table[0].shape[1] if table is not None else 0), 1024)
+            table = self._rope_table = self._rope_direct(0, n)
+        return table[0][:, start:end], table[1][:, start:end]
+
+    def _rope_direct(self, start: int, end: int):
+        """:meth:`rope` computed by the model's rotary module for just these positions."""
         pos = torch.arange(start, end, device=self.device).unsqueeze(0)
         dummy = torch.empty(1, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(dummy, pos)
