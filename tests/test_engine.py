@@ -171,6 +171,6 @@ def test_dynamic_rotary_embeddings_are_not_tabled(tiny_llama, monkeypatch):
     monkeypatch.setattr(tiny_llama.model.rotary_emb, "rope_type", "dynamic", raising=False)
     lm = LayeredLM(tiny_llama)
     c, s = lm.rope(3, 8)
-    assert getattr(lm, "_rope_table", None) is None
+    assert lm._rope_table is None
     c2, s2 = lm._rope_direct(3, 8)
     assert torch.equal(c, c2) and torch.equal(s, s2)

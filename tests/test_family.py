@@ -405,7 +405,7 @@ def test_engines_hold_no_float_copy_of_the_weights(family):
     f, q = LayeredLM(big.model), QuantizedLM(big.model, bits=4)
     assert f.uses_kernels and q.uses_kernels
     for eng in (f, q):
-        rotary = {id(t) for t in getattr(eng, "_rope_table", ())}   # positions x head_dim: not a weight
+        rotary = {id(t) for t in eng._rope_table or ()}   # positions x head_dim: not a weight
         big_ones = [t for t in _float_tensors(eng) if t.numel() >= d * d and id(t) not in rotary]
         assert big_ones and all(t.untyped_storage().data_ptr() in params for t in big_ones), type(eng).__name__
     mats = [m for lm in f._kstack.layers for m in lm.mats]

@@ -248,6 +248,10 @@ class LayeredLM:
         self.exit_heads: dict[int, ExitHead] = dict(exit_heads or {})
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        #: rotary (cos, sin) for positions 0..n-1, sliced by :meth:`rope`; None until first used, and always for
+        #: dynamic rotary types (their frequencies depend on the sequence length)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_tabled = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
         self._weights = _lean_weights(model, self.layers) if self.direct_path else None
         if self._weights is not None and not self._check_direct_path():
             self._weights = None
@@ -503,9 +507,9 @@ class LayeredLM:
         rotary module gives each position the same values whichever other positions it computes with, and a
         decode step then spends no time on them.
         """
-        if "dynamic" in str(getattr(self.rotary, "rope_type", "default")):
+        if not self._rope_tabled:
             return self._rope_direct(start, end)
-        table = getattr(self, "_rope_table", None)
+        table = self._rope_table
         if table is None or table[0].shape[1] < end or table[0].dtype != self.dtype or table[0].device != self.device:
             n = max(end, 2 * (table[0].shape[1] if table is not None else 0), 1024)
             table = self._rope_table = self._rope_direct(0, n)
