@@ -7,6 +7,11 @@ own: they take ``log``/``warn`` callbacks, and :func:`progress_bar` when they sh
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator
+
 from rich.console import Console
 
 console = Console(highlight=False)
@@ -55,6 +60,27 @@ def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""
     cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     return progress_class()(*cols, console=err_console, transient=transient, disable=not enabled, every=every,
                              percent=percent)
+
+
+@contextlib.contextmanager
+def heartbeat(log: Callable[[str], None], what: str, every: float = 15.0) -> Iterator[None]:
+    """While the ``with`` block runs, call ``log(f"{what}: running, <elapsed>")`` every ``every`` seconds (from a
+    daemon thread that sleeps in between), so that one long call (a generation of several minutes) is not
+    silent; nothing is logged for a block shorter than ``every``, and nothing after it ends."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            log(f"{what}: running, elapsed {_clock(time.monotonic() - t0)}")
+
+    thread = threading.Thread(target=beat, name="hsd-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _clock(seconds: float | None) -> str:

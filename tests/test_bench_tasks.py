@@ -143,7 +143,15 @@ def test_sampling_runs_every_method_on_the_same_seeds(tiny):
         a = converse(runners[m], loaded.tokenizer, item, "first", False, 8, wide)[0].token_ids
         b = converse(runners[m], loaded.tokenizer, item, "first", False, 8, wide)[0].token_ids
         assert a == b, m
-    rep = run_bench(plan, loaded, items[:3], 5, methods=["hf_ar", "ar", "hsd"], sampling=wide, source="plan")
+    said: list[str] = []
+    rep = run_bench(plan, loaded, items[:3], 5, methods=["hf_ar", "ar", "hsd"], sampling=wide, source="plan",
+                    log=said.append)
+    # every generation says what it was and how long it took, every prompt how far the run is
+    for i in range(3):
+        for m in ("hf_ar", "ar", "hsd"):
+            assert sum(s.startswith(f"prompt {i + 1}/3 (") and f"), {m}: " in s and " tok/s)" in s
+                       for s in said) == 1, (i, m, said)
+        assert sum(s.startswith(f"prompt {i + 1}/3 done, elapsed ") and " ETA " in s for s in said) == 1
     assert rep["sampling"] == {"temperature": 1.5, "top_p": 0.95, "seed": 11} and rep["reference"] is None
     assert "not compared under sampling" in rep["matches_reference_note"]
     for m, d in rep["methods"].items():

@@ -47,3 +47,22 @@ def test_a_terminal_gets_the_live_bar_only():
         prog.advance(task)
         prog.advance(task)
     assert "generating: " not in out.getvalue()
+
+
+def test_heartbeat_reports_a_long_block_while_it_runs_and_stops_with_it():
+    import threading
+    import time
+
+    from hsd_opt.console import heartbeat
+
+    said: list[str] = []
+    with heartbeat(said.append, "prompt 1/2, hsd", every=0.02):
+        time.sleep(0.15)
+    n = len(said)
+    assert n >= 2 and all(s.startswith("prompt 1/2, hsd: running, elapsed 0:00:0") for s in said)
+    time.sleep(0.1)
+    assert len(said) == n                                  # nothing after the block
+    assert not any(t.name == "hsd-heartbeat" for t in threading.enumerate())
+    with heartbeat(said.append, "short", every=30.0):
+        pass                                               # a short block: no line, and no wait for the period
+    assert len(said) == n

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
@@ -327,15 +328,22 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     if retime is not None:
         clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
+    t_start = time.monotonic()
     for i, it in enumerate(items):
         order = names[i % len(names):] + names[: i % len(names)]
         factor = clock.measure() if clock is not None else None
         for m in order:
-            new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+            where = f"prompt {i + 1}/{len(items)} ({it.category or it.task}), {m}"
+            with heartbeat(log, where):
+                new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
             if factor is not None:
                 _retime(new, m, desc, plan, retime, factor)
             gens[m] += new
-        log(f"prompt {i + 1}/{len(items)} done")
+            n_tok, secs = sum(len(g.token_ids) for g in new), sum(g.seconds for g in new)
+            log(f"{where}: {n_tok} tokens in {secs:.1f} s ({n_tok / secs if secs > 0 else 0:.2f} tok/s)")
+        elapsed = time.monotonic() - t_start
+        left = elapsed / (i + 1) * (len(items) - i - 1)
+        log(f"prompt {i + 1}/{len(items)} done, elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")
 
     report: dict[str, Any] = {"methods": {}, "by_task": {}}
     ref = outputs_by_item(gens["ar"]) if sampling.greedy and "ar" in gens else None
