@@ -100,6 +100,14 @@ def test_bench_by_task_adds_up_and_every_turn_follows_its_own_answer(tiny):
     assert r.exit_code == 0, cli_output(r)
     rep = json.loads(out.read_text())
     assert set(rep["by_task"]) == {"writing", "translation", "coding", "qa"} and rep["prompts"] == 4
+    # without ar there is no greedy reference: nothing is compared, and the report says why
+    r = run_cli("bench", "--plan", tiny["plan"], "--prompts", tiny["questions"], "--max-new-tokens", 4,
+                "--methods", "hf_ar,hsd", "--limit", 1, "--json", out, "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    rep = json.loads(out.read_text())
+    assert rep["reference"] is None and "matches_reference" not in rep["methods"]["hsd"]
+    assert "did not include ar" in rep["matches_reference_note"]
+    assert "did not include ar" in " ".join(cli_output(r).split())
 
 
 def test_second_turn_is_sent_after_the_methods_own_answer(tiny):

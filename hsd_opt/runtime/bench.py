@@ -366,7 +366,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
         add_speedups(ms)
     for m, e in errors.items():
         report["methods"].setdefault(m, {})["error"] = e
-    report["reference"] = "ar" if sampling.greedy else None
+    report["reference"] = "ar" if ref is not None else None
     precision = plan_target_precision(plan, source)
     report["target_precision"] = precision
     if precision in ("int8", "int4"):
@@ -377,6 +377,9 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     if not sampling.greedy:
         report["matches_reference_note"] = ("not compared under sampling: outputs are draws (the tests prove that "
                                             "the sampler keeps the target's distribution)")
+    elif ref is None:
+        report["matches_reference_note"] = ("not compared: the greedy reference is our AR loop, and this run did "
+                                            "not include ar in --methods")
     report["sampling"] = sampling.to_dict()
     report["prompts"] = len(items)
     report["turns"] = turns
