@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import kernels
+from hsd_opt.engine import kernels, stored_copies
 from hsd_opt.engine.layered import LayeredLM, is_released
 from hsd_opt.engine.ops import causal_attention, causal_mask, norm_eps, rms_norm, rotate_half
 from hsd_opt.errors import HsdError
@@ -339,20 +339,30 @@ class QuantizedLM(LayeredLM):
         if lib is None:
             return False
 
-        def q(lin, bits=self.bits):
-            return kernels.quantize(lin.weight, bits, lin.bias)
+        # a copy stored by an earlier process (stored_copies), else quantized now and stored for the next one
+        key = stored_copies.weights_key(self.model)
+        stored = stored_copies.load_stored(key, self.bits, self.head_bits)
+        fresh: dict[str, list[torch.Tensor]] = {}
+        every: dict[str, kernels.Mat] = {}
+
+        def q(name, lin, bits=self.bits):
+            every[name] = stored_copies.matrix(stored, name, bits, lin.weight, lin.bias, fresh)
+            return every[name]
 
         mats = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            mats.append(kernels.LayerMats(q(a.q_proj), q(a.k_proj), q(a.v_proj), q(a.o_proj), q(mlp.gate_proj),
-                                          q(mlp.up_proj), q(mlp.down_proj), layer.input_layernorm.weight,
-                                          layer.post_attention_layernorm.weight))
+            lin = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": mlp.gate_proj,
+                   "up": mlp.up_proj, "down": mlp.down_proj}
+            mats.append(kernels.LayerMats(*(q(f"layers.{i}.{n}", m) for n, m in lin.items()),
+                                          layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
         l0 = self.layers[0]
         self._kstack = kernels.LayerStack(lib, mats, self.n_heads, self.n_kv, self.head_dim, self.hidden_size,
                                           l0.mlp.gate_proj.weight.shape[0], norm_eps(l0.input_layernorm),
                                           norm_eps(l0.post_attention_layernorm))
-        self._khead = q(self.model.lm_head, self.head_bits)
+        self._khead = q("lm_head", self.model.lm_head, self.head_bits)
+        if fresh:
+            stored_copies.save_stored(key, self.bits, self.head_bits, {n: m.tensors for n, m in every.items()})
         self._knorm = self.norm.weight.detach().float().contiguous()
         self._knorm_eps = norm_eps(self.norm)
         self._torch_long_passes = False

@@ -329,6 +329,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
 
         resident_weights(model)
     dtype_name = str(dt).replace("torch.", "")
+    # what the weights are, for copies derived from them and kept on disk (hsd_opt.engine.stored_copies)
+    model.hsd_weights_key = f"{source}|{revision}|{dtype_name}" if revision else None
     return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name)
 
 

@@ -1,0 +1,125 @@
+"""Quantized copies kept on disk, so that a model's int8/int4 copy is quantized once, not by every process.
+
+Quantizing the float32 weights of Qwen2.5-Coder-1.5B into the kernels' int4 copy takes about 16 s on 2 cores
+(its int8 copy 13 s); reading the stored copy back takes about a second. A copy is stored only for a model that
+says what its weights are: :func:`~hsd_opt.models.loading.load_model` sets ``model.hsd_weights_key`` (the
+GGUF file's SHA-256, the hub commit, or a stamp of a local checkpoint's weights, with the dtype). Models built
+in memory (tests, trained heads) have none and are quantized every time.
+
+A stored copy lives under ``<cache>/quantized/`` (``$HSD_CACHE``, default ``~/.cache/hsd-opt``) in a file named
+after the weights key and the setting (bits, head bits), and after the quantizer's code: a change to
+:func:`~hsd_opt.engine.kernels.quantize_q4` or :func:`~hsd_opt.engine.kernels.quantize_q8` makes the old files
+unreachable, and the next save of that model and setting removes them. Files are written atomically (a
+temporary file renamed into place); a file that cannot be read, or whose tensors do not have the shapes the
+model needs, is ignored and written again; a failed write only costs the next process the quantization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from hsd_opt.engine import kernels
+
+#: Bumped when the stored layout changes in a way the quantizer's source does not show.
+FORMAT = 1
+
+
+def _code_hash() -> str:
+    src = inspect.getsource(kernels.quantize_q4) + inspect.getsource(kernels.quantize_q8) + str(FORMAT)
+    return hashlib.sha256(src.encode()).hexdigest()[:12]
+
+
+def weights_key(model) -> str | None:
+    """The key a copy of ``model`` is stored under: its ``hsd_weights_key`` (None: not stored), the dtype of its
+    weights now and a digest of a few of their rows (a model changed in place after loading, or converted to
+    another dtype, does not find the copy of the weights it was loaded with)."""
+    base = getattr(model, "hsd_weights_key", None)
+    if not base:
+        return None
+    layers = model.model.layers
+    probes = [model.lm_head.weight[0], layers[0].self_attn.q_proj.weight[0], layers[-1].mlp.down_proj.weight[-1]]
+    h = hashlib.sha256()
+    for t in probes:
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return f"{base}|{h.hexdigest()[:16]}"
+
+
+def stored_path(weights_key: str, bits: int, head_bits: int) -> Path:
+    """Where the copy of the model with ``weights_key`` at this setting is stored."""
+    from hsd_opt.models.loading import cache_dir
+
+    model = hashlib.sha256(weights_key.encode()).hexdigest()[:20]
+    return cache_dir() / "quantized" / f"{model}-int{bits}-head{head_bits}-{_code_hash()}.pt"
+
+
+def load_stored(weights_key: str | None, bits: int, head_bits: int) -> dict[str, list[torch.Tensor]] | None:
+    """The stored tensors of each matrix (``name -> Mat tensors``), or None (no key, no file, unreadable)."""
+    if not weights_key:
+        return None
+    path = stored_path(weights_key, bits, head_bits)
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a damaged file is ignored and written again
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        return None
+    return data
+
+
+def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dict[str, list[torch.Tensor]]) -> None:
+    """Store ``tensors`` (``name -> Mat tensors``) for the model with ``weights_key`` (nothing without one);
+    files of the same model and setting from another quantizer version are removed."""
+    if not weights_key:
+        return
+    path = stored_path(weights_key, bits, head_bits)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt.partial")
+        os.close(fd)
+        try:
+            torch.save(tensors, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        stem = path.name.rsplit("-", 1)[0]
+        for old in path.parent.glob(stem + "-*.pt"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    except OSError as e:
+        warnings.warn(f"could not store the quantized copy in {path.parent} ({e}); it will be quantized again "
+                      f"next time", stacklevel=2)
+
+
+def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, weight: torch.Tensor,
+           bias: torch.Tensor | None, fresh: dict[str, list[torch.Tensor]]) -> kernels.Mat:
+    """The ``bits`` copy of ``weight`` for the kernels: from ``stored`` when it holds ``name`` with the shapes
+    this weight needs, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
+    rows, cols = weight.shape
+    kind = kernels.Q8 if bits == 8 else kernels.Q4
+    got = (stored or {}).get(name)
+    if got is not None and _fits(got, kind, rows, cols):
+        return kernels.Mat(kind, rows, cols, got, bias)
+    mat = kernels.quantize(weight, bits, bias)
+    fresh[name] = [t for t in mat.tensors]
+    return mat
+
+
+def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
+    if kind == kernels.Q8:
+        return (len(tensors) == 2 and tensors[0].dtype == torch.int8 and tuple(tensors[0].shape) == (rows, cols)
+                and tensors[1].dtype == torch.float32 and tuple(tensors[1].shape) == (rows,))
+    G = cols // kernels.GROUP
+    return (len(tensors) == 3 and tensors[0].dtype == torch.uint8
+            and tuple(tensors[0].shape) == (rows, (G + 1) // 2, 2 * 16)
+            and all(t.dtype == torch.float16 and tuple(t.shape) == (rows, G) for t in tensors[1:]))
