@@ -43,8 +43,12 @@ def weights_key(model) -> str | None:
     base = getattr(model, "hsd_weights_key", None)
     if not base:
         return None
-    layers = model.model.layers
-    probes = [model.lm_head.weight[0], layers[0].self_attn.q_proj.weight[0], layers[-1].mlp.down_proj.weight[-1]]
+    try:
+        layers = model.model.layers
+        probes = [model.lm_head.weight[0], layers[0].self_attn.q_proj.weight[0],
+                  layers[-1].mlp.down_proj.weight[-1]]
+    except (AttributeError, IndexError, TypeError):    # not a layout the kernels run: nothing to store
+        return None
     h = hashlib.sha256()
     for t in probes:
         h.update(str(t.dtype).encode())
