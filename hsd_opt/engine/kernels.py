@@ -42,7 +42,7 @@ F32, BF16, Q8, Q4 = 0, 1, 2, 3
 #: Input columns per int4 group (a scale and a minimum each).
 GROUP = 32
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
-#: model: a blocked GEMM is faster there); engines without one run such passes in chunks of this size.
+#: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
 MAX_PASS = 64
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]

@@ -206,6 +206,8 @@ class LayeredLM:
       :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take it; longer passes
       (prefill) take the torch path (a blocked GEMM is faster there): the exact one for a float32 model, and
       for bfloat16 weights the same operations in float32 over each layer's weights converted for the pass.
+      Engines with :attr:`long_passes_on_kernels` (quantized copies) run long passes on the kernels too, in
+      passes of ``MAX_PASS`` positions.
 
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
@@ -221,6 +223,12 @@ class LayeredLM:
     #: A copy of another engine's model (a quantized copy): it may take that engine's prompt keys and values
     #: (:meth:`share_prompt`). An engine over the model's own weights never takes another's.
     is_copy = False
+    #: Long passes (prefill) on the kernels in passes of ``MAX_PASS`` positions instead of a float32 GEMM over
+    #: weights converted for the pass: set by engines whose weights would have to be de-quantized for every such
+    #: pass (:class:`~hsd_opt.engine.quantized.QuantizedLM`), where converting costs more than the kernels'
+    #: arithmetic (docs/design.md#decode-kernels, "Long passes"). Every position is then computed as a decode
+    #: step computes it.
+    long_passes_on_kernels = False
 
     def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None, kernels: bool | None = None):
         cfg = model.config
@@ -317,9 +325,9 @@ class LayeredLM:
         return self._kstack is not None
 
     def _dense_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin):
-        """A long pass of a kernel engine without an exact torch path (bfloat16 weights, quantized copies): the
-        torch path's operations in float32 over each layer's weights converted to float32 for the pass (a
-        blocked GEMM, faster than the decode kernels on hundreds of positions)."""
+        """A long pass of a kernel engine without an exact torch path (bfloat16 weights): the torch path's
+        operations in float32 over each layer's weights converted to float32 for the pass (a blocked GEMM).
+        Quantized copies do not take it (:attr:`long_passes_on_kernels`)."""
         x = x.float()
         for l in range(l0, l1):
             x = self._layer_with(self._kstack.dense_layer(l), l, x, st, start, cos, sin)
@@ -491,7 +499,7 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else layer by
         layer with :meth:`_layer`. Subclasses may run the whole range at once (:class:`QuantizedLM` does)."""
-        if self._kstack is not None and x.shape[0] <= kernels.MAX_PASS:
+        if self._kstack is not None and (x.shape[0] <= kernels.MAX_PASS or self.long_passes_on_kernels):
             return self._kernel_layers(l0, l1, x, st, start, cos, sin)
         if self._kstack is not None and not self._torch_long_passes:
             return self._dense_layers(l0, l1, x, st, start, cos, sin)
@@ -574,6 +582,9 @@ class LayeredLM:
             return fn(hidden).float()
         if self._khead is not None and hidden.shape[0] <= kernels.MAX_PASS:
             return self._kernel_head(hidden)
+        if self._khead is not None and self.long_passes_on_kernels:
+            step = kernels.MAX_PASS
+            return torch.cat([self._kernel_head(hidden[i:i + step]) for i in range(0, hidden.shape[0], step)])
         if self._khead is not None and not self._torch_long_passes:   # many rows: float32 GEMM over the head
             h = rms_norm_reference(hidden.float(), self._knorm, self._knorm_eps)
             return F.linear(h, self._khead.dequantized(), self._khead.bias)
@@ -603,9 +614,9 @@ class LayeredLM:
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
         """Teacher-forced pass over ``input_ids`` (1-D); returns boundary -> hidden ``[L, d]`` (for profiling).
 
-        The numbers are those of decoding: an engine whose long passes take another path than its decode steps
-        (a quantized copy, or bfloat16 weights, on the kernels: float32 GEMMs over de-quantized weights, where
-        decoding quantizes the activations to int8) runs the sequence in passes of
+        The numbers are those of decoding: an engine whose long passes may take another path than its decode
+        steps (bfloat16 weights on the kernels: float32 GEMMs over converted weights; a quantized copy, whose
+        decode steps quantize the activations to int8) runs the sequence in passes of
         :data:`~hsd_opt.engine.kernels.MAX_PASS` positions on the kernels, which give bit for bit what one-token
         steps give. Otherwise the profile would measure how well a more exact model than the runtime's agrees
         with the target (the int4 copy of the embedded model: 0.98 profiled against 0.95–0.96 run)."""

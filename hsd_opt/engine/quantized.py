@@ -366,6 +366,7 @@ class QuantizedLM(LayeredLM):
         self._knorm = self.norm.weight.detach().float().contiguous()
         self._knorm_eps = norm_eps(self.norm)
         self._torch_long_passes = False
+        self.long_passes_on_kernels = True    # a GEMM path would de-quantize every weight for every long pass
         self.packed = False
         self.dtype = torch.float32
         self._embed_w = self.model.model.embed_tokens.weight.detach().float()  # the model's own when float32
