@@ -67,6 +67,8 @@ demo-family: $(VENV)/.installed
 	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --target-precision int4 --layers 14,21,25 --quantized qwen2.5-coder-0.5b:int4 --max-prompts 8 --out $(FAMILY_OUT)/profile-int4.json"
 	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile-int4.json --tmax 15 --out $(FAMILY_OUT)/plan-int4.json"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan-int4.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench-int4.json"
+	@echo "Against llama.cpp on the same file, in one run (a llama-bench binary of your own):"
+	@echo "  $(PY) benchmarks/llama_anchor.py --plan $(FAMILY_OUT)/plan-int4.json --llama-bench LLAMA_BENCH --gguf <the 1.5B GGUF fetched above>"
 
 test-family: $(VENV)/.installed
 	HSD_FAMILY_PLAN=$${HSD_FAMILY_PLAN:-$(FAMILY_OUT)/plan.json} $(PY) -m pytest -q -p no:cacheprovider -m family tests

@@ -1,0 +1,128 @@
+"""A plan against llama.cpp on the same GGUF file, in one run: `llama-bench` decode speed interleaved with
+`hsd bench` rounds over the same prompts, so that both see the same spell of a shared machine.
+
+    .venv/bin/python benchmarks/llama_anchor.py --plan out/family/plan-int4.json \
+        --llama-bench <llama.cpp>/build/bin/llama-bench --gguf ~/.cache/hsd-opt/gguf/<file>.gguf \
+        [--prompts FILE] [--limit 6] [--max-new-tokens 64] [--methods ar,single_draft,hsd] [--rounds 2] \
+        [--depth 64] [--out benchmarks/results/llama_anchor.json]
+
+Each round runs `llama-bench -t THREADS -p 0 -n N -d DEPTH -r 3` (decode only: N tokens after DEPTH tokens of
+context), then `run_bench` over the prompts (every method, interleaved per prompt, as `hsd bench` does), then
+`llama-bench` again. Reported per method: decode tokens/s (generated tokens over decode seconds: prefill
+excluded, as llama-bench's `tg` test excludes it), tokens/s with prefill, and the ratio of decode tokens/s to the
+median llama.cpp decode tokens/s of the same round. llama.cpp runs the file in its stored quantization; a plan
+made for `--target-precision int4` runs the same weights as our int4 groups (docs/design.md#target-precision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps: int) -> dict:
+    """`llama-bench` decode test (`-p 0 -n n -d depth`): tokens/s (mean and sd over `reps` runs)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(n), "-r", str(reps), "-o", "json"]
+    if depth:
+        cmd += ["-d", str(depth)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-500:]}")
+    row = [r for r in json.loads(res.stdout) if r.get("n_gen")][0]
+    return {"tok_s": row["avg_ts"], "sd": row.get("stddev_ts"), "type": row.get("model_type"), "n": n,
+            "depth": depth, "threads": threads, "reps": reps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--llama-bench", required=True, help="a llama-bench binary (llama.cpp)")
+    ap.add_argument("--gguf", required=True, help="the GGUF file the plan's model was loaded from")
+    ap.add_argument("--prompts", default=None, help="prompt file (default: the shipped suite)")
+    ap.add_argument("--task", default="code", help="keep the suite's prompts of this task ('' for all)")
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--methods", default="ar,single_draft,hsd")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=64, help="llama-bench context before its decode test (tokens)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "llama_anchor.json"))
+    a = ap.parse_args()
+
+    import torch
+
+    from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.prompts import load_prompts, select_items
+    from hsd_opt.runtime.bench import run_bench
+
+    torch.set_num_threads(a.threads)
+    if not os.path.isfile(a.gguf) or not os.access(a.llama_bench, os.X_OK):
+        raise SystemExit("--gguf must be a file and --llama-bench an executable")
+    plan, loaded = load_plan_and_model(Path(a.plan), None, "cpu", None)
+    items = load_prompts(a.prompts).items
+    if a.task:
+        items = [it for it in items if it.task == a.task]
+    items = select_items(items, limit=a.limit)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    n_gen = a.max_new_tokens
+    rounds = []
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    for r in range(a.rounds):
+        log(f"round {r + 1}/{a.rounds}: llama-bench ...")
+        before = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
+        log(f"  llama.cpp decode {before['tok_s']:.2f} tok/s; hsd bench over {len(items)} prompts ...")
+        rep = run_bench(plan, loaded, items, max_new_tokens=n_gen, methods=methods, log=log)
+        after = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
+        llama = statistics.median([before["tok_s"], after["tok_s"]])
+        ours = {}
+        for m, d in rep["methods"].items():
+            if "error" in d:
+                ours[m] = {"error": d["error"]}
+                continue
+            dec = d["tokens"] / d["decode_seconds"] if d.get("decode_seconds") else None
+            ours[m] = {"decode_tok_s": dec, "tok_s": d.get("tokens_per_s"),
+                       "decode_vs_llama_cpp": dec / llama if dec else None,
+                       "tokens_per_target_call": d.get("tokens_per_target_call"),
+                       "matches_reference": d.get("matches_reference")}
+        log(f"  llama.cpp decode {after['tok_s']:.2f} tok/s after")
+        for m, d in ours.items():
+            if "error" not in d and d["decode_tok_s"]:
+                log(f"  {m}: decode {d['decode_tok_s']:.2f} tok/s = {d['decode_vs_llama_cpp']:.2f}x llama.cpp")
+        rounds.append({"llama_cpp_before": before, "llama_cpp_after": after, "llama_cpp_decode_tok_s": llama,
+                       "ours": ours, "bench": rep})
+
+    report = {
+        "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
+        "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
+        "plan": a.plan, "gguf": os.path.basename(a.gguf), "prompts": len(items), "max_new_tokens": n_gen,
+        "target_precision": rounds[0]["bench"].get("target_precision"), "rounds": rounds,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(a.out + ".partial")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, a.out)
+    print("\n| round | llama.cpp decode tok/s | " + " | ".join(f"{m} decode tok/s (x llama.cpp)" for m in methods)
+          + " |")
+    print("|---|---:|" + "---:|" * len(methods))
+    for i, rd in enumerate(rounds):
+        cells = []
+        for m in methods:
+            d = rd["ours"].get(m, {})
+            cells.append("error" if "error" in d or not d else
+                         f"{d['decode_tok_s']:.2f} ({d['decode_vs_llama_cpp']:.2f}x)")
+        print(f"| {i + 1} | {rd['llama_cpp_decode_tok_s']:.2f} | " + " | ".join(cells) + " |")
+    print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
