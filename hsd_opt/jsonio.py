@@ -1,4 +1,4 @@
-"""Reading and atomically writing JSON files, with errors that name the file."""
+"""Reading JSON files with errors that name the file, and writing files atomically."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 from hsd_opt.errors import InputFileError
 
@@ -43,8 +43,10 @@ def read_json(path: str | os.PathLike) -> Any:
         raise InputFileError(str(p), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, fsync, then rename.
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Write ``path`` atomically with ``write(f)`` on a binary file: a temporary file in the same directory,
+    fsync, then rename. For data written in a stream (``torch.save`` of a large copy) that should not be held
+    in memory whole first.
 
     A reader never sees a half-written file, and an interrupted write leaves the old file intact.
     """
@@ -54,7 +56,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -64,6 +66,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data))
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:

@@ -1,7 +1,7 @@
 """Quantized copies kept on disk, so that a model's int8/int4 copy is quantized once, not by every process.
 
 Quantizing the float32 weights of Qwen2.5-Coder-1.5B into the kernels' int4 copy takes about 16 s on 2 cores
-(its int8 copy 13 s); reading the stored copy back takes about a second. A copy is stored only for a model that
+(its int8 copy 13 s); reading the stored copy back takes about 3 s. A copy is stored only for a model that
 says what its weights are: :func:`~hsd_opt.models.loading.load_model` sets ``model.hsd_weights_key`` (the
 GGUF file's SHA-256, the hub commit, or a stamp of a local checkpoint's weights, with the dtype). Models built
 in memory (tests, trained heads) have none and are quantized every time.
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from hsd_opt.engine import kernels
+from hsd_opt.jsonio import atomic_write
 
 #: Bumped when the stored layout changes in a way the quantizer's source does not show.
 FORMAT = 1
@@ -87,15 +86,7 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
         return
     path = stored_path(weights_key, bits, head_bits)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt.partial")
-        os.close(fd)
-        try:
-            torch.save(tensors, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write(path, lambda f: torch.save(tensors, f))   # streamed: a copy is up to a few GB
         stem = path.name.rsplit("-", 1)[0]
         for old in path.parent.glob(stem + "-*.pt"):
             if old != path:
@@ -115,7 +106,7 @@ def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, w
     if got is not None and _fits(got, kind, rows, cols):
         return kernels.Mat(kind, rows, cols, got, bias)
     mat = kernels.quantize(weight, bits, bias)
-    fresh[name] = [t for t in mat.tensors]
+    fresh[name] = list(mat.tensors)
     return mat
 
 
