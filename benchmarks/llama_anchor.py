@@ -61,12 +61,15 @@ def main() -> None:
     import torch
 
     from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import load_prompts, select_items
     from hsd_opt.runtime.bench import run_bench
 
     torch.set_num_threads(a.threads)
-    if not os.path.isfile(a.gguf) or not os.access(a.llama_bench, os.X_OK):
-        raise SystemExit("--gguf must be a file and --llama-bench an executable")
+    if not os.path.isfile(a.gguf):
+        ap.error(f"--gguf: no file at {a.gguf}")
+    if not os.access(a.llama_bench, os.X_OK):
+        ap.error(f"--llama-bench: {a.llama_bench} is not an executable")
     plan, loaded = load_plan_and_model(Path(a.plan), None, "cpu", None)
     items = load_prompts(a.prompts).items
     if a.task:
@@ -107,10 +110,7 @@ def main() -> None:
         "plan": a.plan, "gguf": os.path.basename(a.gguf), "prompts": len(items), "max_new_tokens": n_gen,
         "target_precision": rounds[0]["bench"].get("target_precision"), "rounds": rounds,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.out + ".partial")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, a.out)
+    write_json(a.out, report, indent=1)
     print("\n| round | llama.cpp decode tok/s | " + " | ".join(f"{m} decode tok/s (x llama.cpp)" for m in methods)
           + " |")
     print("|---|---:|" + "---:|" * len(methods))

@@ -12,8 +12,6 @@ Reports tokens/s (decode only and with prefill) per setting and checks that ever
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ def main() -> None:
 
     from hsd_opt.engine import screen
     from hsd_opt.formats import load_plan
+    from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import conversation_ids, load_prompts
     from hsd_opt.runtime.runner import hsd_for_plan
@@ -79,10 +78,7 @@ def main() -> None:
                      "decode_tokens_per_s": r["tokens"] / r["decode_seconds"],
                      "median_prompt_decode_tokens_per_s": statistics.median(r["per_prompt"])}
     report["new_over_old_decode"] = report["new"]["decode_tokens_per_s"] / report["old"]["decode_tokens_per_s"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out + ".partial"
-    Path(tmp).write_text(json.dumps(report, indent=1))
-    os.replace(tmp, a.out)
+    write_json(a.out, report, indent=1)
     for k in settings:
         print(f"MAX_POSITIONS={settings[k]}: {report[k]['decode_tokens_per_s']:.2f} decode tok/s, "
               f"{report[k]['tokens_per_s']:.2f} tok/s with prefill")
