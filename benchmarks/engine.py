@@ -73,6 +73,7 @@ def main() -> None:
     from hsd_opt.engine import kernels
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.engine.quantized import QuantizedLM, quant_spec
+    from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import eos_token_ids, load_model
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.decode import HSD, Level
@@ -175,10 +176,7 @@ def main() -> None:
         print("running llama-bench ...", file=sys.stderr)
         report["llama_cpp"] = {k: llama_bench(a.llama_bench, f, a.threads, 512, 128)
                                for k, f in (("f32", a.gguf_f32), ("q4", a.gguf_q4)) if f}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.out + ".partial")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, a.out)
+    write_json(a.out, report, indent=1)
 
     # the table
     print(f"\nfloor (read the weights once): target {report['floor_ms']['target']} ms"

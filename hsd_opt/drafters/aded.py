@@ -51,6 +51,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
+from hsd_opt.jsonio import atomic_write
 
 MATRIX_FORMAT = "hsd-trigram/1"
 
@@ -99,13 +100,11 @@ class TrigramMatrix:
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``.npz`` with int32 arrays ``a, b, c``, float32 ``p`` and a JSON ``meta`` string (atomic)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         rows = [(a, b, c, p) for (a, b), d in self.table.items() for c, p in d.items()]
         arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
-        np.savez(tmp, a=arr[:, 0].astype(np.int32), b=arr[:, 1].astype(np.int32), c=arr[:, 2].astype(np.int32),
-                 p=arr[:, 3].astype(np.float32), meta=np.array(json.dumps({"format": MATRIX_FORMAT, **self.meta})))
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: np.savez(
+            f, a=arr[:, 0].astype(np.int32), b=arr[:, 1].astype(np.int32), c=arr[:, 2].astype(np.int32),
+            p=arr[:, 3].astype(np.float32), meta=np.array(json.dumps({"format": MATRIX_FORMAT, **self.meta}))))
         self.path = str(path)
         return path
 

