@@ -167,6 +167,11 @@ def profile_cmd(
     budget = parse_cost_budget(cost_budget)
     if draft_layers is not None and not draft_model:
         raise HsdError("--draft-layers: exits of draft models need --draft-model")
+    from hsd_opt.engine.layered import layer_spec_numbers
+
+    for spec, flag in ((layers, "--layers"), (draft_layers, "--draft-layers")):
+        if spec is not None:
+            layer_spec_numbers(spec, flag)  # the syntax, before loading anything (ranges once loaded)
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
                         draft_layers=draft_layers,

@@ -40,24 +40,34 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
 
+def layer_spec_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
+    """The layer numbers a ``--layers`` value names, unsorted and unchecked against the model (``None`` for
+    ``"all"``/``"*"``): the syntax alone, so a malformed value is refused before any model is loaded. Raises
+    :class:`HsdError` naming ``flag``."""
+    if spec.strip().lower() in ("all", "*"):
+        return None
+    out: list[int] = []
+    for part in spec.split(","):
+        a, dash, b = part.strip().partition("-")
+        if not part.strip():
+            continue
+        if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
+            raise HsdError(f"{flag}: expected 'all' or layer numbers like 4,8,14 or 2-6, got {part.strip()!r}")
+        out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
+    return out
+
+
 def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str) -> list[int]:
     """Layer numbers from a ``--layers`` value: ``"all"``/``"*"`` -> 1..max_layer, ``"4,8,12"``, ranges ``"2-6"``,
     or a sequence of ints; sorted, without repeats (possibly empty). Anything malformed, or a layer outside
     1..max_layer, raises :class:`HsdError` naming ``--layers`` (``range_note`` says what the valid range means)."""
     if not isinstance(spec, str):
         out = [int(x) for x in spec]
-    elif spec.strip().lower() in ("all", "*"):
-        return list(range(1, max_layer + 1))
     else:
-        out = []
-        for part in spec.split(","):
-            a, dash, b = part.strip().partition("-")
-            if not part.strip():
-                continue
-            if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
-                raise HsdError(f"--layers: expected 'all' or numbers like 4,8,14 or 2-6 (layers 1..{max_layer}), "
-                               f"got {part.strip()!r}")
-            out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
+        named = layer_spec_numbers(spec)
+        if named is None:
+            return list(range(1, max_layer + 1))
+        out = named
     for v in out:
         if not 1 <= v <= max_layer:
             raise HsdError(f"--layers: layer {v} is out of range: {range_note}")
