@@ -58,8 +58,9 @@ def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""
     cols = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn() if percent else MofNCompleteColumn()]
     cols += [TextColumn(fields)] if fields else []
     cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    # the speed behind the ETA over the last hour, not rich's default 30 s: long tasks advance once a minute
     return progress_class()(*cols, console=err_console, transient=transient, disable=not enabled, every=every,
-                             percent=percent)
+                             percent=percent, speed_estimate_period=3600.0)
 
 
 @contextlib.contextmanager
@@ -88,6 +89,15 @@ def _clock(seconds: float | None) -> str:
         return "-:--:--"
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _remaining(task) -> float | None:
+    """Seconds left for a rich task: rich's estimate, else the average pace so far (None before any progress)."""
+    if task.time_remaining is not None:
+        return task.time_remaining
+    if task.total is None or not task.completed or not task.elapsed:
+        return None
+    return task.elapsed * max(task.total - task.completed, 0) / task.completed
 
 
 def progress_class():
@@ -121,7 +131,7 @@ def progress_class():
             else:
                 count = f"{task.completed:g}/{task.total:g}"
             self.console.print(f"{task.description}: {count}, elapsed {_clock(task.elapsed)}, "
-                               f"ETA {_clock(0 if done else task.time_remaining)}", markup=False, highlight=False)
+                               f"ETA {_clock(0 if done else _remaining(task))}", markup=False, highlight=False)
 
         def add_task(self, *args, **kwargs):
             task_id = super().add_task(*args, **kwargs)

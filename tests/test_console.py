@@ -66,3 +66,19 @@ def test_heartbeat_reports_a_long_block_while_it_runs_and_stops_with_it():
     with heartbeat(said.append, "short", every=30.0):
         pass                                               # a short block: no line, and no wait for the period
     assert len(said) == n
+
+
+def test_sparse_progress_still_gets_an_eta():
+    """Items a minute apart (a profile's prompts): rich keeps no speed over its 30 s window, so the line's ETA
+    comes from the average pace so far: 2 of 6 done in 120 s -> 240 s left."""
+    out = io.StringIO()
+    clock = [0.0]
+    console = Console(file=out, force_terminal=False, width=120)
+    with progress_class()(TextColumn("{task.description}"), console=console, every=0.0,
+                          get_time=lambda: clock[0]) as prog:
+        task = prog.add_task("profiling", total=6)
+        for _ in range(2):
+            clock[0] += 60.0
+            prog.advance(task)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("profiling:")]
+    assert lines[-1] == "profiling: 2/6, elapsed 0:02:00, ETA 0:04:00", lines
