@@ -619,3 +619,19 @@ def test_time_sampling_is_a_non_decreasing_cost_per_pass():
     c = time_sampling(rows, 0.7, 0.9, 6, repeats=3)
     assert len(c) == 6 and all(x > 0 for x in c) and c == sorted(c)
     assert time_sampling(rows, 1.0, 1.0, 1, repeats=2)[0] > 0
+
+
+def test_cost_prefill_chunks_are_whole_kernel_passes_for_quantized_copies():
+    """A quantized copy runs long passes on the kernels in passes of MAX_PASS: its prefill chunks are whole
+    passes (65 tokens would be a pass and a step); a float engine's stay longer than one pass (its GEMM path)."""
+    from types import SimpleNamespace
+
+    from hsd_opt.engine.kernels import MAX_PASS
+    from hsd_opt.profiler.run import PREFILL_CHUNK, PROGRESS_SECONDS, prefill_chunk
+
+    copy, dense = SimpleNamespace(long_passes_on_kernels=True), SimpleNamespace(long_passes_on_kernels=False)
+    for per_token in (PROGRESS_SECONDS, PROGRESS_SECONDS / 100, PROGRESS_SECONDS / 150, PROGRESS_SECONDS / 1e4):
+        c, d = prefill_chunk(copy, per_token), prefill_chunk(dense, per_token)
+        assert c % MAX_PASS == 0 and MAX_PASS <= c <= max(MAX_PASS, PREFILL_CHUNK)
+        assert MAX_PASS < d <= max(MAX_PASS + 1, PREFILL_CHUNK)
+    assert prefill_chunk(copy, PROGRESS_SECONDS / 150) == 128 and prefill_chunk(dense, PROGRESS_SECONDS / 150) == 150

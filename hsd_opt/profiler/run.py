@@ -394,6 +394,17 @@ def _target_rows(eng, text: list[int], n: int, most: int = 64) -> torch.Tensor:
     return eng.logits(st, eng.n_layers, 0, len(ids))
 
 
+def prefill_chunk(engine, prefill_token: float) -> int:
+    """Tokens per prefill call while costs are measured: about :data:`PROGRESS_SECONDS` of work (progress
+    between calls), at most ``PREFILL_CHUNK``. Longer than one kernel pass for an engine whose long passes
+    take its prefill path (a GEMM), a whole number of kernel passes for one that runs them on the kernels (a
+    quantized copy), where 65 tokens would be a pass of 64 and a step of 1."""
+    chunk = min(PREFILL_CHUNK, int(PROGRESS_SECONDS / max(prefill_token, 1e-9)))
+    if getattr(engine, "long_passes_on_kernels", False):
+        return max(MAX_PASS, chunk // MAX_PASS * MAX_PASS)
+    return max(MAX_PASS + 1, chunk)
+
+
 def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], contexts: list[int], tds: list,
                        text: list[int], log: Callable[[str], None], warn: Callable[[str], None]):
     """``({id(engine): [LayerCosts per context]}, {token drafter: [seconds per propose at each context]}, the
@@ -452,7 +463,7 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
                 if progress:
                     progress.update(pid, total=progress.tasks[pid].total + seconds)
 
-            chunk = max(MAX_PASS + 1, min(PREFILL_CHUNK, int(PROGRESS_SECONDS / calib[k].prefill_token)))
+            chunk = prefill_chunk(e, calib[k].prefill_token)
             # refinements of the direct timings share what the budget leaves over the plan, by engine cost
             slack = None if budget is None else max(0.0, budget - est) * est_of[k] / max(est, 1e-9)
             feeds = any(source[j] == k for j in order)
