@@ -8,14 +8,27 @@ own: they take ``log``/``warn`` callbacks, and :func:`progress_bar` when they sh
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Callable, Iterator
 
 from rich.console import Console
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+#: Columns of a console that is not a terminal (a log file, a pipe, CI). rich assumes 80 there and cuts table
+#: cells to "…"; a log has no width to respect, so the tables get room for every column. ``COLUMNS`` wins.
+LOG_WIDTH = 160
+
+
+def _console(**kwargs) -> Console:
+    c = Console(highlight=False, **kwargs)
+    if not c.is_terminal and not os.environ.get("COLUMNS"):
+        c.width = LOG_WIDTH
+    return c
+
+
+console = _console()
+err_console = _console(stderr=True, soft_wrap=True)
 
 
 def warn(message: str) -> None:

@@ -82,3 +82,23 @@ def test_sparse_progress_still_gets_an_eta():
             prog.advance(task)
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("profiling:")]
     assert lines[-1] == "profiling: 2/6, elapsed 0:02:00, ETA 0:04:00", lines
+
+
+def test_tables_in_a_log_are_not_cut_to_80_columns(monkeypatch):
+    from rich.table import Table
+
+    from hsd_opt.console import LOG_WIDTH, _console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    c = _console(file=out)
+    assert c.width == LOG_WIDTH
+    t = Table()
+    for name in ("method", "tokens per second", "speed-up over HF generate", "tokens per target call",
+                 "predicted ms/token", "measured ms/token"):
+        t.add_column(name)
+    t.add_row("single_draft", "5.22", "2.69", "8.56", "112.9", "113.4")
+    c.print(t)
+    assert "…" not in out.getvalue() and "speed-up over HF generate" in out.getvalue()
+    monkeypatch.setenv("COLUMNS", "100")
+    assert _console(file=io.StringIO()).width == 100
