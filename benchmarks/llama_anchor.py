@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/llama_anchor.py --plan out/family/plan-int4.json \
         --llama-bench <llama.cpp>/build/bin/llama-bench --gguf ~/.cache/hsd-opt/gguf/<file>.gguf \
         [--prompts FILE] [--limit 6] [--max-new-tokens 64] [--methods ar,single_draft,hsd] [--rounds 2] \
-        [--depth 64] [--out benchmarks/results/llama_anchor.json]
+        [--depth 64] [--retime PROFILE] [--out benchmarks/results/llama_anchor.json]
 
 Each round runs `llama-bench -t THREADS -p 0 -n N -d DEPTH -r 3` (decode only: N tokens after DEPTH tokens of
 context), then `run_bench` over the prompts (every method, interleaved per prompt, as `hsd bench` does), then
@@ -12,6 +12,9 @@ context), then `run_bench` over the prompts (every method, interleaved per promp
 excluded, as llama-bench's `tg` test excludes it), tokens/s with prefill, and the ratio of decode tokens/s to the
 median llama.cpp decode tokens/s of the same round. llama.cpp runs the file in its stored quantization; a plan
 made for `--target-precision int4` runs the same weights as our int4 groups (docs/design.md#target-precision).
+`--retime PROFILE` (the profile the plan was solved from) prices every generation again at the engines' speed of
+the moment, as `hsd bench --retime` does. The report is written after every round, so an interrupted run keeps
+the rounds it finished.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps:
             "depth": depth, "threads": threads, "reps": reps}
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
@@ -55,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--depth", type=int, default=64, help="llama-bench context before its decode test (tokens)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--retime", default=None, help="the profile the plan was solved from (hsd bench --retime)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "llama_anchor.json"))
     a = ap.parse_args()
 
@@ -70,6 +78,11 @@ def main() -> None:
         ap.error(f"--gguf: no file at {a.gguf}")
     if not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench: {a.llama_bench} is not an executable")
+    retime = None
+    if a.retime:
+        from hsd_opt.formats import load_profile
+
+        retime, _ = load_profile(a.retime)
     plan, loaded = load_plan_and_model(Path(a.plan), None, "cpu", None)
     items = load_prompts(a.prompts).items
     if a.task:
@@ -83,7 +96,8 @@ def main() -> None:
         log(f"round {r + 1}/{a.rounds}: llama-bench ...")
         before = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
         log(f"  llama.cpp decode {before['tok_s']:.2f} tok/s; hsd bench over {len(items)} prompts ...")
-        rep = run_bench(plan, loaded, items, max_new_tokens=n_gen, methods=methods, log=log)
+        rep = run_bench(plan, loaded, items, max_new_tokens=n_gen, methods=methods, log=log, retime=retime,
+                        retime_source=a.retime or "profile")
         after = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
         llama = statistics.median([before["tok_s"], after["tok_s"]])
         ours = {}
@@ -95,6 +109,9 @@ def main() -> None:
             ours[m] = {"decode_tok_s": dec, "tok_s": d.get("tokens_per_s"),
                        "decode_vs_llama_cpp": dec / llama if dec else None,
                        "tokens_per_target_call": d.get("tokens_per_target_call"),
+                       "predicted_ms_per_token": _ms(d.get("predicted_seconds_per_token")),
+                       "retimed_ms_per_token": _ms(d.get("retimed_predicted_seconds_per_token")),
+                       "measured_ms_per_token": _ms(d.get("seconds_per_token")),
                        "matches_reference": d.get("matches_reference")}
         log(f"  llama.cpp decode {after['tok_s']:.2f} tok/s after")
         for m, d in ours.items():
@@ -102,15 +119,15 @@ def main() -> None:
                 log(f"  {m}: decode {d['decode_tok_s']:.2f} tok/s = {d['decode_vs_llama_cpp']:.2f}x llama.cpp")
         rounds.append({"llama_cpp_before": before, "llama_cpp_after": after, "llama_cpp_decode_tok_s": llama,
                        "ours": ours, "bench": rep})
+        report = {
+            "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
+            "plan": a.plan, "gguf": os.path.basename(a.gguf), "prompts": len(items), "max_new_tokens": n_gen,
+            "target_precision": rounds[0]["bench"].get("target_precision"), "rounds": rounds,
+        }
+        write_json(a.out, report, indent=1)
 
-    report = {
-        "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
-        "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
-        "plan": a.plan, "gguf": os.path.basename(a.gguf), "prompts": len(items), "max_new_tokens": n_gen,
-        "target_precision": rounds[0]["bench"].get("target_precision"), "rounds": rounds,
-    }
-    write_json(a.out, report, indent=1)
     print("\n| round | llama.cpp decode tok/s | " + " | ".join(f"{m} decode tok/s (x llama.cpp)" for m in methods)
           + " |")
     print("|---|---:|" + "---:|" * len(methods))

@@ -39,8 +39,8 @@ import numpy as np
 
 from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
-from hsd_opt.jsonio import atomic_write
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import atomic_write
 
 TABLE_FORMAT = "hsd-bigram/1"
 
