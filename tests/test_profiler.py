@@ -177,6 +177,7 @@ def test_parse_layers():
     assert parse_layers("all", 4) == [1, 2, 3, 4]
     assert parse_layers("1,3", 4) == [1, 3, 4]
     assert parse_layers("2-3", 6) == [2, 3, 6]
+    assert parse_layers("none", 4) == parse_layers(" None ", 4) == [4]       # the target only, no exit
     with pytest.raises(HsdError, match=r"--layers.*1\.\.4"):
         parse_layers("5", 4)
     with pytest.raises(HsdError, match="--layers"):

@@ -72,13 +72,14 @@ def profile_cmd(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
                                                                     "default: the built-in suite."),
-    layers: str = typer.Option("all", "--layers", help="Early exits: all, or a list like 4,8,12 or 2-10 "
-                                                        "(the last layer, the target, is always included)."),
+    layers: str = typer.Option("all", "--layers", help="Early exits: all, none, or a list like 4,8,12 or "
+                                                        "2-10 (the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
                                                                     "tokenizer (repeatable)."),
     draft_layers: Optional[str] = typer.Option(None, "--draft-layers",
                                                help="Early exits of every draft model too (its own layers, "
-                                                    "e.g. 12,18), named <draft>-layer12."),
+                                                    "e.g. 12,18, or all; none: the default), named "
+                                                    "<draft>-layer12."),
     quantized: Optional[str] = typer.Option(None, "--quantized",
                                             help="Quantized copies as drafters, comma list: int8, int4 (of the "
                                                  "target), MODEL:int8, MODEL:int4 (of a draft model, named "
@@ -170,7 +171,7 @@ def profile_cmd(
     from hsd_opt.engine.layered import layer_spec_numbers
 
     for spec, flag in ((layers, "--layers"), (draft_layers, "--draft-layers")):
-        if spec is not None:
+        if spec is not None and spec.strip().lower() != "none":
             layer_spec_numbers(spec, flag)  # the syntax, before loading anything (ranges once loaded)
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),

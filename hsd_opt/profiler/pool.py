@@ -25,9 +25,13 @@ KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 
 
 def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[int]:
-    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those (the model's last layer n is always added).
-    Boundaries count decoder layers run (layer b = the residual stream after b layers). Errors name ``flag``."""
+    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those; ``"none"`` -> no exit (the model's last layer n is
+    always added). Boundaries count decoder layers run (layer b = the residual stream after b layers). Errors
+    name ``flag``."""
     from hsd_opt.engine.layered import parse_layer_spec
+
+    if (spec or "").strip().lower() == "none":
+        return [n_layers]
 
     note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
     try:
