@@ -238,8 +238,8 @@ def test_profile_run_an_int4_target_and_refuse_another_precision(family, tmp_pat
     (["--target-precision", "int4", "--heads", "h.safetensors"], "--heads"),
     (["--quantized", "small:int3"], "--quantized"),
     (["--draft-layers", "1"], "--draft-model"),
-    (["--draft-model", "./no-such-model", "--draft-layers", "nope"], "--draft-layers: expected 'all'"),
-    (["--layers", "4,x"], "--layers: expected 'all'"),
+    (["--draft-model", "./no-such-model", "--draft-layers", "nope"], "--draft-layers: expected 'all', 'none'"),
+    (["--layers", "4,x"], "--layers: expected 'all', 'none'"),
     (["--quantized", "./no-such-model:int4"], "--quantized"),
     (["--cost-budget", "soon"], "--cost-budget"),
     (["--cost-budget", "-3"], "--cost-budget")])

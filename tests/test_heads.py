@@ -185,6 +185,8 @@ def test_parse_layers():
     for bad in ("30", "0", "x", ""):
         with pytest.raises(HsdError, match="--layers"):
             parse_layers(bad, 30)
+    with pytest.raises(HsdError, match="--layers: no layers given"):   # heads need at least one exit
+        parse_layers("none", 30)
 
 
 def test_evaluate_raw_last_layer_agrees_fully(tiny):

@@ -171,7 +171,7 @@ def profile_cmd(
     from hsd_opt.engine.layered import layer_spec_numbers
 
     for spec, flag in ((layers, "--layers"), (draft_layers, "--draft-layers")):
-        if spec is not None and spec.strip().lower() != "none":
+        if spec is not None:
             layer_spec_numbers(spec, flag)  # the syntax, before loading anything (ranges once loaded)
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),

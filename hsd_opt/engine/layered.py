@@ -42,25 +42,29 @@ ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
 def layer_spec_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
     """The layer numbers a ``--layers`` value names, unsorted and unchecked against the model (``None`` for
-    ``"all"``/``"*"``): the syntax alone, so a malformed value is refused before any model is loaded. Raises
-    :class:`HsdError` naming ``flag``."""
+    ``"all"``/``"*"``, ``[]`` for ``"none"``): the syntax alone, so a malformed value is refused before any model
+    is loaded. Raises :class:`HsdError` naming ``flag``."""
     if spec.strip().lower() in ("all", "*"):
         return None
+    if spec.strip().lower() == "none":
+        return []
     out: list[int] = []
     for part in spec.split(","):
         a, dash, b = part.strip().partition("-")
         if not part.strip():
             continue
         if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
-            raise HsdError(f"{flag}: expected 'all' or layer numbers like 4,8,14 or 2-6, got {part.strip()!r}")
+            raise HsdError(f"{flag}: expected 'all', 'none' or layer numbers like 4,8,14 or 2-6, "
+                           f"got {part.strip()!r}")
         out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
     return out
 
 
 def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str) -> list[int]:
-    """Layer numbers from a ``--layers`` value: ``"all"``/``"*"`` -> 1..max_layer, ``"4,8,12"``, ranges ``"2-6"``,
-    or a sequence of ints; sorted, without repeats (possibly empty). Anything malformed, or a layer outside
-    1..max_layer, raises :class:`HsdError` naming ``--layers`` (``range_note`` says what the valid range means)."""
+    """Layer numbers from a ``--layers`` value: ``"all"``/``"*"`` -> 1..max_layer, ``"none"`` -> [],
+    ``"4,8,12"``, ranges ``"2-6"``, or a sequence of ints; sorted, without repeats (possibly empty). Anything
+    malformed, or a layer outside 1..max_layer, raises :class:`HsdError` naming ``--layers`` (``range_note`` says
+    what the valid range means)."""
     if not isinstance(spec, str):
         out = [int(x) for x in spec]
     else:

@@ -30,9 +30,6 @@ def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[int]:
     name ``flag``."""
     from hsd_opt.engine.layered import parse_layer_spec
 
-    if (spec or "").strip().lower() == "none":
-        return [n_layers]
-
     note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
     try:
         return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
