@@ -116,6 +116,62 @@ def test_exact_mode_hands_up_exactly_budget():
     assert len(sizes) > 5 and all(n == min(5, room) for n, room in sizes)
 
 
+def _record_rounds_and_passes(lm, upto):
+    """Run HSD while recording, in order, every pass of ``lm`` up to layer ``upto`` (``("pass", positions)``)
+    and every round of the top level (``("round", whole block accepted)``); returns the list and an undo."""
+    events = []
+    orig_advance, orig_level = lm.advance, HSD._level
+
+    def advance(st, u):
+        work = orig_advance(st, u)
+        if u == upto:
+            events.append(("pass", work // u))
+        return work
+
+    def level(self, k):
+        before = (self.stats[k].drafted, self.stats[k].accepted)
+        out = orig_level(self, k)
+        if k == len(self.levels) - 1:
+            d, a = self.stats[k].drafted - before[0], self.stats[k].accepted - before[1]
+            events.append(("round", d > 0 and a == d))
+        return out
+
+    lm.advance, HSD._level = advance, level
+
+    def undo():
+        lm.advance, HSD._level = orig_advance, orig_level
+    return events, undo
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_fully_accepted_block_costs_a_separate_drafter_one_more_position(budget):
+    """The runtime behind the latency model's catch-up term (docs/design.md, "Catch-up after an accepted
+    block"): a drafter with its own cache computes 2 positions in its first step after the target accepted its
+    whole block (its own last draft and the bonus token), 1 after a rejection (the corrected token) and in every
+    other step; an exit that shares the target's cache computes 1 position in every step."""
+    model = make_tiny_llama(seed=4, vocab_size=32, layers=6, scale=8.0)
+    target, drafter = LayeredLM(model), LayeredLM(model)        # two engines: two caches, the same weights
+    for levels, lm in (([Level("other5", drafter, 5), Level("l6", target, 6)], drafter),
+                       ([Level("l5", target, 5), Level("l6", target, 6)], target)):
+        events, undo = _record_rounds_and_passes(lm, 5)
+        try:
+            HSD(levels, [budget]).generate([3, 4, 5, 6], 80)
+        finally:
+            undo()
+        passes_after = []          # per round: the positions of the drafter's passes in the next round
+        for kind, v in events[1:]:                              # events[0]: the prefill
+            if kind == "round":
+                passes_after.append((v, []))
+            elif passes_after:
+                passes_after[-1][1].append(v)
+        rounds = [(full, ps) for full, ps in passes_after if ps]
+        full = sum(f for f, _ in rounds)
+        assert full >= 3 and len(rounds) - full >= 3, rounds    # both kinds of round happened
+        shared = lm is target
+        for f, ps in rounds:
+            assert ps == [2 if f and not shared else 1] + [1] * (len(ps) - 1), (f, ps)
+
+
 def test_token_drafter_bottom_and_observe():
     model = make_tiny_llama(seed=5, vocab_size=40, layers=4, scale=6.0)
     lm = LayeredLM(model)

@@ -13,7 +13,7 @@ import pytest
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_profile, plan_from_dict, profile_from_dict
-from hsd_opt.solver import hierarchy_latency
+from hsd_opt.solver import hierarchy_latency, latency
 from hsd_opt.solver.api import evaluate, optimum, simulate, solve
 from hsd_opt.solver.brute import brute_ranked
 from hsd_opt.solver.context import interpolate, latency_at, latency_table, profile_at_context, typical_context
@@ -168,12 +168,17 @@ def test_plans_per_task_use_each_tasks_context():
     assert {e["context"] for e in fixed.values()} == {500}
 
 
-def test_old_single_context_profiles_solve_exactly_as_before():
+def test_old_single_context_profiles_solve_exactly_as_before(monkeypatch):
     """Profiles without context_costs: the same plan, to the last digit, as before costs could depend on the
-    context (figures from the solver as it was), and no context fields in the plan."""
+    context (figures from the solver as it was, which did not price the catch-up after an accepted block: that
+    term set to 0 here), and no context fields in the plan. With the catch-up the plan stays and its latency
+    grows by exactly the target's rounds per token x a^T x the int4 copy's pass over 2 tokens less its step."""
     prof, _ = load_profile(REPO / "benchmarks" / "results" / "profile_lookup.json")
     assert prof.context_costs == []
-    d = solve(prof, 15, min_gain=0.03).to_dict()
+    with monkeypatch.context() as m:
+        m.setattr(latency, "catch_up_cost", lambda *args: 0.0)
+        d = solve(prof, 15, min_gain=0.03).to_dict()
+        assert solve(prof, 15, min_gain=0.03, context=900).to_dict() == d  # a context changes nothing here
     assert (d["hierarchy"], d["budgets"], d["expected_latency"]) == (["lookup", "int4", "layer30"], [2, 15],
                                                                       0.03328715289226971)
     assert [(a["hierarchy"], a["budgets"], a["expected_latency"]) for a in d["alternatives"][:2]] == [
@@ -181,12 +186,16 @@ def test_old_single_context_profiles_solve_exactly_as_before():
         (["aded", "int4", "layer30"], [1, 15], 0.03586676571883185)]
     assert d["baselines"]["best_single_draft"]["expected_latency"] == 0.03733304032424194
     assert d["baselines"]["best_early_exit"]["expected_latency"] == 0.08074901911441076
-    ex = solve(REPO / "data" / "example_profile.json", 15, min_gain=0.03).to_dict()
+    ex = solve(REPO / "data" / "example_profile.json", 15, min_gain=0.03).to_dict()   # scalar costs: no catch-up
     assert (ex["hierarchy"], ex["budgets"], ex["expected_latency"]) == (["m3", "m4", "m5", "m6"], [6, 7, 8],
                                                                         10.656547608311389)
     for plan in (d, ex):
         assert not {"context", "context_from", "latency_by_context"} & _keys(plan)
-    assert solve(prof, 15, min_gain=0.03, context=900).to_dict() == d  # a context changes nothing here
+    now = solve(prof, 15, min_gain=0.03)
+    a, curve = prof.accept("int4", "layer30"), prof.cost_curve["int4"]
+    assert (now.hierarchy, now.budgets) == (d["hierarchy"], d["budgets"])
+    assert now.expected_latency == pytest.approx(
+        d["expected_latency"] + a ** 15 * (curve[1] - curve[0]) / sum(a ** k for k in range(16)), rel=1e-12)
 
 
 def _keys(x) -> set[str]:

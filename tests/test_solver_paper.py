@@ -13,6 +13,7 @@ from hsd_opt import load_profile
 from hsd_opt.formats import profile_from_dict
 from hsd_opt.solver import hierarchy_latency, simulate, solve
 from hsd_opt.solver.api import optimum
+from hsd_opt.solver.latency import catch_up_cost, curve_at
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -85,6 +86,31 @@ def test_simulate_uses_verify_costs():
     for h, b in ((["a", "b", "t"], [3, 6]), (["b", "t"], [5]), (["a", "t"], [2])):
         r = simulate(p, h, b, rounds=60_000, seed=3)
         assert abs(r.latency - r.predicted) < 4 * r.stderr, (h, r)
+
+
+def test_catch_up_after_an_accepted_block():
+    """A drafter with its own cache pays one more position after a fully accepted block: the model adds
+    ``a^T (s_2 - s_1)`` of its cost curve to every round (the hand formula for two levels), nothing for a pair
+    that shares a cache (its own verify_cost) or a drafter without a curve; the Monte-Carlo, which pays it
+    only in the rounds that accepted everything, agrees at depth 2 and 3."""
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.1}, {"name": "b", "cost": 0.3}, {"name": "t", "cost": 1.0}],
+         "acceptance": {"a": {"b": 0.8, "t": 0.7}, "b": {"t": 0.9}},
+         "cost_curve": {"a": [0.1, 0.16, 0.2], "b": [0.3, 0.33, 0.4, 0.45], "t": [1.0, 1.1, 1.25, 1.4, 1.5]}}
+    p = profile_from_dict(d)[0]
+    assert catch_up_cost(p, "a", "t") == pytest.approx(0.06) and catch_up_cost(p, "b", "t") == pytest.approx(0.03)
+    for T in (1, 2, 4):
+        S = sum(0.7 ** k for k in range(T + 1))
+        want = (curve_at([1.0, 1.1, 1.25, 1.4, 1.5], T + 1) + T * 0.1 + 0.7 ** T * 0.06) / S
+        assert hierarchy_latency(p, ["a", "t"], [T]) == pytest.approx(want, rel=1e-12)
+    shared = profile_from_dict({**d, "verify_cost": {"b": {"a": [0.3, 0.35, 0.4]}}})[0]
+    assert catch_up_cost(shared, "a", "b") == 0.0 and catch_up_cost(shared, "a", "t") == pytest.approx(0.06)
+    flat = profile_from_dict({**d, "cost_curve": {"t": d["cost_curve"]["t"]}})[0]
+    assert catch_up_cost(flat, "a", "t") == 0.0
+    for prof in (p, shared):
+        for h, b in ((["a", "t"], [3]), (["a", "b", "t"], [2, 5]), (["b", "t"], [6])):
+            r = simulate(prof, h, b, rounds=60_000, seed=7)
+            assert abs(r.latency - r.predicted) < 4 * r.stderr, (h, r)
 
 
 @pytest.mark.parametrize("rate", [0.3, 0.75])

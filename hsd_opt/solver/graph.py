@@ -13,7 +13,8 @@ edge                       mu                                  cost
 (i, L) -> (i, L)           1/2                                  0
 =========================  ==================================  ===============================
 
-``v_i(k, l)`` is the verify cost of :func:`hsd_opt.solver.latency.verify_cost` (``c_i`` with scalar costs).
+``v_i(k, l)`` is the round cost of :func:`hsd_opt.solver.latency.round_cost`: the verify pass over ``l + 1``
+tokens (``c_i`` with scalar costs) plus k's expected catch-up after a fully accepted block.
 Into a drafter ``k`` that abstains (``draft_rate < 1``): ``mu = M`` and the cost adds ``U (v_i(1) + c_k)``
 for the rounds without a block; the source edge adds ``src_add`` (:mod:`hsd_opt.solver.instance`).
 With ``max_depth`` the drafter vertices carry a third element, the number of drafters still allowed including

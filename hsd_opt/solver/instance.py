@@ -24,7 +24,7 @@ import numpy as np
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
 from hsd_opt.solver.hierarchy import cost_order
-from hsd_opt.solver.latency import gamma_table, round_tables, top_rate, verify_cost, verify_cost_row
+from hsd_opt.solver.latency import gamma_table, round_cost, round_tables, top_rate, verify_cost
 
 
 @dataclass
@@ -39,7 +39,8 @@ class Instance:
         below: ``below[i]`` = int array of the drafters ``i`` may verify (ascending).
         gam: ``gam[i]`` = ``(len(below[i]), tmax, tmax)``, ``gamma(a[k][i], l, j)`` at ``[kk, l-1, j-1]``
             (for a drafter k that abstains: ``M``, the expected rounds in which k proposes).
-        vcost: ``vcost[i]`` = ``(len(below[i]), tmax)`` seconds for ``i`` to verify a block of ``l`` drafts of k.
+        vcost: ``vcost[i]`` = ``(len(below[i]), tmax)`` seconds of a round of ``i`` over a block of ``l`` drafts
+            of k: its verify pass plus k's expected catch-up (:func:`~hsd_opt.solver.latency.round_cost`).
         abst: ``abst[i]`` = int array of the rows ``kk`` of ``below[i]`` whose drafter abstains (``draft_rate < 1``).
         gam_u: ``gam_u[i]`` = ``(len(abst[i]), tmax, tmax)``: ``U``, expected rounds in which it abstains.
         v_abst: ``v_abst[i]`` = ``(len(abst[i]),)`` seconds of such a round: ``i``'s pass over one token plus the
@@ -47,7 +48,8 @@ class Instance:
         src: int array of drafters the target may verify.
         src_rate: ``(len(src), tmax)``: ``R = (1-a)/(1-a^(j+1))``, target passes per token with budget j
             (for an abstaining drafter: the passes over its blocks per token).
-        src_cost: ``(len(src), tmax)`` seconds of one target pass over a block of j drafts.
+        src_cost: ``(len(src), tmax)`` seconds of one target round over a block of j drafts (its pass plus the
+            drafter's expected catch-up).
         src_add: ``(len(src), tmax)`` seconds per token of the rounds an abstaining drafter leaves to the target
             (0 for the others). The latency over ``src[s]`` is ``src_rate * (src_cost + V) + src_add``.
     """
@@ -96,6 +98,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         below.append(np.array(ks, dtype=int))
     table = gamma_table(np.array(pairs_a), tmax) if pairs_a else np.zeros((0, tmax, tmax))
     gam, vcost, abst, gam_u, v_abst = [], [], [], [], []
+    ls = np.arange(1, tmax + 1)
     p = 0
     for i in range(D):
         n = len(below[i])
@@ -114,9 +117,9 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         v_abst.append(np.array([verify_cost(profile, names[i], names[below[i][kk]], 1) + cost[below[i][kk]]
                                 for kk in ab]))
         vc = np.full((n, tmax), cost[i])                      # scalar cost unless a curve or pair cost says
-        if names[i] in profile.verify_cost or names[i] in profile.cost_curve:
-            for kk, k in enumerate(below[i]):
-                vc[kk] = verify_cost_row(profile, names[i], names[k], tmax)
+        for kk, k in enumerate(below[i]):
+            if names[i] in profile.verify_cost or names[i] in profile.cost_curve or names[k] in profile.cost_curve:
+                vc[kk] = round_cost(profile, names[i], names[k], ls)
         vcost.append(vc)
     src = np.array([i for i, n in enumerate(names) if profile.accept(n, K) is not None], dtype=int)
     js = np.arange(1, tmax + 1)
@@ -125,6 +128,6 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     for s_, i in enumerate(src):
         src_rate[s_], src_add[s_] = top_rate(profile.accept(names[i], K), rate[i], js,
                                              verify_cost(profile, K, names[i], 1), cost[i])
-    src_cost = np.array([verify_cost_row(profile, K, names[i], tmax) for i in src]).reshape(len(src), tmax)
+    src_cost = np.array([round_cost(profile, K, names[i], js) for i in src]).reshape(len(src), tmax)
     return Instance(names, K, profile.entry(K).cost, tmax, cost, can_verify, below, gam, vcost, abst, gam_u,
                     v_abst, src, src_rate, src_cost, src_add)

@@ -10,10 +10,12 @@ Hierarchy ``m_0, ..., m_{n-1}, K`` (cheapest first, target last), budgets ``1 <=
     B_i = gamma(a[m_{i-1}][m_i], T_{i-1}, T_i) * (v_i + B_{i-1})      # level i produces a block of T_i tokens
     L   = (v_K + B_{n-1}) / (1 + a + ... + a^T_{n-1}),  a = a[m_{n-1}][K]
 
-where ``v_i`` is the cost of one verify pass of ``m_i`` over a block of ``T_{i-1}`` drafts (t = T_{i-1} + 1
-tokens), see :func:`verify_cost` (`docs/design.md#costs-of-a-pass-over-t-tokens`); ``gamma`` is the expected
-number of rounds, :func:`gamma` (`docs/design.md#rounds-and-gamma`). With only scalar costs ``v_i = c[m_i]``:
-the paper's model exactly.
+where ``v_i`` is the cost of one round of ``m_i`` over a block of ``T_{i-1}`` drafts: its verify pass over
+``t = T_{i-1} + 1`` tokens (:func:`verify_cost`, `docs/design.md#costs-of-a-pass-over-t-tokens`) plus, when the
+whole block is accepted (probability ``a^T_{i-1}``), the one more position the level below then computes
+(:func:`round_cost`, `docs/design.md#catch-up-after-an-accepted-block`); ``gamma`` is the expected number of
+rounds, :func:`gamma` (`docs/design.md#rounds-and-gamma`). With only scalar costs ``v_i = c[m_i]``: the paper's
+model exactly.
 
 A bottom drafter with ``draft_rate f < 1`` (a token drafter that abstains where it has no confident guess,
 `docs/design.md#abstaining-drafters`) proposes its block in a share ``f`` of the rounds of the level above and
@@ -167,9 +169,10 @@ def target_rate(a: float | np.ndarray, T: int | np.ndarray) -> float | np.ndarra
 def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.ndarray, v_step: float,
                 c_draft: float) -> float | np.ndarray:
     """Seconds per token of the target over a level that hands up blocks of ``T`` tokens at ``c_draft`` seconds
-    per token with acceptance ``a`` (``T`` may be an array of budgets, with ``v_block`` the target's pass over
-    ``T + 1`` tokens for each). ``f < 1``: that level is a bottom drafter proposing with probability ``f``; the
-    other rounds are one target step (``v_step``, the pass over one token) plus the drafter's failed call.
+    per token with acceptance ``a`` (``T`` may be an array of budgets, with ``v_block`` the target's round over
+    each: its pass over ``T + 1`` tokens plus the drafter's expected catch-up, :func:`round_cost`). ``f < 1``:
+    that level is a bottom drafter proposing with probability ``f``; the other rounds are one target step
+    (``v_step``, the pass over one token) plus the drafter's failed call.
     `docs/design.md#latency-of-a-hierarchy`, `docs/design.md#abstaining-drafters`."""
     T = np.asarray(T)
     rate, add = top_rate(a, f, T, v_step, c_draft)
@@ -226,17 +229,36 @@ def verify_cost(profile: Profile, verifier: str, drafter: str, t: int) -> float:
     return profile.entry(verifier).cost
 
 
-def verify_cost_row(profile: Profile, verifier: str, drafter: str, tmax: int) -> np.ndarray:
-    """``verify_cost(profile, verifier, drafter, l + 1)`` for blocks l = 1..tmax, shape ``(tmax,)`` seconds
-    (`docs/design.md#costs-of-a-pass-over-t-tokens`)."""
-    vc = profile.verify_cost.get(verifier, {}).get(drafter)
-    if vc is None:
-        vc = profile.cost_curve.get(verifier)
-    if vc is None:
-        return np.full(tmax, profile.entry(verifier).cost)
-    if not isinstance(vc, list):
-        return np.full(tmax, float(vc))
-    return np.array([curve_at(vc, l + 1) for l in range(1, tmax + 1)])
+def catch_up_cost(profile: Profile, drafter: str, verifier: str) -> float:
+    """Seconds ``drafter`` spends on one more position after ``verifier`` accepted the whole block it drafted.
+
+    A drafter never feeds its own last draft back in, so after a fully accepted block two tokens are new to it
+    (that last draft and the verifier's bonus token) where a rejection leaves one (the corrected token): its next
+    pass is one position longer, a pass over 2 tokens instead of a step for a bottom drafter. Priced at
+    ``cost_curve[drafter]`` over 2 tokens minus over 1 (:func:`curve_at`); 0 without a curve (scalar costs: the
+    paper's model) and 0 for a pair with its own ``verify_cost[verifier][drafter]``, the exits of one model,
+    whose verify pass already runs the drafter's layers on its last draft (activation reuse).
+    `docs/design.md#catch-up-after-an-accepted-block`.
+    """
+    if drafter in profile.verify_cost.get(verifier, {}):
+        return 0.0
+    cc = profile.cost_curve.get(drafter)
+    if not cc:
+        return 0.0
+    return max(0.0, curve_at(cc, 2) - curve_at(cc, 1))
+
+
+def round_cost(profile: Profile, verifier: str, drafter: str, l: int | np.ndarray) -> float | np.ndarray:
+    """Seconds of one round of ``verifier`` over a block of ``l`` drafts, beyond the drafting: its pass over
+    ``l + 1`` tokens plus, with probability ``a^l`` (the whole block accepted), the drafter's catch-up
+    (:func:`catch_up_cost`). ``l`` may be an array of block sizes. `docs/design.md#catch-up-after-an-accepted-block`.
+    """
+    ls = np.atleast_1d(np.asarray(l, dtype=int))
+    v = np.array([verify_cost(profile, verifier, drafter, int(x) + 1) for x in ls])
+    extra = catch_up_cost(profile, drafter, verifier)
+    if extra:
+        v = v + float(profile.accept(drafter, verifier)) ** ls * extra
+    return float(v[0]) if np.ndim(l) == 0 else v
 
 
 # ------------------------------------------------------------------------------------------------ latency
@@ -284,14 +306,14 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
     for i in range(1, len(hierarchy) - 1):
         lo, hi = hierarchy[i - 1], hierarchy[i]
         M, U = round_counts(profile.accept(lo, hi), f if i == 1 else 1.0, budgets[i - 1], budgets[i])
-        B = M * (verify_cost(profile, hi, lo, budgets[i - 1] + 1) + B)
+        B = M * (round_cost(profile, hi, lo, budgets[i - 1]) + B)
         if U:
             B += U * (verify_cost(profile, hi, lo, 1) + bottom.cost)
     lo, K = hierarchy[-2], hierarchy[-1]
     if len(hierarchy) > 2 or f >= 1.0:
-        vK = verify_cost(profile, K, lo, budgets[-1] + 1)
+        vK = round_cost(profile, K, lo, budgets[-1])
         return (vK + B) * target_rate(profile.accept(lo, K), budgets[-1])
-    return top_latency(profile.accept(lo, K), f, budgets[0], verify_cost(profile, K, lo, budgets[0] + 1),
+    return top_latency(profile.accept(lo, K), f, budgets[0], round_cost(profile, K, lo, budgets[0]),
                        verify_cost(profile, K, lo, 1), bottom.cost)
 
 
@@ -316,7 +338,7 @@ def best_single_draft(profile: Profile, tmax: int,
         if kinds is not None and profile.entry(d).kind not in kinds:
             continue
         e = profile.entry(d)
-        L = top_latency(profile.accept(d, K), e.draft_rate, js, verify_cost_row(profile, K, d, tmax),
+        L = top_latency(profile.accept(d, K), e.draft_rate, js, round_cost(profile, K, d, js),
                         verify_cost(profile, K, d, 1), e.cost)
         j = int(np.argmin(L))
         if best is None or L[j] < best[2]:

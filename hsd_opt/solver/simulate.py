@@ -6,7 +6,8 @@ exactly ``T_0`` tokens per call (``T_0`` autoregressive steps); an intermediate 
 verifies the block of ``T_{i-1}`` drafts in one pass (``1 + min(G, T_{i-1})`` tokens kept, ``P(G >= m) = a^m``,
 the corrected or bonus token included), repeats until it holds at least ``T_i`` tokens and hands up exactly
 ``T_i`` (the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
-``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`.
+``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`; a round that
+accepted the whole block also pays the level below's catch-up (:func:`~hsd_opt.solver.latency.catch_up_cost`).
 A bottom drafter with ``draft_rate f < 1`` proposes its block in each round of the level above with
 probability ``f``; otherwise that round is one pass of the level above over one token (one token kept) plus the
 drafter's failed call (its ``cost``).
@@ -20,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from hsd_opt.formats import Profile
-from hsd_opt.solver.latency import hierarchy_latency, verify_cost
+from hsd_opt.solver.latency import catch_up_cost, hierarchy_latency, verify_cost
 
 
 @dataclass
@@ -45,11 +46,12 @@ def _tokens_per_round(rng: np.random.Generator, a: float, t: int, size: int) -> 
     return 1 + np.minimum(g, t)
 
 
-def _rounds_over(rng, level: int, M: int, T, acc, vcost, c0, f, v_step) -> tuple[np.ndarray, np.ndarray]:
+def _rounds_over(rng, level: int, M: int, T, acc, vcost, c0, f, v_step, catch) -> tuple[np.ndarray, np.ndarray]:
     """``M`` rounds of ``level`` (1..n) over the level below: ``(tokens kept (M,), seconds (M,))``."""
     t, a = T[level - 1], acc[level - 1]
     toks = _tokens_per_round(rng, a, t, M)
-    secs = vcost[level - 1] + _block_times(rng, level - 1, M, T, acc, vcost, c0, f, v_step)
+    secs = vcost[level - 1] + _block_times(rng, level - 1, M, T, acc, vcost, c0, f, v_step, catch)
+    secs = secs + np.where(toks == t + 1, catch[level - 1], 0.0)     # the whole block accepted
     if level == 1 and f < 1.0:   # the bottom abstained: a plain step of this level and the drafter's call
         off = rng.random(M) >= f
         toks[off] = 1
@@ -57,7 +59,7 @@ def _rounds_over(rng, level: int, M: int, T, acc, vcost, c0, f, v_step) -> tuple
     return toks, secs
 
 
-def _block_times(rng, level: int, M: int, T, acc, vcost, c0, f=1.0, v_step=0.0) -> np.ndarray:
+def _block_times(rng, level: int, M: int, T, acc, vcost, c0, f, v_step, catch) -> np.ndarray:
     """Seconds for ``M`` independent calls of ``level`` to hand up a block of ``T[level]`` tokens, shape (M,)."""
     if level == 0:
         return np.full(M, T[0] * c0)
@@ -66,7 +68,7 @@ def _block_times(rng, level: int, M: int, T, acc, vcost, c0, f=1.0, v_step=0.0) 
     secs = np.zeros(M)
     active = np.arange(M)
     while active.size:
-        k, c = _rounds_over(rng, level, active.size, T, acc, vcost, c0, f, v_step)
+        k, c = _rounds_over(rng, level, active.size, T, acc, vcost, c0, f, v_step, catch)
         have[active] += k
         secs[active] += c
         active = active[have[active] < need]
@@ -91,11 +93,12 @@ def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
     c0 = profile.entry(hierarchy[0]).cost
     f = profile.entry(hierarchy[0]).draft_rate
     v_step = verify_cost(profile, hierarchy[1], hierarchy[0], 1)      # level 1's pass when the bottom abstains
+    catch = [catch_up_cost(profile, hierarchy[i - 1], hierarchy[i]) for i in range(1, n + 1)]
     times, toks = [], []
     done = 0
     while done < rounds:
         M = min(chunk, rounds - done)
-        k, c = _rounds_over(rng, n, M, budgets, acc, vcost, c0, f, v_step)
+        k, c = _rounds_over(rng, n, M, budgets, acc, vcost, c0, f, v_step, catch)
         times.append(c)
         toks.append(k)
         done += M
