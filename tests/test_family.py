@@ -92,7 +92,9 @@ def test_quantized_flag_names_copies_of_draft_models():
         (None, "int8"), ("qwen2.5-coder-0.5b", "int4")]
     assert parse_quantized_copies("split-gguf:qwen2.5-coder-0.5b:int4", "cpu") == [
         ("split-gguf:qwen2.5-coder-0.5b", "int4")]
-    for bad in ("small:int3", ":int4", "int2"):
+    assert parse_quantized_copies("int4-head4,small:INT4-head4", "cpu") == [(None, "int4-head4"),
+                                                                            ("small", "int4-head4")]
+    for bad in ("small:int3", ":int4", "int2", "int4-head3", "int8-head4"):
         with pytest.raises(HsdError, match="--quantized"):
             parse_quantized_copies(bad, "cpu")
     assert resolve_target_precision("int4", "auto") == ("auto", "int4")
@@ -131,6 +133,29 @@ def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
         row = _run_json(plan_path, tmp_path / "run.jsonl")
         assert row["token_ids"] == _ar(plan_path) and len(row["token_ids"]) == 10
         assert [lv["name"] for lv in row["stats"]["levels"]] == hierarchy
+
+
+def test_a_copy_with_an_int4_head_drafts_and_runs_lossless(family, tmp_path):
+    """``MODEL:int4-head4``: an int4 copy of the small model whose LM head is int4 too (half the head's bytes)
+    enters the pool next to the plain int4 copy, records its head in the profile, is rebuilt with it by the
+    runner, and drafts losslessly; its head is not the plain copy's (other logits)."""
+    prof_path = tmp_path / "prof.json"
+    prof = _profile(family, prof_path, "--draft-model", family["small"], "--layers", "4",
+                    "--quantized", f"{family['small']}:int4,{family['small']}:int4-head4")
+    e = {m["name"]: m for m in prof["models"]}
+    assert e["small-int4"]["quantization"]["head_bits"] == 8
+    assert e["small-int4-head4"]["quantization"]["head_bits"] == 4
+    assert e["small-int4-head4"]["quantization"]["bits"] == 4 and e["small-int4-head4"]["kind"] == "quantized"
+    assert prof["provenance"]["quantized"] == ["small-int4", "small-int4-head4"]
+    plan_path = tmp_path / "plan.json"
+    _plan(prof_path, plan_path, ["small-int4-head4", "layer4"], [3])
+    row = _run_json(plan_path, tmp_path / "run.jsonl")
+    assert row["token_ids"] == _ar(plan_path) and len(row["token_ids"]) == 10
+    assert [lv["name"] for lv in row["stats"]["levels"]] == ["small-int4-head4", "layer4"]
+    small = _load(family["small"])
+    h8, h4 = QuantizedLM(small.model, bits=4), QuantizedLM(small.model, bits=4, head_bits=4)
+    hidden = torch.randn(3, small.model.config.hidden_size)
+    assert not torch.equal(h8.head(hidden, h8.n_layers), h4.head(hidden, h4.n_layers))
 
 
 def test_a_copy_shares_the_prompt_of_its_own_model(family, monkeypatch):

@@ -36,6 +36,10 @@ from hsd_opt.errors import HsdError
 
 #: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
 QUANT_KINDS = {"int8": (8, 0), "int4": (4, 32)}
+#: What ``--quantized`` takes: (bits, group size, LM head bits). ``int4-head4`` is an int4 copy whose LM head is
+#: int4 too: half the head's bytes (on a large vocabulary the head is much of a small model's step) for a little
+#: agreement; a drafter's head need not be exact, its drafts are verified.
+COPY_KINDS = {"int8": (8, 0, 8), "int4": (4, 32, 8), "int4-head4": (4, 32, 4)}
 ACT_DTYPE = torch.bfloat16
 
 
@@ -48,6 +52,15 @@ def quant_spec(name: str) -> tuple[int, int]:
     raise HsdError(f"--quantized: expected {' or '.join(QUANT_KINDS)} (or 'none'), got {name!r}")
 
 
+def copy_spec(name: str) -> tuple[int, int, int]:
+    """A ``--quantized`` kind as (bits, group size, LM head bits): ``"int4"`` -> (4, 32, 8), ``"int4-head4"`` ->
+    (4, 32, 4). Anything else raises :class:`HsdError` naming ``--quantized``."""
+    s = str(name).strip().lower()
+    if s in COPY_KINDS:
+        return COPY_KINDS[s]
+    raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)} (or 'none'), got {name!r}")
+
+
 def parse_quantized(spec: str | None, device) -> list[str]:
     """The ``--quantized`` copies of the target: ``None`` -> the default (``int8,int4`` on a CPU, where int8/int4
     kernels run; else none); ``"none"`` -> []; else the :data:`QUANT_KINDS` names of the list (copies of draft
@@ -56,9 +69,9 @@ def parse_quantized(spec: str | None, device) -> list[str]:
 
 
 def parse_quantized_copies(spec: str | None, device) -> list[tuple[str | None, str]]:
-    """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4`` are copies of the target (``model``
-    None), ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id or path as ``--draft-model`` takes
-    it; the kind follows the last colon). ``None`` -> the default (``int8,int4`` of the target on a CPU, else
+    """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4``/``int4-head4`` (:data:`COPY_KINDS`)
+    are copies of the target (``model`` None), ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id
+    or path as ``--draft-model`` takes it; the kind follows the last colon). ``None`` -> the default (``int8,int4`` of the target on a CPU, else
     none); ``"none"`` -> []. Repeats are dropped; a bad kind or an empty model raises :class:`HsdError` naming
     ``--quantized``."""
     if spec is None:
@@ -72,8 +85,9 @@ def parse_quantized_copies(spec: str | None, device) -> list[tuple[str | None, s
             continue
         model, colon, kind = part.rpartition(":")
         if colon and not model.strip():
-            raise HsdError(f"--quantized: expected int8, int4 or MODEL:int8, MODEL:int4, got {part!r}")
-        quant_spec(kind)
+            raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)} or MODEL:KIND (e.g. MODEL:int4), "
+                           f"got {part!r}")
+        copy_spec(kind)
         item = (model.strip() or None, kind.strip().lower())
         if item not in out:
             out.append(item)

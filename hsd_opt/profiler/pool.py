@@ -196,7 +196,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
     quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
     float decoder weights released once the pool is built (:func:`~hsd_opt.engine.layered.release_float_weights`)."""
     from hsd_opt.engine.layered import LayeredLM, release_float_weights
-    from hsd_opt.engine.quantized import QuantizedLM, parse_quantized_copies, quant_spec
+    from hsd_opt.engine.quantized import QuantizedLM, copy_spec, parse_quantized_copies
     from hsd_opt.models.loading import check_same_tokenizer, load_model
 
     n_layers = eng.n_layers
@@ -229,7 +229,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
         drafts[dlm.model_id] = DraftSource(dlm, name, True)
     for ref, kind in parse_quantized_copies(quantized, eng.device if not eng.is_copy else "meta"):
-        bits, group = quant_spec(kind)
+        bits, group, head_bits = copy_spec(kind)
         if ref is None:
             if eng.is_copy:
                 raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
@@ -244,7 +244,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
         if qname in taken:
             raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
         log(f"quantizing a copy of {what}: {qname}")
-        qeng = QuantizedLM(src, bits=bits, group_size=group, name=qname)
+        qeng = QuantizedLM(src, bits=bits, group_size=group, head_bits=head_bits, name=qname)
         taken.add(qname)
         neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id))
     explicit = token_drafters is not None
