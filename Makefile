@@ -64,7 +64,7 @@ demo-family: $(VENV)/.installed
 	@echo "  $(HSD) run --plan $(FAMILY_OUT)/plan.json --prompt 'Write a Python function that merges two sorted lists.' --max-new-tokens 96"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench.json"
 	@echo "The stored int4 1.5B as a target of its own (its int4 exits, the 0.5B's int4 copy and token drafters below it):"
-	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --target-precision int4 --layers 14,21,25 --quantized qwen2.5-coder-0.5b:int4 --max-prompts 8 --out $(FAMILY_OUT)/profile-int4.json"
+	@echo "  $(HSD) profile --model qwen2.5-coder-1.5b --target-precision int4 --layers 14,21,25 --quantized qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b:int4-head4 --max-prompts 8 --out $(FAMILY_OUT)/profile-int4.json"
 	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile-int4.json --tmax 15 --out $(FAMILY_OUT)/plan-int4.json"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan-int4.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench-int4.json"
 	@echo "Against llama.cpp on the same file, in one run (a llama-bench binary of your own):"
