@@ -71,9 +71,9 @@ def parse_quantized(spec: str | None, device) -> list[str]:
 def parse_quantized_copies(spec: str | None, device) -> list[tuple[str | None, str]]:
     """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4``/``int4-head4`` (:data:`COPY_KINDS`)
     are copies of the target (``model`` None), ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id
-    or path as ``--draft-model`` takes it; the kind follows the last colon). ``None`` -> the default (``int8,int4`` of the target on a CPU, else
-    none); ``"none"`` -> []. Repeats are dropped; a bad kind or an empty model raises :class:`HsdError` naming
-    ``--quantized``."""
+    or path as ``--draft-model`` takes it; the kind follows the last colon). ``None`` -> the default
+    (``int8,int4`` of the target on a CPU, else none); ``"none"`` -> []. Repeats are dropped; a bad kind or an
+    empty model raises :class:`HsdError` naming ``--quantized``."""
     if spec is None:
         return [(None, k) for k in QUANT_KINDS] if torch.device(device).type == "cpu" else []
     if spec.strip().lower() in ("", "none"):
