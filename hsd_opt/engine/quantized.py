@@ -39,7 +39,7 @@ QUANT_KINDS = {"int8": (8, 0), "int4": (4, 32)}
 #: What ``--quantized`` takes: (bits, group size, LM head bits). ``int4-head4`` is an int4 copy whose LM head is
 #: int4 too: half the head's bytes (on a large vocabulary the head is much of a small model's step) for a little
 #: agreement; a drafter's head need not be exact, its drafts are verified.
-COPY_KINDS = {"int8": (8, 0, 8), "int4": (4, 32, 8), "int4-head4": (4, 32, 4)}
+COPY_KINDS = {**{k: (*v, 8) for k, v in QUANT_KINDS.items()}, "int4-head4": (*QUANT_KINDS["int4"], 4)}
 ACT_DTYPE = torch.bfloat16
 
 

@@ -116,11 +116,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         gam_u.append(U)
         v_abst.append(np.array([verify_cost(profile, names[i], names[below[i][kk]], 1) + cost[below[i][kk]]
                                 for kk in ab]))
-        vc = np.full((n, tmax), cost[i])                      # scalar cost unless a curve or pair cost says
-        for kk, k in enumerate(below[i]):
-            if names[i] in profile.verify_cost or names[i] in profile.cost_curve or names[k] in profile.cost_curve:
-                vc[kk] = round_cost(profile, names[i], names[k], ls)
-        vcost.append(vc)
+        vcost.append(np.array([round_cost(profile, names[i], names[k], ls) for k in below[i]]).reshape(n, tmax))
     src = np.array([i for i, n in enumerate(names) if profile.accept(n, K) is not None], dtype=int)
     js = np.arange(1, tmax + 1)
     src_rate = np.zeros((len(src), tmax))
