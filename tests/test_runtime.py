@@ -116,9 +116,9 @@ def test_exact_mode_hands_up_exactly_budget():
     assert len(sizes) > 5 and all(n == min(5, room) for n, room in sizes)
 
 
-def _record_rounds_and_passes(lm, upto):
-    """Run HSD while recording, in order, every pass of ``lm`` up to layer ``upto`` (``("pass", positions)``)
-    and every round of the top level (``("round", whole block accepted)``); returns the list and an undo."""
+def _record_rounds_and_passes(monkeypatch, lm, upto):
+    """Record, in order, every pass of ``lm`` up to layer ``upto`` (``("pass", positions)``) and every round of
+    the top level (``("round", whole block accepted)``) while ``monkeypatch`` is in effect; returns the list."""
     events = []
     orig_advance, orig_level = lm.advance, HSD._level
 
@@ -136,15 +136,13 @@ def _record_rounds_and_passes(lm, upto):
             events.append(("round", d > 0 and a == d))
         return out
 
-    lm.advance, HSD._level = advance, level
-
-    def undo():
-        lm.advance, HSD._level = orig_advance, orig_level
-    return events, undo
+    monkeypatch.setattr(lm, "advance", advance)
+    monkeypatch.setattr(HSD, "_level", level)
+    return events
 
 
 @pytest.mark.parametrize("budget", [1, 3])
-def test_a_fully_accepted_block_costs_a_separate_drafter_one_more_position(budget):
+def test_a_fully_accepted_block_costs_a_separate_drafter_one_more_position(budget, monkeypatch):
     """The runtime behind the latency model's catch-up term (docs/design.md, "Catch-up after an accepted
     block"): a drafter with its own cache computes 2 positions in its first step after the target accepted its
     whole block (its own last draft and the bonus token), 1 after a rejection (the corrected token) and in every
@@ -153,11 +151,9 @@ def test_a_fully_accepted_block_costs_a_separate_drafter_one_more_position(budge
     target, drafter = LayeredLM(model), LayeredLM(model)        # two engines: two caches, the same weights
     for levels, lm in (([Level("other5", drafter, 5), Level("l6", target, 6)], drafter),
                        ([Level("l5", target, 5), Level("l6", target, 6)], target)):
-        events, undo = _record_rounds_and_passes(lm, 5)
-        try:
+        with monkeypatch.context() as m:
+            events = _record_rounds_and_passes(m, lm, 5)
             HSD(levels, [budget]).generate([3, 4, 5, 6], 80)
-        finally:
-            undo()
         passes_after = []          # per round: the positions of the drafter's passes in the next round
         for kind, v in events[1:]:                              # events[0]: the prefill
             if kind == "round":
