@@ -1,7 +1,10 @@
 """Quantized copies stored on disk: read back instead of quantized again, the same copy bit for bit, keyed by the
-weights and the setting, damaged or stale files replaced, nothing stored for a model without a weights key."""
+weights and the setting, damaged or stale files replaced, nothing stored for a model without a weights key. And
+in memory: two copies of one model at the same bits share their layers' matrices, never a changed weight's."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -15,8 +18,17 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler he
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """An empty cache directory; copies are not shared in memory, so each one is read from disk or quantized."""
     monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(stored_copies, "_remember", lambda *a: None)
     return tmp_path / "quantized"
+
+
+@pytest.fixture
+def no_disk(tmp_path, monkeypatch):
+    """No stored copies (an empty cache, a model without a weights key): what is shared is shared in memory."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(stored_copies, "_IN_MEMORY", {})
 
 
 def _logits(eng) -> torch.Tensor:
@@ -97,3 +109,45 @@ def test_a_loaded_model_names_its_weights():
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     assert loaded.model.hsd_weights_key == f"embedded|{loaded.revision}|float32"
     assert loaded.revision.startswith("sha256:")
+
+
+def _layer_tensors(eng) -> list[torch.Tensor]:
+    return [t for lm in eng._kstack.layers for m in lm.mats for t in m.tensors]
+
+
+def test_copies_at_the_same_bits_share_their_layers_and_compute_as_if_alone(no_disk, monkeypatch):
+    model = make_tiny_llama(seed=5)
+    plain = QuantizedLM(model, bits=4, head_bits=8, kernels=True)
+    head4 = QuantizedLM(model, bits=4, head_bits=4, kernels=True)
+    assert all(a is b for a, b in zip(_layer_tensors(plain), _layer_tensors(head4)))
+    assert head4._khead.kind == kernels.Q4 and plain._khead.kind == kernels.Q8
+    int8 = QuantizedLM(model, bits=8, kernels=True)                     # other bits: its own matrices
+    assert not {t.data_ptr() for t in _layer_tensors(int8)} & {t.data_ptr() for t in _layer_tensors(plain)}
+    monkeypatch.setattr(stored_copies, "_made", lambda *a: None)
+    alone = QuantizedLM(model, bits=4, head_bits=4, kernels=True)
+    assert not any(a is b for a, b in zip(_layer_tensors(alone), _layer_tensors(head4)))
+    assert torch.equal(_logits(alone), _logits(head4))
+
+
+def test_a_weight_changed_in_place_is_quantized_again(no_disk):
+    model = make_tiny_llama(seed=5)
+    first = QuantizedLM(model, bits=4, kernels=True)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    q.data[-1] += 1.0                                  # through .data: no version bump, only the values tell
+    second = QuantizedLM(model, bits=4, kernels=True)
+    shared = [a is b for a, b in zip(_layer_tensors(first), _layer_tensors(second))]
+    assert not any(shared[:3]) and all(shared[3:])    # layer 0's q matrix (codes, scales, minima) made again
+    assert torch.equal(second._kstack.layers[0].mats[0].dequantized(),
+                       kernels.quantize(q, 4, None).dequantized())
+
+
+def test_nothing_is_kept_once_no_engine_uses_a_matrix(no_disk, monkeypatch):
+    model = make_tiny_llama(seed=5)
+    eng = QuantizedLM(model, bits=4, kernels=True)
+    del eng
+    gc.collect()
+    made = []
+    real = kernels.quantize
+    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: made.append(1) or real(*a, **k))
+    QuantizedLM(model, bits=4, kernels=True)
+    assert len(made) == 7 * model.config.num_hidden_layers + 1

@@ -12,6 +12,9 @@ after the weights key and the setting (bits, head bits), and after the quantizer
 unreachable, and the next save of that model and setting removes them. Files are written atomically (a
 temporary file renamed into place); a file that cannot be read, or whose tensors do not have the shapes the
 model needs, is ignored and written again; a failed write only costs the next process the quantization.
+
+Within one process, a matrix is quantized once for every copy of its model at the same bits: the ``int4`` and
+``int4-head4`` copies of a model share their layers' tensors and differ only in their heads (:func:`matrix`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -28,6 +32,44 @@ from hsd_opt.jsonio import atomic_write
 
 #: Bumped when the stored layout changes in a way the quantizer's source does not show.
 FORMAT = 1
+
+#: The matrices made in this process, by ``(id of the float weight, bits)``: two copies of one model at the same
+#: bits (``int4`` and ``int4-head4``) share their layers' tensors instead of holding them twice. Both the weight
+#: and the matrix are held weakly (an entry lives while some engine uses the matrix and the weight exists), with
+#: what tells a weight changed since: its storage, version counter and first and last rows.
+_IN_MEMORY: dict[tuple[int, int], tuple] = {}
+
+
+def _stamp(weight: torch.Tensor) -> tuple:
+    w = weight.detach()
+    try:
+        version = weight._version
+    except RuntimeError:             # a tensor made under torch.inference_mode has no version counter
+        version = None
+    return w.data_ptr(), version, tuple(w.shape), w[0].clone(), w[-1].clone()
+
+
+def _same_stamp(a: tuple, b: tuple) -> bool:
+    return a[:3] == b[:3] and torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+
+
+def _made(weight: torch.Tensor, bits: int, bias: torch.Tensor | None) -> kernels.Mat | None:
+    entry = _IN_MEMORY.get((id(weight), bits))
+    if entry is None:
+        return None
+    w_ref, m_ref, stamp = entry
+    mat = m_ref()
+    if mat is None or w_ref() is not weight or not _same_stamp(stamp, _stamp(weight)):
+        return None
+    if (mat.bias is None) != (bias is None) or (bias is not None and not torch.equal(mat.bias, bias.detach().float())):
+        return None
+    return mat
+
+
+def _remember(weight: torch.Tensor, bits: int, mat: kernels.Mat) -> None:
+    for key in [k for k, (w, m, _) in _IN_MEMORY.items() if w() is None or m() is None]:
+        del _IN_MEMORY[key]
+    _IN_MEMORY[(id(weight), bits)] = (weakref.ref(weight), weakref.ref(mat), _stamp(weight))
 
 
 def _code_hash() -> str:
@@ -98,15 +140,21 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
 
 def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, weight: torch.Tensor,
            bias: torch.Tensor | None, fresh: dict[str, list[torch.Tensor]]) -> kernels.Mat:
-    """The ``bits`` copy of ``weight`` for the kernels: from ``stored`` when it holds ``name`` with the shapes
-    this weight needs, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
+    """The ``bits`` copy of ``weight`` for the kernels: the one another copy of this process already made of
+    the same tensor (shared, not duplicated), else from ``stored`` when it holds ``name`` with the shapes this
+    weight needs, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
     rows, cols = weight.shape
     kind = kernels.Q8 if bits == 8 else kernels.Q4
+    mat = _made(weight, bits, bias)
+    if mat is not None:
+        return mat
     got = (stored or {}).get(name)
     if got is not None and _fits(got, kind, rows, cols):
-        return kernels.Mat(kind, rows, cols, got, bias)
-    mat = kernels.quantize(weight, bits, bias)
-    fresh[name] = list(mat.tensors)
+        mat = kernels.Mat(kind, rows, cols, got, bias)
+    else:
+        mat = kernels.quantize(weight, bits, bias)
+        fresh[name] = list(mat.tensors)
+    _remember(weight, bits, mat)
     return mat
 
 
