@@ -70,7 +70,7 @@ def _set_rate(rate: float) -> Callable[[dict], None]:
     return change
 
 
-def _add_free(alpha: float, drafter: str, a_drafter_target: float) -> Callable[[dict], None]:
+def _add_free(alpha: float, a_drafter_target: float) -> Callable[[dict], None]:
     def change(d: dict) -> None:
         _drop_task_sections(d)
         d["models"].insert(0, {"name": FREE, "kind": "ngram_context", "cost": 1e-9, "can_verify": False,
@@ -105,6 +105,11 @@ def _row(label: str, r: dict) -> str:
             f" ({r.get('single_draft_ms_per_token', float('nan')):.2f})  {plan}")
 
 
+def _usage_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True, help="hsd-profile/1 JSON")
@@ -115,9 +120,9 @@ def main() -> None:
         raw = json.loads(Path(a.profile).read_text(encoding="utf-8"))
         base = _case(raw, a.tmax, None)
     except (OSError, ValueError, HsdError) as e:
-        sys.exit(f"error: {a.profile}: {e}")
+        _usage_error(f"{a.profile}: {e}")
     if "single_draft" not in base:
-        sys.exit(f"error: {a.profile}: no single draft beats the target alone; nothing to compare")
+        _usage_error(f"{a.profile}: no single draft in this profile; nothing to compare")
     drafter = base["single_draft"][0]
     profile = profile_from_dict(raw, a.profile)[0]
     a_dt = profile.accept(drafter, profile.target) or 0.0
@@ -132,7 +137,7 @@ def main() -> None:
     print(f"a drafter of no cost proposing everywhere, acceptance alpha against the drafters (alpha x {a_dt:.3f}"
           f" against {profile.target}):")
     for alpha in ALPHAS:
-        report["free"][str(alpha)] = r = _case(raw, a.tmax, _add_free(alpha, drafter, a_dt))
+        report["free"][str(alpha)] = r = _case(raw, a.tmax, _add_free(alpha, a_dt))
         print(_row(f"alpha {alpha:.2f}", r))
     print("the drafters check up to k positions for the price of one step:")
     for k in FLAT_POSITIONS:

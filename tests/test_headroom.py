@@ -49,11 +49,11 @@ def test_cheaper_passes_never_slow_the_optimum(headroom, raw):
 def test_a_free_drafter_never_slows_the_optimum_and_helps_more_the_better_it_agrees(headroom, raw):
     base = headroom._case(raw, 8, None)
     a_dt = raw["acceptance"]["int8"][raw["target"]]
-    lat = [headroom._case(raw, 8, headroom._add_free(alpha, "int8", a_dt))["plan_ms_per_token"]
+    lat = [headroom._case(raw, 8, headroom._add_free(alpha, a_dt))["plan_ms_per_token"]
            for alpha in (0.1, 0.5, 0.9)]
     assert lat[0] <= base["plan_ms_per_token"] * (1 + 1e-9)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(lat, lat[1:]))
-    best = headroom._case(raw, 8, headroom._add_free(0.9, "int8", a_dt))
+    best = headroom._case(raw, 8, headroom._add_free(0.9, a_dt))
     assert best["plan"] == [headroom.FREE, raw["target"]]     # good enough against the target: a single draft
 
 
