@@ -56,14 +56,8 @@ def _case(raw: dict, tmax: int, change: Callable[[dict], None] | None) -> dict[s
     return out
 
 
-def _drop_task_sections(d: dict) -> None:
-    for key in ("acceptance_by_task", "draft_rate_by_task", "greedy_agreement", "counts", "ci95"):
-        d.pop(key, None)
-
-
 def _set_rate(rate: float) -> Callable[[dict], None]:
     def change(d: dict) -> None:
-        _drop_task_sections(d)
         for m in d["models"]:
             if m.get("draft_rate", 1.0) < 1.0:
                 m["draft_rate"] = max(m["draft_rate"], rate)
@@ -72,7 +66,6 @@ def _set_rate(rate: float) -> Callable[[dict], None]:
 
 def _add_free(alpha: float, a_drafter_target: float) -> Callable[[dict], None]:
     def change(d: dict) -> None:
-        _drop_task_sections(d)
         d["models"].insert(0, {"name": FREE, "kind": "ngram_context", "cost": 1e-9, "can_verify": False,
                                "config": {"kind": "ngram_context", "name": FREE}})
         acc = {m["name"]: alpha for m in d["models"] if m.get("can_verify") and m["name"] != d["target"]}
@@ -82,19 +75,20 @@ def _add_free(alpha: float, a_drafter_target: float) -> Callable[[dict], None]:
 
 
 def _flatten(k: int) -> Callable[[dict], None]:
+    def flat(curve: list[float]) -> list[float]:
+        return [curve[0] if i < k else max(v, curve[0]) for i, v in enumerate(curve)]
+
     def change(d: dict) -> None:
         names = {m["name"] for m in d["models"] if m.get("can_verify") and m["name"] != d["target"]}
-        sections = [d.get("cost_curve", {})] + [c.get("cost_curve", {}) for c in d.get("context_costs", [])]
-        for sec in sections:
-            for name in names & set(sec):
-                c = sec[name]
-                sec[name] = [c[0] if i < k else max(v, c[0]) for i, v in enumerate(c)]
-        vsections = [d.get("verify_cost", {})] + [c.get("verify_cost", {}) for c in d.get("context_costs", [])]
-        for sec in vsections:
-            for verifier in names & set(sec):
-                for drafter, c in sec[verifier].items():
+        for costs in [d] + d.get("context_costs", []):
+            curves = costs.get("cost_curve", {})
+            for name in names & set(curves):
+                curves[name] = flat(curves[name])
+            for verifier in names & set(costs.get("verify_cost", {})):
+                row = costs["verify_cost"][verifier]
+                for drafter, c in row.items():
                     if isinstance(c, list):
-                        sec[verifier][drafter] = [c[0] if i < k else max(v, c[0]) for i, v in enumerate(c)]
+                        row[drafter] = flat(c)
     return change
 
 
