@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -126,6 +127,25 @@ def test_bigram_table_with_bos(model):
         for x in range(20):
             p = torch.softmax(model(torch.tensor([[1, x]])).logits[0, -1], -1)
             assert t.ids[x].tolist() == torch.topk(p, 4).indices.tolist()
+
+
+def test_the_kv_cache_goes_by_the_keyword_this_transformers_takes(model):
+    from hsd_opt.models.loading import cache_keyword
+
+    class New:
+        def forward(self, input_ids, cache=None, use_cache=None):
+            pass
+
+    class Old:
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    assert cache_keyword(New()) == "cache" and cache_keyword(Old()) == "past_key_values"
+    with warnings.catch_warnings(record=True) as caught:       # the prefix cache path, no deprecated keyword
+        warnings.simplefilter("always")
+        t = build_bigram_table(model, top_k=4, bos_id=1, batch_size=7, progress=False, vocab_size=7)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert t.meta["bos_id"] == 1
 
 
 def test_unigram_is_distance_from_mean(model):

@@ -41,6 +41,7 @@ from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import atomic_write
+from hsd_opt.models.loading import cache_keyword
 
 TABLE_FORMAT = "hsd-bigram/1"
 
@@ -210,7 +211,7 @@ def _prefix_cache(model, bos_id: int, device):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        model(input_ids=torch.tensor([[bos_id]], device=device), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[bos_id]], device=device), use_cache=True, **{cache_keyword(model): cache})
         return cache
     except Exception:  # pragma: no cover - older/newer cache APIs: fall back to [bos, x] inputs
         return None
@@ -241,6 +242,7 @@ def build_bigram_table(
     import torch
 
     bos_id = resolve_bos(model, bos_id)
+    cache_kw = cache_keyword(model)
     V_out = model.get_output_embeddings().weight.shape[0]
     V = int(vocab_size or V_out)
     device = next(model.parameters()).device
@@ -261,7 +263,7 @@ def build_bigram_table(
                 if prefix is not None:
                     cache = copy.deepcopy(prefix)
                     cache.batch_repeat_interleave(e - s)
-                    out = model(input_ids=x, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=x, use_cache=True, **{cache_kw: cache})
                 else:
                     if bos_id is not None:
                         x = torch.cat([torch.full_like(x, bos_id), x], dim=1)

@@ -86,6 +86,9 @@ def _generate_batched(model, encoded, new, eos, temperature, top_p, seed, batch_
     One batched forward per step is far cheaper per token than batch-1 decoding on a CPU, and this loop avoids
     ``generate``'s per-step overheads. Sequences stop at EOS; each gets at most ``new`` tokens.
     """
+    from hsd_opt.models.loading import cache_keyword
+
+    cache_kw = cache_keyword(model)
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seqs: list[list[int]] = []
@@ -103,7 +106,7 @@ def _generate_batched(model, encoded, new, eos, temperature, top_p, seed, batch_
             ids, mask = ids.to(device), mask.to(device)
             pos = (mask.cumsum(-1) - 1).clamp_min(0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = getattr(out, cache_kw)
             logits = out.logits[:, -1].float().cpu()
             conts: list[list[int]] = [[] for _ in batch]
             done = [False] * B
@@ -122,9 +125,9 @@ def _generate_batched(model, encoded, new, eos, temperature, top_p, seed, batch_
                     break
                 step = torch.tensor(toks, dtype=torch.long, device=device).unsqueeze(1)
                 mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=device)], dim=1)
-                out = model(input_ids=step, attention_mask=mask, position_ids=next_pos, past_key_values=cache,
-                            use_cache=True)
-                cache = out.past_key_values
+                out = model(input_ids=step, attention_mask=mask, position_ids=next_pos, use_cache=True,
+                            **{cache_kw: cache})
+                cache = getattr(out, cache_kw)
                 logits = out.logits[:, -1].float().cpu()
                 next_pos = next_pos + 1
             for x, c in zip(batch, conts):

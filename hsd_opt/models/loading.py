@@ -80,6 +80,19 @@ def unwrap_model(model) -> tuple[Any, str | None, str | None]:
     return model, None, None
 
 
+def cache_keyword(model) -> str:
+    """The keyword a Hugging Face causal LM's ``forward`` takes its KV cache by, and the field its output returns
+    it in: ``cache`` where the installed transformers names it so (it deprecates ``past_key_values`` there), else
+    ``past_key_values``."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def cache_dir() -> Path:
     """The project's cache directory: ``$HSD_CACHE`` or ``~/.cache/hsd-opt``."""
     return Path(os.environ.get("HSD_CACHE") or Path.home() / ".cache" / "hsd-opt")
