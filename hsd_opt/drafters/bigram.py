@@ -203,15 +203,16 @@ def resolve_bos(model, bos_id) -> int | None:
     return None if bos_id is None else int(bos_id)
 
 
-def _prefix_cache(model, bos_id: int, device):
-    """KV cache of the one-token prefix ``[bos_id]`` (batch 1), or None if this transformers cannot do it."""
+def _prefix_cache(model, bos_id: int, device, cache_kw: str):
+    """KV cache of the one-token prefix ``[bos_id]`` (batch 1), or None if this transformers cannot do it;
+    ``cache_kw``: the keyword ``model`` takes its cache by (:func:`~hsd_opt.models.loading.cache_keyword`)."""
     import torch
 
     try:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        model(input_ids=torch.tensor([[bos_id]], device=device), use_cache=True, **{cache_keyword(model): cache})
+        model(input_ids=torch.tensor([[bos_id]], device=device), use_cache=True, **{cache_kw: cache})
         return cache
     except Exception:  # pragma: no cover - older/newer cache APIs: fall back to [bos, x] inputs
         return None
@@ -256,7 +257,7 @@ def build_bigram_table(
     try:
         task = bar.add_task("bigram table", total=V)
         with torch.inference_mode():
-            prefix = _prefix_cache(model, bos_id, device) if bos_id is not None else None
+            prefix = _prefix_cache(model, bos_id, device, cache_kw) if bos_id is not None else None
             for s in range(0, V, batch_size):
                 e = min(V, s + batch_size)
                 x = torch.arange(s, e, device=device, dtype=torch.long)[:, None]
