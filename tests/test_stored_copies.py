@@ -51,6 +51,19 @@ def test_a_stored_copy_is_read_back_instead_of_quantized_again(cache, monkeypatc
                for m, n in zip(x.mats, y.mats) for a, b in zip(m.tensors, n.tensors))
 
 
+def test_a_copy_read_back_holds_its_matrices_in_memory_not_in_the_file(cache):
+    """The file is mapped, not read whole; what a copy takes from it is copied out, so the copy does not change
+    (or fault) when the file is later rewritten in place."""
+    model = make_tiny_llama(seed=5)
+    model.hsd_weights_key = "gguf|sha256:abc|float32"
+    want = _logits(QuantizedLM(model, bits=4, kernels=True))
+    again = QuantizedLM(model, bits=4, kernels=True)
+    path = next(cache.glob("*.pt"))
+    with open(path, "r+b") as f:                                       # zeros over the file, in place
+        f.write(bytes(path.stat().st_size))
+    assert torch.equal(_logits(again), want)
+
+
 def test_settings_and_weights_have_their_own_files(cache):
     model = make_tiny_llama(seed=5)
     model.hsd_weights_key = "gguf|sha256:abc|float32"

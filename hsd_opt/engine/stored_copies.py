@@ -106,14 +106,15 @@ def stored_path(weights_key: str, bits: int, head_bits: int) -> Path:
 
 
 def load_stored(weights_key: str | None, bits: int, head_bits: int) -> dict[str, list[torch.Tensor]] | None:
-    """The stored tensors of each matrix (``name -> Mat tensors``), or None (no key, no file, unreadable)."""
+    """The stored tensors of each matrix (``name -> Mat tensors``), or None (no key, no file, unreadable). The
+    tensors are mapped from the file, read only when used; :func:`matrix` copies the ones it takes into memory."""
     if not weights_key:
         return None
     path = stored_path(weights_key, bits, head_bits)
     if not path.is_file():
         return None
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+    try:   # mapped, not read: a matrix another copy already made (matrix) is never read from the file
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - a damaged file is ignored and written again
         return None
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
@@ -149,8 +150,8 @@ def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, w
     if mat is not None:
         return mat
     got = (stored or {}).get(name)
-    if got is not None and _fits(got, kind, rows, cols):
-        mat = kernels.Mat(kind, rows, cols, got, bias)
+    if got is not None and _fits(got, kind, rows, cols):   # copied out of the mapped file: the engine holds
+        mat = kernels.Mat(kind, rows, cols, [t.clone() for t in got], bias)   # memory, not the file's pages
     else:
         mat = kernels.quantize(weight, bits, bias)
         fresh[name] = list(mat.tensors)
