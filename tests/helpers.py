@@ -36,6 +36,52 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'
                       "{% if add_generation_prompt %}<s> assistant {% endif %}")
 
 
+def modules_logits(model, eng, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Logits of ``ids`` computed through ``model``'s own modules (its embedding, each layer's norms, projections
+    and MLP, its final norm and head, called as modules in the order of the Hugging Face forward), with ``eng``'s
+    rotary tables and caches: a pass over ``ids[:split]``, then one step per token. The reference the engine's
+    torch path equals bit for bit."""
+    from hsd_opt.engine.ops import causal_attention, rotate_half
+
+    st = eng.new_state(len(ids) + 1)
+    out, pos = [], 0
+    with torch.no_grad():
+        for chunk in [ids[:split]] + [ids[i:i + 1] for i in range(split, len(ids))]:
+            m = chunk.numel()
+            cos, sin = eng.rope(pos, pos + m)
+            x = model.model.embed_tokens(chunk)
+            for l, layer in enumerate(model.model.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_proj(h).view(m, eng.n_heads, eng.head_dim).transpose(0, 1)
+                k = attn.k_proj(h).view(m, eng.n_kv, eng.head_dim).transpose(0, 1)
+                v = attn.v_proj(h).view(m, eng.n_kv, eng.head_dim).transpose(0, 1)
+                if hasattr(attn, "q_norm"):  # Qwen3
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+                st.k[l][0, :, pos:pos + m], st.v[l][0, :, pos:pos + m] = k, v
+                o = causal_attention(q.unsqueeze(0), st.k[l][:, :, :pos + m], st.v[l][:, :, :pos + m], pos)
+                x = x + attn.o_proj(o[0].transpose(0, 1).reshape(m, eng.n_heads * eng.head_dim))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            out.append(model.lm_head(model.model.norm(x)).float())
+            pos += m
+    return torch.cat(out)
+
+
+def engine_logits(eng, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """The engine's logits of ``ids`` as :func:`modules_logits` computes them: a pass over ``ids[:split]``, then
+    one step per token, the head applied to each pass's positions."""
+    st = eng.new_state(len(ids) + 1)
+    out = []
+    for chunk in [ids[:split]] + [ids[i:i + 1] for i in range(split, len(ids))]:
+        n0 = st.n
+        eng.append(st, chunk)
+        eng.advance(st, eng.n_layers)
+        out.append(eng.logits(st, eng.n_layers, n0, st.n))
+    return torch.cat(out)
+
+
 def word_tokenizer(n_words: int = 60, chat_template: str | None = None):
     """A WordLevel tokenizer ``<pad> <s> </s> <unk> w0 .. w{n-1}`` (whitespace-split), with ``chat_template``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -7,7 +7,7 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from tests.helpers import make_tiny_llama
+from tests.helpers import engine_logits, make_tiny_llama, modules_logits
 
 
 def _reference(model, ids):
@@ -105,31 +105,24 @@ def test_exit_head_override():
     assert calls == [torch.Size([3, 32])]
 
 
-def test_direct_layer_path_is_bit_identical_to_the_modules(tiny_llama):
-    """The engine calls the weights directly (no nn.Module overhead) only because it equals the modules exactly."""
-    lm = LayeredLM(tiny_llama)
-    assert lm._weights is not None
-    ref = LayeredLM(tiny_llama)
-    ref._weights = None                                        # force the module path
+def test_the_torch_path_is_bit_identical_to_the_modules(tiny_llama):
+    """The torch path calls the weights directly (no nn.Module overhead), with the modules' operations in their
+    order: a prefill and decode steps give the logits of the modules themselves, bit for bit."""
+    lm = LayeredLM(tiny_llama, kernels=False)
     ids = torch.randint(3, 64, (25,), generator=torch.Generator().manual_seed(0))
-    a, b = lm.new_state(32), ref.new_state(32)
-    for eng, st in ((lm, a), (ref, b)):
-        eng.append(st, ids[:20])
-        eng.advance(st, 4)
-        eng.append(st, ids[20:])
-        eng.advance(st, 4)
-    assert torch.equal(lm.logits(a, 4, 0, 25), ref.logits(b, 4, 0, 25))
+    assert torch.equal(engine_logits(lm, ids, 20), modules_logits(tiny_llama, lm, ids, 20))
 
 
-def test_direct_path_is_refused_when_modules_differ():
-    """A model whose layers do something else than the Llama ops (here: a patched norm) keeps the module path."""
+def test_offloaded_models_and_other_architectures_are_refused():
+    """Weights behind accelerate hooks (offloaded or dispatched) are not plain tensors the engine can read."""
     model = make_tiny_llama(seed=5)
-    norm = model.model.layers[1].post_attention_layernorm
-    norm.forward = lambda x, _f=norm.forward: _f(x) * 1.5     # an instance-level change the direct path lacks
-    assert LayeredLM(model)._weights is None
+    model.model.layers[0].mlp._hf_hook = object()
+    with pytest.raises(HsdError, match="accelerate hooks"):
+        LayeredLM(model)
     model = make_tiny_llama(seed=5)
-    model.model.layers[0].mlp._hf_hook = object()              # accelerate-dispatched: go through the modules
-    assert LayeredLM(model)._weights is None
+    model.config.model_type = "gpt2"
+    with pytest.raises(HsdError, match="not supported"):
+        LayeredLM(model)
 
 
 @pytest.mark.parametrize("m,start", [(1, 0), (2, 0), (37, 0), (300, 0), (5, 11), (64, 100)])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
+from tests.helpers import engine_logits, modules_logits
 
 QWEN_VOCAB = 151_936  # the Qwen2.5 vocabulary
 
@@ -28,32 +29,16 @@ def make_tiny_qwen2(tied: bool, seed: int = 0, vocab_size: int = QWEN_VOCAB, lay
     return model
 
 
-def _module_path(model) -> LayeredLM:
-    eng = LayeredLM(model)
-    eng._weights = None  # force the module path
-    return eng
-
-
 @pytest.mark.parametrize("tied", [True, False])
-def test_qwen2_direct_path_is_bit_identical_to_the_modules(tied):
+def test_qwen2_torch_path_is_bit_identical_to_the_modules(tied):
     model = make_tiny_qwen2(tied)
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    lm = LayeredLM(model)
-    assert lm._weights is not None and lm.vocab_size == QWEN_VOCAB
-    ref = _module_path(model)
+    lm = LayeredLM(model, kernels=False)
+    assert lm.vocab_size == QWEN_VOCAB
     ids = torch.randint(0, QWEN_VOCAB, (25,), generator=torch.Generator().manual_seed(0))
-    a, b = lm.new_state(32, save_boundaries=[2]), ref.new_state(32, save_boundaries=[2])
-    for eng, st in ((lm, a), (ref, b)):
-        eng.append(st, ids[:20])
-        eng.advance(st, 2)                     # an early exit first, then the rest: prefill and decode steps
-        eng.advance(st, 4)
-        for t in ids[20:]:
-            eng.append(st, [t])
-            eng.advance(st, 4)
-    assert torch.equal(lm.logits(a, 4, 0, 25), ref.logits(b, 4, 0, 25))
-    assert torch.equal(lm.logits(a, 2, 0, 20), ref.logits(b, 2, 0, 20))
+    assert torch.equal(engine_logits(lm, ids, 20), modules_logits(model, lm, ids, 20))
 
 
 @pytest.mark.parametrize("tied", [True, False])

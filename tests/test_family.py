@@ -435,7 +435,7 @@ def test_engines_hold_no_float_copy_of_the_weights(family):
         rotary = {id(t) for t in eng._rope_table or ()}   # positions x head_dim: not a weight
         big_ones = [t for t in _float_tensors(eng) if t.numel() >= d * d and id(t) not in rotary]
         assert big_ones and all(t.untyped_storage().data_ptr() in params for t in big_ones), type(eng).__name__
-    mats = [m for lm in f._kstack.layers for m in lm.mats]
+    mats = [m for lw in f.weights.layers for m in lw.mats()]
     assert all(m.tensors[0].data_ptr() in {p.data_ptr() for p in big.model.parameters()} for m in mats)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hsd_opt.engine import kernels
+from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
@@ -17,12 +18,12 @@ LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
 
 
-def _mat(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> kernels.Mat:
+def _mat(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> wq.Mat:
     if kind == "f32":
-        return kernels.Mat.dense(w.contiguous(), b)
+        return wq.Mat.in_place(w.contiguous(), b)
     if kind == "bf16":
-        return kernels.Mat.dense(w.bfloat16().contiguous(), b)
-    return kernels.quantize(w, 8 if kind == "q8" else 4, b)
+        return wq.Mat.in_place(w.bfloat16().contiguous(), b)
+    return wq.quantize(w, 8 if kind == "q8" else 4, b)
 
 
 @pytest.mark.parametrize("kind,rows,cols", [(k, r, c) for k in ("f32", "bf16", "q8", "q4")
@@ -35,7 +36,7 @@ def test_linear_is_the_matrix_product_of_its_weights(kind, rows, cols):
     for m in (1, 2, 3, 5, 7):
         x = torch.randn(m, cols, generator=g)
         got = kernels.linear(LIB, mat, x)
-        if kind in ("q4", "q8") and cols % kernels.GROUP == 0:
+        if kind in ("q4", "q8") and cols % wq.GROUP == 0:
             want = _integer_reference(mat, x) + b.double()
         else:
             want = x.double() @ deq.double().t() + b.double()
@@ -48,7 +49,7 @@ def test_linear_is_the_matrix_product_of_its_weights(kind, rows, cols):
         assert not torch.equal(deq, w)
 
 
-def _integer_reference(mat: kernels.Mat, x: torch.Tensor) -> torch.Tensor:
+def _integer_reference(mat: wq.Mat, x: torch.Tensor) -> torch.Tensor:
     """int4 / int8 rows times int8 activations, the scheme of kernels.c's integer path, in float64: each
     position's input quantized per group of 32 columns to round(x * 127 / max|x|), scale max|x| / 127."""
     m, K = x.shape
@@ -57,9 +58,9 @@ def _integer_reference(mat: kernels.Mat, x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(xg * inv[..., None]).double()                    # [m, G, 32]
     d, sums = (amax / 127.0).double(), xg.sum(-1).double()           # [m, G]
-    if mat.kind == kernels.Q4:
+    if mat.kind == wq.Q4:
         _, scale, zero = mat.tensors
-        codes = kernels.q4_codes(mat).double()                       # [N, G, 32]
+        codes = wq.q4_codes(mat).double()                       # [N, G, 32]
         dots = torch.einsum("ngc,mgc->mng", codes, q)                # [m, N, G]
         return (dots * scale.double()[None] * d[:, None]).sum(-1) + sums @ zero.double().t()
     codes, scale = mat.tensors
@@ -88,13 +89,13 @@ def test_q4_recovers_q4_1_weights_and_rounds_others_to_the_nearest_code():
     d = (torch.rand(48, 4, 1, generator=g) * 0.01 + 1e-3).half().float()
     m = (torch.randn(48, 4, 1, generator=g) * 0.05).half().float()
     w = (q * d + m).reshape(48, 128)
-    mat = kernels.quantize_q4(w)
+    mat = wq.quantize_q4(w)
     assert mat.tensors[1].dtype == torch.float16 and mat.tensors[2].dtype == torch.float16
     torch.testing.assert_close(mat.dequantized(), w, rtol=0, atol=1e-6)
     w2 = torch.randn(16, 64, generator=g)
     wg = w2.reshape(16, 2, 32)
     step = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(32, dim=1)
-    err = (kernels.quantize_q4(w2).dequantized() - w2).abs()
+    err = (wq.quantize_q4(w2).dequantized() - w2).abs()
     assert (err <= step * 0.5 * 1.01 + 2e-3 * w2.abs()).all() and err.max() > 0
 
 

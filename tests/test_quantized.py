@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
-from hsd_opt.engine import quantized as qmod
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.quantized import QuantizedLM, QuantLinear, parse_quantized, quant_spec
+from hsd_opt.engine.quantized import QuantizedLM, parse_quantized, quant_spec
+from hsd_opt.engine.weights import quantize
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import make_tiny_llama, save_tiny, write_prompts
@@ -21,37 +21,36 @@ runner = CliRunner()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantlinear_packed_kernel_equals_dequantized_reference(bits):
+def test_the_quantizers_round_each_weight_to_within_half_a_step(bits):
+    """One quantizer per bit width: int8 per row (``max|w| / 127``), int4 per group of 32 (``(max - min) / 15``,
+    scale and minimum in float16); every weight comes back within half a step (int4: plus the float16 rounding
+    of the step), and the matrix is quantized, not copied."""
     g = torch.Generator().manual_seed(bits)
     w = torch.randn(96, 64, generator=g)
-    b = torch.randn(96, generator=g)
-    x = torch.randn(5, 64, generator=g).bfloat16()
-    packed = QuantLinear(w, b, bits)
-    ref = QuantLinear(w, b, bits, packed=False, act_dtype=torch.float32)
-    assert packed.packed and packed.out_features == 96
-    want = torch.nn.functional.linear(x.float(), ref.weight, ref.bias)
-    got = packed(x).float()
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()       # bfloat16 activations and output
-    # the dequantized weight is within half a quantization step of the original
+    mat = quantize(w, bits)
+    assert mat.quantized and mat.rows == 96 and mat.cols == 64
+    deq = mat.dequantized()
     if bits == 8:
         step = w.abs().amax(1, keepdim=True) / 127
+        slack = 1e-6
     else:
         wg = w.reshape(96, 2, 32)
         step = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(32, dim=1)
-    assert ((ref.weight - w).abs() <= step / 2 + 1e-6).all()
-    assert not ((ref.weight - w).abs() < 1e-7).all()                 # it is quantized, not a copy
+        slack = 2e-3 * w.abs() + 1e-6
+    assert ((deq - w).abs() <= step / 2 * 1.01 + slack).all()
+    assert not ((deq - w).abs() < 1e-7).all()                        # it is quantized, not a copy
+    assert mat.nbytes() < w.numel() * 4 / (3 if bits == 8 else 5)
 
 
 def test_int4_recovers_q4_1_weights_exactly():
-    """GGUF Q4_1 stores groups of 32 as d * q + m (q in 0..15): int4 with groups of 32 gets them back."""
+    """GGUF Q4_1 stores groups of 32 as d * q + m (q in 0..15, d and m in float16): int4 gets them back."""
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (48, 4, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15                                     # Q4_1 maps each group's min/max to 0/15
-    d = torch.rand(48, 4, 1, generator=g) * 0.01 + 1e-3
-    m = torch.randn(48, 4, 1, generator=g) * 0.05
+    d = (torch.rand(48, 4, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(48, 4, 1, generator=g) * 0.05).half().float()
     w = (q * d + m).reshape(48, 128)
-    ref = QuantLinear(w, None, 4, packed=False, act_dtype=torch.float32)
-    torch.testing.assert_close(ref.weight, w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(quantize(w, 4).dequantized(), w, rtol=0, atol=1e-6)
 
 
 def test_spec_parsing():
@@ -77,7 +76,7 @@ def _q4_ready(model):
         for layer in m.model.layers:
             for lin in [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]:
-                lin.weight.copy_(QuantLinear(lin.weight, None, 4, packed=False, act_dtype=torch.float32).weight)
+                lin.weight.copy_(quantize(lin.weight, 4).dequantized())
     return m
 
 
@@ -96,7 +95,7 @@ def test_quantized_engine_tracks_the_float_model(tiny, bits, use_kernels):
     l1 = (got.softmax(-1) - ref.softmax(-1)).abs().sum(-1).mean().item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert l1 <= 0.1 and agree >= 0.85, (l1, agree)   # measured: int8 0.038 / 0.90, int4 (Q4-exact) 0.019 / 0.95
-    # incremental decoding with a crop computes what one pass computes (bfloat16: up to rounding)
+    # incremental decoding with a crop computes what one pass computes (the torch path: up to the order of its sums)
     st = q.new_state(64)
     q.append(st, ids[:20])
     q.advance(st, 4)
@@ -110,19 +109,20 @@ def test_quantized_engine_tracks_the_float_model(tiny, bits, use_kernels):
     assert (inc.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
-def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
-    """The TorchScript layer stack computes exactly what the per-layer Python path computes: the same caches and
-    hidden states, through prefill, single steps, crops and saved exit boundaries (runs split at boundary 2)."""
-    fast = QuantizedLM(tiny, bits=bits, kernels=False)
-    slow = QuantizedLM(tiny, bits=bits, scripted=False, kernels=False)
-    if qmod.packed_kernels_available("cpu"):
-        assert fast._stack is not None            # it applies to a Llama without biases and is bit-exact here
-    assert slow._stack is None
+def test_the_torch_path_is_the_reference_of_the_kernels(tiny, bits):
+    """The same quantized copy on the torch path (its weights de-quantized, float32 activations) and on the
+    kernels (int8 activations for the integer products): the same model up to the activations' rounding, with
+    prefill, steps, an exit, a crop and a frontier computed alike on both."""
+    from hsd_opt.engine import kernels
+
+    if kernels.load() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    ref, fast = QuantizedLM(tiny, bits=bits, kernels=False), QuantizedLM(tiny, bits=bits, kernels=True)
+    assert not ref.uses_kernels and fast.uses_kernels and ref.dtype == fast.dtype == torch.float32
     ids = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(5))
     states = []
-    for q in (fast, slow):
+    for q in (ref, fast):
         st = q.new_state(64, save_boundaries=[2, 4])
         q.append(st, ids[:17])
         q.advance(st, 4)
@@ -135,22 +135,13 @@ def test_scripted_layer_stack_equals_the_per_layer_path(tiny, bits):
         q.advance(st, 2)
         q.append(st, ids[:3])                     # layers 0-1 ahead of layers 2-3: a frontier at boundary 2
         q.advance(st, 4)
-        states.append(st)
-    a, b = states
+        states.append((q, st))
+    (qa, a), (qb, b) = states
     assert a.lens == b.lens == [43] * 4
-    assert all(torch.equal(x[:, :, :43], y[:, :, :43]) for x, y in zip(a.k + a.v, b.k + b.v))
-    assert torch.equal(a.resid[4][:43], b.resid[4][:43]) and torch.equal(a.resid[2][:43], b.resid[2][:43])
-
-
-def test_dequantized_fallback_matches_packed_kernels(tiny, monkeypatch):
-    packed = QuantizedLM(tiny, bits=8, kernels=False)
-    monkeypatch.setattr(qmod, "packed_kernels_available", lambda device="cpu": False)
-    plain = QuantizedLM(tiny, bits=8, kernels=False)
-    assert packed.packed and not plain.packed
-    ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(2))
-    a = packed.head(packed.hidden_states(ids, [4])[4], 4)
-    b = plain.head(plain.hidden_states(ids, [4])[4], 4)
-    assert (a - b).abs().max() <= 0.05 * a.abs().max()
+    for boundary in (2, 4):     # measured on this model: L1 0.03 (int8) and 0.06 (int4), argmax 0.93 and 0.86
+        x, y = qa.logits(a, boundary, 0, 43), qb.logits(b, boundary, 0, 43)
+        assert (x.softmax(-1) - y.softmax(-1)).abs().sum(-1).mean() <= 0.12
+        assert (x.argmax(-1) == y.argmax(-1)).float().mean() >= 0.75
 
 
 @pytest.mark.slow

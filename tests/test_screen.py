@@ -10,6 +10,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
+from hsd_opt.engine.weights import Mat
 from tests.helpers import make_tiny_llama
 
 LIB = kernels.load()
@@ -33,7 +34,7 @@ def _inputs(m: int, cols: int, seed: int, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("cols", [32, 96, 576])
 def test_the_bound_holds_on_every_row(cols):
     w = _head(3000, cols, cols)
-    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    screen = HeadScreen(LIB, Mat.in_place(w))
     for seed, scale in ((1, 0.1), (2, 1.0), (3, 30.0)):
         h = _inputs(2, cols, seed, scale)
         approx = kernels.linear(LIB, screen.q8, h)
@@ -44,7 +45,7 @@ def test_the_bound_holds_on_every_row(cols):
 
 def test_rows_f32_are_the_values_of_the_full_head():
     w = _head(517, 96, 0)
-    mat = kernels.Mat.dense(w)
+    mat = Mat.in_place(w)
     h = _inputs(2, 96, 4, 1.0)
     full = kernels.linear(LIB, mat, h)
     rows = torch.tensor([0, 5, 6, 7, 511, 516, 3, 3, 9])
@@ -57,7 +58,7 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
     w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
     w[2000] = w[1000]                                   # an exact tie: the first index wins, as in torch.argmax
     w[1500] = w[1200] * (1 + 1e-7)                      # a near tie
-    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    screen = HeadScreen(LIB, Mat.in_place(w))
     g = torch.Generator().manual_seed(8)
     checked = 0
     for trial in range(300):
@@ -77,16 +78,16 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
 
 def test_the_screen_steps_aside_where_it_cannot_help():
     w = _head(4000, 64, 9)
-    screen = HeadScreen(LIB, kernels.Mat.dense(w))
+    screen = HeadScreen(LIB, Mat.in_place(w))
     assert screen.argmax(torch.randn(MAX_POSITIONS + 1, 64)) is None        # long passes: the full head
     flat = torch.ones(4000, 64) + 1e-4 * torch.randn(4000, 64, generator=torch.Generator().manual_seed(1))
-    flat_screen = HeadScreen(LIB, kernels.Mat.dense(flat))   # every logit within the bound: too many candidates
+    flat_screen = HeadScreen(LIB, Mat.in_place(flat))   # every logit within the bound: too many candidates
     assert flat_screen.argmax(torch.randn(1, 64)) is None
     bad = torch.randn(1, 64)
     bad[0, 1] = float("nan")
     assert screen.argmax(bad) is None
     with pytest.raises(ValueError):
-        HeadScreen(LIB, kernels.Mat.dense(torch.randn(10, 64), torch.randn(10)))   # a head with a bias
+        HeadScreen(LIB, Mat.in_place(torch.randn(10, 64), torch.randn(10)))   # a head with a bias
 
 
 def test_engine_greedy_ids_equal_the_logits_argmax_at_every_exit():

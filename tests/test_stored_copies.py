@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hsd_opt.engine import kernels, stored_copies
+from hsd_opt.engine import weights as wq
 from hsd_opt.engine.quantized import QuantizedLM
 from tests.helpers import make_tiny_llama
 
@@ -44,11 +45,11 @@ def test_a_stored_copy_is_read_back_instead_of_quantized_again(cache, monkeypatc
     first = QuantizedLM(model, bits=4, kernels=True)
     files = sorted(cache.glob("*.pt"))
     assert len(files) == 1 and "-int4-head8-" in files[0].name
-    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    monkeypatch.setattr(wq, "quantize", lambda *a, **k: pytest.fail("quantized again"))
     again = QuantizedLM(model, bits=4, kernels=True)
     assert torch.equal(_logits(first), _logits(again))
-    assert all(torch.equal(a, b) for x, y in zip(first._kstack.layers, again._kstack.layers)
-               for m, n in zip(x.mats, y.mats) for a, b in zip(m.tensors, n.tensors))
+    assert all(torch.equal(a, b) for x, y in zip(first.weights.layers, again.weights.layers)
+               for m, n in zip(x.mats(), y.mats()) for a, b in zip(m.tensors, n.tensors))
 
 
 def test_a_copy_read_back_holds_its_matrices_in_memory_not_in_the_file(cache):
@@ -125,7 +126,7 @@ def test_a_loaded_model_names_its_weights():
 
 
 def _layer_tensors(eng) -> list[torch.Tensor]:
-    return [t for lm in eng._kstack.layers for m in lm.mats for t in m.tensors]
+    return [t for lw in eng.weights.layers for m in lw.mats() for t in m.tensors]
 
 
 def test_copies_at_the_same_bits_share_their_layers_and_compute_as_if_alone(no_disk, monkeypatch):
@@ -133,7 +134,7 @@ def test_copies_at_the_same_bits_share_their_layers_and_compute_as_if_alone(no_d
     plain = QuantizedLM(model, bits=4, head_bits=8, kernels=True)
     head4 = QuantizedLM(model, bits=4, head_bits=4, kernels=True)
     assert all(a is b for a, b in zip(_layer_tensors(plain), _layer_tensors(head4)))
-    assert head4._khead.kind == kernels.Q4 and plain._khead.kind == kernels.Q8
+    assert head4.weights.head.kind == wq.Q4 and plain.weights.head.kind == wq.Q8
     int8 = QuantizedLM(model, bits=8, kernels=True)                     # other bits: its own matrices
     assert not {t.data_ptr() for t in _layer_tensors(int8)} & {t.data_ptr() for t in _layer_tensors(plain)}
     monkeypatch.setattr(stored_copies, "_made", lambda *a: None)
@@ -150,8 +151,7 @@ def test_a_weight_changed_in_place_is_quantized_again(no_disk):
     second = QuantizedLM(model, bits=4, kernels=True)
     shared = [a is b for a, b in zip(_layer_tensors(first), _layer_tensors(second))]
     assert not any(shared[:3]) and all(shared[3:])    # layer 0's q matrix (codes, scales, minima) made again
-    assert torch.equal(second._kstack.layers[0].mats[0].dequantized(),
-                       kernels.quantize(q, 4, None).dequantized())
+    assert torch.equal(second.weights.layers[0].q.dequantized(), wq.quantize(q, 4, None).dequantized())
 
 
 def test_nothing_is_kept_once_no_engine_uses_a_matrix(no_disk, monkeypatch):
@@ -160,7 +160,7 @@ def test_nothing_is_kept_once_no_engine_uses_a_matrix(no_disk, monkeypatch):
     del eng
     gc.collect()
     made = []
-    real = kernels.quantize
-    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = wq.quantize
+    monkeypatch.setattr(wq, "quantize", lambda *a, **k: made.append(1) or real(*a, **k))
     QuantizedLM(model, bits=4, kernels=True)
     assert len(made) == 7 * model.config.num_hidden_layers + 1

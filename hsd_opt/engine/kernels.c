@@ -4,7 +4,8 @@
  * Why: at batch 1 a decode step reads every weight once, so it is bound by memory bandwidth, not arithmetic; the
  * stock float32 matrix-vector products and the per-operation overhead of an eager framework take several times
  * the time the weights take to read. This file streams each weight row once per pass, for every position of the
- * pass, in one parallel region per run of layers (OpenMP; the same runtime torch uses, so threads are shared).
+ * pass, in one parallel region per run of layers (OpenMP: the library links libgomp.so.1 by that name, and the
+ * loader resolves it to the copy torch has already loaded, so the kernels run on torch's own OpenMP runtime).
  *
  * Weights stay where the caller keeps them (no copies): float32 or bfloat16 matrices as the model stores them,
  * or quantized copies (int8 per output row; int4 in groups of 32 input columns with a scale and a minimum per
@@ -20,12 +21,17 @@
  * Interface: plain C structs (mirrored with ctypes in kernels.py), no allocation (the caller passes a work
  * buffer of hsd_work_floats() floats). Build: cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC.
  */
+#define _GNU_SOURCE /* syscall(SYS_gettid) */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(HSD_PORTABLE)
 #include <immintrin.h>
 #define HSD_AVX2 1
@@ -60,8 +66,36 @@ typedef struct {
     const hsd_layer *layers;
 } hsd_model;
 
-int hsd_version(void) { return 9; }
+/* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
+int hsd_version(void) { return 10; }
 int hsd_simd(void) { return HSD_AVX2; }
+
+/* The layout the Python side checks at load: version, struct sizes, and the offsets of the last fields. */
+void hsd_layout(long *out) {
+    out[0] = hsd_version();
+    out[1] = (long)sizeof(hsd_mat);
+    out[2] = (long)sizeof(hsd_layer);
+    out[3] = (long)sizeof(hsd_model);
+    out[4] = (long)offsetof(hsd_mat, bias);
+    out[5] = (long)offsetof(hsd_model, layers);
+}
+
+/* The team a kernel call with nthreads threads runs on: its size, and each member's OS thread id (Linux; the
+ * member number elsewhere) in ids[member]. Every kernel below opens its parallel region this way. */
+int hsd_team(int nthreads, long *ids) {
+    int n = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef __linux__
+        ids[omp_get_thread_num()] = (long)syscall(SYS_gettid);
+#else
+        ids[omp_get_thread_num()] = omp_get_thread_num();
+#endif
+#pragma omp single
+        n = omp_get_num_threads();
+    }
+    return n;
+}
 
 /* ------------------------------------------------------------------------------------------------ dot products */
 

@@ -1,4 +1,4 @@
-"""The CPU decode kernels (``kernels.c``): build once, load with ctypes, describe weights to them.
+"""The C kernels backend (``kernels.c``): build once, load with ctypes, run a model's layers and head on them.
 
 At batch 1 a decode step reads every weight once, so on a CPU it is bound by memory bandwidth; torch's stock
 float32 matrix-vector products and its per-operation overhead take several times that
@@ -6,12 +6,12 @@ float32 matrix-vector products and its per-operation overhead take several times
 that streams each weight row once for every position of the pass, on the OpenMP threads torch itself uses.
 
 - :func:`load` compiles ``kernels.c`` with the system C compiler the first time (about two seconds) into the cache
-  directory (``$HSD_CACHE/kernels/<key>/``, keyed by the source, the compiler and this CPU's instruction set), and
-  returns None where that is impossible (no compiler, not a CPU build, ``HSD_KERNELS=0``): callers then use their
-  torch path.
-- :class:`Mat` describes one weight matrix to the kernels without copying it (float32 or bfloat16 as stored) or
-  holds a quantized copy (:func:`quantize_q8`, :func:`quantize_q4`).
-- :class:`LayerStack` holds a model's layers as the kernels see them; :meth:`LayerStack.run` is one pass.
+  directory (``$HSD_CACHE/kernels/<key>/``, keyed by the source, the compiler and this CPU's instruction set),
+  checks that the library's structs are laid out as this module's (:data:`ABI_VERSION` and the struct sizes), and
+  returns None where that is impossible (no compiler, not a CPU build, ``HSD_KERNELS=0``): engines then use the
+  torch path (:mod:`hsd_opt.engine.torch_path`), with one warning (:func:`unavailable_warning`).
+- :class:`KernelPath` holds a model's :class:`~hsd_opt.engine.weights.ModelWeights` as the kernels see them (no
+  copies of the weights); :meth:`KernelPath.layers` is one pass, :meth:`KernelPath.head` the LM head.
 
 The kernels are batch-invariant: a pass over ``m`` positions gives, bit for bit, what ``m`` one-position passes
 give, so verification in speculative decoding sees exactly the numbers a plain decode loop sees.
@@ -29,21 +29,26 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Mat, ModelWeights
 from hsd_opt.errors import HsdError
 
 SOURCE = Path(__file__).with_name("kernels.c")
-#: Matrix types the kernels read.
-F32, BF16, Q8, Q4 = 0, 1, 2, 3
-#: Input columns per int4 group (a scale and a minimum each).
-GROUP = 32
+#: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
+#: struct or a function's arguments change.
+ABI_VERSION = 10
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
 MAX_PASS = 64
+#: What the torch path costs where the kernels are unavailable, for the warning that says so
+#: (docs/results.md, "The kernels against the torch path").
+TORCH_PATH_SLOWDOWN = "about 3x"
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 
@@ -55,8 +60,7 @@ class _CMat(ctypes.Structure):
 
 
 class _CLayer(ctypes.Structure):
-    _fields_ = [(n, _CMat) for n in ("q", "k", "v", "o", "gate", "up", "down")] + \
-               [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
+    _fields_ = [(n, _CMat) for n in PROJECTIONS] + [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
 
 
 class _CModel(ctypes.Structure):
@@ -131,6 +135,10 @@ def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None]
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_version.restype = ctypes.c_int
     lib.hsd_simd.restype = ctypes.c_int
+    lib.hsd_layout.restype = None
+    lib.hsd_layout.argtypes = [ctypes.POINTER(ctypes.c_long)]
+    lib.hsd_team.restype = ctypes.c_int
+    lib.hsd_team.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_long)]
     lib.hsd_work_floats.restype = ctypes.c_long
     lib.hsd_work_floats.argtypes = [ctypes.POINTER(_CModel), ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.hsd_layers.restype = ctypes.c_int
@@ -145,29 +153,59 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def expected_layout() -> list[int]:
+    """What ``hsd_layout`` reports for the structs as this module declares them: the ABI version, the sizes of
+    ``hsd_mat``, ``hsd_layer`` and ``hsd_model`` and the offsets of ``hsd_mat.bias`` and ``hsd_model.layers``."""
+    return [ABI_VERSION, ctypes.sizeof(_CMat), ctypes.sizeof(_CLayer), ctypes.sizeof(_CModel), _CMat.bias.offset,
+            _CModel.layers.offset]
+
+
+def check_layout(lib: ctypes.CDLL) -> None:
+    """Raise :class:`HsdError` when the library's structs are not laid out as this module's (a library built from
+    another version of ``kernels.c``, or an edit to one side only)."""
+    got = (ctypes.c_long * 6)()
+    if lib.hsd_version() != ABI_VERSION:
+        raise HsdError(f"the library is version {lib.hsd_version()}, this module expects {ABI_VERSION}")
+    lib.hsd_layout(got)
+    if list(got) != expected_layout():
+        raise HsdError(f"the library's struct layout {list(got)} differs from this module's {expected_layout()}")
+
+
+def unavailable_warning(why: str) -> str:
+    """The one line said when the kernels cannot be had (by the CLI on stderr, to the Python API as a warning)."""
+    return (f"hsd-opt: the CPU decode kernels are unavailable ({why}); decoding on the CPU uses torch's "
+            f"operations, {TORCH_PATH_SLOWDOWN} slower per step")
+
+
 def load(log: Callable[[str], None] | None = None, portable: bool = False) -> ctypes.CDLL | None:
-    """The kernels library (compiled on first use, then cached on disk), or None where it cannot be had: not
-    x86-64/ARM Linux or macOS with a C compiler, ``HSD_KERNELS=0`` in the environment, or a failed build (then
-    ``log`` is told why once). ``portable`` builds the variant without AVX2 code (for tests)."""
+    """The kernels library (compiled on first use, then cached on disk), or None where it cannot be had: no C
+    compiler, a failed build, a library whose layout differs (:func:`check_layout`), or ``HSD_KERNELS=0`` in the
+    environment. The first call says why once, in :func:`unavailable_warning`'s words: to ``log`` (the CLI's
+    stderr) when given, else as a ``RuntimeWarning``; ``HSD_KERNELS=0`` is a choice and says nothing.
+    ``log`` also hears that a build starts. ``portable`` builds the variant without AVX2 code (for tests)."""
     if os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
         return None
     with _LOCK:
         if not portable and _LIB:
             return _LIB[0]
-        lib = None
+        lib, why = None, None
         cc = compiler()
-        if cc is not None:
+        if cc is None:
+            why = "no C compiler found: install gcc or clang, or set CC"
+        else:
             try:
                 path = library_path(cc, portable)
                 if not path.is_file():
                     build(cc, path, portable, log)
                 lib = _bind(ctypes.CDLL(str(path)))
+                check_layout(lib)
             except (HsdError, OSError, subprocess.SubprocessError) as e:
-                if log:
-                    log(f"the CPU decode kernels are unavailable ({e}); using torch's operations")
-                lib = None
-        elif log:
-            log("no C compiler found (cc, gcc or clang; or set CC): using torch's operations")
+                lib, why = None, str(e)
+        if why is not None:
+            if log:
+                log(unavailable_warning(why))
+            else:
+                warnings.warn(unavailable_warning(why), RuntimeWarning, stacklevel=2)
         if not portable:
             _LIB.append(lib)
         return lib
@@ -189,169 +227,85 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and load() is not None
 
 
-# ------------------------------------------------------------------------------------------------ matrices
+def team(lib: ctypes.CDLL, nthreads: int) -> tuple[int, list[int]]:
+    """The OpenMP team a kernel call with ``nthreads`` threads gets: its size and each thread's OS thread id (on
+    Linux; elsewhere the team member numbers)."""
+    ids = (ctypes.c_long * max(nthreads, 1))()
+    n = lib.hsd_team(nthreads, ids)
+    return n, list(ids)[:n]
 
 
-class Mat:
-    """One weight matrix ``[rows, cols]`` as the kernels read it; keeps the tensors it points to alive.
-
-    Build with :meth:`dense` (float32 / bfloat16 weights used in place), :func:`quantize_q8` or :func:`quantize_q4`.
-    ``bias`` is kept as float32 (a copy when the model stores another dtype)."""
-
-    def __init__(self, kind: int, rows: int, cols: int, tensors: Sequence[torch.Tensor | None],
-                 bias: torch.Tensor | None):
-        self.kind, self.rows, self.cols = kind, rows, cols
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.tensors = [t for t in tensors]
-        w, scale, zero = (list(tensors) + [None, None, None])[:3]
-        self.c = _CMat(kind, rows, cols, 0, w.data_ptr(), _ptr(scale), _ptr(zero), _ptr(self.bias))
-
-    @classmethod
-    def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Mat":
-        """A float32 or bfloat16 ``[rows, cols]`` weight, read in place (it must be contiguous on the CPU)."""
-        w = weight.detach()
-        if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or not w.is_contiguous():
-            raise HsdError(f"kernels: expected a contiguous float32/bfloat16 CPU weight, got {w.dtype} on {w.device}")
-        return cls(F32 if w.dtype == torch.float32 else BF16, w.shape[0], w.shape[1], [w], bias)
-
-    def nbytes(self) -> int:
-        """Bytes a pass reads for this matrix."""
-        return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
-
-    def dequantized(self) -> torch.Tensor:
-        """The matrix as float32 ``[rows, cols]`` (what the kernels compute with)."""
-        w = self.tensors[0]
-        if self.kind in (F32, BF16):
-            return w.float()
-        if self.kind == Q8:
-            return w.float() * self.tensors[1][:, None]
-        g = q4_codes(self).float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
-        return g.reshape(self.rows, self.cols)
+# ------------------------------------------------------------------------------------------------ a model
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
-    """Symmetric int8 per output row: ``w ~ code * scale[r]``, ``scale = max|w[r]| / 127``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
-    q = torch.empty(w.shape, dtype=torch.int8)
-    for a in range(0, w.shape[0], 4096):        # a block of rows at a time (the same values, in cache)
-        q[a:a + 4096] = torch.round(w[a:a + 4096] / scale[a:a + 4096, None]).clamp_(-127, 127)
-    return Mat(Q8, w.shape[0], w.shape[1], [q, scale.contiguous()], bias)
+def _struct(mat: Mat) -> _CMat:
+    """The kernels' description of ``mat`` (made once and kept on it, with the float32 copy of a bias in another
+    dtype). Raises :class:`HsdError` for a matrix the kernels cannot read."""
+    if mat.c is None:
+        w = mat.tensors[0]
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in mat.tensors) or \
+                (mat.kind in (F32, BF16) and w.dtype not in (torch.float32, torch.bfloat16)):
+            raise HsdError(f"kernels: expected contiguous CPU tensors of a float32/bfloat16/int8/int4 matrix, got "
+                           f"{w.dtype} on {w.device}")
+        bias = None if mat.bias is None else mat.bias.float().contiguous()
+        scale, zero = (mat.tensors[1:] + [None, None])[:2]
+        mat.c = (_CMat(mat.kind, mat.rows, mat.cols, 0, w.data_ptr(), _ptr(scale), _ptr(zero), _ptr(bias)), bias)
+    return mat.c[0]
 
 
-def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = GROUP) -> Mat:
-    """Asymmetric int4 in groups of 32 input columns: ``w ~ code * scale + minimum`` per group (``scale = (max -
-    min) / 15``, scale and minimum stored as float16), the scheme of GGUF's Q4_1, whose codes, scales and minimums
-    it recovers exactly from de-quantized Q4_1 weights.
-    Stored as bytes ``[rows, pairs, 32]`` with ``pairs = ceil(groups / 2)``: byte ``j`` of pair ``p`` holds code
-    ``j`` of group ``2p`` (low nibble) and code ``j`` of group ``2p + 1`` (high nibble), so one 32-byte load and
-    a mask (or a shift and a mask) give a group's 32 codes in column order."""
-    if group_size != GROUP:
-        raise HsdError(f"kernels: int4 groups are {GROUP} columns, got {group_size}")
-    w = weight.detach().float()
-    N, K = w.shape
-    if K % GROUP:
-        raise HsdError(f"int4 quantization needs input width divisible by {GROUP}, got {K}")
-    wg = w.reshape(N, K // GROUP, GROUP)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    # scale and minimum in float16 (as Q4_1 stores them); the codes are rounded against those stored values
-    step = ((hi - lo) / 15.0).clamp_min(6.1e-5).half()
-    lo = lo.half()
-    sf, lf = step.float(), lo.float()
-    q = torch.round((wg - lf[..., None]) / sf[..., None]).clamp_(0, 15).to(torch.uint8)
-    G = K // GROUP
-    if G % 2:
-        q = torch.cat([q, torch.zeros(N, 1, GROUP, dtype=torch.uint8)], 1)
-    q = q.reshape(N, -1, 2, GROUP)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
-    return Mat(Q4, N, K, [packed, step.contiguous(), lo.contiguous()], bias)
+def layout_problem(weights: ModelWeights, device: torch.device, head_dim: int) -> str | None:
+    """Why the kernels cannot run a model with these weights on ``device`` (None when they can): they compute
+    pre-norm layers with q/k/v biases only, SiLU, one pair of norm epsilons, float32/bfloat16 weights or int8/int4
+    copies (int4 widths a multiple of 32), on the CPU."""
+    if device.type != "cpu":
+        return f"the model is on {device}"
+    lw = weights.layers
+    dtypes = {m.tensors[0].dtype for layer in lw for m in layer.mats() if not m.quantized}
+    if dtypes - {torch.float32, torch.bfloat16}:
+        return f"dtype {sorted(dtypes - {torch.float32, torch.bfloat16}, key=str)[0]} (expected float32 or bfloat16)"
+    if lw[0].q_norm is not None:
+        return "per-head q/k norms (Qwen3)"
+    if any(layer.act is not torch.nn.functional.silu for layer in lw):
+        return "an activation other than SiLU"
+    if len({(layer.eps1, layer.eps2) for layer in lw}) != 1:
+        return "norm epsilons that differ between layers"
+    if any(m.bias is not None for layer in lw for m in (layer.o, layer.gate, layer.up, layer.down)):
+        return "biases outside q/k/v"
+    if head_dim % 2:
+        return "an odd head size"
+    return None
 
 
-def q4_codes(mat: Mat) -> torch.Tensor:
-    """The codes of an int4 :class:`Mat` as uint8 ``[rows, groups, 32]`` in column order (0..15)."""
-    packed = mat.tensors[0]
-    pairs = torch.stack([packed & 15, packed >> 4], 2)      # [rows, pairs, 2, 32]
-    return pairs.reshape(mat.rows, -1, GROUP)[:, : mat.cols // GROUP]
-
-
-def quantize(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> Mat:
-    """:func:`quantize_q8` (``bits=8``) or :func:`quantize_q4` (``bits=4``)."""
-    if bits == 8:
-        return quantize_q8(weight, bias)
-    if bits == 4:
-        return quantize_q4(weight, bias)
-    raise HsdError(f"unsupported bit width {bits} (expected 8 or 4)")
-
-
-# ------------------------------------------------------------------------------------------------ a model
-
-
-class LayerMats:
-    """One decoder layer's matrices and norm weights for :class:`LayerStack`."""
-
-    def __init__(self, q: Mat, k: Mat, v: Mat, o: Mat, gate: Mat, up: Mat, down: Mat, ln1: torch.Tensor,
-                 ln2: torch.Tensor):
-        self.mats = (q, k, v, o, gate, up, down)
-        self.ln1 = ln1.detach().float().contiguous()
-        self.ln2 = ln2.detach().float().contiguous()
-
-    def nbytes(self) -> int:
-        return sum(m.nbytes() for m in self.mats)
-
-
-class DenseLayer:
-    """One layer's weights as float32 ``[out, in]`` tensors and biases, named as the engine's torch path reads
-    them (``q, bq, k, bk, ..., ln1, eps1, act``)."""
-
-    def __init__(self, lm: LayerMats, eps1: float, eps2: float):
-        import torch.nn.functional as F
-
-        names = ("q", "k", "v", "o", "gate", "up", "down")
-        for name, m in zip(names, lm.mats):
-            setattr(self, name, m.dequantized())
-            setattr(self, "b" + name, m.bias)
-        self.ln1, self.ln2, self.eps1, self.eps2 = lm.ln1, lm.ln2, eps1, eps2
-        self.act, self.qk_norm = F.silu, False
-
-
-class LayerStack:
-    """A model's decoder layers as the kernels see them (pre-norm, rotary, grouped-query attention, SiLU MLP).
+class KernelPath:
+    """A model's decoder layers and head on the kernels (pre-norm, rotary, grouped-query attention, SiLU MLP).
 
     Args:
         lib: the library from :func:`load`.
-        layers: one :class:`LayerMats` per decoder layer.
-        n_heads, n_kv, head_dim, hidden, inter: the attention and MLP shapes.
-        eps1, eps2: the input and post-attention RMSNorm epsilons (the same for every layer).
+        weights: the model's weights (read in place; float32 copies are made only of norms and biases stored in
+            another dtype).
+        n_heads, n_kv, head_dim: attention shapes.
     """
 
-    def __init__(self, lib, layers: Sequence[LayerMats], n_heads: int, n_kv: int, head_dim: int, hidden: int,
-                 inter: int, eps1: float, eps2: float):
-        self.lib, self.layers = lib, list(layers)
-        arr = (_CLayer * len(self.layers))()
-        for i, lm in enumerate(self.layers):
-            cl = arr[i]
-            for name, m in zip(("q", "k", "v", "o", "gate", "up", "down"), lm.mats):
-                setattr(cl, name, m.c)
-            cl.ln1, cl.ln2 = lm.ln1.data_ptr(), lm.ln2.data_ptr()
+    def __init__(self, lib, weights: ModelWeights, n_heads: int, n_kv: int, head_dim: int):
+        self.lib, self.weights = lib, weights
+        lw = weights.layers
+        self._keep = []                   # float32 norm weights the structs point to
+        arr = (_CLayer * len(lw))()
+        for i, layer in enumerate(lw):
+            for name in PROJECTIONS:
+                setattr(arr[i], name, _struct(getattr(layer, name)))
+            ln1, ln2 = layer.ln1.float().contiguous(), layer.ln2.float().contiguous()
+            self._keep += [ln1, ln2]
+            arr[i].ln1, arr[i].ln2 = ln1.data_ptr(), ln2.data_ptr()
         self._arr = arr
-        self.c = _CModel(n_heads, n_kv, head_dim, hidden, inter, 0, eps1, eps2,
-                         ctypes.cast(arr, ctypes.POINTER(_CLayer)))
-        self.hidden = hidden
-        self.eps1, self.eps2 = eps1, eps2
+        self.c = _CModel(n_heads, n_kv, head_dim, weights.embed.shape[1], lw[0].gate.rows, 0, lw[0].eps1,
+                         lw[0].eps2, ctypes.cast(arr, ctypes.POINTER(_CLayer)))
+        self.norm = weights.norm.float().contiguous()
         self._work = torch.empty(0)
-        self._xg = torch.empty(0)
-
-    def nbytes(self) -> int:
-        return sum(lm.nbytes() for lm in self.layers)
-
-    def dense_layer(self, l: int) -> "DenseLayer":
-        """Layer ``l``'s weights as float32 tensors (converted or de-quantized for one pass; float32 weights are
-        the stored tensors themselves), in the fields the engine's torch path reads."""
-        return DenseLayer(self.layers[l], self.eps1, self.eps2)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))
@@ -359,25 +313,39 @@ class LayerStack:
             self._work = torch.empty(need, dtype=torch.float32)
         return self._work
 
-    def run(self, l0: int, l1: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-            kptrs, vptrs, cache_len: int) -> torch.Tensor:
-        """Layers ``l0 .. l1-1`` on ``x`` ``[m, hidden]`` (float32, updated in place and returned) at positions
-        ``start .. start+m-1``; ``cos``/``sin`` ``[m, head_dim]`` float32; ``kptrs``/``vptrs``: :func:`cache_ptrs`
-        of the layers' caches ``[1, n_kv, cache_len, head_dim]`` float32."""
-        x = x.contiguous()
-        m = x.shape[0]
+    def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Layers ``l0 .. l1-1`` on ``x`` ``[m, hidden]`` at positions ``start .. start+m-1`` of ``st`` (float32
+        caches), in passes of at most :data:`MAX_PASS` positions; returns the new hidden states (float32; ``x`` is
+        not changed). ``cos``/``sin`` ``[1, m, head_dim]``."""
+        if st.cache_ptrs is None:
+            st.cache_ptrs = (cache_ptrs(st.k), cache_ptrs(st.v))
+        kptrs, vptrs = st.cache_ptrs
+        x = x.to(torch.float32).clone()       # updated in place; the caller's tensor may be a saved residual
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         nt = torch.get_num_threads()
-        work = self._work_for(m, cache_len, nt)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        rc = self.lib.hsd_layers(ctypes.byref(self.c), l0, l1, x.data_ptr(), m, start, cos.data_ptr(),
-                                 sin.data_ptr(), kptrs, vptrs, cache_len, work.data_ptr(), nt)
-        if rc != 0:
-            raise HsdError(f"kernels: bad pass (layers {l0}..{l1 - 1}, {m} positions from {start}, cache {cache_len})")
+        for i in range(0, x.shape[0], MAX_PASS):
+            xi = x[i:i + MAX_PASS]
+            m = xi.shape[0]
+            work = self._work_for(m, st.max_len, nt)
+            rc = self.lib.hsd_layers(ctypes.byref(self.c), l0, l1, xi.data_ptr(), m, start + i,
+                                     cos[i:].data_ptr(), sin[i:].data_ptr(), kptrs, vptrs, st.max_len,
+                                     work.data_ptr(), nt)
+            if rc != 0:
+                raise HsdError(f"kernels: bad pass (layers {l0}..{l1 - 1}, {m} positions from {start + i}, "
+                               f"cache {st.max_len})")
         return x
 
-    def linear(self, mat: Mat, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T (+ b)`` for ``x`` ``[m, cols]`` float32 -> ``[m, rows]`` float32."""
-        return linear(self.lib, mat, x)
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden ``[m, d]`` (the kernels' own, batch-invariant), float32."""
+        return rms_norm(self.lib, hidden, self.norm, self.weights.norm_eps)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``, in blocks of
+        :data:`MAX_PASS` rows (every row computed as a decode step computes it)."""
+        blocks = [linear(self.lib, self.weights.head, self.normed(hidden[i:i + MAX_PASS]))
+                  for i in range(0, hidden.shape[0], MAX_PASS)]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def linear(lib, mat: Mat, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,7 +355,7 @@ def linear(lib, mat: Mat, x: torch.Tensor, out: torch.Tensor | None = None) -> t
     y = out if out is not None else torch.empty(m, mat.rows, dtype=torch.float32)
     nt = torch.get_num_threads()
     work = torch.empty(nt * 4 * mat.cols, dtype=torch.float32) if mat.kind != F32 else None
-    rc = lib.hsd_linear(ctypes.byref(mat.c), x.data_ptr(), m, y.data_ptr(), _ptr(work), nt)
+    rc = lib.hsd_linear(ctypes.byref(_struct(mat)), x.data_ptr(), m, y.data_ptr(), _ptr(work), nt)
     if rc != 0:
         raise HsdError("kernels: bad linear call")
     return y
@@ -401,7 +369,7 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
     rows, positions = rows.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     y = torch.empty(rows.numel(), dtype=torch.float32)
     if (positions.numel() and int(positions.max()) >= x.shape[0]) or \
-            lib.hsd_rows_f32(ctypes.byref(mat.c), rows.data_ptr(), positions.data_ptr(), rows.numel(),
+            lib.hsd_rows_f32(ctypes.byref(_struct(mat)), rows.data_ptr(), positions.data_ptr(), rows.numel(),
                              x.data_ptr(), y.data_ptr()) != 0:
         raise HsdError("kernels: bad rows call")
     return y
@@ -416,6 +384,6 @@ def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def cache_ptrs(caches: Sequence[torch.Tensor]):
-    """A ctypes array of the caches' data pointers (what :meth:`LayerStack.run` takes for keys or values)."""
+    """A ctypes array of the caches' data pointers (what :meth:`KernelPath.layers` takes for keys or values)."""
     arr = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
     return arr

@@ -1,4 +1,4 @@
-"""Small tensor operations every engine shares (plain functions, TorchScript-compatible).
+"""Small tensor operations of the torch path (plain functions).
 
 Shapes: hidden ``[m, d]`` for ``m`` positions; heads ``[..., head_dim]``.
 """
@@ -15,12 +15,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension with ``F.rms_norm`` (one fused op; the sums may be ordered differently
-    from :func:`rms_norm_reference`)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def norm_eps(norm) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from hsd_opt.engine import kernels
+from hsd_opt.engine.weights import F32, GROUP, ROW_BLOCK, Mat, quantize_q8
 
 #: Least relative allowance for float rounding in both head computations (see the module doc).
 ROUNDING_MARGIN = 1e-4
@@ -43,19 +44,19 @@ class HeadScreen:
     """The int8 screen of one float32 kernel head (``head``: a float32 :class:`~hsd_opt.engine.kernels.Mat`
     without bias). Holds the int8 copy (a quarter of the head's bytes) and two norms per row."""
 
-    def __init__(self, lib, head: kernels.Mat):
-        if head.kind != kernels.F32 or head.bias is not None or head.cols % kernels.GROUP:
+    def __init__(self, lib, head: Mat):
+        if head.kind != F32 or head.bias is not None or head.cols % GROUP:
             raise ValueError("the screen takes a float32 head without bias, its width a multiple of 32")
         self.lib, self.head = lib, head
         w = head.tensors[0]
-        self.q8 = kernels.quantize_q8(w)
+        self.q8 = quantize_q8(w)
         codes, scale = self.q8.tensors[0], self.q8.tensors[1]
         rho = torch.empty(w.shape[0])     # |Wq_r - W_r|
         wnorm = torch.empty(w.shape[0])   # |W_r|
-        for a in range(0, w.shape[0], 4096):                   # float32, a block of rows at a time
-            wb = w[a:a + 4096]
-            rho[a:a + 4096] = torch.linalg.vector_norm(codes[a:a + 4096].float() * scale[a:a + 4096, None] - wb, dim=1)
-            wnorm[a:a + 4096] = torch.linalg.vector_norm(wb, dim=1)
+        for a in range(0, w.shape[0], ROW_BLOCK):                   # float32, a block of rows at a time
+            b = a + ROW_BLOCK
+            rho[a:b] = torch.linalg.vector_norm(codes[a:b].float() * scale[a:b, None] - w[a:b], dim=1)
+            wnorm[a:b] = torch.linalg.vector_norm(w[a:b], dim=1)
         # float32 norms of d terms err by at most about 2 d roundings (relative); the products code * scale by one
         # rounding of |Wq_r| each, which adds at most 2^-24 (|W_r| + rho_r) to rho_r: both made upper bounds here
         up = 1 + 2 * head.cols * 2.0 ** -24
@@ -73,8 +74,8 @@ class HeadScreen:
     def bounds(self, h: torch.Tensor) -> torch.Tensor:
         """``e`` ``[m, V]`` float32: the bound on ``|a_r - l_r|`` at each position of normed hidden ``h``."""
         hn = h.norm(dim=1, keepdim=True)                                        # [m, 1]
-        step = h.reshape(h.shape[0], -1, kernels.GROUP).abs().amax(-1) / 127.0   # [m, G] activation steps
-        delta = (step.square().sum(1, keepdim=True) * kernels.GROUP).sqrt() * (0.5 * (1 + 1e-4)) + 1e-6 * hn
+        step = h.reshape(h.shape[0], -1, GROUP).abs().amax(-1) / 127.0   # [m, G] activation steps
+        delta = (step.square().sum(1, keepdim=True) * GROUP).sqrt() * (0.5 * (1 + 1e-4)) + 1e-6 * hn
         return torch.addcmul(self.wnorm[None] * delta, self.c[None], hn + delta)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ in memory (tests, trained heads) have none and are quantized every time.
 
 A stored copy lives under ``<cache>/quantized/`` (``$HSD_CACHE``, default ``~/.cache/hsd-opt``) in a file named
 after the weights key and the setting (bits, head bits), and after the quantizer's code: a change to
-:func:`~hsd_opt.engine.kernels.quantize_q4` or :func:`~hsd_opt.engine.kernels.quantize_q8` makes the old files
+:func:`~hsd_opt.engine.weights.quantize_q4` or :func:`~hsd_opt.engine.weights.quantize_q8` makes the old files
 unreachable, and the next save of that model and setting removes them. Files are written atomically (a
 temporary file renamed into place); a file that cannot be read, or whose tensors do not have the shapes the
 model needs, is ignored and written again; a failed write only costs the next process the quantization.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hsd_opt.engine import kernels
+from hsd_opt.engine import weights as wq
 from hsd_opt.jsonio import atomic_write
 
 #: Bumped when the stored layout changes in a way the quantizer's source does not show.
@@ -53,7 +53,7 @@ def _same_stamp(a: tuple, b: tuple) -> bool:
     return a[:3] == b[:3] and torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
 
 
-def _made(weight: torch.Tensor, bits: int, bias: torch.Tensor | None) -> kernels.Mat | None:
+def _made(weight: torch.Tensor, bits: int, bias: torch.Tensor | None) -> wq.Mat | None:
     entry = _IN_MEMORY.get((id(weight), bits))
     if entry is None:
         return None
@@ -66,14 +66,14 @@ def _made(weight: torch.Tensor, bits: int, bias: torch.Tensor | None) -> kernels
     return mat
 
 
-def _remember(weight: torch.Tensor, bits: int, mat: kernels.Mat) -> None:
+def _remember(weight: torch.Tensor, bits: int, mat: wq.Mat) -> None:
     for key in [k for k, (w, m, _) in _IN_MEMORY.items() if w() is None or m() is None]:
         del _IN_MEMORY[key]
     _IN_MEMORY[(id(weight), bits)] = (weakref.ref(weight), weakref.ref(mat), _stamp(weight))
 
 
 def _code_hash() -> str:
-    src = inspect.getsource(kernels.quantize_q4) + inspect.getsource(kernels.quantize_q8) + str(FORMAT)
+    src = inspect.getsource(wq.quantize_q4) + inspect.getsource(wq.quantize_q8) + str(FORMAT)
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 
@@ -140,30 +140,30 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
 
 
 def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, weight: torch.Tensor,
-           bias: torch.Tensor | None, fresh: dict[str, list[torch.Tensor]]) -> kernels.Mat:
+           bias: torch.Tensor | None, fresh: dict[str, list[torch.Tensor]]) -> wq.Mat:
     """The ``bits`` copy of ``weight`` for the kernels: the one another copy of this process already made of
     the same tensor (shared, not duplicated), else from ``stored`` when it holds ``name`` with the shapes this
     weight needs, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
     rows, cols = weight.shape
-    kind = kernels.Q8 if bits == 8 else kernels.Q4
+    kind = wq.Q8 if bits == 8 else wq.Q4
     mat = _made(weight, bits, bias)
     if mat is not None:
         return mat
     got = (stored or {}).get(name)
     if got is not None and _fits(got, kind, rows, cols):   # copied out of the mapped file: the engine holds
-        mat = kernels.Mat(kind, rows, cols, [t.clone() for t in got], bias)   # memory, not the file's pages
+        mat = wq.Mat(kind, rows, cols, [t.clone() for t in got], bias)   # memory, not the file's pages
     else:
-        mat = kernels.quantize(weight, bits, bias)
+        mat = wq.quantize(weight, bits, bias)
         fresh[name] = list(mat.tensors)
     _remember(weight, bits, mat)
     return mat
 
 
 def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
-    if kind == kernels.Q8:
+    if kind == wq.Q8:
         return (len(tensors) == 2 and tensors[0].dtype == torch.int8 and tuple(tensors[0].shape) == (rows, cols)
                 and tensors[1].dtype == torch.float32 and tuple(tensors[1].shape) == (rows,))
-    G = cols // kernels.GROUP
+    G = cols // wq.GROUP
     return (len(tensors) == 3 and tensors[0].dtype == torch.uint8
             and tuple(tensors[0].shape) == (rows, (G + 1) // 2, 2 * 16)
             and all(t.dtype == torch.float16 and tuple(t.shape) == (rows, G) for t in tensors[1:]))

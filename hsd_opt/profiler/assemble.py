@@ -103,7 +103,7 @@ def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[
 def quantization_entry(qeng) -> dict[str, Any]:
     """The ``quantization`` field of a quantized drafter's profile entry (what the runtime rebuilds it from)."""
     return {"bits": qeng.bits, "group_size": qeng.group_size, "head_bits": qeng.head_bits,
-            "packed_kernels": qeng.packed, "activation_dtype": str(qeng.dtype).replace("torch.", ""),
+            "kernels": qeng.uses_kernels, "activation_dtype": str(qeng.dtype).replace("torch.", ""),
             "weight_bytes": qeng.weight_bytes()}
 
 

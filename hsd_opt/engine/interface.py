@@ -1,0 +1,82 @@
+"""What an engine can do, as the runtime, the profiler and the server use it (a typed interface, no ``Any``).
+
+:class:`Engine` is what a model level of a hierarchy runs on (:class:`~hsd_opt.engine.layered.LayeredLM`
+implements it, over float or quantized weights); :class:`Backend` is what the engine runs its passes on (the
+torch path and the C kernels). Units: positions and token counts; shapes in the method docs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping, Protocol
+
+import torch
+
+from hsd_opt.engine.state import DecodeState
+
+#: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
+ExitHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Backend(Protocol):
+    """Runs decoder layers and the LM head of one model's weights."""
+
+    def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` of ``st``, writing
+        their keys and values into ``st``'s caches; ``cos``/``sin`` ``[1, m, head_dim]``. Returns ``[m, d]``."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
+
+
+class Engine(Protocol):
+    """A model's decoder with one KV cache per layer that every exit of the model shares.
+
+    Attributes:
+        name: what profiles and plans call the engine's model level (None: ``layer<b>`` by boundary).
+        n_layers: decoder layers; boundary ``b`` is the residual stream after ``b`` of them.
+        vocab_size: rows of the LM head (``V``).
+        device: where states and logits live.
+        is_copy: a quantized copy of another engine's model (it may take that engine's prompt keys and values).
+        exit_heads: boundary -> trained exit head (boundaries without one use the model's own head).
+    """
+
+    name: str | None
+    n_layers: int
+    vocab_size: int
+    device: torch.device
+    is_copy: bool
+    exit_heads: Mapping[int, ExitHead]
+
+    def new_state(self, max_len: int, save_boundaries: Iterable[int] = ()) -> DecodeState:
+        """An empty state with room for ``max_len`` tokens, keeping residual streams at ``save_boundaries``."""
+
+    def append(self, st: DecodeState, token_ids) -> None:
+        """Append token ids (a list or a 1-D tensor) to the sequence; nothing is computed yet."""
+
+    def advance(self, st: DecodeState, upto: int) -> int:
+        """Run layers ``0 .. upto-1`` over every position each has not processed (a step over 1 new position, a
+        pass over ``t``: verification); returns positions x layers computed."""
+
+    def crop(self, st: DecodeState, n: int) -> None:
+        """Keep the first ``n`` tokens (after a rejection); every layer forgets the rest."""
+
+    def logits(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
+        """Float32 logits ``[end - start, V]`` of the exit at ``boundary``, at positions ``start .. end-1``."""
+
+    def greedy_ids(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
+        """``logits(...).argmax(-1)`` (int64 ``[end - start]``), possibly without computing every logit."""
+
+    def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
+        """The exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
+
+    def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
+        """A teacher-forced pass over ``input_ids`` (1-D): boundary -> hidden ``[L, d]``, as decoding computes
+        them."""
+
+    def can_share_prompt(self, src: "Engine") -> bool:
+        """True when ``src``'s keys and values of a prompt can stand in for this engine's own."""
+
+    def share_prompt(self, st: DecodeState, src: "Engine", src_st: DecodeState, upto: int) -> int:
+        """Take ``src``'s keys and values of all but the last prompt position, layers ``0 .. upto-1``; returns the
+        positions taken."""

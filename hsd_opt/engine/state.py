@@ -1,0 +1,40 @@
+"""The decoding state of one sequence in one engine: its tokens, a K/V cache per layer, and how far each layer got.
+
+Shapes: caches ``[1, n_kv, max_len, head_dim]`` per layer; residual streams ``[max_len, hidden]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeState:
+    """Per-sequence decoding state of one :class:`LayeredLM`.
+
+    Attributes:
+        tokens: ``[max_len]`` token ids; the first ``n`` are the sequence.
+        n: number of tokens in the sequence.
+        lens: ``lens[l]`` positions processed by layer ``l`` (non-increasing in ``l``).
+        k, v: per layer ``[1, n_kv_heads, max_len, head_dim]`` caches.
+        resid: boundary -> ``[max_len, d]`` residual stream saved at that boundary (only for boundaries asked
+            for: exits, and frontiers where a pass stopped).
+        cache_ptrs: the caches' addresses as the kernels take them (filled on first use).
+    """
+
+    tokens: torch.Tensor
+    n: int
+    lens: list[int]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    resid: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache_ptrs: tuple | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.tokens.shape[0]
+
+    def token_list(self) -> list[int]:
+        return self.tokens[: self.n].tolist()

@@ -1,0 +1,89 @@
+"""The plain torch backend: a run of decoder layers and the LM head as the Hugging Face modules compute them.
+
+The same tensor operations in the same order as the modules (RMSNorm in float32 statistics, ``F.linear``, the
+rotary embedding by ``rotate_half``, ``scaled_dot_product_attention`` over the cache), called directly on the
+weights of a :class:`~hsd_opt.engine.weights.ModelWeights` in the engine's compute dtype. Over a float model's own
+weights in its own dtype that is bit for bit the modules' output (tested against ``generate``); it runs on any
+device (CUDA; CPUs where the C kernels cannot be built) and is the reference the kernels are tested against.
+
+Weights enter through :meth:`~hsd_opt.engine.weights.Mat.dense`: a float weight in the compute dtype is used in
+place; one in another dtype is converted for each pass (a bfloat16 model's long passes in float32: its memory
+stays half); a quantized matrix is de-quantized once and kept (de-quantizing for every pass would cost more than
+the pass). Shapes: hidden ``[m, d]`` for ``m`` positions; caches ``[1, n_kv, max_len, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hsd_opt.engine.ops import causal_attention, rms_norm_reference, rotate_half
+from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.weights import Mat, ModelWeights
+
+
+class TorchPath:
+    """Decoder layers and the head of ``weights`` with torch operations in ``dtype`` (activations and caches).
+
+    Args:
+        weights: the model's weights (float in place, or quantized).
+        dtype: the compute dtype (the caches' too).
+        n_heads, n_kv, head_dim: attention shapes.
+    """
+
+    def __init__(self, weights: ModelWeights, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int):
+        self.weights, self.dtype = weights, dtype
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self._kept: dict[int, torch.Tensor] = {}     # id(quantized Mat) -> its de-quantized weight
+        self._norms = [(lw.ln1.to(dtype), lw.ln2.to(dtype)) for lw in weights.layers]
+        self._final_norm = weights.norm.to(dtype)
+
+    def _w(self, mat: Mat) -> torch.Tensor:
+        if not mat.quantized:
+            return mat.dense(self.dtype)
+        t = self._kept.get(id(mat))
+        if t is None:
+            t = self._kept[id(mat)] = mat.dense(self.dtype)
+        return t
+
+    def _linear(self, x: torch.Tensor, mat: Mat) -> torch.Tensor:
+        return F.linear(x, self._w(mat), None if mat.bias is None else mat.bias.to(self.dtype))
+
+    def layer(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``l`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1``: writes their keys and
+        values into the layer's caches; ``cos``/``sin`` ``[1, m, head_dim]``."""
+        w = self.weights.layers[l]
+        ln1, ln2 = self._norms[l]
+        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
+        m = x.shape[0]
+        end = start + m
+        h = rms_norm_reference(x, ln1, w.eps1)
+        q = self._linear(h, w.q).view(m, H, hd).transpose(0, 1)
+        k = self._linear(h, w.k).view(m, KV, hd).transpose(0, 1)
+        v = self._linear(h, w.v).view(m, KV, hd).transpose(0, 1)
+        if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
+            q = rms_norm_reference(q, w.q_norm.to(self.dtype), w.qk_eps)
+            k = rms_norm_reference(k, w.k_norm.to(self.dtype), w.qk_eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache[0, :, start:end] = k
+        v_cache[0, :, start:end] = v
+        o = causal_attention(q.unsqueeze(0), k_cache[:, :, :end], v_cache[:, :, :end], start)
+        x = x + self._linear(o[0].transpose(0, 1).reshape(m, H * hd), w.o)
+        h = rms_norm_reference(x, ln2, w.eps2)
+        return x + self._linear(w.act(self._linear(h, w.gate)) * self._linear(h, w.up), w.down)
+
+    def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` of ``st`` (each
+        layer's cache written as it goes); ``cos``/``sin`` ``[1, m, head_dim]``."""
+        x = x.to(self.dtype)
+        for l in range(l0, l1):
+            x = self.layer(l, x, st.k[l], st.v[l], start, cos, sin)
+        return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
+        h = rms_norm_reference(hidden.to(self.dtype), self._final_norm, self.weights.norm_eps)
+        return self._linear(h, self.weights.head).float()

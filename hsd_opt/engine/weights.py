@@ -1,0 +1,290 @@
+"""A model's weights as the engine computes with them: one type for a projection, one quantizer per bit width.
+
+- :class:`Mat` is one projection ``y = x W^T (+ b)`` with ``W`` ``[rows, cols]`` stored as float32 or bfloat16 (the
+  model's own tensor, read in place), int8 per output row, or int4 in groups of :data:`GROUP` input columns.
+- :func:`quantize_q8` and :func:`quantize_q4` are the quantizers: every quantized copy (drafters, a quantized
+  target, stored copies, LM heads, the greedy screen's int8 head) is made by one of them.
+- :class:`LayerWeights` and :class:`ModelWeights` hold a decoder's projections, norms and embedding table, built
+  from a Hugging Face model by :func:`model_weights` (in place, or quantized).
+
+Both backends read these: the C kernels (:mod:`hsd_opt.engine.kernels`) take the stored bytes, the torch path
+(:mod:`hsd_opt.engine.torch_path`) the matrix as a dense tensor (:meth:`Mat.dense`). Shapes in elements.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hsd_opt.engine.ops import norm_eps
+from hsd_opt.errors import HsdError
+
+#: Matrix kinds: float32 and bfloat16 (a model's own weights), int8 per output row, int4 in groups of 32 columns.
+F32, BF16, Q8, Q4 = 0, 1, 2, 3
+#: Input columns per int4 group (a scale and a minimum each), and the group of the kernels' int8 activations.
+GROUP = 32
+#: Rows handled at a time where a whole matrix would need a float32 temporary (quantizing a 49,152-row head).
+ROW_BLOCK = 4096
+#: Architectures the engine computes (pre-norm decoder layers with q/k/v/o projections and a gated MLP).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class Mat:
+    """One projection's weight ``[rows, cols]`` (and bias ``[rows]`` or None), as stored.
+
+    ``tensors``: float32/bfloat16 ``[w]`` (the model's tensor, not a copy); int8 ``[codes int8 [rows, cols],
+    scale float32 [rows]]`` (``w = code * scale``); int4 ``[codes uint8 [rows, pairs, 32], scale float16 [rows,
+    G], minimum float16 [rows, G]]`` (``w = code * scale + minimum``, ``G = cols / 32``; see :func:`quantize_q4`).
+    Build with :meth:`in_place`, :func:`quantize_q8` or :func:`quantize_q4`."""
+
+    def __init__(self, kind: int, rows: int, cols: int, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None):
+        self.kind, self.rows, self.cols = kind, rows, cols
+        self.tensors = list(tensors)
+        self.bias = None if bias is None else bias.detach()
+        #: the C kernels' description of this matrix, made by :mod:`hsd_opt.engine.kernels` on first use
+        self.c: object | None = None
+
+    @classmethod
+    def in_place(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Mat":
+        """A float weight read in place (no copy)."""
+        w = weight.detach()
+        return cls(BF16 if w.dtype == torch.bfloat16 else F32, w.shape[0], w.shape[1], [w], bias)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind in (Q8, Q4)
+
+    def nbytes(self) -> int:
+        """Bytes a pass reads for this matrix."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, cols]`` in ``dtype``: the stored tensor itself when it has that dtype, else converted or
+        de-quantized (the values the kernels multiply, rounded to ``dtype``)."""
+        w = self.tensors[0]
+        if self.kind in (F32, BF16):
+            return w.to(dtype)
+        if self.kind == Q8:
+            return (w.float() * self.tensors[1][:, None]).to(dtype)
+        g = q4_codes(self).float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
+        return g.reshape(self.rows, self.cols).to(dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The matrix as float32 ``[rows, cols]``."""
+        return self.dense(torch.float32)
+
+
+def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
+    """Symmetric int8 per output row: ``w ~ code * scale[r]``, ``scale = max|w[r]| / 127``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for a in range(0, w.shape[0], ROW_BLOCK):        # a block of rows at a time (the same values, in cache)
+        b = a + ROW_BLOCK
+        q[a:b] = torch.round(w[a:b] / scale[a:b, None]).clamp_(-127, 127)
+    return Mat(Q8, w.shape[0], w.shape[1], [q, scale.contiguous()], bias)
+
+
+def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
+    """Asymmetric int4 in groups of 32 input columns: ``w ~ code * scale + minimum`` per group (``scale = (max -
+    min) / 15``, scale and minimum stored as float16), the scheme of GGUF's Q4_1, whose codes, scales and minimums
+    it recovers exactly from de-quantized Q4_1 weights.
+    Stored as bytes ``[rows, pairs, 32]`` with ``pairs = ceil(groups / 2)``: byte ``j`` of pair ``p`` holds code
+    ``j`` of group ``2p`` (low nibble) and code ``j`` of group ``2p + 1`` (high nibble), so one 32-byte load and
+    a mask (or a shift and a mask) give a group's 32 codes in column order."""
+    w = weight.detach().float()
+    N, K = w.shape
+    if K % GROUP:
+        raise HsdError(f"int4 quantization needs input width divisible by {GROUP}, got {K}")
+    wg = w.reshape(N, K // GROUP, GROUP)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    # scale and minimum in float16 (as Q4_1 stores them); the codes are rounded against those stored values
+    step = ((hi - lo) / 15.0).clamp_min(6.1e-5).half()
+    lo = lo.half()
+    sf, lf = step.float(), lo.float()
+    q = torch.round((wg - lf[..., None]) / sf[..., None]).clamp_(0, 15).to(torch.uint8)
+    if (K // GROUP) % 2:
+        q = torch.cat([q, torch.zeros(N, 1, GROUP, dtype=torch.uint8, device=q.device)], 1)
+    q = q.reshape(N, -1, 2, GROUP)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    return Mat(Q4, N, K, [packed, step.contiguous(), lo.contiguous()], bias)
+
+
+def q4_codes(mat: Mat) -> torch.Tensor:
+    """The codes of an int4 :class:`Mat` as uint8 ``[rows, groups, 32]`` in column order (0..15)."""
+    packed = mat.tensors[0]
+    pairs = torch.stack([packed & 15, packed >> 4], 2)      # [rows, pairs, 2, 32]
+    return pairs.reshape(mat.rows, -1, GROUP)[:, : mat.cols // GROUP]
+
+
+def quantize(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> Mat:
+    """:func:`quantize_q8` (``bits=8``) or :func:`quantize_q4` (``bits=4``)."""
+    if bits == 8:
+        return quantize_q8(weight, bias)
+    if bits == 4:
+        return quantize_q4(weight, bias)
+    raise HsdError(f"unsupported bit width {bits} (expected 8 or 4)")
+
+
+# ------------------------------------------------------------------------------------------------ a model
+
+#: The projections of a decoder layer, in the order the kernels' layer struct holds them.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: its projections, norm weights ``[hidden]`` and epsilons, the MLP's activation, and
+    for Qwen3 the per-head q/k norm weights ``[head_dim]`` (None otherwise)."""
+
+    q: Mat
+    k: Mat
+    v: Mat
+    o: Mat
+    gate: Mat
+    up: Mat
+    down: Mat
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps1: float
+    eps2: float
+    act: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+
+    def mats(self) -> list[Mat]:
+        return [getattr(self, n) for n in PROJECTIONS]
+
+
+@dataclass
+class ModelWeights:
+    """A decoder's weights: embedding table ``[V, hidden]``, layers, final norm ``[hidden]`` and LM head."""
+
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    norm_eps: float
+    head: Mat
+
+    def nbytes(self) -> int:
+        """Bytes of the layers' and the head's matrices (what one full decode step reads)."""
+        return sum(m.nbytes() for lw in self.layers for m in lw.mats()) + self.head.nbytes()
+
+
+def check_supported(model) -> None:
+    """Refuse (:class:`HsdError`) a model the engine cannot compute: another architecture, or weights behind
+    accelerate hooks (offloaded or dispatched over devices: the engine reads weights directly)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise HsdError(f"model type {getattr(cfg, 'model_type', None)!r} is not supported by the layered engine "
+                       f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if any(hasattr(mod, "_hf_hook") for mod in model.modules()):
+        raise HsdError("the model's weights are offloaded or dispatched by accelerate hooks; the engine reads "
+                       "weights directly: load the model onto one device")
+
+
+def _activation(mlp) -> Callable[[torch.Tensor], torch.Tensor]:
+    act = mlp.act_fn
+    return F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
+
+
+def _linears(layer) -> dict:
+    a, mlp = layer.self_attn, layer.mlp
+    return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj,
+            "down": mlp.down_proj}
+
+
+def model_weights(model, make: Callable[[str, torch.nn.Module], Mat] | None = None,
+                  head: Callable[[torch.nn.Module], Mat] | None = None) -> ModelWeights:
+    """The weights of a Hugging Face model of a supported architecture. ``make(name, linear)`` gives each
+    layer projection's :class:`Mat` (``name`` like ``layers.3.gate``; default: the model's weight in place) and
+    ``head(lm_head)`` the LM head's (default: in place)."""
+    make = make or (lambda name, lin: Mat.in_place(lin.weight, lin.bias))
+    head = head or (lambda lin: Mat.in_place(lin.weight, getattr(lin, "bias", None)))
+    base = model.model
+    layers = []
+    for i, layer in enumerate(base.layers):
+        a = layer.self_attn
+        mats = {n: make(f"layers.{i}.{n}", lin) for n, lin in _linears(layer).items()}
+        qn = getattr(a, "q_norm", None)
+        layers.append(LayerWeights(
+            **mats, ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+            eps1=norm_eps(layer.input_layernorm), eps2=norm_eps(layer.post_attention_layernorm),
+            act=_activation(layer.mlp), q_norm=None if qn is None else qn.weight.detach(),
+            k_norm=None if qn is None else a.k_norm.weight.detach(), qk_eps=norm_eps(qn) if qn is not None else 1e-6))
+    return ModelWeights(base.embed_tokens.weight.detach(), layers, base.norm.weight.detach(), norm_eps(base.norm),
+                        head(model.lm_head))
+
+
+# ------------------------------------------------------------------------------------------------ releasing
+
+
+#: Attribute of a ``transformers`` model: the engines reading its float weights in place, and whether
+#: :func:`release_float_weights` emptied them.
+_READERS = "_hsd_weight_readers"
+
+
+class WeightReaders:
+    """What reads a model's float weights in place: the live float engines over it (held weakly), and whether the
+    weights were released. Kept on the model; a deep copy of the model starts with none."""
+
+    def __init__(self):
+        self.engines: weakref.WeakSet = weakref.WeakSet()
+        self.released = False
+
+    def __deepcopy__(self, memo):
+        return WeightReaders()
+
+
+def weight_readers(model) -> WeightReaders:
+    """The :class:`WeightReaders` of ``model`` (made on first use)."""
+    readers = model.__dict__.get(_READERS)
+    if readers is None:
+        readers = WeightReaders()
+        model.__dict__[_READERS] = readers
+    return readers
+
+
+def is_released(model) -> bool:
+    """True when :func:`release_float_weights` emptied ``model``'s float decoder weights."""
+    readers = model.__dict__.get(_READERS)
+    return bool(readers is not None and readers.released)
+
+
+def release_float_weights(model) -> int:
+    """Free ``model``'s float decoder matrices (q/k/v/o/gate/up/down of every layer, and an LM head not tied to
+    the embeddings) once every quantized copy needed is built from them; return the bytes released. The
+    embeddings, norms, biases and rotary tables stay (quantized copies read them in place).
+
+    Each weight becomes an empty tensor, so nothing can compute with it by mistake: a later float engine over
+    the model is refused, and so is a new quantized copy; a Hugging Face forward fails on the shapes. Weights
+    that are views into one buffer (:func:`~hsd_opt.models.memory.resident_weights`) give their pages back to
+    the OS. Refused (:class:`HsdError`) while a float engine over the model is alive: it reads those weights in
+    place."""
+    import gc
+
+    from hsd_opt.models.memory import drop_pages
+
+    gc.collect()
+    readers = weight_readers(model)
+    if list(readers.engines):
+        raise HsdError("release_float_weights: a float engine over the model still reads its weights")
+    freed = 0
+    base = model.model
+    linears = [lin for layer in base.layers for lin in _linears(layer).values()]
+    if model.lm_head.weight is not base.embed_tokens.weight:
+        linears.append(model.lm_head)
+    with torch.no_grad():
+        for lin in linears:
+            w = lin.weight
+            freed += w.numel() * w.element_size()
+            lin.weight = torch.nn.Parameter(w.new_empty(0), requires_grad=False)
+            drop_pages(w)
+            del w
+    readers.released = True
+    return freed
