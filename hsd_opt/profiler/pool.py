@@ -125,8 +125,8 @@ def aded_available(explicit: bool) -> bool:
 def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
     """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
     the cache under a content hash so its config() rebuilds it."""
+    from hsd_opt.cache import cache_dir
     from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
-    from hsd_opt.models.loading import cache_dir
 
     allc = dict(conts)
     if world > 1:
