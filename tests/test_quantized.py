@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from hsd_opt.cli import app
 from hsd_opt.engine import quantized as qmod
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.quantized import QuantizedLM, QuantLinear, parse_quantized, quant_spec
+from hsd_opt.engine.quantized import QuantizedLM, QuantLinear
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import make_tiny_llama, save_tiny, write_prompts
@@ -52,14 +52,6 @@ def test_int4_recovers_q4_1_weights_exactly():
     w = (q * d + m).reshape(48, 128)
     ref = QuantLinear(w, None, 4, packed=False, act_dtype=torch.float32)
     torch.testing.assert_close(ref.weight, w, rtol=0, atol=1e-6)
-
-
-def test_spec_parsing():
-    assert quant_spec("int8") == (8, 0) and quant_spec(" INT4 ") == (4, 32)
-    assert parse_quantized("none", "cpu") == [] and parse_quantized("int4,int8,int4", "cpu") == ["int4", "int8"]
-    assert parse_quantized(None, "cpu") == ["int8", "int4"] and parse_quantized(None, "meta") == []
-    with pytest.raises(HsdError, match="--quantized"):
-        quant_spec("int3")
 
 
 @pytest.fixture(scope="module")

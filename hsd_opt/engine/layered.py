@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -38,44 +38,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
-
-
-def layer_spec_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
-    """The layer numbers a ``--layers`` value names, unsorted and unchecked against the model (``None`` for
-    ``"all"``/``"*"``, ``[]`` for ``"none"``): the syntax alone, so a malformed value is refused before any model
-    is loaded. Raises :class:`HsdError` naming ``flag``."""
-    if spec.strip().lower() in ("all", "*"):
-        return None
-    if spec.strip().lower() == "none":
-        return []
-    out: list[int] = []
-    for part in spec.split(","):
-        a, dash, b = part.strip().partition("-")
-        if not part.strip():
-            continue
-        if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
-            raise HsdError(f"{flag}: expected 'all', 'none' or layer numbers like 4,8,14 or 2-6, "
-                           f"got {part.strip()!r}")
-        out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
-    return out
-
-
-def parse_layer_spec(spec: str | Sequence[int], max_layer: int, range_note: str) -> list[int]:
-    """Layer numbers from a ``--layers`` value: ``"all"``/``"*"`` -> 1..max_layer, ``"none"`` -> [],
-    ``"4,8,12"``, ranges ``"2-6"``, or a sequence of ints; sorted, without repeats (possibly empty). Anything
-    malformed, or a layer outside 1..max_layer, raises :class:`HsdError` naming ``--layers`` (``range_note`` says
-    what the valid range means)."""
-    if not isinstance(spec, str):
-        out = [int(x) for x in spec]
-    else:
-        named = layer_spec_numbers(spec)
-        if named is None:
-            return list(range(1, max_layer + 1))
-        out = named
-    for v in out:
-        if not 1 <= v <= max_layer:
-            raise HsdError(f"--layers: layer {v} is out of range: {range_note}")
-    return sorted(set(out))
 
 
 class _LayerWeights:

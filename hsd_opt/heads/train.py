@@ -78,15 +78,18 @@ class TrainResult:
                            for b in sorted(self.heads)}}
 
 
-def parse_layers(spec: str | Sequence[int], n_layers: int) -> list[int]:
-    """``"all"`` -> 1..n_layers-1; ``"4,8,14"`` -> [4, 8, 14]; checked against the model (HsdError otherwise)."""
-    from hsd_opt.engine.layered import parse_layer_spec
-
-    note = f"exit heads go after layers 1..{n_layers - 1} (layer {n_layers} is the model's own output)"
-    out = parse_layer_spec(spec, n_layers - 1, note)
-    if not out:
+def head_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
+    """The layers of a model with ``n_layers`` decoder layers that get exit heads: ``layers`` (any order, repeats
+    allowed; None: every layer 1..n_layers-1) sorted and without repeats. An empty list, or a layer outside
+    1..n_layers-1 (layer n_layers is the model's own output), raises :class:`HsdError` naming ``--layers``."""
+    wanted = list(range(1, n_layers)) if layers is None else [int(v) for v in layers]
+    for v in wanted:
+        if not 1 <= v <= n_layers - 1:
+            raise HsdError(f"--layers: layer {v} is out of range: exit heads go after layers 1..{n_layers - 1} "
+                           f"(layer {n_layers} is the model's own output)")
+    if not wanted:
         raise HsdError("--layers: no layers given")
-    return out
+    return sorted(set(wanted))
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
