@@ -36,6 +36,7 @@ from hsd_opt.heads.data import sequences_sha256, split_indices
 from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
+from hsd_opt.seeds import SEED_STRIDE
 
 
 @dataclass
@@ -325,7 +326,7 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
                 hs = lm.hidden_states(seq, layers + [n])
                 with torch.no_grad():
                     tfull = lm.head(hs[n], n)  # [L, V] float32
-                gpos = torch.Generator().manual_seed(seed * 1000003 + epoch * 1009 + i)
+                gpos = torch.Generator().manual_seed(seed * SEED_STRIDE + epoch * 1009 + i)
                 pos = lo + torch.randperm(len(seq) - lo, generator=gpos)
                 for a in range(0, pos.numel(), bt):
                     idx = pos[a: a + bt].to(lm.device)

@@ -40,6 +40,7 @@ from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length
+from hsd_opt.seeds import SEED_STRIDE
 
 DEFAULT_MAX_NEW_TOKENS = 24
 #: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).
@@ -244,7 +245,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             ids = encode_item(lm, it, cfg.raw, suite.source)
             gen = None
             if cfg.temperature > 0:
-                gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + it.index)
+                gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
             ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
                                                        cfg.top_p)
             ck.save()
