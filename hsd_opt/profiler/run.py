@@ -41,6 +41,7 @@ from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exi
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length
 from hsd_opt.seeds import SEED_STRIDE
+from hsd_opt.version import __version__
 
 DEFAULT_MAX_NEW_TOKENS = 24
 #: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).
@@ -347,7 +348,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                     "total_seconds": round(time.perf_counter() - t_start, 3)},
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "hsd_opt_version": _version(), "torch": torch.__version__, "world_size": world,
+        "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
@@ -483,9 +484,3 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
             "calibration": {label[k]: {"step": c.step, "pass_max": c.pass_max, "prefill_token": c.prefill_token}
                             for k, c in calib.items()}}
     return lcs, token_costs, info
-
-
-def _version() -> str:
-    from hsd_opt import __version__
-
-    return __version__
