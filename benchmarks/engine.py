@@ -70,9 +70,10 @@ def main() -> None:
 
     import torch
 
+    from hsd_opt.commands.options import quant_spec
     from hsd_opt.engine import kernels
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.engine.quantized import QuantizedLM, quant_spec
+    from hsd_opt.engine.quantized import QuantizedLM
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import eos_token_ids, load_model
     from hsd_opt.prompts import encode_prompt

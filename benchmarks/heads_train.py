@@ -24,8 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hsd_opt.commands.options import layer_numbers  # noqa: E402
 from hsd_opt.engine.layered import LayeredLM  # noqa: E402
-from hsd_opt.heads import generate_training_sequences, load_heads, parse_layers, save_heads, train_heads  # noqa: E402
+from hsd_opt.heads import generate_training_sequences, head_layers, load_heads, save_heads, train_heads  # noqa: E402
 from hsd_opt.heads.data import split_indices  # noqa: E402
 from hsd_opt.heads.modules import RawHead, TranslatorHead  # noqa: E402
 from hsd_opt.jsonio import write_json  # noqa: E402
@@ -80,7 +81,7 @@ def main() -> None:
     loaded = load_model(args.model, device="cpu", dtype="float32")
     m = loaded.model
     n_layers = m.config.num_hidden_layers
-    layers = parse_layers(args.layers, n_layers)
+    layers = head_layers(layer_numbers(args.layers), n_layers)
     prompts = load_prompts(None).texts
     t0 = time.time()
     seqs, plens = generate_training_sequences(loaded, prompts, tokens=args.tokens, with_prompt_lens=True)
@@ -108,7 +109,7 @@ def main() -> None:
     subset = None
     cost = None
     if args.vocab_subset:
-        sl = parse_layers(args.subset_layers, n_layers)
+        sl = head_layers(layer_numbers(args.subset_layers, "--subset-layers"), n_layers)
         rs = train_heads(loaded, sl, kind=args.kind, epochs=args.epochs, lr=args.lr,
                          vocab_subset=args.vocab_subset, log=print, **train)
         subset = {"K": args.vocab_subset, "train_seconds": round(rs.seconds, 2),
@@ -124,7 +125,7 @@ def main() -> None:
             print(f"  layer {b}: acceptance raw {d['raw_full_acceptance']:.3f}, raw on subset "
                   f"{d['raw_subset_acceptance']:.3f}, trained subset {d['trained_subset_acceptance']:.3f}, "
                   f"trained full {d['trained_full_acceptance']}")
-        cl = parse_layers(args.cost_layers, n_layers)
+        cl = head_layers(layer_numbers(args.cost_layers, "--cost-layers"), n_layers)
         ctx = seqs[ho[0]][:128]
         makers = {
             "raw_full": lambda b: RawHead(m),

@@ -18,8 +18,7 @@ from hsd_opt.formats import (
     save_profile,
 )
 from hsd_opt.solver import build_gsp_graph, evaluate, gamma, hierarchy_latency, simulate, solve
-
-__version__ = "0.1.0"
+from hsd_opt.version import __version__
 
 __all__ = [
     "HsdError", "InputFileError", "ModelEntry", "Plan", "Profile", "load_plan", "load_profile",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM, is_released, release_float_weights
-from hsd_opt.engine.quantized import QuantizedLM, parse_quantized_copies, resolve_target_precision
+from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import cli_output, make_tiny_llama, run_cli, save_tiny_family, write_prompts
@@ -85,25 +85,6 @@ def _ar(plan_path, prompt="w1 w2 w3 w1 w2", n=10):
 
 
 # ------------------------------------------------------------------------------------------- the pool
-
-
-def test_quantized_flag_names_copies_of_draft_models():
-    assert parse_quantized_copies("int8,qwen2.5-coder-0.5b:int4,INT8", "cpu") == [
-        (None, "int8"), ("qwen2.5-coder-0.5b", "int4")]
-    assert parse_quantized_copies("split-gguf:qwen2.5-coder-0.5b:int4", "cpu") == [
-        ("split-gguf:qwen2.5-coder-0.5b", "int4")]
-    assert parse_quantized_copies("int4-head4,small:INT4-head4", "cpu") == [(None, "int4-head4"),
-                                                                            ("small", "int4-head4")]
-    for bad in ("small:int3", ":int4", "int2", "int4-head3", "int8-head4"):
-        with pytest.raises(HsdError, match="--quantized"):
-            parse_quantized_copies(bad, "cpu")
-    assert resolve_target_precision("int4", "auto") == ("auto", "int4")
-    assert resolve_target_precision("bfloat16", None) == ("bfloat16", "bfloat16")
-    assert resolve_target_precision(None, "float32") == ("float32", None)
-    with pytest.raises(HsdError, match="--target-precision"):
-        resolve_target_precision("int3", None)
-    with pytest.raises(HsdError, match="disagree"):
-        resolve_target_precision("bfloat16", "float32")
 
 
 def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):

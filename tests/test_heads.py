@@ -14,8 +14,8 @@ from hsd_opt.heads import (
     RawHead,
     TranslatorHead,
     evaluate_heads,
+    head_layers,
     load_heads,
-    parse_layers,
     save_heads,
     train_heads,
 )
@@ -178,15 +178,14 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tiny, tmp_path):
         train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, **dict(kw, lr=5e-3))
 
 
-def test_parse_layers():
-    assert parse_layers("all", 5) == [1, 2, 3, 4]
-    assert parse_layers("4, 2,3", 30) == [2, 3, 4]
-    assert parse_layers("2-4", 30) == [2, 3, 4]
-    for bad in ("30", "0", "x", ""):
-        with pytest.raises(HsdError, match="--layers"):
-            parse_layers(bad, 30)
+def test_head_layers():
+    assert head_layers(None, 5) == [1, 2, 3, 4]
+    assert head_layers([4, 2, 3, 4], 30) == [2, 3, 4]
+    for bad in ([30], [0], [2, 31]):
+        with pytest.raises(HsdError, match=r"--layers: layer \d+ is out of range: exit heads go after layers 1\.\.29"):
+            head_layers(bad, 30)
     with pytest.raises(HsdError, match="--layers: no layers given"):   # heads need at least one exit
-        parse_layers("none", 30)
+        head_layers([], 30)
 
 
 def test_evaluate_raw_last_layer_agrees_fully(tiny):

@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module imports only from its own layer or below, and subpackages form no cycle):
 
-0. ``errors``, ``jsonio``, ``console``
+0. ``errors``, ``jsonio``, ``console``, ``cache``, ``seeds``, ``version``
 1. ``formats``, ``prompts``
 2. ``solver``, ``engine``, ``drafters``, ``models``
 3. ``runtime``, ``profiler``, ``heads``
@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "hsd_opt"
 LAYERS = {
-    "errors": 0, "jsonio": 0, "console": 0,
+    "errors": 0, "jsonio": 0, "console": 0, "cache": 0, "seeds": 0, "version": 0,
     "formats": 1, "prompts": 1,
     "solver": 2, "engine": 2, "drafters": 2, "models": 2,
     "runtime": 3, "profiler": 3, "heads": 3,
@@ -129,6 +129,19 @@ def test_modules_inside_a_subpackage_import_each_other_without_a_cycle():
         visit(u, [])
 
 
+def test_no_module_imports_from_the_package_root():
+    """``hsd_opt/__init__.py`` re-exports from the layers; a module importing from it (``from hsd_opt import ...``,
+    relative or not, or ``import hsd_opt``) would make an arrow that runs back up from every layer to the top."""
+    bad = []
+    for mod, tree in _modules():
+        if mod == "hsd_opt":
+            continue
+        for target, names in _imports(tree, mod):
+            if target == "hsd_opt":
+                bad.append(f"{mod}: " + (f"from hsd_opt import {', '.join(names)}" if names else "import hsd_opt"))
+    assert not bad, "\n".join(bad)
+
+
 def test_no_module_takes_another_modules_private_names():
     bad = []
     for mod, tree in _modules():
@@ -178,3 +191,11 @@ def test_no_process_labels_in_the_repository():
 def test_the_package_ships_its_type_marker_and_suite():
     assert (PKG / "py.typed").is_file()
     assert (PKG / "data" / "prompts.jsonl").is_file()
+
+
+def test_the_version_is_the_projects():
+    import hsd_opt
+    from hsd_opt.version import __version__
+
+    declared = re.search(r'(?m)^version = "([^"]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert hsd_opt.__version__ == __version__ == declared

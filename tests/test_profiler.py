@@ -18,7 +18,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_profile
 from hsd_opt.profiler.measure import profile_sequence
-from hsd_opt.profiler.pool import NeuralDrafter, parse_layers
+from hsd_opt.profiler.pool import NeuralDrafter, default_quantized, exit_boundaries
 from hsd_opt.profiler.run import ProfileConfig, run_profile
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import load_prompts
@@ -173,15 +173,16 @@ def test_results_keep_every_drafter_target_pair_whatever_the_measured_costs():
     assert res["counts"]["layer1"]["layer4"] == 7
 
 
-def test_parse_layers():
-    assert parse_layers("all", 4) == [1, 2, 3, 4]
-    assert parse_layers("1,3", 4) == [1, 3, 4]
-    assert parse_layers("2-3", 6) == [2, 3, 6]
-    assert parse_layers("none", 4) == parse_layers(" None ", 4) == [4]       # the target only, no exit
-    with pytest.raises(HsdError, match=r"--layers.*1\.\.4"):
-        parse_layers("5", 4)
-    with pytest.raises(HsdError, match="--layers"):
-        parse_layers("0", 4)
+def test_exit_boundaries_and_the_default_copies():
+    assert exit_boundaries(None, 4) == [1, 2, 3, 4]
+    assert exit_boundaries([3, 1, 3], 4) == [1, 3, 4]
+    assert exit_boundaries(range(2, 4), 6) == [2, 3, 6]
+    assert exit_boundaries([], 4) == [4]                                      # the target only, no exit
+    with pytest.raises(HsdError, match=r"--layers: layer 5 .*1\.\.4"):
+        exit_boundaries([5], 4)
+    with pytest.raises(HsdError, match="--draft-layers: layer 0"):
+        exit_boundaries([2, 0], 4, "--draft-layers")
+    assert default_quantized("cpu") == [(None, "int8"), (None, "int4")] and default_quantized("meta") == []
 
 
 # ------------------------------------------------------------------------------------------- end to end
@@ -591,13 +592,9 @@ def test_monotone_in_context_keeps_the_order_in_t():
     assert monotone_in_context([[1.0, 3.0], [2.0, 2.0]]) == [[1.0, 2.5], [2.0, 2.5]]
 
 
-def test_cost_contexts_flag_parsing_and_the_models_positions():
-    from hsd_opt.profiler.costs import fit_contexts, parse_contexts, t_grid
+def test_cost_contexts_fit_the_models_positions():
+    from hsd_opt.profiler.costs import fit_contexts, t_grid
 
-    assert parse_contexts("2048, 64,512,64") == [64, 512, 2048]
-    for bad in ("", "64,x", "0", "64,-5", "1.5"):
-        with pytest.raises(HsdError, match="--cost-contexts"):
-            parse_contexts(bad)
     assert fit_contexts([64, 512, 2048], 8192, 15) == [64, 512, 2048]
     assert fit_contexts([64, 512, 2048], 1024, 15) == [64, 512, 1007]       # lowered to the longest that fits
     assert fit_contexts([600, 2048], 512, 3) == [507] and fit_contexts([9], None, 3) == [9]

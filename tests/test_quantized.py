@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from hsd_opt.cli import app
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.quantized import QuantizedLM, parse_quantized, quant_spec
+from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.engine.weights import quantize
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
@@ -51,14 +51,6 @@ def test_int4_recovers_q4_1_weights_exactly():
     m = (torch.randn(48, 4, 1, generator=g) * 0.05).half().float()
     w = (q * d + m).reshape(48, 128)
     torch.testing.assert_close(quantize(w, 4).dequantized(), w, rtol=0, atol=1e-6)
-
-
-def test_spec_parsing():
-    assert quant_spec("int8") == (8, 0) and quant_spec(" INT4 ") == (4, 32)
-    assert parse_quantized("none", "cpu") == [] and parse_quantized("int4,int8,int4", "cpu") == ["int4", "int8"]
-    assert parse_quantized(None, "cpu") == ["int8", "int4"] and parse_quantized(None, "meta") == []
-    with pytest.raises(HsdError, match="--quantized"):
-        quant_spec("int3")
 
 
 @pytest.fixture(scope="module")

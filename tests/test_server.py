@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 
 from hsd_opt.commands.serve import prepare_server
-from hsd_opt.server import BackgroundServer, Engine, create_app
+from hsd_opt.server import BackgroundServer, JobQueue, create_app
 from hsd_opt.server.text import TextStream
 from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan
 
@@ -61,10 +61,10 @@ def direct(tiny):
 
 @pytest.fixture(scope="module")
 def served(tiny):
-    """A server for the tiny plan on 127.0.0.1 (a free port) in a thread: ``(server, engine)``."""
-    app, engine = prepare_server(tiny[0], device="cpu", max_queue=16)
-    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
-        yield srv, engine
+    """A server for the tiny plan on 127.0.0.1 (a free port) in a thread: ``(server, jobs)``."""
+    app, jobs = prepare_server(tiny[0], device="cpu", max_queue=16)
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        yield srv, jobs
 
 
 def client(srv, **kw) -> OpenAI:
@@ -286,8 +286,8 @@ def test_wrong_method_and_the_openai_clients_view_of_errors(served, caplog):
 
 
 def test_api_key_is_required_when_set(tiny, caplog):
-    app, engine = prepare_server(tiny[0], device="cpu", api_key="sekrit")
-    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
+    app, jobs = prepare_server(tiny[0], device="cpu", api_key="sekrit")
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
         for key in ("wrong", None):
             headers = {"authorization": f"Bearer {key}"} if key else {}
             r = httpx.get(srv.url + "/v1/models", headers=headers, timeout=30)
@@ -304,7 +304,7 @@ def test_api_key_is_required_when_set(tiny, caplog):
 
 
 class GatedRunner:
-    """Delegates to an HSD runner once ``gate`` is open: lets a test hold the engine busy."""
+    """Delegates to an HSD runner once ``gate`` is open: lets a test hold the worker busy."""
 
     def __init__(self, runner, gate: threading.Event):
         self.runner, self.gate = runner, gate
@@ -324,10 +324,10 @@ def _poll(url: str, pred, timeout: float = 30.0) -> dict:
 
 
 def test_full_queue_answers_429(tiny, direct, caplog):
-    app, engine = prepare_server(tiny[0], device="cpu")  # for its ModelInfo
+    app, jobs = prepare_server(tiny[0], device="cpu")  # for its ModelInfo
     gate = threading.Event()
     svc = app.state.service
-    gated = Engine(GatedRunner(direct[0], gate), svc.info.tokenizer, max_queue=1)
+    gated = JobQueue(GatedRunner(direct[0], gate), svc.info.tokenizer, max_queue=1)
     with BackgroundServer(create_app(gated, svc.info), on_stop=gated.cancel_all) as srv:
         c = client(srv)
         results: list = []
@@ -353,7 +353,7 @@ def test_full_queue_answers_429(tiny, direct, caplog):
 
 
 class FailingRunner:
-    """Fails its first ``n`` generations after one block (a stand-in for an engine bug), then delegates."""
+    """Fails its first ``n`` generations after one block (a stand-in for a decoder bug), then delegates."""
 
     def __init__(self, runner, n: int):
         self.runner, self.n = runner, n
@@ -366,10 +366,10 @@ class FailingRunner:
         return self.runner.generate(prompt_ids, max_new_tokens, on_tokens=on_tokens, **kw)
 
 
-def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(tiny, direct, caplog):
+def test_a_generation_failure_is_a_500_and_the_server_keeps_serving(tiny, direct, caplog):
     app, _ = prepare_server(tiny[0], device="cpu")
     info = app.state.service.info
-    failing = Engine(FailingRunner(direct[0], 2), info.tokenizer)
+    failing = JobQueue(FailingRunner(direct[0], 2), info.tokenizer)
     with BackgroundServer(create_app(failing, info), on_stop=failing.cancel_all) as srv:
         c = client(srv)
         with pytest.raises(openai.InternalServerError) as e:
@@ -387,7 +387,7 @@ def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct,
     """8 clients x 4 streamed greedy requests (chat and completions over three prompts) while one more client
     leaves mid-stream: every response is complete and equal to the sequential output, none is lost, the
     abandoned generation is cancelled."""
-    srv, engine = served
+    srv, jobs = served
     runner, _, tok = direct
     from hsd_opt.prompts import encode_prompt
 

@@ -30,9 +30,9 @@ def test_server_on_the_embedded_plan_is_lossless(embedded):
     ar = HSD([Level("layer30", LayeredLM(embedded.model), 30)], [], eos_ids=eos_token_ids(embedded))
     want = ar.generate(encode_prompt(tok, PROMPT), N).token_ids                 # the target's greedy output
     want_raw = ar.generate(encode_prompt(tok, PROMPT, raw=True), N).token_ids
-    app, engine = prepare_server(SOLVED_PLAN, device="cpu")
-    assert engine.runner.generate(encode_prompt(tok, PROMPT), N).token_ids == want  # the plan, directly
-    with BackgroundServer(app, on_stop=engine.cancel_all) as srv:
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu")
+    assert jobs.runner.generate(encode_prompt(tok, PROMPT), N).token_ids == want  # the plan, directly
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
         c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         msgs = [{"role": "user", "content": PROMPT}]
         r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0)

@@ -54,6 +54,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
                         target_precision: Optional[str] = None):
     """Load the plan and the model it names (or ``model``, which must match the plan's provenance); refuse a
     plan made for another target precision than ``target_precision`` (None: the plan's own)."""
+    from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
@@ -65,12 +66,9 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     if not name:
         raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
                              "provenance.model")
-    if target_precision is not None:
-        from hsd_opt.engine.quantized import resolve_target_precision
-
-        resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
+    _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
-    check_provenance(plan, loaded, str(plan_path), target_precision)
+    check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
     return plan, loaded
 

@@ -66,7 +66,8 @@ def train(
     """Train per-layer exit heads on text the target generates from the prompt suite."""
     import torch
 
-    from hsd_opt.heads import KINDS, parse_layers, save_heads, train_heads
+    from hsd_opt.commands.options import layer_numbers
+    from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
     from hsd_opt.models.loading import load_model
 
     if kind not in KINDS:
@@ -75,11 +76,12 @@ def train(
         raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")
+    wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(model, device=device, dtype=dtype)
     n = loaded.model.config.num_hidden_layers
-    bs = parse_layers(layers, n)
+    bs = head_layers(wanted, n)
     if vocab_subset and vocab_subset >= loaded.model.lm_head.weight.shape[0]:
         raise HsdError(f"--vocab-subset {vocab_subset} is not smaller than the vocabulary")
     tr, tr_st, ho, ho_st = _data(loaded, prompts, tokens, holdout, seed)

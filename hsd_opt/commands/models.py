@@ -17,7 +17,8 @@ app = typer.Typer(help="Known model aliases; fetch and cache a model.", no_args_
 @cli_command
 def list_models() -> None:
     """Print the aliases ``--model`` accepts and what they resolve to (split-GGUF models: whether fetched)."""
-    from hsd_opt.models.loading import ALIASES, cache_dir
+    from hsd_opt.cache import cache_dir
+    from hsd_opt.models.loading import ALIASES
     from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, gguf_path
 
     for alias, target in sorted(ALIASES.items()):

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from hsd_opt.commands import options
 from hsd_opt.commands.common import cli_command, prepare_kernels
 from hsd_opt.console import console, err_console, warn
 
@@ -133,16 +134,15 @@ def profile_cmd(
     if ctx.invoked_subcommand is not None:
         return
     from hsd_opt.errors import HsdError
-    from hsd_opt.profiler.costs import parse_contexts
     from hsd_opt.profiler.dist import dist_info
     from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
-    from hsd_opt.profiler.run import ProfileConfig, parse_shard, run_profile
+    from hsd_opt.profiler.run import ProfileConfig, run_profile
 
     if not model:
         raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
     if out is None:
         raise HsdError("--out is required: where to write the profile JSON")
-    contexts = tuple(parse_contexts(cost_contexts))
+    contexts = tuple(options.cost_contexts(cost_contexts))
     if token_drafters is not None:
         names = [] if token_drafters.strip().lower() == "none" else \
             [x.strip() for x in token_drafters.split(",") if x.strip()]
@@ -158,30 +158,23 @@ def profile_cmd(
     if dropped:
         explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
                     if n not in dropped]
-    if quantized is not None:
-        from hsd_opt.engine.quantized import parse_quantized_copies
-
-        parse_quantized_copies(quantized, "cpu")  # check the names before loading anything
-    from hsd_opt.engine.quantized import resolve_target_precision
-
-    resolve_target_precision(target_precision, dtype)
+    copies = options.quantized_copies(quantized)      # the names, checked before loading anything
+    _, precision = options.resolve_target_precision(target_precision, dtype)
     budget = parse_cost_budget(cost_budget)
     if draft_layers is not None and not draft_model:
         raise HsdError("--draft-layers: exits of draft models need --draft-model")
-    from hsd_opt.engine.layered import layer_spec_numbers
-
-    for spec, flag in ((layers, "--layers"), (draft_layers, "--draft-layers")):
-        if spec is not None:
-            layer_spec_numbers(spec, flag)  # the syntax, before loading anything (ranges once loaded)
+    # the syntax, before loading anything (the ranges once the models are loaded)
+    exits = options.layer_numbers(layers or "all", "--layers")
+    draft_exits = options.layer_numbers(draft_layers, "--draft-layers") if draft_layers is not None else []
     rank, _ = dist_info()
-    cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=layers, draft_models=list(draft_model),
-                        draft_layers=draft_layers,
-                        quantized=quantized,
+    cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=exits, draft_models=list(draft_model),
+                        draft_layers=draft_exits,
+                        quantized=copies,
                         token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
-                        target_precision=target_precision, seed=seed, cost_budget=budget,
+                        target_precision=precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
-                        shard=parse_shard(shard),
+                        shard=options.shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)
     if not quiet:
         prepare_kernels(device)

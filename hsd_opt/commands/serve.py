@@ -39,11 +39,11 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
                    target_precision: Optional[str] = None) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included),
-    warm it up, and return ``(app, engine)``: the Starlette app and its :class:`~hsd_opt.server.Engine`
-    (the app's lifespan starts and stops the engine). ``say(message)`` reports progress."""
+    warm it up, and return ``(app, jobs)``: the Starlette app and its :class:`~hsd_opt.server.JobQueue`
+    (the app's lifespan starts and stops its worker). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import hsd_for_plan, release_unused_floats
-    from hsd_opt.server import Engine, ModelInfo, create_app
+    from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
     say(f"loading {plan} and its model ...")
@@ -57,10 +57,10 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens)
-    engine = Engine(runner, tok, max_queue=max_queue)
+    jobs = JobQueue(runner, tok, max_queue=max_queue)
     about = {"plan": str(plan), "hierarchy": list(p.hierarchy), "budgets": list(p.budgets), "mode": mode,
              "max_positions": max_positions}
-    return create_app(engine, info, api_key=api_key, about=about), engine
+    return create_app(jobs, info, api_key=api_key, about=about), jobs
 
 
 @cli_command
@@ -92,7 +92,7 @@ def serve_cmd(
         raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
-        app, engine = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
+        app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
@@ -102,7 +102,7 @@ def serve_cmd(
             err_console.print(f"ready: {svc.info.name} at {url}/v1 (max queue {max_queue}"
                               f"{', API key required' if api_key else ''}); Ctrl-C stops")
 
-        server = make_server(app, on_ready=ready, on_stop=engine.cancel_all, logging_config=log_config())
+        server = make_server(app, on_ready=ready, on_stop=jobs.cancel_all, logging_config=log_config())
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down

@@ -52,6 +52,7 @@ import numpy as np
 
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
 from hsd_opt.jsonio import atomic_write
+from hsd_opt.seeds import SEED_STRIDE
 
 MATRIX_FORMAT = "hsd-trigram/1"
 
@@ -220,7 +221,7 @@ class MctsDraftMaker:
         depth = self.depth if depth is None else int(depth)
         iters = self.iterations if iterations is None else int(iterations)
         m = self.matrix
-        rng = random.Random((self.seed * 1_000_003 + int(a)) * 1_000_003 + int(b))
+        rng = random.Random((self.seed * SEED_STRIDE + int(a)) * SEED_STRIDE + int(b))
         root = _Node(int(a), int(b), None, 1.0)
         root.untried = self._untried(root.p_word, root.word)
         if not root.untried[0] or depth <= 0:

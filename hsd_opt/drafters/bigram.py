@@ -37,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hsd_opt.cache import cache_dir as default_cache_dir
 from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
 from hsd_opt.errors import HsdError
@@ -44,11 +45,6 @@ from hsd_opt.jsonio import atomic_write
 from hsd_opt.models.loading import cache_keyword
 
 TABLE_FORMAT = "hsd-bigram/1"
-
-
-def default_cache_dir() -> Path:
-    """``$HSD_CACHE`` if set, else ``~/.cache/hsd-opt``."""
-    return Path(os.environ.get("HSD_CACHE", os.path.expanduser("~/.cache/hsd-opt")))
 
 
 def model_fingerprint(model) -> str:

@@ -95,7 +95,7 @@ def _cpu_key() -> str:
 
 def library_path(cc: str, portable: bool = False) -> Path:
     """Where the compiled library for this source, compiler (``cc``) and CPU lives in the cache directory."""
-    from hsd_opt.models.loading import cache_dir
+    from hsd_opt.cache import cache_dir
 
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

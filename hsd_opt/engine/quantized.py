@@ -26,87 +26,16 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.weights import GROUP, check_supported, is_released, model_weights
 from hsd_opt.errors import HsdError
 
-#: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns).
-QUANT_KINDS = {"int8": (8, 0), "int4": (4, 32)}
+#: Quantized drafters a profile may name: ``int8`` (per output channel) and ``int4`` (groups of 32 columns), as
+#: (bits, group size).
+QUANT_KINDS = {"int8": (8, 0), "int4": (4, GROUP)}
 #: What ``--quantized`` takes: (bits, group size, LM head bits). ``int4-head4`` is an int4 copy whose LM head is
 #: int4 too: half the head's bytes (on a large vocabulary the head is much of a small model's step) for a little
 #: agreement; a drafter's head need not be exact, its drafts are verified.
 COPY_KINDS = {**{k: (*v, 8) for k, v in QUANT_KINDS.items()}, "int4-head4": (*QUANT_KINDS["int4"], 4)}
-ACT_DTYPE = torch.bfloat16
-
-
-def quant_spec(name: str) -> tuple[int, int]:
-    """``"int8"`` -> (8, 0); ``"int4"`` -> (4, 32): (bits, group size). Anything else raises :class:`HsdError`
-    naming ``--quantized``."""
-    s = str(name).strip().lower()
-    if s in QUANT_KINDS:
-        return QUANT_KINDS[s]
-    raise HsdError(f"--quantized: expected {' or '.join(QUANT_KINDS)} (or 'none'), got {name!r}")
-
-
-def copy_spec(name: str) -> tuple[int, int, int]:
-    """A ``--quantized`` kind as (bits, group size, LM head bits): ``"int4"`` -> (4, 32, 8), ``"int4-head4"`` ->
-    (4, 32, 4). Anything else raises :class:`HsdError` naming ``--quantized``."""
-    s = str(name).strip().lower()
-    if s in COPY_KINDS:
-        return COPY_KINDS[s]
-    raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)} (or 'none'), got {name!r}")
-
-
-def parse_quantized(spec: str | None, device) -> list[str]:
-    """The ``--quantized`` copies of the target: ``None`` -> the default (``int8,int4`` on a CPU, where int8/int4
-    kernels run; else none); ``"none"`` -> []; else the :data:`QUANT_KINDS` names of the list (copies of draft
-    models, ``MODEL:int4``, are left out: :func:`parse_quantized_copies`)."""
-    return [kind for model, kind in parse_quantized_copies(spec, device) if model is None]
-
-
-def parse_quantized_copies(spec: str | None, device) -> list[tuple[str | None, str]]:
-    """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4``/``int4-head4`` (:data:`COPY_KINDS`)
-    are copies of the target (``model`` None), ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id
-    or path as ``--draft-model`` takes it; the kind follows the last colon). ``None`` -> the default
-    (``int8,int4`` of the target on a CPU, else none); ``"none"`` -> []. Repeats are dropped; a bad kind or an
-    empty model raises :class:`HsdError` naming ``--quantized``."""
-    if spec is None:
-        return [(None, k) for k in QUANT_KINDS] if torch.device(device).type == "cpu" else []
-    if spec.strip().lower() in ("", "none"):
-        return []
-    out: list[tuple[str | None, str]] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        model, colon, kind = part.rpartition(":")
-        if colon and not model.strip():
-            raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)} or MODEL:KIND (e.g. MODEL:int4), "
-                           f"got {part!r}")
-        copy_spec(kind)
-        item = (model.strip() or None, kind.strip().lower())
-        if item not in out:
-            out.append(item)
-    return out
-
-
 #: What ``--target-precision`` takes: the float dtypes the target may be loaded in, and the quantized copies
 #: of it that may be the target themselves.
 TARGET_PRECISIONS = ("float32", "bfloat16", "float16", "int8", "int4")
-
-
-def resolve_target_precision(precision: str | None, dtype: str | None) -> tuple[str | None, str | None]:
-    """``(load dtype, precision)`` for ``--target-precision`` and ``--dtype``: a float precision is the dtype the
-    model is loaded in (a different explicit ``--dtype`` is refused); ``int8``/``int4`` load the model in
-    ``dtype`` (auto: float32 on a CPU) and quantize it. ``precision`` None or ``"auto"``: the loaded dtype
-    (returned as None, to be read off the loaded model). :class:`HsdError` names the flag on bad input."""
-    p = (precision or "auto").strip().lower()
-    d = None if dtype in (None, "", "auto") else dtype
-    if p == "auto":
-        return d or "auto", None
-    if p not in TARGET_PRECISIONS:
-        raise HsdError(f"--target-precision: expected auto or {', '.join(TARGET_PRECISIONS)}, got {precision!r}")
-    if p in QUANT_KINDS:
-        return d or "auto", p
-    if d is not None and d.lower() not in (p, {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[p]):
-        raise HsdError(f"--target-precision {p} and --dtype {dtype} disagree: give one of them")
-    return p, p
 
 
 class QuantizedLM(LayeredLM):

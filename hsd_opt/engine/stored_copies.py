@@ -99,7 +99,7 @@ def weights_key(model) -> str | None:
 
 def stored_path(weights_key: str, bits: int, head_bits: int) -> Path:
     """Where the copy of the model with ``weights_key`` at this setting is stored."""
-    from hsd_opt.models.loading import cache_dir
+    from hsd_opt.cache import cache_dir
 
     model = hashlib.sha256(weights_key.encode()).hexdigest()[:20]
     return cache_dir() / "quantized" / f"{model}-int{bits}-head{head_bits}-{_code_hash()}.pt"

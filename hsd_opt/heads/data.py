@@ -39,7 +39,7 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
     With ``with_prompt_lens`` returns ``(sequences, prompt_lens)``: each sequence's prompt length (its first
     generated token is at index ``prompt_len``).
     """
-    from hsd_opt.models.loading import cache_dir
+    from hsd_opt.cache import cache_dir
 
     model, tok = loaded.model, loaded.tokenizer
     per_prompt = max(1, math.ceil(tokens / len(prompts)))

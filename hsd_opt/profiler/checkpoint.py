@@ -52,9 +52,6 @@ class Checkpoint:
                                "world_size": self.world, "done": self.done, "continuations": self.continuations,
                                "stats": self.stats.to_dict()}, indent=None)
 
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
 
 def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank: int, world: int, resume: bool,
                     log: Callable[[str], None], warn: Callable[[str], None]) -> Checkpoint:

@@ -65,25 +65,6 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def parse_contexts(spec: str | Sequence[int]) -> list[int]:
-    """``"64,512,2048"`` (or a sequence of ints) -> sorted distinct context lengths >= 1; :class:`HsdError`
-    naming ``--cost-contexts`` otherwise."""
-    parts = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
-    out = set()
-    for p in parts:
-        try:
-            c = int(p)
-        except (TypeError, ValueError):
-            c = 0
-        if c < 1 or str(p).strip() in ("", "True", "False"):
-            raise HsdError(f"--cost-contexts: expected context lengths in tokens (integers >= 1, comma-separated, "
-                           f"e.g. 64,512,2048), got {spec!r}")
-        out.add(c)
-    if not out:
-        raise HsdError("--cost-contexts: expected at least one context length")
-    return sorted(out)
-
-
 def fit_contexts(contexts: Sequence[int], max_positions: int | None, tmax: int) -> list[int]:
     """The contexts that fit in ``max_positions`` (the model's) with a pass of ``tmax + 1`` tokens after them:
     longer ones are lowered to the longest that fits (then duplicates dropped), sorted."""

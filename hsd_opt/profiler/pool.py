@@ -24,17 +24,27 @@ DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 KNOWN_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
 
 
-def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[int]:
-    """``"all"`` -> 1..n; ``"4,8,12"`` or ``"2-10"`` -> those; ``"none"`` -> no exit (the model's last layer n is
-    always added). Boundaries count decoder layers run (layer b = the residual stream after b layers). Errors
-    name ``flag``."""
-    from hsd_opt.engine.layered import parse_layer_spec
+def exit_boundaries(layers: Sequence[int] | None, n_layers: int, flag: str = "--layers") -> list[int]:
+    """The exit boundaries of a model with ``n_layers`` decoder layers: ``layers`` (layer numbers, any order,
+    repeats allowed; None: every layer 1..n; empty: no early exit) sorted and without repeats, with the model's
+    last layer n always added. Boundaries count decoder layers run (layer b = the residual stream after b layers).
+    A layer outside 1..n raises :class:`HsdError` naming ``flag``."""
+    wanted = list(range(1, n_layers + 1)) if layers is None else [int(v) for v in layers]
+    for v in wanted:
+        if not 1 <= v <= n_layers:
+            raise HsdError(f"{flag}: layer {v} is out of range: valid layers are 1..{n_layers} (the model has "
+                           f"{n_layers} decoder layers)")
+    return sorted(set(wanted) | {n_layers})
 
-    note = f"valid layers are 1..{n_layers} (the model has {n_layers} decoder layers)"
-    try:
-        return sorted(set(parse_layer_spec(spec or "all", n_layers, note)) | {n_layers})
-    except HsdError as e:
-        raise HsdError(str(e).replace("--layers", flag, 1)) from None
+
+def default_quantized(device) -> list[tuple[str | None, str]]:
+    """The quantized copies a profile includes when none are named: ``int8`` and ``int4`` of the target on a CPU
+    (where their kernels run), else none; as ``(model, kind)`` pairs (model None: the target)."""
+    import torch
+
+    from hsd_opt.engine.quantized import QUANT_KINDS
+
+    return [(None, k) for k in QUANT_KINDS] if torch.device(device).type == "cpu" else []
 
 
 def short_name(model_id: str, taken: set[str]) -> str:
@@ -125,8 +135,8 @@ def aded_available(explicit: bool) -> bool:
 def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
     """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
     the cache under a content hash so its config() rebuilds it."""
+    from hsd_opt.cache import cache_dir
     from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
-    from hsd_opt.models.loading import cache_dir
 
     allc = dict(conts)
     if world > 1:
@@ -180,23 +190,26 @@ class Pool:
         return [d.name for d in self.token] + (["aded"] if self.want_aded else [])
 
 
-def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], quantized: str | None,
-               token_drafters: Sequence[str] | None, device: str, dtype: str, log: Callable[[str], None],
-               warn: Callable[[str], None], draft_layers: str | None = None) -> Pool:
+def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
+               quantized: Sequence[tuple[str | None, str]] | None, token_drafters: Sequence[str] | None,
+               device: str, dtype: str, log: Callable[[str], None], warn: Callable[[str], None],
+               draft_layers: Sequence[int] | None = ()) -> Pool:
     """The pool for target ``lm`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
-    when its tokenizer differs), the ``quantized`` copies (``--quantized`` syntax: ``int8``/``int4`` of the
-    target, ``MODEL:int4`` of a draft model) and the named ``token_drafters`` (None: the default pool). Names
-    are unique; a copy of draft model ``D`` is named ``D-int4``. ``draft_layers`` (``--draft-layers`` syntax, in
-    each draft model's own layers): early exits of the draft models too, named ``D-layer<b>``, sharing the draft
-    model's engine as the target's exits share the target's.
+    when its tokenizer differs), the ``quantized`` copies (``(model, kind)`` pairs, ``kind`` one of
+    :data:`~hsd_opt.engine.quantized.COPY_KINDS`: ``(None, "int4")`` a copy of the target, ``("MODEL", "int4")``
+    of a draft model; None: :func:`default_quantized`, none when the target is itself a copy) and the named
+    ``token_drafters`` (None: the default pool). Names are unique; a copy of draft model ``D`` is named ``D-int4``.
+    ``draft_layers`` (layer numbers in each draft model's own layers; None: all of them; empty: none): early exits
+    of the draft models too, named ``D-layer<b>``, sharing the draft model's engine as the target's exits share
+    the target's.
 
     Every model is loaded once: its engines reference its weights. A model that only serves as the source of
     quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
     float decoder weights released once the pool is built (:func:`~hsd_opt.engine.layered.release_float_weights`)."""
     from hsd_opt.engine.layered import LayeredLM, release_float_weights
-    from hsd_opt.engine.quantized import QuantizedLM, copy_spec, parse_quantized_copies
+    from hsd_opt.engine.quantized import COPY_KINDS, QuantizedLM
     from hsd_opt.models.loading import check_same_tokenizer, load_model
 
     n_layers = eng.n_layers
@@ -221,15 +234,19 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str], 
         deng = LayeredLM(dlm.model)
         name = short_name(dlm.model_id, taken)
         taken.add(name)
-        for b in (parse_layers(draft_layers, deng.n_layers, "--draft-layers") if draft_layers else [])[:-1]:
+        for b in exit_boundaries(draft_layers, deng.n_layers, "--draft-layers")[:-1]:
             if f"{name}-layer{b}" in taken:
                 raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
             taken.add(f"{name}-layer{b}")
             neural.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
         neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
         drafts[dlm.model_id] = DraftSource(dlm, name, True)
-    for ref, kind in parse_quantized_copies(quantized, eng.device if not eng.is_copy else "meta"):
-        bits, group, head_bits = copy_spec(kind)
+    if quantized is None:
+        quantized = [] if eng.is_copy else default_quantized(eng.device)
+    for ref, kind in quantized:
+        if kind not in COPY_KINDS:
+            raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)}, got {kind!r}")
+        bits, group, head_bits = COPY_KINDS[kind]
         if ref is None:
             if eng.is_copy:
                 raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "

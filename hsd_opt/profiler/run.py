@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,9 +37,11 @@ from hsd_opt.profiler.costs import (
 )
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
-from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, fresh_drafter, parse_layers
+from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length
+from hsd_opt.seeds import SEED_STRIDE
+from hsd_opt.version import __version__
 
 DEFAULT_MAX_NEW_TOKENS = 24
 #: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).
@@ -51,15 +52,16 @@ PROGRESS_SECONDS = 3.0
 
 @dataclass
 class ProfileConfig:
-    """Everything ``hsd profile`` takes (see ``hsd profile --help`` for the flags)."""
+    """Everything ``hsd profile`` takes (see ``hsd profile --help`` for the flags), as typed values: the flag
+    strings are parsed by :mod:`hsd_opt.commands.options`."""
 
     model: str
     out: Path
     prompts: Path | None = None
-    layers: str = "all"
+    layers: Sequence[int] | None = None             # early exits (layer numbers); None: every layer
     draft_models: list[str] = field(default_factory=list)
-    draft_layers: str | None = None                 # --draft-layers: early exits of each draft model too
-    quantized: str | None = None                    # --quantized: None = default (int8,int4 where kernels run)
+    draft_layers: Sequence[int] | None = ()         # early exits of each draft model too; None: every layer
+    quantized: Sequence[tuple[str | None, str]] | None = None  # (model, kind) copies; None: pool.default_quantized
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
     heads: Path | None = None
     temperature: float = 0.0
@@ -67,8 +69,9 @@ class ProfileConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
     device: str = "auto"
-    dtype: str = "auto"
-    target_precision: str = "auto"                  # auto (the loaded dtype) | float32 | bfloat16 | int8 | int4
+    dtype: str = "auto"                             # the target's and the draft models' (auto | float32 | ...)
+    target_precision: str | None = None             # None: dtype's; float32/bfloat16/float16 (the target's dtype,
+                                                    # draft models keep dtype); int8/int4: a quantized target
     seed: int = 0
     resume: bool = False
     tmax: int = 15
@@ -82,16 +85,6 @@ class ProfileConfig:
     chunk: int = 16
     progress: bool = True
     threads: int = 0                                # CPU threads for torch (0: torch's default)
-
-
-def parse_shard(spec: str | None) -> tuple[int, int] | None:
-    """``--shard K/N`` -> ``(K, N)``; None for no sharding."""
-    if not spec:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
-    if not m or not int(m.group(2)) >= 1 or not int(m.group(1)) < int(m.group(2)):
-        raise HsdError(f"--shard: expected K/N with 0 <= K < N (e.g. 0/4), got {spec!r}")
-    return int(m.group(1)), int(m.group(2))
 
 
 def set_threads(threads: int, warn: Callable[[str], None]) -> str:
@@ -132,10 +125,14 @@ def _load_target(cfg: ProfileConfig):
     int8|int4`` a :class:`~hsd_opt.engine.quantized.QuantizedLM` of them on the CPU kernels, which is then the
     target itself (its greedy output is the reference)."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.engine.quantized import QUANT_KINDS, resolve_target_precision
+    from hsd_opt.engine.quantized import QUANT_KINDS, TARGET_PRECISIONS
     from hsd_opt.models.loading import load_model
 
-    load_dtype, precision = resolve_target_precision(cfg.target_precision, cfg.dtype)
+    precision = cfg.target_precision
+    if precision is not None and precision not in TARGET_PRECISIONS:
+        raise HsdError(f"--target-precision: expected {', '.join(TARGET_PRECISIONS)} (or None: the loaded dtype), "
+                       f"got {precision!r}")
+    load_dtype = cfg.dtype if precision is None or precision in QUANT_KINDS else precision
     if precision in QUANT_KINDS and cfg.heads is not None:
         raise HsdError(f"--heads: trained exit heads belong to the float target, not to --target-precision "
                        f"{precision}")
@@ -157,9 +154,9 @@ def quantized_target(lm, precision: str):
     """The ``precision`` (``int8``/``int4``) copy of ``lm``'s model as a target: on the CPU kernels only, whose
     batch invariance makes its verify passes compute exactly what its own decode steps compute (so greedy HSD
     over it equals its own autoregressive loop); :class:`HsdError` naming ``--target-precision`` otherwise."""
-    from hsd_opt.engine.quantized import QuantizedLM, quant_spec
+    from hsd_opt.engine.quantized import QUANT_KINDS, QuantizedLM
 
-    bits, group = quant_spec(precision)
+    bits, group = QUANT_KINDS[precision]
     n = lm.model.config.num_hidden_layers
     try:
         return QuantizedLM(lm.model, bits=bits, group_size=group, name=f"layer{n}", kernels=True)
@@ -214,7 +211,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     # load the target, then the pool
     t_start = time.perf_counter()
     lm, eng, heads_sha, heads_meta, precision = _load_target(cfg)
-    boundaries = parse_layers(cfg.layers, eng.n_layers)
+    boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
     pool = build_pool(lm, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
                       cfg.dtype, log, warn, cfg.draft_layers)
@@ -249,7 +246,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             ids = encode_item(lm, it, cfg.raw, suite.source)
             gen = None
             if cfg.temperature > 0:
-                gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + it.index)
+                gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
             ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
                                                        cfg.top_p)
             ck.save()
@@ -351,7 +348,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                     "total_seconds": round(time.perf_counter() - t_start, 3)},
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "hsd_opt_version": _version(), "torch": torch.__version__, "world_size": world,
+        "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
@@ -487,9 +484,3 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
             "calibration": {label[k]: {"step": c.step, "pass_max": c.pass_max, "prefill_token": c.prefill_token}
                             for k, c in calib.items()}}
     return lcs, token_costs, info
-
-
-def _version() -> str:
-    from hsd_opt import __version__
-
-    return __version__

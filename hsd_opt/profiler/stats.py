@@ -95,10 +95,6 @@ class PairStats:
 
     # ------------------------------------------------------------------------------------ combine
 
-    def same_layout(self, other: "PairStats") -> bool:
-        return (self.neural == other.neural and self.token == other.token and self.tasks == other.tasks
-                and sorted(self.counters) == sorted(other.counters))
-
     def merge(self, other: "PairStats") -> "PairStats":
         """A new PairStats with the sums of both (tasks and counters: the union). Drafter names must match."""
         if self.neural != other.neural or self.token != other.token:

@@ -14,8 +14,8 @@ Face methods run the float model, the baseline users compare against: they are n
 Sampling (``temperature > 0``, optionally ``top_p``): every method samples from the same processed distribution
 (Hugging Face methods with ``do_sample`` and ``top_k=0``, seeded with ``torch.manual_seed``; ours with their own
 seeded generator), prompt ``i`` with seed ``seed + i`` (its index in the file; a later turn ``k`` with
-``seed + i + 1000003 k``). Outputs are draws and are not compared token for token: the tests prove that our
-sampler keeps the target's distribution.
+``seed + i + 1000003 k``, :data:`~hsd_opt.seeds.SEED_STRIDE`). Outputs are draws and are not compared token for
+token: the tests prove that our sampler keeps the target's distribution.
 
 Prompts: :class:`~hsd_opt.prompts.PromptItem` s (or plain strings). With ``turns="all"`` each later turn of a
 multi-turn item (MT-bench) is sent after the method's OWN answer to the previous turn, under greedy and sampling
@@ -42,6 +42,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
+from hsd_opt.seeds import SEED_STRIDE
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
@@ -52,8 +53,6 @@ __all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "assistant_ref", "build_run
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "hf_assisted", "ar", "single_draft", "hsd", "hsd_task")
 #: Methods run when none are named: all but ``hsd_task``, which runs when the plan has plans per task.
 DEFAULT_METHODS = METHODS[:-1]
-#: Seed offset between turns of one prompt (sampling): turn k of prompt i draws with seed + i + k * this.
-TURN_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,8 @@ class Sampling:
         return self.temperature == 0
 
     def seed_for(self, item: int, turn: int) -> int:
-        return int(self.seed) + int(item) + TURN_SEED_STRIDE * int(turn)
+        """The seed of turn ``turn`` of prompt ``item``: ``seed + item + turn * SEED_STRIDE``."""
+        return int(self.seed) + int(item) + SEED_STRIDE * int(turn)
 
     def to_dict(self) -> dict[str, float] | None:
         return None if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}

@@ -97,11 +97,9 @@ def target_engine(plan, loaded, source: str = "plan"):
     precision = plan_target_precision(plan, source)
     if precision not in QUANT_KINDS:
         return LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
-    from hsd_opt.engine.quantized import quant_spec
-
     name = plan.hierarchy[-1]
     e = {m.get("name"): m for m in plan.extra.get("models") or [] if isinstance(m, dict)}.get(name) or {}
-    bits, group = quant_spec(precision)
+    bits, group = QUANT_KINDS[precision]
     q = e.get("quantization") if isinstance(e.get("quantization"), dict) else {"bits": bits, "group_size": group}
     if q.get("bits") != bits:
         raise InputFileError(source, f"the target {name!r} is quantized to {q.get('bits')} bits, but the plan's "

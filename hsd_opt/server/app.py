@@ -1,4 +1,4 @@
-"""The ASGI application (Starlette): OpenAI-compatible routes over one :class:`~hsd_opt.server.engine.Engine`.
+"""The ASGI application (Starlette): OpenAI-compatible routes over one :class:`~hsd_opt.server.jobs.JobQueue`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. Every error is an OpenAI-style
@@ -20,8 +20,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hsd_opt.server.engine import Engine, Job, QueueFull
 from hsd_opt.server.errors import ApiError, error_body
+from hsd_opt.server.jobs import Job, JobQueue, QueueFull
 from hsd_opt.server.requests import GenerationRequest, ModelInfo, parse_json, parse_request
 from hsd_opt.server.responses import DONE, chunk, completion_body, hsd_figures, new_id, now, sse, usage_chunk
 
@@ -97,10 +97,10 @@ async def _disconnected(receive) -> None:
 
 
 class Service:
-    """What the routes share: the engine, the served model and what ``/health`` tells about the plan."""
+    """What the routes share: the job queue, the served model and what ``/health`` tells about the plan."""
 
-    def __init__(self, engine: Engine, info: ModelInfo, about: dict[str, Any] | None = None):
-        self.engine, self.info, self.about = engine, info, dict(about or {})
+    def __init__(self, jobs: JobQueue, info: ModelInfo, about: dict[str, Any] | None = None):
+        self.jobs, self.info, self.about = jobs, info, dict(about or {})
 
     def submit(self, req: GenerationRequest) -> tuple[Job, asyncio.Queue]:
         """Queue ``req``; its events arrive on the returned asyncio queue. 429 when the queue is full."""
@@ -115,7 +115,7 @@ class Service:
 
         job = Job(req, emit)
         try:
-            self.engine.submit(job)
+            self.jobs.submit(job)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
                            "queue_full") from None
@@ -189,12 +189,12 @@ class Service:
                 return
 
 
-def create_app(engine: Engine, info: ModelInfo, api_key: str | None = None,
+def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
                about: dict[str, Any] | None = None) -> Starlette:
-    """The Starlette app serving ``engine`` as the model ``info.name``. Its lifespan starts the engine's worker
+    """The Starlette app serving ``jobs`` as the model ``info.name``. Its lifespan starts the queue's worker
     and stops it (cancelling what is queued or running). ``about``: extra fields for ``GET /health`` (the plan,
     its hierarchy)."""
-    svc = Service(engine, info, about)
+    svc = Service(jobs, info, about)
 
     def guarded(fn: Callable[[Request], Awaitable[Any]]):
         async def endpoint(request: Request):
@@ -227,7 +227,7 @@ def create_app(engine: Engine, info: ModelInfo, api_key: str | None = None,
         return JSONResponse(model_card())
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": info.name, **svc.about, **engine.status()})
+        return JSONResponse({"status": "ok", "model": info.name, **svc.about, **jobs.status()})
 
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:
@@ -244,11 +244,11 @@ def create_app(engine: Engine, info: ModelInfo, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        jobs.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.stop)
+            await asyncio.to_thread(jobs.stop)
 
     routes = [
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from hsd_opt.server.engine import Outcome
+from hsd_opt.server.jobs import Outcome
 
 DONE = b"data: [DONE]\n\n"
 

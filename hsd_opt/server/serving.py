@@ -1,5 +1,5 @@
 """Running the app on uvicorn: binding the socket first (a clear error for a taken port), a ready callback once
-the server accepts connections, cancelling the engine's jobs when it stops, and a background server in a thread
+the server accepts connections, cancelling every job when it stops, and a background server in a thread
 (tests, benchmarks, embedding)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def log_config() -> dict[str, Any]:
 
 class Server(uvicorn.Server):
     """uvicorn's server with two hooks: ``on_ready()`` once it accepts connections, ``on_stop()`` as soon as it
-    starts shutting down (before it waits for open connections: cancelling the engine's jobs ends their
+    starts shutting down (before it waits for open connections: cancelling every job ends their
     streams)."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None = None,
@@ -82,7 +82,7 @@ class BackgroundServer:
         with BackgroundServer(app) as srv:
             OpenAI(base_url=srv.url + "/v1", api_key="x")
 
-    ``on_stop`` is called when the server begins to stop (e.g. ``engine.cancel_all``). Logging is left as the
+    ``on_stop`` is called when the server begins to stop (e.g. ``jobs.cancel_all``). Logging is left as the
     process has it (uvicorn's loggers ``uvicorn.error`` and ``uvicorn.access`` propagate to the root).
     """
 

@@ -1,4 +1,4 @@
-"""One decoding engine, one request at a time: a bounded FIFO queue in front of one worker thread.
+"""The server's job queue: one request decoded at a time, a bounded FIFO queue in front of one worker thread.
 
 The worker runs :meth:`HSD.generate` (batch 1) for each :class:`Job` in arrival order; torch releases the GIL in
 its kernels, so the server's event loop stays responsive meanwhile. Each job reports through ``job.emit``,
@@ -7,9 +7,9 @@ called from the worker thread with one event at a time:
 - ``("text", str)``: text made final by a committed block (:class:`~hsd_opt.server.text.TextStream`);
 - ``("done", Outcome)``: the generation ended (EOS, ``max_tokens`` or a stop string);
 - ``("cancelled", None)``: the job was cancelled (the client went away, the server is stopping);
-- ``("error", str)``: the engine failed (logged with its traceback: a bug, never a bad request).
+- ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request).
 
-Cancelling a job (:meth:`Job.cancel`, thread-safe) frees the engine at the next committed block: the
+Cancelling a job (:meth:`Job.cancel`, thread-safe) frees the worker at the next committed block: the
 ``on_tokens`` callback sees the flag and asks :meth:`HSD.generate` to stop. A job cancelled while it waits is
 skipped. Every :meth:`HSD.generate` starts afresh (caches cropped, token drafters reset), so one request's state
 never reaches the next.
@@ -31,7 +31,7 @@ log = logging.getLogger("hsd_opt.server")
 
 
 class QueueFull(Exception):
-    """Raised by :meth:`Engine.submit` when ``max_queue`` requests already wait."""
+    """Raised by :meth:`JobQueue.submit` when ``max_queue`` requests already wait."""
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Outcome:
         finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
         prompt_tokens: tokens of the prompt.
         stats: :meth:`HSD.generate`'s stats (``GenerationResult.stats``), every committed token counted.
-        queue_seconds: seconds the job waited before the engine took it.
+        queue_seconds: seconds the job waited before the worker took it.
     """
 
     token_ids: list[int]
@@ -57,7 +57,7 @@ class Outcome:
 
 @dataclass(eq=False)
 class Job:
-    """One request for the engine: ``request`` and where its events go (``emit``, called from the worker
+    """One request for the worker: ``request`` and where its events go (``emit``, called from the worker
     thread; it must be thread-safe and must not block)."""
 
     request: GenerationRequest
@@ -66,7 +66,7 @@ class Job:
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def cancel(self) -> None:
-        """Ask the engine to drop this job (waiting) or stop it at the next committed block (running)."""
+        """Ask the worker to drop this job (waiting) or stop it at the next committed block (running)."""
         self._cancelled.set()
 
     @property
@@ -74,7 +74,7 @@ class Job:
         return self._cancelled.is_set()
 
 
-class Engine:
+class JobQueue:
     """The worker thread and its queue.
 
     Args:
@@ -100,7 +100,7 @@ class Engine:
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="hsd-engine", daemon=True)
+            self._thread = threading.Thread(target=self._work, name="hsd-jobs", daemon=True)
             self._thread.start()
 
     def cancel_all(self) -> None:
@@ -137,7 +137,7 @@ class Engine:
 
     def status(self) -> dict[str, Any]:
         """``waiting``, ``busy``, the counts of ``completed``, ``cancelled``, ``failed`` and ``refused``
-        (queue full) requests since start, and ``generated_tokens``: every token the engine committed (of
+        (queue full) requests since start, and ``generated_tokens``: every token the worker committed (of
         cancelled generations too, up to where they stopped)."""
         return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": self.running is not None,
                 **self.counts}
@@ -152,7 +152,7 @@ class Engine:
             self.running = job
             try:
                 self._run(job)
-            except Exception as e:  # a bug in the engine: log it, tell the client, keep serving
+            except Exception as e:  # a bug in the decoder: log it, tell the client, keep serving
                 log.exception("generation failed")
                 self.counts["failed"] += 1
                 job.emit(("error", f"generation failed: {type(e).__name__}: {e}"))

@@ -1,0 +1,11 @@
+"""Deriving the seeds of many random streams from one user seed.
+
+Wherever one run draws several independent streams (one per prompt, per turn, per context, per epoch), stream ``i``
+of a run with seed ``s`` is seeded ``s * SEED_STRIDE + i`` (or ``s + k * SEED_STRIDE`` for turn ``k``): with
+fewer than ``SEED_STRIDE`` streams, no two of them, in this run or in a run with another seed, share a seed.
+"""
+
+from __future__ import annotations
+
+#: The stride between derived seeds: a prime above any count of streams one run draws (prompts, turns, positions).
+SEED_STRIDE = 1_000_003
