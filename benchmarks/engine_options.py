@@ -106,9 +106,11 @@ def main() -> None:
         print(f"torch.compile (inductor, freezing): {compile_s:.1f} s to compile", file=sys.stderr)
         options["torch.compile inductor, freezing"] = lambda: comp(*args)
     if lib is not None:
-        km = [kernels.Mat.dense(w) for w in ws]
-        kb = [kernels.Mat.dense(w) for w in wb]
-        kq = [kernels.quantize_q4(w) for w in ws]
+        from hsd_opt.engine.weights import Mat, quantize_q4
+
+        km = [Mat.in_place(w) for w in ws]
+        kb = [Mat.in_place(w) for w in wb]
+        kq = [quantize_q4(w) for w in ws]
         options["hsd kernels float32"] = lambda: [kernels.linear(lib, m, xs[m.cols]) for m in km]
         options["hsd kernels bfloat16"] = lambda: [kernels.linear(lib, m, xs[m.cols]) for m in kb]
         options["hsd kernels int4 (groups of 32)"] = lambda: [kernels.linear(lib, m, xs[m.cols]) for m in kq]

@@ -54,7 +54,7 @@ def main() -> int:
     res = HSD([Level("target", lm, lm.n_layers)], [], eos_ids=eos).generate(ids, args.max_new_tokens)
     t_ar = time.perf_counter() - t0
 
-    print(f"prompt: {len(ids)} tokens; direct layer path: {lm._weights is not None}")
+    print(f"prompt: {len(ids)} tokens; on the kernels: {lm.uses_kernels}")
     print(f"hf generate ({t_hf:.2f} s): {hf}")
     print(f"our AR      ({t_ar:.2f} s): {res.token_ids}")
     print("text:", repr(loaded.tokenizer.decode(res.token_ids)))

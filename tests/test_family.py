@@ -465,8 +465,8 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     b = hsd_for_plan(plan, loaded, hierarchy=["small-int4", "layer4"], budgets=[3])
     c = hsd_for_plan(plan, loaded, hierarchy=["small", "layer4"], budgets=[3])
     assert loads == [str(family["small"])]
-    assert a.levels[0].lm is b.levels[0].lm and a.levels[1].lm is c.levels[0].lm
-    small_model = a.levels[1].lm.model
+    assert a.levels[0].engine is b.levels[0].engine and a.levels[1].engine is c.levels[0].engine
+    small_model = a.levels[1].engine.model
     assert release_unused_floats(plan, loaded, [["small", "layer4"]]) == 0     # the float one runs: kept
     assert release_unused_floats(plan, loaded, [["small-int4", "layer4"]]) == 0   # its engine is alive: kept
     assert not is_released(small_model)
@@ -476,5 +476,5 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     p = _prompts(1)[0]
     want = hsd_for_plan(plan, fresh, hierarchy=["layer4"], budgets=[]).generate(p, 12).token_ids
     assert release_unused_floats(plan, fresh, [["small-int4", "layer4"]]) > 0
-    assert is_released(only.levels[0].lm.model) and not is_released(fresh.model)
+    assert is_released(only.levels[0].engine.model) and not is_released(fresh.model)
     assert only.generate(p, 12).token_ids == want

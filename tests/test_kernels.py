@@ -3,6 +3,8 @@ decoding as the torch path, built once and cached, and refused or skipped cleanl
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -290,3 +292,59 @@ def test_a_failed_build_is_reported_once_and_leaves_the_torch_path(tmp_path, mon
     assert kernels.load(log=said.append, portable=True) is None
     assert any("unavailable" in s and "failed" in s for s in said)
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.partial"))
+
+
+def test_the_library_is_checked_against_this_modules_structs(tmp_path, monkeypatch):
+    """A library whose ``hsd_version`` or struct layout differs from kernels.py's (an edit to one side only) is
+    not used: it says which, once, and the engines take the torch path."""
+    kernels.check_layout(LIB)                                       # the real one agrees
+    monkeypatch.setattr(kernels, "ABI_VERSION", kernels.ABI_VERSION + 1)
+    with pytest.raises(HsdError, match="version"):
+        kernels.check_layout(LIB)
+    monkeypatch.undo()
+    src = kernels.SOURCE.read_text().replace("int32_t type, rows, cols, pad;", "int32_t type, rows, cols, pad, extra;")
+    assert "extra;" in src
+    (tmp_path / "kernels.c").write_text(src)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "SOURCE", tmp_path / "kernels.c")
+    said = []
+    assert kernels.load(log=said.append, portable=True) is None
+    assert len(said) == 2 and "compiling" in said[0] and "struct layout" in said[1] and "unavailable" in said[1]
+
+
+def test_without_a_compiler_the_python_api_is_warned_once(monkeypatch, tiny):
+    """The one line the CLI prints on stderr reaches a user of the Python API as a RuntimeWarning, once, naming
+    the cause and what it costs; the engines then run on the torch path."""
+    monkeypatch.setattr(kernels, "_LIB", [])
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C compiler found.*slower per step") as got:
+        eng = LayeredLM(tiny)
+    assert len(got) == 1 and not eng.uses_kernels
+    assert kernels.TORCH_PATH_SLOWDOWN in str(got[0].message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                              # said once: no second warning
+        assert not LayeredLM(tiny).uses_kernels
+
+
+def test_a_kernel_call_runs_on_every_thread_of_torchs_openmp_runtime():
+    """A kernel call's team has torch's thread count, each member its own OS thread (both cores of this machine
+    busy in one call), and the library shares torch's OpenMP runtime: one libgomp in the process, and no new
+    threads once torch's own parallel regions have run (docs/design.md#decode-kernels, "OpenMP")."""
+    import os
+    import sys
+
+    n = torch.get_num_threads()
+    assert n >= min(2, os.cpu_count() or 1)
+    size, tids = kernels.team(LIB, n)
+    assert size == n and len(set(tids)) == n
+    if sys.platform.startswith("linux"):
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line.split()[-1]}
+        assert len(gomp) == 1, gomp
+        torch.ones(1 << 22).add_(1)                                  # a torch parallel region (OpenMP)
+        before = len(os.listdir("/proc/self/task"))
+        kernels.team(LIB, n)
+        kernels.linear(LIB, wq.Mat.in_place(torch.randn(64, 64)), torch.randn(3, 64))
+        assert len(os.listdir("/proc/self/task")) == before

@@ -199,3 +199,11 @@ def test_the_version_is_the_projects():
 
     declared = re.search(r'(?m)^version = "([^"]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert hsd_opt.__version__ == __version__ == declared
+
+
+def test_no_torchscript_in_the_package():
+    """One layer path per backend: the torch path and the C kernels. No TorchScript stack beside them."""
+    jit = re.compile(r"\btorch\.jit\b|\bjit\.script\b")
+    hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted(PKG.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if jit.search(line)]
+    assert not hits, "\n".join(hits)

@@ -151,7 +151,7 @@ def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, w
         return mat
     got = (stored or {}).get(name)
     if got is not None and _fits(got, kind, rows, cols):   # copied out of the mapped file: the engine holds
-        mat = wq.Mat(kind, rows, cols, [t.clone() for t in got], bias)   # memory, not the file's pages
+        mat = wq.Mat(kind, rows, cols, [t.to(weight.device, copy=True) for t in got], bias)   # memory, not pages
     else:
         mat = wq.quantize(weight, bits, bias)
         fresh[name] = list(mat.tensors)

@@ -3,8 +3,8 @@ verification (its Algorithm 2; Leviathan et al.) at every level, over our layere
 
 A hierarchy is a list of :class:`Level` s, cheapest (bottom) first, target last:
 
-- a **model level** is the exit after ``boundary`` decoder layers of a :class:`~hsd_opt.engine.layered.LayeredLM`
-  (the target's own exits all share ONE :class:`~hsd_opt.engine.layered.DecodeState`, i.e. one KV cache per
+- a **model level** is the exit after ``boundary`` decoder layers of an :class:`~hsd_opt.engine.interface.Engine`
+  (the target's own exits all share ONE :class:`~hsd_opt.engine.state.DecodeState`, i.e. one KV cache per
   layer; another model of the same tokenizer has its own engine and state);
 - a **token level** is a :class:`~hsd_opt.drafters.base.TokenDrafter` (n-gram, bigram, ADED): bottom only,
   its draft distribution is one-hot.
@@ -39,6 +39,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hsd_opt.drafters.base import TokenDrafter
+from hsd_opt.engine.interface import Engine
+from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 
 
@@ -59,19 +62,19 @@ class Level:
 
     Attributes:
         name: the plan's name for it (``"layer8"``, ``"ngram"``, ``"layer30"``).
-        lm: the :class:`LayeredLM` of a model level (None for a token level).
-        boundary: number of decoder layers the exit runs (``lm.n_layers`` for the model's own head).
+        engine: the engine of a model level (None for a token level).
+        boundary: number of decoder layers the exit runs (``engine.n_layers`` for the model's own head).
         drafter: a :class:`TokenDrafter` for a token level (None for a model level).
     """
 
     name: str
-    lm: Any = None
+    engine: Engine | None = None
     boundary: int = 0
-    drafter: Any = None
+    drafter: TokenDrafter | None = None
 
     @property
     def is_model(self) -> bool:
-        return self.lm is not None
+        return self.engine is not None
 
 
 @dataclass
@@ -181,8 +184,9 @@ class HSD:
             deliberately wrong sampler, used only to prove that the statistical test catches a wrong rule.
         share_prompt: a drafter that is a copy (a quantized copy) of a model another level runs over its own
             weights (the target, or a draft model) takes that level's keys and values of the prompt instead of
-            computing its own prefill (:meth:`LayeredLM.share_prompt`). Its drafts change slightly, the output does
-            not (drafts are verified). False, or no such level: every model prefills on its own.
+            computing its own prefill (:meth:`~hsd_opt.engine.interface.Engine.share_prompt`). Its drafts change
+            slightly, the output does not (drafts are verified). False, or no such level: every model prefills on
+            its own.
     """
 
     def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
@@ -206,13 +210,13 @@ class HSD:
         self.mode = mode
         self.residual = residual  # False only in tests: a deliberately wrong sampler (resample from p)
         self.share_prompt = share_prompt
-        # one engine state per distinct LayeredLM; exits of one model share it
-        self._lms: list[Any] = []
+        # one decoding state per distinct engine; exits of one model share it
+        self._engines: list[Engine] = []
         for lv in levels:
-            if lv.is_model and all(lv.lm is not m for m in self._lms):
-                self._lms.append(lv.lm)
-        self._states: list[Any] = [None] * len(self._lms)
-        self._level_state = [next(i for i, m in enumerate(self._lms) if m is lv.lm) if lv.is_model else -1
+            if lv.is_model and all(lv.engine is not m for m in self._engines):
+                self._engines.append(lv.engine)
+        self._states: list[DecodeState | None] = [None] * len(self._engines)
+        self._level_state = [next(i for i, m in enumerate(self._engines) if m is lv.engine) if lv.is_model else -1
                              for lv in levels]
 
     # ------------------------------------------------------------------------------------------ sequence
@@ -221,15 +225,15 @@ class HSD:
         if not toks:
             return
         self.seq.extend(toks)
-        ids = torch.tensor(toks, dtype=torch.long, device=self._lms[0].device)
-        for lm, st in zip(self._lms, self._states):
-            lm.append(st, ids if lm.device == ids.device else ids.to(lm.device))
+        ids = torch.tensor(toks, dtype=torch.long, device=self._engines[0].device)
+        for eng, st in zip(self._engines, self._states):
+            eng.append(st, ids if eng.device == ids.device else ids.to(eng.device))
 
     def _crop(self, n: int) -> None:
         if n < len(self.seq):
             del self.seq[n:]
-            for lm, st in zip(self._lms, self._states):
-                lm.crop(st, n)
+            for eng, st in zip(self._engines, self._states):
+                eng.crop(st, n)
 
     def _ended(self) -> bool:
         return len(self.seq) >= self.limit or (len(self.seq) > self.n_prompt and self.seq[-1] in self.eos)
@@ -246,8 +250,8 @@ class HSD:
         """Level k's logits (greedy) or processed probabilities (sampling) at positions start..end-1: [m, V]."""
         lv = self.levels[k]
         st = self._states[self._level_state[k]]
-        lv.lm.advance(st, lv.boundary)
-        logits = lv.lm.logits(st, lv.boundary, start, end)
+        lv.engine.advance(st, lv.boundary)
+        logits = lv.engine.logits(st, lv.boundary, start, end)
         if self.greedy:
             return logits
         return process_logits(logits, self.temperature, self.top_p)
@@ -257,8 +261,8 @@ class HSD:
         which need not compute every logit)."""
         lv = self.levels[k]
         st = self._states[self._level_state[k]]
-        lv.lm.advance(st, lv.boundary)
-        return lv.lm.greedy_ids(st, lv.boundary, start, end).tolist()
+        lv.engine.advance(st, lv.boundary)
+        return lv.engine.greedy_ids(st, lv.boundary, start, end).tolist()
 
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)
@@ -390,18 +394,18 @@ class HSD:
         check_generation_args(max_new_tokens, temperature, top_p)
         self.greedy = temperature == 0
         self.temperature, self.top_p = float(temperature), float(top_p)
-        dev = self._lms[0].device
+        dev = self._engines[0].device
         self.gen = torch.Generator(device=dev).manual_seed(int(seed))
         self.n_prompt = len(prompt)
         self.limit = len(prompt) + int(max_new_tokens)
         max_len = self.limit + max(self.budgets) + 2
-        for i, lm in enumerate(self._lms):
+        for i, eng in enumerate(self._engines):
             st = self._states[i]
             if st is None or st.max_len < max_len:
-                bounds = sorted({lv.boundary for lv in self.levels if lv.lm is lm})
-                st = lm.new_state(max(max_len, 256), save_boundaries=bounds)
+                bounds = sorted({lv.boundary for lv in self.levels if lv.engine is eng})
+                st = eng.new_state(max(max_len, 256), save_boundaries=bounds)
                 self._states[i] = st
-            lm.crop(st, 0)
+            eng.crop(st, 0)
         self.stats = [LevelStats(lv.name) for lv in self.levels]
         self.seq = []
         for lv in self.levels:
@@ -414,16 +418,17 @@ class HSD:
         # target or of a draft model) takes that engine's keys and values and computes the last position. The
         # target always computes its own.
         ti = self._level_state[-1]
-        rest = [i for i in range(len(self._lms)) if i != ti]
+        rest = [i for i in range(len(self._engines)) if i != ti]
         done: list[int] = []
-        for i in [ti] + [i for i in rest if not self._lms[i].is_copy] + [i for i in rest if self._lms[i].is_copy]:
-            lm, st = self._lms[i], self._states[i]
-            top_b = max(lv.boundary for lv in self.levels if lv.lm is lm)
-            src = next((j for j in done if self.share_prompt and i != ti and lm.can_share_prompt(self._lms[j])
+        copies = [i for i in rest if self._engines[i].is_copy]
+        for i in [ti] + [i for i in rest if i not in copies] + copies:
+            eng, st = self._engines[i], self._states[i]
+            top_b = max(lv.boundary for lv in self.levels if lv.engine is eng)
+            src = next((j for j in done if self.share_prompt and i != ti and eng.can_share_prompt(self._engines[j])
                         and self._states[j].lens[top_b - 1] >= len(prompt)), None)
             if src is not None:
-                lm.share_prompt(st, self._lms[src], self._states[src], top_b)
-            lm.advance(st, top_b)
+                eng.share_prompt(st, self._engines[src], self._states[src], top_b)
+            eng.advance(st, top_b)
             done.append(i)
         _sync(dev)
         t1 = time.perf_counter()

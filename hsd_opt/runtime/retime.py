@@ -117,7 +117,7 @@ class StepClock:
             for lv in h.levels:
                 if not lv.is_model:
                     continue
-                e = engines.setdefault(id(lv.lm), {"lm": lv.lm, "names": set(), "top": None})
+                e = engines.setdefault(id(lv.engine), {"lm": lv.engine, "names": set(), "top": None})
                 e["names"].add(lv.name)
                 if e["top"] is None or lv.boundary > e["top"].boundary:
                     e["top"] = lv

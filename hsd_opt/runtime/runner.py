@@ -165,7 +165,7 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
             cfg.pop("kind", None)
             cfg.setdefault("name", name)
             levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
-    if not levels[-1].is_model or levels[-1].lm is not lm:
+    if not levels[-1].is_model or levels[-1].engine is not lm:
         raise InputFileError(source, "the last level must be the target model", "hierarchy")
     return levels
 
