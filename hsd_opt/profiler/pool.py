@@ -12,11 +12,16 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.profiler.dist import all_gather
 from hsd_opt.prompts import PromptItem, encode_prompt
+
+if TYPE_CHECKING:   # the engine, drafters and models are imported when a pool is built
+    from hsd_opt.drafters.base import TokenDrafter
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.models.loading import LoadedModel
 
 #: Token drafters a profile includes by default (``bigram`` only once its table is cached).
 DEFAULT_TOKEN_DRAFTERS = ("ngram", "lookup", "bigram", "aded")
@@ -63,7 +68,7 @@ class NeuralDrafter:
 
     name: str
     kind: str                      # target | early_exit | model | quantized
-    engine: Any                    # LayeredLM
+    engine: LayeredLM
     boundary: int
     model_id: str | None = None
 
@@ -181,9 +186,9 @@ class Pool:
     later, from the target's continuations), and the loaded draft models (kept alive with their engines)."""
 
     neural: list[NeuralDrafter]
-    token: list[Any]
+    token: list[TokenDrafter]
     want_aded: bool
-    draft_models: list[Any]
+    draft_models: list[LoadedModel]
 
     @property
     def token_names(self) -> list[str]:
@@ -288,7 +293,7 @@ class DraftSource:
     """A loaded draft model of the pool: ``loaded`` (a :class:`~hsd_opt.models.loading.LoadedModel`), its profile
     ``name`` (its copies are ``<name>-int4``, ...) and whether its float engine is a drafter itself."""
 
-    loaded: Any
+    loaded: LoadedModel
     name: str
     float_drafter: bool
 

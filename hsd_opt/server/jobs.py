@@ -22,10 +22,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hsd_opt.runtime.decode import HSD
 
 log = logging.getLogger("hsd_opt.server")
 
@@ -84,7 +89,7 @@ class JobQueue:
             (:class:`QueueFull`).
     """
 
-    def __init__(self, runner: Any, tokenizer: Any, max_queue: int = 16):
+    def __init__(self, runner: "HSD", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.server.errors import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: The OpenAI API's default ``max_tokens`` of ``/v1/completions``.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -38,7 +41,7 @@ class ModelInfo:
     """
 
     name: str
-    tokenizer: Any
+    tokenizer: "PreTrainedTokenizerBase"
     max_positions: int
     default_max_tokens: int = 256
 

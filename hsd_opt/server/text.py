@@ -8,7 +8,10 @@ the generation is cut at the token that completes the first stop string and the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TextStream:
@@ -20,7 +23,7 @@ class TextStream:
         stopped: a stop string was found; ``text`` ends just before it and ``ids`` at the token completing it.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
