@@ -47,12 +47,12 @@ def main() -> None:
     load = os.getloadavg()
     torch.set_num_threads(a.threads or (1 if load[0] > 2 else 2))
     plan = load_plan(a.plan)
-    prov = plan.extra.get("provenance") or {}
-    loaded = load_model(prov.get("model", "smollm2-135m"), device=a.device, dtype=prov.get("dtype") or "auto")
+    prov = plan.provenance
+    loaded = load_model(prov.model or "smollm2-135m", device=a.device, dtype=prov.dtype or "auto")
     check_provenance(plan, loaded, a.plan)
     extra = {}
-    for i, alt in enumerate((plan.extra.get("alternatives") or [])[: a.alternatives], 2):
-        extra[f"alt{i}"] = (alt["hierarchy"], alt["budgets"])
+    for i, alt in enumerate(plan.alternatives[: a.alternatives], 2):
+        extra[f"alt{i}"] = (alt.hierarchy, alt.budgets)
     for spec in a.hierarchy:
         name, rest = spec.split("=", 1)
         h, _, b = rest.partition(":")
@@ -67,10 +67,10 @@ def main() -> None:
     rep["platform"] = platform.platform()
     rep["cpus"] = os.cpu_count()
     for name, alt_plan in ((n, extra[n]) for n in extra):
-        for alt in plan.extra.get("alternatives") or []:
-            if (alt["hierarchy"] == list(alt_plan[0]) and alt["budgets"] == list(alt_plan[1])
+        for alt in plan.alternatives:
+            if (alt.hierarchy == list(alt_plan[0]) and alt.budgets == list(alt_plan[1])
                     and rep["methods"].get(name, {}).get("predicted_seconds_per_token") is None):
-                rep["methods"][name]["predicted_seconds_per_token"] = alt["expected_latency"]
+                rep["methods"][name]["predicted_seconds_per_token"] = alt.expected_latency
     if a.profile:
         from hsd_opt.solver import evaluate
 

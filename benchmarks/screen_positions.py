@@ -43,9 +43,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     plan = load_plan(a.plan)
-    prov = plan.extra.get("provenance") or {}
-    print(f"loading {prov.get('model')} ...", file=sys.stderr)
-    loaded = load_model(prov.get("model"), device="cpu", dtype=prov.get("dtype") or "float32")
+    prov = plan.provenance
+    print(f"loading {prov.model} ...", file=sys.stderr)
+    loaded = load_model(prov.model, device="cpu", dtype=prov.dtype or "float32")
     items = list(load_prompts(a.prompts).items)[: a.limit]
     h = hsd_for_plan(plan, loaded, source=a.plan)
     ids0 = conversation_ids(loaded.tokenizer, items[0].turns, [], False)

@@ -2,7 +2,9 @@
 
 Plain dataclasses, plain functions. ``load_profile``/``load_plan`` validate and raise
 :class:`~hsd_opt.errors.InputFileError` naming the file and the field; ``profile_from_dict``/``plan_from_dict``
-do the same for in-memory dicts (``source`` names them in messages).
+do the same for in-memory dicts (``source`` names them in messages). A plan's sections are typed on load
+(:class:`PlanModel` with its :class:`Quantization`, :class:`Provenance`, :class:`Alternative`, :class:`TaskPlan`);
+``Plan.extra`` keeps only the fields the format does not name, and no other module reads it.
 
 Units: every cost is in seconds (wall time); acceptance rates are probabilities in [0, 1]; budgets are tokens.
 """
@@ -13,8 +15,9 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import read_json, write_json
@@ -162,6 +165,205 @@ class Profile:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
+#: Kinds of model entry that give next-token distributions, so may verify (a level above the bottom of a
+#: hierarchy must be one of them). Every other kind is a token drafter: only ever the bottom level.
+VERIFIER_KINDS = ("target", "early_exit", "model", "quantized")
+
+
+def _json_object(fields: dict[str, Any], defaults: dict[str, Any], extra: dict[str, Any],
+                 key_order: Sequence[str]) -> dict[str, Any]:
+    """One object of a file as JSON, the inverse of its parsing: the typed ``fields`` (as JSON values), but not
+    a field at its value in ``defaults`` unless the object read had it; then the ``extra`` fields. Keys come in
+    ``key_order`` (the keys of the object read), any others after them in the order given here."""
+    d = {k: v for k, v in fields.items() if k not in defaults or v != defaults[k] or k in key_order}
+    for k, v in extra.items():
+        d.setdefault(k, v)
+    rank = {k: i for i, k in enumerate(key_order)}
+    return {k: d[k] for k in sorted(d, key=lambda k: rank.get(k, len(rank)))}
+
+
+@dataclass
+class Quantization:
+    """How a weight-quantized copy is made (the ``quantization`` field of a model entry).
+
+    Attributes:
+        bits: bits per weight of the decoder layers, 4 or 8.
+        group_size: weights sharing one scale (4-bit weights: >= 1; recorded but unused for 8-bit ones).
+        head_bits: bits per weight of the LM head, 4 or 8.
+        extra: every other field (``weight_bytes``, ``packed_kernels``, ``activation_dtype``, ...), kept on
+            round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    bits: int
+    group_size: int = 32
+    head_bits: int = 8
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_object({"bits": self.bits, "group_size": self.group_size, "head_bits": self.head_bits},
+                            {"group_size": 32, "head_bits": 8}, self.extra, self.key_order)
+
+
+@dataclass
+class PlanModel:
+    """One entry of a plan's ``models``: the profile's entry of a model, copied, with what it takes to rebuild
+    it at run time. Unlike a profile's :class:`ModelEntry`, only ``name`` is required (a field that is absent
+    is None and stays absent on save).
+
+    Attributes:
+        name: the name the plan's hierarchies use.
+        kind: one of :data:`KNOWN_KINDS` (others allowed); ``model`` when absent.
+        cost: seconds of one decode step (informative at run time).
+        can_verify: whether it gives next-token distributions (informative at run time: ``kind`` decides).
+        layer: decoder layers run (1-based) by an exit (``early_exit``/``target``) or a quantized copy.
+        draft_rate: share of the calls a token drafter proposes in, in (0, 1].
+        model: the draft model (alias, id or path) a ``model`` entry runs, or that an ``early_exit`` or
+            ``quantized`` entry is an exit or copy of; None for the target's own.
+        quantization: the settings of a ``quantized`` entry, or of a target that is a quantized copy.
+        config: the settings a token drafter is rebuilt from (``hsd_opt.drafters.make_token_drafter``).
+        extra: every other field (``step_measured``, ...), kept on round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    name: str
+    kind: str = "model"
+    cost: float | None = None
+    can_verify: bool | None = None
+    layer: int | None = None
+    draft_rate: float | None = None
+    model: str | None = None
+    quantization: Quantization | None = None
+    config: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify,
+                  "layer": self.layer, "draft_rate": self.draft_rate, "model": self.model,
+                  "quantization": None if self.quantization is None else self.quantization.to_dict(),
+                  "config": self.config}
+        defaults = {k: None for k in fields if k not in ("name", "kind")} | {"kind": "model"}
+        return _json_object(fields, defaults, self.extra, self.key_order)
+
+
+@dataclass
+class Provenance:
+    """Where a plan's profile was measured: the ``provenance`` section (the profile's, copied into the plan).
+    Every field may be absent (None).
+
+    Attributes:
+        model: the target model (alias, id or path) the profile was measured on.
+        revision: the revision of its weights.
+        heads: the trained exit heads file (``hsd-heads/1``) the exits used; None for the shared final head.
+        device: the device it was profiled on.
+        dtype: the dtype the target was loaded in (``float32``, ``bfloat16``, ...).
+        target_precision: the target the plan is for: ``float32``, ``bfloat16``, ``int8`` or ``int4`` (a plan
+            without it is for its ``dtype``).
+        temperature: the sampling temperature of the profiled generations (0: greedy).
+        top_p: their nucleus share, in (0, 1].
+        extra: every other field (prompts, timings, versions, ...), kept on round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    model: str | None = None
+    revision: str | None = None
+    heads: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    target_precision: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"model": self.model, "revision": self.revision, "heads": self.heads, "device": self.device,
+                  "dtype": self.dtype, "target_precision": self.target_precision, "temperature": self.temperature,
+                  "top_p": self.top_p}
+        return _json_object(fields, dict.fromkeys(fields), self.extra, self.key_order)
+
+
+@dataclass
+class Alternative:
+    """A ranked hierarchy of a plan other than its own: an entry of ``alternatives``, or ``exact_optimum``.
+
+    Attributes:
+        hierarchy: model names, bottom first, the target last.
+        budgets: tokens each level below the target hands up per call (``len(hierarchy) - 1`` of them).
+        expected_latency: predicted seconds per generated token (at the plan's ``context``).
+        expected_speedup: the target's cost / ``expected_latency``, or None when absent.
+        latency_by_context: ``[[context tokens, seconds per token], ...]``, contexts increasing, or None (a plan
+            solved at one context).
+        extra: every other field, kept on round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    hierarchy: list[str]
+    budgets: list[int]
+    expected_latency: float
+    expected_speedup: float | None = None
+    latency_by_context: list[list[float]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"hierarchy": list(self.hierarchy), "budgets": list(self.budgets),
+                  "expected_latency": self.expected_latency, "expected_speedup": self.expected_speedup,
+                  "latency_by_context": self.latency_by_context}
+        return _json_object(fields, {"expected_speedup": None, "latency_by_context": None}, self.extra,
+                            self.key_order)
+
+
+@dataclass
+class TaskPlan:
+    """The plan of one task: an entry of a plan's ``by_task`` section (``hsd solve --per-task``).
+
+    Attributes:
+        hierarchy: model names, bottom first, ending with the plan's target.
+        budgets: tokens each level below the target hands up per call.
+        expected_latency: predicted seconds per token on the task's prompts (at ``context``).
+        expected_speedup: the target's cost / ``expected_latency``, or None when absent.
+        positions: generated positions the task was profiled on, or None.
+        fallback_pairs: pairs and draft rates kept at the overall value for want of the task's own, or None.
+        overall_hierarchies: seconds per token on the task's prompts of the plan's own hierarchy (``plan``) and
+            of its baselines (by key); empty when absent.
+        context: the task's typical context (tokens), or None.
+        context_from: where ``context`` came from (``given``, ``task_prompts``, ...), or None.
+        latency_by_context: ``[[context tokens, seconds per token], ...]`` of ``hierarchy``, or None.
+        overall_hierarchies_by_context: ``{key: latency_by_context}`` for the keys of ``overall_hierarchies``;
+            empty when absent.
+        extra: every other field, kept on round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    hierarchy: list[str]
+    budgets: list[int]
+    expected_latency: float
+    expected_speedup: float | None = None
+    positions: int | None = None
+    fallback_pairs: int | None = None
+    overall_hierarchies: dict[str, float] = field(default_factory=dict)
+    context: float | None = None
+    context_from: str | None = None
+    latency_by_context: list[list[float]] | None = None
+    overall_hierarchies_by_context: dict[str, list[list[float]]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"hierarchy": list(self.hierarchy), "budgets": list(self.budgets),
+                  "expected_latency": self.expected_latency, "expected_speedup": self.expected_speedup,
+                  "positions": self.positions, "fallback_pairs": self.fallback_pairs,
+                  "overall_hierarchies": self.overall_hierarchies, "context": self.context,
+                  "context_from": self.context_from, "latency_by_context": self.latency_by_context,
+                  "overall_hierarchies_by_context": self.overall_hierarchies_by_context}
+        defaults = {k: None for k in fields if k not in ("hierarchy", "budgets", "expected_latency")}
+        defaults.update(overall_hierarchies={}, overall_hierarchies_by_context={})
+        return _json_object(fields, defaults, self.extra, self.key_order)
+
+
 @dataclass
 class Plan:
     """A solved hierarchy (``hsd-plan/1``).
@@ -175,8 +377,26 @@ class Plan:
         expected_speedup: target cost / expected_latency.
         baselines: ``{"target_only": {...}, "best_single_draft": {...}, "best_early_exit": {...}}`` each with
             ``expected_latency`` (best_early_exit: the best two-level plan whose drafter is an early exit).
-        extra: every other field (target, solver, alternatives, profile provenance, the optional ``by_task``
-            section of plans per task), kept on round-trip.
+        extra: every field the format does not type (``target``, ``latency_unit``, fields of other tools), kept
+            on round-trip.
+        models: the profile's model entries (every one, not only the hierarchy's); empty in a plan without them.
+        provenance: the profile's provenance; empty (every field None) in a plan without one.
+        alternatives: the next-best distinct hierarchies, best first.
+        exact_optimum: the exact optimum when ``min_gain`` kept a shallower plan, else None.
+        by_task: task -> its own plan (``hsd solve --per-task``); empty without.
+        context: tokens in the cache the costs were taken at (a profile with costs at several contexts), or None.
+        context_from: where ``context`` came from (``given``, ``profile_prompts``, ...), or None.
+        latency_by_context: ``[[context tokens, seconds per token], ...]`` of the plan's hierarchy, contexts
+            increasing, or None (its ``expected_latency`` holds everywhere).
+        solver: the solver that made it (``dp``, ``lp``, ``brute``, ...), or None.
+        max_depth: the most models a hierarchy could have, or None (no limit, or not recorded).
+        min_gain: the least gain a deeper plan needed (a fraction), or None.
+        profile_sha256: SHA-256 of the profile it was solved from (:meth:`Profile.fingerprint`), or None.
+        task: the task whose acceptance it was solved with (``hsd solve --task``), or None.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+
+    ``plan_from_dict`` fills every typed field from the file and validates it; ``to_dict`` writes back the same
+    object (a section the file lacked stays absent).
     """
 
     tmax: int
@@ -186,6 +406,20 @@ class Plan:
     expected_speedup: float
     baselines: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    models: list[PlanModel] = field(default_factory=list)
+    provenance: Provenance = field(default_factory=Provenance)
+    alternatives: list[Alternative] = field(default_factory=list)
+    exact_optimum: Alternative | None = None
+    by_task: dict[str, TaskPlan] = field(default_factory=dict)
+    context: float | None = None
+    context_from: str | None = None
+    latency_by_context: list[list[float]] | None = None
+    solver: str | None = None
+    max_depth: int | None = None
+    min_gain: float | None = None
+    profile_sha256: str | None = None
+    task: str | None = None
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def target(self) -> str:
@@ -194,25 +428,47 @@ class Plan:
     @property
     def tasks(self) -> list[str]:
         """Tasks with their own plan in the ``by_task`` section (sorted; empty without one)."""
-        return sorted(self.extra.get("by_task") or {})
+        return sorted(self.by_task)
+
+    def model_entry(self, name: str) -> PlanModel | None:
+        """The entry of ``models`` named ``name``, or None when the plan does not describe it."""
+        return next((m for m in self.models if m.name == name), None)
+
+    def level_entry(self, name: str, is_target: bool) -> PlanModel | None:
+        """The model entry of the level ``name`` of a hierarchy: its entry in ``models``, else, for a name
+        ``layer<N>`` (the profiler's naming of the target's exits), one inferred from the name (kind ``target``
+        for the top level, ``is_target``, else ``early_exit``; ``layer`` N); None for any other name."""
+        e = self.model_entry(name)
+        if e is None:
+            m = re.fullmatch(r"layer(\d+)", name)
+            if m:
+                e = PlanModel(name, "target" if is_target else "early_exit", layer=int(m.group(1)))
+        return e
 
     def for_task(self, task: str | None) -> tuple[list[str], list[int], float, str]:
         """``(hierarchy, budgets, expected_latency, which)`` to run a prompt of ``task`` with: the ``by_task``
         entry of the task when the plan has one (``which = "by_task.<task>"``), else the plan itself
         (``which = "plan"``; also for ``task=None``, an unknown task)."""
-        e = (self.extra.get("by_task") or {}).get(task) if task is not None else None
+        e = self.by_task.get(task) if task is not None else None
         if e:
-            return list(e["hierarchy"]), list(e["budgets"]), float(e["expected_latency"]), f"by_task.{task}"
+            return list(e.hierarchy), list(e.budgets), float(e.expected_latency), f"by_task.{task}"
         return list(self.hierarchy), list(self.budgets), self.expected_latency, "plan"
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": PLAN_FORMAT, "tmax": self.tmax, "hierarchy": list(self.hierarchy),
-                             "budgets": list(self.budgets), "expected_latency": self.expected_latency,
-                             "expected_speedup": self.expected_speedup, "baselines": self.baselines}
-        for k, v in self.extra.items():
-            if k not in d:
-                d[k] = v
-        return d
+        fields = {"format": PLAN_FORMAT, "tmax": self.tmax, "hierarchy": list(self.hierarchy),
+                  "budgets": list(self.budgets), "expected_latency": self.expected_latency,
+                  "expected_speedup": self.expected_speedup, "baselines": self.baselines,
+                  "solver": self.solver, "max_depth": self.max_depth, "min_gain": self.min_gain,
+                  "profile_sha256": self.profile_sha256,
+                  "alternatives": [a.to_dict() for a in self.alternatives], "context": self.context,
+                  "context_from": self.context_from, "latency_by_context": self.latency_by_context,
+                  "exact_optimum": None if self.exact_optimum is None else self.exact_optimum.to_dict(),
+                  "provenance": self.provenance.to_dict(), "models": [m.to_dict() for m in self.models],
+                  "task": self.task, "by_task": {t: e.to_dict() for t, e in self.by_task.items()}}
+        defaults = {"solver": None, "max_depth": None, "min_gain": None, "profile_sha256": None, "alternatives": [],
+                    "context": None, "context_from": None, "latency_by_context": None, "exact_optimum": None,
+                    "provenance": {}, "models": [], "task": None, "by_task": {}}
+        return _json_object(fields, defaults, self.extra, self.key_order)
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -237,7 +493,8 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     """Validate a parsed ``hsd-profile/1`` object. Returns the profile and a list of warnings.
 
     Refused (``InputFileError`` naming ``source`` and the field): wrong ``format``, no or duplicate models,
-    a missing target, a cost that is not a number > 0, an acceptance outside [0, 1] or naming an unknown
+    a missing target, a cost that is not a number > 0, a bad ``model``, ``config`` or ``quantization`` field of an
+    entry (checked as in a plan; kept in the entry's ``extra``), an acceptance outside [0, 1] or naming an unknown
     model, a target that cannot verify. Warned, not refused: an acceptance triple that breaks the
     triangle bound a[i][j] + a[j][k] <= a[i][k] + 1 (HSD paper, arXiv 2510.19705, App. B.3), beyond a 0.02
     tolerance for noise.
@@ -280,6 +537,7 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
         if rate < 1.0 and can_verify:
             raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
                                  f + ".draft_rate")
+        _rebuild_fields(m, source, f + ".")
         extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate")}
         models.append(ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate)))
     target = d.get("target")
@@ -480,48 +738,225 @@ def _check_latency_table(v: Any, source: str, at: str) -> None:
         last = pt[0]
 
 
-def _check_context_fields(d: dict, source: str, at: str = "") -> None:
-    """The optional ``context`` (tokens >= 1) and ``latency_by_context`` of a plan or of one of its entries."""
+def _check_context_fields(d: dict, source: str, at: str = "") -> tuple[float | None, str | None]:
+    """The optional ``context`` (tokens >= 1), ``context_from`` (a string) and ``latency_by_context`` of a plan or
+    of one of its entries (``at``: the prefix of the fields' names). Returns ``(context, context_from)``."""
     c = d.get("context")
     if c is not None and (not _is_number(c) or c < 1):
         raise InputFileError(source, f"expected a context length in tokens (>= 1), got {c!r}", at + "context")
+    source_of = _optional(d, "context_from", lambda v: isinstance(v, str), "a string", source, at)
     _check_latency_table(d.get("latency_by_context"), source, at + "latency_by_context")
+    return c, source_of
 
 
-def _check_by_task(by_task: Any, source: str, tmax: int, target: str) -> None:
-    """The optional ``by_task`` section: ``{task: {hierarchy, budgets, expected_latency, ...}}``, each entry a
-    valid hierarchy ending with the plan's target."""
-    if not isinstance(by_task, dict):
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _optional(d: dict, key: str, ok: Callable[[Any], bool], expected: str, source: str, at: str) -> Any:
+    """``d[key]``, None when absent or null; refused, naming the field ``at + key``, unless ``ok(value)``."""
+    v = d.get(key)
+    if v is not None and not ok(v):
+        raise InputFileError(source, f"expected {expected}, got {v!r}", at + key)
+    return v
+
+
+def _positive_latency(d: dict, source: str, at: str) -> float:
+    """``d["expected_latency"]``: seconds per token, a number > 0 (``at``: the prefix of the field's name)."""
+    v = d.get("expected_latency")
+    if not _is_number(v) or v <= 0:
+        raise InputFileError(source, f"expected a number > 0, got {v!r}", at + "expected_latency")
+    return v
+
+
+def _quantization(q: Any, source: str, at: str) -> Quantization:
+    """A ``quantization`` field (at ``at``): ``bits`` 4 or 8, ``head_bits`` 4 or 8 (default 8), an integer
+    ``group_size`` (default 32; >= 1 for 4-bit weights)."""
+    if not isinstance(q, dict):
+        raise InputFileError(source, f"expected an object {{bits, group_size, head_bits}}, got {q!r}", at)
+    bits = q.get("bits")
+    if not _is_int(bits) or bits not in (4, 8):
+        raise InputFileError(source, f"expected 4 or 8 (bits per weight), got {bits!r}", at + ".bits")
+    head_bits = q.get("head_bits", 8)
+    if not _is_int(head_bits) or head_bits not in (4, 8):
+        raise InputFileError(source, f"expected 4 or 8 (bits per weight of the LM head), got {head_bits!r}",
+                             at + ".head_bits")
+    group = q.get("group_size", 32)
+    if not _is_int(group) or (bits == 4 and group < 1):
+        raise InputFileError(source, f"expected an integer (weights per scale, >= 1 for 4 bits), got {group!r}",
+                             at + ".group_size")
+    extra = {k: v for k, v in q.items() if k not in ("bits", "group_size", "head_bits")}
+    return Quantization(bits, group, head_bits, extra, tuple(q))
+
+
+def _rebuild_fields(m: dict, source: str, at: str) -> tuple[str | None, Quantization | None, dict | None]:
+    """The fields of a model entry (at ``at``) that say how to rebuild it at run time, validated when present:
+    ``model`` (a non-empty string), ``quantization`` (:func:`_quantization`) and ``config`` (an object)."""
+    ref = _optional(m, "model", lambda v: isinstance(v, str) and bool(v), "a model id or path", source, at)
+    q = m.get("quantization")
+    quant = None if q is None else _quantization(q, source, at + "quantization")
+    config = _optional(m, "config", lambda v: isinstance(v, dict), "an object of the drafter's settings", source,
+                       at)
+    return ref, quant, config
+
+
+PLAN_MODEL_FIELDS = ("name", "kind", "cost", "can_verify", "layer", "draft_rate", "model", "quantization", "config")
+
+
+def _plan_models(raw: Any, source: str) -> list[PlanModel]:
+    """A plan's ``models`` (absent or null: none): a list of entries with distinct names."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InputFileError(source, "expected a list of model entries", "models")
+    out: list[PlanModel] = []
+    seen: set[str] = set()
+    for i, m in enumerate(raw):
+        at = f"models[{i}]."
+        if not isinstance(m, dict):
+            raise InputFileError(source, "expected an object", at[:-1])
+        name = m.get("name")
+        if not isinstance(name, str) or not name:
+            raise InputFileError(source, "expected a non-empty string", at + "name")
+        if name in seen:
+            raise InputFileError(source, f"duplicate model name {name!r}", at + "name")
+        seen.add(name)
+        kind = m.get("kind", "model")
+        if not isinstance(kind, str) or not kind:
+            raise InputFileError(source, f"expected a string, got {kind!r}", at + "kind")
+        cost = _optional(m, "cost", lambda v: _is_number(v) and v > 0, "a cost in seconds > 0", source, at)
+        can_verify = _optional(m, "can_verify", lambda v: isinstance(v, bool), "true or false", source, at)
+        layer = _optional(m, "layer", lambda v: _is_int(v) and v >= 0, "a layer index >= 0", source, at)
+        rate = _optional(m, "draft_rate", lambda v: _is_number(v) and 0.0 < v <= 1.0, "a share of calls in (0, 1]",
+                         source, at)
+        ref, quant, config = _rebuild_fields(m, source, at)
+        extra = {k: v for k, v in m.items() if k not in PLAN_MODEL_FIELDS}
+        out.append(PlanModel(name, kind, cost, can_verify, layer, rate, ref, quant, config, extra, tuple(m)))
+    return out
+
+
+PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p")
+
+
+def _provenance(raw: Any, source: str) -> Provenance:
+    """A plan's ``provenance`` (absent or null: empty): the typed fields strings (``temperature`` a number >= 0,
+    ``top_p`` one in (0, 1]) or null."""
+    if raw is None:
+        return Provenance()
+    if not isinstance(raw, dict):
+        raise InputFileError(source, "expected an object", "provenance")
+    at = "provenance."
+    text = {k: _optional(raw, k, lambda v: isinstance(v, str), "a string", source, at)
+            for k in ("model", "revision", "heads", "device", "dtype", "target_precision")}
+    temperature = _optional(raw, "temperature", lambda v: _is_number(v) and v >= 0, "a temperature >= 0", source,
+                            at)
+    top_p = _optional(raw, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a share in (0, 1]", source, at)
+    extra = {k: v for k, v in raw.items() if k not in PROVENANCE_FIELDS}
+    return Provenance(**text, temperature=temperature, top_p=top_p, extra=extra, key_order=tuple(raw))
+
+
+def _alternative(a: Any, source: str, tmax: int, at: str) -> Alternative:
+    """An entry of ``alternatives`` or ``exact_optimum`` (``at``: the prefix of its fields' names)."""
+    if not isinstance(a, dict):
+        raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
+    h, b = _check_levels(a, source, tmax, at)
+    latency = _positive_latency(a, source, at)
+    speedup = _optional(a, "expected_speedup", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
+    _check_latency_table(a.get("latency_by_context"), source, at + "latency_by_context")
+    known = ("hierarchy", "budgets", "expected_latency", "expected_speedup", "latency_by_context")
+    extra = {k: v for k, v in a.items() if k not in known}
+    return Alternative(h, b, latency, speedup, a.get("latency_by_context"), extra, tuple(a))
+
+
+def _alternatives(raw: Any, source: str, tmax: int) -> list[Alternative]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InputFileError(source, "expected a list of {hierarchy, budgets, expected_latency}", "alternatives")
+    return [_alternative(a, source, tmax, f"alternatives[{i}].") for i, a in enumerate(raw)]
+
+
+def _is_latency(v: Any) -> bool:
+    """Seconds per token: a number > 0 (infinite for a hierarchy that cannot run)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+TASK_PLAN_FIELDS = ("hierarchy", "budgets", "expected_latency", "expected_speedup", "positions", "fallback_pairs",
+                    "overall_hierarchies", "context", "context_from", "latency_by_context",
+                    "overall_hierarchies_by_context")
+
+
+def _task_plan(e: Any, source: str, tmax: int, target: str, at: str) -> TaskPlan:
+    """An entry of ``by_task``: a valid hierarchy ending with the plan's target (``at``: its fields' prefix)."""
+    if not isinstance(e, dict):
+        raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
+    h, b = _check_levels(e, source, tmax, at)
+    if h[-1] != target:
+        raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}", at + "hierarchy")
+    latency = _positive_latency(e, source, at)
+    speedup = _optional(e, "expected_speedup", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
+    positions = _optional(e, "positions", lambda v: _is_int(v) and v >= 0, "a count of positions", source, at)
+    fallbacks = _optional(e, "fallback_pairs", lambda v: _is_int(v) and v >= 0, "a count of pairs", source, at)
+    overall = _optional(e, "overall_hierarchies", lambda v: isinstance(v, dict), "an object {key: seconds per "
+                        "token}", source, at) or {}
+    for key, v in overall.items():
+        if not _is_latency(v):
+            raise InputFileError(source, f"expected seconds per token > 0, got {v!r}", f"{at}overall_hierarchies.{key}")
+    context, context_from = _check_context_fields(e, source, at)
+    tables = _optional(e, "overall_hierarchies_by_context", lambda v: isinstance(v, dict),
+                       "an object {key: latency_by_context}", source, at) or {}
+    for key, tb in tables.items():
+        _check_latency_table(tb, source, f"{at}overall_hierarchies_by_context.{key}")
+    extra = {k: v for k, v in e.items() if k not in TASK_PLAN_FIELDS}
+    return TaskPlan(h, b, latency, speedup, positions, fallbacks, overall, context, context_from,
+                    e.get("latency_by_context"), tables, extra, tuple(e))
+
+
+def _by_task(raw: Any, source: str, tmax: int, target: str) -> dict[str, TaskPlan]:
+    """The optional ``by_task`` section (absent or null: empty): ``{task: entry}`` (:func:`_task_plan`)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
         raise InputFileError(source, "expected an object {task: {hierarchy, budgets, expected_latency}}", "by_task")
-    for task, e in by_task.items():
-        at = f"by_task.{task}."
-        if not isinstance(e, dict):
-            raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
-        h, _ = _check_levels(e, source, tmax, at)
-        if h[-1] != target:
-            raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}",
-                                 at + "hierarchy")
-        v = e.get("expected_latency")
-        if not _is_number(v) or v <= 0:
-            raise InputFileError(source, f"expected a number > 0, got {v!r}", at + "expected_latency")
-        _check_context_fields(e, source, at)
-        tables = e.get("overall_hierarchies_by_context")
-        if tables is not None:
-            if not isinstance(tables, dict):
-                raise InputFileError(source, "expected an object {key: latency_by_context}",
-                                     at + "overall_hierarchies_by_context")
-            for key, tb in tables.items():
-                _check_latency_table(tb, source, f"{at}overall_hierarchies_by_context.{key}")
+    return {task: _task_plan(e, source, tmax, target, f"by_task.{task}.") for task, e in raw.items()}
+
+
+def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str) -> None:
+    """With a ``models`` section, every level of ``hierarchy`` (at ``at + "hierarchy"``) is described (or named
+    ``layer<N>``), and every level above the bottom can verify (its kind is one of :data:`VERIFIER_KINDS`)."""
+    if not plan.models:
+        return
+    for i, name in enumerate(hierarchy):
+        e = plan.level_entry(name, i == len(hierarchy) - 1)
+        if e is None:
+            raise InputFileError(source, f"{name!r} is not described in the plan's models (and is not a "
+                                         f"'layer<N>' exit)", f"{at}hierarchy[{i}]")
+        if i > 0 and e.kind not in VERIFIER_KINDS:
+            raise InputFileError(source, f"{name!r} ({e.kind}) cannot verify: a token drafter may only be the "
+                                         f"bottom level", f"{at}hierarchy[{i}]")
+
+
+PLAN_CORE_FIELDS = ("format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines")
+PLAN_SECTIONS = ("models", "provenance", "alternatives", "exact_optimum", "by_task", "context", "context_from",
+                 "latency_by_context", "solver", "max_depth", "min_gain", "profile_sha256", "task")
 
 
 def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
-    """Validate a parsed ``hsd-plan/1`` object; errors name ``source`` and the field."""
+    """Validate a parsed ``hsd-plan/1`` object into a :class:`Plan`; errors name ``source`` and the field.
+
+    Refused: a wrong ``format``; a bad ``tmax``, ``hierarchy`` or ``budgets``; a latency or speed-up that is not
+    a number > 0; a bad entry of ``models`` (no name, a duplicate name, a bad ``cost``, ``layer``, ``model``,
+    ``config`` or ``quantization`` field); with ``models``, a level of the hierarchy (or of a ``by_task`` entry)
+    that it does not describe or that cannot verify above the bottom; a ``provenance`` field of the wrong type;
+    an entry of ``alternatives``, ``exact_optimum`` or ``by_task`` that is not a valid hierarchy; a bad
+    ``context`` or ``latency_by_context`` table. A null section reads as an absent one.
+    """
     if not isinstance(d, dict):
         raise InputFileError(source, "expected a JSON object")
     if d.get("format") != PLAN_FORMAT:
         raise InputFileError(source, f"expected {PLAN_FORMAT!r}, got {d.get('format')!r}", "format")
     tmax = d.get("tmax")
-    if not isinstance(tmax, int) or isinstance(tmax, bool) or tmax < 1:
+    if not _is_int(tmax) or tmax < 1:
         raise InputFileError(source, f"expected an integer >= 1, got {tmax!r}", "tmax")
     h, b = _check_levels(d, source, tmax)
     for key in ("expected_latency", "expected_speedup"):
@@ -531,19 +966,28 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     baselines = d.get("baselines", {})
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
-    _check_context_fields(d, source)
+    context, context_from = _check_context_fields(d, source)
     for key, entry in baselines.items():
         if isinstance(entry, dict):
             _check_latency_table(entry.get("latency_by_context"), source, f"baselines.{key}.latency_by_context")
-    alts = d.get("alternatives")
-    for i, a in enumerate(alts if isinstance(alts, list) else []):
-        if isinstance(a, dict):
-            _check_latency_table(a.get("latency_by_context"), source, f"alternatives[{i}].latency_by_context")
-    if d.get("by_task") is not None:
-        _check_by_task(d["by_task"], source, tmax, h[-1])
-    known = {"format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines"}
-    extra = {k: v for k, v in d.items() if k not in known}
-    return Plan(tmax, h, b, float(d["expected_latency"]), float(d["expected_speedup"]), baselines, extra)
+    exact = d.get("exact_optimum")
+    text = {k: _optional(d, k, lambda v: isinstance(v, str), "a string", source, "")
+            for k in ("solver", "profile_sha256", "task")}
+    plan = Plan(tmax, h, b, float(d["expected_latency"]), float(d["expected_speedup"]), baselines,
+                {k: v for k, v in d.items() if k not in PLAN_CORE_FIELDS + PLAN_SECTIONS},
+                models=_plan_models(d.get("models"), source), provenance=_provenance(d.get("provenance"), source),
+                alternatives=_alternatives(d.get("alternatives"), source, tmax),
+                exact_optimum=None if exact is None else _alternative(exact, source, tmax, "exact_optimum."),
+                by_task=_by_task(d.get("by_task"), source, tmax, h[-1]), context=context, context_from=context_from,
+                latency_by_context=d.get("latency_by_context"),
+                max_depth=_optional(d, "max_depth", lambda v: _is_int(v) and v >= 1, "an integer >= 1", source, ""),
+                min_gain=_optional(d, "min_gain", lambda v: _is_number(v) and 0 <= v < 1, "a fraction in [0, 1)",
+                                   source, ""),
+                key_order=tuple(d), **text)
+    _check_level_entries(plan, plan.hierarchy, source, "")
+    for task, e in plan.by_task.items():
+        _check_level_entries(plan, e.hierarchy, source, f"by_task.{task}.")
+    return plan
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -79,7 +79,7 @@ def _ar(plan_path, prompt="w1 w2 w3 w1 w2", n=10):
     from hsd_opt.runtime.runner import hsd_for_plan
 
     plan = load_plan(plan_path)
-    loaded = _load(plan.extra["provenance"]["model"])
+    loaded = _load(plan.provenance.model)
     h = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[])
     return h.generate(encode_prompt(loaded.tokenizer, prompt, raw=True), n).token_ids
 

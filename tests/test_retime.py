@@ -10,7 +10,7 @@ import pytest
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import load_profile, profile_from_dict
+from hsd_opt.formats import Plan, Provenance, load_profile, profile_from_dict
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.retime import StepClock, check_profile_for_plan, retimed_latency, scale_costs
 from hsd_opt.solver import solve
@@ -77,12 +77,13 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
                               "models": [{"name": "layer4", "kind": "target", "cost": 0.01}], "acceptance": {}},
                              "<test>")[0]
 
-    class P:
-        hierarchy = ["layer2", "layer4"]
-        extra: dict = {}
-
+    plan = Plan(8, ["layer2", "layer4"], [3], 0.01, 1.0)
     with pytest.raises(HsdError, match="--retime p.json: the profile does not describe layer2"):
-        check_profile_for_plan(prof, P(), "p.json")
+        check_profile_for_plan(prof, plan, "p.json")
+    prof.extra["provenance"] = {"model": "m-a"}
+    plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-b"))
+    with pytest.raises(HsdError, match="the profile is of model 'm-a', the plan of 'm-b'"):
+        check_profile_for_plan(prof, plan, "p.json")
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,8 @@ def test_solve_writes_plan_and_simulate_agrees(tmp_path):
     assert plan.hierarchy == ["m1", "m3", "m4", "m5", "m6"] and plan.budgets == [5, 6, 7, 8]
     assert plan.baselines["best_single_draft"]["hierarchy"] == ["m5", "m6"]
     assert plan.baselines["target_only"]["expected_latency"] == 33.0
-    assert plan.extra["target"] == "m6" and plan.extra["solver"] == "dp" and len(plan.extra["profile_sha256"]) == 64
-    assert 1 <= len(plan.extra["alternatives"]) <= 4 and "provenance" in plan.extra
+    assert plan.extra["target"] == "m6" and plan.solver == "dp" and len(plan.profile_sha256) == 64
+    assert 1 <= len(plan.alternatives) <= 4 and plan.provenance.extra["source"].startswith("HSD paper")
     res = run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json", "--rounds", 50000)
     assert res.exit_code == 0, out_of(res)
     assert "simulated" in out_of(res) and "predicted" in out_of(res)
@@ -203,14 +203,14 @@ def test_min_gain_keeps_a_deeper_level_only_if_it_pays_enough(tmp_path):
 
     prof = load_profile(DATA / "example_profile.json")[0]
     exact = solve(prof, 10)
-    assert exact.hierarchy == ["m1", "m3", "m4", "m5", "m6"] and "exact_optimum" not in exact.extra
+    assert exact.hierarchy == ["m1", "m3", "m4", "m5", "m6"] and exact.exact_optimum is None
     four = solve(prof, 10, max_depth=4)
     assert exact.expected_latency > four.expected_latency * 0.97          # the 5th level gains < 3%
     res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", tmp_path / "p.json")
     assert res.exit_code == 0, out_of(res)
     plan = load_plan(tmp_path / "p.json")
     assert plan.hierarchy == four.hierarchy and plan.budgets == four.budgets
-    assert plan.extra["exact_optimum"]["hierarchy"] == exact.hierarchy and plan.extra["min_gain"] == 0.03
+    assert plan.exact_optimum.hierarchy == exact.hierarchy and plan.min_gain == 0.03
     assert plan.expected_latency == pytest.approx(evaluate(prof, plan.hierarchy, plan.budgets))
     assert "--min-gain 0" in " ".join(out_of(res).split())
     for bad in ("-0.1", "1.5"):

@@ -421,11 +421,11 @@ def test_min_gain_choice_matches_one_solve_per_depth():
                     (want.hierarchy, want.budgets, want.latency), (seed, max_depth, g)
                 if exact.hierarchy != want.hierarchy:
                     shallower += 1
-                    ex = plan.extra["exact_optimum"]
-                    assert (ex["hierarchy"], ex["budgets"], ex["expected_latency"]) == \
+                    ex = plan.exact_optimum
+                    assert (ex.hierarchy, ex.budgets, ex.expected_latency) == \
                         (exact.hierarchy, exact.budgets, exact.latency)
                 else:
-                    assert "exact_optimum" not in plan.extra
+                    assert plan.exact_optimum is None
     assert shallower > 20          # the rule did choose a shallower plan in many of these instances
 
 

@@ -65,7 +65,7 @@ def test_latency_is_piecewise_linear_in_the_context(seed):
                           contexts=True, growing=seed % 3 != 0)
     growing = seed % 3 != 0
     plan = solve(prof, 4, context=float(prof.contexts[0]))
-    entries = [plan.to_dict()] + list(plan.baselines.values()) + plan.extra["alternatives"]
+    entries = [plan.to_dict()] + list(plan.baselines.values()) + [a.to_dict() for a in plan.alternatives]
     for e in entries:
         table = e["latency_by_context"]
         assert [c for c, _ in table] == prof.contexts
@@ -137,9 +137,9 @@ def test_default_context_is_the_mean_prompt_plus_half_the_generation():
     assert typical_context(prof, "chat") == (212, "task_prompts")
     assert typical_context(prof, "qa") == (912, "profile_prompts")          # not recorded: the overall one
     plan = solve(prof, 4)
-    assert plan.extra["context"] == 912 and plan.extra["context_from"] == "profile_prompts"
+    assert plan.context == 912 and plan.context_from == "profile_prompts"
     assert plan.expected_latency == pytest.approx(solve(profile_at_context(prof, 912), 4).expected_latency, rel=1e-12)
-    assert solve(prof, 4, context=50).extra["context_from"] == "given"
+    assert solve(prof, 4, context=50).context_from == "given"
     bare = _prof_with_prompts(rng)
     assert typical_context(bare) == (bare.contexts[0], "first_measured_context")
     old = random_profile(rng, 3)
@@ -162,8 +162,7 @@ def test_plans_per_task_use_each_tasks_context():
         assert e["overall_hierarchies"]["plan"] == pytest.approx(
             hierarchy_latency(here, plan.hierarchy, plan.budgets), rel=1e-12)
         assert e["overall_hierarchies_by_context"]["plan"] == latency_table(prof, plan.hierarchy, plan.budgets)
-    plan.extra["by_task"] = by_task
-    plan_from_dict(plan.to_dict())                                       # the written plan validates
+    plan = plan_from_dict({**plan.to_dict(), "by_task": by_task})        # the written plan validates
     fixed, _ = solve_tasks(prof, plan, 4, context=500)
     assert {e["context"] for e in fixed.values()} == {500}
 

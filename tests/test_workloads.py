@@ -256,11 +256,11 @@ def test_cli_solve_per_task_and_task(tmp_path):
         r = run_cli("solve", "--profile", prof, "--tmax", 8, "--task", task, "--out", one, "--min-gain", 0)
         assert r.exit_code == 0, cli_output(r)
         p = load_plan(one)
-        e = plan.extra["by_task"][task]
-        assert (p.hierarchy, p.budgets) == (e["hierarchy"], e["budgets"])
-        assert p.expected_latency == pytest.approx(e["expected_latency"], rel=1e-12)
-        assert p.extra["task"] == task and p.extra["profile_sha256"] == plan.extra["profile_sha256"]
-    assert plan.extra["by_task"]["summarization"]["hierarchy"] != plan.extra["by_task"]["qa"]["hierarchy"]
+        e = plan.by_task[task]
+        assert (p.hierarchy, p.budgets) == (e.hierarchy, e.budgets)
+        assert p.expected_latency == pytest.approx(e.expected_latency, rel=1e-12)
+        assert p.task == task and p.profile_sha256 == plan.profile_sha256
+    assert plan.by_task["summarization"].hierarchy != plan.by_task["qa"].hierarchy
     for args, needle in ((["--task", "rag"], "qa, summarization"), (["--task", "qa", "--per-task"], "one of"),
                          ):
         r = run_cli("solve", "--profile", prof, "--tmax", 8, *args)

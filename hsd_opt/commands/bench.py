@@ -145,7 +145,7 @@ def bench_cmd(
         retime_profile, warnings = load_profile(retime)
         warn_some(warnings)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    prof_t = (p.extra.get("provenance") or {}).get("temperature")
+    prof_t = p.provenance.temperature
     if prof_t is not None and (prof_t > 0) != (temperature > 0):
         warn(f"{plan}: the plan was profiled {'greedy' if not prof_t else f'at temperature {prof_t:g}'}; its "
              f"predictions are for that setting, not for this run's")

@@ -61,13 +61,12 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.runtime.runner import check_provenance
 
     plan = load_plan(str(plan_path))
-    prov = plan.extra.get("provenance") or {}
-    name = model or prov.get("model")
+    name = model or plan.provenance.model
     if not name:
         raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
                              "provenance.model")
     _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
-    loaded = load_model(name, device=device, dtype=dtype or prov.get("dtype") or "auto")
+    loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto")
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
     return plan, loaded

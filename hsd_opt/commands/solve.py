@@ -11,7 +11,7 @@ from rich.table import Table
 from hsd_opt.commands.common import cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import load_plan, load_profile, save_plan
+from hsd_opt.formats import load_plan, load_profile, plan_from_dict, save_plan
 
 
 def _ms(seconds: float) -> str:
@@ -29,16 +29,16 @@ CONTEXT_FROM = {"given": "--context", "profile_prompts": "the profiled prompts",
 
 
 def _context_note(plan) -> str:
-    c = plan.extra.get("context")
+    c = plan.context
     if c is None:
         return ""
-    src = CONTEXT_FROM.get(plan.extra.get("context_from"), plan.extra.get("context_from"))
+    src = CONTEXT_FROM.get(plan.context_from, plan.context_from)
     return f", costs at a context of {c:g} tokens" + (f" from {src}" if src else "")
 
 
 def plan_table(plan) -> Table:
     """Rich table: the plan, best single draft, best early exit, target alone, next-best alternatives."""
-    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.extra.get('solver', '?')}{_context_note(plan)})")
+    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.solver or '?'}{_context_note(plan)})")
     t.add_column("")
     t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
     t.add_column("ms/token", justify="right")
@@ -52,16 +52,15 @@ def plan_table(plan) -> Table:
                       f"{b['expected_speedup']:.3f}x")
     tgt = plan.baselines["target_only"]
     t.add_row("target alone", tgt["hierarchy"][0], _ms(tgt["expected_latency"]), "1.000x")
-    for n, alt in enumerate(plan.extra.get("alternatives", []), 2):
-        t.add_row(f"#{n}", _chain(alt["hierarchy"], alt["budgets"]), _ms(alt["expected_latency"]),
-                  f"{alt['expected_speedup']:.3f}x")
+    for n, alt in enumerate(plan.alternatives, 2):
+        t.add_row(f"#{n}", _chain(alt.hierarchy, alt.budgets), _ms(alt.expected_latency),
+                  "-" if alt.expected_speedup is None else f"{alt.expected_speedup:.3f}x")
     return t
 
 
 def tasks_table(plan) -> Table:
     """Rich table of a plan's ``by_task`` section: each task's best hierarchy next to the overall plan there."""
-    by_task = plan.extra.get("by_task") or {}
-    contexts = any(e.get("context") is not None for e in by_task.values())
+    contexts = any(e.context is not None for e in plan.by_task.values())
     t = Table(title="plans per task (acceptance of each task's prompts; costs shared"
                     + (", at each task's context)" if contexts else ")"))
     cols = [("task", "left"), ("positions", "right")] + ([("context", "right")] if contexts else [])
@@ -69,13 +68,13 @@ def tasks_table(plan) -> Table:
              ("plan's ms/token", "right"), ("gain", "right")]
     for c, j in cols:
         t.add_column(c, justify=j)
-    for task, e in by_task.items():
-        here = (e.get("overall_hierarchies") or {}).get("plan")
-        ctx = [f"{e['context']:g}" if e.get("context") is not None else "-"] if contexts else []
-        t.add_row(task, "-" if e.get("positions") is None else str(e["positions"]), *ctx,
-                  _chain(e["hierarchy"], e["budgets"]), _ms(e["expected_latency"]),
-                  f"{e['expected_speedup']:.3f}x", "-" if here is None else _ms(here),
-                  "-" if here is None else f"{here / e['expected_latency'] - 1:+.1%}")
+    for task, e in plan.by_task.items():
+        here = e.overall_hierarchies.get("plan")
+        ctx = [f"{e.context:g}" if e.context is not None else "-"] if contexts else []
+        t.add_row(task, "-" if e.positions is None else str(e.positions), *ctx,
+                  _chain(e.hierarchy, e.budgets), _ms(e.expected_latency),
+                  "-" if e.expected_speedup is None else f"{e.expected_speedup:.3f}x",
+                  "-" if here is None else _ms(here), "-" if here is None else f"{here / e.expected_latency - 1:+.1%}")
     return t
 
 
@@ -159,21 +158,21 @@ def solve_cmd(
                        "file whose lines name their task (or Spec-Bench questions) to get them")
     plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain, context=context)
     if task is not None:
-        plan.extra.update({"task": task, "profile_sha256": full.fingerprint()})
+        plan.task, plan.profile_sha256 = task, full.fingerprint()
         n = task_positions(full, task)
         console.print(f"the plan for the prompts of task {task!r}" + (f" ({n} positions profiled)" if n else ""))
     if per_task:
         by_task, fallbacks = solve_tasks(full, plan, tmax, solver=solver, max_depth=max_depth, min_gain=min_gain,
                                          context=context)
         _warn_fallbacks(fallbacks)
-        plan.extra["by_task"] = by_task
+        plan = plan_from_dict({**plan.to_dict(), "by_task": by_task}, "<hsd solve>")
     console.print(plan_table(plan))
     if per_task:
         console.print(tasks_table(plan))
-    ex = plan.extra.get("exact_optimum")
+    ex = plan.exact_optimum
     if ex:
-        console.print(f"the exact optimum {_chain(ex['hierarchy'], ex['budgets'])} "
-                      f"({ex['expected_latency'] * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
+        console.print(f"the exact optimum {_chain(ex.hierarchy, ex.budgets)} "
+                      f"({ex.expected_latency * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
                       f"the plan; pass --min-gain 0 to choose it")
     if out is not None:
         save_plan(plan, out)
@@ -201,7 +200,7 @@ def simulate_cmd(
     pl = load_plan(plan)
     _check_plan_against_profile(pl, str(plan), prof)
     r = simulate(prof, pl, rounds=rounds, seed=seed, context=context)
-    at = context if context is not None else pl.extra.get("context")
+    at = context if context is not None else pl.context
     at = f", context {at:g} tokens" if at is not None and prof.context_costs else ""
     t = Table(title=f"hsd simulate ({r.rounds} target rounds, {r.tokens} tokens, seed {seed}{at})")
     t.add_column("hierarchy")

@@ -106,27 +106,17 @@ def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], sampling:
 
 
 def _best_exit(plan) -> int | None:
-    from hsd_opt.runtime.runner import plan_entries
-
+    """The layer of the target's own early exit that ``hf_early_exit`` runs: that of the best early exit, else
+    the best single draft's or the plan's own drafter when they are one, else the best-ranked two-level
+    alternative's (alternatives are ranked by predicted latency); None when none is an exit of the target."""
     bee = plan.baselines.get("best_early_exit") or {}
     bsd = plan.baselines.get("best_single_draft") or {}
     drafters = list(bee.get("hierarchy") or [])[:-1] + list(bsd.get("hierarchy") or [])[:-1]
-    try:
-        entries = plan_entries(plan)
-    except Exception:
-        entries = {}
-    allm = {e["name"]: e for e in plan.extra.get("models") or [] if isinstance(e, dict) and "name" in e}
-    allm.update(entries)
-    # The best early exit, else the best single draft or the plan itself when they use an exit; else the
-    # best-ranked two-level alternative whose drafter is an exit (alternatives are ranked by predicted latency).
-    alt_drafters = [a["hierarchy"][0] for a in plan.extra.get("alternatives") or []
-                    if isinstance(a, dict) and len(a.get("hierarchy") or []) == 2]
-    for n in drafters + plan.hierarchy[:-1] + alt_drafters:
-        e = allm.get(n)
-        if e is None and n.startswith("layer") and n[5:].isdigit():
-            return int(n[5:])
-        if e and e.get("kind") == "early_exit" and "model" not in e:     # the target's own exits only
-            return int(e["layer"])
+    alt_drafters = [a.hierarchy[0] for a in plan.alternatives if len(a.hierarchy) == 2]
+    for name in drafters + plan.hierarchy[:-1] + alt_drafters:
+        e = plan.level_entry(name, is_target=False)
+        if e is not None and e.kind == "early_exit" and e.model is None and e.layer is not None:
+            return e.layer
     return None
 
 
@@ -143,11 +133,10 @@ Runner = Callable[[list[int], int, int, str],
 def assistant_ref(plan) -> str | None:
     """The draft model ``hf_assisted`` hands Hugging Face as ``assistant_model``: the model of the plan's first
     ``model`` entry, else the model a quantized copy of a draft model was made from; None without either."""
-    entries = [e for e in plan.extra.get("models") or [] if isinstance(e, dict) and isinstance(e.get("model"), str)]
     for kind in ("model", "quantized"):
-        for e in entries:
-            if e.get("kind") == kind:
-                return e["model"]
+        for e in plan.models:
+            if e.kind == kind and e.model is not None:
+                return e.model
     return None
 
 
@@ -388,7 +377,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     report["mode"] = mode
     report["plan"] = {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
                       "expected_latency": plan.expected_latency, "tasks": plan.tasks,
-                      "context": plan.extra.get("context")}
+                      "context": plan.context}
     report["prediction_context"] = ("each generation's own: prompt + half the generated tokens"
                                     if predicts_by_context(plan) else "the plan's")
     report["torch_threads"] = torch.get_num_threads()

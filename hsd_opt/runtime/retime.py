@@ -75,7 +75,7 @@ def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     """Refuse a profile that cannot price ``plan``: another model, or a level it does not describe (``source``
     names the profile in the error)."""
     pm = (profile.extra.get("provenance") or {}).get("model")
-    qm = (plan.extra.get("provenance") or {}).get("model")
+    qm = plan.provenance.model
     if pm and qm and pm != qm:
         raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r}")
     names = {m.name for m in profile.models}
@@ -89,7 +89,7 @@ def profile_task(profile: Profile, plan, task: str | None) -> str | None:
     """The task whose acceptance prices a prompt of ``task``: the task itself when the plan predicts per task
     (it has ``by_task``) and the profile has statistics for it, else None (the overall acceptance), as the
     plan's own predictions do."""
-    if task is None or task not in (plan.extra.get("by_task") or {}):
+    if task is None or task not in plan.by_task:
         return None
     return task if task in profile_tasks(profile) else None
 

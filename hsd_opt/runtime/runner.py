@@ -1,23 +1,23 @@
 """From a plan to a running hierarchy: check the model the plan was solved for, build its levels.
 
-A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.extra["models"]`` holds the profile's entries for
-them and ``plan.extra["provenance"]`` the model (``model``, ``revision``, ``heads``, ``device``, ``dtype``,
-``target_precision``). Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers run; with ``model``, an
-exit of that draft model), ``model`` (``model``: another causal LM of the same tokenizer), ``quantized``
-(``quantization``: a weight-quantized copy of the target, or with ``model`` of that draft model, rebuilt here with
-:class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``, ``aded``,
-... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is accepted
-when every name is ``layer<N>`` (the profiler's naming). Each draft model is loaded once per process, and each
-quantized copy built once per model and setting.
+A plan (``hsd-plan/1``) names its levels in ``hierarchy``; ``plan.models`` holds the profile's entries for them
+(:class:`~hsd_opt.formats.PlanModel`) and ``plan.provenance`` the model (``model``, ``revision``, ``heads``,
+``device``, ``dtype``, ``target_precision``). Entry kinds: ``target`` / ``early_exit`` (``layer``: decoder layers
+run; with ``model``, an exit of that draft model), ``model`` (``model``: another causal LM of the same tokenizer),
+``quantized`` (``quantization``: a weight-quantized copy of the target, or with ``model`` of that draft model, rebuilt
+here with :class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``,
+``aded``, ... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is
+accepted when every name is ``layer<N>`` (the profiler's naming). Each draft model is loaded once per process, and
+each quantized copy built once per model and setting.
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import PlanModel, Quantization
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.solver.context import latency_at
@@ -25,22 +25,15 @@ from hsd_opt.solver.context import latency_at
 MODEL_KINDS = ("target", "early_exit")
 
 
-def plan_entries(plan, source: str = "plan") -> dict[str, dict]:
-    """Name -> model entry for every level of ``plan`` (from ``plan.extra["models"]``, else inferred)."""
-    entries = {}
-    for e in plan.extra.get("models") or []:
-        if isinstance(e, dict) and isinstance(e.get("name"), str):
-            entries[e["name"]] = e
+def plan_entries(plan, source: str = "plan") -> dict[str, PlanModel]:
+    """Name -> model entry for every level of ``plan`` (from ``plan.models``, else inferred for ``layer<N>``:
+    :meth:`~hsd_opt.formats.Plan.level_entry`)."""
     out = {}
     for i, name in enumerate(plan.hierarchy):
-        e = entries.get(name)
+        e = plan.level_entry(name, i == len(plan.hierarchy) - 1)
         if e is None:
-            m = re.fullmatch(r"layer(\d+)", name)
-            if not m:
-                raise InputFileError(source, f"{name!r} is not described in the plan's models (and is not a "
-                                             f"'layer<N>' exit)", f"hierarchy[{i}]")
-            e = {"name": name, "kind": "target" if i == len(plan.hierarchy) - 1 else "early_exit",
-                 "layer": int(m.group(1))}
+            raise InputFileError(source, f"{name!r} is not described in the plan's models (and is not a "
+                                         f"'layer<N>' exit)", f"hierarchy[{i}]")
         out[name] = e
     return out
 
@@ -50,8 +43,7 @@ def plan_target_precision(plan, source: str = "plan") -> str:
     it was recorded) the ``dtype``, else ``float32``. An unknown value raises :class:`InputFileError`."""
     from hsd_opt.engine.quantized import TARGET_PRECISIONS
 
-    prov = plan.extra.get("provenance") or {}
-    p = prov.get("target_precision") or prov.get("dtype") or "float32"
+    p = plan.provenance.target_precision or plan.provenance.dtype or "float32"
     if p not in TARGET_PRECISIONS:
         raise InputFileError(source, f"unknown target precision {p!r} (known: {', '.join(TARGET_PRECISIONS)})",
                              "provenance.target_precision")
@@ -64,16 +56,16 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
     plan's own)."""
     from hsd_opt.models.loading import resolve_model_name
 
-    prov = plan.extra.get("provenance") or {}
-    want = prov.get("model")
+    prov = plan.provenance
+    want = prov.model
     if want and resolve_model_name(want) != loaded.model_id:
         raise InputFileError(source, f"the plan was made for model {want!r}, not {loaded.model_id!r}",
                              "provenance.model")
-    rev = prov.get("revision")
+    rev = prov.revision
     if rev and loaded.revision and rev != loaded.revision:
         raise InputFileError(source, f"the plan was made for revision {rev!r} of {loaded.model_id!r}, but the "
                                      f"loaded weights are revision {loaded.revision!r}", "provenance.revision")
-    dtype = prov.get("dtype")
+    dtype = prov.dtype
     if dtype and loaded.dtype and dtype != loaded.dtype:
         raise InputFileError(source, f"the plan was made for the {dtype} target, but the model is loaded in "
                                      f"{loaded.dtype} (another target, with its own greedy output: profile and "
@@ -98,11 +90,11 @@ def target_engine(plan, loaded, source: str = "plan"):
     if precision not in QUANT_KINDS:
         return LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
     name = plan.hierarchy[-1]
-    e = {m.get("name"): m for m in plan.extra.get("models") or [] if isinstance(m, dict)}.get(name) or {}
+    e = plan.model_entry(name)
     bits, group = QUANT_KINDS[precision]
-    q = e.get("quantization") if isinstance(e.get("quantization"), dict) else {"bits": bits, "group_size": group}
-    if q.get("bits") != bits:
-        raise InputFileError(source, f"the target {name!r} is quantized to {q.get('bits')} bits, but the plan's "
+    q = e.quantization if e is not None and e.quantization is not None else Quantization(bits, group)
+    if q.bits != bits:
+        raise InputFileError(source, f"the target {name!r} is quantized to {q.bits} bits, but the plan's "
                                      f"target precision is {precision}", "provenance.target_precision")
     eng = quantized_engine(loaded.model, q, name, source, "provenance.target_precision")
     if not eng.uses_kernels:
@@ -129,18 +121,18 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
     top = len(plan.hierarchy) - 1
     for i, name in enumerate(plan.hierarchy):
         e = entries[name]
-        kind = e.get("kind", "model")
+        kind = e.kind
         where = f"hierarchy[{i}] ({name})"
-        if kind == "early_exit" and isinstance(e.get("model"), str):     # an exit of a draft model
-            olm = draft_engine(load_draft_model(loaded, e["model"], device, dtype))
-            layer = e.get("layer")
-            if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= olm.n_layers:
-                raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e['model']} has layers "
+        if kind == "early_exit" and e.model is not None:     # an exit of a draft model
+            olm = draft_engine(load_draft_model(loaded, e.model, device, dtype))
+            layer = e.layer
+            if layer is None or not 1 <= layer <= olm.n_layers:
+                raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e.model} has layers "
                                              f"1..{olm.n_layers}", where)
             levels.append(Level(name, olm, layer))
         elif kind in MODEL_KINDS:
-            layer = e.get("layer")
-            if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= L:
+            layer = e.layer
+            if layer is None or not 1 <= layer <= L:
                 raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {loaded.model_id} has "
                                              f"layers 1..{L}", where)
             if i == top and layer != L:
@@ -150,8 +142,8 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
         elif kind == "quantized":
             levels.append(_quantized_level(name, e, loaded, source, where, device, dtype))
         elif kind == "model":
-            ref = e.get("model")
-            if not isinstance(ref, str):
+            ref = e.model
+            if ref is None:
                 raise InputFileError(source, f"model entry {name!r} needs 'model' (id or path)", where)
             olm = draft_engine(load_draft_model(loaded, ref, device, dtype))
             levels.append(Level(name, olm, olm.n_layers))
@@ -161,7 +153,7 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
                                              f"bottom level", where)
             from hsd_opt.drafters import make_token_drafter
 
-            cfg = dict(e.get("config") or {})
+            cfg = dict(e.config or {})
             cfg.pop("kind", None)
             cfg.setdefault("name", name)
             levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
@@ -202,39 +194,32 @@ def draft_engine(other):
     return _ENGINES[other.model]
 
 
-def quantized_engine(model, q, name: str, source: str, where: str):
-    """The :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``model`` for a ``quantization`` field ``q``
-    (``{bits, group_size, head_bits}``), built once per model and setting per process."""
+def quantized_engine(model, q: Quantization | None, name: str, source: str, where: str):
+    """The :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``model`` for a ``quantization`` field ``q`` (settings
+    validated when the plan was loaded), built once per model and setting per process."""
     from hsd_opt.engine.quantized import QuantizedLM
 
-    if not isinstance(q, dict):
+    if q is None:
         raise InputFileError(source, f"quantized entry {name!r} needs 'quantization' ({{bits, group_size, "
                                      f"head_bits}})", where)
-    bits, group, head_bits = q.get("bits"), q.get("group_size", 32), q.get("head_bits", 8)
-    if bits not in (4, 8) or head_bits not in (4, 8) or not isinstance(group, int) or (bits == 4 and group < 1):
-        raise InputFileError(source, f"quantized entry {name!r}: expected bits 4|8, head_bits 4|8 and an integer "
-                                     f"group_size, got {q!r}", where + ".quantization")
     cache = _QUANTIZED.setdefault(model, {})
-    key = (bits, group, head_bits)
+    key = (q.bits, q.group_size, q.head_bits)
     if key not in cache:
         try:
-            cache[key] = QuantizedLM(model, bits=bits, group_size=group, head_bits=head_bits, name=name)
+            cache[key] = QuantizedLM(model, bits=q.bits, group_size=q.group_size, head_bits=q.head_bits, name=name)
         except HsdError as err:
             raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
     return cache[key]
 
 
-def _quantized_level(name: str, e: dict, loaded, source: str, where: str, device: str | None,
+def _quantized_level(name: str, e: PlanModel, loaded, source: str, where: str, device: str | None,
                      dtype: str | None) -> Level:
     """A level over a quantized copy from a ``quantized`` entry: of the target, or with ``model`` of that draft
     model (one copy per model and setting)."""
-    ref = e.get("model")
-    if ref is not None and not isinstance(ref, str):
-        raise InputFileError(source, f"quantized entry {name!r}: 'model' must be a model id or path", where)
-    model = load_draft_model(loaded, ref, device, dtype).model if ref else loaded.model
-    qlm = quantized_engine(model, e.get("quantization"), name, source, where)
-    layer = e.get("layer", qlm.n_layers)
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= qlm.n_layers:
+    model = load_draft_model(loaded, e.model, device, dtype).model if e.model else loaded.model
+    qlm = quantized_engine(model, e.quantization, name, source, where)
+    layer = qlm.n_layers if e.layer is None else e.layer
+    if not 1 <= layer <= qlm.n_layers:
         raise InputFileError(source, f"layer {layer!r} of {name!r}: the model has layers 1..{qlm.n_layers}", where)
     return Level(name, qlm, layer)
 
@@ -249,10 +234,9 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
     from hsd_opt.engine.quantized import QUANT_KINDS
     from hsd_opt.models.loading import resolve_model_name
 
-    entries = {e.get("name"): e for e in plan.extra.get("models") or [] if isinstance(e, dict)}
-    floats = {resolve_model_name(entries[n]["model"]) for h in hierarchies for n in h
-              if entries.get(n, {}).get("kind") in ("model", "early_exit")
-              and isinstance(entries[n].get("model"), str)}
+    entries = {e.name: e for e in plan.models}
+    floats = {resolve_model_name(entries[n].model) for h in hierarchies for n in h
+              if n in entries and entries[n].kind in ("model", "early_exit") and entries[n].model is not None}
     freed = 0
     models = [(mid, other.model) for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
               if mid not in floats and other.model in _QUANTIZED]
@@ -272,7 +256,7 @@ def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], lo
 
 def load_plan_heads(plan, loaded, source: str = "plan"):
     """Trained exit heads named by ``provenance.heads`` (None when the plan uses the shared final head)."""
-    path = (plan.extra.get("provenance") or {}).get("heads")
+    path = plan.provenance.heads
     if not path:
         return None
     try:
@@ -306,18 +290,17 @@ def run_context(prompt_tokens: int, generated: int) -> float:
 def predicts_by_context(plan) -> bool:
     """Whether the plan's predictions depend on the context (it was solved from costs at several contexts and
     carries ``latency_by_context`` tables)."""
-    return plan.extra.get("latency_by_context") is not None
+    return plan.latency_by_context is not None
 
 
 def prediction_context(plan, context: float | None) -> float | None:
     """The context a prediction for a run at ``context`` is taken at: ``context`` for a plan whose predictions
     depend on it, else the context the plan was solved for (None when the plan does not record one)."""
-    return context if context is not None and predicts_by_context(plan) else plan.extra.get("context")
+    return context if context is not None and predicts_by_context(plan) else plan.context
 
 
-def _at(entry: dict, latency, context: float | None) -> float | None:
-    """``latency`` (an entry's ``expected_latency``), or its ``latency_by_context`` table at ``context``."""
-    table = entry.get("latency_by_context") if isinstance(entry, dict) else None
+def _at(table: list | None, latency, context: float | None) -> float | None:
+    """``latency`` (seconds/token), or the ``latency_by_context`` ``table`` at ``context`` when both are given."""
     if context is not None and table:
         return latency_at(table, context)
     return None if latency is None else float(latency)
@@ -326,12 +309,15 @@ def _at(entry: dict, latency, context: float | None) -> float | None:
 def predicted_latency(plan, hierarchy: Sequence[str], context: float | None = None) -> float | None:
     """The plan's predicted seconds/token for ``hierarchy`` (the plan itself, a baseline, or an alternative), at
     ``context`` tokens when the plan has ``latency_by_context`` tables (None: at the plan's own context)."""
-    if list(hierarchy) == list(plan.hierarchy):
-        return _at(plan.extra, plan.expected_latency, context)
-    cands = list(plan.baselines.values()) + list(plan.extra.get("alternatives") or [])
-    for c in cands:
-        if isinstance(c, dict) and list(c.get("hierarchy") or []) == list(hierarchy):
-            return _at(c, c.get("expected_latency"), context)
+    wanted = list(hierarchy)
+    if wanted == list(plan.hierarchy):
+        return _at(plan.latency_by_context, plan.expected_latency, context)
+    for b in plan.baselines.values():
+        if isinstance(b, dict) and list(b.get("hierarchy") or []) == wanted:
+            return _at(b.get("latency_by_context"), b.get("expected_latency"), context)
+    for alt in plan.alternatives:
+        if alt.hierarchy == wanted:
+            return _at(alt.latency_by_context, alt.expected_latency, context)
     return None
 
 
@@ -341,12 +327,11 @@ def task_prediction(plan, task: str | None, key: str | None, fallback: float | N
     ``"plan"`` or a baseline's name): ``by_task[task].overall_hierarchies[key]`` when the plan has plans per task
     and one for ``task`` (the hierarchy's latency under that task's acceptance; at ``context`` tokens from
     ``overall_hierarchies_by_context`` when the plan has it), else ``fallback``."""
-    e = (plan.extra.get("by_task") or {}).get(task) or {} if task is not None else {}
-    v = (e.get("overall_hierarchies") or {}).get(key) if key else None
+    e = plan.by_task.get(task) if task is not None else None
+    v = e.overall_hierarchies.get(key) if e is not None and key else None
     if v is None:
         return fallback
-    table = (e.get("overall_hierarchies_by_context") or {}).get(key)
-    return _at({"latency_by_context": table}, v, context)
+    return _at(e.overall_hierarchies_by_context.get(key), v, context)
 
 
 def plan_for_prompt(plan, task: str | None, per_task: bool = True,
@@ -358,6 +343,6 @@ def plan_for_prompt(plan, task: str | None, per_task: bool = True,
     if per_task:
         h, b, pred, which = plan.for_task(task)
         if which != "plan":
-            return h, b, _at(plan.extra["by_task"][task], pred, context), which
-    return (list(plan.hierarchy), list(plan.budgets),
-            task_prediction(plan, task, "plan", _at(plan.extra, plan.expected_latency, context), context), "plan")
+            return h, b, _at(plan.by_task[task].latency_by_context, pred, context), which
+    own = _at(plan.latency_by_context, plan.expected_latency, context)
+    return list(plan.hierarchy), list(plan.budgets), task_prediction(plan, task, "plan", own, context), "plan"

@@ -11,7 +11,7 @@ import os
 from typing import Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import Plan, Profile, load_profile
+from hsd_opt.formats import PLAN_FORMAT, Plan, Profile, load_profile, plan_from_dict
 from hsd_opt.solver.brute import brute, brute_ranked
 from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
 from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
@@ -113,7 +113,7 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
             costs and acceptance rates are noisy; a deeper plan that wins by less than their error may well lose
             when run). A single draft is always weighed against the target alone without this margin
             (:func:`~hsd_opt.solver.hierarchy.pick_by_min_gain`, `docs/design.md#depth-and-min-gain`).
-            The exact optimum is then kept in ``extra["exact_optimum"]`` when it differs.
+            The exact optimum is then kept in ``exact_optimum`` when it differs.
         context: tokens in the KV cache the costs are taken at, for a profile with ``context_costs``
             (`docs/design.md#costs-that-depend-on-the-context`); None: the profile's typical context (its mean
             prompt plus half its mean generation; a task's view: that task's). Ignored for a profile measured at
@@ -149,22 +149,24 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         ranked = []
     alts = [_entry(profile, s.hierarchy, s.budgets, s.latency, full, resolved)
             for s in ranked if s.hierarchy != sol.hierarchy][: max(0, top - 1)]
-    extra = {"target": profile.target, "solver": solver, "max_depth": max_depth, "min_gain": float(min_gain),
-             "profile_sha256": full.fingerprint(), "latency_unit": "seconds/token",
-             "alternatives": alts}
+    fields = {"target": profile.target, "solver": solver, "max_depth": max_depth, "min_gain": float(min_gain),
+              "profile_sha256": full.fingerprint(), "latency_unit": "seconds/token",
+              "alternatives": alts}
     if ctx is not None:
-        extra["context"] = ctx
-        extra["context_from"] = ctx_from
-        extra["latency_by_context"] = latency_table(full, sol.hierarchy, sol.budgets, resolved)
+        fields["context"] = ctx
+        fields["context_from"] = ctx_from
+        fields["latency_by_context"] = latency_table(full, sol.hierarchy, sol.budgets, resolved)
     if exact.hierarchy != sol.hierarchy:
-        extra["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency, full, resolved)
+        fields["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency, full, resolved)
     prov = full.extra.get("provenance")
     if prov is not None:
-        extra["provenance"] = prov
+        fields["provenance"] = prov
     # Every model entry of the pool, so `hsd run`/`hsd bench` can rebuild the hierarchy and the baselines
     # (kind, layer, token-drafter config) from the plan alone.
-    extra["models"] = [m.to_dict() for m in full.models]
-    return Plan(int(tmax), sol.hierarchy, sol.budgets, float(sol.latency), cK / sol.latency, baselines, extra)
+    fields["models"] = [m.to_dict() for m in full.models]
+    return plan_from_dict({"format": PLAN_FORMAT, "tmax": int(tmax), "hierarchy": sol.hierarchy,
+                           "budgets": sol.budgets, "expected_latency": float(sol.latency),
+                           "expected_speedup": cK / sol.latency, "baselines": baselines, **fields}, "<hsd solve>")
 
 
 def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], budgets: Sequence[int],
@@ -182,7 +184,7 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
     profile's typical context; ignored without ``context_costs``); see :mod:`hsd_opt.solver.simulate`."""
     if isinstance(hierarchy, Plan):
         if context is None:
-            context = hierarchy.extra.get("context")
+            context = hierarchy.context
         hierarchy, budgets = hierarchy.hierarchy, hierarchy.budgets
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")

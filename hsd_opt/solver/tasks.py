@@ -109,7 +109,7 @@ def solve_tasks(profile: Profile, plan: Plan, tmax: int, solver: str = "dp", max
         if ctx is not None:
             resolved: dict = {}
             e.update({"context": ctx, "context_from": ctx_from,
-                      "latency_by_context": p.extra["latency_by_context"],
+                      "latency_by_context": p.latency_by_context,
                       "overall_hierarchies_by_context": {k: latency_table(view, h, b, resolved)
                                                          for k, (h, b) in keyed.items()}})
         out[task] = e
