@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 when the load is high)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "runtime_bench"))
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--methods", default=None, help="comma list, as hsd bench --methods (default: hsd bench's "
+                    "default methods and hf_early_exit, the set the recorded results ran)")
     a = ap.parse_args()
 
     import torch
@@ -41,7 +43,7 @@ def main() -> None:
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import load_prompts, select_items
-    from hsd_opt.runtime.bench import plot_report, run_bench
+    from hsd_opt.runtime.bench import METHODS, default_methods, plot_report, run_bench
     from hsd_opt.runtime.runner import check_provenance
 
     load = os.getloadavg()
@@ -60,7 +62,10 @@ def main() -> None:
     rows = load_prompts(a.prompts).items
     rows = select_items(rows, per_task=a.per_task) if a.per_task else rows[: a.limit]
     t0 = time.time()
-    rep = run_bench(plan, loaded, rows, a.max_new_tokens, extra=extra, log=lambda s: print(s, flush=True))
+    methods = [m.strip() for m in a.methods.split(",")] if a.methods else \
+        sorted({*default_methods(plan), "hf_early_exit"}, key=METHODS.index)
+    rep = run_bench(plan, loaded, rows, a.max_new_tokens, methods=methods, extra=extra,
+                    log=lambda s: print(s, flush=True))
     rep["wall_seconds"] = time.time() - t0
     rep["command"] = " ".join([".venv/bin/python", "benchmarks/runtime_bench.py"] + sys.argv[1:])
     rep["load_average_before"], rep["load_average_after"] = list(load), list(os.getloadavg())

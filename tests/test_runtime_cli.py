@@ -75,13 +75,27 @@ def test_bench_tiny(tiny_dir, tmp_path):
     assert res.exit_code == 0, _out(res)
     rep = json.loads(rep_path.read_text())
     ms = rep["methods"]
-    assert set(ms) == {"hf_ar", "hf_prompt_lookup", "hf_early_exit", "ar", "single_draft", "hsd"}
+    assert set(ms) == {"hf_ar", "hf_prompt_lookup", "ar", "single_draft", "hsd"}     # hf_early_exit: when named
     for m in ("ar", "single_draft", "hsd", "hf_ar", "hf_prompt_lookup"):
         assert ms[m]["matches_reference"] is True, m
         assert ms[m]["tokens_per_s"] > 0 and "speedup_vs_hf_ar" in ms[m] and "speedup_vs_ar" in ms[m]
-    assert "matches_reference" in ms["hf_early_exit"] or "error" in ms["hf_early_exit"]
     assert ms["hsd"]["predicted_seconds_per_token"] == 0.01 and ms["hsd"]["seconds_per_token"] > 0
     assert rep["prompts"] == 2 and png.stat().st_size > 1000
+    assert "hf_early_exit" not in _out(res)
+
+
+def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n')
+    rep_path = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "6",
+                              "--methods", "ar,hf_early_exit", "--json", str(rep_path)])
+    assert res.exit_code == 0, _out(res)
+    ms = json.loads(rep_path.read_text())["methods"]
+    assert set(ms) == {"ar", "hf_early_exit"}
+    assert ms["hf_early_exit"].get("matches_reference") is True, ms["hf_early_exit"]
+    assert ms["hf_early_exit"]["tokens"] > 0 and "hf_early_exit" in _out(res)
 
 
 @pytest.mark.parametrize("case,needle", [
@@ -152,7 +166,9 @@ def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--max-new-tokens", "0"])
     assert res.exit_code == 2 and "--max-new-tokens" in _out(res)
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", "ar,warp"])
-    assert res.exit_code == 2 and "--methods" in _out(res)
+    assert res.exit_code == 2 and "--methods: unknown method 'warp'" in _out(res) and "hf_early_exit" in _out(res)
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", " , "])
+    assert res.exit_code == 2 and "--methods" in _out(res) and "Traceback" not in _out(res)
 
 
 def test_stats_table_reads_bottom_as_proposals_and_upper_levels_as_checks():

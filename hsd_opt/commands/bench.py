@@ -110,15 +110,17 @@ def bench_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated subset of hf_ar, "
+    methods: Optional[str] = typer.Option(None, "--methods", help="The methods to run, comma-separated, named as "
+                                                                  "the report names them: hf_ar, "
                                                                   "hf_prompt_lookup, hf_early_exit, hf_assisted, "
-                                                                  "ar, single_draft, hsd, hsd_task (default: all; "
+                                                                  "ar, single_draft, hsd, hsd_task. Default: all "
+                                                                  "but hf_early_exit (slow: only when named); "
                                                                   "hf_assisted with a draft model, hsd_task when "
-                                                                  "the plan has plans per task)."),
+                                                                  "the plan has plans per task."),
 ):
-    """Benchmark on the same prompts: HF generate (AR, prompt lookup, early-exit self-speculation, assisted by the
-    draft model), our AR loop, the plan's best single draft, the HSD plan (and its plans per task), overall and
-    per task."""
+    """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
+    --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
+    plans per task), overall and per task."""
     from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
@@ -135,7 +137,8 @@ def bench_cmd(
         ms = [m.strip() for m in methods.split(",") if m.strip()]
         bad = [m for m in ms if m not in METHODS]
         if bad or not ms:
-            raise HsdError(f"--methods: unknown {', '.join(bad) or '(none)'}; known: {', '.join(METHODS)}")
+            raise HsdError(f"--methods: unknown method {', '.join(map(repr, bad)) or '(none given)'}; known: "
+                           f"{', '.join(METHODS)}")
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
     retime_profile = None
     if retime is not None:

@@ -1,12 +1,12 @@
 """``hsd bench``: every decoding method side by side on the same prompts, in one process.
 
 Methods: ``hf_ar`` (Hugging Face ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens``),
-``hf_early_exit`` (``assistant_early_exit`` at the plan's best single exit; when transformers refuses it for this
-model the error is recorded), ``hf_assisted`` (assisted generation with a draft model as ``assistant_model``: the
-``assistant`` given, else the plan's draft model, :func:`assistant_ref`), ``ar`` (our autoregressive loop on the
-layered engine), ``single_draft`` (the plan's ``baselines.best_single_draft``), ``hsd`` (the plan), ``hsd_task``
-(the plan's plans per task, ``by_task``: each prompt runs its task's hierarchy, the plan itself for a task without
-one; only for a plan that has them).
+``hf_early_exit`` (``assistant_early_exit`` at the plan's best single exit, only when named; when transformers
+refuses it for this model the error is recorded), ``hf_assisted`` (assisted generation with a draft model as
+``assistant_model``: the ``assistant`` given, else the plan's draft model, :func:`assistant_ref`), ``ar`` (our
+autoregressive loop on the layered engine), ``single_draft`` (the plan's ``baselines.best_single_draft``), ``hsd``
+(the plan), ``hsd_task`` (the plan's plans per task, ``by_task``: each prompt runs its task's hierarchy, the plan
+itself for a task without one; only for a plan that has them).
 
 Greedy (temperature 0): the reference is ``ar``'s output and every method reports ``matches_reference``. For a
 plan made for a quantized target (``--target-precision int4``) ``ar`` is that copy's own loop, while the Hugging
@@ -47,12 +47,17 @@ from hsd_opt.seeds import SEED_STRIDE
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
 
-__all__ = ["METHODS", "DEFAULT_METHODS", "Sampling", "assistant_ref", "build_runners", "converse", "plot_report",
-           "run_bench"]
+__all__ = ["METHODS", "DEFAULT_METHODS", "ON_REQUEST_METHODS", "Sampling", "assistant_ref", "build_runners",
+           "converse", "default_methods", "plot_report", "run_bench"]
 
+#: Every method, as the report names it.
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "hf_assisted", "ar", "single_draft", "hsd", "hsd_task")
-#: Methods run when none are named: all but ``hsd_task``, which runs when the plan has plans per task.
-DEFAULT_METHODS = METHODS[:-1]
+#: Methods that run only when named: ``hf_early_exit`` (Hugging Face's early-exit self-speculation, which is slow
+#: enough on a CPU to take most of a default bench's time).
+ON_REQUEST_METHODS = ("hf_early_exit",)
+#: Methods run when none are named: all but those run on request and ``hsd_task`` (which runs when the plan has
+#: plans per task; ``hf_assisted`` runs when there is a draft model: :func:`default_methods`).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST_METHODS and m != "hsd_task")
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,14 @@ def _best_exit(plan) -> int | None:
         if e is not None and e.kind == "early_exit" and e.model is None and e.layer is not None:
             return e.layer
     return None
+
+
+def default_methods(plan, assistant: str | None = None) -> list[str]:
+    """The methods ``hsd bench`` runs when none are named: :data:`DEFAULT_METHODS` (``hf_assisted`` only with a
+    draft model: ``assistant``, else the plan's, :func:`assistant_ref`), plus ``hsd_task`` when the plan has plans
+    per task. ``hf_early_exit`` runs only when named."""
+    methods = [m for m in DEFAULT_METHODS if m != "hf_assisted" or assistant or assistant_ref(plan)]
+    return methods + (["hsd_task"] if plan.tasks else [])
 
 
 def _as_items(prompts: Sequence[str | PromptItem]) -> list[PromptItem]:
@@ -271,8 +284,8 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
               turns: str = "first", sampling: Sampling | None = None, by: str = "group",
               assistant: str | None = None, retime: "Profile | None" = None,
               retime_source: str = "profile") -> dict[str, Any]:
-    """Benchmark ``methods`` (default: :data:`DEFAULT_METHODS`, plus ``hsd_task`` when the plan has plans per
-    task) over ``prompts``; returns the JSON report ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
+    """Benchmark ``methods`` (default: :func:`default_methods`) over ``prompts``; returns the JSON report
+    ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
 
     ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``;
     ``assistant``: the draft model of ``hf_assisted`` (default: the plan's, :func:`assistant_ref`).
@@ -295,8 +308,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
 
         check_profile_for_plan(retime, plan, retime_source)
     if methods is None:
-        methods = [m for m in DEFAULT_METHODS if m != "hf_assisted" or assistant or assistant_ref(plan)]
-        methods += ["hsd_task"] if plan.tasks else []
+        methods = default_methods(plan, assistant)
     tok = loaded.tokenizer
     runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
                                                  sorted({it.task for it in items}), extra, assistant)
