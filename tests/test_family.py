@@ -447,7 +447,7 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     ``hsd run``'s release frees the float weights of a draft model only its copy uses."""
     import hsd_opt.models.loading as loading
     from hsd_opt.formats import load_plan
-    from hsd_opt.runtime.runner import hsd_for_plan, release_unused_floats
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
     from tests.helpers import write_plan
 
     loaded = _load(family["big"])
@@ -461,20 +461,26 @@ def test_the_runtime_loads_each_draft_model_once(family, tmp_path, monkeypatch):
     path = write_plan(tmp_path / "plan.json", family["big"], hierarchy=["small-int4", "small", "layer4"],
                       budgets=[2, 3], models=models)
     plan = load_plan(path)
-    a = hsd_for_plan(plan, loaded)
-    b = hsd_for_plan(plan, loaded, hierarchy=["small-int4", "layer4"], budgets=[3])
-    c = hsd_for_plan(plan, loaded, hierarchy=["small", "layer4"], budgets=[3])
+    models = PlanModels(loaded)
+    a = hsd_for_plan(plan, loaded, models=models)
+    b = hsd_for_plan(plan, loaded, hierarchy=["small-int4", "layer4"], budgets=[3], models=models)
+    c = hsd_for_plan(plan, loaded, hierarchy=["small", "layer4"], budgets=[3], models=models)
     assert loads == [str(family["small"])]
     assert a.levels[0].engine is b.levels[0].engine and a.levels[1].engine is c.levels[0].engine
+    assert a.levels[-1].engine is b.levels[-1].engine is c.levels[-1].engine           # one target engine
     small_model = a.levels[1].engine.model
-    assert release_unused_floats(plan, loaded, [["small", "layer4"]]) == 0     # the float one runs: kept
-    assert release_unused_floats(plan, loaded, [["small-int4", "layer4"]]) == 0   # its engine is alive: kept
+    assert models.release_unused_floats(plan, [["small", "layer4"]]) == 0     # the float one runs: kept
     assert not is_released(small_model)
-    # a run of the copy alone (another target load: its own draft cache): the small model's floats go
+    held = a.levels[1].engine                      # a float engine over the small model, alive outside the set
+    assert models.release_unused_floats(plan, [["small-int4", "layer4"]]) == 0   # its engine is alive: kept
+    assert not is_released(small_model)
+    del held, a, c
+    # a run of the copy alone (another set of models: its own draft load): the small model's floats go
     fresh = _load(family["big"])
-    only = hsd_for_plan(plan, fresh, hierarchy=["small-int4", "layer4"], budgets=[3])
+    alone = PlanModels(fresh)
+    only = hsd_for_plan(plan, fresh, hierarchy=["small-int4", "layer4"], budgets=[3], models=alone)
     p = _prompts(1)[0]
-    want = hsd_for_plan(plan, fresh, hierarchy=["layer4"], budgets=[]).generate(p, 12).token_ids
-    assert release_unused_floats(plan, fresh, [["small-int4", "layer4"]]) > 0
+    want = hsd_for_plan(plan, fresh, hierarchy=["layer4"], budgets=[], models=alone).generate(p, 12).token_ids
+    assert alone.release_unused_floats(plan, [["small-int4", "layer4"]]) > 0
     assert is_released(only.levels[0].engine.model) and not is_released(fresh.model)
     assert only.generate(p, 12).token_ids == want

@@ -153,10 +153,10 @@ def test_solved_plan_lossless_on_every_suite_prompt(setup, whole_suite):
     from hsd_opt.formats import load_plan
     from hsd_opt.runtime.runner import hsd_for_plan
 
-    loaded, lm, _, _, _ = setup
+    loaded, _, _, _, _ = setup
     plan = load_plan(SOLVED_PLAN)
     assert len(plan.hierarchy) >= 2                      # a plan that drafts, not the target alone
-    h = hsd_for_plan(plan, loaded, lm=lm, source=str(SOLVED_PLAN))
+    h = hsd_for_plan(plan, loaded, source=str(SOLVED_PLAN))
     prompts, refs = whole_suite
     assert len(prompts) == 24
     abstained = 0

@@ -54,10 +54,10 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
-    lm = load_model(name, device=device, dtype=dtype)
-    cfg = lm.model.config
-    console.print(f"{lm.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
-                  f"{lm.dtype} on {lm.device}, revision {lm.revision or '-'} "
+    loaded = load_model(name, device=device, dtype=dtype)
+    cfg = loaded.model.config
+    console.print(f"{loaded.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
+                  f"{loaded.dtype} on {loaded.device}, revision {loaded.revision or '-'} "
                   f"(loaded in {time.perf_counter() - t0:.1f} s)")
 
 

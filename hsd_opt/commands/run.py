@@ -131,13 +131,7 @@ def run_cmd(
     from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
     from hsd_opt.runtime.decode import check_generation_args
     from hsd_opt.runtime.report import Generation, totals_by
-    from hsd_opt.runtime.runner import (
-        hsd_for_plan,
-        plan_for_prompt,
-        prediction_context,
-        release_unused_floats,
-        run_context,
-    )
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan, plan_for_prompt, prediction_context, run_context
 
     check_generation_args(max_new_tokens, temperature, top_p)
     check_turn_mode(turns)
@@ -145,15 +139,17 @@ def run_cmd(
     items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     tok = loaded.tokenizer
+    models = PlanModels(loaded)           # the plans per task share the target's engine, draft models and copies
     runners: dict[str, object] = {}
     plans: dict[str, tuple[list[str], list[int]]] = {}
     lines, gens = [], []
     for it in items:                      # every hierarchy first: then the unused float weights can go
         hh, bb, _, which = plan_for_prompt(p, it.task, per_task)
         if which not in runners:
-            runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb)
+            runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb,
+                                          models=models)
             plans[which] = (hh, bb)
-    release_unused_floats(p, loaded, [hh for hh, _ in plans.values()])
+    models.release_unused_floats(p, [hh for hh, _ in plans.values()])
     for it in items:
         which = plan_for_prompt(p, it.task, per_task)[3]
         h = runners[which]

@@ -42,7 +42,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     warm it up, and return ``(app, jobs)``: the Starlette app and its :class:`~hsd_opt.server.JobQueue`
     (the app's lifespan starts and stops its worker). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
-    from hsd_opt.runtime.runner import hsd_for_plan, release_unused_floats
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
@@ -50,8 +50,9 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
     say(f"building the hierarchy {chain} on {loaded.device} ...")
-    runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan))
-    release_unused_floats(p, loaded, [p.hierarchy], log=say)
+    models = PlanModels(loaded)
+    runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
+    models.release_unused_floats(p, [p.hierarchy], log=say)
     tok = loaded.tokenizer
     runner.generate(encode_prompt(tok, "Hello", raw=True), 2)  # warm-up: first passes allocate and compile
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)

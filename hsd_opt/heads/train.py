@@ -106,18 +106,18 @@ def evaluate_heads(model, heads: Mapping[int, Callable], sequences: Sequence[Seq
     ``p`` renormalised on the head's support). Returns boundary -> means over positions.
     """
     m, _, _ = unwrap_model(model)
-    lm = LayeredLM(m)
+    eng = LayeredLM(m)
     layers = sorted(heads)
-    n = lm.n_layers
+    n = eng.n_layers
     sums = {b: {"acceptance": 0.0, "greedy": 0.0, "kl": 0.0} for b in layers}
     count = 0
     for i, seq in enumerate(sequences):
-        hs = lm.hidden_states(seq, layers + [n])
+        hs = eng.hidden_states(seq, layers + [n])
         lo = max(0, (starts[i] - 1) if starts is not None else 0)
         L = len(seq)
         for a in range(lo, L, chunk):
             e = min(L, a + chunk)
-            logp = F.log_softmax(lm.head(hs[n][a:e], n), dim=-1)
+            logp = F.log_softmax(eng.head(hs[n][a:e], n), dim=-1)
             p = logp.exp()
             top = p.argmax(-1)
             for b in layers:
@@ -144,17 +144,17 @@ def evaluate_heads(model, heads: Mapping[int, Callable], sequences: Sequence[Seq
 # ---------------------------------------------------------------------------------------------- training
 
 @torch.no_grad()
-def _prepass(lm: LayeredLM, seqs, starts, topk: int):
+def _prepass(eng: LayeredLM, seqs, starts, topk: int):
     """Final-layer statistics on the training text: expected token counts and the teacher's top-k ids."""
-    V = lm.vocab_size
+    V = eng.vocab_size
     expected = torch.zeros(V, dtype=torch.float64)
     cand = torch.zeros(V, dtype=torch.bool)
-    n = lm.n_layers
+    n = eng.n_layers
     for i, seq in enumerate(seqs):
-        h = lm.hidden_states(seq, [n])[n]
+        h = eng.hidden_states(seq, [n])[n]
         lo = max(0, starts[i] - 1)
         for a in range(lo, len(seq), 256):
-            z = lm.head(h[a: a + 256], n)
+            z = eng.head(h[a: a + 256], n)
             expected += F.softmax(z, -1).sum(0).double().cpu()
             cand[z.topk(min(topk, V), dim=-1).indices.reshape(-1).cpu()] = True
         t = torch.as_tensor(seq[lo:], dtype=torch.long)
@@ -198,11 +198,11 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     m, _, _ = unwrap_model(model)
-    lm = LayeredLM(m)
+    eng = LayeredLM(m)
     layers = sorted(set(int(b) for b in layers))
     for b in layers:
-        if not 1 <= b < lm.n_layers:
-            raise HsdError(f"layer {b} is out of range: exit heads go after layers 1..{lm.n_layers - 1}")
+        if not 1 <= b < eng.n_layers:
+            raise HsdError(f"layer {b} is out of range: exit heads go after layers 1..{eng.n_layers - 1}")
     seqs = [list(map(int, s))[:max_len] for s in token_sequences]
     st = list(starts) if starts is not None else [0] * len(seqs)
     if held_out is None:
@@ -216,7 +216,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     if not train_seqs or sum(max(0, len(s) - max(0, a - 1)) for s, a in zip(train_seqs, train_st)) == 0:
         raise HsdError("no training positions: give more or longer sequences")
     data_hash = sequences_sha256(train_seqs + [[-1]] + held)
-    device = lm.device
+    device = eng.device
     if train_vocab == "auto":
         train_vocab = "full" if device.type == "cuda" else "candidates"
     if train_vocab not in ("full", "candidates"):
@@ -230,17 +230,17 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     m.requires_grad_(False)
     try:
         with torch.enable_grad():  # load_model() turns autograd off process-wide
-            return _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
+            return _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
                           checkpoint_every, evaluate, progress, say)
     finally:
         for p, r in zip(m.parameters(), requires):
             p.requires_grad_(r)
 
 
-def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
+def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
            checkpoint_every, evaluate, progress, say) -> TrainResult:
-    n = lm.n_layers
-    V = lm.vocab_size
+    n = eng.n_layers
+    V = eng.vocab_size
     kind, rank, K = settings["kind"], settings["rank"] or 64, settings["vocab_subset"]
     seed = settings["seed"]
     t_eval = 0.0
@@ -251,8 +251,8 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
         t_eval += time.time() - t0
     t_start = time.time()
     cpu_start = time.process_time()
-    expected, cand = _prepass(lm, train_seqs, train_st, settings["topk"])
-    vocab_ids = frequent_vocab(expected, K).to(lm.device) if K else None
+    expected, cand = _prepass(eng, train_seqs, train_st, settings["topk"])
+    vocab_ids = frequent_vocab(expected, K).to(eng.device) if K else None
     heads = {b: TranslatorHead(m, kind, rank=rank, vocab_ids=vocab_ids) for b in layers}
     g = torch.Generator().manual_seed(seed)
     for b in layers:  # lowrank V init: deterministic per seed
@@ -265,8 +265,8 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
     elif settings["train_vocab"] == "full":
         base_ids, rest = None, None
     else:
-        base_ids = cand.nonzero().reshape(-1).to(lm.device)
-        rest = (~cand).nonzero().reshape(-1).to(lm.device)
+        base_ids = cand.nonzero().reshape(-1).to(eng.device)
+        rest = (~cand).nonzero().reshape(-1).to(eng.device)
         if rest.numel() == 0:
             base_ids, rest = None, None
     n_neg = min(settings["negatives"], rest.numel()) if rest is not None else 0
@@ -287,10 +287,10 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
         return settings["lr"] * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
     epoch0, seq0, step, history, elapsed0 = 0, 0, 0, [], 0.0
-    ck_settings = dict(settings, data_sha256=data_hash, n_layers=n, hidden_size=lm.hidden_size, vocab_size=V)
+    ck_settings = dict(settings, data_sha256=data_hash, n_layers=n, hidden_size=eng.hidden_size, vocab_size=V)
     if checkpoint and resume and Path(checkpoint).is_file():
         try:
-            ck = torch.load(str(checkpoint), map_location=lm.device, weights_only=False)
+            ck = torch.load(str(checkpoint), map_location=eng.device, weights_only=False)
         except Exception as e:
             raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it or run without "
                            f"--resume") from None
@@ -323,20 +323,20 @@ def _train(lm, m, layers, train_seqs, train_st, held, held_st, settings, data_ha
             for si in range(seq0 if epoch == epoch0 else 0, len(train_seqs)):
                 i = int(order[si])
                 seq, lo = train_seqs[i], max(0, train_st[i] - 1)
-                hs = lm.hidden_states(seq, layers + [n])
+                hs = eng.hidden_states(seq, layers + [n])
                 with torch.no_grad():
-                    tfull = lm.head(hs[n], n)  # [L, V] float32
+                    tfull = eng.head(hs[n], n)  # [L, V] float32
                 gpos = torch.Generator().manual_seed(seed * SEED_STRIDE + epoch * 1009 + i)
                 pos = lo + torch.randperm(len(seq) - lo, generator=gpos)
                 for a in range(0, pos.numel(), bt):
-                    idx = pos[a: a + bt].to(lm.device)
+                    idx = pos[a: a + bt].to(eng.device)
                     if base_ids is None:
                         ids = None
                         tz = tfull[idx]
                     else:
                         ids = base_ids
                         if n_neg:
-                            neg = rest[torch.randint(0, rest.numel(), (n_neg,), generator=gpos).to(lm.device)]
+                            neg = rest[torch.randint(0, rest.numel(), (n_neg,), generator=gpos).to(eng.device)]
                             ids = torch.cat([base_ids, neg])
                         tz = tfull[idx][:, ids]
                         if n_neg:

@@ -73,7 +73,7 @@ class NeuralDrafter:
     model_id: str | None = None
 
 
-def build_token_drafters(names: Sequence[str] | None, lm, explicit: bool, warn: Callable[[str], None]):
+def build_token_drafters(names: Sequence[str] | None, loaded, explicit: bool, warn: Callable[[str], None]):
     """Instantiate token drafters by name: ``ngram`` (context n-gram), ``lookup`` (context n-gram that abstains
     without a 2- or 3-gram match, prompt-lookup style), ``bigram`` (model bigram table, built
     once and disk-cached), ``aded`` (when its module exists). With the default pool a missing module is
@@ -81,7 +81,7 @@ def build_token_drafters(names: Sequence[str] | None, lm, explicit: bool, warn: 
     out = []
     for name in (names if names is not None else DEFAULT_TOKEN_DRAFTERS):
         try:
-            d = _make_token_drafter(name, lm, explicit)
+            d = _make_token_drafter(name, loaded, explicit)
         except _NotCached as e:
             warn(f"token drafter {name!r} skipped: {e}")
             continue
@@ -102,7 +102,7 @@ class _NotCached(Exception):
     pass
 
 
-def _make_token_drafter(name: str, lm, explicit: bool = True):
+def _make_token_drafter(name: str, loaded, explicit: bool = True):
     if name == "ngram":
         from hsd_opt.drafters.ngram import ContextNgramDrafter
 
@@ -115,14 +115,14 @@ def _make_token_drafter(name: str, lm, explicit: bool = True):
         from hsd_opt.drafters import bigram as bg
 
         BigramDrafter, load_or_build_bigram_table = bg.BigramDrafter, bg.load_or_build_bigram_table
-        key = bg.model_fingerprint(lm.model)
-        bos = bg.resolve_bos(lm.model, bg.AUTO) if hasattr(bg, "resolve_bos") else None
+        key = bg.model_fingerprint(loaded.model)
+        bos = bg.resolve_bos(loaded.model, bg.AUTO) if hasattr(bg, "resolve_bos") else None
         cached = bg.table_path(None, key, 16, bos)
         if not explicit and not cached.exists():
             raise _NotCached(f"the bigram table of this model is not cached yet ({cached});"
                              f" pass --token-drafters ngram,bigram once to build it (one forward per vocabulary "
                              f"token: minutes on a CPU)")
-        table = load_or_build_bigram_table(lm.model, key, top_k=16, progress=True)
+        table = load_or_build_bigram_table(loaded.model, key, top_k=16, progress=True)
         return BigramDrafter(table, name="bigram")
     return None
 
@@ -172,8 +172,8 @@ def fresh_drafter(d):
     return d
 
 
-def encode_item(lm, it: PromptItem, raw: bool, source: str) -> list[int]:
-    ids = encode_prompt(lm.tokenizer, it.prompt, raw)
+def encode_item(loaded, it: PromptItem, raw: bool, source: str) -> list[int]:
+    ids = encode_prompt(loaded.tokenizer, it.prompt, raw)
     if not ids:
         raise InputFileError(source, "prompt encodes to no tokens", f"line of prompt {it.index + 1}")
     return ids
@@ -195,11 +195,11 @@ class Pool:
         return [d.name for d in self.token] + (["aded"] if self.want_aded else [])
 
 
-def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
+def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[str],
                quantized: Sequence[tuple[str | None, str]] | None, token_drafters: Sequence[str] | None,
                device: str, dtype: str, log: Callable[[str], None], warn: Callable[[str], None],
                draft_layers: Sequence[int] | None = ()) -> Pool:
-    """The pool for target ``lm`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
+    """The pool for target ``loaded`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
     when its tokenizer differs), the ``quantized`` copies (``(model, kind)`` pairs, ``kind`` one of
@@ -227,8 +227,8 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
             dlm = load_model(ref, device=device, dtype=dtype)
         except HsdError as e:
             raise HsdError(str(e).replace("--model", flag, 1)) from None
-        check_same_tokenizer(lm.tokenizer, dlm.tokenizer, ref)
-        if dlm.model_id == lm.model_id:
+        check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
+        if dlm.model_id == loaded.model_id:
             raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
         return dlm
 
@@ -256,7 +256,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
             if eng.is_copy:
                 raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
                                f"copies of it are no drafters (quantize draft models: MODEL:{kind})")
-            src, qname, model_id, what = lm.model, kind, None, "the target"
+            src, qname, model_id, what = loaded.model, kind, None, "the target"
         else:
             ds = find_draft(ref, drafts)
             if ds is None:
@@ -272,7 +272,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
     explicit = token_drafters is not None
     requested = list(token_drafters) if explicit else list(DEFAULT_TOKEN_DRAFTERS)
     want_aded = "aded" in requested and aded_available(explicit)
-    tds = build_token_drafters([n for n in requested if n != "aded"], lm, explicit, warn)
+    tds = build_token_drafters([n for n in requested if n != "aded"], loaded, explicit, warn)
     for d in tds:
         if d.name in taken:
             raise HsdError(f"--token-drafters: name {d.name!r} is already used by another drafter")
@@ -283,7 +283,7 @@ def build_pool(lm, eng, boundaries: Sequence[int], draft_models: Sequence[str],
             log(f"{ds.name}: only its quantized copies are drafters; released "
                 f"{release_float_weights(ds.loaded.model) / 1e9:.2f} GB of float weights")
     if eng.is_copy:
-        log(f"the target is a quantized copy: released {release_float_weights(lm.model) / 1e9:.2f} GB of float "
+        log(f"the target is a quantized copy: released {release_float_weights(loaded.model) / 1e9:.2f} GB of float "
             f"weights")
     return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
 

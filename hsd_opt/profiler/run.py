@@ -136,45 +136,45 @@ def _load_target(cfg: ProfileConfig):
     if precision in QUANT_KINDS and cfg.heads is not None:
         raise HsdError(f"--heads: trained exit heads belong to the float target, not to --target-precision "
                        f"{precision}")
-    lm = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
+    loaded = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
     if precision in QUANT_KINDS:
-        return lm, quantized_target(lm, precision), None, {}, precision
+        return loaded, quantized_target(loaded, precision), None, {}, precision
     exit_heads, heads_meta, heads_sha = None, {}, None
     if cfg.heads is not None:
         if not Path(cfg.heads).is_file():
             raise InputFileError(str(cfg.heads), "file not found", None)
         from hsd_opt.heads import load_heads
 
-        exit_heads, heads_meta = load_heads(str(cfg.heads), lm)
+        exit_heads, heads_meta = load_heads(str(cfg.heads), loaded)
         heads_sha = file_sha256(Path(cfg.heads))
-    return lm, LayeredLM(lm.model, exit_heads=exit_heads), heads_sha, heads_meta, lm.dtype
+    return loaded, LayeredLM(loaded.model, exit_heads=exit_heads), heads_sha, heads_meta, loaded.dtype
 
 
-def quantized_target(lm, precision: str):
-    """The ``precision`` (``int8``/``int4``) copy of ``lm``'s model as a target: on the CPU kernels only, whose
+def quantized_target(loaded, precision: str):
+    """The ``precision`` (``int8``/``int4``) copy of ``loaded``'s model as a target: on the CPU kernels only, whose
     batch invariance makes its verify passes compute exactly what its own decode steps compute (so greedy HSD
     over it equals its own autoregressive loop); :class:`HsdError` naming ``--target-precision`` otherwise."""
     from hsd_opt.engine.quantized import QUANT_KINDS, QuantizedLM
 
     bits, group = QUANT_KINDS[precision]
-    n = lm.model.config.num_hidden_layers
+    n = loaded.model.config.num_hidden_layers
     try:
-        return QuantizedLM(lm.model, bits=bits, group_size=group, name=f"layer{n}", kernels=True)
+        return QuantizedLM(loaded.model, bits=bits, group_size=group, name=f"layer{n}", kernels=True)
     except HsdError as e:
         raise HsdError(f"--target-precision {precision}: a quantized target runs on the CPU decode kernels only "
                        f"({e})") from None
 
 
-def _settings(cfg: ProfileConfig, lm, heads_sha, suite: PromptSuite, boundaries, pool: Pool, world: int,
+def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundaries, pool: Pool, world: int,
               precision: str) -> dict:
     """What a profile was made with: what a resumed run must share (``checkpoint.RESUME_FIELDS``) and merged
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
-        "model": lm.model_id, "revision": lm.revision, "heads": str(cfg.heads) if cfg.heads else None,
+        "model": loaded.model_id, "revision": loaded.revision, "heads": str(cfg.heads) if cfg.heads else None,
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "max_new_tokens": int(cfg.max_new_tokens),
         "raw": bool(cfg.raw),
-        "seed": int(cfg.seed), "dtype": lm.dtype, "target_precision": precision, "layers": list(boundaries),
+        "seed": int(cfg.seed), "dtype": loaded.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
         "draft_layers": sorted({nd.boundary for nd in pool.neural if nd.kind == "early_exit" and nd.model_id}),
         "quantized": [nd.name for nd in pool.neural if nd.kind == "quantized"],
@@ -210,12 +210,12 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # load the target, then the pool
     t_start = time.perf_counter()
-    lm, eng, heads_sha, heads_meta, precision = _load_target(cfg)
+    loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
-    pool = build_pool(lm, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
+    pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
                       cfg.dtype, log, warn, cfg.draft_layers)
-    settings = _settings(cfg, lm, heads_sha, suite, boundaries, pool, world, precision)
+    settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, world, precision)
     token_names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
     counters += [f"generated_tokens.{t}" for t in suite.tasks]      # per task: a token drafter's calls there
@@ -230,7 +230,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     done = set(ck.done)
     todo = [it for it in mine if it.index not in done]
 
-    eos = set(eos_token_ids(lm))
+    eos = set(eos_token_ids(loaded))
     progress = None
     if cfg.progress and rank == 0:
         from hsd_opt.console import progress_bar
@@ -243,7 +243,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         need = [it for it in mine if str(it.index) not in ck.continuations]
         gid = progress.add_task("generating", total=len(mine), completed=len(mine) - len(need)) if progress else None
         for it in need:
-            ids = encode_item(lm, it, cfg.raw, suite.source)
+            ids = encode_item(loaded, it, cfg.raw, suite.source)
             gen = None
             if cfg.temperature > 0:
                 gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
@@ -259,7 +259,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         # measure: every drafter's distribution at every generated position, streamed into the sums
         pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
         for k, it in enumerate(todo, 1):
-            ids = encode_item(lm, it, cfg.raw, suite.source)
+            ids = encode_item(loaded, it, cfg.raw, suite.source)
             cont = ck.continuations[str(it.index)]
             acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
                 pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p)
@@ -310,7 +310,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
              f"{', '.join(map(str, contexts))} tokens")
     log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
-    text = _suite_text(lm, mine, ck, cfg, suite)
+    text = _suite_text(loaded, mine, ck, cfg, suite)
     lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds, text, log, warn)
     sampling = None
     if cfg.temperature > 0:
@@ -324,7 +324,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     task_prompts, task_prompt_tokens = prompts_by_task(stats)
     prof.extra["provenance"] = {
         **settings,
-        "source": lm.source, "device": lm.device, "heads_meta": heads_meta or None,
+        "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
         "prompt_count": int(stats.counters["prompts"]),
         "prompt_tokens": int(stats.counters["prompt_tokens"]),
         "generated_tokens": int(stats.counters["generated_tokens"]),
@@ -370,14 +370,14 @@ def _max_positions(engines) -> int | None:
     return min(ns) if ns else None
 
 
-def _suite_text(lm, items: list[PromptItem], ck, cfg: ProfileConfig, suite: PromptSuite) -> list[int]:
+def _suite_text(loaded, items: list[PromptItem], ck, cfg: ProfileConfig, suite: PromptSuite) -> list[int]:
     """Token ids of the profiled prompts, each followed by the target's continuation: the real text a token
     drafter's ``propose`` is timed on."""
     out: list[int] = []
     for it in items:
         cont = ck.continuations.get(str(it.index))
         if cont is not None:
-            out += encode_item(lm, it, cfg.raw, suite.source) + list(cont)
+            out += encode_item(loaded, it, cfg.raw, suite.source) + list(cont)
     return out
 
 

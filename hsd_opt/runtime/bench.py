@@ -160,17 +160,16 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
     ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front. ``assistant``:
     the draft model of ``hf_assisted`` (default :func:`assistant_ref`)."""
     from hsd_opt.runtime.runner import (
-        load_draft_model,
+        PlanModels,
         plan_for_prompt,
         predicted_latency,
         prediction_context,
         run_context,
-        target_engine,
         task_prediction,
     )
 
     eos = eos_ids(loaded)
-    lm = target_engine(plan, loaded, source)
+    models = PlanModels(loaded)          # every hierarchy of the plan over one target engine, one copy each
     target = plan.hierarchy[-1]
     bsd = plan.baselines.get("best_single_draft") or None
     runners: dict[str, Runner] = {}
@@ -181,8 +180,8 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
     def hsd(hierarchy, budgets):
         key = (tuple(hierarchy), tuple(budgets))
         if key not in built:
-            built[key] = hsd_for_plan(plan, loaded, lm=lm, mode=mode, source=source, hierarchy=list(hierarchy),
-                                      budgets=list(budgets))
+            built[key] = hsd_for_plan(plan, loaded, mode=mode, source=source, hierarchy=list(hierarchy),
+                                      budgets=list(budgets), models=models)
         return built[key]
 
     def gen(h, ids, n, seed):
@@ -238,7 +237,7 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
             if ref is None:
                 errors[m] = "the plan has no draft model to assist with: give --assistant MODEL"
                 continue
-            draft = load_draft_model(loaded, ref)
+            draft = models.draft_model(ref)
             desc[m] = {"assistant_model": draft.model_id}
             hf(m, assistant_model=draft.model)
         elif m == "ar":

@@ -117,7 +117,7 @@ class StepClock:
             for lv in h.levels:
                 if not lv.is_model:
                     continue
-                e = engines.setdefault(id(lv.engine), {"lm": lv.engine, "names": set(), "top": None})
+                e = engines.setdefault(id(lv.engine), {"engine": lv.engine, "names": set(), "top": None})
                 e["names"].add(lv.name)
                 if e["top"] is None or lv.boundary > e["top"].boundary:
                     e["top"] = lv
@@ -128,41 +128,41 @@ class StepClock:
                 raise HsdError(f"--retime: the profile has no cost for {top.name!r}")
             # the profiled cost includes the sampled distributions' processing (profiles made with a temperature)
             step = max(costs[top.name] - float(sampling[0]), 1e-9)
-            self.engines.append({"lm": e["lm"], "names": sorted(e["names"]), "name": top.name,
+            self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
         self._states: dict[int, tuple[Any, torch.Tensor]] = {}   # engine -> (state at the context, next token)
 
-    def _state(self, lm):
-        """``(state holding the context, the token a timed step appends)`` of engine ``lm``, made once."""
-        if id(lm) not in self._states:
+    def _state(self, eng):
+        """``(state holding the context, the token a timed step appends)`` of engine ``eng``, made once."""
+        if id(eng) not in self._states:
             if self.text:
                 ids = torch.tensor(text_of_length(self.text, self.context + 1))
             else:
                 g = torch.Generator().manual_seed(0)
-                ids = torch.randint(3, max(4, lm.vocab_size - 1), (self.context + 1,), generator=g)
-            st = lm.new_state(self.context + 2)
-            lm.append(st, ids[:-1].to(lm.device))
-            lm.advance(st, lm.n_layers)
-            self._states[id(lm)] = (st, ids[-1:].to(lm.device))
-        return self._states[id(lm)]
+                ids = torch.randint(3, max(4, eng.vocab_size - 1), (self.context + 1,), generator=g)
+            st = eng.new_state(self.context + 2)
+            eng.append(st, ids[:-1].to(eng.device))
+            eng.advance(st, eng.n_layers)
+            self._states[id(eng)] = (st, ids[-1:].to(eng.device))
+        return self._states[id(eng)]
 
     @torch.no_grad()
     def measure(self) -> dict[str, float]:
         """Time every engine now (one warm-up step, then the median of ``repeats``) and return the factors."""
         for e in self.engines:
-            lm, b = e["lm"], e["boundary"]
-            st, tok = self._state(lm)
-            output = pass_output(lm, self.greedy)
+            eng, b = e["engine"], e["boundary"]
+            st, tok = self._state(eng)
+            output = pass_output(eng, self.greedy)
             times = []
             for r in range(self.repeats + 1):
                 t0 = time.perf_counter()
-                lm.append(st, tok)
-                lm.advance(st, b)
+                eng.append(st, tok)
+                eng.advance(st, b)
                 output(st, b, st.n - 1, st.n)
-                if lm.device.type == "cuda":
-                    torch.cuda.synchronize(lm.device)
+                if eng.device.type == "cuda":
+                    torch.cuda.synchronize(eng.device)
                 dt = time.perf_counter() - t0
-                lm.crop(st, st.n - 1)
+                eng.crop(st, st.n - 1)
                 if r:
                     times.append(dt)
             e["measured"].append(statistics.median(times))

@@ -7,20 +7,25 @@ run; with ``model``, an exit of that draft model), ``model`` (``model``: another
 ``quantized`` (``quantization``: a weight-quantized copy of the target, or with ``model`` of that draft model, rebuilt
 here with :class:`~hsd_opt.engine.quantized.QuantizedLM`), and token drafters (``ngram_context``, ``bigram_model``,
 ``aded``, ... with ``config``, rebuilt by :func:`hsd_opt.drafters.make_token_drafter`). A plan without ``models`` is
-accepted when every name is ``layer<N>`` (the profiler's naming). Each draft model is loaded once per process, and
-each quantized copy built once per model and setting.
+accepted when every name is ``layer<N>`` (the profiler's naming). A :class:`PlanModels` loads each draft model once
+and builds each quantized copy once per model and setting, for every hierarchy built with it.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import PlanModel, Quantization
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.solver.context import latency_at
+
+if TYPE_CHECKING:
+    from hsd_opt.engine.interface import Engine
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.quantized import QuantizedLM
+    from hsd_opt.models.loading import LoadedModel
 
 MODEL_KINDS = ("target", "early_exit")
 
@@ -79,44 +84,18 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
                              "provenance.target_precision")
 
 
-def target_engine(plan, loaded, source: str = "plan"):
-    """The engine of ``plan``'s target over ``loaded``: a :class:`LayeredLM` over its weights (with the plan's
-    trained heads), or, for a plan made for an ``int8``/``int4`` target (``provenance.target_precision``), that
-    quantized copy on the CPU kernels (one per process and setting, as for copies that draft)."""
-    from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.engine.quantized import QUANT_KINDS
-
-    precision = plan_target_precision(plan, source)
-    if precision not in QUANT_KINDS:
-        return LayeredLM(loaded.model, exit_heads=load_plan_heads(plan, loaded, source))
-    name = plan.hierarchy[-1]
-    e = plan.model_entry(name)
-    bits, group = QUANT_KINDS[precision]
-    q = e.quantization if e is not None and e.quantization is not None else Quantization(bits, group)
-    if q.bits != bits:
-        raise InputFileError(source, f"the target {name!r} is quantized to {q.bits} bits, but the plan's "
-                                     f"target precision is {precision}", "provenance.target_precision")
-    eng = quantized_engine(loaded.model, q, name, source, "provenance.target_precision")
-    if not eng.uses_kernels:
-        raise InputFileError(source, f"an {precision} target runs on the CPU decode kernels only, which are "
-                                     f"unavailable here (a CPU build with a C compiler, HSD_KERNELS not 0)",
-                             "provenance.target_precision")
-    return eng
-
-
-def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None = None,
-                 dtype: str | None = None) -> list[Level]:
-    """The :class:`Level` list (bottom first) of ``plan`` over ``loaded`` (its target). Exits share ``lm``
-    (the target's engine, :func:`target_engine`, built here if None).
+def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
+    """The :class:`Level` list (bottom first) of ``plan`` over ``models`` (its target, draft models and copies).
+    Exits share the target's engine (:meth:`PlanModels.target`).
 
     Raises:
         InputFileError: a layer the model lacks, an exit above the target, a target that is not the model's last
             layer, a token drafter above the bottom, an unknown kind, a model of another tokenizer.
     """
-    if lm is None:
-        lm = target_engine(plan, loaded, source)
+    loaded = models.loaded
+    target = models.target(plan, source)
     entries = plan_entries(plan, source)
-    L = lm.n_layers
+    L = target.n_layers
     levels: list[Level] = []
     top = len(plan.hierarchy) - 1
     for i, name in enumerate(plan.hierarchy):
@@ -124,12 +103,12 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
         kind = e.kind
         where = f"hierarchy[{i}] ({name})"
         if kind == "early_exit" and e.model is not None:     # an exit of a draft model
-            olm = draft_engine(load_draft_model(loaded, e.model, device, dtype))
+            draft = models.draft_engine(models.draft_model(e.model))
             layer = e.layer
-            if layer is None or not 1 <= layer <= olm.n_layers:
+            if layer is None or not 1 <= layer <= draft.n_layers:
                 raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e.model} has layers "
-                                             f"1..{olm.n_layers}", where)
-            levels.append(Level(name, olm, layer))
+                                             f"1..{draft.n_layers}", where)
+            levels.append(Level(name, draft, layer))
         elif kind in MODEL_KINDS:
             layer = e.layer
             if layer is None or not 1 <= layer <= L:
@@ -138,15 +117,15 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
             if i == top and layer != L:
                 raise InputFileError(source, f"the target {name!r} is layer {layer}, but the model has {L} layers",
                                      where)
-            levels.append(Level(name, lm, layer))
+            levels.append(Level(name, target, layer))
         elif kind == "quantized":
-            levels.append(_quantized_level(name, e, loaded, source, where, device, dtype))
+            levels.append(_quantized_level(models, name, e, source, where))
         elif kind == "model":
             ref = e.model
             if ref is None:
                 raise InputFileError(source, f"model entry {name!r} needs 'model' (id or path)", where)
-            olm = draft_engine(load_draft_model(loaded, ref, device, dtype))
-            levels.append(Level(name, olm, olm.n_layers))
+            draft = models.draft_engine(models.draft_model(ref))
+            levels.append(Level(name, draft, draft.n_layers))
         else:
             if i != 0:
                 raise InputFileError(source, f"{name!r} ({kind}) cannot verify: a token drafter may only be the "
@@ -157,101 +136,139 @@ def build_levels(plan, loaded, lm=None, source: str = "plan", device: str | None
             cfg.pop("kind", None)
             cfg.setdefault("name", name)
             levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
-    if not levels[-1].is_model or levels[-1].engine is not lm:
+    if not levels[-1].is_model or levels[-1].engine is not target:
         raise InputFileError(source, "the last level must be the target model", "hierarchy")
     return levels
 
 
-#: model -> {(bits, group_size, head_bits): QuantizedLM}: one quantized copy per model and setting per process
-#: (bench builds several hierarchies from one plan, and quantizing takes seconds).
-_QUANTIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: target model -> {(model id, device, dtype): LoadedModel}: each draft model is loaded once per process.
-_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: draft model -> its LayeredLM (one per process: its float level and the copies sharing its prompt use it).
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class PlanModels:
+    """What the hierarchies of one plan run over, for one loaded target: the target's engine, each draft model
+    loaded once (checked to share the target's tokenizer) with one float engine over it, and one quantized copy
+    per model and setting. Every hierarchy built with the same instance shares them (``hsd bench`` and plans per
+    task build several from one plan; loading and quantizing take seconds); a new instance loads and builds
+    anew. Not for use by two threads at once (the engines hold work buffers).
+
+    Args:
+        loaded: the target, as :func:`~hsd_opt.models.loading.load_model` returned it.
+        device, dtype: where and how draft models are loaded (default: the target's).
+    """
+
+    def __init__(self, loaded: LoadedModel, device: str | None = None, dtype: str | None = None):
+        self.loaded, self.device, self.dtype = loaded, device, dtype
+        self._targets: dict[tuple, Engine] = {}
+        self._drafts: dict[tuple[str, str, str], LoadedModel] = {}
+        self._float_engines: dict[int, LayeredLM] = {}          # id(draft model) -> its engine
+        self._copies: dict[tuple[int, int, int, int], QuantizedLM] = {}   # (id(model), bits, group, head bits)
+
+    def target(self, plan, source: str = "plan") -> Engine:
+        """The engine of ``plan``'s target: a :class:`LayeredLM` over its weights (with the plan's trained heads),
+        or, for a plan made for an ``int8``/``int4`` target (``provenance.target_precision``), that quantized copy
+        on the CPU kernels."""
+        from hsd_opt.engine.layered import LayeredLM
+        from hsd_opt.engine.quantized import QUANT_KINDS
+
+        precision = plan_target_precision(plan, source)
+        key = (precision, plan.provenance.heads)
+        if key in self._targets:
+            return self._targets[key]
+        if precision not in QUANT_KINDS:
+            eng: Engine = LayeredLM(self.loaded.model, exit_heads=load_plan_heads(plan, self.loaded, source))
+        else:
+            name = plan.hierarchy[-1]
+            e = plan.model_entry(name)
+            bits, group = QUANT_KINDS[precision]
+            q = e.quantization if e is not None and e.quantization is not None else Quantization(bits, group)
+            if q.bits != bits:
+                raise InputFileError(source, f"the target {name!r} is quantized to {q.bits} bits, but the plan's "
+                                             f"target precision is {precision}", "provenance.target_precision")
+            eng = self.copy(self.loaded.model, q, name, source, "provenance.target_precision")
+            if not eng.uses_kernels:
+                raise InputFileError(source, f"an {precision} target runs on the CPU decode kernels only, which are "
+                                             f"unavailable here (a CPU build with a C compiler, HSD_KERNELS not 0)",
+                                     "provenance.target_precision")
+        self._targets[key] = eng
+        return eng
+
+    def draft_model(self, ref: str) -> LoadedModel:
+        """The draft model ``ref`` (alias, id or path), loaded once on ``device``/``dtype`` (default: the
+        target's) and checked to share the target's tokenizer."""
+        from hsd_opt.models.loading import check_same_tokenizer, load_model, resolve_model_name
+
+        key = (resolve_model_name(ref), self.device or self.loaded.device, self.dtype or self.loaded.dtype)
+        if key not in self._drafts:
+            other = load_model(ref, device=key[1], dtype=key[2])
+            check_same_tokenizer(self.loaded.tokenizer, other.tokenizer, ref)
+            self._drafts[key] = other
+        return self._drafts[key]
+
+    def draft_engine(self, draft: LoadedModel) -> LayeredLM:
+        """The :class:`LayeredLM` over a loaded draft model's own weights (its float levels and the copies
+        sharing its prompt use the same one)."""
+        from hsd_opt.engine.layered import LayeredLM
+
+        if id(draft.model) not in self._float_engines:
+            self._float_engines[id(draft.model)] = LayeredLM(draft.model)
+        return self._float_engines[id(draft.model)]
+
+    def copy(self, model, q: Quantization | None, name: str, source: str, where: str) -> QuantizedLM:
+        """The :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``model`` (the target's or a draft model's) for
+        a ``quantization`` field ``q`` (validated when the plan was loaded)."""
+        from hsd_opt.engine.quantized import QuantizedLM
+
+        if q is None:
+            raise InputFileError(source, f"quantized entry {name!r} needs 'quantization' ({{bits, group_size, "
+                                         f"head_bits}})", where)
+        key = (id(model), q.bits, q.group_size, q.head_bits)
+        if key not in self._copies:
+            try:
+                self._copies[key] = QuantizedLM(model, bits=q.bits, group_size=q.group_size, head_bits=q.head_bits,
+                                                name=name)
+            except HsdError as err:
+                raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
+        return self._copies[key]
+
+    def release_unused_floats(self, plan, hierarchies: Sequence[Sequence[str]],
+                              log: Callable[[str], None] | None = None) -> int:
+        """Once every hierarchy that will run is built: release the float weights of each model no level of
+        ``hierarchies`` runs over its own weights, the draft models loaded only for their quantized copies and,
+        for a plan with a quantized target, the target's (:func:`~hsd_opt.engine.layered.release_float_weights`).
+        Returns the bytes released. For ``hsd run`` and ``hsd serve``; ``hsd bench`` keeps them (its Hugging Face
+        baselines run the float models)."""
+        from hsd_opt.engine.layered import is_released, release_float_weights
+        from hsd_opt.engine.quantized import QUANT_KINDS
+        from hsd_opt.models.loading import resolve_model_name
+
+        entries = {e.name: e for e in plan.models}
+        floats = {resolve_model_name(entries[n].model) for h in hierarchies for n in h
+                  if n in entries and entries[n].kind in ("model", "early_exit") and entries[n].model is not None}
+        copied = {key[0] for key in self._copies}
+        models = [(mid, other.model) for (mid, _, _), other in self._drafts.items()
+                  if mid not in floats and id(other.model) in copied]
+        if plan_target_precision(plan) in QUANT_KINDS:
+            models.append((self.loaded.model_id, self.loaded.model))
+        freed = 0
+        for name, model in models:
+            if is_released(model):
+                continue
+            self._float_engines.pop(id(model), None)     # an engine no hierarchy of these runs
+            try:
+                freed += release_float_weights(model)
+            except HsdError:            # a float engine over it is alive (built for another hierarchy): keep them
+                continue
+            if log:
+                log(f"{name}: only its quantized copies run; its float weights are released")
+        return freed
 
 
-def load_draft_model(loaded, ref: str, device: str | None = None, dtype: str | None = None):
-    """The draft model ``ref`` (alias, id or path) of target ``loaded``, loaded once per process on ``device``/
-    ``dtype`` (default: the target's) and checked to share the target's tokenizer."""
-    from hsd_opt.models.loading import check_same_tokenizer, load_model, resolve_model_name
-
-    cache = _DRAFTS.setdefault(loaded.model, {})
-    key = (resolve_model_name(ref), device or loaded.device, dtype or loaded.dtype)
-    if key not in cache:
-        other = load_model(ref, device=key[1], dtype=key[2])
-        check_same_tokenizer(loaded.tokenizer, other.tokenizer, ref)
-        cache[key] = other
-    return cache[key]
-
-
-def draft_engine(other):
-    """The :class:`LayeredLM` over a loaded draft model's own weights (one per process)."""
-    from hsd_opt.engine.layered import LayeredLM
-
-    if other.model not in _ENGINES:
-        _ENGINES[other.model] = LayeredLM(other.model)
-    return _ENGINES[other.model]
-
-
-def quantized_engine(model, q: Quantization | None, name: str, source: str, where: str):
-    """The :class:`~hsd_opt.engine.quantized.QuantizedLM` of ``model`` for a ``quantization`` field ``q`` (settings
-    validated when the plan was loaded), built once per model and setting per process."""
-    from hsd_opt.engine.quantized import QuantizedLM
-
-    if q is None:
-        raise InputFileError(source, f"quantized entry {name!r} needs 'quantization' ({{bits, group_size, "
-                                     f"head_bits}})", where)
-    cache = _QUANTIZED.setdefault(model, {})
-    key = (q.bits, q.group_size, q.head_bits)
-    if key not in cache:
-        try:
-            cache[key] = QuantizedLM(model, bits=q.bits, group_size=q.group_size, head_bits=q.head_bits, name=name)
-        except HsdError as err:
-            raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
-    return cache[key]
-
-
-def _quantized_level(name: str, e: PlanModel, loaded, source: str, where: str, device: str | None,
-                     dtype: str | None) -> Level:
+def _quantized_level(models: PlanModels, name: str, e: PlanModel, source: str, where: str) -> Level:
     """A level over a quantized copy from a ``quantized`` entry: of the target, or with ``model`` of that draft
     model (one copy per model and setting)."""
-    model = load_draft_model(loaded, e.model, device, dtype).model if e.model else loaded.model
-    qlm = quantized_engine(model, e.quantization, name, source, where)
-    layer = qlm.n_layers if e.layer is None else e.layer
-    if not 1 <= layer <= qlm.n_layers:
-        raise InputFileError(source, f"layer {layer!r} of {name!r}: the model has layers 1..{qlm.n_layers}", where)
-    return Level(name, qlm, layer)
-
-
-def release_unused_floats(plan, loaded, hierarchies: Sequence[Sequence[str]], log=None) -> int:
-    """Once every hierarchy that will run is built: release the float weights of each model no level of
-    ``hierarchies`` runs over its own weights, the draft models loaded only for their quantized copies and,
-    for a plan with a quantized target, the target's (:func:`~hsd_opt.engine.layered.release_float_weights`).
-    Returns the bytes released. For ``hsd run`` and ``hsd serve``; ``hsd bench`` keeps them (its Hugging Face
-    baselines run the float models)."""
-    from hsd_opt.engine.layered import is_released, release_float_weights
-    from hsd_opt.engine.quantized import QUANT_KINDS
-    from hsd_opt.models.loading import resolve_model_name
-
-    entries = {e.name: e for e in plan.models}
-    floats = {resolve_model_name(entries[n].model) for h in hierarchies for n in h
-              if n in entries and entries[n].kind in ("model", "early_exit") and entries[n].model is not None}
-    freed = 0
-    models = [(mid, other.model) for (mid, _, _), other in list(_DRAFTS.get(loaded.model, {}).items())
-              if mid not in floats and other.model in _QUANTIZED]
-    if plan_target_precision(plan) in QUANT_KINDS:
-        models.append((loaded.model_id, loaded.model))
-    for name, model in models:
-        if is_released(model):
-            continue
-        try:
-            freed += release_float_weights(model)
-        except HsdError:            # a float engine over it is alive (built for another hierarchy): keep them
-            continue
-        if log:
-            log(f"{name}: only its quantized copies run; its float weights are released")
-    return freed
+    model = models.draft_model(e.model).model if e.model else models.loaded.model
+    copy = models.copy(model, e.quantization, name, source, where)
+    layer = copy.n_layers if e.layer is None else e.layer
+    if not 1 <= layer <= copy.n_layers:
+        raise InputFileError(source, f"layer {layer!r} of {name!r}: the model has layers 1..{copy.n_layers}", where)
+    return Level(name, copy, layer)
 
 
 def load_plan_heads(plan, loaded, source: str = "plan"):
@@ -268,15 +285,17 @@ def load_plan_heads(plan, loaded, source: str = "plan"):
     return heads
 
 
-def hsd_for_plan(plan, loaded, lm=None, mode: str = "exact", source: str = "plan", hierarchy=None,
-                 budgets=None) -> HSD:
-    """An :class:`HSD` runner for ``plan`` (or for ``hierarchy``/``budgets`` drawn from the same plan's models)."""
+def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "plan", hierarchy=None,
+                 budgets=None, models: PlanModels | None = None) -> HSD:
+    """An :class:`HSD` runner for ``plan`` (or for ``hierarchy``/``budgets`` drawn from the same plan's models),
+    over ``models`` (a new :class:`PlanModels` of ``loaded`` when None: pass one to share engines between
+    runners)."""
     if hierarchy is not None:
         from copy import copy
 
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
-    levels = build_levels(plan, loaded, lm=lm, source=source)
+    levels = build_levels(plan, models or PlanModels(loaded), source=source)
     return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
 
 
