@@ -7,11 +7,11 @@ torch path and the C kernels). Units: positions and token counts; shapes in the 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
-from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.state import DecodeState, Rows
 
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
@@ -24,6 +24,10 @@ class Backend(Protocol):
                sin: torch.Tensor) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` of ``st``, writing
         their keys and values into ``st``'s caches; ``cos``/``sin`` ``[1, m, head_dim]``. Returns ``[m, d]``."""
+
+    def layers_many(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
+        """:meth:`layers` for several sequences (each part its own state and positions), each part's result bit for
+        bit what :meth:`layers` gives it alone."""
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
@@ -58,6 +62,10 @@ class Engine(Protocol):
         """Run layers ``0 .. upto-1`` over every position each has not processed (a step over 1 new position, a
         pass over ``t``: verification); returns positions x layers computed."""
 
+    def advance_many(self, work: Sequence[tuple[DecodeState, int]]) -> list[int]:
+        """:meth:`advance` of several states (one per sequence), batched where it can be; each state gets what
+        :meth:`advance` gives it alone."""
+
     def crop(self, st: DecodeState, n: int) -> None:
         """Keep the first ``n`` tokens (after a rejection); every layer forgets the rest."""
 
@@ -66,6 +74,12 @@ class Engine(Protocol):
 
     def greedy_ids(self, st: DecodeState, boundary: int, start: int, end: int) -> torch.Tensor:
         """``logits(...).argmax(-1)`` (int64 ``[end - start]``), possibly without computing every logit."""
+
+    def logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+        """:meth:`logits` of several ``(state, boundary, start, end)`` reads, each as it is alone."""
+
+    def greedy_ids_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+        """:meth:`greedy_ids` of several reads, each as it is alone."""
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """The exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""

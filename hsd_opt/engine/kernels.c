@@ -67,7 +67,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 10; }
+int hsd_version(void) { return 11; }
 int hsd_simd(void) { return HSD_AVX2; }
 
 /* The layout the Python side checks at load: version, struct sizes, and the offsets of the last fields. */
@@ -895,14 +895,23 @@ long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
         + (long)nthreads * ((H / KV) * (cache_len + 16) + 4L * mk + 16);
 }
 
-/* Decoder layers l0 .. l1-1 on x [m, hidden] (in place) at positions start .. start+m-1.
- * cos, sin: [m, head_dim] rotary tables of those positions. kc[l], vc[l]: layer l's cache [n_kv, cache_len,
- * head_dim] (positions < start already filled; this pass writes start .. start+m-1). work: hsd_work_floats()
- * floats. Returns 0, or -1 on bad arguments. */
-int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, const float *cos, const float *sin,
-               float *const *kc, float *const *vc, int cache_len, float *work, int nthreads) {
+/* Decoder layers l0 .. l1-1 on x [m, hidden] (in place). Row t is position pos[t] of sequence seq[t]; the rows of
+ * one sequence are consecutive positions in order, so the sequences of a batch share every matrix product (each
+ * weight row read once for all their rows) and each row attends over its own sequence's cache.
+ * cos, sin: [m, head_dim] rotary tables of the rows' positions. kc[s][l], vc[s][l]: sequence s's layer-l cache
+ * [n_kv, cache_len[s], head_dim] (its positions before its first row already filled; this pass writes the rows'
+ * positions). work: hsd_work_floats(M, m, the largest cache_len, nthreads) floats. Returns 0, or -1 on bad
+ * arguments. */
+int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_t *pos, const int32_t *seq,
+               const float *cos, const float *sin, float *const *const *kc, float *const *const *vc,
+               const int32_t *cache_len, float *work, int nthreads) {
     const int H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
-    if (m < 1 || start < 0 || start + m > cache_len || KV < 1 || H % KV || hd % 2) return -1;
+    if (m < 1 || KV < 1 || H % KV || hd % 2) return -1;
+    int max_len = 0;
+    for (int t = 0; t < m; t++) {
+        if (seq[t] < 0 || pos[t] < 0 || pos[t] >= cache_len[seq[t]]) return -1;
+        max_len = cache_len[seq[t]] > max_len ? cache_len[seq[t]] : max_len;
+    }
     const int QW = H * hd, KW = KV * hd, QKVW = QW + 2 * KW;
     float *h = work;                     /* [m, d] normed input */
     float *qkv = h + (size_t)m * d;      /* [m, QKVW] */
@@ -914,19 +923,15 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
     int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
     float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
     const int rep = H / KV;
-    const size_t per_thread = (size_t)rep * (cache_len + 16) + 4 * (size_t)mk + 16;
-    /* long caches: the query heads of a key/value head together (its keys and values read once, not rep times);
-     * short ones: one task per query head (more tasks to share between threads). The same values either way. */
-    const int shared = rep > 1 && start + 1 >= HSD_SHARED_ATTENTION;
+    const size_t per_thread = (size_t)rep * (max_len + 16) + 4 * (size_t)mk + 16;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num();
         float *sc = scr + (size_t)tid * per_thread;
-        float *buf = sc + (size_t)rep * (cache_len + 16);
+        float *buf = sc + (size_t)rep * (max_len + 16);
         qx_t X = {xq, xd, xsum, 0};
         for (int l = l0; l < l1; l++) {
             const hsd_layer *L = &M->layers[l];
-            float *K = kc[l], *V = vc[l];
             /* 1. input norm */
 #pragma omp single
             {
@@ -954,23 +959,24 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, int start, c
                     int g = hh - H;
                     float *kv = row + QW + g * hd;
                     rope(kv, cs, sn, hd);
-                    size_t at = ((size_t)g * cache_len + start + t) * hd;
-                    memcpy(K + at, kv, hd * sizeof(float));
-                    memcpy(V + at, row + QW + KW + g * hd, hd * sizeof(float));
+                    size_t at = ((size_t)g * cache_len[seq[t]] + pos[t]) * hd;
+                    memcpy(kc[seq[t]][l] + at, kv, hd * sizeof(float));
+                    memcpy(vc[seq[t]][l] + at, row + QW + KW + g * hd, hd * sizeof(float));
                 }
             }
-            /* 4. attention (implicit barrier above) */
+            /* 4. attention (implicit barrier above): one task per row and query head; a row with a long cache
+             * attends the query heads of a key/value head together in the task of the group's first head (its
+             * keys and values read once, not rep times), the group's other tasks idle. The same values either way. */
 #pragma omp for schedule(static)
-            for (int task = 0; task < m * (shared ? KV : H); task++) {
-                if (shared) {
-                    int t = task / KV, g = task % KV;
-                    attend_shared(qkv + (size_t)t * QKVW + g * rep * hd, rep, K + (size_t)g * cache_len * hd,
-                                  V + (size_t)g * cache_len * hd, start + t, hd, sc,
-                                  att + (size_t)t * QW + g * rep * hd);
+            for (int task = 0; task < m * H; task++) {
+                const int t = task / H, hh = task % H, g = hh / rep, p = pos[t], n = cache_len[seq[t]];
+                const float *K = kc[seq[t]][l] + (size_t)g * n * hd, *V = vc[seq[t]][l] + (size_t)g * n * hd;
+                if (rep > 1 && p + 1 >= HSD_SHARED_ATTENTION) {
+                    if (hh % rep == 0)
+                        attend_shared(qkv + (size_t)t * QKVW + hh * hd, rep, K, V, p, hd, sc,
+                                      att + (size_t)t * QW + hh * hd);
                 } else {
-                    int t = task / H, hh = task % H, g = hh / rep;
-                    attend_one(qkv + (size_t)t * QKVW + hh * hd, K + (size_t)g * cache_len * hd,
-                               V + (size_t)g * cache_len * hd, start + t, hd, sc, att + (size_t)t * QW + hh * hd);
+                    attend_one(qkv + (size_t)t * QKVW + hh * hd, K, V, p, hd, sc, att + (size_t)t * QW + hh * hd);
                 }
             }
             /* 5. x += o(att) (implicit barrier above) */

@@ -35,17 +35,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Mat, ModelWeights
 from hsd_opt.errors import HsdError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 10
+ABI_VERSION = 11
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
 MAX_PASS = 64
+#: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
+BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
 #: (docs/results.md, "The kernels against the torch path").
 TORCH_PATH_SLOWDOWN = "about 3x"
@@ -142,8 +144,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_work_floats.restype = ctypes.c_long
     lib.hsd_work_floats.argtypes = [ctypes.POINTER(_CModel), ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.hsd_layers.restype = ctypes.c_int
-    lib.hsd_layers.argtypes = [ctypes.POINTER(_CModel), ctypes.c_int, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int,
-                               _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int]
+    lib.hsd_layers.argtypes = [ctypes.POINTER(_CModel), ctypes.c_int, ctypes.c_int, _P, ctypes.c_int, _P, _P, _P,
+                               _P, _P, _P, _P, _P, ctypes.c_int]
     lib.hsd_linear.restype = ctypes.c_int
     lib.hsd_linear.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.hsd_rows_f32.restype = ctypes.c_int
@@ -318,23 +320,45 @@ class KernelPath:
         """Layers ``l0 .. l1-1`` on ``x`` ``[m, hidden]`` at positions ``start .. start+m-1`` of ``st`` (float32
         caches), in passes of at most :data:`MAX_PASS` positions; returns the new hidden states (float32; ``x`` is
         not changed). ``cos``/``sin`` ``[1, m, head_dim]``."""
-        if st.cache_ptrs is None:
-            st.cache_ptrs = (cache_ptrs(st.k), cache_ptrs(st.v))
-        kptrs, vptrs = st.cache_ptrs
-        x = x.to(torch.float32).clone()       # updated in place; the caller's tensor may be a saved residual
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        return self.layers_many(l0, l1, [Rows(x, st, start, cos, sin)])[0]
+
+    def layers_many(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
+        """:meth:`layers` for several sequences at once: every row of every part in one call (in passes of at most
+        :data:`BATCH_ROWS` rows; one part: :data:`MAX_PASS`), each weight row read once for all of them, each row
+        attending over its own sequence's cache. The kernels compute every row as they would alone, so each part
+        gets bit for bit what :meth:`layers` gives it. Returns each part's new hidden states."""
+        for p in parts:
+            if p.st.cache_ptrs is None:
+                p.st.cache_ptrs = (cache_ptrs(p.st.k), cache_ptrs(p.st.v))
+        ms = [p.x.shape[0] for p in parts]
+        if len(parts) == 1:
+            p = parts[0]
+            x = p.x.to(torch.float32).clone()       # updated in place; the caller's tensor may be a saved residual
+            pos = torch.arange(p.start, p.start + ms[0], dtype=torch.int32)
+            seq = torch.zeros(ms[0], dtype=torch.int32)
+            cos, sin = p.cos[0].float().contiguous(), p.sin[0].float().contiguous()
+        else:
+            x = torch.cat([p.x.to(torch.float32) for p in parts])
+            pos = torch.cat([torch.arange(p.start, p.start + m, dtype=torch.int32) for p, m in zip(parts, ms)])
+            seq = torch.repeat_interleave(torch.arange(len(parts), dtype=torch.int32), torch.tensor(ms))
+            cos = torch.cat([p.cos[0] for p in parts]).float().contiguous()
+            sin = torch.cat([p.sin[0] for p in parts]).float().contiguous()
+        kc = (ctypes.c_void_p * len(parts))(*[ctypes.addressof(p.st.cache_ptrs[0]) for p in parts])
+        vc = (ctypes.c_void_p * len(parts))(*[ctypes.addressof(p.st.cache_ptrs[1]) for p in parts])
+        lens = torch.tensor([p.st.max_len for p in parts], dtype=torch.int32)
+        longest = max(p.st.max_len for p in parts)
         nt = torch.get_num_threads()
-        for i in range(0, x.shape[0], MAX_PASS):
-            xi = x[i:i + MAX_PASS]
-            m = xi.shape[0]
-            work = self._work_for(m, st.max_len, nt)
-            rc = self.lib.hsd_layers(ctypes.byref(self.c), l0, l1, xi.data_ptr(), m, start + i,
-                                     cos[i:].data_ptr(), sin[i:].data_ptr(), kptrs, vptrs, st.max_len,
-                                     work.data_ptr(), nt)
+        step = MAX_PASS if len(parts) == 1 else BATCH_ROWS
+        for i in range(0, x.shape[0], step):
+            m = min(step, x.shape[0] - i)
+            work = self._work_for(m, longest, nt)
+            rc = self.lib.hsd_layers(ctypes.byref(self.c), l0, l1, x[i:].data_ptr(), m, pos[i:].data_ptr(),
+                                     seq[i:].data_ptr(), cos[i:].data_ptr(), sin[i:].data_ptr(), kc, vc,
+                                     lens.data_ptr(), work.data_ptr(), nt)
             if rc != 0:
-                raise HsdError(f"kernels: bad pass (layers {l0}..{l1 - 1}, {m} positions from {start + i}, "
-                               f"cache {st.max_len})")
-        return x
+                raise HsdError(f"kernels: bad pass (layers {l0}..{l1 - 1}, rows {i}..{i + m - 1} of {len(parts)} "
+                               f"sequences)")
+        return list(x.split(ms))
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm of hidden ``[m, d]`` (the kernels' own, batch-invariant), float32."""

@@ -25,7 +25,7 @@ engine over quantized weights. Shapes: batch size 1. Hidden states ``[m, d]`` fo
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from hsd_opt.engine import kernels
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
-from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.torch_path import TorchPath
 from hsd_opt.engine.weights import (
     F32,
@@ -260,13 +260,10 @@ class LayeredLM:
         cos, sin = self.rotary(dummy, pos)
         return cos[0].unsqueeze(0), sin[0].unsqueeze(0)  # [1, m, head_dim] broadcast over heads
 
-    @torch.no_grad()
-    def advance(self, st: DecodeState, upto: int) -> int:
-        """Run layers ``0 .. upto-1`` over every position each has not processed; return positions computed.
-
-        The residual stream after ``upto`` layers is saved for the new positions, as it is at every boundary
-        in ``st.resid``. The return value (sum over layers of positions processed) is what the pass cost.
-        """
+    def _runs(self, st: DecodeState, upto: int) -> Generator[Rows, torch.Tensor, int]:
+        """:meth:`advance` as the runs of layers it computes: yields ``(l0, l1, rows)`` for each run of layers
+        ``l0 .. l1-1`` over some positions of ``st`` and receives their new hidden states; returns the positions
+        computed (summed over layers)."""
         if not 0 <= upto <= self.n_layers:
             raise HsdError(f"layer {upto} is out of range: the model has layers 1..{self.n_layers}")
         n = st.n
@@ -295,7 +292,7 @@ class LayeredLM:
             while r < upto and st.lens[r] == x_start and r not in st.resid:
                 r += 1
             off = x_start - lo
-            x = self.run_layers(l, r, x, st, x_start, cos_all[:, off:], sin_all[:, off:])
+            x = yield l, r, Rows(x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):
                 st.lens[j] = n
@@ -304,6 +301,56 @@ class LayeredLM:
             l = r
         self._resid(st, upto)[x_start:n] = x
         return work
+
+    @torch.no_grad()
+    def advance(self, st: DecodeState, upto: int) -> int:
+        """Run layers ``0 .. upto-1`` over every position each has not processed; return positions computed.
+
+        The residual stream after ``upto`` layers is saved for the new positions, as it is at every boundary
+        in ``st.resid``. The return value (sum over layers of positions processed) is what the pass cost.
+        """
+        runs = self._runs(st, upto)
+        try:
+            l0, l1, rows = next(runs)
+            while True:
+                l0, l1, rows = runs.send(self.run_layers(l0, l1, rows.x, rows.st, rows.start, rows.cos, rows.sin))
+        except StopIteration as done:
+            return done.value
+
+    @torch.no_grad()
+    def advance_many(self, work: Sequence[tuple[DecodeState, int]]) -> list[int]:
+        """:meth:`advance` of several states (sequences), each to its own boundary: the runs of layers they have in
+        common are computed in one pass over all their rows where the kernels take it (each weight read once for
+        every sequence), the others one sequence at a time. Each state gets bit for bit what :meth:`advance` gives
+        it alone. Returns the positions computed per state."""
+        runs = [self._runs(st, upto) for st, upto in work]
+        done: list[int] = [0] * len(runs)
+        pending: dict[int, tuple[int, int, Rows]] = {}
+
+        def step(i: int, value: torch.Tensor | None) -> None:
+            try:
+                pending[i] = next(runs[i]) if value is None else runs[i].send(value)
+            except StopIteration as stop:
+                done[i] = stop.value
+                pending.pop(i, None)
+
+        for i in range(len(runs)):
+            step(i, None)
+        while pending:
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, (l0, l1, rows) in pending.items():
+                together = self._kernels is not None and rows.x.shape[0] <= kernels.MAX_PASS
+                groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
+            for key, idx in groups.items():
+                l0, l1 = key[0], key[1]
+                if len(idx) == 1:
+                    rows = pending[idx[0]][2]
+                    outs = [self.run_layers(l0, l1, rows.x, rows.st, rows.start, rows.cos, rows.sin)]
+                else:
+                    outs = self._kernels.layers_many(l0, l1, [pending[i][2] for i in idx])
+                for i, out in zip(idx, outs):
+                    step(i, out)
+        return done
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """Exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
@@ -332,6 +379,35 @@ class LayeredLM:
             if ids is not None:
                 return ids
         return self.logits(st, boundary, start, end).argmax(-1)
+
+    @torch.no_grad()
+    def logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+        """:meth:`logits` of several ``(state, boundary, start, end)`` reads: the rows through the model's own head
+        in one kernel call where the kernels take them (each row as it is computed alone), else one read at a
+        time. Each read gets bit for bit what :meth:`logits` gives it."""
+        out: list[torch.Tensor | None] = [None] * len(reads)
+        shared = [i for i, (st, b, s0, s1) in enumerate(reads)
+                  if self._kernels is not None and b not in self.exit_heads and s1 - s0 <= kernels.MAX_PASS]
+        if len(shared) > 1:
+            for i in shared:
+                _check_computed(reads[i][0], reads[i][1], reads[i][3])
+            hidden = torch.cat([reads[i][0].resid[reads[i][1]][reads[i][2]:reads[i][3]] for i in shared])
+            rows = self._kernels.head(hidden).split([reads[i][3] - reads[i][2] for i in shared])
+            for i, r in zip(shared, rows):
+                out[i] = r
+        for i, (st, b, s0, s1) in enumerate(reads):
+            if out[i] is None:
+                out[i] = self.logits(st, b, s0, s1)
+        return out
+
+    @torch.no_grad()
+    def greedy_ids_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+        """:meth:`greedy_ids` of several ``(state, boundary, start, end)`` reads: alone, a read of one or two rows
+        goes through the head's int8 screen (:mod:`hsd_opt.engine.screen`); together they share one pass over the
+        full head (:meth:`logits_many`). The same ids either way (the screen's argmax is exact)."""
+        if len(reads) == 1:
+            return [self.greedy_ids(*reads[0])]
+        return [lg.argmax(-1) for lg in self.logits_many(reads)]
 
     @torch.no_grad()
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The decoding state of one sequence in one engine: its tokens, a K/V cache per layer, and how far each layer got.
+"""The decoding state of one sequence in one engine (its tokens, a K/V cache per layer, how far each layer got), and
+the rows one sequence brings to a pass.
 
 Shapes: caches ``[1, n_kv, max_len, head_dim]`` per layer; residual streams ``[max_len, hidden]``.
 """
@@ -38,3 +39,15 @@ class DecodeState:
 
     def token_list(self) -> list[int]:
         return self.tokens[: self.n].tolist()
+
+
+@dataclass
+class Rows:
+    """One sequence's rows of a pass: hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` of ``st``, with
+    their rotary tables ``cos``/``sin`` ``[1, m, head_dim]``."""
+
+    x: torch.Tensor
+    st: DecodeState
+    start: int
+    cos: torch.Tensor
+    sin: torch.Tensor

@@ -14,11 +14,13 @@ the pass). Shapes: hidden ``[m, d]`` for ``m`` positions; caches ``[1, n_kv, max
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine.ops import causal_attention, rms_norm_reference, rotate_half
-from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import Mat, ModelWeights
 
 
@@ -82,6 +84,12 @@ class TorchPath:
         for l in range(l0, l1):
             x = self.layer(l, x, st.k[l], st.v[l], start, cos, sin)
         return x
+
+    def layers_many(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
+        """:meth:`layers` for several sequences, one after the other: a matrix product over the rows of several
+        sequences would round differently from one over each sequence's rows alone (the blocking of a GEMM
+        depends on the row count), so each sequence gets exactly what it gets alone."""
+        return [self.layers(l0, l1, p.x, p.st, p.start, p.cos, p.sin) for p in parts]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
