@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from typer.testing import CliRunner
 
+from hsd_opt.drafters.base import TokenDrafter
 from hsd_opt.formats import Profile, profile_from_dict
 
 # ------------------------------------------------------------------------------------------------ tiny models
@@ -225,7 +226,7 @@ def cli_output(res) -> str:
 # ------------------------------------------------------------------------------------------------ token drafters
 
 
-class CycleDrafter:
+class CycleDrafter(TokenDrafter):
     """A deterministic token drafter: proposes ``(last + k * step) % V`` continuations and sometimes copies the
     token that followed the last token earlier in the context (so it is right now and then)."""
 

@@ -11,7 +11,7 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from hsd_opt.runtime.decode import HSD, Level, process_logits
+from hsd_opt.runtime.decode import HSD, Decoding, Level, process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 
@@ -98,21 +98,21 @@ def test_exact_mode_hands_up_exactly_budget():
     model = make_tiny_llama(seed=4, vocab_size=32, layers=6, scale=8.0)
     lm = LayeredLM(model)
     sizes = []
-    orig = HSD._level
+    orig = Decoding._level
 
     def spy(self, k):
         room = self.limit - len(self.seq)
-        toks, q = orig(self, k)
-        if k == 1 and len(self.levels) == 3:
+        toks, q = yield from orig(self, k)
+        if k == 1 and len(self.hsd.levels) == 3:
             sizes.append((len(toks), room))
         return toks, q
 
-    HSD._level = spy
+    Decoding._level = spy
     try:
         h = HSD([Level("l1", lm, 1), Level("l3", lm, 3), Level("l6", lm, 6)], [2, 5], mode="exact")
         h.generate([3, 4, 5], 60)
     finally:
-        HSD._level = orig
+        Decoding._level = orig
     assert len(sizes) > 5 and all(n == min(5, room) for n, room in sizes)
 
 
@@ -120,7 +120,7 @@ def _record_rounds_and_passes(monkeypatch, lm, upto):
     """Record, in order, every pass of ``lm`` up to layer ``upto`` (``("pass", positions)``) and every round of
     the top level (``("round", whole block accepted)``) while ``monkeypatch`` is in effect; returns the list."""
     events = []
-    orig_advance, orig_level = lm.advance, HSD._level
+    orig_advance, orig_level = lm.advance, Decoding._level
 
     def advance(st, u):
         work = orig_advance(st, u)
@@ -129,15 +129,16 @@ def _record_rounds_and_passes(monkeypatch, lm, upto):
         return work
 
     def level(self, k):
-        before = (self.stats[k].drafted, self.stats[k].accepted)
-        out = orig_level(self, k)
-        if k == len(self.levels) - 1:
-            d, a = self.stats[k].drafted - before[0], self.stats[k].accepted - before[1]
+        stats = self.stats[self.hsd.levels[k].name]
+        before = (stats.drafted, stats.accepted)
+        out = yield from orig_level(self, k)
+        if k == len(self.hsd.levels) - 1:
+            d, a = stats.drafted - before[0], stats.accepted - before[1]
             events.append(("round", d > 0 and a == d))
         return out
 
     monkeypatch.setattr(lm, "advance", advance)
-    monkeypatch.setattr(HSD, "_level", level)
+    monkeypatch.setattr(Decoding, "_level", level)
     return events
 
 
@@ -172,6 +173,7 @@ def test_token_drafter_bottom_and_observe():
     model = make_tiny_llama(seed=5, vocab_size=40, layers=4, scale=6.0)
     lm = LayeredLM(model)
     dr = CycleDrafter(40)
+    dr.fork = lambda: dr                 # the generation uses this very drafter (not a fork of it)
     prompt = [3, 4, 5, 6, 3, 4, 5]
     h = HSD([Level("cycle", drafter=dr), Level("layer2", lm, 2), Level("layer4", lm, 4)], [3, 4])
     res = h.generate(prompt, 25)

@@ -40,6 +40,7 @@ repeating its last token (or the last context token).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -322,6 +323,13 @@ class AdedDrafter(TokenDrafter):
         self.max_prob, self.max_length = float(max_prob), int(max_length)
         self.name = name
         self._memo: tuple | None = None
+
+    def fork(self) -> "AdedDrafter":
+        """A drafter for another sequence; the trigram matrix (and what adapting teaches it) stays shared: its
+        drafts may then depend on the other sequences decoded since, never the output (drafts are verified)."""
+        new = copy.copy(self)
+        new._memo = None
+        return new
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         self._memo = None

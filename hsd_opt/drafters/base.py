@@ -8,6 +8,7 @@ one-hot (q(x) = 1 for the proposed token), so it can only be the bottom level of
 from __future__ import annotations
 
 import abc
+import copy
 from typing import Sequence
 
 
@@ -30,6 +31,12 @@ class TokenDrafter(abc.ABC):
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start of a new sequence whose first tokens are ``prompt_ids``. Default: no state to reset."""
+
+    def fork(self) -> "TokenDrafter":
+        """A drafter for another sequence, decoded at the same time as this one's: the same configuration and
+        read-only data (tables), and per-sequence state of its own once :meth:`reset` is called. Default: a
+        shallow copy (every per-sequence structure is rebuilt by :meth:`reset`)."""
+        return copy.copy(self)
 
     @abc.abstractmethod
     def propose(self, context: Sequence[int], n: int) -> list[int]:

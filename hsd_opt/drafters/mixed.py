@@ -14,6 +14,7 @@ used (accept ``x`` w.p. ``p(x)``, else resample from ``p`` with ``x`` removed), 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -44,6 +45,11 @@ class MixedNgramDrafter(TokenDrafter):
                  name: str = "mixed"):
         self.ngram, self.bigram, self.k, self.w, self.name = ngram, bigram, int(k), int(w), name
         self.last_sources: list[str] = []  # per row of the last batch: "ngram" | "bigram" (for ablations)
+
+    def fork(self) -> "MixedNgramDrafter":
+        new = copy.copy(self)
+        new.ngram, new.bigram, new.last_sources = self.ngram.fork(), self.bigram.fork(), []
+        return new
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         self.ngram.reset(prompt_ids)

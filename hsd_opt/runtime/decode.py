@@ -9,8 +9,10 @@ A hierarchy is a list of :class:`Level` s, cheapest (bottom) first, target last:
 - a **token level** is a :class:`~hsd_opt.drafters.base.TokenDrafter` (n-gram, bigram, ADED): bottom only,
   its draft distribution is one-hot.
 
-All levels see one token sequence. Every state holds it; ``_append``/``_crop`` keep them in sync, so a rejection
-at any level crops every cache back to the accepted length. A model level verifying a block calls
+All levels see one token sequence. Each generation is a :class:`Decoding` (one sequence); every state of it holds
+the sequence, and ``_append``/``_crop`` keep them in sync, so a rejection at any level crops every cache back to
+the accepted length. A decoding asks for engine passes by yielding them (:class:`Pass`), so that one driver can
+run the passes of many sequences together (:mod:`hsd_opt.runtime.batch`). A model level verifying a block calls
 ``advance(state, boundary)``, which only runs the layers (and positions) not yet computed: an exit at ``b``
 verifying drafts of an exit at ``a < b`` of the same model runs layers ``a .. b-1`` on them, nothing twice.
 
@@ -28,14 +30,14 @@ identically at every level); a draft ``x`` with draft distribution ``q`` is acce
 draft is accepted a bonus token is sampled from ``p``. Each level hands up its tokens together with its own
 ``p`` rows at those positions (Algorithm 2 line 23), which the level above uses as ``q``.
 
-Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32, batch size 1.
+Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
@@ -170,8 +172,40 @@ def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
     return i
 
 
+@dataclass
+class Pass:
+    """What a decoding waits for: ``engine`` advances ``state`` to ``boundary``, then reads positions
+    ``start .. end-1`` there: their greedy ids (a list of ints) when ``greedy``, else their logits ``[m, V]``."""
+
+    engine: Engine
+    state: DecodeState
+    boundary: int
+    start: int
+    end: int
+    greedy: bool
+
+
+@dataclass
+class Committed:
+    """The target committed ``tokens`` (a round ended); the decoding is told whether to stop (True) in reply."""
+
+    tokens: list[int]
+
+
+def serve(p: Pass) -> list[int] | torch.Tensor:
+    """One :class:`Pass` computed alone."""
+    p.engine.advance(p.state, p.boundary)
+    if p.greedy:
+        return p.engine.greedy_ids(p.state, p.boundary, p.start, p.end).tolist()
+    return p.engine.logits(p.state, p.boundary, p.start, p.end)
+
+
 class HSD:
-    """Runs one hierarchy: ``HSD(levels, budgets).generate(prompt_ids, max_new_tokens, ...)``.
+    """One hierarchy: ``HSD(levels, budgets).generate(prompt_ids, max_new_tokens, ...)``.
+
+    It holds the levels and the rules; each generation is a :class:`Decoding` of its own (its caches, token
+    drafters' state, random generator and counters), so several can run at once over the same engines
+    (:mod:`hsd_opt.runtime.batch`). Decoding states are reused between generations (a pool per engine).
 
     Args:
         levels: bottom first, target last (``levels[-1]`` must be a model level). A depth-1 hierarchy is our
@@ -210,73 +244,187 @@ class HSD:
         self.mode = mode
         self.residual = residual  # False only in tests: a deliberately wrong sampler (resample from p)
         self.share_prompt = share_prompt
-        # one decoding state per distinct engine; exits of one model share it
-        self._engines: list[Engine] = []
+        #: the distinct engines, in level order (exits of one model share one), and the boundaries each is read at
+        self.engines: list[Engine] = []
         for lv in levels:
-            if lv.is_model and all(lv.engine is not m for m in self._engines):
-                self._engines.append(lv.engine)
-        self._states: list[DecodeState | None] = [None] * len(self._engines)
-        self._level_state = [next(i for i, m in enumerate(self._engines) if m is lv.engine) if lv.is_model else -1
-                             for lv in levels]
+            if lv.is_model and all(lv.engine is not m for m in self.engines):
+                self.engines.append(lv.engine)
+        self.bounds = {id(e): sorted({lv.boundary for lv in levels if lv.engine is e}) for e in self.engines}
+        self._free: dict[int, list[DecodeState]] = {}     # id(engine) -> states no decoding holds
+
+    @property
+    def target(self) -> Engine:
+        return self.levels[-1].engine
+
+    def take_state(self, eng: Engine, max_len: int, bounds: Sequence[int]) -> DecodeState:
+        """A decoding state of ``eng`` with room for ``max_len`` tokens keeping ``bounds``: a free one (cropped to
+        nothing) when one is large enough, else a new one."""
+        free = self._free.get(id(eng), [])
+        for i, st in enumerate(free):
+            if st.max_len >= max_len and all(b in st.resid for b in bounds):
+                eng.crop(free.pop(i), 0)
+                return st
+        return eng.new_state(max(max_len, 256), save_boundaries=bounds)
+
+    def give_state(self, eng: Engine, st: DecodeState) -> None:
+        """Return a state to the pool (one free state per engine is kept)."""
+        self._free[id(eng)] = [st]
+
+    def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+              seed: int = 0) -> "Decoding":
+        """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet)."""
+        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0,
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
+
+        ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
+        returns True the generation ends after that block (a stop string was seen, the client went away) and the
+        result holds every committed token, with ``stats["stopped"] == "callback"``. Each call starts afresh:
+        its own caches, token drafters and random generator, so nothing of an earlier (or abandoned) generation
+        carries over.
+        """
+        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed)
+        try:
+            d.prefill()
+            steps = d.steps()
+            reply: object = None
+            while True:
+                try:
+                    req = steps.send(reply)
+                except StopIteration:
+                    break
+                if isinstance(req, Pass):
+                    reply = serve(req)
+                else:
+                    reply = on_tokens(req.tokens) is True if on_tokens is not None else False
+            return d.result()
+        finally:
+            d.close()
+
+
+class Decoding:
+    """One sequence decoded by a hierarchy: its tokens, a decoding state per engine, its token drafters (forked from
+    the hierarchy's), its random generator and its counters.
+
+    :meth:`prefill` computes the prompt; :meth:`steps` is the rest of the generation as a generator that yields a
+    :class:`Pass` whenever it needs an engine (and is sent its result) and a :class:`Committed` after every round
+    (and is sent whether to stop). Whoever drives it decides when passes run and with which other sequences':
+    :meth:`HSD.generate` runs each alone, :mod:`hsd_opt.runtime.batch` runs those of many decodings together. The
+    tokens do not depend on the driver: every pass computes, for this sequence, what it computes alone.
+    :meth:`switch` makes the next round use another hierarchy over the same target (caches of engines new to the
+    sequence are filled when first used); :meth:`result` and :meth:`close` end it.
+    """
+
+    def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0):
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise HsdError("empty prompt: need at least one token")
+        check_generation_args(max_new_tokens, temperature, top_p)
+        self.hsd = hsd
+        self.greedy = temperature == 0
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.device = hsd.target.device
+        self.gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        self.prompt = prompt
+        self.n_prompt = len(prompt)
+        self.limit = len(prompt) + int(max_new_tokens)
+        self.seq: list[int] = []
+        self._engines: dict[int, tuple[Engine, HSD]] = {}      # id(engine) -> (engine, the hierarchy it came from)
+        self._states: dict[int, DecodeState] = {}
+        self._drafters: dict[str, TokenDrafter] = {}
+        self.stats: dict[str, LevelStats] = {}
+        self._next: HSD | None = None
+        self._asked_stop = False
+        self.done = False
+        self._add(hsd)
+        self.t0 = self.t1 = self.t2 = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------ sequence
+
+    def _add(self, hsd: HSD) -> None:
+        """Take on ``hsd``'s engines, drafters and counters (the union of every hierarchy the sequence used)."""
+        for eng in hsd.engines:
+            self._engines.setdefault(id(eng), (eng, hsd))
+        for lv in hsd.levels:
+            self.stats.setdefault(lv.name, LevelStats(lv.name))
+            if lv.drafter is not None and lv.name not in self._drafters:
+                d = lv.drafter.fork()
+                d.reset(self.prompt)
+                if len(self.seq) > self.n_prompt:
+                    d.observe(self.seq[:self.n_prompt], self.seq[self.n_prompt:])
+                self._drafters[lv.name] = d
+
+    def _state(self, eng: Engine) -> DecodeState:
+        """This sequence's state of ``eng``, made on first use with every token so far appended."""
+        st = self._states.get(id(eng))
+        if st is None:
+            bounds = sorted({b for e, h in self._engines.values() if e is eng for b in h.bounds[id(eng)]}
+                            | set(self.hsd.bounds.get(id(eng), ())))
+            st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds)
+            if self.seq:
+                eng.append(st, torch.tensor(self.seq, dtype=torch.long, device=eng.device))
+            self._states[id(eng)] = st
+        return st
 
     def _append(self, toks: list[int]) -> None:
         if not toks:
             return
         self.seq.extend(toks)
-        ids = torch.tensor(toks, dtype=torch.long, device=self._engines[0].device)
-        for eng, st in zip(self._engines, self._states):
+        ids = torch.tensor(toks, dtype=torch.long, device=self.device)
+        for key, st in self._states.items():
+            eng = self._engines[key][0]
             eng.append(st, ids if eng.device == ids.device else ids.to(eng.device))
 
     def _crop(self, n: int) -> None:
         if n < len(self.seq):
             del self.seq[n:]
-            for eng, st in zip(self._engines, self._states):
-                eng.crop(st, n)
+            for key, st in self._states.items():
+                self._engines[key][0].crop(st, n)
 
     def _ended(self) -> bool:
-        return len(self.seq) >= self.limit or (len(self.seq) > self.n_prompt and self.seq[-1] in self.eos)
+        return len(self.seq) >= self.limit or (len(self.seq) > self.n_prompt and self.seq[-1] in self.hsd.eos)
 
     def _cut_eos(self, toks: list[int]) -> list[int]:
         for i, t in enumerate(toks):
-            if t in self.eos:
+            if t in self.hsd.eos:
                 return toks[: i + 1]
         return toks
 
     # ------------------------------------------------------------------------------------------ levels
 
-    def _dist(self, k: int, start: int, end: int) -> torch.Tensor:
-        """Level k's logits (greedy) or processed probabilities (sampling) at positions start..end-1: [m, V]."""
-        lv = self.levels[k]
-        st = self._states[self._level_state[k]]
-        lv.engine.advance(st, lv.boundary)
-        logits = lv.engine.logits(st, lv.boundary, start, end)
-        if self.greedy:
-            return logits
+    def _pass(self, k: int, start: int, end: int, greedy: bool) -> Generator[Pass, object, object]:
+        lv = self.hsd.levels[k]
+        return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy))
+
+    def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
+        """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]."""
+        logits = yield from self._pass(k, start, end, False)
         return process_logits(logits, self.temperature, self.top_p)
 
-    def _greedy(self, k: int, start: int, end: int) -> list[int]:
+    def _greedy(self, k: int, start: int, end: int) -> Generator[Pass, object, list[int]]:
         """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
         which need not compute every logit)."""
-        lv = self.levels[k]
-        st = self._states[self._level_state[k]]
-        lv.engine.advance(st, lv.boundary)
-        return lv.engine.greedy_ids(st, lv.boundary, start, end).tolist()
+        return (yield from self._pass(k, start, end, True))
 
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)
 
-    def _draft(self) -> tuple[list[int], torch.Tensor | None]:
+    def _draft(self) -> Generator[Pass, object, tuple[list[int], torch.Tensor | None]]:
         """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS, or from a token drafter
         that may abstain: none at all when it does); returns (ids, q rows)."""
-        lv, st_stats = self.levels[0], self.stats[0]
-        n = min(self.budgets[0] if len(self.levels) > 1 else 1, self.limit - len(self.seq))
+        hsd = self.hsd
+        lv, st_stats = hsd.levels[0], self.stats[hsd.levels[0].name]
+        n = min(hsd.budgets[0] if len(hsd.levels) > 1 else 1, self.limit - len(self.seq))
         st_stats.calls += 1
         if not lv.is_model:
-            toks = self._cut_eos([int(t) for t in lv.drafter.propose(self.seq, n)][:n])
-            short = len(toks) != n and (not toks or toks[-1] not in self.eos)
-            if short and not getattr(lv.drafter, "may_abstain", False):
+            drafter = self._drafters[lv.name]
+            toks = self._cut_eos([int(t) for t in drafter.propose(self.seq, n)][:n])
+            short = len(toks) != n and (not toks or toks[-1] not in hsd.eos)
+            if short and not drafter.may_abstain:
                 raise HsdError(f"drafter {lv.name!r} returned {len(toks)} tokens, expected {n}")
             st_stats.abstained += not toks
             self._append(toks)
@@ -287,32 +435,33 @@ class HSD:
         for _ in range(n):
             m = len(self.seq)
             if self.greedy:
-                t = self._greedy(0, m - 1, m)[0]
+                t = (yield from self._greedy(0, m - 1, m))[0]
             else:
-                d = self._dist(0, m - 1, m)
+                d = yield from self._dist(0, m - 1, m)
                 t = self._sample(d[0])
                 rows.append(d)
             toks.append(t)
             self._append([t])
-            if t in self.eos:
+            if t in hsd.eos:
                 break
         st_stats.drafted += len(toks)
         return toks, (torch.cat(rows) if rows else None)
 
-    def _level(self, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def _level(self, k: int) -> Generator[Pass, object, tuple[list[int], torch.Tensor | None]]:
         """Algorithm 1 at level k >= 1: returns the tokens it hands up (already appended to the sequence) and its
         own distribution rows at them (sampling) — T_k tokens for an intermediate level, one round at the top."""
         if k == 0:
-            return self._draft()
-        top = k == len(self.levels) - 1
-        budget = None if top else self.budgets[k]
+            return (yield from self._draft())
+        hsd = self.hsd
+        top = k == len(hsd.levels) - 1
+        budget = None if top else hsd.budgets[k]
         n0 = len(self.seq)
         out: list[int] = []
         out_p: list[torch.Tensor] = []
-        stats = self.stats[k]
+        stats = self.stats[hsd.levels[k].name]
         while not self._ended():
             s = len(self.seq)  # first draft position
-            drafts, q = self._level(k - 1)
+            drafts, q = yield from self._level(k - 1)
             d = len(drafts)
             if d == 0 and self._ended():
                 break
@@ -320,20 +469,20 @@ class HSD:
             stats.calls += 1
             stats.drafted += d
             if self.greedy:
-                g = self._greedy(k, s - 1, s + d)  # g[i]: the level's token at position s + i
+                g = yield from self._greedy(k, s - 1, s + d)  # g[i]: the level's token at position s + i
                 j = 0
                 while j < d and drafts[j] == g[j]:
                     j += 1
                 fix = g[j]  # j <= d: row d is the bonus token's distribution
             else:
-                p = self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
+                p = yield from self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
                 j, fix = self._verify(p, q, drafts)
             stats.accepted += j
             if j < d:
                 stats.rejections += 1
                 self._crop(s + j)
             new = drafts[:j]
-            if not (j == d > 0 and drafts[-1] in self.eos) and s + j < self.limit:
+            if not (j == d > 0 and drafts[-1] in hsd.eos) and s + j < self.limit:
                 new = new + [fix]
                 self._append([fix])
             out.extend(new)
@@ -341,7 +490,7 @@ class HSD:
                 out_p.append(p[: len(new)])
             if top or (budget is not None and len(out) >= budget):
                 break
-        if budget is not None and self.mode == "exact" and len(out) > budget:
+        if budget is not None and hsd.mode == "exact" and len(out) > budget:
             out = out[:budget]
             self._crop(n0 + budget)
         if self.greedy or not out_p:
@@ -364,7 +513,7 @@ class HSD:
             j += 1
         if j == d:
             return j, self._sample(p[d])
-        if not self.residual:  # deliberately wrong (tests only): resample from p instead of the residual
+        if not self.hsd.residual:  # deliberately wrong (tests only): resample from p instead of the residual
             return j, self._sample(p[j])
         if q is not None:
             r = (p[j] - q[j]).clamp_(min=0.0)
@@ -377,92 +526,83 @@ class HSD:
 
     # ------------------------------------------------------------------------------------------ public
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0,
-                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
+    def switch(self, hsd: HSD) -> None:
+        """Run the next rounds with ``hsd`` (a hierarchy over the same target; the tokens stay the target's).
+        Applied between rounds."""
+        if hsd.target is not self.hsd.target:
+            raise HsdError("switch: another hierarchy over the same target engine expected")
+        self._next = hsd if hsd is not self.hsd else None
 
-        ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
-        returns True the generation ends after that block (a stop string was seen, the client went away) and the
-        result holds every committed token, with ``stats["stopped"] == "callback"``. Each call starts afresh:
-        every cache is cropped to nothing and every token drafter reset, so nothing of an earlier (or abandoned)
-        generation carries over.
-        """
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise HsdError("empty prompt: need at least one token")
-        check_generation_args(max_new_tokens, temperature, top_p)
-        self.greedy = temperature == 0
-        self.temperature, self.top_p = float(temperature), float(top_p)
-        dev = self._engines[0].device
-        self.gen = torch.Generator(device=dev).manual_seed(int(seed))
-        self.n_prompt = len(prompt)
-        self.limit = len(prompt) + int(max_new_tokens)
-        max_len = self.limit + max(self.budgets) + 2
-        for i, eng in enumerate(self._engines):
-            st = self._states[i]
-            if st is None or st.max_len < max_len:
-                bounds = sorted({lv.boundary for lv in self.levels if lv.engine is eng})
-                st = eng.new_state(max(max_len, 256), save_boundaries=bounds)
-                self._states[i] = st
-            eng.crop(st, 0)
-        self.stats = [LevelStats(lv.name) for lv in self.levels]
-        self.seq = []
-        for lv in self.levels:
-            if lv.drafter is not None:
-                lv.drafter.reset(prompt)
-        t0 = time.perf_counter()
-        self._append(prompt)
-        # prefill: every model computes the prompt up to its highest level in one pass, the target first, then
-        # the engines over a model's own weights; a copy of a model one of them runs (a quantized drafter of the
-        # target or of a draft model) takes that engine's keys and values and computes the last position. The
-        # target always computes its own.
-        ti = self._level_state[-1]
-        rest = [i for i in range(len(self._engines)) if i != ti]
-        done: list[int] = []
-        copies = [i for i in rest if self._engines[i].is_copy]
-        for i in [ti] + [i for i in rest if i not in copies] + copies:
-            eng, st = self._engines[i], self._states[i]
-            top_b = max(lv.boundary for lv in self.levels if lv.engine is eng)
-            src = next((j for j in done if self.share_prompt and i != ti and eng.can_share_prompt(self._engines[j])
-                        and self._states[j].lens[top_b - 1] >= len(prompt)), None)
+    def prefill(self) -> None:
+        """Compute the prompt: every model up to its highest level in one pass, the target first, then the
+        engines over a model's own weights; a copy of a model one of them runs (a quantized drafter of the
+        target or of a draft model) takes that engine's keys and values and computes the last position. The
+        target always computes its own."""
+        self.t0 = time.perf_counter()
+        hsd = self.hsd
+        for eng in hsd.engines:
+            self._state(eng)
+        self._append(self.prompt)
+        target = hsd.target
+        rest = [e for e in hsd.engines if e is not target]
+        order = [target] + [e for e in rest if not e.is_copy] + [e for e in rest if e.is_copy]
+        done: list[Engine] = []
+        for eng in order:
+            st = self._states[id(eng)]
+            top_b = max(hsd.bounds[id(eng)])
+            src = next((o for o in done if hsd.share_prompt and eng is not target and eng.can_share_prompt(o)
+                        and self._states[id(o)].lens[top_b - 1] >= self.n_prompt), None)
             if src is not None:
-                eng.share_prompt(st, self._engines[src], self._states[src], top_b)
+                eng.share_prompt(st, src, self._states[id(src)], top_b)
             eng.advance(st, top_b)
-            done.append(i)
-        _sync(dev)
-        t1 = time.perf_counter()
-        depth = len(self.levels)
-        asked_stop = False
-        while not self._ended() and not asked_stop:
+            done.append(eng)
+        _sync(self.device)
+        self.t1 = time.perf_counter()
+
+    def steps(self) -> Generator[Pass | Committed, object, None]:
+        """The generation after :meth:`prefill`, round by round (see the class doc)."""
+        while not self._ended() and not self._asked_stop:
+            if self._next is not None:
+                self.hsd, self._next = self._next, None
+                self._add(self.hsd)
             before = len(self.seq)
-            if depth == 1:
-                toks, _ = self._draft()
-            else:
-                toks, _ = self._level(depth - 1)
+            depth = len(self.hsd.levels)
+            toks, _ = yield from (self._draft() if depth == 1 else self._level(depth - 1))
             if not toks:
                 break
-            for lv in self.levels:
-                if lv.drafter is not None:
-                    lv.drafter.observe(self.seq[:before], toks)
-            if on_tokens is not None:
-                asked_stop = on_tokens(toks) is True
-        _sync(dev)
-        t2 = time.perf_counter()
+            for drafter in self._drafters.values():
+                drafter.observe(self.seq[:before], toks)
+            self._asked_stop = (yield Committed(toks)) is True
+        _sync(self.device)
+        self.t2 = time.perf_counter()
+        self.done = True
+
+    def result(self) -> GenerationResult:
+        """The generated ids and the statistics (see :class:`GenerationResult`)."""
         out = self.seq[self.n_prompt:]
         n = len(out)
-        target_calls = self.stats[-1].calls if depth > 1 else self.stats[0].calls
+        hsd = self.hsd
+        depth = len(hsd.levels)
+        target_calls = self.stats[hsd.levels[-1].name].calls if depth > 1 else self.stats[hsd.levels[0].name].calls
+        t0, t1, t2 = self.t0, self.t1, self.t2
         stats = {
             "tokens": n, "seconds": t2 - t0, "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
             "tokens_per_s": n / (t2 - t0) if t2 > t0 else None,
             "seconds_per_token": (t2 - t1) / n if n else None,
             "target_calls": target_calls, "tokens_per_target_call": n / target_calls if target_calls else None,
-            "hierarchy": [lv.name for lv in self.levels], "budgets": list(self.budgets[: depth - 1]),
-            "mode": self.mode, "levels": [s.to_dict() for s in self.stats],
-            "stopped": ("eos" if out and out[-1] in self.eos else "callback" if asked_stop
+            "hierarchy": [lv.name for lv in hsd.levels], "budgets": list(hsd.budgets[: depth - 1]),
+            "mode": hsd.mode, "levels": [s.to_dict() for s in self.stats.values()],
+            "stopped": ("eos" if out and out[-1] in hsd.eos else "callback" if self._asked_stop
                         else "max_new_tokens"),
         }
         return GenerationResult(out, stats)
+
+    def close(self) -> None:
+        """Give the decoding states back to the hierarchies' pools."""
+        for key, st in self._states.items():
+            eng, hsd = self._engines[key]
+            hsd.give_state(eng, st)
+        self._states = {}
 
 
 def _sync(device) -> None:
