@@ -1,0 +1,220 @@
+"""Many sequences decoded together: continuous batching with speculation inside the scheduler.
+
+A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.decode.Decoding` (its own caches,
+drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
+
+1. prefills the oldest waiting sequence (one per tick: a new request's prompt costs the others one prefill, and
+   its first token comes after that prefill and one tick, not after the others finish);
+2. gives every greedy sequence the hierarchy of the current load level (the number of sequences in flight;
+   applied at its next round, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
+3. serves the one pass every sequence waits for: the passes on one engine in one batched call
+   (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
+   decode step of eight sequences reads each weight once, not eight times;
+4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
+   (``on_done``).
+
+Exactness: a batched call computes, for each sequence, bit for bit what it computes alone (the kernels' rows are
+independent of the rows beside them; the torch path runs sequences one by one), and each sequence's prompt is
+prefilled alone exactly as ``hsd run`` prefills it. So a greedy sequence's tokens are those of ``hsd run`` on its
+prompt whatever shares its passes and whichever hierarchy each round uses (every round ends in the target's own
+argmax). A sampled sequence keeps the hierarchy it started with, the one for a single sequence: its draws depend
+only on its seed, not on the load. Units: seconds; token counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Mapping, Sequence
+
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass
+
+
+@dataclass(eq=False)
+class Entry:
+    """One sequence of a :class:`Batch`.
+
+    Attributes:
+        decoding: the sequence.
+        on_tokens: called with each block the target commits; True asks to stop after it.
+        on_done: called once at the end with the result, or with ``(None, error)`` when decoding failed.
+        added: when it was added (``time.perf_counter``); ``first_token``: when its first block was committed.
+    """
+
+    decoding: Decoding
+    on_tokens: Callable[[list[int]], bool | None] | None = None
+    on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None
+    added: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    steps: Generator | None = None
+    pending: Pass | None = None
+
+
+class Batch:
+    """Decodes the sequences added to it together (see the module doc).
+
+    Args:
+        hierarchies: one hierarchy (every load level) or load level -> hierarchy (the plan of each level of a
+            load-aware plan; every hierarchy over the same target engine). At ``n`` sequences in flight the
+            hierarchy of the largest level ``<= n`` is used (the smallest level's below it).
+        max_active: sequences decoded together at most; more wait (prefilled when a place frees).
+    """
+
+    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8):
+        levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
+        if not levels or any(int(k) < 1 for k in levels):
+            raise HsdError("a batch needs hierarchies for load levels >= 1")
+        if len({id(h.target) for h in levels.values()}) != 1:
+            raise HsdError("every load level's hierarchy must run over the same target engine")
+        if max_active < 1:
+            raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
+        self.levels = dict(sorted((int(k), h) for k, h in levels.items()))
+        self.max_active = int(max_active)
+        self.waiting: list[Entry] = []
+        self.active: list[Entry] = []
+
+    def hierarchy_for(self, n: int) -> HSD:
+        """The hierarchy of load level ``n`` (sequences in flight)."""
+        best = next(iter(self.levels.values()))
+        for level, h in self.levels.items():
+            if level <= n:
+                best = h
+        return best
+
+    @property
+    def load(self) -> int:
+        """Sequences in flight (decoding, or prefilled next)."""
+        return len(self.active) + min(len(self.waiting), self.max_active - len(self.active))
+
+    def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
+            on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None) -> Entry:
+        """Queue a sequence (prefilled by a later tick). Bad arguments raise :class:`HsdError` here."""
+        hsd = self.hierarchy_for(self.load + 1) if temperature == 0 else self.levels[next(iter(self.levels))]
+        entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed), on_tokens, on_done)
+        self.waiting.append(entry)
+        return entry
+
+    def drop(self, entry: Entry) -> bool:
+        """Remove a sequence that waits (never prefilled); False when it is not waiting."""
+        if entry in self.waiting:
+            self.waiting.remove(entry)
+            entry.decoding.close()
+            return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def tick(self) -> int:
+        """One round of the scheduler (see the module doc); returns the passes served."""
+        if self.waiting and len(self.active) < self.max_active:
+            self._begin(self.waiting.pop(0))
+        level = self.hierarchy_for(len(self.active))
+        for e in self.active:
+            if e.decoding.greedy:
+                e.decoding.switch(level)
+        groups: dict[int, list[Entry]] = {}
+        for e in self.active:
+            groups.setdefault(id(e.pending.engine), []).append(e)
+        served = 0
+        for entries in groups.values():
+            try:
+                replies = self._serve([e.pending for e in entries])
+            except Exception as err:  # noqa: BLE001 - a bug in a pass: end these sequences, keep the others
+                for e in entries:
+                    self._finish(e, err)
+                continue
+            served += len(entries)
+            for e, reply in zip(entries, replies):
+                self._resume(e, reply)
+        return served
+
+    def run(self) -> None:
+        """Tick until every sequence has ended."""
+        while self.busy:
+            self.tick()
+
+    # ------------------------------------------------------------------------------------------ inside
+
+    @staticmethod
+    def _serve(passes: list[Pass]) -> list[object]:
+        """The passes of one engine (each of another sequence) in one batched call each for the layers and the
+        heads."""
+        eng = passes[0].engine
+        eng.advance_many([(p.state, p.boundary) for p in passes])
+        out: list[object] = [None] * len(passes)
+        greedy = [i for i, p in enumerate(passes) if p.greedy]
+        if greedy:
+            ids = eng.greedy_ids_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
+                                       for i in greedy])
+            for i, t in zip(greedy, ids):
+                out[i] = t.tolist()
+        sampled = [i for i, p in enumerate(passes) if not p.greedy]
+        if sampled:
+            logits = eng.logits_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
+                                      for i in sampled])
+            for i, lg in zip(sampled, logits):
+                out[i] = lg
+        return out
+
+    def _begin(self, e: Entry) -> None:
+        self.active.append(e)                   # in flight from its prefill on
+        try:
+            e.decoding.prefill()
+            e.steps = e.decoding.steps()
+        except Exception as err:  # noqa: BLE001 - a bug: end this sequence, keep the others
+            self._finish(e, err)
+            return
+        self._resume(e, None)
+
+    def _resume(self, e: Entry, reply: object) -> None:
+        """Run ``e`` to its next pass (reporting committed blocks) or its end."""
+        try:
+            while True:
+                req = e.steps.send(reply)
+                if isinstance(req, Committed):
+                    if e.first_token is None:
+                        e.first_token = time.perf_counter()
+                    reply = e.on_tokens(req.tokens) is True if e.on_tokens is not None else False
+                    continue
+                e.pending = req
+                return
+        except StopIteration:
+            self._finish(e, None)
+        except Exception as err:  # noqa: BLE001 - a bug: end this sequence, keep the others
+            self._finish(e, err)
+
+    def _finish(self, e: Entry, err: BaseException | None) -> None:
+        if e in self.active:
+            self.active.remove(e)
+        result = None
+        try:
+            if err is None:
+                result = e.decoding.result()
+        finally:
+            e.decoding.close()
+        if e.on_done is not None:
+            e.on_done(result, err)
+
+
+def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  max_active: int = 8, temperature: float = 0.0, top_p: float = 1.0,
+                  seeds: Sequence[int] | None = None) -> list[GenerationResult]:
+    """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order. Raises the
+    first error a sequence met."""
+    batch = Batch(hierarchies, max_active)
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    for i, p in enumerate(prompts):
+        def done(res, err, i=i):
+            results[i] = res
+            if err is not None:
+                errors.append(err)
+        batch.add(p, max_new_tokens, temperature, top_p, seeds[i] if seeds is not None else 0, on_done=done)
+    batch.run()
+    if errors:
+        raise errors[0]
+    return results

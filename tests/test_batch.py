@@ -1,0 +1,190 @@
+"""Several sequences in one pass: a batched pass gives each sequence bit for bit what it gets alone (every engine,
+both backends, ragged lengths and positions, exits and frontiers), and the batch scheduler's greedy answers are
+token for token each prompt's own, whatever shares its passes and whichever hierarchy the load picks; a sampled
+answer depends on its seed only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.quantized import QuantizedLM
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.batch import Batch, generate_many
+from hsd_opt.runtime.decode import HSD, Level
+from tests.helpers import CycleDrafter, make_tiny_llama
+
+HAVE_KERNELS = kernels.load() is not None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)
+
+
+def _engine(tiny, kind: str):
+    if kind in ("f32", "bf16", "q8", "q4") and not HAVE_KERNELS:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    if kind == "f32":
+        return LayeredLM(tiny, kernels=True)
+    if kind == "bf16":
+        return LayeredLM(copy.deepcopy(tiny).to(torch.bfloat16), kernels=True)
+    if kind == "torch":
+        return LayeredLM(tiny, kernels=False)
+    return QuantizedLM(tiny, bits=8 if kind == "q8" else 4, kernels=True)
+
+
+def _states(eng, prompts, bounds):
+    out = []
+    for p in prompts:
+        st = eng.new_state(80, save_boundaries=bounds)
+        eng.append(st, p)
+        eng.advance(st, 4)
+        out.append(st)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4", "torch"])
+def test_a_batched_pass_gives_each_sequence_what_it_gets_alone(tiny, kind):
+    """Four sequences of different lengths, each appending its own number of tokens (1, 3, 7, 2), advanced to
+    different boundaries (an exit first, then the rest: frontiers), in batched passes and alone: the same
+    hidden states, caches, logits and greedy ids, bit for bit."""
+    eng = _engine(tiny, kind)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (n,), generator=g) for n in (5, 17, 9, 30)]
+    news = [torch.randint(3, 64, (n,), generator=g) for n in (1, 3, 7, 2)]
+    alone, together = _states(eng, prompts, [2, 4]), _states(eng, prompts, [2, 4])
+    for st, new in zip(alone + together, news + news):
+        eng.append(st, new)
+    for st in alone:
+        eng.advance(st, 2)
+        eng.advance(st, 4)
+    eng.advance_many([(st, 2) for st in together[:2]] + [(st, 4) for st in together[2:]])
+    eng.advance_many([(st, 4) for st in together])
+    for a, b in zip(alone, together):
+        assert a.lens == b.lens
+        assert all(torch.equal(x[:, :, :a.n], y[:, :, :a.n]) for x, y in zip(a.k + a.v, b.k + b.v))
+    reads = [(st, bd, st.n - len(new) - 1, st.n) for st, new, bd in zip(together, news, (2, 4, 4, 2))]
+    want = [eng.logits(st, bd, s0, s1) for (_, bd, s0, s1), st in zip(reads, alone)]
+    got = eng.logits_many(reads)
+    assert all(torch.equal(w, x) for w, x in zip(want, got))
+    ids_alone = [eng.greedy_ids(st, bd, s0, s1) for (_, bd, s0, s1), st in zip(reads, alone)]
+    assert all(torch.equal(w, x) for w, x in zip(ids_alone, eng.greedy_ids_many(reads)))
+
+
+def test_a_batched_kernel_pass_computes_every_row_once(tiny, monkeypatch):
+    """The rows of every sequence of a batched step go to the kernels in one call per run of layers."""
+    eng = _engine(tiny, "f32")
+    calls = []
+    real = eng._kernels.layers_many
+    monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(len(parts)) or
+                        real(l0, l1, parts))
+    states = _states(eng, [torch.arange(3, 3 + n) for n in (4, 6, 8)], [4])
+    for st in states:
+        eng.append(st, [7])
+    calls.clear()                                          # the prefills above: one sequence each
+    eng.advance_many([(st, 4) for st in states])
+    assert calls == [3]
+
+
+def _hierarchies(tiny, eng):
+    lm = eng
+    q4 = QuantizedLM(tiny, bits=4) if HAVE_KERNELS else QuantizedLM(tiny, bits=4, kernels=False)
+    h1 = HSD([Level("cycle", drafter=CycleDrafter(64)), Level("q4", q4, 4), Level("layer4", lm, 4)], [2, 4],
+             eos_ids=[2])
+    h2 = HSD([Level("layer2", lm, 2), Level("layer4", lm, 4)], [3], eos_ids=[2])
+    ar = HSD([Level("layer4", lm, 4)], [], eos_ids=[2])
+    return h1, h2, ar
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_greedy_answers_in_a_batch_are_each_prompts_own(tiny, kernels_on):
+    """Seven prompts of different lengths and budgets of new tokens, at most three in flight (sequences join and
+    leave between ticks), the hierarchy switching with the load (a three-level plan alone, an exit below two,
+    the target alone from three): every answer equals the target's own greedy answer to its prompt."""
+    if kernels_on and not HAVE_KERNELS:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    eng = LayeredLM(tiny, kernels=kernels_on)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    prompts = _prompts(7)
+    news = [5, 40, 17, 1, 33, 26, 9]
+    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
+    batch = Batch({1: h1, 2: h2, 3: ar}, max_active=3)
+    got: dict[int, list[int]] = {}
+    used: set[tuple[str, ...]] = set()
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        batch.add(p, n, on_done=lambda res, err, i=i: got.__setitem__(i, res.token_ids if err is None else err))
+    loads = []
+    while batch.busy:
+        loads.append(len(batch.active))
+        batch.tick()
+        used |= {tuple(lv.name for lv in e.decoding.hsd.levels) for e in batch.active}
+    assert [got[i] for i in range(7)] == want
+    assert max(loads) == 3 and len(used) == 3                    # three load levels, three hierarchies ran
+
+
+def test_sampled_answers_depend_on_their_seed_only(tiny):
+    """A sampled sequence keeps the single-sequence hierarchy: its tokens are those it draws alone with its
+    seed, whatever else is in flight."""
+    if not HAVE_KERNELS:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    prompts = _prompts(5, seed=1)
+    seeds = [11, 12, 13, 14, 15]
+    want = [h1.generate(p, 20, temperature=0.8, top_p=0.9, seed=s).token_ids for p, s in zip(prompts, seeds)]
+    got = generate_many({1: h1, 2: h2, 4: ar}, prompts, 20, max_active=4, temperature=0.8, top_p=0.9, seeds=seeds)
+    assert [r.token_ids for r in got] == want
+
+
+def test_a_stop_asked_after_a_block_ends_only_that_sequence(tiny):
+    eng = LayeredLM(tiny)
+    _, h2, ar = _hierarchies(tiny, eng)
+    prompts = _prompts(3, seed=2)
+    want = [ar.generate(p, 30).token_ids for p in prompts]
+    batch = Batch(h2, max_active=3)
+    out = {}
+    blocks = []
+    for i, p in enumerate(prompts):
+        stop = (lambda toks: blocks.append(toks) or True) if i == 1 else None
+        batch.add(p, 30, on_tokens=stop, on_done=lambda res, err, i=i: out.__setitem__(i, res))
+    batch.run()
+    assert out[0].token_ids == want[0] and out[2].token_ids == want[2]
+    assert out[1].token_ids == blocks[0] == want[1][:len(blocks[0])] and out[1].stats["stopped"] == "callback"
+
+
+def test_a_failing_sequence_ends_alone(tiny, monkeypatch):
+    eng = LayeredLM(tiny)
+    _, h2, ar = _hierarchies(tiny, eng)
+    prompts = _prompts(3, seed=3)
+    batch = Batch(h2, max_active=3)
+    results = {}
+    for i, p in enumerate(prompts):
+        entry = batch.add(p, 12, on_done=lambda res, err, i=i: results.__setitem__(i, (res, err)))
+        if i == 1:
+            def steps():
+                raise RuntimeError("boom")
+                yield  # pragma: no cover
+            entry.decoding.steps = steps
+    batch.run()
+    assert isinstance(results[1][1], RuntimeError) and results[1][0] is None
+    assert [results[i][0].token_ids for i in (0, 2)] == [ar.generate(prompts[i], 12).token_ids for i in (0, 2)]
+
+
+def test_a_batch_refuses_hierarchies_over_different_targets(tiny):
+    a = HSD([Level("layer4", LayeredLM(tiny), 4)], [])
+    b = HSD([Level("layer4", LayeredLM(tiny), 4)], [])
+    with pytest.raises(HsdError, match="same target"):
+        Batch({1: a, 2: b})
+    with pytest.raises(HsdError, match="--max-batch"):
+        Batch(a, max_active=0)
