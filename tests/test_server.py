@@ -24,6 +24,7 @@ import pytest
 from openai import OpenAI
 
 from hsd_opt.commands.serve import prepare_server
+from hsd_opt.runtime.decode import HSD, Committed
 from hsd_opt.server import BackgroundServer, JobQueue, create_app
 from hsd_opt.server.text import TextStream
 from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan
@@ -303,15 +304,26 @@ def test_api_key_is_required_when_set(tiny, caplog):
 # ------------------------------------------------------------------------------------------------ queue and load
 
 
-class GatedRunner:
-    """Delegates to an HSD runner once ``gate`` is open: lets a test hold the worker busy."""
+def gated(runner, gate: threading.Event):
+    """A copy of the HSD ``runner`` whose decodings wait for ``gate`` before their prefill: lets a test hold the
+    worker busy."""
+    import copy
 
-    def __init__(self, runner, gate: threading.Event):
-        self.runner, self.gate = runner, gate
+    h = copy.copy(runner)
 
-    def generate(self, *args, **kwargs):
-        assert self.gate.wait(60)
-        return self.runner.generate(*args, **kwargs)
+    def start(*args, **kwargs):
+        d = HSD.start(h, *args, **kwargs)
+        prefill = d.prefill
+
+        def wait_then_prefill():
+            assert gate.wait(60)
+            prefill()
+
+        d.prefill = wait_then_prefill
+        return d
+
+    h.start = start
+    return h
 
 
 def _poll(url: str, pred, timeout: float = 30.0) -> dict:
@@ -327,8 +339,8 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     app, jobs = prepare_server(tiny[0], device="cpu")  # for its ModelInfo
     gate = threading.Event()
     svc = app.state.service
-    gated = JobQueue(GatedRunner(direct[0], gate), svc.info.tokenizer, max_queue=1)
-    with BackgroundServer(create_app(gated, svc.info), on_stop=gated.cancel_all) as srv:
+    gated_jobs = JobQueue(gated(direct[0], gate), svc.info.tokenizer, max_queue=1)
+    with BackgroundServer(create_app(gated_jobs, svc.info), on_stop=gated_jobs.cancel_all) as srv:
         c = client(srv)
         results: list = []
 
@@ -352,25 +364,34 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     no_tracebacks(caplog)
 
 
-class FailingRunner:
-    """Fails its first ``n`` generations after one block (a stand-in for a decoder bug), then delegates."""
+def failing(runner, n: int):
+    """A copy of the HSD ``runner`` whose first ``n`` generations fail after one block (a stand-in for a decoder
+    bug); the later ones decode."""
+    import copy
 
-    def __init__(self, runner, n: int):
-        self.runner, self.n = runner, n
+    h, left = copy.copy(runner), [n]
 
-    def generate(self, prompt_ids, max_new_tokens, on_tokens=None, **kw):
-        if self.n > 0:
-            self.n -= 1
-            on_tokens([5])
-            raise RuntimeError("boom")
-        return self.runner.generate(prompt_ids, max_new_tokens, on_tokens=on_tokens, **kw)
+    def start(*args, **kwargs):
+        d = HSD.start(h, *args, **kwargs)
+        if left[0] > 0:
+            left[0] -= 1
+
+            def steps():
+                yield Committed([5])
+                raise RuntimeError("boom")
+
+            d.steps = steps
+        return d
+
+    h.start = start
+    return h
 
 
 def test_a_generation_failure_is_a_500_and_the_server_keeps_serving(tiny, direct, caplog):
     app, _ = prepare_server(tiny[0], device="cpu")
     info = app.state.service.info
-    failing = JobQueue(FailingRunner(direct[0], 2), info.tokenizer)
-    with BackgroundServer(create_app(failing, info), on_stop=failing.cancel_all) as srv:
+    failing_jobs = JobQueue(failing(direct[0], 2), info.tokenizer)
+    with BackgroundServer(create_app(failing_jobs, info), on_stop=failing_jobs.cancel_all) as srv:
         c = client(srv)
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)

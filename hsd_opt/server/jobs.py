@@ -1,18 +1,21 @@
-"""The server's job queue: one request decoded at a time, a bounded FIFO queue in front of one worker thread.
+"""The server's job queue: a bounded FIFO queue in front of one worker thread that decodes up to ``max_batch``
+requests together (continuous batching, :class:`~hsd_opt.runtime.batch.Batch`).
 
-The worker runs :meth:`HSD.generate` (batch 1) for each :class:`Job` in arrival order; torch releases the GIL in
-its kernels, so the server's event loop stays responsive meanwhile. Each job reports through ``job.emit``,
-called from the worker thread with one event at a time:
+The worker admits queued jobs in arrival order while fewer than ``max_batch`` are in flight and runs the batch's
+ticks: each tick prefills at most one new prompt and then serves one pass of every request in flight, the passes
+on one engine in one batched call; requests join and leave between ticks. ``max_batch=1`` decodes one request at a
+time. torch releases the GIL in its kernels, so the server's event loop stays responsive meanwhile. Each job
+reports through ``job.emit``, called from the worker thread with one event at a time:
 
 - ``("text", str)``: text made final by a committed block (:class:`~hsd_opt.server.text.TextStream`);
 - ``("done", Outcome)``: the generation ended (EOS, ``max_tokens`` or a stop string);
 - ``("cancelled", None)``: the job was cancelled (the client went away, the server is stopping);
 - ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request).
 
-Cancelling a job (:meth:`Job.cancel`, thread-safe) frees the worker at the next committed block: the
-``on_tokens`` callback sees the flag and asks :meth:`HSD.generate` to stop. A job cancelled while it waits is
-skipped. Every :meth:`HSD.generate` starts afresh (caches cropped, token drafters reset), so one request's state
-never reaches the next.
+Cancelling a job (:meth:`Job.cancel`, thread-safe) frees its place at the next committed block: the ``on_tokens``
+callback sees the flag and asks the decoding to stop. A job cancelled while it waits is skipped. Every request is
+its own decoding (caches, token drafters, random generator), so one request's state never reaches another's, and
+its greedy tokens are those it gets alone.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from hsd_opt.runtime.batch import Batch
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from hsd_opt.runtime.decode import HSD
+    from hsd_opt.runtime.decode import HSD, GenerationResult
 
 log = logging.getLogger("hsd_opt.server")
 
@@ -83,21 +87,23 @@ class JobQueue:
     """The worker thread and its queue.
 
     Args:
-        runner: what decodes: an object with :meth:`HSD.generate`'s signature (an :class:`HSD`).
+        runner: what decodes: one hierarchy (an :class:`HSD`), or load level -> hierarchy (a load-aware plan's).
         tokenizer: the model's tokenizer (decoding text, stop strings).
-        max_queue: most requests that may wait while one is decoded (>= 1); one more is refused
+        max_queue: most requests that may wait while ``max_batch`` are decoded (>= 1); one more is refused
             (:class:`QueueFull`).
+        max_batch: most requests decoded together (>= 1; 1: one at a time).
     """
 
-    def __init__(self, runner: "HSD", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16):
+    def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
+                 max_batch: int = 1):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        self.batch = Batch(runner, max_batch)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
         self._thread: threading.Thread | None = None
-        self.running: Job | None = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0, "generated_tokens": 0}
 
     # ------------------------------------------------------------------------------------------ control
@@ -115,7 +121,7 @@ class JobQueue:
                 job.cancel()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every job, let the worker finish the current block and end (waits up to ``timeout`` s)."""
+        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s)."""
         self.cancel_all()
         if self._thread is not None:
             try:  # the queue only holds cancelled jobs now, which the worker skips
@@ -137,64 +143,114 @@ class JobQueue:
 
     @property
     def waiting(self) -> int:
-        """Jobs in the queue (not counting the one being decoded)."""
-        return self._queue.qsize()
+        """Jobs not yet decoding (queued, or admitted and not prefilled yet)."""
+        return self._queue.qsize() + len(self.batch.waiting)
 
     def status(self) -> dict[str, Any]:
-        """``waiting``, ``busy``, the counts of ``completed``, ``cancelled``, ``failed`` and ``refused``
-        (queue full) requests since start, and ``generated_tokens``: every token the worker committed (of
-        cancelled generations too, up to where they stopped)."""
-        return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": self.running is not None,
-                **self.counts}
+        """``waiting``, ``active`` (requests being decoded), ``max_batch``, ``busy``, the load level's
+        ``hierarchy`` (its level names, bottom first) and ``budgets``, the counts of ``completed``,
+        ``cancelled``, ``failed`` and ``refused`` (queue full) requests since start, and ``generated_tokens``:
+        every token the worker committed (of cancelled generations too, up to where they stopped)."""
+        active = len(self.batch.active)
+        level = self.batch.hierarchy_for(max(active, 1))
+        return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": active > 0, "active": active,
+                "max_batch": self.batch.max_active, "hierarchy": [lv.name for lv in level.levels],
+                "budgets": list(level.budgets[: len(level.levels) - 1]), **self.counts}
 
     # ------------------------------------------------------------------------------------------ worker
 
     def _work(self) -> None:
+        stopping = False
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self.running = job
+            if not self.batch.busy:
+                if stopping:
+                    return
+                job = self._queue.get()          # idle: wait for a request
+                if job is None:
+                    return
+                self._admit(job)
+            while len(self.batch.active) + len(self.batch.waiting) < self.batch.max_active:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                self._admit(job)
+            for e in list(self.batch.waiting):  # cancelled before their prefill: never decoded
+                job = e.on_tokens.job
+                if job.cancelled and self.batch.drop(e):
+                    self._end(job, "cancelled", None)
             try:
-                self._run(job)
-            except Exception as e:  # a bug in the decoder: log it, tell the client, keep serving
+                self.batch.tick()
+            except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
                 log.exception("generation failed")
-                self.counts["failed"] += 1
-                job.emit(("error", f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                self.running = None
-                with self._lock:
-                    self._live.discard(job)
+                entries = self.batch.active + self.batch.waiting
+                self.batch.active, self.batch.waiting = [], []
+                for entry in entries:
+                    entry.decoding.close()
+                    self._end(entry.on_tokens.job, "error", f"generation failed: {type(e).__name__}: {e}")
 
-    def _run(self, job: Job) -> None:
+    def _admit(self, job: Job) -> None:
+        """Add ``job`` to the batch (or end it: cancelled while queued)."""
         if job.cancelled:
-            self.counts["cancelled"] += 1
-            job.emit(("cancelled", None))
+            self._end(job, "cancelled", None)
             return
         req = job.request
-        waited = time.perf_counter() - job.submitted
-        text = TextStream(self.tokenizer, req.stop)
+        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop))
 
-        def on_tokens(block: list[int]) -> bool:
-            if job.cancelled:
-                return True
-            delta = text.feed(block)
-            if delta:
-                job.emit(("text", delta))
-            return text.stopped
+        def on_done(res: "GenerationResult | None", err: BaseException | None) -> None:
+            self._done(job, on_tokens.text, res, err, on_tokens.started)
 
-        res = self.runner.generate(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                   seed=req.seed, on_tokens=on_tokens)
+        try:
+            self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                           seed=req.seed, on_tokens=on_tokens, on_done=on_done)
+        except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug
+            log.exception("generation failed")
+            self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")
+
+    def _done(self, job: Job, text: TextStream, res: "GenerationResult | None", err: BaseException | None,
+              started: list[float]) -> None:
+        if err is not None:
+            log.error("generation failed", exc_info=err)
+            self._end(job, "error", f"generation failed: {type(err).__name__}: {err}")
+            return
         self.counts["generated_tokens"] += len(res.token_ids)
         if job.cancelled:
-            self.counts["cancelled"] += 1
-            job.emit(("cancelled", None))
+            self._end(job, "cancelled", None)
             return
         rest = text.finish()
         if rest:
             job.emit(("text", rest))
         ids = list(text.ids) if text.stopped else list(res.token_ids)
         stopped = text.stopped or res.stats.get("stopped") == "eos"
-        self.counts["completed"] += 1
-        job.emit(("done", Outcome(ids, text.text, "stop" if stopped else "length", len(req.prompt_ids),
-                                  res.stats, waited)))
+        waited = (started[0] if started else time.perf_counter()) - job.submitted
+        req = job.request
+        self._end(job, "done", Outcome(ids, text.text, "stop" if stopped else "length", len(req.prompt_ids),
+                                       res.stats, waited))
+
+    def _end(self, job: Job, kind: str, value: Any) -> None:
+        self.counts[{"done": "completed", "cancelled": "cancelled", "error": "failed"}[kind]] += 1
+        with self._lock:
+            self._live.discard(job)
+        job.emit((kind, value))
+
+
+class _Stream:
+    """A job's ``on_tokens``: streams each committed block's final text, and asks to stop at a stop string or
+    when the job is cancelled."""
+
+    def __init__(self, job: Job, text: TextStream):
+        self.job, self.text = job, text
+        self.started: list[float] = []
+
+    def __call__(self, block: list[int]) -> bool:
+        if not self.started:
+            self.started.append(time.perf_counter())
+        if self.job.cancelled:
+            return True
+        delta = self.text.feed(block)
+        if delta:
+            self.job.emit(("text", delta))
+        return self.text.stopped
