@@ -94,6 +94,36 @@ class ContextCosts:
 
 
 @dataclass
+class BatchCosts:
+    """What a pass over ``batch`` sequences costs against a pass over one (one entry of ``batch_costs``).
+
+    Attributes:
+        batch: sequences decoded together (>= 2).
+        ratio: model -> ``[r_1, ..., r_n]``: seconds of one pass over ``batch`` sequences of t new tokens each,
+            over seconds of a pass over one sequence of t tokens, t = 1..n (an exit takes its model's ratios); a
+            number for a token drafter (it proposes for one sequence at a time: ``batch``).
+        context: tokens in each sequence's cache when timed.
+        pass_seconds: model -> ``[s_1, ..., s_n]`` seconds of the batched pass, for the models timed (reports).
+
+    At ``batch`` sequences in flight every cost of a model is its single-sequence cost times its ratio at the
+    same t (``docs/design.md#serving-under-load``).
+    """
+
+    batch: int
+    ratio: dict[str, float | list[float]]
+    context: int | None = None
+    pass_seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"batch": self.batch, "ratio": self.ratio}
+        if self.context is not None:
+            d["context"] = self.context
+        if self.pass_seconds:
+            d["pass_seconds"] = self.pass_seconds
+        return d
+
+
+@dataclass
 class Profile:
     """Measured acceptance rates and costs of a drafter pool for one target (``hsd-profile/1``).
 
@@ -114,6 +144,8 @@ class Profile:
         context_costs: optional costs measured at several context lengths, in increasing context order
             (:class:`ContextCosts`); empty for a profile measured at one context. The solver interpolates them
             linearly in the context (``docs/design.md#costs-that-depend-on-the-context``).
+        batch_costs: optional costs of passes over several sequences, in increasing ``batch`` order
+            (:class:`BatchCosts`); empty for a profile of one sequence at a time (batch 1).
     """
 
     target: str
@@ -123,6 +155,12 @@ class Profile:
     cost_curve: dict[str, list[float]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     context_costs: list[ContextCosts] = field(default_factory=list)
+    batch_costs: list[BatchCosts] = field(default_factory=list)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes the profile has costs for: 1 and those of ``batch_costs``, increasing."""
+        return [1] + [b.batch for b in self.batch_costs]
 
     @property
     def contexts(self) -> list[int]:
@@ -155,6 +193,8 @@ class Profile:
             d["cost_curve"] = self.cost_curve
         if self.context_costs:
             d["context_costs"] = [c.to_dict() for c in self.context_costs]
+        if self.batch_costs:
+            d["batch_costs"] = [b.to_dict() for b in self.batch_costs]
         for k, v in self.extra.items():
             if k not in d:
                 d[k] = v
@@ -365,6 +405,37 @@ class TaskPlan:
 
 
 @dataclass
+class LoadPlan:
+    """The plan of one load level: an entry of a plan's ``by_load`` section (``hsd solve --batch-sizes``).
+
+    Attributes:
+        hierarchy: model names, bottom first, ending with the plan's target (the target alone: plain batched
+            decoding, chosen where no speculation pays at this load).
+        budgets: tokens each level below the target hands up per call.
+        expected_latency: predicted seconds per token of each sequence, with ``load`` sequences decoded together.
+        tokens_per_s: predicted aggregate tokens per second (``load / expected_latency``).
+        batched_target_latency: the same for the target alone (plain batched decoding), seconds per token.
+        extra: every other field, kept on round-trip.
+        key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
+    """
+
+    hierarchy: list[str]
+    budgets: list[int]
+    expected_latency: float
+    tokens_per_s: float | None = None
+    batched_target_latency: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"hierarchy": list(self.hierarchy), "budgets": list(self.budgets),
+                  "expected_latency": self.expected_latency, "tokens_per_s": self.tokens_per_s,
+                  "batched_target_latency": self.batched_target_latency}
+        return _json_object(fields, {"tokens_per_s": None, "batched_target_latency": None}, self.extra,
+                            self.key_order)
+
+
+@dataclass
 class Plan:
     """A solved hierarchy (``hsd-plan/1``).
 
@@ -393,6 +464,8 @@ class Plan:
         min_gain: the least gain a deeper plan needed (a fraction), or None.
         profile_sha256: SHA-256 of the profile it was solved from (:meth:`Profile.fingerprint`), or None.
         task: the task whose acceptance it was solved with (``hsd solve --task``), or None.
+        by_load: sequences in flight -> the plan of that load level (``hsd solve --batch-sizes``; the server
+            runs the level's hierarchy); empty without.
         key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
 
     ``plan_from_dict`` fills every typed field from the file and validates it; ``to_dict`` writes back the same
@@ -419,6 +492,7 @@ class Plan:
     min_gain: float | None = None
     profile_sha256: str | None = None
     task: str | None = None
+    by_load: dict[int, LoadPlan] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -464,10 +538,11 @@ class Plan:
                   "context_from": self.context_from, "latency_by_context": self.latency_by_context,
                   "exact_optimum": None if self.exact_optimum is None else self.exact_optimum.to_dict(),
                   "provenance": self.provenance.to_dict(), "models": [m.to_dict() for m in self.models],
-                  "task": self.task, "by_task": {t: e.to_dict() for t, e in self.by_task.items()}}
+                  "task": self.task, "by_task": {t: e.to_dict() for t, e in self.by_task.items()},
+                  "by_load": {str(n): e.to_dict() for n, e in sorted(self.by_load.items())}}
         defaults = {"solver": None, "max_depth": None, "min_gain": None, "profile_sha256": None, "alternatives": [],
                     "context": None, "context_from": None, "latency_by_context": None, "exact_optimum": None,
-                    "provenance": {}, "models": [], "task": None, "by_task": {}}
+                    "provenance": {}, "models": [], "task": None, "by_task": {}, "by_load": {}}
         return _json_object(fields, defaults, self.extra, self.key_order)
 
 
@@ -569,10 +644,11 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     verify_cost = _verify_costs(source, d.get("verify_cost", {}) or {}, seen, "verify_cost")
     cost_curve = _cost_curves(source, d.get("cost_curve", {}) or {}, seen, "cost_curve")
     context_costs = _context_costs(source, d.get("context_costs"), seen)
+    batch_costs = _batch_costs(source, d.get("batch_costs"), seen)
 
-    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs"}
+    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs"}
     extra = {k: v for k, v in d.items() if k not in known}
-    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs)
+    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs)
     return prof, triangle_warnings(prof, source)
 
 
@@ -650,6 +726,37 @@ def _context_costs(source: str, raw: Any, seen: set[str]) -> list[ContextCosts]:
         if out:
             _same_keys(source, at, entry, out[0])
         out.append(entry)
+    return out
+
+
+def _batch_costs(source: str, raw: Any, seen: set[str]) -> list[BatchCosts]:
+    """The optional ``batch_costs`` list: entries in increasing ``batch`` order (each >= 2), ratios (> 0, a number
+    or a curve over t) and pass seconds (curves) of known models."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InputFileError(source, "expected a list of {batch, ratio}", "batch_costs")
+    out: list[BatchCosts] = []
+    for i, e in enumerate(raw):
+        at = f"batch_costs[{i}]"
+        if not isinstance(e, dict):
+            raise InputFileError(source, "expected an object {batch, ratio}", at)
+        b = e.get("batch")
+        if not _is_int(b) or b < 2:
+            raise InputFileError(source, f"expected a batch size >= 2, got {b!r}", at + ".batch")
+        if out and b <= out[-1].batch:
+            raise InputFileError(source, f"batch sizes must increase, got {b} after {out[-1].batch}", at + ".batch")
+        ratio_raw = e.get("ratio")
+        if not isinstance(ratio_raw, dict):
+            raise InputFileError(source, "expected an object {model: ratio or [ratio per t]}", at + ".ratio")
+        ratio: dict[str, float | list[float]] = {}
+        for name, r in ratio_raw.items():
+            if name not in seen:
+                raise InputFileError(source, f"unknown model {name!r}", f"{at}.ratio.{name}")
+            ratio[name] = float(r) if _is_number(r) and r > 0 else _positive_curve(source, f"{at}.ratio.{name}", r)
+        context = _optional(e, "context", lambda v: _is_int(v) and v >= 1, "an integer >= 1", source, at + ".")
+        secs = _cost_curves(source, e.get("pass_seconds", {}) or {}, seen, at + ".pass_seconds")
+        out.append(BatchCosts(int(b), ratio, context, secs))
     return out
 
 
@@ -921,6 +1028,34 @@ def _by_task(raw: Any, source: str, tmax: int, target: str) -> dict[str, TaskPla
     return {task: _task_plan(e, source, tmax, target, f"by_task.{task}.") for task, e in raw.items()}
 
 
+def _by_load(raw: Any, source: str, tmax: int, target: str) -> dict[int, LoadPlan]:
+    """The optional ``by_load`` section (absent or null: empty): ``{"n": {hierarchy, budgets, expected_latency,
+    tokens_per_s, batched_target_latency}}`` for load levels n >= 1, each hierarchy ending with the target."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InputFileError(source, "expected an object {sequences: {hierarchy, budgets, expected_latency}}",
+                             "by_load")
+    out: dict[int, LoadPlan] = {}
+    for key, e in raw.items():
+        at = f"by_load.{key}."
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise InputFileError(source, f"expected a number of sequences >= 1 as the key, got {key!r}", at[:-1])
+        if not isinstance(e, dict):
+            raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
+        h, b = _check_levels(e, source, tmax, at)
+        if h[-1] != target:
+            raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}",
+                                 at + "hierarchy")
+        latency = _positive_latency(e, source, at)
+        tps = _optional(e, "tokens_per_s", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
+        base = _optional(e, "batched_target_latency", _is_latency, "seconds per token > 0", source, at)
+        extra = {k: v for k, v in e.items() if k not in ("hierarchy", "budgets", "expected_latency", "tokens_per_s",
+                                                         "batched_target_latency")}
+        out[int(key)] = LoadPlan(h, b, latency, tps, base, extra, tuple(e))
+    return dict(sorted(out.items()))
+
+
 def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str) -> None:
     """With a ``models`` section, every level of ``hierarchy`` (at ``at + "hierarchy"``) is described (or named
     ``layer<N>``), and every level above the bottom can verify (its kind is one of :data:`VERIFIER_KINDS`)."""
@@ -938,7 +1073,7 @@ def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str)
 
 PLAN_CORE_FIELDS = ("format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines")
 PLAN_SECTIONS = ("models", "provenance", "alternatives", "exact_optimum", "by_task", "context", "context_from",
-                 "latency_by_context", "solver", "max_depth", "min_gain", "profile_sha256", "task")
+                 "latency_by_context", "solver", "max_depth", "min_gain", "profile_sha256", "task", "by_load")
 
 
 def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
@@ -979,6 +1114,7 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
                 alternatives=_alternatives(d.get("alternatives"), source, tmax),
                 exact_optimum=None if exact is None else _alternative(exact, source, tmax, "exact_optimum."),
                 by_task=_by_task(d.get("by_task"), source, tmax, h[-1]), context=context, context_from=context_from,
+                by_load=_by_load(d.get("by_load"), source, tmax, h[-1]),
                 latency_by_context=d.get("latency_by_context"),
                 max_depth=_optional(d, "max_depth", lambda v: _is_int(v) and v >= 1, "an integer >= 1", source, ""),
                 min_gain=_optional(d, "min_gain", lambda v: _is_number(v) and 0 <= v < 1, "a fraction in [0, 1)",
@@ -987,6 +1123,8 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     _check_level_entries(plan, plan.hierarchy, source, "")
     for task, e in plan.by_task.items():
         _check_level_entries(plan, e.hierarchy, source, f"by_task.{task}.")
+    for n, e in plan.by_load.items():
+        _check_level_entries(plan, e.hierarchy, source, f"by_load.{n}.")
     return plan
 
 

@@ -164,7 +164,11 @@ def _base() -> dict:
                        {"name": "q4", "kind": "quantized", "quantization": {"bits": 4, "group_size": 32}},
                        {"name": "layer4", "kind": "target", "layer": 4}],
             "by_task": {"qa": {"hierarchy": ["ngram", "layer4"], "budgets": [3], "expected_latency": 0.009,
-                               "overall_hierarchies": {"plan": 0.011}}}}
+                               "overall_hierarchies": {"plan": 0.011}}},
+            "by_load": {"1": {"hierarchy": ["ngram", "layer2", "layer4"], "budgets": [2, 3],
+                              "expected_latency": 0.01, "tokens_per_s": 100.0, "batched_target_latency": 0.015},
+                        "8": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.004,
+                              "tokens_per_s": 2000.0, "batched_target_latency": 0.004}}}
 
 
 def _set(path: str, value):
@@ -214,6 +218,13 @@ BAD = [
     (_set("max_depth", 0), "max_depth", "integer >= 1"),
     (_set("min_gain", 1.5), "min_gain", "[0, 1)"),
     (_set("context_from", 3), "context_from", "a string"),
+    (_set("by_load", [1]), "by_load", "an object"),
+    (_set("by_load.0", {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}), "by_load.0",
+     "sequences >= 1"),
+    (_set("by_load.8.hierarchy", ["layer2"]), "by_load.8.hierarchy", "plan's target"),
+    (_set("by_load.8.hierarchy", ["layer2", "ngram", "layer4"]), "by_load.8.budgets", "2 budgets"),
+    (_set("by_load.8.tokens_per_s", 0), "by_load.8.tokens_per_s", "a number > 0"),
+    (_set("by_load.8.expected_latency", -1), "by_load.8.expected_latency", "> 0"),
 ]
 
 
@@ -277,3 +288,42 @@ def test_the_bench_baselines_read_the_typed_models():
     assert assistant_ref(plan_from_dict(d)) == "copy-of"
     d["models"].append({"name": "dm", "kind": "model", "model": "draft-m2"})
     assert assistant_ref(plan_from_dict(d)) == "draft-m2"                      # a draft model comes first
+
+
+def test_the_plans_per_load_level_are_typed_and_round_trip():
+    plan = plan_from_dict(_base())
+    assert sorted(plan.by_load) == [1, 8]
+    high = plan.by_load[8]
+    assert high.hierarchy == ["layer4"] and high.tokens_per_s == 2000.0 and high.batched_target_latency == 0.004
+    assert plan.to_dict()["by_load"] == _base()["by_load"]
+    assert "by_load" not in plan_from_dict({k: v for k, v in _base().items() if k != "by_load"}).to_dict()
+    d = _base()
+    d["by_load"]["2"] = {"hierarchy": ["mystery", "layer4"], "budgets": [2], "expected_latency": 0.01}
+    with pytest.raises(InputFileError, match=r"by_load\.2\.hierarchy\[0\]: 'mystery' is not described"):
+        plan_from_dict(d)
+
+
+def _profile(batch_costs) -> dict:
+    return {"format": "hsd-profile/1", "target": "t",
+            "models": [{"name": "ngram", "kind": "ngram_context", "cost": 1e-4, "can_verify": False},
+                       {"name": "d", "cost": 0.01}, {"name": "t", "cost": 0.05}],
+            "acceptance": {"ngram": {"t": 0.3, "d": 0.4}, "d": {"t": 0.8}},
+            "cost_curve": {"t": [0.05, 0.06, 0.07], "d": [0.01, 0.012, 0.014]}, "batch_costs": batch_costs}
+
+
+def test_batch_costs_are_typed_checked_and_round_trip():
+    good = [{"batch": 2, "ratio": {"ngram": 2.0, "d": [1.2, 1.5, 1.8], "t": [1.1, 1.3, 1.6]}, "context": 64,
+             "pass_seconds": {"t": [0.055, 0.078, 0.11]}},
+            {"batch": 4, "ratio": {"ngram": 4.0, "d": [1.6, 2.5, 3.3], "t": [1.3, 1.9, 2.6]}}]
+    prof, _ = profile_from_dict(_profile(good))
+    assert prof.batch_sizes == [1, 2, 4] and prof.batch_costs[0].ratio["d"] == [1.2, 1.5, 1.8]
+    assert prof.to_dict()["batch_costs"] == good
+    assert profile_from_dict(_profile(None))[0].batch_sizes == [1]
+    for bad, field in (([{"batch": 1, "ratio": {}}], "batch_costs[0].batch"),
+                       ([good[1], good[0]], "batch_costs[1].batch"),
+                       ([{"batch": 2, "ratio": {"x": 2.0}}], "batch_costs[0].ratio.x"),
+                       ([{"batch": 2, "ratio": {"d": [1.0, -1.0]}}], "batch_costs[0].ratio.d[1]"),
+                       ([{"batch": 2, "ratio": []}], "batch_costs[0].ratio")):
+        with pytest.raises(InputFileError) as err:
+            profile_from_dict(_profile(bad), "p.json")
+        assert err.value.field == field

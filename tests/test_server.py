@@ -564,3 +564,55 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
     assert "loading" in log and "stopped" in log and "Traceback" not in log
     assert '"POST /v1/completions HTTP/1.1" 400' in log
     assert "timeout graceful shutdown exceeded" not in log  # the open stream ended when its job was cancelled
+
+
+def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):
+    """A body whose Content-Length is over --max-body is refused before it is read; one sent in chunks without
+    a length is refused as soon as it passes the bound (the rest is not read)."""
+    app, jobs = prepare_server(tiny[0], device="cpu", max_body=1000)
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        url = srv.url + "/v1/completions"
+        r = httpx.post(url, content=b"x" * 5000, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        def chunks():
+            for _ in range(50):
+                yield b"y" * 100
+
+        r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413
+        ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+    no_tracebacks(caplog)
+
+
+def test_concurrent_requests_decode_together_and_each_is_its_own_answer(tiny, direct, caplog):
+    """Four clients at once with different prompts and lengths on a server decoding up to four together: /health
+    sees several in flight, and every answer is the one the plan gives the prompt alone."""
+    from hsd_opt.prompts import encode_prompt
+
+    runner, _, tok = direct
+    app, jobs = prepare_server(tiny[0], device="cpu", max_batch=4)
+    asks = [(PROMPTS[0], 30), (PROMPTS[1], 7), (STOP_PROMPT, 40), (PROMPTS[2], 19)]
+    want = [runner.generate(encode_prompt(tok, p, raw=True), n).token_ids for p, n in asks]
+    seen_active = []
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        got: dict[int, list[int]] = {}
+
+        def ask(i: int):
+            r = client(srv).completions.create(model=MODEL, prompt=asks[i][0], max_tokens=asks[i][1],
+                                               temperature=0)
+            got[i] = r.model_extra["hsd"]["token_ids"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            seen_active.append(httpx.get(srv.url + "/health", timeout=30).json()["active"])
+            time.sleep(0.005)
+        for t in threads:
+            t.join(60)
+        h = httpx.get(srv.url + "/health", timeout=30).json()
+    assert [got[i] for i in range(4)] == want
+    assert max(seen_active) >= 2 and h["max_batch"] == 4 and h["completed"] == 4
+    no_tracebacks(caplog)

@@ -130,6 +130,22 @@ def cost_contexts(spec: str) -> list[int]:
     return sorted(out)
 
 
+def batch_sizes(spec: str, flag: str = "--batch-sizes") -> list[int]:
+    """``--batch-sizes``: ``"1,2,4,8"`` -> sorted distinct numbers of sequences decoded together, each >= 1, 1
+    always among them; :class:`HsdError` naming ``flag`` otherwise."""
+    out = {1}
+    for p in spec.split(","):
+        try:
+            b = int(p)
+        except ValueError:
+            b = 0
+        if b < 1:
+            raise HsdError(f"{flag}: expected numbers of sequences (integers >= 1, comma-separated, e.g. 1,2,4,8), "
+                           f"got {spec!r}")
+        out.add(b)
+    return sorted(out)
+
+
 def shard(spec: str | None) -> tuple[int, int] | None:
     """``--shard K/N`` -> ``(K, N)`` with ``0 <= K < N``; None (not given or empty) for no sharding."""
     if not spec:

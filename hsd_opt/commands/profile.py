@@ -118,6 +118,10 @@ def profile_cmd(
                                       help="Context lengths (tokens in the KV cache) to measure the costs at, "
                                            "comma-separated; longer ones than the model holds are lowered to "
                                            "the longest that fits. The solver interpolates between them."),
+    batch_sizes: str = typer.Option("1,2,4,8", "--batch-sizes",
+                                    help="Numbers of sequences decoded together to time passes at "
+                                         "(batch_costs: what hsd solve --batch-sizes plans each load level "
+                                         "of hsd serve with); 1 = one sequence at a time only."),
     cost_budget: str = typer.Option("auto", "--cost-budget",
                                     help="Seconds the cost phase may take: the most thorough cost plan whose "
                                          "estimate fits is used (docs/design.md#the-cost-budget). auto = 480; "
@@ -143,6 +147,7 @@ def profile_cmd(
     if out is None:
         raise HsdError("--out is required: where to write the profile JSON")
     contexts = tuple(options.cost_contexts(cost_contexts))
+    batches = options.batch_sizes(batch_sizes)
     if token_drafters is not None:
         names = [] if token_drafters.strip().lower() == "none" else \
             [x.strip() for x in token_drafters.split(",") if x.strip()]
@@ -174,7 +179,7 @@ def profile_cmd(
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
                         target_precision=precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
-                        shard=options.shard(shard),
+                        batch_sizes=tuple(batches), shard=options.shard(shard),
                         max_prompts=max_prompts, progress=not quiet, threads=threads)
     if not quiet:
         prepare_kernels(device)

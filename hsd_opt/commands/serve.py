@@ -21,13 +21,22 @@ def served_name(model_id: str) -> str:
     return p.name if p.exists() else model_id
 
 
-def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str]) -> None:
+#: ``--max-body`` by default: bytes of a request body (a long prompt is well under it).
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+
+
+def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
+                     max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
-    ``--default-max-tokens`` < 1 or an empty ``--model-name``."""
+    ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1 or ``--max-body`` < 1."""
     if not 0 <= port <= 65535:
         raise HsdError(f"--port: expected 0..65535, got {port}")
     if max_queue < 1:
         raise HsdError(f"--max-queue: expected >= 1, got {max_queue}")
+    if max_batch < 1:
+        raise HsdError(f"--max-batch: expected >= 1, got {max_batch}")
+    if max_body < 1:
+        raise HsdError(f"--max-body: expected a number of bytes >= 1, got {max_body}")
     if default_max_tokens < 1:
         raise HsdError(f"--default-max-tokens: expected >= 1, got {default_max_tokens}")
     if model_name is not None and not model_name.strip():
@@ -37,10 +46,12 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
 def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto", dtype: Optional[str] = None,
                    mode: str = "exact", model_name: Optional[str] = None, default_max_tokens: int = 256,
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
-                   target_precision: Optional[str] = None) -> tuple[Any, Any]:
-    """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included),
-    warm it up, and return ``(app, jobs)``: the Starlette app and its :class:`~hsd_opt.server.JobQueue`
-    (the app's lifespan starts and stops its worker). ``say(message)`` reports progress."""
+                   target_precision: Optional[str] = None, max_batch: int = 8,
+                   max_body: int = DEFAULT_MAX_BODY) -> tuple[Any, Any]:
+    """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
+    a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
+    app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together (the app's
+    lifespan starts and stops its worker). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
@@ -52,16 +63,26 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     say(f"building the hierarchy {chain} on {loaded.device} ...")
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
-    models.release_unused_floats(p, [p.hierarchy], log=say)
+    built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
+    levels = {}
+    for n, e in p.by_load.items():                 # a hierarchy per load level: the same engines, shared
+        key = (tuple(e.hierarchy), tuple(e.budgets))
+        if key not in built:
+            say(f"load level {n}: the hierarchy {' -> '.join(e.hierarchy)} ...")
+            built[key] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=list(e.hierarchy),
+                                      budgets=list(e.budgets), models=models)
+        levels[n] = built[key]
+    models.release_unused_floats(p, [list(k[0]) for k in built], log=say)
     tok = loaded.tokenizer
-    runner.generate(encode_prompt(tok, "Hello", raw=True), 2)  # warm-up: first passes allocate and compile
+    for h in built.values():                       # warm-up: first passes allocate and compile
+        h.generate(encode_prompt(tok, "Hello", raw=True), 2)
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens)
-    jobs = JobQueue(runner, tok, max_queue=max_queue)
-    about = {"plan": str(plan), "hierarchy": list(p.hierarchy), "budgets": list(p.budgets), "mode": mode,
-             "max_positions": max_positions}
-    return create_app(jobs, info, api_key=api_key, about=about), jobs
+    jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch)
+    about = {"plan": str(plan), "mode": mode, "max_positions": max_positions,
+             "load_levels": {str(n): list(e.hierarchy) for n, e in p.by_load.items()}}
+    return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
 
 
 @cli_command
@@ -71,8 +92,14 @@ def serve_cmd(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HSD_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Most requests waiting while one is decoded; one more "
-                                                          "is answered 429."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Most requests waiting while --max-batch are decoded; "
+                                                          "one more is answered 429."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Most requests decoded together (continuous batching; "
+                                                         "1: one at a time). With a plan per load level "
+                                                         "(hsd solve --batch-sizes) each load runs its own "
+                                                         "hierarchy."),
+    max_body: int = typer.Option(DEFAULT_MAX_BODY, "--max-body", help="Most bytes of a request body; a larger "
+                                                                      "one is answered 413 unread."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -85,22 +112,23 @@ def serve_cmd(
     mode: str = typer.Option("exact", "--mode", help="exact | eager (as `hsd run --mode`)."),
 ):
     """Serve the plan's hierarchy over an OpenAI-compatible HTTP API (chat and text completions, streamed or not),
-    one request at a time, lossless."""
+    up to --max-batch requests decoded together, lossless."""
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
-    check_serve_args(port, max_queue, default_max_tokens, model_name)
+    check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body)
     if mode not in ("exact", "eager"):
         raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
-                                     api_key, say=lambda m: err_console.print(m), target_precision=target_precision)
+                                     api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
+                                     max_batch=max_batch, max_body=max_body)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service
 
         def ready():
-            err_console.print(f"ready: {svc.info.name} at {url}/v1 (max queue {max_queue}"
+            err_console.print(f"ready: {svc.info.name} at {url}/v1 (max batch {max_batch}, max queue {max_queue}"
                               f"{', API key required' if api_key else ''}); Ctrl-C stops")
 
         server = make_server(app, on_ready=ready, on_stop=jobs.cancel_all, logging_config=log_config())

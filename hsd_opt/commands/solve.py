@@ -78,6 +78,21 @@ def tasks_table(plan) -> Table:
     return t
 
 
+def loads_table(plan) -> Table:
+    """Rich table of a plan's ``by_load`` section: each load level's hierarchy, its predicted latency per
+    sequence and aggregate throughput, against plain batched decoding (the target alone) at that load."""
+    t = Table(title="plans per load level (sequences decoded together)")
+    for c, j in (("sequences", "right"), ("hierarchy (budgets in tokens)", "left"), ("ms/token each", "right"),
+                 ("tokens/s in all", "right"), ("batched target alone", "right"), ("gain", "right")):
+        t.add_column(c, justify=j)
+    for n, e in plan.by_load.items():
+        base = e.batched_target_latency
+        t.add_row(str(n), _chain(e.hierarchy, e.budgets), _ms(e.expected_latency), f"{n / e.expected_latency:.1f}",
+                  "-" if base is None else f"{n / base:.1f}", "-" if base is None else
+                  f"{base / e.expected_latency - 1:+.1%}")
+    return t
+
+
 def _warn_fallbacks(fallbacks: dict[str, list[str]]) -> None:
     for task, pairs in fallbacks.items():
         if pairs:
@@ -126,9 +141,16 @@ def solve_cmd(
                                                                  "Default: the profile's mean prompt length plus "
                                                                  "half its mean generation (per task: the "
                                                                  "task's)."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Also solve for these numbers of "
+                                              "sequences decoded together (e.g. 1,2,4,8; the profile's "
+                                              "batch_costs) and add a plan per load level (by_load) to the plan: "
+                                              "hsd serve runs the level's hierarchy. Default: every batch size "
+                                              "the profile has costs for (none: 1 only)."),
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
+    from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
     from hsd_opt.solver.api import SOLVERS, solve
+    from hsd_opt.solver.batch import solve_loads
     from hsd_opt.solver.tasks import profile_tasks, solve_tasks, task_positions, task_profile
 
     if tmax < 1:
@@ -145,8 +167,14 @@ def solve_cmd(
         raise HsdError("give one of --task TASK (a plan for one task) or --per-task (a plan with a section per task)")
     if context is not None and context < 1:
         raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
+    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     prof, warnings = load_profile(profile)
     warn_some(warnings)
+    if sizes is None:
+        sizes = prof.batch_sizes
+    elif set(sizes) - set(prof.batch_sizes):
+        raise HsdError(f"--batch-sizes: {profile} has costs at batch sizes {', '.join(map(str, prof.batch_sizes))} "
+                       f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
     if context is not None and not prof.context_costs:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
     full = prof
@@ -166,9 +194,14 @@ def solve_cmd(
                                          context=context)
         _warn_fallbacks(fallbacks)
         plan = plan_from_dict({**plan.to_dict(), "by_task": by_task}, "<hsd solve>")
+    if len(sizes) > 1:
+        plan.by_load = solve_loads(prof, tmax, sizes, solver=solver, max_depth=max_depth, min_gain=min_gain,
+                                   context=context)
     console.print(plan_table(plan))
     if per_task:
         console.print(tasks_table(plan))
+    if plan.by_load:
+        console.print(loads_table(plan))
     ex = plan.exact_optimum
     if ex:
         console.print(f"the exact optimum {_chain(ex.hierarchy, ex.budgets)} "

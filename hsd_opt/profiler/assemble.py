@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import ContextCosts, ModelEntry, Profile
+from hsd_opt.formats import BatchCosts, ContextCosts, ModelEntry, Profile
 from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
@@ -105,6 +105,31 @@ def quantization_entry(qeng) -> dict[str, Any]:
     return {"bits": qeng.bits, "group_size": qeng.group_size, "head_bits": qeng.head_bits,
             "kernels": qeng.uses_kernels, "activation_dtype": str(qeng.dtype).replace("torch.", ""),
             "weight_bytes": qeng.weight_bytes()}
+
+
+def batch_costs_entries(prof: Profile, neural: Sequence[NeuralDrafter], batch: dict[int, dict],
+                        context: int) -> list[BatchCosts]:
+    """The profile's ``batch_costs`` from the timings of each engine (``batch[id(engine)][B] = (ratio over t,
+    seconds over t)``): every drafter of an engine (its exits, a copy, the target) takes the engine's ratios,
+    every other entry (a token drafter) the batch size; ``pass_seconds`` names each engine by its deepest
+    drafter."""
+    if not batch:
+        return []
+    sizes = sorted({b for per in batch.values() for b in per})
+    by_name = {nd.name: nd for nd in neural}
+    deepest: dict[int, NeuralDrafter] = {}
+    for nd in neural:
+        if id(nd.engine) not in deepest or nd.boundary > deepest[id(nd.engine)].boundary:
+            deepest[id(nd.engine)] = nd
+    out = []
+    for b in sizes:
+        ratio: dict[str, float | list[float]] = {}
+        for m in prof.models:
+            nd = by_name.get(m.name)
+            ratio[m.name] = [round(r, 4) for r in batch[id(nd.engine)][b][0]] if nd is not None else float(b)
+        secs = {deepest[k].name: per[b][1] for k, per in batch.items() if k in deepest}
+        out.append(BatchCosts(b, ratio, context, secs))
+    return out
 
 
 def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
@@ -243,4 +268,4 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
             prov[key] = v
     extra["provenance"] = prov
     return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra,
-                   first.context_costs)
+                   first.context_costs, first.batch_costs)

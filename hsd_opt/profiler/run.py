@@ -22,7 +22,8 @@ from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
-from hsd_opt.profiler.assemble import build_profile, positions_by_task, prompts_by_task
+from hsd_opt.profiler.assemble import batch_costs_entries, build_profile, positions_by_task, prompts_by_task
+from hsd_opt.profiler.batch_costs import measure_batch_costs
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
 from hsd_opt.profiler.costs import (
     DEFAULT_CONTEXTS,
@@ -79,6 +80,7 @@ class ProfileConfig:
     cost_warmup: int = 2
     curve_repeats: int = 2
     cost_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # tokens in the KV cache the costs are measured at
+    batch_sizes: tuple[int, ...] = (1,)            # sequences decoded together to time passes at (batch_costs)
     cost_budget: float | None = DEFAULT_COST_BUDGET  # seconds for the cost phase (None: the full plan)
     shard: tuple[int, int] | None = None            # (k, n): this run does prompts i with i % n == k
     max_prompts: int | None = None
@@ -319,8 +321,11 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
             f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
     cost_seconds = time.perf_counter() - t_cost
 
+    batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
+
     # assemble, with provenance, and write
     prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs, sampling)
+    prof.batch_costs = batch_costs_entries(prof, pool.neural, batch, contexts[0])
     task_prompts, task_prompt_tokens = prompts_by_task(stats)
     prof.extra["provenance"] = {
         **settings,
@@ -361,6 +366,25 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     if world > 1:
         barrier()
     return prof
+
+
+def _measure_batch_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], context: int,
+                         text: list[int], log: Callable[[str], None]) -> dict[int, dict]:
+    """``{id(engine): {B: (ratio, seconds)}}`` for ``cfg.batch_sizes`` (nothing for batch 1 alone)
+    (:func:`~hsd_opt.profiler.batch_costs.measure_batch_costs`), with a progress line per engine."""
+    if len(cfg.batch_sizes) < 2:
+        return {}
+    sizes = ", ".join(map(str, cfg.batch_sizes))
+    log(f"timing passes over {sizes} sequences at a context of {context} tokens")
+    out = {}
+    t0 = time.perf_counter()
+    for k, (e, _) in by_engine.items():
+        out[k] = measure_batch_costs(e, cfg.batch_sizes, cfg.tmax, text, context, greedy=cfg.temperature == 0)
+        top = max(cfg.batch_sizes)
+        log(f"  {label.get(k, 'target')}: a step of {top} sequences costs {out[k][top][0][0]:.2f}x one sequence's, "
+            f"a pass over {cfg.tmax + 1} tokens each {out[k][top][0][-1]:.2f}x")
+    log(f"batch costs: {time.perf_counter() - t0:.0f} s")
+    return out
 
 
 def _max_positions(engines) -> int | None:

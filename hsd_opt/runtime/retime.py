@@ -55,7 +55,7 @@ def scale_costs(profile: Profile, factor: Mapping[str, float]) -> Profile:
     ctx = [ContextCosts(e.context, {m: c * f(m) for m, c in e.cost.items()}, curves(e.cost_curve),
                         verify(e.verify_cost)) for e in profile.context_costs]
     return Profile(profile.target, models, profile.acceptance, verify(profile.verify_cost),
-                   curves(profile.cost_curve), dict(profile.extra), ctx)
+                   curves(profile.cost_curve), dict(profile.extra), ctx, profile.batch_costs)
 
 
 def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],

@@ -99,8 +99,25 @@ async def _disconnected(receive) -> None:
 class Service:
     """What the routes share: the job queue, the served model and what ``/health`` tells about the plan."""
 
-    def __init__(self, jobs: JobQueue, info: ModelInfo, about: dict[str, Any] | None = None):
-        self.jobs, self.info, self.about = jobs, info, dict(about or {})
+    def __init__(self, jobs: JobQueue, info: ModelInfo, about: dict[str, Any] | None = None,
+                 max_body: int = 4 * 1024 * 1024):
+        self.jobs, self.info, self.about, self.max_body = jobs, info, dict(about or {}), max_body
+
+    async def body(self, request: Request) -> bytes:
+        """The request body, refused with 413 once it is known to exceed ``max_body`` bytes (from its
+        Content-Length before reading, else while reading): a huge body is never read whole."""
+        too_big = ApiError(413, f"the request body is over {self.max_body} bytes", "invalid_request_error", None,
+                           "body_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            raise too_big
+        parts, n = [], 0
+        async for part in request.stream():
+            n += len(part)
+            if n > self.max_body:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
 
     def submit(self, req: GenerationRequest) -> tuple[Job, asyncio.Queue]:
         """Queue ``req``; its events arrive on the returned asyncio queue. 429 when the queue is full."""
@@ -123,7 +140,7 @@ class Service:
 
     async def generate(self, request: Request, kind: str) -> Response | EventStream:
         try:
-            raw = await request.body()
+            raw = await self.body(request)
         except ClientDisconnect:
             return Response(status_code=400)
         req = parse_request(parse_json(raw), kind, self.info)
@@ -190,11 +207,11 @@ class Service:
 
 
 def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
-               about: dict[str, Any] | None = None) -> Starlette:
+               about: dict[str, Any] | None = None, max_body: int = 4 * 1024 * 1024) -> Starlette:
     """The Starlette app serving ``jobs`` as the model ``info.name``. Its lifespan starts the queue's worker
     and stops it (cancelling what is queued or running). ``about``: extra fields for ``GET /health`` (the plan,
-    its hierarchy)."""
-    svc = Service(jobs, info, about)
+    its hierarchy). ``max_body``: bytes of a request body at most (413 beyond)."""
+    svc = Service(jobs, info, about, max_body)
 
     def guarded(fn: Callable[[Request], Awaitable[Any]]):
         async def endpoint(request: Request):

@@ -90,7 +90,8 @@ def profile_at_context(profile: Profile, context: float) -> Profile:
             else:
                 verify_cost.setdefault(v, {})[d] = _curve_at_context(
                     xs, [x if isinstance(x, list) else [x] for x in vals], context)
-    return Profile(profile.target, models, profile.acceptance, verify_cost, cost_curve, dict(profile.extra))
+    return Profile(profile.target, models, profile.acceptance, verify_cost, cost_curve, dict(profile.extra),
+                   batch_costs=profile.batch_costs)
 
 
 def _mean(total, count) -> float | None:

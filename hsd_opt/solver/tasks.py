@@ -73,7 +73,7 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
     extra = {k: v for k, v in profile.extra.items() if k not in ("stats",)}
     extra["task"] = task
     return Profile(profile.target, models, acceptance, profile.verify_cost, profile.cost_curve, extra,
-                   profile.context_costs), fallbacks
+                   profile.context_costs, profile.batch_costs), fallbacks
 
 
 def solve_tasks(profile: Profile, plan: Plan, tmax: int, solver: str = "dp", max_depth: int | None = None,

@@ -1,0 +1,81 @@
+"""Plans for a load level: the latency model when ``B`` sequences are decoded together.
+
+At ``B`` sequences in flight every pass a hierarchy makes is a batched pass over ``B`` sequences (the scheduler
+serves the passes of one engine together, :mod:`hsd_opt.runtime.batch`), so each sequence's round costs what the
+batched passes cost, and the acceptance of each sequence is unchanged. :func:`at_batch` gives the profile whose
+costs are those of the batched passes: every cost of a model times the model's measured ratio at the same pass
+size t (``batch_costs``: the seconds of a pass over ``B`` sequences of t tokens over the seconds of a pass over one
+sequence of t tokens; a token drafter's ratio is ``B``: it proposes for one sequence at a time). Solving that
+profile minimises each sequence's seconds per token at load ``B``, which maximises the aggregate throughput
+``B / latency`` (the goodput; ``B`` is fixed). Plain batched decoding without speculation is the target alone,
+always a candidate of the solver, so speculation is chosen only where it pays at that load.
+
+Assumptions (``docs/design.md#serving-under-load``): the ``B`` sequences run the same hierarchy and make their
+passes together; their contexts are alike (the ratios were timed at one context, applied at every one); a
+sequence's acceptance does not depend on the others. Units: seconds per token; tokens per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import BatchCosts, ContextCosts, LoadPlan, Profile
+from hsd_opt.solver.api import resolve_context, solve
+from hsd_opt.solver.latency import target_only
+
+
+def _ratio_at(r: float | list[float], t: int) -> float:
+    """A ratio (a number, or a curve over t = 1..n) at pass size ``t`` (the curve's last value past its end)."""
+    if isinstance(r, (int, float)):
+        return float(r)
+    return float(r[min(t, len(r)) - 1])
+
+
+def _scaled(v: float | list[float], r: float | list[float]) -> float | list[float]:
+    """A cost (a number: one step, or a curve over t) times its ratio at the same t."""
+    if isinstance(v, (int, float)):
+        return float(v) * _ratio_at(r, 1)
+    return [float(x) * _ratio_at(r, t) for t, x in enumerate(v, 1)]
+
+
+def at_batch(profile: Profile, batch: int) -> Profile:
+    """``profile`` with every cost that of the batched pass at ``batch`` sequences (batch 1: the profile itself).
+
+    Raises :class:`HsdError` naming ``--batch-sizes`` when the profile has no costs at that batch size, and when a
+    model lacks a ratio there."""
+    if batch == 1:
+        return profile
+    bc: BatchCosts | None = next((b for b in profile.batch_costs if b.batch == batch), None)
+    if bc is None:
+        raise HsdError(f"--batch-sizes: the profile has no costs at batch {batch} (it has "
+                       f"{', '.join(map(str, profile.batch_sizes))}; profile with --batch-sizes)")
+    missing = [m.name for m in profile.models if m.name not in bc.ratio]
+    if missing:
+        raise HsdError(f"--batch-sizes: batch_costs of batch {batch} has no ratio for {', '.join(missing)}")
+    r = bc.ratio
+    models = [replace(m, cost=m.cost * _ratio_at(r[m.name], 1)) for m in profile.models]
+    curves = {name: _scaled(v, r[name]) for name, v in profile.cost_curve.items()}
+    verify = {v: {d: _scaled(c, r[v]) for d, c in row.items()} for v, row in profile.verify_cost.items()}
+    contexts = [ContextCosts(c.context, {n: float(_scaled(x, r[n])) for n, x in c.cost.items()},
+                             {n: _scaled(x, r[n]) for n, x in c.cost_curve.items()},
+                             {v: {d: _scaled(x, r[v]) for d, x in row.items()} for v, row in c.verify_cost.items()})
+                for c in profile.context_costs]
+    return Profile(profile.target, models, profile.acceptance, verify, curves, dict(profile.extra), contexts, [])
+
+
+def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], **solve_args) -> dict[int, LoadPlan]:
+    """The plan of each load level in ``batch_sizes`` (sequences decoded together): the solver's optimum on
+    :func:`at_batch`, with its predicted aggregate tokens per second and the latency of plain batched decoding
+    (the target alone) at the same load. ``solve_args`` go to :func:`~hsd_opt.solver.api.solve`."""
+    out: dict[int, LoadPlan] = {}
+    for b in sorted(set(int(x) for x in batch_sizes)):
+        if b < 1:
+            raise HsdError(f"--batch-sizes: expected sizes >= 1, got {b}")
+        prof = at_batch(profile, b)
+        plan = solve(prof, tmax, **{**solve_args, "top": 1})
+        alone = target_only(resolve_context(prof, solve_args.get("context"))[0])
+        out[b] = LoadPlan(list(plan.hierarchy), list(plan.budgets), float(plan.expected_latency),
+                          b / float(plan.expected_latency), float(alone))
+    return out

@@ -1,0 +1,71 @@
+"""From batch costs to a plan per load level to a server that runs it (tiny models): ``hsd profile --batch-sizes``
+records the ratios of every drafter, ``hsd solve`` adds ``by_load``, ``hsd serve`` builds every level's
+hierarchy over shared engines; bad values are refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hsd_opt.commands.serve import prepare_server
+from tests.helpers import cli_output, run_cli, save_tiny, write_prompts
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loads")
+    model = save_tiny(root / "m", layers=2)
+    prompts = write_prompts(root / "p.jsonl", n=3)
+    prof = root / "prof.json"
+    r = run_cli("profile", "--model", model, "--prompts", prompts, "--out", prof, "--quantized", "int8",
+                "--token-drafters", "ngram", "--max-new-tokens", "6", "--tmax", "3", "--cost-repeats", "1",
+                "--cost-contexts", "16", "--batch-sizes", "1,2,4", "--quiet", "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    return root, prof
+
+
+def test_the_profile_records_each_drafters_ratio_at_each_batch_size(profiled):
+    _, prof = profiled
+    d = json.loads(prof.read_text())
+    names = [m["name"] for m in d["models"]]
+    assert [b["batch"] for b in d["batch_costs"]] == [2, 4]
+    for b in d["batch_costs"]:
+        assert set(b["ratio"]) == set(names) and b["context"] == 16
+        assert b["ratio"]["ngram"] == b["batch"]                       # proposals are made one sequence at a time
+        assert all(len(b["ratio"][n]) == 4 and min(b["ratio"][n]) > 0 for n in names if n != "ngram")
+        assert b["ratio"]["layer1"] == b["ratio"]["layer2"]            # exits take their engine's ratios
+        assert set(b["pass_seconds"]) == {"layer2", "int8"}
+
+
+def test_solve_plans_every_load_level_and_serve_runs_them(profiled):
+    root, prof = profiled
+    plan = root / "plan.json"
+    r = run_cli("solve", "--profile", prof, "--tmax", "3", "--out", plan)
+    assert r.exit_code == 0, cli_output(r)
+    assert "plans per load level" in cli_output(r)
+    d = json.loads(plan.read_text())
+    assert sorted(d["by_load"]) == ["1", "2", "4"]
+    assert d["by_load"]["1"]["hierarchy"] == d["hierarchy"] or len(d["hierarchy"]) > 2   # min-gain may keep more
+    for n, e in d["by_load"].items():
+        assert e["tokens_per_s"] == pytest.approx(int(n) / e["expected_latency"])
+        assert e["expected_latency"] <= e["batched_target_latency"] * (1 + 1e-9)
+    app, jobs = prepare_server(plan, device="cpu", max_batch=4)
+    assert sorted(jobs.batch.levels) == [1, 2, 4]
+    assert len({id(h.target) for h in jobs.batch.levels.values()}) == 1
+    one = run_cli("solve", "--profile", prof, "--tmax", "3", "--batch-sizes", "1", "--out", root / "one.json")
+    assert one.exit_code == 0 and "by_load" not in json.loads((root / "one.json").read_text())
+
+
+@pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),
+                                       (("solve", "--batch-sizes", "0"), "--batch-sizes"),
+                                       (("profile", "--batch-sizes", "two"), "--batch-sizes"),
+                                       (("serve", "--max-batch", "0"), "--max-batch"),
+                                       (("serve", "--max-body", "0"), "--max-body")])
+def test_bad_load_flags_exit_2_naming_the_flag(profiled, args, flag):
+    root, prof = profiled
+    cmd, *rest = args
+    where = {"solve": ["--profile", prof], "profile": ["--model", root / "m", "--out", root / "x.json"],
+             "serve": ["--plan", root / "plan.json"]}[cmd]
+    r = run_cli(cmd, *where, *rest)
+    assert r.exit_code == 2 and flag in cli_output(r) and "Traceback" not in cli_output(r)

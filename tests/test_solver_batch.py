@@ -1,0 +1,97 @@
+"""Plans per load level: the profile at a batch size is the profile with every cost times its measured ratio,
+and the plan of a load level is the solver's optimum there, never predicted slower than plain batched decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import BatchCosts, ContextCosts, profile_from_dict
+from hsd_opt.solver.api import evaluate, solve
+from hsd_opt.solver.batch import at_batch, solve_loads
+from hsd_opt.solver.latency import target_only
+from tests.helpers import random_profile
+
+
+def _profile():
+    """A target whose batched passes are nearly free at one token and grow with the tokens of a pass (memory
+    bound, then arithmetic), a copy whose batched passes cost nearly their batch size (arithmetic bound), and an
+    n-gram drafter."""
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "ngram", "kind": "ngram_context", "cost": 2e-4, "can_verify": False},
+                    {"name": "q", "kind": "quantized", "cost": 0.009},
+                    {"name": "t", "kind": "target", "cost": 0.025}],
+         "acceptance": {"ngram": {"q": 0.4, "t": 0.4}, "q": {"t": 0.9}},
+         "cost_curve": {"t": [0.025 + 0.004 * k for k in range(8)], "q": [0.009 + 0.004 * k for k in range(8)]},
+         "verify_cost": {"t": {"q": [0.025 + 0.004 * k for k in range(8)]}},
+         "batch_costs": [{"batch": b, "ratio": {"ngram": float(b),
+                                                 "q": [min(b * t, 1 + 0.6 * (b * t - 1)) / t for t in range(1, 9)],
+                                                 "t": [1 + 0.18 * (b * t - 1) / t for t in range(1, 9)]}}
+                         for b in (2, 4, 8)]}
+    return profile_from_dict(d)[0]
+
+
+def test_batch_one_is_the_profile_itself():
+    prof = _profile()
+    assert at_batch(prof, 1) is prof
+
+
+def test_every_cost_is_times_its_ratio_at_the_same_pass_size():
+    prof = _profile()
+    b = at_batch(prof, 4)
+    r = prof.batch_costs[1].ratio
+    assert b.entry("t").cost == pytest.approx(prof.entry("t").cost * r["t"][0])
+    assert b.entry("ngram").cost == pytest.approx(prof.entry("ngram").cost * 4)
+    assert b.cost_curve["q"] == pytest.approx([c * x for c, x in zip(prof.cost_curve["q"], r["q"])])
+    assert b.verify_cost["t"]["q"] == pytest.approx([c * x for c, x in zip(prof.verify_cost["t"]["q"], r["t"])])
+    assert b.acceptance == prof.acceptance and not b.batch_costs
+    with pytest.raises(HsdError, match="--batch-sizes: the profile has no costs at batch 3"):
+        at_batch(prof, 3)
+    partial = dataclasses.replace(prof, batch_costs=[BatchCosts(2, {"t": 1.0})])
+    with pytest.raises(HsdError, match="no ratio for ngram, q"):
+        at_batch(partial, 2)
+
+
+def test_context_costs_are_scaled_too():
+    prof = _profile()
+    prof.context_costs = [ContextCosts(64, {"t": 0.025, "q": 0.009, "ngram": 2e-4}, dict(prof.cost_curve)),
+                          ContextCosts(512, {"t": 0.03, "q": 0.011, "ngram": 3e-4},
+                                       {k: [x * 1.2 for x in v] for k, v in prof.cost_curve.items()})]
+    b = at_batch(prof, 8)
+    r = prof.batch_costs[2].ratio
+    assert b.context_costs[1].cost["t"] == pytest.approx(0.03 * r["t"][0])
+    assert b.context_costs[1].cost_curve["q"] == pytest.approx([x * 1.2 * y for x, y in
+                                                               zip(prof.cost_curve["q"], r["q"])])
+
+
+def test_load_levels_speculate_alone_and_decode_plainly_under_load():
+    """One sequence: the speculative plan the solver picks anyway, with the copy. Eight: the copy's passes cost
+    about eight times one, the target's little more than one, so the copy no longer pays; without the n-gram
+    drafter (almost free at any load) plain batched decoding wins (speculation is not chosen where it does not
+    pay)."""
+    prof = _profile()
+    loads = solve_loads(prof, 7, [1, 2, 4, 8], min_gain=0.0)
+    alone = solve(prof, 7, min_gain=0.0)
+    assert loads[1].hierarchy == alone.hierarchy and loads[1].expected_latency == pytest.approx(alone.expected_latency)
+    assert "q" in loads[1].hierarchy and "q" not in loads[8].hierarchy
+    no_ngram = dataclasses.replace(prof, acceptance={"q": {"t": 0.9}})
+    assert solve_loads(no_ngram, 7, [8])[8].hierarchy == ["t"]
+    for n, e in loads.items():
+        assert e.tokens_per_s == pytest.approx(n / e.expected_latency)
+        assert e.batched_target_latency == pytest.approx(target_only(at_batch(prof, n)))
+        assert e.expected_latency == pytest.approx(evaluate(at_batch(prof, n), e.hierarchy, e.budgets))
+
+
+def test_a_load_level_is_never_predicted_slower_than_plain_batched_decoding():
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        prof = random_profile(rng, int(rng.integers(1, 5)), cost_curve=True, verify_cost=True)
+        curves = {}
+        for b in (2, 4):
+            curves[b] = {m.name: [float(x) for x in np.maximum(1.0, rng.uniform(0.8, b, 6))] for m in prof.models}
+        prof.batch_costs = [BatchCosts(b, curves[b]) for b in (2, 4)]
+        for n, e in solve_loads(prof, 5, [1, 2, 4]).items():
+            assert e.expected_latency <= e.batched_target_latency * (1 + 1e-9)
