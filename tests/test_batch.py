@@ -188,3 +188,34 @@ def test_a_batch_refuses_hierarchies_over_different_targets(tiny):
         Batch({1: a, 2: b})
     with pytest.raises(HsdError, match="--max-batch"):
         Batch(a, max_active=0)
+
+
+def test_a_copy_switched_in_mid_sequence_takes_the_targets_keys_and_values(tiny, monkeypatch):
+    """A sequence decoded by the target alone that switches to a hierarchy with a quantized copy: the copy's
+    state takes the target's keys and values of every position so far (as at a prefill) and computes only the
+    last; the answer stays the target's."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    q4 = h1.levels[1].engine
+    shared = []
+    real = type(q4).share_prompt
+    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real(self, *a)) or shared[-1])
+    prompt = _prompts(1, seed=4)[0]
+    want = ar.generate(prompt, 30).token_ids
+    d = ar.start(prompt, 30)
+    d.prefill()
+    steps = d.steps()
+    req, rounds = steps.send(None), 0
+    from hsd_opt.runtime.decode import Committed, serve
+    while True:
+        reply = serve(req) if not isinstance(req, Committed) else False
+        if isinstance(req, Committed):
+            rounds += 1
+            if rounds == 5:
+                d.switch(h1)
+        try:
+            req = steps.send(reply)
+        except StopIteration:
+            break
+    assert d.result().token_ids == want
+    assert shared and shared[0] == len(prompt) + 5 - 1      # every position the target had computed by then

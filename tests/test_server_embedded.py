@@ -54,3 +54,30 @@ def test_server_on_the_embedded_plan_is_lossless(embedded):
         kw = dict(model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0.8, top_p=0.9, seed=11)
         a, b = (c.chat.completions.create(**kw).model_extra["hsd"]["token_ids"] for _ in range(2))
         assert a == b and len(a) >= 1
+
+
+def test_four_concurrent_requests_are_each_the_targets_answer(embedded):
+    """Four clients at once on the embedded plan, decoded together, each asking for another number of tokens:
+    every answer is token for token what the plan gives its prompt alone (``hsd run``'s code path), which is
+    the target's greedy output."""
+    import threading
+
+    tok = embedded.tokenizer
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu", max_batch=4)
+    asks = [(PROMPT, 40), ("Name three prime numbers.", 9), ("What is the capital of France?", 23),
+            ("Write a haiku about the sea.", 31)]
+    want = [jobs.runner.generate(encode_prompt(tok, p), n).token_ids for p, n in asks]
+    got: dict[int, list[int]] = {}
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        def ask(i: int):
+            c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+            r = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": asks[i][0]}],
+                                          max_tokens=asks[i][1], temperature=0)
+            got[i] = r.model_extra["hsd"]["token_ids"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert [got[i] for i in range(4)] == want

@@ -366,9 +366,31 @@ class Decoding:
                             | set(self.hsd.bounds.get(id(eng), ())))
             st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds)
             if self.seq:
-                eng.append(st, torch.tensor(self.seq, dtype=torch.long, device=eng.device))
+                ids = torch.tensor(self.seq, dtype=torch.long, device=eng.device)
+                src = self._share_source(eng, max(bounds))
+                if src is None:
+                    eng.append(st, ids)
+                else:       # the positions the source has computed, then the rest (computed when first used)
+                    other, src_st, done = src
+                    eng.append(st, ids[:done + 1])
+                    eng.share_prompt(st, other, src_st, max(bounds))
+                    eng.append(st, ids[done + 1:])
             self._states[id(eng)] = st
         return st
+
+    def _share_source(self, eng: Engine, top: int) -> tuple[Engine, DecodeState, int] | None:
+        """For a copy taken on after the prompt (a switch of hierarchy): the engine over its model's own weights
+        whose keys and values it takes, as at a prefill (:meth:`prefill`), instead of computing them all, with
+        that engine's state and the positions it has computed in layers ``0 .. top-1`` (its drafts change
+        slightly, the output does not); None when there is none."""
+        if not (self.hsd.share_prompt and eng.is_copy):
+            return None
+        for key, src in self._states.items():
+            other = self._engines[key][0]
+            done = min(src.lens[:top])
+            if eng.can_share_prompt(other) and done >= 1:
+                return other, src, done
+        return None
 
     def _append(self, toks: list[int]) -> None:
         if not toks:

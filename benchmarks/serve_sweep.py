@@ -1,0 +1,322 @@
+"""Serving under load: aggregate tokens/s, time to the first token and tokens/s per stream at each number of
+concurrent clients, for `hsd serve` with a load-aware plan, the same server one request at a time, plain batched
+decoding (the target alone, batched), and llama.cpp's server (its own batching, and its best speculative
+setting), in one interleaved run.
+
+    .venv/bin/python benchmarks/serve_sweep.py --plan out/plan.json --concurrency 1,2,4,8,16 \\
+        [--requests 2] [--max-tokens 64] [--prompts FILE] [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
+        [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
+        [--plot out.png] [--out benchmarks/results/serve_sweep.json]
+
+Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
+concurrency ``c`` (levels in order) the methods run one after the other, their order rotating from level to
+level: ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the other (the
+suite's prompts in turn, ``--max-tokens`` new tokens each), all starting together. The `hsd serve` processes start
+once and stay up (an idle one costs nothing); llama.cpp's server is started per level with ``--parallel c``.
+
+- ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``).
+- ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
+- ``hsd_plain``: the plan's target alone (a copy of the plan with its hierarchy ``[target]`` and no ``by_load``),
+  ``--max-batch MAX``: batched decoding without speculation.
+- ``llama``: ``llama-server -m F32 --parallel c -t THREADS -c CTX`` (continuous batching, no speculation).
+- ``llama_spec``: the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max N --spec-draft-p-min P``.
+
+Reported per method and level: aggregate tokens/s (every completion token over the wall time from the first
+request to the last answer), time to the first token p50/p95 (seconds), tokens/s per stream (p50), and for the
+``hsd*`` methods whether every answer equals the plan's own ``HSD.generate`` on the prompt (greedy: the target's
+tokens) and, for ``hsd``, the plan's predicted aggregate at that load (``by_load``, the level's hierarchy) next to
+the measured decode aggregate (the mean of each stream's tokens over its decode seconds, times ``c``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
+LLAMA_METHODS = ("llama", "llama_spec")
+
+
+def pct(xs, q):
+    import numpy as np
+
+    xs = [x for x in xs if x is not None]
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):
+    """``(process, url)`` of a server on 127.0.0.1 once a line of its output matches ``ready`` (a regex whose
+    group 1 is the base URL, or None: the URL is filled in by the caller)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    got: list[str] = []
+    lines: list[str] = []
+    ok = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(ready, line)
+            if m:
+                got.append(m.group(1) if m.groups() else "")
+                ok.set()
+        ok.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ok.wait(timeout) or not got:
+        proc.kill()
+        raise SystemExit(f"{cmd[0]} did not become ready:\n" + "".join(lines[-20:]))
+    return proc, got[0]
+
+
+def stop(proc) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy chat request: client-side ``ttft`` and ``total`` seconds, completion tokens, and the
+    ``hsd`` figures of an hsd server (token ids, decode seconds)."""
+    t0 = time.perf_counter()
+    ttft, usage, hsd = None, None, None
+    it = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                        max_tokens=max_tokens, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    for ch in it:
+        if ch.usage is not None:
+            usage = ch.usage
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        if c.delta.content and ttft is None:
+            ttft = time.perf_counter() - t0
+        if c.finish_reason:
+            hsd = (ch.model_extra or {}).get("hsd")
+    return {"ttft": ttft, "total": time.perf_counter() - t0, "tokens": usage.completion_tokens if usage else 0,
+            "token_ids": (hsd or {}).get("token_ids"), "decode_seconds": (hsd or {}).get("decode_seconds")}
+
+
+def load_level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+               timeout: float) -> dict:
+    """``clients`` threads x ``requests`` streamed requests each, started together; the figures of the level."""
+    from openai import OpenAI
+
+    results: list[tuple[int, dict]] = []
+    errors: list[str] = []
+    go = threading.Barrier(clients + 1)
+
+    def worker(i: int):
+        c = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
+        go.wait()
+        for k in range(requests):
+            j = (i * requests + k) % len(prompts)
+            try:
+                results.append((j, stream(c, model, prompts[j], max_tokens)))
+            except Exception as e:  # noqa: BLE001 - reported
+                errors.append(repr(e)[:300])
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join(timeout)
+    wall = time.perf_counter() - t0
+    rs = [r for _, r in results]
+    tokens = sum(r["tokens"] for r in rs)
+    per_stream = [r["tokens"] / r["total"] for r in rs if r["total"] > 0]
+    decode = [r["tokens"] / r["decode_seconds"] for r in rs if r.get("decode_seconds")]
+    return {"clients": clients, "requests": len(rs), "errors": errors, "wall_seconds": wall,
+            "aggregate_tokens_per_s": tokens / wall if wall > 0 else None, "tokens": tokens,
+            "ttft_p50": pct([r["ttft"] for r in rs], 50), "ttft_p95": pct([r["ttft"] for r in rs], 95),
+            "per_stream_tokens_per_s_p50": pct(per_stream, 50),
+            "decode_aggregate_tokens_per_s": clients * sum(decode) / len(decode) if decode else None,
+            "answers": [(j, r["token_ids"]) for j, r in results]}
+
+
+def served_name(url: str) -> str:
+    """The id of the model a server serves (``GET /v1/models``)."""
+    import httpx
+
+    return httpx.get(url + "/models", timeout=60).json()["data"][0]["id"]
+
+
+def references(plan_path: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The plan's own greedy answers (``HSD.generate``, as ``hsd run``), prompt by prompt, in this process."""
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    plan = load_plan(plan_path)
+    loaded = load_model(plan.provenance.model, device="cpu", dtype=plan.provenance.dtype or "auto")
+    h = hsd_for_plan(plan, loaded, source=plan_path)
+    return [h.generate(encode_prompt(loaded.tokenizer, p), max_tokens).token_ids for p in prompts]
+
+
+def plain_plan(plan_path: str, out: Path) -> Path:
+    """A copy of the plan whose hierarchy is its target alone, without load levels (plain batched decoding)."""
+    d = json.loads(Path(plan_path).read_text())
+    d["hierarchy"], d["budgets"] = [d["hierarchy"][-1]], []
+    d.pop("by_load", None)
+    d.pop("by_task", None)
+    out.write_text(json.dumps(d))
+    return out
+
+
+def predicted(plan_path: str, clients: int) -> tuple[float | None, list[str] | None]:
+    """The plan's predicted aggregate tokens/s at ``clients`` sequences (its largest load level not above)."""
+    from hsd_opt.formats import load_plan
+
+    plan = load_plan(plan_path)
+    levels = [n for n in plan.by_load if n <= clients]
+    if not levels:
+        return None, None
+    e = plan.by_load[max(levels)]
+    return clients / e.expected_latency, e.hierarchy
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, rows in report["methods"].items():
+        xs = [r["clients"] for r in rows]
+        ax.plot(xs, [r["aggregate_tokens_per_s"] for r in rows], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(f"{report['model']}: {report['max_tokens']} new tokens per request, {report['threads']} threads")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
+    ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--gguf-f32", default=None)
+    ap.add_argument("--gguf-draft", default=None)
+    ap.add_argument("--spec-n-max", type=int, default=8)
+    ap.add_argument("--spec-p-min", type=float, default=0.5)
+    ap.add_argument("--ctx", type=int, default=16384, help="llama-server -c (split between its slots)")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_sweep.json"))
+    a = ap.parse_args()
+
+    from hsd_opt.jsonio import write_json
+    from hsd_opt.prompts import load_prompts
+
+    levels = [int(x) for x in a.concurrency.split(",")]
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in HSD_METHODS + LLAMA_METHODS]
+    if bad:
+        sys.exit(f"--methods: unknown {bad}; known: {', '.join(HSD_METHODS + LLAMA_METHODS)}")
+    if any(m in LLAMA_METHODS for m in methods) and not (a.llama_server and a.gguf_f32):
+        sys.exit("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
+    prompts = load_prompts(a.prompts).texts
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    print("references (the plan's own answers, one prompt at a time) ...", flush=True)
+    refs = references(a.plan, prompts, a.max_tokens)
+    tmp = Path(tempfile.mkdtemp(prefix="hsd-sweep-"))
+    env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}
+    servers = {}
+    hsd_args = {"hsd": (a.plan, a.max_batch), "hsd_batch1": (a.plan, 1),
+                "hsd_plain": (str(plain_plan(a.plan, tmp / "plain.json")), a.max_batch)}
+    try:
+        for m in methods:
+            if m in HSD_METHODS:
+                plan, mb = hsd_args[m]
+                servers[m] = start([sys.executable, "-m", "hsd_opt", "serve", "--plan", plan, "--host", "127.0.0.1",
+                                    "--port", "0", "--max-batch", str(mb), "--max-queue", "64", "--device", "cpu"],
+                                   r"ready: .* at (http://\S+/v1)", a.timeout, env)
+        report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "max_tokens": a.max_tokens,
+                  "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
+                  "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                  "methods": {m: [] for m in methods}}
+        for i, c in enumerate(levels):
+            order = methods[i % len(methods):] + methods[:i % len(methods)]
+            for m in order:
+                proc = None
+                if m in HSD_METHODS:
+                    url = servers[m][1]
+                else:
+                    port = free_port()
+                    cmd = [a.llama_server, "-m", a.gguf_f32, "--host", "127.0.0.1", "--port", str(port),
+                           "--parallel", str(c), "-t", str(a.threads), "-c", str(a.ctx), "--no-webui"]
+                    if m == "llama_spec":
+                        cmd += ["-md", a.gguf_draft, "--spec-type", "draft-simple", "--spec-draft-n-max",
+                                str(a.spec_n_max), "--spec-draft-p-min", str(a.spec_p_min), "-td", str(a.threads)]
+                    proc, _ = start(cmd, r"(server is listening|main: model loaded)", a.timeout)
+                    url = f"http://127.0.0.1:{port}/v1"
+                try:
+                    name = served_name(url)
+                    r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
+                finally:
+                    if proc is not None:
+                        stop(proc)
+                if m in HSD_METHODS:
+                    r["equal_to_plan"] = all(ids == refs[j] for j, ids in r["answers"])
+                if m == "hsd":
+                    r["predicted_aggregate_tokens_per_s"], r["load_hierarchy"] = predicted(a.plan, c)
+                r.pop("answers")
+                report["methods"][m].append(r)
+                print(f"c={c:2d} {m:10s} {r['aggregate_tokens_per_s']:7.1f} tok/s  ttft p50 "
+                      f"{r['ttft_p50'] or float('nan'):.2f} s p95 {r['ttft_p95'] or float('nan'):.2f} s"
+                      + (f"  equal {r['equal_to_plan']}" if "equal_to_plan" in r else "")
+                      + (f"  predicted {r['predicted_aggregate_tokens_per_s']:.1f}, decode "
+                         f"{r['decode_aggregate_tokens_per_s']:.1f}" if r.get("predicted_aggregate_tokens_per_s")
+                         else "") + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
+                write_json(a.out, report)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    report["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_json(a.out, report)
+    if a.plot:
+        plot(report, a.plot)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
