@@ -1,0 +1,131 @@
+"""The CUDA path end to end on tiny models: profile -> solve -> run -> bench -> batched decoding on `--device cuda`,
+every greedy answer checked against the target's own greedy loop on the same device.
+
+    python benchmarks/cuda_check.py [--out DIR] [--device cuda]
+
+Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded):
+
+1. ``hsd profile --device cuda`` with early exits, the int8/int4 copies (on CUDA: their de-quantized weights in
+   bfloat16), an n-gram drafter and batch sizes 1,2,4; ``hsd solve`` (a plan per load level too);
+2. ``hsd run`` of the plan on three prompts, each answer equal to the target alone (``HSD.generate``), and a
+   hierarchy with each copy under the target, equal too;
+3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``);
+4. the batch scheduler on six prompts of different lengths with the plan per load level (four in flight):
+   every answer equal to its prompt's own.
+
+Prints one JSON line of what ran and exits 1 on the first inequality. Needs torch with CUDA, transformers,
+typer, rich, networkx, scipy, gguf (the package imports it for GGUF files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def hsd(*args, cwd=None) -> str:
+    res = subprocess.run([sys.executable, "-m", "hsd_opt", *map(str, args)], capture_output=True, text=True,
+                         cwd=cwd, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"hsd {' '.join(map(str, args))} failed ({res.returncode}):\n{res.stdout[-3000:]}"
+                         f"\n{res.stderr[-3000:]}")
+    return res.stdout + res.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+
+    import torch
+
+    from tests.helpers import save_tiny, write_prompts
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here")
+    out = Path(a.out or tempfile.mkdtemp(prefix="hsd-cuda-"))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = save_tiny(out / "m", layers=4)
+    prompts = write_prompts(out / "p.jsonl", n=6)
+    report = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
+              "torch": torch.__version__}
+
+    # 1. profile and solve on the device
+    prof, plan = out / "profile.json", out / "plan.json"
+    hsd("profile", "--model", model, "--prompts", prompts, "--out", prof, "--device", a.device, "--layers", "1,2,4",
+        "--quantized", "int8,int4", "--token-drafters", "ngram", "--max-new-tokens", "8", "--tmax", "3",
+        "--cost-repeats", "1", "--cost-contexts", "32", "--batch-sizes", "1,2,4", "--quiet")
+    hsd("solve", "--profile", prof, "--tmax", "3", "--out", plan)
+    p = json.loads(plan.read_text())
+    d = json.loads(prof.read_text())
+    report.update(profile_device=d["provenance"]["device"], dtype=d["provenance"]["dtype"],
+                  hierarchy=p["hierarchy"], budgets=p["budgets"],
+                  by_load={n: e["hierarchy"] for n, e in p.get("by_load", {}).items()})
+
+    # 2. hsd run against the target's own greedy loop
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt, load_prompts
+    from hsd_opt.runtime.batch import generate_many
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+
+    pl = load_plan(plan)
+    loaded = load_model(str(model), device=a.device, dtype=pl.provenance.dtype or "auto")
+    models = PlanModels(loaded)
+    ar = hsd_for_plan(pl, loaded, hierarchy=[pl.hierarchy[-1]], budgets=[], models=models)
+    texts = load_prompts(prompts).texts
+    runs = []
+    for i, text in enumerate(texts[:3]):
+        res_file = out / f"run{i}.jsonl"
+        hsd("run", "--plan", plan, "--prompt", text, "--raw", "--device", a.device, "--max-new-tokens", "24",
+            "--quiet", "--json", res_file)
+        got = json.loads(res_file.read_text().splitlines()[0])["token_ids"]
+        want = ar.generate(encode_prompt(loaded.tokenizer, text, raw=True), 24).token_ids
+        runs.append(got == want)
+        if got != want:
+            raise SystemExit(f"hsd run differs from the target's own loop on prompt {i}: {got} vs {want}")
+    for copy in ("int8", "int4"):
+        h = hsd_for_plan(pl, loaded, hierarchy=[copy, pl.hierarchy[-1]], budgets=[3], models=models)
+        for text in texts[:3]:
+            ids = encode_prompt(loaded.tokenizer, text, raw=True)
+            if h.generate(ids, 24).token_ids != ar.generate(ids, 24).token_ids:
+                raise SystemExit(f"{copy} -> target differs from the target's own loop")
+    report["run_equal_to_ar"] = runs
+
+    # 3. hsd bench
+    bench = out / "bench.json"
+    hsd("bench", "--plan", plan, "--prompts", prompts, "--device", a.device, "--limit", "3", "--max-new-tokens", "16",
+        "--methods", "ar,single_draft,hsd", "--json", bench)
+    b = json.loads(bench.read_text())["methods"]
+    report["bench_matches_ar"] = {m: v["matches_reference"] for m, v in b.items()}
+    report["bench_tokens_per_s"] = {m: round(v["tokens_per_s"], 1) for m, v in b.items()}
+    if not all(report["bench_matches_ar"].values()):
+        raise SystemExit(f"hsd bench: an output differs from ar: {report['bench_matches_ar']}")
+
+    # 4. the batch scheduler with the plan of every load level
+    levels = {n: hsd_for_plan(pl, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets), models=models)
+              for n, e in pl.by_load.items()} or hsd_for_plan(pl, loaded, models=models)
+    ids = [encode_prompt(loaded.tokenizer, t, raw=True) for t in texts]
+    news = [5, 30, 17, 24, 9, 28]
+    want = [ar.generate(x, n).token_ids for x, n in zip(ids, news)]
+    got = [r.token_ids for r in generate_many(levels, ids, max(news), max_active=4)]
+    got = [g[:n] for g, n in zip(got, news)]
+    report["batched_equal_to_ar"] = got == want
+    if got != want:
+        raise SystemExit("batched answers differ from the target's own loop")
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
