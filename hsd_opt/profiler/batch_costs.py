@@ -4,9 +4,9 @@ For each engine and batch size ``B`` the profile records the ratio ``r_B(t)`` of
 sequences of ``t`` new tokens each to the seconds of a pass over one sequence of ``t`` tokens, timed as the batch
 scheduler runs passes (:meth:`~hsd_opt.engine.interface.Engine.advance_many` to the engine's last layer, then the
 reads the runtime makes: ``greedy_ids_many``, or ``logits_many`` when sampling). ``B`` states are prefilled with
-``context`` tokens of real text once; rounds then go over every ``B`` (1 among them) and every ``t`` of the grid
-(1, 2, 4, ... tmax + 1), appending ``t`` tokens to each state, timing the pass and cropping back, so a slow spell of
-a shared machine hits every size alike. Medians per ``(B, t)``, made non-decreasing in ``t``, interpolated linearly
+``context`` tokens of real text once; rounds then go over every ``t`` of the grid (1, 2, 4, ... tmax + 1) and, for
+each, every ``B`` (1 among them) back to back, appending ``t`` tokens to each state, timing the pass and cropping
+back, so the two timings of a ratio are a moment apart and a slow spell of a shared machine hits both alike. Medians per ``(B, t)``, made non-decreasing in ``t``, interpolated linearly
 between grid points; the ratios follow. An engine's exits take its ratios, a token drafter's ratio is ``B`` (it
 proposes for one sequence at a time). Units: seconds; ratios are plain numbers.
 """
@@ -38,7 +38,7 @@ def _interpolate(grid: Sequence[int], values: Sequence[float], n: int) -> list[f
 
 
 def measure_batch_costs(eng: Engine, batch_sizes: Sequence[int], tmax: int, text: Sequence[int],
-                        context: int = 64, repeats: int = 3, warmup: int = 1, greedy: bool = True,
+                        context: int = 64, repeats: int = 5, warmup: int = 1, greedy: bool = True,
                         on_step: Callable[[str], None] | None = None) -> dict[int, tuple[list[float], list[float]]]:
     """``{B: (ratio over t = 1..tmax+1, seconds of the batched pass over t = 1..tmax+1)}`` for every ``B > 1`` of
     ``batch_sizes``, timed on ``eng`` (see the module doc)."""
@@ -56,8 +56,8 @@ def measure_batch_costs(eng: Engine, batch_sizes: Sequence[int], tmax: int, text
         states.append((st, ids))
     times: dict[tuple[int, int], list[float]] = {}
     for r in range(warmup + repeats):
-        for b in sizes:
-            for t in grid:
+        for t in grid:            # every batch size of one t back to back: a ratio's two timings a moment apart
+            for b in sizes:
                 sts = states[:b]
                 for st, ids in sts:
                     eng.append(st, ids[context:context + t])

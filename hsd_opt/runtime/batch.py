@@ -7,9 +7,12 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    its first token comes after that prefill and one tick, not after the others finish);
 2. gives every greedy sequence the hierarchy of the current load level (the number of sequences in flight;
    applied at its next round, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
-3. serves the one pass every sequence waits for: the passes on one engine in one batched call
+3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
-   decode step of eight sequences reads each weight once, not eight times;
+   decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
+   (on a tie, the engine lowest in the hierarchies), and every group with a sequence that has waited
+   ``max_wait`` ticks. Sequences a pass apart (one joined later, one's round was shorter) thus fall into step,
+   those behind catching up on the cheaper engines, and then share the expensive passes;
 4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
    (``on_done``).
 
@@ -49,6 +52,7 @@ class Entry:
     first_token: float | None = None
     steps: Generator | None = None
     pending: Pass | None = None
+    waited: int = 0
 
 
 class Batch:
@@ -59,9 +63,11 @@ class Batch:
             load-aware plan; every hierarchy over the same target engine). At ``n`` sequences in flight the
             hierarchy of the largest level ``<= n`` is used (the smallest level's below it).
         max_active: sequences decoded together at most; more wait (prefilled when a place frees).
+        max_wait: ticks a sequence may wait for its engine while another engine's larger group is served (0: every
+            pending pass is served every tick).
     """
 
-    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8):
+    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int = 3):
         levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
         if not levels or any(int(k) < 1 for k in levels):
             raise HsdError("a batch needs hierarchies for load levels >= 1")
@@ -71,6 +77,13 @@ class Batch:
             raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
         self.levels = dict(sorted((int(k), h) for k, h in levels.items()))
         self.max_active = int(max_active)
+        self.max_wait = int(max_wait)
+        #: id(engine) -> its lowest level in any hierarchy (drafters before the target)
+        self._rank: dict[int, int] = {}
+        for h in self.levels.values():
+            for i, lv in enumerate(h.levels):
+                if lv.is_model:
+                    self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
         self.waiting: list[Entry] = []
         self.active: list[Entry] = []
 
@@ -119,8 +132,17 @@ class Batch:
         groups: dict[int, list[Entry]] = {}
         for e in self.active:
             groups.setdefault(id(e.pending.engine), []).append(e)
+        # the largest group (ties: the engine lowest in the hierarchies, so that sequences behind catch up), and
+        # every group holding a sequence that has waited max_wait ticks: sequences fall into step and share passes
+        first = min(groups, key=lambda k: (-len(groups[k]), self._rank.get(k, 0)))
         served = 0
-        for entries in groups.values():
+        for key, entries in groups.items():
+            if key != first and max(e.waited for e in entries) < self.max_wait:
+                for e in entries:
+                    e.waited += 1
+                continue
+            for e in entries:
+                e.waited = 0
             try:
                 replies = self._serve([e.pending for e in entries])
             except Exception as err:  # noqa: BLE001 - a bug in a pass: end these sequences, keep the others
