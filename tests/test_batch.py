@@ -219,3 +219,19 @@ def test_a_copy_switched_in_mid_sequence_takes_the_targets_keys_and_values(tiny,
             break
     assert d.result().token_ids == want
     assert shared and shared[0] == len(prompt) + 5 - 1      # every position the target had computed by then
+
+
+def test_a_sequence_that_ends_at_its_prefill_leaves_an_empty_tick(tiny):
+    """A sequence that fails (or ends) in the tick that prefills it leaves nothing to serve: the tick returns."""
+    eng = LayeredLM(tiny)
+    _, h2, _ = _hierarchies(tiny, eng)
+    batch = Batch(h2, max_active=2)
+    out = []
+    entry = batch.add(_prompts(1)[0], 5, on_done=lambda res, err: out.append(err))
+
+    def steps():
+        raise RuntimeError("boom")
+        yield  # pragma: no cover
+
+    entry.decoding.steps = steps
+    assert batch.tick() == 0 and not batch.busy and isinstance(out[0], RuntimeError)

@@ -132,6 +132,8 @@ class Batch:
         groups: dict[int, list[Entry]] = {}
         for e in self.active:
             groups.setdefault(id(e.pending.engine), []).append(e)
+        if not groups:                          # the one prefilled has already ended (or failed)
+            return 0
         # the largest group (ties: the engine lowest in the hierarchies, so that sequences behind catch up), and
         # every group holding a sequence that has waited max_wait ticks: sequences fall into step and share passes
         first = min(groups, key=lambda k: (-len(groups[k]), self._rank.get(k, 0)))
