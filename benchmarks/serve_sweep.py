@@ -47,15 +47,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.server_load import pct, stream_once  # noqa: E402
+
 HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
 LLAMA_METHODS = ("llama", "llama_spec")
-
-
-def pct(xs, q):
-    import numpy as np
-
-    xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, q)) if xs else None
 
 
 def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):
@@ -100,28 +95,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy chat request: client-side ``ttft`` and ``total`` seconds, completion tokens, and the
-    ``hsd`` figures of an hsd server (token ids, decode seconds)."""
-    t0 = time.perf_counter()
-    ttft, usage, hsd = None, None, None
-    it = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                        max_tokens=max_tokens, temperature=0, stream=True,
-                                        stream_options={"include_usage": True})
-    for ch in it:
-        if ch.usage is not None:
-            usage = ch.usage
-        if not ch.choices:
-            continue
-        c = ch.choices[0]
-        if c.delta.content and ttft is None:
-            ttft = time.perf_counter() - t0
-        if c.finish_reason:
-            hsd = (ch.model_extra or {}).get("hsd")
-    return {"ttft": ttft, "total": time.perf_counter() - t0, "tokens": usage.completion_tokens if usage else 0,
-            "token_ids": (hsd or {}).get("token_ids"), "decode_seconds": (hsd or {}).get("decode_seconds")}
-
-
 def load_level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
                timeout: float) -> dict:
     """``clients`` threads x ``requests`` streamed requests each, started together; the figures of the level."""
@@ -137,7 +110,7 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
         for k in range(requests):
             j = (i * requests + k) % len(prompts)
             try:
-                results.append((j, stream(c, model, prompts[j], max_tokens)))
+                results.append((j, stream_once(c, model, "chat", prompts[j], max_tokens)))
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e)[:300])
 

@@ -108,7 +108,8 @@ def stream_once(client, model: str, kind: str, prompt: str, max_tokens: int) -> 
     total = time.perf_counter() - t0
     return {"text": "".join(parts), "ttft": ttft, "total": total,
             "tokens": usage.completion_tokens if usage else None,
-            "token_ids": (hsd or {}).get("token_ids"), "engine_seconds": (hsd or {}).get("seconds")}
+            "token_ids": (hsd or {}).get("token_ids"), "engine_seconds": (hsd or {}).get("seconds"),
+            "decode_seconds": (hsd or {}).get("decode_seconds")}
 
 
 def pct(xs: list[float], q: float) -> float | None:

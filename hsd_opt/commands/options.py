@@ -114,36 +114,31 @@ def resolve_target_precision(precision: str | None, dtype: str | None) -> tuple[
     return p, p
 
 
-def cost_contexts(spec: str) -> list[int]:
-    """``--cost-contexts``: ``"64,512,2048"`` -> sorted distinct context lengths in tokens, each >= 1;
-    :class:`HsdError` naming ``--cost-contexts`` otherwise."""
+def _positive_ints(spec: str, flag: str, what: str) -> set[int]:
+    """The comma-separated integers >= 1 of ``spec``; :class:`HsdError` naming ``flag`` and ``what`` they are
+    otherwise."""
     out = set()
     for p in spec.split(","):
         try:
-            c = int(p)
+            v = int(p)
         except ValueError:
-            c = 0
-        if c < 1:
-            raise HsdError(f"--cost-contexts: expected context lengths in tokens (integers >= 1, comma-separated, "
-                           f"e.g. 64,512,2048), got {spec!r}")
-        out.add(c)
-    return sorted(out)
+            v = 0
+        if v < 1:
+            raise HsdError(f"{flag}: expected {what} (integers >= 1, comma-separated), got {spec!r}")
+        out.add(v)
+    return out
+
+
+def cost_contexts(spec: str) -> list[int]:
+    """``--cost-contexts``: ``"64,512,2048"`` -> sorted distinct context lengths in tokens, each >= 1;
+    :class:`HsdError` naming ``--cost-contexts`` otherwise."""
+    return sorted(_positive_ints(spec, "--cost-contexts", "context lengths in tokens, e.g. 64,512,2048"))
 
 
 def batch_sizes(spec: str, flag: str = "--batch-sizes") -> list[int]:
     """``--batch-sizes``: ``"1,2,4,8"`` -> sorted distinct numbers of sequences decoded together, each >= 1, 1
     always among them; :class:`HsdError` naming ``flag`` otherwise."""
-    out = {1}
-    for p in spec.split(","):
-        try:
-            b = int(p)
-        except ValueError:
-            b = 0
-        if b < 1:
-            raise HsdError(f"{flag}: expected numbers of sequences (integers >= 1, comma-separated, e.g. 1,2,4,8), "
-                           f"got {spec!r}")
-        out.add(b)
-    return sorted(out)
+    return sorted(_positive_ints(spec, flag, "numbers of sequences, e.g. 1,2,4,8") | {1})
 
 
 def shard(spec: str | None) -> tuple[int, int] | None:

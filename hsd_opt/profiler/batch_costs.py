@@ -6,9 +6,10 @@ scheduler runs passes (:meth:`~hsd_opt.engine.interface.Engine.advance_many` to 
 reads the runtime makes: ``greedy_ids_many``, or ``logits_many`` when sampling). ``B`` states are prefilled with
 ``context`` tokens of real text once; rounds then go over every ``t`` of the grid (1, 2, 4, ... tmax + 1) and, for
 each, every ``B`` (1 among them) back to back, appending ``t`` tokens to each state, timing the pass and cropping
-back, so the two timings of a ratio are a moment apart and a slow spell of a shared machine hits both alike. Medians per ``(B, t)``, made non-decreasing in ``t``, interpolated linearly
-between grid points; the ratios follow. An engine's exits take its ratios, a token drafter's ratio is ``B`` (it
-proposes for one sequence at a time). Units: seconds; ratios are plain numbers.
+back, so the two timings of a ratio are a moment apart and a slow spell of a shared machine hits both alike.
+Medians per ``(B, t)``, made non-decreasing in ``t``, interpolated linearly between grid points; the ratios follow.
+An engine's exits take its ratios, a token drafter's ratio is ``B`` (it proposes for one sequence at a time).
+Units: seconds; ratios are plain numbers.
 """
 
 from __future__ import annotations
