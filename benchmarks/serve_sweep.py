@@ -229,8 +229,10 @@ def main() -> None:
         sys.exit("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
     prompts = load_prompts(a.prompts).texts
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    print("references (the plan's own answers, one prompt at a time) ...", flush=True)
-    refs = references(a.plan, prompts, a.max_tokens)
+    refs = []
+    if any(m in HSD_METHODS for m in methods):
+        print("references (the plan's own answers, one prompt at a time) ...", flush=True)
+        refs = references(a.plan, prompts, a.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="hsd-sweep-"))
     env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}
     servers = {}
@@ -260,7 +262,7 @@ def main() -> None:
                     if m == "llama_spec":
                         cmd += ["-md", a.gguf_draft, "--spec-type", "draft-simple", "--spec-draft-n-max",
                                 str(a.spec_n_max), "--spec-draft-p-min", str(a.spec_p_min), "-td", str(a.threads)]
-                    proc, _ = start(cmd, r"(server is listening|main: model loaded)", a.timeout)
+                    proc, _ = start(cmd, r"(listening on http|server is listening)", a.timeout)
                     url = f"http://127.0.0.1:{port}/v1"
                 try:
                     name = served_name(url)

@@ -235,3 +235,16 @@ def test_a_sequence_that_ends_at_its_prefill_leaves_an_empty_tick(tiny):
 
     entry.decoding.steps = steps
     assert batch.tick() == 0 and not batch.busy and isinstance(out[0], RuntimeError)
+
+
+def test_a_sequence_starts_with_the_hierarchy_of_the_load_it_starts_under(tiny):
+    """Three prompts waiting at once: the first one prefilled already counts the two behind it, so it starts
+    with the hierarchy of three sequences (its prefill computes that hierarchy's engines), not one's."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    batch = Batch({1: h1, 3: ar}, max_active=3)
+    entries = [batch.add(p, 6) for p in _prompts(3, seed=5)]
+    batch.tick()
+    d = entries[0].decoding
+    assert d.hsd is ar and list(d._states) == [id(eng)]          # the target alone: no copy was prefilled
+    batch.run()

@@ -95,3 +95,14 @@ def test_a_load_level_is_never_predicted_slower_than_plain_batched_decoding():
         prof.batch_costs = [BatchCosts(b, curves[b]) for b in (2, 4)]
         for n, e in solve_loads(prof, 5, [1, 2, 4]).items():
             assert e.expected_latency <= e.batched_target_latency * (1 + 1e-9)
+
+
+def test_a_load_level_speculates_only_when_it_gains_min_gain_over_plain_batching():
+    rng = np.random.default_rng(6)
+    for _ in range(30):
+        prof = random_profile(rng, int(rng.integers(1, 4)), cost_curve=True)
+        prof.batch_costs = [BatchCosts(4, {m.name: [float(x) for x in rng.uniform(1.0, 4.0, 6)]
+                                           for m in prof.models})]
+        for g in (0.0, 0.05, 0.2):
+            e = solve_loads(prof, 5, [4], min_gain=g)[4]
+            assert e.hierarchy == ["t"] or e.expected_latency <= (1 - g) * e.batched_target_latency * (1 + 1e-12)

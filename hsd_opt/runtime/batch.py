@@ -4,9 +4,10 @@ A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.
 drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
 1. prefills the oldest waiting sequence (one per tick: a new request's prompt costs the others one prefill, and
-   its first token comes after that prefill and one tick, not after the others finish);
-2. gives every greedy sequence the hierarchy of the current load level (the number of sequences in flight;
-   applied at its next round, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
+   its first token comes after that prefill and its first round, not after the others finish), for the
+   hierarchy of the load it starts under (those in flight, it, and those waiting for a place);
+2. gives every greedy sequence the hierarchy of the current load level (the sequences in flight and those
+   waiting for a place; applied at its next round, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
    decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
@@ -125,7 +126,7 @@ class Batch:
         """One round of the scheduler (see the module doc); returns the passes served."""
         if self.waiting and len(self.active) < self.max_active:
             self._begin(self.waiting.pop(0))
-        level = self.hierarchy_for(len(self.active))
+        level = self.hierarchy_for(self.load)     # those in flight and those about to join
         for e in self.active:
             if e.decoding.greedy:
                 e.decoding.switch(level)
@@ -185,6 +186,9 @@ class Batch:
         return out
 
     def _begin(self, e: Entry) -> None:
+        if e.decoding.greedy:       # the load it starts under: those in flight, it, and those waiting for a place
+            n = min(self.max_active, len(self.active) + 1 + len(self.waiting))
+            e.decoding.switch(self.hierarchy_for(n))
         self.active.append(e)                   # in flight from its prefill on
         try:
             e.decoding.prefill()

@@ -559,8 +559,12 @@ class Decoding:
         """Compute the prompt: every model up to its highest level in one pass, the target first, then the
         engines over a model's own weights; a copy of a model one of them runs (a quantized drafter of the
         target or of a draft model) takes that engine's keys and values and computes the last position. The
-        target always computes its own."""
+        target always computes its own. A :meth:`switch` asked for before applies first (the prompt is computed
+        for the hierarchy of the first round)."""
         self.t0 = time.perf_counter()
+        if self._next is not None:              # a switch asked for before the first round: prefill its engines
+            self.hsd, self._next = self._next, None
+            self._add(self.hsd)
         hsd = self.hsd
         for eng in hsd.engines:
             self._state(eng)

@@ -152,7 +152,7 @@ class JobQueue:
         ``cancelled``, ``failed`` and ``refused`` (queue full) requests since start, and ``generated_tokens``:
         every token the worker committed (of cancelled generations too, up to where they stopped)."""
         active = len(self.batch.active)
-        level = self.batch.hierarchy_for(max(active, 1))
+        level = self.batch.hierarchy_for(max(self.batch.load, 1))
         return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": active > 0, "active": active,
                 "max_batch": self.batch.max_active, "hierarchy": [lv.name for lv in level.levels],
                 "budgets": list(level.budgets[: len(level.levels) - 1]), **self.counts}

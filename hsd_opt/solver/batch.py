@@ -65,17 +65,23 @@ def at_batch(profile: Profile, batch: int) -> Profile:
     return Profile(profile.target, models, profile.acceptance, verify, curves, dict(profile.extra), contexts, [])
 
 
-def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], **solve_args) -> dict[int, LoadPlan]:
+def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], min_gain: float = 0.0,
+                **solve_args) -> dict[int, LoadPlan]:
     """The plan of each load level in ``batch_sizes`` (sequences decoded together): the solver's optimum on
     :func:`at_batch`, with its predicted aggregate tokens per second and the latency of plain batched decoding
-    (the target alone) at the same load. ``solve_args`` go to :func:`~hsd_opt.solver.api.solve`."""
+    (the target alone) at the same load. Above one sequence, speculation predicted less than ``min_gain`` (a
+    fraction) faster than plain batched decoding is not taken: the batch costs are noisier than a step's, and a
+    hierarchy that wins by less may well lose when run. ``solve_args`` go to
+    :func:`~hsd_opt.solver.api.solve` (``min_gain`` too)."""
     out: dict[int, LoadPlan] = {}
     for b in sorted(set(int(x) for x in batch_sizes)):
         if b < 1:
             raise HsdError(f"--batch-sizes: expected sizes >= 1, got {b}")
         prof = at_batch(profile, b)
-        plan = solve(prof, tmax, **{**solve_args, "top": 1})
-        alone = target_only(resolve_context(prof, solve_args.get("context"))[0])
-        out[b] = LoadPlan(list(plan.hierarchy), list(plan.budgets), float(plan.expected_latency),
-                          b / float(plan.expected_latency), float(alone))
+        plan = solve(prof, tmax, **{**solve_args, "top": 1, "min_gain": min_gain})
+        alone = float(target_only(resolve_context(prof, solve_args.get("context"))[0]))
+        hierarchy, budgets, latency = list(plan.hierarchy), list(plan.budgets), float(plan.expected_latency)
+        if b > 1 and latency > (1.0 - min_gain) * alone:    # speculation within the noise of plain batching
+            hierarchy, budgets, latency = [profile.target], [], alone
+        out[b] = LoadPlan(hierarchy, budgets, latency, b / latency, alone)
     return out
