@@ -4,7 +4,8 @@ decoding (the target alone, batched), and llama.cpp's server (its own batching, 
 setting), in one interleaved run.
 
     .venv/bin/python benchmarks/serve_sweep.py --plan out/plan.json --concurrency 1,2,4,8,16 \\
-        [--requests 2] [--max-tokens 64] [--prompts FILE] [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
+        [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] \\
+        [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
         [--plot out.png] [--out benchmarks/results/serve_sweep.json]
 
@@ -21,11 +22,13 @@ once and stay up (an idle one costs nothing); llama.cpp's server is started per 
 - ``llama``: ``llama-server -m F32 --parallel c -t THREADS -c CTX`` (continuous batching, no speculation).
 - ``llama_spec``: the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max N --spec-draft-p-min P``.
 
-Reported per method and level: aggregate tokens/s (every completion token over the wall time from the first
-request to the last answer), time to the first token p50/p95 (seconds), tokens/s per stream (p50), and for the
-``hsd*`` methods whether every answer equals the plan's own ``HSD.generate`` on the prompt (greedy: the target's
-tokens) and, for ``hsd``, the plan's predicted aggregate at that load (``by_load``, the level's hierarchy) next to
-the measured decode aggregate (the mean of each stream's tokens over its decode seconds, times ``c``).
+With ``--rounds N`` the levels are swept N times (in turn, then reversed), and the report adds the median of each
+method and level over the rounds (the plot draws the medians). Reported per method and level: aggregate tokens/s
+(every completion token over the wall time from the first request to the last answer), time to the first token
+p50/p95 (seconds), tokens/s per stream (p50), and for the ``hsd*`` methods whether every answer equals the plan's
+own ``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate
+at that load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each
+stream's tokens over its decode seconds, times ``c``).
 """
 
 from __future__ import annotations
@@ -176,6 +179,25 @@ def predicted(plan_path: str, clients: int) -> tuple[float | None, list[str] | N
     return clients / e.expected_latency, e.hierarchy
 
 
+def medians(methods: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Per method and number of clients, the median over rounds of the aggregate tokens/s, the time to the first
+    token p50/p95 and the tokens/s per stream."""
+    import statistics
+
+    out = {}
+    keys = ("aggregate_tokens_per_s", "ttft_p50", "ttft_p95", "per_stream_tokens_per_s_p50",
+            "decode_aggregate_tokens_per_s", "predicted_aggregate_tokens_per_s")
+    for m, rows in methods.items():
+        out[m] = []
+        for c in sorted({r["clients"] for r in rows}):
+            at = [r for r in rows if r["clients"] == c]
+            med = {k: statistics.median(r[k] for r in at) for k in keys if all(r.get(k) is not None for r in at)}
+            out[m].append({"clients": c, "rounds": len(at), **med,
+                           **({"equal_to_plan": all(r["equal_to_plan"] for r in at)} if "equal_to_plan" in at[0]
+                              else {})})
+    return out
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -183,7 +205,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, rows in report["methods"].items():
+    for m, rows in report.get("median", report["methods"]).items():
         xs = [r["clients"] for r in rows]
         ax.plot(xs, [r["aggregate_tokens_per_s"] for r in rows], marker="o", label=m)
     ax.set_xscale("log", base=2)
@@ -201,6 +223,7 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps over the levels (in turn, then reversed)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
@@ -249,7 +272,8 @@ def main() -> None:
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
                   "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
-        for i, c in enumerate(levels):
+        runs = [(r, c) for r in range(a.rounds) for c in (levels if r % 2 == 0 else list(reversed(levels)))]
+        for i, (rnd, c) in enumerate(runs):
             order = methods[i % len(methods):] + methods[:i % len(methods)]
             for m in order:
                 proc = None
@@ -275,8 +299,9 @@ def main() -> None:
                 if m == "hsd":
                     r["predicted_aggregate_tokens_per_s"], r["load_hierarchy"] = predicted(a.plan, c)
                 r.pop("answers")
+                r["round"] = rnd + 1
                 report["methods"][m].append(r)
-                print(f"c={c:2d} {m:10s} {r['aggregate_tokens_per_s']:7.1f} tok/s  ttft p50 "
+                print(f"round {rnd + 1} c={c:2d} {m:10s} {r['aggregate_tokens_per_s']:7.1f} tok/s  ttft p50 "
                       f"{r['ttft_p50'] or float('nan'):.2f} s p95 {r['ttft_p95'] or float('nan'):.2f} s"
                       + (f"  equal {r['equal_to_plan']}" if "equal_to_plan" in r else "")
                       + (f"  predicted {r['predicted_aggregate_tokens_per_s']:.1f}, decode "
@@ -287,7 +312,11 @@ def main() -> None:
         for proc, _ in servers.values():
             stop(proc)
     report["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report["median"] = medians(report["methods"])
     write_json(a.out, report)
+    for m, rows in report["median"].items():
+        print(m, "  ".join(f"c={r['clients']}: {r['aggregate_tokens_per_s']:.1f} tok/s, ttft p50 {r['ttft_p50']:.2f} s"
+                           for r in rows))
     if a.plot:
         plot(report, a.plot)
     print(f"wrote {a.out}")

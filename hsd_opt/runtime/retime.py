@@ -26,9 +26,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hsd_opt.engine.layered import pass_output
+from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.prompts import text_of_length
+from hsd_opt.runtime.decode import HSD
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency
 from hsd_opt.solver.tasks import profile_tasks, task_profile
@@ -104,7 +106,7 @@ class StepClock:
     and its profiled step is that level's ``cost`` at the first measured context; every level on that engine gets
     the same factor."""
 
-    def __init__(self, profile: Profile, hierarchies: Sequence[Any], repeats: int = 5,
+    def __init__(self, profile: Profile, hierarchies: Sequence[HSD], repeats: int = 5,
                  text: Sequence[int] | None = None, greedy: bool = True):
         self.repeats = repeats
         self.text = list(text or [])   # token ids the steps read (real text, as the profile's timings do)
@@ -130,7 +132,7 @@ class StepClock:
             step = max(costs[top.name] - float(sampling[0]), 1e-9)
             self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
-        self._states: dict[int, tuple[Any, torch.Tensor]] = {}   # engine -> (state at the context, next token)
+        self._states: dict[int, tuple[DecodeState, torch.Tensor]] = {}   # engine -> (state at the context, next token)
 
     def _state(self, eng):
         """``(state holding the context, the token a timed step appends)`` of engine ``eng``, made once."""
