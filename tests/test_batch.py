@@ -248,3 +248,13 @@ def test_a_sequence_starts_with_the_hierarchy_of_the_load_it_starts_under(tiny):
     d = entries[0].decoding
     assert d.hsd is ar and list(d._states) == [id(eng)]          # the target alone: no copy was prefilled
     batch.run()
+
+
+def test_a_load_between_levels_runs_the_plan_of_the_nearest_level_on_a_log_scale(tiny):
+    """Levels 1, 2, 4, 8: a load just under a level runs that level's plan (a client between two requests does
+    not drop eight sequences to the plan of four), a load just over one runs that one's; past the ends, the end."""
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    batch = Batch({1: h1, 2: h2, 4: h2, 8: ar})
+    assert [batch.level_for(n) for n in range(0, 12)] == [1, 1, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8]
+    assert batch.hierarchy_for(7) is ar and batch.hierarchy_for(5) is h2

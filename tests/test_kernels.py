@@ -317,7 +317,7 @@ def test_without_a_compiler_the_python_api_is_warned_once(monkeypatch, tiny):
     the cause and what it costs; the engines then run on the torch path."""
     monkeypatch.setattr(kernels, "_LIB", [])
     monkeypatch.setattr(kernels, "compiler", lambda: None)
-    with pytest.warns(RuntimeWarning, match="no C compiler found.*slower per step") as got:
+    with pytest.warns(RuntimeWarning, match="no C compiler found.*slower per float32 step") as got:
         eng = LayeredLM(tiny)
     assert len(got) == 1 and not eng.uses_kernels
     assert kernels.TORCH_PATH_SLOWDOWN in str(got[0].message)

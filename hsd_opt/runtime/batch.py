@@ -62,7 +62,7 @@ class Batch:
     Args:
         hierarchies: one hierarchy (every load level) or load level -> hierarchy (the plan of each level of a
             load-aware plan; every hierarchy over the same target engine). At ``n`` sequences in flight the
-            hierarchy of the largest level ``<= n`` is used (the smallest level's below it).
+            hierarchy of the level nearest ``n`` on a log scale is used (:meth:`level_for`).
         max_active: sequences decoded together at most; more wait (prefilled when a place frees).
         max_wait: ticks a sequence may wait for its engine while another engine's larger group is served (0: every
             pending pass is served every tick).
@@ -88,13 +88,23 @@ class Batch:
         self.waiting: list[Entry] = []
         self.active: list[Entry] = []
 
+    def level_for(self, n: int) -> int:
+        """The load level whose plan runs at ``n`` sequences in flight: the level nearest ``n`` on a log scale
+        (between levels ``a < n < b``: ``b`` from ``n >= sqrt(a * b)`` on; below the smallest level, the smallest;
+        above the largest, the largest). With levels 1, 2, 4, 8: 3 -> 4, 5 -> 4, 6 and 7 -> 8. The nearest, not
+        the largest below: between two levels the load is as often just under the upper one (a client between
+        two requests) as just over the lower one."""
+        levels = list(self.levels)
+        if n <= levels[0]:
+            return levels[0]
+        for lo, hi in zip(levels, levels[1:]):
+            if n < hi:
+                return hi if n * n >= lo * hi else lo
+        return levels[-1]
+
     def hierarchy_for(self, n: int) -> HSD:
-        """The hierarchy of load level ``n`` (sequences in flight)."""
-        best = next(iter(self.levels.values()))
-        for level, h in self.levels.items():
-            if level <= n:
-                best = h
-        return best
+        """The hierarchy of the load level for ``n`` sequences in flight (:meth:`level_for`)."""
+        return self.levels[self.level_for(n)]
 
     @property
     def load(self) -> int:
