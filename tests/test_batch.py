@@ -15,7 +15,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.batch import Batch, generate_many
-from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.decode import HSD, Committed, Level, Pass, serve
 from tests.helpers import CycleDrafter, make_tiny_llama
 
 HAVE_KERNELS = kernels.load() is not None
@@ -258,3 +258,23 @@ def test_a_load_between_levels_runs_the_plan_of_the_nearest_level_on_a_log_scale
     batch = Batch({1: h1, 2: h2, 4: h2, 8: ar})
     assert [batch.level_for(n) for n in range(0, 12)] == [1, 1, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8]
     assert batch.hierarchy_for(7) is ar and batch.hierarchy_for(5) is h2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_first_token_is_the_targets_own_before_any_draft(tiny, temperature):
+    """After the prefill a three-level hierarchy asks for one pass, on the target over the prompt's last position
+    only, and commits that token alone: a request's first token waits for no drafting."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    prompt = _prompts(1, seed=3)[0]
+    d = h1.start(prompt, 12, temperature=temperature, seed=4)
+    d.prefill()
+    steps = d.steps()
+    first = next(steps)
+    assert isinstance(first, Pass) and first.engine is eng and first.boundary == 4
+    assert (first.start, first.end) == (len(prompt) - 1, len(prompt))
+    block = steps.send(serve(first))
+    assert isinstance(block, Committed) and len(block.tokens) == 1
+    if temperature == 0:
+        assert block.tokens == ar.generate(prompt, 1).token_ids
+    d.close()

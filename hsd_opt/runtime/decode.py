@@ -586,7 +586,12 @@ class Decoding:
         self.t1 = time.perf_counter()
 
     def steps(self) -> Generator[Pass | Committed, object, None]:
-        """The generation after :meth:`prefill`, round by round (see the class doc)."""
+        """The generation after :meth:`prefill`, round by round (see the class doc). The first token is the
+        target's own, from the prompt's last position the prefill computed (its head only), committed before the
+        first round of drafts: the first token of a request waits for no drafting (the others' passes included,
+        under load)."""
+        if len(self.hsd.levels) > 1 and not self._ended():
+            yield from self._first_token()
         while not self._ended() and not self._asked_stop:
             if self._next is not None:
                 self.hsd, self._next = self._next, None
@@ -602,6 +607,21 @@ class Decoding:
         _sync(self.device)
         self.t2 = time.perf_counter()
         self.done = True
+
+    def _first_token(self) -> Generator[Pass | Committed, object, None]:
+        """The target's token after the prompt (greedy: its argmax; sampled: a draw from its distribution),
+        committed alone."""
+        k = len(self.hsd.levels) - 1
+        m = len(self.seq)
+        if self.greedy:
+            t = (yield from self._greedy(k, m - 1, m))[0]
+        else:
+            t = self._sample((yield from self._dist(k, m - 1, m))[0])
+        self.stats[self.hsd.levels[k].name].calls += 1
+        self._append([t])
+        for drafter in self._drafters.values():
+            drafter.observe(self.seq[:m], [t])
+        self._asked_stop = (yield Committed([t])) is True
 
     def result(self) -> GenerationResult:
         """The generated ids and the statistics (see :class:`GenerationResult`)."""
