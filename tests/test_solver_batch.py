@@ -106,3 +106,20 @@ def test_a_load_level_speculates_only_when_it_gains_min_gain_over_plain_batching
         for g in (0.0, 0.05, 0.2):
             e = solve_loads(prof, 5, [4], min_gain=g)[4]
             assert e.hierarchy == ["t"] or e.expected_latency <= (1 - g) * e.batched_target_latency * (1 + 1e-12)
+
+
+def test_load_min_gain_is_its_own_threshold_above_one_sequence():
+    """``load_min_gain`` decides at loads above one (``min_gain`` there only when it is not given); one sequence
+    keeps the solver's plan whatever it is."""
+    prof = _profile()
+    free = solve_loads(prof, 7, [1, 2, 4, 8], min_gain=0.0, load_min_gain=0.0)
+    gains = {n: 1 - e.expected_latency / e.batched_target_latency for n, e in free.items()}
+    some = [n for n in (2, 4, 8) if gains[n] > 0.001]
+    assert some                                        # the fixture speculates above one sequence somewhere
+    cut = min(gains[n] for n in some) + 1e-6
+    strict = solve_loads(prof, 7, [1, 2, 4, 8], min_gain=0.0, load_min_gain=cut)
+    assert strict[1].hierarchy == free[1].hierarchy
+    for n in some:
+        want = ["t"] if gains[n] < cut else free[n].hierarchy
+        assert strict[n].hierarchy == want
+    assert solve_loads(prof, 7, [2], min_gain=cut)[2].hierarchy == strict[2].hierarchy

@@ -12,6 +12,7 @@ from hsd_opt.commands.common import cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_plan, load_profile, plan_from_dict, save_plan
+from hsd_opt.solver.batch import LOAD_MIN_GAIN
 
 
 def _ms(seconds: float) -> str:
@@ -131,6 +132,10 @@ def solve_cmd(
                                    help="Add a second drafter level (or more) only if predicted at least "
                                         "this fraction faster than the best plan with fewer levels "
                                         "(measurement noise); 0 = the exact optimum."),
+    load_min_gain: float = typer.Option(LOAD_MIN_GAIN, "--load-min-gain",
+                                        help="At a load level above one sequence (--batch-sizes), speculate "
+                                             "only if predicted at least this fraction faster than plain "
+                                             "batched decoding; 0 = the model's optimum."),
     task: Optional[str] = typer.Option(None, "--task", help="Solve for the prompts of one task: the profile's "
                                                             "acceptance for that task (acceptance_by_task)."),
     per_task: bool = typer.Option(False, "--per-task", help="Also solve every task of the profile and add the "
@@ -163,6 +168,8 @@ def solve_cmd(
         raise HsdError(f"--top: expected an integer >= 1, got {top}")
     if not 0.0 <= min_gain < 1.0:
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
+    if not 0.0 <= load_min_gain < 1.0:
+        raise HsdError(f"--load-min-gain: expected a fraction in [0, 1), got {load_min_gain}")
     if task is not None and per_task:
         raise HsdError("give one of --task TASK (a plan for one task) or --per-task (a plan with a section per task)")
     if context is not None and context < 1:
@@ -196,7 +203,7 @@ def solve_cmd(
         plan = plan_from_dict({**plan.to_dict(), "by_task": by_task}, "<hsd solve>")
     if len(sizes) > 1:
         plan.by_load = solve_loads(prof, tmax, sizes, solver=solver, max_depth=max_depth, min_gain=min_gain,
-                                   context=context)
+                                   load_min_gain=load_min_gain, context=context)
     console.print(plan_table(plan))
     if per_task:
         console.print(tasks_table(plan))

@@ -65,14 +65,22 @@ def at_batch(profile: Profile, batch: int) -> Profile:
     return Profile(profile.target, models, profile.acceptance, verify, curves, dict(profile.extra), contexts, [])
 
 
+#: The default of ``hsd solve --load-min-gain``: above one sequence, speculation is taken only when predicted
+#: at least this fraction faster than plain batched decoding. The latency model at a batch size was measured
+#: within 5-17% of the scheduler's steady state, and a served load also pays what the model leaves out (the
+#: server's own threads on the same cores, sequences out of step), so a smaller predicted gain is noise.
+LOAD_MIN_GAIN = 0.15
+
+
 def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], min_gain: float = 0.0,
-                **solve_args) -> dict[int, LoadPlan]:
+                load_min_gain: float | None = None, **solve_args) -> dict[int, LoadPlan]:
     """The plan of each load level in ``batch_sizes`` (sequences decoded together): the solver's optimum on
     :func:`at_batch`, with its predicted aggregate tokens per second and the latency of plain batched decoding
-    (the target alone) at the same load. Above one sequence, speculation predicted less than ``min_gain`` (a
-    fraction) faster than plain batched decoding is not taken: the batch costs are noisier than a step's, and a
-    hierarchy that wins by less may well lose when run. ``solve_args`` go to
-    :func:`~hsd_opt.solver.api.solve` (``min_gain`` too)."""
+    (the target alone) at the same load. Above one sequence, speculation predicted less than ``load_min_gain``
+    (a fraction; None: ``min_gain``) faster than plain batched decoding is not taken: the batch costs are
+    noisier than a step's, and a hierarchy that wins by less may well lose when run. ``min_gain`` and
+    ``solve_args`` go to :func:`~hsd_opt.solver.api.solve`."""
+    floor = min_gain if load_min_gain is None else load_min_gain
     out: dict[int, LoadPlan] = {}
     for b in sorted(set(int(x) for x in batch_sizes)):
         if b < 1:
@@ -81,7 +89,7 @@ def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], min_gai
         plan = solve(prof, tmax, **{**solve_args, "top": 1, "min_gain": min_gain})
         alone = float(target_only(resolve_context(prof, solve_args.get("context"))[0]))
         hierarchy, budgets, latency = list(plan.hierarchy), list(plan.budgets), float(plan.expected_latency)
-        if b > 1 and latency > (1.0 - min_gain) * alone:    # speculation within the noise of plain batching
+        if b > 1 and latency > (1.0 - floor) * alone:    # speculation within the noise of plain batching
             hierarchy, budgets, latency = [profile.target], [], alone
         out[b] = LoadPlan(hierarchy, budgets, latency, b / latency, alone)
     return out
