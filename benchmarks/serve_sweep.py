@@ -11,7 +11,8 @@ setting), in one interleaved run.
 
 Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
 concurrency ``c`` (levels in order) the methods run one after the other, their order rotating from level to
-level: ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the other (the
+level. Before each method's level the sweep waits ``--settle`` seconds and sends one 8-token request (not
+measured: a server idle while the others ran starts from cold caches). Then ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the other (the
 suite's prompts in turn, ``--max-tokens`` new tokens each), all starting together. The `hsd serve` processes start
 once and stay up (an idle one costs nothing); llama.cpp's server is started per level with ``--parallel c``.
 
@@ -137,6 +138,14 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
             "answers": [(j, r["token_ids"]) for j, r in results]}
 
 
+def warm_up(url: str, model: str, prompt: str) -> None:
+    """One short request before a method's measured level: a server idle while the others ran starts from cold
+    caches, whichever method ran before it."""
+    from openai import OpenAI
+
+    stream_once(OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120), model, "chat", prompt, 8)
+
+
 def served_name(url: str) -> str:
     """The id of the model a server serves (``GET /v1/models``)."""
     import httpx
@@ -236,6 +245,8 @@ def main() -> None:
     ap.add_argument("--spec-p-min", type=float, default=0.5)
     ap.add_argument("--ctx", type=int, default=16384, help="llama-server -c (split between its slots)")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds of quiet before each method's level (after the previous one's server stopped)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_sweep.json"))
     a = ap.parse_args()
@@ -290,6 +301,8 @@ def main() -> None:
                     url = f"http://127.0.0.1:{port}/v1"
                 try:
                     name = served_name(url)
+                    time.sleep(a.settle)        # the previous method's processes gone, the cores quiet
+                    warm_up(url, name, prompts[0])
                     r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
                 finally:
                     if proc is not None:
