@@ -49,7 +49,7 @@ MAX_PASS = 64
 #: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
-#: (docs/results.md, "The kernels against the torch path").
+#: (docs/results.md, "the decode kernels against the torch path"; benchmarks/torch_path.py).
 TORCH_PATH_SLOWDOWN = "about 2x slower per float32 step, 5x per int4 step"
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
