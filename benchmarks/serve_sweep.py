@@ -12,9 +12,11 @@ setting), in one interleaved run.
 Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
 concurrency ``c`` (levels in order) the methods run one after the other, their order rotating from level to
 level. Before each method's level the sweep waits ``--settle`` seconds and sends one 8-token request (not
-measured: a server idle while the others ran starts from cold caches). Then ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the other (the
-suite's prompts in turn, ``--max-tokens`` new tokens each), all starting together. The `hsd serve` processes start
-once and stay up (an idle one costs nothing); llama.cpp's server is started per level with ``--parallel c``.
+measured: a server idle while the others ran starts from cold caches). Then ``c`` client threads each send
+``--requests`` streamed greedy chat requests one after the other (the suite's prompts in turn, ``--max-tokens``
+new tokens each), all starting together. The `hsd serve` processes start once and stay up (an idle one costs
+nothing; all three hold the model, so a large model needs the memory of three); llama.cpp's server is started per
+level with ``--parallel c``.
 
 - ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``).
 - ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
