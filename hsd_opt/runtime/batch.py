@@ -196,10 +196,9 @@ class Batch:
         return out
 
     def _begin(self, e: Entry) -> None:
-        if e.decoding.greedy:       # the load it starts under: those in flight, it, and those waiting for a place
-            n = min(self.max_active, len(self.active) + 1 + len(self.waiting))
-            e.decoding.switch(self.hierarchy_for(n))
         self.active.append(e)                   # in flight from its prefill on
+        if e.decoding.greedy:       # the load it starts under: those in flight, it, and those waiting for a place
+            e.decoding.switch(self.hierarchy_for(self.load))
         try:
             e.decoding.prefill()
             e.steps = e.decoding.steps()

@@ -590,15 +590,18 @@ class Decoding:
         target's own, from the prompt's last position the prefill computed (its head only), committed before the
         first round of drafts: the first token of a request waits for no drafting (the others' passes included,
         under load)."""
-        if len(self.hsd.levels) > 1 and not self._ended():
-            yield from self._first_token()
+        first = True
         while not self._ended() and not self._asked_stop:
             if self._next is not None:
                 self.hsd, self._next = self._next, None
                 self._add(self.hsd)
             before = len(self.seq)
             depth = len(self.hsd.levels)
-            toks, _ = yield from (self._draft() if depth == 1 else self._level(depth - 1))
+            if first and depth > 1:
+                toks = yield from self._first_token()
+            else:
+                toks, _ = yield from (self._draft() if depth == 1 else self._level(depth - 1))
+            first = False
             if not toks:
                 break
             for drafter in self._drafters.values():
@@ -608,9 +611,9 @@ class Decoding:
         self.t2 = time.perf_counter()
         self.done = True
 
-    def _first_token(self) -> Generator[Pass | Committed, object, None]:
-        """The target's token after the prompt (greedy: its argmax; sampled: a draw from its distribution),
-        committed alone."""
+    def _first_token(self) -> Generator[Pass, object, list[int]]:
+        """The target's token after the prompt (greedy: its argmax; sampled: a draw from its distribution), a
+        round of its own; returns it (appended)."""
         k = len(self.hsd.levels) - 1
         m = len(self.seq)
         if self.greedy:
@@ -619,9 +622,7 @@ class Decoding:
             t = self._sample((yield from self._dist(k, m - 1, m))[0])
         self.stats[self.hsd.levels[k].name].calls += 1
         self._append([t])
-        for drafter in self._drafters.values():
-            drafter.observe(self.seq[:m], [t])
-        self._asked_stop = (yield Committed([t])) is True
+        return [t]
 
     def result(self) -> GenerationResult:
         """The generated ids and the statistics (see :class:`GenerationResult`)."""

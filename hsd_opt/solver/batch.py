@@ -66,8 +66,8 @@ def at_batch(profile: Profile, batch: int) -> Profile:
 
 
 #: The default of ``hsd solve --load-min-gain``: above one sequence, speculation is taken only when predicted
-#: at least this fraction faster than plain batched decoding. The latency model at a batch size was measured
-#: within 5-17% of the scheduler's steady state, and a served load also pays what the model leaves out (the
+#: at least this fraction faster than plain batched decoding: the latency model at a batch size is less exact
+#: than alone (docs/results.md, the load levels), and a served load also pays what the model leaves out (the
 #: server's own threads on the same cores, sequences out of step), so a smaller predicted gain is noise.
 LOAD_MIN_GAIN = 0.15
 
