@@ -11,10 +11,13 @@ Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded)
    hierarchy with each copy under the target, equal too;
 3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``);
 4. the batch scheduler on six prompts of different lengths with the plan per load level (four in flight):
-   every answer equal to its prompt's own.
+   every answer equal to its prompt's own;
+5. ``hsd serve --device cuda --max-batch 4`` with six concurrent greedy requests (each answer equal to the
+   target's own), a seeded sampled request alone and again among five others (the same tokens), and
+   ``/health``.
 
 Prints one JSON line of what ran and exits 1 on the first inequality. Needs torch with CUDA, transformers,
-typer, rich, networkx, scipy, gguf (the package imports it for GGUF files).
+typer, rich, networkx, scipy, gguf (the package imports it for GGUF files), and for step 5 starlette and uvicorn.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +128,58 @@ def main() -> None:
     report["batched_equal_to_ar"] = got == want
     if got != want:
         raise SystemExit("batched answers differ from the target's own loop")
+
+    # 5. the server on the device, six requests at once
+    report["server"] = check_server(plan, a.device, texts, news, want)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report))
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def check_server(plan: Path, device: str, texts: list[str], news: list[int], want: list[list[int]]) -> dict:
+    """``hsd serve --max-batch 4`` on ``device``: greedy answers under concurrency equal ``want`` (the target's own
+    raw-prompt loop), a seeded sampled answer the same alone and among others; returns what ``/health`` says."""
+    proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(plan), "--port", "0",
+                             "--device", device, "--max-batch", "4"], stderr=subprocess.PIPE, text=True)
+    try:
+        url, lines = None, []
+        end = time.monotonic() + 300
+        while url is None and time.monotonic() < end:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("ready: "):
+                url = line.split(" at ")[1].split()[0]
+        if url is None:
+            raise SystemExit("hsd serve did not start:\n" + "".join(lines))
+
+        def complete(i: int, sampled: bool = False) -> list[int]:
+            body = {"model": "m", "prompt": texts[i], "max_tokens": news[i]}
+            body.update({"temperature": 0.8, "seed": 7} if sampled else {"temperature": 0})
+            return post(url + "/completions", body)["hsd"]["token_ids"]
+
+        alone = complete(1, sampled=True)
+        with ThreadPoolExecutor(6) as pool:
+            greedy = list(pool.map(complete, range(len(texts))))
+            crowd = [pool.submit(complete, 1, True)] + [pool.submit(complete, i) for i in range(2, 6)]
+            shared = crowd[0].result()
+            [f.result() for f in crowd[1:]]
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
+            health = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    if greedy != want:
+        raise SystemExit("hsd serve's greedy answers differ from the target's own loop")
+    if shared != alone:
+        raise SystemExit("a seeded sampled answer changed when other requests shared its passes")
+    return {"greedy_equal_to_ar": True, "seeded_sample_same_under_load": True, "health": health}
 
 
 if __name__ == "__main__":
