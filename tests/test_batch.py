@@ -250,6 +250,51 @@ def test_a_sequence_starts_with_the_hierarchy_of_the_load_it_starts_under(tiny):
     batch.run()
 
 
+def test_a_round_begun_under_a_lighter_load_drafts_no_further_once_the_load_rises(tiny):
+    """One sequence alone starts a round of the three-level plan; two more arrive: at the next tick its round
+    stops drafting and its next pass is the target's (shared with the others), not more draft passes of its own
+    (served only every few ticks while the others step); every answer stays the target's own."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    prompts, news = _prompts(3, seed=6), [30, 12, 20]
+    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
+    batch = Batch({1: h1, 3: ar}, max_active=3)
+    got: dict[int, list[int]] = {}
+    first = batch.add(prompts[0], news[0], on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    batch.tick()                                   # prefill; the first token is the target's, over one position
+    batch.tick()                                   # the first token; the round of h1 begins: a draft pass
+    assert first.pending.engine is not eng and first.decoding.hsd is h1
+    for i in (1, 2):
+        batch.add(prompts[i], news[i], on_done=lambda res, err, i=i: got.__setitem__(i, res.token_ids))
+    waiting = first.pending
+    while first.pending is waiting:                # the draft pass it waited for is served (the others' first)
+        batch.tick()
+    assert first.pending.engine is eng             # its tokens so far go to the target now
+    batch.run()
+    assert [got[i] for i in range(3)] == want
+
+
+def test_an_unseeded_sample_follows_the_load_a_seeded_one_keeps_its_hierarchy(tiny):
+    """Sampled sequences waiting together: one without a seed starts with the hierarchy of the load (here the
+    target alone), one with a seed with the single-sequence hierarchy, and draws what it draws alone."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    prompts = _prompts(3, seed=7)
+    batch = Batch({1: h1, 3: ar}, max_active=3)
+    got: dict[int, list[int]] = {}
+    entries = [batch.add(p, 15, temperature=0.8, seed=s, on_done=lambda res, err, i=i: got.__setitem__(i, res))
+               for i, (p, s) in enumerate(zip(prompts, [None, 9, None]))]
+    assert [e.decoding.follows_load for e in entries] == [True, False, True]
+    for _ in entries:                              # one prefill per tick
+        batch.tick()
+    assert [e.decoding.hsd for e in entries] == [ar, h1, ar]
+    batch.run()
+    assert got[1].token_ids == h1.generate(prompts[1], 15, temperature=0.8, seed=9).token_ids
+    assert all(len(got[i].token_ids) >= 1 for i in (0, 2))
+    with pytest.raises(HsdError, match="seeded"):
+        entries[1].decoding.switch(ar)
+
+
 def test_a_load_between_levels_runs_the_plan_of_the_nearest_level_on_a_log_scale(tiny):
     """Levels 1, 2, 4, 8: a load just under a level runs that level's plan (a client between two requests does
     not drop eight sequences to the plan of four), a load just over one runs that one's; past the ends, the end."""

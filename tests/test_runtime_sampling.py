@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.runtime.decode import HSD, Level, process_logits
+from hsd_opt.runtime.decode import HSD, Level, Pass, process_logits, serve
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
@@ -46,11 +46,17 @@ def _exact(model, temperature, top_p):
 
 
 def _pvalue(h, probs, temperature, top_p):
+    return _pvalue_of(lambda seed: h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed).token_ids,
+                      probs)
+
+
+def _pvalue_of(draw, probs):
+    """Chi-square p-value of N samples ``draw(seed)`` (seeds 0..N-1) against the exact distribution ``probs``."""
     from scipy.stats import chisquare
 
     cnt: dict[tuple, int] = {}
     for seed in range(N):
-        ids = tuple(h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed).token_ids)
+        ids = tuple(draw(seed))
         assert len(ids) == K and probs[ids] > 0  # never a token outside the top-p nucleus
         cnt[ids] = cnt.get(ids, 0) + 1
     big = [k for k in sorted(probs, key=probs.get, reverse=True) if probs[k] * N >= 5]  # chi-square validity
@@ -90,6 +96,50 @@ def test_sampling_with_an_abstaining_drafter(peaky):
               Level("layer4", lm, 4)]
     p_ok = _pvalue(HSD(levels, [2, 2]), probs, 1.0, 1.0)
     assert p_ok > 1e-3, p_ok
+
+
+def _switching(ha: HSD, hb: HSD):
+    """``draw(seed)``: a sample decoded as a batch decodes a sequence that follows the load, the load changing
+    mid-round: after the ``2 + seed % 4``-th pass (a draft, a verification, or past the end) the hierarchy switches
+    to the other one, so the round under way stops drafting and verifies what it has."""
+
+    def draw(seed: int) -> list[int]:
+        d = ha.start(PROMPT, K, temperature=1.0, seed=seed)
+        d.follows_load = True      # as an unseeded sample in a batch; seeded here so that the test is reproducible
+        try:
+            d.prefill()
+            steps, reply, n = d.steps(), None, 0
+            while True:
+                try:
+                    req = steps.send(reply)
+                except StopIteration:
+                    break
+                if isinstance(req, Pass):
+                    n += 1
+                    if n == 2 + seed % 4:
+                        d.switch(hb if d.hsd is ha else ha)
+                    reply = serve(req)
+                else:
+                    reply = False
+            return d.result().token_ids
+        finally:
+            d.close()
+
+    return draw
+
+
+def test_sampling_that_switches_hierarchy_mid_round_keeps_the_targets_distribution(peaky):
+    """A sequence that follows the load (an unseeded sample in a batch) stops drafting when its hierarchy
+    switches and verifies the drafts it has at every level: still the target's distribution; the wrong sampler
+    fails under the same switches."""
+    model, lm = peaky
+    probs = _exact(model, 1.0, 1.0)
+    deep = [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)]
+    two = [Level("layer1", lm, 1), Level("layer4", lm, 4)]
+    p_ok = _pvalue_of(_switching(HSD(deep, [2, 3]), HSD(two, [3])), probs)
+    p_bad = _pvalue_of(_switching(HSD(deep, [2, 3], residual=False), HSD(two, [3], residual=False)), probs)
+    assert p_ok > 1e-3, p_ok
+    assert p_bad < 1e-6, p_bad
 
 
 def test_sampling_is_reproducible(peaky):

@@ -6,8 +6,9 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 1. prefills the oldest waiting sequence (one per tick: a new request's prompt costs the others one prefill, and
    its first token comes after that prefill and its first round, not after the others finish), for the
    hierarchy of the load it starts under (those in flight, it, and those waiting for a place);
-2. gives every greedy sequence the hierarchy of the current load level (the sequences in flight and those
-   waiting for a place; applied at its next round, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
+2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
+   load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
+   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
    decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
@@ -21,8 +22,9 @@ Exactness: a batched call computes, for each sequence, bit for bit what it compu
 independent of the rows beside them; the torch path runs sequences one by one), and each sequence's prompt is
 prefilled alone exactly as ``hsd run`` prefills it. So a greedy sequence's tokens are those of ``hsd run`` on its
 prompt whatever shares its passes and whichever hierarchy each round uses (every round ends in the target's own
-argmax). A sampled sequence keeps the hierarchy it started with, the one for a single sequence: its draws depend
-only on its seed, not on the load. Units: seconds; token counts.
+argmax). A sampled sequence without a seed follows the load too (every round samples from the target's
+distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the one for a
+single sequence: its draws depend only on its seed, not on the load. Units: seconds; token counts.
 """
 
 from __future__ import annotations
@@ -112,10 +114,12 @@ class Batch:
         return len(self.active) + min(len(self.waiting), self.max_active - len(self.active))
 
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
+            seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
             on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None) -> Entry:
-        """Queue a sequence (prefilled by a later tick). Bad arguments raise :class:`HsdError` here."""
-        hsd = self.hierarchy_for(self.load + 1) if temperature == 0 else self.levels[next(iter(self.levels))]
+        """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
+        load. Bad arguments raise :class:`HsdError` here."""
+        follows = temperature == 0 or seed is None
+        hsd = self.hierarchy_for(self.load + 1) if follows else self.levels[next(iter(self.levels))]
         entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed), on_tokens, on_done)
         self.waiting.append(entry)
         return entry
@@ -138,7 +142,7 @@ class Batch:
             self._begin(self.waiting.pop(0))
         level = self.hierarchy_for(self.load)     # those in flight and those about to join
         for e in self.active:
-            if e.decoding.greedy:
+            if e.decoding.follows_load:
                 e.decoding.switch(level)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:
@@ -197,7 +201,7 @@ class Batch:
 
     def _begin(self, e: Entry) -> None:
         self.active.append(e)                   # in flight from its prefill on
-        if e.decoding.greedy:       # the load it starts under: those in flight, it, and those waiting for a place
+        if e.decoding.follows_load:  # the load it starts under: those in flight, it, and those waiting for a place
             e.decoding.switch(self.hierarchy_for(self.load))
         try:
             e.decoding.prefill()

@@ -35,6 +35,7 @@ Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
@@ -271,8 +272,9 @@ class HSD:
         self._free[id(eng)] = [st]
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int = 0) -> "Decoding":
-        """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet)."""
+              seed: int | None = 0) -> "Decoding":
+        """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
+        random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`)."""
         return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
@@ -319,15 +321,20 @@ class Decoding:
     """
 
     def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0):
+                 top_p: float = 1.0, seed: int | None = 0):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
         check_generation_args(max_new_tokens, temperature, top_p)
         self.hsd = hsd
         self.greedy = temperature == 0
+        #: whether a batch may switch this sequence's hierarchy with the load (:meth:`switch`): greedy tokens are
+        #: the target's under any hierarchy, and an unseeded sample is promised its distribution only; a seeded
+        #: sample keeps its hierarchy, so that its seed reproduces it whatever shares its passes
+        self.follows_load = self.greedy or seed is None
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.device = hsd.target.device
+        seed = secrets.randbelow(2**31) if seed is None else seed
         self.gen = torch.Generator(device=self.device).manual_seed(int(seed))
         self.prompt = prompt
         self.n_prompt = len(prompt)
@@ -407,6 +414,15 @@ class Decoding:
             for key, st in self._states.items():
                 self._engines[key][0].crop(st, n)
 
+    def _cut_short(self) -> bool:
+        """A round drafts no further once a :meth:`switch` waits: each level verifies the drafts it has and hands
+        its tokens up at once. Verification takes any number of drafts (greedy: the tokens stay the target's;
+        sampled: the number is chosen without looking at the drafts, so each token keeps its level's
+        distribution). Under a batch whose load rose, the round started for fewer sequences then ends in the next
+        target pass the others share, instead of drafting on alone (a draft pass of one sequence is served only
+        every few ticks while the others step)."""
+        return self._next is not None
+
     def _ended(self) -> bool:
         return len(self.seq) >= self.limit or (len(self.seq) > self.n_prompt and self.seq[-1] in self.hsd.eos)
 
@@ -455,6 +471,8 @@ class Decoding:
         toks: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(n):
+            if self._cut_short():
+                break
             m = len(self.seq)
             if self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
@@ -482,6 +500,8 @@ class Decoding:
         out_p: list[torch.Tensor] = []
         stats = self.stats[hsd.levels[k].name]
         while not self._ended():
+            if not top and self._cut_short():
+                break
             s = len(self.seq)  # first draft position
             drafts, q = yield from self._level(k - 1)
             d = len(drafts)
@@ -549,8 +569,11 @@ class Decoding:
     # ------------------------------------------------------------------------------------------ public
 
     def switch(self, hsd: HSD) -> None:
-        """Run the next rounds with ``hsd`` (a hierarchy over the same target; the tokens stay the target's).
-        Applied between rounds."""
+        """Run the next rounds with ``hsd`` (a hierarchy over the same target; greedy tokens stay the target's, a
+        sample keeps its distribution). Applied at the next round; a round under way drafts no further
+        (:meth:`_cut_short`). Only for a sequence that :attr:`follows_load`."""
+        if not self.follows_load:
+            raise HsdError("switch: a seeded sample keeps its hierarchy (its seed reproduces it)")
         if hsd.target is not self.hsd.target:
             raise HsdError("switch: another hierarchy over the same target engine expected")
         self._next = hsd if hsd is not self.hsd else None

@@ -9,7 +9,6 @@ and ``n`` (1 only). Other fields of the OpenAI API are ignored.
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +49,8 @@ class ModelInfo:
 class GenerationRequest:
     """A validated request. ``prompt_ids``: token ids (chat template applied for ``kind == "chat"``);
     ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the
-    OpenAI API); ``top_p`` in (0, 1]; ``seed`` (drawn at random when the request gives none); ``stop``: up to 4
+    OpenAI API); ``top_p`` in (0, 1]; ``seed`` (None when the request gives none: a random one is drawn, and the
+    request follows the load's plan, see :mod:`hsd_opt.runtime.batch`); ``stop``: up to 4
     non-empty strings."""
 
     kind: str
@@ -59,7 +59,7 @@ class GenerationRequest:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
+    seed: int | None
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -232,6 +232,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     elif max_tokens > room:
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
-    if seed is None:
-        seed = secrets.randbelow(2**31)
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage)
