@@ -183,14 +183,30 @@ def test_kernel_path_tracks_the_torch_path(tiny):
     assert (got_bf.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
-def test_long_passes_of_a_float32_model_take_the_exact_torch_path(tiny):
-    """Prefill longer than MAX_PASS runs the torch path (bit for bit the modules); shorter passes the kernels."""
+def test_a_float32_prompt_of_prefill_on_torch_from_positions_takes_the_exact_torch_path(tiny):
+    """A float32 model's prompt pass (from position 0) over PREFILL_ON_TORCH_FROM positions or more, or over
+    more than MAX_PASS, runs the torch path (bit for bit the modules); a shorter prompt runs the kernels, and so
+    does a later pass over as many positions (a verification): bit for bit the one-position steps."""
     lean, ref = LayeredLM(tiny, kernels=True), LayeredLM(tiny, kernels=False)
-    n = kernels.MAX_PASS + 5
-    ids = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(lean.hidden_states(ids, [4])[4], ref.hidden_states(ids, [4])[4])
-    short = ids[:10]
-    assert not torch.equal(lean.hidden_states(short, [4])[4], ref.hidden_states(short, [4])[4])
+    n = kernels.PREFILL_ON_TORCH_FROM
+    assert 1 < n <= kernels.MAX_PASS
+    ids = torch.randint(3, 64, (kernels.MAX_PASS + 5,), generator=torch.Generator().manual_seed(2))
+    for m in (n, kernels.MAX_PASS + 5):
+        assert torch.equal(lean.hidden_states(ids[:m], [4])[4], ref.hidden_states(ids[:m], [4])[4])
+    assert not torch.equal(lean.hidden_states(ids[:n - 1], [4])[4], ref.hidden_states(ids[:n - 1], [4])[4])
+    p = 5                                          # a prompt, then one pass over n positions after it
+    one = lean.new_state(p + n, save_boundaries=[4])
+    lean.append(one, ids[:p])
+    lean.advance(one, 4)
+    lean.append(one, ids[p:p + n])
+    lean.advance(one, 4)
+    st = lean.new_state(p + n, save_boundaries=[4])
+    lean.append(st, ids[:p])
+    lean.advance(st, 4)
+    for i in range(p, p + n):
+        lean.append(st, ids[i:i + 1])
+        lean.advance(st, 4)
+    assert torch.equal(lean.logits(one, 4, p, p + n), lean.logits(st, 4, p, p + n))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "q8", "q4"])

@@ -252,3 +252,20 @@ def test_process_logits_top_p():
     p = process_logits(logits, 1.0, 0.5)  # the top token alone reaches 0.5
     assert torch.allclose(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
     assert torch.allclose(process_logits(logits, 1.0, 1.0), torch.exp(logits))
+
+
+def test_budgets_keep_every_verification_within_an_exact_pass():
+    """A verification covers at most EXACT_PASS positions (those the kernels compute as the target's steps): a
+    budget of EXACT_PASS - 1 is taken, one more is refused naming the budgets; in eager mode the budgets in all."""
+    from hsd_opt.engine.interface import EXACT_PASS
+
+    lm = LayeredLM(make_tiny_llama(seed=0))
+    two = [Level("layer1", lm, 1), Level("layer4", lm, 4)]
+    three = [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)]
+    HSD(two, [EXACT_PASS - 1])
+    HSD(three, [EXACT_PASS - 1, EXACT_PASS - 1])                   # exact: each level verifies one budget
+    with pytest.raises(HsdError, match=f"over {EXACT_PASS + 1} positions"):
+        HSD(two, [EXACT_PASS])
+    HSD(three, [EXACT_PASS // 2, EXACT_PASS // 2 - 1], mode="eager")
+    with pytest.raises(HsdError, match="in all"):
+        HSD(three, [EXACT_PASS // 2, EXACT_PASS // 2], mode="eager")

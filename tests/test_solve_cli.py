@@ -134,8 +134,9 @@ def test_bad_cost(tmp_path, value):
     _expect_error(run("solve", "--profile", p), str(p), "models[2].cost")
 
 
-@pytest.mark.parametrize("tmax", [0, -3])
-def test_tmax_below_one(tmax):
+@pytest.mark.parametrize("tmax", [0, -3, 64])
+def test_tmax_out_of_range(tmax):
+    """Below one, or past what one verification computes exactly as the target's steps (63: 64 positions)."""
     _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", tmax), "--tmax")
 
 
@@ -192,7 +193,7 @@ def test_target_only_plan_round_trips(tmp_path):
 
 
 def test_brute_refuses_huge_instances():
-    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", 200, "--solver", "brute"),
+    _expect_error(run("solve", "--profile", DATA / "example_profile.json", "--tmax", 60, "--solver", "brute"),
                   "--solver brute")
 
 

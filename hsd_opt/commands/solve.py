@@ -121,7 +121,7 @@ def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
 @cli_command
 def solve_cmd(
     profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON (acceptance rates, costs)."),
-    tmax: int = typer.Option(15, "--tmax", help="Largest budget T (tokens) any level may hand up."),
+    tmax: int = typer.Option(15, "--tmax", help="Largest budget T (tokens) any level may hand up (1..63)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the hsd-plan/1 JSON here (atomically)."),
     solver: str = typer.Option("dp", "--solver", help="dp (default, exact DP) | lp (GSP LP, HiGHS) | "
                                                       "lp-cvxpy | brute (enumeration, small pools)."),
@@ -154,12 +154,14 @@ def solve_cmd(
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
+    from hsd_opt.engine.interface import EXACT_PASS
     from hsd_opt.solver.api import SOLVERS, solve
     from hsd_opt.solver.batch import solve_loads
     from hsd_opt.solver.tasks import profile_tasks, solve_tasks, task_positions, task_profile
 
-    if tmax < 1:
-        raise HsdError(f"--tmax: expected an integer >= 1, got {tmax}")
+    if not 1 <= tmax < EXACT_PASS:
+        raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (a verification over more positions "
+                       f"is not computed as the target's steps), got {tmax}")
     if solver not in SOLVERS:
         raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
     if max_depth is not None and max_depth < 1:

@@ -16,6 +16,11 @@ from hsd_opt.engine.state import DecodeState, Rows
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
+#: Positions of the longest pass after a prompt that an engine computes as its one-position steps compute them
+#: (the kernels' pass): a hierarchy's budgets keep every verification within it, so the target's tokens are its
+#: greedy steps' at any budget.
+EXACT_PASS = 64
+
 
 class Backend(Protocol):
     """Runs decoder layers and the LM head of one model's weights."""

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from hsd_opt.engine.interface import EXACT_PASS
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Mat, ModelWeights
 from hsd_opt.errors import HsdError
@@ -45,7 +46,11 @@ SOURCE = Path(__file__).with_name("kernels.c")
 ABI_VERSION = 11
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
-MAX_PASS = 64
+MAX_PASS = EXACT_PASS
+#: A float32 model's prompt of this many positions or more takes the torch path (its blocked GEMMs are faster
+#: there; docs/results.md, "a prompt's pass on the torch path"); shorter prompts, and later passes up to MAX_PASS
+#: positions, the kernels.
+PREFILL_ON_TORCH_FROM = 40
 #: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so

@@ -73,10 +73,11 @@ class LayeredLM:
       device.
     - the **kernels** (:class:`~hsd_opt.engine.kernels.KernelPath`, on CPUs where they build): one call per run
       of layers over the weights in place, batch-invariant, float32 activations and caches. Passes over at most
-      :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take them; longer passes
-      (prefill) take the torch path in float32 (exact for a float32 model; a bfloat16 model's weights converted
-      for the pass), except for engines with :attr:`long_passes_on_kernels` (quantized copies), which run them on
-      the kernels in passes of ``MAX_PASS`` positions.
+      :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take them, but for a
+      float32 model's prompt of :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` positions or more; longer
+      passes (prefill) take the torch path in float32 (exact for a float32 model; a bfloat16 model's weights
+      converted for the pass), except for engines with :attr:`long_passes_on_kernels` (quantized copies), which
+      run them on the kernels in passes of ``MAX_PASS`` positions (:meth:`_on_kernels`).
 
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
@@ -233,9 +234,23 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else on the torch
         path."""
-        if self._kernels is not None and (x.shape[0] <= kernels.MAX_PASS or self.long_passes_on_kernels):
+        if self._on_kernels(start, x.shape[0]):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
+
+    def _on_kernels(self, start: int, m: int) -> bool:
+        """Whether a pass over ``m`` positions from position ``start`` runs on the kernels: every pass of an engine
+        with :attr:`long_passes_on_kernels`; else passes over at most :data:`~hsd_opt.engine.kernels.MAX_PASS`
+        positions (decode steps and verify passes: computed as the steps compute them), except, on a float32
+        model, a prompt's pass from position 0 over :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` or more
+        (the torch path's blocked GEMMs are faster there; every method prefills a prompt the same way)."""
+        if self._kernels is None:
+            return False
+        if self.long_passes_on_kernels:
+            return True
+        if start == 0 and self._exact_long_passes and m >= kernels.PREFILL_ON_TORCH_FROM:
+            return False
+        return m <= kernels.MAX_PASS
 
     def rope(self, start: int, end: int):
         """Rotary tables ``(cos, sin)``, each ``[1, end - start, head_dim]``, for positions ``start .. end-1``.
@@ -339,7 +354,7 @@ class LayeredLM:
         while pending:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (l0, l1, rows) in pending.items():
-                together = self._kernels is not None and rows.x.shape[0] <= kernels.MAX_PASS
+                together = rows.x.shape[0] <= kernels.MAX_PASS and self._on_kernels(rows.start, rows.x.shape[0])
                 groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
             for key, idx in groups.items():
                 l0, l1 = key[0], key[1]

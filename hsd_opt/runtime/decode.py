@@ -43,7 +43,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from hsd_opt.drafters.base import TokenDrafter
-from hsd_opt.engine.interface import Engine
+from hsd_opt.engine.interface import EXACT_PASS, Engine
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 
@@ -239,6 +239,12 @@ class HSD:
                 raise HsdError(f"{lv.name!r} cannot verify: a token drafter may only be the bottom level")
         if mode not in ("exact", "eager"):
             raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+        # exact: a level verifies at most the budget below it; eager: what every level below hands up at most
+        longest = (max(budgets, default=0) if mode == "exact" else sum(int(t) for t in budgets)) + 1
+        if longest > EXACT_PASS:
+            raise HsdError(f"budgets {list(budgets)} ({mode}): a verification over {longest} positions; at most "
+                           f"{EXACT_PASS} are computed exactly as the target's steps (a budget of at most "
+                           f"{EXACT_PASS - 1}{', in all' if mode == 'eager' else ''})")
         self.levels = levels
         self.budgets = [int(t) for t in budgets] or [1]
         self.eos = frozenset(int(e) for e in eos_ids)

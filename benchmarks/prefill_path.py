@@ -1,0 +1,72 @@
+"""A prompt's pass on the kernels against the torch path: where ``PREFILL_ON_TORCH_FROM`` comes from.
+
+    .venv/bin/python benchmarks/prefill_path.py [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] \
+        [--out benchmarks/results/prefill_path.json]
+
+The embedded model's float32 target prefills the first ``m`` tokens of the suite's text (every layer, from
+position 0, a fresh state) on the C kernels and on the torch path (MKL's blocked GEMMs), the two interleaved
+within each round; reported per length: the median over the rounds (milliseconds) and torch over kernels.
+``hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`` is the first length from which the torch path is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.models.loading import load_model
+from hsd_opt.prompts import encode_prompt, load_prompts
+
+
+def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool) -> float:
+    """One prompt pass over ``ids`` (milliseconds) on the kernels or on the torch path."""
+    saved = kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM
+    kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM = (10**6, 10**6) if on_kernels else (0, 0)
+    try:
+        st = eng.new_state(ids.numel() + 1)
+        eng.append(st, ids)
+        t0 = time.perf_counter()
+        eng.advance(st, eng.n_layers)
+        return (time.perf_counter() - t0) * 1e3
+    finally:
+        kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="8,16,24,32,40,48,64,96")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    loaded = load_model("smollm2-135m")
+    eng = LayeredLM(loaded.model)
+    if not eng.uses_kernels:
+        raise SystemExit("the kernels are unavailable here: nothing to compare")
+    text = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p)]
+    rows = []
+    for m in (int(x) for x in a.lengths.split(",")):
+        ids = torch.tensor(text[:m])
+        got: dict[str, list[float]] = {"kernels": [], "torch": []}
+        for r in range(a.rounds):
+            for path in (("kernels", "torch") if r % 2 else ("torch", "kernels")):
+                got[path].append(prefill_ms(eng, ids, path == "kernels"))
+        k, t = statistics.median(got["kernels"]), statistics.median(got["torch"])
+        rows.append({"positions": m, "kernels_ms": round(k, 1), "torch_ms": round(t, 1),
+                     "torch_over_kernels": round(t / k, 2)})
+        print(f"{m:4d} positions: kernels {k:7.1f} ms  torch {t:7.1f} ms  torch/kernels {t / k:.2f}", flush=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "rounds": a.rounds,
+              "prefill_on_torch_from": kernels.PREFILL_ON_TORCH_FROM, "lengths": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
