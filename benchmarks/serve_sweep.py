@@ -10,13 +10,14 @@ setting), in one interleaved run.
         [--plot out.png] [--out benchmarks/results/serve_sweep.json]
 
 Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
-concurrency ``c`` (levels in order) the methods run one after the other, their order rotating from level to
-level. Before each method's level the sweep waits ``--settle`` seconds and sends one 8-token request (not
-measured: a server idle while the others ran starts from cold caches). Then ``c`` client threads each send
-``--requests`` streamed greedy chat requests one after the other (the suite's prompts in turn, ``--max-tokens``
-new tokens each), all starting together. The `hsd serve` processes start once and stay up (an idle one costs
-nothing; all three hold the model, so a large model needs the memory of three); llama.cpp's server is started per
-level with ``--parallel c``.
+concurrency ``c`` (levels in order) the methods run one after the other, their order shifted by one from round to
+round and from level to level (over as many rounds as methods, each method runs once in each place at each level:
+what runs before a method, llama.cpp's server for one, changes its figures). Before each method's level the sweep
+waits ``--settle`` seconds and sends one 8-token request (not measured: a server idle while the others ran starts
+from cold caches). Then ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the
+other (the suite's prompts in turn, ``--max-tokens`` new tokens each), all starting together. The `hsd serve`
+processes start once and stay up (an idle one costs nothing; all three hold the model, so a large model needs the
+memory of three); llama.cpp's server is started per level with ``--parallel c``.
 
 - ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``).
 - ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
@@ -286,8 +287,12 @@ def main() -> None:
                   "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
         runs = [(r, c) for r in range(a.rounds) for c in (levels if r % 2 == 0 else list(reversed(levels)))]
-        for i, (rnd, c) in enumerate(runs):
-            order = methods[i % len(methods):] + methods[:i % len(methods)]
+        for rnd, c in runs:
+            # the order shifts by one per round at every level, so that over len(methods) rounds each method runs
+            # once in each place at each level (a shift by the run's index aliases: with 2 levels and 4 methods
+            # a level's runs are all even, and one method always followed llama.cpp's server at one level)
+            k = (rnd + levels.index(c)) % len(methods)
+            order = methods[k:] + methods[:k]
             for m in order:
                 proc = None
                 if m in HSD_METHODS:
