@@ -14,6 +14,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
+from hsd_opt.runtime import decode
 from hsd_opt.runtime.batch import Batch, generate_many
 from hsd_opt.runtime.decode import HSD, Committed, Level, Pass, serve
 from tests.helpers import CycleDrafter, make_tiny_llama
@@ -272,6 +273,35 @@ def test_a_round_begun_under_a_lighter_load_drafts_no_further_once_the_load_rise
     assert first.pending.engine is eng             # its tokens so far go to the target now
     batch.run()
     assert [got[i] for i in range(3)] == want
+
+
+def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny, monkeypatch):
+    """A prompt of 30 positions with passes of 8 takes 4 ticks to prefill, and a sequence already decoding commits
+    a token in each of them (it does not wait for the whole prompt); both answers are their prompts' own, with the
+    same passes alone."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(tiny)
+    _, _, ar = _hierarchies(tiny, eng)
+    g = torch.Generator().manual_seed(9)
+    short, long = torch.randint(3, 64, (5,), generator=g).tolist(), torch.randint(3, 64, (30,), generator=g).tolist()
+    want = [ar.generate(short, 20).token_ids, ar.generate(long, 10).token_ids]
+    batch = Batch(ar, max_active=2)
+    got: dict[int, list[int]] = {}
+    blocks: list[list[int]] = []
+
+    def first_tokens(toks):
+        blocks.append(toks)
+
+    batch.add(short, 20, on_tokens=first_tokens, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    batch.tick()                                    # the short prompt in one pass, and its first token
+    second = batch.add(long, 10, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    before, ticks = len(blocks), 0
+    while second in batch.waiting or batch.prefilling is second:
+        batch.tick()
+        ticks += 1
+    assert ticks == 4 and len(blocks) - before == 4         # a token of the other sequence in every one of them
+    batch.run()
+    assert [got[0], got[1]] == want
 
 
 def test_an_unseeded_sample_follows_the_load_a_seeded_one_keeps_its_hierarchy(tiny):

@@ -313,13 +313,13 @@ def gated(runner, gate: threading.Event):
 
     def start(*args, **kwargs):
         d = HSD.start(h, *args, **kwargs)
-        prefill = d.prefill
+        passes = d.prefill_passes
 
         def wait_then_prefill():
             assert gate.wait(60)
-            prefill()
+            return (yield from passes())
 
-        d.prefill = wait_then_prefill
+        d.prefill_passes = wait_then_prefill
         return d
 
     h.start = start

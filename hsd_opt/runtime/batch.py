@@ -3,9 +3,10 @@
 A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.decode.Decoding` (its own caches,
 drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
-1. prefills the oldest waiting sequence (one per tick: a new request's prompt costs the others one prefill, and
-   its first token comes after that prefill and its first round, not after the others finish), for the
-   hierarchy of the load it starts under (those in flight, it, and those waiting for a place);
+1. prefills the oldest waiting sequence, one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a
+   new request's prompt costs the others one such pass per round, a long prompt several; its first token comes
+   after its prefill and its first round, not after the others finish), for the hierarchy of the load it starts
+   under (those in flight, it, and those waiting for a place);
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
    load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
    under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
@@ -56,6 +57,7 @@ class Entry:
     steps: Generator | None = None
     pending: Pass | None = None
     waited: int = 0
+    prefill: Generator | None = None
 
 
 class Batch:
@@ -89,6 +91,8 @@ class Batch:
                     self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
         self.waiting: list[Entry] = []
         self.active: list[Entry] = []
+        #: the sequence whose prompt is being computed (a pass per tick), in flight but not decoding yet
+        self.prefilling: Entry | None = None
 
     def level_for(self, n: int) -> int:
         """The load level whose plan runs at ``n`` sequences in flight: the level nearest ``n`` on a log scale
@@ -109,9 +113,14 @@ class Batch:
         return self.levels[self.level_for(n)]
 
     @property
+    def in_flight(self) -> int:
+        """Sequences decoding or being prefilled (at most ``max_active``)."""
+        return len(self.active) + (self.prefilling is not None)
+
+    @property
     def load(self) -> int:
-        """Sequences in flight (decoding, or prefilled next)."""
-        return len(self.active) + min(len(self.waiting), self.max_active - len(self.active))
+        """Sequences in flight (decoding, being prefilled, or prefilled next)."""
+        return self.in_flight + min(len(self.waiting), self.max_active - self.in_flight)
 
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
@@ -125,21 +134,27 @@ class Batch:
         return entry
 
     def drop(self, entry: Entry) -> bool:
-        """Remove a sequence that waits (never prefilled); False when it is not waiting."""
+        """Remove a sequence that waits or is being prefilled (never decoded); False when it is neither."""
         if entry in self.waiting:
             self.waiting.remove(entry)
-            entry.decoding.close()
-            return True
-        return False
+        elif entry is self.prefilling and entry is not None:
+            self.prefilling = None
+            entry.prefill.close()
+        else:
+            return False
+        entry.decoding.close()
+        return True
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self.prefilling)
 
     def tick(self) -> int:
         """One round of the scheduler (see the module doc); returns the passes served."""
-        if self.waiting and len(self.active) < self.max_active:
+        if self.prefilling is None and self.waiting and self.in_flight < self.max_active:
             self._begin(self.waiting.pop(0))
+        if self.prefilling is not None:
+            self._prefill_pass(self.prefilling)
         level = self.hierarchy_for(self.load)     # those in flight and those about to join
         for e in self.active:
             if e.decoding.follows_load:
@@ -200,11 +215,25 @@ class Batch:
         return out
 
     def _begin(self, e: Entry) -> None:
-        self.active.append(e)                   # in flight from its prefill on
+        self.prefilling = e                     # in flight from its prefill on
         if e.decoding.follows_load:  # the load it starts under: those in flight, it, and those waiting for a place
             e.decoding.switch(self.hierarchy_for(self.load))
+        e.prefill = e.decoding.prefill_passes()
+
+    def _prefill_pass(self, e: Entry) -> None:
+        """One pass of ``e``'s prefill; after its last, ``e`` decodes: run to its first pass."""
         try:
-            e.decoding.prefill()
+            next(e.prefill)
+            return                              # more of the prompt next tick
+        except StopIteration:
+            pass
+        except Exception as err:  # noqa: BLE001 - a bug: end this sequence, keep the others
+            self.prefilling = None
+            self._finish(e, err)
+            return
+        self.prefilling = None
+        self.active.append(e)
+        try:
             e.steps = e.decoding.steps()
         except Exception as err:  # noqa: BLE001 - a bug: end this sequence, keep the others
             self._finish(e, err)

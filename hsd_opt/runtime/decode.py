@@ -47,6 +47,12 @@ from hsd_opt.engine.interface import EXACT_PASS, Engine
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 
+#: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
+#: passes of this many, between which a batch serves the other sequences' rounds. Long enough that its passes take
+#: the torch path's GEMMs on a float model (over ``kernels.MAX_PASS`` positions), short enough that a stream
+#: waits for one such pass, not for a whole long prompt.
+PREFILL_CHUNK = 256
+
 
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
     """Refuse ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p`` outside (0, 1] with a one-line
@@ -585,11 +591,19 @@ class Decoding:
         self._next = hsd if hsd is not self.hsd else None
 
     def prefill(self) -> None:
-        """Compute the prompt: every model up to its highest level in one pass, the target first, then the
-        engines over a model's own weights; a copy of a model one of them runs (a quantized drafter of the
-        target or of a draft model) takes that engine's keys and values and computes the last position. The
-        target always computes its own. A :meth:`switch` asked for before applies first (the prompt is computed
-        for the hierarchy of the first round)."""
+        """Compute the prompt, all of it (:meth:`prefill_passes` run to the end)."""
+        for _ in self.prefill_passes():
+            pass
+
+    def prefill_passes(self) -> Generator[int, None, None]:
+        """Compute the prompt in passes of at most :data:`PREFILL_CHUNK` positions, yielding after every pass
+        but the last (the number of prompt positions the target has computed) so that a batch can serve other
+        sequences' rounds in between: every model up to its highest level, the target first, then the engines
+        over a model's own weights; a copy of a model one of them runs (a quantized drafter of the target or of a
+        draft model) takes that engine's keys and values and computes the last position. The target always
+        computes its own. The passes depend on the prompt's length only, so a prompt's keys and values are the
+        same whoever drives them (``hsd run`` or a batch). A :meth:`switch` asked for before applies first (the
+        prompt is computed for the hierarchy of the first round)."""
         self.t0 = time.perf_counter()
         if self._next is not None:              # a switch asked for before the first round: prefill its engines
             self.hsd, self._next = self._next, None
@@ -597,19 +611,29 @@ class Decoding:
         hsd = self.hsd
         for eng in hsd.engines:
             self._state(eng)
-        self._append(self.prompt)
+        self.seq.extend(self.prompt)            # appended to each engine's state below, a pass at a time
         target = hsd.target
         rest = [e for e in hsd.engines if e is not target]
         order = [target] + [e for e in rest if not e.is_copy] + [e for e in rest if e.is_copy]
         done: list[Engine] = []
-        for eng in order:
+        n = self.n_prompt
+        for k, eng in enumerate(order):
             st = self._states[id(eng)]
+            ids = torch.tensor(self.prompt, dtype=torch.long, device=eng.device)
             top_b = max(hsd.bounds[id(eng)])
             src = next((o for o in done if hsd.share_prompt and eng is not target and eng.can_share_prompt(o)
-                        and self._states[id(o)].lens[top_b - 1] >= self.n_prompt), None)
+                        and self._states[id(o)].lens[top_b - 1] >= n), None)
             if src is not None:
+                eng.append(st, ids)
                 eng.share_prompt(st, src, self._states[id(src)], top_b)
-            eng.advance(st, top_b)
+                eng.advance(st, top_b)
+            else:
+                for a in range(0, n, PREFILL_CHUNK):
+                    eng.append(st, ids[a:a + PREFILL_CHUNK])
+                    eng.advance(st, top_b)
+                    if a + PREFILL_CHUNK < n:
+                        _sync(self.device)
+                        yield min(n, a + PREFILL_CHUNK) if eng is target else n
             done.append(eng)
         _sync(self.device)
         self.t1 = time.perf_counter()

@@ -143,15 +143,15 @@ class JobQueue:
 
     @property
     def waiting(self) -> int:
-        """Jobs not yet decoding (queued, or admitted and not prefilled yet)."""
+        """Jobs not yet in flight (queued, or admitted and waiting for their prefill to begin)."""
         return self._queue.qsize() + len(self.batch.waiting)
 
     def status(self) -> dict[str, Any]:
-        """``waiting``, ``active`` (requests being decoded), ``max_batch``, ``busy``, the load level's
+        """``waiting``, ``active`` (requests being decoded or prefilled), ``max_batch``, ``busy``, the load level's
         ``hierarchy`` (its level names, bottom first) and ``budgets``, the counts of ``completed``,
         ``cancelled``, ``failed`` and ``refused`` (queue full) requests since start, and ``generated_tokens``:
         every token the worker committed (of cancelled generations too, up to where they stopped)."""
-        active = len(self.batch.active)
+        active = self.batch.in_flight          # decoding, or its prompt being computed
         level = self.batch.hierarchy_for(max(self.batch.load, 1))
         return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": active > 0, "active": active,
                 "max_batch": self.batch.max_active, "hierarchy": [lv.name for lv in level.levels],
@@ -169,7 +169,7 @@ class JobQueue:
                 if job is None:
                     return
                 self._admit(job)
-            while len(self.batch.active) + len(self.batch.waiting) < self.batch.max_active:
+            while self.batch.in_flight + len(self.batch.waiting) < self.batch.max_active:
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
@@ -178,7 +178,8 @@ class JobQueue:
                     stopping = True
                     break
                 self._admit(job)
-            for e in list(self.batch.waiting):  # cancelled before their prefill: never decoded
+            for e in self.batch.waiting + [self.batch.prefilling] * (self.batch.prefilling is not None):
+                # cancelled before their prefill ended: never decoded
                 job = e.on_tokens.job
                 if job.cancelled and self.batch.drop(e):
                     self._end(job, "cancelled", None)
@@ -186,8 +187,9 @@ class JobQueue:
                 self.batch.tick()
             except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
                 log.exception("generation failed")
-                entries = self.batch.active + self.batch.waiting
-                self.batch.active, self.batch.waiting = [], []
+                entries = self.batch.active + self.batch.waiting + [self.batch.prefilling] * (
+                    self.batch.prefilling is not None)
+                self.batch.active, self.batch.waiting, self.batch.prefilling = [], [], None
                 for entry in entries:
                     entry.decoding.close()
                     self._end(entry.on_tokens.job, "error", f"generation failed: {type(e).__name__}: {e}")
