@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Mapping, Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass
+from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 
 
 @dataclass(eq=False)
@@ -127,8 +127,8 @@ class Batch:
             on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None) -> Entry:
         """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
         load. Bad arguments raise :class:`HsdError` here."""
-        follows = temperature == 0 or seed is None
-        hsd = self.hierarchy_for(self.load + 1) if follows else self.levels[next(iter(self.levels))]
+        hsd = (self.hierarchy_for(self.load + 1) if follows_load(temperature, seed)
+               else self.levels[next(iter(self.levels))])
         entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed), on_tokens, on_done)
         self.waiting.append(entry)
         return entry
@@ -137,13 +137,18 @@ class Batch:
         """Remove a sequence that waits or is being prefilled (never decoded); False when it is neither."""
         if entry in self.waiting:
             self.waiting.remove(entry)
-        elif entry is self.prefilling and entry is not None:
+        elif entry is self.prefilling:
             self.prefilling = None
             entry.prefill.close()
         else:
             return False
         entry.decoding.close()
         return True
+
+    @property
+    def starting(self) -> list[Entry]:
+        """The sequences not decoding yet: those waiting, then the one being prefilled."""
+        return self.waiting + ([self.prefilling] if self.prefilling is not None else [])
 
     @property
     def busy(self) -> bool:

@@ -54,6 +54,14 @@ from hsd_opt.errors import HsdError
 PREFILL_CHUNK = 256
 
 
+def follows_load(temperature: float, seed: int | None) -> bool:
+    """Whether a sequence decoded with ``temperature`` and ``seed`` may change hierarchy with the load of a batch:
+    greedy tokens are the target's under any hierarchy, and an unseeded sample is promised the target's
+    distribution only; a seeded sample keeps its hierarchy, so that its seed reproduces it whatever shares its
+    passes."""
+    return temperature == 0 or seed is None
+
+
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
     """Refuse ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p`` outside (0, 1] with a one-line
     :class:`HsdError` naming the flag (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
@@ -340,10 +348,8 @@ class Decoding:
         check_generation_args(max_new_tokens, temperature, top_p)
         self.hsd = hsd
         self.greedy = temperature == 0
-        #: whether a batch may switch this sequence's hierarchy with the load (:meth:`switch`): greedy tokens are
-        #: the target's under any hierarchy, and an unseeded sample is promised its distribution only; a seeded
-        #: sample keeps its hierarchy, so that its seed reproduces it whatever shares its passes
-        self.follows_load = self.greedy or seed is None
+        #: whether a batch may switch this sequence's hierarchy with the load (:meth:`switch`)
+        self.follows_load = follows_load(temperature, seed)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.device = hsd.target.device
         seed = secrets.randbelow(2**31) if seed is None else seed
@@ -617,7 +623,7 @@ class Decoding:
         order = [target] + [e for e in rest if not e.is_copy] + [e for e in rest if e.is_copy]
         done: list[Engine] = []
         n = self.n_prompt
-        for k, eng in enumerate(order):
+        for eng in order:
             st = self._states[id(eng)]
             ids = torch.tensor(self.prompt, dtype=torch.long, device=eng.device)
             top_b = max(hsd.bounds[id(eng)])
@@ -632,8 +638,7 @@ class Decoding:
                     eng.append(st, ids[a:a + PREFILL_CHUNK])
                     eng.advance(st, top_b)
                     if a + PREFILL_CHUNK < n:
-                        _sync(self.device)
-                        yield min(n, a + PREFILL_CHUNK) if eng is target else n
+                        yield a + PREFILL_CHUNK if eng is target else n
             done.append(eng)
         _sync(self.device)
         self.t1 = time.perf_counter()

@@ -178,8 +178,7 @@ class JobQueue:
                     stopping = True
                     break
                 self._admit(job)
-            for e in self.batch.waiting + [self.batch.prefilling] * (self.batch.prefilling is not None):
-                # cancelled before their prefill ended: never decoded
+            for e in self.batch.starting:     # cancelled before their prefill ended: never decoded
                 job = e.on_tokens.job
                 if job.cancelled and self.batch.drop(e):
                     self._end(job, "cancelled", None)
@@ -187,8 +186,7 @@ class JobQueue:
                 self.batch.tick()
             except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
                 log.exception("generation failed")
-                entries = self.batch.active + self.batch.waiting + [self.batch.prefilling] * (
-                    self.batch.prefilling is not None)
+                entries = self.batch.active + self.batch.starting
                 self.batch.active, self.batch.waiting, self.batch.prefilling = [], [], None
                 for entry in entries:
                     entry.decoding.close()
