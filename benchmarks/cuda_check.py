@@ -144,21 +144,11 @@ def post(url: str, body: dict) -> dict:
 def check_server(plan: Path, device: str, texts: list[str], news: list[int], want: list[list[int]]) -> dict:
     """``hsd serve --max-batch 4`` on ``device``: greedy answers under concurrency equal ``want`` (the target's own
     raw-prompt loop), a seeded sampled answer the same alone and among others; returns what ``/health`` says."""
-    proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(plan), "--port", "0",
-                             "--device", device, "--max-batch", "4"], stderr=subprocess.PIPE, text=True)
-    try:
-        url, lines = None, []
-        end = time.monotonic() + 300
-        while url is None and time.monotonic() < end:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("ready: "):
-                url = line.split(" at ")[1].split()[0]
-        if url is None:
-            raise SystemExit("hsd serve did not start:\n" + "".join(lines))
+    from benchmarks.server_load import start, stop_server
 
+    proc, url, _ = start([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(plan), "--port", "0", "--device",
+                          device, "--max-batch", "4"], r"^ready: .* at (http://\S+/v1)", 300)
+    try:
         def complete(i: int, sampled: bool = False) -> list[int]:
             body = {"model": "m", "prompt": texts[i], "max_tokens": news[i]}
             body.update({"temperature": 0.8, "seed": 7} if sampled else {"temperature": 0})
@@ -173,8 +163,7 @@ def check_server(plan: Path, device: str, texts: list[str], news: list[int], wan
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
             health = json.loads(r.read())
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
     if greedy != want:
         raise SystemExit("hsd serve's greedy answers differ from the target's own loop")
     if shared != alone:

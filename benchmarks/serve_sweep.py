@@ -41,9 +41,6 @@ import argparse
 import json
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,44 +51,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.server_load import pct, stream_once  # noqa: E402
+from benchmarks.server_load import pct, start, stream_once  # noqa: E402
+from benchmarks.server_load import stop_server as stop  # noqa: E402
 
 HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
 LLAMA_METHODS = ("llama", "llama_spec")
-
-
-def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):
-    """``(process, url)`` of a server on 127.0.0.1 once a line of its output matches ``ready`` (a regex whose
-    group 1 is the base URL, or None: the URL is filled in by the caller)."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    got: list[str] = []
-    lines: list[str] = []
-    ok = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(ready, line)
-            if m:
-                got.append(m.group(1) if m.groups() else "")
-                ok.set()
-        ok.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if not ok.wait(timeout) or not got:
-        proc.kill()
-        raise SystemExit(f"{cmd[0]} did not become ready:\n" + "".join(lines[-20:]))
-    return proc, got[0]
-
-
-def stop(proc) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def free_port() -> int:
@@ -304,7 +268,7 @@ def main() -> None:
                     if m == "llama_spec":
                         cmd += ["-md", a.gguf_draft, "--spec-type", "draft-simple", "--spec-draft-n-max",
                                 str(a.spec_n_max), "--spec-draft-p-min", str(a.spec_p_min), "-td", str(a.threads)]
-                    proc, _ = start(cmd, r"(listening on http|server is listening)", a.timeout)
+                    proc, _, _ = start(cmd, r"(listening on http|server is listening)", a.timeout)
                     url = f"http://127.0.0.1:{port}/v1"
                 try:
                     name = served_name(url)
@@ -329,7 +293,7 @@ def main() -> None:
                          else "") + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
                 write_json(a.out, report)
     finally:
-        for proc, _ in servers.values():
+        for proc, _, _ in servers.values():
             stop(proc)
     report["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["median"] = medians(report["methods"])

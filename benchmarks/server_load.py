@@ -42,33 +42,40 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):
+    """``(process, url, log lines)`` of a server started with ``cmd`` once a line of its output (stdout and stderr)
+    matches ``ready``, a regex whose group 1 is the base URL (without a group: the URL is ``""``, the caller knows
+    it). The output is drained into the list by a thread to the end (a full pipe would block the server)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    lines: list[str] = []
+    got: list[str] = []
+    ok = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(ready, line)
+            if m and not got:
+                got.append(m.group(1) if m.groups() else "")
+                ok.set()
+        ok.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ok.wait(timeout) or not got:
+        proc.kill()
+        raise SystemExit(f"{' '.join(map(str, cmd[:4]))} did not become ready:\n" + "".join(lines[-20:]))
+    return proc, got[0], lines
+
+
 def start_server(plan: str, max_queue: int, threads: int | None, device: str, timeout: float):
-    """``(process, url, log lines)`` of ``hsd serve`` on a free port of 127.0.0.1, once it says it is ready.
-    Its stderr is drained into the list by a thread (a full pipe would block the server)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    """``(process, url, log lines)`` of ``hsd serve`` on a free port of 127.0.0.1, once it says it is ready."""
+    env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "hsd_opt", "serve", "--plan", plan, "--host", "127.0.0.1", "--port", "0",
            "--max-queue", str(max_queue), "--device", device]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    lines: list[str] = []
-    ready = threading.Event()
-    url: list[str] = []
-
-    def drain():
-        for line in proc.stderr:
-            lines.append(line)
-            m = re.match(r"ready: .* at (http://\S+/v1)", line)
-            if m:
-                url.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if not ready.wait(timeout) or not url:
-        proc.kill()
-        raise SystemExit("hsd serve did not become ready:\n" + "".join(lines[-20:]))
-    return proc, url[0], lines
+    return start(cmd, r"^ready: .* at (http://\S+/v1)", timeout, env)
 
 
 def stop_server(proc, timeout: float = 60) -> int:
