@@ -251,6 +251,30 @@ def chat_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
     return encode_prompt(tokenizer, "\n\n".join(m["content"] for m in messages), raw=True)
 
 
+#: A chat template's head shorter than this many tokens is not worth a pass of its own (:func:`template_head`).
+MIN_HEAD = 8
+#: User turns whose token ids :func:`template_head` compares (they differ from their first character).
+_HEAD_PROBES = ("Hello", "1 + 1 = ?", "Write a poem.", "x", "# Title")
+
+
+def template_head(tokenizer) -> tuple[int, ...]:
+    """The token ids every chat prompt of ``tokenizer`` starts with, whatever the user writes: its chat template
+    up to the text of a user turn (the default system prompt and the turn's opening), found as the longest prefix
+    the encodings of a few different user turns share. Empty when the tokenizer has no chat template, the template
+    fails, or the head is shorter than :data:`MIN_HEAD` tokens. A prompt with a system message of its own starts
+    otherwise."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    try:
+        probes = [_chat_ids(tokenizer, [{"role": "user", "content": c}]) for c in _HEAD_PROBES]
+    except Exception:  # noqa: BLE001 - a template that refuses a plain user turn has no head to keep
+        return ()
+    n = 0
+    while n < min(len(p) for p in probes) and len({p[n] for p in probes}) == 1:
+        n += 1
+    return tuple(probes[0][:n]) if n >= MIN_HEAD else ()
+
+
 def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding

@@ -48,6 +48,8 @@ class Engine(Protocol):
         device: where states and logits live.
         is_copy: a quantized copy of another engine's model (it may take that engine's prompt keys and values).
         exit_heads: boundary -> trained exit head (boundaries without one use the model's own head).
+        prompt_head: the tokens every chat prompt of the model starts with (empty: none); a prompt that starts with
+            them computes them in a pass of its own, whose keys and values the engine keeps for the next.
     """
 
     name: str | None
@@ -56,6 +58,7 @@ class Engine(Protocol):
     device: torch.device
     is_copy: bool
     exit_heads: Mapping[int, ExitHead]
+    prompt_head: tuple[int, ...]
 
     def new_state(self, max_len: int, save_boundaries: Iterable[int] = ()) -> DecodeState:
         """An empty state with room for ``max_len`` tokens, keeping residual streams at ``save_boundaries``."""
@@ -92,6 +95,14 @@ class Engine(Protocol):
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
         """A teacher-forced pass over ``input_ids`` (1-D): boundary -> hidden ``[L, d]``, as decoding computes
         them."""
+
+    def take_head(self, st: DecodeState, upto: int) -> bool:
+        """Fill ``st`` (holding exactly :attr:`prompt_head`'s tokens) with the keys and values kept of an earlier
+        prompt's head, computed to layer ``upto``; False when none are kept for it."""
+
+    def keep_head(self, st: DecodeState, upto: int) -> None:
+        """Keep ``st``'s keys and values of :attr:`prompt_head` (just computed to layer ``upto``) for
+        :meth:`take_head`."""
 
     def can_share_prompt(self, src: "Engine") -> bool:
         """True when ``src``'s keys and values of a prompt can stand in for this engine's own."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from hsd_opt.engine import kernels
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
-from hsd_opt.engine.state import DecodeState, Rows
+from hsd_opt.engine.state import DecodeState, KeptHead, Rows
 from hsd_opt.engine.torch_path import TorchPath
 from hsd_opt.engine.weights import (
     F32,
@@ -96,6 +96,11 @@ class LayeredLM:
     long_passes_on_kernels = False
     #: What profiles and plans call this engine's model level (None: named by its boundaries, ``layer<b>``).
     name: str | None = None
+    #: The tokens every chat prompt of the model starts with (:func:`~hsd_opt.prompts.template_head`; empty:
+    #: none). A decoding computes a prompt that starts with them in a pass of its own, the head first, whose keys
+    #: and values the engine keeps (:meth:`keep_head`) and gives to the next such prompt (:meth:`take_head`).
+    prompt_head: tuple[int, ...] = ()
+    _kept_head: KeptHead | None = None
 
     def __init__(self, model, exit_heads: Mapping[int, ExitHead] | None = None, kernels: bool | None = None):
         check_supported(model)
@@ -190,6 +195,7 @@ class LayeredLM:
             raise ValueError(f"crop to {n} outside 0..{st.n}")
         st.n = n
         st.lens = [min(x, n) for x in st.lens]
+        st.prompt = min(st.prompt, n)
 
     def can_share_prompt(self, src: "LayeredLM") -> bool:
         """True when this engine is a copy (:attr:`is_copy`, e.g. a :class:`~hsd_opt.engine.quantized.QuantizedLM`)
@@ -224,6 +230,33 @@ class LayeredLM:
             st.lens[l] = m
         return m
 
+    def take_head(self, st: DecodeState, upto: int) -> bool:
+        """Fill layers ``0 .. upto-1`` of ``st``, which holds exactly :attr:`prompt_head`'s tokens and nothing
+        computed, with the keys, values and residual streams :meth:`keep_head` kept of an earlier prompt's head
+        computed to the same layer: bit for bit what :meth:`advance` would compute (a pass over the same tokens at
+        the same positions). False, and nothing changed, when none is kept for this state."""
+        kept, n = self._kept_head, len(self.prompt_head)
+        if (kept is None or n == 0 or st.n != n or kept.upto != upto or any(x != 0 for x in st.lens)
+                or not set(st.resid) <= set(kept.resid) or not torch.equal(st.tokens[:n], kept.tokens)):
+            return False
+        for l in range(upto):
+            st.k[l][:, :, :n] = kept.k[l]
+            st.v[l][:, :, :n] = kept.v[l]
+            st.lens[l] = n
+        for b, rows in kept.resid.items():
+            self._resid(st, b)[:n] = rows
+        return True
+
+    def keep_head(self, st: DecodeState, upto: int) -> None:
+        """Keep ``st``'s keys, values and residual streams of :attr:`prompt_head`, which layers ``0 .. upto-1``
+        have just computed (its only positions), for :meth:`take_head`."""
+        n = len(self.prompt_head)
+        if n == 0 or st.n != n or any(st.lens[l] != n for l in range(upto)):
+            raise HsdError(f"keep_head: the state holds {st.n} tokens, not the prompt head's {n} computed")
+        self._kept_head = KeptHead(st.tokens[:n].clone(), upto, [st.k[l][:, :, :n].clone() for l in range(upto)],
+                                    [st.v[l][:, :, :n].clone() for l in range(upto)],
+                                    {b: r[:n].clone() for b, r in st.resid.items()})
+
     # ------------------------------------------------------------------------------------------ compute
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -234,21 +267,22 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else on the torch
         path."""
-        if self._on_kernels(start, x.shape[0]):
+        if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
 
-    def _on_kernels(self, start: int, m: int) -> bool:
+    def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:
         """Whether a pass over ``m`` positions from position ``start`` runs on the kernels: every pass of an engine
         with :attr:`long_passes_on_kernels`; else passes over at most :data:`~hsd_opt.engine.kernels.MAX_PASS`
         positions (decode steps and verify passes: computed as the steps compute them), except, on a float32
-        model, a prompt's pass from position 0 over :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` or more
-        (the torch path's blocked GEMMs are faster there; every method prefills a prompt the same way)."""
+        model, a prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`)
+        over :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` positions or more (the torch path's blocked
+        GEMMs are faster there; every method prefills a prompt in the same passes)."""
         if self._kernels is None:
             return False
         if self.long_passes_on_kernels:
             return True
-        if start == 0 and self._exact_long_passes and m >= kernels.PREFILL_ON_TORCH_FROM:
+        if (start == 0 or start + m <= prompt) and self._exact_long_passes and m >= kernels.PREFILL_ON_TORCH_FROM:
             return False
         return m <= kernels.MAX_PASS
 
@@ -354,7 +388,8 @@ class LayeredLM:
         while pending:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (l0, l1, rows) in pending.items():
-                together = rows.x.shape[0] <= kernels.MAX_PASS and self._on_kernels(rows.start, rows.x.shape[0])
+                m = rows.x.shape[0]
+                together = m <= kernels.MAX_PASS and self._on_kernels(rows.start, m, rows.st.prompt)
                 groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
             for key, idx in groups.items():
                 l0, l1 = key[0], key[1]

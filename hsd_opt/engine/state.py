@@ -23,6 +23,8 @@ class DecodeState:
         resid: boundary -> ``[max_len, d]`` residual stream saved at that boundary (only for boundaries asked
             for: exits, and frontiers where a pass stopped).
         cache_ptrs: the caches' addresses as the kernels take them (filled on first use).
+        prompt: positions ``0 .. prompt-1`` are the prompt (set by the decoding before its prefill): a pass
+            within them is a prompt pass, which a float32 model may compute on the torch path.
     """
 
     tokens: torch.Tensor
@@ -32,6 +34,7 @@ class DecodeState:
     v: list[torch.Tensor]
     resid: dict[int, torch.Tensor] = field(default_factory=dict)
     cache_ptrs: tuple | None = None
+    prompt: int = 0
 
     @property
     def max_len(self) -> int:
@@ -51,3 +54,16 @@ class Rows:
     start: int
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+@dataclass
+class KeptHead:
+    """An engine's keys, values and residual streams of a prompt head (the positions ``0 .. n-1`` of its tokens),
+    computed by layers ``0 .. upto-1``: ``k``/``v`` per layer ``[1, n_kv, n, head_dim]``, ``resid`` boundary ->
+    ``[n, d]``."""
+
+    tokens: torch.Tensor
+    upto: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    resid: dict[int, torch.Tensor]

@@ -54,6 +54,18 @@ from hsd_opt.errors import HsdError
 PREFILL_CHUNK = 256
 
 
+def prompt_pass_ends(n: int, head: int = 0) -> list[int]:
+    """Where the passes of a prompt of ``n`` positions end: the head of ``head`` positions (0: none) in a pass
+    of its own, then passes of at most :data:`PREFILL_CHUNK` positions. A function of the prompt alone, so its
+    keys and values are the same whoever computes it."""
+    ends = [head] if 0 < head < n else []
+    a = ends[0] if ends else 0
+    while a < n:
+        a = min(a + PREFILL_CHUNK, n)
+        ends.append(a)
+    return ends
+
+
 def follows_load(temperature: float, seed: int | None) -> bool:
     """Whether a sequence decoded with ``temperature`` and ``seed`` may change hierarchy with the load of a batch:
     greedy tokens are the target's under any hierarchy, and an unseeded sample is promised the target's
@@ -390,6 +402,7 @@ class Decoding:
             bounds = sorted({b for e, h in self._engines.values() if e is eng for b in h.bounds[id(eng)]}
                             | set(self.hsd.bounds.get(id(eng), ())))
             st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds)
+            st.prompt = self.n_prompt
             if self.seq:
                 ids = torch.tensor(self.seq, dtype=torch.long, device=eng.device)
                 src = self._share_source(eng, max(bounds))
@@ -602,14 +615,16 @@ class Decoding:
             pass
 
     def prefill_passes(self) -> Generator[int, None, None]:
-        """Compute the prompt in passes of at most :data:`PREFILL_CHUNK` positions, yielding after every pass
-        but the last (the number of prompt positions the target has computed) so that a batch can serve other
-        sequences' rounds in between: every model up to its highest level, the target first, then the engines
-        over a model's own weights; a copy of a model one of them runs (a quantized drafter of the target or of a
-        draft model) takes that engine's keys and values and computes the last position. The target always
-        computes its own. The passes depend on the prompt's length only, so a prompt's keys and values are the
-        same whoever drives them (``hsd run`` or a batch). A :meth:`switch` asked for before applies first (the
-        prompt is computed for the hierarchy of the first round)."""
+        """Compute the prompt in passes (:func:`prompt_pass_ends`), yielding after every pass but the last (the
+        number of prompt positions the target has computed) so that a batch can serve other sequences' rounds in
+        between: every model up to its highest level, the target first, then the engines over a model's own
+        weights; a copy of a model one of them runs (a quantized drafter of the target or of a draft model) takes
+        that engine's keys and values and computes the last position. The target always computes its own. A
+        prompt that starts with an engine's :attr:`~hsd_opt.engine.layered.LayeredLM.prompt_head` (and is longer)
+        computes the head in a pass of its own, or takes the keys and values the engine kept of that pass for an
+        earlier prompt (the same numbers; no pass, no yield). The passes depend on the prompt alone, so a prompt's
+        keys and values are the same whoever drives them (``hsd run`` or a batch). A :meth:`switch` asked for
+        before applies first (the prompt is computed for the hierarchy of the first round)."""
         self.t0 = time.perf_counter()
         if self._next is not None:              # a switch asked for before the first round: prefill its engines
             self.hsd, self._next = self._next, None
@@ -634,11 +649,19 @@ class Decoding:
                 eng.share_prompt(st, src, self._states[id(src)], top_b)
                 eng.advance(st, top_b)
             else:
-                for a in range(0, n, PREFILL_CHUNK):
-                    eng.append(st, ids[a:a + PREFILL_CHUNK])
-                    eng.advance(st, top_b)
-                    if a + PREFILL_CHUNK < n:
-                        yield a + PREFILL_CHUNK if eng is target else n
+                head = len(eng.prompt_head)
+                head = head if self.prompt[:head] == list(eng.prompt_head) else 0
+                a = 0
+                for b in prompt_pass_ends(n, head):
+                    eng.append(st, ids[a:b])
+                    taken = b == head and eng.take_head(st, top_b)
+                    if not taken:
+                        eng.advance(st, top_b)
+                        if b == head:
+                            eng.keep_head(st, top_b)
+                    if b < n and not taken:
+                        yield b if eng is target else n
+                    a = b
             done.append(eng)
         _sync(self.device)
         self.t1 = time.perf_counter()

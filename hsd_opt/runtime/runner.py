@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import PlanModel, Quantization
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
+from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.solver.context import latency_at
 
@@ -186,6 +187,7 @@ class PlanModels:
                 raise InputFileError(source, f"an {precision} target runs on the CPU decode kernels only, which are "
                                              f"unavailable here (a CPU build with a C compiler, HSD_KERNELS not 0)",
                                      "provenance.target_precision")
+        eng.prompt_head = template_head(self.loaded.tokenizer)
         self._targets[key] = eng
         return eng
 
@@ -207,7 +209,8 @@ class PlanModels:
         from hsd_opt.engine.layered import LayeredLM
 
         if id(draft.model) not in self._float_engines:
-            self._float_engines[id(draft.model)] = LayeredLM(draft.model)
+            eng = self._float_engines[id(draft.model)] = LayeredLM(draft.model)
+            eng.prompt_head = template_head(draft.tokenizer)
         return self._float_engines[id(draft.model)]
 
     def copy(self, model, q: Quantization | None, name: str, source: str, where: str) -> QuantizedLM:
@@ -225,6 +228,7 @@ class PlanModels:
                                                 name=name)
             except HsdError as err:
                 raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
+            self._copies[key].prompt_head = template_head(self.loaded.tokenizer)
         return self._copies[key]
 
     def release_unused_floats(self, plan, hierarchies: Sequence[Sequence[str]],
