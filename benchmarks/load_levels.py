@@ -17,8 +17,9 @@ join as sequences end), ``--max-new-tokens`` each.
   included);
 - predicted: ``B`` over the level's hierarchy's seconds per token (:func:`~hsd_opt.solver.batch.at_batch` of the
   profile) at the run's mean context (prompt plus half the generated tokens), with the profile's costs as they
-  are and re-timed (every engine's costs scaled by its step over its profiled step, timed just before and just
-  after the level and averaged);
+  are and re-timed twice: every engine's costs scaled by its step over its profiled step (one sequence), and by
+  its batched pass of ``B`` sequences over the profile's cost of that pass (``StepClock(batch=B)``), each timed
+  just before and just after the level and averaged;
 - every answer equal to the plan's target alone on that prompt (``HSD.generate``).
 """
 
@@ -78,12 +79,15 @@ def main() -> None:
     clock = StepClock(profile, list(levels.values()), repeats=a.clock_repeats, text=text)
     want: dict[int, list[int]] = {}
     sizes = [int(x) for x in a.levels.split(",")]
+    level_of = {b: max(n for n in plan.by_load if n <= b) for b in sizes}
+    at_load = {b: StepClock(profile, [levels[level_of[b]]], repeats=a.clock_repeats, text=text, batch=b)
+               for b in sizes}
     rows = []
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     nxt = 0
     for r in range(a.rounds):
         for b in (sizes if r % 2 == 0 else list(reversed(sizes))):
-            speed_before = clock.measure()
+            speed_before, load_before = clock.measure(), at_load[b].measure()
             picks = [(nxt + k) % len(ids) for k in range(b * a.per_level)]
             nxt += len(picks)
             for j in picks:
@@ -107,37 +111,42 @@ def main() -> None:
                     steady_s += time.perf_counter() - t0
                     steady_tokens += committed[0] - before
             whole = time.perf_counter() - t_all
-            speed_after = clock.measure()          # the machine's speed before and after the level, averaged
+            speed_after, load_after = clock.measure(), at_load[b].measure()  # before and after, averaged
             factors = {k: (speed_before[k] + speed_after[k]) / 2 for k in speed_before}
+            load_factors = {k: (load_before[k] + load_after[k]) / 2 for k in load_before}
             tokens = sum(len(got[k]) for k in got if got[k] is not None)
             ctx = statistics.mean(len(ids[j]) for j in picks) + a.max_new_tokens / 2
-            e = plan.by_load[max(n for n in plan.by_load if n <= b)]
+            e = plan.by_load[level_of[b]]
             at = at_batch(profile, b)
             pred = b / evaluate(at, e.hierarchy, e.budgets, context=ctx)
             pred_rt = b / evaluate(at_batch(scale_costs(profile, factors), b), e.hierarchy, e.budgets, context=ctx)
+            pred_load = b / evaluate(scale_costs(at, load_factors), e.hierarchy, e.budgets, context=ctx)
             meas = steady_tokens / steady_s if steady_s > 0 else None
             row = {"round": r + 1, "sequences": b, "hierarchy": e.hierarchy, "budgets": e.budgets,
                    "context": ctx, "predicted_tokens_per_s": pred, "retimed_tokens_per_s": pred_rt,
+                   "retimed_at_load_tokens_per_s": pred_load,
                    "measured_steady_tokens_per_s": meas, "steady_seconds": steady_s,
                    "measured_whole_tokens_per_s": tokens / whole, "retimed_over_measured":
-                   pred_rt / meas if meas else None, "factors": factors,
+                   pred_rt / meas if meas else None, "retimed_at_load_over_measured":
+                   pred_load / meas if meas else None, "factors": factors, "factors_at_load": load_factors,
                    "equal_to_target": all(got[k] == want[j] for k, j in enumerate(picks))}
             rows.append(row)
             print(f"round {r + 1} B={b:2d} {' <- '.join(reversed(e.hierarchy)):32s} predicted {pred:6.1f} "
-                  f"re-timed {pred_rt:6.1f} measured {meas or float('nan'):6.1f} tok/s (whole run "
-                  f"{tokens / whole:6.1f}) equal {row['equal_to_target']}", flush=True)
+                  f"re-timed {pred_rt:6.1f} (at the load {pred_load:6.1f}) measured {meas or float('nan'):6.1f} "
+                  f"tok/s (whole run {tokens / whole:6.1f}) equal {row['equal_to_target']}", flush=True)
             write_json(a.out, {"started": started, "plan": a.plan, "profile": a.profile,
                                "max_new_tokens": a.max_new_tokens, "torch_threads": torch.get_num_threads(),
                                "rows": rows})
-    summary = {}
-    for b in sizes:
-        rs = [x["retimed_over_measured"] for x in rows if x["sequences"] == b and x["retimed_over_measured"]]
-        summary[b] = statistics.median(rs) if rs else None
+    summary: dict[str, dict[int, float | None]] = {}
+    for key in ("retimed_over_measured", "retimed_at_load_over_measured"):
+        summary[key + "_median"] = {}
+        for b in sizes:
+            rs = [x[key] for x in rows if x["sequences"] == b and x[key]]
+            summary[key + "_median"][b] = statistics.median(rs) if rs else None
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "plan": a.plan, "profile": a.profile, "max_new_tokens": a.max_new_tokens,
-                       "torch_threads": torch.get_num_threads(), "retimed_over_measured_median": summary,
-                       "rows": rows})
-    print(json.dumps({"retimed_over_measured_median": summary}))
+                       "torch_threads": torch.get_num_threads(), **summary, "rows": rows})
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,32 @@ def test_the_clock_gives_every_level_of_one_engine_the_same_factor():
     assert s["factor_min"] == pytest.approx(min(f1["layer4"], f2["layer4"]))
 
 
+def test_a_batch_clock_times_the_batched_pass_against_the_profiles_batched_cost(monkeypatch):
+    """At batch 4 the clock times one batched pass of 4 sequences (one ``advance_many`` and one batched head, no
+    single steps) and divides by the profile's cost of that pass (the step times the batch ratio at t = 1)."""
+    lm = LayeredLM(make_tiny_llama())
+    h = HSD([Level("layer2", lm, 2), Level("layer4", lm, 4)], [3])
+    prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4",
+                              "models": [{"name": f"layer{b}", "kind": "early_exit", "cost": 0.001 * b}
+                                         for b in (2, 4)],
+                              "acceptance": {"layer2": {"layer4": 0.5}},
+                              "batch_costs": [{"batch": 4, "ratio": {"layer2": 2.5, "layer4": [3.0, 4.0]}}]},
+                             "<test>")[0]
+    calls = {"one": 0, "many": []}
+    many, one = lm.advance_many, lm.advance
+    monkeypatch.setattr(lm, "advance_many", lambda work: calls["many"].append(len(work)) or many(work))
+    monkeypatch.setattr(lm, "advance", lambda st, b: calls.__setitem__("one", calls["one"] + 1) or one(st, b))
+    clock = StepClock(prof, [h], repeats=2, batch=4)
+    f = clock.measure()
+    assert calls["many"] == [4] * 3           # a warm-up and two timed batched passes
+    assert calls["one"] == 1                  # the context computed once (the other sequences copy it), no steps
+    s = clock.summary()["layer4"]
+    assert s["batch"] == 4 and s["profiled_step"] == pytest.approx(0.004 * 3.0)
+    assert f["layer4"] == pytest.approx(s["measured_step_median"] / (0.004 * 3.0))
+    with pytest.raises(HsdError, match="no costs at batch 8"):
+        StepClock(prof, [h], batch=8)
+
+
 def test_a_profile_that_cannot_price_the_plan_is_refused():
     prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4",
                               "models": [{"name": "layer4", "kind": "target", "cost": 0.01}], "acceptance": {}},

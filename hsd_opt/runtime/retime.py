@@ -31,6 +31,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD
+from hsd_opt.solver.batch import at_batch
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency
 from hsd_opt.solver.tasks import profile_tasks, task_profile
@@ -104,10 +105,20 @@ class StepClock:
     boundary, end the pass as the runtime does: :func:`~hsd_opt.engine.layered.pass_output`, greedy tokens when
     ``greedy``, else the logits; crop back), on ``text`` (token ids, repeated to the context; default random ids),
     and its profiled step is that level's ``cost`` at the first measured context; every level on that engine gets
-    the same factor."""
+    the same factor.
+
+    ``batch`` > 1 times the batched step of ``batch`` sequences at that context instead (one token each, one
+    ``advance_many`` and the batched end of the pass, as a batch of that many serves them) against the profile's
+    cost of that pass (:func:`~hsd_opt.solver.batch.at_batch`): the factors of a load level, whose passes drift
+    apart from a single step's (a pass over many rows is bound by arithmetic, a step by memory)."""
 
     def __init__(self, profile: Profile, hierarchies: Sequence[HSD], repeats: int = 5,
-                 text: Sequence[int] | None = None, greedy: bool = True):
+                 text: Sequence[int] | None = None, greedy: bool = True, batch: int = 1):
+        if batch < 1:
+            raise HsdError(f"a step clock times batches of 1 or more sequences, not {batch}")
+        self.batch = batch
+        if batch > 1:
+            profile = at_batch(profile, batch)
         self.repeats = repeats
         self.text = list(text or [])   # token ids the steps read (real text, as the profile's timings do)
         self.greedy = greedy
@@ -132,10 +143,11 @@ class StepClock:
             step = max(costs[top.name] - float(sampling[0]), 1e-9)
             self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
-        self._states: dict[int, tuple[DecodeState, torch.Tensor]] = {}   # engine -> (state at the context, next token)
+        self._states: dict[int, tuple[list[DecodeState], torch.Tensor]] = {}  # engine -> (states, next token)
 
     def _state(self, eng):
-        """``(state holding the context, the token a timed step appends)`` of engine ``eng``, made once."""
+        """``(states holding the context, one per sequence of the batch; the token a timed step appends)`` of
+        engine ``eng``, made once (the first computed, the others copies of it)."""
         if id(eng) not in self._states:
             if self.text:
                 ids = torch.tensor(text_of_length(self.text, self.context + 1))
@@ -145,7 +157,10 @@ class StepClock:
             st = eng.new_state(self.context + 2)
             eng.append(st, ids[:-1].to(eng.device))
             eng.advance(st, eng.n_layers)
-            self._states[id(eng)] = (st, ids[-1:].to(eng.device))
+            copies = [DecodeState(st.tokens.clone(), st.n, list(st.lens), [k.clone() for k in st.k],
+                                  [v.clone() for v in st.v], {b: r.clone() for b, r in st.resid.items()})
+                      for _ in range(self.batch - 1)]
+            self._states[id(eng)] = ([st] + copies, ids[-1:].to(eng.device))
         return self._states[id(eng)]
 
     @torch.no_grad()
@@ -153,18 +168,25 @@ class StepClock:
         """Time every engine now (one warm-up step, then the median of ``repeats``) and return the factors."""
         for e in self.engines:
             eng, b = e["engine"], e["boundary"]
-            st, tok = self._state(eng)
+            sts, tok = self._state(eng)
             output = pass_output(eng, self.greedy)
+            output_many = eng.greedy_ids_many if self.greedy else eng.logits_many
             times = []
             for r in range(self.repeats + 1):
                 t0 = time.perf_counter()
-                eng.append(st, tok)
-                eng.advance(st, b)
-                output(st, b, st.n - 1, st.n)
+                for st in sts:
+                    eng.append(st, tok)
+                if len(sts) == 1:
+                    eng.advance(sts[0], b)
+                    output(sts[0], b, sts[0].n - 1, sts[0].n)
+                else:
+                    eng.advance_many([(st, b) for st in sts])
+                    output_many([(st, b, st.n - 1, st.n) for st in sts])
                 if eng.device.type == "cuda":
                     torch.cuda.synchronize(eng.device)
                 dt = time.perf_counter() - t0
-                eng.crop(st, st.n - 1)
+                for st in sts:
+                    eng.crop(st, st.n - 1)
                 if r:
                     times.append(dt)
             e["measured"].append(statistics.median(times))
@@ -187,7 +209,8 @@ class StepClock:
         for e in self.engines:
             if e["measured"]:
                 m = statistics.median(e["measured"])
-                out[e["name"]] = {"levels": e["names"], "context": self.context, "profiled_step": e["profiled"],
+                out[e["name"]] = {"levels": e["names"], "context": self.context, "batch": self.batch,
+                                  "profiled_step": e["profiled"],
                                   "measured_step_median": m, "factor_median": m / e["profiled"],
                                   "factor_min": min(e["measured"]) / e["profiled"],
                                   "factor_max": max(e["measured"]) / e["profiled"]}
