@@ -1,0 +1,116 @@
+"""A/B of two versions of the decode kernels' source in one process: the embedded target's batched step (one new
+token for each of ``B`` sequences: ``advance_many`` and the batched head) on the library built from
+``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c > /tmp/base.c``) against the
+library of this tree, rounds alternating between the two.
+
+    .venv/bin/python benchmarks/kernels_ab.py --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
+        [--steps 7] [--out benchmarks/results/kernels_ab.json]
+
+Both engines read the same weights; every sequence holds one of the suite's chat prompts. Before timing, the
+logits of both libraries are compared at every batch size and must be equal bit for bit (the kernels' tiles may
+change which elements are computed together, never an element's operations). Reported: per batch size the median
+over rounds of each library's median step (ms), and candidate / baseline per round (below 1: faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="the kernels.c to compare this tree's against")
+    ap.add_argument("--batches", default="2,4,5,7,8,11")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=7, help="timed steps per library, batch size and round")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kernels_ab.json"))
+    a = ap.parse_args()
+
+    import torch
+
+    from hsd_opt.engine import kernels
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.jsonio import write_json
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt, load_prompts
+
+    base_src = Path(a.baseline)
+    if not base_src.is_file():
+        sys.exit(f"--baseline: no file {base_src}")
+    batches = [int(x) for x in a.batches.split(",")]
+    cc = kernels.compiler()
+    if cc is None or kernels.load() is None:
+        sys.exit("the kernels are unavailable here (no C compiler, or HSD_KERNELS=0)")
+    lib_path = Path(tempfile.mkdtemp(prefix="hsd-kernels-ab-")) / "baseline.so"
+    own = kernels.SOURCE
+    try:
+        kernels.SOURCE = base_src
+        kernels.build(cc, lib_path)
+    finally:
+        kernels.SOURCE = own
+    base_lib = kernels._bind(ctypes.CDLL(str(lib_path)))
+    kernels.check_layout(base_lib)
+
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    engines = {"candidate": LayeredLM(loaded.model), "baseline": LayeredLM(loaded.model)}
+    b = engines["baseline"]
+    b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim)
+    L = b.n_layers
+    texts = load_prompts().texts
+    prompts = [encode_prompt(loaded.tokenizer, texts[i % len(texts)]) for i in range(max(batches))]
+    states = {}
+    for name, eng in engines.items():
+        states[name] = []
+        for p in prompts:
+            st = eng.new_state(len(p) + 8)
+            eng.append(st, p)
+            eng.advance(st, L)
+            states[name].append(st)
+
+    def step(name: str, n: int) -> tuple[float, list[torch.Tensor]]:
+        eng, sts = engines[name], states[name][:n]
+        for st in sts:
+            eng.append(st, [42])
+        t0 = time.perf_counter()
+        eng.advance_many([(st, L) for st in sts])
+        logits = eng.logits_many([(st, L, st.n - 1, st.n) for st in sts])
+        dt = time.perf_counter() - t0
+        for st in sts:
+            eng.crop(st, st.n - 1)
+        return dt, logits
+
+    for n in batches:
+        if not all(torch.equal(x, y) for x, y in zip(step("baseline", n)[1], step("candidate", n)[1])):
+            sys.exit(f"the two libraries' logits differ at {n} sequences")
+    print(f"logits equal bit for bit at {batches} sequences", flush=True)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    ms: dict[str, dict[int, list[float]]] = {name: {n: [] for n in batches} for name in engines}
+    for r in range(a.rounds):
+        for name in (("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")):
+            for n in batches:
+                ms[name][n].append(1e3 * statistics.median(step(name, n)[0] for _ in range(a.steps)))
+    rows = []
+    for n in batches:
+        ratio = [c / x for x, c in zip(ms["baseline"][n], ms["candidate"][n])]
+        rows.append({"sequences": n, "baseline_ms": statistics.median(ms["baseline"][n]),
+                     "candidate_ms": statistics.median(ms["candidate"][n]), "candidate_over_baseline": ratio,
+                     "ratio_median": statistics.median(ratio)})
+        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms  "
+              f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
+    write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "baseline": str(base_src), "rounds": a.rounds, "steps": a.steps,
+                       "torch_threads": torch.get_num_threads(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
