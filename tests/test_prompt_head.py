@@ -44,7 +44,7 @@ def test_the_passes_of_a_prompt_depend_on_its_length_and_head_only(monkeypatch):
     assert prompt_pass_ends(600) == [256, 512, 600]
     assert prompt_pass_ends(30, head=6) == [6, 30]
     assert prompt_pass_ends(300, head=6) == [6, 262, 300]
-    assert prompt_pass_ends(6, head=6) == [6]          # a prompt that is all head has no pass of its own for it
+    assert prompt_pass_ends(6, head=6) == [6]          # a prompt that is all head: one pass, the head's
 
 
 @pytest.mark.parametrize("kind", ["f32", "torch", "q8"])
@@ -167,3 +167,20 @@ def test_a_prompt_pass_after_the_head_may_take_the_torch_path_a_verification_may
     assert not eng._on_kernels(24, n, prompt=24 + n)            # the rest of a prompt after its head
     assert eng._on_kernels(24 + n, n, prompt=24 + n)            # a verification after that prompt
     assert eng._on_kernels(24, n - 1, prompt=24 + n - 1)        # a short rest stays on the kernels
+
+
+def test_a_prompt_that_is_all_head_takes_the_kept_state_whole(tiny, monkeypatch):
+    """A prompt of exactly the head's tokens is one pass, the head's: the second such prompt takes it, the last
+    position's residual stream included, and its answer is the one computing it gives."""
+    kind = "f32" if HAVE_KERNELS else "torch"
+    eng = _engine(tiny, kind)
+    hsd = HSD([Level("layer2", eng, 2), Level("target", eng, 4)], [3])
+    taken = []
+    take = eng.take_head
+    monkeypatch.setattr(eng, "take_head", lambda st, upto: taken.append(take(st, upto)) or taken[-1])
+    first = hsd.generate(list(HEAD), 12).token_ids
+    again = hsd.generate(list(HEAD), 12).token_ids
+    assert taken == [False, True]
+    fresh = _engine(tiny, kind)
+    assert first == again == HSD([Level("layer2", fresh, 2), Level("target", fresh, 4)], [3]).generate(
+        list(HEAD), 12).token_ids
