@@ -105,6 +105,29 @@ def test_engine_greedy_ids_equal_the_logits_argmax_at_every_exit():
                                    eng.logits(st, b, s, min(s + m, 40)).argmax(-1))
 
 
+def test_batched_greedy_ids_take_the_screen_up_to_its_rows_and_equal_each_reads_argmax(monkeypatch):
+    """Reads of several sequences with at most MAX_POSITIONS rows in all go through one screened call; more take
+    the full head; either way every read's ids are its own logits' argmax."""
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    g = torch.Generator().manual_seed(4)
+    sts = []
+    for n in (9, 14, 6, 11, 20):
+        st = eng.new_state(32)
+        eng.append(st, torch.randint(3, 64, (n,), generator=g))
+        eng.advance(st, 4)
+        sts.append(st)
+    calls = []
+    argmax = eng._screen.argmax
+    monkeypatch.setattr(eng._screen, "argmax", lambda h: calls.append(h.shape[0]) or argmax(h))
+    for rows in ([1, 1], [1, 2, 1], [1, 1, 1, 1], [2, 2], [1, 1, 1, 1, 1], [3, 2]):
+        reads = [(st, 4, st.n - r, st.n) for st, r in zip(sts, rows)]
+        calls.clear()
+        got = eng.greedy_ids_many(reads)
+        assert calls == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else []), rows
+        for (st, b, s0, s1), ids in zip(reads, got):
+            assert torch.equal(ids, eng.logits(st, b, s0, s1).argmax(-1))
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_cost_timings_end_passes_as_the_runtime_does(greedy):
     """Greedy profiles time the head the runtime uses in greedy decoding (the screen), sampled ones the logits;

@@ -30,7 +30,7 @@ from typing import Callable, Generator, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import kernels
+from hsd_opt.engine import kernels, screen
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -452,11 +452,21 @@ class LayeredLM:
 
     @torch.no_grad()
     def greedy_ids_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
-        """:meth:`greedy_ids` of several ``(state, boundary, start, end)`` reads: alone, a read of one or two rows
-        goes through the head's int8 screen (:mod:`hsd_opt.engine.screen`); together they share one pass over the
-        full head (:meth:`logits_many`). The same ids either way (the screen's argmax is exact)."""
+        """:meth:`greedy_ids` of several ``(state, boundary, start, end)`` reads: reads of the model's own head with
+        at most :data:`~hsd_opt.engine.screen.MAX_POSITIONS` rows in all go through its int8 screen together
+        (:mod:`hsd_opt.engine.screen`: each row's argmax found on its own), more share one pass over the full head
+        (:meth:`logits_many`). The same ids either way (the screen's argmax is exact)."""
         if len(reads) == 1:
             return [self.greedy_ids(*reads[0])]
+        sizes = [s1 - s0 for _, _, s0, s1 in reads]
+        if (self._screen is not None and sum(sizes) <= screen.MAX_POSITIONS
+                and all(b not in self.exit_heads for _, b, _, _ in reads)):
+            for st, b, _, s1 in reads:
+                _check_computed(st, b, s1)
+            hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+            ids = self._screen.argmax(self._kernels.normed(hidden))
+            if ids is not None:
+                return list(ids.split(sizes))
         return [lg.argmax(-1) for lg in self.logits_many(reads)]
 
     @torch.no_grad()

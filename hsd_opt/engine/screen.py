@@ -34,8 +34,9 @@ from hsd_opt.engine.weights import F32, GROUP, ROW_BLOCK, Mat, quantize_q8
 
 #: Least relative allowance for float rounding in both head computations (see the module doc).
 ROUNDING_MARGIN = 1e-4
-#: Passes over more positions compute the full logits.
-MAX_POSITIONS = 2
+#: Passes (or batched reads) over more positions compute the full logits: the int8 head's integer products cost as
+#: much as the float32 head's from 5 rows on (docs/results.md, "the screen for up to 4 rows").
+MAX_POSITIONS = 4
 #: More candidates than this (a flat distribution) and the full logits are cheaper.
 MAX_CANDIDATES = 1024
 
