@@ -423,12 +423,22 @@ class LayeredLM:
         """Greedy tokens ``[end-start]`` (int64) at positions ``start .. end-1``: ``logits(...).argmax(-1)``,
         through the head's int8 screen where the engine has one (:mod:`hsd_opt.engine.screen`: the same ids
         from about a quarter of the head's bytes). Call :meth:`advance` first."""
-        if self._screen is not None and boundary not in self.exit_heads:
-            _check_computed(st, boundary, end)
-            ids = self._screen.argmax(self._kernels.normed(st.resid[boundary][start:end]))
-            if ids is not None:
-                return ids
-        return self.logits(st, boundary, start, end).argmax(-1)
+        ids = self._screened_ids([(st, boundary, start, end)])
+        return ids[0] if ids is not None else self.logits(st, boundary, start, end).argmax(-1)
+
+    def _screened_ids(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor] | None:
+        """The greedy ids of ``reads`` through the head's int8 screen in one call (each row's argmax found on its
+        own), or None where the screen does not apply: no screen, no reads, an exit's own head, more than
+        :data:`~hsd_opt.engine.screen.MAX_POSITIONS` rows in all, or the screen stepping aside."""
+        sizes = [s1 - s0 for _, _, s0, s1 in reads]
+        if (self._screen is None or not reads or sum(sizes) > screen.MAX_POSITIONS
+                or any(b in self.exit_heads for _, b, _, _ in reads)):
+            return None
+        for st, b, _, s1 in reads:
+            _check_computed(st, b, s1)
+        hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+        ids = self._screen.argmax(self._kernels.normed(hidden))
+        return None if ids is None else list(ids.split(sizes))
 
     @torch.no_grad()
     def logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
@@ -454,20 +464,10 @@ class LayeredLM:
     def greedy_ids_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
         """:meth:`greedy_ids` of several ``(state, boundary, start, end)`` reads: reads of the model's own head with
         at most :data:`~hsd_opt.engine.screen.MAX_POSITIONS` rows in all go through its int8 screen together
-        (:mod:`hsd_opt.engine.screen`: each row's argmax found on its own), more share one pass over the full head
-        (:meth:`logits_many`). The same ids either way (the screen's argmax is exact)."""
-        if len(reads) == 1:
-            return [self.greedy_ids(*reads[0])]
-        sizes = [s1 - s0 for _, _, s0, s1 in reads]
-        if (self._screen is not None and sum(sizes) <= screen.MAX_POSITIONS
-                and all(b not in self.exit_heads for _, b, _, _ in reads)):
-            for st, b, _, s1 in reads:
-                _check_computed(st, b, s1)
-            hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
-            ids = self._screen.argmax(self._kernels.normed(hidden))
-            if ids is not None:
-                return list(ids.split(sizes))
-        return [lg.argmax(-1) for lg in self.logits_many(reads)]
+        (:meth:`_screened_ids`), more share one pass over the full head (:meth:`logits_many`). The same ids either
+        way (the screen's argmax is exact)."""
+        ids = self._screened_ids(reads)
+        return ids if ids is not None else [lg.argmax(-1) for lg in self.logits_many(reads)]
 
     @torch.no_grad()
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
