@@ -52,12 +52,7 @@ def main() -> None:
     if cc is None or kernels.load() is None:
         sys.exit("the kernels are unavailable here (no C compiler, or HSD_KERNELS=0)")
     lib_path = Path(tempfile.mkdtemp(prefix="hsd-kernels-ab-")) / "baseline.so"
-    own = kernels.SOURCE
-    try:
-        kernels.SOURCE = base_src
-        kernels.build(cc, lib_path)
-    finally:
-        kernels.SOURCE = own
+    kernels.build(cc, lib_path, source=base_src)
     base_lib = kernels._bind(ctypes.CDLL(str(lib_path)))
     kernels.check_layout(base_lib)
 

@@ -116,8 +116,10 @@ def library_path(cc: str, portable: bool = False) -> Path:
     return cache_dir() / "kernels" / h.hexdigest()[:16] / "hsd_kernels.so"
 
 
-def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None] | None = None) -> Path:
-    """Compile ``kernels.c`` into ``out`` (written atomically); ``portable`` leaves out the AVX2 code.
+def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None] | None = None,
+          source: Path | None = None) -> Path:
+    """Compile ``kernels.c`` (or ``source``, another version of it) into ``out`` (written atomically);
+    ``portable`` leaves out the AVX2 code.
 
     Raises:
         HsdError: the compiler failed (its message is included).
@@ -127,11 +129,12 @@ def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None]
         log(f"compiling the CPU decode kernels with {cc} (once per machine; a few seconds) ...")
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
-    cmd = [cc, *_FLAGS, *(["-DHSD_PORTABLE"] if portable else []), str(SOURCE), "-o", tmp, "-lm"]
+    source = source or SOURCE
+    cmd = [cc, *_FLAGS, *(["-DHSD_PORTABLE"] if portable else []), str(source), "-o", tmp, "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
-            raise HsdError(f"compiling {SOURCE.name} failed: {(res.stderr or res.stdout).strip()[:2000]}")
+            raise HsdError(f"compiling {source.name} failed: {(res.stderr or res.stdout).strip()[:2000]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
