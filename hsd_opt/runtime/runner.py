@@ -160,6 +160,7 @@ class PlanModels:
         self._drafts: dict[tuple[str, str, str], LoadedModel] = {}
         self._float_engines: dict[int, LayeredLM] = {}          # id(draft model) -> its engine
         self._copies: dict[tuple[int, int, int, int], QuantizedLM] = {}   # (id(model), bits, group, head bits)
+        self._heads: dict[int, tuple[int, ...]] = {}                       # id(tokenizer) -> its template's head
 
     def target(self, plan, source: str = "plan") -> Engine:
         """The engine of ``plan``'s target: a :class:`LayeredLM` over its weights (with the plan's trained heads),
@@ -187,9 +188,15 @@ class PlanModels:
                 raise InputFileError(source, f"an {precision} target runs on the CPU decode kernels only, which are "
                                              f"unavailable here (a CPU build with a C compiler, HSD_KERNELS not 0)",
                                      "provenance.target_precision")
-        eng.prompt_head = template_head(self.loaded.tokenizer)
+        eng.prompt_head = self._head(self.loaded.tokenizer)
         self._targets[key] = eng
         return eng
+
+    def _head(self, tokenizer) -> tuple[int, ...]:
+        """:func:`~hsd_opt.prompts.template_head` of ``tokenizer``, rendered once for every engine over it."""
+        if id(tokenizer) not in self._heads:
+            self._heads[id(tokenizer)] = template_head(tokenizer)
+        return self._heads[id(tokenizer)]
 
     def draft_model(self, ref: str) -> LoadedModel:
         """The draft model ``ref`` (alias, id or path), loaded once on ``device``/``dtype`` (default: the
@@ -210,7 +217,7 @@ class PlanModels:
 
         if id(draft.model) not in self._float_engines:
             eng = self._float_engines[id(draft.model)] = LayeredLM(draft.model)
-            eng.prompt_head = template_head(draft.tokenizer)
+            eng.prompt_head = self._head(draft.tokenizer)
         return self._float_engines[id(draft.model)]
 
     def copy(self, model, q: Quantization | None, name: str, source: str, where: str) -> QuantizedLM:
@@ -228,7 +235,7 @@ class PlanModels:
                                                 name=name)
             except HsdError as err:
                 raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
-            self._copies[key].prompt_head = template_head(self.loaded.tokenizer)
+            self._copies[key].prompt_head = self._head(self.loaded.tokenizer)
         return self._copies[key]
 
     def release_unused_floats(self, plan, hierarchies: Sequence[Sequence[str]],
