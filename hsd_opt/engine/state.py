@@ -43,6 +43,13 @@ class DecodeState:
     def token_list(self) -> list[int]:
         return self.tokens[: self.n].tolist()
 
+    def copy(self) -> "DecodeState":
+        """Another sequence with this one's tokens, caches and residual streams (its own tensors; the kernels'
+        cache addresses are taken anew on first use)."""
+        return DecodeState(self.tokens.clone(), self.n, list(self.lens), [k.clone() for k in self.k],
+                           [v.clone() for v in self.v], {b: r.clone() for b, r in self.resid.items()},
+                           prompt=self.prompt)
+
 
 @dataclass
 class Rows:

@@ -157,10 +157,7 @@ class StepClock:
             st = eng.new_state(self.context + 2)
             eng.append(st, ids[:-1].to(eng.device))
             eng.advance(st, eng.n_layers)
-            copies = [DecodeState(st.tokens.clone(), st.n, list(st.lens), [k.clone() for k in st.k],
-                                  [v.clone() for v in st.v], {b: r.clone() for b, r in st.resid.items()})
-                      for _ in range(self.batch - 1)]
-            self._states[id(eng)] = ([st] + copies, ids[-1:].to(eng.device))
+            self._states[id(eng)] = ([st] + [st.copy() for _ in range(self.batch - 1)], ids[-1:].to(eng.device))
         return self._states[id(eng)]
 
     @torch.no_grad()
