@@ -11,7 +11,8 @@ Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded)
    hierarchy with each copy under the target, equal too;
 3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``);
 4. the batch scheduler on six prompts of different lengths with the plan per load level (four in flight):
-   every answer equal to its prompt's own;
+   every answer equal to its prompt's own; again with a prompt head the engines keep (as a chat template's is),
+   each answer equal to an engine that computes every head itself;
 5. ``hsd serve --device cuda --max-batch 4`` with six concurrent greedy requests (each answer equal to the
    target's own), a seeded sampled request alone and again among five others (the same tokens), and
    ``/health``.
@@ -128,6 +129,36 @@ def main() -> None:
     report["batched_equal_to_ar"] = got == want
     if got != want:
         raise SystemExit("batched answers differ from the target's own loop")
+
+    # 4b. a prompt head the engines keep, as a chat template's is: prompts that start with it, four in flight; the
+    # first computes the head and keeps its keys and values, the others take them. Each answer equal to an engine
+    # that computes every head itself (the same passes: the head's, then the rest).
+    head = tuple(ids[0][:6])
+    headed = [list(head) + x for x in ids]
+
+    def with_head(h):
+        for lv in ([h] if not isinstance(h, dict) else h.values()):
+            for level in lv.levels:
+                if level.engine is not None:
+                    level.engine.prompt_head = head
+        return h
+
+    kept_models = PlanModels(loaded)
+    kept = with_head({n: hsd_for_plan(pl, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets),
+                                      models=kept_models) for n, e in pl.by_load.items()}
+                     or hsd_for_plan(pl, loaded, models=kept_models))
+    target = kept_models.target(pl)
+    taken, take = [], target.take_head
+    target.take_head = lambda st, upto: taken.append(take(st, upto)) or taken[-1]
+    got = [r.token_ids[:n] for r, n in zip(generate_many(kept, headed, max(news), max_active=4), news)]
+    report["kept_head_taken"] = sum(taken)
+    if not any(taken):
+        raise SystemExit("no prompt took the kept head")
+    want_h = [with_head(hsd_for_plan(pl, loaded, hierarchy=[pl.hierarchy[-1]], budgets=[], models=PlanModels(loaded)))
+              .generate(x, n).token_ids for x, n in zip(headed, news)]
+    report["kept_head_equal_to_ar"] = got == want_h
+    if got != want_h:
+        raise SystemExit("batched answers with a kept prompt head differ from an engine computing every head")
 
     # 5. the server on the device, six requests at once
     report["server"] = check_server(plan, a.device, texts, news, want)
