@@ -1,10 +1,10 @@
 """A/B of two versions of the decode kernels' source in one process: the embedded target's batched step (one new
-token for each of ``B`` sequences: ``advance_many`` and the batched head) on the library built from
-``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c > /tmp/base.c``) against the
+token for each of ``B`` sequences, or ``--positions`` tokens each: ``advance_many`` and the batched head) on the
+library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c > /tmp/base.c``) against the
 library of this tree, rounds alternating between the two.
 
     .venv/bin/python benchmarks/kernels_ab.py --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
-        [--steps 7] [--out benchmarks/results/kernels_ab.json]
+        [--steps 7] [--positions 1] [--out benchmarks/results/kernels_ab.json]
 
 Both engines read the same weights; every sequence holds one of the suite's chat prompts. Before timing, the
 logits of both libraries are compared at every batch size and must be equal bit for bit (the kernels' tiles may
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--batches", default="2,4,5,7,8,11")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=7, help="timed steps per library, batch size and round")
+    ap.add_argument("--positions", type=int, default=1,
+                    help="new positions per sequence and step (a verification pass; 1: a decode step)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kernels_ab.json"))
     a = ap.parse_args()
 
@@ -67,7 +69,7 @@ def main() -> None:
     for name, eng in engines.items():
         states[name] = []
         for p in prompts:
-            st = eng.new_state(len(p) + 8)
+            st = eng.new_state(len(p) + 8 + a.positions)
             eng.append(st, p)
             eng.advance(st, L)
             states[name].append(st)
@@ -75,13 +77,13 @@ def main() -> None:
     def step(name: str, n: int) -> tuple[float, list[torch.Tensor]]:
         eng, sts = engines[name], states[name][:n]
         for st in sts:
-            eng.append(st, [42])
+            eng.append(st, [42] * a.positions)
         t0 = time.perf_counter()
         eng.advance_many([(st, L) for st in sts])
-        logits = eng.logits_many([(st, L, st.n - 1, st.n) for st in sts])
+        logits = eng.logits_many([(st, L, st.n - a.positions, st.n) for st in sts])
         dt = time.perf_counter() - t0
         for st in sts:
-            eng.crop(st, st.n - 1)
+            eng.crop(st, st.n - a.positions)
         return dt, logits
 
     for n in batches:
@@ -103,7 +105,7 @@ def main() -> None:
         print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms  "
               f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "baseline": str(base_src), "rounds": a.rounds, "steps": a.steps,
+                       "baseline": str(base_src), "rounds": a.rounds, "steps": a.steps, "positions": a.positions,
                        "torch_threads": torch.get_num_threads(), "rows": rows})
 
 
