@@ -1,4 +1,5 @@
-"""A prompt's pass on the kernels against the torch path: where ``PREFILL_ON_TORCH_FROM`` comes from.
+"""A prompt's pass on the kernels against the torch path: where ``PREFILL_ON_TORCH_FROM`` (8-lane kernels) and
+``PREFILL_ON_TORCH_FROM_WIDE`` (16-lane kernels, AVX-512) come from.
 
     .venv/bin/python benchmarks/prefill_path.py [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] \
         [--out benchmarks/results/prefill_path.json]
@@ -6,7 +7,8 @@
 The embedded model's float32 target prefills the first ``m`` tokens of the suite's text (every layer, from
 position 0, a fresh state) on the C kernels and on the torch path (MKL's blocked GEMMs), the two interleaved
 within each round; reported per length: the median over the rounds (milliseconds) and torch over kernels.
-``hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`` is the first length from which the torch path is faster.
+The threshold of this machine's kernels (``KernelPath.prefill_on_torch_from``) is the first length from which the
+torch path is faster.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from hsd_opt.prompts import encode_prompt, load_prompts
 
 def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool) -> float:
     """One prompt pass over ``ids`` (milliseconds) on the kernels or on the torch path."""
-    saved = kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM
-    kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM = (10**6, 10**6) if on_kernels else (0, 0)
+    saved = kernels.MAX_PASS, eng._kernels.prefill_on_torch_from
+    kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = (10**6, 10**6) if on_kernels else (0, 0)
     try:
         st = eng.new_state(ids.numel() + 1)
         eng.append(st, ids)
@@ -36,7 +38,7 @@ def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool) -> float:
         eng.advance(st, eng.n_layers)
         return (time.perf_counter() - t0) * 1e3
     finally:
-        kernels.MAX_PASS, kernels.PREFILL_ON_TORCH_FROM = saved
+        kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = saved
 
 
 def main() -> None:
@@ -62,7 +64,8 @@ def main() -> None:
                      "torch_over_kernels": round(t / k, 2)})
         print(f"{m:4d} positions: kernels {k:7.1f} ms  torch {t:7.1f} ms  torch/kernels {t / k:.2f}", flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "rounds": a.rounds,
-              "prefill_on_torch_from": kernels.PREFILL_ON_TORCH_FROM, "lengths": rows}
+              "prefill_on_torch_from": eng._kernels.prefill_on_torch_from,
+              "simd": eng._kernels.lib.hsd_simd(), "lengths": rows}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")

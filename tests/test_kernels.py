@@ -3,6 +3,7 @@ decoding as the torch path, built once and cached, and refused or skipped cleanl
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,22 @@ def test_linear_is_batch_invariant(kind):
     one = torch.cat([kernels.linear(LIB, mat, x[i:i + 1]) for i in range(70)])
     for m in (2, 3, 4, 5, 6, 7, 8, 11, 14, 16, 70):
         assert torch.equal(kernels.linear(LIB, mat, x[:m]), one[:m]), m
+
+
+@pytest.mark.skipif(LIB is None or LIB.hsd_simd() < 2, reason="this build has no 16-lane (AVX-512) tiles")
+def test_the_16_lane_tiles_give_the_8_lane_tiles_bits(tmp_path):
+    """Where the CPU has AVX-512, float32 products over 2+ positions take 16-lane tiles (two rows' 8-lane
+    accumulators in one register): every element bit for bit what the 8-lane tiles (AVX2 alone) give."""
+    cc = kernels.compiler()
+    narrow = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "narrow.so",
+                                                                       defines=["HSD_NO_AVX512"]))))
+    assert narrow.hsd_simd() == 1
+    g = torch.Generator().manual_seed(3)
+    for kind, cols in (("f32", 576), ("f32", 133), ("bf16", 200)):
+        mat = _mat(kind, torch.randn(42, cols, generator=g), torch.randn(42, generator=g))
+        x = torch.randn(70, cols, generator=g)
+        for m in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 70):
+            assert torch.equal(kernels.linear(LIB, mat, x[:m]), kernels.linear(narrow, mat, x[:m])), (kind, cols, m)
 
 
 def test_q4_recovers_q4_1_weights_and_rounds_others_to_the_nearest_code():
@@ -184,11 +201,13 @@ def test_kernel_path_tracks_the_torch_path(tiny):
 
 
 def test_a_float32_prompt_of_prefill_on_torch_from_positions_takes_the_exact_torch_path(tiny):
-    """A float32 model's prompt pass (from position 0) over PREFILL_ON_TORCH_FROM positions or more, or over
-    more than MAX_PASS, runs the torch path (bit for bit the modules); a shorter prompt runs the kernels, and so
-    does a later pass over as many positions (a verification): bit for bit the one-position steps."""
+    """A float32 model's prompt pass (from position 0) over the kernels' prefill_on_torch_from positions or more,
+    or over more than MAX_PASS, runs the torch path (bit for bit the modules); a shorter prompt runs the kernels,
+    and so does a later pass over as many positions (a verification): bit for bit the one-position steps."""
     lean, ref = LayeredLM(tiny, kernels=True), LayeredLM(tiny, kernels=False)
-    n = kernels.PREFILL_ON_TORCH_FROM
+    n = lean._kernels.prefill_on_torch_from
+    wide = kernels.PREFILL_ON_TORCH_FROM_WIDE if LIB.hsd_simd() >= 2 else kernels.PREFILL_ON_TORCH_FROM
+    assert n == wide
     assert 1 < n <= kernels.MAX_PASS
     ids = torch.randint(3, 64, (kernels.MAX_PASS + 5,), generator=torch.Generator().manual_seed(2))
     for m in (n, kernels.MAX_PASS + 5):

@@ -163,7 +163,7 @@ def test_a_prompt_pass_after_the_head_may_take_the_torch_path_a_verification_may
     eng = LayeredLM(embedded.model)
     if not eng.uses_kernels:
         pytest.skip("the kernels are unavailable here")
-    n = kernels.PREFILL_ON_TORCH_FROM
+    n = eng._kernels.prefill_on_torch_from
     assert not eng._on_kernels(24, n, prompt=24 + n)            # the rest of a prompt after its head
     assert eng._on_kernels(24 + n, n, prompt=24 + n)            # a verification after that prompt
     assert eng._on_kernels(24, n - 1, prompt=24 + n - 1)        # a short rest stays on the kernels

@@ -38,6 +38,11 @@
 #else
 #define HSD_AVX2 0
 #endif
+#if HSD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(HSD_NO_AVX512)
+#define HSD_AVX512 1 /* 16-lane registers: two rows' 8-lane accumulators in one (the same operations) */
+#else
+#define HSD_AVX512 0
+#endif
 
 enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3 };
 #define HSD_GROUP 32
@@ -68,7 +73,8 @@ typedef struct {
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
 int hsd_version(void) { return 11; }
-int hsd_simd(void) { return HSD_AVX2; }
+/* 0: portable C; 1: AVX2 (8-lane tiles); 2: AVX2 with 16-lane float32 tiles (AVX-512). */
+int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512; }
 
 /* The layout the Python side checks at load: version, struct sizes, and the offsets of the last fields. */
 void hsd_layout(long *out) {
@@ -258,10 +264,70 @@ static inline void tile4x1(const float *const *w, int K, const float *x, int xs,
 }
 #endif
 
+#if HSD_AVX512
+/* s[t * 4 + i] = w_i . x_t for the 4 rows and the P positions t .. t+P-1 (P <= 8): the 8-lane accumulators of rows
+ * 0 and 1 side by side in one 16-lane register, of rows 2 and 3 in another, each position's 8 inputs in both
+ * halves. One 16-lane FMA does two rows' 8-lane FMAs, the same operations (lane j of each half takes columns j,
+ * j + 8, ...), so every element is bit for bit the 8-lane tiles'; it does them in one instruction. The rows are
+ * read once for all P positions (two cache lines of the rows ahead asked for per 8 columns). */
+static inline __attribute__((always_inline)) void tile4xP(const float *const *w, int K, const float *x, int xs,
+                                                          int t, int P, float *s, prefetch_t *pf) {
+    const int K8 = K & ~7;
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    const float *xt = x + (size_t)t * xs;
+    __m512 a[8], b[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++) a[p] = b[p] = _mm512_setzero_ps();
+    for (int c = 0; c < K8; c += 8) {
+        prefetch_line(pf);
+        prefetch_line(pf);
+        __m512 q01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0 + c)), _mm256_loadu_ps(w1 + c), 1);
+        __m512 q23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w2 + c)), _mm256_loadu_ps(w3 + c), 1);
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) {
+            __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(xt + (size_t)p * xs + c));
+            a[p] = _mm512_fmadd_ps(q01, u, a[p]);
+            b[p] = _mm512_fmadd_ps(q23, u, b[p]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++) {
+        const float *xp = xt + (size_t)p * xs;
+        float *o = s + (size_t)(t + p) * 4;
+        o[0] = tail(w0, xp, K8, K, hsum8(_mm512_castps512_ps256(a[p])));
+        o[1] = tail(w1, xp, K8, K, hsum8(_mm512_extractf32x8_ps(a[p], 1)));
+        o[2] = tail(w2, xp, K8, K, hsum8(_mm512_castps512_ps256(b[p])));
+        o[3] = tail(w3, xp, K8, K, hsum8(_mm512_extractf32x8_ps(b[p], 1)));
+    }
+}
+
+/* dots4 for m >= 2 positions: tiles of 8 positions, then one of the 2..7 left (one left: the 8-lane tile). */
+static void dots4_wide(const float *const *w, int K, const float *x, int xs, int m, float *s, prefetch_t *pf) {
+    int t = 0;
+    for (; t + 8 <= m; t += 8) tile4xP(w, K, x, xs, t, 8, s, pf);
+    switch (m - t) {
+    case 7: tile4xP(w, K, x, xs, t, 7, s, pf); break;
+    case 6: tile4xP(w, K, x, xs, t, 6, s, pf); break;
+    case 5: tile4xP(w, K, x, xs, t, 5, s, pf); break;
+    case 4: tile4xP(w, K, x, xs, t, 4, s, pf); break;
+    case 3: tile4xP(w, K, x, xs, t, 3, s, pf); break;
+    case 2: tile4xP(w, K, x, xs, t, 2, s, pf); break;
+    case 1: tile4x1(w, K, x, xs, t, s, pf); break;
+    default: break;
+    }
+}
+#endif
+
 /* s[t * 4 + i] = w_i . x_t for 4 rows (float32, K columns) and m positions (x row stride xs). The tiles differ in
  * which elements they compute together, never in the operations of one element. */
 static void dots4(const float *const *w, int K, const float *x, int xs, int m, float *s, prefetch_t *pf) {
     int t = 0;
+#if HSD_AVX512
+    if (m >= 2) {
+        dots4_wide(w, K, x, xs, m, s, pf);
+        return;
+    }
+#endif
 #if HSD_AVX2
     if (m >= HSD_LONG_PASS) { /* the first 3 positions read the rows, the rest find them in cache */
         tile4x3(w, K, x, xs, 0, s, pf);

@@ -49,8 +49,11 @@ ABI_VERSION = 11
 MAX_PASS = EXACT_PASS
 #: A float32 model's prompt of this many positions or more takes the torch path (its blocked GEMMs are faster
 #: there; docs/results.md, "a prompt's pass on the torch path"); shorter prompts, and later passes up to MAX_PASS
-#: positions, the kernels.
+#: positions, the kernels. For a library with 8-lane tiles (AVX2); see PREFILL_ON_TORCH_FROM_WIDE.
 PREFILL_ON_TORCH_FROM = 40
+#: The same for a library with 16-lane float32 tiles (AVX-512, ``hsd_simd() == 2``), which stays ahead of the
+#: torch path over more positions (``benchmarks/prefill_path.py``).
+PREFILL_ON_TORCH_FROM_WIDE = 64
 #: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
@@ -117,9 +120,9 @@ def library_path(cc: str, portable: bool = False) -> Path:
 
 
 def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None] | None = None,
-          source: Path | None = None) -> Path:
+          source: Path | None = None, defines: Sequence[str] = ()) -> Path:
     """Compile ``kernels.c`` (or ``source``, another version of it) into ``out`` (written atomically);
-    ``portable`` leaves out the AVX2 code.
+    ``portable`` leaves out the AVX2 code; ``defines``: more macros to define (``HSD_NO_AVX512``: no 16-lane tiles).
 
     Raises:
         HsdError: the compiler failed (its message is included).
@@ -130,7 +133,8 @@ def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None]
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
     source = source or SOURCE
-    cmd = [cc, *_FLAGS, *(["-DHSD_PORTABLE"] if portable else []), str(source), "-o", tmp, "-lm"]
+    cmd = [cc, *_FLAGS, *(["-DHSD_PORTABLE"] if portable else []), *(f"-D{d}" for d in defines), str(source),
+           "-o", tmp, "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
@@ -316,6 +320,8 @@ class KernelPath:
                          lw[0].eps2, ctypes.cast(arr, ctypes.POINTER(_CLayer)))
         self.norm = weights.norm.float().contiguous()
         self._work = torch.empty(0)
+        #: a float32 prompt's pass over this many positions or more is faster on the torch path
+        self.prefill_on_torch_from = PREFILL_ON_TORCH_FROM_WIDE if lib.hsd_simd() >= 2 else PREFILL_ON_TORCH_FROM
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))

@@ -74,7 +74,7 @@ class LayeredLM:
     - the **kernels** (:class:`~hsd_opt.engine.kernels.KernelPath`, on CPUs where they build): one call per run
       of layers over the weights in place, batch-invariant, float32 activations and caches. Passes over at most
       :data:`~hsd_opt.engine.kernels.MAX_PASS` positions (decode steps, verify passes) take them, but for a
-      float32 model's prompt of :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` positions or more; longer
+      float32 model's prompt of the kernels' ``prefill_on_torch_from`` positions or more; longer
       passes (prefill) take the torch path in float32 (exact for a float32 model; a bfloat16 model's weights
       converted for the pass), except for engines with :attr:`long_passes_on_kernels` (quantized copies), which
       run them on the kernels in passes of ``MAX_PASS`` positions (:meth:`_on_kernels`).
@@ -276,13 +276,14 @@ class LayeredLM:
         with :attr:`long_passes_on_kernels`; else passes over at most :data:`~hsd_opt.engine.kernels.MAX_PASS`
         positions (decode steps and verify passes: computed as the steps compute them), except, on a float32
         model, a prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`)
-        over :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM` positions or more (the torch path's blocked
-        GEMMs are faster there; every method prefills a prompt in the same passes)."""
+        over the kernels' ``prefill_on_torch_from`` positions or more (the torch path's blocked GEMMs are faster
+        there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, or ``_WIDE`` for 16-lane kernels; every
+        method prefills a prompt in the same passes)."""
         if self._kernels is None:
             return False
         if self.long_passes_on_kernels:
             return True
-        if (start == 0 or start + m <= prompt) and self._exact_long_passes and m >= kernels.PREFILL_ON_TORCH_FROM:
+        if (start == 0 or start + m <= prompt) and self._exact_long_passes and m >= self._kernels.prefill_on_torch_from:
             return False
         return m <= kernels.MAX_PASS
 
