@@ -99,6 +99,24 @@ def test_the_16_lane_tiles_give_the_8_lane_tiles_bits(tmp_path):
             assert torch.equal(kernels.linear(LIB, mat, x[:m]), kernels.linear(narrow, mat, x[:m])), (kind, cols, m)
 
 
+def test_the_kernels_exponential_is_within_2_ulp_and_the_same_in_every_lane():
+    """The softmax and SiLU's e^x (``hsd_exp``, vectorized by the compiler): within 2 units in the last place of
+    the exact value over the range it is not clamped in, and each element the same whether it is computed in a
+    vector's lanes or alone (one call per element)."""
+    LIB.hsd_exp_rows.restype = None
+    LIB.hsd_exp_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.randn(9_999) * 4, torch.tensor([0.0, -0.0, 1e-30])])
+    y = torch.empty_like(x)
+    LIB.hsd_exp_rows(x.data_ptr(), x.numel(), y.data_ptr())
+    exact = x.double().exp()
+    ulp = (exact.float().nextafter(torch.tensor(float("inf"))).double() - exact.float().double()).abs()
+    assert ((y.double() - exact).abs() / ulp).max() <= 2
+    alone = torch.empty(1)
+    for i in torch.randint(0, x.numel(), (300,), generator=torch.Generator().manual_seed(0)).tolist():
+        LIB.hsd_exp_rows(x[i:].data_ptr(), 1, alone.data_ptr())
+        assert alone.item() == y[i].item()
+
+
 def test_q4_recovers_q4_1_weights_and_rounds_others_to_the_nearest_code():
     """GGUF Q4_1 groups (code * d + m, codes 0..15, d and m in float16) come back exactly; any other weight is
     within half a step (plus the float16 rounding of the step) of its original."""

@@ -894,16 +894,40 @@ static void attention_values(const float *e, const float *V, int n, int hd, floa
 }
 
 /* Causal attention of one query head over positions 0..p of its key/value head: out[hd]. sc: scratch [p + 1]. */
+/* e^x to within about 1 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, times 2^n), from rounded
+ * multiplications, FMAs and integer bits alone, so a loop of them vectorizes and every lane computes what the
+ * scalar code computes: the same value for an element whichever loop or build it falls in. x is clamped to
+ * [-87.3, 88.3] (e^-87.3 ~ 1.2e-38: a softmax or SiLU term that small counts as nothing either way). */
+static inline float hsd_exp(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, r, 1.3981999507e-3f);
+    y = fmaf(y, r, 8.3334519073e-3f);
+    y = fmaf(y, r, 4.1665795894e-2f);
+    y = fmaf(y, r, 1.6666665459e-1f);
+    y = fmaf(y, r, 5.0000001201e-1f);
+    y = fmaf(y, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return y * two_n;
+}
+
+/* y[i] = hsd_exp(x[i]) for n values (what the softmax and SiLU compute; for tests). */
+void hsd_exp_rows(const float *x, int n, float *y) {
+    for (int i = 0; i < n; i++) y[i] = hsd_exp(x[i]);
+}
+
 static void attend_one(const float *q, const float *K, const float *V, int p, int hd, float *sc, float *out) {
     attention_scores(q, K, p + 1, hd, 1.0f / sqrtf((float)hd), sc);
     float mx = -INFINITY;
     for (int j = 0; j <= p; j++) mx = sc[j] > mx ? sc[j] : mx;
+    for (int j = 0; j <= p; j++) sc[j] = hsd_exp(sc[j] - mx);
     float sum = 0.f;
-    for (int j = 0; j <= p; j++) {
-        float e = expf(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
+    for (int j = 0; j <= p; j++) sum += sc[j];
     attention_values(sc, V, p + 1, hd, out, 0);
     const float inv = 1.0f / sum;
     for (int i = 0; i < hd; i++) out[i] *= inv;
@@ -932,10 +956,8 @@ static void attend_shared(const float *q, int nq, const float *K, const float *V
         for (int r = r0; r < r0 + nr; r++) {
             float *e = sc + (size_t)r * n, mx = -INFINITY, sum = 0.f;
             for (int j = 0; j < n; j++) mx = e[j] > mx ? e[j] : mx;
-            for (int j = 0; j < n; j++) {
-                e[j] = expf(e[j] - mx);
-                sum += e[j];
-            }
+            for (int j = 0; j < n; j++) e[j] = hsd_exp(e[j] - mx);
+            for (int j = 0; j < n; j++) sum += e[j];
             inv[r - r0] = 1.0f / sum;
         }
         for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) {
@@ -948,7 +970,7 @@ static void attend_shared(const float *q, int nq, const float *K, const float *V
     }
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+static inline float silu(float g) { return g / (1.0f + hsd_exp(-g)); }
 
 /* ------------------------------------------------------------------------------------------------ the pass */
 
