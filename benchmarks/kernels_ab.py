@@ -1,16 +1,19 @@
 """A/B of two versions of the decode kernels' source in one process: the embedded target's batched step (one new
 token for each of ``B`` sequences, or ``--positions`` tokens each: ``advance_many`` and the batched head) on the
-library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c > /tmp/base.c``) against the
-library of this tree, rounds alternating between the two.
+library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c >
+/tmp/base.c``) against the library of this tree, rounds alternating between the two.
 
     .venv/bin/python benchmarks/kernels_ab.py --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
-        [--steps 7] [--positions 1] [--out benchmarks/results/kernels_ab.json]
+        [--steps 7] [--positions 1] [--level N --max-tokens 64] [--changes-numerics] \\
+        [--out benchmarks/results/kernels_ab.json]
 
 Both engines read the same weights; every sequence holds one of the suite's chat prompts. Before timing, the
-logits of both libraries are compared at every batch size and must be equal bit for bit (the kernels' tiles may
+outputs of both libraries are compared at every batch size and must be equal bit for bit (the kernels' tiles may
 change which elements are computed together, never an element's operations), or, with ``--changes-numerics``
-(a candidate that changes an element's operations), their largest difference and argmax agreement are reported. Reported: per batch size the median
-over rounds of each library's median step (ms), and candidate / baseline per round (below 1: faster).
+(a candidate that changes an element's operations), the logits' largest difference and argmax agreement (with
+``--level``: how many answers are equal) are reported. Reported: per batch size the median over rounds of each
+library's median step (ms), and candidate / baseline per round (below 1: faster). With ``--level N``: N prompts
+decoded at most B at a time, whole (prompts included), timed once per round, with tokens/s.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def main() -> None:
                          "baseline's (largest difference, argmax agreement) instead of requiring equal bits")
     ap.add_argument("--positions", type=int, default=1,
                     help="new positions per sequence and step (a verification pass; 1: a decode step)")
+    ap.add_argument("--level", type=int, default=0,
+                    help="instead of steps: this many suite prompts, each prefilled and decoded for --max-tokens "
+                         "with at most B at a time (generate_many, the target alone, the template's head kept): "
+                         "a served level of plain batching, timed whole, once per round")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt with --level")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kernels_ab.json"))
     a = ap.parse_args()
 
@@ -90,34 +98,67 @@ def main() -> None:
             eng.crop(st, st.n - a.positions)
         return dt, logits
 
+    if a.level:
+        from hsd_opt.prompts import template_head
+        from hsd_opt.runtime.batch import generate_many
+        from hsd_opt.runtime.decode import HSD, Level
+        from hsd_opt.runtime.runner import eos_ids
+
+        head = template_head(loaded.tokenizer)
+        runners = {}
+        for name, eng in engines.items():
+            eng.prompt_head = head
+            runners[name] = HSD([Level("target", eng, L)], [], eos_ids=eos_ids(loaded))
+        level_prompts = [encode_prompt(loaded.tokenizer, texts[i % len(texts)]) for i in range(a.level)]
+
+    def measure(name: str, n: int) -> tuple[float, list[torch.Tensor]]:
+        """Seconds and outputs (logits of a step, or each answer's token ids with --level) of one run."""
+        if not a.level:
+            return step(name, n)
+        t0 = time.perf_counter()
+        res = generate_many(runners[name], level_prompts, a.max_tokens, max_active=n)
+        return time.perf_counter() - t0, [torch.tensor(r.token_ids) for r in res]
+
     numerics = {}
     for n in batches:
-        pairs = list(zip(step("baseline", n)[1], step("candidate", n)[1]))
-        if a.changes_numerics:
+        pairs = list(zip(measure("baseline", n)[1], measure("candidate", n)[1]))
+        if a.changes_numerics and a.level:
+            same = sum(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
+            numerics[n] = {"answers_equal": same, "answers": len(pairs)}
+            print(f"B={n:2d} answers equal: {same} of {len(pairs)}", flush=True)
+        elif a.changes_numerics:
             numerics[n] = {"max_abs_diff": max((x - y).abs().max().item() for x, y in pairs),
                            "argmax_equal": all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in pairs)}
             print(f"B={n:2d} logits: largest difference {numerics[n]['max_abs_diff']:.3g}, "
                   f"argmax {'equal' if numerics[n]['argmax_equal'] else 'DIFFERS'}", flush=True)
-        elif not all(torch.equal(x, y) for x, y in pairs):
-            sys.exit(f"the two libraries' logits differ at {n} sequences (--changes-numerics to compare anyway)")
+        elif not all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs):
+            sys.exit(f"the two libraries' outputs differ at {n} sequences (--changes-numerics to compare anyway)")
     if not a.changes_numerics:
-        print(f"logits equal bit for bit at {batches} sequences", flush=True)
+        print(f"outputs equal bit for bit at {batches} sequences", flush=True)
+    tokens = {n: sum(x.numel() for x in measure("candidate", n)[1]) for n in batches} if a.level else {}
+    repeats = 1 if a.level else a.steps
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     ms: dict[str, dict[int, list[float]]] = {name: {n: [] for n in batches} for name in engines}
     for r in range(a.rounds):
         for name in (("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")):
             for n in batches:
-                ms[name][n].append(1e3 * statistics.median(step(name, n)[0] for _ in range(a.steps)))
+                ms[name][n].append(1e3 * statistics.median(measure(name, n)[0] for _ in range(repeats)))
     rows = []
     for n in batches:
         ratio = [c / x for x, c in zip(ms["baseline"][n], ms["candidate"][n])]
         rows.append({"sequences": n, "baseline_ms": statistics.median(ms["baseline"][n]),
                      "candidate_ms": statistics.median(ms["candidate"][n]), "candidate_over_baseline": ratio,
                      "ratio_median": statistics.median(ratio)})
-        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms  "
+        if a.level:
+            rows[-1].update(tokens=tokens[n], baseline_tokens_per_s=1e3 * tokens[n] / rows[-1]["baseline_ms"],
+                            candidate_tokens_per_s=1e3 * tokens[n] / rows[-1]["candidate_ms"])
+        rate = (f" ({rows[-1]['baseline_tokens_per_s']:.1f} / {rows[-1]['candidate_tokens_per_s']:.1f} tok/s)"
+                if a.level else "")
+        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms{rate}  "
               f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "baseline": str(base_src), "rounds": a.rounds, "steps": a.steps, "positions": a.positions,
+                       "baseline": str(base_src), "rounds": a.rounds, "steps": repeats, "positions": a.positions,
+                       "level": a.level and {"prompts": a.level, "max_tokens": a.max_tokens},
                        "torch_threads": torch.get_num_threads(), "rows": rows,
                        "numerics": numerics or "equal bit for bit"})
 
