@@ -54,13 +54,13 @@ def main() -> None:
 
     import torch
 
-    from hsd_opt.formats import load_plan, load_profile
+    from hsd_opt.formats import load_plan, load_profile, nearest_level
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
     from hsd_opt.runtime.batch import Batch
     from hsd_opt.runtime.retime import StepClock, scale_costs
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.solver.api import evaluate
     from hsd_opt.solver.batch import at_batch
 
@@ -68,8 +68,7 @@ def main() -> None:
     profile, _ = load_profile(a.profile)
     loaded = load_model(plan.provenance.model, device="cpu", dtype=plan.provenance.dtype or "auto")
     models = PlanModels(loaded)
-    levels = {n: hsd_for_plan(plan, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets), models=models)
-              for n, e in plan.by_load.items()}
+    levels = hsd_by_load(plan, loaded, models)
     if not levels:
         sys.exit(f"--plan: {a.plan} has no plans per load level (solve with --batch-sizes)")
     ar = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[], models=models)
@@ -79,7 +78,7 @@ def main() -> None:
     clock = StepClock(profile, list(levels.values()), repeats=a.clock_repeats, text=text)
     want: dict[int, list[int]] = {}
     sizes = [int(x) for x in a.levels.split(",")]
-    level_of = {b: max(n for n in plan.by_load if n <= b) for b in sizes}
+    level_of = {b: nearest_level(plan.by_load, b) for b in sizes}      # the level the scheduler runs there
     at_load = {b: StepClock(profile, [levels[level_of[b]]], repeats=a.clock_repeats, text=text, batch=b)
                for b in sizes}
     rows = []

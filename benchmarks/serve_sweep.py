@@ -144,14 +144,14 @@ def plain_plan(plan_path: str, out: Path) -> Path:
 
 
 def predicted(plan_path: str, clients: int) -> tuple[float | None, list[str] | None]:
-    """The plan's predicted aggregate tokens/s at ``clients`` sequences (its largest load level not above)."""
-    from hsd_opt.formats import load_plan
+    """The plan's predicted aggregate tokens/s at ``clients`` sequences (the load level the server runs there,
+    :func:`~hsd_opt.formats.nearest_level`; None for a plan without load levels)."""
+    from hsd_opt.formats import load_plan, nearest_level
 
     plan = load_plan(plan_path)
-    levels = [n for n in plan.by_load if n <= clients]
-    if not levels:
+    if not plan.by_load:
         return None, None
-    e = plan.by_load[max(levels)]
+    e = plan.by_load[nearest_level(plan.by_load, clients)]
     return clients / e.expected_latency, e.hierarchy
 
 

@@ -17,7 +17,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import read_json, write_json
@@ -433,6 +433,23 @@ class LoadPlan:
                   "batched_target_latency": self.batched_target_latency}
         return _json_object(fields, {"tokens_per_s": None, "batched_target_latency": None}, self.extra,
                             self.key_order)
+
+
+def nearest_level(levels: Iterable[int], n: int) -> int:
+    """The load level (of a plan's ``by_load``) whose hierarchy runs at ``n`` sequences in flight: the level
+    nearest ``n`` on a log scale (between levels ``a < n < b``: ``b`` from ``n >= sqrt(a * b)`` on; below the
+    smallest level, the smallest; above the largest, the largest). With levels 1, 2, 4, 8: 3 -> 4, 5 -> 4, 6 and
+    7 -> 8. The nearest, not the largest below: between two levels the load is as often just under the upper one (a
+    client between two requests) as just over the lower one."""
+    levels = sorted(levels)
+    if not levels:
+        raise ValueError("no load levels")
+    if n <= levels[0]:
+        return levels[0]
+    for lo, hi in zip(levels, levels[1:]):
+        if n < hi:
+            return hi if n * n >= lo * hi else lo
+    return levels[-1]
 
 
 @dataclass

@@ -14,6 +14,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
+from hsd_opt.formats import nearest_level
 from hsd_opt.runtime import decode
 from hsd_opt.runtime.batch import Batch, generate_many
 from hsd_opt.runtime.decode import HSD, Committed, Level, Pass, serve
@@ -333,6 +334,9 @@ def test_a_load_between_levels_runs_the_plan_of_the_nearest_level_on_a_log_scale
     batch = Batch({1: h1, 2: h2, 4: h2, 8: ar})
     assert [batch.level_for(n) for n in range(0, 12)] == [1, 1, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8]
     assert batch.hierarchy_for(7) is ar and batch.hierarchy_for(5) is h2
+    # the benchmarks price a load by the same rule, from a plan's levels in any order
+    assert [nearest_level([8, 2, 4, 1], n) for n in range(0, 12)] == [batch.level_for(n) for n in range(0, 12)]
+    assert [nearest_level([2, 16], n) for n in (1, 5, 6, 40)] == [2, 2, 16, 16]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

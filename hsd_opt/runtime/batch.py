@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Mapping, Sequence
 
 from hsd_opt.errors import HsdError
+from hsd_opt.formats import nearest_level
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 
 
@@ -95,18 +96,9 @@ class Batch:
         self.prefilling: Entry | None = None
 
     def level_for(self, n: int) -> int:
-        """The load level whose plan runs at ``n`` sequences in flight: the level nearest ``n`` on a log scale
-        (between levels ``a < n < b``: ``b`` from ``n >= sqrt(a * b)`` on; below the smallest level, the smallest;
-        above the largest, the largest). With levels 1, 2, 4, 8: 3 -> 4, 5 -> 4, 6 and 7 -> 8. The nearest, not
-        the largest below: between two levels the load is as often just under the upper one (a client between
-        two requests) as just over the lower one."""
-        levels = list(self.levels)
-        if n <= levels[0]:
-            return levels[0]
-        for lo, hi in zip(levels, levels[1:]):
-            if n < hi:
-                return hi if n * n >= lo * hi else lo
-        return levels[-1]
+        """The load level whose plan runs at ``n`` sequences in flight (:func:`~hsd_opt.formats.nearest_level`:
+        the level nearest ``n`` on a log scale)."""
+        return nearest_level(self.levels, n)
 
     def hierarchy_for(self, n: int) -> HSD:
         """The hierarchy of the load level for ``n`` sequences in flight (:meth:`level_for`)."""
