@@ -83,7 +83,7 @@ def main() -> None:
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
     from hsd_opt.runtime.batch import generate_many
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
     pl = load_plan(plan)
     loaded = load_model(str(model), device=a.device, dtype=pl.provenance.dtype or "auto")
@@ -119,8 +119,7 @@ def main() -> None:
         raise SystemExit(f"hsd bench: an output differs from ar: {report['bench_matches_ar']}")
 
     # 4. the batch scheduler with the plan of every load level
-    levels = {n: hsd_for_plan(pl, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets), models=models)
-              for n, e in pl.by_load.items()} or hsd_for_plan(pl, loaded, models=models)
+    levels = hsd_by_load(pl, loaded, models) or hsd_for_plan(pl, loaded, models=models)
     ids = [encode_prompt(loaded.tokenizer, t, raw=True) for t in texts]
     news = [5, 30, 17, 24, 9, 28]
     want = [ar.generate(x, n).token_ids for x, n in zip(ids, news)]
@@ -144,9 +143,7 @@ def main() -> None:
         return h
 
     kept_models = PlanModels(loaded)
-    kept = with_head({n: hsd_for_plan(pl, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets),
-                                      models=kept_models) for n, e in pl.by_load.items()}
-                     or hsd_for_plan(pl, loaded, models=kept_models))
+    kept = with_head(hsd_by_load(pl, loaded, kept_models) or hsd_for_plan(pl, loaded, models=kept_models))
     target = kept_models.target(pl)
     taken, take = [], target.take_head
     target.take_head = lambda st, upto: taken.append(take(st, upto)) or taken[-1]

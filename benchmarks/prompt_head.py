@@ -41,13 +41,12 @@ def main() -> None:
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
     from hsd_opt.runtime.batch import generate_many
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
     plan = load_plan(a.plan)
     loaded = load_model(plan.provenance.model, device="cpu", dtype=plan.provenance.dtype or "auto")
     models = PlanModels(loaded)
-    levels = ({n: hsd_for_plan(plan, loaded, hierarchy=list(e.hierarchy), budgets=list(e.budgets), models=models)
-               for n, e in plan.by_load.items()} or hsd_for_plan(plan, loaded, models=models))
+    levels = hsd_by_load(plan, loaded, models) or hsd_for_plan(plan, loaded, models=models)
     engines = {id(e): e for h in (levels.values() if isinstance(levels, dict) else [levels]) for e in h.engines}
     heads = {k: e.prompt_head for k, e in engines.items()}
     if not any(heads.values()):

@@ -53,7 +53,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together (the app's
     lifespan starts and stops its worker). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
@@ -63,18 +63,11 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     say(f"building the hierarchy {chain} on {loaded.device} ...")
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
-    built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
-    levels = {}
-    for n, e in p.by_load.items():                 # a hierarchy per load level: the same engines, shared
-        key = (tuple(e.hierarchy), tuple(e.budgets))
-        if key not in built:
-            say(f"load level {n}: the hierarchy {' -> '.join(e.hierarchy)} ...")
-            built[key] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=list(e.hierarchy),
-                                      budgets=list(e.budgets), models=models)
-        levels[n] = built[key]
-    models.release_unused_floats(p, [list(k[0]) for k in built], log=say)
+    levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say)   # the same engines, shared
+    built = list({id(h): h for h in (runner, *levels.values())}.values())
+    models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
     tok = loaded.tokenizer
-    for h in built.values():                       # warm-up: first passes allocate and compile
+    for h in built:                                # warm-up: first passes allocate and compile
         h.generate(encode_prompt(tok, "Hello", raw=True), 2)
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)

@@ -310,6 +310,24 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
     return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
 
 
+def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",
+                log: Callable[[str], None] | None = None) -> dict[int, HSD]:
+    """An :class:`HSD` per load level of ``plan`` (``plan.by_load``; empty for a plan without them), every one over
+    ``models``' engines; levels that run the same hierarchy and budgets share one runner. ``log`` hears each
+    hierarchy as it is built."""
+    built: dict[tuple, HSD] = {}
+    levels: dict[int, HSD] = {}
+    for n, e in plan.by_load.items():
+        key = (tuple(e.hierarchy), tuple(e.budgets))
+        if key not in built:
+            if log:
+                log(f"load level {n}: the hierarchy {' -> '.join(e.hierarchy)} ...")
+            built[key] = hsd_for_plan(plan, loaded, mode=mode, source=source, hierarchy=list(e.hierarchy),
+                                      budgets=list(e.budgets), models=models)
+        levels[n] = built[key]
+    return levels
+
+
 def run_context(prompt_tokens: int, generated: int) -> float:
     """The context (tokens) a generation's prediction is taken at: the prompt plus half the generated tokens. It
     decodes at contexts ``prompt .. prompt + generated - 1``, and costs are linear in the context, so its mean cost
