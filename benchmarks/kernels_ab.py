@@ -154,8 +154,8 @@ def main() -> None:
                             candidate_tokens_per_s=1e3 * tokens[n] / rows[-1]["candidate_ms"])
         rate = (f" ({rows[-1]['baseline_tokens_per_s']:.1f} / {rows[-1]['candidate_tokens_per_s']:.1f} tok/s)"
                 if a.level else "")
-        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms{rate}  "
-              f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
+        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms"
+              f"{rate}  candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "baseline": str(base_src), "rounds": a.rounds, "steps": repeats, "positions": a.positions,
                        "level": a.level and {"prompts": a.level, "max_tokens": a.max_tokens},
