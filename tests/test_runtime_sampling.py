@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.runtime.decode import HSD, Level, Pass, process_logits, serve
+from hsd_opt.runtime.decode import HSD, Level, Pass, process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
@@ -106,22 +106,15 @@ def _switching(ha: HSD, hb: HSD):
     def draw(seed: int) -> list[int]:
         d = ha.start(PROMPT, K, temperature=1.0, seed=seed)
         d.follows_load = True      # as an unseeded sample in a batch; seeded here so that the test is reproducible
+        passes = []
+
+        def on_pass(p: Pass) -> None:
+            passes.append(p)
+            if len(passes) == 2 + seed % 4:
+                d.switch(hb if d.hsd is ha else ha)
+
         try:
-            d.prefill()
-            steps, reply, n = d.steps(), None, 0
-            while True:
-                try:
-                    req = steps.send(reply)
-                except StopIteration:
-                    break
-                if isinstance(req, Pass):
-                    n += 1
-                    if n == 2 + seed % 4:
-                        d.switch(hb if d.hsd is ha else ha)
-                    reply = serve(req)
-                else:
-                    reply = False
-            return d.result().token_ids
+            return d.run(on_pass=on_pass).token_ids
         finally:
             d.close()
 

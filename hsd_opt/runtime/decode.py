@@ -322,19 +322,7 @@ class HSD:
         """
         d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed)
         try:
-            d.prefill()
-            steps = d.steps()
-            reply: object = None
-            while True:
-                try:
-                    req = steps.send(reply)
-                except StopIteration:
-                    break
-                if isinstance(req, Pass):
-                    reply = serve(req)
-                else:
-                    reply = on_tokens(req.tokens) is True if on_tokens is not None else False
-            return d.result()
+            return d.run(on_tokens)
         finally:
             d.close()
 
@@ -665,6 +653,27 @@ class Decoding:
             done.append(eng)
         _sync(self.device)
         self.t1 = time.perf_counter()
+
+    def run(self, on_tokens: Callable[[list[int]], bool | None] | None = None,
+            on_pass: Callable[["Pass"], None] | None = None) -> GenerationResult:
+        """Prefill and decode to the end with every pass served alone (:meth:`HSD.generate`'s loop); returns
+        :meth:`result`. ``on_tokens`` as in :meth:`HSD.generate`; ``on_pass(p)`` hears each pass before it is
+        served (a driver may :meth:`switch` the hierarchy there, as a batch does between rounds)."""
+        self.prefill()
+        steps = self.steps()
+        reply: object = None
+        while True:
+            try:
+                req = steps.send(reply)
+            except StopIteration:
+                break
+            if isinstance(req, Pass):
+                if on_pass is not None:
+                    on_pass(req)
+                reply = serve(req)
+            else:
+                reply = on_tokens(req.tokens) is True if on_tokens is not None else False
+        return self.result()
 
     def steps(self) -> Generator[Pass | Committed, object, None]:
         """The generation after :meth:`prefill`, round by round (see the class doc). The first token is the
