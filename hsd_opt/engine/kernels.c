@@ -893,7 +893,6 @@ static void attention_values(const float *e, const float *V, int n, int hd, floa
     }
 }
 
-/* Causal attention of one query head over positions 0..p of its key/value head: out[hd]. sc: scratch [p + 1]. */
 /* e^x to within about 1 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, times 2^n), from rounded
  * multiplications, FMAs and integer bits alone, so a loop of them vectorizes and every lane computes what the
  * scalar code computes: the same value for an element whichever loop or build it falls in. x is clamped to
@@ -921,13 +920,20 @@ void hsd_exp_rows(const float *x, int n, float *y) {
     for (int i = 0; i < n; i++) y[i] = hsd_exp(x[i]);
 }
 
+/* e[j] = e^(e[j] - max e) for the n scores; returns their sum, added in order: a softmax's numerators and
+ * denominator, computed alike for one query head and for heads attended together. */
+static inline float exp_shifted(float *e, int n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int j = 0; j < n; j++) mx = e[j] > mx ? e[j] : mx;
+    for (int j = 0; j < n; j++) e[j] = hsd_exp(e[j] - mx);
+    for (int j = 0; j < n; j++) sum += e[j];
+    return sum;
+}
+
+/* Causal attention of one query head over positions 0..p of its key/value head: out[hd]. sc: scratch [p + 1]. */
 static void attend_one(const float *q, const float *K, const float *V, int p, int hd, float *sc, float *out) {
     attention_scores(q, K, p + 1, hd, 1.0f / sqrtf((float)hd), sc);
-    float mx = -INFINITY;
-    for (int j = 0; j <= p; j++) mx = sc[j] > mx ? sc[j] : mx;
-    for (int j = 0; j <= p; j++) sc[j] = hsd_exp(sc[j] - mx);
-    float sum = 0.f;
-    for (int j = 0; j <= p; j++) sum += sc[j];
+    const float sum = exp_shifted(sc, p + 1);
     attention_values(sc, V, p + 1, hd, out, 0);
     const float inv = 1.0f / sum;
     for (int i = 0; i < hd; i++) out[i] *= inv;
@@ -953,13 +959,7 @@ static void attend_shared(const float *q, int nq, const float *K, const float *V
     float inv[64];
     for (int r0 = 0; r0 < nq; r0 += 64) {
         const int nr = nq - r0 < 64 ? nq - r0 : 64;
-        for (int r = r0; r < r0 + nr; r++) {
-            float *e = sc + (size_t)r * n, mx = -INFINITY, sum = 0.f;
-            for (int j = 0; j < n; j++) mx = e[j] > mx ? e[j] : mx;
-            for (int j = 0; j < n; j++) e[j] = hsd_exp(e[j] - mx);
-            for (int j = 0; j < n; j++) sum += e[j];
-            inv[r - r0] = 1.0f / sum;
-        }
+        for (int r = r0; r < r0 + nr; r++) inv[r - r0] = 1.0f / exp_shifted(sc + (size_t)r * n, n);
         for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) {
             const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
             for (int r = r0; r < r0 + nr; r++)
