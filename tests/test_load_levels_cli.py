@@ -5,6 +5,7 @@ hierarchy over shared engines; bad values are refused naming the flag."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -55,6 +56,31 @@ def test_solve_plans_every_load_level_and_serve_runs_them(profiled):
     assert len({id(h.target) for h in jobs.batch.levels.values()}) == 1
     one = run_cli("solve", "--profile", prof, "--tmax", "3", "--batch-sizes", "1", "--out", root / "one.json")
     assert one.exit_code == 0 and "by_load" not in json.loads((root / "one.json").read_text())
+
+
+def test_levels_that_run_one_hierarchy_share_one_runner(profiled):
+    """``hsd_by_load``: a runner per distinct hierarchy, the plan's own runner for the levels that run the plan's
+    hierarchy (the server builds nothing twice), every one over the same engines."""
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
+
+    root, prof = profiled
+    path = root / "plan_shared.json"
+    assert run_cli("solve", "--profile", prof, "--tmax", "3", "--out", path).exit_code == 0
+    plan = load_plan(path)
+    alone = replace(plan.by_load[4], hierarchy=[plan.hierarchy[-1]], budgets=[])
+    plan.by_load.update({1: replace(plan.by_load[1], hierarchy=list(plan.hierarchy), budgets=list(plan.budgets)),
+                         8: alone, 16: replace(alone)})      # two levels with one hierarchy, not the plan's
+    loaded = load_model(str(root / "m"), device="cpu")
+    models = PlanModels(loaded)
+    own = hsd_for_plan(plan, loaded, models=models)
+    levels = hsd_by_load(plan, loaded, models, plan_runner=own)
+    assert levels[1] is own and levels[8] is levels[16] is not own
+    for n, e in plan.by_load.items():
+        same = (list(e.hierarchy), list(e.budgets)) == (list(plan.hierarchy), list(plan.budgets))
+        assert (levels[n] is own) == same
+    assert len({id(h.target) for h in levels.values()} | {id(own.target)}) == 1
 
 
 @pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),

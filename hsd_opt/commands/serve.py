@@ -63,7 +63,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     say(f"building the hierarchy {chain} on {loaded.device} ...")
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
-    levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say)   # the same engines, shared
+    levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     built = list({id(h): h for h in (runner, *levels.values())}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
     tok = loaded.tokenizer

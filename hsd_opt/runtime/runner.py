@@ -311,11 +311,13 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
 
 
 def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",
-                log: Callable[[str], None] | None = None) -> dict[int, HSD]:
+                log: Callable[[str], None] | None = None, plan_runner: HSD | None = None) -> dict[int, HSD]:
     """An :class:`HSD` per load level of ``plan`` (``plan.by_load``; empty for a plan without them), every one over
-    ``models``' engines; levels that run the same hierarchy and budgets share one runner. ``log`` hears each
-    hierarchy as it is built."""
+    ``models``' engines; levels that run the same hierarchy and budgets share one runner, and those that run the
+    plan's own share ``plan_runner`` when given (built already). ``log`` hears each hierarchy as it is built."""
     built: dict[tuple, HSD] = {}
+    if plan_runner is not None:
+        built[(tuple(plan.hierarchy), tuple(plan.budgets))] = plan_runner
     levels: dict[int, HSD] = {}
     for n, e in plan.by_load.items():
         key = (tuple(e.hierarchy), tuple(e.budgets))
