@@ -165,7 +165,9 @@ def test_a_prompt_pass_after_the_head_may_take_the_torch_path_a_verification_may
         pytest.skip("the kernels are unavailable here")
     n = eng._kernels.prefill_on_torch_from
     assert not eng._on_kernels(24, n, prompt=24 + n)            # the rest of a prompt after its head
-    assert eng._on_kernels(24 + n, n, prompt=24 + n)            # a verification after that prompt
+    v = min(n, kernels.MAX_PASS)
+    assert eng._on_kernels(24 + n, v, prompt=24 + n)            # a verification after that prompt
+    assert not eng._on_kernels(24 + n, kernels.MAX_PASS + 1, prompt=24 + n)   # longer: not as steps compute
     assert eng._on_kernels(24, n - 1, prompt=24 + n - 1)        # a short rest stays on the kernels
 
 

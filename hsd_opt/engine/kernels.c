@@ -44,7 +44,10 @@
 #define HSD_AVX512 0
 #endif
 
-enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3 };
+/* HSD_Q4F: float32 weights that are exactly fma(code, scale, minimum) of int4 codes (GGUF Q4_1's de-quantized
+ * values, e.g.); the float path multiplies those float32 values, so every element is what the float32 matrix
+ * gives, from an eighth of its bytes. Codes paired (see hsd_mat), scales and minimums as HSD_Q4's. */
+enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4 };
 #define HSD_GROUP 32
 #define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
@@ -54,9 +57,12 @@ typedef struct {
     int32_t type, rows, cols, pad;
     const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, 16 * groups
                           * rounded up to even]: 32 bytes per pair of groups, byte j = code j of the first group
-                          * (low nibble) | code j of the second (high nibble) */
-    const void *scale;   /* q8: float32 [rows]; q4: float16 bits [rows, cols / 32] */
-    const void *zero;    /* q4: float16 bits [rows, cols / 32], the group minimum: w = code * scale + zero */
+                          * (low nibble) | code j of the second (high nibble); q4f: uint8 [rows / 2, groups / 2
+                          * (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8 columns
+                          * k of the group (8 of the first row, then the second's), each byte the code of the first
+                          * group (low nibble) | of the second (high nibble) */
+    const void *scale;   /* q8: float32 [rows]; q4, q4f: float16 bits [rows, cols / 32] */
+    const void *zero;    /* q4, q4f: float16 bits [rows, cols / 32], the group minimum: w = code * scale + zero */
     const float *bias;   /* [rows] or NULL */
 } hsd_mat;
 
@@ -72,7 +78,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 11; }
+int hsd_version(void) { return 12; }
 /* 0: portable C; 1: AVX2 (8-lane tiles); 2: AVX2 with 16-lane float32 tiles (AVX-512). */
 int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512; }
 
@@ -174,15 +180,29 @@ static inline void prefetch_line(prefetch_t *pf) {
     }
 }
 
+/* Bytes of one int4 row of G groups: 32 per pair of groups (an odd last group takes a whole pair's bytes). */
+static inline size_t q4_row_bytes(int G) { return (size_t)16 * (G + (G & 1)); }
+
+/* Bytes of one row of A's weights (codes, for int4; not for q4f, whose rows are paired). */
+static inline size_t row_bytes(const hsd_mat *A) {
+    if (A->type == HSD_Q4) return q4_row_bytes((A->cols + HSD_GROUP - 1) / HSD_GROUP);
+    return (size_t)A->cols * (A->type == HSD_F32 ? 4 : A->type == HSD_BF16 ? 2 : 1);
+}
+
+/* The 64 code bytes of q4f rows 2 * pair, 2 * pair + 1 and groups 2 * gp, 2 * gp + 1. */
+static inline const uint8_t *q4f_codes(const hsd_mat *A, int pair, int gp) {
+    const int GP = ((A->cols + HSD_GROUP - 1) / HSD_GROUP + 1) / 2;
+    return (const uint8_t *)A->w + ((size_t)pair * GP + gp) * 64;
+}
+
 /* Rows [r, r + 4) of A, HSD_AHEAD blocks of 4 rows ahead of the block at row r0 (empty past the matrix end). */
 #define HSD_AHEAD 2
 static inline prefetch_t prefetch_ahead(const hsd_mat *A, int r0) {
-    const size_t eb = A->type == HSD_F32 ? 4 : A->type == HSD_BF16 ? 2 : 1;
     const int r = r0 + 4 * HSD_AHEAD, n = A->rows - r < 4 ? A->rows - r : 4;
     prefetch_t pf = {NULL, NULL};
-    if (n > 0) {
-        pf.p = (const char *)A->w + (size_t)r * A->cols * eb;
-        pf.end = pf.p + (size_t)n * A->cols * eb;
+    if (n > 0 && A->type != HSD_Q4F) {
+        pf.p = (const char *)A->w + (size_t)r * row_bytes(A);
+        pf.end = pf.p + (size_t)n * row_bytes(A);
     }
     return pf;
 }
@@ -270,8 +290,10 @@ static inline void tile4x1(const float *const *w, int K, const float *x, int xs,
  * halves. One 16-lane FMA does two rows' 8-lane FMAs, the same operations (lane j of each half takes columns j,
  * j + 8, ...), so every element is bit for bit the 8-lane tiles'; it does them in one instruction. The rows are
  * read once for all P positions (two cache lines of the rows ahead asked for per 8 columns). */
-static inline __attribute__((always_inline)) void tile4xP(const float *const *w, int K, const float *x, int xs,
-                                                          int t, int P, float *s, prefetch_t *pf) {
+/* With `paired` (rows already paired, see expand4_pairs): w[0] and w[2] hold rows 0|1 and 2|3 as 16 floats per 8
+ * columns, read in one load each, and K is a multiple of 8. */
+static inline __attribute__((always_inline)) void tile4xP_any(const float *const *w, int K, const float *x, int xs,
+                                                              int t, int P, float *s, prefetch_t *pf, int paired) {
     const int K8 = K & ~7;
     const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     const float *xt = x + (size_t)t * xs;
@@ -279,10 +301,16 @@ static inline __attribute__((always_inline)) void tile4xP(const float *const *w,
 #pragma GCC unroll 8
     for (int p = 0; p < P; p++) a[p] = b[p] = _mm512_setzero_ps();
     for (int c = 0; c < K8; c += 8) {
-        prefetch_line(pf);
-        prefetch_line(pf);
-        __m512 q01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0 + c)), _mm256_loadu_ps(w1 + c), 1);
-        __m512 q23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w2 + c)), _mm256_loadu_ps(w3 + c), 1);
+        __m512 q01, q23;
+        if (paired) {
+            q01 = _mm512_loadu_ps(w0 + 2 * c);
+            q23 = _mm512_loadu_ps(w2 + 2 * c);
+        } else {
+            prefetch_line(pf);
+            prefetch_line(pf);
+            q01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0 + c)), _mm256_loadu_ps(w1 + c), 1);
+            q23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w2 + c)), _mm256_loadu_ps(w3 + c), 1);
+        }
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(xt + (size_t)p * xs + c));
@@ -290,14 +318,57 @@ static inline __attribute__((always_inline)) void tile4xP(const float *const *w,
             b[p] = _mm512_fmadd_ps(q23, u, b[p]);
         }
     }
-#pragma GCC unroll 8
-    for (int p = 0; p < P; p++) {
-        const float *xp = xt + (size_t)p * xs;
-        float *o = s + (size_t)(t + p) * 4;
-        o[0] = tail(w0, xp, K8, K, hsum8(_mm512_castps512_ps256(a[p])));
-        o[1] = tail(w1, xp, K8, K, hsum8(_mm512_extractf32x8_ps(a[p], 1)));
-        o[2] = tail(w2, xp, K8, K, hsum8(_mm512_castps512_ps256(b[p])));
-        o[3] = tail(w3, xp, K8, K, hsum8(_mm512_extractf32x8_ps(b[p], 1)));
+    /* hsum8 of the 4P accumulators, 16 at a time: the same additions (lane j + lane j+4, then (0+2) + (1+3)) on
+     * every 8-lane accumulator at once, in 3 x 3 instructions per 4 positions instead of 6 per accumulator. */
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p += 4) {
+        __m512 h[4], u[2];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* [row 0 | 1 | 2 | 3] of position p + j: lanes l0+l4 .. l3+l7 */
+            const __m512 aj = p + j < P ? a[p + j] : _mm512_setzero_ps(), bj = p + j < P ? b[p + j] : aj;
+            h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(aj, bj, 0x88), _mm512_shuffle_f32x4(aj, bj, 0xDD));
+        }
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; j++) /* per row: [m0+m2, m1+m3] of positions p + 2j, p + 2j + 1 */
+            u[j] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0x44),
+                                 _mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0xEE));
+        /* per row i (128-bit lane i): the sums of positions p .. p+3 */
+        const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+        float v[16];
+        _mm512_storeu_ps(v, r);
+        for (int j = 0; j < 4 && p + j < P; j++) {
+            const float *xp = xt + (size_t)(p + j) * xs;
+            float *o = s + (size_t)(t + p + j) * 4;
+            if (paired) { /* no tail columns */
+                o[0] = v[j], o[1] = v[4 + j], o[2] = v[8 + j], o[3] = v[12 + j];
+                continue;
+            }
+            o[0] = tail(w0, xp, K8, K, v[j]);
+            o[1] = tail(w1, xp, K8, K, v[4 + j]);
+            o[2] = tail(w2, xp, K8, K, v[8 + j]);
+            o[3] = tail(w3, xp, K8, K, v[12 + j]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile4xP(const float *const *w, int K, const float *x, int xs,
+                                                          int t, int P, float *s, prefetch_t *pf) {
+    tile4xP_any(w, K, x, xs, t, P, s, pf, 0);
+}
+
+/* dots4 of 4 paired rows (expand4_pairs) for m >= 1 positions: tiles of 8 positions, then one of the rest. */
+static void dots4_pairs(const float *const *w, int K, const float *x, int xs, int m, float *s) {
+    int t = 0;
+    for (; t + 8 <= m; t += 8) tile4xP_any(w, K, x, xs, t, 8, s, NULL, 1);
+    switch (m - t) {
+    case 7: tile4xP_any(w, K, x, xs, t, 7, s, NULL, 1); break;
+    case 6: tile4xP_any(w, K, x, xs, t, 6, s, NULL, 1); break;
+    case 5: tile4xP_any(w, K, x, xs, t, 5, s, NULL, 1); break;
+    case 4: tile4xP_any(w, K, x, xs, t, 4, s, NULL, 1); break;
+    case 3: tile4xP_any(w, K, x, xs, t, 3, s, NULL, 1); break;
+    case 2: tile4xP_any(w, K, x, xs, t, 2, s, NULL, 1); break;
+    case 1: tile4xP_any(w, K, x, xs, t, 1, s, NULL, 1); break;
+    default: break;
     }
 }
 
@@ -379,6 +450,28 @@ static void expand_row(const hsd_mat *A, int r, float *buf) {
     } else if (A->type == HSD_Q8) {
         const int8_t *p = (const int8_t *)A->w + (size_t)r * K;
         for (int c = 0; c < K; c++) buf[c] = (float)p[c];
+    } else if (A->type == HSD_Q4F) { /* w = fma(code, scale, minimum) */
+        const int G = (K + HSD_GROUP - 1) / HSD_GROUP;
+        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)r * G, *z = (const uint16_t *)A->zero + (size_t)r * G;
+        int c = 0;
+#if HSD_AVX2
+        for (; c + HSD_GROUP <= K; c += HSD_GROUP) { /* 8 at a time, the same fma */
+            const int g = c / HSD_GROUP;
+            const uint8_t *q = q4f_codes(A, r / 2, g / 2) + 8 * (r % 2);
+            const __m256 a = _mm256_set1_ps(half_to_float(sc[g])), b = _mm256_set1_ps(half_to_float(z[g]));
+            for (int k = 0; k < 4; k++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * k)));
+                if (g & 1) v = _mm256_srli_epi32(v, 4);
+                v = _mm256_and_si256(v, _mm256_set1_epi32(15));
+                _mm256_storeu_ps(buf + c + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), a, b));
+            }
+        }
+#endif
+        for (; c < K; c++) {
+            const int g = c / HSD_GROUP, k = (c % HSD_GROUP) / 8, j = c % 8;
+            const uint8_t b = q4f_codes(A, r / 2, g / 2)[16 * k + 8 * (r % 2) + j];
+            buf[c] = fmaf((float)((b >> (4 * (g % 2))) & 15), half_to_float(sc[g]), half_to_float(z[g]));
+        }
     }
 }
 
@@ -440,9 +533,6 @@ typedef struct {
     const float *s;  /* [m, cols / 32] */
     int cols;
 } qx_t;
-
-/* Bytes of one int4 row of G groups: 32 per pair of groups (an odd last group takes a whole pair's bytes). */
-static inline size_t q4_row_bytes(int G) { return (size_t)16 * (G + (G & 1)); }
 
 static inline int int_path(const hsd_mat *A) {
     return (A->type == HSD_Q4 || A->type == HSD_Q8) && A->cols % HSD_GROUP == 0;
@@ -716,6 +806,73 @@ static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, i
     }
 }
 
+/* y[(t0 + t) * ys + r + i] (+)= s[t * 4 + i] (* scale[r + i] for int8) (+ bias[r + i]) for t < mt, i < n. */
+static inline void store4(const hsd_mat *A, const float *s, int mt, int n, float *y, int ys, int t0, int r, int acc) {
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < n; i++) {
+            float d = s[t * 4 + i];
+            if (A->type == HSD_Q8) d *= ((const float *)A->scale)[r + i];
+            if (A->bias) d += A->bias[r + i];
+            float *out = y + (size_t)(t0 + t) * ys + r + i;
+            *out = acc ? *out + d : d;
+        }
+}
+
+#if HSD_AVX512
+/* Ask the cache for rows [r, r + 4) of a q4f matrix (codes, scales, minimums), read a few blocks later. */
+static inline void prefetch_block(const hsd_mat *A, int r) {
+    if (r >= A->rows) return;
+    const int G = A->cols / HSD_GROUP, GP = (G + 1) / 2, pairs = (A->rows + 1) / 2;
+    const int n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
+    const char *p = (const char *)q4f_codes(A, r / 2, 0), *end = p + (size_t)n * GP * 64;
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch((const char *)((const uint16_t *)A->scale + (size_t)r * G), _MM_HINT_T0);
+    _mm_prefetch((const char *)((const uint16_t *)A->zero + (size_t)r * G), _MM_HINT_T0);
+}
+
+/* Most groups per row of a q4f matrix that expand4_pairs converts the scales of on the stack (wider: the float
+ * path's generic tiles). */
+#define HSD_Q4F_MAX_GROUPS 512
+
+/* Rows r .. r+3 of a q4f matrix (cols a multiple of 32, at most HSD_Q4F_MAX_GROUPS groups; a short last block of
+ * n rows repeats its last row) as float32, paired for tile4xP_any: buf[0, 2K) holds rows 0|1 and buf[2K, 4K) rows
+ * 2|3, 16 floats per 8 columns (8 of the first row, then 8 of the second). The values are expand_row's,
+ * fma(code, scale, minimum): 16 codes widened, converted and scaled at once, as the codes are stored. */
+static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
+    const int K = A->cols, G = K / HSD_GROUP;
+    float sf[4][HSD_Q4F_MAX_GROUPS], zf[4][HSD_Q4F_MAX_GROUPS];
+    for (int i = 0; i < 4; i++) { /* the rows' scales and minimums as float32, 16 at a time */
+        const int ri = r + (i < n ? i : n - 1);
+        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)ri * G, *z = (const uint16_t *)A->zero + (size_t)ri * G;
+        int g = 0;
+        for (; g + 16 <= G; g += 16) {
+            _mm512_storeu_ps(sf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + g))));
+            _mm512_storeu_ps(zf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + g))));
+        }
+        for (; g < G; g++) sf[i][g] = half_to_float(sc[g]), zf[i][g] = half_to_float(z[g]);
+    }
+    const __m128i low = _mm_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {
+        /* rows 2h, 2h+1 of the block: pair r/2 + h, or (n <= 2) the first pair again, its values unused */
+        const int pair = r / 2 + (2 * h < n ? h : 0), a = 2 * h < n ? 2 * h : 0, c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
+        float *o = buf + (size_t)h * 2 * K;
+        for (int g = 0; g < G; g++) {
+            const uint8_t *q = q4f_codes(A, pair, g / 2);
+            const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sf[a][g]), _mm256_set1_ps(sf[c][g]), 1);
+            const __m512 zv = _mm512_insertf32x8(_mm512_set1_ps(zf[a][g]), _mm256_set1_ps(zf[c][g]), 1);
+            float *og = o + (size_t)2 * g * HSD_GROUP;
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * k));
+                if (g & 1) b = _mm_srli_epi16(b, 4);
+                b = _mm_and_si128(b, low);
+                _mm512_storeu_ps(og + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv));
+            }
+        }
+    }
+}
+#endif
+
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
  * X: x quantized for the integer path (used when int_path(A)). buf: 4 * cols floats of scratch for expanded
  * rows (bfloat16, and int8 without whole groups). */
@@ -729,22 +886,32 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
     float s[4 * HSD_MAX_TILE_T];
     for (int r = r0; r < r1; r += 4) {
         const int n = r1 - r < 4 ? r1 - r : 4;
+        const float *w[4];
+        int mt;
 #if HSD_AVX2
-        if (A->type != HSD_F32 && m <= 2 && n == 4) { /* convert in registers: the values expand_row stores */
+        if ((A->type == HSD_BF16 || A->type == HSD_Q8) && m <= 2 && n == 4) { /* convert in registers: the values
+                                                                                 * expand_row stores */
             prefetch_t pf = prefetch_ahead(A, r);
             direct4(A, r, x, xs, m, s, &pf);
-            for (int t = 0; t < m; t++)
-                for (int i = 0; i < 4; i++) {
-                    float d = s[t * 4 + i];
-                    if (A->type == HSD_Q8) d *= ((const float *)A->scale)[r + i];
-                    if (A->bias) d += A->bias[r + i];
-                    float *out = y + (size_t)t * ys + r + i;
-                    *out = acc ? *out + d : d;
-                }
+            store4(A, s, m, n, y, ys, 0, r, acc);
             continue;
         }
 #endif
-        const float *w[4];
+#if HSD_AVX512
+        if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_Q4F_MAX_GROUPS) { /* de-quantized
+                                                                                                    * into L1 */
+            prefetch_block(A, r + 4 * HSD_AHEAD);
+            expand4_pairs(A, r, n, buf);
+            w[0] = w[1] = buf;
+            w[2] = w[3] = buf + (size_t)2 * K;
+            for (int t0 = 0; t0 < m; t0 += mt) {
+                mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
+                dots4_pairs(w, K, x + (size_t)t0 * xs, xs, mt, s);
+                store4(A, s, mt, n, y, ys, t0, r, acc);
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < 4; i++) {
             int ri = r + (i < n ? i : n - 1); /* a short last block repeats its last row */
             if (A->type == HSD_F32) {
@@ -755,17 +922,10 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             }
         }
         prefetch_t pf = prefetch_ahead(A, r);
-        for (int t0 = 0; t0 < m; t0 += HSD_MAX_TILE_T) {
-            const int mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
+        for (int t0 = 0; t0 < m; t0 += mt) {
+            mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
             dots4(w, K, x + (size_t)t0 * xs, xs, mt, s, &pf);
-            for (int t = 0; t < mt; t++)
-                for (int i = 0; i < n; i++) {
-                    float d = s[t * 4 + i];
-                    if (A->type == HSD_Q8) d *= ((const float *)A->scale)[r + i];
-                    if (A->bias) d += A->bias[r + i];
-                    float *out = y + (size_t)(t0 + t) * ys + r + i;
-                    *out = acc ? *out + d : d;
-                }
+            store4(A, s, mt, n, y, ys, t0, r, acc);
         }
     }
 }

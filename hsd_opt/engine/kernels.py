@@ -31,7 +31,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from hsd_opt.errors import HsdError
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 11
+ABI_VERSION = 12
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
 MAX_PASS = EXACT_PASS
@@ -54,6 +54,9 @@ PREFILL_ON_TORCH_FROM = 40
 #: The same for a library with 16-lane float32 tiles (AVX-512, ``hsd_simd() == 2``), which stays ahead of the
 #: torch path over more positions (``benchmarks/prefill_path.py``).
 PREFILL_ON_TORCH_FROM_WIDE = 64
+#: The same for a 16-lane library reading every projection in the exact int4 form (``Q4F``): its passes read the
+#: weights from the first-level cache once de-quantized, and stay ahead of the torch path over more positions.
+PREFILL_ON_TORCH_FROM_EXACT = 96
 #: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
@@ -302,16 +305,21 @@ class KernelPath:
         weights: the model's weights (read in place; float32 copies are made only of norms and biases stored in
             another dtype).
         n_heads, n_kv, head_dim: attention shapes.
+        exact: per layer, projections to read in an exact int4 form instead (kind ``Q4F``, from
+            :func:`~hsd_opt.engine.stored_copies.exact_int4_layers`): the same float32 values, fewer bytes.
     """
 
-    def __init__(self, lib, weights: ModelWeights, n_heads: int, n_kv: int, head_dim: int):
+    def __init__(self, lib, weights: ModelWeights, n_heads: int, n_kv: int, head_dim: int,
+                 exact: Sequence[Mapping[str, Mat]] | None = None):
         self.lib, self.weights = lib, weights
         lw = weights.layers
-        self._keep = []                   # float32 norm weights the structs point to
+        self._keep: list = []             # float32 norm weights and exact int4 forms the structs point to
         arr = (_CLayer * len(lw))()
         for i, layer in enumerate(lw):
             for name in PROJECTIONS:
-                setattr(arr[i], name, _struct(getattr(layer, name)))
+                mat = (exact[i].get(name) if exact else None) or getattr(layer, name)
+                self._keep.append(mat)
+                setattr(arr[i], name, _struct(mat))
             ln1, ln2 = layer.ln1.float().contiguous(), layer.ln2.float().contiguous()
             self._keep += [ln1, ln2]
             arr[i].ln1, arr[i].ln2 = ln1.data_ptr(), ln2.data_ptr()
@@ -321,7 +329,9 @@ class KernelPath:
         self.norm = weights.norm.float().contiguous()
         self._work = torch.empty(0)
         #: a float32 prompt's pass over this many positions or more is faster on the torch path
-        self.prefill_on_torch_from = PREFILL_ON_TORCH_FROM_WIDE if lib.hsd_simd() >= 2 else PREFILL_ON_TORCH_FROM
+        every_exact = bool(exact) and all(len(e) == len(PROJECTIONS) for e in exact)
+        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM if lib.hsd_simd() < 2 else
+                                      PREFILL_ON_TORCH_FROM_EXACT if every_exact else PREFILL_ON_TORCH_FROM_WIDE)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))

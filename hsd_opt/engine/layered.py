@@ -25,12 +25,13 @@ engine over quantized weights. Shapes: batch size 1. Hidden states ``[m, d]`` fo
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import kernels, screen
+from hsd_opt.engine import kernels, screen, stored_copies
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -48,6 +49,11 @@ from hsd_opt.engine.weights import (
 from hsd_opt.errors import HsdError
 
 __all__ = ["DecodeState", "LayeredLM", "is_released", "pass_output", "release_float_weights"]
+
+#: Whether the kernels read a float32 model's projections in an exact int4 form where its int4 copy gives every
+#: weight exactly (:func:`~hsd_opt.engine.weights.exact_int4`; the same numbers from fewer bytes). The environment
+#: variable ``HSD_EXACT_INT4=0`` turns it off (to measure what it saves).
+EXACT_INT4 = os.environ.get("HSD_EXACT_INT4", "1") != "0"
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -136,8 +142,11 @@ class LayeredLM:
         else:
             self.dtype = weights.head.tensors[0].dtype
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
+        exact = None
+        if lib is not None and EXACT_INT4 and lib.hsd_simd() >= 1 and not weights.head.quantized:
+            exact = stored_copies.exact_int4_layers(model, weights)
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
-                                                                     self.head_dim)
+                                                                     self.head_dim, exact)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)
         head = weights.head
         self._screen = HeadScreen(lib, head) if (lib is not None and head.kind == F32 and head.bias is None
@@ -274,17 +283,18 @@ class LayeredLM:
     def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:
         """Whether a pass over ``m`` positions from position ``start`` runs on the kernels: every pass of an engine
         with :attr:`long_passes_on_kernels`; else passes over at most :data:`~hsd_opt.engine.kernels.MAX_PASS`
-        positions (decode steps and verify passes: computed as the steps compute them), except, on a float32
-        model, a prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`)
-        over the kernels' ``prefill_on_torch_from`` positions or more (the torch path's blocked GEMMs are faster
-        there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, or ``_WIDE`` for 16-lane kernels; every
-        method prefills a prompt in the same passes)."""
+        positions (decode steps and verify passes: computed as the steps compute them); on a float32 model, a
+        prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`) runs
+        there when it is shorter than the kernels' ``prefill_on_torch_from`` positions, else on the torch path (its
+        blocked GEMMs are faster there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, ``_WIDE`` for
+        16-lane kernels, ``_EXACT`` for 16-lane kernels reading the exact int4 form; every method prefills a prompt
+        in the same passes)."""
         if self._kernels is None:
             return False
         if self.long_passes_on_kernels:
             return True
-        if (start == 0 or start + m <= prompt) and self._exact_long_passes and m >= self._kernels.prefill_on_torch_from:
-            return False
+        if (start == 0 or start + m <= prompt) and self._exact_long_passes:
+            return m < self._kernels.prefill_on_torch_from
         return m <= kernels.MAX_PASS
 
     def rope(self, start: int, end: int):

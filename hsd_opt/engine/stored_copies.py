@@ -167,3 +167,27 @@ def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
     return (len(tensors) == 3 and tensors[0].dtype == torch.uint8
             and tuple(tensors[0].shape) == (rows, (G + 1) // 2, 2 * 16)
             and all(t.dtype == torch.float16 and tuple(t.shape) == (rows, G) for t in tensors[1:]))
+
+
+def exact_int4_layers(model, weights: wq.ModelWeights) -> list[dict[str, wq.Mat]]:
+    """For each decoder layer of a float32 ``model`` (its ``weights`` read in place), the projections its int4 copy
+    gives exactly (:func:`~hsd_opt.engine.weights.exact_int4`), by name (``q`` .. ``down``); empty dicts where none
+    does. The int4 matrices are those of the model's ``int4`` copy: made once in this process (shared with an
+    ``int4`` drafter of the model), read from its stored copy when there is one, else quantized now (not stored). A
+    model whose first projection is not exact is not tried further."""
+    stored = load_stored(weights_key(model), 4, 8)
+    out: list[dict[str, wq.Mat]] = []
+    for i, (layer, lw) in enumerate(zip(model.model.layers, weights.layers)):
+        got: dict[str, wq.Mat] = {}
+        for name, lin in wq.linears(layer).items():
+            mat = getattr(lw, name)
+            if mat.kind != wq.F32 or mat.tensors[0].dtype != torch.float32 or mat.cols % wq.GROUP:
+                continue
+            q4 = matrix(stored, f"layers.{i}.{name}", 4, lin.weight, getattr(lin, "bias", None), {})
+            exact = wq.exact_int4(mat, q4)
+            if exact is None and not out and not got:
+                return [{} for _ in weights.layers]
+            if exact is not None:
+                got[name] = exact
+        out.append(got)
+    return out

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from hsd_opt.engine.ops import norm_eps
 from hsd_opt.errors import HsdError
 
-#: Matrix kinds: float32 and bfloat16 (a model's own weights), int8 per output row, int4 in groups of 32 columns.
-F32, BF16, Q8, Q4 = 0, 1, 2, 3
+#: Matrix kinds: float32 and bfloat16 (a model's own weights), int8 per output row, int4 in groups of 32 columns,
+#: and float32 weights held as int4 codes that give them exactly (:func:`exact_int4`).
+F32, BF16, Q8, Q4, Q4F = 0, 1, 2, 3, 4
 #: Input columns per int4 group (a scale and a minimum each), and the group of the kernels' int8 activations.
 GROUP = 32
 #: Rows handled at a time where a whole matrix would need a float32 temporary (quantizing a 49,152-row head).
@@ -47,6 +48,8 @@ class Mat:
         self.bias = None if bias is None else bias.detach()
         #: the C kernels' description of this matrix, made by :mod:`hsd_opt.engine.kernels` on first use
         self.c: object | None = None
+        #: the matrix whose tensors this one holds too (an exact int4 form's int4 copy), or None
+        self.shares: Mat | None = None
 
     @classmethod
     def in_place(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Mat":
@@ -70,7 +73,8 @@ class Mat:
             return w.to(dtype)
         if self.kind == Q8:
             return (w.float() * self.tensors[1][:, None]).to(dtype)
-        g = q4_codes(self).float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
+        codes = unpair_codes(w, self.rows, self.cols // GROUP) if self.kind == Q4F else q4_codes(self)
+        g = codes.float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
         return g.reshape(self.rows, self.cols).to(dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -112,6 +116,48 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
     q = q.reshape(N, -1, 2, GROUP)
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
     return Mat(Q4, N, K, [packed, step.contiguous(), lo.contiguous()], bias)
+
+
+def exact_int4(weight: Mat, q4: Mat) -> Mat | None:
+    """``weight`` (float32) held as the int4 copy ``q4`` of it when ``q4`` gives every weight exactly, bit for bit
+    (de-quantized as ``fma(code, scale, minimum)``, the value the kernels compute): a float32 model de-quantized
+    from GGUF's Q4_1, like the embedded SmolLM2, is such a model, and :func:`quantize_q4` recovers its codes. The
+    kernels then multiply the same float32 values as the float32 matrix gives, reading an eighth of its bytes
+    (kind :data:`Q4F`, sharing ``q4``'s tensors). None when some weight differs (or ``weight`` is not float32)."""
+    w = weight.tensors[0]
+    if weight.kind != F32 or w.dtype != torch.float32 or q4.kind != Q4 or (q4.rows, q4.cols) != (w.shape[0], w.shape[1]):
+        return None
+    for a in range(0, q4.rows, ROW_BLOCK):                  # a block of rows at a time (no whole float copy)
+        b = min(a + ROW_BLOCK, q4.rows)
+        part = Mat(Q4, b - a, q4.cols, [t[a:b] for t in q4.tensors], None)
+        if not torch.equal(part.dense(torch.float32), w[a:b]):
+            return None
+    exact = Mat(Q4F, q4.rows, q4.cols, [pair_codes(q4_codes(q4)), *q4.tensors[1:]], weight.bias)
+    exact.shares = q4                # kept alive with it (another copy of the model may take it in this process)
+    return exact
+
+
+def pair_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes ``[rows, groups, 32]`` (0..15, column order) in the exact form's layout, uint8 ``[ceil(rows /
+    2), ceil(groups / 2), 64]``: per pair of rows and pair of groups, 16 bytes per 8 columns (``k`` = 0..3 of the
+    group): 8 of the first row, then the same 8 columns of the second, each byte the code of the first group (low
+    nibble) and of the second (high nibble). The kernels widen 16 such codes into one 16-lane register: the 8-lane
+    accumulators of two rows side by side. An odd last row or group is repeated (its copy never read back)."""
+    rows, groups, _ = codes.shape
+    if rows % 2:
+        codes = torch.cat([codes, codes[-1:]], 0)
+    if groups % 2:
+        codes = torch.cat([codes, codes[:, -1:]], 1)
+    c = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1] // 2, 2, 4, 8)   # [pair, h, gp, parity, k, j]
+    c = c.permute(0, 2, 4, 1, 5, 3)                                            # [pair, gp, k, h, j, parity]
+    return (c[..., 0] | (c[..., 1] << 4)).reshape(c.shape[0], c.shape[1], 64).contiguous()
+
+
+def unpair_codes(packed: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """:func:`pair_codes` undone: uint8 ``[rows, groups, 32]``."""
+    c = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], packed.shape[1], 4, 2, 8, 2)
+    c = c.permute(0, 3, 1, 5, 2, 4)                                            # [pair, h, gp, parity, k, j]
+    return c.reshape(packed.shape[0] * 2, packed.shape[1] * 2, 32)[:rows, :groups]
 
 
 def q4_codes(mat: Mat) -> torch.Tensor:
@@ -193,7 +239,8 @@ def _activation(mlp) -> Callable[[torch.Tensor], torch.Tensor]:
     return F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
 
 
-def _linears(layer) -> dict:
+def linears(layer) -> dict:
+    """A Hugging Face decoder layer's projection modules by name (``q`` .. ``down``)."""
     a, mlp = layer.self_attn, layer.mlp
     return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj,
             "down": mlp.down_proj}
@@ -210,7 +257,7 @@ def model_weights(model, make: Callable[[str, torch.nn.Module], Mat] | None = No
     layers = []
     for i, layer in enumerate(base.layers):
         a = layer.self_attn
-        mats = {n: make(f"layers.{i}.{n}", lin) for n, lin in _linears(layer).items()}
+        mats = {n: make(f"layers.{i}.{n}", lin) for n, lin in linears(layer).items()}
         qn = getattr(a, "q_norm", None)
         layers.append(LayerWeights(
             **mats, ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
@@ -276,7 +323,7 @@ def release_float_weights(model) -> int:
         raise HsdError("release_float_weights: a float engine over the model still reads its weights")
     freed = 0
     base = model.model
-    linears = [lin for layer in base.layers for lin in _linears(layer).values()]
+    linears = [lin for layer in base.layers for lin in linears(layer).values()]
     if model.lm_head.weight is not base.embed_tokens.weight:
         linears.append(model.lm_head)
     with torch.no_grad():

@@ -1,0 +1,127 @@
+"""The exact int4 form of float32 weights: where a model's float32 weights are exactly GGUF Q4_1's de-quantized
+values (code * scale + minimum, as the embedded SmolLM2's are), the kernels read its int4 codes instead and
+compute the same float32 products, bit for bit, on every build and at every number of positions."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels, layered, stored_copies
+from hsd_opt.engine import weights as wq
+from hsd_opt.engine.layered import LayeredLM
+from tests.helpers import make_tiny_llama
+
+LIB = kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
+
+
+def q4_1_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Float32 weights as GGUF Q4_1 de-quantizes them: per group of 32 columns, code * d + m with codes 0..15
+    (0 and 15 present), d and m in float16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
+    q[..., 3], q[..., 17] = 0, 15
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(rows, cols // 32, 1, generator=g) * 0.1).half().float()
+    return (q * d + m).reshape(rows, cols)
+
+
+def exact_form(w: torch.Tensor, bias: torch.Tensor | None = None) -> wq.Mat | None:
+    return wq.exact_int4(wq.Mat.in_place(w, bias), wq.quantize_q4(w, bias))
+
+
+def test_the_pair_layout_holds_every_code_once():
+    g = torch.Generator().manual_seed(0)
+    for rows, groups in ((6, 4), (5, 3), (1, 1), (4, 18), (7, 1)):
+        codes = torch.randint(0, 16, (rows, groups, 32), dtype=torch.uint8, generator=g)
+        packed = wq.pair_codes(codes)
+        assert packed.shape == ((rows + 1) // 2, (groups + 1) // 2, 64)
+        assert torch.equal(wq.unpair_codes(packed, rows, groups), codes)
+
+
+def test_q4_1_weights_have_an_exact_form_and_others_do_not():
+    w = q4_1_weights(12, 96, seed=1)
+    mat = exact_form(w)
+    assert mat is not None and mat.kind == wq.Q4F and mat.shares is not None
+    assert torch.equal(mat.dequantized(), w)
+    moved = w.clone()
+    moved[7, 40] = torch.nextafter(moved[7, 40], torch.tensor(1.0))     # one weight one step off its grid
+    assert exact_form(moved) is None
+    assert exact_form(torch.randn(12, 96, generator=torch.Generator().manual_seed(2))) is None
+    assert wq.exact_int4(wq.Mat.in_place(w.bfloat16()), wq.quantize_q4(w)) is None   # not float32
+
+
+def _builds(tmp_path):
+    """This machine's library, and where it has 16-lane tiles the 8-lane (AVX2) build too, and the portable one."""
+    out = {"native": LIB}
+    cc = kernels.compiler()
+    if LIB.hsd_simd() >= 2:
+        out["avx2"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "n.so", defines=["HSD_NO_AVX512"]))))
+    out["portable"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "p.so", portable=True))))
+    return out
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 64), (8, 96), (5, 576), (64, 32), (6, 160)])
+def test_the_exact_form_gives_the_float32_products_bit_for_bit(tmp_path, rows, cols):
+    """Odd rows and groups, short last blocks, 1 to 70 positions: every element the float32 matrix's own, on
+    every build (16-lane, 8-lane, portable)."""
+    g = torch.Generator().manual_seed(rows + cols)
+    w, b = q4_1_weights(rows, cols, seed=rows * cols), torch.randn(rows, generator=g)
+    f32, q4f = wq.Mat.in_place(w, b), exact_form(w, b)
+    assert q4f is not None
+    x = torch.randn(70, cols, generator=g)
+    for name, lib in _builds(tmp_path).items():
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 70):
+            assert torch.equal(kernels.linear(lib, q4f, x[:m]), kernels.linear(lib, f32, x[:m])), (name, m)
+
+
+def _q4_1_model():
+    """A tiny Llama whose projections hold Q4_1 weights (widths multiples of 32)."""
+    model = make_tiny_llama(seed=4, vocab_size=64, layers=3, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for j, lin in enumerate(wq.linears(layer).values()):
+                lin.weight.copy_(q4_1_weights(*lin.weight.shape, seed=100 * i + j))
+    return model
+
+
+def _kinds(eng: LayeredLM) -> set[int]:
+    """The kinds of the projections the engine's kernels read."""
+    return {m.kind for m in eng._kernels._keep if isinstance(m, wq.Mat)}
+
+
+def _engine(model, exact: bool, monkeypatch) -> LayeredLM:
+    monkeypatch.setattr(layered, "EXACT_INT4", exact)
+    return LayeredLM(model, kernels=True)
+
+
+def test_an_engine_over_q4_1_weights_reads_the_exact_form_and_computes_the_same_logits(monkeypatch):
+    model = _q4_1_model()
+    exact, plain = _engine(model, True, monkeypatch), _engine(model, False, monkeypatch)
+    assert _kinds(exact) == {wq.Q4F} and _kinds(plain) == {wq.F32}
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 64, (n,), generator=g) for n in (5, 11, 2)]
+    states = {}
+    for name, eng in (("exact", exact), ("plain", plain)):
+        sts = [eng.new_state(40) for _ in prompts]
+        for st, p in zip(sts, prompts):
+            eng.append(st, p)
+        eng.advance_many([(st, eng.n_layers) for st in sts])
+        for step in range(3):                          # decode steps of all three together, then a 4-token pass
+            for st in sts:
+                n = 1 if step < 2 else 4
+                eng.append(st, torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(step)))
+            eng.advance_many([(st, eng.n_layers) for st in sts])
+        states[name] = [eng.logits(st, eng.n_layers, 0, st.lens[-1]) for st in sts]
+    for a, b in zip(states["exact"], states["plain"]):
+        assert torch.equal(a, b)
+
+
+def test_a_model_whose_weights_are_not_q4_1_keeps_them_as_they_are(monkeypatch):
+    model = make_tiny_llama(seed=5, vocab_size=64, layers=2, hidden=64, heads=4, kv_heads=2)
+    eng = _engine(model, True, monkeypatch)
+    assert _kinds(eng) == {wq.F32}
+    assert stored_copies.exact_int4_layers(model, eng.weights) == [{}, {}]
