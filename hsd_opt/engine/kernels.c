@@ -560,9 +560,17 @@ static void quantize_x(const float *x, int xs, int m, int K, int8_t *q, float *d
 
 #if HSD_AVX2
 
-/* 8 lanes of exact integer sums (lane i: columns 4i..4i+3) as float: unsigned u times signed y. */
+/* 8 lanes of exact integer sums (lane i: columns 4i..4i+3) as float: unsigned u times signed y. With VNNI one
+ * instruction sums the four products; without, pairs are summed in 16 bits first (never saturating here: the
+ * unsigned side is at most 127, the signed one at most 127 in magnitude), so both give the same integers. */
 static inline __m256 idot(__m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y));
+#elif defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, y));
+#else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
+#endif
 }
 #else
 static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c: 32 signed codes */

@@ -125,7 +125,7 @@ def exact_int4(weight: Mat, q4: Mat) -> Mat | None:
     kernels then multiply the same float32 values as the float32 matrix gives, reading an eighth of its bytes
     (kind :data:`Q4F`, sharing ``q4``'s tensors). None when some weight differs (or ``weight`` is not float32)."""
     w = weight.tensors[0]
-    if weight.kind != F32 or w.dtype != torch.float32 or q4.kind != Q4 or (q4.rows, q4.cols) != (w.shape[0], w.shape[1]):
+    if weight.kind != F32 or w.dtype != torch.float32 or q4.kind != Q4 or (q4.rows, q4.cols) != tuple(w.shape):
         return None
     for a in range(0, q4.rows, ROW_BLOCK):                  # a block of rows at a time (no whole float copy)
         b = min(a + ROW_BLOCK, q4.rows)
@@ -323,11 +323,11 @@ def release_float_weights(model) -> int:
         raise HsdError("release_float_weights: a float engine over the model still reads its weights")
     freed = 0
     base = model.model
-    linears = [lin for layer in base.layers for lin in linears(layer).values()]
+    modules = [lin for layer in base.layers for lin in linears(layer).values()]
     if model.lm_head.weight is not base.embed_tokens.weight:
-        linears.append(model.lm_head)
+        modules.append(model.lm_head)
     with torch.no_grad():
-        for lin in linears:
+        for lin in modules:
             w = lin.weight
             freed += w.numel() * w.element_size()
             lin.weight = torch.nn.Parameter(w.new_empty(0), requires_grad=False)
