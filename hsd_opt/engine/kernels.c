@@ -289,9 +289,9 @@ static inline void tile4x1(const float *const *w, int K, const float *x, int xs,
  * 0 and 1 side by side in one 16-lane register, of rows 2 and 3 in another, each position's 8 inputs in both
  * halves. One 16-lane FMA does two rows' 8-lane FMAs, the same operations (lane j of each half takes columns j,
  * j + 8, ...), so every element is bit for bit the 8-lane tiles'; it does them in one instruction. The rows are
- * read once for all P positions (two cache lines of the rows ahead asked for per 8 columns). */
-/* With `paired` (rows already paired, see expand4_pairs): w[0] and w[2] hold rows 0|1 and 2|3 as 16 floats per 8
- * columns, read in one load each, and K is a multiple of 8. */
+ * read once for all P positions (two cache lines of the rows ahead asked for per 8 columns). With `paired` (rows
+ * already paired, see expand4_pairs) w[0] and w[2] hold rows 0|1 and 2|3 as 16 floats per 8 columns, read in one
+ * load each, and K is a multiple of 8. */
 static inline __attribute__((always_inline)) void tile4xP_any(const float *const *w, int K, const float *x, int xs,
                                                               int t, int P, float *s, prefetch_t *pf, int paired) {
     const int K8 = K & ~7;
