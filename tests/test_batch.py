@@ -113,7 +113,9 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def test_greedy_answers_in_a_batch_are_each_prompts_own(tiny, kernels_on):
     """Seven prompts of different lengths and budgets of new tokens, at most three in flight (sequences join and
     leave between ticks), the hierarchy switching with the load (a three-level plan alone, an exit below two,
-    the target alone from three): every answer equals the target's own greedy answer to its prompt."""
+    the target alone from three): every answer equals the target's own greedy answer to its prompt. All start
+    under a load of three, so as the load falls they take the exit's plan (the target's own engine) but not the
+    three-level one (a copy they hold no state of)."""
     if kernels_on and not HAVE_KERNELS:
         pytest.skip("no C compiler here: the kernels cannot be built")
     eng = LayeredLM(tiny, kernels=kernels_on)
@@ -132,7 +134,8 @@ def test_greedy_answers_in_a_batch_are_each_prompts_own(tiny, kernels_on):
         batch.tick()
         used |= {tuple(lv.name for lv in e.decoding.hsd.levels) for e in batch.active}
     assert [got[i] for i in range(7)] == want
-    assert max(loads) == 3 and len(used) == 3                    # three load levels, three hierarchies ran
+    names = lambda h: tuple(lv.name for lv in h.levels)  # noqa: E731
+    assert max(loads) == 3 and 1 in loads and used == {names(ar), names(h2)}   # the load fell to one
 
 
 def test_sampled_answers_depend_on_their_seed_only(tiny):
@@ -274,6 +277,45 @@ def test_a_round_begun_under_a_lighter_load_drafts_no_further_once_the_load_rise
     assert first.pending.engine is eng             # its tokens so far go to the target now
     batch.run()
     assert [got[i] for i in range(3)] == want
+
+
+def test_a_sequence_takes_on_no_engine_it_has_no_state_of_when_the_load_falls(tiny):
+    """Three sequences started together decode with the target alone (the plan of three); when the other two end,
+    the one left keeps the target alone instead of taking on the single-sequence plan's copy mid-sequence (whose
+    keys and values for every position so far the latency model does not price). One started alone, with the copy,
+    goes back to that plan when the load falls again. Every answer is the target's own."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    copy_id = id(h1.levels[0].engine)
+    prompts, news = _prompts(3, seed=11), [30, 4, 4]
+    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
+    batch = Batch({1: h1, 3: ar}, max_active=3)
+    got: dict[int, list[int]] = {}
+    entries = [batch.add(p, n, on_done=lambda res, err, i=i: got.__setitem__(i, res.token_ids))
+               for i, (p, n) in enumerate(zip(prompts, news))]
+    while len(batch.active) + len(batch.starting) > 1:
+        batch.tick()
+    for _ in range(3):
+        batch.tick()
+    first = entries[0].decoding
+    assert first.hsd is ar and copy_id not in first._states
+    batch.run()
+    assert [got[i] for i in range(3)] == want
+
+    alone = Batch({1: h1, 3: ar}, max_active=3)
+    lone = alone.add(prompts[0], 30, on_done=lambda res, err: got.__setitem__("lone", res.token_ids))
+    alone.tick()
+    alone.tick()
+    assert lone.decoding.hsd is h1
+    others = [alone.add(p, 3) for p in prompts[1:]]
+    while any(e in alone.starting or e in alone.active for e in others):
+        alone.tick()
+    assert lone.decoding.holds(h1)
+    alone.tick()
+    alone.tick()
+    assert lone.decoding.hsd is h1 or lone.decoding._next is h1
+    alone.run()
+    assert got["lone"] == want[0]
 
 
 def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny, monkeypatch):

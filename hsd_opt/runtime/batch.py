@@ -9,7 +9,9 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    under (those in flight, it, and those waiting for a place);
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
    load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
-   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`);
+   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if it holds a state of every
+   engine of that hierarchy already (:meth:`~hsd_opt.runtime.decode.Decoding.holds`: a copy taken on mid-sequence
+   would first compute every position so far, a cost the latency model does not price);
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
    decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
@@ -154,7 +156,7 @@ class Batch:
             self._prefill_pass(self.prefilling)
         level = self.hierarchy_for(self.load)     # those in flight and those about to join
         for e in self.active:
-            if e.decoding.follows_load:
+            if e.decoding.follows_load and e.decoding.holds(level):
                 e.decoding.switch(level)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:

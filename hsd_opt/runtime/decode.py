@@ -597,6 +597,11 @@ class Decoding:
             raise HsdError("switch: another hierarchy over the same target engine expected")
         self._next = hsd if hsd is not self.hsd else None
 
+    def holds(self, hsd: HSD) -> bool:
+        """Whether this sequence has a state of every engine of ``hsd`` already (taking on another engine after the
+        prompt first computes that engine's keys and values for every position so far)."""
+        return all(id(eng) in self._states for eng in hsd.engines)
+
     def prefill(self) -> None:
         """Compute the prompt, all of it (:meth:`prefill_passes` run to the end)."""
         for _ in self.prefill_passes():
