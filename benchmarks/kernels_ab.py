@@ -59,13 +59,11 @@ def main() -> None:
 
     import torch
 
-    from hsd_opt.engine import kernels
+    from hsd_opt.engine import kernels, layered, stored_copies
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
-
-    from hsd_opt.engine import layered, stored_copies
 
     float32_baseline = a.baseline == "float32"
     base_src = Path(a.baseline)
