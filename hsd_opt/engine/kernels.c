@@ -351,41 +351,38 @@ static inline __attribute__((always_inline)) void tile4xP_any(const float *const
     }
 }
 
-static inline __attribute__((always_inline)) void tile4xP(const float *const *w, int K, const float *x, int xs,
-                                                          int t, int P, float *s, prefetch_t *pf) {
-    tile4xP_any(w, K, x, xs, t, P, s, pf, 0);
+/* m >= 1 positions in tiles of 8, then one of the 1..7 left: paired rows (expand4_pairs) take the 16-lane tile for
+ * any count; rows in place (dots4_wide, m >= 2) the 8-lane tile for one position left. Constant `paired` lets the
+ * compiler keep one variant per caller. */
+static inline __attribute__((always_inline)) void tiles4(const float *const *w, int K, const float *x, int xs, int m,
+                                                         float *s, prefetch_t *pf, int paired) {
+    int t = 0;
+    for (; t + 8 <= m; t += 8) tile4xP_any(w, K, x, xs, t, 8, s, pf, paired);
+    switch (m - t) {
+    case 7: tile4xP_any(w, K, x, xs, t, 7, s, pf, paired); break;
+    case 6: tile4xP_any(w, K, x, xs, t, 6, s, pf, paired); break;
+    case 5: tile4xP_any(w, K, x, xs, t, 5, s, pf, paired); break;
+    case 4: tile4xP_any(w, K, x, xs, t, 4, s, pf, paired); break;
+    case 3: tile4xP_any(w, K, x, xs, t, 3, s, pf, paired); break;
+    case 2: tile4xP_any(w, K, x, xs, t, 2, s, pf, paired); break;
+    case 1:
+        if (paired)
+            tile4xP_any(w, K, x, xs, t, 1, s, pf, paired);
+        else
+            tile4x1(w, K, x, xs, t, s, pf);
+        break;
+    default: break;
+    }
 }
 
-/* dots4 of 4 paired rows (expand4_pairs) for m >= 1 positions: tiles of 8 positions, then one of the rest. */
+/* dots4 of 4 paired rows (expand4_pairs) for m >= 1 positions. */
 static void dots4_pairs(const float *const *w, int K, const float *x, int xs, int m, float *s) {
-    int t = 0;
-    for (; t + 8 <= m; t += 8) tile4xP_any(w, K, x, xs, t, 8, s, NULL, 1);
-    switch (m - t) {
-    case 7: tile4xP_any(w, K, x, xs, t, 7, s, NULL, 1); break;
-    case 6: tile4xP_any(w, K, x, xs, t, 6, s, NULL, 1); break;
-    case 5: tile4xP_any(w, K, x, xs, t, 5, s, NULL, 1); break;
-    case 4: tile4xP_any(w, K, x, xs, t, 4, s, NULL, 1); break;
-    case 3: tile4xP_any(w, K, x, xs, t, 3, s, NULL, 1); break;
-    case 2: tile4xP_any(w, K, x, xs, t, 2, s, NULL, 1); break;
-    case 1: tile4xP_any(w, K, x, xs, t, 1, s, NULL, 1); break;
-    default: break;
-    }
+    tiles4(w, K, x, xs, m, s, NULL, 1);
 }
 
-/* dots4 for m >= 2 positions: tiles of 8 positions, then one of the 2..7 left (one left: the 8-lane tile). */
+/* dots4 for m >= 2 positions of rows read in place. */
 static void dots4_wide(const float *const *w, int K, const float *x, int xs, int m, float *s, prefetch_t *pf) {
-    int t = 0;
-    for (; t + 8 <= m; t += 8) tile4xP(w, K, x, xs, t, 8, s, pf);
-    switch (m - t) {
-    case 7: tile4xP(w, K, x, xs, t, 7, s, pf); break;
-    case 6: tile4xP(w, K, x, xs, t, 6, s, pf); break;
-    case 5: tile4xP(w, K, x, xs, t, 5, s, pf); break;
-    case 4: tile4xP(w, K, x, xs, t, 4, s, pf); break;
-    case 3: tile4xP(w, K, x, xs, t, 3, s, pf); break;
-    case 2: tile4xP(w, K, x, xs, t, 2, s, pf); break;
-    case 1: tile4x1(w, K, x, xs, t, s, pf); break;
-    default: break;
-    }
+    tiles4(w, K, x, xs, m, s, pf, 0);
 }
 #endif
 
