@@ -54,18 +54,20 @@ def test_q4_1_weights_have_an_exact_form_and_others_do_not():
     assert wq.exact_int4(wq.Mat.in_place(w.bfloat16()), wq.quantize_q4(w)) is None   # not float32
 
 
-def _builds(tmp_path):
-    """This machine's library, and where it has 16-lane tiles the 8-lane (AVX2) build too, and the portable one."""
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """This machine's library, and where it has 16-lane tiles the 8-lane (AVX2) build too, and the portable one
+    (built once for the module)."""
     out = {"native": LIB}
-    cc = kernels.compiler()
+    cc, where = kernels.compiler(), tmp_path_factory.mktemp("builds")
     if LIB.hsd_simd() >= 2:
-        out["avx2"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "n.so", defines=["HSD_NO_AVX512"]))))
-    out["portable"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "p.so", portable=True))))
+        out["avx2"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, where / "n.so", defines=["HSD_NO_AVX512"]))))
+    out["portable"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, where / "p.so", portable=True))))
     return out
 
 
 @pytest.mark.parametrize("rows,cols", [(37, 64), (8, 96), (5, 576), (64, 32), (6, 160)])
-def test_the_exact_form_gives_the_float32_products_bit_for_bit(tmp_path, rows, cols):
+def test_the_exact_form_gives_the_float32_products_bit_for_bit(builds, rows, cols):
     """Odd rows and groups, short last blocks, 1 to 70 positions: every element the float32 matrix's own, on
     every build (16-lane, 8-lane, portable)."""
     g = torch.Generator().manual_seed(rows + cols)
@@ -73,7 +75,7 @@ def test_the_exact_form_gives_the_float32_products_bit_for_bit(tmp_path, rows, c
     f32, q4f = wq.Mat.in_place(w, b), exact_form(w, b)
     assert q4f is not None
     x = torch.randn(70, cols, generator=g)
-    for name, lib in _builds(tmp_path).items():
+    for name, lib in builds.items():
         for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 70):
             assert torch.equal(kernels.linear(lib, q4f, x[:m]), kernels.linear(lib, f32, x[:m])), (name, m)
 
