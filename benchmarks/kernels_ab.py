@@ -8,9 +8,11 @@ library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_o
         [--out benchmarks/results/kernels_ab.json]
 
 ``--baseline float32`` compares instead this tree's kernels reading the model's float32 weights in place (the
-engine ``HSD_EXACT_INT4=0`` builds) against the same kernels reading them in the exact int4 form
-(``docs/design.md#exact-int4-form``; the same bits). Both engines take a prompt on the kernels below the
-candidate's ``prefill_on_torch_from`` positions, so that they compute the same numbers.
+engine ``HSD_EXACT_INT4=0 HSD_EXACT_INT8=0`` builds) against the same kernels reading them in the exact forms
+(``docs/design.md#exact-int4-form``, ``#exact-int8-head``; the same bits); ``--baseline float32-head`` only the LM
+head read as float32 against its exact int8 form (the layers in their exact form in both). Both engines take a
+prompt on the kernels below the candidate's ``prefill_on_torch_from`` positions, so that they compute the same
+numbers.
 
 Both engines read the same weights; every sequence holds one of the suite's chat prompts. Before timing, the
 outputs of both libraries are compared at every batch size and must be equal bit for bit (the kernels' tiles may
@@ -40,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True,
                     help="the kernels.c to compare this tree's against, or 'float32': this tree's kernels reading "
-                         "the float32 weights instead of their exact int4 form")
+                         "the float32 weights instead of their exact forms, or 'float32-head': only the head")
     ap.add_argument("--batches", default="2,4,5,7,8,11")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=7, help="timed steps per library, batch size and round")
@@ -65,7 +67,7 @@ def main() -> None:
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
 
-    float32_baseline = a.baseline == "float32"
+    float32_baseline = a.baseline in ("float32", "float32-head")
     base_src = Path(a.baseline)
     if not float32_baseline and not base_src.is_file():
         sys.exit(f"--baseline: no file {base_src}")
@@ -81,11 +83,13 @@ def main() -> None:
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     engines = {"candidate": LayeredLM(loaded.model)}    # reads the exact int4 form where the model has one
-    layered.EXACT_INT4 = not float32_baseline
+    layered.EXACT_INT8 = not float32_baseline
+    layered.EXACT_INT4 = a.baseline != "float32"
     engines["baseline"] = b = LayeredLM(loaded.model)
     if not float32_baseline:                              # the other library, reading the weights the same way
         exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 else None
-        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact)
+        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
+                                        engines["candidate"]._kernels.head_mat)
     # prompts take the same path in both (the exact form keeps longer ones on the kernels): only speed may differ
     b._kernels.prefill_on_torch_from = engines["candidate"]._kernels.prefill_on_torch_from
     L = b.n_layers

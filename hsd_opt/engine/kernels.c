@@ -46,8 +46,11 @@
 
 /* HSD_Q4F: float32 weights that are exactly fma(code, scale, minimum) of int4 codes (GGUF Q4_1's de-quantized
  * values, e.g.); the float path multiplies those float32 values, so every element is what the float32 matrix
- * gives, from an eighth of its bytes. Codes paired (see hsd_mat), scales and minimums as HSD_Q4's. */
-enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4 };
+ * gives, from an eighth of its bytes. Codes paired (see hsd_mat), scales and minimums as HSD_Q4's.
+ * HSD_Q8F: the same for float32 weights that are exactly code * scale of int8 codes in groups of 32 columns (GGUF
+ * Q8_0's de-quantized values, e.g. the embedded model's LM head; the product is exact in float32): a quarter of
+ * the bytes. Codes paired by rows (see hsd_mat), scales float16 per group. */
+enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F = 5 };
 #define HSD_GROUP 32
 #define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
@@ -60,8 +63,10 @@ typedef struct {
                           * (low nibble) | code j of the second (high nibble); q4f: uint8 [rows / 2, groups / 2
                           * (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8 columns
                           * k of the group (8 of the first row, then the second's), each byte the code of the first
-                          * group (low nibble) | of the second (high nibble) */
-    const void *scale;   /* q8: float32 [rows]; q4, q4f: float16 bits [rows, cols / 32] */
+                          * group (low nibble) | of the second (high nibble); q8f: int8 [rows / 2 (rounded up),
+                          * cols / 8, 16]: per pair of rows, 16 bytes per 8 columns (8 of the first row, then the
+                          * same 8 of the second) */
+    const void *scale;   /* q8: float32 [rows]; q4, q4f, q8f: float16 bits [rows, cols / 32] */
     const void *zero;    /* q4, q4f: float16 bits [rows, cols / 32], the group minimum: w = code * scale + zero */
     const float *bias;   /* [rows] or NULL */
 } hsd_mat;
@@ -78,7 +83,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 12; }
+int hsd_version(void) { return 13; }
 /* 0: portable C; 1: AVX2 (8-lane tiles); 2: AVX2 with 16-lane float32 tiles (AVX-512). */
 int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512; }
 
@@ -195,12 +200,20 @@ static inline const uint8_t *q4f_codes(const hsd_mat *A, int pair, int gp) {
     return (const uint8_t *)A->w + ((size_t)pair * GP + gp) * 64;
 }
 
+/* The 16 code bytes of q8f rows 2 * pair, 2 * pair + 1 at columns 8 * c8 .. 8 * c8 + 7. */
+static inline const int8_t *q8f_codes(const hsd_mat *A, int pair, int c8) {
+    return (const int8_t *)A->w + ((size_t)pair * (A->cols / 8) + c8) * 16;
+}
+
+/* Whether A's rows are stored in pairs (the exact forms), read a block of 4 rows at a time by prefetch_block. */
+static inline int paired(const hsd_mat *A) { return A->type == HSD_Q4F || A->type == HSD_Q8F; }
+
 /* Rows [r, r + 4) of A, HSD_AHEAD blocks of 4 rows ahead of the block at row r0 (empty past the matrix end). */
 #define HSD_AHEAD 2
 static inline prefetch_t prefetch_ahead(const hsd_mat *A, int r0) {
     const int r = r0 + 4 * HSD_AHEAD, n = A->rows - r < 4 ? A->rows - r : 4;
     prefetch_t pf = {NULL, NULL};
-    if (n > 0 && A->type != HSD_Q4F) {
+    if (n > 0 && !paired(A)) {
         pf.p = (const char *)A->w + (size_t)r * row_bytes(A);
         pf.end = pf.p + (size_t)n * row_bytes(A);
     }
@@ -469,6 +482,17 @@ static void expand_row(const hsd_mat *A, int r, float *buf) {
             const uint8_t b = q4f_codes(A, r / 2, g / 2)[16 * k + 8 * (r % 2) + j];
             buf[c] = fmaf((float)((b >> (4 * (g % 2))) & 15), half_to_float(sc[g]), half_to_float(z[g]));
         }
+    } else if (A->type == HSD_Q8F) { /* w = code * scale (cols a multiple of 32) */
+        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)r * (K / HSD_GROUP);
+        int c = 0;
+#if HSD_AVX2
+        for (; c + 8 <= K; c += 8) { /* 8 at a time, the same product */
+            const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q8f_codes(A, r / 2, c / 8) + 8 * (r % 2))));
+            _mm256_storeu_ps(buf + c, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(half_to_float(sc[c / HSD_GROUP]))));
+        }
+#endif
+        for (; c < K; c++)
+            buf[c] = (float)q8f_codes(A, r / 2, c / 8)[8 * (r % 2) + c % 8] * half_to_float(sc[c / HSD_GROUP]);
     }
 }
 
@@ -824,28 +848,29 @@ static inline void store4(const hsd_mat *A, const float *s, int mt, int n, float
 }
 
 #if HSD_AVX512
-/* Ask the cache for rows [r, r + 4) of a q4f matrix (codes, scales, minimums), read a few blocks later. */
+/* Ask the cache for rows [r, r + 4) of a paired matrix (codes, scales, minimums), read a few blocks later. */
 static inline void prefetch_block(const hsd_mat *A, int r) {
     if (r >= A->rows) return;
-    const int G = A->cols / HSD_GROUP, GP = (G + 1) / 2, pairs = (A->rows + 1) / 2;
+    const int G = A->cols / HSD_GROUP, pairs = (A->rows + 1) / 2;
     const int n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
-    const char *p = (const char *)q4f_codes(A, r / 2, 0), *end = p + (size_t)n * GP * 64;
+    const size_t pair_bytes = A->type == HSD_Q8F ? (size_t)2 * A->cols : (size_t)((G + 1) / 2) * 64;
+    const char *p = (const char *)A->w + (size_t)(r / 2) * pair_bytes, *end = p + (size_t)n * pair_bytes;
     for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
     _mm_prefetch((const char *)((const uint16_t *)A->scale + (size_t)r * G), _MM_HINT_T0);
-    _mm_prefetch((const char *)((const uint16_t *)A->zero + (size_t)r * G), _MM_HINT_T0);
+    if (A->zero) _mm_prefetch((const char *)((const uint16_t *)A->zero + (size_t)r * G), _MM_HINT_T0);
 }
 
-/* Most groups per row of a q4f matrix that expand4_pairs converts the scales of on the stack (wider: the float
+/* Most groups per row of a paired matrix that expand4_pairs converts the scales of on the stack (wider: the float
  * path's generic tiles). */
-#define HSD_Q4F_MAX_GROUPS 512
+#define HSD_PAIRED_MAX_GROUPS 512
 
-/* Rows r .. r+3 of a q4f matrix (cols a multiple of 32, at most HSD_Q4F_MAX_GROUPS groups; a short last block of
+/* Rows r .. r+3 of a q4f matrix (cols a multiple of 32, at most HSD_PAIRED_MAX_GROUPS groups; a short last block of
  * n rows repeats its last row) as float32, paired for tile4xP_any: buf[0, 2K) holds rows 0|1 and buf[2K, 4K) rows
  * 2|3, 16 floats per 8 columns (8 of the first row, then 8 of the second). The values are expand_row's,
  * fma(code, scale, minimum): 16 codes widened, converted and scaled at once, as the codes are stored. */
 static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
     const int K = A->cols, G = K / HSD_GROUP;
-    float sf[4][HSD_Q4F_MAX_GROUPS], zf[4][HSD_Q4F_MAX_GROUPS];
+    float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
     for (int i = 0; i < 4; i++) { /* the rows' scales and minimums as float32, 16 at a time */
         const int ri = r + (i < n ? i : n - 1);
         const uint16_t *sc = (const uint16_t *)A->scale + (size_t)ri * G, *z = (const uint16_t *)A->zero + (size_t)ri * G;
@@ -876,11 +901,38 @@ static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
         }
     }
 }
+
+/* expand4_pairs for a q8f matrix: the values expand_row gives, code * scale, 16 codes (8 columns of two rows)
+ * widened, converted and scaled at once, as the codes are stored. */
+static void expand4_pairs_q8(const hsd_mat *A, int r, int n, float *buf) {
+    const int K = A->cols, G = K / HSD_GROUP;
+    float sf[4][HSD_PAIRED_MAX_GROUPS];
+    for (int i = 0; i < 4; i++) {
+        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)(r + (i < n ? i : n - 1)) * G;
+        int g = 0;
+        for (; g + 16 <= G; g += 16)
+            _mm512_storeu_ps(sf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + g))));
+        for (; g < G; g++) sf[i][g] = half_to_float(sc[g]);
+    }
+    for (int h = 0; h < 2; h++) { /* as expand4_pairs: a short block's missing pair repeats the first */
+        const int pair = r / 2 + (2 * h < n ? h : 0), a = 2 * h < n ? 2 * h : 0, c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
+        float *o = buf + (size_t)h * 2 * K;
+        for (int g = 0; g < G; g++) {
+            const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sf[a][g]), _mm256_set1_ps(sf[c][g]), 1);
+            float *og = o + (size_t)2 * g * HSD_GROUP;
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)q8f_codes(A, pair, 4 * g + k));
+                _mm512_storeu_ps(og + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv));
+            }
+        }
+    }
+}
 #endif
 
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
  * X: x quantized for the integer path (used when int_path(A)). buf: 4 * cols floats of scratch for expanded
- * rows (bfloat16, and int8 without whole groups). */
+ * rows (bfloat16, int8 without whole groups, the exact forms). */
 static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
                      int acc, float *buf) {
     if (int_path(A)) {
@@ -903,10 +955,12 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
         }
 #endif
 #if HSD_AVX512
-        if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_Q4F_MAX_GROUPS) { /* de-quantized
-                                                                                                    * into L1 */
+        if (paired(A) && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) { /* de-quantized into L1 */
             prefetch_block(A, r + 4 * HSD_AHEAD);
-            expand4_pairs(A, r, n, buf);
+            if (A->type == HSD_Q4F)
+                expand4_pairs(A, r, n, buf);
+            else
+                expand4_pairs_q8(A, r, n, buf);
             w[0] = w[1] = buf;
             w[2] = w[3] = buf + (size_t)2 * K;
             for (int t0 = 0; t0 < m; t0 += mt) {

@@ -43,7 +43,7 @@ from hsd_opt.errors import HsdError
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 12
+ABI_VERSION = 13
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
 MAX_PASS = EXACT_PASS
@@ -307,11 +307,15 @@ class KernelPath:
         n_heads, n_kv, head_dim: attention shapes.
         exact: per layer, projections to read in an exact int4 form instead (kind ``Q4F``, from
             :func:`~hsd_opt.engine.stored_copies.exact_int4_layers`): the same float32 values, fewer bytes.
+        head: the LM head to read instead of ``weights.head``: its exact int8 form (kind ``Q8F``, from
+            :func:`~hsd_opt.engine.weights.exact_int8`), the same float32 values from a quarter of the bytes.
     """
 
     def __init__(self, lib, weights: ModelWeights, n_heads: int, n_kv: int, head_dim: int,
-                 exact: Sequence[Mapping[str, Mat]] | None = None):
+                 exact: Sequence[Mapping[str, Mat]] | None = None, head: Mat | None = None):
         self.lib, self.weights = lib, weights
+        #: the matrix :meth:`head` reads: the model's head, or its exact int8 form
+        self.head_mat = head or weights.head
         lw = weights.layers
         self._keep: list = []             # float32 norm weights and exact int4 forms the structs point to
         arr = (_CLayer * len(lw))()
@@ -391,7 +395,7 @@ class KernelPath:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``, in blocks of
         :data:`MAX_PASS` rows (every row computed as a decode step computes it)."""
-        blocks = [linear(self.lib, self.weights.head, self.normed(hidden[i:i + MAX_PASS]))
+        blocks = [linear(self.lib, self.head_mat, self.normed(hidden[i:i + MAX_PASS]))
                   for i in range(0, hidden.shape[0], MAX_PASS)]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 

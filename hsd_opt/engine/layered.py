@@ -41,6 +41,7 @@ from hsd_opt.engine.weights import (
     GROUP,
     ModelWeights,
     check_supported,
+    exact_int8,
     is_released,
     model_weights,
     release_float_weights,
@@ -54,6 +55,9 @@ __all__ = ["DecodeState", "LayeredLM", "is_released", "pass_output", "release_fl
 #: weight exactly (:func:`~hsd_opt.engine.weights.exact_int4`; the same numbers from fewer bytes). The environment
 #: variable ``HSD_EXACT_INT4=0`` turns it off (to measure what it saves).
 EXACT_INT4 = os.environ.get("HSD_EXACT_INT4", "1") != "0"
+#: The same for the LM head in an exact int8 form (:func:`~hsd_opt.engine.weights.exact_int8`: GGUF Q8_0's
+#: de-quantized values, as the embedded model's head is); ``HSD_EXACT_INT8=0`` turns it off.
+EXACT_INT8 = os.environ.get("HSD_EXACT_INT8", "1") != "0"
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -142,11 +146,12 @@ class LayeredLM:
         else:
             self.dtype = weights.head.tensors[0].dtype
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
-        exact = None
-        if lib is not None and EXACT_INT4 and lib.hsd_simd() >= 1 and not weights.head.quantized:
-            exact = stored_copies.exact_int4_layers(model, weights)
+        exact = exact_head = None
+        if lib is not None and lib.hsd_simd() >= 1 and not weights.head.quantized:
+            exact = stored_copies.exact_int4_layers(model, weights) if EXACT_INT4 else None
+            exact_head = exact_int8(weights.head) if EXACT_INT8 else None
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
-                                                                     self.head_dim, exact)
+                                                                     self.head_dim, exact, exact_head)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)
         head = weights.head
         self._screen = HeadScreen(lib, head) if (lib is not None and head.kind == F32 and head.bias is None

@@ -24,8 +24,9 @@ from hsd_opt.engine.ops import norm_eps
 from hsd_opt.errors import HsdError
 
 #: Matrix kinds: float32 and bfloat16 (a model's own weights), int8 per output row, int4 in groups of 32 columns,
-#: and float32 weights held as int4 codes that give them exactly (:func:`exact_int4`).
-F32, BF16, Q8, Q4, Q4F = 0, 1, 2, 3, 4
+#: and float32 weights held as int4 codes (:func:`exact_int4`) or int8 codes (:func:`exact_int8`) that give them
+#: exactly.
+F32, BF16, Q8, Q4, Q4F, Q8F = 0, 1, 2, 3, 4, 5
 #: Input columns per int4 group (a scale and a minimum each), and the group of the kernels' int8 activations.
 GROUP = 32
 #: Rows handled at a time where a whole matrix would need a float32 temporary (quantizing a 49,152-row head).
@@ -39,8 +40,10 @@ class Mat:
 
     ``tensors``: float32/bfloat16 ``[w]`` (the model's tensor, not a copy); int8 ``[codes int8 [rows, cols],
     scale float32 [rows]]`` (``w = code * scale``); int4 ``[codes uint8 [rows, pairs, 32], scale float16 [rows,
-    G], minimum float16 [rows, G]]`` (``w = code * scale + minimum``, ``G = cols / 32``; see :func:`quantize_q4`).
-    Build with :meth:`in_place`, :func:`quantize_q8` or :func:`quantize_q4`."""
+    G], minimum float16 [rows, G]]`` (``w = code * scale + minimum``, ``G = cols / 32``; see :func:`quantize_q4`);
+    the exact forms of float32 weights: int4 ``[codes uint8 (:func:`pair_codes`), scale, minimum]`` and int8
+    ``[codes int8 (:func:`pair_rows_int8`), scale float16 [rows, G]]`` (``w = code * scale``).
+    Build with :meth:`in_place`, :func:`quantize_q8`, :func:`quantize_q4`, :func:`exact_int4` or :func:`exact_int8`."""
 
     def __init__(self, kind: int, rows: int, cols: int, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None):
         self.kind, self.rows, self.cols = kind, rows, cols
@@ -73,6 +76,9 @@ class Mat:
             return w.to(dtype)
         if self.kind == Q8:
             return (w.float() * self.tensors[1][:, None]).to(dtype)
+        if self.kind == Q8F:
+            codes = unpair_rows_int8(w, self.rows).float().reshape(self.rows, -1, GROUP)
+            return (codes * self.tensors[1].float()[..., None]).reshape(self.rows, self.cols).to(dtype)
         codes = unpair_codes(w, self.rows, self.cols // GROUP) if self.kind == Q4F else q4_codes(self)
         g = codes.float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
         return g.reshape(self.rows, self.cols).to(dtype)
@@ -158,6 +164,50 @@ def unpair_codes(packed: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
     c = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], packed.shape[1], 4, 2, 8, 2)
     c = c.permute(0, 3, 1, 5, 2, 4)                                            # [pair, h, gp, parity, k, j]
     return c.reshape(packed.shape[0] * 2, packed.shape[1] * 2, 32)[:rows, :groups]
+
+
+def exact_int8(weight: Mat) -> Mat | None:
+    """``weight`` (float32) held as int8 codes in groups of 32 columns with a float16 scale per group (GGUF's Q8_0)
+    when those give every weight exactly, bit for bit (``code * scale``, a product exact in float32): a float32
+    matrix de-quantized from Q8_0, like the embedded SmolLM2's LM head, is one. A group's scale is its largest
+    magnitude / 127 (Q8_0's quantizer gives that weight the code 127). The kernels then multiply the same float32
+    values, reading a quarter of the bytes (kind :data:`Q8F`). None when some weight differs (or ``weight`` is not
+    float32, or its width not a multiple of 32)."""
+    w = weight.tensors[0]
+    if weight.kind != F32 or w.dtype != torch.float32 or weight.cols % GROUP or w.device.type != "cpu":
+        return None
+    rows, cols, G = weight.rows, weight.cols, weight.cols // GROUP
+    codes = torch.empty(rows, cols, dtype=torch.int8)
+    scale = torch.empty(rows, G, dtype=torch.float16)
+    for a in range(0, rows, ROW_BLOCK):                  # a block of rows at a time (no whole float copy)
+        b = min(a + ROW_BLOCK, rows)
+        g = w[a:b].reshape(b - a, G, GROUP)
+        d = (g.abs().amax(-1) / 127.0).half()
+        df = d.float()[..., None]
+        q = torch.round(g / torch.where(df > 0, df, torch.ones_like(df))).clamp_(-127, 127)
+        if not torch.equal(q * df, g):
+            return None
+        codes[a:b] = q.reshape(b - a, cols).to(torch.int8)
+        scale[a:b] = d
+    return Mat(Q8F, rows, cols, [pair_rows_int8(codes), scale], weight.bias)
+
+
+def pair_rows_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[rows, cols]`` (``cols`` a multiple of 8) in the int8 exact form's layout ``[ceil(rows / 2),
+    cols / 8, 16]``: per pair of rows, 16 bytes per 8 columns, 8 of the first row, then the same 8 of the second,
+    which the kernels widen into one 16-lane register (two rows' 8-lane accumulators side by side, as
+    :func:`pair_codes`). An odd last row is repeated (its copy never read back)."""
+    rows, cols = codes.shape
+    if rows % 2:
+        codes = torch.cat([codes, codes[-1:]], 0)
+    c = codes.reshape(-1, 2, cols // 8, 8).permute(0, 2, 1, 3)                 # [pair, c8, h, j]
+    return c.reshape(c.shape[0], cols // 8, 16).contiguous()
+
+
+def unpair_rows_int8(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """:func:`pair_rows_int8` undone: int8 ``[rows, cols]``."""
+    c = packed.reshape(packed.shape[0], packed.shape[1], 2, 8).permute(0, 2, 1, 3)   # [pair, h, c8, j]
+    return c.reshape(packed.shape[0] * 2, packed.shape[1] * 8)[:rows]
 
 
 def q4_codes(mat: Mat) -> torch.Tensor:

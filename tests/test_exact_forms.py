@@ -1,6 +1,7 @@
-"""The exact int4 form of float32 weights: where a model's float32 weights are exactly GGUF Q4_1's de-quantized
-values (code * scale + minimum, as the embedded SmolLM2's are), the kernels read its int4 codes instead and
-compute the same float32 products, bit for bit, on every build and at every number of positions."""
+"""The exact forms of float32 weights: where a model's float32 weights are exactly GGUF Q4_1's de-quantized values
+(code * scale + minimum, as the embedded SmolLM2's projections are) or Q8_0's (code * scale, as its LM head is),
+the kernels read the int4 or int8 codes instead and compute the same float32 products, bit for bit, on every build
+and at every number of positions."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def q4_1_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
     return (q * d + m).reshape(rows, cols)
 
 
+def q8_0_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Float32 weights as GGUF Q8_0 de-quantizes them: per group of 32 columns, code * d with codes -127..127
+    (127 or -127 present, as Q8_0's quantizer gives the group's largest magnitude), d in float16; one group all
+    zero."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-126, 127, (rows, cols // 32, 32), generator=g).float()
+    q[..., 5] = torch.where(torch.rand(rows, cols // 32, generator=g) < 0.5, 127.0, -127.0)
+    q[0, 0] = 0
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    return (q * d).reshape(rows, cols)
+
+
 def exact_form(w: torch.Tensor, bias: torch.Tensor | None = None) -> wq.Mat | None:
     return wq.exact_int4(wq.Mat.in_place(w, bias), wq.quantize_q4(w, bias))
 
@@ -52,6 +65,29 @@ def test_q4_1_weights_have_an_exact_form_and_others_do_not():
     assert exact_form(moved) is None
     assert exact_form(torch.randn(12, 96, generator=torch.Generator().manual_seed(2))) is None
     assert wq.exact_int4(wq.Mat.in_place(w.bfloat16()), wq.quantize_q4(w)) is None   # not float32
+
+
+def test_the_int8_pair_layout_holds_every_code_once():
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((6, 32), (5, 64), (1, 8), (7, 96)):
+        codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+        packed = wq.pair_rows_int8(codes)
+        assert packed.shape == ((rows + 1) // 2, cols // 8, 16)
+        assert torch.equal(wq.unpair_rows_int8(packed, rows), codes)
+
+
+def test_q8_0_weights_have_an_exact_int8_form_and_others_do_not():
+    w = q8_0_weights(12, 96, seed=3)
+    mat = wq.exact_int8(wq.Mat.in_place(w))
+    assert mat is not None and mat.kind == wq.Q8F and mat.nbytes() < w.numel() * 4 / 3
+    assert torch.equal(mat.dequantized(), w)
+    moved = w.clone()
+    moved[7, 40] = torch.nextafter(moved[7, 40], torch.tensor(1.0))     # one weight one step off its grid
+    assert wq.exact_int8(wq.Mat.in_place(moved)) is None
+    assert wq.exact_int8(wq.Mat.in_place(torch.randn(12, 96, generator=torch.Generator().manual_seed(2)))) is None
+    assert wq.exact_int8(wq.Mat.in_place(w.bfloat16())) is None                        # not float32
+    assert wq.exact_int8(wq.Mat.in_place(w[:, :80].contiguous())) is None               # width not whole groups
+    assert wq.exact_int8(wq.Mat.in_place(q4_1_weights(12, 96, seed=1))) is None         # int4 grid, with offsets
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +116,19 @@ def test_the_exact_form_gives_the_float32_products_bit_for_bit(builds, rows, col
             assert torch.equal(kernels.linear(lib, q4f, x[:m]), kernels.linear(lib, f32, x[:m])), (name, m)
 
 
+@pytest.mark.parametrize("rows,cols", [(37, 64), (8, 96), (5, 576), (64, 32), (6, 160)])
+def test_the_int8_form_gives_the_float32_products_bit_for_bit(builds, rows, cols):
+    """As the int4 form: odd rows, short last blocks, 1 to 70 positions, every build."""
+    g = torch.Generator().manual_seed(rows * cols)
+    w, b = q8_0_weights(rows, cols, seed=rows + cols), torch.randn(rows, generator=g)
+    f32, q8f = wq.Mat.in_place(w, b), wq.exact_int8(wq.Mat.in_place(w, b))
+    assert q8f is not None
+    x = torch.randn(70, cols, generator=g)
+    for name, lib in builds.items():
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 70):
+            assert torch.equal(kernels.linear(lib, q8f, x[:m]), kernels.linear(lib, f32, x[:m])), (name, m)
+
+
 def _q4_1_model():
     """A tiny Llama whose projections hold Q4_1 weights (widths multiples of 32)."""
     model = make_tiny_llama(seed=4, vocab_size=64, layers=3, hidden=64, heads=4, kv_heads=2, scale=8.0)
@@ -97,6 +146,7 @@ def _kinds(eng: LayeredLM) -> set[int]:
 
 def _engine(model, exact: bool, monkeypatch) -> LayeredLM:
     monkeypatch.setattr(layered, "EXACT_INT4", exact)
+    monkeypatch.setattr(layered, "EXACT_INT8", exact)
     return LayeredLM(model, kernels=True)
 
 
@@ -127,3 +177,25 @@ def test_a_model_whose_weights_are_not_q4_1_keeps_them_as_they_are(monkeypatch):
     eng = _engine(model, True, monkeypatch)
     assert _kinds(eng) == {wq.F32}
     assert stored_copies.exact_int4_layers(model, eng.weights) == [{}, {}]
+
+
+def test_an_engine_over_a_q8_0_head_reads_its_int8_form_and_computes_the_same_logits_and_tokens(monkeypatch):
+    """The head's exact int8 form where the head is Q8_0's (the layers' weights are not Q4_1 here): full logits
+    of 1 to 9 rows, and greedy tokens of 1 to 6 rows (the int8 screen up to 4 rows, the head above), the same
+    bits as the engine reading the float32 head."""
+    model = make_tiny_llama(seed=6, vocab_size=96, layers=2, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(q8_0_weights(96, 64, seed=11))
+    exact, plain = _engine(model, True, monkeypatch), _engine(model, False, monkeypatch)
+    assert exact._kernels.head_mat.kind == wq.Q8F and plain._kernels.head_mat.kind == wq.F32
+    assert _kinds(exact) == {wq.F32}                          # the layers stay as they are
+    ids = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, eng in (("exact", exact), ("plain", plain)):
+        st = eng.new_state(20)
+        eng.append(st, ids)
+        eng.advance(st, eng.n_layers)
+        out[name] = ([eng.logits(st, eng.n_layers, 12 - m, 12) for m in (1, 2, 5, 9)],
+                     [eng.greedy_ids(st, eng.n_layers, 12 - m, 12) for m in (1, 3, 4, 6)])
+    for a, b in zip(out["exact"][0] + out["exact"][1], out["plain"][0] + out["plain"][1]):
+        assert torch.equal(a, b)
