@@ -55,6 +55,7 @@ enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F =
 #define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
 #define HSD_LONG_PASS 16  /* passes over this many positions or more use the register tile (prefill chunks) */
+#define HSD_SCRATCH_ROWS 8 /* rows of a matrix expanded at a time into a thread's scratch (two blocks of 4) */
 
 typedef struct {
     int32_t type, rows, cols, pad;
@@ -931,8 +932,8 @@ static void expand4_pairs_q8(const hsd_mat *A, int r, int n, float *buf) {
 #endif
 
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
- * X: x quantized for the integer path (used when int_path(A)). buf: 4 * cols floats of scratch for expanded
- * rows (bfloat16, int8 without whole groups, the exact forms). */
+ * X: x quantized for the integer path (used when int_path(A)). buf: HSD_SCRATCH_ROWS * cols floats of scratch for
+ * expanded rows (bfloat16, int8 without whole groups, the exact forms). */
 static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
                      int acc, float *buf) {
     if (int_path(A)) {
@@ -956,18 +957,28 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
 #endif
 #if HSD_AVX512
         if (paired(A) && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) { /* de-quantized into L1 */
-            prefetch_block(A, r + 4 * HSD_AHEAD);
-            if (A->type == HSD_Q4F)
-                expand4_pairs(A, r, n, buf);
-            else
-                expand4_pairs_q8(A, r, n, buf);
-            w[0] = w[1] = buf;
-            w[2] = w[3] = buf + (size_t)2 * K;
-            for (int t0 = 0; t0 < m; t0 += mt) {
-                mt = m - t0 < HSD_MAX_TILE_T ? m - t0 : HSD_MAX_TILE_T;
-                dots4_pairs(w, K, x + (size_t)t0 * xs, xs, mt, s);
-                store4(A, s, mt, n, y, ys, t0, r, acc);
+            /* over more than one tile of 8 positions, two blocks of 4 rows at a time, then each tile for both: each
+             * tile's inputs are read into the first-level cache once for 8 rows, not once for 4 */
+            const int nb = m > 8 && r1 - r > 4 ? 2 : 1;
+            for (int b = 0; b < nb; b++) {
+                const int rb = r + 4 * b, nr = r1 - rb < 4 ? r1 - rb : 4;
+                prefetch_block(A, rb + 4 * HSD_AHEAD);
+                if (A->type == HSD_Q4F)
+                    expand4_pairs(A, rb, nr, buf + (size_t)b * 4 * K);
+                else
+                    expand4_pairs_q8(A, rb, nr, buf + (size_t)b * 4 * K);
             }
+            for (int t0 = 0; t0 < m; t0 += mt) {
+                mt = m - t0 < 8 ? m - t0 : 8;
+                for (int b = 0; b < nb; b++) {
+                    const int rb = r + 4 * b, nr = r1 - rb < 4 ? r1 - rb : 4;
+                    w[0] = w[1] = buf + (size_t)b * 4 * K;
+                    w[2] = w[3] = buf + (size_t)b * 4 * K + (size_t)2 * K;
+                    dots4_pairs(w, K, x + (size_t)t0 * xs, xs, mt, s);
+                    store4(A, s, mt, nr, y, ys, t0, rb, acc);
+                }
+            }
+            r += 4 * (nb - 1);
             continue;
         }
 #endif
@@ -1203,7 +1214,7 @@ long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
     const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
     const long mk = max_cols(M);
     return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + mk / 4 + 2 * (mk / HSD_GROUP) + 16)
-        + (long)nthreads * ((H / KV) * (cache_len + 16) + 4L * mk + 16);
+        + (long)nthreads * ((H / KV) * (cache_len + 16) + (long)HSD_SCRATCH_ROWS * mk + 16);
 }
 
 /* Decoder layers l0 .. l1-1 on x [m, hidden] (in place). Row t is position pos[t] of sequence seq[t]; the rows of
@@ -1234,7 +1245,7 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
     int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
     float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
     const int rep = H / KV;
-    const size_t per_thread = (size_t)rep * (max_len + 16) + 4 * (size_t)mk + 16;
+    const size_t per_thread = (size_t)rep * (max_len + 16) + HSD_SCRATCH_ROWS * (size_t)mk + 16;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num();
@@ -1339,7 +1350,7 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
 }
 
 /* y [m, rows] = A x for x [m, cols] (e.g. the LM head on normed hidden states), rows split over threads.
- * work: nthreads * 4 * cols floats (expanded rows; unused for float32 weights). */
+ * work: nthreads * HSD_SCRATCH_ROWS * cols floats (expanded rows; unused for float32 weights). */
 int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, int nthreads) {
     if (m < 1 || (A->type != HSD_F32 && !work)) return -1;
     qx_t X = {NULL, NULL, NULL, A->cols};
@@ -1363,7 +1374,7 @@ int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, i
     {
         int a, b;
         share(A->rows, 4, &a, &b);
-        float *buf = work ? work + (size_t)omp_get_thread_num() * 4 * A->cols : NULL;
+        float *buf = work ? work + (size_t)omp_get_thread_num() * HSD_SCRATCH_ROWS * A->cols : NULL;
         mat_rows(A, x, A->cols, &X, m, y, A->rows, a, b, 0, buf);
     }
     free(xq);

@@ -57,6 +57,8 @@ PREFILL_ON_TORCH_FROM_WIDE = 64
 #: The same for a 16-lane library reading every projection in the exact int4 form (``Q4F``): its passes read the
 #: weights from the first-level cache once de-quantized, and stay ahead of the torch path over more positions.
 PREFILL_ON_TORCH_FROM_EXACT = 96
+#: Rows of a matrix the kernels expand at a time into a thread's scratch (``HSD_SCRATCH_ROWS`` in ``kernels.c``).
+SCRATCH_ROWS = 8
 #: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
@@ -406,7 +408,7 @@ def linear(lib, mat: Mat, x: torch.Tensor, out: torch.Tensor | None = None) -> t
     m = x.shape[0]
     y = out if out is not None else torch.empty(m, mat.rows, dtype=torch.float32)
     nt = torch.get_num_threads()
-    work = torch.empty(nt * 4 * mat.cols, dtype=torch.float32) if mat.kind != F32 else None
+    work = torch.empty(nt * SCRATCH_ROWS * mat.cols, dtype=torch.float32) if mat.kind != F32 else None
     rc = lib.hsd_linear(ctypes.byref(_struct(mat)), x.data_ptr(), m, y.data_ptr(), _ptr(work), nt)
     if rc != 0:
         raise HsdError("kernels: bad linear call")
