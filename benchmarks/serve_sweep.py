@@ -32,7 +32,10 @@ method and level over the rounds (the plot draws the medians). Reported per meth
 p50/p95 (seconds), tokens/s per stream (p50), and for the ``hsd*`` methods whether every answer equals the plan's
 own ``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate
 at that load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each
-stream's tokens over its decode seconds, times ``c``).
+stream's tokens over its decode seconds, times ``c``). Where the kernel reports it (``/proc/stat`` on Linux), each
+method's level also records the share of the machine's CPU time the hypervisor gave to others while it ran
+(``steal_fraction``, 0 to 1): a level run in a spell of high steal is slow for reasons outside the method (a low
+share does not prove the opposite: the cores can run slow without any time being stolen).
 """
 
 from __future__ import annotations
@@ -56,6 +59,23 @@ from benchmarks.server_load import stop_server as stop  # noqa: E402
 
 HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
 LLAMA_METHODS = ("llama", "llama_spec")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, total) CPU ticks of the whole machine so far (``/proc/stat``), or None where it is unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU ticks stolen between two :func:`cpu_ticks` readings (None if either is missing)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def free_port() -> int:
@@ -274,7 +294,9 @@ def main() -> None:
                     name = served_name(url)
                     time.sleep(a.settle)        # the previous method's processes gone, the cores quiet
                     warm_up(url, name, prompts[0])
+                    ticks = cpu_ticks()
                     r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
+                    r["steal_fraction"] = steal_between(ticks, cpu_ticks())
                 finally:
                     if proc is not None:
                         stop(proc)
@@ -290,7 +312,8 @@ def main() -> None:
                       + (f"  equal {r['equal_to_plan']}" if "equal_to_plan" in r else "")
                       + (f"  predicted {r['predicted_aggregate_tokens_per_s']:.1f}, decode "
                          f"{r['decode_aggregate_tokens_per_s']:.1f}" if r.get("predicted_aggregate_tokens_per_s")
-                         else "") + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
+                         else "") + (f"  steal {r['steal_fraction']:.0%}" if r["steal_fraction"] else "")
+                      + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
                 write_json(a.out, report)
     finally:
         for proc, _, _ in servers.values():
