@@ -865,22 +865,25 @@ static inline void prefetch_block(const hsd_mat *A, int r) {
  * path's generic tiles). */
 #define HSD_PAIRED_MAX_GROUPS 512
 
-/* Rows r .. r+3 of a q4f matrix (cols a multiple of 32, at most HSD_PAIRED_MAX_GROUPS groups; a short last block of
- * n rows repeats its last row) as float32, paired for tile4xP_any: buf[0, 2K) holds rows 0|1 and buf[2K, 4K) rows
- * 2|3, 16 floats per 8 columns (8 of the first row, then 8 of the second). The values are expand_row's,
- * fma(code, scale, minimum): 16 codes widened, converted and scaled at once, as the codes are stored. */
-static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
+/* G float16 values as float32, 16 at a time. */
+static inline void halves_to_floats(const uint16_t *h, int G, float *out) {
+    int g = 0;
+    for (; g + 16 <= G; g += 16) _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g))));
+    for (; g < G; g++) out[g] = half_to_float(h[g]);
+}
+
+/* Rows r .. r+3 of a paired matrix (cols a multiple of 32, at most HSD_PAIRED_MAX_GROUPS groups; a short last block
+ * of n rows repeats its last row) as float32, paired for tile4xP_any: buf[0, 2K) holds rows 0|1 and buf[2K, 4K)
+ * rows 2|3, 16 floats per 8 columns (8 of the first row, then 8 of the second). The values are expand_row's,
+ * fma(code, scale, minimum) for q4f and code * scale for q8f: 16 codes widened, converted and scaled at once, as
+ * the codes are stored. Constant `q8` lets the compiler keep one variant per kind. */
+static inline __attribute__((always_inline)) void expand4_any(const hsd_mat *A, int r, int n, float *buf, int q8) {
     const int K = A->cols, G = K / HSD_GROUP;
     float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
-    for (int i = 0; i < 4; i++) { /* the rows' scales and minimums as float32, 16 at a time */
-        const int ri = r + (i < n ? i : n - 1);
-        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)ri * G, *z = (const uint16_t *)A->zero + (size_t)ri * G;
-        int g = 0;
-        for (; g + 16 <= G; g += 16) {
-            _mm512_storeu_ps(sf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + g))));
-            _mm512_storeu_ps(zf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + g))));
-        }
-        for (; g < G; g++) sf[i][g] = half_to_float(sc[g]), zf[i][g] = half_to_float(z[g]);
+    for (int i = 0; i < 4; i++) { /* the rows' scales (and minimums) as float32 */
+        const size_t ri = (size_t)r + (i < n ? i : n - 1);
+        halves_to_floats((const uint16_t *)A->scale + ri * G, G, sf[i]);
+        if (!q8) halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
     }
     const __m128i low = _mm_set1_epi8(15);
     for (int h = 0; h < 2; h++) {
@@ -888,10 +891,18 @@ static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
         const int pair = r / 2 + (2 * h < n ? h : 0), a = 2 * h < n ? 2 * h : 0, c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
         float *o = buf + (size_t)h * 2 * K;
         for (int g = 0; g < G; g++) {
-            const uint8_t *q = q4f_codes(A, pair, g / 2);
             const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sf[a][g]), _mm256_set1_ps(sf[c][g]), 1);
-            const __m512 zv = _mm512_insertf32x8(_mm512_set1_ps(zf[a][g]), _mm256_set1_ps(zf[c][g]), 1);
             float *og = o + (size_t)2 * g * HSD_GROUP;
+            if (q8) {
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m128i b = _mm_loadu_si128((const __m128i *)q8f_codes(A, pair, 4 * g + k));
+                    _mm512_storeu_ps(og + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv));
+                }
+                continue;
+            }
+            const uint8_t *q = q4f_codes(A, pair, g / 2);
+            const __m512 zv = _mm512_insertf32x8(_mm512_set1_ps(zf[a][g]), _mm256_set1_ps(zf[c][g]), 1);
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * k));
@@ -903,31 +914,12 @@ static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
     }
 }
 
-/* expand4_pairs for a q8f matrix: the values expand_row gives, code * scale, 16 codes (8 columns of two rows)
- * widened, converted and scaled at once, as the codes are stored. */
-static void expand4_pairs_q8(const hsd_mat *A, int r, int n, float *buf) {
-    const int K = A->cols, G = K / HSD_GROUP;
-    float sf[4][HSD_PAIRED_MAX_GROUPS];
-    for (int i = 0; i < 4; i++) {
-        const uint16_t *sc = (const uint16_t *)A->scale + (size_t)(r + (i < n ? i : n - 1)) * G;
-        int g = 0;
-        for (; g + 16 <= G; g += 16)
-            _mm512_storeu_ps(sf[i] + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + g))));
-        for (; g < G; g++) sf[i][g] = half_to_float(sc[g]);
-    }
-    for (int h = 0; h < 2; h++) { /* as expand4_pairs: a short block's missing pair repeats the first */
-        const int pair = r / 2 + (2 * h < n ? h : 0), a = 2 * h < n ? 2 * h : 0, c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
-        float *o = buf + (size_t)h * 2 * K;
-        for (int g = 0; g < G; g++) {
-            const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sf[a][g]), _mm256_set1_ps(sf[c][g]), 1);
-            float *og = o + (size_t)2 * g * HSD_GROUP;
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)q8f_codes(A, pair, 4 * g + k));
-                _mm512_storeu_ps(og + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv));
-            }
-        }
-    }
+/* expand4_any for a q4f or q8f matrix. */
+static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
+    if (A->type == HSD_Q8F)
+        expand4_any(A, r, n, buf, 1);
+    else
+        expand4_any(A, r, n, buf, 0);
 }
 #endif
 
@@ -963,10 +955,7 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             for (int b = 0; b < nb; b++) {
                 const int rb = r + 4 * b, nr = r1 - rb < 4 ? r1 - rb : 4;
                 prefetch_block(A, rb + 4 * HSD_AHEAD);
-                if (A->type == HSD_Q4F)
-                    expand4_pairs(A, rb, nr, buf + (size_t)b * 4 * K);
-                else
-                    expand4_pairs_q8(A, rb, nr, buf + (size_t)b * 4 * K);
+                expand4_pairs(A, rb, nr, buf + (size_t)b * 4 * K);
             }
             for (int t0 = 0; t0 < m; t0 += mt) {
                 mt = m - t0 < 8 ? m - t0 : 8;
