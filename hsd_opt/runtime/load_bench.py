@@ -1,0 +1,244 @@
+"""``hsd bench --concurrency``: serving under load in one process, closed-loop clients against the batch scheduler
+``hsd serve`` runs (:class:`~hsd_opt.runtime.batch.Batch`), without HTTP.
+
+At each concurrency ``c``, each method serves ``c`` clients; each client sends ``requests`` greedy requests one
+after the other, the next as soon as the previous answer ends, all ``c`` first requests at once. Client ``i``'s
+``k``-th request takes prompt ``(start + i * requests + k) mod n`` of the ``n`` prompts (``start`` advances by
+``c * requests`` per level, so levels and rounds see different prompts where there are enough).
+
+Methods (:data:`LOAD_METHODS`):
+
+- ``hsd``: the plan, with its hierarchy per load level (``by_load``; a plan without them runs its own hierarchy at
+  every load), ``max_batch`` sequences decoded together (``hsd serve --plan PLAN --max-batch MAX``);
+- ``hsd_batch1``: the same plan, one request at a time (``--max-batch 1``);
+- ``hsd_plain``: the plan's target alone, ``max_batch`` sequences batched: decoding without speculation.
+
+Reported per method and concurrency (:func:`level_figures`): aggregate tokens/s (every generated token over the
+seconds from the first request to the last answer), time to the first token p50 / p95 (seconds from a request's
+submission to its first committed tokens, waiting for a place and the prompt included), tokens/s per stream p50
+(a request's tokens after the first over the seconds from its first tokens to its end), and whether every answer
+equals the target's greedy answer alone (``HSD.generate`` of the target, one prompt at a time). For ``hsd`` at a
+concurrency that is one of the plan's load levels, the plan's predicted aggregate there (``by_load``), from the
+profile's costs (not re-timed). With several rounds the methods run in rotating order at each concurrency (what
+runs before a method changes its figures) and the report holds each round and the medians.
+
+What this leaves out, and ``benchmarks/serve_sweep.py`` measures: HTTP, the server's text decoding and streaming,
+and clients in other processes. Units: seconds, tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import nearest_level
+from hsd_opt.runtime.batch import Batch
+from hsd_opt.runtime.decode import HSD
+
+if TYPE_CHECKING:
+    from hsd_opt.formats import Plan
+
+#: The methods of a load benchmark, as the report names them.
+LOAD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
+
+
+@dataclass
+class Request:
+    """One client request of a level: the client sending it, the prompt's index, when it was submitted, when its
+    first tokens were committed and when it ended (``time.perf_counter`` seconds; None until then), and its
+    generated ids."""
+
+    client: int
+    prompt: int
+    submitted: float
+    first: float | None = None
+    ended: float | None = None
+    token_ids: list[int] | None = None
+
+
+def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
+    """Client counts from ``"1,2,4,8"``: distinct integers >= 1, in the order given. Bad text raises
+    :class:`HsdError` naming ``flag``."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            c = int(part)
+        except ValueError:
+            raise HsdError(f"{flag}: expected client counts like 1,2,4,8, got {part!r}") from None
+        if c < 1:
+            raise HsdError(f"{flag}: client counts must be >= 1, got {c}")
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise HsdError(f"{flag}: expected client counts like 1,2,4,8, got {text!r}")
+    return out
+
+
+def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], clients: int,
+                  requests: int, max_new_tokens: int, max_batch: int, start: int = 0) -> list[Request]:
+    """Serve ``clients`` closed-loop clients of ``requests`` greedy requests each (see the module doc) with a
+    :class:`Batch` of ``hierarchies`` decoding at most ``max_batch`` sequences together; returns every request
+    in submission order. A request that fails raises its error."""
+    batch = Batch(hierarchies, max_batch)
+    done: list[Request] = []
+    errors: list[BaseException] = []
+
+    def submit(client: int, k: int) -> None:
+        idx = (start + client * requests + k) % len(prompts)
+        req = Request(client, idx, time.perf_counter())
+        done.append(req)
+
+        def on_tokens(_toks: list[int]) -> None:
+            if req.first is None:
+                req.first = time.perf_counter()
+
+        def on_done(res, err) -> None:
+            req.ended = time.perf_counter()
+            if err is not None:
+                errors.append(err)
+                return
+            req.token_ids = list(res.token_ids)
+            if k + 1 < requests:
+                submit(client, k + 1)
+
+        batch.add(prompts[idx], max_new_tokens, on_tokens=on_tokens, on_done=on_done)
+
+    for i in range(clients):
+        submit(i, 0)
+    batch.run()
+    if errors:
+        raise errors[0]
+    return done
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``xs`` (linear between order statistics); None when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def level_figures(reqs: Sequence[Request], reference: Mapping[int, list[int]] | None = None) -> dict[str, Any]:
+    """The figures of one method at one concurrency (see the module doc) from its requests; ``reference``: prompt
+    index -> the target's greedy ids (``equal_to_target`` is None without it)."""
+    tokens = sum(len(r.token_ids or []) for r in reqs)
+    wall = max(r.ended for r in reqs) - min(r.submitted for r in reqs)
+    ttft = [r.first - r.submitted for r in reqs if r.first is not None]
+    streams = [(len(r.token_ids) - 1) / (r.ended - r.first) for r in reqs
+               if r.first is not None and r.token_ids and len(r.token_ids) > 1 and r.ended > r.first]
+    equal = None
+    if reference is not None:
+        equal = all(r.token_ids == reference[r.prompt] for r in reqs)
+    return {"requests": len(reqs), "tokens": tokens, "wall_seconds": wall,
+            "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
+            "stream_tokens_per_s_p50": _pct(streams, 50), "equal_to_target": equal}
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+MEDIAN_KEYS = ("aggregate_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s_p50")
+
+
+def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, HSD], int]],
+                   target: HSD, prompts: Sequence[Sequence[int]], concurrency: Sequence[int], requests: int = 2,
+                   max_new_tokens: int = 64, rounds: int = 1,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every method of ``runners`` (name -> (hierarchies, max_batch), names from :data:`LOAD_METHODS`) at each
+    client count of ``concurrency`` for ``rounds`` rounds (see the module doc) on ``prompts`` (token ids), each
+    answer checked against ``target``'s (the target alone, one prompt at a time). Returns the report:
+    ``levels`` (one entry per client count: per method the medians over rounds, each round's figures, and for
+    ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings."""
+    if requests < 1:
+        raise HsdError(f"--requests: expected >= 1, got {requests}")
+    if rounds < 1:
+        raise HsdError(f"--rounds: expected >= 1, got {rounds}")
+    if not prompts:
+        raise HsdError("no prompts to send")
+    log = log or (lambda s: None)
+    for name, (h, _) in runners.items():                  # first passes allocate: not timed
+        for one in ({id(x): x for x in (h.values() if isinstance(h, Mapping) else [h])}).values():
+            one.generate(list(prompts[0]), 2)
+    reference: dict[int, list[int]] = {}
+    methods = list(runners)
+    levels: list[dict[str, Any]] = []
+    start = 0
+    for li, c in enumerate(concurrency):
+        per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+        for r in range(rounds):
+            picks = {(start + i) % len(prompts) for i in range(c * requests)}
+            for j in sorted(picks - set(reference)):
+                reference[j] = list(target.generate(list(prompts[j]), max_new_tokens).token_ids)
+            shift = (r + li) % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                h, mb = runners[m]
+                reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start)
+                fig = level_figures(reqs, reference)
+                fig["round"] = r + 1
+                per_round[m].append(fig)
+                log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "
+                    f"TTFT p50 {fig['ttft_p50_s']:.2f} s")
+            start += c * requests
+        entry: dict[str, Any] = {"clients": c, "methods": {}}
+        for m in methods:
+            med = {k: _median([f[k] for f in per_round[m]]) for k in MEDIAN_KEYS}
+            med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m])
+            med["rounds"] = per_round[m]
+            entry["methods"][m] = med
+        if "hsd" in entry["methods"] and plan.by_load:
+            level = nearest_level(plan.by_load, c)
+            e = plan.by_load[level]
+            entry["methods"]["hsd"].update({"load_level": level, "hierarchy": list(e.hierarchy),
+                                            "budgets": list(e.budgets),
+                                            "predicted_tokens_per_s": (e.tokens_per_s or level / e.expected_latency)
+                                            if level == c else None})
+        agg = {m: entry["methods"][m]["aggregate_tokens_per_s"] for m in methods}
+        if "hsd" in agg:
+            entry["hsd_over_batch1"] = _ratio(agg.get("hsd"), agg.get("hsd_batch1"))
+            entry["hsd_over_plain"] = _ratio(agg.get("hsd"), agg.get("hsd_plain"))
+        levels.append(entry)
+    return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
+            "max_new_tokens": max_new_tokens, "rounds": rounds, "prompts": len(prompts),
+            "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels}
+
+
+def plot_load(report: Mapping[str, Any], path) -> None:
+    """PNG: aggregate tokens/s (median over rounds) against the number of clients, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [lv["clients"] for lv in report["levels"]]
+    for m in report["methods"]:
+        ys = [lv["methods"][m]["aggregate_tokens_per_s"] for lv in report["levels"]]
+        ax.plot(xs, ys, marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.set_title(f"serving under load ({report['max_new_tokens']} new tokens, {report['requests']} requests "
+                 f"per client)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
