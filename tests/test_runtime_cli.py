@@ -171,6 +171,56 @@ def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "--methods" in _out(res) and "Traceback" not in _out(res)
 
 
+def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):
+    """``hsd bench --concurrency 1,2``: for each client count the three methods, 2 clients' figures, the
+    load-aware plan's level (its hierarchy, and its prediction where the count is a level), every answer equal to
+    the target's; the JSON report and the plot are written."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer2", "layer4"), budgets=(2, 3))
+    d = json.loads(plan.read_text())
+    d["by_load"] = {"1": {"hierarchy": ["ngram", "layer2", "layer4"], "budgets": [2, 3], "expected_latency": 0.01},
+                    "4": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.02, "tokens_per_s": 200.0}}
+    plan.write_text(json.dumps(d))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Write a list"}\n{"prompt": "third"}\n')
+    rep_path, png = tmp_path / "load.json", tmp_path / "load.png"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2",
+                              "--requests", "2", "--max-new-tokens", "5", "--json", str(rep_path), "--plot", str(png),
+                              "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert rep["started"] <= rep["ended"]
+    assert rep["kind"] == "load" and rep["concurrency"] == [1, 2] and rep["methods"] == ["hsd", "hsd_batch1",
+                                                                                       "hsd_plain"]
+    assert rep["max_batch"] == {"hsd": 2, "hsd_batch1": 1, "hsd_plain": 2}
+    for lv, c in zip(rep["levels"], (1, 2)):
+        assert lv["clients"] == c and set(lv["methods"]) == {"hsd", "hsd_batch1", "hsd_plain"}
+        for m, f in lv["methods"].items():
+            assert f["equal_to_target"] is True, (c, m)
+            assert f["aggregate_tokens_per_s"] > 0 and f["ttft_p50_s"] >= 0
+            assert [r["requests"] for r in f["rounds"]] == [2 * c]
+        assert lv["hsd_over_batch1"] == pytest.approx(lv["methods"]["hsd"]["aggregate_tokens_per_s"]
+                                                      / lv["methods"]["hsd_batch1"]["aggregate_tokens_per_s"])
+    one, two = (lv["methods"]["hsd"] for lv in rep["levels"])
+    assert one["hierarchy"] == ["ngram", "layer2", "layer4"] and one["predicted_tokens_per_s"] == pytest.approx(100)
+    assert two["load_level"] == 4 and two["hierarchy"] == ["layer4"] and two["predicted_tokens_per_s"] is None
+    assert png.stat().st_size > 1000 and "x batch1" in _out(res)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--concurrency", "0"], "--concurrency: client counts must be >= 1"),
+    (["--concurrency", "1,2", "--methods", "ar"], "--methods: with --concurrency the methods are"),
+    (["--concurrency", "2", "--temperature", "0.7"], "--temperature: not with --concurrency"),
+    (["--concurrency", "2", "--turns", "all", "--retime", "p.json"], "--turns, --retime: not with --concurrency"),
+    (["--concurrency", "2", "--requests", "0"], "--requests: expected >= 1"),
+    (["--concurrency", "2", "--max-batch", "0"], "--max-batch: expected >= 1"),
+])
+def test_bench_under_load_refuses_bad_flags(tiny_dir, tmp_path, extra, needle):
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    res = runner.invoke(app, ["bench", "--plan", str(plan)] + extra)
+    assert res.exit_code == 2, _out(res)
+    assert needle in _out(res) and "Traceback" not in _out(res)
+
+
 def test_stats_table_reads_bottom_as_proposals_and_upper_levels_as_checks():
     from rich.console import Console
 

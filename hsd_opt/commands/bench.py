@@ -116,7 +116,22 @@ def bench_cmd(
                                                                   "ar, single_draft, hsd, hsd_task. Default: all "
                                                                   "but hf_early_exit (slow: only when named); "
                                                                   "hf_assisted with a draft model, hsd_task when "
-                                                                  "the plan has plans per task."),
+                                                                  "the plan has plans per task. With "
+                                                                  "--concurrency: hsd, hsd_batch1, hsd_plain "
+                                                                  "(default all three)."),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Serving under load instead: this many "
+                                                                          "concurrent clients at each level, "
+                                                                          "e.g. 1,2,4,8,16 (greedy, in one "
+                                                                          "process, the scheduler of `hsd "
+                                                                          "serve` without HTTP; see "
+                                                                          "docs/cli.md)."),
+    requests: int = typer.Option(2, "--requests", help="With --concurrency: requests per client, one after the "
+                                                       "other."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="With --concurrency: sequences decoded "
+                                                                      "together by hsd and hsd_plain (default: "
+                                                                      "the largest concurrency)."),
+    rounds: int = typer.Option(1, "--rounds", help="With --concurrency: rounds at each level, the methods in "
+                                                   "rotating order; the report holds the medians."),
 ):
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
@@ -128,6 +143,11 @@ def bench_cmd(
 
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+    if concurrency is not None:
+        return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
+                          target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
+                          others={"--temperature": temperature != 0.0, "--turns": turns != "first",
+                                  "--retime": retime is not None, "--assistant": assistant is not None})
     sampling = Sampling(temperature, top_p, seed)
     check_sampling(sampling)
     check_turn_mode(turns)
@@ -174,4 +194,90 @@ def bench_cmd(
         console.print(f"wrote {json_out}")
     if plot is not None:
         plot_report(rep, plot)
+        console.print(f"wrote {plot}")
+
+
+LOAD_LEGEND = ("agg: aggregate tokens/s (every token over the wall seconds of the level); x batch1, x plain: hsd's "
+               "aggregate over hsd_batch1's and hsd_plain's; ttft: seconds to the first tokens (p50 / p95, "
+               "waiting included); stream: tokens/s of one request after its first tokens (p50); pred: the "
+               "plan's predicted aggregate at this load level (by_load); =target: every answer equals the "
+               "target's greedy answer alone")
+
+
+def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], by: str,
+               max_new_tokens: int, json_out: Optional[Path], plot: Optional[Path], device: str,
+               dtype: Optional[str], target_precision: Optional[str], model: Optional[str], raw: bool, mode: str,
+               methods: Optional[str], concurrency: str, requests: int, max_batch: Optional[int], rounds: int,
+               others: dict[str, bool]) -> None:
+    """``hsd bench --concurrency``: :mod:`hsd_opt.runtime.load_bench` on the plan, a table per run, and the JSON
+    report and plot when asked. ``others``: flags of the single-stream bench that do not apply (set: refused)."""
+    from datetime import datetime, timezone
+
+    import torch
+    from rich import box
+    from rich.table import Table
+
+    from hsd_opt.errors import HsdError
+    from hsd_opt.jsonio import write_json
+    from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
+    from hsd_opt.runtime.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
+
+    given = [flag for flag, on in others.items() if on]
+    if given:
+        raise HsdError(f"{', '.join(given)}: not with --concurrency (greedy requests, one turn each)")
+    levels_c = parse_concurrency(concurrency)
+    if requests < 1:
+        raise HsdError(f"--requests: expected >= 1, got {requests}")
+    if rounds < 1:
+        raise HsdError(f"--rounds: expected >= 1, got {rounds}")
+    mb = max(levels_c) if max_batch is None else max_batch
+    if mb < 1:
+        raise HsdError(f"--max-batch: expected >= 1, got {mb}")
+    names = list(LOAD_METHODS)
+    if methods is not None:
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        bad = [m for m in names if m not in LOAD_METHODS]
+        if bad or not names:
+            raise HsdError(f"--methods: with --concurrency the methods are {', '.join(LOAD_METHODS)}; got "
+                           f"{', '.join(map(repr, bad)) or '(none)'}")
+    check_report_key(by)
+    items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    say = lambda s: console.print(s, style="dim")  # noqa: E731
+    say(f"building the plan's hierarchies on {loaded.device} ...")
+    models = PlanModels(loaded)
+    runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
+    by_load = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner) or runner
+    target = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=[p.hierarchy[-1]], budgets=[],
+                          models=models)
+    table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
+    ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
+                         log=say)
+    rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "plan": str(plan), "model": loaded.provenance(), "device": str(loaded.device),
+                "torch_threads": torch.get_num_threads()})
+    t = Table(title=f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
+                    f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} ({loaded.model_id}, "
+                    f"{loaded.device}, {rep['torch_threads']} threads)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("clients", "method", "agg", "x batch1", "x plain", "ttft p50", "ttft p95", "stream", "pred",
+                "=target"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for lv in rep["levels"]:
+        for m, d in lv["methods"].items():
+            hsd = m == "hsd"
+            t.add_row(str(lv["clients"]), m, fmt(d["aggregate_tokens_per_s"], ".1f"),
+                      fmt(lv.get("hsd_over_batch1") if hsd else None, ".2f"),
+                      fmt(lv.get("hsd_over_plain") if hsd else None, ".2f"), fmt(d["ttft_p50_s"], ".2f"),
+                      fmt(d["ttft_p95_s"], ".2f"), fmt(d["stream_tokens_per_s_p50"], ".1f"),
+                      fmt(d.get("predicted_tokens_per_s"), ".1f"), "yes" if d["equal_to_target"] else "NO")
+    console.print(t)
+    console.print(LOAD_LEGEND, style="dim")
+    if json_out is not None:
+        write_json(json_out, rep)
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        plot_load(rep, plot)
         console.print(f"wrote {plot}")
