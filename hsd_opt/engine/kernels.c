@@ -1394,6 +1394,102 @@ int hsd_rows_f32(const hsd_mat *A, const long *row, const long *pos, int n, cons
     return 0;
 }
 
+/* ------------------------------------------------------------------------------- the greedy head's screen */
+
+/* For row x [d] of normed hidden states: its norm *hn and *dl, the bound on the norm of its int8 quantization's
+ * error (half a step per element, the step of each group of 32 its largest magnitude / 127), as engine/screen.py
+ * states them: dl = sqrt(32 sum_g step_g^2) / 2 (1 + 1e-4) + 1e-6 |x|. In double, rounded up to float. Returns 0,
+ * or 1 when x holds a value that is not finite. */
+static int screen_norms(const float *x, int d, float *hn, float *dl) {
+    double ss = 0.0, steps = 0.0;
+    for (int g = 0; g < d; g += HSD_GROUP) {
+        const int e = g + HSD_GROUP < d ? g + HSD_GROUP : d;
+        double amax = 0.0;
+        for (int k = g; k < e; k++) {
+            const double v = x[k];
+            if (!isfinite(x[k])) return 1;
+            ss += v * v;
+            amax = fabs(v) > amax ? fabs(v) : amax;
+        }
+        steps += (amax / 127.0) * (amax / 127.0);
+    }
+    const double n = sqrt(ss);
+    *hn = nextafterf((float)n, INFINITY);
+    *dl = nextafterf((float)(sqrt(steps * HSD_GROUP) * 0.5 * (1 + 1e-4) + 1e-6 * n), INFINITY);
+    return 0;
+}
+
+/* The bound e_r = c_r (|x| + dl) + |W_r| dl on |screen logit - float32 logit| of row r (engine/screen.py). */
+static inline float screen_bound(float c, float wn, float hn, float dl) { return c * (hn + dl) + wn * dl; }
+
+/* e [m, V]: the screen's bound at every row for each position of x [m, d] (c, wn [V]: the head's constants).
+ * Returns 0, or 1 when x holds a value that is not finite. */
+int hsd_screen_bounds(const float *x, int m, int d, const float *c, const float *wn, int V, float *e) {
+    for (int t = 0; t < m; t++) {
+        float hn, dl;
+        if (screen_norms(x + (size_t)t * d, d, &hn, &dl)) return 1;
+        for (int r = 0; r < V; r++) e[(size_t)t * V + r] = screen_bound(c[r], wn[r], hn, dl);
+    }
+    return 0;
+}
+
+/* The greedy ids of the float32 head A at each position of normed hidden x [m, A->cols], from the screen's
+ * logits a [m, V] (the int8 copy's): the rows whose interval [a_r - e_r, a_r + e_r] reaches the highest lower
+ * bound are the candidates, computed as hsd_rows_f32 computes them, and out[t] is the first of the largest.
+ * Single-threaded (two passes over V and a few rows). Returns 0; 1 when x or a holds a value that is not finite
+ * or a position has more than cap candidates (the caller computes the logits); -1 on bad arguments. */
+int hsd_screen_pick(const hsd_mat *A, const float *x, int m, const float *a, const float *c, const float *wn,
+                    int cap, long *out) {
+    if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1) return -1;
+    const int K = A->cols, V = A->rows;
+    int *cand = malloc(sizeof(int) * (size_t)cap);
+    if (!cand) return -1;
+    int rc = 0;
+    prefetch_t pf = {NULL, NULL};
+    for (int t = 0; t < m && rc == 0; t++) {
+        const float *at = a + (size_t)t * V, *xt = x + (size_t)t * K;
+        float hn, dl;
+        if (screen_norms(xt, K, &hn, &dl)) {
+            rc = 1;
+            break;
+        }
+        float floor = -INFINITY;
+        for (int r = 0; r < V; r++) {
+            if (!isfinite(at[r])) {
+                rc = 1;
+                break;
+            }
+            const float lo = at[r] - screen_bound(c[r], wn[r], hn, dl);
+            floor = lo > floor ? lo : floor;
+        }
+        if (rc) break;
+        int n = 0;
+        for (int r = 0; r < V; r++)
+            if (at[r] + screen_bound(c[r], wn[r], hn, dl) >= floor) {
+                if (n == cap) {
+                    rc = 1;
+                    break;
+                }
+                cand[n++] = r;
+            }
+        if (rc) break;
+        float best = -INFINITY;
+        long arg = -1;
+        for (int j = 0; j < n; j += 4) {
+            const int k = n - j < 4 ? n - j : 4;
+            const float *w[4];
+            float s[4];
+            for (int i = 0; i < 4; i++) w[i] = (const float *)A->w + (size_t)cand[j + (i < k ? i : k - 1)] * K;
+            dots4(w, K, xt, K, 1, s, &pf);
+            for (int i = 0; i < k; i++)
+                if (arg < 0 || s[i] > best) best = s[i], arg = cand[j + i];
+        }
+        out[t] = arg;
+    }
+    free(cand);
+    return rc;
+}
+
 /* out [m, d] = RMSNorm(x) with weight w (float32 statistics). */
 void hsd_rms_norm(const float *x, int m, int d, const float *w, float eps, float *out) {
     rms_norm_rows(x, m, d, w, eps, out);

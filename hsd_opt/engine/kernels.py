@@ -167,6 +167,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_linear.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.hsd_rows_f32.restype = ctypes.c_int
     lib.hsd_rows_f32.argtypes = [ctypes.POINTER(_CMat), _P, _P, ctypes.c_int, _P, _P]
+    lib.hsd_screen_bounds.restype = ctypes.c_int
+    lib.hsd_screen_bounds.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
+    lib.hsd_screen_pick.restype = ctypes.c_int
+    lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, _P]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     return lib
@@ -427,6 +431,35 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
                              x.data_ptr(), y.data_ptr()) != 0:
         raise HsdError("kernels: bad rows call")
     return y
+
+
+def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor) -> torch.Tensor | None:
+    """The greedy screen's bound ``e`` ``[m, V]`` float32 at each position of normed hidden ``x`` ``[m, d]``
+    (:mod:`hsd_opt.engine.screen`; ``c``, ``wnorm``: its per-row constants ``[V]``); None when ``x`` holds a value
+    that is not finite."""
+    x = x.float().contiguous()
+    e = torch.empty(x.shape[0], c.numel(), dtype=torch.float32)
+    if lib.hsd_screen_bounds(x.data_ptr(), x.shape[0], x.shape[1], c.data_ptr(), wnorm.data_ptr(), c.numel(),
+                             e.data_ptr()) != 0:
+        return None
+    return e
+
+
+def screen_pick(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor,
+                cap: int) -> torch.Tensor | None:
+    """Greedy ids ``[m]`` (int64) of the float32 ``head`` at normed hidden ``x`` ``[m, d]`` from the screen's
+    logits ``a`` ``[m, V]``: the argmax over the rows whose bound (:func:`screen_bounds`) reaches the highest lower
+    bound, their logits computed as :func:`rows_f32` computes them (first index on ties). None when ``x`` or ``a``
+    holds a value that is not finite or a position has more than ``cap`` candidates."""
+    x, a = x.float().contiguous(), a.float().contiguous()
+    if a.shape != (x.shape[0], head.rows) or x.shape[1] != head.cols:
+        raise HsdError("kernels: bad screen call")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.hsd_screen_pick(ctypes.byref(_struct(head)), x.data_ptr(), x.shape[0], a.data_ptr(), c.data_ptr(),
+                             wnorm.data_ptr(), cap, out.data_ptr())
+    if rc < 0:
+        raise HsdError("kernels: bad screen call")
+    return out if rc == 0 else None
 
 
 def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -73,33 +73,21 @@ class HeadScreen:
         return self.q8.nbytes()
 
     def bounds(self, h: torch.Tensor) -> torch.Tensor:
-        """``e`` ``[m, V]`` float32: the bound on ``|a_r - l_r|`` at each position of normed hidden ``h``."""
-        hn = h.norm(dim=1, keepdim=True)                                        # [m, 1]
-        step = h.reshape(h.shape[0], -1, GROUP).abs().amax(-1) / 127.0   # [m, G] activation steps
-        delta = (step.square().sum(1, keepdim=True) * GROUP).sqrt() * (0.5 * (1 + 1e-4)) + 1e-6 * hn
-        return torch.addcmul(self.wnorm[None] * delta, self.c[None], hn + delta)
+        """``e`` ``[m, V]`` float32: the bound on ``|a_r - l_r|`` at each position of normed hidden ``h`` (computed
+        by the kernels, as :meth:`argmax` computes it). Raises ValueError for ``h`` with values not finite."""
+        e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm)
+        if e is None:
+            raise ValueError("the screen's bound needs finite hidden states")
+        return e
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Greedy token ids ``[m]`` (int64) of the head at normed hidden ``h`` ``[m, d]`` float32, equal to
         ``linear(head, h).argmax(-1)``; None when the screen does not apply (too many positions or candidates,
-        non-finite values): the caller computes the logits."""
+        non-finite values): the caller computes the logits. The screen's logits come from the kernels' integer
+        path; the bounds, the candidates and their float32 logits from one kernel call
+        (:func:`~hsd_opt.engine.kernels.screen_pick`)."""
         if h.shape[0] > MAX_POSITIONS:
             return None
         h = h.float().contiguous()
         a = kernels.linear(self.lib, self.q8, h)
-        if not (torch.isfinite(h).all() and torch.isfinite(a).all()):
-            return None
-        e = self.bounds(h)
-        floor = (a - e).amax(dim=1, keepdim=True)
-        pos, rows = torch.nonzero(a + e >= floor, as_tuple=True)           # row-major: positions in order
-        if rows.numel() > MAX_CANDIDATES * h.shape[0]:
-            return None
-        vals = kernels.rows_f32(self.lib, self.head, rows, pos, h)
-        out = torch.empty(h.shape[0], dtype=torch.int64)
-        counts = torch.bincount(pos, minlength=h.shape[0]).tolist()
-        start = 0
-        for t, c in enumerate(counts):
-            seg = vals[start:start + c]
-            out[t] = rows[start + int(seg.argmax())]
-            start += c
-        return out
+        return kernels.screen_pick(self.lib, self.head, h, a, self.c, self.wnorm, MAX_CANDIDATES)
