@@ -208,7 +208,8 @@ def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--concurrency", "0"], "--concurrency: client counts must be >= 1"),
-    (["--concurrency", "1,2", "--methods", "ar"], "--methods: with --concurrency the methods are"),
+    (["--concurrency", "1,2", "--methods", "ar"],
+     "--methods: unknown method 'ar'; known with --concurrency: hsd, hsd_batch1, hsd_plain"),
     (["--concurrency", "2", "--temperature", "0.7"], "--temperature: not with --concurrency"),
     (["--concurrency", "2", "--turns", "all", "--retime", "p.json"], "--turns, --retime: not with --concurrency"),
     (["--concurrency", "2", "--requests", "0"], "--requests: expected >= 1"),

@@ -9,6 +9,7 @@ import typer
 
 from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, level_acceptance, load_plan_and_model
 from hsd_opt.console import console, warn
+from hsd_opt.errors import HsdError
 
 
 def _row(d: dict, retimed: bool = False) -> list[str]:
@@ -136,7 +137,6 @@ def bench_cmd(
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
-    from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
     from hsd_opt.runtime.bench import METHODS, Sampling, check_sampling, plot_report, run_bench
@@ -152,13 +152,7 @@ def bench_cmd(
     check_sampling(sampling)
     check_turn_mode(turns)
     check_report_key(by)
-    ms = None
-    if methods is not None:
-        ms = [m.strip() for m in methods.split(",") if m.strip()]
-        bad = [m for m in ms if m not in METHODS]
-        if bad or not ms:
-            raise HsdError(f"--methods: unknown method {', '.join(map(repr, bad)) or '(none given)'}; known: "
-                           f"{', '.join(METHODS)}")
+    ms = None if methods is None else method_names(methods, METHODS)
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
     retime_profile = None
     if retime is not None:
@@ -197,6 +191,17 @@ def bench_cmd(
         console.print(f"wrote {plot}")
 
 
+def method_names(text: str, known: tuple[str, ...], where: str = "") -> list[str]:
+    """The methods ``--methods`` names (comma-separated), each one of ``known``; else :class:`HsdError` naming the
+    flag and the known ones (``where``: when they apply, as " with --concurrency")."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in known]
+    if bad or not names:
+        raise HsdError(f"--methods: unknown method {', '.join(map(repr, bad)) or '(none given)'}; known{where}: "
+                       f"{', '.join(known)}")
+    return names
+
+
 LOAD_LEGEND = ("agg: aggregate tokens/s (every token over the wall seconds of the level); x batch1, x plain: hsd's "
                "aggregate over hsd_batch1's and hsd_plain's; ttft: seconds to the first tokens (p50 / p95, "
                "waiting included); stream: tokens/s of one request after its first tokens (p50); pred: the "
@@ -217,7 +222,6 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     from rich import box
     from rich.table import Table
 
-    from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
     from hsd_opt.runtime.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
@@ -234,13 +238,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     mb = max(levels_c) if max_batch is None else max_batch
     if mb < 1:
         raise HsdError(f"--max-batch: expected >= 1, got {mb}")
-    names = list(LOAD_METHODS)
-    if methods is not None:
-        names = [m.strip() for m in methods.split(",") if m.strip()]
-        bad = [m for m in names if m not in LOAD_METHODS]
-        if bad or not names:
-            raise HsdError(f"--methods: with --concurrency the methods are {', '.join(LOAD_METHODS)}; got "
-                           f"{', '.join(map(repr, bad)) or '(none)'}")
+    names = list(LOAD_METHODS) if methods is None else method_names(methods, LOAD_METHODS, " with --concurrency")
     check_report_key(by)
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
