@@ -11,7 +11,7 @@ import pytest
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import BatchCosts, ContextCosts, profile_from_dict
 from hsd_opt.solver.api import evaluate, solve
-from hsd_opt.solver.batch import at_batch, solve_loads
+from hsd_opt.solver.batch import at_batch, choose_loads, solve_loads
 from hsd_opt.solver.latency import target_only
 from tests.helpers import random_profile
 
@@ -123,3 +123,32 @@ def test_load_min_gain_is_its_own_threshold_above_one_sequence():
         want = ["t"] if gains[n] < cut else free[n].hierarchy
         assert strict[n].hierarchy == want
     assert solve_loads(prof, 7, [2], min_gain=cut)[2].hierarchy == strict[2].hierarchy
+
+
+def test_choosing_among_built_hierarchies_keeps_the_optimum_and_follows_a_drift():
+    """``choose_loads`` among the hierarchies the solver chose at each load gives the same plans (each is the
+    optimum of its load). Among the copy's hierarchies alone, the copy pays at 1 and 2 sequences; with the
+    target's costs halved (a drift toward a faster target) plain decoding wins there, and no level is ever
+    predicted slower than plain batching."""
+    from hsd_opt.runtime.retime import scale_costs
+
+    prof = _profile()
+    loads = solve_loads(prof, 7, [1, 2, 4, 8], min_gain=0.0, load_min_gain=0.0)
+    cands = list({(tuple(e.hierarchy), tuple(e.budgets)) for e in loads.values()})
+    chosen = choose_loads(prof, [1, 2, 4, 8], cands, load_min_gain=0.0)
+    for n in (1, 2, 4, 8):
+        assert (chosen[n].hierarchy, chosen[n].budgets) == (loads[n].hierarchy, loads[n].budgets)
+        assert chosen[n].expected_latency == pytest.approx(loads[n].expected_latency)
+    copy = [(("q", "t"), (3,)), (("q", "t"), (2,))]
+    before = choose_loads(prof, [1, 2, 4, 8], copy, load_min_gain=0.0)
+    assert before[1].hierarchy == before[2].hierarchy == ["q", "t"]
+    fast = scale_costs(prof, {"t": 0.5})
+    after = choose_loads(fast, [1, 2, 4, 8], copy, load_min_gain=0.0)
+    assert after[1].hierarchy == after[2].hierarchy == ["t"]
+    for plans, p in ((before, prof), (after, fast)):
+        for n, e in plans.items():
+            assert e.expected_latency <= e.batched_target_latency * (1 + 1e-12)
+            assert e.batched_target_latency == pytest.approx(target_only(at_batch(p, n)))
+            assert e.tokens_per_s == pytest.approx(n / e.expected_latency)
+    with pytest.raises(HsdError, match="must end with the target"):
+        choose_loads(prof, [2], [(("q",), ())])

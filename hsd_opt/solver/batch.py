@@ -22,7 +22,7 @@ from typing import Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import BatchCosts, ContextCosts, LoadPlan, Profile
-from hsd_opt.solver.api import resolve_context, solve
+from hsd_opt.solver.api import evaluate, resolve_context, solve
 from hsd_opt.solver.latency import target_only
 
 
@@ -90,6 +90,34 @@ def solve_loads(profile: Profile, tmax: int, batch_sizes: Sequence[int], min_gai
         alone = float(target_only(resolve_context(prof, solve_args.get("context"))[0]))
         hierarchy, budgets, latency = list(plan.hierarchy), list(plan.budgets), float(plan.expected_latency)
         if b > 1 and latency > (1.0 - floor) * alone:    # speculation within the noise of plain batching
+            hierarchy, budgets, latency = [profile.target], [], alone
+        out[b] = LoadPlan(hierarchy, budgets, latency, b / latency, alone)
+    return out
+
+
+def choose_loads(profile: Profile, loads: Sequence[int], candidates: Sequence[tuple[Sequence[str], Sequence[int]]],
+                 load_min_gain: float = LOAD_MIN_GAIN, context: float | None = None) -> dict[int, LoadPlan]:
+    """The plan of each load level in ``loads``, chosen among ``candidates`` (hierarchies with their budgets, each
+    ending with the profile's target) and plain batched decoding the way :func:`solve_loads` chooses on the
+    solver's optimum: the least predicted seconds per token on :func:`at_batch` at ``context``, and above one
+    sequence plain batched decoding unless a candidate is predicted at least ``load_min_gain`` faster. For a
+    server whose hierarchies are built: the profile re-timed to the machine's speed of the moment picks the
+    hierarchy of each load among those it has."""
+    for h, _ in candidates:
+        if not h or h[-1] != profile.target:
+            raise HsdError(f"a candidate hierarchy must end with the target {profile.target!r}, got {list(h)}")
+    out: dict[int, LoadPlan] = {}
+    for b in sorted(set(int(x) for x in loads)):
+        if b < 1:
+            raise HsdError(f"load levels are >= 1 sequences, got {b}")
+        prof = at_batch(profile, b)
+        alone = float(target_only(resolve_context(prof, context)[0]))
+        hierarchy, budgets, latency = [profile.target], [], alone
+        for h, t in candidates:
+            lat = float(evaluate(prof, list(h), list(t), context=context))
+            if lat < latency:
+                hierarchy, budgets, latency = list(h), list(t), lat
+        if b > 1 and latency > (1.0 - load_min_gain) * alone:
             hierarchy, budgets, latency = [profile.target], [], alone
         out[b] = LoadPlan(hierarchy, budgets, latency, b / latency, alone)
     return out
