@@ -83,6 +83,42 @@ def test_levels_that_run_one_hierarchy_share_one_runner(profiled):
     assert len({id(h.target) for h in levels.values()} | {id(own.target)}) == 1
 
 
+def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profiled):
+    """``hsd serve --retime PROFILE``: each engine's step timed at start, every load level served by one of the
+    plan's hierarchies (its own, its levels', the target alone) over the same engines, the choice reported in
+    ``/health``'s ``retime``; a plan without load levels, or a profile of another model, is refused naming the
+    flag."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.formats import load_plan
+
+    root, prof = profiled
+    path = root / "plan_rt.json"
+    assert run_cli("solve", "--profile", prof, "--tmax", "3", "--out", path).exit_code == 0
+    plan = load_plan(path)
+    app, jobs = prepare_server(path, device="cpu", max_batch=4, retime=prof)
+    levels = jobs.batch.levels
+    assert sorted(levels) == [1, 2, 4] and len({id(h.target) for h in levels.values()}) == 1
+    about = app.state.service.about
+    rt = about["retime"]
+    assert set(rt["factors"]) >= set(plan.hierarchy) - {"ngram"} and all(f > 0 for f in rt["factors"].values())
+    known = {(tuple(plan.hierarchy), tuple(plan.budgets)), ((plan.hierarchy[-1],), ())}
+    known |= {(tuple(e.hierarchy), tuple(e.budgets)) for e in plan.by_load.values()}
+    for n, h in levels.items():
+        e = rt["levels"][str(n)]
+        assert (tuple(e["chosen"]), tuple(e["budgets"])) in known
+        assert [lv.name for lv in h.levels] == e["chosen"] == about["load_levels"][str(n)]
+        assert e["plan"] == list(plan.by_load[n].hierarchy)
+    one = root / "one_rt.json"
+    assert run_cli("solve", "--profile", prof, "--tmax", "3", "--batch-sizes", "1", "--out", one).exit_code == 0
+    with pytest.raises(HsdError, match="--retime: .* no plans per load level"):
+        prepare_server(one, device="cpu", retime=prof)
+    other = json.loads(prof.read_text())
+    other["provenance"]["model"] = "someone/else"
+    (root / "other.json").write_text(json.dumps(other))
+    with pytest.raises(HsdError, match="--retime .*other.json: the profile is of model"):
+        prepare_server(path, device="cpu", retime=root / "other.json")
+
+
 @pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),
                                        (("solve", "--batch-sizes", "0"), "--batch-sizes"),
                                        (("profile", "--batch-sizes", "two"), "--batch-sizes"),

@@ -47,11 +47,13 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    mode: str = "exact", model_name: Optional[str] = None, default_max_tokens: int = 256,
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
                    target_precision: Optional[str] = None, max_batch: int = 8,
-                   max_body: int = DEFAULT_MAX_BODY) -> tuple[Any, Any]:
+                   max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together (the app's
-    lifespan starts and stops its worker). ``say(message)`` reports progress."""
+    lifespan starts and stops its worker). ``retime``: the profile the plan was solved from; each load level's
+    hierarchy is then chosen again among the plan's at the engines' step times measured now
+    (:func:`retimed_levels`). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
@@ -64,6 +66,9 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
+    retimed = None
+    if retime is not None:
+        levels, retimed = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say)
     built = list({id(h): h for h in (runner, *levels.values())}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
     tok = loaded.tokenizer
@@ -74,8 +79,50 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     info = ModelInfo(name, tok, max_positions, default_max_tokens)
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions,
-             "load_levels": {str(n): list(e.hierarchy) for n, e in p.by_load.items()}}
+             "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
+    if retimed is not None:
+        about["retime"] = retimed
     return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
+
+
+def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
+                   say) -> tuple[dict, dict]:
+    """``hsd serve --retime PROFILE``: check the profile against the plan, time one step of every engine the plan's
+    hierarchies run (on the suite's prompts), and choose each load level's hierarchy again among the plan's own,
+    its levels' and the target alone at those step times
+    (:func:`~hsd_opt.runtime.retime.retime_load_levels`); ``say`` hears the factors and each level that
+    changes. Returns the level -> runner map and the report."""
+    from hsd_opt.console import warn_some
+    from hsd_opt.formats import load_profile
+    from hsd_opt.prompts import encode_prompt, load_prompts
+    from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    if not p.by_load:
+        raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
+                       f"--batch-sizes)")
+    profile, warnings = load_profile(retime)
+    warn_some(warnings)
+    check_profile_for_plan(profile, p, str(retime))
+    built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
+    for n, e in p.by_load.items():
+        built.setdefault((tuple(e.hierarchy), tuple(e.budgets)), levels[n])
+    alone = ((p.hierarchy[-1],), ())
+    if alone not in built:
+        built[alone] = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=[p.hierarchy[-1]], budgets=[],
+                                    models=models)
+    text = [t for s in load_prompts().texts[:8] for t in encode_prompt(loaded.tokenizer, s)]
+    say("timing each engine's step to choose the load levels' hierarchies again (--retime) ...")
+    new, report = retime_load_levels(p, profile, built, text=text)
+    say("step time now over profiled: " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(report["factors"].items())))
+
+    def chain(h: list[str], b: list[int]) -> str:
+        return " -> ".join(h) + (f" (T={b})" if b else "")
+
+    for n, e in report["levels"].items():
+        if (e["chosen"], e["budgets"]) != (e["plan"], e["plan_budgets"]):
+            say(f"load level {n}: {chain(e['plan'], e['plan_budgets'])} -> {chain(e['chosen'], e['budgets'])}")
+    return new, report
 
 
 @cli_command
@@ -103,6 +150,11 @@ def serve_cmd(
     target_precision: Optional[str] = typer.Option(None, "--target-precision", help=TARGET_PRECISION_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (as `hsd run --mode`)."),
+    retime: Optional[Path] = typer.Option(None, "--retime", help="The profile the plan was solved from: at start, "
+                                                                 "time each engine's step and choose each load "
+                                                                 "level's hierarchy again among the plan's at "
+                                                                 "the machine's speed of the moment (a plan per "
+                                                                 "load level only)."),
 ):
     """Serve the plan's hierarchy over an OpenAI-compatible HTTP API (chat and text completions, streamed or not),
     up to --max-batch requests decoded together, lossless."""
@@ -115,7 +167,7 @@ def serve_cmd(
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
-                                     max_batch=max_batch, max_body=max_body)
+                                     max_batch=max_batch, max_body=max_body, retime=retime)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service

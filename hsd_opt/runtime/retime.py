@@ -31,7 +31,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD
-from hsd_opt.solver.batch import at_batch
+from hsd_opt.solver.batch import LOAD_MIN_GAIN, at_batch, choose_loads
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency
 from hsd_opt.solver.tasks import profile_tasks, task_profile
@@ -212,3 +212,34 @@ class StepClock:
                                   "factor_min": min(e["measured"]) / e["profiled"],
                                   "factor_max": max(e["measured"]) / e["profiled"]}
         return out
+
+
+def retime_load_levels(plan, profile: Profile, built: Mapping[tuple[tuple[str, ...], tuple[int, ...]], HSD],
+                       text: Sequence[int] | None = None, measurements: int = 3, repeats: int = 5,
+                       load_min_gain: float | None = None) -> tuple[dict[int, HSD], dict[str, Any]]:
+    """The hierarchy of each of ``plan``'s load levels chosen again at the machine's speed of the moment: one step
+    of every engine of the ``built`` hierarchies ((names, budgets) -> built runner; the target alone among them)
+    timed ``measurements`` times (:class:`StepClock`, on ``text``), the profile's costs scaled by the median
+    factors (:func:`scale_costs`), and each level's hierarchy picked among ``built`` as
+    :func:`~hsd_opt.solver.batch.choose_loads` picks (``load_min_gain``: default its own). Returns the level ->
+    runner map and a report: ``factors`` (model -> measured / profiled step), per level the plan's hierarchy and
+    the chosen one with its predicted aggregate tokens/s."""
+    if not plan.by_load:
+        raise HsdError("the plan has no load levels to choose again (solve with --batch-sizes)")
+    target = ((profile.target,), ())
+    if target not in built:
+        raise HsdError("re-timing the load levels needs the target alone among the built hierarchies")
+    clock = StepClock(profile, list(built.values()), repeats=repeats, text=text)
+    for _ in range(max(1, measurements)):
+        clock.measure()
+    factors = clock.factors()
+    gain = LOAD_MIN_GAIN if load_min_gain is None else load_min_gain
+    chosen = choose_loads(scale_costs(profile, factors), list(plan.by_load), list(built), gain,
+                          context=plan.context)
+    levels = {n: built[(tuple(e.hierarchy), tuple(e.budgets))] for n, e in chosen.items()}
+    report = {"factors": factors, "load_min_gain": gain,
+              "levels": {str(n): {"plan": list(plan.by_load[n].hierarchy),
+                                  "plan_budgets": list(plan.by_load[n].budgets), "chosen": e.hierarchy,
+                                  "budgets": e.budgets, "tokens_per_s": e.tokens_per_s}
+                         for n, e in chosen.items()}}
+    return levels, report
