@@ -119,6 +119,19 @@ def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profi
         prepare_server(path, device="cpu", retime=root / "other.json")
 
 
+def test_bench_under_load_with_retime_reports_the_levels_it_ran(profiled):
+    root, prof = profiled
+    path, out = root / "plan_bench_rt.json", root / "load_rt.json"
+    assert run_cli("solve", "--profile", prof, "--tmax", "3", "--out", path).exit_code == 0
+    r = run_cli("bench", "--plan", path, "--concurrency", "1,2", "--retime", prof, "--max-new-tokens", "4",
+                "--prompts", root / "p.jsonl", "--json", out, "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    rep = json.loads(out.read_text())
+    assert set(rep["retime"]["levels"]) == {"1", "2", "4"} and rep["retime"]["factors"]
+    assert rep["levels"][1]["methods"]["hsd"]["load_level"] == 2
+    assert all(f["equal_to_target"] for lv in rep["levels"] for f in lv["methods"].values())
+
+
 @pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),
                                        (("solve", "--batch-sizes", "0"), "--batch-sizes"),
                                        (("profile", "--batch-sizes", "two"), "--batch-sizes"),

@@ -211,7 +211,8 @@ def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):
     (["--concurrency", "1,2", "--methods", "ar"],
      "--methods: unknown method 'ar'; known with --concurrency: hsd, hsd_batch1, hsd_plain"),
     (["--concurrency", "2", "--temperature", "0.7"], "--temperature: not with --concurrency"),
-    (["--concurrency", "2", "--turns", "all", "--retime", "p.json"], "--turns, --retime: not with --concurrency"),
+    (["--concurrency", "2", "--turns", "all", "--assistant", "x"], "--turns, --assistant: not with --concurrency"),
+    (["--concurrency", "2", "--retime", "p.json"], "--retime: "),
     (["--concurrency", "2", "--requests", "0"], "--requests: expected >= 1"),
     (["--concurrency", "2", "--max-batch", "0"], "--max-batch: expected >= 1"),
 ])

@@ -7,7 +7,14 @@ from typing import Optional
 
 import typer
 
-from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, level_acceptance, load_plan_and_model
+from hsd_opt.commands.common import (
+    TARGET_PRECISION_HELP,
+    cli_command,
+    fmt,
+    level_acceptance,
+    load_plan_and_model,
+    retimed_levels,
+)
 from hsd_opt.console import console, warn
 from hsd_opt.errors import HsdError
 
@@ -146,8 +153,8 @@ def bench_cmd(
     if concurrency is not None:
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
                           target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
-                          others={"--temperature": temperature != 0.0, "--turns": turns != "first",
-                                  "--retime": retime is not None, "--assistant": assistant is not None})
+                          retime, others={"--temperature": temperature != 0.0, "--turns": turns != "first",
+                                          "--assistant": assistant is not None})
     sampling = Sampling(temperature, top_p, seed)
     check_sampling(sampling)
     check_turn_mode(turns)
@@ -213,9 +220,11 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                max_new_tokens: int, json_out: Optional[Path], plot: Optional[Path], device: str,
                dtype: Optional[str], target_precision: Optional[str], model: Optional[str], raw: bool, mode: str,
                methods: Optional[str], concurrency: str, requests: int, max_batch: Optional[int], rounds: int,
-               others: dict[str, bool]) -> None:
+               retime: Optional[Path], others: dict[str, bool]) -> None:
     """``hsd bench --concurrency``: :mod:`hsd_opt.runtime.load_bench` on the plan, a table per run, and the JSON
-    report and plot when asked. ``others``: flags of the single-stream bench that do not apply (set: refused)."""
+    report and plot when asked; with ``retime`` (a profile) the load levels of ``hsd`` and ``hsd_batch1`` chosen
+    again at the speed of the moment, as ``hsd serve --retime`` does. ``others``: flags of the single-stream bench
+    that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
     import torch
@@ -247,6 +256,9 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     by_load = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner) or runner
+    retimed = None
+    if retime is not None:
+        by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
     target = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=[p.hierarchy[-1]], budgets=[],
                           models=models)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
@@ -254,6 +266,8 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
                          log=say)
+    if retimed is not None:
+        rep["retime"] = retimed
     rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "plan": str(plan), "model": loaded.provenance(), "device": str(loaded.device),
                 "torch_threads": torch.get_num_threads()})

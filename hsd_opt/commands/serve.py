@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, load_plan_and_model
+from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, load_plan_and_model, retimed_levels
 from hsd_opt.console import err_console
 from hsd_opt.errors import HsdError
 
@@ -53,7 +53,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together (the app's
     lifespan starts and stops its worker). ``retime``: the profile the plan was solved from; each load level's
     hierarchy is then chosen again among the plan's at the engines' step times measured now
-    (:func:`retimed_levels`). ``say(message)`` reports progress."""
+    (:func:`~hsd_opt.commands.common.retimed_levels`). ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
@@ -83,46 +83,6 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     if retimed is not None:
         about["retime"] = retimed
     return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
-
-
-def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
-                   say) -> tuple[dict, dict]:
-    """``hsd serve --retime PROFILE``: check the profile against the plan, time one step of every engine the plan's
-    hierarchies run (on the suite's prompts), and choose each load level's hierarchy again among the plan's own,
-    its levels' and the target alone at those step times
-    (:func:`~hsd_opt.runtime.retime.retime_load_levels`); ``say`` hears the factors and each level that
-    changes. Returns the level -> runner map and the report."""
-    from hsd_opt.console import warn_some
-    from hsd_opt.formats import load_profile
-    from hsd_opt.prompts import encode_prompt, load_prompts
-    from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
-    from hsd_opt.runtime.runner import hsd_for_plan
-
-    if not p.by_load:
-        raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
-                       f"--batch-sizes)")
-    profile, warnings = load_profile(retime)
-    warn_some(warnings)
-    check_profile_for_plan(profile, p, str(retime))
-    built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
-    for n, e in p.by_load.items():
-        built.setdefault((tuple(e.hierarchy), tuple(e.budgets)), levels[n])
-    alone = ((p.hierarchy[-1],), ())
-    if alone not in built:
-        built[alone] = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=[p.hierarchy[-1]], budgets=[],
-                                    models=models)
-    text = [t for s in load_prompts().texts[:8] for t in encode_prompt(loaded.tokenizer, s)]
-    say("timing each engine's step to choose the load levels' hierarchies again (--retime) ...")
-    new, report = retime_load_levels(p, profile, built, text=text)
-    say("step time now over profiled: " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(report["factors"].items())))
-
-    def chain(h: list[str], b: list[int]) -> str:
-        return " -> ".join(h) + (f" (T={b})" if b else "")
-
-    for n, e in report["levels"].items():
-        if (e["chosen"], e["budgets"]) != (e["plan"], e["plan_budgets"]):
-            say(f"load level {n}: {chain(e['plan'], e['plan_budgets'])} -> {chain(e['chosen'], e['budgets'])}")
-    return new, report
 
 
 @cli_command

@@ -17,10 +17,11 @@ Reported per method and concurrency (:func:`level_figures`): aggregate tokens/s 
 seconds from the first request to the last answer), time to the first token p50 / p95 (seconds from a request's
 submission to its first committed tokens, waiting for a place and the prompt included), tokens/s per stream p50
 (a request's tokens after the first over the seconds from its first tokens to its end), and whether every answer
-equals the target's greedy answer alone (``HSD.generate`` of the target, one prompt at a time). For ``hsd`` at a
-concurrency that is one of the plan's load levels, the plan's predicted aggregate there (``by_load``), from the
-profile's costs (not re-timed). With several rounds the methods run in rotating order at each concurrency (what
-runs before a method changes its figures) and the report holds each round and the medians.
+equals the target's greedy answer alone (``HSD.generate`` of the target, one prompt at a time). For ``hsd``: the
+load level it ran at, that level's hierarchy and budgets, and where the concurrency is that level and the
+hierarchy the plan's there, the plan's predicted aggregate (``by_load``, the profile's costs, not re-timed). With
+several rounds the methods run in rotating order at each concurrency (what runs before a method changes its
+figures) and the report holds each round and the medians.
 
 What this leaves out, and ``benchmarks/serve_sweep.py`` measures: HTTP, the server's text decoding and streaming,
 and clients in other processes. Units: seconds, tokens.
@@ -202,13 +203,8 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m])
             med["rounds"] = per_round[m]
             entry["methods"][m] = med
-        if "hsd" in entry["methods"] and plan.by_load:
-            level = nearest_level(plan.by_load, c)
-            e = plan.by_load[level]
-            entry["methods"]["hsd"].update({"load_level": level, "hierarchy": list(e.hierarchy),
-                                            "budgets": list(e.budgets),
-                                            "predicted_tokens_per_s": (e.tokens_per_s or level / e.expected_latency)
-                                            if level == c else None})
+        if "hsd" in entry["methods"]:
+            entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], c))
         agg = {m: entry["methods"][m]["aggregate_tokens_per_s"] for m in methods}
         if "hsd" in agg:
             entry["hsd_over_batch1"] = _ratio(agg.get("hsd"), agg.get("hsd_batch1"))
@@ -217,6 +213,20 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
             "max_new_tokens": max_new_tokens, "rounds": rounds, "prompts": len(prompts),
             "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels}
+
+
+def _ran(plan: "Plan", hierarchies: HSD | Mapping[int, HSD], c: int) -> dict[str, Any]:
+    """What ``hsd`` ran at ``c`` sequences: the load level (None without levels), its hierarchy and budgets, and
+    the plan's predicted aggregate where ``c`` is that level and it runs the plan's hierarchy there."""
+    level = nearest_level(hierarchies, c) if isinstance(hierarchies, Mapping) else None
+    run = hierarchies[level] if level is not None else hierarchies
+    names = [lv.name for lv in run.levels]
+    budgets = list(run.budgets) if len(names) > 1 else []
+    e = plan.by_load.get(level) if level is not None else None
+    pred = None
+    if e is not None and level == c and (list(e.hierarchy), list(e.budgets)) == (names, budgets):
+        pred = e.tokens_per_s or level / e.expected_latency
+    return {"load_level": level, "hierarchy": names, "budgets": budgets, "predicted_tokens_per_s": pred}
 
 
 def plot_load(report: Mapping[str, Any], path) -> None:
