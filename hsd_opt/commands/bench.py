@@ -144,7 +144,6 @@ def bench_cmd(
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
-    from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
     from hsd_opt.runtime.bench import METHODS, Sampling, check_sampling, plot_report, run_bench
 
@@ -190,11 +189,18 @@ def bench_cmd(
         console.print(f"=ref: {rep['reference_note']}")
     if rep.get("matches_reference_note"):
         console.print(f"=ref: {rep['matches_reference_note']}")
+    write_outputs(rep, json_out, plot, plot_report)
+
+
+def write_outputs(rep: dict, json_out: Optional[Path], plot: Optional[Path], draw) -> None:
+    """The report as JSON at ``json_out`` and ``draw(rep, plot)`` at ``plot``, each when asked, each said."""
+    from hsd_opt.jsonio import write_json
+
     if json_out is not None:
         write_json(json_out, rep)
         console.print(f"wrote {json_out}")
     if plot is not None:
-        plot_report(rep, plot)
+        draw(rep, plot)
         console.print(f"wrote {plot}")
 
 
@@ -231,7 +237,6 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     from rich import box
     from rich.table import Table
 
-    from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
     from hsd_opt.runtime.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
@@ -287,9 +292,4 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                       fmt(d.get("predicted_tokens_per_s"), ".1f"), "yes" if d["equal_to_target"] else "NO")
     console.print(t)
     console.print(LOAD_LEGEND, style="dim")
-    if json_out is not None:
-        write_json(json_out, rep)
-        console.print(f"wrote {json_out}")
-    if plot is not None:
-        plot_load(rep, plot)
-        console.print(f"wrote {plot}")
+    write_outputs(rep, json_out, plot, plot_load)
