@@ -120,10 +120,10 @@ def stream_once(client, model: str, kind: str, prompt: str, max_tokens: int) -> 
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    import numpy as np
+    """The ``q``-th percentile of the values of ``xs`` that are not None (linear between order statistics)."""
+    from hsd_opt.runtime.load_bench import percentile
 
-    xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, q)) if xs else None
+    return percentile([x for x in xs if x is not None], q)
 
 
 def load_direct(a):

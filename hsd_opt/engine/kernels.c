@@ -1371,6 +1371,13 @@ int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, i
     return 0;
 }
 
+/* s[i] = A[row[i]] . x for k <= 4 rows of a float32 matrix at one position x [cols] (no bias). */
+static void rows4_f32(const hsd_mat *A, const long *row, int k, const float *x, float *s, prefetch_t *pf) {
+    const float *w[4];
+    for (int i = 0; i < 4; i++) w[i] = (const float *)A->w + (size_t)row[i < k ? i : k - 1] * A->cols;
+    dots4(w, A->cols, x, A->cols, 1, s, pf);
+}
+
 /* y[j] = A[row[j]] . x[pos[j]] (+ bias) for n (row, position) pairs of a float32 matrix, x [m, cols]: each value
  * exactly what hsd_linear gives for that row and position (the same operations per element, whatever rows are
  * computed together). Pairs of one position must be adjacent. Single-threaded (a few rows). Returns 0, or -1 on
@@ -1379,15 +1386,12 @@ int hsd_rows_f32(const hsd_mat *A, const long *row, const long *pos, int n, cons
     if (A->type != HSD_F32 || n < 0) return -1;
     for (int j = 0; j < n; j++)
         if (row[j] < 0 || row[j] >= A->rows || pos[j] < 0) return -1;
-    const int K = A->cols;
     float s[4];
     prefetch_t pf = {NULL, NULL};
     for (int j = 0; j < n;) {
         int k = 1;
         while (k < 4 && j + k < n && pos[j + k] == pos[j]) k++;
-        const float *w[4];
-        for (int i = 0; i < 4; i++) w[i] = (const float *)A->w + (size_t)row[j + (i < k ? i : k - 1)] * K;
-        dots4(w, K, x + (size_t)pos[j] * K, K, 1, s, &pf);
+        rows4_f32(A, row + j, k, x + (size_t)pos[j] * A->cols, s, &pf);
         for (int i = 0; i < k; i++) y[j + i] = A->bias ? s[i] + A->bias[row[j + i]] : s[i];
         j += k;
     }
@@ -1435,14 +1439,14 @@ int hsd_screen_bounds(const float *x, int m, int d, const float *c, const float 
 
 /* The greedy ids of the float32 head A at each position of normed hidden x [m, A->cols], from the screen's
  * logits a [m, V] (the int8 copy's): the rows whose interval [a_r - e_r, a_r + e_r] reaches the highest lower
- * bound are the candidates, computed as hsd_rows_f32 computes them, and out[t] is the first of the largest.
+ * bound are the candidates, computed as hsd_rows_f32 computes them (rows4_f32), and out[t] is the first of the largest.
  * Single-threaded (two passes over V and a few rows). Returns 0; 1 when x or a holds a value that is not finite
  * or a position has more than cap candidates (the caller computes the logits); -1 on bad arguments. */
 int hsd_screen_pick(const hsd_mat *A, const float *x, int m, const float *a, const float *c, const float *wn,
                     int cap, long *out) {
     if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1) return -1;
     const int K = A->cols, V = A->rows;
-    int *cand = malloc(sizeof(int) * (size_t)cap);
+    long *cand = malloc(sizeof(long) * (size_t)cap);
     if (!cand) return -1;
     int rc = 0;
     prefetch_t pf = {NULL, NULL};
@@ -1477,10 +1481,8 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, const float *a, con
         long arg = -1;
         for (int j = 0; j < n; j += 4) {
             const int k = n - j < 4 ? n - j : 4;
-            const float *w[4];
             float s[4];
-            for (int i = 0; i < 4; i++) w[i] = (const float *)A->w + (size_t)cand[j + (i < k ? i : k - 1)] * K;
-            dots4(w, K, xt, K, 1, s, &pf);
+            rows4_f32(A, cand + j, k, xt, s, &pf);
             for (int i = 0; i < k; i++)
                 if (arg < 0 || s[i] > best) best = s[i], arg = cand[j + i];
         }

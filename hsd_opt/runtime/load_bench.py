@@ -118,7 +118,7 @@ def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
     return done
 
 
-def _pct(xs: Sequence[float], q: float) -> float | None:
+def percentile(xs: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile of ``xs`` (linear between order statistics); None when empty."""
     if not xs:
         return None
@@ -142,8 +142,8 @@ def level_figures(reqs: Sequence[Request], reference: Mapping[int, list[int]] | 
         equal = all(r.token_ids == reference[r.prompt] for r in reqs)
     return {"requests": len(reqs), "tokens": tokens, "wall_seconds": wall,
             "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
-            "stream_tokens_per_s_p50": _pct(streams, 50), "equal_to_target": equal}
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+            "stream_tokens_per_s_p50": percentile(streams, 50), "equal_to_target": equal}
 
 
 def _median(xs: Sequence[float | None]) -> float | None:
