@@ -9,7 +9,8 @@ Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded)
    bfloat16), an n-gram drafter and batch sizes 1,2,4; ``hsd solve`` (a plan per load level too);
 2. ``hsd run`` of the plan on three prompts, each answer equal to the target alone (``HSD.generate``), and a
    hierarchy with each copy under the target, equal too;
-3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``);
+3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``), and
+   ``hsd bench --concurrency 1,2,4 --retime`` (every answer of every method equal to the target's);
 4. the batch scheduler on six prompts of different lengths with the plan per load level (four in flight):
    every answer equal to its prompt's own; again with a prompt head the engines keep (as a chat template's is),
    each answer equal to an engine that computes every head itself;
@@ -117,6 +118,18 @@ def main() -> None:
     report["bench_tokens_per_s"] = {m: round(v["tokens_per_s"], 1) for m, v in b.items()}
     if not all(report["bench_matches_ar"].values()):
         raise SystemExit(f"hsd bench: an output differs from ar: {report['bench_matches_ar']}")
+
+    # 3b. hsd bench --concurrency with the load levels chosen again at the device's speed (--retime): every
+    # answer of every method at every level equal to the target's greedy answer
+    load = out / "load.json"
+    hsd("bench", "--plan", plan, "--prompts", prompts, "--device", a.device, "--concurrency", "1,2,4", "--requests",
+        "1", "--max-new-tokens", "12", "--retime", prof, "--json", load)
+    lv = json.loads(load.read_text())["levels"]
+    report["load_bench_equal"] = {str(e["clients"]): {m: v["equal_to_target"] for m, v in e["methods"].items()}
+                                  for e in lv}
+    report["load_bench_ran"] = {str(e["clients"]): e["methods"]["hsd"].get("hierarchy") for e in lv}
+    if not all(ok for e in report["load_bench_equal"].values() for ok in e.values()):
+        raise SystemExit(f"hsd bench --concurrency: an answer differs: {report['load_bench_equal']}")
 
     # 4. the batch scheduler with the plan of every load level
     levels = hsd_by_load(pl, loaded, models) or hsd_for_plan(pl, loaded, models=models)
