@@ -1,15 +1,18 @@
-"""The int8 screen of a float32 head gives exactly the head's greedy tokens: its bound holds on every row, the
-argmax over its candidates is the argmax over the vocabulary (first index on ties), and it steps aside where it
+"""The int8 screen of a float32 head gives exactly the head's greedy tokens: its bound holds on every row (the
+activation in int8 per group and in int16 per position), the argmax over its candidates is the argmax over the
+vocabulary (first index on ties), its int16 sums are exact on every instruction set, and it steps aside where it
 cannot help."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
+from hsd_opt.engine.screen import INT8_POSITIONS, MAX_POSITIONS, HeadScreen
 from hsd_opt.engine.weights import Mat
 from tests.helpers import make_tiny_llama
 
@@ -31,16 +34,69 @@ def _inputs(m: int, cols: int, seed: int, scale: float) -> torch.Tensor:
     return h
 
 
+@pytest.mark.parametrize("int16", [False, True])
 @pytest.mark.parametrize("cols", [32, 96, 576])
-def test_the_bound_holds_on_every_row(cols):
+def test_the_bound_holds_on_every_row(cols, int16):
     w = _head(3000, cols, cols)
     screen = HeadScreen(LIB, Mat.in_place(w))
     for seed, scale in ((1, 0.1), (2, 1.0), (3, 30.0)):
-        h = _inputs(2, cols, seed, scale)
-        approx = kernels.linear(LIB, screen.q8, h)
+        h = _inputs(3, cols, seed, scale)
+        approx = screen.logits(h, int16)
         exact = kernels.linear(LIB, screen.head, h)
         err = (approx.double() - exact.double()).abs()
-        assert (err <= screen.bounds(h).double()).all()
+        bound = screen.bounds(h, int16).double()
+        assert (err <= bound).all()
+        assert (err > bound / 64).any()       # the bound is not loose by orders of magnitude
+    tight, loose = screen.bounds(h, True), screen.bounds(h, False)
+    assert (tight <= loose).float().mean() > 0.5   # one scale per position in 16 bits: finer than 8 bits a group
+
+
+def _i16_reference(screen: HeadScreen, h: torch.Tensor) -> torch.Tensor:
+    """The int16 read computed here: int64 sums of the codes and nearbyint(x / s), s = max|x| / q16, then
+    float32(sum) * (row scale * s) in float32."""
+    codes, scale = screen.q8.tensors[0].long(), screen.q8.tensors[1]
+    s = (h.abs().amax(1) / screen.q16).float()
+    xq = torch.round(h / s[:, None]).long()
+    assert xq.abs().max() <= screen.q16
+    return (xq @ codes.T).float() * (scale[None] * s[:, None])
+
+
+@pytest.mark.parametrize("cols", [64, 576, 4096])
+def test_the_int16_sums_are_exact_at_the_largest_codes(cols):
+    """Codes at +-127 against activations at the int16 range in the same signs: the largest sum the read can meet
+    (cols * 127 * q16, below 2^31 by hsd_screen_q16) comes out exact, as do random rows."""
+    q16 = LIB.hsd_screen_q16(cols)
+    assert 0 < q16 <= 16383 and cols * 127 * (q16 + 1) < 2 ** 31
+    g = torch.Generator().manual_seed(cols)
+    w = torch.randn(40, cols, generator=g)
+    sign = torch.where(torch.arange(cols) % 3 == 0, -1.0, 1.0)
+    w[0] = sign * 0.5                                   # every code +-127, one row scale
+    w[1] = -sign * 0.25
+    screen = HeadScreen(LIB, Mat.in_place(w))
+    assert screen.q16 == q16
+    h = torch.cat([sign[None] * 2.0, torch.randn(5, cols, generator=g)])
+    got = screen.logits(h, True)
+    assert torch.equal(got, _i16_reference(screen, h))
+    assert got[0, 0] > 0 and got[0, 1] < 0
+
+
+def test_the_int16_read_is_the_same_on_every_build(tmp_path):
+    """Its sums are integers: the AVX2 (8-lane) and portable builds give the native build's logits bit for bit."""
+    cc = kernels.compiler()
+    builds = [kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "p.so", portable=True))))]
+    if LIB.hsd_simd() == 2:
+        builds.append(kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "n.so",
+                                                                    defines=["HSD_NO_AVX512"])))))
+    w = _head(1001, 96, 5)                              # rows past a block of 16, odd pairs of columns
+    screen = HeadScreen(LIB, Mat.in_place(w))
+    h = _inputs(11, 96, 6, 1.0)
+    for m in (1, 2, 5, 8, 9, 11):
+        want = kernels.screen_i16(LIB, screen.packed, screen.q8.tensors[1], 1001, h[:m])
+        assert torch.equal(want, _i16_reference(screen, h[:m]))
+        for lib in builds:
+            assert torch.equal(kernels.screen_i16(lib, screen.packed, screen.q8.tensors[1], 1001, h[:m]), want)
+            ids = kernels.screen_pick(lib, screen.head, h[:m], want, screen.c, screen.wnorm, 1024, screen.q16)
+            assert torch.equal(ids, kernels.linear(LIB, screen.head, h[:m]).argmax(-1))
 
 
 def test_rows_f32_are_the_values_of_the_full_head():
@@ -62,7 +118,7 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
     g = torch.Generator().manual_seed(8)
     checked = 0
     for trial in range(300):
-        m = 1 + trial % MAX_POSITIONS
+        m = 1 + trial % MAX_POSITIONS                   # both reads: int8 up to INT8_POSITIONS, int16 above
         h = torch.randn(m, 64, generator=g) * (0.05 + trial / 30)
         if trial % 3 == 0:                              # aim at the tied and nearly tied rows
             h[0] = w[[1000, 1200][trial % 2]] * 3 + 0.01 * torch.randn(64, generator=g)
@@ -72,8 +128,9 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
             assert torch.equal(got, want), trial
             checked += 1
     assert checked > 200
-    tie = torch.stack([w[1000] * 3])
-    assert int(screen.argmax(tie)[0]) == int(kernels.linear(LIB, screen.head, tie).argmax(-1)[0]) == 1000
+    for m in (1, INT8_POSITIONS + 1):
+        tie = torch.stack([w[1000] * 3] * m)
+        assert screen.argmax(tie).tolist() == kernels.linear(LIB, screen.head, tie).argmax(-1).tolist() == [1000] * m
 
 
 def test_the_screen_steps_aside_where_it_cannot_help():
@@ -119,7 +176,7 @@ def test_batched_greedy_ids_take_the_screen_up_to_its_rows_and_equal_each_reads_
     calls = []
     argmax = eng._screen.argmax
     monkeypatch.setattr(eng._screen, "argmax", lambda h: calls.append(h.shape[0]) or argmax(h))
-    for rows in ([1, 1], [1, 2, 1], [1, 1, 1, 1], [2, 2], [1, 1, 1, 1, 1], [3, 2]):
+    for rows in ([1, 1], [1, 2, 1], [1, 1, 1, 1], [2, 2], [1, 1, 1, 1, 1], [3, 2], [4, 4, 4, 4], [9, 8], [5, 7, 5]):
         reads = [(st, 4, st.n - r, st.n) for st, r in zip(sts, rows)]
         calls.clear()
         got = eng.greedy_ids_many(reads)

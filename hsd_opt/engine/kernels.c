@@ -1400,11 +1400,31 @@ int hsd_rows_f32(const hsd_mat *A, const long *row, const long *pos, int n, cons
 
 /* ------------------------------------------------------------------------------- the greedy head's screen */
 
-/* For row x [d] of normed hidden states: its norm *hn and *dl, the bound on the norm of its int8 quantization's
- * error (half a step per element, the step of each group of 32 its largest magnitude / 127), as engine/screen.py
- * states them: dl = sqrt(32 sum_g step_g^2) / 2 (1 + 1e-4) + 1e-6 |x|. In double, rounded up to float. Returns 0,
- * or 1 when x holds a value that is not finite. */
-static int screen_norms(const float *x, int d, float *hn, float *dl) {
+/* The greedy screen reads its int8 head copy against the activation quantized one of two ways: q16 == 0, int8 in
+ * groups of 32 (the integer path's quantize_x); q16 > 0, int16 with one scale per position (hsd_screen_i16: codes
+ * xq = nearbyint(x / s) with s = max|x| / q16, so |xq| <= q16). */
+
+/* The largest q16 that keeps every int32 sum of K products of int8 codes (|code| <= 127) and int16 codes (|xq| <=
+ * q16) exact: K * 127 * (q16 + 1) < 2^31; at most 16383. */
+int hsd_screen_q16(int K) {
+    const long q = (long)(2147483647L / (127L * (K > 0 ? K : 1))) - 2;
+    return (int)(q < 16383 ? (q > 0 ? q : 0) : 16383);
+}
+
+/* The int16 scale of position x [d]: max|x| / q16 (0 for a zero row). */
+static inline float q16_scale(const float *x, int d, int q16) {
+    float amax = 0.f;
+    for (int k = 0; k < d; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    return amax / (float)q16;
+}
+
+/* For row x [d] of normed hidden states: its norm *hn and *dl, the bound on the norm of its quantization's error,
+ * as engine/screen.py states them. int8 in groups (q16 == 0): half a step per element, the step of each group of 32
+ * its largest magnitude / 127: dl = sqrt(32 sum_g step_g^2) / 2 (1 + 1e-4) + 1e-6 |x|. int16 per position (q16 >
+ * 0, step s = q16_scale): x / s rounds once (relative 2^-24 of at most q16 + 1), so each element errs by at most
+ * s (1/2 + (q16 + 1) 2^-24): dl = sqrt(d) s (1/2 + (q16 + 1) 2^-24) (1 + 1e-4) + 1e-6 |x|. In double, rounded up
+ * to float. Returns 0, or 1 when x holds a value that is not finite. */
+static int screen_norms(const float *x, int d, int q16, float *hn, float *dl) {
     double ss = 0.0, steps = 0.0;
     for (int g = 0; g < d; g += HSD_GROUP) {
         const int e = g + HSD_GROUP < d ? g + HSD_GROUP : d;
@@ -1418,78 +1438,283 @@ static int screen_norms(const float *x, int d, float *hn, float *dl) {
         steps += (amax / 127.0) * (amax / 127.0);
     }
     const double n = sqrt(ss);
+    double err;
+    if (q16 > 0)
+        err = sqrt((double)d) * (double)q16_scale(x, d, q16) * (0.5 + (q16 + 1.0) * 0x1p-24);
+    else
+        err = sqrt(steps * HSD_GROUP) * 0.5;
     *hn = nextafterf((float)n, INFINITY);
-    *dl = nextafterf((float)(sqrt(steps * HSD_GROUP) * 0.5 * (1 + 1e-4) + 1e-6 * n), INFINITY);
+    *dl = nextafterf((float)(err * (1 + 1e-4) + 1e-6 * n), INFINITY);
     return 0;
 }
 
 /* The bound e_r = c_r (|x| + dl) + |W_r| dl on |screen logit - float32 logit| of row r (engine/screen.py). */
 static inline float screen_bound(float c, float wn, float hn, float dl) { return c * (hn + dl) + wn * dl; }
 
-/* e [m, V]: the screen's bound at every row for each position of x [m, d] (c, wn [V]: the head's constants).
+/* e [m, V]: the screen's bound at every row for each position of x [m, d] (c, wn [V]: the head's constants; q16:
+ * the activation's quantization, as screen_norms).
  * Returns 0, or 1 when x holds a value that is not finite. */
-int hsd_screen_bounds(const float *x, int m, int d, const float *c, const float *wn, int V, float *e) {
+int hsd_screen_bounds(const float *x, int m, int d, int q16, const float *c, const float *wn, int V,
+                      float *e) {
     for (int t = 0; t < m; t++) {
         float hn, dl;
-        if (screen_norms(x + (size_t)t * d, d, &hn, &dl)) return 1;
+        if (screen_norms(x + (size_t)t * d, d, q16, &hn, &dl)) return 1;
         for (int r = 0; r < V; r++) e[(size_t)t * V + r] = screen_bound(c[r], wn[r], hn, dl);
     }
     return 0;
 }
 
+/* Positions of x read per pass over a block of 16 rows of hsd_screen_i16 (the int32 accumulators held). */
+#if HSD_AVX512
+#define I16_TILE 8
+#else
+#define I16_TILE 4
+#endif
+
+/* The int32 sums of one block of 16 rows (codes: K / 2 pairs of columns, 32 bytes each: rows 0..15's two codes)
+ * against positions xq [mt <= I16_TILE][K / 2] (each int32 two int16 codes, column 2j low): acc[t * 16 + i]. Exact
+ * integers (hsd_screen_q16), so every instruction set gives the same. */
+static inline void i16_block(const int8_t *codes, const int32_t *xq, int pairs, int mt, int32_t *acc) {
+#if HSD_AVX512
+    __m512i a[I16_TILE];
+    for (int t = 0; t < I16_TILE; t++) a[t] = _mm512_setzero_si512();
+#if defined(__AVX512VNNI__)
+#define I16_DOT(acc, w, y) _mm512_dpwssd_epi32(acc, w, y)
+#else
+#define I16_DOT(acc, w, y) _mm512_add_epi32(acc, _mm512_madd_epi16(w, y))
+#endif
+    int j = 0;
+    for (; j + 2 <= pairs; j += 2) { /* two pairs of columns from one 64-byte line */
+        _mm_prefetch((const char *)(codes + 32 * (size_t)j + HSD_PREFETCH), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512((const void *)(codes + 32 * (size_t)j));
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));
+        for (int t = 0; t < I16_TILE; t++)
+            if (t < mt) {
+                a[t] = I16_DOT(a[t], w0, _mm512_set1_epi32(xq[(size_t)t * pairs + j]));
+                a[t] = I16_DOT(a[t], w1, _mm512_set1_epi32(xq[(size_t)t * pairs + j + 1]));
+            }
+    }
+    for (; j < pairs; j++) {
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * (size_t)j)));
+        for (int t = 0; t < I16_TILE; t++)
+            if (t < mt) a[t] = I16_DOT(a[t], w, _mm512_set1_epi32(xq[(size_t)t * pairs + j]));
+    }
+#undef I16_DOT
+    for (int t = 0; t < mt; t++) _mm512_storeu_si512((void *)(acc + 16 * t), a[t]);
+#elif HSD_AVX2
+    __m256i lo[I16_TILE], hi[I16_TILE];
+    for (int t = 0; t < I16_TILE; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+    for (int j = 0; j < pairs; j++) {
+        const int8_t *b = codes + 32 * (size_t)j;
+        _mm_prefetch((const char *)(b + HSD_PREFETCH), _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
+        for (int t = 0; t < I16_TILE; t++)
+            if (t < mt) {
+                const __m256i y = _mm256_set1_epi32(xq[(size_t)t * pairs + j]);
+                lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(w0, y));
+                hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(w1, y));
+            }
+    }
+    for (int t = 0; t < mt; t++) {
+        _mm256_storeu_si256((__m256i *)(acc + 16 * t), lo[t]);
+        _mm256_storeu_si256((__m256i *)(acc + 16 * t + 8), hi[t]);
+    }
+#else
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < 16; i++) {
+            int32_t v = 0;
+            for (int j = 0; j < pairs; j++) {
+                const int32_t y = xq[(size_t)t * pairs + j];
+                v += codes[32 * (size_t)j + 2 * i] * (int32_t)(int16_t)(y & 0xFFFF)
+                     + codes[32 * (size_t)j + 2 * i + 1] * (int32_t)(int16_t)((uint32_t)y >> 16);
+            }
+            acc[16 * t + i] = v;
+        }
+#endif
+}
+
+/* The screen's logits with the activation in int16 (one scale per position): a[t, r] = (float)(sum_k code[r, k]
+ * xq[t, k]) * (scale[r] * s_t), the sum exact in int32, xq = nearbyint(x / s_t), s_t = q16_scale (q16 from
+ * hsd_screen_q16(K)). codes: int8 [ceil(V / 16), K / 2, 32], per block of 16 rows and pair of columns the two codes of
+ * each row (rows past V zero); scale: float32 [V]; x [m, K] float32, K even; a [m, V]. Returns 0, 1 when x holds a
+ * value that is not finite, -1 on bad arguments. */
+int hsd_screen_i16(const int8_t *codes, const float *scale, int V, int K, const float *x, int m, float *a,
+                   int nthreads) {
+    const int q16 = hsd_screen_q16(K), pairs = K / 2, blocks = (V + 15) / 16;
+    if (m < 1 || V < 1 || K < 2 || K % 2 || q16 < 1) return -1;
+    int32_t *xq = malloc(sizeof(int32_t) * (size_t)m * pairs);
+    float *st = malloc(sizeof(float) * (size_t)m);
+    if (!xq || !st) {
+        free(xq);
+        free(st);
+        return -1;
+    }
+    for (int t = 0; t < m; t++) {
+        const float *xt = x + (size_t)t * K;
+        for (int k = 0; k < K; k++)
+            if (!isfinite(xt[k])) {
+                free(xq);
+                free(st);
+                return 1;
+            }
+        const float sc = q16_scale(xt, K, q16);
+        st[t] = sc;
+        for (int j = 0; j < pairs; j++) {
+            const int32_t lo = sc > 0.f ? (int32_t)nearbyintf(xt[2 * j] / sc) : 0;
+            const int32_t hi = sc > 0.f ? (int32_t)nearbyintf(xt[2 * j + 1] / sc) : 0;
+            xq[(size_t)t * pairs + j] = (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)lo);
+        }
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int b0, b1;
+        share(blocks, 1, &b0, &b1);
+        int32_t acc[16 * I16_TILE];
+        for (int b = b0; b < b1; b++) {
+            const int8_t *blk = codes + (size_t)b * pairs * 32;
+            for (int t0 = 0; t0 < m; t0 += I16_TILE) {
+                const int mt = m - t0 < I16_TILE ? m - t0 : I16_TILE;
+                i16_block(blk, xq + (size_t)t0 * pairs, pairs, mt, acc);
+                for (int t = 0; t < mt; t++) {
+                    float *out = a + (size_t)(t0 + t) * V;
+                    for (int i = 0; i < 16 && 16 * b + i < V; i++)
+                        out[16 * b + i] = (float)acc[16 * t + i] * (scale[16 * b + i] * st[t0 + t]);
+                }
+            }
+        }
+    }
+    free(xq);
+    free(st);
+    return 0;
+}
+
+/* The highest lower bound max_r (a_r - e_r) of one position's screen logits a [V], e_r = c_r hd + wn_r dl with
+ * hd = |x| + dl (screen_bound's operations, so the same values); *bad set when a holds a value that is not finite. */
+static float screen_floor(const float *a, const float *c, const float *wn, int V, float hd, float dl, int *bad) {
+    float floor = -INFINITY;
+    int r = 0;
+#if HSD_AVX512
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps();
+    __mmask16 nf = 0;
+    for (; r + 16 <= V; r += 16) {
+        const __m512 av = _mm512_loadu_ps(a + r);
+        const __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh),
+                                       _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
+        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(av, av), zero, _CMP_NEQ_UQ);   /* inf - inf, NaN: not 0 */
+        mx = _mm512_max_ps(mx, _mm512_sub_ps(av, e));
+    }
+    if (nf) *bad = 1;
+    floor = _mm512_reduce_max_ps(mx);
+#elif HSD_AVX2
+    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps();
+    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps();
+    for (; r + 8 <= V; r += 8) {
+        const __m256 av = _mm256_loadu_ps(a + r);
+        const __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh),
+                                       _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
+        nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(av, av), zero, _CMP_NEQ_UQ));
+        mx = _mm256_max_ps(mx, _mm256_sub_ps(av, e));
+    }
+    if (_mm256_movemask_ps(nf)) *bad = 1;
+    float l[8];
+    _mm256_storeu_ps(l, mx);
+    for (int i = 0; i < 8; i++) floor = l[i] > floor ? l[i] : floor;
+#endif
+    for (; r < V; r++) {
+        if (!isfinite(a[r])) *bad = 1;
+        const float lo = a[r] - (c[r] * hd + wn[r] * dl);
+        floor = lo > floor ? lo : floor;
+    }
+    return floor;
+}
+
+/* The rows r (in order) whose a_r + e_r reaches floor, into cand; their number, or -1 past cap. */
+static int screen_collect(const float *a, const float *c, const float *wn, int V, float hd, float dl, float floor,
+                          int cap, long *cand) {
+    int n = 0, r = 0;
+#if HSD_AVX512
+    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor);
+    for (; r + 16 <= V; r += 16) {
+        const __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh),
+                                       _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
+        unsigned k = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + r), e), vf, _CMP_GE_OQ);
+        for (; k; k &= k - 1) {
+            if (n == cap) return -1;
+            cand[n++] = r + __builtin_ctz(k);
+        }
+    }
+#elif HSD_AVX2
+    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), vf = _mm256_set1_ps(floor);
+    for (; r + 8 <= V; r += 8) {
+        const __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh),
+                                       _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
+        unsigned k = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + r), e), vf,
+                                                                _CMP_GE_OQ));
+        for (; k; k &= k - 1) {
+            if (n == cap) return -1;
+            cand[n++] = r + __builtin_ctz(k);
+        }
+    }
+#endif
+    for (; r < V; r++)
+        if (a[r] + (c[r] * hd + wn[r] * dl) >= floor) {
+            if (n == cap) return -1;
+            cand[n++] = r;
+        }
+    return n;
+}
+
 /* The greedy ids of the float32 head A at each position of normed hidden x [m, A->cols], from the screen's
- * logits a [m, V] (the int8 copy's): the rows whose interval [a_r - e_r, a_r + e_r] reaches the highest lower
- * bound are the candidates, computed as hsd_rows_f32 computes them (rows4_f32), and out[t] is the first of the largest.
- * Single-threaded (two passes over V and a few rows). Returns 0; 1 when x or a holds a value that is not finite
- * or a position has more than cap candidates (the caller computes the logits); -1 on bad arguments. */
-int hsd_screen_pick(const hsd_mat *A, const float *x, int m, const float *a, const float *c, const float *wn,
-                    int cap, long *out) {
+ * logits a [m, V] (the int8 copy's, the activation quantized as q16 says): the rows whose interval [a_r - e_r,
+ * a_r + e_r] reaches the highest lower bound are the candidates, computed as hsd_rows_f32 computes them
+ * (rows4_f32), and out[t] is the first of the largest.
+ * Positions shared among nthreads threads (two vector passes over V and a few rows each). Returns 0; 1 when x or a
+ * holds a value that is not finite or a position has more than cap candidates (the caller computes the logits);
+ * -1 on bad arguments. */
+int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const float *a, const float *c,
+                    const float *wn, int cap, long *out, int nthreads) {
     if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1) return -1;
     const int K = A->cols, V = A->rows;
-    long *cand = malloc(sizeof(long) * (size_t)cap);
-    if (!cand) return -1;
     int rc = 0;
-    prefetch_t pf = {NULL, NULL};
-    for (int t = 0; t < m && rc == 0; t++) {
-        const float *at = a + (size_t)t * V, *xt = x + (size_t)t * K;
-        float hn, dl;
-        if (screen_norms(xt, K, &hn, &dl)) {
-            rc = 1;
-            break;
-        }
-        float floor = -INFINITY;
-        for (int r = 0; r < V; r++) {
-            if (!isfinite(at[r])) {
-                rc = 1;
+#pragma omp parallel num_threads(m > 1 ? nthreads : 1) reduction(| : rc)
+    {
+        long *cand = malloc(sizeof(long) * (size_t)cap);
+        prefetch_t pf = {NULL, NULL};
+        int t0, t1;
+        share(m, 1, &t0, &t1);
+        if (!cand) rc |= 2;
+        for (int t = t0; t < t1 && !rc; t++) {
+            const float *at = a + (size_t)t * V, *xt = x + (size_t)t * K;
+            float hn, dl;
+            if (screen_norms(xt, K, q16, &hn, &dl)) {
+                rc |= 1;
                 break;
             }
-            const float lo = at[r] - screen_bound(c[r], wn[r], hn, dl);
-            floor = lo > floor ? lo : floor;
-        }
-        if (rc) break;
-        int n = 0;
-        for (int r = 0; r < V; r++)
-            if (at[r] + screen_bound(c[r], wn[r], hn, dl) >= floor) {
-                if (n == cap) {
-                    rc = 1;
-                    break;
-                }
-                cand[n++] = r;
+            const float hd = hn + dl;
+            int bad = 0;
+            const float floor = screen_floor(at, c, wn, V, hd, dl, &bad);
+            const int n = bad ? -1 : screen_collect(at, c, wn, V, hd, dl, floor, cap, cand);
+            if (n < 0) {
+                rc |= 1;
+                break;
             }
-        if (rc) break;
-        float best = -INFINITY;
-        long arg = -1;
-        for (int j = 0; j < n; j += 4) {
-            const int k = n - j < 4 ? n - j : 4;
-            float s[4];
-            rows4_f32(A, cand + j, k, xt, s, &pf);
-            for (int i = 0; i < k; i++)
-                if (arg < 0 || s[i] > best) best = s[i], arg = cand[j + i];
+            float best = -INFINITY;
+            long arg = -1;
+            for (int j = 0; j < n; j += 4) {
+                const int k = n - j < 4 ? n - j : 4;
+                float sc[4];
+                rows4_f32(A, cand + j, k, xt, sc, &pf);
+                for (int i = 0; i < k; i++)
+                    if (arg < 0 || sc[i] > best) best = sc[i], arg = cand[j + i];
+            }
+            out[t] = arg;
         }
-        out[t] = arg;
+        free(cand);
     }
-    free(cand);
-    return rc;
+    return rc & 2 ? -1 : rc;
 }
 
 /* out [m, d] = RMSNorm(x) with weight w (float32 statistics). */

@@ -167,10 +167,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_linear.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.hsd_rows_f32.restype = ctypes.c_int
     lib.hsd_rows_f32.argtypes = [ctypes.POINTER(_CMat), _P, _P, ctypes.c_int, _P, _P]
+    lib.hsd_screen_q16.restype = ctypes.c_int
+    lib.hsd_screen_q16.argtypes = [ctypes.c_int]
+    lib.hsd_screen_i16.restype = ctypes.c_int
+    lib.hsd_screen_i16.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int]
     lib.hsd_screen_bounds.restype = ctypes.c_int
-    lib.hsd_screen_bounds.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
+    lib.hsd_screen_bounds.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
     lib.hsd_screen_pick.restype = ctypes.c_int
-    lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, _P]
+    lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, ctypes.c_int,
+                                    _P, ctypes.c_int]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     return lib
@@ -433,30 +438,58 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
     return y
 
 
-def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor) -> torch.Tensor | None:
+def pack_screen_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[V, K]`` (K even) in :func:`screen_i16`'s layout: ``[ceil(V / 16), K / 2, 32]``, per block of
+    16 rows and pair of columns the two codes of each row in turn (rows past ``V`` zero)."""
+    V, K = codes.shape
+    blocks = -(-V // 16)
+    padded = torch.zeros(blocks * 16, K, dtype=torch.int8)
+    padded[:V] = codes
+    return padded.reshape(blocks, 16, K // 2, 2).permute(0, 2, 1, 3).reshape(blocks, K // 2, 32).contiguous()
+
+
+def screen_i16(lib, packed: torch.Tensor, scale: torch.Tensor, rows: int, x: torch.Tensor,
+               nthreads: int | None = None) -> torch.Tensor | None:
+    """The greedy screen's logits ``[m, rows]`` float32 of int8 codes (``packed`` by :func:`pack_screen_codes`,
+    float32 row ``scale`` ``[rows]``) at ``x`` ``[m, K]``, the activation quantized to int16 with one scale per
+    position (``hsd_screen_i16`` in ``kernels.c``: exact int32 sums, so the same on every instruction set). None
+    when ``x`` holds a value that is not finite."""
+    x = x.float().contiguous()
+    a = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    rc = lib.hsd_screen_i16(packed.data_ptr(), scale.data_ptr(), rows, x.shape[1], x.data_ptr(), x.shape[0],
+                            a.data_ptr(), nthreads or torch.get_num_threads())
+    if rc < 0:
+        raise HsdError("kernels: bad screen call")
+    return a if rc == 0 else None
+
+
+def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor, q16: int = 0) -> torch.Tensor | None:
     """The greedy screen's bound ``e`` ``[m, V]`` float32 at each position of normed hidden ``x`` ``[m, d]``
-    (:mod:`hsd_opt.engine.screen`; ``c``, ``wnorm``: its per-row constants ``[V]``); None when ``x`` holds a value
-    that is not finite."""
+    (:mod:`hsd_opt.engine.screen`; ``c``, ``wnorm``: its per-row constants ``[V]``; ``q16``: 0 for the activation
+    in int8 per group of 32, else :func:`screen_i16`'s int16 range); None when ``x`` holds a value that is not
+    finite."""
     x = x.float().contiguous()
     e = torch.empty(x.shape[0], c.numel(), dtype=torch.float32)
-    if lib.hsd_screen_bounds(x.data_ptr(), x.shape[0], x.shape[1], c.data_ptr(), wnorm.data_ptr(), c.numel(),
+    if lib.hsd_screen_bounds(x.data_ptr(), x.shape[0], x.shape[1], q16, c.data_ptr(), wnorm.data_ptr(), c.numel(),
                              e.data_ptr()) != 0:
         return None
     return e
 
 
 def screen_pick(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor,
-                cap: int) -> torch.Tensor | None:
+                cap: int, q16: int = 0, nthreads: int | None = None) -> torch.Tensor | None:
     """Greedy ids ``[m]`` (int64) of the float32 ``head`` at normed hidden ``x`` ``[m, d]`` from the screen's
-    logits ``a`` ``[m, V]``: the argmax over the rows whose bound (:func:`screen_bounds`) reaches the highest lower
-    bound, their logits computed as :func:`rows_f32` computes them (first index on ties). None when ``x`` or ``a``
-    holds a value that is not finite or a position has more than ``cap`` candidates."""
+    logits ``a`` ``[m, V]``: the argmax over the rows whose bound (:func:`screen_bounds` with the same ``q16``)
+    reaches the highest lower bound, their logits computed as :func:`rows_f32` computes them (first index on
+    ties). None when ``x`` or ``a`` holds a value that is not finite or a position has more than ``cap``
+    candidates."""
     x, a = x.float().contiguous(), a.float().contiguous()
     if a.shape != (x.shape[0], head.rows) or x.shape[1] != head.cols:
         raise HsdError("kernels: bad screen call")
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    rc = lib.hsd_screen_pick(ctypes.byref(_struct(head)), x.data_ptr(), x.shape[0], a.data_ptr(), c.data_ptr(),
-                             wnorm.data_ptr(), cap, out.data_ptr())
+    rc = lib.hsd_screen_pick(ctypes.byref(_struct(head)), x.data_ptr(), x.shape[0], q16, a.data_ptr(),
+                             c.data_ptr(), wnorm.data_ptr(), cap, out.data_ptr(),
+                             nthreads or torch.get_num_threads())
     if rc < 0:
         raise HsdError("kernels: bad screen call")
     return out if rc == 0 else None
