@@ -7,7 +7,7 @@ setting), in one interleaved run.
         [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] \\
         [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
-        [--plot out.png] [--out benchmarks/results/serve_sweep.json]
+        [--retime PROFILE] [--plot out.png] [--out benchmarks/results/serve_sweep.json]
 
 Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
 concurrency ``c`` (levels in order) the methods run one after the other, their order shifted by one from round to
@@ -19,7 +19,8 @@ other (the suite's prompts in turn, ``--max-tokens`` new tokens each), all start
 processes start once and stay up (an idle one costs nothing; all three hold the model, so a large model needs the
 memory of three); llama.cpp's server is started per level with ``--parallel c``.
 
-- ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``).
+- ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``;
+  with ``--retime PROFILE``, chosen again at start at the speed of the moment, as ``hsd serve --retime`` does).
 - ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
 - ``hsd_plain``: the plan's target alone (a copy of the plan with its hierarchy ``[target]`` and no ``by_load``),
   ``--max-batch MAX``: batched decoding without speculation.
@@ -224,6 +225,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--retime", default=None, help="the plan's profile: hsd serve --retime for the hsd method")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf-f32", default=None)
@@ -257,16 +259,18 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hsd-sweep-"))
     env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}
     servers = {}
-    hsd_args = {"hsd": (a.plan, a.max_batch), "hsd_batch1": (a.plan, 1),
-                "hsd_plain": (str(plain_plan(a.plan, tmp / "plain.json")), a.max_batch)}
+    hsd_args = {"hsd": (a.plan, a.max_batch, ["--retime", a.retime] if a.retime else []), "hsd_batch1": (a.plan, 1, []),
+                "hsd_plain": (str(plain_plan(a.plan, tmp / "plain.json")), a.max_batch, [])}
     try:
         for m in methods:
             if m in HSD_METHODS:
-                plan, mb = hsd_args[m]
+                plan, mb, extra = hsd_args[m]
                 servers[m] = start([sys.executable, "-m", "hsd_opt", "serve", "--plan", plan, "--host", "127.0.0.1",
-                                    "--port", "0", "--max-batch", str(mb), "--max-queue", "64", "--device", "cpu"],
+                                    "--port", "0", "--max-batch", str(mb), "--max-queue", "64", "--device", "cpu",
+                                    *extra],
                                    r"ready: .* at (http://\S+/v1)", a.timeout, env)
-        report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "max_tokens": a.max_tokens,
+        report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "retime": a.retime,
+                  "max_tokens": a.max_tokens,
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
                   "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
