@@ -580,6 +580,24 @@ def test_measure_costs_times_every_context_through_the_engine():
         assert lc.verify_curve(1, 4, 4)[1] <= lc.curve(4, 4)[1]             # activation reuse: layer 0 on one
 
 
+def test_direct_timings_run_the_layers_as_the_runtime_does(monkeypatch):
+    """A pass of the target with no exit drafting is one run of every layer at run time; the profiler's direct
+    timing of the whole model (its cost curve) is too, not the segments' state that stops at every exit."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.profiler.costs import measure_costs
+    from tests.helpers import make_tiny_llama
+
+    eng = LayeredLM(make_tiny_llama(seed=7))
+    n = eng.n_layers
+    runs: list[tuple[int, int]] = []
+    real = eng.run_layers
+    monkeypatch.setattr(eng, "run_layers", lambda l0, l1, *a: runs.append((l0, l1)) or real(l0, l1, *a))
+    lc = measure_costs(eng, list(range(1, n + 1)), tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[8])[0]
+    assert runs.count((0, n)) >= len(lc.full)          # every directly timed pass (and the target's step check)
+    assert set(runs) - {(0, n)} <= {(b - 1, b) for b in range(1, n + 1)} | {(0, b) for b in range(1, n + 1)}
+    assert lc.curve(n, 4) == lc.full
+
+
 def test_monotone_in_context_keeps_the_order_in_t():
     from hsd_opt.profiler.costs import monotone_in_context
 

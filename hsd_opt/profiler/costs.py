@@ -384,6 +384,14 @@ def _prefix(eng, st, src, ids: torch.Tensor, n: int) -> None:
     st.lens = [n] * eng.n_layers
 
 
+def _kept_at(eng, src, ids: torch.Tensor, n: int, max_len: int, b: int):
+    """A state holding the first ``n`` of ``ids`` (copied from ``src``, :func:`_prefix`) that keeps the residual of
+    exit ``b`` alone (none below the whole model): its passes to ``b`` run as one run of layers."""
+    st = eng.new_state(max_len, save_boundaries=[b] if b < eng.n_layers else [])
+    _prefix(eng, st, src, ids, n)
+    return st
+
+
 def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[int, int], t: int,
                    greedy: bool = True):
     """One pass over ``t`` new tokens as segments: ``({b: seconds of advance to b}, {key: seconds of the head})``.
@@ -517,17 +525,19 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     base = states[0]
     n0 = base.n
 
-    # 1. direct step cost of a few exits (the target and quartiles): a check of the segment model
+    # 1. direct step cost of a few exits (the target and quartiles): a check of the segment model, each on a state
+    #    that keeps only that exit's residual, as the runtime's does (an advance stops at every kept boundary)
     step: dict[int, float] = {}
     for b in (_check_boundaries(bs) if step_check else []):
+        one = _kept_at(eng, base, ids, n0, ctxs[0] + tmax1 + 1, b)
         times = []
         for r in range(warmup + repeats):
-            eng.append(base, ids[n0:n0 + 1])
+            eng.append(one, ids[n0:n0 + 1])
             t0 = _now()
-            eng.advance(base, b)
-            pass_output(eng, greedy)(base, b, n0, n0 + 1)
+            eng.advance(one, b)
+            pass_output(eng, greedy)(one, b, n0, n0 + 1)
             dt = _now() - t0
-            eng.crop(base, n0)
+            eng.crop(one, n0)
             if r >= warmup:
                 times.append(dt)
         step[b] = statistics.median(times)
@@ -557,15 +567,18 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
 
     # 3. the whole model over t tokens, timed directly at the first context: its cost curve (what a verify pass
     #    of the target or of another model costs) and the scale of the segment sums. Under a budget on the grid
-    #    of t, and in between where the scale moves (there the per-layer model does not predict the pass)
+    #    of t, and in between where the scale moves (there the per-layer model does not predict the pass). On a
+    #    state that keeps no exit's residual: one run of every layer, as the runtime's target computes a pass
+    #    when no exit of it drafts (the segments' state stops at every exit, each stop a call of its own)
     if check:
         n_direct = plan.direct_rounds
+        whole = _kept_at(eng, base, ids, n0, ctxs[0] + tmax1 + 1, n_layers)
         modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
 
         def direct_cb(m: str, x: float) -> None:
             step_cb(f"context {ctxs[0]}: {m}", x)
 
-        timed = _time_direct(eng, base, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
+        timed = _time_direct(eng, whole, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
                              n_direct, warmup, calib, direct_cb, greedy)
         scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
         more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
@@ -573,7 +586,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
         if more:
             if on_extend is not None:
                 on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))
-            timed.update(_time_direct(eng, base, ids, more, n_direct, warmup, calib, direct_cb, greedy))
+            timed.update(_time_direct(eng, whole, ids, more, n_direct, warmup, calib, direct_cb, greedy))
             scale.update({t: timed[t] / modelled[t - 1] for t in more})
         ts = sorted(timed)
         if len(scale) == len(timed):
