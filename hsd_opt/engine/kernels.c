@@ -1590,9 +1590,11 @@ int hsd_screen_i16(const int8_t *codes, const float *scale, int V, int K, const 
     return 0;
 }
 
-/* The highest lower bound max_r (a_r - e_r) of one position's screen logits a [V], e_r = c_r hd + wn_r dl with
- * hd = |x| + dl (screen_bound's operations, so the same values); *bad set when a holds a value that is not finite. */
-static float screen_floor(const float *a, const float *c, const float *wn, int V, float hd, float dl, int *bad) {
+/* The highest lower bound max_r (a_r - screen_bound(c_r, wn_r, hn, dl)) of one position's screen logits a [V]
+ * (the vector lanes with the same operations, so the same values); *bad set when a holds a value that is not
+ * finite. */
+static float screen_floor(const float *a, const float *c, const float *wn, int V, float hn, float dl, int *bad) {
+    const float hd = hn + dl;
     float floor = -INFINITY;
     int r = 0;
 #if HSD_AVX512
@@ -1625,15 +1627,17 @@ static float screen_floor(const float *a, const float *c, const float *wn, int V
 #endif
     for (; r < V; r++) {
         if (!isfinite(a[r])) *bad = 1;
-        const float lo = a[r] - (c[r] * hd + wn[r] * dl);
+        const float lo = a[r] - screen_bound(c[r], wn[r], hn, dl);
         floor = lo > floor ? lo : floor;
     }
     return floor;
 }
 
-/* The rows r (in order) whose a_r + e_r reaches floor, into cand; their number, or -1 past cap. */
-static int screen_collect(const float *a, const float *c, const float *wn, int V, float hd, float dl, float floor,
+/* The rows r (in order) whose a_r + screen_bound(c_r, wn_r, hn, dl) reaches floor, into cand; their number, or -1
+ * past cap. */
+static int screen_collect(const float *a, const float *c, const float *wn, int V, float hn, float dl, float floor,
                           int cap, long *cand) {
+    const float hd = hn + dl;
     int n = 0, r = 0;
 #if HSD_AVX512
     const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor);
@@ -1660,7 +1664,7 @@ static int screen_collect(const float *a, const float *c, const float *wn, int V
     }
 #endif
     for (; r < V; r++)
-        if (a[r] + (c[r] * hd + wn[r] * dl) >= floor) {
+        if (a[r] + screen_bound(c[r], wn[r], hn, dl) >= floor) {
             if (n == cap) return -1;
             cand[n++] = r;
         }
@@ -1693,10 +1697,9 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const floa
                 rc |= 1;
                 break;
             }
-            const float hd = hn + dl;
             int bad = 0;
-            const float floor = screen_floor(at, c, wn, V, hd, dl, &bad);
-            const int n = bad ? -1 : screen_collect(at, c, wn, V, hd, dl, floor, cap, cand);
+            const float floor = screen_floor(at, c, wn, V, hn, dl, &bad);
+            const int n = bad ? -1 : screen_collect(at, c, wn, V, hn, dl, floor, cap, cand);
             if (n < 0) {
                 rc |= 1;
                 break;

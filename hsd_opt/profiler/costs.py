@@ -384,10 +384,11 @@ def _prefix(eng, st, src, ids: torch.Tensor, n: int) -> None:
     st.lens = [n] * eng.n_layers
 
 
-def _kept_at(eng, src, ids: torch.Tensor, n: int, max_len: int, b: int):
-    """A state holding the first ``n`` of ``ids`` (copied from ``src``, :func:`_prefix`) that keeps the residual of
-    exit ``b`` alone (none below the whole model): its passes to ``b`` run as one run of layers."""
-    st = eng.new_state(max_len, save_boundaries=[b] if b < eng.n_layers else [])
+def _kept_at(eng, src, ids: torch.Tensor, n: int, b: int):
+    """A state of ``src``'s size holding the first ``n`` of ``ids`` (copied from ``src``, :func:`_prefix`) that
+    keeps the residual of exit ``b`` alone (none below the whole model): its passes to ``b`` run as one run of
+    layers."""
+    st = eng.new_state(src.max_len, save_boundaries=[b] if b < eng.n_layers else [])
     _prefix(eng, st, src, ids, n)
     return st
 
@@ -529,7 +530,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     #    that keeps only that exit's residual, as the runtime's does (an advance stops at every kept boundary)
     step: dict[int, float] = {}
     for b in (_check_boundaries(bs) if step_check else []):
-        one = _kept_at(eng, base, ids, n0, ctxs[0] + tmax1 + 1, b)
+        one = _kept_at(eng, base, ids, n0, b)
         times = []
         for r in range(warmup + repeats):
             eng.append(one, ids[n0:n0 + 1])
@@ -572,7 +573,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     #    when no exit of it drafts (the segments' state stops at every exit, each stop a call of its own)
     if check:
         n_direct = plan.direct_rounds
-        whole = _kept_at(eng, base, ids, n0, ctxs[0] + tmax1 + 1, n_layers)
+        whole = _kept_at(eng, base, ids, n0, n_layers)
         modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
 
         def direct_cb(m: str, x: float) -> None:
