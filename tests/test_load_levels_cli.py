@@ -131,6 +131,14 @@ def test_bench_under_load_with_retime_reports_the_levels_it_ran(profiled):
     assert set(rep["retime"]["levels"]) == {"1", "2", "4"} and rep["retime"]["factors"]
     assert rep["levels"][1]["methods"]["hsd"]["load_level"] == 2
     assert all(f["equal_to_target"] for lv in rep["levels"] for f in lv["methods"].values())
+    for lv in rep["levels"]:                   # every method's run of a level predicted whole, re-timed before it
+        for m in lv["methods"].values():
+            one = m["rounds"][0]
+            assert one["predicted_run_tokens_per_s"] > 0 and one["predicted_wall_seconds"] > 0
+            assert one["measured_over_predicted"] == pytest.approx(one["aggregate_tokens_per_s"]
+                                                                   / one["predicted_run_tokens_per_s"])
+            assert "1" in one["factors"]["batch"] and one["factors"]["prefill"]
+            assert m["predicted_run_tokens_per_s"] == one["predicted_run_tokens_per_s"]
 
 
 @pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),

@@ -218,8 +218,9 @@ def method_names(text: str, known: tuple[str, ...], where: str = "") -> list[str
 LOAD_LEGEND = ("agg: aggregate tokens/s (every token over the wall seconds of the level); x batch1, x plain: hsd's "
                "aggregate over hsd_batch1's and hsd_plain's; ttft: seconds to the first tokens (p50 / p95, "
                "waiting included); stream: tokens/s of one request after its first tokens (p50); pred: the "
-               "plan's predicted aggregate at this load level (by_load); =target: every answer equals the "
-               "target's greedy answer alone")
+               "plan's predicted aggregate at this load level (by_load, decoding only); pred run (--retime): "
+               "the whole level predicted, prompts and ramps included, at the speed timed right before it, and "
+               "the measured aggregate over it; =target: every answer equals the target's greedy answer alone")
 
 
 def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], by: str,
@@ -261,16 +262,22 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     by_load = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner) or runner
-    retimed = None
+    retimed = predictor = None
     if retime is not None:
         by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
     target = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=[p.hierarchy[-1]], budgets=[],
                           models=models)
+    if retime is not None:
+        from hsd_opt.formats import load_profile
+        from hsd_opt.runtime.load_model import LoadPredictor
+
+        text = [t for s in load_prompts().texts[:8] for t in encode_prompt(loaded.tokenizer, s)]
+        predictor = LoadPredictor(load_profile(retime)[0], text, head=target.levels[-1].engine.prompt_head)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
-                         log=say)
+                         log=say, predictor=predictor)
     if retimed is not None:
         rep["retime"] = retimed
     rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -279,8 +286,9 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     t = Table(title=f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
                     f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} ({loaded.model_id}, "
                     f"{loaded.device}, {rep['torch_threads']} threads)", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("clients", "method", "agg", "x batch1", "x plain", "ttft p50", "ttft p95", "stream", "pred",
-                "=target"):
+    cols = ["clients", "method", "agg", "x batch1", "x plain", "ttft p50", "ttft p95", "stream", "pred"]
+    cols += ["pred run", "agg/pred run"] if predictor is not None else []
+    for col in cols + ["=target"]:
         t.add_column(col, justify="left" if col == "method" else "right")
     for lv in rep["levels"]:
         for m, d in lv["methods"].items():
@@ -289,7 +297,10 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                       fmt(lv.get("hsd_over_batch1") if hsd else None, ".2f"),
                       fmt(lv.get("hsd_over_plain") if hsd else None, ".2f"), fmt(d["ttft_p50_s"], ".2f"),
                       fmt(d["ttft_p95_s"], ".2f"), fmt(d["stream_tokens_per_s_p50"], ".1f"),
-                      fmt(d.get("predicted_tokens_per_s"), ".1f"), "yes" if d["equal_to_target"] else "NO")
+                      fmt(d.get("predicted_tokens_per_s"), ".1f"),
+                      *([fmt(d.get("predicted_run_tokens_per_s"), ".1f"), fmt(d.get("measured_over_predicted"),
+                                                                              ".2f")] if predictor is not None else []),
+                      "yes" if d["equal_to_target"] else "NO")
     console.print(t)
     console.print(LOAD_LEGEND, style="dim")
     write_outputs(rep, json_out, plot, plot_load)

@@ -23,6 +23,11 @@ hierarchy the plan's there, the plan's predicted aggregate (``by_load``, the pro
 several rounds the methods run in rotating order at each concurrency (what runs before a method changes its
 figures) and the report holds each round and the medians.
 
+With a :class:`~hsd_opt.runtime.load_model.LoadPredictor` (``--retime PROFILE``), each method's run of a level is
+also predicted whole, prompts and ramps included, at the engines' speed timed right before it: per round and as
+medians ``predicted_run_tokens_per_s``, ``predicted_wall_seconds``, ``predicted_ttft_p50_s`` and
+``measured_over_predicted`` (measured aggregate over predicted).
+
 What this leaves out, and ``benchmarks/serve_sweep.py`` measures: HTTP, the server's text decoding and streaming,
 and clients in other processes. Units: seconds, tokens.
 """
@@ -38,6 +43,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
+from hsd_opt.runtime.load_model import LoadPredictor
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Plan
@@ -156,17 +162,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 MEDIAN_KEYS = ("aggregate_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s_p50")
+#: The figures of a whole level predicted at the speed of the moment (with a :class:`LoadPredictor`).
+PREDICTED_KEYS = ("predicted_run_tokens_per_s", "predicted_wall_seconds", "predicted_ttft_p50_s",
+                  "measured_over_predicted")
 
 
 def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, HSD], int]],
                    target: HSD, prompts: Sequence[Sequence[int]], concurrency: Sequence[int], requests: int = 2,
-                   max_new_tokens: int = 64, rounds: int = 1,
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   max_new_tokens: int = 64, rounds: int = 1, log: Callable[[str], None] | None = None,
+                   predictor: LoadPredictor | None = None) -> dict[str, Any]:
     """Run every method of ``runners`` (name -> (hierarchies, max_batch), names from :data:`LOAD_METHODS`) at each
     client count of ``concurrency`` for ``rounds`` rounds (see the module doc) on ``prompts`` (token ids), each
     answer checked against ``target``'s (the target alone, one prompt at a time). Returns the report:
     ``levels`` (one entry per client count: per method the medians over rounds, each round's figures, and for
-    ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings."""
+    ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings. With
+    ``predictor``, every method's run of a level is timed again right before it and replayed on the re-timed
+    costs (:class:`~hsd_opt.runtime.load_model.LoadPredictor`): per round and as medians ``PREDICTED_KEYS``."""
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
     if rounds < 1:
@@ -190,16 +201,25 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             shift = (r + li) % len(methods)
             for m in methods[shift:] + methods[:shift]:
                 h, mb = runners[m]
+                factors = predictor.retime(h, mb) if predictor is not None else None
                 reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start)
                 fig = level_figures(reqs, reference)
                 fig["round"] = r + 1
+                if predictor is not None:
+                    lengths = {j: len(ids) for j, ids in reference.items()}
+                    fig.update(predictor.predict(h, mb, predictor.jobs(prompts, lengths, c, requests, start)))
+                    fig["factors"] = factors
+                    fig["measured_over_predicted"] = _ratio(fig["aggregate_tokens_per_s"],
+                                                            fig["predicted_run_tokens_per_s"])
                 per_round[m].append(fig)
+                pred = fig.get("predicted_run_tokens_per_s")
                 log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "
-                    f"TTFT p50 {fig['ttft_p50_s']:.2f} s")
+                    f"TTFT p50 {fig['ttft_p50_s']:.2f} s" + (f" (predicted {pred:.1f})" if pred else ""))
             start += c * requests
         entry: dict[str, Any] = {"clients": c, "methods": {}}
         for m in methods:
-            med = {k: _median([f[k] for f in per_round[m]]) for k in MEDIAN_KEYS}
+            keys = MEDIAN_KEYS + (PREDICTED_KEYS if predictor is not None else ())
+            med = {k: _median([f[k] for f in per_round[m]]) for k in keys}
             med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m])
             med["rounds"] = per_round[m]
             entry["methods"][m] = med

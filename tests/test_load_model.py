@@ -1,0 +1,151 @@
+"""A served load's time predicted (``hsd_opt.runtime.load_model``): the replay makes the batch scheduler's ticks,
+sequence count by sequence count; each tick is priced as documented (decode at the batch size, a prompt's passes
+on its cost curve, a shared prompt at one position); one request alone costs its prompt plus its tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.quantized import QuantizedLM
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import profile_from_dict
+from hsd_opt.runtime import decode
+from hsd_opt.runtime.batch import Batch
+from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.load_bench import serve_clients
+from hsd_opt.runtime.load_model import Job, LoadCosts, LoadPredictor, Spec, predict_level, spec_of
+from hsd_opt.solver.api import evaluate
+from hsd_opt.solver.batch import at_batch
+from tests.helpers import CycleDrafter, make_tiny_llama
+
+HAVE_KERNELS = kernels.load() is not None
+
+
+def _profile(batch: bool = True):
+    """A target ``t`` and a copy ``q``: costs over t = 1..4 positions, batch ratios at 2 and 4 sequences."""
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "q", "kind": "quantized", "cost": 0.004}, {"name": "t", "kind": "target", "cost": 0.01}],
+         "acceptance": {"q": {"t": 0.8}},
+         "cost_curve": {"t": [0.010, 0.012, 0.014, 0.016], "q": [0.004, 0.006, 0.008, 0.010]}}
+    if batch:
+        d["batch_costs"] = [{"batch": 2, "ratio": {"t": [1.3, 1.5, 1.6, 1.7], "q": [1.8, 1.9, 1.9, 1.9]}},
+                            {"batch": 4, "ratio": {"t": [1.9, 2.5, 2.9, 3.2], "q": [3.5, 3.7, 3.8, 3.8]}}]
+    return profile_from_dict(d, "<test>")[0]
+
+
+PLAIN = Spec(("t",), (), ("t",), frozenset({"T"}))
+SPEC = Spec(("q", "t"), (3,), ("t", "q"), frozenset({"T", "Q"}))
+
+
+def test_decode_ticks_cost_the_batched_latency_scaled_by_the_factor_of_their_batch_size():
+    prof = _profile()
+    costs = LoadCosts(prof, factors={1: {"t": 0.5, "q": 0.5}, 4: {"t": 2.0, "q": 2.0}})
+    assert costs.decode(PLAIN, 1) == pytest.approx(0.5 * 0.010)
+    assert costs.decode(PLAIN, 4) == pytest.approx(2.0 * 0.010 * 1.9)
+    assert costs.decode(PLAIN, 2) == pytest.approx(0.010 * 1.3 * 0.5)      # batch 2 takes batch 1's factors
+    three = costs.decode(SPEC, 3)                                           # between 2 and 4: the line
+    assert three == pytest.approx((costs.decode(SPEC, 2) + costs.decode(SPEC, 4)) / 2)
+    assert costs.decode(SPEC, 4) == pytest.approx(2.0 * evaluate(at_batch(prof, 4), ["q", "t"], [3]))
+    six = costs.decode(PLAIN, 6)                                            # past the largest: the line on
+    assert six == pytest.approx(costs.decode(PLAIN, 4) + (costs.decode(PLAIN, 4) - costs.decode(PLAIN, 2)))
+    with pytest.raises(HsdError, match="--batch-sizes"):
+        LoadCosts(_profile(batch=False)).decode(PLAIN, 2)
+    with pytest.raises(HsdError, match="no cost for 'layer9'"):
+        costs.prompt_pass("layer9", 3)
+
+
+def test_a_prompt_costs_one_tick_per_pass_of_the_target_and_a_shared_copy_one_position():
+    prof = _profile()
+    costs = LoadCosts(prof, prefill_factors={"t": 2.0})
+    assert costs.prompt_pass("t", 3) == pytest.approx(2.0 * 0.014)
+    assert costs.prompt_pass("t", 10) == pytest.approx(2.0 * (0.016 + 0.002 * 6))   # the upper half's slope
+    assert costs.prompt_pass("q", 10) == pytest.approx(0.010 + 0.002 * 6)
+    job = Job(positions=10, tokens=5, head=6)
+    assert costs.prefill(PLAIN, job) == [pytest.approx(costs.prompt_pass("t", 10))]
+    own = costs.prefill(SPEC, job)
+    assert own == [pytest.approx(costs.prompt_pass("t", 10) + costs.prompt_pass("q", 10))]
+    shared = costs.prefill(Spec(SPEC.hierarchy, SPEC.budgets, SPEC.prefill, SPEC.engines, frozenset({"q"})), job)
+    assert shared == [pytest.approx(costs.prompt_pass("t", 10) + costs.prompt_pass("q", 1))]
+
+
+def test_a_long_prompt_takes_a_tick_per_chunk(monkeypatch):
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 4)
+    costs = LoadCosts(_profile())
+    ticks = costs.prefill(PLAIN, Job(positions=9, tokens=1, head=2))       # positions 2..11: passes of 4, 4, 1
+    assert ticks == [pytest.approx(costs.prompt_pass("t", k)) for k in (4, 4, 1)]
+
+
+def test_one_request_alone_costs_its_prompt_and_its_tokens_and_waiting_clients_wait():
+    costs = LoadCosts(_profile())
+    job = Job(positions=7, tokens=12)
+    one = predict_level(costs, {1: SPEC}, [[job]], max_batch=4)
+    expect = sum(costs.prefill(SPEC, job)) + 12 * costs.decode(SPEC, 1)
+    assert one.wall_seconds == pytest.approx(expect) and one.tokens == 12 and one.decoding == [1] * 12
+    assert one.ttft == [pytest.approx(sum(costs.prefill(SPEC, job)) + costs.decode(SPEC, 1))]
+    assert one.aggregate_tokens_per_s == pytest.approx(12 / expect)
+    two = predict_level(costs, {1: SPEC}, [[job], [job]], max_batch=1)    # one at a time: twice as long
+    assert two.wall_seconds == pytest.approx(2 * expect)
+    assert two.ttft[1] == pytest.approx(expect + one.ttft[0])
+    both = predict_level(costs, {1: SPEC, 2: PLAIN}, [[job], [job]], max_batch=2)
+    assert both.wall_seconds < two.wall_seconds and both.decoding.count(2) == 11
+
+
+def test_a_sequence_keeps_its_hierarchy_until_it_holds_every_engine_of_the_levels():
+    """Started under plain batching (load 2), a sequence does not take the speculative hierarchy of load 1 when
+    the other ends: it holds no state of the copy. Started alone under the speculative one, it takes plain
+    batching when a second joins."""
+    costs = LoadCosts(_profile())
+    a, b = Job(positions=3, tokens=4), Job(positions=3, tokens=10)
+    both = predict_level(costs, {1: SPEC, 2: PLAIN}, [[a], [b]], max_batch=2)
+    pre = costs.prefill(PLAIN, a)[0]
+    tail = 7 * costs.decode(PLAIN, 1)                                        # b alone, still on plain decoding
+    assert both.wall_seconds == pytest.approx(2 * pre + costs.decode(PLAIN, 1) + 3 * costs.decode(PLAIN, 2) + tail)
+    assert both.decoding == [1, 2, 2, 2] + [1] * 7
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3])
+def test_the_replay_makes_the_schedulers_ticks(monkeypatch, max_batch):
+    """3 clients x 2 requests on the target alone (prompts of 3 to 21 positions, passes of at most 8): the real
+    scheduler's decode passes, tick by tick, serve as many sequences as the replay decodes; and it makes as many
+    prompt passes."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0),
+                    kernels=HAVE_KERNELS)
+    ar = HSD([Level("layer4", eng, 4)], [], eos_ids=[2])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 21, 9, 14)]
+    served, prefills = [], []
+    real_serve, real_prefill = Batch._serve, Batch._prefill_pass
+    monkeypatch.setattr(Batch, "_serve", staticmethod(lambda ps: served.append(len(ps)) or real_serve(ps)))
+    monkeypatch.setattr(Batch, "_prefill_pass", lambda self, e: prefills.append(1) or real_prefill(self, e))
+    reqs = serve_clients(ar, prompts, clients=3, requests=2, max_new_tokens=9, max_batch=max_batch, start=1)
+    lengths = {r.prompt: len(r.token_ids) for r in reqs}
+    jobs = LoadPredictor(_profile()).jobs(prompts, lengths, clients=3, requests=2, start=1)
+    p = predict_level(LoadCosts(_profile()), {1: PLAIN}, jobs, max_batch)
+    assert p.decoding == served
+    assert len(prefills) == sum(len(LoadCosts(_profile()).prefill(PLAIN, j)) for row in jobs for j in row)
+    assert p.tokens == sum(len(r.token_ids) for r in reqs)
+
+
+@pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler here: the kernels cannot be built")
+def test_spec_of_a_built_hierarchy_names_its_engines_and_the_copy_that_shares_the_prompt():
+    model = make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    eng, q = LayeredLM(model, kernels=True), QuantizedLM(model, bits=4, kernels=True)
+    h = HSD([Level("cycle", drafter=CycleDrafter(64)), Level("q", q, 4), Level("layer2", eng, 2),
+             Level("layer4", eng, 4)], [2, 2, 3])
+    s = spec_of(h)
+    assert s.hierarchy == ("cycle", "q", "layer2", "layer4") and s.budgets == (2, 2, 3)
+    assert s.prefill == ("layer4", "q") and len(s.engines) == 2 and s.shared == frozenset({"q"})
+    alone = spec_of(HSD([Level("layer4", eng, 4)], []))
+    assert alone.prefill == ("layer4",) and alone.engines < s.engines and alone.budgets == ()
+    assert spec_of(HSD(h.levels, h.budgets, share_prompt=False)).shared == frozenset()
+
+
+def test_jobs_follow_the_clients_prompts_and_a_kept_head_is_not_computed():
+    pred = LoadPredictor(_profile(), head=[5, 6])
+    prompts = [[5, 6, 7, 8], [5, 6], [1, 2, 3]]
+    jobs = pred.jobs(prompts, {0: 3, 1: 1, 2: 4}, clients=2, requests=2, start=1)
+    assert jobs == [[Job(2, 1, 0), Job(3, 4, 0)], [Job(2, 3, 2), Job(2, 1, 0)]]
