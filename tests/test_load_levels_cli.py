@@ -137,7 +137,7 @@ def test_bench_under_load_with_retime_reports_the_levels_it_ran(profiled):
             assert one["predicted_run_tokens_per_s"] > 0 and one["predicted_wall_seconds"] > 0
             assert one["measured_over_predicted"] == pytest.approx(one["aggregate_tokens_per_s"]
                                                                    / one["predicted_run_tokens_per_s"])
-            assert "1" in one["factors"]["batch"] and one["factors"]["prefill"]
+            assert "1" in one["factors"]["batch"] and one["factors"]["prompt_seconds"]
             assert m["predicted_run_tokens_per_s"] == one["predicted_run_tokens_per_s"]
 
 

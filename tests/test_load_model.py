@@ -16,7 +16,7 @@ from hsd_opt.runtime import decode
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.load_bench import serve_clients
-from hsd_opt.runtime.load_model import Job, LoadCosts, LoadPredictor, Spec, predict_level, spec_of
+from hsd_opt.runtime.load_model import Job, LoadCosts, LoadPredictor, Spec, predict_level, spec_of, time_prompt_passes
 from hsd_opt.solver.api import evaluate
 from hsd_opt.solver.batch import at_batch
 from tests.helpers import CycleDrafter, make_tiny_llama
@@ -59,16 +59,32 @@ def test_decode_ticks_cost_the_batched_latency_scaled_by_the_factor_of_their_bat
 
 def test_a_prompt_costs_one_tick_per_pass_of_the_target_and_a_shared_copy_one_position():
     prof = _profile()
-    costs = LoadCosts(prof, prefill_factors={"t": 2.0})
-    assert costs.prompt_pass("t", 3) == pytest.approx(2.0 * 0.014)
-    assert costs.prompt_pass("t", 10) == pytest.approx(2.0 * (0.016 + 0.002 * 6))   # the upper half's slope
-    assert costs.prompt_pass("q", 10) == pytest.approx(0.010 + 0.002 * 6)
+    costs = LoadCosts(prof)
+    assert costs.prompt_pass("t", 3) == pytest.approx(0.014)                # on the cost curve
+    assert costs.prompt_pass("t", 10) == pytest.approx(0.016 + 0.002 * 6)   # past it: the upper half's slope
+    timed = LoadCosts(prof, prompt_seconds={"t": [(32, 0.05), (8, 0.02), (96, 0.13)]})
+    assert timed.prompt_pass("t", 20) == pytest.approx(0.035)               # between timed passes: their line
+    assert timed.prompt_pass("t", 4) == pytest.approx(0.015)                # below them: the first two's line
+    assert timed.prompt_pass("t", 128) == pytest.approx(0.17)               # past them: the last two's line
+    assert timed.prompt_pass("q", 10) == pytest.approx(costs.prompt_pass("q", 10))   # not timed: its curve
     job = Job(positions=10, tokens=5, head=6)
     assert costs.prefill(PLAIN, job) == [pytest.approx(costs.prompt_pass("t", 10))]
     own = costs.prefill(SPEC, job)
     assert own == [pytest.approx(costs.prompt_pass("t", 10) + costs.prompt_pass("q", 10))]
     shared = costs.prefill(Spec(SPEC.hierarchy, SPEC.budgets, SPEC.prefill, SPEC.engines, frozenset({"q"})), job)
     assert shared == [pytest.approx(costs.prompt_pass("t", 10) + costs.prompt_pass("q", 1))]
+
+
+def test_a_timed_prompt_pass_computes_its_positions_and_reads_the_last(monkeypatch):
+    eng = LayeredLM(make_tiny_llama(seed=1), kernels=HAVE_KERNELS)
+    seen = []
+    real_advance, real_read = eng.advance, eng.greedy_ids
+    monkeypatch.setattr(eng, "advance", lambda st, b: seen.append(("advance", st.n, b)) or real_advance(st, b))
+    monkeypatch.setattr(eng, "greedy_ids", lambda st, b, a, z: seen.append(("read", z - a)) or real_read(st, b, a, z))
+    out = time_prompt_passes(eng, 3, [5, 6, 7, 8, 9], sizes=(2, 7), context=4, repeats=1)
+    assert [m for m, _ in out] == [2, 7] and all(x > 0 for _, x in out)
+    assert seen[0] == ("advance", 4, 3)                                   # the head, once
+    assert seen[1:] == [("advance", 6, 3), ("read", 1)] * 2 + [("advance", 11, 3), ("read", 1)] * 2
 
 
 def test_a_long_prompt_takes_a_tick_per_chunk(monkeypatch):

@@ -98,31 +98,6 @@ def test_a_batch_clock_times_the_batched_pass_against_the_profiles_batched_cost(
         StepClock(prof, [h], batch=8)
 
 
-def test_a_clock_of_long_passes_times_them_against_the_cost_curve(monkeypatch):
-    """With ``positions=3`` the clock appends 3 tokens, reads all 3 positions and divides by the profile's pass
-    over 3 positions; a profile whose curve is shorter is refused naming the model."""
-    lm = LayeredLM(make_tiny_llama())
-    h = HSD([Level("layer2", lm, 2), Level("layer4", lm, 4)], [3])
-    prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4",
-                              "models": [{"name": f"layer{b}", "kind": "early_exit", "cost": 0.001 * b}
-                                         for b in (2, 4)],
-                              "acceptance": {"layer2": {"layer4": 0.5}},
-                              "cost_curve": {"layer4": [0.004, 0.005, 0.007], "layer2": [0.002, 0.003, 0.004]}},
-                             "<test>")[0]
-    reads = []
-    real = lm.greedy_ids
-    monkeypatch.setattr(lm, "greedy_ids", lambda st, b, a, z: reads.append((st.n, z - a)) or real(st, b, a, z))
-    clock = StepClock(prof, [h], repeats=2, positions=3)
-    f = clock.measure()
-    n0 = reads[0][0]
-    assert reads == [(n0, 3)] * 3                              # a warm-up and two passes, each over 3 new positions
-    s = clock.summary()["layer4"]
-    assert s["positions"] == 3 and s["profiled_step"] == pytest.approx(0.007)
-    assert f["layer4"] == pytest.approx(s["measured_step_median"] / 0.007)
-    with pytest.raises(HsdError, match="over 4 positions"):
-        StepClock(prof, [h], positions=4)
-
-
 def test_a_profile_that_cannot_price_the_plan_is_refused():
     prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4",
                               "models": [{"name": "layer4", "kind": "target", "cost": 0.01}], "acceptance": {}},

@@ -219,8 +219,9 @@ LOAD_LEGEND = ("agg: aggregate tokens/s (every token over the wall seconds of th
                "aggregate over hsd_batch1's and hsd_plain's; ttft: seconds to the first tokens (p50 / p95, "
                "waiting included); stream: tokens/s of one request after its first tokens (p50); pred: the "
                "plan's predicted aggregate at this load level (by_load, decoding only); pred run (--retime): "
-               "the whole level predicted, prompts and ramps included, at the speed timed right before it, and "
-               "the measured aggregate over it; =target: every answer equals the target's greedy answer alone")
+               "the whole level predicted, prompts and ramps included, at the speed timed right before and "
+               "after it, and the measured aggregate over it; =target: every answer equals the target's greedy "
+               "answer alone")
 
 
 def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], by: str,

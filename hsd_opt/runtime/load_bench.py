@@ -24,7 +24,8 @@ several rounds the methods run in rotating order at each concurrency (what runs 
 figures) and the report holds each round and the medians.
 
 With a :class:`~hsd_opt.runtime.load_model.LoadPredictor` (``--retime PROFILE``), each method's run of a level is
-also predicted whole, prompts and ramps included, at the engines' speed timed right before it: per round and as
+also predicted whole, prompts and ramps included, at the engines' speed timed right before and right after it
+(the mean of the two): per round and as
 medians ``predicted_run_tokens_per_s``, ``predicted_wall_seconds``, ``predicted_ttft_p50_s`` and
 ``measured_over_predicted`` (measured aggregate over predicted).
 
@@ -176,8 +177,8 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
     answer checked against ``target``'s (the target alone, one prompt at a time). Returns the report:
     ``levels`` (one entry per client count: per method the medians over rounds, each round's figures, and for
     ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings. With
-    ``predictor``, every method's run of a level is timed again right before it and replayed on the re-timed
-    costs (:class:`~hsd_opt.runtime.load_model.LoadPredictor`): per round and as medians ``PREDICTED_KEYS``."""
+    ``predictor``, every method's run of a level is timed again right before and after it and replayed on the
+    re-timed costs (:class:`~hsd_opt.runtime.load_model.LoadPredictor`): per round and as medians ``PREDICTED_KEYS``."""
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
     if rounds < 1:
@@ -206,6 +207,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
                 fig = level_figures(reqs, reference)
                 fig["round"] = r + 1
                 if predictor is not None:
+                    factors = predictor.retime(h, mb, again=True)
                     lengths = {j: len(ids) for j, ids in reference.items()}
                     fig.update(predictor.predict(h, mb, predictor.jobs(prompts, lengths, c, requests, start)))
                     fig["factors"] = factors

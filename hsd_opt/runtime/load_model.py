@@ -19,11 +19,12 @@ end. :func:`predict_level` replays :class:`~hsd_opt.runtime.batch.Batch`'s polic
 - a request ends with its last token; its client's next request is submitted then.
 
 :class:`LoadCosts` prices a tick: decode from the profile at the batch size (:func:`~hsd_opt.solver.batch.at_batch`;
-between measured batch sizes interpolated linearly in the batch, past the largest extended linearly), a prompt's
-pass over ``m`` positions from the model's cost curve (passes over ``t = 1 .. n`` positions; past ``n`` extended by
-the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the positions), each
-cost times the factor of the machine's speed of the moment when re-timed (:class:`~hsd_opt.runtime.retime.StepClock`
-at each batch size; a prompt's passes take the factor of a pass over many positions).
+between measured batch sizes interpolated linearly in the batch, past the largest extended linearly), times the
+factor of the machine's speed of the moment when re-timed (:class:`~hsd_opt.runtime.retime.StepClock` at each batch
+size); a prompt's pass over ``m`` positions from passes timed at the moment (:func:`time_prompt_passes`, linear
+between them), or without them from the model's cost curve (passes over ``t = 1 .. n`` positions; past ``n``
+extended by the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the
+positions).
 
 What the replay leaves out: Python's own work between passes (about 1% of a level), a group of sequences on one
 engine waiting while another's larger group is served (the batch serves one or the other per tick; the replay
@@ -35,11 +36,16 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import torch
+
+from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
+from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
 from hsd_opt.runtime.retime import scale_costs
 from hsd_opt.solver.api import evaluate, resolve_context
@@ -111,16 +117,19 @@ class LoadCosts:
         profile: the plan's profile (``batch_costs`` needed for more than one sequence).
         factors: batch size -> model -> measured / profiled seconds of that batched step (re-timed; a batch size
             without its own factors takes the nearest one's on a log scale; none: 1).
-        prefill_factors: model -> measured / profiled seconds of a pass over many positions (default 1).
+        prompt_seconds: model -> ``[(positions, seconds), ...]``: prompt passes timed (:func:`time_prompt_passes`),
+            which price a model's prompt passes in place of its cost curve.
         context: tokens in a decoding sequence's cache that price the decode ticks (default: the profile's
             typical context).
     """
 
     def __init__(self, profile: Profile, factors: Mapping[int, Mapping[str, float]] | None = None,
-                 prefill_factors: Mapping[str, float] | None = None, context: float | None = None):
+                 prompt_seconds: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+                 context: float | None = None):
         self.profile = profile
         self.factors = {int(b): dict(f) for b, f in (factors or {}).items()}
-        self.prefill_factors = dict(prefill_factors or {})
+        self.prompt_seconds = {m: sorted((int(n), float(x)) for n, x in pts)
+                               for m, pts in (prompt_seconds or {}).items() if pts}
         self.context = context
         self.sizes = sorted({1} | {b.batch for b in profile.batch_costs})
         first = profile.context_costs[0].context if profile.context_costs else None
@@ -156,12 +165,21 @@ class LoadCosts:
         return a + (z - a) * (batch - lo) / (hi - lo)
 
     def prompt_pass(self, model: str, positions: int) -> float:
-        """Seconds of a pass of ``model`` over ``positions`` new prompt positions."""
+        """Seconds of a pass of ``model`` over ``positions`` new prompt positions: on the line through the timed
+        passes around it (``prompt_seconds``; below or past them, the nearest two's line), else the model's cost
+        curve (past its end extended by its upper half's slope)."""
+        pts = self.prompt_seconds.get(model)
+        if pts:
+            if len(pts) == 1:
+                return pts[0][1] * positions / pts[0][0]
+            j = next((i for i, (n, _) in enumerate(pts) if n >= positions), len(pts) - 1)
+            (n0, s0), (n1, s1) = pts[max(j, 1) - 1], pts[max(j, 1)]
+            return max(s0 + (s1 - s0) * (positions - n0) / (n1 - n0), 0.0)
         p = self._prompt_profile
         curve = p.cost_curve.get(model) or [m.cost for m in p.models if m.name == model]
         if not curve:
             raise HsdError(f"the profile has no cost for {model!r}")
-        return _at(curve, positions) * float(self.prefill_factors.get(model, 1.0))
+        return _at(curve, positions)
 
     def prefill(self, spec: Spec, job: Job) -> list[float]:
         """Seconds of each tick of ``job``'s prompt: one per pass of the target; the last also computes the
@@ -272,19 +290,73 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
     return LevelPrediction(now, tokens, ttft, decoding)
 
 
+def _mean(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    """Per model the mean of two sets of factors (a model in one set only keeps its factor)."""
+    return {m: (a[m] + b[m]) / 2 if m in a and m in b else a.get(m, b.get(m)) for m in {**a, **b}}
+
+
 def _hierarchies(h: HSD | Mapping[int, HSD]) -> dict[int, HSD]:
     return dict(h) if isinstance(h, Mapping) else {1: h}
+
+
+def _prompt_engines(runs: Sequence[HSD]) -> dict[str, tuple[object, int]]:
+    """Per engine of ``runs``, its highest level's name -> (engine, boundary): what computes a prompt on it."""
+    tops: dict[int, tuple[str, object, int]] = {}
+    for h in runs:
+        for lv in h.levels:
+            if lv.is_model and (id(lv.engine) not in tops or lv.boundary > tops[id(lv.engine)][2]):
+                tops[id(lv.engine)] = (lv.name, lv.engine, lv.boundary)
+    return {name: (eng, b) for name, eng, b in tops.values()}
+
+
+#: Prompt positions of the passes :func:`time_prompt_passes` times.
+PROMPT_PASS_SIZES = (8, 32, 96)
+
+
+@torch.no_grad()
+def time_prompt_passes(eng, boundary: int, text: Sequence[int], sizes: Sequence[int] = PROMPT_PASS_SIZES,
+                       context: int = 24, repeats: int = 2) -> list[tuple[int, float]]:
+    """``[(m, seconds)]``: a prompt's pass of ``eng`` over ``m`` new positions after ``context`` (a kept head), to
+    layer ``boundary``, and the greedy read of its last position, as a prefill ends; the median of ``repeats``
+    after a warm-up, on ``text`` (token ids; random ids when empty)."""
+    n = context + max(sizes)
+    if text:
+        ids = torch.tensor(text_of_length(list(text), n))
+    else:
+        ids = torch.randint(3, max(4, eng.vocab_size - 1), (n,), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(eng.device)
+    st = eng.new_state(n + 1)
+    eng.append(st, ids[:context])
+    eng.advance(st, boundary)
+    read = pass_output(eng, True)
+    out = []
+    for m in sizes:
+        times = []
+        for r in range(repeats + 1):
+            eng.append(st, ids[context:context + m])
+            t0 = time.perf_counter()
+            eng.advance(st, boundary)
+            read(st, boundary, st.n - 1, st.n)
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize(eng.device)
+            dt = time.perf_counter() - t0
+            eng.crop(st, context)
+            if r:
+                times.append(dt)
+        out.append((int(m), statistics.median(times)))
+    return out
 
 
 class LoadPredictor:
     """Predictions of a load benchmark's levels at the machine's speed of the moment (``hsd bench --concurrency
     --retime PROFILE``).
 
-    :meth:`retime`, called right before a method serves a level, times one batched step of every engine the
-    method's hierarchies run at each of the profile's batch sizes up to its ``max_batch`` (1 included) and one
-    pass over the longest measured pass of one sequence (the factor of a prompt's passes) with
-    :class:`~hsd_opt.runtime.retime.StepClock`; :meth:`predict` then replays the level on the profile's costs
-    scaled by those factors (:func:`predict_level`).
+    :meth:`retime`, called right before a method serves a level and again right after it, times one batched step
+    of every engine at each of the profile's batch sizes up to the method's ``max_batch`` (1 included), the engines
+    of the hierarchy that runs at that load, with :class:`~hsd_opt.runtime.retime.StepClock`, and each engine's
+    prompt passes (:func:`time_prompt_passes`; over 1 and 8 positions for a copy that only ever shares the
+    target's prompt); :meth:`predict` then replays the level (:func:`predict_level`) on the profile's
+    decode costs scaled by the mean of the two timings' factors and on the mean of the two timings' prompt passes.
 
     Args:
         profile: the plan's profile. ``text``: token ids the timed passes read. ``head``: the prompt head every
@@ -294,7 +366,7 @@ class LoadPredictor:
     """
 
     def __init__(self, profile: Profile, text: Sequence[int] | None = None, head: Sequence[int] = (),
-                 context: float | None = None, repeats: int = 3):
+                 context: float | None = None, repeats: int = 5):
         self.profile = profile
         self.text = list(text or [])
         self.head = list(head)
@@ -303,26 +375,36 @@ class LoadPredictor:
         self.sizes = sorted({1} | {b.batch for b in profile.batch_costs})
         self._clocks: dict[tuple, object] = {}
         self._factors: dict[int, dict[str, float]] = {}
-        self._prefill: dict[str, float] = {}
+        self._prompts: dict[str, list[tuple[int, float]]] = {}
 
-    def _clock(self, runs: list[HSD], batch: int, positions: int = 1):
+    def _clock(self, runs: list[HSD], batch: int):
         from hsd_opt.runtime.retime import StepClock
 
-        key = (tuple(sorted({id(h) for h in runs})), batch, positions)
+        key = (tuple(sorted(id(h) for h in runs)), batch)
         if key not in self._clocks:
-            self._clocks[key] = StepClock(self.profile, runs, repeats=self.repeats, text=self.text, batch=batch,
-                                          positions=positions)
+            self._clocks[key] = StepClock(self.profile, runs, repeats=self.repeats, text=self.text, batch=batch)
         return self._clocks[key]
 
-    def retime(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int) -> dict:
+    def retime(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int, again: bool = False) -> dict:
         """Time the engines of ``hierarchies`` now (see the class doc); returns the factors (batch size -> model ->
-        factor, and ``prefill``: model -> factor)."""
-        runs = list({id(h): h for h in _hierarchies(hierarchies).values()}.values())
-        self._factors = {b: self._clock(runs, b).measure() for b in self.sizes if b <= max(1, max_batch)}
-        cc = self.profile.context_costs
-        curve = len((cc[0].cost_curve if cc else self.profile.cost_curve).get(self.profile.target) or [0.0])
-        self._prefill = self._clock(runs, 1, curve).measure()
-        return {"batch": {str(b): f for b, f in self._factors.items()}, "prefill": dict(self._prefill)}
+        factor) and the prompt passes (model -> ``[(positions, seconds)]``). ``again``: a second timing of the
+        same run (after it), averaged with the first: a run of several seconds on a machine whose speed drifts is
+        priced at the middle of its spell, not at its start."""
+        levels = _hierarchies(hierarchies)
+        runs = list({id(h): h for h in levels.values()}.values())
+        factors = {b: self._clock([levels[nearest_level(levels, b)]], b).measure()
+                   for b in self.sizes if b <= max(1, max_batch)}
+        whole = {m for h in runs for m in (lambda sp: set(sp.prefill) - sp.shared)(spec_of(h))}
+        prompts = {name: time_prompt_passes(eng, b, self.text, PROMPT_PASS_SIZES if name in whole else (1, 8),
+                                            context=max(1, len(self.head)))
+                   for name, (eng, b) in _prompt_engines(runs).items()}
+        if again:
+            factors = {b: _mean(self._factors.get(b, f), f) for b, f in factors.items()}
+            prompts = {m: [(n, (x + y) / 2) for (n, x), (_, y) in zip(self._prompts.get(m, pts), pts)]
+                       for m, pts in prompts.items()}
+        self._factors, self._prompts = factors, prompts
+        return {"batch": {str(b): f for b, f in factors.items()},
+                "prompt_seconds": {m: [list(p) for p in pts] for m, pts in prompts.items()}}
 
     def jobs(self, prompts: Sequence[Sequence[int]], lengths: Mapping[int, int], clients: int, requests: int,
              start: int = 0) -> list[list[Job]]:
@@ -343,13 +425,13 @@ class LoadPredictor:
 
     def predict(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int,
                 clients: Sequence[Sequence[Job]]) -> dict:
-        """The replayed level (:func:`predict_level`) at the factors of the last :meth:`retime`: predicted
+        """The replayed level (:func:`predict_level`) at the factors of the last :meth:`retime` s: predicted
         aggregate tokens/s, wall seconds and time to the first token p50."""
         context = self.context
         if context is None:            # the mean of the requests' contexts halfway through their answers
             every = [j for row in clients for j in row]
             context = statistics.fmean(j.head + j.positions + j.tokens / 2 for j in every) if every else None
-        costs = LoadCosts(self.profile, self._factors, self._prefill, context)
+        costs = LoadCosts(self.profile, self._factors, self._prompts, context)
         levels = {k: spec_of(h) for k, h in _hierarchies(hierarchies).items()}
         p = predict_level(costs, levels, clients, max_batch)
         return {"predicted_run_tokens_per_s": p.aggregate_tokens_per_s, "predicted_wall_seconds": p.wall_seconds,

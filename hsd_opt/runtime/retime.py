@@ -110,18 +110,13 @@ class StepClock:
     ``batch`` > 1 times the batched step of ``batch`` sequences at that context instead (one token each, one
     ``advance_many`` and the batched end of the pass, as a batch of that many serves them) against the profile's
     cost of that pass (:func:`~hsd_opt.solver.batch.at_batch`): the factors of a load level, whose passes drift
-    apart from a single step's (a pass over many rows is bound by arithmetic, a step by memory). ``positions`` > 1
-    times passes over that many new positions of each sequence (as a verify pass or a prompt's pass computes
-    them) against the profile's cost curve there: the factor of long passes."""
+    apart from a single step's (a pass over many rows is bound by arithmetic, a step by memory)."""
 
     def __init__(self, profile: Profile, hierarchies: Sequence[HSD], repeats: int = 5,
-                 text: Sequence[int] | None = None, greedy: bool = True, batch: int = 1, positions: int = 1):
+                 text: Sequence[int] | None = None, greedy: bool = True, batch: int = 1):
         if batch < 1:
             raise HsdError(f"a step clock times batches of 1 or more sequences, not {batch}")
-        if positions < 1:
-            raise HsdError(f"a step clock times passes over 1 or more positions, not {positions}")
         self.batch = batch
-        self.positions = positions
         if batch > 1:
             profile = at_batch(profile, batch)
         self.repeats = repeats
@@ -129,7 +124,6 @@ class StepClock:
         self.greedy = greedy
         self.context = profile.contexts[0] if profile.context_costs else 64
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
-        curves = profile.context_costs[0].cost_curve if profile.context_costs else profile.cost_curve
         sampling = (profile.extra.get("provenance") or {}).get("sampling_seconds") or [0.0]
         engines: dict[int, dict[str, Any]] = {}
         for h in hierarchies:
@@ -145,30 +139,25 @@ class StepClock:
             top = e["top"]
             if top.name not in costs:
                 raise HsdError(f"--retime: the profile has no cost for {top.name!r}")
-            if positions > 1 and len(curves.get(top.name) or []) < positions:
-                raise HsdError(f"--retime: the profile has no cost of a pass of {top.name!r} over {positions} "
-                               f"positions")
             # the profiled cost includes the sampled distributions' processing (profiles made with a temperature)
-            cost = costs[top.name] if positions == 1 else curves[top.name][positions - 1]
-            step = max(cost - float(sampling[min(positions, len(sampling)) - 1]), 1e-9)
+            step = max(costs[top.name] - float(sampling[0]), 1e-9)
             self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
         self._states: dict[int, tuple[list[DecodeState], torch.Tensor]] = {}  # engine -> (states, next token)
 
     def _state(self, eng):
-        """``(states holding the context, one per sequence of the batch; the tokens a timed pass appends)`` of
+        """``(states holding the context, one per sequence of the batch; the token a timed step appends)`` of
         engine ``eng``, made once (the first computed, the others copies of it)."""
         if id(eng) not in self._states:
-            k = self.positions
             if self.text:
-                ids = torch.tensor(text_of_length(self.text, self.context + k))
+                ids = torch.tensor(text_of_length(self.text, self.context + 1))
             else:
                 g = torch.Generator().manual_seed(0)
-                ids = torch.randint(3, max(4, eng.vocab_size - 1), (self.context + k,), generator=g)
-            st = eng.new_state(self.context + k + 1)
-            eng.append(st, ids[:-k].to(eng.device))
+                ids = torch.randint(3, max(4, eng.vocab_size - 1), (self.context + 1,), generator=g)
+            st = eng.new_state(self.context + 2)
+            eng.append(st, ids[:-1].to(eng.device))
             eng.advance(st, eng.n_layers)
-            self._states[id(eng)] = ([st] + [st.copy() for _ in range(self.batch - 1)], ids[-k:].to(eng.device))
+            self._states[id(eng)] = ([st] + [st.copy() for _ in range(self.batch - 1)], ids[-1:].to(eng.device))
         return self._states[id(eng)]
 
     @torch.no_grad()
@@ -184,18 +173,17 @@ class StepClock:
                 t0 = time.perf_counter()
                 for st in sts:
                     eng.append(st, tok)
-                k = len(tok)
                 if len(sts) == 1:
                     eng.advance(sts[0], b)
-                    output(sts[0], b, sts[0].n - k, sts[0].n)
+                    output(sts[0], b, sts[0].n - 1, sts[0].n)
                 else:
                     eng.advance_many([(st, b) for st in sts])
-                    output_many([(st, b, st.n - k, st.n) for st in sts])
+                    output_many([(st, b, st.n - 1, st.n) for st in sts])
                 if eng.device.type == "cuda":
                     torch.cuda.synchronize(eng.device)
                 dt = time.perf_counter() - t0
                 for st in sts:
-                    eng.crop(st, st.n - k)
+                    eng.crop(st, st.n - 1)
                 if r:
                     times.append(dt)
             e["measured"].append(statistics.median(times))
@@ -219,7 +207,6 @@ class StepClock:
             if e["measured"]:
                 m = statistics.median(e["measured"])
                 out[e["name"]] = {"levels": e["names"], "context": self.context, "batch": self.batch,
-                                  "positions": self.positions,
                                   "profiled_step": e["profiled"],
                                   "measured_step_median": m, "factor_median": m / e["profiled"],
                                   "factor_min": min(e["measured"]) / e["profiled"],
