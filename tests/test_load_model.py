@@ -69,6 +69,7 @@ def test_a_prompt_costs_one_tick_per_pass_of_the_target_and_a_shared_copy_one_po
     assert timed.prompt_pass("q", 10) == pytest.approx(costs.prompt_pass("q", 10))   # not timed: its curve
     job = Job(positions=10, tokens=5, head=6)
     assert costs.prefill(PLAIN, job) == [pytest.approx(costs.prompt_pass("t", 10))]
+    assert costs.prefill(PLAIN, Job(positions=0, tokens=5, head=6)) == [pytest.approx(0.010)]   # its last, at least
     own = costs.prefill(SPEC, job)
     assert own == [pytest.approx(costs.prompt_pass("t", 10) + costs.prompt_pass("q", 10))]
     shared = costs.prefill(Spec(SPEC.hierarchy, SPEC.budgets, SPEC.prefill, SPEC.engines, frozenset({"q"})), job)

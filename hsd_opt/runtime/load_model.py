@@ -26,7 +26,7 @@ between them), or without them from the model's cost curve (passes over ``t = 1 
 extended by the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the
 positions).
 
-What the replay leaves out: Python's own work between passes (about 1% of a level), a group of sequences on one
+What the replay leaves out: Python's own work between passes, a group of sequences on one
 engine waiting while another's larger group is served (the batch serves one or the other per tick; the replay
 charges both every tick), and the difference between sequences' contexts (one context prices every decode
 tick). Units: seconds, tokens.
@@ -75,19 +75,25 @@ class Spec:
 
 def spec_of(hsd: HSD) -> Spec:
     """The :class:`Spec` of a built hierarchy: its names and budgets, and per engine its highest level."""
-    tops: dict[int, tuple[int, str]] = {}
-    engines = {}
-    for lv in hsd.levels:
-        if lv.is_model and (id(lv.engine) not in tops or lv.boundary > tops[id(lv.engine)][0]):
-            tops[id(lv.engine)] = (lv.boundary, lv.name)
-            engines[id(lv.engine)] = lv.engine
+    tops = _tops([hsd])
     target = id(hsd.levels[-1].engine)
     order = [target] + [k for k in tops if k != target]
-    shared = {tops[k][1] for k in order[1:] if hsd.share_prompt
-              and any(engines[k].can_share_prompt(engines[o]) for o in order if o != k)}
+    shared = {tops[k][0] for k in order[1:] if hsd.share_prompt
+              and any(tops[k][1].can_share_prompt(tops[o][1]) for o in order if o != k)}
     names = tuple(lv.name for lv in hsd.levels)
-    return Spec(names, tuple(hsd.budgets) if len(names) > 1 else (), tuple(tops[k][1] for k in order),
+    return Spec(names, tuple(hsd.budgets) if len(names) > 1 else (), tuple(tops[k][0] for k in order),
                 frozenset(str(k) for k in order), frozenset(shared))
+
+
+def _tops(runs: Sequence[HSD]) -> dict[int, tuple[str, object, int]]:
+    """id(engine) -> (name, engine, boundary) of each engine's highest level in ``runs``: what computes a prompt
+    on it."""
+    tops: dict[int, tuple[str, object, int]] = {}
+    for h in runs:
+        for lv in h.levels:
+            if lv.is_model and (id(lv.engine) not in tops or lv.boundary > tops[id(lv.engine)][2]):
+                tops[id(lv.engine)] = (lv.name, lv.engine, lv.boundary)
+    return tops
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,7 @@ class LoadCosts:
         prompt on every other engine of ``spec`` (its last position only on an engine that shares the target's)."""
         n = job.head + job.positions
         ends = [b for b in prompt_pass_ends(n, job.head) if b > job.head] or [n]
-        starts = [job.head] + ends[:-1]
+        starts = [min(job.head, n - 1)] + ends[:-1]         # a prompt computes its last position at least
         ticks = [self.prompt_pass(spec.prefill[0], b - a) for a, b in zip(starts, ends)]
         for m in spec.prefill[1:]:
             ticks[-1] += (self.prompt_pass(m, 1) if m in spec.shared
@@ -299,16 +305,6 @@ def _hierarchies(h: HSD | Mapping[int, HSD]) -> dict[int, HSD]:
     return dict(h) if isinstance(h, Mapping) else {1: h}
 
 
-def _prompt_engines(runs: Sequence[HSD]) -> dict[str, tuple[object, int]]:
-    """Per engine of ``runs``, its highest level's name -> (engine, boundary): what computes a prompt on it."""
-    tops: dict[int, tuple[str, object, int]] = {}
-    for h in runs:
-        for lv in h.levels:
-            if lv.is_model and (id(lv.engine) not in tops or lv.boundary > tops[id(lv.engine)][2]):
-                tops[id(lv.engine)] = (lv.name, lv.engine, lv.boundary)
-    return {name: (eng, b) for name, eng, b in tops.values()}
-
-
 #: Prompt positions of the passes :func:`time_prompt_passes` times.
 PROMPT_PASS_SIZES = (8, 32, 96)
 
@@ -397,7 +393,7 @@ class LoadPredictor:
         whole = {m for h in runs for m in (lambda sp: set(sp.prefill) - sp.shared)(spec_of(h))}
         prompts = {name: time_prompt_passes(eng, b, self.text, PROMPT_PASS_SIZES if name in whole else (1, 8),
                                             context=max(1, len(self.head)))
-                   for name, (eng, b) in _prompt_engines(runs).items()}
+                   for name, eng, b in _tops(runs).values()}
         if again:
             factors = {b: _mean(self._factors.get(b, f), f) for b, f in factors.items()}
             prompts = {m: [(n, (x + y) / 2) for (n, x), (_, y) in zip(self._prompts.get(m, pts), pts)]
