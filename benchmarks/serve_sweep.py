@@ -7,7 +7,7 @@ setting), in one interleaved run.
         [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] \\
         [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
-        [--retime PROFILE] [--plot out.png] [--out benchmarks/results/serve_sweep.json]
+        [--retime PROFILE | --predict PROFILE] [--plot out.png] [--out benchmarks/results/serve_sweep.json]
 
 Every server listens on 127.0.0.1 only and the run stops by itself (each level bounded by --timeout). At each
 concurrency ``c`` (levels in order) the methods run one after the other, their order shifted by one from round to
@@ -33,7 +33,12 @@ method and level over the rounds (the plot draws the medians). Reported per meth
 p50/p95 (seconds), tokens/s per stream (p50), and for the ``hsd*`` methods whether every answer equals the plan's
 own ``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate
 at that load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each
-stream's tokens over its decode seconds, times ``c``). Where the kernel reports it (``/proc/stat`` on Linux), each
+stream's tokens over its decode seconds, times ``c``). With ``--predict PROFILE`` every ``hsd*`` level is also
+predicted whole, prompts and ramps included (``hsd_opt.runtime.load_model``, as ``hsd bench --concurrency
+--retime`` predicts it): the engines the method's server runs are timed in this process right before its level
+(the server idle) and right after it, and the report adds ``predicted_run_tokens_per_s`` and
+``measured_over_predicted`` (what HTTP, the server's text decoding and streaming add shows there). Where the kernel
+reports it (``/proc/stat`` on Linux), each
 method's level also records the share of the machine's CPU time the hypervisor gave to others while it ran
 (``steal_fraction``, 0 to 1): a level run in a spell of high steal is slow for reasons outside the method (a low
 share does not prove the opposite: the cores can run slow without any time being stolen).
@@ -141,17 +146,28 @@ def served_name(url: str) -> str:
     return httpx.get(url + "/models", timeout=60).json()["data"][0]["id"]
 
 
-def references(plan_path: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """The plan's own greedy answers (``HSD.generate``, as ``hsd run``), prompt by prompt, in this process."""
+def in_process(plan_path: str, prompts: list[str]) -> dict:
+    """The plan in this process: the prompts' ids, and per ``hsd*`` method what its server runs (hierarchies,
+    sequences decoded together at most: ``None`` for the sweep's ``--max-batch``)."""
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt
-    from hsd_opt.runtime.runner import hsd_for_plan
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
     plan = load_plan(plan_path)
     loaded = load_model(plan.provenance.model, device="cpu", dtype=plan.provenance.dtype or "auto")
-    h = hsd_for_plan(plan, loaded, source=plan_path)
-    return [h.generate(encode_prompt(loaded.tokenizer, p), max_tokens).token_ids for p in prompts]
+    models = PlanModels(loaded)
+    h = hsd_for_plan(plan, loaded, source=plan_path, models=models)
+    levels = hsd_by_load(plan, loaded, models, source=plan_path, plan_runner=h) or h
+    target = hsd_for_plan(plan, loaded, source=plan_path, hierarchy=[plan.hierarchy[-1]], budgets=[], models=models)
+    return {"plan": h, "ids": [encode_prompt(loaded.tokenizer, p) for p in prompts],
+            "runs": {"hsd": (levels, None), "hsd_batch1": (levels, 1), "hsd_plain": (target, None)},
+            "head": target.levels[-1].engine.prompt_head}
+
+
+def references(ours: dict, max_tokens: int) -> list[list[int]]:
+    """The plan's own greedy answers (``HSD.generate``, as ``hsd run``), prompt by prompt, in this process."""
+    return [ours["plan"].generate(ids, max_tokens).token_ids for ids in ours["ids"]]
 
 
 def plain_plan(plan_path: str, out: Path) -> Path:
@@ -183,7 +199,8 @@ def medians(methods: dict[str, list[dict]]) -> dict[str, list[dict]]:
 
     out = {}
     keys = ("aggregate_tokens_per_s", "ttft_p50", "ttft_p95", "per_stream_tokens_per_s_p50",
-            "decode_aggregate_tokens_per_s", "predicted_aggregate_tokens_per_s")
+            "decode_aggregate_tokens_per_s", "predicted_aggregate_tokens_per_s", "predicted_run_tokens_per_s",
+            "measured_over_predicted")
     for m, rows in methods.items():
         out[m] = []
         for c in sorted({r["clients"] for r in rows}):
@@ -226,6 +243,8 @@ def main() -> None:
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--retime", default=None, help="the plan's profile: hsd serve --retime for the hsd method")
+    ap.add_argument("--predict", default=None,
+                    help="the plan's profile: predict every hsd* level whole, re-timed in this process around it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf-f32", default=None)
@@ -252,10 +271,21 @@ def main() -> None:
         sys.exit("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
     prompts = load_prompts(a.prompts).texts
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    refs = []
+    refs, predictor = [], None
+    if a.predict and a.retime:
+        sys.exit("--predict: not with --retime (the served hsd would choose its hierarchies again; the prediction "
+                 "prices the plan's)")
     if any(m in HSD_METHODS for m in methods):
         print("references (the plan's own answers, one prompt at a time) ...", flush=True)
-        refs = references(a.plan, prompts, a.max_tokens)
+        ours = in_process(a.plan, prompts)
+        refs = references(ours, a.max_tokens)
+        if a.predict:
+            from hsd_opt.formats import load_profile
+            from hsd_opt.runtime.load_model import LoadPredictor
+
+            text = [t for ids in ours["ids"][:8] for t in ids]
+            predictor = LoadPredictor(load_profile(a.predict)[0], text, head=ours["head"])
+            lengths = {j: len(ids) for j, ids in enumerate(refs)}
     tmp = Path(tempfile.mkdtemp(prefix="hsd-sweep-"))
     env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}
     servers = {}
@@ -294,13 +324,23 @@ def main() -> None:
                                 str(a.spec_n_max), "--spec-draft-p-min", str(a.spec_p_min), "-td", str(a.threads)]
                     proc, _, _ = start(cmd, r"(listening on http|server is listening)", a.timeout)
                     url = f"http://127.0.0.1:{port}/v1"
+                timed = predictor is not None and m in HSD_METHODS
+                if timed:
+                    h, mb = ours["runs"][m]
+                    mb = a.max_batch if mb is None else mb
                 try:
                     name = served_name(url)
                     time.sleep(a.settle)        # the previous method's processes gone, the cores quiet
+                    if timed:
+                        predictor.retime(h, mb)
                     warm_up(url, name, prompts[0])
                     ticks = cpu_ticks()
                     r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
                     r["steal_fraction"] = steal_between(ticks, cpu_ticks())
+                    if timed:
+                        r["factors"] = predictor.retime(h, mb, again=True)
+                        r.update(predictor.predict(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests)))
+                        r["measured_over_predicted"] = r["aggregate_tokens_per_s"] / r["predicted_run_tokens_per_s"]
                 finally:
                     if proc is not None:
                         stop(proc)
@@ -316,7 +356,9 @@ def main() -> None:
                       + (f"  equal {r['equal_to_plan']}" if "equal_to_plan" in r else "")
                       + (f"  predicted {r['predicted_aggregate_tokens_per_s']:.1f}, decode "
                          f"{r['decode_aggregate_tokens_per_s']:.1f}" if r.get("predicted_aggregate_tokens_per_s")
-                         else "") + (f"  steal {r['steal_fraction']:.0%}" if r["steal_fraction"] else "")
+                         else "")
+                      + (f"  predicted whole {r['predicted_run_tokens_per_s']:.1f}" if "factors" in r else "")
+                      + (f"  steal {r['steal_fraction']:.0%}" if r["steal_fraction"] else "")
                       + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
                 write_json(a.out, report)
     finally:
