@@ -82,7 +82,8 @@ def tasks_table(plan) -> Table:
 def loads_table(plan) -> Table:
     """Rich table of a plan's ``by_load`` section: each load level's hierarchy, its predicted latency per
     sequence and aggregate throughput, against plain batched decoding (the target alone) at that load."""
-    t = Table(title="plans per load level (sequences decoded together)")
+    t = Table(title="plans per load level (sequences decoded together; decoding only: a served load also "
+                    "computes prompts, which hsd bench --concurrency --retime predicts)")
     for c, j in (("sequences", "right"), ("hierarchy (budgets in tokens)", "left"), ("ms/token each", "right"),
                  ("tokens/s in all", "right"), ("batched target alone", "right"), ("gain", "right")):
         t.add_column(c, justify=j)
