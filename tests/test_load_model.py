@@ -166,3 +166,15 @@ def test_jobs_follow_the_clients_prompts_and_a_kept_head_is_not_computed():
     prompts = [[5, 6, 7, 8], [5, 6], [1, 2, 3]]
     jobs = pred.jobs(prompts, {0: 3, 1: 1, 2: 4}, clients=2, requests=2, start=1)
     assert jobs == [[Job(2, 1, 0), Job(3, 4, 0)], [Job(2, 3, 2), Job(2, 1, 0)]]
+
+
+def test_without_batch_costs_only_loads_of_one_sequence_are_predicted():
+    """A profile of one sequence at a time prices one client, or any number served one at a time; several
+    sequences sharing passes get no prediction (None), not an error in the middle of a benchmark."""
+    pred = LoadPredictor(_profile(batch=False))                 # not re-timed: the profile's own costs
+    eng = LayeredLM(make_tiny_llama(seed=1), kernels=HAVE_KERNELS)
+    h = HSD([Level("t", eng, 4)], [])
+    jobs = [[Job(3, 4)], [Job(5, 2)]]
+    assert pred.predict(h, 2, jobs)["predicted_run_tokens_per_s"] is None
+    one = pred.predict(h, 1, jobs)["predicted_run_tokens_per_s"]
+    assert one == pytest.approx(6 / (0.010 * 6 + 0.014 + 0.016 + 0.002))   # two prompts of 3 and 5, 6 steps

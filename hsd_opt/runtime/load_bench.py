@@ -212,7 +212,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
                     fig.update(predictor.predict(h, mb, predictor.jobs(prompts, lengths, c, requests, start)))
                     fig["factors"] = factors
                     fig["measured_over_predicted"] = _ratio(fig["aggregate_tokens_per_s"],
-                                                            fig["predicted_run_tokens_per_s"])
+                                                            fig.get("predicted_run_tokens_per_s"))
                 per_round[m].append(fig)
                 pred = fig.get("predicted_run_tokens_per_s")
                 log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "
@@ -221,7 +221,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         entry: dict[str, Any] = {"clients": c, "methods": {}}
         for m in methods:
             keys = MEDIAN_KEYS + (PREDICTED_KEYS if predictor is not None else ())
-            med = {k: _median([f[k] for f in per_round[m]]) for k in keys}
+            med = {k: _median([f.get(k) for f in per_round[m]]) for k in keys}
             med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m])
             med["rounds"] = per_round[m]
             entry["methods"][m] = med

@@ -422,7 +422,11 @@ class LoadPredictor:
     def predict(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int,
                 clients: Sequence[Sequence[Job]]) -> dict:
         """The replayed level (:func:`predict_level`) at the factors of the last :meth:`retime` s: predicted
-        aggregate tokens/s, wall seconds and time to the first token p50."""
+        aggregate tokens/s, wall seconds and time to the first token p50 (each None where sequences would share
+        passes and the profile has no costs of batched passes)."""
+        if max_batch > 1 and len(clients) > 1 and len(self.sizes) == 1:
+            return {"predicted_run_tokens_per_s": None, "predicted_wall_seconds": None,
+                    "predicted_ttft_p50_s": None}
         context = self.context
         if context is None:            # the mean of the requests' contexts halfway through their answers
             every = [j for row in clients for j in row]
