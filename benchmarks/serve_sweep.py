@@ -340,7 +340,8 @@ def main() -> None:
                     if timed:
                         r["factors"] = predictor.retime(h, mb, again=True)
                         r.update(predictor.predict(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests)))
-                        r["measured_over_predicted"] = r["aggregate_tokens_per_s"] / r["predicted_run_tokens_per_s"]
+                        pred = r["predicted_run_tokens_per_s"]
+                        r["measured_over_predicted"] = r["aggregate_tokens_per_s"] / pred if pred else None
                 finally:
                     if proc is not None:
                         stop(proc)
@@ -357,7 +358,8 @@ def main() -> None:
                       + (f"  predicted {r['predicted_aggregate_tokens_per_s']:.1f}, decode "
                          f"{r['decode_aggregate_tokens_per_s']:.1f}" if r.get("predicted_aggregate_tokens_per_s")
                          else "")
-                      + (f"  predicted whole {r['predicted_run_tokens_per_s']:.1f}" if "factors" in r else "")
+                      + (f"  predicted whole {r['predicted_run_tokens_per_s']:.1f}"
+                         if r.get("predicted_run_tokens_per_s") else "")
                       + (f"  steal {r['steal_fraction']:.0%}" if r["steal_fraction"] else "")
                       + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
                 write_json(a.out, report)
