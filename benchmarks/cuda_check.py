@@ -10,7 +10,8 @@ Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded)
 2. ``hsd run`` of the plan on three prompts, each answer equal to the target alone (``HSD.generate``), and a
    hierarchy with each copy under the target, equal too;
 3. ``hsd bench --methods ar,single_draft,hsd`` on the suite's first prompts (every output equal to ``ar``), and
-   ``hsd bench --concurrency 1,2,4 --retime`` (every answer of every method equal to the target's);
+   ``hsd bench --concurrency 1,2,4 --retime`` (every answer of every method equal to the target's, every level
+   predicted whole on the device's timings);
 4. the batch scheduler on six prompts of different lengths with the plan per load level (four in flight):
    every answer equal to its prompt's own; again with a prompt head the engines keep (as a chat template's is),
    each answer equal to an engine that computes every head itself;
@@ -128,8 +129,13 @@ def main() -> None:
     report["load_bench_equal"] = {str(e["clients"]): {m: v["equal_to_target"] for m, v in e["methods"].items()}
                                   for e in lv}
     report["load_bench_ran"] = {str(e["clients"]): e["methods"]["hsd"].get("hierarchy") for e in lv}
+    report["load_bench_measured_over_predicted"] = {
+        str(e["clients"]): {m: v.get("measured_over_predicted") for m, v in e["methods"].items()} for e in lv}
     if not all(ok for e in report["load_bench_equal"].values() for ok in e.values()):
         raise SystemExit(f"hsd bench --concurrency: an answer differs: {report['load_bench_equal']}")
+    if not all(r and r > 0 for e in report["load_bench_measured_over_predicted"].values() for r in e.values()):
+        raise SystemExit("hsd bench --concurrency --retime: a level without its whole-level prediction: "
+                         f"{report['load_bench_measured_over_predicted']}")
 
     # 4. the batch scheduler with the plan of every load level
     levels = hsd_by_load(pl, loaded, models) or hsd_for_plan(pl, loaded, models=models)
