@@ -145,9 +145,8 @@ def main() -> None:
               f"{1e3 * parts['pass256_layers'] / 256:.2f} ms; every decode row at {1e3 * (cheapest + head):.2f} ms: "
               f"{bound:.2f} s, {row['bound_ratio']:.2f}x", flush=True)
     if a.out:
-        write_json(a.out, {"kind": "load_bound", "plan": str(a.plan), "clients": a.clients,
-                                  "requests": a.requests, "max_tokens": a.max_tokens, "rounds": rounds,
-                                  "model": loaded.provenance()})
+        write_json(a.out, {"kind": "load_bound", "plan": str(a.plan), "clients": a.clients, "requests": a.requests,
+                           "max_tokens": a.max_tokens, "rounds": rounds, "model": loaded.provenance()})
 
 
 if __name__ == "__main__":

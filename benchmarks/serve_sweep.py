@@ -338,10 +338,8 @@ def main() -> None:
                     r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
                     r["steal_fraction"] = steal_between(ticks, cpu_ticks())
                     if timed:
-                        r["factors"] = predictor.retime(h, mb, again=True)
-                        r.update(predictor.predict(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests)))
-                        pred = r["predicted_run_tokens_per_s"]
-                        r["measured_over_predicted"] = r["aggregate_tokens_per_s"] / pred if pred else None
+                        r.update(predictor.after(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests),
+                                                 r["aggregate_tokens_per_s"]))
                 finally:
                     if proc is not None:
                         stop(proc)

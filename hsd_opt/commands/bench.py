@@ -13,6 +13,7 @@ from hsd_opt.commands.common import (
     fmt,
     level_acceptance,
     load_plan_and_model,
+    retime_text,
     retimed_levels,
 )
 from hsd_opt.console import console, warn
@@ -263,17 +264,16 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     by_load = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner) or runner
-    retimed = predictor = None
-    if retime is not None:
-        by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
     target = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=[p.hierarchy[-1]], budgets=[],
                           models=models)
+    retimed = predictor = None
     if retime is not None:
         from hsd_opt.formats import load_profile
         from hsd_opt.runtime.load_model import LoadPredictor
 
-        text = [t for s in load_prompts().texts[:8] for t in encode_prompt(loaded.tokenizer, s)]
-        predictor = LoadPredictor(load_profile(retime)[0], text, head=target.levels[-1].engine.prompt_head)
+        by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
+        predictor = LoadPredictor(load_profile(retime)[0], retime_text(loaded.tokenizer),
+                                  head=target.levels[-1].engine.prompt_head)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")

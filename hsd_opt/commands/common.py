@@ -84,6 +84,13 @@ def prepare_kernels(device: str) -> None:
         kernels.load(log=lambda m: err_console.print(m))
 
 
+def retime_text(tokenizer) -> list[int]:
+    """Token ids the re-timing passes read (``--retime``): the suite's first 8 chat prompts, one after the other."""
+    from hsd_opt.prompts import encode_prompt, load_prompts
+
+    return [t for s in load_prompts().texts[:8] for t in encode_prompt(tokenizer, s)]
+
+
 def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
                    say) -> tuple[dict, dict]:
     """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
@@ -93,7 +100,6 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     changes. Returns the level -> runner map and the report."""
     from hsd_opt.console import warn_some
     from hsd_opt.formats import load_profile
-    from hsd_opt.prompts import encode_prompt, load_prompts
     from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
     from hsd_opt.runtime.runner import hsd_for_plan
 
@@ -110,7 +116,7 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     if alone not in built:
         built[alone] = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=[p.hierarchy[-1]], budgets=[],
                                     models=models)
-    text = [t for s in load_prompts().texts[:8] for t in encode_prompt(loaded.tokenizer, s)]
+    text = retime_text(loaded.tokenizer)
     say("timing each engine's step to choose the load levels' hierarchies again (--retime) ...")
     new, report = retime_load_levels(p, profile, built, text=text)
     say("step time now over profiled: " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(report["factors"].items())))

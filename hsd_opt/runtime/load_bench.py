@@ -202,17 +202,15 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             shift = (r + li) % len(methods)
             for m in methods[shift:] + methods[:shift]:
                 h, mb = runners[m]
-                factors = predictor.retime(h, mb) if predictor is not None else None
+                if predictor is not None:
+                    predictor.retime(h, mb)
                 reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start)
                 fig = level_figures(reqs, reference)
                 fig["round"] = r + 1
                 if predictor is not None:
-                    factors = predictor.retime(h, mb, again=True)
                     lengths = {j: len(ids) for j, ids in reference.items()}
-                    fig.update(predictor.predict(h, mb, predictor.jobs(prompts, lengths, c, requests, start)))
-                    fig["factors"] = factors
-                    fig["measured_over_predicted"] = _ratio(fig["aggregate_tokens_per_s"],
-                                                            fig.get("predicted_run_tokens_per_s"))
+                    fig.update(predictor.after(h, mb, predictor.jobs(prompts, lengths, c, requests, start),
+                                               fig["aggregate_tokens_per_s"]))
                 per_round[m].append(fig)
                 pred = fig.get("predicted_run_tokens_per_s")
                 log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "

@@ -47,7 +47,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
-from hsd_opt.runtime.retime import scale_costs
+from hsd_opt.runtime.retime import StepClock, scale_costs
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -369,13 +369,11 @@ class LoadPredictor:
         self.context = context
         self.repeats = repeats
         self.sizes = sorted({1} | {b.batch for b in profile.batch_costs})
-        self._clocks: dict[tuple, object] = {}
+        self._clocks: dict[tuple, StepClock] = {}
         self._factors: dict[int, dict[str, float]] = {}
         self._prompts: dict[str, list[tuple[int, float]]] = {}
 
-    def _clock(self, runs: list[HSD], batch: int):
-        from hsd_opt.runtime.retime import StepClock
-
+    def _clock(self, runs: list[HSD], batch: int) -> StepClock:
         key = (tuple(sorted(id(h) for h in runs)), batch)
         if key not in self._clocks:
             self._clocks[key] = StepClock(self.profile, runs, repeats=self.repeats, text=self.text, batch=batch)
@@ -390,7 +388,10 @@ class LoadPredictor:
         runs = list({id(h): h for h in levels.values()}.values())
         factors = {b: self._clock([levels[nearest_level(levels, b)]], b).measure()
                    for b in self.sizes if b <= max(1, max_batch)}
-        whole = {m for h in runs for m in (lambda sp: set(sp.prefill) - sp.shared)(spec_of(h))}
+        whole: set[str] = set()         # models that compute a whole prompt in some hierarchy (not only share it)
+        for h in runs:
+            sp = spec_of(h)
+            whole |= set(sp.prefill) - sp.shared
         prompts = {name: time_prompt_passes(eng, b, self.text, PROMPT_PASS_SIZES if name in whole else (1, 8),
                                             context=max(1, len(self.head)))
                    for name, eng, b in _tops(runs).values()}
@@ -418,6 +419,16 @@ class LoadPredictor:
                 row.append(Job(len(p) - kept, max(1, int(lengths[j])), kept))
             out.append(row)
         return out
+
+    def after(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int, clients: Sequence[Sequence[Job]],
+              measured: float | None) -> dict:
+        """Right after a run that :meth:`retime` timed before: time it again (``again``), predict it
+        (:meth:`predict`) and return the prediction's figures with ``factors`` (the second timing's report) and
+        ``measured_over_predicted`` (``measured`` aggregate tokens/s over the prediction; None without either)."""
+        factors = self.retime(hierarchies, max_batch, again=True)
+        out = self.predict(hierarchies, max_batch, clients)
+        pred = out["predicted_run_tokens_per_s"]
+        return {**out, "factors": factors, "measured_over_predicted": measured / pred if measured and pred else None}
 
     def predict(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int,
                 clients: Sequence[Sequence[Job]]) -> dict:
