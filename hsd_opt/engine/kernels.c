@@ -299,6 +299,26 @@ static inline void tile4x1(const float *const *w, int K, const float *x, int xs,
 #endif
 
 #if HSD_AVX512
+/* The fixed horizontal sums (hsum8: lane j + lane j+4, then (0+2) + (1+3)) of the 8-lane accumulators of positions
+ * p .. p+3 (fewer past P) of a 4-row tile, a[q] holding rows 0|1 and b[q] rows 2|3 of position q: v[4i + j] is row
+ * i's sum at position p + j. The same additions on every 8-lane accumulator at once, in 3 x 3 instructions per 4
+ * positions instead of 6 per accumulator. */
+static inline __attribute__((always_inline)) void hsum4x4(const __m512 *a, const __m512 *b, int p, int P,
+                                                          float *v) {
+    __m512 h[4], u[2];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) { /* [row 0 | 1 | 2 | 3] of position p + j: lanes l0+l4 .. l3+l7 */
+        const __m512 aj = p + j < P ? a[p + j] : _mm512_setzero_ps(), bj = p + j < P ? b[p + j] : aj;
+        h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(aj, bj, 0x88), _mm512_shuffle_f32x4(aj, bj, 0xDD));
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; j++) /* per row: [m0+m2, m1+m3] of positions p + 2j, p + 2j + 1 */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0xEE));
+    /* per row i (128-bit lane i): the sums of positions p .. p+3 */
+    _mm512_storeu_ps(v, _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD)));
+}
+
 /* s[t * 4 + i] = w_i . x_t for the 4 rows and the P positions t .. t+P-1 (P <= 8): the 8-lane accumulators of rows
  * 0 and 1 side by side in one 16-lane register, of rows 2 and 3 in another, each position's 8 inputs in both
  * halves. One 16-lane FMA does two rows' 8-lane FMAs, the same operations (lane j of each half takes columns j,
@@ -332,24 +352,10 @@ static inline __attribute__((always_inline)) void tile4xP_any(const float *const
             b[p] = _mm512_fmadd_ps(q23, u, b[p]);
         }
     }
-    /* hsum8 of the 4P accumulators, 16 at a time: the same additions (lane j + lane j+4, then (0+2) + (1+3)) on
-     * every 8-lane accumulator at once, in 3 x 3 instructions per 4 positions instead of 6 per accumulator. */
 #pragma GCC unroll 2
     for (int p = 0; p < P; p += 4) {
-        __m512 h[4], u[2];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) { /* [row 0 | 1 | 2 | 3] of position p + j: lanes l0+l4 .. l3+l7 */
-            const __m512 aj = p + j < P ? a[p + j] : _mm512_setzero_ps(), bj = p + j < P ? b[p + j] : aj;
-            h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(aj, bj, 0x88), _mm512_shuffle_f32x4(aj, bj, 0xDD));
-        }
-#pragma GCC unroll 2
-        for (int j = 0; j < 2; j++) /* per row: [m0+m2, m1+m3] of positions p + 2j, p + 2j + 1 */
-            u[j] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0x44),
-                                 _mm512_shuffle_ps(h[2 * j], h[2 * j + 1], 0xEE));
-        /* per row i (128-bit lane i): the sums of positions p .. p+3 */
-        const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
         float v[16];
-        _mm512_storeu_ps(v, r);
+        hsum4x4(a, b, p, P, v);
         for (int j = 0; j < 4 && p + j < P; j++) {
             const float *xp = xt + (size_t)(p + j) * xs;
             float *o = s + (size_t)(t + p + j) * 4;
@@ -921,6 +927,84 @@ static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
     else
         expand4_any(A, r, n, buf, 0);
 }
+
+/* s[t * 4 + i] = W[r + i] . x_t for rows r .. r+3 of a q4f matrix (n of them real; a short last block repeats its
+ * last row, as expand4_any does) and the P <= 8 positions of one tile, the codes de-quantized in registers as the
+ * FMAs go: per group and row the 16 values fma(code, scale, minimum) a code can take (expand4_any's operation on
+ * the same numbers), each weight then picked from its row's 16 by its code (vpermt2ps: one instruction for 16
+ * weights of two rows, on other execution ports than the FMAs'). The FMAs and horizontal sums are tile4xP_any's
+ * (paired) on the same values, so every element is bit for bit what expand4_pairs followed by dots4_pairs gives;
+ * the weights never pass through memory, and the codes' loads overlap the arithmetic instead of preceding it. */
+static inline __attribute__((always_inline)) void q4f_tile4xP(const hsd_mat *A, int r, int n, const float *x, int xs,
+                                                              int P, float *s) {
+    const int K = A->cols, G = K / HSD_GROUP;
+    float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
+    for (int i = 0; i < 4; i++) { /* the rows' scales and minimums as float32 */
+        const size_t ri = (size_t)r + (i < n ? i : n - 1);
+        halves_to_floats((const uint16_t *)A->scale + ri * G, G, sf[i]);
+        halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
+    }
+    /* rows 2h, 2h+1 of the block: pair r/2 + h, or (n <= 2) the first pair again, its values unused */
+    const int a1 = 2 < n ? 2 : 0, c0 = 1 < n ? 1 : n - 1, c1 = 3 < n ? 3 : n - 1;
+    const uint8_t *q01 = q4f_codes(A, r / 2, 0), *q23 = q4f_codes(A, r / 2 + (2 < n ? 1 : 0), 0);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+    const __m512i low = _mm512_set1_epi32(15);
+    __m512 acc01[8], acc23[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++) acc01[p] = acc23[p] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        /* the 16 values of each row's group: table lane k = fma(k, scale, minimum) */
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[0][g]), _mm512_set1_ps(zf[0][g]));
+        const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c0][g]), _mm512_set1_ps(zf[c0][g]));
+        const __m512 t2 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[a1][g]), _mm512_set1_ps(zf[a1][g]));
+        const __m512 t3 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c1][g]), _mm512_set1_ps(zf[c1][g]));
+        const uint8_t *b01 = q01 + (size_t)(g / 2) * 64, *b23 = q23 + (size_t)(g / 2) * 64;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) { /* 8 columns: 16 codes of each pair, a byte each (a nibble of this group) */
+            __m512i i01 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b01 + 16 * k)));
+            __m512i i23 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b23 + 16 * k)));
+            if (g & 1) { /* the high nibble; the upper 8 lanes (the pair's second row) pick from its table */
+                i01 = _mm512_or_si512(_mm512_srli_epi32(i01, 4), second);
+                i23 = _mm512_or_si512(_mm512_srli_epi32(i23, 4), second);
+            } else { /* (code & 15) | second, in one instruction */
+                i01 = _mm512_ternarylogic_epi32(i01, low, second, 0xEA);
+                i23 = _mm512_ternarylogic_epi32(i23, low, second, 0xEA);
+            }
+            const __m512 w01 = _mm512_permutex2var_ps(t0, i01, t1), w23 = _mm512_permutex2var_ps(t2, i23, t3);
+            const int c = HSD_GROUP * g + 8 * k;
+#pragma GCC unroll 8
+            for (int p = 0; p < P; p++) {
+                const __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (size_t)p * xs + c));
+                acc01[p] = _mm512_fmadd_ps(w01, u, acc01[p]);
+                acc23[p] = _mm512_fmadd_ps(w23, u, acc23[p]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p += 4) {
+        float v[16];
+        hsum4x4(acc01, acc23, p, P, v);
+        for (int j = 0; j < 4 && p + j < P; j++) {
+            float *o = s + (size_t)(p + j) * 4;
+            o[0] = v[j], o[1] = v[4 + j], o[2] = v[8 + j], o[3] = v[12 + j];
+        }
+    }
+}
+
+/* q4f_tile4xP for 1 <= m <= 8 positions (a constant count per copy, so that the accumulators stay in registers). */
+static void q4f_tile4(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+    switch (m) {
+    case 8: q4f_tile4xP(A, r, n, x, xs, 8, s); break;
+    case 7: q4f_tile4xP(A, r, n, x, xs, 7, s); break;
+    case 6: q4f_tile4xP(A, r, n, x, xs, 6, s); break;
+    case 5: q4f_tile4xP(A, r, n, x, xs, 5, s); break;
+    case 4: q4f_tile4xP(A, r, n, x, xs, 4, s); break;
+    case 3: q4f_tile4xP(A, r, n, x, xs, 3, s); break;
+    case 2: q4f_tile4xP(A, r, n, x, xs, 2, s); break;
+    default: q4f_tile4xP(A, r, n, x, xs, 1, s); break;
+    }
+}
 #endif
 
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
@@ -948,6 +1032,14 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
         }
 #endif
 #if HSD_AVX512
+        if (A->type == HSD_Q4F && m <= 8 && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) {
+            /* one tile of positions (a decode step, a verification): de-quantized in registers, not into L1
+             * (measured: over two tiles or more, expanding once for all of them is as fast or faster) */
+            prefetch_block(A, r + 4 * HSD_AHEAD);
+            q4f_tile4(A, r, n, x, xs, m, s);
+            store4(A, s, m, n, y, ys, 0, r, acc);
+            continue;
+        }
         if (paired(A) && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) { /* de-quantized into L1 */
             /* over more than one tile of 8 positions, two blocks of 4 rows at a time, then each tile for both: each
              * tile's inputs are read into the first-level cache once for 8 rows, not once for 4 */
