@@ -1,14 +1,15 @@
 """A prompt's pass on the kernels against the torch path: where ``PREFILL_ON_TORCH_FROM`` (8-lane kernels) and
 ``PREFILL_ON_TORCH_FROM_WIDE`` (16-lane kernels, AVX-512) come from.
 
-    .venv/bin/python benchmarks/prefill_path.py [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] \
+    .venv/bin/python benchmarks/prefill_path.py [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] [--chunked] \
         [--out benchmarks/results/prefill_path.json]
 
 The embedded model's float32 target prefills the first ``m`` tokens of the suite's text (every layer, from
 position 0, a fresh state) on the C kernels and on the torch path (MKL's blocked GEMMs), the two interleaved
 within each round; reported per length: the median over the rounds (milliseconds) and torch over kernels.
 The threshold of this machine's kernels (``KernelPath.prefill_on_torch_from``) is the first length from which the
-torch path is faster.
+torch path is faster. ``--chunked``: each prompt in the passes the runtime computes it in (``prompt_pass_ends``:
+at most ``PREFILL_CHUNK`` positions each, the later ones attending over the earlier), every pass on one path.
 """
 
 from __future__ import annotations
@@ -24,18 +25,28 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.models.loading import load_model
-from hsd_opt.prompts import encode_prompt, load_prompts
+from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length
+from hsd_opt.runtime.decode import prompt_pass_ends
 
 
-def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool) -> float:
-    """One prompt pass over ``ids`` (milliseconds) on the kernels or on the torch path."""
+def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool, chunked: bool = False) -> float:
+    """A prompt over ``ids`` (milliseconds) on the kernels or on the torch path: one pass, or (``chunked``) the
+    runtime's passes."""
     saved = kernels.MAX_PASS, eng._kernels.prefill_on_torch_from
-    kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = (10**6, 10**6) if on_kernels else (0, 0)
+    if on_kernels:  # the passes the runtime makes on the kernels (each call at most its rows)
+        eng._kernels.prefill_on_torch_from = 10**6
+    else:
+        kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = 0, 0
     try:
-        st = eng.new_state(ids.numel() + 1)
-        eng.append(st, ids)
+        n = ids.numel()
+        st = eng.new_state(n + 1)
+        st.prompt = n
         t0 = time.perf_counter()
-        eng.advance(st, eng.n_layers)
+        a = 0
+        for b in (prompt_pass_ends(n, 0) if chunked else [n]):
+            eng.append(st, ids[a:b])
+            eng.advance(st, eng.n_layers)
+            a = b
         return (time.perf_counter() - t0) * 1e3
     finally:
         kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = saved
@@ -45,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="8,16,24,32,40,48,64,96")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--chunked", action="store_true", help="the runtime's passes (at most PREFILL_CHUNK each), "
+                    "not one pass")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m")
@@ -54,17 +67,17 @@ def main() -> None:
     text = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p)]
     rows = []
     for m in (int(x) for x in a.lengths.split(",")):
-        ids = torch.tensor(text[:m])
+        ids = torch.tensor(text_of_length(text, m))
         got: dict[str, list[float]] = {"kernels": [], "torch": []}
         for r in range(a.rounds):
             for path in (("kernels", "torch") if r % 2 else ("torch", "kernels")):
-                got[path].append(prefill_ms(eng, ids, path == "kernels"))
+                got[path].append(prefill_ms(eng, ids, path == "kernels", a.chunked))
         k, t = statistics.median(got["kernels"]), statistics.median(got["torch"])
         rows.append({"positions": m, "kernels_ms": round(k, 1), "torch_ms": round(t, 1),
                      "torch_over_kernels": round(t / k, 2)})
         print(f"{m:4d} positions: kernels {k:7.1f} ms  torch {t:7.1f} ms  torch/kernels {t / k:.2f}", flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "rounds": a.rounds,
-              "prefill_on_torch_from": eng._kernels.prefill_on_torch_from,
+              "chunked": a.chunked, "prefill_on_torch_from": eng._kernels.prefill_on_torch_from,
               "simd": eng._kernels.lib.hsd_simd(), "lengths": rows}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -246,6 +246,33 @@ def test_a_float32_prompt_of_prefill_on_torch_from_positions_takes_the_exact_tor
     assert torch.equal(lean.logits(one, 4, p, p + n), lean.logits(st, 4, p, p + n))
 
 
+def test_a_prompt_pass_ending_beyond_the_kernels_context_takes_the_torch_path(tiny, monkeypatch):
+    """Prompt passes short enough for the kernels run there only while they end within PREFILL_ON_KERNELS_WITHIN
+    positions (a long context's attention is faster on the torch path); passes after the prompt (decode steps,
+    verifications) stay on the kernels at any context."""
+    lean = LayeredLM(tiny, kernels=True)
+    monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN", 20)
+    m = min(10, lean._kernels.prefill_on_torch_from - 1)
+    assert lean._on_kernels(0, m, 3 * m) and lean._on_kernels(m, m, 3 * m)
+    assert not lean._on_kernels(20, m, 20 + m)                  # ends beyond 20: the torch path
+    assert lean._on_kernels(20 + m, 1, 20 + m) and lean._on_kernels(20 + m, 4, 20 + m)  # after the prompt
+    ids = torch.randint(3, 64, (20 + m,), generator=torch.Generator().manual_seed(5))
+    st = lean.new_state(20 + m)
+    st.prompt = 20 + m
+    for a in range(0, 20 + m, m):                                   # the prompt in passes, as a decoding makes them
+        lean.append(st, ids[a:a + m])
+        lean.advance(st, 4)
+    ref = LayeredLM(tiny, kernels=True)
+    monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN", 10**6)
+    whole = ref.new_state(20 + m)
+    whole.prompt = 20 + m
+    for a in range(0, 20 + m, m):
+        ref.append(whole, ids[a:a + m])
+        ref.advance(whole, 4)
+    assert torch.equal(lean.logits(st, 4, 0, 20), ref.logits(whole, 4, 0, 20))
+    assert not torch.equal(lean.logits(st, 4, 20, 20 + m), ref.logits(whole, 4, 20, 20 + m))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "q8", "q4"])
 def test_long_passes_of_the_other_engines_match_their_steps(tiny, kind):
     """Prefill-sized passes of bfloat16 engines run the torch operations in float32 over the same weights, close

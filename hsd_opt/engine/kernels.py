@@ -55,11 +55,16 @@ PREFILL_ON_TORCH_FROM = 40
 #: torch path over more positions (``benchmarks/prefill_path.py``).
 PREFILL_ON_TORCH_FROM_WIDE = 64
 #: The same for a 16-lane library reading every projection in the exact int4 form (``Q4F``): its passes read the
-#: weights from the first-level cache once de-quantized, and stay ahead of the torch path over more positions.
-PREFILL_ON_TORCH_FROM_EXACT = 96
+#: weights from the first-level cache once de-quantized, and stay ahead of the torch path up to 512 positions in
+#: one pass (``benchmarks/prefill_path.py``), so every pass of a prompt (at most ``PREFILL_CHUNK``, 256) is theirs.
+PREFILL_ON_TORCH_FROM_EXACT = 513
+#: A prompt's pass that ends beyond this many positions takes the torch path whatever its length: over a long
+#: context the kernels' attention (a query at a time) falls behind torch's (``benchmarks/prefill_path.py
+#: --chunked``: a prompt of 2,000 positions 10% slower all on the kernels, of 1,000 13% faster).
+PREFILL_ON_KERNELS_WITHIN = 1024
 #: Rows of a matrix the kernels expand at a time into a thread's scratch (``HSD_SCRATCH_ROWS`` in ``kernels.c``).
 SCRATCH_ROWS = 8
-#: Rows of several sequences computed in one call at most (a batched pass over more takes several calls).
+#: Rows computed in one call at most (of one sequence or several; a pass over more takes several calls).
 BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
 #: (docs/results.md, "the decode kernels against the torch path"; benchmarks/torch_path.py).
@@ -357,13 +362,13 @@ class KernelPath:
     def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` on ``x`` ``[m, hidden]`` at positions ``start .. start+m-1`` of ``st`` (float32
-        caches), in passes of at most :data:`MAX_PASS` positions; returns the new hidden states (float32; ``x`` is
+        caches), in calls of at most :data:`BATCH_ROWS` positions; returns the new hidden states (float32; ``x`` is
         not changed). ``cos``/``sin`` ``[1, m, head_dim]``."""
         return self.layers_many(l0, l1, [Rows(x, st, start, cos, sin)])[0]
 
     def layers_many(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
-        """:meth:`layers` for several sequences at once: every row of every part in one call (in passes of at most
-        :data:`BATCH_ROWS` rows; one part: :data:`MAX_PASS`), each weight row read once for all of them, each row
+        """:meth:`layers` for several sequences at once: every row of every part in one call (in calls of at most
+        :data:`BATCH_ROWS` rows), each weight row read once for all of them, each row
         attending over its own sequence's cache. The kernels compute every row as they would alone, so each part
         gets bit for bit what :meth:`layers` gives it. Returns each part's new hidden states."""
         for p in parts:
@@ -387,7 +392,7 @@ class KernelPath:
         lens = torch.tensor([p.st.max_len for p in parts], dtype=torch.int32)
         longest = max(p.st.max_len for p in parts)
         nt = torch.get_num_threads()
-        step = MAX_PASS if len(parts) == 1 else BATCH_ROWS
+        step = BATCH_ROWS
         for i in range(0, x.shape[0], step):
             m = min(step, x.shape[0] - i)
             work = self._work_for(m, longest, nt)

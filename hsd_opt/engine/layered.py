@@ -87,7 +87,8 @@ class LayeredLM:
       float32 model's prompt of the kernels' ``prefill_on_torch_from`` positions or more; longer
       passes (prefill) take the torch path in float32 (exact for a float32 model; a bfloat16 model's weights
       converted for the pass), except for engines with :attr:`long_passes_on_kernels` (quantized copies), which
-      run them on the kernels in passes of ``MAX_PASS`` positions (:meth:`_on_kernels`).
+      run them on the kernels (:meth:`_on_kernels`; in calls of at most
+      :data:`~hsd_opt.engine.kernels.BATCH_ROWS` positions).
 
     Args:
         model: a loaded ``transformers`` causal LM of a supported architecture (weights are used, not copied).
@@ -100,7 +101,7 @@ class LayeredLM:
     #: A copy of another engine's model (a quantized copy): it may take that engine's prompt keys and values
     #: (:meth:`share_prompt`). An engine over the model's own weights never takes another's.
     is_copy = False
-    #: Long passes (prefill) on the kernels in passes of ``MAX_PASS`` positions instead of the torch path: set for
+    #: Long passes (prefill) on the kernels instead of the torch path: set for
     #: quantized copies, whose torch path would de-quantize every weight (docs/design.md#decode-kernels, "Long
     #: passes"). Every position is then computed as a decode step computes it.
     long_passes_on_kernels = False
@@ -290,7 +291,8 @@ class LayeredLM:
         with :attr:`long_passes_on_kernels`; else passes over at most :data:`~hsd_opt.engine.kernels.MAX_PASS`
         positions (decode steps and verify passes: computed as the steps compute them); on a float32 model, a
         prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`) runs
-        there when it is shorter than the kernels' ``prefill_on_torch_from`` positions, else on the torch path (its
+        there when it is shorter than the kernels' ``prefill_on_torch_from`` positions and ends within
+        :data:`~hsd_opt.engine.kernels.PREFILL_ON_KERNELS_WITHIN` positions, else on the torch path (its
         blocked GEMMs are faster there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, ``_WIDE`` for
         16-lane kernels, ``_EXACT`` for 16-lane kernels reading the exact int4 form; every method prefills a prompt
         in the same passes)."""
@@ -299,7 +301,7 @@ class LayeredLM:
         if self.long_passes_on_kernels:
             return True
         if (start == 0 or start + m <= prompt) and self._exact_long_passes:
-            return m < self._kernels.prefill_on_torch_from
+            return m < self._kernels.prefill_on_torch_from and start + m <= kernels.PREFILL_ON_KERNELS_WITHIN
         return m <= kernels.MAX_PASS
 
     def rope(self, start: int, end: int):

@@ -46,7 +46,7 @@ class QuantizedLM(LayeredLM):
     disk for the next one (:mod:`hsd_opt.engine.stored_copies`). The LM head is quantized to ``head_bits``
     (default 8: the head decides every token, and 4 bits there cost agreement for little time). Early exits use
     the model's final norm and the quantized LM head. ``name`` is what profiles and plans call it. Every pass,
-    prefill included, runs on the kernels where they run (in passes of ``MAX_PASS`` positions)."""
+    prefill included, runs on the kernels where they run (in calls of at most ``BATCH_ROWS`` positions)."""
 
     is_copy = True                  # may take the prompt's keys and values from an engine over the model's own weights
     long_passes_on_kernels = True   # the torch path would de-quantize every weight for every long pass
