@@ -4,6 +4,7 @@ decoding as the torch path, built once and cached, and refused or skipped cleanl
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import pytest
@@ -428,3 +429,33 @@ def test_a_kernel_call_runs_on_every_thread_of_torchs_openmp_runtime():
         kernels.team(LIB, n)
         kernels.linear(LIB, wq.Mat.in_place(torch.randn(64, 64)), torch.randn(3, 64))
         assert len(os.listdir("/proc/self/task")) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc")
+def test_releasing_the_thread_pool_frees_this_threads_workers_and_leaves_the_kernels_exact():
+    """release_thread_pool frees the calling thread's OpenMP workers (what `hsd serve` does on its main thread
+    before decoding on another: one pool in the process), and a kernel call on another thread afterwards gets a
+    full team and the same numbers."""
+    import os
+    import threading
+
+    n = torch.get_num_threads()
+    if n < 2:
+        pytest.skip("one thread: no pool to free")
+    mat, x = wq.Mat.in_place(torch.randn(64, 64)), torch.randn(3, 64)
+    want = kernels.linear(LIB, mat, x)
+    kernels.team(LIB, n)                                     # this thread's pool exists
+    before = len(os.listdir("/proc/self/task"))
+    assert kernels.release_thread_pool()
+    assert len(os.listdir("/proc/self/task")) == before - (n - 1)
+    got: dict = {}
+
+    def other():
+        got["team"] = kernels.team(LIB, n)[0]
+        got["y"] = kernels.linear(LIB, mat, x)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert got["team"] == n and torch.equal(got["y"], want)
+    assert torch.equal(kernels.linear(LIB, mat, x), want)      # and on this thread again (a new pool)

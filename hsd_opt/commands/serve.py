@@ -118,6 +118,7 @@ def serve_cmd(
 ):
     """Serve the plan's hierarchy over an OpenAI-compatible HTTP API (chat and text completions, streamed or not),
     up to --max-batch requests decoded together, lossless."""
+    from hsd_opt.engine.kernels import release_thread_pool
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body)
@@ -137,6 +138,7 @@ def serve_cmd(
                               f"{', API key required' if api_key else ''}); Ctrl-C stops")
 
         server = make_server(app, on_ready=ready, on_stop=jobs.cancel_all, logging_config=log_config())
+        release_thread_pool()    # the decoding thread's OpenMP pool the only one (kernels.release_thread_pool)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down

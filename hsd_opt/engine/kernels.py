@@ -268,6 +268,25 @@ def team(lib: ctypes.CDLL, nthreads: int) -> tuple[int, list[int]]:
     return n, list(ids)[:n]
 
 
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads (``omp_pause_resource_all(omp_pause_hard)`` of the
+    ``libgomp.so.1`` that torch and the kernels share).
+
+    OpenMP gives every thread that opens a parallel region a pool of its own. Once the threads of all pools outnumber
+    the cores, libgomp stops spinning at its barriers and sleeps instead, and each of a pass's barriers then waits for
+    a thread to wake: a server that loaded its model on the main thread and decodes on another decodes 1.4x slower
+    (`docs/results.md`). Called on the main thread once it is done with torch and before the decoding thread starts,
+    it leaves that thread's pool the only one. A later parallel region on the calling thread makes a new pool.
+    Returns False where the runtime is not libgomp or cannot pause."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+        pause = gomp.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return False
+    pause.restype, pause.argtypes = ctypes.c_int, [ctypes.c_int]
+    return pause(2) == 0        # omp_pause_hard
+
+
 # ------------------------------------------------------------------------------------------------ a model
 
 
