@@ -59,8 +59,8 @@ PREFILL_ON_TORCH_FROM_WIDE = 64
 #: one pass (``benchmarks/prefill_path.py``), so every pass of a prompt (at most ``PREFILL_CHUNK``, 256) is theirs.
 PREFILL_ON_TORCH_FROM_EXACT = 513
 #: A prompt's pass that ends beyond this many positions takes the torch path whatever its length: over a long
-#: context the kernels' attention (a query at a time) falls behind torch's (``benchmarks/prefill_path.py
-#: --chunked``: a prompt of 2,000 positions 10% slower all on the kernels, of 1,000 13% faster).
+#: context the kernels' attention (a query at a time) loses ground to torch's (``benchmarks/prefill_path.py
+#: --chunked``: a prompt of 1,000 positions 1.07-1.13x faster all on the kernels, of 2,000 0.90-1.10x).
 PREFILL_ON_KERNELS_WITHIN = 1024
 #: Rows of a matrix the kernels expand at a time into a thread's scratch (``HSD_SCRATCH_ROWS`` in ``kernels.c``).
 SCRATCH_ROWS = 8
