@@ -9,6 +9,10 @@ Modules: :mod:`~hsd_opt.server.requests` (validating request bodies), :mod:`~hsd
 text and stop strings), :mod:`~hsd_opt.server.jobs` (the job queue and the worker thread),
 :mod:`~hsd_opt.server.responses` (OpenAI bodies and chunks), :mod:`~hsd_opt.server.app` (the Starlette routes),
 :mod:`~hsd_opt.server.serving` (uvicorn).
+
+The worker thread decodes; a thread that loaded the model beforehand holds an OpenMP pool of its own, which slows
+the worker's passes (libgomp stops spinning once two pools outnumber the cores): call
+:func:`hsd_opt.engine.kernels.release_thread_pool` on it before serving, as ``hsd serve`` does.
 """
 
 from hsd_opt.server.app import create_app
