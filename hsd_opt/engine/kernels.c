@@ -319,6 +319,31 @@ static inline __attribute__((always_inline)) void hsum4x4(const __m512 *a, const
     _mm512_storeu_ps(v, _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD)));
 }
 
+/* One column step of a 4 x P tile: a[p] += w01 * x_p, b[p] += w23 * x_p for the P positions, x_p their 8 inputs
+ * at columns c .. c+7 (row stride xs) in both halves. */
+static inline __attribute__((always_inline)) void fma4xP(__m512 *a, __m512 *b, __m512 w01, __m512 w23,
+                                                         const float *x, int xs, int c, int P) {
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++) {
+        const __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (size_t)p * xs + c));
+        a[p] = _mm512_fmadd_ps(w01, u, a[p]);
+        b[p] = _mm512_fmadd_ps(w23, u, b[p]);
+    }
+}
+
+/* s[(t + p) * 4 + i] = row i's sum at position p < P (hsum4x4 of a 4 x P tile without tail columns). */
+static inline __attribute__((always_inline)) void sums4xP(const __m512 *a, const __m512 *b, int P, float *s, int t) {
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p += 4) {
+        float v[16];
+        hsum4x4(a, b, p, P, v);
+        for (int j = 0; j < 4 && p + j < P; j++) {
+            float *o = s + (size_t)(t + p + j) * 4;
+            o[0] = v[j], o[1] = v[4 + j], o[2] = v[8 + j], o[3] = v[12 + j];
+        }
+    }
+}
+
 /* s[t * 4 + i] = w_i . x_t for the 4 rows and the P positions t .. t+P-1 (P <= 8): the 8-lane accumulators of rows
  * 0 and 1 side by side in one 16-lane register, of rows 2 and 3 in another, each position's 8 inputs in both
  * halves. One 16-lane FMA does two rows' 8-lane FMAs, the same operations (lane j of each half takes columns j,
@@ -345,12 +370,11 @@ static inline __attribute__((always_inline)) void tile4xP_any(const float *const
             q01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0 + c)), _mm256_loadu_ps(w1 + c), 1);
             q23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w2 + c)), _mm256_loadu_ps(w3 + c), 1);
         }
-#pragma GCC unroll 8
-        for (int p = 0; p < P; p++) {
-            __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(xt + (size_t)p * xs + c));
-            a[p] = _mm512_fmadd_ps(q01, u, a[p]);
-            b[p] = _mm512_fmadd_ps(q23, u, b[p]);
-        }
+        fma4xP(a, b, q01, q23, xt, xs, c, P);
+    }
+    if (paired) { /* no tail columns */
+        sums4xP(a, b, P, s, t);
+        return;
     }
 #pragma GCC unroll 2
     for (int p = 0; p < P; p += 4) {
@@ -359,10 +383,6 @@ static inline __attribute__((always_inline)) void tile4xP_any(const float *const
         for (int j = 0; j < 4 && p + j < P; j++) {
             const float *xp = xt + (size_t)(p + j) * xs;
             float *o = s + (size_t)(t + p + j) * 4;
-            if (paired) { /* no tail columns */
-                o[0] = v[j], o[1] = v[4 + j], o[2] = v[8 + j], o[3] = v[12 + j];
-                continue;
-            }
             o[0] = tail(w0, xp, K8, K, v[j]);
             o[1] = tail(w1, xp, K8, K, v[4 + j]);
             o[2] = tail(w2, xp, K8, K, v[8 + j]);
@@ -972,24 +992,10 @@ static inline __attribute__((always_inline)) void q4f_tile4xP(const hsd_mat *A, 
                 i23 = _mm512_ternarylogic_epi32(i23, low, second, 0xEA);
             }
             const __m512 w01 = _mm512_permutex2var_ps(t0, i01, t1), w23 = _mm512_permutex2var_ps(t2, i23, t3);
-            const int c = HSD_GROUP * g + 8 * k;
-#pragma GCC unroll 8
-            for (int p = 0; p < P; p++) {
-                const __m512 u = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (size_t)p * xs + c));
-                acc01[p] = _mm512_fmadd_ps(w01, u, acc01[p]);
-                acc23[p] = _mm512_fmadd_ps(w23, u, acc23[p]);
-            }
+            fma4xP(acc01, acc23, w01, w23, x, xs, HSD_GROUP * g + 8 * k, P);
         }
     }
-#pragma GCC unroll 2
-    for (int p = 0; p < P; p += 4) {
-        float v[16];
-        hsum4x4(acc01, acc23, p, P, v);
-        for (int j = 0; j < 4 && p + j < P; j++) {
-            float *o = s + (size_t)(p + j) * 4;
-            o[0] = v[j], o[1] = v[4 + j], o[2] = v[8 + j], o[3] = v[12 + j];
-        }
-    }
+    sums4xP(acc01, acc23, P, s, 0);
 }
 
 /* q4f_tile4xP for 1 <= m <= 8 positions (a constant count per copy, so that the accumulators stay in registers). */
