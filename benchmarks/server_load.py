@@ -132,6 +132,7 @@ def load_direct(a):
     import torch
 
     from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.engine.kernels import release_thread_pool
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import hsd_for_plan
 
@@ -150,7 +151,8 @@ def load_direct(a):
             out["ids"] = list(runner.generate(ids, a.max_tokens).token_ids)
             out["seconds"] = time.perf_counter() - t
 
-        if worker:
+        if worker:  # as `hsd serve` does: this thread's OpenMP pool freed first (kernels.release_thread_pool)
+            release_thread_pool()
             th = threading.Thread(target=work)
             th.start()
             th.join()
