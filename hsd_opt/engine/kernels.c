@@ -898,6 +898,26 @@ static inline void halves_to_floats(const uint16_t *h, int G, float *out) {
     for (; g < G; g++) out[g] = half_to_float(h[g]);
 }
 
+/* The scales (and, with zf, the minimums) of rows r .. r+3 of a paired matrix as float32, [row][group]; a short last
+ * block of n rows repeats its last row. */
+static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD_PAIRED_MAX_GROUPS],
+                                 float zf[4][HSD_PAIRED_MAX_GROUPS]) {
+    const int G = A->cols / HSD_GROUP;
+    for (int i = 0; i < 4; i++) {
+        const size_t ri = (size_t)r + (i < n ? i : n - 1);
+        halves_to_floats((const uint16_t *)A->scale + ri * G, G, sf[i]);
+        if (zf) halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
+    }
+}
+
+/* Rows 2h, 2h+1 of a block of n rows from row r: their pair of stored rows (r/2 + h, or with n <= 2h the first
+ * pair again, its values unused) and the block's rows whose factors they take (*a, *c; block_factors' indices). */
+static inline int block_pair(int r, int n, int h, int *a, int *c) {
+    *a = 2 * h < n ? 2 * h : 0;
+    *c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
+    return r / 2 + (2 * h < n ? h : 0);
+}
+
 /* Rows r .. r+3 of a paired matrix (cols a multiple of 32, at most HSD_PAIRED_MAX_GROUPS groups; a short last block
  * of n rows repeats its last row) as float32, paired for tile4xP_any: buf[0, 2K) holds rows 0|1 and buf[2K, 4K)
  * rows 2|3, 16 floats per 8 columns (8 of the first row, then 8 of the second). The values are expand_row's,
@@ -906,15 +926,11 @@ static inline void halves_to_floats(const uint16_t *h, int G, float *out) {
 static inline __attribute__((always_inline)) void expand4_any(const hsd_mat *A, int r, int n, float *buf, int q8) {
     const int K = A->cols, G = K / HSD_GROUP;
     float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
-    for (int i = 0; i < 4; i++) { /* the rows' scales (and minimums) as float32 */
-        const size_t ri = (size_t)r + (i < n ? i : n - 1);
-        halves_to_floats((const uint16_t *)A->scale + ri * G, G, sf[i]);
-        if (!q8) halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
-    }
+    block_factors(A, r, n, sf, q8 ? NULL : zf);
     const __m128i low = _mm_set1_epi8(15);
     for (int h = 0; h < 2; h++) {
-        /* rows 2h, 2h+1 of the block: pair r/2 + h, or (n <= 2) the first pair again, its values unused */
-        const int pair = r / 2 + (2 * h < n ? h : 0), a = 2 * h < n ? 2 * h : 0, c = 2 * h + 1 < n ? 2 * h + 1 : n - 1;
+        int a, c;
+        const int pair = block_pair(r, n, h, &a, &c);
         float *o = buf + (size_t)h * 2 * K;
         for (int g = 0; g < G; g++) {
             const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sf[a][g]), _mm256_set1_ps(sf[c][g]), 1);
@@ -957,16 +973,12 @@ static void expand4_pairs(const hsd_mat *A, int r, int n, float *buf) {
  * the weights never pass through memory, and the codes' loads overlap the arithmetic instead of preceding it. */
 static inline __attribute__((always_inline)) void q4f_tile4xP(const hsd_mat *A, int r, int n, const float *x, int xs,
                                                               int P, float *s) {
-    const int K = A->cols, G = K / HSD_GROUP;
+    const int G = A->cols / HSD_GROUP;
     float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
-    for (int i = 0; i < 4; i++) { /* the rows' scales and minimums as float32 */
-        const size_t ri = (size_t)r + (i < n ? i : n - 1);
-        halves_to_floats((const uint16_t *)A->scale + ri * G, G, sf[i]);
-        halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
-    }
-    /* rows 2h, 2h+1 of the block: pair r/2 + h, or (n <= 2) the first pair again, its values unused */
-    const int a1 = 2 < n ? 2 : 0, c0 = 1 < n ? 1 : n - 1, c1 = 3 < n ? 3 : n - 1;
-    const uint8_t *q01 = q4f_codes(A, r / 2, 0), *q23 = q4f_codes(A, r / 2 + (2 < n ? 1 : 0), 0);
+    block_factors(A, r, n, sf, zf);
+    int a0, c0, a1, c1;
+    const uint8_t *q01 = q4f_codes(A, block_pair(r, n, 0, &a0, &c0), 0);
+    const uint8_t *q23 = q4f_codes(A, block_pair(r, n, 1, &a1, &c1), 0);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
     const __m512i low = _mm512_set1_epi32(15);
@@ -975,7 +987,7 @@ static inline __attribute__((always_inline)) void q4f_tile4xP(const hsd_mat *A, 
     for (int p = 0; p < P; p++) acc01[p] = acc23[p] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         /* the 16 values of each row's group: table lane k = fma(k, scale, minimum) */
-        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[0][g]), _mm512_set1_ps(zf[0][g]));
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[a0][g]), _mm512_set1_ps(zf[a0][g]));
         const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c0][g]), _mm512_set1_ps(zf[c0][g]));
         const __m512 t2 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[a1][g]), _mm512_set1_ps(zf[a1][g]));
         const __m512 t3 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c1][g]), _mm512_set1_ps(zf[c1][g]));
@@ -1038,17 +1050,18 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
         }
 #endif
 #if HSD_AVX512
-        if (A->type == HSD_Q4F && m <= 8 && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) {
-            /* one tile of positions (a decode step, a verification): de-quantized in registers, not into L1
-             * (measured: over two tiles or more, expanding once for all of them is as fast or faster) */
-            prefetch_block(A, r + 4 * HSD_AHEAD);
-            q4f_tile4(A, r, n, x, xs, m, s);
-            store4(A, s, m, n, y, ys, 0, r, acc);
-            continue;
-        }
-        if (paired(A) && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) { /* de-quantized into L1 */
-            /* over more than one tile of 8 positions, two blocks of 4 rows at a time, then each tile for both: each
-             * tile's inputs are read into the first-level cache once for 8 rows, not once for 4 */
+        if (paired(A) && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS) {
+            if (A->type == HSD_Q4F && m <= 8) {
+                /* one tile of positions (a decode step, a verification): de-quantized in registers, not into L1
+                 * (measured: over two tiles or more, expanding once for all of them is as fast or faster) */
+                prefetch_block(A, r + 4 * HSD_AHEAD);
+                q4f_tile4(A, r, n, x, xs, m, s);
+                store4(A, s, m, n, y, ys, 0, r, acc);
+                continue;
+            }
+            /* de-quantized into L1; over more than one tile of 8 positions, two blocks of 4 rows at a time, then
+             * each tile for both: each tile's inputs are read into the first-level cache once for 8 rows, not once
+             * for 4 */
             const int nb = m > 8 && r1 - r > 4 ? 2 : 1;
             for (int b = 0; b < nb; b++) {
                 const int rb = r + 4 * b, nr = r1 - rb < 4 ? r1 - rb : 4;
