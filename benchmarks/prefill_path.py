@@ -32,9 +32,9 @@ from hsd_opt.runtime.decode import prompt_pass_ends
 def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool, chunked: bool = False) -> float:
     """A prompt over ``ids`` (milliseconds) on the kernels or on the torch path: one pass, or (``chunked``) the
     runtime's passes."""
-    saved = kernels.MAX_PASS, eng._kernels.prefill_on_torch_from
-    if on_kernels:  # the passes the runtime makes on the kernels (each call at most its rows)
-        eng._kernels.prefill_on_torch_from = 10**6
+    saved = kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN
+    if on_kernels:  # every pass on the kernels, in the calls the runtime makes (each at most BATCH_ROWS rows)
+        eng._kernels.prefill_on_torch_from = kernels.PREFILL_ON_KERNELS_WITHIN = 10**6
     else:
         kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = 0, 0
     try:
@@ -49,7 +49,7 @@ def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool, chunked: boo
             a = b
         return (time.perf_counter() - t0) * 1e3
     finally:
-        kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = saved
+        kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN = saved
 
 
 def main() -> None:
