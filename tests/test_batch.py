@@ -93,6 +93,31 @@ def test_a_batched_kernel_pass_computes_every_row_once(tiny, monkeypatch):
     assert calls == [3]
 
 
+def test_a_prompts_last_pass_shares_the_kernel_call_of_the_others_rounds(tiny, monkeypatch):
+    """A prompt's last pass is computed in the batched call that serves the other sequences' rounds: one kernel
+    call per run of layers over the new prompt's rows and a decoding sequence's row; both answers are their
+    prompts' own."""
+    eng = _engine(tiny, "f32")
+    ar = HSD([Level("layer4", eng, 4)], [], eos_ids=[2])
+    first, second = list(range(3, 8)), list(range(10, 22))
+    want = [ar.generate(first, 6).token_ids, ar.generate(second, 6).token_ids]
+    calls = []
+    real = eng._kernels.layers_many
+    monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(
+        sorted(p.x.shape[0] for p in parts)) or real(l0, l1, parts))
+    batch = Batch(ar, max_active=2)
+    got: dict[int, list[int]] = {}
+    batch.add(first, 6, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    batch.tick()
+    assert calls == [[5]]                   # the first prompt's pass, in its first round's call
+    batch.add(second, 6, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    calls.clear()
+    batch.tick()
+    assert calls == [[1, 12]]               # the second prompt's 12 rows beside the first sequence's next row
+    batch.run()
+    assert [got[0], got[1]] == want
+
+
 def _hierarchies(tiny, eng):
     lm = eng
     q4 = QuantizedLM(tiny, bits=4) if HAVE_KERNELS else QuantizedLM(tiny, bits=4, kernels=False)

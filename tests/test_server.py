@@ -315,9 +315,9 @@ def gated(runner, gate: threading.Event):
         d = HSD.start(h, *args, **kwargs)
         passes = d.prefill_passes
 
-        def wait_then_prefill():
+        def wait_then_prefill(**kw):
             assert gate.wait(60)
-            return (yield from passes())
+            return (yield from passes(**kw))
 
         d.prefill_passes = wait_then_prefill
         return d

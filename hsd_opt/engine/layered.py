@@ -387,9 +387,10 @@ class LayeredLM:
     @torch.no_grad()
     def advance_many(self, work: Sequence[tuple[DecodeState, int]]) -> list[int]:
         """:meth:`advance` of several states (sequences), each to its own boundary: the runs of layers they have in
-        common are computed in one pass over all their rows where the kernels take it (each weight read once for
-        every sequence), the others one sequence at a time. Each state gets bit for bit what :meth:`advance` gives
-        it alone. Returns the positions computed per state."""
+        common are computed in one pass over all their rows where the kernels take each sequence's rows alone
+        (a prompt's pass too; each weight read once for every sequence), the others one sequence at a time.
+        Each state gets bit for bit what :meth:`advance` gives it alone. Returns the positions computed per
+        state."""
         runs = [self._runs(st, upto) for st, upto in work]
         done: list[int] = [0] * len(runs)
         pending: dict[int, tuple[int, int, Rows]] = {}
@@ -407,7 +408,7 @@ class LayeredLM:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (l0, l1, rows) in pending.items():
                 m = rows.x.shape[0]
-                together = m <= kernels.MAX_PASS and self._on_kernels(rows.start, m, rows.st.prompt)
+                together = self._on_kernels(rows.start, m, rows.st.prompt)
                 groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
             for key, idx in groups.items():
                 l0, l1 = key[0], key[1]

@@ -6,7 +6,9 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 1. prefills the oldest waiting sequence, one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a
    new request's prompt costs the others one such pass per round, a long prompt several; its first token comes
    after its prefill and its first round, not after the others finish), for the hierarchy of the load it starts
-   under (those in flight, it, and those waiting for a place);
+   under (those in flight, it, and those waiting for a place). Where the target is that hierarchy's only
+   engine, the prompt's last pass is left to the sequence's first round (``prefill_passes(defer_last=True)``):
+   step 3 computes it in the call that serves the others' rounds, each weight read once for all their rows;
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
    load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
    under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if it holds a state of every
@@ -23,7 +25,8 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
 Exactness: a batched call computes, for each sequence, bit for bit what it computes alone (the kernels' rows are
 independent of the rows beside them; the torch path runs sequences one by one), and each sequence's prompt is
-prefilled alone exactly as ``hsd run`` prefills it. So a greedy sequence's tokens are those of ``hsd run`` on its
+prefilled in the passes ``hsd run`` prefills it in (its last perhaps beside other sequences' rows: the same
+numbers). So a greedy sequence's tokens are those of ``hsd run`` on its
 prompt whatever shares its passes and whichever hierarchy each round uses (every round ends in the target's own
 argmax). A sampled sequence without a seed follows the load too (every round samples from the target's
 distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the one for a
@@ -217,7 +220,7 @@ class Batch:
         self.prefilling = e                     # in flight from its prefill on
         if e.decoding.follows_load:  # the load it starts under: those in flight, it, and those waiting for a place
             e.decoding.switch(self.hierarchy_for(self.load))
-        e.prefill = e.decoding.prefill_passes()
+        e.prefill = e.decoding.prefill_passes(defer_last=True)
 
     def _prefill_pass(self, e: Entry) -> None:
         """One pass of ``e``'s prefill; after its last, ``e`` decodes: run to its first pass."""

@@ -365,6 +365,8 @@ class Decoding:
         self._next: HSD | None = None
         self._asked_stop = False
         self.done = False
+        #: the prompt's last pass left to the first round's (prefill_passes(defer_last=True))
+        self._deferred = False
         self._add(hsd)
         self.t0 = self.t1 = self.t2 = time.perf_counter()
 
@@ -607,7 +609,7 @@ class Decoding:
         for _ in self.prefill_passes():
             pass
 
-    def prefill_passes(self) -> Generator[int, None, None]:
+    def prefill_passes(self, defer_last: bool = False) -> Generator[int, None, None]:
         """Compute the prompt in passes (:func:`prompt_pass_ends`), yielding after every pass but the last (the
         number of prompt positions the target has computed) so that a batch can serve other sequences' rounds in
         between: every model up to its highest level, the target first, then the engines over a model's own
@@ -617,7 +619,13 @@ class Decoding:
         computes the head in a pass of its own, or takes the keys and values the engine kept of that pass for an
         earlier prompt (the same numbers; no pass, no yield). The passes depend on the prompt alone, so a prompt's
         keys and values are the same whoever drives them (``hsd run`` or a batch). A :meth:`switch` asked for
-        before applies first (the prompt is computed for the hierarchy of the first round)."""
+        before applies first (the prompt is computed for the hierarchy of the first round).
+
+        ``defer_last``: where the target is the hierarchy's only engine (its drafters are exits of it or token
+        drafters), the prompt's last pass is left to the first round's pass, which reads the target at the
+        prompt's last position and so first advances it over the positions not computed yet: a batch computes
+        those positions in its call for the other sequences' rounds (:meth:`Engine.advance_many`; the same numbers
+        as alone). The prefill's seconds (:meth:`result`) then run to the first token."""
         self.t0 = time.perf_counter()
         if self._next is not None:              # a switch asked for before the first round: prefill its engines
             self.hsd, self._next = self._next, None
@@ -648,7 +656,9 @@ class Decoding:
                 for b in prompt_pass_ends(n, head):
                     eng.append(st, ids[a:b])
                     taken = b == head and eng.take_head(st, top_b)
-                    if not taken:
+                    if defer_last and b == n and eng is target and not rest:
+                        self._deferred = True       # computed by the first round's pass
+                    elif not taken:
                         eng.advance(st, top_b)
                         if b == head:
                             eng.keep_head(st, top_b)
@@ -697,6 +707,10 @@ class Decoding:
             else:
                 toks, _ = yield from (self._draft() if depth == 1 else self._level(depth - 1))
             first = False
+            if self._deferred:                  # the prompt's last pass ran with the first round's
+                _sync(self.device)
+                self.t1 = time.perf_counter()
+                self._deferred = False
             if not toks:
                 break
             for drafter in self._drafters.values():

@@ -26,7 +26,8 @@ between them), or without them from the model's cost curve (passes over ``t = 1 
 extended by the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the
 positions).
 
-What the replay leaves out: Python's own work between passes, a group of sequences on one
+What the replay leaves out: Python's own work between passes, a prompt's last pass computed in the call
+of the others' decode rows (a batch's saving: it prices the two apart), a group of sequences on one
 engine waiting while another's larger group is served (the batch serves one or the other per tick; the replay
 charges both every tick), and the difference between sequences' contexts (one context prices every decode
 tick). Units: seconds, tokens.
