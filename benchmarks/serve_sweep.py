@@ -4,7 +4,7 @@ decoding (the target alone, batched), and llama.cpp's server (its own batching, 
 setting), in one interleaved run.
 
     .venv/bin/python benchmarks/serve_sweep.py --plan out/plan.json --concurrency 1,2,4,8,16 \\
-        [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] \\
+        [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] [--stream-interval 1] \\
         [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
         [--retime PROFILE | --predict PROFILE] [--plot out.png] [--out benchmarks/results/serve_sweep.json]
@@ -21,6 +21,7 @@ memory of three); llama.cpp's server is started per level with ``--parallel c``.
 
 - ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``;
   with ``--retime PROFILE``, chosen again at start at the speed of the moment, as ``hsd serve --retime`` does).
+  Every ``hsd*`` server runs with the sweep's ``--stream-interval``.
 - ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
 - ``hsd_plain``: the plan's target alone (a copy of the plan with its hierarchy ``[target]`` and no ``by_load``),
   ``--max-batch MAX``: batched decoding without speculation.
@@ -246,6 +247,7 @@ def main() -> None:
     ap.add_argument("--predict", default=None,
                     help="the plan's profile: predict every hsd* level whole, re-timed in this process around it")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stream-interval", type=int, default=1, help="hsd serve --stream-interval of every hsd* server")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf-f32", default=None)
     ap.add_argument("--gguf-draft", default=None)
@@ -297,11 +299,12 @@ def main() -> None:
                 plan, mb, extra = hsd_args[m]
                 servers[m] = start([sys.executable, "-m", "hsd_opt", "serve", "--plan", plan, "--host", "127.0.0.1",
                                     "--port", "0", "--max-batch", str(mb), "--max-queue", "64", "--device", "cpu",
-                                    *extra],
+                                    "--stream-interval", str(a.stream_interval), *extra],
                                    r"ready: .* at (http://\S+/v1)", a.timeout, env)
         report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "retime": a.retime,
                   "max_tokens": a.max_tokens,
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
+                  "stream_interval": a.stream_interval,
                   "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
         runs = [(r, c) for r in range(a.rounds) for c in (levels if r % 2 == 0 else list(reversed(levels)))]

@@ -491,6 +491,44 @@ def test_text_stream_holds_back_possible_stops_and_half_characters():
 # ------------------------------------------------------------------------------------------------ the command
 
 
+def test_a_stream_interval_sends_the_first_text_at_once_then_every_interval_tokens(direct):
+    """With an interval of 4 tokens, one-token blocks: text goes out with the first block, then with the 5th and
+    the 9th; what is held after the 10th, with the end's text, completes the text sent one block at a time."""
+    from hsd_opt.server.jobs import Job, _Stream
+
+    runner, _, tok = direct
+    ids = runner.generate(tok.encode(PROMPTS[2]), 10).token_ids
+    assert len(ids) == 10
+    sent: dict[int, list] = {1: [], 4: []}
+    streams = {}
+    for interval in (1, 4):
+        job = Job(None, lambda ev, i=interval: sent[i].append((len(streams[i].text.ids), ev[1])))
+        streams[interval] = _Stream(job, TextStream(tok), interval)
+        for t in ids:
+            assert streams[interval]([t]) is False
+    assert [n for n, _ in sent[4]] == [1, 5, 9]
+    every = "".join(t for _, t in sent[1]) + streams[1].text.finish()
+    assert "".join(t for _, t in sent[4]) + streams[4].held + streams[4].text.finish() == every
+    assert len(sent[1]) == 10 and every
+
+
+def test_a_served_stream_with_an_interval_has_fewer_chunks_and_the_same_text(tiny, caplog):
+    """`hsd serve --stream-interval 3`: a streamed completion's text equals the same request unstreamed, in at
+    most one chunk for the first token and one per 3 tokens after it."""
+    app, jobs = prepare_server(tiny[0], device="cpu", stream_interval=3)
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = client(srv)
+        whole = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        parts = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N,
+                                                                   temperature=0, stream=True)
+                 if ch.choices and ch.choices[0].text]
+        health = httpx.get(srv.url + "/health", timeout=30).json()
+    n = whole.usage.completion_tokens
+    assert "".join(parts) == whole.choices[0].text and n == N
+    assert 2 <= len(parts) <= 1 + -(-(n - 1) // 3) and health["stream_interval"] == 3
+    no_tracebacks(caplog)
+
+
 def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
     plan = tiny[0]
     taken = socket.socket()
@@ -501,6 +539,7 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
              (["--plan", plan, "--port", "70000"], "--port"),
              (["--plan", plan, "--max-queue", "0"], "--max-queue"),
              (["--plan", plan, "--mode", "lazy"], "--mode"),
+             (["--plan", plan, "--stream-interval", "0"], "--stream-interval"),
              (["--plan", plan, "--port", str(port)], "--port")]
     try:
         for args, needle in cases:

@@ -26,9 +26,10 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
-                     max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY) -> None:
+                     max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
-    ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1 or ``--max-body`` < 1."""
+    ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1 or
+    ``--stream-interval`` < 1."""
     if not 0 <= port <= 65535:
         raise HsdError(f"--port: expected 0..65535, got {port}")
     if max_queue < 1:
@@ -37,6 +38,8 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         raise HsdError(f"--max-batch: expected >= 1, got {max_batch}")
     if max_body < 1:
         raise HsdError(f"--max-body: expected a number of bytes >= 1, got {max_body}")
+    if stream_interval < 1:
+        raise HsdError(f"--stream-interval: expected a number of tokens >= 1, got {stream_interval}")
     if default_max_tokens < 1:
         raise HsdError(f"--default-max-tokens: expected >= 1, got {default_max_tokens}")
     if model_name is not None and not model_name.strip():
@@ -47,13 +50,15 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    mode: str = "exact", model_name: Optional[str] = None, default_max_tokens: int = 256,
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
                    target_precision: Optional[str] = None, max_batch: int = 8,
-                   max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None) -> tuple[Any, Any]:
+                   max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
+                   stream_interval: int = 1) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
-    app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together (the app's
-    lifespan starts and stops its worker). ``retime``: the profile the plan was solved from; each load level's
-    hierarchy is then chosen again among the plan's at the engines' step times measured now
-    (:func:`~hsd_opt.commands.common.retimed_levels`). ``say(message)`` reports progress."""
+    app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
+    a request's text every ``stream_interval`` tokens (the app's lifespan starts and stops its worker).
+    ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
+    plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
+    ``say(message)`` reports progress."""
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
@@ -77,8 +82,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens)
-    jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch)
-    about = {"plan": str(plan), "mode": mode, "max_positions": max_positions,
+    jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval)
+    about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
     if retimed is not None:
         about["retime"] = retimed
@@ -100,6 +105,11 @@ def serve_cmd(
                                                          "hierarchy."),
     max_body: int = typer.Option(DEFAULT_MAX_BODY, "--max-body", help="Most bytes of a request body; a larger "
                                                                       "one is answered 413 unread."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens a streamed request's text waits "
+                                                                     "for between chunks (the first is sent at "
+                                                                     "once): fewer chunks cost the server and its "
+                                                                     "clients less CPU under load. 1: every "
+                                                                     "committed block."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -121,14 +131,15 @@ def serve_cmd(
     from hsd_opt.engine.kernels import release_thread_pool
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
-    check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body)
+    check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval)
     if mode not in ("exact", "eager"):
         raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
-                                     max_batch=max_batch, max_body=max_body, retime=retime)
+                                     max_batch=max_batch, max_body=max_body, retime=retime,
+                                     stream_interval=stream_interval)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service

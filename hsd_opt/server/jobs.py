@@ -7,7 +7,8 @@ on one engine in one batched call; requests join and leave between ticks. ``max_
 time. torch releases the GIL in its kernels, so the server's event loop stays responsive meanwhile. Each job
 reports through ``job.emit``, called from the worker thread with one event at a time:
 
-- ``("text", str)``: text made final by a committed block (:class:`~hsd_opt.server.text.TextStream`);
+- ``("text", str)``: text made final by committed blocks (:class:`~hsd_opt.server.text.TextStream`): the first
+  at once, then once ``stream_interval`` tokens were committed since the last (the rest with the end);
 - ``("done", Outcome)``: the generation ended (EOS, ``max_tokens`` or a stop string);
 - ``("cancelled", None)``: the job was cancelled (the client went away, the server is stopping);
 - ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request).
@@ -92,13 +93,19 @@ class JobQueue:
         max_queue: most requests that may wait while ``max_batch`` are decoded (>= 1); one more is refused
             (:class:`QueueFull`).
         max_batch: most requests decoded together (>= 1; 1: one at a time).
+        stream_interval: tokens committed between two ``"text"`` events of a job (>= 1; 1: every committed block
+            with text); fewer events cost the event loop and the clients less CPU, which a server on a few cores
+            shares with its decoding.
     """
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
-                 max_batch: int = 1):
+                 max_batch: int = 1, stream_interval: int = 1):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        self.stream_interval = stream_interval
         self.batch = Batch(runner, max_batch)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -198,10 +205,10 @@ class JobQueue:
             self._end(job, "cancelled", None)
             return
         req = job.request
-        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop))
+        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop), self.stream_interval)
 
         def on_done(res: "GenerationResult | None", err: BaseException | None) -> None:
-            self._done(job, on_tokens.text, res, err, on_tokens.started)
+            self._done(job, on_tokens, res, err)
 
         try:
             self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -210,8 +217,7 @@ class JobQueue:
             log.exception("generation failed")
             self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")
 
-    def _done(self, job: Job, text: TextStream, res: "GenerationResult | None", err: BaseException | None,
-              started: list[float]) -> None:
+    def _done(self, job: Job, stream: "_Stream", res: "GenerationResult | None", err: BaseException | None) -> None:
         if err is not None:
             log.error("generation failed", exc_info=err)
             self._end(job, "error", f"generation failed: {type(err).__name__}: {err}")
@@ -220,7 +226,8 @@ class JobQueue:
         if job.cancelled:
             self._end(job, "cancelled", None)
             return
-        rest = text.finish()
+        text, started = stream.text, stream.started
+        rest = stream.held + text.finish()
         if rest:
             job.emit(("text", rest))
         ids = list(text.ids) if text.stopped else list(res.token_ids)
@@ -238,19 +245,25 @@ class JobQueue:
 
 
 class _Stream:
-    """A job's ``on_tokens``: streams each committed block's final text, and asks to stop at a stop string or
-    when the job is cancelled."""
+    """A job's ``on_tokens``: streams the final text of the committed blocks (the first text at once, then once
+    ``interval`` tokens were committed since the last sent; :attr:`held` is what waits), and asks to stop at a stop
+    string or when the job is cancelled."""
 
-    def __init__(self, job: Job, text: TextStream):
-        self.job, self.text = job, text
+    def __init__(self, job: Job, text: TextStream, interval: int = 1):
+        self.job, self.text, self.interval = job, text, interval
         self.started: list[float] = []
+        self.held = ""          # final text not sent yet
+        self._tokens = 0        # tokens committed since the last text sent
+        self._sent = False
 
     def __call__(self, block: list[int]) -> bool:
         if not self.started:
             self.started.append(time.perf_counter())
         if self.job.cancelled:
             return True
-        delta = self.text.feed(block)
-        if delta:
-            self.job.emit(("text", delta))
+        self.held += self.text.feed(block)
+        self._tokens += len(block)
+        if self.held and (not self._sent or self._tokens >= self.interval):
+            self.job.emit(("text", self.held))
+            self.held, self._tokens, self._sent = "", 0, True
         return self.text.stopped
