@@ -149,7 +149,8 @@ class GenerationResult:
 
     Attributes:
         token_ids: generated ids only (after the prompt), ending at EOS (included) or at ``max_new_tokens``.
-        stats: ``tokens``, ``seconds`` (wall, prefill included), ``prefill_seconds``, ``decode_seconds``,
+        stats: ``tokens``, ``seconds`` (wall, prefill included), ``prefill_seconds`` (in a batch, where the
+            prompt's last pass runs with the first round's: to the first token), ``decode_seconds``,
             ``tokens_per_s``, ``seconds_per_token`` (decode only, comparable with a plan's
             ``expected_latency``), ``target_calls``, ``tokens_per_target_call``, ``levels`` (list of
             :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"`` |
