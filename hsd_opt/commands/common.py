@@ -92,13 +92,12 @@ def retime_text(tokenizer) -> list[int]:
 
 
 def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
-                   say, profile=None) -> tuple[dict, dict]:
+                   say) -> tuple[dict, dict]:
     """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
     plan, time one step of every engine the plan's hierarchies run (on the suite's prompts), and choose each load
     level's hierarchy again among the plan's own, its levels' and the target alone at those step times
     (:func:`~hsd_opt.runtime.retime.retime_load_levels`); ``say`` hears the factors and each level that
-    changes. ``profile``: the profile read from ``retime`` already (else read here). Returns the level -> runner
-    map and the report."""
+    changes. Returns the level -> runner map and the report."""
     from hsd_opt.console import warn_some
     from hsd_opt.formats import load_profile
     from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
@@ -107,9 +106,8 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     if not p.by_load:
         raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
                        f"--batch-sizes)")
-    if profile is None:
-        profile, warnings = load_profile(retime)
-        warn_some(warnings)
+    profile, warnings = load_profile(retime)
+    warn_some(warnings)
     check_profile_for_plan(profile, p, str(retime))
     built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
     for n, e in p.by_load.items():
