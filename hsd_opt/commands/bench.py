@@ -268,12 +268,10 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                           models=models)
     retimed = predictor = None
     if retime is not None:
-        from hsd_opt.formats import load_profile
         from hsd_opt.runtime.load_model import LoadPredictor
 
-        by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
-        predictor = LoadPredictor(load_profile(retime)[0], retime_text(loaded.tokenizer),
-                                  head=target.levels[-1].engine.prompt_head)
+        by_load, retimed, profile = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
+        predictor = LoadPredictor(profile, retime_text(loaded.tokenizer), head=target.levels[-1].engine.prompt_head)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import typer
 
 from hsd_opt.console import error
 from hsd_opt.errors import HsdError
+
+if TYPE_CHECKING:
+    from hsd_opt.formats import Profile
 
 F = TypeVar("F", bound=Callable)
 
@@ -92,12 +95,12 @@ def retime_text(tokenizer) -> list[int]:
 
 
 def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
-                   say) -> tuple[dict, dict]:
+                   say) -> tuple[dict, dict, "Profile"]:
     """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
     plan, time one step of every engine the plan's hierarchies run (on the suite's prompts), and choose each load
     level's hierarchy again among the plan's own, its levels' and the target alone at those step times
     (:func:`~hsd_opt.runtime.retime.retime_load_levels`); ``say`` hears the factors and each level that
-    changes. Returns the level -> runner map and the report."""
+    changes. Returns the level -> runner map, the report and the profile (read once, for the caller's use too)."""
     from hsd_opt.console import warn_some
     from hsd_opt.formats import load_profile
     from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
@@ -127,4 +130,4 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     for n, e in report["levels"].items():
         if (e["chosen"], e["budgets"]) != (e["plan"], e["plan_budgets"]):
             say(f"load level {n}: {chain(e['plan'], e['plan_budgets'])} -> {chain(e['chosen'], e['budgets'])}")
-    return new, report
+    return new, report, profile

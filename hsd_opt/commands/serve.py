@@ -73,7 +73,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     retimed = None
     if retime is not None:
-        levels, retimed = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say)
+        levels, retimed, _ = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say)
     built = list({id(h): h for h in (runner, *levels.values())}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
     tok = loaded.tokenizer
