@@ -488,6 +488,50 @@ def test_text_stream_holds_back_possible_stops_and_half_characters():
     assert ts.feed([0, 3]) == "" and ts.feed([4]) == "abé" and ts.feed([2]) == "x"
 
 
+class _Decodes:
+    """A tokenizer's ``decode`` alone (no backend to read): decoded whole every time, and the ids it was asked
+    to decode counted."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def decode(self, ids, **kw):
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+def test_a_text_stream_decodes_a_window_of_a_byte_level_tokenizer_and_hands_out_the_same_text(embedded):
+    """SmolLM2's byte-level tokenizer: answers of natural text (accents, CJK, emoji: tokens that split a
+    character's bytes) and of random ids (specials, stray bytes), fed in blocks of 1-6 ids, with and without stop
+    strings: every block's text, the stop and the end are those of decoding every id each time, and the natural
+    answers' decodes read at most a few windows of ids."""
+    import random
+
+    from hsd_opt.server.text import WINDOW, decodes_by_concatenation
+
+    tok = embedded.tokenizer
+    assert decodes_by_concatenation(tok) and not decodes_by_concatenation(_Decodes(tok))
+    rng = random.Random(0)
+    natural = tok.encode("Café naïve — 東京は晴れ 🙂🚀 déjà vu.\n\nΣύνολο: 42 ✓ " * 12)
+    answers = [natural[:300], [rng.randrange(len(tok)) for _ in range(300)],
+               [rng.choice(natural + list(range(20))) for _ in range(300)]]
+    for i, ids in enumerate(answers):
+        for stop in ((), ("\n\n", "✓ Caf")):
+            counted = _Decodes(tok)
+            fast, whole = TextStream(tok, stop), TextStream(_Decodes(tok), stop)
+            fast.tokenizer = counted
+            k = 0
+            while k < len(ids) and not whole.stopped:
+                n = rng.randint(1, 6)
+                assert fast.feed(ids[k:k + n]) == whole.feed(ids[k:k + n]), (i, stop, k)
+                k += n
+            assert (fast.stopped, fast.ids) == (whole.stopped, whole.ids)
+            assert fast.finish() == whole.finish() and fast.text == whole.text
+            if i == 0:
+                assert counted.longest <= 3 * WINDOW + 6 < len(ids)
+    assert TextStream(tok).feed(natural) == tok.decode(natural, skip_special_tokens=True)
+
+
 # ------------------------------------------------------------------------------------------------ the command
 
 

@@ -4,6 +4,12 @@ The text a client sees is ``tokenizer.decode(ids, skip_special_tokens=True)`` of
 handed out as soon as it is final: not while it ends in an incomplete UTF-8 sequence (``"\\ufffd"``), and not
 the tail that could still become a stop string. With stop strings the ids are decoded one token at a time, so
 the generation is cut at the token that completes the first stop string and the text just before it.
+
+Decoding every id again for every block costs time in proportion to the answer (about 0.2 ms at 1,000 tokens and
+0.9 ms at 4,000 for SmolLM2's tokenizer, on the thread that runs the batch's passes). Where decoding is a
+concatenation (a byte-level BPE decoder, :func:`decodes_by_concatenation`: the ids' bytes joined, then read as
+UTF-8 with replacement, no clean-up), the text of the ids up to a point where it ends in a whole character is kept
+and only the ids after it are decoded again: the same text, from a window of at least :data:`WINDOW` ids.
 """
 
 from __future__ import annotations
@@ -12,6 +18,21 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+#: Ids after the kept text that each decode reads at least once it is kept (a kept point moves on once this many
+#: ids past it decode to text ending in a whole character).
+WINDOW = 8
+
+
+def decodes_by_concatenation(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether ``decode(a + b) == decode(a) + decode(b)`` whenever ``decode(a)`` ends in a whole character: a fast
+    tokenizer whose decoder is byte-level (each token's bytes joined, then read as UTF-8 with replacement) and
+    that cleans up no spaces. Other decoders (SentencePiece's, which strip the first space; WordPiece's) are
+    decoded whole every time."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return (type(decoder).__name__ == "ByteLevel"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
 
 
 class TextStream:
@@ -31,9 +52,20 @@ class TextStream:
         self.stopped = False
         self._hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
         self._searched = 0  # stop strings were searched in full[:self._searched] without a hit
+        self._concat = decodes_by_concatenation(tokenizer)
+        self._kept_ids = 0  # ids[:_kept_ids] decode to _kept_text, which ends in a whole character
+        self._kept_text = ""
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """``decode(ids)``; by concatenation, the kept text and the ids after it decoded (moving the kept point
+        on once at least :data:`WINDOW` ids after it end in a whole character)."""
+        if not self._concat:
+            return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        tail = self.tokenizer.decode(self.ids[self._kept_ids:], skip_special_tokens=True)
+        full = self._kept_text + tail
+        if len(self.ids) - self._kept_ids >= WINDOW and not tail.endswith("\ufffd"):
+            self._kept_ids, self._kept_text = len(self.ids), full
+        return full
 
     def _held(self, full: str) -> int:
         """Length of the longest tail of ``full`` that is a proper prefix of a stop string."""
