@@ -78,6 +78,34 @@ def test_a_batched_pass_gives_each_sequence_what_it_gets_alone(tiny, kind):
     assert all(torch.equal(w, x) for w, x in zip(ids_alone, eng.greedy_ids_many(reads)))
 
 
+@pytest.mark.parametrize("kind", ["f32", "q8", "q4", "torch"])
+def test_a_pass_over_more_positions_than_a_step_shares_the_call_and_gives_what_it_gets_alone(tiny, kind,
+                                                                                            monkeypatch):
+    """One sequence's pass over 70 new positions (more than ``MAX_PASS``: a quantized copy takes it on the
+    kernels, in the same call as another sequence's single position; a float model on the torch path, alone)
+    batched and alone: the same caches and logits, bit for bit."""
+    eng = _engine(tiny, kind)
+    calls = []
+    if eng._kernels is not None:
+        real = eng._kernels.layers_many
+        monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(
+            sorted(p.x.shape[0] for p in parts)) or real(l0, l1, parts))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 64, (n,), generator=g) for n in (6, 9)]
+    news = [torch.randint(3, 64, (n,), generator=g) for n in (kernels.MAX_PASS + 6, 1)]
+    alone, together = _states(eng, prompts, [4]), _states(eng, prompts, [4])
+    for st, new in zip(alone + together, news + news):
+        eng.append(st, new)
+    for st in alone:
+        eng.advance(st, 4)
+    calls.clear()
+    eng.advance_many([(st, 4) for st in together])
+    assert calls == ([[1, kernels.MAX_PASS + 6]] if kind in ("q8", "q4") else [[1]] if kind == "f32" else [])
+    for a, b, new in zip(alone, together, news):
+        assert all(torch.equal(x[:, :, :a.n], y[:, :, :a.n]) for x, y in zip(a.k + a.v, b.k + b.v))
+        assert torch.equal(eng.logits(a, 4, a.n - len(new), a.n), eng.logits(b, 4, b.n - len(new), b.n))
+
+
 def test_a_batched_kernel_pass_computes_every_row_once(tiny, monkeypatch):
     """The rows of every sequence of a batched step go to the kernels in one call per run of layers."""
     eng = _engine(tiny, "f32")
