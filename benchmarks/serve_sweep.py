@@ -42,7 +42,9 @@ predicted whole, prompts and ramps included (``hsd_opt.runtime.load_model``, as 
 reports it (``/proc/stat`` on Linux), each
 method's level also records the share of the machine's CPU time the hypervisor gave to others while it ran
 (``steal_fraction``, 0 to 1): a level run in a spell of high steal is slow for reasons outside the method (a low
-share does not prove the opposite: the cores can run slow without any time being stolen).
+share does not prove the opposite: the cores can run slow without any time being stolen). Each level also records
+``client_cpu_seconds``: the CPU time the client threads (this process) used while it ran, time the server did not
+have on a machine whose cores serve both (the benchmark's own cost, the same kind for every method).
 """
 
 from __future__ import annotations
@@ -116,15 +118,15 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
     for t in threads:
         t.start()
     go.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.join(timeout)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rs = [r for _, r in results]
     tokens = sum(r["tokens"] for r in rs)
     per_stream = [r["tokens"] / r["total"] for r in rs if r["total"] > 0]
     decode = [r["tokens"] / r["decode_seconds"] for r in rs if r.get("decode_seconds")]
-    return {"clients": clients, "requests": len(rs), "errors": errors, "wall_seconds": wall,
+    return {"clients": clients, "requests": len(rs), "errors": errors, "wall_seconds": wall, "client_cpu_seconds": cpu,
             "aggregate_tokens_per_s": tokens / wall if wall > 0 else None, "tokens": tokens,
             "ttft_p50": pct([r["ttft"] for r in rs], 50), "ttft_p95": pct([r["ttft"] for r in rs], 95),
             "per_stream_tokens_per_s_p50": pct(per_stream, 50),
@@ -361,6 +363,7 @@ def main() -> None:
                          else "")
                       + (f"  predicted whole {r['predicted_run_tokens_per_s']:.1f}"
                          if r.get("predicted_run_tokens_per_s") else "")
+                      + f"  clients' cpu {r['client_cpu_seconds']:.2f} s"
                       + (f"  steal {r['steal_fraction']:.0%}" if r["steal_fraction"] else "")
                       + (f"  errors {len(r['errors'])}" if r["errors"] else ""), flush=True)
                 write_json(a.out, report)
