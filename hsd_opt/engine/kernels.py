@@ -45,7 +45,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 #: struct or a function's arguments change.
 ABI_VERSION = 13
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
-#: model: a blocked GEMM is faster there); quantized copies run such passes in chunks of this size.
+#: model: a blocked GEMM is faster there); quantized copies run such passes on the kernels too (in calls of at most
+#: :data:`BATCH_ROWS` positions).
 MAX_PASS = EXACT_PASS
 #: A float32 model's prompt of this many positions or more takes the torch path (its blocked GEMMs are faster
 #: there; docs/results.md, "a prompt's pass on the torch path"); shorter prompts, and later passes up to MAX_PASS
