@@ -44,7 +44,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
-from hsd_opt.runtime.load_model import LoadPredictor
+from hsd_opt.runtime.load_model import LoadPredictor, ratio
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Plan
@@ -158,10 +158,6 @@ def _median(xs: Sequence[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 MEDIAN_KEYS = ("aggregate_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s_p50")
 #: The figures of a whole level predicted at the speed of the moment (with a :class:`LoadPredictor`).
 PREDICTED_KEYS = ("predicted_run_tokens_per_s", "predicted_wall_seconds", "predicted_ttft_p50_s",
@@ -227,8 +223,8 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], c))
         agg = {m: entry["methods"][m]["aggregate_tokens_per_s"] for m in methods}
         if "hsd" in agg:
-            entry["hsd_over_batch1"] = _ratio(agg.get("hsd"), agg.get("hsd_batch1"))
-            entry["hsd_over_plain"] = _ratio(agg.get("hsd"), agg.get("hsd_plain"))
+            entry["hsd_over_batch1"] = ratio(agg.get("hsd"), agg.get("hsd_batch1"))
+            entry["hsd_over_plain"] = ratio(agg.get("hsd"), agg.get("hsd_plain"))
         levels.append(entry)
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
             "max_new_tokens": max_new_tokens, "rounds": rounds, "prompts": len(prompts),

@@ -228,6 +228,11 @@ class LevelPrediction:
         return self.tokens / self.wall_seconds if self.wall_seconds > 0 else float("inf")
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None without ``a`` or with ``b`` None or 0."""
+    return a / b if a is not None and b else None
+
+
 def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequence[Sequence[Job]],
                   max_batch: int) -> LevelPrediction:
     """Replay the batch scheduler (see the module doc) on ``clients`` (each client's requests, sent one after the
@@ -428,8 +433,8 @@ class LoadPredictor:
         ``measured_over_predicted`` (``measured`` aggregate tokens/s over the prediction; None without either)."""
         factors = self.retime(hierarchies, max_batch, again=True)
         out = self.predict(hierarchies, max_batch, clients)
-        pred = out["predicted_run_tokens_per_s"]
-        return {**out, "factors": factors, "measured_over_predicted": measured / pred if measured and pred else None}
+        return {**out, "factors": factors,
+                "measured_over_predicted": ratio(measured, out["predicted_run_tokens_per_s"])}
 
     def predict(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int,
                 clients: Sequence[Sequence[Job]]) -> dict:
