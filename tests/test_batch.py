@@ -40,6 +40,15 @@ def _engine(tiny, kind: str):
     return QuantizedLM(tiny, bits=8 if kind == "q8" else 4, kernels=True)
 
 
+def _kernel_calls(eng, monkeypatch) -> list[list[int]]:
+    """From now on, each call of ``eng``'s kernels over layers: the row counts of its parts, sorted."""
+    calls: list[list[int]] = []
+    real = eng._kernels.layers_many
+    monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(
+        sorted(p.x.shape[0] for p in parts)) or real(l0, l1, parts))
+    return calls
+
+
 def _states(eng, prompts, bounds):
     out = []
     for p in prompts:
@@ -85,11 +94,7 @@ def test_a_pass_over_more_positions_than_a_step_shares_the_call_and_gives_what_i
     kernels, in the same call as another sequence's single position; a float model on the torch path, alone)
     batched and alone: the same caches and logits, bit for bit."""
     eng = _engine(tiny, kind)
-    calls = []
-    if eng._kernels is not None:
-        real = eng._kernels.layers_many
-        monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(
-            sorted(p.x.shape[0] for p in parts)) or real(l0, l1, parts))
+    calls = _kernel_calls(eng, monkeypatch) if eng._kernels is not None else []
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 64, (n,), generator=g) for n in (6, 9)]
     news = [torch.randint(3, 64, (n,), generator=g) for n in (kernels.MAX_PASS + 6, 1)]
@@ -109,16 +114,13 @@ def test_a_pass_over_more_positions_than_a_step_shares_the_call_and_gives_what_i
 def test_a_batched_kernel_pass_computes_every_row_once(tiny, monkeypatch):
     """The rows of every sequence of a batched step go to the kernels in one call per run of layers."""
     eng = _engine(tiny, "f32")
-    calls = []
-    real = eng._kernels.layers_many
-    monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(len(parts)) or
-                        real(l0, l1, parts))
+    calls = _kernel_calls(eng, monkeypatch)
     states = _states(eng, [torch.arange(3, 3 + n) for n in (4, 6, 8)], [4])
     for st in states:
         eng.append(st, [7])
     calls.clear()                                          # the prefills above: one sequence each
     eng.advance_many([(st, 4) for st in states])
-    assert calls == [3]
+    assert calls == [[1, 1, 1]]
 
 
 def test_a_prompts_last_pass_shares_the_kernel_call_of_the_others_rounds(tiny, monkeypatch):
@@ -129,10 +131,7 @@ def test_a_prompts_last_pass_shares_the_kernel_call_of_the_others_rounds(tiny, m
     ar = HSD([Level("layer4", eng, 4)], [], eos_ids=[2])
     first, second = list(range(3, 8)), list(range(10, 22))
     want = [ar.generate(first, 6).token_ids, ar.generate(second, 6).token_ids]
-    calls = []
-    real = eng._kernels.layers_many
-    monkeypatch.setattr(eng._kernels, "layers_many", lambda l0, l1, parts: calls.append(
-        sorted(p.x.shape[0] for p in parts)) or real(l0, l1, parts))
+    calls = _kernel_calls(eng, monkeypatch)
     batch = Batch(ar, max_active=2)
     got: dict[int, list[int]] = {}
     batch.add(first, 6, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
