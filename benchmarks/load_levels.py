@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=None)
-    ap.add_argument("--max-wait", type=int, default=3, help="the scheduler's max_wait (ticks)")
+    ap.add_argument("--max-wait", type=int, default=None,
+                    help="the scheduler's max_wait (ticks; default: the batch's own, a round's draft passes)")
     ap.add_argument("--per-level", type=int, default=3, help="prompts per level, as a multiple of B: more than B "
                                                              "wait and join as others end")
     ap.add_argument("--clock-repeats", type=int, default=15, help="timed steps per engine per re-timing")

@@ -16,7 +16,7 @@ from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.runtime import decode
-from hsd_opt.runtime.batch import Batch, generate_many
+from hsd_opt.runtime.batch import Batch, generate_many, round_passes
 from hsd_opt.runtime.decode import HSD, Committed, Level, Pass, serve
 from tests.helpers import CycleDrafter, make_tiny_llama
 
@@ -329,6 +329,45 @@ def test_a_round_begun_under_a_lighter_load_drafts_no_further_once_the_load_rise
     assert first.pending.engine is eng             # its tokens so far go to the target now
     batch.run()
     assert [got[i] for i in range(3)] == want
+
+
+def test_a_rounds_draft_passes_bound_how_long_a_pass_waits(tiny):
+    """A batch's default ``max_wait`` is the most passes a round of its hierarchies takes below the top: the
+    bottom model's budget, or a middle level's budget of rounds of the level below (a token drafter: none)."""
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    q4 = h1.levels[1].engine
+    deep = HSD([Level("layer2", eng, 2), Level("q4", q4, 4), Level("layer4", eng, 4)], [2, 3], eos_ids=[2])
+    assert [round_passes(h) for h in (h1, h2, ar, deep)] == [4, 3, 0, 3 * (2 + 1)]
+    assert Batch({1: h1, 2: h2, 3: ar}).max_wait == 4 and Batch(ar).max_wait == 3
+    assert Batch({1: deep, 2: ar}).max_wait == 9 and Batch(ar, max_wait=0).max_wait == 0
+
+
+def test_sequences_out_of_step_meet_at_the_targets_pass_and_share_it(tiny, monkeypatch):
+    """Two sequences drafting six tokens a round with the int4 copy, the second joining while the first drafts:
+    the second's first target pass waits for the first's (the first's drafts run meanwhile; more ticks than the
+    old fixed wait of 3), and from then on no target pass serves one of them alone while both decode; every answer
+    stays the target's own."""
+    eng = LayeredLM(tiny)
+    q4 = _hierarchies(tiny, eng)[0].levels[1].engine
+    spec = HSD([Level("q4", q4, 4), Level("layer4", eng, 4)], [6], eos_ids=[2])
+    ar = HSD([Level("layer4", eng, 4)], [], eos_ids=[2])
+    prompts, news = _prompts(2, seed=13), [40, 34]
+    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
+    batch = Batch(spec, max_active=2)
+    served: list[tuple[bool, int, int]] = []           # (a target pass, sequences in it, sequences decoding)
+    real = Batch._serve
+    monkeypatch.setattr(Batch, "_serve", staticmethod(lambda passes: served.append(
+        (passes[0].engine is eng, len(passes), len(batch.active))) or real(passes)))
+    got: dict[int, list[int]] = {}
+    batch.add(prompts[0], news[0], on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    for _ in range(2):                                 # its prefill, its first token (its six drafts to come)
+        batch.tick()
+    batch.add(prompts[1], news[1], on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    batch.run()
+    assert [got[0], got[1]] == want
+    target = [(n, active) for is_target, n, active in served if is_target]
+    assert (2, 2) in target and (1, 2) not in target
 
 
 def test_a_sequence_takes_on_no_engine_it_has_no_state_of_when_the_load_falls(tiny):

@@ -18,8 +18,12 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
    decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
    (on a tie, the engine lowest in the hierarchies), and every group with a sequence that has waited
-   ``max_wait`` ticks. Sequences a pass apart (one joined later, one's round was shorter) thus fall into step,
-   those behind catching up on the cheaper engines, and then share the expensive passes;
+   ``max_wait`` ticks. Every round ends in a pass of the target, so sequences out of step (one joined later, one's
+   round was shorter) meet there: the one ahead waits while those behind draft (catching up on the cheaper
+   engines), they share that pass, and from there draft together. ``max_wait`` is by default the most passes a
+   round of the batch's hierarchies takes below its top (:func:`round_passes`; at least 3), so that those behind
+   can arrive within it: a wait costs the batch nothing (the cores serve the others' passes meanwhile), a pass
+   computed alone costs the call it could have shared;
 4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
    (``on_done``).
 
@@ -42,6 +46,20 @@ from typing import Callable, Generator, Mapping, Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
+
+#: The least ``max_wait`` of a batch by default (ticks).
+MIN_WAIT = 3
+
+
+def round_passes(hsd: HSD) -> int:
+    """The most passes one round of ``hsd`` takes on its engines below the top (the ticks a sequence drafts before
+    its round's target pass): the bottom level drafts ``T_0`` tokens a pass each (none for a token drafter), and a
+    level ``k`` in between runs at most ``T_k`` passes (each hands up at least one token), each after a round of
+    the level below."""
+    passes = 0
+    for k, lv in enumerate(hsd.levels[:-1]):
+        passes = hsd.budgets[k] * (passes + 1) if k else (hsd.budgets[0] if lv.is_model else 0)
+    return passes
 
 
 @dataclass(eq=False)
@@ -74,11 +92,11 @@ class Batch:
             load-aware plan; every hierarchy over the same target engine). At ``n`` sequences in flight the
             hierarchy of the level nearest ``n`` on a log scale is used (:meth:`level_for`).
         max_active: sequences decoded together at most; more wait (prefilled when a place frees).
-        max_wait: ticks a sequence may wait for its engine while another engine's larger group is served (0: every
-            pending pass is served every tick).
+        max_wait: ticks a sequence may wait for its engine while another engine's group is served (0: every
+            pending pass is served every tick; None: :func:`round_passes` of the hierarchies, at least 3).
     """
 
-    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int = 3):
+    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None):
         levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
         if not levels or any(int(k) < 1 for k in levels):
             raise HsdError("a batch needs hierarchies for load levels >= 1")
@@ -88,7 +106,8 @@ class Batch:
             raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
         self.levels = dict(sorted((int(k), h) for k, h in levels.items()))
         self.max_active = int(max_active)
-        self.max_wait = int(max_wait)
+        self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in self.levels.values())) if max_wait is None
+                         else int(max_wait))
         #: id(engine) -> its lowest level in any hierarchy (drafters before the target)
         self._rank: dict[int, int] = {}
         for h in self.levels.values():
