@@ -166,8 +166,8 @@ def test_greedy_answers_in_a_batch_are_each_prompts_own(tiny, kernels_on):
     """Seven prompts of different lengths and budgets of new tokens, at most three in flight (sequences join and
     leave between ticks), the hierarchy switching with the load (a three-level plan alone, an exit below two,
     the target alone from three): every answer equals the target's own greedy answer to its prompt. All start
-    under a load of three, so as the load falls they take the exit's plan (the target's own engine) but not the
-    three-level one (a copy they hold no state of)."""
+    under a load of three; as the load falls they take the exit's plan (the target's own engine) and the
+    three-level one (its copy takes the target's keys and values of every position so far)."""
     if kernels_on and not HAVE_KERNELS:
         pytest.skip("no C compiler here: the kernels cannot be built")
     eng = LayeredLM(tiny, kernels=kernels_on)
@@ -187,7 +187,7 @@ def test_greedy_answers_in_a_batch_are_each_prompts_own(tiny, kernels_on):
         used |= {tuple(lv.name for lv in e.decoding.hsd.levels) for e in batch.active}
     assert [got[i] for i in range(7)] == want
     names = lambda h: tuple(lv.name for lv in h.levels)  # noqa: E731
-    assert max(loads) == 3 and 1 in loads and used == {names(ar), names(h2)}   # the load fell to one
+    assert max(loads) == 3 and 1 in loads and used == {names(ar), names(h2), names(h1)}   # the load fell to one
 
 
 def test_sampled_answers_depend_on_their_seed_only(tiny):
@@ -370,44 +370,76 @@ def test_sequences_out_of_step_meet_at_the_targets_pass_and_share_it(tiny, monke
     assert (2, 2) in target and (1, 2) not in target
 
 
-def test_a_sequence_takes_on_no_engine_it_has_no_state_of_when_the_load_falls(tiny):
-    """Three sequences started together decode with the target alone (the plan of three); when the other two end,
-    the one left keeps the target alone instead of taking on the single-sequence plan's copy mid-sequence (whose
-    keys and values for every position so far the latency model does not price). One started alone, with the copy,
-    goes back to that plan when the load falls again. Every answer is the target's own."""
+def test_when_the_load_falls_a_sequence_takes_on_a_copy_by_its_keys_and_values_not_a_draft_model(tiny,
+                                                                                                   monkeypatch):
+    """Three sequences started together decode with the target alone (the plan of three). When the other two end,
+    the one left takes the single-sequence plan's copy, which takes the target's keys and values of every position
+    so far (one pass of the copy's own for the last); a plan whose drafter is a draft model of its own weights
+    (it would compute every position so far, unpriced) is not taken. Every answer is the target's own."""
     eng = LayeredLM(tiny)
     h1, _, ar = _hierarchies(tiny, eng)
-    copy_id = id(h1.levels[0].engine)
+    q4 = h1.levels[1].engine
+    other = LayeredLM(make_tiny_llama(seed=8, vocab_size=64, layers=2, hidden=32, heads=2, kv_heads=1, scale=8.0))
+    hd = HSD([Level("draft", other, 2), Level("layer4", eng, 4)], [3], eos_ids=[2])
+    shared = []
+    real = type(q4).share_prompt
+    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real(self, *a)) or shared[-1])
     prompts, news = _prompts(3, seed=11), [30, 4, 4]
     want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
+    for low, takes in ((h1, True), (hd, False)):
+        shared.clear()
+        batch = Batch({1: low, 3: ar}, max_active=3)
+        got: dict[int, list[int]] = {}
+        entries = [batch.add(p, n, on_done=lambda res, err, i=i: got.__setitem__(i, res.token_ids))
+                   for i, (p, n) in enumerate(zip(prompts, news))]
+        while len(batch.active) + len(batch.starting) > 1:
+            batch.tick()
+        for _ in range(3):
+            batch.tick()
+        first = entries[0].decoding
+        drafter = next(lv.engine for lv in low.levels if lv.is_model)
+        assert (first.hsd is low) is takes and (id(drafter) in first._states) is takes
+        if takes:            # the copy took every position the target had computed when it joined
+            assert len(shared) == 1 and shared[0] >= len(prompts[0]) + 4
+        batch.run()
+        assert [got[i] for i in range(3)] == want
+
+
+def test_a_copy_left_behind_while_the_load_was_high_takes_the_targets_keys_and_values_again(tiny, monkeypatch):
+    """A sequence started alone (with the copy) decodes with the target alone while two others are in flight, then
+    alone again with the copy: the copy takes the target's keys and values of the positions it missed instead of
+    computing them, so no pass of the copy computes more than a round's positions; the answer stays the
+    target's."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    q4 = h1.levels[1].engine
+    shared, widest = [], [0]
+    real_share, real_many = type(q4).share_prompt, type(q4).advance_many
+    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real_share(self, *a)) or shared[-1])
+
+    def advance_many(self, parts):
+        widest[0] = max([widest[0]] + [st.n - min(st.lens[:b]) for st, b in parts])
+        return real_many(self, parts)
+
+    monkeypatch.setattr(type(q4), "advance_many", advance_many)
+    prompts = _prompts(3, seed=11)
+    want = ar.generate(prompts[0], 60).token_ids
     batch = Batch({1: h1, 3: ar}, max_active=3)
-    got: dict[int, list[int]] = {}
-    entries = [batch.add(p, n, on_done=lambda res, err, i=i: got.__setitem__(i, res.token_ids))
-               for i, (p, n) in enumerate(zip(prompts, news))]
-    while len(batch.active) + len(batch.starting) > 1:
-        batch.tick()
-    for _ in range(3):
-        batch.tick()
-    first = entries[0].decoding
-    assert first.hsd is ar and copy_id not in first._states
-    batch.run()
-    assert [got[i] for i in range(3)] == want
-
-    alone = Batch({1: h1, 3: ar}, max_active=3)
-    lone = alone.add(prompts[0], 30, on_done=lambda res, err: got.__setitem__("lone", res.token_ids))
-    alone.tick()
-    alone.tick()
+    got: dict[str, list[int]] = {}
+    lone = batch.add(prompts[0], 60, on_done=lambda res, err: got.__setitem__("lone", res.token_ids))
+    batch.tick()
+    batch.tick()
     assert lone.decoding.hsd is h1
-    others = [alone.add(p, 3) for p in prompts[1:]]
-    while any(e in alone.starting or e in alone.active for e in others):
-        alone.tick()
-    assert lone.decoding.holds(h1)
-    alone.tick()
-    alone.tick()
-    assert lone.decoding.hsd is h1 or lone.decoding._next is h1
-    alone.run()
-    assert got["lone"] == want[0]
-
+    others = [batch.add(p, 20) for p in prompts[1:]]
+    while any(e in batch.starting or e in batch.active for e in others):
+        batch.tick()
+    missed = len(lone.decoding.seq) - min(lone.decoding._states[id(q4)].lens)
+    assert missed > 10                                   # the target alone decoded these, the copy none of them
+    batch.run()
+    assert got["lone"] == want and lone.decoding.hsd is h1
+    # at the prefill (all but its last position), then again after the positions it missed
+    assert len(shared) == 2 and shared[0] == len(prompts[0]) - 1 and shared[1] >= len(prompts[0]) + 10
+    assert widest[0] <= 1 + 2 + 2                        # a round's own positions: lag, cycle's 2 drafts, the bonus
 
 def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny, monkeypatch):
     """A prompt of 30 positions with passes of 8 takes 4 ticks to prefill, and a sequence already decoding commits

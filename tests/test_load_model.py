@@ -123,6 +123,20 @@ def test_a_sequence_keeps_its_hierarchy_until_it_holds_every_engine_of_the_level
     assert both.decoding == [1, 2, 2, 2] + [1] * 7
 
 
+def test_a_sequence_takes_a_copy_that_shares_the_targets_keys_and_values_when_the_load_falls():
+    """The same two requests, the copy now taking the target's keys and values: started under plain batching,
+    the longer request takes the speculative hierarchy once the other ends (as the batch's ``can_switch``)."""
+    costs = LoadCosts(_profile())
+    shared = Spec(SPEC.hierarchy, SPEC.budgets, SPEC.prefill, SPEC.engines, frozenset({"q"}),
+                  frozenset({("Q", "T")}))
+    a, b = Job(positions=3, tokens=4), Job(positions=3, tokens=10)
+    both = predict_level(costs, {1: shared, 2: PLAIN}, [[a], [b]], max_batch=2)
+    pre = costs.prefill(PLAIN, a)[0]
+    tail = 7 * costs.decode(shared, 1)                                       # b alone, now speculating
+    assert both.wall_seconds == pytest.approx(2 * pre + costs.decode(PLAIN, 1) + 3 * costs.decode(PLAIN, 2) + tail)
+    assert costs.decode(shared, 1) < costs.decode(PLAIN, 1)
+
+
 @pytest.mark.parametrize("max_batch", [1, 2, 3])
 def test_the_replay_makes_the_schedulers_ticks(monkeypatch, max_batch):
     """3 clients x 2 requests on the target alone (prompts of 3 to 21 positions, passes of at most 8): the real
@@ -156,9 +170,12 @@ def test_spec_of_a_built_hierarchy_names_its_engines_and_the_copy_that_shares_th
     s = spec_of(h)
     assert s.hierarchy == ("cycle", "q", "layer2", "layer4") and s.budgets == (2, 2, 3)
     assert s.prefill == ("layer4", "q") and len(s.engines) == 2 and s.shared == frozenset({"q"})
+    assert s.sources == frozenset({(str(id(q)), str(id(eng)))})
     alone = spec_of(HSD([Level("layer4", eng, 4)], []))
     assert alone.prefill == ("layer4",) and alone.engines < s.engines and alone.budgets == ()
-    assert spec_of(HSD(h.levels, h.budgets, share_prompt=False)).shared == frozenset()
+    assert s.takes(alone.engines) and alone.takes(s.engines) and not s.takes(frozenset({str(id(q))}))
+    unshared = spec_of(HSD(h.levels, h.budgets, share_prompt=False))
+    assert unshared.shared == frozenset() and unshared.sources == frozenset() and not unshared.takes(alone.engines)
 
 
 def test_jobs_follow_the_clients_prompts_and_a_kept_head_is_not_computed():

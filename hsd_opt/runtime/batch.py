@@ -11,9 +11,12 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    step 3 computes it in the call that serves the others' rounds, each weight read once for all their rows;
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
    load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
-   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if it holds a state of every
-   engine of that hierarchy already (:meth:`~hsd_opt.runtime.decode.Decoding.holds`: a copy taken on mid-sequence
-   would first compute every position so far, a cost the latency model does not price);
+   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if that costs no more than a
+   prefill on it (:meth:`~hsd_opt.runtime.decode.Decoding.can_switch`): it holds a state of every engine of that
+   hierarchy already, or the engines it lacks are quantized copies that take the target's keys and values of
+   every position so far and compute one (a draft model taken on mid-sequence would compute them all, a cost the
+   latency model does not price). A copy the sequence held but did not run for a while takes them again too,
+   instead of computing the positions it missed;
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
    decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
@@ -178,7 +181,7 @@ class Batch:
             self._prefill_pass(self.prefilling)
         level = self.hierarchy_for(self.load)     # those in flight and those about to join
         for e in self.active:
-            if e.decoding.follows_load and e.decoding.holds(level):
+            if e.decoding.follows_load and e.decoding.can_switch(level):
                 e.decoding.switch(level)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:

@@ -52,6 +52,10 @@ from hsd_opt.errors import HsdError
 #: the torch path's GEMMs on a float model (over ``kernels.MAX_PASS`` positions), short enough that a stream
 #: waits for one such pass, not for a whole long prompt.
 PREFILL_CHUNK = 256
+#: Positions a quantized copy may be behind the engine whose keys and values it takes, at the start of a round,
+#: and still compute them itself (a round leaves it at most one behind); further behind, it takes them again
+#: (:meth:`Decoding._catch_up_copies`).
+ROUND_LAG = 2
 
 
 def prompt_pass_ends(n: int, head: int = 0) -> list[int]:
@@ -390,22 +394,46 @@ class Decoding:
         """This sequence's state of ``eng``, made on first use with every token so far appended."""
         st = self._states.get(id(eng))
         if st is None:
-            bounds = sorted({b for e, h in self._engines.values() if e is eng for b in h.bounds[id(eng)]}
-                            | set(self.hsd.bounds.get(id(eng), ())))
+            bounds = self._bounds(eng)
             st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds)
             st.prompt = self.n_prompt
             if self.seq:
-                ids = torch.tensor(self.seq, dtype=torch.long, device=eng.device)
-                src = self._share_source(eng, max(bounds))
-                if src is None:
-                    eng.append(st, ids)
-                else:       # the positions the source has computed, then the rest (computed when first used)
-                    other, src_st, done = src
-                    eng.append(st, ids[:done + 1])
-                    eng.share_prompt(st, other, src_st, max(bounds))
-                    eng.append(st, ids[done + 1:])
+                self._fill(eng, st, max(bounds))
             self._states[id(eng)] = st
         return st
+
+    def _bounds(self, eng: Engine) -> list[int]:
+        """The layer boundaries ``eng`` is read at by any hierarchy this sequence has used (and the current one)."""
+        return sorted({b for e, h in self._engines.values() if e is eng for b in h.bounds[id(eng)]}
+                      | set(self.hsd.bounds.get(id(eng), ())))
+
+    def _fill(self, eng: Engine, st: DecodeState, top: int) -> None:
+        """Append every token so far to ``st`` (empty): a copy with a source (:meth:`_share_source`) takes that
+        engine's keys and values of the positions it has computed, the rest computed when first used."""
+        ids = torch.tensor(self.seq, dtype=torch.long, device=eng.device)
+        src = self._share_source(eng, top)
+        if src is None:
+            eng.append(st, ids)
+        else:
+            other, src_st, done = src
+            eng.append(st, ids[:done + 1])
+            eng.share_prompt(st, other, src_st, top)
+            eng.append(st, ids[done + 1:])
+
+    def _catch_up_copies(self) -> None:
+        """A copy of the hierarchy that fell behind (the sequence ran hierarchies without it for a while) takes
+        its source's keys and values again, as at a prefill, instead of computing every position it missed: its
+        state is emptied and filled anew (:meth:`_fill`), when it is more than :data:`ROUND_LAG` positions behind
+        (a round leaves it at most one behind)."""
+        for eng in self.hsd.engines:
+            st = self._states.get(id(eng))
+            if st is None or not eng.is_copy:
+                continue
+            top = max(self._bounds(eng))
+            src = self._share_source(eng, top)
+            if src is not None and src[2] - min(st.lens[:top]) > ROUND_LAG:
+                eng.crop(st, 0)
+                self._fill(eng, st, top)
 
     def _share_source(self, eng: Engine, top: int) -> tuple[Engine, DecodeState, int] | None:
         """For a copy taken on after the prompt (a switch of hierarchy): the engine over its model's own weights
@@ -416,6 +444,8 @@ class Decoding:
             return None
         for key, src in self._states.items():
             other = self._engines[key][0]
+            if other is eng:
+                continue
             done = min(src.lens[:top])
             if eng.can_share_prompt(other) and done >= 1:
                 return other, src, done
@@ -605,6 +635,14 @@ class Decoding:
         prompt first computes that engine's keys and values for every position so far)."""
         return all(id(eng) in self._states for eng in hsd.engines)
 
+    def can_switch(self, hsd: HSD) -> bool:
+        """Whether :meth:`switch` to ``hsd`` costs no more than a prefill on it would: every engine of ``hsd`` is
+        held already or is a copy that takes the keys and values of one held (:meth:`_share_source`: it computes
+        one position, not every position so far). A draft model of its own weights not held yet would compute
+        them all."""
+        return all(id(eng) in self._states or (hsd.share_prompt and eng.is_copy and any(
+            eng.can_share_prompt(self._engines[key][0]) for key in self._states)) for eng in hsd.engines)
+
     def prefill(self) -> None:
         """Compute the prompt, all of it (:meth:`prefill_passes` run to the end)."""
         for _ in self.prefill_passes():
@@ -701,6 +739,7 @@ class Decoding:
             if self._next is not None:
                 self.hsd, self._next = self._next, None
                 self._add(self.hsd)
+                self._catch_up_copies()
             before = len(self.seq)
             depth = len(self.hsd.levels)
             if first and depth > 1:

@@ -11,7 +11,9 @@ end. :func:`predict_level` replays :class:`~hsd_opt.runtime.batch.Batch`'s polic
   them also computing the prompt on every other engine of its hierarchy; it decodes from that tick on (its first
   token is read in that tick's decode pass);
 - the hierarchy is the load level's of the sequences in flight and those about to join (as the batch picks it);
-  a sequence takes the level's hierarchy when it holds a state of every engine of it (it was prefilled on them);
+  a sequence takes the level's hierarchy when it holds a state of every engine of it (it was prefilled on them)
+  or lacks only quantized copies that take the keys and values of an engine it holds (as the batch's
+  ``Decoding.can_switch``; their one position is not priced);
 - every tick, every sequence decoding gains one token, and the tick costs, for each hierarchy in use by ``n`` of
   them, the seconds per token of ``n`` sequences running it together (:meth:`LoadCosts.decode`): the latency
   model's expectation (a speculative round yields several tokens in several passes; over a request the expected
@@ -65,6 +67,7 @@ class Spec:
         shared: the models of ``prefill`` that take a prompt's keys and values from another engine (a quantized
             copy of the target, :meth:`~hsd_opt.engine.interface.Engine.share_prompt`): they compute its last
             position only.
+        sources: ``(engine, engine it takes keys and values from)`` for those copies (keys as in ``engines``).
     """
 
     hierarchy: tuple[str, ...]
@@ -72,6 +75,11 @@ class Spec:
     prefill: tuple[str, ...]
     engines: frozenset[str]
     shared: frozenset[str] = frozenset()
+    sources: frozenset[tuple[str, str]] = frozenset()
+
+    def takes(self, holds: frozenset[str]) -> bool:
+        """Whether a sequence holding ``holds`` takes this hierarchy: every engine held, or a copy of one held."""
+        return all(e in holds or any(c == e and o in holds for c, o in self.sources) for e in self.engines)
 
 
 def spec_of(hsd: HSD) -> Spec:
@@ -79,11 +87,12 @@ def spec_of(hsd: HSD) -> Spec:
     tops = _tops([hsd])
     target = id(hsd.levels[-1].engine)
     order = [target] + [k for k in tops if k != target]
-    shared = {tops[k][0] for k in order[1:] if hsd.share_prompt
-              and any(tops[k][1].can_share_prompt(tops[o][1]) for o in order if o != k)}
+    sources = {(str(k), str(o)) for k in order[1:] for o in order if o != k and hsd.share_prompt
+               and tops[k][1].can_share_prompt(tops[o][1])}
+    shared = {tops[k][0] for k in order[1:] if any(c == str(k) for c, _ in sources)}
     names = tuple(lv.name for lv in hsd.levels)
     return Spec(names, tuple(hsd.budgets) if len(names) > 1 else (), tuple(tops[k][0] for k in order),
-                frozenset(str(k) for k in order), frozenset(shared))
+                frozenset(str(k) for k in order), frozenset(shared), frozenset(sources))
 
 
 def _tops(runs: Sequence[HSD]) -> dict[int, tuple[str, object, int]]:
@@ -277,8 +286,8 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
                 joined = s
         spec = level_spec()
         for s in active:
-            if spec.engines <= s.holds:
-                s.spec = spec
+            if spec.takes(s.holds):
+                s.spec, s.holds = spec, s.holds | spec.engines
         groups: dict[Spec, int] = {}
         for s in active:
             groups[s.spec] = groups.get(s.spec, 0) + 1
