@@ -345,9 +345,9 @@ def test_a_rounds_draft_passes_bound_how_long_a_pass_waits(tiny):
 
 def test_sequences_out_of_step_meet_at_the_targets_pass_and_share_it(tiny, monkeypatch):
     """Two sequences drafting six tokens a round with the int4 copy, the second joining while the first drafts:
-    the second's first target pass waits for the first's (the first's drafts run meanwhile; more ticks than the
-    old fixed wait of 3), and from then on no target pass serves one of them alone while both decode; every answer
-    stays the target's own."""
+    the second's first token is served at once (alone), and from then on no target pass serves one of them alone
+    while both decode: the one ahead waits at the target for the other's drafts (more ticks than the old fixed
+    wait of 3). Every answer stays the target's own."""
     eng = LayeredLM(tiny)
     q4 = _hierarchies(tiny, eng)[0].levels[1].engine
     spec = HSD([Level("q4", q4, 4), Level("layer4", eng, 4)], [6], eos_ids=[2])
@@ -355,10 +355,12 @@ def test_sequences_out_of_step_meet_at_the_targets_pass_and_share_it(tiny, monke
     prompts, news = _prompts(2, seed=13), [40, 34]
     want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
     batch = Batch(spec, max_active=2)
-    served: list[tuple[bool, int, int]] = []           # (a target pass, sequences in it, sequences decoding)
+    # (a target pass, sequences in it, sequences decoding, of them without their first token yet)
+    served: list[tuple[bool, int, int, int]] = []
     real = Batch._serve
     monkeypatch.setattr(Batch, "_serve", staticmethod(lambda passes: served.append(
-        (passes[0].engine is eng, len(passes), len(batch.active))) or real(passes)))
+        (passes[0].engine is eng, len(passes), len(batch.active),
+         sum(e.first_token is None for e in batch.active))) or real(passes)))
     got: dict[int, list[int]] = {}
     batch.add(prompts[0], news[0], on_done=lambda res, err: got.__setitem__(0, res.token_ids))
     for _ in range(2):                                 # its prefill, its first token (its six drafts to come)
@@ -366,8 +368,9 @@ def test_sequences_out_of_step_meet_at_the_targets_pass_and_share_it(tiny, monke
     batch.add(prompts[1], news[1], on_done=lambda res, err: got.__setitem__(1, res.token_ids))
     batch.run()
     assert [got[0], got[1]] == want
-    target = [(n, active) for is_target, n, active in served if is_target]
-    assert (2, 2) in target and (1, 2) not in target
+    target = [(n, active, new) for is_target, n, active, new in served if is_target]
+    assert target.count((1, 2, 1)) == 1                  # the second's first token, served in its own tick
+    assert (2, 2, 0) in target and (1, 2, 0) not in target
 
 
 def test_when_the_load_falls_a_sequence_takes_on_a_copy_by_its_keys_and_values_not_a_draft_model(tiny,

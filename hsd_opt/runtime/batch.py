@@ -26,7 +26,9 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    engines), they share that pass, and from there draft together. ``max_wait`` is by default the most passes a
    round of the batch's hierarchies takes below its top (:func:`round_passes`; at least 3), so that those behind
    can arrive within it: a wait costs the batch nothing (the cores serve the others' passes meanwhile), a pass
-   computed alone costs the call it could have shared;
+   computed alone costs the call it could have shared. A request's first token (the target's pass at the end of
+   its prompt) waits for no one: its pass is served in the tick it is asked for, and the sequence falls into step
+   with the others at its next target pass;
 4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
    (``on_done``).
 
@@ -188,12 +190,14 @@ class Batch:
             groups.setdefault(id(e.pending.engine), []).append(e)
         if not groups:                          # the one prefilled has already ended (or failed)
             return 0
-        # the largest group (ties: the engine lowest in the hierarchies, so that sequences behind catch up), and
-        # every group holding a sequence that has waited max_wait ticks: sequences fall into step and share passes
+        # the largest group (ties: the engine lowest in the hierarchies, so that sequences behind catch up), every
+        # group holding a sequence that has waited max_wait ticks (sequences fall into step and share passes), and
+        # every group holding a request's first token (it waits for no one's drafts)
         first = min(groups, key=lambda k: (-len(groups[k]), self._rank.get(k, 0)))
         served = 0
         for key, entries in groups.items():
-            if key != first and max(e.waited for e in entries) < self.max_wait:
+            if (key != first and max(e.waited for e in entries) < self.max_wait
+                    and all(e.first_token is not None for e in entries)):
                 for e in entries:
                     e.waited += 1
                 continue

@@ -630,11 +630,6 @@ class Decoding:
             raise HsdError("switch: another hierarchy over the same target engine expected")
         self._next = hsd if hsd is not self.hsd else None
 
-    def holds(self, hsd: HSD) -> bool:
-        """Whether this sequence has a state of every engine of ``hsd`` already (taking on another engine after the
-        prompt first computes that engine's keys and values for every position so far)."""
-        return all(id(eng) in self._states for eng in hsd.engines)
-
     def can_switch(self, hsd: HSD) -> bool:
         """Whether :meth:`switch` to ``hsd`` costs no more than a prefill on it would: every engine of ``hsd`` is
         held already or is a copy that takes the keys and values of one held (:meth:`_share_source`: it computes
