@@ -70,7 +70,7 @@ def at_batch(profile: Profile, batch: int) -> Profile:
 #: than alone, and a served load also pays what the model leaves out (the server's own threads on the same
 #: cores, sequences out of step, a request's first-token round and its last short one, prompts computed apart
 #: from the others' rows), so a smaller predicted gain is noise. Predicted gains of 13% and 18% have run at 0.71-0.93x
-#: plain batching, one of 44% at 1.13-1.15x (docs/results.md, "Figures behind the design").
+#: plain batching, one of 44% at 1.06-1.15x (docs/results.md, "Figures behind the design").
 LOAD_MIN_GAIN = 0.25
 
 
