@@ -435,19 +435,24 @@ class Decoding:
                 eng.crop(st, 0)
                 self._fill(eng, st, top)
 
+    def _sources(self, eng: Engine, share_prompt: bool) -> Generator[tuple[Engine, DecodeState], None, None]:
+        """The engines this sequence holds whose keys and values ``eng`` can take (a copy of their model, with
+        ``share_prompt`` on), with their states."""
+        if not (share_prompt and eng.is_copy):
+            return
+        for key, src in self._states.items():
+            other = self._engines[key][0]
+            if other is not eng and eng.can_share_prompt(other):
+                yield other, src
+
     def _share_source(self, eng: Engine, top: int) -> tuple[Engine, DecodeState, int] | None:
         """For a copy taken on after the prompt (a switch of hierarchy): the engine over its model's own weights
         whose keys and values it takes, as at a prefill (:meth:`prefill`), instead of computing them all, with
         that engine's state and the positions it has computed in layers ``0 .. top-1`` (its drafts change
         slightly, the output does not); None when there is none."""
-        if not (self.hsd.share_prompt and eng.is_copy):
-            return None
-        for key, src in self._states.items():
-            other = self._engines[key][0]
-            if other is eng:
-                continue
+        for other, src in self._sources(eng, self.hsd.share_prompt):
             done = min(src.lens[:top])
-            if eng.can_share_prompt(other) and done >= 1:
+            if done >= 1:
                 return other, src, done
         return None
 
@@ -635,8 +640,7 @@ class Decoding:
         held already or is a copy that takes the keys and values of one held (:meth:`_share_source`: it computes
         one position, not every position so far). A draft model of its own weights not held yet would compute
         them all."""
-        return all(id(eng) in self._states or (hsd.share_prompt and eng.is_copy and any(
-            eng.can_share_prompt(self._engines[key][0]) for key in self._states)) for eng in hsd.engines)
+        return all(id(eng) in self._states or any(self._sources(eng, hsd.share_prompt)) for eng in hsd.engines)
 
     def prefill(self) -> None:
         """Compute the prompt, all of it (:meth:`prefill_passes` run to the end)."""
