@@ -49,6 +49,15 @@ def _kernel_calls(eng, monkeypatch) -> list[list[int]]:
     return calls
 
 
+def _share_calls(copy_engine, monkeypatch) -> list[int]:
+    """From now on, each ``share_prompt`` of ``copy_engine``'s class: the positions it copied per layer."""
+    calls: list[int] = []
+    real = type(copy_engine).share_prompt
+    monkeypatch.setattr(type(copy_engine), "share_prompt",
+                        lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    return calls
+
+
 def _states(eng, prompts, bounds):
     out = []
     for p in prompts:
@@ -254,9 +263,7 @@ def test_a_copy_switched_in_mid_sequence_takes_the_targets_keys_and_values(tiny,
     eng = LayeredLM(tiny)
     h1, _, ar = _hierarchies(tiny, eng)
     q4 = h1.levels[1].engine
-    shared = []
-    real = type(q4).share_prompt
-    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real(self, *a)) or shared[-1])
+    shared = _share_calls(q4, monkeypatch)
     prompt = _prompts(1, seed=4)[0]
     want = ar.generate(prompt, 30).token_ids
     d = ar.start(prompt, 30)
@@ -384,9 +391,7 @@ def test_when_the_load_falls_a_sequence_takes_on_a_copy_by_its_keys_and_values_n
     q4 = h1.levels[1].engine
     other = LayeredLM(make_tiny_llama(seed=8, vocab_size=64, layers=2, hidden=32, heads=2, kv_heads=1, scale=8.0))
     hd = HSD([Level("draft", other, 2), Level("layer4", eng, 4)], [3], eos_ids=[2])
-    shared = []
-    real = type(q4).share_prompt
-    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real(self, *a)) or shared[-1])
+    shared = _share_calls(q4, monkeypatch)
     prompts, news = _prompts(3, seed=11), [30, 4, 4]
     want = [ar.generate(p, n).token_ids for p, n in zip(prompts, news)]
     for low, takes in ((h1, True), (hd, False)):
@@ -416,9 +421,8 @@ def test_a_copy_left_behind_while_the_load_was_high_takes_the_targets_keys_and_v
     eng = LayeredLM(tiny)
     h1, _, ar = _hierarchies(tiny, eng)
     q4 = h1.levels[1].engine
-    shared, widest = [], [0]
-    real_share, real_many = type(q4).share_prompt, type(q4).advance_many
-    monkeypatch.setattr(type(q4), "share_prompt", lambda self, *a: shared.append(real_share(self, *a)) or shared[-1])
+    shared, widest = _share_calls(q4, monkeypatch), [0]
+    real_many = type(q4).advance_many
 
     def advance_many(self, parts):
         widest[0] = max([widest[0]] + [st.n - min(st.lens[:b]) for st, b in parts])
