@@ -529,3 +529,63 @@ def test_the_first_token_is_the_targets_own_before_any_draft(tiny, temperature):
     if temperature == 0:
         assert block.tokens == ar.generate(prompt, 1).token_ids
     d.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_schedules_keep_every_answer_its_own(tiny, seed):
+    """Ten requests arriving at random ticks, with random prompt lengths, numbers of new tokens and places
+    (``max_active`` 2 to 4), some asking to stop after a random block, some sampled with a seed, under a plan
+    whose levels hold an exit, a quantized copy and a draft model of its own weights: every greedy answer is
+    the target's own (one stopped early, the target's own up to where it stopped), every seeded sample is what it
+    draws alone, every request ends once, and nothing is left in flight."""
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def rand(lo: int, hi: int) -> int:  # an int in [lo, hi]
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    other = LayeredLM(make_tiny_llama(seed=8, vocab_size=64, layers=2, hidden=32, heads=2, kv_heads=1, scale=8.0))
+    hd = HSD([Level("draft", other, 2), Level("layer4", eng, 4)], [3], eos_ids=[2])
+    batch = Batch({1: h1, 2: hd, 3: h2, 5: ar}, max_active=rand(2, 4))
+    n = 10
+    prompts = _prompts(n, seed=200 + seed)
+    news = [rand(1, 40) for _ in range(n)]
+    kinds = [("greedy", "greedy", "greedy", "stop", "seeded")[rand(0, 4)] for _ in range(n)]
+    stop_after = [rand(1, 3) for _ in range(n)]
+    arrive = sorted(rand(0, 30) for _ in range(n))
+    blocks: dict[int, list[list[int]]] = {i: [] for i in range(n)}
+    done: dict[int, list] = {i: [] for i in range(n)}
+
+    def on_tokens(i):
+        def f(block):
+            blocks[i].append(block)
+            return kinds[i] == "stop" and len(blocks[i]) >= stop_after[i]
+        return f
+
+    tick = 0
+    added = 0
+    while added < n or batch.busy:
+        while added < n and arrive[added] <= tick:
+            i = added
+            sampled = kinds[i] == "seeded"
+            batch.add(prompts[i], news[i], temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0,
+                      seed=7 + i if sampled else 0, on_tokens=on_tokens(i),
+                      on_done=lambda res, err, i=i: done[i].append((res, err)))
+            added += 1
+        batch.tick()
+        tick += 1
+        assert tick < 10_000
+    assert not batch.active and not batch.waiting and batch.prefilling is None
+    for i in range(n):
+        assert len(done[i]) == 1 and done[i][0][1] is None, (i, done[i])
+        got = done[i][0][0].token_ids
+        assert got == [t for b in blocks[i] for t in b]
+        if kinds[i] == "seeded":
+            assert got == h1.generate(prompts[i], news[i], temperature=0.8, top_p=0.9, seed=7 + i).token_ids
+            continue
+        want = ar.generate(prompts[i], news[i]).token_ids
+        if kinds[i] == "stop" and len(blocks[i]) >= stop_after[i]:
+            assert got == want[:len(got)]
+        else:
+            assert got == want
