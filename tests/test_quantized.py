@@ -136,6 +136,41 @@ def test_the_torch_path_is_the_reference_of_the_kernels(tiny, bits):
         assert (x.argmax(-1) == y.argmax(-1)).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_copys_int8_head_reads_the_activation_in_int16_each_row_alone(tiny, bits):
+    """The LM head of an int8 or int4 copy on the kernels: the exact int32 sums of its int8 codes against the
+    activation in int16 with one scale per position, times the row scale and the position's scale (computed here
+    in int64); every row the same whatever rows share the call, a row that is not finite included; the codes in
+    that layout made once per matrix, so copies sharing a head share them."""
+    from hsd_opt.engine import kernels
+
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    q = QuantizedLM(tiny, bits=bits, kernels=True)
+    path = q._kernels
+    mat = path.head_mat
+    assert mat.kind == kernels.Q8 and mat.i16_codes is not None and path._head_i16 is mat.i16_codes
+    assert kernels.i16_codes(mat) is mat.i16_codes                  # made once
+    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(bits)) * 3
+    x = path.normed(hidden)
+    q16 = lib.hsd_screen_q16(64)
+    s = (x.abs().amax(1) / q16).float()
+    want = (torch.round(x / s[:, None]).long() @ mat.tensors[0].long().T).float() * (mat.tensors[1][None] * s[:, None])
+    got = path.head(hidden)
+    assert torch.equal(got, want)
+    assert all(torch.equal(path.head(hidden[i:i + 1])[0], got[i]) for i in range(7))
+    bad = hidden.clone()
+    bad[3, 5] = float("nan")
+    mixed = path.head(bad)
+    assert torch.equal(mixed[[0, 1, 2, 4, 5, 6]], got[[0, 1, 2, 4, 5, 6]])
+    assert torch.equal(mixed[3].nan_to_num(), path.head(bad[3:4])[0].nan_to_num())
+    # finer than int8 per group of 32: nearer the de-quantized head's float32 logits
+    exact = x @ mat.dequantized().T
+    per_group = kernels.linear(lib, mat, x)
+    assert (got - exact).abs().mean() < (per_group - exact).abs().mean()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("chain,budgets", [(["int4"], [6]), (["ngram", "int8"], [1, 4]),

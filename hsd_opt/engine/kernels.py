@@ -37,7 +37,7 @@ import torch
 
 from hsd_opt.engine.interface import EXACT_PASS
 from hsd_opt.engine.state import DecodeState, Rows
-from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Mat, ModelWeights
+from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Q8, Mat, ModelWeights
 from hsd_opt.errors import HsdError
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -352,6 +352,9 @@ class KernelPath:
         self.lib, self.weights = lib, weights
         #: the matrix :meth:`head` reads: the model's head, or its exact int8 form
         self.head_mat = head or weights.head
+        #: an int8 head (a quantized copy's) is read against the activation in int16 (:func:`screen_i16`; its codes
+        #: in that layout, kept on the matrix, so copies sharing a head share them too); None: :func:`linear`
+        self._head_i16 = i16_codes(self.head_mat)
         lw = weights.layers
         self._keep: list = []             # float32 norm weights and exact int4 forms the structs point to
         arr = (_CLayer * len(lw))()
@@ -431,9 +434,20 @@ class KernelPath:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``, in blocks of
         :data:`MAX_PASS` rows (every row computed as a decode step computes it)."""
-        blocks = [linear(self.lib, self.head_mat, self.normed(hidden[i:i + MAX_PASS]))
-                  for i in range(0, hidden.shape[0], MAX_PASS)]
+        blocks = [self._head_rows(self.normed(hidden[i:i + MAX_PASS])) for i in range(0, hidden.shape[0], MAX_PASS)]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[m, V]`` at normed hidden ``x`` ``[m, d]``, each row as it is computed alone."""
+        if self._head_i16 is None:
+            return linear(self.lib, self.head_mat, x)
+        mat = self.head_mat
+        a = screen_i16(self.lib, self._head_i16, mat.tensors[1], mat.rows, x)
+        if a is not None:
+            return a
+        if x.shape[0] == 1:              # not finite: what the int8 product makes of it
+            return linear(self.lib, mat, x)
+        return torch.cat([self._head_rows(x[i:i + 1]) for i in range(x.shape[0])])
 
 
 def linear(lib, mat: Mat, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -461,6 +475,19 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
                              x.data_ptr(), y.data_ptr()) != 0:
         raise HsdError("kernels: bad rows call")
     return y
+
+
+def i16_codes(mat: Mat) -> torch.Tensor | None:
+    """The codes of an int8 head ``mat`` (kind ``Q8``: per-row scales, no bias, an even width) in
+    :func:`screen_i16`'s layout (:func:`pack_screen_codes`, made once and kept on ``mat``); None for another
+    matrix. An int8 or int4 copy's head reads them against the activation in int16 with one scale per position:
+    exact int32 sums, a finer activation than int8 per group of 32, and on the CPUs measured as fast or faster
+    at one position (docs/results.md, "the copies' int8 heads")."""
+    if mat.kind != Q8 or mat.bias is not None or mat.cols % 2:
+        return None
+    if mat.i16_codes is None:
+        mat.i16_codes = pack_screen_codes(mat.tensors[0])
+    return mat.i16_codes
 
 
 def pack_screen_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,9 @@ class Mat:
         self.c: object | None = None
         #: the matrix whose tensors this one holds too (an exact int4 form's int4 copy), or None
         self.shares: Mat | None = None
+        #: an int8 LM head's codes in the layout of the kernels' int16 read (made on first use by
+        #: :mod:`hsd_opt.engine.kernels`), or None
+        self.i16_codes: torch.Tensor | None = None
 
     @classmethod
     def in_place(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Mat":
