@@ -1,5 +1,5 @@
 """The int8 screen of a float32 head gives exactly the head's greedy tokens: its bound holds on every row (the
-activation in int8 per group and in int16 per position), the argmax over its candidates is the argmax over the
+activation in int16 per position), the argmax over its candidates is the argmax over the
 vocabulary (first index on ties), its int16 sums are exact on every instruction set, and it steps aside where it
 cannot help."""
 
@@ -12,8 +12,8 @@ import torch
 
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.screen import INT8_POSITIONS, MAX_POSITIONS, HeadScreen
-from hsd_opt.engine.weights import Mat
+from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
+from hsd_opt.engine.weights import Mat, quantize_q8
 from tests.helpers import make_tiny_llama
 
 LIB = kernels.load()
@@ -34,27 +34,26 @@ def _inputs(m: int, cols: int, seed: int, scale: float) -> torch.Tensor:
     return h
 
 
-@pytest.mark.parametrize("int16", [False, True])
 @pytest.mark.parametrize("cols", [32, 96, 576])
-def test_the_bound_holds_on_every_row(cols, int16):
+def test_the_bound_holds_on_every_row(cols):
     w = _head(3000, cols, cols)
     screen = HeadScreen(LIB, Mat.in_place(w))
     for seed, scale in ((1, 0.1), (2, 1.0), (3, 30.0)):
         h = _inputs(3, cols, seed, scale)
-        approx = screen.logits(h, int16)
+        approx = screen.logits(h)
         exact = kernels.linear(LIB, screen.head, h)
         err = (approx.double() - exact.double()).abs()
-        bound = screen.bounds(h, int16).double()
+        bound = screen.bounds(h).double()
         assert (err <= bound).all()
         assert (err > bound / 64).any()       # the bound is not loose by orders of magnitude
-    tight, loose = screen.bounds(h, True), screen.bounds(h, False)
-    assert (tight <= loose).float().mean() > 0.5   # one scale per position in 16 bits: finer than 8 bits a group
 
 
 def _i16_reference(screen: HeadScreen, h: torch.Tensor) -> torch.Tensor:
     """The int16 read computed here: int64 sums of the codes and nearbyint(x / s), s = max|x| / q16, then
     float32(sum) * (row scale * s) in float32."""
-    codes, scale = screen.q8.tensors[0].long(), screen.q8.tensors[1]
+    q8 = quantize_q8(screen.head.tensors[0])
+    codes, scale = q8.tensors[0].long(), q8.tensors[1]
+    assert torch.equal(scale, screen.scale)
     s = (h.abs().amax(1) / screen.q16).float()
     xq = torch.round(h / s[:, None]).long()
     assert xq.abs().max() <= screen.q16
@@ -75,7 +74,7 @@ def test_the_int16_sums_are_exact_at_the_largest_codes(cols):
     screen = HeadScreen(LIB, Mat.in_place(w))
     assert screen.q16 == q16
     h = torch.cat([sign[None] * 2.0, torch.randn(5, cols, generator=g)])
-    got = screen.logits(h, True)
+    got = screen.logits(h)
     assert torch.equal(got, _i16_reference(screen, h))
     assert got[0, 0] > 0 and got[0, 1] < 0
 
@@ -91,10 +90,10 @@ def test_the_int16_read_is_the_same_on_every_build(tmp_path):
     screen = HeadScreen(LIB, Mat.in_place(w))
     h = _inputs(11, 96, 6, 1.0)
     for m in (1, 2, 5, 8, 9, 11):
-        want = kernels.screen_i16(LIB, screen.packed, screen.q8.tensors[1], 1001, h[:m])
+        want = kernels.screen_i16(LIB, screen.packed, screen.scale, 1001, h[:m])
         assert torch.equal(want, _i16_reference(screen, h[:m]))
         for lib in builds:
-            assert torch.equal(kernels.screen_i16(lib, screen.packed, screen.q8.tensors[1], 1001, h[:m]), want)
+            assert torch.equal(kernels.screen_i16(lib, screen.packed, screen.scale, 1001, h[:m]), want)
             ids = kernels.screen_pick(lib, screen.head, h[:m], want, screen.c, screen.wnorm, 1024, screen.q16)
             assert torch.equal(ids, kernels.linear(LIB, screen.head, h[:m]).argmax(-1))
 
@@ -118,7 +117,7 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
     g = torch.Generator().manual_seed(8)
     checked = 0
     for trial in range(300):
-        m = 1 + trial % MAX_POSITIONS                   # both reads: int8 up to INT8_POSITIONS, int16 above
+        m = 1 + trial % MAX_POSITIONS
         h = torch.randn(m, 64, generator=g) * (0.05 + trial / 30)
         if trial % 3 == 0:                              # aim at the tied and nearly tied rows
             h[0] = w[[1000, 1200][trial % 2]] * 3 + 0.01 * torch.randn(64, generator=g)
@@ -128,7 +127,7 @@ def test_screened_argmax_equals_the_full_argmax_bit_for_bit():
             assert torch.equal(got, want), trial
             checked += 1
     assert checked > 200
-    for m in (1, INT8_POSITIONS + 1):
+    for m in (1, 2):
         tie = torch.stack([w[1000] * 3] * m)
         assert screen.argmax(tie).tolist() == kernels.linear(LIB, screen.head, tie).argmax(-1).tolist() == [1000] * m
 
@@ -206,3 +205,17 @@ def test_cost_timings_end_passes_as_the_runtime_does(greedy):
                   text=text, keep_states=states)
     assert (calls["greedy_ids"] > 0) == greedy
     assert states[16].token_list()[:16] == text[:16]
+
+
+def test_the_screens_kernels_refuse_an_activation_range_below_one():
+    from hsd_opt.errors import HsdError
+
+    w = _head(64, 32, 1)
+    screen = HeadScreen(LIB, Mat.in_place(w))
+    h = _inputs(1, 32, 2, 1.0)
+    a = screen.logits(h)
+    for q16 in (0, -1):
+        with pytest.raises(HsdError):
+            kernels.screen_bounds(LIB, h, screen.c, screen.wnorm, q16)
+        with pytest.raises(HsdError):
+            kernels.screen_pick(LIB, screen.head, h, a, screen.c, screen.wnorm, 8, q16)

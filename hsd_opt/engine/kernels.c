@@ -1511,9 +1511,8 @@ int hsd_rows_f32(const hsd_mat *A, const long *row, const long *pos, int n, cons
 
 /* ------------------------------------------------------------------------------- the greedy head's screen */
 
-/* The greedy screen reads its int8 head copy against the activation quantized one of two ways: q16 == 0, int8 in
- * groups of 32 (the integer path's quantize_x); q16 > 0, int16 with one scale per position (hsd_screen_i16: codes
- * xq = nearbyint(x / s) with s = max|x| / q16, so |xq| <= q16). */
+/* The greedy screen reads its int8 head copy against the activation in int16 with one scale per position
+ * (hsd_screen_i16: codes xq = nearbyint(x / s) with s = max|x| / q16, so |xq| <= q16). */
 
 /* The largest q16 that keeps every int32 sum of K products of int8 codes (|code| <= 127) and int16 codes (|xq| <=
  * q16) exact: K * 127 * (q16 + 1) < 2^31; at most 16383. */
@@ -1530,30 +1529,19 @@ static inline float q16_scale(const float *x, int d, int q16) {
 }
 
 /* For row x [d] of normed hidden states: its norm *hn and *dl, the bound on the norm of its quantization's error,
- * as engine/screen.py states them. int8 in groups (q16 == 0): half a step per element, the step of each group of 32
- * its largest magnitude / 127: dl = sqrt(32 sum_g step_g^2) / 2 (1 + 1e-4) + 1e-6 |x|. int16 per position (q16 >
- * 0, step s = q16_scale): x / s rounds once (relative 2^-24 of at most q16 + 1), so each element errs by at most
- * s (1/2 + (q16 + 1) 2^-24): dl = sqrt(d) s (1/2 + (q16 + 1) 2^-24) (1 + 1e-4) + 1e-6 |x|. In double, rounded up
- * to float. Returns 0, or 1 when x holds a value that is not finite. */
+ * as engine/screen.py states them. In int16 with step s = q16_scale (q16 >= 1), x / s rounds once (relative 2^-24
+ * of at most q16 + 1), so each element errs by at most s (1/2 + (q16 + 1) 2^-24): dl = sqrt(d) s (1/2 + (q16 + 1)
+ * 2^-24) (1 + 1e-4) + 1e-6 |x|. In double, rounded up to float. Returns 0, or 1 when x holds a value that is not
+ * finite. */
 static int screen_norms(const float *x, int d, int q16, float *hn, float *dl) {
-    double ss = 0.0, steps = 0.0;
-    for (int g = 0; g < d; g += HSD_GROUP) {
-        const int e = g + HSD_GROUP < d ? g + HSD_GROUP : d;
-        double amax = 0.0;
-        for (int k = g; k < e; k++) {
-            const double v = x[k];
-            if (!isfinite(x[k])) return 1;
-            ss += v * v;
-            amax = fabs(v) > amax ? fabs(v) : amax;
-        }
-        steps += (amax / 127.0) * (amax / 127.0);
+    double ss = 0.0;
+    for (int k = 0; k < d; k++) {
+        const double v = x[k];
+        if (!isfinite(x[k])) return 1;
+        ss += v * v;
     }
     const double n = sqrt(ss);
-    double err;
-    if (q16 > 0)
-        err = sqrt((double)d) * (double)q16_scale(x, d, q16) * (0.5 + (q16 + 1.0) * 0x1p-24);
-    else
-        err = sqrt(steps * HSD_GROUP) * 0.5;
+    const double err = sqrt((double)d) * (double)q16_scale(x, d, q16) * (0.5 + (q16 + 1.0) * 0x1p-24);
     *hn = nextafterf((float)n, INFINITY);
     *dl = nextafterf((float)(err * (1 + 1e-4) + 1e-6 * n), INFINITY);
     return 0;
@@ -1563,10 +1551,11 @@ static int screen_norms(const float *x, int d, int q16, float *hn, float *dl) {
 static inline float screen_bound(float c, float wn, float hn, float dl) { return c * (hn + dl) + wn * dl; }
 
 /* e [m, V]: the screen's bound at every row for each position of x [m, d] (c, wn [V]: the head's constants; q16:
- * the activation's quantization, as screen_norms).
- * Returns 0, or 1 when x holds a value that is not finite. */
+ * the activation's int16 range, hsd_screen_q16(d)).
+ * Returns 0, 1 when x holds a value that is not finite, -1 on bad arguments. */
 int hsd_screen_bounds(const float *x, int m, int d, int q16, const float *c, const float *wn, int V,
                       float *e) {
+    if (q16 < 1) return -1;
     for (int t = 0; t < m; t++) {
         float hn, dl;
         if (screen_norms(x + (size_t)t * d, d, q16, &hn, &dl)) return 1;
@@ -1783,7 +1772,7 @@ static int screen_collect(const float *a, const float *c, const float *wn, int V
 }
 
 /* The greedy ids of the float32 head A at each position of normed hidden x [m, A->cols], from the screen's
- * logits a [m, V] (the int8 copy's, the activation quantized as q16 says): the rows whose interval [a_r - e_r,
+ * logits a [m, V] (the int8 copy's, the activation in int16 of range q16): the rows whose interval [a_r - e_r,
  * a_r + e_r] reaches the highest lower bound are the candidates, computed as hsd_rows_f32 computes them
  * (rows4_f32), and out[t] is the first of the largest.
  * Positions shared among nthreads threads (two vector passes over V and a few rows each). Returns 0; 1 when x or a
@@ -1791,7 +1780,7 @@ static int screen_collect(const float *a, const float *c, const float *wn, int V
  * -1 on bad arguments. */
 int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const float *a, const float *c,
                     const float *wn, int cap, long *out, int nthreads) {
-    if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1) return -1;
+    if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1 || q16 < 1) return -1;
     const int K = A->cols, V = A->rows;
     int rc = 0;
 #pragma omp parallel num_threads(m > 1 ? nthreads : 1) reduction(| : rc)

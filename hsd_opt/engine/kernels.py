@@ -515,21 +515,21 @@ def screen_i16(lib, packed: torch.Tensor, scale: torch.Tensor, rows: int, x: tor
     return a if rc == 0 else None
 
 
-def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor, q16: int = 0) -> torch.Tensor | None:
+def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor, q16: int) -> torch.Tensor | None:
     """The greedy screen's bound ``e`` ``[m, V]`` float32 at each position of normed hidden ``x`` ``[m, d]``
-    (:mod:`hsd_opt.engine.screen`; ``c``, ``wnorm``: its per-row constants ``[V]``; ``q16``: 0 for the activation
-    in int8 per group of 32, else :func:`screen_i16`'s int16 range); None when ``x`` holds a value that is not
-    finite."""
+    (:mod:`hsd_opt.engine.screen`; ``c``, ``wnorm``: its per-row constants ``[V]``; ``q16``: :func:`screen_i16`'s
+    int16 range, ``hsd_screen_q16(d)``); None when ``x`` holds a value that is not finite."""
     x = x.float().contiguous()
     e = torch.empty(x.shape[0], c.numel(), dtype=torch.float32)
-    if lib.hsd_screen_bounds(x.data_ptr(), x.shape[0], x.shape[1], q16, c.data_ptr(), wnorm.data_ptr(), c.numel(),
-                             e.data_ptr()) != 0:
-        return None
-    return e
+    rc = lib.hsd_screen_bounds(x.data_ptr(), x.shape[0], x.shape[1], q16, c.data_ptr(), wnorm.data_ptr(), c.numel(),
+                               e.data_ptr())
+    if rc < 0:
+        raise HsdError("kernels: bad screen call")
+    return e if rc == 0 else None
 
 
 def screen_pick(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor,
-                cap: int, q16: int = 0, nthreads: int | None = None) -> torch.Tensor | None:
+                cap: int, q16: int, nthreads: int | None = None) -> torch.Tensor | None:
     """Greedy ids ``[m]`` (int64) of the float32 ``head`` at normed hidden ``x`` ``[m, d]`` from the screen's
     logits ``a`` ``[m, V]``: the argmax over the rows whose bound (:func:`screen_bounds` with the same ``q16``)
     reaches the highest lower bound, their logits computed as :func:`rows_f32` computes them (first index on

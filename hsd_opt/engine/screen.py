@@ -2,17 +2,15 @@
 only the candidates.
 
 A greedy decoder needs the argmax of the head's logits, not the logits. The int8 copy of the head (per-row scales)
-reads a quarter of the bytes, against the activation quantized one of two ways: int8 per group of 32 columns (the
-kernels' integer path; one position) or int16 with one scale per position (``hsd_screen_i16``: exact int32 sums
-converted once per row and position; more positions, where the per-group conversions would cost as much as the
-float32 head). Its logits ``a_r`` are within a bound ``e_r`` of the float32 logits ``l_r`` that the kernels compute,
-for every row ``r``:
+reads a quarter of the bytes, against the activation in int16 with one scale per position (``hsd_screen_i16``:
+exact int32 sums converted once per row and position). Its logits ``a_r`` are within a bound ``e_r`` of the float32
+logits ``l_r`` that the kernels compute, for every row ``r``:
 
     |a_r - l_r| <= rho_r (|h| + delta) + |W_r| delta + margin_r
 
 where ``rho_r = |Wq_r - W_r|`` (the row's quantization error, Euclidean norm), ``delta`` bounds ``|hq - h|`` (the
-activation's quantization error: at most half a step per element, from its group maxima, or from its maximum and the
-int16 range, plus the rounding of ``x / step``) and ``margin_r`` covers float rounding in both computations (``mu
+activation's quantization error: at most half a step per element, the step from its maximum and the int16
+range, plus the rounding of ``x / step``) and ``margin_r`` covers float rounding in both computations (``mu
 (|W_r| + rho_r)(|h| + delta)`` with ``mu`` the larger of 1e-4 and four times ``(d / 8 + 64)`` float32 roundings,
 ``d`` the hidden size: the 8-lane sums of the kernels round about ``d / 8`` times per lane, and each rounding errs
 by at most ``2^-24`` of the sum of magnitudes, which is at most ``|W_r| |h|``; the int16 read's three roundings of
@@ -25,8 +23,7 @@ the argmax over the whole vocabulary, bit for bit.
 Only for greedy decoding (sampling needs every probability), and only where it pays: passes over at most
 :data:`MAX_POSITIONS` positions (batched decode steps and verify passes); a head
 with a bias, non-finite values or a flat distribution (more than :data:`MAX_CANDIDATES` candidates) gets the full
-logits. On SmolLM2-135M a decode position has a dozen candidates with the int8 activation, two with the int16
-one (medians).
+logits. On SmolLM2-135M a decode position has two candidates (median).
 Shapes: hidden ``[m, d]``, head ``[V, d]``; logits float32.
 """
 
@@ -42,25 +39,24 @@ ROUNDING_MARGIN = 1e-4
 #: Passes (or batched reads) over more positions compute the full logits (the int16 read, measured up to 16
 #: positions, costs 0.4-0.6x the exact head there: docs/results.md, "the screen over 16 positions").
 MAX_POSITIONS = 16
-#: Reads over at most this many positions quantize the activation to int8 per group of 32 (the integer path of
-#: :func:`~hsd_opt.engine.kernels.linear`); more, to int16 with one scale per position
-#: (:func:`~hsd_opt.engine.kernels.screen_i16`: one float product per row and position instead of one per group).
-INT8_POSITIONS = 1
 #: More candidates than this (a flat distribution) and the full logits are cheaper.
 MAX_CANDIDATES = 1024
 
 
 class HeadScreen:
     """The int8 screen of one float32 kernel head (``head``: a float32 :class:`~hsd_opt.engine.kernels.Mat`
-    without bias). Holds the int8 copy (a quarter of the head's bytes) and two norms per row."""
+    without bias). Holds the int8 copy (a quarter of the head's bytes, in :func:`~hsd_opt.engine.kernels.screen_i16`'s
+    layout) and two norms per row."""
 
     def __init__(self, lib, head: Mat):
         if head.kind != F32 or head.bias is not None or head.cols % GROUP:
             raise ValueError("the screen takes a float32 head without bias, its width a multiple of 32")
         self.lib, self.head = lib, head
         w = head.tensors[0]
-        self.q8 = quantize_q8(w)
-        codes, scale = self.q8.tensors[0], self.q8.tensors[1]
+        q8 = quantize_q8(w)
+        codes, scale = q8.tensors[0], q8.tensors[1]
+        #: the int8 copy's row scales ``[V]`` float32 (``w ~ code * scale``)
+        self.scale = scale
         rho = torch.empty(w.shape[0])     # |Wq_r - W_r|
         wnorm = torch.empty(w.shape[0])   # |W_r|
         for a in range(0, w.shape[0], ROW_BLOCK):                   # float32, a block of rows at a time
@@ -77,45 +73,38 @@ class HeadScreen:
         mu = max(ROUNDING_MARGIN, 4 * (head.cols / 8 + 64) * 2.0 ** -24)
         self.c = (rho * (1 + mu) + mu * wnorm).float()
         self.wnorm = wnorm.float()
-        # the same codes for the int16 read, in its layout (kernels.pack_screen_codes)
+        # the codes in the int16 read's layout (kernels.pack_screen_codes); the int16 range of the activation
         self.q16 = int(lib.hsd_screen_q16(head.cols))
         self.packed = kernels.pack_screen_codes(codes)
 
     def nbytes(self) -> int:
-        """Bytes of the screen's int8 copy in both layouts (the row scales once)."""
-        return self.q8.nbytes() + self.packed.numel()
+        """Bytes of the screen's int8 copy (codes and row scales)."""
+        return self.packed.numel() + self.scale.numel() * 4
 
-    def bounds(self, h: torch.Tensor, int16: bool = False) -> torch.Tensor:
+    def bounds(self, h: torch.Tensor) -> torch.Tensor:
         """``e`` ``[m, V]`` float32: the bound on ``|a_r - l_r|`` at each position of normed hidden ``h`` (computed
-        by the kernels, as :meth:`argmax` computes it) for the screen logits of :meth:`logits` (``int16``: the
-        activation in int16 per position, else int8 per group). Raises ValueError for ``h`` with values not
-        finite."""
-        e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm, self.q16 if int16 else 0)
+        by the kernels, as :meth:`argmax` computes it) for the screen logits of :meth:`logits`. Raises ValueError
+        for ``h`` with values not finite."""
+        e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm, self.q16)
         if e is None:
             raise ValueError("the screen's bound needs finite hidden states")
         return e
 
-    def logits(self, h: torch.Tensor, int16: bool) -> torch.Tensor | None:
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """The screen logits ``a`` ``[m, V]`` of the int8 copy at normed hidden ``h`` ``[m, d]`` float32, the
-        activation quantized to int16 with one scale per position (``int16``) or to int8 per group of 32; None
-        for ``h`` with values not finite."""
-        if int16:
-            return kernels.screen_i16(self.lib, self.packed, self.q8.tensors[1], self.head.rows, h)
-        return kernels.linear(self.lib, self.q8, h)
+        activation quantized to int16 with one scale per position; None for ``h`` with values not finite."""
+        return kernels.screen_i16(self.lib, self.packed, self.scale, self.head.rows, h)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Greedy token ids ``[m]`` (int64) of the head at normed hidden ``h`` ``[m, d]``, equal to
         ``linear(head, h).argmax(-1)``; None when the screen does not apply (more than :data:`MAX_POSITIONS`
         positions or :data:`MAX_CANDIDATES` candidates, non-finite values): the caller computes the logits. The
-        screen's logits come from the kernels' integer products (:meth:`logits`: int8 activations up to
-        :data:`INT8_POSITIONS` positions, int16 over more); the bounds, the candidates and their float32 logits
-        from one kernel call (:func:`~hsd_opt.engine.kernels.screen_pick`)."""
+        screen's logits come from the kernels' integer products (:meth:`logits`); the bounds, the candidates and
+        their float32 logits from one kernel call (:func:`~hsd_opt.engine.kernels.screen_pick`)."""
         if h.shape[0] > MAX_POSITIONS:
             return None
         h = h.float().contiguous()
-        int16 = h.shape[0] > INT8_POSITIONS
-        a = self.logits(h, int16)
+        a = self.logits(h)
         if a is None:
             return None
-        return kernels.screen_pick(self.lib, self.head, h, a, self.c, self.wnorm, MAX_CANDIDATES,
-                                   self.q16 if int16 else 0)
+        return kernels.screen_pick(self.lib, self.head, h, a, self.c, self.wnorm, MAX_CANDIDATES, self.q16)
