@@ -480,9 +480,10 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
 def i16_codes(mat: Mat) -> torch.Tensor | None:
     """The codes of an int8 head ``mat`` (kind ``Q8``: per-row scales, no bias, an even width) in
     :func:`screen_i16`'s layout (:func:`pack_screen_codes`, made once and kept on ``mat``); None for another
-    matrix. An int8 or int4 copy's head reads them against the activation in int16 with one scale per position:
-    exact int32 sums, a finer activation than int8 per group of 32, and on the CPUs measured as fast or faster
-    at one position (docs/results.md, "the copies' int8 heads")."""
+    matrix. An int8 or int4 copy's head reads them against the activation in int16 with one scale per position,
+    as the greedy screen reads its codes: exact int32 sums, a finer activation than the integer path's int8 per
+    group of 32, one conversion per row and position (what each read costs on the CPUs measured:
+    docs/results.md#figures-behind-the-design)."""
     if mat.kind != Q8 or mat.bias is not None or mat.cols % 2:
         return None
     if mat.i16_codes is None:
