@@ -10,9 +10,10 @@ drafter for speculative decoding; the full-precision target verifies, so the out
 (:mod:`hsd_opt.engine.weights`: int8 per output row, or int4 in groups of 32 columns with a float16 scale and
 minimum, GGUF Q4_1's scheme, which recovers the codes of Q4_1 weights like the embedded SmolLM2's exactly), with
 the model's own embeddings, norms and biases. On the C kernels it computes in float32 with int8 activations for
-its integer products; on the torch path (other devices; CPUs without a C compiler) it computes with its weights
-de-quantized once, which reads no fewer bytes than a float model of that dtype: there a copy pays only against a
-target in more bits, and the profiler measures whether it does.
+its projections' integer products and int16 activations for its int8 LM head (the greedy screen's read,
+:func:`~hsd_opt.engine.kernels.i16_codes`); on the torch path (other devices; CPUs without a C compiler) it
+computes with its weights de-quantized once, which reads no fewer bytes than a float model of that dtype: there a
+copy pays only against a target in more bits, and the profiler measures whether it does.
 
 Shapes: hidden ``[m, d]``, logits ``[m, V]`` float32, batch size 1.
 """
