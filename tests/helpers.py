@@ -110,6 +110,16 @@ def save_tiny(path: Path, seed: int = 0, n_words: int = 60, layers: int = 4, cha
     return path
 
 
+def i16_reference(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, q16: int) -> torch.Tensor:
+    """The kernels' int16 read of int8 ``codes`` ``[V, K]`` (row ``scale`` ``[V]``) at ``x`` ``[m, K]`` computed
+    here: int64 sums of the codes and nearbyint(x / s), s = max|x| / q16 per position, then float32(sum) * (row
+    scale * s) in float32."""
+    s = (x.abs().amax(1) / q16).float()
+    xq = torch.round(x / s[:, None]).long()
+    assert xq.abs().max() <= q16
+    return (xq @ codes.long().T).float() * (scale[None] * s[:, None])
+
+
 def make_tiny_qwen2_family(seed: int = 0, vocab_size: int = 64, layers: int = 4, hidden: int = 64, heads: int = 4,
                            kv_heads: int = 2, tied: bool = True):
     """A randomly initialised ``Qwen2ForCausalLM`` (float32, CPU, eval; q/k/v biases drawn non-zero) whose widths

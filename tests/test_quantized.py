@@ -15,7 +15,7 @@ from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.engine.weights import quantize
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
-from tests.helpers import make_tiny_llama, save_tiny, write_prompts
+from tests.helpers import i16_reference, make_tiny_llama, save_tiny, write_prompts
 
 runner = CliRunner()
 
@@ -154,9 +154,7 @@ def test_a_copys_int8_head_reads_the_activation_in_int16_each_row_alone(tiny, bi
     assert kernels.i16_codes(mat) is mat.i16_codes                  # made once
     hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(bits)) * 3
     x = path.normed(hidden)
-    q16 = lib.hsd_screen_q16(64)
-    s = (x.abs().amax(1) / q16).float()
-    want = (torch.round(x / s[:, None]).long() @ mat.tensors[0].long().T).float() * (mat.tensors[1][None] * s[:, None])
+    want = i16_reference(mat.tensors[0], mat.tensors[1], x, lib.hsd_screen_q16(64))
     got = path.head(hidden)
     assert torch.equal(got, want)
     assert all(torch.equal(path.head(hidden[i:i + 1])[0], got[i]) for i in range(7))

@@ -14,7 +14,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
 from hsd_opt.engine.weights import Mat, quantize_q8
-from tests.helpers import make_tiny_llama
+from tests.helpers import i16_reference, make_tiny_llama
 
 LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
@@ -49,15 +49,10 @@ def test_the_bound_holds_on_every_row(cols):
 
 
 def _i16_reference(screen: HeadScreen, h: torch.Tensor) -> torch.Tensor:
-    """The int16 read computed here: int64 sums of the codes and nearbyint(x / s), s = max|x| / q16, then
-    float32(sum) * (row scale * s) in float32."""
+    """The screen's int16 read computed here (:func:`tests.helpers.i16_reference` of its head's int8 codes)."""
     q8 = quantize_q8(screen.head.tensors[0])
-    codes, scale = q8.tensors[0].long(), q8.tensors[1]
-    assert torch.equal(scale, screen.scale)
-    s = (h.abs().amax(1) / screen.q16).float()
-    xq = torch.round(h / s[:, None]).long()
-    assert xq.abs().max() <= screen.q16
-    return (xq @ codes.T).float() * (scale[None] * s[:, None])
+    assert torch.equal(q8.tensors[1], screen.scale)
+    return i16_reference(q8.tensors[0], q8.tensors[1], h, screen.q16)
 
 
 @pytest.mark.parametrize("cols", [64, 576, 4096])
