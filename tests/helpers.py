@@ -368,3 +368,25 @@ def random_context_costs(rng: np.random.Generator, d: dict, growing: bool = Fals
             e["verify_cost"] = vc
         out.append(e)
     return out
+
+
+def kernel_builds() -> dict:
+    """Every build of the kernels this CPU runs, by name: each variant it can run (``hsd_opt.engine.variants``,
+    widest first, ``portable`` last), and ``<the widest>-no-openmp``, that variant without OpenMP (what Apple's clang
+    builds). Built once into the cache; {} where there is no C compiler."""
+    import ctypes
+
+    from hsd_opt.engine import kernels, variants
+
+    cc = kernels.compiler()
+    if cc is None:
+        return {}
+    out = {}
+    for v in variants.runnable(variants.cpu_features()):
+        out[v.name] = kernels.load(variant=v.name)
+    widest = variants.runnable(variants.cpu_features())[0]
+    path = kernels.library_path(cc, widest, openmp=False)
+    if not path.is_file():
+        kernels.build(cc, path, widest, openmp=False)
+    out[f"{widest.name}-no-openmp"] = kernels._bind(ctypes.CDLL(str(path)))
+    return out

@@ -5,15 +5,13 @@ and at every number of positions."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
 from hsd_opt.engine import kernels, layered, stored_copies
 from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
-from tests.helpers import make_tiny_llama
+from tests.helpers import kernel_builds, make_tiny_llama
 
 LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
@@ -91,15 +89,9 @@ def test_q8_0_weights_have_an_exact_int8_form_and_others_do_not():
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """This machine's library, and where it has 16-lane tiles the 8-lane (AVX2) build too, and the portable one
-    (built once for the module)."""
-    out = {"native": LIB}
-    cc, where = kernels.compiler(), tmp_path_factory.mktemp("builds")
-    if LIB.hsd_simd() >= 2:
-        out["avx2"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, where / "n.so", defines=["HSD_NO_AVX512"]))))
-    out["portable"] = kernels._bind(ctypes.CDLL(str(kernels.build(cc, where / "p.so", portable=True))))
-    return out
+def builds():
+    """Every build this CPU runs (each variant, and the widest without OpenMP), built once into the cache."""
+    return kernel_builds()
 
 
 @pytest.mark.parametrize("rows,cols", [(37, 64), (8, 96), (5, 576), (64, 32), (6, 160)])

@@ -84,13 +84,11 @@ def test_linear_is_batch_invariant(kind):
         assert torch.equal(kernels.linear(LIB, mat, x[:m]), one[:m]), m
 
 
-@pytest.mark.skipif(LIB is None or LIB.hsd_simd() < 2, reason="this build has no 16-lane (AVX-512) tiles")
+@pytest.mark.skipif(LIB is None or LIB.hsd_simd() < 2, reason="this CPU has no AVX-512: no 16-lane tiles to test")
 def test_the_16_lane_tiles_give_the_8_lane_tiles_bits(tmp_path):
     """Where the CPU has AVX-512, float32 products over 2+ positions take 16-lane tiles (two rows' 8-lane
     accumulators in one register): every element bit for bit what the 8-lane tiles (AVX2 alone) give."""
-    cc = kernels.compiler()
-    narrow = kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "narrow.so",
-                                                                       defines=["HSD_NO_AVX512"]))))
+    narrow = kernels.load(variant="avx2")
     assert narrow.hsd_simd() == 1
     g = torch.Generator().manual_seed(3)
     for kind, cols in (("f32", 576), ("f32", 133), ("bf16", 200)):
@@ -335,7 +333,7 @@ def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch)
 def test_the_portable_build_agrees_with_itself_and_the_reference(tmp_path, monkeypatch):
     """The variant without AVX2 (what a CPU without it gets) computes the same products, batch-invariant."""
     monkeypatch.setenv("HSD_CACHE", str(tmp_path))
-    lib = kernels.load(portable=True)
+    lib = kernels.load(variant="portable")
     assert lib is not None and lib.hsd_simd() == 0
     g = torch.Generator().manual_seed(5)
     w = torch.randn(21, 64, generator=g)
@@ -370,7 +368,7 @@ def test_a_failed_build_is_reported_once_and_leaves_the_torch_path(tmp_path, mon
     monkeypatch.setattr(kernels, "SOURCE", tmp_path / "broken.c")
     (tmp_path / "broken.c").write_text("this is not C\n")
     said = []
-    assert kernels.load(log=said.append, portable=True) is None
+    assert kernels.load(log=said.append, variant="portable") is None
     assert any("unavailable" in s and "failed" in s for s in said)
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.partial"))
 
@@ -389,7 +387,7 @@ def test_the_library_is_checked_against_this_modules_structs(tmp_path, monkeypat
     monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "SOURCE", tmp_path / "kernels.c")
     said = []
-    assert kernels.load(log=said.append, portable=True) is None
+    assert kernels.load(log=said.append, variant="portable") is None
     assert len(said) == 2 and "compiling" in said[0] and "struct layout" in said[1] and "unavailable" in said[1]
 
 

@@ -5,8 +5,6 @@ cannot help."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.screen import MAX_POSITIONS, HeadScreen
 from hsd_opt.engine.weights import Mat, quantize_q8
-from tests.helpers import i16_reference, make_tiny_llama
+from tests.helpers import i16_reference, kernel_builds, make_tiny_llama
 
 LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
@@ -74,13 +72,10 @@ def test_the_int16_sums_are_exact_at_the_largest_codes(cols):
     assert got[0, 0] > 0 and got[0, 1] < 0
 
 
-def test_the_int16_read_is_the_same_on_every_build(tmp_path):
-    """Its sums are integers: the AVX2 (8-lane) and portable builds give the native build's logits bit for bit."""
-    cc = kernels.compiler()
-    builds = [kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "p.so", portable=True))))]
-    if LIB.hsd_simd() == 2:
-        builds.append(kernels._bind(ctypes.CDLL(str(kernels.build(cc, tmp_path / "n.so",
-                                                                    defines=["HSD_NO_AVX512"])))))
+def test_the_int16_read_is_the_same_on_every_build():
+    """Its sums are integers: every build this CPU runs (each variant, and one without OpenMP) gives the loaded
+    build's logits bit for bit."""
+    builds = list(kernel_builds().values())
     w = _head(1001, 96, 5)                              # rows past a block of 16, odd pairs of columns
     screen = HeadScreen(LIB, Mat.in_place(w))
     h = _inputs(11, 96, 6, 1.0)

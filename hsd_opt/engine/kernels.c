@@ -27,7 +27,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* built without OpenMP (Apple's clang, or HSD_OPENMP=0): every parallel region runs on the calling thread */
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 #ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -42,6 +47,12 @@
 #define HSD_AVX512 1 /* 16-lane registers: two rows' 8-lane accumulators in one (the same operations) */
 #else
 #define HSD_AVX512 0
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(HSD_PORTABLE)
+#include <arm_neon.h>
+#define HSD_NEON 1 /* Arm: an 8-lane accumulator as two 4-lane registers (the same operations, lane for lane) */
+#else
+#define HSD_NEON 0
 #endif
 
 /* HSD_Q4F: float32 weights that are exactly fma(code, scale, minimum) of int4 codes (GGUF Q4_1's de-quantized
@@ -84,9 +95,36 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 13; }
-/* 0: portable C; 1: AVX2 (8-lane tiles); 2: AVX2 with 16-lane float32 tiles (AVX-512). */
-int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512; }
+int hsd_version(void) { return 14; }
+/* 0: portable C; 1: 8-lane tiles (AVX2, or NEON's pairs of 4-lane registers); 2: AVX2 with 16-lane float32 tiles
+ * (AVX-512). */
+int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512 + HSD_NEON; }
+
+/* What this build holds, as bits: 1 AVX2 (with FMA and F16C), 2 AVX-512 (F/DQ/BW/VL), 4 VNNI (AVX-512 VNNI or
+ * AVX-VNNI), 8 NEON, 16 the Arm dot product (dotprod), 32 OpenMP threads. kernels.py's VARIANTS name the bits each
+ * variant must report. */
+int hsd_features(void) {
+    int f = 0;
+#if HSD_AVX2
+    f |= 1;
+#endif
+#if HSD_AVX512
+    f |= 2;
+#endif
+#if HSD_AVX2 && (defined(__AVX512VNNI__) || defined(__AVXVNNI__))
+    f |= 4;
+#endif
+#if HSD_NEON
+    f |= 8;
+#endif
+#if HSD_NEON && defined(__ARM_FEATURE_DOTPROD)
+    f |= 16;
+#endif
+#ifdef _OPENMP
+    f |= 32;
+#endif
+    return f;
+}
 
 /* The layout the Python side checks at load: version, struct sizes, and the offsets of the last fields. */
 void hsd_layout(long *out) {
@@ -138,12 +176,29 @@ static inline float hsum_lanes(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 #endif
+#if HSD_NEON
+/* An 8-lane accumulator on Arm: lanes 0..3 and 4..7 in two registers; vfmaq_f32 is fmaf lane for lane. */
+typedef struct {
+    float32x4_t lo, hi;
+} f8_t;
+static inline f8_t f8_zero(void) { return (f8_t){vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
+static inline f8_t f8_load(const float *p) { return (f8_t){vld1q_f32(p), vld1q_f32(p + 4)}; }
+static inline f8_t f8_fma(f8_t a, f8_t w, f8_t x) { return (f8_t){vfmaq_f32(a.lo, w.lo, x.lo), vfmaq_f32(a.hi, w.hi, x.hi)}; }
+/* hsum8's tree: u_j = l_j + l_{j+4}, then (u_0 + u_2) + (u_1 + u_3). */
+static inline float hsum8n(f8_t a) {
+    const float32x4_t u = vaddq_f32(a.lo, a.hi);
+    const float32x2_t v = vadd_f32(vget_low_f32(u), vget_high_f32(u));
+    return vget_lane_f32(v, 0) + vget_lane_f32(v, 1);
+}
+#endif
 
 /* An IEEE half (float16 bits) as float32, exactly (int4 scales and minimums are stored in half precision, as
  * GGUF's Q4_1 stores them). */
 static inline float half_to_float(uint16_t h) {
 #if HSD_AVX2
     return _cvtsh_ss(h);
+#elif HSD_NEON
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, f = h & 0x3FF;
     uint32_t bits;
@@ -448,6 +503,36 @@ static void dots4(const float *const *w, int K, const float *x, int xs, int m, f
         }
     }
     for (; t < m; t++) tile4x1(w, K, x, xs, t, s, pf);
+#elif HSD_NEON
+    (void)pf;
+    const int K8 = K & ~7;
+    for (; t + 2 <= m; t += 2) { /* two positions: each row read once for both */
+        const float *xa = x + (size_t)t * xs, *xb = xa + xs;
+        f8_t a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = b[i] = f8_zero();
+        for (int c = 0; c < K8; c += 8) {
+            const f8_t u = f8_load(xa + c), v = f8_load(xb + c);
+            for (int i = 0; i < 4; i++) {
+                const f8_t q = f8_load(w[i] + c);
+                a[i] = f8_fma(a[i], q, u);
+                b[i] = f8_fma(b[i], q, v);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            s[(size_t)t * 4 + i] = tail(w[i], xa, K8, K, hsum8n(a[i]));
+            s[(size_t)(t + 1) * 4 + i] = tail(w[i], xb, K8, K, hsum8n(b[i]));
+        }
+    }
+    for (; t < m; t++) {
+        const float *xa = x + (size_t)t * xs;
+        f8_t a[4];
+        for (int i = 0; i < 4; i++) a[i] = f8_zero();
+        for (int c = 0; c < K8; c += 8) {
+            const f8_t u = f8_load(xa + c);
+            for (int i = 0; i < 4; i++) a[i] = f8_fma(a[i], f8_load(w[i] + c), u);
+        }
+        for (int i = 0; i < 4; i++) s[(size_t)t * 4 + i] = tail(w[i], xa, K8, K, hsum8n(a[i]));
+    }
 #else
     (void)pf;
     const int K8 = K & ~7;
@@ -619,6 +704,22 @@ static inline __m256 idot(__m256i u, __m256i y) {
 #else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
 #endif
+}
+#elif HSD_NEON
+/* Lane i of the 8: the exact integer sum of codes 4i..4i+3 times y (the AVX2 lanes), as float. */
+static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c: 32 codes, -128..127 */
+    int8_t cb[32];
+    for (int j = 0; j < 32; j++) cb[j] = (int8_t)c[j];
+    for (int h = 0; h < 2; h++) {
+        const int8x16_t u = vld1q_s8(cb + 16 * h), v = vld1q_s8(y + 16 * h);
+#if defined(__ARM_FEATURE_DOTPROD)
+        const int32x4_t d = vdotq_s32(vdupq_n_s32(0), u, v);
+#else
+        const int16x8_t p0 = vmull_s8(vget_low_s8(u), vget_low_s8(v)), p1 = vmull_high_s8(u, v);
+        const int32x4_t d = vpaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
+#endif
+        vst1q_f32(out + 4 * h, vcvtq_f32_s32(d));
+    }
 }
 #else
 static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c: 32 signed codes */
@@ -874,7 +975,7 @@ static inline void store4(const hsd_mat *A, const float *s, int mt, int n, float
         }
 }
 
-#if HSD_AVX512
+#if HSD_AVX2
 /* Ask the cache for rows [r, r + 4) of a paired matrix (codes, scales, minimums), read a few blocks later. */
 static inline void prefetch_block(const hsd_mat *A, int r) {
     if (r >= A->rows) return;
@@ -891,10 +992,10 @@ static inline void prefetch_block(const hsd_mat *A, int r) {
  * path's generic tiles). */
 #define HSD_PAIRED_MAX_GROUPS 512
 
-/* G float16 values as float32, 16 at a time. */
+/* G float16 values as float32, 8 at a time (exact). */
 static inline void halves_to_floats(const uint16_t *h, int G, float *out) {
     int g = 0;
-    for (; g + 16 <= G; g += 16) _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g))));
+    for (; g + 8 <= G; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
     for (; g < G; g++) out[g] = half_to_float(h[g]);
 }
 
@@ -909,6 +1010,69 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
         if (zf) halves_to_floats((const uint16_t *)A->zero + ri * G, G, zf[i]);
     }
 }
+
+/* s[t * 4 + i] = W[r + i] . x_t for rows r .. r+3 of a q4f matrix (n of them real; a short last block repeats its
+ * last row) and the P <= 3 positions of one tile, with 8-lane registers (AVX2): each 8 weights of a row are
+ * de-quantized in registers as the FMAs go, fma(code, scale, minimum) (expand_row's operation, so the same float32
+ * values), and multiplied into the row's one 8-lane accumulator per position, over the columns in order, then
+ * hsum8: the operations of dots4 on expand_row's values, so every element is bit for bit theirs. The weights never
+ * pass through memory: per 8 weights one code load, one conversion, one FMA to de-quantize and P to multiply. */
+static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat *A, int r, int n, const float *x,
+                                                                   int xs, int P, float *s) {
+    const int G = A->cols / HSD_GROUP;
+    float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
+    block_factors(A, r, n, sf, zf);
+    const uint8_t *q[4];
+    for (int i = 0; i < 4; i++) {
+        const int ri = r + (i < n ? i : n - 1);
+        q[i] = q4f_codes(A, ri / 2, 0) + 8 * (ri % 2);
+    }
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const size_t off = (size_t)(g / 2) * 64;
+        const int odd = g & 1;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) { /* 8 columns of the group */
+            const int c = HSD_GROUP * g + 8 * k;
+            __m256 u[3];
+#pragma GCC unroll 3
+            for (int p = 0; p < P; p++) u[p] = _mm256_loadu_ps(x + (size_t)p * xs + c);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
+                v = odd ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&sf[i][g]),
+                                                 _mm256_broadcast_ss(&zf[i][g]));
+#pragma GCC unroll 3
+                for (int p = 0; p < P; p++) acc[i][p] = _mm256_fmadd_ps(w, u[p], acc[i][p]);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8(acc[i][p]);
+}
+
+/* Positions at most this many are read by the in-register AVX2 q4f tiles (tiles of 3, then 1 or 2); longer passes
+ * de-quantize each block of rows into the first-level cache once for all positions. */
+#define HSD_Q4F_REG_MAX 6
+
+/* q4f_tile4xP_avx2 over 1 <= m <= HSD_Q4F_REG_MAX positions: s[t * 4 + i]. */
+static void q4f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+    int t = 0;
+    for (; t + 3 <= m; t += 3) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
+    if (m - t == 2) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
+    if (m - t == 1) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
+}
+#endif
+
+#if HSD_AVX512
 
 /* Rows 2h, 2h+1 of a block of n rows from row r: their pair of stored rows (r/2 + h, or with n <= 2h the first
  * pair again, its values unused) and the block's rows whose factors they take (*a, *c; block_factors' indices). */
@@ -1025,6 +1189,63 @@ static void q4f_tile4(const hsd_mat *A, int r, int n, const float *x, int xs, in
 }
 #endif
 
+#if HSD_NEON
+#define HSD_PAIRED_MAX_GROUPS 512
+#define HSD_Q4F_REG_MAX 6
+
+/* q4f_tile4xP_avx2 on Arm: rows r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3
+ * positions, each 8 weights de-quantized in registers as fma(code, scale, minimum) (vfmaq_f32: one rounding, as
+ * expand_row's fmaf) and multiplied into the row's 8-lane accumulator, over the columns in order, then hsum8's tree:
+ * every element bit for bit what the other builds give. */
+static inline __attribute__((always_inline)) void q4f_tile4xP_neon(const hsd_mat *A, int r, int n, const float *x,
+                                                                   int xs, int P, float *s) {
+    const int G = A->cols / HSD_GROUP;
+    const uint8_t *q[4];
+    const uint16_t *sc[4], *zc[4];
+    for (int i = 0; i < 4; i++) {
+        const int ri = r + (i < n ? i : n - 1);
+        q[i] = q4f_codes(A, ri / 2, 0) + 8 * (ri % 2);
+        sc[i] = (const uint16_t *)A->scale + (size_t)ri * G;
+        zc[i] = (const uint16_t *)A->zero + (size_t)ri * G;
+    }
+    const uint16x8_t low = vdupq_n_u16(15);
+    f8_t acc[4][3];
+    for (int i = 0; i < 4; i++)
+        for (int p = 0; p < P; p++) acc[i][p] = f8_zero();
+    for (int g = 0; g < G; g++) {
+        const size_t off = (size_t)(g / 2) * 64;
+        const int odd = g & 1;
+        float32x4_t sv[4], zv[4];
+        for (int i = 0; i < 4; i++) {
+            sv[i] = vdupq_n_f32(half_to_float(sc[i][g]));
+            zv[i] = vdupq_n_f32(half_to_float(zc[i][g]));
+        }
+        for (int k = 0; k < 4; k++) { /* 8 columns of the group */
+            const int c = HSD_GROUP * g + 8 * k;
+            f8_t u[3];
+            for (int p = 0; p < P; p++) u[p] = f8_load(x + (size_t)p * xs + c);
+            for (int i = 0; i < 4; i++) {
+                uint16x8_t v = vmovl_u8(vld1_u8(q[i] + off + 16 * k));
+                v = odd ? vshrq_n_u16(v, 4) : vandq_u16(v, low);
+                const f8_t w = {vfmaq_f32(zv[i], vcvtq_f32_u32(vmovl_u16(vget_low_u16(v))), sv[i]),
+                                vfmaq_f32(zv[i], vcvtq_f32_u32(vmovl_high_u16(v)), sv[i])};
+                for (int p = 0; p < P; p++) acc[i][p] = f8_fma(acc[i][p], w, u[p]);
+            }
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8n(acc[i][p]);
+}
+
+/* q4f_tile4xP_neon over 1 <= m <= HSD_Q4F_REG_MAX positions (tiles of 3, then 1 or 2): s[t * 4 + i]. */
+static void q4f_tiles_neon(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+    int t = 0;
+    for (; t + 3 <= m; t += 3) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
+    if (m - t == 2) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
+    if (m - t == 1) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
+}
+#endif
+
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
  * X: x quantized for the integer path (used when int_path(A)). buf: HSD_SCRATCH_ROWS * cols floats of scratch for
  * expanded rows (bfloat16, int8 without whole groups, the exact forms). */
@@ -1045,6 +1266,23 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
                                                                                  * expand_row stores */
             prefetch_t pf = prefetch_ahead(A, r);
             direct4(A, r, x, xs, m, s, &pf);
+            store4(A, s, m, n, y, ys, 0, r, acc);
+            continue;
+        }
+#endif
+#if HSD_NEON
+        if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
+            m <= HSD_Q4F_REG_MAX) { /* as the AVX2 build: de-quantized in registers */
+            q4f_tiles_neon(A, r, n, x, xs, m, s);
+            store4(A, s, m, n, y, ys, 0, r, acc);
+            continue;
+        }
+#endif
+#if HSD_AVX2 && !HSD_AVX512
+        if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
+            m <= HSD_Q4F_REG_MAX) { /* a decode step or a short verification: de-quantized in registers */
+            prefetch_block(A, r + 4 * HSD_AHEAD);
+            q4f_tiles_avx2(A, r, n, x, xs, m, s);
             store4(A, s, m, n, y, ys, 0, r, acc);
             continue;
         }
@@ -1154,6 +1392,19 @@ static inline float dot_hd(const float *a, const float *b, int n) {
         __m256 s = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
         return hsum8(s);
+    }
+#elif HSD_NEON
+    if ((n & 7) == 0) {
+        f8_t s = f8_zero();
+        for (int i = 0; i < n; i += 8) s = f8_fma(s, f8_load(a + i), f8_load(b + i));
+        return hsum8n(s);
+    }
+#else
+    if ((n & 7) == 0) { /* the 8-lane accumulator and horizontal sum of the AVX2 code, lane for lane */
+        float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int i = 0; i < n; i += 8)
+            for (int j = 0; j < 8; j++) l[j] = fmaf(a[i + j], b[i + j], l[j]);
+        return hsum_lanes(l);
     }
 #endif
     float s = 0.f;
@@ -1621,6 +1872,28 @@ static inline void i16_block(const int8_t *codes, const int32_t *xq, int pairs, 
         _mm256_storeu_si256((__m256i *)(acc + 16 * t), lo[t]);
         _mm256_storeu_si256((__m256i *)(acc + 16 * t + 8), hi[t]);
     }
+#elif HSD_NEON
+    int32x4_t a[I16_TILE][4]; /* rows 0..3, 4..7, 8..11, 12..15 */
+    for (int t = 0; t < I16_TILE; t++)
+        for (int q = 0; q < 4; q++) a[t][q] = vdupq_n_s32(0);
+    for (int j = 0; j < pairs; j++) {
+        const int8_t *b = codes + 32 * (size_t)j;
+        const int8x16_t c0 = vld1q_s8(b), c1 = vld1q_s8(b + 16);
+        /* per register 4 rows' two codes, widened: [r0 c0, r0 c1, r1 c0, ...] */
+        const int16x8_t w[4] = {vmovl_s8(vget_low_s8(c0)), vmovl_high_s8(c0), vmovl_s8(vget_low_s8(c1)),
+                                vmovl_high_s8(c1)};
+        for (int t = 0; t < I16_TILE; t++)
+            if (t < mt) {
+                const int16x8_t y = vreinterpretq_s16_s32(vdupq_n_s32(xq[(size_t)t * pairs + j]));
+                for (int q = 0; q < 4; q++) { /* products, then each row's pair added: exact int32 sums */
+                    const int32x4_t lo = vmull_s16(vget_low_s16(w[q]), vget_low_s16(y));
+                    const int32x4_t hi = vmull_high_s16(w[q], y);
+                    a[t][q] = vaddq_s32(a[t][q], vpaddq_s32(lo, hi));
+                }
+            }
+    }
+    for (int t = 0; t < mt; t++)
+        for (int q = 0; q < 4; q++) vst1q_s32(acc + 16 * t + 4 * q, a[t][q]);
 #else
     for (int t = 0; t < mt; t++)
         for (int i = 0; i < 16; i++) {

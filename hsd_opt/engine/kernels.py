@@ -24,26 +24,28 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 
+from hsd_opt.engine import variants
 from hsd_opt.engine.interface import EXACT_PASS
 from hsd_opt.engine.state import DecodeState, Rows
+from hsd_opt.engine.variants import Variant
 from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Q8, Mat, ModelWeights
 from hsd_opt.errors import HsdError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 13
+ABI_VERSION = 14
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes on the kernels too (in calls of at most
 #: :data:`BATCH_ROWS` positions).
@@ -70,9 +72,6 @@ BATCH_ROWS = 256
 #: What the torch path costs where the kernels are unavailable, for the warning that says so
 #: (docs/results.md, "the decode kernels against the torch path"; benchmarks/torch_path.py).
 TORCH_PATH_SLOWDOWN = "about 2x slower per float32 step, 5x per int4 step"
-
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
-
 
 class _CMat(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
@@ -103,53 +102,59 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_key() -> str:
-    """What ``-march=native`` depends on: the CPU's feature flags (Linux), else the processor name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def openmp_wanted() -> bool:
+    """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler without it, Apple's clang,
+    gets anyway: the kernels then run on the calling thread)."""
+    return os.environ.get("HSD_OPENMP", "1").strip().lower() not in ("0", "off", "no", "false")
 
 
-def library_path(cc: str, portable: bool = False) -> Path:
-    """Where the compiled library for this source, compiler (``cc``) and CPU lives in the cache directory."""
+def flags(variant: Variant, openmp: bool = True) -> list[str]:
+    """The compiler flags of ``variant``'s library: explicit instruction sets, never ``-march=native``."""
+    return [*variants.COMMON_FLAGS, *variant.flags, *(["-fopenmp"] if openmp else [])]
+
+
+def library_path(cc: str, variant: Variant | str = "portable", openmp: bool = True) -> Path:
+    """Where the library of ``variant`` built by ``cc`` (with or without OpenMP) lives in the cache directory:
+    keyed by the source, the compiler's version and the flags (explicit, so one cache serves every CPU that runs
+    the variant)."""
     from hsd_opt.cache import cache_dir
 
+    variant = variants.BY_NAME[variant] if isinstance(variant, str) else variant
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = cc
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_key().encode(),
-                 platform.machine().encode(), b"portable" if portable else b""):
+    for part in (SOURCE.read_bytes(), " ".join(flags(variant, openmp)).encode(), version.encode(),
+                 variants.machine().encode()):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / "kernels" / h.hexdigest()[:16] / "hsd_kernels.so"
+    suffix = "" if openmp else "-noomp"
+    return cache_dir() / "kernels" / h.hexdigest()[:16] / f"hsd_kernels-{variant.name}{suffix}.so"
 
 
-def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None] | None = None,
-          source: Path | None = None, defines: Sequence[str] = ()) -> Path:
-    """Compile ``kernels.c`` (or ``source``, another version of it) into ``out`` (written atomically);
-    ``portable`` leaves out the AVX2 code; ``defines``: more macros to define (``HSD_NO_AVX512``: no 16-lane tiles).
+def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable[[str], None] | None = None,
+          source: Path | None = None, defines: Sequence[str] = (), openmp: bool = True) -> Path:
+    """Compile ``kernels.c`` (or ``source``, another version of it) for ``variant`` into ``out`` (written
+    atomically); ``defines``: more macros to define; ``openmp``: with OpenMP threads.
 
     Raises:
         HsdError: the compiler failed (its message is included).
     """
+    variant = variants.BY_NAME[variant] if isinstance(variant, str) else variant
     out.parent.mkdir(parents=True, exist_ok=True)
     if log:
-        log(f"compiling the CPU decode kernels with {cc} (once per machine; a few seconds) ...")
+        log(f"compiling the CPU decode kernels ({variant.name}{'' if openmp else ', no OpenMP'}) with {cc} "
+            f"(once per machine; a few seconds) ...")
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
     source = source or SOURCE
-    cmd = [cc, *_FLAGS, *(["-DHSD_PORTABLE"] if portable else []), *(f"-D{d}" for d in defines), str(source),
-           "-o", tmp, "-lm"]
+    cmd = [cc, *flags(variant, openmp), *(f"-D{d}" for d in defines), str(source), "-o", tmp, "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
-            raise HsdError(f"compiling {source.name} failed: {(res.stderr or res.stdout).strip()[:2000]}")
+            raise HsdError(f"compiling {source.name} ({variant.name}) failed: "
+                           f"{(res.stderr or res.stdout).strip()[:2000]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -160,6 +165,7 @@ def build(cc: str, out: Path, portable: bool = False, log: Callable[[str], None]
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_version.restype = ctypes.c_int
     lib.hsd_simd.restype = ctypes.c_int
+    lib.hsd_features.restype = ctypes.c_int
     lib.hsd_layout.restype = None
     lib.hsd_layout.argtypes = [ctypes.POINTER(ctypes.c_long)]
     lib.hsd_team.restype = ctypes.c_int
@@ -211,28 +217,97 @@ def unavailable_warning(why: str) -> str:
             f"operations, {TORCH_PATH_SLOWDOWN}")
 
 
-def load(log: Callable[[str], None] | None = None, portable: bool = False) -> ctypes.CDLL | None:
+@dataclass(frozen=True)
+class KernelInfo:
+    """What the loaded kernels are: for ``hsd doctor``, ``hsd bench`` and a profile's provenance.
+
+    Attributes:
+        variant: the variant's name (:data:`~hsd_opt.engine.variants.VARIANTS`).
+        why: why this variant, in words.
+        openmp: whether the library has OpenMP threads (without, a kernel call runs on the calling thread).
+        path: the library in the cache.
+        compiler: the compiler that built it.
+    """
+
+    variant: str
+    why: str
+    openmp: bool
+    path: Path
+    compiler: str
+
+    def line(self, threads: int) -> str:
+        """One line: the variant, why, the threads a call uses (``threads``) and where the library lives."""
+        th = f"{threads} OpenMP threads" if self.openmp else "1 thread (built without OpenMP)"
+        return f"kernels: {self.variant} ({self.why}); {th}; {self.path}"
+
+
+_INFO: list = []  # [KernelInfo] of the library in _LIB
+
+
+def info() -> KernelInfo | None:
+    """The loaded kernels' :class:`KernelInfo` (loading them first), or None where they are unavailable."""
+    load()
+    return _INFO[0] if _INFO else None
+
+
+def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool]:
+    """``variant``'s library, bound and checked, and whether it has OpenMP: built with OpenMP unless
+    :func:`openmp_wanted` says no or that build fails (then without, said once to ``log``; a library built without
+    and none with in the cache means that build failed here before, and is not tried again).
+
+    Raises:
+        HsdError: the build failed (the OpenMP build's message) or the library is not this module's layout.
+    """
+    omp = openmp_wanted()
+    path = library_path(cc, variant, omp)
+    if omp and not path.is_file() and library_path(cc, variant, False).is_file():
+        omp, path = False, library_path(cc, variant, False)
+    if not path.is_file():
+        try:
+            build(cc, path, variant, log, openmp=omp)
+        except HsdError as first:
+            if not omp:
+                raise
+            omp, path = False, library_path(cc, variant, False)
+            try:
+                build(cc, path, variant, log, openmp=False)
+            except HsdError:
+                raise first from None
+            if log:
+                log(f"hsd-opt: {cc} cannot build with OpenMP; the kernels run on one thread")
+    lib = _bind(ctypes.CDLL(str(path)))
+    check_layout(lib)
+    return lib, omp
+
+
+def load(log: Callable[[str], None] | None = None, variant: str | None = None) -> ctypes.CDLL | None:
     """The kernels library (compiled on first use, then cached on disk), or None where it cannot be had: no C
     compiler, a failed build, a library whose layout differs (:func:`check_layout`), or ``HSD_KERNELS=0`` in the
-    environment. The first call says why once, in :func:`unavailable_warning`'s words: to ``log`` (the CLI's
-    stderr) when given, else as a ``RuntimeWarning``; ``HSD_KERNELS=0`` is a choice and says nothing.
-    ``log`` also hears that a build starts. ``portable`` builds the variant without AVX2 code (for tests)."""
-    if os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
+    environment. The variant is :func:`~hsd_opt.engine.variants.choose`'s (``HSD_KERNELS=<name>`` forces one);
+    ``variant`` names another to build and load, apart from the one engines use (tests, benchmarks). The first call
+    says why the kernels are unavailable once, in :func:`unavailable_warning`'s words: to ``log`` (the CLI's stderr)
+    when given, else as a ``RuntimeWarning``; ``HSD_KERNELS=0`` is a choice and says nothing. ``log`` also hears
+    that a build starts.
+
+    Raises:
+        HsdError: ``HSD_KERNELS`` names no variant, or one this CPU cannot run.
+    """
+    if variant is None and os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
         return None
     with _LOCK:
-        if not portable and _LIB:
+        if variant is None and _LIB:
             return _LIB[0]
-        lib, why = None, None
+        if variant is None:
+            chosen, reason = variants.choose()
+        else:
+            chosen, reason = variants.BY_NAME[variant], "asked for"
+        lib, why, omp = None, None, False
         cc = compiler()
         if cc is None:
             why = "no C compiler found: install gcc or clang, or set CC"
         else:
             try:
-                path = library_path(cc, portable)
-                if not path.is_file():
-                    build(cc, path, portable, log)
-                lib = _bind(ctypes.CDLL(str(path)))
-                check_layout(lib)
+                lib, omp = _load_variant(cc, chosen, log)
             except (HsdError, OSError, subprocess.SubprocessError) as e:
                 lib, why = None, str(e)
         if why is not None:
@@ -240,8 +315,10 @@ def load(log: Callable[[str], None] | None = None, portable: bool = False) -> ct
                 log(unavailable_warning(why))
             else:
                 warnings.warn(unavailable_warning(why), RuntimeWarning, stacklevel=2)
-        if not portable:
+        if variant is None:
             _LIB.append(lib)
+            if lib is not None:
+                _INFO.append(KernelInfo(chosen.name, reason, omp, library_path(cc, chosen, omp), cc))
         return lib
 
 

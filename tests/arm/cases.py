@@ -1,0 +1,206 @@
+"""Test vectors for the kernels on another instruction set (Arm, under emulation): every exported kernel's inputs
+and its outputs as this machine's portable build computes them, in one file that ``check_kernels.c`` reads,
+recomputes with its own build and compares byte for byte.
+
+    python -m tests.arm.cases OUT.bin
+
+The portable build is the reference: on x86 every variant gives its bits (``tests/test_variants.py``), and it is
+tested against the Python reference there. Format: a sequence of cases, each a tag (``linear``, ``layers``, ...)
+then its arrays in a fixed order, every array as ``u32 length of a name, the name, u64 byte count, the bytes``
+(little-endian; the driver checks each name).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine import weights as wq
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.screen import HeadScreen
+
+#: Positions of x each linear case is checked at (the driver reads the same list from the file).
+LINEAR_POSITIONS = (1, 2, 3, 4, 5, 7, 8, 9, 17)
+
+
+class Writer:
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")
+
+    def array(self, name: str, data) -> None:
+        if isinstance(data, torch.Tensor):
+            raw = data.contiguous().view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        elif data is None:
+            raw = b""
+        else:
+            raw = bytes(data)
+        self.f.write(struct.pack("<I", len(name)) + name.encode() + struct.pack("<Q", len(raw)) + raw)
+
+    def ints(self, name: str, *values: int) -> None:
+        self.array(name, struct.pack(f"<{len(values)}i", *values))
+
+    def floats(self, name: str, *values: float) -> None:
+        self.array(name, struct.pack(f"<{len(values)}f", *values))
+
+    def mat(self, mat: wq.Mat) -> None:
+        kernels._struct(mat)
+        self.ints("mat", mat.kind, mat.rows, mat.cols)
+        ts = mat.tensors + [None, None]
+        self.array("w", ts[0])
+        self.array("scale", ts[1])
+        self.array("zero", ts[2])
+        self.array("bias", mat.c[1])
+
+
+def q4_1_weights(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
+    q[..., 3], q[..., 17] = 0, 15              # each group's minimum and maximum code: quantize_q4 finds them
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(rows, cols // 32, 1, generator=g) * 0.1).half().float()
+    return (q * d + m).reshape(rows, cols)
+
+
+def q8_0_weights(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    q = torch.randint(-126, 127, (rows, cols // 32, 32), generator=g).float()
+    q[..., 5] = 127.0                          # Q8_0's quantizer gives a group's largest magnitude 127
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    return (q * d).reshape(rows, cols)
+
+
+def matrices(g: torch.Generator) -> list[wq.Mat]:
+    """One matrix of every kind the kernels read, with short last blocks, tails and biases."""
+    out = [wq.Mat.in_place(torch.randn(37, 133, generator=g), torch.randn(37, generator=g)),
+           wq.Mat.in_place(torch.randn(21, 200, generator=g).bfloat16()),
+           wq.quantize(torch.randn(22, 96, generator=g), 8, torch.randn(22, generator=g)),
+           wq.quantize(torch.randn(19, 160, generator=g), 4),
+           wq.quantize(torch.randn(9, 40, generator=g), 8)]                # int8 without whole groups
+    w4 = q4_1_weights(37, 96, g)
+    out.append(wq.exact_int4(wq.Mat.in_place(w4, torch.randn(37, generator=g)), wq.quantize_q4(w4)))
+    out.append(wq.exact_int8(wq.Mat.in_place(q8_0_weights(23, 128, g))))
+    assert all(m is not None for m in out)
+    return out
+
+
+def layers_case(w: Writer, lib, g: torch.Generator) -> None:
+    """Two passes of a tiny model's layers (3 then 4 positions), its projections in the exact int4 form."""
+    from tests.helpers import make_tiny_llama
+
+    model = make_tiny_llama(seed=4, vocab_size=64, layers=2, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in wq.linears(layer).values():
+                lin.weight.copy_(q4_1_weights(*lin.weight.shape, g))
+    saved = list(kernels._LIB)
+    kernels._LIB[:] = [kernels.load(variant="avx2") if _runs("avx2") else lib]
+    try:
+        eng = LayeredLM(model, kernels=True)
+    finally:
+        kernels._LIB[:] = saved
+    kp = eng._kernels
+    n_layers, hd = eng.n_layers, eng.head_dim
+    w.ints("model", kp.c.n_heads, kp.c.n_kv, kp.c.head_dim, kp.c.hidden, kp.c.inter, n_layers)
+    w.floats("eps", kp.c.eps1, kp.c.eps2)
+    per = len(wq.PROJECTIONS) + 2
+    for i in range(n_layers):
+        for mat in kp._keep[i * per:i * per + len(wq.PROJECTIONS)]:
+            w.mat(mat)
+        w.array("ln1", kp._keep[i * per + len(wq.PROJECTIONS)])
+        w.array("ln2", kp._keep[i * per + len(wq.PROJECTIONS) + 1])
+    cache_len = 12
+    kc = [torch.zeros(kp.c.n_kv, cache_len, hd) for _ in range(n_layers)]
+    vc = [torch.zeros(kp.c.n_kv, cache_len, hd) for _ in range(n_layers)]
+    kptr, vptr = kernels.cache_ptrs(kc), kernels.cache_ptrs(vc)
+    w.ints("passes", 2, cache_len)
+    start = 0
+    for m in (3, 4):
+        x = torch.randn(m, kp.c.hidden, generator=g)
+        pos = torch.arange(start, start + m, dtype=torch.int32)
+        cos, sin = torch.randn(m, hd, generator=g), torch.randn(m, hd, generator=g)
+        w.ints("pass", m, start)
+        w.array("x", x)
+        w.array("cos", cos)
+        w.array("sin", sin)
+        out = x.clone()
+        seq = torch.zeros(m, dtype=torch.int32)
+        lens = torch.tensor([cache_len], dtype=torch.int32)
+        work = torch.empty(int(lib.hsd_work_floats(ctypes.byref(kp.c), m, cache_len, 2)))
+        kcs = (ctypes.c_void_p * 1)(ctypes.addressof(kptr))
+        vcs = (ctypes.c_void_p * 1)(ctypes.addressof(vptr))
+        rc = lib.hsd_layers(ctypes.byref(kp.c), 0, n_layers, out.data_ptr(), m, pos.data_ptr(), seq.data_ptr(),
+                            cos.data_ptr(), sin.data_ptr(), kcs, vcs, lens.data_ptr(), work.data_ptr(), 2)
+        assert rc == 0
+        w.array("out", out)
+        start += m
+
+
+def _runs(name: str) -> bool:
+    from hsd_opt.engine import variants
+
+    return not variants.missing(variants.BY_NAME[name], variants.cpu_features())
+
+
+def write(path: Path) -> None:
+    lib = kernels.load(variant="portable")
+    g = torch.Generator().manual_seed(2026)
+    w = Writer(path)
+    for mat in matrices(g):
+        w.array("case", b"linear")
+        w.mat(mat)
+        x = torch.randn(max(LINEAR_POSITIONS), mat.cols, generator=g)
+        w.ints("positions", *LINEAR_POSITIONS)
+        w.array("x", x)
+        for m in LINEAR_POSITIONS:
+            w.array("y", kernels.linear(lib, mat, x[:m]))
+    w.array("case", b"layers")
+    layers_case(w, lib, g)
+    # the greedy screen of a float32 head: int16 read, bounds, picks; and the exact rows
+    head = wq.Mat.in_place(torch.randn(1001, 96, generator=g) * 0.05)
+    screen = HeadScreen(lib, head)
+    x = torch.randn(6, 96, generator=g)
+    a = kernels.screen_i16(lib, screen.packed, screen.scale, head.rows, x)
+    e = kernels.screen_bounds(lib, x, screen.c, screen.wnorm, screen.q16)
+    ids = kernels.screen_pick(lib, head, x, a, screen.c, screen.wnorm, 1024, screen.q16)
+    assert a is not None and e is not None and ids is not None
+    w.array("case", b"screen")
+    w.mat(head)
+    w.ints("shape", head.rows, head.cols, x.shape[0], screen.q16)
+    w.array("packed", screen.packed)
+    w.array("rowscale", screen.scale)
+    w.array("c", screen.c)
+    w.array("wnorm", screen.wnorm)
+    w.array("x", x)
+    w.array("a", a)
+    w.array("e", e)
+    w.array("ids", ids)
+    rows = torch.tensor([5, 17, 999, 0, 3, 3], dtype=torch.int64)
+    positions = torch.tensor([0, 0, 1, 2, 2, 5], dtype=torch.int64)
+    w.array("rows", rows)
+    w.array("positions", positions)
+    w.array("picked", kernels.rows_f32(lib, head, rows, positions, x))
+    # the small ones: RMSNorm and e^x
+    x = torch.randn(5, 77, generator=g) * 3
+    nw = torch.randn(77, generator=g)
+    w.array("case", b"norm")
+    w.ints("shape", 5, 77)
+    w.array("x", x)
+    w.array("weight", nw)
+    w.array("out", kernels.rms_norm(lib, x, nw, 1e-5))
+    xs = torch.cat([torch.linspace(-100, 100, 997), torch.randn(300, generator=g) * 20])
+    ys = torch.empty_like(xs)
+    lib.hsd_exp_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.hsd_exp_rows(xs.data_ptr(), xs.numel(), ys.data_ptr())
+    w.array("case", b"exp")
+    w.ints("n", xs.numel())
+    w.array("x", xs)
+    w.array("y", ys)
+    w.array("case", b"end")
+    w.f.close()
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]))

@@ -1,0 +1,167 @@
+/* Runs every exported kernel of kernels.c, built for this machine's instruction set, on the cases that
+ * tests/arm/cases.py wrote, and compares each output with the one stored there byte for byte (the portable
+ * build's, which every x86 variant equals). Built with the kernels in one translation unit:
+ *
+ *     CC -O2 -ffp-contract=off -std=c11 [variant flags] [-fopenmp] tests/arm/check_kernels.c -o check -lm
+ *     ./check cases.bin      (on Arm: qemu-aarch64 -L /usr/aarch64-linux-gnu ./check cases.bin)
+ *
+ * Prints one line per case and "N passed, N failed"; exits 1 when a case failed, 2 on a malformed file. */
+#include "../../hsd_opt/engine/kernels.c"
+
+#include <stdio.h>
+
+static FILE *in;
+static int failed, passed;
+
+typedef struct {
+    void *p;
+    size_t n;
+} arr_t;
+
+static void die(const char *what) {
+    fprintf(stderr, "check_kernels: %s\n", what);
+    exit(2);
+}
+
+/* The next array, which must be named `name` (its bytes kept until the end: a few MB in all). */
+static arr_t next(const char *name) {
+    uint32_t len;
+    char tag[64];
+    uint64_t n;
+    if (fread(&len, 4, 1, in) != 1 || len >= sizeof tag || fread(tag, 1, len, in) != len) die("truncated file");
+    tag[len] = 0;
+    if (strcmp(tag, name)) {
+        fprintf(stderr, "check_kernels: expected array '%s', found '%s'\n", name, tag);
+        exit(2);
+    }
+    if (fread(&n, 8, 1, in) != 1) die("truncated file");
+    arr_t a = {n ? malloc(n) : NULL, (size_t)n};
+    if (n && fread(a.p, 1, n, in) != n) die("truncated file");
+    return a;
+}
+
+static void check(const char *what, const void *got, const arr_t *want, size_t bytes) {
+    const int ok = want->n == bytes && memcmp(got, want->p, bytes) == 0;
+    printf("%s %s\n", ok ? "ok    " : "FAILED", what);
+    ok ? passed++ : failed++;
+}
+
+static hsd_mat read_mat(void) {
+    arr_t h = next("mat");
+    const int32_t *v = h.p;
+    hsd_mat A = {v[0], v[1], v[2], 0, next("w").p, next("scale").p, next("zero").p, NULL};
+    A.bias = next("bias").p;
+    return A;
+}
+
+static void linear_case(int nt) {
+    hsd_mat A = read_mat();
+    arr_t pos = next("positions"), x = next("x");
+    float *work = malloc(sizeof(float) * (size_t)nt * HSD_SCRATCH_ROWS * A.cols);
+    for (size_t i = 0; i < pos.n / 4; i++) {
+        const int m = ((int32_t *)pos.p)[i];
+        arr_t want = next("y");
+        float *y = calloc((size_t)m * A.rows, sizeof(float));
+        char what[96];
+        snprintf(what, sizeof what, "hsd_linear type %d [%d x %d] at %d positions", A.type, A.rows, A.cols, m);
+        if (hsd_linear(&A, x.p, m, y, work, nt) != 0) die("hsd_linear refused its arguments");
+        check(what, y, &want, sizeof(float) * (size_t)m * A.rows);
+        free(y);
+    }
+    free(work);
+}
+
+static void layers_case(int nt) {
+    const int32_t *mv = next("model").p;
+    const float *eps = next("eps").p;
+    const int L = mv[5];
+    hsd_layer *layers = calloc(L, sizeof(hsd_layer));
+    for (int l = 0; l < L; l++) {
+        hsd_mat *m[7] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate, &layers[l].up,
+                         &layers[l].down};
+        for (int i = 0; i < 7; i++) *m[i] = read_mat();
+        layers[l].ln1 = next("ln1").p;
+        layers[l].ln2 = next("ln2").p;
+    }
+    hsd_model M = {mv[0], mv[1], mv[2], mv[3], mv[4], 0, eps[0], eps[1], layers};
+    const int32_t *pv = next("passes").p;
+    const int passes = pv[0], cache_len = pv[1];
+    float **kc = malloc(L * sizeof(float *)), **vc = malloc(L * sizeof(float *));
+    for (int l = 0; l < L; l++) {
+        kc[l] = calloc((size_t)M.n_kv * cache_len * M.head_dim, sizeof(float));
+        vc[l] = calloc((size_t)M.n_kv * cache_len * M.head_dim, sizeof(float));
+    }
+    float *const *kcs[1] = {kc}, *const *vcs[1] = {vc};
+    for (int p = 0; p < passes; p++) {
+        const int32_t *hv = next("pass").p;
+        const int m = hv[0], start = hv[1];
+        arr_t x = next("x"), cs = next("cos"), sn = next("sin"), want = next("out");
+        int32_t *pos = malloc(m * sizeof(int32_t)), *seq = calloc(m, sizeof(int32_t)), lens[1] = {cache_len};
+        for (int t = 0; t < m; t++) pos[t] = start + t;
+        float *work = malloc(sizeof(float) * (size_t)hsd_work_floats(&M, m, cache_len, nt));
+        if (hsd_layers(&M, 0, L, x.p, m, pos, seq, cs.p, sn.p, kcs, vcs, lens, work, nt) != 0)
+            die("hsd_layers refused its arguments");
+        char what[96];
+        snprintf(what, sizeof what, "hsd_layers %d layers, pass %d (%d positions from %d)", L, p, m, start);
+        check(what, x.p, &want, x.n);
+        free(work);
+    }
+}
+
+static void screen_case(int nt) {
+    hsd_mat head = read_mat();
+    const int32_t *sh = next("shape").p;
+    const int V = sh[0], K = sh[1], m = sh[2], q16 = sh[3];
+    arr_t packed = next("packed"), scale = next("rowscale"), c = next("c"), wn = next("wnorm"), x = next("x");
+    arr_t wa = next("a"), we = next("e"), wids = next("ids");
+    float *a = malloc(sizeof(float) * (size_t)m * V), *e = malloc(sizeof(float) * (size_t)m * V);
+    int64_t *ids = malloc(sizeof(int64_t) * m);
+    if (hsd_screen_i16(packed.p, scale.p, V, K, x.p, m, a, nt) != 0) die("hsd_screen_i16 refused its arguments");
+    check("hsd_screen_i16", a, &wa, sizeof(float) * (size_t)m * V);
+    if (hsd_screen_bounds(x.p, m, K, q16, c.p, wn.p, V, e) != 0) die("hsd_screen_bounds refused its arguments");
+    check("hsd_screen_bounds", e, &we, sizeof(float) * (size_t)m * V);
+    if (hsd_screen_pick(&head, x.p, m, q16, wa.p, c.p, wn.p, 1024, ids, nt) != 0)
+        die("hsd_screen_pick refused its arguments");
+    check("hsd_screen_pick", ids, &wids, sizeof(int64_t) * m);
+    arr_t rows = next("rows"), positions = next("positions"), want = next("picked");
+    const int n = (int)(rows.n / 8);
+    float *y = malloc(sizeof(float) * n);
+    if (hsd_rows_f32(&head, rows.p, positions.p, n, x.p, y) != 0) die("hsd_rows_f32 refused its arguments");
+    check("hsd_rows_f32", y, &want, sizeof(float) * n);
+}
+
+static void norm_case(void) {
+    const int32_t *sh = next("shape").p;
+    arr_t x = next("x"), w = next("weight"), want = next("out");
+    float *out = malloc(x.n);
+    hsd_rms_norm(x.p, sh[0], sh[1], w.p, 1e-5f, out);
+    check("hsd_rms_norm", out, &want, x.n);
+}
+
+static void exp_case(void) {
+    const int n = *(const int32_t *)next("n").p;
+    arr_t x = next("x"), want = next("y");
+    float *y = malloc(sizeof(float) * n);
+    hsd_exp_rows(x.p, n, y);
+    check("hsd_exp_rows", y, &want, sizeof(float) * n);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 || !(in = fopen(argv[1], "rb"))) die("usage: check_kernels CASES.bin");
+    const int nt = 2;
+    printf("build: hsd_simd %d, hsd_features %d\n", hsd_simd(), hsd_features());
+    for (;;) {
+        arr_t c = next("case");
+        char kind[16] = {0};
+        memcpy(kind, c.p, c.n < 15 ? c.n : 15);
+        if (!strcmp(kind, "end")) break;
+        if (!strcmp(kind, "linear")) linear_case(nt);
+        else if (!strcmp(kind, "layers")) layers_case(nt);
+        else if (!strcmp(kind, "screen")) screen_case(nt);
+        else if (!strcmp(kind, "norm")) norm_case();
+        else if (!strcmp(kind, "exp")) exp_case();
+        else die("unknown case");
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

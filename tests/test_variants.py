@@ -1,0 +1,58 @@
+"""Which kernel variant a CPU gets (``hsd_opt.engine.variants``): the widest it runs, or the one ``HSD_KERNELS``
+names, refused with what the CPU lacks; and the loaded library is that variant, with explicit flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsd_opt.engine import kernels, variants
+from hsd_opt.errors import HsdError
+
+ZEN3 = "flags\t\t: fpu sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2\n"
+ZEN4 = ZEN3.rstrip() + " avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
+SKYLAKE_X = ZEN3.rstrip() + " avx512f avx512dq avx512bw avx512vl\n"
+ALDER_LAKE = ZEN3.rstrip() + " avx_vnni\n"
+GRAVITON3 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp sve\n"
+CORTEX_A72 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid\n"
+
+
+@pytest.mark.parametrize("cpuinfo,arch,want", [
+    (ZEN3, "x86_64", "avx2"), (ZEN4, "x86_64", "avx512-vnni"), (SKYLAKE_X, "x86_64", "avx512"),
+    (ALDER_LAKE, "x86_64", "avx2-vnni"), (GRAVITON3, "aarch64", "neon-dotprod"), (CORTEX_A72, "aarch64", "neon"),
+    ("flags\t: fpu sse2\n", "x86_64", "portable"), ("", "riscv64", "portable")])
+def test_the_widest_variant_the_cpu_runs_is_chosen(cpuinfo, arch, want):
+    v, why = variants.choose(variants.cpu_features(cpuinfo), forced="", arch=arch)
+    assert v.name == want and why
+    if want == "avx2":
+        assert "avx_vnni" in why                    # why not the next wider one
+
+
+def test_a_forced_variant_is_taken_or_refused_naming_what_the_cpu_lacks(monkeypatch):
+    zen3 = variants.cpu_features(ZEN3)
+    assert variants.choose(zen3, forced="portable", arch="x86_64")[0].name == "portable"
+    with pytest.raises(HsdError, match=r"HSD_KERNELS=avx512: this CPU lacks avx512f.*it runs avx2, portable"):
+        variants.choose(zen3, forced="avx512", arch="x86_64")
+    with pytest.raises(HsdError, match="lacks an aarch64 CPU"):
+        variants.choose(zen3, forced="neon", arch="x86_64")
+    with pytest.raises(HsdError, match="HSD_KERNELS=avx3: no such kernel variant"):
+        variants.choose(zen3, forced="avx3", arch="x86_64")
+    monkeypatch.setenv("HSD_KERNELS", "portable")
+    assert variants.choose(zen3, arch="x86_64")[0].name == "portable"
+
+
+def test_every_variant_has_explicit_flags_and_names_its_bits():
+    for v in variants.VARIANTS:
+        flags = kernels.flags(v)
+        assert "-march=native" not in flags and "-ffp-contract=off" in flags and "-fopenmp" in flags
+        assert "-fopenmp" not in kernels.flags(v, openmp=False)
+    assert variants.VARIANTS[-1].name == "portable" and variants.VARIANTS[-1].features == 0
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler here: the kernels cannot be built")
+def test_the_loaded_library_is_the_chosen_variant():
+    chosen, why = variants.choose()
+    info = kernels.info()
+    assert info.variant == chosen.name and info.why == why
+    assert kernels.load().hsd_features() & ~variants.OPENMP == chosen.features
+    assert info.path.is_file() and chosen.name in info.path.name
+    assert info.variant in info.line(2) and str(info.path) in info.line(2)
