@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from hsd_opt.commands import bench, heads, models, profile, run, serve, solve
+from hsd_opt.commands import bench, doctor, heads, models, profile, run, serve, solve
 from hsd_opt.console import error
 from hsd_opt.errors import HsdError
 
@@ -32,6 +32,14 @@ app.command("run")(run.run_cmd)
 app.command("bench")(bench.bench_cmd)
 app.command("serve")(serve.serve_cmd)
 app.add_typer(heads.app, name="heads")
+app.command("doctor")(doctor.doctor_cmd)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=doctor.version_callback, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Latency-optimal Hierarchical Speculative Decoding: profile drafters, solve for the best hierarchy, decode
+    losslessly."""
 
 
 def main() -> None:

@@ -1,0 +1,77 @@
+"""``hsd doctor``: what runs on this machine. The package and its main dependencies, the CPU and the kernel variant
+chosen for it (and why), the threads a kernel call uses, where the compiled library is cached, and what the
+engines fall back to where the kernels are unavailable. ``hsd --version`` prints the package's version line."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import typer
+
+from hsd_opt.console import console
+from hsd_opt.version import __version__
+
+
+def version_line() -> str:
+    """``hsd-opt X.Y.Z (Python A.B.C, platform)``."""
+    return f"hsd-opt {__version__} (Python {platform.python_version()}, {platform.system()} {platform.machine()})"
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        console.print(version_line())
+        raise typer.Exit()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def system_lines() -> list[str]:
+    """The lines ``hsd doctor`` prints (also what a profile's provenance and ``hsd bench`` record in words)."""
+    import torch
+
+    from hsd_opt.cache import cache_dir
+    from hsd_opt.engine import kernels, variants
+
+    feats = variants.cpu_features()
+    runs = [v.name for v in variants.runnable(feats)]
+    lines = [version_line(),
+             f"torch {torch.__version__}; {torch.get_num_threads()} threads; CUDA "
+             f"{'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available'}",
+             f"cpu: {_cpu_name()}; {variants.machine()}; "
+             f"{' '.join(sorted(f for f in feats if f in _SHOWN)) or 'no SIMD features read'}",
+             f"variants this CPU runs: {', '.join(runs)}"]
+    info = kernels.info()
+    if info is None:
+        lines.append("kernels: unavailable (HSD_KERNELS=0, or see the line above): decoding on the CPU uses torch's "
+                     f"operations, {kernels.TORCH_PATH_SLOWDOWN}")
+    else:
+        lines.append(info.line(torch.get_num_threads()))
+        lines.append(f"compiler: {info.compiler}; HSD_KERNELS=<variant> forces one, HSD_OPENMP=0 builds without "
+                     f"OpenMP")
+    lines.append(f"cache: {cache_dir()}")
+    return lines
+
+
+_SHOWN = {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "asimd",
+          "asimddp", "sve"}
+
+
+def doctor_cmd() -> None:
+    """Print what runs here: the kernel variant for this CPU and why, threads, the library's cache, versions."""
+    from hsd_opt.console import err_console
+    from hsd_opt.engine import kernels
+
+    kernels.load(log=lambda m: err_console.print(m))
+    for line in system_lines():
+        console.print(line, soft_wrap=True)
+    sys.stdout.flush()
