@@ -29,6 +29,12 @@ PLAN_FORMAT = "hsd-plan/1"
 KNOWN_KINDS = ("target", "early_exit", "model", "quantized", "ngram_context", "bigram_model", "aded", "mixed_ngram")
 
 
+#: Positions of the longest pass after a prompt that an engine computes as its one-position steps compute them
+#: (the kernels' pass): a hierarchy's budgets keep every verification within it, so the target's tokens are its
+#: greedy steps' at any budget. Here, below the engines, so that ``hsd solve`` checks ``--tmax`` without torch.
+EXACT_PASS = 64
+
+
 @dataclass
 class ModelEntry:
     """One drafter (or the target) in a profile.

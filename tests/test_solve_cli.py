@@ -217,3 +217,17 @@ def test_min_gain_keeps_a_deeper_level_only_if_it_pays_enough(tmp_path):
     for bad in ("-0.1", "1.5"):
         res = run("solve", "--profile", DATA / "example_profile.json", "--min-gain", bad)
         assert res.exit_code == 2 and "--min-gain" in out_of(res)
+
+
+def test_solve_does_not_import_torch(tmp_path):
+    """`hsd solve` reads a profile and writes a plan with numpy alone: loading torch would cost seconds."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hsd_opt.cli import app\n"
+            f"app(['solve', '--profile', {str(DATA / 'example_profile.json')!r}, '--tmax', '10', '--out', "
+            f"{str(tmp_path / 'plan.json')!r}], standalone_mode=False)\n"
+            "print('torch' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False" and (tmp_path / "plan.json").is_file()

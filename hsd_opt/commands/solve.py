@@ -11,7 +11,7 @@ from rich.table import Table
 from hsd_opt.commands.common import cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import load_plan, load_profile, plan_from_dict, save_plan
+from hsd_opt.formats import EXACT_PASS, load_plan, load_profile, plan_from_dict, save_plan
 from hsd_opt.solver.batch import LOAD_MIN_GAIN
 
 
@@ -155,7 +155,6 @@ def solve_cmd(
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
-    from hsd_opt.engine.interface import EXACT_PASS
     from hsd_opt.solver.api import SOLVERS, solve
     from hsd_opt.solver.batch import solve_loads
     from hsd_opt.solver.tasks import profile_tasks, solve_tasks, task_positions, task_profile

@@ -12,14 +12,11 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 import torch
 
 from hsd_opt.engine.state import DecodeState, Rows
+from hsd_opt.formats import EXACT_PASS  # noqa: F401  (the engines' name for it)
 
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
-#: Positions of the longest pass after a prompt that an engine computes as its one-position steps compute them
-#: (the kernels' pass): a hierarchy's budgets keep every verification within it, so the target's tokens are its
-#: greedy steps' at any budget.
-EXACT_PASS = 64
 
 
 class Backend(Protocol):
