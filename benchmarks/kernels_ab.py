@@ -77,9 +77,13 @@ def main() -> None:
         sys.exit("the kernels are unavailable here (no C compiler, or HSD_KERNELS=0)")
     if not float32_baseline:
         lib_path = Path(tempfile.mkdtemp(prefix="hsd-kernels-ab-")) / "baseline.so"
-        kernels.build(cc, lib_path, source=base_src)
+        kernels.build(cc, lib_path, kernels.info().variant, source=base_src)     # the same instruction set
         base_lib = kernels._bind(ctypes.CDLL(str(lib_path)))
-        kernels.check_layout(base_lib)
+        got = (ctypes.c_long * 6)()
+        base_lib.hsd_layout(got)
+        if list(got)[1:] != kernels.expected_layout()[1:]:     # the version may differ; the structs may not
+            sys.exit(f"--baseline: its structs are laid out as {list(got)}, this tree's as "
+                     f"{kernels.expected_layout()}")
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     engines = {"candidate": LayeredLM(loaded.model)}    # reads the exact int4 form where the model has one

@@ -324,6 +324,18 @@ class Provenance:
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
+    @property
+    def threads(self) -> int | None:
+        """The torch threads the profile's costs were measured with (None: not recorded)."""
+        v = self.extra.get("torch_threads")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def kernel_variant(self) -> str | None:
+        """The CPU kernel variant the profile's costs were measured on (None: not recorded, or no kernels)."""
+        v = self.extra.get("kernels")
+        return v.get("variant") if isinstance(v, dict) and isinstance(v.get("variant"), str) else None
+
     def to_dict(self) -> dict[str, Any]:
         fields = {"model": self.model, "revision": self.revision, "heads": self.heads, "device": self.device,
                   "dtype": self.dtype, "target_precision": self.target_precision, "temperature": self.temperature,

@@ -177,10 +177,13 @@ def bench_cmd(
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
                     assistant=assistant, retime=retime_profile, retime_source=str(retime))
     rep["model"] = loaded.provenance()
+    from hsd_opt.engine import kernels
+
+    rep["kernels"] = kernels.provenance(loaded.device)
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
     how = "greedy" if sampling.greedy else f"sampling T={temperature:g}, top-p {top_p:g}, seed {seed}"
     title = (f"hsd bench: {len(items)} prompts ({n_gen} generations, turns: {turns}) x {max_new_tokens} tokens, "
-             f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads)")
+             f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads{_variant(rep)})")
     tables, notes = bench_tables(rep, title)
     for table in tables:
         console.print(table)
@@ -191,6 +194,12 @@ def bench_cmd(
     if rep.get("matches_reference_note"):
         console.print(f"=ref: {rep['matches_reference_note']}")
     write_outputs(rep, json_out, plot, plot_report)
+
+
+def _variant(rep: dict) -> str:
+    """``, <variant> kernels`` for a report's title (nothing where the kernels did not run)."""
+    k = rep.get("kernels")
+    return f", {k['variant']} kernels" if k else ""
 
 
 def write_outputs(rep: dict, json_out: Optional[Path], plot: Optional[Path], draw) -> None:
@@ -240,6 +249,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     from rich import box
     from rich.table import Table
 
+    from hsd_opt.engine import kernels
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
     from hsd_opt.runtime.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
@@ -281,10 +291,11 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
         rep["retime"] = retimed
     rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "plan": str(plan), "model": loaded.provenance(), "device": str(loaded.device),
-                "torch_threads": torch.get_num_threads()})
+                "torch_threads": torch.get_num_threads(), "kernels": kernels.provenance(loaded.device)})
     t = Table(title=f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
                     f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} ({loaded.model_id}, "
-                    f"{loaded.device}, {rep['torch_threads']} threads)", box=box.SIMPLE_HEAD, pad_edge=False)
+                    f"{loaded.device}, {rep['torch_threads']} threads{_variant(rep)})", box=box.SIMPLE_HEAD,
+              pad_edge=False)
     cols = ["clients", "method", "agg", "x batch1", "x plain", "ttft p50", "ttft p95", "stream", "pred"]
     cols += ["pred run", "agg/pred run"] if predictor is not None else []
     for col in cols + ["=target"]:

@@ -4,12 +4,13 @@ loading a plan with its model (`hsd run`, `hsd bench`)."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import typer
 
-from hsd_opt.console import error
+from hsd_opt.console import error, warn
 from hsd_opt.errors import HsdError
 
 if TYPE_CHECKING:
@@ -72,7 +73,26 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto")
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
+    warn_machine(plan, loaded.device)
     return plan, loaded
+
+
+def warn_machine(plan, device: str) -> None:
+    """Warn where this run's threads or CPU kernel variant differ from those the plan's costs were measured with:
+    its predicted speed then may not hold here (profile again on this machine)."""
+    import torch
+
+    from hsd_opt.models.loading import resolve_device
+    from hsd_opt.runtime.runner import machine_differences
+
+    if resolve_device(str(device)).type != "cpu":
+        return
+    from hsd_opt.engine import kernels
+
+    info = kernels.info() if os.environ.get("HSD_KERNELS", "1").strip().lower() not in ("0", "off", "no",
+                                                                                          "false") else None
+    for d in machine_differences(plan, torch.get_num_threads(), info.variant if info else None):
+        warn(f"{d}: its predicted speed may not hold here (profile again on this machine)")
 
 
 def prepare_kernels(device: str) -> None:

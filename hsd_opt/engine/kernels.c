@@ -1016,7 +1016,9 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
  * de-quantized in registers as the FMAs go, fma(code, scale, minimum) (expand_row's operation, so the same float32
  * values), and multiplied into the row's one 8-lane accumulator per position, over the columns in order, then
  * hsum8: the operations of dots4 on expand_row's values, so every element is bit for bit theirs. The weights never
- * pass through memory: per 8 weights one code load, one conversion, one FMA to de-quantize and P to multiply. */
+ * pass through memory. A byte holds a code of each group of a pair (low nibble: the first), so one widening load
+ * serves 16 weights: the second group's codes wait in registers while the first group's columns are summed. Per 8
+ * weights: half a widening load, a mask or shift, a conversion, one FMA to de-quantize and P to multiply. */
 static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat *A, int r, int n, const float *x,
                                                                    int xs, int P, float *s) {
     const int G = A->cols / HSD_GROUP;
@@ -1033,26 +1035,42 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat
     for (int i = 0; i < 4; i++)
 #pragma GCC unroll 3
         for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
+/* acc[i][p] += fma(code vector v of row i, its group's scale, minimum) * x_p at column c */
+#define Q4F_COLS(v, i, g, c)                                                                                     \
+    do {                                                                                                         \
+        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&sf[i][g]),                 \
+                                         _mm256_broadcast_ss(&zf[i][g]));                                        \
+        for (int p = 0; p < P; p++) acc[i][p] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)p * xs + (c)),    \
+                                                                acc[i][p]);                                      \
+    } while (0)
+    int g = 0;
+    for (; g + 1 < G; g += 2) {
         const size_t off = (size_t)(g / 2) * 64;
-        const int odd = g & 1;
+        __m256i hi[4][4]; /* the second group's codes */
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) { /* 8 columns of the group */
-            const int c = HSD_GROUP * g + 8 * k;
-            __m256 u[3];
-#pragma GCC unroll 3
-            for (int p = 0; p < P; p++) u[p] = _mm256_loadu_ps(x + (size_t)p * xs + c);
+        for (int k = 0; k < 4; k++)
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
-                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
-                v = odd ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
-                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&sf[i][g]),
-                                                 _mm256_broadcast_ss(&zf[i][g]));
-#pragma GCC unroll 3
-                for (int p = 0; p < P; p++) acc[i][p] = _mm256_fmadd_ps(w, u[p], acc[i][p]);
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
+                hi[i][k] = _mm256_srli_epi32(v, 4);
+                Q4F_COLS(_mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
             }
-        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) Q4F_COLS(hi[i][k], i, g + 1, HSD_GROUP * (g + 1) + 8 * k);
     }
+    if (g < G) { /* an odd last group: the low nibbles of its pair's bytes */
+        const size_t off = (size_t)(g / 2) * 64;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
+                Q4F_COLS(_mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
+            }
+    }
+#undef Q4F_COLS
 #pragma GCC unroll 3
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 4

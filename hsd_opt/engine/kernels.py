@@ -165,7 +165,10 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_version.restype = ctypes.c_int
     lib.hsd_simd.restype = ctypes.c_int
-    lib.hsd_features.restype = ctypes.c_int
+    try:
+        lib.hsd_features.restype = ctypes.c_int
+    except AttributeError:          # a library of an older kernels.c (benchmarks/kernels_ab.py's baseline)
+        pass
     lib.hsd_layout.restype = None
     lib.hsd_layout.argtypes = [ctypes.POINTER(ctypes.c_long)]
     lib.hsd_team.restype = ctypes.c_int
@@ -248,6 +251,16 @@ def info() -> KernelInfo | None:
     """The loaded kernels' :class:`KernelInfo` (loading them first), or None where they are unavailable."""
     load()
     return _INFO[0] if _INFO else None
+
+
+def provenance(device: str | torch.device) -> dict | None:
+    """What a profile or a benchmark records of the CPU decode kernels on ``device``: ``{"variant", "openmp"}``
+    (None: not the CPU, ``HSD_KERNELS=0``, or the kernels are unavailable)."""
+    off = os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+    if off or torch.device(device).type != "cpu":
+        return None
+    i = info()
+    return None if i is None else {"variant": i.variant, "openmp": i.openmp}
 
 
 def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool]:

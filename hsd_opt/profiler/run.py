@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hsd_opt.engine import kernels
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, save_profile
@@ -89,22 +90,51 @@ class ProfileConfig:
     threads: int = 0                                # CPU threads for torch (0: torch's default)
 
 
-def set_threads(threads: int, warn: Callable[[str], None]) -> str:
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores (``/proc/stat``; None elsewhere)."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)          # idle + iowait
+    return (sum(fields[:8]) - idle) / hz, sum(fields[:8]) / hz
+
+
+def busy_cores_now(seconds: float = 0.5) -> float | None:
+    """Cores other processes keep busy now: the machine's busy CPU time over the next ``seconds`` less this
+    process's own, per second (``/proc/stat``; None where it cannot be read). What the machine does now, not the
+    1-minute load average, which still counts a job that ended a minute ago."""
+    a, own_a = _cpu_seconds(), time.process_time()
+    if a is None:
+        return None
+    time.sleep(seconds)
+    b, own_b = _cpu_seconds(), time.process_time()
+    if b is None or b[1] <= a[1]:
+        return None
+    wall = (b[1] - a[1]) / (os.cpu_count() or 1)                     # seconds of each core's clock
+    return max(0.0, ((b[0] - a[0]) - (own_b - own_a)) / wall)
+
+
+def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], float | None] = busy_cores_now) -> str:
     """``threads > 0``: use that many torch CPU threads. ``0`` (auto): torch's default, except on a CPU machine
-    that is already oversubscribed (1-minute load average >= number of cores), where 1 thread is used: there,
-    OpenMP threads spin-waiting for each other make small decode steps many times slower. Returns a note for
-    the provenance."""
+    whose cores other processes keep busy now (``busy()``: at least all cores but half of one, sampled over half a
+    second), where 1 thread is used: there, OpenMP threads spin-waiting for each other make small decode steps many
+    times slower. Returns a note for the provenance."""
     if threads and threads > 0:
         torch.set_num_threads(int(threads))
         return f"--threads {threads}"
-    if torch.cuda.is_available() or not hasattr(os, "getloadavg"):
+    if torch.cuda.is_available():
         return "torch default"
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if cpus > 1 and load >= cpus and torch.get_num_threads() > 1:
+    cpus = os.cpu_count() or 1
+    others = busy()
+    if others is None and hasattr(os, "getloadavg"):              # no /proc/stat (macOS): the load average
+        others = os.getloadavg()[0]
+    if others is not None and cpus > 1 and others >= cpus - 0.5 and torch.get_num_threads() > 1:
         torch.set_num_threads(1)
-        warn(f"this machine is busy (load average {load:.1f} on {cpus} cores): profiling with 1 torch thread, "
-             f"and the costs are measured with 1 thread; pass --threads {cpus} to force more")
-        return f"auto: 1 (load average {load:.1f} on {cpus} cores)"
+        warn(f"this machine is busy (other processes keep {others:.1f} of {cpus} cores busy now): profiling with 1 "
+             f"torch thread, and the costs are measured with 1 thread; pass --threads {cpus} to force more")
+        return f"auto: 1 ({others:.1f} of {cpus} cores busy)"
     return "torch default"
 
 
@@ -355,6 +385,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
+        "kernels": kernels.provenance(loaded.device),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     _, warnings = profile_from_dict(prof.to_dict(), str(cfg.out))

@@ -85,6 +85,19 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
                              "provenance.target_precision")
 
 
+def machine_differences(plan, threads: int, variant: str | None) -> list[str]:
+    """How this run's machine differs from the one ``plan``'s costs were measured on: the torch threads
+    (``threads`` now) and the CPU kernel variant (``variant`` now; None: no kernels). Empty where they agree or
+    the plan does not say."""
+    prov, out = plan.provenance, []
+    if prov.threads is not None and prov.threads != threads:
+        out.append(f"the plan's costs were measured with {prov.threads} thread(s), this run uses {threads}")
+    if prov.kernel_variant is not None and prov.kernel_variant != variant:
+        out.append(f"the plan's costs were measured on the {prov.kernel_variant} kernels, this run uses "
+                   f"{variant or 'the torch path'}")
+    return out
+
+
 def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
     """The :class:`Level` list (bottom first) of ``plan`` over ``models`` (its target, draft models and copies).
     Exits share the target's engine (:meth:`PlanModels.target`).
