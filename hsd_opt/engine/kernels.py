@@ -61,6 +61,10 @@ PREFILL_ON_TORCH_FROM_WIDE = 64
 #: weights from the first-level cache once de-quantized, and stay ahead of the torch path up to 512 positions in
 #: one pass (``benchmarks/prefill_path.py``), so every pass of a prompt (at most ``PREFILL_CHUNK``, 256) is theirs.
 PREFILL_ON_TORCH_FROM_EXACT = 513
+#: The same for an 8-lane library (AVX2, NEON) reading every projection in the exact int4 form: ahead of the torch
+#: path up to 96 positions in one pass, even at 128 (``benchmarks/prefill_path.py`` on an AVX2-only EPYC, Zen 3
+#: class, 2026-11-28: torch/kernels 1.43 at 64, 1.08 at 96, 0.98 at 128).
+PREFILL_ON_TORCH_FROM_EXACT_NARROW = 112
 #: A prompt's pass that ends beyond this many positions takes the torch path whatever its length: over a long
 #: context the kernels' attention (a query at a time) loses ground to torch's (``benchmarks/prefill_path.py
 #: --chunked``: a prompt of 1,000 positions 1.07-1.13x faster all on the kernels, of 2,000 0.90-1.10x).
@@ -463,7 +467,9 @@ class KernelPath:
         self._work = torch.empty(0)
         #: a float32 prompt's pass over this many positions or more is faster on the torch path
         every_exact = bool(exact) and all(len(e) == len(PROJECTIONS) for e in exact)
-        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM if lib.hsd_simd() < 2 else
+        simd = lib.hsd_simd()
+        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM if simd == 0 or (simd == 1 and not every_exact) else
+                                      PREFILL_ON_TORCH_FROM_EXACT_NARROW if simd == 1 else
                                       PREFILL_ON_TORCH_FROM_EXACT if every_exact else PREFILL_ON_TORCH_FROM_WIDE)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
@@ -592,13 +598,16 @@ def pack_screen_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def screen_i16(lib, packed: torch.Tensor, scale: torch.Tensor, rows: int, x: torch.Tensor,
-               nthreads: int | None = None) -> torch.Tensor | None:
+               nthreads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The greedy screen's logits ``[m, rows]`` float32 of int8 codes (``packed`` by :func:`pack_screen_codes`,
     float32 row ``scale`` ``[rows]``) at ``x`` ``[m, K]``, the activation quantized to int16 with one scale per
     position (``hsd_screen_i16`` in ``kernels.c``: exact int32 sums, so the same on every instruction set). None
-    when ``x`` holds a value that is not finite."""
+    when ``x`` holds a value that is not finite. ``out``: a float32 buffer of at least ``m * rows`` values to
+    write them into (its first ``m * rows`` returned as ``[m, rows]``)."""
     x = x.float().contiguous()
-    a = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    n = x.shape[0] * rows
+    a = torch.empty(x.shape[0], rows, dtype=torch.float32) if out is None or out.numel() < n else \
+        out.view(-1)[:n].view(x.shape[0], rows)
     rc = lib.hsd_screen_i16(packed.data_ptr(), scale.data_ptr(), rows, x.shape[1], x.data_ptr(), x.shape[0],
                             a.data_ptr(), nthreads or torch.get_num_threads())
     if rc < 0:

@@ -29,6 +29,8 @@ Shapes: hidden ``[m, d]``, head ``[V, d]``; logits float32.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from hsd_opt.engine import kernels
@@ -52,6 +54,7 @@ class HeadScreen:
         if head.kind != F32 or head.bias is not None or head.cols % GROUP:
             raise ValueError("the screen takes a float32 head without bias, its width a multiple of 32")
         self.lib, self.head = lib, head
+        self._buffers = threading.local()
         w = head.tensors[0]
         q8 = quantize_q8(w)
         codes, scale = q8.tensors[0], q8.tensors[1]
@@ -104,7 +107,12 @@ class HeadScreen:
         if h.shape[0] > MAX_POSITIONS:
             return None
         h = h.float().contiguous()
-        a = self.logits(h)
+        # the logits go into a buffer kept per thread: a fresh [m, V] tensor each step costs page faults (the
+        # allocator gives the memory back and takes it again)
+        buf = getattr(self._buffers, "a", None)
+        if buf is None or buf.numel() < h.shape[0] * self.head.rows:
+            buf = self._buffers.a = torch.empty(MAX_POSITIONS * self.head.rows, dtype=torch.float32)
+        a = kernels.screen_i16(self.lib, self.packed, self.scale, self.head.rows, h, out=buf)
         if a is None:
             return None
         return kernels.screen_pick(self.lib, self.head, h, a, self.c, self.wnorm, MAX_CANDIDATES, self.q16)
