@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: all install model check test test-fast test-family demo demo-family bench clean
+.PHONY: all install model check test test-fast test-arm test-family demo demo-family bench clean
 
 all: install
 
@@ -37,6 +37,19 @@ check: $(VENV)/.installed
 
 test: $(VENV)/.model
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The kernels built for Arm (each NEON variant, with and without OpenMP) against the portable build's bytes, under
+# emulation: Debian's cross compiler and qemu-user, installed here when missing (root and apt-get needed).
+ARM_TOOLS := aarch64-linux-gnu-gcc qemu-aarch64
+test-arm: $(VENV)/.installed
+	@for t in $(ARM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing gcc-aarch64-linux-gnu and qemu-user (apt-get) ..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; \
+	  else echo "make test-arm needs $(ARM_TOOLS): apt-get install gcc-aarch64-linux-gnu qemu-user" >&2; exit 2; fi; \
+	fi
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_arm.py
 
 # The inner loop: solver, formats, drafters, tiny-model runtime and CLI (no embedded model, nothing slow).
 test-fast: $(VENV)/.installed
