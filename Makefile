@@ -9,7 +9,7 @@ HSD := $(VENV)/bin/hsd
 PIPQ := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 OUT := out
 
-.PHONY: all install model check test test-fast test-arm test-family demo demo-family bench clean
+.PHONY: all install model check test test-fast test-arm test-variants test-family demo demo-family bench clean
 
 all: install
 
@@ -50,6 +50,16 @@ test-arm: $(VENV)/.installed
 	  else echo "make test-arm needs $(ARM_TOOLS): apt-get install gcc-aarch64-linux-gnu qemu-user" >&2; exit 2; fi; \
 	fi
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_arm.py
+
+# The kernel tests once per variant this CPU runs (HSD_KERNELS=<variant>), and once built without OpenMP.
+KERNEL_TESTS := tests/test_kernels.py tests/test_exact_forms.py tests/test_screen.py tests/test_quantized.py
+test-variants: $(VENV)/.installed
+	@for v in $$($(PY) -c "from hsd_opt.engine import variants as v; print(' '.join(x.name for x in v.runnable(v.cpu_features())))"); do \
+	  echo "== kernel tests on the $$v variant"; \
+	  HSD_KERNELS=$$v $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
+	@echo "== kernel tests built without OpenMP"
+	HSD_OPENMP=0 $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 
 # The inner loop: solver, formats, drafters, tiny-model runtime and CLI (no embedded model, nothing slow).
 test-fast: $(VENV)/.installed

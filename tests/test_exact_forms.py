@@ -145,7 +145,8 @@ def _engine(model, exact: bool, monkeypatch) -> LayeredLM:
 def test_an_engine_over_q4_1_weights_reads_the_exact_form_and_computes_the_same_logits(monkeypatch):
     model = _q4_1_model()
     exact, plain = _engine(model, True, monkeypatch), _engine(model, False, monkeypatch)
-    assert _kinds(exact) == {wq.Q4F} and _kinds(plain) == {wq.F32}
+    # the portable variant reads the float32 weights (its scalar de-quantization costs more than the bytes it saves)
+    assert _kinds(exact) == ({wq.Q4F} if LIB.hsd_simd() else {wq.F32}) and _kinds(plain) == {wq.F32}
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 64, (n,), generator=g) for n in (5, 11, 2)]
     states = {}
@@ -179,7 +180,8 @@ def test_an_engine_over_a_q8_0_head_reads_its_int8_form_and_computes_the_same_lo
     with torch.no_grad():
         model.lm_head.weight.copy_(q8_0_weights(96, 64, seed=11))
     exact, plain = _engine(model, True, monkeypatch), _engine(model, False, monkeypatch)
-    assert exact._kernels.head_mat.kind == wq.Q8F and plain._kernels.head_mat.kind == wq.F32
+    assert exact._kernels.head_mat.kind == (wq.Q8F if LIB.hsd_simd() else wq.F32)
+    assert plain._kernels.head_mat.kind == wq.F32
     assert _kinds(exact) == {wq.F32}                          # the layers stay as they are
     ids = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(1))
     out = {}

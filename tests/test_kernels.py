@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsd_opt.engine import kernels
+from hsd_opt.engine import kernels, variants
 from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
@@ -407,6 +407,11 @@ def test_without_a_compiler_the_python_api_is_warned_once(monkeypatch, tiny):
         assert not LayeredLM(tiny).uses_kernels
 
 
+NO_OPENMP = pytest.mark.skipif(LIB is None or not LIB.hsd_features() & variants.OPENMP,
+                               reason="this library is built without OpenMP (HSD_OPENMP=0): one thread, no team")
+
+
+@NO_OPENMP
 def test_a_kernel_call_runs_on_every_thread_of_torchs_openmp_runtime():
     """A kernel call's team has torch's thread count, each member its own OS thread (both cores of this machine
     busy in one call), and the library shares torch's OpenMP runtime: one libgomp in the process, and no new
@@ -429,6 +434,7 @@ def test_a_kernel_call_runs_on_every_thread_of_torchs_openmp_runtime():
         assert len(os.listdir("/proc/self/task")) == before
 
 
+@NO_OPENMP
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc")
 def test_releasing_the_thread_pool_frees_this_threads_workers_and_leaves_the_kernels_exact():
     """release_thread_pool frees the calling thread's OpenMP workers (what `hsd serve` does on its main thread
