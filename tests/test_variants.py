@@ -56,3 +56,21 @@ def test_the_loaded_library_is_the_chosen_variant():
     assert kernels.load().hsd_features() & ~variants.OPENMP == chosen.features
     assert info.path.is_file() and chosen.name in info.path.name
     assert info.variant in info.line(2) and str(info.path) in info.line(2)
+
+
+X86_SIMD = [v for v in variants.VARIANTS if v.arch == "x86_64"]
+
+
+@pytest.mark.skipif(kernels.compiler() is None or variants.machine() != "x86_64",
+                    reason="no C compiler here, or not an x86-64 machine")
+@pytest.mark.parametrize("variant", X86_SIMD, ids=[v.name for v in X86_SIMD])
+def test_every_x86_variant_compiles_here_even_where_the_cpu_cannot_run_it(tmp_path, variant):
+    """A variant this CPU lacks is still built (not loaded): a change that breaks the AVX-512 or VNNI code is
+    caught on an AVX2 host, whose tests of those variants skip."""
+    try:
+        out = kernels.build(kernels.compiler(), tmp_path / "k.so", variant)
+    except HsdError as e:
+        if "unrecognized" in str(e) or "unknown" in str(e):     # an old compiler without the flag
+            pytest.skip(f"{kernels.compiler()} does not know {variant.name}'s flags: {str(e)[:200]}")
+        raise
+    assert out.is_file() and out.stat().st_size > 10_000
