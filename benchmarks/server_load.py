@@ -20,8 +20,8 @@ Reports (JSON to --out, written atomically): requests/s, time to first token p50
 stream (p50/p95/mean; a stream's tokens over its time from request to last token, queueing included, and over
 its time after the first token), aggregate tokens/s, and the overhead: sequential tokens/s through the server
 (client-side time per request) over direct tokens/s (``server_over_direct``: both decoding in a worker
-thread). Decoding is batch 1, so concurrency raises queueing, not throughput. Timings on a shared machine are
-noisy; run it on a quiet one.
+thread). The server batches concurrent requests (the plan per load level); `benchmarks/serve_sweep.py` compares it
+with llama.cpp's server and plain batching. Timings on a shared machine are noisy; run it on a quiet one.
 """
 
 from __future__ import annotations

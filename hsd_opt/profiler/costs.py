@@ -52,11 +52,10 @@ import torch
 from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import text_of_length
+from hsd_opt.runtime.decode import PREFILL_CHUNK  # prompts are prefilled in the passes decoding uses
 
 #: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
 DEFAULT_CONTEXTS = (64, 512, 2048)
-#: Tokens appended per ``advance`` call when a state is prefilled (progress is reported after each).
-PREFILL_CHUNK = 256
 
 
 def _now() -> float:
