@@ -70,8 +70,8 @@ def main() -> None:
 
     from hsd_opt.commands.common import load_plan_and_model
     from hsd_opt.jsonio import write_json
+    from hsd_opt.measure.bench import run_bench
     from hsd_opt.prompts import load_prompts, select_items
-    from hsd_opt.runtime.bench import run_bench
 
     torch.set_num_threads(a.threads)
     if not os.path.isfile(a.gguf):

@@ -30,10 +30,10 @@ import torch  # noqa: E402
 
 from hsd_opt.formats import load_plan  # noqa: E402
 from hsd_opt.jsonio import write_json  # noqa: E402
+from hsd_opt.measure.load_bench import serve_clients  # noqa: E402
 from hsd_opt.models.loading import load_model  # noqa: E402
 from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length  # noqa: E402
 from hsd_opt.runtime import batch as batch_mod  # noqa: E402
-from hsd_opt.runtime.load_bench import serve_clients  # noqa: E402
 from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan  # noqa: E402
 
 

@@ -7,7 +7,7 @@ of ``B`` sequences decoded together, and every greedy answer against the target'
         [--out benchmarks/results/load_levels.json]
 
 Per round and level ``B`` (levels in turn, the order reversed every other round): every engine of the plan's
-hierarchies is timed for one decode step (:class:`~hsd_opt.runtime.retime.StepClock`, as ``hsd bench --retime``
+hierarchies is timed for one decode step (:class:`~hsd_opt.measure.retime.StepClock`, as ``hsd bench --retime``
 does), then ``--per-level`` x ``B`` suite prompts (their chat template; the next ones each round) are decoded by
 :class:`~hsd_opt.runtime.batch.Batch` with the plan of every load level, ``B`` at a time (the others wait and
 join as sequences end), ``--max-new-tokens`` each.
@@ -57,10 +57,10 @@ def main() -> None:
 
     from hsd_opt.formats import load_plan, load_profile, nearest_level
     from hsd_opt.jsonio import write_json
+    from hsd_opt.measure.retime import StepClock, scale_costs
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
     from hsd_opt.runtime.batch import Batch
-    from hsd_opt.runtime.retime import StepClock, scale_costs
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.solver.api import evaluate
     from hsd_opt.solver.batch import at_batch

@@ -41,9 +41,9 @@ def main() -> None:
     import torch
 
     from hsd_opt.formats import load_plan
+    from hsd_opt.measure.bench import METHODS, default_methods, plot_report, run_bench
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import load_prompts, select_items
-    from hsd_opt.runtime.bench import METHODS, default_methods, plot_report, run_bench
     from hsd_opt.runtime.runner import check_provenance
 
     load = os.getloadavg()

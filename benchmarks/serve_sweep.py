@@ -35,7 +35,7 @@ p50/p95 (seconds), tokens/s per stream (p50), and for the ``hsd*`` methods wheth
 own ``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate
 at that load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each
 stream's tokens over its decode seconds, times ``c``). With ``--predict PROFILE`` every ``hsd*`` level is also
-predicted whole, prompts and ramps included (``hsd_opt.runtime.load_model``, as ``hsd bench --concurrency
+predicted whole, prompts and ramps included (``hsd_opt.measure.load_predictor``, as ``hsd bench --concurrency
 --retime`` predicts it): the engines the method's server runs are timed in this process right before its level
 (the server idle) and right after it, and the report adds ``predicted_run_tokens_per_s`` and
 ``measured_over_predicted`` (what HTTP, the server's text decoding and streaming add shows there). Where the kernel
@@ -285,7 +285,7 @@ def main() -> None:
         refs = references(ours, a.max_tokens)
         if a.predict:
             from hsd_opt.formats import load_profile
-            from hsd_opt.runtime.load_model import LoadPredictor
+            from hsd_opt.measure.load_predictor import LoadPredictor
 
             text = [t for ids in ours["ids"][:8] for t in ids]
             predictor = LoadPredictor(load_profile(a.predict)[0], text, head=ours["head"])

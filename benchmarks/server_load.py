@@ -121,7 +121,7 @@ def stream_once(client, model: str, kind: str, prompt: str, max_tokens: int) -> 
 
 def pct(xs: list[float], q: float) -> float | None:
     """The ``q``-th percentile of the values of ``xs`` that are not None (linear between order statistics)."""
-    from hsd_opt.runtime.load_bench import percentile
+    from hsd_opt.measure.load_bench import percentile
 
     return percentile([x for x in xs if x is not None], q)
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from hsd_opt.formats import plan_from_dict
+from hsd_opt.measure.bench import Sampling, build_runners, converse, run_bench
 from hsd_opt.models.loading import load_model
 from hsd_opt.prompts import PromptItem, conversation_ids, load_prompts
-from hsd_opt.runtime.bench import Sampling, build_runners, converse, run_bench
 from tests.helpers import cli_output, run_cli, save_tiny
 
 # Spec-Bench's question format over the tiny model's words w0..w59.

@@ -261,7 +261,7 @@ def test_bad_family_flags_exit_2(family, tmp_path, args, needle):
 
 def test_bench_hf_assisted_equals_the_reference(family, tmp_path):
     from hsd_opt.formats import load_plan
-    from hsd_opt.runtime.bench import run_bench
+    from hsd_opt.measure.bench import run_bench
     from tests.helpers import write_plan
 
     models = [{"name": "small", "kind": "model", "model": str(family["small"])},

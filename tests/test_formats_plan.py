@@ -270,7 +270,7 @@ def test_a_profile_with_a_bad_quantization_is_refused_at_load():
 
 
 def test_the_bench_baselines_read_the_typed_models():
-    from hsd_opt.runtime.bench import _best_exit, assistant_ref
+    from hsd_opt.measure.bench import _best_exit, assistant_ref
 
     d = _base()
     d["baselines"]["best_early_exit"] = {"hierarchy": ["layer2", "layer4"], "budgets": [3], "expected_latency": 0.1}

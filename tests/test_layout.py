@@ -6,7 +6,7 @@ Layers, lowest first (a module imports only from its own layer or below, and sub
 1. ``formats``, ``prompts``
 2. ``solver``, ``engine``, ``drafters``, ``models``
 3. ``runtime``, ``profiler``, ``heads``
-4. ``server``
+4. ``measure``, ``server``
 5. ``commands``, ``cli``, ``__main__``
 """
 
@@ -25,7 +25,7 @@ LAYERS = {
     "formats": 1, "prompts": 1,
     "solver": 2, "engine": 2, "drafters": 2, "models": 2,
     "runtime": 3, "profiler": 3, "heads": 3,
-    "server": 4,
+    "measure": 4, "server": 4,
     "commands": 5, "cli": 5, "__main__": 5,
 }
 
@@ -185,7 +185,7 @@ def test_only_formats_touches_the_plans_untyped_fields():
 
 
 LOWER_LAYERS = ["hsd_opt.solver", "hsd_opt.engine.quantized", "hsd_opt.drafters", "hsd_opt.models.loading",
-                "hsd_opt.heads", "hsd_opt.profiler.run", "hsd_opt.runtime.runner", "hsd_opt.runtime.bench"]
+                "hsd_opt.heads", "hsd_opt.profiler.run", "hsd_opt.runtime.runner", "hsd_opt.measure.bench"]
 
 
 def test_lower_layers_do_not_import_the_cli():

@@ -10,8 +10,8 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
+from hsd_opt.measure.load_bench import Request, level_figures, parse_concurrency, serve_clients
 from hsd_opt.runtime.decode import HSD, Level
-from hsd_opt.runtime.load_bench import Request, level_figures, parse_concurrency, serve_clients
 from tests.helpers import CycleDrafter, make_tiny_llama
 
 HAVE_KERNELS = kernels.load() is not None

@@ -1,4 +1,4 @@
-"""A served load's time predicted (``hsd_opt.runtime.load_model``): the replay makes the batch scheduler's ticks,
+"""A served load's time predicted (``hsd_opt.measure.load_predictor``): the replay makes the batch scheduler's ticks,
 sequence count by sequence count; each tick is priced as documented (decode at the batch size, a prompt's passes
 on its cost curve, a shared prompt at one position); one request alone costs its prompt plus its tokens."""
 
@@ -12,11 +12,19 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import profile_from_dict
+from hsd_opt.measure.load_bench import serve_clients
+from hsd_opt.measure.load_predictor import (
+    Job,
+    LoadCosts,
+    LoadPredictor,
+    Spec,
+    predict_level,
+    spec_of,
+    time_prompt_passes,
+)
 from hsd_opt.runtime import decode
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD, Level
-from hsd_opt.runtime.load_bench import serve_clients
-from hsd_opt.runtime.load_model import Job, LoadCosts, LoadPredictor, Spec, predict_level, spec_of, time_prompt_passes
 from hsd_opt.solver.api import evaluate
 from hsd_opt.solver.batch import at_batch
 from tests.helpers import CycleDrafter, make_tiny_llama

@@ -11,8 +11,8 @@ import pytest
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Plan, Provenance, load_profile, profile_from_dict
+from hsd_opt.measure.retime import StepClock, check_profile_for_plan, retimed_latency, scale_costs
 from hsd_opt.runtime.decode import HSD, Level
-from hsd_opt.runtime.retime import StepClock, check_profile_for_plan, retimed_latency, scale_costs
 from hsd_opt.solver import solve
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency

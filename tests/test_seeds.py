@@ -1,7 +1,7 @@
 """Derived seeds stay what they were: another stride would change every sampled benchmark, profile, head training
 and ADED search made with a given seed."""
 
-from hsd_opt.runtime.bench import Sampling
+from hsd_opt.measure.bench import Sampling
 from hsd_opt.seeds import SEED_STRIDE
 
 

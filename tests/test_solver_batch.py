@@ -130,7 +130,7 @@ def test_choosing_among_built_hierarchies_keeps_the_optimum_and_follows_a_drift(
     optimum of its load). Among the copy's hierarchies alone, the copy pays at 1 and 2 sequences; with the
     target's costs halved (a drift toward a faster target) plain decoding wins there, and no level is ever
     predicted slower than plain batching."""
-    from hsd_opt.runtime.retime import scale_costs
+    from hsd_opt.measure.retime import scale_costs
 
     prof = _profile()
     loads = solve_loads(prof, 7, [1, 2, 4, 8], min_gain=0.0, load_min_gain=0.0)

@@ -11,8 +11,8 @@ import pytest
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Plan, load_plan, plan_from_dict, profile_from_dict
+from hsd_opt.measure.report import Generation, Totals, totals_by
 from hsd_opt.prompts import conversation_ids, encode_prompt, load_prompts, select_items, user_turns
-from hsd_opt.runtime.report import Generation, Totals, totals_by
 from hsd_opt.runtime.runner import plan_for_prompt
 from hsd_opt.solver import evaluate, solve, solve_tasks, task_profile
 from hsd_opt.solver.brute import brute

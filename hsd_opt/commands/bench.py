@@ -145,8 +145,8 @@ def bench_cmd(
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
+    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling, plot_report, run_bench
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
-    from hsd_opt.runtime.bench import METHODS, Sampling, check_sampling, plot_report, run_bench
 
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
@@ -239,7 +239,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                dtype: Optional[str], target_precision: Optional[str], model: Optional[str], raw: bool, mode: str,
                methods: Optional[str], concurrency: str, requests: int, max_batch: Optional[int], rounds: int,
                retime: Optional[Path], others: dict[str, bool]) -> None:
-    """``hsd bench --concurrency``: :mod:`hsd_opt.runtime.load_bench` on the plan, a table per run, and the JSON
+    """``hsd bench --concurrency``: :mod:`hsd_opt.measure.load_bench` on the plan, a table per run, and the JSON
     report and plot when asked; with ``retime`` (a profile) the load levels of ``hsd`` and ``hsd_batch1`` chosen
     again at the speed of the moment, as ``hsd serve --retime`` does. ``others``: flags of the single-stream bench
     that do not apply (set: refused)."""
@@ -250,8 +250,8 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     from rich.table import Table
 
     from hsd_opt.engine import kernels
+    from hsd_opt.measure.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
-    from hsd_opt.runtime.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
     given = [flag for flag, on in others.items() if on]
@@ -278,7 +278,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                           models=models)
     retimed = predictor = None
     if retime is not None:
-        from hsd_opt.runtime.load_model import LoadPredictor
+        from hsd_opt.measure.load_predictor import LoadPredictor
 
         by_load, retimed, profile = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
         predictor = LoadPredictor(profile, retime_text(loaded.tokenizer), head=target.levels[-1].engine.prompt_head)

@@ -119,11 +119,11 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
     plan, time one step of every engine the plan's hierarchies run (on the suite's prompts), and choose each load
     level's hierarchy again among the plan's own, its levels' and the target alone at those step times
-    (:func:`~hsd_opt.runtime.retime.retime_load_levels`); ``say`` hears the factors and each level that
+    (:func:`~hsd_opt.measure.retime.retime_load_levels`); ``say`` hears the factors and each level that
     changes. Returns the level -> runner map, the report and the profile (read once, for the caller's use too)."""
     from hsd_opt.console import warn_some
     from hsd_opt.formats import load_profile
-    from hsd_opt.runtime.retime import check_profile_for_plan, retime_load_levels
+    from hsd_opt.measure.retime import check_profile_for_plan, retime_load_levels
     from hsd_opt.runtime.runner import hsd_for_plan
 
     if not p.by_load:

@@ -128,9 +128,9 @@ def run_cmd(
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task)."""
     from hsd_opt.jsonio import atomic_write_bytes
+    from hsd_opt.measure.report import Generation, totals_by
     from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
     from hsd_opt.runtime.decode import check_generation_args
-    from hsd_opt.runtime.report import Generation, totals_by
     from hsd_opt.runtime.runner import PlanModels, hsd_for_plan, plan_for_prompt, prediction_context, run_context
 
     check_generation_args(max_new_tokens, temperature, top_p)

@@ -22,7 +22,7 @@ end. :func:`predict_level` replays :class:`~hsd_opt.runtime.batch.Batch`'s polic
 
 :class:`LoadCosts` prices a tick: decode from the profile at the batch size (:func:`~hsd_opt.solver.batch.at_batch`;
 between measured batch sizes interpolated linearly in the batch, past the largest extended linearly), times the
-factor of the machine's speed of the moment when re-timed (:class:`~hsd_opt.runtime.retime.StepClock` at each batch
+factor of the machine's speed of the moment when re-timed (:class:`~hsd_opt.measure.retime.StepClock` at each batch
 size); a prompt's pass over ``m`` positions from passes timed at the moment (:func:`time_prompt_passes`, linear
 between them), or without them from the model's cost curve (passes over ``t = 1 .. n`` positions; past ``n``
 extended by the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the
@@ -48,9 +48,9 @@ import torch
 from hsd_opt.engine.layered import pass_output
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
+from hsd_opt.measure.retime import StepClock, scale_costs
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
-from hsd_opt.runtime.retime import StepClock, scale_costs
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -364,7 +364,7 @@ class LoadPredictor:
 
     :meth:`retime`, called right before a method serves a level and again right after it, times one batched step
     of every engine at each of the profile's batch sizes up to the method's ``max_batch`` (1 included), the engines
-    of the hierarchy that runs at that load, with :class:`~hsd_opt.runtime.retime.StepClock`, and each engine's
+    of the hierarchy that runs at that load, with :class:`~hsd_opt.measure.retime.StepClock`, and each engine's
     prompt passes (:func:`time_prompt_passes`; over 1 and 8 positions for a copy that only ever shares the
     target's prompt); :meth:`predict` then replays the level (:func:`predict_level`) on the profile's
     decode costs scaled by the mean of the two timings' factors and on the mean of the two timings' prompt passes.
@@ -420,7 +420,7 @@ class LoadPredictor:
 
     def jobs(self, prompts: Sequence[Sequence[int]], lengths: Mapping[int, int], clients: int, requests: int,
              start: int = 0) -> list[list[Job]]:
-        """The requests of ``clients`` closed-loop clients as :func:`~hsd_opt.runtime.load_bench.serve_clients`
+        """The requests of ``clients`` closed-loop clients as :func:`~hsd_opt.measure.load_bench.serve_clients`
         sends them: client ``i``'s ``k``-th on prompt ``(start + i * requests + k) mod n``, generating
         ``lengths[prompt]`` tokens (its answer's length)."""
         h = len(self.head)

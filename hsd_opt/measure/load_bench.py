@@ -23,7 +23,7 @@ hierarchy the plan's there, the plan's predicted aggregate (``by_load``, the pro
 several rounds the methods run in rotating order at each concurrency (what runs before a method changes its
 figures) and the report holds each round and the medians.
 
-With a :class:`~hsd_opt.runtime.load_model.LoadPredictor` (``--retime PROFILE``), each method's run of a level is
+With a :class:`~hsd_opt.measure.load_predictor.LoadPredictor` (``--retime PROFILE``), each method's run of a level is
 also predicted whole, prompts and ramps included, at the engines' speed timed right before and right after it
 (the mean of the two): per round and as
 medians ``predicted_run_tokens_per_s``, ``predicted_wall_seconds``, ``predicted_ttft_p50_s`` and
@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
+from hsd_opt.measure.load_predictor import LoadPredictor, ratio
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
-from hsd_opt.runtime.load_model import LoadPredictor, ratio
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Plan
@@ -174,7 +174,8 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
     ``levels`` (one entry per client count: per method the medians over rounds, each round's figures, and for
     ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings. With
     ``predictor``, every method's run of a level is timed again right before and after it and replayed on the
-    re-timed costs (:class:`~hsd_opt.runtime.load_model.LoadPredictor`): per round and as medians ``PREDICTED_KEYS``."""
+    re-timed costs (:class:`~hsd_opt.measure.load_predictor.LoadPredictor`): per round and as medians
+    ``PREDICTED_KEYS``."""
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
     if rounds < 1:

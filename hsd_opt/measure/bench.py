@@ -26,7 +26,7 @@ Timing: one warm-up generation per method (and per hierarchy of ``hsd_task``), t
 its whole conversation once, in rotating order (so load from other processes spreads evenly over methods).
 ``tokens_per_s`` = generated tokens / wall seconds, every turn counted (prefill included, as HF's); our methods
 also report decode-only ``seconds_per_token`` next to the plan's prediction. Figures are reported overall and per
-task (:mod:`hsd_opt.runtime.report`).
+task (:mod:`hsd_opt.measure.report`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 
 from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
+from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
-from hsd_opt.runtime.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 from hsd_opt.seeds import SEED_STRIDE
 
@@ -291,7 +291,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     ``turns``: ``"first"`` or ``"all"`` (every turn, after the method's own answers); ``by``: ``"group"`` (the
     task) or ``"category"`` (Spec-Bench's raw category) for the ``by_task`` section. ``retime``: the profile the
     plan was solved from (a :class:`~hsd_opt.formats.Profile`; ``retime_source`` names it in errors): before each
-    prompt the engines' steps are timed (:class:`~hsd_opt.runtime.retime.StepClock`) and every generation of ours
+    prompt the engines' steps are timed (:class:`~hsd_opt.measure.retime.StepClock`) and every generation of ours
     is priced again with the profile's costs scaled to that speed (``retimed_predicted_seconds_per_token``).
     """
     log = log or (lambda s: None)
@@ -303,7 +303,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     if not items:
         raise HsdError("no prompts to benchmark")
     if retime is not None:
-        from hsd_opt.runtime.retime import StepClock, check_profile_for_plan
+        from hsd_opt.measure.retime import StepClock, check_profile_for_plan
 
         check_profile_for_plan(retime, plan, retime_source)
     if methods is None:
@@ -402,9 +402,9 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
 
 def _retime(gens: Sequence[Generation], method: str, desc: dict, plan, profile, factor: dict[str, float]) -> None:
     """Set ``retimed`` on our ``gens`` of ``method``: its hierarchy priced with ``profile``'s costs scaled by
-    ``factor`` (:func:`~hsd_opt.runtime.retime.retimed_latency`), at the context and under the task acceptance
+    ``factor`` (:func:`~hsd_opt.measure.retime.retimed_latency`), at the context and under the task acceptance
     its own prediction used."""
-    from hsd_opt.runtime.retime import profile_task, retimed_latency
+    from hsd_opt.measure.retime import profile_task, retimed_latency
     from hsd_opt.runtime.runner import plan_for_prompt
 
     for g in gens:

@@ -26,7 +26,7 @@ class Generation:
     plus half the generated tokens) and the context the prediction was taken at (``predicted_at``: the
     generation's own for a plan with costs at several contexts, else the plan's; None when unknown);
     ``retimed``: the same prediction with the profile's costs scaled to the engines' speed measured while the
-    benchmark ran (:mod:`hsd_opt.runtime.retime`; None when not asked for)."""
+    benchmark ran (:mod:`hsd_opt.measure.retime`; None when not asked for)."""
 
     item: int
     turn: int
