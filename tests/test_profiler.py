@@ -73,7 +73,7 @@ def test_streamed_equals_direct_computation(temperature, top_p):
     """Chunked, streamed sums equal sum-min / argmax / p_j(proposal) computed from stored full distributions
     (processed as the runtime samples: temperature, then top-p)."""
     from hsd_opt.drafters.ngram import ContextNgramDrafter
-    from hsd_opt.runtime.decode import process_logits
+    from hsd_opt.runtime.sampling import process_logits
 
     model = make_tiny_llama(seed=5, vocab_size=64, layers=4, scale=8.0)
     eng = LayeredLM(model)

@@ -11,7 +11,8 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from hsd_opt.runtime.decode import HSD, Decoding, Level, process_logits
+from hsd_opt.runtime.decode import HSD, Decoding, Level
+from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.runtime.decode import HSD, Level, Pass, process_logits
+from hsd_opt.runtime.decode import HSD, Level, Pass
+from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
@@ -177,7 +178,7 @@ def test_sample_token_draws_from_its_weights_and_never_a_zero_one():
     the same test rejects a sampler that draws uniformly over the positive weights."""
     from scipy.stats import chisquare
 
-    from hsd_opt.runtime.decode import sample_token
+    from hsd_opt.runtime.sampling import sample_token
 
     w = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0, 0.5, 2.5, 0.0])  # sums to 13, not 1
     n = 4000

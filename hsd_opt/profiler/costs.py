@@ -657,14 +657,14 @@ def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: 
 def time_sampling(logits: torch.Tensor, temperature: float, top_p: float, tmax1: int, repeats: int = 15,
                   seed: int = 0) -> list[float]:
     """Seconds the runtime spends, under sampling, on the distributions of one pass over ``t = 1 .. tmax1`` tokens
-    beyond the pass itself: :func:`~hsd_opt.runtime.decode.process_logits` on its ``t`` rows of logits (temperature,
-    then top-p) and one :func:`~hsd_opt.runtime.decode.sample_token` (a draft, a correction or a bonus token).
+    beyond the pass itself: :func:`~hsd_opt.runtime.sampling.process_logits` on its ``t`` rows of logits (temperature,
+    then top-p) and one :func:`~hsd_opt.runtime.sampling.sample_token` (a draft, a correction or a bonus token).
 
     ``logits`` ``[n, V]`` are real rows (the target's, over profiled text): how far top-p has to look depends on
     how peaked they are. Timed at ``t = 1`` and ``t = tmax1`` (median over ``repeats``, each on other rows), linear
     in ``t`` in between; returns ``tmax1`` values, non-decreasing. A greedy pass takes an argmax, which the pass's
     own timing already holds: callers add this only when ``temperature > 0``."""
-    from hsd_opt.runtime.decode import process_logits, sample_token
+    from hsd_opt.runtime.sampling import process_logits, sample_token
 
     n = logits.shape[0]
     g = torch.Generator(device=logits.device).manual_seed(seed)

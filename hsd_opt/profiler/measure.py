@@ -5,7 +5,7 @@ For each prompt of the suite:
 
 1. the target generates a continuation with its own layered engine (greedy at ``temperature == 0``, else
    sampling with a seeded generator from the runtime's processed distribution: ``softmax(logits / T)``, then
-   top-p, :func:`~hsd_opt.runtime.decode.process_logits`), stopping at EOS or ``max_new_tokens``;
+   top-p, :func:`~hsd_opt.runtime.sampling.process_logits`), stopping at EOS or ``max_new_tokens``;
 2. ONE teacher-forced pass over prompt + continuation keeps the residual stream at every exit boundary
    (:meth:`LayeredLM.hidden_states`); draft models and quantized copies run their own pass;
 3. in chunks of ``chunk`` positions, each drafter's next-token distribution at every generated position is
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hsd_opt.profiler.pool import NeuralDrafter
-from hsd_opt.runtime.decode import process_logits, sample_token
+from hsd_opt.runtime.sampling import process_logits, sample_token
 
 
 @torch.no_grad()

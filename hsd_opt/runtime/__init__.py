@@ -6,7 +6,8 @@
     res.token_ids, res.stats
 """
 
-from hsd_opt.runtime.decode import HSD, GenerationResult, Level, process_logits
+from hsd_opt.runtime.decode import HSD, GenerationResult, Level
 from hsd_opt.runtime.runner import build_levels, hsd_for_plan
+from hsd_opt.runtime.sampling import process_logits
 
 __all__ = ["HSD", "Level", "GenerationResult", "process_logits", "build_levels", "hsd_for_plan"]

@@ -1,0 +1,84 @@
+"""Sampling and verification, apart from the decoding that uses them (as vLLM's v1 keeps its rejection sampler
+apart from its proposers): logits to the sampling distribution (temperature, top-p), one draw, and the lossless
+rejection sampler of speculative decoding (Algorithm 2 of the HSD paper, "Hierarchical Speculative Decoding",
+arXiv 2510.19705). Greedy verification is a comparison of token ids and lives in the decoding itself.
+
+Used by :class:`~hsd_opt.runtime.decode.Decoding` and by the profiler (which times them as the runtime runs them).
+Shapes: ``V`` the vocabulary; probabilities float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then top-p (nucleus):
+    keep the smallest set of most probable tokens whose mass reaches ``top_p`` (at least one), renormalise.
+
+    The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
+    reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
+    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        v = p.shape[-1]
+        k = min(64, v)
+        while True:
+            sp, idx = torch.topk(p, k, dim=-1) if k < v else torch.sort(p, dim=-1, descending=True)
+            cum = sp.cumsum(-1)
+            if k >= v or bool((cum[..., -1] >= top_p).all()):
+                break
+            k = min(4 * k, v)
+        drop = (cum - sp) >= top_p  # mass strictly before this token already reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from the distribution ``p`` ``[V]`` (non-negative weights with a positive sum, not necessarily
+    normalised), by inverting its cumulative sum: the first index whose running sum (float64) exceeds ``u`` times
+    the total, ``u`` uniform in [0, 1). A token of weight 0 is never drawn (its running sum equals the one before
+    it). The same distribution as ``torch.multinomial(p, 1)``, at a small fraction of its time on a large
+    vocabulary (one cumulative sum instead of its checks and set-up: about 0.08 ms against 1.2 ms for 49,152
+    tokens on this project's CPU)."""
+    c = torch.cumsum(p, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    if i >= p.shape[0]:  # u rounded up to the total: the last token of positive weight
+        i = int(torch.nonzero(p > 0)[-1])
+    return i
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], generator: torch.Generator,
+                     residual: bool = True) -> tuple[int, int]:
+    """Verify ``d`` drafts by rejection sampling: ``p`` ``[d+1, V]`` the verifier's probabilities at the drafts'
+    positions and one past, ``q`` ``[d, V]`` the drafter's (None: one-hot, a token drafter). Draft ``i`` is accepted
+    with probability ``min(1, p_i(x_i) / q_i(x_i))``, in order; at the first rejection the token is drawn from the
+    residual ``max(0, p - q)`` (renormalised), after ``d`` acceptances a bonus token from ``p[d]``. The output
+    then has ``p``'s distribution, whatever ``q`` is. ``residual=False`` draws the correction from ``p`` instead: a
+    deliberately wrong sampler, for the statistical test that must reject it. Returns (accepted count, the
+    corrected or bonus token)."""
+    d = len(drafts)
+    x = torch.tensor(drafts, dtype=torch.long, device=p.device)
+    ar = torch.arange(d, device=p.device)
+    px = p[ar, x]
+    qx = q[ar, x] if q is not None else torch.ones_like(px)
+    u = torch.rand(d, generator=generator, device=p.device)
+    ok = (u * qx < px).tolist()  # u < p/q  <=>  accept with probability min(1, p/q)
+    j = 0
+    while j < d and ok[j]:
+        j += 1
+    if j == d:
+        return j, sample_token(p[d], generator)
+    if not residual:
+        return j, sample_token(p[j], generator)
+    if q is not None:
+        r = (p[j] - q[j]).clamp_(min=0.0)
+    else:
+        r = p[j].clone()
+        r[drafts[j]] = 0.0
+    if float(r.sum()) <= 0.0:  # p == q up to rounding: the residual is empty, p itself is exact
+        r = p[j]
+    return j, sample_token(r, generator)
