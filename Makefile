@@ -91,13 +91,13 @@ demo-family: $(VENV)/.installed
 	@echo "  $(HSD) solve --profile $(FAMILY_OUT)/profile-int4.json --tmax 15 --out $(FAMILY_OUT)/plan-int4.json"
 	@echo "  $(HSD) bench --plan $(FAMILY_OUT)/plan-int4.json --limit 4 --max-new-tokens 64 --json $(FAMILY_OUT)/bench-int4.json"
 	@echo "Against llama.cpp on the same file, in one run (a llama-bench binary of your own):"
-	@echo "  $(PY) benchmarks/llama_anchor.py --plan $(FAMILY_OUT)/plan-int4.json --llama-bench LLAMA_BENCH --gguf <the 1.5B GGUF fetched above>"
+	@echo "  $(PY) -m benchmarks.llama_anchor --plan $(FAMILY_OUT)/plan-int4.json --llama-bench LLAMA_BENCH --gguf <the 1.5B GGUF fetched above>"
 
 test-family: $(VENV)/.installed
 	HSD_FAMILY_PLAN=$${HSD_FAMILY_PLAN:-$(FAMILY_OUT)/plan.json} $(PY) -m pytest -q -p no:cacheprovider -m family tests
 
 bench: $(VENV)/.model
-	$(PY) benchmarks/solver_scaling.py
+	$(PY) -m benchmarks.solver_scaling
 
 clean:
 	rm -rf $(VENV) $(OUT) *.egg-info

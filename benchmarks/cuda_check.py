@@ -1,7 +1,7 @@
 """The CUDA path end to end on tiny models: profile -> solve -> run -> bench -> batched decoding on `--device cuda`,
 every greedy answer checked against the target's own greedy loop on the same device.
 
-    python benchmarks/cuda_check.py [--out DIR] [--device cuda]
+    python -m benchmarks.cuda_check [--out DIR] [--device cuda]
 
 Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded):
 
@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def hsd(*args, cwd=None) -> str:

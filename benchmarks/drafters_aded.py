@@ -12,7 +12,7 @@
    count whose MCTS time equals the one-token forward is interpolated. The other learning-free drafters are
    reported on the same folds for comparison, per task.
 
-Usage: .venv/bin/python benchmarks/drafters_aded.py [--iters 1 5 10 25 50 100 150 300] [--w 4]
+Usage: .venv/bin/python -m benchmarks.drafters_aded [--iters 1 5 10 25 50 100 150 300] [--w 4]
 Writes benchmarks/results/drafters_aded.json.
 """
 
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drafters_common import (  # noqa: E402
+from benchmarks.drafters_common import (
     RESULTS,
     greedy_generations,
     load_model,
@@ -36,11 +34,10 @@ from drafters_common import (  # noqa: E402
     summarize,
     target_forward_seconds,
 )
-
-from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix  # noqa: E402
-from hsd_opt.drafters.bigram import BigramDrafter, BigramTable  # noqa: E402
-from hsd_opt.drafters.mixed import MixedNgramDrafter  # noqa: E402
-from hsd_opt.drafters.ngram import ContextNgramDrafter  # noqa: E402
+from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+from hsd_opt.drafters.bigram import BigramDrafter, BigramTable
+from hsd_opt.drafters.mixed import MixedNgramDrafter
+from hsd_opt.drafters.ngram import ContextNgramDrafter
 
 
 def folds(gens):

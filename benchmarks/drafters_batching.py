@@ -4,7 +4,7 @@ Times one target forward on an input block of ``k`` rows x ``(w + 1)`` new token
 ``l`` context tokens (the cache repeated to ``k`` rows), relative to ``(k, w) = (1, 0)``, i.e. plain greedy
 decoding. On a GPU the block is memory bound (flat) up to a point; on this 2-core CPU it is not.
 
-Usage: .venv/bin/python benchmarks/drafters_batching.py [--ctx 256] [--k 1 2 4 8 16] [--w 0 1 3 7]
+Usage: .venv/bin/python -m benchmarks.drafters_batching [--ctx 256] [--k 1 2 4 8 16] [--w 0 1 3 7]
 Writes benchmarks/results/drafters_batching.json. Model: /tmp/smol (SmolLM2-135M) when present, else a tiny
 random Llama (recorded in the JSON).
 """
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drafters_common import RESULTS, load_model, machine_load, target_forward_seconds  # noqa: E402
+from benchmarks.drafters_common import RESULTS, load_model, machine_load, target_forward_seconds
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 its early exits and its quantized copies, against the weight-read floor and HF `generate` measured in the same
 run, with llama.cpp's `llama-bench` on the same GGUF as an anchor when a binary is given.
 
-    .venv/bin/python benchmarks/engine.py [--model smollm2-135m] [--t 1,2,4,8,16] [--exits 15,22]
+    .venv/bin/python -m benchmarks.engine [--model smollm2-135m] [--t 1,2,4,8,16] [--exits 15,22]
         [--llama-bench PATH --gguf-f32 FILE --gguf-q4 FILE] [--out benchmarks/results/engine.json]
 
 Every figure is a median over interleaved rounds (each round times every engine and t once), so a slow spell of a
@@ -26,8 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _ms(xs):

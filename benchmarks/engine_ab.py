@@ -1,7 +1,7 @@
 """A/B of two checkouts of hsd-opt in one interleaved run: our AR, the int4 copy's decode step and a plan's
 decoding, each timed by the same script against the code of each tree, rounds alternating between the trees.
 
-    .venv/bin/python benchmarks/engine_ab.py --baseline DIR [--plan PLAN] [--rounds 6] [--prompts 4]
+    .venv/bin/python -m benchmarks.engine_ab --baseline DIR [--plan PLAN] [--rounds 6] [--prompts 4]
         [--new 64] [--out benchmarks/results/engine_ab.json]
 
 ``--baseline`` is another checkout (e.g. ``git worktree add /tmp/base <commit>``); the tree this script lives in is

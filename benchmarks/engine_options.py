@@ -2,7 +2,7 @@
 decoder layer's projections (q, k, v, o, gate, up, down) plus the LM head of a model, one token, float32 unless
 named, interleaved rounds, median ms.
 
-    .venv/bin/python benchmarks/engine_options.py [--model smollm2-135m] [--rounds 7] [--compile]
+    .venv/bin/python -m benchmarks.engine_options [--model smollm2-135m] [--rounds 7] [--compile]
         [--out benchmarks/results/engine_options.json]
 
 Options timed: `F.linear` (what an eager forward calls), `x @ W` with the weight stored transposed, `torch.mv`,
@@ -21,8 +21,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

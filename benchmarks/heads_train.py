@@ -5,7 +5,7 @@ reports held-out acceptance (sum_x min(p_exit, p_final)) and greedy agreement vs
 (raw logit lens) and after training, the training time, and the one-token decode step cost of exits with the
 full LM head vs a reduced-vocabulary draft head.
 
-    .venv/bin/python benchmarks/heads_train.py [--threads 2] [--tokens 4096] [--epochs 3] \
+    .venv/bin/python -m benchmarks.heads_train [--threads 2] [--tokens 4096] [--epochs 3] \
         [--out out/heads-smollm2.safetensors] [--json benchmarks/results/heads_train.json]
 """
 
@@ -21,17 +21,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hsd_opt.commands.options import layer_numbers
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.heads import generate_training_sequences, head_layers, load_heads, save_heads, train_heads
+from hsd_opt.heads.data import split_indices
+from hsd_opt.heads.modules import RawHead, TranslatorHead
+from hsd_opt.jsonio import write_json
+from hsd_opt.models.loading import load_model
+from hsd_opt.prompts import load_prompts
 
-from hsd_opt.commands.options import layer_numbers  # noqa: E402
-from hsd_opt.engine.layered import LayeredLM  # noqa: E402
-from hsd_opt.heads import generate_training_sequences, head_layers, load_heads, save_heads, train_heads  # noqa: E402
-from hsd_opt.heads.data import split_indices  # noqa: E402
-from hsd_opt.heads.modules import RawHead, TranslatorHead  # noqa: E402
-from hsd_opt.jsonio import write_json  # noqa: E402
-from hsd_opt.models.loading import load_model  # noqa: E402
-from hsd_opt.prompts import load_prompts  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()

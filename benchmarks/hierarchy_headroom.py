@@ -1,6 +1,6 @@
 """How much a hierarchy could gain over the best single draft on a measured profile, under three what-ifs.
 
-    .venv/bin/python benchmarks/hierarchy_headroom.py --profile out/profile.json [--tmax 15] [--json OUT]
+    .venv/bin/python -m benchmarks.hierarchy_headroom --profile out/profile.json [--tmax 15] [--json OUT]
 
 A hierarchy beats the best single draft only by making its drafter's own drafting cheaper: something below the
 drafter must propose tokens the drafter accepts, and the drafter must check a block for about the price of one
@@ -29,12 +29,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hsd_opt.errors import HsdError  # noqa: E402
-from hsd_opt.formats import profile_from_dict  # noqa: E402
-from hsd_opt.jsonio import write_json  # noqa: E402
-from hsd_opt.solver.api import solve  # noqa: E402
+from hsd_opt.errors import HsdError
+from hsd_opt.formats import profile_from_dict
+from hsd_opt.jsonio import write_json
+from hsd_opt.solver.api import solve
 
 RATES = (0.5, 0.75, 1.0)
 ALPHAS = (0.3, 0.5, 0.66, 0.8, 0.9)

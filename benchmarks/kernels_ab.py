@@ -3,7 +3,7 @@ token for each of ``B`` sequences, or ``--positions`` tokens each: ``advance_man
 library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_opt/engine/kernels.c >
 /tmp/base.c``) against the library of this tree, rounds alternating between the two.
 
-    .venv/bin/python benchmarks/kernels_ab.py --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
+    .venv/bin/python -m benchmarks.kernels_ab --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
         [--steps 7] [--positions 1] [--level N --max-tokens 64] [--changes-numerics] \\
         [--out benchmarks/results/kernels_ab.json]
 
@@ -35,7 +35,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:

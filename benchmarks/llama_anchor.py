@@ -1,7 +1,7 @@
 """A plan against llama.cpp on the same GGUF file, in one run: `llama-bench` decode speed interleaved with
 `hsd bench` rounds over the same prompts, so that both see the same spell of a shared machine.
 
-    .venv/bin/python benchmarks/llama_anchor.py --plan out/family/plan-int4.json \
+    .venv/bin/python -m benchmarks.llama_anchor --plan out/family/plan-int4.json \
         --llama-bench <llama.cpp>/build/bin/llama-bench --gguf ~/.cache/hsd-opt/gguf/<file>.gguf \
         [--prompts FILE] [--limit 6] [--max-new-tokens 64] [--methods ar,single_draft,hsd] [--rounds 2] \
         [--depth 64] [--retime PROFILE] [--out benchmarks/results/llama_anchor.json]
@@ -28,8 +28,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps: int) -> dict:

@@ -1,7 +1,7 @@
 """How far a batched load level could go on this machine: one request at a time against plain batching, and the
 rate the batched rows would need.
 
-    .venv/bin/python benchmarks/load_bound.py --plan out/plan.json [--clients 8] [--requests 2] [--rounds 3] \\
+    .venv/bin/python -m benchmarks.load_bound --plan out/plan.json [--clients 8] [--requests 2] [--rounds 3] \\
         [--max-tokens 64] [--out benchmarks/results/load_bound_c8.json]
 
 In one process, each round in turn: ``--clients`` closed-loop clients (``--requests`` greedy requests each, the
@@ -20,21 +20,18 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from hsd_opt.formats import load_plan  # noqa: E402
-from hsd_opt.jsonio import write_json  # noqa: E402
-from hsd_opt.measure.load_bench import serve_clients  # noqa: E402
-from hsd_opt.models.loading import load_model  # noqa: E402
-from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length  # noqa: E402
-from hsd_opt.runtime import batch as batch_mod  # noqa: E402
-from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan  # noqa: E402
+from hsd_opt.formats import load_plan
+from hsd_opt.jsonio import write_json
+from hsd_opt.measure.load_bench import serve_clients
+from hsd_opt.models.loading import load_model
+from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length
+from hsd_opt.runtime import batch as batch_mod
+from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
 
 def _timed_scheduler(acc: dict) -> None:

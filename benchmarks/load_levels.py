@@ -2,7 +2,7 @@
 (a plan's ``by_load``, re-timed at the machine's speed of the moment) against the measured steady-state aggregate
 of ``B`` sequences decoded together, and every greedy answer against the target's own.
 
-    .venv/bin/python benchmarks/load_levels.py --plan out/plan.json --profile out/profile.json \\
+    .venv/bin/python -m benchmarks.load_levels --plan out/plan.json --profile out/profile.json \\
         [--levels 1,2,4,8,16] [--rounds 2] [--max-new-tokens 64] [--max-wait 3] [--clock-repeats 15] \
         [--out benchmarks/results/load_levels.json]
 
@@ -34,7 +34,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """A prompt's pass on the kernels against the torch path: where ``PREFILL_ON_TORCH_FROM`` (8-lane kernels) and
 ``PREFILL_ON_TORCH_FROM_WIDE`` (16-lane kernels, AVX-512) come from.
 
-    .venv/bin/python benchmarks/prefill_path.py [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] [--chunked] \
+    .venv/bin/python -m benchmarks.prefill_path [--lengths 8,16,24,32,40,48,64,96] [--rounds 7] [--chunked] \
         [--out benchmarks/results/prefill_path.json]
 
 The embedded model's float32 target prefills the first ``m`` tokens of the suite's text (every layer, from

@@ -2,7 +2,7 @@
 the batch scheduler, ``--active`` at a time, with the engines keeping the chat template's head (as every command
 runs) and with no head (each prompt computed from its first token), interleaved round by round.
 
-    .venv/bin/python benchmarks/prompt_head.py --plan out/plan.json [--prompts-used 16] [--active 8] \\
+    .venv/bin/python -m benchmarks.prompt_head --plan out/plan.json [--prompts-used 16] [--active 8] \\
         [--max-new-tokens 64] [--rounds 4] [--out benchmarks/results/prompt_head.json]
 
 Reported per round and setting: aggregate tokens/s over the whole run (prefills included), the prompt seconds
@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 with ``hsd_opt.engine.screen.MAX_POSITIONS`` switched per generation between two values (interleaved, the order
 alternating per prompt), so the ratio is taken under the same machine conditions.
 
-    .venv/bin/python benchmarks/screen_positions.py --plan out/plan.json [--limit 24] [--max-new-tokens 64]
+    .venv/bin/python -m benchmarks.screen_positions --plan out/plan.json [--limit 24] [--max-new-tokens 64]
         [--old 2] [--new 10] [--out benchmarks/results/screen_positions.json]
 
 Reports tokens/s (decode only and with prefill) per setting and checks that every output is the same under both
@@ -15,9 +15,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

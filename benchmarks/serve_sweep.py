@@ -3,7 +3,7 @@ concurrent clients, for `hsd serve` with a load-aware plan, the same server one 
 decoding (the target alone, batched), and llama.cpp's server (its own batching, and its best speculative
 setting), in one interleaved run.
 
-    .venv/bin/python benchmarks/serve_sweep.py --plan out/plan.json --concurrency 1,2,4,8,16 \\
+    .venv/bin/python -m benchmarks.serve_sweep --plan out/plan.json --concurrency 1,2,4,8,16 \\
         [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] [--stream-interval 1] \\
         [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
@@ -60,11 +60,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.server_load import pct, start, stream_once
+from benchmarks.server_load import stop_server as stop
 
-from benchmarks.server_load import pct, start, stream_once  # noqa: E402
-from benchmarks.server_load import stop_server as stop  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
 LLAMA_METHODS = ("llama", "llama_spec")

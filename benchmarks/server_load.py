@@ -1,7 +1,7 @@
 """Load benchmark of `hsd serve`: concurrent streaming clients through the ``openai`` client, then the server's
 overhead against ``HSD.generate`` called directly on the same prompts.
 
-    .venv/bin/python benchmarks/server_load.py --plan out/plan.json --clients 8 --requests 4 --max-tokens 64 \\
+    .venv/bin/python -m benchmarks.server_load --plan out/plan.json --clients 8 --requests 4 --max-tokens 64 \\
         --out benchmarks/results/server_load.json
 
 Steps (everything on 127.0.0.1; the run is bounded by --timeout and stops by itself):
@@ -39,7 +39,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):

@@ -2,7 +2,7 @@
 exits), K = 32 with tmax = 15, and a grid of K and tmax. Prints a table and writes
 ``benchmarks/results/solver_scaling.json``.
 
-Run: ``.venv/bin/python benchmarks/solver_scaling.py [--repeats 5]``
+Run: ``.venv/bin/python -m benchmarks.solver_scaling [--repeats 5]``
 
 Times are wall seconds, median over repeats: ``build`` = the shared arrays (gamma tables, edge costs),
 ``dp`` = the Bellman recursion, ``total`` = ``hsd_opt.solver.api.optimum(profile, tmax)`` end to end

@@ -1,6 +1,6 @@
 """Two disjoint, fixed samples of a Spec-Bench question file: one to benchmark on, one to profile on.
 
-    .venv/bin/python benchmarks/spec_bench_sample.py --questions ../shared/benchmarks/spec_bench/question_even.jsonl \
+    .venv/bin/python -m benchmarks.spec_bench_sample --questions ../shared/benchmarks/spec_bench/question_even.jsonl \
         --eval-out out/spec_bench_eval.jsonl --profile-out out/spec_bench_profile.jsonl
 
 The benchmark sample takes, in file order, the first ``--eval-per-group`` questions of every category group
@@ -19,8 +19,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

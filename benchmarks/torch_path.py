@@ -1,6 +1,6 @@
 """The decode kernels against the torch path: what a CPU without a C compiler pays per decode step.
 
-    .venv/bin/python benchmarks/torch_path.py [--rounds 4] [--steps 16] [--out benchmarks/results/torch_path.json]
+    .venv/bin/python -m benchmarks.torch_path [--rounds 4] [--steps 16] [--out benchmarks/results/torch_path.json]
 
 The embedded model's float32 target and its int4 copy, each on the C kernels and on the plain torch path
 (``kernels=False``; a quantized copy there runs its de-quantized weights), each timed over ``--steps`` decode steps
