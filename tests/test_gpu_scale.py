@@ -1,0 +1,33 @@
+"""`benchmarks/gpu_scale.py`'s dry run on the CPU: a model built from a configuration with random weights, our
+engine timed against the floor and HF `generate`, with the greedy tokens of both equal (the device run is the same
+command with a real configuration on CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gpu_scale
+
+
+@pytest.mark.slow
+def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_path):
+    out = tmp_path / "gpu_scale.json"
+    rep = gpu_scale.main(["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--t", "1,2,4",
+                          "--batches", "1,3", "--new", "12", "--repeats", "2", "--copy-mb", "16", "--no-compile",
+                          "--out", str(out)])
+    assert json.loads(out.read_text())["config"] == "tiny"
+    assert rep["hf_eager_equal"] is True and rep["ours_tokens"] == 12
+    assert set(rep["pass_ms"]) == {1, 2, 4} and set(rep["batch_ms"]) == {1, 3}
+    assert rep["step_ms"] > 0 and rep["read_bytes"] == rep["weight_bytes"] > 0
+    assert rep["floor_ms"] == pytest.approx(rep["read_bytes"] / (rep["bandwidth_gb_s"] * 1e9 / 2) * 1e3)
+
+
+def test_the_shipped_configurations_are_the_models_they_name():
+    seven = gpu_scale.config_of("layerskip-llama2-7b")
+    assert (seven["hidden_size"], seven["intermediate_size"], seven["num_hidden_layers"]) == (4096, 11008, 32)
+    one = gpu_scale.config_of("tinyllama-1.1b")
+    assert (one["hidden_size"], one["num_hidden_layers"], one["num_key_value_heads"]) == (2048, 22, 4)
+    with pytest.raises(SystemExit, match="no configuration"):
+        gpu_scale.config_of("no-such-model")
