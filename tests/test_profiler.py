@@ -651,3 +651,30 @@ def test_cost_prefill_chunks_are_whole_kernel_passes_for_quantized_copies():
         assert c % MAX_PASS == 0 and MAX_PASS <= c <= max(MAX_PASS, PREFILL_CHUNK)
         assert MAX_PASS < d <= max(MAX_PASS + 1, PREFILL_CHUNK)
     assert prefill_chunk(copy, PROGRESS_SECONDS / 150) == 128 and prefill_chunk(dense, PROGRESS_SECONDS / 150) == 150
+
+
+def test_auto_threads_follow_what_the_machine_does_now(monkeypatch):
+    """``--threads 0`` keeps torch's threads unless other processes keep the cores busy now (not a load average
+    that still counts a job that ended a minute ago); then 1 thread, said and recorded."""
+    import os
+
+    import torch
+
+    from hsd_opt.profiler.run import busy_cores_now, set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))      # a busy minute ago: ignored
+    try:
+        torch.set_num_threads(2)
+        said = []
+        assert set_threads(0, said.append, busy=lambda: 0.1) == "torch default" and not said
+        assert torch.get_num_threads() == 2
+        note = set_threads(0, said.append, busy=lambda: 1.9)
+        assert torch.get_num_threads() == 1 and note.startswith("auto: 1") and "busy now" in said[0]
+        torch.set_num_threads(2)
+        assert set_threads(3, said.append, busy=lambda: 2.0) == "--threads 3" and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    busy = busy_cores_now(0.05)
+    assert busy is None or 0.0 <= busy <= 2.5

@@ -244,3 +244,27 @@ def test_stats_table_reads_bottom_as_proposals_and_upper_levels_as_checks():
     console = Console(width=200, record=True)            # the target alone: its steps, not "draft calls"
     console.print(stats_table({**stats, "levels": [LevelStats("layer30", calls=13, drafted=13).to_dict()]}, 0.04))
     assert "steps 13, generated 13 tokens" in console.export_text()
+
+
+def test_run_warns_where_threads_or_kernel_variant_differ_from_the_plans(tiny_dir, tmp_path):
+    """A plan's costs were measured with some threads and kernel variant: a run with others says so (its predicted
+    speed may not hold), one with the same says nothing."""
+    import torch
+
+    from hsd_opt.engine import kernels
+
+    info = kernels.info()
+    variant = info.variant if info else None
+    same = _plan(tmp_path / "same.json", tiny_dir / "m", torch_threads=torch.get_num_threads(),
+                 kernels={"variant": variant, "openmp": True} if variant else None)
+    other = _plan(tmp_path / "other.json", tiny_dir / "m", torch_threads=torch.get_num_threads() + 3,
+                  kernels={"variant": "avx512-vnni" if variant != "avx512-vnni" else "avx2", "openmp": True})
+    res = runner.invoke(app, ["run", "--plan", str(same), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    assert "measured with" not in _out(res) and "measured on" not in _out(res)
+    res = runner.invoke(app, ["run", "--plan", str(other), "--prompt", "hi", "--max-new-tokens", "2",
+                              "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    text = " ".join(_out(res).split())
+    assert f"measured with {torch.get_num_threads() + 3} thread(s), this run uses {torch.get_num_threads()}" in text
+    assert "kernels, this run uses" in text and "profile again on this machine" in text

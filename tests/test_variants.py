@@ -74,3 +74,28 @@ def test_every_x86_variant_compiles_here_even_where_the_cpu_cannot_run_it(tmp_pa
             pytest.skip(f"{kernels.compiler()} does not know {variant.name}'s flags: {str(e)[:200]}")
         raise
     assert out.is_file() and out.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(kernels.compiler() is None or not __import__("sys").platform.startswith("linux"),
+                    reason="no C compiler here, or not Linux (the stand-in compiler is a shell script)")
+def test_a_compiler_without_openmp_gets_a_one_thread_build_said_once(tmp_path, monkeypatch):
+    """Apple's clang has no ``-fopenmp``: the kernels are built without it, the library says so through its
+    features, and the line says the kernels run on one thread; a second load finds that build in the cache."""
+    real = kernels.compiler()
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported option -fopenmp" >&2; '
+                    f'exit 1; }}; done\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_LIB", [])
+    monkeypatch.setattr(kernels, "_INFO", [])
+    said = []
+    lib = kernels.load(log=said.append)
+    assert lib is not None and not lib.hsd_features() & variants.OPENMP
+    assert any("cannot build with OpenMP" in s and "one thread" in s for s in said)
+    assert kernels.info().openmp is False and "1 thread (built without OpenMP)" in kernels.info().line(2)
+    monkeypatch.setattr(kernels, "_LIB", [])
+    monkeypatch.setattr(kernels, "_INFO", [])
+    again = []
+    assert kernels.load(log=again.append) is not None and not again      # cached: no build, nothing said
