@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
-from hsd_opt.engine.layered import pass_output
+from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, scale_costs
@@ -339,23 +338,8 @@ def time_prompt_passes(eng, boundary: int, text: Sequence[int], sizes: Sequence[
     st = eng.new_state(n + 1)
     eng.append(st, ids[:context])
     eng.advance(st, boundary)
-    read = pass_output(eng, True)
-    out = []
-    for m in sizes:
-        times = []
-        for r in range(repeats + 1):
-            eng.append(st, ids[context:context + m])
-            t0 = time.perf_counter()
-            eng.advance(st, boundary)
-            read(st, boundary, st.n - 1, st.n)
-            if eng.device.type == "cuda":
-                torch.cuda.synchronize(eng.device)
-            dt = time.perf_counter() - t0
-            eng.crop(st, context)
-            if r:
-                times.append(dt)
-        out.append((int(m), statistics.median(times)))
-    return out
+    return [(int(m), median_pass(eng, [(st, ids[context:context + m])], boundary, repeats, read=1))
+            for m in sizes]
 
 
 class LoadPredictor:

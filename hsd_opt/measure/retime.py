@@ -19,14 +19,13 @@ Units: seconds; contexts in tokens.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from hsd_opt.engine.layered import pass_output
 from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.prompts import text_of_length
@@ -166,27 +165,7 @@ class StepClock:
         for e in self.engines:
             eng, b = e["engine"], e["boundary"]
             sts, tok = self._state(eng)
-            output = pass_output(eng, self.greedy)
-            output_many = eng.greedy_ids_many if self.greedy else eng.logits_many
-            times = []
-            for r in range(self.repeats + 1):
-                t0 = time.perf_counter()
-                for st in sts:
-                    eng.append(st, tok)
-                if len(sts) == 1:
-                    eng.advance(sts[0], b)
-                    output(sts[0], b, sts[0].n - 1, sts[0].n)
-                else:
-                    eng.advance_many([(st, b) for st in sts])
-                    output_many([(st, b, st.n - 1, st.n) for st in sts])
-                if eng.device.type == "cuda":
-                    torch.cuda.synchronize(eng.device)
-                dt = time.perf_counter() - t0
-                for st in sts:
-                    eng.crop(st, st.n - 1)
-                if r:
-                    times.append(dt)
-            e["measured"].append(statistics.median(times))
+            e["measured"].append(median_pass(eng, [(st, tok) for st in sts], b, self.repeats, greedy=self.greedy))
         return self.factors(-1)
 
     def factors(self, i: int | None = None) -> dict[str, float]:

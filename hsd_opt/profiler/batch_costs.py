@@ -15,12 +15,12 @@ Units: seconds; ratios are plain numbers.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from hsd_opt.engine.interface import Engine
+from hsd_opt.engine.timing import time_pass
 from hsd_opt.profiler.costs import isotonic, t_grid
 from hsd_opt.prompts import text_of_length
 
@@ -59,16 +59,8 @@ def measure_batch_costs(eng: Engine, batch_sizes: Sequence[int], tmax: int, text
     for r in range(warmup + repeats):
         for t in grid:            # every batch size of one t back to back: a ratio's two timings a moment apart
             for b in sizes:
-                sts = states[:b]
-                for st, ids in sts:
-                    eng.append(st, ids[context:context + t])
-                reads = [(st, eng.n_layers, context, context + t) for st, _ in sts]
-                a = _now()
-                eng.advance_many([(st, eng.n_layers) for st, _ in sts])
-                (eng.greedy_ids_many if greedy else eng.logits_many)(reads)
-                dt = _now() - a
-                for st, _ in sts:
-                    eng.crop(st, context)
+                work = [(st, ids[context:context + t]) for st, ids in states[:b]]
+                dt = time_pass(eng, work, eng.n_layers, greedy=greedy, many=True)
                 if r >= warmup:
                     times.setdefault((b, t), []).append(dt)
         if on_step:
@@ -87,7 +79,3 @@ def seconds_estimate(step_seconds: float, batch_sizes: Sequence[int], tmax: int,
     return (warmup + repeats) * step_seconds * (passes + row_fraction * rows)
 
 
-def _now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()

@@ -50,18 +50,13 @@ import numpy as np
 import torch
 
 from hsd_opt.engine.layered import pass_output
+from hsd_opt.engine.timing import median_pass, now, time_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import PREFILL_CHUNK  # prompts are prefilled in the passes decoding uses
 
 #: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
 DEFAULT_CONTEXTS = (64, 512, 2048)
-
-
-def _now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def fit_contexts(contexts: Sequence[int], max_positions: int | None, tmax: int) -> list[int]:
@@ -266,23 +261,17 @@ def calibrate(eng, tmax: int, tokens: int = 96, greedy: bool = True,
     after an untimed pass of the same size): what :func:`estimate_seconds` prices a cost plan with. A few
     seconds on a 1.5B model on a CPU. ``greedy``, ``text``: as in :func:`measure_costs`."""
     tmax1 = tmax + 1
-    output = pass_output(eng, greedy)
     n_ids = tokens + tmax1 + 1
     ids = torch.tensor(text_of_length(text, n_ids)) if text else _ids(eng, n_ids, seed=1)
     st = eng.new_state(tokens + tmax1 + 1)
     eng.append(st, ids[:tokens])
-    a = _now()
+    a = now()
     eng.advance(st, eng.n_layers)
-    prefill = (_now() - a) / tokens
+    prefill = (now() - a) / tokens
     out = {}
     for t in (1, tmax1):
         for _ in range(2):
-            eng.append(st, ids[tokens:tokens + t])
-            a = _now()
-            eng.advance(st, eng.n_layers)
-            output(st, eng.n_layers, tokens, tokens + t)
-            out[t] = _now() - a
-            eng.crop(st, tokens)
+            out[t] = time_pass(eng, [(st, ids[tokens:tokens + t])], eng.n_layers, greedy=greedy)
     return Calibration(max(prefill, 1e-9), max(out[1], 1e-9), max(out[tmax1], 1e-9), tmax1)
 
 
@@ -402,14 +391,14 @@ def _time_segments(eng, st, ids: torch.Tensor, bs: Sequence[int], heads: dict[in
     eng.append(st, ids[n0:n0 + t])
     seg = {}
     for b in bs:
-        a = _now()
+        a = now()
         eng.advance(st, b)
-        seg[b] = _now() - a
+        seg[b] = now() - a
     hd = {}
     for k, b in heads.items():
-        a = _now()
+        a = now()
         output(st, b, n0, n0 + t)
-        hd[k] = _now() - a
+        hd[k] = now() - a
     eng.crop(st, n0)
     return seg, hd
 
@@ -530,17 +519,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     step: dict[int, float] = {}
     for b in (_check_boundaries(bs) if step_check else []):
         one = _kept_at(eng, base, ids, n0, b)
-        times = []
-        for r in range(warmup + repeats):
-            eng.append(one, ids[n0:n0 + 1])
-            t0 = _now()
-            eng.advance(one, b)
-            pass_output(eng, greedy)(one, b, n0, n0 + 1)
-            dt = _now() - t0
-            eng.crop(one, n0)
-            if r >= warmup:
-                times.append(dt)
-        step[b] = statistics.median(times)
+        step[b] = median_pass(eng, [(one, ids[n0:n0 + 1])], b, repeats, warmup, greedy=greedy)
         step_cb(f"context {ctxs[0]}: step of exit {b}", calib.step * (warmup + repeats))
 
     # 2. segment timings, in rounds over every context and t; t = 1 (the step cost) gets extra rounds
@@ -618,17 +597,11 @@ def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, war
     come in runs of one size (its budget, or T_below + 1 when it verifies), and right after a long pass a short
     pass measures slow."""
     n0, n = st.n, eng.n_layers
-    output = pass_output(eng, greedy)
     times: dict[int, list[float]] = {t: [] for t in ts}
     for r in range(rounds):
         for t in ts:
             for _ in range(2):
-                eng.append(st, ids[n0:n0 + t])
-                t0 = _now()
-                eng.advance(st, n)
-                output(st, n, n0, n0 + t)
-                dt = _now() - t0
-                eng.crop(st, n0)
+                dt = time_pass(eng, [(st, ids[n0:n0 + t])], n, greedy=greedy)
             if r >= warmup:
                 times[t].append(dt)
             step(f"whole model, round {r + 1}/{rounds}, t = {t}", 2 * calib.pass_seconds(t))
