@@ -1084,13 +1084,6 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat
  * de-quantize each block of rows into the first-level cache once for all positions. */
 #define HSD_Q4F_REG_MAX 6
 
-/* q4f_tile4xP_avx2 over 1 <= m <= HSD_Q4F_REG_MAX positions: s[t * 4 + i]. */
-static void q4f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
-    int t = 0;
-    for (; t + 3 <= m; t += 3) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
-    if (m - t == 2) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
-    if (m - t == 1) q4f_tile4xP_avx2(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
-}
 #endif
 
 #if HSD_AVX512
@@ -1258,12 +1251,22 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_neon(const hsd_mat
         for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8n(acc[i][p]);
 }
 
-/* q4f_tile4xP_neon over 1 <= m <= HSD_Q4F_REG_MAX positions (tiles of 3, then 1 or 2): s[t * 4 + i]. */
-static void q4f_tiles_neon(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+#endif
+
+/* The 8-lane in-register q4f tile of this build (AVX2 without AVX-512, or NEON), if it has one. */
+#if HSD_AVX2 && !HSD_AVX512
+#define HSD_Q4F_TILE q4f_tile4xP_avx2
+#elif HSD_NEON
+#define HSD_Q4F_TILE q4f_tile4xP_neon
+#endif
+
+#ifdef HSD_Q4F_TILE
+/* HSD_Q4F_TILE over 1 <= m <= HSD_Q4F_REG_MAX positions (tiles of 3, then 1 or 2): s[t * 4 + i]. */
+static void q4f_tiles(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
     int t = 0;
-    for (; t + 3 <= m; t += 3) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
-    if (m - t == 2) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
-    if (m - t == 1) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
+    for (; t + 3 <= m; t += 3) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
+    if (m - t == 2) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
+    if (m - t == 1) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
 }
 #endif
 
@@ -1291,19 +1294,13 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             continue;
         }
 #endif
-#if HSD_NEON
-        if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
-            m <= HSD_Q4F_REG_MAX) { /* as the AVX2 build: de-quantized in registers */
-            q4f_tiles_neon(A, r, n, x, xs, m, s);
-            store4(A, s, m, n, y, ys, 0, r, acc);
-            continue;
-        }
-#endif
-#if HSD_AVX2 && !HSD_AVX512
+#ifdef HSD_Q4F_TILE
         if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
             m <= HSD_Q4F_REG_MAX) { /* a decode step or a short verification: de-quantized in registers */
+#if HSD_AVX2
             prefetch_block(A, r + 4 * HSD_AHEAD);
-            q4f_tiles_avx2(A, r, n, x, xs, m, s);
+#endif
+            q4f_tiles(A, r, n, x, xs, m, s);
             store4(A, s, m, n, y, ys, 0, r, acc);
             continue;
         }
