@@ -589,3 +589,19 @@ def test_random_schedules_keep_every_answer_its_own(tiny, seed):
             assert got == want[:len(got)]
         else:
             assert got == want
+
+
+def test_clear_removes_every_sequence_and_closes_its_decoding(tiny):
+    """What the server does after a failed tick: every sequence out (decoding, being prefilled, waiting), each
+    decoding closed, the batch idle and ready for new ones."""
+    eng = LayeredLM(tiny)
+    batch = Batch(HSD([Level("layer4", eng, 4)], []), max_active=2)
+    entries = [batch.add([5, 6, 7, 8], 6) for _ in range(4)]
+    batch.tick()
+    batch.tick()
+    assert batch.in_flight >= 1 and batch.queued >= 1
+    out = batch.clear()
+    assert sorted(map(id, out)) == sorted(map(id, entries)) and not batch.busy and batch.queued == 0
+    again = batch.add([5, 6, 7, 8], 3)
+    batch.run()
+    assert again.decoding.result().token_ids and len(again.decoding.result().token_ids) == 3

@@ -172,8 +172,22 @@ class Batch:
         return self.waiting + ([self.prefilling] if self.prefilling is not None else [])
 
     @property
+    def queued(self) -> int:
+        """Sequences added and not yet in flight (waiting for their prompt's turn)."""
+        return len(self.waiting)
+
+    @property
     def busy(self) -> bool:
         return bool(self.waiting or self.active or self.prefilling)
+
+    def clear(self) -> list[Entry]:
+        """Remove every sequence, decoding, being prefilled or waiting (after a :meth:`tick` that failed), each
+        decoding closed; returns them, decoding ones first, for the caller to end their requests."""
+        entries = self.active + self.starting
+        self.active, self.waiting, self.prefilling = [], [], None
+        for e in entries:
+            e.decoding.close()
+        return entries
 
     def tick(self) -> int:
         """One round of the scheduler (see the module doc); returns the passes served."""

@@ -151,7 +151,7 @@ class JobQueue:
     @property
     def waiting(self) -> int:
         """Jobs not yet in flight (queued, or admitted and waiting for their prefill to begin)."""
-        return self._queue.qsize() + len(self.batch.waiting)
+        return self._queue.qsize() + self.batch.queued
 
     def status(self) -> dict[str, Any]:
         """``waiting``, ``active`` (requests being decoded or prefilled), ``max_batch``, ``busy``, the load level's
@@ -176,7 +176,7 @@ class JobQueue:
                 if job is None:
                     return
                 self._admit(job)
-            while self.batch.in_flight + len(self.batch.waiting) < self.batch.max_active:
+            while self.batch.in_flight + self.batch.queued < self.batch.max_active:
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
@@ -193,10 +193,7 @@ class JobQueue:
                 self.batch.tick()
             except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
                 log.exception("generation failed")
-                entries = self.batch.active + self.batch.starting
-                self.batch.active, self.batch.waiting, self.batch.prefilling = [], [], None
-                for entry in entries:
-                    entry.decoding.close()
+                for entry in self.batch.clear():
                     self._end(entry.on_tokens.job, "error", f"generation failed: {type(e).__name__}: {e}")
 
     def _admit(self, job: Job) -> None:
