@@ -90,7 +90,7 @@ def main() -> None:
     layered.EXACT_INT4 = a.baseline != "float32"
     engines["baseline"] = b = LayeredLM(loaded.model)
     if not float32_baseline:                              # the other library, reading the weights the same way
-        exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 else None
+        exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 is not False else None
         b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
                                         engines["candidate"]._kernels.head_mat)
     # prompts take the same path in both (the exact form keeps longer ones on the kernels): only speed may differ

@@ -193,3 +193,16 @@ def test_an_engine_over_a_q8_0_head_reads_its_int8_form_and_computes_the_same_lo
                      [eng.greedy_ids(st, eng.n_layers, 12 - m, 12) for m in (1, 3, 4, 6)])
     for a, b in zip(out["exact"][0] + out["exact"][1], out["plain"][0] + out["plain"][1]):
         assert torch.equal(a, b)
+
+
+def test_the_environment_switches_the_forms_off_when_an_engine_is_built(monkeypatch):
+    """``HSD_EXACT_INT4=0`` / ``HSD_EXACT_INT8=0`` are read when an engine is built, not when the module is
+    imported: set after import, they still take effect."""
+    if not LIB.hsd_simd():
+        pytest.skip("the portable variant reads float32 weights anyway")
+    model = _q4_1_model()
+    assert _kinds(LayeredLM(model, kernels=True)) == {wq.Q4F}
+    monkeypatch.setenv("HSD_EXACT_INT4", "0")
+    assert _kinds(LayeredLM(model, kernels=True)) == {wq.F32}
+    monkeypatch.setattr(layered, "EXACT_INT4", True)                    # a bool overrides the environment
+    assert _kinds(LayeredLM(model, kernels=True)) == {wq.Q4F}

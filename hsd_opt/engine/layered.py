@@ -52,12 +52,18 @@ from hsd_opt.errors import HsdError
 __all__ = ["DecodeState", "LayeredLM", "is_released", "pass_output", "release_float_weights"]
 
 #: Whether the kernels read a float32 model's projections in an exact int4 form where its int4 copy gives every
-#: weight exactly (:func:`~hsd_opt.engine.weights.exact_int4`; the same numbers from fewer bytes). The environment
-#: variable ``HSD_EXACT_INT4=0`` turns it off (to measure what it saves).
-EXACT_INT4 = os.environ.get("HSD_EXACT_INT4", "1") != "0"
+#: weight exactly (:func:`~hsd_opt.engine.weights.exact_int4`; the same numbers from fewer bytes). None: the
+#: environment decides when an engine is built (``HSD_EXACT_INT4=0`` turns it off, to measure what it saves); a
+#: bool overrides it (tests, benchmarks).
+EXACT_INT4: bool | None = None
 #: The same for the LM head in an exact int8 form (:func:`~hsd_opt.engine.weights.exact_int8`: GGUF Q8_0's
 #: de-quantized values, as the embedded model's head is); ``HSD_EXACT_INT8=0`` turns it off.
-EXACT_INT8 = os.environ.get("HSD_EXACT_INT8", "1") != "0"
+EXACT_INT8: bool | None = None
+
+
+def _exact_form(setting: bool | None, variable: str) -> bool:
+    """``setting``, or where it is None the environment ``variable`` (on unless ``0``), read now."""
+    return setting if setting is not None else os.environ.get(variable, "1").strip() != "0"
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -149,8 +155,9 @@ class LayeredLM:
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
         exact = exact_head = None
         if lib is not None and lib.hsd_simd() >= 1 and not weights.head.quantized:
-            exact = stored_copies.exact_int4_layers(model, weights) if EXACT_INT4 else None
-            exact_head = exact_int8(weights.head) if EXACT_INT8 else None
+            exact = stored_copies.exact_int4_layers(model, weights) if _exact_form(EXACT_INT4, "HSD_EXACT_INT4") \
+                else None
+            exact_head = exact_int8(weights.head) if _exact_form(EXACT_INT8, "HSD_EXACT_INT8") else None
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
                                                                      self.head_dim, exact, exact_head)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)
