@@ -324,35 +324,31 @@ def model_weights(model, make: Callable[[str, torch.nn.Module], Mat] | None = No
 # ------------------------------------------------------------------------------------------------ releasing
 
 
-#: Attribute of a ``transformers`` model: the engines reading its float weights in place, and whether
-#: :func:`release_float_weights` emptied them.
-_READERS = "_hsd_weight_readers"
-
-
 class WeightReaders:
     """What reads a model's float weights in place: the live float engines over it (held weakly), and whether the
-    weights were released. Kept on the model; a deep copy of the model starts with none."""
+    weights were released."""
 
     def __init__(self):
         self.engines: weakref.WeakSet = weakref.WeakSet()
         self.released = False
 
-    def __deepcopy__(self, memo):
-        return WeightReaders()
+
+#: Each model's :class:`WeightReaders`, held beside the model rather than on it (the model is not ours to add
+#: attributes to), keyed weakly: an entry goes with its model, and a copy of a model is another key, with none.
+_READERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def weight_readers(model) -> WeightReaders:
     """The :class:`WeightReaders` of ``model`` (made on first use)."""
-    readers = model.__dict__.get(_READERS)
+    readers = _READERS.get(model)
     if readers is None:
-        readers = WeightReaders()
-        model.__dict__[_READERS] = readers
+        readers = _READERS[model] = WeightReaders()
     return readers
 
 
 def is_released(model) -> bool:
     """True when :func:`release_float_weights` emptied ``model``'s float decoder weights."""
-    readers = model.__dict__.get(_READERS)
+    readers = _READERS.get(model)
     return bool(readers is not None and readers.released)
 
 
