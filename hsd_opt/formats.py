@@ -152,6 +152,17 @@ class Profile:
             linearly in the context (``docs/design.md#costs-that-depend-on-the-context``).
         batch_costs: optional costs of passes over several sequences, in increasing ``batch`` order
             (:class:`BatchCosts`); empty for a profile of one sequence at a time (batch 1).
+        provenance: where and how it was measured (:class:`Provenance`: the model, device, dtype, sampling, and
+            the profiler's own records, read with :meth:`Provenance.get`).
+        greedy_agreement: ``[drafter][verifier]``: how often their argmax agree.
+        counts: ``[drafter][verifier]``: positions each acceptance rate was measured on.
+        ci95: ``[drafter][verifier]``: the rate's 95% confidence interval ``[low, high]``.
+        acceptance_by_task: ``[task][drafter][verifier]``: acceptance on each task's prompts alone.
+        draft_rate_by_task: ``[task][drafter]``: an abstaining drafter's draft rate on each task's prompts.
+        stats: the additive statistics the rates come from (``PairStats`` as JSON), for exact merges; None
+            where a profile was made another way (or is a task's view).
+        task: the task whose view this is (:func:`~hsd_opt.solver.tasks.task_profile`); None for the profile
+            itself. Never written to a file.
     """
 
     target: str
@@ -162,6 +173,14 @@ class Profile:
     extra: dict[str, Any] = field(default_factory=dict)
     context_costs: list[ContextCosts] = field(default_factory=list)
     batch_costs: list[BatchCosts] = field(default_factory=list)
+    provenance: "Provenance" = field(default_factory=lambda: Provenance())
+    greedy_agreement: dict[str, dict[str, float]] = field(default_factory=dict)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    ci95: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    acceptance_by_task: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    draft_rate_by_task: dict[str, dict[str, float]] = field(default_factory=dict)
+    stats: dict[str, Any] | None = None
+    task: str | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -201,6 +220,15 @@ class Profile:
             d["context_costs"] = [c.to_dict() for c in self.context_costs]
         if self.batch_costs:
             d["batch_costs"] = [b.to_dict() for b in self.batch_costs]
+        for k in PROFILE_RECORDS:
+            v = getattr(self, k)
+            if v:
+                d[k] = v
+        if self.stats is not None:
+            d["stats"] = self.stats
+        prov = self.provenance.to_dict()
+        if prov or self.provenance.key_order:
+            d["provenance"] = prov
         for k, v in self.extra.items():
             if k not in d:
                 d[k] = v
@@ -323,6 +351,12 @@ class Provenance:
     top_p: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``: a typed one, or one of the others kept as read (a profile's ``prompt_count``,
+        ``positions_by_task``, ``sampling_seconds``, ...); ``default`` when absent or null."""
+        v = getattr(self, key) if key in PROVENANCE_FIELDS else self.extra.get(key)
+        return default if v is None else v
 
     @property
     def threads(self) -> int | None:
@@ -681,10 +715,25 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     context_costs = _context_costs(source, d.get("context_costs"), seen)
     batch_costs = _batch_costs(source, d.get("batch_costs"), seen)
 
-    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs"}
+    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs",
+             "provenance", "stats", *PROFILE_RECORDS}
     extra = {k: v for k, v in d.items() if k not in known}
-    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs)
+    records = {}
+    for k in PROFILE_RECORDS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, dict):
+            raise InputFileError(source, "expected an object", k)
+        records[k] = v or {}
+    stats = d.get("stats")
+    if stats is not None and not isinstance(stats, dict):
+        raise InputFileError(source, "expected an object (the profiler's statistics)", "stats")
+    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs,
+                   provenance=_provenance(d.get("provenance"), source), stats=stats, **records)
     return prof, triangle_warnings(prof, source)
+
+
+#: A profile's records of its measurement beside the rates, each an object keyed by drafter (and verifier, or task).
+PROFILE_RECORDS = ("greedy_agreement", "counts", "ci95", "acceptance_by_task", "draft_rate_by_task")
 
 
 def _verify_costs(source: str, raw: Any, seen: set[str], at: str) -> dict[str, dict[str, float | list[float]]]:
@@ -978,6 +1027,11 @@ def _plan_models(raw: Any, source: str) -> list[PlanModel]:
 
 
 PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p")
+
+
+def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Provenance:
+    """A ``provenance`` object as written to a profile or a plan, validated (:class:`Provenance`)."""
+    return _provenance(raw, source)
 
 
 def _provenance(raw: Any, source: str) -> Provenance:

@@ -151,37 +151,32 @@ def test_no_module_takes_another_modules_private_names():
     assert not bad, "\n".join(bad)
 
 
-#: Names of the variables (and attributes) that hold a :class:`~hsd_opt.formats.Plan` in the package: ``plan``,
-#: ``pl``, ``p``, any name ending in ``plan`` (``task_plan``), and ``hierarchy`` (``solver.api.simulate`` takes a
-#: plan there; a list of names has no ``extra``).
-PLAN_NAMES = re.compile(r"\w*plan|pl|p|hierarchy")
 
 
-def _plan_extra_uses(tree: ast.AST):
+def _extra_uses(tree: ast.AST):
     """``(line, code)`` of every ``X.extra`` in ``tree`` (read, written or called through: ``X.extra[...]``,
-    ``X.extra.get(...)``, ``dict(X.extra)``) where ``X`` is a name of :data:`PLAN_NAMES` or an attribute with
-    such a name (``self.plan.extra``). Code only: comments and strings are not looked at."""
+    ``X.extra.get(...)``, ``dict(X.extra)``), whatever ``X`` is: a plan, a profile, their provenance or a model
+    entry. Code only: comments and strings are not looked at."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "extra":
-            v = node.value
-            name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
-            if name is not None and PLAN_NAMES.fullmatch(name):
-                yield node.lineno, ast.unparse(node)
+            yield node.lineno, ast.unparse(node)
 
 
-def test_the_plan_extra_check_sees_reads_and_writes():
+def test_the_extra_check_sees_reads_and_writes():
     code = ("a = plan.extra.get('models')\np.extra['by_task'] = {}\nb = dict(self.plan.extra)\n"
-            "c = pl.extra['context']\nd = prof.extra['provenance']\ne = profile.extra.get('stats')\n")
-    assert sorted(line for line, _ in _plan_extra_uses(ast.parse(code))) == [1, 2, 3, 4]
+            "c = pl.extra['context']\nd = prof.extra['provenance']\ne = profile.provenance.extra.get('stats')\n"
+            "f = extra['x']\n")
+    assert sorted(line for line, _ in _extra_uses(ast.parse(code))) == [1, 2, 3, 4, 5, 6]
 
 
-def test_only_formats_touches_the_plans_untyped_fields():
-    """No module of ``hsd_opt`` but ``formats`` touches ``Plan.extra`` (by :func:`_plan_extra_uses`): the plan's
-    sections are typed attributes, parsed and validated when the plan is loaded, and ``extra`` holds only the
-    fields no code reads (kept for the round trip). ``Profile.extra`` is not checked."""
+def test_only_formats_touches_the_untyped_fields():
+    """No module of ``hsd_opt`` but ``formats`` touches an ``extra`` (by :func:`_extra_uses`): the sections of a
+    plan and of a profile are typed attributes, parsed and validated when the file is loaded, and ``extra`` holds
+    only the fields no code reads (kept for the round trip); a provenance's other fields are read through
+    ``Provenance.get``."""
     bad = [f"{mod}:{line}: {code}" for mod, tree in _modules() if mod != "hsd_opt.formats"
-           for line, code in _plan_extra_uses(tree)]
-    assert not bad, "use the typed fields of Plan instead:\n" + "\n".join(bad)
+           for line, code in _extra_uses(tree)]
+    assert not bad, "use the typed fields of Plan, Profile and Provenance instead:\n" + "\n".join(bad)
 
 
 LOWER_LAYERS = ["hsd_opt.solver", "hsd_opt.engine.quantized", "hsd_opt.drafters", "hsd_opt.models.loading",

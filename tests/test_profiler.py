@@ -53,7 +53,7 @@ def _cli(args):
 
 def _stats(path: Path) -> PairStats:
     prof, _ = load_profile(path)
-    return PairStats.from_dict(prof.extra["stats"])
+    return PairStats.from_dict(prof.stats)
 
 
 def _same_stats(a: PairStats, b: PairStats, skip_tokens=()):
@@ -212,7 +212,7 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     pool = {"layer1", "layer2", "layer3", "layer4", "copy", "ngram", "lookup", "bigram", "aded"}
     assert pool | quantized == set(names)
     assert 0 < prof.entry("lookup").draft_rate < 1 and prof.entry("ngram").draft_rate == 1   # it abstained sometimes
-    st = PairStats.from_dict(prof.extra["stats"])
+    st = PairStats.from_dict(prof.stats)
     assert prof.entry("lookup").draft_rate == pytest.approx(
         st.proposals("lookup") / st.counters["propose_calls.lookup"], rel=1e-12)
     for q in quantized:
@@ -232,18 +232,18 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     assert len(prof.cost_curve["layer4"]) == 4
     assert len(prof.verify_cost["layer4"]["layer1"]) == 4
     assert prof.verify_cost["layer4"]["layer1"][0] < prof.cost_curve["layer4"][0]
-    pv = prof.extra["provenance"]
+    pv = prof.provenance.to_dict()
     assert pv["prompts_sha256"] == load_prompts(tiny["prompts"]).sha256
     assert pv["prompt_count"] == 5 and pv["generated_tokens"] > 0 and pv["heads"] is None
-    assert set(prof.extra["acceptance_by_task"]) <= {"code", "math", "chat"}
+    assert set(prof.acceptance_by_task) <= {"code", "math", "chat"}
     # per task: generated positions add up, and so do the lookup's proposals (its draft rate per task)
     pos = pv["positions_by_task"]
     assert sum(pos.values()) == pv["generated_tokens"] and pv["top_p"] == 1.0
-    rates = {t: r["lookup"] for t, r in prof.extra["draft_rate_by_task"].items()}
-    assert set(rates) == set(pos) and "ngram" not in prof.extra["draft_rate_by_task"]["code"]
+    rates = {t: r["lookup"] for t, r in prof.draft_rate_by_task.items()}
+    assert set(rates) == set(pos) and "ngram" not in prof.draft_rate_by_task["code"]
     assert sum(rates[t] * pos[t] for t in pos) == pytest.approx(                # (a rate's floor is 1e-6)
         prof.entry("lookup").draft_rate * sum(pos.values()), abs=1e-4)
-    assert "ci95" in prof.extra and "greedy_agreement" in prof.extra and "counts" in prof.extra
+    assert prof.ci95 and prof.greedy_agreement and prof.counts
     # prompts and their lengths per task (each task's typical context) add up to the totals
     assert sum(pv["prompts_by_task"].values()) == pv["prompt_count"] == 5
     assert sum(pv["prompt_tokens_by_task"].values()) == pv["prompt_tokens"]
@@ -257,7 +257,7 @@ def test_profile_records_costs_at_every_context(full_run):
     of tmax + 1 = 4 tokens (507), for every model and pair, non-decreasing in t and in the context; the top-level
     costs are the first context's (token drafters: their mean over the profiled positions)."""
     prof, _ = load_profile(full_run)
-    pv = prof.extra["provenance"]
+    pv = prof.provenance.to_dict()
     assert prof.contexts == [8, 507] and pv["cost_contexts"] == {"requested": [8, 600], "measured": [8, 507]}
     first, last = prof.context_costs
     assert set(first.cost) == set(prof.names)                            # every model, token drafters included
@@ -311,7 +311,7 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     first, _ = load_profile(parts[0])
     assert m.context_costs == first.context_costs and m.contexts == [64, 507]
     for key in ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task"):
-        assert m.extra["provenance"][key] == f.extra["provenance"][key], key
+        assert m.provenance.get(key) == f.provenance.get(key), key
     # a profile of a different model is refused, naming the field
     other = tmp_path / "other.json"
     r = _cli(["profile", "--model", str(tiny["other_tok"]), "--prompts", str(tiny["prompts"]), "--out", str(other),
@@ -352,8 +352,8 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     prof = run_profile(cfg(out, resume=True), on_prompt=done_again.append)
     assert len(done_again) == 3                                          # only the 3 missing prompts ran
     assert out.exists() and not partial.exists()
-    a = PairStats.from_dict(prof.extra["stats"])
-    b = PairStats.from_dict(ref.extra["stats"])
+    a = PairStats.from_dict(prof.stats)
+    b = PairStats.from_dict(ref.stats)
     _same_stats(a, b)
 
 
@@ -373,7 +373,7 @@ def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_p
                   "--quantized", "none", "--temperature", "0.8", "--top-p", str(top_p), "--device", "cpu"] + FAST)
         assert r.exit_code == 0, r.output
     prof, _ = load_profile(outs[0.9])
-    pv = prof.extra["provenance"]
+    pv = prof.provenance.to_dict()
     assert pv["temperature"] == 0.8 and pv["top_p"] == 0.9 and "top-p" in pv["temperature_note"]
     assert 0 < prof.accept("layer2", "layer4") <= 1
     assert pv["sampling_seconds"] == [1.0, 2.0, 3.0, 4.0] and "sampling_seconds" in pv["cost_model"]
@@ -403,7 +403,7 @@ def test_torchrun_two_gloo_ranks_equal_single_run(full_run, tiny, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _same_stats(_stats(out), _stats(full_run))
     prof, _ = load_profile(out)
-    assert prof.extra["provenance"]["world_size"] == 2
+    assert prof.provenance.get("world_size") == 2
     assert not list(tmp_path.glob("*.partial*"))
 
 
@@ -479,14 +479,14 @@ def test_trained_heads_are_used_and_recorded(tiny, tmp_path):
               "--device", "cpu"] + FAST)
     assert r.exit_code == 0, r.output
     prof, _ = load_profile(out)
-    pv = prof.extra["provenance"]
+    pv = prof.provenance.to_dict()
     assert pv["heads"] == str(hp) and len(pv["heads_sha256"]) == 64
     plain = tmp_path / "plain.json"
     r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(plain),
               "--max-new-tokens", "4", "--token-drafters", "none", "--layers", "1,2", "--device", "cpu"] + FAST)
     assert r.exit_code == 0, r.output
     p2, _ = load_profile(plain)
-    assert p2.extra["provenance"]["heads"] is None
+    assert p2.provenance.heads is None
     assert prof.acceptance["layer1"]["layer4"] != pytest.approx(p2.acceptance["layer1"]["layer4"], abs=1e-9)
     r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(plain),
               "--heads", str(tmp_path / "nope.safetensors"), "--device", "cpu"] + FAST)

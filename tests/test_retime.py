@@ -106,7 +106,7 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
     plan = Plan(8, ["layer2", "layer4"], [3], 0.01, 1.0)
     with pytest.raises(HsdError, match="--retime p.json: the profile does not describe layer2"):
         check_profile_for_plan(prof, plan, "p.json")
-    prof.extra["provenance"] = {"model": "m-a"}
+    prof.provenance = Provenance(model="m-a")
     plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-b"))
     with pytest.raises(HsdError, match="the profile is of model 'm-a', the plan of 'm-b'"):
         check_profile_for_plan(prof, plan, "p.json")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import load_profile, plan_from_dict, profile_from_dict
+from hsd_opt.formats import load_profile, plan_from_dict, profile_from_dict, provenance_from_dict
 from hsd_opt.solver import hierarchy_latency, latency
 from hsd_opt.solver.api import evaluate, optimum, simulate, solve
 from hsd_opt.solver.brute import brute_ranked
@@ -123,7 +123,7 @@ def test_simulator_agrees_with_the_prediction_at_a_context():
 
 def _prof_with_prompts(rng, **prov):
     prof = random_profile(rng, 3, contexts=True, growing=True, verify_cost=True)
-    prof.extra["provenance"] = prov
+    prof.provenance = provenance_from_dict(prov)
     return prof
 
 
@@ -151,7 +151,7 @@ def test_plans_per_task_use_each_tasks_context():
     prof = _prof_with_prompts(rng, prompt_count=2, prompt_tokens=1100, generated_tokens=40,
                               prompts_by_task={"rag": 1, "chat": 1}, prompt_tokens_by_task={"rag": 1000, "chat": 100},
                               positions_by_task={"rag": 20, "chat": 20})
-    prof.extra["acceptance_by_task"] = {"rag": prof.acceptance, "chat": prof.acceptance}
+    prof.acceptance_by_task = {"rag": prof.acceptance, "chat": prof.acceptance}
     plan = solve(prof, 4)
     by_task, _ = solve_tasks(prof, plan, 4)
     for task, ctx in (("rag", 1010), ("chat", 110)):

@@ -190,7 +190,7 @@ def test_plans_per_task_are_each_tasks_optimum_dp_equals_brute_force():
                 for v, x in row.items():
                     if rng.random() < 0.8:
                         by.setdefault(task, {}).setdefault(d, {})[v] = float(np.clip(x + rng.normal(0, 0.2), 0, 1))
-        prof.extra["acceptance_by_task"] = by
+        prof.acceptance_by_task = by
         plan = solve(prof, 4)
         entries, fallbacks = solve_tasks(prof, plan, 4)
         assert sorted(entries) == sorted(by)

@@ -15,16 +15,14 @@ from hsd_opt.console import console, err_console, warn
 
 def acceptance_table(prof, max_rows: int = 64) -> Table:
     """Rich table: per drafter, its cost, acceptance / greedy agreement against the target, and the 95% CI."""
-    pv = prof.extra.get("provenance") or {}
-    how = (f"sampling at temperature {pv['temperature']:g}, top-p {pv.get('top_p', 1.0):g}"
-           if pv.get("temperature") else "greedy")
+    pv = prof.provenance
+    how = (f"sampling at temperature {pv.temperature:g}, top-p {pv.get('top_p', 1.0):g}"
+           if pv.temperature else "greedy")
     t = Table(title=f"acceptance against the target {prof.target}, {how} (cost = one warm decode step)")
     for c, j in (("drafter", "left"), ("kind", "left"), ("cost ms", "right"), ("accept", "right"),
                  ("95% CI", "right"), ("greedy agree", "right"), ("n", "right")):
         t.add_column(c, justify=j)
-    agr = prof.extra.get("greedy_agreement", {})
-    ci = prof.extra.get("ci95", {})
-    cnt = prof.extra.get("counts", {})
+    agr, ci, cnt = prof.greedy_agreement, prof.ci95, prof.counts
     rows = [m for m in prof.models if m.name != prof.target]
     rows.sort(key=lambda m: (m.layer is None, m.layer or 0, m.cost))
     for m in rows[:max_rows]:
@@ -197,9 +195,9 @@ def profile_cmd(
                  if prof.target in e.cost]
         if steps:
             console.print(f"target step by context: {', '.join(steps)} (context_costs; hsd solve interpolates)")
-    pv = prof.extra["provenance"]
-    console.print(f"wrote {out}: {len(prof.models)} drafters, {pv['prompt_count']} prompts, "
-                  f"{pv['generated_tokens']} generated tokens, {pv['timings']['total_seconds']:.1f} s")
+    pv = prof.provenance
+    console.print(f"wrote {out}: {len(prof.models)} drafters, {pv.get('prompt_count')} prompts, "
+                  f"{pv.get('generated_tokens')} generated tokens, {pv.get('timings')['total_seconds']:.1f} s")
 
 
 @app.command("merge")
@@ -214,6 +212,6 @@ def merge_cmd(
 
     prof = merge_profiles(profiles, warn=warn)
     save_profile(prof, out)
-    pv = prof.extra["provenance"]
-    console.print(f"wrote {out}: merged {len(profiles)} profiles, {pv['prompt_count']} prompts, "
-                  f"{pv['generated_tokens']} generated tokens (costs from {profiles[0]})")
+    pv = prof.provenance
+    console.print(f"wrote {out}: merged {len(profiles)} profiles, {pv.get('prompt_count')} prompts, "
+                  f"{pv.get('generated_tokens')} generated tokens (costs from {profiles[0]})")

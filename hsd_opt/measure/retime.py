@@ -56,8 +56,8 @@ def scale_costs(profile: Profile, factor: Mapping[str, float]) -> Profile:
     models = [replace(m, cost=m.cost * f(m.name)) for m in profile.models]
     ctx = [ContextCosts(e.context, {m: c * f(m) for m, c in e.cost.items()}, curves(e.cost_curve),
                         verify(e.verify_cost)) for e in profile.context_costs]
-    return Profile(profile.target, models, profile.acceptance, verify(profile.verify_cost),
-                   curves(profile.cost_curve), dict(profile.extra), ctx, profile.batch_costs)
+    return replace(profile, models=models, verify_cost=verify(profile.verify_cost),
+                   cost_curve=curves(profile.cost_curve), context_costs=ctx)
 
 
 def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
@@ -76,7 +76,7 @@ def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequenc
 def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     """Refuse a profile that cannot price ``plan``: another model, or a level it does not describe (``source``
     names the profile in the error)."""
-    pm = (profile.extra.get("provenance") or {}).get("model")
+    pm = profile.provenance.model
     qm = plan.provenance.model
     if pm and qm and pm != qm:
         raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r}")
@@ -123,7 +123,7 @@ class StepClock:
         self.greedy = greedy
         self.context = profile.contexts[0] if profile.context_costs else 64
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
-        sampling = (profile.extra.get("provenance") or {}).get("sampling_seconds") or [0.0]
+        sampling = profile.provenance.get("sampling_seconds") or [0.0]
         engines: dict[int, dict[str, Any]] = {}
         for h in hierarchies:
             for lv in h.levels:

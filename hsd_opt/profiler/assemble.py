@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import BatchCosts, ContextCosts, ModelEntry, Profile
+from hsd_opt.formats import PROFILE_RECORDS, BatchCosts, ContextCosts, ModelEntry, Profile, provenance_from_dict
 from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
@@ -200,9 +200,13 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
     entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
-    extra = {k: v for k, v in res.items() if k != "acceptance"}
-    extra["stats"] = stats.to_dict()
-    return Profile(target_name, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra, cc)
+    return Profile(target_name, entries, res["acceptance"], first.verify_cost, first.cost_curve, context_costs=cc,
+                   stats=stats.to_dict(), **_records(res))
+
+
+def _records(res: dict) -> dict:
+    """The profile's records (:data:`~hsd_opt.formats.PROFILE_RECORDS`) of :func:`results_from_stats`' result."""
+    return {k: res.get(k) or {} for k in PROFILE_RECORDS}
 
 
 def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> Profile:
@@ -217,17 +221,17 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     profs = []
     for p in paths:
         prof, _ = load_profile(p)
-        if "stats" not in prof.extra:
+        if prof.stats is None:
             raise InputFileError(str(p), "has no raw statistics (made by another tool?); cannot merge exactly",
                                  "stats")
         profs.append((Path(p), prof))
     p0, first = profs[0]
-    prov0 = first.extra.get("provenance", {})
-    stats = PairStats.from_dict(first.extra["stats"])
+    prov0 = first.provenance.to_dict()
+    stats = PairStats.from_dict(first.stats)
     seen = {(prov0.get("prompts_sha256"), str(prov0.get("shard")))}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
-        prov = prof.extra.get("provenance", {})
+        prov = prof.provenance.to_dict()
         for f in MERGE_FIELDS:
             if setting(prov, f) != setting(prov0, f):
                 raise InputFileError(str(p), f"cannot merge: {f} = {setting(prov, f)!r} but {p0} has "
@@ -235,7 +239,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if prof.target != first.target:
             raise InputFileError(str(p), f"cannot merge: target {prof.target!r} but {p0} has {first.target!r}",
                                  "target")
-        s = PairStats.from_dict(prof.extra["stats"])
+        s = PairStats.from_dict(prof.stats)
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
@@ -249,10 +253,6 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                for e in first.models]
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
-    extra = dict(first.extra)
-    extra.pop("draft_rate_by_task", None)
-    extra.update({k: v for k, v in res.items() if k != "acceptance"})
-    extra["stats"] = stats.to_dict()
     prov = dict(prov0)
     prov.update({"merged_from": [str(p) for p, _ in profs], "prompts_sha256_list": prompt_sets,
                  "prompt_count": int(stats.counters.get("prompts", 0)),
@@ -260,12 +260,11 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
                  "positions_by_task": positions_by_task(stats), "costs_from": str(p0)})
     # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
-    complete = all(set(prompts_by_task(PairStats.from_dict(pr.extra["stats"]))[0]) ==
-                   set(PairStats.from_dict(pr.extra["stats"]).tasks) for _, pr in profs)
+    complete = all(set(prompts_by_task(PairStats.from_dict(pr.stats))[0]) ==
+                   set(PairStats.from_dict(pr.stats).tasks) for _, pr in profs)
     for key, v in zip(("prompts_by_task", "prompt_tokens_by_task"), prompts_by_task(stats)):
         prov.pop(key, None)
         if v and complete:
             prov[key] = v
-    extra["provenance"] = prov
-    return Profile(first.target, entries, res["acceptance"], first.verify_cost, first.cost_curve, extra,
-                   first.context_costs, first.batch_costs)
+    return replace(first, models=entries, acceptance=res["acceptance"], provenance=provenance_from_dict(prov, str(p0)),
+                   stats=stats.to_dict(), **_records(res))

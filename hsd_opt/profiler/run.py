@@ -21,7 +21,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import Profile, profile_from_dict, save_profile
+from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
 from hsd_opt.profiler.assemble import batch_costs_entries, build_profile, positions_by_task, prompts_by_task
 from hsd_opt.profiler.batch_costs import measure_batch_costs
@@ -357,7 +357,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs, sampling)
     prof.batch_costs = batch_costs_entries(prof, pool.neural, batch, contexts[0])
     task_prompts, task_prompt_tokens = prompts_by_task(stats)
-    prof.extra["provenance"] = {
+    prof.provenance = provenance_from_dict({
         **settings,
         "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
         "prompt_count": int(stats.counters["prompts"]),
@@ -387,7 +387,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
         "kernels": kernels.provenance(loaded.device),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-    }
+    }, str(cfg.out))
     _, warnings = profile_from_dict(prof.to_dict(), str(cfg.out))
     save_profile(prof, cfg.out)
     for r in range(world):

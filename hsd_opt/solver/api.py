@@ -158,8 +158,8 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         fields["latency_by_context"] = latency_table(full, sol.hierarchy, sol.budgets, resolved)
     if exact.hierarchy != sol.hierarchy:
         fields["exact_optimum"] = _entry(profile, exact.hierarchy, exact.budgets, exact.latency, full, resolved)
-    prov = full.extra.get("provenance")
-    if prov is not None:
+    prov = full.provenance.to_dict()
+    if prov:
         fields["provenance"] = prov
     # Every model entry of the pool, so `hsd run`/`hsd bench` can rebuild the hierarchy and the baselines
     # (kind, layer, token-drafter config) from the plan alone.

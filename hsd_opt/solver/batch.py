@@ -62,7 +62,8 @@ def at_batch(profile: Profile, batch: int) -> Profile:
                              {n: _scaled(x, r[n]) for n, x in c.cost_curve.items()},
                              {v: {d: _scaled(x, r[v]) for d, x in row.items()} for v, row in c.verify_cost.items()})
                 for c in profile.context_costs]
-    return Profile(profile.target, models, profile.acceptance, verify, curves, dict(profile.extra), contexts, [])
+    return replace(profile, models=models, verify_cost=verify, cost_curve=curves, context_costs=contexts,
+                   batch_costs=[])
 
 
 #: The default of ``hsd solve --load-min-gain``: above one sequence, speculation is taken only when predicted

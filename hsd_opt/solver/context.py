@@ -90,8 +90,7 @@ def profile_at_context(profile: Profile, context: float) -> Profile:
             else:
                 verify_cost.setdefault(v, {})[d] = _curve_at_context(
                     xs, [x if isinstance(x, list) else [x] for x in vals], context)
-    return Profile(profile.target, models, profile.acceptance, verify_cost, cost_curve, dict(profile.extra),
-                   batch_costs=profile.batch_costs)
+    return replace(profile, models=models, verify_cost=verify_cost, cost_curve=cost_curve, context_costs=[])
 
 
 def _mean(total, count) -> float | None:
@@ -108,12 +107,12 @@ def typical_context(profile: Profile, task: str | None = None) -> tuple[int | No
     mean cost per token is the cost at ``P + G / 2``. These are also the positions the acceptance rates were
     measured on. Without recorded prompt lengths: the first measured context. ``(None, None)`` for a profile
     whose costs do not depend on the context (no ``context_costs``). ``task`` defaults to the task of a task's
-    view (``extra["task"]``, :func:`~hsd_opt.solver.tasks.task_profile`)."""
+    view (``Profile.task``, :func:`~hsd_opt.solver.tasks.task_profile`)."""
     if not profile.context_costs:
         return None, None
-    prov = profile.extra.get("provenance") or {}
+    prov = profile.provenance
     if task is None:
-        task = profile.extra.get("task")
+        task = profile.task
     if task is not None:
         n = (prov.get("prompts_by_task") or {}).get(task)
         p = _mean((prov.get("prompt_tokens_by_task") or {}).get(task), n)

@@ -24,13 +24,12 @@ from hsd_opt.solver.latency import hierarchy_latency, target_only
 
 def profile_tasks(profile: Profile) -> list[str]:
     """The tasks with per-task acceptance in ``profile`` (sorted; empty for a profile without them)."""
-    by = profile.extra.get("acceptance_by_task")
-    return sorted(by) if isinstance(by, dict) else []
+    return sorted(profile.acceptance_by_task)
 
 
 def task_positions(profile: Profile, task: str) -> int | None:
     """Generated positions the profile measured for ``task`` (None when not recorded)."""
-    n = ((profile.extra.get("provenance") or {}).get("positions_by_task") or {}).get(task)
+    n = (profile.provenance.get("positions_by_task") or {}).get(task)
     return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
 
 
@@ -50,8 +49,8 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
                        "whose lines name their task (or Spec-Bench questions) to get them")
     if task not in tasks:
         raise HsdError(f"--task: the profile has no statistics for task {task!r}; it has {', '.join(tasks)}")
-    acc_t = profile.extra["acceptance_by_task"][task] or {}
-    rates_t = (profile.extra.get("draft_rate_by_task") or {}).get(task) or {}
+    acc_t = profile.acceptance_by_task[task] or {}
+    rates_t = profile.draft_rate_by_task.get(task) or {}
     fallbacks: list[str] = []
     acceptance: dict[str, dict[str, float]] = {}
     for d, row in profile.acceptance.items():
@@ -70,10 +69,7 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
             else:
                 m = replace(m, draft_rate=min(1.0, max(1e-6, float(r))))
         models.append(m)
-    extra = {k: v for k, v in profile.extra.items() if k not in ("stats",)}
-    extra["task"] = task
-    return Profile(profile.target, models, acceptance, profile.verify_cost, profile.cost_curve, extra,
-                   profile.context_costs, profile.batch_costs), fallbacks
+    return replace(profile, models=models, acceptance=acceptance, stats=None, task=task), fallbacks
 
 
 def solve_tasks(profile: Profile, plan: Plan, tmax: int, solver: str = "dp", max_depth: int | None = None,
