@@ -44,6 +44,8 @@ def _run(cmd: list[str]) -> str:
 
 
 ARM = [v for v in variants.VARIANTS if v.arch == "aarch64"]
+#: Compiles and emulates: `make test-arm` and `make test` run these, not the inner loop's `make test-fast`.
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(shutil.which(CROSS) is None or shutil.which(QEMU) is None,

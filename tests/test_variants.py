@@ -61,6 +61,7 @@ def test_the_loaded_library_is_the_chosen_variant():
 X86_SIMD = [v for v in variants.VARIANTS if v.arch == "x86_64"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(kernels.compiler() is None or variants.machine() != "x86_64",
                     reason="no C compiler here, or not an x86-64 machine")
 @pytest.mark.parametrize("variant", X86_SIMD, ids=[v.name for v in X86_SIMD])
