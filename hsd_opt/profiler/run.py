@@ -222,6 +222,126 @@ def _my_prompts(items: list[PromptItem], shard, rank: int, world: int) -> list[P
     return [it for j, it in enumerate(mine) if j % world == rank]
 
 
+def _generate_continuations(cfg: ProfileConfig, loaded, eng, mine: list, ck, eos: set, source, progress) -> None:
+    """The target's continuation of each of this run's prompts not yet generated, checkpointed one by one (they
+    are also ADED's default corpus)."""
+    need = [it for it in mine if str(it.index) not in ck.continuations]
+    gid = progress.add_task("generating", total=len(mine), completed=len(mine) - len(need)) if progress else None
+    for it in need:
+        ids = encode_item(loaded, it, cfg.raw, source)
+        gen = None
+        if cfg.temperature > 0:
+            gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
+        ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
+                                                   cfg.top_p)
+        ck.save()
+        if progress:
+            progress.update(gid, advance=1)
+
+
+def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, todo: list, ck, eos: set, source,
+                     progress, on_prompt: Callable[[int], None] | None) -> None:
+    """Every drafter's distribution at every generated position of each prompt of ``todo``, streamed into the
+    checkpoint's sums (saved after each prompt; ``on_prompt(k)`` called after the k-th)."""
+    pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
+    for k, it in enumerate(todo, 1):
+        ids = encode_item(loaded, it, cfg.raw, source)
+        cont = ck.continuations[str(it.index)]
+        acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
+            pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p)
+        st = ck.stats
+        st.add_neural(it.task, acc_nn, agr_nn)
+        if tds:
+            st.add_token(it.task, acc_tn, agr_tn)
+        for ti, d in enumerate(tds):
+            st.count(f"propose_seconds.{d.name}", secs[ti])
+            st.count(f"propose_calls.{d.name}", len(cont))
+        for key, n in (("prompts", 1), ("prompt_tokens", len(ids)), ("generated_tokens", len(cont))):
+            st.count(key, n)
+            st.count(f"{key}.{it.task}", n)
+        st.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
+        ck.done.append(it.index)
+        ck.save()
+        if progress:
+            progress.update(pid, advance=1, description=f"profiling ({int(st.counters['generated_tokens'])} tokens)")
+        if on_prompt:
+            on_prompt(k)
+
+
+@dataclass
+class _Costs:
+    """What the cost phase measured: per engine its layer costs (``lcs``), the token drafters' costs, the cost
+    plan's record, the sampling seconds per pass size (None: greedy), the batch costs, and the contexts (tokens)."""
+
+    lcs: dict
+    token_costs: dict
+    plan_info: dict
+    sampling: list[float] | None
+    batch: dict
+    contexts: list[int]
+
+
+def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[int], log, warn) -> _Costs:
+    """Every engine's costs at every context length that fits the models (the target's engine first), the token
+    drafters', the sampling's (with a temperature) and the batched passes'."""
+    by_engine: dict[int, tuple[Any, list[int]]] = {id(eng): (eng, [])}       # the target's engine first
+    label: dict[int, str] = {}                    # an engine's name in the progress bar: its deepest drafter's
+    for nd in sorted(pool.neural, key=lambda nd: nd.boundary):
+        by_engine.setdefault(id(nd.engine), (nd.engine, []))[1].append(nd.boundary)
+        label[id(nd.engine)] = nd.name
+    most = _max_positions(e for e, _ in by_engine.values())
+    contexts = fit_contexts(cfg.cost_contexts, most, cfg.tmax)
+    if contexts != sorted(set(cfg.cost_contexts)):
+        warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
+             f"{', '.join(map(str, contexts))} tokens")
+    log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
+    lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds, text, log, warn)
+    sampling = None
+    if cfg.temperature > 0:
+        sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1)
+        log(f"sampling: {sampling[0] * 1e3:.2f} ms per draft step, {sampling[-1] * 1e3:.2f} ms per pass over "
+            f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
+    batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
+    return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts)
+
+
+def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, stats, costs: _Costs, pool,
+                       timings: dict, world: int, threads_note: str) -> dict:
+    """The profile's ``provenance``: the settings, the model, the counts (overall and per task), how the costs
+    were measured and checked, the timings (seconds), the versions, the threads and the kernel variant."""
+    task_prompts, task_prompt_tokens = prompts_by_task(stats)
+    return {
+        **settings,
+        "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
+        "prompt_count": int(stats.counters["prompts"]),
+        "prompt_tokens": int(stats.counters["prompt_tokens"]),
+        "generated_tokens": int(stats.counters["generated_tokens"]),
+        "positions_by_task": positions_by_task(stats),
+        **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
+        "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": costs.contexts},
+        "cost_plan": costs.plan_info,
+        "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
+                             "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
+                             "acceptance and argmax for greedy_agreement"),
+        "cost_model": "exits: cost, cost_curve and verify_cost are sums of median timings of advance() per "
+                      "exit boundary scaled to the whole model's direct timing; the whole model (target, draft "
+                      "model, quantized copy): cost and cost_curve timed directly; at every context of "
+                      "context_costs (the top-level costs: the first); all non-decreasing in t and in the "
+                      "context (docs/design.md#the-cost-model); step_measured = direct median of one warm "
+                      "decode step; with a temperature, sampling_seconds[t - 1] (processing a pass's t rows "
+                      "of logits and one draw) is included in every model's pass over t tokens",
+        "sampling_seconds": costs.sampling,
+        "cost_model_check": {nd.name: costs.lcs[id(nd.engine)][0].check for nd in pool.neural
+                             if nd.kind in ("target", "model", "quantized")},
+        "timings": timings,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
+        "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
+        "kernels": kernels.provenance(loaded.device),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+
+
 def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = None,
                 log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None) -> Profile | None:
     """Profile ``cfg.model``; write ``cfg.out`` (rank 0) and return the :class:`Profile` (None on other ranks).
@@ -248,12 +368,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
                       cfg.dtype, log, warn, cfg.draft_layers)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, world, precision)
-    token_names = pool.token_names
-    counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
-    counters += [f"generated_tokens.{t}" for t in suite.tasks]      # per task: a token drafter's calls there
-    counters += [f"{c}.{t}" for c in ("prompts", "prompt_tokens") for t in suite.tasks]   # per task: its context
-    counters += [f"propose_seconds.{n}" for n in token_names] + [f"propose_calls.{n}" for n in token_names]
-    stats = PairStats([nd.name for nd in pool.neural], token_names, suite.tasks, counters)
+    stats = _new_stats(pool, suite.tasks)
 
     # resume
     ck = open_checkpoint(partial_path(Path(cfg.out), rank, world), settings, stats, rank, world, cfg.resume, log,
@@ -271,51 +386,11 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         progress.start()
     t_prof = time.perf_counter()
     try:
-        # generate: the target's continuations (checkpointed; they are also ADED's default corpus)
-        need = [it for it in mine if str(it.index) not in ck.continuations]
-        gid = progress.add_task("generating", total=len(mine), completed=len(mine) - len(need)) if progress else None
-        for it in need:
-            ids = encode_item(loaded, it, cfg.raw, suite.source)
-            gen = None
-            if cfg.temperature > 0:
-                gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
-            ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
-                                                       cfg.top_p)
-            ck.save()
-            if progress:
-                progress.update(gid, advance=1)
+        _generate_continuations(cfg, loaded, eng, mine, ck, eos, suite.source, progress)
         tds = list(pool.token)
         if pool.want_aded:
             tds.append(build_aded(ck.continuations, world, warn))
-
-        # measure: every drafter's distribution at every generated position, streamed into the sums
-        pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
-        for k, it in enumerate(todo, 1):
-            ids = encode_item(loaded, it, cfg.raw, suite.source)
-            cont = ck.continuations[str(it.index)]
-            acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
-                pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p)
-            st = ck.stats
-            st.add_neural(it.task, acc_nn, agr_nn)
-            if tds:
-                st.add_token(it.task, acc_tn, agr_tn)
-            for ti, d in enumerate(tds):
-                st.count(f"propose_seconds.{d.name}", secs[ti])
-                st.count(f"propose_calls.{d.name}", len(cont))
-            st.count("prompts")
-            st.count("prompt_tokens", len(ids))
-            st.count(f"prompts.{it.task}")
-            st.count(f"prompt_tokens.{it.task}", len(ids))
-            st.count("generated_tokens", len(cont))
-            st.count(f"generated_tokens.{it.task}", len(cont))
-            st.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
-            ck.done.append(it.index)
-            ck.save()
-            if progress:
-                progress.update(pid, advance=1,
-                                description=f"profiling ({int(st.counters['generated_tokens'])} tokens)")
-            if on_prompt:
-                on_prompt(k)
+        _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, suite.source, progress, on_prompt)
     finally:
         if progress:
             progress.stop()
@@ -331,72 +406,45 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # costs, at every context length that fits the models
     t_cost = time.perf_counter()
-    by_engine: dict[int, tuple[Any, list[int]]] = {id(eng): (eng, [])}       # the target's engine first
-    label: dict[int, str] = {}                    # an engine's name in the progress bar: its deepest drafter's
-    for nd in sorted(pool.neural, key=lambda nd: nd.boundary):
-        by_engine.setdefault(id(nd.engine), (nd.engine, []))[1].append(nd.boundary)
-        label[id(nd.engine)] = nd.name
-    most = _max_positions(e for e, _ in by_engine.values())
-    contexts = fit_contexts(cfg.cost_contexts, most, cfg.tmax)
-    if contexts != sorted(set(cfg.cost_contexts)):
-        warn(f"--cost-contexts: the models hold {most} positions; costs are measured at "
-             f"{', '.join(map(str, contexts))} tokens")
-    log(f"measuring costs at contexts of {', '.join(map(str, contexts))} tokens")
-    text = _suite_text(loaded, mine, ck, cfg, suite)
-    lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds, text, log, warn)
-    sampling = None
-    if cfg.temperature > 0:
-        sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1)
-        log(f"sampling: {sampling[0] * 1e3:.2f} ms per draft step, {sampling[-1] * 1e3:.2f} ms per pass over "
-            f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
+    costs = _costs_phase(cfg, loaded, eng, pool, tds, _suite_text(loaded, mine, ck, cfg, suite), log, warn)
     cost_seconds = time.perf_counter() - t_cost
 
-    batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
-
     # assemble, with provenance, and write
-    prof = build_profile(pool.neural, tds, stats, lcs, cfg.tmax, target_name, token_costs, sampling)
-    prof.batch_costs = batch_costs_entries(prof, pool.neural, batch, contexts[0])
-    task_prompts, task_prompt_tokens = prompts_by_task(stats)
-    prof.provenance = provenance_from_dict({
-        **settings,
-        "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
-        "prompt_count": int(stats.counters["prompts"]),
-        "prompt_tokens": int(stats.counters["prompt_tokens"]),
-        "generated_tokens": int(stats.counters["generated_tokens"]),
-        "positions_by_task": positions_by_task(stats),
-        **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
-        "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": contexts},
-        "cost_plan": plan_info,
-        "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
-                             "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
-                             "acceptance and argmax for greedy_agreement"),
-        "cost_model": "exits: cost, cost_curve and verify_cost are sums of median timings of advance() per "
-                      "exit boundary scaled to the whole model's direct timing; the whole model (target, draft "
-                      "model, quantized copy): cost and cost_curve timed directly; at every context of "
-                      "context_costs (the top-level costs: the first); all non-decreasing in t and in the "
-                      "context (docs/design.md#the-cost-model); step_measured = direct median of one warm "
-                      "decode step; with a temperature, sampling_seconds[t - 1] (processing a pass's t rows "
-                      "of logits and one draw) is included in every model's pass over t tokens",
-        "sampling_seconds": sampling,
-        "cost_model_check": {nd.name: lcs[id(nd.engine)][0].check for nd in pool.neural
-                             if nd.kind in ("target", "model", "quantized")},
-        "timings": {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
-                    "total_seconds": round(time.perf_counter() - t_start, 3)},
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
-        "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
-        "kernels": kernels.provenance(loaded.device),
-        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-    }, str(cfg.out))
-    _, warnings = profile_from_dict(prof.to_dict(), str(cfg.out))
-    save_profile(prof, cfg.out)
+    prof = build_profile(pool.neural, tds, stats, costs.lcs, cfg.tmax, target_name, costs.token_costs,
+                         costs.sampling)
+    prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
+    timings = {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
+               "total_seconds": round(time.perf_counter() - t_start, 3)}
+    prof.provenance = provenance_from_dict(
+        _provenance_record(cfg, settings, loaded, heads_meta, stats, costs, pool, timings, world, threads_note),
+        str(cfg.out))
+    _write(prof, Path(cfg.out), world, warn)
+    return prof
+
+
+def _new_stats(pool, tasks: list[str]) -> PairStats:
+    """Empty sums for the pool's drafters over ``tasks``, with the counters the measurement keeps: prompts,
+    tokens and EOS stops, overall and per task (a task's context, a token drafter's calls there), and each token
+    drafter's proposing seconds and calls."""
+    names = pool.token_names
+    counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
+    counters += [f"generated_tokens.{t}" for t in tasks]           # the order of earlier checkpoints, kept
+    counters += [f"{c}.{t}" for c in ("prompts", "prompt_tokens") for t in tasks]
+    counters += [f"propose_seconds.{n}" for n in names] + [f"propose_calls.{n}" for n in names]
+    return PairStats([nd.name for nd in pool.neural], names, tasks, counters)
+
+
+def _write(prof: Profile, out: Path, world: int, warn: Callable[[str], None]) -> None:
+    """Write ``prof`` to ``out`` (atomically) and remove every rank's checkpoint; warn of its first warnings (the
+    triangle bound), and wait for the other ranks."""
+    _, warnings = profile_from_dict(prof.to_dict(), str(out))
+    save_profile(prof, out)
     for r in range(world):
-        partial_path(Path(cfg.out), r, world).unlink(missing_ok=True)
+        partial_path(out, r, world).unlink(missing_ok=True)
     for w in warnings[:5]:
         warn(w)
     if world > 1:
         barrier()
-    return prof
 
 
 def _measure_batch_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str], context: int,
