@@ -141,9 +141,12 @@ def choose(features: frozenset[str] | None = None, forced: str | None = None,
                            f"for the torch path)")
         v = BY_NAME[forced]
         lack = missing(v, features, arch)
+        runs = ", ".join(x.name for x in ok)
+        if v.arch not in ("any", arch or machine()):
+            raise HsdError(f"HSD_KERNELS={forced}: that variant is for {v.arch} CPUs, this is {arch or machine()} "
+                           f"(it runs {runs})")
         if lack:
-            raise HsdError(f"HSD_KERNELS={forced}: this CPU lacks {', '.join(lack)} (it runs "
-                           f"{', '.join(x.name for x in ok)})")
+            raise HsdError(f"HSD_KERNELS={forced}: this CPU lacks {', '.join(lack)} (it runs {runs})")
         return v, f"forced by HSD_KERNELS={forced}"
     best = ok[0]
     wider = [v for v in VARIANTS if v.arch == best.arch and VARIANTS.index(v) < VARIANTS.index(best)]
