@@ -459,6 +459,63 @@ def refine_sizes(scale: dict[int, float], tol: float, cost: Callable[[int], floa
 
 
 @torch.no_grad()
+def _context_states(eng, ids: torch.Tensor, ctxs: list[int], bs: list[int], tmax1: int, share_from, chunk: int,
+                    calib: Calibration, step_cb: Callable[[str, float], None]) -> list:
+    """A state per context of ``ctxs`` (room for a pass of ``tmax1`` tokens after it, the exits ``bs`` kept):
+    the longest prefilled (``chunk`` tokens a call) or, for a copy, filled from ``share_from``'s keys and values;
+    the shorter ones its prefixes."""
+    states = [eng.new_state(c + tmax1 + 1, save_boundaries=bs) for c in ctxs]
+    for k in reversed(range(len(ctxs))):          # the longest first: the others are its prefixes
+        c = ctxs[k]
+        if share_from is not None:
+            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}", calib.step),
+                     share=(share_from[0], share_from[1][c]))
+        elif k == len(ctxs) - 1:
+            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}",
+                                                                   calib.prefill_token * min(chunk, c)),
+                     chunk=chunk)
+        else:
+            _prefix(eng, states[k], states[-1], ids, c)
+            step_cb(f"context {c}: prefill {c}/{c} tokens (prefix of {ctxs[-1]})", calib.step)
+    return states
+
+
+def _direct_check(eng, base, ids: torch.Tensor, n0: int, first: "LayerCosts", tmax1: int, grid: list[int],
+                  plan: CostPlan, warmup: int, calib: Calibration, context: int,
+                  step_cb: Callable[[str, float], None], on_extend, refine_seconds: float | None,
+                  greedy: bool) -> None:
+    """Step 3 of :func:`measure_costs`: the whole model over t tokens, timed directly at the first context, into
+    ``first.full`` (its cost curve) and ``first.check`` (measured against the segment sums)."""
+    n_layers, n_direct = eng.n_layers, plan.direct_rounds
+    whole = _kept_at(eng, base, ids, n0, n_layers)
+    modelled = first.summed(n_layers, tmax1) if n_layers in first.seg else [float("nan")] * tmax1
+
+    def direct_cb(m: str, x: float) -> None:
+        step_cb(f"context {context}: {m}", x)
+
+    timed = _time_direct(eng, whole, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
+                         n_direct, warmup, calib, direct_cb, greedy)
+    scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
+    more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
+        scale, plan.refine_tol, lambda t: 2 * n_direct * calib.pass_seconds(t), refine_seconds)
+    if more:
+        if on_extend is not None:
+            on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))
+        timed.update(_time_direct(eng, whole, ids, more, n_direct, warmup, calib, direct_cb, greedy))
+        scale.update({t: timed[t] / modelled[t - 1] for t in more})
+    ts = sorted(timed)
+    if len(scale) == len(timed):
+        s_t = np.interp(np.arange(1, tmax1 + 1), ts, [scale[t] for t in ts])
+        full = [timed[t] if t in timed else modelled[t - 1] * float(s_t[t - 1]) for t in range(1, tmax1 + 1)]
+    else:
+        full = [float(x) for x in np.interp(np.arange(1, tmax1 + 1), ts, [timed[t] for t in ts])]
+    first.full = isotonic(full)
+    pick = sorted({1, max(1, tmax1 // 2), tmax1} & set(ts))
+    first.check = {"boundary": n_layers, "context": context, "timed_t": ts,
+                   "measured": {str(t): timed[t] for t in pick},
+                   "modelled": {str(t): modelled[t - 1] for t in pick}}
+
+
 def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int = 5, warmup: int = 2,
                   curve_repeats: int = 3, contexts: Sequence[int] = (64,), check: bool = True,
                   step_check: bool = True, on_step: Callable[..., None] | None = None,
@@ -496,19 +553,7 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     grid = t_grid(tmax1)
     n_ids = ctxs[-1] + tmax1 + 1
     ids = torch.tensor(text_of_length(text, n_ids)) if text else _ids(eng, n_ids)
-    states = [eng.new_state(c + tmax1 + 1, save_boundaries=bs) for c in ctxs]
-    for k in reversed(range(len(ctxs))):          # the longest first: the others are its prefixes
-        c = ctxs[k]
-        if share_from is not None:
-            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}", calib.step),
-                     share=(share_from[0], share_from[1][c]))
-        elif k == len(ctxs) - 1:
-            _prefill(eng, states[k], ids, c, lambda s, c=c: step_cb(f"context {c}: {s}",
-                                                                   calib.prefill_token * min(chunk, c)),
-                     chunk=chunk)
-        else:
-            _prefix(eng, states[k], states[-1], ids, c)
-            step_cb(f"context {c}: prefill {c}/{c} tokens (prefix of {ctxs[-1]})", calib.step)
+    states = _context_states(eng, ids, ctxs, bs, tmax1, share_from, chunk, calib, step_cb)
     if keep_states is not None:
         keep_states.update(zip(ctxs, states))
     base = states[0]
@@ -550,34 +595,8 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     #    state that keeps no exit's residual: one run of every layer, as the runtime's target computes a pass
     #    when no exit of it drafts (the segments' state stops at every exit, each stop a call of its own)
     if check:
-        n_direct = plan.direct_rounds
-        whole = _kept_at(eng, base, ids, n0, n_layers)
-        modelled = out[0].summed(n_layers, tmax1) if n_layers in seg0 else [float("nan")] * tmax1
-
-        def direct_cb(m: str, x: float) -> None:
-            step_cb(f"context {ctxs[0]}: {m}", x)
-
-        timed = _time_direct(eng, whole, ids, list(range(1, tmax1 + 1)) if plan.direct_every_t else grid,
-                             n_direct, warmup, calib, direct_cb, greedy)
-        scale = {t: timed[t] / modelled[t - 1] for t in timed if modelled[t - 1] > 0}
-        more = [] if plan.direct_every_t or len(scale) < len(timed) else refine_sizes(
-            scale, plan.refine_tol, lambda t: 2 * n_direct * calib.pass_seconds(t), refine_seconds)
-        if more:
-            if on_extend is not None:
-                on_extend(len(more) * n_direct, sum(2 * n_direct * calib.pass_seconds(t) for t in more))
-            timed.update(_time_direct(eng, whole, ids, more, n_direct, warmup, calib, direct_cb, greedy))
-            scale.update({t: timed[t] / modelled[t - 1] for t in more})
-        ts = sorted(timed)
-        if len(scale) == len(timed):
-            s_t = np.interp(np.arange(1, tmax1 + 1), ts, [scale[t] for t in ts])
-            full = [timed[t] if t in timed else modelled[t - 1] * float(s_t[t - 1]) for t in range(1, tmax1 + 1)]
-        else:
-            full = [float(x) for x in np.interp(np.arange(1, tmax1 + 1), ts, [timed[t] for t in ts])]
-        out[0].full = isotonic(full)
-        pick = sorted({1, max(1, tmax1 // 2), tmax1} & set(ts))
-        out[0].check = {"boundary": n_layers, "context": ctxs[0], "timed_t": ts,
-                        "measured": {str(t): timed[t] for t in pick},
-                        "modelled": {str(t): modelled[t - 1] for t in pick}}
+        _direct_check(eng, base, ids, n0, out[0], tmax1, grid, plan, warmup, calib, ctxs[0], step_cb, on_extend,
+                      refine_seconds, greedy)
 
     # 4. the other contexts: the first context's curves plus the measured difference, interpolated over t
     for k in range(1, len(ctxs)):
