@@ -678,3 +678,42 @@ def test_auto_threads_follow_what_the_machine_does_now(monkeypatch):
         torch.set_num_threads(before)
     busy = busy_cores_now(0.05)
     assert busy is None or 0.0 <= busy <= 2.5
+
+
+def test_merge_costs_takes_one_profiles_rates_and_anothers_costs(tmp_path):
+    """Plans for hardware the rates were not measured on: the rates (and draft rates, statistics) of one profile
+    with every cost of another; a profile merged with itself is itself (but for where its costs came from); a pool
+    the costs do not cover is refused, naming the drafter."""
+    import numpy as np
+
+    from hsd_opt.errors import InputFileError
+    from hsd_opt.formats import save_profile
+    from hsd_opt.profiler.assemble import merge_costs
+    from hsd_opt.solver.api import solve
+    from tests.helpers import random_profile, run_cli
+
+    here = random_profile(np.random.default_rng(1), 6, verify_cost=True, cost_curve=True, contexts=True,
+                          abstaining=True)
+    there = random_profile(np.random.default_rng(2), 6, verify_cost=True, cost_curve=True, contexts=True,
+                           abstaining=True)
+    m = merge_costs(here, there, "here.json", "there.json")
+    assert m.acceptance == here.acceptance and m.stats == here.stats
+    for e in m.models:
+        assert e.cost == there.entry(e.name).cost and e.draft_rate == here.entry(e.name).draft_rate
+    assert m.cost_curve == there.cost_curve and m.verify_cost == there.verify_cost
+    assert [c.to_dict() for c in m.context_costs] == [c.to_dict() for c in there.context_costs]
+    assert m.provenance.get("costs_from")["file"] == "there.json"
+    same = merge_costs(here, here, "here.json", "here.json").to_dict()
+    want = here.to_dict()
+    same.pop("provenance"), want.pop("provenance", None)
+    assert same == want
+    assert solve(merge_costs(here, here, "a", "a"), 6).hierarchy == solve(here, 6).hierarchy
+    small = random_profile(np.random.default_rng(3), 4)
+    with pytest.raises(InputFileError, match="there.json: models: has no costs for d4, d5"):
+        merge_costs(here, small, "here.json", "there.json")
+    save_profile(here, tmp_path / "here.json")
+    save_profile(there, tmp_path / "there.json")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "here.json", "--costs", tmp_path / "there.json",
+                  "--out", tmp_path / "m.json")
+    assert res.exit_code == 0 and (tmp_path / "m.json").is_file()
+    assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", 6, "--out", tmp_path / "p.json").exit_code == 0

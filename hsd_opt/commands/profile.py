@@ -215,3 +215,25 @@ def merge_cmd(
     pv = prof.provenance
     console.print(f"wrote {out}: merged {len(profiles)} profiles, {pv.get('prompt_count')} prompts, "
                   f"{pv.get('generated_tokens')} generated tokens (costs from {profiles[0]})")
+
+
+@app.command("merge-costs")
+@cli_command
+def merge_costs_cmd(
+    rates: Path = typer.Option(..., "--rates", help="The profile whose acceptance rates, statistics and draft "
+                               "rates to keep (made anywhere, e.g. on a CPU)."),
+    costs: Path = typer.Option(..., "--costs", help="A profile of the same pool on the hardware to plan for: its "
+                               "costs are taken."),
+    out: Path = typer.Option(..., "--out", "-o", help="Write the combined hsd-profile/1 JSON here."),
+):
+    """Combine one profile's acceptance rates with another's costs, to plan for hardware the rates were not
+    measured on (`hsd solve` the result there)."""
+    from hsd_opt.formats import load_profile, save_profile
+    from hsd_opt.profiler.assemble import merge_costs
+
+    r, _ = load_profile(rates)
+    c, _ = load_profile(costs)
+    prof = merge_costs(r, c, str(rates), str(costs))
+    save_profile(prof, out)
+    console.print(f"wrote {out}: the rates of {rates}, the costs of {costs} ({c.provenance.device or 'device?'}, "
+                  f"{len(prof.models)} drafters)")

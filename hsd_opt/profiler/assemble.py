@@ -268,3 +268,49 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
             prov[key] = v
     return replace(first, models=entries, acceptance=res["acceptance"], provenance=provenance_from_dict(prov, str(p0)),
                    stats=stats.to_dict(), **_records(res))
+
+
+def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> Profile:
+    """A profile with ``rates``' acceptance rates, statistics, draft rates and provenance and ``costs``' costs:
+    its drafters' step costs, cost curves, verify costs, context and batch costs, and each model entry's
+    ``step_measured`` and ``quantization``. For a plan on hardware the rates were not measured on: the rates are
+    the models' own (any device computes the same numbers up to rounding), the costs the device's. The pool is
+    ``rates``'; ``costs`` must hold each of its drafters under the same name and kind (a drafter only in
+    ``costs`` is left out). The provenance records where the costs came from (``costs_from``).
+
+    Raises:
+        InputFileError: ``costs`` lacks a drafter of ``rates``, has it as another kind, or has another target
+            (naming the file and the drafter).
+    """
+    if costs.target != rates.target:
+        raise InputFileError(costs_source, f"its target is {costs.target!r}, {rates_source}'s {rates.target!r}",
+                             "target")
+    names = set(rates.names)
+    missing = [n for n in rates.names if n not in costs.names]
+    if missing:
+        raise InputFileError(costs_source, f"has no costs for {', '.join(missing)} (drafters of {rates_source})",
+                             "models")
+    models = []
+    for m in rates.models:
+        c = costs.entry(m.name)
+        if c.kind != m.kind:
+            raise InputFileError(costs_source, f"{m.name!r} is a {c.kind} here, a {m.kind} in {rates_source}",
+                                 f"models.{m.name}.kind")
+        kept = {k: v for k, v in c.extra.items() if k in ("step_measured", "quantization")}
+        models.append(replace(m, cost=c.cost, extra={**{k: v for k, v in m.extra.items() if k not in kept}, **kept}))
+
+    def pairs(vc: dict) -> dict:
+        return {v: {d: x for d, x in row.items() if d in names} for v, row in vc.items() if v in names}
+
+    def only(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k in names}
+
+    contexts = [ContextCosts(e.context, only(e.cost), only(e.cost_curve), pairs(e.verify_cost))
+                for e in costs.context_costs]
+    batches = [BatchCosts(b.batch, only(b.ratio), b.context, only(b.pass_seconds)) for b in costs.batch_costs]
+    prov = rates.provenance.to_dict()
+    cp = costs.provenance
+    prov["costs_from"] = {"file": costs_source, "device": cp.device, "dtype": cp.dtype, "kernels": cp.get("kernels"),
+                          "torch_threads": cp.threads, "date": cp.get("date")}
+    return replace(rates, models=models, verify_cost=pairs(costs.verify_cost), cost_curve=only(costs.cost_curve),
+                   context_costs=contexts, batch_costs=batches, provenance=provenance_from_dict(prov, rates_source))
