@@ -16,7 +16,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from hsd_opt.errors import InputFileError
@@ -59,6 +59,15 @@ class ModelEntry:
     layer: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     draft_rate: float = 1.0
+
+    def with_costs_of(self, other: "ModelEntry") -> "ModelEntry":
+        """This drafter as ``other`` (the same drafter profiled elsewhere) measured it: ``other``'s cost and its
+        measured fields (``step_measured``, ``quantization``: the copy's bytes and kernels there); everything else
+        this entry's own."""
+        measured = ("step_measured", "quantization")
+        extra = {k: v for k, v in self.extra.items() if k not in measured}
+        extra.update({k: v for k, v in other.extra.items() if k in measured})
+        return replace(self, cost=other.cost, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify}

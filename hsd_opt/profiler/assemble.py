@@ -296,8 +296,7 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
         if c.kind != m.kind:
             raise InputFileError(costs_source, f"{m.name!r} is a {c.kind} here, a {m.kind} in {rates_source}",
                                  f"models.{m.name}.kind")
-        kept = {k: v for k, v in c.extra.items() if k in ("step_measured", "quantization")}
-        models.append(replace(m, cost=c.cost, extra={**{k: v for k, v in m.extra.items() if k not in kept}, **kept}))
+        models.append(m.with_costs_of(c))
 
     def pairs(vc: dict) -> dict:
         return {v: {d: x for d, x in row.items() if d in names} for v, row in vc.items() if v in names}
