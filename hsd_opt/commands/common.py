@@ -4,7 +4,6 @@ loading a plan with its model (`hsd run`, `hsd bench`)."""
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
@@ -89,9 +88,8 @@ def warn_machine(plan, device: str) -> None:
         return
     from hsd_opt.engine import kernels
 
-    info = kernels.info() if os.environ.get("HSD_KERNELS", "1").strip().lower() not in ("0", "off", "no",
-                                                                                          "false") else None
-    for d in machine_differences(plan, torch.get_num_threads(), info.variant if info else None):
+    ran = kernels.provenance(device)
+    for d in machine_differences(plan, torch.get_num_threads(), ran["variant"] if ran else None):
         warn(f"{d}: its predicted speed may not hold here (profile again on this machine)")
 
 

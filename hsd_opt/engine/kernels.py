@@ -22,6 +22,7 @@ Units: shapes in elements; ``m`` positions per pass, ``hidden`` ``d``. Activatio
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -106,6 +107,11 @@ def compiler() -> str | None:
     return None
 
 
+def disabled() -> bool:
+    """True where ``HSD_KERNELS=0`` (or off, no, false) turns the kernels off: every engine takes the torch path."""
+    return os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+
+
 def openmp_wanted() -> bool:
     """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler without it, Apple's clang,
     gets anyway: the kernels then run on the calling thread)."""
@@ -117,19 +123,28 @@ def flags(variant: Variant, openmp: bool = True) -> list[str]:
     return [*variants.COMMON_FLAGS, *variant.flags, *(["-fopenmp"] if openmp else [])]
 
 
+def _variant(variant: Variant | str) -> Variant:
+    return variants.BY_NAME[variant] if isinstance(variant, str) else variant
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cc: str) -> str:
+    """What ``cc --version`` says (asked once per compiler and process), or ``cc`` where it cannot be run."""
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cc
+
+
 def library_path(cc: str, variant: Variant | str = "portable", openmp: bool = True) -> Path:
     """Where the library of ``variant`` built by ``cc`` (with or without OpenMP) lives in the cache directory:
     keyed by the source, the compiler's version and the flags (explicit, so one cache serves every CPU that runs
     the variant)."""
     from hsd_opt.cache import cache_dir
 
-    variant = variants.BY_NAME[variant] if isinstance(variant, str) else variant
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = cc
+    variant = _variant(variant)
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags(variant, openmp)).encode(), version.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(flags(variant, openmp)).encode(), _compiler_version(cc).encode(),
                  variants.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -145,7 +160,7 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     Raises:
         HsdError: the compiler failed (its message is included).
     """
-    variant = variants.BY_NAME[variant] if isinstance(variant, str) else variant
+    variant = _variant(variant)
     out.parent.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"compiling the CPU decode kernels ({variant.name}{'' if openmp else ', no OpenMP'}) with {cc} "
@@ -260,15 +275,15 @@ def info() -> KernelInfo | None:
 def provenance(device: str | torch.device) -> dict | None:
     """What a profile or a benchmark records of the CPU decode kernels on ``device``: ``{"variant", "openmp"}``
     (None: not the CPU, ``HSD_KERNELS=0``, or the kernels are unavailable)."""
-    off = os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
-    if off or torch.device(device).type != "cpu":
+    if disabled() or torch.device(device).type != "cpu":
         return None
     i = info()
     return None if i is None else {"variant": i.variant, "openmp": i.openmp}
 
 
-def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool]:
-    """``variant``'s library, bound and checked, and whether it has OpenMP: built with OpenMP unless
+def _load_variant(cc: str, variant: Variant,
+                  log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool, Path]:
+    """``variant``'s library, bound and checked, whether it has OpenMP and its path: built with OpenMP unless
     :func:`openmp_wanted` says no or that build fails (then without, said once to ``log``; a library built without
     and none with in the cache means that build failed here before, and is not tried again).
 
@@ -294,7 +309,7 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None) 
                 log(f"hsd-opt: {cc} cannot build with OpenMP; the kernels run on one thread")
     lib = _bind(ctypes.CDLL(str(path)))
     check_layout(lib)
-    return lib, omp
+    return lib, omp, path
 
 
 def load(log: Callable[[str], None] | None = None, variant: str | None = None) -> ctypes.CDLL | None:
@@ -309,7 +324,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
     Raises:
         HsdError: ``HSD_KERNELS`` names no variant, or one this CPU cannot run.
     """
-    if variant is None and os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
+    if variant is None and disabled():
         return None
     with _LOCK:
         if variant is None and _LIB:
@@ -318,13 +333,13 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
             chosen, reason = variants.choose()
         else:
             chosen, reason = variants.BY_NAME[variant], "asked for"
-        lib, why, omp = None, None, False
+        lib, why, omp, path = None, None, False, None
         cc = compiler()
         if cc is None:
             why = "no C compiler found: install gcc or clang, or set CC"
         else:
             try:
-                lib, omp = _load_variant(cc, chosen, log)
+                lib, omp, path = _load_variant(cc, chosen, log)
             except (HsdError, OSError, subprocess.SubprocessError) as e:
                 lib, why = None, str(e)
         if why is not None:
@@ -335,7 +350,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
         if variant is None:
             _LIB.append(lib)
             if lib is not None:
-                _INFO.append(KernelInfo(chosen.name, reason, omp, library_path(cc, chosen, omp), cc))
+                _INFO.append(KernelInfo(chosen.name, reason, omp, path, cc))
         return lib
 
 
