@@ -67,6 +67,12 @@ enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F =
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
 #define HSD_LONG_PASS 16  /* passes over this many positions or more use the register tile (prefill chunks) */
 #define HSD_SCRATCH_ROWS 8 /* rows of a matrix expanded at a time into a thread's scratch (two blocks of 4) */
+/* Most groups per row of a paired matrix whose scales the paired tiles convert on the stack (wider: the float
+ * path's generic tiles). */
+#define HSD_PAIRED_MAX_GROUPS 512
+/* Positions at most this many are read by the 8-lane in-register q4f tiles (AVX2, NEON: tiles of 3, then 1 or 2);
+ * longer passes de-quantize each block of rows into the first-level cache once for all positions. */
+#define HSD_Q4F_REG_MAX 6
 
 typedef struct {
     int32_t type, rows, cols, pad;
@@ -988,10 +994,6 @@ static inline void prefetch_block(const hsd_mat *A, int r) {
     if (A->zero) _mm_prefetch((const char *)((const uint16_t *)A->zero + (size_t)r * G), _MM_HINT_T0);
 }
 
-/* Most groups per row of a paired matrix that expand4_pairs converts the scales of on the stack (wider: the float
- * path's generic tiles). */
-#define HSD_PAIRED_MAX_GROUPS 512
-
 /* G float16 values as float32, 16 at a time with AVX-512, else 8 (exact). */
 static inline void halves_to_floats(const uint16_t *h, int G, float *out) {
     int g = 0;
@@ -1079,10 +1081,6 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8(acc[i][p]);
 }
-
-/* Positions at most this many are read by the in-register AVX2 q4f tiles (tiles of 3, then 1 or 2); longer passes
- * de-quantize each block of rows into the first-level cache once for all positions. */
-#define HSD_Q4F_REG_MAX 6
 
 #endif
 
@@ -1204,8 +1202,6 @@ static void q4f_tile4(const hsd_mat *A, int r, int n, const float *x, int xs, in
 #endif
 
 #if HSD_NEON
-#define HSD_PAIRED_MAX_GROUPS 512
-#define HSD_Q4F_REG_MAX 6
 
 /* q4f_tile4xP_avx2 on Arm: rows r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3
  * positions, each 8 weights de-quantized in registers as fma(code, scale, minimum) (vfmaq_f32: one rounding, as
