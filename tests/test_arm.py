@@ -30,8 +30,8 @@ def cases(tmp_path_factory) -> Path:
 
 
 def _build(cc: str, variant: variants.Variant, openmp: bool, out: Path) -> Path:
-    cmd = [cc, "-O2", "-ffp-contract=off", "-std=c11", *variant.flags, *(["-fopenmp"] if openmp else []),
-           str(DRIVER), "-o", str(out), "-lm"]
+    # the library's own flags (the same optimizations and instruction sets), for an executable
+    cmd = [cc, *(f for f in kernels.flags(variant, openmp) if f != "-shared"), str(DRIVER), "-o", str(out), "-lm"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return out

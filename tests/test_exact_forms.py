@@ -11,33 +11,10 @@ import torch
 from hsd_opt.engine import kernels, layered, stored_copies
 from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
-from tests.helpers import kernel_builds, make_tiny_llama
+from tests.helpers import kernel_builds, make_tiny_llama, q4_1_weights, q8_0_weights
 
 LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the kernels cannot be built")
-
-
-def q4_1_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Float32 weights as GGUF Q4_1 de-quantizes them: per group of 32 columns, code * d + m with codes 0..15
-    (0 and 15 present), d and m in float16."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
-    q[..., 3], q[..., 17] = 0, 15
-    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
-    m = (torch.randn(rows, cols // 32, 1, generator=g) * 0.1).half().float()
-    return (q * d + m).reshape(rows, cols)
-
-
-def q8_0_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Float32 weights as GGUF Q8_0 de-quantizes them: per group of 32 columns, code * d with codes -127..127
-    (127 or -127 present, as Q8_0's quantizer gives the group's largest magnitude), d in float16; one group all
-    zero."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-126, 127, (rows, cols // 32, 32), generator=g).float()
-    q[..., 5] = torch.where(torch.rand(rows, cols // 32, generator=g) < 0.5, 127.0, -127.0)
-    q[0, 0] = 0
-    d = (torch.rand(rows, cols // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
-    return (q * d).reshape(rows, cols)
 
 
 def exact_form(w: torch.Tensor, bias: torch.Tensor | None = None) -> wq.Mat | None:

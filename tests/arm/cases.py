@@ -23,6 +23,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.screen import HeadScreen
+from tests.helpers import q4_1_weights, q8_0_weights
 
 #: Positions of x each linear case is checked at (the driver reads the same list from the file).
 LINEAR_POSITIONS = (1, 2, 3, 4, 5, 7, 8, 9, 17)
@@ -57,21 +58,6 @@ class Writer:
         self.array("bias", mat.c[1])
 
 
-def q4_1_weights(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
-    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
-    q[..., 3], q[..., 17] = 0, 15              # each group's minimum and maximum code: quantize_q4 finds them
-    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
-    m = (torch.randn(rows, cols // 32, 1, generator=g) * 0.1).half().float()
-    return (q * d + m).reshape(rows, cols)
-
-
-def q8_0_weights(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
-    q = torch.randint(-126, 127, (rows, cols // 32, 32), generator=g).float()
-    q[..., 5] = 127.0                          # Q8_0's quantizer gives a group's largest magnitude 127
-    d = (torch.rand(rows, cols // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
-    return (q * d).reshape(rows, cols)
-
-
 def matrices(g: torch.Generator) -> list[wq.Mat]:
     """One matrix of every kind the kernels read, with short last blocks, tails and biases."""
     out = [wq.Mat.in_place(torch.randn(37, 133, generator=g), torch.randn(37, generator=g)),
@@ -79,9 +65,9 @@ def matrices(g: torch.Generator) -> list[wq.Mat]:
            wq.quantize(torch.randn(22, 96, generator=g), 8, torch.randn(22, generator=g)),
            wq.quantize(torch.randn(19, 160, generator=g), 4),
            wq.quantize(torch.randn(9, 40, generator=g), 8)]                # int8 without whole groups
-    w4 = q4_1_weights(37, 96, g)
+    w4 = q4_1_weights(37, 96, seed=37)
     out.append(wq.exact_int4(wq.Mat.in_place(w4, torch.randn(37, generator=g)), wq.quantize_q4(w4)))
-    out.append(wq.exact_int8(wq.Mat.in_place(q8_0_weights(23, 128, g))))
+    out.append(wq.exact_int8(wq.Mat.in_place(q8_0_weights(23, 128, seed=23))))
     assert all(m is not None for m in out)
     return out
 
@@ -92,9 +78,9 @@ def layers_case(w: Writer, lib, g: torch.Generator) -> None:
 
     model = make_tiny_llama(seed=4, vocab_size=64, layers=2, hidden=64, heads=4, kv_heads=2, scale=8.0)
     with torch.no_grad():
-        for layer in model.model.layers:
-            for lin in wq.linears(layer).values():
-                lin.weight.copy_(q4_1_weights(*lin.weight.shape, g))
+        for i, layer in enumerate(model.model.layers):
+            for j, lin in enumerate(wq.linears(layer).values()):
+                lin.weight.copy_(q4_1_weights(*lin.weight.shape, seed=100 * i + j))
     saved = list(kernels._LIB)
     kernels._LIB[:] = [kernels.load(variant="avx2") if _runs("avx2") else lib]
     try:
