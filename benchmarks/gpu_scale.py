@@ -16,7 +16,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
 - ``bandwidth``: a device-to-device copy of ``--copy-mb`` MB (bytes read plus written per second); ``floor_ms``:
   the bytes a decode step reads (the layers' and the LM head's weights: ``read_bytes``) at half that rate (read
   alone);
-- ``step_ms``: our decode step (one token appended, every layer, the greedy token) at ``--context`` tokens;
+- ``step_ms``: our decode step (every layer over one appended token, then the greedy token: the engine's passes are
+  timed as every cost measurement times them, ``hsd_opt.engine.timing``) at ``--context`` tokens;
   ``pass_ms[t]``: a verification pass over ``t`` new positions; ``batch_ms[B]``: one step of ``B`` sequences
   together (``advance_many`` and the batched greedy head);
 - ``ours_tok_s``: our AR loop (``HSD`` with the target alone) over ``--new`` tokens after a ``--context``-token
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from hsd_opt.engine.timing import median_pass, now
 
 CONFIGS = Path(__file__).resolve().parents[1] / "hsd_opt" / "data" / "configs"
 #: A 4-layer model for a dry run on a CPU.
@@ -72,23 +75,14 @@ def build(config: dict, device: str, dtype: torch.dtype, peak: float, seed: int 
     return model.eval()
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, repeats: int, after: Callable[[], object] | None = None) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up, ``after`` run untimed after each."""
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up (the device's queued work waited for)."""
     out = []
     for i in range(repeats + 1):
-        sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        sync(device)
         if i:
-            out.append(time.perf_counter() - t0)
-        if after is not None:
-            after()
+            out.append(now() - t0)
     return statistics.median(out)
 
 
@@ -96,7 +90,7 @@ def copy_bandwidth(device: str, mb: int, repeats: int) -> float:
     """Bytes read plus written per second by a device-to-device copy of ``mb`` MB."""
     x = torch.empty(mb << 20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() / timed(lambda: y.copy_(x), device, repeats)
+    return 2 * x.numel() / timed(lambda: y.copy_(x), repeats)
 
 
 def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int) -> dict:
@@ -111,32 +105,17 @@ def engine_figures(model, device: str, context: int, ts: list[int], batches: lis
     eng.append(st, prompt)
     eng.advance(st, L)
 
-    def grow(t: int):
-        def fn():
-            eng.append(st, torch.randint(3, V, (t,), generator=g))
-            eng.advance(st, L)
-            eng.greedy_ids(st, L, st.n - t, st.n)
-        return fn
+    def new(t: int) -> torch.Tensor:
+        return torch.randint(3, V, (t,), generator=g)
 
-    crop = lambda: eng.crop(st, context)  # noqa: E731
-    out = {"step_ms": timed(grow(1), device, repeats, crop) * 1e3,
-           "pass_ms": {t: timed(grow(t), device, repeats, crop) * 1e3 for t in ts}}
+    out = {"step_ms": median_pass(eng, [(st, new(1))], L, repeats) * 1e3,
+           "pass_ms": {t: median_pass(eng, [(st, new(t))], L, repeats) * 1e3 for t in ts}}
     states = [eng.new_state(context + 4) for _ in range(max(batches))]
     for s in states:
         eng.append(s, prompt)
     eng.advance_many([(s, L) for s in states])
-    batch = {}
-    for B in batches:
-        part = states[:B]
-
-        def fn(part=part):
-            for s in part:
-                eng.append(s, torch.randint(3, V, (1,), generator=g))
-            eng.advance_many([(s, L) for s in part])
-            eng.greedy_ids_many([(s, L, s.n - 1, s.n) for s in part])
-
-        batch[B] = timed(fn, device, repeats, lambda part=part: [eng.crop(s, context) for s in part]) * 1e3
-    out["batch_ms"] = batch
+    out["batch_ms"] = {B: median_pass(eng, [(s, new(1)) for s in states[:B]], L, repeats, many=True) * 1e3
+                       for B in batches}
     out["weight_bytes"] = eng.weight_bytes()
     return out
 
@@ -160,11 +139,9 @@ def generations(model, device: str, context: int, new: int, hf: bool, compile_: 
     ids = torch.tensor([prompt], device=device)
 
     def hf_run(n: int, **kw):
-        sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
-        sync(device)
-        return time.perf_counter() - t0, o[0, len(prompt):].tolist()
+        return now() - t0, o[0, len(prompt):].tolist()
 
     def decode_rate(**kw):
         hf_run(2, **kw)
