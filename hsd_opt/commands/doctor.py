@@ -36,7 +36,8 @@ def _cpu_name() -> str:
 
 
 def system_lines() -> list[str]:
-    """The lines ``hsd doctor`` prints (also what a profile's provenance and ``hsd bench`` record in words)."""
+    """The lines ``hsd doctor`` prints: versions, the CPU, the variants it runs, the loaded one (a profile and
+    ``hsd bench`` record the same choice as ``kernels.provenance``), the compiler and the cache."""
     import torch
 
     from hsd_opt.cache import cache_dir
