@@ -84,6 +84,19 @@ def retime_lines(retime: dict) -> list[str]:
     return out
 
 
+_ASSISTANT_HELP = ("The draft model of hf_assisted (HF assisted generation, assistant_model); default: the plan's "
+                   "draft model.")
+_RETIME_HELP = ("The profile the plan was solved from: time each engine's step before every prompt and also report "
+                "the prediction with the profile's costs scaled to that speed (the machine's drift since profiling, "
+                "taken out).")
+_METHODS_HELP = ("The methods to run, comma-separated, named as the report names them: hf_ar, hf_prompt_lookup, "
+                 "hf_early_exit, hf_assisted, ar, single_draft, hsd, hsd_task. Default: all but hf_early_exit (slow: "
+                 "only when named); hf_assisted with a draft model, hsd_task when the plan has plans per task. With "
+                 "--concurrency: hsd, hsd_batch1, hsd_plain (default all three).")
+_CONCURRENCY_HELP = ("Serving under load instead: this many concurrent clients at each level, e.g. 1,2,4,8,16 "
+                     "(greedy, in one process, the scheduler of `hsd serve` without HTTP; see docs/cli.md).")
+
+
 @cli_command
 def bench_cmd(
     plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
@@ -108,32 +121,13 @@ def bench_cmd(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the plan's provenance dtype."),
     target_precision: Optional[str] = typer.Option(None, "--target-precision", help=TARGET_PRECISION_HELP),
-    assistant: Optional[str] = typer.Option(None, "--assistant", help="The draft model of hf_assisted (HF "
-                                                                      "assisted generation, assistant_model); "
-                                                                      "default: the plan's draft model."),
-    retime: Optional[Path] = typer.Option(None, "--retime", help="The profile the plan was solved from: time "
-                                                                "each engine's step before every prompt and "
-                                                                "also report the prediction with the profile's "
-                                                                "costs scaled to that speed (the machine's drift "
-                                                                "since profiling, taken out)."),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help=_ASSISTANT_HELP),
+    retime: Optional[Path] = typer.Option(None, "--retime", help=_RETIME_HELP),
     model: Optional[str] = typer.Option(None, "--model", help="Override the plan's model (must match it)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="The methods to run, comma-separated, named as "
-                                                                  "the report names them: hf_ar, "
-                                                                  "hf_prompt_lookup, hf_early_exit, hf_assisted, "
-                                                                  "ar, single_draft, hsd, hsd_task. Default: all "
-                                                                  "but hf_early_exit (slow: only when named); "
-                                                                  "hf_assisted with a draft model, hsd_task when "
-                                                                  "the plan has plans per task. With "
-                                                                  "--concurrency: hsd, hsd_batch1, hsd_plain "
-                                                                  "(default all three)."),
-    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Serving under load instead: this many "
-                                                                          "concurrent clients at each level, "
-                                                                          "e.g. 1,2,4,8,16 (greedy, in one "
-                                                                          "process, the scheduler of `hsd "
-                                                                          "serve` without HTTP; see "
-                                                                          "docs/cli.md)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help=_METHODS_HELP),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help=_CONCURRENCY_HELP),
     requests: int = typer.Option(2, "--requests", help="With --concurrency: requests per client, one after the "
                                                        "other."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="With --concurrency: sequences decoded "
@@ -145,8 +139,7 @@ def bench_cmd(
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
-    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling, plot_report, run_bench
-    from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
+    from hsd_opt.measure.bench import plot_report, run_bench
 
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
@@ -155,35 +148,72 @@ def bench_cmd(
                           target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
                           retime, others={"--temperature": temperature != 0.0, "--turns": turns != "first",
                                           "--assistant": assistant is not None})
+    sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed)
+    retime_profile = _retime_profile(retime)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    _warn_profiled_temperature(plan, p.provenance.temperature, temperature)
+    rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
+                    sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
+                    assistant=assistant, retime=retime_profile, retime_source=str(retime))
+    _add_machine(rep, loaded)
+    _print_bench(rep, _bench_title(rep, loaded, len(items), turns, max_new_tokens, sampling))
+    write_outputs(rep, json_out, plot, plot_report)
+
+
+def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], turns: str, by: str,
+                  methods: Optional[str], temperature: float, top_p: float, seed: int):
+    """The single-stream bench's options checked, each refused in one line naming its flag, and its prompts:
+    ``(Sampling, the methods named by --methods or None for the default, the selected prompt items)``."""
+    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling
+    from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
+
     sampling = Sampling(temperature, top_p, seed)
     check_sampling(sampling)
     check_turn_mode(turns)
     check_report_key(by)
     ms = None if methods is None else method_names(methods, METHODS)
-    items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
-    retime_profile = None
-    if retime is not None:
-        from hsd_opt.console import warn_some
-        from hsd_opt.formats import load_profile
+    return sampling, ms, select_items(load_prompts(prompts).items, limit, limit_per_task, by)
 
-        retime_profile, warnings = load_profile(retime)
-        warn_some(warnings)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    prof_t = p.provenance.temperature
-    if prof_t is not None and (prof_t > 0) != (temperature > 0):
-        warn(f"{plan}: the plan was profiled {'greedy' if not prof_t else f'at temperature {prof_t:g}'}; its "
+
+def _retime_profile(retime: Optional[Path]):
+    """The profile ``--retime`` names, its load warnings printed; None without the flag."""
+    if retime is None:
+        return None
+    from hsd_opt.console import warn_some
+    from hsd_opt.formats import load_profile
+
+    profile, warnings = load_profile(retime)
+    warn_some(warnings)
+    return profile
+
+
+def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperature: float) -> None:
+    """Warn where the plan was profiled greedy and this run samples, or the other way round (``profiled``: the
+    plan's provenance temperature, None when it does not say)."""
+    if profiled is not None and (profiled > 0) != (temperature > 0):
+        warn(f"{plan}: the plan was profiled {'greedy' if not profiled else f'at temperature {profiled:g}'}; its "
              f"predictions are for that setting, not for this run's")
-    rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
-                    sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
-                    assistant=assistant, retime=retime_profile, retime_source=str(retime))
-    rep["model"] = loaded.provenance()
+
+
+def _add_machine(rep: dict, loaded) -> None:
+    """Record in the report the model loaded and the decode kernels that ran (``model``, ``kernels``)."""
     from hsd_opt.engine import kernels
 
+    rep["model"] = loaded.provenance()
     rep["kernels"] = kernels.provenance(loaded.device)
+
+
+def _bench_title(rep: dict, loaded, n_items: int, turns: str, max_new_tokens: int, sampling) -> str:
+    """The title of the single-stream bench's first table: prompts, generations, tokens, sampling, the machine."""
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
-    how = "greedy" if sampling.greedy else f"sampling T={temperature:g}, top-p {top_p:g}, seed {seed}"
-    title = (f"hsd bench: {len(items)} prompts ({n_gen} generations, turns: {turns}) x {max_new_tokens} tokens, "
-             f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads{_variant(rep)})")
+    how = ("greedy" if sampling.greedy
+           else f"sampling T={sampling.temperature:g}, top-p {sampling.top_p:g}, seed {sampling.seed}")
+    return (f"hsd bench: {n_items} prompts ({n_gen} generations, turns: {turns}) x {max_new_tokens} tokens, "
+            f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads{_variant(rep)})")
+
+
+def _print_bench(rep: dict, title: str) -> None:
+    """Print the single-stream bench's tables (:func:`bench_tables`), their legend and the reference notes."""
     tables, notes = bench_tables(rep, title)
     for table in tables:
         console.print(table)
@@ -193,7 +223,6 @@ def bench_cmd(
         console.print(f"=ref: {rep['reference_note']}")
     if rep.get("matches_reference_note"):
         console.print(f"=ref: {rep['matches_reference_note']}")
-    write_outputs(rep, json_out, plot, plot_report)
 
 
 def _variant(rep: dict) -> str:
@@ -245,14 +274,36 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
-    import torch
-    from rich import box
-    from rich.table import Table
-
-    from hsd_opt.engine import kernels
-    from hsd_opt.measure.load_bench import LOAD_METHODS, parse_concurrency, plot_load, run_load_bench
+    from hsd_opt.measure.load_bench import plot_load, run_load_bench
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
-    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
+
+    levels_c, mb, names = _load_options(concurrency, requests, rounds, max_batch, methods, others)
+    check_report_key(by)
+    items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    say = lambda s: console.print(s, style="dim")  # noqa: E731
+    by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), retime, say)
+    table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
+    ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
+                         log=say, predictor=predictor)
+    if retimed is not None:
+        rep["retime"] = retimed
+    _add_load_machine(rep, started, plan, loaded)
+    console.print(load_table(rep, f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
+                                  f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} "
+                                  f"({loaded.model_id}, {loaded.device}, {rep['torch_threads']} "
+                                  f"threads{_variant(rep)})", predicted_run=predictor is not None))
+    console.print(LOAD_LEGEND, style="dim")
+    write_outputs(rep, json_out, plot, plot_load)
+
+
+def _load_options(concurrency: str, requests: int, rounds: int, max_batch: Optional[int], methods: Optional[str],
+                  others: dict[str, bool]) -> tuple[list[int], int, list[str]]:
+    """``hsd bench --concurrency``'s options checked, each refused in one line naming its flag: ``(the numbers of
+    clients, the largest batch, the methods to run)``; ``others`` as :func:`bench_load` takes them."""
+    from hsd_opt.measure.load_bench import LOAD_METHODS, parse_concurrency
 
     given = [flag for flag, on in others.items() if on]
     if given:
@@ -266,38 +317,53 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     if mb < 1:
         raise HsdError(f"--max-batch: expected >= 1, got {mb}")
     names = list(LOAD_METHODS) if methods is None else method_names(methods, LOAD_METHODS, " with --concurrency")
-    check_report_key(by)
-    items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    say = lambda s: console.print(s, style="dim")  # noqa: E731
+    return levels_c, mb, names
+
+
+def _load_runners(p, loaded, mode: str, source: str, retime: Optional[Path], say):
+    """The runners ``hsd bench --concurrency`` compares, built once over shared models: ``(hsd's runner by load
+    level, the target alone, the re-timing record or None, the load predictor or None)``; with ``retime`` (a
+    profile) the load levels chosen again at the speed of the moment (:func:`retimed_levels`)."""
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
+
     say(f"building the plan's hierarchies on {loaded.device} ...")
     models = PlanModels(loaded)
-    runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
-    by_load = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner) or runner
-    target = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=[p.hierarchy[-1]], budgets=[],
+    runner = hsd_for_plan(p, loaded, mode=mode, source=source, models=models)
+    by_load = hsd_by_load(p, loaded, models, mode=mode, source=source, log=say, plan_runner=runner) or runner
+    target = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=[p.hierarchy[-1]], budgets=[],
                           models=models)
-    retimed = predictor = None
-    if retime is not None:
-        from hsd_opt.measure.load_predictor import LoadPredictor
+    if retime is None:
+        return by_load, target, None, None
+    from hsd_opt.measure.load_predictor import LoadPredictor
 
-        by_load, retimed, profile = retimed_levels(p, loaded, models, runner, by_load, retime, mode, str(plan), say)
-        predictor = LoadPredictor(profile, retime_text(loaded.tokenizer), head=target.levels[-1].engine.prompt_head)
-    table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
-    ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
-                         log=say, predictor=predictor)
-    if retimed is not None:
-        rep["retime"] = retimed
+    by_load, retimed, profile = retimed_levels(p, loaded, models, runner, by_load, retime, mode, source, say)
+    predictor = LoadPredictor(profile, retime_text(loaded.tokenizer), head=target.levels[-1].engine.prompt_head)
+    return by_load, target, retimed, predictor
+
+
+def _add_load_machine(rep: dict, started: str, plan: Path, loaded) -> None:
+    """Record in the load report when it started and ended (ISO UTC, seconds), the plan, the model, the device,
+    torch's threads and the decode kernels that ran."""
+    from datetime import datetime, timezone
+
+    import torch
+
+    from hsd_opt.engine import kernels
+
     rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "plan": str(plan), "model": loaded.provenance(), "device": str(loaded.device),
                 "torch_threads": torch.get_num_threads(), "kernels": kernels.provenance(loaded.device)})
-    t = Table(title=f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
-                    f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} ({loaded.model_id}, "
-                    f"{loaded.device}, {rep['torch_threads']} threads{_variant(rep)})", box=box.SIMPLE_HEAD,
-              pad_edge=False)
+
+
+def load_table(rep: dict, title: str, predicted_run: bool):
+    """Rich table of a load report: one row per number of clients and method (``predicted_run``: with the columns
+    of the whole level's prediction, ``--retime``)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["clients", "method", "agg", "x batch1", "x plain", "ttft p50", "ttft p95", "stream", "pred"]
-    cols += ["pred run", "agg/pred run"] if predictor is not None else []
+    cols += ["pred run", "agg/pred run"] if predicted_run else []
     for col in cols + ["=target"]:
         t.add_column(col, justify="left" if col == "method" else "right")
     for lv in rep["levels"]:
@@ -308,9 +374,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                       fmt(lv.get("hsd_over_plain") if hsd else None, ".2f"), fmt(d["ttft_p50_s"], ".2f"),
                       fmt(d["ttft_p95_s"], ".2f"), fmt(d["stream_tokens_per_s_p50"], ".1f"),
                       fmt(d.get("predicted_tokens_per_s"), ".1f"),
-                      *([fmt(d.get("predicted_run_tokens_per_s"), ".1f"), fmt(d.get("measured_over_predicted"),
-                                                                              ".2f")] if predictor is not None else []),
+                      *([fmt(d.get("predicted_run_tokens_per_s"), ".1f"),
+                         fmt(d.get("measured_over_predicted"), ".2f")] if predicted_run else []),
                       "yes" if d["equal_to_target"] else "NO")
-    console.print(t)
-    console.print(LOAD_LEGEND, style="dim")
-    write_outputs(rep, json_out, plot, plot_load)
+    return t
