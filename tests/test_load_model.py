@@ -1,4 +1,4 @@
-"""A served load's time predicted (``hsd_opt.measure.load_predictor``): the replay makes the batch scheduler's ticks,
+"""A served load's time predicted (``hsd_opt.measure.load_predictor``): it makes the batch scheduler's ticks,
 sequence count by sequence count; each tick is priced as documented (decode at the batch size, a prompt's passes
 on its cost curve, a shared prompt at one position); one request alone costs its prompt plus its tokens."""
 
@@ -146,9 +146,9 @@ def test_a_sequence_takes_a_copy_that_shares_the_targets_keys_and_values_when_th
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 3])
-def test_the_replay_makes_the_schedulers_ticks(monkeypatch, max_batch):
+def test_the_prediction_makes_the_schedulers_ticks(monkeypatch, max_batch):
     """3 clients x 2 requests on the target alone (prompts of 3 to 21 positions, passes of at most 8): the real
-    scheduler's decode passes, tick by tick, serve as many sequences as the replay decodes; and it makes as many
+    scheduler's decode passes, tick by tick, serve as many sequences as the prediction decodes; and it makes as many
     prompt passes."""
     monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
     eng = LayeredLM(make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0),

@@ -1,9 +1,10 @@
-"""A served load's time, predicted: the batch scheduler's ticks replayed on the latency model's costs.
+"""A served load's time, predicted: the batch scheduler's policy run on the latency model's costs.
 
 The plan of a load level predicts the aggregate of ``B`` sequences decoding together for ever (``B`` over the
 seconds per token of each). A served level also computes every request's prompt, and its number of sequences in
 flight ramps up at the start, dips while a client waits for its next request to be prefilled, and runs down at the
-end. :func:`predict_level` replays :class:`~hsd_opt.runtime.batch.Batch`'s policy on costs instead of passes:
+end. :func:`predict_level` runs the policy :class:`~hsd_opt.runtime.batch.Batch` runs (the functions of
+:mod:`hsd_opt.runtime.schedule`: admission, the level in force, who takes it) on costs instead of passes:
 
 - a request waits until fewer than ``max_batch`` sequences are in flight and no other prompt is being computed,
   then its prompt takes one tick per pass of the target (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`: a kept
@@ -28,11 +29,11 @@ between them), or without them from the model's cost curve (passes over ``t = 1 
 extended by the curve's slope over its upper half: a long pass is bound by arithmetic, its cost linear in the
 positions).
 
-What the replay leaves out: Python's own work between passes, a prompt's last pass computed in the call
-of the others' decode rows (a batch's saving: it prices the two apart), a group of sequences on one
-engine waiting while another's larger group is served (the batch serves one or the other per tick; the replay
-charges both every tick), and the difference between sequences' contexts (one context prices every decode
-tick). Units: seconds, tokens.
+What the prediction leaves out: Python's own work between passes, a prompt's last pass computed in the call of
+the others' decode rows (a batch's saving: it prices the two apart), a group of sequences on one engine waiting
+while another's larger group is served (the batch serves one or the other per tick, :func:`~hsd_opt.runtime.
+schedule.served_groups`; the prediction prices expected seconds per token, not passes, and charges both every
+tick), and the difference between sequences' contexts (one context prices every decode tick). Units: seconds, tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, scale_costs
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
+from hsd_opt.runtime.schedule import Occupancy, level_at, takes_level
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -260,20 +262,16 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
     decoding: list[int] = []
     tokens = 0
 
-    def load() -> int:
-        flight = len(active) + (prefilling is not None)
-        return flight + min(len(waiting), max_batch - flight)
-
-    def level_spec() -> Spec:
-        return specs[nearest_level(specs, load())]
+    def occupancy() -> Occupancy:
+        return Occupancy(len(active), prefilling is not None, len(waiting), max_batch)
 
     while waiting or active or prefilling is not None:
         ended: list[_Seq] = []
         joined: _Seq | None = None
         dt = 0.0
-        if prefilling is None and waiting and len(active) < max_batch:
+        if occupancy().admits():
             prefilling = waiting.pop(0)
-            spec = level_spec()
+            spec = specs[level_at(specs, occupancy())]
             prefilling.spec, prefilling.holds = spec, spec.engines
             prefilling.ticks = costs.prefill(spec, prefilling.job)
         if prefilling is not None:
@@ -283,9 +281,9 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
                 s.left = s.job.tokens
                 active.append(s)
                 joined = s
-        spec = level_spec()
+        spec = specs[level_at(specs, occupancy())]
         for s in active:
-            if spec.takes(s.holds):
+            if takes_level(True, spec.takes(s.holds)):       # every priced sequence is greedy: it follows the load
                 s.spec, s.holds = spec, s.holds | spec.engines
         groups: dict[Spec, int] = {}
         for s in active:
@@ -350,7 +348,7 @@ class LoadPredictor:
     of every engine at each of the profile's batch sizes up to the method's ``max_batch`` (1 included), the engines
     of the hierarchy that runs at that load, with :class:`~hsd_opt.measure.retime.StepClock`, and each engine's
     prompt passes (:func:`time_prompt_passes`; over 1 and 8 positions for a copy that only ever shares the
-    target's prompt); :meth:`predict` then replays the level (:func:`predict_level`) on the profile's
+    target's prompt); :meth:`predict` then predicts the level (:func:`predict_level`) on the profile's
     decode costs scaled by the mean of the two timings' factors and on the mean of the two timings' prompt passes.
 
     Args:
@@ -431,7 +429,7 @@ class LoadPredictor:
 
     def predict(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int,
                 clients: Sequence[Sequence[Job]]) -> dict:
-        """The replayed level (:func:`predict_level`) at the factors of the last :meth:`retime` s: predicted
+        """The level predicted (:func:`predict_level`) at the factors of the last :meth:`retime` s: predicted
         aggregate tokens/s, wall seconds and time to the first token p50 (each None where sequences would share
         passes and the profile has no costs of batched passes)."""
         if max_batch > 1 and len(clients) > 1 and len(self.sizes) == 1:

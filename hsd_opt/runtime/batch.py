@@ -51,6 +51,7 @@ from typing import Callable, Generator, Mapping, Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
 
 #: The least ``max_wait`` of a batch by default (ticks).
 MIN_WAIT = 3
@@ -134,14 +135,19 @@ class Batch:
         return self.levels[self.level_for(n)]
 
     @property
+    def occupancy(self) -> Occupancy:
+        """The batch's sequences counted by state, as the scheduler's policy decides on them."""
+        return Occupancy(len(self.active), self.prefilling is not None, len(self.waiting), self.max_active)
+
+    @property
     def in_flight(self) -> int:
         """Sequences decoding or being prefilled (at most ``max_active``)."""
-        return len(self.active) + (self.prefilling is not None)
+        return self.occupancy.in_flight
 
     @property
     def load(self) -> int:
         """Sequences in flight (decoding, being prefilled, or prefilled next)."""
-        return self.in_flight + min(len(self.waiting), self.max_active - self.in_flight)
+        return self.occupancy.load
 
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
@@ -190,31 +196,24 @@ class Batch:
         return entries
 
     def tick(self) -> int:
-        """One round of the scheduler (see the module doc); returns the passes served."""
-        if self.prefilling is None and self.waiting and self.in_flight < self.max_active:
+        """One round of the scheduler (see the module doc; its policy: :mod:`hsd_opt.runtime.schedule`); returns
+        the passes served."""
+        if self.occupancy.admits():
             self._begin(self.waiting.pop(0))
         if self.prefilling is not None:
             self._prefill_pass(self.prefilling)
-        level = self.hierarchy_for(self.load)     # those in flight and those about to join
+        level = self.levels[level_at(self.levels, self.occupancy)]   # those in flight and those about to join
         for e in self.active:
-            if e.decoding.follows_load and e.decoding.can_switch(level):
+            if takes_level(e.decoding.follows_load, e.decoding.can_switch(level)):
                 e.decoding.switch(level)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:
             groups.setdefault(id(e.pending.engine), []).append(e)
-        if not groups:                          # the one prefilled has already ended (or failed)
-            return 0
-        # the largest group (ties: the engine lowest in the hierarchies, so that sequences behind catch up), every
-        # group holding a sequence that has waited max_wait ticks (sequences fall into step and share passes), and
-        # every group holding a request's first token (it waits for no one's drafts)
-        first = min(groups, key=lambda k: (-len(groups[k]), self._rank.get(k, 0)))
+        views = [Group(k, len(es), self._rank.get(k, 0), max(e.waited for e in es),
+                       any(e.first_token is None for e in es)) for k, es in groups.items()]
         served = 0
-        for key, entries in groups.items():
-            if (key != first and max(e.waited for e in entries) < self.max_wait
-                    and all(e.first_token is not None for e in entries)):
-                for e in entries:
-                    e.waited += 1
-                continue
+        for key in served_groups(views, self.max_wait):
+            entries = groups.pop(key)
             for e in entries:
                 e.waited = 0
             try:
@@ -226,6 +225,9 @@ class Batch:
             served += len(entries)
             for e, reply in zip(entries, replies):
                 self._resume(e, reply)
+        for entries in groups.values():       # not served: they wait a tick more
+            for e in entries:
+                e.waited += 1
         return served
 
     def run(self) -> None:

@@ -1,0 +1,98 @@
+"""The serving scheduler's policy, as pure functions of what it decides on.
+
+:class:`~hsd_opt.runtime.batch.Batch` runs this policy on its sequences and the load predictor
+(:mod:`hsd_opt.measure.load_predictor`) runs it on priced ones, so the two cannot drift apart. A tick decides,
+in this order:
+
+1. whether the oldest waiting sequence begins its prompt (:meth:`Occupancy.admits`: no other prompt is being
+   computed and fewer than ``max_active`` sequences are in flight);
+2. the load level in force (:func:`level_at`): the plan level nearest, on a log scale, to the sequences in flight
+   and those about to take a place (:attr:`Occupancy.load`);
+3. which sequences take that level's hierarchy (:func:`takes_level`: one that follows the load and can take it
+   for no more than a prefill's cost);
+4. which groups of pending passes (one group per engine) are served (:func:`served_groups`).
+
+The predictor prices a tick by the expected seconds per token of the hierarchies in use, not pass by pass, so it
+runs steps 1 to 3 and not step 4 (what that leaves out: the module doc of the predictor). Units: sequence counts
+and ticks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+from hsd_opt.formats import nearest_level
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """How many sequences a batch holds, by state.
+
+    Attributes:
+        decoding: sequences decoding (their prompt computed).
+        prefilling: whether a sequence's prompt is being computed (one at a time).
+        waiting: sequences added and not yet in flight.
+        max_active: sequences decoded together at most.
+    """
+
+    decoding: int
+    prefilling: bool
+    waiting: int
+    max_active: int
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences decoding or being prefilled."""
+        return self.decoding + int(self.prefilling)
+
+    @property
+    def load(self) -> int:
+        """Sequences in flight and those that take a free place next (the load a level is chosen for)."""
+        return self.in_flight + max(0, min(self.waiting, self.max_active - self.in_flight))
+
+    def admits(self) -> bool:
+        """Whether the oldest waiting sequence begins its prompt now."""
+        return not self.prefilling and self.waiting > 0 and self.in_flight < self.max_active
+
+
+def level_at(levels: Iterable[int], occupancy: Occupancy) -> int:
+    """The load level in force at ``occupancy``: :func:`~hsd_opt.formats.nearest_level` of its load."""
+    return nearest_level(levels, occupancy.load)
+
+
+def takes_level(follows_load: bool, can_take: bool) -> bool:
+    """Whether a sequence takes the hierarchy of the level in force: it follows the load (greedy, or sampled
+    without a seed) and takes it for no more than a prefill's cost (it holds every engine of it, or lacks only
+    copies that take its keys and values)."""
+    return follows_load and can_take
+
+
+@dataclass(frozen=True)
+class Group:
+    """The pending passes of one engine, as the scheduler sees them.
+
+    Attributes:
+        key: the engine (any hashable that names it).
+        size: sequences waiting for a pass of it.
+        rank: the engine's lowest level in the hierarchies (drafters before the target).
+        waited: the most ticks any of those sequences has waited for it.
+        first_token: whether one of them waits for its first token (its prompt's last pass).
+    """
+
+    key: Hashable
+    size: int
+    rank: int
+    waited: int
+    first_token: bool
+
+
+def served_groups(groups: Sequence[Group], max_wait: int) -> list[Hashable]:
+    """The keys of the groups served this tick, in the order given: the largest group (on a tie, the engine
+    lowest in the hierarchies, so that sequences behind catch up), every group with a sequence that has waited
+    ``max_wait`` ticks (sequences fall into step and share passes), and every group with a request's first token
+    (it waits for no one's drafts). Empty without groups."""
+    if not groups:
+        return []
+    first = min(groups, key=lambda g: (-g.size, g.rank)).key
+    return [g.key for g in groups if g.key == first or g.waited >= max_wait or g.first_token]

@@ -1,0 +1,55 @@
+"""The serving scheduler's policy (``hsd_opt.runtime.schedule``), stated as properties of its pure functions; the
+batch and the load predictor both run it (``tests/test_load_model.py`` checks that their ticks agree)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
+
+OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (False, True)
+               for w in (0, 1, 3, 9) if d + p <= m]
+
+
+@pytest.mark.parametrize("occ", OCCUPANCIES, ids=str)
+def test_the_load_counts_those_in_flight_and_those_that_take_a_free_place(occ):
+    assert occ.in_flight <= occ.load <= occ.max_active
+    assert occ.load == min(occ.max_active, occ.in_flight + occ.waiting)
+
+
+@pytest.mark.parametrize("occ", OCCUPANCIES, ids=str)
+def test_a_prompt_begins_alone_with_a_free_place_and_leaves_the_load_as_it_was(occ):
+    assert occ.admits() == (not occ.prefilling and occ.waiting > 0 and occ.in_flight < occ.max_active)
+    if occ.admits():   # the oldest waiting one is prefilled: the level it was chosen for stays the level in force
+        after = Occupancy(occ.decoding, True, occ.waiting - 1, occ.max_active)
+        assert after.load == occ.load and not after.admits()
+        assert level_at((1, 2, 4, 8), after) == level_at((1, 2, 4, 8), occ)
+
+
+def test_the_level_in_force_is_the_nearest_on_a_log_scale():
+    assert [level_at((1, 2, 4, 8), Occupancy(n, False, 0, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 4, 8, 8, 8]
+    assert level_at((1, 8), Occupancy(1, True, 5, 8)) == 8          # 2 in flight, 5 waiting for a place: 7
+
+
+def test_only_a_sequence_that_follows_the_load_and_can_take_the_level_takes_it():
+    assert [takes_level(f, c) for f, c in itertools.product((False, True), repeat=2)] == [False, False, False, True]
+
+
+def _g(key, size, rank=0, waited=0, first=False):
+    return Group(key, size, rank, waited, first)
+
+
+def test_the_largest_group_is_served_and_a_tie_goes_to_the_lowest_engine():
+    assert served_groups([_g("t", 2, 3), _g("d", 3, 0)], max_wait=3) == ["d"]
+    assert served_groups([_g("t", 3, 3), _g("d", 3, 0)], max_wait=3) == ["d"]
+    assert served_groups([_g("t", 4, 3), _g("d", 3, 0)], max_wait=3) == ["t"]
+    assert served_groups([], max_wait=3) == []
+
+
+def test_a_group_that_waited_long_enough_or_holds_a_first_token_is_served_too_in_the_order_given():
+    groups = [_g("a", 1, 2, waited=3), _g("b", 5, 1), _g("c", 1, 0, waited=2), _g("d", 1, 0, first=True)]
+    assert served_groups(groups, max_wait=3) == ["a", "b", "d"]
+    assert served_groups(groups, max_wait=2) == ["a", "b", "c", "d"]
+    assert served_groups(groups, max_wait=0) == ["a", "b", "c", "d"]     # 0: every pending pass every tick
