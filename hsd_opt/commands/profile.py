@@ -61,6 +61,27 @@ app = typer.Typer(
          "hsd profile --model smollm2-135m --out profile.json   |   hsd profile merge a.json b.json -o c.json",
     invoke_without_command=True, no_args_is_help=False)
 
+_DRAFT_LAYERS_HELP = ("Early exits of every draft model too (its own layers, e.g. 12,18, or all; none: the default), "
+                      "named <draft>-layer12.")
+_QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4 (of the target), MODEL:int8, MODEL:int4 (of a "
+                   "draft model, named <name>-int4), or 'none'. Default: int8,int4 of a float target on a CPU, else "
+                   "none.")
+_HEADS_HELP = "Trained exit heads (safetensors) for the early exits; default: the model's own final norm + LM head."
+_TOKEN_DRAFTERS_HELP = ("Comma list of ngram,lookup,bigram,aded, or 'none'. Default: ngram, lookup and aded, plus "
+                        "bigram when its table is cached.")
+_TARGET_PRECISION_HELP = ("The target: auto (the loaded dtype), float32, bfloat16, or int8 / int4: a quantized copy "
+                          "of the model on the CPU kernels is the target itself (its own greedy output is the "
+                          "reference).")
+_COST_CONTEXTS_HELP = ("Context lengths (tokens in the KV cache) to measure the costs at, comma-separated; longer "
+                       "ones than the model holds are lowered to the longest that fits. The solver interpolates "
+                       "between them.")
+_BATCH_SIZES_HELP = ("Numbers of sequences decoded together to time passes at (batch_costs: what hsd solve "
+                     "--batch-sizes plans each load level of hsd serve with); 1 = one sequence at a time only.")
+_COST_BUDGET_HELP = ("Seconds the cost phase may take: the most thorough cost plan whose estimate fits is used "
+                     "(docs/design.md#the-cost-budget). auto = 480; none = always the full plan.")
+_THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when the machine is already "
+                 "oversubscribed. Costs are measured with this setting.")
+
 
 @app.callback(invoke_without_command=True)
 @cli_command
@@ -75,22 +96,10 @@ def profile_cmd(
                                                         "2-10 (the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
                                                                     "tokenizer (repeatable)."),
-    draft_layers: Optional[str] = typer.Option(None, "--draft-layers",
-                                               help="Early exits of every draft model too (its own layers, "
-                                                    "e.g. 12,18, or all; none: the default), named "
-                                                    "<draft>-layer12."),
-    quantized: Optional[str] = typer.Option(None, "--quantized",
-                                            help="Quantized copies as drafters, comma list: int8, int4 (of the "
-                                                 "target), MODEL:int8, MODEL:int4 (of a draft model, named "
-                                                 "<name>-int4), or 'none'. Default: int8,int4 of a float target "
-                                                 "on a CPU, else none."),
-    heads: Optional[Path] = typer.Option(None, "--heads", help="Trained exit heads (safetensors) for the "
-                                                               "early exits; default: the model's own "
-                                                               "final norm + LM head."),
-    token_drafters: Optional[str] = typer.Option(None, "--token-drafters",
-                                                 help="Comma list of ngram,lookup,bigram,aded, or 'none'. "
-                                                      "Default: ngram, lookup and aded, plus bigram when its "
-                                                      "table is cached."),
+    draft_layers: Optional[str] = typer.Option(None, "--draft-layers", help=_DRAFT_LAYERS_HELP),
+    quantized: Optional[str] = typer.Option(None, "--quantized", help=_QUANTIZED_HELP),
+    heads: Optional[Path] = typer.Option(None, "--heads", help=_HEADS_HELP),
+    token_drafters: Optional[str] = typer.Option(None, "--token-drafters", help=_TOKEN_DRAFTERS_HELP),
     no_ngram: bool = typer.Option(False, "--no-ngram", help="Leave the context n-gram drafter out."),
     no_lookup: bool = typer.Option(False, "--no-lookup", help="Leave the abstaining n-gram lookup out."),
     no_bigram: bool = typer.Option(False, "--no-bigram", help="Leave the model-bigram drafter out."),
@@ -104,51 +113,70 @@ def profile_cmd(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
-    target_precision: str = typer.Option("auto", "--target-precision",
-                                         help="The target: auto (the loaded dtype), float32, bfloat16, or int8 / "
-                                              "int4: a quantized copy of the model on the CPU kernels is the "
-                                              "target itself (its own greedy output is the reference)."),
+    target_precision: str = typer.Option("auto", "--target-precision", help=_TARGET_PRECISION_HELP),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (temperature > 0)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial.json."),
     tmax: int = typer.Option(15, "--tmax", help="Cost curves cover t = 1..tmax+1 tokens."),
     cost_repeats: int = typer.Option(5, "--cost-repeats", help="Timed repeats per cost (median)."),
-    cost_contexts: str = typer.Option("64,512,2048", "--cost-contexts",
-                                      help="Context lengths (tokens in the KV cache) to measure the costs at, "
-                                           "comma-separated; longer ones than the model holds are lowered to "
-                                           "the longest that fits. The solver interpolates between them."),
-    batch_sizes: str = typer.Option("1,2,4,8", "--batch-sizes",
-                                    help="Numbers of sequences decoded together to time passes at "
-                                         "(batch_costs: what hsd solve --batch-sizes plans each load level "
-                                         "of hsd serve with); 1 = one sequence at a time only."),
-    cost_budget: str = typer.Option("auto", "--cost-budget",
-                                    help="Seconds the cost phase may take: the most thorough cost plan whose "
-                                         "estimate fits is used (docs/design.md#the-cost-budget). auto = 480; "
-                                         "none = always the full plan."),
+    cost_contexts: str = typer.Option("64,512,2048", "--cost-contexts", help=_COST_CONTEXTS_HELP),
+    batch_sizes: str = typer.Option("1,2,4,8", "--batch-sizes", help=_BATCH_SIZES_HELP),
+    cost_budget: str = typer.Option("auto", "--cost-budget", help=_COST_BUDGET_HELP),
     shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                               "(merge the shards with hsd profile merge)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
-    threads: int = typer.Option(0, "--threads", help="CPU threads for torch. 0 = auto: torch's default, or 1 "
-                                                     "when the machine is already oversubscribed. Costs are "
-                                                     "measured with this setting."),
+    threads: int = typer.Option(0, "--threads", help=_THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
 ):
     """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
     if ctx.invoked_subcommand is not None:
         return
-    from hsd_opt.errors import HsdError
     from hsd_opt.profiler.dist import dist_info
-    from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
-    from hsd_opt.profiler.run import ProfileConfig, run_profile
+    from hsd_opt.profiler.run import ProfileConfig
+
+    _check_required(model, out)
+    contexts = tuple(options.cost_contexts(cost_contexts))
+    batches = options.batch_sizes(batch_sizes)
+    explicit = _token_drafter_names(token_drafters, {"ngram": no_ngram, "lookup": no_lookup, "bigram": no_bigram,
+                                                     "aded": no_aded})
+    copies = options.quantized_copies(quantized)      # the names, checked before loading anything
+    _, precision = options.resolve_target_precision(target_precision, dtype)
+    budget = parse_cost_budget(cost_budget)
+    exits, draft_exits = _exit_layers(layers, draft_layers, draft_model)
+    rank, _ = dist_info()
+    cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=exits, draft_models=list(draft_model),
+                        draft_layers=draft_exits, quantized=copies, token_drafters=explicit, heads=heads,
+                        temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
+                        target_precision=precision, seed=seed, cost_budget=budget,
+                        resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
+                        batch_sizes=tuple(batches), shard=options.shard(shard),
+                        max_prompts=max_prompts, progress=not quiet, threads=threads)
+    prof = _run_profile(cfg, quiet)
+    if prof is None or rank != 0:
+        return
+    _report_profile(prof, out, quiet)
+
+
+def _check_required(model: Optional[str], out: Optional[Path]) -> None:
+    """Refuse a missing ``--model`` or ``--out`` (optional flags so that ``hsd profile merge`` runs without them)."""
+    from hsd_opt.errors import HsdError
 
     if not model:
         raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
     if out is None:
         raise HsdError("--out is required: where to write the profile JSON")
-    contexts = tuple(options.cost_contexts(cost_contexts))
-    batches = options.batch_sizes(batch_sizes)
-    if token_drafters is not None:
-        names = [] if token_drafters.strip().lower() == "none" else \
-            [x.strip() for x in token_drafters.split(",") if x.strip()]
+
+
+def _token_drafter_names(spec: Optional[str], left_out: dict[str, bool]) -> list[str] | None:
+    """``--token-drafters`` (a comma list, or ``none``) less the drafters the ``--no-*`` flags leave out
+    (``left_out``: name -> flag given): the names, or None for the profiler's default pool (no flag given);
+    :class:`HsdError` naming the flag for an unknown drafter."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
+
+    dropped = {n for n, flag in left_out.items() if flag}
+    if spec is not None:
+        names = [] if spec.strip().lower() == "none" else [x.strip() for x in spec.split(",") if x.strip()]
         for n in names:
             if n not in KNOWN_TOKEN_DRAFTERS:
                 raise HsdError(f"--token-drafters: unknown token drafter {n!r}; known: "
@@ -156,39 +184,40 @@ def profile_cmd(
         explicit: list[str] | None = names
     else:
         explicit = None
-    dropped = {n for n, flag in (("ngram", no_ngram), ("lookup", no_lookup), ("bigram", no_bigram),
-                                 ("aded", no_aded)) if flag}
     if dropped:
         explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
                     if n not in dropped]
-    copies = options.quantized_copies(quantized)      # the names, checked before loading anything
-    _, precision = options.resolve_target_precision(target_precision, dtype)
-    budget = parse_cost_budget(cost_budget)
+    return explicit
+
+
+def _exit_layers(layers: str, draft_layers: Optional[str], draft_model: List[str]):
+    """``(--layers, --draft-layers)`` as layer numbers (None: every layer): the syntax only, before anything is
+    loaded (the ranges are checked once the models are); ``--draft-layers`` needs a ``--draft-model``."""
+    from hsd_opt.errors import HsdError
+
     if draft_layers is not None and not draft_model:
         raise HsdError("--draft-layers: exits of draft models need --draft-model")
-    # the syntax, before loading anything (the ranges once the models are loaded)
     exits = options.layer_numbers(layers or "all", "--layers")
-    draft_exits = options.layer_numbers(draft_layers, "--draft-layers") if draft_layers is not None else []
-    rank, _ = dist_info()
-    cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=exits, draft_models=list(draft_model),
-                        draft_layers=draft_exits,
-                        quantized=copies,
-                        token_drafters=explicit, heads=heads, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
-                        target_precision=precision, seed=seed, cost_budget=budget,
-                        resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
-                        batch_sizes=tuple(batches), shard=options.shard(shard),
-                        max_prompts=max_prompts, progress=not quiet, threads=threads)
+    return exits, options.layer_numbers(draft_layers, "--draft-layers") if draft_layers is not None else []
+
+
+def _run_profile(cfg, quiet: bool):
+    """Run the profiler on ``cfg`` (the kernels loaded first, said on stderr, unless ``quiet``): the profile, or
+    None where this process writes none. Ctrl-C says where the finished prompts are and exits with code 130."""
+    from hsd_opt.profiler.run import run_profile
+
     if not quiet:
-        prepare_kernels(device)
+        prepare_kernels(cfg.device)
     try:
-        prof = run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
+        return run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
     except KeyboardInterrupt:
-        err_console.print(f"interrupted: the statistics of every finished prompt are in {out}.partial.json; "
+        err_console.print(f"interrupted: the statistics of every finished prompt are in {cfg.out}.partial.json; "
                           f"rerun with --resume to continue")
         raise typer.Exit(130)
-    if prof is None or rank != 0:
-        return
+
+
+def _report_profile(prof, out: Path, quiet: bool) -> None:
+    """Print the acceptance table and the target's step by context (unless ``quiet``), then what was written."""
     if not quiet:
         console.print(acceptance_table(prof))
         steps = [f"{e.context} tokens {e.cost[prof.target] * 1e3:.4g} ms" for e in prof.context_costs
