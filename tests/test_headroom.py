@@ -23,7 +23,7 @@ def headroom():
 @pytest.fixture(scope="module")
 def raw() -> dict:
     """The measured SmolLM2 profile of the results, cut to its token drafters, two exits and the copies (fast)."""
-    d = json.loads((REPO / "benchmarks" / "results" / "profile_lookup.json").read_text())
+    d = json.loads((REPO / "tests" / "data" / "profile_lookup.json").read_text())
     keep = {"lookup", "ngram", "layer2", "layer8", "int4", "int8", d["target"]}
     d["models"] = [m for m in d["models"] if m["name"] in keep]
     for section in ("acceptance", "verify_cost"):

@@ -22,9 +22,9 @@ N_NEW = 16  # tokens per prompt in the per-depth tests (three prompts)
 N_SUITE = 12  # tokens per prompt on the whole suite (24 prompts)
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "data" / "prompts.jsonl"
-# The plan `hsd solve` made from the profile of the README's measured figures: the abstaining n-gram lookup
-# (T = 2) -> the int4 copy (T = 15) -> the target.
-SOLVED_PLAN = REPO / "benchmarks" / "results" / "runtime_bench_lookup_plan.json"
+# The plan `hsd solve` made from a measured SmolLM2 profile (tests/data/profile_lookup.json): the abstaining n-gram
+# lookup (T = 2) -> the int4 copy (T = 15) -> the target.
+SOLVED_PLAN = REPO / "tests" / "data" / "runtime_bench_lookup_plan.json"
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.server import BackgroundServer
 
 REPO = Path(__file__).resolve().parents[1]
-SOLVED_PLAN = REPO / "benchmarks" / "results" / "runtime_bench_lookup_plan.json"
+SOLVED_PLAN = REPO / "tests" / "data" / "runtime_bench_lookup_plan.json"
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 N = 24
 

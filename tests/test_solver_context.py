@@ -172,7 +172,7 @@ def test_old_single_context_profiles_solve_exactly_as_before(monkeypatch):
     context (figures from the solver as it was, which did not price the catch-up after an accepted block: that
     term set to 0 here), and no context fields in the plan. With the catch-up the plan stays and its latency
     grows by exactly the target's rounds per token x a^T x the int4 copy's pass over 2 tokens less its step."""
-    prof, _ = load_profile(REPO / "benchmarks" / "results" / "profile_lookup.json")
+    prof, _ = load_profile(REPO / "tests" / "data" / "profile_lookup.json")
     assert prof.context_costs == []
     with monkeypatch.context() as m:
         m.setattr(latency, "catch_up_cost", lambda *args: 0.0)
