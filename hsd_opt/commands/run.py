@@ -128,66 +128,114 @@ def run_cmd(
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task)."""
     from hsd_opt.jsonio import atomic_write_bytes
-    from hsd_opt.measure.report import Generation, totals_by
-    from hsd_opt.prompts import check_report_key, check_turn_mode, conversation_ids, user_turns
+    from hsd_opt.prompts import check_report_key, check_turn_mode
     from hsd_opt.runtime.decode import check_generation_args
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan, plan_for_prompt, prediction_context, run_context
+    from hsd_opt.runtime.runner import plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p)
     check_turn_mode(turns)
     check_report_key(by)
     items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    tok = loaded.tokenizer
+    runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
+    lines, gens = [], []
+    for it in items:
+        which = plan_for_prompt(p, it.task, per_task)[3]
+        for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
+                                     max_new_tokens, temperature, top_p, seed, quiet):
+            lines.append(line)
+            gens.append(gen)
+    _print_run(gens, by, plans, mode)
+    if json_out is not None:
+        atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
+        console.print(f"wrote {json_out}")
+
+
+def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):
+    """One runner per hierarchy the prompts need (the plan's, or its plans per task), all over one set of models:
+    ``({plan name: runner}, {plan name: (hierarchy, budgets)})``. Every hierarchy is built first, so that the float
+    weights none of them reads can then be released."""
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan, plan_for_prompt
+
     models = PlanModels(loaded)           # the plans per task share the target's engine, draft models and copies
     runners: dict[str, object] = {}
     plans: dict[str, tuple[list[str], list[int]]] = {}
-    lines, gens = [], []
-    for it in items:                      # every hierarchy first: then the unused float weights can go
+    for it in items:
         hh, bb, _, which = plan_for_prompt(p, it.task, per_task)
         if which not in runners:
-            runners[which] = hsd_for_plan(p, loaded, mode=mode, source=str(plan), hierarchy=hh, budgets=bb,
+            runners[which] = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=hh, budgets=bb,
                                           models=models)
             plans[which] = (hh, bb)
     models.release_unused_floats(p, [hh for hh, _ in plans.values()])
-    for it in items:
-        which = plan_for_prompt(p, it.task, per_task)[3]
-        h = runners[which]
-        answers: list[str] = []
-        for k, text in enumerate(user_turns(it, turns)):
-            ids = conversation_ids(tok, it.turns, answers, raw)
-            got: list[int] = []
-            shown = [""]
+    return runners, plans
 
-            def stream(block, got=got, shown=shown):
-                got.extend(block)
-                if quiet:
-                    return
-                s = tok.decode(got, skip_special_tokens=True)
-                if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
-                    return
-                if s.startswith(shown[0]):
-                    sys.stdout.write(s[len(shown[0]):])
-                    sys.stdout.flush()
-                    shown[0] = s
 
-            res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             on_tokens=stream)
-            if not quiet:
-                sys.stdout.write("\n")
-            answer = tok.decode(res.token_ids, skip_special_tokens=True)
-            answers.append(answer)
-            ctx = run_context(len(ids), len(res.token_ids))
-            pred = plan_for_prompt(p, it.task, per_task, context=ctx)[2]
-            at = prediction_context(p, ctx)
-            gens.append(Generation(it.index, k, it.task, it.category, res.token_ids, res.stats["seconds"],
-                                   res.stats, which, pred, ctx, at))
-            line = {"prompt": text, "task": it.task, "category": it.category, "turn": k, "plan": which,
-                    "token_ids": res.token_ids, "text": answer, "stats": res.stats, "context": ctx,
-                    "predicted_seconds_per_token": pred, "predicted_at_context": at}
-            if it.question_id is not None:
-                line["question_id"] = it.question_id
-            lines.append(line)
+def _streamer(tok, quiet: bool):
+    """The ``on_tokens`` callback of one generation: it gathers the blocks of token ids and, unless ``quiet``,
+    writes to stdout the text decoded so far that it has not written yet (waiting out an incomplete UTF-8
+    sequence)."""
+    got: list[int] = []
+    shown = [""]
+
+    def stream(block):
+        got.extend(block)
+        if quiet:
+            return
+        s = tok.decode(got, skip_special_tokens=True)
+        if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
+            return
+        if s.startswith(shown[0]):
+            sys.stdout.write(s[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = s
+
+    return stream
+
+
+def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool, max_new_tokens: int,
+                temperature: float, top_p: float, seed: int, quiet: bool) -> list[tuple[dict, object]]:
+    """Generate every turn of the prompt ``it`` (``turns``) with the runner ``h`` of plan ``which``, each turn after
+    the model's own answers to the previous ones, streaming the text unless ``quiet``: one ``(JSON line,
+    Generation)`` per turn (:func:`_turn_record`)."""
+    from hsd_opt.prompts import conversation_ids, user_turns
+
+    out: list[tuple[dict, object]] = []
+    answers: list[str] = []
+    for k, text in enumerate(user_turns(it, turns)):
+        ids = conversation_ids(tok, it.turns, answers, raw)
+        res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                         on_tokens=_streamer(tok, quiet))
+        if not quiet:
+            sys.stdout.write("\n")
+        answer = tok.decode(res.token_ids, skip_special_tokens=True)
+        answers.append(answer)
+        out.append(_turn_record(p, it, k, text, which, per_task, len(ids), res, answer))
+    return out
+
+
+def _turn_record(p, it, k: int, text: str, which: str, per_task: bool, prompt_tokens: int, res, answer: str):
+    """The JSON line and the :class:`~hsd_opt.measure.report.Generation` of turn ``k`` of ``it``: its tokens and
+    stats, the run's context in tokens (prompt + generated) and the plan's predicted seconds per token there."""
+    from hsd_opt.measure.report import Generation
+    from hsd_opt.runtime.runner import plan_for_prompt, prediction_context, run_context
+
+    ctx = run_context(prompt_tokens, len(res.token_ids))
+    pred = plan_for_prompt(p, it.task, per_task, context=ctx)[2]
+    at = prediction_context(p, ctx)
+    gen = Generation(it.index, k, it.task, it.category, res.token_ids, res.stats["seconds"], res.stats, which, pred,
+                     ctx, at)
+    line = {"prompt": text, "task": it.task, "category": it.category, "turn": k, "plan": which,
+            "token_ids": res.token_ids, "text": answer, "stats": res.stats, "context": ctx,
+            "predicted_seconds_per_token": pred, "predicted_at_context": at}
+    if it.question_id is not None:
+        line["question_id"] = it.question_id
+    return line, gen
+
+
+def _print_run(gens: list, by: str, plans: dict, mode: str) -> None:
+    """Print the run's stats overall and, with several tasks (or plans), per task (or category: ``by``)."""
+    from hsd_opt.measure.report import totals_by
+
     overall, per = totals_by(gens, by)
     total = overall.to_dict()
     if len(plans) == 1:
@@ -202,8 +250,5 @@ def run_cmd(
         console.print(table)
         for line in notes:
             console.print(line, style="dim")
-    if json_out is not None:
-        atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
-        console.print(f"wrote {json_out}")
 
 
