@@ -1,4 +1,4 @@
-"""`hsd serve`: an OpenAI-compatible HTTP server for a plan (``hsd_opt.server``; docs/cli.md#hsd-serve)."""
+"""`hsd serve`: an OpenAI-compatible HTTP server for a plan (``hsd_opt.server``; its flags and routes: docs/cli.md)."""
 
 from __future__ import annotations
 
