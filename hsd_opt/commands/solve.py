@@ -154,10 +154,21 @@ def solve_cmd(
                                               "the profile has costs for (none: 1 only)."),
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
-    from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
-    from hsd_opt.solver.api import SOLVERS, solve
-    from hsd_opt.solver.batch import solve_loads
-    from hsd_opt.solver.tasks import profile_tasks, solve_tasks, task_positions, task_profile
+    _check_solve_options(tmax, solver, max_depth, top, min_gain, load_min_gain, task, per_task, context)
+    full, sizes = _load_solve_profile(profile, batch_sizes, context)
+    prof = _profile_to_solve(full, task, per_task)
+    plan = _solve_plan(prof, full, task, per_task, sizes, tmax, solver, max_depth, top, min_gain, load_min_gain,
+                       context)
+    _print_plan(plan, per_task, min_gain)
+    if out is not None:
+        save_plan(plan, out)
+        console.print(f"wrote {out}")
+
+
+def _check_solve_options(tmax: int, solver: str, max_depth: Optional[int], top: int, min_gain: float,
+                         load_min_gain: float, task: Optional[str], per_task: bool, context: Optional[int]) -> None:
+    """Refuse, in one line naming the flag, a value of ``hsd solve`` out of its range (before any file is read)."""
+    from hsd_opt.solver.api import SOLVERS
 
     if not 1 <= tmax < EXACT_PASS:
         raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (a verification over more positions "
@@ -176,6 +187,13 @@ def solve_cmd(
         raise HsdError("give one of --task TASK (a plan for one task) or --per-task (a plan with a section per task)")
     if context is not None and context < 1:
         raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
+
+
+def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Optional[int]):
+    """The profile (its load warnings printed) and the batch sizes to solve for: ``--batch-sizes`` (each one the
+    profile has costs at), else every one it has. Warns where ``--context`` has only one context's costs to use."""
+    from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
+
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     prof, warnings = load_profile(profile)
     warn_some(warnings)
@@ -186,13 +204,32 @@ def solve_cmd(
                        f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
     if context is not None and not prof.context_costs:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
-    full = prof
+    return prof, sizes
+
+
+def _profile_to_solve(full, task: Optional[str], per_task: bool):
+    """The profile the main plan is solved from: ``full``, or its statistics for ``task`` (the drafters without
+    them warned about); ``--per-task`` needs a profile with statistics per task."""
+    from hsd_opt.solver.tasks import profile_tasks, task_profile
+
     if task is not None:
         prof, fallbacks = task_profile(full, task)
         _warn_fallbacks({task: fallbacks})
-    elif per_task and not profile_tasks(full):
+        return prof
+    if per_task and not profile_tasks(full):
         raise HsdError("--per-task: the profile has no per-task statistics (acceptance_by_task); profile a prompt "
                        "file whose lines name their task (or Spec-Bench questions) to get them")
+    return full
+
+
+def _solve_plan(prof, full, task: Optional[str], per_task: bool, sizes: list[int], tmax: int, solver: str,
+                max_depth: Optional[int], top: int, min_gain: float, load_min_gain: float, context: Optional[int]):
+    """The plan for ``prof`` (tagged with ``task``, said, and the full profile's fingerprint when it is one task's),
+    with its plans per task (``per_task``) and per load level (more than one batch size in ``sizes``)."""
+    from hsd_opt.solver.api import solve
+    from hsd_opt.solver.batch import solve_loads
+    from hsd_opt.solver.tasks import solve_tasks, task_positions
+
     plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain, context=context)
     if task is not None:
         plan.task, plan.profile_sha256 = task, full.fingerprint()
@@ -206,6 +243,11 @@ def solve_cmd(
     if len(sizes) > 1:
         plan.by_load = solve_loads(prof, tmax, sizes, solver=solver, max_depth=max_depth, min_gain=min_gain,
                                    load_min_gain=load_min_gain, context=context)
+    return plan
+
+
+def _print_plan(plan, per_task: bool, min_gain: float) -> None:
+    """Print the plan's table, its tables per task and per load level, and the exact optimum it passed over."""
     console.print(plan_table(plan))
     if per_task:
         console.print(tasks_table(plan))
@@ -216,9 +258,6 @@ def solve_cmd(
         console.print(f"the exact optimum {_chain(ex.hierarchy, ex.budgets)} "
                       f"({ex.expected_latency * 1e3:.3f} ms/token) gains less than --min-gain {min_gain:g} over "
                       f"the plan; pass --min-gain 0 to choose it")
-    if out is not None:
-        save_plan(plan, out)
-        console.print(f"wrote {out}")
 
 
 @cli_command
