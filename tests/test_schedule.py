@@ -5,27 +5,25 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
 
 OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (False, True)
                for w in (0, 1, 3, 9) if d + p <= m]
 
 
-@pytest.mark.parametrize("occ", OCCUPANCIES, ids=str)
-def test_the_load_counts_those_in_flight_and_those_that_take_a_free_place(occ):
-    assert occ.in_flight <= occ.load <= occ.max_active
-    assert occ.load == min(occ.max_active, occ.in_flight + occ.waiting)
+def test_the_load_counts_those_in_flight_and_those_that_take_a_free_place():
+    for occ in OCCUPANCIES:
+        assert occ.in_flight <= occ.load <= occ.max_active, occ
+        assert occ.load == min(occ.max_active, occ.in_flight + occ.waiting), occ
 
 
-@pytest.mark.parametrize("occ", OCCUPANCIES, ids=str)
-def test_a_prompt_begins_alone_with_a_free_place_and_leaves_the_load_as_it_was(occ):
-    assert occ.admits() == (not occ.prefilling and occ.waiting > 0 and occ.in_flight < occ.max_active)
-    if occ.admits():   # the oldest waiting one is prefilled: the level it was chosen for stays the level in force
-        after = Occupancy(occ.decoding, True, occ.waiting - 1, occ.max_active)
-        assert after.load == occ.load and not after.admits()
-        assert level_at((1, 2, 4, 8), after) == level_at((1, 2, 4, 8), occ)
+def test_a_prompt_begins_alone_with_a_free_place_and_leaves_the_load_as_it_was():
+    for occ in OCCUPANCIES:
+        assert occ.admits() == (not occ.prefilling and occ.waiting > 0 and occ.in_flight < occ.max_active), occ
+        if occ.admits():   # the oldest waiting one is prefilled: the level it was chosen for stays in force
+            after = Occupancy(occ.decoding, True, occ.waiting - 1, occ.max_active)
+            assert after.load == occ.load and not after.admits(), occ
+            assert level_at((1, 2, 4, 8), after) == level_at((1, 2, 4, 8), occ), occ
 
 
 def test_the_level_in_force_is_the_nearest_on_a_log_scale():
