@@ -657,55 +657,91 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     fmt = d.get("format")
     if fmt != PROFILE_FORMAT:
         raise InputFileError(source, f"expected {PROFILE_FORMAT!r}, got {fmt!r}", "format")
-    models_raw = d.get("models")
-    if not isinstance(models_raw, list) or not models_raw:
+    models = _model_entries(source, d.get("models"))
+    seen = {m.name for m in models}
+    target = _profile_target(source, d.get("target"), models)
+    acceptance = _acceptance(source, d.get("acceptance", {}), seen)
+    verify_cost = _verify_costs(source, d.get("verify_cost", {}) or {}, seen, "verify_cost")
+    cost_curve = _cost_curves(source, d.get("cost_curve", {}) or {}, seen, "cost_curve")
+    context_costs = _context_costs(source, d.get("context_costs"), seen)
+    batch_costs = _batch_costs(source, d.get("batch_costs"), seen)
+
+    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs",
+             "provenance", "stats", *PROFILE_RECORDS}
+    extra = {k: v for k, v in d.items() if k not in known}
+    records = _profile_records(source, d)
+    stats = d.get("stats")
+    if stats is not None and not isinstance(stats, dict):
+        raise InputFileError(source, "expected an object (the profiler's statistics)", "stats")
+    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs,
+                   provenance=_provenance(d.get("provenance"), source), stats=stats, **records)
+    return prof, triangle_warnings(prof, source)
+
+
+def _model_entries(source: str, raw: Any) -> list[ModelEntry]:
+    """A profile's ``models``: a non-empty list of entries (:func:`_model_entry`) with distinct names."""
+    if not isinstance(raw, list) or not raw:
         raise InputFileError(source, "expected a non-empty list of models", "models")
     models: list[ModelEntry] = []
     seen: set[str] = set()
-    for i, m in enumerate(models_raw):
-        f = f"models[{i}]"
-        if not isinstance(m, dict):
-            raise InputFileError(source, "expected an object", f)
-        name = m.get("name")
-        if not isinstance(name, str) or not name:
-            raise InputFileError(source, "expected a non-empty string", f + ".name")
-        if name in seen:
-            raise InputFileError(source, f"duplicate model name {name!r}", f + ".name")
-        seen.add(name)
-        kind = m.get("kind", "model")
-        if not isinstance(kind, str):
-            raise InputFileError(source, "expected a string", f + ".kind")
-        cost = m.get("cost")
-        if not _is_number(cost) or cost <= 0:
-            raise InputFileError(source, f"expected a cost in seconds > 0, got {cost!r}", f + ".cost")
-        can_verify = m.get("can_verify", True)
-        if not isinstance(can_verify, bool):
-            raise InputFileError(source, f"expected true or false, got {can_verify!r}", f + ".can_verify")
-        layer = m.get("layer")
-        if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
-            raise InputFileError(source, f"expected a layer index >= 0, got {layer!r}", f + ".layer")
-        rate = m.get("draft_rate", 1.0)
-        if not _is_number(rate) or not 0.0 < rate <= 1.0:
-            raise InputFileError(source, f"expected a share of calls in (0, 1], got {rate!r}", f + ".draft_rate")
-        if rate < 1.0 and can_verify:
-            raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
-                                 f + ".draft_rate")
-        _rebuild_fields(m, source, f + ".")
-        extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate")}
-        models.append(ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate)))
-    target = d.get("target")
+    for i, m in enumerate(raw):
+        models.append(_model_entry(source, m, f"models[{i}]", seen))
+        seen.add(models[-1].name)
+    return models
+
+
+def _model_entry(source: str, m: Any, f: str, seen: set[str]) -> ModelEntry:
+    """One entry of a profile's ``models`` at field ``f``: a name not in ``seen``, a kind, a cost in seconds > 0,
+    can_verify, the exit's layer (index >= 0 or absent), the share of calls it drafts at (below 1 only where it
+    cannot verify); its ``model``, ``config`` and ``quantization`` fields checked as in a plan, kept in ``extra``."""
+    if not isinstance(m, dict):
+        raise InputFileError(source, "expected an object", f)
+    name = m.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputFileError(source, "expected a non-empty string", f + ".name")
+    if name in seen:
+        raise InputFileError(source, f"duplicate model name {name!r}", f + ".name")
+    kind = m.get("kind", "model")
+    if not isinstance(kind, str):
+        raise InputFileError(source, "expected a string", f + ".kind")
+    cost = m.get("cost")
+    if not _is_number(cost) or cost <= 0:
+        raise InputFileError(source, f"expected a cost in seconds > 0, got {cost!r}", f + ".cost")
+    can_verify = m.get("can_verify", True)
+    if not isinstance(can_verify, bool):
+        raise InputFileError(source, f"expected true or false, got {can_verify!r}", f + ".can_verify")
+    layer = m.get("layer")
+    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
+        raise InputFileError(source, f"expected a layer index >= 0, got {layer!r}", f + ".layer")
+    rate = m.get("draft_rate", 1.0)
+    if not _is_number(rate) or not 0.0 < rate <= 1.0:
+        raise InputFileError(source, f"expected a share of calls in (0, 1], got {rate!r}", f + ".draft_rate")
+    if rate < 1.0 and can_verify:
+        raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
+                             f + ".draft_rate")
+    _rebuild_fields(m, source, f + ".")
+    extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate")}
+    return ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate))
+
+
+def _profile_target(source: str, target: Any, models: list[ModelEntry]) -> str:
+    """A profile's ``target``: the name of one of its models, one that can verify."""
+    seen = {m.name for m in models}
     if not isinstance(target, str) or not target:
         raise InputFileError(source, "missing: expected the name of the target model", "target")
     if target not in seen:
         raise InputFileError(source, f"{target!r} is not among models ({', '.join(sorted(seen))})", "target")
     if not next(m for m in models if m.name == target).can_verify:
         raise InputFileError(source, "the target must be able to verify (can_verify: true)", "target")
+    return target
 
-    acc_raw = d.get("acceptance", {})
-    if not isinstance(acc_raw, dict):
+
+def _acceptance(source: str, raw: Any, seen: set[str]) -> dict[str, dict[str, float]]:
+    """``acceptance[drafter][verifier]``: rates in [0, 1], both names among the profile's models (``seen``)."""
+    if not isinstance(raw, dict):
         raise InputFileError(source, "expected an object acceptance[drafter][verifier]", "acceptance")
     acceptance: dict[str, dict[str, float]] = {}
-    for dr, row in acc_raw.items():
+    for dr, row in raw.items():
         if dr not in seen:
             raise InputFileError(source, f"unknown drafter {dr!r}", f"acceptance.{dr}")
         if not isinstance(row, dict):
@@ -718,27 +754,18 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
             if not _is_number(a) or not 0.0 <= a <= 1.0:
                 raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
             acceptance[dr][ve] = float(a)
+    return acceptance
 
-    verify_cost = _verify_costs(source, d.get("verify_cost", {}) or {}, seen, "verify_cost")
-    cost_curve = _cost_curves(source, d.get("cost_curve", {}) or {}, seen, "cost_curve")
-    context_costs = _context_costs(source, d.get("context_costs"), seen)
-    batch_costs = _batch_costs(source, d.get("batch_costs"), seen)
 
-    known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs",
-             "provenance", "stats", *PROFILE_RECORDS}
-    extra = {k: v for k, v in d.items() if k not in known}
+def _profile_records(source: str, d: dict) -> dict[str, dict]:
+    """The profile's :data:`PROFILE_RECORDS`, each an object (empty where absent)."""
     records = {}
     for k in PROFILE_RECORDS:
         v = d.get(k)
         if v is not None and not isinstance(v, dict):
             raise InputFileError(source, "expected an object", k)
         records[k] = v or {}
-    stats = d.get("stats")
-    if stats is not None and not isinstance(stats, dict):
-        raise InputFileError(source, "expected an object (the profiler's statistics)", "stats")
-    prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs,
-                   provenance=_provenance(d.get("provenance"), source), stats=stats, **records)
-    return prof, triangle_warnings(prof, source)
+    return records
 
 
 #: A profile's records of its measurement beside the rates, each an object keyed by drafter (and verifier, or task).
