@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -239,10 +239,9 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
 
 def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
            checkpoint_every, evaluate, progress, say) -> TrainResult:
-    n = eng.n_layers
-    V = eng.vocab_size
-    kind, rank, K = settings["kind"], settings["rank"] or 64, settings["vocab_subset"]
-    seed = settings["seed"]
+    """Train one head per boundary of ``layers`` (:func:`train_heads`, its arguments checked): the raw exits
+    evaluated on the held-out text, the prepass, new heads and the softmax's vocabulary, Adam (resumed from
+    ``checkpoint``), the epochs, then the trained heads evaluated."""
     t_eval = 0.0
     before: dict[int, dict] = {}
     if evaluate and held:
@@ -252,123 +251,21 @@ def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_h
     t_start = time.time()
     cpu_start = time.process_time()
     expected, cand = _prepass(eng, train_seqs, train_st, settings["topk"])
+    K = settings["vocab_subset"]
     vocab_ids = frequent_vocab(expected, K).to(eng.device) if K else None
-    heads = {b: TranslatorHead(m, kind, rank=rank, vocab_ids=vocab_ids) for b in layers}
-    g = torch.Generator().manual_seed(seed)
-    for b in layers:  # lowrank V init: deterministic per seed
-        if kind == "lowrank":
-            with torch.no_grad():
-                heads[b].v.copy_(torch.randn(heads[b].v.shape, generator=g) / heads[b].hidden_size ** 0.5)
-    # the vocabulary each step's softmax runs over
-    if vocab_ids is not None:
-        base_ids, rest = vocab_ids, None
-    elif settings["train_vocab"] == "full":
-        base_ids, rest = None, None
-    else:
-        base_ids = cand.nonzero().reshape(-1).to(eng.device)
-        rest = (~cand).nonzero().reshape(-1).to(eng.device)
-        if rest.numel() == 0:
-            base_ids, rest = None, None
-    n_neg = min(settings["negatives"], rest.numel()) if rest is not None else 0
-    corr = math.log(rest.numel() / n_neg) if n_neg else 0.0
-    say(f"training softmax over {'all ' + str(V) if base_ids is None else base_ids.numel()} tokens"
-        + (f" + {n_neg} sampled negatives" if n_neg else "") + f"; prepass {time.time() - t_start:.1f} s")
-    params = [p for h in heads.values() for p in h.parameters()]
-    opt = torch.optim.Adam(params, lr=settings["lr"])
-    bt = settings["batch_tokens"]
-    steps_per_epoch = sum(math.ceil(max(0, len(s) - max(0, a - 1)) / bt) for s, a in zip(train_seqs, train_st))
-    total_steps = max(1, steps_per_epoch * settings["epochs"])
-    warm = max(1, int(0.05 * total_steps))
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return settings["lr"] * (step + 1) / warm
-        t = (step - warm) / max(1, total_steps - warm)
-        return settings["lr"] * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-    epoch0, seq0, step, history, elapsed0 = 0, 0, 0, [], 0.0
-    ck_settings = dict(settings, data_sha256=data_hash, n_layers=n, hidden_size=eng.hidden_size, vocab_size=V)
+    heads = _new_heads(m, layers, settings, vocab_ids)
+    vocab = _softmax_vocab(settings, vocab_ids, cand, eng.device)
+    say(f"training softmax over {'all ' + str(eng.vocab_size) if vocab.base is None else vocab.base.numel()} tokens"
+        + (f" + {vocab.n_neg} sampled negatives" if vocab.n_neg else "") + f"; prepass {time.time() - t_start:.1f} s")
+    opt = torch.optim.Adam([p for h in heads.values() for p in h.parameters()], lr=settings["lr"])
+    ck_settings = dict(settings, data_sha256=data_hash, n_layers=eng.n_layers, hidden_size=eng.hidden_size,
+                       vocab_size=eng.vocab_size)
+    start: tuple[int, int, int, list, float] = (0, 0, 0, [], 0.0)
     if checkpoint and resume and Path(checkpoint).is_file():
-        try:
-            ck = torch.load(str(checkpoint), map_location=eng.device, weights_only=False)
-        except Exception as e:
-            raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it or run without "
-                           f"--resume") from None
-        if ck.get("settings") != ck_settings:
-            diff = sorted(k for k in ck_settings if ck.get("settings", {}).get(k) != ck_settings[k])
-            raise HsdError(f"{checkpoint}: the checkpoint was made with different settings or data "
-                           f"({', '.join(diff)}); delete it or run without --resume")
-        for b in layers:
-            heads[b].load_state_dict(ck["heads"][b])
-        opt.load_state_dict(ck["opt"])
-        epoch0, seq0, step, history, elapsed0 = ck["epoch"], ck["seq"], ck["step"], ck["history"], ck["elapsed"]
-        say(f"resuming from {checkpoint}: epoch {epoch0 + 1}, sequence {seq0}, step {step}")
-
-    def save_ckpt(epoch: int, seq: int) -> None:
-        if not checkpoint:
-            return
-        buf = io.BytesIO()
-        torch.save({"settings": ck_settings, "heads": {b: h.state_dict() for b, h in heads.items()},
-                    "opt": opt.state_dict(), "epoch": epoch, "seq": seq, "step": step, "history": history,
-                    "elapsed": elapsed0 + time.time() - t_run}, buf)
-        atomic_write_bytes(checkpoint, buf.getvalue())
-
-    t_run = time.time()
-    last_ck = time.time()
-    with progress_bar(progress, fields="loss {task.fields[loss]}") as prog:
-        task = prog.add_task(f"training {len(layers)} heads", total=total_steps, completed=step, loss="-")
-        for epoch in range(epoch0, settings["epochs"]):
-            order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-            loss_sum, loss_n, t_ep = 0.0, 0, time.time()
-            for si in range(seq0 if epoch == epoch0 else 0, len(train_seqs)):
-                i = int(order[si])
-                seq, lo = train_seqs[i], max(0, train_st[i] - 1)
-                hs = eng.hidden_states(seq, layers + [n])
-                with torch.no_grad():
-                    tfull = eng.head(hs[n], n)  # [L, V] float32
-                gpos = torch.Generator().manual_seed(seed * SEED_STRIDE + epoch * 1009 + i)
-                pos = lo + torch.randperm(len(seq) - lo, generator=gpos)
-                for a in range(0, pos.numel(), bt):
-                    idx = pos[a: a + bt].to(eng.device)
-                    if base_ids is None:
-                        ids = None
-                        tz = tfull[idx]
-                    else:
-                        ids = base_ids
-                        if n_neg:
-                            neg = rest[torch.randint(0, rest.numel(), (n_neg,), generator=gpos).to(eng.device)]
-                            ids = torch.cat([base_ids, neg])
-                        tz = tfull[idx][:, ids]
-                        if n_neg:
-                            tz = tz.clone()
-                            tz[:, base_ids.numel():] += corr
-                    logp = F.log_softmax(tz, -1)
-                    p = logp.exp()
-                    for g_ in opt.param_groups:
-                        g_["lr"] = lr_at(step)
-                    opt.zero_grad(set_to_none=True)
-                    step_loss = 0.0
-                    for b in layers:
-                        h = heads[b]
-                        z = h.project(h.translate(hs[b][idx]), ids).float()
-                        if n_neg:
-                            z = torch.cat([z[:, : base_ids.numel()], z[:, base_ids.numel():] + corr], dim=1)
-                        loss = (p * (logp - F.log_softmax(z, -1))).sum(-1).mean()
-                        loss.backward()
-                        step_loss += loss.item()
-                    opt.step()
-                    step += 1
-                    loss_sum += step_loss / len(layers) * idx.numel()
-                    loss_n += idx.numel()
-                    prog.update(task, advance=1, loss=f"{step_loss / len(layers):.3f}")
-                if checkpoint and time.time() - last_ck > checkpoint_every:
-                    save_ckpt(epoch, si + 1)
-                    last_ck = time.time()
-            history.append({"epoch": epoch + 1, "train_loss": loss_sum / max(1, loss_n),
-                            "seconds": round(time.time() - t_ep, 2)})
-            save_ckpt(epoch + 1, 0)
-            say(f"epoch {epoch + 1}/{settings['epochs']}: mean train KL {loss_sum / max(1, loss_n):.4f}")
-            last_ck = time.time()
+        start = _resume(checkpoint, eng.device, ck_settings, heads, opt, say)
+    history, elapsed0 = start[3], start[4]
+    _run_epochs(eng, layers, heads, opt, train_seqs, train_st, settings, vocab, start, checkpoint, ck_settings,
+                checkpoint_every, progress, say)
     seconds = elapsed0 + time.time() - t_start
     cpu_seconds = time.process_time() - cpu_start
     for h in heads.values():
@@ -377,22 +274,216 @@ def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_h
     after: dict[int, dict] = {}
     if evaluate and held:
         t0 = time.time()
-        after = evaluate_heads(m, heads, held, held_st)
-        if vocab_ids is None and settings.get("revert_worse") and before:
-            for b in layers:  # a head that does worse than the raw lens on held-out text becomes the raw lens
-                if after[b]["acceptance"] < before[b]["acceptance"]:
-                    with torch.no_grad():
-                        for prm in heads[b].parameters():
-                            prm.zero_()
-                    after[b] = dict(before[b], reverted=True)
-                    say(f"layer {b}: trained head did worse than the raw exit on held-out text; reverted to it")
-        if vocab_ids is not None:
-            raw_sub = evaluate_heads(m, {b: RawHead(m, vocab_ids) for b in layers}, held, held_st)
-            for b in layers:
-                after[b]["raw_subset_acceptance"] = raw_sub[b]["acceptance"]
+        after = _evaluate_trained(m, heads, held, held_st, before, vocab_ids, settings, say)
         t_eval += time.time() - t0
     n_train = sum(len(s) - max(0, a - 1) for s, a in zip(train_seqs, train_st))
     n_held = sum(len(s) - max(0, a - 1) for s, a in zip(held, held_st))
     return TrainResult(heads=heads, before=before, after=after, history=history, vocab_ids=vocab_ids,
                        data_sha256=data_hash, seconds=seconds, eval_seconds=t_eval, settings=settings,
                        train_positions=n_train, heldout_positions=n_held, cpu_seconds=cpu_seconds)
+
+
+def _new_heads(m, layers, settings: dict, vocab_ids: torch.Tensor | None) -> dict[int, TranslatorHead]:
+    """One untrained head per boundary (``settings``' kind and rank; over ``vocab_ids`` when a reduced
+    vocabulary); a low-rank head's V drawn from the seed (N(0, 1 / hidden size))."""
+    kind, rank = settings["kind"], settings["rank"] or 64
+    heads = {b: TranslatorHead(m, kind, rank=rank, vocab_ids=vocab_ids) for b in layers}
+    g = torch.Generator().manual_seed(settings["seed"])
+    for b in layers:  # lowrank V init: deterministic per seed
+        if kind == "lowrank":
+            with torch.no_grad():
+                heads[b].v.copy_(torch.randn(heads[b].v.shape, generator=g) / heads[b].hidden_size ** 0.5)
+    return heads
+
+
+class _SoftmaxVocab(NamedTuple):
+    """The tokens each training step's softmax runs over: every token (``base`` None), or the ids ``base`` plus
+    ``n_neg`` negatives sampled from the ids ``rest`` at each step, their logits raised by ``corr`` =
+    log(|rest| / n_neg) (the sampled-softmax correction)."""
+
+    base: torch.Tensor | None
+    rest: torch.Tensor | None
+    n_neg: int
+    corr: float
+
+
+def _softmax_vocab(settings: dict, vocab_ids: torch.Tensor | None, cand: torch.Tensor, device) -> _SoftmaxVocab:
+    """The training softmax's vocabulary: a reduced-vocabulary head's own ids, every token (``train_vocab``
+    "full", or no token outside the candidates), or the prepass's candidates ``cand`` ([V] bool) with sampled
+    negatives from the rest."""
+    if vocab_ids is not None:
+        base_ids, rest = vocab_ids, None
+    elif settings["train_vocab"] == "full":
+        base_ids, rest = None, None
+    else:
+        base_ids = cand.nonzero().reshape(-1).to(device)
+        rest = (~cand).nonzero().reshape(-1).to(device)
+        if rest.numel() == 0:
+            base_ids, rest = None, None
+    n_neg = min(settings["negatives"], rest.numel()) if rest is not None else 0
+    corr = math.log(rest.numel() / n_neg) if n_neg else 0.0
+    return _SoftmaxVocab(base_ids, rest, n_neg, corr)
+
+
+def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt, say) -> tuple[int, int, int, list, float]:
+    """Load the heads' and the optimiser's state from ``checkpoint``, which must have been made with
+    ``ck_settings`` (the settings and the data's hash): ``(epoch, sequence, step, history, elapsed seconds)`` to
+    go on from."""
+    try:
+        ck = torch.load(str(checkpoint), map_location=device, weights_only=False)
+    except Exception as e:
+        raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it or run without "
+                       f"--resume") from None
+    if ck.get("settings") != ck_settings:
+        diff = sorted(k for k in ck_settings if ck.get("settings", {}).get(k) != ck_settings[k])
+        raise HsdError(f"{checkpoint}: the checkpoint was made with different settings or data "
+                       f"({', '.join(diff)}); delete it or run without --resume")
+    for b, h in heads.items():
+        h.load_state_dict(ck["heads"][b])
+    opt.load_state_dict(ck["opt"])
+    say(f"resuming from {checkpoint}: epoch {ck['epoch'] + 1}, sequence {ck['seq']}, step {ck['step']}")
+    return ck["epoch"], ck["seq"], ck["step"], ck["history"], ck["elapsed"]
+
+
+def _save_checkpoint(path, ck_settings: dict, heads: dict, opt, epoch: int, seq: int, step: int, history: list,
+                     elapsed: float) -> None:
+    """Write the heads, the optimiser and the position in the data (``epoch``, ``seq``, ``step``) to ``path``,
+    atomically, with ``ck_settings`` to check a resume against and the seconds trained so far."""
+    buf = io.BytesIO()
+    torch.save({"settings": ck_settings, "heads": {b: h.state_dict() for b, h in heads.items()},
+                "opt": opt.state_dict(), "epoch": epoch, "seq": seq, "step": step, "history": history,
+                "elapsed": elapsed}, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _lr_at(step: int, lr: float, total_steps: int) -> float:
+    """The learning rate at ``step``: linear warm-up to ``lr`` over the first 5% of the steps, then cosine decay
+    to 0."""
+    warm = max(1, int(0.05 * total_steps))
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, total_steps - warm)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _run_epochs(eng, layers, heads: dict, opt, train_seqs, train_st, settings: dict, vocab: _SoftmaxVocab,
+                start: tuple, checkpoint, ck_settings: dict, checkpoint_every: float, progress: bool, say) -> None:
+    """The epochs from ``start`` (``(epoch, sequence, step, history, elapsed seconds)``, :func:`_resume`): each
+    visits the training sequences in an order drawn from the seed and the epoch, appends its mean loss to the
+    history, and ends with a checkpoint (also written every ``checkpoint_every`` seconds)."""
+    epoch0, seq0, step, history, elapsed0 = start
+    bt = settings["batch_tokens"]
+    steps_per_epoch = sum(math.ceil(max(0, len(s) - max(0, a - 1)) / bt) for s, a in zip(train_seqs, train_st))
+    total_steps = max(1, steps_per_epoch * settings["epochs"])
+    t_run = last_ck = time.time()
+
+    def save(epoch: int, seq: int, step: int) -> None:
+        if checkpoint:
+            _save_checkpoint(checkpoint, ck_settings, heads, opt, epoch, seq, step, history,
+                             elapsed0 + time.time() - t_run)
+
+    with progress_bar(progress, fields="loss {task.fields[loss]}") as prog:
+        task = prog.add_task(f"training {len(layers)} heads", total=total_steps, completed=step, loss="-")
+        for epoch in range(epoch0, settings["epochs"]):
+            g = torch.Generator().manual_seed(settings["seed"] * 1000 + epoch)
+            order = torch.randperm(len(train_seqs), generator=g)
+            loss, t_ep = (0.0, 0), time.time()
+            for si in range(seq0 if epoch == epoch0 else 0, len(train_seqs)):
+                i = int(order[si])
+                step, loss = _train_sequence(eng, layers, heads, opt, train_seqs[i], max(0, train_st[i] - 1), vocab,
+                                             settings, epoch, i, step, total_steps, loss,
+                                             lambda x: prog.update(task, advance=1, loss=f"{x:.3f}"))
+                if checkpoint and time.time() - last_ck > checkpoint_every:
+                    save(epoch, si + 1, step)
+                    last_ck = time.time()
+            history.append({"epoch": epoch + 1, "train_loss": loss[0] / max(1, loss[1]),
+                            "seconds": round(time.time() - t_ep, 2)})
+            save(epoch + 1, 0, step)
+            say(f"epoch {epoch + 1}/{settings['epochs']}: mean train KL {loss[0] / max(1, loss[1]):.4f}")
+            last_ck = time.time()
+
+
+def _train_sequence(eng, layers, heads: dict, opt, seq: list[int], lo: int, vocab: _SoftmaxVocab, settings: dict,
+                    epoch: int, i: int, step: int, total_steps: int, loss: tuple[float, int],
+                    advance: Callable[[float], None]) -> tuple[int, tuple[float, int]]:
+    """Train on sequence ``i`` (token ids; its positions from ``lo`` on) in steps of ``batch_tokens`` positions,
+    in an order drawn from the seed, the epoch and ``i``, off one teacher-forced pass: the step count after it and
+    the epoch's ``loss`` (sum of the steps' mean KL over the heads weighted by positions, positions) added to;
+    ``advance`` hears each step's mean KL."""
+    n = eng.n_layers
+    hs = eng.hidden_states(seq, layers + [n])
+    with torch.no_grad():
+        tfull = eng.head(hs[n], n)  # [L, V] float32
+    gpos = torch.Generator().manual_seed(settings["seed"] * SEED_STRIDE + epoch * 1009 + i)
+    pos = lo + torch.randperm(len(seq) - lo, generator=gpos)
+    loss_sum, loss_n = loss
+    for a in range(0, pos.numel(), settings["batch_tokens"]):
+        idx = pos[a: a + settings["batch_tokens"]].to(eng.device)
+        ids, tz = _step_targets(tfull, idx, vocab, gpos, eng.device)
+        step_loss = _train_step(heads, layers, hs, idx, ids, tz, vocab, opt,
+                                _lr_at(step, settings["lr"], total_steps))
+        step += 1
+        loss_sum += step_loss / len(layers) * idx.numel()
+        loss_n += idx.numel()
+        advance(step_loss / len(layers))
+    return step, (loss_sum, loss_n)
+
+
+def _step_targets(tfull: torch.Tensor, idx: torch.Tensor, vocab: _SoftmaxVocab, gpos: torch.Generator, device):
+    """The token ids one step's softmax runs over (None: all V) and the teacher's logits there, ``[B, len(ids)]``,
+    at the positions ``idx`` (``[B]``) of ``tfull`` (``[L, V]``); the step's negatives drawn from ``gpos``."""
+    if vocab.base is None:
+        return None, tfull[idx]
+    ids = vocab.base
+    if vocab.n_neg:
+        neg = vocab.rest[torch.randint(0, vocab.rest.numel(), (vocab.n_neg,), generator=gpos).to(device)]
+        ids = torch.cat([vocab.base, neg])
+    tz = tfull[idx][:, ids]
+    if vocab.n_neg:
+        tz = tz.clone()
+        tz[:, vocab.base.numel():] += vocab.corr
+    return ids, tz
+
+
+def _train_step(heads: dict, layers, hs: dict, idx: torch.Tensor, ids: torch.Tensor | None, tz: torch.Tensor,
+                vocab: _SoftmaxVocab, opt, lr: float) -> float:
+    """One Adam step at learning rate ``lr`` on every head: KL(teacher || head) over ``ids`` at the positions
+    ``idx`` of the hidden states ``hs`` (``{layer: [L, d]}``), mean over positions, with ``tz`` the teacher's
+    logits (``[B, len(ids)]``). Returns the sum of the heads' losses."""
+    logp = F.log_softmax(tz, -1)
+    p = logp.exp()
+    for g_ in opt.param_groups:
+        g_["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    step_loss = 0.0
+    for b in layers:
+        h = heads[b]
+        z = h.project(h.translate(hs[b][idx]), ids).float()
+        if vocab.n_neg:
+            z = torch.cat([z[:, : vocab.base.numel()], z[:, vocab.base.numel():] + vocab.corr], dim=1)
+        loss = (p * (logp - F.log_softmax(z, -1))).sum(-1).mean()
+        loss.backward()
+        step_loss += loss.item()
+    opt.step()
+    return step_loss
+
+
+def _evaluate_trained(m, heads: dict, held, held_st, before: dict, vocab_ids: torch.Tensor | None, settings: dict,
+                      say) -> dict[int, dict]:
+    """The trained heads' held-out metrics; a full-vocabulary head that does worse than the raw exit (``before``)
+    is reverted to it (``revert_worse``); a reduced-vocabulary head's row also holds the raw exit's acceptance on
+    the same subset."""
+    after = evaluate_heads(m, heads, held, held_st)
+    if vocab_ids is None and settings.get("revert_worse") and before:
+        for b in heads:  # a head that does worse than the raw lens on held-out text becomes the raw lens
+            if after[b]["acceptance"] < before[b]["acceptance"]:
+                with torch.no_grad():
+                    for prm in heads[b].parameters():
+                        prm.zero_()
+                after[b] = dict(before[b], reverted=True)
+                say(f"layer {b}: trained head did worse than the raw exit on held-out text; reverted to it")
+    if vocab_ids is not None:
+        raw_sub = evaluate_heads(m, {b: RawHead(m, vocab_ids) for b in heads}, held, held_st)
+        for b in heads:
+            after[b]["raw_subset_acceptance"] = raw_sub[b]["acceptance"]
+    return after
