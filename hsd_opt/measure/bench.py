@@ -156,22 +156,14 @@ def assistant_ref(plan) -> str | None:
 def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode: str, source: str,
                   tasks: Sequence[str], extra: dict[str, tuple[list[str], list[int]]] | None = None,
                   assistant: str | None = None):
-    """``(runners, descriptions, errors)`` for ``methods`` (and ``extra`` hierarchies of the plan's models).
-    ``tasks`` are the prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front. ``assistant``:
-    the draft model of ``hf_assisted`` (default :func:`assistant_ref`)."""
-    from hsd_opt.runtime.runner import (
-        PlanModels,
-        plan_for_prompt,
-        predicted_latency,
-        prediction_context,
-        run_context,
-        task_prediction,
-    )
+    """``(runners, descriptions, errors, built)`` for ``methods`` (and ``extra`` hierarchies of the plan's models);
+    ``built``: our runners by ``(hierarchy, budgets)``, each built once over one set of models. ``tasks`` are the
+    prompts' tasks: ``hsd_task`` builds the hierarchy of each of them up front. ``assistant``: the draft model of
+    ``hf_assisted`` (default :func:`assistant_ref`)."""
+    from hsd_opt.runtime.runner import PlanModels
 
     eos = eos_ids(loaded)
     models = PlanModels(loaded)          # every hierarchy of the plan over one target engine, one copy each
-    target = plan.hierarchy[-1]
-    bsd = plan.baselines.get("best_single_draft") or None
     runners: dict[str, Runner] = {}
     desc: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -184,79 +176,104 @@ def build_runners(plan, loaded, methods: Sequence[str], sampling: Sampling, mode
                                       budgets=list(budgets), models=models)
         return built[key]
 
-    def gen(h, ids, n, seed):
-        r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
-        return r.token_ids, r.stats
-
-    def ours(name, hierarchy, budgets, key=None):
-        h = hsd(hierarchy, budgets)
-
-        def run(ids, n, seed, task):
-            toks, st = gen(h, ids, n, seed)
-            ctx = run_context(len(ids), len(toks))
-            pred = predicted_latency(plan, hierarchy, ctx)
-            return toks, st, None, task_prediction(plan, task, key, pred, ctx), prediction_context(plan, ctx)
-
-        runners[name] = run
-        desc[name] = {"hierarchy": list(hierarchy), "budgets": list(budgets)}
-
-    def per_task():
-        plans = {}
-        for t in list(tasks) + [None]:
-            hh, bb, _, which = plan_for_prompt(plan, t)
-            plans[which] = {"hierarchy": hh, "budgets": bb}
-            hsd(hh, bb)
-
-        def run(ids, n, seed, task):
-            hh, bb, _, which = plan_for_prompt(plan, task)
-            toks, st = gen(hsd(hh, bb), ids, n, seed)
-            ctx = run_context(len(ids), len(toks))
-            return toks, st, which, plan_for_prompt(plan, task, context=ctx)[2], prediction_context(plan, ctx)
-
-        runners["hsd_task"] = run
-        desc["hsd_task"] = {"plans": plans}
-
-    def hf(name, **kw):
-        runners[name] = lambda ids, n, seed, task: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw),
-                                                    None, None, None, None)
-
     for m in methods:
-        if m == "hf_ar":
-            hf(m)
-        elif m == "hf_prompt_lookup":
-            hf(m, prompt_lookup_num_tokens=10)
-        elif m == "hf_early_exit":
-            ex = _best_exit(plan)
-            if ex is None:
-                errors[m] = "neither the plan nor its alternatives use an early exit to self-speculate with"
-                continue
-            desc[m] = {"assistant_early_exit": ex}
-            hf(m, assistant_early_exit=ex)
-        elif m == "hf_assisted":
-            ref = assistant or assistant_ref(plan)
-            if ref is None:
-                errors[m] = "the plan has no draft model to assist with: give --assistant MODEL"
-                continue
-            draft = models.draft_model(ref)
-            desc[m] = {"assistant_model": draft.model_id}
-            hf(m, assistant_model=draft.model)
-        elif m == "ar":
-            ours(m, [target], [], "target_only")
-        elif m == "single_draft":
-            if not bsd:
-                errors[m] = "the plan has no baselines.best_single_draft"
-                continue
-            ours(m, list(bsd["hierarchy"]), list(bsd["budgets"]), "best_single_draft")
-        elif m == "hsd":
-            ours(m, list(plan.hierarchy), list(plan.budgets), "plan")
-        elif m == "hsd_task":
-            if not plan.tasks:
-                errors[m] = "the plan has no plans per task (by_task): solve with hsd solve --per-task"
-                continue
-            per_task()
+        run, d, why = _method_runner(m, plan, loaded, models, hsd, eos, sampling, tasks, assistant)
+        if why is not None:
+            errors[m] = why
+        elif run is not None:
+            runners[m] = run
+            if d is not None:
+                desc[m] = d
     for name, (hh, bb) in (extra or {}).items():
-        ours(name, list(hh), list(bb))
+        runners[name], desc[name] = _hierarchy_runner(plan, hsd, list(hh), list(bb), None, sampling)
     return runners, desc, errors, built
+
+
+def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: Sampling, tasks: Sequence[str],
+                   assistant: str | None) -> tuple[Runner | None, dict | None, str | None]:
+    """``(runner, its description or None, None)`` for method ``m``, or ``(None, None, why)`` where the plan lacks
+    what it needs (nothing for a name not in :data:`METHODS`). ``hsd(hierarchy, budgets)``: our runner of one
+    hierarchy, built once."""
+    if m == "hf_ar":
+        return _hf_runner(loaded, eos, sampling), None, None
+    if m == "hf_prompt_lookup":
+        return _hf_runner(loaded, eos, sampling, prompt_lookup_num_tokens=10), None, None
+    if m == "hf_early_exit":
+        ex = _best_exit(plan)
+        if ex is None:
+            return None, None, "neither the plan nor its alternatives use an early exit to self-speculate with"
+        return _hf_runner(loaded, eos, sampling, assistant_early_exit=ex), {"assistant_early_exit": ex}, None
+    if m == "hf_assisted":
+        ref = assistant or assistant_ref(plan)
+        if ref is None:
+            return None, None, "the plan has no draft model to assist with: give --assistant MODEL"
+        draft = models.draft_model(ref)
+        return (_hf_runner(loaded, eos, sampling, assistant_model=draft.model), {"assistant_model": draft.model_id},
+                None)
+    if m == "ar":
+        return (*_hierarchy_runner(plan, hsd, [plan.hierarchy[-1]], [], "target_only", sampling), None)
+    if m == "single_draft":
+        bsd = plan.baselines.get("best_single_draft") or None
+        if not bsd:
+            return None, None, "the plan has no baselines.best_single_draft"
+        return (*_hierarchy_runner(plan, hsd, list(bsd["hierarchy"]), list(bsd["budgets"]), "best_single_draft",
+                                   sampling), None)
+    if m == "hsd":
+        return (*_hierarchy_runner(plan, hsd, list(plan.hierarchy), list(plan.budgets), "plan", sampling), None)
+    if m == "hsd_task":
+        if not plan.tasks:
+            return None, None, "the plan has no plans per task (by_task): solve with hsd solve --per-task"
+        return (*_task_runner(plan, hsd, tasks, sampling), None)
+    return None, None, None
+
+
+def _generate(h, ids: list[int], n: int, seed: int, sampling: Sampling):
+    """``(token ids, stats)`` of one generation of at most ``n`` tokens by our runner ``h``."""
+    r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+    return r.token_ids, r.stats
+
+
+def _hierarchy_runner(plan, hsd, hierarchy: list[str], budgets: list[int], key: str | None,
+                      sampling: Sampling) -> tuple[Runner, dict]:
+    """Our runner of one hierarchy (built now) and its description; each generation predicted at its own context
+    (``key``: the plan's section the hierarchy is, for the prediction under a prompt's task)."""
+    from hsd_opt.runtime.runner import predicted_latency, prediction_context, task_prediction
+
+    h = hsd(hierarchy, budgets)
+
+    def run(ids, n, seed, task):
+        toks, st = _generate(h, ids, n, seed, sampling)
+        ctx = run_context(len(ids), len(toks))
+        pred = predicted_latency(plan, hierarchy, ctx)
+        return toks, st, None, task_prediction(plan, task, key, pred, ctx), prediction_context(plan, ctx)
+
+    return run, {"hierarchy": list(hierarchy), "budgets": list(budgets)}
+
+
+def _task_runner(plan, hsd, tasks: Sequence[str], sampling: Sampling) -> tuple[Runner, dict]:
+    """``hsd_task``: each prompt runs its task's hierarchy (that of every task in ``tasks``, and the plan's own,
+    built now); its description names the plans."""
+    from hsd_opt.runtime.runner import plan_for_prompt, prediction_context
+
+    plans = {}
+    for t in list(tasks) + [None]:
+        hh, bb, _, which = plan_for_prompt(plan, t)
+        plans[which] = {"hierarchy": hh, "budgets": bb}
+        hsd(hh, bb)
+
+    def run(ids, n, seed, task):
+        hh, bb, _, which = plan_for_prompt(plan, task)
+        toks, st = _generate(hsd(hh, bb), ids, n, seed, sampling)
+        ctx = run_context(len(ids), len(toks))
+        return toks, st, which, plan_for_prompt(plan, task, context=ctx)[2], prediction_context(plan, ctx)
+
+    return run, {"plans": plans}
+
+
+def _hf_runner(loaded, eos: list[int], sampling: Sampling, **kw) -> Runner:
+    """A Hugging Face ``generate`` method (``kw``: its speculation options); no stats, no prediction."""
+    return lambda ids, n, seed, task: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw), None, None, None,
+                                       None)
 
 
 def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, max_new_tokens: int,
@@ -303,7 +320,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     if not items:
         raise HsdError("no prompts to benchmark")
     if retime is not None:
-        from hsd_opt.measure.retime import StepClock, check_profile_for_plan
+        from hsd_opt.measure.retime import check_profile_for_plan
 
         check_profile_for_plan(retime, plan, retime_source)
     if methods is None:
@@ -311,22 +328,52 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     tok = loaded.tokenizer
     runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
                                                  sorted({it.task for it in items}), extra, assistant)
-
-    # warm-up (a refused method is recorded and dropped); every hierarchy of hsd_task once
     ids0 = conversation_ids(tok, items[0].turns, [], raw)
+    _warm_up(runners, built, errors, ids0, min(8, max_new_tokens), sampling, items[0].task, log)
+    clock = None
+    if retime is not None:
+        from hsd_opt.measure.retime import StepClock
+
+        clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
+    gens = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime, log)
+    report = _method_reports(gens, desc, errors, by, sampling)
+    _reference_notes(report, plan, source, loaded.dtype, sampling)
+    report.update({"sampling": sampling.to_dict(), "prompts": len(items), "turns": turns, "by": by,
+                   "max_new_tokens": max_new_tokens, "mode": mode,
+                   "plan": {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
+                            "expected_latency": plan.expected_latency, "tasks": plan.tasks, "context": plan.context},
+                   "prediction_context": ("each generation's own: prompt + half the generated tokens"
+                                          if predicts_by_context(plan) else "the plan's"),
+                   "torch_threads": torch.get_num_threads()})
+    if clock is not None:
+        report["retime"] = {"profile": retime_source, "engines": clock.summary(),
+                            "note": "retimed_predicted_seconds_per_token: the plan's latency model with the "
+                                    "profile's costs scaled per engine by its step time measured before each "
+                                    "prompt"}
+    return report
+
+
+def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], ids: list[int], n: int,
+             sampling: Sampling, task: str, log) -> None:
+    """One generation of ``n`` tokens from ``ids`` by every hierarchy ``built`` (those of ``hsd_task`` included),
+    then by every method: a method that raises is recorded in ``errors`` and dropped from ``runners``, said."""
     for h in built.values():
-        h.generate(ids0, min(8, max_new_tokens), temperature=sampling.temperature, top_p=sampling.top_p)
+        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p)
     for m in list(runners):
         try:
-            runners[m](ids0, min(8, max_new_tokens), sampling.seed, items[0].task)
+            runners[m](ids, n, sampling.seed, task)
         except Exception as e:  # noqa: BLE001 - HF may refuse a generation mode for this model
             errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             del runners[m]
             log(f"{m}: skipped ({errors[m]})")
+
+
+def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns: str, raw: bool,
+                max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log) -> dict[str, list]:
+    """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
+    prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
+    again at that speed (:func:`_retime`). Returns the :class:`Generation` s of each method, in prompt order."""
     names = list(runners)
-    clock = None
-    if retime is not None:
-        clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     t_start = time.monotonic()
     for i, it in enumerate(items):
@@ -344,10 +391,16 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
         elapsed = time.monotonic() - t_start
         left = elapsed / (i + 1) * (len(items) - i - 1)
         log(f"prompt {i + 1}/{len(items)} done, elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")
+    return gens
 
+
+def _method_reports(gens: dict[str, list[Generation]], desc: dict, errors: dict[str, str], by: str,
+                    sampling: Sampling) -> dict[str, Any]:
+    """The report's ``methods`` and ``by_task`` (totals, speed-ups, matches with ``ar``'s outputs under greedy,
+    the errors of the methods that did not run) and ``reference`` (``ar``, or None where not compared)."""
     report: dict[str, Any] = {"methods": {}, "by_task": {}}
     ref = outputs_by_item(gens["ar"]) if sampling.greedy and "ar" in gens else None
-    for m in names:
+    for m in gens:
         overall, per = totals_by(gens[m], by)
         outs = outputs_by_item(gens[m]) if ref is not None else None
         d = {**overall.to_dict(), **desc.get(m, {})}
@@ -367,37 +420,26 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     for m, e in errors.items():
         report["methods"].setdefault(m, {})["error"] = e
     report["reference"] = "ar" if ref is not None else None
+    return report
+
+
+def _reference_notes(report: dict[str, Any], plan, source: str, dtype, sampling: Sampling) -> None:
+    """Add to the report the plan's target precision and what the ``matches_reference`` figures mean: against a
+    quantized target the hf_* methods (the ``dtype`` model) are not expected to match; under sampling, or without
+    ``ar``, nothing is compared."""
     precision = plan_target_precision(plan, source)
     report["target_precision"] = precision
     if precision in ("int8", "int4"):
         report["reference_note"] = (f"the target is the {precision} copy: ar is its own loop and the reference; "
-                                    f"the hf_* methods run the {loaded.dtype} model (the baseline to compare "
+                                    f"the hf_* methods run the {dtype} model (the baseline to compare "
                                     f"against) and are not expected to match it")
     report["hf_ar_matches_reference"] = report["methods"].get("hf_ar", {}).get("matches_reference")
     if not sampling.greedy:
         report["matches_reference_note"] = ("not compared under sampling: outputs are draws (the tests prove that "
                                             "the sampler keeps the target's distribution)")
-    elif ref is None:
+    elif report["reference"] is None:
         report["matches_reference_note"] = ("not compared: the greedy reference is our AR loop, and this run did "
                                             "not include ar in --methods")
-    report["sampling"] = sampling.to_dict()
-    report["prompts"] = len(items)
-    report["turns"] = turns
-    report["by"] = by
-    report["max_new_tokens"] = max_new_tokens
-    report["mode"] = mode
-    report["plan"] = {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
-                      "expected_latency": plan.expected_latency, "tasks": plan.tasks,
-                      "context": plan.context}
-    report["prediction_context"] = ("each generation's own: prompt + half the generated tokens"
-                                    if predicts_by_context(plan) else "the plan's")
-    report["torch_threads"] = torch.get_num_threads()
-    if clock is not None:
-        report["retime"] = {"profile": retime_source, "engines": clock.summary(),
-                            "note": "retimed_predicted_seconds_per_token: the plan's latency model with the "
-                                    "profile's costs scaled per engine by its step time measured before each "
-                                    "prompt"}
-    return report
 
 
 def _retime(gens: Sequence[Generation], method: str, desc: dict, plan, profile, factor: dict[str, float]) -> None:
