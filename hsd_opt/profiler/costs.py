@@ -540,12 +540,8 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     ids): real text, because how peaked the head's distributions are decides what a greedy head reads."""
     plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
     calib = calib or Calibration(1.0, 1.0, 1.0, 1)
-
-    def step_cb(msg: str, seconds: float) -> None:
-        if on_step is not None:
-            on_step(msg, seconds)
-
-    warmup, repeats, curve_repeats = plan.warmup, plan.repeats, plan.curve_repeats
+    step_cb = on_step or (lambda msg, seconds: None)
+    warmup = plan.warmup
     tmax1 = tmax + 1
     n_layers = eng.n_layers
     bs = sorted(set(boundaries))
@@ -559,31 +555,12 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
     base = states[0]
     n0 = base.n
 
-    # 1. direct step cost of a few exits (the target and quartiles): a check of the segment model, each on a state
-    #    that keeps only that exit's residual, as the runtime's does (an advance stops at every kept boundary)
-    step: dict[int, float] = {}
-    for b in (_check_boundaries(bs) if step_check else []):
-        one = _kept_at(eng, base, ids, n0, b)
-        step[b] = median_pass(eng, [(one, ids[n0:n0 + 1])], b, repeats, warmup, greedy=greedy)
-        step_cb(f"context {ctxs[0]}: step of exit {b}", calib.step * (warmup + repeats))
+    # 1. direct step cost of a few exits (the target and quartiles): a check of the segment model
+    step = _exit_steps(eng, base, ids, _check_boundaries(bs) if step_check else [], plan, calib, ctxs[0], step_cb,
+                       greedy)
 
     # 2. segment timings, in rounds over every context and t; t = 1 (the step cost) gets extra rounds
-    heads = _head_keys(eng, bs)
-    seg_s = [{b: {} for b in bs} for _ in ctxs]
-    head_s: dict[int, dict[int, list[float]]] = {k: {} for k in heads}
-    n_rounds = warmup + max(curve_repeats, repeats)
-    t0s = list(range(1, tmax1 + 1)) if plan.seg_every_t else grid
-    for r in range(n_rounds):
-        for k, st in enumerate(states):
-            ts = [1] if r >= warmup + curve_repeats else t0s if k == 0 else grid
-            for t in ts:
-                seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t, greedy)
-                if r >= warmup:
-                    for b, x in seg.items():
-                        seg_s[k][b].setdefault(t, []).append(x)
-                    for h, x in hd.items():
-                        head_s[h].setdefault(t, []).append(x)
-                step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}, t = {t}", calib.pass_seconds(t))
+    seg_s, head_s = _segment_samples(eng, states, ids, bs, ctxs, plan, tmax1, calib, step_cb, greedy)
     raw = [_median_rows(s, tmax1) for s in seg_s]
     seg0 = {b: isotonic(v) for b, v in raw[0].items()}
     head = {h: isotonic(v) for h, v in _median_rows(head_s, tmax1).items()}
@@ -600,13 +577,62 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
 
     # 4. the other contexts: the first context's curves plus the measured difference, interpolated over t
     for k in range(1, len(ctxs)):
-        seg = {b: isotonic(_shifted(seg0[b], raw[0][b], raw[k][b], grid)) for b in bs}
-        full_k = None
-        if out[0].full is not None:
-            extra = [sum(seg[b][t] - seg0[b][t] for b in bs) for t in range(tmax1)]
-            full_k = isotonic([max(1e-12, f + x) for f, x in zip(out[0].full, extra)])
-        out.append(LayerCosts(ctxs[k], n_layers, seg, head, full_k))
+        out.append(_shifted_context(out[0], raw[0], raw[k], ctxs[k], grid))
     return out
+
+
+def _exit_steps(eng, base, ids: torch.Tensor, exits: Sequence[int], plan: CostPlan, calib: Calibration, ctx: int,
+                step_cb: Callable[[str, float], None], greedy: bool) -> dict[int, float]:
+    """Median seconds of one decode step of each exit of ``exits`` at the first context (``ctx`` tokens, the state
+    ``base``), each on a state that keeps only that exit's residual, as the runtime's does (an advance stops at
+    every kept boundary)."""
+    step: dict[int, float] = {}
+    n0 = base.n
+    for b in exits:
+        one = _kept_at(eng, base, ids, n0, b)
+        step[b] = median_pass(eng, [(one, ids[n0:n0 + 1])], b, plan.repeats, plan.warmup, greedy=greedy)
+        step_cb(f"context {ctx}: step of exit {b}", calib.step * (plan.warmup + plan.repeats))
+    return step
+
+
+def _segment_samples(eng, states: list, ids: torch.Tensor, bs: list[int], ctxs: list[int], plan: CostPlan,
+                     tmax1: int, calib: Calibration, step_cb: Callable[[str, float], None], greedy: bool):
+    """The segments' timings (seconds), in rounds over every context's state and t (every t of the grid, at the
+    first context every t with ``plan.seg_every_t``; t = 1, the step, gets extra rounds), warm-up rounds dropped:
+    ``(per context {boundary: {t: samples}}, {head key: {t: samples}})``, the heads timed at the first context."""
+    warmup, repeats, curve_repeats = plan.warmup, plan.repeats, plan.curve_repeats
+    grid = t_grid(tmax1)
+    heads = _head_keys(eng, bs)
+    seg_s = [{b: {} for b in bs} for _ in ctxs]
+    head_s: dict[int, dict[int, list[float]]] = {k: {} for k in heads}
+    n_rounds = warmup + max(curve_repeats, repeats)
+    t0s = list(range(1, tmax1 + 1)) if plan.seg_every_t else grid
+    for r in range(n_rounds):
+        for k, st in enumerate(states):
+            ts = [1] if r >= warmup + curve_repeats else t0s if k == 0 else grid
+            for t in ts:
+                seg, hd = _time_segments(eng, st, ids, bs, heads if k == 0 else {}, t, greedy)
+                if r >= warmup:
+                    for b, x in seg.items():
+                        seg_s[k][b].setdefault(t, []).append(x)
+                    for h, x in hd.items():
+                        head_s[h].setdefault(t, []).append(x)
+                step_cb(f"context {ctxs[k]}: round {r + 1}/{n_rounds}, t = {t}", calib.pass_seconds(t))
+    return seg_s, head_s
+
+
+def _shifted_context(first: LayerCosts, raw0: dict[int, list[float]], raw: dict[int, list[float]], ctx: int,
+                     grid: list[int]) -> LayerCosts:
+    """The costs at another context (``ctx`` tokens): the first context's curves (``first``; ``raw0`` its
+    segments' medians) plus the difference measured there (``raw``), interpolated over t; the heads' costs and
+    the whole model's curve carried over (the latter with the segments' difference added)."""
+    seg0 = first.seg
+    seg = {b: isotonic(_shifted(seg0[b], raw0[b], raw[b], grid)) for b in seg0}
+    full_k = None
+    if first.full is not None:
+        extra = [sum(seg[b][t] - seg0[b][t] for b in seg0) for t in range(len(first.full))]
+        full_k = isotonic([max(1e-12, f + x) for f, x in zip(first.full, extra)])
+    return LayerCosts(ctx, first.n_layers, seg, first.head, full_k)
 
 
 def _time_direct(eng, st, ids: torch.Tensor, ts: Sequence[int], rounds: int, warmup: int, calib: Calibration,
