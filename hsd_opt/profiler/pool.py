@@ -213,62 +213,94 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     Every model is loaded once: its engines reference its weights. A model that only serves as the source of
     quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
     float decoder weights released once the pool is built (:func:`~hsd_opt.engine.layered.release_float_weights`)."""
-    from hsd_opt.engine.layered import LayeredLM, release_float_weights
-    from hsd_opt.engine.quantized import COPY_KINDS, QuantizedLM
-    from hsd_opt.models.loading import check_same_tokenizer, load_model
-
     n_layers = eng.n_layers
     neural = [NeuralDrafter(f"layer{b}", "target" if b == n_layers else "early_exit", eng, b) for b in boundaries]
     taken = {nd.name for nd in neural}
     drafts: dict[str, DraftSource] = {}
-
-    def load_draft(ref: str, flag: str):
-        try:
-            dlm = load_model(ref, device=device, dtype=dtype)
-        except HsdError as e:
-            raise HsdError(str(e).replace("--model", flag, 1)) from None
-        check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
-        if dlm.model_id == loaded.model_id:
-            raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
-        return dlm
-
     for dm in draft_models:
         if find_draft(dm, drafts) is not None:
             raise HsdError(f"--draft-model: {dm} is given twice")
-        dlm = load_draft(dm, "--draft-model")
-        deng = LayeredLM(dlm.model)
-        name = short_name(dlm.model_id, taken)
-        taken.add(name)
-        for b in exit_boundaries(draft_layers, deng.n_layers, "--draft-layers")[:-1]:
-            if f"{name}-layer{b}" in taken:
-                raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
-            taken.add(f"{name}-layer{b}")
-            neural.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
-        neural.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
-        drafts[dlm.model_id] = DraftSource(dlm, name, True)
+        found, ds = _draft_model_drafters(loaded, dm, draft_layers, device, dtype, taken)
+        neural += found
+        drafts[ds.loaded.model_id] = ds
     if quantized is None:
         quantized = [] if eng.is_copy else default_quantized(eng.device)
     for ref, kind in quantized:
-        if kind not in COPY_KINDS:
-            raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)}, got {kind!r}")
-        bits, group, head_bits = COPY_KINDS[kind]
-        if ref is None:
-            if eng.is_copy:
-                raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
-                               f"copies of it are no drafters (quantize draft models: MODEL:{kind})")
-            src, qname, model_id, what = loaded.model, kind, None, "the target"
-        else:
-            ds = find_draft(ref, drafts)
-            if ds is None:
-                dlm = load_draft(ref, "--quantized")
-                ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
-            src, qname, model_id, what = ds.loaded.model, f"{ds.name}-{kind}", ds.loaded.model_id, ds.name
-        if qname in taken:
-            raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
-        log(f"quantizing a copy of {what}: {qname}")
-        qeng = QuantizedLM(src, bits=bits, group_size=group, head_bits=head_bits, name=qname)
-        taken.add(qname)
-        neural.append(NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id))
+        neural.append(_quantized_drafter(loaded, eng, ref, kind, drafts, taken, device, dtype, log))
+    tds, want_aded = _pool_token_drafters(token_drafters, loaded, taken, warn)
+    # models that only feed quantized copies (the bigram table above was the last reader of the target's)
+    _release_copy_sources(loaded, eng, drafts, log)
+    return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
+
+
+def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str):
+    """Load the draft model ``ref`` (named by ``flag`` in errors): refused when its tokenizer differs from the
+    target's, or when it is the target itself."""
+    from hsd_opt.models.loading import check_same_tokenizer, load_model
+
+    try:
+        dlm = load_model(ref, device=device, dtype=dtype)
+    except HsdError as e:
+        raise HsdError(str(e).replace("--model", flag, 1)) from None
+    check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
+    if dlm.model_id == loaded.model_id:
+        raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
+    return dlm
+
+
+def _draft_model_drafters(loaded, ref: str, draft_layers: Sequence[int] | None, device: str, dtype: str,
+                          taken: set[str]) -> tuple[list[NeuralDrafter], "DraftSource"]:
+    """The drafters of one ``--draft-model``: its early exits at ``draft_layers`` (its own layer numbers), then
+    the whole model, over one engine; and its :class:`DraftSource`. Their names are added to ``taken``."""
+    from hsd_opt.engine.layered import LayeredLM
+
+    dlm = _load_draft(loaded, ref, "--draft-model", device, dtype)
+    deng = LayeredLM(dlm.model)
+    name = short_name(dlm.model_id, taken)
+    taken.add(name)
+    out = []
+    for b in exit_boundaries(draft_layers, deng.n_layers, "--draft-layers")[:-1]:
+        if f"{name}-layer{b}" in taken:
+            raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
+        taken.add(f"{name}-layer{b}")
+        out.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
+    out.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
+    return out, DraftSource(dlm, name, True)
+
+
+def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str, "DraftSource"], taken: set[str],
+                       device: str, dtype: str, log: Callable[[str], None]) -> NeuralDrafter:
+    """The quantized copy ``kind`` of the target (``ref`` None) or of the draft model ``ref`` (loaded now and
+    added to ``drafts`` when it is no drafter itself), said; its name (``D-int4``, or the kind for the target's)
+    added to ``taken``."""
+    from hsd_opt.engine.quantized import COPY_KINDS, QuantizedLM
+
+    if kind not in COPY_KINDS:
+        raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)}, got {kind!r}")
+    bits, group, head_bits = COPY_KINDS[kind]
+    if ref is None:
+        if eng.is_copy:
+            raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
+                           f"copies of it are no drafters (quantize draft models: MODEL:{kind})")
+        src, qname, model_id, what = loaded.model, kind, None, "the target"
+    else:
+        ds = find_draft(ref, drafts)
+        if ds is None:
+            dlm = _load_draft(loaded, ref, "--quantized", device, dtype)
+            ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
+        src, qname, model_id, what = ds.loaded.model, f"{ds.name}-{kind}", ds.loaded.model_id, ds.name
+    if qname in taken:
+        raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
+    log(f"quantizing a copy of {what}: {qname}")
+    qeng = QuantizedLM(src, bits=bits, group_size=group, head_bits=head_bits, name=qname)
+    taken.add(qname)
+    return NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id)
+
+
+def _pool_token_drafters(token_drafters: Sequence[str] | None, loaded, taken: set[str],
+                         warn: Callable[[str], None]) -> tuple[list, bool]:
+    """The named token drafters (None: the default pool) but ADED, their names added to ``taken``; and whether
+    ADED is wanted (it is built later, from the target's continuations)."""
     explicit = token_drafters is not None
     requested = list(token_drafters) if explicit else list(DEFAULT_TOKEN_DRAFTERS)
     want_aded = "aded" in requested and aded_available(explicit)
@@ -277,7 +309,14 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
         if d.name in taken:
             raise HsdError(f"--token-drafters: name {d.name!r} is already used by another drafter")
         taken.add(d.name)
-    # models that only feed quantized copies (the bigram table above was the last reader of the target's)
+    return tds, want_aded
+
+
+def _release_copy_sources(loaded, eng, drafts: dict[str, "DraftSource"], log: Callable[[str], None]) -> None:
+    """Release the float decoder weights of the models that only feed quantized copies: the draft models that are
+    no drafters themselves, and the target when ``eng`` is a copy of it (said, in GB)."""
+    from hsd_opt.engine.layered import release_float_weights
+
     for ds in drafts.values():
         if not ds.float_drafter:
             log(f"{ds.name}: only its quantized copies are drafters; released "
@@ -285,7 +324,6 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     if eng.is_copy:
         log(f"the target is a quantized copy: released {release_float_weights(loaded.model) / 1e9:.2f} GB of float "
             f"weights")
-    return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
 
 
 @dataclass
