@@ -528,58 +528,13 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
         progress = progress_bar(percent=True)
         progress.start()
     try:
-        t0 = time.perf_counter()
-        calib = {}
-        cid = progress.add_task("costs: calibrating", total=len(order)) if progress else None
-        for k in order:
-            calib[k] = calibrate(by_engine[k][0], cfg.tmax, greedy=cfg.temperature == 0, text=text)
-            if progress:
-                progress.update(cid, advance=1, description=f"costs: calibrated {label[k]}")
-        budget = None if cfg.cost_budget is None else max(0.0, cfg.cost_budget - (time.perf_counter() - t0))
-        engines = [(calib[k], len(by_engine[k][1]), source[k] is not None) for k in order]
-        plan, est = choose_plan(budget, engines, contexts, cfg.tmax, cfg.cost_repeats, cfg.cost_warmup,
-                                cfg.curve_repeats)
+        calib, plan, est, budget = _calibrate_and_plan(cfg, by_engine, order, source, label, contexts, text, progress,
+                                                       log, warn)
         tok_est = 0.05 * len(tds) * len(contexts)
-        est_of = {k: estimate_seconds(plan, calib[k], contexts, len(by_engine[k][1]), cfg.tmax, source[k] is not None)
-                  for k in order}
-        note = (f"cost plan {plan.level!r}: about {est:.0f} s for {len(order)} engine(s)"
-                + ("" if cfg.cost_budget is None else f" (--cost-budget {cfg.cost_budget:.0f} s)"))
-        if budget is not None and est > budget:
-            warn(f"{note}; even the coarsest plan is over the budget: measuring with it anyway")
-        else:
-            log(note)
         pid = progress.add_task("measuring costs", total=est + tok_est) if progress else None
-
-        lcs = {}
-        states: dict = {}                       # prefilled states of engines over their own weights, by engine
-        for k in order:
-            e, bs = by_engine[k]
-
-            def step(msg: str, seconds: float = 1.0, name=label[k]) -> None:
-                if progress:
-                    progress.update(pid, advance=seconds, description=f"costs: {name}, {msg}")
-
-            def extend(n_steps: int, seconds: float) -> None:
-                if progress:
-                    progress.update(pid, total=progress.tasks[pid].total + seconds)
-
-            chunk = prefill_chunk(e, calib[k].prefill_token)
-            # refinements of the direct timings share what the budget leaves over the plan, by engine cost
-            slack = None if budget is None else max(0.0, budget - est) * est_of[k] / max(est, 1e-9)
-            feeds = any(source[j] == k for j in order)
-            lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, contexts=contexts, on_step=step, plan=plan, calib=calib[k],
-                                   on_extend=extend, chunk=chunk, refine_seconds=slack,
-                                   greedy=cfg.temperature == 0, text=text,
-                                   keep_states=states.setdefault(k, {}) if feeds else None,
-                                   share_from=(by_engine[source[k]][0], states[source[k]]) if source[k] else None)
-        states.clear()
-        token_costs = {}
-        for d in tds:
-            token_costs[d.name] = []
-            for c in contexts:
-                token_costs[d.name].append(time_token_drafter(lambda d=d: fresh_drafter(d), text, c))
-                if progress:
-                    progress.update(pid, advance=0.05, description=f"costs: {d.name}, context {c}")
+        lcs = _engine_costs(cfg, by_engine, order, source, label, contexts, text, calib, plan, est, budget, progress,
+                            pid)
+        token_costs = _token_drafter_costs(tds, contexts, text, progress, pid)
     finally:
         if progress:
             progress.stop()
@@ -587,3 +542,76 @@ def _measure_all_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, str
             "calibration": {label[k]: {"step": c.step, "pass_max": c.pass_max, "prefill_token": c.prefill_token}
                             for k, c in calib.items()}}
     return lcs, token_costs, info
+
+
+def _calibrate_and_plan(cfg: ProfileConfig, by_engine: dict, order: list[int], source: dict, label: dict[int, str],
+                        contexts: list[int], text: list[int], progress, log: Callable[[str], None],
+                        warn: Callable[[str], None]):
+    """Calibrate every engine in ``order``, then choose the most thorough cost plan whose estimate fits what the
+    calibration left of ``cfg.cost_budget`` (said; warned when even the coarsest does not): ``({key:
+    Calibration}, the plan, its estimated seconds, the seconds left of the budget or None)``. ``source[k]``: the
+    engine whose prefilled states engine ``k`` shares, or None."""
+    t0 = time.perf_counter()
+    calib = {}
+    cid = progress.add_task("costs: calibrating", total=len(order)) if progress else None
+    for k in order:
+        calib[k] = calibrate(by_engine[k][0], cfg.tmax, greedy=cfg.temperature == 0, text=text)
+        if progress:
+            progress.update(cid, advance=1, description=f"costs: calibrated {label[k]}")
+    budget = None if cfg.cost_budget is None else max(0.0, cfg.cost_budget - (time.perf_counter() - t0))
+    engines = [(calib[k], len(by_engine[k][1]), source[k] is not None) for k in order]
+    plan, est = choose_plan(budget, engines, contexts, cfg.tmax, cfg.cost_repeats, cfg.cost_warmup,
+                            cfg.curve_repeats)
+    note = (f"cost plan {plan.level!r}: about {est:.0f} s for {len(order)} engine(s)"
+            + ("" if cfg.cost_budget is None else f" (--cost-budget {cfg.cost_budget:.0f} s)"))
+    if budget is not None and est > budget:
+        warn(f"{note}; even the coarsest plan is over the budget: measuring with it anyway")
+    else:
+        log(note)
+    return calib, plan, est, budget
+
+
+def _engine_costs(cfg: ProfileConfig, by_engine: dict, order: list[int], source: dict, label: dict[int, str],
+                  contexts: list[int], text: list[int], calib: dict, plan, est: float, budget: float | None,
+                  progress, pid) -> dict:
+    """``{key: [LayerCosts per context]}``: every engine's exits timed (:func:`measure_costs`) in ``order``, an
+    engine that feeds copies keeping its prefilled states for them; the refinements of the direct timings share
+    what the budget leaves over the plan's estimate ``est``, by engine cost. The progress task ``pid`` advances
+    by the estimated seconds."""
+    est_of = {k: estimate_seconds(plan, calib[k], contexts, len(by_engine[k][1]), cfg.tmax, source[k] is not None)
+              for k in order}
+    lcs = {}
+    states: dict = {}                       # prefilled states of engines over their own weights, by engine
+    for k in order:
+        e, bs = by_engine[k]
+
+        def step(msg: str, seconds: float = 1.0, name=label[k]) -> None:
+            if progress:
+                progress.update(pid, advance=seconds, description=f"costs: {name}, {msg}")
+
+        def extend(n_steps: int, seconds: float) -> None:
+            if progress:
+                progress.update(pid, total=progress.tasks[pid].total + seconds)
+
+        chunk = prefill_chunk(e, calib[k].prefill_token)
+        slack = None if budget is None else max(0.0, budget - est) * est_of[k] / max(est, 1e-9)
+        feeds = any(source[j] == k for j in order)
+        lcs[k] = measure_costs(e, bs, tmax=cfg.tmax, contexts=contexts, on_step=step, plan=plan, calib=calib[k],
+                               on_extend=extend, chunk=chunk, refine_seconds=slack,
+                               greedy=cfg.temperature == 0, text=text,
+                               keep_states=states.setdefault(k, {}) if feeds else None,
+                               share_from=(by_engine[source[k]][0], states[source[k]]) if source[k] else None)
+    states.clear()
+    return lcs
+
+
+def _token_drafter_costs(tds: list, contexts: list[int], text: list[int], progress, pid) -> dict[str, list[float]]:
+    """``{token drafter: [seconds per propose at each context]}``, each timed on a fresh drafter over ``text``."""
+    token_costs = {}
+    for d in tds:
+        token_costs[d.name] = []
+        for c in contexts:
+            token_costs[d.name].append(time_token_drafter(lambda d=d: fresh_drafter(d), text, c))
+            if progress:
+                progress.update(pid, advance=0.05, description=f"costs: {d.name}, context {c}")
+    return token_costs
