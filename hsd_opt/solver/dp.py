@@ -228,46 +228,66 @@ def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[So
     nl = dmax if layered else 1
     chains: list[tuple[int, ...]] = []
     chain_id: dict[tuple[int, ...], int] = {}
-
-    def intern(c: tuple[int, ...]) -> int:
-        if c not in chain_id:
-            chain_id[c] = len(chains)
-            chains.append(c)
-        return chain_id[c]
-
     Vt = np.full((nl, D, tmax, top), np.inf)
     Cid = np.full((nl, D, tmax, top), -1, dtype=int)
     back = np.full((nl, D, tmax, top, 3), -1, dtype=int)       # (k, l, m) of the next level, -1 = bottom
     for d in range(nl):
         src_layer = d - 1 if layered else d
         for i in range(D):
-            sink_cid = intern((i,))
-            ks = inst.below[i]
-            use_edges = len(ks) > 0 and not (layered and d == 0)
-            if use_edges:
-                cj, cv, ckk, cl, cm = _ranked_candidates(inst, i, Vt[src_layer, ks], mask)
-                cc = Cid[src_layer, ks][ckk, cl, cm].tolist()
-                ck, cl, cm, cv = ks[ckk].tolist(), cl.tolist(), cm.tolist(), cv.tolist()
-                cuts = np.searchsorted(cj, np.arange(tmax + 1)).tolist()
-            for j in range(tmax):
-                entries = [(float(js[j] * inst.cost[i]), sink_cid, (-1, -1, -1))]
-                if use_edges:
-                    seen: set[int] = set()
-                    for q in range(cuts[j], cuts[j + 1]):
-                        if len(seen) >= top:
-                            break
-                        c = cc[q]
-                        if c < 0 or c in seen:
-                            continue
-                        seen.add(c)
-                        entries.append((cv[q], intern((i,) + chains[c]), (ck[q], cl[q] + 1, cm[q])))
-                entries.sort(key=lambda e: e[0])
-                for m, (val_m, c, b) in enumerate(entries[:top]):
-                    Vt[d, i, j, m], Cid[d, i, j, m], back[d, i, j, m] = val_m, c, b
-    d = nl - 1
-    vals = (inst.src_rate[:, :, None] * (inst.src_cost[:, :, None] + Vt[d, inst.src])
+            _rank_vertex(inst, i, js, mask, chains, chain_id, Vt[d], Cid[d], back[d], Vt[src_layer], Cid[src_layer],
+                         len(inst.below[i]) > 0 and not (layered and d == 0))
+    return _ranked_at_source(inst, top, Vt[nl - 1], Cid[nl - 1], back, chains, layered)
+
+
+def _intern(chains: list[tuple[int, ...]], chain_id: dict[tuple[int, ...], int], c: tuple[int, ...]) -> int:
+    """The id of chain ``c`` (drafter indices, top first): its index in ``chains``, appended the first time."""
+    if c not in chain_id:
+        chain_id[c] = len(chains)
+        chains.append(c)
+    return chain_id[c]
+
+
+def _rank_vertex(inst: Instance, i: int, js: np.ndarray, mask: np.ndarray, chains: list, chain_id: dict,
+                 V: np.ndarray, C: np.ndarray, B: np.ndarray, Vsrc: np.ndarray, Csrc: np.ndarray,
+                 use_edges: bool) -> None:
+    """Fill drafter ``i``'s ``top`` best distinct chains at every budget ``j``, ascending: ``V[i, j-1, m]`` (the
+    value), ``C[i, j-1, m]`` (the chain's id, :func:`_intern`) and ``B[i, j-1, m]`` (``(k, l, m)`` of the chain
+    below, -1 at the bottom), of one layer (each ``(D, tmax, top)``, ``B`` with a last axis of 3). The candidates:
+    ``i`` drafting alone (``j * cost``) and, with ``use_edges``, ``i`` over each distinct chain of the layer read
+    (``Vsrc``, ``Csrc``)."""
+    tmax, top = inst.tmax, V.shape[2]
+    sink_cid = _intern(chains, chain_id, (i,))
+    if use_edges:
+        ks = inst.below[i]
+        cj, cv, ckk, cl, cm = _ranked_candidates(inst, i, Vsrc[ks], mask)
+        cc = Csrc[ks][ckk, cl, cm].tolist()
+        ck, cl, cm, cv = ks[ckk].tolist(), cl.tolist(), cm.tolist(), cv.tolist()
+        cuts = np.searchsorted(cj, np.arange(tmax + 1)).tolist()
+    for j in range(tmax):
+        entries = [(float(js[j] * inst.cost[i]), sink_cid, (-1, -1, -1))]
+        if use_edges:
+            seen: set[int] = set()
+            for q in range(cuts[j], cuts[j + 1]):
+                if len(seen) >= top:
+                    break
+                c = cc[q]
+                if c < 0 or c in seen:
+                    continue
+                seen.add(c)
+                entries.append((cv[q], _intern(chains, chain_id, (i,) + chains[c]), (ck[q], cl[q] + 1, cm[q])))
+        entries.sort(key=lambda e: e[0])
+        for m, (val_m, c, b) in enumerate(entries[:top]):
+            V[i, j, m], C[i, j, m], B[i, j, m] = val_m, c, b
+
+
+def _ranked_at_source(inst: Instance, top: int, V: np.ndarray, C: np.ndarray, back: np.ndarray, chains: list,
+                      layered: bool) -> list[Solution]:
+    """The ``top`` best distinct hierarchies from the source's edges into the last layer's chains (``V``, ``C``:
+    ``(D, tmax, top)``), best first, each followed down ``back`` (:func:`_ranked_path`)."""
+    tmax, d = inst.tmax, back.shape[0] - 1
+    vals = (inst.src_rate[:, :, None] * (inst.src_cost[:, :, None] + V[inst.src])
             + inst.src_add[:, :, None])                                                     # (ns, tmax, m)
-    cids = Cid[d, inst.src]
+    cids = C[inst.src]
     v = vals.reshape(-1)
     order = np.argsort(v, kind="stable")
     out: list[Solution] = []
@@ -281,16 +301,22 @@ def dp_ranked(inst: Instance, top: int, max_depth: int | None = None) -> list[So
         if c < 0 or c in seen:
             continue
         seen.add(c)
-        i, j, dd = int(inst.src[s]), j + 1, d
-        path = [(i, j)]
-        while True:
-            k, l, m2 = back[dd, i, j - 1, m]
-            if k < 0:
-                break
-            i, j, m = int(k), int(l), int(m2)
-            if layered:
-                dd -= 1
-            path.append((i, j))
-        path.reverse()
+        path = _ranked_path(back, layered, d, int(inst.src[s]), j + 1, m)
         out.append(Solution(float(v[o]), [inst.names[p] for p, _ in path] + [inst.target], [q for _, q in path]))
     return out
+
+
+def _ranked_path(back: np.ndarray, layered: bool, d: int, i: int, j: int, m: int) -> list[tuple[int, int]]:
+    """The ``(drafter, budget)`` levels of the ``m``-th chain at ``(i, j)`` of layer ``d``, bottom first, followed
+    down the back-pointers (a layered table descends one layer per level)."""
+    path = [(i, j)]
+    while True:
+        k, l, m2 = back[d, i, j - 1, m]
+        if k < 0:
+            break
+        i, j, m = int(k), int(l), int(m2)
+        if layered:
+            d -= 1
+        path.append((i, j))
+    path.reverse()
+    return path
