@@ -413,3 +413,41 @@ def q8_0_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
     q[0, 0] = 0
     d = (torch.rand(rows, cols // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
     return (q * d).reshape(rows, cols)
+
+
+class TinyTokenizer:
+    """A byte tokenizer over a fixed list of token strings, for grammars over the tiny models' vocabularies: ids
+    0, 1, 2 are special (padding, start, end of sequence), the others are their strings' bytes; ``encode_bytes``
+    splits text by the longest token at each place (the tokenizer's canonical split)."""
+
+    def __init__(self, strings: list[str]):
+        self.tokens = [s.encode() for s in strings]
+        self.special_ids = [0, 1, 2]
+        self._by_bytes = {b: i for i, b in enumerate(self.tokens) if i not in self.special_ids}
+        self._longest = max(len(b) for b in self._by_bytes)
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                t = self._by_bytes.get(data[i:i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"no token for {data[i:i + 1]!r}")
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_bytes(text.encode())
+
+    def decode(self, ids) -> str:
+        return b"".join(self.tokens[i] for i in ids if i not in self.special_ids).decode()
+
+
+#: 64 token strings for JSON over a 64-token tiny model: the special three, JSON's punctuation, digits, letters and
+#: a few longer pieces.
+JSON_TOKENS = (["<pad>", "<s>", "</s>"] + list('{}[]":, ') + list("0123456789") + list("abcdefghijklmnopqrstuvwxyz")
+               + ['{"', '":', '", ', ', "', '": ', "true", "false", "null", "ab", "cd", "ef", "gh", "ij", '":"',
+                  '","', '"}', "10"])

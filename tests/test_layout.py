@@ -4,7 +4,7 @@ Layers, lowest first (a module imports only from its own layer or below, and sub
 
 0. ``errors``, ``jsonio``, ``console``, ``cache``, ``seeds``, ``version``
 1. ``formats``, ``prompts``
-2. ``solver``, ``engine``, ``drafters``, ``models``
+2. ``solver``, ``engine``, ``drafters``, ``models``, ``grammar``
 3. ``runtime``, ``profiler``, ``heads``
 4. ``measure``, ``server``
 5. ``commands``, ``cli``, ``__main__``
@@ -23,7 +23,7 @@ PKG = REPO / "hsd_opt"
 LAYERS = {
     "errors": 0, "jsonio": 0, "console": 0, "cache": 0, "seeds": 0, "version": 0,
     "formats": 1, "prompts": 1,
-    "solver": 2, "engine": 2, "drafters": 2, "models": 2,
+    "solver": 2, "engine": 2, "drafters": 2, "models": 2, "grammar": 2,
     "runtime": 3, "profiler": 3, "heads": 3,
     "measure": 4, "server": 4,
     "commands": 5, "cli": 5, "__main__": 5,
@@ -177,6 +177,46 @@ def test_only_formats_touches_the_untyped_fields():
     bad = [f"{mod}:{line}: {code}" for mod, tree in _modules() if mod != "hsd_opt.formats"
            for line, code in _extra_uses(tree)]
     assert not bad, "use the typed fields of Plan, Profile and Provenance instead:\n" + "\n".join(bad)
+
+
+#: The most lines a function of ``hsd_opt`` may take, from its ``def`` to its last line (decorators aside).
+MAX_FUNCTION_LINES = 80
+#: Functions allowed to be longer, by qualified name (``hsd_opt.solver.dp.dp_ranked``), each named in
+#: docs/design.md with the reason it stays whole.
+LONG_FUNCTIONS: set[str] = set()
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    """``(qualified name, lines)`` of every function in ``tree``: methods (``Class.name``) and nested functions
+    (``outer.inner``) included, and those under an ``if``, ``try`` or ``with``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node.end_lineno - node.lineno + 1
+            yield from _functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, f"{prefix}{node.name}.")
+        else:
+            yield from _functions(node, prefix)
+
+
+def test_the_function_length_check_sees_methods_and_nested_functions():
+    code = ("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n"
+            "if True:\n    async def h():\n        pass\n")
+    assert sorted(_functions(ast.parse(code))) == [("A.f", 4), ("A.f.g", 2), ("h", 2)]
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Every function of ``hsd_opt`` (methods and nested functions too) takes at most :data:`MAX_FUNCTION_LINES`
+    lines: a long one is split by phase into helpers that do one thing, or named in :data:`LONG_FUNCTIONS` and in
+    docs/design.md with the reason."""
+    long = {f"{mod}.{name}": n for mod, tree in _modules() for name, n in _functions(tree) if n > MAX_FUNCTION_LINES}
+    bad = [f"{q}: {n} lines" for q, n in sorted(long.items()) if q not in LONG_FUNCTIONS]
+    assert not bad, (f"over {MAX_FUNCTION_LINES} lines: split by phase (or name it in LONG_FUNCTIONS and in "
+                     f"docs/design.md with the reason):\n" + "\n".join(bad))
+    design = (REPO / "docs" / "design.md").read_text()
+    assert not [q for q in LONG_FUNCTIONS if q not in design], "name every LONG_FUNCTIONS entry in docs/design.md"
+    stale = sorted(LONG_FUNCTIONS - set(long))
+    assert not stale, f"no longer over {MAX_FUNCTION_LINES} lines (take them out of LONG_FUNCTIONS): {stale}"
 
 
 LOWER_LAYERS = ["hsd_opt.solver", "hsd_opt.engine.quantized", "hsd_opt.drafters", "hsd_opt.models.loading",

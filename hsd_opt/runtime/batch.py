@@ -50,6 +50,7 @@ from typing import Callable, Generator, Mapping, Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
+from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
 
@@ -151,12 +152,15 @@ class Batch:
 
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
-            on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None) -> Entry:
+            on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None,
+            constraint: Constraint | None = None) -> Entry:
         """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
-        load. Bad arguments raise :class:`HsdError` here."""
+        load; ``constraint``: the grammar its output follows (its own state; None: none). Bad arguments raise
+        :class:`HsdError` here."""
         hsd = (self.hierarchy_for(self.load + 1) if follows_load(temperature, seed)
                else self.levels[next(iter(self.levels))])
-        entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed), on_tokens, on_done)
+        entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint), on_tokens,
+                      on_done)
         self.waiting.append(entry)
         return entry
 
@@ -316,9 +320,10 @@ class Batch:
 
 def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   max_active: int = 8, temperature: float = 0.0, top_p: float = 1.0,
-                  seeds: Sequence[int] | None = None) -> list[GenerationResult]:
-    """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order. Raises the
-    first error a sequence met."""
+                  seeds: Sequence[int] | None = None,
+                  constraints: Sequence[Constraint | None] | None = None) -> list[GenerationResult]:
+    """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order;
+    ``constraints``: each prompt's grammar state (or None). Raises the first error a sequence met."""
     batch = Batch(hierarchies, max_active)
     results: list[GenerationResult | None] = [None] * len(prompts)
     errors: list[BaseException] = []
@@ -327,7 +332,8 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
             results[i] = res
             if err is not None:
                 errors.append(err)
-        batch.add(p, max_new_tokens, temperature, top_p, seeds[i] if seeds is not None else 0, on_done=done)
+        batch.add(p, max_new_tokens, temperature, top_p, seeds[i] if seeds is not None else 0, on_done=done,
+                  constraint=constraints[i] if constraints is not None else None)
     batch.run()
     if errors:
         raise errors[0]

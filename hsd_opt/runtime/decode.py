@@ -46,6 +46,7 @@ from hsd_opt.drafters.base import TokenDrafter
 from hsd_opt.engine.interface import EXACT_PASS, Engine
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
+from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.sampling import process_logits, rejection_sample, sample_token
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
@@ -271,14 +272,16 @@ class HSD:
         self._free[id(eng)] = [st]
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int | None = 0) -> "Decoding":
+              seed: int | None = 0, constraint: Constraint | None = None) -> "Decoding":
         """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
-        random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`)."""
-        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed)
+        random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`);
+        ``constraint``: the grammar its output follows (every level's logits masked), None: none."""
+        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
-                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], bool | None] | None = None,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
 
         ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
@@ -287,7 +290,7 @@ class HSD:
         its own caches, token drafters and random generator, so nothing of an earlier (or abandoned) generation
         carries over.
         """
-        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed)
+        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint)
         try:
             return d.run(on_tokens)
         finally:
@@ -308,7 +311,7 @@ class Decoding:
     """
 
     def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = 0):
+                 top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
@@ -324,6 +327,8 @@ class Decoding:
         self.prompt = prompt
         self.n_prompt = len(prompt)
         self.limit = len(prompt) + int(max_new_tokens)
+        #: the grammar the output follows (None: none): every level reads the masked model
+        self.constraint = constraint
         self.seq: list[int] = []
         self._engines: dict[int, tuple[Engine, HSD]] = {}      # id(engine) -> (engine, the hierarchy it came from)
         self._states: dict[int, DecodeState] = {}
@@ -458,14 +463,37 @@ class Decoding:
         return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy))
 
     def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
-        """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]."""
+        """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; under a grammar, of
+        its logits masked first (the masked model's distribution, then temperature and top-p)."""
         logits = yield from self._pass(k, start, end, False)
+        if self.constraint is not None:
+            logits = mask_logits(logits, self._allowed_rows(start, end))
         return process_logits(logits, self.temperature, self.top_p)
 
     def _greedy(self, k: int, start: int, end: int) -> Generator[Pass, object, list[int]]:
         """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
-        which need not compute every logit)."""
-        return (yield from self._pass(k, start, end, True))
+        which need not compute every logit). Under a grammar, the argmax of the masked logits: a row whose argmax
+        the grammar allows keeps it (the first maximum is the first allowed maximum too); the others are read
+        from the logits, masked (one more read of the same positions, nothing advanced)."""
+        ids = yield from self._pass(k, start, end, True)
+        if self.constraint is None:
+            return ids
+        rows = self._allowed_rows(start, end)
+        refused = [i for i, t in enumerate(ids) if not bool(rows[i, t])]
+        if refused:
+            logits = yield from self._pass(k, start, end, False)
+            best = mask_logits(logits[refused], rows[refused]).argmax(dim=-1).tolist()
+            ids = list(ids)
+            for i, t in zip(refused, best):
+                ids[i] = int(t)
+        return ids
+
+    def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
+        """The grammar's allowed tokens at the positions a pass reads (``start .. end-1``, each row the token
+        after it): ``bool [end - start, V]``. Drafts past ``self.seq`` are not needed: a pass reads positions of
+        tokens already appended."""
+        gen = self.seq[self.n_prompt:]
+        return torch.stack([self.constraint.allowed(gen, p + 1 - self.n_prompt) for p in range(start, end)])
 
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)
@@ -483,6 +511,9 @@ class Decoding:
             short = len(toks) != n and (not toks or toks[-1] not in hsd.eos)
             if short and not drafter.may_abstain:
                 raise HsdError(f"drafter {lv.name!r} returned {len(toks)} tokens, expected {n}")
+            if self.constraint is not None:      # up to the first token the grammar refuses
+                m = len(self.seq) - self.n_prompt
+                toks = toks[:self.constraint.allowed_prefix(self.seq[self.n_prompt:], m, toks)]
             st_stats.abstained += not toks
             self._append(toks)
             st_stats.drafted += len(toks)

@@ -1,0 +1,160 @@
+"""Grammars compiled for a tokenizer, with llguidance (https://github.com/guidance-ai/llguidance).
+
+A :class:`GrammarSpec` says what a request asks for: a JSON schema, any JSON object, a Lark grammar or a regular
+expression. :class:`GrammarCompiler` compiles one for a tokenizer into a :class:`Grammar` (a matcher in its start
+state that each sequence copies), cached per spec: a schema a server sees again costs a dictionary lookup and a
+copy. A spec that does not compile is an :class:`~hsd_opt.errors.HsdError` naming the problem, never an
+unconstrained output.
+
+JSON is produced in one layout (``", "`` between items, ``": "`` after keys, no other white space), so that the
+tokens the grammar forces are few and known (:meth:`~hsd_opt.grammar.constraint.Constraint.forced`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hsd_opt.errors import HsdError
+
+#: Grammar kinds a :class:`GrammarSpec` may name.
+KINDS = ("json_schema", "json_object", "lark", "regex")
+#: Compiled grammars a :class:`GrammarCompiler` keeps (least recently used dropped first).
+CACHE_SIZE = 256
+#: The JSON layout every schema and JSON object is produced in.
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        text: the schema as JSON text (``json_schema``), the Lark grammar or the regular expression; ``""`` for
+            ``json_object``.
+        source: where it came from, for error messages (``"--json-schema schema.json"``,
+            ``"response_format.json_schema.schema"``).
+    """
+
+    kind: str
+    text: str = ""
+    source: str = "grammar"
+
+    @staticmethod
+    def json_schema(schema: Any, source: str = "json_schema") -> "GrammarSpec":
+        """A spec for a JSON schema (a dict, or JSON text); refused when it is not a JSON object."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise HsdError(f"{source}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        if not isinstance(schema, dict):
+            raise HsdError(f"{source}: a JSON schema must be an object, got {type(schema).__name__}")
+        return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")), source)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the cache is keyed by (the source is only for messages)."""
+        return self.kind, self.text
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: ``template`` is a matcher in its start state (copied per sequence, never advanced);
+    ``vocab_size``: tokens of the tokenizer it was compiled for; ``eos_id``: the token that ends a sequence where
+    the grammar accepts."""
+
+    spec: GrammarSpec
+    template: Any
+    vocab_size: int
+    eos_id: int
+
+
+class _TokenList:
+    """A tokenizer as llguidance reads one: every token's bytes, the special tokens, and a function that
+    tokenizes bytes (the tokens the grammar forces are the tokenizer's own split of the forced text)."""
+
+    def __init__(self, tokens: Sequence[bytes], eos_id: int, encode, special: Sequence[int] = (),
+                 bos_id: int | None = None):
+        self.tokens = list(tokens)
+        self.eos_token_id = int(eos_id)
+        self.bos_token_id = bos_id
+        self.special_token_ids = [int(t) for t in special]
+        self._encode = encode
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(self._encode(data))
+
+
+def _ll_tokenizer(tokenizer, eos_id: int):
+    """llguidance's tokenizer of ``tokenizer``: a Hugging Face fast tokenizer, or an object with ``tokens``
+    (bytes per id), ``encode_bytes`` (bytes -> ids) and ``special_ids`` (a test's small tokenizer)."""
+    import llguidance
+
+    if hasattr(tokenizer, "encode_bytes"):
+        wrapped = _TokenList(tokenizer.tokens, eos_id, tokenizer.encode_bytes, getattr(tokenizer, "special_ids", ()))
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped), eos_token=eos_id)
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos_id)
+    except ValueError as e:
+        raise HsdError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {e}") from None
+
+
+def _one_line(message: str) -> str:
+    """A compiler's message (it may draw the place of an error over several lines) on one line."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` s for one tokenizer (see the module doc).
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer (or a test's small one, see :func:`_ll_tokenizer`).
+        eos_id: the token that ends a sequence (allowed only where the grammar accepts).
+        vocab_size: the width of the model's logits (may exceed the tokenizer's; the extra ids are never allowed).
+    """
+
+    def __init__(self, tokenizer, eos_id: int, vocab_size: int):
+        self.eos_id = int(eos_id)
+        self.vocab_size = int(vocab_size)
+        self._tokenizer = _ll_tokenizer(tokenizer, self.eos_id)
+        if self._tokenizer.vocab_size > self.vocab_size:
+            raise HsdError(f"the tokenizer has {self._tokenizer.vocab_size} tokens, more than the model's "
+                           f"{self.vocab_size} logits")
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+
+    def compile(self, spec: GrammarSpec) -> Grammar:
+        """``spec`` compiled (from the cache when seen before); an :class:`HsdError` naming ``spec.source`` and
+        the problem when it does not compile."""
+        hit = self._cache.get(spec.key)
+        if hit is not None:
+            self._cache.move_to_end(spec.key)
+            return hit
+        import llguidance
+
+        if spec.kind not in KINDS:
+            raise HsdError(f"{spec.source}: unknown grammar kind {spec.kind!r} (expected one of {', '.join(KINDS)})")
+        try:
+            if spec.kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_LAYOUT)
+            elif spec.kind == "json_object":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+            elif spec.kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
+        except (ValueError, TypeError) as e:
+            raise HsdError(f"{spec.source}: {_one_line(str(e))}") from None
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise HsdError(f"{spec.source}: {_one_line(template.get_error())}")
+        out = Grammar(spec, template, self._tokenizer.vocab_size, self.eos_id)
+        self._cache[spec.key] = out
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return out

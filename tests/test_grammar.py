@@ -1,0 +1,227 @@
+"""Structured output: grammars compile or are refused with the problem named; a sequence's grammar state gives the
+tokens allowed after each prefix; decoding under a grammar follows it, and HSD under a grammar is lossless against
+masked autoregressive decoding (greedy token for token at every depth, alone and in a batch; sampled, the masked
+model's distribution, which a wrong sampler fails)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError
+from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+from hsd_opt.grammar.constraint import Constraint
+from hsd_opt.runtime.batch import generate_many
+from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.sampling import process_logits
+from tests.helpers import JSON_TOKENS, AbstainingCycleDrafter, CycleDrafter, TinyTokenizer, make_tiny_llama
+
+EOS = 2
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd"]}},
+    "required": ["name", "n", "ok", "tag"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def json_tok():
+    return TinyTokenizer(JSON_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def compiler(json_tok):
+    return GrammarCompiler(json_tok, EOS, 64)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LayeredLM(make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0))
+
+
+def _schema(compiler):
+    return compiler.compile(GrammarSpec.json_schema(SCHEMA, "schema.json"))
+
+
+@pytest.mark.parametrize("spec, words", [
+    (GrammarSpec.json_schema({"type": "strin"}, "schema.json"), "schema.json: Invalid type: strin"),
+    (GrammarSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}, "response_format"),
+     "response_format: Unsatisfiable schema"),
+    (GrammarSpec("lark", "start: foo(", "--grammar g.lark"), "--grammar g.lark: "),
+    (GrammarSpec("regex", "[a-z", "--grammar r.txt"), "unclosed character class"),
+    (GrammarSpec("yaml", "a: 1", "--grammar"), "unknown grammar kind 'yaml'"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_naming_its_source_and_problem(compiler, spec, words):
+    with pytest.raises(HsdError, match=None) as e:
+        compiler.compile(spec)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_schema_that_is_not_json_or_not_an_object_is_refused():
+    with pytest.raises(HsdError, match=r"s.json: not JSON"):
+        GrammarSpec.json_schema("{nope", "s.json")
+    with pytest.raises(HsdError, match=r"s.json: a JSON schema must be an object, got list"):
+        GrammarSpec.json_schema([1], "s.json")
+
+
+def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler, json_tok):
+    g = _schema(compiler)
+    assert compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), "other source")) is g
+    forced = Constraint(g, 64).forced([])
+    assert json_tok.decode(forced).startswith('{"name')
+
+
+def test_allowed_rows_follow_a_valid_output_and_end_only_where_the_grammar_accepts(compiler, json_tok):
+    text = '{"name": "ab", "n": 10, "ok": true, "tag": "cd"}'
+    ids = json_tok.encode(text)
+    c = Constraint(_schema(compiler), 64)
+    for i, t in enumerate(ids):
+        row = c.allowed(ids, i)
+        assert row.shape == (64,) and row.dtype == torch.bool
+        assert row[t], (i, t)
+        assert not row[EOS] and not row[0] and not row[1]          # no special token inside, no end before it
+    assert c.allowed(ids, len(ids)).nonzero().flatten().tolist() == [EOS]
+    assert c.accepting(ids) and not c.accepting(ids[:-1])
+    assert c.allowed_prefix(ids, 0, ids + [EOS]) == len(ids) + 1
+    bad = json_tok.encode('{"nope"')                            # '{"', 'n' (of "n"), then 'o'
+    assert c.allowed_prefix(bad, 0, bad) == 2
+
+
+def test_rows_after_a_changed_prefix_are_computed_again_not_kept(compiler, json_tok):
+    a = json_tok.encode('{"name": "ab", "n": 1')
+    b = json_tok.encode('{"name": "abcdef", "n": 2')
+    kept = Constraint(_schema(compiler), 64)
+    for i in range(len(a) + 1):
+        kept.allowed(a, i)
+    for seq in (b, a, b):
+        fresh = Constraint(_schema(compiler), 64)
+        for i in range(len(seq) + 1):
+            assert torch.equal(kept.allowed(seq, i), fresh.allowed(seq, i)), i
+
+
+def _levels(engine):
+    return {
+        "ar": ([Level("layer4", engine, 4)], []),
+        "exit": ([Level("layer2", engine, 2), Level("layer4", engine, 4)], [3]),
+        "cycle-exit": ([Level("cycle", drafter=CycleDrafter(64)), Level("layer2", engine, 2),
+                        Level("layer4", engine, 4)], [2, 3]),
+        "abstaining": ([Level("abst", drafter=AbstainingCycleDrafter(64)), Level("layer1", engine, 1),
+                        Level("layer4", engine, 4)], [3, 2]),
+    }
+
+
+PROMPTS = [[5, 9, 13], [40, 41, 42, 43, 44], [7]]
+
+
+def test_greedy_output_follows_the_schema(compiler, json_tok, engine):
+    levels, budgets = _levels(engine)["ar"]
+    for prompt in PROMPTS:
+        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 80, constraint=Constraint(_schema(compiler), 64))
+        assert out.token_ids[-1] == EOS, json_tok.decode(out.token_ids)
+        value = json.loads(json_tok.decode(out.token_ids))
+        assert list(value) == ["name", "n", "ok", "tag"] and len(value["name"]) <= 6
+        assert 0 <= value["n"] <= 99 and isinstance(value["ok"], bool) and value["tag"] in ("ab", "cd")
+
+
+def test_unconstrained_greedy_output_is_not_json_here(compiler, json_tok, engine):
+    """The check above can fail: without the grammar this model writes no such object."""
+    levels, budgets = _levels(engine)["ar"]
+    out = HSD(levels, budgets, eos_ids=[EOS]).generate(PROMPTS[0], 40)
+    with pytest.raises(ValueError):
+        json.loads(json_tok.decode(out.token_ids))
+
+
+@pytest.mark.parametrize("kind", ["exit", "cycle-exit", "abstaining"])
+def test_greedy_hsd_under_a_grammar_equals_masked_autoregressive_decoding(compiler, engine, kind):
+    ar_levels, _ = _levels(engine)["ar"]
+    levels, budgets = _levels(engine)[kind]
+    for prompt in PROMPTS:
+        ref = HSD(ar_levels, [], eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler), 64))
+        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler), 64))
+        assert out.token_ids == ref.token_ids, (kind, prompt)
+
+
+def test_greedy_under_a_grammar_in_a_batch_equals_alone(compiler, engine):
+    """Sequences with and without a grammar share passes; each gets what it gets alone."""
+    levels, budgets = _levels(engine)["cycle-exit"]
+    h = HSD(levels, budgets, eos_ids=[EOS])
+    prompts = PROMPTS + [[11, 12]]
+    constraints = [Constraint(_schema(compiler), 64), None, Constraint(_schema(compiler), 64), None]
+    alone = [h.generate(p, 50, constraint=Constraint(_schema(compiler), 64) if c is not None else None).token_ids
+             for p, c in zip(prompts, constraints)]
+    together = generate_many(h, prompts, 50, max_active=4, constraints=constraints)
+    assert [r.token_ids for r in together] == alone
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+V, K, N = 12, 2, 1000
+PROMPT = [3, 5, 7]
+#: tokens of the sampled test: the special three, then letters and pieces of two
+SMALL_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "bc", "ca", "x", "y", "z"]
+REGEX = "[abxy]{2,4}"      # refuses c, bc, ca and z, which hold half the unmasked first token's mass
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = make_tiny_llama(seed=0, vocab_size=V, layers=4, scale=15.0)
+    yield model, LayeredLM(model)
+    torch.set_num_threads(n)
+
+
+def _exact_masked(model, grammar):
+    """The probability of every K-token output under the model's logits masked by the grammar at each prefix,
+    then processed (temperature 1, top-p 1): masked autoregressive sampling, computed exactly."""
+    c = Constraint(grammar, V)
+    out = {}
+    for first in range(V):
+        with torch.no_grad():
+            lg = model(torch.tensor([PROMPT + [first]])).logits[0, -2:]
+        p1 = process_logits(lg[:1].masked_fill(~c.allowed([], 0)[None], float("-inf")), 1.0, 1.0)[0]
+        if p1[first] == 0:
+            continue
+        p2 = process_logits(lg[1:].masked_fill(~c.allowed([first], 1)[None], float("-inf")), 1.0, 1.0)[0]
+        for x in range(V):
+            out[(first, x)] = float(p1[first]) * float(p2[x])
+    return out
+
+
+def _pvalue(draw, probs):
+    from scipy.stats import chisquare
+
+    cnt: dict[tuple, int] = {}
+    for seed in range(N):
+        ids = tuple(draw(seed))
+        assert len(ids) == K and probs[ids] > 0           # never a token the grammar refuses
+        cnt[ids] = cnt.get(ids, 0) + 1
+    big = [k for k in sorted(probs, key=probs.get, reverse=True) if probs[k] * N >= 5]
+    obs, exp = [cnt.get(k, 0) for k in big], [probs[k] * N for k in big]
+    if N - sum(exp) > 1e-6:
+        obs.append(N - sum(obs))
+        exp.append(N - sum(exp))
+    return chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
+
+
+@pytest.mark.slow
+def test_sampling_under_a_grammar_has_the_masked_models_distribution_and_a_wrong_sampler_fails(peaky):
+    model, lm = peaky
+    grammar = GrammarCompiler(TinyTokenizer(SMALL_TOKENS), EOS, V).compile(GrammarSpec("regex", REGEX))
+    probs = _exact_masked(model, grammar)
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
+    assert all(probs.get((a, b), 0) == 0 for a, b in itertools.product((5, 7, 8, 11), range(V)))   # c bc ca z
+    levels = [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer1", lm, 1), Level("layer2", lm, 2),
+              Level("layer4", lm, 4)]
+
+    def draw(h):
+        return lambda seed: h.generate(PROMPT, K, temperature=1.0, seed=seed,
+                                       constraint=Constraint(grammar, V)).token_ids
+
+    p_ok = _pvalue(draw(HSD(levels, [2, 2, 3])), probs)
+    p_bad = _pvalue(draw(HSD([levels[1], levels[3]], [3], residual=False)), probs)
+    assert p_ok > 1e-3, p_ok
+    assert p_bad < 1e-6, p_bad
