@@ -70,14 +70,14 @@ def test_a_schema_that_is_not_json_or_not_an_object_is_refused():
 def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler, json_tok):
     g = _schema(compiler)
     assert compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), "other source")) is g
-    forced = Constraint(g, 64).forced([])
+    forced = Constraint(g).forced([])
     assert json_tok.decode(forced).startswith('{"name')
 
 
 def test_allowed_rows_follow_a_valid_output_and_end_only_where_the_grammar_accepts(compiler, json_tok):
     text = '{"name": "ab", "n": 10, "ok": true, "tag": "cd"}'
     ids = json_tok.encode(text)
-    c = Constraint(_schema(compiler), 64)
+    c = Constraint(_schema(compiler))
     for i, t in enumerate(ids):
         row = c.allowed(ids, i)
         assert row.shape == (64,) and row.dtype == torch.bool
@@ -93,11 +93,11 @@ def test_allowed_rows_follow_a_valid_output_and_end_only_where_the_grammar_accep
 def test_rows_after_a_changed_prefix_are_computed_again_not_kept(compiler, json_tok):
     a = json_tok.encode('{"name": "ab", "n": 1')
     b = json_tok.encode('{"name": "abcdef", "n": 2')
-    kept = Constraint(_schema(compiler), 64)
+    kept = Constraint(_schema(compiler))
     for i in range(len(a) + 1):
         kept.allowed(a, i)
     for seq in (b, a, b):
-        fresh = Constraint(_schema(compiler), 64)
+        fresh = Constraint(_schema(compiler))
         for i in range(len(seq) + 1):
             assert torch.equal(kept.allowed(seq, i), fresh.allowed(seq, i)), i
 
@@ -119,7 +119,7 @@ PROMPTS = [[5, 9, 13], [40, 41, 42, 43, 44], [7]]
 def test_greedy_output_follows_the_schema(compiler, json_tok, engine):
     levels, budgets = _levels(engine)["ar"]
     for prompt in PROMPTS:
-        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 80, constraint=Constraint(_schema(compiler), 64))
+        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 80, constraint=Constraint(_schema(compiler)))
         assert out.token_ids[-1] == EOS, json_tok.decode(out.token_ids)
         value = json.loads(json_tok.decode(out.token_ids))
         assert list(value) == ["name", "n", "ok", "tag"] and len(value["name"]) <= 6
@@ -139,8 +139,8 @@ def test_greedy_hsd_under_a_grammar_equals_masked_autoregressive_decoding(compil
     ar_levels, _ = _levels(engine)["ar"]
     levels, budgets = _levels(engine)[kind]
     for prompt in PROMPTS:
-        ref = HSD(ar_levels, [], eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler), 64))
-        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler), 64))
+        ref = HSD(ar_levels, [], eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler)))
+        out = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler)))
         assert out.token_ids == ref.token_ids, (kind, prompt)
 
 
@@ -149,8 +149,8 @@ def test_greedy_under_a_grammar_in_a_batch_equals_alone(compiler, engine):
     levels, budgets = _levels(engine)["cycle-exit"]
     h = HSD(levels, budgets, eos_ids=[EOS])
     prompts = PROMPTS + [[11, 12]]
-    constraints = [Constraint(_schema(compiler), 64), None, Constraint(_schema(compiler), 64), None]
-    alone = [h.generate(p, 50, constraint=Constraint(_schema(compiler), 64) if c is not None else None).token_ids
+    constraints = [Constraint(_schema(compiler)), None, Constraint(_schema(compiler)), None]
+    alone = [h.generate(p, 50, constraint=Constraint(_schema(compiler)) if c is not None else None).token_ids
              for p, c in zip(prompts, constraints)]
     together = generate_many(h, prompts, 50, max_active=4, constraints=constraints)
     assert [r.token_ids for r in together] == alone
@@ -177,7 +177,7 @@ def peaky():
 def _exact_masked(model, grammar):
     """The probability of every K-token output under the model's logits masked by the grammar at each prefix,
     then processed (temperature 1, top-p 1): masked autoregressive sampling, computed exactly."""
-    c = Constraint(grammar, V)
+    c = Constraint(grammar)
     out = {}
     for first in range(V):
         with torch.no_grad():
@@ -219,7 +219,7 @@ def test_sampling_under_a_grammar_has_the_masked_models_distribution_and_a_wrong
 
     def draw(h):
         return lambda seed: h.generate(PROMPT, K, temperature=1.0, seed=seed,
-                                       constraint=Constraint(grammar, V)).token_ids
+                                       constraint=Constraint(grammar)).token_ids
 
     p_ok = _pvalue(draw(HSD(levels, [2, 2, 3])), probs)
     p_bad = _pvalue(draw(HSD([levels[1], levels[3]], [3], residual=False)), probs)

@@ -268,3 +268,58 @@ def test_run_warns_where_threads_or_kernel_variant_differ_from_the_plans(tiny_di
     text = " ".join(_out(res).split())
     assert f"measured with {torch.get_num_threads() + 3} thread(s), this run uses {torch.get_num_threads()}" in text
     assert "kernels, this run uses" in text and "profile again on this machine" in text
+
+
+def test_run_under_a_json_schema_equals_the_targets_masked_output(tiny_dir, tmp_path):
+    """``hsd run --json-schema``: every hierarchy level reads the masked model, so the plan's tokens are the target's
+    own masked greedy tokens; a regex grammar file constrains the same way."""
+    from hsd_opt.commands.common import compile_grammar
+    from hsd_opt.formats import load_plan
+    from hsd_opt.grammar.compiler import GrammarSpec
+    from hsd_opt.grammar.constraint import Constraint
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer1", "layer2", "layer4"),
+                 budgets=(1, 2, 3))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.regex").write_text("[0-9]{3}-[a-c]+\n")
+    loaded = load_model(str(tiny_dir / "m"), device="cpu")
+    ar = hsd_for_plan(load_plan(plan), loaded, hierarchy=["layer4"], budgets=[])
+    cases = [("--json-schema", tmp_path / "s.json", GrammarSpec.json_schema(schema)),
+             ("--grammar", tmp_path / "g.regex", GrammarSpec("regex", "[0-9]{3}-[a-c]+"))]
+    for flag, path, spec in cases:
+        out = tmp_path / "out.jsonl"
+        res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "Hello", "--max-new-tokens", "24",
+                                  flag, str(path), "--json", str(out), "--device", "cpu", "--quiet"])
+        assert res.exit_code == 0, _out(res)
+        got = json.loads(out.read_text())["token_ids"]
+        grammar = compile_grammar(spec, loaded, ar.target.vocab_size)
+        ref = ar.generate(encode_prompt(loaded.tokenizer, "Hello"), 24, constraint=Constraint(grammar)).token_ids
+        assert got == ref
+        assert got != ar.generate(encode_prompt(loaded.tokenizer, "Hello"), 24).token_ids
+        text = loaded.tokenizer.decode(got, skip_special_tokens=True)
+        assert text.startswith("{\"a\": ") if flag == "--json-schema" else text[:4].rstrip("-").isdigit()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--json-schema", "MISSING"], "--json-schema"),
+    (["--json-schema", "BADSCHEMA"], "Invalid type: strin"),
+    (["--json-schema", "NOTJSON"], "not JSON"),
+    (["--grammar", "BADREGEX"], "--grammar"),
+    (["--json-schema", "BADSCHEMA", "--grammar", "BADREGEX"], "at most one of --json-schema"),
+])
+def test_bad_grammar_inputs_exit_2_naming_the_flag(tiny_dir, tmp_path, extra, needle):
+    plan = _plan(tmp_path / "p.json", tiny_dir / "m")
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    (tmp_path / "notjson.json").write_text("{type: object")
+    (tmp_path / "bad.regex").write_text("[a-z")
+    names = {"MISSING": tmp_path / "nope.json", "BADSCHEMA": tmp_path / "bad.json",
+             "NOTJSON": tmp_path / "notjson.json", "BADREGEX": tmp_path / "bad.regex"}
+    extra = [str(names.get(a, a)) for a in extra]
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + extra)
+    assert res.exit_code == 2, _out(res)
+    assert needle in _out(res) and "Traceback" not in _out(res)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import typer
 
 from hsd_opt.console import error, warn
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, InputFileError
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
@@ -149,3 +149,39 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
         if (e["chosen"], e["budgets"]) != (e["plan"], e["plan_budgets"]):
             say(f"load level {n}: {chain(e['plan'], e['plan_budgets'])} -> {chain(e['chosen'], e['budgets'])}")
     return new, report, profile
+
+
+JSON_SCHEMA_HELP = "A JSON schema (a .json file): the output is JSON that follows it (structured output)."
+GRAMMAR_HELP = ("A grammar file the output follows: a regular expression in a file ending .regex, else a Lark "
+                "grammar (llguidance's dialect).")
+
+
+def grammar_spec(json_schema: Optional[Path], grammar: Optional[Path]):
+    """The :class:`~hsd_opt.grammar.compiler.GrammarSpec` of ``--json-schema FILE`` or ``--grammar FILE`` (None
+    without either); an :class:`HsdError` naming the flag and the file when it cannot be read or both are given."""
+    from hsd_opt.grammar.compiler import GrammarSpec
+    from hsd_opt.jsonio import read_text
+
+    if json_schema is not None and grammar is not None:
+        raise HsdError("give at most one of --json-schema FILE and --grammar FILE")
+    try:
+        if json_schema is not None:
+            return GrammarSpec.json_schema(read_text(json_schema, "a JSON schema"), f"--json-schema {json_schema}")
+        if grammar is not None:
+            kind = "regex" if grammar.suffix == ".regex" else "lark"
+            text = read_text(grammar, "a grammar")
+            return GrammarSpec(kind, text.strip() if kind == "regex" else text, f"--grammar {grammar}")
+    except InputFileError as e:
+        raise HsdError(f"{'--json-schema' if json_schema is not None else '--grammar'} {e}") from None
+    return None
+
+
+def compile_grammar(spec, loaded, width: int):
+    """``spec`` (None: none) compiled for ``loaded``'s tokenizer, its end-of-sequence ids and a target with
+    ``width`` logits."""
+    if spec is None:
+        return None
+    from hsd_opt.grammar.compiler import GrammarCompiler
+    from hsd_opt.runtime.runner import eos_ids
+
+    return GrammarCompiler(loaded.tokenizer, eos_ids(loaded), width).compile(spec)

@@ -10,7 +10,17 @@ from typing import Optional
 
 import typer
 
-from hsd_opt.commands.common import TARGET_PRECISION_HELP, cli_command, fmt, level_acceptance, load_plan_and_model
+from hsd_opt.commands.common import (
+    GRAMMAR_HELP,
+    JSON_SCHEMA_HELP,
+    TARGET_PRECISION_HELP,
+    cli_command,
+    compile_grammar,
+    fmt,
+    grammar_spec,
+    level_acceptance,
+    load_plan_and_model,
+)
 from hsd_opt.console import console
 
 
@@ -125,8 +135,12 @@ def run_cmd(
     mode: str = typer.Option("exact", "--mode", help="exact: levels hand up exactly T_i tokens per call "
                                                      "(the latency model); eager: every verified token."),
     quiet: bool = typer.Option(False, "--quiet", help="Do not stream the text."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help=JSON_SCHEMA_HELP),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help=GRAMMAR_HELP),
 ):
-    """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task)."""
+    """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
+    With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
+    masked decoding of the target alone)."""
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
     from hsd_opt.runtime.decode import check_generation_args
@@ -136,13 +150,15 @@ def run_cmd(
     check_turn_mode(turns)
     check_report_key(by)
     items = _items(prompt, prompts, task, limit_per_task, by)
+    spec = grammar_spec(json_schema, grammar)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
+    compiled = compile_grammar(spec, loaded, next(iter(runners.values())).target.vocab_size)
     lines, gens = [], []
     for it in items:
         which = plan_for_prompt(p, it.task, per_task)[3]
         for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
-                                     max_new_tokens, temperature, top_p, seed, quiet):
+                                     max_new_tokens, temperature, top_p, seed, quiet, compiled):
             lines.append(line)
             gens.append(gen)
     _print_run(gens, by, plans, mode)
@@ -193,10 +209,12 @@ def _streamer(tok, quiet: bool):
 
 
 def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool, max_new_tokens: int,
-                temperature: float, top_p: float, seed: int, quiet: bool) -> list[tuple[dict, object]]:
+                temperature: float, top_p: float, seed: int, quiet: bool,
+                grammar=None) -> list[tuple[dict, object]]:
     """Generate every turn of the prompt ``it`` (``turns``) with the runner ``h`` of plan ``which``, each turn after
     the model's own answers to the previous ones, streaming the text unless ``quiet``: one ``(JSON line,
-    Generation)`` per turn (:func:`_turn_record`)."""
+    Generation)`` per turn (:func:`_turn_record`). ``grammar``: what every turn's output follows (None: none)."""
+    from hsd_opt.grammar.constraint import Constraint
     from hsd_opt.prompts import conversation_ids, user_turns
 
     out: list[tuple[dict, object]] = []
@@ -204,7 +222,8 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
     for k, text in enumerate(user_turns(it, turns)):
         ids = conversation_ids(tok, it.turns, answers, raw)
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                         on_tokens=_streamer(tok, quiet))
+                         on_tokens=_streamer(tok, quiet),
+                         constraint=Constraint(grammar) if grammar is not None else None)
         if not quiet:
             sys.stdout.write("\n")
         answer = tok.decode(res.token_ids, skip_special_tokens=True)

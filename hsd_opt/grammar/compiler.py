@@ -64,13 +64,14 @@ class GrammarSpec:
 @dataclass(frozen=True)
 class Grammar:
     """A compiled grammar: ``template`` is a matcher in its start state (copied per sequence, never advanced);
-    ``vocab_size``: tokens of the tokenizer it was compiled for; ``eos_id``: the token that ends a sequence where
-    the grammar accepts."""
+    ``vocab_size``: tokens of the tokenizer it was compiled for; ``width``: the model's logits (>= ``vocab_size``);
+    ``eos_ids``: the tokens that end a sequence, allowed where the grammar accepts."""
 
     spec: GrammarSpec
     template: Any
     vocab_size: int
-    eos_id: int
+    width: int
+    eos_ids: tuple[int, ...]
 
 
 class _TokenList:
@@ -89,20 +90,22 @@ class _TokenList:
         return list(self._encode(data))
 
 
-def _ll_tokenizer(tokenizer, eos_id: int):
+def _ll_tokenizer(tokenizer, eos_ids: list[int]):
     """llguidance's tokenizer of ``tokenizer``: a Hugging Face fast tokenizer, or an object with ``tokens``
     (bytes per id), ``encode_bytes`` (bytes -> ids) and ``special_ids`` (a test's small tokenizer)."""
     import llguidance
 
     if hasattr(tokenizer, "encode_bytes"):
-        wrapped = _TokenList(tokenizer.tokens, eos_id, tokenizer.encode_bytes, getattr(tokenizer, "special_ids", ()))
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped), eos_token=eos_id)
+        wrapped = _TokenList(tokenizer.tokens, eos_ids[0], tokenizer.encode_bytes,
+                             getattr(tokenizer, "special_ids", ()))
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped), eos_token=eos_ids)
     import llguidance.hf
 
     try:
-        return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos_id)
-    except ValueError as e:
-        raise HsdError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {e}") from None
+        return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos_ids)
+    except Exception as e:  # noqa: BLE001 - llguidance reads the tokenizer's own JSON: any failure means "cannot"
+        raise HsdError(f"structured output needs a tokenizer llguidance reads (a Hugging Face fast tokenizer of "
+                       f"BPE or byte-level kind): {_one_line(str(e)) or type(e).__name__}") from None
 
 
 def _one_line(message: str) -> str:
@@ -111,22 +114,34 @@ def _one_line(message: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles :class:`GrammarSpec` s for one tokenizer (see the module doc).
+    """Compiles :class:`GrammarSpec` s for one tokenizer (see the module doc). The tokenizer's tables are built at
+    the first compile (about half a second for a 49,152-token vocabulary), then kept.
 
     Args:
         tokenizer: a Hugging Face fast tokenizer (or a test's small one, see :func:`_ll_tokenizer`).
-        eos_id: the token that ends a sequence (allowed only where the grammar accepts).
+        eos_ids: the tokens that end a sequence (allowed only where the grammar accepts).
         vocab_size: the width of the model's logits (may exceed the tokenizer's; the extra ids are never allowed).
     """
 
-    def __init__(self, tokenizer, eos_id: int, vocab_size: int):
-        self.eos_id = int(eos_id)
+    def __init__(self, tokenizer, eos_ids: int | Sequence[int], vocab_size: int):
+        ids = [int(eos_ids)] if isinstance(eos_ids, int) else [int(e) for e in eos_ids]
+        if not ids:
+            raise HsdError("structured output needs the model's end-of-sequence token (it has none)")
+        self.eos_ids = tuple(ids)
         self.vocab_size = int(vocab_size)
-        self._tokenizer = _ll_tokenizer(tokenizer, self.eos_id)
-        if self._tokenizer.vocab_size > self.vocab_size:
-            raise HsdError(f"the tokenizer has {self._tokenizer.vocab_size} tokens, more than the model's "
-                           f"{self.vocab_size} logits")
+        self._source = tokenizer
+        self._tokenizer = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+
+    def tokenizer(self):
+        """llguidance's tables of the tokenizer, built on first use; an :class:`HsdError` when it cannot read it."""
+        if self._tokenizer is None:
+            tok = _ll_tokenizer(self._source, list(self.eos_ids))
+            if tok.vocab_size > self.vocab_size:
+                raise HsdError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's "
+                               f"{self.vocab_size} logits")
+            self._tokenizer = tok
+        return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """``spec`` compiled (from the cache when seen before); an :class:`HsdError` naming ``spec.source`` and
@@ -150,10 +165,11 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
         except (ValueError, TypeError) as e:
             raise HsdError(f"{spec.source}: {_one_line(str(e))}") from None
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        tokenizer = self.tokenizer()
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise HsdError(f"{spec.source}: {_one_line(template.get_error())}")
-        out = Grammar(spec, template, self._tokenizer.vocab_size, self.eos_id)
+        out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids)
         self._cache[spec.key] = out
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

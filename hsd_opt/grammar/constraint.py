@@ -32,12 +32,13 @@ def _common(a: Sequence[int], b: Sequence[int], n: int) -> int:
 
 
 class Constraint:
-    """A grammar's state for one sequence (see the module doc). ``vocab_size``: the width of the model's logits
-    (ids past the tokenizer's are never allowed)."""
+    """A grammar's state for one sequence (see the module doc); its rows are as wide as the model's logits
+    (``grammar.width``; ids past the tokenizer's are never allowed)."""
 
-    def __init__(self, grammar: Grammar, vocab_size: int):
+    def __init__(self, grammar: Grammar):
         self.grammar = grammar
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = grammar.width
+        self._eos = frozenset(grammar.eos_ids)
         self._matcher = grammar.template.deep_copy()
         self._at: list[int] = []                 # the tokens the matcher has consumed
         self._path: list[int] = []               # the prefix the kept rows belong to
@@ -60,7 +61,7 @@ class Constraint:
             self._path.extend(int(t) for t in generated[len(self._path):length])
         row = torch.zeros(self.vocab_size, dtype=torch.bool)
         if self._move(self._path[:length]):       # after the end of sequence: nothing follows (only it, again)
-            row[self.grammar.eos_id] = True
+            row[list(self._eos)] = True
         else:
             self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
             self.fills += 1
@@ -93,7 +94,7 @@ class Constraint:
     def _move(self, tokens: list[int]) -> bool:
         """Roll the matcher back to the common prefix with ``tokens`` and consume the rest; True when ``tokens``
         ends with the end of sequence (allowed only where the grammar accepts; the matcher stays before it)."""
-        ended = bool(tokens) and tokens[-1] == self.grammar.eos_id
+        ended = bool(tokens) and tokens[-1] in self._eos
         body = tokens[:-1] if ended else tokens
         c = _common(self._at, body, len(body))
         if c < len(self._at):

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
@@ -209,7 +210,8 @@ class JobQueue:
 
         try:
             self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                           seed=req.seed, on_tokens=on_tokens, on_done=on_done)
+                           seed=req.seed, on_tokens=on_tokens, on_done=on_done,
+                           constraint=Constraint(req.grammar) if req.grammar is not None else None)
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug
             log.exception("generation failed")
             self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")

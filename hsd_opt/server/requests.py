@@ -2,8 +2,10 @@
 :class:`GenerationRequest`; every refusal is an :class:`~hsd_opt.server.errors.ApiError` (400) naming the field.
 
 Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
-``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``
-and ``n`` (1 only). Other fields of the OpenAI API are ignored.
+``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, ``n`` (1 only) and ``response_format`` (``text``, ``json_object``,
+``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
+naming the problem). Other fields of the OpenAI API are ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hsd_opt.errors import HsdError
+from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.server.errors import ApiError, bad_request
 
@@ -37,12 +40,14 @@ class ModelInfo:
         tokenizer: its tokenizer (chat template, plain encoding).
         max_positions: the model's context in tokens: prompt + ``max_tokens`` may not exceed it.
         default_max_tokens: ``max_tokens`` of a chat request that gives none (capped by the room left).
+        grammars: compiles a request's ``response_format`` for the model (None: structured output refused).
     """
 
     name: str
     tokenizer: "PreTrainedTokenizerBase"
     max_positions: int
     default_max_tokens: int = 256
+    grammars: GrammarCompiler | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class GenerationRequest:
     ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the
     OpenAI API); ``top_p`` in (0, 1]; ``seed`` (None when the request gives none: a random one is drawn, and the
     request follows the load's plan, see :mod:`hsd_opt.runtime.batch`); ``stop``: up to 4
-    non-empty strings."""
+    non-empty strings; ``grammar``: what the output follows (``response_format``), None: free text."""
 
     kind: str
     model: str
@@ -63,6 +68,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    grammar: Grammar | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -178,14 +184,51 @@ def _prompt(body: dict) -> str:
     return p
 
 
+#: ``response_format.type`` values.
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
+    """The grammar ``response_format`` asks for, compiled (None: free text); a 400 naming the field otherwise."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise bad_request(f"'response_format' must be an object, got {_type_name(rf)}", "response_format")
+    kind = rf.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got "
+                          f"{json.dumps(kind)}", "response_format.type")
+    if kind == "text":
+        return None
+    where = "response_format"
+    try:
+        if kind == "json_object":
+            spec = GrammarSpec("json_object", "", where)
+        else:
+            js = rf.get("json_schema")
+            where = "response_format.json_schema"
+            if not isinstance(js, dict):
+                raise bad_request(f"'{where}' must be an object holding 'schema', got {_type_name(js)}", where)
+            if "schema" not in js:
+                raise bad_request(f"missing required field '{where}.schema'", f"{where}.schema")
+            where = f"{where}.schema"
+            spec = GrammarSpec.json_schema(js["schema"], where)
+        if info.grammars is None:
+            raise HsdError(f"{where}: this server cannot constrain its output")
+        return info.grammars.compile(spec)
+    except HsdError as e:
+        raise bad_request(str(e), where) from None
+
+
 def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> GenerationRequest:
     """Validate a request body of ``kind`` (``"chat"`` or ``"completion"``) for the model ``info``.
 
     Raises:
         ApiError: 400 for a missing or empty ``messages``/``prompt``, a field of the wrong type, ``max_tokens``
             < 1 or beyond the context (prompt + ``max_tokens`` > ``info.max_positions``), ``temperature`` < 0,
-            ``top_p`` outside (0, 1], ``n`` other than 1, more than 4 or empty ``stop`` strings; 404 for another
-            model than ``info.name``.
+            ``top_p`` outside (0, 1], ``n`` other than 1, more than 4 or empty ``stop`` strings, a
+            ``response_format`` that is malformed or does not compile; 404 for another model than ``info.name``.
     """
     model = body.get("model", info.name)
     if not isinstance(model, str):
@@ -215,6 +258,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
     include_usage = _bool(opts or {}, "include_usage") if stream else False
+    grammar = _response_format(body, info)
     try:
         if kind == "chat":
             ids = chat_ids(info.tokenizer, _messages(body))
@@ -232,4 +276,5 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     elif max_tokens > room:
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
-    return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage)
+    return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
+                             grammar)

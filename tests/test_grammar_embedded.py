@@ -1,0 +1,90 @@
+"""Structured output on the embedded SmolLM2-135M-Instruct with the solved plan (the abstaining lookup -> the int4
+copy -> the target): under a JSON schema the plan's greedy output is the target's masked greedy output token for
+token, alone and served (``response_format``, streamed and not, several requests at once); the JSON is valid where
+the answer ended; a schema that does not compile is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from hsd_opt.commands.serve import prepare_server
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+from hsd_opt.grammar.constraint import Constraint
+from hsd_opt.models.loading import eos_token_ids
+from hsd_opt.prompts import chat_ids
+from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.server import BackgroundServer
+
+REPO = Path(__file__).resolve().parents[1]
+SOLVED_PLAN = REPO / "tests" / "data" / "runtime_bench_lookup_plan.json"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+    "typed": {"type": "boolean"}, "paradigms": {"type": "array", "items": {"enum": ["functional", "object-oriented",
+                                                                                   "procedural"]}, "maxItems": 3}},
+    "required": ["name", "year", "typed", "paradigms"], "additionalProperties": False}
+QUESTIONS = ["Describe the Python programming language as JSON.", "Describe the Rust programming language as JSON.",
+             "Describe the C programming language as JSON.", "Describe Haskell as JSON."]
+N = 64
+
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]
+
+
+def _masked_target(embedded):
+    """The target alone (no drafter) decoding under the schema: the reference."""
+    ar = HSD([Level("layer30", LayeredLM(embedded.model), 30)], [], eos_ids=eos_token_ids(embedded))
+    grammars = GrammarCompiler(embedded.tokenizer, eos_token_ids(embedded), ar.target.vocab_size)
+    return ar, grammars.compile(GrammarSpec.json_schema(SCHEMA))
+
+
+def _ids(tok, q):
+    return chat_ids(tok, [{"role": "user", "content": q}])
+
+
+def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
+    tok = embedded.tokenizer
+    ar, grammar = _masked_target(embedded)
+    want = [ar.generate(_ids(tok, q), N, constraint=Constraint(grammar)).token_ids for q in QUESTIONS]
+    for w in want:
+        if w[-1] in eos_token_ids(embedded):                    # ended: the whole answer is valid JSON
+            value = json.loads(tok.decode(w, skip_special_tokens=True))
+            assert set(value) == set(SCHEMA["required"]) and 1900 <= value["year"] <= 2100
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu")
+    plan_out = jobs.runner.generate(_ids(tok, QUESTIONS[0]), N, constraint=Constraint(grammar))
+    assert plan_out.token_ids == want[0] and plan_out.stats["hierarchy"] == ["lookup", "int4", "layer30"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "language", "schema": SCHEMA}}
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+        def ask(q):
+            return c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": q}],
+                                             max_tokens=N, temperature=0, response_format=fmt)
+
+        with ThreadPoolExecutor(4) as pool:                      # decoded together, each its own grammar state
+            got = list(pool.map(ask, QUESTIONS))
+        assert [r.model_extra["hsd"]["token_ids"] for r in got] == want
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=N,
+            temperature=0, response_format=fmt, stream=True) if ch.choices)
+        assert streamed == got[1].choices[0].message.content
+
+        free = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                         max_tokens=N, temperature=0)
+        assert free.model_extra["hsd"]["token_ids"] != want[0]   # the schema changed the answer
+
+        for body, field in [({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}},
+                             "response_format.json_schema.schema"),
+                            ({"type": "json_schema", "json_schema": {"name": "x"}},
+                             "response_format.json_schema.schema"),
+                            ({"type": "yaml"}, "response_format.type"), ("json", "response_format")]:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "response_format": body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == field and err["type"] == "invalid_request_error", err
