@@ -273,6 +273,7 @@ def _toy_logits_fn(V=6, T=8):
     return fn, table
 
 
+@pytest.mark.slow
 def test_multi_draft_sampling_is_lossless():
     """Joint law of the first two emitted tokens equals the target's, with 3 overlapping draft rows."""
     fn, table = _toy_logits_fn()

@@ -41,6 +41,7 @@ def test_qwen2_torch_path_is_bit_identical_to_the_modules(tied):
     assert torch.equal(engine_logits(lm, ids, 20), modules_logits(model, lm, ids, 20))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_qwen2_full_forward_and_exits_match_hf(tied):
     model = make_tiny_qwen2(tied, seed=1)

@@ -87,6 +87,7 @@ def _ar(plan_path, prompt="w1 w2 w3 w1 w2", n=10):
 # ------------------------------------------------------------------------------------------- the pool
 
 
+@pytest.mark.slow
 def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
     """The small model, its int4 copy and an int8 copy of the target in one profile; the int4 copy of the small
     model under the target, and under its own float model, runs lossless and takes the prompt cache of the
@@ -116,6 +117,7 @@ def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
         assert [lv["name"] for lv in row["stats"]["levels"]] == hierarchy
 
 
+@pytest.mark.slow
 def test_a_copy_with_an_int4_head_drafts_and_runs_lossless(family, tmp_path):
     """``MODEL:int4-head4``: an int4 copy of the small model whose LM head is int4 too (half the head's bytes)
     enters the pool next to the plain int4 copy, records its head in the profile, is rebuilt with it by the
@@ -198,6 +200,7 @@ def test_int4_target_hsd_equals_its_own_ar(family, chain, budgets):
     assert differs > 0          # a target of its own: its greedy output is not the float model's
 
 
+@pytest.mark.slow
 def test_profile_run_an_int4_target_and_refuse_another_precision(family, tmp_path):
     prof_path = tmp_path / "prof.json"
     prof = _profile(family, prof_path, "--target-precision", "int4", "--layers", "2",
@@ -259,6 +262,7 @@ def test_bad_family_flags_exit_2(family, tmp_path, args, needle):
 # ------------------------------------------------------------------------------------------- bench
 
 
+@pytest.mark.slow
 def test_bench_hf_assisted_equals_the_reference(family, tmp_path):
     from hsd_opt.formats import load_plan
     from hsd_opt.measure.bench import run_bench

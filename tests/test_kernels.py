@@ -318,6 +318,7 @@ def test_hsd_on_the_kernels_equals_their_ar(tiny, chain, budgets):
         assert h.generate(p, 40).token_ids == ar.generate(p, 40).token_ids
 
 
+@pytest.mark.slow
 def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HSD_CACHE", str(tmp_path))
     cc = kernels.compiler()
@@ -330,6 +331,7 @@ def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch)
     assert kernels.library_path(cc) == path               # same source, compiler and CPU: the same file
 
 
+@pytest.mark.slow
 def test_the_portable_build_agrees_with_itself_and_the_reference(tmp_path, monkeypatch):
     """The variant without AVX2 (what a CPU without it gets) computes the same products, batch-invariant."""
     monkeypatch.setenv("HSD_CACHE", str(tmp_path))
@@ -373,6 +375,7 @@ def test_a_failed_build_is_reported_once_and_leaves_the_torch_path(tmp_path, mon
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.partial"))
 
 
+@pytest.mark.slow
 def test_the_library_is_checked_against_this_modules_structs(tmp_path, monkeypatch):
     """A library whose ``hsd_version`` or struct layout differs from kernels.py's (an edit to one side only) is
     not used: it says which, once, and the engines take the torch path."""

@@ -13,6 +13,7 @@ Layers, lowest first (a module imports only from its own layer or below, and sub
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -36,11 +37,20 @@ def _unit(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[0] == "hsd_opt" else None
 
 
-def _modules():
+@functools.lru_cache(maxsize=1)
+def _parsed() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module of the package, parsed once per test session: ``(dotted name, tree)``."""
+    out = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(REPO).with_suffix("")
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        yield name, ast.parse(path.read_text(), str(path))
+        out.append((name, ast.parse(path.read_text(), str(path))))
+    return tuple(out)
+
+
+def _modules():
+    """``(dotted name, tree)`` of every module of the package (the trees are shared: do not change them)."""
+    return iter(_parsed())
 
 
 def _imports(tree: ast.AST, module: str):

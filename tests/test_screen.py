@@ -72,6 +72,7 @@ def test_the_int16_sums_are_exact_at_the_largest_codes(cols):
     assert got[0, 0] > 0 and got[0, 1] < 0
 
 
+@pytest.mark.slow
 def test_the_int16_read_is_the_same_on_every_build():
     """Its sums are integers: every build this CPU runs (each variant, and one without OpenMP) gives the loaded
     build's logits bit for bit."""

@@ -115,6 +115,7 @@ def stream_completion(c: OpenAI, prompt: str, **kw) -> tuple[str, object]:
 # ------------------------------------------------------------------------------------------------ lossless output
 
 
+@pytest.mark.slow
 def test_greedy_chat_and_completion_equal_hsd_run_token_for_token(tiny, direct, served, caplog):
     plan, _ = tiny
     _, ar, tok = direct
@@ -404,6 +405,7 @@ def test_a_generation_failure_is_a_500_and_the_server_keeps_serving(tiny, direct
     assert sum("generation failed" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 2
 
 
+@pytest.mark.slow
 def test_load_concurrent_streams_with_a_client_killed_mid_stream(served, direct, caplog):
     """8 clients x 4 streamed greedy requests (chat and completions over three prompts) while one more client
     leaves mid-stream: every response is complete and equal to the sequential output, none is lost, the
@@ -669,6 +671,7 @@ def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):
     no_tracebacks(caplog)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_decode_together_and_each_is_its_own_answer(tiny, direct, caplog):
     """Four clients at once with different prompts and lengths on a server decoding up to four together: /health
     sees several in flight, and every answer is the one the plan gives the prompt alone."""

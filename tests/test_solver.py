@@ -379,6 +379,7 @@ def _depth_cases():
         yield seed, prof, int(rng.integers(1, 9))
 
 
+@pytest.mark.slow
 def test_optima_by_depth_equal_the_depth_limited_optimum():
     """One layered pass gives, for every depth d, exactly the plan of ``optimum(..., max_depth=d)``: same
     hierarchy, budgets and latency (ties broken the same way), with and without a depth limit."""
@@ -410,6 +411,7 @@ def _min_gain_by_one_solve_per_depth(prof, tmax, solver, max_depth, min_gain):
     return chosen, exact
 
 
+@pytest.mark.slow
 def test_min_gain_choice_matches_one_solve_per_depth():
     shallower = 0
     for seed, prof, tmax in _depth_cases():

@@ -79,6 +79,7 @@ def test_every_x86_variant_compiles_here_even_where_the_cpu_cannot_run_it(tmp_pa
 
 @pytest.mark.skipif(kernels.compiler() is None or not __import__("sys").platform.startswith("linux"),
                     reason="no C compiler here, or not Linux (the stand-in compiler is a shell script)")
+@pytest.mark.slow
 def test_a_compiler_without_openmp_gets_a_one_thread_build_said_once(tmp_path, monkeypatch):
     """Apple's clang has no ``-fopenmp``: the kernels are built without it, the library says so through its
     features, and the line says the kernels run on one thread; a second load finds that build in the cache."""
