@@ -134,6 +134,40 @@ def test_unconstrained_greedy_output_is_not_json_here(compiler, json_tok, engine
         json.loads(json_tok.decode(out.token_ids))
 
 
+def _stepwise_masked_greedy(eng, prompt, n, grammar):
+    """Masked greedy decoding one step at a time, read off the engine's logits: the reference."""
+    c = Constraint(grammar)
+    st = eng.new_state(len(prompt) + n + 1)
+    eng.append(st, torch.tensor(prompt))
+    out: list[int] = []
+    for _ in range(n):
+        eng.advance(st, eng.n_layers)
+        m = len(prompt) + len(out)
+        row = eng.logits(st, eng.n_layers, m - 1, m)[0]
+        t = int(row.masked_fill(~c.allowed(out, len(out)), float("-inf")).argmax())
+        out.append(t)
+        if t == EOS:
+            break
+        eng.append(st, torch.tensor([t]))
+    return out
+
+
+def test_masked_decoding_equals_the_stepwise_reference_and_skips_the_forced_tokens_passes(compiler, engine):
+    """Where the grammar allows one token only, the target's pass is not run for it (its next pass computes that
+    position too, the same numbers): fewer target passes than tokens, the same tokens as one masked step each."""
+    levels, budgets = _levels(engine)["ar"]
+    for prompt in PROMPTS:
+        ref = _stepwise_masked_greedy(engine, prompt, 60, _schema(compiler))
+        d = HSD(levels, budgets, eos_ids=[EOS]).start(prompt, 60, constraint=Constraint(_schema(compiler)))
+        passes: list = []
+        try:
+            out = d.run(on_pass=passes.append)
+        finally:
+            d.close()
+        assert out.token_ids == ref
+        assert len(passes) < 0.8 * len(ref), (len(passes), len(ref))
+
+
 @pytest.mark.parametrize("kind", ["exit", "cycle-exit", "abstaining"])
 def test_greedy_hsd_under_a_grammar_equals_masked_autoregressive_decoding(compiler, engine, kind):
     ar_levels, _ = _levels(engine)["ar"]
@@ -162,6 +196,7 @@ V, K, N = 12, 2, 1000
 PROMPT = [3, 5, 7]
 #: tokens of the sampled test: the special three, then letters and pieces of two
 SMALL_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "bc", "ca", "x", "y", "z"]
+FORCED_REGEX = "ab[abxyz]{1,3}"     # "ab" first, then a choice
 REGEX = "[abxy]{2,4}"      # refuses c, bc, ca and z, which hold half the unmasked first token's mass
 
 
@@ -225,3 +260,23 @@ def test_sampling_under_a_grammar_has_the_masked_models_distribution_and_a_wrong
     p_bad = _pvalue(draw(HSD([levels[1], levels[3]], [3], residual=False)), probs)
     assert p_ok > 1e-3, p_ok
     assert p_bad < 1e-6, p_bad
+
+
+@pytest.mark.slow
+def test_sampling_where_the_grammar_forces_a_token_keeps_the_masked_distribution(peaky):
+    """A forced first token is every level's draw without a pass (its draft row one-hot): the second token's
+    distribution is still the masked model's after it."""
+    model, lm = peaky
+    grammar = GrammarCompiler(TinyTokenizer(SMALL_TOKENS), EOS, V).compile(GrammarSpec("regex", FORCED_REGEX))
+    assert Constraint(grammar).only([], 0) is not None               # the first token is forced
+    probs = _exact_masked(model, grammar)
+    levels = [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)]
+    ok = HSD(levels, [2, 3])
+    bad = HSD([levels[0], levels[2]], [3], residual=False)
+
+    def draw(h):
+        return lambda seed: h.generate(PROMPT, K, temperature=1.0, seed=seed,
+                                       constraint=Constraint(grammar)).token_ids
+
+    assert _pvalue(draw(ok), probs) > 1e-3
+    assert _pvalue(draw(bad), probs) < 1e-6

@@ -86,8 +86,8 @@ class _TokenList:
         self.special_token_ids = [int(t) for t in special]
         self._encode = encode
 
-    def __call__(self, data: bytes) -> list[int]:
-        return list(self._encode(data))
+    def __call__(self, data: bytes | str) -> list[int]:
+        return list(self._encode(data.encode() if isinstance(data, str) else data))
 
 
 def _ll_tokenizer(tokenizer, eos_ids: list[int]):

@@ -43,6 +43,7 @@ class Constraint:
         self._at: list[int] = []                 # the tokens the matcher has consumed
         self._path: list[int] = []               # the prefix the kept rows belong to
         self._rows: dict[int, torch.Tensor] = {}     # length -> allowed row after path[:length]
+        self._only: dict[int, int | None] = {}       # length -> the one token allowed there, as its row
         self._bits = np.zeros((1, (grammar.vocab_size + 31) // 32), dtype=np.int32)
         #: mask rows computed (each a fill of the matcher's mask), for the statistics
         self.fills = 0
@@ -54,6 +55,7 @@ class Constraint:
             del self._path[c:]
             for k in [k for k in self._rows if k > c]:
                 del self._rows[k]
+                self._only.pop(k, None)
         row = self._rows.get(length)
         if row is not None:
             return row
@@ -71,6 +73,17 @@ class Constraint:
             row[:bits.size] = torch.from_numpy(bits.astype(bool))
         self._rows[length] = row
         return row
+
+    def only(self, generated: Sequence[int], length: int) -> int | None:
+        """The one token the grammar allows after ``generated[:length]``, None where it allows several (or the
+        end of sequence is among them). Where it returns a token, every level's masked distribution is one-hot
+        on it: greedy and sampled decoding both take it."""
+        row = self.allowed(generated, length)         # drops what a changed prefix made stale, this too
+        if length not in self._only:
+            ids = row.nonzero().flatten()
+            t = int(ids[0]) if ids.numel() == 1 else None
+            self._only[length] = None if t is None or t in self._eos else t
+        return self._only[length]
 
     def allowed_prefix(self, generated: Sequence[int], start: int, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (proposed after ``generated[:start]``) the grammar allows in a row."""

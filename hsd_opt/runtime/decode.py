@@ -480,6 +480,13 @@ class Decoding:
             return ids
         rows = self._allowed_rows(start, end)
         refused = [i for i, t in enumerate(ids) if not bool(rows[i, t])]
+        gen = self.seq[self.n_prompt:]
+        for i in list(refused):                  # one token allowed: the masked argmax, no logits needed
+            only = self.constraint.only(gen, start + 1 + i - self.n_prompt)
+            if only is not None:
+                ids = list(ids)
+                ids[i] = only
+                refused.remove(i)
         if refused:
             logits = yield from self._pass(k, start, end, False)
             best = mask_logits(logits[refused], rows[refused]).argmax(dim=-1).tolist()
@@ -487,6 +494,27 @@ class Decoding:
             for i, t in zip(refused, best):
                 ids[i] = int(t)
         return ids
+
+    def _forced(self, n: int, lv: Level | None = None) -> list[int]:
+        """The next tokens (at most ``n``) where the grammar allows one token only: every level's masked
+        distribution is one-hot there, so the bottom level takes them without drafting (a token drafter is not
+        asked, a model level runs no pass: its next pass computes those positions with the next, the same
+        numbers). For a model level ``lv``, only while its next pass stays within :data:`EXACT_PASS` positions.
+        None of them without a grammar."""
+        if self.constraint is None:
+            return []
+        room = n
+        if lv is not None:
+            done = self._state(lv.engine).lens[lv.boundary - 1]
+            room = min(n, EXACT_PASS - 1 - (len(self.seq) - done))
+        gen = self.seq[self.n_prompt:]
+        out: list[int] = []
+        while len(out) < room and len(self.seq) + len(out) < self.limit:
+            t = self.constraint.only(gen + out, len(gen) + len(out))
+            if t is None:
+                break
+            out.append(t)
+        return out
 
     def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
         """The grammar's allowed tokens at the positions a pass reads (``start .. end-1``, each row the token
@@ -507,6 +535,11 @@ class Decoding:
         st_stats.calls += 1
         if not lv.is_model:
             drafter = self._drafters[lv.name]
+            forced = self._forced(n)
+            if forced:                           # the grammar's own tokens: the drafter is not asked
+                self._append(forced)
+                st_stats.drafted += len(forced)
+                return forced, None
             toks = self._cut_eos([int(t) for t in drafter.propose(self.seq, n)][:n])
             short = len(toks) != n and (not toks or toks[-1] not in hsd.eos)
             if short and not drafter.may_abstain:
@@ -524,7 +557,13 @@ class Decoding:
             if self._cut_short():
                 break
             m = len(self.seq)
-            if self.greedy:
+            forced = self._forced(1, lv)
+            if forced:                           # one token allowed: this level's draw, without its pass
+                t = forced[0]
+                if not self.greedy:
+                    rows.append(torch.nn.functional.one_hot(torch.tensor([t], device=self.device),
+                                                            lv.engine.vocab_size).float())
+            elif self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
             else:
                 d = yield from self._dist(0, m - 1, m)
