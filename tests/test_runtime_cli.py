@@ -323,3 +323,22 @@ def test_bad_grammar_inputs_exit_2_naming_the_flag(tiny_dir, tmp_path, extra, ne
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + extra)
     assert res.exit_code == 2, _out(res)
     assert needle in _out(res) and "Traceback" not in _out(res)
+
+
+def test_bench_under_a_json_schema_runs_our_methods_masked_and_says_why_hf_does_not_run(tiny_dir, tmp_path):
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer2", "layer4"), budgets=(2, 3))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there", "task": "chat"}\n{"prompt": "Count: 1 2 3", "task": "math"}\n')
+    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                 "required": ["a"], "additionalProperties": False}))
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "12",
+                              "--json-schema", str(tmp_path / "s.json"), "--json", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(out.read_text())
+    assert rep["grammar"]["kind"] == "json_schema" and rep["reference"] == "ar"
+    assert rep["methods"]["hsd"]["matches_reference"] is True
+    assert "HF generate does not follow the grammar" in rep["methods"]["hf_ar"]["error"]
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--concurrency", "1,2",
+                              "--json-schema", str(tmp_path / "s.json")])
+    assert res.exit_code == 2 and "--json-schema" in _out(res)

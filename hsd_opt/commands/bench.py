@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from hsd_opt.commands.common import (
+    GRAMMAR_HELP,
+    JSON_SCHEMA_HELP,
     TARGET_PRECISION_HELP,
     cli_command,
+    compile_grammar,
     fmt,
+    grammar_spec,
     level_acceptance,
     load_plan_and_model,
     retime_text,
@@ -135,6 +140,9 @@ def bench_cmd(
                                                                       "the largest concurrency)."),
     rounds: int = typer.Option(1, "--rounds", help="With --concurrency: rounds at each level, the methods in "
                                                    "rotating order; the report holds the medians."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help=JSON_SCHEMA_HELP + " Our methods only "
+                                                                           "(HF generate does not follow it)."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help=GRAMMAR_HELP),
 ):
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
@@ -147,15 +155,21 @@ def bench_cmd(
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
                           target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
                           retime, others={"--temperature": temperature != 0.0, "--turns": turns != "first",
-                                          "--assistant": assistant is not None})
+                                          "--assistant": assistant is not None,
+                                          "--json-schema": json_schema is not None, "--grammar": grammar is not None})
     sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed)
+    spec = grammar_spec(json_schema, grammar)
     retime_profile = _retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    if spec is not None:
+        sampling = dataclasses.replace(sampling, grammar=compile_grammar(spec, loaded, loaded.model.config.vocab_size))
     _warn_profiled_temperature(plan, p.provenance.temperature, temperature)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
                     assistant=assistant, retime=retime_profile, retime_source=str(retime))
     _add_machine(rep, loaded)
+    if spec is not None:
+        rep["grammar"] = {"kind": spec.kind, "source": spec.source}
     _print_bench(rep, _bench_title(rep, loaded, len(items), turns, max_new_tokens, sampling))
     write_outputs(rep, json_out, plot, plot_report)
 

@@ -63,11 +63,19 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST_METHODS and m 
 @dataclass(frozen=True)
 class Sampling:
     """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-p
-    with a seed per prompt and turn (:meth:`seed_for`)."""
+    with a seed per prompt and turn (:meth:`seed_for`); under ``grammar`` (a compiled
+    :class:`~hsd_opt.grammar.compiler.Grammar`, None: none) every output follows it (our methods only)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    grammar: Any = None
+
+    def constraint(self):
+        """A fresh grammar state for one generation (None without a grammar)."""
+        from hsd_opt.grammar.constraint import Constraint
+
+        return Constraint(self.grammar) if self.grammar is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +202,8 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     """``(runner, its description or None, None)`` for method ``m``, or ``(None, None, why)`` where the plan lacks
     what it needs (nothing for a name not in :data:`METHODS`). ``hsd(hierarchy, budgets)``: our runner of one
     hierarchy, built once."""
+    if m.startswith("hf_") and sampling.grammar is not None:
+        return None, None, "HF generate does not follow the grammar (--json-schema, --grammar): not run"
     if m == "hf_ar":
         return _hf_runner(loaded, eos, sampling), None, None
     if m == "hf_prompt_lookup":
@@ -229,7 +239,8 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
 
 def _generate(h, ids: list[int], n: int, seed: int, sampling: Sampling):
     """``(token ids, stats)`` of one generation of at most ``n`` tokens by our runner ``h``."""
-    r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+    r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
+                   constraint=sampling.constraint())
     return r.token_ids, r.stats
 
 
@@ -358,7 +369,7 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
     """One generation of ``n`` tokens from ``ids`` by every hierarchy ``built`` (those of ``hsd_task`` included),
     then by every method: a method that raises is recorded in ``errors`` and dropped from ``runners``, said."""
     for h in built.values():
-        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p)
+        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, constraint=sampling.constraint())
     for m in list(runners):
         try:
             runners[m](ids, n, sampling.seed, task)
