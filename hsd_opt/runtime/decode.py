@@ -516,6 +516,38 @@ class Decoding:
             out.append(t)
         return out
 
+    def _verify_greedy(self, k: int, s: int, drafts: list[int]) -> Generator[Pass, object, tuple[int, int]]:
+        """Level k's greedy check of ``drafts`` (at positions ``s ..``): ``(accepted, the level's token after
+        them)``. Under a grammar a row's token is its masked argmax, needed only up to the first mismatch: a row
+        whose argmax equals the draft keeps it (the draft is allowed), and a row whose argmax the grammar refuses
+        is read again alone (:meth:`_masked_row`), so a long block reads no logits past its rejection."""
+        d = len(drafts)
+        g = yield from self._pass(k, s - 1, s + d, True)  # g[i]: the level's argmax at position s + i
+        j = 0
+        while True:
+            while j < d and drafts[j] == g[j]:
+                j += 1
+            if self.constraint is None:
+                return j, g[j]  # j <= d: row d is the bonus token's
+            gen = self.seq[self.n_prompt:]
+            t = g[j]
+            if not bool(self.constraint.allowed(gen, s + j - self.n_prompt)[t]):
+                t = yield from self._masked_row(k, s - 1 + j)
+            if j < d and t == drafts[j]:
+                j += 1
+                continue
+            return j, t
+
+    def _masked_row(self, k: int, p: int) -> Generator[Pass, object, int]:
+        """Level k's masked argmax at position ``p`` (the token at ``p + 1``): the one token the grammar allows
+        there, else read from the logits of that row alone (nothing advanced)."""
+        gen = self.seq[self.n_prompt:]
+        only = self.constraint.only(gen, p + 1 - self.n_prompt)
+        if only is not None:
+            return only
+        logits = yield from self._pass(k, p, p + 1, False)
+        return int(mask_logits(logits, self._allowed_rows(p, p + 1)).argmax(dim=-1)[0])
+
     def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
         """The grammar's allowed tokens at the positions a pass reads (``start .. end-1``, each row the token
         after it): ``bool [end - start, V]``. Drafts past ``self.seq`` are not needed: a pass reads positions of
@@ -600,11 +632,7 @@ class Decoding:
             stats.calls += 1
             stats.drafted += d
             if self.greedy:
-                g = yield from self._greedy(k, s - 1, s + d)  # g[i]: the level's token at position s + i
-                j = 0
-                while j < d and drafts[j] == g[j]:
-                    j += 1
-                fix = g[j]  # j <= d: row d is the bonus token's distribution
+                j, fix = yield from self._verify_greedy(k, s, drafts)
             else:
                 p = yield from self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
                 j, fix = self._verify(p, q, drafts)
