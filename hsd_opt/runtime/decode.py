@@ -240,6 +240,8 @@ class HSD:
                            f"{EXACT_PASS} are computed exactly as the target's steps (a budget of at most "
                            f"{EXACT_PASS - 1}{', in all' if mode == 'eager' else ''})")
         self.levels = levels
+        #: the most positions a verification pass computes (drafts and the position before them)
+        self.longest = longest
         self.budgets = [int(t) for t in budgets] or [1]
         self.eos = frozenset(int(e) for e in eos_ids)
         self.mode = mode
@@ -516,6 +518,23 @@ class Decoding:
             out.append(t)
         return out
 
+    def _forced_block(self, k: int, s: int, drafts: list[int]) -> bool:
+        """Whether every draft (at positions ``s ..``) is the one token the grammar allows there, so that level
+        ``k`` (below the top) takes them without its pass: its masked distribution is one-hot at each. Only while
+        its next pass stays within :data:`EXACT_PASS` positions (it will compute these with the next drafts)."""
+        if self.constraint is None:
+            return False
+        lv = self.hsd.levels[k]
+        done = self._state(lv.engine).lens[lv.boundary - 1]
+        if len(self.seq) - done + self.hsd.longest > EXACT_PASS:
+            return False
+        gen = self.seq[self.n_prompt:]
+        return all(self.constraint.only(gen, s + i - self.n_prompt) == t for i, t in enumerate(drafts))
+
+    def _one_hot(self, tokens: list[int], vocab: int) -> torch.Tensor:
+        """Rows ``[len(tokens), vocab]`` of one-hot distributions on ``tokens`` (float32)."""
+        return torch.nn.functional.one_hot(torch.tensor(tokens, device=self.device), vocab).float()
+
     def _verify_greedy(self, k: int, s: int, drafts: list[int]) -> Generator[Pass, object, tuple[int, int]]:
         """Level k's greedy check of ``drafts`` (at positions ``s ..``): ``(accepted, the level's token after
         them)``. Under a grammar a row's token is its masked argmax, needed only up to the first mismatch: a row
@@ -593,8 +612,7 @@ class Decoding:
             if forced:                           # one token allowed: this level's draw, without its pass
                 t = forced[0]
                 if not self.greedy:
-                    rows.append(torch.nn.functional.one_hot(torch.tensor([t], device=self.device),
-                                                            lv.engine.vocab_size).float())
+                    rows.append(self._one_hot([t], lv.engine.vocab_size))
             elif self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
             else:
@@ -628,6 +646,13 @@ class Decoding:
             d = len(drafts)
             if d == 0 and self._ended():
                 break
+            if not top and d and self._forced_block(k, s, drafts):
+                out.extend(drafts)          # one-hot at every one of them: this level takes them without a pass
+                if not self.greedy:
+                    out_p.append(self._one_hot(drafts, hsd.levels[k].engine.vocab_size))
+                if budget is not None and len(out) >= budget:
+                    break
+                continue
             # d == 0 without the end: the drafter below abstained, and this pass is a plain step of level k
             stats.calls += 1
             stats.drafted += d
