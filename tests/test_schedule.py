@@ -3,9 +3,7 @@ batch and the load predictor both run it (``tests/test_load_model.py`` checks th
 
 from __future__ import annotations
 
-import itertools
-
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups
 
 OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (False, True)
                for w in (0, 1, 3, 9) if d + p <= m]
@@ -29,10 +27,6 @@ def test_a_prompt_begins_alone_with_a_free_place_and_leaves_the_load_as_it_was()
 def test_the_level_in_force_is_the_nearest_on_a_log_scale():
     assert [level_at((1, 2, 4, 8), Occupancy(n, False, 0, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 4, 8, 8, 8]
     assert level_at((1, 8), Occupancy(1, True, 5, 8)) == 8          # 2 in flight, 5 waiting for a place: 7
-
-
-def test_only_a_sequence_that_follows_the_load_and_can_take_the_level_takes_it():
-    assert [takes_level(f, c) for f, c in itertools.product((False, True), repeat=2)] == [False, False, False, True]
 
 
 def _g(key, size, rank=0, waited=0, first=False):

@@ -51,7 +51,7 @@ from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, scale_costs
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
-from hsd_opt.runtime.schedule import Occupancy, level_at, takes_level
+from hsd_opt.runtime.schedule import Occupancy, level_at
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -283,7 +283,7 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
                 joined = s
         spec = specs[level_at(specs, occupancy())]
         for s in active:
-            if takes_level(True, spec.takes(s.holds)):       # every priced sequence is greedy: it follows the load
+            if spec.takes(s.holds):             # every priced sequence is greedy: it follows the load
                 s.spec, s.holds = spec, s.holds | spec.engines
         groups: dict[Spec, int] = {}
         for s in active:

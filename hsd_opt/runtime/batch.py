@@ -52,7 +52,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups, takes_level
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups
 
 #: The least ``max_wait`` of a batch by default (ticks).
 MIN_WAIT = 3
@@ -208,7 +208,7 @@ class Batch:
             self._prefill_pass(self.prefilling)
         level = self.levels[level_at(self.levels, self.occupancy)]   # those in flight and those about to join
         for e in self.active:
-            if takes_level(e.decoding.follows_load, e.decoding.can_switch(level)):
+            if e.decoding.follows_load and e.decoding.can_switch(level):
                 e.decoding.switch(level)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:

@@ -8,8 +8,8 @@ in this order:
    computed and fewer than ``max_active`` sequences are in flight);
 2. the load level in force (:func:`level_at`): the plan level nearest, on a log scale, to the sequences in flight
    and those about to take a place (:attr:`Occupancy.load`);
-3. which sequences take that level's hierarchy (:func:`takes_level`: one that follows the load and can take it
-   for no more than a prefill's cost);
+3. which sequences take that level's hierarchy: one that follows the load and can take it for no more than a
+   prefill's cost (the batch asks the sequence, the predictor its priced engines);
 4. which groups of pending passes (one group per engine) are served (:func:`served_groups`).
 
 The predictor prices a tick by the expected seconds per token of the hierarchies in use, not pass by pass, so it
@@ -59,13 +59,6 @@ class Occupancy:
 def level_at(levels: Iterable[int], occupancy: Occupancy) -> int:
     """The load level in force at ``occupancy``: :func:`~hsd_opt.formats.nearest_level` of its load."""
     return nearest_level(levels, occupancy.load)
-
-
-def takes_level(follows_load: bool, can_take: bool) -> bool:
-    """Whether a sequence takes the hierarchy of the level in force: it follows the load (greedy, or sampled
-    without a seed) and takes it for no more than a prefill's cost (it holds every engine of it, or lacks only
-    copies that take its keys and values)."""
-    return follows_load and can_take
 
 
 @dataclass(frozen=True)
