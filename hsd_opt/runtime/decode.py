@@ -476,26 +476,21 @@ class Decoding:
         """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
         which need not compute every logit). Under a grammar, the argmax of the masked logits: a row whose argmax
         the grammar allows keeps it (the first maximum is the first allowed maximum too); the others are read
-        from the logits, masked (one more read of the same positions, nothing advanced)."""
+        again alone (:meth:`_masked_row`)."""
         ids = yield from self._pass(k, start, end, True)
         if self.constraint is None:
             return ids
-        rows = self._allowed_rows(start, end)
-        refused = [i for i, t in enumerate(ids) if not bool(rows[i, t])]
+        ids = list(ids)
         gen = self.seq[self.n_prompt:]
-        for i in list(refused):                  # one token allowed: the masked argmax, no logits needed
-            only = self.constraint.only(gen, start + 1 + i - self.n_prompt)
-            if only is not None:
-                ids = list(ids)
-                ids[i] = only
-                refused.remove(i)
-        if refused:
-            logits = yield from self._pass(k, start, end, False)
-            best = mask_logits(logits[refused], rows[refused]).argmax(dim=-1).tolist()
-            ids = list(ids)
-            for i, t in zip(refused, best):
-                ids[i] = int(t)
+        for i, t in enumerate(ids):
+            if not bool(self.constraint.allowed(gen, start + 1 + i - self.n_prompt)[t]):
+                ids[i] = yield from self._masked_row(k, start + i)
         return ids
+
+    def _lag(self, lv: Level) -> int:
+        """Positions of the sequence that model level ``lv``'s engine has not computed up to its boundary: its
+        next pass computes them with the positions it reads."""
+        return len(self.seq) - self._state(lv.engine).lens[lv.boundary - 1]
 
     def _forced(self, n: int, lv: Level | None = None) -> list[int]:
         """The next tokens (at most ``n``) where the grammar allows one token only: every level's masked
@@ -505,10 +500,7 @@ class Decoding:
         None of them without a grammar."""
         if self.constraint is None:
             return []
-        room = n
-        if lv is not None:
-            done = self._state(lv.engine).lens[lv.boundary - 1]
-            room = min(n, EXACT_PASS - 1 - (len(self.seq) - done))
+        room = n if lv is None else min(n, EXACT_PASS - 1 - self._lag(lv))
         gen = self.seq[self.n_prompt:]
         out: list[int] = []
         while len(out) < room and len(self.seq) + len(out) < self.limit:
@@ -524,9 +516,7 @@ class Decoding:
         its next pass stays within :data:`EXACT_PASS` positions (it will compute these with the next drafts)."""
         if self.constraint is None:
             return False
-        lv = self.hsd.levels[k]
-        done = self._state(lv.engine).lens[lv.boundary - 1]
-        if len(self.seq) - done + self.hsd.longest > EXACT_PASS:
+        if self._lag(self.hsd.levels[k]) + self.hsd.longest > EXACT_PASS:
             return False
         gen = self.seq[self.n_prompt:]
         return all(self.constraint.only(gen, s + i - self.n_prompt) == t for i, t in enumerate(drafts))
@@ -548,9 +538,8 @@ class Decoding:
                 j += 1
             if self.constraint is None:
                 return j, g[j]  # j <= d: row d is the bonus token's
-            gen = self.seq[self.n_prompt:]
             t = g[j]
-            if not bool(self.constraint.allowed(gen, s + j - self.n_prompt)[t]):
+            if not bool(self.constraint.allowed(self.seq[self.n_prompt:], s + j - self.n_prompt)[t]):
                 t = yield from self._masked_row(k, s - 1 + j)
             if j < d and t == drafts[j]:
                 j += 1
