@@ -7,7 +7,7 @@ copy. A spec that does not compile is an :class:`~hsd_opt.errors.HsdError` namin
 unconstrained output.
 
 JSON is produced in one layout (``", "`` between items, ``": "`` after keys, no other white space), so that the
-tokens the grammar forces are few and known (:meth:`~hsd_opt.grammar.constraint.Constraint.forced`).
+tokens the grammar forces are few and known (:meth:`~hsd_opt.grammar.constraint.Constraint.only`).
 """
 
 from __future__ import annotations

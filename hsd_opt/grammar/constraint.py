@@ -45,8 +45,6 @@ class Constraint:
         self._rows: dict[int, torch.Tensor] = {}     # length -> allowed row after path[:length]
         self._only: dict[int, int | None] = {}       # length -> the one token allowed there, as its row
         self._bits = np.zeros((1, (grammar.vocab_size + 31) // 32), dtype=np.int32)
-        #: mask rows computed (each a fill of the matcher's mask), for the statistics
-        self.fills = 0
 
     def allowed(self, generated: Sequence[int], length: int) -> torch.Tensor:
         """The tokens that may follow ``generated[:length]``: ``torch.bool [vocab]``."""
@@ -66,7 +64,6 @@ class Constraint:
             row[list(self._eos)] = True
         else:
             self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            self.fills += 1
             if self._matcher.is_error():
                 raise HsdError(f"grammar: {self._matcher.get_error()}")
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.grammar.vocab_size]
@@ -92,13 +89,6 @@ class Constraint:
             if not bool(self.allowed(seq, start + i)[t]):
                 return i
         return len(tokens)
-
-    def forced(self, generated: Sequence[int]) -> list[int]:
-        """The tokens the grammar forces after all of ``generated`` (its own canonical split of the forced
-        text; none where the next token is not forced)."""
-        if self._move(list(generated)):
-            return []
-        return [int(t) for t in self._matcher.compute_ff_tokens()]
 
     def accepting(self, generated: Sequence[int]) -> bool:
         """Whether the grammar accepts ``generated`` as a whole output (end of sequence allowed there)."""
