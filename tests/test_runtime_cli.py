@@ -297,7 +297,7 @@ def test_run_under_a_json_schema_equals_the_targets_masked_output(tiny_dir, tmp_
                                   flag, str(path), "--json", str(out), "--device", "cpu", "--quiet"])
         assert res.exit_code == 0, _out(res)
         got = json.loads(out.read_text())["token_ids"]
-        grammar = compile_grammar(spec, loaded, ar.target.vocab_size)
+        grammar = compile_grammar(spec, loaded)
         ref = ar.generate(encode_prompt(loaded.tokenizer, "Hello"), 24, constraint=Constraint(grammar)).token_ids
         assert got == ref
         assert got != ar.generate(encode_prompt(loaded.tokenizer, "Hello"), 24).token_ids

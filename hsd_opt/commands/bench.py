@@ -162,7 +162,7 @@ def bench_cmd(
     retime_profile = _retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     if spec is not None:
-        sampling = dataclasses.replace(sampling, grammar=compile_grammar(spec, loaded, loaded.model.config.vocab_size))
+        sampling = dataclasses.replace(sampling, grammar=compile_grammar(spec, loaded))
     _warn_profiled_temperature(plan, p.provenance.temperature, temperature)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),

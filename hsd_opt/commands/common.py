@@ -176,12 +176,16 @@ def grammar_spec(json_schema: Optional[Path], grammar: Optional[Path]):
     return None
 
 
-def compile_grammar(spec, loaded, width: int):
-    """``spec`` (None: none) compiled for ``loaded``'s tokenizer, its end-of-sequence ids and a target with
-    ``width`` logits."""
-    if spec is None:
-        return None
+def grammar_compiler(loaded):
+    """A :class:`~hsd_opt.grammar.compiler.GrammarCompiler` for ``loaded``'s tokenizer, its end-of-sequence ids and
+    its LM head's rows (the width of every engine's logits over it)."""
     from hsd_opt.grammar.compiler import GrammarCompiler
     from hsd_opt.runtime.runner import eos_ids
 
-    return GrammarCompiler(loaded.tokenizer, eos_ids(loaded), width).compile(spec)
+    return GrammarCompiler(loaded.tokenizer, eos_ids(loaded),
+                           loaded.model.get_output_embeddings().weight.shape[0])
+
+
+def compile_grammar(spec, loaded):
+    """``spec`` (None: none) compiled for ``loaded`` (:func:`grammar_compiler`)."""
+    return None if spec is None else grammar_compiler(loaded).compile(spec)

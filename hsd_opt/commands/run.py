@@ -153,7 +153,7 @@ def run_cmd(
     spec = grammar_spec(json_schema, grammar)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
-    compiled = compile_grammar(spec, loaded, next(iter(runners.values())).target.vocab_size)
+    compiled = compile_grammar(spec, loaded)
     lines, gens = [], []
     for it in items:
         which = plan_for_prompt(p, it.task, per_task)[3]
