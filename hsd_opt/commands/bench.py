@@ -362,11 +362,9 @@ def _add_load_machine(rep: dict, started: str, plan: Path, loaded) -> None:
 
     import torch
 
-    from hsd_opt.engine import kernels
-
     rep.update({"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "plan": str(plan), "model": loaded.provenance(), "device": str(loaded.device),
-                "torch_threads": torch.get_num_threads(), "kernels": kernels.provenance(loaded.device)})
+                "plan": str(plan), "device": str(loaded.device), "torch_threads": torch.get_num_threads()})
+    _add_machine(rep, loaded)
 
 
 def load_table(rep: dict, title: str, predicted_run: bool):
