@@ -5,10 +5,12 @@ task's schema, greedy, interleaved per task, in one process:
         [--limit 60] [--max-new-tokens 200] [--out benchmarks/results/json_schema_bench.json]
 
 Methods: ``masked_ar_no_skip`` (the target alone, one pass per token: the reference of losslessness), ``masked_ar``
-(the target alone, forced tokens taken without a pass), ``plan`` (the plan's hierarchy under the grammar). Reported
-per method: tokens, decode tokens/s (prefill excluded), tokens per target pass; per task whether the output ended and
-parses as JSON, whether every method's output equals the reference, and the share of positions where the grammar
-allowed one token only (forced). Also the seconds spent computing the grammar's rows, per token.
+(the target alone, forced tokens taken without a pass), ``plan_no_skip`` and ``plan`` (the plan's hierarchy under
+the grammar, without and with forced tokens taken without passes). Reported per method: tokens, decode tokens/s
+(prefill excluded), tokens per target pass, the grammar's seconds per token (all of the constraint's work); per task
+whether the output ended and parses as JSON, whether every method's output equals the reference, and the share of
+positions where the grammar allowed one token only (forced). Also p50/p99 of a new prefix's mask (moving the matcher
+and filling its bits) and of a schema's compile, cold and from the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -31,23 +34,59 @@ TASKS = Path(__file__).resolve().parents[1] / "hsd_opt" / "data" / "json_tasks.j
 
 
 class _Timed(Constraint):
-    """A constraint that adds up the seconds its rows take (``seconds``) and counts them."""
+    """A constraint that adds up the seconds of all its work (``seconds``: the outermost call of each question the
+    decoding asks, so nothing is counted twice) and keeps the seconds of each new prefix's mask (``fills``: moving
+    the matcher there and filling its bits)."""
 
     seconds = 0.0
+    fills: list[float] = []
+    _depth = 0
 
-    def allowed(self, generated, length):
+    def _timed(self, fn, *args):
+        _Timed._depth += 1
         t = time.perf_counter()
         try:
-            return super().allowed(generated, length)
+            return fn(*args)
         finally:
-            _Timed.seconds += time.perf_counter() - t
+            _Timed._depth -= 1
+            if _Timed._depth == 0:
+                _Timed.seconds += time.perf_counter() - t
+
+    def bits(self, generated, length):
+        before = self._bits.get(length)
+        t = time.perf_counter()
+        b = self._timed(super().bits, generated, length)
+        if b is not before:
+            _Timed.fills.append(time.perf_counter() - t)
+        return b
+
+    def allowed(self, generated, length):
+        return self._timed(super().allowed, generated, length)
+
+    def allows(self, generated, length, token):
+        return self._timed(super().allows, generated, length, token)
+
+    def only(self, generated, length):
+        return self._timed(super().only, generated, length)
+
+    def allowed_prefix(self, generated, start, tokens):
+        return self._timed(super().allowed_prefix, generated, start, tokens)
+
+
+def _quantiles(xs: list[float]) -> dict:
+    """p50 and p99 of ``xs`` (seconds) in milliseconds."""
+    if not xs:
+        return {}
+    q = statistics.quantiles(xs, n=100, method="inclusive")
+    return {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * q[98], "count": len(xs)}
 
 
 def _run(h, ids, n, grammar, skip: bool):
     passes = []
-    saved = decode.Decoding._forced
+    saved = decode.Decoding._forced, decode.Decoding._forced_block
     if not skip:
         decode.Decoding._forced = lambda self, n, lv=None: []
+        decode.Decoding._forced_block = lambda self, k, s, drafts: False
     try:
         d = h.start(ids, n, constraint=_Timed(grammar))
         try:
@@ -55,7 +94,7 @@ def _run(h, ids, n, grammar, skip: bool):
         finally:
             d.close()
     finally:
-        decode.Decoding._forced = saved
+        decode.Decoding._forced, decode.Decoding._forced_block = saved
     return res, sum(passes)
 
 
@@ -73,12 +112,19 @@ def main() -> None:
     ar = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[])
     grammars = GrammarCompiler(tok, eos_token_ids(loaded), ar.target.vocab_size)
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][: a.limit]
-    methods = {"masked_ar_no_skip": (ar, False), "masked_ar": (ar, True), "plan": (plan_h, True)}
+    methods = {"masked_ar_no_skip": (ar, False), "masked_ar": (ar, True), "plan_no_skip": (plan_h, False),
+               "plan": (plan_h, True)}
     totals = {m: {"tokens": 0, "decode_seconds": 0.0, "target_passes": 0, "grammar_seconds": 0.0} for m in methods}
-    rows = []
+    rows, compile_cold, compile_cached = [], [], []
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):
-        grammar = grammars.compile(GrammarSpec.json_schema(task["schema"], task["name"]))
+        spec = GrammarSpec.json_schema(task["schema"], task["name"])
+        t = time.perf_counter()
+        grammar = grammars.compile(spec)
+        compile_cold.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        grammars.compile(GrammarSpec.json_schema(task["schema"], task["name"]))
+        compile_cached.append(time.perf_counter() - t)
         ids = chat_ids(tok, [{"role": "user", "content": task["prompt"]}])
         outs = {}
         for m, (h, skip) in methods.items():
@@ -112,6 +158,8 @@ def main() -> None:
                                 "grammar_ms_per_token": 1e3 * tt["grammar_seconds"] / max(tt["tokens"], 1)}
     n = sum(r["tokens"] for r in rows)
     report["forced_share"] = sum(r["forced"] for r in rows) / max(n, 1)
+    report["mask_fill"] = _quantiles(_Timed.fills)
+    report["compile_cold"], report["compile_cached"] = _quantiles(compile_cold), _quantiles(compile_cached)
     report["all_equal"] = all(r["equal"] for r in rows)
     report["ended_and_parse"] = sum(r["ended"] and r["parses"] for r in rows)
     report["ended"] = sum(r["ended"] for r in rows)
@@ -120,6 +168,8 @@ def main() -> None:
     for m, r in report["methods"].items():
         print(f"{m}: {r['decode_tokens_per_s']:.1f} tok/s decode, {r['tokens_per_target_pass']:.2f} tokens per "
               f"target pass, grammar {r['grammar_ms_per_token']:.3f} ms/token")
+    print(f"mask fill {report['mask_fill']}; schema compile cold {report['compile_cold']}, cached "
+          f"{report['compile_cached']}")
     print(f"forced share {report['forced_share']:.3f}; ended {report['ended']}/{len(rows)}, of which parse "
           f"{report['ended_and_parse']}; every output equal: {report['all_equal']}; wrote {a.out}")
 

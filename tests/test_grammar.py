@@ -104,6 +104,27 @@ def test_rows_after_a_changed_prefix_are_computed_again_not_kept(compiler, json_
             assert torch.equal(kept.allowed(seq, i), fresh.allowed(seq, i)), i
 
 
+def test_the_bits_answer_what_the_rows_say_token_by_token(compiler, json_tok):
+    """allows() and only() read the packed bits; the boolean row is made from the same bits: they must agree for
+    every token id of the logits' width (ids past the tokenizer's never allowed), at every prefix, after a changed
+    prefix and after the end of sequence."""
+    a = json_tok.encode('{"name": "ab", "n": 10, "ok": true, "tag": "cd"}') + [EOS]
+    b = json_tok.encode('{"name": "abcdef", "n": 2')
+    c = Constraint(_schema(compiler))
+    seen_only = 0
+    for seq in (a, b, a):
+        for i in range(len(seq) + 1 if seq[-1] != EOS else len(seq)):
+            row = c.allowed(seq, i)
+            assert [c.allows(seq, i, t) for t in range(-1, c.vocab_size + 3)] == \
+                [False] + row.tolist() + [False] * 3, i
+            ids = row.nonzero().flatten().tolist()
+            assert c.only(seq, i) == (ids[0] if len(ids) == 1 and ids[0] != EOS else None), i
+            seen_only += c.only(seq, i) is not None
+    assert seen_only > 3                           # the schema forces its keys' tokens: the test sees one-token rows
+    after_end = a + [5]
+    assert c.allowed(after_end, len(a)).nonzero().flatten().tolist() == [EOS] and c.only(after_end, len(a)) is None
+
+
 def _levels(engine):
     return {
         "ar": ([Level("layer4", engine, 4)], []),

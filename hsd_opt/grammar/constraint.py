@@ -25,15 +25,20 @@ from hsd_opt.grammar.compiler import Grammar
 def _common(a: Sequence[int], b: Sequence[int], n: int) -> int:
     """The length of the longest common prefix of ``a[:n]`` and ``b[:n]``."""
     n = min(n, len(a), len(b))
+    if list(a[:n]) == list(b[:n]):          # the usual case, compared at C speed
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while a[i] == b[i]:
         i += 1
     return i
 
 
 class Constraint:
     """A grammar's state for one sequence (see the module doc); its rows are as wide as the model's logits
-    (``grammar.width``; ids past the tokenizer's are never allowed)."""
+    (``grammar.width``; ids past the tokenizer's are never allowed). Each prefix's allowed tokens are kept as the
+    matcher's packed bits (one bit per token id, ``int32`` words); the boolean row is made only where a level reads
+    masked logits, and the questions the decoding asks most (is this token allowed, is one token forced) are
+    answered from the bits."""
 
     def __init__(self, grammar: Grammar):
         self.grammar = grammar
@@ -41,44 +46,70 @@ class Constraint:
         self._eos = frozenset(grammar.eos_ids)
         self._matcher = grammar.template.deep_copy()
         self._at: list[int] = []                 # the tokens the matcher has consumed
-        self._path: list[int] = []               # the prefix the kept rows belong to
-        self._rows: dict[int, torch.Tensor] = {}     # length -> allowed row after path[:length]
-        self._only: dict[int, int | None] = {}       # length -> the one token allowed there, as its row
-        self._bits = np.zeros((1, (grammar.vocab_size + 31) // 32), dtype=np.int32)
+        self._path: list[int] = []               # the prefix the kept bits and rows belong to
+        self._bits: dict[int, np.ndarray] = {}       # length -> allowed tokens after path[:length], packed
+        self._rows: dict[int, torch.Tensor] = {}     # length -> the same as a boolean row
+        self._only: dict[int, int | None] = {}       # length -> the one token allowed there
+        self._words = (grammar.vocab_size + 31) // 32
+        after_end = np.zeros(self._words, dtype=np.uint32)       # after the end of sequence: only it, again
+        for t in self._eos:
+            if t < grammar.vocab_size:
+                after_end[t >> 5] |= np.uint32(1 << (t & 31))
+        self._after_end = after_end.view(np.int32)
+
+    def bits(self, generated: Sequence[int], length: int) -> np.ndarray:
+        """The tokens that may follow ``generated[:length]`` as packed bits: ``int32 [ceil(vocab / 32)]``, bit ``t %
+        32`` of word ``t // 32`` for token ``t`` (kept: do not change it)."""
+        c = _common(self._path, generated, length)
+        if c < min(len(self._path), length):         # the prefix changed at c: what is kept past it is stale
+            del self._path[c:]
+            for kept in (self._bits, self._rows, self._only):
+                for k in [k for k in kept if k > c]:
+                    del kept[k]
+        b = self._bits.get(length)
+        if b is not None:
+            return b
+        if len(self._path) < length:
+            self._path.extend(int(t) for t in generated[len(self._path):length])
+        if self._move(self._path[:length]):
+            b = self._after_end
+        else:
+            b = np.empty(self._words, dtype=np.int32)
+            self._matcher.unsafe_compute_mask_ptr(b.ctypes.data, b.nbytes)
+            if self._matcher.is_error():
+                raise HsdError(f"grammar: {self._matcher.get_error()}")
+        self._bits[length] = b
+        return b
+
+    def allows(self, generated: Sequence[int], length: int, token: int) -> bool:
+        """Whether ``token`` may follow ``generated[:length]`` (one bit of :meth:`bits`)."""
+        if not 0 <= token < self.grammar.vocab_size:
+            return False
+        return bool((int(self.bits(generated, length)[token >> 5]) >> (token & 31)) & 1)
 
     def allowed(self, generated: Sequence[int], length: int) -> torch.Tensor:
         """The tokens that may follow ``generated[:length]``: ``torch.bool [vocab]``."""
-        c = _common(self._path, generated, length)
-        if c < min(len(self._path), length):         # the prefix changed at c: rows past it are stale
-            del self._path[c:]
-            for k in [k for k in self._rows if k > c]:
-                del self._rows[k]
-                self._only.pop(k, None)
+        b = self.bits(generated, length)            # drops what a changed prefix made stale, rows too
         row = self._rows.get(length)
-        if row is not None:
-            return row
-        if len(self._path) < length:
-            self._path.extend(int(t) for t in generated[len(self._path):length])
-        row = torch.zeros(self.vocab_size, dtype=torch.bool)
-        if self._move(self._path[:length]):       # after the end of sequence: nothing follows (only it, again)
-            row[list(self._eos)] = True
-        else:
-            self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            if self._matcher.is_error():
-                raise HsdError(f"grammar: {self._matcher.get_error()}")
-            bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.grammar.vocab_size]
-            row[:bits.size] = torch.from_numpy(bits.astype(bool))
-        self._rows[length] = row
+        if row is None:
+            row = torch.zeros(self.vocab_size, dtype=torch.bool)
+            flags = np.unpackbits(b.view(np.uint8), bitorder="little")[:self.grammar.vocab_size]
+            row[:flags.size] = torch.from_numpy(flags.view(bool))
+            self._rows[length] = row
         return row
 
     def only(self, generated: Sequence[int], length: int) -> int | None:
         """The one token the grammar allows after ``generated[:length]``, None where it allows several (or the
         end of sequence is among them). Where it returns a token, every level's masked distribution is one-hot
         on it: greedy and sampled decoding both take it."""
-        row = self.allowed(generated, length)         # drops what a changed prefix made stale, this too
+        b = self.bits(generated, length)            # drops what a changed prefix made stale, this too
         if length not in self._only:
-            ids = row.nonzero().flatten()
-            t = int(ids[0]) if ids.numel() == 1 else None
+            t = None
+            words = np.flatnonzero(b)
+            if words.size == 1:
+                w = int(b[words[0]]) & 0xFFFFFFFF
+                if w & (w - 1) == 0:                     # one bit set
+                    t = int(words[0]) * 32 + w.bit_length() - 1
             self._only[length] = None if t is None or t in self._eos else t
         return self._only[length]
 
@@ -86,7 +117,7 @@ class Constraint:
         """How many of ``tokens`` (proposed after ``generated[:start]``) the grammar allows in a row."""
         seq = list(generated[:start]) + [int(t) for t in tokens]
         for i, t in enumerate(seq[start:]):
-            if not bool(self.allowed(seq, start + i)[t]):
+            if not self.allows(seq, start + i, t):
                 return i
         return len(tokens)
 

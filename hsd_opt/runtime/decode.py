@@ -483,7 +483,7 @@ class Decoding:
         ids = list(ids)
         gen = self.seq[self.n_prompt:]
         for i, t in enumerate(ids):
-            if not bool(self.constraint.allowed(gen, start + 1 + i - self.n_prompt)[t]):
+            if not self.constraint.allows(gen, start + 1 + i - self.n_prompt, t):
                 ids[i] = yield from self._masked_row(k, start + i)
         return ids
 
@@ -539,7 +539,7 @@ class Decoding:
             if self.constraint is None:
                 return j, g[j]  # j <= d: row d is the bonus token's
             t = g[j]
-            if not bool(self.constraint.allowed(self.seq[self.n_prompt:], s + j - self.n_prompt)[t]):
+            if not self.constraint.allows(self.seq[self.n_prompt:], s + j - self.n_prompt, t):
                 t = yield from self._masked_row(k, s - 1 + j)
             if j < d and t == drafts[j]:
                 j += 1
