@@ -54,7 +54,7 @@ def config_of(name: str) -> dict:
 def build(config: dict, device: str, dtype: torch.dtype, peak: float, seed: int = 0):
     """A model of ``config`` with random weights, made directly on ``device`` in ``dtype`` (eval; the LM head
     scaled by ``peak``): :func:`hsd_opt.models.random_weights.random_model`."""
-    return random_weights.random_model(config, device, dtype, peak, seed)
+    return random_weights.random_model(config, device, dtype, peak, seed, "--config")
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -66,23 +66,24 @@ def _read_config(path: Path, flag: str) -> dict[str, Any]:
 
 
 def random_model(config: dict[str, Any], device: "str | torch.device", dtype: "torch.dtype", peak: float = PEAK,
-                 seed: int = 0):
+                 seed: int = 0, flag: str = "--model"):
     """A causal LM of ``config`` (its ``model_type``, Llama where none is named) with random weights, made
-    directly on ``device`` in ``dtype``, the LM head scaled by ``peak`` (eval mode)."""
+    directly on ``device`` in ``dtype``, the LM head scaled by ``peak`` (eval mode); :class:`HsdError` naming
+    ``flag`` for a configuration ``transformers`` builds no causal LM of."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
-    try:
-        cfg = AutoConfig.for_model(config.get("model_type", "llama"), **kw)
-    except (TypeError, ValueError) as e:
-        raise HsdError(f"--model: cannot build a model of this configuration ({str(e).splitlines()[0]})") from None
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.get("model_type", "llama"), **kw))
+    except (TypeError, ValueError, KeyError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise HsdError(f"{flag}: cannot build a causal LM of this configuration "
+                       f"({why if len(why) <= 160 else why[:160] + '...'})") from None
     finally:
         torch.set_default_dtype(old)
     with torch.no_grad():
@@ -147,7 +148,7 @@ def load_random(name: str, device: str = "auto", dtype: str = "auto", flag: str 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     config, tokenizer = _config_and_tokenizer(name, flag)
-    model = random_model(config, dev, dt)
+    model = random_model(config, dev, dt, flag=flag)
     torch.set_grad_enabled(False)
     if dev.type == "cpu":
         from hsd_opt.models.memory import resident_weights
