@@ -1,4 +1,5 @@
-"""`hsd profile` (measure acceptance rates and costs of a drafter pool) and `hsd profile merge`."""
+"""`hsd profile` (measure acceptance rates and costs of a drafter pool, or its costs alone: `--costs-only`),
+`hsd profile merge` and `hsd profile merge-costs`."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ _THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when th
 def profile_cmd(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: alias (hsd models list), hub id, "
-                                                               "local directory or .gguf file."),
+                                                               "local directory or .gguf file (with --costs-only "
+                                                               "also a configuration)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
                                                                     "default: the built-in suite."),

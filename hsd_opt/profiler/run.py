@@ -460,8 +460,9 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     (:func:`~hsd_opt.models.random_weights.load_random`: a step costs what it costs with the real weights);
     nothing is generated and no acceptance is measured. Every cost is measured as :func:`run_profile` measures
     it, the token drafters' on the prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them).
-    Returns the profile: no acceptance rates, ``provenance.costs_only`` true (:func:`~hsd_opt.profiler.assemble.
-    costs_profile`). Refuses ``--resume``, ``--shard`` and several processes (:func:`_check_costs_only`)."""
+    Returns the profile (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates,
+    ``provenance.costs_only`` true. Refuses ``--resume``, ``--shard`` and several processes
+    (:func:`_check_costs_only`)."""
     _validate(cfg)
     _check_costs_only(cfg)
     threads_note = set_threads(cfg.threads, warn)
