@@ -38,41 +38,23 @@ from typing import Callable
 import torch
 
 from hsd_opt.engine.timing import median_pass, now
-
-CONFIGS = Path(__file__).resolve().parents[1] / "hsd_opt" / "data" / "configs"
-#: A 4-layer model for a dry run on a CPU.
-TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+from hsd_opt.errors import HsdError
+from hsd_opt.models import random_weights
 
 
 def config_of(name: str) -> dict:
-    """The configuration named ``name`` (a shipped one, ``tiny``, or a config.json path), HF's keys only."""
-    if name == "tiny":
-        return dict(TINY)
-    path = CONFIGS / f"{name}.json" if (CONFIGS / f"{name}.json").is_file() else Path(name)
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
-        raise SystemExit(f"--config: no configuration {name!r} (shipped: {shipped}, tiny, or a config.json path)")
-    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    """The configuration named ``name`` (a shipped one, ``tiny``, or a config.json path), HF's keys only
+    (:func:`hsd_opt.models.random_weights.config_of`; a bad name exits with its one line)."""
+    try:
+        return random_weights.config_of(name, "--config")
+    except HsdError as e:
+        raise SystemExit(str(e)) from None
 
 
 def build(config: dict, device: str, dtype: torch.dtype, peak: float, seed: int = 0):
-    """A ``LlamaForCausalLM`` of ``config`` with random weights, made directly on ``device`` in ``dtype`` (eval)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
-    torch.manual_seed(seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(peak)
-    return model.eval()
+    """A model of ``config`` with random weights, made directly on ``device`` in ``dtype`` (eval; the LM head
+    scaled by ``peak``): :func:`hsd_opt.models.random_weights.random_model`."""
+    return random_weights.random_model(config, device, dtype, peak, seed, "--config")
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -346,6 +346,8 @@ class Provenance:
             without it is for its ``dtype``).
         temperature: the sampling temperature of the profiled generations (0: greedy).
         top_p: their nucleus share, in (0, 1].
+        costs_only: True for a profile of costs alone (``hsd profile --costs-only``: random weights, no
+            acceptance rates), which ``hsd solve`` refuses until ``hsd profile merge-costs`` has given it rates.
         extra: every other field (prompts, timings, versions, ...), kept on round-trip.
         key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
     """
@@ -358,6 +360,7 @@ class Provenance:
     target_precision: str | None = None
     temperature: float | None = None
     top_p: float | None = None
+    costs_only: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
@@ -382,7 +385,7 @@ class Provenance:
     def to_dict(self) -> dict[str, Any]:
         fields = {"model": self.model, "revision": self.revision, "heads": self.heads, "device": self.device,
                   "dtype": self.dtype, "target_precision": self.target_precision, "temperature": self.temperature,
-                  "top_p": self.top_p}
+                  "top_p": self.top_p, "costs_only": self.costs_only}
         return _json_object(fields, dict.fromkeys(fields), self.extra, self.key_order)
 
 
@@ -918,6 +921,15 @@ def triangle_warnings(profile: Profile, source: str = "<profile>", tol: float = 
     return out
 
 
+def check_has_rates(profile: Profile, source: str) -> None:
+    """Refuse a costs-only profile (``provenance.costs_only``) where acceptance rates are needed (a plan, a merge
+    of rates): :class:`InputFileError` naming ``source`` and saying how to give it rates."""
+    if profile.provenance.costs_only:
+        raise InputFileError(source, f"a costs-only profile (hsd profile --costs-only) has no acceptance rates: "
+                                     f"combine it with a profile's rates first: hsd profile merge-costs --rates "
+                                     f"RATES.json --costs {source} -o merged.json", "provenance.costs_only")
+
+
 def load_profile(path: str | os.PathLike) -> tuple[Profile, list[str]]:
     """Read and validate ``hsd-profile/1`` from ``path``. Returns ``(profile, warnings)``."""
     return profile_from_dict(read_json(path), str(path))
@@ -1062,7 +1074,8 @@ def _plan_models(raw: Any, source: str) -> list[PlanModel]:
     return out
 
 
-PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p")
+PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p",
+                     "costs_only")
 
 
 def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Provenance:
@@ -1072,7 +1085,7 @@ def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Prov
 
 def _provenance(raw: Any, source: str) -> Provenance:
     """A plan's ``provenance`` (absent or null: empty): the typed fields strings (``temperature`` a number >= 0,
-    ``top_p`` one in (0, 1]) or null."""
+    ``top_p`` one in (0, 1], ``costs_only`` true or false) or null."""
     if raw is None:
         return Provenance()
     if not isinstance(raw, dict):
@@ -1083,8 +1096,10 @@ def _provenance(raw: Any, source: str) -> Provenance:
     temperature = _optional(raw, "temperature", lambda v: _is_number(v) and v >= 0, "a temperature >= 0", source,
                             at)
     top_p = _optional(raw, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a share in (0, 1]", source, at)
+    costs_only = _optional(raw, "costs_only", lambda v: isinstance(v, bool), "true or false", source, at)
     extra = {k: v for k, v in raw.items() if k not in PROVENANCE_FIELDS}
-    return Provenance(**text, temperature=temperature, top_p=top_p, extra=extra, key_order=tuple(raw))
+    return Provenance(**text, temperature=temperature, top_p=top_p, costs_only=costs_only, extra=extra,
+                      key_order=tuple(raw))
 
 
 def _alternative(a: Any, source: str, tmax: int, at: str) -> Alternative:

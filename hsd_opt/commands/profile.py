@@ -1,4 +1,5 @@
-"""`hsd profile` (measure acceptance rates and costs of a drafter pool) and `hsd profile merge`."""
+"""`hsd profile` (measure acceptance rates and costs of a drafter pool, or its costs alone: `--costs-only`),
+`hsd profile merge` and `hsd profile merge-costs`."""
 
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ _BATCH_SIZES_HELP = ("Numbers of sequences decoded together to time passes at (b
                      "--batch-sizes plans each load level of hsd serve with); 1 = one sequence at a time only.")
 _COST_BUDGET_HELP = ("Seconds the cost phase may take: the most thorough cost plan whose estimate fits is used "
                      "(docs/design.md#the-cost-budget). auto = 480; none = always the full plan.")
+_COSTS_ONLY_HELP = ("Measure the pool's costs alone, on random weights built from --model's configuration (which "
+                    "may also be a shipped one: layerskip-llama2-7b, tinyllama-1.1b, tiny; or a config.json): no "
+                    "weights read, no acceptance. Combine with rates: hsd profile merge-costs.")
 _THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when the machine is already "
                  "oversubscribed. Costs are measured with this setting.")
 
@@ -88,7 +92,8 @@ _THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when th
 def profile_cmd(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: alias (hsd models list), hub id, "
-                                                               "local directory or .gguf file."),
+                                                               "local directory or .gguf file (with --costs-only "
+                                                               "also a configuration)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
                                                                     "default: the built-in suite."),
@@ -126,6 +131,7 @@ def profile_cmd(
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
     threads: int = typer.Option(0, "--threads", help=_THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
+    costs_only: bool = typer.Option(False, "--costs-only", help=_COSTS_ONLY_HELP),
 ):
     """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
     if ctx.invoked_subcommand is not None:
@@ -150,11 +156,14 @@ def profile_cmd(
                         target_precision=precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
                         batch_sizes=tuple(batches), shard=options.shard(shard),
-                        max_prompts=max_prompts, progress=not quiet, threads=threads)
+                        max_prompts=max_prompts, progress=not quiet, threads=threads, costs_only=costs_only)
     prof = _run_profile(cfg, quiet)
     if prof is None or rank != 0:
         return
-    _report_profile(prof, out, quiet)
+    if costs_only:
+        _report_costs(prof, out, quiet)
+    else:
+        _report_profile(prof, out, quiet)
 
 
 def _check_required(model: Optional[str], out: Optional[Path]) -> None:
@@ -229,6 +238,29 @@ def _report_profile(prof, out: Path, quiet: bool) -> None:
                   f"{pv.get('generated_tokens')} generated tokens, {pv.get('timings')['total_seconds']:.1f} s")
 
 
+def costs_table(prof) -> Table:
+    """Rich table: per drafter, its kind and its step cost (ms) at each measured context, cheapest first."""
+    contexts = prof.context_costs
+    t = Table(title=f"costs of the pool of {prof.provenance.model} on {prof.provenance.device} (random weights; "
+                    f"one warm decode step, ms)")
+    t.add_column("drafter")
+    t.add_column("kind")
+    for e in contexts:
+        t.add_column(f"context {e.context}", justify="right")
+    for m in prof.models:
+        t.add_row(m.name, m.kind, *[f"{e.cost[m.name] * 1e3:.4g}" if m.name in e.cost else "-" for e in contexts])
+    return t
+
+
+def _report_costs(prof, out: Path, quiet: bool) -> None:
+    """Print the costs table (unless ``quiet``), then what was written and what to do with it."""
+    if not quiet:
+        console.print(costs_table(prof))
+    console.print(f"wrote {out}: the costs of {len(prof.models)} drafters, no acceptance rates "
+                  f"({prof.provenance.get('timings')['total_seconds']:.1f} s); plan with them after hsd profile "
+                  f"merge-costs --rates RATES.json --costs {out} -o merged.json")
+
+
 @app.command("merge")
 @cli_command
 def merge_cmd(
@@ -250,9 +282,9 @@ def merge_cmd(
 @cli_command
 def merge_costs_cmd(
     rates: Path = typer.Option(..., "--rates", help="The profile whose acceptance rates, statistics and draft "
-                               "rates to keep (made anywhere, e.g. on a CPU)."),
-    costs: Path = typer.Option(..., "--costs", help="A profile of the same pool on the hardware to plan for: its "
-                               "costs are taken."),
+                               "rates to keep (made anywhere, e.g. on a CPU; not a costs-only one)."),
+    costs: Path = typer.Option(..., "--costs", help="A profile of the same pool on the hardware to plan for (a "
+                               "costs-only one, hsd profile --costs-only, or a full one): its costs are taken."),
     out: Path = typer.Option(..., "--out", "-o", help="Write the combined hsd-profile/1 JSON here."),
 ):
     """Combine one profile's acceptance rates with another's costs, to plan for hardware the rates were not

@@ -11,7 +11,7 @@ from rich.table import Table
 from hsd_opt.commands.common import cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import EXACT_PASS, load_plan, load_profile, plan_from_dict, save_plan
+from hsd_opt.formats import EXACT_PASS, check_has_rates, load_plan, load_profile, plan_from_dict, save_plan
 from hsd_opt.solver.batch import LOAD_MIN_GAIN
 
 
@@ -190,12 +190,14 @@ def _check_solve_options(tmax: int, solver: str, max_depth: Optional[int], top: 
 
 
 def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Optional[int]):
-    """The profile (its load warnings printed) and the batch sizes to solve for: ``--batch-sizes`` (each one the
+    """The profile (its load warnings printed; a costs-only one refused) and the batch sizes to solve for:
+    ``--batch-sizes`` (each one the
     profile has costs at), else every one it has. Warns where ``--context`` has only one context's costs to use."""
     from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
 
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     prof, warnings = load_profile(profile)
+    check_has_rates(prof, str(profile))
     warn_some(warnings)
     if sizes is None:
         sizes = prof.batch_sizes
@@ -277,6 +279,7 @@ def simulate_cmd(
     if context is not None and context < 1:
         raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
     prof, warnings = load_profile(profile)
+    check_has_rates(prof, str(profile))
     warn_some(warnings)
     pl = load_plan(plan)
     _check_plan_against_profile(pl, str(plan), prof)

@@ -280,6 +280,20 @@ def build_bigram_table(
     return BigramTable(ids, probs, uni_ids, uni_logp, meta)
 
 
+def random_bigram_table(vocab_size: int, top_k: int = 16, seed: int = 0) -> BigramTable:
+    """A table of ``vocab_size`` random rows of ``top_k`` next tokens (probabilities descending), the shape a
+    model's table has: what a lookup costs, for costs measured on a model with random weights (no forward pass
+    per token to build it, nothing cached)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_size, size=(vocab_size, top_k), dtype=np.int32)
+    probs = np.sort(rng.dirichlet(np.ones(top_k), size=vocab_size).astype(np.float32), axis=1)[:, ::-1]
+    keep = min(1024, vocab_size)
+    uni_ids = rng.permutation(vocab_size)[:keep].astype(np.int32)
+    uni_logp = np.sort(np.log(rng.dirichlet(np.ones(keep))).astype(np.float32))[::-1]
+    return BigramTable(ids, np.ascontiguousarray(probs), uni_ids, np.ascontiguousarray(uni_logp),
+                       {"top_k": top_k, "vocab_size": vocab_size, "random": True})
+
+
 def load_or_build_bigram_table(
     model,
     model_hash: str,

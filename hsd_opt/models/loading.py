@@ -273,24 +273,11 @@ def resolve_model_name(name: str) -> str:
     return ALIASES.get(name.lower(), name) if isinstance(name, str) else name
 
 
-def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load a causal LM and its tokenizer.
-
-    Args:
-        name: an alias (see :data:`ALIASES`, e.g. ``smollm2-135m``), a Hugging Face hub id
-            (``facebook/layerskip-llama2-7B``), a local transformers directory, or a ``.gguf`` file.
-        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
-        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
-
-    Raises:
-        HsdError: unknown name (listing the known aliases), a missing GGUF file, a hub id that is not in the
-            local cache while offline.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+def model_source(name: str) -> tuple[str, str, str]:
+    """``(source, directory or hub id to load from, revision)`` of the model ``name`` names (an alias, a hub id, a
+    local directory or a ``.gguf`` file; see :func:`load_model`): a GGUF file is converted once into the cache
+    (:func:`convert_gguf`), nothing is downloaded. Raises :class:`HsdError` naming ``--model`` for a name that is
+    none of them."""
     resolved = resolve_model_name(name)
     revision = ""
     if resolved.startswith("embedded:"):
@@ -320,6 +307,29 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     else:
         raise HsdError(f"--model {name}: unknown model or alias; known: {known_models_text()}; "
                        f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
+    return source, load_from, revision
+
+
+def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name: an alias (see :data:`ALIASES`, e.g. ``smollm2-135m``), a Hugging Face hub id
+            (``facebook/layerskip-llama2-7B``), a local transformers directory, or a ``.gguf`` file.
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
+
+    Raises:
+        HsdError: unknown name (listing the known aliases), a missing GGUF file, a hub id that is not in the
+            local cache while offline.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    resolved = resolve_model_name(name)
+    source, load_from, revision = model_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(load_from)
         model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import PROFILE_RECORDS, BatchCosts, ContextCosts, ModelEntry, Profile, provenance_from_dict
+from hsd_opt.formats import (
+    PROFILE_RECORDS,
+    BatchCosts,
+    ContextCosts,
+    ModelEntry,
+    Profile,
+    check_has_rates,
+    provenance_from_dict,
+)
 from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
@@ -169,15 +177,10 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
     return out
 
 
-def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
-                  target_name: str, token_costs: dict[str, list[float]] | None = None,
-                  sampling: Sequence[float] | None = None) -> Profile:
-    """The profile from the sums and the costs (:func:`context_costs`; ``sampling``: the per-pass cost of the
-    sampled distributions, in every model's costs). The top-level costs are those of the first (shortest)
-    context, a token drafter's its mean ``propose`` time over the profiled positions; the costs at every context
-    are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
-    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
-    first = cc[0]
+def _neural_entries(neural: Sequence[NeuralDrafter], lcs: dict, first: ContextCosts) -> list[ModelEntry]:
+    """The model entries of the neural drafters: each its step cost at the first context (``first``), its draft
+    model's id, a quantized copy's ``quantization`` and the directly timed step (``step_measured``) where there
+    is one."""
     entries: list[ModelEntry] = []
     for nd in neural:
         lc = lcs[id(nd.engine)][0]
@@ -190,18 +193,50 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
             extra["step_measured"] = lc.step[nd.boundary]
         entries.append(ModelEntry(nd.name, nd.kind, first.cost[nd.name], True,
                                   nd.boundary if nd.kind not in ("model", "quantized") else None, extra))
+    return entries
+
+
+def _cost_order(entries: list[ModelEntry], neural: Sequence[NeuralDrafter], target_name: str) -> None:
+    """Sort ``entries`` in place: cheapest first, exits of equal cost by layer, the target last."""
+    rank = {nd.name: (0, nd.boundary) for nd in neural}
+    entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
+
+
+def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
+                  target_name: str, token_costs: dict[str, list[float]] | None = None,
+                  sampling: Sequence[float] | None = None) -> Profile:
+    """The profile from the sums and the costs (:func:`context_costs`; ``sampling``: the per-pass cost of the
+    sampled distributions, in every model's costs). The top-level costs are those of the first (shortest)
+    context, a token drafter's its mean ``propose`` time over the profiled positions; the costs at every context
+    are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
+    first = cc[0]
+    entries = _neural_entries(neural, lcs, first)
     for d in tds:
         calls = stats.counters.get(f"propose_calls.{d.name}", 0.0)
         secs = stats.counters.get(f"propose_seconds.{d.name}", 0.0)
         c = secs / calls if calls > 0 else 1e-6
         entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()},
                                   draft_rate(stats, d.name)))
-    rank = {nd.name: (0, nd.boundary) for nd in neural}
-    entries.sort(key=lambda e: (e.name == target_name, e.cost, rank.get(e.name, (0, 0))))
+    _cost_order(entries, neural, target_name)
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
     return Profile(target_name, entries, res["acceptance"], first.verify_cost, first.cost_curve, context_costs=cc,
                    stats=stats.to_dict(), **_records(res))
+
+
+def costs_profile(neural: Sequence[NeuralDrafter], tds: Sequence, lcs: dict, tmax: int, target_name: str,
+                  token_costs: dict[str, list[float]], sampling: Sequence[float] | None = None) -> Profile:
+    """A profile of costs alone (``hsd profile --costs-only``): the entries and costs :func:`build_profile` makes
+    from the same timings, with no acceptance rates and no statistics. A token drafter's top-level cost is its
+    ``propose`` seconds at the first context (there are no profiled positions to average over) and its draft
+    rate 1 (``hsd profile merge-costs`` keeps the rates profile's)."""
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
+    first = cc[0]
+    entries = _neural_entries(neural, lcs, first)
+    entries += [ModelEntry(d.name, d.kind, first.cost[d.name], False, None, {"config": d.config()}) for d in tds]
+    _cost_order(entries, neural, target_name)
+    return Profile(target_name, entries, {}, first.verify_cost, first.cost_curve, context_costs=cc)
 
 
 def _records(res: dict) -> dict:
@@ -221,6 +256,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     profs = []
     for p in paths:
         prof, _ = load_profile(p)
+        check_has_rates(prof, str(p))
         if prof.stats is None:
             raise InputFileError(str(p), "has no raw statistics (made by another tool?); cannot merge exactly",
                                  "stats")
@@ -276,12 +312,17 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     ``step_measured`` and ``quantization``. For a plan on hardware the rates were not measured on: the rates are
     the models' own (any device computes the same numbers up to rounding), the costs the device's. The pool is
     ``rates``'; ``costs`` must hold each of its drafters under the same name and kind (a drafter only in
-    ``costs`` is left out). The provenance records where the costs came from (``costs_from``).
+    ``costs`` is left out; a costs-only profile, ``hsd profile --costs-only``, is one). The provenance records
+    where the costs came from (``costs_from``).
 
     Raises:
-        InputFileError: ``costs`` lacks a drafter of ``rates``, has it as another kind, or has another target
-            (naming the file and the drafter).
+        InputFileError: ``rates`` is a costs-only profile; ``costs`` lacks a drafter of ``rates``, has it as
+            another kind, or has another target (naming the file and the drafter).
     """
+    if rates.provenance.costs_only:
+        raise InputFileError(rates_source, "a costs-only profile has no acceptance rates to keep: give it as "
+                                           "--costs, and as --rates a profile measured with them",
+                             "provenance.costs_only")
     if costs.target != rates.target:
         raise InputFileError(costs_source, f"its target is {costs.target!r}, {rates_source}'s {rates.target!r}",
                              "target")
@@ -310,6 +351,6 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     prov = rates.provenance.to_dict()
     cp = costs.provenance
     prov["costs_from"] = {"file": costs_source, "device": cp.device, "dtype": cp.dtype, "kernels": cp.get("kernels"),
-                          "torch_threads": cp.threads, "date": cp.get("date")}
+                          "torch_threads": cp.threads, "date": cp.get("date"), "costs_only": bool(cp.costs_only)}
     return replace(rates, models=models, verify_cost=pairs(costs.verify_cost), cost_curve=only(costs.cost_curve),
                    context_costs=contexts, batch_costs=batches, provenance=provenance_from_dict(prov, rates_source))

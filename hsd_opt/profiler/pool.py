@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.models.random_weights import RANDOM_SOURCE
 from hsd_opt.profiler.dist import all_gather
 from hsd_opt.prompts import PromptItem, encode_prompt
 
@@ -115,6 +116,8 @@ def _make_token_drafter(name: str, loaded, explicit: bool = True):
         from hsd_opt.drafters import bigram as bg
 
         BigramDrafter, load_or_build_bigram_table = bg.BigramDrafter, bg.load_or_build_bigram_table
+        if loaded.source == RANDOM_SOURCE:        # costs only: a lookup costs the same in any table of its shape
+            return BigramDrafter(bg.random_bigram_table(int(loaded.model.config.vocab_size)), name="bigram")
         key = bg.model_fingerprint(loaded.model)
         bos = bg.resolve_bos(loaded.model, bg.AUTO) if hasattr(bg, "resolve_bos") else None
         cached = bg.table_path(None, key, 16, bos)
@@ -234,15 +237,25 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
 
 
 def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str):
-    """Load the draft model ``ref`` (named by ``flag`` in errors): refused when its tokenizer differs from the
-    target's, or when it is the target itself."""
+    """Load the draft model ``ref`` (named by ``flag`` in errors), with random weights when the target has them
+    (:func:`~hsd_opt.models.random_weights.load_random`: a pool whose costs alone are measured): refused when its
+    tokenizer differs from the target's (its vocabulary size, where either has no tokenizer), or when it is the
+    target itself."""
     from hsd_opt.models.loading import check_same_tokenizer, load_model
+    from hsd_opt.models.random_weights import load_random
 
     try:
-        dlm = load_model(ref, device=device, dtype=dtype)
+        if loaded.source == RANDOM_SOURCE:
+            dlm = load_random(ref, device=device, dtype=dtype, flag=flag)
+        else:
+            dlm = load_model(ref, device=device, dtype=dtype)
     except HsdError as e:
         raise HsdError(str(e).replace("--model", flag, 1)) from None
-    check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
+    if loaded.tokenizer is not None and dlm.tokenizer is not None:
+        check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
+    elif loaded.model.config.vocab_size != dlm.model.config.vocab_size:
+        raise HsdError(f"{flag} {ref}: its vocabulary ({dlm.model.config.vocab_size} tokens) differs from the "
+                       f"target's ({loaded.model.config.vocab_size}); drafts must share the target's tokens")
     if dlm.model_id == loaded.model_id:
         raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
     return dlm

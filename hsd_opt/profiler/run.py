@@ -23,7 +23,13 @@ from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256
-from hsd_opt.profiler.assemble import batch_costs_entries, build_profile, positions_by_task, prompts_by_task
+from hsd_opt.profiler.assemble import (
+    batch_costs_entries,
+    build_profile,
+    costs_profile,
+    positions_by_task,
+    prompts_by_task,
+)
 from hsd_opt.profiler.batch_costs import measure_batch_costs
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
 from hsd_opt.profiler.costs import (
@@ -88,6 +94,7 @@ class ProfileConfig:
     chunk: int = 16
     progress: bool = True
     threads: int = 0                                # CPU threads for torch (0: torch's default)
+    costs_only: bool = False                        # costs alone, on random weights (run_costs_only)
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -153,7 +160,8 @@ def _validate(cfg: ProfileConfig) -> None:
 
 def _load_target(cfg: ProfileConfig):
     """``(loaded model, the target's engine, heads sha256 or None, heads metadata, target precision)``: a
-    :class:`LayeredLM` over the loaded weights (with trained exit heads when asked), or with ``--target-precision
+    :class:`LayeredLM` over the loaded weights (random ones built from the model's configuration with
+    ``cfg.costs_only``; with trained exit heads when asked), or with ``--target-precision
     int8|int4`` a :class:`~hsd_opt.engine.quantized.QuantizedLM` of them on the CPU kernels, which is then the
     target itself (its greedy output is the reference)."""
     from hsd_opt.engine.layered import LayeredLM
@@ -168,7 +176,12 @@ def _load_target(cfg: ProfileConfig):
     if precision in QUANT_KINDS and cfg.heads is not None:
         raise HsdError(f"--heads: trained exit heads belong to the float target, not to --target-precision "
                        f"{precision}")
-    loaded = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
+    if cfg.costs_only:
+        from hsd_opt.models.random_weights import load_random
+
+        loaded = load_random(cfg.model, device=cfg.device, dtype=load_dtype)
+    else:
+        loaded = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
     if precision in QUANT_KINDS:
         return loaded, quantized_target(loaded, precision), None, {}, precision
     exit_heads, heads_meta, heads_sha = None, {}, None
@@ -177,7 +190,8 @@ def _load_target(cfg: ProfileConfig):
             raise InputFileError(str(cfg.heads), "file not found", None)
         from hsd_opt.heads import load_heads
 
-        exit_heads, heads_meta = load_heads(str(cfg.heads), loaded)
+        # random weights (costs only): the heads' shapes are checked, not the model id and revision they name
+        exit_heads, heads_meta = load_heads(str(cfg.heads), loaded.model if cfg.costs_only else loaded)
         heads_sha = file_sha256(Path(cfg.heads))
     return loaded, LayeredLM(loaded.model, exit_heads=exit_heads), heads_sha, heads_meta, loaded.dtype
 
@@ -318,11 +332,20 @@ def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, s
         "generated_tokens": int(stats.counters["generated_tokens"]),
         "positions_by_task": positions_by_task(stats),
         **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
-        "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": costs.contexts},
-        "cost_plan": costs.plan_info,
         "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
                              "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
                              "acceptance and argmax for greedy_agreement"),
+        **_cost_record(cfg, loaded, costs, pool, timings, world, threads_note),
+    }
+
+
+def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict, world: int,
+                 threads_note: str) -> dict:
+    """The provenance of the costs: the contexts (tokens) and the cost plan, the cost model and its check, the
+    timings (seconds), the date, the versions, the threads and the kernel variant."""
+    return {
+        "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": costs.contexts},
+        "cost_plan": costs.plan_info,
         "cost_model": "exits: cost, cost_curve and verify_cost are sums of median timings of advance() per "
                       "exit boundary scaled to the whole model's direct timing; the whole model (target, draft "
                       "model, quantized copy): cost and cost_curve timed directly; at every context of "
@@ -348,10 +371,12 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     ``log``/``warn`` receive one-line messages; with ``cfg.progress`` a progress bar is shown on stderr.
     ``on_prompt(k)`` is called after the k-th prompt of this run is done and checkpointed (tests use it to
-    simulate a crash).
+    simulate a crash). With ``cfg.costs_only``: :func:`run_costs_only`.
     """
     log = log or (lambda s: None)
     warn = warn or (lambda s: None)
+    if cfg.costs_only:
+        return run_costs_only(cfg, log, warn)
     rank, world = dist_info()
 
     # validate
@@ -420,6 +445,76 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         str(cfg.out))
     _write(prof, Path(cfg.out), world, warn)
     return prof
+
+
+#: Where a model has no tokenizer, the UTF-8 bytes of the prompts stand for their tokens, from this id on (below
+#: it are special tokens in most vocabularies: padding, BOS, EOS, unknown).
+BYTE_OFFSET = 3
+
+
+def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callable[[str], None]) -> Profile:
+    """Measure the costs of ``cfg``'s pool alone on this machine and write them to ``cfg.out``: ``hsd profile
+    --costs-only``, for plans on hardware the rates were not measured on (``hsd profile merge-costs``).
+
+    The target and the draft models are built from their configurations with random weights
+    (:func:`~hsd_opt.models.random_weights.load_random`: a step costs what it costs with the real weights);
+    nothing is generated and no acceptance is measured. Every cost is measured as :func:`run_profile` measures
+    it, the token drafters' on the prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them).
+    Returns the profile (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates,
+    ``provenance.costs_only`` true. Refuses ``--resume``, ``--shard`` and several processes
+    (:func:`_check_costs_only`)."""
+    _validate(cfg)
+    _check_costs_only(cfg)
+    threads_note = set_threads(cfg.threads, warn)
+    suite = load_prompts(cfg.prompts)
+    items = suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
+    t_start = time.perf_counter()
+    loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
+    boundaries = exit_boundaries(cfg.layers, eng.n_layers)
+    pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
+                      cfg.dtype, log, warn, cfg.draft_layers)
+    settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, 1, precision)
+    texts = costs_texts(loaded, items, cfg.raw, suite.source)
+    tds = list(pool.token)
+    if pool.want_aded:
+        tds.append(build_aded({str(i): t for i, t in enumerate(texts)}, 1, warn))
+    t_cost = time.perf_counter()
+    costs = _costs_phase(cfg, loaded, eng, pool, tds, [t for text in texts for t in text], log, warn)
+    prof = costs_profile(pool.neural, tds, costs.lcs, cfg.tmax, f"layer{eng.n_layers}", costs.token_costs,
+                         costs.sampling)
+    prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
+    timings = {"cost_seconds": round(time.perf_counter() - t_cost, 3),
+               "total_seconds": round(time.perf_counter() - t_start, 3)}
+    text_note = ("the prompts' token ids" if loaded.tokenizer is not None else
+                 f"the prompts' UTF-8 bytes + {BYTE_OFFSET} as token ids (the model has no tokenizer)")
+    record = {**settings, "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
+              "costs_only": True, "token_drafter_text": text_note,
+              **_cost_record(cfg, loaded, costs, pool, timings, 1, threads_note)}
+    prof.provenance = provenance_from_dict(record, str(cfg.out))
+    _write(prof, Path(cfg.out), 1, warn)
+    return prof
+
+
+def _check_costs_only(cfg: ProfileConfig) -> None:
+    """Refuse what a costs-only run has no use for, naming the flag: ``--resume`` (no prompts are checkpointed),
+    ``--shard`` and several processes (costs are one machine's measurements, not sums)."""
+    if cfg.resume:
+        raise HsdError("--resume: --costs-only keeps no checkpoint (it profiles no prompts); run it again")
+    if cfg.shard is not None:
+        raise HsdError("--shard: --costs-only measures costs, which are not split over prompts")
+    if dist_info()[1] > 1:
+        raise HsdError("--costs-only runs in one process: start it without torchrun")
+
+
+def costs_texts(loaded, items: list[PromptItem], raw: bool, source: str) -> list[list[int]]:
+    """Token ids of each prompt of ``items`` (the chat template applied unless ``raw``): what a costs-only run
+    times the token drafters on. A model without a tokenizer (a bare configuration) takes each prompt's UTF-8
+    bytes plus :data:`BYTE_OFFSET` (modulo its vocabulary) instead: text's repeats, which the n-gram drafters
+    match, in ids the model has."""
+    if loaded.tokenizer is not None:
+        return [encode_item(loaded, it, raw, source) for it in items]
+    vocab = int(loaded.model.config.vocab_size)
+    return [[(BYTE_OFFSET + b) % vocab for b in it.prompt.encode()] for it in items]
 
 
 def _new_stats(pool, tasks: list[str]) -> PairStats:

@@ -11,7 +11,7 @@ import os
 from typing import Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import PLAN_FORMAT, Plan, Profile, load_profile, plan_from_dict
+from hsd_opt.formats import PLAN_FORMAT, Plan, Profile, check_has_rates, load_profile, plan_from_dict
 from hsd_opt.solver.brute import brute, brute_ranked
 from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
 from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
@@ -119,12 +119,16 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
             prompt plus half its mean generation; a task's view: that task's). Ignored for a profile measured at
             one context.
 
+    Raises:
+        InputFileError: a costs-only profile (:func:`~hsd_opt.formats.check_has_rates`).
+
     Returns:
         a :class:`Plan` (``hsd-plan/1``): latencies in seconds per token, speed-up vs the target alone. With
         ``context_costs``: ``context`` and ``context_from`` (where the context came from), and a
         ``latency_by_context`` table next to every latency (the plan, its baselines and alternatives).
     """
     full = _as_profile(profile)
+    check_has_rates(full, "<profile>" if isinstance(profile, Profile) else str(profile))
     profile, ctx, ctx_from = resolve_context(full, context)
     resolved: dict = {}
     if not 0.0 <= float(min_gain) < 1.0:

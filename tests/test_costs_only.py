@@ -1,0 +1,268 @@
+"""``hsd profile --costs-only``: the costs of a pool on random weights built from the model's configuration, and
+``hsd profile merge-costs`` of them with another profile's rates, which equals a profile made in one run when both
+runs time the same work alike (a virtual clock that moves only with the engines' and token drafters' work)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.formats import load_profile, profile_from_dict
+from tests.helpers import cli_output, run_cli, save_tiny, write_prompts
+
+# One torch thread (as in test_profiler.py), a short cost scheme, no progress bar.
+FAST = ["--tmax", "3", "--cost-repeats", "1", "--quiet", "--threads", "1", "--device", "cpu"]
+#: The pool both runs measure: an exit and the target, a 2-layer draft model, an int8 copy, every token drafter.
+POOL = ["--layers", "1", "--quantized", "int8", "--token-drafters", "ngram,lookup,bigram,aded", "--cost-contexts",
+        "8,64", "--batch-sizes", "1,2", "--max-prompts", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": save_tiny(root / "model"), "copy": save_tiny(root / "copy", seed=1, layers=2),
+            "prompts": write_prompts(root / "prompts.jsonl")}
+
+
+@pytest.fixture(autouse=True)
+def _isolate(tmp_path_factory, monkeypatch):
+    """A test cache directory, and torch's process-wide thread count as it was (``--threads 1`` sets it)."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+class VirtualClock:
+    """``time.perf_counter`` as a count of ticks (2**-24 s each: every time and every difference of two is exact)
+    that moves only when an engine computes or a token drafter proposes, by a fixed function of what it computes:
+    a pass over positions at a context, a read of rows through a head, a proposal. Two runs that do the same work
+    then measure the same costs to the last bit, whatever the weights, the text or the machine's load."""
+
+    TICK = 2.0 ** -24
+
+    def __init__(self):
+        self.ticks = 0
+        self.depth = 0
+
+    def now(self) -> float:
+        return self.ticks * self.TICK
+
+    def charging(self, fn, cost):
+        """``fn`` (a method) that adds ``cost(self_, args, result)`` ticks when it returns, unless it was called
+        from inside another charged method (its work is then already counted)."""
+        clock = self
+
+        def wrapper(obj, *args, **kw):
+            outer = clock.depth == 0
+            clock.depth += 1
+            try:
+                out = fn(obj, *args, **kw)
+            finally:
+                clock.depth -= 1
+            if outer:
+                clock.ticks += int(cost(obj, args, out))
+            return out
+
+        return wrapper
+
+
+#: Ticks of one proposal of each token drafter.
+PROPOSE_TICKS = {"ngram": 1000, "lookup": 2000, "bigram": 3000, "aded": 5000}
+
+
+def _weight(eng) -> int:
+    """Ticks per position and layer of an engine: its weights' bits (a float engine 16)."""
+    return int(getattr(eng, "bits", 16))
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch):
+    from hsd_opt.drafters.aded import AdedDrafter
+    from hsd_opt.drafters.bigram import BigramDrafter
+    from hsd_opt.drafters.ngram import ContextNgramDrafter
+    from hsd_opt.engine.layered import LayeredLM
+
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock.now)
+
+    def passes(eng, args, computed):                # positions x layers, dearer at a longer context
+        return computed * (64 + args[0].n) * _weight(eng)
+
+    def passes_many(eng, args, computed):
+        return sum(c * (64 + st.n) for (st, _), c in zip(args[0], computed)) * _weight(eng)
+
+    def rows(eng, args, out):                       # rows through a head
+        return (args[3] - args[2]) * 4096 * _weight(eng)
+
+    def rows_many(eng, args, out):
+        return sum(s1 - s0 for _, _, s0, s1 in args[0]) * 4096 * _weight(eng)
+
+    for name, cost in (("advance", passes), ("advance_many", passes_many), ("logits", rows),
+                       ("greedy_ids", rows), ("logits_many", rows_many), ("greedy_ids_many", rows_many)):
+        monkeypatch.setattr(LayeredLM, name, clock.charging(getattr(LayeredLM, name), cost))
+    for cls in (ContextNgramDrafter, BigramDrafter, AdedDrafter):
+        monkeypatch.setattr(cls, "propose", clock.charging(cls.propose, lambda d, args, out: PROPOSE_TICKS[d.name]))
+    return clock
+
+
+def _profile(tiny, out, *extra):
+    res = run_cli("profile", "--model", tiny["model"], "--prompts", tiny["prompts"], "--draft-model", tiny["copy"],
+                  "--out", out, *POOL, *FAST, *extra)
+    assert res.exit_code == 0, cli_output(res)
+    return load_profile(out)[0]
+
+
+def _without_provenance(prof) -> dict:
+    d = prof.to_dict()
+    d.pop("provenance")
+    return d
+
+
+def test_rates_merged_with_costs_only_costs_equal_one_run(tiny, tmp_path, virtual_clock):
+    """A profile made in one run equals its own rates merged with a costs-only run's costs, when both runs time
+    the same work alike: every cost, curve, verify cost, context and batch cost, step check and copy's record, the
+    acceptance and statistics, and the plan ``hsd solve`` makes of it."""
+    from hsd_opt.solver.api import solve
+
+    one = _profile(tiny, tmp_path / "one.json", "--max-new-tokens", "6")
+    costs = _profile(tiny, tmp_path / "costs.json", "--costs-only")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "one.json", "--costs", tmp_path / "costs.json",
+                  "-o", tmp_path / "merged.json")
+    assert res.exit_code == 0, cli_output(res)
+    merged, _ = load_profile(tmp_path / "merged.json")
+    assert costs.provenance.costs_only is True and one.provenance.costs_only is None
+    assert merged.provenance.costs_only is None and merged.provenance.get("costs_from")["costs_only"] is True
+    # the clock tells the drafters apart: the test would see costs taken from the wrong drafter or context
+    assert len({m.cost for m in one.models}) == len(one.models)
+    assert one.context_costs[1].cost["layer4"] > one.context_costs[0].cost["layer4"]
+    assert _without_provenance(merged) == _without_provenance(one)
+    assert merged.models == one.models and merged.batch_costs == one.batch_costs
+    a, b = solve(one, 3).to_dict(), solve(merged, 3).to_dict()
+    for d in (a, b):
+        d.pop("provenance"), d.pop("profile_sha256", None)
+    assert a == b and len(a["hierarchy"]) >= 1
+
+
+def test_costs_only_covers_every_drafter_of_the_pool(tiny, tmp_path):
+    """Every drafter of the pool has its costs at every context (token drafters too), its cost curve and verify
+    costs, and its batch ratios; no acceptance, no statistics; marked costs-only, random weights, the token
+    drafters timed on the prompts' ids."""
+    prof = _profile(tiny, tmp_path / "c.json", "--costs-only")
+    pool = {"layer1", "layer4", "copy", "int8", "ngram", "lookup", "bigram", "aded"}
+    assert set(prof.names) == pool and prof.target == "layer4"
+    assert prof.acceptance == {} and prof.stats is None and not prof.counts and not prof.acceptance_by_task
+    pv = prof.provenance
+    assert pv.costs_only is True and pv.get("source") == "random" and pv.get("revision").startswith("config:")
+    assert pv.get("token_drafter_text") == "the prompts' token ids"
+    assert prof.contexts == [8, 64] and prof.batch_sizes == [1, 2]
+    neural = {"layer1", "layer4", "copy", "int8"}
+    for e in prof.context_costs:
+        assert set(e.cost) == pool and set(e.cost_curve) == neural
+        assert set(e.verify_cost["layer4"]) == {"layer1"} and len(e.cost_curve["layer4"]) == 4
+    assert set(prof.batch_costs[0].ratio) == pool and prof.batch_costs[0].ratio["ngram"] == 2.0
+    for m in prof.models:
+        assert m.cost == prof.context_costs[0].cost[m.name] and m.draft_rate == 1.0
+    assert prof.entry("copy").kind == "model" and prof.entry("int8").extra["quantization"]["bits"] == 8
+    assert prof.entry("bigram").extra["config"]["table"] is None          # a random table, never cached
+    assert prof.models[-1].name == "layer4"
+
+
+def test_costs_only_from_a_bare_configuration(tmp_path):
+    """A configuration without a tokenizer (``tiny``, as the shipped ones): random weights of its shapes, the
+    token drafters timed on the prompts' UTF-8 bytes as ids."""
+    res = run_cli("profile", "--costs-only", "--model", "tiny", "--out", tmp_path / "t.json", "--layers", "none",
+                  "--quantized", "none", "--token-drafters", "ngram", "--cost-contexts", "16", "--batch-sizes", "1",
+                  "--max-prompts", "1", *FAST)
+    assert res.exit_code == 0, cli_output(res)
+    assert "merge-costs --rates" in " ".join(res.output.split())
+    prof, _ = load_profile(tmp_path / "t.json")
+    assert set(prof.names) == {"layer4", "ngram"} and prof.provenance.model == "tiny"
+    assert "UTF-8 bytes" in prof.provenance.get("token_drafter_text")
+
+
+def test_costs_only_errors_exit_2_naming_the_flag(tiny, tmp_path):
+    base = ["profile", "--costs-only", "--out", tmp_path / "c.json", *FAST]
+    bad_json = tmp_path / "config.json"
+    bad_json.write_text("{not json")
+    no_layers = tmp_path / "other.json"
+    no_layers.write_text(json.dumps({"hidden_size": 8}))
+    no_causal_lm = tmp_path / "unknown.json"
+    no_causal_lm.write_text(json.dumps({"model_type": "no-such-type", "num_hidden_layers": 2}))
+    cases = [(base + ["--model", "no-such-config"], "--model no-such-config: unknown model"),
+             (base + ["--model", "no-such-config"], "shipped configuration (layerskip-llama2-7b, tinyllama-1.1b"),
+             (base + ["--model", bad_json], "not a readable config.json"),
+             (base + ["--model", no_layers], "not a model configuration (no num_hidden_layers)"),
+             (base + ["--model", no_causal_lm], "--model: cannot build a causal LM of this configuration"),
+             (base + ["--model", "tiny", "--resume"], "--resume: --costs-only keeps no checkpoint"),
+             (base + ["--model", "tiny", "--shard", "0/2"], "--shard: --costs-only"),
+             (base + ["--model", "tiny", "--draft-model", "no-such-draft"], "--draft-model no-such-draft")]
+    for args, needle in cases:
+        res = run_cli(*args)
+        text = " ".join(cli_output(res).split())
+        assert res.exit_code == 2 and needle in text and "Traceback" not in text, (needle, text)
+
+
+def test_solve_and_merges_refuse_a_costs_only_profile_where_rates_are_needed(tmp_path):
+    """``hsd solve`` and ``hsd simulate`` on a costs-only profile, ``merge-costs`` with one as ``--rates`` and
+    ``hsd profile merge`` of one: exit 2 with one line saying what to do; the solver's API raises."""
+    import numpy as np
+
+    from hsd_opt.formats import save_profile
+    from hsd_opt.solver.api import solve
+    from tests.helpers import random_profile, write_plan
+
+    rates = random_profile(np.random.default_rng(1), 4, contexts=True)
+    d = rates.to_dict()
+    d.update(acceptance={}, provenance={"model": "m", "costs_only": True})
+    costs, _ = profile_from_dict(d, "costs.json")
+    save_profile(rates, tmp_path / "rates.json")
+    save_profile(costs, tmp_path / "costs.json")
+    c = str(tmp_path / "costs.json")
+    plan = write_plan(tmp_path / "plan.json", "m")
+    cases = [(["solve", "--profile", c, "--tmax", "3"],
+              f"merge-costs --rates RATES.json --costs {c} -o merged.json"),
+             (["simulate", "--plan", plan, "--profile", c], "has no acceptance rates"),
+             (["profile", "merge-costs", "--rates", c, "--costs", tmp_path / "rates.json", "-o", tmp_path / "m.json"],
+              "give it as --costs"),
+             (["profile", "merge", c, tmp_path / "rates.json", "-o", tmp_path / "m.json"], "costs-only profile")]
+    for args, needle in cases:
+        res = run_cli(*args)
+        out = cli_output(res)
+        assert res.exit_code == 2 and needle in " ".join(out.split()) and "Traceback" not in out, (args, out)
+        assert len(out.strip().splitlines()) <= 3          # one error line (wrapped at most by the console)
+    with pytest.raises(InputFileError, match="provenance.costs_only"):
+        solve(costs, 3)
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", c, "-o",
+                  tmp_path / "m.json")
+    assert res.exit_code == 0, cli_output(res)
+    assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", "3").exit_code == 0
+
+
+def test_costs_only_is_typed_and_checked():
+    d = {"format": "hsd-profile/1", "target": "t", "models": [{"name": "t", "kind": "target", "cost": 1.0}],
+         "acceptance": {}, "provenance": {"costs_only": True}}
+    prof, _ = profile_from_dict(d)
+    assert prof.provenance.costs_only is True and prof.provenance.get("costs_only") is True
+    assert prof.to_dict()["provenance"] == {"costs_only": True}
+    with pytest.raises(InputFileError, match="provenance.costs_only: expected true or false"):
+        profile_from_dict({**d, "provenance": {"costs_only": "yes"}})
+
+
+def test_random_weights_follow_the_configuration(tmp_path):
+    from hsd_opt.models.random_weights import config_of, load_random
+
+    cfg = dict(config_of("tiny"), num_hidden_layers=2, vocab_size=300)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"_source": "a note", **cfg}))
+    lm = load_random(str(tmp_path / "m" / "config.json"), device="cpu", dtype="float32")
+    assert lm.model_id == str(tmp_path / "m") and lm.source == "random" and lm.tokenizer is None
+    assert lm.model.config.num_hidden_layers == 2 and lm.model.lm_head.weight.shape == (300, cfg["hidden_size"])
+    assert lm.model.hsd_weights_key is None and lm.revision == load_random(str(tmp_path / "m"), "cpu").revision
+    with pytest.raises(HsdError, match="--config: no configuration 'nope'"):
+        config_of("nope")
+    assert config_of("tinyllama-1.1b")["num_hidden_layers"] == 22 and "_source" not in config_of("tinyllama-1.1b")
