@@ -435,6 +435,8 @@ class TaskPlan:
             of its baselines (by key); empty when absent.
         context: the task's typical context (tokens), or None.
         context_from: where ``context`` came from (``given``, ``task_prompts``, ...), or None.
+        forced_share: the share of the task's generated tokens its grammar forced (prompts with a JSON schema):
+            decoding takes them without a pass, and ``expected_latency`` covers the others; None without one.
         latency_by_context: ``[[context tokens, seconds per token], ...]`` of ``hierarchy``, or None.
         overall_hierarchies_by_context: ``{key: latency_by_context}`` for the keys of ``overall_hierarchies``;
             empty when absent.
@@ -453,6 +455,7 @@ class TaskPlan:
     context_from: str | None = None
     latency_by_context: list[list[float]] | None = None
     overall_hierarchies_by_context: dict[str, list[list[float]]] = field(default_factory=dict)
+    forced_share: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
@@ -462,7 +465,8 @@ class TaskPlan:
                   "positions": self.positions, "fallback_pairs": self.fallback_pairs,
                   "overall_hierarchies": self.overall_hierarchies, "context": self.context,
                   "context_from": self.context_from, "latency_by_context": self.latency_by_context,
-                  "overall_hierarchies_by_context": self.overall_hierarchies_by_context}
+                  "overall_hierarchies_by_context": self.overall_hierarchies_by_context,
+                  "forced_share": self.forced_share}
         defaults = {k: None for k in fields if k not in ("hierarchy", "budgets", "expected_latency")}
         defaults.update(overall_hierarchies={}, overall_hierarchies_by_context={})
         return _json_object(fields, defaults, self.extra, self.key_order)
@@ -1130,7 +1134,7 @@ def _is_latency(v: Any) -> bool:
 
 TASK_PLAN_FIELDS = ("hierarchy", "budgets", "expected_latency", "expected_speedup", "positions", "fallback_pairs",
                     "overall_hierarchies", "context", "context_from", "latency_by_context",
-                    "overall_hierarchies_by_context")
+                    "overall_hierarchies_by_context", "forced_share")
 
 
 def _task_plan(e: Any, source: str, tmax: int, target: str, at: str) -> TaskPlan:
@@ -1154,9 +1158,10 @@ def _task_plan(e: Any, source: str, tmax: int, target: str, at: str) -> TaskPlan
                        "an object {key: latency_by_context}", source, at) or {}
     for key, tb in tables.items():
         _check_latency_table(tb, source, f"{at}overall_hierarchies_by_context.{key}")
+    forced = _optional(e, "forced_share", lambda v: _is_number(v) and 0 <= v < 1, "a share in [0, 1)", source, at)
     extra = {k: v for k, v in e.items() if k not in TASK_PLAN_FIELDS}
     return TaskPlan(h, b, latency, speedup, positions, fallbacks, overall, context, context_from,
-                    e.get("latency_by_context"), tables, extra, tuple(e))
+                    e.get("latency_by_context"), tables, forced, extra, tuple(e))
 
 
 def _by_task(raw: Any, source: str, tmax: int, target: str) -> dict[str, TaskPlan]:

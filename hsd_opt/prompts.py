@@ -2,8 +2,9 @@
 
 A prompt file is JSON lines, one prompt per line, in either of two forms (they may be mixed):
 
-- ours: ``{"prompt": "...", "task": "code|summarization|math|chat|..."}``; ``task`` is optional (``"other"``
-  when absent) and groups the reports per task type;
+- ours: ``{"prompt": "...", "task": "code|summarization|math|chat|...", "schema": {...}}``; ``task`` is optional
+  (``"other"`` when absent, :data:`JSON_TASK` for a line with a schema) and groups the reports per task type;
+  ``schema``, optional, is the JSON schema the answer follows (the profiler generates and measures under it);
 - Spec-Bench's question format as it is: ``{"question_id": 82, "category": "writing", "turns": ["...", "..."]}``
   (the benchmark of "Unlocking Efficiency in Large Language Model Inference: A Comprehensive Survey of
   Speculative Decoding", arXiv 2401.07851). The task of such a line is its category GROUP: the eight MT-bench
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,6 +32,12 @@ from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import read_bytes
 
 DEFAULT_SUITE = "prompts.jsonl"
+#: The JSON-schema tasks shipped in the package (``hsd_opt/data/json_tasks.jsonl``): prompts with the schema of a
+#: realistic API each.
+JSON_TASKS = "json_tasks.jsonl"
+#: The task of a prompt whose answer follows a JSON schema, unless its line names another: the plan per task a
+#: request under a grammar runs.
+JSON_TASK = "json"
 #: Spec-Bench categories that come from MT-bench; they are reported together as the group ``mt_bench``.
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_BENCH_GROUP = "mt_bench"
@@ -54,6 +61,7 @@ class PromptItem:
         category: Spec-Bench's raw category (the task for our own lines).
         question_id: Spec-Bench's ``question_id`` (None for our own lines).
         turns: every user turn, the first being ``prompt`` (one turn for our own lines).
+        schema: the JSON schema the answer must follow (our lines' ``"schema"``, an object), or None.
     """
 
     index: int
@@ -62,6 +70,7 @@ class PromptItem:
     category: str = ""
     question_id: Any = None
     turns: tuple[str, ...] = ()
+    schema: dict | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.category:
@@ -110,6 +119,22 @@ def default_prompts_path() -> Path:
     return Path(str(ref))
 
 
+def json_tasks_path() -> Path:
+    """Path of the JSON-schema tasks shipped in the package (:data:`JSON_TASKS`)."""
+    return Path(str(resources.files("hsd_opt").joinpath("data", JSON_TASKS)))
+
+
+def with_json_tasks(suite: PromptSuite, n: int) -> PromptSuite:
+    """``suite`` followed by the first ``n`` shipped JSON-schema tasks (task :data:`JSON_TASK`, numbered after the
+    suite's items); its SHA-256 covers both files and ``n``. ``n`` 0: ``suite`` itself."""
+    if n <= 0:
+        return suite
+    tasks = load_prompts(json_tasks_path())
+    extra = [replace(it, index=len(suite.items) + k) for k, it in enumerate(tasks.items[:n])]
+    sha = hashlib.sha256(f"{suite.sha256} {tasks.sha256} {len(extra)}".encode()).hexdigest()
+    return PromptSuite(suite.items + extra, sha, f"{suite.source} + {len(extra)} JSON-schema tasks ({JSON_TASKS})")
+
+
 def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
     """One line's object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
     if not isinstance(obj, dict):
@@ -118,10 +143,14 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputFileError(source, '"prompt" must be a non-empty string', where)
-        task = obj.get("task", "other")
+        schema = obj.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise InputFileError(source, f'"schema" must be a JSON schema object, got {type(schema).__name__}',
+                                 where)
+        task = obj.get("task", JSON_TASK if schema is not None else "other")
         if not isinstance(task, str) or not task:
             raise InputFileError(source, f'"task" must be a non-empty string, got {task!r}', where)
-        return PromptItem(index, prompt, task)
+        return PromptItem(index, prompt, task, schema=schema)
     if "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns:

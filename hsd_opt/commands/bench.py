@@ -16,6 +16,7 @@ from hsd_opt.commands.common import (
     compile_grammar,
     fmt,
     grammar_spec,
+    item_grammars,
     level_acceptance,
     load_plan_and_model,
     retime_text,
@@ -23,6 +24,7 @@ from hsd_opt.commands.common import (
 )
 from hsd_opt.console import console, warn
 from hsd_opt.errors import HsdError
+from hsd_opt.prompts import JSON_TASK
 
 
 def _row(d: dict, retimed: bool = False) -> list[str]:
@@ -161,8 +163,10 @@ def bench_cmd(
     spec = grammar_spec(json_schema, grammar)
     retime_profile = _retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    if spec is not None:
-        sampling = dataclasses.replace(sampling, grammar=compile_grammar(spec, loaded))
+    if spec is not None:                 # every answer under the grammar: each prompt runs the plan for JSON
+        items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
+    grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
+    sampling = dataclasses.replace(sampling, grammars=grammars)
     _warn_profiled_temperature(plan, p.provenance.temperature, temperature)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
@@ -294,6 +298,9 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     levels_c, mb, names = _load_options(concurrency, requests, rounds, max_batch, methods, others)
     check_report_key(by)
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    if any(it.schema is not None for it in items):
+        raise HsdError(f"--concurrency: {prompts}: the load bench does not follow the prompts' schemas; run the "
+                       "single-stream bench (without --concurrency), or serve and send response_format")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     say = lambda s: console.print(s, style="dim")  # noqa: E731
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), retime, say)

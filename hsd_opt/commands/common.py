@@ -186,6 +186,21 @@ def grammar_compiler(loaded):
                            loaded.model.get_output_embeddings().weight.shape[0])
 
 
+def item_grammars(items, flag_grammar, loaded, source: str) -> dict[int, object]:
+    """The grammar each prompt's answers follow, by item index: ``flag_grammar`` (``--json-schema``/``--grammar``)
+    for every prompt when given, else a prompt line's own ``schema`` (compiled, errors naming the line)."""
+    if flag_grammar is not None:
+        return {it.index: flag_grammar for it in items}
+    own = [it for it in items if it.schema is not None]
+    if not own:
+        return {}
+    from hsd_opt.grammar.compiler import GrammarSpec
+
+    comp = grammar_compiler(loaded)
+    return {it.index: comp.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
+            for it in own}
+
+
 def compile_grammar(spec, loaded):
     """``spec`` (None: none) compiled for ``loaded`` (:func:`grammar_compiler`)."""
     return None if spec is None else grammar_compiler(loaded).compile(spec)

@@ -129,6 +129,10 @@ def profile_cmd(
     shard: Optional[str] = typer.Option(None, "--shard", help="K/N: profile only prompts i with i % N == K "
                                                               "(merge the shards with hsd profile merge)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    json_tasks: int = typer.Option(0, "--json-tasks", min=0, help="Add the first N of the shipped JSON-schema "
+                                   "tasks (task 'json', 60 in all) to the prompts: their answers are generated "
+                                   "and measured under their schemas, for a plan of JSON requests (hsd solve "
+                                   "--per-task)."),
     threads: int = typer.Option(0, "--threads", help=_THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or table."),
     costs_only: bool = typer.Option(False, "--costs-only", help=_COSTS_ONLY_HELP),
@@ -156,7 +160,8 @@ def profile_cmd(
                         target_precision=precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
                         batch_sizes=tuple(batches), shard=options.shard(shard),
-                        max_prompts=max_prompts, progress=not quiet, threads=threads, costs_only=costs_only)
+                        max_prompts=max_prompts, json_tasks=json_tasks, progress=not quiet, threads=threads,
+                        costs_only=costs_only)
     prof = _run_profile(cfg, quiet)
     if prof is None or rank != 0:
         return

@@ -18,10 +18,12 @@ from hsd_opt.commands.common import (
     compile_grammar,
     fmt,
     grammar_spec,
+    item_grammars,
     level_acceptance,
     load_plan_and_model,
 )
 from hsd_opt.console import console
+from hsd_opt.prompts import JSON_TASK
 
 
 def _items(prompt: Optional[str], prompts: Optional[Path], task: Optional[str], limit_per_task: Optional[int],
@@ -149,16 +151,18 @@ def run_cmd(
     check_generation_args(max_new_tokens, temperature, top_p)
     check_turn_mode(turns)
     check_report_key(by)
-    items = _items(prompt, prompts, task, limit_per_task, by)
     spec = grammar_spec(json_schema, grammar)
+    if spec is not None and prompt is not None and task is None:
+        task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
+    items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
-    compiled = compile_grammar(spec, loaded)
+    grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []
     for it in items:
         which = plan_for_prompt(p, it.task, per_task)[3]
         for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
-                                     max_new_tokens, temperature, top_p, seed, quiet, compiled):
+                                     max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index)):
             lines.append(line)
             gens.append(gen)
     _print_run(gens, by, plans, mode)

@@ -80,7 +80,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     retimed = None
     if retime is not None:
         levels, retimed, _ = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say)
-    built = list({id(h): h for h in (runner, *levels.values())}.values())
+    json_runner = _json_runner(p, loaded, models, mode, str(plan), say)
+    built = list({id(h): h for h in (runner, *levels.values(), *([json_runner] if json_runner else []))}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
     tok = loaded.tokenizer
     for h in built:                                # warm-up: first passes allocate and compile
@@ -88,12 +89,29 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens, grammar_compiler(loaded))
-    jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval)
+    jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
+                    json_runner=json_runner)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
+    if json_runner is not None:
+        about["json_hierarchy"] = [lv.name for lv in json_runner.levels]
     if retimed is not None:
         about["retime"] = retimed
     return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
+
+
+def _json_runner(p, loaded, models, mode: str, source: str, say):
+    """The hierarchy of requests under a grammar: the plan's plan for task ``json`` (``by_task``, e.g. solved with
+    ``hsd profile --json-tasks N`` and ``hsd solve --per-task``), or None when it has none (they run the plan's)."""
+    from hsd_opt.prompts import JSON_TASK
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    e = p.by_task.get(JSON_TASK)
+    if e is None:
+        return None
+    say(f"requests under a grammar: the hierarchy {' -> '.join(e.hierarchy)} (the plan for task {JSON_TASK!r}) ...")
+    return hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=list(e.hierarchy), budgets=list(e.budgets),
+                        models=models)
 
 
 @cli_command

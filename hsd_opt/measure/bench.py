@@ -32,7 +32,7 @@ task (:mod:`hsd_opt.measure.report`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -64,18 +64,26 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST_METHODS and m 
 class Sampling:
     """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-p
     with a seed per prompt and turn (:meth:`seed_for`); under ``grammar`` (a compiled
-    :class:`~hsd_opt.grammar.compiler.Grammar`, None: none) every output follows it (our methods only)."""
+    :class:`~hsd_opt.grammar.compiler.Grammar`, None: none) every output follows it, else a prompt's output follows
+    its own grammar in ``grammars`` (by prompt index: a prompt line's ``schema``), if any (our methods only)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     grammar: Any = None
+    grammars: dict[int, Any] = field(default_factory=dict)
 
-    def constraint(self):
-        """A fresh grammar state for one generation (None without a grammar)."""
+    @property
+    def constrained(self) -> bool:
+        """Whether any output follows a grammar."""
+        return self.grammar is not None or bool(self.grammars)
+
+    def constraint(self, item: PromptItem | None = None):
+        """A fresh grammar state for one generation of ``item`` (None: it follows no grammar)."""
         from hsd_opt.grammar.constraint import Constraint
 
-        return Constraint(self.grammar) if self.grammar is not None else None
+        g = self.grammar if self.grammar is not None or item is None else self.grammars.get(item.index)
+        return Constraint(g) if g is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -145,9 +153,9 @@ def _as_items(prompts: Sequence[str | PromptItem]) -> list[PromptItem]:
     return [p if isinstance(p, PromptItem) else PromptItem(i, p, "other") for i, p in enumerate(prompts)]
 
 
-#: A method: (prompt ids, max new tokens, seed, task) -> (generated ids, our stats or None, plan used or None,
-#: predicted seconds/token or None, the context in tokens it was predicted at or None).
-Runner = Callable[[list[int], int, int, str],
+#: A method: (prompt ids, max new tokens, seed, the prompt's item) -> (generated ids, our stats or None, plan used
+#: or None, predicted seconds/token or None, the context in tokens it was predicted at or None).
+Runner = Callable[[list[int], int, int, PromptItem],
                   tuple[list[int], dict | None, str | None, float | None, float | None]]
 
 
@@ -202,7 +210,7 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     """``(runner, its description or None, None)`` for method ``m``, or ``(None, None, why)`` where the plan lacks
     what it needs (nothing for a name not in :data:`METHODS`). ``hsd(hierarchy, budgets)``: our runner of one
     hierarchy, built once."""
-    if m.startswith("hf_") and sampling.grammar is not None:
+    if m.startswith("hf_") and sampling.constrained:
         return None, None, "HF generate does not follow the grammar (--json-schema, --grammar): not run"
     if m == "hf_ar":
         return _hf_runner(loaded, eos, sampling), None, None
@@ -237,10 +245,10 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     return None, None, None
 
 
-def _generate(h, ids: list[int], n: int, seed: int, sampling: Sampling):
-    """``(token ids, stats)`` of one generation of at most ``n`` tokens by our runner ``h``."""
+def _generate(h, ids: list[int], n: int, seed: int, sampling: Sampling, item: PromptItem):
+    """``(token ids, stats)`` of one generation of at most ``n`` tokens of ``item`` by our runner ``h``."""
     r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
-                   constraint=sampling.constraint())
+                   constraint=sampling.constraint(item))
     return r.token_ids, r.stats
 
 
@@ -252,11 +260,11 @@ def _hierarchy_runner(plan, hsd, hierarchy: list[str], budgets: list[int], key: 
 
     h = hsd(hierarchy, budgets)
 
-    def run(ids, n, seed, task):
-        toks, st = _generate(h, ids, n, seed, sampling)
+    def run(ids, n, seed, item):
+        toks, st = _generate(h, ids, n, seed, sampling, item)
         ctx = run_context(len(ids), len(toks))
         pred = predicted_latency(plan, hierarchy, ctx)
-        return toks, st, None, task_prediction(plan, task, key, pred, ctx), prediction_context(plan, ctx)
+        return toks, st, None, task_prediction(plan, item.task, key, pred, ctx), prediction_context(plan, ctx)
 
     return run, {"hierarchy": list(hierarchy), "budgets": list(budgets)}
 
@@ -272,18 +280,18 @@ def _task_runner(plan, hsd, tasks: Sequence[str], sampling: Sampling) -> tuple[R
         plans[which] = {"hierarchy": hh, "budgets": bb}
         hsd(hh, bb)
 
-    def run(ids, n, seed, task):
-        hh, bb, _, which = plan_for_prompt(plan, task)
-        toks, st = _generate(hsd(hh, bb), ids, n, seed, sampling)
+    def run(ids, n, seed, item):
+        hh, bb, _, which = plan_for_prompt(plan, item.task)
+        toks, st = _generate(hsd(hh, bb), ids, n, seed, sampling, item)
         ctx = run_context(len(ids), len(toks))
-        return toks, st, which, plan_for_prompt(plan, task, context=ctx)[2], prediction_context(plan, ctx)
+        return toks, st, which, plan_for_prompt(plan, item.task, context=ctx)[2], prediction_context(plan, ctx)
 
     return run, {"plans": plans}
 
 
 def _hf_runner(loaded, eos: list[int], sampling: Sampling, **kw) -> Runner:
     """A Hugging Face ``generate`` method (``kw``: its speculation options); no stats, no prediction."""
-    return lambda ids, n, seed, task: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw), None, None, None,
+    return lambda ids, n, seed, item: (_hf_generate(loaded, ids, n, eos, sampling, seed, **kw), None, None, None,
                                        None)
 
 
@@ -297,7 +305,7 @@ def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, ma
     for k, _ in enumerate(user_turns(item, turns)):
         ids = conversation_ids(tokenizer, item.turns, answers, raw)
         t0 = time.perf_counter()
-        toks, st, which, pred, at = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item.task)
+        toks, st, which, pred, at = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item)
         dt = time.perf_counter() - t0
         out.append(Generation(item.index, k, item.task, item.category, toks, dt, st, which, pred,
                               run_context(len(ids), len(toks)), at))
@@ -340,7 +348,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
                                                  sorted({it.task for it in items}), extra, assistant)
     ids0 = conversation_ids(tok, items[0].turns, [], raw)
-    _warm_up(runners, built, errors, ids0, min(8, max_new_tokens), sampling, items[0].task, log)
+    _warm_up(runners, built, errors, ids0, min(8, max_new_tokens), sampling, items[0], log)
     clock = None
     if retime is not None:
         from hsd_opt.measure.retime import StepClock
@@ -365,14 +373,15 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
 
 
 def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], ids: list[int], n: int,
-             sampling: Sampling, task: str, log) -> None:
+             sampling: Sampling, item: PromptItem, log) -> None:
     """One generation of ``n`` tokens from ``ids`` by every hierarchy ``built`` (those of ``hsd_task`` included),
     then by every method: a method that raises is recorded in ``errors`` and dropped from ``runners``, said."""
     for h in built.values():
-        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, constraint=sampling.constraint())
+        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p,
+                   constraint=sampling.constraint(item))
     for m in list(runners):
         try:
-            runners[m](ids, n, sampling.seed, task)
+            runners[m](ids, n, sampling.seed, item)
         except Exception as e:  # noqa: BLE001 - HF may refuse a generation mode for this model
             errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             del runners[m]

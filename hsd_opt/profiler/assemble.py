@@ -63,6 +63,12 @@ def positions_by_task(stats: PairStats) -> dict[str, int]:
     return out
 
 
+def forced_by_task(stats: PairStats) -> dict[str, int]:
+    """Positions per task where the grammar allowed one token only (prompts with a JSON schema), counted apart
+    from the generated positions measured; tasks without a grammar are left out."""
+    return {t: int(c) for t in stats.tasks if (c := stats.counters.get(f"forced_tokens.{t}"))}
+
+
 def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[str, bool],
                        target: str) -> dict[str, Any]:
     """acceptance / greedy_agreement / counts / ci95 / acceptance_by_task for ``drafter`` before ``verifier`` in
@@ -294,7 +300,8 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "prompt_count": int(stats.counters.get("prompts", 0)),
                  "prompt_tokens": int(stats.counters.get("prompt_tokens", 0)),
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
-                 "positions_by_task": positions_by_task(stats), "costs_from": str(p0)})
+                 "positions_by_task": positions_by_task(stats), "forced_by_task": forced_by_task(stats),
+                 "costs_from": str(p0)})
     # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
     complete = all(set(prompts_by_task(PairStats.from_dict(pr.stats))[0]) ==
                    set(PairStats.from_dict(pr.stats).tasks) for _, pr in profs)

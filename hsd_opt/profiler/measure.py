@@ -17,6 +17,11 @@ For each prompt of the suite:
    prompt, ``observe`` fed the true continuation as it goes, as at run time); their acceptance against
    verifier j is ``p_j(proposal)`` and agreement is ``proposal == argmax p_j``.
 
+Under a grammar (a prompt with a JSON schema) the continuation is the masked target's, every drafter's logits are
+masked with the grammar's row at each position before the steps above (the masked models decoding compares), a
+token drafter's refused proposal counts as no proposal (decoding cuts it), and the positions where the grammar
+allows one token only are left out: decoding takes those without drafting or a pass, so they are counted apart.
+
 See ``docs/design.md#acceptance-statistics``.
 """
 
@@ -28,15 +33,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hsd_opt.grammar.constraint import mask_logits
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.runtime.sampling import process_logits, sample_token
 
 
 @torch.no_grad()
 def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, eos: set[int],
-             generator: torch.Generator | None = None, top_p: float = 1.0) -> list[int]:
+             generator: torch.Generator | None = None, top_p: float = 1.0, constraint=None) -> list[int]:
     """The target's continuation of ``prompt_ids`` (greedy at T = 0, else sampled from the distribution processed
-    with ``temperature`` and ``top_p``), up to and including an EOS token."""
+    with ``temperature`` and ``top_p``), up to and including an EOS token; with ``constraint`` (a
+    :class:`~hsd_opt.grammar.constraint.Constraint`) the masked target's."""
     n = eng.n_layers
     st = eng.new_state(len(prompt_ids) + max_new_tokens + 1)
     eng.append(st, list(prompt_ids))
@@ -44,6 +51,8 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
     for _ in range(max_new_tokens):
         eng.advance(st, n)
         logits = eng.logits(st, n, st.n - 1, st.n)[0]
+        if constraint is not None:
+            logits = mask_logits(logits[None], constraint.allowed(out, len(out))[None])[0]
         if temperature > 0:
             probs = process_logits(logits[None], temperature, top_p)[0]
             tok = sample_token(probs.cpu(), generator)
@@ -106,15 +115,41 @@ def _probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torc
     return torch.softmax(logits, dim=-1)
 
 
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether the grammar's ``row`` ``[V]`` allows ``token`` (an id past it is refused)."""
+    return 0 <= token < row.numel() and bool(row[token])
+
+
+def _masked(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[m, W]`` masked with the grammar's ``rows`` ``[m, V]``; a model whose head is wider or narrower
+    than the target's (the same tokenizer) has its extra ids refused, its missing ones ignored."""
+    W, V = logits.shape[1], rows.shape[1]
+    if W != V:
+        rows = rows[:, :W] if W < V else torch.cat([rows, rows.new_zeros(rows.shape[0], W - V)], 1)
+    return mask_logits(logits, rows)
+
+
 @torch.no_grad()
 def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, prompt_ids: Sequence[int],
-                     continuation: Sequence[int], temperature: float, chunk: int = 16, top_p: float = 1.0):
+                     continuation: Sequence[int], temperature: float, chunk: int = 16, top_p: float = 1.0,
+                     allowed: torch.Tensor | None = None, forced: np.ndarray | None = None):
     """Per-position statistics of one prompt + continuation (see the module doc).
 
     Returns ``(acc_nn [N, N, G], agree_nn [N, N, G], acc_tn [T, N, G], agree_tn [T, N, G], propose_seconds[T])``
     as numpy arrays (``i < j`` filled for the neural ones), ``G = len(continuation)``; ``acc_tn`` is NaN (and
-    ``agree_tn`` False) at positions where a token drafter abstained.
+    ``agree_tn`` False) at positions where a token drafter abstained. Under a grammar: ``allowed`` ``[G, V]``
+    (bool) its row at each generated position, ``forced`` ``[G]`` (bool) where it allows one token only; those
+    positions are left out, so ``G`` is then the number of the others.
     """
+    out = _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed)
+    if forced is None or not forced.any():
+        return out
+    keep = ~np.asarray(forced, dtype=bool)
+    return (*(a[..., keep] for a in out[:4]), out[4])
+
+
+def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed):
+    """:func:`profile_sequence` at every generated position."""
     P, G = len(prompt_ids), len(continuation)
     full = list(prompt_ids) + list(continuation)
     N, T = len(neural), len(token_drafters)
@@ -136,6 +171,8 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
             prop = d.propose(ctx, 1)
             secs[ti] += time.perf_counter() - t0
             props[ti, g] = int(prop[0]) if prop else -1      # -1: it abstained (NaN in acc_tn)
+            if allowed is not None and prop and not _allows(allowed[g], int(props[ti, g])):
+                props[ti, g] = -1                              # refused by the grammar: decoding cuts it
             d.observe(ctx, [full[P + g]])
 
     # one teacher-forced pass per engine, residual streams at every exit boundary
@@ -152,6 +189,8 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
         m = r.numel()
         probs, am = [], []
         for lg in exit_logits(neural, hidden, r):
+            if allowed is not None:
+                lg = _masked(lg, allowed[c0:c0 + m])
             am.append(lg.argmax(-1).cpu())
             probs.append(_probs(lg, temperature, top_p).cpu())
         Pm = torch.stack(probs)                     # [N, m, V]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from hsd_opt.engine import kernels
@@ -27,6 +28,7 @@ from hsd_opt.profiler.assemble import (
     batch_costs_entries,
     build_profile,
     costs_profile,
+    forced_by_task,
     positions_by_task,
     prompts_by_task,
 )
@@ -47,7 +49,7 @@ from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
-from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length
+from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.seeds import SEED_STRIDE
 from hsd_opt.version import __version__
 
@@ -91,6 +93,7 @@ class ProfileConfig:
     cost_budget: float | None = DEFAULT_COST_BUDGET  # seconds for the cost phase (None: the full plan)
     shard: tuple[int, int] | None = None            # (k, n): this run does prompts i with i % n == k
     max_prompts: int | None = None
+    json_tasks: int = 0                             # the first N shipped JSON-schema tasks join the suite
     chunk: int = 16
     progress: bool = True
     threads: int = 0                                # CPU threads for torch (0: torch's default)
@@ -236,9 +239,43 @@ def _my_prompts(items: list[PromptItem], shard, rank: int, world: int) -> list[P
     return [it for j, it in enumerate(mine) if j % world == rank]
 
 
-def _generate_continuations(cfg: ProfileConfig, loaded, eng, mine: list, ck, eos: set, source, progress) -> None:
-    """The target's continuation of each of this run's prompts not yet generated, checkpointed one by one (they
-    are also ADED's default corpus)."""
+def _grammars(loaded, items: Sequence[PromptItem], source: str) -> dict[int, Any]:
+    """The compiled grammar of every item with a JSON schema, by item index (a schema that does not compile: an
+    error naming the prompt file and line)."""
+    todo = [it for it in items if it.schema is not None]
+    if not todo:
+        return {}
+    from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+
+    comp = GrammarCompiler(loaded.tokenizer, sorted(eos_token_ids(loaded)),
+                           loaded.model.get_output_embeddings().weight.shape[0])
+    return {it.index: comp.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
+            for it in todo}
+
+
+def _constraint(grammars: dict[int, Any], it: PromptItem):
+    """A fresh :class:`~hsd_opt.grammar.constraint.Constraint` of the item's grammar, or None without one."""
+    from hsd_opt.grammar.constraint import Constraint
+
+    g = grammars.get(it.index)
+    return None if g is None else Constraint(g)
+
+
+def _grammar_rows(grammars: dict[int, Any], it: PromptItem, cont: list[int]):
+    """``(allowed [G, V] bool, forced [G] bool)``: the item's grammar's row at each position of its continuation
+    and where it allows one token only; ``(None, None)`` without a grammar."""
+    c = _constraint(grammars, it)
+    if c is None:
+        return None, None
+    rows = [c.allowed(cont, k) for k in range(len(cont))]
+    forced = np.array([c.only(cont, k) is not None for k in range(len(cont))], dtype=bool)
+    return (torch.stack(rows) if rows else torch.zeros(0, c.vocab_size, dtype=torch.bool)), forced
+
+
+def _generate_continuations(cfg: ProfileConfig, loaded, eng, mine: list, ck, eos: set, source, progress,
+                            grammars: dict[int, Any]) -> None:
+    """The target's continuation of each of this run's prompts not yet generated (a prompt with a schema: under
+    its grammar), checkpointed one by one (they are also ADED's default corpus)."""
     need = [it for it in mine if str(it.index) not in ck.continuations]
     gid = progress.add_task("generating", total=len(mine), completed=len(mine) - len(need)) if progress else None
     for it in need:
@@ -247,30 +284,36 @@ def _generate_continuations(cfg: ProfileConfig, loaded, eng, mine: list, ck, eos
         if cfg.temperature > 0:
             gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
         ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
-                                                   cfg.top_p)
+                                                   cfg.top_p, _constraint(grammars, it))
         ck.save()
         if progress:
             progress.update(gid, advance=1)
 
 
 def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, todo: list, ck, eos: set, source,
-                     progress, on_prompt: Callable[[int], None] | None) -> None:
+                     progress, on_prompt: Callable[[int], None] | None, grammars: dict[int, Any]) -> None:
     """Every drafter's distribution at every generated position of each prompt of ``todo``, streamed into the
-    checkpoint's sums (saved after each prompt; ``on_prompt(k)`` called after the k-th)."""
+    checkpoint's sums (saved after each prompt; ``on_prompt(k)`` called after the k-th). Under a grammar the
+    positions it forces are counted as ``forced_tokens``, apart from ``generated_tokens`` (those measured)."""
     pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
     for k, it in enumerate(todo, 1):
         ids = encode_item(loaded, it, cfg.raw, source)
         cont = ck.continuations[str(it.index)]
+        allowed, forced = _grammar_rows(grammars, it, cont)
         acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
-            pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p)
+            pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p,
+            allowed, forced)
+        n_forced = int(forced.sum()) if forced is not None else 0
+        measured = len(cont) - n_forced
         st = ck.stats
         st.add_neural(it.task, acc_nn, agr_nn)
         if tds:
             st.add_token(it.task, acc_tn, agr_tn)
         for ti, d in enumerate(tds):
             st.count(f"propose_seconds.{d.name}", secs[ti])
-            st.count(f"propose_calls.{d.name}", len(cont))
-        for key, n in (("prompts", 1), ("prompt_tokens", len(ids)), ("generated_tokens", len(cont))):
+            st.count(f"propose_calls.{d.name}", measured)
+        for key, n in (("prompts", 1), ("prompt_tokens", len(ids)), ("generated_tokens", measured),
+                       *((("forced_tokens", n_forced),) if forced is not None else ())):
             st.count(key, n)
             st.count(f"{key}.{it.task}", n)
         st.count("eos_stops", 1 if cont and cont[-1] in eos else 0)
@@ -330,7 +373,7 @@ def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, s
         "prompt_count": int(stats.counters["prompts"]),
         "prompt_tokens": int(stats.counters["prompt_tokens"]),
         "generated_tokens": int(stats.counters["generated_tokens"]),
-        "positions_by_task": positions_by_task(stats),
+        "positions_by_task": positions_by_task(stats), "forced_by_task": forced_by_task(stats),
         **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
         "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
                              "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
@@ -382,7 +425,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     # validate
     _validate(cfg)
     threads_note = set_threads(cfg.threads, warn)
-    suite = load_prompts(cfg.prompts)
+    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
     items = suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
 
     # load the target, then the pool
@@ -411,11 +454,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         progress.start()
     t_prof = time.perf_counter()
     try:
-        _generate_continuations(cfg, loaded, eng, mine, ck, eos, suite.source, progress)
-        tds = list(pool.token)
-        if pool.want_aded:
-            tds.append(build_aded(ck.continuations, world, warn))
-        _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, suite.source, progress, on_prompt)
+        tds = _profile_prompts(cfg, loaded, eng, pool, mine, todo, ck, eos, suite.source, progress, on_prompt, world,
+                               warn)
     finally:
         if progress:
             progress.stop()
@@ -466,7 +506,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     _validate(cfg)
     _check_costs_only(cfg)
     threads_note = set_threads(cfg.threads, warn)
-    suite = load_prompts(cfg.prompts)
+    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
     items = suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
@@ -515,6 +555,19 @@ def costs_texts(loaded, items: list[PromptItem], raw: bool, source: str) -> list
         return [encode_item(loaded, it, raw, source) for it in items]
     vocab = int(loaded.model.config.vocab_size)
     return [[(BYTE_OFFSET + b) % vocab for b in it.prompt.encode()] for it in items]
+
+
+def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: list, ck, eos: set, source: str,
+                     progress, on_prompt, world: int, warn) -> list:
+    """The continuations (:func:`_generate_continuations`), then every drafter measured on them
+    (:func:`_measure_prompts`; ADED built from them when wanted); returns the token drafters measured."""
+    grammars = _grammars(loaded, mine, source)
+    _generate_continuations(cfg, loaded, eng, mine, ck, eos, source, progress, grammars)
+    tds = list(pool.token)
+    if pool.want_aded:
+        tds.append(build_aded(ck.continuations, world, warn))
+    _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, source, progress, on_prompt, grammars)
+    return tds
 
 
 def _new_stats(pool, tasks: list[str]) -> PairStats:

@@ -89,6 +89,15 @@ class Entry:
     pending: Pass | None = None
     waited: int = 0
     prefill: Generator | None = None
+    task: str | None = None
+
+
+def _load_levels(hierarchies: HSD | Mapping[int, HSD]) -> dict[int, HSD]:
+    """Load level -> hierarchy, sorted (one hierarchy: every level's)."""
+    levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
+    if not levels or any(int(k) < 1 for k in levels):
+        raise HsdError("a batch needs hierarchies for load levels >= 1")
+    return dict(sorted((int(k), h) for k, h in levels.items()))
 
 
 class Batch:
@@ -101,23 +110,24 @@ class Batch:
         max_active: sequences decoded together at most; more wait (prefilled when a place frees).
         max_wait: ticks a sequence may wait for its engine while another engine's group is served (0: every
             pending pass is served every tick; None: :func:`round_passes` of the hierarchies, at least 3).
+        by_task: the hierarchies (one, or one per load level) of the sequences added with a ``task`` (e.g. those
+            under a grammar: a plan's plan for task ``json``); every other sequence runs ``hierarchies``.
     """
 
-    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None):
-        levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
-        if not levels or any(int(k) < 1 for k in levels):
-            raise HsdError("a batch needs hierarchies for load levels >= 1")
-        if len({id(h.target) for h in levels.values()}) != 1:
+    def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None,
+                 by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None):
+        self.levels = _load_levels(hierarchies)
+        self.tasks = {t: _load_levels(h) for t, h in (by_task or {}).items()}
+        every = [h for lv in (self.levels, *self.tasks.values()) for h in lv.values()]
+        if len({id(h.target) for h in every}) != 1:
             raise HsdError("every load level's hierarchy must run over the same target engine")
         if max_active < 1:
             raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
-        self.levels = dict(sorted((int(k), h) for k, h in levels.items()))
         self.max_active = int(max_active)
-        self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in self.levels.values())) if max_wait is None
-                         else int(max_wait))
+        self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in every)) if max_wait is None else int(max_wait))
         #: id(engine) -> its lowest level in any hierarchy (drafters before the target)
         self._rank: dict[int, int] = {}
-        for h in self.levels.values():
+        for h in every:
             for i, lv in enumerate(h.levels):
                 if lv.is_model:
                     self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
@@ -131,9 +141,11 @@ class Batch:
         the level nearest ``n`` on a log scale)."""
         return nearest_level(self.levels, n)
 
-    def hierarchy_for(self, n: int) -> HSD:
-        """The hierarchy of the load level for ``n`` sequences in flight (:meth:`level_for`)."""
-        return self.levels[self.level_for(n)]
+    def hierarchy_for(self, n: int, task: str | None = None) -> HSD:
+        """The hierarchy of the load level for ``n`` sequences in flight (:meth:`level_for`), of ``task``'s
+        hierarchies when the batch has them."""
+        levels = self.tasks.get(task, self.levels) if task is not None else self.levels
+        return levels[nearest_level(levels, n)]
 
     @property
     def occupancy(self) -> Occupancy:
@@ -153,14 +165,14 @@ class Batch:
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
             on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None,
-            constraint: Constraint | None = None) -> Entry:
+            constraint: Constraint | None = None, task: str | None = None) -> Entry:
         """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
-        load; ``constraint``: the grammar its output follows (its own state; None: none). Bad arguments raise
-        :class:`HsdError` here."""
-        hsd = (self.hierarchy_for(self.load + 1) if follows_load(temperature, seed)
-               else self.levels[next(iter(self.levels))])
+        load; ``constraint``: the grammar its output follows (its own state; None: none); ``task``: it runs that
+        task's hierarchies when the batch has them (``by_task``). Bad arguments raise :class:`HsdError` here."""
+        hsd = (self.hierarchy_for(self.load + 1, task) if follows_load(temperature, seed)
+               else self.hierarchy_for(1, task))
         entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint), on_tokens,
-                      on_done)
+                      on_done, task=task)
         self.waiting.append(entry)
         return entry
 
@@ -206,10 +218,12 @@ class Batch:
             self._begin(self.waiting.pop(0))
         if self.prefilling is not None:
             self._prefill_pass(self.prefilling)
-        level = self.levels[level_at(self.levels, self.occupancy)]   # those in flight and those about to join
+        occupancy = self.occupancy                  # those in flight and those about to join
+        level = {t: lv[level_at(lv, occupancy)] for t, lv in ((None, self.levels), *self.tasks.items())}
         for e in self.active:
-            if e.decoding.follows_load and e.decoding.can_switch(level):
-                e.decoding.switch(level)
+            to = level.get(e.task, level[None])
+            if e.decoding.follows_load and e.decoding.can_switch(to):
+                e.decoding.switch(to)
         groups: dict[int, list[Entry]] = {}
         for e in self.active:
             groups.setdefault(id(e.pending.engine), []).append(e)
@@ -265,7 +279,7 @@ class Batch:
     def _begin(self, e: Entry) -> None:
         self.prefilling = e                     # in flight from its prefill on
         if e.decoding.follows_load:  # the load it starts under: those in flight, it, and those waiting for a place
-            e.decoding.switch(self.hierarchy_for(self.load))
+            e.decoding.switch(self.hierarchy_for(self.load, e.task))
         e.prefill = e.decoding.prefill_passes(defer_last=True)
 
     def _prefill_pass(self, e: Entry) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from hsd_opt.grammar.constraint import Constraint
+from hsd_opt.prompts import JSON_TASK
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
@@ -90,6 +91,8 @@ class JobQueue:
 
     Args:
         runner: what decodes: one hierarchy (an :class:`HSD`), or load level -> hierarchy (a load-aware plan's).
+        json_runner: what decodes a request under a grammar (``response_format``), the same way: the plan's plan
+            for task ``json`` (None: ``runner``).
         tokenizer: the model's tokenizer (decoding text, stop strings).
         max_queue: most requests that may wait while ``max_batch`` are decoded (>= 1); one more is refused
             (:class:`QueueFull`).
@@ -100,14 +103,14 @@ class JobQueue:
     """
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
-                 max_batch: int = 1, stream_interval: int = 1):
+                 max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         self.stream_interval = stream_interval
-        self.batch = Batch(runner, max_batch)
+        self.batch = Batch(runner, max_batch, by_task={JSON_TASK: json_runner} if json_runner is not None else None)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
@@ -211,7 +214,8 @@ class JobQueue:
         try:
             self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                            seed=req.seed, on_tokens=on_tokens, on_done=on_done,
-                           constraint=Constraint(req.grammar) if req.grammar is not None else None)
+                           constraint=Constraint(req.grammar) if req.grammar is not None else None,
+                           task=JSON_TASK if req.grammar is not None else None)
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug
             log.exception("generation failed")
             self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")

@@ -33,6 +33,16 @@ def task_positions(profile: Profile, task: str) -> int | None:
     return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
 
 
+def forced_share(profile: Profile, task: str) -> float | None:
+    """The share of ``task``'s generated tokens its grammar forced (None: the task had no grammar, or the profile
+    did not record it): decoding takes those without a pass."""
+    forced = (profile.provenance.get("forced_by_task") or {}).get(task)
+    measured = task_positions(profile, task)
+    if not isinstance(forced, (int, float)) or isinstance(forced, bool) or forced <= 0 or measured is None:
+        return None
+    return float(forced) / (float(forced) + measured)
+
+
 def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
     """``profile`` as the prompts of ``task`` see it, and the pairs that fell back to the overall value.
 
@@ -102,6 +112,8 @@ def solve_tasks(profile: Profile, plan: Plan, tmax: int, solver: str = "dp", max
              "expected_speedup": target_only(here) / p.expected_latency,
              "positions": task_positions(profile, task), "fallback_pairs": len(fallbacks),
              "overall_hierarchies": overall}
+        if (f := forced_share(profile, task)) is not None:
+            e["forced_share"] = f
         if ctx is not None:
             resolved: dict = {}
             e.update({"context": ctx, "context_from": ctx_from,
