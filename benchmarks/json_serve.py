@@ -3,10 +3,11 @@
 
     .venv/bin/python -m benchmarks.json_serve --plan tests/data/runtime_bench_lookup_plan.json \\
         --llama-server <llama.cpp>/build/bin/llama-server --gguf <the embedded Q4_1 GGUF> \\
-        [--concurrency 1,8] [--limit 60] [--max-tokens 200] [--out benchmarks/results/json_serve.json]
+        [--concurrency 1,8] [--skip 0] [--limit 60] [--max-tokens 200] [--out benchmarks/results/json_serve.json]
 
 At each number of clients ``c`` both servers answer every task once (``c`` client threads taking the tasks in turn;
-the servers' order alternates between levels); llama.cpp's server runs with ``--parallel c``. Reported per server
+the servers' order alternates between levels); llama.cpp's server runs with ``--parallel c``. With a plan that has a
+plan for task ``json`` (``hsd solve --per-task``), `hsd serve` answers these requests with it. Reported per server
 and level: aggregate completion tokens/s (every completion token over the wall time from the first request to the
 last answer), how many answers ended (``finish_reason`` ``"stop"``), and how many of those parse as JSON.
 """
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N tasks (e.g. those profiled)")
     ap.add_argument("--limit", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
@@ -95,7 +97,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/results/json_serve.json")
     a = ap.parse_args()
-    tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][: a.limit]
+    tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][a.skip:a.skip + a.limit]
     levels = [int(c) for c in a.concurrency.split(",")]
     hsd, hsd_url, _ = start_server(a.plan, 64, None, "cpu", a.timeout)
     report = {"host": platform.processor() or platform.machine(), "plan": a.plan, "gguf": a.gguf,

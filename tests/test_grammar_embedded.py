@@ -88,3 +88,28 @@ def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == field and err["type"] == "invalid_request_error", err
+
+
+def test_a_plan_with_a_plan_for_json_serves_response_format_requests_with_it(embedded, tmp_path):
+    """hsd serve runs a request under a grammar with the plan's plan for task json (by_task) and every other
+    request with the plan's own hierarchy; the answers stay the masked target's and the target's."""
+    plan = json.loads(SOLVED_PLAN.read_text())
+    plan["by_task"] = {"json": {"hierarchy": ["lookup", "layer30"], "budgets": [3], "expected_latency": 0.01}}
+    path = tmp_path / "plan_json.json"
+    path.write_text(json.dumps(plan))
+    tok = embedded.tokenizer
+    ar, grammar = _masked_target(embedded)
+    want = ar.generate(_ids(tok, QUESTIONS[2]), N, constraint=Constraint(grammar)).token_ids
+    app, jobs = prepare_server(path, device="cpu")
+    fmt = {"type": "json_schema", "json_schema": {"name": "language", "schema": SCHEMA}}
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        msg = [{"role": "user", "content": QUESTIONS[2]}]
+        under = c.chat.completions.create(model="smollm2-135m", messages=msg, max_tokens=N, temperature=0,
+                                          response_format=fmt).model_extra["hsd"]
+        free = c.chat.completions.create(model="smollm2-135m", messages=msg, max_tokens=N,
+                                         temperature=0).model_extra["hsd"]
+        about = httpx.get(srv.url + "/health", timeout=30).json()
+    assert under["hierarchy"] == ["lookup", "layer30"] and under["token_ids"] == want
+    assert free["hierarchy"] == ["lookup", "int4", "layer30"]
+    assert about["json_hierarchy"] == ["lookup", "layer30"]
