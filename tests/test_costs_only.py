@@ -1,6 +1,7 @@
-"""``hsd profile --costs-only``: the costs of a pool on random weights built from the model's configuration, and
-``hsd profile merge-costs`` of them with another profile's rates, which equals a profile made in one run when both
-runs time the same work alike (a virtual clock that moves only with the engines' and token drafters' work)."""
+"""``hsd profile --costs-only``: the costs of a pool (on random weights built from the model's configuration where
+its weights are not on this machine), and ``hsd profile merge-costs`` of them with another profile's rates, which
+equals a profile made in one run when both runs time the same work alike (a virtual clock that moves only with the
+engines' and token drafters' work)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,11 @@ def virtual_clock(monkeypatch):
     return clock
 
 
-def _profile(tiny, out, *extra):
-    res = run_cli("profile", "--model", tiny["model"], "--prompts", tiny["prompts"], "--draft-model", tiny["copy"],
+def _profile(tiny, out, *extra, configs: bool = False):
+    """A profile of the tiny pool; ``configs``: named by their config.json files (random weights when costs only)."""
+    model, copy = (tiny["model"], tiny["copy"]) if not configs else (tiny["model"] / "config.json",
+                                                                      tiny["copy"] / "config.json")
+    res = run_cli("profile", "--model", model, "--prompts", tiny["prompts"], "--draft-model", copy,
                   "--out", out, *POOL, *FAST, *extra)
     assert res.exit_code == 0, cli_output(res)
     return load_profile(out)[0]
@@ -152,7 +156,7 @@ def test_costs_only_covers_every_drafter_of_the_pool(tiny, tmp_path):
     """Every drafter of the pool has its costs at every context (token drafters too), its cost curve and verify
     costs, and its batch ratios; no acceptance, no statistics; marked costs-only, random weights, the token
     drafters timed on the prompts' ids."""
-    prof = _profile(tiny, tmp_path / "c.json", "--costs-only")
+    prof = _profile(tiny, tmp_path / "c.json", "--costs-only", configs=True)
     pool = {"layer1", "layer4", "copy", "int8", "ngram", "lookup", "bigram", "aded"}
     assert set(prof.names) == pool and prof.target == "layer4"
     assert prof.acceptance == {} and prof.stats is None and not prof.counts and not prof.acceptance_by_task
@@ -170,6 +174,18 @@ def test_costs_only_covers_every_drafter_of_the_pool(tiny, tmp_path):
     assert prof.entry("copy").kind == "model" and prof.entry("int8").extra["quantization"]["bits"] == 8
     assert prof.entry("bigram").extra["config"]["table"] is None          # a random table, never cached
     assert prof.models[-1].name == "layer4"
+
+
+def test_costs_only_times_weights_that_are_on_this_machine_themselves(tiny, tmp_path):
+    """A model directory (or a GGUF file, the embedded model) is timed on its own weights, not random ones of its
+    shape: their form decides the CPU kernels' speed (an exact int4 form reads an eighth of float32's bytes)."""
+    from hsd_opt.models.random_weights import weights_here
+
+    prof = _profile(tiny, tmp_path / "c.json", "--costs-only")
+    pv = prof.provenance
+    assert pv.costs_only is True and pv.get("source") == "local" and not pv.get("revision", "").startswith("config:")
+    assert weights_here(str(tiny["model"])) and not weights_here(str(tiny["model"] / "config.json"))
+    assert not weights_here("tiny") and not weights_here("tinyllama-1.1b")
 
 
 def test_costs_only_from_a_bare_configuration(tmp_path):

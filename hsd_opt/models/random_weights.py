@@ -1,9 +1,11 @@
 """A model built from its configuration alone, with random weights: what costs are measured on where the weights
 are not at hand (``hsd profile --costs-only``, ``benchmarks/gpu_scale.py``).
 
-A decode step's seconds depend on the model's shapes, its dtype and the device, not on its weights' values, so a
-model of the same configuration with random weights costs what the real one does, and nothing but a
-``config.json`` (and, where there is one, a tokenizer) is read. Configurations: a shipped one
+A decode step's seconds depend on the model's shapes, its dtype, its weights' form and the device, not on its
+weights' values, so a model of the same configuration with random weights costs what the real one does where the
+form is the same, and nothing but a ``config.json`` (and, where there is one, a tokenizer) is read. Not on the CPU
+kernels for a model de-quantized from GGUF, whose weights are read in their exact int4/int8 forms: a costs-only run
+times weights on this machine themselves (:func:`load_for_costs`). Configurations: a shipped one
 (``hsd_opt/data/configs/<name>.json``: LayerSkip-Llama2-7B's, TinyLlama-1.1B's), ``tiny`` (a 4-layer model for a
 dry run on a CPU), a ``config.json`` file, or any model ``hsd`` loads (an alias, a hub id, a directory, a GGUF
 file: its configuration and tokenizer only).
@@ -133,6 +135,33 @@ def _tokenizer(where: str | Path):
         return AutoTokenizer.from_pretrained(str(where))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def weights_here(name: str) -> bool:
+    """Whether ``name`` names weights on this machine (the embedded model or a fetched one, a ``.gguf`` file, a
+    model directory), not a configuration alone (a ``config.json``, a shipped configuration, ``tiny``) or a hub id.
+    A costs-only run times such weights themselves: their form decides the speed of the CPU kernels (a float32
+    model de-quantized from GGUF's Q4_1 is read in its exact int4 form, an eighth of the bytes; random weights of
+    the same shape are read as float32)."""
+    from hsd_opt.models.loading import model_source
+
+    path = Path(name)
+    if (path.is_file() and path.suffix == ".json") or name == "tiny" or (CONFIGS / f"{name}.json").is_file():
+        return False
+    try:
+        return model_source(name)[0] != "hub"
+    except HsdError:
+        return False                                  # load_random says what is wrong with the name
+
+
+def load_for_costs(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model") -> "LoadedModel":
+    """The model a costs-only run times: its own weights where they are on this machine (:func:`weights_here`),
+    else random weights of its configuration (:func:`load_random`)."""
+    if weights_here(name):
+        from hsd_opt.models.loading import load_model
+
+        return load_model(name, device=device, dtype=dtype)
+    return load_random(name, device=device, dtype=dtype, flag=flag)
 
 
 def load_random(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model") -> "LoadedModel":

@@ -180,9 +180,9 @@ def _load_target(cfg: ProfileConfig):
         raise HsdError(f"--heads: trained exit heads belong to the float target, not to --target-precision "
                        f"{precision}")
     if cfg.costs_only:
-        from hsd_opt.models.random_weights import load_random
+        from hsd_opt.models.random_weights import load_for_costs
 
-        loaded = load_random(cfg.model, device=cfg.device, dtype=load_dtype)
+        loaded = load_for_costs(cfg.model, device=cfg.device, dtype=load_dtype)
     else:
         loaded = load_model(cfg.model, device=cfg.device, dtype=load_dtype)
     if precision in QUANT_KINDS:
@@ -496,10 +496,11 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     """Measure the costs of ``cfg``'s pool alone on this machine and write them to ``cfg.out``: ``hsd profile
     --costs-only``, for plans on hardware the rates were not measured on (``hsd profile merge-costs``).
 
-    The target and the draft models are built from their configurations with random weights
-    (:func:`~hsd_opt.models.random_weights.load_random`: a step costs what it costs with the real weights);
-    nothing is generated and no acceptance is measured. Every cost is measured as :func:`run_profile` measures
-    it, the token drafters' on the prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them).
+    The target is timed on its own weights where they are on this machine, else (a configuration, a hub id) built
+    from its configuration with random weights, as are then the draft models
+    (:func:`~hsd_opt.models.random_weights.load_for_costs`: a step costs what it costs with the real weights of the
+    same form); nothing is generated and no acceptance is measured. Every cost is measured as :func:`run_profile`
+    measures it, the token drafters' on the prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them).
     Returns the profile (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates,
     ``provenance.costs_only`` true. Refuses ``--resume``, ``--shard`` and several processes
     (:func:`_check_costs_only`)."""
