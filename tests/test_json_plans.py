@@ -123,9 +123,15 @@ def family(tmp_path_factory):
         {"prompt": "w1 w2 w3 w1 w2", "task": "chat"}, {"prompt": "w4 w5", "task": "chat"},
         {"prompt": "give json", "schema": schema}, {"prompt": "more json", "schema": schema}]) + "\n")
     out = root / "prof.json"
-    run_profile(ProfileConfig(model=str(big), out=out, prompts=prompts, max_new_tokens=24, device="cpu",
-                              token_drafters=["ngram", "lookup"], tmax=3, cost_repeats=1, curve_repeats=1,
-                              progress=False, threads=1, layers=[2]))
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:      # a test cache; torch's thread count as it was (--threads 1 sets it)
+        mp.setenv("HSD_CACHE", str(root / "hsd-cache"))
+        try:
+            run_profile(ProfileConfig(model=str(big), out=out, prompts=prompts, max_new_tokens=24, device="cpu",
+                                      token_drafters=["ngram", "lookup"], tmax=3, cost_repeats=1, curve_repeats=1,
+                                      progress=False, threads=1, layers=[2]))
+        finally:
+            torch.set_num_threads(threads)
     return {"root": root, "model": big, "profile": out}
 
 
