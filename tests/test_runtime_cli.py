@@ -339,6 +339,33 @@ def test_bench_under_a_json_schema_runs_our_methods_masked_and_says_why_hf_does_
     assert rep["grammar"]["kind"] == "json_schema" and rep["reference"] == "ar"
     assert rep["methods"]["hsd"]["matches_reference"] is True
     assert "HF generate does not follow the grammar" in rep["methods"]["hf_ar"]["error"]
+    assert "hf_ar: HF generate does not follow the grammar" in _out(res) and "not run" in _out(res)
+    assert set(rep["by_task"]) == {"json"}                   # under a grammar every prompt runs the plan for JSON
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--concurrency", "1,2",
                               "--json-schema", str(tmp_path / "s.json")])
     assert res.exit_code == 2 and "--json-schema" in _out(res)
+
+
+def test_bench_follows_each_prompt_lines_own_schema(tiny_dir, tmp_path):
+    """A prompt line's ``schema`` applies to its answers (no flag): our methods decode under it, lossless against
+    our masked AR loop; a line without one runs free; the load bench refuses such lines, naming the file."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer2", "layer4"), budgets=(2, 3))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count: 1 2 3", "schema": schema}) + "\n"
+                       + json.dumps({"prompt": "Hello there", "task": "chat"}) + "\n")
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "12",
+                              "--methods", "ar,hsd", "--json", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(out.read_text())
+    assert rep["methods"]["hsd"]["matches_reference"] is True and set(rep["by_task"]) == {"json", "chat"}
+    lines = tmp_path / "run.jsonl"                       # hsd run follows the line's schema too
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "40",
+                              "--json", str(lines), "--device", "cpu", "--quiet"])
+    assert res.exit_code == 0, _out(res)
+    under, free = [json.loads(x) for x in lines.read_text().splitlines()]
+    assert under["text"].startswith('{"a": ') and not free["text"].startswith("{")
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2"])
+    assert res.exit_code == 2 and "does not follow the prompts' schemas" in _out(res) and str(prompts) in _out(res)

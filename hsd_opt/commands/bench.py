@@ -56,8 +56,8 @@ def methods_table(methods: dict, title: str, retimed: bool = False):
     for c in cols:
         t.add_column(c, justify="right")
     for m, d in methods.items():
-        if "error" in d:
-            t.add_row(m, "error", *[""] * (len(cols) - 2), "-")
+        if "error" in d:                    # its reason is printed under the tables
+            t.add_row(m, "not run" if d["error"].endswith("not run") else "error", *[""] * (len(cols) - 2), "-")
             continue
         t.add_row(m, *_row(d, retimed))
     return t
@@ -237,6 +237,9 @@ def _print_bench(rep: dict, title: str) -> None:
         console.print(table)
     for line in notes:
         console.print(line, style="dim")
+    for m, d in rep["methods"].items():
+        if "error" in d:
+            console.print(f"{m}: {d['error']}", style="dim")
     if rep.get("reference_note"):
         console.print(f"=ref: {rep['reference_note']}")
     if rep.get("matches_reference_note"):
