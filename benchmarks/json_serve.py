@@ -54,29 +54,35 @@ def answer(client: httpx.Client, url: str, task: dict, max_tokens: int) -> dict:
     return {"task": task["name"], "tokens": d["usage"]["completion_tokens"], "ended": ended, "parses": parses}
 
 
-def level(url: str, tasks: list[dict], clients: int, max_tokens: int) -> dict:
-    """Every task answered once by ``clients`` threads: aggregate tokens/s, ended and parsing counts."""
+def run_clients(work: list, clients: int, one) -> tuple[list, float]:
+    """``(results, wall seconds)``: ``clients`` threads, each with its own HTTP client, taking the items of ``work``
+    in turn and appending ``one(client, item)``."""
     todo: queue.Queue = queue.Queue()
-    for t in tasks:
-        todo.put(t)
-    out: list[dict] = []
+    for w in work:
+        todo.put(w)
+    out: list = []
 
-    def work():
+    def take():
         with httpx.Client() as client:
             while True:
                 try:
-                    t = todo.get_nowait()
+                    w = todo.get_nowait()
                 except queue.Empty:
                     return
-                out.append(answer(client, url, t, max_tokens))
+                out.append(one(client, w))
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(clients)]
+    threads = [threading.Thread(target=take) for _ in range(clients)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    wall = time.perf_counter() - t0
+    return out, time.perf_counter() - t0
+
+
+def level(url: str, tasks: list[dict], clients: int, max_tokens: int) -> dict:
+    """Every task answered once by ``clients`` threads: aggregate tokens/s, ended and parsing counts."""
+    out, wall = run_clients(tasks, clients, lambda client, t: answer(client, url, t, max_tokens))
     tokens = sum(x["tokens"] for x in out)
     return {"clients": clients, "answers": len(out), "tokens": tokens, "wall_seconds": wall,
             "aggregate_tokens_per_s": tokens / wall, "ended": sum(x["ended"] for x in out),

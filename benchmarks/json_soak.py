@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import queue
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.json_serve import TASKS, _name
+from benchmarks.json_serve import TASKS, _name, run_clients
 from benchmarks.server_load import start_server, stop_server
 
 KINDS = ("greedy", "greedy_stream", "sampled", "json_object", "hang_up")
@@ -87,46 +85,32 @@ def _check(task: dict, kind: str, status: int, text: str, finish: str | None) ->
     return None
 
 
-def soak(url: str, tasks: list[dict], n: int, clients: int, max_tokens: int) -> dict:
-    todo: queue.Queue = queue.Queue()
-    for i in range(n):
-        todo.put(i)
-    rows: list[dict] = []
-
-    def work():
-        with httpx.Client() as client:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                task, kind = tasks[i % len(tasks)], KINDS[i % len(KINDS)]
-                body = _body(url, task, kind, i, max_tokens)
-                t0 = time.perf_counter()
-                try:
-                    if body.get("stream"):
-                        status, text, finish = _streamed(client, url, body, kind == "hang_up")
-                        tokens = None
-                    else:
-                        r = client.post(url + "/chat/completions", json=body, timeout=600)
-                        status = r.status_code
-                        d = r.json() if status == 200 else {}
-                        text = d["choices"][0]["message"]["content"] if d else ""
-                        finish = d["choices"][0]["finish_reason"] if d else None
-                        tokens = d["usage"]["completion_tokens"] if d else None
-                except httpx.HTTPError as e:
-                    status, text, finish, tokens = -1, "", f"{type(e).__name__}", None
-                rows.append({"i": i, "task": task["name"], "kind": kind, "status": status, "finish": finish,
-                             "text": text, "tokens": tokens, "seconds": time.perf_counter() - t0,
-                             "problem": _check(task, kind, status, text, finish)})
-
+def _one(client: httpx.Client, url: str, tasks: list[dict], i: int, max_tokens: int) -> dict:
+    """Request ``i`` (task ``i % len(tasks)``, kind ``i % 5``) sent and checked: its row."""
+    task, kind = tasks[i % len(tasks)], KINDS[i % len(KINDS)]
+    body = _body(url, task, kind, i, max_tokens)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(clients)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    try:
+        if body.get("stream"):
+            status, text, finish = _streamed(client, url, body, kind == "hang_up")
+            tokens = None
+        else:
+            r = client.post(url + "/chat/completions", json=body, timeout=600)
+            status = r.status_code
+            d = r.json() if status == 200 else {}
+            text = d["choices"][0]["message"]["content"] if d else ""
+            finish = d["choices"][0]["finish_reason"] if d else None
+            tokens = d["usage"]["completion_tokens"] if d else None
+    except httpx.HTTPError as e:
+        status, text, finish, tokens = -1, "", f"{type(e).__name__}", None
+    return {"i": i, "task": task["name"], "kind": kind, "status": status, "finish": finish, "text": text,
+            "tokens": tokens, "seconds": time.perf_counter() - t0,
+            "problem": _check(task, kind, status, text, finish)}
+
+
+def soak(url: str, tasks: list[dict], n: int, clients: int, max_tokens: int) -> dict:
+    """``n`` requests from ``clients`` threads (:func:`_one` each): their rows and the wall seconds."""
+    rows, wall = run_clients(list(range(n)), clients, lambda client, i: _one(client, url, tasks, i, max_tokens))
     return {"rows": rows, "wall_seconds": wall}
 
 

@@ -11,6 +11,18 @@ import pytest
 from tests.helpers import make_tiny_llama
 
 
+@pytest.fixture
+def isolated_cache(tmp_path_factory, monkeypatch):
+    """A test cache directory (``HSD_CACHE``), and torch's process-wide thread count restored after the test (a
+    profile's ``--threads 1`` sets it)."""
+    import torch
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_llama()

@@ -9,7 +9,6 @@ import json
 import time
 
 import pytest
-import torch
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import load_profile, profile_from_dict
@@ -29,13 +28,7 @@ def tiny(tmp_path_factory):
             "prompts": write_prompts(root / "prompts.jsonl")}
 
 
-@pytest.fixture(autouse=True)
-def _isolate(tmp_path_factory, monkeypatch):
-    """A test cache directory, and torch's process-wide thread count as it was (``--threads 1`` sets it)."""
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_cache")    # a test cache; torch's thread count restored
 
 
 class VirtualClock:

@@ -28,14 +28,11 @@ def family(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _isolate(tmp_path_factory, monkeypatch):
-    """A test cache directory, and one torch thread (restored after): the kernels' threads wait for each other,
-    which on a busy machine makes the many tiny passes here slow."""
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
-    threads = torch.get_num_threads()
+def _isolate(isolated_cache):
+    """A test cache and one torch thread (restored after, ``conftest.isolated_cache``): the kernels' threads wait
+    for each other, which on a busy machine makes the many tiny passes here slow."""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
 
 
 def _load(path):

@@ -39,12 +39,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _isolate(tmp_path_factory, monkeypatch):
-    """A test cache directory, and torch's process-wide thread count as it was (``--threads 1`` sets it)."""
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path_factory.getbasetemp() / "hsd-cache"))
-    threads = torch.get_num_threads()
+def _isolate(isolated_cache):
+    """Every test here in a test cache, torch's thread count restored (``conftest.isolated_cache``)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _cli(args):

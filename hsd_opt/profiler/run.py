@@ -408,6 +408,14 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
     }
 
 
+def _threads_and_prompts(cfg: ProfileConfig, warn) -> tuple[str, PromptSuite, list[PromptItem]]:
+    """Torch's threads set (:func:`set_threads`: its note), the suite (the shipped JSON-schema tasks added with
+    ``--json-tasks``) and the items this run profiles (``--max-prompts``)."""
+    threads_note = set_threads(cfg.threads, warn)
+    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
+    return threads_note, suite, suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
+
+
 def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = None,
                 log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None) -> Profile | None:
     """Profile ``cfg.model``; write ``cfg.out`` (rank 0) and return the :class:`Profile` (None on other ranks).
@@ -422,13 +430,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
         return run_costs_only(cfg, log, warn)
     rank, world = dist_info()
 
-    # validate
+    # validate, load the target, then the pool
     _validate(cfg)
-    threads_note = set_threads(cfg.threads, warn)
-    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
-    items = suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
-
-    # load the target, then the pool
+    threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
@@ -506,9 +510,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     (:func:`_check_costs_only`)."""
     _validate(cfg)
     _check_costs_only(cfg)
-    threads_note = set_threads(cfg.threads, warn)
-    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
-    items = suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
+    threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
