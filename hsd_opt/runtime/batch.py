@@ -3,43 +3,39 @@
 A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.decode.Decoding` (its own caches,
 drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
-1. prefills the oldest waiting sequence, one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a
-   new request's prompt costs the others one such pass per round, a long prompt several; its first token comes
-   after its prefill and its first round, not after the others finish), for the hierarchy of the load it starts
-   under (those in flight, it, and those waiting for a place). Where the target is that hierarchy's only
-   engine, the prompt's last pass is left to the sequence's first round (``prefill_passes(defer_last=True)``):
-   step 3 computes it in the call that serves the others' rounds, each weight read once for all their rows;
-2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current
-   load level (the sequences in flight and those waiting for a place; applied at its next round, and a round
-   under way drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if that costs no more than a
-   prefill on it (:meth:`~hsd_opt.runtime.decode.Decoding.can_switch`): it holds a state of every engine of that
-   hierarchy already, or the engines it lacks are quantized copies that take the target's keys and values of
-   every position so far and compute one (a draft model taken on mid-sequence would compute them all, a cost the
-   latency model does not price). A copy the sequence held but did not run for a while takes them again too,
-   instead of computing the positions it missed;
+1. prefills the oldest waiting sequence, one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a new
+   request's prompt costs the others one such pass per round, a long prompt several; its first token comes after its
+   prefill and its first round, not after the others finish), for the hierarchy of the load it starts under (those in
+   flight, it, and those waiting for a place). Where the target is that hierarchy's only engine, the prompt's last
+   pass is left to the sequence's first round (``prefill_passes(defer_last=True)``): step 3 computes it in the call
+   that serves the others' rounds, each weight read once for all their rows;
+2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current load
+   level (of its task's hierarchies where it has one: ``by_task``), applied at its next round (a round under way
+   drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if that costs no more than a prefill on it
+   (:meth:`~hsd_opt.runtime.decode.Decoding.can_switch`): it holds a state of every engine of that hierarchy already,
+   or the engines it lacks are quantized copies that take the target's keys and values of every position so far and
+   compute one (a draft model taken on mid-sequence would compute them all, a cost the latency model does not price);
+   a copy the sequence held but did not run for a while takes them again too, instead of computing what it missed;
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
-   (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a
-   decode step of eight sequences reads each weight once, not eight times: the largest group of one engine
-   (on a tie, the engine lowest in the hierarchies), and every group with a sequence that has waited
-   ``max_wait`` ticks. Every round ends in a pass of the target, so sequences out of step (one joined later, one's
-   round was shorter) meet there: the one ahead waits while those behind draft (catching up on the cheaper
-   engines), they share that pass, and from there draft together. ``max_wait`` is by default the most passes a
-   round of the batch's hierarchies takes below its top (:func:`round_passes`; at least 3), so that those behind
-   can arrive within it: a wait costs the batch nothing (the cores serve the others' passes meanwhile), a pass
-   computed alone costs the call it could have shared. A request's first token (the target's pass at the end of
-   its prompt) waits for no one: its pass is served in the tick it is asked for, and the sequence falls into step
-   with the others at its next target pass;
+   (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a decode
+   step of eight sequences reads each weight once, not eight times: the largest group of one engine (on a tie, the
+   engine lowest in the hierarchies), and every group with a sequence that has waited ``max_wait`` ticks. Every round
+   ends in a pass of the target, so sequences out of step (one joined later, one's round was shorter) meet there: the
+   one ahead waits while those behind draft, they share that pass, and from there draft together. ``max_wait`` is by
+   default the most passes a round of the batch's hierarchies takes below its top (:func:`round_passes`; at least
+   3), so that those behind can arrive within it: a wait costs the batch nothing (the cores serve the others'
+   passes), a pass computed alone costs the call it could have shared. A request's first token (the target's pass
+   at the end of its prompt) waits for no one: it is served in the tick it is asked for;
 4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
    (``on_done``).
 
 Exactness: a batched call computes, for each sequence, bit for bit what it computes alone (the kernels' rows are
 independent of the rows beside them; the torch path runs sequences one by one), and each sequence's prompt is
-prefilled in the passes ``hsd run`` prefills it in (its last perhaps beside other sequences' rows: the same
-numbers). So a greedy sequence's tokens are those of ``hsd run`` on its
+prefilled in the passes ``hsd run`` prefills it in. So a greedy sequence's tokens are those of ``hsd run`` on its
 prompt whatever shares its passes and whichever hierarchy each round uses (every round ends in the target's own
 argmax). A sampled sequence without a seed follows the load too (every round samples from the target's
-distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the one for a
-single sequence: its draws depend only on its seed, not on the load. Units: seconds; token counts.
+distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the one for a single
+sequence: its draws depend only on its seed, not on the load. Units: seconds; token counts.
 """
 
 from __future__ import annotations
@@ -106,7 +102,7 @@ class Batch:
     Args:
         hierarchies: one hierarchy (every load level) or load level -> hierarchy (the plan of each level of a
             load-aware plan; every hierarchy over the same target engine). At ``n`` sequences in flight the
-            hierarchy of the level nearest ``n`` on a log scale is used (:meth:`level_for`).
+            hierarchy of the level nearest ``n`` on a log scale is used (:meth:`hierarchy_for`).
         max_active: sequences decoded together at most; more wait (prefilled when a place frees).
         max_wait: ticks a sequence may wait for its engine while another engine's group is served (0: every
             pending pass is served every tick; None: :func:`round_passes` of the hierarchies, at least 3).
@@ -125,25 +121,17 @@ class Batch:
             raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
         self.max_active = int(max_active)
         self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in every)) if max_wait is None else int(max_wait))
-        #: id(engine) -> its lowest level in any hierarchy (drafters before the target)
-        self._rank: dict[int, int] = {}
-        for h in every:
-            for i, lv in enumerate(h.levels):
-                if lv.is_model:
-                    self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
+        self._rank: dict[int, int] = {}            # id(engine) -> its lowest level in any hierarchy
+        for i, lv in ((i, lv) for h in every for i, lv in enumerate(h.levels) if lv.is_model):
+            self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
         self.waiting: list[Entry] = []
         self.active: list[Entry] = []
         #: the sequence whose prompt is being computed (a pass per tick), in flight but not decoding yet
         self.prefilling: Entry | None = None
 
-    def level_for(self, n: int) -> int:
-        """The load level whose plan runs at ``n`` sequences in flight (:func:`~hsd_opt.formats.nearest_level`:
-        the level nearest ``n`` on a log scale)."""
-        return nearest_level(self.levels, n)
-
     def hierarchy_for(self, n: int, task: str | None = None) -> HSD:
-        """The hierarchy of the load level for ``n`` sequences in flight (:meth:`level_for`), of ``task``'s
-        hierarchies when the batch has them."""
+        """The hierarchy of the load level for ``n`` sequences in flight (:func:`~hsd_opt.formats.nearest_level`: the
+        level nearest ``n`` on a log scale), of ``task``'s hierarchies when the batch has them."""
         levels = self.tasks.get(task, self.levels) if task is not None else self.levels
         return levels[nearest_level(levels, n)]
 
