@@ -151,6 +151,7 @@ def test_solve_per_task_gives_json_its_plan_with_the_forced_share(family, tmp_pa
     r = run_cli("solve", "--profile", family["profile"], "--tmax", "3", "--per-task", "--min-gain", "0",
                 "--out", out)
     assert r.exit_code == 0, r.output
+    assert "of its tokens forced by its grammar" in " ".join(r.output.split())
     plan = load_plan(out)
     prof, _ = load_profile(family["profile"])
     c = prof.stats["counters"]

@@ -76,6 +76,10 @@ def tasks_table(plan) -> Table:
                   _chain(e.hierarchy, e.budgets), _ms(e.expected_latency),
                   "-" if e.expected_speedup is None else f"{e.expected_speedup:.3f}x",
                   "-" if here is None else _ms(here), "-" if here is None else f"{here / e.expected_latency - 1:+.1%}")
+    forced = [f"{task}: {e.forced_share:.1%} of its tokens forced by its grammar" for task, e in plan.by_task.items()
+              if e.forced_share is not None]
+    if forced:
+        t.caption = "; ".join(forced) + " (taken without a pass; ms/token covers the other tokens)"
     return t
 
 
