@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from hsd_opt.formats import load_plan
-from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.models.loading import eos_token_ids, load_model
 from hsd_opt.prompts import chat_ids
@@ -80,8 +80,8 @@ def _quantiles(xs: list[float]) -> dict:
     """p50 and p99 of ``xs`` (seconds) in milliseconds."""
     if not xs:
         return {}
-    q = statistics.quantiles(xs, n=100, method="inclusive")
-    return {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * q[98], "count": len(xs)}
+    p99 = statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
+    return {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * p99, "count": len(xs)}
 
 
 def _valid(text: str, schema: dict) -> tuple[bool, bool | None]:
@@ -135,7 +135,7 @@ def main() -> None:
     tok = loaded.tokenizer
     plan_h = hsd_for_plan(plan, loaded)
     ar = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[])
-    grammars = GrammarCompiler(tok, eos_token_ids(loaded), ar.target.vocab_size)
+    grammars = compiler_for(loaded)
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][a.skip:a.skip + a.limit]
     methods = {"masked_ar_no_skip": (ar, False), "masked_ar": (ar, True), "plan_no_skip": (plan_h, False),
                "plan": (plan_h, True)}

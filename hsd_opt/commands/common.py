@@ -176,31 +176,20 @@ def grammar_spec(json_schema: Optional[Path], grammar: Optional[Path]):
     return None
 
 
-def grammar_compiler(loaded):
-    """A :class:`~hsd_opt.grammar.compiler.GrammarCompiler` for ``loaded``'s tokenizer, its end-of-sequence ids and
-    its LM head's rows (the width of every engine's logits over it)."""
-    from hsd_opt.grammar.compiler import GrammarCompiler
-    from hsd_opt.runtime.runner import eos_ids
-
-    return GrammarCompiler(loaded.tokenizer, eos_ids(loaded),
-                           loaded.model.get_output_embeddings().weight.shape[0])
-
-
 def item_grammars(items, flag_grammar, loaded, source: str) -> dict[int, object]:
     """The grammar each prompt's answers follow, by item index: ``flag_grammar`` (``--json-schema``/``--grammar``)
     for every prompt when given, else a prompt line's own ``schema`` (compiled, errors naming the line)."""
     if flag_grammar is not None:
         return {it.index: flag_grammar for it in items}
-    own = [it for it in items if it.schema is not None]
-    if not own:
+    if not any(it.schema is not None for it in items):
         return {}
-    from hsd_opt.grammar.compiler import GrammarSpec
+    from hsd_opt.grammar.compiler import compiler_for, schema_grammars
 
-    comp = grammar_compiler(loaded)
-    return {it.index: comp.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
-            for it in own}
+    return schema_grammars(compiler_for(loaded), items, source)
 
 
 def compile_grammar(spec, loaded):
-    """``spec`` (None: none) compiled for ``loaded`` (:func:`grammar_compiler`)."""
-    return None if spec is None else grammar_compiler(loaded).compile(spec)
+    """``spec`` (None: none) compiled for ``loaded`` (:func:`~hsd_opt.grammar.compiler.compiler_for`)."""
+    from hsd_opt.grammar.compiler import compiler_for
+
+    return None if spec is None else compiler_for(loaded).compile(spec)

@@ -10,7 +10,6 @@ import typer
 from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
     cli_command,
-    grammar_compiler,
     load_plan_and_model,
     retimed_levels,
 )
@@ -65,6 +64,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
+    from hsd_opt.grammar.compiler import compiler_for
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
@@ -88,7 +88,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
         h.generate(encode_prompt(tok, "Hello", raw=True), 2)
     max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
     name = model_name or served_name(loaded.model_id)
-    info = ModelInfo(name, tok, max_positions, default_max_tokens, grammar_compiler(loaded))
+    info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
                     json_runner=json_runner)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,

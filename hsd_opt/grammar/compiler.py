@@ -174,3 +174,19 @@ class GrammarCompiler:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return out
+
+
+def compiler_for(loaded) -> GrammarCompiler:
+    """A :class:`GrammarCompiler` for a loaded model (:class:`~hsd_opt.models.loading.LoadedModel`): its tokenizer,
+    its end-of-sequence ids and its LM head's rows (the width of every engine's logits over it)."""
+    from hsd_opt.models.loading import eos_token_ids
+
+    width = loaded.model.get_output_embeddings().weight.shape[0]
+    return GrammarCompiler(loaded.tokenizer, eos_token_ids(loaded), width)
+
+
+def schema_grammars(compiler: GrammarCompiler, items, source: str) -> dict[int, Grammar]:
+    """The compiled grammar of every prompt item with a JSON ``schema`` (:class:`~hsd_opt.prompts.PromptItem`), by
+    item index; a schema that does not compile is an :class:`HsdError` naming ``source`` and the prompt."""
+    return {it.index: compiler.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
+            for it in items if it.schema is not None}

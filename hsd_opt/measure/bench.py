@@ -63,26 +63,25 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST_METHODS and m 
 @dataclass(frozen=True)
 class Sampling:
     """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-p
-    with a seed per prompt and turn (:meth:`seed_for`); under ``grammar`` (a compiled
-    :class:`~hsd_opt.grammar.compiler.Grammar`, None: none) every output follows it, else a prompt's output follows
-    its own grammar in ``grammars`` (by prompt index: a prompt line's ``schema``), if any (our methods only)."""
+    with a seed per prompt and turn (:meth:`seed_for`); a prompt's output follows its grammar in ``grammars`` (by
+    prompt index, a compiled :class:`~hsd_opt.grammar.compiler.Grammar`: ``--json-schema``/``--grammar``'s for
+    every prompt, or a prompt line's own ``schema``), if it has one (our methods only)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    grammar: Any = None
     grammars: dict[int, Any] = field(default_factory=dict)
 
     @property
     def constrained(self) -> bool:
         """Whether any output follows a grammar."""
-        return self.grammar is not None or bool(self.grammars)
+        return bool(self.grammars)
 
-    def constraint(self, item: PromptItem | None = None):
+    def constraint(self, item: PromptItem):
         """A fresh grammar state for one generation of ``item`` (None: it follows no grammar)."""
         from hsd_opt.grammar.constraint import Constraint
 
-        g = self.grammar if self.grammar is not None or item is None else self.grammars.get(item.index)
+        g = self.grammars.get(item.index)
         return Constraint(g) if g is not None else None
 
     @property

@@ -242,15 +242,11 @@ def _my_prompts(items: list[PromptItem], shard, rank: int, world: int) -> list[P
 def _grammars(loaded, items: Sequence[PromptItem], source: str) -> dict[int, Any]:
     """The compiled grammar of every item with a JSON schema, by item index (a schema that does not compile: an
     error naming the prompt file and line)."""
-    todo = [it for it in items if it.schema is not None]
-    if not todo:
+    if not any(it.schema is not None for it in items):
         return {}
-    from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+    from hsd_opt.grammar.compiler import compiler_for, schema_grammars
 
-    comp = GrammarCompiler(loaded.tokenizer, sorted(eos_token_ids(loaded)),
-                           loaded.model.get_output_embeddings().weight.shape[0])
-    return {it.index: comp.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
-            for it in todo}
+    return schema_grammars(compiler_for(loaded), items, source)
 
 
 def _constraint(grammars: dict[int, Any], it: PromptItem):

@@ -132,7 +132,7 @@ class Batch:
     def hierarchy_for(self, n: int, task: str | None = None) -> HSD:
         """The hierarchy of the load level for ``n`` sequences in flight (:func:`~hsd_opt.formats.nearest_level`: the
         level nearest ``n`` on a log scale), of ``task``'s hierarchies when the batch has them."""
-        levels = self.tasks.get(task, self.levels) if task is not None else self.levels
+        levels = self.tasks.get(task, self.levels)
         return levels[nearest_level(levels, n)]
 
     @property
