@@ -179,6 +179,23 @@ def test_costs_only_times_weights_that_are_on_this_machine_themselves(tiny, tmp_
     assert pv.costs_only is True and pv.get("source") == "local" and not pv.get("revision", "").startswith("config:")
     assert weights_here(str(tiny["model"])) and not weights_here(str(tiny["model"] / "config.json"))
     assert not weights_here("tiny") and not weights_here("tinyllama-1.1b")
+    assert set(pv.get("draft_sources").values()) == {"local"}
+
+
+def test_costs_only_draft_models_follow_the_same_rule_as_the_target(tiny, tmp_path):
+    """A draft model is timed on its own weights where they are here, whatever the target is timed on (a target
+    named by its configuration alone gets random weights, its local draft model does not), and on random weights
+    of its configuration where only that is given."""
+    from hsd_opt.models.random_weights import RANDOM_SOURCE
+
+    for target, draft, want in ((tiny["model"] / "config.json", tiny["copy"], "local"),
+                                (tiny["model"], tiny["copy"] / "config.json", RANDOM_SOURCE)):
+        out = tmp_path / f"{want}.json"
+        res = run_cli("profile", "--model", target, "--prompts", tiny["prompts"], "--draft-model", draft, "--out",
+                      out, "--costs-only", "--layers", "none", "--quantized", "none", "--token-drafters", "ngram",
+                      "--cost-contexts", "16", "--batch-sizes", "1", *FAST)
+        assert res.exit_code == 0, cli_output(res)
+        assert list(load_profile(out)[0].provenance.get("draft_sources").values()) == [want]
 
 
 def test_costs_only_from_a_bare_configuration(tmp_path):

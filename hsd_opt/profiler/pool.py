@@ -201,7 +201,7 @@ class Pool:
 def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[str],
                quantized: Sequence[tuple[str | None, str]] | None, token_drafters: Sequence[str] | None,
                device: str, dtype: str, log: Callable[[str], None], warn: Callable[[str], None],
-               draft_layers: Sequence[int] | None = ()) -> Pool:
+               draft_layers: Sequence[int] | None = (), costs_only: bool = False) -> Pool:
     """The pool for target ``loaded`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
@@ -211,7 +211,8 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     ``token_drafters`` (None: the default pool). Names are unique; a copy of draft model ``D`` is named ``D-int4``.
     ``draft_layers`` (layer numbers in each draft model's own layers; None: all of them; empty: none): early exits
     of the draft models too, named ``D-layer<b>``, sharing the draft model's engine as the target's exits share
-    the target's.
+    the target's. ``costs_only``: each draft model is loaded as a costs-only run loads its target (its own weights
+    where they are on this machine, else random weights of its configuration).
 
     Every model is loaded once: its engines reference its weights. A model that only serves as the source of
     quantized copies (a draft model named only in ``--quantized``, or the target when ``eng`` is a copy) has its
@@ -223,30 +224,30 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     for dm in draft_models:
         if find_draft(dm, drafts) is not None:
             raise HsdError(f"--draft-model: {dm} is given twice")
-        found, ds = _draft_model_drafters(loaded, dm, draft_layers, device, dtype, taken)
+        found, ds = _draft_model_drafters(loaded, dm, draft_layers, device, dtype, taken, costs_only)
         neural += found
         drafts[ds.loaded.model_id] = ds
     if quantized is None:
         quantized = [] if eng.is_copy else default_quantized(eng.device)
     for ref, kind in quantized:
-        neural.append(_quantized_drafter(loaded, eng, ref, kind, drafts, taken, device, dtype, log))
+        neural.append(_quantized_drafter(loaded, eng, ref, kind, drafts, taken, device, dtype, log, costs_only))
     tds, want_aded = _pool_token_drafters(token_drafters, loaded, taken, warn)
     # models that only feed quantized copies (the bigram table above was the last reader of the target's)
     _release_copy_sources(loaded, eng, drafts, log)
     return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
 
 
-def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str):
-    """Load the draft model ``ref`` (named by ``flag`` in errors), with random weights when the target has them
-    (:func:`~hsd_opt.models.random_weights.load_random`: a pool whose costs alone are measured): refused when its
-    tokenizer differs from the target's (its vocabulary size, where either has no tokenizer), or when it is the
-    target itself."""
+def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only: bool = False):
+    """Load the draft model ``ref`` (named by ``flag`` in errors); in a costs-only run as the target is loaded
+    (:func:`~hsd_opt.models.random_weights.load_for_costs`: its own weights where they are on this machine, else
+    random weights of its configuration): refused when its tokenizer differs from the target's (its vocabulary
+    size, where either has no tokenizer), or when it is the target itself."""
     from hsd_opt.models.loading import check_same_tokenizer, load_model
-    from hsd_opt.models.random_weights import load_random
+    from hsd_opt.models.random_weights import load_for_costs
 
     try:
-        if loaded.source == RANDOM_SOURCE:
-            dlm = load_random(ref, device=device, dtype=dtype, flag=flag)
+        if costs_only:
+            dlm = load_for_costs(ref, device=device, dtype=dtype, flag=flag)
         else:
             dlm = load_model(ref, device=device, dtype=dtype)
     except HsdError as e:
@@ -262,12 +263,12 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str):
 
 
 def _draft_model_drafters(loaded, ref: str, draft_layers: Sequence[int] | None, device: str, dtype: str,
-                          taken: set[str]) -> tuple[list[NeuralDrafter], "DraftSource"]:
+                          taken: set[str], costs_only: bool = False) -> tuple[list[NeuralDrafter], "DraftSource"]:
     """The drafters of one ``--draft-model``: its early exits at ``draft_layers`` (its own layer numbers), then
     the whole model, over one engine; and its :class:`DraftSource`. Their names are added to ``taken``."""
     from hsd_opt.engine.layered import LayeredLM
 
-    dlm = _load_draft(loaded, ref, "--draft-model", device, dtype)
+    dlm = _load_draft(loaded, ref, "--draft-model", device, dtype, costs_only)
     deng = LayeredLM(dlm.model)
     name = short_name(dlm.model_id, taken)
     taken.add(name)
@@ -282,7 +283,8 @@ def _draft_model_drafters(loaded, ref: str, draft_layers: Sequence[int] | None, 
 
 
 def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str, "DraftSource"], taken: set[str],
-                       device: str, dtype: str, log: Callable[[str], None]) -> NeuralDrafter:
+                       device: str, dtype: str, log: Callable[[str], None],
+                       costs_only: bool = False) -> NeuralDrafter:
     """The quantized copy ``kind`` of the target (``ref`` None) or of the draft model ``ref`` (loaded now and
     added to ``drafts`` when it is no drafter itself), said; its name (``D-int4``, or the kind for the target's)
     added to ``taken``."""
@@ -299,7 +301,7 @@ def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str
     else:
         ds = find_draft(ref, drafts)
         if ds is None:
-            dlm = _load_draft(loaded, ref, "--quantized", device, dtype)
+            dlm = _load_draft(loaded, ref, "--quantized", device, dtype, costs_only)
             ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
         src, qname, model_id, what = ds.loaded.model, f"{ds.name}-{kind}", ds.loaded.model_id, ds.name
     if qname in taken:

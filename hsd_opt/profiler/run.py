@@ -496,14 +496,14 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     """Measure the costs of ``cfg``'s pool alone on this machine and write them to ``cfg.out``: ``hsd profile
     --costs-only``, for plans on hardware the rates were not measured on (``hsd profile merge-costs``).
 
-    The target is timed on its own weights where they are on this machine, else (a configuration, a hub id) built
-    from its configuration with random weights, as are then the draft models
+    The target and each draft model are timed on their own weights where they are on this machine, else (a
+    configuration, a hub id) built from their configuration with random weights
     (:func:`~hsd_opt.models.random_weights.load_for_costs`: a step costs what it costs with the real weights of the
-    same form); nothing is generated and no acceptance is measured. Every cost is measured as :func:`run_profile`
-    measures it, the token drafters' on the prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them).
-    Returns the profile (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates,
-    ``provenance.costs_only`` true. Refuses ``--resume``, ``--shard`` and several processes
-    (:func:`_check_costs_only`)."""
+    same form; ``provenance.draft_sources`` says which each draft model had); nothing is generated and no
+    acceptance is measured. Every cost is measured as :func:`run_profile` measures it, the token drafters' on the
+    prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them). Returns the profile
+    (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates, ``provenance.costs_only`` true.
+    Refuses ``--resume``, ``--shard`` and several processes (:func:`_check_costs_only`)."""
     _validate(cfg)
     _check_costs_only(cfg)
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
@@ -511,7 +511,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn, cfg.draft_layers)
+                      cfg.dtype, log, warn, cfg.draft_layers, costs_only=True)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, 1, precision)
     texts = costs_texts(loaded, items, cfg.raw, suite.source)
     tds = list(pool.token)
@@ -528,6 +528,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
                  f"the prompts' UTF-8 bytes + {BYTE_OFFSET} as token ids (the model has no tokenizer)")
     record = {**settings, "source": loaded.source, "device": loaded.device, "heads_meta": heads_meta or None,
               "costs_only": True, "token_drafter_text": text_note,
+              "draft_sources": {d.model_id: d.source for d in pool.draft_models},
               **_cost_record(cfg, loaded, costs, pool, timings, 1, threads_note)}
     prof.provenance = provenance_from_dict(record, str(cfg.out))
     _write(prof, Path(cfg.out), 1, warn)
