@@ -113,3 +113,75 @@ def test_a_plan_with_a_plan_for_json_serves_response_format_requests_with_it(emb
     assert under["hierarchy"] == ["lookup", "layer30"] and under["token_ids"] == want
     assert free["hierarchy"] == ["lookup", "int4", "layer30"]
     assert about["json_hierarchy"] == ["lookup", "layer30"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 12}}, "required": ["timezone"],
+    "additionalProperties": False}}}
+
+
+def test_a_function_call_is_the_masked_targets_answer_under_its_parameters(embedded):
+    """tool_choice naming a function: the answer is a call of it whose arguments follow its parameters, the
+    masked target's greedy answer token for token (the prompt told to call it), streamed as the same call;
+    "required": a call of one of the functions, whole, streamed or not; earlier calls and their results in the
+    conversation are read."""
+    from hsd_opt.server.tools import ToolCall, instruction, parse_tools, with_instruction
+
+    tok = embedded.tokenizer
+    msgs = [{"role": "user", "content": "What is the weather in Paris? Use celsius."}]
+    ar, _ = _masked_target(embedded)
+    grammars = GrammarCompiler(tok, eos_token_ids(embedded), ar.target.vocab_size)
+    tools = parse_tools({"tools": [WEATHER]})
+    told = with_instruction(msgs, instruction(ToolCall("get_weather"), tools))
+    grammar = grammars.compile(GrammarSpec.json_schema(WEATHER["function"]["parameters"]))
+    want = ar.generate(chat_ids(tok, told), N, constraint=Constraint(grammar)).token_ids
+    assert want[-1] in eos_token_ids(embedded)                   # the call ends within N tokens
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
+                                      tools=[WEATHER], tool_choice=named)
+        assert r.model_extra["hsd"]["token_ids"] == want
+        choice = r.choices[0]
+        call = choice.message.tool_calls[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+        chunks = [ch for ch in c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N,
+                                                         temperature=0, tools=[WEATHER], tool_choice=named,
+                                                         stream=True) if ch.choices]
+        deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+        assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        either = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
+                                           tools=[WEATHER, CLOCK], tool_choice="required")
+        call2 = either.choices[0].message.tool_calls[0]
+        params = {"get_weather": WEATHER, "get_time": CLOCK}[call2.function.name]["function"]["parameters"]
+        assert set(json.loads(call2.function.arguments)) == set(params["required"])
+        streamed = [d for ch in c.chat.completions.create(
+            model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0, tools=[WEATHER, CLOCK],
+            tool_choice="required", stream=True) if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in streamed] == [(call2.function.name,
+                                                                               call2.function.arguments)]
+
+        history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "{\"temperature\": 18}"},
+            {"role": "user", "content": "And in Rome?"}]
+        again = c.chat.completions.create(model="smollm2-135m", messages=history, max_tokens=N, temperature=0,
+                                          tools=[WEATHER], tool_choice=named)
+        assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+        bad = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "strin"}}}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "smollm2-135m", "messages": msgs, "tools": [bad], "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text

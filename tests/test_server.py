@@ -220,6 +220,12 @@ def test_no_state_carries_over_between_requests(served):
 LONG = " ".join(["w5"] * 600)  # 600 tokens: more than the tiny model's 512 positions
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "w1 w2"}]
+
+
+def TOOL(name, **function):  # noqa: N802 - a request body's part, as the table writes it
+    return {"type": "function", "function": {"name": name, **function}}
+
+
 BAD = [
     (COMP, b"{bad json", 400, None, None),
     (COMP, b"\xff\xfe", 400, None, None),
@@ -251,6 +257,26 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "stream", None),
     (COMP, {"model": MODEL, "prompt": "w1", "seed": "x"}, 400, "seed", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": {"type": "function"}}, 400, "tools", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "code"}], "tool_choice": "required"}, 400,
+     "tools[0]", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("a b")], "tool_choice": "required"}, 400,
+     "tools[0].function.name", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f"), TOOL("f")], "tool_choice": "required"}, 400,
+     "tools[1].function.name", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f", parameters=[])], "tool_choice": "required"},
+     400, "tools[0].function.parameters", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")]}, 400, "tool_choice", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": "auto"}, 400, "tool_choice", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": {"type": "function", "function": {
+        "name": "g"}}}, 400, "tool_choice", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": "please"}, 400, "tool_choice",
+     None),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    (CHAT, {"model": MODEL, "messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{"}}]}]}, 400, "messages[1].tool_calls[0].function.arguments", None),
     (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model", "model_not_found"),
     ("/v1/embeddings", {"model": MODEL, "input": "w1"}, 404, None, "not_found"),
 ]

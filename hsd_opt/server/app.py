@@ -23,7 +23,19 @@ from starlette.routing import Route
 from hsd_opt.server.errors import ApiError, error_body
 from hsd_opt.server.jobs import Job, JobQueue, QueueFull
 from hsd_opt.server.requests import GenerationRequest, ModelInfo, parse_json, parse_request
-from hsd_opt.server.responses import DONE, chunk, completion_body, hsd_figures, new_id, now, sse, usage_chunk
+from hsd_opt.server.responses import (
+    DONE,
+    call_finish,
+    chunk,
+    completion_body,
+    hsd_figures,
+    new_id,
+    now,
+    sse,
+    tool_calls,
+    usage_chunk,
+)
+from hsd_opt.server.tools import as_call
 
 log = logging.getLogger("hsd_opt.server")
 Event = tuple[str, Any]
@@ -155,7 +167,7 @@ class Service:
         outcome = await self._wait(request, job, events)
         if outcome is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(completion_body(kind, rid, created, req.model, outcome))
+        return JSONResponse(completion_body(kind, rid, created, req.model, outcome, req.tool))
 
     async def _wait(self, request: Request, job: Job, events: asyncio.Queue):
         """The job's :class:`Outcome`, or None if the client disconnected first (the job is then cancelled)."""
@@ -181,16 +193,32 @@ class Service:
 
     async def _chunks(self, req: GenerationRequest, events: asyncio.Queue, rid: str,
                       created: int) -> AsyncIterator[bytes]:
-        kind, model = req.kind, req.model
+        kind, model, tool = req.kind, req.model, req.tool
         if kind == "chat":
             yield sse(chunk(kind, rid, created, model, role=True))
+        if tool is not None and tool.name is not None:        # the named function's call opens; its arguments follow
+            yield sse(chunk(kind, rid, created, model, calls=tool_calls(tool.name, "")))
+        held: list[str] = []                                  # a call of one of several functions: sent whole
         while True:
             what, val = await events.get()
-            if what == "text":
+            if what == "text" and tool is not None:
+                if tool.name is not None:
+                    yield sse(chunk(kind, rid, created, model, calls=tool_calls(tool.name, val, opening=False)))
+                else:
+                    held.append(val)
+            elif what == "text":
                 yield sse(chunk(kind, rid, created, model, text=val))
             elif what == "done":
-                yield sse(chunk(kind, rid, created, model, finish_reason=val.finish_reason,
-                                extra={"hsd": hsd_figures(val)}))
+                finish = val.finish_reason
+                if tool is not None:
+                    call = as_call(tool, "".join(held)) if tool.name is None else None
+                    if call is not None:
+                        yield sse(chunk(kind, rid, created, model, calls=tool_calls(*call)))
+                    elif held:                                # cut before the call was whole: its text
+                        yield sse(chunk(kind, rid, created, model, text="".join(held)))
+                    if call is not None or tool.name is not None:
+                        finish = call_finish(finish)
+                yield sse(chunk(kind, rid, created, model, finish_reason=finish, extra={"hsd": hsd_figures(val)}))
                 if req.include_usage:
                     yield sse(usage_chunk(kind, rid, created, model, val))
                 yield DONE

@@ -5,7 +5,8 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``n`` (1 only) and ``response_format`` (``text``, ``json_object``,
 ``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
-naming the problem). Other fields of the OpenAI API are ignored.
+naming the problem); chat also ``tools`` and ``tool_choice`` (a function called under the grammar of its
+parameters: :mod:`hsd_opt.server.tools`). Other fields of the OpenAI API are ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.server.errors import ApiError, bad_request
+from hsd_opt.server.tools import (
+    ToolCall,
+    call_schema,
+    instruction,
+    parse_tool_choice,
+    parse_tools,
+    past_calls,
+    with_instruction,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,7 +66,8 @@ class GenerationRequest:
     ``max_tokens`` >= 1 new tokens; ``temperature`` >= 0 (0: greedy; 1 when the request gives none, as the
     OpenAI API); ``top_p`` in (0, 1]; ``seed`` (None when the request gives none: a random one is drawn, and the
     request follows the load's plan, see :mod:`hsd_opt.runtime.batch`); ``stop``: up to 4
-    non-empty strings; ``grammar``: what the output follows (``response_format``), None: free text."""
+    non-empty strings; ``grammar``: what the output follows (``response_format``, or the function ``tool_choice``
+    calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message."""
 
     kind: str
     model: str
@@ -69,6 +80,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     grammar: Grammar | None = None
+    tool: ToolCall | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -165,7 +177,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if role not in ROLES:
             raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                               f"messages[{i}].role")
-        out.append({"role": role, "content": _content(m, i)})
+        content = _content(m, i)
+        if role == "assistant" and not content.strip():
+            content = past_calls(m, i) or content
+        out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise bad_request("every message in 'messages' is empty", "messages")
     return out
@@ -188,6 +203,16 @@ def _prompt(body: dict) -> str:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
+def _compile(spec: GrammarSpec, info: ModelInfo, where: str) -> Grammar:
+    """``spec`` compiled for the model; a 400 naming ``where`` when it does not compile."""
+    try:
+        if info.grammars is None:
+            raise HsdError(f"{where}: this server cannot constrain its output")
+        return info.grammars.compile(spec)
+    except HsdError as e:
+        raise bad_request(str(e), where) from None
+
+
 def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
     """The grammar ``response_format`` asks for, compiled (None: free text); a 400 naming the field otherwise."""
     rf = body.get("response_format")
@@ -201,24 +226,43 @@ def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
                           f"{json.dumps(kind)}", "response_format.type")
     if kind == "text":
         return None
-    where = "response_format"
+    if kind == "json_object":
+        return _compile(GrammarSpec("json_object", "", "response_format"), info, "response_format")
+    js = rf.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(js, dict):
+        raise bad_request(f"'{where}' must be an object holding 'schema', got {_type_name(js)}", where)
+    if "schema" not in js:
+        raise bad_request(f"missing required field '{where}.schema'", f"{where}.schema")
+    where = f"{where}.schema"
     try:
-        if kind == "json_object":
-            spec = GrammarSpec("json_object", "", where)
-        else:
-            js = rf.get("json_schema")
-            where = "response_format.json_schema"
-            if not isinstance(js, dict):
-                raise bad_request(f"'{where}' must be an object holding 'schema', got {_type_name(js)}", where)
-            if "schema" not in js:
-                raise bad_request(f"missing required field '{where}.schema'", f"{where}.schema")
-            where = f"{where}.schema"
-            spec = GrammarSpec.json_schema(js["schema"], where)
-        if info.grammars is None:
-            raise HsdError(f"{where}: this server cannot constrain its output")
-        return info.grammars.compile(spec)
+        spec = GrammarSpec.json_schema(js["schema"], where)
     except HsdError as e:
         raise bad_request(str(e), where) from None
+    return _compile(spec, info, where)
+
+
+def _tool_call(body: dict, info: ModelInfo) -> tuple[ToolCall | None, Grammar | None, str]:
+    """A chat request's function call (``tools``, ``tool_choice``): the call, the grammar of its answer and the
+    instruction for the prompt; ``(None, None, "")`` for none. A 400 naming the field for a malformed one, or for
+    a call asked together with a ``response_format`` that constrains the answer."""
+    tools = parse_tools(body)
+    call = parse_tool_choice(body, tools)
+    if call is None:
+        return None, None, ""
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type", "text") != "text":
+        raise bad_request("'response_format' and a function call ('tool_choice') ask for two different answers; "
+                          "give one of them", "response_format")
+    named = [i for i, f in enumerate(tools) if call.name in (None, f.name)]
+    where = "tools" if call.name is None else f"tools[{named[0]}].function.parameters"
+    try:
+        return call, _compile(GrammarSpec.json_schema(call_schema(call, tools), where), info, where), \
+            instruction(call, tools)
+    except ApiError:
+        for i in named if call.name is None else []:   # name the function whose parameters do not compile
+            _compile(GrammarSpec.json_schema(tools[i].parameters), info, f"tools[{i}].function.parameters")
+        raise
 
 
 def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> GenerationRequest:
@@ -258,10 +302,12 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
     include_usage = _bool(opts or {}, "include_usage") if stream else False
-    grammar = _response_format(body, info)
+    tool, grammar, told = _tool_call(body, info) if kind == "chat" else (None, None, "")
+    grammar = _response_format(body, info) or grammar   # with a call: checked, free text only (_tool_call)
     try:
         if kind == "chat":
-            ids = chat_ids(info.tokenizer, _messages(body))
+            msgs = _messages(body)
+            ids = chat_ids(info.tokenizer, with_instruction(msgs, told) if tool is not None else msgs)
         else:
             ids = encode_prompt(info.tokenizer, _prompt(body), raw=True)
     except HsdError as e:
@@ -277,4 +323,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar)
+                             grammar, tool)

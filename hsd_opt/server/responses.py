@@ -10,6 +10,11 @@ Shapes (``kind`` is ``"chat"`` or ``"completion"``):
 - completion: ``{"id": "cmpl-...", "object": "text_completion", ..., "choices": [{"index": 0, "text",
   "logprobs": null, "finish_reason"}], "usage", "hsd"}``; chunks of the same object with the new ``text``.
 
+A chat answer that is a function call (``tool_choice``, :mod:`hsd_opt.server.tools`) has ``"message": {"role":
+"assistant", "content": null, "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}``;
+streamed, a delta opens the call (its ``id``, ``name`` and empty ``arguments``) and later deltas add to its
+``arguments`` (a call with ``tool_choice`` ``"required"`` comes whole, its name being part of the answer).
+
 A stream is ``data: {chunk}\\n\\n`` events ending with ``data: [DONE]\\n\\n``; with
 ``stream_options.include_usage`` a last chunk before it holds ``usage`` and no choices.
 """
@@ -22,6 +27,7 @@ import uuid
 from typing import Any
 
 from hsd_opt.server.jobs import Outcome
+from hsd_opt.server.tools import ToolCall, as_call, new_call_id
 
 DONE = b"data: [DONE]\n\n"
 
@@ -61,11 +67,36 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
     }
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome) -> dict[str, Any]:
-    """The whole (non-streamed) response."""
+def call_finish(finish_reason: str) -> str:
+    """A function call's ``finish_reason``: ``"tool_calls"`` where the answer ended, else (``"length"``) as is."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def tool_calls(name: str, arguments: str, call_id: str | None = None, opening: bool = True) -> list[dict[str, Any]]:
+    """``tool_calls`` of one call: whole (``opening``: with its id, type and name) or a piece of its
+    ``arguments``."""
+    if not opening:
+        return [{"index": 0, "function": {"arguments": arguments}}]
+    return [{"index": 0, "id": call_id or new_call_id(), "type": "function",
+             "function": {"name": name, "arguments": arguments}}]
+
+
+def chat_message(o: Outcome, tool: ToolCall | None) -> tuple[dict[str, Any], str]:
+    """The chat answer's ``message`` and ``finish_reason``: a function call where the request asked for one and
+    the answer holds one (not a call cut before its name by ``max_tokens``: then its text)."""
+    call = as_call(tool, o.text) if tool is not None else None
+    if call is None:
+        return {"role": "assistant", "content": o.text}, o.finish_reason
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls(*call)]
+    return {"role": "assistant", "content": None, "tool_calls": calls}, call_finish(o.finish_reason)
+
+
+def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome,
+                    tool: ToolCall | None = None) -> dict[str, Any]:
+    """The whole (non-streamed) response (a chat answer that is a function call where ``tool`` says so)."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
-                  "finish_reason": o.finish_reason}
+        message, finish = chat_message(o, tool)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
@@ -75,13 +106,17 @@ def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome) -
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stream chunk: new ``text`` (chat: ``delta.content``), the chat's opening ``role`` delta, or the
-    closing chunk with ``finish_reason`` (and ``extra`` fields such as ``hsd``)."""
+          finish_reason: str | None = None, extra: dict[str, Any] | None = None,
+          calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One stream chunk: new ``text`` (chat: ``delta.content``), the chat's opening ``role`` delta, a function
+    call's delta (``calls``: :func:`tool_calls`), or the closing chunk with ``finish_reason`` (and ``extra`` fields
+    such as ``hsd``)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta = {"role": "assistant", "content": ""}
+        elif calls is not None:
+            delta = {"tool_calls": calls}
         elif text is not None:
             delta = {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

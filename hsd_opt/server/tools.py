@@ -1,0 +1,176 @@
+"""Function calling on ``POST /v1/chat/completions``: a request's ``tools`` and ``tool_choice`` as a grammar for
+the answer, an instruction for the prompt, and the answer as ``tool_calls``.
+
+A request that tells the model to call a function gets it called, under a grammar (:mod:`hsd_opt.grammar`), so
+the arguments always parse and follow the function's ``parameters`` schema:
+
+- ``tool_choice`` ``{"type": "function", "function": {"name": N}}``: the answer is the JSON object of ``N``'s
+  arguments (the grammar of its ``parameters``);
+- ``tool_choice`` ``"required"``: the answer is ``{"name": ..., "arguments": {...}}`` for one of the ``tools``
+  (one branch per function, each with its ``parameters``);
+- ``tool_choice`` ``"none"``: the tools are left out, the answer is text (or ``response_format``'s).
+
+``"auto"`` (the OpenAI API's default when ``tools`` are given) is refused with a 400 naming ``tool_choice``: whether
+to call a function is the model's own choice there, in a format of its own chat template, which this server does
+not parse. The prompt gets the instruction to call (a system message, or the end of the first one) with each
+function's name, description and parameters. The response has ``message.tool_calls`` (one call, id ``call_<hex>``,
+``content`` null) and ``finish_reason`` ``"tool_calls"`` where the answer ended; an answer cut by ``max_tokens`` keeps
+``finish_reason`` ``"length"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn,
+given to the model as the JSON of its calls) and ``tool`` results (their ``content``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hsd_opt.server.errors import bad_request
+
+#: A function name as the OpenAI API allows it.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: ``parameters`` of a function that gives none: an object of any properties.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """How a request's answer becomes a function call: ``name`` the function ``tool_choice`` named (the answer is
+    its arguments), or None for ``"required"`` (the answer is ``{"name", "arguments"}``)."""
+
+    name: str | None
+
+
+@dataclass(frozen=True)
+class Function:
+    """One function of a request's ``tools``: its name, description (may be empty) and ``parameters`` schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+def parse_tools(body: dict) -> list[Function]:
+    """The request's ``tools`` (empty when absent); a 400 naming the field for a malformed one."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad_request(f"'tools' must be an array of functions, got {type(tools).__name__}", "tools")
+    out: list[Function] = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        f = t["function"]
+        name, desc, params = f.get("name"), f.get("description", ""), f.get("parameters", ANY_OBJECT)
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad_request(f"'{where}.function.name' must be 1 to 64 letters, digits, '_' or '-', got "
+                              f"{json.dumps(name)}", f"{where}.function.name")
+        if any(x.name == name for x in out):
+            raise bad_request(f"'{where}.function.name': {name!r} is given twice", f"{where}.function.name")
+        if not isinstance(desc, str):
+            raise bad_request(f"'{where}.function.description' must be a string", f"{where}.function.description")
+        if not isinstance(params, dict):
+            raise bad_request(f"'{where}.function.parameters' must be a JSON schema object",
+                              f"{where}.function.parameters")
+        out.append(Function(name, desc, params))
+    return out
+
+
+def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
+    """The call ``tool_choice`` asks for (None: none, the answer is text); a 400 naming ``tool_choice`` for
+    ``"auto"`` with tools, a choice without tools, or a function that is not among them."""
+    choice = body.get("tool_choice")
+    if choice is None and not tools:
+        return None
+    if choice == "none":
+        return None
+    if not tools:
+        raise bad_request("'tool_choice' asks for a function call but the request gives no 'tools'", "tool_choice")
+    if choice is None or choice == "auto":
+        raise bad_request("'tool_choice': \"auto\" (the default with 'tools') is not supported: this server calls a "
+                          "function when told to, with \"required\" or {\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}, and answers in text with \"none\"", "tool_choice")
+    if choice == "required":
+        return ToolCall(None)
+    if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        name = choice["function"]["name"]
+        if not any(f.name == name for f in tools):
+            raise bad_request(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
+                              f"({', '.join(f.name for f in tools)})", "tool_choice")
+        return ToolCall(name)
+    raise bad_request("'tool_choice' must be \"none\", \"required\" or {\"type\": \"function\", \"function\": "
+                      f"{{\"name\": ...}}}}, got {json.dumps(choice)}", "tool_choice")
+
+
+def call_schema(call: ToolCall, tools: list[Function]) -> dict[str, Any]:
+    """The JSON schema the answer follows: the named function's ``parameters``, or one branch per function of
+    ``{"name": <its name>, "arguments": <its parameters>}``."""
+    if call.name is not None:
+        return next(f.parameters for f in tools if f.name == call.name)
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                       "required": ["name", "arguments"], "additionalProperties": False} for f in tools]}
+
+
+def instruction(call: ToolCall, tools: list[Function]) -> str:
+    """What the prompt tells the model: which function(s) to call and how to write the call."""
+    described = [{"name": f.name, **({"description": f.description} if f.description else {}),
+                  "parameters": f.parameters} for f in tools if call.name in (None, f.name)]
+    if call.name is not None:
+        return (f"Answer by calling the function {call.name}: write only the JSON object of its arguments. "
+                f"The function: {json.dumps(described[0])}")
+    return ("Answer by calling one of these functions: write only a JSON object {\"name\": <the function>, "
+            f"\"arguments\": <its arguments>}}. The functions: {json.dumps(described)}")
+
+
+def with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """``messages`` with ``text`` at the end of the first system (or developer) message, or as a system message
+    before the others."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0], content=(messages[0]["content"] + "\n\n" + text).strip())
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def past_calls(m: dict, i: int) -> str | None:
+    """An earlier assistant turn's ``tool_calls`` as the text the model sees (the JSON of its calls, each
+    ``{"name", "arguments"}``), None when it has none; a 400 naming the field when they are malformed."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise bad_request(f"'{where}' must be a non-empty array of calls", where)
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise bad_request(f"'{where}[{k}]' must be {{\"function\": {{\"name\": str, \"arguments\": str}}}}",
+                              f"{where}[{k}]")
+        try:
+            args = json.loads(f["arguments"])
+        except ValueError:
+            raise bad_request(f"'{where}[{k}].function.arguments' is not JSON", f"{where}[{k}].function.arguments")
+        out.append({"name": f["name"], "arguments": args})
+    return json.dumps(out[0] if len(out) == 1 else out)
+
+
+def new_call_id() -> str:
+    """A fresh id of a function call: ``call_<hex>``."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def as_call(call: ToolCall, text: str) -> tuple[str, str] | None:
+    """``(name, arguments)`` of the answer ``text``, or None where it is not a whole call (cut by ``max_tokens``
+    before its name is complete)."""
+    if call.name is not None:
+        return call.name, text
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj["name"], json.dumps(obj["arguments"])
