@@ -8,7 +8,10 @@ decoding, each timed by the same script against the code of each tree, rounds al
 the candidate. Each round runs one worker process per tree (the trees' packages cannot share a process), the
 order alternating between rounds, so a slow spell of a shared machine hits both alike; every figure is a median
 over rounds and the ratios are candidate / baseline (below 1: faster). The worker also returns the greedy tokens
-of every prompt, which must be equal between the trees and between AR, the plan and the batch (lossless).
+of every prompt, which must be equal between the trees and between AR, the plan and the batch (lossless), and the
+work the engines did (``work``: calls of ``advance``/``advance_many`` and the layer-positions they computed, over the
+whole worker): where both trees did the same work (``same_work_in_both_trees``), a ratio away from 1 is the machine's
+drift or the code's speed at the same work, never more or fewer passes.
 
 - ``ar_ms_per_token``: the target alone (``hsd_for_plan`` with the target's level), decode seconds per token.
 - ``plan_ms_per_token``: the plan's hierarchy, decode seconds per token.
@@ -35,10 +38,33 @@ HERE = Path(__file__).resolve().parents[1]
 DEFAULT_PLAN = HERE / "benchmarks" / "results" / "bench_suite_2026-11-26_plan.json"
 
 
+def count_work(cls) -> dict[str, int]:
+    """Count, from now on, the outermost calls of ``cls.advance`` and ``cls.advance_many`` (an engine class) and the
+    layer-positions they return: ``{"calls", "layer_positions"}``, updated in place."""
+    work, depth = {"calls": 0, "layer_positions": 0}, [0]
+
+    def counted(fn, many: bool):
+        def call(self, *args, **kwargs):
+            depth[0] += 1
+            try:
+                out = fn(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                work["calls"] += 1
+                work["layer_positions"] += int(sum(out) if many else out)
+            return out
+        return call
+
+    cls.advance, cls.advance_many = counted(cls.advance, False), counted(cls.advance_many, True)
+    return work
+
+
 def worker(plan_path: str, n_prompts: int, new: int, batch: int = 0) -> dict:
     """One round's figures for the package importable here (the tree on ``PYTHONPATH``)."""
     import torch
 
+    from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.engine.quantized import QuantizedLM
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
@@ -46,11 +72,12 @@ def worker(plan_path: str, n_prompts: int, new: int, batch: int = 0) -> dict:
     from hsd_opt.runtime.batch import generate_many
     from hsd_opt.runtime.runner import hsd_for_plan
 
+    work = count_work(LayeredLM)
     plan = load_plan(plan_path)
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     texts = load_prompts().texts
     prompts = [encode_prompt(loaded.tokenizer, t) for t in texts[:max(n_prompts, batch)]]
-    out: dict = {"tokens": {}}
+    out: dict = {"tokens": {}, "work": work}
     ar = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[])
     hsd = hsd_for_plan(plan, loaded)
     for name, runner in (("ar", ar), ("plan", hsd)):
@@ -134,15 +161,18 @@ def main() -> None:
     same = all(x["tokens"] == base_tokens for v in runs.values() for x in v)
     lossless = all(t == base_tokens[k.replace("plan:", "ar:").replace("batch:", "ar:")]
                    for k, t in base_tokens.items())
+    same_work = all(x["work"] == runs["baseline"][0]["work"] for v in runs.values() for x in v)
     report = {"started": started, "machine": platform.processor() or platform.machine(), "trees": trees,
               "plan": a.plan, "rounds": a.rounds, "prompts": a.prompts, "new_tokens": a.new, "median": med,
               "candidate_over_baseline": ratio, "per_round": per_round, "same_tokens_in_both_trees": same,
-              "plan_equals_ar": lossless, "batch": a.batch,
+              "plan_equals_ar": lossless, "same_work_in_both_trees": same_work,
+              "work": {k: v[0]["work"] for k, v in runs.items()}, "batch": a.batch,
               "runs": {k: [{f: x[f] for f in figures(a.batch)} for x in v] for k, v in runs.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({"median": med, "candidate_over_baseline": ratio, "same_tokens_in_both_trees": same,
-                      "plan_equals_ar": lossless}, indent=1))
+                      "plan_equals_ar": lossless, "same_work_in_both_trees": same_work,
+                      "work": report["work"]}, indent=1))
 
 
 if __name__ == "__main__":
