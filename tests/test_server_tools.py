@@ -1,0 +1,76 @@
+"""Function calls without a model: the schema a call's answer follows (the named function's parameters, or one
+branch per function with its name fixed), the prompt's instruction (added to a system message, or one before the
+others), earlier calls as the text the model sees, and an answer read back as a call (a call cut before its name
+is whole is none)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hsd_opt.server.errors import ApiError
+from hsd_opt.server.tools import (
+    ANY_OBJECT,
+    ToolCall,
+    as_call,
+    call_schema,
+    instruction,
+    parse_tool_choice,
+    parse_tools,
+    past_calls,
+    with_instruction,
+)
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Now.", "parameters": PARAMS}},
+         {"type": "function", "function": {"name": "clock"}}]
+
+
+def test_the_answer_follows_the_named_functions_parameters_or_one_branch_per_function():
+    tools = parse_tools({"tools": TOOLS})
+    assert [f.name for f in tools] == ["weather", "clock"] and tools[1].parameters == ANY_OBJECT
+    assert call_schema(ToolCall("weather"), tools) == PARAMS
+    branches = call_schema(ToolCall(None), tools)["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [{"const": "weather"}, {"const": "clock"}]
+    assert [b["properties"]["arguments"] for b in branches] == [PARAMS, ANY_OBJECT]
+    assert all(b["required"] == ["name", "arguments"] and b["additionalProperties"] is False for b in branches)
+
+
+def test_tool_choice_none_leaves_the_tools_out_and_the_others_name_their_field():
+    tools = parse_tools({"tools": TOOLS})
+    assert parse_tool_choice({"tool_choice": "none"}, tools) is None
+    assert parse_tool_choice({}, []) is None
+    assert parse_tool_choice({"tool_choice": "required"}, tools) == ToolCall(None)
+    assert parse_tool_choice({"tool_choice": {"type": "function", "function": {"name": "clock"}}}, tools) == \
+        ToolCall("clock")
+    for body in ({}, {"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "x"}}}):
+        with pytest.raises(ApiError) as e:
+            parse_tool_choice(body, tools)
+        assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_the_instruction_names_the_functions_to_call_and_joins_the_first_system_message():
+    tools = parse_tools({"tools": TOOLS})
+    one = instruction(ToolCall("weather"), tools)
+    assert "weather" in one and "clock" not in one and json.dumps(PARAMS) in one
+    both = instruction(ToolCall(None), tools)
+    assert "weather" in both and "clock" in both
+    user = [{"role": "user", "content": "hi"}]
+    assert with_instruction(user, "T") == [{"role": "system", "content": "T"}, *user]
+    sys_first = [{"role": "system", "content": "Be brief."}, *user]
+    assert with_instruction(sys_first, "T") == [{"role": "system", "content": "Be brief.\n\nT"}, *user]
+    assert sys_first[0]["content"] == "Be brief."                      # the request's messages are not changed
+
+
+def test_earlier_calls_are_their_json_and_an_answer_is_read_back_as_a_call():
+    m = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    assert json.loads(past_calls(m, 1)) == {"name": "weather", "arguments": {"city": "Oslo"}}
+    assert past_calls({"role": "assistant", "content": "text"}, 0) is None
+    with pytest.raises(ApiError) as e:
+        past_calls({"tool_calls": [{"function": {"name": "weather", "arguments": "{"}}]}, 3)
+    assert e.value.param == "messages[3].tool_calls[0].function.arguments"
+    assert as_call(ToolCall("weather"), "{\"city\": \"Oslo\"}") == ("weather", "{\"city\": \"Oslo\"}")
+    assert as_call(ToolCall(None), "{\"name\": \"clock\", \"arguments\": {}}") == ("clock", "{}")
+    assert as_call(ToolCall(None), "{\"name\": \"clo") is None           # cut by max_tokens before its name ended
