@@ -185,3 +185,44 @@ def test_a_function_call_is_the_masked_targets_answer_under_its_parameters(embed
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "model": "smollm2-135m", "messages": msgs, "tools": [bad], "tool_choice": "required"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
+
+
+def test_auto_answers_a_call_or_text_the_masked_targets_answer_either_way(embedded):
+    """tool_choice "auto" (the default with tools): the grammar allows a whole call or text that does not open a
+    JSON object, nothing else; the served answer is the masked target's greedy answer under it, a call where it is
+    one (finish_reason tool_calls) and a message otherwise, streamed the same."""
+    from hsd_opt.server.tools import ToolCall, auto_grammar, instruction, parse_tools, with_instruction
+
+    tok, eos = embedded.tokenizer, eos_token_ids(embedded)
+    ar, _ = _masked_target(embedded)
+    tools = parse_tools({"tools": [WEATHER, CLOCK]})
+    grammar = GrammarCompiler(tok, eos, ar.target.vocab_size).compile(
+        GrammarSpec("lark", auto_grammar(ToolCall(None, True), tools)))
+    for text, whole in [('{"name": "get_time", "arguments": {"timezone": "UTC"}}', True),
+                        ("It is sunny in Paris.", True), ('{"name": "get_date", "arguments": {}}', False),
+                        ('{"city": "Paris"}', False)]:
+        ids = tok.encode(text, add_special_tokens=False) + [eos[0]]
+        assert (Constraint(grammar).allowed_prefix(ids, 0, ids) == len(ids)) == whole, text
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu")
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        for q in ("What is the weather in Paris? Use celsius.", "Say hello."):
+            msgs = [{"role": "user", "content": q}]
+            told = with_instruction(msgs, instruction(ToolCall(None, True), tools))
+            want = ar.generate(chat_ids(tok, told), N, constraint=Constraint(grammar)).token_ids
+            r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
+                                          tools=[WEATHER, CLOCK])
+            assert r.model_extra["hsd"]["token_ids"] == want
+            text = tok.decode(want, skip_special_tokens=True)
+            m = r.choices[0].message
+            streamed = [ch.choices[0].delta for ch in c.chat.completions.create(
+                model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0, tools=[WEATHER, CLOCK],
+                stream=True) if ch.choices]
+            if text.lstrip().startswith("{") and r.choices[0].finish_reason == "tool_calls":
+                call = json.loads(text)
+                assert m.content is None and m.tool_calls[0].function.name == call["name"]
+                assert json.loads(m.tool_calls[0].function.arguments) == call["arguments"]
+                assert [d.tool_calls[0].function.name for d in streamed if d.tool_calls] == [call["name"]]
+            else:
+                assert m.tool_calls is None and m.content == text
+                assert "".join(d.content or "" for d in streamed) == text

@@ -266,8 +266,6 @@ BAD = [
      "tools[1].function.name", None),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f", parameters=[])], "tool_choice": "required"},
      400, "tools[0].function.parameters", None),
-    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")]}, 400, "tool_choice", None),
-    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": "auto"}, 400, "tool_choice", None),
     (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice", None),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "tool_choice": {"type": "function", "function": {
         "name": "g"}}}, 400, "tool_choice", None),

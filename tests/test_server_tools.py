@@ -1,7 +1,7 @@
 """Function calls without a model: the schema a call's answer follows (the named function's parameters, or one
-branch per function with its name fixed), the prompt's instruction (added to a system message, or one before the
-others), earlier calls as the text the model sees, and an answer read back as a call (a call cut before its name
-is whole is none)."""
+branch per function with its name fixed; under "auto" that or text), the prompt's instruction (added to a system
+message, or one before the others), earlier calls as the text the model sees, and an answer read back as a call (a
+call cut before its name is whole, or text, is none)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hsd_opt.server.tools import (
     ANY_OBJECT,
     ToolCall,
     as_call,
+    auto_grammar,
     call_schema,
     instruction,
     parse_tool_choice,
@@ -37,16 +38,18 @@ def test_the_answer_follows_the_named_functions_parameters_or_one_branch_per_fun
     assert all(b["required"] == ["name", "arguments"] and b["additionalProperties"] is False for b in branches)
 
 
-def test_tool_choice_none_leaves_the_tools_out_and_the_others_name_their_field():
+def test_tool_choice_none_leaves_the_tools_out_auto_is_the_default_and_errors_name_the_field():
     tools = parse_tools({"tools": TOOLS})
     assert parse_tool_choice({"tool_choice": "none"}, tools) is None
     assert parse_tool_choice({}, []) is None
+    assert parse_tool_choice({}, tools) == parse_tool_choice({"tool_choice": "auto"}, tools) == ToolCall(None, True)
     assert parse_tool_choice({"tool_choice": "required"}, tools) == ToolCall(None)
     assert parse_tool_choice({"tool_choice": {"type": "function", "function": {"name": "clock"}}}, tools) == \
         ToolCall("clock")
-    for body in ({}, {"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "x"}}}):
+    for body, tools_given in (({"tool_choice": {"type": "function", "function": {"name": "x"}}}, tools),
+                              ({"tool_choice": "auto"}, []), ({"tool_choice": "maybe"}, tools)):
         with pytest.raises(ApiError) as e:
-            parse_tool_choice(body, tools)
+            parse_tool_choice(body, tools_given)
         assert e.value.status == 400 and e.value.param == "tool_choice"
 
 
@@ -56,6 +59,7 @@ def test_the_instruction_names_the_functions_to_call_and_joins_the_first_system_
     assert "weather" in one and "clock" not in one and json.dumps(PARAMS) in one
     both = instruction(ToolCall(None), tools)
     assert "weather" in both and "clock" in both
+    assert "otherwise answer in text" in instruction(ToolCall(None, True), tools) and "otherwise" not in both
     user = [{"role": "user", "content": "hi"}]
     assert with_instruction(user, "T") == [{"role": "system", "content": "T"}, *user]
     sys_first = [{"role": "system", "content": "Be brief."}, *user]
@@ -74,3 +78,13 @@ def test_earlier_calls_are_their_json_and_an_answer_is_read_back_as_a_call():
     assert as_call(ToolCall("weather"), "{\"city\": \"Oslo\"}") == ("weather", "{\"city\": \"Oslo\"}")
     assert as_call(ToolCall(None), "{\"name\": \"clock\", \"arguments\": {}}") == ("clock", "{}")
     assert as_call(ToolCall(None), "{\"name\": \"clo") is None           # cut by max_tokens before its name ended
+    assert as_call(ToolCall(None, True), "It is sunny.") is None           # "auto": text
+
+
+def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():
+    """``"auto"``'s grammar: a call's JSON as in ``"required"``, or text whose first character past white space is
+    not ``{`` (read back as a message: :func:`as_call` None)."""
+    tools = parse_tools({"tools": TOOLS})
+    lark = auto_grammar(ToolCall(None, True), tools)
+    assert lark.startswith("start: call | TEXT\n") and json.dumps(call_schema(ToolCall(None), tools)) in lark
+    assert "TEXT: /\\s*[^{\\s][\\s\\S]*/" in lark

@@ -25,17 +25,15 @@ from hsd_opt.server.jobs import Job, JobQueue, QueueFull
 from hsd_opt.server.requests import GenerationRequest, ModelInfo, parse_json, parse_request
 from hsd_opt.server.responses import (
     DONE,
-    call_finish,
+    AnswerStream,
     chunk,
     completion_body,
     hsd_figures,
     new_id,
     now,
     sse,
-    tool_calls,
     usage_chunk,
 )
-from hsd_opt.server.tools import as_call
 
 log = logging.getLogger("hsd_opt.server")
 Event = tuple[str, Any]
@@ -193,31 +191,21 @@ class Service:
 
     async def _chunks(self, req: GenerationRequest, events: asyncio.Queue, rid: str,
                       created: int) -> AsyncIterator[bytes]:
-        kind, model, tool = req.kind, req.model, req.tool
+        kind, model = req.kind, req.model
+        answer = AnswerStream(req.tool if kind == "chat" else None)
         if kind == "chat":
             yield sse(chunk(kind, rid, created, model, role=True))
-        if tool is not None and tool.name is not None:        # the named function's call opens; its arguments follow
-            yield sse(chunk(kind, rid, created, model, calls=tool_calls(tool.name, "")))
-        held: list[str] = []                                  # a call of one of several functions: sent whole
+        for d in answer.opening():                            # a named function's call opens at once
+            yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
         while True:
             what, val = await events.get()
-            if what == "text" and tool is not None:
-                if tool.name is not None:
-                    yield sse(chunk(kind, rid, created, model, calls=tool_calls(tool.name, val, opening=False)))
-                else:
-                    held.append(val)
-            elif what == "text":
-                yield sse(chunk(kind, rid, created, model, text=val))
+            if what == "text":
+                for d in answer.piece(val):
+                    yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
             elif what == "done":
-                finish = val.finish_reason
-                if tool is not None:
-                    call = as_call(tool, "".join(held)) if tool.name is None else None
-                    if call is not None:
-                        yield sse(chunk(kind, rid, created, model, calls=tool_calls(*call)))
-                    elif held:                                # cut before the call was whole: its text
-                        yield sse(chunk(kind, rid, created, model, text="".join(held)))
-                    if call is not None or tool.name is not None:
-                        finish = call_finish(finish)
+                last, finish = answer.end(val.finish_reason)
+                for d in last:
+                    yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
                 yield sse(chunk(kind, rid, created, model, finish_reason=finish, extra={"hsd": hsd_figures(val)}))
                 if req.include_usage:
                     yield sse(usage_chunk(kind, rid, created, model, val))

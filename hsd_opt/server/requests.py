@@ -21,6 +21,7 @@ from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
     ToolCall,
+    auto_grammar,
     call_schema,
     instruction,
     parse_tool_choice,
@@ -252,13 +253,15 @@ def _tool_call(body: dict, info: ModelInfo) -> tuple[ToolCall | None, Grammar | 
         return None, None, ""
     rf = body.get("response_format")
     if isinstance(rf, dict) and rf.get("type", "text") != "text":
-        raise bad_request("'response_format' and a function call ('tool_choice') ask for two different answers; "
-                          "give one of them", "response_format")
+        raise bad_request("'response_format' and 'tools' ask for two different answers (with tools the answer is a "
+                          "call, or text under tool_choice \"auto\"); give one of them, or tool_choice \"none\"",
+                          "response_format")
     named = [i for i, f in enumerate(tools) if call.name in (None, f.name)]
     where = "tools" if call.name is None else f"tools[{named[0]}].function.parameters"
     try:
-        return call, _compile(GrammarSpec.json_schema(call_schema(call, tools), where), info, where), \
-            instruction(call, tools)
+        spec = (GrammarSpec("lark", auto_grammar(call, tools), where) if call.auto else
+                GrammarSpec.json_schema(call_schema(call, tools), where))
+        return call, _compile(spec, info, where), instruction(call, tools)
     except ApiError:
         for i in named if call.name is None else []:   # name the function whose parameters do not compile
             _compile(GrammarSpec.json_schema(tools[i].parameters), info, f"tools[{i}].function.parameters")

@@ -13,7 +13,8 @@ Shapes (``kind`` is ``"chat"`` or ``"completion"``):
 A chat answer that is a function call (``tool_choice``, :mod:`hsd_opt.server.tools`) has ``"message": {"role":
 "assistant", "content": null, "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}``;
 streamed, a delta opens the call (its ``id``, ``name`` and empty ``arguments``) and later deltas add to its
-``arguments`` (a call with ``tool_choice`` ``"required"`` comes whole, its name being part of the answer).
+``arguments`` (a call of one of several functions comes whole, its name being part of the answer:
+:class:`AnswerStream`).
 
 A stream is ``data: {chunk}\\n\\n`` events ending with ``data: [DONE]\\n\\n``; with
 ``stream_options.include_usage`` a last chunk before it holds ``usage`` and no choices.
@@ -89,6 +90,46 @@ def chat_message(o: Outcome, tool: ToolCall | None) -> tuple[dict[str, Any], str
         return {"role": "assistant", "content": o.text}, o.finish_reason
     calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls(*call)]
     return {"role": "assistant", "content": None, "tool_calls": calls}, call_finish(o.finish_reason)
+
+
+class AnswerStream:
+    """The deltas of a streamed chat answer, a function call where the request's tools make it one: :meth:`piece`
+    turns new text into deltas (``{"content": ...}`` or ``{"tool_calls": ...}``), :meth:`end` gives the last ones
+    and the ``finish_reason``. A named function's call opens at once (:meth:`opening`) and its arguments follow as
+    they come; a call of one of several functions is held and sent whole (its name is part of the answer); under
+    ``"auto"`` the answer is held until its first character past white space says which it is: ``{`` a call, else
+    text, streamed from there."""
+
+    def __init__(self, tool: ToolCall | None):
+        self.tool, self.held = tool, []
+        self.mode = ("text" if tool is None else "args" if tool.name is not None else
+                     "undecided" if tool.auto else "hold")
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [{"tool_calls": tool_calls(self.tool.name, "")}] if self.mode == "args" else []
+
+    def piece(self, text: str) -> list[dict[str, Any]]:
+        if self.mode == "text":
+            return [{"content": text}]
+        if self.mode == "args":
+            return [{"tool_calls": tool_calls(self.tool.name, text, opening=False)}]
+        self.held.append(text)
+        lead = "".join(self.held).lstrip()
+        if self.mode == "undecided" and lead:
+            self.mode = "hold" if lead.startswith("{") else "text"
+            if self.mode == "text":
+                out, self.held = "".join(self.held), []
+                return [{"content": out}]
+        return []
+
+    def end(self, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+        if self.mode == "args":
+            return [], call_finish(finish_reason)
+        text = "".join(self.held)
+        call = as_call(self.tool, text) if self.tool is not None and self.mode == "hold" else None
+        if call is not None:
+            return [{"tool_calls": tool_calls(*call)}], call_finish(finish_reason)
+        return ([{"content": text}] if text else []), finish_reason
 
 
 def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome,

@@ -1,22 +1,23 @@
 """Function calling on ``POST /v1/chat/completions``: a request's ``tools`` and ``tool_choice`` as a grammar for
 the answer, an instruction for the prompt, and the answer as ``tool_calls``.
 
-A request that tells the model to call a function gets it called, under a grammar (:mod:`hsd_opt.grammar`), so
-the arguments always parse and follow the function's ``parameters`` schema:
+A request that gives ``tools`` gets its answer under a grammar (:mod:`hsd_opt.grammar`), so a call's arguments
+always parse and follow the function's ``parameters`` schema:
 
 - ``tool_choice`` ``{"type": "function", "function": {"name": N}}``: the answer is the JSON object of ``N``'s
   arguments (the grammar of its ``parameters``);
 - ``tool_choice`` ``"required"``: the answer is ``{"name": ..., "arguments": {...}}`` for one of the ``tools``
   (one branch per function, each with its ``parameters``);
+- ``tool_choice`` ``"auto"`` (the default when ``tools`` are given): the model chooses, in the grammar's own
+  format: such a call, or text that does not open with ``{`` (:func:`auto_grammar`);
 - ``tool_choice`` ``"none"``: the tools are left out, the answer is text (or ``response_format``'s).
 
-``"auto"`` (the OpenAI API's default when ``tools`` are given) is refused with a 400 naming ``tool_choice``: whether
-to call a function is the model's own choice there, in a format of its own chat template, which this server does
-not parse. The prompt gets the instruction to call (a system message, or the end of the first one) with each
-function's name, description and parameters. The response has ``message.tool_calls`` (one call, id ``call_<hex>``,
-``content`` null) and ``finish_reason`` ``"tool_calls"`` where the answer ended; an answer cut by ``max_tokens`` keeps
-``finish_reason`` ``"length"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn,
-given to the model as the JSON of its calls) and ``tool`` results (their ``content``).
+The prompt gets the instruction (a system message, or the end of the first one) with each function's name,
+description and parameters, in the same format for every model (chat templates' own tool formats differ). The
+response has ``message.tool_calls`` (one call, id ``call_<hex>``, ``content`` null) and ``finish_reason``
+``"tool_calls"`` where the answer is a whole call; an answer cut by ``max_tokens`` keeps ``finish_reason``
+``"length"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn, given to the model
+as the JSON of its calls) and ``tool`` results (their ``content``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 @dataclass(frozen=True)
 class ToolCall:
     """How a request's answer becomes a function call: ``name`` the function ``tool_choice`` named (the answer is
-    its arguments), or None for ``"required"`` (the answer is ``{"name", "arguments"}``)."""
+    its arguments), or None for ``"required"`` and ``"auto"`` (the answer is ``{"name", "arguments"}``; with
+    ``auto``, or text)."""
 
     name: str | None
+    auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,8 @@ def parse_tools(body: dict) -> list[Function]:
 
 
 def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
-    """The call ``tool_choice`` asks for (None: none, the answer is text); a 400 naming ``tool_choice`` for
-    ``"auto"`` with tools, a choice without tools, or a function that is not among them."""
+    """The call ``tool_choice`` asks for (None: none, the answer is text; ``"auto"`` where the request gives tools
+    and no choice); a 400 naming ``tool_choice`` for a choice without tools or a function not among them."""
     choice = body.get("tool_choice")
     if choice is None and not tools:
         return None
@@ -91,9 +94,7 @@ def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
     if not tools:
         raise bad_request("'tool_choice' asks for a function call but the request gives no 'tools'", "tool_choice")
     if choice is None or choice == "auto":
-        raise bad_request("'tool_choice': \"auto\" (the default with 'tools') is not supported: this server calls a "
-                          "function when told to, with \"required\" or {\"type\": \"function\", \"function\": "
-                          "{\"name\": ...}}, and answers in text with \"none\"", "tool_choice")
+        return ToolCall(None, auto=True)
     if choice == "required":
         return ToolCall(None)
     if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
@@ -103,8 +104,8 @@ def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
             raise bad_request(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
                               f"({', '.join(f.name for f in tools)})", "tool_choice")
         return ToolCall(name)
-    raise bad_request("'tool_choice' must be \"none\", \"required\" or {\"type\": \"function\", \"function\": "
-                      f"{{\"name\": ...}}}}, got {json.dumps(choice)}", "tool_choice")
+    raise bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                      f"\"function\": {{\"name\": ...}}}}, got {json.dumps(choice)}", "tool_choice")
 
 
 def call_schema(call: ToolCall, tools: list[Function]) -> dict[str, Any]:
@@ -116,6 +117,13 @@ def call_schema(call: ToolCall, tools: list[Function]) -> dict[str, Any]:
                        "required": ["name", "arguments"], "additionalProperties": False} for f in tools]}
 
 
+def auto_grammar(call: ToolCall, tools: list[Function]) -> str:
+    """The Lark grammar of an ``"auto"`` answer: a call (:func:`call_schema`) or text whose first character past
+    white space is not ``{``."""
+    return (f"start: call | TEXT\ncall: %json {json.dumps(call_schema(call, tools))}\n"
+            "TEXT: /\\s*[^{\\s][\\s\\S]*/\n")
+
+
 def instruction(call: ToolCall, tools: list[Function]) -> str:
     """What the prompt tells the model: which function(s) to call and how to write the call."""
     described = [{"name": f.name, **({"description": f.description} if f.description else {}),
@@ -123,6 +131,10 @@ def instruction(call: ToolCall, tools: list[Function]) -> str:
     if call.name is not None:
         return (f"Answer by calling the function {call.name}: write only the JSON object of its arguments. "
                 f"The function: {json.dumps(described[0])}")
+    if call.auto:
+        return ("You may call one of these functions: to call one, write only a JSON object {\"name\": <the "
+                "function>, \"arguments\": <its arguments>}; otherwise answer in text. The functions: "
+                f"{json.dumps(described)}")
     return ("Answer by calling one of these functions: write only a JSON object {\"name\": <the function>, "
             f"\"arguments\": <its arguments>}}. The functions: {json.dumps(described)}")
 
@@ -165,12 +177,12 @@ def new_call_id() -> str:
 
 
 def as_call(call: ToolCall, text: str) -> tuple[str, str] | None:
-    """``(name, arguments)`` of the answer ``text``, or None where it is not a whole call (cut by ``max_tokens``
-    before its name is complete)."""
+    """``(name, arguments)`` of the answer ``text``, or None where it is not a whole call (text under ``"auto"``, or
+    cut by ``max_tokens`` before its name is complete)."""
     if call.name is not None:
         return call.name, text
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    return obj["name"], json.dumps(obj["arguments"])
+    return (obj["name"], json.dumps(obj["arguments"])) if isinstance(obj, dict) and "name" in obj else None
