@@ -145,7 +145,7 @@ class _OutlinesCore(_Llguidance):
 
 def _engines(tok, eos, vocab) -> tuple[list, dict[str, str]]:
     out, missing = [_Llguidance(tok, eos, vocab)], {}
-    for cls, pkg in ((_Xgrammar, "xgrammar"), (_OutlinesCore, "outlines_core")):
+    for cls in (_Xgrammar, _OutlinesCore):
         try:
             out.append(cls(tok, eos, vocab))
         except ImportError as e:

@@ -193,19 +193,24 @@ class Service:
                       created: int) -> AsyncIterator[bytes]:
         kind, model = req.kind, req.model
         answer = AnswerStream(req.tool if kind == "chat" else None)
+
+        def events_of(deltas):
+            return [sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
+                    for d in deltas]
+
         if kind == "chat":
             yield sse(chunk(kind, rid, created, model, role=True))
-        for d in answer.opening():                            # a named function's call opens at once
-            yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
+        for e in events_of(answer.opening()):                 # a named function's call opens at once
+            yield e
         while True:
             what, val = await events.get()
             if what == "text":
-                for d in answer.piece(val):
-                    yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
+                for e in events_of(answer.piece(val)):
+                    yield e
             elif what == "done":
                 last, finish = answer.end(val.finish_reason)
-                for d in last:
-                    yield sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
+                for e in events_of(last):
+                    yield e
                 yield sse(chunk(kind, rid, created, model, finish_reason=finish, extra={"hsd": hsd_figures(val)}))
                 if req.include_usage:
                     yield sse(usage_chunk(kind, rid, created, model, val))

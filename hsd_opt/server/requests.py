@@ -256,15 +256,16 @@ def _tool_call(body: dict, info: ModelInfo) -> tuple[ToolCall | None, Grammar | 
         raise bad_request("'response_format' and 'tools' ask for two different answers (with tools the answer is a "
                           "call, or text under tool_choice \"auto\"); give one of them, or tool_choice \"none\"",
                           "response_format")
-    named = [i for i, f in enumerate(tools) if call.name in (None, f.name)]
-    where = "tools" if call.name is None else f"tools[{named[0]}].function.parameters"
+    names = [f.name for f in tools]
+    where = "tools" if call.name is None else f"tools[{names.index(call.name)}].function.parameters"
     try:
         spec = (GrammarSpec("lark", auto_grammar(call, tools), where) if call.auto else
                 GrammarSpec.json_schema(call_schema(call, tools), where))
         return call, _compile(spec, info, where), instruction(call, tools)
     except ApiError:
-        for i in named if call.name is None else []:   # name the function whose parameters do not compile
-            _compile(GrammarSpec.json_schema(tools[i].parameters), info, f"tools[{i}].function.parameters")
+        if call.name is None:                      # name the function whose parameters do not compile
+            for i, f in enumerate(tools):
+                _compile(GrammarSpec.json_schema(f.parameters), info, f"tools[{i}].function.parameters")
         raise
 
 

@@ -73,13 +73,12 @@ def call_finish(finish_reason: str) -> str:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def tool_calls(name: str, arguments: str, call_id: str | None = None, opening: bool = True) -> list[dict[str, Any]]:
-    """``tool_calls`` of one call: whole (``opening``: with its id, type and name) or a piece of its
+def tool_calls(name: str, arguments: str, opening: bool = True) -> list[dict[str, Any]]:
+    """``tool_calls`` of one call: whole (``opening``: with a new id, its type and name) or a piece of its
     ``arguments``."""
     if not opening:
         return [{"index": 0, "function": {"arguments": arguments}}]
-    return [{"index": 0, "id": call_id or new_call_id(), "type": "function",
-             "function": {"name": name, "arguments": arguments}}]
+    return [{"index": 0, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}]
 
 
 def chat_message(o: Outcome, tool: ToolCall | None) -> tuple[dict[str, Any], str]:
@@ -114,11 +113,12 @@ class AnswerStream:
         if self.mode == "args":
             return [{"tool_calls": tool_calls(self.tool.name, text, opening=False)}]
         self.held.append(text)
-        lead = "".join(self.held).lstrip()
-        if self.mode == "undecided" and lead:
-            self.mode = "hold" if lead.startswith("{") else "text"
-            if self.mode == "text":
-                out, self.held = "".join(self.held), []
+        if self.mode == "undecided":                 # "hold" only gathers the call until its end
+            lead = "".join(self.held).lstrip()
+            if lead.startswith("{"):
+                self.mode = "hold"
+            elif lead:
+                self.mode, out, self.held = "text", "".join(self.held), []
                 return [{"content": out}]
         return []
 
