@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -32,15 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.json_schema_bench import quantiles_ms
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
 from hsd_opt.models.loading import eos_token_ids, load_model
-
-
-def _quantiles(xs: list[float]) -> dict:
-    if not xs:
-        return {}
-    p99 = statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
-    return {"p50_ms": round(1e3 * statistics.median(xs), 4), "p99_ms": round(1e3 * p99, 4), "count": len(xs)}
 
 
 class _Llguidance:
@@ -199,8 +192,8 @@ def main() -> None:
                         eng.consume(m, tid)
             accepted += ok
         report["engines"][eng.name] = {
-            "setup_s": round(setup, 3), "compile": _quantiles(compile_s), "mask_in_cache": _quantiles(warm),
-            "mask_after_sweep": _quantiles(cold), "compiled": len(compile_s), "examples_accepted": accepted,
+            "setup_s": round(setup, 3), "compile": quantiles_ms(compile_s, 4), "mask_in_cache": quantiles_ms(warm, 4),
+            "mask_after_sweep": quantiles_ms(cold, 4), "compiled": len(compile_s), "examples_accepted": accepted,
             "refused": refused, "examples_rejected": rejected}
         r = report["engines"][eng.name]
         print(f"{eng.name}: compiled {r['compiled']}/{len(tasks)}, examples accepted {accepted}; compile "

@@ -76,12 +76,15 @@ class _Timed(Constraint):
         return self._timed(super().allowed_prefix, generated, start, tokens)
 
 
-def _quantiles(xs: list[float]) -> dict:
-    """p50 and p99 of ``xs`` (seconds) in milliseconds."""
+def quantiles_ms(xs: list[float], digits: int | None = None) -> dict:
+    """p50 and p99 of ``xs`` (seconds) in milliseconds (rounded to ``digits`` where given), and their count."""
     if not xs:
         return {}
     p99 = statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
-    return {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * p99, "count": len(xs)}
+    p50, p99 = 1e3 * statistics.median(xs), 1e3 * p99
+    if digits is not None:
+        p50, p99 = round(p50, digits), round(p99, digits)
+    return {"p50_ms": p50, "p99_ms": p99, "count": len(xs)}
 
 
 def _valid(text: str, schema: dict) -> tuple[bool, bool | None]:
@@ -194,8 +197,8 @@ def main() -> None:
                                 "grammar_ms_per_token": 1e3 * tt["grammar_seconds"] / max(tt["tokens"], 1)}
     n = sum(r["tokens"] for r in rows)
     report["forced_share"] = sum(r["forced"] for r in rows) / max(n, 1)
-    report["mask_fill"] = _quantiles(_Timed.fills)
-    report["compile_cold"], report["compile_cached"] = _quantiles(compile_cold), _quantiles(compile_cached)
+    report["mask_fill"] = quantiles_ms(_Timed.fills)
+    report["compile_cold"], report["compile_cached"] = quantiles_ms(compile_cold), quantiles_ms(compile_cached)
     report["all_equal"] = all(r["equal"] for r in rows) if a.temperature == 0 else None
     report["temperature"] = a.temperature
     report["ended_valid_by_method"] = {m: [sum(r["checks"][m]["ended"] for r in rows),
