@@ -4,8 +4,12 @@ library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_o
 /tmp/base.c``) against the library of this tree, rounds alternating between the two.
 
     .venv/bin/python -m benchmarks.kernels_ab --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
-        [--steps 7] [--positions 1] [--level N --max-tokens 64] [--changes-numerics] \\
+        [--steps 7] [--positions 1] [--greedy] [--level N --max-tokens 64] [--changes-numerics] \\
         [--out benchmarks/results/kernels_ab.json]
+
+``--positions`` may list several pass sizes (``1,2,3,4,6,8``): every batch size is timed at each, in the same
+rounds. ``--greedy`` reads each pass's greedy tokens (the screened head, what greedy decoding and verification
+read) instead of the whole head's logits.
 
 ``--baseline float32`` compares instead this tree's kernels reading the model's float32 weights in place (the
 engine ``HSD_EXACT_INT4=0 HSD_EXACT_INT8=0`` builds) against the same kernels reading them in the exact forms
@@ -48,8 +52,12 @@ def main() -> None:
     ap.add_argument("--changes-numerics", action="store_true",
                     help="the candidate changes an element's operations: report how far its logits are from the "
                          "baseline's (largest difference, argmax agreement) instead of requiring equal bits")
-    ap.add_argument("--positions", type=int, default=1,
-                    help="new positions per sequence and step (a verification pass; 1: a decode step)")
+    ap.add_argument("--positions", default="1",
+                    help="new positions per sequence and step, one or a list (a verification pass; 1: a decode "
+                         "step); every batch size is timed at each")
+    ap.add_argument("--greedy", action="store_true",
+                    help="each step reads the greedy tokens (the screened head, as greedy decoding and verification "
+                         "do) instead of the whole head's logits")
     ap.add_argument("--level", type=int, default=0,
                     help="instead of steps: this many suite prompts, each prefilled and decoded for --max-tokens "
                          "with at most B at a time (generate_many, the target alone, the template's head kept): "
@@ -71,6 +79,8 @@ def main() -> None:
     if not float32_baseline and not base_src.is_file():
         sys.exit(f"--baseline: no file {base_src}")
     batches = [int(x) for x in a.batches.split(",")]
+    positions = [int(x) for x in a.positions.split(",")]
+    cases = [(n, p) for n in batches for p in (positions if not a.level else [1])]   # (sequences, positions)
     cc = kernels.compiler()
     if cc is None or kernels.load() is None:
         sys.exit("the kernels are unavailable here (no C compiler, or HSD_KERNELS=0)")
@@ -102,21 +112,22 @@ def main() -> None:
     for name, eng in engines.items():
         states[name] = []
         for p in prompts:
-            st = eng.new_state(len(p) + 8 + a.positions)
+            st = eng.new_state(len(p) + 8 + max(positions))
             eng.append(st, p)
             eng.advance(st, L)
             states[name].append(st)
 
-    def step(name: str, n: int) -> tuple[float, list[torch.Tensor]]:
+    def step(name: str, n: int, positions: int) -> tuple[float, list[torch.Tensor]]:
         eng, sts = engines[name], states[name][:n]
         for st in sts:
-            eng.append(st, [42] * a.positions)
+            eng.append(st, [42] * positions)
         t0 = time.perf_counter()
         eng.advance_many([(st, L) for st in sts])
-        logits = eng.logits_many([(st, L, st.n - a.positions, st.n) for st in sts])
+        reads = [(st, L, st.n - positions, st.n) for st in sts]
+        logits = eng.greedy_ids_many(reads) if a.greedy else eng.logits_many(reads)
         dt = time.perf_counter() - t0
         for st in sts:
-            eng.crop(st, st.n - a.positions)
+            eng.crop(st, st.n - positions)
         return dt, logits
 
     if a.level:
@@ -132,54 +143,61 @@ def main() -> None:
             runners[name] = HSD([Level("target", eng, L)], [], eos_ids=eos_ids(loaded))
         level_prompts = [encode_prompt(loaded.tokenizer, texts[i % len(texts)]) for i in range(a.level)]
 
-    def measure(name: str, n: int) -> tuple[float, list[torch.Tensor]]:
-        """Seconds and outputs (logits of a step, or each answer's token ids with --level) of one run."""
+    def measure(name: str, case: tuple[int, int]) -> tuple[float, list[torch.Tensor]]:
+        """Seconds and outputs (logits or greedy tokens of a step, or each answer's token ids with --level) of one
+        run of ``case`` (sequences, positions)."""
+        n, positions = case
         if not a.level:
-            return step(name, n)
+            return step(name, n, positions)
         t0 = time.perf_counter()
         res = generate_many(runners[name], level_prompts, a.max_tokens, max_active=n)
         return time.perf_counter() - t0, [torch.tensor(r.token_ids) for r in res]
 
     numerics = {}
-    for n in batches:
-        pairs = list(zip(measure("baseline", n)[1], measure("candidate", n)[1]))
+    for case in cases:
+        n = case[0]
+        pairs = list(zip(measure("baseline", case)[1], measure("candidate", case)[1]))
         if a.changes_numerics and a.level:
             same = sum(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
-            numerics[n] = {"answers_equal": same, "answers": len(pairs)}
+            numerics[f"{n}x{case[1]}"] = {"answers_equal": same, "answers": len(pairs)}
             print(f"B={n:2d} answers equal: {same} of {len(pairs)}", flush=True)
         elif a.changes_numerics:
-            numerics[n] = {"max_abs_diff": max((x - y).abs().max().item() for x, y in pairs),
-                           "argmax_equal": all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in pairs)}
-            print(f"B={n:2d} logits: largest difference {numerics[n]['max_abs_diff']:.3g}, "
-                  f"argmax {'equal' if numerics[n]['argmax_equal'] else 'DIFFERS'}", flush=True)
+            key = f"{n}x{case[1]}"
+            numerics[key] = {"max_abs_diff": max((x - y).abs().max().item() for x, y in pairs),
+                             "argmax_equal": all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in pairs)}
+            print(f"B={n:2d} P={case[1]} logits: largest difference {numerics[key]['max_abs_diff']:.3g}, "
+                  f"argmax {'equal' if numerics[key]['argmax_equal'] else 'DIFFERS'}", flush=True)
         elif not all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs):
-            sys.exit(f"the two libraries' outputs differ at {n} sequences (--changes-numerics to compare anyway)")
+            sys.exit(f"the two libraries' outputs differ at {n} sequences x {case[1]} positions "
+                     "(--changes-numerics to compare anyway)")
     if not a.changes_numerics:
-        print(f"outputs equal bit for bit at {batches} sequences", flush=True)
-    tokens = {n: sum(x.numel() for x in measure("candidate", n)[1]) for n in batches} if a.level else {}
+        print(f"outputs equal bit for bit at {batches} sequences x {positions} positions", flush=True)
+    tokens = {case: sum(x.numel() for x in measure("candidate", case)[1]) for case in cases} if a.level else {}
     repeats = 1 if a.level else a.steps
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    ms: dict[str, dict[int, list[float]]] = {name: {n: [] for n in batches} for name in engines}
+    ms: dict[str, dict[tuple[int, int], list[float]]] = {name: {c: [] for c in cases} for name in engines}
     for r in range(a.rounds):
         for name in (("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")):
-            for n in batches:
-                ms[name][n].append(1e3 * statistics.median(measure(name, n)[0] for _ in range(repeats)))
+            for case in cases:
+                ms[name][case].append(1e3 * statistics.median(measure(name, case)[0] for _ in range(repeats)))
     rows = []
-    for n in batches:
-        ratio = [c / x for x, c in zip(ms["baseline"][n], ms["candidate"][n])]
-        rows.append({"sequences": n, "baseline_ms": statistics.median(ms["baseline"][n]),
-                     "candidate_ms": statistics.median(ms["candidate"][n]), "candidate_over_baseline": ratio,
+    for case in cases:
+        n = case[0]
+        ratio = [c / x for x, c in zip(ms["baseline"][case], ms["candidate"][case])]
+        rows.append({"sequences": n, "positions": case[1], "baseline_ms": statistics.median(ms["baseline"][case]),
+                     "candidate_ms": statistics.median(ms["candidate"][case]), "candidate_over_baseline": ratio,
                      "ratio_median": statistics.median(ratio)})
         if a.level:
-            rows[-1].update(tokens=tokens[n], baseline_tokens_per_s=1e3 * tokens[n] / rows[-1]["baseline_ms"],
-                            candidate_tokens_per_s=1e3 * tokens[n] / rows[-1]["candidate_ms"])
+            rows[-1].update(tokens=tokens[case], baseline_tokens_per_s=1e3 * tokens[case] / rows[-1]["baseline_ms"],
+                            candidate_tokens_per_s=1e3 * tokens[case] / rows[-1]["candidate_ms"])
         rate = (f" ({rows[-1]['baseline_tokens_per_s']:.1f} / {rows[-1]['candidate_tokens_per_s']:.1f} tok/s)"
                 if a.level else "")
-        print(f"B={n:2d} baseline {rows[-1]['baseline_ms']:5.1f} ms  candidate {rows[-1]['candidate_ms']:5.1f} ms"
-              f"{rate}  candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
+        print(f"B={n:2d} P={case[1]} baseline {rows[-1]['baseline_ms']:5.1f} ms  "
+              f"candidate {rows[-1]['candidate_ms']:5.1f} ms{rate}  "
+              f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "baseline": str(base_src), "rounds": a.rounds, "steps": repeats, "positions": a.positions,
-                       "level": a.level and {"prompts": a.level, "max_tokens": a.max_tokens},
+                       "baseline": str(base_src), "rounds": a.rounds, "steps": repeats, "positions": positions,
+                       "greedy": a.greedy, "level": a.level and {"prompts": a.level, "max_tokens": a.max_tokens},
                        "torch_threads": torch.get_num_threads(), "rows": rows,
                        "numerics": numerics or "equal bit for bit"})
 

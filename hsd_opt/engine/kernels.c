@@ -70,9 +70,14 @@ enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F =
 /* Most groups per row of a paired matrix whose scales the paired tiles convert on the stack (wider: the float
  * path's generic tiles). */
 #define HSD_PAIRED_MAX_GROUPS 512
-/* Positions at most this many are read by the 8-lane in-register q4f tiles (AVX2, NEON: tiles of 3, then 1 or 2);
- * longer passes de-quantize each block of rows into the first-level cache once for all positions. */
+/* Positions at most this many are read by the 8-lane in-register q4f tiles (AVX2: one tile of each size; NEON:
+ * tiles of 3, then 1 or 2); longer passes de-quantize each block of rows into the first-level cache once for all
+ * positions. */
+#if HSD_AVX2 && !HSD_AVX512
+#define HSD_Q4F_REG_MAX 8
+#else
 #define HSD_Q4F_REG_MAX 6
+#endif
 
 typedef struct {
     int32_t type, rows, cols, pad;
@@ -1016,70 +1021,144 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
     }
 }
 
-/* s[t * 4 + i] = W[r + i] . x_t for rows r .. r+3 of a q4f matrix (n of them real; a short last block repeats its
- * last row) and the P <= 3 positions of one tile, with 8-lane registers (AVX2): each 8 weights of a row are
- * de-quantized in registers as the FMAs go, fma(code, scale, minimum) (expand_row's operation, so the same float32
- * values), and multiplied into the row's one 8-lane accumulator per position, over the columns in order, then
- * hsum8: the operations of dots4 on expand_row's values, so every element is bit for bit theirs. The weights never
- * pass through memory. A byte holds a code of each group of a pair (low nibble: the first), so one widening load
- * serves 16 weights: the second group's codes wait in registers while the first group's columns are summed. Per 8
- * weights: half a widening load, a mask or shift, a conversion, one FMA to de-quantize and P to multiply. */
-static inline __attribute__((always_inline)) void q4f_tile4xP_avx2(const hsd_mat *A, int r, int n, const float *x,
-                                                                   int xs, int P, float *s) {
-    const int G = A->cols / HSD_GROUP;
-    float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS];
-    block_factors(A, r, n, sf, zf);
-    const uint8_t *q[4];
+/* The in-register q4f tiles on 8-lane registers (AVX2): s[t * 4 + i] = W[r + i] . x_t for rows r .. r+3 of a q4f
+ * matrix (n of them real; a short last block repeats its last row) and the P positions of one tile. Each 8 weights
+ * of a row are de-quantized in registers as the FMAs go, fma(code, scale, minimum) (expand_row's operation, so the
+ * same float32 values), and multiplied into the row's one 8-lane accumulator per position, over the columns in
+ * order, then hsum8: the operations of dots4 on expand_row's values, so every element is bit for bit theirs, whichever
+ * tile computes it. The weights never pass through memory. A byte holds a code of each group of a pair (low nibble:
+ * the first), so one widening load serves 16 weights. Per 8 weights: half a widening load, a mask or shift, a
+ * conversion, one FMA to de-quantize and P to multiply. The three tiles differ only in the order they visit rows and
+ * columns, chosen by the number of positions (measured on Zen 3, docs/results.md "the verification tiles"):
+ * - one position (q4f_tile_interleaved): each 8 columns of the four rows in turn, so four accumulator chains overlap;
+ *   the second group's codes wait in registers while the first group's columns are summed;
+ * - 2 or 3 (q4f_tile_by_group): per pair of groups, each row's 64 columns in turn (4 * P accumulators, the codes of
+ *   one row at a time held);
+ * - 4 to HSD_Q4F_REG_MAX (q4f_tile_by_row): each row whole in turn, its P accumulators the chains that overlap. */
+typedef struct {
+    float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS]; /* scales, minimums as float32 [row][group] */
+    const uint8_t *q[4];                                               /* each row's codes (its half of a pair's) */
+    int G;                                                             /* groups per row */
+} q4f_block;
+
+static inline __attribute__((always_inline)) void q4f_block_at(q4f_block *b, const hsd_mat *A, int r, int n) {
+    b->G = A->cols / HSD_GROUP;
+    block_factors(A, r, n, b->sf, b->zf);
     for (int i = 0; i < 4; i++) {
         const int ri = r + (i < n ? i : n - 1);
-        q[i] = q4f_codes(A, ri / 2, 0) + 8 * (ri % 2);
+        b->q[i] = q4f_codes(A, ri / 2, 0) + 8 * (ri % 2);
     }
-    const __m256i low = _mm256_set1_epi32(15);
-    __m256 acc[4][3];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-#pragma GCC unroll 3
-        for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
-/* acc[i][p] += fma(code vector v of row i, its group's scale, minimum) * x_p at column c */
-#define Q4F_COLS(v, i, g, c)                                                                                     \
+}
+
+/* acc[p] += fma(code vector v of row i, its group g's scale, minimum) * x_p at columns c .. c+7 */
+#define Q4F_COLS(b, acc, v, i, g, c)                                                                             \
     do {                                                                                                         \
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&sf[i][g]),                 \
-                                         _mm256_broadcast_ss(&zf[i][g]));                                        \
-        for (int p = 0; p < P; p++) acc[i][p] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)p * xs + (c)),    \
-                                                                acc[i][p]);                                      \
+        const __m256 w_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&(b)->sf[i][g]),           \
+                                          _mm256_broadcast_ss(&(b)->zf[i][g]));                                  \
+        for (int p_ = 0; p_ < P; p_++)                                                                           \
+            (acc)[p_] = _mm256_fmadd_ps(w_, _mm256_loadu_ps(x + (size_t)p_ * xs + (c)), (acc)[p_]);             \
     } while (0)
+
+/* The codes of row i for columns 8k .. 8k+7 of the pair of groups from group g (both nibbles of each byte). */
+static inline __m256i q4f_codes8(const q4f_block *b, int i, int g, int k) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->q[i] + (size_t)(g / 2) * 64 + 16 * k)));
+}
+
+/* acc[p] += row i's columns of groups g and g + 1 (g alone when it is the last), positions p < P. */
+static inline __attribute__((always_inline)) void q4f_row_groups(const q4f_block *b, int i, int g, const float *x,
+                                                                 int xs, int P, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256i hi[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m256i v = q4f_codes8(b, i, g, k);
+        hi[k] = _mm256_srli_epi32(v, 4);
+        Q4F_COLS(b, acc, _mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
+    }
+    if (g + 1 < b->G) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) Q4F_COLS(b, acc, hi[k], i, g + 1, HSD_GROUP * (g + 1) + 8 * k);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4f_tile_interleaved(const hsd_mat *A, int r, int n,
+                                                                       const float *x, int xs, float *s) {
+    enum { P = 1 };
+    q4f_block b;
+    q4f_block_at(&b, A, r, n);
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[4][1];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc[i][0] = _mm256_setzero_ps();
     int g = 0;
-    for (; g + 1 < G; g += 2) {
-        const size_t off = (size_t)(g / 2) * 64;
+    for (; g + 1 < b.G; g += 2) {
         __m256i hi[4][4]; /* the second group's codes */
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++)
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
+                const __m256i v = q4f_codes8(&b, i, g, k);
                 hi[i][k] = _mm256_srli_epi32(v, 4);
-                Q4F_COLS(_mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
+                Q4F_COLS(&b, acc[i], _mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
             }
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++)
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) Q4F_COLS(hi[i][k], i, g + 1, HSD_GROUP * (g + 1) + 8 * k);
+            for (int i = 0; i < 4; i++) Q4F_COLS(&b, acc[i], hi[i][k], i, g + 1, HSD_GROUP * (g + 1) + 8 * k);
     }
-    if (g < G) { /* an odd last group: the low nibbles of its pair's bytes */
-        const size_t off = (size_t)(g / 2) * 64;
+    if (g < b.G) { /* an odd last group: the low nibbles of its pair's bytes */
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + off + 16 * k)));
-                Q4F_COLS(_mm256_and_si256(v, low), i, g, HSD_GROUP * g + 8 * k);
-            }
+        for (int i = 0; i < 4; i++) q4f_row_groups(&b, i, g, x, xs, P, acc[i]);
     }
-#undef Q4F_COLS
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) s[i] = hsum8(acc[i][0]);
+}
+
+static inline __attribute__((always_inline)) void q4f_tile_by_group(const hsd_mat *A, int r, int n, const float *x,
+                                                                    int xs, int P, float *s) {
+    q4f_block b;
+    q4f_block_at(&b, A, r, n);
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
+    for (int g = 0; g < b.G; g += 2)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) q4f_row_groups(&b, i, g, x, xs, P, acc[i]);
 #pragma GCC unroll 3
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8(acc[i][p]);
+}
+
+static inline __attribute__((always_inline)) void q4f_tile_by_row(const hsd_mat *A, int r, int n, const float *x,
+                                                                  int xs, int P, float *s) {
+    q4f_block b;
+    q4f_block_at(&b, A, r, n);
+    for (int i = 0; i < 4; i++) {
+        __m256 acc[HSD_Q4F_REG_MAX];
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) acc[p] = _mm256_setzero_ps();
+        for (int g = 0; g < b.G; g += 2) q4f_row_groups(&b, i, g, x, xs, P, acc);
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) s[(size_t)p * 4 + i] = hsum8(acc[p]);
+    }
+}
+#undef Q4F_COLS
+
+/* s[t * 4 + i] for rows r .. r+3 and 1 <= m <= HSD_Q4F_REG_MAX positions: the tile for m, its P a constant. */
+static inline void q4f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+    switch (m) {
+    case 1: q4f_tile_interleaved(A, r, n, x, xs, s); break;
+    case 2: q4f_tile_by_group(A, r, n, x, xs, 2, s); break;
+    case 3: q4f_tile_by_group(A, r, n, x, xs, 3, s); break;
+    case 4: q4f_tile_by_row(A, r, n, x, xs, 4, s); break;
+    case 5: q4f_tile_by_row(A, r, n, x, xs, 5, s); break;
+    case 6: q4f_tile_by_row(A, r, n, x, xs, 6, s); break;
+    case 7: q4f_tile_by_row(A, r, n, x, xs, 7, s); break;
+    default: q4f_tile_by_row(A, r, n, x, xs, 8, s); break;
+    }
 }
 
 #endif
@@ -1203,7 +1282,7 @@ static void q4f_tile4(const hsd_mat *A, int r, int n, const float *x, int xs, in
 
 #if HSD_NEON
 
-/* q4f_tile4xP_avx2 on Arm: rows r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3
+/* The AVX2 q4f tiles on Arm: rows r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3
  * positions, each 8 weights de-quantized in registers as fma(code, scale, minimum) (vfmaq_f32: one rounding, as
  * expand_row's fmaf) and multiplied into the row's 8-lane accumulator, over the columns in order, then hsum8's tree:
  * every element bit for bit what the other builds give. */
@@ -1249,21 +1328,19 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_neon(const hsd_mat
 
 #endif
 
-/* The 8-lane in-register q4f tile of this build (AVX2 without AVX-512, or NEON), if it has one. */
+/* The 8-lane in-register q4f tiles of this build (AVX2 without AVX-512, or NEON), if it has them: s[t * 4 + i] over
+ * 1 <= m <= HSD_Q4F_REG_MAX positions. */
 #if HSD_AVX2 && !HSD_AVX512
-#define HSD_Q4F_TILE q4f_tile4xP_avx2
+#define HSD_Q4F_TILES q4f_tiles_avx2
 #elif HSD_NEON
-#define HSD_Q4F_TILE q4f_tile4xP_neon
-#endif
-
-#ifdef HSD_Q4F_TILE
-/* HSD_Q4F_TILE over 1 <= m <= HSD_Q4F_REG_MAX positions (tiles of 3, then 1 or 2): s[t * 4 + i]. */
-static void q4f_tiles(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+/* tiles of 3 positions, then 1 or 2 */
+static void q4f_tiles_neon(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
     int t = 0;
-    for (; t + 3 <= m; t += 3) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
-    if (m - t == 2) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
-    if (m - t == 1) HSD_Q4F_TILE(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
+    for (; t + 3 <= m; t += 3) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 3, s + (size_t)t * 4);
+    if (m - t == 2) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 2, s + (size_t)t * 4);
+    if (m - t == 1) q4f_tile4xP_neon(A, r, n, x + (size_t)t * xs, xs, 1, s + (size_t)t * 4);
 }
+#define HSD_Q4F_TILES q4f_tiles_neon
 #endif
 
 /* Rows [r0, r1) of y[t * ys + r] (+)= W[r] . x[t * xs] (* scale[r] for int8) (+ bias[r]); acc: add to y.
@@ -1290,13 +1367,13 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             continue;
         }
 #endif
-#ifdef HSD_Q4F_TILE
+#ifdef HSD_Q4F_TILES
         if (A->type == HSD_Q4F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
             m <= HSD_Q4F_REG_MAX) { /* a decode step or a short verification: de-quantized in registers */
 #if HSD_AVX2
             prefetch_block(A, r + 4 * HSD_AHEAD);
 #endif
-            q4f_tiles(A, r, n, x, xs, m, s);
+            HSD_Q4F_TILES(A, r, n, x, xs, m, s);
             store4(A, s, m, n, y, ys, 0, r, acc);
             continue;
         }
