@@ -1029,7 +1029,7 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
  * tile computes it. The weights never pass through memory. A byte holds a code of each group of a pair (low nibble:
  * the first), so one widening load serves 16 weights. Per 8 weights: half a widening load, a mask or shift, a
  * conversion, one FMA to de-quantize and P to multiply. The three tiles differ only in the order they visit rows and
- * columns, chosen by the number of positions (measured on Zen 3, docs/results.md "the verification tiles"):
+ * columns, chosen by the number of positions (measured on Zen 3: docs/results.md, AVX2 section, "The step"):
  * - one position (q4f_tile_interleaved): each 8 columns of the four rows in turn, so four accumulator chains overlap;
  *   the second group's codes wait in registers while the first group's columns are summed;
  * - 2 or 3 (q4f_tile_by_group): per pair of groups, each row's 64 columns in turn (4 * P accumulators, the codes of
