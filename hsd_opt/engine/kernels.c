@@ -1282,10 +1282,11 @@ static void q4f_tile4(const hsd_mat *A, int r, int n, const float *x, int xs, in
 
 #if HSD_NEON
 
-/* The AVX2 q4f tiles on Arm: rows r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3
- * positions, each 8 weights de-quantized in registers as fma(code, scale, minimum) (vfmaq_f32: one rounding, as
- * expand_row's fmaf) and multiplied into the row's 8-lane accumulator, over the columns in order, then hsum8's tree:
- * every element bit for bit what the other builds give. */
+/* The q4f tile on Arm, in the order of the AVX2 one-position tile (each 8 columns of the four rows in turn): rows
+ * r .. r+3 of a q4f matrix (a short last block repeats its last row) and P <= 3 positions, each 8 weights
+ * de-quantized in registers as fma(code, scale, minimum) (vfmaq_f32: one rounding, as expand_row's fmaf) and
+ * multiplied into the row's 8-lane accumulator, over the columns in order, then hsum8's tree: every element bit for
+ * bit what the other builds give. */
 static inline __attribute__((always_inline)) void q4f_tile4xP_neon(const hsd_mat *A, int r, int n, const float *x,
                                                                    int xs, int P, float *s) {
     const int G = A->cols / HSD_GROUP;
