@@ -4,7 +4,7 @@ and against Hugging Face `generate`, in one run, one JSON.
 
     python -m benchmarks.gpu_scale [--config layerskip-llama2-7b|tinyllama-1.1b|tiny|FILE.json] [--device cuda] \\
         [--dtype bfloat16] [--context 128] [--t 1,2,4,8,16,32,64] [--batches 1,2,4,8,16,32,64] [--new 64] \\
-        [--no-hf] [--no-compile] [--out benchmarks/results/gpu_scale.json]
+        [--no-hf] [--no-compile] [--no-graphs] [--out benchmarks/results/gpu_scale.json]
 
 Configurations: ``hsd_opt/data/configs/<name>.json`` (LayerSkip-Llama2-7B's, TinyLlama-1.1B's) or a config.json of
 your own; ``tiny`` is a 4-layer model for a dry run on a CPU (``--device cpu``, seconds). The weights are HF's random
@@ -20,6 +20,16 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   timed as every cost measurement times them, ``hsd_opt.engine.timing``) at ``--context`` tokens;
   ``pass_ms[t]``: a verification pass over ``t`` new positions; ``batch_ms[B]``: one step of ``B`` sequences
   together (``advance_many`` and the batched greedy head);
+- ``ops_ms[t]``: the torch path's own operations of a pass over ``t`` positions (every layer, then the head's
+  greedy token) at a fixed place, called directly (no engine bookkeeping); ``graph_ms[t]``: the same operations
+  captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
+  against which ``ops_ms`` and ``pass_ms`` show what launching them one by one costs (CUDA only; the reason
+  otherwise);
+- ``matmul``: one layer's seven projections at one position in ``--dtype`` (``F.linear``, as the torch path) and
+  in torch's weight-only kernels, int8 per output row (``_weight_int8pack_mm``) and int4 in groups of 32 with a
+  scale and a zero per group (``_weight_int4pack_mm``; ``_for_cpu`` on a CPU): milliseconds, the weight bytes read
+  per second, and each one's largest error against the product with its weights de-quantized (whether a quantized
+  copy can be cheaper than the target on this device; the error where a kernel is missing);
 - ``ours_tok_s``: our AR loop (``HSD`` with the target alone) over ``--new`` tokens after a ``--context``-token
   prompt, decode only; ``hf_eager_tok_s``: HF ``generate`` (dynamic cache), decode only (the total less a
   one-token generate); ``hf_compiled_tok_s``: with a static cache and ``torch.compile`` of the forward
@@ -102,6 +112,126 @@ def engine_figures(model, device: str, context: int, ts: list[int], batches: lis
     return out
 
 
+def pass_ops(eng, st, start: int, t: int, seed: int = 3) -> Callable[[], torch.Tensor]:
+    """The torch path's operations of a pass over ``t`` new positions of ``st`` at ``start .. start+t-1``, with
+    static inputs: every layer (writing those positions' keys and values again at each call), then the final norm,
+    the LM head and the greedy tokens ``[t]``."""
+    tp, L = eng._torch, eng.n_layers
+    ids = torch.randint(3, eng.vocab_size, (t,), generator=torch.Generator().manual_seed(seed)).to(eng.device)
+    x = eng.embed(ids)
+    cos, sin = (c.contiguous() for c in eng.rope(start, start + t))
+    return lambda: tp.head(tp.layers(0, L, x, st, start, cos, sin)).argmax(-1)
+
+
+def graphed_figures(eng, device: str, context: int, ts: list[int], repeats: int) -> dict:
+    """``ops_ms[t]``: :func:`pass_ops` called eagerly; ``graph_ms[t]``: captured as one CUDA graph and replayed
+    (milliseconds); ``graph_equal[t]``: the replay's greedy tokens equal the eager call's. On a device without CUDA
+    graphs ``graph_ms`` is the reason instead."""
+    st = eng.new_state(context + max(ts) + 8)
+    eng.append(st, torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(4)))
+    eng.advance(st, eng.n_layers)
+    out: dict = {"ops_ms": {}, "graph_ms": {}, "graph_equal": {}}
+    for t in ts:
+        fn = pass_ops(eng, st, context, t)
+        out["ops_ms"][t] = timed(fn, repeats) * 1e3
+        if not (device.startswith("cuda") and torch.cuda.is_available()):
+            out["graph_ms"] = "CUDA graphs need a CUDA device"
+            continue
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):            # allocations made before capture, as capture requires
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = fn()
+            out["graph_ms"][t] = timed(graph.replay, repeats) * 1e3
+            graph.replay()
+            out["graph_equal"][t] = torch.equal(replayed, fn())
+            del graph
+        except Exception as e:  # noqa: BLE001 (a capture failure is a figure to report, not a crash)
+            out["graph_ms"][t] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def _int4_codes(w: torch.Tensor, group: int = 32):
+    """``w`` ``[n, k]`` in int4 groups of ``group`` columns as the weight-only int4 kernels take it: codes
+    ``0..15`` ``[n, k]`` (int32) and per group ``(scale, zero)`` ``[k/group, n, 2]`` with
+    ``w ~ (code - 8) * scale + zero``."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale
+    return codes, torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+
+def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) -> dict:
+    """One layer's projections of ``config`` (q, k, v, o, gate, up, down) at one position: milliseconds, weight
+    bytes per second and largest error against the de-quantized product, in ``dtype`` and in torch's int8 and
+    int4 weight-only kernels (the error message where one is missing on this device or this torch)."""
+    import torch.nn.functional as F
+
+    d, f = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    hd = config.get("head_dim") or d // heads
+    kv = (config.get("num_key_value_heads") or heads) * hd
+    shapes = [(heads * hd, d), (kv, d), (kv, d), (d, heads * hd), (f, d), (f, d), (d, f)]
+    g = torch.Generator(device=device).manual_seed(5)
+    ws = [torch.randn(n, k, generator=g, device=device).mul_(0.02).to(dtype) for n, k in shapes]
+    xs = [torch.randn(1, k, generator=g, device=device).to(dtype) for _, k in shapes]
+    cuda = device.startswith("cuda")
+
+    def entry(fn, nbytes: int, ref: list[torch.Tensor]) -> dict:
+        try:
+            got = fn()
+            err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref))
+            scale = max(float(b.float().abs().max()) for b in ref)
+            sec = timed(fn, repeats)
+            return {"ms": sec * 1e3, "weight_gb_s": nbytes / sec / 1e9, "bytes": nbytes, "max_error": err,
+                    "max_value": scale}
+        except Exception as e:  # noqa: BLE001 (a missing kernel is a figure to report, not a crash)
+            return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    out = {"shapes": shapes}
+    dense = [F.linear(x, w) for x, w in zip(xs, ws)]
+    out[str(dtype).replace("torch.", "")] = entry(lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
+                                                  sum(w.numel() * w.element_size() for w in ws), dense)
+    try:
+        scales = [w.float().abs().amax(1).clamp_min(1e-8) / 127 for w in ws]
+        q8 = [(w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8) for w, s in zip(ws, scales)]
+        s8 = [s.to(dtype) for s in scales]
+        ref8 = [F.linear(x.float(), q.float() * s.float()[:, None]) for x, q, s in zip(xs, q8, s8)]
+        out["int8"] = entry(lambda: [torch._weight_int8pack_mm(x, q, s) for x, q, s in zip(xs, q8, s8)],
+                            sum(q.numel() + 2 * s.numel() for q, s in zip(q8, s8)), ref8)
+    except Exception as e:  # noqa: BLE001
+        out["int8"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    try:
+        packed, szs, ref4 = [], [], []
+        for x, w in zip(xs, ws):
+            codes, sz = _int4_codes(w)
+            sz = sz.to(torch.bfloat16)
+            deq = (codes.float() - 8) * sz[..., 0].float().repeat_interleave(32, 0).T \
+                + sz[..., 1].float().repeat_interleave(32, 0).T
+            ref4.append(F.linear(x.float(), deq))
+            if cuda:       # CUDA's kernel takes two codes per byte, the first in the high nibble
+                packed.append(torch._convert_weight_to_int4pack(
+                    (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8))
+            else:
+                packed.append(torch._convert_weight_to_int4pack_for_cpu(codes, 8))
+            szs.append(sz)
+        mm = torch._weight_int4pack_mm if cuda else torch._weight_int4pack_mm_for_cpu
+        xb = [x.to(torch.bfloat16) for x in xs]
+        out["int4"] = entry(lambda: [mm(x, p, 32, sz) for x, p, sz in zip(xb, packed, szs)],
+                            sum(w.numel() // 2 + 4 * sz[..., 0].numel() for w, sz in zip(ws, szs)), ref4)
+    except Exception as e:  # noqa: BLE001
+        out["int4"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
+
+
 def generations(model, device: str, context: int, new: int, hf: bool, compile_: bool) -> dict:
     """Tokens/s of our AR loop and of HF ``generate`` (eager; static cache and compiled), and whether their greedy
     tokens equal ours."""
@@ -160,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peak", type=float, default=8.0, help="factor on the LM head's random weights")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--no-compile", action="store_true", help="skip HF with a static cache and torch.compile")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the passes' operations called directly and as "
+                                                             "CUDA graphs, and the weight-only matmuls")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_scale.json"))
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -184,6 +316,14 @@ def main(argv: list[str] | None = None) -> dict:
     report["step_over_floor"] = figs["step_ms"] / report["floor_ms"]
     report["pass_over_step"] = {t: v / figs["step_ms"] for t, v in figs["pass_ms"].items()}
     report["batch_over_step"] = {B: v / figs["step_ms"] for B, v in figs["batch_ms"].items()}
+    if not a.no_graphs:
+        from hsd_opt.engine.layered import LayeredLM
+
+        report.update(graphed_figures(LayeredLM(model), a.device, a.context, ts, a.repeats))
+        if isinstance(report["graph_ms"], dict) and 1 in report["graph_ms"] \
+                and isinstance(report["graph_ms"][1], float):
+            report["graph_step_over_floor"] = report["graph_ms"][1] / report["floor_ms"]
+        report["matmul"] = matmul_figures(config_of(a.config), a.device, dtype, a.repeats)
     report.update(generations(model, a.device, a.context, a.new, not a.no_hf, not a.no_compile))
     if report.get("hf_eager_tok_s") and report.get("ours_tok_s"):
         report["ours_over_hf_eager"] = report["ours_tok_s"] / report["hf_eager_tok_s"]

@@ -22,6 +22,30 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     assert set(rep["pass_ms"]) == {1, 2, 4} and set(rep["batch_ms"]) == {1, 3}
     assert rep["step_ms"] > 0 and rep["read_bytes"] == rep["weight_bytes"] > 0
     assert rep["floor_ms"] == pytest.approx(rep["read_bytes"] / (rep["bandwidth_gb_s"] * 1e9 / 2) * 1e3)
+    assert set(rep["ops_ms"]) == {1, 2, 4} and rep["graph_ms"] == "CUDA graphs need a CUDA device"
+    mm = rep["matmul"]
+    for kind, bits in (("float32", 32), ("int8", 8), ("int4", 4)):
+        e = mm[kind]                        # every kernel ran, read about its bits per weight, and agreed
+        assert e["ms"] > 0 and e["max_error"] <= 0.01 * e["max_value"], (kind, e)
+        assert bits / 8 <= e["bytes"] / sum(n * k for n, k in mm["shapes"]) <= bits / 8 + 0.125  # + scales
+
+
+def test_a_pass_s_operations_called_directly_are_the_engine_s_pass():
+    """What ``graph_ms`` captures (the torch path's operations with static inputs) computes the greedy tokens the
+    engine's own pass computes over the same positions."""
+    import torch
+
+    from hsd_opt.engine.layered import LayeredLM
+
+    eng = LayeredLM(gpu_scale.build(gpu_scale.config_of("tiny"), "cpu", torch.float32, 8.0), kernels=False)
+    st = eng.new_state(40)
+    eng.append(st, torch.arange(3, 23))
+    eng.advance(st, eng.n_layers)
+    got = gpu_scale.pass_ops(eng, st, 20, 3, seed=7)()
+    ids = torch.randint(3, eng.vocab_size, (3,), generator=torch.Generator().manual_seed(7))
+    eng.append(st, ids)
+    eng.advance(st, eng.n_layers)
+    assert torch.equal(got, eng.logits(st, eng.n_layers, 20, 23).argmax(-1))
 
 
 def test_the_shipped_configurations_are_the_models_they_name():
