@@ -292,3 +292,15 @@ def test_random_weights_follow_the_configuration(tmp_path):
     with pytest.raises(HsdError, match="--config: no configuration 'nope'"):
         config_of("nope")
     assert config_of("tinyllama-1.1b")["num_hidden_layers"] == 22 and "_source" not in config_of("tinyllama-1.1b")
+
+
+def test_a_registry_model_not_fetched_is_timed_on_its_shipped_configuration():
+    """A model ``hsd models fetch`` serves has its configuration shipped: where it is not fetched (a lent GPU, the
+    test cache) a costs-only run builds it from that, under the same name as where it is fetched, so the costs
+    merge with rates measured elsewhere."""
+    from hsd_opt.models.random_weights import config_of, shipped_configs, weights_here
+    from hsd_opt.models.registry import SPLIT_GGUFS
+
+    for alias, spec in SPLIT_GGUFS.items():
+        assert alias in shipped_configs() and not weights_here(alias)
+        assert f"({config_of(alias)['num_hidden_layers']} layers)" in spec.title

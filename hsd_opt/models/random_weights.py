@@ -6,9 +6,10 @@ weights' values, so a model of the same configuration with random weights costs 
 form is the same, and nothing but a ``config.json`` (and, where there is one, a tokenizer) is read. Not on the CPU
 kernels for a model de-quantized from GGUF, whose weights are read in their exact int4/int8 forms: a costs-only run
 times weights on this machine themselves (:func:`load_for_costs`). Configurations: a shipped one
-(``hsd_opt/data/configs/<name>.json``: LayerSkip-Llama2-7B's, TinyLlama-1.1B's), ``tiny`` (a 4-layer model for a
-dry run on a CPU), a ``config.json`` file, or any model ``hsd`` loads (an alias, a hub id, a directory, a GGUF
-file: its configuration and tokenizer only).
+(``hsd_opt/data/configs/<name>.json``: LayerSkip-Llama2-7B's, TinyLlama-1.1B's, and those of the models ``hsd models
+fetch`` serves, under their aliases, for a machine that has not fetched them), ``tiny`` (a 4-layer model for a dry
+run on a CPU), a ``config.json`` file, or any model ``hsd`` loads (an alias, a hub id, a directory, a GGUF file: its
+configuration and tokenizer only).
 """
 
 from __future__ import annotations
@@ -139,19 +140,21 @@ def _tokenizer(where: str | Path):
 
 def weights_here(name: str) -> bool:
     """Whether ``name`` names weights on this machine (the embedded model or a fetched one, a ``.gguf`` file, a
-    model directory), not a configuration alone (a ``config.json``, a shipped configuration, ``tiny``) or a hub id.
+    model directory), not a configuration alone (a ``config.json``, ``tiny``, a shipped configuration: the
+    registry's models have theirs, ``qwen2.5-coder-1.5b.json``, timed on random weights where the model is not
+    fetched, under the same name as where it is) or a hub id.
     A costs-only run times such weights themselves: their form decides the speed of the CPU kernels (a float32
     model de-quantized from GGUF's Q4_1 is read in its exact int4 form, an eighth of the bytes; random weights of
     the same shape are read as float32)."""
     from hsd_opt.models.loading import model_source
 
     path = Path(name)
-    if (path.is_file() and path.suffix == ".json") or name == "tiny" or (CONFIGS / f"{name}.json").is_file():
+    if (path.is_file() and path.suffix == ".json") or name == "tiny":
         return False
     try:
         return model_source(name)[0] != "hub"
     except HsdError:
-        return False                                  # load_random says what is wrong with the name
+        return False          # not here: a shipped configuration of that name, else load_random says what is wrong
 
 
 def load_for_costs(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model") -> "LoadedModel":
