@@ -24,7 +24,7 @@ BUDGET=${BUDGET:-90}           # --cost-budget of each costs-only profile, secon
 SCALE=${SCALE:-1}              # a factor on every step's time limit
 EXTRA=${EXTRA:-}               # more flags for both costs-only profiles
 SCALE_FLAGS=${SCALE_FLAGS:-}   # more flags for benchmarks/gpu_scale.py
-PY=${PY:-python}
+PY=${PY:-python3}            # the Python that holds torch (a lent GPU's image: python3)
 mkdir -p "$OUT_DIR"
 HSD="$PY -m hsd_opt"
 
