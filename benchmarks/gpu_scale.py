@@ -25,6 +25,10 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
   against which ``ops_ms`` and ``pass_ms`` show what launching them one by one costs (CUDA only; the reason
   otherwise);
+- ``replayed``: ``step_ms``, ``pass_ms``, ``batch_ms`` (and their ratios) of the engine replaying its passes
+  from CUDA graphs (:meth:`~hsd_opt.engine.layered.LayeredLM.replay_passes`, ``HSD_CUDA_GRAPHS=1``; on a CPU
+  the recorder that calls them again); ``ours_replayed_tok_s``: its AR loop, ``ours_replayed_equal``: its tokens
+  equal the op-by-op loop's;
 - ``matmul``: one layer's seven projections at one position in ``--dtype`` (``F.linear``, as the torch path) and
   in torch's weight-only kernels, int8 per output row (``_weight_int8pack_mm``) and int4 in groups of 32 with a
   scale and a zero per group (``_weight_int4pack_mm``; ``_for_cpu`` on a CPU): milliseconds, the weight bytes read
@@ -47,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from hsd_opt.engine import graphs
 from hsd_opt.engine.timing import median_pass, now
 from hsd_opt.errors import HsdError
 from hsd_opt.models import random_weights
@@ -85,11 +90,15 @@ def copy_bandwidth(device: str, mb: int, repeats: int) -> float:
     return 2 * x.numel() / timed(lambda: y.copy_(x), repeats)
 
 
-def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int) -> dict:
-    """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds)."""
+def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int,
+                   record=None) -> dict:
+    """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds); with
+    ``record``, the engine replaying its passes from recordings (:meth:`LayeredLM.replay_passes`)."""
     from hsd_opt.engine.layered import LayeredLM
 
-    eng = LayeredLM(model)
+    eng = LayeredLM(model, kernels=False if record is not None else None)   # replays take the torch path
+    if record is not None:
+        eng.replay_passes(record)
     L, V = eng.n_layers, eng.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, V, (context,), generator=g)
@@ -232,20 +241,32 @@ def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) 
     return out
 
 
-def generations(model, device: str, context: int, new: int, hf: bool, compile_: bool, eager: bool = True) -> dict:
+def generations(model, device: str, context: int, new: int, hf: bool, compile_: bool, eager: bool = True,
+                record=None) -> dict:
     """Tokens/s of our AR loop and of HF ``generate`` (eager unless not ``eager``; with a static cache and compiled
-    where ``compile_``), and whether their greedy tokens equal ours."""
+    where ``compile_``), and whether their greedy tokens equal ours; with ``record``, also of our AR loop
+    replaying its steps from recordings (``ours_replayed_tok_s``; ``ours_replayed_equal``: its tokens equal the
+    op-by-op loop's)."""
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.runtime.decode import HSD, Level
 
     eng = LayeredLM(model)
     prompt = torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(2)).tolist()
-    ar = HSD([Level("target", eng, eng.n_layers)], [])
-    ar.generate(prompt, 4)
-    res = ar.generate(prompt, new)
-    ours = res.token_ids
-    out = {"ours_tok_s": len(ours) / res.stats["decode_seconds"] if res.stats.get("decode_seconds") else None,
-           "ours_tokens": len(ours)}
+
+    def ar_loop(engine) -> tuple[float | None, list[int]]:
+        ar = HSD([Level("target", engine, engine.n_layers)], [])
+        ar.generate(prompt, 4)
+        res = ar.generate(prompt, new)
+        sec = res.stats.get("decode_seconds")
+        return (len(res.token_ids) / sec if sec else None), res.token_ids
+
+    rate, ours = ar_loop(eng)
+    out = {"ours_tok_s": rate, "ours_tokens": len(ours)}
+    if record is not None:
+        replaying = LayeredLM(model, kernels=False)      # replays take the torch path (the kernels: a CPU's)
+        replaying.replay_passes(record)
+        out["ours_replayed_tok_s"], toks = ar_loop(replaying)
+        out["ours_replayed_equal"] = toks == ours
     if not hf:
         return out
     ids = torch.tensor([prompt], device=device)
@@ -292,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--no-compile", action="store_true", help="skip HF with a static cache and torch.compile")
     ap.add_argument("--no-graphs", action="store_true", help="skip the passes' operations called directly and as "
-                                                             "CUDA graphs, and the weight-only matmuls")
+                                                             "CUDA graphs, the engine replaying its passes, and "
+                                                             "the weight-only matmuls")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_scale.json"))
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -324,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["pass_over_step"] = {t: v / figs["step_ms"] for t, v in figs["pass_ms"].items()}
     report["batch_over_step"] = {B: v / figs["step_ms"] for B, v in figs["batch_ms"].items()}
     save()
+    # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
+    record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again
     if not a.no_graphs:
         from hsd_opt.engine.layered import LayeredLM
 
@@ -332,10 +356,17 @@ def main(argv: list[str] | None = None) -> dict:
                 and isinstance(report["graph_ms"][1], float):
             report["graph_step_over_floor"] = report["graph_ms"][1] / report["floor_ms"]
         report["matmul"] = matmul_figures(config_of(a.config), a.device, dtype, a.repeats)
+        replayed = engine_figures(model, a.device, a.context, ts, batches, a.repeats, record)
+        report["replayed"] = {k: replayed[k] for k in ("step_ms", "pass_ms", "batch_ms")}
+        report["replayed"]["step_over_floor"] = replayed["step_ms"] / report["floor_ms"]
+        report["replayed"]["pass_over_step"] = {t: v / replayed["step_ms"] for t, v in replayed["pass_ms"].items()}
+        report["replayed"]["batch_over_step"] = {B: v / replayed["step_ms"]
+                                                 for B, v in replayed["batch_ms"].items()}
     save()
-    report.update(generations(model, a.device, a.context, a.new, not a.no_hf, False))
-    if report.get("hf_eager_tok_s") and report.get("ours_tok_s"):
-        report["ours_over_hf_eager"] = report["ours_tok_s"] / report["hf_eager_tok_s"]
+    report.update(generations(model, a.device, a.context, a.new, not a.no_hf, False, record=record))
+    for k in ("ours", "ours_replayed"):
+        if report.get("hf_eager_tok_s") and report.get(f"{k}_tok_s"):
+            report[f"{k}_over_hf_eager"] = report[f"{k}_tok_s"] / report["hf_eager_tok_s"]
     save()
     if not (a.no_hf or a.no_compile):       # last: compiling may take minutes
         report.update({k: v for k, v in generations(model, a.device, a.context, a.new, True, True, eager=False).items()

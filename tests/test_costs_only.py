@@ -220,7 +220,7 @@ def test_costs_only_errors_exit_2_naming_the_flag(tiny, tmp_path):
     no_causal_lm = tmp_path / "unknown.json"
     no_causal_lm.write_text(json.dumps({"model_type": "no-such-type", "num_hidden_layers": 2}))
     cases = [(base + ["--model", "no-such-config"], "--model no-such-config: unknown model"),
-             (base + ["--model", "no-such-config"], "shipped configuration (layerskip-llama2-7b, tinyllama-1.1b"),
+             (base + ["--model", "no-such-config"], "shipped configuration (layerskip-llama2-7b, qwen2.5-coder-0.5b"),
              (base + ["--model", bad_json], "not a readable config.json"),
              (base + ["--model", no_layers], "not a model configuration (no num_hidden_layers)"),
              (base + ["--model", no_causal_lm], "--model: cannot build a causal LM of this configuration"),

@@ -23,6 +23,9 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     assert rep["step_ms"] > 0 and rep["read_bytes"] == rep["weight_bytes"] > 0
     assert rep["floor_ms"] == pytest.approx(rep["read_bytes"] / (rep["bandwidth_gb_s"] * 1e9 / 2) * 1e3)
     assert set(rep["ops_ms"]) == {1, 2, 4} and rep["graph_ms"] == "CUDA graphs need a CUDA device"
+    rp = rep["replayed"]                    # the engine replaying its passes (on a CPU: called again)
+    assert set(rp["pass_ms"]) == {1, 2, 4} and set(rp["batch_ms"]) == {1, 3} and rp["step_ms"] > 0
+    assert rep["ours_replayed_equal"] is True
     mm = rep["matmul"]
     for kind, bits in (("float32", 32), ("int8", 8), ("int4", 4)):
         e = mm[kind]                        # every kernel ran, read about its bits per weight, and agreed

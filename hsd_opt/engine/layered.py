@@ -31,7 +31,7 @@ from typing import Callable, Generator, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import kernels, screen, stored_copies
+from hsd_opt.engine import graphs, kernels, screen, stored_copies
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -59,11 +59,16 @@ EXACT_INT4: bool | None = None
 #: The same for the LM head in an exact int8 form (:func:`~hsd_opt.engine.weights.exact_int8`: GGUF Q8_0's
 #: de-quantized values, as the embedded model's head is); ``HSD_EXACT_INT8=0`` turns it off.
 EXACT_INT8: bool | None = None
+#: Whether an engine on CUDA replays its decode steps and verify passes from CUDA graphs
+#: (:mod:`hsd_opt.engine.graphs`). None: the environment decides when an engine is built (``HSD_CUDA_GRAPHS=1``
+#: turns it on: off until measured on a GPU at scale, ``benchmarks/gpu_scale.py``); a bool overrides it.
+CUDA_GRAPHS: bool | None = None
 
 
-def _exact_form(setting: bool | None, variable: str) -> bool:
-    """``setting``, or where it is None the environment ``variable`` (on unless ``0``), read now."""
-    return setting if setting is not None else os.environ.get(variable, "1").strip() != "0"
+def _exact_form(setting: bool | None, variable: str, default: str = "1") -> bool:
+    """``setting``, or where it is None the environment ``variable`` (on unless ``0``; ``default`` where it is
+    not set), read now."""
+    return setting if setting is not None else os.environ.get(variable, default).strip() != "0"
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -170,6 +175,15 @@ class LayeredLM:
         #: dynamic rotary types (their frequencies depend on the sequence length)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_tabled = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
+        self._graphs: graphs.GraphedPasses | None = None
+        if lib is None and self.device.type == "cuda" and _exact_form(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"):
+            self.replay_passes()
+
+    def replay_passes(self, record: graphs.Recorder = graphs.cuda_graph) -> None:
+        """Replay this engine's torch-path decode steps and verify passes from recordings made by ``record``
+        (:class:`~hsd_opt.engine.graphs.GraphedPasses`: CUDA graphs by default; on by itself on CUDA where
+        :data:`CUDA_GRAPHS` says so)."""
+        self._graphs = graphs.GraphedPasses(self._torch, record)
 
     @property
     def uses_kernels(self) -> bool:
@@ -288,9 +302,12 @@ class LayeredLM:
     def run_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else on the torch
-        path."""
+        path, replayed from a recording where this engine replays passes (:meth:`replay_passes`) and takes this
+        one."""
         if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
+        if self._graphs is not None and self._graphs.takes(start, x.shape[0]):
+            return self._graphs.layers(l0, l1, x, st, start, cos, sin)
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
 
     def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:

@@ -55,25 +55,50 @@ class TorchPath:
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Decoder layer ``l`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1``: writes their keys and
         values into the layer's caches; ``cos``/``sin`` ``[1, m, head_dim]``."""
+        q, k, v = self._qkv(l, x, cos, sin)
+        end = start + x.shape[0]
+        k_cache[0, :, start:end] = k
+        v_cache[0, :, start:end] = v
+        return self._after_attention(l, x, causal_attention(q.unsqueeze(0), k_cache[:, :, :end],
+                                                             v_cache[:, :, :end], start))
+
+    def layer_static(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`layer` with the positions a tensor ``pos`` ``[m]`` (consecutive, after the cache's filled ones)
+        and every shape fixed by ``m`` and the caches' length alone, as a CUDA graph replays it
+        (:mod:`hsd_opt.engine.graphs`): the keys and values written at ``pos``, the attention over the whole
+        cache with the causal mask of ``pos`` (positions past a query's own weigh nothing). The same values as
+        :meth:`layer` up to the attention's summation order."""
+        q, k, v = self._qkv(l, x, cos, sin)
+        k_cache[0].index_copy_(1, pos, k)
+        v_cache[0].index_copy_(1, pos, v)
+        mask = torch.arange(k_cache.shape[2], device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self._after_attention(l, x, o)
+
+    def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``l``'s queries ``[H, m, hd]`` and keys and values ``[KV, m, hd]`` of hidden ``x`` ``[m, d]``, the
+        rotary embedding applied."""
         w = self.weights.layers[l]
-        ln1, ln2 = self._norms[l]
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         m = x.shape[0]
-        end = start + m
-        h = rms_norm_reference(x, ln1, w.eps1)
+        h = rms_norm_reference(x, self._norms[l][0], w.eps1)
         q = self._linear(h, w.q).view(m, H, hd).transpose(0, 1)
         k = self._linear(h, w.k).view(m, KV, hd).transpose(0, 1)
         v = self._linear(h, w.v).view(m, KV, hd).transpose(0, 1)
         if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
             q = rms_norm_reference(q, w.q_norm.to(self.dtype), w.qk_eps)
             k = rms_norm_reference(k, w.k_norm.to(self.dtype), w.qk_eps)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k_cache[0, :, start:end] = k
-        v_cache[0, :, start:end] = v
-        o = causal_attention(q.unsqueeze(0), k_cache[:, :, :end], v_cache[:, :, :end], start)
-        x = x + self._linear(o[0].transpose(0, 1).reshape(m, H * hd), w.o)
-        h = rms_norm_reference(x, ln2, w.eps2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _after_attention(self, l: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer ``l`` after attention output ``o`` ``[1, H, m, hd]``: the output projection, the
+        residual, the MLP and its residual."""
+        w = self.weights.layers[l]
+        m = x.shape[0]
+        x = x + self._linear(o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim), w.o)
+        h = rms_norm_reference(x, self._norms[l][1], w.eps2)
         return x + self._linear(w.act(self._linear(h, w.gate)) * self._linear(h, w.up), w.down)
 
     def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
