@@ -370,6 +370,26 @@ def random_context_costs(rng: np.random.Generator, d: dict, growing: bool = Fals
     return out
 
 
+def compiler_has_openmp() -> bool:
+    """Whether the kernels' C compiler builds with OpenMP here (``-fopenmp`` and ``omp.h``): clang without libomp,
+    as on a Mac, does not, and the kernels are then built without (the tests of a build with OpenMP skip)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from hsd_opt.engine import kernels
+
+    cc = kernels.compiler()
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "omp.c"
+        src.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+        res = subprocess.run([cc, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(Path(d) / "omp.so")],
+                             capture_output=True)
+    return res.returncode == 0
+
+
 def kernel_builds() -> dict:
     """Every build of the kernels this CPU runs, by name: each variant it can run (``hsd_opt.engine.variants``,
     widest first, ``portable`` last), and ``<the widest>-no-openmp``, that variant without OpenMP (what Apple's clang

@@ -7,6 +7,7 @@ import pytest
 
 from hsd_opt.engine import kernels, variants
 from hsd_opt.errors import HsdError
+from tests.helpers import compiler_has_openmp
 
 ZEN3 = "flags\t\t: fpu sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2\n"
 ZEN4 = ZEN3.rstrip() + " avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
@@ -69,7 +70,7 @@ def test_every_x86_variant_compiles_here_even_where_the_cpu_cannot_run_it(tmp_pa
     """A variant this CPU lacks is still built (not loaded): a change that breaks the AVX-512 or VNNI code is
     caught on an AVX2 host, whose tests of those variants skip."""
     try:
-        out = kernels.build(kernels.compiler(), tmp_path / "k.so", variant)
+        out = kernels.build(kernels.compiler(), tmp_path / "k.so", variant, openmp=compiler_has_openmp())
     except HsdError as e:
         if "unrecognized" in str(e) or "unknown" in str(e):     # an old compiler without the flag
             pytest.skip(f"{kernels.compiler()} does not know {variant.name}'s flags: {str(e)[:200]}")
