@@ -63,6 +63,11 @@ EXACT_INT8: bool | None = None
 #: (:mod:`hsd_opt.engine.graphs`). None: the environment decides when an engine is built (``HSD_CUDA_GRAPHS=1``
 #: turns it on: off until measured on a GPU at scale, ``benchmarks/gpu_scale.py``); a bool overrides it.
 CUDA_GRAPHS: bool | None = None
+#: Whether a quantized copy on the torch path (a GPU; a CPU without the kernels) reads its matrices as codes with
+#: torch's weight-only kernels (:mod:`hsd_opt.engine.weight_only`) instead of de-quantized. None: the environment
+#: decides when an engine is built (``HSD_WEIGHT_ONLY=1`` turns it on: off until measured on a GPU at scale); a bool
+#: overrides it.
+WEIGHT_ONLY: bool | None = None
 
 
 def _exact_form(setting: bool | None, variable: str, default: str = "1") -> bool:
@@ -175,9 +180,17 @@ class LayeredLM:
         #: dynamic rotary types (their frequencies depend on the sequence length)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_tabled = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
+        if lib is None and weights.head.quantized and _exact_form(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"):
+            self.read_codes()
         self._graphs: graphs.GraphedPasses | None = None
         if lib is None and self.device.type == "cuda" and _exact_form(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"):
             self.replay_passes()
+
+    def read_codes(self) -> None:
+        """Read this engine's quantized matrices on the torch path as codes with torch's weight-only kernels
+        (:mod:`hsd_opt.engine.weight_only`; a matrix no kernel takes here stays de-quantized). On by itself where
+        :data:`WEIGHT_ONLY` says so."""
+        self._torch.weight_only = True
 
     def replay_passes(self, record: graphs.Recorder = graphs.cuda_graph) -> None:
         """Replay this engine's torch-path decode steps and verify passes from recordings made by ``record``

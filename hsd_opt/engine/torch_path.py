@@ -9,7 +9,8 @@ device (CUDA; CPUs where the C kernels cannot be built) and is the reference the
 Weights enter through :meth:`~hsd_opt.engine.weights.Mat.dense`: a float weight in the compute dtype is used in
 place; one in another dtype is converted for each pass (a bfloat16 model's long passes in float32: its memory
 stays half); a quantized matrix is de-quantized once and kept (de-quantizing for every pass would cost more than
-the pass). Shapes: hidden ``[m, d]`` for ``m`` positions; caches ``[1, n_kv, max_len, head_dim]``.
+the pass), or read as codes by torch's weight-only kernels where :attr:`TorchPath.weight_only` is set. Shapes:
+hidden ``[m, d]`` for ``m`` positions; caches ``[1, n_kv, max_len, head_dim]``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hsd_opt.engine import weight_only
 from hsd_opt.engine.ops import causal_attention, rms_norm_reference, rotate_half
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import Mat, ModelWeights
@@ -37,6 +39,9 @@ class TorchPath:
         self.weights, self.dtype = weights, dtype
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self._kept: dict[int, torch.Tensor] = {}     # id(quantized Mat) -> its de-quantized weight
+        #: read quantized matrices as codes with torch's weight-only kernels (:mod:`hsd_opt.engine.weight_only`)
+        self.weight_only = False
+        self._packed: dict[int, weight_only.Packed | None] = {}    # id(quantized Mat) -> its packed form, or None
         self._norms = [(lw.ln1.to(dtype), lw.ln2.to(dtype)) for lw in weights.layers]
         self._final_norm = weights.norm.to(dtype)
 
@@ -49,6 +54,12 @@ class TorchPath:
         return t
 
     def _linear(self, x: torch.Tensor, mat: Mat) -> torch.Tensor:
+        if mat.quantized and self.weight_only:
+            if id(mat) not in self._packed:
+                self._packed[id(mat)] = weight_only.pack(mat, self.dtype)
+            packed = self._packed[id(mat)]
+            if packed is not None:
+                return weight_only.linear(x, packed)
         return F.linear(x, self._w(mat), None if mat.bias is None else mat.bias.to(self.dtype))
 
     def layer(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
