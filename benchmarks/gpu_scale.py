@@ -29,6 +29,9 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   from CUDA graphs (:meth:`~hsd_opt.engine.layered.LayeredLM.replay_passes`, ``HSD_CUDA_GRAPHS=1``; on a CPU
   the recorder that calls them again); ``ours_replayed_tok_s``: its AR loop, ``ours_replayed_equal``: its tokens
   equal the op-by-op loop's;
+- ``copies``: the int8 and int4 copies' step and 4-position pass (``1_ms``, ``4_ms``; ``step_over_target``),
+  de-quantized and reading their codes with torch's weight-only kernels (``HSD_WEIGHT_ONLY=1``): whether a
+  quantized drafter pays on this device;
 - ``matmul``: one layer's seven projections at one position in ``--dtype`` (``F.linear``, as the torch path) and
   in torch's weight-only kernels, int8 per output row (``_weight_int8pack_mm``) and int4 in groups of 32 with a
   scale and a zero per group (``_weight_int4pack_mm``; ``_for_cpu`` on a CPU): milliseconds, the weight bytes read
@@ -232,6 +235,37 @@ def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) 
     return out
 
 
+def copy_figures(model, context: int, repeats: int, kinds=(("int8", 8), ("int4", 4))) -> dict:
+    """Each quantized copy's decode step and a verify pass over 4 positions (milliseconds), its matrices
+    de-quantized (the torch path's default) and read as codes by torch's weight-only kernels
+    (:meth:`LayeredLM.read_codes`; ``packed``: how many of its matrices took them); the error where one fails."""
+    from hsd_opt.engine.quantized import QuantizedLM
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(6)
+    for name, bits in kinds:
+        out[name] = {}
+        for mode in ("dequantized", "codes"):
+            try:
+                eng = QuantizedLM(model, bits=bits, kernels=False)
+                if mode == "codes":
+                    eng.read_codes()
+                L = eng.n_layers
+                st = eng.new_state(context + 16)
+                eng.append(st, torch.randint(3, eng.vocab_size, (context,), generator=g))
+                eng.advance(st, L)
+                fig = {f"{t}_ms": median_pass(eng, [(st, torch.randint(3, eng.vocab_size, (t,), generator=g))],
+                                              L, repeats) * 1e3 for t in (1, 4)}
+                packed = eng._torch._packed
+                fig["packed"] = sum(p is not None for p in packed.values()) if mode == "codes" else 0
+                fig["matrices"] = len(packed) if mode == "codes" else None
+                out[name][mode] = fig
+                del eng, st
+            except Exception as e:  # noqa: BLE001 (a copy that fails is a figure to report, not a crash)
+                out[name][mode] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
 def generations(model, device: str, context: int, new: int, hf: bool, compile_: bool, eager: bool = True,
                 record=None) -> dict:
     """Tokens/s of our AR loop and of HF ``generate`` (eager unless not ``eager``; with a static cache and compiled
@@ -347,6 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
                 and isinstance(report["graph_ms"][1], float):
             report["graph_step_over_floor"] = report["graph_ms"][1] / report["floor_ms"]
         report["matmul"] = matmul_figures(config_of(a.config), a.device, dtype, a.repeats)
+        save()
+        report["copies"] = copy_figures(model, a.context, a.repeats)
+        for fig in report["copies"].values():
+            for v in fig.values():
+                if isinstance(v, dict):
+                    v["step_over_target"] = v["1_ms"] / report["step_ms"]
         save()
         try:
             replayed = engine_figures(model, a.device, a.context, ts, batches, a.repeats, record)

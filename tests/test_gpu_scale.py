@@ -26,6 +26,9 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     rp = rep["replayed"]                    # the engine replaying its passes (on a CPU: called again)
     assert set(rp["pass_ms"]) == {1, 2, 4} and set(rp["batch_ms"]) == {1, 3} and rp["step_ms"] > 0
     assert rep["ours_replayed_equal"] is True
+    for kind in ("int8", "int4"):            # each copy de-quantized and reading its codes, every matrix packed
+        dq, codes = rep["copies"][kind]["dequantized"], rep["copies"][kind]["codes"]
+        assert dq["1_ms"] > 0 and codes["4_ms"] > 0 and codes["packed"] == codes["matrices"] == 4 * 7 + 1
     mm = rep["matmul"]
     for kind, bits in (("float32", 32), ("int8", 8), ("int4", 4)):
         e = mm[kind]                        # every kernel ran, read about its bits per weight, and agreed
