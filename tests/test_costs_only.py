@@ -304,3 +304,20 @@ def test_a_registry_model_not_fetched_is_timed_on_its_shipped_configuration():
     for alias, spec in SPLIT_GGUFS.items():
         assert alias in shipped_configs() and not weights_here(alias)
         assert f"({config_of(alias)['num_hidden_layers']} layers)" in spec.title
+
+
+def test_the_costs_record_how_the_torch_path_ran(tiny, tmp_path, monkeypatch):
+    """Costs measured with copies reading their codes (``HSD_WEIGHT_ONLY=1``, on the torch path) say so, and a
+    merge carries it with the costs: a plan's costs are those of one way of running."""
+    plain = _profile(tiny, tmp_path / "plain.json", "--costs-only")
+    assert plain.provenance.get("torch_path") == {"cuda_graphs": False, "weight_only": False}
+    monkeypatch.setenv("HSD_KERNELS", "0")
+    monkeypatch.setenv("HSD_WEIGHT_ONLY", "1")
+    codes = _profile(tiny, tmp_path / "codes.json", "--costs-only")
+    assert codes.provenance.get("torch_path") == {"cuda_graphs": False, "weight_only": True}
+    rates = _profile(tiny, tmp_path / "rates.json", "--max-new-tokens", "4")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "codes.json",
+                  "-o", tmp_path / "merged.json")
+    assert res.exit_code == 0, cli_output(res)
+    assert load_profile(tmp_path / "merged.json")[0].provenance.get("costs_from")["torch_path"]["weight_only"]
+    assert rates.provenance.get("torch_path")["weight_only"] is True

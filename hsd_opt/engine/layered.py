@@ -203,6 +203,16 @@ class LayeredLM:
         """True when decode passes run on the C kernels (:mod:`hsd_opt.engine.kernels`)."""
         return self._kernels is not None
 
+    @property
+    def replays(self) -> bool:
+        """True when this engine replays its torch-path passes from recordings (:meth:`replay_passes`)."""
+        return self._graphs is not None
+
+    @property
+    def reads_codes(self) -> bool:
+        """True when this engine's torch path reads quantized matrices as codes (:meth:`read_codes`)."""
+        return self._torch.weight_only
+
     def weight_bytes(self) -> int:
         """Bytes of weights one full decode step reads (layers + LM head)."""
         return self.weights.nbytes()

@@ -358,6 +358,7 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     prov = rates.provenance.to_dict()
     cp = costs.provenance
     prov["costs_from"] = {"file": costs_source, "device": cp.device, "dtype": cp.dtype, "kernels": cp.get("kernels"),
+                          "torch_path": cp.get("torch_path"),
                           "torch_threads": cp.threads, "date": cp.get("date"), "costs_only": bool(cp.costs_only)}
     return replace(rates, models=models, verify_cost=pairs(costs.verify_cost), cost_curve=only(costs.cost_curve),
                    context_costs=contexts, batch_costs=batches, provenance=provenance_from_dict(prov, rates_source))
