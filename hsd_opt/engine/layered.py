@@ -70,7 +70,7 @@ CUDA_GRAPHS: bool | None = None
 WEIGHT_ONLY: bool | None = None
 
 
-def _exact_form(setting: bool | None, variable: str, default: str = "1") -> bool:
+def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
     """``setting``, or where it is None the environment ``variable`` (on unless ``0``; ``default`` where it is
     not set), read now."""
     return setting if setting is not None else os.environ.get(variable, default).strip() != "0"
@@ -165,9 +165,9 @@ class LayeredLM:
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
         exact = exact_head = None
         if lib is not None and lib.hsd_simd() >= 1 and not weights.head.quantized:
-            exact = stored_copies.exact_int4_layers(model, weights) if _exact_form(EXACT_INT4, "HSD_EXACT_INT4") \
+            exact = stored_copies.exact_int4_layers(model, weights) if _setting(EXACT_INT4, "HSD_EXACT_INT4") \
                 else None
-            exact_head = exact_int8(weights.head) if _exact_form(EXACT_INT8, "HSD_EXACT_INT8") else None
+            exact_head = exact_int8(weights.head) if _setting(EXACT_INT8, "HSD_EXACT_INT8") else None
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
                                                                      self.head_dim, exact, exact_head)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)
@@ -180,10 +180,10 @@ class LayeredLM:
         #: dynamic rotary types (their frequencies depend on the sequence length)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_tabled = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
-        if lib is None and weights.head.quantized and _exact_form(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"):
+        if lib is None and weights.head.quantized and _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"):
             self.read_codes()
         self._graphs: graphs.GraphedPasses | None = None
-        if lib is None and self.device.type == "cuda" and _exact_form(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"):
+        if lib is None and self.device.type == "cuda" and _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"):
             self.replay_passes()
 
     def read_codes(self) -> None:
