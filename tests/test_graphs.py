@@ -104,4 +104,6 @@ def test_bfloat16_passes_replay_within_its_rounding_and_stay_lossless():
 def test_only_continuing_passes_of_bounded_size_replay():
     assert graphs.GraphedPasses.takes(5, 1) and graphs.GraphedPasses.takes(1, graphs.MAX_POSITIONS)
     assert not graphs.GraphedPasses.takes(0, 4)                        # a prompt from position 0
+    assert not graphs.GraphedPasses.takes(6, 4, prompt=10)             # the rest of a prompt after its head
+    assert graphs.GraphedPasses.takes(10, 4, prompt=10)
     assert not graphs.GraphedPasses.takes(5, graphs.MAX_POSITIONS + 1)

@@ -11,8 +11,8 @@ inputs in buffers of its own: the hidden ``x`` ``[m, d]``, the positions ``[m]``
 attention over the whole cache under the causal mask of the positions, so one recording serves every place in the
 sequence. A state's recordings are dropped with the state.
 
-Only passes that continue a sequence (``start > 0``) of at most :data:`MAX_POSITIONS` positions are replayed
-(decode steps, verify passes); a prompt's pass runs op by op. Whether an engine replays is
+Only passes that continue a sequence past its prompt, of at most :data:`MAX_POSITIONS` positions, are replayed
+(decode steps, verify passes); a prompt's passes run op by op. Whether an engine replays is
 :data:`~hsd_opt.engine.layered.CUDA_GRAPHS` (off unless set; ``HSD_CUDA_GRAPHS=1``). How a pass is recorded is a
 function (:func:`cuda_graph`; :func:`calls_again` on a CPU, where the tests run it).
 """
@@ -84,10 +84,11 @@ class GraphedPasses:
         self.recorded = 0          #: passes recorded so far (each once per state, run of layers and size)
 
     @staticmethod
-    def takes(start: int, m: int) -> bool:
-        """Whether a pass over ``m`` positions from ``start`` is replayed: it continues a sequence and has at most
-        :data:`MAX_POSITIONS` positions."""
-        return start > 0 and 0 < m <= MAX_POSITIONS
+    def takes(start: int, m: int, prompt: int = 0) -> bool:
+        """Whether a pass over ``m`` positions from ``start`` is replayed: it continues a sequence past its prompt
+        (the first ``prompt`` positions, :attr:`DecodeState.prompt`: a prompt's passes vary in size and run once)
+        and has at most :data:`MAX_POSITIONS` positions."""
+        return start > 0 and start >= prompt and 0 < m <= MAX_POSITIONS
 
     def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:

@@ -329,7 +329,7 @@ class LayeredLM:
         one."""
         if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
-        if self._graphs is not None and self._graphs.takes(start, x.shape[0]):
+        if self._graphs is not None and self._graphs.takes(start, x.shape[0], st.prompt):
             return self._graphs.layers(l0, l1, x, st, start, cos, sin)
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
 
