@@ -28,7 +28,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
 - ``replayed``: ``step_ms``, ``pass_ms``, ``batch_ms`` (and their ratios) of the engine replaying its passes
   from CUDA graphs (:meth:`~hsd_opt.engine.layered.LayeredLM.replay_passes`, ``HSD_CUDA_GRAPHS=1``; on a CPU
   the recorder that calls them again); ``ours_replayed_tok_s``: its AR loop, ``ours_replayed_equal``: its tokens
-  equal the op-by-op loop's;
+  equal the op-by-op loop's, ``ours_replayed_hsd_equal``: a hierarchy over it (the middle exit drafting) gives its
+  AR tokens;
 - ``copies``: the int8 and int4 copies' step and 4-position pass (``1_ms``, ``4_ms``; ``step_over_target``),
   de-quantized and reading their codes with torch's weight-only kernels (``HSD_WEIGHT_ONLY=1``): whether a
   quantized drafter pays on this device;
@@ -292,6 +293,10 @@ def generations(model, device: str, context: int, new: int, hf: bool, compile_: 
         replaying.replay_passes(record)
         out["ours_replayed_tok_s"], toks = ar_loop(replaying)
         out["ours_replayed_equal"] = toks == ours
+        # verify passes replayed too: the middle exit drafting 3 tokens for the model's head, lossless
+        L = replaying.n_layers
+        hsd = HSD([Level(f"layer{L // 2}", replaying, L // 2), Level("target", replaying, L)], [3])
+        out["ours_replayed_hsd_equal"] = hsd.generate(prompt, new).token_ids == toks
     if not hf:
         return out
     ids = torch.tensor([prompt], device=device)

@@ -25,7 +25,7 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     assert set(rep["ops_ms"]) == {1, 2, 4} and rep["graph_ms"] == "CUDA graphs need a CUDA device"
     rp = rep["replayed"]                    # the engine replaying its passes (on a CPU: called again)
     assert set(rp["pass_ms"]) == {1, 2, 4} and set(rp["batch_ms"]) == {1, 3} and rp["step_ms"] > 0
-    assert rep["ours_replayed_equal"] is True
+    assert rep["ours_replayed_equal"] is True and rep["ours_replayed_hsd_equal"] is True
     for kind in ("int8", "int4"):            # each copy de-quantized and reading its codes, every matrix packed
         dq, codes = rep["copies"][kind]["dequantized"], rep["copies"][kind]["codes"]
         assert dq["1_ms"] > 0 and codes["4_ms"] > 0 and codes["packed"] == codes["matrices"] == 4 * 7 + 1
