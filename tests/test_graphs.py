@@ -107,3 +107,14 @@ def test_only_continuing_passes_of_bounded_size_replay():
     assert not graphs.GraphedPasses.takes(6, 4, prompt=10)             # the rest of a prompt after its head
     assert graphs.GraphedPasses.takes(10, 4, prompt=10)
     assert not graphs.GraphedPasses.takes(5, graphs.MAX_POSITIONS + 1)
+
+
+def test_doctor_says_how_the_torch_path_runs_on_cuda(monkeypatch):
+    """``hsd doctor``'s CUDA line follows the settings an engine built now would take."""
+    from hsd_opt.commands.doctor import cuda_line
+
+    monkeypatch.delenv("HSD_CUDA_GRAPHS", raising=False)
+    monkeypatch.setenv("HSD_WEIGHT_ONLY", "1")
+    line = cuda_line()
+    assert "CUDA graphs off (HSD_CUDA_GRAPHS=1 turns it on)" in line
+    assert "codes on (HSD_WEIGHT_ONLY=0 turns it off)" in line

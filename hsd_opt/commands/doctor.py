@@ -37,7 +37,8 @@ def _cpu_name() -> str:
 
 def system_lines() -> list[str]:
     """The lines ``hsd doctor`` prints: versions, the CPU, the variants it runs, the loaded one (a profile and
-    ``hsd bench`` record the same choice as ``kernels.provenance``), the compiler and the cache."""
+    ``hsd bench`` record the same choice as ``kernels.provenance``), the compiler, how CUDA runs (where it is) and
+    the cache."""
     import torch
 
     from hsd_opt.cache import cache_dir
@@ -59,8 +60,25 @@ def system_lines() -> list[str]:
         lines.append(info.line(torch.get_num_threads()))
         lines.append(f"compiler: {info.compiler}; HSD_KERNELS=<variant> forces one, HSD_OPENMP=0 builds without "
                      f"OpenMP")
+    if torch.cuda.is_available():
+        lines.append(cuda_line())
     lines.append(f"cache: {cache_dir()}")
     return lines
+
+
+def cuda_line() -> str:
+    """How engines on CUDA run the torch path: passes replayed from CUDA graphs, copies reading their codes (each
+    as its setting reads now, :func:`~hsd_opt.engine.layered.torch_path_settings`)."""
+    from hsd_opt.engine.layered import torch_path_settings
+
+    now = torch_path_settings()
+
+    def state(key: str, variable: str) -> str:
+        on = now[key]
+        return f"{'on' if on else 'off'} ({variable}={'0' if on else '1'} turns it {'off' if on else 'on'})"
+
+    return (f"cuda: passes replayed from CUDA graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
+            f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
 
 
 _SHOWN = {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "asimd",

@@ -76,6 +76,13 @@ def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
     return setting if setting is not None else os.environ.get(variable, default).strip() != "0"
 
 
+def torch_path_settings() -> dict[str, bool]:
+    """What an engine built now on CUDA does on its torch path: ``cuda_graphs`` (replays its passes,
+    :data:`CUDA_GRAPHS`) and ``weight_only`` (a quantized copy reads its codes, :data:`WEIGHT_ONLY`)."""
+    return {"cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
+            "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0")}
+
+
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
     """Refuse to read a boundary's hidden states at positions ``advance`` has not computed yet."""
     if boundary > 0 and st.lens[boundary - 1] < end:
@@ -180,10 +187,11 @@ class LayeredLM:
         #: dynamic rotary types (their frequencies depend on the sequence length)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_tabled = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
-        if lib is None and weights.head.quantized and _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"):
+        wanted = torch_path_settings()
+        if lib is None and weights.head.quantized and wanted["weight_only"]:
             self.read_codes()
         self._graphs: graphs.GraphedPasses | None = None
-        if lib is None and self.device.type == "cuda" and _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"):
+        if lib is None and self.device.type == "cuda" and wanted["cuda_graphs"]:
             self.replay_passes()
 
     def read_codes(self) -> None:
