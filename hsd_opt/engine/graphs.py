@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from hsd_opt.engine.ops import static_mask
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.engine.torch_path import TorchPath
 
@@ -123,9 +124,9 @@ class GraphedPasses:
         caches = [(st.k[l], st.v[l]) for l in range(l0, l1)]
 
         def run() -> torch.Tensor:
-            h = xs
+            h, mask = xs, static_mask(pos, caches[0][0].shape[2])
             for l, (k, v) in zip(range(l0, l1), caches):
-                h = path.layer_static(l, h, k, v, pos, cs, sn)
+                h = path.layer_static(l, h, k, v, pos, mask, cs, sn)
             return h
 
         replay, out = self._record(run)

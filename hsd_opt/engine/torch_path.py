@@ -74,16 +74,16 @@ class TorchPath:
                                                              v_cache[:, :, :end], start))
 
     def layer_static(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                     pos: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`layer` with the positions a tensor ``pos`` ``[m]`` (consecutive, after the cache's filled ones)
         and every shape fixed by ``m`` and the caches' length alone, as a CUDA graph replays it
         (:mod:`hsd_opt.engine.graphs`): the keys and values written at ``pos``, the attention over the whole
-        cache with the causal mask of ``pos`` (positions past a query's own weigh nothing). The same values as
-        :meth:`layer` up to the attention's summation order."""
+        cache under ``mask`` ``[m, max_len]``, the causal mask of ``pos`` (:func:`~hsd_opt.engine.ops.static_mask`:
+        positions past a query's own weigh nothing). The same values as :meth:`layer` up to the attention's summation
+        order."""
         q, k, v = self._qkv(l, x, cos, sin)
         k_cache[0].index_copy_(1, pos, k)
         v_cache[0].index_copy_(1, pos, v)
-        mask = torch.arange(k_cache.shape[2], device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask,
                                            enable_gqa=self.n_kv != self.n_heads)
         return self._after_attention(l, x, o)
