@@ -160,24 +160,16 @@ def graphed_figures(eng, device: str, context: int, ts: list[int], repeats: int)
     return out
 
 
-def _int4_codes(w: torch.Tensor, group: int = 32):
-    """``w`` ``[n, k]`` in int4 groups of ``group`` columns as the weight-only int4 kernels take it: codes
-    ``0..15`` ``[n, k]`` (int32) and per group ``(scale, zero)`` ``[k/group, n, 2]`` with
-    ``w ~ (code - 8) * scale + zero``."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-    zero = lo + 8 * scale
-    return codes, torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-
-
 def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) -> dict:
     """One layer's projections of ``config`` (q, k, v, o, gate, up, down) at one position: milliseconds, weight
     bytes per second and largest error against the de-quantized product, in ``dtype`` and in torch's int8 and
-    int4 weight-only kernels (the error message where one is missing on this device or this torch)."""
+    int4 weight-only kernels, each matrix quantized and packed as a copy reading its codes is
+    (:mod:`hsd_opt.engine.weight_only`; int4 with bfloat16 activations, the GPU kernel's; the reason where a kernel
+    takes none here)."""
     import torch.nn.functional as F
+
+    from hsd_opt.engine import weight_only
+    from hsd_opt.engine.weights import quantize_q4, quantize_q8
 
     d, f = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
@@ -187,7 +179,6 @@ def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) 
     g = torch.Generator(device=device).manual_seed(5)
     ws = [torch.randn(n, k, generator=g, device=device).mul_(0.02).to(dtype) for n, k in shapes]
     xs = [torch.randn(1, k, generator=g, device=device).to(dtype) for _, k in shapes]
-    cuda = device.startswith("cuda")
 
     def entry(fn, nbytes: int, ref: list[torch.Tensor]) -> dict:
         try:
@@ -204,35 +195,16 @@ def matmul_figures(config: dict, device: str, dtype: torch.dtype, repeats: int) 
     dense = [F.linear(x, w) for x, w in zip(xs, ws)]
     out[str(dtype).replace("torch.", "")] = entry(lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
                                                   sum(w.numel() * w.element_size() for w in ws), dense)
-    try:
-        scales = [w.float().abs().amax(1).clamp_min(1e-8) / 127 for w in ws]
-        q8 = [(w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8) for w, s in zip(ws, scales)]
-        s8 = [s.to(dtype) for s in scales]
-        ref8 = [F.linear(x.float(), q.float() * s.float()[:, None]) for x, q, s in zip(xs, q8, s8)]
-        out["int8"] = entry(lambda: [torch._weight_int8pack_mm(x, q, s) for x, q, s in zip(xs, q8, s8)],
-                            sum(q.numel() + 2 * s.numel() for q, s in zip(q8, s8)), ref8)
-    except Exception as e:  # noqa: BLE001
-        out["int8"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    try:
-        packed, szs, ref4 = [], [], []
-        for x, w in zip(xs, ws):
-            codes, sz = _int4_codes(w)
-            sz = sz.to(torch.bfloat16)
-            deq = (codes.float() - 8) * sz[..., 0].float().repeat_interleave(32, 0).T \
-                + sz[..., 1].float().repeat_interleave(32, 0).T
-            ref4.append(F.linear(x.float(), deq))
-            if cuda:       # CUDA's kernel takes two codes per byte, the first in the high nibble
-                packed.append(torch._convert_weight_to_int4pack(
-                    (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8))
-            else:
-                packed.append(torch._convert_weight_to_int4pack_for_cpu(codes, 8))
-            szs.append(sz)
-        mm = torch._weight_int4pack_mm if cuda else torch._weight_int4pack_mm_for_cpu
-        xb = [x.to(torch.bfloat16) for x in xs]
-        out["int4"] = entry(lambda: [mm(x, p, 32, sz) for x, p, sz in zip(xb, packed, szs)],
-                            sum(w.numel() // 2 + 4 * sz[..., 0].numel() for w, sz in zip(ws, szs)), ref4)
-    except Exception as e:  # noqa: BLE001
-        out["int4"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for name, quantize, act in (("int8", quantize_q8, dtype), ("int4", quantize_q4, torch.bfloat16)):
+        mats = [quantize(w) for w in ws]
+        packed = [weight_only.pack(m, act) for m in mats]
+        if any(p is None for p in packed):
+            out[name] = {"error": "weight_only.pack: no kernel takes these matrices here (missing on this device "
+                                  "or torch, or its product disagrees with the de-quantized one)"}
+            continue
+        ref = [F.linear(x.float(), m.dense(torch.float32)) for x, m in zip(xs, mats)]
+        nbytes = sum(t.numel() * t.element_size() for p in packed for t in (p.codes, p.scales))
+        out[name] = entry(lambda packed=packed: [weight_only.linear(x, p) for x, p in zip(xs, packed)], nbytes, ref)
     return out
 
 
