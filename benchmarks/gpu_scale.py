@@ -239,12 +239,11 @@ def copy_figures(model, context: int, repeats: int, kinds=(("int8", 8), ("int4",
     return out
 
 
-def generations(model, device: str, context: int, new: int, hf: bool, compile_: bool, eager: bool = True,
-                record=None) -> dict:
-    """Tokens/s of our AR loop and of HF ``generate`` (eager unless not ``eager``; with a static cache and compiled
-    where ``compile_``), and whether their greedy tokens equal ours; with ``record``, also of our AR loop
-    replaying its steps from recordings (``ours_replayed_tok_s``; ``ours_replayed_equal``: its tokens equal the
-    op-by-op loop's)."""
+def generations(model, context: int, new: int, record=None) -> tuple[dict, list[int], list[int]]:
+    """Tokens/s of our AR loop over ``new`` tokens after a ``context``-token prompt; with ``record``, also of our
+    AR loop replaying its steps from recordings (``ours_replayed_tok_s``; ``ours_replayed_equal``: its tokens equal
+    the op-by-op loop's; ``ours_replayed_hsd_equal``: a hierarchy over it gives its AR tokens). Returns the figures,
+    the prompt and our tokens (what :func:`hf_generations` compares HF's with)."""
     from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.runtime.decode import HSD, Level
 
@@ -269,35 +268,38 @@ def generations(model, device: str, context: int, new: int, hf: bool, compile_: 
         L = replaying.n_layers
         hsd = HSD([Level(f"layer{L // 2}", replaying, L // 2), Level("target", replaying, L)], [3])
         out["ours_replayed_hsd_equal"] = hsd.generate(prompt, new).token_ids == toks
-    if not hf:
-        return out
+    return out, prompt, ours
+
+
+def hf_generations(model, device: str, prompt: list[int], new: int, ours: list[int], compiled: bool) -> dict:
+    """Tokens/s of HF ``generate`` over ``new`` tokens after ``prompt``, decode only (the total less a one-token
+    generate), and whether its greedy tokens equal ``ours``: eager (dynamic cache), or with ``compiled`` a static
+    cache and ``torch.compile`` of the forward (``reduce-overhead``; the error where it does not compile)."""
     ids = torch.tensor([prompt], device=device)
 
-    def hf_run(n: int, **kw):
+    def hf_run(n: int):
         t0 = now()
-        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return now() - t0, o[0, len(prompt):].tolist()
 
-    def decode_rate(**kw):
-        hf_run(2, **kw)
-        one, _ = hf_run(1, **kw)
-        total, toks = hf_run(new, **kw)
+    def decode_rate():
+        hf_run(2)
+        one, _ = hf_run(1)
+        total, toks = hf_run(new)
         return (new - 1) / max(total - one, 1e-9), toks
 
-    if eager:
-        out["hf_eager_tok_s"], toks = decode_rate()
-        out["hf_eager_equal"] = toks[:len(ours)] == ours
-    if compile_:
-        try:
-            t0 = time.perf_counter()
-            model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            out["hf_compiled_tok_s"], toks = decode_rate()
-            out["hf_compiled_equal"] = toks[:len(ours)] == ours
-            out["hf_compile_seconds"] = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 (a compile failure is a figure to report, not a crash)
-            out["hf_compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return out
+    if not compiled:
+        rate, toks = decode_rate()
+        return {"hf_eager_tok_s": rate, "hf_eager_equal": toks[:len(ours)] == ours}
+    try:
+        t0 = time.perf_counter()
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        rate, toks = decode_rate()
+        return {"hf_compiled_tok_s": rate, "hf_compiled_equal": toks[:len(ours)] == ours,
+                "hf_compile_seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 (a compile failure is a figure to report, not a crash)
+        return {"hf_compiled_error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -376,14 +378,16 @@ def main(argv: list[str] | None = None) -> dict:
             rp["pass_over_step"] = {t: v / replayed["step_ms"] for t, v in replayed["pass_ms"].items()}
             rp["batch_over_step"] = {B: v / replayed["step_ms"] for B, v in replayed["batch_ms"].items()}
     save()
-    report.update(generations(model, a.device, a.context, a.new, not a.no_hf, False, record=record))
+    figs, prompt, ours = generations(model, a.context, a.new, record)
+    report.update(figs)
+    if not a.no_hf:
+        report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=False))
     for k in ("ours", "ours_replayed"):
         if report.get("hf_eager_tok_s") and report.get(f"{k}_tok_s"):
             report[f"{k}_over_hf_eager"] = report[f"{k}_tok_s"] / report["hf_eager_tok_s"]
     save()
     if not (a.no_hf or a.no_compile):       # last: compiling may take minutes
-        report.update({k: v for k, v in generations(model, a.device, a.context, a.new, True, True, eager=False).items()
-                       if k.startswith("hf_compile")})
+        report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=True))
         if report.get("hf_compiled_tok_s") and report.get("ours_tok_s"):
             report["ours_over_hf_compiled"] = report["ours_tok_s"] / report["hf_compiled_tok_s"]
     save()
