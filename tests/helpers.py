@@ -3,6 +3,7 @@ solver instances. Plain functions and classes (fixtures live in ``conftest.py``)
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -370,9 +371,11 @@ def random_context_costs(rng: np.random.Generator, d: dict, growing: bool = Fals
     return out
 
 
+@functools.cache
 def compiler_has_openmp() -> bool:
     """Whether the kernels' C compiler builds with OpenMP here (``-fopenmp`` and ``omp.h``): clang without libomp,
-    as on a Mac, does not, and the kernels are then built without (the tests of a build with OpenMP skip)."""
+    as on a Mac, does not, and the kernels are then built without (the tests of a build with OpenMP skip). Asked
+    once per test session."""
     import subprocess
     import tempfile
     from pathlib import Path
