@@ -5,6 +5,9 @@ every greedy answer checked against the target's own greedy loop on the same dev
 
 Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded):
 
+0. fixed shapes (``hsd_opt.engine.fixed``) on the device: a verify pass's logits equal its steps', and a batch's
+   step each sequence's alone, bit for bit, op by op and replayed from CUDA graphs (``benchmarks.gpu_scale``'s
+   ``exactness`` on a tiny bfloat16 model);
 1. ``hsd profile --device cuda`` with early exits, the int8/int4 copies (on CUDA: their de-quantized weights in
    bfloat16), an n-gram drafter and batch sizes 1,2,4; ``hsd solve`` (a plan per load level too);
 2. ``hsd run`` of the plan on three prompts, each answer equal to the target alone (``HSD.generate``), and a
@@ -66,6 +69,16 @@ def main() -> None:
     prompts = write_prompts(out / "p.jsonl", n=6)
     report = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
               "torch": torch.__version__}
+
+    # 0. fixed shapes on the device: a verify pass gives its steps' logits, a batch's step each sequence's own, bit
+    # for bit (op by op and replayed from CUDA graphs); at each pass's own shapes reported, not required
+    from benchmarks.gpu_scale import exactness
+    from hsd_opt.models.random_weights import TINY, random_model
+
+    ex = report["exactness"] = exactness(random_model(TINY, a.device, torch.bfloat16, peak=1.0), 32)
+    for name in ("fixed", "replayed"):
+        if not (isinstance(ex[name], dict) and ex[name]["pass_equal_steps"] and ex[name]["batch_equal_alone"]):
+            raise SystemExit(f"fixed shapes on {a.device} ({name}): {ex[name]}")
 
     # 1. profile and solve on the device
     prof, plan = out / "profile.json", out / "plan.json"

@@ -4,9 +4,10 @@
 #   bash benchmarks/gpu_run.sh "$OUT"
 #
 # 1. benchmarks/gpu_scale.py at LayerSkip-Llama2-7B's shape in bfloat16 (random weights): our step against the
-#    weight-read floor, passes over 1..64 positions and batched steps, op by op and replayed from CUDA graphs; the
-#    int8/int4 copies de-quantized and reading their codes; torch's weight-only kernels alone; HF generate eager
-#    and compiled;
+#    weight-read floor, passes over 1..64 positions and batched steps, at fixed shapes (the default on CUDA), at
+#    each pass's own shapes and replayed from CUDA graphs; whether a verify pass is its steps bit for bit there;
+#    the int8/int4 copies de-quantized and reading their codes; torch's weight-only kernels alone; HF generate
+#    eager and compiled;
 # 2. `hsd profile --costs-only` of a pool at that shape (exits, int8/int4 copies, token drafters), timed;
 # 3. a plan for this device from the Qwen2.5-Coder family's acceptance rates measured on a CPU
 #    (benchmarks/results/family_rates_cpu.json) and the costs of the same pool measured here:
@@ -41,9 +42,9 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND with a time limit, its outpu
 
 printf 'step\texit\tseconds\n' >"$OUT_DIR/steps.tsv"
 $PY -m hsd_opt doctor >"$OUT_DIR/doctor.txt" 2>&1
-step gpu_scale 210 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
+step gpu_scale 240 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
   --out "$OUT_DIR/gpu_scale.json"
-step costs_7b 100 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
+step costs_7b 90 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
   --quantized int8,int4 --token-drafters lookup,ngram --cost-budget "$BUDGET" --quiet $EXTRA \
   --out "$OUT_DIR/costs_7b.json"
 FAMILY_POOL=(--model qwen2.5-coder-1.5b --device "$DEVICE" --layers 14,21,25 --draft-model qwen2.5-coder-0.5b

@@ -20,6 +20,12 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   timed as every cost measurement times them, ``hsd_opt.engine.timing``) at ``--context`` tokens;
   ``pass_ms[t]``: a verification pass over ``t`` new positions; ``batch_ms[B]``: one step of ``B`` sequences
   together (``advance_many`` and the batched greedy head);
+- ``fixed_shapes``: whether the engine timed above computes its passes at fixed shapes (on CUDA by default,
+  ``hsd_opt.engine.fixed``); ``own_shapes``: ``step_ms``, ``pass_ms``, ``batch_ms`` (and ratios) at each pass's own
+  shapes (``HSD_FIXED_SHAPES=0``): what fixed shapes cost;
+- ``exactness``: whether a verify pass over 8 positions gives the logits of 8 steps bit for bit
+  (``pass_equal_steps``), and a step of 8 sequences together each one's step alone (``batch_equal_alone``), with
+  the largest differences: with fixed shapes, replaying them, and at each pass's own shapes;
 - ``ops_ms[t]``: the torch path's own operations of a pass over ``t`` positions (every layer, then the head's
   greedy token) at a fixed place, called directly (no engine bookkeeping); ``graph_ms[t]``: the same operations
   captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
@@ -94,15 +100,32 @@ def copy_bandwidth(device: str, mb: int, repeats: int) -> float:
     return 2 * x.numel() / timed(lambda: y.copy_(x), repeats)
 
 
-def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int,
-                   record=None) -> dict:
-    """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds); with
-    ``record``, the engine replaying its passes from recordings (:meth:`LayeredLM.replay_passes`)."""
-    from hsd_opt.engine.layered import LayeredLM
+def engine(model, fixed_shapes: bool | None = None, record=None):
+    """An engine over ``model`` as ``hsd`` builds one here, with its passes at fixed shapes or not
+    (``fixed_shapes``; None: as the environment says, :data:`hsd_opt.engine.layered.FIXED_SHAPES`), and replaying
+    them from recordings made by ``record`` (:meth:`LayeredLM.replay_passes`); either of them set puts it on the
+    torch path (the kernels are a CPU's)."""
+    from hsd_opt.engine import layered
 
-    eng = LayeredLM(model, kernels=False if record is not None else None)   # replays take the torch path
+    old = layered.FIXED_SHAPES
+    layered.FIXED_SHAPES = fixed_shapes
+    try:
+        torch_path = fixed_shapes is not None or record is not None
+        eng = layered.LayeredLM(model, kernels=False if torch_path else None)
+    finally:
+        layered.FIXED_SHAPES = old
+    if fixed_shapes:
+        eng.fix_shapes()
     if record is not None:
         eng.replay_passes(record)
+    return eng
+
+
+def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int,
+                   record=None, fixed_shapes: bool | None = None) -> dict:
+    """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds), of
+    :func:`engine` ``(model, fixed_shapes, record)``."""
+    eng = engine(model, fixed_shapes, record)
     L, V = eng.n_layers, eng.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, V, (context,), generator=g)
@@ -122,6 +145,54 @@ def engine_figures(model, device: str, context: int, ts: list[int], batches: lis
     out["batch_ms"] = {B: median_pass(eng, [(s, new(1)) for s in states[:B]], L, repeats, many=True) * 1e3
                        for B in batches}
     out["weight_bytes"] = eng.weight_bytes()
+    return out
+
+
+def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
+    """Whether this device computes a position alike whichever pass computes it: ``pass_equal_steps``: the logits
+    of a verify pass over ``t`` positions equal, bit for bit, those of ``t`` decode steps, and ``batch_equal_alone``:
+    a step of ``batch`` sequences together gives each the logits of its step alone; for :func:`engine` with fixed
+    shapes (``fixed``), replaying them (``replayed``, CUDA graphs on a GPU) and at each pass's own shapes
+    (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest differences."""
+    out: dict = {}
+    record = graphs.cuda_graph if next(model.parameters()).is_cuda else graphs.calls_again
+    for name, fixed_shapes, rec in (("fixed", True, None), ("replayed", True, record), ("own_shapes", False, None)):
+        try:
+            eng = engine(model, fixed_shapes, rec)
+            L, V = eng.n_layers, eng.vocab_size
+            g = torch.Generator().manual_seed(7)
+            prompts = torch.randint(3, V, (batch, context), generator=g)
+            ids = torch.randint(3, V, (batch, t), generator=g)
+
+            def states(n: int):
+                out = [eng.new_state(context + t + 1) for _ in range(n)]
+                for i, st in enumerate(out):
+                    eng.append(st, prompts[i])
+                    eng.advance(st, L)
+                return out
+
+            steps, one = states(1)[0], states(1)[0]
+            for tok in ids[0]:
+                eng.append(steps, tok.reshape(1))
+                eng.advance(steps, L)
+            eng.append(one, ids[0])
+            eng.advance(one, L)
+            a, b = (eng.logits(st, L, context, context + t) for st in (steps, one))
+            fig = {"pass_equal_steps": torch.equal(a, b), "pass_max_difference": float((a - b).abs().max())}
+            many, solo = states(batch), states(batch)
+            for i in range(batch):
+                eng.append(many[i], ids[i, :1])
+                eng.append(solo[i], ids[i, :1])
+                eng.advance(solo[i], L)
+            eng.advance_many([(st, L) for st in many])
+            pairs = [(eng.logits(x, L, context, context + 1), eng.logits(y, L, context, context + 1))
+                     for x, y in zip(many, solo)]
+            fig["batch_equal_alone"] = all(torch.equal(x, y) for x, y in pairs)
+            fig["batch_max_difference"] = max(float((x - y).abs().max()) for x, y in pairs)
+            out[name] = fig
+            del eng, steps, one, many, solo
+        except Exception as e:  # noqa: BLE001 (a failure is a figure to report, not a crash)
+            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
@@ -260,8 +331,7 @@ def generations(model, context: int, new: int, record=None) -> tuple[dict, list[
     rate, ours = ar_loop(eng)
     out = {"ours_tok_s": rate, "ours_tokens": len(ours)}
     if record is not None:
-        replaying = LayeredLM(model, kernels=False)      # replays take the torch path (the kernels: a CPU's)
-        replaying.replay_passes(record)
+        replaying = engine(model, record=record)
         out["ours_replayed_tok_s"], toks = ar_loop(replaying)
         out["ours_replayed_equal"] = toks == ours
         # verify passes replayed too: the middle exit drafting 3 tokens for the model's head, lossless
@@ -349,6 +419,19 @@ def main(argv: list[str] | None = None) -> dict:
     report["step_over_floor"] = figs["step_ms"] / report["floor_ms"]
     report["pass_over_step"] = {t: v / figs["step_ms"] for t, v in figs["pass_ms"].items()}
     report["batch_over_step"] = {B: v / figs["step_ms"] for B, v in figs["batch_ms"].items()}
+    report["fixed_shapes"] = engine(model).fixed_shapes
+    save()
+    report["exactness"] = exactness(model, a.context)
+    save()
+    try:   # what fixed shapes cost: the same figures at each pass's own shapes
+        own = engine_figures(model, a.device, a.context, ts, batches, a.repeats, fixed_shapes=False)
+    except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
+        report["own_shapes"] = f"{type(e).__name__}: {str(e)[:300]}"
+    else:
+        os_ = report["own_shapes"] = {k: own[k] for k in ("step_ms", "pass_ms", "batch_ms")}
+        os_["step_over_floor"] = own["step_ms"] / report["floor_ms"]
+        os_["pass_over_step"] = {t: v / own["step_ms"] for t, v in own["pass_ms"].items()}
+        os_["batch_over_step"] = {B: v / own["step_ms"] for B, v in own["batch_ms"].items()}
     save()
     # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
     record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again

@@ -26,6 +26,12 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     rp = rep["replayed"]                    # the engine replaying its passes (on a CPU: called again)
     assert set(rp["pass_ms"]) == {1, 2, 4} and set(rp["batch_ms"]) == {1, 3} and rp["step_ms"] > 0
     assert rep["ours_replayed_equal"] is True and rep["ours_replayed_hsd_equal"] is True
+    assert rep["fixed_shapes"] is False                     # a CPU engine on the kernels; CUDA's fixes them
+    for name in ("fixed", "replayed"):      # a verify pass is its steps, a batch's step each one's own, bit for bit
+        ex = rep["exactness"][name]
+        assert ex["pass_equal_steps"] and ex["batch_equal_alone"] and ex["pass_max_difference"] == 0, (name, ex)
+    own = rep["own_shapes"]
+    assert set(own["pass_ms"]) == {1, 2, 4} and set(own["batch_ms"]) == {1, 3} and own["step_ms"] > 0
     for kind in ("int8", "int4"):            # each copy de-quantized and reading its codes, every matrix packed
         dq, codes = rep["copies"][kind]["dequantized"], rep["copies"][kind]["codes"]
         assert dq["1_ms"] > 0 and codes["4_ms"] > 0 and codes["packed"] == codes["matrices"] == 4 * 7 + 1

@@ -67,8 +67,9 @@ def system_lines() -> list[str]:
 
 
 def cuda_line() -> str:
-    """How engines on CUDA run the torch path: passes replayed from CUDA graphs, copies reading their codes (each
-    as its setting reads now, :func:`~hsd_opt.engine.layered.torch_path_settings`)."""
+    """How engines on CUDA run the torch path: decode steps and verify passes at fixed shapes, passes replayed from
+    CUDA graphs, copies reading their codes (each as its setting reads now,
+    :func:`~hsd_opt.engine.layered.torch_path_settings`)."""
     from hsd_opt.engine.layered import torch_path_settings
 
     now = torch_path_settings()
@@ -77,7 +78,8 @@ def cuda_line() -> str:
         on = now[key]
         return f"{'on' if on else 'off'} ({variable}={'0' if on else '1'} turns it {'off' if on else 'on'})"
 
-    return (f"cuda: passes replayed from CUDA graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
+    return (f"cuda: passes at fixed shapes {state('fixed_shapes', 'HSD_FIXED_SHAPES')}; passes replayed from CUDA "
+            f"graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
             f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Generator, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import graphs, kernels, screen, stored_copies
+from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -68,6 +68,11 @@ CUDA_GRAPHS: bool | None = None
 #: decides when an engine is built (``HSD_WEIGHT_ONLY=1`` turns it on: off until measured on a GPU at scale); a bool
 #: overrides it.
 WEIGHT_ONLY: bool | None = None
+#: Whether an engine on CUDA computes its decode steps and verify passes as fixed-shape passes
+#: (:mod:`hsd_opt.engine.fixed`: a step then computes, bit for bit, what a verify pass computes, so greedy
+#: speculative decoding gives the target's own greedy tokens, not only up to near-ties). None: the environment
+#: decides when an engine is built (on unless ``HSD_FIXED_SHAPES=0``); a bool overrides it.
+FIXED_SHAPES: bool | None = None
 
 
 def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
@@ -77,10 +82,26 @@ def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
 
 
 def torch_path_settings() -> dict[str, bool]:
-    """What an engine built now on CUDA does on its torch path: ``cuda_graphs`` (replays its passes,
-    :data:`CUDA_GRAPHS`) and ``weight_only`` (a quantized copy reads its codes, :data:`WEIGHT_ONLY`)."""
-    return {"cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
+    """What an engine built now on CUDA does on its torch path: ``fixed_shapes`` (its decode steps and verify passes
+    at one shape, :data:`FIXED_SHAPES`), ``cuda_graphs`` (replays them, :data:`CUDA_GRAPHS`) and ``weight_only``
+    (a quantized copy reads its codes, :data:`WEIGHT_ONLY`)."""
+    return {"fixed_shapes": _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1"),
+            "cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
             "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0")}
+
+
+def _fill(items: Sequence[int], sizes: Sequence[int], most: int) -> list[list[int]]:
+    """``items`` in order, in consecutive groups whose ``sizes`` sum to at most ``most`` each (an item larger than
+    ``most`` alone)."""
+    out: list[list[int]] = []
+    total = most + 1
+    for it, n in zip(items, sizes):
+        if total + n > most:
+            out.append([])
+            total = 0
+        out[-1].append(it)
+        total += n
+    return out
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -190,9 +211,13 @@ class LayeredLM:
         wanted = torch_path_settings()
         if lib is None and weights.head.quantized and wanted["weight_only"]:
             self.read_codes()
+        self._fixed = False
         self._graphs: graphs.GraphedPasses | None = None
-        if lib is None and self.device.type == "cuda" and wanted["cuda_graphs"]:
-            self.replay_passes()
+        if lib is None and self.device.type == "cuda":
+            if wanted["fixed_shapes"]:
+                self.fix_shapes()
+            if wanted["cuda_graphs"]:
+                self.replay_passes()
 
     def read_codes(self) -> None:
         """Read this engine's quantized matrices on the torch path as codes with torch's weight-only kernels
@@ -200,11 +225,27 @@ class LayeredLM:
         :data:`WEIGHT_ONLY` says so."""
         self._torch.weight_only = True
 
+    def fix_shapes(self) -> None:
+        """Compute this engine's torch-path decode steps and verify passes as fixed-shape passes
+        (:mod:`hsd_opt.engine.fixed`), the rows of several sequences in one such pass, and read its heads over
+        :data:`~hsd_opt.engine.fixed.ROWS` rows: every position's numbers then the same whichever pass computes
+        it. Its states' capacities are rounded up (:func:`~hsd_opt.engine.fixed.capacity`): call it before making
+        states. On by itself on CUDA where :data:`FIXED_SHAPES` says so; an engine on the kernels is exact
+        without it and ignores it."""
+        self._fixed = self._kernels is None
+
     def replay_passes(self, record: graphs.Recorder = graphs.cuda_graph) -> None:
         """Replay this engine's torch-path decode steps and verify passes from recordings made by ``record``
         (:class:`~hsd_opt.engine.graphs.GraphedPasses`: CUDA graphs by default; on by itself on CUDA where
-        :data:`CUDA_GRAPHS` says so)."""
+        :data:`CUDA_GRAPHS` says so). The recordings are of fixed-shape passes, so this fixes the shapes too
+        (:meth:`fix_shapes`)."""
+        self.fix_shapes()
         self._graphs = graphs.GraphedPasses(self._torch, record)
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """True when this engine computes its torch-path passes at fixed shapes (:meth:`fix_shapes`)."""
+        return self._fixed
 
     @property
     def uses_kernels(self) -> bool:
@@ -228,7 +269,10 @@ class LayeredLM:
     # ------------------------------------------------------------------------------------------ state
 
     def new_state(self, max_len: int, save_boundaries: Iterable[int] = ()) -> DecodeState:
-        """An empty state with room for ``max_len`` tokens; residuals are kept at ``save_boundaries``."""
+        """An empty state with room for ``max_len`` tokens (rounded up with :meth:`fix_shapes`); residuals are kept
+        at ``save_boundaries``."""
+        if self._fixed:
+            max_len = fixed.capacity(max_len)
         shape = (1, self.n_kv, max_len, self.head_dim)
         st = DecodeState(
             tokens=torch.zeros(max_len, dtype=torch.long, device=self.device), n=0,
@@ -333,13 +377,23 @@ class LayeredLM:
     def run_layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos, sin) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` (each layer's cache
         written as it goes): on the kernels when this pass takes them (see :class:`LayeredLM`), else on the torch
-        path, replayed from a recording where this engine replays passes (:meth:`replay_passes`) and takes this
-        one."""
+        path, as a fixed-shape pass where this engine fixes them (:meth:`fix_shapes`) and the pass has one
+        (:func:`~hsd_opt.engine.fixed.takes`), replayed from a recording where it replays passes
+        (:meth:`replay_passes`)."""
         if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
-        if self._graphs is not None and self._graphs.takes(start, x.shape[0], st.prompt):
-            return self._graphs.layers(l0, l1, x, st, start, cos, sin)
+        if self._fixed and fixed.takes(start, x.shape[0], st.prompt):
+            if self._graphs is not None:
+                return self._graphs.layers(l0, l1, x, st, start, cos, sin)
+            return self._fixed_pass(l0, l1, [Rows(x, st, start, cos, sin)])[0]
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
+
+    def _fixed_pass(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
+        """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
+        all) in one fixed-shape pass, op by op: each sequence's new hidden states."""
+        x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
+        out = self._torch.fixed_layers(l0, l1, x, pos, cos.to(self.dtype), sin.to(self.dtype), ps)
+        return list(out[:sum(p.x.shape[0] for p in parts)].split([p.x.shape[0] for p in parts]))
 
     def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:
         """Whether a pass over ``m`` positions from position ``start`` runs on the kernels: every pass of an engine
@@ -443,9 +497,10 @@ class LayeredLM:
     def advance_many(self, work: Sequence[tuple[DecodeState, int]]) -> list[int]:
         """:meth:`advance` of several states (sequences), each to its own boundary: the runs of layers they have in
         common are computed in one pass over all their rows where the kernels take each sequence's rows alone
-        (a prompt's pass too; each weight read once for every sequence), the others one sequence at a time.
-        Each state gets bit for bit what :meth:`advance` gives it alone. Returns the positions computed per
-        state."""
+        (a prompt's pass too; each weight read once for every sequence) or, on the torch path with fixed shapes
+        (:meth:`fix_shapes`), in fixed-shape passes of up to :data:`~hsd_opt.engine.fixed.ROWS` rows; the others
+        one sequence at a time. Each state gets bit for bit what :meth:`advance` gives it alone. Returns the
+        positions computed per state."""
         runs = [self._runs(st, upto) for st, upto in work]
         done: list[int] = [0] * len(runs)
         pending: dict[int, tuple[int, int, Rows]] = {}
@@ -463,21 +518,31 @@ class LayeredLM:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (l0, l1, rows) in pending.items():
                 m = rows.x.shape[0]
-                together = self._on_kernels(rows.start, m, rows.st.prompt)
+                together = self._on_kernels(rows.start, m, rows.st.prompt) or (
+                    self._fixed and fixed.takes(rows.start, m, rows.st.prompt))
                 groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
             for key, idx in groups.items():
                 l0, l1 = key[0], key[1]
                 if len(idx) == 1:
                     rows = pending[idx[0]][2]
                     outs = [self.run_layers(l0, l1, rows.x, rows.st, rows.start, rows.cos, rows.sin)]
-                else:
+                elif self._kernels is not None:
                     outs = self._kernels.layers_many(l0, l1, [pending[i][2] for i in idx])
+                else:   # fixed shapes: consecutive groups of at most ROWS rows (the order of idx kept)
+                    chunks = _fill(idx, [pending[i][2].x.shape[0] for i in idx], fixed.ROWS)
+                    outs = [o for c in chunks for o in self._fixed_pass(l0, l1, [pending[i][2] for i in c])]
                 for i, out in zip(idx, outs):
                     step(i, out)
         return done
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """Exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
+        m = hidden.shape[0]
+        if self._fixed and 0 < m <= fixed.ROWS:   # every row read at one shape (:meth:`fix_shapes`)
+            return self._head(fixed.pad(hidden, 0), boundary)[:m]
+        return self._head(hidden, boundary)
+
+    def _head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         fn = self.exit_heads.get(boundary)
         if fn is not None:
             return fn(hidden).float()

@@ -32,13 +32,6 @@ def causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
     return torch.arange(end, device=device).unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
 
 
-def static_mask(pos: torch.Tensor, max_len: int) -> torch.Tensor:
-    """:func:`causal_mask` for positions given as a tensor ``pos`` ``[m]`` over a whole cache of ``max_len``
-    positions: ``[m, max_len]``, query ``pos[i]`` may attend to key positions ``<= pos[i]`` (the passes a CUDA graph
-    replays, :meth:`~hsd_opt.engine.torch_path.TorchPath.layer_static`; one mask serves every layer of a pass)."""
-    return torch.arange(max_len, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
-
-
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of new positions ``start .. start+m-1`` over a KV cache that holds ``0 .. start+m-1``.
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import weight_only
+from hsd_opt.engine import fixed, weight_only
 from hsd_opt.engine.ops import causal_attention, rms_norm_reference, rotate_half
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import Mat, ModelWeights
@@ -73,20 +73,32 @@ class TorchPath:
         return self._after_attention(l, x, causal_attention(q.unsqueeze(0), k_cache[:, :, :end],
                                                              v_cache[:, :, :end], start))
 
-    def layer_static(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     pos: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """:meth:`layer` with the positions a tensor ``pos`` ``[m]`` (consecutive, after the cache's filled ones)
-        and every shape fixed by ``m`` and the caches' length alone, as a CUDA graph replays it
-        (:mod:`hsd_opt.engine.graphs`): the keys and values written at ``pos``, the attention over the whole
-        cache under ``mask`` ``[m, max_len]``, the causal mask of ``pos`` (:func:`~hsd_opt.engine.ops.static_mask`:
-        positions past a query's own weigh nothing). The same values as :meth:`layer` up to the attention's summation
-        order."""
-        q, k, v = self._qkv(l, x, cos, sin)
-        k_cache[0].index_copy_(1, pos, k)
-        v_cache[0].index_copy_(1, pos, v)
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask,
-                                           enable_gqa=self.n_kv != self.n_heads)
-        return self._after_attention(l, x, o)
+    def fixed_layers(self, l0: int, l1: int, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, parts: Sequence[fixed.Part]) -> torch.Tensor:
+        """Layers ``l0 .. l1-1`` of a fixed-shape pass (:mod:`hsd_opt.engine.fixed`): hidden ``x`` ``[ROWS, d]`` at
+        positions ``pos`` ``[ROWS]`` with rotary tables ``cos``/``sin`` ``[1, ROWS, head_dim]``; each part writes
+        its rows' keys and values into its caches and gives its rows' attention over them. Every operation sees
+        the same shapes whatever the pass holds, so each real row gets what it gets in any other pass."""
+        x = x.to(self.dtype)
+        gqa = self.n_kv != self.n_heads
+        mask = fixed.masks(pos, parts)
+        for i, l in enumerate(range(l0, l1)):
+            q, k, v = self._qkv(l, x, cos, sin)
+            q = q.unsqueeze(0)
+            o: torch.Tensor | None = None
+            for p in parts:
+                kc, vc = p.k[i], p.v[i]
+                kc[0].index_copy_(1, p.dst, k.index_select(1, p.src))
+                vc[0].index_copy_(1, p.dst, v.index_select(1, p.src))
+                for n, rows in p.groups:
+                    og = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], attn_mask=mask[n],
+                                                        enable_gqa=gqa)
+                    if rows is None:
+                        o = og
+                    else:
+                        o = torch.where(rows, og, torch.zeros_like(og) if o is None else o)
+            x = self._after_attention(l, x, o)
+        return x
 
     def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Layer ``l``'s queries ``[H, m, hd]`` and keys and values ``[KV, m, hd]`` of hidden ``x`` ``[m, d]``, the

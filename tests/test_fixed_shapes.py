@@ -1,0 +1,117 @@
+"""Fixed-shape passes of the torch path (:mod:`hsd_opt.engine.fixed`), run on a CPU.
+
+Properties: with fixed shapes a verify pass over ``m`` positions gives, bit for bit, the hidden states, keys,
+values and logits of ``m`` decode steps (float32 and bfloat16, a pass straddling an attention length too); the
+rows of several sequences in one pass give each sequence what it gets alone; greedy speculative decoding over a
+bfloat16 model whose logits are not peaked gives the target's own greedy tokens (near-ties are common there: the
+torch path at each pass's own shapes gives other tokens than the target's own in 5 of these 12 generations, as
+measured when this test was written); the helpers round and group as documented.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine import fixed
+from hsd_opt.engine.layered import LayeredLM, _fill, torch_path_settings
+from hsd_opt.models.random_weights import TINY, random_model
+from hsd_opt.runtime.decode import HSD, Level
+
+
+def _fixed_engine(dtype: torch.dtype, peak: float = 1.0, seed: int = 0) -> LayeredLM:
+    eng = LayeredLM(random_model(TINY, "cpu", dtype, peak=peak, seed=seed), kernels=False)
+    eng.fix_shapes()
+    return eng
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_pass_computes_what_its_steps_compute(dtype):
+    eng = _fixed_engine(dtype)
+    L = eng.n_layers
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, eng.vocab_size, (250,), generator=g)
+    steps, passes = eng.new_state(300, save_boundaries=[2]), eng.new_state(300, save_boundaries=[2])
+    assert steps.max_len == 512                                    # rounded up to the attention length
+    for st in (steps, passes):
+        eng.append(st, prompt)
+        eng.advance(st, L)
+    for m in (1, 3, 8, 2):   # the last pass ends at 263: it straddles position 256's attention length
+        ids = torch.randint(3, eng.vocab_size, (m,), generator=g)
+        start = passes.n
+        for t in ids:
+            eng.append(steps, t.reshape(1))
+            eng.advance(steps, L)
+        eng.append(passes, ids)
+        eng.advance(passes, L)
+        end = passes.n
+        for b in (2, L):
+            assert torch.equal(eng.logits(steps, b, start, end), eng.logits(passes, b, start, end))
+        assert torch.equal(steps.resid[2][:end], passes.resid[2][:end])
+        for l in range(L):
+            assert torch.equal(steps.k[l][:, :, :end], passes.k[l][:, :, :end])
+            assert torch.equal(steps.v[l][:, :, :end], passes.v[l][:, :, :end])
+
+
+def test_several_sequences_in_one_pass_each_get_what_they_get_alone():
+    """Sequences of different lengths, pass sizes and exits through ``advance_many`` (their rows in fixed-shape
+    passes of at most ROWS rows: here 70 rows in all, so two passes) against each through ``advance``."""
+    eng = _fixed_engine(torch.bfloat16)
+    L = eng.n_layers
+    g = torch.Generator().manual_seed(2)
+    sizes, ends = [1, 5, 30, 2, 32], [L, 2, L, L, 1]
+    alone, together = [], []
+    for i, m in enumerate(sizes):
+        prompt = torch.randint(3, eng.vocab_size, (5 + 60 * i,), generator=g)
+        ids = torch.randint(3, eng.vocab_size, (m,), generator=g)
+        pair = [eng.new_state(400, save_boundaries=[1, 2]) for _ in range(2)]
+        for st in pair:
+            eng.append(st, prompt)
+            eng.advance(st, L)
+            eng.append(st, ids)
+        eng.advance(pair[0], ends[i])
+        alone.append(pair[0])
+        together.append(pair[1])
+    eng.advance_many(list(zip(together, ends)))
+    for a, b, e in zip(alone, together, ends):
+        assert a.lens == b.lens
+        assert torch.equal(eng.logits(a, e, 0, a.n), eng.logits(b, e, 0, b.n))
+        for l in range(e):
+            assert torch.equal(a.k[l][:, :, :a.n], b.k[l][:, :, :a.n])
+
+
+def test_greedy_hierarchies_give_the_target_s_own_tokens_at_near_ties():
+    eng = _fixed_engine(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        p = torch.randint(3, eng.vocab_size, (8,), generator=g).tolist()
+        want = HSD([Level("t", eng, 4)], []).generate(p, 40).token_ids
+        assert HSD([Level("l1", eng, 1), Level("t", eng, 4)], [5]).generate(p, 40).token_ids == want
+        assert HSD([Level("l1", eng, 1), Level("l2", eng, 2), Level("t", eng, 4)], [2, 3]).generate(
+            p, 40).token_ids == want
+
+
+def test_positions_lengths_and_groups():
+    assert [fixed.attended(p) for p in (0, 255, 256, 600)] == [256, 256, 512, 768]
+    assert [fixed.capacity(n) for n in (1, 256, 257)] == [256, 256, 512]
+    assert fixed.positions(10, 3, "cpu").tolist() == [10, 11, 12] + [12] * (fixed.ROWS - 3)
+    assert fixed.takes(5, 1) and fixed.takes(10, fixed.ROWS, prompt=10)
+    assert not fixed.takes(0, 4) and not fixed.takes(6, 4, prompt=10) and not fixed.takes(5, fixed.ROWS + 1)
+    assert _fill([7, 8, 9, 10], [30, 30, 10, 64], 64) == [[7, 8], [9], [10]]
+    x = torch.arange(6.0).reshape(3, 2)
+    assert fixed.pad(x, 0).shape == (fixed.ROWS, 2) and torch.equal(fixed.pad(x, 0)[-1], x[-1])
+
+
+def test_the_setting_and_engines_it_applies_to(monkeypatch):
+    """Fixed shapes are on by default for engines built on CUDA (``HSD_FIXED_SHAPES=0`` turns them off); an
+    engine on the kernels (exact at any pass size already) ignores them and keeps its states' sizes."""
+    monkeypatch.delenv("HSD_FIXED_SHAPES", raising=False)
+    assert torch_path_settings()["fixed_shapes"]
+    monkeypatch.setenv("HSD_FIXED_SHAPES", "0")
+    assert not torch_path_settings()["fixed_shapes"]
+    plain = LayeredLM(random_model(TINY, "cpu", torch.float32), kernels=False)
+    assert not plain.fixed_shapes and plain.new_state(40).max_len == 40       # a CPU engine: off unless asked
+    on_kernels = LayeredLM(random_model(TINY, "cpu", torch.float32))
+    if on_kernels.uses_kernels:
+        on_kernels.fix_shapes()
+        assert not on_kernels.fixed_shapes and on_kernels.new_state(40).max_len == 40
