@@ -115,3 +115,19 @@ def test_the_setting_and_engines_it_applies_to(monkeypatch):
     if on_kernels.uses_kernels:
         on_kernels.fix_shapes()
         assert not on_kernels.fixed_shapes and on_kernels.new_state(40).max_len == 40
+
+
+def test_the_batch_scheduler_gives_each_prompt_what_it_gets_alone():
+    """Served together (the batch scheduler: a prompt's last pass left to the first round's pass, the sequences'
+    steps in shared passes), each prompt's greedy tokens are those ``HSD.generate`` gives it alone, over a bfloat16
+    model with fixed shapes, for the target alone and for a hierarchy of exits."""
+    from hsd_opt.runtime.batch import generate_many
+
+    eng = _fixed_engine(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, eng.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 9, 300, 17, 70)]
+    for hsd in (HSD([Level("t", eng, 4)], []), HSD([Level("l1", eng, 1), Level("l2", eng, 2), Level("t", eng, 4)],
+                                                    [2, 3])):
+        alone = [hsd.generate(p, 24).token_ids for p in prompts]
+        together = generate_many(hsd, prompts, 24, max_active=4)
+        assert [r.token_ids for r in together] == alone
