@@ -78,6 +78,11 @@ def test_several_sequences_in_one_pass_each_get_what_they_get_alone():
         assert torch.equal(eng.logits(a, e, 0, a.n), eng.logits(b, e, 0, b.n))
         for l in range(e):
             assert torch.equal(a.k[l][:, :, :a.n], b.k[l][:, :, :a.n])
+    # the heads read together (rows of several reads in one head over ROWS rows): each read's logits as alone
+    reads = [(st, e, st.n - m, st.n) for st, e, m in zip(together, ends, sizes)] + [(together[0], 1, 3, 5)]
+    for got, (st, e, s0, s1) in zip(eng.logits_many(reads), reads):
+        assert torch.equal(got, eng.logits(st, e, s0, s1))
+    assert [t.tolist() for t in eng.greedy_ids_many(reads)] == [eng.logits(*r).argmax(-1).tolist() for r in reads]
 
 
 def test_greedy_hierarchies_give_the_target_s_own_tokens_at_near_ties():

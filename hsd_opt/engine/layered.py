@@ -584,6 +584,8 @@ class LayeredLM:
         """:meth:`logits` of several ``(state, boundary, start, end)`` reads: the rows through the model's own head
         in one kernel call where the kernels take them (each row as it is computed alone), else one read at a
         time. Each read gets bit for bit what :meth:`logits` gives it."""
+        if self._fixed:
+            return self._fixed_logits(reads)
         out: list[torch.Tensor | None] = [None] * len(reads)
         shared = [i for i, (st, b, s0, s1) in enumerate(reads)
                   if self._kernels is not None and b not in self.exit_heads and s1 - s0 <= kernels.MAX_PASS]
@@ -597,6 +599,27 @@ class LayeredLM:
         for i, (st, b, s0, s1) in enumerate(reads):
             if out[i] is None:
                 out[i] = self.logits(st, b, s0, s1)
+        return out
+
+    def _fixed_logits(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+        """:meth:`logits_many` with fixed shapes (:meth:`fix_shapes`): the rows of the reads through one head
+        together, in heads over :data:`~hsd_opt.engine.fixed.ROWS` rows (each row as it is read alone; the weights
+        read once for all of them)."""
+        out: list[torch.Tensor | None] = [None] * len(reads)
+        by_head: dict[int | None, list[int]] = {}   # an exit's own head, or None: the model's
+        for i, (st, b, s0, s1) in enumerate(reads):
+            _check_computed(st, b, s1)
+            if 0 < s1 - s0 <= fixed.ROWS:
+                by_head.setdefault(b if b in self.exit_heads else None, []).append(i)
+            else:
+                out[i] = self.logits(st, b, s0, s1)
+        for idx in by_head.values():
+            sizes = [reads[i][3] - reads[i][2] for i in idx]
+            for chunk in _fill(idx, sizes, fixed.ROWS):
+                hidden = torch.cat([reads[i][0].resid[reads[i][1]][reads[i][2]:reads[i][3]] for i in chunk])
+                rows = self.head(hidden, reads[chunk[0]][1]).split([reads[i][3] - reads[i][2] for i in chunk])
+                for i, r in zip(chunk, rows):
+                    out[i] = r
         return out
 
     @torch.no_grad()
