@@ -164,14 +164,14 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
             prompts = torch.randint(3, V, (batch, context), generator=g)
             ids = torch.randint(3, V, (batch, t), generator=g)
 
-            def states(n: int):
-                out = [eng.new_state(context + t + 1) for _ in range(n)]
-                for i, st in enumerate(out):
+            def states(eng, n: int) -> list:
+                made = [eng.new_state(context + t + 1) for _ in range(n)]
+                for i, st in enumerate(made):
                     eng.append(st, prompts[i])
                     eng.advance(st, L)
-                return out
+                return made
 
-            steps, one = states(1)[0], states(1)[0]
+            steps, one = states(eng, 1)[0], states(eng, 1)[0]
             for tok in ids[0]:
                 eng.append(steps, tok.reshape(1))
                 eng.advance(steps, L)
@@ -179,7 +179,7 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
             eng.advance(one, L)
             a, b = (eng.logits(st, L, context, context + t) for st in (steps, one))
             fig = {"pass_equal_steps": torch.equal(a, b), "pass_max_difference": float((a - b).abs().max())}
-            many, solo = states(batch), states(batch)
+            many, solo = states(eng, batch), states(eng, batch)
             for i in range(batch):
                 eng.append(many[i], ids[i, :1])
                 eng.append(solo[i], ids[i, :1])
