@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hsd_opt.engine import fixed
-from hsd_opt.engine.layered import LayeredLM, _fill, torch_path_settings
+from hsd_opt.engine.layered import LayeredLM, torch_path_settings
 from hsd_opt.models.random_weights import TINY, random_model
 from hsd_opt.runtime.decode import HSD, Level
 
@@ -102,7 +102,7 @@ def test_positions_lengths_and_groups():
     assert fixed.positions(10, 3, "cpu").tolist() == [10, 11, 12] + [12] * (fixed.ROWS - 3)
     assert fixed.takes(5, 1) and fixed.takes(10, fixed.ROWS, prompt=10)
     assert not fixed.takes(0, 4) and not fixed.takes(6, 4, prompt=10) and not fixed.takes(5, fixed.ROWS + 1)
-    assert _fill([7, 8, 9, 10], [30, 30, 10, 64], 64) == [[7, 8], [9], [10]]
+    assert fixed.fill([7, 8, 9, 10], [30, 30, 10, 64]) == [[7, 8], [9], [10]]
     x = torch.arange(6.0).reshape(3, 2)
     assert fixed.pad(x, 0).shape == (fixed.ROWS, 2) and torch.equal(fixed.pad(x, 0)[-1], x[-1])
 
@@ -116,6 +116,15 @@ def test_the_setting_and_engines_it_applies_to(monkeypatch):
     assert not torch_path_settings()["fixed_shapes"]
     plain = LayeredLM(random_model(TINY, "cpu", torch.float32), kernels=False)
     assert not plain.fixed_shapes and plain.new_state(40).max_len == 40       # a CPU engine: off unless asked
+    early = plain.new_state(40)
+    plain.fix_shapes()
+    for st in (early, plain.new_state(40)):       # a state made before computes at its passes' own shapes
+        plain.append(st, [3, 4, 5])
+        plain.advance(st, plain.n_layers)
+        plain.append(st, [6, 7])
+        plain.advance(st, plain.n_layers)
+    assert early.max_len == 40 and st.max_len == fixed.BLOCK
+    assert torch.allclose(plain.logits(early, 4, 3, 5), plain.logits(st, 4, 3, 5), atol=1e-4)
     on_kernels = LayeredLM(random_model(TINY, "cpu", torch.float32))
     if on_kernels.uses_kernels:
         on_kernels.fix_shapes()

@@ -82,6 +82,20 @@ class Part:
     groups: list[tuple[int, torch.Tensor | None]]
 
 
+def fill(items: Sequence[int], sizes: Sequence[int], most: int = ROWS) -> list[list[int]]:
+    """``items`` in order, in consecutive groups whose ``sizes`` (rows) sum to at most ``most`` each (an item
+    larger than ``most`` alone): the fixed-shape passes a batch's rows take."""
+    out: list[list[int]] = []
+    total = most + 1
+    for it, n in zip(items, sizes):
+        if total + n > most:
+            out.append([])
+            total = 0
+        out[-1].append(it)
+        total += n
+    return out
+
+
 def positions(start: int, m: int, device: torch.device | str) -> torch.Tensor:
     """``[ROWS]`` positions of a pass over ``start .. start+m-1``: the padding rows repeat the last."""
     return torch.arange(start, start + ROWS, device=device).clamp_(max=start + m - 1)

@@ -90,20 +90,6 @@ def torch_path_settings() -> dict[str, bool]:
             "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0")}
 
 
-def _fill(items: Sequence[int], sizes: Sequence[int], most: int) -> list[list[int]]:
-    """``items`` in order, in consecutive groups whose ``sizes`` sum to at most ``most`` each (an item larger than
-    ``most`` alone)."""
-    out: list[list[int]] = []
-    total = most + 1
-    for it, n in zip(items, sizes):
-        if total + n > most:
-            out.append([])
-            total = 0
-        out[-1].append(it)
-        total += n
-    return out
-
-
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
     """Refuse to read a boundary's hidden states at positions ``advance`` has not computed yet."""
     if boundary > 0 and st.lens[boundary - 1] < end:
@@ -382,11 +368,18 @@ class LayeredLM:
         (:meth:`replay_passes`)."""
         if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
-        if self._fixed and fixed.takes(start, x.shape[0], st.prompt):
+        if self._takes_fixed(st, start, x.shape[0]):
             if self._graphs is not None:
                 return self._graphs.layers(l0, l1, x, st, start, cos, sin)
             return self._fixed_pass(l0, l1, [Rows(x, st, start, cos, sin)])[0]
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
+
+    def _takes_fixed(self, st: DecodeState, start: int, m: int) -> bool:
+        """Whether a pass over ``m`` positions of ``st`` from ``start`` is a fixed-shape pass: this engine fixes
+        shapes, the pass has one (:func:`~hsd_opt.engine.fixed.takes`), and the state was made with a capacity that
+        holds every attention length (:func:`~hsd_opt.engine.fixed.capacity`; one made before :meth:`fix_shapes`
+        computes at its passes' own shapes)."""
+        return self._fixed and fixed.takes(start, m, st.prompt) and st.max_len % fixed.BLOCK == 0
 
     def _fixed_pass(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
         """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
@@ -518,8 +511,7 @@ class LayeredLM:
             groups: dict[tuple[int, int], list[int]] = {}
             for i, (l0, l1, rows) in pending.items():
                 m = rows.x.shape[0]
-                together = self._on_kernels(rows.start, m, rows.st.prompt) or (
-                    self._fixed and fixed.takes(rows.start, m, rows.st.prompt))
+                together = self._on_kernels(rows.start, m, rows.st.prompt) or self._takes_fixed(rows.st, rows.start, m)
                 groups.setdefault((l0, l1) if together else (l0, l1, i), []).append(i)
             for key, idx in groups.items():
                 l0, l1 = key[0], key[1]
@@ -529,7 +521,7 @@ class LayeredLM:
                 elif self._kernels is not None:
                     outs = self._kernels.layers_many(l0, l1, [pending[i][2] for i in idx])
                 else:   # fixed shapes: consecutive groups of at most ROWS rows (the order of idx kept)
-                    chunks = _fill(idx, [pending[i][2].x.shape[0] for i in idx], fixed.ROWS)
+                    chunks = fixed.fill(idx, [pending[i][2].x.shape[0] for i in idx])
                     outs = [o for c in chunks for o in self._fixed_pass(l0, l1, [pending[i][2] for i in c])]
                 for i, out in zip(idx, outs):
                     step(i, out)
@@ -615,7 +607,7 @@ class LayeredLM:
                 out[i] = self.logits(st, b, s0, s1)
         for idx in by_head.values():
             sizes = [reads[i][3] - reads[i][2] for i in idx]
-            for chunk in _fill(idx, sizes, fixed.ROWS):
+            for chunk in fixed.fill(idx, sizes):
                 hidden = torch.cat([reads[i][0].resid[reads[i][1]][reads[i][2]:reads[i][3]] for i in chunk])
                 rows = self.head(hidden, reads[chunk[0]][1]).split([reads[i][3] - reads[i][2] for i in chunk])
                 for i, r in zip(chunk, rows):
