@@ -118,6 +118,34 @@ def test_bfloat16_passes_replay_bit_for_bit_and_stay_lossless():
     assert HSD([Level("l2", replayed, 2), Level("t", replayed, 4)], [3]).generate(p, 24).token_ids == want
 
 
+def _failing(fn):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_pass_that_cannot_be_recorded_is_computed_op_by_op(model):
+    """A recording that fails is said once; the engine then computes every pass op by op: the same numbers."""
+    eager, replayed = _pair(model)
+    replayed.replay_passes(_failing)
+    p = list(range(3, 15))
+    want = HSD([Level("l2", eager, 2), Level("t", eager, 4)], [3]).generate(p, 20).token_ids
+    with pytest.warns(RuntimeWarning, match="recording a pass failed .*operation not permitted") as said:
+        got = HSD([Level("l2", replayed, 2), Level("t", replayed, 4)], [3]).generate(p, 20).token_ids
+    assert got == want and len(said) == 1 and replayed._graphs.failed.startswith("operation not permitted")
+
+
+def test_a_state_keeps_its_most_recent_recordings(model, monkeypatch):
+    monkeypatch.setattr(graphs, "KEPT", 2)
+    eager, replayed = _pair(model)
+    sa, sb = eager.new_state(40, save_boundaries=[1, 2]), replayed.new_state(40, save_boundaries=[1, 2])
+    for i in range(4):   # each step runs layers 0-1, 1-2 and 2-4: three recordings, two kept
+        for eng, st in ((eager, sa), (replayed, sb)):
+            eng.append(st, [3 + i] if i else [3, 4, 5])
+            eng.advance(st, eng.n_layers)
+        assert len(replayed._graphs._by_state.get(id(sb), {})) <= 2
+    assert replayed._graphs.recorded == 3 * 3       # the evicted ones recorded again at each step after the prompt
+    assert torch.equal(sa.resid[4][:sa.n], sb.resid[4][:sb.n])
+
+
 def test_doctor_says_how_the_torch_path_runs_on_cuda(monkeypatch):
     """``hsd doctor``'s CUDA line follows the settings an engine built now would take."""
     from hsd_opt.commands.doctor import cuda_line

@@ -10,7 +10,9 @@ one recording serves every pass of a sequence with the same attention lengths, w
 a recording is keyed by the decode state whose caches it writes, its run of layers ``l0 .. l1-1`` and those
 lengths, and takes its inputs in buffers of its own (the hidden ``[ROWS, d]``, the positions ``[ROWS]`` and the
 rotary tables ``[1, ROWS, head_dim]``), copied in before each replay. A replayed pass computes what the same pass
-computes op by op, bit for bit. A state's recordings are dropped with the state.
+computes op by op, bit for bit. A state keeps its :data:`KEPT` most recently used recordings, and they are dropped
+with the state. Where a pass cannot be recorded (an operation the device cannot capture), the engine says so once
+and computes its passes op by op: the same numbers.
 
 Only the fixed-shape passes (:func:`~hsd_opt.engine.fixed.takes`: after the prompt, at most
 :data:`~hsd_opt.engine.fixed.ROWS` positions) are replayed; a prompt's passes run op by op. Whether an engine replays is
@@ -20,7 +22,9 @@ function (:func:`cuda_graph`; :func:`calls_again` on a CPU, where the tests run 
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +33,10 @@ import torch
 from hsd_opt.engine import fixed
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.engine.torch_path import TorchPath
+
+#: Recordings a decode state keeps (the most recently used; a sequence needs those of its runs of layers at its
+#: current attention length, and a pass straddling the next).
+KEPT = 16
 
 #: ``record(fn) -> (replay, out)``: ``fn`` recorded so that ``replay()`` computes it again into ``out``.
 Recorder = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
@@ -79,24 +87,41 @@ class GraphedPasses:
 
     def __init__(self, path: TorchPath, record: Recorder = cuda_graph):
         self._path, self._record = path, record
-        self._by_state: dict[int, dict[tuple[int, int, int, int], _Recorded]] = {}
+        self._by_state: dict[int, OrderedDict[tuple[int, int, int, int], _Recorded]] = {}
         self.recorded = 0          #: passes recorded so far (each once per state, run of layers and lengths)
+        #: why recording failed (the engine then computes its passes op by op: the same numbers), or None
+        self.failed: str | None = None
 
     def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor) -> torch.Tensor | None:
         """Layers ``l0 .. l1-1`` on hidden ``x`` ``[m, d]`` at positions ``start .. start+m-1`` of ``st`` (each
         layer's cache written; ``m`` at most :data:`~hsd_opt.engine.fixed.ROWS`), replayed from the recording of
-        this state, run and attention lengths (recorded on first use); the result is a tensor of its own."""
+        this state, run and attention lengths (recorded on first use; a state keeps its :data:`KEPT` most recently
+        used); the result is a tensor of its own. None, having computed nothing, where a recording failed (now or
+        before: :attr:`failed`, said once as a warning): the caller computes the pass op by op."""
+        if self.failed is not None:
+            return None
         m = x.shape[0]
         key = (l0, l1, fixed.attended(start), fixed.attended(start + m - 1))
         mine = self._by_state.get(id(st))
         if mine is None:
-            mine = self._by_state[id(st)] = {}
+            mine = self._by_state[id(st)] = OrderedDict()
             weakref.finalize(st, self._by_state.pop, id(st), None)   # its recordings go with it
         rec = mine.get(key)
         if rec is None:
-            rec = mine[key] = self._new(key, x, st, start, cos, sin)
+            try:
+                rec = self._new(key, x, st, start, cos, sin)
+            except RuntimeError as e:    # a kernel that cannot be recorded; the pass is computed op by op
+                self.failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                self._by_state.clear()
+                warnings.warn(f"CUDA graphs: recording a pass failed ({self.failed}); this engine computes its "
+                              "passes op by op (the same numbers, slower)", RuntimeWarning, stacklevel=2)
+                return None
+            mine[key] = rec
+            if len(mine) > KEPT:
+                mine.popitem(last=False)
         else:
+            mine.move_to_end(key)
             rec.x[:m].copy_(x)
             torch.add(rec.steps, start, out=rec.pos)
             rec.pos.clamp_(max=start + m - 1)

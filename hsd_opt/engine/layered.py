@@ -369,9 +369,8 @@ class LayeredLM:
         if self._on_kernels(start, x.shape[0], st.prompt):
             return self._kernels.layers(l0, l1, x, st, start, cos, sin)
         if self._takes_fixed(st, start, x.shape[0]):
-            if self._graphs is not None:
-                return self._graphs.layers(l0, l1, x, st, start, cos, sin)
-            return self._fixed_pass(l0, l1, [Rows(x, st, start, cos, sin)])[0]
+            out = None if self._graphs is None else self._graphs.layers(l0, l1, x, st, start, cos, sin)
+            return out if out is not None else self._fixed_pass(l0, l1, [Rows(x, st, start, cos, sin)])[0]
         return self._torch.layers(l0, l1, x, st, start, cos, sin)
 
     def _takes_fixed(self, st: DecodeState, start: int, m: int) -> bool:
