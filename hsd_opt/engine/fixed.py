@@ -16,13 +16,14 @@ its kernels' blocking, but it can give every pass the same shapes:
 - a query at position ``p`` attends over the cache's first :func:`attended` ``(p)`` positions (``p + 1`` rounded
   up to a multiple of :data:`BLOCK`) under the causal mask, whichever pass computes it: a pass whose positions
   straddle a multiple of :data:`BLOCK` makes one attention call per length; keys past ``p`` weigh exactly
-  nothing, so the padding of the cache beyond the sequence never enters a sum;
+  zero, so whatever the cache holds beyond the sequence adds nothing;
 - the LM head (and an exit's head) reads :data:`ROWS` rows too.
 
 A state's capacity is then rounded up to a multiple of :data:`BLOCK` (:func:`capacity`). A prompt's passes (long,
 run once, the same in every method) are computed as they are. The cost: a step's products compute :data:`ROWS`
-rows instead of one, which on a GPU, where a step of a large model is bound by reading its weights, is nearly
-free; on a CPU it is not (the torch path there computes as it did, and the kernels are exact anyway).
+rows instead of one, arithmetic that a GPU, bound by reading a large model's weights, has to spare
+(``benchmarks/gpu_scale.py`` measures it) and a CPU has not (``benchmarks/fixed_shapes.py``): the torch path there
+keeps each pass's own shapes, and the kernels are exact anyway.
 
 Shapes: hidden ``[ROWS, d]``; positions ``[ROWS]`` (int64); caches ``[1, n_kv, max_len, head_dim]``.
 """
