@@ -141,11 +141,12 @@ def several(parts: Sequence[Rows], l0: int, l1: int) -> tuple[torch.Tensor, torc
     out, o = [], 0
     for p in parts:
         m = p.x.shape[0]
-        mine = (row >= o) & (row < o + m)
         lo, hi = attended(p.start), attended(p.start + m - 1)
+        mine = None if len(parts) == 1 else (row >= o) & (row < o + m)   # one part: every row (padding unread)
         groups: list[tuple[int, torch.Tensor | None]] = [(lo, mine)]
-        if hi != lo:
-            groups.append((hi, mine & (pos >= lo).unsqueeze(1)))
+        if hi != lo:                         # the rows past the first length take the second
+            past = (pos >= lo).unsqueeze(1)
+            groups.append((hi, past if mine is None else mine & past))
         out.append(Part(p.st.k[l0:l1], p.st.v[l0:l1], torch.arange(o, o + m, device=device),
                         torch.arange(p.start, p.start + m, device=device), groups))
         o += m
