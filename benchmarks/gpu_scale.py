@@ -25,7 +25,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   shapes (``HSD_FIXED_SHAPES=0``): what fixed shapes cost;
 - ``exactness``: whether a verify pass over 8 positions gives the logits of 8 steps bit for bit
   (``pass_equal_steps``), and a step of 8 sequences together each one's step alone (``batch_equal_alone``), with
-  the largest differences: with fixed shapes, replaying them, and at each pass's own shapes;
+  the largest differences: with fixed shapes, replaying them, and at each pass's own shapes; and whether replayed
+  steps give the op-by-op ones' logits (``replayed_equal_fixed``);
 - ``ops_ms[t]``: the torch path's own operations of a pass over ``t`` positions (every layer, then the head's
   greedy token) at a fixed place, called directly (no engine bookkeeping); ``graph_ms[t]``: the same operations
   captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
@@ -153,8 +154,11 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
     of a verify pass over ``t`` positions equal, bit for bit, those of ``t`` decode steps, and ``batch_equal_alone``:
     a step of ``batch`` sequences together gives each the logits of its step alone; for :func:`engine` with fixed
     shapes (``fixed``), replaying them (``replayed``, CUDA graphs on a GPU) and at each pass's own shapes
-    (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest differences."""
+    (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest differences; ``replayed_equal_fixed``: the replaying
+    engine's steps give the op-by-op one's logits bit for bit (a batch, op by op, then agrees with a sequence
+    alone, replayed)."""
     out: dict = {}
+    step_logits: dict[str, torch.Tensor] = {}
     record = graphs.cuda_graph if next(model.parameters()).is_cuda else graphs.calls_again
     for name, fixed_shapes, rec in (("fixed", True, None), ("replayed", True, record), ("own_shapes", False, None)):
         try:
@@ -179,6 +183,7 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
             eng.advance(one, L)
             a, b = (eng.logits(st, L, context, context + t) for st in (steps, one))
             fig = {"pass_equal_steps": torch.equal(a, b), "pass_max_difference": float((a - b).abs().max())}
+            step_logits[name] = a
             many, solo = states(eng, batch), states(eng, batch)
             for i in range(batch):
                 eng.append(many[i], ids[i, :1])
@@ -193,6 +198,8 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
             del eng, steps, one, many, solo
         except Exception as e:  # noqa: BLE001 (a failure is a figure to report, not a crash)
             out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    if "fixed" in step_logits and "replayed" in step_logits:
+        out["replayed_equal_fixed"] = torch.equal(step_logits["fixed"], step_logits["replayed"])
     return out
 
 

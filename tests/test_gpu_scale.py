@@ -30,6 +30,7 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     for name in ("fixed", "replayed"):      # a verify pass is its steps, a batch's step each one's own, bit for bit
         ex = rep["exactness"][name]
         assert ex["pass_equal_steps"] and ex["batch_equal_alone"] and ex["pass_max_difference"] == 0, (name, ex)
+    assert rep["exactness"]["replayed_equal_fixed"] is True
     own = rep["own_shapes"]
     assert set(own["pass_ms"]) == {1, 2, 4} and set(own["batch_ms"]) == {1, 3} and own["step_ms"] > 0
     for kind in ("int8", "int4"):            # each copy de-quantized and reading its codes, every matrix packed
