@@ -108,14 +108,18 @@ def test_positions_lengths_and_groups():
 
 
 def test_the_setting_and_engines_it_applies_to(monkeypatch):
-    """Fixed shapes are on by default for engines built on CUDA (``HSD_FIXED_SHAPES=0`` turns them off); an
-    engine on the kernels (exact at any pass size already) ignores them and keeps its states' sizes."""
+    """Fixed shapes are on by default for engines built on CUDA (``HSD_FIXED_SHAPES=0`` turns them off), on a
+    CPU's torch path only with ``HSD_FIXED_SHAPES=1``; an engine on the kernels (exact at any pass size already)
+    ignores them and keeps its states' sizes."""
     monkeypatch.delenv("HSD_FIXED_SHAPES", raising=False)
     assert torch_path_settings()["fixed_shapes"]
     monkeypatch.setenv("HSD_FIXED_SHAPES", "0")
     assert not torch_path_settings()["fixed_shapes"]
     plain = LayeredLM(random_model(TINY, "cpu", torch.float32), kernels=False)
     assert not plain.fixed_shapes and plain.new_state(40).max_len == 40       # a CPU engine: off unless asked
+    monkeypatch.setenv("HSD_FIXED_SHAPES", "1")
+    assert LayeredLM(plain.model, kernels=False).fixed_shapes
+    monkeypatch.setenv("HSD_FIXED_SHAPES", "0")
     early = plain.new_state(40)
     plain.fix_shapes()
     for st in (early, plain.new_state(40)):       # a state made before computes at its passes' own shapes

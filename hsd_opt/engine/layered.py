@@ -71,7 +71,8 @@ WEIGHT_ONLY: bool | None = None
 #: Whether an engine on CUDA computes its decode steps and verify passes as fixed-shape passes
 #: (:mod:`hsd_opt.engine.fixed`: a step then computes, bit for bit, what a verify pass computes, so greedy
 #: speculative decoding gives the target's own greedy tokens, not only up to near-ties). None: the environment
-#: decides when an engine is built (on unless ``HSD_FIXED_SHAPES=0``); a bool overrides it.
+#: decides when an engine is built (on CUDA on unless ``HSD_FIXED_SHAPES=0``; on a CPU's torch path off unless
+#: ``HSD_FIXED_SHAPES=1``: its arithmetic bounds a step); a bool overrides it.
 FIXED_SHAPES: bool | None = None
 
 
@@ -204,6 +205,8 @@ class LayeredLM:
                 self.fix_shapes()
             if wanted["cuda_graphs"]:
                 self.replay_passes()
+        elif lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "0"):   # a CPU's torch path: when asked
+            self.fix_shapes()
 
     def read_codes(self) -> None:
         """Read this engine's quantized matrices on the torch path as codes with torch's weight-only kernels
