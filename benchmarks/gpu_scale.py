@@ -27,6 +27,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   (``pass_equal_steps``), and a step of 8 sequences together each one's step alone (``batch_equal_alone``), with
   the largest differences: with fixed shapes, replaying them, and at each pass's own shapes; and whether replayed
   steps give the op-by-op ones' logits (``replayed_equal_fixed``);
+- ``kernels``: one decode step's kernels by kind (``matmul``, ``attention``, ``other``), count and device
+  milliseconds (``torch.profiler``; on a CPU its operators): what of a step is not reading weights;
 - ``ops_ms[t]``: the torch path's own operations of a pass over ``t`` positions (every layer, then the head's
   greedy token) at a fixed place, called directly (no engine bookkeeping); ``graph_ms[t]``: the same operations
   captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
@@ -212,6 +214,64 @@ def pass_ops(eng, st, start: int, t: int, seed: int = 3) -> Callable[[], torch.T
     x = eng.embed(ids)
     cos, sin = (c.contiguous() for c in eng.rope(start, start + t))
     return lambda: tp.head(tp.layers(0, L, x, st, start, cos, sin)).argmax(-1)
+
+
+#: Kernel names by what they compute (lower case, a substring each), for :func:`kernel_figures`.
+KERNEL_KINDS = {"matmul": ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk", "addmm", "aten::mm",
+                           "aten::bmm"),
+                "attention": ("flash", "fmha", "attention", "efficient", "softmax")}
+
+
+#: Operators that launch nothing on a device (views, shapes, allocations), left out of a CPU's counts.
+VIEWS = {f"aten::{n}" for n in ("view", "reshape", "transpose", "slice", "unsqueeze", "select", "as_strided",
+                                  "expand", "t", "narrow", "split", "split_with_sizes", "chunk", "empty",
+                                  "empty_strided", "empty_like", "_unsafe_view", "alias", "detach", "resize_",
+                                  "result_type", "lift_fresh", "contiguous", "to", "_to_copy", "linear", "matmul",
+                                  "scaled_dot_product_attention", "permute", "squeeze", "zeros_like", "zeros")}
+
+
+def kernel_figures(model, context: int, steps: int = 3) -> dict:
+    """What one decode step of the engine (as the device runs it, op by op; on a CPU the torch path at fixed
+    shapes) launches, from
+    ``torch.profiler``: per step, the kernels (on a CPU, the operators) by kind (``matmul``, ``attention``,
+    ``other``: norms, rotary, activations, copies) with their count and summed milliseconds on the device: how
+    much of a step is not reading weights, and whether fusing the small kernels would pay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(model.parameters()).is_cuda
+    eng = engine(model, None if cuda else True)      # on a CPU the torch path as CUDA runs it, not the C kernels
+    L = eng.n_layers
+    st = eng.new_state(context + steps + 2)
+    eng.append(st, torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(8)))
+    eng.advance(st, L)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    eng.append(st, [5])
+    eng.advance(st, L)
+    eng.greedy_ids(st, L, st.n - 1, st.n)        # a warm-up step
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            eng.append(st, [6 + i])
+            eng.advance(st, L)
+            eng.greedy_ids(st, L, st.n - 1, st.n)
+        now()
+    out = {k: {"count": 0, "ms": 0.0} for k in (*KERNEL_KINDS, "other")}
+    for ev in prof.key_averages():
+        if cuda:        # device kernels only (an operator's row sums its kernels again; runtime calls have none)
+            ms = (getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)) / 1e3
+            if not ms or ev.key.startswith("aten::"):
+                continue
+        else:           # operators doing work of their own (nested ones count once each; views none)
+            ms = ev.self_cpu_time_total / 1e3
+            if not ev.key.startswith("aten::") or not ms or ev.key in VIEWS:
+                continue
+        kind = next((k for k, subs in KERNEL_KINDS.items() if any(x in ev.key.lower() for x in subs)), "other")
+        out[kind]["count"] += ev.count
+        out[kind]["ms"] += ms
+    for v in out.values():
+        v["count"], v["ms"] = v["count"] / steps, v["ms"] / steps
+    out["unit"] = "per step: device kernels" if cuda else "per step: CPU operators (self time)"
+    out["fixed_shapes"] = eng.fixed_shapes
+    return out
 
 
 def graphed_figures(eng, device: str, context: int, ts: list[int], repeats: int) -> dict:
@@ -429,6 +489,11 @@ def main(argv: list[str] | None = None) -> dict:
     report["fixed_shapes"] = engine(model).fixed_shapes
     save()
     report["exactness"] = exactness(model, a.context)
+    save()
+    try:
+        report["kernels"] = kernel_figures(model, a.context)
+    except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
+        report["kernels"] = f"{type(e).__name__}: {str(e)[:300]}"
     save()
     try:   # what fixed shapes cost: the same figures at each pass's own shapes
         own = engine_figures(model, a.device, a.context, ts, batches, a.repeats, fixed_shapes=False)
