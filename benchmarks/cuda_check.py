@@ -6,8 +6,8 @@ every greedy answer checked against the target's own greedy loop on the same dev
 Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded):
 
 0. fixed shapes (``hsd_opt.engine.fixed``) on the device: a verify pass's logits equal its steps', and a batch's
-   step each sequence's alone, bit for bit, op by op and replayed from CUDA graphs, and replayed steps the op-by-op
-   ones (``benchmarks.gpu_scale``'s ``exactness`` on a tiny bfloat16 model);
+   step each sequence's alone, bit for bit, op by op, replayed from CUDA graphs and compiled, and replayed steps
+   the op-by-op ones (``benchmarks.gpu_scale``'s ``exactness`` on a tiny bfloat16 model);
 1. ``hsd profile --device cuda`` with early exits, the int8/int4 copies (on CUDA: their de-quantized weights in
    bfloat16), an n-gram drafter and batch sizes 1,2,4; ``hsd solve`` (a plan per load level too);
 2. ``hsd run`` of the plan on three prompts, each answer equal to the target alone (``HSD.generate``), and a
@@ -76,7 +76,7 @@ def main() -> None:
     from hsd_opt.models.random_weights import TINY, random_model
 
     ex = report["exactness"] = exactness(random_model(TINY, a.device, torch.bfloat16, peak=1.0), 32)
-    for name in ("fixed", "replayed"):
+    for name in ("fixed", "replayed", "compiled"):
         if not (isinstance(ex[name], dict) and ex[name]["pass_equal_steps"] and ex[name]["batch_equal_alone"]):
             raise SystemExit(f"fixed shapes on {a.device} ({name}): {ex[name]}")
     if not ex.get("replayed_equal_fixed"):

@@ -39,6 +39,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   the recorder that calls them again); ``ours_replayed_tok_s``: its AR loop, ``ours_replayed_equal``: its tokens
   equal the op-by-op loop's, ``ours_replayed_hsd_equal``: a hierarchy over it (the middle exit drafting) gives its
   AR tokens;
+- ``compiled``: the same figures with the layers' arithmetic compiled (``torch.compile``, ``HSD_COMPILE=1``) and
+  replayed: what fusing the small kernels between the products saves;
 - ``copies``: the int8 and int4 copies' step and 4-position pass (``1_ms``, ``4_ms``; ``step_over_target``),
   de-quantized and reading their codes with torch's weight-only kernels (``HSD_WEIGHT_ONLY=1``): whether a
   quantized drafter pays on this device;
@@ -103,32 +105,34 @@ def copy_bandwidth(device: str, mb: int, repeats: int) -> float:
     return 2 * x.numel() / timed(lambda: y.copy_(x), repeats)
 
 
-def engine(model, fixed_shapes: bool | None = None, record=None):
+def engine(model, fixed_shapes: bool | None = None, record=None, compiled: bool = False):
     """An engine over ``model`` as ``hsd`` builds one here, with its passes at fixed shapes or not
-    (``fixed_shapes``; None: as the environment says, :data:`hsd_opt.engine.layered.FIXED_SHAPES`), and replaying
-    them from recordings made by ``record`` (:meth:`LayeredLM.replay_passes`); either of them set puts it on the
-    torch path (the kernels are a CPU's)."""
+    (``fixed_shapes``; None: as the environment says, :data:`hsd_opt.engine.layered.FIXED_SHAPES`), their layers
+    compiled (``compiled``, :meth:`LayeredLM.compile_layers`) and replaying them from recordings made by ``record``
+    (:meth:`LayeredLM.replay_passes`); any of them set puts it on the torch path (the kernels are a CPU's)."""
     from hsd_opt.engine import layered
 
     old = layered.FIXED_SHAPES
     layered.FIXED_SHAPES = fixed_shapes
     try:
-        torch_path = fixed_shapes is not None or record is not None
+        torch_path = fixed_shapes is not None or record is not None or compiled
         eng = layered.LayeredLM(model, kernels=False if torch_path else None)
     finally:
         layered.FIXED_SHAPES = old
     if fixed_shapes:
         eng.fix_shapes()
+    if compiled and not eng.compile_layers():
+        raise RuntimeError("compile_layers refused this model (layers with different activations)")
     if record is not None:
         eng.replay_passes(record)
     return eng
 
 
 def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int,
-                   record=None, fixed_shapes: bool | None = None) -> dict:
+                   record=None, fixed_shapes: bool | None = None, compiled: bool = False) -> dict:
     """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds), of
-    :func:`engine` ``(model, fixed_shapes, record)``."""
-    eng = engine(model, fixed_shapes, record)
+    :func:`engine` ``(model, fixed_shapes, record, compiled)``."""
+    eng = engine(model, fixed_shapes, record, compiled)
     L, V = eng.n_layers, eng.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, V, (context,), generator=g)
@@ -155,16 +159,19 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
     """Whether this device computes a position alike whichever pass computes it: ``pass_equal_steps``: the logits
     of a verify pass over ``t`` positions equal, bit for bit, those of ``t`` decode steps, and ``batch_equal_alone``:
     a step of ``batch`` sequences together gives each the logits of its step alone; for :func:`engine` with fixed
-    shapes (``fixed``), replaying them (``replayed``, CUDA graphs on a GPU) and at each pass's own shapes
-    (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest differences; ``replayed_equal_fixed``: the replaying
+    shapes (``fixed``), replaying them (``replayed``, CUDA graphs on a GPU), replaying them compiled (``compiled``,
+    ``HSD_COMPILE=1``) and at each pass's own shapes (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest
+    differences; ``replayed_equal_fixed``: the replaying
     engine's steps give the op-by-op one's logits bit for bit (a batch, op by op, then agrees with a sequence
     alone, replayed)."""
     out: dict = {}
     step_logits: dict[str, torch.Tensor] = {}
     record = graphs.cuda_graph if next(model.parameters()).is_cuda else graphs.calls_again
-    for name, fixed_shapes, rec in (("fixed", True, None), ("replayed", True, record), ("own_shapes", False, None)):
+    modes = (("fixed", True, None, False), ("replayed", True, record, False), ("compiled", True, record, True),
+             ("own_shapes", False, None, False))
+    for name, fixed_shapes, rec, comp in modes:
         try:
-            eng = engine(model, fixed_shapes, rec)
+            eng = engine(model, fixed_shapes, rec, comp)
             L, V = eng.n_layers, eng.vocab_size
             g = torch.Generator().manual_seed(7)
             prompts = torch.randint(3, V, (batch, context), generator=g)
@@ -532,6 +539,16 @@ def main(argv: list[str] | None = None) -> dict:
             rp["step_over_floor"] = replayed["step_ms"] / report["floor_ms"]
             rp["pass_over_step"] = {t: v / replayed["step_ms"] for t, v in replayed["pass_ms"].items()}
             rp["batch_over_step"] = {B: v / replayed["step_ms"] for B, v in replayed["batch_ms"].items()}
+        save()
+        try:    # the layers compiled (the small kernels fused), replayed
+            comp = engine_figures(model, a.device, a.context, ts, batches, a.repeats, record, compiled=True)
+        except Exception as e:  # noqa: BLE001 (a compile that fails is a figure to report)
+            report["compiled"] = f"{type(e).__name__}: {str(e)[:300]}"
+        else:
+            cp = report["compiled"] = {k: comp[k] for k in ("step_ms", "pass_ms", "batch_ms")}
+            cp["step_over_floor"] = comp["step_ms"] / report["floor_ms"]
+            cp["pass_over_step"] = {t: v / comp["step_ms"] for t, v in comp["pass_ms"].items()}
+            cp["batch_over_step"] = {B: v / comp["step_ms"] for B, v in comp["batch_ms"].items()}
     save()
     figs, prompt, ours = generations(model, a.context, a.new, record)
     report.update(figs)

@@ -310,11 +310,13 @@ def test_the_costs_record_how_the_torch_path_ran(tiny, tmp_path, monkeypatch):
     """Costs measured with copies reading their codes (``HSD_WEIGHT_ONLY=1``, on the torch path) say so, and a
     merge carries it with the costs: a plan's costs are those of one way of running."""
     plain = _profile(tiny, tmp_path / "plain.json", "--costs-only")
-    assert plain.provenance.get("torch_path") == {"fixed_shapes": False, "cuda_graphs": False, "weight_only": False}
+    assert plain.provenance.get("torch_path") == {"fixed_shapes": False, "compiled": False, "cuda_graphs": False,
+                                                     "weight_only": False}
     monkeypatch.setenv("HSD_KERNELS", "0")
     monkeypatch.setenv("HSD_WEIGHT_ONLY", "1")
     codes = _profile(tiny, tmp_path / "codes.json", "--costs-only")
-    assert codes.provenance.get("torch_path") == {"fixed_shapes": False, "cuda_graphs": False, "weight_only": True}
+    assert codes.provenance.get("torch_path") == {"fixed_shapes": False, "compiled": False, "cuda_graphs": False,
+                                                     "weight_only": True}
     rates = _profile(tiny, tmp_path / "rates.json", "--max-new-tokens", "4")
     res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "codes.json",
                   "-o", tmp_path / "merged.json")

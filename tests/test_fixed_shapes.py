@@ -149,3 +149,44 @@ def test_the_batch_scheduler_gives_each_prompt_what_it_gets_alone():
         alone = [hsd.generate(p, 24).token_ids for p in prompts]
         together = generate_many(hsd, prompts, 24, max_active=4)
         assert [r.token_ids for r in together] == alone
+
+
+def test_compiled_layers_keep_every_pass_at_its_steps_numbers():
+    """Fixed-shape passes compiled (``torch.compile``, here its CPU code): a verify pass still gives its steps'
+    logits bit for bit and a batch's step each sequence's own; the compiled layers compute the same function as op
+    by op (within bfloat16's rounding); greedy hierarchies give the compiled target's own tokens."""
+    eng = _fixed_engine(torch.bfloat16)
+    plain = _fixed_engine(torch.bfloat16)
+    assert eng.compile_layers() and eng.compiled and not plain.compiled
+    L = eng.n_layers
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, eng.vocab_size, (n,), generator=g) for n in (12, 30, 7)]
+    ids = torch.randint(3, eng.vocab_size, (6,), generator=g)
+    steps, one, ref = (eng.new_state(64) for _ in range(3))
+    for st in (steps, one, ref):
+        e = plain if st is ref else eng
+        e.append(st, prompts[0])
+        e.advance(st, L)
+    for t in ids:
+        eng.append(steps, t.reshape(1))
+        eng.advance(steps, L)
+    for e, st in ((eng, one), (plain, ref)):
+        e.append(st, ids)
+        e.advance(st, L)
+    got = eng.logits(one, L, 12, 18)
+    assert torch.equal(eng.logits(steps, L, 12, 18), got)
+    want = plain.logits(ref, L, 12, 18)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    many, solo = [eng.new_state(64) for _ in prompts], [eng.new_state(64) for _ in prompts]
+    for p, a, b in zip(prompts, many, solo):
+        for st in (a, b):
+            eng.append(st, p)
+            eng.advance(st, L)
+            eng.append(st, ids[:2])
+        eng.advance(b, L)
+    eng.advance_many([(st, L) for st in many])
+    for a, b in zip(many, solo):
+        assert torch.equal(eng.logits(a, L, a.n - 2, a.n), eng.logits(b, L, b.n - 2, b.n))
+    p = prompts[1].tolist()
+    want = HSD([Level("t", eng, 4)], []).generate(p, 24).token_ids
+    assert HSD([Level("l1", eng, 1), Level("l2", eng, 2), Level("t", eng, 4)], [2, 3]).generate(p, 24).token_ids == want

@@ -27,12 +27,13 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     assert set(rp["pass_ms"]) == {1, 2, 4} and set(rp["batch_ms"]) == {1, 3} and rp["step_ms"] > 0
     assert rep["ours_replayed_equal"] is True and rep["ours_replayed_hsd_equal"] is True
     assert rep["fixed_shapes"] is False                     # a CPU engine on the kernels; CUDA's fixes them
-    for name in ("fixed", "replayed"):      # a verify pass is its steps, a batch's step each one's own, bit for bit
+    for name in ("fixed", "replayed", "compiled"):   # a verify pass is its steps, a batch's step each one's own
         ex = rep["exactness"][name]
         assert ex["pass_equal_steps"] and ex["batch_equal_alone"] and ex["pass_max_difference"] == 0, (name, ex)
     assert rep["exactness"]["replayed_equal_fixed"] is True
     kern = rep["kernels"]                   # a step's operators by kind (on a CPU), each layer's products among them
     assert kern["matmul"]["count"] >= 7 * 4 and kern["other"]["count"] > 0 and kern["matmul"]["ms"] > 0
+    assert rep["compiled"]["step_ms"] > 0 and set(rep["compiled"]["batch_ms"]) == {1, 3}
     own = rep["own_shapes"]
     assert set(own["pass_ms"]) == {1, 2, 4} and set(own["batch_ms"]) == {1, 3} and own["step_ms"] > 0
     for kind in ("int8", "int4"):            # each copy de-quantized and reading its codes, every matrix packed

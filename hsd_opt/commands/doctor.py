@@ -78,7 +78,8 @@ def cuda_line() -> str:
         on = now[key]
         return f"{'on' if on else 'off'} ({variable}={'0' if on else '1'} turns it {'off' if on else 'on'})"
 
-    return (f"cuda: passes at fixed shapes {state('fixed_shapes', 'HSD_FIXED_SHAPES')}; passes replayed from CUDA "
+    return (f"cuda: passes at fixed shapes {state('fixed_shapes', 'HSD_FIXED_SHAPES')}; their layers compiled "
+            f"{state('compiled', 'HSD_COMPILE')}; passes replayed from CUDA "
             f"graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
             f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
 

@@ -74,6 +74,10 @@ WEIGHT_ONLY: bool | None = None
 #: decides when an engine is built (on CUDA on unless ``HSD_FIXED_SHAPES=0``; on a CPU's torch path off unless
 #: ``HSD_FIXED_SHAPES=1``: its arithmetic bounds a step); a bool overrides it.
 FIXED_SHAPES: bool | None = None
+#: Whether an engine on CUDA compiles the layers' arithmetic of its fixed-shape passes with ``torch.compile``
+#: (:meth:`LayeredLM.compile_layers`: the small kernels between the products fused). None: the environment decides
+#: when an engine is built (``HSD_COMPILE=1`` turns it on: off until measured on a GPU at scale); a bool overrides it.
+COMPILE: bool | None = None
 
 
 def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
@@ -84,9 +88,11 @@ def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
 
 def torch_path_settings() -> dict[str, bool]:
     """What an engine built now on CUDA does on its torch path: ``fixed_shapes`` (its decode steps and verify passes
-    at one shape, :data:`FIXED_SHAPES`), ``cuda_graphs`` (replays them, :data:`CUDA_GRAPHS`) and ``weight_only``
-    (a quantized copy reads its codes, :data:`WEIGHT_ONLY`)."""
+    at one shape, :data:`FIXED_SHAPES`), ``compiled`` (their layers compiled, :data:`COMPILE`), ``cuda_graphs``
+    (replays them, :data:`CUDA_GRAPHS`) and ``weight_only`` (a quantized copy reads its codes,
+    :data:`WEIGHT_ONLY`)."""
     return {"fixed_shapes": _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1"),
+            "compiled": _setting(COMPILE, "HSD_COMPILE", "0"),
             "cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
             "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0")}
 
@@ -203,6 +209,8 @@ class LayeredLM:
         if lib is None and self.device.type == "cuda":
             if wanted["fixed_shapes"]:
                 self.fix_shapes()
+            if wanted["compiled"]:
+                self.compile_layers()
             if wanted["cuda_graphs"]:
                 self.replay_passes()
         elif lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "0"):   # a CPU's torch path: when asked
@@ -222,6 +230,21 @@ class LayeredLM:
         states. On by itself on CUDA where :data:`FIXED_SHAPES` says so; an engine on the kernels is exact
         without it and ignores it."""
         self._fixed = self._kernels is None
+
+    def compile_layers(self) -> bool:
+        """Compile the layers' arithmetic of this engine's fixed-shape passes with ``torch.compile``, once for every
+        layer (:meth:`~hsd_opt.engine.torch_path.TorchPath.compile_layers`): every fixed-shape pass then computes
+        with the compiled code, so a step still computes, bit for bit, what a verify pass computes (the numbers
+        differ from op by op by the fused kernels' rounding). Fixes the shapes too (:meth:`fix_shapes`). False
+        where it does not apply: an engine on the kernels, layers with different activations, copies reading their
+        codes. On by itself on CUDA where :data:`COMPILE` says so."""
+        self.fix_shapes()
+        return self._fixed and self._torch.compile_layers()
+
+    @property
+    def compiled(self) -> bool:
+        """True when this engine's fixed-shape passes run compiled (:meth:`compile_layers`)."""
+        return self._torch.compiled
 
     def replay_passes(self, record: graphs.Recorder = graphs.cuda_graph) -> None:
         """Replay this engine's torch-path decode steps and verify passes from recordings made by ``record``

@@ -15,13 +15,13 @@ hidden ``[m, d]`` for ``m`` positions; caches ``[1, n_kv, max_len, head_dim]``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import fixed, weight_only
-from hsd_opt.engine.ops import causal_attention, rms_norm_reference, rotate_half
+from hsd_opt.engine import fixed, layer_math, weight_only
+from hsd_opt.engine.ops import causal_attention, rms_norm_reference
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import Mat, ModelWeights
 
@@ -44,6 +44,8 @@ class TorchPath:
         self._packed: dict[int, weight_only.Packed | None] = {}    # id(quantized Mat) -> its packed form, or None
         self._norms = [(lw.ln1.to(dtype), lw.ln2.to(dtype)) for lw in weights.layers]
         self._final_norm = weights.norm.to(dtype)
+        #: the compiled forms of the layers' arithmetic for fixed-shape passes (:meth:`compile_layers`), or None
+        self._compiled: tuple[Callable, Callable] | None = None
 
     def _w(self, mat: Mat) -> torch.Tensor:
         if not mat.quantized:
@@ -53,14 +55,36 @@ class TorchPath:
             t = self._kept[id(mat)] = mat.dense(self.dtype)
         return t
 
-    def _linear(self, x: torch.Tensor, mat: Mat) -> torch.Tensor:
+    def _operand(self, mat: Mat) -> layer_math.Operand:
+        """``mat`` as :mod:`~hsd_opt.engine.layer_math` multiplies it: packed for torch's weight-only kernels where
+        :attr:`weight_only` is set and a kernel takes it, else its weight in the compute dtype and its bias."""
         if mat.quantized and self.weight_only:
             if id(mat) not in self._packed:
                 self._packed[id(mat)] = weight_only.pack(mat, self.dtype)
             packed = self._packed[id(mat)]
             if packed is not None:
-                return weight_only.linear(x, packed)
-        return F.linear(x, self._w(mat), None if mat.bias is None else mat.bias.to(self.dtype))
+                return packed, None
+        return self._w(mat), None if mat.bias is None else mat.bias.to(self.dtype)
+
+    def _linear(self, x: torch.Tensor, mat: Mat) -> torch.Tensor:
+        return layer_math.project(x, self._operand(mat))
+
+    def compile_layers(self) -> bool:
+        """Compile the layers' arithmetic of the fixed-shape passes (:meth:`fixed_layers`) with ``torch.compile``,
+        once for every layer (the weights are its arguments): their small kernels (norms, rotary, activations,
+        residuals) fused. Refused (False) where the layers' activations differ (a compile per layer) or quantized
+        matrices are read as codes (:attr:`weight_only`)."""
+        acts = {id(w.act) for w in self.weights.layers}
+        if len(acts) != 1 or self.weight_only:
+            return False
+        self._compiled = (torch.compile(layer_math.attention_inputs, dynamic=False),
+                          torch.compile(layer_math.after_attention, dynamic=False))
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        """True when the fixed-shape passes run compiled (:meth:`compile_layers`)."""
+        return self._compiled is not None
 
     def layer(self, l: int, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,8 +106,9 @@ class TorchPath:
         x = x.to(self.dtype)
         gqa = self.n_kv != self.n_heads
         mask = fixed.masks(pos, parts)
+        pre, post = self._compiled or (layer_math.attention_inputs, layer_math.after_attention)
         for i, l in enumerate(range(l0, l1)):
-            q, k, v = self._qkv(l, x, cos, sin)
+            q, k, v = self._qkv(l, x, cos, sin, pre)
             q = q.unsqueeze(0)
             o: torch.Tensor | None = None
             for p in parts:
@@ -97,32 +122,29 @@ class TorchPath:
                         o = og
                     else:
                         o = torch.where(rows, og, torch.zeros_like(og) if o is None else o)
-            x = self._after_attention(l, x, o)
+            x = self._after_attention(l, x, o, post)
         return x
 
-    def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             fn: Callable = layer_math.attention_inputs):
         """Layer ``l``'s queries ``[H, m, hd]`` and keys and values ``[KV, m, hd]`` of hidden ``x`` ``[m, d]``, the
-        rotary embedding applied."""
+        rotary embedding applied (by ``fn``: :func:`~hsd_opt.engine.layer_math.attention_inputs`, or its compiled
+        form)."""
         w = self.weights.layers[l]
-        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
-        m = x.shape[0]
-        h = rms_norm_reference(x, self._norms[l][0], w.eps1)
-        q = self._linear(h, w.q).view(m, H, hd).transpose(0, 1)
-        k = self._linear(h, w.k).view(m, KV, hd).transpose(0, 1)
-        v = self._linear(h, w.v).view(m, KV, hd).transpose(0, 1)
+        qn = kn = None
         if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
-            q = rms_norm_reference(q, w.q_norm.to(self.dtype), w.qk_eps)
-            k = rms_norm_reference(k, w.k_norm.to(self.dtype), w.qk_eps)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+            qn, kn = w.q_norm.to(self.dtype), w.k_norm.to(self.dtype)
+        return fn(x, self._norms[l][0], w.eps1, self._operand(w.q), self._operand(w.k), self._operand(w.v), qn, kn,
+                  w.qk_eps, cos, sin, self.n_heads, self.n_kv, self.head_dim)
 
-    def _after_attention(self, l: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _after_attention(self, l: int, x: torch.Tensor, o: torch.Tensor,
+                         fn: Callable = layer_math.after_attention) -> torch.Tensor:
         """The rest of layer ``l`` after attention output ``o`` ``[1, H, m, hd]``: the output projection, the
-        residual, the MLP and its residual."""
+        residual, the MLP and its residual (by ``fn``: :func:`~hsd_opt.engine.layer_math.after_attention`, or its
+        compiled form)."""
         w = self.weights.layers[l]
-        m = x.shape[0]
-        x = x + self._linear(o[0].transpose(0, 1).reshape(m, self.n_heads * self.head_dim), w.o)
-        h = rms_norm_reference(x, self._norms[l][1], w.eps2)
-        return x + self._linear(w.act(self._linear(h, w.gate)) * self._linear(h, w.up), w.down)
+        return fn(x, o, self._operand(w.o), self._norms[l][1], w.eps2, self._operand(w.gate), self._operand(w.up),
+                  self._operand(w.down), w.act)
 
     def layers(self, l0: int, l1: int, x: torch.Tensor, st: DecodeState, start: int, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
