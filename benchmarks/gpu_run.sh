@@ -5,7 +5,8 @@
 #
 # 1. benchmarks/gpu_scale.py at LayerSkip-Llama2-7B's shape in bfloat16 (random weights): our step against the
 #    weight-read floor, passes over 1..64 positions and batched steps, at fixed shapes (the default on CUDA), at
-#    each pass's own shapes and replayed from CUDA graphs; whether a verify pass is its steps bit for bit there;
+#    each pass's own shapes, replayed from CUDA graphs, and compiled and replayed; a step's kernels by kind; whether
+#    a verify pass is its steps bit for bit in each;
 #    the int8/int4 copies de-quantized and reading their codes; torch's weight-only kernels alone; HF generate
 #    eager and compiled;
 # 2. `hsd profile --costs-only` of a pool at that shape (exits, int8/int4 copies, token drafters), timed;
@@ -42,9 +43,9 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND with a time limit, its outpu
 
 printf 'step\texit\tseconds\n' >"$OUT_DIR/steps.tsv"
 $PY -m hsd_opt doctor >"$OUT_DIR/doctor.txt" 2>&1
-step gpu_scale 240 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
+step gpu_scale 270 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
   --out "$OUT_DIR/gpu_scale.json"
-step costs_7b 90 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
+step costs_7b 75 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
   --quantized int8,int4 --token-drafters lookup,ngram --cost-budget "$BUDGET" --quiet $EXTRA \
   --out "$OUT_DIR/costs_7b.json"
 FAMILY_POOL=(--model qwen2.5-coder-1.5b --device "$DEVICE" --layers 14,21,25 --draft-model qwen2.5-coder-0.5b
@@ -54,8 +55,8 @@ for v in default replayed; do
   flags=(); [ "$v" = replayed ] && flags=(env HSD_CUDA_GRAPHS=1 HSD_WEIGHT_ONLY=1)
   step "costs_family_$v" 80 ${flags[@]+"${flags[@]}"} $HSD profile --costs-only "${FAMILY_POOL[@]}" \
     --cost-budget "$((BUDGET * 2 / 3))" --quiet $EXTRA --out "$OUT_DIR/costs_family_$v.json"
-  step "merge_$v" 20 $HSD profile merge-costs --rates benchmarks/results/family_rates_cpu.json \
+  step "merge_$v" 15 $HSD profile merge-costs --rates benchmarks/results/family_rates_cpu.json \
     --costs "$OUT_DIR/costs_family_$v.json" -o "$OUT_DIR/family_merged_$v.json"
-  step "solve_$v" 20 $HSD solve --profile "$OUT_DIR/family_merged_$v.json" --tmax 15 \
+  step "solve_$v" 15 $HSD solve --profile "$OUT_DIR/family_merged_$v.json" --tmax 15 \
     --out "$OUT_DIR/family_plan_$v.json"
 done
