@@ -43,9 +43,9 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND with a time limit, its outpu
 
 printf 'step\texit\tseconds\n' >"$OUT_DIR/steps.tsv"
 $PY -m hsd_opt doctor >"$OUT_DIR/doctor.txt" 2>&1
-step gpu_scale 270 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
+step gpu_scale 255 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
   --out "$OUT_DIR/gpu_scale.json"
-step costs_7b 75 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
+step costs_7b 90 $HSD profile --costs-only --model "$CONFIG" --device "$DEVICE" --layers "$LAYERS" \
   --quantized int8,int4 --token-drafters lookup,ngram --cost-budget "$BUDGET" --quiet $EXTRA \
   --out "$OUT_DIR/costs_7b.json"
 FAMILY_POOL=(--model qwen2.5-coder-1.5b --device "$DEVICE" --layers 14,21,25 --draft-model qwen2.5-coder-0.5b
