@@ -212,6 +212,15 @@ def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
     return out
 
 
+def with_ratios(figs: dict, floor_ms: float) -> dict:
+    """``step_ms``, ``pass_ms`` and ``batch_ms`` of :func:`engine_figures` with ``step_over_floor`` (against the
+    weight-read floor ``floor_ms``), ``pass_over_step`` and ``batch_over_step``."""
+    step = figs["step_ms"]
+    return {**{k: figs[k] for k in ("step_ms", "pass_ms", "batch_ms")}, "step_over_floor": step / floor_ms,
+            "pass_over_step": {t: v / step for t, v in figs["pass_ms"].items()},
+            "batch_over_step": {B: v / step for B, v in figs["batch_ms"].items()}}
+
+
 def pass_ops(eng, st, start: int, t: int, seed: int = 3) -> Callable[[], torch.Tensor]:
     """The torch path's operations of a pass over ``t`` new positions of ``st`` at ``start .. start+t-1``, with
     static inputs: every layer (writing those positions' keys and values again at each call), then the final norm,
@@ -490,9 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
     figs = engine_figures(model, a.device, a.context, ts, batches, a.repeats)
     read = figs["weight_bytes"]               # the layers' and the head's matrices: what a step reads
     report.update(bandwidth_gb_s=bw / 1e9, read_bytes=read, floor_ms=read / (bw / 2) * 1e3, **figs)
-    report["step_over_floor"] = figs["step_ms"] / report["floor_ms"]
-    report["pass_over_step"] = {t: v / figs["step_ms"] for t, v in figs["pass_ms"].items()}
-    report["batch_over_step"] = {B: v / figs["step_ms"] for B, v in figs["batch_ms"].items()}
+    report.update(with_ratios(figs, report["floor_ms"]))
     report["fixed_shapes"] = engine(model).fixed_shapes
     save()
     report["exactness"] = exactness(model, a.context)
@@ -502,15 +509,18 @@ def main(argv: list[str] | None = None) -> dict:
     except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
         report["kernels"] = f"{type(e).__name__}: {str(e)[:300]}"
     save()
-    try:   # what fixed shapes cost: the same figures at each pass's own shapes
-        own = engine_figures(model, a.device, a.context, ts, batches, a.repeats, fixed_shapes=False)
-    except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
-        report["own_shapes"] = f"{type(e).__name__}: {str(e)[:300]}"
-    else:
-        os_ = report["own_shapes"] = {k: own[k] for k in ("step_ms", "pass_ms", "batch_ms")}
-        os_["step_over_floor"] = own["step_ms"] / report["floor_ms"]
-        os_["pass_over_step"] = {t: v / own["step_ms"] for t, v in own["pass_ms"].items()}
-        os_["batch_over_step"] = {B: v / own["step_ms"] for B, v in own["batch_ms"].items()}
+    def variant(name: str, **how) -> bool:
+        """The step, passes and batches of :func:`engine` ``(model, **how)`` with their ratios, as ``report[name]``
+        (the error instead where it fails: a figure to report; the rest still runs). True where it ran."""
+        try:
+            figs = engine_figures(model, a.device, a.context, ts, batches, a.repeats, **how)
+        except Exception as e:  # noqa: BLE001
+            report[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            return False
+        report[name] = with_ratios(figs, report["floor_ms"])
+        return True
+
+    variant("own_shapes", fixed_shapes=False)     # what fixed shapes cost: each pass at its own shapes
     save()
     # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
     record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again
@@ -529,26 +539,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if isinstance(v, dict):
                     v["step_over_target"] = v["1_ms"] / report["step_ms"]
         save()
-        try:
-            replayed = engine_figures(model, a.device, a.context, ts, batches, a.repeats, record)
-        except Exception as e:  # noqa: BLE001 (a replay that fails is a figure to report; the rest still runs)
-            report["replayed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if not variant("replayed", record=record):
             record = None
-        else:
-            rp = report["replayed"] = {k: replayed[k] for k in ("step_ms", "pass_ms", "batch_ms")}
-            rp["step_over_floor"] = replayed["step_ms"] / report["floor_ms"]
-            rp["pass_over_step"] = {t: v / replayed["step_ms"] for t, v in replayed["pass_ms"].items()}
-            rp["batch_over_step"] = {B: v / replayed["step_ms"] for B, v in replayed["batch_ms"].items()}
         save()
-        try:    # the layers compiled (the small kernels fused), replayed
-            comp = engine_figures(model, a.device, a.context, ts, batches, a.repeats, record, compiled=True)
-        except Exception as e:  # noqa: BLE001 (a compile that fails is a figure to report)
-            report["compiled"] = f"{type(e).__name__}: {str(e)[:300]}"
-        else:
-            cp = report["compiled"] = {k: comp[k] for k in ("step_ms", "pass_ms", "batch_ms")}
-            cp["step_over_floor"] = comp["step_ms"] / report["floor_ms"]
-            cp["pass_over_step"] = {t: v / comp["step_ms"] for t, v in comp["pass_ms"].items()}
-            cp["batch_over_step"] = {B: v / comp["step_ms"] for B, v in comp["batch_ms"].items()}
+        variant("compiled", record=record, compiled=True)   # the small kernels fused, replayed
     save()
     figs, prompt, ours = generations(model, a.context, a.new, record)
     report.update(figs)
