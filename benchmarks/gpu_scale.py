@@ -25,7 +25,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   shapes (``HSD_FIXED_SHAPES=0``): what fixed shapes cost;
 - ``exactness``: whether a verify pass over 8 positions gives the logits of 8 steps bit for bit
   (``pass_equal_steps``), and a step of 8 sequences together each one's step alone (``batch_equal_alone``), with
-  the largest differences: with fixed shapes, replaying them, and at each pass's own shapes; and whether replayed
+  the largest differences: with fixed shapes, replaying them, compiled and replayed, and at each pass's own
+  shapes; and whether replayed
   steps give the op-by-op ones' logits (``replayed_equal_fixed``);
 - ``kernels``: one decode step's kernels by kind (``matmul``, ``attention``, ``other``), count and device
   milliseconds (``torch.profiler``; on a CPU its operators): what of a step is not reading weights;
