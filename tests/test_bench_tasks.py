@@ -267,3 +267,14 @@ def test_run_and_bench_predict_at_each_generations_context(tiny):
                 "--json", out, "--device", "cpu")
     x = json.loads(out.read_text())
     assert r.exit_code == 0 and x["predicted_seconds_per_token"] == 0.01 and x["predicted_at_context"] is None
+
+
+def test_a_bench_title_says_how_the_torch_path_ran():
+    """``hsd bench``'s title names the CPU kernels, or on CUDA the torch path's settings that were on."""
+    from hsd_opt.commands.bench import _variant
+
+    assert _variant({"kernels": {"variant": "avx2", "openmp": True}}) == ", avx2 kernels"
+    on_gpu = {"kernels": None, "torch_path": {"fixed_shapes": True, "compiled": False, "cuda_graphs": True,
+                                                "weight_only": False}}
+    assert _variant(on_gpu) == ", torch path: fixed shapes, CUDA graphs"
+    assert _variant({"torch_path": dict.fromkeys(on_gpu["torch_path"], False)}) == ", torch path: op by op"

@@ -214,11 +214,18 @@ def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperatur
 
 
 def _add_machine(rep: dict, loaded) -> None:
-    """Record in the report the model loaded and the decode kernels that ran (``model``, ``kernels``)."""
+    """Record in the report the model loaded and the decode kernels that ran (``model``, ``kernels``), and on CUDA
+    how its engines ran the torch path (``torch_path``: fixed shapes, compiled layers, CUDA graphs, copies reading
+    their codes, as :func:`~hsd_opt.engine.layered.torch_path_settings` says)."""
+    import torch
+
     from hsd_opt.engine import kernels
+    from hsd_opt.engine.layered import torch_path_settings
 
     rep["model"] = loaded.provenance()
     rep["kernels"] = kernels.provenance(loaded.device)
+    if torch.device(loaded.device).type == "cuda":
+        rep["torch_path"] = torch_path_settings()
 
 
 def _bench_title(rep: dict, loaded, n_items: int, turns: str, max_new_tokens: int, sampling) -> str:
@@ -246,10 +253,17 @@ def _print_bench(rep: dict, title: str) -> None:
         console.print(f"=ref: {rep['matches_reference_note']}")
 
 
+#: How a report's title names each torch-path setting that is on (:func:`_variant`).
+TORCH_PATH_WORDS = {"fixed_shapes": "fixed shapes", "compiled": "compiled layers", "cuda_graphs": "CUDA graphs",
+                    "weight_only": "copies read as codes"}
+
+
 def _variant(rep: dict) -> str:
-    """``, <variant> kernels`` for a report's title (nothing where the kernels did not run)."""
-    k = rep.get("kernels")
-    return f", {k['variant']} kernels" if k else ""
+    """``, <variant> kernels`` for a report's title (nothing where the kernels did not run); on CUDA the torch
+    path's settings that are on (``, torch path: fixed shapes, CUDA graphs``)."""
+    k, tp = rep.get("kernels"), rep.get("torch_path")
+    on = [w for key, w in TORCH_PATH_WORDS.items() if tp and tp.get(key)]
+    return (f", {k['variant']} kernels" if k else "") + (f", torch path: {', '.join(on) or 'op by op'}" if tp else "")
 
 
 def write_outputs(rep: dict, json_out: Optional[Path], plot: Optional[Path], draw) -> None:
