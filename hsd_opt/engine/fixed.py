@@ -97,9 +97,10 @@ def fill(items: Sequence[int], sizes: Sequence[int], most: int = ROWS) -> list[l
     return out
 
 
-def positions(start: int, m: int, device: torch.device | str) -> torch.Tensor:
-    """``[ROWS]`` positions of a pass over ``start .. start+m-1``: the padding rows repeat the last."""
-    return torch.arange(start, start + ROWS, device=device).clamp_(max=start + m - 1)
+def positions(start: int, m: int, device: torch.device | str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[ROWS]`` positions of a pass over ``start .. start+m-1``: the padding rows repeat the last (written into
+    ``out`` where given: a recording's buffer)."""
+    return torch.arange(start, start + ROWS, device=device, out=out).clamp_(max=start + m - 1)
 
 
 def one_sequence(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], pos: torch.Tensor, lo: int, hi: int) -> Part:
@@ -136,17 +137,21 @@ def several(parts: Sequence[Rows], l0: int, l1: int) -> tuple[torch.Tensor, torc
     x = pad(torch.cat([p.x for p in parts]), 0)
     cos = pad(torch.cat([p.cos for p in parts], dim=1), 1)
     sin = pad(torch.cat([p.sin for p in parts], dim=1), 1)
+    if len(parts) == 1:                      # as a recording computes it
+        p = parts[0]
+        pos = positions(p.start, total, device)
+        lo, hi = attended(p.start), attended(p.start + total - 1)
+        return x, pos, cos, sin, [one_sequence(p.st.k[l0:l1], p.st.v[l0:l1], pos, lo, hi)]
     pos = pad(torch.cat([torch.arange(p.start, p.start + p.x.shape[0], device=device) for p in parts]), 0)
     row = torch.arange(ROWS, device=device).unsqueeze(1)
     out, o = [], 0
     for p in parts:
         m = p.x.shape[0]
         lo, hi = attended(p.start), attended(p.start + m - 1)
-        mine = None if len(parts) == 1 else (row >= o) & (row < o + m)   # one part: every row (padding unread)
+        mine = (row >= o) & (row < o + m)
         groups: list[tuple[int, torch.Tensor | None]] = [(lo, mine)]
         if hi != lo:                         # the rows past the first length take the second
-            past = (pos >= lo).unsqueeze(1)
-            groups.append((hi, past if mine is None else mine & past))
+            groups.append((hi, mine & (pos >= lo).unsqueeze(1)))
         out.append(Part(p.st.k[l0:l1], p.st.v[l0:l1], torch.arange(o, o + m, device=device),
                         torch.arange(p.start, p.start + m, device=device), groups))
         o += m
