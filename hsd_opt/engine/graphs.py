@@ -70,7 +70,6 @@ class _Recorded:
 
     x: torch.Tensor          # [ROWS, d] hidden in (the pass's rows first)
     pos: torch.Tensor        # [ROWS] positions (int64; the padding rows repeat the last)
-    steps: torch.Tensor      # [ROWS] 0 .. ROWS-1 (positions = min(start + steps, last))
     cos: torch.Tensor        # [1, ROWS, head_dim]
     sin: torch.Tensor
     replay: Callable[[], None]
@@ -123,8 +122,7 @@ class GraphedPasses:
         else:
             mine.move_to_end(key)
             rec.x[:m].copy_(x)
-            torch.add(rec.steps, start, out=rec.pos)
-            rec.pos.clamp_(max=start + m - 1)
+            fixed.positions(start, m, rec.pos.device, out=rec.pos)
             rec.cos[:, :m].copy_(cos)
             rec.sin[:, :m].copy_(sin)
             rec.replay()
@@ -138,7 +136,6 @@ class GraphedPasses:
         l0, l1, lo, hi = key
         path, m = self._path, x.shape[0]
         xs = fixed.pad(x.to(path.dtype), 0).clone()
-        steps = torch.arange(fixed.ROWS, device=x.device)
         pos = fixed.positions(start, m, x.device)
         cs, sn = (fixed.pad(t.to(path.dtype), 1).clone() for t in (cos, sin))
         k, v = st.k[l0:l1], st.v[l0:l1]
@@ -149,4 +146,4 @@ class GraphedPasses:
         replay, out = self._record(run)
         replay()
         self.recorded += 1
-        return _Recorded(xs, pos, steps, cs, sn, replay, out)
+        return _Recorded(xs, pos, cs, sn, replay, out)
