@@ -67,8 +67,8 @@ def system_lines() -> list[str]:
 
 
 def cuda_line() -> str:
-    """How engines on CUDA run the torch path: decode steps and verify passes at fixed shapes, passes replayed from
-    CUDA graphs, copies reading their codes (each as its setting reads now,
+    """How engines on CUDA run the torch path: decode steps and verify passes at fixed shapes, their layers
+    compiled, passes replayed from CUDA graphs, copies reading their codes (each as its setting reads now,
     :func:`~hsd_opt.engine.layered.torch_path_settings`)."""
     from hsd_opt.engine.layered import torch_path_settings
 

@@ -206,15 +206,14 @@ class LayeredLM:
             self.read_codes()
         self._fixed = False
         self._graphs: graphs.GraphedPasses | None = None
-        if lib is None and self.device.type == "cuda":
-            if wanted["fixed_shapes"]:
-                self.fix_shapes()
+        cuda = self.device.type == "cuda"
+        if lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1" if cuda else "0"):   # a CPU: when asked
+            self.fix_shapes()
+        if lib is None and cuda:
             if wanted["compiled"]:
                 self.compile_layers()
             if wanted["cuda_graphs"]:
                 self.replay_passes()
-        elif lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "0"):   # a CPU's torch path: when asked
-            self.fix_shapes()
 
     def read_codes(self) -> None:
         """Read this engine's quantized matrices on the torch path as codes with torch's weight-only kernels
@@ -258,6 +257,13 @@ class LayeredLM:
     def fixed_shapes(self) -> bool:
         """True when this engine computes its torch-path passes at fixed shapes (:meth:`fix_shapes`)."""
         return self._fixed
+
+    @property
+    def torch_path(self) -> dict[str, bool]:
+        """How this engine runs its torch path, under :func:`torch_path_settings`'s keys: ``fixed_shapes``,
+        ``compiled``, ``cuda_graphs`` (:attr:`replays`), ``weight_only`` (:attr:`reads_codes`)."""
+        return {"fixed_shapes": self.fixed_shapes, "compiled": self.compiled, "cuda_graphs": self.replays,
+                "weight_only": self.reads_codes}
 
     @property
     def uses_kernels(self) -> bool:

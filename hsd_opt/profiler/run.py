@@ -381,8 +381,8 @@ def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, s
 def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict, world: int,
                  threads_note: str) -> dict:
     """The provenance of the costs: the contexts (tokens) and the cost plan, the cost model and its check, the
-    timings (seconds), the date, the versions, the threads, the kernel variant and how the torch path ran (passes
-    replayed from CUDA graphs, quantized copies reading their codes: ``HSD_CUDA_GRAPHS``, ``HSD_WEIGHT_ONLY``)."""
+    timings (seconds), the date, the versions, the threads, the kernel variant and how the torch path ran (each of
+    :attr:`~hsd_opt.engine.layered.LayeredLM.torch_path`'s settings, on where any engine had it)."""
     return {
         "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": costs.contexts},
         "cost_plan": costs.plan_info,
@@ -401,10 +401,7 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
         "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
         "kernels": kernels.provenance(loaded.device),
-        "torch_path": {"fixed_shapes": any(nd.engine.fixed_shapes for nd in pool.neural),
-                       "compiled": any(nd.engine.compiled for nd in pool.neural),
-                       "cuda_graphs": any(nd.engine.replays for nd in pool.neural),
-                       "weight_only": any(nd.engine.reads_codes for nd in pool.neural)},
+        "torch_path": {k: any(nd.engine.torch_path[k] for nd in pool.neural) for k in pool.neural[0].engine.torch_path},
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
 
