@@ -399,14 +399,13 @@ def generations(model, context: int, new: int, record=None) -> tuple[dict, list[
     AR loop replaying its steps from recordings (``ours_replayed_tok_s``; ``ours_replayed_equal``: its tokens equal
     the op-by-op loop's; ``ours_replayed_hsd_equal``: a hierarchy over it gives its AR tokens). Returns the figures,
     the prompt and our tokens (what :func:`hf_generations` compares HF's with)."""
-    from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.runtime.decode import HSD, Level
 
-    eng = LayeredLM(model)
+    eng = engine(model)
     prompt = torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(2)).tolist()
 
-    def ar_loop(engine) -> tuple[float | None, list[int]]:
-        ar = HSD([Level("target", engine, engine.n_layers)], [])
+    def ar_loop(lm) -> tuple[float | None, list[int]]:
+        ar = HSD([Level("target", lm, lm.n_layers)], [])
         ar.generate(prompt, 4)
         res = ar.generate(prompt, new)
         sec = res.stats.get("decode_seconds")
@@ -526,9 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
     record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again
     if not a.no_graphs:
-        from hsd_opt.engine.layered import LayeredLM
-
-        report.update(graphed_figures(LayeredLM(model), a.device, a.context, ts, a.repeats))
+        report.update(graphed_figures(engine(model), a.device, a.context, ts, a.repeats))
         if isinstance(report["graph_ms"], dict) and 1 in report["graph_ms"] \
                 and isinstance(report["graph_ms"][1], float):
             report["graph_step_over_floor"] = report["graph_ms"][1] / report["floor_ms"]
