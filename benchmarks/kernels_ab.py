@@ -4,12 +4,16 @@ library built from ``--baseline`` (a ``kernels.c``, e.g. ``git show HEAD~1:hsd_o
 /tmp/base.c``) against the library of this tree, rounds alternating between the two.
 
     .venv/bin/python -m benchmarks.kernels_ab --baseline /tmp/base.c [--batches 2,4,5,7,8,11] [--rounds 6] \\
-        [--steps 7] [--positions 1] [--greedy] [--level N --max-tokens 64] [--changes-numerics] \\
+        [--steps 7] [--positions 1] [--greedy] [--engine float32|int4|int8] [--level N --max-tokens 64] \\
+        [--changes-numerics] \\
         [--out benchmarks/results/kernels_ab.json]
 
 ``--positions`` may list several pass sizes (``1,2,3,4,6,8``): every batch size is timed at each, in the same
 rounds. ``--greedy`` reads each pass's greedy tokens (the screened head, what greedy decoding and verification
 read) instead of the whole head's logits.
+
+``--engine int4`` times the int4 copy of the target instead (``QuantizedLM``, what ``--target-precision int4``
+decodes with: the integer path's products) on both libraries; ``--engine int8`` its int8 copy.
 
 ``--baseline float32`` compares instead this tree's kernels reading the model's float32 weights in place (the
 engine ``HSD_EXACT_INT4=0 HSD_EXACT_INT8=0`` builds) against the same kernels reading them in the exact forms
@@ -41,6 +45,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _float32_engines(a, loaded, base_lib) -> dict:
+    """The float32 target's two engines: ``candidate`` on this tree's library reading the exact forms where the
+    model has them; ``baseline`` on ``base_lib`` reading the weights the same way, or (``base_lib`` None:
+    ``--baseline float32`` / ``float32-head``) on this tree's library reading float32 weights in place."""
+    from hsd_opt.engine import kernels, layered, stored_copies
+    from hsd_opt.engine.layered import LayeredLM
+
+    engines = {"candidate": LayeredLM(loaded.model)}
+    layered.EXACT_INT8 = base_lib is not None
+    layered.EXACT_INT4 = a.baseline != "float32"
+    engines["baseline"] = b = LayeredLM(loaded.model)
+    if base_lib is not None:                              # the other library, reading the weights the same way
+        exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 is not False else None
+        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
+                                        engines["candidate"]._kernels.head_mat)
+    return engines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True,
@@ -58,6 +80,8 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true",
                     help="each step reads the greedy tokens (the screened head, as greedy decoding and verification "
                          "do) instead of the whole head's logits")
+    ap.add_argument("--engine", choices=("float32", "int4", "int8"), default="float32",
+                    help="the engine timed: the float32 target (its exact forms) or its int4 / int8 copy")
     ap.add_argument("--level", type=int, default=0,
                     help="instead of steps: this many suite prompts, each prefilled and decoded for --max-tokens "
                          "with at most B at a time (generate_many, the target alone, the template's head kept): "
@@ -68,13 +92,14 @@ def main() -> None:
 
     import torch
 
-    from hsd_opt.engine import kernels, layered, stored_copies
-    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine import kernels
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
     from hsd_opt.prompts import encode_prompt, load_prompts
 
     float32_baseline = a.baseline in ("float32", "float32-head")
+    if float32_baseline and a.engine != "float32":
+        sys.exit(f"--baseline {a.baseline} compares the float32 target's weight forms: not with --engine {a.engine}")
     base_src = Path(a.baseline)
     if not float32_baseline and not base_src.is_file():
         sys.exit(f"--baseline: no file {base_src}")
@@ -95,14 +120,17 @@ def main() -> None:
                      f"{kernels.expected_layout()}")
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
-    engines = {"candidate": LayeredLM(loaded.model)}    # reads the exact int4 form where the model has one
-    layered.EXACT_INT8 = not float32_baseline
-    layered.EXACT_INT4 = a.baseline != "float32"
-    engines["baseline"] = b = LayeredLM(loaded.model)
-    if not float32_baseline:                              # the other library, reading the weights the same way
-        exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 is not False else None
-        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
+    if a.engine != "float32":                             # a quantized copy: its codes, no exact forms
+        from hsd_opt.engine.quantized import QuantizedLM
+
+        bits = int(a.engine[3:])
+        engines = {"candidate": QuantizedLM(loaded.model, bits=bits)}
+        engines["baseline"] = b = QuantizedLM(loaded.model, bits=bits)
+        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, None,
                                         engines["candidate"]._kernels.head_mat)
+    else:
+        engines = _float32_engines(a, loaded, base_lib if not float32_baseline else None)
+    b = engines["baseline"]
     # prompts take the same path in both (the exact form keeps longer ones on the kernels): only speed may differ
     b._kernels.prefill_on_torch_from = engines["candidate"]._kernels.prefill_on_torch_from
     L = b.n_layers
@@ -196,7 +224,8 @@ def main() -> None:
               f"candidate {rows[-1]['candidate_ms']:5.1f} ms{rate}  "
               f"candidate/baseline per round {', '.join(f'{x:.2f}' for x in ratio)}", flush=True)
     write_json(a.out, {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "baseline": str(base_src), "rounds": a.rounds, "steps": repeats, "positions": positions,
+                       "baseline": str(base_src), "engine": a.engine, "rounds": a.rounds, "steps": repeats,
+                       "positions": positions,
                        "greedy": a.greedy, "level": a.level and {"prompts": a.level, "max_tokens": a.max_tokens},
                        "torch_threads": torch.get_num_threads(), "rows": rows,
                        "numerics": numerics or "equal bit for bit"})
