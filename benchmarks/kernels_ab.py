@@ -45,22 +45,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _float32_engines(a, loaded, base_lib) -> dict:
-    """The float32 target's two engines: ``candidate`` on this tree's library reading the exact forms where the
-    model has them; ``baseline`` on ``base_lib`` reading the weights the same way, or (``base_lib`` None:
-    ``--baseline float32`` / ``float32-head``) on this tree's library reading float32 weights in place."""
-    from hsd_opt.engine import kernels, layered, stored_copies
+def _engines(a, loaded, float32_baseline: bool) -> tuple[dict, list | None]:
+    """The two engines, both on this tree's library, and the exact int4 layers the baseline is to read on the other
+    library (None: none). ``--engine float32``: the target, ``candidate`` reading the exact forms where the model has
+    them, ``baseline`` the same, or with ``--baseline float32`` / ``float32-head`` the float32 weights in place;
+    ``int4`` / ``int8``: the target's quantized copy (its codes, no exact forms) twice."""
+    from hsd_opt.engine import layered, stored_copies
     from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.quantized import QuantizedLM
 
+    if a.engine != "float32":
+        bits = int(a.engine[3:])
+        return {name: QuantizedLM(loaded.model, bits=bits) for name in ("candidate", "baseline")}, None
     engines = {"candidate": LayeredLM(loaded.model)}
-    layered.EXACT_INT8 = base_lib is not None
+    layered.EXACT_INT8 = not float32_baseline
     layered.EXACT_INT4 = a.baseline != "float32"
     engines["baseline"] = b = LayeredLM(loaded.model)
-    if base_lib is not None:                              # the other library, reading the weights the same way
-        exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if layered.EXACT_INT4 is not False else None
-        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
-                                        engines["candidate"]._kernels.head_mat)
-    return engines
+    exact = stored_copies.exact_int4_layers(loaded.model, b.weights) if not float32_baseline else None
+    return engines, exact
 
 
 def main() -> None:
@@ -120,17 +122,11 @@ def main() -> None:
                      f"{kernels.expected_layout()}")
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
-    if a.engine != "float32":                             # a quantized copy: its codes, no exact forms
-        from hsd_opt.engine.quantized import QuantizedLM
-
-        bits = int(a.engine[3:])
-        engines = {"candidate": QuantizedLM(loaded.model, bits=bits)}
-        engines["baseline"] = b = QuantizedLM(loaded.model, bits=bits)
-        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, None,
-                                        engines["candidate"]._kernels.head_mat)
-    else:
-        engines = _float32_engines(a, loaded, base_lib if not float32_baseline else None)
+    engines, exact = _engines(a, loaded, float32_baseline)
     b = engines["baseline"]
+    if not float32_baseline:                              # the other library, reading the weights the same way
+        b._kernels = kernels.KernelPath(base_lib, b.weights, b.n_heads, b.n_kv, b.head_dim, exact,
+                                        engines["candidate"]._kernels.head_mat)
     # prompts take the same path in both (the exact form keeps longer ones on the kernels): only speed may differ
     b._kernels.prefill_on_torch_from = engines["candidate"]._kernels.prefill_on_torch_from
     L = b.n_layers
