@@ -6,7 +6,8 @@ every greedy answer checked against the target's own greedy loop on the same dev
 Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded):
 
 0. fixed shapes (``hsd_opt.engine.fixed``) on the device: a verify pass's logits equal its steps', and a batch's
-   step each sequence's alone, bit for bit, op by op, replayed from CUDA graphs and compiled, and replayed steps
+   step each sequence's alone, bit for bit, op by op, replayed from CUDA graphs and compiled (and with the attention
+   in Triton kernels where ``HSD_TRITON_ATTENTION=1``: every later step then runs with it), and replayed steps
    the op-by-op ones (``benchmarks.gpu_scale``'s ``exactness`` on a tiny bfloat16 model);
 1. ``hsd profile --device cuda`` with early exits, the int8/int4 copies (on CUDA: their de-quantized weights in
    bfloat16), an n-gram drafter and batch sizes 1,2,4; ``hsd solve`` (a plan per load level too);
@@ -73,10 +74,13 @@ def main() -> None:
     # 0. fixed shapes on the device: a verify pass gives its steps' logits, a batch's step each sequence's own, bit
     # for bit (op by op and replayed from CUDA graphs); at each pass's own shapes reported, not required
     from benchmarks.gpu_scale import exactness
+    from hsd_opt.engine.layered import torch_path_settings
     from hsd_opt.models.random_weights import TINY, random_model
 
     ex = report["exactness"] = exactness(random_model(TINY, a.device, torch.bfloat16, peak=1.0), 32)
-    for name in ("fixed", "replayed", "compiled"):
+    # the Triton attention reported, and required where this run's engines take it (HSD_TRITON_ATTENTION=1)
+    triton = ("triton", "triton_replayed") if torch_path_settings()["triton_attention"] else ()
+    for name in ("fixed", "replayed", "compiled") + triton:
         if not (isinstance(ex[name], dict) and ex[name]["pass_equal_steps"] and ex[name]["batch_equal_alone"]):
             raise SystemExit(f"fixed shapes on {a.device} ({name}): {ex[name]}")
     if not ex.get("replayed_equal_fixed"):

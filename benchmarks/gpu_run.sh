@@ -5,7 +5,8 @@
 #
 # 1. benchmarks/gpu_scale.py at LayerSkip-Llama2-7B's shape in bfloat16 (random weights): our step against the
 #    weight-read floor, passes over 1..64 positions and batched steps, at fixed shapes (the default on CUDA), at
-#    each pass's own shapes, replayed from CUDA graphs, and compiled and replayed; a step's kernels by kind; whether
+#    each pass's own shapes, replayed from CUDA graphs, compiled and replayed, and with the attention in Triton
+#    kernels (op by op and replayed); a step's kernels by kind; whether
 #    a verify pass is its steps bit for bit in each;
 #    the int8/int4 copies de-quantized and reading their codes; torch's weight-only kernels alone; HF generate
 #    eager and compiled;

@@ -4,7 +4,7 @@ and against Hugging Face `generate`, in one run, one JSON.
 
     python -m benchmarks.gpu_scale [--config layerskip-llama2-7b|tinyllama-1.1b|tiny|FILE.json] [--device cuda] \\
         [--dtype bfloat16] [--context 128] [--t 1,2,4,8,16,32,64] [--batches 1,2,4,8,16,32,64] [--new 64] \\
-        [--no-hf] [--no-compile] [--no-graphs] [--out benchmarks/results/gpu_scale.json]
+        [--no-hf] [--no-compile] [--no-graphs] [--no-triton] [--out benchmarks/results/gpu_scale.json]
 
 Configurations: ``hsd_opt/data/configs/<name>.json`` (LayerSkip-Llama2-7B's, TinyLlama-1.1B's) or a config.json of
 your own; ``tiny`` is a 4-layer model for a dry run on a CPU (``--device cpu``, seconds). The weights are HF's random
@@ -42,6 +42,9 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   AR tokens;
 - ``compiled``: the same figures with the layers' arithmetic compiled (``torch.compile``, ``HSD_COMPILE=1``) and
   replayed: what fusing the small kernels between the products saves;
+- ``triton``, ``triton_replayed``: the same figures with the attention in two Triton kernels a layer for all the
+  sequences of a pass (``HSD_TRITON_ATTENTION=1``, :mod:`hsd_opt.engine.triton_attention`), op by op and replayed:
+  what a batch's step saves against its sequences' own attention calls (``batch_over_step``);
 - ``copies``: the int8 and int4 copies' step and 4-position pass (``1_ms``, ``4_ms``; ``step_over_target``),
   de-quantized and reading their codes with torch's weight-only kernels (``HSD_WEIGHT_ONLY=1``): whether a
   quantized drafter pays on this device;
@@ -106,34 +109,38 @@ def copy_bandwidth(device: str, mb: int, repeats: int) -> float:
     return 2 * x.numel() / timed(lambda: y.copy_(x), repeats)
 
 
-def engine(model, fixed_shapes: bool | None = None, record=None, compiled: bool = False):
+def engine(model, fixed_shapes: bool | None = None, record=None, compiled: bool = False, triton: bool = False):
     """An engine over ``model`` as ``hsd`` builds one here, with its passes at fixed shapes or not
     (``fixed_shapes``; None: as the environment says, :data:`hsd_opt.engine.layered.FIXED_SHAPES`), their layers
-    compiled (``compiled``, :meth:`LayeredLM.compile_layers`) and replaying them from recordings made by ``record``
+    compiled (``compiled``, :meth:`LayeredLM.compile_layers`), their attention in Triton kernels (``triton``,
+    :meth:`LayeredLM.attend_in_triton`) and replaying them from recordings made by ``record``
     (:meth:`LayeredLM.replay_passes`); any of them set puts it on the torch path (the kernels are a CPU's)."""
     from hsd_opt.engine import layered
 
-    old = layered.FIXED_SHAPES
-    layered.FIXED_SHAPES = fixed_shapes
+    old = layered.FIXED_SHAPES, layered.TRITON_ATTENTION
+    layered.FIXED_SHAPES, layered.TRITON_ATTENTION = fixed_shapes, False
     try:
-        torch_path = fixed_shapes is not None or record is not None or compiled
+        torch_path = fixed_shapes is not None or record is not None or compiled or triton
         eng = layered.LayeredLM(model, kernels=False if torch_path else None)
     finally:
-        layered.FIXED_SHAPES = old
+        layered.FIXED_SHAPES, layered.TRITON_ATTENTION = old
     if fixed_shapes:
         eng.fix_shapes()
     if compiled and not eng.compile_layers():
         raise RuntimeError("compile_layers refused this model (layers with different activations)")
+    if triton:
+        eng.attend_in_triton()
     if record is not None:
         eng.replay_passes(record)
     return eng
 
 
 def engine_figures(model, device: str, context: int, ts: list[int], batches: list[int], repeats: int,
-                   record=None, fixed_shapes: bool | None = None, compiled: bool = False) -> dict:
+                   record=None, fixed_shapes: bool | None = None, compiled: bool = False,
+                   triton: bool = False) -> dict:
     """Our step, passes over ``ts`` positions and batched steps of ``batches`` sequences (milliseconds), of
-    :func:`engine` ``(model, fixed_shapes, record, compiled)``."""
-    eng = engine(model, fixed_shapes, record, compiled)
+    :func:`engine` ``(model, fixed_shapes, record, compiled, triton)``."""
+    eng = engine(model, fixed_shapes, record, compiled, triton)
     L, V = eng.n_layers, eng.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, V, (context,), generator=g)
@@ -156,23 +163,28 @@ def engine_figures(model, device: str, context: int, ts: list[int], batches: lis
     return out
 
 
-def exactness(model, context: int, t: int = 8, batch: int = 8) -> dict:
+def exactness(model, context: int, t: int = 8, batch: int = 8, triton: bool = True) -> dict:
     """Whether this device computes a position alike whichever pass computes it: ``pass_equal_steps``: the logits
     of a verify pass over ``t`` positions equal, bit for bit, those of ``t`` decode steps, and ``batch_equal_alone``:
     a step of ``batch`` sequences together gives each the logits of its step alone; for :func:`engine` with fixed
     shapes (``fixed``), replaying them (``replayed``, CUDA graphs on a GPU), replaying them compiled (``compiled``,
-    ``HSD_COMPILE=1``) and at each pass's own shapes (``own_shapes``, ``HSD_FIXED_SHAPES=0``), with the largest
+    ``HSD_COMPILE=1``), with the attention in Triton kernels op by op and replayed (``triton``,
+    ``triton_replayed``, ``HSD_TRITON_ATTENTION=1``; where ``triton``) and at each pass's own shapes (``own_shapes``,
+    ``HSD_FIXED_SHAPES=0``), with the largest
     differences; ``replayed_equal_fixed``: the replaying
     engine's steps give the op-by-op one's logits bit for bit (a batch, op by op, then agrees with a sequence
     alone, replayed)."""
     out: dict = {}
     step_logits: dict[str, torch.Tensor] = {}
     record = graphs.cuda_graph if next(model.parameters()).is_cuda else graphs.calls_again
-    modes = (("fixed", True, None, False), ("replayed", True, record, False), ("compiled", True, record, True),
-             ("own_shapes", False, None, False))
-    for name, fixed_shapes, rec, comp in modes:
+    modes = (("fixed", True, None, False, False), ("replayed", True, record, False, False),
+             ("compiled", True, record, True, False), ("triton", True, None, False, True),
+             ("triton_replayed", True, record, False, True), ("own_shapes", False, None, False, False))
+    for name, fixed_shapes, rec, comp, tri in modes:
+        if tri and not triton:
+            continue
         try:
-            eng = engine(model, fixed_shapes, rec, comp)
+            eng = engine(model, fixed_shapes, rec, comp, tri)
             L, V = eng.n_layers, eng.vocab_size
             g = torch.Generator().manual_seed(7)
             prompts = torch.randint(3, V, (batch, context), generator=g)
@@ -472,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-graphs", action="store_true", help="skip the passes' operations called directly and as "
                                                              "CUDA graphs, the engine replaying its passes, and "
                                                              "the weight-only matmuls")
+    ap.add_argument("--no-triton", dest="triton", action="store_false",
+                    help="skip the figures with the attention in Triton kernels")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_scale.json"))
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -502,18 +516,20 @@ def main(argv: list[str] | None = None) -> dict:
     report.update(with_ratios(figs, report["floor_ms"]))
     report["fixed_shapes"] = engine(model).fixed_shapes
     save()
-    report["exactness"] = exactness(model, a.context)
+    report["exactness"] = exactness(model, a.context, triton=a.triton)
     save()
     try:
         report["kernels"] = kernel_figures(model, a.context)
     except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
         report["kernels"] = f"{type(e).__name__}: {str(e)[:300]}"
     save()
-    def variant(name: str, **how) -> bool:
+    def variant(name: str, few: bool = False, **how) -> bool:
         """The step, passes and batches of :func:`engine` ``(model, **how)`` with their ratios, as ``report[name]``
-        (the error instead where it fails: a figure to report; the rest still runs). True where it ran."""
+        (the error instead where it fails: a figure to report; the rest still runs); ``few``: only the first and
+        the largest pass, and batches of 1, 8 and the largest two. True where it ran."""
+        t_, b_ = (sorted({ts[0], ts[-1]}), sorted({1, 8, *batches[-2:]})) if few else (ts, batches)
         try:
-            figs = engine_figures(model, a.device, a.context, ts, batches, a.repeats, **how)
+            figs = engine_figures(model, a.device, a.context, t_, b_, a.repeats, **how)
         except Exception as e:  # noqa: BLE001
             report[name] = f"{type(e).__name__}: {str(e)[:300]}"
             return False
@@ -522,6 +538,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     variant("own_shapes", fixed_shapes=False)     # what fixed shapes cost: each pass at its own shapes
     save()
+    if a.triton:   # a batch's attention in two kernels a layer instead of its sequences' own calls
+        variant("triton", few=True, triton=True)
+        save()
     # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
     record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again
     if not a.no_graphs:
@@ -540,6 +559,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not variant("replayed", record=record):
             record = None
         save()
+        if a.triton and record is not None:
+            variant("triton_replayed", few=True, record=record, triton=True)
+            save()
         variant("compiled", record=record, compiled=True)   # the small kernels fused, replayed
     save()
     figs, prompt, ours = generations(model, a.context, a.new, record)

@@ -6,7 +6,12 @@ that take more than a few seconds. ``make test-fast`` runs everything else.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton's kernels run on a CPU in its interpreter, which it reads when it is imported (tests/test_triton_attention.py)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import make_tiny_llama
 

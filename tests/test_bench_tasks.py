@@ -275,6 +275,6 @@ def test_a_bench_title_says_how_the_torch_path_ran():
 
     assert _variant({"kernels": {"variant": "avx2", "openmp": True}}) == ", avx2 kernels"
     on_gpu = {"kernels": None, "torch_path": {"fixed_shapes": True, "compiled": False, "cuda_graphs": True,
-                                                "weight_only": False}}
-    assert _variant(on_gpu) == ", torch path: fixed shapes, CUDA graphs"
+                                                "weight_only": False, "triton_attention": True}}
+    assert _variant(on_gpu) == ", torch path: fixed shapes, CUDA graphs, Triton attention"
     assert _variant({"torch_path": dict.fromkeys(on_gpu["torch_path"], False)}) == ", torch path: op by op"

@@ -311,12 +311,12 @@ def test_the_costs_record_how_the_torch_path_ran(tiny, tmp_path, monkeypatch):
     merge carries it with the costs: a plan's costs are those of one way of running."""
     plain = _profile(tiny, tmp_path / "plain.json", "--costs-only")
     assert plain.provenance.get("torch_path") == {"fixed_shapes": False, "compiled": False, "cuda_graphs": False,
-                                                     "weight_only": False}
+                                                     "weight_only": False, "triton_attention": False}
     monkeypatch.setenv("HSD_KERNELS", "0")
     monkeypatch.setenv("HSD_WEIGHT_ONLY", "1")
     codes = _profile(tiny, tmp_path / "codes.json", "--costs-only")
     assert codes.provenance.get("torch_path") == {"fixed_shapes": False, "compiled": False, "cuda_graphs": False,
-                                                     "weight_only": True}
+                                                     "weight_only": True, "triton_attention": False}
     rates = _profile(tiny, tmp_path / "rates.json", "--max-new-tokens", "4")
     res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "codes.json",
                   "-o", tmp_path / "merged.json")

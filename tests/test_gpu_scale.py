@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import gpu_scale
 
@@ -16,7 +17,7 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     out = tmp_path / "gpu_scale.json"
     rep = gpu_scale.main(["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--t", "1,2,4",
                           "--batches", "1,3", "--new", "12", "--repeats", "2", "--copy-mb", "16", "--no-compile",
-                          "--out", str(out)])
+                          "--no-triton", "--out", str(out)])
     assert json.loads(out.read_text())["config"] == "tiny"
     assert rep["hf_eager_equal"] is True and rep["ours_tokens"] == 12
     assert set(rep["pass_ms"]) == {1, 2, 4} and set(rep["batch_ms"]) == {1, 3}
@@ -44,6 +45,21 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
         e = mm[kind]                        # every kernel ran, read about its bits per weight, and agreed
         assert e["ms"] > 0 and e["max_error"] <= 0.01 * e["max_value"], (kind, e)
         assert bits / 8 <= e["bytes"] / sum(n * k for n, k in mm["shapes"]) <= bits / 8 + 0.125  # + scales
+
+
+@pytest.mark.slow
+def test_the_triton_attention_s_figures_and_exactness():
+    """The figures with the attention in Triton kernels (on a CPU, its interpreter: slow, so apart from the dry
+    run above): a step, passes and batches timed, and a verify pass its steps, a batch each one alone, bit for bit,
+    op by op and replayed."""
+    pytest.importorskip("triton")
+    model = gpu_scale.build(gpu_scale.config_of("tiny"), "cpu", torch.bfloat16, 1.0)
+    figs = gpu_scale.engine_figures(model, "cpu", 16, [1, 3], [1, 3], 1, triton=True)
+    assert figs["step_ms"] > 0 and set(figs["pass_ms"]) == {1, 3} and set(figs["batch_ms"]) == {1, 3}
+    ex = gpu_scale.exactness(model, 16, t=3, batch=3)
+    for name in ("triton", "triton_replayed"):
+        assert ex[name]["pass_equal_steps"] and ex[name]["batch_equal_alone"], (name, ex[name])
+    assert "triton" not in gpu_scale.exactness(model, 16, t=2, batch=2, triton=False)
 
 
 def test_a_pass_s_operations_called_directly_are_the_engine_s_pass():

@@ -153,9 +153,11 @@ def test_doctor_says_how_the_torch_path_runs_on_cuda(monkeypatch):
     monkeypatch.delenv("HSD_CUDA_GRAPHS", raising=False)
     monkeypatch.delenv("HSD_FIXED_SHAPES", raising=False)
     monkeypatch.delenv("HSD_COMPILE", raising=False)
+    monkeypatch.delenv("HSD_TRITON_ATTENTION", raising=False)
     monkeypatch.setenv("HSD_WEIGHT_ONLY", "1")
     line = cuda_line()
     assert "fixed shapes on (HSD_FIXED_SHAPES=0 turns it off)" in line
     assert "layers compiled off (HSD_COMPILE=1 turns it on)" in line
     assert "CUDA graphs off (HSD_CUDA_GRAPHS=1 turns it on)" in line
+    assert "Triton kernels off (HSD_TRITON_ATTENTION=1 turns it on)" in line
     assert "codes on (HSD_WEIGHT_ONLY=0 turns it off)" in line

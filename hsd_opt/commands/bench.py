@@ -216,7 +216,7 @@ def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperatur
 def _add_machine(rep: dict, loaded) -> None:
     """Record in the report the model loaded and the decode kernels that ran (``model``, ``kernels``), and on CUDA
     how its engines ran the torch path (``torch_path``: fixed shapes, compiled layers, CUDA graphs, copies reading
-    their codes, as :func:`~hsd_opt.engine.layered.torch_path_settings` says)."""
+    their codes, Triton attention, as :func:`~hsd_opt.engine.layered.torch_path_settings` says)."""
     import torch
 
     from hsd_opt.engine import kernels
@@ -255,7 +255,7 @@ def _print_bench(rep: dict, title: str) -> None:
 
 #: How a report's title names each torch-path setting that is on (:func:`_variant`).
 TORCH_PATH_WORDS = {"fixed_shapes": "fixed shapes", "compiled": "compiled layers", "cuda_graphs": "CUDA graphs",
-                    "weight_only": "copies read as codes"}
+                    "weight_only": "copies read as codes", "triton_attention": "Triton attention"}
 
 
 def _variant(rep: dict) -> str:

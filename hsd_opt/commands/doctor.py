@@ -68,7 +68,8 @@ def system_lines() -> list[str]:
 
 def cuda_line() -> str:
     """How engines on CUDA run the torch path: decode steps and verify passes at fixed shapes, their layers
-    compiled, passes replayed from CUDA graphs, copies reading their codes (each as its setting reads now,
+    compiled, their attention in Triton kernels, passes replayed from CUDA graphs, copies reading their codes (each
+    as its setting reads now,
     :func:`~hsd_opt.engine.layered.torch_path_settings`)."""
     from hsd_opt.engine.layered import torch_path_settings
 
@@ -79,7 +80,8 @@ def cuda_line() -> str:
         return f"{'on' if on else 'off'} ({variable}={'0' if on else '1'} turns it {'off' if on else 'on'})"
 
     return (f"cuda: passes at fixed shapes {state('fixed_shapes', 'HSD_FIXED_SHAPES')}; their layers compiled "
-            f"{state('compiled', 'HSD_COMPILE')}; passes replayed from CUDA "
+            f"{state('compiled', 'HSD_COMPILE')}; their attention in Triton kernels "
+            f"{state('triton_attention', 'HSD_TRITON_ATTENTION')}; passes replayed from CUDA "
             f"graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
             f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
 

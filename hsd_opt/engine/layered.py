@@ -31,7 +31,7 @@ from typing import Callable, Generator, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies
+from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies, triton_attention
 from hsd_opt.engine.interface import ExitHead
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -78,6 +78,11 @@ FIXED_SHAPES: bool | None = None
 #: (:meth:`LayeredLM.compile_layers`: the small kernels between the products fused). None: the environment decides
 #: when an engine is built (``HSD_COMPILE=1`` turns it on: off until measured on a GPU at scale); a bool overrides it.
 COMPILE: bool | None = None
+#: Whether an engine on CUDA computes the attention of its fixed-shape passes in two Triton kernels per layer,
+#: whatever number of sequences shares a pass (:mod:`hsd_opt.engine.triton_attention`; op by op each sequence makes
+#: its own calls). None: the environment decides when an engine is built (``HSD_TRITON_ATTENTION=1`` turns it on:
+#: off until measured on a GPU at scale); a bool overrides it.
+TRITON_ATTENTION: bool | None = None
 
 
 def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
@@ -89,12 +94,13 @@ def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
 def torch_path_settings() -> dict[str, bool]:
     """What an engine built now on CUDA does on its torch path: ``fixed_shapes`` (its decode steps and verify passes
     at one shape, :data:`FIXED_SHAPES`), ``compiled`` (their layers compiled, :data:`COMPILE`), ``cuda_graphs``
-    (replays them, :data:`CUDA_GRAPHS`) and ``weight_only`` (a quantized copy reads its codes,
-    :data:`WEIGHT_ONLY`)."""
+    (replays them, :data:`CUDA_GRAPHS`), ``weight_only`` (a quantized copy reads its codes, :data:`WEIGHT_ONLY`) and
+    ``triton_attention`` (their attention in Triton kernels, :data:`TRITON_ATTENTION`)."""
     return {"fixed_shapes": _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1"),
             "compiled": _setting(COMPILE, "HSD_COMPILE", "0"),
             "cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
-            "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0")}
+            "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"),
+            "triton_attention": _setting(TRITON_ATTENTION, "HSD_TRITON_ATTENTION", "0")}
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -212,6 +218,8 @@ class LayeredLM:
         if lib is None and cuda:
             if wanted["compiled"]:
                 self.compile_layers()
+            if wanted["triton_attention"]:
+                self.attend_in_triton()
             if wanted["cuda_graphs"]:
                 self.replay_passes()
 
@@ -245,6 +253,27 @@ class LayeredLM:
         """True when this engine's fixed-shape passes run compiled (:meth:`compile_layers`)."""
         return self._torch.compiled
 
+    def attend_in_triton(self) -> None:
+        """Compute the attention of this engine's fixed-shape passes in two Triton kernels per layer for all the
+        sequences of a pass (:mod:`~hsd_opt.engine.triton_attention`; every pass then takes them, so a step still
+        computes, bit for bit, what a verify pass computes). Fixes the shapes too (:meth:`fix_shapes`); on a CPU
+        the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: the tests). On by itself on CUDA where
+        :data:`TRITON_ATTENTION` says so.
+
+        Raises:
+            HsdError: Triton is not installed, or the device is neither CUDA nor a CPU.
+        """
+        why = triton_attention.unavailable(self.device)
+        if why is not None:
+            raise HsdError(f"HSD_TRITON_ATTENTION: {why}")
+        self.fix_shapes()
+        self._torch.triton_attention = self._fixed
+
+    @property
+    def attends_in_triton(self) -> bool:
+        """True when this engine's fixed-shape passes compute their attention in Triton (:meth:`attend_in_triton`)."""
+        return self._torch.triton_attention
+
     def replay_passes(self, record: graphs.Recorder = graphs.cuda_graph) -> None:
         """Replay this engine's torch-path decode steps and verify passes from recordings made by ``record``
         (:class:`~hsd_opt.engine.graphs.GraphedPasses`: CUDA graphs by default; on by itself on CUDA where
@@ -261,9 +290,10 @@ class LayeredLM:
     @property
     def torch_path(self) -> dict[str, bool]:
         """How this engine runs its torch path, under :func:`torch_path_settings`'s keys: ``fixed_shapes``,
-        ``compiled``, ``cuda_graphs`` (:attr:`replays`), ``weight_only`` (:attr:`reads_codes`)."""
+        ``compiled``, ``cuda_graphs`` (:attr:`replays`), ``weight_only`` (:attr:`reads_codes`),
+        ``triton_attention`` (:attr:`attends_in_triton`)."""
         return {"fixed_shapes": self.fixed_shapes, "compiled": self.compiled, "cuda_graphs": self.replays,
-                "weight_only": self.reads_codes}
+                "weight_only": self.reads_codes, "triton_attention": self.attends_in_triton}
 
     @property
     def uses_kernels(self) -> bool:
@@ -416,8 +446,11 @@ class LayeredLM:
         """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
         all) in one fixed-shape pass, op by op: each sequence's new hidden states."""
         x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
-        out = self._torch.fixed_layers(l0, l1, x, pos, cos.to(self.dtype), sin.to(self.dtype), ps)
-        return list(out[:sum(p.x.shape[0] for p in parts)].split([p.x.shape[0] for p in parts]))
+        sizes = [p.x.shape[0] for p in parts]
+        # the Triton attention computes the real rows only (a recording computes the padding rows too)
+        tables = self._torch.attention_tables(ps, sizes) if self._torch.triton_attention else None
+        out = self._torch.fixed_layers(l0, l1, x, pos, cos.to(self.dtype), sin.to(self.dtype), ps, tables)
+        return list(out[:sum(sizes)].split(sizes))
 
     def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:
         """Whether a pass over ``m`` positions from position ``start`` runs on the kernels: every pass of an engine

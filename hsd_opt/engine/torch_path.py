@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsd_opt.engine import fixed, layer_math, weight_only
+from hsd_opt.engine import fixed, layer_math, triton_attention, weight_only
 from hsd_opt.engine.ops import causal_attention, rms_norm_reference
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.weights import Mat, ModelWeights
@@ -46,6 +46,8 @@ class TorchPath:
         self._final_norm = weights.norm.to(dtype)
         #: the compiled forms of the layers' arithmetic for fixed-shape passes (:meth:`compile_layers`), or None
         self._compiled: tuple[Callable, Callable] | None = None
+        #: compute the attention of fixed-shape passes in Triton kernels (:mod:`hsd_opt.engine.triton_attention`)
+        self.triton_attention = False
 
     def _w(self, mat: Mat) -> torch.Tensor:
         if not mat.quantized:
@@ -98,15 +100,24 @@ class TorchPath:
                                                              v_cache[:, :, :end], start))
 
     def fixed_layers(self, l0: int, l1: int, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, parts: Sequence[fixed.Part]) -> torch.Tensor:
+                     sin: torch.Tensor, parts: Sequence[fixed.Part],
+                     tables: triton_attention.Tables | None = None) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` of a fixed-shape pass (:mod:`hsd_opt.engine.fixed`): hidden ``x`` ``[ROWS, d]`` at
         positions ``pos`` ``[ROWS]`` with rotary tables ``cos``/``sin`` ``[1, ROWS, head_dim]``; each part writes
-        its rows' keys and values into its caches and gives its rows' attention over them. Every operation sees
-        the same shapes whatever the pass holds, so each real row gets what it gets in any other pass."""
+        its rows' keys and values into its caches and gives its rows' attention over them (op by op, or in Triton
+        kernels for all parts at once where :attr:`triton_attention` is set: ``tables`` from
+        :meth:`attention_tables`, made here when not given). Every operation sees the same shapes whatever the
+        pass holds, so each real row gets what it gets in any other pass."""
         x = x.to(self.dtype)
+        pre, post = self._compiled or (layer_math.attention_inputs, layer_math.after_attention)
+        if self.triton_attention:
+            tables = tables or self.attention_tables(parts)
+            for i, l in enumerate(range(l0, l1)):
+                q, k, v = self._qkv(l, x, cos, sin, pre)
+                x = self._after_attention(l, x, triton_attention.attention(q, k, v, pos, tables, i), post)
+            return x
         gqa = self.n_kv != self.n_heads
         mask = fixed.masks(pos, parts)
-        pre, post = self._compiled or (layer_math.attention_inputs, layer_math.after_attention)
         for i, l in enumerate(range(l0, l1)):
             q, k, v = self._qkv(l, x, cos, sin, pre)
             q = q.unsqueeze(0)
@@ -124,6 +135,14 @@ class TorchPath:
                         o = torch.where(rows, og, torch.zeros_like(og) if o is None else o)
             x = self._after_attention(l, x, o, post)
         return x
+
+    @staticmethod
+    def attention_tables(parts: Sequence[fixed.Part], rows: Sequence[int] | None = None) -> triton_attention.Tables:
+        """The Triton attention's tables of a fixed-shape pass of ``parts``, each part's ``rows`` consecutive, in
+        order (default: the rows each part writes, :func:`~hsd_opt.engine.fixed.several`; all
+        :data:`~hsd_opt.engine.fixed.ROWS` for :func:`~hsd_opt.engine.fixed.one_sequence`, as a recording needs)."""
+        return triton_attention.tables([(p.k, p.v) for p in parts],
+                                       [p.src.shape[0] for p in parts] if rows is None else rows)
 
     def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              fn: Callable = layer_math.attention_inputs):
