@@ -7,7 +7,8 @@ float32 rounding, grouped-query heads and a head size that is not a power of two
 for bit, the same alone, among its sequence's other rows of a verify pass and among other sequences' rows, whatever
 the caches hold past its position. An engine computing its fixed-shape passes with them keeps every property of
 fixed shapes: a verify pass gives its steps' logits bit for bit, a batch gives each sequence what it gets alone,
-a replayed pass what the pass computes, and greedy hierarchies the target's own tokens.
+greedy hierarchies and the batch scheduler the target's own tokens; and one recording of a run of layers replays
+every pass of every sequence and batch, bit for bit as op by op.
 """
 
 from __future__ import annotations
@@ -165,18 +166,53 @@ def test_a_verify_pass_gives_its_steps_logits_and_a_batch_each_sequence_its_own(
         assert torch.equal(eng.logits(a, L, 0, a.n), eng.logits(b, L, 0, b.n))
 
 
-def test_greedy_hierarchies_and_replayed_passes_give_the_target_s_own_tokens(model):
-    eng = _engine(model)
-    replayed = LayeredLM(model, kernels=False)
+def test_one_recording_of_a_run_replays_every_sequence_s_passes_and_every_batch(model):
+    """With the attention in Triton, a pass's composition is data: one recording per run of layers (here made by
+    the recorder that calls the pass again) replays steps, verify passes and batches of any sequences, each bit for
+    bit what the engine computes op by op."""
+    eng, replayed = _engine(model), LayeredLM(model, kernels=False)
+    replayed.attend_in_triton()
+    replayed.replay_passes(graphs.calls_again)
+    L = eng.n_layers
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, eng.vocab_size, (n,), generator=g) for n in (9, 70, 30)]
+    pairs = [(eng.new_state(128), replayed.new_state(128)) for _ in prompts]
+    for p, (a, b) in zip(prompts, pairs):
+        for e, st in ((eng, a), (replayed, b)):
+            e.append(st, p)
+            e.advance(st, L)
+    for m in (1, 3, 1):                          # each sequence alone, then all three in one pass
+        ids = torch.randint(3, eng.vocab_size, (m,), generator=g)
+        for a, b in pairs:
+            for e, st in ((eng, a), (replayed, b)):
+                e.append(st, ids)
+                e.advance(st, L)
+        for a, b in pairs:
+            eng.append(a, ids[:1])
+            replayed.append(b, ids[:1])
+        eng.advance_many([(a, L) for a, _ in pairs])
+        replayed.advance_many([(b, L) for _, b in pairs])
+        for a, b in pairs:
+            assert torch.equal(eng.logits(a, L, 0, a.n), replayed.logits(b, L, 0, b.n))
+            assert all(torch.equal(a.k[l][:, :, :a.n], b.k[l][:, :, :b.n]) for l in range(L))
+    assert replayed._graphs.recorded == 1        # the run 0 .. L, for every state and batch
+
+
+def test_greedy_hierarchies_and_the_batch_scheduler_give_the_target_s_own_tokens(model):
+    from hsd_opt.runtime.batch import generate_many
+
+    eng, replayed = _engine(model), LayeredLM(model, kernels=False)
     replayed.attend_in_triton()
     replayed.replay_passes(graphs.calls_again)
     g = torch.Generator().manual_seed(4)
-    p = torch.randint(3, eng.vocab_size, (8,), generator=g).tolist()
-    want = HSD([Level("t", eng, 4)], []).generate(p, 16).token_ids
+    prompts = [torch.randint(3, eng.vocab_size, (n,), generator=g).tolist() for n in (8, 40, 5)]
+    want = [HSD([Level("t", eng, 4)], []).generate(p, 12).token_ids for p in prompts]
     assert HSD([Level("l1", eng, 1), Level("l2", eng, 2), Level("t", eng, 4)], [2, 3]).generate(
-        p, 16).token_ids == want
-    assert HSD([Level("l1", replayed, 1), Level("t", replayed, 4)], [4]).generate(p, 16).token_ids == want
-    assert replayed._graphs.recorded > 0
+        prompts[0], 12).token_ids == want[0]
+    hsd = HSD([Level("l1", replayed, 1), Level("t", replayed, 4)], [3])
+    assert hsd.generate(prompts[0], 12).token_ids == want[0]
+    assert [r.token_ids for r in generate_many(hsd, prompts, 12, max_active=3)] == want
+    assert replayed._graphs.recorded == 2        # the runs 0 .. 1 (the drafting exit) and 1 .. 4
 
 
 def test_the_setting_and_where_the_kernels_cannot_run(model, monkeypatch):

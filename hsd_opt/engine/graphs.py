@@ -14,6 +14,11 @@ computes op by op, bit for bit. A state keeps its :data:`KEPT` most recently use
 with the state. Where a pass cannot be recorded (an operation the device cannot capture), the engine says so once
 and computes its passes op by op: the same numbers.
 
+Where the path's attention is Triton's (:mod:`hsd_opt.engine.triton_attention`), where each row reads and writes
+is data (the pass's tables), so one recording per run of layers, with the tables among its buffers (padded to their
+largest shapes), replays every pass of every sequence and every batch's pass of several sequences
+(:meth:`GraphedPasses.many`); it holds no state's caches.
+
 Only the fixed-shape passes (:func:`~hsd_opt.engine.fixed.takes`: after the prompt, at most
 :data:`~hsd_opt.engine.fixed.ROWS` positions) are replayed; a prompt's passes run op by op. Whether an engine replays is
 :data:`~hsd_opt.engine.layered.CUDA_GRAPHS` (off unless set; ``HSD_CUDA_GRAPHS=1``). How a pass is recorded is a
@@ -30,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from hsd_opt.engine import fixed
-from hsd_opt.engine.state import DecodeState
+from hsd_opt.engine import fixed, triton_attention
+from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.torch_path import TorchPath
 
 #: Recordings a decode state keeps (the most recently used; a sequence needs those of its runs of layers at its
@@ -74,6 +79,7 @@ class _Recorded:
     sin: torch.Tensor
     replay: Callable[[], None]
     out: torch.Tensor        # [ROWS, d] hidden out, rewritten by each replay
+    tables: triton_attention.Tables | None = None    # the Triton attention's tables (padded), refilled per pass
 
 
 class GraphedPasses:
@@ -87,6 +93,7 @@ class GraphedPasses:
     def __init__(self, path: TorchPath, record: Recorder = cuda_graph):
         self._path, self._record = path, record
         self._by_state: dict[int, OrderedDict[tuple[int, int, int, int], _Recorded]] = {}
+        self._shared: dict[tuple[int, int], _Recorded] = {}     # (l0, l1) -> a recording of every pass (Triton)
         self.recorded = 0          #: passes recorded so far (each once per state, run of layers and lengths)
         #: why recording failed (the engine then computes its passes op by op: the same numbers), or None
         self.failed: str | None = None
@@ -98,6 +105,9 @@ class GraphedPasses:
         this state, run and attention lengths (recorded on first use; a state keeps its :data:`KEPT` most recently
         used); the result is a tensor of its own. None, having computed nothing, where a recording failed (now or
         before: :attr:`failed`, said once as a warning): the caller computes the pass op by op."""
+        if self._path.triton_attention:
+            out = self.many(l0, l1, [Rows(x, st, start, cos, sin)])
+            return None if out is None else out[0]
         if self.failed is not None:
             return None
         m = x.shape[0]
@@ -111,10 +121,7 @@ class GraphedPasses:
             try:
                 rec = self._new(key, x, st, start, cos, sin)
             except RuntimeError as e:    # a kernel that cannot be recorded; the pass is computed op by op
-                self.failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-                self._by_state.clear()
-                warnings.warn(f"CUDA graphs: recording a pass failed ({self.failed}); this engine computes its "
-                              "passes op by op (the same numbers, slower)", RuntimeWarning, stacklevel=2)
+                self._fail(e)
                 return None
             mine[key] = rec
             if len(mine) > KEPT:
@@ -127,6 +134,51 @@ class GraphedPasses:
             rec.sin[:, :m].copy_(sin)
             rec.replay()
         return rec.out[:m].clone()
+
+    def _fail(self, e: Exception) -> None:
+        """Recording failed: say so once; every pass is then computed op by op."""
+        self.failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        self._by_state.clear()
+        self._shared.clear()
+        warnings.warn(f"CUDA graphs: recording a pass failed ({self.failed}); this engine computes its passes op "
+                      "by op (the same numbers, slower)", RuntimeWarning, stacklevel=3)
+
+    def many(self, l0: int, l1: int, parts: list[Rows]) -> list[torch.Tensor] | None:
+        """Layers ``l0 .. l1-1`` over the rows of several sequences (at most :data:`~hsd_opt.engine.fixed.ROWS` in
+        all, each after its prompt) in one fixed-shape pass, where the path's attention is Triton's
+        (:attr:`~hsd_opt.engine.torch_path.TorchPath.triton_attention`): the pass's composition is then data (its
+        tables, padded to their largest shapes), so one recording of the run of layers replays every pass of every
+        sequence and batch, its inputs and tables copied in. Each sequence's new hidden states, or None, having
+        computed nothing, where a recording failed (the caller computes the pass op by op)."""
+        if self.failed is not None:
+            return None
+        x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
+        sizes = [p.x.shape[0] for p in parts]
+        path = self._path
+        tables = triton_attention.tables([(p.k, p.v) for p in ps], sizes, padded=True)
+        x, cos, sin = x.to(path.dtype), cos.to(path.dtype), sin.to(path.dtype)
+        rec = self._shared.get((l0, l1))
+        if rec is None:
+            bufs = _Recorded(x.clone(), pos.clone(), cos.clone(), sin.clone(), lambda: None, x,
+                             tables.buffers())
+            bufs.tables.copy_(tables)
+
+            def run() -> torch.Tensor:     # no parts: the tables (buffers) say where each row goes
+                return path.fixed_layers(l0, l1, bufs.x, bufs.pos, bufs.cos, bufs.sin, [], bufs.tables)
+
+            try:
+                bufs.replay, bufs.out = self._record(run)
+            except RuntimeError as e:
+                self._fail(e)
+                return None
+            self.recorded += 1
+            rec = self._shared[(l0, l1)] = bufs
+        else:
+            for buf, new in ((rec.x, x), (rec.pos, pos), (rec.cos, cos), (rec.sin, sin)):
+                buf.copy_(new)
+            rec.tables.copy_(tables)
+        rec.replay()
+        return list(rec.out[:sum(sizes)].clone().split(sizes))
 
     def _new(self, key: tuple[int, int, int, int], x: torch.Tensor, st: DecodeState, start: int,
              cos: torch.Tensor, sin: torch.Tensor) -> _Recorded:

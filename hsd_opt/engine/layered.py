@@ -445,6 +445,10 @@ class LayeredLM:
     def _fixed_pass(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
         """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
         all) in one fixed-shape pass, op by op: each sequence's new hidden states."""
+        if self._graphs is not None and self._torch.triton_attention:   # one recording replays any batch
+            out = self._graphs.many(l0, l1, list(parts))
+            if out is not None:
+                return out
         x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
         sizes = [p.x.shape[0] for p in parts]
         # the Triton attention computes the real rows only (a recording computes the padding rows too)

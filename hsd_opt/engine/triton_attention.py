@@ -93,12 +93,23 @@ class Tables:
     head_stride: torch.Tensor
     keep: tuple
 
+    def buffers(self) -> "Tables":
+        """Copies of these tables that hold no caches (a recording's buffers, refilled by :meth:`copy_`)."""
+        return Tables(self.blocks.clone(), self.k.clone(), self.v.clone(), self.head_stride.clone(), ())
 
-def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int]) -> Tables:
+    def copy_(self, other: "Tables") -> None:
+        """Fill these tables (a recording's buffers) with ``other``'s, of the same shapes (both padded)."""
+        for name in ("blocks", "k", "v", "head_stride"):
+            getattr(self, name).copy_(getattr(other, name))
+
+
+def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int],
+           padded: bool = False) -> Tables:
     """The tables of a pass whose sequences, in order, have caches ``(k, v)`` (one tensor per layer of the run,
     ``[1, kv_heads, capacity, head_dim]`` contiguous) and ``rows`` consecutive rows each (a one-sequence pass:
     all :data:`~hsd_opt.engine.fixed.ROWS`, its padding rows repeating its last position); the rows after theirs
-    belong to no sequence."""
+    belong to no sequence. ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS` blocks and
+    sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
     from hsd_opt.engine.fixed import ROWS
 
     k0 = caches[0][0][0]
@@ -115,12 +126,18 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
             if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.dtype != k0.dtype:
                 raise ValueError("Triton attention reads caches [1, kv_heads, capacity, head_dim], contiguous, "
                                  "of one dtype")
+    seqs = ROWS if padded else len(caches)
+    if padded:
+        blocks += [(0, 0, 0, 0)] * (ROWS - len(blocks))
+
+    def addresses(side: int) -> list[list[int]]:
+        return [[c[side][l].data_ptr() for c in caches] + [0] * (seqs - len(caches))
+                for l in range(len(caches[0][0]))]
+
     host = {"blocks": torch.tensor(blocks, dtype=torch.int32),
-            "k": torch.tensor([[c[0][l].data_ptr() for c in caches] for l in range(len(caches[0][0]))],
-                              dtype=torch.int64),
-            "v": torch.tensor([[c[1][l].data_ptr() for c in caches] for l in range(len(caches[0][0]))],
-                              dtype=torch.int64),
-            "head_stride": torch.tensor([c[0][0].stride(1) for c in caches], dtype=torch.int64)}
+            "k": torch.tensor(addresses(0), dtype=torch.int64), "v": torch.tensor(addresses(1), dtype=torch.int64),
+            "head_stride": torch.tensor([c[0][0].stride(1) for c in caches] + [0] * (seqs - len(caches)),
+                                        dtype=torch.int64)}
     return Tables(**{name: t.to(device) for name, t in host.items()},
                   keep=tuple(t for c in caches for side in c for t in side))
 
@@ -138,11 +155,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     write_rows, attend_rows = _kernels(q.device.type == "cpu")
     hd_p = max(16, 1 << (hd - 1).bit_length())
     grid = (tab.blocks.shape[0],)
+    if q.device.type == "cpu":   # the interpreter runs each program in Python: only the blocks with rows (a prefix)
+        grid = (int(torch.count_nonzero(tab.blocks[:, 2])),)
     write_rows[grid](k, v, tab.k[layer], tab.v[layer], tab.head_stride, pos, tab.blocks,
                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), KV=kv, HD=hd, HD_P=hd_p, BM=BLOCK_M)
     out = torch.zeros(rows, heads, hd, dtype=q.dtype, device=q.device)
     attend_rows[(grid[0], heads)](q, out, tab.k[layer], tab.v[layer], tab.head_stride, pos, tab.blocks,
-                                               q.stride(0), q.stride(1), out.stride(1), out.stride(0),
-                                               1.0 / math.sqrt(hd), heads // kv, HD=hd, HD_P=hd_p, BM=BLOCK_M,
-                                               BN=BLOCK_N, F32_DOT=q.device.type == "cpu")
+                                  q.stride(0), q.stride(1), out.stride(1), out.stride(0), 1.0 / math.sqrt(hd),
+                                  heads // kv, HD=hd, HD_P=hd_p, BM=BLOCK_M, BN=BLOCK_N,
+                                  F32_DOT=q.device.type == "cpu")
     return out.permute(1, 0, 2).unsqueeze(0)
