@@ -114,6 +114,44 @@ def test_a_one_sequence_pass_s_padding_rows_write_its_last_position_s_keys():
     assert torch.equal(out[:, :, 2], triton_attention.attention(*_pass([(s, 92, 1)]), 0)[:, :, 0])   # as alone
 
 
+_COMPILE_FOR_GPUS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hsd_opt.engine import triton_kernels as tk
+
+ptrs = {"k_ptrs": "*i64", "v_ptrs": "*i64", "head_stride": "*i64", "pos": "*i64", "blocks": "*i32"}
+const = "constexpr"
+for arch in (80, 90):
+    for dt in ("bf16", "fp16", "fp32"):
+        for kv, hd in ((32, 128), (2, 64)):
+            sig = {"k_new": "*" + dt, "v_new": "*" + dt, **ptrs, **dict.fromkeys(("s_kh", "s_kr", "s_vh", "s_vr"),
+                   "i32"), **dict.fromkeys(("KV", "HD", "HD_P", "BM"), const)}
+            triton.compile(ASTSource(tk.write_rows, sig, {"KV": kv, "HD": hd, "HD_P": hd, "BM": 16}),
+                           target=GPUTarget("cuda", arch, 32))
+            sig = {"q": "*" + dt, "out": "*" + dt, **ptrs, **dict.fromkeys(("s_qh", "s_qr", "s_oh", "s_or"), "i32"),
+                   "scale": "fp32", "group": "i32", **dict.fromkeys(("HD", "HD_P", "BM", "BN", "F32_DOT"), const)}
+            k = triton.compile(ASTSource(tk.attend_rows, sig, {"HD": hd, "HD_P": hd, "BM": 16, "BN": 64,
+                                                               "F32_DOT": False}), target=GPUTarget("cuda", arch, 32))
+            assert k.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_gpus():
+    """The interpreter does not type-check as the compiler does: both kernels compile to GPU code (A100's and
+    H100's architectures; bfloat16, float16, float32; a 7B's and a tiny model's heads), no GPU needed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_FOR_GPUS], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model(TINY, "cpu", torch.bfloat16)
