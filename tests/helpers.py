@@ -84,6 +84,24 @@ def engine_logits(eng, ids: torch.Tensor, split: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def steps_pass_and_reference(eng, ref, prompt: torch.Tensor, ids: torch.Tensor, max_len: int,
+                             boundaries=()) -> tuple:
+    """Three states after ``prompt``: ``ids`` appended to one through ``eng``'s decode steps, to one in one verify
+    pass of ``eng``, and to one in one pass of the engine ``ref`` (the states keep residuals at ``boundaries``)."""
+    L = eng.n_layers
+    steps, one, other = (e.new_state(max_len, save_boundaries=boundaries) for e in (eng, eng, ref))
+    for e, st in ((eng, steps), (eng, one), (ref, other)):
+        e.append(st, prompt)
+        e.advance(st, L)
+    for t in ids:
+        eng.append(steps, t.reshape(1))
+        eng.advance(steps, L)
+    for e, st in ((eng, one), (ref, other)):
+        e.append(st, ids)
+        e.advance(st, L)
+    return steps, one, other
+
+
 def word_tokenizer(n_words: int = 60, chat_template: str | None = None):
     """A WordLevel tokenizer ``<pad> <s> </s> <unk> w0 .. w{n-1}`` (whitespace-split), with ``chat_template``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -17,6 +17,7 @@ from hsd_opt.engine import fixed
 from hsd_opt.engine.layered import LayeredLM, torch_path_settings
 from hsd_opt.models.random_weights import TINY, random_model
 from hsd_opt.runtime.decode import HSD, Level
+from tests.helpers import steps_pass_and_reference
 
 
 def _fixed_engine(dtype: torch.dtype, peak: float = 1.0, seed: int = 0) -> LayeredLM:
@@ -162,17 +163,7 @@ def test_compiled_layers_keep_every_pass_at_its_steps_numbers():
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, eng.vocab_size, (n,), generator=g) for n in (12, 30, 7)]
     ids = torch.randint(3, eng.vocab_size, (6,), generator=g)
-    steps, one, ref = (eng.new_state(64) for _ in range(3))
-    for st in (steps, one, ref):
-        e = plain if st is ref else eng
-        e.append(st, prompts[0])
-        e.advance(st, L)
-    for t in ids:
-        eng.append(steps, t.reshape(1))
-        eng.advance(steps, L)
-    for e, st in ((eng, one), (plain, ref)):
-        e.append(st, ids)
-        e.advance(st, L)
+    steps, one, ref = steps_pass_and_reference(eng, plain, prompts[0], ids, 64)
     got = eng.logits(one, L, 12, 18)
     assert torch.equal(eng.logits(steps, L, 12, 18), got)
     want = plain.logits(ref, L, 12, 18)

@@ -24,6 +24,7 @@ from hsd_opt.engine.layered import LayeredLM, torch_path_settings  # noqa: E402
 from hsd_opt.errors import HsdError  # noqa: E402
 from hsd_opt.models.random_weights import TINY, random_model  # noqa: E402
 from hsd_opt.runtime.decode import HSD, Level  # noqa: E402
+from tests.helpers import steps_pass_and_reference  # noqa: E402
 
 
 class Sequence:
@@ -130,9 +131,9 @@ for arch in (80, 90):
             triton.compile(ASTSource(tk.write_rows, sig, {"KV": kv, "HD": hd, "HD_P": hd, "BM": 16}),
                            target=GPUTarget("cuda", arch, 32))
             sig = {"q": "*" + dt, "out": "*" + dt, **ptrs, **dict.fromkeys(("s_qh", "s_qr", "s_oh", "s_or"), "i32"),
-                   "scale": "fp32", "group": "i32", **dict.fromkeys(("HD", "HD_P", "BM", "BN", "F32_DOT"), const)}
-            k = triton.compile(ASTSource(tk.attend_rows, sig, {"HD": hd, "HD_P": hd, "BM": 16, "BN": 64,
-                                                               "F32_DOT": False}), target=GPUTarget("cuda", arch, 32))
+                   "scale": "fp32", "group": "i32", **dict.fromkeys(("HD", "HD_P", "BM", "BN", "F32"), const)}
+            consts = {"HD": hd, "HD_P": hd, "BM": 16, "BN": 64, "F32": dt == "fp32"}
+            k = triton.compile(ASTSource(tk.attend_rows, sig, consts), target=GPUTarget("cuda", arch, 32))
             assert k.asm["cubin"]
 print("compiled")
 """
@@ -173,16 +174,7 @@ def test_a_verify_pass_gives_its_steps_logits_and_a_batch_each_sequence_its_own(
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, eng.vocab_size, (60,), generator=g)
     ids = torch.randint(3, eng.vocab_size, (5,), generator=g)
-    steps, passes, ref = (e.new_state(128, save_boundaries=[2]) for e in (eng, eng, plain))
-    for e, st in ((eng, steps), (eng, passes), (plain, ref)):
-        e.append(st, prompt)
-        e.advance(st, L)
-    for t in ids:
-        eng.append(steps, t.reshape(1))
-        eng.advance(steps, L)
-    for e, st in ((eng, passes), (plain, ref)):
-        e.append(st, ids)
-        e.advance(st, L)
+    steps, passes, ref = steps_pass_and_reference(eng, plain, prompt, ids, 128, [2])
     for b in (2, L):
         got = eng.logits(passes, b, 60, 65)
         assert torch.equal(eng.logits(steps, b, 60, 65), got)

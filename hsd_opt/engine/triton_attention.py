@@ -163,5 +163,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     attend_rows[(grid[0], heads)](q, out, tab.k[layer], tab.v[layer], tab.head_stride, pos, tab.blocks,
                                   q.stride(0), q.stride(1), out.stride(1), out.stride(0), 1.0 / math.sqrt(hd),
                                   heads // kv, HD=hd, HD_P=hd_p, BM=BLOCK_M, BN=BLOCK_N,
-                                  F32_DOT=q.device.type == "cpu")
+                                  F32=q.device.type == "cpu" or q.dtype == torch.float32)
     return out.permute(1, 0, 2).unsqueeze(0)

@@ -36,7 +36,7 @@ def write_rows(k_new, v_new, k_ptrs, v_ptrs, head_stride, pos, blocks, s_kh, s_k
 
 @triton.jit
 def attend_rows(q, out, k_ptrs, v_ptrs, head_stride, pos, blocks, s_qh, s_qr, s_oh, s_or, scale, group,
-                HD: tl.constexpr, HD_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, F32_DOT: tl.constexpr):
+                HD: tl.constexpr, HD_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(blocks + b * 4 + 2)
@@ -59,8 +59,8 @@ def attend_rows(q, out, k_ptrs, v_ptrs, head_stride, pos, blocks, s_qh, s_qr, s_
         for j in range(0, tl.max(p, 0) // BN + 1):
             keys = j * BN + tl.arange(0, BN)
             kt = tl.load(kc + keys[:, None] * HD + d[None, :], mask=dm[None, :], other=0.0)
-            if F32_DOT:   # the interpreter's products of 16-bit floats are wrong; in float32 the same values
-                sc = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32))) * scale
+            if F32:   # products in float32, exactly (not TF32): float32 caches, and the interpreter's 16-bit floats
+                sc = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee") * scale
             else:
                 sc = tl.dot(qt, tl.trans(kt)) * scale
             sc = tl.where(keys[None, :] <= p[:, None], sc, float("-inf"))
@@ -69,8 +69,9 @@ def attend_rows(q, out, k_ptrs, v_ptrs, head_stride, pos, blocks, s_qh, s_qr, s_
             w = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(w, 1)
             vt = tl.load(vc + keys[:, None] * HD + d[None, :], mask=dm[None, :], other=0.0)
-            if F32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype).to(tl.float32), vt.to(tl.float32))
+            if F32:
+                acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype).to(tl.float32), vt.to(tl.float32),
+                                                    input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt)
             m_i = m_new
