@@ -121,7 +121,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hsd_opt.engine import triton_kernels as tk
 
-ptrs = {"k_ptrs": "*i64", "v_ptrs": "*i64", "head_stride": "*i64", "pos": "*i64", "blocks": "*i32"}
+ptrs = {"k_ptrs": "*i64", "v_ptrs": "*i64", "head_stride": "*i64", "pos": "*i64", "blocks": "*i64"}
 const = "constexpr"
 for arch in (80, 90):
     for dt in ("bf16", "fp16", "fp32"):

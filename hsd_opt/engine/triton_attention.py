@@ -38,6 +38,7 @@ from typing import Sequence
 
 import torch
 
+from hsd_opt.engine.fixed import ROWS
 from hsd_opt.errors import HsdError
 
 #: Rows of one sequence per attention program (the least a Triton matrix product takes).
@@ -72,18 +73,19 @@ def _kernels(interpreted: bool):
 
 @dataclass
 class Tables:
-    """Where each row of a fixed-shape pass writes and reads, for its run of layers (device tensors, built once per
-    pass: a recording keeps them).
+    """Where each row of a fixed-shape pass writes and reads, for its run of layers: views of one int64 device
+    tensor (``packed``), made by one copy from the host per pass (a recording keeps its own, refilled by one copy).
 
     Attributes:
-        blocks: ``[n, 4]`` int32: the programs' blocks of rows, ``(sequence, first row, rows, the sequence's
-            first row)``: up to :data:`BLOCK_M` consecutive rows of one sequence each (a row in no block writes
-            nothing and its attention is zero). A row writes the keys and values of the sequence's row that holds
-            its position (consecutive from the sequence's first row): itself, but for a one-sequence pass's
-            padding rows, which repeat the last position and write the last real row's.
-        k, v: ``[layers, sequences]`` int64: the addresses of each sequence's key and value caches per layer.
-        head_stride: ``[sequences]`` int64: elements from one key-value head to the next in a sequence's cache
-            (its capacity times the head size).
+        blocks: ``[n, 4]``: the programs' blocks of rows, ``(sequence, first row, rows, the sequence's first
+            row)``: up to :data:`BLOCK_M` consecutive rows of one sequence each (a row in no block writes nothing
+            and its attention is zero). A row writes the keys and values of the sequence's row that holds its
+            position (consecutive from the sequence's first row): itself, but for a one-sequence pass's padding
+            rows, which repeat the last position and write the last real row's.
+        k, v: ``[layers, sequences]``: the addresses of each sequence's key and value caches per layer.
+        head_stride: ``[sequences]``: elements from one key-value head to the next in a sequence's cache (its
+            capacity times the head size).
+        packed: the tensor all of them view.
         keep: the cache tensors whose addresses the tables hold (kept alive with them).
     """
 
@@ -91,16 +93,23 @@ class Tables:
     k: torch.Tensor
     v: torch.Tensor
     head_stride: torch.Tensor
+    packed: torch.Tensor
     keep: tuple
+
+    @staticmethod
+    def of(packed: torch.Tensor, blocks: int, layers: int, seqs: int, keep: tuple = ()) -> "Tables":
+        """The tables viewing ``packed`` (``blocks * 4 + 2 * layers * seqs + seqs`` entries, in that order)."""
+        parts = packed.split([blocks * 4, layers * seqs, layers * seqs, seqs])
+        return Tables(parts[0].view(blocks, 4), parts[1].view(layers, seqs), parts[2].view(layers, seqs), parts[3],
+                      packed, keep)
 
     def buffers(self) -> "Tables":
         """Copies of these tables that hold no caches (a recording's buffers, refilled by :meth:`copy_`)."""
-        return Tables(self.blocks.clone(), self.k.clone(), self.v.clone(), self.head_stride.clone(), ())
+        return Tables.of(self.packed.clone(), self.blocks.shape[0], self.k.shape[0], self.k.shape[1])
 
     def copy_(self, other: "Tables") -> None:
         """Fill these tables (a recording's buffers) with ``other``'s, of the same shapes (both padded)."""
-        for name in ("blocks", "k", "v", "head_stride"):
-            getattr(self, name).copy_(getattr(other, name))
+        self.packed.copy_(other.packed)
 
 
 def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int],
@@ -110,14 +119,12 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
     all :data:`~hsd_opt.engine.fixed.ROWS`, its padding rows repeating its last position); the rows after theirs
     belong to no sequence. ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS` blocks and
     sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
-    from hsd_opt.engine.fixed import ROWS
-
     k0 = caches[0][0][0]
-    device = k0.device
-    blocks: list[tuple[int, int, int, int]] = []
+    blocks: list[int] = []
     o = 0
     for s, n in enumerate(rows):
-        blocks += [(s, r, min(BLOCK_M, o + n - r), o) for r in range(o, o + n, BLOCK_M)]
+        for r in range(o, o + n, BLOCK_M):
+            blocks += (s, r, min(BLOCK_M, o + n - r), o)
         o += n
     if o > ROWS:
         raise ValueError(f"a fixed-shape pass holds at most {ROWS} rows, not {o}")
@@ -126,20 +133,19 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
             if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.dtype != k0.dtype:
                 raise ValueError("Triton attention reads caches [1, kv_heads, capacity, head_dim], contiguous, "
                                  "of one dtype")
-    seqs = ROWS if padded else len(caches)
-    if padded:
-        blocks += [(0, 0, 0, 0)] * (ROWS - len(blocks))
-
-    def addresses(side: int) -> list[list[int]]:
-        return [[c[side][l].data_ptr() for c in caches] + [0] * (seqs - len(caches))
-                for l in range(len(caches[0][0]))]
-
-    host = {"blocks": torch.tensor(blocks, dtype=torch.int32),
-            "k": torch.tensor(addresses(0), dtype=torch.int64), "v": torch.tensor(addresses(1), dtype=torch.int64),
-            "head_stride": torch.tensor([c[0][0].stride(1) for c in caches] + [0] * (seqs - len(caches)),
-                                        dtype=torch.int64)}
-    return Tables(**{name: t.to(device) for name, t in host.items()},
-                  keep=tuple(t for c in caches for side in c for t in side))
+    layers = len(caches[0][0])
+    n_blocks, seqs = (ROWS, ROWS) if padded else (len(blocks) // 4, len(caches))
+    blocks += [0] * (4 * n_blocks - len(blocks))
+    empty = [0] * (seqs - len(caches))
+    host = blocks
+    for side in (0, 1):
+        for l in range(layers):
+            host += [c[side][l].data_ptr() for c in caches] + empty
+    host += [c[0][0].stride(1) for c in caches] + empty
+    packed = torch.tensor(host, dtype=torch.int64)
+    if k0.is_cuda:     # one copy, not waiting for the device's queue
+        packed = packed.pin_memory().to(k0.device, non_blocking=True)
+    return Tables.of(packed, n_blocks, layers, seqs, keep=tuple(t for c in caches for side in c for t in side))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, tab: Tables,
