@@ -191,11 +191,9 @@ class GraphedPasses:
         pos = fixed.positions(start, m, x.device)
         cs, sn = (fixed.pad(t.to(path.dtype), 1).clone() for t in (cos, sin))
         k, v = st.k[l0:l1], st.v[l0:l1]
-        # the Triton attention's tables (host data copied to the device) are made before recording, not in it
-        tables = path.attention_tables([fixed.one_sequence(k, v, pos, lo, hi)]) if path.triton_attention else None
 
         def run() -> torch.Tensor:
-            return path.fixed_layers(l0, l1, xs, pos, cs, sn, [fixed.one_sequence(k, v, pos, lo, hi)], tables)
+            return path.fixed_layers(l0, l1, xs, pos, cs, sn, [fixed.one_sequence(k, v, pos, lo, hi)])
 
         replay, out = self._record(run)
         replay()
