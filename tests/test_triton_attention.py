@@ -51,7 +51,8 @@ def _pass(seqs: list[tuple[Sequence, int, int]]):
     pad = fixed.ROWS - pos.shape[0]
     q, k, v = (torch.cat([t, torch.zeros(t.shape[0], pad, t.shape[2], dtype=t.dtype)], dim=1) for t in (q, k, v))
     pos = torch.cat([pos, pos[-1:].expand(pad)])
-    tab = triton_attention.tables([([s.kc], [s.vc]) for s, _, _ in seqs], [m for _, _, m in seqs])
+    tab = triton_attention.tables([([s.kc], [s.vc]) for s, _, _ in seqs], [m for _, _, m in seqs], pos.tolist())
+    assert torch.equal(tab.pos, pos)
     return q, k, v, pos, tab
 
 
@@ -109,7 +110,7 @@ def test_a_one_sequence_pass_s_padding_rows_write_its_last_position_s_keys():
     q, k, v, pos, _ = _pass([(s, 90, 3)])
     stale = torch.randn(2, 2, fixed.ROWS - 3, 64, generator=g)    # what a recording's padding rows hold
     k[:, 3:], v[:, 3:] = stale
-    tab = triton_attention.tables([([s.kc], [s.vc])], [fixed.ROWS])
+    tab = triton_attention.tables([([s.kc], [s.vc])], [fixed.ROWS], [90, 91, 92])
     out = triton_attention.attention(q, k, v, pos, tab, 0)
     assert torch.equal(s.kc, want_k) and torch.equal(s.vc, want_v)
     assert torch.equal(out[:, :, 2], triton_attention.attention(*_pass([(s, 92, 1)]), 0)[:, :, 0])   # as alone

@@ -125,6 +125,16 @@ def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([t, last.expand(*[ROWS - n if d == dim else -1 for d in range(t.dim())])], dim=dim)
 
 
+def stacked(parts: Sequence[Rows]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden states ``[ROWS, d]`` and rotary tables ``[1, ROWS, head_dim]`` of a fixed-shape pass of several
+    sequences' rows (at most :data:`ROWS` in all), one after the other, finite padding after."""
+    total = sum(p.x.shape[0] for p in parts)
+    if not 0 < total <= ROWS:
+        raise ValueError(f"a fixed-shape pass holds 1..{ROWS} rows, not {total}")
+    return (pad(torch.cat([p.x for p in parts]), 0), pad(torch.cat([p.cos for p in parts], dim=1), 1),
+            pad(torch.cat([p.sin for p in parts], dim=1), 1))
+
+
 def several(parts: Sequence[Rows], l0: int, l1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor, list[Part]]:
     """The fixed-shape pass of several sequences' rows (at most :data:`ROWS` in all), one after the other:
@@ -132,11 +142,7 @@ def several(parts: Sequence[Rows], l0: int, l1: int) -> tuple[torch.Tensor, torc
     cache, and each row takes the attention of its own sequence at its own length."""
     device = parts[0].x.device
     total = sum(p.x.shape[0] for p in parts)
-    if not 0 < total <= ROWS:
-        raise ValueError(f"a fixed-shape pass holds 1..{ROWS} rows, not {total}")
-    x = pad(torch.cat([p.x for p in parts]), 0)
-    cos = pad(torch.cat([p.cos for p in parts], dim=1), 1)
-    sin = pad(torch.cat([p.sin for p in parts], dim=1), 1)
+    x, cos, sin = stacked(parts)
     if len(parts) == 1:                      # as a recording computes it
         p = parts[0]
         pos = positions(p.start, total, device)

@@ -74,7 +74,7 @@ class _Recorded:
     """One recorded pass and its input buffers."""
 
     x: torch.Tensor          # [ROWS, d] hidden in (the pass's rows first)
-    pos: torch.Tensor        # [ROWS] positions (int64; the padding rows repeat the last)
+    pos: torch.Tensor        # [ROWS] positions (int64; the padding rows repeat the last; with Triton, tables.pos)
     cos: torch.Tensor        # [1, ROWS, head_dim]
     sin: torch.Tensor
     replay: Callable[[], None]
@@ -152,16 +152,15 @@ class GraphedPasses:
         computed nothing, where a recording failed (the caller computes the pass op by op)."""
         if self.failed is not None:
             return None
-        x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
         sizes = [p.x.shape[0] for p in parts]
         path = self._path
-        tables = triton_attention.tables([(p.k, p.v) for p in ps], sizes, padded=True)
-        x, cos, sin = x.to(path.dtype), cos.to(path.dtype), sin.to(path.dtype)
+        tables = triton_attention.of_rows(parts, l0, l1, padded=True)
+        x, cos, sin = (t.to(path.dtype) for t in fixed.stacked(parts))
         rec = self._shared.get((l0, l1))
         if rec is None:
-            bufs = _Recorded(x.clone(), pos.clone(), cos.clone(), sin.clone(), lambda: None, x,
-                             tables.buffers())
-            bufs.tables.copy_(tables)
+            buf = tables.buffers()
+            buf.copy_(tables)
+            bufs = _Recorded(x.clone(), buf.pos, cos.clone(), sin.clone(), lambda: None, x, buf)
 
             def run() -> torch.Tensor:     # no parts: the tables (buffers) say where each row goes
                 return path.fixed_layers(l0, l1, bufs.x, bufs.pos, bufs.cos, bufs.sin, [], bufs.tables)
@@ -174,9 +173,9 @@ class GraphedPasses:
             self.recorded += 1
             rec = self._shared[(l0, l1)] = bufs
         else:
-            for buf, new in ((rec.x, x), (rec.pos, pos), (rec.cos, cos), (rec.sin, sin)):
+            for buf, new in ((rec.x, x), (rec.cos, cos), (rec.sin, sin)):
                 buf.copy_(new)
-            rec.tables.copy_(tables)
+            rec.tables.copy_(tables)          # the positions with them
         rec.replay()
         return list(rec.out[:sum(sizes)].clone().split(sizes))
 

@@ -445,15 +445,18 @@ class LayeredLM:
     def _fixed_pass(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
         """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
         all) in one fixed-shape pass, op by op: each sequence's new hidden states."""
-        if self._graphs is not None and self._torch.triton_attention:   # one recording replays any batch
-            out = self._graphs.many(l0, l1, list(parts))
+        sizes = [p.x.shape[0] for p in parts]
+        if self._torch.triton_attention:      # where rows go is data: one recording replays any pass and batch
+            out = None if self._graphs is None else self._graphs.many(l0, l1, list(parts))
             if out is not None:
                 return out
-        x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
-        sizes = [p.x.shape[0] for p in parts]
-        # the Triton attention computes the real rows only (a recording computes the padding rows too)
-        tables = self._torch.attention_tables(ps, sizes) if self._torch.triton_attention else None
-        out = self._torch.fixed_layers(l0, l1, x, pos, cos.to(self.dtype), sin.to(self.dtype), ps, tables)
+            x, cos, sin = fixed.stacked(parts)
+            tables = triton_attention.of_rows(parts, l0, l1)
+            out = self._torch.fixed_layers(l0, l1, x, tables.pos, cos.to(self.dtype), sin.to(self.dtype), [],
+                                           tables)
+        else:
+            x, pos, cos, sin, ps = fixed.several(parts, l0, l1)
+            out = self._torch.fixed_layers(l0, l1, x, pos, cos.to(self.dtype), sin.to(self.dtype), ps)
         return list(out[:sum(sizes)].split(sizes))
 
     def _on_kernels(self, start: int, m: int, prompt: int = 0) -> bool:

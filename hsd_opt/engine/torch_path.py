@@ -104,14 +104,15 @@ class TorchPath:
                      tables: triton_attention.Tables | None = None) -> torch.Tensor:
         """Layers ``l0 .. l1-1`` of a fixed-shape pass (:mod:`hsd_opt.engine.fixed`): hidden ``x`` ``[ROWS, d]`` at
         positions ``pos`` ``[ROWS]`` with rotary tables ``cos``/``sin`` ``[1, ROWS, head_dim]``; each part writes
-        its rows' keys and values into its caches and gives its rows' attention over them (op by op, or in Triton
-        kernels for all parts at once where :attr:`triton_attention` is set: ``tables`` from
-        :meth:`attention_tables`, made here when not given). Every operation sees the same shapes whatever the
-        pass holds, so each real row gets what it gets in any other pass."""
+        its rows' keys and values into its caches and gives its rows' attention over them (op by op; or where
+        :attr:`triton_attention` is set, in Triton kernels for all the pass's sequences at once, as ``tables`` say:
+        :func:`~hsd_opt.engine.triton_attention.of_rows`, ``parts`` unused). Every operation sees the same shapes
+        whatever the pass holds, so each real row gets what it gets in any other pass."""
         x = x.to(self.dtype)
         pre, post = self._compiled or (layer_math.attention_inputs, layer_math.after_attention)
         if self.triton_attention:
-            tables = tables or self.attention_tables(parts)
+            if tables is None:
+                raise ValueError("a fixed-shape pass with the Triton attention needs its tables")
             for i, l in enumerate(range(l0, l1)):
                 q, k, v = self._qkv(l, x, cos, sin, pre)
                 x = self._after_attention(l, x, triton_attention.attention(q, k, v, pos, tables, i), post)
@@ -135,14 +136,6 @@ class TorchPath:
                         o = torch.where(rows, og, torch.zeros_like(og) if o is None else o)
             x = self._after_attention(l, x, o, post)
         return x
-
-    @staticmethod
-    def attention_tables(parts: Sequence[fixed.Part], rows: Sequence[int] | None = None) -> triton_attention.Tables:
-        """The Triton attention's tables of a fixed-shape pass of ``parts``, each part's ``rows`` consecutive, in
-        order (default: the rows each part writes, :func:`~hsd_opt.engine.fixed.several`; all
-        :data:`~hsd_opt.engine.fixed.ROWS` for :func:`~hsd_opt.engine.fixed.one_sequence`, as a recording needs)."""
-        return triton_attention.tables([(p.k, p.v) for p in parts],
-                                       [p.src.shape[0] for p in parts] if rows is None else rows)
 
     def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              fn: Callable = layer_math.attention_inputs):

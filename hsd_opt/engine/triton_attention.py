@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from hsd_opt.engine.fixed import ROWS
+from hsd_opt.engine.state import Rows
 from hsd_opt.errors import HsdError
 
 #: Rows of one sequence per attention program (the least a Triton matrix product takes).
@@ -85,6 +86,7 @@ class Tables:
         k, v: ``[layers, sequences]``: the addresses of each sequence's key and value caches per layer.
         head_stride: ``[sequences]``: elements from one key-value head to the next in a sequence's cache (its
             capacity times the head size).
+        pos: ``[ROWS]``: each row's position (the padding rows repeating the last).
         packed: the tensor all of them view.
         keep: the cache tensors whose addresses the tables hold (kept alive with them).
     """
@@ -93,15 +95,17 @@ class Tables:
     k: torch.Tensor
     v: torch.Tensor
     head_stride: torch.Tensor
+    pos: torch.Tensor
     packed: torch.Tensor
     keep: tuple
 
     @staticmethod
     def of(packed: torch.Tensor, blocks: int, layers: int, seqs: int, keep: tuple = ()) -> "Tables":
-        """The tables viewing ``packed`` (``blocks * 4 + 2 * layers * seqs + seqs`` entries, in that order)."""
-        parts = packed.split([blocks * 4, layers * seqs, layers * seqs, seqs])
+        """The tables viewing ``packed`` (``blocks * 4 + 2 * layers * seqs + seqs + ROWS`` entries, in that
+        order)."""
+        parts = packed.split([blocks * 4, layers * seqs, layers * seqs, seqs, ROWS])
         return Tables(parts[0].view(blocks, 4), parts[1].view(layers, seqs), parts[2].view(layers, seqs), parts[3],
-                      packed, keep)
+                      parts[4], packed, keep)
 
     def buffers(self) -> "Tables":
         """Copies of these tables that hold no caches (a recording's buffers, refilled by :meth:`copy_`)."""
@@ -112,13 +116,21 @@ class Tables:
         self.packed.copy_(other.packed)
 
 
+def of_rows(parts: Sequence[Rows], l0: int, l1: int, padded: bool = False) -> Tables:
+    """The tables of a fixed-shape pass over layers ``l0 .. l1-1`` of several sequences' rows, one after the other
+    (:func:`~hsd_opt.engine.fixed.stacked`): each row of a sequence at its position from ``start``."""
+    return tables([(p.st.k[l0:l1], p.st.v[l0:l1]) for p in parts], [p.x.shape[0] for p in parts],
+                  [q for p in parts for q in range(p.start, p.start + p.x.shape[0])], padded)
+
+
 def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int],
-           padded: bool = False) -> Tables:
+           positions: Sequence[int], padded: bool = False) -> Tables:
     """The tables of a pass whose sequences, in order, have caches ``(k, v)`` (one tensor per layer of the run,
     ``[1, kv_heads, capacity, head_dim]`` contiguous) and ``rows`` consecutive rows each (a one-sequence pass:
     all :data:`~hsd_opt.engine.fixed.ROWS`, its padding rows repeating its last position); the rows after theirs
-    belong to no sequence. ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS` blocks and
-    sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
+    belong to no sequence. ``positions``: the rows' positions (the last repeated up to
+    :data:`~hsd_opt.engine.fixed.ROWS`). ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS`
+    blocks and sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
     k0 = caches[0][0][0]
     blocks: list[int] = []
     o = 0
@@ -142,6 +154,7 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
         for l in range(layers):
             host += [c[side][l].data_ptr() for c in caches] + empty
     host += [c[0][0].stride(1) for c in caches] + empty
+    host += list(positions) + [positions[-1]] * (ROWS - len(positions))
     packed = torch.tensor(host, dtype=torch.int64)
     if k0.is_cuda:     # one copy, not waiting for the device's queue
         packed = packed.pin_memory().to(k0.device, non_blocking=True)
