@@ -2,9 +2,9 @@
 
 A fixed-shape pass (:mod:`hsd_opt.engine.fixed`) may hold the rows of many sequences: a batch's decode step of 32
 sequences is one pass of 32 real rows. The layers' matrix products read each weight once for all of them, but op by
-op every sequence writes its keys and values and calls the attention over its own cache: about six kernels per
-sequence and layer, each launched by the host, so such a step is bound by launches long before it is bound by the
-weights. Here a layer's attention is two kernels for the whole pass:
+op every sequence writes its keys and values and calls the attention over its own cache: over a dozen operators
+per sequence and layer (counted in ``docs/results.md``), each a kernel the host launches, so such a step is bound by
+launches long before it is bound by the weights. Here a layer's attention is two kernels for the whole pass:
 
 - the rows of the pass come in blocks of up to :data:`BLOCK_M` consecutive rows of one sequence (:func:`tables`;
   the caches' addresses come from a table, each sequence keeping its own cache tensors);
