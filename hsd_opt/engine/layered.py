@@ -444,7 +444,8 @@ class LayeredLM:
 
     def _fixed_pass(self, l0: int, l1: int, parts: Sequence[Rows]) -> list[torch.Tensor]:
         """Layers ``l0 .. l1-1`` over several sequences' rows (at most :data:`~hsd_opt.engine.fixed.ROWS` in
-        all) in one fixed-shape pass, op by op: each sequence's new hidden states."""
+        all) in one fixed-shape pass, op by op (with the Triton attention, replayed from the run's one recording
+        where this engine replays its passes): each sequence's new hidden states."""
         sizes = [p.x.shape[0] for p in parts]
         if self._torch.triton_attention:      # where rows go is data: one recording replays any pass and batch
             out = None if self._graphs is None else self._graphs.many(l0, l1, list(parts))
