@@ -13,6 +13,9 @@ every pass of every sequence and batch, bit for bit as op by op.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,6 +230,10 @@ def test_one_recording_of_a_run_replays_every_sequence_s_passes_and_every_batch(
             assert torch.equal(eng.logits(a, L, 0, a.n), replayed.logits(b, L, 0, b.n))
             assert all(torch.equal(a.k[l][:, :, :a.n], b.k[l][:, :, :b.n]) for l in range(L))
     assert replayed._graphs.recorded == 1        # the run 0 .. L, for every state and batch
+    gone = weakref.ref(pairs[0][1].k[0])         # the recording holds no state's caches
+    del pairs, a, b
+    gc.collect()
+    assert gone() is None
 
 
 def test_greedy_hierarchies_and_the_batch_scheduler_give_the_target_s_own_tokens(model):
