@@ -30,6 +30,8 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
   steps give the op-by-op ones' logits (``replayed_equal_fixed``);
 - ``kernels``: one decode step's kernels by kind (``matmul``, ``attention``, ``other``), count and device
   milliseconds (``torch.profiler``; on a CPU its operators): what of a step is not reading weights;
+  ``kernels_batch``, ``kernels_batch_triton``: the same for a step of 32 sequences together (the largest batch
+  timed where 32 is not), op by op and with the attention in Triton kernels: what each sequence adds;
 - ``ops_ms[t]``: the torch path's own operations of a pass over ``t`` positions (every layer, then the head's
   greedy token) at a fixed place, called directly (no engine bookkeeping); ``graph_ms[t]``: the same operations
   captured once as a CUDA graph and replayed, which the host launches as one: the device's time for our kernels,
@@ -248,7 +250,7 @@ def pass_ops(eng, st, start: int, t: int, seed: int = 3) -> Callable[[], torch.T
 #: Kernel names by what they compute (lower case, a substring each), for :func:`kernel_figures`.
 KERNEL_KINDS = {"matmul": ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk", "addmm", "aten::mm",
                            "aten::bmm"),
-                "attention": ("flash", "fmha", "attention", "efficient", "softmax")}
+                "attention": ("flash", "fmha", "attention", "efficient", "softmax", "attend_rows", "write_rows")}
 
 
 #: Operators that launch nothing on a device (views, shapes, allocations), left out of a CPU's counts.
@@ -259,29 +261,35 @@ VIEWS = {f"aten::{n}" for n in ("view", "reshape", "transpose", "slice", "unsque
                                   "scaled_dot_product_attention", "permute", "squeeze", "zeros_like", "zeros")}
 
 
-def kernel_figures(model, context: int, steps: int = 3) -> dict:
+def kernel_figures(model, context: int, steps: int = 3, batch: int = 1, triton: bool = False) -> dict:
     """What one decode step of the engine (as the device runs it, op by op; on a CPU the torch path at fixed
     shapes) launches, from
     ``torch.profiler``: per step, the kernels (on a CPU, the operators) by kind (``matmul``, ``attention``,
     ``other``: norms, rotary, activations, copies) with their count and summed milliseconds on the device: how
-    much of a step is not reading weights, and whether fusing the small kernels would pay."""
+    much of a step is not reading weights, and whether fusing the small kernels would pay. ``batch``: a step of
+    that many sequences together; ``triton``: with the attention in Triton kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = next(model.parameters()).is_cuda
-    eng = engine(model, None if cuda else True)      # on a CPU the torch path as CUDA runs it, not the C kernels
+    eng = engine(model, None if cuda else True, triton=triton)   # on a CPU the torch path as CUDA runs it
     L = eng.n_layers
-    st = eng.new_state(context + steps + 2)
-    eng.append(st, torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(8)))
-    eng.advance(st, L)
+    prompt = torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(8))
+    states = [eng.new_state(context + steps + 2) for _ in range(batch)]
+    for st in states:
+        eng.append(st, prompt)
+        eng.advance(st, L)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    eng.append(st, [5])
-    eng.advance(st, L)
-    eng.greedy_ids(st, L, st.n - 1, st.n)        # a warm-up step
+
+    def step(token: int) -> None:
+        for st in states:
+            eng.append(st, [token])
+        eng.advance_many([(st, L) for st in states])
+        eng.greedy_ids_many([(st, L, st.n - 1, st.n) for st in states])
+
+    step(5)                                      # a warm-up step
     with profile(activities=acts) as prof:
         for i in range(steps):
-            eng.append(st, [6 + i])
-            eng.advance(st, L)
-            eng.greedy_ids(st, L, st.n - 1, st.n)
+            step(6 + i)
         now()
     out = {k: {"count": 0, "ms": 0.0} for k in (*KERNEL_KINDS, "other")}
     for ev in prof.key_averages():
@@ -299,7 +307,7 @@ def kernel_figures(model, context: int, steps: int = 3) -> dict:
     for v in out.values():
         v["count"], v["ms"] = v["count"] / steps, v["ms"] / steps
     out["unit"] = "per step: device kernels" if cuda else "per step: CPU operators (self time)"
-    out["fixed_shapes"] = eng.fixed_shapes
+    out["fixed_shapes"], out["batch"], out["triton_attention"] = eng.fixed_shapes, batch, eng.attends_in_triton
     return out
 
 
@@ -518,11 +526,16 @@ def main(argv: list[str] | None = None) -> dict:
     save()
     report["exactness"] = exactness(model, a.context, triton=a.triton)
     save()
-    try:
-        report["kernels"] = kernel_figures(model, a.context)
-    except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
-        report["kernels"] = f"{type(e).__name__}: {str(e)[:300]}"
-    save()
+    big = 32 if 32 in batches else max(batches)      # a batch's step: what its sequences add to the launches
+    for name, how in (("kernels", {}), ("kernels_batch", {"batch": big}),
+                      ("kernels_batch_triton", {"batch": big, "triton": True})):
+        if how.get("triton") and not a.triton:
+            continue
+        try:
+            report[name] = kernel_figures(model, a.context, **how)
+        except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
+            report[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        save()
     def variant(name: str, few: bool = False, **how) -> bool:
         """The step, passes and batches of :func:`engine` ``(model, **how)`` with their ratios, as ``report[name]``
         (the error instead where it fails: a figure to report; the rest still runs); ``few``: only the first and

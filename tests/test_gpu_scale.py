@@ -34,6 +34,9 @@ def test_the_dry_run_times_every_figure_and_our_tokens_equal_hf_generate(tmp_pat
     assert rep["exactness"]["replayed_equal_fixed"] is True
     kern = rep["kernels"]                   # a step's operators by kind (on a CPU), each layer's products among them
     assert kern["matmul"]["count"] >= 7 * 4 and kern["other"]["count"] > 0 and kern["matmul"]["ms"] > 0
+    many = rep["kernels_batch"]             # 3 sequences' step: the same products, each sequence's own attention
+    assert many["batch"] == 3 and many["matmul"]["count"] == kern["matmul"]["count"]
+    assert many["attention"]["count"] == 3 * kern["attention"]["count"] and "kernels_batch_triton" not in rep
     assert rep["compiled"]["step_ms"] > 0 and set(rep["compiled"]["batch_ms"]) == {1, 3}
     own = rep["own_shapes"]
     assert set(own["pass_ms"]) == {1, 2, 4} and set(own["batch_ms"]) == {1, 3} and own["step_ms"] > 0
@@ -60,6 +63,10 @@ def test_the_triton_attention_s_figures_and_exactness():
     for name in ("triton", "triton_replayed"):
         assert ex[name]["pass_equal_steps"] and ex[name]["batch_equal_alone"], (name, ex[name])
     assert "triton" not in gpu_scale.exactness(model, 16, t=2, batch=2, triton=False)
+    plain, tri = (gpu_scale.kernel_figures(model, 16, steps=1, batch=3, triton=t) for t in (False, True))
+    assert tri["triton_attention"] and not plain["triton_attention"]
+    assert tri["attention"]["count"] == 0 < plain["attention"]["count"]     # on a CPU Triton's are no operators
+    assert sum(tri[k]["count"] for k in ("matmul", "other")) < sum(plain[k]["count"] for k in ("matmul", "other"))
 
 
 def test_a_pass_s_operations_called_directly_are_the_engine_s_pass():
