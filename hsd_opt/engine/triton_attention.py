@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from hsd_opt.engine.fixed import ROWS
+from hsd_opt.engine.kernels import cache_ptrs
 from hsd_opt.engine.state import Rows
 from hsd_opt.errors import HsdError
 
@@ -88,7 +89,6 @@ class Tables:
             capacity times the head size).
         pos: ``[ROWS]``: each row's position (the padding rows repeating the last).
         packed: the tensor all of them view.
-        keep: the cache tensors whose addresses the tables hold (kept alive with them).
     """
 
     blocks: torch.Tensor
@@ -97,18 +97,17 @@ class Tables:
     head_stride: torch.Tensor
     pos: torch.Tensor
     packed: torch.Tensor
-    keep: tuple
 
     @staticmethod
-    def of(packed: torch.Tensor, blocks: int, layers: int, seqs: int, keep: tuple = ()) -> "Tables":
+    def of(packed: torch.Tensor, blocks: int, layers: int, seqs: int) -> "Tables":
         """The tables viewing ``packed`` (``blocks * 4 + 2 * layers * seqs + seqs + ROWS`` entries, in that
         order)."""
         parts = packed.split([blocks * 4, layers * seqs, layers * seqs, seqs, ROWS])
         return Tables(parts[0].view(blocks, 4), parts[1].view(layers, seqs), parts[2].view(layers, seqs), parts[3],
-                      parts[4], packed, keep)
+                      parts[4], packed)
 
     def buffers(self) -> "Tables":
-        """Copies of these tables that hold no caches (a recording's buffers, refilled by :meth:`copy_`)."""
+        """A copy of these tables (a recording's buffers, refilled by :meth:`copy_`)."""
         return Tables.of(self.packed.clone(), self.blocks.shape[0], self.k.shape[0], self.k.shape[1])
 
     def copy_(self, other: "Tables") -> None:
@@ -118,9 +117,16 @@ class Tables:
 
 def of_rows(parts: Sequence[Rows], l0: int, l1: int, padded: bool = False) -> Tables:
     """The tables of a fixed-shape pass over layers ``l0 .. l1-1`` of several sequences' rows, one after the other
-    (:func:`~hsd_opt.engine.fixed.stacked`): each row of a sequence at its position from ``start``."""
-    return tables([(p.st.k[l0:l1], p.st.v[l0:l1]) for p in parts], [p.x.shape[0] for p in parts],
-                  [q for p in parts for q in range(p.start, p.start + p.x.shape[0])], padded)
+    (:func:`~hsd_opt.engine.fixed.stacked`): each row of a sequence at its position from ``start``. The caches'
+    addresses are a state's own, checked and taken once (:attr:`~hsd_opt.engine.state.DecodeState.cache_ptrs`, as
+    the CPU kernels take them)."""
+    for p in parts:
+        if p.st.cache_ptrs is None:
+            _check(p.st.k + p.st.v)
+            p.st.cache_ptrs = (cache_ptrs(p.st.k), cache_ptrs(p.st.v))
+    return _packed([(p.st.cache_ptrs[0][l0:l1], p.st.cache_ptrs[1][l0:l1], p.st.k[0].stride(1)) for p in parts],
+                   [p.x.shape[0] for p in parts], [q for p in parts for q in range(p.start, p.start + p.x.shape[0])],
+                   padded, parts[0].st.k[0].device)
 
 
 def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int],
@@ -131,7 +137,23 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
     belong to no sequence. ``positions``: the rows' positions (the last repeated up to
     :data:`~hsd_opt.engine.fixed.ROWS`). ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS`
     blocks and sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
-    k0 = caches[0][0][0]
+    _check([t for k, v in caches for t in (*k, *v)])
+    return _packed([([t.data_ptr() for t in k], [t.data_ptr() for t in v], k[0].stride(1)) for k, v in caches],
+                   rows, positions, padded, caches[0][0][0].device)
+
+
+def _check(caches: Sequence[torch.Tensor]) -> None:
+    """Refuse caches the kernels cannot address: each ``[1, kv_heads, capacity, head_dim]``, contiguous, of one
+    dtype."""
+    for t in caches:
+        if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.dtype != caches[0].dtype:
+            raise ValueError("Triton attention reads caches [1, kv_heads, capacity, head_dim], contiguous, "
+                             "of one dtype")
+
+
+def _packed(seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], rows: Sequence[int], positions: Sequence[int],
+            padded: bool, device: torch.device) -> Tables:
+    """:func:`tables` from each sequence's key and value cache addresses per layer and head stride."""
     blocks: list[int] = []
     o = 0
     for s, n in enumerate(rows):
@@ -140,25 +162,20 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
         o += n
     if o > ROWS:
         raise ValueError(f"a fixed-shape pass holds at most {ROWS} rows, not {o}")
-    for k, v in caches:
-        for t in (*k, *v):
-            if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.dtype != k0.dtype:
-                raise ValueError("Triton attention reads caches [1, kv_heads, capacity, head_dim], contiguous, "
-                                 "of one dtype")
-    layers = len(caches[0][0])
-    n_blocks, seqs = (ROWS, ROWS) if padded else (len(blocks) // 4, len(caches))
+    layers = len(seqs[0][0])
+    n_blocks, n_seqs = (ROWS, ROWS) if padded else (len(blocks) // 4, len(seqs))
     blocks += [0] * (4 * n_blocks - len(blocks))
-    empty = [0] * (seqs - len(caches))
+    empty = [0] * (n_seqs - len(seqs))
     host = blocks
     for side in (0, 1):
         for l in range(layers):
-            host += [c[side][l].data_ptr() for c in caches] + empty
-    host += [c[0][0].stride(1) for c in caches] + empty
+            host += [sq[side][l] for sq in seqs] + empty
+    host += [sq[2] for sq in seqs] + empty
     host += list(positions) + [positions[-1]] * (ROWS - len(positions))
     packed = torch.tensor(host, dtype=torch.int64)
-    if k0.is_cuda:     # one copy, not waiting for the device's queue
-        packed = packed.pin_memory().to(k0.device, non_blocking=True)
-    return Tables.of(packed, n_blocks, layers, seqs, keep=tuple(t for c in caches for side in c for t in side))
+    if device.type == "cuda":     # one copy, not waiting for the device's queue
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return Tables.of(packed, n_blocks, layers, n_seqs)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, tab: Tables,
