@@ -48,7 +48,7 @@ class Sequence:
 
 
 def _pass(seqs: list[tuple[Sequence, int, int]]):
-    """A fixed-shape pass over ``(sequence, start, rows)`` in order: ``(q, k, v, pos, tables)``."""
+    """A fixed-shape pass over ``(sequence, start, rows)`` in order: ``(q, k, v, tables)``."""
     q, k, v = (torch.cat([getattr(s, name)[:, a:a + m] for s, a, m in seqs], dim=1) for name in ("q", "k", "v"))
     pos = torch.cat([torch.arange(a, a + m) for _, a, m in seqs])
     pad = fixed.ROWS - pos.shape[0]
@@ -56,7 +56,7 @@ def _pass(seqs: list[tuple[Sequence, int, int]]):
     pos = torch.cat([pos, pos[-1:].expand(pad)])
     tab = triton_attention.tables([([s.kc], [s.vc]) for s, _, _ in seqs], [m for _, _, m in seqs], pos.tolist())
     assert torch.equal(tab.pos, pos)
-    return q, k, v, pos, tab
+    return q, k, v, tab
 
 
 @pytest.mark.parametrize("heads,kv,hd", [(4, 2, 64), (3, 3, 24)])
@@ -65,8 +65,8 @@ def test_each_row_gets_its_sequence_s_causal_attention(heads, kv, hd):
     spec = [(300, 512, 250, 20), (40, 256, 7, 1), (200, 256, 190, 9)]     # (n, capacity, start, rows)
     seqs = [Sequence(g, n, cap, heads, kv, hd, torch.float32).before(a) for n, cap, a, _ in spec]
     untouched = [(s.kc.clone(), s.vc.clone()) for s in seqs]
-    q, k, v, pos, tab = _pass([(s, a, m) for s, (_, _, a, m) in zip(seqs, spec)])
-    out = triton_attention.attention(q, k, v, pos, tab, 0)
+    q, k, v, tab = _pass([(s, a, m) for s, (_, _, a, m) in zip(seqs, spec)])
+    out = triton_attention.attention(q, k, v, tab, 0)
     assert out.shape == (1, heads, fixed.ROWS, hd)
     o = 0
     for s, (kc, vc), (_, _, a, m) in zip(seqs, untouched, spec):
@@ -97,9 +97,9 @@ def test_a_row_s_output_is_the_same_alone_in_a_verify_pass_and_beside_other_sequ
             one.kc[0, :, start:], one.vc[0, :, start:] = noise.kc[0, :, start:], noise.vc[0, :, start:]
             one.before(start)
             rows = beside[:1] + [(one, start, m)] + beside[1:]
-            q, k, v, pos, tab = _pass([(s, a, n) for s, a, n in rows])
+            q, k, v, tab = _pass([(s, a, n) for s, a, n in rows])
             at = sum(n for _, _, n in rows[:rows.index((one, start, m))]) + p - start
-            outs.append(triton_attention.attention(q, k, v, pos, tab, 0)[:, :, at])
+            outs.append(triton_attention.attention(q, k, v, tab, 0)[:, :, at])
         assert all(torch.equal(o, outs[0]) for o in outs), p
 
 
@@ -110,11 +110,11 @@ def test_a_one_sequence_pass_s_padding_rows_write_its_last_position_s_keys():
     s = Sequence(g, 100, 256, 4, 2, 64, torch.float32).before(90)
     want_k, want_v = s.kc.clone(), s.vc.clone()
     want_k[0, :, 90:93], want_v[0, :, 90:93] = s.k[:, 90:93], s.v[:, 90:93]
-    q, k, v, pos, _ = _pass([(s, 90, 3)])
+    q, k, v, _ = _pass([(s, 90, 3)])
     stale = torch.randn(2, 2, fixed.ROWS - 3, 64, generator=g)    # what a recording's padding rows hold
     k[:, 3:], v[:, 3:] = stale
     tab = triton_attention.tables([([s.kc], [s.vc])], [fixed.ROWS], [90, 91, 92])
-    out = triton_attention.attention(q, k, v, pos, tab, 0)
+    out = triton_attention.attention(q, k, v, tab, 0)
     assert torch.equal(s.kc, want_k) and torch.equal(s.vc, want_v)
     assert torch.equal(out[:, :, 2], triton_attention.attention(*_pass([(s, 92, 1)]), 0)[:, :, 0])   # as alone
 

@@ -115,7 +115,7 @@ class TorchPath:
                 raise ValueError("a fixed-shape pass with the Triton attention needs its tables")
             for i, l in enumerate(range(l0, l1)):
                 q, k, v = self._qkv(l, x, cos, sin, pre)
-                x = self._after_attention(l, x, triton_attention.attention(q, k, v, pos, tables, i), post)
+                x = self._after_attention(l, x, triton_attention.attention(q, k, v, tables, i), post)
             return x
         gqa = self.n_kv != self.n_heads
         mask = fixed.masks(pos, parts)

@@ -178,10 +178,9 @@ def _packed(seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], rows: Sequ
     return Tables.of(packed, n_blocks, layers, n_seqs)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, tab: Tables,
-              layer: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Tables, layer: int) -> torch.Tensor:
     """Layer ``layer`` (of the tables' run) of a fixed-shape pass: writes keys ``k`` and values ``v`` ``[kv_heads,
-    ROWS, head_dim]`` of each row at position ``pos`` ``[ROWS]`` of its sequence's caches, then gives the attention
+    ROWS, head_dim]`` of each row at its position (``tab.pos``) of its sequence's caches, then gives the attention
     of queries ``q`` ``[heads, ROWS, head_dim]`` over them: ``[1, heads, ROWS, head_dim]`` (zero where a row has no
     sequence)."""
     heads, rows, hd = q.shape
@@ -193,10 +192,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     grid = (tab.blocks.shape[0],)
     if q.device.type == "cpu":   # the interpreter runs each program in Python: only the blocks with rows (a prefix)
         grid = (int(torch.count_nonzero(tab.blocks[:, 2])),)
-    write_rows[grid](k, v, tab.k[layer], tab.v[layer], tab.head_stride, pos, tab.blocks,
+    write_rows[grid](k, v, tab.k[layer], tab.v[layer], tab.head_stride, tab.pos, tab.blocks,
                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), KV=kv, HD=hd, HD_P=hd_p, BM=BLOCK_M)
     out = torch.zeros(rows, heads, hd, dtype=q.dtype, device=q.device)
-    attend_rows[(grid[0], heads)](q, out, tab.k[layer], tab.v[layer], tab.head_stride, pos, tab.blocks,
+    attend_rows[(grid[0], heads)](q, out, tab.k[layer], tab.v[layer], tab.head_stride, tab.pos, tab.blocks,
                                   q.stride(0), q.stride(1), out.stride(1), out.stride(0), 1.0 / math.sqrt(hd),
                                   heads // kv, HD=hd, HD_P=hd_p, BM=BLOCK_M, BN=BLOCK_N,
                                   F32=q.device.type == "cpu" or q.dtype == torch.float32)
