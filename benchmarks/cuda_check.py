@@ -24,7 +24,8 @@ Steps (a tiny random Llama with a word tokenizer, made here; nothing downloaded)
    ``/health``.
 
 Prints one JSON line of what ran and exits 1 on the first inequality. Needs torch with CUDA, transformers,
-typer, rich, networkx, scipy, gguf (the package imports it for GGUF files), and for step 5 starlette and uvicorn.
+typer, rich, networkx, scipy, and for step 5 starlette and uvicorn (not gguf, cvxpy or llguidance: checked on a
+CPU with those three not importable, 2026-12-02).
 """
 
 from __future__ import annotations
