@@ -743,25 +743,36 @@ def _profile_target(source: str, target: Any, models: list[ModelEntry]) -> str:
     return target
 
 
+def _pair_table(source: str, raw: Any, seen: set[str], at: str, names: tuple[str, str], unit: str,
+                value: Callable[[Any, str], Any]) -> dict[str, dict[str, Any]]:
+    """A table ``raw[a][b]`` at field ``at``, ``names`` naming what ``a`` and ``b`` are (both among the profile's
+    models, ``seen``), each entry read by ``value(entry, its field)``; ``unit`` names an entry in messages."""
+    outer, inner = names
+    if not isinstance(raw, dict):
+        raise InputFileError(source, f"expected an object {at.rsplit('.', 1)[-1]}[{outer}][{inner}]", at)
+    out: dict[str, dict[str, Any]] = {}
+    for a, row in raw.items():
+        if a not in seen:
+            raise InputFileError(source, f"unknown {outer} {a!r}", f"{at}.{a}")
+        if not isinstance(row, dict):
+            raise InputFileError(source, f"expected an object {{{inner}: {unit}}}", f"{at}.{a}")
+        out[a] = {}
+        for b, v in row.items():
+            f = f"{at}.{a}.{b}"
+            if b not in seen:
+                raise InputFileError(source, f"unknown {inner} {b!r}", f)
+            out[a][b] = value(v, f)
+    return out
+
+
 def _acceptance(source: str, raw: Any, seen: set[str]) -> dict[str, dict[str, float]]:
     """``acceptance[drafter][verifier]``: rates in [0, 1], both names among the profile's models (``seen``)."""
-    if not isinstance(raw, dict):
-        raise InputFileError(source, "expected an object acceptance[drafter][verifier]", "acceptance")
-    acceptance: dict[str, dict[str, float]] = {}
-    for dr, row in raw.items():
-        if dr not in seen:
-            raise InputFileError(source, f"unknown drafter {dr!r}", f"acceptance.{dr}")
-        if not isinstance(row, dict):
-            raise InputFileError(source, "expected an object {verifier: rate}", f"acceptance.{dr}")
-        acceptance[dr] = {}
-        for ve, a in row.items():
-            f = f"acceptance.{dr}.{ve}"
-            if ve not in seen:
-                raise InputFileError(source, f"unknown verifier {ve!r}", f)
-            if not _is_number(a) or not 0.0 <= a <= 1.0:
-                raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
-            acceptance[dr][ve] = float(a)
-    return acceptance
+    def rate(a: Any, f: str) -> float:
+        if not _is_number(a) or not 0.0 <= a <= 1.0:
+            raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
+        return float(a)
+
+    return _pair_table(source, raw, seen, "acceptance", ("drafter", "verifier"), "rate", rate)
 
 
 def _profile_records(source: str, d: dict) -> dict[str, dict]:
@@ -781,26 +792,14 @@ PROFILE_RECORDS = ("greedy_agreement", "counts", "ci95", "acceptance_by_task", "
 
 def _verify_costs(source: str, raw: Any, seen: set[str], at: str) -> dict[str, dict[str, float | list[float]]]:
     """``verify_cost[verifier][drafter]`` (seconds > 0, or a curve of them) at field ``at``, names known."""
-    if not isinstance(raw, dict):
-        raise InputFileError(source, "expected an object verify_cost[verifier][drafter]", at)
-    out: dict[str, dict[str, float | list[float]]] = {}
-    for ve, row in raw.items():
-        if ve not in seen:
-            raise InputFileError(source, f"unknown verifier {ve!r}", f"{at}.{ve}")
-        if not isinstance(row, dict):
-            raise InputFileError(source, "expected an object {drafter: seconds}", f"{at}.{ve}")
-        out[ve] = {}
-        for dr, c in row.items():
-            f = f"{at}.{ve}.{dr}"
-            if dr not in seen:
-                raise InputFileError(source, f"unknown drafter {dr!r}", f)
-            if isinstance(c, list):
-                out[ve][dr] = _positive_curve(source, f, c)
-            elif _is_number(c) and c > 0:
-                out[ve][dr] = float(c)
-            else:
-                raise InputFileError(source, f"expected seconds > 0 or a list of them, got {c!r}", f)
-    return out
+    def seconds(c: Any, f: str) -> float | list[float]:
+        if isinstance(c, list):
+            return _positive_curve(source, f, c)
+        if _is_number(c) and c > 0:
+            return float(c)
+        raise InputFileError(source, f"expected seconds > 0 or a list of them, got {c!r}", f)
+
+    return _pair_table(source, raw, seen, at, ("verifier", "drafter"), "seconds", seconds)
 
 
 def _cost_curves(source: str, raw: Any, seen: set[str], at: str) -> dict[str, list[float]]:
