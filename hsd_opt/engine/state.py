@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -23,6 +24,8 @@ class DecodeState:
         resid: boundary -> ``[max_len, d]`` residual stream saved at that boundary (only for boundaries asked
             for: exits, and frontiers where a pass stopped).
         cache_ptrs: the caches' addresses as the kernels take them (filled on first use).
+        cache_table: the same addresses as one int64 array ``[2, layers]`` (keys', values'), as the Triton
+            attention's tables take them (filled on first use).
         prompt: positions ``0 .. prompt-1`` are the prompt (set by the decoding before its prefill): a pass
             within them is a prompt pass, which a float32 model may compute on the torch path.
     """
@@ -34,6 +37,7 @@ class DecodeState:
     v: list[torch.Tensor]
     resid: dict[int, torch.Tensor] = field(default_factory=dict)
     cache_ptrs: tuple | None = None
+    cache_table: np.ndarray | None = None
     prompt: int = 0
 
     @property

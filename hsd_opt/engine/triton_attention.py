@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hsd_opt.engine.fixed import ROWS
@@ -119,14 +120,17 @@ def of_rows(parts: Sequence[Rows], l0: int, l1: int, padded: bool = False) -> Ta
     """The tables of a fixed-shape pass over layers ``l0 .. l1-1`` of several sequences' rows, one after the other
     (:func:`~hsd_opt.engine.fixed.stacked`): each row of a sequence at its position from ``start``. The caches'
     addresses are a state's own, checked and taken once (:attr:`~hsd_opt.engine.state.DecodeState.cache_ptrs`, as
-    the CPU kernels take them)."""
+    the CPU kernels take them, and as one tensor, ``cache_table``)."""
     for p in parts:
-        if p.st.cache_ptrs is None:
-            _check(p.st.k + p.st.v)
-            p.st.cache_ptrs = (cache_ptrs(p.st.k), cache_ptrs(p.st.v))
-    return _packed([(p.st.cache_ptrs[0][l0:l1], p.st.cache_ptrs[1][l0:l1], p.st.k[0].stride(1)) for p in parts],
-                   [p.x.shape[0] for p in parts], [q for p in parts for q in range(p.start, p.start + p.x.shape[0])],
-                   padded, parts[0].st.k[0].device)
+        if p.st.cache_table is None:
+            if p.st.cache_ptrs is None:
+                _check(p.st.k + p.st.v)
+                p.st.cache_ptrs = (cache_ptrs(p.st.k), cache_ptrs(p.st.v))
+            p.st.cache_table = np.stack([np.frombuffer(a, dtype=np.int64) for a in p.st.cache_ptrs])
+    addrs = np.stack([p.st.cache_table for p in parts], 2)[:, l0:l1]        # [2, layers, sequences]
+    positions = [q for p in parts for q in range(p.start, p.start + p.x.shape[0])]
+    return _packed(addrs, [p.st.k[0].stride(1) for p in parts], [p.x.shape[0] for p in parts], positions, padded,
+                   parts[0].st.k[0].device)
 
 
 def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], rows: Sequence[int],
@@ -138,8 +142,9 @@ def tables(caches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]
     :data:`~hsd_opt.engine.fixed.ROWS`). ``padded``: at their largest shapes (:data:`~hsd_opt.engine.fixed.ROWS`
     blocks and sequences, the unused ones empty), whatever the pass holds: one recording then replays every pass."""
     _check([t for k, v in caches for t in (*k, *v)])
-    return _packed([([t.data_ptr() for t in k], [t.data_ptr() for t in v], k[0].stride(1)) for k, v in caches],
-                   rows, positions, padded, caches[0][0][0].device)
+    addrs = np.array([[[t.data_ptr() for t in kv[side]] for kv in caches] for side in (0, 1)],
+                     dtype=np.int64).transpose(0, 2, 1)                       # [2, layers, sequences]
+    return _packed(addrs, [k[0].stride(1) for k, _ in caches], rows, positions, padded, caches[0][0][0].device)
 
 
 def _check(caches: Sequence[torch.Tensor]) -> None:
@@ -151,9 +156,12 @@ def _check(caches: Sequence[torch.Tensor]) -> None:
                              "of one dtype")
 
 
-def _packed(seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], rows: Sequence[int], positions: Sequence[int],
+def _packed(addrs: np.ndarray, head_strides: Sequence[int], rows: Sequence[int], positions: Sequence[int],
             padded: bool, device: torch.device) -> Tables:
-    """:func:`tables` from each sequence's key and value cache addresses per layer and head stride."""
+    """:func:`tables` from the sequences' key and value cache addresses (int64 ``[2, layers, sequences]``), head
+    strides and rows, and the rows' positions (at most :data:`~hsd_opt.engine.fixed.ROWS`). Filled on the host by
+    whole slices in NumPy (a pass's tables hold thousands of addresses at a 7B's shape; no torch operator runs),
+    then copied to the device in one."""
     blocks: list[int] = []
     o = 0
     for s, n in enumerate(rows):
@@ -162,19 +170,22 @@ def _packed(seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], rows: Sequ
         o += n
     if o > ROWS:
         raise ValueError(f"a fixed-shape pass holds at most {ROWS} rows, not {o}")
-    layers = len(seqs[0][0])
-    n_blocks, n_seqs = (ROWS, ROWS) if padded else (len(blocks) // 4, len(seqs))
-    blocks += [0] * (4 * n_blocks - len(blocks))
-    empty = [0] * (n_seqs - len(seqs))
-    host = blocks
-    for side in (0, 1):
-        for l in range(layers):
-            host += [sq[side][l] for sq in seqs] + empty
-    host += [sq[2] for sq in seqs] + empty
-    host += list(positions) + [positions[-1]] * (ROWS - len(positions))
-    packed = torch.tensor(host, dtype=torch.int64)
-    if device.type == "cuda":     # one copy, not waiting for the device's queue
-        packed = packed.pin_memory().to(device, non_blocking=True)
+    _, layers, n = addrs.shape
+    n_blocks, n_seqs = (ROWS, ROWS) if padded else (len(blocks) // 4, n)
+    cuda = device.type == "cuda"
+    packed = torch.zeros(n_blocks * 4 + 2 * layers * n_seqs + n_seqs + ROWS, dtype=torch.int64, pin_memory=cuda)
+    host = packed.numpy()
+    a = n_blocks * 4
+    host[:len(blocks)] = blocks
+    host[a:a + layers * n_seqs].reshape(layers, n_seqs)[:, :n] = addrs[0]
+    a += layers * n_seqs
+    host[a:a + layers * n_seqs].reshape(layers, n_seqs)[:, :n] = addrs[1]
+    a += layers * n_seqs
+    host[a:a + n] = head_strides
+    host[a + n_seqs:a + n_seqs + len(positions)] = positions
+    host[a + n_seqs + len(positions):] = positions[-1]
+    if cuda:     # one copy, not waiting for the device's queue
+        packed = packed.to(device, non_blocking=True)
     return Tables.of(packed, n_blocks, layers, n_seqs)
 
 
