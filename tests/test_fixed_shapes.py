@@ -80,7 +80,8 @@ def test_several_sequences_in_one_pass_each_get_what_they_get_alone():
         for l in range(e):
             assert torch.equal(a.k[l][:, :, :a.n], b.k[l][:, :, :a.n])
     # the heads read together (rows of several reads in one head over ROWS rows): each read's logits as alone
-    reads = [(st, e, st.n - m, st.n) for st, e, m in zip(together, ends, sizes)] + [(together[0], 1, 3, 5)]
+    reads = [(st, e, st.n - m, st.n) for st, e, m in zip(together, ends, sizes)] + [(together[0], 1, 3, 5),
+                                                                                    (together[2], L, 0, 80)]
     for got, (st, e, s0, s1) in zip(eng.logits_many(reads), reads):
         assert torch.equal(got, eng.logits(st, e, s0, s1))
     assert [t.tolist() for t in eng.greedy_ids_many(reads)] == [eng.logits(*r).argmax(-1).tolist() for r in reads]

@@ -665,10 +665,12 @@ class LayeredLM:
                 out[i] = self.logits(st, b, s0, s1)
         return out
 
-    def _fixed_logits(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
+    def _fixed_logits(self, reads: Sequence[tuple[DecodeState, int, int, int]],
+                      greedy: bool = False) -> list[torch.Tensor]:
         """:meth:`logits_many` with fixed shapes (:meth:`fix_shapes`): the rows of the reads through one head
         together, in heads over :data:`~hsd_opt.engine.fixed.ROWS` rows (each row as it is read alone; the weights
-        read once for all of them)."""
+        read once for all of them). ``greedy``: each read's greedy ids instead, one argmax per head call (one
+        kernel for a batch's step, not one per sequence)."""
         out: list[torch.Tensor | None] = [None] * len(reads)
         by_head: dict[int | None, list[int]] = {}   # an exit's own head, or None: the model's
         for i, (st, b, s0, s1) in enumerate(reads):
@@ -677,11 +679,13 @@ class LayeredLM:
                 by_head.setdefault(b if b in self.exit_heads else None, []).append(i)
             else:
                 out[i] = self.logits(st, b, s0, s1)
+                out[i] = out[i].argmax(-1) if greedy else out[i]
         for idx in by_head.values():
             sizes = [reads[i][3] - reads[i][2] for i in idx]
             for chunk in fixed.fill(idx, sizes):
                 hidden = torch.cat([reads[i][0].resid[reads[i][1]][reads[i][2]:reads[i][3]] for i in chunk])
-                rows = self.head(hidden, reads[chunk[0]][1]).split([reads[i][3] - reads[i][2] for i in chunk])
+                rows = self.head(hidden, reads[chunk[0]][1])
+                rows = (rows.argmax(-1) if greedy else rows).split([reads[i][3] - reads[i][2] for i in chunk])
                 for i, r in zip(chunk, rows):
                     out[i] = r
         return out
@@ -693,7 +697,11 @@ class LayeredLM:
         (:meth:`_screened_ids`), more share one pass over the full head (:meth:`logits_many`). The same ids either
         way (the screen's argmax is exact)."""
         ids = self._screened_ids(reads)
-        return ids if ids is not None else [lg.argmax(-1) for lg in self.logits_many(reads)]
+        if ids is not None:
+            return ids
+        if self._fixed:                    # one argmax per head call
+            return self._fixed_logits(reads, greedy=True)
+        return [lg.argmax(-1) for lg in self.logits_many(reads)]
 
     @torch.no_grad()
     def hidden_states(self, input_ids, boundaries: Iterable[int]) -> dict[int, torch.Tensor]:
