@@ -501,10 +501,12 @@ class LayeredLM:
         cos, sin = self.rotary(dummy, pos)
         return cos[0].unsqueeze(0), sin[0].unsqueeze(0)  # [1, m, head_dim] broadcast over heads
 
-    def _runs(self, st: DecodeState, upto: int) -> Generator[Rows, torch.Tensor, int]:
+    def _runs(self, st: DecodeState, upto: int,
+              embedded: torch.Tensor | None = None) -> Generator[Rows, torch.Tensor, int]:
         """:meth:`advance` as the runs of layers it computes: yields ``(l0, l1, rows)`` for each run of layers
         ``l0 .. l1-1`` over some positions of ``st`` and receives their new hidden states; returns the positions
-        computed (summed over layers)."""
+        computed (summed over layers). ``embedded``: the embeddings of the tokens the first layer lacks, where the
+        caller has them (:meth:`_embedded`)."""
         if not 0 <= upto <= self.n_layers:
             raise HsdError(f"layer {upto} is out of range: the model has layers 1..{self.n_layers}")
         n = st.n
@@ -522,7 +524,7 @@ class LayeredLM:
                 l += 1
                 continue
             if l == 0:
-                x = self.embed(st.tokens[start:n])
+                x = self.embed(st.tokens[start:n]) if embedded is None else embedded
                 x_start = start
             elif start < x_start:  # a frontier: positions this layer lacks but the one below had done before
                 old = st.resid[l][start:x_start]
@@ -566,7 +568,8 @@ class LayeredLM:
         (:meth:`fix_shapes`), in fixed-shape passes of up to :data:`~hsd_opt.engine.fixed.ROWS` rows; the others
         one sequence at a time. Each state gets bit for bit what :meth:`advance` gives it alone. Returns the
         positions computed per state."""
-        runs = [self._runs(st, upto) for st, upto in work]
+        embedded = self._embedded(work) if self._fixed else {}
+        runs = [self._runs(st, upto, embedded.get(i)) for i, (st, upto) in enumerate(work)]
         done: list[int] = [0] * len(runs)
         pending: dict[int, tuple[int, int, Rows]] = {}
 
@@ -598,6 +601,16 @@ class LayeredLM:
                 for i, out in zip(idx, outs):
                     step(i, out)
         return done
+
+    def _embedded(self, work: Sequence[tuple[DecodeState, int]]) -> dict[int, torch.Tensor]:
+        """The embeddings ``[m, d]`` of the tokens the first layer lacks, by index in ``work``, of every state that
+        :meth:`advance_many` takes through the first layer: in one call for all of them (one kernel on a GPU, not
+        one per sequence; a lookup, so each the same as alone)."""
+        need = [i for i, (st, upto) in enumerate(work) if upto > 0 and st.lens[0] < st.n]
+        if len(need) < 2:
+            return {}
+        ids = [work[i][0].tokens[work[i][0].lens[0]:work[i][0].n] for i in need]
+        return dict(zip(need, self.embed(torch.cat(ids)).split([t.shape[0] for t in ids])))
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """Exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
