@@ -120,7 +120,7 @@ def of_rows(parts: Sequence[Rows], l0: int, l1: int, padded: bool = False) -> Ta
     """The tables of a fixed-shape pass over layers ``l0 .. l1-1`` of several sequences' rows, one after the other
     (:func:`~hsd_opt.engine.fixed.stacked`): each row of a sequence at its position from ``start``. The caches'
     addresses are a state's own, checked and taken once (:attr:`~hsd_opt.engine.state.DecodeState.cache_ptrs`, as
-    the CPU kernels take them, and as one tensor, ``cache_table``)."""
+    the CPU kernels take them, and as one array, ``cache_table``)."""
     for p in parts:
         if p.st.cache_table is None:
             if p.st.cache_ptrs is None:
