@@ -1,6 +1,7 @@
 """``hsd doctor``: what runs on this machine. The package and its main dependencies, the CPU and the kernel variant
-chosen for it (and why), the threads a kernel call uses, where the compiled library is cached, and what the
-engines fall back to where the kernels are unavailable. ``hsd --version`` prints the package's version line."""
+chosen for it (and why), the threads a kernel call uses, where the compiled library is cached, what the engines
+fall back to where the kernels are unavailable, and which packages that only some commands need are missing.
+``hsd --version`` prints the package's version line."""
 
 from __future__ import annotations
 
@@ -62,8 +63,21 @@ def system_lines() -> list[str]:
                      f"OpenMP")
     if torch.cuda.is_available():
         lines.append(cuda_line())
+    lines.append(packages_line(torch.cuda.is_available()))
     lines.append(f"cache: {cache_dir()}")
     return lines
+
+
+def packages_line(cuda: bool) -> str:
+    """Which of the dependencies that only some commands need are missing here, and what each is for
+    (:mod:`hsd_opt.packages`; Triton only where CUDA is: the CPU path has no use for it)."""
+    from hsd_opt.packages import OPTIONAL, missing
+
+    gone = [m for m in missing() if cuda or m != "triton"]
+    if not gone:
+        return "optional packages: all installed"
+    return (f"optional packages missing here (pip install {' '.join(gone)}): "
+            + "; ".join(f"{m}, for {OPTIONAL[m]}" for m in gone))
 
 
 def cuda_line() -> str:

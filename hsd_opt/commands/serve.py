@@ -152,6 +152,9 @@ def serve_cmd(
 ):
     """Serve the plan's hierarchy over an OpenAI-compatible HTTP API (chat and text completions, streamed or not),
     up to --max-batch requests decoded together, lossless."""
+    from hsd_opt.packages import need
+
+    need("starlette", "uvicorn", what="hsd serve")
     from hsd_opt.engine.kernels import release_thread_pool
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError
+from hsd_opt.packages import need
 
 #: Grammar kinds a :class:`GrammarSpec` may name.
 KINDS = ("json_schema", "json_object", "lark", "regex")
@@ -93,6 +94,7 @@ class _TokenList:
 def _ll_tokenizer(tokenizer, eos_ids: list[int]):
     """llguidance's tokenizer of ``tokenizer``: a Hugging Face fast tokenizer, or an object with ``tokens``
     (bytes per id), ``encode_bytes`` (bytes -> ids) and ``special_ids`` (a test's small tokenizer)."""
+    need("llguidance", what="a JSON schema or grammar")
     import llguidance
 
     if hasattr(tokenizer, "encode_bytes"):
@@ -150,6 +152,7 @@ class GrammarCompiler:
         if hit is not None:
             self._cache.move_to_end(spec.key)
             return hit
+        need("llguidance", what="a JSON schema or grammar")
         import llguidance
 
         if spec.kind not in KINDS:

@@ -24,6 +24,7 @@ from hsd_opt.cache import cache_dir
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
+from hsd_opt.packages import need
 
 if TYPE_CHECKING:   # transformers and torch are imported when a model is loaded, not with this module
     import torch
@@ -232,6 +233,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         os.replace(legacy, out)               # a copy made before the content key: moved, not made again
     if meta.is_file():
         return out, json.loads(meta.read_text())["revision"]
+    need("gguf", what=f"reading {gguf.name}")
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:

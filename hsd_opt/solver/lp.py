@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsd_opt.errors import HsdError
+from hsd_opt.packages import need
 from hsd_opt.solver.hierarchy import Solution
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def solve_lp(G: nx.DiGraph, backend: str = "highs") -> Solution | None:
             raise HsdError(f"lp (highs): {res.message}")
         return _decode(G, edges, res.x, res.fun, "highs")
     if backend == "cvxpy":
+        need("cvxpy", what="the lp-cvxpy solver")
         import cvxpy as cp
 
         x = cp.Variable(len(edges), nonneg=True)
