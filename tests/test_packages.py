@@ -44,6 +44,13 @@ def test_a_command_that_needs_a_missing_package_exits_2_naming_it(lacking, tmp_p
     res = run_cli("serve", "--plan", tmp_path / "plan.json", "--port", "0")
     assert res.exit_code == 2 and "hsd serve needs the package starlette" in cli_output(res)
     assert "Traceback" not in cli_output(res)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    lacking("llguidance")
+    for cmd in (["run", "--prompt", "hi"], ["bench"]):          # refused before the plan or the model is read
+        res = run_cli(*cmd, "--plan", tmp_path / "missing-plan.json", "--json-schema", schema)
+        assert res.exit_code == 2 and "--json-schema needs the package llguidance" in cli_output(res), cli_output(res)
+    lacking("cvxpy")
     res = run_cli("solve", "--profile", EXAMPLE, "--tmax", "4", "--solver", "lp-cvxpy", "--out", tmp_path / "p.json")
     assert res.exit_code == 2 and "the lp-cvxpy solver needs the package cvxpy" in cli_output(res), cli_output(res)
     res = run_cli("solve", "--profile", EXAMPLE, "--tmax", "4", "--out", tmp_path / "p.json")

@@ -11,6 +11,7 @@ import typer
 
 from hsd_opt.console import error, warn
 from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.packages import need
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
@@ -164,6 +165,8 @@ def grammar_spec(json_schema: Optional[Path], grammar: Optional[Path]):
 
     if json_schema is not None and grammar is not None:
         raise HsdError("give at most one of --json-schema FILE and --grammar FILE")
+    if json_schema is not None or grammar is not None:     # before the model loads
+        need("llguidance", what="--json-schema" if json_schema is not None else "--grammar")
     try:
         if json_schema is not None:
             return GrammarSpec.json_schema(read_text(json_schema, "a JSON schema"), f"--json-schema {json_schema}")
