@@ -158,8 +158,7 @@ class GraphedPasses:
         x, cos, sin = (t.to(path.dtype) for t in fixed.stacked(parts))
         rec = self._shared.get((l0, l1))
         if rec is None:
-            buf = tables.buffers()
-            buf.copy_(tables)
+            buf = tables.buffers()                 # a copy of this pass's tables, refilled by later passes
             bufs = _Recorded(x.clone(), buf.pos, cos.clone(), sin.clone(), lambda: None, x, buf)
 
             def run() -> torch.Tensor:     # no parts: the tables (buffers) say where each row goes

@@ -606,11 +606,11 @@ class LayeredLM:
         """The embeddings ``[m, d]`` of the tokens the first layer lacks, by index in ``work``, of every state that
         :meth:`advance_many` takes through the first layer: in one call for all of them (one kernel on a GPU, not
         one per sequence; a lookup, so each the same as alone)."""
-        need = [i for i, (st, upto) in enumerate(work) if upto > 0 and st.lens[0] < st.n]
-        if len(need) < 2:
+        fresh = [i for i, (st, upto) in enumerate(work) if upto > 0 and st.lens[0] < st.n]
+        if len(fresh) < 2:
             return {}
-        ids = [work[i][0].tokens[work[i][0].lens[0]:work[i][0].n] for i in need]
-        return dict(zip(need, self.embed(torch.cat(ids)).split([t.shape[0] for t in ids])))
+        ids = [work[i][0].tokens[work[i][0].lens[0]:work[i][0].n] for i in fresh]
+        return dict(zip(fresh, self.embed(torch.cat(ids)).split([t.shape[0] for t in ids])))
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """Exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""
@@ -691,8 +691,8 @@ class LayeredLM:
             if 0 < s1 - s0 <= fixed.ROWS:
                 by_head.setdefault(b if b in self.exit_heads else None, []).append(i)
             else:
-                out[i] = self.logits(st, b, s0, s1)
-                out[i] = out[i].argmax(-1) if greedy else out[i]
+                lg = self.logits(st, b, s0, s1)
+                out[i] = lg.argmax(-1) if greedy else lg
         for idx in by_head.values():
             sizes = [reads[i][3] - reads[i][2] for i in idx]
             for chunk in fixed.fill(idx, sizes):
