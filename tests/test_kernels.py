@@ -63,7 +63,7 @@ def _integer_reference(mat: wq.Mat, x: torch.Tensor) -> torch.Tensor:
     q = torch.round(xg * inv[..., None]).double()                    # [m, G, 32]
     d, sums = (amax / 127.0).double(), xg.sum(-1).double()           # [m, G]
     if mat.kind == wq.Q4:
-        _, scale, zero = mat.tensors
+        scale, zero = wq.q4_factors(mat)
         codes = wq.q4_codes(mat).double()                       # [N, G, 32]
         dots = torch.einsum("ngc,mgc->mng", codes, q)                # [m, N, G]
         return (dots * scale.double()[None] * d[:, None]).sum(-1) + sums @ zero.double().t()
@@ -134,6 +134,40 @@ def test_q4_recovers_q4_1_weights_and_rounds_others_to_the_nearest_code():
     err = (wq.quantize_q4(w2).dequantized() - w2).abs()
     assert (err <= step * 0.5 * 1.01 + 2e-3 * w2.abs()).all() and err.max() > 0
 
+
+
+def test_the_int4_block_layout_holds_every_code_scale_and_minimum_once():
+    """Blocks of 16 rows (the last padded with zeros), pairs of groups: every code, scale and minimum comes back."""
+    g = torch.Generator().manual_seed(5)
+    for rows, groups in ((1, 1), (15, 2), (16, 5), (17, 4), (33, 3)):
+        codes = torch.randint(0, 16, (rows, groups, 32), dtype=torch.uint8, generator=g)
+        scale, minimum = torch.rand(rows, groups, generator=g).half(), torch.randn(rows, groups, generator=g).half()
+        packed, bs, bm = wq.block_q4(codes, scale, minimum)
+        blocks = (rows + 15) // 16
+        assert packed.shape == (blocks, (groups + 1) // 2, 512) and bs.shape == bm.shape == (blocks, groups, 16)
+        mat = wq.Mat(wq.Q4, rows, 32 * groups, [packed, bs, bm], None)
+        assert torch.equal(wq.q4_codes(mat), codes)
+        got_scale, got_minimum = wq.q4_factors(mat)
+        assert torch.equal(got_scale, scale) and torch.equal(got_minimum, minimum)
+        assert packed.sum() == codes.sum() + 15 * codes[:, 1::2].sum()   # the padding holds no code (all zeros)
+
+
+def test_an_int4_row_does_not_depend_on_its_block_or_the_threads():
+    """Rows are computed 16 at a time: a row's product is the same bits whichever rows share its block (the
+    matrix cut after it) and however the rows are shared between threads."""
+    g = torch.Generator().manual_seed(6)
+    w, bias = torch.randn(45, 160, generator=g), torch.randn(45, generator=g)
+    x = torch.randn(3, 160, generator=g)
+    full = kernels.linear(LIB, wq.quantize_q4(w, bias), x)
+    for n in (1, 15, 16, 17, 33):
+        assert torch.equal(kernels.linear(LIB, wq.quantize_q4(w[:n], bias[:n]), x), full[:, :n]), n
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.linear(LIB, wq.quantize_q4(w, bias), x), full), t
+    finally:
+        torch.set_num_threads(threads)
 
 @pytest.fixture(scope="module")
 def tiny():

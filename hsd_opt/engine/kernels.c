@@ -64,6 +64,9 @@ static inline int omp_get_num_threads(void) { return 1; }
 enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F = 5 };
 #define HSD_GROUP 32
 #define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
+#ifndef HSD_Q4_PREFETCH
+#define HSD_Q4_PREFETCH 2048 /* bytes ahead in a block of int4 rows that the integer path asks the cache for */
+#endif
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
 #define HSD_LONG_PASS 16  /* passes over this many positions or more use the register tile (prefill chunks) */
 #define HSD_SCRATCH_ROWS 8 /* rows of a matrix expanded at a time into a thread's scratch (two blocks of 4) */
@@ -81,16 +84,19 @@ enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F =
 
 typedef struct {
     int32_t type, rows, cols, pad;
-    const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows, 16 * groups
-                          * rounded up to even]: 32 bytes per pair of groups, byte j = code j of the first group
-                          * (low nibble) | code j of the second (high nibble); q4f: uint8 [rows / 2, groups / 2
+    const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows / 16, groups / 2
+                          * (both rounded up), 512]: per block of 16 rows and pair of groups, 64 bytes per 4
+                          * columns 4q .. 4q + 3 of the group (4 bytes per row: row i's at 4i), each byte the code
+                          * of the first group (low nibble) | of the second (high nibble); q4f: uint8 [rows / 2, groups / 2
                           * (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8 columns
                           * k of the group (8 of the first row, then the second's), each byte the code of the first
                           * group (low nibble) | of the second (high nibble); q8f: int8 [rows / 2 (rounded up),
                           * cols / 8, 16]: per pair of rows, 16 bytes per 8 columns (8 of the first row, then the
                           * same 8 of the second) */
-    const void *scale;   /* q8: float32 [rows]; q4, q4f, q8f: float16 bits [rows, cols / 32] */
-    const void *zero;    /* q4, q4f: float16 bits [rows, cols / 32], the group minimum: w = code * scale + zero */
+    const void *scale;   /* q8: float32 [rows]; q4f, q8f: float16 bits [rows, cols / 32]; q4: float16 bits
+                          * [rows / 16 (rounded up), cols / 32, 16] (per block of 16 rows, group by group) */
+    const void *zero;    /* q4f: float16 bits [rows, cols / 32], q4: as its scale; the group minimum:
+                          * w = code * scale + zero */
     const float *bias;   /* [rows] or NULL */
 } hsd_mat;
 
@@ -106,7 +112,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 14; }
+int hsd_version(void) { return 15; }
 /* 0: portable C; 1: 8-lane tiles (AVX2, or NEON's pairs of 4-lane registers); 2: AVX2 with 16-lane float32 tiles
  * (AVX-512). */
 int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512 + HSD_NEON; }
@@ -252,12 +258,8 @@ static inline void prefetch_line(prefetch_t *pf) {
     }
 }
 
-/* Bytes of one int4 row of G groups: 32 per pair of groups (an odd last group takes a whole pair's bytes). */
-static inline size_t q4_row_bytes(int G) { return (size_t)16 * (G + (G & 1)); }
-
-/* Bytes of one row of A's weights (codes, for int4; not for q4f, whose rows are paired). */
+/* Bytes of one row of A's weights (f32, bf16, q8; not q4, q4f, q8f, whose rows are in blocks or pairs). */
 static inline size_t row_bytes(const hsd_mat *A) {
-    if (A->type == HSD_Q4) return q4_row_bytes((A->cols + HSD_GROUP - 1) / HSD_GROUP);
     return (size_t)A->cols * (A->type == HSD_F32 ? 4 : A->type == HSD_BF16 ? 2 : 1);
 }
 
@@ -667,9 +669,9 @@ static void direct4(const hsd_mat *A, int r, const float *x, int xs, int m, floa
  * For an int4 row (codes c, group scale a, minimum z) and an int8 row (codes c, row scale a):
  *     int4: W[r] . x ~ sum_g (a_g d_g) (c_g . q_g) + sum_g z_g s_g
  *     int8: W[r] . x ~ a * sum_g d_g (c_g . q_g)
- * The integer dot products are exact; the float part accumulates 8 lanes (lane i: columns 4i..4i+3 of each
- * group) over the groups in order, then one fixed horizontal sum, then the minimum term in group order: the same
- * operations for every position whatever the tile, so the path stays batch-invariant. */
+ * The integer dot products are exact. int8: the float part accumulates 8 lanes (lane i: columns 4i..4i+3 of each
+ * group) over the groups in order, then one fixed horizontal sum; int4: one float sum per row (see q4_rows).
+ * The same operations for every position whatever the tile, so the path stays batch-invariant. */
 
 typedef struct {
     const int8_t *q; /* [m, cols] */
@@ -741,71 +743,6 @@ static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c:
 #endif
 
 #if HSD_AVX2
-/* Two adjacent float16 values as one 32-bit integer (their bits, in memory order). */
-static inline int32_t load2h(const uint16_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* int4 rows wp[0..3] (G groups) against one or two positions (MT): s[t * 4 + i] = sum over g of the 8-lane
- * integer dot of group g times its factor scale_g * d_g (one float product: the float16 scale converted exactly,
- * times the position's d_g), in group order, then hsum8. sc[i]: row i's float16 scales; d0 / d1: the group scales
- * of the position(s). Named accumulators (not an array the compiler would keep in memory); a pair of groups
- * shares one 32-byte block of codes (low nibbles: group g, high: group g + 1). */
-static inline __attribute__((always_inline)) void q4_dots4(const uint8_t *const *wp, const uint16_t *const *sc,
-                                                          int G, const int8_t *xq0, const int8_t *xq1,
-                                                          const float *d0, const float *d1, const int MT, float *s) {
-    const __m256i mask = _mm256_set1_epi8(0xF);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    const uint8_t *w0 = wp[0], *w1 = wp[1], *w2 = wp[2], *w3 = wp[3];
-    const uint16_t *s0 = sc[0], *s1 = sc[1], *s2 = sc[2], *s3 = sc[3];
-#define Q4_ROW(w, h, a, b)                                                                                      \
-    do {                                                                                                        \
-        const uint8_t *blk = w + (size_t)16 * g;                                                                \
-        _mm_prefetch((const char *)(blk + HSD_PREFETCH), _MM_HINT_T0);                                          \
-        const __m256i v = _mm256_loadu_si256((const __m256i *)blk);                                             \
-        const __m128 sg = _mm_cvtph_ps(_mm_cvtsi32_si128(two ? load2h(h + g) : h[g]));                          \
-        const __m128 f0 = _mm_mul_ps(sg, e0);                                                                   \
-        const __m256i lo = _mm256_and_si256(v, mask);                                                           \
-        a = _mm256_fmadd_ps(idot(lo, y0), _mm256_broadcastss_ps(f0), a);                                        \
-        if (MT > 1) b = _mm256_fmadd_ps(idot(lo, y1), _mm256_broadcastss_ps(_mm_mul_ps(sg, e1)), b);            \
-        if (two) {                                                                                              \
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);                                 \
-            a = _mm256_fmadd_ps(idot(hi, z0), _mm256_broadcastss_ps(_mm_movehdup_ps(f0)), a);                   \
-            if (MT > 1)                                                                                         \
-                b = _mm256_fmadd_ps(idot(hi, z1), _mm256_broadcastss_ps(_mm_movehdup_ps(_mm_mul_ps(sg, e1))), b); \
-        }                                                                                                       \
-    } while (0)
-    int g = 0;
-    for (; g + 1 < G; g += 2) {
-        const int two = 1;
-        const __m128 e0 = _mm_castpd_ps(_mm_load_sd((const double *)(d0 + g)));
-        const __m128 e1 = MT > 1 ? _mm_castpd_ps(_mm_load_sd((const double *)(d1 + g))) : e0;
-        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP));
-        const __m256i z0 = _mm256_loadu_si256((const __m256i *)(xq0 + (g + 1) * HSD_GROUP));
-        const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0;
-        const __m256i z1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + (g + 1) * HSD_GROUP)) : z0;
-        Q4_ROW(w0, s0, a0, b0);
-        Q4_ROW(w1, s1, a1, b1);
-        Q4_ROW(w2, s2, a2, b2);
-        Q4_ROW(w3, s3, a3, b3);
-    }
-    if (g < G) { /* an odd last group: the low nibbles of a block */
-        const int two = 0;
-        const __m128 e0 = _mm_set_ss(d0[g]), e1 = MT > 1 ? _mm_set_ss(d1[g]) : e0;
-        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq0 + g * HSD_GROUP)), z0 = y0;
-        const __m256i y1 = MT > 1 ? _mm256_loadu_si256((const __m256i *)(xq1 + g * HSD_GROUP)) : y0, z1 = y1;
-        Q4_ROW(w0, s0, a0, b0);
-        Q4_ROW(w1, s1, a1, b1);
-        Q4_ROW(w2, s2, a2, b2);
-        Q4_ROW(w3, s3, a3, b3);
-    }
-#undef Q4_ROW
-    s[0] = hsum8(a0), s[1] = hsum8(a1), s[2] = hsum8(a2), s[3] = hsum8(a3);
-    if (MT > 1) s[4] = hsum8(b0), s[5] = hsum8(b1), s[6] = hsum8(b2), s[7] = hsum8(b3);
-}
-
 /* int8 rows wp[0..3] (G groups of 32 columns) against one or two positions (MT): s[t * 4 + i] = sum over g of
  * the 8-lane integer dot of group g (|w| times sign(w) y, for the unsigned-by-signed multiply) times d_g, in group
  * order, then hsum8 (the row scale is applied by the caller). Named accumulators, as in q4_dots4. */
@@ -845,16 +782,8 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
     const int8_t *xq0 = X->q + (size_t)t0 * K, *xq1 = xq0 + (MT > 1 ? K : 0);
     const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
     const uint8_t *wp[4];
-    for (int i = 0; i < 4; i++)
-        wp[i] = A->type == HSD_Q4 ? (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G)
-                                  : (const uint8_t *)A->w + (size_t)rr[i] * K;
-    if (A->type == HSD_Q4) {
-        const uint16_t *sc[4];
-        for (int i = 0; i < 4; i++) sc[i] = (const uint16_t *)A->scale + (size_t)rr[i] * G;
-        q4_dots4(wp, sc, G, xq0, xq1, d0, d1, MT, s);
-    } else {
-        q8_dots4(wp, G, xq0, xq1, d0, d1, MT, s);
-    }
+    for (int i = 0; i < 4; i++) wp[i] = (const uint8_t *)A->w + (size_t)rr[i] * K;
+    q8_dots4(wp, G, xq0, xq1, d0, d1, MT, s);
 }
 #endif
 
@@ -878,16 +807,9 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
             float l[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
             int c[32];
             for (int g = 0; g < G; g++) {
-                float sc;
-                if (A->type == HSD_Q4) {
-                    const uint8_t *b = (const uint8_t *)A->w + (size_t)rr[i] * q4_row_bytes(G) + 16 * (g - (g & 1));
-                    for (int j = 0; j < 32; j++) c[j] = (g & 1) ? b[j] >> 4 : b[j] & 15;
-                    sc = half_to_float(((const uint16_t *)A->scale)[(size_t)rr[i] * G + g]) * dd[g];
-                } else {
-                    const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
-                    for (int j = 0; j < 32; j++) c[j] = w[j];
-                    sc = dd[g];
-                }
+                const int8_t *w = (const int8_t *)A->w + (size_t)rr[i] * K + g * HSD_GROUP;
+                for (int j = 0; j < 32; j++) c[j] = w[j];
+                const float sc = dd[g];
                 idot_lanes(c, xq + g * HSD_GROUP, f);
                 for (int j = 0; j < 8; j++) l[j] = fmaf(f[j], sc, l[j]);
             }
@@ -897,77 +819,288 @@ static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int
 #endif
 }
 
-/* sum_g z[g] * v[g] over G groups (z: float16 bits): 8 lanes over the groups in order, one fixed horizontal sum,
- * then the tail in order. */
-static inline float group_dot(const uint16_t *z, const float *v, int G) {
-    const int G8 = G & ~7;
-#if HSD_AVX2
-    __m256 a = _mm256_setzero_ps();
-    for (int g = 0; g < G8; g += 8)
-        a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g))), _mm256_loadu_ps(v + g), a);
-    float t = hsum8(a);
-#else
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int g = 0; g < G8; g += 8)
-        for (int j = 0; j < 8; j++) l[j] = fmaf(half_to_float(z[g + j]), v[g + j], l[j]);
-    float t = hsum_lanes(l);
-#endif
-    for (int g = G8; g < G; g++) t = fmaf(half_to_float(z[g]), v[g], t);
-    return t;
-}
-
-/* group_dot of four rows at once (z[i]: row i's float16 bits): the same operations for each row as group_dot
- * (its 8-lane accumulator, the same tree of horizontal sums, then the tail in order), so the same values. */
-static inline void group_dot4(const uint16_t *const *z, const float *v, int G, float *out) {
-    const int G8 = G & ~7;
-#if HSD_AVX2
-    __m256 a[4];
-    for (int i = 0; i < 4; i++) a[i] = _mm256_setzero_ps();
-    for (int g = 0; g < G8; g += 8) {
-        const __m256 x = _mm256_loadu_ps(v + g);
-        for (int i = 0; i < 4; i++)
-            a[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z[i] + g))), x, a[i]);
-    }
-    /* hsum8 of each: u_j = l_j + l_{j+4}; then (u_0 + u_2) + (u_1 + u_3), here with the rows in the lanes */
-    __m128 u[4];
-    for (int i = 0; i < 4; i++) u[i] = _mm_add_ps(_mm256_castps256_ps128(a[i]), _mm256_extractf128_ps(a[i], 1));
-    _MM_TRANSPOSE4_PS(u[0], u[1], u[2], u[3]); /* u[j]: lane j of the four rows */
-    __m128 t = _mm_add_ps(_mm_add_ps(u[0], u[2]), _mm_add_ps(u[1], u[3]));
-    for (int g = G8; g < G; g++) {
-        const __m128i h = _mm_setr_epi16((short)z[0][g], (short)z[1][g], (short)z[2][g], (short)z[3][g], 0, 0, 0, 0);
-        t = _mm_fmadd_ps(_mm_cvtph_ps(h), _mm_set1_ps(v[g]), t);
-    }
-    _mm_storeu_ps(out, t);
-#else
-    for (int i = 0; i < 4; i++) out[i] = group_dot(z[i], v, G);
-#endif
-}
-
-/* Rows [r0, r1) of an integer-path matrix: y[t * ys + r] (+)= W[r] . x_t for the m positions of X. */
+/* Rows [r0, r1) of an int8 integer-path matrix: y[t * ys + r] (+)= W[r] . x_t for the m positions of X. */
 static void int_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
-    const int G = A->cols / HSD_GROUP, q4 = A->type == HSD_Q4;
     float s[8];
     for (int r = r0; r < r1; r += 4) {
         const int n = r1 - r < 4 ? r1 - r : 4;
         for (int t0 = 0; t0 < m; t0 += 2) {
             const int mt = m - t0 < 2 ? m - t0 : 2;
             int_dots4(A, r, n, X, t0, mt, s);
-            float mins[8]; /* int4: the minimum terms sum_g zero_g * (sum of x over group g) */
-            if (q4) {
-                const uint16_t *z[4];
-                for (int i = 0; i < 4; i++) z[i] = (const uint16_t *)A->zero + (size_t)(r + (i < n ? i : n - 1)) * G;
-                for (int t = 0; t < mt; t++) group_dot4(z, X->s + (size_t)(t0 + t) * G, G, mins + 4 * t);
-            }
             for (int t = 0; t < mt; t++)
                 for (int i = 0; i < n; i++) {
-                    float v = s[t * 4 + i];
-                    if (q4) {
-                        v += mins[t * 4 + i];
-                    } else {
-                        v *= ((const float *)A->scale)[r + i];
-                    }
+                    float v = s[t * 4 + i] * ((const float *)A->scale)[r + i];
                     if (A->bias) v += A->bias[r + i];
                     float *out = y + (size_t)(t0 + t) * ys + r + i;
+                    *out = acc ? *out + v : v;
+                }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ int4 blocks */
+
+/* An int4 matrix (HSD_Q4) is stored in blocks of 16 rows (see hsd_mat), so that one vector holds the same four
+ * columns of 16 rows (AVX-512), 8 (AVX2) or 4 (NEON), and a row's dot product needs no horizontal sum: each lane is
+ * a row. For row r and position t (q, d, s: the position's int8 codes, group scales and group sums), in group order:
+ *     a = fma((float)(c_g . q_g), scale_g * d_g, a)        the exact integer dot of group g, its factor one product
+ *     b = fma(zero_g, s_g, b)                              the minimum term
+ * and W[r] . x_t ~ a + b. Every variant computes these operations for every element, whatever the tile, so the
+ * path is batch-invariant and every variant gives the same bits. */
+
+/* Bytes of one block of 16 int4 rows of G groups: 512 per pair of groups (an odd last group takes a whole pair's). */
+static inline size_t q4_block_bytes(int G) { return (size_t)256 * (G + (G & 1)); }
+
+/* Four bytes of x as one 32-bit integer (memory order). */
+static inline int32_t load4b(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if HSD_AVX512
+/* acc + the exact sums of four unsigned-by-signed byte products per 32-bit lane. Without VNNI the caller sums
+ * maddubs results in 16 bits first (at most 8 x 2 x 15 x 127 = 30480: never saturating). */
+static inline __m512i q4_dot16(__m512i acc, __m512i u, __m512i y) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, y);
+#else
+    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, y));
+#endif
+}
+static inline __m512i q4_lanes16(__m512i acc) {
+#if defined(__AVX512VNNI__)
+    return acc;
+#else
+    return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
+#endif
+}
+
+/* out[t * 16 + i] for the 16 rows of block w (codes), sc, zc (scales, minimums) and MT (1 or 2) positions. */
+static inline __attribute__((always_inline)) void q4_block16(const uint8_t *w, const uint16_t *sc, const uint16_t *zc,
+                                                            int G, const qx_t *X, int t0, const int MT, float *out) {
+    const int K = X->cols;
+    const int8_t *x0 = X->q + (size_t)t0 * K, *x1 = x0 + (MT > 1 ? K : 0);
+    const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
+    const float *s0 = X->s + (size_t)t0 * G, *s1 = s0 + (MT > 1 ? G : 0);
+    const __m512i mask = _mm512_set1_epi8(0xF);
+    __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+    for (int g = 0; g < G; g += 2) {
+        const int two = g + 1 < G;
+        const uint8_t *blk = w + (size_t)256 * g;
+        for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_Q4_PREFETCH + k), _MM_HINT_T0);
+        /* MT 1: i/j the even and odd quads of group g, k/l of group g + 1 (four chains); MT 2: i/k position 0 */
+        __m512i i = _mm512_setzero_si512(), j = i, k = i, l = i;
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * q));
+            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            const int c = g * HSD_GROUP + 4 * q;
+            if (MT == 1 && (q & 1)) {
+                j = q4_dot16(j, lo, _mm512_set1_epi32(load4b(x0 + c)));
+                if (two) l = q4_dot16(l, hi, _mm512_set1_epi32(load4b(x0 + c + HSD_GROUP)));
+            } else {
+                i = q4_dot16(i, lo, _mm512_set1_epi32(load4b(x0 + c)));
+                if (two) k = q4_dot16(k, hi, _mm512_set1_epi32(load4b(x0 + c + HSD_GROUP)));
+                if (MT > 1) {
+                    j = q4_dot16(j, lo, _mm512_set1_epi32(load4b(x1 + c)));
+                    if (two) l = q4_dot16(l, hi, _mm512_set1_epi32(load4b(x1 + c + HSD_GROUP)));
+                }
+            }
+        }
+        __m512i e0, f0, e1 = j, f1 = l;
+        if (MT == 1) {
+            e0 = _mm512_add_epi32(q4_lanes16(i), q4_lanes16(j)), f0 = _mm512_add_epi32(q4_lanes16(k), q4_lanes16(l));
+        } else {
+            e0 = q4_lanes16(i), f0 = q4_lanes16(k), e1 = q4_lanes16(j), f1 = q4_lanes16(l);
+        }
+        const __m512 sa = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+        const __m512 za = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zc + 16 * g)));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e0), _mm512_mul_ps(sa, _mm512_set1_ps(d0[g])), a0);
+        b0 = _mm512_fmadd_ps(za, _mm512_set1_ps(s0[g]), b0);
+        if (MT > 1) {
+            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e1), _mm512_mul_ps(sa, _mm512_set1_ps(d1[g])), a1);
+            b1 = _mm512_fmadd_ps(za, _mm512_set1_ps(s1[g]), b1);
+        }
+        if (two) {
+            const __m512 sb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * (g + 1))));
+            const __m512 zb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zc + 16 * (g + 1))));
+            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f0), _mm512_mul_ps(sb, _mm512_set1_ps(d0[g + 1])), a0);
+            b0 = _mm512_fmadd_ps(zb, _mm512_set1_ps(s0[g + 1]), b0);
+            if (MT > 1) {
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f1), _mm512_mul_ps(sb, _mm512_set1_ps(d1[g + 1])), a1);
+                b1 = _mm512_fmadd_ps(zb, _mm512_set1_ps(s1[g + 1]), b1);
+            }
+        }
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(a0, b0));
+    if (MT > 1) _mm512_storeu_ps(out + 16, _mm512_add_ps(a1, b1));
+}
+#elif HSD_AVX2
+static inline __m256i q4_dot8(__m256i acc, __m256i u, __m256i y) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, y);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, y)); /* summed in 16 bits: see q4_dot16 */
+#endif
+}
+static inline __m256i q4_lanes8(__m256i acc) {
+#if defined(__AVXVNNI__)
+    return acc;
+#else
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+}
+
+/* q4_block16 for rows 8h .. 8h + 7 of the block (h 0 or 1): out[t * 16 + 8h + i]. */
+static inline __attribute__((always_inline)) void q4_block8(const uint8_t *w, const uint16_t *sc, const uint16_t *zc,
+                                                           int G, const qx_t *X, int t0, const int MT, int h,
+                                                           float *out) {
+    const int K = X->cols;
+    const int8_t *x0 = X->q + (size_t)t0 * K, *x1 = x0 + (MT > 1 ? K : 0);
+    const float *d0 = X->d + (size_t)t0 * G, *d1 = d0 + (MT > 1 ? G : 0);
+    const float *s0 = X->s + (size_t)t0 * G, *s1 = s0 + (MT > 1 ? G : 0);
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+    for (int g = 0; g < G; g += 2) {
+        const int two = g + 1 < G;
+        const uint8_t *blk = w + (size_t)256 * g + 32 * h;
+        if (h == 0) /* the second half reads the same lines, cached by the first's pass */
+            for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_Q4_PREFETCH + k), _MM_HINT_T0);
+        __m256i i = _mm256_setzero_si256(), j = i, k = i, l = i;
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * q));
+            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            const int c = g * HSD_GROUP + 4 * q;
+            if (MT == 1 && (q & 1)) {
+                j = q4_dot8(j, lo, _mm256_set1_epi32(load4b(x0 + c)));
+                if (two) l = q4_dot8(l, hi, _mm256_set1_epi32(load4b(x0 + c + HSD_GROUP)));
+            } else {
+                i = q4_dot8(i, lo, _mm256_set1_epi32(load4b(x0 + c)));
+                if (two) k = q4_dot8(k, hi, _mm256_set1_epi32(load4b(x0 + c + HSD_GROUP)));
+                if (MT > 1) {
+                    j = q4_dot8(j, lo, _mm256_set1_epi32(load4b(x1 + c)));
+                    if (two) l = q4_dot8(l, hi, _mm256_set1_epi32(load4b(x1 + c + HSD_GROUP)));
+                }
+            }
+        }
+        __m256i e0, f0, e1 = j, f1 = l;
+        if (MT == 1) {
+            e0 = _mm256_add_epi32(q4_lanes8(i), q4_lanes8(j)), f0 = _mm256_add_epi32(q4_lanes8(k), q4_lanes8(l));
+        } else {
+            e0 = q4_lanes8(i), f0 = q4_lanes8(k), e1 = q4_lanes8(j), f1 = q4_lanes8(l);
+        }
+        const __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * h)));
+        const __m256 za = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zc + 16 * g + 8 * h)));
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e0), _mm256_mul_ps(sa, _mm256_set1_ps(d0[g])), a0);
+        b0 = _mm256_fmadd_ps(za, _mm256_set1_ps(s0[g]), b0);
+        if (MT > 1) {
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e1), _mm256_mul_ps(sa, _mm256_set1_ps(d1[g])), a1);
+            b1 = _mm256_fmadd_ps(za, _mm256_set1_ps(s1[g]), b1);
+        }
+        if (two) {
+            const __m256 sb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * (g + 1) + 8 * h)));
+            const __m256 zb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zc + 16 * (g + 1) + 8 * h)));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f0), _mm256_mul_ps(sb, _mm256_set1_ps(d0[g + 1])), a0);
+            b0 = _mm256_fmadd_ps(zb, _mm256_set1_ps(s0[g + 1]), b0);
+            if (MT > 1) {
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f1), _mm256_mul_ps(sb, _mm256_set1_ps(d1[g + 1])), a1);
+                b1 = _mm256_fmadd_ps(zb, _mm256_set1_ps(s1[g + 1]), b1);
+            }
+        }
+    }
+    _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(a0, b0));
+    if (MT > 1) _mm256_storeu_ps(out + 16 + 8 * h, _mm256_add_ps(a1, b1));
+}
+#elif HSD_NEON
+/* q4_block16 for rows 4h .. 4h + 3 of the block (h 0..3) and one position: out[4h + i]. */
+static void q4_block4_neon(const uint8_t *w, const uint16_t *sc, const uint16_t *zc, int G, const int8_t *x,
+                           const float *d, const float *s, int h, float *out) {
+    const uint8x16_t mask = vdupq_n_u8(0xF);
+    float32x4_t a = vdupq_n_f32(0.f), b = a;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = w + (size_t)256 * (g - (g & 1)) + 16 * h;
+        int32x4_t n = vdupq_n_s32(0);
+        for (int q = 0; q < 8; q++) {
+            const uint8x16_t v = vld1q_u8(blk + 64 * q);
+            const int8x16_t c = vreinterpretq_s8_u8((g & 1) ? vshrq_n_u8(v, 4) : vandq_u8(v, mask));
+            const int8x16_t y = vreinterpretq_s8_s32(vdupq_n_s32(load4b(x + g * HSD_GROUP + 4 * q)));
+#if defined(__ARM_FEATURE_DOTPROD)
+            n = vdotq_s32(n, c, y);
+#else
+            const int32x4_t p = vpaddq_s32(vpaddlq_s16(vmull_s8(vget_low_s8(c), vget_low_s8(y))),
+                                           vpaddlq_s16(vmull_high_s8(c, y)));
+            n = vaddq_s32(n, p);
+#endif
+        }
+        const float32x4_t sg = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(sc + 16 * g + 4 * h)));
+        const float32x4_t zg = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(zc + 16 * g + 4 * h)));
+        a = vfmaq_f32(a, vcvtq_f32_s32(n), vmulq_f32(sg, vdupq_n_f32(d[g])));
+        b = vfmaq_f32(b, zg, vdupq_n_f32(s[g]));
+    }
+    vst1q_f32(out + 4 * h, vaddq_f32(a, b));
+}
+#endif
+
+/* out[t * 16 + i] = W[16 * blk + i] . x_{t0 + t} for the 16 rows of block blk (rows past the matrix: zeros) and
+ * mt (1 or 2) positions of X, the operations above. */
+static void q4_block(const hsd_mat *A, int blk, const qx_t *X, int t0, int mt, float *out) {
+    const int G = A->cols / HSD_GROUP;
+    const uint8_t *w = (const uint8_t *)A->w + (size_t)blk * q4_block_bytes(G);
+    const uint16_t *sc = (const uint16_t *)A->scale + (size_t)blk * 16 * G, *zc = (const uint16_t *)A->zero + (size_t)blk * 16 * G;
+#if HSD_AVX512
+    if (mt > 1)
+        q4_block16(w, sc, zc, G, X, t0, 2, out);
+    else
+        q4_block16(w, sc, zc, G, X, t0, 1, out);
+#elif HSD_AVX2
+    for (int h = 0; h < 2; h++) {
+        if (mt > 1)
+            q4_block8(w, sc, zc, G, X, t0, 2, h, out);
+        else
+            q4_block8(w, sc, zc, G, X, t0, 1, h, out);
+    }
+#else
+    const int K = A->cols;
+    for (int t = 0; t < mt; t++) {
+        const int8_t *x = X->q + (size_t)(t0 + t) * K;
+        const float *d = X->d + (size_t)(t0 + t) * G, *s = X->s + (size_t)(t0 + t) * G;
+#if HSD_NEON
+        for (int h = 0; h < 4; h++) q4_block4_neon(w, sc, zc, G, x, d, s, h, out + 16 * t);
+#else
+        for (int i = 0; i < 16; i++) {
+            float a = 0.f, b = 0.f;
+            for (int g = 0; g < G; g++) {
+                const uint8_t *p = w + (size_t)256 * (g - (g & 1)) + 4 * i;
+                int32_t n = 0;
+                for (int q = 0; q < 8; q++)
+                    for (int c = 0; c < 4; c++)
+                        n += ((p[64 * q + c] >> (4 * (g & 1))) & 15) * x[g * HSD_GROUP + 4 * q + c];
+                a = fmaf((float)n, half_to_float(sc[16 * g + i]) * d[g], a);
+                b = fmaf(half_to_float(zc[16 * g + i]), s[g], b);
+            }
+            out[16 * t + i] = a + b;
+        }
+#endif
+    }
+#endif
+}
+
+/* Rows [r0, r1) of an int4 matrix: y[t * ys + r] (+)= W[r] . x_t (+ bias) for the m positions of X, computed a block
+ * of 16 rows at a time (a block that [r0, r1) cuts is computed whole; only its rows in the range are stored). */
+static void q4_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
+    float s[32];
+    for (int blk = r0 / 16; 16 * blk < r1; blk++) {
+        const int lo = 16 * blk > r0 ? 16 * blk : r0, hi = 16 * blk + 16 < r1 ? 16 * blk + 16 : r1;
+        for (int t0 = 0; t0 < m; t0 += 2) {
+            const int mt = m - t0 < 2 ? m - t0 : 2;
+            q4_block(A, blk, X, t0, mt, s);
+            for (int t = 0; t < mt; t++)
+                for (int r = lo; r < hi; r++) {
+                    float v = s[16 * t + r - 16 * blk];
+                    if (A->bias) v += A->bias[r];
+                    float *out = y + (size_t)(t0 + t) * ys + r;
                     *out = acc ? *out + v : v;
                 }
         }
@@ -1350,7 +1483,10 @@ static void q4f_tiles_neon(const hsd_mat *A, int r, int n, const float *x, int x
 static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, int m, float *y, int ys, int r0, int r1,
                      int acc, float *buf) {
     if (int_path(A)) {
-        int_rows(A, X, m, y, ys, r0, r1, acc);
+        if (A->type == HSD_Q4)
+            q4_rows(A, X, m, y, ys, r0, r1, acc);
+        else
+            int_rows(A, X, m, y, ys, r0, r1, acc);
         return;
     }
     const int K = A->cols;
@@ -1430,6 +1566,9 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
     }
 }
 
+/* Rows per share of a matrix's rows between threads: int4 matrices are computed in whole blocks of 16 rows. */
+static inline int rows_align(const hsd_mat *A) { return A->type == HSD_Q4 ? 16 : 4; }
+
 /* This thread's share [*a, *b) of n items, in blocks of `align` items (static, contiguous). */
 static inline void share(int n, int align, int *a, int *b) {
     int nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -1445,7 +1584,7 @@ static void stacked_rows(const hsd_mat *const *mats, float *const *outs, const i
     int total = 0;
     for (int i = 0; i < n; i++) total += mats[i]->rows;
     int a, b;
-    share(total, 4, &a, &b);
+    share(total, rows_align(mats[0]), &a, &b);
     int base = 0;
     for (int i = 0; i < n; i++) {
         int lo = a - base, hi = b - base, R = mats[i]->rows;
@@ -1751,7 +1890,7 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
             }
             {
                 int a, b;
-                share(d, 4, &a, &b);
+                share(d, rows_align(&L->o), &a, &b);
                 X.cols = QW;
                 mat_rows(&L->o, att, QW, &X, m, x, d, a, b, 1, buf);
             }
@@ -1765,7 +1904,7 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
             /* 7. gate and up for this thread's rows, then silu(gate) * up */
             {
                 int a, b;
-                share(I, 4, &a, &b);
+                share(I, rows_align(&L->gate), &a, &b);
                 X.cols = d;
                 mat_rows(&L->gate, h, d, &X, m, gu, 2 * I, a, b, 0, buf);
                 mat_rows(&L->up, h, d, &X, m, gu + I, 2 * I, a, b, 0, buf);
@@ -1782,7 +1921,7 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
             }
             {
                 int a, b;
-                share(d, 4, &a, &b);
+                share(d, rows_align(&L->down), &a, &b);
                 X.cols = I;
                 mat_rows(&L->down, gu, 2 * I, &X, m, x, d, a, b, 1, buf);
             }
@@ -1816,7 +1955,7 @@ int hsd_linear(const hsd_mat *A, const float *x, int m, float *y, float *work, i
 #pragma omp parallel num_threads(nthreads)
     {
         int a, b;
-        share(A->rows, 4, &a, &b);
+        share(A->rows, rows_align(A), &a, &b);
         float *buf = work ? work + (size_t)omp_get_thread_num() * HSD_SCRATCH_ROWS * A->cols : NULL;
         mat_rows(A, x, A->cols, &X, m, y, A->rows, a, b, 0, buf);
     }

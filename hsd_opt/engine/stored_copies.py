@@ -73,7 +73,7 @@ def _remember(weight: torch.Tensor, bits: int, mat: wq.Mat) -> None:
 
 
 def _code_hash() -> str:
-    src = inspect.getsource(wq.quantize_q4) + inspect.getsource(wq.quantize_q8) + str(FORMAT)
+    src = "".join(inspect.getsource(f) for f in (wq.quantize_q4, wq.block_q4, wq.quantize_q8)) + str(FORMAT)
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 
@@ -163,10 +163,10 @@ def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
     if kind == wq.Q8:
         return (len(tensors) == 2 and tensors[0].dtype == torch.int8 and tuple(tensors[0].shape) == (rows, cols)
                 and tensors[1].dtype == torch.float32 and tuple(tensors[1].shape) == (rows,))
-    G = cols // wq.GROUP
+    G, B = cols // wq.GROUP, -(-rows // wq.Q4_BLOCK)
     return (len(tensors) == 3 and tensors[0].dtype == torch.uint8
-            and tuple(tensors[0].shape) == (rows, (G + 1) // 2, 2 * 16)
-            and all(t.dtype == torch.float16 and tuple(t.shape) == (rows, G) for t in tensors[1:]))
+            and tuple(tensors[0].shape) == (B, (G + 1) // 2, 512)
+            and all(t.dtype == torch.float16 and tuple(t.shape) == (B, G, wq.Q4_BLOCK) for t in tensors[1:]))
 
 
 def exact_int4_layers(model, weights: wq.ModelWeights) -> list[dict[str, wq.Mat]]:

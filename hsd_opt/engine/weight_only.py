@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hsd_opt.engine.weights import GROUP, Q4, Q8, Mat, q4_codes
+from hsd_opt.engine.weights import GROUP, Q4, Q8, Mat, q4_codes, q4_factors
 
 
 @dataclass
@@ -52,7 +52,7 @@ def pack(mat: Mat, dtype: torch.dtype) -> Packed | None:
             p = Packed(8, mat.tensors[0].contiguous(), mat.tensors[1].to(dtype).contiguous(), dtype, bias)
         elif mat.kind == Q4 and (tiles := _inner_k_tiles(mat.cols)) is not None:
             codes = q4_codes(mat).reshape(mat.rows, mat.cols).to(torch.int32)
-            scale, minimum = mat.tensors[1].float(), mat.tensors[2].float()          # [rows, groups]
+            scale, minimum = (t.float() for t in q4_factors(mat))                   # [rows, groups]
             sz = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1).contiguous()
             act = dtype if dev.type == "cpu" else torch.bfloat16                     # the GPU kernel's only one
             if dev.type == "cpu":

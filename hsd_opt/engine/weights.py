@@ -39,9 +39,10 @@ class Mat:
     """One projection's weight ``[rows, cols]`` (and bias ``[rows]`` or None), as stored.
 
     ``tensors``: float32/bfloat16 ``[w]`` (the model's tensor, not a copy); int8 ``[codes int8 [rows, cols],
-    scale float32 [rows]]`` (``w = code * scale``); int4 ``[codes uint8 [rows, pairs, 32], scale float16 [rows,
-    G], minimum float16 [rows, G]]`` (``w = code * scale + minimum``, ``G = cols / 32``; see :func:`quantize_q4`);
-    the exact forms of float32 weights: int4 ``[codes uint8 (:func:`pair_codes`), scale, minimum]`` and int8
+    scale float32 [rows]]`` (``w = code * scale``); int4 ``[codes, scale, minimum]`` in blocks of 16 rows
+    (:func:`block_q4`; ``w = code * scale + minimum`` per group of 32 columns; read back with :func:`q4_codes` and
+    :func:`q4_factors`); the exact forms of float32 weights: int4 ``[codes uint8 (:func:`pair_codes`), scale
+    float16 [rows, G], minimum float16 [rows, G]]`` (``G = cols / 32``) and int8
     ``[codes int8 (:func:`pair_rows_int8`), scale float16 [rows, G]]`` (``w = code * scale``).
     Build with :meth:`in_place`, :func:`quantize_q8`, :func:`quantize_q4`, :func:`exact_int4` or :func:`exact_int8`."""
 
@@ -82,8 +83,11 @@ class Mat:
         if self.kind == Q8F:
             codes = unpair_rows_int8(w, self.rows).float().reshape(self.rows, -1, GROUP)
             return (codes * self.tensors[1].float()[..., None]).reshape(self.rows, self.cols).to(dtype)
-        codes = unpair_codes(w, self.rows, self.cols // GROUP) if self.kind == Q4F else q4_codes(self)
-        g = codes.float() * self.tensors[1].float()[..., None] + self.tensors[2].float()[..., None]
+        if self.kind == Q4F:
+            codes, (scale, minimum) = unpair_codes(w, self.rows, self.cols // GROUP), self.tensors[1:3]
+        else:
+            codes, (scale, minimum) = q4_codes(self), q4_factors(self)
+        g = codes.float() * scale.float()[..., None] + minimum.float()[..., None]
         return g.reshape(self.rows, self.cols).to(dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -105,10 +109,8 @@ def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
 def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
     """Asymmetric int4 in groups of 32 input columns: ``w ~ code * scale + minimum`` per group (``scale = (max -
     min) / 15``, scale and minimum stored as float16), the scheme of GGUF's Q4_1, whose codes, scales and minimums
-    it recovers exactly from de-quantized Q4_1 weights.
-    Stored as bytes ``[rows, pairs, 32]`` with ``pairs = ceil(groups / 2)``: byte ``j`` of pair ``p`` holds code
-    ``j`` of group ``2p`` (low nibble) and code ``j`` of group ``2p + 1`` (high nibble), so one 32-byte load and
-    a mask (or a shift and a mask) give a group's 32 codes in column order."""
+    it recovers exactly from de-quantized Q4_1 weights. Stored in blocks of :data:`Q4_BLOCK` rows
+    (:func:`block_q4`)."""
     w = weight.detach().float()
     N, K = w.shape
     if K % GROUP:
@@ -120,11 +122,48 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Mat:
     lo = lo.half()
     sf, lf = step.float(), lo.float()
     q = torch.round((wg - lf[..., None]) / sf[..., None]).clamp_(0, 15).to(torch.uint8)
-    if (K // GROUP) % 2:
-        q = torch.cat([q, torch.zeros(N, 1, GROUP, dtype=torch.uint8, device=q.device)], 1)
-    q = q.reshape(N, -1, 2, GROUP)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
-    return Mat(Q4, N, K, [packed, step.contiguous(), lo.contiguous()], bias)
+    return Mat(Q4, N, K, block_q4(q, step, lo), bias)
+
+
+#: Rows of an int4 matrix stored together (:func:`block_q4`): one 16-lane register holds a column of each.
+Q4_BLOCK = 16
+
+
+def block_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> list[torch.Tensor]:
+    """int4 codes uint8 ``[rows, groups, 32]`` (0..15, column order) and their float16 scales and minimums ``[rows,
+    groups]`` in the int4 kind's layout, blocks of :data:`Q4_BLOCK` rows (the last padded with zeros): codes uint8
+    ``[blocks, ceil(groups / 2), 512]``, per block and pair of groups 64 bytes for each 4 columns ``4q .. 4q + 3``
+    of the group (4 bytes per row, row ``i``'s at ``4i``), each byte the code of the first group (low nibble) and
+    of the second (high nibble); scales and minimums float16 ``[blocks, groups, 16]``. The kernels multiply one
+    such 64-byte load by the same 4 input bytes in every lane: each lane sums one row, with no horizontal sum."""
+    rows, groups, _ = codes.shape
+    R, P = -(-rows // Q4_BLOCK) * Q4_BLOCK, -(-groups // 2)
+    c = torch.zeros(R, 2 * P, GROUP, dtype=torch.uint8, device=codes.device)
+    c[:rows, :groups] = codes
+    c = c.reshape(R // Q4_BLOCK, Q4_BLOCK, P, 2, 8, 4).permute(0, 2, 4, 1, 5, 3)   # [blk, pair, q, i, b, parity]
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(R // Q4_BLOCK, P, 512).contiguous()
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:
+        z = torch.zeros(R, groups, dtype=torch.float16, device=t.device)
+        z[:rows] = t
+        return z.reshape(R // Q4_BLOCK, Q4_BLOCK, groups).transpose(1, 2).contiguous()
+
+    return [packed, blocked(scale), blocked(minimum)]
+
+
+def q4_codes(mat: Mat) -> torch.Tensor:
+    """The codes of an int4 :class:`Mat` as uint8 ``[rows, groups, 32]`` in column order (0..15)."""
+    p = mat.tensors[0]
+    B, P, _ = p.shape
+    c = torch.stack([p & 15, p >> 4], -1).reshape(B, P, 8, Q4_BLOCK, 4, 2)          # [blk, pair, q, i, b, parity]
+    c = c.permute(0, 3, 1, 5, 2, 4)                                                 # [blk, i, pair, parity, q, b]
+    return c.reshape(B * Q4_BLOCK, 2 * P, GROUP)[: mat.rows, : mat.cols // GROUP]
+
+
+def q4_factors(mat: Mat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales and minimums of an int4 :class:`Mat` as float16 ``[rows, groups]``."""
+    G = mat.cols // GROUP
+    return tuple(t.transpose(1, 2).reshape(-1, G)[: mat.rows] for t in mat.tensors[1:3])
 
 
 def exact_int4(weight: Mat, q4: Mat) -> Mat | None:
@@ -132,16 +171,18 @@ def exact_int4(weight: Mat, q4: Mat) -> Mat | None:
     (de-quantized as ``fma(code, scale, minimum)``, the value the kernels compute): a float32 model de-quantized
     from GGUF's Q4_1, like the embedded SmolLM2, is such a model, and :func:`quantize_q4` recovers its codes. The
     kernels then multiply the same float32 values as the float32 matrix gives, reading an eighth of its bytes
-    (kind :data:`Q4F`, sharing ``q4``'s tensors). None when some weight differs (or ``weight`` is not float32)."""
+    (kind :data:`Q4F`: ``q4``'s codes re-paired, its scales and minimums by row). None when some weight differs
+    (or ``weight`` is not float32)."""
     w = weight.tensors[0]
     if weight.kind != F32 or w.dtype != torch.float32 or q4.kind != Q4 or (q4.rows, q4.cols) != tuple(w.shape):
         return None
+    codes, (scale, minimum) = q4_codes(q4), q4_factors(q4)
     for a in range(0, q4.rows, ROW_BLOCK):                  # a block of rows at a time (no whole float copy)
         b = min(a + ROW_BLOCK, q4.rows)
-        part = Mat(Q4, b - a, q4.cols, [t[a:b] for t in q4.tensors], None)
-        if not torch.equal(part.dense(torch.float32), w[a:b]):
+        part = codes[a:b].float() * scale[a:b].float()[..., None] + minimum[a:b].float()[..., None]
+        if not torch.equal(part.reshape(b - a, q4.cols), w[a:b]):
             return None
-    exact = Mat(Q4F, q4.rows, q4.cols, [pair_codes(q4_codes(q4)), *q4.tensors[1:]], weight.bias)
+    exact = Mat(Q4F, q4.rows, q4.cols, [pair_codes(codes), scale.contiguous(), minimum.contiguous()], weight.bias)
     exact.shares = q4                # kept alive with it (another copy of the model may take it in this process)
     return exact
 
@@ -211,13 +252,6 @@ def unpair_rows_int8(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """:func:`pair_rows_int8` undone: int8 ``[rows, cols]``."""
     c = packed.reshape(packed.shape[0], packed.shape[1], 2, 8).permute(0, 2, 1, 3)   # [pair, h, c8, j]
     return c.reshape(packed.shape[0] * 2, packed.shape[1] * 8)[:rows]
-
-
-def q4_codes(mat: Mat) -> torch.Tensor:
-    """The codes of an int4 :class:`Mat` as uint8 ``[rows, groups, 32]`` in column order (0..15)."""
-    packed = mat.tensors[0]
-    pairs = torch.stack([packed & 15, packed >> 4], 2)      # [rows, pairs, 2, 32]
-    return pairs.reshape(mat.rows, -1, GROUP)[:, : mat.cols // GROUP]
 
 
 def quantize(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> Mat:
