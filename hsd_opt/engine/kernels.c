@@ -745,7 +745,8 @@ static inline void idot_lanes(const int *c, const int8_t *y, float *out) { /* c:
 #if HSD_AVX2
 /* int8 rows wp[0..3] (G groups of 32 columns) against one or two positions (MT): s[t * 4 + i] = sum over g of
  * the 8-lane integer dot of group g (|w| times sign(w) y, for the unsigned-by-signed multiply) times d_g, in group
- * order, then hsum8 (the row scale is applied by the caller). Named accumulators, as in q4_dots4. */
+ * order, then hsum8 (the row scale is applied by the caller). Named accumulators (not an array the compiler would
+ * keep in memory). */
 static inline __attribute__((always_inline)) void q8_dots4(const uint8_t *const *wp, int G, const int8_t *xq0,
                                                           const int8_t *xq1, const float *d0, const float *d1,
                                                           const int MT, float *s) {
@@ -787,9 +788,8 @@ static inline __attribute__((always_inline)) void int_dots4_avx2(const hsd_mat *
 }
 #endif
 
-/* s[t * 4 + i] for rows r .. r+3 (rows past n repeat row n-1) and positions t < mt <= 2 of X: the float part of
- * the dot products above, before the minimum term, the int8 row scale and the bias. The int4 group factor is
- * (scale_g * d_g), computed as one float product. */
+/* s[t * 4 + i] for int8 rows r .. r+3 (rows past n repeat row n-1) and positions t < mt <= 2 of X: the float part
+ * of the dot products above, before the row scale and the bias. */
 static void int_dots4(const hsd_mat *A, int r, int n, const qx_t *X, int t0, int mt, float *s) {
     int rr[4];
     for (int i = 0; i < 4; i++) rr[i] = r + (i < n ? i : n - 1);
