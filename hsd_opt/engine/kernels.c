@@ -63,10 +63,8 @@ static inline int omp_get_num_threads(void) { return 1; }
  * the bytes. Codes paired by rows (see hsd_mat), scales float16 per group. */
 enum { HSD_F32 = 0, HSD_BF16 = 1, HSD_Q8 = 2, HSD_Q4 = 3, HSD_Q4F = 4, HSD_Q8F = 5 };
 #define HSD_GROUP 32
-#define HSD_PREFETCH 2048 /* bytes ahead in a weight row that the integer path asks the cache for */
-#ifndef HSD_Q4_PREFETCH
-#define HSD_Q4_PREFETCH 2048 /* bytes ahead in a block of int4 rows that the integer path asks the cache for */
-#endif
+#define HSD_PREFETCH 2048 /* bytes ahead in a weight row (an int8 row, a block of int4 rows) that the integer path
+                           * asks the cache for */
 #define HSD_MAX_TILE_T 64 /* positions per call of dots4 (its output block) */
 #define HSD_LONG_PASS 16  /* passes over this many positions or more use the register tile (prefill chunks) */
 #define HSD_SCRATCH_ROWS 8 /* rows of a matrix expanded at a time into a thread's scratch (two blocks of 4) */
@@ -87,10 +85,10 @@ typedef struct {
     const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows / 16, groups / 2
                           * (both rounded up), 512]: per block of 16 rows and pair of groups, 64 bytes per 4
                           * columns 4q .. 4q + 3 of the group (4 bytes per row: row i's at 4i), each byte the code
-                          * of the first group (low nibble) | of the second (high nibble); q4f: uint8 [rows / 2, groups / 2
-                          * (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8 columns
-                          * k of the group (8 of the first row, then the second's), each byte the code of the first
-                          * group (low nibble) | of the second (high nibble); q8f: int8 [rows / 2 (rounded up),
+                          * of the first group (low nibble) | of the second (high nibble); q4f: uint8 [rows / 2,
+                          * groups / 2 (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8
+                          * columns k of the group (8 of the first row, then the second's), each byte the code of the
+                          * first group (low nibble) | of the second (high nibble); q8f: int8 [rows / 2 (rounded up),
                           * cols / 8, 16]: per pair of rows, 16 bytes per 8 columns (8 of the first row, then the
                           * same 8 of the second) */
     const void *scale;   /* q8: float32 [rows]; q4f, q8f: float16 bits [rows, cols / 32]; q4: float16 bits
@@ -888,7 +886,7 @@ static inline __attribute__((always_inline)) void q4_block16(const uint8_t *w, c
     for (int g = 0; g < G; g += 2) {
         const int two = g + 1 < G;
         const uint8_t *blk = w + (size_t)256 * g;
-        for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_Q4_PREFETCH + k), _MM_HINT_T0);
+        for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_PREFETCH + k), _MM_HINT_T0);
         /* MT 1: i/j the even and odd quads of group g, k/l of group g + 1 (four chains); MT 2: i/k position 0 */
         __m512i i = _mm512_setzero_si512(), j = i, k = i, l = i;
 #pragma GCC unroll 8
@@ -966,7 +964,7 @@ static inline __attribute__((always_inline)) void q4_block8(const uint8_t *w, co
         const int two = g + 1 < G;
         const uint8_t *blk = w + (size_t)256 * g + 32 * h;
         if (h == 0) /* the second half reads the same lines, cached by the first's pass */
-            for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_Q4_PREFETCH + k), _MM_HINT_T0);
+            for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_PREFETCH + k), _MM_HINT_T0);
         __m256i i = _mm256_setzero_si256(), j = i, k = i, l = i;
 #pragma GCC unroll 8
         for (int q = 0; q < 8; q++) {
@@ -1048,7 +1046,8 @@ static void q4_block4_neon(const uint8_t *w, const uint16_t *sc, const uint16_t 
 static void q4_block(const hsd_mat *A, int blk, const qx_t *X, int t0, int mt, float *out) {
     const int G = A->cols / HSD_GROUP;
     const uint8_t *w = (const uint8_t *)A->w + (size_t)blk * q4_block_bytes(G);
-    const uint16_t *sc = (const uint16_t *)A->scale + (size_t)blk * 16 * G, *zc = (const uint16_t *)A->zero + (size_t)blk * 16 * G;
+    const uint16_t *sc = (const uint16_t *)A->scale + (size_t)blk * 16 * G;
+    const uint16_t *zc = (const uint16_t *)A->zero + (size_t)blk * 16 * G;
 #if HSD_AVX512
     if (mt > 1)
         q4_block16(w, sc, zc, G, X, t0, 2, out);
