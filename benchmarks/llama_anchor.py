@@ -4,7 +4,9 @@
     .venv/bin/python -m benchmarks.llama_anchor --plan out/family/plan-int4.json \
         --llama-bench <llama.cpp>/build/bin/llama-bench --gguf ~/.cache/hsd-opt/gguf/<file>.gguf \
         [--prompts FILE] [--limit 6] [--max-new-tokens 64] [--methods ar,single_draft,hsd] [--rounds 2] \
-        [--depth 64] [--retime PROFILE] [--out benchmarks/results/llama_anchor.json]
+        [--depth 64] [--retime PROFILE] [--out benchmarks/results/llama_anchor.json] \
+        [--speculative <llama.cpp>/build/bin/llama-speculative-simple [--gguf-draft DRAFT.gguf] \
+         [--spec-configs draft-simple:2,draft-simple:4,ngram-cache]]
 
 Each round runs `llama-bench -t THREADS -p 0 -n N -d DEPTH -r 3` (decode only: N tokens after DEPTH tokens of
 context), then `run_bench` over the prompts (every method, interleaved per prompt, as `hsd bench` does), then
@@ -15,6 +17,14 @@ made for `--target-precision int4` runs the same weights as our int4 groups (doc
 `--retime PROFILE` (the profile the plan was solved from) prices every generation again at the engines' speed of
 the moment, as `hsd bench --retime` does. The report is written after every round, so an interrupted run keeps
 the rounds it finished.
+
+`--speculative BIN` adds llama.cpp's own speculative decoding to every round (after our methods, before the
+second `llama-bench`): `llama-speculative-simple` greedy (`--temp 0 --top-k 1`) on each prompt, its text the
+chat-templated prompt our methods start from, once per `--spec-configs` entry `TYPE[:N_MAX]` (`--spec-type TYPE`,
+`--spec-draft-n-max N_MAX`; `draft-*` types draft with `--gguf-draft`). Reported per configuration: decode
+tokens/s (its tokens over its decode seconds, as it prints them: prefill and model loading excluded), the draft
+acceptance, and the ratio of our plan's decode tokens/s to it. Its outputs are llama.cpp's greedy text on the
+file's own arithmetic, not compared with ours.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +54,49 @@ def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps:
             "depth": depth, "threads": threads, "reps": reps}
 
 
+SPEC_LINES = {"decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
+              "encoded": r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds",
+              "drafted": r"n_drafted\s*=\s*(\d+)", "accepted": r"n_accept\s*=\s*(\d+)"}
+
+
+def parse_spec_config(text: str) -> tuple[str, int | None]:
+    """``"draft-simple:4"`` -> ``("draft-simple", 4)``; ``"ngram-cache"`` -> ``("ngram-cache", None)``."""
+    kind, _, n_max = text.strip().partition(":")
+    if not kind or (n_max and not n_max.isdigit()):
+        raise ValueError(f"--spec-configs: {text!r} is not TYPE or TYPE:N_MAX (e.g. draft-simple:4)")
+    return kind, int(n_max) if n_max else None
+
+
+def parse_spec_output(text: str) -> dict:
+    """The counts `llama-speculative-simple` prints at its end: tokens and seconds decoded (and encoded: the
+    prompt), tokens drafted and accepted. A missing line raises ValueError naming it."""
+    out = {}
+    for key, pattern in SPEC_LINES.items():
+        m = re.search(pattern, text)
+        if m is None:
+            raise ValueError(f"no '{key}' line in llama-speculative-simple's output")
+        out[key] = [float(g) for g in m.groups()] if len(m.groups()) > 1 else int(m.group(1))
+    return {"tokens": int(out["decoded"][0]), "decode_seconds": out["decoded"][1],
+            "prompt_tokens": int(out["encoded"][0]), "drafted": out["drafted"], "accepted": out["accepted"]}
+
+
+def llama_speculative(binary: str, gguf: str, draft: str | None, config: str, prompt: str, n: int,
+                      threads: int) -> dict:
+    """One greedy generation of `llama-speculative-simple` (``n`` new tokens after ``prompt``, a text with the
+    chat template's special tokens) under ``config`` (``TYPE[:N_MAX]``); returns :func:`parse_spec_output`."""
+    kind, n_max = parse_spec_config(config)
+    cmd = [binary, "-m", gguf, "-t", str(threads), "--temp", "0", "--top-k", "1", "-n", str(n), "-c", "4096",
+           "--spec-type", kind, "-p", prompt]
+    if n_max is not None:
+        cmd += ["--spec-draft-n-max", str(n_max)]
+    if kind.startswith("draft"):
+        cmd += ["-md", draft]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise SystemExit(f"llama-speculative-simple failed ({config}): {res.stderr.strip()[-500:]}")
+    return parse_spec_output(res.stdout + res.stderr)
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 2)
 
@@ -61,6 +115,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=64, help="llama-bench context before its decode test (tokens)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--retime", default=None, help="the profile the plan was solved from (hsd bench --retime)")
+    ap.add_argument("--speculative", default=None, help="a llama-speculative-simple binary (llama.cpp)")
+    ap.add_argument("--gguf-draft", default=None, help="the draft model's GGUF file (draft-* configurations)")
+    ap.add_argument("--spec-configs", default="draft-simple:2,draft-simple:4,ngram-cache",
+                    help="llama.cpp speculative configurations TYPE[:N_MAX], comma-separated")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "llama_anchor.json"))
     a = ap.parse_args()
 
@@ -69,13 +127,24 @@ def main() -> None:
     from hsd_opt.commands.common import load_plan_and_model
     from hsd_opt.jsonio import write_json
     from hsd_opt.measure.bench import run_bench
-    from hsd_opt.prompts import load_prompts, select_items
+    from hsd_opt.prompts import encode_prompt, load_prompts, select_items
 
     torch.set_num_threads(a.threads)
     if not os.path.isfile(a.gguf):
         ap.error(f"--gguf: no file at {a.gguf}")
     if not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench: {a.llama_bench} is not an executable")
+    configs = []
+    if a.speculative:
+        if not os.access(a.speculative, os.X_OK):
+            ap.error(f"--speculative: {a.speculative} is not an executable")
+        try:
+            configs = [c.strip() for c in a.spec_configs.split(",") if c.strip()]
+            kinds = [parse_spec_config(c)[0] for c in configs]
+        except ValueError as e:
+            ap.error(str(e))
+        if any(k.startswith("draft") for k in kinds) and not (a.gguf_draft and os.path.isfile(a.gguf_draft)):
+            ap.error(f"--gguf-draft: a draft-* configuration needs the draft model's GGUF file (got {a.gguf_draft})")
     retime = None
     if a.retime:
         from hsd_opt.formats import load_profile
@@ -96,6 +165,18 @@ def main() -> None:
         log(f"  llama.cpp decode {before['tok_s']:.2f} tok/s; hsd bench over {len(items)} prompts ...")
         rep = run_bench(plan, loaded, items, max_new_tokens=n_gen, methods=methods, log=log, retime=retime,
                         retime_source=a.retime or "profile")
+        spec = {}
+        for config in configs:
+            runs = []
+            for it in items:
+                text = loaded.tokenizer.decode(encode_prompt(loaded.tokenizer, it.prompt))
+                runs.append(llama_speculative(a.speculative, a.gguf, a.gguf_draft, config, text, n_gen, a.threads))
+            tokens, seconds = sum(r["tokens"] for r in runs), sum(r["decode_seconds"] for r in runs)
+            drafted = sum(r["drafted"] for r in runs)
+            spec[config] = {"decode_tok_s": tokens / seconds, "tokens": tokens, "decode_seconds": seconds,
+                            "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
+                            "drafted": drafted, "runs": runs}
+            log(f"  llama.cpp speculative {config}: decode {tokens / seconds:.2f} tok/s")
         after = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
         llama = statistics.median([before["tok_s"], after["tok_s"]])
         ours = {}
@@ -111,17 +192,23 @@ def main() -> None:
                        "retimed_ms_per_token": _ms(d.get("retimed_predicted_seconds_per_token")),
                        "measured_ms_per_token": _ms(d.get("seconds_per_token")),
                        "matches_reference": d.get("matches_reference")}
+        plan_tok_s = ours.get("hsd", {}).get("decode_tok_s")
+        for d in spec.values():
+            d["vs_llama_cpp_decode"] = d["decode_tok_s"] / llama
+            d["plan_vs_this"] = plan_tok_s / d["decode_tok_s"] if plan_tok_s else None
         log(f"  llama.cpp decode {after['tok_s']:.2f} tok/s after")
         for m, d in ours.items():
             if "error" not in d and d["decode_tok_s"]:
                 log(f"  {m}: decode {d['decode_tok_s']:.2f} tok/s = {d['decode_vs_llama_cpp']:.2f}x llama.cpp")
         rounds.append({"llama_cpp_before": before, "llama_cpp_after": after, "llama_cpp_decode_tok_s": llama,
-                       "ours": ours, "bench": rep})
+                       "ours": ours, "llama_cpp_speculative": spec, "bench": rep})
         report = {
             "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
-            "plan": a.plan, "gguf": os.path.basename(a.gguf), "prompts": len(items), "max_new_tokens": n_gen,
+            "plan": a.plan, "gguf": os.path.basename(a.gguf),
+            "gguf_draft": os.path.basename(a.gguf_draft) if a.gguf_draft and configs else None,
+            "spec_configs": configs, "prompts": len(items), "max_new_tokens": n_gen,
             "target_precision": rounds[0]["bench"].get("target_precision"), "rounds": rounds,
         }
         write_json(a.out, report, indent=1)
@@ -136,6 +223,18 @@ def main() -> None:
             cells.append("error" if "error" in d or not d else
                          f"{d['decode_tok_s']:.2f} ({d['decode_vs_llama_cpp']:.2f}x)")
         print(f"| {i + 1} | {rd['llama_cpp_decode_tok_s']:.2f} | " + " | ".join(cells) + " |")
+    if configs:
+        print("\n| round | " + " | ".join(f"llama.cpp {c} decode tok/s (acceptance; our plan x this)" for c in configs)
+              + " |")
+        print("|---|" + "---:|" * len(configs))
+        for i, rd in enumerate(rounds):
+            cells = []
+            for c in configs:
+                d = rd["llama_cpp_speculative"][c]
+                acc = "-" if d["acceptance"] is None else f"{d['acceptance']:.2f}"
+                mine = "-" if d["plan_vs_this"] is None else f"{d['plan_vs_this']:.2f}x"
+                cells.append(f"{d['decode_tok_s']:.2f} ({acc}; {mine})")
+            print(f"| {i + 1} | " + " | ".join(cells) + " |")
     print(f"\nwrote {a.out}")
 
 

@@ -1,0 +1,41 @@
+"""`benchmarks/llama_anchor.py` reads llama.cpp's speculative decoding from what `llama-speculative-simple`
+prints (its log format of the `llama-cpp-python` 0.3.36 sdist), and refuses what it cannot read."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.llama_anchor import parse_spec_config, parse_spec_output
+
+PRINTED = """\
+0.12.277.195 I encoded   16 tokens in    0.518 seconds, speed:   30.868 t/s
+0.12.277.232 I decoded   73 tokens in    8.710 seconds, speed:    8.381 t/s
+0.12.277.264 I
+0.12.277.296 I n_draft   = 8
+0.12.277.327 I n_predict = 73
+0.12.277.358 I n_drafted = 99
+0.12.277.389 I n_accept  = 60
+0.12.277.421 I accept    = 60.606%
+"""
+
+
+def test_the_counts_are_read_from_the_lines_that_carry_them():
+    got = parse_spec_output("some generated text\n" + PRINTED)
+    assert got == {"tokens": 73, "decode_seconds": 8.71, "prompt_tokens": 16, "drafted": 99, "accepted": 60}
+
+
+def test_output_without_a_count_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="'accepted'"):
+        parse_spec_output(PRINTED.replace("n_accept", "n_acc"))
+
+
+@pytest.mark.parametrize("text, want", [("draft-simple:4", ("draft-simple", 4)), ("ngram-cache", ("ngram-cache", None)),
+                                        (" draft-simple:12 ", ("draft-simple", 12))])
+def test_a_configuration_is_a_type_and_an_optional_draft_length(text, want):
+    assert parse_spec_config(text) == want
+
+
+@pytest.mark.parametrize("text", ["", ":4", "draft-simple:four", "draft-simple:-1"])
+def test_a_malformed_configuration_names_the_flag(text):
+    with pytest.raises(ValueError, match="--spec-configs"):
+        parse_spec_config(text)
