@@ -97,6 +97,14 @@ def llama_speculative(binary: str, gguf: str, draft: str | None, config: str, pr
     return parse_spec_output(res.stdout + res.stderr)
 
 
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table on stdout: a first column numbering the rounds, then ``columns``."""
+    print("\n| round | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for i, cells in enumerate(rows):
+        print(f"| {i + 1} | " + " | ".join(cells) + " |")
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 2)
 
@@ -213,28 +221,21 @@ def main() -> None:
         }
         write_json(a.out, report, indent=1)
 
-    print("\n| round | llama.cpp decode tok/s | " + " | ".join(f"{m} decode tok/s (x llama.cpp)" for m in methods)
-          + " |")
-    print("|---|---:|" + "---:|" * len(methods))
-    for i, rd in enumerate(rounds):
-        cells = []
-        for m in methods:
-            d = rd["ours"].get(m, {})
-            cells.append("error" if "error" in d or not d else
-                         f"{d['decode_tok_s']:.2f} ({d['decode_vs_llama_cpp']:.2f}x)")
-        print(f"| {i + 1} | {rd['llama_cpp_decode_tok_s']:.2f} | " + " | ".join(cells) + " |")
+    def ours_cell(rd, m):
+        d = rd["ours"].get(m, {})
+        return "error" if "error" in d or not d else f"{d['decode_tok_s']:.2f} ({d['decode_vs_llama_cpp']:.2f}x)"
+
+    def spec_cell(rd, c):
+        d = rd["llama_cpp_speculative"][c]
+        acc = "-" if d["acceptance"] is None else f"{d['acceptance']:.2f}"
+        mine = "-" if d["plan_vs_this"] is None else f"{d['plan_vs_this']:.2f}x"
+        return f"{d['decode_tok_s']:.2f} ({acc}; {mine})"
+
+    print_table(["llama.cpp decode tok/s"] + [f"{m} decode tok/s (x llama.cpp)" for m in methods],
+                [[f"{rd['llama_cpp_decode_tok_s']:.2f}"] + [ours_cell(rd, m) for m in methods] for rd in rounds])
     if configs:
-        print("\n| round | " + " | ".join(f"llama.cpp {c} decode tok/s (acceptance; our plan x this)" for c in configs)
-              + " |")
-        print("|---|" + "---:|" * len(configs))
-        for i, rd in enumerate(rounds):
-            cells = []
-            for c in configs:
-                d = rd["llama_cpp_speculative"][c]
-                acc = "-" if d["acceptance"] is None else f"{d['acceptance']:.2f}"
-                mine = "-" if d["plan_vs_this"] is None else f"{d['plan_vs_this']:.2f}x"
-                cells.append(f"{d['decode_tok_s']:.2f} ({acc}; {mine})")
-            print(f"| {i + 1} | " + " | ".join(cells) + " |")
+        print_table([f"llama.cpp {c} decode tok/s (acceptance; our plan x this)" for c in configs],
+                    [[spec_cell(rd, c) for c in configs] for rd in rounds])
     print(f"\nwrote {a.out}")
 
 
