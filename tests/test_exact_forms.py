@@ -23,11 +23,15 @@ def exact_form(w: torch.Tensor, bias: torch.Tensor | None = None) -> wq.Mat | No
 
 def test_the_pair_layout_holds_every_code_once():
     g = torch.Generator().manual_seed(0)
-    for rows, groups in ((6, 4), (5, 3), (1, 1), (4, 18), (7, 1)):
+    for rows, groups in ((6, 4), (5, 3), (1, 1), (4, 18), (7, 1), (8, 2), (2, 5)):
         codes = torch.randint(0, 16, (rows, groups, 32), dtype=torch.uint8, generator=g)
         packed = wq.pair_codes(codes)
-        assert packed.shape == ((rows + 1) // 2, (groups + 1) // 2, 64)
+        assert packed.shape == ((rows + 3) // 4, (groups + 1) // 2, 128)
         assert torch.equal(wq.unpair_codes(packed, rows, groups), codes)
+        # where the kernels read them: block r // 4, pair of groups g // 2, the rows' pair, 8 columns k, the row
+        for r, gr, col in ((rows - 1, groups - 1, 31), (0, 0, 0), (rows // 2, groups // 2, 13)):
+            byte = packed[r // 4, gr // 2, 64 * (r % 4 // 2) + 16 * (col // 8) + 8 * (r % 2) + col % 8]
+            assert (byte >> 4 * (gr % 2)) & 15 == codes[r, gr, col]
 
 
 def test_q4_1_weights_have_an_exact_form_and_others_do_not():

@@ -85,10 +85,11 @@ typedef struct {
     const void *w;       /* f32 / bf16 [rows, cols]; q8: int8 [rows, cols]; q4: uint8 [rows / 16, groups / 2
                           * (both rounded up), 512]: per block of 16 rows and pair of groups, 64 bytes per 4
                           * columns 4q .. 4q + 3 of the group (4 bytes per row: row i's at 4i), each byte the code
-                          * of the first group (low nibble) | of the second (high nibble); q4f: uint8 [rows / 2,
-                          * groups / 2 (both rounded up), 64]: per pair of rows and pair of groups, 16 bytes per 8
-                          * columns k of the group (8 of the first row, then the second's), each byte the code of the
-                          * first group (low nibble) | of the second (high nibble); q8f: int8 [rows / 2 (rounded up),
+                          * of the first group (low nibble) | of the second (high nibble); q4f: uint8 [rows / 4,
+                          * groups / 2 (both rounded up), 2, 64]: per block of 4 rows and pair of groups, per pair of
+                          * rows of the block, 16 bytes per 8 columns k of the group (8 of the first row, then the
+                          * second's), each byte the code of the first group (low nibble) | of the second (high
+                          * nibble); q8f: int8 [rows / 2 (rounded up),
                           * cols / 8, 16]: per pair of rows, 16 bytes per 8 columns (8 of the first row, then the
                           * same 8 of the second) */
     const void *scale;   /* q8: float32 [rows]; q4f, q8f: float16 bits [rows, cols / 32]; q4: float16 bits
@@ -110,7 +111,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 15; }
+int hsd_version(void) { return 16; }
 /* 0: portable C; 1: 8-lane tiles (AVX2, or NEON's pairs of 4-lane registers); 2: AVX2 with 16-lane float32 tiles
  * (AVX-512). */
 int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512 + HSD_NEON; }
@@ -261,10 +262,12 @@ static inline size_t row_bytes(const hsd_mat *A) {
     return (size_t)A->cols * (A->type == HSD_F32 ? 4 : A->type == HSD_BF16 ? 2 : 1);
 }
 
-/* The 64 code bytes of q4f rows 2 * pair, 2 * pair + 1 and groups 2 * gp, 2 * gp + 1. */
+/* The 64 code bytes of q4f rows 2 * pair, 2 * pair + 1 and groups 2 * gp, 2 * gp + 1; those of the next pair of
+ * groups of the same rows follow HSD_Q4F_STEP bytes later (a block of 4 rows is one run of bytes). */
+#define HSD_Q4F_STEP 128
 static inline const uint8_t *q4f_codes(const hsd_mat *A, int pair, int gp) {
     const int GP = ((A->cols + HSD_GROUP - 1) / HSD_GROUP + 1) / 2;
-    return (const uint8_t *)A->w + ((size_t)pair * GP + gp) * 64;
+    return (const uint8_t *)A->w + (((size_t)(pair / 2) * GP + gp) * 2 + (pair & 1)) * 64;
 }
 
 /* The 16 code bytes of q8f rows 2 * pair, 2 * pair + 1 at columns 8 * c8 .. 8 * c8 + 7. */
@@ -1123,12 +1126,23 @@ static inline void store4(const hsd_mat *A, const float *s, int mt, int n, float
 static inline void prefetch_block(const hsd_mat *A, int r) {
     if (r >= A->rows) return;
     const int G = A->cols / HSD_GROUP, pairs = (A->rows + 1) / 2;
-    const int n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
-    const size_t pair_bytes = A->type == HSD_Q8F ? (size_t)2 * A->cols : (size_t)((G + 1) / 2) * 64;
-    const char *p = (const char *)A->w + (size_t)(r / 2) * pair_bytes, *end = p + (size_t)n * pair_bytes;
+    const char *p, *end;
+    if (A->type == HSD_Q4F) { /* the block's codes: one run (r is a multiple of 4) */
+        p = (const char *)q4f_codes(A, r / 2, 0);
+        end = p + (size_t)((G + 1) / 2) * HSD_Q4F_STEP;
+    } else {
+        const int n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
+        p = (const char *)A->w + (size_t)(r / 2) * 2 * A->cols;
+        end = p + (size_t)n * 2 * A->cols;
+    }
     for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch((const char *)((const uint16_t *)A->scale + (size_t)r * G), _MM_HINT_T0);
-    if (A->zero) _mm_prefetch((const char *)((const uint16_t *)A->zero + (size_t)r * G), _MM_HINT_T0);
+    const size_t factor_bytes = (size_t)2 * G * (A->rows - r < 4 ? A->rows - r : 4);
+    const char *sc = (const char *)((const uint16_t *)A->scale + (size_t)r * G);
+    const char *zc = A->zero ? (const char *)((const uint16_t *)A->zero + (size_t)r * G) : NULL;
+    for (size_t o = 0; o < factor_bytes; o += 64) { /* every line of the block's scales and minimums */
+        _mm_prefetch(sc + o, _MM_HINT_T0);
+        if (zc) _mm_prefetch(zc + o, _MM_HINT_T0);
+    }
 }
 
 /* G float16 values as float32, 16 at a time with AVX-512, else 8 (exact). */
@@ -1193,7 +1207,7 @@ static inline __attribute__((always_inline)) void q4f_block_at(q4f_block *b, con
 
 /* The codes of row i for columns 8k .. 8k+7 of the pair of groups from group g (both nibbles of each byte). */
 static inline __m256i q4f_codes8(const q4f_block *b, int i, int g, int k) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->q[i] + (size_t)(g / 2) * 64 + 16 * k)));
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->q[i] + (size_t)(g / 2) * HSD_Q4F_STEP + 16 * k)));
 }
 
 /* acc[p] += row i's columns of groups g and g + 1 (g alone when it is the last), positions p < P. */
@@ -1378,7 +1392,7 @@ static inline __attribute__((always_inline)) void q4f_tile4xP(const hsd_mat *A, 
         const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c0][g]), _mm512_set1_ps(zf[c0][g]));
         const __m512 t2 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[a1][g]), _mm512_set1_ps(zf[a1][g]));
         const __m512 t3 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[c1][g]), _mm512_set1_ps(zf[c1][g]));
-        const uint8_t *b01 = q01 + (size_t)(g / 2) * 64, *b23 = q23 + (size_t)(g / 2) * 64;
+        const uint8_t *b01 = q01 + (size_t)(g / 2) * HSD_Q4F_STEP, *b23 = q23 + (size_t)(g / 2) * HSD_Q4F_STEP;
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) { /* 8 columns: 16 codes of each pair, a byte each (a nibble of this group) */
             __m512i i01 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b01 + 16 * k)));
@@ -1435,7 +1449,7 @@ static inline __attribute__((always_inline)) void q4f_tile4xP_neon(const hsd_mat
     for (int i = 0; i < 4; i++)
         for (int p = 0; p < P; p++) acc[i][p] = f8_zero();
     for (int g = 0; g < G; g++) {
-        const size_t off = (size_t)(g / 2) * 64;
+        const size_t off = (size_t)(g / 2) * HSD_Q4F_STEP;
         const int odd = g & 1;
         float32x4_t sv[4], zv[4];
         for (int i = 0; i < 4; i++) {

@@ -46,7 +46,7 @@ from hsd_opt.errors import HsdError
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 15
+ABI_VERSION = 16
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes on the kernels too (in calls of at most
 #: :data:`BATCH_ROWS` positions).

@@ -189,25 +189,27 @@ def exact_int4(weight: Mat, q4: Mat) -> Mat | None:
 
 def pair_codes(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes ``[rows, groups, 32]`` (0..15, column order) in the exact form's layout, uint8 ``[ceil(rows /
-    2), ceil(groups / 2), 64]``: per pair of rows and pair of groups, 16 bytes per 8 columns (``k`` = 0..3 of the
-    group): 8 of the first row, then the same 8 columns of the second, each byte the code of the first group (low
-    nibble) and of the second (high nibble). The kernels widen 16 such codes into one 16-lane register: the 8-lane
-    accumulators of two rows side by side. An odd last row or group is repeated (its copy never read back)."""
+    4), ceil(groups / 2), 128]``: per block of 4 rows and pair of groups, 64 bytes for each pair of rows (the
+    block's first two rows, then its last two), in them 16 bytes per 8 columns (``k`` = 0..3 of the group): 8 of the
+    first row, then the same 8 columns of the second, each byte the code of the first group (low nibble) and of the
+    second (high nibble). The kernels widen 16 such codes into one 16-lane register: the 8-lane accumulators of two
+    rows side by side; a block of 4 rows (the kernels' tile) reads one run of bytes. A short last block repeats its
+    last row and an odd last group is repeated (the copies never read back)."""
     rows, groups, _ = codes.shape
-    if rows % 2:
-        codes = torch.cat([codes, codes[-1:]], 0)
+    if rows % 4:
+        codes = torch.cat([codes, codes[-1:].expand(4 - rows % 4, -1, -1)], 0)
     if groups % 2:
         codes = torch.cat([codes, codes[:, -1:]], 1)
-    c = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1] // 2, 2, 4, 8)   # [pair, h, gp, parity, k, j]
-    c = c.permute(0, 2, 4, 1, 5, 3)                                            # [pair, gp, k, h, j, parity]
-    return (c[..., 0] | (c[..., 1] << 4)).reshape(c.shape[0], c.shape[1], 64).contiguous()
+    c = codes.reshape(codes.shape[0] // 4, 2, 2, codes.shape[1] // 2, 2, 4, 8)  # [blk, pair, h, gp, parity, k, j]
+    c = c.permute(0, 3, 1, 5, 2, 6, 4)                                         # [blk, gp, pair, k, h, j, parity]
+    return (c[..., 0] | (c[..., 1] << 4)).reshape(c.shape[0], c.shape[1], 128).contiguous()
 
 
 def unpair_codes(packed: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
     """:func:`pair_codes` undone: uint8 ``[rows, groups, 32]``."""
-    c = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], packed.shape[1], 4, 2, 8, 2)
-    c = c.permute(0, 3, 1, 5, 2, 4)                                            # [pair, h, gp, parity, k, j]
-    return c.reshape(packed.shape[0] * 2, packed.shape[1] * 2, 32)[:rows, :groups]
+    c = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], packed.shape[1], 2, 4, 2, 8, 2)
+    c = c.permute(0, 2, 4, 1, 6, 3, 5)                                         # [blk, pair, h, gp, parity, k, j]
+    return c.reshape(packed.shape[0] * 4, packed.shape[1] * 2, 32)[:rows, :groups]
 
 
 def exact_int8(weight: Mat) -> Mat | None:
