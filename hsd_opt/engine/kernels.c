@@ -89,9 +89,8 @@ typedef struct {
                           * groups / 2 (both rounded up), 2, 64]: per block of 4 rows and pair of groups, per pair of
                           * rows of the block, 16 bytes per 8 columns k of the group (8 of the first row, then the
                           * second's), each byte the code of the first group (low nibble) | of the second (high
-                          * nibble); q8f: int8 [rows / 2 (rounded up),
-                          * cols / 8, 16]: per pair of rows, 16 bytes per 8 columns (8 of the first row, then the
-                          * same 8 of the second) */
+                          * nibble); q8f: int8 [rows / 2 (rounded up), cols / 8, 16]: per pair of rows, 16 bytes
+                          * per 8 columns (8 of the first row, then the same 8 of the second) */
     const void *scale;   /* q8: float32 [rows]; q4f, q8f: float16 bits [rows, cols / 32]; q4: float16 bits
                           * [rows / 16 (rounded up), cols / 32, 16] (per block of 16 rows, group by group) */
     const void *zero;    /* q4f: float16 bits [rows, cols / 32], q4: as its scale; the group minimum:
@@ -1207,7 +1206,8 @@ static inline __attribute__((always_inline)) void q4f_block_at(q4f_block *b, con
 
 /* The codes of row i for columns 8k .. 8k+7 of the pair of groups from group g (both nibbles of each byte). */
 static inline __m256i q4f_codes8(const q4f_block *b, int i, int g, int k) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->q[i] + (size_t)(g / 2) * HSD_Q4F_STEP + 16 * k)));
+    const uint8_t *q = b->q[i] + (size_t)(g / 2) * HSD_Q4F_STEP + 16 * k;
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
 }
 
 /* acc[p] += row i's columns of groups g and g + 1 (g alone when it is the last), positions p < P. */
