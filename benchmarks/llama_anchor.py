@@ -164,6 +164,8 @@ def main() -> None:
         items = [it for it in items if it.task == a.task]
     items = select_items(items, limit=a.limit)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    # llama.cpp's speculative runs start from the text of the chat-templated prompts our methods start from
+    spec_texts = [loaded.tokenizer.decode(encode_prompt(loaded.tokenizer, it.prompt)) for it in items if configs]
     n_gen = a.max_new_tokens
     rounds = []
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
@@ -175,10 +177,8 @@ def main() -> None:
                         retime_source=a.retime or "profile")
         spec = {}
         for config in configs:
-            runs = []
-            for it in items:
-                text = loaded.tokenizer.decode(encode_prompt(loaded.tokenizer, it.prompt))
-                runs.append(llama_speculative(a.speculative, a.gguf, a.gguf_draft, config, text, n_gen, a.threads))
+            runs = [llama_speculative(a.speculative, a.gguf, a.gguf_draft, config, text, n_gen, a.threads)
+                    for text in spec_texts]
             tokens, seconds = sum(r["tokens"] for r in runs), sum(r["decode_seconds"] for r in runs)
             drafted = sum(r["drafted"] for r in runs)
             spec[config] = {"decode_tok_s": tokens / seconds, "tokens": tokens, "decode_seconds": seconds,

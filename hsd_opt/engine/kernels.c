@@ -1124,13 +1124,13 @@ static inline void store4(const hsd_mat *A, const float *s, int mt, int n, float
 /* Ask the cache for rows [r, r + 4) of a paired matrix (codes, scales, minimums), read a few blocks later. */
 static inline void prefetch_block(const hsd_mat *A, int r) {
     if (r >= A->rows) return;
-    const int G = A->cols / HSD_GROUP, pairs = (A->rows + 1) / 2;
+    const int G = A->cols / HSD_GROUP;
     const char *p, *end;
     if (A->type == HSD_Q4F) { /* the block's codes: one run (r is a multiple of 4) */
         p = (const char *)q4f_codes(A, r / 2, 0);
         end = p + (size_t)((G + 1) / 2) * HSD_Q4F_STEP;
-    } else {
-        const int n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
+    } else { /* q8f: the block's two pairs of rows (one at the matrix end) */
+        const int pairs = (A->rows + 1) / 2, n = pairs - r / 2 < 2 ? pairs - r / 2 : 2;
         p = (const char *)A->w + (size_t)(r / 2) * 2 * A->cols;
         end = p + (size_t)n * 2 * A->cols;
     }
