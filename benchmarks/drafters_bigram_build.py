@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from hsd_opt.drafters.bigram import build_bigram_table, model_fingerprint, table_path
+from hsd_opt.engine.variants import host
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     res = {"model": a.model, "model_hash": h, "rows": table.vocab_size, "top_k": a.top_k,
            "batch_size": a.batch_size, "seconds": secs, "rows_per_second": table.vocab_size / secs,
            "bos_id": table.meta["bos_id"], "torch_threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(), "loadavg_before": load, "loadavg_after": os.getloadavg()}
+           "host": host(), "loadavg_before": load, "loadavg_after": os.getloadavg()}
     if a.rows is None:
         path = table.save(table_path(a.cache_dir, h, a.top_k, table.meta["bos_id"]))
         res["table"] = str(path)

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from hsd_opt.engine.variants import host
+
 
 def _ms(xs):
     return round(statistics.median(xs) * 1e3, 3)
@@ -161,7 +163,7 @@ def main() -> None:
     report = {
         "what": "engine benchmark (benchmarks/engine.py): median ms over interleaved rounds",
         "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads,
+        "machine": {"platform": platform.platform(), "host": host(), "threads": a.threads,
                     "load_avg": os.getloadavg()},
         "model": a.model, "dtype": a.dtype, "context": a.context, "rounds": a.rounds,
         "kernels_simd": bool(kernels.load().hsd_simd()) if kernels.load() else None,

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hsd_opt.engine.variants import host
 
 HERE = Path(__file__).resolve().parents[1]
 DEFAULT_PLAN = HERE / "benchmarks" / "results" / "bench_suite_2026-11-26_plan.json"
@@ -162,7 +163,7 @@ def main() -> None:
     lossless = all(t == base_tokens[k.replace("plan:", "ar:").replace("batch:", "ar:")]
                    for k, t in base_tokens.items())
     same_work = all(x["work"] == runs["baseline"][0]["work"] for v in runs.values() for x in v)
-    report = {"started": started, "machine": platform.processor() or platform.machine(), "trees": trees,
+    report = {"started": started, "host": host(), "trees": trees,
               "plan": a.plan, "rounds": a.rounds, "prompts": a.prompts, "new_tokens": a.new, "median": med,
               "candidate_over_baseline": ratio, "per_round": per_round, "same_tokens_in_both_trees": same,
               "plan_equals_ar": lossless, "same_work_in_both_trees": same_work,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from benchmarks.json_schema_bench import quantiles_ms
+from hsd_opt.engine.variants import host
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
 from hsd_opt.models.loading import eos_token_ids, load_model
 
@@ -159,7 +159,7 @@ def main() -> None:
     tasks = [json.loads(x) for x in text.splitlines() if x.strip()][:a.limit]
     engines, missing = _engines(tok, eos, vocab)
     sweep = np.ones(a.sweep_mb * (1 << 20) // 4, dtype=np.float32)
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": host(),
                     "tasks": len(tasks), "sweep_mb": a.sweep_mb, "engines": {}, "missing": missing}
     for eng in engines:
         t = time.perf_counter()

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
+from hsd_opt.engine.variants import host
 from hsd_opt.formats import load_plan
 from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
 from hsd_opt.grammar.constraint import Constraint
@@ -187,7 +187,7 @@ def main() -> None:
                      "checks": {m: {"ended": e, "parses": p, "valid": v} for m, (e, p, v) in checks.items()}})
         print(f"{i + 1}/{len(tasks)} {task['name']}: {len(ref)} tokens, {forced} forced, ended {ended}, "
               f"parses {parses}, valid {valid}, equal {rows[-1]['equal']}", flush=True)
-    report = {"host": platform.processor() or platform.machine(), "plan": a.plan, "hierarchy": plan.hierarchy,
+    report = {"host": host(), "plan": a.plan, "hierarchy": plan.hierarchy,
               "budgets": plan.budgets, "json_plan": a.json_plan, "json_hierarchy": json_levels, "skip": a.skip,
               "max_new_tokens": a.max_new_tokens, "tasks": len(rows),
               "seconds": time.perf_counter() - t0, "methods": {}, "rows": rows}

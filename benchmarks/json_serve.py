@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ import httpx
 
 from benchmarks.serve_sweep import free_port, served_name
 from benchmarks.server_load import start, start_server, stop_server
+from hsd_opt.engine.variants import host
 
 TASKS = Path(__file__).resolve().parents[1] / "hsd_opt" / "data" / "json_tasks.jsonl"
 
@@ -106,7 +106,7 @@ def main() -> None:
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][a.skip:a.skip + a.limit]
     levels = [int(c) for c in a.concurrency.split(",")]
     hsd, hsd_url, _ = start_server(a.plan, 64, None, "cpu", a.timeout)
-    report = {"host": platform.processor() or platform.machine(), "plan": a.plan, "gguf": a.gguf,
+    report = {"host": host(), "plan": a.plan, "gguf": a.gguf,
               "max_tokens": a.max_tokens, "tasks": len(tasks), "levels": []}
     try:
         for i, c in enumerate(levels):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import httpx
 
 from benchmarks.json_serve import TASKS, _name, run_clients
 from benchmarks.server_load import start_server, stop_server
+from hsd_opt.engine.variants import host
 
 KINDS = ("greedy", "greedy_stream", "sampled", "json_object", "hang_up")
 
@@ -153,7 +153,7 @@ def main() -> None:
     answered = [r for r in rows if r["kind"] != "hang_up" and r["status"] == 200]
     secs = [r["seconds"] for r in answered]
     tokens = sum(r["tokens"] or 0 for r in rows)
-    report = {"host": platform.processor() or platform.machine(), "plan": a.plan, "requests": len(rows),
+    report = {"host": host(), "plan": a.plan, "requests": len(rows),
               "clients": a.clients, "max_tokens": a.max_tokens, "wall_seconds": res["wall_seconds"],
               "by_kind": {k: sum(r["kind"] == k for r in rows) for k in KINDS},
               "answered_200": len(answered), "ended": sum(r["finish"] == "stop" for r in answered),

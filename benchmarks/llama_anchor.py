@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from hsd_opt.engine.variants import host
+
 
 def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps: int) -> dict:
     """`llama-bench` decode test (`-p 0 -n n -d depth`): tokens/s (mean and sd over `reps` runs)."""
@@ -213,7 +215,7 @@ def main() -> None:
         report = {
             "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
+            "machine": {"platform": platform.platform(), "host": host(), "threads": a.threads},
             "plan": a.plan, "gguf": os.path.basename(a.gguf),
             "gguf_draft": os.path.basename(a.gguf_draft) if a.gguf_draft and configs else None,
             "spec_configs": configs, "prompts": len(items), "max_new_tokens": n_gen,

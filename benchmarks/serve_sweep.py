@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -62,6 +61,7 @@ from pathlib import Path
 
 from benchmarks.server_load import pct, start, stream_once
 from benchmarks.server_load import stop_server as stop
+from hsd_opt.engine.variants import host
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -306,7 +306,7 @@ def main() -> None:
                   "max_tokens": a.max_tokens,
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
                   "stream_interval": a.stream_interval,
-                  "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                  "host": host(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
         runs = [(r, c) for r in range(a.rounds) for c in (levels if r % 2 == 0 else list(reversed(levels)))]
         for rnd, c in runs:

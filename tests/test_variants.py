@@ -41,6 +41,21 @@ def test_a_forced_variant_is_taken_or_refused_naming_what_the_cpu_lacks(monkeypa
     assert variants.choose(zen3, arch="x86_64")[0].name == "portable"
 
 
+def test_a_report_names_the_cpu_its_instruction_sets_and_the_variant_that_runs(monkeypatch):
+    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    zen3 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\n" + ZEN3
+    h = variants.host(zen3, arch="x86_64")
+    assert h["cpu"] == "AMD EPYC 7B13" and h["arch"] == "x86_64" and h["kernels"] == "avx2"
+    assert h["isa"] == ["avx2", "f16c", "fma"]                     # sse2, bmi2 ... are not what variants tell apart
+    assert variants.host(ZEN4, arch="x86_64")["kernels"] == "avx512-vnni"
+    assert variants.host(GRAVITON3, arch="aarch64")["kernels"] == "neon-dotprod"
+    monkeypatch.setenv("HSD_KERNELS", "avx512")                    # a forced variant this CPU cannot run: said
+    assert "lacks avx512f" in variants.host(zen3, arch="x86_64")["kernels"]
+    monkeypatch.setenv("HSD_KERNELS", "0")
+    assert variants.host(zen3, arch="x86_64")["kernels"] == "off"
+    assert variants.cpu_name("Hardware\t: BCM2835\n") == "BCM2835"      # an Arm board's line
+
+
 def test_every_variant_has_explicit_flags_and_names_its_bits():
     for v in variants.VARIANTS:
         flags = kernels.flags(v)

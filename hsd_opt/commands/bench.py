@@ -214,16 +214,18 @@ def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperatur
 
 
 def _add_machine(rep: dict, loaded) -> None:
-    """Record in the report the model loaded and the decode kernels that ran (``model``, ``kernels``), and on CUDA
+    """Record in the report the model loaded, the decode kernels that ran and the machine (``model``, ``kernels``,
+    ``host``: :func:`~hsd_opt.engine.variants.host`), and on CUDA
     how its engines ran the torch path (``torch_path``: fixed shapes, compiled layers, CUDA graphs, copies reading
     their codes, Triton attention, as :func:`~hsd_opt.engine.layered.torch_path_settings` says)."""
     import torch
 
-    from hsd_opt.engine import kernels
+    from hsd_opt.engine import kernels, variants
     from hsd_opt.engine.layered import torch_path_settings
 
     rep["model"] = loaded.provenance()
     rep["kernels"] = kernels.provenance(loaded.device)
+    rep["host"] = variants.host()
     if torch.device(loaded.device).type == "cuda":
         rep["torch_path"] = torch_path_settings()
 

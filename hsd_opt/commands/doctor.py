@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import platform
 import sys
-from pathlib import Path
 
 import typer
 
@@ -26,16 +25,6 @@ def version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def system_lines() -> list[str]:
     """The lines ``hsd doctor`` prints: versions, the CPU, the variants it runs, the loaded one (a profile and
     ``hsd bench`` record the same choice as ``kernels.provenance``), the compiler, how CUDA runs (where it is) and
@@ -50,8 +39,8 @@ def system_lines() -> list[str]:
     lines = [version_line(),
              f"torch {torch.__version__}; {torch.get_num_threads()} threads; CUDA "
              f"{'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available'}",
-             f"cpu: {_cpu_name()}; {variants.machine()}; "
-             f"{' '.join(sorted(f for f in feats if f in _SHOWN)) or 'no SIMD features read'}",
+             f"cpu: {variants.cpu_name()}; {variants.machine()}; "
+             f"{' '.join(sorted(f for f in feats if f in variants.SHOWN_FEATURES)) or 'no SIMD features read'}",
              f"variants this CPU runs: {', '.join(runs)}"]
     info = kernels.info()
     if info is None:
@@ -98,10 +87,6 @@ def cuda_line() -> str:
             f"{state('triton_attention', 'HSD_TRITON_ATTENTION')}; passes replayed from CUDA "
             f"graphs {state('cuda_graphs', 'HSD_CUDA_GRAPHS')}; quantized copies "
             f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
-
-
-_SHOWN = {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "asimd",
-          "asimddp", "sve"}
 
 
 def doctor_cmd() -> None:

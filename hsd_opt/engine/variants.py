@@ -8,6 +8,8 @@ load time from what the CPU reports, each compiled with explicit flags (never ``
   and of the hardware capabilities on Arm; macOS: ``sysctl``).
 - :func:`choose`: the variant to load: ``HSD_KERNELS=<name>`` forces one (refused, naming the missing features, when
   the CPU lacks them), otherwise the widest this CPU runs, with the reason in words.
+- :func:`host`: what a benchmark report records of the machine it ran on (the CPU's name, the instruction sets the
+  variants tell apart, the variant that runs), so that every figure names its CPU class.
 
 No torch here: ``hsd doctor`` and the tests read it without loading a model.
 """
@@ -157,3 +159,47 @@ def choose(features: frozenset[str] | None = None, forced: str | None = None,
     else:
         why = "the widest this CPU runs"
     return best, why
+
+
+# The features the variants tell apart, as ``hsd doctor`` and :func:`host` show them.
+SHOWN_FEATURES = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
+                            "avx_vnni", "asimd", "asimddp", "sve"})
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name: ``/proc/cpuinfo``'s ``model name`` (``cpuinfo``: that text instead, for tests), macOS's
+    ``machdep.cpu.brand_string``, else ``platform.processor()`` or the architecture."""
+    if cpuinfo is None and platform.system() == "Darwin":
+        name = _sysctl("machdep.cpu.brand_string").strip()
+        if name:
+            return name
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+            return value.strip()
+    return platform.processor() or machine()
+
+
+def host(cpuinfo: str | None = None, arch: str | None = None) -> dict:
+    """What a benchmark report records of the machine it ran on: ``{"cpu"}`` (:func:`cpu_name`), ``"arch"``,
+    ``"cpus"`` (logical CPUs), ``"isa"`` (the instruction-set features the variants tell apart that the CPU has,
+    sorted) and ``"kernels"``: the variant this process loads (``$HSD_KERNELS`` honoured; ``"off"`` where
+    ``HSD_KERNELS=0`` turns the kernels off; the refusal's text where it names a variant this CPU cannot run).
+    ``cpuinfo``, ``arch``: the text of ``/proc/cpuinfo`` and the architecture to read instead of this machine's
+    (tests)."""
+    features, arch = cpu_features(cpuinfo), arch or machine()
+    forced = os.environ.get("HSD_KERNELS", "").strip().lower()
+    if forced in ("0", "off", "no", "false"):
+        kernels = "off"
+    else:
+        try:
+            kernels = choose(features, arch=arch)[0].name
+        except HsdError as e:
+            kernels = str(e)
+    return {"cpu": cpu_name(cpuinfo), "arch": arch, "cpus": os.cpu_count(),
+            "isa": sorted(f for f in features if f in SHOWN_FEATURES), "kernels": kernels}

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from hsd_opt.engine import kernels
+from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
@@ -381,7 +381,8 @@ def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, s
 def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict, world: int,
                  threads_note: str) -> dict:
     """The provenance of the costs: the contexts (tokens) and the cost plan, the cost model and its check, the
-    timings (seconds), the date, the versions, the threads, the kernel variant and how the torch path ran (each of
+    timings (seconds), the date, the versions, the threads, the kernel variant, the machine (``host``:
+    :func:`~hsd_opt.engine.variants.host`) and how the torch path ran (each of
     :attr:`~hsd_opt.engine.layered.LayeredLM.torch_path`'s settings, on where any engine had it)."""
     return {
         "cost_contexts": {"requested": sorted(set(cfg.cost_contexts)), "measured": costs.contexts},
@@ -400,7 +401,7 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hsd_opt_version": __version__, "torch": torch.__version__, "world_size": world,
         "torch_threads": torch.get_num_threads(), "threads_note": threads_note, "cpu_count": os.cpu_count(),
-        "kernels": kernels.provenance(loaded.device),
+        "kernels": kernels.provenance(loaded.device), "host": variants.host(),
         "torch_path": {k: any(nd.engine.torch_path[k] for nd in pool.neural) for k in pool.neural[0].engine.torch_path},
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
