@@ -1271,7 +1271,13 @@ static inline __attribute__((always_inline)) void q4f_tile_by_group(const hsd_ma
         for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
     for (int g = 0; g < b.G; g += 2)
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) q4f_row_groups(&b, i, g, x, xs, P, acc[i]);
+        for (int i = 0; i < 4; i++) {
+            /* each row loads its inputs again (from L1): held across the four rows, they made the compiler spill
+             * the 4 * P accumulators (benchmarks/mat_rows_ab.py on Zen 3: passes of 2 and 3 positions 1-4% faster) */
+            const float *xi = x;
+            __asm__("" : "+r"(xi));
+            q4f_row_groups(&b, i, g, xi, xs, P, acc[i]);
+        }
 #pragma GCC unroll 3
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 4
