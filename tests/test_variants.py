@@ -64,6 +64,59 @@ def test_every_variant_has_explicit_flags_and_names_its_bits():
     assert variants.VARIANTS[-1].name == "portable" and variants.VARIANTS[-1].features == 0
 
 
+def test_an_llvm_openmp_runtime_is_linked_where_one_is_named_or_a_mac_has_one(tmp_path, monkeypatch):
+    """Apple's clang has no ``-fopenmp`` of its own: the kernels link torch's copy of libomp (else Homebrew's);
+    ``HSD_LIBOMP`` names one anywhere; elsewhere plain ``-fopenmp``."""
+    v = variants.BY_NAME["portable"]
+    monkeypatch.delenv("HSD_LIBOMP", raising=False)
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    assert kernels.libomp_dir("cc") is None and "-Xclang" not in kernels.flags(v, cc="cc")
+    assert kernels.link_flags(cc="cc") == ["-lm"]
+    torch_lib = tmp_path / "torch" / "lib"
+    torch_lib.mkdir(parents=True)
+    (torch_lib / "libomp.dylib").write_bytes(b"")
+    (torch_lib / "omp.h").write_text("")
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(kernels, "torch", type("T", (), {"__file__": str(tmp_path / "torch" / "__init__.py")}))
+    monkeypatch.setattr(kernels, "_compiler_version", lambda cc: "Apple clang version 16.0.0" if cc == "cc" else cc)
+    assert kernels.libomp_dir("cc") == torch_lib
+    assert kernels.flags(v, cc="cc")[-3:] == ["-Xclang", "-fopenmp", f"-I{torch_lib}"]
+    assert kernels.link_flags(cc="cc") == [f"-L{torch_lib}", "-lomp", f"-Wl,-rpath,{torch_lib}", "-lm"]
+    assert kernels.link_flags(openmp=False, cc="cc") == ["-lm"]
+    assert kernels.libomp_dir("gcc-14") is None                   # a Mac's gcc has its own -fopenmp
+    monkeypatch.setenv("HSD_LIBOMP", str(tmp_path / "llvm"))
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    assert kernels.libomp_dir("gcc") == tmp_path / "llvm" and "-I" not in " ".join(kernels.flags(v, cc="gcc"))
+
+
+def _llvm_libomp() -> str | None:
+    """A Debian clang with LLVM's libomp (``apt-get install clang-14 libomp-14-dev``): the folder of libomp.so."""
+    import shutil
+    from pathlib import Path
+
+    for ver in ("19", "18", "17", "16", "15", "14"):
+        d = Path(f"/usr/lib/llvm-{ver}/lib")
+        if shutil.which(f"clang-{ver}") and (d / "libomp.so").is_file():
+            return str(d)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_llvm_libomp() is None, reason="no clang with LLVM's libomp here (the stand-in for a Mac's)")
+def test_a_build_against_an_llvm_openmp_runtime_runs_on_its_threads(tmp_path, monkeypatch):
+    """What a Mac does with torch's libomp, on Linux: clang's ``-Xclang -fopenmp`` linked to LLVM's runtime; the
+    library reports OpenMP and takes a team of two."""
+    d = _llvm_libomp()
+    cc = "clang-" + d.split("llvm-")[1].split("/")[0]
+    monkeypatch.setenv("HSD_LIBOMP", d)
+    out = kernels.build(cc, tmp_path / "k.so", variants.BY_NAME["portable"])
+    import ctypes
+
+    lib = ctypes.CDLL(str(out))
+    assert lib.hsd_features() & variants.OPENMP
+    assert kernels.team(kernels._bind(lib), 2)[0] == 2
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler here: the kernels cannot be built")
 def test_the_loaded_library_is_the_chosen_variant():
     chosen, why = variants.choose()

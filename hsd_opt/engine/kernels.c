@@ -28,7 +28,16 @@
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
+#if defined(__has_include)
+#if __has_include(<omp.h>)
 #include <omp.h>
+#else /* an OpenMP runtime without its header (torch's own copy of libomp, e.g.): the two functions used here */
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+#endif
+#else
+#include <omp.h>
+#endif
 #else /* built without OpenMP (Apple's clang, or HSD_OPENMP=0): every parallel region runs on the calling thread */
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -113,14 +114,49 @@ def disabled() -> bool:
 
 
 def openmp_wanted() -> bool:
-    """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler without it, Apple's clang,
-    gets anyway: the kernels then run on the calling thread)."""
+    """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler that cannot build with it gets
+    anyway: the kernels then run on the calling thread)."""
     return os.environ.get("HSD_OPENMP", "1").strip().lower() not in ("0", "off", "no", "false")
 
 
-def flags(variant: Variant, openmp: bool = True) -> list[str]:
-    """The compiler flags of ``variant``'s library: explicit instruction sets, never ``-march=native``."""
-    return [*variants.COMMON_FLAGS, *variant.flags, *(["-fopenmp"] if openmp else [])]
+def libomp_dir(cc: str | None = None) -> Path | None:
+    """The folder of an LLVM OpenMP runtime (``libomp``) to build with, where the compiler's ``-fopenmp`` alone does
+    not link one: ``$HSD_LIBOMP`` (a folder holding ``libomp.dylib`` or ``libomp.so``) on any system; with Apple's
+    clang, the copy inside torch (``torch/lib``: the runtime torch itself loads, so that the process holds one),
+    else Homebrew's (``brew install libomp``). None: plain ``-fopenmp``."""
+    forced = os.environ.get("HSD_LIBOMP", "").strip()
+    if forced:
+        return Path(forced).expanduser()
+    cc = cc or compiler()
+    if platform.system() != "Darwin" or not cc or "Apple clang" not in _compiler_version(cc):
+        return None
+    for d in (Path(torch.__file__).parent / "lib", Path("/opt/homebrew/opt/libomp/lib"),
+              Path("/usr/local/opt/libomp/lib")):
+        if (d / "libomp.dylib").is_file():
+            return d
+    return None
+
+
+def _openmp_flags(cc: str | None) -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) that build with OpenMP threads: ``-fopenmp``, or with :func:`libomp_dir`'s
+    runtime, clang's ``-Xclang -fopenmp`` linked to it (its ``omp.h`` where it lies beside it or in a sibling
+    ``include``; kernels.c declares the two functions it calls where there is none)."""
+    d = libomp_dir(cc)
+    if d is None:
+        return ["-fopenmp"], []
+    inc = next((c for c in (d, d.parent / "include") if (c / "omp.h").is_file()), None)
+    return ["-Xclang", "-fopenmp", *([f"-I{inc}"] if inc else [])], [f"-L{d}", "-lomp", f"-Wl,-rpath,{d}"]
+
+
+def flags(variant: Variant, openmp: bool = True, cc: str | None = None) -> list[str]:
+    """The compiler flags of ``variant``'s library built by ``cc`` (default :func:`compiler`): explicit instruction
+    sets, never ``-march=native``; with ``openmp``, :func:`_openmp_flags`'s."""
+    return [*variants.COMMON_FLAGS, *variant.flags, *(_openmp_flags(cc)[0] if openmp else [])]
+
+
+def link_flags(openmp: bool = True, cc: str | None = None) -> list[str]:
+    """What follows the source on the command line: the OpenMP runtime where :func:`libomp_dir` names one, libm."""
+    return [*(_openmp_flags(cc)[1] if openmp else []), "-lm"]
 
 
 def _variant(variant: Variant | str) -> Variant:
@@ -144,7 +180,8 @@ def library_path(cc: str, variant: Variant | str = "portable", openmp: bool = Tr
 
     variant = _variant(variant)
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags(variant, openmp)).encode(), _compiler_version(cc).encode(),
+    for part in (SOURCE.read_bytes(), " ".join(flags(variant, openmp, cc) + link_flags(openmp, cc)).encode(),
+                 _compiler_version(cc).encode(),
                  variants.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -168,7 +205,8 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
     source = source or SOURCE
-    cmd = [cc, *flags(variant, openmp), *(f"-D{d}" for d in defines), str(source), "-o", tmp, "-lm"]
+    cmd = [cc, *flags(variant, openmp, cc), *(f"-D{d}" for d in defines), str(source), "-o", tmp,
+           *link_flags(openmp, cc)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
