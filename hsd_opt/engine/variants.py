@@ -186,7 +186,7 @@ def cpu_name(cpuinfo: str | None = None) -> str:
 
 
 def host(cpuinfo: str | None = None, arch: str | None = None) -> dict:
-    """What a benchmark report records of the machine it ran on: ``{"cpu"}`` (:func:`cpu_name`), ``"arch"``,
+    """What a benchmark report records of the machine it ran on: ``"cpu"`` (:func:`cpu_name`), ``"arch"``,
     ``"cpus"`` (logical CPUs), ``"isa"`` (the instruction-set features the variants tell apart that the CPU has,
     sorted) and ``"kernels"``: the variant this process loads (``$HSD_KERNELS`` honoured; ``"off"`` where
     ``HSD_KERNELS=0`` turns the kernels off; the refusal's text where it names a variant this CPU cannot run).
