@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.variants import host
+from hsd_opt.errors import HsdError
 
 HERE = Path(__file__).resolve().parents[1]
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))  # q k v o gate up down
@@ -95,13 +95,17 @@ def parse_positions(text: str) -> list[int]:
 
 
 def build(source: Path, variant: variants.Variant, out: Path) -> ctypes.CDLL:
-    """``source`` (a kernels.c) with the driver, built for ``variant`` into ``out`` and loaded."""
+    """``source`` (a kernels.c) with the driver, built for ``variant`` into ``out`` as the engine builds its
+    library (:func:`hsd_opt.engine.kernels.build`: the same flags and OpenMP runtime) and loaded."""
     driver = out.with_suffix(".c")
     driver.write_text(f'#define KERNELS "{source.resolve()}"\n#define LAYERS {LAYERS}\n{DRIVER}')
-    cmd = [kernels.compiler() or "cc", *kernels.flags(variant), str(driver), "-o", str(out), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"error: building {source} for {variant.name} failed:\n{done.stderr[-3000:]}")
+    cc = kernels.compiler()
+    if cc is None:
+        sys.exit("error: no C compiler found: install gcc or clang, or set CC")
+    try:
+        kernels.build(cc, out, variant, source=driver)
+    except HsdError as e:
+        sys.exit(f"error: building {source} for {variant.name}: {e}")
     lib = ctypes.CDLL(str(out))
     lib.ab_setup.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
     lib.ab_pass.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]

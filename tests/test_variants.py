@@ -86,6 +86,10 @@ def test_an_llvm_openmp_runtime_is_linked_where_one_is_named_or_a_mac_has_one(tm
     assert kernels.libomp_dir("gcc-14") is None                   # a Mac's gcc has its own -fopenmp
     monkeypatch.setenv("HSD_LIBOMP", str(tmp_path / "llvm"))
     monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    with pytest.raises(HsdError, match=r"HSD_LIBOMP=.*llvm: no libomp.dylib or libomp.so in that folder"):
+        kernels.libomp_dir("gcc")
+    (tmp_path / "llvm").mkdir()
+    (tmp_path / "llvm" / "libomp.so").write_bytes(b"")
     assert kernels.libomp_dir("gcc") == tmp_path / "llvm" and "-I" not in " ".join(kernels.flags(v, cc="gcc"))
 
 
@@ -105,16 +109,20 @@ def _llvm_libomp() -> str | None:
 @pytest.mark.skipif(_llvm_libomp() is None, reason="no clang with LLVM's libomp here (the stand-in for a Mac's)")
 def test_a_build_against_an_llvm_openmp_runtime_runs_on_its_threads(tmp_path, monkeypatch):
     """What a Mac does with torch's libomp, on Linux: clang's ``-Xclang -fopenmp`` linked to LLVM's runtime; the
-    library reports OpenMP and takes a team of two."""
+    library reports OpenMP and takes a team of two. Loaded in a child process: a second OpenMP runtime's threads
+    in this one would disturb the tests that count this process's threads."""
+    import subprocess
+    import sys
+
     d = _llvm_libomp()
     cc = "clang-" + d.split("llvm-")[1].split("/")[0]
     monkeypatch.setenv("HSD_LIBOMP", d)
     out = kernels.build(cc, tmp_path / "k.so", variants.BY_NAME["portable"])
-    import ctypes
-
-    lib = ctypes.CDLL(str(out))
-    assert lib.hsd_features() & variants.OPENMP
-    assert kernels.team(kernels._bind(lib), 2)[0] == 2
+    child = ("import ctypes, sys; from hsd_opt.engine import kernels; lib = kernels._bind(ctypes.CDLL(sys.argv[1]));"
+             " print(lib.hsd_features(), kernels.team(lib, 2)[0])")
+    features, team = map(int, subprocess.run([sys.executable, "-c", child, str(out)], capture_output=True, text=True,
+                                             check=True, timeout=300).stdout.split())
+    assert features & variants.OPENMP and team == 2
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler here: the kernels cannot be built")

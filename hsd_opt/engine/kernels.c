@@ -38,7 +38,8 @@ int omp_get_num_threads(void);
 #else
 #include <omp.h>
 #endif
-#else /* built without OpenMP (Apple's clang, or HSD_OPENMP=0): every parallel region runs on the calling thread */
+#else /* built without OpenMP (a compiler that cannot, or HSD_OPENMP=0): every parallel region runs on the calling
+       * thread */
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif

@@ -108,11 +108,6 @@ def compiler() -> str | None:
     return None
 
 
-def disabled() -> bool:
-    """True where ``HSD_KERNELS=0`` (or off, no, false) turns the kernels off: every engine takes the torch path."""
-    return os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
-
-
 def openmp_wanted() -> bool:
     """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler that cannot build with it gets
     anyway: the kernels then run on the calling thread)."""
@@ -123,10 +118,17 @@ def libomp_dir(cc: str | None = None) -> Path | None:
     """The folder of an LLVM OpenMP runtime (``libomp``) to build with, where the compiler's ``-fopenmp`` alone does
     not link one: ``$HSD_LIBOMP`` (a folder holding ``libomp.dylib`` or ``libomp.so``) on any system; with Apple's
     clang, the copy inside torch (``torch/lib``: the runtime torch itself loads, so that the process holds one),
-    else Homebrew's (``brew install libomp``). None: plain ``-fopenmp``."""
+    else Homebrew's (``brew install libomp``). None: plain ``-fopenmp``.
+
+    Raises:
+        HsdError: ``$HSD_LIBOMP`` names a folder without the runtime.
+    """
     forced = os.environ.get("HSD_LIBOMP", "").strip()
     if forced:
-        return Path(forced).expanduser()
+        d = Path(forced).expanduser()
+        if not any((d / f"libomp.{ext}").is_file() for ext in ("dylib", "so")):
+            raise HsdError(f"HSD_LIBOMP={forced}: no libomp.dylib or libomp.so in that folder")
+        return d
     cc = cc or compiler()
     if platform.system() != "Darwin" or not cc or "Apple clang" not in _compiler_version(cc):
         return None
@@ -313,7 +315,7 @@ def info() -> KernelInfo | None:
 def provenance(device: str | torch.device) -> dict | None:
     """What a profile or a benchmark records of the CPU decode kernels on ``device``: ``{"variant", "openmp"}``
     (None: not the CPU, ``HSD_KERNELS=0``, or the kernels are unavailable)."""
-    if disabled() or torch.device(device).type != "cpu":
+    if variants.disabled() or torch.device(device).type != "cpu":
         return None
     i = info()
     return None if i is None else {"variant": i.variant, "openmp": i.openmp}
@@ -362,7 +364,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
     Raises:
         HsdError: ``HSD_KERNELS`` names no variant, or one this CPU cannot run.
     """
-    if variant is None and disabled():
+    if variant is None and variants.disabled():
         return None
     with _LOCK:
         if variant is None and _LIB:

@@ -124,6 +124,11 @@ def runnable(features: frozenset[str], arch: str | None = None) -> list[Variant]
     return [v for v in VARIANTS if not missing(v, features, arch)]
 
 
+def disabled() -> bool:
+    """True where ``HSD_KERNELS=0`` (or off, no, false) turns the kernels off: every engine takes the torch path."""
+    return os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+
+
 def choose(features: frozenset[str] | None = None, forced: str | None = None,
            arch: str | None = None) -> tuple[Variant, str]:
     """The variant to load and why, in words. ``forced``: a variant's name (default ``$HSD_KERNELS`` when it names
@@ -193,8 +198,7 @@ def host(cpuinfo: str | None = None, arch: str | None = None) -> dict:
     ``cpuinfo``, ``arch``: the text of ``/proc/cpuinfo`` and the architecture to read instead of this machine's
     (tests)."""
     features, arch = cpu_features(cpuinfo), arch or machine()
-    forced = os.environ.get("HSD_KERNELS", "").strip().lower()
-    if forced in ("0", "off", "no", "false"):
+    if disabled():
         kernels = "off"
     else:
         try:
