@@ -716,3 +716,34 @@ def test_merge_costs_takes_one_profiles_rates_and_anothers_costs(tmp_path):
                   "--out", tmp_path / "m.json")
     assert res.exit_code == 0 and (tmp_path / "m.json").is_file()
     assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", 6, "--out", tmp_path / "p.json").exit_code == 0
+
+
+def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch):
+    """``--no-ngram`` (any ``--no-*``) takes one drafter out of the default pool and leaves the others its own: a
+    bigram table not yet cached is skipped with a warning, not built (minutes on a real model); named in
+    ``--token-drafters`` it is built."""
+    from hsd_opt.commands.profile import _token_drafter_names
+    from hsd_opt.drafters import bigram as bg
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.profiler.pool import _pool_token_drafters
+
+    flags = {"ngram": True, "lookup": False, "bigram": False, "aded": False}
+    assert _token_drafter_names(None, flags) == (None, ("ngram",))
+    assert _token_drafter_names(None, {k: False for k in flags}) == (None, ())
+    assert _token_drafter_names("ngram,bigram", flags) == (["bigram"], ())
+    built = []
+
+    def build(model, key, **kw):
+        built.append(key)
+        return bg.random_bigram_table(int(model.config.vocab_size))
+
+    monkeypatch.setattr(bg, "load_or_build_bigram_table", build)
+    loaded = load_model(str(tiny["model"]), device="cpu")
+    warnings: list[str] = []
+    names, left_out = _token_drafter_names(None, flags)
+    tds, _ = _pool_token_drafters(names, loaded, set(), warnings.append, left_out)
+    assert [d.name for d in tds] == ["lookup"] and not built
+    assert any("'bigram' skipped" in w and "not cached" in w for w in warnings)
+    names, left_out = _token_drafter_names("bigram", flags)
+    tds, _ = _pool_token_drafters(names, loaded, set(), warnings.append, left_out)
+    assert [d.name for d in tds] == ["bigram"] and len(built) == 1

@@ -50,8 +50,8 @@ def level_acceptance(d: dict) -> str:
 
 
 #: The help of ``--target-precision`` on ``hsd run``, ``hsd bench`` and ``hsd serve``.
-TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, bfloat16, int8 or int4 (refused "
-                         "otherwise). Default: the plan's provenance.target_precision.")
+TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, bfloat16, float16, int8 or int4 "
+                         "(refused otherwise). Default: the plan's provenance.target_precision.")
 
 
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],

@@ -55,7 +55,8 @@ def train(
     rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator."),
     vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
                                                                 "tokens (cheaper shallow exits)."),
-    train_vocab: str = typer.Option("auto", "--train-vocab", help="auto | full | candidates (see docs)."),
+    train_vocab: str = typer.Option("auto", "--train-vocab", help="auto (candidates on a CPU, full on CUDA) | full | candidates: the vocabulary the training softmax "
+                                                  "runs over (docs/cli.md, hsd heads)."),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of sequences held out for evaluation."),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
@@ -72,6 +73,8 @@ def train(
 
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if train_vocab not in ("auto", "full", "candidates"):
+        raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
     if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
         raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
     if prompts is not None and not prompts.is_file():

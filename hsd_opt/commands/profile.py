@@ -64,13 +64,14 @@ app = typer.Typer(
 
 _DRAFT_LAYERS_HELP = ("Early exits of every draft model too (its own layers, e.g. 12,18, or all; none: the default), "
                       "named <draft>-layer12.")
-_QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4 (of the target), MODEL:int8, MODEL:int4 (of a "
-                   "draft model, named <name>-int4), or 'none'. Default: int8,int4 of a float target on a CPU, else "
+_QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4, int4-head4 (int4 with an int4 LM head) of the "
+                   "target, MODEL:int8, MODEL:int4, MODEL:int4-head4 (of a draft model, named <name>-int4), or "
+                   "'none'. Default: int8,int4 of a float target on a CPU, else "
                    "none.")
 _HEADS_HELP = "Trained exit heads (safetensors) for the early exits; default: the model's own final norm + LM head."
 _TOKEN_DRAFTERS_HELP = ("Comma list of ngram,lookup,bigram,aded, or 'none'. Default: ngram, lookup and aded, plus "
                         "bigram when its table is cached.")
-_TARGET_PRECISION_HELP = ("The target: auto (the loaded dtype), float32, bfloat16, or int8 / int4: a quantized copy "
+_TARGET_PRECISION_HELP = ("The target: auto (the loaded dtype), float32, bfloat16, float16, or int8 / int4: a quantized copy "
                           "of the model on the CPU kernels is the target itself (its own greedy output is the "
                           "reference).")
 _COST_CONTEXTS_HELP = ("Context lengths (tokens in the KV cache) to measure the costs at, comma-separated; longer "
@@ -91,12 +92,13 @@ _THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when th
 @cli_command
 def profile_cmd(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Target: alias (hsd models list), hub id, "
+    model: Optional[str] = typer.Option(None, "--model", help="Required. Target: alias (hsd models list), hub id, "
                                                                "local directory or .gguf file (with --costs-only "
                                                                "also a configuration)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the hsd-profile/1 JSON here."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"}; "
-                                                                    "default: the built-in suite."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Required. Write the hsd-profile/1 JSON here."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"[, "
+                                                                    "\"schema\"]} or Spec-Bench questions; default: "
+                                                                    "the built-in suite."),
     layers: str = typer.Option("all", "--layers", help="Early exits: all, none, or a list like 4,8,12 or "
                                                         "2-10 (the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
@@ -146,15 +148,16 @@ def profile_cmd(
     _check_required(model, out)
     contexts = tuple(options.cost_contexts(cost_contexts))
     batches = options.batch_sizes(batch_sizes)
-    explicit = _token_drafter_names(token_drafters, {"ngram": no_ngram, "lookup": no_lookup, "bigram": no_bigram,
-                                                     "aded": no_aded})
+    explicit, left_out = _token_drafter_names(token_drafters, {"ngram": no_ngram, "lookup": no_lookup,
+                                                               "bigram": no_bigram, "aded": no_aded})
     copies = options.quantized_copies(quantized)      # the names, checked before loading anything
     _, precision = options.resolve_target_precision(target_precision, dtype)
     budget = parse_cost_budget(cost_budget)
     exits, draft_exits = _exit_layers(layers, draft_layers, draft_model)
     rank, _ = dist_info()
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=exits, draft_models=list(draft_model),
-                        draft_layers=draft_exits, quantized=copies, token_drafters=explicit, heads=heads,
+                        draft_layers=draft_exits, quantized=copies, token_drafters=explicit,
+                        token_drafters_left_out=left_out, heads=heads,
                         temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
                         target_precision=precision, seed=seed, cost_budget=budget,
@@ -181,27 +184,23 @@ def _check_required(model: Optional[str], out: Optional[Path]) -> None:
         raise HsdError("--out is required: where to write the profile JSON")
 
 
-def _token_drafter_names(spec: Optional[str], left_out: dict[str, bool]) -> list[str] | None:
-    """``--token-drafters`` (a comma list, or ``none``) less the drafters the ``--no-*`` flags leave out
-    (``left_out``: name -> flag given): the names, or None for the profiler's default pool (no flag given);
-    :class:`HsdError` naming the flag for an unknown drafter."""
+def _token_drafter_names(spec: Optional[str], left_out: dict[str, bool]) -> tuple[list[str] | None, tuple[str, ...]]:
+    """``(names, left out)``: ``--token-drafters`` (a comma list, or ``none``) less the drafters the ``--no-*``
+    flags leave out (``left_out``: name -> flag given), and nothing left out; or, without ``--token-drafters``,
+    None (the profiler's default pool, whose drafters are skipped where unavailable, a bigram table not yet cached
+    included) and the names the flags leave out of it. :class:`HsdError` naming the flag for an unknown drafter."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.profiler.pool import DEFAULT_TOKEN_DRAFTERS, KNOWN_TOKEN_DRAFTERS
+    from hsd_opt.profiler.pool import KNOWN_TOKEN_DRAFTERS
 
-    dropped = {n for n, flag in left_out.items() if flag}
-    if spec is not None:
-        names = [] if spec.strip().lower() == "none" else [x.strip() for x in spec.split(",") if x.strip()]
-        for n in names:
-            if n not in KNOWN_TOKEN_DRAFTERS:
-                raise HsdError(f"--token-drafters: unknown token drafter {n!r}; known: "
-                               f"{', '.join(KNOWN_TOKEN_DRAFTERS)} (or none)")
-        explicit: list[str] | None = names
-    else:
-        explicit = None
-    if dropped:
-        explicit = [n for n in (explicit if explicit is not None else list(DEFAULT_TOKEN_DRAFTERS))
-                    if n not in dropped]
-    return explicit
+    dropped = tuple(n for n, flag in left_out.items() if flag)
+    if spec is None:
+        return None, dropped
+    names = [] if spec.strip().lower() == "none" else [x.strip() for x in spec.split(",") if x.strip()]
+    for n in names:
+        if n not in KNOWN_TOKEN_DRAFTERS:
+            raise HsdError(f"--token-drafters: unknown token drafter {n!r}; known: "
+                           f"{', '.join(KNOWN_TOKEN_DRAFTERS)} (or none)")
+    return [n for n in names if n not in dropped], ()
 
 
 def _exit_layers(layers: str, draft_layers: Optional[str], draft_model: List[str]):

@@ -12,7 +12,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.models.random_weights import RANDOM_SOURCE
@@ -201,14 +201,16 @@ class Pool:
 def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[str],
                quantized: Sequence[tuple[str | None, str]] | None, token_drafters: Sequence[str] | None,
                device: str, dtype: str, log: Callable[[str], None], warn: Callable[[str], None],
-               draft_layers: Sequence[int] | None = (), costs_only: bool = False) -> Pool:
+               draft_layers: Sequence[int] | None = (), costs_only: bool = False,
+               left_out: Collection[str] = ()) -> Pool:
     """The pool for target ``loaded`` (a :class:`~hsd_opt.models.loading.LoadedModel`) whose layered engine is
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
     when its tokenizer differs), the ``quantized`` copies (``(model, kind)`` pairs, ``kind`` one of
     :data:`~hsd_opt.engine.quantized.COPY_KINDS`: ``(None, "int4")`` a copy of the target, ``("MODEL", "int4")``
     of a draft model; None: :func:`default_quantized`, none when the target is itself a copy) and the named
-    ``token_drafters`` (None: the default pool). Names are unique; a copy of draft model ``D`` is named ``D-int4``.
+    ``token_drafters`` (None: the default pool, less the names in ``left_out``: those left are still the default
+    pool's, skipped where unavailable, not built on request). Names are unique; a copy of draft model ``D`` is named ``D-int4``.
     ``draft_layers`` (layer numbers in each draft model's own layers; None: all of them; empty: none): early exits
     of the draft models too, named ``D-layer<b>``, sharing the draft model's engine as the target's exits share
     the target's. ``costs_only``: each draft model is loaded as a costs-only run loads its target (its own weights
@@ -231,7 +233,7 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
         quantized = [] if eng.is_copy else default_quantized(eng.device)
     for ref, kind in quantized:
         neural.append(_quantized_drafter(loaded, eng, ref, kind, drafts, taken, device, dtype, log, costs_only))
-    tds, want_aded = _pool_token_drafters(token_drafters, loaded, taken, warn)
+    tds, want_aded = _pool_token_drafters(token_drafters, loaded, taken, warn, left_out)
     # models that only feed quantized copies (the bigram table above was the last reader of the target's)
     _release_copy_sources(loaded, eng, drafts, log)
     return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
@@ -313,11 +315,11 @@ def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str
 
 
 def _pool_token_drafters(token_drafters: Sequence[str] | None, loaded, taken: set[str],
-                         warn: Callable[[str], None]) -> tuple[list, bool]:
-    """The named token drafters (None: the default pool) but ADED, their names added to ``taken``; and whether
-    ADED is wanted (it is built later, from the target's continuations)."""
+                         warn: Callable[[str], None], left_out: Collection[str] = ()) -> tuple[list, bool]:
+    """The named token drafters (None: the default pool less ``left_out``) but ADED, their names added to
+    ``taken``; and whether ADED is wanted (it is built later, from the target's continuations)."""
     explicit = token_drafters is not None
-    requested = list(token_drafters) if explicit else list(DEFAULT_TOKEN_DRAFTERS)
+    requested = list(token_drafters) if explicit else [n for n in DEFAULT_TOKEN_DRAFTERS if n not in left_out]
     want_aded = "aded" in requested and aded_available(explicit)
     tds = build_token_drafters([n for n in requested if n != "aded"], loaded, explicit, warn)
     for d in tds:

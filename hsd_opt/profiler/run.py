@@ -73,6 +73,7 @@ class ProfileConfig:
     draft_layers: Sequence[int] | None = ()         # early exits of each draft model too; None: every layer
     quantized: Sequence[tuple[str | None, str]] | None = None  # (model, kind) copies; None: pool.default_quantized
     token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
+    token_drafters_left_out: tuple[str, ...] = ()  # names left out of the default pool (token_drafters None)
     heads: Path | None = None
     temperature: float = 0.0
     top_p: float = 1.0                              # nucleus mass applied after the temperature (sampling only)
@@ -437,7 +438,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
     pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn, cfg.draft_layers)
+                      cfg.dtype, log, warn, cfg.draft_layers,
+                      left_out=cfg.token_drafters_left_out)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, world, precision)
     stats = _new_stats(pool, suite.tasks)
 
@@ -514,7 +516,8 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn, cfg.draft_layers, costs_only=True)
+                      cfg.dtype, log, warn, cfg.draft_layers, costs_only=True,
+                      left_out=cfg.token_drafters_left_out)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, 1, precision)
     texts = costs_texts(loaded, items, cfg.raw, suite.source)
     tds = list(pool.token)
