@@ -9,3 +9,6 @@ from __future__ import annotations
 
 #: The stride between derived seeds: a prime above any count of streams one run draws (prompts, turns, positions).
 SEED_STRIDE = 1_000_003
+
+#: The seeds a random generator takes: any 64-bit integer, signed or not (``torch.Generator.manual_seed``).
+SEED_RANGE = (-2**63, 2**64 - 1)

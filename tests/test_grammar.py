@@ -53,11 +53,24 @@ def _schema(compiler):
     (GrammarSpec("lark", "start: foo(", "--grammar g.lark"), "--grammar g.lark: "),
     (GrammarSpec("regex", "[a-z", "--grammar r.txt"), "unclosed character class"),
     (GrammarSpec("yaml", "a: 1", "--grammar"), "unknown grammar kind 'yaml'"),
+    # compiled, but no output can follow them: refused when compiled, not while decoding
+    (GrammarSpec.json_schema({"$ref": "#"}, "response_format"), "response_format: no output can follow it"),
+    (GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                              "$ref": "#/$defs/a"}, "s.json"), "s.json: no output can follow it"),
+    (GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                              "required": ["next"]}}, "$ref": "#/$defs/n"}, "s.json"),
+     "s.json: no output can follow it"),
 ])
 def test_a_grammar_that_does_not_compile_is_refused_naming_its_source_and_problem(compiler, spec, words):
     with pytest.raises(HsdError, match=None) as e:
         compiler.compile(spec)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_schema_that_may_hold_itself_compiles(compiler):
+    """Recursion that can end (the property optional) is a grammar like any other."""
+    compiler.compile(GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {
+        "next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "s.json"))
 
 
 def test_a_schema_that_is_not_json_or_not_an_object_is_refused():

@@ -82,6 +82,8 @@ def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
                              "response_format.json_schema.schema"),
                             ({"type": "json_schema", "json_schema": {"name": "x"}},
                              "response_format.json_schema.schema"),
+                            ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}},   # no output
+                             "response_format.json_schema.schema"),
                             ({"type": "yaml"}, "response_format.type"), ("json", "response_format")]:
             r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
                 "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "response_format": body})

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.runtime.decode import HSD, Level, Pass
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.decode import HSD, Level, Pass, check_generation_args
 from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
@@ -198,3 +199,33 @@ def test_sample_token_draws_from_its_weights_and_never_a_zero_one():
         one = torch.zeros(9)
         one[k] = 0.2
         assert set(_draws(sample_token, one, 50).nonzero().flatten().tolist()) == {k}
+
+
+def test_temperatures_and_top_p_at_the_edges_of_float32():
+    """A temperature so small that ``logits / T`` overflows gives softmax's limit (equal weight on the largest
+    logits, masked ones never), a top-p that rounds to 0 in float32 keeps the most probable token; neither
+    changes a distribution that float32 computes."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, float("-inf")], [0.5, -2.0, 4.0, 1.0]])
+    for t in (1e-45, 1e-40):
+        p = process_logits(logits, t, 1.0)
+        assert torch.equal(p, torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0]]))
+    p = process_logits(logits, 1.0, 1e-320)
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))
+    for t, top_p in ((0.7, 1.0), (1.3, 0.8), (1e-3, 0.5)):
+        want = torch.softmax(logits / t, -1)
+        got = process_logits(logits, t, top_p)
+        if top_p == 1.0:
+            assert torch.equal(got, want)
+        assert torch.isfinite(got).all() and torch.allclose(got.sum(-1), torch.ones(2))
+    with pytest.raises(HsdError, match="not numbers"):
+        process_logits(torch.full((1, 4), float("nan")), 1.0, 1.0)
+
+
+@pytest.mark.parametrize("args, flag", [((4, float("nan"), 1.0), "--temperature"), ((4, float("inf"), 1.0),
+                                        "--temperature"), ((4, 1.0, 1.0, 2**64), "--seed"),
+                                        ((4, 1.0, 1.0, -2**63 - 1), "--seed")])
+def test_generation_args_refuse_what_a_generator_cannot_take(args, flag):
+    with pytest.raises(HsdError, match=flag):
+        check_generation_args(*args)
+    check_generation_args(4, 1.0, 1.0, 2**64 - 1)
+    check_generation_args(4, 1.0, 1.0, -2**63)

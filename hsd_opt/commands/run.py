@@ -148,7 +148,7 @@ def run_cmd(
     from hsd_opt.runtime.decode import check_generation_args
     from hsd_opt.runtime.runner import plan_for_prompt
 
-    check_generation_args(max_new_tokens, temperature, top_p)
+    check_generation_args(max_new_tokens, temperature, top_p, seed)
     check_turn_mode(turns)
     check_report_key(by)
     spec = grammar_spec(json_schema, grammar)

@@ -172,11 +172,27 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise HsdError(f"{spec.source}: {_one_line(template.get_error())}")
+        _check_start(template, spec)
         out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids)
         self._cache[spec.key] = out
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return out
+
+
+def _check_start(template, spec: GrammarSpec) -> None:
+    """Refuse a grammar no output can follow, found where its decoding would fail at once: its first mask (rules
+    that refer to each other without end allow no first token) and the tokens it forces from its start (an object
+    whose required property holds itself forces an opening without end), computed on a copy of ``template``."""
+    probe = template.deep_copy()
+    probe.compute_logit_bias()
+    if not probe.is_error():
+        forced = probe.compute_ff_tokens()
+        if forced and not probe.is_error():
+            probe.try_consume_tokens(forced)
+    if probe.is_error():
+        why = _one_line(probe.get_error().split("<state>")[0])
+        raise HsdError(f"{spec.source}: no output can follow it from its start ({why})")
 
 
 def compiler_for(loaded) -> GrammarCompiler:

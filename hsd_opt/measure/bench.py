@@ -41,6 +41,7 @@ from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
 from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
+from hsd_opt.runtime.decode import check_generation_args
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 from hsd_opt.seeds import SEED_STRIDE
 
@@ -97,11 +98,9 @@ class Sampling:
 
 
 def check_sampling(sampling: Sampling) -> None:
-    """Refuse a negative temperature, a top-p outside (0, 1], or a top-p below 1 at temperature 0 (one line)."""
-    if sampling.temperature < 0:
-        raise HsdError(f"--temperature: expected >= 0, got {sampling.temperature}")
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise HsdError(f"--top-p: expected a value in (0, 1], got {sampling.top_p}")
+    """Refuse what :func:`~hsd_opt.runtime.decode.check_generation_args` refuses (a temperature below 0 or not
+    finite, a top-p outside (0, 1], a seed beyond 64 bits), or a top-p below 1 at temperature 0 (one line)."""
+    check_generation_args(1, sampling.temperature, sampling.top_p, sampling.seed)
     if sampling.greedy and sampling.top_p < 1.0:
         raise HsdError(f"--top-p {sampling.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
 

@@ -35,6 +35,7 @@ Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.sampling import process_logits, rejection_sample, sample_token
+from hsd_opt.seeds import SEED_RANGE
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
 #: passes of this many, between which a batch serves the other sequences' rounds. Long enough that its passes take
@@ -80,15 +82,18 @@ def follows_load(temperature: float, seed: int | None) -> bool:
     return temperature == 0 or seed is None
 
 
-def check_generation_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    """Refuse ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p`` outside (0, 1] with a one-line
-    :class:`HsdError` naming the flag (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
+def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
+    """Refuse ``max_new_tokens < 1``, a ``temperature`` below 0 or not finite, ``top_p`` outside (0, 1] or a ``seed``
+    outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag (the CLI calls this before loading a
+    model; :meth:`HSD.generate` again)."""
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise HsdError(f"--temperature: expected >= 0, got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise HsdError(f"--temperature: expected a finite value >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}")
 
 
 @dataclass
@@ -317,7 +322,7 @@ class Decoding:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
-        check_generation_args(max_new_tokens, temperature, top_p)
+        check_generation_args(max_new_tokens, temperature, top_p, seed)
         self.hsd = hsd
         self.greedy = temperature == 0
         #: whether a batch may switch this sequence's hierarchy with the load (:meth:`switch`)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hsd_opt.errors import HsdError
+
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then top-p (nucleus):
@@ -18,8 +20,19 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
     The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
     reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
-    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost."""
+    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost.
+
+    A temperature so small that ``logits / temperature`` overflows (a row's softmax is then not a number) gives that
+    row softmax's limit as the temperature goes to 0: the same weight on each of its largest logits. A row whose
+    logits are not numbers is an :class:`HsdError`."""
     p = torch.softmax(logits.float() / temperature, dim=-1)
+    bad = torch.isnan(p[..., 0])
+    if bool(bad.any()):
+        top = logits.float()[bad]
+        top = (top == top.max(-1, keepdim=True).values).float()
+        if not bool((top.sum(-1) > 0).all()):
+            raise HsdError("sampling: the logits hold values that are not numbers")
+        p[bad] = top / top.sum(-1, keepdim=True)
     if top_p < 1.0:
         v = p.shape[-1]
         k = min(64, v)
@@ -30,6 +43,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
                 break
             k = min(4 * k, v)
         drop = (cum - sp) >= top_p  # mass strictly before this token already reaches top_p
+        drop[..., 0] = False        # the most probable token stays (a top_p that rounds to 0 in float32 too)
         sp = sp.masked_fill(drop, 0.0)
         p = torch.zeros_like(p).scatter_(-1, idx, sp)
         p = p / p.sum(-1, keepdim=True)

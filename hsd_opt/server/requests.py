@@ -12,12 +12,14 @@ parameters: :mod:`hsd_opt.server.tools`). Other fields of the OpenAI API are ign
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
+from hsd_opt.seeds import SEED_RANGE
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
     ToolCall,
@@ -93,8 +95,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise bad_request(f"malformed JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}") \
             from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays or objects too deeply to read") from None
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
     return body
 
 
@@ -144,11 +148,22 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _text(s: str, where: str) -> str:
+    """``s`` when it is text (JSON's escapes can write a lone UTF-16 surrogate, which is not), else a 400 naming
+    ``where``."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"'{where}' holds a lone UTF-16 surrogate (\\u{ord(s[e.start]):04x} at character "
+                          f"{e.start}), which is not text", where) from None
+    return s
+
+
 def _content(m: dict, i: int) -> str:
     c = m.get("content")
     where = f"messages[{i}].content"
     if isinstance(c, str):
-        return c
+        return _text(c, where)
     if c is None and m.get("role") == "assistant":
         return ""
     if isinstance(c, list):
@@ -157,7 +172,7 @@ def _content(m: dict, i: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}[{k}]: only text parts ({{\"type\": \"text\", \"text\": \"...\"}}) "
                                   f"are supported", f"{where}[{k}]")
-            parts.append(part["text"])
+            parts.append(_text(part["text"], f"{where}[{k}].text"))
         return "".join(parts)
     raise bad_request(f"'{where}' must be a string or an array of text parts, got {_type_name(c)}", where)
 
@@ -195,6 +210,7 @@ def _prompt(body: dict) -> str:
         p = p[0]
     if not isinstance(p, str):
         raise bad_request(f"'prompt' must be a string (or an array of one string), got {_type_name(p)}", "prompt")
+    _text(p, "prompt")
     if not p.strip():
         raise bad_request("'prompt' is empty", "prompt")
     return p
@@ -294,12 +310,14 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"'{key}' must be at least 1, got {max_tokens}", key)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
-    if temperature < 0:
-        raise bad_request(f"'temperature' must be >= 0, got {temperature:g}", "temperature")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise bad_request(f"'temperature' must be a finite number >= 0, got {temperature:g}", "temperature")
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
     seed = _int(body, "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}", "seed")
     stop = _stop(body)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
