@@ -64,6 +64,9 @@ app = typer.Typer(
 
 _DRAFT_LAYERS_HELP = ("Early exits of every draft model too (its own layers, e.g. 12,18, or all; none: the default), "
                       "named <draft>-layer12.")
+_MODEL_HELP = ("Required. Target: alias (hsd models list), hub id, local directory or .gguf file (with --costs-only "
+               "also a configuration).")
+_PROMPTS_HELP = "JSON lines {\"prompt\", \"task\"[, \"schema\"]} or Spec-Bench questions; default: the built-in suite."
 _QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4, int4-head4 (int4 with an int4 LM head) of the "
                    "target, MODEL:int8, MODEL:int4, MODEL:int4-head4 (of a draft model, named <name>-int4), or "
                    "'none'. Default: int8,int4 of a float target on a CPU, else "
@@ -92,13 +95,9 @@ _THREADS_HELP = ("CPU threads for torch. 0 = auto: torch's default, or 1 when th
 @cli_command
 def profile_cmd(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Required. Target: alias (hsd models list), hub id, "
-                                                               "local directory or .gguf file (with --costs-only "
-                                                               "also a configuration)."),
+    model: Optional[str] = typer.Option(None, "--model", help=_MODEL_HELP),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Required. Write the hsd-profile/1 JSON here."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON lines {\"prompt\", \"task\"[, "
-                                                                    "\"schema\"]} or Spec-Bench questions; default: "
-                                                                    "the built-in suite."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help=_PROMPTS_HELP),
     layers: str = typer.Option("all", "--layers", help="Early exits: all, none, or a list like 4,8,12 or "
                                                         "2-10 (the last layer, the target, is always included)."),
     draft_model: List[str] = typer.Option([], "--draft-model", help="Another model with the target's "
