@@ -40,6 +40,9 @@ app = typer.Typer(help="Trained early-exit heads: distil each layer's exit to th
                   no_args_is_help=True)
 
 
+_TRAIN_VOCAB_HELP = ("auto (candidates on a CPU, full on CUDA) | full | candidates: the vocabulary the training "
+                     "softmax runs over (docs/cli.md, hsd heads).")
+
 @app.command("train")
 @cli_command
 def train(
@@ -55,8 +58,7 @@ def train(
     rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator."),
     vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
                                                                 "tokens (cheaper shallow exits)."),
-    train_vocab: str = typer.Option("auto", "--train-vocab", help="auto (candidates on a CPU, full on CUDA) | full | candidates: the vocabulary the training softmax "
-                                                  "runs over (docs/cli.md, hsd heads)."),
+    train_vocab: str = typer.Option("auto", "--train-vocab", help=_TRAIN_VOCAB_HELP),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of sequences held out for evaluation."),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),

@@ -67,16 +67,16 @@ _DRAFT_LAYERS_HELP = ("Early exits of every draft model too (its own layers, e.g
 _MODEL_HELP = ("Required. Target: alias (hsd models list), hub id, local directory or .gguf file (with --costs-only "
                "also a configuration).")
 _PROMPTS_HELP = "JSON lines {\"prompt\", \"task\"[, \"schema\"]} or Spec-Bench questions; default: the built-in suite."
-_QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4, int4-head4 (int4 with an int4 LM head) of the "
-                   "target, MODEL:int8, MODEL:int4, MODEL:int4-head4 (of a draft model, named <name>-int4), or "
+_QUANTIZED_HELP = ("Quantized copies as drafters, comma list: int8, int4, int4-head4 (int4 with an int4 LM head) of "
+                   "the target, MODEL:int8, MODEL:int4, MODEL:int4-head4 (of a draft model, named <name>-int4), or "
                    "'none'. Default: int8,int4 of a float target on a CPU, else "
                    "none.")
 _HEADS_HELP = "Trained exit heads (safetensors) for the early exits; default: the model's own final norm + LM head."
 _TOKEN_DRAFTERS_HELP = ("Comma list of ngram,lookup,bigram,aded, or 'none'. Default: ngram, lookup and aded, plus "
                         "bigram when its table is cached.")
-_TARGET_PRECISION_HELP = ("The target: auto (the loaded dtype), float32, bfloat16, float16, or int8 / int4: a quantized copy "
-                          "of the model on the CPU kernels is the target itself (its own greedy output is the "
-                          "reference).")
+_TARGET_PRECISION_HELP = ("The target: auto (the loaded dtype), float32, bfloat16, float16, or int8 / int4: a "
+                          "quantized copy of the model on the CPU kernels is the target itself (its own greedy output "
+                          "is the reference).")
 _COST_CONTEXTS_HELP = ("Context lengths (tokens in the KV cache) to measure the costs at, comma-separated; longer "
                        "ones than the model holds are lowered to the longest that fits. The solver interpolates "
                        "between them.")

@@ -210,7 +210,8 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     :data:`~hsd_opt.engine.quantized.COPY_KINDS`: ``(None, "int4")`` a copy of the target, ``("MODEL", "int4")``
     of a draft model; None: :func:`default_quantized`, none when the target is itself a copy) and the named
     ``token_drafters`` (None: the default pool, less the names in ``left_out``: those left are still the default
-    pool's, skipped where unavailable, not built on request). Names are unique; a copy of draft model ``D`` is named ``D-int4``.
+    pool's, skipped where unavailable, not built on request). Names are unique; a copy of draft model ``D`` is
+    named ``D-int4``.
     ``draft_layers`` (layer numbers in each draft model's own layers; None: all of them; empty: none): early exits
     of the draft models too, named ``D-layer<b>``, sharing the draft model's engine as the target's exits share
     the target's. ``costs_only``: each draft model is loaded as a costs-only run loads its target (its own weights

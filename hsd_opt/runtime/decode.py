@@ -84,8 +84,8 @@ def follows_load(temperature: float, seed: int | None) -> bool:
 
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
     """Refuse ``max_new_tokens < 1``, a ``temperature`` below 0 or not finite, ``top_p`` outside (0, 1] or a ``seed``
-    outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag (the CLI calls this before loading a
-    model; :meth:`HSD.generate` again)."""
+    outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag (the CLI calls this
+    before loading a model; :meth:`HSD.generate` again)."""
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
     if not (temperature >= 0 and math.isfinite(temperature)):
