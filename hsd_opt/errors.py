@@ -7,6 +7,11 @@ class HsdError(Exception):
     """A usage or input error: bad flag, bad file, bad field. Printed as one line, exit code 2."""
 
 
+class OutputFileError(HsdError, OSError):
+    """A file that cannot be written (a directory, a folder that cannot be made, no room): the message names it.
+    Also an :class:`OSError`, so that code which writes only a cache and goes on without it still does."""
+
+
 class InputFileError(HsdError):
     """A file that cannot be read or does not hold what was expected.
 

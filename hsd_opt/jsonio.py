@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from hsd_opt.errors import InputFileError
+from hsd_opt.errors import HsdError, InputFileError, OutputFileError
 
 
 def read_bytes(path: str | os.PathLike, expected: str = "a JSON file") -> bytes:
@@ -43,28 +43,82 @@ def read_json(path: str | os.PathLike) -> Any:
         raise InputFileError(str(p), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+#: The permissions a new file gets here (``0o666`` less the process's umask, read once at import), as ``open``
+#: would give it; a temporary file is created private and given these before it takes the file's name.
+FILE_MODE = 0o666 & ~_umask()
+
+
+def _cannot_write(p: Path, e: OSError) -> OutputFileError:
+    if isinstance(e, OutputFileError):
+        return e
+    why = "is a directory" if isinstance(e, IsADirectoryError) or p.is_dir() else (e.strerror or str(e))
+    return OutputFileError(f"{p}: cannot write it: {why}")
+
+
+def _parent(p: Path) -> Path:
+    """The folder of ``p``, made where it does not exist yet; :class:`HsdError` naming ``p`` where it cannot be."""
+    parent = p.parent if str(p.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OutputFileError(f"{p}: cannot write it: its folder {parent} is a file or lies in one") from None
+    except OSError as e:
+        raise OutputFileError(f"{p}: cannot write it: its folder {parent} cannot be made ({e.strerror or e})") \
+            from None
+    return parent
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a folder that
+    cannot be made, one where no file can be created. :class:`HsdError` naming ``flag`` and the path."""
+    p = Path(path)
+    if not p.name or p.is_dir():
+        raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
+    try:
+        parent = _parent(p)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)
+    except OutputFileError as e:
+        raise HsdError(f"{flag} {e}") from None
+    except OSError as e:
+        raise HsdError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
     """Write ``path`` atomically with ``write(f)`` on a binary file: a temporary file in the same directory,
     fsync, then rename. For data written in a stream (``torch.save`` of a large copy) that should not be held
-    in memory whole first.
+    in memory whole first. The file gets :data:`FILE_MODE`.
 
-    A reader never sees a half-written file, and an interrupted write leaves the old file intact.
+    A reader never sees a half-written file, and an interrupted write leaves the old file intact. A path that
+    cannot be written (a directory, a folder that cannot be made, no room) raises :class:`HsdError` naming it.
     """
     p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)
+    parent = _parent(p)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)
+    except OSError as e:
+        raise _cannot_write(p, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise _cannot_write(p, e) from None
         raise
 
 

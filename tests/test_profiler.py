@@ -441,6 +441,12 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
     cases.append((r, "--top-p: expected a value in (0, 1]"))
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--cost-contexts", "64,x"])
     cases.append((r, "--cost-contexts: expected context lengths in tokens"))
+    for flags, needle in [(["--cost-repeats", "0"], "--cost-repeats: expected >= 1"),
+                          (["--max-prompts", "0"], "--max-prompts: expected >= 1"),
+                          (["--threads", "-1"], "--threads: expected >= 0"),
+                          (["--layers", "5-2"], "--layers: the range '5-2' runs backwards"),
+                          (["--out", str(tmp_path)], "is a directory")]:
+        cases.append((_cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"])] + flags), needle))
     for r, needle in cases:
         text = " ".join(r.output.split())
         assert r.exit_code == 2, (needle, r.output)

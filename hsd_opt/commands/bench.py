@@ -12,6 +12,7 @@ from hsd_opt.commands.common import (
     GRAMMAR_HELP,
     JSON_SCHEMA_HELP,
     TARGET_PRECISION_HELP,
+    check_outputs,
     cli_command,
     compile_grammar,
     fmt,
@@ -150,6 +151,8 @@ def bench_cmd(
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
     from hsd_opt.measure.bench import plot_report, run_bench
+
+    check_outputs(("--json", json_out), ("--plot", plot))
 
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")

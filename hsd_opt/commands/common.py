@@ -38,6 +38,16 @@ def cli_command(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def check_outputs(*flags: tuple[str, Optional[Path]]) -> None:
+    """Refuse, before any work, each ``(flag, path)`` output a command could not write (see
+    :func:`hsd_opt.jsonio.check_writable`); paths that are None are not asked for."""
+    from hsd_opt.jsonio import check_writable
+
+    for flag, path in flags:
+        if path is not None:
+            check_writable(path, flag)
+
+
 def fmt(x, spec: str = ".3g") -> str:
     """``x`` formatted with ``spec``, or ``-`` for None (table cells)."""
     return "-" if x is None else format(x, spec)

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hsd_opt.commands.common import cli_command
+from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 
@@ -75,6 +75,7 @@ def train(
 
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    check_outputs(("--out", out))
     if train_vocab not in ("auto", "full", "candidates"):
         raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
     if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
@@ -124,6 +125,7 @@ def evaluate(
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
 
+    check_outputs(("--json", json_out))
     if threads:
         torch.set_num_threads(threads)
     read_heads_file(heads)  # a missing/corrupt file fails before the model loads

@@ -32,6 +32,8 @@ def layer_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
         if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
             raise HsdError(f"{flag}: expected 'all', 'none' or layer numbers like 4,8,14 or 2-6, "
                            f"got {part.strip()!r}")
+        if dash and int(b) < int(a):
+            raise HsdError(f"{flag}: the range {part.strip()!r} runs backwards (write it low-high)")
         out.extend(range(int(a), int(b) + 1) if dash else [int(a)])
     return out
 

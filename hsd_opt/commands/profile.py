@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from hsd_opt.commands import options
-from hsd_opt.commands.common import cli_command, prepare_kernels
+from hsd_opt.commands.common import check_outputs, cli_command, prepare_kernels
 from hsd_opt.console import console, err_console, warn
 
 
@@ -145,6 +145,8 @@ def profile_cmd(
     from hsd_opt.profiler.run import ProfileConfig
 
     _check_required(model, out)
+    check_outputs(("--out", out))
+    _check_counts(cost_repeats, max_prompts, threads)
     contexts = tuple(options.cost_contexts(cost_contexts))
     batches = options.batch_sizes(batch_sizes)
     explicit, left_out = _token_drafter_names(token_drafters, {"ngram": no_ngram, "lookup": no_lookup,
@@ -181,6 +183,18 @@ def _check_required(model: Optional[str], out: Optional[Path]) -> None:
         raise HsdError("--model is required (e.g. hsd profile --model smollm2-135m --out profile.json)")
     if out is None:
         raise HsdError("--out is required: where to write the profile JSON")
+
+
+def _check_counts(cost_repeats: int, max_prompts: Optional[int], threads: int) -> None:
+    """Refuse, naming the flag, a count of ``hsd profile`` out of its range (before anything is loaded)."""
+    from hsd_opt.errors import HsdError
+
+    if cost_repeats < 1:
+        raise HsdError(f"--cost-repeats: expected >= 1 (timings per cost), got {cost_repeats}")
+    if max_prompts is not None and max_prompts < 1:
+        raise HsdError(f"--max-prompts: expected >= 1, got {max_prompts}")
+    if threads < 0:
+        raise HsdError(f"--threads: expected >= 0 (0: auto), got {threads}")
 
 
 def _token_drafter_names(spec: Optional[str], left_out: dict[str, bool]) -> tuple[list[str] | None, tuple[str, ...]]:
@@ -274,6 +288,7 @@ def merge_cmd(
     from hsd_opt.formats import save_profile
     from hsd_opt.profiler.assemble import merge_profiles
 
+    check_outputs(("--out", out))
     prof = merge_profiles(profiles, warn=warn)
     save_profile(prof, out)
     pv = prof.provenance
@@ -295,6 +310,7 @@ def merge_costs_cmd(
     from hsd_opt.formats import load_profile, save_profile
     from hsd_opt.profiler.assemble import merge_costs
 
+    check_outputs(("--out", out))
     r, _ = load_profile(rates)
     c, _ = load_profile(costs)
     prof = merge_costs(r, c, str(rates), str(costs))

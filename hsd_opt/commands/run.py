@@ -14,6 +14,7 @@ from hsd_opt.commands.common import (
     GRAMMAR_HELP,
     JSON_SCHEMA_HELP,
     TARGET_PRECISION_HELP,
+    check_outputs,
     cli_command,
     compile_grammar,
     fmt,
@@ -149,6 +150,7 @@ def run_cmd(
     from hsd_opt.runtime.runner import plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
+    check_outputs(("--json", json_out))
     check_turn_mode(turns)
     check_report_key(by)
     spec = grammar_spec(json_schema, grammar)

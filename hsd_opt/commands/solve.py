@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hsd_opt.commands.common import cli_command
+from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import EXACT_PASS, check_has_rates, load_plan, load_profile, plan_from_dict, save_plan
@@ -159,6 +159,7 @@ def solve_cmd(
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     _check_solve_options(tmax, solver, max_depth, top, min_gain, load_min_gain, task, per_task, context)
+    check_outputs(("--out", out))
     full, sizes = _load_solve_profile(profile, batch_sizes, context)
     prof = _profile_to_solve(full, task, per_task)
     plan = _solve_plan(prof, full, task, per_task, sizes, tmax, solver, max_depth, top, min_gain, load_min_gain,

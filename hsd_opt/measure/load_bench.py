@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
+from hsd_opt.jsonio import atomic_write
 from hsd_opt.measure.load_predictor import LoadPredictor, ratio
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
@@ -267,5 +268,5 @@ def plot_load(report: Mapping[str, Any], path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from hsd_opt.jsonio import atomic_write
 from hsd_opt.runtime.decode import LevelStats, add_levels
 
 
@@ -239,5 +240,5 @@ def plot_report(report: dict[str, Any], path) -> None:
     c.set_title(f"per {report.get('by', 'group') if report.get('by') == 'category' else 'task'}")
     c.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)

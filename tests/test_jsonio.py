@@ -1,0 +1,63 @@
+"""Files written atomically, with errors that name the path: a path that cannot be written is refused before any
+work (``check_writable``) or, found while writing, an :class:`OutputFileError` (an ``HsdError`` and an ``OSError``)
+that leaves nothing behind; a new file gets the permissions ``open`` would give it."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from hsd_opt.errors import HsdError, OutputFileError
+from hsd_opt.jsonio import FILE_MODE, atomic_write, check_writable, read_json, write_json
+from tests.helpers import cli_output, run_cli
+
+
+def _unwritable_paths(tmp_path):
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    return {str(tmp_path / "a_dir"): "is a directory", str(tmp_path / "a_file" / "out.json"): "is a file"}
+
+
+def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(tmp_path):
+    for path, why in _unwritable_paths(tmp_path).items():
+        with pytest.raises(HsdError) as e:
+            check_writable(path, "--out")
+        assert str(e.value).startswith(f"--out {path}") and why in str(e.value), e.value
+        with pytest.raises(OutputFileError) as w:
+            write_json(path, {"a": 1})
+        assert path in str(w.value) and isinstance(w.value, OSError)
+    assert sorted(os.listdir(tmp_path)) == ["a_dir", "a_file"] and not os.listdir(tmp_path / "a_dir")
+    check_writable(tmp_path / "new" / "p.json", "--out")     # a folder to be made is fine, and nothing stays
+    assert not os.listdir(tmp_path / "new")
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
+    path = tmp_path / "p.json"
+    write_json(path, {"a": 1})
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OutputFileError, match="No space left on device"):
+        atomic_write(path, fail)
+    assert read_json(path) == {"a": 1} and os.listdir(tmp_path) == ["p.json"]
+
+
+def test_a_new_file_gets_the_permissions_open_would_give_it(tmp_path):
+    write_json(tmp_path / "p.json", {"a": 1})
+    with open(tmp_path / "q.json", "w") as f:
+        f.write("{}")
+    assert stat.S_IMODE(os.stat(tmp_path / "p.json").st_mode) == FILE_MODE
+    assert FILE_MODE == stat.S_IMODE(os.stat(tmp_path / "q.json").st_mode)
+
+
+def test_solve_refuses_an_output_it_cannot_write_before_solving(tmp_path):
+    profile = os.path.join(os.path.dirname(__file__), "data", "profile_lookup.json")
+    for path, why in _unwritable_paths(tmp_path).items():
+        r = run_cli("solve", "--profile", profile, "--tmax", "4", "--out", path)
+        out = cli_output(r)
+        assert r.exit_code == 2 and f"--out {path}" in out and why in out and "Traceback" not in out, out
+        assert "hierarchy" not in out     # refused before the plan was solved and printed
