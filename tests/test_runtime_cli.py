@@ -144,6 +144,10 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--mode", "lazy"], "--mode"),
     (["--prompts", "BADLINES"], "line 2"),
     (["--prompts", "EMPTYFILE"], "no prompts"),
+    (["--prompt", "hi", "--temperature", "nan"], "--temperature: expected a finite value"),
+    (["--prompt", "hi", "--temperature", "1", "--seed", str(2**64)], "--seed: expected a 64-bit integer"),
+    (["--prompt", "hi", "--target-precision", "int4"], "provenance.target_precision"),
+    (["--prompt", "hi", "--json", "TMPDIR"], "is a directory"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")
@@ -151,7 +155,8 @@ def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    extra = [str(bad) if a == "BADLINES" else str(empty) if a == "EMPTYFILE" else a for a in extra]
+    extra = [str(bad) if a == "BADLINES" else str(empty) if a == "EMPTYFILE" else str(tmp_path) if a == "TMPDIR"
+             else a for a in extra]
     res = runner.invoke(app, ["run", "--plan", str(plan)] + extra)
     assert res.exit_code == 2, _out(res)
     assert needle in _out(res) and "Traceback" not in _out(res)

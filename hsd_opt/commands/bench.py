@@ -151,7 +151,9 @@ def bench_cmd(
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
     from hsd_opt.measure.bench import plot_report, run_bench
+    from hsd_opt.runtime.decode import check_mode
 
+    check_mode(mode)
     check_outputs(("--json", json_out), ("--plot", plot))
 
     if max_new_tokens < 1:

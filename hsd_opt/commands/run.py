@@ -146,10 +146,11 @@ def run_cmd(
     masked decoding of the target alone)."""
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_generation_args
+    from hsd_opt.runtime.decode import check_generation_args, check_mode
     from hsd_opt.runtime.runner import plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
+    check_mode(mode)
     check_outputs(("--json", json_out))
     check_turn_mode(turns)
     check_report_key(by)

@@ -70,6 +70,13 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
+    if retime is not None:      # a profile that cannot be read is refused before the long load
+        from hsd_opt.formats import load_profile
+
+        try:
+            load_profile(retime)
+        except HsdError as e:
+            raise HsdError(f"--retime {e}") from None
     say(f"loading {plan} and its model ...")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
@@ -156,11 +163,11 @@ def serve_cmd(
 
     need("starlette", "uvicorn", what="hsd serve")
     from hsd_opt.engine.kernels import release_thread_pool
+    from hsd_opt.runtime.decode import check_mode
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval)
-    if mode not in ("exact", "eager"):
-        raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+    check_mode(mode)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,

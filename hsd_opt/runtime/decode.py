@@ -82,6 +82,17 @@ def follows_load(temperature: float, seed: int | None) -> bool:
     return temperature == 0 or seed is None
 
 
+#: How levels hand drafts up (``--mode``): ``exact``, a level's budget per call (the latency model); ``eager``,
+#: every verified token.
+MODES = ("exact", "eager")
+
+
+def check_mode(mode: str) -> None:
+    """Refuse a ``--mode`` other than :data:`MODES` (one line naming the flag)."""
+    if mode not in MODES:
+        raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+
+
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
     """Refuse ``max_new_tokens < 1``, a ``temperature`` below 0 or not finite, ``top_p`` outside (0, 1] or a ``seed``
     outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag (the CLI calls this
@@ -236,8 +247,7 @@ class HSD:
         for lv in levels[1:]:
             if not lv.is_model:
                 raise HsdError(f"{lv.name!r} cannot verify: a token drafter may only be the bottom level")
-        if mode not in ("exact", "eager"):
-            raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
+        check_mode(mode)
         # exact: a level verifies at most the budget below it; eager: what every level below hands up at most
         longest = (max(budgets, default=0) if mode == "exact" else sum(int(t) for t in budgets)) + 1
         if longest > EXACT_PASS:

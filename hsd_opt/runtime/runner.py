@@ -76,6 +76,12 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
         raise InputFileError(source, f"the plan was made for the {dtype} target, but the model is loaded in "
                                      f"{loaded.dtype} (another target, with its own greedy output: profile and "
                                      f"solve for it, or drop --dtype)", "provenance.dtype")
+    check_target_precision(plan, source, target_precision)
+
+
+def check_target_precision(plan, source: str = "plan", target_precision: str | None = None) -> None:
+    """Refuse a plan made for another target precision than ``target_precision`` (None or ``auto``: the plan's
+    own), naming ``source`` and ``provenance.target_precision``: before the model is loaded."""
     made = plan_target_precision(plan, source)
     asked = (target_precision or "auto").strip().lower()
     if asked not in ("auto", made):

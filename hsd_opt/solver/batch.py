@@ -43,8 +43,8 @@ def _scaled(v: float | list[float], r: float | list[float]) -> float | list[floa
 def at_batch(profile: Profile, batch: int) -> Profile:
     """``profile`` with every cost that of the batched pass at ``batch`` sequences (batch 1: the profile itself).
 
-    Raises :class:`HsdError` naming ``--batch-sizes`` when the profile has no costs at that batch size, and when a
-    model lacks a ratio there."""
+    Raises :class:`HsdError` naming ``--batch-sizes`` when the profile has no costs at that batch size, and its
+    ``batch_costs`` when a model lacks a ratio there."""
     if batch == 1:
         return profile
     bc: BatchCosts | None = next((b for b in profile.batch_costs if b.batch == batch), None)
@@ -53,7 +53,9 @@ def at_batch(profile: Profile, batch: int) -> Profile:
                        f"{', '.join(map(str, profile.batch_sizes))}; profile with --batch-sizes)")
     missing = [m.name for m in profile.models if m.name not in bc.ratio]
     if missing:
-        raise HsdError(f"--batch-sizes: batch_costs of batch {batch} has no ratio for {', '.join(missing)}")
+        raise HsdError(f"the profile's batch_costs at batch {batch} has no ratio for {', '.join(missing)} (a "
+                       f"drafter the profile's batch timings did not cover: profile again, or solve with "
+                       f"--batch-sizes 1)")
     r = bc.ratio
     models = [replace(m, cost=m.cost * _ratio_at(r[m.name], 1)) for m in profile.models]
     curves = {name: _scaled(v, r[name]) for name, v in profile.cost_curve.items()}
