@@ -724,7 +724,7 @@ def test_merge_costs_takes_one_profiles_rates_and_anothers_costs(tmp_path):
     assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", 6, "--out", tmp_path / "p.json").exit_code == 0
 
 
-def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch):
+def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch, tmp_path):
     """``--no-ngram`` (any ``--no-*``) takes one drafter out of the default pool and leaves the others its own: a
     bigram table not yet cached is skipped with a warning, not built (minutes on a real model); named in
     ``--token-drafters`` it is built."""
@@ -744,6 +744,7 @@ def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch
         return bg.random_bigram_table(int(model.config.vocab_size))
 
     monkeypatch.setattr(bg, "load_or_build_bigram_table", build)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))      # no bigram table cached (the session's cache has)
     loaded = load_model(str(tiny["model"]), device="cpu")
     warnings: list[str] = []
     names, left_out = _token_drafter_names(None, flags)

@@ -231,3 +231,13 @@ def test_solve_does_not_import_torch(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False" and (tmp_path / "plan.json").is_file()
+
+
+def test_a_profile_without_acceptance_rates_solves_to_the_target_alone_and_says_why(tmp_path):
+    prof = good_profile()
+    prof.pop("acceptance")
+    r = run_cli("solve", "--profile", write(tmp_path, prof), "--tmax", "4", "--out", tmp_path / "plan.json")
+    out = " ".join(cli_output(r).split())
+    assert r.exit_code == 0, out
+    assert "acceptance: no rates between its drafters" in out
+    assert load_plan(str(tmp_path / "plan.json")).budgets == []

@@ -146,7 +146,7 @@ def profile_cmd(
 
     _check_required(model, out)
     check_outputs(("--out", out))
-    _check_counts(cost_repeats, max_prompts, threads)
+    _check_inputs(cost_repeats, max_prompts, threads, heads)
     contexts = tuple(options.cost_contexts(cost_contexts))
     batches = options.batch_sizes(batch_sizes)
     explicit, left_out = _token_drafter_names(token_drafters, {"ngram": no_ngram, "lookup": no_lookup,
@@ -185,9 +185,17 @@ def _check_required(model: Optional[str], out: Optional[Path]) -> None:
         raise HsdError("--out is required: where to write the profile JSON")
 
 
-def _check_counts(cost_repeats: int, max_prompts: Optional[int], threads: int) -> None:
-    """Refuse, naming the flag, a count of ``hsd profile`` out of its range (before anything is loaded)."""
+def _check_inputs(cost_repeats: int, max_prompts: Optional[int], threads: int, heads: Optional[Path]) -> None:
+    """Refuse, naming the flag, a count of ``hsd profile`` out of its range or a heads file that cannot be read
+    (before anything is loaded)."""
     from hsd_opt.errors import HsdError
+    from hsd_opt.heads import read_heads_file
+
+    if heads is not None:
+        try:
+            read_heads_file(heads)
+        except HsdError as e:
+            raise HsdError(f"--heads {e}") from None
 
     if cost_repeats < 1:
         raise HsdError(f"--cost-repeats: expected >= 1 (timings per cost), got {cost_repeats}")

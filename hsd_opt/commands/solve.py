@@ -204,6 +204,8 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
     prof, warnings = load_profile(profile)
     check_has_rates(prof, str(profile))
     warn_some(warnings)
+    if len(prof.models) > 1 and not any(prof.acceptance.values()):
+        warn(f"{profile}: acceptance: no rates between its drafters: the plan can only be the target alone")
     if sizes is None:
         sizes = prof.batch_sizes
     elif set(sizes) - set(prof.batch_sizes):
