@@ -212,6 +212,10 @@ def test_no_state_carries_over_between_requests(served):
         next(iter(s))  # a client that goes away after one chunk
     again = c.completions.create(prompt=PROMPTS[2], **kw).model_extra["hsd"]["token_ids"]
     assert again == first
+    # fields a client sends at their defaults ask nothing of the server: the same answer
+    defaults = c.completions.create(prompt=PROMPTS[2], logprobs=None, presence_penalty=0, frequency_penalty=0.0,
+                                    logit_bias={}, echo=False, best_of=1, user="u", **kw)
+    assert defaults.model_extra["hsd"]["token_ids"] == first
 
 
 # ------------------------------------------------------------------------------------------------ bad requests
@@ -257,6 +261,9 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "stream", None),
     (COMP, {"model": MODEL, "prompt": "w1", "seed": "x"}, 400, "seed", None),
     (COMP, {"model": MODEL, "prompt": "w1", "seed": 2**64}, 400, "seed", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 2}, 400, "logprobs", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "echo": True}, 400, "echo", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("inf")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1 \udfff"}, 400, "prompt", None),

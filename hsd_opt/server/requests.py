@@ -6,7 +6,9 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 ``stream_options.include_usage``, ``n`` (1 only) and ``response_format`` (``text``, ``json_object``,
 ``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
 naming the problem); chat also ``tools`` and ``tool_choice`` (a function called under the grammar of its
-parameters: :mod:`hsd_opt.server.tools`). Other fields of the OpenAI API are ignored.
+parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not
+supported (:data:`UNSUPPORTED`: log-probabilities, penalties, logit biases, echo, best-of, suffix) are a 400 when
+given a value other than their default; other fields (``user``, ``metadata``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -100,6 +102,30 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
     return body
+
+
+#: Fields the answer would depend on that this server does not compute, with the value that asks nothing of it
+#: (what clients send by default; absent or null too): any other value is a 400 naming the field rather than an
+#: answer without it.
+UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+               "echo": False, "best_of": 1, "suffix": ""}
+
+
+def _asks_nothing(v: Any, default: Any) -> bool:
+    if v is None:
+        return True
+    if isinstance(default, bool) or isinstance(v, bool):
+        return v is default
+    if isinstance(default, int):
+        return isinstance(v, (int, float)) and v == default
+    return type(v) is type(default) and v == default
+
+
+def _unsupported(body: dict) -> None:
+    for key, default in UNSUPPORTED.items():
+        if not _asks_nothing(body.get(key), default):
+            raise bad_request(f"'{key}' is not supported by this server (got {json.dumps(body[key])}); leave it "
+                              f"out", key)
 
 
 def _type_name(x: Any) -> str:
@@ -300,6 +326,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if model != info.name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
                        "invalid_request_error", "model", "model_not_found")
+    _unsupported(body)
     n = _int(body, "n")
     if n is not None and n != 1:
         raise bad_request(f"'n' must be 1 (one choice per request), got {n}", "n")
