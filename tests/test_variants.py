@@ -90,7 +90,11 @@ def test_an_llvm_openmp_runtime_is_linked_where_one_is_named_or_a_mac_has_one(tm
         kernels.libomp_dir("gcc")
     (tmp_path / "llvm").mkdir()
     (tmp_path / "llvm" / "libomp.so").write_bytes(b"")
-    assert kernels.libomp_dir("gcc") == tmp_path / "llvm" and "-I" not in " ".join(kernels.flags(v, cc="gcc"))
+    assert kernels.libomp_dir("clang-14") == tmp_path / "llvm"
+    assert "-I" not in " ".join(kernels.flags(v, cc="clang-14")) and "-Xclang" in kernels.flags(v, cc="clang-14")
+    with pytest.raises(HsdError, match=r"HSD_LIBOMP=.*llvm: an LLVM OpenMP runtime is linked by clang; the "
+                                       r"compiler gcc is not clang"):
+        kernels.libomp_dir("gcc")                                    # gcc links its own runtime: no -Xclang
 
 
 def _llvm_libomp() -> str | None:

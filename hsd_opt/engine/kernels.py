@@ -116,20 +116,23 @@ def openmp_wanted() -> bool:
 
 def libomp_dir(cc: str | None = None) -> Path | None:
     """The folder of an LLVM OpenMP runtime (``libomp``) to build with, where the compiler's ``-fopenmp`` alone does
-    not link one: ``$HSD_LIBOMP`` (a folder holding ``libomp.dylib`` or ``libomp.so``) on any system; with Apple's
-    clang, the copy inside torch (``torch/lib``: the runtime torch itself loads, so that the process holds one),
-    else Homebrew's (``brew install libomp``). None: plain ``-fopenmp``.
+    not link one: ``$HSD_LIBOMP`` (a folder holding ``libomp.dylib`` or ``libomp.so``; clang only) on any system;
+    with Apple's clang, the copy inside torch (``torch/lib``: the runtime torch itself loads, so that the process
+    holds one), else Homebrew's (``brew install libomp``). None: plain ``-fopenmp``.
 
     Raises:
-        HsdError: ``$HSD_LIBOMP`` names a folder without the runtime.
+        HsdError: ``$HSD_LIBOMP`` names a folder without the runtime, or the compiler is not clang.
     """
     forced = os.environ.get("HSD_LIBOMP", "").strip()
+    cc = cc or compiler()
     if forced:
         d = Path(forced).expanduser()
         if not any((d / f"libomp.{ext}").is_file() for ext in ("dylib", "so")):
             raise HsdError(f"HSD_LIBOMP={forced}: no libomp.dylib or libomp.so in that folder")
+        if cc and "clang" not in _compiler_version(cc):
+            raise HsdError(f"HSD_LIBOMP={forced}: an LLVM OpenMP runtime is linked by clang; the compiler {cc} is "
+                           f"not clang (set CC=clang, or unset HSD_LIBOMP for its own -fopenmp)")
         return d
-    cc = cc or compiler()
     if platform.system() != "Darwin" or not cc or "Apple clang" not in _compiler_version(cc):
         return None
     for d in (Path(torch.__file__).parent / "lib", Path("/opt/homebrew/opt/libomp/lib"),
