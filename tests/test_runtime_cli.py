@@ -106,6 +106,7 @@ def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     ("revision", "provenance.revision"),
     ("dtype", "provenance.dtype"),
     ("unknown_name", "hierarchy[0]"),
+    ("unknown_kind", "hierarchy[0]: 'weird' is of kind 'martian', which this runtime cannot run"),
 ])
 def test_bad_plans(tiny_dir, tmp_path, case, needle):
     m = tiny_dir / "m"
@@ -128,6 +129,10 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     elif case == "dtype":   # a plan for the float32 target, run on the bfloat16 one
         plan = _plan(tmp_path / "p.json", m)
         args = ["--dtype", "bfloat16"]
+    elif case == "unknown_kind":   # refused before loading: the model it names does not exist
+        plan = _plan(tmp_path / "p.json", tmp_path / "no-such-model", hierarchy=("weird", "layer4"), budgets=(2,),
+                     models=[{"name": "weird", "kind": "martian", "cost": 0.001},
+                             {"name": "layer4", "kind": "target", "layer": 4}])
     else:
         plan = _plan(tmp_path / "p.json", m, hierarchy=("mystery", "layer4"), budgets=(2,))
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + args)

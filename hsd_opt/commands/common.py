@@ -72,7 +72,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
-    from hsd_opt.runtime.runner import check_provenance, check_target_precision
+    from hsd_opt.runtime.runner import check_kinds, check_provenance, check_target_precision
 
     plan = load_plan(str(plan_path))
     name = model or plan.provenance.model
@@ -81,6 +81,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
                              "provenance.model")
     _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     check_target_precision(plan, str(plan_path), asked)
+    check_kinds(plan, str(plan_path))
     loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto")
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)

@@ -104,6 +104,20 @@ def machine_differences(plan, threads: int, variant: str | None) -> list[str]:
     return out
 
 
+def check_kinds(plan, source: str = "plan") -> None:
+    """Refuse a plan whose hierarchy holds a level of a kind this runtime cannot build (the format allows any
+    kind; a run needs one of the engines' or the token drafters'), naming ``source`` and the level: before any
+    model is loaded."""
+    from hsd_opt.drafters import TOKEN_DRAFTER_KINDS
+
+    known = ("target", "early_exit", "model", "quantized", *TOKEN_DRAFTER_KINDS)
+    entries = plan_entries(plan, source)
+    for i, name in enumerate(plan.hierarchy):
+        if entries[name].kind not in known:
+            raise InputFileError(source, f"{name!r} is of kind {entries[name].kind!r}, which this runtime cannot "
+                                         f"run (known: {', '.join(known)})", f"hierarchy[{i}]")
+
+
 def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
     """The :class:`Level` list (bottom first) of ``plan`` over ``models`` (its target, draft models and copies).
     Exits share the target's engine (:meth:`PlanModels.target`).
@@ -152,6 +166,7 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
                                              f"bottom level", where)
             from hsd_opt.drafters import make_token_drafter
 
+            check_kinds(plan, source)
             cfg = dict(e.config or {})
             cfg.pop("kind", None)
             cfg.setdefault("name", name)
