@@ -54,6 +54,16 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()
 
 
+def _give_mode(tmp: str, p: Path) -> None:
+    """The temporary file ``tmp`` given the permissions of the file it replaces (else :data:`FILE_MODE`), where the
+    file system keeps them (FAT and some network mounts refuse a chmod: the write goes on)."""
+    try:
+        mode = p.stat().st_mode & 0o7777 if p.is_file() else FILE_MODE
+        os.chmod(tmp, mode)
+    except OSError:
+        pass
+
+
 def _cannot_write(p: Path, e: OSError) -> OutputFileError:
     if isinstance(e, OutputFileError):
         return e
@@ -75,16 +85,22 @@ def _parent(p: Path) -> Path:
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
-    """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a folder that
-    cannot be made, one where no file can be created. :class:`HsdError` naming ``flag`` and the path."""
+    """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a path under a
+    file, a folder where no file can be created (tried with a temporary file, removed at once), a folder to be made
+    under one the process cannot write. Makes no folder. :class:`HsdError` naming ``flag`` and the path."""
     p = Path(path)
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    existing = next(a for a in (parent, *parent.parents) if a.exists())
+    if not existing.is_dir():
+        raise HsdError(f"{flag} {path}: cannot write it: {existing} is a file, not a folder")
+    if existing != parent:          # the folders to be made: the nearest that exists must take them
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise HsdError(f"{flag} {path}: cannot write it: {existing} is not writable")
+        return
     try:
-        parent = _parent(p)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)
-    except OutputFileError as e:
-        raise HsdError(f"{flag} {e}") from None
     except OSError as e:
         raise HsdError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     os.close(fd)
@@ -94,7 +110,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
     """Write ``path`` atomically with ``write(f)`` on a binary file: a temporary file in the same directory,
     fsync, then rename. For data written in a stream (``torch.save`` of a large copy) that should not be held
-    in memory whole first. The file gets :data:`FILE_MODE`.
+    in memory whole first. A new file gets :data:`FILE_MODE`, a replaced one keeps its permissions.
 
     A reader never sees a half-written file, and an interrupted write leaves the old file intact. A path that
     cannot be written (a directory, a folder that cannot be made, no room) raises :class:`HsdError` naming it.
@@ -110,7 +126,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, FILE_MODE)
+        _give_mode(tmp, p)
         os.replace(tmp, p)
     except BaseException as e:
         try:

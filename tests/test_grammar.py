@@ -67,6 +67,17 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_its_source_and_proble
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_grammar_that_forces_more_tokens_than_the_context_is_refused(json_tok):
+    """Forced tokens are counted, not taken, beyond the model's context (taking them costs seconds by the tens of
+    thousands): an answer under such a grammar could never end."""
+    short = GrammarCompiler(json_tok, EOS, 64, max_positions=6)
+    with pytest.raises(HsdError, match=r"s.json: it forces \d+ tokens from its start, more than the model's context "
+                                       r"of 6"):
+        short.compile(GrammarSpec.json_schema({"const": [1, 2, 3, 4, 5, 6, 7, 8]}, "s.json"))
+    GrammarCompiler(json_tok, EOS, 64, max_positions=512).compile(
+        GrammarSpec.json_schema({"const": [1, 2, 3, 4, 5, 6, 7, 8]}, "s.json"))
+
+
 def test_a_schema_that_may_hold_itself_compiles(compiler):
     """Recursion that can end (the property optional) is a grammar like any other."""
     compiler.compile(GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {

@@ -29,8 +29,9 @@ def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(t
             write_json(path, {"a": 1})
         assert path in str(w.value) and isinstance(w.value, OSError)
     assert sorted(os.listdir(tmp_path)) == ["a_dir", "a_file"] and not os.listdir(tmp_path / "a_dir")
-    check_writable(tmp_path / "new" / "p.json", "--out")     # a folder to be made is fine, and nothing stays
-    assert not os.listdir(tmp_path / "new")
+    check_writable(tmp_path / "new" / "p.json", "--out")     # a folder to be made is fine, and none is made yet
+    assert not (tmp_path / "new").exists()
+    write_json(tmp_path / "new" / "p.json", {"a": 1})         # the write makes it
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
@@ -46,7 +47,11 @@ def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
     assert read_json(path) == {"a": 1} and os.listdir(tmp_path) == ["p.json"]
 
 
-def test_a_new_file_gets_the_permissions_open_would_give_it(tmp_path):
+def test_a_new_file_gets_the_permissions_open_would_give_it_and_a_replaced_one_keeps_its_own(tmp_path):
+    write_json(tmp_path / "r.json", {"a": 1})
+    os.chmod(tmp_path / "r.json", 0o600)
+    write_json(tmp_path / "r.json", {"a": 2})
+    assert stat.S_IMODE(os.stat(tmp_path / "r.json").st_mode) == 0o600 and read_json(tmp_path / "r.json") == {"a": 2}
     write_json(tmp_path / "p.json", {"a": 1})
     with open(tmp_path / "q.json", "w") as f:
         f.write("{}")

@@ -445,7 +445,9 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
                           (["--max-prompts", "0"], "--max-prompts: expected >= 1"),
                           (["--threads", "-1"], "--threads: expected >= 0"),
                           (["--layers", "5-2"], "--layers: the range '5-2' runs backwards"),
-                          (["--out", str(tmp_path)], "is a directory")]:
+                          (["--out", str(tmp_path)], "is a directory"),
+                          (["--temperature", "nan"], "--temperature: expected a finite value"),
+                          (["--temperature", "1", "--seed", str(2**60)], "--seed: expected an integer of magnitude")]:
         cases.append((_cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"])] + flags), needle))
     for r, needle in cases:
         text = " ".join(r.output.split())

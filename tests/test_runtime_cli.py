@@ -179,6 +179,9 @@ def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "--methods: unknown method 'warp'" in _out(res) and "hf_early_exit" in _out(res)
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", " , "])
     assert res.exit_code == 2 and "--methods" in _out(res) and "Traceback" not in _out(res)
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--temperature", "1", "--seed", str(2**64 - 1),
+                              "--limit", "2", "--methods", "hsd"])   # prompt 2's seed is one past 64 bits
+    assert res.exit_code == 2 and "--seed: the seeds of these prompts" in _out(res) and "tok/s" not in _out(res)
 
 
 def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):

@@ -219,6 +219,8 @@ def test_temperatures_and_top_p_at_the_edges_of_float32():
         assert torch.isfinite(got).all() and torch.allclose(got.sum(-1), torch.ones(2))
     with pytest.raises(HsdError, match="not numbers"):
         process_logits(torch.full((1, 4), float("nan")), 1.0, 1.0)
+    with pytest.raises(HsdError, match="every token of a row is masked"):
+        process_logits(torch.full((1, 4), float("-inf")), 1.0, 1.0)
 
 
 @pytest.mark.parametrize("args, flag", [((4, float("nan"), 1.0), "--temperature"), ((4, float("inf"), 1.0),

@@ -187,7 +187,7 @@ def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task:
                   methods: Optional[str], temperature: float, top_p: float, seed: int):
     """The single-stream bench's options checked, each refused in one line naming its flag, and its prompts:
     ``(Sampling, the methods named by --methods or None for the default, the selected prompt items)``."""
-    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling
+    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling, check_seeds
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
 
     sampling = Sampling(temperature, top_p, seed)
@@ -195,7 +195,9 @@ def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task:
     check_turn_mode(turns)
     check_report_key(by)
     ms = None if methods is None else method_names(methods, METHODS)
-    return sampling, ms, select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
+    check_seeds(sampling, items, turns)
+    return sampling, ms, items
 
 
 def _retime_profile(retime: Optional[Path]):

@@ -123,14 +123,17 @@ class GrammarCompiler:
         tokenizer: a Hugging Face fast tokenizer (or a test's small one, see :func:`_ll_tokenizer`).
         eos_ids: the tokens that end a sequence (allowed only where the grammar accepts).
         vocab_size: the width of the model's logits (may exceed the tokenizer's; the extra ids are never allowed).
+        max_positions: the model's context (None: not known); a grammar that forces more tokens from its start is
+            refused (no answer under it can end).
     """
 
-    def __init__(self, tokenizer, eos_ids: int | Sequence[int], vocab_size: int):
+    def __init__(self, tokenizer, eos_ids: int | Sequence[int], vocab_size: int, max_positions: int | None = None):
         ids = [int(eos_ids)] if isinstance(eos_ids, int) else [int(e) for e in eos_ids]
         if not ids:
             raise HsdError("structured output needs the model's end-of-sequence token (it has none)")
         self.eos_ids = tuple(ids)
         self.vocab_size = int(vocab_size)
+        self.max_positions = max_positions
         self._source = tokenizer
         self._tokenizer = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
@@ -172,7 +175,7 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise HsdError(f"{spec.source}: {_one_line(template.get_error())}")
-        _check_start(template, spec)
+        _check_start(template, spec, self.max_positions)
         out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids)
         self._cache[spec.key] = out
         if len(self._cache) > CACHE_SIZE:
@@ -180,14 +183,19 @@ class GrammarCompiler:
         return out
 
 
-def _check_start(template, spec: GrammarSpec) -> None:
+def _check_start(template, spec: GrammarSpec, max_positions: int | None = None) -> None:
     """Refuse a grammar no output can follow, found where its decoding would fail at once: its first mask (rules
     that refer to each other without end allow no first token) and the tokens it forces from its start (an object
-    whose required property holds itself forces an opening without end), computed on a copy of ``template``."""
+    whose required property holds itself forces an opening without end), computed on a copy of ``template``; and
+    one that forces more than ``max_positions`` tokens (without taking them: their cost grows faster than their
+    count, seconds for tens of thousands)."""
     probe = template.deep_copy()
     probe.compute_logit_bias()
     if not probe.is_error():
         forced = probe.compute_ff_tokens()
+        if max_positions is not None and len(forced) > max_positions:
+            raise HsdError(f"{spec.source}: it forces {len(forced)} tokens from its start, more than the model's "
+                           f"context of {max_positions}: no answer under it can end")
         if forced and not probe.is_error():
             probe.try_consume_tokens(forced)
     if probe.is_error():
@@ -201,7 +209,8 @@ def compiler_for(loaded) -> GrammarCompiler:
     from hsd_opt.models.loading import eos_token_ids
 
     width = loaded.model.get_output_embeddings().weight.shape[0]
-    return GrammarCompiler(loaded.tokenizer, eos_token_ids(loaded), width)
+    return GrammarCompiler(loaded.tokenizer, eos_token_ids(loaded), width,
+                           getattr(loaded.model.config, "max_position_embeddings", None))
 
 
 def schema_grammars(compiler: GrammarCompiler, items, source: str) -> dict[int, Grammar]:

@@ -43,7 +43,7 @@ from hsd_opt.measure.report import Generation, add_matches, add_speedups, output
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.decode import check_generation_args
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
-from hsd_opt.seeds import SEED_STRIDE
+from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
@@ -103,6 +103,20 @@ def check_sampling(sampling: Sampling) -> None:
     check_generation_args(1, sampling.temperature, sampling.top_p, sampling.seed)
     if sampling.greedy and sampling.top_p < 1.0:
         raise HsdError(f"--top-p {sampling.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+
+
+def check_seeds(sampling: Sampling, items, turns: str) -> None:
+    """Refuse a ``--seed`` whose derived seeds (:meth:`Sampling.seed_for`, every prompt of ``items`` and, with
+    ``--turns all``, every turn) leave the 64-bit range: before anything runs, naming the flag."""
+    if sampling.greedy or not items:
+        return
+    last_turn = max(max(len(it.turns), 1) for it in items) - 1 if turns == "all" else 0
+    seeds = (sampling.seed_for(min(it.index for it in items), 0),
+             sampling.seed_for(max(it.index for it in items), last_turn))
+    if not all(SEED_RANGE[0] <= s <= SEED_RANGE[1] for s in seeds):
+        raise HsdError(f"--seed: the seeds of these prompts (seed + prompt + {SEED_STRIDE} x turn) reach "
+                       f"{seeds[1] if seeds[1] > SEED_RANGE[1] else seeds[0]}, beyond a 64-bit integer; give a "
+                       f"smaller --seed")
 
 
 def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], sampling: Sampling, seed: int,

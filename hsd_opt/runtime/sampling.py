@@ -24,12 +24,15 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
     A temperature so small that ``logits / temperature`` overflows (a row's softmax is then not a number) gives that
     row softmax's limit as the temperature goes to 0: the same weight on each of its largest logits. A row whose
-    logits are not numbers is an :class:`HsdError`."""
+    logits are not numbers, or all ``-inf`` (every token masked), is an :class:`HsdError`."""
     p = torch.softmax(logits.float() / temperature, dim=-1)
     bad = torch.isnan(p[..., 0])
     if bool(bad.any()):
         top = logits.float()[bad]
-        top = (top == top.max(-1, keepdim=True).values).float()
+        most = top.max(-1, keepdim=True).values
+        if bool(torch.isneginf(most).any()):
+            raise HsdError("sampling: every token of a row is masked (no token is allowed)")
+        top = (top == most).float()
         if not bool((top.sum(-1) > 0).all()):
             raise HsdError("sampling: the logits hold values that are not numbers")
         p[bad] = top / top.sum(-1, keepdim=True)
