@@ -20,6 +20,7 @@ from hsd_opt.commands.common import (
     item_grammars,
     level_acceptance,
     load_plan_and_model,
+    read_retime_profile,
     retime_text,
     retimed_levels,
 )
@@ -166,7 +167,7 @@ def bench_cmd(
                                           "--json-schema": json_schema is not None, "--grammar": grammar is not None})
     sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed)
     spec = grammar_spec(json_schema, grammar)
-    retime_profile = _retime_profile(retime)
+    retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     if spec is not None:                 # every answer under the grammar: each prompt runs the plan for JSON
         items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
@@ -198,18 +199,6 @@ def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task:
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
     check_seeds(sampling, items, turns)
     return sampling, ms, items
-
-
-def _retime_profile(retime: Optional[Path]):
-    """The profile ``--retime`` names, its load warnings printed; None without the flag."""
-    if retime is None:
-        return None
-    from hsd_opt.console import warn_some
-    from hsd_opt.formats import load_profile
-
-    profile, warnings = load_profile(retime)
-    warn_some(warnings)
-    return profile
 
 
 def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperature: float) -> None:

@@ -125,23 +125,37 @@ def retime_text(tokenizer) -> list[int]:
     return [t for s in load_prompts().texts[:8] for t in encode_prompt(tokenizer, s)]
 
 
-def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str,
-                   say) -> tuple[dict, dict, "Profile"]:
+def read_retime_profile(retime: Optional[Path]) -> Optional["Profile"]:
+    """The profile ``--retime`` names (its load warnings printed), read before any model is loaded; None without
+    the flag. :class:`HsdError` naming ``--retime`` and the file when it cannot be read."""
+    if retime is None:
+        return None
+    from hsd_opt.console import warn_some
+    from hsd_opt.formats import load_profile
+
+    try:
+        profile, warnings = load_profile(retime)
+    except HsdError as e:
+        raise HsdError(f"--retime {e}") from None
+    warn_some(warnings)
+    return profile
+
+
+def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str, say,
+                   profile: Optional["Profile"] = None) -> tuple[dict, dict, "Profile"]:
     """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
     plan, time one step of every engine the plan's hierarchies run (on the suite's prompts), and choose each load
     level's hierarchy again among the plan's own, its levels' and the target alone at those step times
     (:func:`~hsd_opt.measure.retime.retime_load_levels`); ``say`` hears the factors and each level that
-    changes. Returns the level -> runner map, the report and the profile (read once, for the caller's use too)."""
-    from hsd_opt.console import warn_some
-    from hsd_opt.formats import load_profile
+    changes. ``profile``: the one ``retime`` names where the caller has read it already (:func:`read_retime_profile`;
+    else it is read here). Returns the level -> runner map, the report and the profile."""
     from hsd_opt.measure.retime import check_profile_for_plan, retime_load_levels
     from hsd_opt.runtime.runner import hsd_for_plan
 
     if not p.by_load:
         raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
                        f"--batch-sizes)")
-    profile, warnings = load_profile(retime)
-    warn_some(warnings)
+    profile = profile if profile is not None else read_retime_profile(retime)
     check_profile_for_plan(profile, p, str(retime))
     built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
     for n, e in p.by_load.items():

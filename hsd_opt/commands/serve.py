@@ -11,6 +11,7 @@ from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
     cli_command,
     load_plan_and_model,
+    read_retime_profile,
     retimed_levels,
 )
 from hsd_opt.console import err_console
@@ -70,13 +71,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
-    if retime is not None:      # a profile that cannot be read is refused before the long load
-        from hsd_opt.formats import load_profile
-
-        try:
-            load_profile(retime)
-        except HsdError as e:
-            raise HsdError(f"--retime {e}") from None
+    retime_profile = read_retime_profile(retime)     # before the long load
     say(f"loading {plan} and its model ...")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
@@ -86,7 +81,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     retimed = None
     if retime is not None:
-        levels, retimed, _ = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say)
+        levels, retimed, _ = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say,
+                                            retime_profile)
     json_runner = _json_runner(p, loaded, models, mode, str(plan), say)
     built = list({id(h): h for h in (runner, *levels.values(), *([json_runner] if json_runner else []))}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
