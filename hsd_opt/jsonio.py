@@ -73,7 +73,7 @@ def _cannot_write(p: Path, e: OSError) -> OutputFileError:
 
 def _parent(p: Path) -> Path:
     """The folder of ``p``, made where it does not exist yet; :class:`HsdError` naming ``p`` where it cannot be."""
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -91,7 +91,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     p = Path(path)
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
     existing = next(a for a in (parent, *parent.parents) if a.exists())
     if not existing.is_dir():
         raise HsdError(f"{flag} {path}: cannot write it: {existing} is a file, not a folder")

@@ -12,3 +12,8 @@ SEED_STRIDE = 1_000_003
 
 #: The seeds a random generator takes: any 64-bit integer, signed or not (``torch.Generator.manual_seed``).
 SEED_RANGE = (-2**63, 2**64 - 1)
+
+
+def seed_fits(seed: int) -> bool:
+    """Whether a generator takes ``seed`` (:data:`SEED_RANGE`)."""
+    return SEED_RANGE[0] <= seed <= SEED_RANGE[1]

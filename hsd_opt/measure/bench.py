@@ -43,7 +43,7 @@ from hsd_opt.measure.report import Generation, add_matches, add_speedups, output
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.decode import check_generation_args
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
-from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE
+from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Profile
@@ -113,7 +113,7 @@ def check_seeds(sampling: Sampling, items, turns: str) -> None:
     last_turn = max(max(len(it.turns), 1) for it in items) - 1 if turns == "all" else 0
     seeds = (sampling.seed_for(min(it.index for it in items), 0),
              sampling.seed_for(max(it.index for it in items), last_turn))
-    if not all(SEED_RANGE[0] <= s <= SEED_RANGE[1] for s in seeds):
+    if not all(seed_fits(s) for s in seeds):
         raise HsdError(f"--seed: the seeds of these prompts (seed + prompt + {SEED_STRIDE} x turn) reach "
                        f"{seeds[1] if seeds[1] > SEED_RANGE[1] else seeds[0]}, beyond a 64-bit integer; give a "
                        f"smaller --seed")

@@ -10,7 +10,6 @@ ranks (:mod:`~hsd_opt.profiler.dist`), time the costs (:mod:`~hsd_opt.profiler.c
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,8 @@ from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
-from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE
+from hsd_opt.runtime.decode import check_generation_args
+from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 from hsd_opt.version import __version__
 
 DEFAULT_MAX_NEW_TOKENS = 24
@@ -151,14 +151,9 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
 
 
 def _validate(cfg: ProfileConfig) -> None:
-    if cfg.max_new_tokens < 1:
-        raise HsdError(f"--max-new-tokens: expected >= 1, got {cfg.max_new_tokens}")
-    if not (cfg.temperature >= 0 and math.isfinite(cfg.temperature)):
-        raise HsdError(f"--temperature: expected a finite value >= 0, got {cfg.temperature}")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise HsdError(f"--top-p: expected a value in (0, 1], got {cfg.top_p}")
+    check_generation_args(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     # prompt i is sampled with seed * SEED_STRIDE + i: every one a 64-bit integer
-    if not (SEED_RANGE[0] <= cfg.seed * SEED_STRIDE and (cfg.seed + 1) * SEED_STRIDE <= SEED_RANGE[1]):
+    if not (seed_fits(cfg.seed * SEED_STRIDE) and seed_fits((cfg.seed + 1) * SEED_STRIDE)):
         raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
                        f"seeds of the prompts are seed * {SEED_STRIDE} + i), got {cfg.seed}")
     if cfg.top_p < 1.0 and cfg.temperature == 0:

@@ -49,7 +49,7 @@ from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.sampling import process_logits, rejection_sample, sample_token
-from hsd_opt.seeds import SEED_RANGE
+from hsd_opt.seeds import seed_fits
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
 #: passes of this many, between which a batch serves the other sequences' rounds. Long enough that its passes take
@@ -103,7 +103,7 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_p: float,
         raise HsdError(f"--temperature: expected a finite value >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+    if seed is not None and not seed_fits(seed):
         raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}")
 
 

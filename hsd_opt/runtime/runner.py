@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import PlanModel, Quantization
+from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
@@ -110,7 +110,7 @@ def check_kinds(plan, source: str = "plan") -> None:
     model is loaded."""
     from hsd_opt.drafters import TOKEN_DRAFTER_KINDS
 
-    known = ("target", "early_exit", "model", "quantized", *TOKEN_DRAFTER_KINDS)
+    known = (*VERIFIER_KINDS, *TOKEN_DRAFTER_KINDS)
     entries = plan_entries(plan, source)
     for i, name in enumerate(plan.hierarchy):
         if entries[name].kind not in known:
@@ -126,6 +126,7 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
         InputFileError: a layer the model lacks, an exit above the target, a target that is not the model's last
             layer, a token drafter above the bottom, an unknown kind, a model of another tokenizer.
     """
+    check_kinds(plan, source)
     loaded = models.loaded
     target = models.target(plan, source)
     entries = plan_entries(plan, source)
@@ -166,7 +167,6 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
                                              f"bottom level", where)
             from hsd_opt.drafters import make_token_drafter
 
-            check_kinds(plan, source)
             cfg = dict(e.config or {})
             cfg.pop("kind", None)
             cfg.setdefault("name", name)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
-from hsd_opt.seeds import SEED_RANGE
+from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
     ToolCall,
@@ -343,7 +343,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
     seed = _int(body, "seed")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+    if seed is not None and not seed_fits(seed):
         raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}", "seed")
     stop = _stop(body)
     stream = _bool(body, "stream")
