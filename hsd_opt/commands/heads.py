@@ -71,12 +71,13 @@ def train(
 
     from hsd_opt.commands.options import layer_numbers
     from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
+    from hsd_opt.heads.train import TRAIN_VOCABS
     from hsd_opt.models.loading import load_model
 
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     check_outputs(("--out", out))
-    if train_vocab not in ("auto", "full", "candidates"):
+    if train_vocab not in TRAIN_VOCABS:
         raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
     if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
         raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")

@@ -58,10 +58,7 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
-    try:
-        loaded = load_model(name, device=device, dtype=dtype)
-    except HsdError as e:       # the loader names --model, the flag of the other commands: here NAME is positional
-        raise HsdError(str(e).replace(f"--model {name}: ", f"hsd models fetch {name}: ", 1)) from None
+    loaded = load_model(name, device=device, dtype=dtype, flag="hsd models fetch")
     cfg = loaded.model.config
     console.print(f"{loaded.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
                   f"{loaded.dtype} on {loaded.device}, revision {loaded.revision or '-'} "

@@ -79,6 +79,10 @@ class TrainResult:
                            for b in sorted(self.heads)}}
 
 
+#: What ``train_vocab`` takes (module doc): ``auto`` (candidates on a CPU, full on CUDA), ``full``, ``candidates``.
+TRAIN_VOCABS = ("auto", "full", "candidates")
+
+
 def head_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
     """The layers of a model with ``n_layers`` decoder layers that get exit heads: ``layers`` (any order, repeats
     allowed; None: every layer 1..n_layers-1) sorted and without repeats. An empty list, or a layer outside
@@ -219,7 +223,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     device = eng.device
     if train_vocab == "auto":
         train_vocab = "full" if device.type == "cuda" else "candidates"
-    if train_vocab not in ("full", "candidates"):
+    if train_vocab not in TRAIN_VOCABS[1:]:
         raise HsdError(f"train_vocab: expected auto, full or candidates, got {train_vocab!r}")
     settings = {"layers": layers, "kind": kind, "rank": rank if kind == "lowrank" else None,
                 "vocab_subset": vocab_subset, "epochs": epochs, "lr": lr, "batch_tokens": batch_tokens,

@@ -257,15 +257,15 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     return out, revision
 
 
-def fetched_gguf(alias: str, name: str | None = None) -> Path:
+def fetched_gguf(alias: str, name: str | None = None, flag: str = "--model") -> Path:
     """The assembled GGUF file of a split-GGUF alias in the cache; :class:`HsdError` saying how to fetch it when
     it is not there (``name``: what the user typed, for the message)."""
     spec = split_gguf(alias)
     path = gguf_path(spec, cache_dir())
     if not path.is_file():
-        raise HsdError(f"--model {name or alias}: {spec.alias} is not fetched yet; {fetch_hint(spec)}")
+        raise HsdError(f"{flag} {name or alias}: {spec.alias} is not fetched yet; {fetch_hint(spec)}")
     if path.stat().st_size != spec.size:
-        raise HsdError(f"--model {name or alias}: {path} has {path.stat().st_size} bytes, expected {spec.size}; "
+        raise HsdError(f"{flag} {name or alias}: {path} has {path.stat().st_size} bytes, expected {spec.size}; "
                        f"delete it and {fetch_hint(spec)}")
     return path
 
@@ -275,31 +275,31 @@ def resolve_model_name(name: str) -> str:
     return ALIASES.get(name.lower(), name) if isinstance(name, str) else name
 
 
-def model_source(name: str) -> tuple[str, str, str]:
+def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     """``(source, directory or hub id to load from, revision)`` of the model ``name`` names (an alias, a hub id, a
     local directory or a ``.gguf`` file; see :func:`load_model`): a GGUF file is converted once into the cache
-    (:func:`convert_gguf`), nothing is downloaded. Raises :class:`HsdError` naming ``--model`` for a name that is
-    none of them."""
+    (:func:`convert_gguf`), nothing is downloaded. Raises :class:`HsdError` naming ``flag`` (the option or argument
+    that gave ``name``) for a name that is none of them."""
     resolved = resolve_model_name(name)
     revision = ""
     if resolved.startswith("embedded:"):
         if resolved != "embedded:smollm2-135m":
-            raise HsdError(f"--model {name}: unknown embedded model; known models: {known_models_text()}")
+            raise HsdError(f"{flag} {name}: unknown embedded model; known models: {known_models_text()}")
         path, revision = convert_gguf(embedded_gguf_path())
         source, load_from = "embedded", str(path)
     elif resolved.startswith(SPLIT_PREFIX):
-        path, revision = convert_gguf(fetched_gguf(resolved[len(SPLIT_PREFIX):], name))
+        path, revision = convert_gguf(fetched_gguf(resolved[len(SPLIT_PREFIX):], name, flag))
         source, load_from = "gguf", str(path)
     elif resolved.lower().endswith(".gguf"):
         gguf = Path(resolved)
         if not gguf.is_file():
-            raise HsdError(f"--model {name}: GGUF file not found")
+            raise HsdError(f"{flag} {name}: GGUF file not found")
         path, revision = convert_gguf(gguf)
         source, load_from = "gguf", str(path)
     elif Path(resolved).exists():
         p = Path(resolved)
         if not (p / "config.json").is_file():
-            raise HsdError(f"--model {name}: {p} is not a transformers model directory (no config.json)")
+            raise HsdError(f"{flag} {name}: {p} is not a transformers model directory (no config.json)")
         source, load_from = "local", str(p)
         weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
         if weights:
@@ -307,12 +307,12 @@ def model_source(name: str) -> tuple[str, str, str]:
     elif "/" in resolved and not resolved.startswith((".", "/")):
         source, load_from = "hub", resolved
     else:
-        raise HsdError(f"--model {name}: unknown model or alias; known: {known_models_text()}; "
+        raise HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
                        f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
     return source, load_from, revision
 
 
-def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model") -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -320,6 +320,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
             (``facebook/layerskip-llama2-7B``), a local transformers directory, or a ``.gguf`` file.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
         dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
+        flag: what gave ``name``, named in the errors (``--model``; ``hsd models fetch`` its argument).
 
     Raises:
         HsdError: unknown name (listing the known aliases), a missing GGUF file, a hub id that is not in the
@@ -331,15 +332,15 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     resolved = resolve_model_name(name)
-    source, load_from, revision = model_source(name)
+    source, load_from, revision = model_source(name, flag)
     try:
         tokenizer = AutoTokenizer.from_pretrained(load_from)
         model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
     except OSError as e:
         if source == "hub":
-            raise HsdError(f"--model {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
+            raise HsdError(f"{flag} {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
                            f"cache ({str(e).splitlines()[0]})") from None
-        raise HsdError(f"--model {name}: cannot load {load_from}: {str(e).splitlines()[0]}") from None
+        raise HsdError(f"{flag} {name}: cannot load {load_from}: {str(e).splitlines()[0]}") from None
     if source == "hub":
         revision = getattr(model.config, "_commit_hash", None) or ""
     model.to(dev)
