@@ -1183,13 +1183,16 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
  * order, then hsum8: the operations of dots4 on expand_row's values, so every element is bit for bit theirs, whichever
  * tile computes it. The weights never pass through memory. A byte holds a code of each group of a pair (low nibble:
  * the first), so one widening load serves 16 weights. Per 8 weights: half a widening load, a mask or shift, a
- * conversion, one FMA to de-quantize and P to multiply. The three tiles differ only in the order they visit rows and
+ * conversion, one FMA to de-quantize and P to multiply. The four tiles differ only in the order they visit rows and
  * columns, chosen by the number of positions (measured on Zen 3: docs/results.md, AVX2 section, "The step"):
  * - one position (q4f_tile_interleaved): each 8 columns of the four rows in turn, so four accumulator chains overlap;
  *   the second group's codes wait in registers while the first group's columns are summed;
  * - 2 or 3 (q4f_tile_by_group): per pair of groups, each row's 64 columns in turn (4 * P accumulators, the codes of
  *   one row at a time held);
- * - 4 to HSD_Q4F_REG_MAX (q4f_tile_by_row): each row whole in turn, its P accumulators the chains that overlap. */
+ * - 4 (q4f_tile_two_rows): two rows whole at a time, each position's inputs loaded once for both, 8 chains (one row's
+ *   4 left the FMAs waiting on their latency: benchmarks/mat_rows_ab.py on Zen 3, 0.87x the time of q4f_tile_by_row);
+ * - 5 to HSD_Q4F_REG_MAX (q4f_tile_by_row): each row whole in turn, its P accumulators the chains that overlap (two
+ *   rows' 2 * P accumulators, 10 or more, left too few registers: slower). */
 typedef struct {
     float sf[4][HSD_PAIRED_MAX_GROUPS], zf[4][HSD_PAIRED_MAX_GROUPS]; /* scales, minimums as float32 [row][group] */
     const uint8_t *q[4];                                               /* each row's codes (its half of a pair's) */
@@ -1307,6 +1310,51 @@ static inline __attribute__((always_inline)) void q4f_tile_by_row(const hsd_mat 
         for (int p = 0; p < P; p++) s[(size_t)p * 4 + i] = hsum8(acc[p]);
     }
 }
+/* Two rows' columns c .. c+7 for positions p < P: each row's 8 codes v0, v1 de-quantized with its group g's factors,
+ * then, per position, the inputs read once for both rows' FMAs. */
+#define Q4F_COLS2(b, acc, v0, v1, i, g, c)                                                                       \
+    do {                                                                                                         \
+        const __m256 w0_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), _mm256_broadcast_ss(&(b)->sf[i][g]),          \
+                                           _mm256_broadcast_ss(&(b)->zf[i][g]));                                 \
+        const __m256 w1_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), _mm256_broadcast_ss(&(b)->sf[(i) + 1][g]),    \
+                                           _mm256_broadcast_ss(&(b)->zf[(i) + 1][g]));                           \
+        for (int p_ = 0; p_ < P; p_++) {                                                                         \
+            const __m256 x_ = _mm256_loadu_ps(x + (size_t)p_ * xs + (c));                                        \
+            (acc)[0][p_] = _mm256_fmadd_ps(w0_, x_, (acc)[0][p_]);                                               \
+            (acc)[1][p_] = _mm256_fmadd_ps(w1_, x_, (acc)[1][p_]);                                               \
+        }                                                                                                        \
+    } while (0)
+
+static inline __attribute__((always_inline)) void q4f_tile_two_rows(const hsd_mat *A, int r, int n, const float *x,
+                                                                    int xs, int P, float *s) {
+    q4f_block b;
+    q4f_block_at(&b, A, r, n);
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int i = 0; i < 4; i += 2) {
+        __m256 acc[2][4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
+        for (int g = 0; g < b.G; g += 2) {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                Q4F_COLS2(&b, acc, _mm256_and_si256(q4f_codes8(&b, i, g, k), low),
+                          _mm256_and_si256(q4f_codes8(&b, i + 1, g, k), low), i, g, HSD_GROUP * g + 8 * k);
+            if (g + 1 < b.G) { /* the second group: the same bytes' high nibbles, loaded again from L1 */
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    Q4F_COLS2(&b, acc, _mm256_srli_epi32(q4f_codes8(&b, i, g, k), 4),
+                              _mm256_srli_epi32(q4f_codes8(&b, i + 1, g, k), 4), i, g + 1,
+                              HSD_GROUP * (g + 1) + 8 * k);
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            s[(size_t)p * 4 + i] = hsum8(acc[0][p]);
+            s[(size_t)p * 4 + i + 1] = hsum8(acc[1][p]);
+        }
+    }
+}
+#undef Q4F_COLS2
 #undef Q4F_COLS
 
 /* s[t * 4 + i] for rows r .. r+3 and 1 <= m <= HSD_Q4F_REG_MAX positions: the tile for m, its P a constant. */
@@ -1315,7 +1363,7 @@ static inline void q4f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x
     case 1: q4f_tile_interleaved(A, r, n, x, xs, s); break;
     case 2: q4f_tile_by_group(A, r, n, x, xs, 2, s); break;
     case 3: q4f_tile_by_group(A, r, n, x, xs, 3, s); break;
-    case 4: q4f_tile_by_row(A, r, n, x, xs, 4, s); break;
+    case 4: q4f_tile_two_rows(A, r, n, x, xs, 4, s); break;
     case 5: q4f_tile_by_row(A, r, n, x, xs, 5, s); break;
     case 6: q4f_tile_by_row(A, r, n, x, xs, 6, s); break;
     case 7: q4f_tile_by_row(A, r, n, x, xs, 7, s); break;
