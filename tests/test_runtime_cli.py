@@ -4,6 +4,7 @@ tokenizer, and every bad input (exit code 2, one line naming the field or flag).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -59,6 +60,9 @@ def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
         ref = ar.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 9).token_ids
         assert x["token_ids"] == ref
         assert x["stats"]["tokens"] == len(ref) and x["stats"]["levels"][0]["name"] == "ngram"
+    # the run's prompt tokens (both prompts') and their prefill's rate, as llama.cpp's CLI reports its prompt's
+    n_prompt = sum(len(encode_prompt(loaded.tokenizer, x["prompt"])) for x in lines)
+    assert re.search(rf"prompt tokens, prefill seconds\s*│\s*{n_prompt}, \d+\.\d{{3}} \(\d+\.\d tok/s\)", _out(res))
     # sampling, raw prompt, eager mode
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "abc", "--raw", "--temperature", "0.7",
                               "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "5", "--mode", "eager"])

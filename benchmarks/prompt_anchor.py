@@ -1,0 +1,143 @@
+"""A prompt's processing against llama.cpp's on the same GGUF file, in one run: `llama-bench`'s prompt test
+interleaved with our target's prefill of prompts of the same lengths, so that both see the same spell of a shared
+machine.
+
+    .venv/bin/python -m benchmarks.prompt_anchor --plan out/plan.json \
+        --llama-bench <llama.cpp>/build/bin/llama-bench --gguf <the plan's GGUF file> \
+        [--lengths 128,512,1024] [--rounds 3] [--reps 3] [--threads 2] \
+        [--out benchmarks/results/prompt_anchor.json]
+
+Each round runs `llama-bench -t THREADS -p L1,L2,.. -n 0 -r REPS` (its prompt test: L token ids in one batch of its
+default size, the last position's logits), then ours, then `llama-bench` again. Ours: the plan's target alone (the
+float32 model, or the quantized copy a plan made for `--target-precision int4` runs) generates one token after L
+token ids of the shipped suite's text (no chat template: llama-bench's prompts are ids too), through the runtime
+(`HSD.generate`: the prompt in the passes `hsd run` computes it in, then the head at its last position), REPS
+times; reported per length: L over the median wall seconds of those generations (the time to the first token), the
+median of llama.cpp's two runs, and ours over llama.cpp. The report is written after every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hsd_opt.engine.variants import host
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"128,512"`` -> ``[128, 512]``; anything but positive integers raises ValueError naming ``--lengths``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--lengths: {text!r} is not a comma-separated list of positive token counts")
+    return [int(p) for p in parts]
+
+
+def prompt_rates(bench_json: str, lengths: list[int]) -> dict[int, float]:
+    """Tokens/s of `llama-bench -o json`'s prompt tests (rows with ``n_prompt`` > 0 and ``n_gen`` 0), by prompt
+    length; a length of ``lengths`` without a row raises ValueError naming it."""
+    rows = {int(r["n_prompt"]): float(r["avg_ts"]) for r in json.loads(bench_json)
+            if r.get("n_prompt") and not r.get("n_gen")}
+    missing = [n for n in lengths if n not in rows]
+    if missing:
+        raise ValueError(f"llama-bench printed no prompt test of {missing} tokens")
+    return {n: rows[n] for n in lengths}
+
+
+def llama_prompt(binary: str, gguf: str, threads: int, lengths: list[int], reps: int) -> dict[int, float]:
+    """`llama-bench`'s prompt tests (``-p lengths -n 0``): tokens/s by length (the mean over ``reps`` runs)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, lengths)), "-n", "0", "-r", str(reps),
+           "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-500:]}")
+    return prompt_rates(res.stdout, lengths)
+
+
+def ours_seconds(runner, ids: list[int], reps: int) -> tuple[float, int]:
+    """The median wall seconds over ``reps`` greedy generations of one token after ``ids`` (prefill and the first
+    token), and that token (the same every time)."""
+    times, firsts = [], set()
+    for _ in range(reps):
+        res = runner.generate(ids, max_new_tokens=1)
+        times.append(res.stats["seconds"])
+        firsts.add(res.token_ids[0])
+    if len(firsts) != 1:
+        raise SystemExit(f"the first token after {len(ids)} ids changed between runs: {sorted(firsts)}")
+    return statistics.median(times), firsts.pop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", required=True, help="the plan whose target (and target precision) to run")
+    ap.add_argument("--llama-bench", required=True, help="a llama-bench binary (llama.cpp)")
+    ap.add_argument("--gguf", required=True, help="the GGUF file the plan's model was loaded from")
+    ap.add_argument("--lengths", default="128,512,1024", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="runs per length and round, each side")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prompt_anchor.json"))
+    a = ap.parse_args()
+    try:
+        lengths = parse_lengths(a.lengths)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.rounds < 1 or a.reps < 1:
+        ap.error("--rounds and --reps: at least 1")
+    if not os.path.isfile(a.gguf):
+        ap.error(f"--gguf: no file at {a.gguf}")
+    if not os.access(a.llama_bench, os.X_OK):
+        ap.error(f"--llama-bench: {a.llama_bench} is not an executable")
+
+    import torch
+
+    from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.jsonio import write_json
+    from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length
+    from hsd_opt.runtime.runner import hsd_for_plan, plan_target_precision
+
+    torch.set_num_threads(a.threads)
+    plan, loaded = load_plan_and_model(Path(a.plan), None, "cpu", None)
+    runner = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[], source=a.plan)
+    stream = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p, raw=True)]
+    prompts = {n: text_of_length(stream, n) for n in lengths}
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    ours_seconds(runner, prompts[lengths[0]], 1)  # warm-up (llama-bench warms up too)
+    rounds = []
+    for r in range(a.rounds):
+        log(f"round {r + 1}/{a.rounds}: llama-bench ...")
+        before = llama_prompt(a.llama_bench, a.gguf, a.threads, lengths, a.reps)
+        ours = {n: ours_seconds(runner, prompts[n], a.reps) for n in lengths}
+        after = llama_prompt(a.llama_bench, a.gguf, a.threads, lengths, a.reps)
+        rows = {}
+        for n in lengths:
+            llama = statistics.median([before[n], after[n]])
+            mine = n / ours[n][0]
+            rows[str(n)] = {"llama_cpp_tok_s": llama, "llama_cpp_before": before[n], "llama_cpp_after": after[n],
+                            "ours_tok_s": mine, "ours_seconds": ours[n][0], "first_token": ours[n][1],
+                            "ours_vs_llama_cpp": mine / llama}
+            log(f"  {n:5d} tokens: llama.cpp {llama:8.1f} tok/s, ours {mine:8.1f} ({mine / llama:.2f}x)")
+        rounds.append(rows)
+        write_json(a.out, {
+            "what": "a prompt's processing against llama.cpp's on the same GGUF (benchmarks/prompt_anchor.py)",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
+            "machine": {"platform": platform.platform(), "host": host(), "threads": a.threads},
+            "plan": a.plan, "gguf": os.path.basename(a.gguf), "target": plan.hierarchy[-1],
+            "target_precision": plan_target_precision(plan, a.plan), "lengths": lengths, "reps": a.reps,
+            "rounds": rounds}, indent=1)
+    print("\nprompt tok/s per round: llama.cpp / ours (ours x llama.cpp)")
+    for n in lengths:
+        cells = [f"{rd[str(n)]['llama_cpp_tok_s']:.1f} / {rd[str(n)]['ours_tok_s']:.1f} "
+                 f"({rd[str(n)]['ours_vs_llama_cpp']:.2f}x)" for rd in rounds]
+        print(f"{n:5d} tokens: " + "   ".join(cells))
+    print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

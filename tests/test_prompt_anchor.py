@@ -1,0 +1,42 @@
+"""`benchmarks/prompt_anchor.py` reads llama.cpp's prompt tests from `llama-bench -o json` (the fields of the
+`llama-cpp-python` 0.3.36 sdist's llama-bench), and refuses lengths or output it cannot use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.prompt_anchor import parse_lengths, prompt_rates
+
+
+def _row(n_prompt: int, n_gen: int, ts: float) -> dict:
+    return {"model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0,
+            "avg_ns": 1, "stddev_ns": 0, "avg_ts": ts, "stddev_ts": 0.5, "samples_ts": [ts]}
+
+
+def test_prompt_rates_are_the_prompt_tests_by_length():
+    out = json.dumps([_row(128, 0, 302.2), _row(512, 0, 291.8), _row(0, 32, 159.8)])
+    assert prompt_rates(out, [512, 128]) == {512: 291.8, 128: 302.2}
+
+
+def test_a_decode_test_is_not_taken_for_a_prompt_test():
+    out = json.dumps([_row(128, 32, 150.0)])  # a pg test: prompt and generation together
+    with pytest.raises(ValueError, match=r"\[128\]"):
+        prompt_rates(out, [128])
+
+
+def test_a_length_llama_bench_did_not_run_is_named():
+    with pytest.raises(ValueError, match=r"\[1024\]"):
+        prompt_rates(json.dumps([_row(128, 0, 300.0)]), [128, 1024])
+
+
+@pytest.mark.parametrize("text, want", [("128", [128]), ("128, 512,1024", [128, 512, 1024])])
+def test_lengths_are_positive_token_counts(text, want):
+    assert parse_lengths(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "0", "128,-4", "12x", ",,"])
+def test_malformed_lengths_name_the_flag(text):
+    with pytest.raises(ValueError, match="--lengths"):
+        parse_lengths(text)
