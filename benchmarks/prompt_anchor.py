@@ -54,10 +54,16 @@ def llama_prompt(binary: str, gguf: str, threads: int, lengths: list[int], reps:
     """`llama-bench`'s prompt tests (``-p lengths -n 0``): tokens/s by length (the mean over ``reps`` runs)."""
     cmd = [binary, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, lengths)), "-n", "0", "-r", str(reps),
            "-o", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"llama-bench did not finish within an hour ({' '.join(cmd)})") from None
     if res.returncode != 0:
         raise SystemExit(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-500:]}")
-    return prompt_rates(res.stdout, lengths)
+    try:
+        return prompt_rates(res.stdout, lengths)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"llama-bench's output ({' '.join(cmd)}): {e}") from None
 
 
 def ours_seconds(runner, ids: list[int], reps: int) -> tuple[float, int]:
@@ -88,8 +94,8 @@ def main() -> None:
         lengths = parse_lengths(a.lengths)
     except ValueError as e:
         ap.error(str(e))
-    if a.rounds < 1 or a.reps < 1:
-        ap.error("--rounds and --reps: at least 1")
+    if a.rounds < 1 or a.reps < 1 or a.threads < 1:
+        ap.error("--rounds, --reps and --threads: at least 1")
     if not os.path.isfile(a.gguf):
         ap.error(f"--gguf: no file at {a.gguf}")
     if not os.access(a.llama_bench, os.X_OK):
@@ -128,7 +134,7 @@ def main() -> None:
             "what": "a prompt's processing against llama.cpp's on the same GGUF (benchmarks/prompt_anchor.py)",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
             "machine": {"platform": platform.platform(), "host": host(), "threads": a.threads},
-            "plan": a.plan, "gguf": os.path.basename(a.gguf), "target": plan.hierarchy[-1],
+            "plan": a.plan, "model": loaded.model_id, "gguf": os.path.basename(a.gguf), "target": plan.hierarchy[-1],
             "target_precision": plan_target_precision(plan, a.plan), "lengths": lengths, "reps": a.reps,
             "rounds": rounds}, indent=1)
     print("\nprompt tok/s per round: llama.cpp / ours (ours x llama.cpp)")

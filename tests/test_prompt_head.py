@@ -186,3 +186,14 @@ def test_a_prompt_that_is_all_head_takes_the_kept_state_whole(tiny, monkeypatch)
     fresh = _engine(tiny, kind)
     assert first == again == HSD([Level("layer2", fresh, 2), Level("target", fresh, 4)], [3]).generate(
         list(HEAD), 12).token_ids
+
+
+def test_the_prefill_counts_the_positions_it_computed_not_a_head_taken(tiny):
+    """``prefill_tokens``: a prompt's positions the target computed, the head left out once another prompt kept it
+    (the prompt rate `hsd run` prints divides these by the prefill's seconds); a prompt without the head: all."""
+    eng = _engine(tiny, "f32" if HAVE_KERNELS else "torch")
+    hsd = HSD([Level("layer2", eng, 2), Level("target", eng, 4)], [3])
+    first, second = _prompt(1, 20), _prompt(2, 17)
+    assert hsd.generate(first, 3).stats["prefill_tokens"] == 20
+    assert hsd.generate(second, 3).stats["prefill_tokens"] == 17 - len(HEAD)
+    assert hsd.generate([4] + second, 3).stats["prefill_tokens"] == 18          # not starting with the head

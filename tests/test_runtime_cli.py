@@ -38,7 +38,7 @@ _plan = write_plan
 def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
     from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import load_model
-    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.prompts import encode_prompt, template_head
     from hsd_opt.runtime.runner import hsd_for_plan
 
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer1", "layer2", "layer4"),
@@ -60,9 +60,12 @@ def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
         ref = ar.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 9).token_ids
         assert x["token_ids"] == ref
         assert x["stats"]["tokens"] == len(ref) and x["stats"]["levels"][0]["name"] == "ngram"
-    # the run's prompt tokens (both prompts') and their prefill's rate, as llama.cpp's CLI reports its prompt's
-    n_prompt = sum(len(encode_prompt(loaded.tokenizer, x["prompt"])) for x in lines)
-    assert re.search(rf"prompt tokens, prefill seconds\s*│\s*{n_prompt}, \d+\.\d{{3}} \(\d+\.\d tok/s\)", _out(res))
+    # the prompt positions the run computed and their rate: both prompts', the second's template head kept of the
+    # first's (as llama.cpp's CLI reports its prompt evaluation, cached tokens left out)
+    head = len(template_head(loaded.tokenizer))
+    n_prompt = sum(len(encode_prompt(loaded.tokenizer, x["prompt"])) for x in lines) - head
+    assert [x["stats"]["prefill_tokens"] for x in lines][0] == len(encode_prompt(loaded.tokenizer, lines[0]["prompt"]))
+    assert re.search(rf"prefill: tokens, seconds\s*│\s*{n_prompt}, \d+\.\d{{3}} \(\d+\.\d tok/s\)", _out(res))
     # sampling, raw prompt, eager mode
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "abc", "--raw", "--temperature", "0.7",
                               "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "5", "--mode", "eager"])

@@ -146,21 +146,21 @@ def test_per_task_totals_add_up_to_the_overall_ones():
     assert mixed.to_dict()["tokens"] == 8 and "levels" not in mixed.to_dict()
 
 
-def test_prompt_rate_is_prompt_tokens_over_prefill_seconds_of_every_generation():
-    def gen(item, task, prompt, prefill):
+def test_prefill_rate_is_computed_prompt_positions_over_prefill_seconds_of_every_generation():
+    def gen(item, task, positions, prefill):
         g = _gen(item, 0, task, task, 5, 0.2)
-        g.prompt_tokens, g.stats["prefill_seconds"] = prompt, prefill
+        g.stats.update(prefill_tokens=positions, prefill_seconds=prefill)
         return g
 
     gens = [gen(0, "a", 40, 0.1), gen(1, "b", 200, 0.3), gen(2, "b", 60, 0.1)]
     overall, per = totals_by(gens)
     o = overall.to_dict()
-    assert (o["prompt_tokens"], o["prefill_seconds"]) == (300, pytest.approx(0.5))
-    assert o["prompt_tokens_per_s"] == pytest.approx(600.0)
-    assert per["b"].to_dict()["prompt_tokens_per_s"] == pytest.approx(650.0)
-    # a generation whose prompt was not recorded (or a Hugging Face method's): no rate rather than a wrong one
-    assert "prompt_tokens" not in Totals().add(gens[0]).add(_gen(3, 0, "a", "a", 5, 0.2)).to_dict()
-    assert "prompt_tokens" not in Totals().add(Generation(0, 0, "a", "a", [1], 0.1, prompt_tokens=9)).to_dict()
+    assert (o["prefill_tokens"], o["prefill_seconds"]) == (300, pytest.approx(0.5))
+    assert o["prefill_tokens_per_s"] == pytest.approx(600.0)
+    assert per["b"].to_dict()["prefill_tokens_per_s"] == pytest.approx(650.0)
+    # a generation without them (stats of before, or a Hugging Face method's): no rate rather than a wrong one
+    assert "prefill_tokens" not in Totals().add(gens[0]).add(_gen(3, 0, "a", "a", 5, 0.2)).to_dict()
+    assert "prefill_tokens" not in Totals().add(Generation(0, 0, "a", "a", [1], 0.1)).to_dict()
 
 
 # ------------------------------------------------------------------------------------------------ plans per task

@@ -54,9 +54,9 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run", at
     t.add_column("")
     t.add_column("value", justify="right")
     t.add_row("tokens", str(stats["tokens"]))
-    if stats.get("prompt_tokens") is not None:
-        rate = stats.get("prompt_tokens_per_s")
-        t.add_row("prompt tokens, prefill seconds", f"{stats['prompt_tokens']}, {fmt(stats['prefill_seconds'], '.3f')}"
+    if stats.get("prefill_tokens") is not None:   # prompt positions computed (a template head kept: not again)
+        rate = stats.get("prefill_tokens_per_s")
+        t.add_row("prefill: tokens, seconds", f"{stats['prefill_tokens']}, {fmt(stats['prefill_seconds'], '.3f')}"
                   + (f" ({rate:.1f} tok/s)" if rate else ""))
     t.add_row("seconds (prefill included)", fmt(stats["seconds"], ".3f"))
     t.add_row("tokens/s", fmt(stats["tokens_per_s"], ".2f"))
@@ -253,7 +253,7 @@ def _turn_record(p, it, k: int, text: str, which: str, per_task: bool, prompt_to
     pred = plan_for_prompt(p, it.task, per_task, context=ctx)[2]
     at = prediction_context(p, ctx)
     gen = Generation(it.index, k, it.task, it.category, res.token_ids, res.stats["seconds"], res.stats, which, pred,
-                     ctx, at, prompt_tokens=prompt_tokens)
+                     ctx, at)
     line = {"prompt": text, "task": it.task, "category": it.category, "turn": k, "plan": which,
             "token_ids": res.token_ids, "text": answer, "stats": res.stats, "context": ctx,
             "predicted_seconds_per_token": pred, "predicted_at_context": at}

@@ -1190,7 +1190,7 @@ static inline void block_factors(const hsd_mat *A, int r, int n, float sf[4][HSD
  * - 2 or 3 (q4f_tile_by_group): per pair of groups, each row's 64 columns in turn (4 * P accumulators, the codes of
  *   one row at a time held);
  * - 4 (q4f_tile_two_rows): two rows whole at a time, each position's inputs loaded once for both, 8 chains (one row's
- *   4 left the FMAs waiting on their latency: benchmarks/mat_rows_ab.py on Zen 3, 0.87x the time of q4f_tile_by_row);
+ *   4 left the FMAs waiting on their latency: benchmarks/mat_rows_ab.py on Zen 3, 0.88x the time of q4f_tile_by_row);
  * - 5 to HSD_Q4F_REG_MAX (q4f_tile_by_row): each row whole in turn, its P accumulators the chains that overlap (two
  *   rows' 2 * P accumulators, 10 or more, left too few registers: slower). */
 typedef struct {

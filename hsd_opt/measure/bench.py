@@ -320,7 +320,7 @@ def converse(run: Runner, tokenizer, item: PromptItem, turns: str, raw: bool, ma
         toks, st, which, pred, at = run(ids, max_new_tokens, sampling.seed_for(item.index, k), item)
         dt = time.perf_counter() - t0
         out.append(Generation(item.index, k, item.task, item.category, toks, dt, st, which, pred,
-                              run_context(len(ids), len(toks)), at, prompt_tokens=len(ids)))
+                              run_context(len(ids), len(toks)), at))
         answers.append(tokenizer.decode(toks, skip_special_tokens=True))
     return out
 

@@ -27,8 +27,7 @@ class Generation:
     plus half the generated tokens) and the context the prediction was taken at (``predicted_at``: the
     generation's own for a plan with costs at several contexts, else the plan's; None when unknown);
     ``retimed``: the same prediction with the profile's costs scaled to the engines' speed measured while the
-    benchmark ran (:mod:`hsd_opt.measure.retime`; None when not asked for); ``prompt_tokens``: the tokens of the
-    prompt it started from (None when not recorded)."""
+    benchmark ran (:mod:`hsd_opt.measure.retime`; None when not asked for)."""
 
     item: int
     turn: int
@@ -42,7 +41,6 @@ class Generation:
     context: float | None = None
     predicted_at: float | None = None
     retimed: float | None = None
-    prompt_tokens: int | None = None
 
     def key(self, by: str = "group") -> str:
         return self.category if by == "category" else self.task
@@ -72,8 +70,8 @@ class Totals:
     predicted_at_unknown: int = 0         # generations with a prediction but no context for it
     retimed_seconds: float = 0.0          # sum of re-timed predicted seconds/token x tokens
     retimed_count: int = 0                # generations with a re-timed prediction
-    prompt_tokens: int = 0                # prompt tokens of the generations with a prefill time (ours)
-    prefill_seconds: float = 0.0          # their prefills' seconds
+    prefill_tokens: int = 0               # prompt positions computed by the prefills (ours; stats' prefill_tokens)
+    prefill_seconds: float = 0.0          # those prefills' seconds
     prefilled: int = 0                    # generations counted in the two above
 
     def add(self, g: Generation) -> "Totals":
@@ -103,8 +101,8 @@ class Totals:
             self.decode_seconds += g.stats["decode_seconds"]
             self.target_calls += g.stats["target_calls"]
             self._add_levels(tuple(lv["name"] for lv in g.stats["levels"]), g.stats["levels"])
-            if g.prompt_tokens is not None and "prefill_seconds" in g.stats:
-                self.prompt_tokens += g.prompt_tokens
+            if "prefill_tokens" in g.stats and "prefill_seconds" in g.stats:
+                self.prefill_tokens += g.stats["prefill_tokens"]
                 self.prefill_seconds += g.stats["prefill_seconds"]
                 self.prefilled += 1
         return self
@@ -124,7 +122,7 @@ class Totals:
         self.items |= other.items
         for k in ("generations", "tokens", "seconds", "decode_seconds", "target_calls", "predicted_seconds",
                   "unpredicted", "context_tokens", "context_weight", "predicted_at_tokens", "predicted_at_unknown",
-                  "retimed_seconds", "retimed_count", "prompt_tokens", "prefill_seconds", "prefilled"):
+                  "retimed_seconds", "retimed_count", "prefill_tokens", "prefill_seconds", "prefilled"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.ours |= other.ours
         self.plans |= other.plans
@@ -149,8 +147,8 @@ class Totals:
             if self.levels is not None:
                 d["levels"] = [lv.to_dict() for lv in self.levels]
             if self.prefilled and self.prefilled == self.generations:
-                p, ps = self.prompt_tokens, self.prefill_seconds
-                d.update(prompt_tokens=p, prefill_seconds=ps, prompt_tokens_per_s=p / ps if ps else None)
+                p, ps = self.prefill_tokens, self.prefill_seconds
+                d.update(prefill_tokens=p, prefill_seconds=ps, prefill_tokens_per_s=p / ps if ps else None)
             pr = self.predicted_seconds / n if n and not self.unpredicted else None
             d["predicted_seconds_per_token"] = pr
             d["predicted_at_context"] = (self.predicted_at_tokens / n if pr is not None and not

@@ -172,7 +172,8 @@ class GenerationResult:
     Attributes:
         token_ids: generated ids only (after the prompt), ending at EOS (included) or at ``max_new_tokens``.
         stats: ``tokens``, ``seconds`` (wall, prefill included), ``prefill_seconds`` (in a batch, where the
-            prompt's last pass runs with the first round's: to the first token), ``decode_seconds``,
+            prompt's last pass runs with the first round's: to the first token), ``prefill_tokens`` (the prompt
+            positions the target computed: all but a template head taken from an earlier prompt), ``decode_seconds``,
             ``tokens_per_s``, ``seconds_per_token`` (decode only, comparable with a plan's
             ``expected_latency``), ``target_calls``, ``tokens_per_target_call``, ``levels`` (list of
             :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"`` |
@@ -356,6 +357,8 @@ class Decoding:
         self.done = False
         #: the prompt's last pass left to the first round's (prefill_passes(defer_last=True))
         self._deferred = False
+        #: prompt positions whose keys and values the target took from an earlier prompt (its template's head)
+        self.prompt_reused = 0
         self._add(hsd)
         self.t0 = self.t1 = self.t2 = time.perf_counter()
 
@@ -762,6 +765,8 @@ class Decoding:
                 for b in prompt_pass_ends(n, head):
                     eng.append(st, ids[a:b])
                     taken = b == head and eng.take_head(st, top_b)
+                    if taken and eng is target:
+                        self.prompt_reused = head
                     if defer_last and b == n and eng is target and not rest:
                         self._deferred = True       # computed by the first round's pass
                     elif not taken:
@@ -850,6 +855,7 @@ class Decoding:
         t0, t1, t2 = self.t0, self.t1, self.t2
         stats = {
             "tokens": n, "seconds": t2 - t0, "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+            "prefill_tokens": self.n_prompt - self.prompt_reused,
             "tokens_per_s": n / (t2 - t0) if t2 > t0 else None,
             "seconds_per_token": (t2 - t1) / n if n else None,
             "target_calls": target_calls, "tokens_per_target_call": n / target_calls if target_calls else None,
