@@ -74,14 +74,16 @@ def _integer_reference(mat: wq.Mat, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
 def test_linear_is_batch_invariant(kind):
-    """A product over m rows gives, bit for bit, what m one-row products give, at every m (tiles differ)."""
+    """A product over m rows gives, bit for bit, what m one-row products give, at every m (tiles differ), with an
+    even and an odd number of groups of 32 columns (int4: the last group's pair half empty)."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(45, 128, generator=g)
-    mat = _mat(kind, w, torch.randn(45, generator=g))
-    x = torch.randn(70, 128, generator=g)
-    one = torch.cat([kernels.linear(LIB, mat, x[i:i + 1]) for i in range(70)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 11, 14, 16, 70):
-        assert torch.equal(kernels.linear(LIB, mat, x[:m]), one[:m]), m
+    for cols in (128, 160):
+        w = torch.randn(45, cols, generator=g)
+        mat = _mat(kind, w, torch.randn(45, generator=g))
+        x = torch.randn(70, cols, generator=g)
+        one = torch.cat([kernels.linear(LIB, mat, x[i:i + 1]) for i in range(70)])
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 11, 14, 16, 70):
+            assert torch.equal(kernels.linear(LIB, mat, x[:m]), one[:m]), (cols, m)
 
 
 @pytest.mark.skipif(LIB is None or LIB.hsd_simd() < 2, reason="this CPU has no AVX-512: no 16-lane tiles to test")

@@ -1023,6 +1023,57 @@ static inline __attribute__((always_inline)) void q4_block8(const uint8_t *w, co
     _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(a0, b0));
     if (MT > 1) _mm256_storeu_ps(out + 16 + 8 * h, _mm256_add_ps(a1, b1));
 }
+
+/* q4_block8 for MT = 3 or 4 positions: the codes of each 64 bytes unpacked once for all of them (a pass's positions
+ * then cost their integer products alone). Per position the same integer sums (its group g's codes in accumulator
+ * lo[t], group g + 1's in hi[t], 8 quads each, summed in 16 bits as MT 2 sums them) and the same float operations in
+ * the same order as q4_block8, so every element has the bits one position gives. */
+static inline __attribute__((always_inline)) void q4_block8_wide(const uint8_t *w, const uint16_t *sc,
+                                                                const uint16_t *zc, int G, const qx_t *X, int t0,
+                                                                const int MT, int h, float *out) {
+    const int K = X->cols;
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    __m256 a[4], b[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; t++) a[t] = b[t] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g += 2) {
+        const int two = g + 1 < G;
+        const uint8_t *blk = w + (size_t)256 * g + 32 * h;
+        if (h == 0)
+            for (int k = 0; k < 512; k += 64) _mm_prefetch((const char *)(blk + HSD_PREFETCH + k), _MM_HINT_T0);
+        __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < MT; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * q));
+            const __m256i cl = _mm256_and_si256(v, mask), ch = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            const int8_t *xc = X->q + (size_t)t0 * K + g * HSD_GROUP + 4 * q;
+#pragma GCC unroll 4
+            for (int t = 0; t < MT; t++) {
+                lo[t] = q4_dot8(lo[t], cl, _mm256_set1_epi32(load4b(xc + (size_t)t * K)));
+                if (two) hi[t] = q4_dot8(hi[t], ch, _mm256_set1_epi32(load4b(xc + (size_t)t * K + HSD_GROUP)));
+            }
+        }
+        const __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * h)));
+        const __m256 za = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zc + 16 * g + 8 * h)));
+        const __m256 sb = two ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * (g + 1) + 8 * h))) : sa;
+        const __m256 zb = two ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zc + 16 * (g + 1) + 8 * h))) : za;
+#pragma GCC unroll 4
+        for (int t = 0; t < MT; t++) {
+            const float *d = X->d + (size_t)(t0 + t) * G, *s = X->s + (size_t)(t0 + t) * G;
+            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_lanes8(lo[t])), _mm256_mul_ps(sa, _mm256_set1_ps(d[g])), a[t]);
+            b[t] = _mm256_fmadd_ps(za, _mm256_set1_ps(s[g]), b[t]);
+            if (two) {
+                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_lanes8(hi[t])), _mm256_mul_ps(sb, _mm256_set1_ps(d[g + 1])),
+                                       a[t]);
+                b[t] = _mm256_fmadd_ps(zb, _mm256_set1_ps(s[g + 1]), b[t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; t++) _mm256_storeu_ps(out + 16 * t + 8 * h, _mm256_add_ps(a[t], b[t]));
+}
 #elif HSD_NEON
 /* q4_block16 for rows 4h .. 4h + 3 of the block (h 0..3) and one position: out[4h + i]. */
 static void q4_block4_neon(const uint8_t *w, const uint16_t *sc, const uint16_t *zc, int G, const int8_t *x,
@@ -1053,8 +1104,15 @@ static void q4_block4_neon(const uint8_t *w, const uint16_t *sc, const uint16_t 
 }
 #endif
 
+/* Positions of X one call of q4_block computes (AVX2: the codes unpacked once for up to 4). */
+#if HSD_AVX2 && !HSD_AVX512
+#define HSD_Q4_MT 4
+#else
+#define HSD_Q4_MT 2
+#endif
+
 /* out[t * 16 + i] = W[16 * blk + i] . x_{t0 + t} for the 16 rows of block blk (rows past the matrix: zeros) and
- * mt (1 or 2) positions of X, the operations above. */
+ * mt (1 to HSD_Q4_MT) positions of X, the operations above. */
 static void q4_block(const hsd_mat *A, int blk, const qx_t *X, int t0, int mt, float *out) {
     const int G = A->cols / HSD_GROUP;
     const uint8_t *w = (const uint8_t *)A->w + (size_t)blk * q4_block_bytes(G);
@@ -1067,7 +1125,11 @@ static void q4_block(const hsd_mat *A, int blk, const qx_t *X, int t0, int mt, f
         q4_block16(w, sc, zc, G, X, t0, 1, out);
 #elif HSD_AVX2
     for (int h = 0; h < 2; h++) {
-        if (mt > 1)
+        if (mt == 4)
+            q4_block8_wide(w, sc, zc, G, X, t0, 4, h, out);
+        else if (mt == 3)
+            q4_block8_wide(w, sc, zc, G, X, t0, 3, h, out);
+        else if (mt == 2)
             q4_block8(w, sc, zc, G, X, t0, 2, h, out);
         else
             q4_block8(w, sc, zc, G, X, t0, 1, h, out);
@@ -1101,11 +1163,11 @@ static void q4_block(const hsd_mat *A, int blk, const qx_t *X, int t0, int mt, f
 /* Rows [r0, r1) of an int4 matrix: y[t * ys + r] (+)= W[r] . x_t (+ bias) for the m positions of X, computed a block
  * of 16 rows at a time (a block that [r0, r1) cuts is computed whole; only its rows in the range are stored). */
 static void q4_rows(const hsd_mat *A, const qx_t *X, int m, float *y, int ys, int r0, int r1, int acc) {
-    float s[32];
+    float s[16 * HSD_Q4_MT];
     for (int blk = r0 / 16; 16 * blk < r1; blk++) {
         const int lo = 16 * blk > r0 ? 16 * blk : r0, hi = 16 * blk + 16 < r1 ? 16 * blk + 16 : r1;
-        for (int t0 = 0; t0 < m; t0 += 2) {
-            const int mt = m - t0 < 2 ? m - t0 : 2;
+        for (int t0 = 0; t0 < m; t0 += HSD_Q4_MT) {
+            const int mt = m - t0 < HSD_Q4_MT ? m - t0 : HSD_Q4_MT;
             q4_block(A, blk, X, t0, mt, s);
             for (int t = 0; t < mt; t++)
                 for (int r = lo; r < hi; r++) {
