@@ -65,9 +65,11 @@ TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, 
 
 
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
-                        target_precision: Optional[str] = None):
+                        target_precision: Optional[str] = None, engines_only: bool = False):
     """Load the plan and the model it names (or ``model``, which must match the plan's provenance); refuse a
-    plan made for another target precision than ``target_precision`` (None: the plan's own)."""
+    plan made for another target precision than ``target_precision`` (None: the plan's own). ``engines_only``:
+    the model serves the engines alone (`hsd run`, `hsd serve`; see
+    :func:`~hsd_opt.models.loading.load_model`)."""
     from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
@@ -82,7 +84,8 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     check_target_precision(plan, str(plan_path), asked)
     check_kinds(plan, str(plan_path))
-    loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto")
+    loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto",
+                        engines_only=engines_only)
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
     warn_machine(plan, loaded.device)

@@ -162,7 +162,7 @@ def run_cmd(
     if spec is not None and prompt is not None and task is None:
         task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
     items = _items(prompt, prompts, task, limit_per_task, by)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []

@@ -73,7 +73,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     say = say or (lambda m: None)
     retime_profile = read_retime_profile(retime)     # before the long load
     say(f"loading {plan} and its model ...")
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
     say(f"building the hierarchy {chain} on {loaded.device} ...")
     models = PlanModels(loaded)

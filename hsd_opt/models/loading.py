@@ -72,6 +72,9 @@ class LoadedModel:
     device: str
     dtype: str
     extra: dict[str, Any] = field(default_factory=dict)
+    #: loaded for the engines alone (:func:`load_model`'s ``engines_only``): the model may lack a forward, and the
+    #: plan's draft models are loaded so too
+    engines_only: bool = False
 
     def provenance(self) -> dict[str, Any]:
         return {"model": self.model_id, "revision": self.revision, "source": self.source,
@@ -222,8 +225,6 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     directory renamed into place), so an interrupted conversion never leaves a half-written cache. ``sha256``: the
     file's digest when the caller already knows it (it is hashed once otherwise).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     digest = gguf_sha256(gguf, sha256)
     out = _content_keyed_dir(gguf, digest)
     root = out.parent
@@ -234,6 +235,8 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     if meta.is_file():
         return out, json.loads(meta.read_text())["revision"]
     need("gguf", what=f"reading {gguf.name}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:
@@ -312,7 +315,8 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     return source, load_from, revision
 
 
-def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model") -> LoadedModel:
+def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model",
+               engines_only: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -321,21 +325,31 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
         dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
         flag: what gave ``name``, named in the errors (``--model``; ``hsd models fetch`` its argument).
+        engines_only: the model is for the engines alone (``hsd run``, ``hsd serve``): a local, embedded or GGUF
+            model that :func:`~hsd_opt.models.direct.load_direct` reproduces is read directly, without
+            transformers' modeling code (seconds sooner), and has no forward of its own; any other loads as usual.
 
     Raises:
         HsdError: unknown name (listing the known aliases), a missing GGUF file, a hub id that is not in the
             local cache while offline.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     resolved = resolve_model_name(name)
     source, load_from, revision = model_source(name, flag)
+    model = None
+    if engines_only and source != "hub":
+        from hsd_opt.models.direct import load_direct
+
+        model = load_direct(load_from, dt)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(load_from)
-        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
+        tokenizer = load_tokenizer(load_from, source)
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
     except OSError as e:
         if source == "hub":
             raise HsdError(f"{flag} {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
@@ -353,7 +367,42 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
     dtype_name = str(dt).replace("torch.", "")
     # what the weights are, for copies derived from them and kept on disk (hsd_opt.engine.stored_copies)
     model.hsd_weights_key = f"{source}|{revision}|{dtype_name}" if revision else None
-    return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name)
+    return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name,
+                       engines_only=engines_only)
+
+
+def load_tokenizer(load_from: str, source: str):
+    """The tokenizer of the model in ``load_from``, as ``AutoTokenizer`` chooses it. ``AutoTokenizer`` reads the
+    model's config to choose, and that imports transformers' modeling code (seconds); for a directory of ours
+    (``source`` ``embedded`` or ``gguf``: a converted GGUF file), the class it chose is recorded in
+    ``hsd_source.json`` with the transformers version, and later loads under that version make that class
+    directly."""
+    import transformers
+
+    meta_path = Path(load_from) / "hsd_source.json"
+    meta: dict[str, Any] = {}
+    if source in ("embedded", "gguf"):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            meta = {}
+        chosen = meta.get("tokenizer_class") if isinstance(meta, dict) else None
+        if isinstance(chosen, str) and meta.get("tokenizer_transformers") == transformers.__version__:
+            cls = getattr(transformers, chosen, None)
+            if cls is not None and hasattr(cls, "from_pretrained"):
+                return cls.from_pretrained(load_from)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(load_from)
+    name = type(tokenizer).__name__
+    if source in ("embedded", "gguf") and isinstance(meta, dict) and meta and \
+            getattr(transformers, name, None) is type(tokenizer):
+        try:
+            write_json(meta_path, {**meta, "tokenizer_class": name,
+                                   "tokenizer_transformers": transformers.__version__})
+        except OSError:
+            pass                # a read-only cache: the next load asks AutoTokenizer again
+    return tokenizer
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

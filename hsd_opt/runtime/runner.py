@@ -234,12 +234,13 @@ class PlanModels:
 
     def draft_model(self, ref: str) -> LoadedModel:
         """The draft model ``ref`` (alias, id or path), loaded once on ``device``/``dtype`` (default: the
-        target's) and checked to share the target's tokenizer."""
+        target's), for the engines alone where the target was (``LoadedModel.engines_only``), and checked to
+        share the target's tokenizer."""
         from hsd_opt.models.loading import check_same_tokenizer, load_model, resolve_model_name
 
         key = (resolve_model_name(ref), self.device or self.loaded.device, self.dtype or self.loaded.dtype)
         if key not in self._drafts:
-            other = load_model(ref, device=key[1], dtype=key[2])
+            other = load_model(ref, device=key[1], dtype=key[2], engines_only=self.loaded.engines_only)
             check_same_tokenizer(self.loaded.tokenizer, other.tokenizer, ref)
             self._drafts[key] = other
         return self._drafts[key]
