@@ -47,11 +47,24 @@ def _qwen3(path: Path) -> Path:
     return path
 
 
+def _mistral(path: Path) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(6)
+    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=64,
+                        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    path.mkdir(parents=True, exist_ok=True)
+    MistralForCausalLM(cfg).eval().save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("direct")
     return {"llama": save_tiny(root / "llama", seed=2), "qwen2": _qwen(root / "qwen2", tied=True),
-            "qwen2-untied": _qwen(root / "qwen2u", tied=False), "qwen3": _qwen3(root / "qwen3")}
+            "qwen2-untied": _qwen(root / "qwen2u", tied=False), "qwen3": _qwen3(root / "qwen3"),
+            "mistral": _mistral(root / "mistral")}
 
 
 def _pair(path: Path, dtype=torch.float32):
@@ -61,7 +74,7 @@ def _pair(path: Path, dtype=torch.float32):
     return ref, got
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2-untied", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2-untied", "qwen3", "mistral"])
 def test_the_same_tensors_under_the_same_names_as_from_pretrained(dirs, kind):
     ref, got = _pair(dirs[kind])
     want = dict(ref.named_parameters())
@@ -138,6 +151,19 @@ def test_what_it_does_not_reproduce_is_left_to_transformers(dirs, tmp_path):
     no_weights = _edit_config(src, tmp_path / "bin")
     (no_weights / "model.safetensors").unlink()
     assert load_direct(no_weights, torch.float32) is None
+    # transformers takes rope_scaling over rope_parameters
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert load_direct(_edit_config(src, tmp_path / "scaled", rope_scaling=linear), torch.float32) is None
+    quant = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    assert load_direct(_edit_config(src, tmp_path / "quant", quantization_config=quant), torch.float32) is None
+    # a config whose shapes are not the file's (transformers refuses the checkpoint)
+    assert load_direct(_edit_config(src, tmp_path / "kv", num_key_value_heads=4), torch.float32) is None
+    assert load_direct(_edit_config(src, tmp_path / "vocab", vocab_size=65), torch.float32) is None
+    # a field whose default for the type is not the one filled in here: Qwen3's head_dim (128), its kv heads (32)
+    for field in ("head_dim", "num_key_value_heads"):
+        assert load_direct(_edit_config(dirs["qwen3"], tmp_path / f"qwen3-{field}", **{field: None}),
+                           torch.float32) is None
+    assert load_direct(_edit_config(src, tmp_path / "control"), torch.float32) is not None   # the copy itself loads
 
 
 def test_load_model_reads_directly_for_the_engines_only(dirs):
@@ -172,6 +198,9 @@ def test_a_converted_directory_records_the_tokenizer_class_autotokenizer_chose(d
         assert tok.get_vocab() == auto.get_vocab() and tok.all_special_ids == auto.all_special_ids
         assert tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], add_generation_prompt=True) == \
             auto.apply_chat_template([{"role": "user", "content": "w1 w2"}], add_generation_prompt=True)
+    # a recorded name that is no tokenizer class of transformers: asked of AutoTokenizer
+    (d / "hsd_source.json").write_text(json.dumps({**meta, "tokenizer_class": "AutoModelForCausalLM"}))
+    assert type(load_tokenizer(str(d), "gguf")) is type(auto)
     # recorded under another transformers version: asked of AutoTokenizer again, and recorded anew
     (d / "hsd_source.json").write_text(json.dumps({**meta, "tokenizer_class": "NoSuchTokenizer",
                                                    "tokenizer_transformers": "0.0"}))

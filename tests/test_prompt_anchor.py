@@ -1,5 +1,5 @@
-"""`benchmarks/prompt_anchor.py` reads llama.cpp's prompt tests from `llama-bench -o json` (the fields of the
-`llama-cpp-python` 0.3.36 sdist's llama-bench), and refuses lengths or output it cannot use."""
+"""`benchmarks/prompt_anchor.py` reads llama.cpp's prompt tests and decode tests at depth from `llama-bench -o json`
+(the fields of the `llama-cpp-python` 0.3.36 sdist's llama-bench), and refuses lengths or output it cannot use."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from benchmarks.prompt_anchor import parse_lengths, prompt_rates
+from benchmarks.prompt_anchor import decode_rates, parse_lengths, prompt_rates
 
 
-def _row(n_prompt: int, n_gen: int, ts: float) -> dict:
-    return {"model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0,
+def _row(n_prompt: int, n_gen: int, ts: float, depth: int = 0) -> dict:
+    return {"model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": depth,
             "avg_ns": 1, "stddev_ns": 0, "avg_ts": ts, "stddev_ts": 0.5, "samples_ts": [ts]}
 
 
@@ -40,3 +40,16 @@ def test_lengths_are_positive_token_counts(text, want):
 def test_malformed_lengths_name_the_flag(text):
     with pytest.raises(ValueError, match="--lengths"):
         parse_lengths(text)
+
+
+def test_decode_rates_are_the_decode_tests_of_that_length_by_depth():
+    out = json.dumps([_row(0, 64, 160.0), _row(0, 64, 98.6, 512), _row(0, 64, 53.0, 2048), _row(0, 32, 120.0, 512),
+                      _row(512, 0, 290.0)])
+    assert decode_rates(out, [2048, 512], 64) == {2048: 53.0, 512: 98.6}
+    assert decode_rates(out, [0], 64) == {0: 160.0}
+
+
+def test_a_depth_without_its_decode_test_is_named():
+    out = json.dumps([_row(0, 32, 120.0, 512), _row(512, 0, 290.0)])
+    with pytest.raises(ValueError, match=r"64 tokens at depth \[512\]"):
+        decode_rates(out, [512], 64)

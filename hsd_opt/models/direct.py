@@ -12,8 +12,9 @@ table) loads the model through transformers.
 
 It builds only what it reproduces exactly and returns None for anything else, so that the caller loads through
 transformers instead: another model type than the engines support, an activation other than SiLU, a rotary
-embedding other than the default one, a config without the fields read here, weights not in safetensors, or
-tensor names other than exactly those the modules hold.
+embedding other than the default one (or any ``rope_scaling``), a ``quantization_config``, a config without the
+fields read here or whose default for the type differs from what is filled in here, weights not in safetensors,
+tensor names other than exactly those the modules hold, or shapes other than the config gives them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ DIRECT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 REQUIRED_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                    "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act", "bos_token_id",
                    "eos_token_id")
+#: Fields whose transformers default for the model type is not what :class:`DirectConfig` fills in
+#: (``num_key_value_heads``: the attention heads; ``head_dim``: hidden size over attention heads).
+REQUIRED_BY_TYPE = {"mistral": ("num_key_value_heads",), "qwen2": ("num_key_value_heads",),
+                    "qwen3": ("num_key_value_heads", "head_dim")}
 
 
 class DirectConfig:
@@ -155,8 +160,11 @@ class DirectCausalLM(nn.Module):
 
 
 def _rope_theta(fields: dict[str, Any]) -> float | None:
-    """The default rotary embedding's theta (``rope_parameters``, or the older ``rope_theta`` without
-    ``rope_scaling``); None for any other rotary embedding or a config that does not say."""
+    """The default rotary embedding's theta (``rope_parameters``, or the older ``rope_theta``); None for any other
+    rotary embedding, a config that does not say, or one with ``rope_scaling`` (transformers takes it over
+    ``rope_parameters``)."""
+    if fields.get("rope_scaling"):
+        return None
     params = fields.get("rope_parameters")
     if params is not None:
         if not isinstance(params, dict) or params.get("rope_type", "default") != "default" or \
@@ -164,8 +172,6 @@ def _rope_theta(fields: dict[str, Any]) -> float | None:
             return None
         theta = params.get("rope_theta")
     else:
-        if fields.get("rope_scaling") is not None:
-            return None
         theta = fields.get("rope_theta")
     return float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
 
@@ -189,8 +195,8 @@ def _weight_files(directory: Path) -> list[Path] | None:
 def _expected_names(fields: dict[str, Any], tied: bool) -> set[str]:
     """The tensor names ``from_pretrained`` would fill for this config, biases and Qwen3's q/k norms included."""
     mt = fields["model_type"]
-    attn_bias = mt == "qwen2" or bool(fields.get("attention_bias", False))
-    mlp_bias = bool(fields.get("mlp_bias", False)) if mt in ("llama",) else False
+    attn_bias = mt == "qwen2" or (mt in ("llama", "qwen3") and bool(fields.get("attention_bias", False)))
+    mlp_bias = mt == "llama" and bool(fields.get("mlp_bias", False))
     names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
     for i in range(int(fields["num_hidden_layers"])):
         p = f"model.layers.{i}."
@@ -208,6 +214,25 @@ def _expected_names(fields: dict[str, Any], tied: bool) -> set[str]:
     return names
 
 
+def _shapes_fit(t: dict[str, torch.Tensor], config: "DirectConfig", tied: bool) -> bool:
+    """Every tensor of the shape the config gives its module (transformers refuses a checkpoint that differs)."""
+    d, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    want = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not tied:
+        want["lm_head.weight"] = (vocab, d)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (q, d)), ("self_attn.k_proj", (kv, d)), ("self_attn.v_proj", (kv, d)),
+                            ("self_attn.o_proj", (d, q)), ("mlp.gate_proj", (inter, d)), ("mlp.up_proj", (inter, d)),
+                            ("mlp.down_proj", (d, inter))):
+            want[p + name + ".weight"] = shape
+            want[p + name + ".bias"] = shape[:1]
+        want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                     p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return all(tuple(v.shape) == want[k] for k, v in t.items())
+
+
 def load_direct(directory: str | Path, dtype: torch.dtype) -> DirectCausalLM | None:
     """The model in ``directory`` (a transformers model directory with safetensors weights) as a
     :class:`DirectCausalLM` on the CPU, its weights in ``dtype``; None where this module does not reproduce
@@ -220,7 +245,8 @@ def load_direct(directory: str | Path, dtype: torch.dtype) -> DirectCausalLM | N
     except (OSError, ValueError):
         return None
     if not isinstance(fields, dict) or fields.get("model_type") not in DIRECT_MODEL_TYPES or \
-            any(f not in fields for f in REQUIRED_FIELDS) or fields.get("hidden_act") != "silu":
+            any(f not in fields for f in REQUIRED_FIELDS + REQUIRED_BY_TYPE.get(fields["model_type"], ())) or \
+            fields.get("hidden_act") != "silu" or fields.get("quantization_config") is not None:
         return None
     theta = _rope_theta(fields)
     files = _weight_files(directory)
@@ -228,14 +254,17 @@ def load_direct(directory: str | Path, dtype: torch.dtype) -> DirectCausalLM | N
         return None
     tied = bool(fields.get("tie_word_embeddings", False))
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for k in st.keys():
-                tensors[k] = st.get_tensor(k)
-    if set(tensors) != _expected_names(fields, tied):
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for k in st.keys():
+                    tensors[k] = st.get_tensor(k)
+    except Exception:       # an unreadable file (safetensors' own error type): transformers names what is wrong
+        return None
+    config = DirectConfig(fields, str(directory))
+    if set(tensors) != _expected_names(fields, tied) or not _shapes_fit(tensors, config, tied):
         return None
     t = {k: v.to(dtype) for k, v in tensors.items()}
-    config = DirectConfig(fields, str(directory))
     eps = float(fields["rms_norm_eps"])
     layers = nn.ModuleList()
     for i in range(config.num_hidden_layers):

@@ -340,11 +340,11 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
     resolved = resolve_model_name(name)
     source, load_from, revision = model_source(name, flag)
     model = None
-    if engines_only and source != "hub":
-        from hsd_opt.models.direct import load_direct
-
-        model = load_direct(load_from, dt)
     try:
+        if engines_only and source != "hub":
+            from hsd_opt.models.direct import load_direct
+
+            model = load_direct(load_from, dt)
         tokenizer = load_tokenizer(load_from, source)
         if model is None:
             from transformers import AutoModelForCausalLM
@@ -389,8 +389,11 @@ def load_tokenizer(load_from: str, source: str):
         chosen = meta.get("tokenizer_class") if isinstance(meta, dict) else None
         if isinstance(chosen, str) and meta.get("tokenizer_transformers") == transformers.__version__:
             cls = getattr(transformers, chosen, None)
-            if cls is not None and hasattr(cls, "from_pretrained"):
-                return cls.from_pretrained(load_from)
+            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+                try:
+                    return cls.from_pretrained(load_from)
+                except (OSError, ValueError, TypeError):
+                    pass            # asked of AutoTokenizer below, which says what is wrong
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(load_from)
