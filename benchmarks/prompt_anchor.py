@@ -1,10 +1,10 @@
 """A prompt's processing against llama.cpp's on the same GGUF file, in one run: `llama-bench`'s prompt test
 interleaved with our target's prefill of prompts of the same lengths, so that both see the same spell of a shared
-machine.
+machine; with ``--decode N``, also decoding at those depths.
 
     .venv/bin/python -m benchmarks.prompt_anchor --plan out/plan.json \
         --llama-bench <llama.cpp>/build/bin/llama-bench --gguf <the plan's GGUF file> \
-        [--lengths 128,512,1024] [--rounds 3] [--reps 3] [--threads 2] \
+        [--lengths 128,512,1024] [--rounds 3] [--reps 3] [--threads 2] [--decode N] \
         [--out benchmarks/results/prompt_anchor.json]
 
 Each round runs `llama-bench -t THREADS -p L1,L2,.. -n 0 -r REPS` (its prompt test: L token ids in one batch of its
@@ -14,6 +14,13 @@ token ids of the shipped suite's text (no chat template: llama-bench's prompts a
 (`HSD.generate`: the prompt in the passes `hsd run` computes it in, then the head at its last position), REPS
 times; reported per length: L over the median wall seconds of those generations (the time to the first token), the
 median of llama.cpp's two runs, and ours over llama.cpp. The report is written after every round.
+
+``--decode N`` adds a decode test at each length as depth: `llama-bench -p 0 -n N -d L1,L2,..` (N tokens decoded
+one at a time after L tokens of context, the context's processing not timed), run in the same two places of each
+round, and ours: the target alone generates N tokens greedily after the same L ids (or fewer, where it ends the
+text), REPS times; reported: its tokens over its decode seconds (prefill excluded), the median over the reps.
+Every step at depth L reads the keys and values of L positions: the test compares the attention's cost as the
+context grows, beside the weights' (the same at every depth).
 """
 
 from __future__ import annotations
@@ -50,10 +57,19 @@ def prompt_rates(bench_json: str, lengths: list[int]) -> dict[int, float]:
     return {n: rows[n] for n in lengths}
 
 
-def llama_prompt(binary: str, gguf: str, threads: int, lengths: list[int], reps: int) -> dict[int, float]:
-    """`llama-bench`'s prompt tests (``-p lengths -n 0``): tokens/s by length (the mean over ``reps`` runs)."""
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, lengths)), "-n", "0", "-r", str(reps),
-           "-o", "json"]
+def decode_rates(bench_json: str, depths: list[int], n_gen: int) -> dict[int, float]:
+    """Tokens/s of `llama-bench -o json`'s decode tests of ``n_gen`` tokens (rows with ``n_prompt`` 0) by depth
+    (``n_depth``: the context before them); a depth of ``depths`` without a row raises ValueError naming it."""
+    rows = {int(r.get("n_depth") or 0): float(r["avg_ts"]) for r in json.loads(bench_json)
+            if not r.get("n_prompt") and int(r.get("n_gen") or 0) == n_gen}
+    missing = [n for n in depths if n not in rows]
+    if missing:
+        raise ValueError(f"llama-bench printed no decode test of {n_gen} tokens at depth {missing}")
+    return {n: rows[n] for n in depths}
+
+
+def _llama_bench(cmd: list[str], parse):
+    """Run `llama-bench` (``cmd``) and ``parse`` its JSON output; SystemExit naming the command on any failure."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     except subprocess.TimeoutExpired:
@@ -61,9 +77,23 @@ def llama_prompt(binary: str, gguf: str, threads: int, lengths: list[int], reps:
     if res.returncode != 0:
         raise SystemExit(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-500:]}")
     try:
-        return prompt_rates(res.stdout, lengths)
+        return parse(res.stdout)
     except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"llama-bench's output ({' '.join(cmd)}): {e}") from None
+
+
+def llama_decode(binary: str, gguf: str, threads: int, depths: list[int], n_gen: int, reps: int) -> dict[int, float]:
+    """`llama-bench`'s decode tests at depths (``-p 0 -n n_gen -d depths``): tokens/s by depth (mean of ``reps``)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
+           "-r", str(reps), "-o", "json"]
+    return _llama_bench(cmd, lambda out: decode_rates(out, depths, n_gen))
+
+
+def llama_prompt(binary: str, gguf: str, threads: int, lengths: list[int], reps: int) -> dict[int, float]:
+    """`llama-bench`'s prompt tests (``-p lengths -n 0``): tokens/s by length (the mean over ``reps`` runs)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, lengths)), "-n", "0", "-r", str(reps),
+           "-o", "json"]
+    return _llama_bench(cmd, lambda out: prompt_rates(out, lengths))
 
 
 def ours_seconds(runner, ids: list[int], reps: int) -> tuple[float, int]:
@@ -79,6 +109,19 @@ def ours_seconds(runner, ids: list[int], reps: int) -> tuple[float, int]:
     return statistics.median(times), firsts.pop()
 
 
+def ours_decode(runner, ids: list[int], n_gen: int, reps: int) -> tuple[float, int]:
+    """The median over ``reps`` greedy generations of ``n_gen`` tokens after ``ids`` of their tokens over their
+    decode seconds (prefill excluded), and the tokens generated (the same every time)."""
+    rates, counts = [], set()
+    for _ in range(reps):
+        res = runner.generate(ids, max_new_tokens=n_gen)
+        rates.append(res.stats["tokens"] / res.stats["decode_seconds"])
+        counts.add(res.stats["tokens"])
+    if len(counts) != 1:
+        raise SystemExit(f"the greedy generation after {len(ids)} ids changed length between runs: {sorted(counts)}")
+    return statistics.median(rates), counts.pop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True, help="the plan whose target (and target precision) to run")
@@ -88,6 +131,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="runs per length and round, each side")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=0, metavar="N",
+                    help="also decode N tokens at each length as depth (0: prompts only)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prompt_anchor.json"))
     a = ap.parse_args()
     try:
@@ -96,6 +141,8 @@ def main() -> None:
         ap.error(str(e))
     if a.rounds < 1 or a.reps < 1 or a.threads < 1:
         ap.error("--rounds, --reps and --threads: at least 1")
+    if a.decode < 0:
+        ap.error("--decode: a token count, 0 or more")
     if not os.path.isfile(a.gguf):
         ap.error(f"--gguf: no file at {a.gguf}")
     if not os.access(a.llama_bench, os.X_OK):
@@ -119,8 +166,11 @@ def main() -> None:
     for r in range(a.rounds):
         log(f"round {r + 1}/{a.rounds}: llama-bench ...")
         before = llama_prompt(a.llama_bench, a.gguf, a.threads, lengths, a.reps)
+        dec_before = llama_decode(a.llama_bench, a.gguf, a.threads, lengths, a.decode, a.reps) if a.decode else {}
         ours = {n: ours_seconds(runner, prompts[n], a.reps) for n in lengths}
+        ours_dec = {n: ours_decode(runner, prompts[n], a.decode, a.reps) for n in lengths} if a.decode else {}
         after = llama_prompt(a.llama_bench, a.gguf, a.threads, lengths, a.reps)
+        dec_after = llama_decode(a.llama_bench, a.gguf, a.threads, lengths, a.decode, a.reps) if a.decode else {}
         rows = {}
         for n in lengths:
             llama = statistics.median([before[n], after[n]])
@@ -129,6 +179,12 @@ def main() -> None:
                             "ours_tok_s": mine, "ours_seconds": ours[n][0], "first_token": ours[n][1],
                             "ours_vs_llama_cpp": mine / llama}
             log(f"  {n:5d} tokens: llama.cpp {llama:8.1f} tok/s, ours {mine:8.1f} ({mine / llama:.2f}x)")
+            if a.decode:
+                ld, (od, got) = statistics.median([dec_before[n], dec_after[n]]), ours_dec[n]
+                rows[str(n)]["decode"] = {"llama_cpp_tok_s": ld, "llama_cpp_before": dec_before[n],
+                                          "llama_cpp_after": dec_after[n], "ours_tok_s": od, "ours_tokens": got,
+                                          "ours_vs_llama_cpp": od / ld}
+                log(f"  decode at depth {n}: llama.cpp {ld:7.1f} tok/s, ours {od:7.1f} ({od / ld:.2f}x, {got} tokens)")
         rounds.append(rows)
         write_json(a.out, {
             "what": "a prompt's processing against llama.cpp's on the same GGUF (benchmarks/prompt_anchor.py)",
@@ -136,12 +192,18 @@ def main() -> None:
             "machine": {"platform": platform.platform(), "host": host(), "threads": a.threads},
             "plan": a.plan, "model": loaded.model_id, "gguf": os.path.basename(a.gguf), "target": plan.hierarchy[-1],
             "target_precision": plan_target_precision(plan, a.plan), "lengths": lengths, "reps": a.reps,
-            "rounds": rounds}, indent=1)
+            "decode_tokens": a.decode, "rounds": rounds}, indent=1)
     print("\nprompt tok/s per round: llama.cpp / ours (ours x llama.cpp)")
     for n in lengths:
         cells = [f"{rd[str(n)]['llama_cpp_tok_s']:.1f} / {rd[str(n)]['ours_tok_s']:.1f} "
                  f"({rd[str(n)]['ours_vs_llama_cpp']:.2f}x)" for rd in rounds]
         print(f"{n:5d} tokens: " + "   ".join(cells))
+    if a.decode:
+        print(f"\ndecode tok/s of {a.decode} tokens at depth, per round: llama.cpp / ours (ours x llama.cpp)")
+        for n in lengths:
+            cells = [f"{rd[str(n)]['decode']['llama_cpp_tok_s']:.1f} / {rd[str(n)]['decode']['ours_tok_s']:.1f} "
+                     f"({rd[str(n)]['decode']['ours_vs_llama_cpp']:.2f}x)" for rd in rounds]
+            print(f"{n:5d} deep:   " + "   ".join(cells))
     print(f"\nwrote {a.out}")
 
 
