@@ -230,6 +230,50 @@ def test_attention_over_a_long_cache_is_the_same_whichever_way_heads_are_grouped
     assert torch.equal(eng.logits(a, 2, 250, 270), eng.logits(b, 2, 250, 270))
 
 
+@pytest.mark.parametrize("hidden", [256, 192])
+def test_a_few_rows_over_a_long_cache_attend_as_one_row_does(hidden):
+    """Passes of a few rows over 256 cached positions or more (verifications, batched steps; the query heads of a
+    key/value head attended together): every value as a one-token step's and a long pass's, whichever sequences
+    share the pass, in heads of 64 lanes and of 48."""
+    model = make_tiny_llama(seed=7, vocab_size=64, layers=2, hidden=hidden, heads=4, kv_heads=2, scale=8.0)
+    eng = LayeredLM(model, kernels=True)
+    ids = torch.randint(3, 64, (620,), generator=torch.Generator().manual_seed(8))
+
+    def run(sizes, start=590, end=610):
+        st = eng.new_state(640)
+        eng.append(st, ids[:start])
+        eng.advance(st, 2)
+        i = start
+        while i < end:
+            k = min(sizes, end - i)
+            eng.append(st, ids[i:i + k])
+            eng.advance(st, 2)
+            i += k
+        return st, eng.logits(st, 2, start, end)
+
+    one, want = run(1)
+    for size in (2, 3, 8, 20):                          # 20: one pass of more rows than attend together
+        st, got = run(size)
+        assert torch.equal(got, want), size
+        assert all(torch.equal(x[:, :, :610], y[:, :, :610]) for x, y in zip(st.k + st.v, one.k + one.v))
+    # two sequences in one pass, at depths 600 and 300: each as alone
+    a, b = eng.new_state(640), eng.new_state(640)
+    eng.append(a, ids[:600])
+    eng.append(b, ids[20:320])
+    eng.advance_many([(a, 2), (b, 2)])
+    eng.append(a, ids[600:603])
+    eng.append(b, ids[320:322])
+    eng.advance_many([(a, 2), (b, 2)])
+    for st, lo, hi in ((a, 0, 603), (b, 20, 322)):
+        alone = eng.new_state(640)
+        eng.append(alone, ids[lo:hi - 3 if st is a else hi - 2])
+        eng.advance(alone, 2)
+        for i in range(alone.n, hi - lo):
+            eng.append(alone, ids[lo + i:lo + i + 1])
+            eng.advance(alone, 2)
+        assert torch.equal(eng.logits(st, 2, 290, hi - lo), eng.logits(alone, 2, 290, hi - lo))
+
+
 def test_kernel_path_tracks_the_torch_path(tiny):
     """float32: the same model computed with reordered sums (logits agree to ~1e-5); bfloat16 weights with
     float32 activations: close to the float32 model."""
