@@ -1,5 +1,6 @@
-"""Loaded weights are moved into one resident buffer (same values, same ties, one storage), and pages of
-released weights inside it go back to the OS."""
+"""Loaded weights are moved into one resident buffer (same values, same ties, one storage), or in parts (what is
+moved stays), and pages of released weights inside it go back to the OS. A model loaded for the engines alone has
+its matrices moved only when a float engine reads them in place."""
 
 from __future__ import annotations
 
@@ -22,6 +23,36 @@ def test_weights_move_into_one_buffer_keeping_values_and_ties():
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
     assert torch.equal(model(ids).logits, before)
     assert resident_weights(model.to("meta")) == 0                   # not on the CPU: left alone
+
+
+def test_weights_move_in_parts_and_once():
+    model = make_tiny_llama(seed=3)
+    ids = torch.tensor([[5, 9, 3, 7]])
+    before = model(ids).logits
+    small = lambda name: not name.endswith("_proj.weight")                      # noqa: E731
+    first = resident_weights(model, which=small)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    embed_at, q_at = model.model.embed_tokens.weight.data_ptr(), q.data_ptr()
+    rest = resident_weights(model)                                  # the projections now; the rest stays
+    assert first > 0 and rest >= sum(p.numel() * 4 for n, p in model.named_parameters() if not small(n))
+    assert model.model.embed_tokens.weight.data_ptr() == embed_at and q.data_ptr() != q_at
+    assert resident_weights(model) == 0                             # everything moved: nothing more
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_a_model_for_the_engines_has_its_matrices_moved_when_a_float_engine_reads_them(tmp_path):
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.models.loading import load_model
+    from tests.helpers import save_tiny
+
+    loaded = load_model(str(save_tiny(tmp_path / "m", seed=4)), device="cpu", dtype="float32", engines_only=True)
+    m = loaded.model
+    q = m.model.layers[1].mlp.down_proj.weight
+    embed_at, q_at = m.model.embed_tokens.weight.data_ptr(), q.data_ptr()
+    assert resident_weights(m, which=lambda name: name == "model.embed_tokens.weight") == 0   # moved at load
+    LayeredLM(m)
+    assert q.data_ptr() != q_at and m.model.embed_tokens.weight.data_ptr() == embed_at
+    assert resident_weights(m) == 0
 
 
 def test_drop_pages_gives_back_a_view_of_a_buffer():

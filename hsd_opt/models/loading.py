@@ -363,12 +363,20 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
     if dev.type == "cpu":
         from hsd_opt.models.memory import resident_weights
 
-        resident_weights(model)
+        # for the engines alone, the projections and LM head only when a float engine reads them in place
+        # (LayeredLM): a model loaded for its quantized copies reads them once
+        resident_weights(model, which=_read_in_place_always if engines_only else None)
     dtype_name = str(dt).replace("torch.", "")
     # what the weights are, for copies derived from them and kept on disk (hsd_opt.engine.stored_copies)
     model.hsd_weights_key = f"{source}|{revision}|{dtype_name}" if revision else None
     return LoadedModel(model, tokenizer, resolved, revision, source, str(dev), dtype_name,
                        engines_only=engines_only)
+
+
+def _read_in_place_always(name: str) -> bool:
+    """What every engine over a model reads in place (its embeddings, norms, biases, buffers): not the projection
+    matrices nor an LM head of its own, which quantized copies read once to quantize."""
+    return not (name.endswith("_proj.weight") or name == "lm_head.weight")
 
 
 def load_tokenizer(load_from: str, source: str):

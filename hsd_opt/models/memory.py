@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
+from typing import Callable
 
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
@@ -42,16 +44,33 @@ def drop_pages(tensor) -> int:
     return hi - lo if _madvise(lo, hi - lo, _MADV_DONTNEED) else 0
 
 
-def resident_weights(model) -> int:
+#: Each model's parameters and buffers already moved by :func:`resident_weights`, by id (held weakly, beside the
+#: model; a tensor compares by value, so a weak set of them cannot tell one from another).
+_MOVED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _was_moved(moved: dict, t) -> bool:
+    ref = moved.get(id(t))
+    return ref is not None and ref() is t
+
+
+def resident_weights(model, which: Callable[[str], bool] | None = None) -> int:
     """Move every parameter and buffer of ``model`` (on the CPU) into one anonymous, huge-page-advised buffer,
     keeping shapes, dtypes and ties; return the bytes moved (0 for a model that is not on the CPU).
 
     The model's tensors become views into the buffer (``param.data`` is replaced), so the modules and every
-    engine that reads the weights see the same memory."""
+    engine that reads the weights see the same memory. ``which(name)``: move only the tensors whose names it
+    accepts (``model.named_parameters()``'s and ``named_buffers()``'s; default: all). A tensor moved by an earlier
+    call stays where it is, so a model can be made resident in parts: what every engine reads at load, the
+    matrices when an engine reads them in place."""
     import torch
 
-    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    if not named or any(t.device.type != "cpu" for _, t in named):
+        return 0
+    moved = _MOVED.setdefault(model, {})
+    tensors = [t for name, t in named if not _was_moved(moved, t) and (which is None or which(name))]
+    if not tensors:
         return 0
     groups: dict[tuple[int, tuple, torch.dtype], list] = {}
     for t in tensors:   # tied tensors share storage and layout: move them once
@@ -69,5 +88,6 @@ def resident_weights(model) -> int:
             view.copy_(src)
             for t in ts:
                 t.data = view
+                moved[id(t)] = weakref.ref(t)
             off += n
     return total
