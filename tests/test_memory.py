@@ -55,6 +55,16 @@ def test_a_model_for_the_engines_has_its_matrices_moved_when_a_float_engine_read
     assert resident_weights(m) == 0
 
 
+def test_a_float_engine_leaves_a_model_built_in_memory_where_it_is():
+    from hsd_opt.engine.layered import LayeredLM
+
+    model = make_tiny_llama(seed=6)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    at = q.data_ptr()
+    LayeredLM(model)
+    assert q.data_ptr() == at                                       # never made resident: not moved by an engine
+
+
 def test_drop_pages_gives_back_a_view_of_a_buffer():
     buf = torch.ones(64 * 4096, dtype=torch.uint8)
     base = buf.data_ptr()

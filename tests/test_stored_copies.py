@@ -143,6 +143,20 @@ def test_copies_at_the_same_bits_share_their_layers_and_compute_as_if_alone(no_d
     assert torch.equal(_logits(alone), _logits(head4))
 
 
+def test_copies_share_their_layers_across_the_weights_moving_into_memory(no_disk):
+    """A model loaded for the engines alone has its matrices moved into memory of their own when a float engine is
+    built over it, values unchanged: a copy made before that is still the one a later copy shares."""
+    from hsd_opt.models.memory import resident_weights
+
+    model = make_tiny_llama(seed=5)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    before = QuantizedLM(model, bits=4, head_bits=8, kernels=True)
+    at = q.data_ptr()
+    assert resident_weights(model) > 0 and q.data_ptr() != at
+    after = QuantizedLM(model, bits=4, head_bits=4, kernels=True)
+    assert all(a is b for a, b in zip(_layer_tensors(before), _layer_tensors(after)))
+
+
 def test_a_weight_changed_in_place_is_quantized_again(no_disk):
     model = make_tiny_llama(seed=5)
     first = QuantizedLM(model, bits=4, kernels=True)

@@ -48,7 +48,7 @@ from hsd_opt.engine.weights import (
     weight_readers,
 )
 from hsd_opt.errors import HsdError
-from hsd_opt.models.memory import resident_weights
+from hsd_opt.models.memory import complete_residency
 
 __all__ = ["DecodeState", "LayeredLM", "is_released", "pass_output", "release_float_weights"]
 
@@ -162,7 +162,7 @@ class LayeredLM:
         if is_released(model):
             raise HsdError("the model's float weights were released after quantizing it; an engine over it "
                            "needs the model loaded anew")
-        resident_weights(model)     # it reads every weight on every step (a model loaded for the engines alone
+        complete_residency(model)   # it reads every weight on every step (a model loaded for the engines alone
         #                             has its matrices resident only now)
         self._build(model, model_weights(model), exit_heads, kernels)
         weight_readers(model).engines.add(self)        # reads the weights in place: they stay while it lives

@@ -36,7 +36,9 @@ FORMAT = 1
 #: The matrices made in this process, by ``(id of the float weight, bits)``: two copies of one model at the same
 #: bits (``int4`` and ``int4-head4``) share their layers' tensors instead of holding them twice. Both the weight
 #: and the matrix are held weakly (an entry lives while some engine uses the matrix and the weight exists), with
-#: what tells a weight changed since: its storage, version counter and first and last rows.
+#: what tells a weight changed since: its version counter, shape and first and last rows (not its storage:
+#: :func:`~hsd_opt.models.memory.resident_weights` moves a weight's values into memory of its own when a float
+#: engine over the model is built after a copy of it).
 _IN_MEMORY: dict[tuple[int, int], tuple] = {}
 
 
@@ -46,11 +48,11 @@ def _stamp(weight: torch.Tensor) -> tuple:
         version = weight._version
     except RuntimeError:             # a tensor made under torch.inference_mode has no version counter
         version = None
-    return w.data_ptr(), version, tuple(w.shape), w[0].clone(), w[-1].clone()
+    return version, tuple(w.shape), w[0].clone(), w[-1].clone()
 
 
 def _same_stamp(a: tuple, b: tuple) -> bool:
-    return a[:3] == b[:3] and torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+    return a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
 def _made(weight: torch.Tensor, bits: int, bias: torch.Tensor | None) -> wq.Mat | None:

@@ -54,6 +54,13 @@ def _was_moved(moved: dict, t) -> bool:
     return ref is not None and ref() is t
 
 
+def complete_residency(model) -> int:
+    """:func:`resident_weights` for what is left of a model made resident in part (``load_model`` for the engines
+    alone leaves its matrices in the file's pages until a float engine reads them); a model never made resident
+    (built in memory, not loaded) is left as it is. Returns the bytes moved."""
+    return resident_weights(model) if model in _MOVED else 0
+
+
 def resident_weights(model, which: Callable[[str], bool] | None = None) -> int:
     """Move every parameter and buffer of ``model`` (on the CPU) into one anonymous, huge-page-advised buffer,
     keeping shapes, dtypes and ties; return the bytes moved (0 for a model that is not on the CPU).
