@@ -192,45 +192,35 @@ def _weight_files(directory: Path) -> list[Path] | None:
     return files if files and all(f.is_file() for f in files) else None
 
 
-def _expected_names(fields: dict[str, Any], tied: bool) -> set[str]:
-    """The tensor names ``from_pretrained`` would fill for this config, biases and Qwen3's q/k norms included."""
-    mt = fields["model_type"]
-    attn_bias = mt == "qwen2" or (mt in ("llama", "qwen3") and bool(fields.get("attention_bias", False)))
-    mlp_bias = mt == "llama" and bool(fields.get("mlp_bias", False))
-    names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
-    for i in range(int(fields["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        for n in ("q", "k", "v", "o"):
-            names.add(f"{p}self_attn.{n}_proj.weight")
-            if attn_bias and (n != "o" or mt != "qwen2"):
-                names.add(f"{p}self_attn.{n}_proj.bias")
-        for n in ("gate", "up", "down"):
-            names.add(f"{p}mlp.{n}_proj.weight")
-            if mlp_bias:
-                names.add(f"{p}mlp.{n}_proj.bias")
-        if mt == "qwen3":
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    return names
+#: A layer's projections: (module, attribute) as Hugging Face names them.
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
-def _shapes_fit(t: dict[str, torch.Tensor], config: "DirectConfig", tied: bool) -> bool:
-    """Every tensor of the shape the config gives its module (transformers refuses a checkpoint that differs)."""
+def _expected_shapes(config: DirectConfig, tied: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors ``from_pretrained`` would fill for this config (biases and Qwen3's q/k norms included), by
+    name, each with the shape its module has (transformers refuses a checkpoint that differs in either)."""
+    mt = config.model_type
+    attn_bias = mt == "qwen2" or (mt in ("llama", "qwen3") and bool(getattr(config, "attention_bias", False)))
+    mlp_bias = mt == "llama" and bool(getattr(config, "mlp_bias", False))
     d, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (inter, d),
+              "up_proj": (inter, d), "down_proj": (d, inter)}
     want = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
     if not tied:
         want["lm_head.weight"] = (vocab, d)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (q, d)), ("self_attn.k_proj", (kv, d)), ("self_attn.v_proj", (kv, d)),
-                            ("self_attn.o_proj", (d, q)), ("mlp.gate_proj", (inter, d)), ("mlp.up_proj", (inter, d)),
-                            ("mlp.down_proj", (d, inter))):
-            want[p + name + ".weight"] = shape
-            want[p + name + ".bias"] = shape[:1]
-        want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                     p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    return all(tuple(v.shape) == want[k] for k, v in t.items())
+        want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        for module, proj in _PROJECTIONS:
+            want[f"{p}{module}.{proj}.weight"] = shapes[proj]
+            if (attn_bias and module == "self_attn" and (proj != "o_proj" or mt != "qwen2")) or \
+                    (mlp_bias and module == "mlp"):
+                want[f"{p}{module}.{proj}.bias"] = shapes[proj][:1]
+        if mt == "qwen3":
+            want.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return want
 
 
 def load_direct(directory: str | Path, dtype: torch.dtype) -> DirectCausalLM | None:
@@ -262,26 +252,21 @@ def load_direct(directory: str | Path, dtype: torch.dtype) -> DirectCausalLM | N
     except Exception:       # an unreadable file (safetensors' own error type): transformers names what is wrong
         return None
     config = DirectConfig(fields, str(directory))
-    if set(tensors) != _expected_names(fields, tied) or not _shapes_fit(tensors, config, tied):
+    if {k: tuple(v.shape) for k, v in tensors.items()} != _expected_shapes(config, tied):
         return None
     t = {k: v.to(dtype) for k, v in tensors.items()}
     eps = float(fields["rms_norm_eps"])
     layers = nn.ModuleList()
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        attn = DirectAttention()
-        for n in ("q", "k", "v", "o"):
-            name = f"{p}self_attn.{n}_proj"
-            setattr(attn, f"{n}_proj", _linear(t[name + ".weight"], t.get(name + ".bias")))
-        if config.model_type == "qwen3":
-            attn.q_norm = DirectRMSNorm(t[p + "self_attn.q_norm.weight"], eps)
-            attn.k_norm = DirectRMSNorm(t[p + "self_attn.k_norm.weight"], eps)
-        mlp = DirectMLP()
-        for n in ("gate", "up", "down"):
-            name = f"{p}mlp.{n}_proj"
-            setattr(mlp, f"{n}_proj", _linear(t[name + ".weight"], t.get(name + ".bias")))
         layer = DirectLayer()
-        layer.self_attn, layer.mlp = attn, mlp
+        layer.self_attn, layer.mlp = DirectAttention(), DirectMLP()
+        for module, proj in _PROJECTIONS:
+            name = f"{p}{module}.{proj}"
+            setattr(getattr(layer, module), proj, _linear(t[name + ".weight"], t.get(name + ".bias")))
+        if config.model_type == "qwen3":
+            layer.self_attn.q_norm = DirectRMSNorm(t[p + "self_attn.q_norm.weight"], eps)
+            layer.self_attn.k_norm = DirectRMSNorm(t[p + "self_attn.k_norm.weight"], eps)
         layer.input_layernorm = DirectRMSNorm(t[p + "input_layernorm.weight"], eps)
         layer.post_attention_layernorm = DirectRMSNorm(t[p + "post_attention_layernorm.weight"], eps)
         layers.append(layer)

@@ -391,10 +391,11 @@ def load_tokenizer(load_from: str, source: str):
     meta: dict[str, Any] = {}
     if source in ("embedded", "gguf"):
         try:
-            meta = json.loads(meta_path.read_text())
+            read = json.loads(meta_path.read_text())
         except (OSError, ValueError):
-            meta = {}
-        chosen = meta.get("tokenizer_class") if isinstance(meta, dict) else None
+            read = None
+        meta = read if isinstance(read, dict) else {}
+        chosen = meta.get("tokenizer_class")
         if isinstance(chosen, str) and meta.get("tokenizer_transformers") == transformers.__version__:
             cls = getattr(transformers, chosen, None)
             if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
@@ -406,8 +407,7 @@ def load_tokenizer(load_from: str, source: str):
 
     tokenizer = AutoTokenizer.from_pretrained(load_from)
     name = type(tokenizer).__name__
-    if source in ("embedded", "gguf") and isinstance(meta, dict) and meta and \
-            getattr(transformers, name, None) is type(tokenizer):
+    if meta and getattr(transformers, name, None) is type(tokenizer):     # a directory of ours, its record read
         try:
             write_json(meta_path, {**meta, "tokenizer_class": name,
                                    "tokenizer_transformers": transformers.__version__})
