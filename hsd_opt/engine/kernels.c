@@ -1433,6 +1433,60 @@ static inline void q4f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x
     }
 }
 
+/* The in-register q8f tiles on 8-lane registers (AVX2): s[t * 4 + i] = W[r + i] . x_t for rows r .. r+3 of a q8f
+ * matrix (n of them real; a short last block repeats its last row) and P <= HSD_Q8F_REG_MAX positions. Each 8
+ * weights of a row are converted in registers, code * scale (expand_row's product, exact), and multiplied into the
+ * row's 8-lane accumulator of each position, over the columns in order, then hsum8: the operations of dots4 on
+ * expand_row's values, so every element is bit for bit theirs. Per 8 weights: a widening load, a conversion, a
+ * product and P FMAs, where expand_row then dots4 also store and load them again. Each 8 columns of the four rows
+ * in turn, so four (or 4 * P) accumulator chains overlap. */
+#define HSD_Q8F_REG_MAX 4
+static inline __attribute__((always_inline)) void q8f_tile(const hsd_mat *A, int r, int n, const float *x, int xs,
+                                                           int P, float *s) {
+    const int G = A->cols / HSD_GROUP;
+    float sf[4][HSD_PAIRED_MAX_GROUPS];
+    block_factors(A, r, n, sf, NULL);
+    const int8_t *q[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const int ri = r + (i < n ? i : n - 1);
+        q[i] = q8f_codes(A, ri / 2, 0) + 8 * (ri % 2);
+    }
+    __m256 acc[4][HSD_Q8F_REG_MAX];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int c = HSD_GROUP * g + 8 * k;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q[i] + 2 * c)));
+                const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&sf[i][g]));
+#pragma GCC unroll 4
+                for (int p = 0; p < P; p++)
+                    acc[i][p] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)p * xs + c), acc[i][p]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) s[(size_t)p * 4 + i] = hsum8(acc[i][p]);
+}
+
+/* s[t * 4 + i] for rows r .. r+3 and 1 <= m <= HSD_Q8F_REG_MAX positions: the tile for m, its P a constant. */
+static inline void q8f_tiles_avx2(const hsd_mat *A, int r, int n, const float *x, int xs, int m, float *s) {
+    switch (m) {
+    case 1: q8f_tile(A, r, n, x, xs, 1, s); break;
+    case 2: q8f_tile(A, r, n, x, xs, 2, s); break;
+    case 3: q8f_tile(A, r, n, x, xs, 3, s); break;
+    default: q8f_tile(A, r, n, x, xs, 4, s); break;
+    }
+}
+
 #endif
 
 #if HSD_AVX512
@@ -1650,6 +1704,15 @@ static void mat_rows(const hsd_mat *A, const float *x, int xs, const qx_t *X, in
             prefetch_block(A, r + 4 * HSD_AHEAD);
 #endif
             HSD_Q4F_TILES(A, r, n, x, xs, m, s);
+            store4(A, s, m, n, y, ys, 0, r, acc);
+            continue;
+        }
+#endif
+#if HSD_AVX2 && !HSD_AVX512
+        if (A->type == HSD_Q8F && K % HSD_GROUP == 0 && K / HSD_GROUP <= HSD_PAIRED_MAX_GROUPS &&
+            m <= HSD_Q8F_REG_MAX) { /* a step or a short pass over an exact int8 head: converted in registers */
+            prefetch_block(A, r + 4 * HSD_AHEAD);
+            q8f_tiles_avx2(A, r, n, x, xs, m, s);
             store4(A, s, m, n, y, ys, 0, r, acc);
             continue;
         }
