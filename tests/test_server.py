@@ -1,9 +1,9 @@
 """`hsd serve` through the real ``openai`` client, on a tiny random Llama with a word-level tokenizer and a chat
 template (a depth-4 plan: n-gram -> exit 1 -> exit 2 -> target): greedy output equal to ``hsd run``'s token for
-token, chat and completions, streamed and not; stop strings; seeded sampling; no state carried between requests;
-every bad request answered with its status and an OpenAI-style error body, and no traceback in the server log;
-the API key; the full queue (429); a load of concurrent streaming clients with one that disconnects mid-stream;
-the command itself (subprocess: ready line, Ctrl-C) and its flag errors."""
+token, chat and completions, streamed and not; stop strings; seeded sampling; log-probabilities; no state carried
+between requests; every bad request answered with its status and an OpenAI-style error body, and no traceback in
+the server log; the API key; the full queue (429); a load of concurrent streaming clients with one that disconnects
+mid-stream; the command itself (subprocess: ready line, Ctrl-C) and its flag errors."""
 
 from __future__ import annotations
 
@@ -218,6 +218,65 @@ def test_no_state_carries_over_between_requests(served):
     assert defaults.model_extra["hsd"]["token_ids"] == first
 
 
+def test_logprobs_are_the_targets_streamed_or_not_and_change_no_token(tiny, direct, served, caplog):
+    """Chat (``logprobs``, ``top_logprobs``) and completions (``logprobs: k``): one entry per returned token, each
+    value the one ``HSD.generate(..., logprobs=k)`` gives (the target's own log-softmax), the same tokens as
+    without them; streamed, the chunks' entries put together equal the whole answer's; a stop string ends them
+    with the returned tokens; a seeded sample has them too."""
+    from hsd_opt.prompts import encode_prompt
+
+    runner, _, tok = direct
+    c = client(served[0])
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0, logprobs=True,
+                                  top_logprobs=3)
+    ids = r.model_extra["hsd"]["token_ids"]
+    assert ids == plain.model_extra["hsd"]["token_ids"]
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    want = runner.generate(encode_prompt(tok, PROMPTS[0]), N, logprobs=3)
+    assert want.token_ids == ids
+    content = r.choices[0].logprobs.content
+    assert [e.logprob for e in content] == [w.logprob for w in want.logprobs]
+    for e, w in zip(content, want.logprobs):
+        assert e.bytes == list(tok.decode([w.token]).encode()) and e.token == tok.decode([w.token])
+        assert [t.logprob for t in e.top_logprobs] == [v for _, v in w.top]
+        assert e.top_logprobs[0].token == e.token          # greedy: the most likely token
+    streamed = []
+    for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0, logprobs=True,
+                                        top_logprobs=3, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed.extend(ch.choices[0].logprobs.content)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0).choices[0].logprobs \
+        is None
+
+    r = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    want = runner.generate(encode_prompt(tok, STOP_PROMPT, raw=True), N, logprobs=2)
+    assert r.model_extra["hsd"]["token_ids"] == want.token_ids
+    assert lp.token_logprobs == [w.logprob for w in want.logprobs] and len(lp.tokens) == len(want.token_ids)
+    assert [list(d.values()) for d in lp.top_logprobs] == [[v for _, v in w.top] for w in want.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    parts = [ch.choices[0].logprobs for ch in c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N,
+                                                                   temperature=0, logprobs=2, stream=True)
+             if ch.choices and ch.choices[0].logprobs is not None]
+    assert [t for p in parts for t in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    stop = " ".join(r.choices[0].text.split()[3:5])
+    cut = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0, logprobs=0, stop=stop)
+    n = cut.usage.completion_tokens
+    assert n < len(want.token_ids) and cut.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert cut.choices[0].logprobs.top_logprobs == [{}] * n
+
+    kw = dict(model=MODEL, messages=msgs, max_tokens=N, temperature=0.9, top_p=0.95, seed=7)
+    sampled = c.chat.completions.create(logprobs=True, **kw)
+    want = runner.generate(encode_prompt(tok, PROMPTS[0]), N, temperature=0.9, top_p=0.95, seed=7, logprobs=0)
+    assert sampled.model_extra["hsd"]["token_ids"] == want.token_ids
+    assert [e.logprob for e in sampled.choices[0].logprobs.content] == [w.logprob for w in want.logprobs]
+    no_tracebacks(caplog)
+
+
 # ------------------------------------------------------------------------------------------------ bad requests
 
 
@@ -261,7 +320,15 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "stream", None),
     (COMP, {"model": MODEL, "prompt": "w1", "seed": "x"}, 400, "seed", None),
     (COMP, {"model": MODEL, "prompt": "w1", "seed": 2**64}, 400, "seed", None),
-    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 2}, 400, "logprobs", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": 3}, 400, "logprobs", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "tool_choice": "required",
+            "tools": [TOOL("f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})]},
+     400, "logprobs", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logprobs": -1}, 400, "logprobs", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logprobs": True}, 400, "logprobs", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_logprobs": 2}, 400, "top_logprobs", None),
     (COMP, {"model": MODEL, "prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     (COMP, {"model": MODEL, "prompt": "w1", "echo": True}, 400, "echo", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),

@@ -165,6 +165,22 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
     return total
 
 
+#: The most alternatives a generated token's log-probabilities list (``logprobs=k``; the OpenAI API's
+#: ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of one generated token (natural log, of the target model's own distribution:
+    its logits' log-softmax, before temperature, top-p or a grammar's mask) and of its ``top`` most likely tokens
+    at that position, ``(id, logprob)`` most likely first (equal ones: the lower id first)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class GenerationResult:
     """Output of :func:`HSD.generate`.
@@ -178,10 +194,13 @@ class GenerationResult:
             ``expected_latency``), ``target_calls``, ``tokens_per_target_call``, ``levels`` (list of
             :class:`LevelStats` dicts, bottom first), ``stopped`` (``"eos"`` | ``"max_new_tokens"`` |
             ``"callback"``: ``on_tokens`` asked to stop).
+        logprobs: with ``logprobs=k`` asked for, a :class:`TokenLogprob` per generated id (aligned with
+            ``token_ids``); else None.
     """
 
     token_ids: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -290,25 +309,29 @@ class HSD:
         self._free[id(eng)] = [st]
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int | None = 0, constraint: Constraint | None = None) -> "Decoding":
+              seed: int | None = 0, constraint: Constraint | None = None,
+              logprobs: int | None = None) -> "Decoding":
         """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
         random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`);
-        ``constraint``: the grammar its output follows (every level's logits masked), None: none."""
-        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint)
+        ``constraint``: the grammar its output follows (every level's logits masked), None: none; ``logprobs``:
+        the number of alternatives (0 .. :data:`MAX_TOP_LOGPROBS`) each generated token's
+        :class:`TokenLogprob` lists, None: no log-probabilities."""
+        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
                  on_tokens: Callable[[list[int]], bool | None] | None = None,
-                 constraint: Constraint | None = None) -> GenerationResult:
+                 constraint: Constraint | None = None, logprobs: int | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
 
         ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
         returns True the generation ends after that block (a stop string was seen, the client went away) and the
         result holds every committed token, with ``stats["stopped"] == "callback"``. Each call starts afresh:
         its own caches, token drafters and random generator, so nothing of an earlier (or abandoned) generation
-        carries over.
+        carries over. ``logprobs=k``: the result's :attr:`GenerationResult.logprobs` (the target's passes then read
+        every logit, greedy too; the tokens are the same).
         """
-        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint)
+        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs)
         try:
             return d.run(on_tokens)
         finally:
@@ -329,11 +352,19 @@ class Decoding:
     """
 
     def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None):
+                 top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None,
+                 logprobs: int | None = None):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
         check_generation_args(max_new_tokens, temperature, top_p, seed)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise HsdError(f"logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+        #: alternatives per generated token's log-probabilities (None: none are computed)
+        self.n_logprobs = logprobs
+        #: a :class:`TokenLogprob` per generated token so far (with ``logprobs``), aligned with ``seq[n_prompt:]``
+        self.logprobs: list[TokenLogprob] = []
+        self._rows: torch.Tensor | None = None  # the target's log-softmax rows of its last pass (with logprobs)
         self.hsd = hsd
         self.greedy = temperature == 0
         #: whether a batch may switch this sequence's hierarchy with the load (:meth:`switch`)
@@ -478,9 +509,31 @@ class Decoding:
 
     # ------------------------------------------------------------------------------------------ levels
 
-    def _pass(self, k: int, start: int, end: int, greedy: bool) -> Generator[Pass, object, object]:
+    def _pass(self, k: int, start: int, end: int, greedy: bool, keep: bool = True) -> Generator[Pass, object, object]:
+        """Level k's pass over positions start..end-1: greedy ids, or logits ``[m, V]``. With log-probabilities
+        asked for, a pass of the target reads its logits, greedy too (the ids their argmax: the first maximum, as
+        ``greedy_ids``), and with ``keep`` their log-softmax rows are kept for :meth:`_record`."""
         lv = self.hsd.levels[k]
-        return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy))
+        rows = self.n_logprobs is not None and k == len(self.hsd.levels) - 1
+        got = yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy and not rows)
+        if not rows:
+            return got
+        if keep:
+            self._rows = torch.log_softmax(got.float(), dim=-1)
+        return got.argmax(dim=-1).tolist() if greedy else got
+
+    def _record(self, n: int) -> None:
+        """The log-probabilities of the ``n`` tokens the target just committed, from the rows of its last pass
+        (row i: the token after its position i); nothing without ``logprobs``."""
+        if self.n_logprobs is None or n <= 0:
+            return
+        rows = self._rows[:n].cpu()
+        toks = self.seq[len(self.seq) - n:]
+        k = self.n_logprobs
+        top_v, top_i = rows.topk(k, dim=-1) if k else (None, None)
+        for i, t in enumerate(toks):
+            top = sorted(zip(top_i[i].tolist(), top_v[i].tolist()), key=lambda c: (-c[1], c[0])) if k else []
+            self.logprobs.append(TokenLogprob(int(t), float(rows[i, t]), top))
 
     def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
         """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; under a grammar, of
@@ -571,7 +624,7 @@ class Decoding:
         only = self.constraint.only(gen, p + 1 - self.n_prompt)
         if only is not None:
             return only
-        logits = yield from self._pass(k, p, p + 1, False)
+        logits = yield from self._pass(k, p, p + 1, False, keep=False)
         return int(mask_logits(logits, self._allowed_rows(p, p + 1)).argmax(dim=-1)[0])
 
     def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
@@ -615,7 +668,8 @@ class Decoding:
             if self._cut_short():
                 break
             m = len(self.seq)
-            forced = self._forced(1, lv)
+            # the target drafting alone (depth 1) reads every position's logits for their log-probabilities
+            forced = self._forced(1, lv) if self.n_logprobs is None or len(hsd.levels) > 1 else []
             if forced:                           # one token allowed: this level's draw, without its pass
                 t = forced[0]
                 if not self.greedy:
@@ -628,6 +682,8 @@ class Decoding:
                 rows.append(d)
             toks.append(t)
             self._append([t])
+            if len(hsd.levels) == 1:
+                self._record(1)
             if t in hsd.eos:
                 break
         st_stats.drafted += len(toks)
@@ -676,6 +732,8 @@ class Decoding:
             if not (j == d > 0 and drafts[-1] in hsd.eos) and s + j < self.limit:
                 new = new + [fix]
                 self._append([fix])
+            if top:
+                self._record(len(new))
             out.extend(new)
             if not self.greedy:
                 out_p.append(p[: len(new)])
@@ -843,6 +901,7 @@ class Decoding:
             t = self._sample((yield from self._dist(k, m - 1, m))[0])
         self.stats[self.hsd.levels[k].name].calls += 1
         self._append([t])
+        self._record(1)
         return [t]
 
     def result(self) -> GenerationResult:
@@ -864,7 +923,7 @@ class Decoding:
             "stopped": ("eos" if out and out[-1] in hsd.eos else "callback" if self._asked_stop
                         else "max_new_tokens"),
         }
-        return GenerationResult(out, stats)
+        return GenerationResult(out, stats, list(self.logprobs) if self.n_logprobs is not None else None)
 
     def close(self) -> None:
         """Give the decoding states back to the hierarchies' pools."""

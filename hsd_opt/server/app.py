@@ -29,6 +29,7 @@ from hsd_opt.server.responses import (
     chunk,
     completion_body,
     hsd_figures,
+    logprobs_of,
     new_id,
     now,
     sse,
@@ -165,7 +166,7 @@ class Service:
         outcome = await self._wait(request, job, events)
         if outcome is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(completion_body(kind, rid, created, req.model, outcome, req.tool))
+        return JSONResponse(completion_body(kind, rid, created, req.model, outcome, req.tool, self.info.tokenizer))
 
     async def _wait(self, request: Request, job: Job, events: asyncio.Queue):
         """The job's :class:`Outcome`, or None if the client disconnected first (the job is then cancelled)."""
@@ -193,10 +194,22 @@ class Service:
                       created: int) -> AsyncIterator[bytes]:
         kind, model = req.kind, req.model
         answer = AnswerStream(req.tool if kind == "chat" else None)
+        pending: list = []      # log-probabilities of tokens whose text is not sent yet
+        offset = 0              # text_offset of the next token (completions)
 
         def events_of(deltas):
-            return [sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls")))
-                    for d in deltas]
+            nonlocal pending, offset
+            out = []
+            for d in deltas:
+                lps = None
+                if pending:
+                    lps = logprobs_of(kind, self.info.tokenizer, pending, offset)
+                    if kind != "chat":
+                        offset += sum(len(t) for t in lps["tokens"])
+                    pending = []
+                out.append(sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls"),
+                                     logprobs=lps)))
+            return out
 
         if kind == "chat":
             yield sse(chunk(kind, rid, created, model, role=True))
@@ -204,7 +217,9 @@ class Service:
             yield e
         while True:
             what, val = await events.get()
-            if what == "text":
+            if what == "logprobs":
+                pending.extend(val)
+            elif what == "text":
                 for e in events_of(answer.piece(val)):
                     yield e
             elif what == "done":

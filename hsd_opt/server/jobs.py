@@ -9,6 +9,9 @@ reports through ``job.emit``, called from the worker thread with one event at a 
 
 - ``("text", str)``: text made final by committed blocks (:class:`~hsd_opt.server.text.TextStream`): the first
   at once, then once ``stream_interval`` tokens were committed since the last (the rest with the end);
+- ``("logprobs", list)``: with log-probabilities asked for, just before each ``"text"`` event, the
+  :class:`~hsd_opt.runtime.decode.TokenLogprob` of every token fed to the text since the last one (the tokens the
+  text was made of, and those whose text is held back: a possible stop string);
 - ``("done", Outcome)``: the generation ended (EOS, ``max_tokens`` or a stop string);
 - ``("cancelled", None)``: the job was cancelled (the client went away, the server is stopping);
 - ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request).
@@ -37,7 +40,7 @@ from hsd_opt.server.text import TextStream
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from hsd_opt.runtime.decode import HSD, GenerationResult
+    from hsd_opt.runtime.decode import HSD, GenerationResult, TokenLogprob
 
 log = logging.getLogger("hsd_opt.server")
 
@@ -57,6 +60,8 @@ class Outcome:
         prompt_tokens: tokens of the prompt.
         stats: :meth:`HSD.generate`'s stats (``GenerationResult.stats``), every committed token counted.
         queue_seconds: seconds the job waited before the worker took it.
+        logprobs: a :class:`~hsd_opt.runtime.decode.TokenLogprob` per returned id (log-probabilities asked for),
+            else None.
     """
 
     token_ids: list[int]
@@ -65,6 +70,7 @@ class Outcome:
     prompt_tokens: int
     stats: dict[str, Any]
     queue_seconds: float
+    logprobs: "list[TokenLogprob] | None" = None
 
 
 @dataclass(eq=False)
@@ -212,10 +218,12 @@ class JobQueue:
             self._done(job, on_tokens, res, err)
 
         try:
-            self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                           seed=req.seed, on_tokens=on_tokens, on_done=on_done,
-                           constraint=Constraint(req.grammar) if req.grammar is not None else None,
-                           task=JSON_TASK if req.grammar is not None else None)
+            entry = self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                   seed=req.seed, on_tokens=on_tokens, on_done=on_done,
+                                   constraint=Constraint(req.grammar) if req.grammar is not None else None,
+                                   task=JSON_TASK if req.grammar is not None else None, logprobs=req.logprobs)
+            if req.logprobs is not None:
+                on_tokens.logprobs = entry.decoding.logprobs
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug
             log.exception("generation failed")
             self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")
@@ -231,14 +239,17 @@ class JobQueue:
             return
         text, started = stream.text, stream.started
         rest = stream.held + text.finish()
-        if rest:
-            job.emit(("text", rest))
         ids = list(text.ids) if text.stopped else list(res.token_ids)
+        logprobs = res.logprobs[: len(ids)] if res.logprobs is not None else None
+        if rest or (logprobs is not None and stream.sent_logprobs < len(ids)):
+            if logprobs is not None:
+                job.emit(("logprobs", logprobs[stream.sent_logprobs:]))
+            job.emit(("text", rest))
         stopped = text.stopped or res.stats.get("stopped") == "eos"
         waited = (started[0] if started else time.perf_counter()) - job.submitted
         req = job.request
         self._end(job, "done", Outcome(ids, text.text, "stop" if stopped else "length", len(req.prompt_ids),
-                                       res.stats, waited))
+                                       res.stats, waited, logprobs))
 
     def _end(self, job: Job, kind: str, value: Any) -> None:
         self.counts[{"done": "completed", "cancelled": "cancelled", "error": "failed"}[kind]] += 1
@@ -250,7 +261,8 @@ class JobQueue:
 class _Stream:
     """A job's ``on_tokens``: streams the final text of the committed blocks (the first text at once, then once
     ``interval`` tokens were committed since the last sent; :attr:`held` is what waits), and asks to stop at a stop
-    string or when the job is cancelled."""
+    string or when the job is cancelled. With log-probabilities (:attr:`logprobs`: the decoding's growing list),
+    each text event follows a ``"logprobs"`` event with those of the tokens fed to the text since the last."""
 
     def __init__(self, job: Job, text: TextStream, interval: int = 1):
         self.job, self.text, self.interval = job, text, interval
@@ -258,6 +270,8 @@ class _Stream:
         self.held = ""          # final text not sent yet
         self._tokens = 0        # tokens committed since the last text sent
         self._sent = False
+        self.logprobs: "list[TokenLogprob] | None" = None
+        self.sent_logprobs = 0  # tokens whose log-probabilities were sent
 
     def __call__(self, block: list[int]) -> bool:
         if not self.started:
@@ -267,6 +281,10 @@ class _Stream:
         self.held += self.text.feed(block)
         self._tokens += len(block)
         if self.held and (not self._sent or self._tokens >= self.interval):
+            if self.logprobs is not None:
+                n = len(self.text.ids)
+                self.job.emit(("logprobs", self.logprobs[self.sent_logprobs:n]))
+                self.sent_logprobs = n
             self.job.emit(("text", self.held))
             self.held, self._tokens, self._sent = "", 0, True
         return self.text.stopped

@@ -3,12 +3,13 @@
 
 Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` (1 only) and ``response_format`` (``text``, ``json_object``,
+``stream_options.include_usage``, ``n`` (1 only), ``response_format`` (``text``, ``json_object``,
 ``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
-naming the problem); chat also ``tools`` and ``tool_choice`` (a function called under the grammar of its
-parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not
-supported (:data:`UNSUPPORTED`: log-probabilities, penalties, logit biases, echo, best-of, suffix) are a 400 when
-given a value other than their default; other fields (``user``, ``metadata``, ...) are ignored.
+naming the problem) and log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions:
+``logprobs`` 0 .. 20 alternatives); chat also ``tools`` and ``tool_choice`` (a function called under the grammar
+of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are
+not supported (:data:`UNSUPPORTED`: penalties, logit biases, echo, best-of, suffix) are a 400 when given a value
+other than their default; other fields (``user``, ``metadata``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
+from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS
 from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
@@ -72,7 +74,9 @@ class GenerationRequest:
     OpenAI API); ``top_p`` in (0, 1]; ``seed`` (None when the request gives none: a random one is drawn, and the
     request follows the load's plan, see :mod:`hsd_opt.runtime.batch`); ``stop``: up to 4
     non-empty strings; ``grammar``: what the output follows (``response_format``, or the function ``tool_choice``
-    calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message."""
+    calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message;
+    ``logprobs``: the alternatives listed with each generated token's log-probability (0 .. 20), None: no
+    log-probabilities."""
 
     kind: str
     model: str
@@ -86,6 +90,7 @@ class GenerationRequest:
     include_usage: bool
     grammar: Grammar | None = None
     tool: ToolCall | None = None
+    logprobs: int | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -107,8 +112,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 #: Fields the answer would depend on that this server does not compute, with the value that asks nothing of it
 #: (what clients send by default; absent or null too): any other value is a 400 naming the field rather than an
 #: answer without it.
-UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-               "echo": False, "best_of": 1, "suffix": ""}
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1,
+               "suffix": ""}
 
 
 def _asks_nothing(v: Any, default: Any) -> bool:
@@ -158,6 +163,27 @@ def _bool(body: dict, key: str) -> bool:
     if not isinstance(v, bool):
         raise bad_request(f"'{key}' must be a boolean, got {_type_name(v)}", key)
     return v
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The alternatives asked for with each token's log-probability (None: none asked): chat ``logprobs`` (a
+    boolean) with ``top_logprobs`` (0 .. 20, only with ``logprobs`` true); completions ``logprobs`` (0 .. 20,
+    as the OpenAI API's ``logprobs`` of ``/v1/completions``, whose own limit is 5)."""
+    if kind == "chat":
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be in 0 .. {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+        if top and not on:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if on else None
+    if not _asks_nothing(body.get("top_logprobs"), 0):
+        raise bad_request("'top_logprobs' is a field of chat completions; here 'logprobs' takes the number of "
+                          "alternatives", "top_logprobs")
+    n = _int(body, "logprobs")
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in 0 .. {MAX_TOP_LOGPROBS}, got {n}", "logprobs")
+    return n
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -351,6 +377,11 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
     include_usage = _bool(opts or {}, "include_usage") if stream else False
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None and kind == "chat" and parse_tool_choice(body, parse_tools(body)) is not None:
+        raise bad_request("'logprobs' with 'tools' is not supported: the answer may be a call, which has no "
+                          "tokens of its own in the response; leave 'logprobs' out or use tool_choice \"none\"",
+                          "logprobs")
     tool, grammar, told = _tool_call(body, info) if kind == "chat" else (None, None, "")
     grammar = _response_format(body, info) or grammar   # with a call: checked, free text only (_tool_call)
     try:
@@ -372,4 +403,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar, tool)
+                             grammar, tool, logprobs)

@@ -16,6 +16,9 @@ streamed, a delta opens the call (its ``id``, ``name`` and empty ``arguments``) 
 ``arguments`` (a call of one of several functions comes whole, its name being part of the answer:
 :class:`AnswerStream`).
 
+With log-probabilities asked for, ``logprobs`` holds them for the returned tokens (:func:`chat_logprobs`,
+:func:`completion_logprobs`); streamed, each chunk those of the tokens that came with its text.
+
 A stream is ``data: {chunk}\\n\\n`` events ending with ``data: [DONE]\\n\\n``; with
 ``stream_options.include_usage`` a last chunk before it holds ``usage`` and no choices.
 """
@@ -25,10 +28,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hsd_opt.server.jobs import Outcome
+from hsd_opt.server.text import token_bytes
 from hsd_opt.server.tools import ToolCall, as_call, new_call_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hsd_opt.runtime.decode import TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -66,6 +75,58 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
         "decode_seconds": s.get("decode_seconds"), "seconds": s.get("seconds"),
         "tokens_per_s": s.get("tokens_per_s"),
     }
+
+
+#: The least log-probability written (JSON has no -Infinity; the OpenAI API writes -9999.0 likewise).
+LOGPROB_FLOOR = -9999.0
+
+
+def _token(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> tuple[str, list[int]]:
+    b = token_bytes(tokenizer, token_id)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def _lp(v: float) -> float:
+    return max(float(v), LOGPROB_FLOOR)
+
+
+def chat_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}, ...]}, ...], "refusal": null}``, a token's text its bytes read as UTF-8 (a part of a
+    character reads as U+FFFD; ``bytes`` has them exactly)."""
+    content = []
+    for e in entries:
+        tok, b = _token(tokenizer, e.token)
+        top = []
+        for t, v in e.top:
+            ttok, tb = _token(tokenizer, t)
+            top.append({"token": ttok, "logprob": _lp(v), "bytes": tb})
+        content.append({"token": tok, "logprob": _lp(e.logprob), "bytes": b, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"],
+                        offset: int = 0) -> dict[str, Any]:
+    """A text completion's ``logprobs``: ``tokens`` (each token's text), ``token_logprobs``, ``top_logprobs`` (a
+    text -> log-probability object per token) and ``text_offset`` (where each token's text starts: ``offset``
+    plus the lengths of the tokens' texts before it)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        tok, _ = _token(tokenizer, e.token)
+        offsets.append(offset)
+        offset += len(tok)
+        tokens.append(tok)
+        values.append(_lp(e.logprob))
+        tops.append({_token(tokenizer, t)[0]: _lp(v) for t, v in e.top})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def logprobs_of(kind: str, tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"] | None,
+                offset: int = 0) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` of ``kind`` (None where none were asked for)."""
+    if entries is None:
+        return None
+    return chat_logprobs(tokenizer, entries) if kind == "chat" else completion_logprobs(tokenizer, entries, offset)
 
 
 def call_finish(finish_reason: str) -> str:
@@ -133,14 +194,16 @@ class AnswerStream:
 
 
 def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome,
-                    tool: ToolCall | None = None) -> dict[str, Any]:
-    """The whole (non-streamed) response (a chat answer that is a function call where ``tool`` says so)."""
+                    tool: ToolCall | None = None, tokenizer: "PreTrainedTokenizerBase | None" = None) -> dict[str, Any]:
+    """The whole (non-streamed) response (a chat answer that is a function call where ``tool`` says so; the
+    ``tokenizer`` writes the tokens of log-probabilities, where the outcome has them)."""
+    lps = logprobs_of(kind, tokenizer, o.logprobs) if tokenizer is not None else None
     if kind == "chat":
         message, finish = chat_message(o, tool)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+        choice = {"index": 0, "text": o.text, "logprobs": lps, "finish_reason": o.finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": [choice], "usage": usage(o), "hsd": hsd_figures(o)}
@@ -148,10 +211,10 @@ def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome,
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
           finish_reason: str | None = None, extra: dict[str, Any] | None = None,
-          calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One stream chunk: new ``text`` (chat: ``delta.content``), the chat's opening ``role`` delta, a function
     call's delta (``calls``: :func:`tool_calls`), or the closing chunk with ``finish_reason`` (and ``extra`` fields
-    such as ``hsd``)."""
+    such as ``hsd``); ``logprobs``: those of the chunk's tokens (:func:`logprobs_of`)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -160,10 +223,10 @@ def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None
             delta = {"tool_calls": calls}
         elif text is not None:
             delta = {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
            "choices": [choice]}

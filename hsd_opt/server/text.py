@@ -125,3 +125,31 @@ class TextStream:
         if self.stopped:
             return ""
         return self._advance(self._decode(), final=True)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """The byte-level BPE alphabet back to bytes (GPT-2's ``bytes_to_unicode``, inverted): printable bytes stand
+    for themselves, the others for the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
+    """The bytes token ``token_id`` stands for: a byte-level BPE token's own bytes (part of a character, maybe),
+    else its text alone in UTF-8 (special tokens included)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if type(getattr(backend, "decoder", None)).__name__ == "ByteLevel":
+        piece = tokenizer.convert_ids_to_tokens(int(token_id))
+        if isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([int(token_id)]).encode("utf-8")
