@@ -66,6 +66,18 @@ def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
     n_prompt = sum(len(encode_prompt(loaded.tokenizer, x["prompt"])) for x in lines) - head
     assert [x["stats"]["prefill_tokens"] for x in lines][0] == len(encode_prompt(loaded.tokenizer, lines[0]["prompt"]))
     assert re.search(rf"prefill: tokens, seconds\s*│\s*{n_prompt}, \d+\.\d{{3}} \(\d+\.\d tok/s\)", _out(res))
+    # log-probabilities in the lines: the target's own, the same tokens
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "9",
+                              "--json", str(out), "--device", "cpu", "--logprobs", "3", "--quiet"])
+    assert res.exit_code == 0, _out(res)
+    with_lp = [json.loads(x) for x in out.read_text().splitlines()]
+    for x, y in zip(lines, with_lp):
+        assert y["token_ids"] == x["token_ids"]
+        want = ar.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 9, logprobs=3).logprobs
+        assert [e["token_id"] for e in y["logprobs"]] == x["token_ids"]
+        assert [e["logprob"] for e in y["logprobs"]] == [w.logprob for w in want]
+        assert [e["top"] for e in y["logprobs"]] == [[list(t) for t in w.top] for w in want]
+        assert "".join(e["token"] for e in y["logprobs"]).startswith(x["text"][:3])
     # sampling, raw prompt, eager mode
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "abc", "--raw", "--temperature", "0.7",
                               "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "5", "--mode", "eager"])
@@ -160,6 +172,8 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--temperature", "1", "--seed", str(2**64)], "--seed: expected a 64-bit integer"),
     (["--prompt", "hi", "--target-precision", "int4"], "provenance.target_precision"),
     (["--prompt", "hi", "--json", "TMPDIR"], "is a directory"),
+    (["--prompt", "hi", "--logprobs", "2"], "give --json FILE"),
+    (["--prompt", "hi", "--logprobs", "21", "--json", "x.jsonl"], "--logprobs: expected 0 .. 20"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")

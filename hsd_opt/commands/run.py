@@ -144,16 +144,24 @@ def run_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="Do not stream the text."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help=JSON_SCHEMA_HELP),
     grammar: Optional[Path] = typer.Option(None, "--grammar", help=GRAMMAR_HELP),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="With --json: each generated token's "
+                                                                    "log-probability under the target and its N "
+                                                                    "most likely alternatives (0 .. 20)."),
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
+    from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_generation_args, check_mode
+    from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS, check_generation_args, check_mode
     from hsd_opt.runtime.runner import plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise HsdError(f"--logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+    if logprobs is not None and json_out is None:
+        raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
     check_mode(mode)
     check_outputs(("--json", json_out))
     check_turn_mode(turns)
@@ -169,7 +177,8 @@ def run_cmd(
     for it in items:
         which = plan_for_prompt(p, it.task, per_task)[3]
         for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
-                                     max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index)):
+                                     max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index),
+                                     logprobs):
             lines.append(line)
             gens.append(gen)
     _print_run(gens, by, plans, mode)
@@ -221,10 +230,11 @@ def _streamer(tok, quiet: bool):
 
 def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool, max_new_tokens: int,
                 temperature: float, top_p: float, seed: int, quiet: bool,
-                grammar=None) -> list[tuple[dict, object]]:
+                grammar=None, logprobs: int | None = None) -> list[tuple[dict, object]]:
     """Generate every turn of the prompt ``it`` (``turns``) with the runner ``h`` of plan ``which``, each turn after
     the model's own answers to the previous ones, streaming the text unless ``quiet``: one ``(JSON line,
-    Generation)`` per turn (:func:`_turn_record`). ``grammar``: what every turn's output follows (None: none)."""
+    Generation)`` per turn (:func:`_turn_record`). ``grammar``: what every turn's output follows (None: none);
+    ``logprobs``: the alternatives listed with each token's log-probability in the line (None: none)."""
     from hsd_opt.grammar.constraint import Constraint
     from hsd_opt.prompts import conversation_ids, user_turns
 
@@ -234,13 +244,25 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
         ids = conversation_ids(tok, it.turns, answers, raw)
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                          on_tokens=_streamer(tok, quiet),
-                         constraint=Constraint(grammar) if grammar is not None else None)
+                         constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs)
         if not quiet:
             sys.stdout.write("\n")
         answer = tok.decode(res.token_ids, skip_special_tokens=True)
         answers.append(answer)
-        out.append(_turn_record(p, it, k, text, which, per_task, len(ids), res, answer))
+        line, gen = _turn_record(p, it, k, text, which, per_task, len(ids), res, answer)
+        if res.logprobs is not None:
+            line["logprobs"] = _logprobs_line(tok, res.logprobs)
+        out.append((line, gen))
     return out
+
+
+def _logprobs_line(tok, entries) -> list[dict]:
+    """The ``logprobs`` of a ``--json`` line: per generated token ``token_id``, ``token`` (its text),
+    ``logprob`` and ``top`` (``[[id, logprob], ...]``, most likely first)."""
+    from hsd_opt.server.text import token_bytes
+
+    return [{"token_id": e.token, "token": token_bytes(tok, e.token).decode("utf-8", errors="replace"),
+             "logprob": e.logprob, "top": [[t, v] for t, v in e.top]} for e in entries]
 
 
 def _turn_record(p, it, k: int, text: str, which: str, per_task: bool, prompt_tokens: int, res, answer: str):
