@@ -15,9 +15,10 @@ round and from level to level (over as many rounds as methods, each method runs 
 what runs before a method, llama.cpp's server for one, changes its figures). Before each method's level the sweep
 waits ``--settle`` seconds and sends one 8-token request (not measured: a server idle while the others ran starts
 from cold caches). Then ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the
-other (the suite's prompts in turn, ``--max-tokens`` new tokens each), all starting together. The `hsd serve`
-processes start once and stay up (an idle one costs nothing; all three hold the model, so a large model needs the
-memory of three); llama.cpp's server is started per level with ``--parallel c``.
+other (the suite's prompts in turn, ``--max-tokens`` new tokens each; with ``--temperature T [--top-p P]``
+sampled, unseeded, as a client that leaves the OpenAI API's default temperature of 1 asks), all starting together.
+The `hsd serve` processes start once and stay up (an idle one costs nothing; all three hold the model, so a large
+model needs the memory of three); llama.cpp's server is started per level with ``--parallel c``.
 
 - ``hsd``: ``hsd serve --plan PLAN --max-batch MAX`` (the plan's hierarchy per load level when it has ``by_load``;
   with ``--retime PROFILE``, chosen again at start at the speed of the moment, as ``hsd serve --retime`` does).
@@ -95,7 +96,7 @@ def free_port() -> int:
 
 
 def load_level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-               timeout: float) -> dict:
+               timeout: float, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """``clients`` threads x ``requests`` streamed requests each, started together; the figures of the level."""
     from openai import OpenAI
 
@@ -109,7 +110,7 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
         for k in range(requests):
             j = (i * requests + k) % len(prompts)
             try:
-                results.append((j, stream_once(c, model, "chat", prompts[j], max_tokens)))
+                results.append((j, stream_once(c, model, "chat", prompts[j], max_tokens, temperature, top_p)))
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e)[:300])
 
@@ -241,6 +242,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
     ap.add_argument("--rounds", type=int, default=1, help="sweeps over the levels (in turn, then reversed)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: every request samples (unseeded), and answers are not compared with the plan's")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
     ap.add_argument("--max-batch", type=int, default=16)
@@ -303,7 +307,7 @@ def main() -> None:
                                     "--stream-interval", str(a.stream_interval), *extra],
                                    r"ready: .* at (http://\S+/v1)", a.timeout, env)
         report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "retime": a.retime,
-                  "max_tokens": a.max_tokens,
+                  "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
                   "stream_interval": a.stream_interval,
                   "host": host(), "cpu_count": os.cpu_count(),
@@ -339,7 +343,8 @@ def main() -> None:
                         predictor.retime(h, mb)
                     warm_up(url, name, prompts[0])
                     ticks = cpu_ticks()
-                    r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout)
+                    r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout, a.temperature,
+                                   a.top_p)
                     r["steal_fraction"] = steal_between(ticks, cpu_ticks())
                     if timed:
                         r.update(predictor.after(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests),
@@ -347,7 +352,7 @@ def main() -> None:
                 finally:
                     if proc is not None:
                         stop(proc)
-                if m in HSD_METHODS:
+                if m in HSD_METHODS and a.temperature == 0:
                     r["equal_to_plan"] = all(ids == refs[j] for j, ids in r["answers"])
                 if m == "hsd":
                     r["predicted_aggregate_tokens_per_s"], r["load_hierarchy"] = predicted(a.plan, c)
