@@ -15,13 +15,7 @@ from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, MAX_TOP_LOGPROBS, Level
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, engine_logits, make_tiny_llama
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -133,26 +127,21 @@ def test_embedded_logprobs_on_the_kernels(embedded):
     from hsd_opt.models.loading import eos_token_ids
     from hsd_opt.prompts import encode_prompt
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lm = LayeredLM(embedded.model)
-        q4 = QuantizedLM(embedded.model, bits=4)
-        assert lm.uses_kernels
-        eos = eos_token_ids(embedded)
-        prompt = encode_prompt(embedded.tokenizer, "Write a Python function that reverses a list.")
-        for target in (lm, q4):
-            L = target.n_layers
-            ref = HSD([Level("target", target, L)], [], eos_ids=eos).generate(prompt, 12).token_ids
-            rows = _reference_rows(target, prompt, ref)
-            for levels, budgets in (([Level("target", target, L)], []),
-                                    ([Level("ngram", drafter=make_token_drafter("ngram_context", q=2, w=4)),
-                                      Level("layer20", target, 20), Level("target", target, L)], [2, 4])):
-                res = HSD(levels, budgets, eos_ids=eos).generate(prompt, 12, logprobs=5)
-                assert res.token_ids == ref
-                _check(res, rows, 5)
-    finally:
-        torch.set_num_threads(n)
+    lm = LayeredLM(embedded.model)
+    q4 = QuantizedLM(embedded.model, bits=4)
+    assert lm.uses_kernels
+    eos = eos_token_ids(embedded)
+    prompt = encode_prompt(embedded.tokenizer, "Write a Python function that reverses a list.")
+    for target in (lm, q4):
+        L = target.n_layers
+        ref = HSD([Level("target", target, L)], [], eos_ids=eos).generate(prompt, 12).token_ids
+        rows = _reference_rows(target, prompt, ref)
+        for levels, budgets in (([Level("target", target, L)], []),
+                                ([Level("ngram", drafter=make_token_drafter("ngram_context", q=2, w=4)),
+                                  Level("layer20", target, 20), Level("target", target, L)], [2, 4])):
+            res = HSD(levels, budgets, eos_ids=eos).generate(prompt, 12, logprobs=5)
+            assert res.token_ids == ref
+            _check(res, rows, 5)
 
 
 def test_token_bytes_of_a_byte_level_tokenizer_join_into_its_text(embedded):

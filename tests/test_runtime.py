@@ -15,14 +15,7 @@ from hsd_opt.runtime.decode import HSD, Decoding, Level
 from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run ~25x faster on one thread than with OpenMP threads fighting over 2 shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ar(lm, prompt, n, eos=()):
