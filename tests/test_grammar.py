@@ -225,6 +225,25 @@ def test_greedy_hsd_under_a_grammar_equals_masked_autoregressive_decoding(compil
         assert out.token_ids == ref.token_ids, (kind, prompt)
 
 
+def test_log_probabilities_under_a_grammar_are_the_raw_targets_and_change_no_token(compiler, engine):
+    """Under a grammar (forced tokens included, which a lone target otherwise takes without a pass), the tokens
+    with log-probabilities are the masked decoding's, and each value is the target's unmasked log-softmax there."""
+    from tests.helpers import engine_logits
+
+    for kind in ("ar", "cycle-exit"):
+        levels, budgets = _levels(engine)[kind]
+        for prompt in PROMPTS[:2]:
+            ref = _stepwise_masked_greedy(engine, prompt, 60, _schema(compiler))
+            res = HSD(levels, budgets, eos_ids=[EOS]).generate(prompt, 60, constraint=Constraint(_schema(compiler)),
+                                                                logprobs=2)
+            assert res.token_ids == ref
+            rows = torch.log_softmax(engine_logits(engine, torch.tensor(prompt + ref), len(prompt)), -1)
+            rows = rows[len(prompt) - 1:]
+            assert [e.logprob for e in res.logprobs] == [float(rows[i, t]) for i, t in enumerate(ref)]
+            assert [[v for _, v in e.top] for e in res.logprobs] == [rows[i].topk(2).values.tolist()
+                                                                     for i in range(len(ref))]
+
+
 def test_greedy_under_a_grammar_in_a_batch_equals_alone(compiler, engine):
     """Sequences with and without a grammar share passes; each gets what it gets alone."""
     levels, budgets = _levels(engine)["cycle-exit"]
