@@ -259,9 +259,9 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
 def _logprobs_line(tok, entries) -> list[dict]:
     """The ``logprobs`` of a ``--json`` line: per generated token ``token_id``, ``token`` (its text),
     ``logprob`` and ``top`` (``[[id, logprob], ...]``, most likely first)."""
-    from hsd_opt.server.text import token_bytes
+    from hsd_opt.server.text import token_text
 
-    return [{"token_id": e.token, "token": token_bytes(tok, e.token).decode("utf-8", errors="replace"),
+    return [{"token_id": e.token, "token": token_text(tok, e.token),
              "logprob": e.logprob, "top": [[t, v] for t, v in e.top]} for e in entries]
 
 

@@ -311,14 +311,19 @@ def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
     return _compile(spec, info, where)
 
 
-def _tool_call(body: dict, info: ModelInfo) -> tuple[ToolCall | None, Grammar | None, str]:
+def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolCall | None, Grammar | None, str]:
     """A chat request's function call (``tools``, ``tool_choice``): the call, the grammar of its answer and the
-    instruction for the prompt; ``(None, None, "")`` for none. A 400 naming the field for a malformed one, or for
-    a call asked together with a ``response_format`` that constrains the answer."""
+    instruction for the prompt; ``(None, None, "")`` for none. A 400 naming the field for a malformed one, for a
+    call asked together with a ``response_format`` that constrains the answer, or with log-probabilities
+    (``logprobs`` not None)."""
     tools = parse_tools(body)
     call = parse_tool_choice(body, tools)
     if call is None:
         return None, None, ""
+    if logprobs is not None:
+        raise bad_request("'logprobs' with 'tools' is not supported: the answer may be a call, which has no "
+                          "tokens of its own in the response; leave 'logprobs' out or use tool_choice \"none\"",
+                          "logprobs")
     rf = body.get("response_format")
     if isinstance(rf, dict) and rf.get("type", "text") != "text":
         raise bad_request("'response_format' and 'tools' ask for two different answers (with tools the answer is a "
@@ -378,11 +383,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
     include_usage = _bool(opts or {}, "include_usage") if stream else False
     logprobs = _logprobs(body, kind)
-    if logprobs is not None and kind == "chat" and parse_tool_choice(body, parse_tools(body)) is not None:
-        raise bad_request("'logprobs' with 'tools' is not supported: the answer may be a call, which has no "
-                          "tokens of its own in the response; leave 'logprobs' out or use tool_choice \"none\"",
-                          "logprobs")
-    tool, grammar, told = _tool_call(body, info) if kind == "chat" else (None, None, "")
+    tool, grammar, told = _tool_call(body, info, logprobs) if kind == "chat" else (None, None, "")
     grammar = _response_format(body, info) or grammar   # with a call: checked, free text only (_tool_call)
     try:
         if kind == "chat":

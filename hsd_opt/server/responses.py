@@ -31,7 +31,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hsd_opt.server.jobs import Outcome
-from hsd_opt.server.text import token_bytes
+from hsd_opt.server.text import bytes_text, token_bytes, token_text
 from hsd_opt.server.tools import ToolCall, as_call, new_call_id
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ LOGPROB_FLOOR = -9999.0
 
 def _token(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> tuple[str, list[int]]:
     b = token_bytes(tokenizer, token_id)
-    return b.decode("utf-8", errors="replace"), list(b)
+    return bytes_text(b), list(b)
 
 
 def _lp(v: float) -> float:
@@ -112,12 +112,12 @@ def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence[
     plus the lengths of the tokens' texts before it)."""
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
-        tok, _ = _token(tokenizer, e.token)
+        tok = token_text(tokenizer, e.token)
         offsets.append(offset)
         offset += len(tok)
         tokens.append(tok)
         values.append(_lp(e.logprob))
-        tops.append({_token(tokenizer, t)[0]: _lp(v) for t, v in e.top})
+        tops.append({token_text(tokenizer, t): _lp(v) for t, v in e.top})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

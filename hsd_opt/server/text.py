@@ -29,10 +29,14 @@ def decodes_by_concatenation(tokenizer: "PreTrainedTokenizerBase") -> bool:
     tokenizer whose decoder is byte-level (each token's bytes joined, then read as UTF-8 with replacement) and
     that cleans up no spaces. Other decoders (SentencePiece's, which strip the first space; WordPiece's) are
     decoded whole every time."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    return (type(decoder).__name__ == "ByteLevel"
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    return _byte_level(tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+
+
+def _byte_level(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether ``tokenizer`` is a fast tokenizer with a byte-level decoder (each token's bytes joined, then read as
+    UTF-8)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
 
 
 class TextStream:
@@ -147,9 +151,18 @@ _BYTE_LEVEL = _byte_level_table()
 def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
     """The bytes token ``token_id`` stands for: a byte-level BPE token's own bytes (part of a character, maybe),
     else its text alone in UTF-8 (special tokens included)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if type(getattr(backend, "decoder", None)).__name__ == "ByteLevel":
+    if _byte_level(tokenizer):
         piece = tokenizer.convert_ids_to_tokens(int(token_id))
         if isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
     return tokenizer.decode([int(token_id)]).encode("utf-8")
+
+
+def bytes_text(b: bytes) -> str:
+    """A token's bytes read as UTF-8 (a part of a character reads as U+FFFD)."""
+    return b.decode("utf-8", errors="replace")
+
+
+def token_text(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> str:
+    """Token ``token_id`` alone as text: :func:`bytes_text` of :func:`token_bytes`."""
+    return bytes_text(token_bytes(tokenizer, token_id))
