@@ -78,4 +78,4 @@ def test_every_x86_variant_this_cpu_runs_gives_the_portable_bytes(cases, tmp_pat
     out = _run([str(_build(kernels.compiler(), variant, openmp, tmp_path / "check")), str(cases)])
     features = int(out.splitlines()[0].rsplit(" ", 1)[1])
     assert features & ~variants.OPENMP == variant.features and bool(features & variants.OPENMP) == openmp
-    assert "ok     hsd_layers" in out and "ok     hsd_screen_pick" in out
+    assert "ok     hsd_layers" in out and "ok     hsd_screen_pick" in out and "ok     hsd_screen_pick offsets" in out

@@ -213,6 +213,29 @@ def test_sampled_answers_depend_on_their_seed_only(tiny):
     assert [r.token_ids for r in got] == want
 
 
+def test_draws_by_noise_depend_on_their_seed_only(tiny):
+    """Sampled at top-p 1 over a token drafter, the target draws by noise through its screen (picks); a seeded
+    sequence's tokens are those it draws alone, whatever shares its passes: a batch of five reads up to twenty
+    rows of the target at once, past the screen's sixteen (the picks then read the logits), and the same draws
+    come out."""
+    if not HAVE_KERNELS:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    eng = LayeredLM(tiny)
+    assert eng.picks_cheaply
+    h = HSD([Level("cycle", drafter=CycleDrafter(64)), Level("layer4", eng, 4)], [3], eos_ids=[2])
+    prompts = _prompts(5, seed=21)
+    seeds = [31, 32, 33, 34, 35]
+    want = [h.generate(p, 24, temperature=1.0, seed=s).token_ids for p, s in zip(prompts, seeds)]
+    assert len({tuple(w) for w in want}) == 5
+    rows: list[int] = []
+    picks_many = eng.picks_many
+    eng.picks_many = lambda reads: rows.append(sum(s1 - s0 for _, _, s0, s1 in reads)) or picks_many(reads)
+    for active in (2, 5):
+        got = generate_many(h, prompts, 24, max_active=active, temperature=1.0, seeds=seeds)
+        assert [r.token_ids for r in got] == want, active
+    assert max(rows) > 16 and min(rows) <= 16
+
+
 def test_a_stop_asked_after_a_block_ends_only_that_sequence(tiny):
     eng = LayeredLM(tiny)
     _, h2, ar = _hierarchies(tiny, eng)

@@ -145,6 +145,55 @@ def test_sampling_is_reproducible(peaky):
     assert a == b and len(a) == 10
 
 
+class GreedyDrafter(CycleDrafter):
+    """Proposes the target's own greedy continuation: drafts that a draw often takes (a peaky target), so that a
+    wrong correction after a rejection shows in the counts."""
+
+    name = "greedy"
+
+    def __init__(self, model):
+        super().__init__(V)
+        self.model = model
+
+    def propose(self, context, n):
+        ctx = list(context)
+        with torch.no_grad():
+            for _ in range(n):
+                ctx.append(int(self.model(torch.tensor([ctx])).logits[0, -1].argmax()))
+        return ctx[len(context):]
+
+
+def _target_passes(h: HSD, temperature: float, top_p: float = 1.0) -> list[bool]:
+    """``picks`` of every pass of the target (its top level) in one generation."""
+    passes: list[Pass] = []
+    d = h.start(PROMPT, K, temperature=temperature, top_p=top_p, seed=0)
+    try:
+        d.run(on_pass=passes.append)
+    finally:
+        d.close()
+    top = h.levels[-1]
+    return [p.picks for p in passes if p.engine is top.engine and p.boundary == top.boundary]
+
+
+def test_draws_by_noise_through_the_screen_follow_the_targets_distribution(peaky):
+    """At top-p 1 the target alone and the target over a token drafter draw by the Gumbel-max form (every target
+    pass ends in picks through the head's int8 screen): the samples follow the target's distribution at two
+    temperatures, and the wrong correction (a fresh draw after a rejection) fails. Top-p takes the distributions."""
+    model, lm = peaky
+    assert lm.picks_cheaply
+    for temperature in (1.0, 0.6):
+        probs = _exact(model, temperature, 1.0)
+        alone = HSD([Level("layer4", lm, 4)], [])
+        over = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2])
+        for h in (alone, over):
+            assert all(_target_passes(h, temperature))
+            p_ok = _pvalue(h, probs, temperature, 1.0)
+            assert p_ok > 1e-3, (temperature, p_ok)
+    bad = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2], residual=False)
+    assert _pvalue(bad, _exact(model, 1.0, 1.0), 1.0, 1.0) < 1e-6
+    assert not any(_target_passes(HSD([Level("layer4", lm, 4)], []), 1.0, top_p=0.9))
+
+
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The definition: sort the whole vocabulary, drop tokens whose preceding mass reaches top_p, renormalise."""
     p = torch.softmax(logits.float() / temperature, dim=-1)

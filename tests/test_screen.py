@@ -210,3 +210,72 @@ def test_the_screens_kernels_refuse_an_activation_range_below_one():
             kernels.screen_bounds(LIB, h, screen.c, screen.wnorm, q16)
         with pytest.raises(HsdError):
             kernels.screen_pick(LIB, screen.head, h, a, screen.c, screen.wnorm, 8, q16)
+
+
+def _gumbel(shape, g: torch.Generator, temperature: float) -> torch.Tensor:
+    from hsd_opt.runtime.sampling import LEAST_UNIFORM
+
+    u = torch.rand(shape, generator=g).clamp_min_(LEAST_UNIFORM)
+    return -(-u.log()).log() * temperature
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 0.7, 1.0, 3.0])
+def test_a_pick_with_offsets_equals_the_argmax_of_the_logits_plus_them(temperature):
+    """The screen's pick of ``logits + offsets`` (sampling by noise, Gumbel-max) is ``(logits + offsets).argmax``
+    bit for bit: random noise at several temperatures, exact and near ties in the logits, and offsets that make
+    two rows' sums tie exactly (the first wins)."""
+    w = _head(4000, 64, 11)
+    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
+    w[2000] = w[1000]                                   # equal logits: equal sums where the offsets are equal
+    screen = HeadScreen(LIB, Mat.in_place(w))
+    g = torch.Generator().manual_seed(12)
+    checked = 0
+    for trial in range(120):
+        m = 1 + trial % 4
+        h = torch.randn(m, 64, generator=g) * (0.05 + trial / 20)
+        o = _gumbel((m, 4000), g, temperature)
+        if trial % 4 == 0:                              # a tie of sums: rows 1000 and 2000 lead, equal
+            h[0] = w[1000] * 3
+            o[0, 2000] = o[0, 1000] = o[0].max() + 1
+        full = kernels.linear(LIB, screen.head, h)
+        want = (full + o).argmax(-1)
+        got = screen.pick(h, screen.logits(h), o)
+        if got is not None:
+            assert torch.equal(got, want), trial
+            checked += 1
+        if trial % 4 == 0:
+            assert want[0] == 1000
+    assert checked > 100
+    bad = _gumbel((1, 4000), g, 1.0)
+    bad[0, 7] = float("inf")                            # an offset not finite: the caller computes the logits
+    h = torch.randn(1, 64, generator=g)
+    assert screen.pick(h, screen.logits(h), bad) is None
+
+
+def test_engine_picks_equal_the_argmax_of_each_reads_logits_plus_offsets(monkeypatch):
+    """``picks_many``: reads with at most MAX_POSITIONS rows in all through the screen (one int16 read), more
+    over their logits; either way row i's pick is ``(logits[i] + offsets).argmax()`` of that read alone."""
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    assert eng.picks_cheaply
+    g = torch.Generator().manual_seed(6)
+    sts = []
+    for n in (9, 14, 6, 11, 20):
+        st = eng.new_state(32)
+        eng.append(st, torch.randint(3, 64, (n,), generator=g))
+        eng.advance(st, 4)
+        sts.append(st)
+    screened = []
+    logits = eng._screen.logits
+    monkeypatch.setattr(eng._screen, "logits", lambda h: screened.append(h.shape[0]) or logits(h))
+    for rows in ([1], [3, 1], [4, 4, 4, 4], [9, 8], [5, 7, 5]):
+        reads = [(st, 4, st.n - r, st.n) for st, r in zip(sts, rows)]
+        screened.clear()
+        got = eng.picks_many(reads)
+        assert screened == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else []), rows
+        for (st, b, s0, s1), picks in zip(reads, got):
+            lg = eng.logits(st, b, s0, s1)
+            assert picks.rows == s1 - s0
+            for i in range(picks.rows):
+                for _ in range(3):
+                    o = _gumbel(lg.shape[1], g, 1.0)
+                    assert picks.pick(i, o) == int((lg[i] + o).argmax())

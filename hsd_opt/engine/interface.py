@@ -19,6 +19,16 @@ ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
 
 
+class Picks(Protocol):
+    """The rows of one read ready for draws (:mod:`hsd_opt.engine.picks`): ``rows`` of them."""
+
+    rows: int
+
+    def pick(self, i: int, offsets: torch.Tensor) -> int:
+        """``argmax(logits[i] + offsets)`` (first index on ties, each sum rounded to float32): ``offsets`` ``[V]``
+        float32, finite."""
+
+
 class Backend(Protocol):
     """Runs decoder layers and the LM head of one model's weights."""
 
@@ -85,6 +95,14 @@ class Engine(Protocol):
 
     def greedy_ids_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:
         """:meth:`greedy_ids` of several reads, each as it is alone."""
+
+    @property
+    def picks_cheaply(self) -> bool:
+        """Whether :meth:`picks_many` reads less than every logit (a float32 head's int8 screen)."""
+
+    def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
+        """The rows of several reads ready for draws by offsets (:class:`Picks`), each row's picks those of its
+        :meth:`logits` row."""
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """The exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""

@@ -251,8 +251,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_screen_bounds.restype = ctypes.c_int
     lib.hsd_screen_bounds.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
     lib.hsd_screen_pick.restype = ctypes.c_int
-    lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, ctypes.c_int,
-                                    _P, ctypes.c_int]
+    lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
+                                    ctypes.c_int, _P, ctypes.c_int]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     return lib
@@ -687,17 +687,24 @@ def screen_bounds(lib, x: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor, q1
 
 
 def screen_pick(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor,
-                cap: int, q16: int, nthreads: int | None = None) -> torch.Tensor | None:
+                cap: int, q16: int, nthreads: int | None = None,
+                offsets: torch.Tensor | None = None) -> torch.Tensor | None:
     """Greedy ids ``[m]`` (int64) of the float32 ``head`` at normed hidden ``x`` ``[m, d]`` from the screen's
     logits ``a`` ``[m, V]``: the argmax over the rows whose bound (:func:`screen_bounds` with the same ``q16``)
     reaches the highest lower bound, their logits computed as :func:`rows_f32` computes them (first index on
-    ties). None when ``x`` or ``a`` holds a value that is not finite or a position has more than ``cap``
-    candidates."""
+    ties). ``offsets`` ``[m, V]`` float32 (finite): the argmax of the logits plus them instead (each sum rounded to
+    float32, as ``(logits + offsets).argmax(-1)``; the bound widened for the sums' rounding). None when ``x``,
+    ``a`` or ``offsets`` holds a value that is not finite or a position has more than ``cap`` candidates."""
     x, a = x.float().contiguous(), a.float().contiguous()
     if a.shape != (x.shape[0], head.rows) or x.shape[1] != head.cols:
         raise HsdError("kernels: bad screen call")
+    if offsets is not None:
+        offsets = offsets.float().contiguous()
+        if offsets.shape != a.shape:
+            raise HsdError("kernels: bad screen call")
     out = torch.empty(x.shape[0], dtype=torch.int64)
     rc = lib.hsd_screen_pick(ctypes.byref(_struct(head)), x.data_ptr(), x.shape[0], q16, a.data_ptr(),
+                             None if offsets is None else offsets.data_ptr(),
                              c.data_ptr(), wnorm.data_ptr(), cap, out.data_ptr(),
                              nthreads or torch.get_num_threads())
     if rc < 0:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies, triton_attention
-from hsd_opt.engine.interface import ExitHead
+from hsd_opt.engine.interface import ExitHead, Picks
+from hsd_opt.engine.picks import LogitPicks, ScreenPicks
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
 from hsd_opt.engine.torch_path import TorchPath
@@ -658,6 +659,33 @@ class LayeredLM:
         hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
         ids = self._screen.argmax(self._kernels.normed(hidden))
         return None if ids is None else list(ids.split(sizes))
+
+    @property
+    def picks_cheaply(self) -> bool:
+        """Whether :meth:`picks_many` reads the model's own head through its int8 screen (a float32 head on the
+        kernels) rather than computing every logit."""
+        return self._screen is not None
+
+    @torch.no_grad()
+    def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
+        """The rows of several ``(state, boundary, start, end)`` reads ready for draws
+        (:mod:`hsd_opt.engine.picks`): ``pick(i, offsets)`` is ``argmax(logits[i] + offsets)`` of row ``i``, bit
+        for bit what :meth:`logits` gives it. Through the head's int8 screen where :meth:`_screened_ids` would take
+        the reads (the screen logits of every row in one call); else over the logits (:meth:`logits_many`)."""
+        sizes = [s1 - s0 for _, _, s0, s1 in reads]
+        if (self._screen is not None and reads and sum(sizes) <= screen.MAX_POSITIONS
+                and not any(b in self.exit_heads for _, b, _, _ in reads)):
+            for st, b, _, s1 in reads:
+                _check_computed(st, b, s1)
+            hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+            normed = self._kernels.normed(hidden)
+            a = self._screen.logits(normed)
+            if a is not None:
+                out: list[Picks] = []
+                for h, n, ra in zip(hidden.split(sizes), normed.split(sizes), a.split(sizes)):
+                    out.append(ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0]))
+                return out
+        return [LogitPicks(lg) for lg in self.logits_many(reads)]
 
     @torch.no_grad()
     def logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:

@@ -20,7 +20,10 @@ candidates' logits are then computed by the same float32 kernel operations as th
 (:func:`~hsd_opt.engine.kernels.rows_f32`), so the argmax over them (first index on ties, as ``torch.argmax``) is
 the argmax over the whole vocabulary, bit for bit.
 
-Only for greedy decoding (sampling needs every probability), and only where it pays: passes over at most
+Sampling by the largest of the logits plus noise (Gumbel-max) asks the same question of the logits plus offsets
+(:meth:`HeadScreen.pick`): the candidates are the rows whose interval, shifted by their offset and widened for the
+rounding of the sums, reaches the highest shifted lower bound. Otherwise only for greedy decoding, and only where it
+pays: passes over at most
 :data:`MAX_POSITIONS` positions (batched decode steps and verify passes); a head
 with a bias, non-finite values or a flat distribution (more than :data:`MAX_CANDIDATES` candidates) gets the full
 logits. On SmolLM2-135M a decode position has two candidates (median).
@@ -97,6 +100,14 @@ class HeadScreen:
         """The screen logits ``a`` ``[m, V]`` of the int8 copy at normed hidden ``h`` ``[m, d]`` float32, the
         activation quantized to int16 with one scale per position; None for ``h`` with values not finite."""
         return kernels.screen_i16(self.lib, self.packed, self.scale, self.head.rows, h)
+
+    def pick(self, h: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+        """Ids ``[m]`` (int64) of ``argmax(linear(head, h) + offsets)`` (first index on ties) at normed hidden ``h``
+        ``[m, d]``, from the screen logits ``a`` ``[m, V]`` of :meth:`logits` and finite ``offsets`` ``[m, V]``
+        float32; None where the screen steps aside (more than :data:`MAX_CANDIDATES` candidates, values not
+        finite): the caller computes the logits."""
+        return kernels.screen_pick(self.lib, self.head, h.float().contiguous(), a, self.c, self.wnorm,
+                                   MAX_CANDIDATES, self.q16, offsets=offsets)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Greedy token ids ``[m]`` (int64) of the head at normed hidden ``h`` ``[m, d]``, equal to

@@ -17,9 +17,10 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    compute one (a draft model taken on mid-sequence would compute them all, a cost the latency model does not price);
    a copy the sequence held but did not run for a while takes them again too, instead of computing what it missed;
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
-   (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``logits_many``), so a decode
-   step of eight sequences reads each weight once, not eight times: the largest group of one engine (on a tie, the
-   engine lowest in the hierarchies), and every group with a sequence that has waited ``max_wait`` ticks. Every round
+   (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``picks_many`` /
+   ``logits_many``), so a decode step of eight sequences reads each weight once, not eight times: the largest group
+   of one engine (on a tie, the engine lowest in the hierarchies), and every group with a sequence that has waited
+   ``max_wait`` ticks. Every round
    ends in a pass of the target, so sequences out of step (one joined later, one's round was shorter) meet there: the
    one ahead waits while those behind draft, they share that pass, and from there draft together. ``max_wait`` is by
    default the most passes a round of the batch's hierarchies takes below its top (:func:`round_passes`; at least
@@ -252,13 +253,19 @@ class Batch:
         eng = passes[0].engine
         eng.advance_many([(p.state, p.boundary) for p in passes])
         out: list[object] = [None] * len(passes)
+        picks = [i for i, p in enumerate(passes) if p.picks]
+        if picks:
+            rows = eng.picks_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
+                                   for i in picks])
+            for i, r in zip(picks, rows):
+                out[i] = r
         greedy = [i for i, p in enumerate(passes) if p.greedy]
         if greedy:
             ids = eng.greedy_ids_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
                                        for i in greedy])
             for i, t in zip(greedy, ids):
                 out[i] = t.tolist()
-        sampled = [i for i, p in enumerate(passes) if not p.greedy]
+        sampled = [i for i, p in enumerate(passes) if not p.greedy and not p.picks]
         if sampled:
             logits = eng.logits_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
                                       for i in sampled])

@@ -44,11 +44,11 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from hsd_opt.drafters.base import TokenDrafter
-from hsd_opt.engine.interface import EXACT_PASS, Engine
+from hsd_opt.engine.interface import EXACT_PASS, Engine, Picks
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
-from hsd_opt.runtime.sampling import process_logits, rejection_sample, sample_token
+from hsd_opt.runtime.sampling import gumbel_offsets, process_logits, rejection_sample, sample_token
 from hsd_opt.seeds import seed_fits
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
@@ -206,7 +206,9 @@ class GenerationResult:
 @dataclass
 class Pass:
     """What a decoding waits for: ``engine`` advances ``state`` to ``boundary``, then reads positions
-    ``start .. end-1`` there: their greedy ids (a list of ints) when ``greedy``, else their logits ``[m, V]``."""
+    ``start .. end-1`` there: their greedy ids (a list of ints) when ``greedy``; with ``picks``, the rows ready
+    for draws (:class:`~hsd_opt.engine.interface.Picks`: a sample by the Gumbel-max form, through the head's int8
+    screen where it has one); else their logits ``[m, V]``."""
 
     engine: Engine
     state: DecodeState
@@ -214,6 +216,7 @@ class Pass:
     start: int
     end: int
     greedy: bool
+    picks: bool = False
 
 
 @dataclass
@@ -223,9 +226,11 @@ class Committed:
     tokens: list[int]
 
 
-def serve(p: Pass) -> list[int] | torch.Tensor:
+def serve(p: Pass) -> list[int] | torch.Tensor | Picks:
     """One :class:`Pass` computed alone."""
     p.engine.advance(p.state, p.boundary)
+    if p.picks:
+        return p.engine.picks_many([(p.state, p.boundary, p.start, p.end)])[0]
     if p.greedy:
         return p.engine.greedy_ids(p.state, p.boundary, p.start, p.end).tolist()
     return p.engine.logits(p.state, p.boundary, p.start, p.end)
@@ -637,6 +642,40 @@ class Decoding:
     def _sample(self, p: torch.Tensor) -> int:
         return sample_token(p, self.gen)
 
+    def _draws_by_picks(self, k: int) -> bool:
+        """Whether level ``k`` draws its tokens by the Gumbel-max form (:meth:`_draw`) rather than from its
+        processed distribution: the top level (its distribution rows are wanted by no level above), sampling
+        without top-p, a grammar or log-probabilities, on an engine that reads less than every logit for it
+        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same distribution."""
+        return (not self.greedy and k == len(self.hsd.levels) - 1 and self.top_p >= 1.0
+                and self.constraint is None and self.n_logprobs is None
+                and self.hsd.levels[k].engine.picks_cheaply)
+
+    def _picks(self, k: int, start: int, end: int) -> Generator[Pass, object, Picks]:
+        """Level k's rows at positions start..end-1 ready for draws (a pass with ``picks``)."""
+        lv = self.hsd.levels[k]
+        return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, False, picks=True))
+
+    def _draw(self, picks: Picks, i: int) -> int:
+        """A draw from row ``i``'s ``softmax(logits / T)``: the largest of its logits plus
+        :func:`~hsd_opt.runtime.sampling.gumbel_offsets` from this decoding's generator."""
+        return picks.pick(i, gumbel_offsets(self.hsd.target.vocab_size, self.gen, self.temperature, self.device))
+
+    def _verify_picks(self, k: int, s: int, drafts: list[int]) -> Generator[Pass, object, tuple[int, int]]:
+        """Algorithm 2 on one-hot ``drafts`` (a token drafter's, at positions ``s ..``) by draws: row ``i``'s draw
+        ``y`` from level k's distribution accepts draft ``i`` when it is that draft (probability ``p(x)``, as
+        ``min(1, p(x) / 1)``) and is otherwise the correction (``y`` given ``y != x``: the residual ``max(0, p - q)``
+        renormalised); after ``d`` acceptances row ``d``'s draw is the bonus token. Rows past the first rejection
+        are not drawn. With the deliberately wrong sampler (``HSD.residual`` False) the correction is drawn again
+        from ``p``. Returns (accepted count, the corrected or bonus token)."""
+        d = len(drafts)
+        picks = yield from self._picks(k, s - 1, s + d)  # row i: the token at position s + i
+        for i, x in enumerate(drafts):
+            t = self._draw(picks, i)
+            if t != x:
+                return i, (t if self.hsd.residual else self._draw(picks, i))
+        return d, self._draw(picks, d)
+
     def _draft(self) -> Generator[Pass, object, tuple[list[int], torch.Tensor | None]]:
         """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS, or from a token drafter
         that may abstain: none at all when it does); returns (ids, q rows)."""
@@ -676,6 +715,8 @@ class Decoding:
                     rows.append(self._one_hot([t], lv.engine.vocab_size))
             elif self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
+            elif len(hsd.levels) == 1 and self._draws_by_picks(0):   # no rows wanted: the target alone
+                t = self._draw((yield from self._picks(0, m - 1, m)), 0)
             else:
                 d = yield from self._dist(0, m - 1, m)
                 t = self._sample(d[0])
@@ -719,8 +760,11 @@ class Decoding:
             # d == 0 without the end: the drafter below abstained, and this pass is a plain step of level k
             stats.calls += 1
             stats.drafted += d
+            p = None
             if self.greedy:
                 j, fix = yield from self._verify_greedy(k, s, drafts)
+            elif q is None and top and self._draws_by_picks(k):
+                j, fix = yield from self._verify_picks(k, s, drafts)
             else:
                 p = yield from self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
                 j, fix = self._verify(p, q, drafts)
@@ -735,7 +779,7 @@ class Decoding:
             if top:
                 self._record(len(new))
             out.extend(new)
-            if not self.greedy:
+            if p is not None:
                 out_p.append(p[: len(new)])
             if top or (budget is not None and len(out) >= budget):
                 break
@@ -897,6 +941,8 @@ class Decoding:
         m = len(self.seq)
         if self.greedy:
             t = (yield from self._greedy(k, m - 1, m))[0]
+        elif self._draws_by_picks(k):
+            t = self._draw((yield from self._picks(k, m - 1, m)), 0)
         else:
             t = self._sample((yield from self._dist(k, m - 1, m))[0])
         self.stats[self.hsd.levels[k].name].calls += 1

@@ -68,6 +68,24 @@ def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
     return i
 
 
+#: The least uniform draw of :func:`gumbel_offsets` (a draw of 0 would give an infinite offset): half of
+#: ``torch.rand``'s float32 step.
+LEAST_UNIFORM = 2.0 ** -25
+
+
+def gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Offsets ``[vocab]`` float32 for one draw by the Gumbel-max form of sampling: ``temperature * g`` with ``g``
+    standard Gumbel noise (``-log(-log u)``, ``u`` uniform from ``generator``, at least :data:`LEAST_UNIFORM`), so
+    that ``argmax(logits + offsets)`` is a draw from ``softmax(logits / temperature)`` (the largest of ``logits /
+    temperature + g`` is that draw; multiplying by the temperature keeps the argmax). ``u`` has float32's 24 bits,
+    so ``g`` lies between about -2.85 and 16.6: every offset is finite, and a token whose probability is below
+    ``exp(-19.5)`` (about 3e-9) times the most likely token's is never drawn. Only for sampling without top-p
+    (the nucleus needs every probability)."""
+    u = torch.rand(vocab, generator=generator, device=device).clamp_min_(LEAST_UNIFORM)
+    return u.log_().neg_().log_().neg_().mul_(temperature)
+
+
 def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], generator: torch.Generator,
                      residual: bool = True) -> tuple[int, int]:
     """Verify ``d`` drafts by rejection sampling: ``p`` ``[d+1, V]`` the verifier's probabilities at the drafts'

@@ -120,9 +120,13 @@ static void screen_case(int nt) {
     check("hsd_screen_i16", a, &wa, sizeof(float) * (size_t)m * V);
     if (hsd_screen_bounds(x.p, m, K, q16, c.p, wn.p, V, e) != 0) die("hsd_screen_bounds refused its arguments");
     check("hsd_screen_bounds", e, &we, sizeof(float) * (size_t)m * V);
-    if (hsd_screen_pick(&head, x.p, m, q16, wa.p, c.p, wn.p, 1024, ids, nt) != 0)
+    if (hsd_screen_pick(&head, x.p, m, q16, wa.p, NULL, c.p, wn.p, 1024, ids, nt) != 0)
         die("hsd_screen_pick refused its arguments");
     check("hsd_screen_pick", ids, &wids, sizeof(int64_t) * m);
+    arr_t off = next("offsets"), wido = next("ids_offsets");
+    if (hsd_screen_pick(&head, x.p, m, q16, wa.p, off.p, c.p, wn.p, 1024, ids, nt) != 0)
+        die("hsd_screen_pick (offsets) refused its arguments");
+    check("hsd_screen_pick offsets", ids, &wido, sizeof(int64_t) * m);
     arr_t rows = next("rows"), positions = next("positions"), want = next("picked");
     const int n = (int)(rows.n / 8);
     float *y = malloc(sizeof(float) * n);
