@@ -379,8 +379,53 @@ def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_p
         for m in ("layer2", "layer4"):
             assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.cost_curve[m])) and 1 < e.cost[m] < 1.5
         assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.verify_cost["layer4"]["layer2"]))
+    assert pv["draw_saving_seconds"] is None           # top-p: the target draws from its distributions
     r = _cli(["profile", "merge", str(outs[0.9]), str(outs[1.0]), "-o", str(tmp_path / "m.json")])
     assert r.exit_code == 2 and "provenance.top_p" in r.output
+
+
+def test_a_target_that_draws_by_noise_is_costed_so(tiny, tmp_path, monkeypatch):
+    """At top-p 1 the target draws by noise through its screen: what its pass saves (``draw_saving_seconds``,
+    here a patched 0.5, 0.6, 0.7, 0.8 s against sampling's 1, 2, 3, 4 s) is taken off its cost (the target alone)
+    and off its verification of a token drafter, non-decreasing, and not off its cost curve (a model drafter below
+    it reads its distributions) nor off any other model's costs."""
+    from hsd_opt.profiler import run as profiler_run
+
+    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1: [1.0 + t for t in
+                                                                                               range(tmax1)])
+    monkeypatch.setattr(profiler_run, "time_draw_saving", lambda eng, text, temperature, tmax1: [0.5 + 0.1 * t for t
+                                                                                                in range(tmax1)])
+    out = tmp_path / "p.json"
+    r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
+              "--max-new-tokens", "4", "--layers", "2", "--token-drafters", "lookup", "--quantized", "none",
+              "--temperature", "0.8", "--device", "cpu"] + FAST)
+    assert r.exit_code == 0, r.output
+    prof, _ = load_profile(out)
+    pv = prof.provenance.to_dict()
+    assert pv["draw_saving_seconds"] == [0.5, 0.6, 0.7, 0.8] and "draw_saving_seconds" in pv["cost_model"]
+    for e in prof.context_costs:
+        curve = e.cost_curve["layer4"]
+        assert all(t + 1 < c < t + 1.5 for t, c in enumerate(curve))
+        assert e.cost["layer4"] == pytest.approx(curve[0] - 0.5)
+        drawn = e.verify_cost["layer4"]["lookup"]
+        assert drawn == sorted(drawn) and all(0.5 + 0.9 * t < d < 1 + 0.9 * t for t, d in enumerate(drawn))
+        assert 1 < e.cost["layer2"] < 1.5 and all(t + 1 < c < t + 1.5 for t, c in enumerate(e.cost_curve["layer2"]))
+        assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.verify_cost["layer4"]["layer2"]))
+    assert prof.entry("layer4").cost == prof.context_costs[0].cost["layer4"]
+    assert prof.verify_cost["layer4"]["lookup"] == prof.context_costs[0].verify_cost["layer4"]["lookup"]
+
+
+def test_time_draw_saving_times_every_pass_size():
+    """What a pass over t = 1..tmax1 tokens saves by draws: one finite value per t, on a target with a screen."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.profiler.costs import time_draw_saving
+    from tests.helpers import make_tiny_llama
+
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    assert eng.picks_cheaply
+    text = torch.randint(3, 64, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    c = time_draw_saving(eng, text, 1.0, 5, repeats=2)
+    assert len(c) == 5 and all(abs(x) < 1.0 for x in c)
 
 
 def _free_port() -> int:

@@ -124,6 +124,7 @@ class StepClock:
         self.context = profile.contexts[0] if profile.context_costs else 64
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
         sampling = profile.provenance.get("sampling_seconds") or [0.0]
+        saving = profile.provenance.get("draw_saving_seconds") or [0.0]   # the target's step by draws
         engines: dict[int, dict[str, Any]] = {}
         for h in hierarchies:
             for lv in h.levels:
@@ -139,7 +140,10 @@ class StepClock:
             if top.name not in costs:
                 raise HsdError(f"--retime: the profile has no cost for {top.name!r}")
             # the profiled cost includes the sampled distributions' processing (profiles made with a temperature)
-            step = max(costs[top.name] - float(sampling[0]), 1e-9)
+            step = costs[top.name] - float(sampling[0])
+            if top.name == profile.target:      # its profiled step ends in draws: the step timed here in logits
+                step += float(saving[0])
+            step = max(step, 1e-9)
             self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})
         self._states: dict[int, tuple[list[DecodeState], torch.Tensor]] = {}  # engine -> (states, next token)

@@ -148,14 +148,19 @@ def batch_costs_entries(prof: Profile, neural: Sequence[NeuralDrafter], batch: d
 
 def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
                   token_costs: dict[str, list[float]] | None = None,
-                  sampling: Sequence[float] | None = None) -> list[ContextCosts]:
+                  sampling: Sequence[float] | None = None, draw_saving: Sequence[float] | None = None,
+                  target_name: str | None = None) -> list[ContextCosts]:
     """Every model's step cost, cost curve and verify curves at each measured context, non-decreasing in t and
     in the context (:func:`~hsd_opt.profiler.costs.monotone_in_context`). ``lcs[id(engine)]`` is the list of
     :class:`~hsd_opt.profiler.costs.LayerCosts` of an engine, one per context (the same contexts for every
     engine); ``token_costs[name]`` a token drafter's seconds per ``propose`` at each context; ``sampling[t - 1]``
     (profiles made with a temperature, :func:`~hsd_opt.profiler.costs.time_sampling`) the seconds spent on the
     distributions of a model's pass over t tokens, added to every model's pass (a token drafter's drafts are
-    one-hot: nothing to process)."""
+    one-hot: nothing to process). ``draw_saving[t - 1]`` (:func:`~hsd_opt.profiler.costs.time_draw_saving`; a
+    target that samples by draws through its screen) what the target's pass saves when it ends in draws: taken off
+    its ``cost`` (the target alone draws each step) and off its curve for ``verify_cost[target][d]`` of every
+    token drafter ``d`` (one-hot drafts, verified by draws), non-decreasing again; its ``cost_curve`` (a model
+    drafter below reads its distributions) keeps the pass with them."""
     from hsd_opt.profiler.costs import isotonic, monotone_in_context
 
     tmax1 = tmax + 1
@@ -172,6 +177,11 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
         extra += [extra[-1]] * (tmax1 - len(extra))
         curves = {n: [[x + e for x, e in zip(row, extra)] for row in cv] for n, cv in curves.items()}
         verify = {k: [[x + e for x, e in zip(row, extra)] for row in cv] for k, cv in verify.items()}
+    drawn = None
+    if draw_saving is not None and target_name in curves:
+        save = list(draw_saving)[:tmax1]
+        save += [save[-1]] * (tmax1 - len(save))
+        drawn = [isotonic([max(x - s, 1e-9) for x, s in zip(row, save)]) for row in curves[target_name]]
     out = []
     for k, c in enumerate(contexts):
         cost = {n: max(cv[k][0], 1e-9) for n, cv in curves.items()}
@@ -179,6 +189,10 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
         vc: dict[str, dict[str, float | list[float]]] = {}
         for (v, d), cv in verify.items():
             vc.setdefault(v, {})[d] = [max(x, 1e-9) for x in cv[k]]
+        if drawn is not None:
+            cost[target_name] = drawn[k][0]
+            for d in tok:
+                vc.setdefault(target_name, {})[d] = list(drawn[k])
         out.append(ContextCosts(c, cost, {n: [max(x, 1e-9) for x in cv[k]] for n, cv in curves.items()}, vc))
     return out
 
@@ -210,12 +224,13 @@ def _cost_order(entries: list[ModelEntry], neural: Sequence[NeuralDrafter], targ
 
 def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
                   target_name: str, token_costs: dict[str, list[float]] | None = None,
-                  sampling: Sequence[float] | None = None) -> Profile:
+                  sampling: Sequence[float] | None = None, draw_saving: Sequence[float] | None = None) -> Profile:
     """The profile from the sums and the costs (:func:`context_costs`; ``sampling``: the per-pass cost of the
-    sampled distributions, in every model's costs). The top-level costs are those of the first (shortest)
-    context, a token drafter's its mean ``propose`` time over the profiled positions; the costs at every context
-    are in ``context_costs`` (`docs/design.md#hsd-profile1`)."""
-    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
+    sampled distributions, in every model's costs; ``draw_saving``: what the target's pass saves by draws). The
+    top-level costs are those of the first (shortest) context, a token drafter's its mean ``propose`` time over
+    the profiled positions; the costs at every context are in ``context_costs``
+    (`docs/design.md#hsd-profile1`)."""
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name)
     first = cc[0]
     entries = _neural_entries(neural, lcs, first)
     for d in tds:
@@ -232,12 +247,13 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
 
 
 def costs_profile(neural: Sequence[NeuralDrafter], tds: Sequence, lcs: dict, tmax: int, target_name: str,
-                  token_costs: dict[str, list[float]], sampling: Sequence[float] | None = None) -> Profile:
+                  token_costs: dict[str, list[float]], sampling: Sequence[float] | None = None,
+                  draw_saving: Sequence[float] | None = None) -> Profile:
     """A profile of costs alone (``hsd profile --costs-only``): the entries and costs :func:`build_profile` makes
     from the same timings, with no acceptance rates and no statistics. A token drafter's top-level cost is its
     ``propose`` seconds at the first context (there are no profiled positions to average over) and its draft
     rate 1 (``hsd profile merge-costs`` keeps the rates profile's)."""
-    cc = context_costs(neural, lcs, tmax, token_costs, sampling)
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name)
     first = cc[0]
     entries = _neural_entries(neural, lcs, first)
     entries += [ModelEntry(d.name, d.kind, first.cost[d.name], False, None, {"config": d.config()}) for d in tds]

@@ -702,3 +702,47 @@ def time_sampling(logits: torch.Tensor, temperature: float, top_p: float, tmax1:
         return [ends[0]]
     slope = (ends[1] - ends[0]) / (tmax1 - 1)
     return isotonic([max(1e-9, ends[0] + slope * (t - 1)) for t in range(1, tmax1 + 1)])
+
+
+def time_draw_saving(eng, text: Sequence[int], temperature: float, tmax1: int, repeats: int = 9,
+                     seed: int = 0) -> list[float]:
+    """Seconds the target's sampled pass over ``t = 1 .. tmax1`` tokens saves when it ends in draws by noise
+    (:meth:`~hsd_opt.runtime.decode.Decoding._draws_by_picks`: the target alone, or over a token drafter, at top-p
+    1) instead of in distributions: the read of its ``t`` rows of logits, their processing and one draw (what the
+    pass costs beyond its layers in a profile made with a temperature), minus ``picks_many`` over the same rows and
+    a draw from each of them (every row drawn: a verification draws fewer, past a rejection none). Timed at every
+    ``t`` on the target's state over real ``text`` (``eng``: the target's engine, ``picks_cheaply``), the median of
+    ``repeats`` each after an untimed one, on other rows each time. Negative where the draws cost more."""
+    from hsd_opt.runtime.sampling import gumbel_offsets, process_logits, sample_token
+
+    n = max(64, tmax1 + 1)
+    ids = text_of_length(list(text), n)
+    st = eng.new_state(n)
+    eng.append(st, ids)
+    eng.advance(st, eng.n_layers)
+    g = torch.Generator().manual_seed(seed)
+    b = eng.n_layers
+
+    def full(s0: int, t: int) -> float:
+        t0 = now()
+        rows = eng.logits_many([(st, b, s0, s0 + t)])[0]
+        sample_token(process_logits(rows, temperature, 1.0)[-1], g)
+        return now() - t0
+
+    def drawn(s0: int, t: int) -> float:
+        t0 = now()
+        picks = eng.picks_many([(st, b, s0, s0 + t)])[0]
+        for i in range(t):
+            picks.pick(i, gumbel_offsets(eng.vocab_size, g, temperature, eng.device))
+        return now() - t0
+
+    out = []
+    for t in range(1, tmax1 + 1):
+        times: dict[Callable, list[float]] = {full: [], drawn: []}
+        for k in range(repeats):
+            s0 = (k * t) % (n - t)
+            for f in (full, drawn):
+                f(s0, t)
+                times[f].append(f(s0, t))
+        out.append(statistics.median(times[full]) - statistics.median(times[drawn]))
+    return out

@@ -42,6 +42,7 @@ from hsd_opt.profiler.costs import (
     estimate_seconds,
     fit_contexts,
     measure_costs,
+    time_draw_saving,
     time_sampling,
     time_token_drafter,
 )
@@ -325,7 +326,8 @@ def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, to
 @dataclass
 class _Costs:
     """What the cost phase measured: per engine its layer costs (``lcs``), the token drafters' costs, the cost
-    plan's record, the sampling seconds per pass size (None: greedy), the batch costs, and the contexts (tokens)."""
+    plan's record, the sampling seconds per pass size (None: greedy), the batch costs, the contexts (tokens), and
+    what the target's pass saves by draws per pass size (None: it draws from its distributions)."""
 
     lcs: dict
     token_costs: dict
@@ -333,6 +335,7 @@ class _Costs:
     sampling: list[float] | None
     batch: dict
     contexts: list[int]
+    draw_saving: list[float] | None = None
 
 
 def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[int], log, warn) -> _Costs:
@@ -355,8 +358,14 @@ def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[in
         sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1)
         log(f"sampling: {sampling[0] * 1e3:.2f} ms per draft step, {sampling[-1] * 1e3:.2f} ms per pass over "
             f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
+    draw_saving = None
+    if cfg.temperature > 0 and cfg.top_p >= 1.0 and getattr(eng, "picks_cheaply", False):
+        draw_saving = time_draw_saving(eng, text, cfg.temperature, cfg.tmax + 1)
+        log(f"draws by noise: the target's step {draw_saving[0] * 1e3:.2f} ms cheaper, its pass over {cfg.tmax + 1} "
+            f"tokens {draw_saving[-1] * 1e3:.2f} ms (its int8 screen instead of every logit; taken off its cost and "
+            f"its verification of token drafters)")
     batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
-    return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts)
+    return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts, draw_saving)
 
 
 def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, stats, costs: _Costs, pool,
@@ -394,8 +403,11 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
                       "context_costs (the top-level costs: the first); all non-decreasing in t and in the "
                       "context (docs/design.md#the-cost-model); step_measured = direct median of one warm "
                       "decode step; with a temperature, sampling_seconds[t - 1] (processing a pass's t rows "
-                      "of logits and one draw) is included in every model's pass over t tokens",
+                      "of logits and one draw) is included in every model's pass over t tokens; a target that "
+                      "draws by noise through its screen (top-p 1): draw_saving_seconds[t - 1] taken off its "
+                      "cost and off its verify_cost of each token drafter, not off its cost_curve",
         "sampling_seconds": costs.sampling,
+        "draw_saving_seconds": costs.draw_saving,
         "cost_model_check": {nd.name: costs.lcs[id(nd.engine)][0].check for nd in pool.neural
                              if nd.kind in ("target", "model", "quantized")},
         "timings": timings,
@@ -481,7 +493,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # assemble, with provenance, and write
     prof = build_profile(pool.neural, tds, stats, costs.lcs, cfg.tmax, target_name, costs.token_costs,
-                         costs.sampling)
+                         costs.sampling, costs.draw_saving)
     prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
     timings = {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}
@@ -526,7 +538,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     t_cost = time.perf_counter()
     costs = _costs_phase(cfg, loaded, eng, pool, tds, [t for text in texts for t in text], log, warn)
     prof = costs_profile(pool.neural, tds, costs.lcs, cfg.tmax, f"layer{eng.n_layers}", costs.token_costs,
-                         costs.sampling)
+                         costs.sampling, costs.draw_saving)
     prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
     timings = {"cost_seconds": round(time.perf_counter() - t_cost, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}
