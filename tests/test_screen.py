@@ -75,7 +75,7 @@ def test_the_int16_sums_are_exact_at_the_largest_codes(cols):
 @pytest.mark.slow
 def test_the_int16_read_is_the_same_on_every_build():
     """Its sums are integers: every build this CPU runs (each variant, and one without OpenMP) gives the loaded
-    build's logits bit for bit."""
+    build's logits bit for bit, and the same greedy ids and draws' picks."""
     builds = list(kernel_builds().values())
     w = _head(1001, 96, 5)                              # rows past a block of 16, odd pairs of columns
     screen = HeadScreen(LIB, Mat.in_place(w))
@@ -87,6 +87,10 @@ def test_the_int16_read_is_the_same_on_every_build():
             assert torch.equal(kernels.screen_i16(lib, screen.packed, screen.scale, 1001, h[:m]), want)
             ids = kernels.screen_pick(lib, screen.head, h[:m], want, screen.c, screen.wnorm, 1024, screen.q16)
             assert torch.equal(ids, kernels.linear(LIB, screen.head, h[:m]).argmax(-1))
+            o = _gumbel((m, 1001), torch.Generator().manual_seed(m), 1.0)      # a draw's pick, on every build
+            ids = kernels.screen_pick(lib, screen.head, h[:m], want, screen.c, screen.wnorm, 1024, screen.q16,
+                                      offsets=o)
+            assert torch.equal(ids, (kernels.linear(LIB, screen.head, h[:m]) + o).argmax(-1))
 
 
 def test_rows_f32_are_the_values_of_the_full_head():
@@ -152,17 +156,23 @@ def test_engine_greedy_ids_equal_the_logits_argmax_at_every_exit():
                                    eng.logits(st, b, s, min(s + m, 40)).argmax(-1))
 
 
-def test_batched_greedy_ids_take_the_screen_up_to_its_rows_and_equal_each_reads_argmax(monkeypatch):
-    """Reads of several sequences with at most MAX_POSITIONS rows in all go through one screened call; more take
-    the full head; either way every read's ids are its own logits' argmax."""
-    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
-    g = torch.Generator().manual_seed(4)
+def _five_states(eng, seed: int) -> list:
+    """Five sequences of 9, 14, 6, 11 and 20 random tokens, computed to the tiny model's last layer."""
+    g = torch.Generator().manual_seed(seed)
     sts = []
     for n in (9, 14, 6, 11, 20):
         st = eng.new_state(32)
         eng.append(st, torch.randint(3, 64, (n,), generator=g))
         eng.advance(st, 4)
         sts.append(st)
+    return sts
+
+
+def test_batched_greedy_ids_take_the_screen_up_to_its_rows_and_equal_each_reads_argmax(monkeypatch):
+    """Reads of several sequences with at most MAX_POSITIONS rows in all go through one screened call; more take
+    the full head; either way every read's ids are its own logits' argmax."""
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    sts = _five_states(eng, seed=4)
     calls = []
     argmax = eng._screen.argmax
     monkeypatch.setattr(eng._screen, "argmax", lambda h: calls.append(h.shape[0]) or argmax(h))
@@ -257,13 +267,8 @@ def test_engine_picks_equal_the_argmax_of_each_reads_logits_plus_offsets(monkeyp
     over their logits; either way row i's pick is ``(logits[i] + offsets).argmax()`` of that read alone."""
     eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
     assert eng.picks_cheaply
+    sts = _five_states(eng, seed=6)
     g = torch.Generator().manual_seed(6)
-    sts = []
-    for n in (9, 14, 6, 11, 20):
-        st = eng.new_state(32)
-        eng.append(st, torch.randint(3, 64, (n,), generator=g))
-        eng.advance(st, 4)
-        sts.append(st)
     screened = []
     logits = eng._screen.logits
     monkeypatch.setattr(eng._screen, "logits", lambda h: screened.append(h.shape[0]) or logits(h))

@@ -2396,96 +2396,16 @@ int hsd_screen_i16(const int8_t *codes, const float *scale, int V, int K, const 
     return 0;
 }
 
-/* The highest lower bound max_r (a_r - screen_bound(c_r, wn_r, hn, dl)) of one position's screen logits a [V]
- * (the vector lanes with the same operations, so the same values); *bad set when a holds a value that is not
- * finite. */
-static float screen_floor(const float *a, const float *c, const float *wn, int V, float hn, float dl, int *bad) {
-    const float hd = hn + dl;
-    float floor = -INFINITY;
-    int r = 0;
-#if HSD_AVX512
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps();
-    __mmask16 nf = 0;
-    for (; r + 16 <= V; r += 16) {
-        const __m512 av = _mm512_loadu_ps(a + r);
-        const __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh),
-                                       _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(av, av), zero, _CMP_NEQ_UQ);   /* inf - inf, NaN: not 0 */
-        mx = _mm512_max_ps(mx, _mm512_sub_ps(av, e));
-    }
-    if (nf) *bad = 1;
-    floor = _mm512_reduce_max_ps(mx);
-#elif HSD_AVX2
-    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps();
-    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps();
-    for (; r + 8 <= V; r += 8) {
-        const __m256 av = _mm256_loadu_ps(a + r);
-        const __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh),
-                                       _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(av, av), zero, _CMP_NEQ_UQ));
-        mx = _mm256_max_ps(mx, _mm256_sub_ps(av, e));
-    }
-    if (_mm256_movemask_ps(nf)) *bad = 1;
-    float l[8];
-    _mm256_storeu_ps(l, mx);
-    for (int i = 0; i < 8; i++) floor = l[i] > floor ? l[i] : floor;
-#endif
-    for (; r < V; r++) {
-        if (!isfinite(a[r])) *bad = 1;
-        const float lo = a[r] - screen_bound(c[r], wn[r], hn, dl);
-        floor = lo > floor ? lo : floor;
-    }
-    return floor;
-}
-
-/* The rows r (in order) whose a_r + screen_bound(c_r, wn_r, hn, dl) reaches floor, into cand; their number, or -1
- * past cap. */
-static int screen_collect(const float *a, const float *c, const float *wn, int V, float hn, float dl, float floor,
-                          int cap, long *cand) {
-    const float hd = hn + dl;
-    int n = 0, r = 0;
-#if HSD_AVX512
-    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor);
-    for (; r + 16 <= V; r += 16) {
-        const __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh),
-                                       _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        unsigned k = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + r), e), vf, _CMP_GE_OQ);
-        for (; k; k &= k - 1) {
-            if (n == cap) return -1;
-            cand[n++] = r + __builtin_ctz(k);
-        }
-    }
-#elif HSD_AVX2
-    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), vf = _mm256_set1_ps(floor);
-    for (; r + 8 <= V; r += 8) {
-        const __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh),
-                                       _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        unsigned k = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + r), e), vf,
-                                                                _CMP_GE_OQ));
-        for (; k; k &= k - 1) {
-            if (n == cap) return -1;
-            cand[n++] = r + __builtin_ctz(k);
-        }
-    }
-#endif
-    for (; r < V; r++)
-        if (a[r] + screen_bound(c[r], wn[r], hn, dl) >= floor) {
-            if (n == cap) return -1;
-            cand[n++] = r;
-        }
-    return n;
-}
-
-/* With offsets o [V] added to the logits (a pick of argmax_r fl(l_r + o_r)): the sums b_r = a_r + o_r, and the bound
- * widened for the float rounding of both sums and of this arithmetic, E_r = e_r + 2^-20 (|b_r| + e_r) (each
- * rounding errs by at most 2^-24 of its result). screen_floor_o: max_r (b_r - E_r), *bad set when a or o holds a
- * value that is not finite; screen_collect_o: the rows whose b_r + E_r reaches floor, as screen_collect. */
+/* With offsets o [V] added to the logits (a pick of argmax_r fl(l_r + o_r); NULL: none) the screen works on the sums
+ * b_r = a_r + o_r, its bound widened for the float rounding of both sums and of this arithmetic: E_r = e_r + 2^-20
+ * (|b_r| + e_r) (each rounding errs by at most 2^-24 of its result). Without offsets b_r = a_r and E_r = e_r. */
 #define SCREEN_OFFSET_SLACK 9.5367431640625e-07f
 static inline float offset_bound(float b, float e) { return e + SCREEN_OFFSET_SLACK * (fabsf(b) + e); }
 
-static float screen_floor_o(const float *a, const float *o, const float *c, const float *wn, int V, float hn,
-                            float dl, int *bad) {
+/* The highest lower bound max_r (b_r - E_r) of one position's screen logits a [V] (offsets o [V] or NULL; the vector
+ * lanes with the same operations, so the same values); *bad set when a or o holds a value that is not finite. */
+static float screen_floor(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
+                          int *bad) {
     const float hd = hn + dl;
     float floor = -INFINITY;
     int r = 0;
@@ -2495,10 +2415,13 @@ static float screen_floor_o(const float *a, const float *o, const float *c, cons
                  vs = _mm512_set1_ps(SCREEN_OFFSET_SLACK);
     __mmask16 nf = 0;
     for (; r + 16 <= V; r += 16) {
-        const __m512 b = _mm512_add_ps(_mm512_loadu_ps(a + r), _mm512_loadu_ps(o + r));
+        __m512 b = _mm512_loadu_ps(a + r);
         __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh), _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
-        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);
+        if (o) {
+            b = _mm512_add_ps(b, _mm512_loadu_ps(o + r));
+            e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
+        }
+        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);   /* inf - inf, NaN: not 0 */
         mx = _mm512_max_ps(mx, _mm512_sub_ps(b, e));
     }
     if (nf) *bad = 1;
@@ -2508,9 +2431,12 @@ static float screen_floor_o(const float *a, const float *o, const float *c, cons
     const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps(),
                  vs = _mm256_set1_ps(SCREEN_OFFSET_SLACK), sign = _mm256_set1_ps(-0.0f);
     for (; r + 8 <= V; r += 8) {
-        const __m256 b = _mm256_add_ps(_mm256_loadu_ps(a + r), _mm256_loadu_ps(o + r));
+        __m256 b = _mm256_loadu_ps(a + r);
         __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh), _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
+        if (o) {
+            b = _mm256_add_ps(b, _mm256_loadu_ps(o + r));
+            e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
+        }
         nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
         mx = _mm256_max_ps(mx, _mm256_sub_ps(b, e));
     }
@@ -2520,25 +2446,30 @@ static float screen_floor_o(const float *a, const float *o, const float *c, cons
     for (int i = 0; i < 8; i++) floor = l[i] > floor ? l[i] : floor;
 #endif
     for (; r < V; r++) {
-        const float b = a[r] + o[r];
+        const float b = o ? a[r] + o[r] : a[r];
         if (!isfinite(b)) *bad = 1;
-        const float lo = b - offset_bound(b, screen_bound(c[r], wn[r], hn, dl));
+        const float e = screen_bound(c[r], wn[r], hn, dl);
+        const float lo = b - (o ? offset_bound(b, e) : e);
         floor = lo > floor ? lo : floor;
     }
     return floor;
 }
 
-static int screen_collect_o(const float *a, const float *o, const float *c, const float *wn, int V, float hn,
-                            float dl, float floor, int cap, long *cand) {
+/* The rows r (in order) whose b_r + E_r reaches floor, into cand; their number, or -1 past cap. */
+static int screen_collect(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
+                          float floor, int cap, long *cand) {
     const float hd = hn + dl;
     int n = 0, r = 0;
 #if HSD_AVX512
     const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor),
                  vs = _mm512_set1_ps(SCREEN_OFFSET_SLACK);
     for (; r + 16 <= V; r += 16) {
-        const __m512 b = _mm512_add_ps(_mm512_loadu_ps(a + r), _mm512_loadu_ps(o + r));
+        __m512 b = _mm512_loadu_ps(a + r);
         __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh), _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
+        if (o) {
+            b = _mm512_add_ps(b, _mm512_loadu_ps(o + r));
+            e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
+        }
         unsigned k = _mm512_cmp_ps_mask(_mm512_add_ps(b, e), vf, _CMP_GE_OQ);
         for (; k; k &= k - 1) {
             if (n == cap) return -1;
@@ -2549,9 +2480,12 @@ static int screen_collect_o(const float *a, const float *o, const float *c, cons
     const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), vf = _mm256_set1_ps(floor),
                  vs = _mm256_set1_ps(SCREEN_OFFSET_SLACK), sign = _mm256_set1_ps(-0.0f);
     for (; r + 8 <= V; r += 8) {
-        const __m256 b = _mm256_add_ps(_mm256_loadu_ps(a + r), _mm256_loadu_ps(o + r));
+        __m256 b = _mm256_loadu_ps(a + r);
         __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh), _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
+        if (o) {
+            b = _mm256_add_ps(b, _mm256_loadu_ps(o + r));
+            e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
+        }
         unsigned k = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(b, e), vf, _CMP_GE_OQ));
         for (; k; k &= k - 1) {
             if (n == cap) return -1;
@@ -2560,8 +2494,9 @@ static int screen_collect_o(const float *a, const float *o, const float *c, cons
     }
 #endif
     for (; r < V; r++) {
-        const float b = a[r] + o[r];
-        if (b + offset_bound(b, screen_bound(c[r], wn[r], hn, dl)) >= floor) {
+        const float b = o ? a[r] + o[r] : a[r];
+        const float e = screen_bound(c[r], wn[r], hn, dl);
+        if (b + (o ? offset_bound(b, e) : e) >= floor) {
             if (n == cap) return -1;
             cand[n++] = r;
         }
@@ -2573,7 +2508,7 @@ static int screen_collect_o(const float *a, const float *o, const float *c, cons
  * logits a [m, V] (the int8 copy's, the activation in int16 of range q16): the rows whose interval [a_r - e_r,
  * a_r + e_r] reaches the highest lower bound are the candidates, computed as hsd_rows_f32 computes them
  * (rows4_f32), and out[t] is the first of the largest. With offsets o [m, V] (NULL: none), out[t] is the first
- * largest of the sums l_r + o_r (float32) instead, from the same screen (screen_floor_o, screen_collect_o).
+ * largest of the sums l_r + o_r (float32) instead, the screen on a_r + o_r with its bound widened (screen_floor).
  * Positions shared among nthreads threads (two vector passes over V and a few rows each). Returns 0; 1 when x or a
  * holds a value that is not finite or a position has more than cap candidates (the caller computes the logits);
  * -1 on bad arguments. */
@@ -2597,11 +2532,8 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const floa
                 break;
             }
             int bad = 0;
-            const float floor = ot ? screen_floor_o(at, ot, c, wn, V, hn, dl, &bad)
-                                   : screen_floor(at, c, wn, V, hn, dl, &bad);
-            const int n = bad ? -1
-                        : ot ? screen_collect_o(at, ot, c, wn, V, hn, dl, floor, cap, cand)
-                             : screen_collect(at, c, wn, V, hn, dl, floor, cap, cand);
+            const float floor = screen_floor(at, ot, c, wn, V, hn, dl, &bad);
+            const int n = bad ? -1 : screen_collect(at, ot, c, wn, V, hn, dl, floor, cap, cand);
             if (n < 0) {
                 rc |= 1;
                 break;
