@@ -1,7 +1,9 @@
 """Sampling and verification, apart from the decoding that uses them (as vLLM's v1 keeps its rejection sampler
-apart from its proposers): logits to the sampling distribution (temperature, top-p), one draw, and the lossless
+apart from its proposers): logits to the sampling distribution (temperature, top-p), one draw, the lossless
 rejection sampler of speculative decoding (Algorithm 2 of the HSD paper, "Hierarchical Speculative Decoding",
-arXiv 2510.19705). Greedy verification is a comparison of token ids and lives in the decoding itself.
+arXiv 2510.19705), and the noise of a draw by the largest of the logits plus noise (Gumbel-max:
+:func:`gumbel_offsets`, which the engine's picks take). Greedy verification is a comparison of token ids and lives
+in the decoding itself.
 
 Used by :class:`~hsd_opt.runtime.decode.Decoding` and by the profiler (which times them as the runtime runs them).
 Shapes: ``V`` the vocabulary; probabilities float32.
