@@ -646,19 +646,25 @@ class LayeredLM:
         ids = self._screened_ids([(st, boundary, start, end)])
         return ids[0] if ids is not None else self.logits(st, boundary, start, end).argmax(-1)
 
-    def _screened_ids(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor] | None:
-        """The greedy ids of ``reads`` through the head's int8 screen in one call (each row's argmax found on its
-        own), or None where the screen does not apply: no screen, no reads, an exit's own head, more than
-        :data:`~hsd_opt.engine.screen.MAX_POSITIONS` rows in all, or the screen stepping aside."""
-        sizes = [s1 - s0 for _, _, s0, s1 in reads]
-        if (self._screen is None or not reads or sum(sizes) > screen.MAX_POSITIONS
+    def _screen_hidden(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> torch.Tensor | None:
+        """The hidden rows ``[sum of sizes, d]`` of ``reads``, in order, where the head's int8 screen can take them
+        in one call; None where it cannot: no screen, no reads, an exit's own head, or more than
+        :data:`~hsd_opt.engine.screen.MAX_POSITIONS` rows in all."""
+        if (self._screen is None or not reads or sum(s1 - s0 for _, _, s0, s1 in reads) > screen.MAX_POSITIONS
                 or any(b in self.exit_heads for _, b, _, _ in reads)):
             return None
         for st, b, _, s1 in reads:
             _check_computed(st, b, s1)
-        hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+        return torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+
+    def _screened_ids(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor] | None:
+        """The greedy ids of ``reads`` through the head's int8 screen in one call (each row's argmax found on its
+        own), or None where the screen does not apply (:meth:`_screen_hidden`) or steps aside."""
+        hidden = self._screen_hidden(reads)
+        if hidden is None:
+            return None
         ids = self._screen.argmax(self._kernels.normed(hidden))
-        return None if ids is None else list(ids.split(sizes))
+        return None if ids is None else list(ids.split([s1 - s0 for _, _, s0, s1 in reads]))
 
     @property
     def picks_cheaply(self) -> bool:
@@ -670,21 +676,17 @@ class LayeredLM:
     def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
         """The rows of several ``(state, boundary, start, end)`` reads ready for draws
         (:mod:`hsd_opt.engine.picks`): ``pick(i, offsets)`` is ``argmax(logits[i] + offsets)`` of row ``i``, bit
-        for bit what :meth:`logits` gives it. Through the head's int8 screen where :meth:`_screened_ids` would take
-        the reads (the screen logits of every row in one call); else over the logits (:meth:`logits_many`)."""
-        sizes = [s1 - s0 for _, _, s0, s1 in reads]
-        if (self._screen is not None and reads and sum(sizes) <= screen.MAX_POSITIONS
-                and not any(b in self.exit_heads for _, b, _, _ in reads)):
-            for st, b, _, s1 in reads:
-                _check_computed(st, b, s1)
-            hidden = torch.cat([st.resid[b][s0:s1] for st, b, s0, s1 in reads])
+        for bit what :meth:`logits` gives it. Through the head's int8 screen where it takes the reads
+        (:meth:`_screen_hidden`; the screen logits of every row in one call); else over the logits
+        (:meth:`logits_many`)."""
+        hidden = self._screen_hidden(reads)
+        if hidden is not None:
             normed = self._kernels.normed(hidden)
             a = self._screen.logits(normed)
             if a is not None:
-                out: list[Picks] = []
-                for h, n, ra in zip(hidden.split(sizes), normed.split(sizes), a.split(sizes)):
-                    out.append(ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0]))
-                return out
+                sizes = [s1 - s0 for _, _, s0, s1 in reads]
+                return [ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0])
+                        for h, n, ra in zip(hidden.split(sizes), normed.split(sizes), a.split(sizes))]
         return [LogitPicks(lg) for lg in self.logits_many(reads)]
 
     @torch.no_grad()

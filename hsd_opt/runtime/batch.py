@@ -255,21 +255,15 @@ class Batch:
         out: list[object] = [None] * len(passes)
         picks = [i for i, p in enumerate(passes) if p.picks]
         if picks:
-            rows = eng.picks_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
-                                   for i in picks])
-            for i, r in zip(picks, rows):
+            for i, r in zip(picks, eng.picks_many([passes[i].read for i in picks])):
                 out[i] = r
         greedy = [i for i, p in enumerate(passes) if p.greedy]
         if greedy:
-            ids = eng.greedy_ids_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
-                                       for i in greedy])
-            for i, t in zip(greedy, ids):
+            for i, t in zip(greedy, eng.greedy_ids_many([passes[i].read for i in greedy])):
                 out[i] = t.tolist()
         sampled = [i for i, p in enumerate(passes) if not p.greedy and not p.picks]
         if sampled:
-            logits = eng.logits_many([(passes[i].state, passes[i].boundary, passes[i].start, passes[i].end)
-                                      for i in sampled])
-            for i, lg in zip(sampled, logits):
+            for i, lg in zip(sampled, eng.logits_many([passes[i].read for i in sampled])):
                 out[i] = lg
         return out
 

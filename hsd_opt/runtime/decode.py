@@ -218,6 +218,11 @@ class Pass:
     greedy: bool
     picks: bool = False
 
+    @property
+    def read(self) -> tuple[DecodeState, int, int, int]:
+        """``(state, boundary, start, end)``: the read the engine's ``*_many`` methods take."""
+        return self.state, self.boundary, self.start, self.end
+
 
 @dataclass
 class Committed:
@@ -230,10 +235,10 @@ def serve(p: Pass) -> list[int] | torch.Tensor | Picks:
     """One :class:`Pass` computed alone."""
     p.engine.advance(p.state, p.boundary)
     if p.picks:
-        return p.engine.picks_many([(p.state, p.boundary, p.start, p.end)])[0]
+        return p.engine.picks_many([p.read])[0]
     if p.greedy:
-        return p.engine.greedy_ids(p.state, p.boundary, p.start, p.end).tolist()
-    return p.engine.logits(p.state, p.boundary, p.start, p.end)
+        return p.engine.greedy_ids(*p.read).tolist()
+    return p.engine.logits(*p.read)
 
 
 class HSD:
