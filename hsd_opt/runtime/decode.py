@@ -720,7 +720,7 @@ class Decoding:
                     rows.append(self._one_hot([t], lv.engine.vocab_size))
             elif self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
-            elif len(hsd.levels) == 1 and self._draws_by_picks(0):   # no rows wanted: the target alone
+            elif self._draws_by_picks(0):       # the target alone (level 0 is the top): no rows wanted
                 t = self._draw((yield from self._picks(0, m - 1, m)), 0)
             else:
                 d = yield from self._dist(0, m - 1, m)
@@ -768,7 +768,7 @@ class Decoding:
             p = None
             if self.greedy:
                 j, fix = yield from self._verify_greedy(k, s, drafts)
-            elif q is None and top and self._draws_by_picks(k):
+            elif q is None and self._draws_by_picks(k):     # one-hot drafts under the top
                 j, fix = yield from self._verify_picks(k, s, drafts)
             else:
                 p = yield from self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
