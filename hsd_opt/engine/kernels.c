@@ -2400,43 +2400,63 @@ int hsd_screen_i16(const int8_t *codes, const float *scale, int V, int K, const 
  * b_r = a_r + o_r, its bound widened for the float rounding of both sums and of this arithmetic: E_r = e_r + 2^-20
  * (|b_r| + e_r) (each rounding errs by at most 2^-24 of its result). Without offsets b_r = a_r and E_r = e_r. */
 #define SCREEN_OFFSET_SLACK 9.5367431640625e-07f
-static inline float offset_bound(float b, float e) { return e + SCREEN_OFFSET_SLACK * (fabsf(b) + e); }
 
-/* The highest lower bound max_r (b_r - E_r) of one position's screen logits a [V] (offsets o [V] or NULL; the vector
- * lanes with the same operations, so the same values); *bad set when a or o holds a value that is not finite. */
+/* Row r's b_r and E_r (o NULL: a_r and e_r = screen_bound); the vector forms below, 8 or 16 rows at a time. */
+static inline void screen_row(const float *a, const float *o, const float *c, const float *wn, int r, float hn,
+                              float dl, float *b, float *e) {
+    *e = screen_bound(c[r], wn[r], hn, dl);
+    *b = a[r];
+    if (o) {
+        *b += o[r];
+        *e += SCREEN_OFFSET_SLACK * (fabsf(*b) + *e);
+    }
+}
+#if HSD_AVX512
+static inline void screen_row16(const float *a, const float *o, const float *c, const float *wn, int r, __m512 vh,
+                                __m512 vd, __m512 *b, __m512 *e) {
+    *e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh), _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
+    *b = _mm512_loadu_ps(a + r);
+    if (o) {
+        *b = _mm512_add_ps(*b, _mm512_loadu_ps(o + r));
+        *e = _mm512_add_ps(*e, _mm512_mul_ps(_mm512_set1_ps(SCREEN_OFFSET_SLACK),
+                                             _mm512_add_ps(_mm512_abs_ps(*b), *e)));
+    }
+}
+#elif HSD_AVX2
+static inline void screen_row8(const float *a, const float *o, const float *c, const float *wn, int r, __m256 vh,
+                               __m256 vd, __m256 *b, __m256 *e) {
+    *e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh), _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
+    *b = _mm256_loadu_ps(a + r);
+    if (o) {
+        *b = _mm256_add_ps(*b, _mm256_loadu_ps(o + r));
+        *e = _mm256_add_ps(*e, _mm256_mul_ps(_mm256_set1_ps(SCREEN_OFFSET_SLACK),
+                                             _mm256_add_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), *b), *e)));
+    }
+}
+#endif
+
+/* The highest lower bound max_r (b_r - E_r) of one position's screen logits a [V] (offsets o [V] or NULL); *bad set
+ * when a or o holds a value that is not finite. */
 static float screen_floor(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
                           int *bad) {
-    const float hd = hn + dl;
     float floor = -INFINITY;
     int r = 0;
 #if HSD_AVX512
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps(),
-                 vs = _mm512_set1_ps(SCREEN_OFFSET_SLACK);
+    __m512 mx = _mm512_set1_ps(-INFINITY), b, e;
+    const __m512 vh = _mm512_set1_ps(hn + dl), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps();
     __mmask16 nf = 0;
     for (; r + 16 <= V; r += 16) {
-        __m512 b = _mm512_loadu_ps(a + r);
-        __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh), _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        if (o) {
-            b = _mm512_add_ps(b, _mm512_loadu_ps(o + r));
-            e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
-        }
+        screen_row16(a, o, c, wn, r, vh, vd, &b, &e);
         nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);   /* inf - inf, NaN: not 0 */
         mx = _mm512_max_ps(mx, _mm512_sub_ps(b, e));
     }
     if (nf) *bad = 1;
     floor = _mm512_reduce_max_ps(mx);
 #elif HSD_AVX2
-    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps();
-    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps(),
-                 vs = _mm256_set1_ps(SCREEN_OFFSET_SLACK), sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps(), b, e;
+    const __m256 vh = _mm256_set1_ps(hn + dl), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps();
     for (; r + 8 <= V; r += 8) {
-        __m256 b = _mm256_loadu_ps(a + r);
-        __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh), _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        if (o) {
-            b = _mm256_add_ps(b, _mm256_loadu_ps(o + r));
-            e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
-        }
+        screen_row8(a, o, c, wn, r, vh, vd, &b, &e);
         nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
         mx = _mm256_max_ps(mx, _mm256_sub_ps(b, e));
     }
@@ -2446,10 +2466,10 @@ static float screen_floor(const float *a, const float *o, const float *c, const 
     for (int i = 0; i < 8; i++) floor = l[i] > floor ? l[i] : floor;
 #endif
     for (; r < V; r++) {
-        const float b = o ? a[r] + o[r] : a[r];
-        if (!isfinite(b)) *bad = 1;
-        const float e = screen_bound(c[r], wn[r], hn, dl);
-        const float lo = b - (o ? offset_bound(b, e) : e);
+        float b1, e1;
+        screen_row(a, o, c, wn, r, hn, dl, &b1, &e1);
+        if (!isfinite(b1)) *bad = 1;
+        const float lo = b1 - e1;
         floor = lo > floor ? lo : floor;
     }
     return floor;
@@ -2458,18 +2478,12 @@ static float screen_floor(const float *a, const float *o, const float *c, const 
 /* The rows r (in order) whose b_r + E_r reaches floor, into cand; their number, or -1 past cap. */
 static int screen_collect(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
                           float floor, int cap, long *cand) {
-    const float hd = hn + dl;
     int n = 0, r = 0;
 #if HSD_AVX512
-    const __m512 vh = _mm512_set1_ps(hd), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor),
-                 vs = _mm512_set1_ps(SCREEN_OFFSET_SLACK);
+    __m512 b, e;
+    const __m512 vh = _mm512_set1_ps(hn + dl), vd = _mm512_set1_ps(dl), vf = _mm512_set1_ps(floor);
     for (; r + 16 <= V; r += 16) {
-        __m512 b = _mm512_loadu_ps(a + r);
-        __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r), vh), _mm512_mul_ps(_mm512_loadu_ps(wn + r), vd));
-        if (o) {
-            b = _mm512_add_ps(b, _mm512_loadu_ps(o + r));
-            e = _mm512_add_ps(e, _mm512_mul_ps(vs, _mm512_add_ps(_mm512_abs_ps(b), e)));
-        }
+        screen_row16(a, o, c, wn, r, vh, vd, &b, &e);
         unsigned k = _mm512_cmp_ps_mask(_mm512_add_ps(b, e), vf, _CMP_GE_OQ);
         for (; k; k &= k - 1) {
             if (n == cap) return -1;
@@ -2477,15 +2491,10 @@ static int screen_collect(const float *a, const float *o, const float *c, const 
         }
     }
 #elif HSD_AVX2
-    const __m256 vh = _mm256_set1_ps(hd), vd = _mm256_set1_ps(dl), vf = _mm256_set1_ps(floor),
-                 vs = _mm256_set1_ps(SCREEN_OFFSET_SLACK), sign = _mm256_set1_ps(-0.0f);
+    __m256 b, e;
+    const __m256 vh = _mm256_set1_ps(hn + dl), vd = _mm256_set1_ps(dl), vf = _mm256_set1_ps(floor);
     for (; r + 8 <= V; r += 8) {
-        __m256 b = _mm256_loadu_ps(a + r);
-        __m256 e = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + r), vh), _mm256_mul_ps(_mm256_loadu_ps(wn + r), vd));
-        if (o) {
-            b = _mm256_add_ps(b, _mm256_loadu_ps(o + r));
-            e = _mm256_add_ps(e, _mm256_mul_ps(vs, _mm256_add_ps(_mm256_andnot_ps(sign, b), e)));
-        }
+        screen_row8(a, o, c, wn, r, vh, vd, &b, &e);
         unsigned k = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(b, e), vf, _CMP_GE_OQ));
         for (; k; k &= k - 1) {
             if (n == cap) return -1;
@@ -2494,9 +2503,9 @@ static int screen_collect(const float *a, const float *o, const float *c, const 
     }
 #endif
     for (; r < V; r++) {
-        const float b = o ? a[r] + o[r] : a[r];
-        const float e = screen_bound(c[r], wn[r], hn, dl);
-        if (b + (o ? offset_bound(b, e) : e) >= floor) {
+        float b1, e1;
+        screen_row(a, o, c, wn, r, hn, dl, &b1, &e1);
+        if (b1 + e1 >= floor) {
             if (n == cap) return -1;
             cand[n++] = r;
         }
