@@ -154,12 +154,11 @@ def run_cmd(
     from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS, check_generation_args, check_mode
+    from hsd_opt.runtime.decode import check_generation_args, check_logprobs, check_mode
     from hsd_opt.runtime.runner import plan_for_prompt
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise HsdError(f"--logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+    check_logprobs(logprobs)
     if logprobs is not None and json_out is None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
     check_mode(mode)

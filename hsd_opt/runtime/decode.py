@@ -170,6 +170,14 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
 MAX_TOP_LOGPROBS = 20
 
 
+def check_logprobs(logprobs: int | None) -> None:
+    """Refuse a number of alternatives to list with each token's log-probability outside 0 ..
+    :data:`MAX_TOP_LOGPROBS` with a one-line :class:`HsdError` naming the flag (as :func:`check_generation_args`:
+    the CLI calls this before loading a model, a decoding again); None asks for none."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise HsdError(f"--logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+
+
 @dataclass
 class TokenLogprob:
     """The target's log-probability of one generated token (natural log, of the target model's own distribution:
@@ -368,8 +376,7 @@ class Decoding:
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
         check_generation_args(max_new_tokens, temperature, top_p, seed)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise HsdError(f"logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+        check_logprobs(logprobs)
         #: alternatives per generated token's log-probabilities (None: none are computed)
         self.n_logprobs = logprobs
         #: a :class:`TokenLogprob` per generated token so far (with ``logprobs``), aligned with ``seq[n_prompt:]``
