@@ -50,6 +50,10 @@ class ModelEntry:
         draft_rate: share of the calls in which it proposes a block, in (0, 1]; below 1 only for a drafter that
             cannot verify and abstains where it has no confident guess (its ``acceptance`` is then measured over
             the positions where it proposes). Written only when below 1.
+        draft_rate_by_budget: for such a drafter, the share of decoding's rounds in which it proposes a block,
+            ``[f(1), ..., f(n)]`` for budgets of 1..n tokens (empty: not measured; the solver then takes
+            ``draft_rate``). Rounds skip the positions an accepted block covers, so where proposals come in runs
+            this is below ``draft_rate`` (`docs/design.md#abstaining-drafters`).
     """
 
     name: str
@@ -59,6 +63,15 @@ class ModelEntry:
     layer: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     draft_rate: float = 1.0
+    draft_rate_by_budget: tuple[float, ...] = ()
+
+    def rate_at(self, budget: int) -> float:
+        """The share of rounds in which it proposes a block of ``budget`` tokens: ``draft_rate_by_budget`` at
+        ``budget`` (its last figure past its end), else ``draft_rate``."""
+        rates = self.draft_rate_by_budget
+        if not rates or self.draft_rate >= 1.0:
+            return self.draft_rate
+        return float(rates[max(1, min(int(budget), len(rates))) - 1])
 
     def with_costs_of(self, other: "ModelEntry") -> "ModelEntry":
         """This drafter as ``other`` (the same drafter profiled elsewhere) measured it: ``other``'s cost and its
@@ -75,6 +88,8 @@ class ModelEntry:
             d["layer"] = self.layer
         if self.draft_rate < 1.0:
             d["draft_rate"] = self.draft_rate
+            if self.draft_rate_by_budget:
+                d["draft_rate_by_budget"] = list(self.draft_rate_by_budget)
         d.update(self.extra)
         return d
 
@@ -168,6 +183,8 @@ class Profile:
         ci95: ``[drafter][verifier]``: the rate's 95% confidence interval ``[low, high]``.
         acceptance_by_task: ``[task][drafter][verifier]``: acceptance on each task's prompts alone.
         draft_rate_by_task: ``[task][drafter]``: an abstaining drafter's draft rate on each task's prompts.
+        draft_rate_by_budget_by_task: ``[task][drafter]``: its share of rounds per budget on each task's prompts
+            (:attr:`ModelEntry.draft_rate_by_budget`).
         stats: the additive statistics the rates come from (``PairStats`` as JSON), for exact merges; None
             where a profile was made another way (or is a task's view).
         task: the task whose view this is (:func:`~hsd_opt.solver.tasks.task_profile`); None for the profile
@@ -188,6 +205,7 @@ class Profile:
     ci95: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     acceptance_by_task: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     draft_rate_by_task: dict[str, dict[str, float]] = field(default_factory=dict)
+    draft_rate_by_budget_by_task: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
     task: str | None = None
 
@@ -726,9 +744,26 @@ def _model_entry(source: str, m: Any, f: str, seen: set[str]) -> ModelEntry:
     if rate < 1.0 and can_verify:
         raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
                              f + ".draft_rate")
+    by_budget = _rates_by_budget(source, m.get("draft_rate_by_budget"), f + ".draft_rate_by_budget")
+    if by_budget and rate >= 1.0:
+        raise InputFileError(source, "only for a drafter that abstains (draft_rate below 1)",
+                             f + ".draft_rate_by_budget")
     _rebuild_fields(m, source, f + ".")
-    extra = {k: v for k, v in m.items() if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate")}
-    return ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate))
+    extra = {k: v for k, v in m.items()
+             if k not in ("name", "kind", "cost", "can_verify", "layer", "draft_rate", "draft_rate_by_budget")}
+    return ModelEntry(name, kind, float(cost), can_verify, layer, extra, float(rate), by_budget)
+
+
+def _rates_by_budget(source: str, raw: Any, f: str) -> tuple[float, ...]:
+    """Shares of rounds per budget 1..n at field ``f``: absent, or a non-empty list of numbers in (0, 1]."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise InputFileError(source, "expected a non-empty list of shares of rounds in (0, 1], one per budget", f)
+    for i, r in enumerate(raw):
+        if not _is_number(r) or not 0.0 < r <= 1.0:
+            raise InputFileError(source, f"expected a share of rounds in (0, 1], got {r!r}", f"{f}[{i}]")
+    return tuple(float(r) for r in raw)
 
 
 def _profile_target(source: str, target: Any, models: list[ModelEntry]) -> str:
@@ -783,11 +818,18 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
         if v is not None and not isinstance(v, dict):
             raise InputFileError(source, "expected an object", k)
         records[k] = v or {}
+    k = "draft_rate_by_budget_by_task"
+    for task, row in records[k].items():
+        if not isinstance(row, dict):
+            raise InputFileError(source, "expected an object {drafter: [share of rounds per budget]}", f"{k}.{task}")
+        records[k][task] = {name: list(_rates_by_budget(source, rates, f"{k}.{task}.{name}"))
+                            for name, rates in row.items()}
     return records
 
 
 #: A profile's records of its measurement beside the rates, each an object keyed by drafter (and verifier, or task).
-PROFILE_RECORDS = ("greedy_agreement", "counts", "ci95", "acceptance_by_task", "draft_rate_by_task")
+PROFILE_RECORDS = ("greedy_agreement", "counts", "ci95", "acceptance_by_task", "draft_rate_by_task",
+                   "draft_rate_by_budget_by_task")
 
 
 def _verify_costs(source: str, raw: Any, seen: set[str], at: str) -> dict[str, dict[str, float | list[float]]]:

@@ -306,9 +306,10 @@ def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: 
                    abstaining: bool = False, contexts: bool = False, growing: bool = False) -> Profile:
     """A target ``t`` (cost 1.0) and ``n_drafters`` drafters ``d0..`` with random costs (seconds),
     acceptances (some pairs missing), optionally drafters that cannot verify (``abstaining``: most of those
-    get a ``draft_rate`` below 1), pair verify costs (scalars or curves) and cost curves. Models are listed
-    in random order (the solver sorts by cost itself). ``contexts``: also ``context_costs`` at 2..4 random
-    context lengths for most models and for the curves and pair costs (:func:`random_context_costs`)."""
+    get a ``draft_rate`` below 1, half of those shares of rounds per budget too), pair verify costs (scalars or
+    curves) and cost curves. Models are listed in random order (the solver sorts by cost itself). ``contexts``:
+    also ``context_costs`` at 2..4 random context lengths for most models and for the curves and pair costs
+    (:func:`random_context_costs`)."""
     costs = rng.uniform(0.005, 0.9, n_drafters)
     names = [f"d{i}" for i in range(n_drafters)]
     models = [{"name": n, "kind": "model", "cost": float(c),
@@ -318,6 +319,10 @@ def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: 
         for m in models:
             if not m["can_verify"] and rng.random() < 0.8:
                 m["draft_rate"] = float(rng.uniform(0.05, 0.95))
+                sub = np.random.default_rng(int(m["cost"] * 1e9))   # apart: the instances drawn before stay
+                if sub.random() < 0.5:      # shares of rounds per budget, falling with it, some budgets only
+                    n = int(sub.integers(1, 7))
+                    m["draft_rate_by_budget"] = sorted(sub.uniform(0.02, m["draft_rate"], n).tolist(), reverse=True)
     models.append({"name": "t", "kind": "target", "cost": 1.0, "can_verify": True})
     rng.shuffle(models)
     allc = {m["name"]: m["cost"] for m in models}

@@ -272,6 +272,27 @@ def test_a_profile_with_a_bad_quantization_is_refused_at_load():
         profile_from_dict(d, "p.json")
 
 
+@pytest.mark.parametrize("where,value,message", [
+    ("k", [0.3, 0.0], r"models\[0\].draft_rate_by_budget\[1\]: expected a share of rounds in \(0, 1\]"),
+    ("k", [], r"models\[0\].draft_rate_by_budget: expected a non-empty list"),
+    ("k", 0.3, r"models\[0\].draft_rate_by_budget: expected a non-empty list"),
+    ("e", [0.3], r"models\[1\].draft_rate_by_budget: only for a drafter that abstains"),
+    ("task", [1.5], r"draft_rate_by_budget_by_task.qa.k\[0\]: expected a share of rounds"),
+])
+def test_a_drafters_shares_of_rounds_per_budget_are_checked_at_load(where, value, message):
+    d = _profile_dict()
+    d["models"][0]["draft_rate_by_budget"] = [0.3, 0.2]
+    prof, _ = profile_from_dict(copy.deepcopy(d), "p.json")
+    again, _ = profile_from_dict(prof.to_dict(), "p.json")
+    assert again.entry("k").draft_rate_by_budget == (0.3, 0.2) and again.entry("k").rate_at(7) == 0.2
+    if where == "task":
+        d["draft_rate_by_budget_by_task"] = {"qa": {"k": value}}
+    else:
+        d["models"][["k", "e"].index(where)]["draft_rate_by_budget"] = value
+    with pytest.raises(InputFileError, match=r"^p.json: " + message):
+        profile_from_dict(d, "p.json")
+
+
 def test_the_bench_baselines_read_the_typed_models():
     from hsd_opt.measure.bench import _best_exit, assistant_ref
 

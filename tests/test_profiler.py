@@ -185,6 +185,67 @@ def test_exit_boundaries_and_the_default_copies():
 # ------------------------------------------------------------------------------------------- end to end
 
 
+class _Recording:
+    """A token drafter that logs every ``propose`` call ``(context length, n, proposal)`` into a shared list."""
+
+    def __init__(self, inner, log: list):
+        self.inner, self.log, self.name, self.may_abstain = inner, log, inner.name, inner.may_abstain
+
+    def fork(self):
+        return _Recording(self.inner.fork(), self.log)
+
+    def reset(self, prompt_ids):
+        self.inner.reset(prompt_ids)
+
+    def observe(self, context, accepted):
+        self.inner.observe(context, accepted)
+
+    def propose(self, context, n):
+        out = self.inner.propose(context, n)
+        self.log.append((len(context), n, tuple(out)))
+        return out
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_walked_rounds_are_greedy_decodings_rounds(T):
+    """An abstaining drafter's walk along the target's greedy continuation calls it at exactly the contexts, with
+    exactly the proposals, of greedy decoding with the hierarchy ``[drafter, target]`` and budget ``T`` (its calls
+    from positions with a whole block and the round's token inside the continuation), and counts them; rounds
+    skip what an accepted block covers, so its share of rounds with a block is below its share of positions."""
+    from hsd_opt.drafters import make_token_drafter
+    from hsd_opt.profiler.measure import walk_rounds
+    from hsd_opt.runtime.decode import HSD, Level
+
+    lm = LayeredLM(make_tiny_llama(seed=6, vocab_size=40, layers=4, scale=6.0))
+    prompt, G = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], 40
+
+    def lookup():
+        return make_token_drafter("ngram_context", name="lookup", q=3, w=4, min_q=2, abstain=True)
+
+    decoded: list = []
+    res = HSD([Level("lookup", drafter=_Recording(lookup(), decoded)), Level("layer4", lm, 4)], [T]).generate(
+        prompt, G)
+    cont = res.token_ids
+    assert len(cont) == G
+    walked: list = []
+    counts = walk_rounds(lambda: _Recording(lookup(), walked), prompt, cont, T)
+    mine = [c for c in walked if c[1] == T]
+    assert mine == [c for c in decoded if c[0] - len(prompt) + T < G]
+    assert counts[0, T - 1] == len(mine) and counts[1, T - 1] == sum(bool(c[2]) for c in mine)
+    assert 0 < counts[1, T - 1] < counts[0, T - 1]
+    accepted = sum(1 for c in mine if c[2] and c[2][0] == cont[c[0] - len(prompt)])
+    assert accepted > 0                                       # some rounds skipped positions
+    d, proposed = lookup(), 0
+    d.reset(prompt)
+    for g in range(1, G - T):
+        ctx = prompt + cont[:g]
+        if g == 1:
+            d.observe(prompt, cont[:1])
+        proposed += bool(d.propose(ctx, T))
+        d.observe(ctx, cont[g:g + 1])
+    assert counts[1, T - 1] / counts[0, T - 1] < proposed / (G - T - 1)
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny, tmp_path_factory):
     """The single-process reference run (one torch thread, see FAST; restored after, as by ``_isolate``)."""
@@ -212,6 +273,17 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
     st = PairStats.from_dict(prof.stats)
     assert prof.entry("lookup").draft_rate == pytest.approx(
         st.proposals("lookup") / st.counters["propose_calls.lookup"], rel=1e-12)
+    # its share of rounds per budget 1..tmax (3), walked on every prompt; each task's too, adding up
+    by_budget = prof.entry("lookup").draft_rate_by_budget
+    assert len(by_budget) == 3 and all(0 < f <= 1 for f in by_budget)
+    tasks = list(prof.draft_rate_by_budget_by_task)
+    assert tasks and all(len(prof.draft_rate_by_budget_by_task[t]["lookup"]) <= 3 for t in tasks)
+    for T in (1, 2, 3):
+        rounds = {t: st.counters[f"walk_rounds.lookup.{T}.{t}"] for t in st.tasks}
+        blocks = sum(st.counters[f"walk_blocks.lookup.{T}.{t}"] for t in st.tasks)
+        assert by_budget[T - 1] == pytest.approx(max(1e-6, blocks / sum(rounds.values())), rel=1e-12)  # a floor
+        assert sum(prof.draft_rate_by_budget_by_task[t]["lookup"][T - 1] * rounds[t] for t in tasks
+                   if rounds[t]) == pytest.approx(blocks, abs=1e-4)
     for q in quantized:
         assert prof.entry(q).kind == "quantized" and prof.entry(q).extra["quantization"]["bits"] == int(q[3:])
         a = prof.accept(q, "layer4")          # keyed drafter -> target even where a tiny copy times dearer

@@ -132,6 +132,38 @@ def test_simulate_matches_prediction_with_an_abstaining_bottom(rate):
     assert hierarchy_latency(p, ["a", "b", "t"], [3, 6]) < hierarchy_latency(always, ["a", "b", "t"], [3, 6])
 
 
+def test_a_drafters_share_of_rounds_is_taken_at_its_budget():
+    """A bottom drafter whose share of rounds with a block depends on its budget (``draft_rate_by_budget``):
+    the latency of a hierarchy with budget T is that of the same drafter proposing at the one rate f(T) (past
+    the list's end: its last figure), at depth 2 and 3; the Monte-Carlo agrees; the best block is shorter than
+    with the share of positions alone, and the solvers find the optimum."""
+    by_budget = [0.5, 0.3, 0.2, 0.1]
+    d = {"format": "hsd-profile/1", "target": "t",
+         "models": [{"name": "a", "cost": 0.001, "can_verify": False, "draft_rate": 0.6,
+                     "draft_rate_by_budget": by_budget},
+                    {"name": "b", "cost": 0.3}, {"name": "t", "cost": 1.0}],
+         "acceptance": {"a": {"b": 0.9, "t": 0.85}, "b": {"t": 0.95}},
+         "cost_curve": {"b": [0.3, 0.32, 0.34, 0.36, 0.38, 0.4], "t": [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12]}}
+    p = profile_from_dict(d)[0]
+    assert profile_from_dict(p.to_dict())[0].entry("a").draft_rate_by_budget == tuple(by_budget)
+    for T in range(1, 7):
+        f = by_budget[min(T, len(by_budget)) - 1]
+        flat = profile_from_dict({**d, "models": [{**d["models"][0], "draft_rate": f, "draft_rate_by_budget": None}]
+                                  + d["models"][1:]})[0]
+        for h, b in ((["a", "t"], [T]), (["a", "b", "t"], [T, 6])):
+            assert hierarchy_latency(p, h, b) == pytest.approx(hierarchy_latency(flat, h, b), rel=1e-12)
+    r = simulate(p, ["a", "t"], [3], rounds=60_000, seed=5)
+    assert abs(r.latency - r.predicted) < 4 * r.stderr, r
+    per_position = profile_from_dict({**d, "models": [{**d["models"][0], "draft_rate_by_budget": None}]
+                                      + d["models"][1:]})[0]
+    def best_budget(prof):
+        return min(range(1, 7), key=lambda T: hierarchy_latency(prof, ["a", "t"], [T]))
+
+    assert best_budget(p) < best_budget(per_position)
+    sol = optimum(p, 6, "dp", 3)
+    assert sol.latency == pytest.approx(optimum(p, 6, "brute", 3).latency, rel=1e-9)
+
+
 # ------------------------------------------------------------------------------------------- Table 9 (App. B.4)
 
 # Speed-ups of the optimal hierarchy, rows a(C, B) = 0.0 .. 0.9, columns cost of C = 1, 2, 4, ..., 256

@@ -169,7 +169,8 @@ def test_prefill_rate_is_computed_prompt_positions_over_prefill_seconds_of_every
 def _task_profile_dict():
     """A target t, an exit e, a copy q and an abstaining lookup k; two tasks with different acceptance."""
     return {"format": "hsd-profile/1", "target": "t",
-            "models": [{"name": "k", "kind": "ngram_context", "cost": 0.0005, "can_verify": False, "draft_rate": 0.4},
+            "models": [{"name": "k", "kind": "ngram_context", "cost": 0.0005, "can_verify": False, "draft_rate": 0.4,
+                        "draft_rate_by_budget": [0.3, 0.2]},
                        {"name": "e", "kind": "early_exit", "layer": 2, "cost": 0.3},
                        {"name": "q", "kind": "quantized", "cost": 0.35},
                        {"name": "t", "kind": "target", "layer": 8, "cost": 1.0}],
@@ -178,6 +179,7 @@ def _task_profile_dict():
                 "summarization": {"k": {"e": 0.8, "q": 0.9, "t": 0.9}, "e": {"q": 0.6, "t": 0.55}, "q": {"t": 0.85}},
                 "qa": {"k": {"q": 0.2, "t": 0.2}, "e": {"q": 0.3, "t": 0.25}, "q": {"t": 0.75}}},   # no k->e
             "draft_rate_by_task": {"summarization": {"k": 0.9}},                                     # qa: none
+            "draft_rate_by_budget_by_task": {"summarization": {"k": [0.8, 0.7, 0.6]}},
             "provenance": {"model": "m", "positions_by_task": {"summarization": 120, "qa": 80}}}
 
 
@@ -186,9 +188,11 @@ def test_task_view_takes_the_tasks_figures_and_names_fallbacks():
     view, fb = task_profile(prof, "summarization")
     assert view.accept("k", "t") == 0.9 and view.accept("e", "q") == 0.6 and fb == []
     assert view.entry("k").draft_rate == 0.9 and view.entry("t").cost == prof.entry("t").cost
+    assert [view.entry("k").rate_at(T) for T in (1, 3, 5)] == [0.8, 0.6, 0.6]      # the task's rates per budget
     view, fb = task_profile(prof, "qa")
     assert view.accept("k", "e") == 0.5 and view.accept("k", "t") == 0.2      # k->e: the overall value
     assert fb == ["k->e", "draft_rate of k"] and view.entry("k").draft_rate == 0.4
+    assert [view.entry("k").rate_at(T) for T in (1, 2, 9)] == [0.3, 0.2, 0.2]      # the overall ones
     with pytest.raises(HsdError, match="qa, summarization"):
         task_profile(prof, "rag")
     bare, _ = profile_from_dict({k: v for k, v in _task_profile_dict().items() if k != "acceptance_by_task"})

@@ -42,6 +42,34 @@ def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float |
     return min(1.0, max(1e-6, stats.proposals(token, task) / calls))
 
 
+def walk_key(count: str, token: str, budget: int, task: str) -> str:
+    """The counter of an abstaining drafter's ``count`` (``"rounds"``, or ``"blocks"``: the rounds it proposed
+    in) with blocks of ``budget`` tokens on ``task``'s prompts (:func:`~hsd_opt.profiler.measure.walk_rounds`)."""
+    return f"walk_{count}.{token}.{budget}.{task}"
+
+
+def draft_rates_by_budget(stats: PairStats, token: str, task: str | None = None) -> list[float]:
+    """An abstaining drafter's share of rounds with a block, ``[f(1), ..., f(n)]`` for budgets 1..n, over all
+    tasks or in ``task``: blocks over rounds of its walks (a floor of 1e-6 where it never proposed). ``n`` is
+    the largest budget with counted rounds. Empty where its rounds were not walked on every prompt (a grammar's
+    prompts, profiles made before the walks), so the solver keeps the share of positions (:func:`draft_rate`)."""
+    tasks = stats.tasks if task is None else [task]
+    walked = sum(stats.counters.get(f"walked_prompts.{t}", 0.0) for t in tasks)
+    if walked <= 0 or any(stats.counters.get(f"walked_prompts.{t}", 0.0) != stats.counters.get(f"prompts.{t}")
+                          for t in tasks):
+        return []
+    out: list[float] = []
+    T = 1
+    while walk_key("rounds", token, T, tasks[0]) in stats.counters:
+        rounds = sum(stats.counters.get(walk_key("rounds", token, T, t), 0.0) for t in tasks)
+        if rounds <= 0:
+            break
+        blocks = sum(stats.counters.get(walk_key("blocks", token, T, t), 0.0) for t in tasks)
+        out.append(min(1.0, max(1e-6, blocks / rounds)))
+        T += 1
+    return out
+
+
 def prompts_by_task(stats: PairStats) -> tuple[dict[str, int], dict[str, int]]:
     """``(prompts, prompt tokens)`` per task, from the counters ``prompts.<task>`` and ``prompt_tokens.<task>``;
     a task whose counters were not recorded (profiles made before they were) is left out of both."""
@@ -100,6 +128,7 @@ def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[
                 if at is not None:
                     by_task[t].setdefault(d, {})[v] = at
     rates: dict[str, dict[str, float]] = {}
+    by_budget: dict[str, dict[str, list[float]]] = {}
     for tok in stats.token:
         if draft_rate(stats, tok) >= 1.0:
             continue
@@ -107,10 +136,14 @@ def results_from_stats(stats: PairStats, order: Sequence[str], can_verify: dict[
             r = draft_rate(stats, tok, t)
             if r is not None:
                 rates.setdefault(t, {})[tok] = r
+            if rb := draft_rates_by_budget(stats, tok, t):
+                by_budget.setdefault(t, {})[tok] = rb
     out = {"acceptance": acc, "greedy_agreement": agr, "counts": cnt, "ci95": ci,
            "acceptance_by_task": {t: v for t, v in by_task.items() if v}}
     if rates:
         out["draft_rate_by_task"] = rates
+    if by_budget:
+        out["draft_rate_by_budget_by_task"] = by_budget
     return out
 
 
@@ -237,8 +270,8 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
         calls = stats.counters.get(f"propose_calls.{d.name}", 0.0)
         secs = stats.counters.get(f"propose_seconds.{d.name}", 0.0)
         c = secs / calls if calls > 0 else 1e-6
-        entries.append(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()},
-                                  draft_rate(stats, d.name)))
+        entries.append(_rates_of(ModelEntry(d.name, d.kind, max(c, 1e-9), False, None, {"config": d.config()}),
+                                 stats))
     _cost_order(entries, neural, target_name)
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, target_name)
@@ -259,6 +292,14 @@ def costs_profile(neural: Sequence[NeuralDrafter], tds: Sequence, lcs: dict, tma
     entries += [ModelEntry(d.name, d.kind, first.cost[d.name], False, None, {"config": d.config()}) for d in tds]
     _cost_order(entries, neural, target_name)
     return Profile(target_name, entries, {}, first.verify_cost, first.cost_curve, context_costs=cc)
+
+
+def _rates_of(entry: ModelEntry, stats: PairStats) -> ModelEntry:
+    """A token drafter's entry with its draft rates from ``stats``: the share of positions, and where it abstains
+    and its rounds were walked, the share of rounds per budget."""
+    rate = draft_rate(stats, entry.name)
+    by_budget = tuple(draft_rates_by_budget(stats, entry.name)) if rate < 1.0 else ()
+    return replace(entry, draft_rate=rate, draft_rate_by_budget=by_budget)
 
 
 def _records(res: dict) -> dict:
@@ -307,8 +348,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         seen.add(key)
         prompt_sets.append(prov.get("prompts_sha256"))
         stats = stats.merge(s)
-    entries = [replace(e, draft_rate=draft_rate(stats, e.name)) if e.name in stats.token else e
-               for e in first.models]
+    entries = [_rates_of(e, stats) if e.name in stats.token else e for e in first.models]
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
     prov = dict(prov0)

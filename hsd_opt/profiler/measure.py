@@ -28,7 +28,7 @@ See ``docs/design.md#acceptance-statistics``.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -209,3 +209,44 @@ def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperatur
                 agr_tn[ti, :, c0:c0 + m] = ((A == y[None, :]) & made[None, :]).numpy()
         del Pm
     return acc_nn, agr_nn, acc_tn, agr_tn, secs
+
+
+def walk_rounds(make_drafter: Callable[[], Any], prompt_ids: Sequence[int], continuation: Sequence[int],
+                tmax: int) -> np.ndarray:
+    """Rounds of an abstaining token drafter along ``continuation`` for every budget ``T`` in 1..``tmax``:
+    ``[2, tmax]`` counts (row 0: rounds, row 1: rounds in which it proposed a block), indexed ``T - 1``;
+    ``make_drafter()`` gives the drafter in its initial state (one per budget).
+
+    Decoding calls the drafter once per round, and a round that accepts ``k`` drafts skips the positions the
+    accepted block covered; a drafter whose proposals come in runs (a repeated passage) therefore proposes in a
+    smaller share of rounds than of positions. Each budget's walk is what decoding does with the target's
+    continuation as the verifier's output: the first token is the target's own (as in decoding), then from each
+    position the drafter proposes ``propose(context, T)``; its block's drafts are accepted up to the first one that
+    differs from the continuation, and the round adds those plus the next continuation token (no block: one
+    token). For greedy decoding that is exactly decoding's rounds; for sampling it is decoding's rounds in
+    distribution (a one-hot draft ``y`` is accepted with probability ``p(y)``, and otherwise the round's token is
+    drawn from the rest of ``p``, as the continuation's token is). A walk counts the rounds that start at most at
+    position ``len(continuation) - T - 1`` (a whole block and the round's last token inside the continuation), so
+    a budget's figures do not depend on how its rounds end. ``docs/design.md#abstaining-drafters``."""
+    full = list(prompt_ids) + list(continuation)
+    P, G = len(prompt_ids), len(continuation)
+    out = np.zeros((2, tmax), dtype=np.float64)
+    for T in range(1, tmax + 1):
+        if G < T + 2:
+            break
+        d = make_drafter()
+        d.reset(full[:P])
+        d.observe(full[:P], full[P:P + 1])
+        g = 1
+        while g + T < G:
+            ctx = full[:P + g]
+            block = [int(t) for t in d.propose(ctx, T)][:T]
+            k = 0
+            while k < len(block) and block[k] == full[P + g + k]:
+                k += 1
+            out[0, T - 1] += 1
+            out[1, T - 1] += bool(block)
+            n = k + 1 if block else 1
+            d.observe(ctx, full[P + g:P + g + n])
+            g += n
+    return out

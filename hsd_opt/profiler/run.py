@@ -31,6 +31,7 @@ from hsd_opt.profiler.assemble import (
     forced_by_task,
     positions_by_task,
     prompts_by_task,
+    walk_key,
 )
 from hsd_opt.profiler.batch_costs import measure_batch_costs
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
@@ -47,7 +48,7 @@ from hsd_opt.profiler.costs import (
     time_token_drafter,
 )
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
-from hsd_opt.profiler.measure import generate, profile_sequence
+from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
@@ -294,6 +295,7 @@ def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, to
     checkpoint's sums (saved after each prompt; ``on_prompt(k)`` called after the k-th). Under a grammar the
     positions it forces are counted as ``forced_tokens``, apart from ``generated_tokens`` (those measured)."""
     pid = progress.add_task("profiling", total=len(mine), completed=len(mine) - len(todo)) if progress else None
+    walked = [d for d in tds if getattr(d, "may_abstain", False)]
     for k, it in enumerate(todo, 1):
         ids = encode_item(loaded, it, cfg.raw, source)
         cont = ck.continuations[str(it.index)]
@@ -310,6 +312,13 @@ def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, to
         for ti, d in enumerate(tds):
             st.count(f"propose_seconds.{d.name}", secs[ti])
             st.count(f"propose_calls.{d.name}", measured)
+        if allowed is None and walked:      # under a grammar decoding takes forced tokens without a round
+            for d in walked:
+                counts = walk_rounds(lambda: fresh_drafter(d).fork(), ids, cont, cfg.tmax)
+                for T in range(1, cfg.tmax + 1):
+                    st.count(walk_key("rounds", d.name, T, it.task), counts[0, T - 1])
+                    st.count(walk_key("blocks", d.name, T, it.task), counts[1, T - 1])
+            st.count(f"walked_prompts.{it.task}", 1)
         for key, n in (("prompts", 1), ("prompt_tokens", len(ids)), ("generated_tokens", measured),
                        *((("forced_tokens", n_forced),) if forced is not None else ())):
             st.count(key, n)
@@ -453,7 +462,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
                       cfg.dtype, log, warn, cfg.draft_layers,
                       left_out=cfg.token_drafters_left_out)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, world, precision)
-    stats = _new_stats(pool, suite.tasks)
+    stats = _new_stats(pool, suite.tasks, cfg.tmax)
 
     # resume
     ck = open_checkpoint(partial_path(Path(cfg.out), rank, world), settings, stats, rank, world, cfg.resume, log,
@@ -588,15 +597,21 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
     return tds
 
 
-def _new_stats(pool, tasks: list[str]) -> PairStats:
+def _new_stats(pool, tasks: list[str], tmax: int) -> PairStats:
     """Empty sums for the pool's drafters over ``tasks``, with the counters the measurement keeps: prompts,
-    tokens and EOS stops, overall and per task (a task's context, a token drafter's calls there), and each token
-    drafter's proposing seconds and calls."""
+    tokens and EOS stops, overall and per task (a task's context, a token drafter's calls there), each token
+    drafter's proposing seconds and calls, and an abstaining drafter's rounds per budget 1..``tmax`` and task
+    (:func:`~hsd_opt.profiler.measure.walk_rounds`)."""
     names = pool.token_names
     counters = ["prompts", "prompt_tokens", "generated_tokens", "eos_stops"]
     counters += [f"generated_tokens.{t}" for t in tasks]           # the order of earlier checkpoints, kept
     counters += [f"{c}.{t}" for c in ("prompts", "prompt_tokens") for t in tasks]
     counters += [f"propose_seconds.{n}" for n in names] + [f"propose_calls.{n}" for n in names]
+    walked = [d.name for d in pool.token if getattr(d, "may_abstain", False)]
+    if walked:
+        counters += [f"walked_prompts.{t}" for t in tasks]
+        counters += [walk_key(c, n, T, t) for c in ("rounds", "blocks") for n in walked
+                     for T in range(1, tmax + 1) for t in tasks]
     return PairStats([nd.name for nd in pool.neural], names, tasks, counters)
 
 

@@ -10,7 +10,8 @@ Rules (the same for every solver):
   is measured. A drafter with ``can_verify: false`` therefore only appears at the bottom;
 - budgets: ``l <= j`` on every verify edge, i.e. ``1 <= T_0 <= ... <= T_{n-1} <= tmax``;
 - a drafter with ``draft_rate f < 1`` (it abstains in a share ``1 - f`` of its calls; only a drafter that cannot
-  verify, so only at the bottom) makes the edges into it cost ``M v_i(l + 1) + U (v_i(1) + c_k)`` with
+  verify, so only at the bottom; ``f`` at its budget ``l``, :meth:`~hsd_opt.formats.ModelEntry.rate_at`) makes the
+  edges into it cost ``M v_i(l + 1) + U (v_i(1) + c_k)`` with
   multiplier ``M`` (:func:`~hsd_opt.solver.latency.round_counts`), and the source edge into it
   ``rate * (v_K + V) + add`` (:func:`~hsd_opt.solver.latency.top_rate`; `docs/design.md#abstaining-drafters`).
 """
@@ -24,7 +25,7 @@ import numpy as np
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
 from hsd_opt.solver.hierarchy import cost_order
-from hsd_opt.solver.latency import gamma_table, round_cost, round_tables, top_rate, verify_cost
+from hsd_opt.solver.latency import gamma_table, rates_by_budget, round_cost, round_tables, top_rate, verify_cost
 
 
 @dataclass
@@ -84,6 +85,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     entries = [profile.entry(n) for n in names]
     cost = np.array([e.cost for e in entries], dtype=float)
     rate = np.array([e.draft_rate for e in entries], dtype=float)
+    rate_t = np.array([rates_by_budget(e, tmax) for e in entries], dtype=float).reshape(D, tmax)   # [k, l - 1]
     can_verify = np.array([e.can_verify for e in entries], dtype=bool)
     below: list[np.ndarray] = []
     pairs_a: list[float] = []
@@ -105,7 +107,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
         g = table[p: p + n]
         ab = np.array([kk for kk, k in enumerate(below[i]) if rate[k] < 1.0], dtype=int)
         if len(ab):
-            M, U = round_tables(np.array(pairs_a[p: p + n])[ab], rate[below[i][ab]], tmax)
+            M, U = round_tables(np.array(pairs_a[p: p + n])[ab], rate_t[below[i][ab]], tmax)
             g = g.copy()
             g[ab] = M
         else:
@@ -122,7 +124,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     src_rate = np.zeros((len(src), tmax))
     src_add = np.zeros((len(src), tmax))
     for s_, i in enumerate(src):
-        src_rate[s_], src_add[s_] = top_rate(profile.accept(names[i], K), rate[i], js,
+        src_rate[s_], src_add[s_] = top_rate(profile.accept(names[i], K), rate_t[i], js,
                                              verify_cost(profile, K, names[i], 1), cost[i])
     src_cost = np.array([round_cost(profile, K, names[i], js) for i in src]).reshape(len(src), tmax)
     return Instance(names, K, profile.entry(K).cost, tmax, cost, can_verify, below, gam, vcost, abst, gam_u,

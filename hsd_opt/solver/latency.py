@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import Profile
+from hsd_opt.formats import ModelEntry, Profile
 from hsd_opt.solver.hierarchy import source_candidates
 
 # ------------------------------------------------------------------------------------------------ gamma
@@ -132,15 +132,18 @@ def round_counts(a: float, f: float, t: int, T: int) -> tuple[float, float]:
 
 def round_tables(a: np.ndarray, f: np.ndarray, tmax: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`round_counts` for every pair ``(a[p], f[p])`` and t, n in 1..tmax: two arrays of shape
-    ``(P, tmax, tmax)`` indexed ``[p, t - 1, n - 1]`` (``M``, ``U``). O(P tmax^3): meant for the few pairs with
-    an abstaining drafter (:func:`gamma_table` covers ``f = 1`` in O(P tmax^2));
-    `docs/design.md#abstaining-drafters`."""
+    ``(P, tmax, tmax)`` indexed ``[p, t - 1, n - 1]`` (``M``, ``U``). ``f`` is ``(P,)``, or ``(P, tmax)`` with
+    the drafter's rate for blocks of t drafts at ``[p, t - 1]`` (:meth:`~hsd_opt.formats.ModelEntry.rate_at`).
+    O(P tmax^3): meant for the few pairs with an abstaining drafter (:func:`gamma_table` covers ``f = 1`` in
+    O(P tmax^2)); `docs/design.md#abstaining-drafters`."""
     a = np.asarray(a, dtype=float).reshape(-1)
-    f = np.asarray(f, dtype=float).reshape(-1)
     P = a.shape[0]
+    fs = np.asarray(f, dtype=float).reshape(P, -1)
+    fs = np.broadcast_to(fs, (P, tmax)) if fs.shape[1] == 1 else fs
     M = np.zeros((P, tmax, tmax + 1))           # [p, t-1, n], n = 0 column is 0
     U = np.zeros((P, tmax, tmax + 1))
     for t in range(1, tmax + 1):
+        f = fs[:, t - 1]
         k = np.arange(1, t + 2)
         pk = f[:, None] * a[:, None] ** (k - 1)[None, :] * np.where(k <= t, 1.0 - a[:, None], 1.0)   # (P, t+1)
         pk[:, 0] += 1.0 - f
@@ -180,16 +183,19 @@ def top_latency(a: float, f: float, T: int | np.ndarray, v_block: float | np.nda
     return float(out) if np.ndim(out) == 0 else out
 
 
-def top_rate(a: float, f: float, T: int | np.ndarray, v_step: float, c_draft: float):
+def top_rate(a: float, f: float | np.ndarray, T: int | np.ndarray, v_step: float, c_draft: float):
     """``(rate, add)`` with :func:`top_latency` ``= rate * (v_block + T c_draft) + add``: the target's passes over
-    a block per token, and the seconds per token of the rounds an abstaining drafter (``f < 1``) leaves to the
-    target as plain steps. ``f = 1``: ``(target_rate(a, T), 0)``. The GSP source edge uses the two apart
+    a block per token, and the seconds per token of the rounds an abstaining drafter (``f < 1``; an array of
+    rates, one per budget of ``T``, for a drafter whose rate depends on its budget) leaves to the target as
+    plain steps. ``f = 1``: ``(target_rate(a, T), 0)``. The GSP source edge uses the two apart
     (`docs/design.md#abstaining-drafters`, `docs/design.md#the-graph`)."""
     rate = target_rate(a, T)
-    if f >= 1.0:
+    f = np.asarray(f, dtype=float)
+    if np.all(f >= 1.0):
         return rate, 0.0 * rate
     per_round = f / rate + 1.0 - f                                  # E[tokens per round]
-    return f / per_round, (1.0 - f) * (v_step + c_draft) / per_round
+    out = f / per_round, (1.0 - f) * (v_step + c_draft) / per_round
+    return tuple(float(x) for x in out) if np.ndim(out[0]) == 0 else out
 
 
 # ------------------------------------------------------------------------------------------------ costs
@@ -301,7 +307,7 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
     if len(hierarchy) == 1:
         return profile.entry(hierarchy[0]).cost
     bottom = profile.entry(hierarchy[0])
-    f = bottom.draft_rate
+    f = bottom.rate_at(budgets[0])
     B = budgets[0] * bottom.cost
     for i in range(1, len(hierarchy) - 1):
         lo, hi = hierarchy[i - 1], hierarchy[i]
@@ -315,6 +321,12 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
         return (vK + B) * target_rate(profile.accept(lo, K), budgets[-1])
     return top_latency(profile.accept(lo, K), f, budgets[0], round_cost(profile, K, lo, budgets[0]),
                        verify_cost(profile, K, lo, 1), bottom.cost)
+
+
+def rates_by_budget(entry: ModelEntry, tmax: int) -> np.ndarray:
+    """``(tmax,)``: a drafter's share of rounds with a block at budgets 1..tmax (all 1 for one that never
+    abstains; :meth:`~hsd_opt.formats.ModelEntry.rate_at`)."""
+    return np.array([entry.rate_at(t) for t in range(1, tmax + 1)], dtype=float)
 
 
 def target_only(profile: Profile) -> float:
@@ -338,7 +350,7 @@ def best_single_draft(profile: Profile, tmax: int,
         if kinds is not None and profile.entry(d).kind not in kinds:
             continue
         e = profile.entry(d)
-        L = top_latency(profile.accept(d, K), e.draft_rate, js, round_cost(profile, K, d, js),
+        L = top_latency(profile.accept(d, K), rates_by_budget(e, tmax), js, round_cost(profile, K, d, js),
                         verify_cost(profile, K, d, 1), e.cost)
         j = int(np.argmin(L))
         if best is None or L[j] < best[2]:

@@ -8,9 +8,9 @@ the corrected or bonus token included), repeats until it holds at least ``T_i`` 
 ``T_i`` (the excess is dropped, each call starts afresh); the target verifies one block per round and keeps
 ``1 + min(G, T_{n-1})`` tokens. Costs are those of :func:`~hsd_opt.solver.latency.verify_cost`; a round that
 accepted the whole block also pays the level below's catch-up (:func:`~hsd_opt.solver.latency.catch_up_cost`).
-A bottom drafter with ``draft_rate f < 1`` proposes its block in each round of the level above with
-probability ``f``; otherwise that round is one pass of the level above over one token (one token kept) plus the
-drafter's failed call (its ``cost``).
+A bottom drafter with ``draft_rate f < 1`` (at its budget: :meth:`~hsd_opt.formats.ModelEntry.rate_at`) proposes
+its block in each round of the level above with probability ``f``; otherwise that round is one pass of the level
+above over one token (one token kept) plus the drafter's failed call (its ``cost``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
     # vcost[i-1]: level i (1..n, n = target) verifying a block of budgets[i-1] drafts of level i-1
     vcost = [verify_cost(profile, hierarchy[i], hierarchy[i - 1], budgets[i - 1] + 1) for i in range(1, n + 1)]
     c0 = profile.entry(hierarchy[0]).cost
-    f = profile.entry(hierarchy[0]).draft_rate
+    f = profile.entry(hierarchy[0]).rate_at(budgets[0])
     v_step = verify_cost(profile, hierarchy[1], hierarchy[0], 1)      # level 1's pass when the bottom abstains
     catch = [catch_up_cost(profile, hierarchy[i - 1], hierarchy[i]) for i in range(1, n + 1)]
     times, toks = [], []

@@ -47,8 +47,9 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
     """``profile`` as the prompts of ``task`` see it, and the pairs that fell back to the overall value.
 
     Every measured pair takes the task's acceptance where the task has data for it; an abstaining token drafter
-    takes the task's ``draft_rate``. Returns ``(view, fallbacks)``: ``fallbacks`` names each pair
-    (``"drafter->verifier"``) and draft rate (``"draft_rate of drafter"``) kept at the overall value.
+    takes the task's ``draft_rate`` and its shares of rounds per budget (none where the task's were not walked).
+    Returns ``(view, fallbacks)``: ``fallbacks`` names each pair (``"drafter->verifier"``) and draft rate
+    (``"draft_rate of drafter"``) kept at the overall value.
 
     Raises:
         HsdError: the profile has no per-task statistics, or none for ``task`` (naming the tasks it has).
@@ -70,6 +71,7 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
                 fallbacks.append(f"{d}->{v}")
                 at = a
             acceptance.setdefault(d, {})[v] = float(at)
+    by_budget_t = profile.draft_rate_by_budget_by_task.get(task) or {}
     models = []
     for m in profile.models:
         if m.draft_rate < 1.0:
@@ -77,7 +79,8 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
             if r is None:
                 fallbacks.append(f"draft_rate of {m.name}")
             else:
-                m = replace(m, draft_rate=min(1.0, max(1e-6, float(r))))
+                m = replace(m, draft_rate=min(1.0, max(1e-6, float(r))),
+                            draft_rate_by_budget=tuple(by_budget_t.get(m.name) or ()))
         models.append(m)
     return replace(profile, models=models, acceptance=acceptance, stats=None, task=task), fallbacks
 
