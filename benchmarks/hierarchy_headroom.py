@@ -7,8 +7,9 @@ drafter must propose tokens the drafter accepts, and the drafter must check a bl
 step. This script asks the solver (``hsd_opt.solver.api.solve``, the exact optimum, no ``--min-gain``) how the
 ratio *best single draft latency / plan latency* moves when the profile is changed in one way at a time:
 
-1. ``rate``: every abstaining token drafter (``draft_rate`` below 1, e.g. ``lookup``) proposes more often, with
-   the acceptance and cost it was measured at.
+1. ``rate``: every abstaining token drafter (``draft_rate`` below 1, e.g. ``lookup``) proposes more often (its
+   share of positions and of rounds at every budget at least ``rate``), with the acceptance and cost it was
+   measured at.
 2. ``free``: a drafter of no cost that proposes at every position is added, with acceptance ``alpha`` against
    every model that can verify except the target, and ``alpha`` times the best single draft's own acceptance
    against the target (it agrees with the target through the drafter).
@@ -59,6 +60,8 @@ def _set_rate(rate: float) -> Callable[[dict], None]:
         for m in d["models"]:
             if m.get("draft_rate", 1.0) < 1.0:
                 m["draft_rate"] = max(m["draft_rate"], rate)
+                if m.get("draft_rate_by_budget"):          # the share of rounds at every budget too
+                    m["draft_rate_by_budget"] = [max(f, rate) for f in m["draft_rate_by_budget"]]
     return change
 
 

@@ -64,3 +64,8 @@ def test_rates_only_rise(headroom, raw):
     assert lookup["draft_rate"] == next(m for m in raw["models"] if m["name"] == "lookup")["draft_rate"]
     headroom._set_rate(0.9)(changed)
     assert next(m for m in changed["models"] if m["name"] == "lookup")["draft_rate"] == 0.9
+    walked = json.loads(json.dumps(raw))        # a drafter with shares of rounds per budget: each rises, none falls
+    lookup = next(m for m in walked["models"] if m["name"] == "lookup")
+    lookup["draft_rate_by_budget"] = [0.2, 0.1, 0.05]
+    headroom._set_rate(0.15)(walked)
+    assert lookup["draft_rate_by_budget"] == [0.2, 0.15, 0.15]
