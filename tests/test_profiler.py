@@ -246,6 +246,50 @@ def test_walked_rounds_are_greedy_decodings_rounds(T):
     assert counts[1, T - 1] / counts[0, T - 1] < proposed / (G - T - 1)
 
 
+def _share_and_variance(counts: np.ndarray) -> tuple[float, float]:
+    """``counts`` ``[n, 2]`` per sequence (rounds, rounds with a block): the pooled share and its variance, with the
+    sequences as the independent units (rounds of one sequence are correlated)."""
+    r = counts[:, 1].sum() / counts[:, 0].sum()
+    n = len(counts)
+    return r, float(((counts[:, 1] - r * counts[:, 0]) ** 2).sum() / (n - 1) / n / counts[:, 0].mean() ** 2)
+
+
+def test_walked_rounds_have_sampled_decodings_share_of_blocks():
+    """Sampled (temperature 0.3, budget 2), the walk along the target's sampled continuations gives the share of
+    rounds with a block that sampled decoding's rounds have (600 sequences each, independent seeds: |z| < 3.5),
+    where the share of positions, which the solver took before, is rejected (z < -4)."""
+    from hsd_opt.drafters import make_token_drafter
+    from hsd_opt.profiler.measure import generate, walk_rounds
+    from hsd_opt.runtime.decode import HSD, Level
+
+    lm = LayeredLM(make_tiny_llama(seed=6, vocab_size=40, layers=4, scale=6.0))
+    prompt, G, T, temperature, n = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], 30, 2, 0.3, 600
+
+    def lookup():
+        return make_token_drafter("ngram_context", name="lookup", q=3, w=4, min_q=2, abstain=True)
+
+    decoded, walked, positions = [], [], []
+    for seed in range(n):
+        log: list = []
+        HSD([Level("lookup", drafter=_Recording(lookup(), log)), Level("layer4", lm, 4)], [T]).generate(
+            prompt, G, temperature=temperature, seed=seed)
+        mine = [c for c in log if c[0] - len(prompt) + T < G]          # the rounds a walk counts
+        decoded.append([len(mine), sum(bool(c[2]) for c in mine)])
+        cont = generate(lm, prompt, G, temperature, set(), torch.Generator().manual_seed(10_000 + seed))
+        walked.append(walk_rounds(lookup, prompt, cont, T)[:, T - 1])
+        d, made = lookup(), 0
+        d.reset(prompt)
+        d.observe(prompt, cont[:1])
+        for g in range(1, G - T):
+            made += bool(d.propose(prompt + cont[:g], T))
+            d.observe(prompt + cont[:g], cont[g:g + 1])
+        positions.append([G - T - 1, made])
+    (rd, vd), (rw, vw), (rp, vp) = (_share_and_variance(np.array(c, dtype=float))
+                                    for c in (decoded, walked, positions))
+    assert abs(rd - rw) / np.sqrt(vd + vw) < 3.5, (rd, rw)
+    assert (rd - rp) / np.sqrt(vd + vp) < -4, (rd, rp)
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny, tmp_path_factory):
     """The single-process reference run (one torch thread, see FAST; restored after, as by ``_isolate``)."""
