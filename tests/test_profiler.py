@@ -319,6 +319,11 @@ def test_cli_profile_identical_drafter_and_solver(full_run, tiny):
         st.proposals("lookup") / st.counters["propose_calls.lookup"], rel=1e-12)
     # its share of rounds per budget 1..tmax (3), walked on every prompt; each task's too, adding up
     by_budget = prof.entry("lookup").draft_rate_by_budget
+    from hsd_opt.commands.profile import draft_rate_lines
+
+    assert draft_rate_lines(prof) == [f"lookup proposes at {prof.entry('lookup').draft_rate:.0%} of positions; in "
+                                      f"decoding's rounds with blocks of 1 / 2 tokens: {by_budget[0]:.0%} / "
+                                      f"{by_budget[1]:.0%} (the solver's draft rate at each budget)"]
     assert len(by_budget) == 3 and all(0 < f <= 1 for f in by_budget)
     tasks = list(prof.draft_rate_by_budget_by_task)
     assert tasks and all(len(prof.draft_rate_by_budget_by_task[t]["lookup"]) <= 3 for t in tasks)

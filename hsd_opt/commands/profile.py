@@ -250,10 +250,30 @@ def _run_profile(cfg, quiet: bool):
         raise typer.Exit(130)
 
 
+def draft_rate_lines(prof) -> list[str]:
+    """One line per token drafter that abstains: its share of positions with a proposal, and of decoding's rounds
+    with a block at budgets 1, 2, 4, 8 (as far as the profile walked them)."""
+    out = []
+    for m in prof.models:
+        if m.draft_rate >= 1.0:
+            continue
+        line = f"{m.name} proposes at {m.draft_rate:.0%} of positions"
+        n = len(m.draft_rate_by_budget)
+        if n:
+            ts = [t for t in (1, 2, 4, 8) if t <= n]
+            line += (f"; in decoding's rounds with blocks of {' / '.join(map(str, ts))} tokens: "
+                     f"{' / '.join(f'{m.rate_at(t):.0%}' for t in ts)} (the solver's draft rate at each budget)")
+        out.append(line)
+    return out
+
+
 def _report_profile(prof, out: Path, quiet: bool) -> None:
-    """Print the acceptance table and the target's step by context (unless ``quiet``), then what was written."""
+    """Print the acceptance table, the abstaining drafters' draft rates and the target's step by context (unless
+    ``quiet``), then what was written."""
     if not quiet:
         console.print(acceptance_table(prof))
+        for line in draft_rate_lines(prof):
+            console.print(line)
         steps = [f"{e.context} tokens {e.cost[prof.target] * 1e3:.4g} ms" for e in prof.context_costs
                  if prof.target in e.cost]
         if steps:
