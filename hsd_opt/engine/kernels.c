@@ -1984,6 +1984,47 @@ static void attend_shared(const float *q, int nq, const float *K, const float *V
     }
 }
 
+/* Rows of one sequence attended together (a prompt's or a verify pass's consecutive positions): the keys and values
+ * of a block are read once for all of them. */
+#define HSD_ATTENTION_ROWS 4
+
+/* attend_one for the nr consecutive rows p0 .. p0+nr-1 of one sequence and the nq query heads of one key/value
+ * head (row r's query head h at q + r * qstride + h * hd, its output at out + r * ostride + h * hd), operation for
+ * operation, so the same values: each block of keys and of values is read once for all nr * nq queries, each
+ * query over its own causal length. sc: scratch [nr * nq][p0 + nr]. */
+static void attend_rows(const float *q, size_t qstride, int nr, int nq, const float *K, const float *V, int p0,
+                        int hd, float *sc, float *out, size_t ostride) {
+    const int n_all = p0 + nr, nqr = nr * nq;
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int j0 = 0; j0 < n_all; j0 += HSD_KEY_BLOCK) { /* blocks of a multiple of 4 keys: attention_scores' groups */
+        for (int a = 0; a < nqr; a++) {
+            const int r = a / nq, n = p0 + r + 1;
+            if (j0 >= n) continue;
+            const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
+            attention_scores(q + (size_t)r * qstride + (size_t)(a % nq) * hd, K + (size_t)j0 * hd, nb, hd, scale,
+                             sc + (size_t)a * n_all + j0);
+        }
+    }
+    float inv[256];
+    for (int a0 = 0; a0 < nqr; a0 += 256) {
+        const int na = nqr - a0 < 256 ? nqr - a0 : 256;
+        for (int a = a0; a < a0 + na; a++) inv[a - a0] = 1.0f / exp_shifted(sc + (size_t)a * n_all, p0 + a / nq + 1);
+        for (int j0 = 0; j0 < n_all; j0 += HSD_KEY_BLOCK) {
+            for (int a = a0; a < a0 + na; a++) {
+                const int r = a / nq, n = p0 + r + 1;
+                if (j0 >= n) continue;
+                const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
+                attention_values(sc + (size_t)a * n_all + j0, V + (size_t)j0 * hd, nb, hd,
+                                 out + (size_t)r * ostride + (size_t)(a % nq) * hd, j0 > 0);
+            }
+        }
+        for (int a = a0; a < a0 + na; a++) {
+            float *o = out + (size_t)(a / nq) * ostride + (size_t)(a % nq) * hd;
+            for (int i = 0; i < hd; i++) o[i] *= inv[a - a0];
+        }
+    }
+}
+
 static inline float silu(float g) { return g / (1.0f + hsd_exp(-g)); }
 
 /* ------------------------------------------------------------------------------------------------ the pass */
@@ -1998,7 +2039,7 @@ long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
     const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
     const long mk = max_cols(M);
     return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + mk / 4 + 2 * (mk / HSD_GROUP) + 16)
-        + (long)nthreads * ((H / KV) * (cache_len + 16) + (long)HSD_SCRATCH_ROWS * mk + 16);
+        + (long)nthreads * ((long)HSD_ATTENTION_ROWS * (H / KV) * (cache_len + 16) + (long)HSD_SCRATCH_ROWS * mk + 16);
 }
 
 /* Decoder layers l0 .. l1-1 on x [m, hidden] (in place). Row t is position pos[t] of sequence seq[t]; the rows of
@@ -2029,12 +2070,13 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
     int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
     float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
     const int rep = H / KV;
-    const size_t per_thread = (size_t)rep * (max_len + 16) + HSD_SCRATCH_ROWS * (size_t)mk + 16;
+    const size_t att_scratch = (size_t)HSD_ATTENTION_ROWS * rep * (max_len + 16);
+    const size_t per_thread = att_scratch + HSD_SCRATCH_ROWS * (size_t)mk + 16;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num();
         float *sc = scr + (size_t)tid * per_thread;
-        float *buf = sc + (size_t)rep * (max_len + 16);
+        float *buf = sc + att_scratch;
         qx_t X = {xq, xd, xsum, 0};
         for (int l = l0; l < l1; l++) {
             const hsd_layer *L = &M->layers[l];
@@ -2070,19 +2112,37 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
                     memcpy(vc[seq[t]][l] + at, row + QW + KW + g * hd, hd * sizeof(float));
                 }
             }
-            /* 4. attention (implicit barrier above): one task per row and query head; a row with a long cache
-             * attends the query heads of a key/value head together in the task of the group's first head (its
-             * keys and values read once, not rep times), the group's other tasks idle. The same values either way. */
+            /* 4. attention (implicit barrier above). One row (a decode step): one task per query head; with a long
+             * cache the query heads of a key/value head are attended together in the task of the group's first
+             * head (its keys and values read once, not rep times), the group's other tasks idle. Several rows: one
+             * task per block of HSD_ATTENTION_ROWS rows and key/value head, its consecutive rows of one sequence
+             * attended together (attend_rows). The same values every way. */
+            if (m > 1) {
+#pragma omp for schedule(static, 1)
+                for (int task = 0; task < ((m + HSD_ATTENTION_ROWS - 1) / HSD_ATTENTION_ROWS) * KV; task++) {
+                    const int b = task / KV, g = task % KV, end = (b + 1) * HSD_ATTENTION_ROWS < m
+                                                                  ? (b + 1) * HSD_ATTENTION_ROWS : m;
+                    for (int t0 = b * HSD_ATTENTION_ROWS, t1; t0 < end; t0 = t1) {
+                        for (t1 = t0 + 1; t1 < end && seq[t1] == seq[t0] && pos[t1] == pos[t1 - 1] + 1; t1++) {}
+                        const int n = cache_len[seq[t0]];
+                        attend_rows(qkv + (size_t)t0 * QKVW + (size_t)g * rep * hd, QKVW, t1 - t0, rep,
+                                    kc[seq[t0]][l] + (size_t)g * n * hd, vc[seq[t0]][l] + (size_t)g * n * hd, pos[t0],
+                                    hd, sc, att + (size_t)t0 * QW + (size_t)g * rep * hd, QW);
+                    }
+                }
+            } else {
 #pragma omp for schedule(static)
-            for (int task = 0; task < m * H; task++) {
-                const int t = task / H, hh = task % H, g = hh / rep, p = pos[t], n = cache_len[seq[t]];
-                const float *K = kc[seq[t]][l] + (size_t)g * n * hd, *V = vc[seq[t]][l] + (size_t)g * n * hd;
-                if (rep > 1 && p + 1 >= HSD_SHARED_ATTENTION) {
-                    if (hh % rep == 0)
-                        attend_shared(qkv + (size_t)t * QKVW + hh * hd, rep, K, V, p, hd, sc,
-                                      att + (size_t)t * QW + hh * hd);
-                } else {
-                    attend_one(qkv + (size_t)t * QKVW + hh * hd, K, V, p, hd, sc, att + (size_t)t * QW + hh * hd);
+                for (int task = 0; task < m * H; task++) {
+                    const int t = task / H, hh = task % H, g = hh / rep, p = pos[t], n = cache_len[seq[t]];
+                    const float *K = kc[seq[t]][l] + (size_t)g * n * hd, *V = vc[seq[t]][l] + (size_t)g * n * hd;
+                    if (rep > 1 && p + 1 >= HSD_SHARED_ATTENTION) {
+                        if (hh % rep == 0)
+                            attend_shared(qkv + (size_t)t * QKVW + hh * hd, rep, K, V, p, hd, sc,
+                                          att + (size_t)t * QW + hh * hd);
+                    } else {
+                        attend_one(qkv + (size_t)t * QKVW + hh * hd, K, V, p, hd, sc,
+                                   att + (size_t)t * QW + hh * hd);
+                    }
                 }
             }
             /* 5. x += o(att) (implicit barrier above) */
