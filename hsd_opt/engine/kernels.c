@@ -1953,36 +1953,10 @@ static void attend_one(const float *q, const float *K, const float *V, int p, in
     for (int i = 0; i < hd; i++) out[i] *= inv;
 }
 
-/* Keys per block of attend_shared: a block of keys (then of values) stays in L1 while every query reads it. */
+/* Keys per block of attend_rows: a block of keys (then of values) stays in L1 while every query reads it. */
 #define HSD_KEY_BLOCK 64
-/* From this many cached positions on, the query heads of one key/value head are attended together. */
+/* From this many cached positions on, a decode step attends the query heads of one key/value head together. */
 #define HSD_SHARED_ATTENTION 256
-
-/* attend_one for the nq query heads that share one key/value head (query r at q + r * hd, its output at
- * out + r * hd), operation for operation, so the same values; each block of keys and of values is read from
- * memory once for all of them instead of once per query head. sc: scratch [nq][p + 1]. */
-static void attend_shared(const float *q, int nq, const float *K, const float *V, int p, int hd, float *sc,
-                          float *out) {
-    const int n = p + 1;
-    const float scale = 1.0f / sqrtf((float)hd);
-    for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) { /* blocks of a multiple of 4 keys: attention_scores' groups */
-        const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
-        for (int r = 0; r < nq; r++)
-            attention_scores(q + (size_t)r * hd, K + (size_t)j0 * hd, nb, hd, scale, sc + (size_t)r * n + j0);
-    }
-    float inv[64];
-    for (int r0 = 0; r0 < nq; r0 += 64) {
-        const int nr = nq - r0 < 64 ? nq - r0 : 64;
-        for (int r = r0; r < r0 + nr; r++) inv[r - r0] = 1.0f / exp_shifted(sc + (size_t)r * n, n);
-        for (int j0 = 0; j0 < n; j0 += HSD_KEY_BLOCK) {
-            const int nb = n - j0 < HSD_KEY_BLOCK ? n - j0 : HSD_KEY_BLOCK;
-            for (int r = r0; r < r0 + nr; r++)
-                attention_values(sc + (size_t)r * n + j0, V + (size_t)j0 * hd, nb, hd, out + (size_t)r * hd, j0 > 0);
-        }
-        for (int r = r0; r < r0 + nr; r++)
-            for (int i = 0; i < hd; i++) out[(size_t)r * hd + i] *= inv[r - r0];
-    }
-}
 
 /* Rows of one sequence attended together (a prompt's or a verify pass's consecutive positions): the keys and values
  * of a block are read once for all of them. */
@@ -1991,7 +1965,8 @@ static void attend_shared(const float *q, int nq, const float *K, const float *V
 /* attend_one for the nr consecutive rows p0 .. p0+nr-1 of one sequence and the nq query heads of one key/value
  * head (row r's query head h at q + r * qstride + h * hd, its output at out + r * ostride + h * hd), operation for
  * operation, so the same values: each block of keys and of values is read once for all nr * nq queries, each
- * query over its own causal length. sc: scratch [nr * nq][p0 + nr]. */
+ * query over its own causal length (nr = 1: a decode step's query heads of one key/value head together).
+ * sc: scratch [nr * nq][p0 + nr]. */
 static void attend_rows(const float *q, size_t qstride, int nr, int nq, const float *K, const float *V, int p0,
                         int hd, float *sc, float *out, size_t ostride) {
     const int n_all = p0 + nr, nqr = nr * nq;
@@ -2137,8 +2112,8 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
                     const float *K = kc[seq[t]][l] + (size_t)g * n * hd, *V = vc[seq[t]][l] + (size_t)g * n * hd;
                     if (rep > 1 && p + 1 >= HSD_SHARED_ATTENTION) {
                         if (hh % rep == 0)
-                            attend_shared(qkv + (size_t)t * QKVW + hh * hd, rep, K, V, p, hd, sc,
-                                          att + (size_t)t * QW + hh * hd);
+                            attend_rows(qkv + (size_t)t * QKVW + hh * hd, 0, 1, rep, K, V, p, hd, sc,
+                                        att + (size_t)t * QW + hh * hd, 0);
                     } else {
                         attend_one(qkv + (size_t)t * QKVW + hh * hd, K, V, p, hd, sc,
                                    att + (size_t)t * QW + hh * hd);
