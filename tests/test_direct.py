@@ -17,7 +17,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.models.direct import DirectCausalLM, load_direct
-from hsd_opt.models.loading import eos_token_ids, load_model, load_tokenizer
+from hsd_opt.models.loading import eos_token_ids, load_model, transformers_tokenizer
 from tests.helpers import engine_logits, make_tiny_qwen2_family, qwen2_tokenizer, save_tiny
 
 HAVE_KERNELS = kernels.load() is not None
@@ -186,11 +186,11 @@ def test_a_converted_directory_records_the_tokenizer_class_autotokenizer_chose(d
     shutil.copytree(dirs["qwen2"], d)
     (d / "hsd_source.json").write_text(json.dumps({"gguf": "x.gguf", "revision": "sha256:0"}))
     auto = AutoTokenizer.from_pretrained(str(d))
-    first = load_tokenizer(str(d), "gguf")
+    first = transformers_tokenizer(str(d), "gguf")
     meta = json.loads((d / "hsd_source.json").read_text())
     assert meta["revision"] == "sha256:0" and meta["tokenizer_class"] == type(auto).__name__
     assert meta["tokenizer_transformers"] == transformers.__version__
-    second = load_tokenizer(str(d), "gguf")                  # made from the recorded class
+    second = transformers_tokenizer(str(d), "gguf")                  # made from the recorded class
     text = "<|im_start|>user\nw1 w22, x=3!<|im_end|>\n"
     for tok in (first, second):
         assert type(tok) is type(auto)
@@ -200,16 +200,16 @@ def test_a_converted_directory_records_the_tokenizer_class_autotokenizer_chose(d
             auto.apply_chat_template([{"role": "user", "content": "w1 w2"}], add_generation_prompt=True)
     # a recorded name that is no tokenizer class of transformers: asked of AutoTokenizer
     (d / "hsd_source.json").write_text(json.dumps({**meta, "tokenizer_class": "AutoModelForCausalLM"}))
-    assert type(load_tokenizer(str(d), "gguf")) is type(auto)
+    assert type(transformers_tokenizer(str(d), "gguf")) is type(auto)
     # recorded under another transformers version: asked of AutoTokenizer again, and recorded anew
     (d / "hsd_source.json").write_text(json.dumps({**meta, "tokenizer_class": "NoSuchTokenizer",
                                                    "tokenizer_transformers": "0.0"}))
-    assert type(load_tokenizer(str(d), "gguf")) is type(auto)
+    assert type(transformers_tokenizer(str(d), "gguf")) is type(auto)
     assert json.loads((d / "hsd_source.json").read_text())["tokenizer_class"] == type(auto).__name__
     # a directory not of ours is never written to
     local = tmp_path / "local"
     shutil.copytree(dirs["qwen2"], local)
-    load_tokenizer(str(local), "local")
+    transformers_tokenizer(str(local), "local")
     assert not (local / "hsd_source.json").exists()
 
 

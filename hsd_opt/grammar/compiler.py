@@ -12,6 +12,7 @@ tokens the grammar forces are few and known (:meth:`~hsd_opt.grammar.constraint.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -92,18 +93,25 @@ class _TokenList:
 
 
 def _ll_tokenizer(tokenizer, eos_ids: list[int]):
-    """llguidance's tokenizer of ``tokenizer``: a Hugging Face fast tokenizer, or an object with ``tokens``
+    """llguidance's tokenizer of ``tokenizer``: a Hugging Face fast tokenizer or one read directly from its
+    ``tokenizer.json`` (:class:`~hsd_opt.models.tokenizer.DirectTokenizer`), or an object with ``tokens``
     (bytes per id), ``encode_bytes`` (bytes -> ids) and ``special_ids`` (a test's small tokenizer)."""
     need("llguidance", what="a JSON schema or grammar")
     import llguidance
 
-    if hasattr(tokenizer, "encode_bytes"):
+    direct = getattr(tokenizer, "direct", False)    # tokenizer.json read directly (hsd_opt.models.tokenizer)
+    if not direct and hasattr(tokenizer, "encode_bytes"):
         wrapped = _TokenList(tokenizer.tokens, eos_ids[0], tokenizer.encode_bytes,
                              getattr(tokenizer, "special_ids", ()))
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped), eos_token=eos_ids)
-    import llguidance.hf
-
     try:
+        if direct:       # what llguidance.hf.from_tokenizer gives a transformers tokenizer, without transformers
+            backend = copy.copy(tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            return llguidance.LLTokenizer(backend.to_str(), eos_token=eos_ids)
+        import llguidance.hf
+
         return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos_ids)
     except Exception as e:  # noqa: BLE001 - llguidance reads the tokenizer's own JSON: any failure means "cannot"
         raise HsdError(f"structured output needs a tokenizer llguidance reads (a Hugging Face fast tokenizer of "

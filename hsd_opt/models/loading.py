@@ -380,11 +380,24 @@ def _read_in_place_always(name: str) -> bool:
 
 
 def load_tokenizer(load_from: str, source: str):
+    """The tokenizer of the model in ``load_from``. For a directory of ours (``source`` ``embedded`` or ``gguf``:
+    a converted GGUF file) whose tokenizer :class:`~hsd_opt.models.tokenizer.DirectTokenizer` reads, that (no
+    transformers import: about a second of start-up); else the tokenizer ``AutoTokenizer`` chooses, through
+    :func:`transformers_tokenizer`."""
+    if source in ("embedded", "gguf"):
+        from hsd_opt.models.tokenizer import DirectTokenizer
+
+        direct = DirectTokenizer.open(load_from, lambda: transformers_tokenizer(load_from, source))
+        if direct is not None:
+            return direct
+    return transformers_tokenizer(load_from, source)
+
+
+def transformers_tokenizer(load_from: str, source: str):
     """The tokenizer of the model in ``load_from``, as ``AutoTokenizer`` chooses it. ``AutoTokenizer`` reads the
     model's config to choose, and that imports transformers' modeling code (seconds); for a directory of ours
-    (``source`` ``embedded`` or ``gguf``: a converted GGUF file), the class it chose is recorded in
-    ``hsd_source.json`` with the transformers version, and later loads under that version make that class
-    directly."""
+    (``source`` ``embedded`` or ``gguf``), the class it chose is recorded in ``hsd_source.json`` with the
+    transformers version, and later loads under that version make that class directly."""
     import transformers
 
     meta_path = Path(load_from) / "hsd_source.json"
