@@ -187,3 +187,125 @@ def test_the_environment_switches_the_forms_off_when_an_engine_is_built(monkeypa
     assert _kinds(LayeredLM(model, kernels=True)) == {wq.F32}
     monkeypatch.setattr(layered, "EXACT_INT4", True)                    # a bool overrides the environment
     assert _kinds(LayeredLM(model, kernels=True)) == {wq.Q4F}
+
+
+# ------------------------------------------------------------------- the forms made and checked by the kernels
+
+#: Shapes with a short last block of 4 rows (37: one row; 6: two), an odd last pair of rows and odd groups.
+SHAPES = [(37, 96), (6, 160), (5, 576), (1, 32), (64, 32)]
+
+
+def _one_ulp_up(w: torch.Tensor, r: int, c: int) -> torch.Tensor:
+    moved = w.clone()
+    moved[r, c] = torch.nextafter(moved[r, c], torch.tensor(float("inf")))
+    return moved
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_the_kernels_make_the_forms_torch_makes(builds, rows, cols):
+    """On every build, the kernels' int4 and int8 forms of Q4_1 and Q8_0 weights are, byte for byte, the tensors
+    :func:`~hsd_opt.engine.weights.exact_int4` (the int4 copy re-paired) and :func:`~hsd_opt.engine.weights.exact_int8`
+    make in torch; weights off those grids get none from either."""
+    w4, w8 = q4_1_weights(rows, cols, seed=rows + cols), q8_0_weights(rows, cols, seed=rows * cols)
+    want4, want8 = exact_form(w4), wq.exact_int8(wq.Mat.in_place(w8))
+    for name, lib in builds.items():
+        got4, got8 = kernels.exact_q4f(lib, wq.Mat.in_place(w4)), kernels.exact_q8f(lib, wq.Mat.in_place(w8))
+        assert got4.kind == wq.Q4F and got8.kind == wq.Q8F, name
+        assert all(torch.equal(a, b) for a, b in zip(got4.tensors, want4.tensors)), name
+        assert all(torch.equal(a, b) for a, b in zip(got8.tensors, want8.tensors)), name
+        noise = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        assert kernels.exact_q4f(lib, wq.Mat.in_place(noise)) is None and exact_form(noise) is None
+        assert kernels.exact_q8f(lib, wq.Mat.in_place(noise)) is None
+        assert kernels.exact_q8f(lib, wq.Mat.in_place(w4)) is None                       # int4 grid, with offsets
+
+
+def test_the_kernels_quantize_random_weights_as_quantize_q4_does():
+    """Away from any grid too (weights over many magnitudes: float16 scales rounded, subnormal and clamped steps),
+    the kernels' codes, scales and minimums are quantize_q4's, and their greedy screen's codes, scales quantize_q8's."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(45, 160, generator=g) * torch.exp(torch.randn(45, 1, generator=g) * 6)
+    w[3, :32] = 1e-7                                      # a flat group: the step clamped to 6.1e-5
+    rows, cols, G = 45, 160, 5
+    codes = torch.empty(12, 3, 128, dtype=torch.uint8)
+    scale, minimum = torch.empty(rows, G, dtype=torch.float16), torch.empty(rows, G, dtype=torch.float16)
+    assert LIB.hsd_exact_q4f(w.data_ptr(), rows, cols, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), 2) >= 0
+    q4 = wq.quantize_q4(w)
+    assert torch.equal(wq.unpair_codes(codes, rows, G), wq.q4_codes(q4))
+    assert all(torch.equal(a, b) for a, b in zip((scale, minimum), wq.q4_factors(q4)))
+    packed, row_scale, rho, wnorm = kernels.screen_codes(LIB, w)
+    q8 = wq.quantize_q8(w)
+    assert torch.equal(packed, kernels.pack_screen_codes(q8.tensors[0])) and torch.equal(row_scale, q8.tensors[1])
+    assert torch.allclose(wnorm, w.double().norm(dim=1), rtol=1e-12)
+    assert torch.allclose(rho, (q8.tensors[0].double() * row_scale.double()[:, None] - w.double()).norm(dim=1),
+                          rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("rows,cols", [(37, 96), (6, 160), (1, 32)])
+def test_the_check_refuses_a_single_weight_one_ulp_off(builds, kind, rows, cols):
+    """One weight one step (one ulp) off the form's value, in the first or last row (37 and 6 rows: the last of a
+    short last block of 4, and of a pair) and the first or last column, or in the middle: the kernels' check
+    names exactly that weight, the builder refuses the form, on every build; the exact weights pass."""
+    w = q4_1_weights(rows, cols, seed=rows) if kind == "int4" else q8_0_weights(rows, cols, seed=rows)
+    make = kernels.exact_q4f if kind == "int4" else kernels.exact_q8f
+    for name, lib in builds.items():
+        form = make(lib, wq.Mat.in_place(w))
+        assert form is not None and kernels.exact_mismatch(lib, form, w) == -1, name
+        for r, c in {(0, 0), (0, cols - 1), (rows - 1, 0), (rows - 1, cols - 1), (rows // 2, cols // 2 + 3)}:
+            moved = _one_ulp_up(w, r, c)
+            for threads in (1, 2):
+                assert kernels.exact_mismatch(lib, form, moved, threads) == r * cols + c, (name, r, c, threads)
+            assert make(lib, wq.Mat.in_place(moved)) is None, (name, r, c)
+
+
+def test_the_check_names_the_first_mismatch_and_compares_bits():
+    """Of two weights off, the first (in row-major order) is named, however the rows fall to the threads; a
+    negative zero where the form gives +0 is refused (the same bits, not only equal values)."""
+    w = q8_0_weights(64, 96, seed=5)
+    form = kernels.exact_q8f(LIB, wq.Mat.in_place(w))
+    moved = _one_ulp_up(_one_ulp_up(w, 60, 7), 9, 90)
+    for threads in (1, 2, 3):
+        assert kernels.exact_mismatch(LIB, form, moved, threads) == 9 * 96 + 90
+    assert w[0, 1] == 0 and not torch.signbit(w[0, 1])  # q8_0_weights: the first group all zero
+    neg = w.clone()
+    neg[0, 1] = -0.0
+    assert torch.equal(neg, w)                                                     # equal values, other bits
+    assert kernels.exact_mismatch(LIB, form, neg) == 1
+    assert kernels.exact_q8f(LIB, wq.Mat.in_place(neg)) is None
+
+
+def test_an_engine_makes_its_forms_in_the_kernels_as_torch_makes_them(monkeypatch):
+    """The engine's exact forms (made and checked by the kernels) are the tensors the torch path makes from the
+    model's int4 copy (``exact_int4_layers`` without the library) and ``exact_int8``."""
+    if not LIB.hsd_simd():
+        pytest.skip("the portable variant reads float32 weights")
+    model = _q4_1_model()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(q8_0_weights(*model.lm_head.weight.shape, seed=12))
+    eng = _engine(model, True, monkeypatch)
+    by_torch = stored_copies.exact_int4_layers(model, eng.weights)
+    by_kernels = stored_copies.exact_int4_layers(model, eng.weights, LIB)
+    assert [sorted(d) for d in by_kernels] == [sorted(d) for d in by_torch] == [sorted(wq.PROJECTIONS)] * 3
+    for a, b in zip(by_kernels, by_torch):
+        for name in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[name].tensors, b[name].tensors))
+    head = wq.exact_int8(eng.weights.head)
+    assert eng._kernels.head_mat.kind == wq.Q8F
+    assert all(torch.equal(x, y) for x, y in zip(eng._kernels.head_mat.tensors, head.tensors))
+
+
+def test_the_embedded_models_forms_made_by_the_kernels_are_those_torch_makes(embedded):
+    """On the embedded SmolLM2 (every projection Q4_1's, the head Q8_0's): every form the kernels make is, byte for
+    byte, the one the torch path makes from the model's int4 copy, and the head's the one exact_int8 makes."""
+    if not LIB.hsd_simd():
+        pytest.skip("the portable variant reads float32 weights")
+    weights = wq.model_weights(embedded.model)
+    by_kernels = stored_copies.exact_int4_layers(embedded.model, weights, LIB)
+    by_torch = stored_copies.exact_int4_layers(embedded.model, weights)
+    assert sum(len(d) for d in by_kernels) == 7 * len(weights.layers)
+    for a, b in zip(by_kernels, by_torch):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[name].tensors, b[name].tensors))
+    got, want = kernels.exact_q8f(LIB, weights.head), wq.exact_int8(weights.head)
+    assert all(torch.equal(x, y) for x, y in zip(got.tensors, want.tensors))

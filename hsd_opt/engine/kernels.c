@@ -2600,6 +2600,237 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const floa
     return rc & 2 ? -1 : rc;
 }
 
+/* ------------------------------------------------------------------------------------------ the exact forms */
+
+/* float32 -> float16 bits, rounded to nearest, ties to even, as torch's .half() (overflow to infinity, half
+ * subnormals rounded too; F. Giesen's float_to_half_fast3_rtne). The same code on every build. */
+static uint16_t float_to_half(float f) {
+    const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16) << 23, magic = ((127u - 15) + (23 - 10) + 1) << 23;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint16_t o;
+    if (u >= f16_max) { /* past the largest half: infinity, or a NaN */
+        o = u > f32_inf ? 0x7E00 : 0x7C00;
+    } else if (u < (113u << 23)) { /* a half subnormal or zero: the float addition rounds it (to nearest, even) */
+        float fu, fm;
+        memcpy(&fu, &u, 4);
+        memcpy(&fm, &magic, 4);
+        fu += fm;
+        memcpy(&u, &fu, 4);
+        o = (uint16_t)(u - magic);
+    } else { /* a normal half: rebias, round the 13 bits dropped to nearest, even */
+        const uint32_t odd = (u >> 13) & 1;
+        u += ((uint32_t)(15 - 127) << 23) + 0xFFF + odd;
+        o = (uint16_t)(u >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+}
+
+/* The first column at which row r of the exact form A (HSD_Q4F or HSD_Q8F), as the kernels compute it
+ * (expand_row: fma(code, scale, minimum), code * scale), differs in its bits from the float32 row wr [cols]; -1 when
+ * the row is the same, bit for bit. buf: cols floats. */
+static int row_mismatch(const hsd_mat *A, int r, const float *wr, float *buf) {
+    expand_row(A, r, buf);
+    if (!memcmp(buf, wr, sizeof(float) * (size_t)A->cols)) return -1;
+    int c = 0;
+    while (!memcmp(buf + c, wr + c, sizeof(float))) c++;
+    return c;
+}
+
+/* Rows [r0, r1) of A checked against w [rows, cols] (row_mismatch) until the first that differs: r * cols + c of
+ * its first differing weight, or -1. */
+static long rows_mismatch(const hsd_mat *A, int r0, int r1, const float *w, float *buf) {
+    for (int r = r0; r < r1; r++) {
+        const int c = row_mismatch(A, r, w + (size_t)r * A->cols, buf);
+        if (c >= 0) return (long)r * A->cols + c;
+    }
+    return -1;
+}
+
+/* The exact-form builders and check below share rows among the threads in chunks taken in order (schedule(dynamic):
+ * a thread's chunks come in increasing order, so its first mismatch is its least, and the least over the threads
+ * the matrix's first). Each thread: HSD_EXACT_BEGIN, its chunks, HSD_EXACT_END; then `first` holds the index of the
+ * first mismatch (-1: none), `failed` whether a thread had no memory for its row buffer. */
+#define HSD_EXACT_BEGIN(cols)                                                                                    \
+    float *buf = malloc(sizeof(float) * (size_t)(cols));                                                         \
+    long mine = -1;                                                                                              \
+    failed = buf == NULL;
+#define HSD_EXACT_END                                                                                            \
+    free(buf);                                                                                                   \
+    _Pragma("omp critical") if (mine >= 0 && (first < 0 || mine < first)) first = mine;
+
+/* The exact int4 form (HSD_Q4F) of float32 weights w [rows, cols] (cols a multiple of 32), made by weights.py's
+ * quantize_q4 per group of 32 columns, the same float32 operations: scale = half(max((max - min) / 15, 6.1e-5)),
+ * minimum = half(min), code = round((w - minimum) / scale) (to nearest, even) clamped to 0..15. Written in the q4f
+ * layout (hsd_mat; weights.py's pair_codes: a short last block repeats its last row, an odd last group is
+ * repeated): codes uint8 [ceil(rows / 4), ceil(G / 2), 128], scale and zero float16 bits [rows, G], G = cols / 32.
+ * Then every row written is read back as the kernels read it and compared with w, bit for bit (row_mismatch, the
+ * block's rows while they are in cache). Returns the index r * cols + c of the first weight the form does not give
+ * exactly (the form is then not to be used), -1 when it gives every one, -2 for a bad call. */
+long hsd_exact_q4f(const float *w, int rows, int cols, uint8_t *codes, uint16_t *scale, uint16_t *zero, int nthreads) {
+    if (rows < 1 || cols < HSD_GROUP || cols % HSD_GROUP) return -2;
+    const int G = cols / HSD_GROUP, GP = (G + 1) / 2, blocks = (rows + 3) / 4;
+    const hsd_mat A = {HSD_Q4F, rows, cols, 0, codes, scale, zero, NULL};
+    long first = -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        HSD_EXACT_BEGIN(cols)
+#pragma omp for schedule(dynamic, 8)
+        for (int b = 0; b < blocks; b++) {
+            for (int i = 0; i < 4; i++) {
+                const int r = 4 * b + i < rows ? 4 * b + i : rows - 1;
+                for (int g = 0; g < 2 * GP; g++) {
+                    const int gs = g < G ? g : G - 1;
+                    const float *x = w + (size_t)r * cols + (size_t)gs * HSD_GROUP;
+                    float lo8[8], hi8[8], lo, hi; /* 8 columns at a time, then across them (vectorized) */
+                    memcpy(lo8, x, sizeof lo8);
+                    memcpy(hi8, x, sizeof hi8);
+                    for (int k = 8; k < HSD_GROUP; k += 8)
+                        for (int j = 0; j < 8; j++) {
+                            lo8[j] = x[k + j] < lo8[j] ? x[k + j] : lo8[j];
+                            hi8[j] = x[k + j] > hi8[j] ? x[k + j] : hi8[j];
+                        }
+                    lo = lo8[0], hi = hi8[0];
+                    for (int j = 1; j < 8; j++) {
+                        lo = lo8[j] < lo ? lo8[j] : lo;
+                        hi = hi8[j] > hi ? hi8[j] : hi;
+                    }
+                    float step = (hi - lo) / 15.0f;
+                    step = step < 6.1e-5f ? 6.1e-5f : step;
+                    const uint16_t sh = float_to_half(step), lh = float_to_half(lo);
+                    if (r == 4 * b + i && g < G) scale[(size_t)r * G + g] = sh, zero[(size_t)r * G + g] = lh;
+                    const float sf = half_to_float(sh), lf = half_to_float(lh);
+                    uint8_t q[HSD_GROUP], *out = codes + ((size_t)b * GP + g / 2) * 128 + 64 * (i / 2) + 8 * (i % 2);
+                    for (int c = 0; c < HSD_GROUP; c++) { /* (vectorized by the compiler) */
+                        const float v = nearbyintf((x[c] - lf) / sf);
+                        q[c] = (uint8_t)(int)(v >= 0.f ? (v <= 15.f ? v : 15.f) : 0.f); /* (a NaN to 0) */
+                    }
+                    for (int k = 0; k < 4; k++) /* columns 8k .. 8k + 7 at bytes 16k ..; an odd group's high */
+                        if (g % 2 == 0)
+                            memcpy(out + 16 * k, q + 8 * k, 8);
+                        else
+                            for (int j = 0; j < 8; j++) out[16 * k + j] |= (uint8_t)(q[8 * k + j] << 4);
+                }
+            }
+            if (mine < 0 && buf) mine = rows_mismatch(&A, 4 * b, 4 * b + 4 < rows ? 4 * b + 4 : rows, w, buf);
+        }
+        HSD_EXACT_END
+    }
+    return failed ? -2 : first;
+}
+
+/* The exact int8 form (HSD_Q8F) of float32 weights w [rows, cols] (cols a multiple of 32), made by weights.py's
+ * exact_int8 per group of 32 columns, the same float32 operations: scale = half(max |w| / 127), code = round(w /
+ * scale) (to nearest, even; w itself for a zero scale) clamped to -127..127. Written in the q8f layout (hsd_mat;
+ * weights.py's pair_rows_int8: an odd last row repeated): codes int8 [ceil(rows / 2), cols / 8, 16], scale float16
+ * bits [rows, G]. Then checked as hsd_exact_q4f checks its form; returns as it does. */
+long hsd_exact_q8f(const float *w, int rows, int cols, int8_t *codes, uint16_t *scale, int nthreads) {
+    if (rows < 1 || cols < HSD_GROUP || cols % HSD_GROUP) return -2;
+    const int G = cols / HSD_GROUP, pairs = (rows + 1) / 2;
+    const hsd_mat A = {HSD_Q8F, rows, cols, 0, codes, scale, NULL, NULL};
+    long first = -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        HSD_EXACT_BEGIN(cols)
+#pragma omp for schedule(dynamic, 16)
+        for (int p = 0; p < pairs; p++) {
+            for (int h = 0; h < 2; h++) {
+                const int r = 2 * p + h < rows ? 2 * p + h : rows - 1;
+                for (int g = 0; g < G; g++) {
+                    const float *x = w + (size_t)r * cols + (size_t)g * HSD_GROUP;
+                    float amax = 0.f;
+                    for (int j = 0; j < HSD_GROUP; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+                    const uint16_t dh = float_to_half(amax / 127.0f);
+                    if (r == 2 * p + h) scale[(size_t)r * G + g] = dh;
+                    float d = half_to_float(dh);
+                    d = d > 0.f ? d : 1.f;
+                    int8_t q[HSD_GROUP], *out = codes + ((size_t)p * (cols / 8) + g * 4) * 16 + 8 * h;
+                    for (int c = 0; c < HSD_GROUP; c++) { /* (vectorized by the compiler) */
+                        const float v = nearbyintf(x[c] / d);
+                        q[c] = (int8_t)(int)(v >= -127.f ? (v <= 127.f ? v : 127.f) : -127.f); /* (a NaN to -127) */
+                    }
+                    for (int k = 0; k < 4; k++) memcpy(out + 16 * k, q + 8 * k, 8);
+                }
+            }
+            if (mine < 0 && buf) mine = rows_mismatch(&A, 2 * p, 2 * p + 2 < rows ? 2 * p + 2 : rows, w, buf);
+        }
+        HSD_EXACT_END
+    }
+    return failed ? -2 : first;
+}
+
+/* The check of hsd_exact_q4f and hsd_exact_q8f alone, for an exact form A made elsewhere (HSD_Q4F or HSD_Q8F, cols a
+ * multiple of 32): the index r * cols + c of the first weight of w [rows, cols] whose value as the kernels compute
+ * it differs in its bits, -1 when every weight is the same, -2 for a bad call. */
+long hsd_exact_mismatch(const hsd_mat *A, const float *w, int nthreads) {
+    if (!paired(A) || A->rows < 1 || A->cols < HSD_GROUP || A->cols % HSD_GROUP) return -2;
+    const int blocks = (A->rows + 3) / 4;
+    long first = -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        HSD_EXACT_BEGIN(A->cols)
+#pragma omp for schedule(dynamic, 8)
+        for (int b = 0; b < blocks; b++)
+            if (mine < 0 && buf) mine = rows_mismatch(A, 4 * b, 4 * b + 4 < A->rows ? 4 * b + 4 : A->rows, w, buf);
+        HSD_EXACT_END
+    }
+    return failed ? -2 : first;
+}
+
+/* The greedy screen's int8 copy of a float32 head w [V, K] (K even), by weights.py's quantize_q8, the same float32
+ * operations: per row scale = max(max |w| / 127, 1e-12), code = round(w / scale) (to nearest, even) clamped to
+ * -127..127. Writes the codes in hsd_screen_i16's layout (kernels.py's pack_screen_codes: int8 [ceil(V / 16), K / 2,
+ * 32], rows past V zero), the row scales [V] and per row the Euclidean norms rho = |code * scale - w| and wnorm = |w|
+ * [V] (double, from terms and sums in double: they err far less than the float32 allowance screen.py adds).
+ * Returns 0, or -1 for a bad call. */
+int hsd_screen_codes(const float *w, int V, int K, int8_t *codes, float *scale, double *rho, double *wnorm,
+                     int nthreads) {
+    if (V < 1 || K < 2 || K % 2) return -1;
+    const int blocks = (V + 15) / 16, pairs = K / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 16)
+        for (int b = 0; b < blocks; b++)
+            for (int i = 0; i < 16; i++) {
+                const int r = 16 * b + i;
+                int8_t *out = codes + (size_t)b * pairs * 32 + 2 * i;
+                if (r >= V) {
+                    for (int j = 0; j < pairs; j++) out[32 * j] = out[32 * j + 1] = 0;
+                    continue;
+                }
+                const float *x = w + (size_t)r * K;
+                const int K8 = K / 8 * 8;
+                float am[8] = {0}, amax = 0.f; /* 8 columns at a time, then across them (vectorized) */
+                for (int k = 0; k < K8; k += 8)
+                    for (int j = 0; j < 8; j++) am[j] = fabsf(x[k + j]) > am[j] ? fabsf(x[k + j]) : am[j];
+                for (int k = K8; k < K; k++) am[0] = fabsf(x[k]) > am[0] ? fabsf(x[k]) : am[0];
+                for (int j = 0; j < 8; j++) amax = am[j] > amax ? am[j] : amax;
+                float s = amax / 127.0f;
+                s = s >= 1e-12f ? s : 1e-12f;
+                double e2[8] = {0}, w2[8] = {0}; /* sums of squares in 8 lanes, then across them */
+                for (int k = 0; k < K; k += 8) {
+                    const int n = K - k < 8 ? K - k : 8;
+                    float q[8];
+                    for (int j = 0; j < n; j++) {
+                        const float v = nearbyintf(x[k + j] / s);
+                        q[j] = v >= -127.f ? (v <= 127.f ? v : 127.f) : -127.f; /* (a NaN to -127) */
+                        const double e = (double)q[j] * s - x[k + j];
+                        e2[j] += e * e;
+                        w2[j] += (double)x[k + j] * x[k + j];
+                    }
+                    for (int j = 0; j < n; j++) out[32 * ((k + j) / 2) + j % 2] = (int8_t)(int)q[j];
+                }
+                for (int j = 1; j < 8; j++) e2[0] += e2[j], w2[0] += w2[j];
+                scale[r] = s;
+                rho[r] = sqrt(e2[0]);
+                wnorm[r] = sqrt(w2[0]);
+            }
+    return 0;
+}
+
 /* out [m, d] = RMSNorm(x) with weight w (float32 statistics). */
 void hsd_rms_norm(const float *x, int m, int d, const float *w, float eps, float *out) {
     rms_norm_rows(x, m, d, w, eps, out);

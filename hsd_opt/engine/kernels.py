@@ -41,7 +41,7 @@ from hsd_opt.engine import variants
 from hsd_opt.engine.interface import EXACT_PASS
 from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.variants import Variant
-from hsd_opt.engine.weights import BF16, F32, PROJECTIONS, Q8, Mat, ModelWeights
+from hsd_opt.engine.weights import BF16, F32, GROUP, PROJECTIONS, Q4F, Q8, Q8F, Mat, ModelWeights
 from hsd_opt.errors import HsdError
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -255,7 +255,27 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     ctypes.c_int, _P, ctypes.c_int]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
+    try:
+        lib.hsd_exact_q4f.restype = ctypes.c_long
+        lib.hsd_exact_q4f.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, ctypes.c_int]
+        lib.hsd_exact_q8f.restype = ctypes.c_long
+        lib.hsd_exact_q8f.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int]
+        lib.hsd_exact_mismatch.restype = ctypes.c_long
+        lib.hsd_exact_mismatch.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int]
+        lib.hsd_screen_codes.restype = ctypes.c_int
+        lib.hsd_screen_codes.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]
+    except AttributeError:          # a library of an older kernels.c (benchmarks/kernels_ab.py's baseline)
+        pass
     return lib
+
+
+def has(lib, name: str) -> bool:
+    """Whether ``lib`` exports the function ``name`` (a library of an older ``kernels.c`` may not)."""
+    try:
+        getattr(lib, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def expected_layout() -> list[int]:
@@ -629,6 +649,87 @@ def rows_f32(lib, mat: Mat, rows: torch.Tensor, positions: torch.Tensor, x: torc
                              x.data_ptr(), y.data_ptr()) != 0:
         raise HsdError("kernels: bad rows call")
     return y
+
+
+def exact_mismatch(lib, mat: Mat, weight: torch.Tensor, nthreads: int | None = None) -> int:
+    """The first weight (flat index ``r * cols + c``) of the exact form ``mat`` (kind ``Q4F`` or ``Q8F``, width a
+    multiple of 32) whose value as the kernels compute it (``fma(code, scale, minimum)``, ``code * scale``: their
+    row expansion itself, ``expand_row``) differs in its bits from ``weight`` (float32 ``[rows, cols]``), or -1
+    when every weight is the same bit for bit (``hsd_exact_mismatch``, rows over the threads): the check
+    :func:`exact_q4f` and :func:`exact_q8f` make, for a form made another way."""
+    w = weight.detach()
+    if mat.kind not in (Q4F, Q8F) or w.dtype != torch.float32 or tuple(w.shape) != (mat.rows, mat.cols) \
+            or w.device.type != "cpu" or not w.is_contiguous():
+        raise HsdError("kernels: an exact form is checked against contiguous float32 weights of its shape")
+    got = int(lib.hsd_exact_mismatch(ctypes.byref(_struct(mat)), w.data_ptr(), nthreads or torch.get_num_threads()))
+    if got < -1:
+        raise HsdError("kernels: bad exact-form check")
+    return got
+
+
+def _exact_input(lib, weight: Mat, fn: str) -> torch.Tensor | None:
+    w = weight.tensors[0]
+    if weight.kind != F32 or w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() \
+            or weight.cols % GROUP or not has(lib, fn):
+        return None
+    return w
+
+
+def exact_q4f(lib, weight: Mat) -> Mat | None:
+    """The float32 ``weight`` in the exact int4 form (kind ``Q4F``, the matrix
+    :func:`~hsd_opt.engine.weights.exact_int4` makes), made by the kernels straight from the float32 weights
+    (``hsd_exact_q4f``: :func:`~hsd_opt.engine.weights.quantize_q4`'s float32 operations, written in
+    :func:`~hsd_opt.engine.weights.pair_codes`' layout), then every weight read back as the kernels compute it and
+    compared with the float32 one, bit for bit (:func:`exact_mismatch`'s check, in the same pass); None when one
+    differs, or for a weight not float32, a width not a multiple of 32, a library without the function."""
+    w = _exact_input(lib, weight, "hsd_exact_q4f")
+    if w is None:
+        return None
+    rows, cols, G = weight.rows, weight.cols, weight.cols // GROUP
+    codes = torch.empty(-(-rows // 4), -(-G // 2), 128, dtype=torch.uint8)
+    scale, minimum = (torch.empty(rows, G, dtype=torch.float16) for _ in range(2))
+    # one thread: a model's ~200 matrices are ~200 short calls, and a parallel region per call waits on the
+    # scheduler where another process holds a core (2 threads: 0.08 s less on an idle 2-core Zen 3, more when busy)
+    got = lib.hsd_exact_q4f(w.data_ptr(), rows, cols, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), 1)
+    if got < -1:
+        raise HsdError("kernels: bad exact int4 call")
+    return Mat(Q4F, rows, cols, [codes, scale, minimum], weight.bias) if got == -1 else None
+
+
+def exact_q8f(lib, weight: Mat) -> Mat | None:
+    """The float32 ``weight`` in the exact int8 form (kind ``Q8F``, the matrix
+    :func:`~hsd_opt.engine.weights.exact_int8` makes), made by the kernels (``hsd_exact_q8f``: exact_int8's float32
+    operations, in :func:`~hsd_opt.engine.weights.pair_rows_int8`'s layout) and checked as :func:`exact_q4f` checks
+    its form, bit for bit; None where it does not give every weight (or as :func:`exact_q4f`)."""
+    w = _exact_input(lib, weight, "hsd_exact_q8f")
+    if w is None:
+        return None
+    rows, cols = weight.rows, weight.cols
+    codes = torch.empty(-(-rows // 2), cols // 8, 16, dtype=torch.int8)
+    scale = torch.empty(rows, cols // GROUP, dtype=torch.float16)
+    got = lib.hsd_exact_q8f(w.data_ptr(), rows, cols, codes.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    if got < -1:
+        raise HsdError("kernels: bad exact int8 call")
+    return Mat(Q8F, rows, cols, [codes, scale], weight.bias) if got == -1 else None
+
+
+def screen_codes(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The greedy screen's int8 copy of a float32 head ``w`` ``[V, K]`` (K even): its codes in :func:`screen_i16`'s
+    layout (:func:`pack_screen_codes` of :func:`~hsd_opt.engine.weights.quantize_q8`'s codes, the same bytes), its
+    row scales ``[V]`` float32 (quantize_q8's), and per row ``|code * scale - w|`` and ``|w|`` ``[V]`` float64
+    (summed in float64), in one pass of ``hsd_screen_codes``; None where the library lacks it or ``w`` is not a
+    contiguous float32 CPU tensor of even width."""
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] % 2 \
+            or not has(lib, "hsd_screen_codes"):
+        return None
+    V, K = w.shape
+    codes = torch.empty(-(-V // 16), K // 2, 32, dtype=torch.int8)
+    scale = torch.empty(V, dtype=torch.float32)
+    rho, wnorm = (torch.empty(V, dtype=torch.float64) for _ in range(2))
+    if lib.hsd_screen_codes(w.data_ptr(), V, K, codes.data_ptr(), scale.data_ptr(), rho.data_ptr(), wnorm.data_ptr(),
+                            torch.get_num_threads()) != 0:
+        raise HsdError("kernels: bad screen codes call")
+    return codes, scale, rho, wnorm
 
 
 def i16_codes(mat: Mat) -> torch.Tensor | None:

@@ -196,9 +196,13 @@ class LayeredLM:
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
         exact = exact_head = None
         if lib is not None and lib.hsd_simd() >= 1 and not weights.head.quantized:
-            exact = stored_copies.exact_int4_layers(model, weights) if _setting(EXACT_INT4, "HSD_EXACT_INT4") \
+            # made by the kernels and checked by them against every float32 weight (each build)
+            exact = stored_copies.exact_int4_layers(model, weights, lib) if _setting(EXACT_INT4, "HSD_EXACT_INT4") \
                 else None
-            exact_head = exact_int8(weights.head) if _setting(EXACT_INT8, "HSD_EXACT_INT8") else None
+            exact_head = None
+            if _setting(EXACT_INT8, "HSD_EXACT_INT8"):
+                exact_head = kernels.exact_q8f(lib, weights.head) if kernels.has(lib, "hsd_exact_q8f") \
+                    else exact_int8(weights.head)
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
                                                                      self.head_dim, exact, exact_head)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)

@@ -59,18 +59,25 @@ class HeadScreen:
         self.lib, self.head = lib, head
         self._buffers = threading.local()
         w = head.tensors[0]
-        q8 = quantize_q8(w)
-        codes, scale = q8.tensors[0], q8.tensors[1]
+        # the int8 copy (quantize_q8's codes and scales) and the norms rho_r = |Wq_r - W_r|, |W_r|: in one pass of
+        # the kernels (float64 sums), else here in float32, a block of rows at a time
+        got = kernels.screen_codes(lib, w)
+        if got is None:
+            q8 = quantize_q8(w)
+            codes, scale = q8.tensors[0], q8.tensors[1]
+            rho, wnorm = torch.empty(w.shape[0]), torch.empty(w.shape[0])
+            for a in range(0, w.shape[0], ROW_BLOCK):
+                b = a + ROW_BLOCK
+                rho[a:b] = torch.linalg.vector_norm(codes[a:b].float() * scale[a:b, None] - w[a:b], dim=1)
+                wnorm[a:b] = torch.linalg.vector_norm(w[a:b], dim=1)
+            packed = kernels.pack_screen_codes(codes)
+        else:
+            packed, scale, rho, wnorm = got
         #: the int8 copy's row scales ``[V]`` float32 (``w ~ code * scale``)
         self.scale = scale
-        rho = torch.empty(w.shape[0])     # |Wq_r - W_r|
-        wnorm = torch.empty(w.shape[0])   # |W_r|
-        for a in range(0, w.shape[0], ROW_BLOCK):                   # float32, a block of rows at a time
-            b = a + ROW_BLOCK
-            rho[a:b] = torch.linalg.vector_norm(codes[a:b].float() * scale[a:b, None] - w[a:b], dim=1)
-            wnorm[a:b] = torch.linalg.vector_norm(w[a:b], dim=1)
         # float32 norms of d terms err by at most about 2 d roundings (relative); the products code * scale by one
         # rounding of |Wq_r| each, which adds at most 2^-24 (|W_r| + rho_r) to rho_r: both made upper bounds here
+        # (the float64 norms of the kernels err far less: the same allowances bound them)
         up = 1 + 2 * head.cols * 2.0 ** -24
         wnorm = wnorm.double() * up
         rho = rho.double() * up + 2.0 ** -23 * (wnorm + rho.double())
@@ -81,7 +88,7 @@ class HeadScreen:
         self.wnorm = wnorm.float()
         # the codes in the int16 read's layout (kernels.pack_screen_codes); the int16 range of the activation
         self.q16 = int(lib.hsd_screen_q16(head.cols))
-        self.packed = kernels.pack_screen_codes(codes)
+        self.packed = packed
 
     def nbytes(self) -> int:
         """Bytes of the screen's int8 copy (codes and row scales)."""

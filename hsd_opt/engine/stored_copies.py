@@ -171,13 +171,19 @@ def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
             and all(t.dtype == torch.float16 and tuple(t.shape) == (B, G, wq.Q4_BLOCK) for t in tensors[1:]))
 
 
-def exact_int4_layers(model, weights: wq.ModelWeights) -> list[dict[str, wq.Mat]]:
+def exact_int4_layers(model, weights: wq.ModelWeights, lib=None) -> list[dict[str, wq.Mat]]:
     """For each decoder layer of a float32 ``model`` (its ``weights`` read in place), the projections its int4 copy
     gives exactly (:func:`~hsd_opt.engine.weights.exact_int4`), by name (``q`` .. ``down``); empty dicts where none
-    does. The int4 matrices are those of the model's ``int4`` copy: made once in this process (shared with an
-    ``int4`` drafter of the model), read from its stored copy when there is one, else quantized now (not stored). A
-    model whose first projection is not exact is not tried further."""
-    stored = load_stored(weights_key(model), 4, 8)
+    does. With the kernels' library ``lib`` (one that has ``hsd_exact_q4f``), each form is made by the kernels
+    straight from the float32 weights and checked by them against every weight
+    (:func:`~hsd_opt.engine.kernels.exact_q4f`; nothing read from disk). Else the int4 matrices are those of the
+    model's ``int4`` copy: made once in this process (shared with an ``int4`` drafter of the model), read from its
+    stored copy when there is one, else quantized now (not stored), and checked in torch. A model whose first
+    projection is not exact is not tried further."""
+    from hsd_opt.engine import kernels
+
+    in_c = lib is not None and kernels.has(lib, "hsd_exact_q4f")
+    stored = None if in_c else load_stored(weights_key(model), 4, 8)
     out: list[dict[str, wq.Mat]] = []
     for i, (layer, lw) in enumerate(zip(model.model.layers, weights.layers)):
         got: dict[str, wq.Mat] = {}
@@ -185,8 +191,11 @@ def exact_int4_layers(model, weights: wq.ModelWeights) -> list[dict[str, wq.Mat]
             mat = getattr(lw, name)
             if mat.kind != wq.F32 or mat.tensors[0].dtype != torch.float32 or mat.cols % wq.GROUP:
                 continue
-            q4 = matrix(stored, f"layers.{i}.{name}", 4, lin.weight, getattr(lin, "bias", None), {})
-            exact = wq.exact_int4(mat, q4)
+            if in_c:
+                exact = kernels.exact_q4f(lib, mat)
+            else:
+                q4 = matrix(stored, f"layers.{i}.{name}", 4, lin.weight, getattr(lin, "bias", None), {})
+                exact = wq.exact_int4(mat, q4)
             if exact is None and not out and not got:
                 return [{} for _ in weights.layers]
             if exact is not None:

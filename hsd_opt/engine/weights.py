@@ -44,7 +44,8 @@ class Mat:
     :func:`q4_factors`); the exact forms of float32 weights: int4 ``[codes uint8 (:func:`pair_codes`), scale
     float16 [rows, G], minimum float16 [rows, G]]`` (``G = cols / 32``) and int8
     ``[codes int8 (:func:`pair_rows_int8`), scale float16 [rows, G]]`` (``w = code * scale``).
-    Build with :meth:`in_place`, :func:`quantize_q8`, :func:`quantize_q4`, :func:`exact_int4` or :func:`exact_int8`."""
+    Build with :meth:`in_place`, :func:`quantize_q8`, :func:`quantize_q4`, :func:`exact_int4` or :func:`exact_int8`
+    (the engine makes the exact forms with the kernels: :func:`~hsd_opt.engine.kernels.exact_q4f`, the same tensors)."""
 
     def __init__(self, kind: int, rows: int, cols: int, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None):
         self.kind, self.rows, self.cols = kind, rows, cols

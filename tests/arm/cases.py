@@ -174,6 +174,28 @@ def write(path: Path) -> None:
     w.array("rows", rows)
     w.array("positions", positions)
     w.array("picked", kernels.rows_f32(lib, head, rows, positions, x))
+    # the exact forms made and checked (hsd_exact_q4f / q8f, hsd_exact_mismatch) and the screen's int8 copy
+    w.array("case", b"exact")
+    for kind, (rows, cols) in (("q4f", (37, 96)), ("q8f", (23, 128))):
+        wx = q4_1_weights(rows, cols, seed=rows) if kind == "q4f" else q8_0_weights(rows, cols, seed=rows)
+        moved = wx.clone()
+        moved[rows - 1, 5] = torch.nextafter(moved[rows - 1, 5], torch.tensor(1.0))
+        make = kernels.exact_q4f if kind == "q4f" else kernels.exact_q8f
+        form = make(lib, wq.Mat.in_place(wx))
+        assert form is not None and make(lib, wq.Mat.in_place(moved)) is None
+        w.ints("shape", rows, cols)
+        w.array("w", wx)
+        w.array("moved", moved)
+        for i, t in enumerate(form.tensors):
+            w.array(f"out{i}", t)
+        outs = [torch.empty_like(t) for t in form.tensors]
+        args = [t.data_ptr() for t in outs] if kind == "q4f" else [outs[0].data_ptr(), outs[1].data_ptr()]
+        built = (lib.hsd_exact_q4f if kind == "q4f" else lib.hsd_exact_q8f)(moved.data_ptr(), rows, cols, *args, 2)
+        w.array("ret", struct.pack("<3q", -1, kernels.exact_mismatch(lib, form, moved), built))
+    w.ints("shape", head.rows, head.cols)
+    w.array("w", head.tensors[0])
+    for i, t in enumerate(kernels.screen_codes(lib, head.tensors[0])):
+        w.array(f"out{i}", t)
     # the small ones: RMSNorm and e^x
     x = torch.randn(5, 77, generator=g) * 3
     nw = torch.randn(77, generator=g)

@@ -134,6 +134,38 @@ static void screen_case(int nt) {
     check("hsd_rows_f32", y, &want, sizeof(float) * n);
 }
 
+/* hsd_exact_q4f and hsd_exact_q8f on exact weights (the form, and -1) and on weights one ulp off in one place (the
+ * index of that weight, as hsd_exact_mismatch of the exact form names it too); hsd_screen_codes of a head. */
+static void exact_case(int nt) {
+    for (int kind = 0; kind < 2; kind++) {
+        const int32_t *sh = next("shape").p;
+        const int R = sh[0], K = sh[1];
+        arr_t w = next("w"), moved = next("moved"), o0 = next("out0"), o1 = next("out1"), o2 = {NULL, 0};
+        if (!kind) o2 = next("out2");
+        arr_t want = next("ret");
+        void *codes = malloc(o0.n), *scale = malloc(o1.n), *zero = kind ? NULL : malloc(o2.n);
+        int64_t ret[3];
+        ret[0] = kind ? hsd_exact_q8f(w.p, R, K, codes, scale, nt) : hsd_exact_q4f(w.p, R, K, codes, scale, zero, nt);
+        check(kind ? "hsd_exact_q8f codes" : "hsd_exact_q4f codes", codes, &o0, o0.n);
+        check(kind ? "hsd_exact_q8f scales" : "hsd_exact_q4f scales", scale, &o1, o1.n);
+        if (!kind) check("hsd_exact_q4f minimums", zero, &o2, o2.n);
+        const hsd_mat A = {kind ? HSD_Q8F : HSD_Q4F, R, K, 0, codes, scale, zero, NULL};
+        ret[1] = hsd_exact_mismatch(&A, moved.p, nt);
+        ret[2] = kind ? hsd_exact_q8f(moved.p, R, K, codes, scale, nt) : hsd_exact_q4f(moved.p, R, K, codes, scale, zero, nt);
+        check(kind ? "hsd_exact_q8f / hsd_exact_mismatch results" : "hsd_exact_q4f / hsd_exact_mismatch results", ret,
+              &want, sizeof ret);
+    }
+    const int32_t *sh = next("shape").p;
+    const int V = sh[0], K = sh[1];
+    arr_t w = next("w"), o0 = next("out0"), o1 = next("out1"), o2 = next("out2"), o3 = next("out3");
+    void *codes = malloc(o0.n), *scale = malloc(o1.n), *rho = malloc(o2.n), *wnorm = malloc(o3.n);
+    if (hsd_screen_codes(w.p, V, K, codes, scale, rho, wnorm, nt) != 0) die("hsd_screen_codes refused its arguments");
+    check("hsd_screen_codes codes", codes, &o0, o0.n);
+    check("hsd_screen_codes scales", scale, &o1, o1.n);
+    check("hsd_screen_codes rho", rho, &o2, o2.n);
+    check("hsd_screen_codes wnorm", wnorm, &o3, o3.n);
+}
+
 static void norm_case(void) {
     const int32_t *sh = next("shape").p;
     arr_t x = next("x"), w = next("weight"), want = next("out");
@@ -162,6 +194,7 @@ int main(int argc, char **argv) {
         if (!strcmp(kind, "linear")) linear_case(nt);
         else if (!strcmp(kind, "layers")) layers_case(nt);
         else if (!strcmp(kind, "screen")) screen_case(nt);
+        else if (!strcmp(kind, "exact")) exact_case(nt);
         else if (!strcmp(kind, "norm")) norm_case();
         else if (!strcmp(kind, "exp")) exp_case();
         else die("unknown case");
