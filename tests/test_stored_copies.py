@@ -178,3 +178,22 @@ def test_nothing_is_kept_once_no_engine_uses_a_matrix(no_disk, monkeypatch):
     monkeypatch.setattr(wq, "quantize", lambda *a, **k: made.append(1) or real(*a, **k))
     QuantizedLM(model, bits=4, kernels=True)
     assert len(made) == 7 * model.config.num_hidden_layers + 1
+
+
+def test_the_embedded_models_forms_made_by_the_kernels_are_those_torch_makes(embedded):
+    """On the embedded SmolLM2 (every projection Q4_1's, the head Q8_0's): every form the kernels make is, byte for
+    byte, the one the torch path makes from the model's int4 copy, and the head's the one exact_int8 makes. (Here,
+    not among the kernel tests each variant runs before the model is installed.)"""
+    lib = kernels.load()
+    if lib is None or not lib.hsd_simd():
+        pytest.skip("no kernels, or the portable variant (it reads float32 weights)")
+    weights = wq.model_weights(embedded.model)
+    by_kernels = stored_copies.exact_int4_layers(embedded.model, weights, lib)
+    by_torch = stored_copies.exact_int4_layers(embedded.model, weights)
+    assert sum(len(d) for d in by_kernels) == 7 * len(weights.layers)
+    for a, b in zip(by_kernels, by_torch):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[name].tensors, b[name].tensors))
+    got, want = kernels.exact_q8f(lib, weights.head), wq.exact_int8(weights.head)
+    assert all(torch.equal(x, y) for x, y in zip(got.tensors, want.tensors))
