@@ -2793,41 +2793,41 @@ int hsd_screen_codes(const float *w, int V, int K, int8_t *codes, float *scale, 
     if (V < 1 || K < 2 || K % 2) return -1;
     const int blocks = (V + 15) / 16, pairs = K / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 16)
-        for (int b = 0; b < blocks; b++)
-            for (int i = 0; i < 16; i++) {
-                const int r = 16 * b + i;
-                int8_t *out = codes + (size_t)b * pairs * 32 + 2 * i;
-                if (r >= V) {
-                    for (int j = 0; j < pairs; j++) out[32 * j] = out[32 * j + 1] = 0;
-                    continue;
-                }
-                const float *x = w + (size_t)r * K;
-                const int K8 = K / 8 * 8;
-                float am[8] = {0}, amax = 0.f; /* 8 columns at a time, then across them (vectorized) */
-                for (int k = 0; k < K8; k += 8)
-                    for (int j = 0; j < 8; j++) am[j] = fabsf(x[k + j]) > am[j] ? fabsf(x[k + j]) : am[j];
-                for (int k = K8; k < K; k++) am[0] = fabsf(x[k]) > am[0] ? fabsf(x[k]) : am[0];
-                for (int j = 0; j < 8; j++) amax = am[j] > amax ? am[j] : amax;
-                float s = amax / 127.0f;
-                s = s >= 1e-12f ? s : 1e-12f;
-                double e2[8] = {0}, w2[8] = {0}; /* sums of squares in 8 lanes, then across them */
-                for (int k = 0; k < K; k += 8) {
-                    const int n = K - k < 8 ? K - k : 8;
-                    float q[8];
-                    for (int j = 0; j < n; j++) {
-                        const float v = nearbyintf(x[k + j] / s);
-                        q[j] = v >= -127.f ? (v <= 127.f ? v : 127.f) : -127.f; /* (a NaN to -127) */
-                        const double e = (double)q[j] * s - x[k + j];
-                        e2[j] += e * e;
-                        w2[j] += (double)x[k + j] * x[k + j];
-                    }
-                    for (int j = 0; j < n; j++) out[32 * ((k + j) / 2) + j % 2] = (int8_t)(int)q[j];
-                }
-                for (int j = 1; j < 8; j++) e2[0] += e2[j], w2[0] += w2[j];
-                scale[r] = s;
-                rho[r] = sqrt(e2[0]);
-                wnorm[r] = sqrt(w2[0]);
+    for (int b = 0; b < blocks; b++)
+        for (int i = 0; i < 16; i++) {
+            const int r = 16 * b + i;
+            int8_t *out = codes + (size_t)b * pairs * 32 + 2 * i;
+            if (r >= V) {
+                for (int j = 0; j < pairs; j++) out[32 * j] = out[32 * j + 1] = 0;
+                continue;
             }
+            const float *x = w + (size_t)r * K;
+            const int K8 = K / 8 * 8;
+            float am[8] = {0}, amax = 0.f; /* 8 columns at a time, then across them (vectorized) */
+            for (int k = 0; k < K8; k += 8)
+                for (int j = 0; j < 8; j++) am[j] = fabsf(x[k + j]) > am[j] ? fabsf(x[k + j]) : am[j];
+            for (int k = K8; k < K; k++) am[0] = fabsf(x[k]) > am[0] ? fabsf(x[k]) : am[0];
+            for (int j = 0; j < 8; j++) amax = am[j] > amax ? am[j] : amax;
+            float s = amax / 127.0f;
+            s = s >= 1e-12f ? s : 1e-12f;
+            double e2[8] = {0}, w2[8] = {0}; /* sums of squares in 8 lanes, then across them */
+            for (int k = 0; k < K; k += 8) {
+                const int n = K - k < 8 ? K - k : 8;
+                float q[8];
+                for (int j = 0; j < n; j++) {
+                    const float v = nearbyintf(x[k + j] / s);
+                    q[j] = v >= -127.f ? (v <= 127.f ? v : 127.f) : -127.f; /* (a NaN to -127) */
+                    const double e = (double)q[j] * s - x[k + j];
+                    e2[j] += e * e;
+                    w2[j] += (double)x[k + j] * x[k + j];
+                }
+                for (int j = 0; j < n; j++) out[32 * ((k + j) / 2) + j % 2] = (int8_t)(int)q[j];
+            }
+            for (int j = 1; j < 8; j++) e2[0] += e2[j], w2[0] += w2[j];
+            scale[r] = s;
+            rho[r] = sqrt(e2[0]);
+            wnorm[r] = sqrt(w2[0]);
+        }
     return 0;
 }
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hsd_opt.engine import kernels
 from hsd_opt.engine import weights as wq
 from hsd_opt.jsonio import atomic_write
 
@@ -180,8 +181,6 @@ def exact_int4_layers(model, weights: wq.ModelWeights, lib=None) -> list[dict[st
     model's ``int4`` copy: made once in this process (shared with an ``int4`` drafter of the model), read from its
     stored copy when there is one, else quantized now (not stored), and checked in torch. A model whose first
     projection is not exact is not tried further."""
-    from hsd_opt.engine import kernels
-
     in_c = lib is not None and kernels.has(lib, "hsd_exact_q4f")
     stored = None if in_c else load_stored(weights_key(model), 4, 8)
     out: list[dict[str, wq.Mat]] = []

@@ -50,8 +50,8 @@ class DirectTokenizer:
         self.backend_tokenizer = backend
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = False
-        self.special_tokens_map = {n: _token_text(config[n]) for n in SPECIAL_NAMES
-                                   if _token_text(config.get(n)) is not None}
+        self.special_tokens_map = {n: text for n in SPECIAL_NAMES
+                                   if (text := _token_text(config.get(n))) is not None}
         self._fallback = fallback
         self._hf: Any = None
         self._template: Any = None
@@ -154,24 +154,27 @@ class DirectTokenizer:
                             **kwargs):
         """A chat of plain ``{"role": str, "content": str}`` messages through the template (the ids, or the text
         with ``tokenize=False``); anything else as transformers renders it."""
-        if kwargs or self.chat_template is None or not _plain_chat(conversation):
+        template = None if kwargs or not _plain_chat(conversation) else self._compiled_template()
+        if template is None:
             return self._transformers().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                             tokenize=tokenize, **kwargs)
+        text = template.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        if not tokenize:
+            return text
+        return self.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _compiled_template(self):
+        """The chat template compiled (once), or None: no template, or one with transformers' own tags (``{%
+        generation %}``), which only its renderer reads."""
         if self._template is None:
             import jinja2
 
             try:
-                self._template = compile_template(self.chat_template)
-            except jinja2.TemplateSyntaxError:   # transformers' own tags ({% generation %}): its renderer
+                self._template = False if self.chat_template is None else compile_template(self.chat_template)
+            except jinja2.TemplateSyntaxError:
                 self._template = False
-        if self._template is False:
-            return self._transformers().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=tokenize)
-        text = self._template.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
-        if not tokenize:
-            return text
-        return self.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        return None if self._template is False else self._template
 
     # --- the rest: transformers' tokenizer of the same directory ----------------------------------------------------
     def _transformers(self):
