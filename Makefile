@@ -52,7 +52,7 @@ test-arm: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_arm.py
 
 # The kernel tests once per variant this CPU runs (HSD_KERNELS=<variant>), and once built without OpenMP.
-KERNEL_TESTS := tests/test_kernels.py tests/test_exact_forms.py tests/test_screen.py tests/test_quantized.py
+KERNEL_TESTS := tests/test_kernels.py tests/test_exact_forms.py tests/test_screen.py tests/test_quantized.py tests/test_noise.py
 test-variants: $(VENV)/.installed
 	@for v in $$($(PY) -c "from hsd_opt.engine import variants as v; print(' '.join(x.name for x in v.runnable(v.cpu_features())))"); do \
 	  echo "== kernel tests on the $$v variant"; \

@@ -1934,6 +1934,81 @@ void hsd_exp_rows(const float *x, int n, float *y) {
     for (int i = 0; i < n; i++) y[i] = hsd_exp(x[i]);
 }
 
+/* The natural logarithm of a positive normal float to within about 1 ulp (Cephes' logf: x = m 2^e with m in
+ * [sqrt(1/2), sqrt(2)), a degree-9 polynomial in m - 1, e ln 2 added in two parts), from integer bits, selections,
+ * rounded multiplications and FMAs alone: a loop of them vectorizes, and every lane and build computes what the
+ * scalar code computes. Not for 0, negative, subnormal or infinite x (the noise below never gives one). */
+static inline float hsd_log(float x) {
+    int32_t ix;
+    memcpy(&ix, &x, 4);
+    int32_t e = (ix >> 23) - 126;
+    const int32_t mb = (ix & 0x007fffff) | 0x3f000000; /* the mantissa as m in [0.5, 1) */
+    float m;
+    memcpy(&m, &mb, 4);
+    const int32_t low = -(int32_t)(m < 0.707106781186547524f); /* all ones below sqrt(1/2): m 2^e = (2m) 2^(e-1) */
+    e += low;
+    const int32_t ab = mb & low;
+    float add;
+    memcpy(&add, &ab, 4);
+    const float f = (m - 1.0f) + add; /* m - 1 or 2m - 1, both exact, in (-0.293, 0.415) */
+    const float z = f * f;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, f, -1.1514610310e-1f);
+    y = fmaf(y, f, 1.1676998740e-1f);
+    y = fmaf(y, f, -1.2420140846e-1f);
+    y = fmaf(y, f, 1.4249322787e-1f);
+    y = fmaf(y, f, -1.6668057665e-1f);
+    y = fmaf(y, f, 2.0000714765e-1f);
+    y = fmaf(y, f, -2.4999993993e-1f);
+    y = fmaf(y, f, 3.3333331174e-1f);
+    y = y * f * z;
+    const float fe = (float)e;
+    y = fmaf(fe, -2.12194440e-4f, y);
+    y = fmaf(z, -0.5f, y);
+    return fmaf(fe, 0.693359375f, f + y);
+}
+
+/* y[i] = hsd_log(x[i]) for n positive values (for tests). */
+void hsd_log_rows(const float *x, int n, float *y) {
+    for (int i = 0; i < n; i++) y[i] = hsd_log(x[i]);
+}
+
+/* splitmix64's output number j + 1 from the state `key` (Steele, Lea and Flood, "Fast splittable pseudorandom
+ * number generators", OOPSLA 2014): the state advanced j + 1 times by the golden gamma, then mixed. A counter-based
+ * generator: any output is computed without the ones before it. */
+static inline uint64_t splitmix64_at(uint64_t key, uint64_t j) {
+    uint64_t z = key + (j + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* u = k 2^-24 for 24 random bits k, 2^-25 for k = 0: (2k, or 1) 2^-25, an integer float32 holds exactly. */
+static inline float uniform_of(uint32_t k) { return (float)(int32_t)(2 * k + (k == 0)) * 0x1p-25f; }
+
+/* Gumbel noise for one draw by the largest of the logits plus noise: out[i] = -log(-log u_i) * temperature for i
+ * < n, u_i uniform on the 24-bit grid {k 2^-24} (2^-25 where k is 0, so every offset is finite), taken from
+ * splitmix64's outputs from `key`: with h = n - n/2, output j gives u_j (its bits 63..40) and, for j < n/2,
+ * u_h+j (bits 31..8). The same values for a key whichever build or thread count computes them (each element
+ * depends on its index alone; hsd_log's operations), on nthreads threads. */
+void hsd_gumbel(uint64_t key, int n, float temperature, float *out, int nthreads) {
+    const int lows = n / 2, h = n - lows;
+    float *second = out + h;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int j = 0; j < lows; j++) { /* the uniforms first (the logarithms' loop apart vectorizes) */
+            const uint64_t z = splitmix64_at(key, (uint64_t)j);
+            out[j] = uniform_of((uint32_t)(z >> 40));
+            second[j] = uniform_of((uint32_t)(z >> 8) & 0xffffff);
+        }
+#pragma omp single
+        if (h > lows) out[h - 1] = uniform_of((uint32_t)(splitmix64_at(key, (uint64_t)(h - 1)) >> 40));
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) out[i] = -hsd_log(-hsd_log(out[i])) * temperature;
+    }
+}
+
 /* e[j] = e^(e[j] - max e) for the n scores; returns their sum, added in order: a softmax's numerators and
  * denominator, computed alike for one query head and for heads attended together. */
 static inline float exp_shifted(float *e, int n) {

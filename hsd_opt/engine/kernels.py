@@ -264,6 +264,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.hsd_exact_mismatch.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int]
         lib.hsd_screen_codes.restype = ctypes.c_int
         lib.hsd_screen_codes.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]
+        lib.hsd_gumbel.restype = None
+        lib.hsd_gumbel.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_float, _P, ctypes.c_int]
+        lib.hsd_log_rows.restype = None
+        lib.hsd_log_rows.argtypes = [_P, ctypes.c_int, _P]
     except AttributeError:          # a library of an older kernels.c (benchmarks/kernels_ab.py's baseline)
         pass
     return lib
@@ -711,6 +715,15 @@ def exact_q8f(lib, weight: Mat) -> Mat | None:
     if got < -1:
         raise HsdError("kernels: bad exact int8 call")
     return Mat(Q8F, rows, cols, [codes, scale], weight.bias) if got == -1 else None
+
+
+def gumbel(lib, key: int, n: int, temperature: float) -> torch.Tensor:
+    """``temperature`` times ``n`` standard Gumbel values (float32 ``[n]``) for the draw keyed by ``key`` (an
+    unsigned 64-bit integer): ``-log(-log u)`` of uniforms on float32's 24-bit grid from splitmix64's outputs from
+    ``key`` (``hsd_gumbel``, over torch's threads: the same values for a key on every build and thread count)."""
+    out = torch.empty(n, dtype=torch.float32)
+    lib.hsd_gumbel(key, n, temperature, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def screen_codes(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:

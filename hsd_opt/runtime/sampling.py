@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hsd_opt.engine import kernels
 from hsd_opt.errors import HsdError
 
 
@@ -78,12 +79,30 @@ LEAST_UNIFORM = 2.0 ** -25
 def gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
                    device: torch.device | str = "cpu") -> torch.Tensor:
     """Offsets ``[vocab]`` float32 for one draw by the Gumbel-max form of sampling: ``temperature * g`` with ``g``
-    standard Gumbel noise (``-log(-log u)``, ``u`` uniform from ``generator``, at least :data:`LEAST_UNIFORM`), so
-    that ``argmax(logits + offsets)`` is a draw from ``softmax(logits / temperature)`` (the largest of ``logits /
-    temperature + g`` is that draw; multiplying by the temperature keeps the argmax). ``u`` has float32's 24 bits,
-    so ``g`` lies between about -2.85 and 16.6: every offset is finite, and a token whose probability is below
+    standard Gumbel noise (``-log(-log u)``, ``u`` uniform on float32's 24-bit grid, at least
+    :data:`LEAST_UNIFORM`), so that ``argmax(logits + offsets)`` is a draw from ``softmax(logits / temperature)``
+    (the largest of ``logits / temperature + g`` is that draw; multiplying by the temperature keeps the argmax).
+    ``g`` lies between about -2.85 and 16.6: every offset is finite, and a token whose probability is below
     ``exp(-19.5)`` (about 3e-9) times the most likely token's is never drawn. Only for sampling without top-p
-    (the nucleus needs every probability)."""
+    (the nucleus needs every probability).
+
+    On the CPU where the kernels load with vector instructions (AVX2, NEON), the noise is theirs
+    (:func:`~hsd_opt.engine.kernels.gumbel`: uniforms from splitmix64 keyed by one 64-bit draw of ``generator``,
+    their logarithms vectorized, over torch's threads), a fraction of the time of ``torch.rand``'s Mersenne twister
+    and two ``torch.log``; elsewhere ``torch.rand`` from ``generator`` and ``torch.log``. Either way ``generator``
+    alone decides the noise: a seed repeats a run on the same machine, though not between the two sources."""
+    if torch.device(device).type == "cpu":
+        lib = kernels.load()
+        if lib is not None and kernels.has(lib, "hsd_gumbel") and lib.hsd_simd():
+            key = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), generator=generator)) & (2 ** 64 - 1)
+            return kernels.gumbel(lib, key, vocab, temperature)
+    return torch_gumbel_offsets(vocab, generator, temperature, device)
+
+
+def torch_gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`gumbel_offsets` from ``torch.rand`` (``vocab`` uniforms of ``generator``) and ``torch.log``: its
+    source off the CPU or without the kernels."""
     u = torch.rand(vocab, generator=generator, device=device).clamp_min_(LEAST_UNIFORM)
     return u.log_().neg_().log_().neg_().mul_(temperature)
 

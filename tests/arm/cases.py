@@ -212,6 +212,21 @@ def write(path: Path) -> None:
     w.ints("n", xs.numel())
     w.array("x", xs)
     w.array("y", ys)
+    # the noise of draws by the largest of the logits plus noise, and its logarithm
+    for key, n, t in ((0x0123456789ABCDEF, 4097, 0.7), (2 ** 64 - 1, 1000, 1.0)):
+        noise = kernels.gumbel(lib, key, n, t)
+        w.array("case", b"gumbel")
+        w.array("key", struct.pack("<Q", key))
+        w.ints("n", n)
+        w.array("temperature", torch.tensor([t]))
+        w.array("y", noise)
+    ls = torch.exp(torch.linspace(-80, 80, 1001))
+    ly = torch.empty_like(ls)
+    lib.hsd_log_rows(ls.data_ptr(), ls.numel(), ly.data_ptr())
+    w.array("case", b"log")
+    w.ints("n", ls.numel())
+    w.array("x", ls)
+    w.array("y", ly)
     w.array("case", b"end")
     w.f.close()
 

@@ -182,6 +182,24 @@ static void exp_case(void) {
     check("hsd_exp_rows", y, &want, sizeof(float) * n);
 }
 
+static void gumbel_case(int nt) {
+    const uint64_t key = *(const uint64_t *)next("key").p;
+    const int n = *(const int32_t *)next("n").p;
+    const float t = *(const float *)next("temperature").p;
+    arr_t want = next("y");
+    float *y = malloc(sizeof(float) * n);
+    hsd_gumbel(key, n, t, y, nt);
+    check("hsd_gumbel", y, &want, sizeof(float) * n);
+}
+
+static void log_case(void) {
+    const int n = *(const int32_t *)next("n").p;
+    arr_t x = next("x"), want = next("y");
+    float *y = malloc(sizeof(float) * n);
+    hsd_log_rows(x.p, n, y);
+    check("hsd_log_rows", y, &want, sizeof(float) * n);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2 || !(in = fopen(argv[1], "rb"))) die("usage: check_kernels CASES.bin");
     const int nt = 2;
@@ -197,6 +215,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(kind, "exact")) exact_case(nt);
         else if (!strcmp(kind, "norm")) norm_case();
         else if (!strcmp(kind, "exp")) exp_case();
+        else if (!strcmp(kind, "gumbel")) gumbel_case(nt);
+        else if (!strcmp(kind, "log")) log_case();
         else die("unknown case");
     }
     printf("%d passed, %d failed\n", passed, failed);
