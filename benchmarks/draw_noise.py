@@ -1,15 +1,19 @@
-"""A/B of the noise behind sampled draws (the Gumbel-max form: the largest of the logits plus noise): the kernels'
-(``hsd_gumbel``: splitmix64 and vectorized logarithms) against torch's (``torch.rand`` and two ``torch.log``), in
-one process, switched per generation (interleaved, the order alternating per prompt), so the ratio is taken under
-the same machine conditions.
+"""A/B of sampled draws in one process, switched per generation (interleaved, the order alternating per prompt), so
+the ratio is taken under the same machine conditions:
 
-    .venv/bin/python -m benchmarks.draw_noise --plan out/plan-walk-t1.json [--limit 12] [--max-new-tokens 64]
-        [--rounds 2] [--out benchmarks/results/draw_noise.json]
+- ``--compare source`` (the default): the noise behind draws by the largest of the logits plus noise (Gumbel-max),
+  the kernels' (``hsd_gumbel``: splitmix64 and vectorized logarithms) against torch's (``torch.rand`` and two
+  ``torch.log``);
+- ``--compare picks``: a target without an int8 screen (``--target-precision int4``) drawing by the kernels' noise
+  over its logits against drawing from its distributions (softmax, an inverse-CDF draw; Algorithm 2).
 
-Runs the target alone and the plan's hierarchy, sampled (``--temperature``, seeds 0, 1, ...: each source draws
+    .venv/bin/python -m benchmarks.draw_noise --plan out/plan-walk-t1.json [--compare source|picks] [--limit 12]
+        [--max-new-tokens 64] [--rounds 2] [--out benchmarks/results/draw_noise.json]
+
+Runs the target alone and the plan's hierarchy, sampled (``--temperature``, seeds 0, 1, ...: each setting draws
 other tokens, so the figures are decode seconds per token over all prompts), and times one draw's noise alone
-(median of 200 calls over the target's vocabulary). Only a level that draws by noise uses it: a float32 target
-through its int8 screen at top-p 1, alone or over a token drafter.
+(median of 200 calls over the target's vocabulary). Only a level that draws by noise uses it: the target at top-p
+1, alone or over a token drafter.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
+    ap.add_argument("--compare", choices=["source", "picks"], default="source")
     ap.add_argument("--prompts", default=None, help="default: the project's suite")
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -34,6 +39,7 @@ def main() -> None:
 
     import torch
 
+    from hsd_opt.engine.layered import LayeredLM
     from hsd_opt.engine.variants import host
     from hsd_opt.formats import load_plan
     from hsd_opt.jsonio import write_json
@@ -43,7 +49,15 @@ def main() -> None:
     from hsd_opt.runtime.runner import hsd_for_plan
 
     torch.set_num_threads(a.threads)
-    sources = {"torch": sampling.torch_gumbel_offsets, "kernels": sampling.gumbel_offsets}
+    noise = {"torch": sampling.torch_gumbel_offsets, "kernels": sampling.gumbel_offsets}
+    by_noise = LayeredLM.picks_cheaply
+    screen_only = property(lambda self: self._screen is not None)     # the rule before draws over every logit
+    if a.compare == "source":
+        sources = {"torch": lambda: setattr(decode, "gumbel_offsets", noise["torch"]),
+                   "kernels": lambda: setattr(decode, "gumbel_offsets", noise["kernels"])}
+    else:
+        sources = {"distributions": lambda: setattr(LayeredLM, "picks_cheaply", screen_only),
+                   "noise": lambda: setattr(LayeredLM, "picks_cheaply", by_noise)}
     plan = load_plan(a.plan)
     prov = plan.provenance
     print(f"loading {prov.model} ...", file=sys.stderr)
@@ -51,7 +65,7 @@ def main() -> None:
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     draw_ms = {}
-    for k, fn in sources.items():
+    for k, fn in noise.items():
         fn(vocab, g, a.temperature)
         times = []
         for _ in range(200):
@@ -70,14 +84,16 @@ def main() -> None:
             for i, p in enumerate(ids):
                 order = list(sources) if (i + rnd) % 2 == 0 else list(sources)[::-1]
                 for k in order:
-                    decode.gumbel_offsets = sources[k]
+                    sources[k]()
                     res = h.generate(p, a.max_new_tokens, temperature=a.temperature, seed=rnd * len(ids) + i)
                     rows[name, k]["tokens"] += len(res.token_ids)
                     rows[name, k]["decode_seconds"] += res.stats["decode_seconds"]
             print(f"{name}: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     decode.gumbel_offsets = sampling.gumbel_offsets
-    report = {"what": "the noise of sampled draws, kernels' against torch's, A/B in one process "
-                      "(benchmarks/draw_noise.py)",
+    LayeredLM.picks_cheaply = by_noise
+    report = {"what": ("the noise of sampled draws, kernels' against torch's" if a.compare == "source" else
+                       "draws by noise over every logit against draws from the distributions")
+              + ", A/B in one process (benchmarks/draw_noise.py)",
               "date": time.strftime("%Y-%m-%d %H:%M"), "host": host(), "command": " ".join(sys.argv),
               "plan": a.plan, "hierarchy": list(plan.hierarchy), "budgets": list(plan.budgets),
               "temperature": a.temperature, "threads": a.threads, "draw_ms": draw_ms}
@@ -85,13 +101,15 @@ def main() -> None:
         for k in sources:
             r = rows[name, k]
             report[f"{name}_{k}"] = {"tokens": r["tokens"], "ms_per_token": 1e3 * r["decode_seconds"] / r["tokens"]}
-        report[f"{name}_kernels_over_torch"] = (report[f"{name}_kernels"]["ms_per_token"]
-                                                / report[f"{name}_torch"]["ms_per_token"])
+        old, new = list(sources)
+        report[f"{name}_{new}_over_{old}"] = (report[f"{name}_{new}"]["ms_per_token"]
+                                              / report[f"{name}_{old}"]["ms_per_token"])
     write_json(a.out, report, indent=1)
     print(f"one draw's noise: torch {draw_ms['torch']:.3f} ms, kernels {draw_ms['kernels']:.3f} ms")
+    old, new = list(sources)
     for name in runners:
-        print(f"{name}: decode ms/token torch {report[f'{name}_torch']['ms_per_token']:.2f}, kernels "
-              f"{report[f'{name}_kernels']['ms_per_token']:.2f} ({report[f'{name}_kernels_over_torch']:.3f}x)")
+        print(f"{name}: decode ms/token {old} {report[f'{name}_{old}']['ms_per_token']:.2f}, {new} "
+              f"{report[f'{name}_{new}']['ms_per_token']:.2f} ({report[f'{name}_{new}_over_{old}']:.3f}x)")
     print(f"wrote {a.out}")
 
 

@@ -98,7 +98,8 @@ class Engine(Protocol):
 
     @property
     def picks_cheaply(self) -> bool:
-        """Whether :meth:`picks_many` reads less than every logit (a float32 head's int8 screen)."""
+        """Whether draws by noise (:meth:`picks_many`) cost less than draws from the distributions (a float32 head's
+        int8 screen, or the kernels' noise over every logit)."""
 
     def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
         """The rows of several reads ready for draws by offsets (:class:`Picks`), each row's picks those of its

@@ -717,6 +717,13 @@ def exact_q8f(lib, weight: Mat) -> Mat | None:
     return Mat(Q8F, rows, cols, [codes, scale], weight.bias) if got == -1 else None
 
 
+def makes_noise(lib) -> bool:
+    """Whether ``lib`` makes draws' noise (:func:`gumbel`) at a fraction of the cost of ``torch.rand`` and two
+    ``torch.log``: it has ``hsd_gumbel`` and vector instructions (the portable build's FMAs are software calls,
+    slower than torch)."""
+    return lib is not None and has(lib, "hsd_gumbel") and bool(lib.hsd_simd())
+
+
 def gumbel(lib, key: int, n: int, temperature: float) -> torch.Tensor:
     """``temperature`` times ``n`` standard Gumbel values (float32 ``[n]``) for the draw keyed by ``key`` (an
     unsigned 64-bit integer): ``-log(-log u)`` of uniforms on float32's 24-bit grid from splitmix64's outputs from

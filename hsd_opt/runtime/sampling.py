@@ -93,7 +93,7 @@ def gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
     alone decides the noise: a seed repeats a run on the same machine, though not between the two sources."""
     if torch.device(device).type == "cpu":
         lib = kernels.load()
-        if lib is not None and kernels.has(lib, "hsd_gumbel") and lib.hsd_simd():
+        if kernels.makes_noise(lib):
             key = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), generator=generator)) & (2 ** 64 - 1)
             return kernels.gumbel(lib, key, vocab, temperature)
     return torch_gumbel_offsets(vocab, generator, temperature, device)
