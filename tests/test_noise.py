@@ -151,3 +151,18 @@ def test_every_build_computes_the_same_noise(tmp_path, monkeypatch):
         portable.hsd_gumbel(key, n, 1.1, a.data_ptr(), 1)
         LIB.hsd_gumbel(key, n, 1.1, b.data_ptr(), 2)
         assert torch.equal(a, b)
+
+
+def test_hsd_doctor_says_where_the_noise_comes_from(tmp_path, monkeypatch):
+    """The kernels' noise where the library has vector instructions, torch's with the portable build or none."""
+    from hsd_opt.commands.doctor import sampling_line
+
+    if LIB.hsd_simd():
+        assert "kernels make each draw's noise" in sampling_line(LIB)
+    else:
+        assert "torch's noise (torch.rand)" in sampling_line(LIB)
+    assert "no kernels" in sampling_line(None)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    portable = kernels.load(variant="portable")
+    if portable is not None:
+        assert "torch's noise (torch.rand)" in sampling_line(portable)
