@@ -5,7 +5,8 @@ the ratio is taken under the same machine conditions:
   the kernels' (``hsd_gumbel``: splitmix64 and vectorized logarithms) against torch's (``torch.rand`` and two
   ``torch.log``);
 - ``--compare picks``: a target without an int8 screen (``--target-precision int4``) drawing by the kernels' noise
-  over its logits against drawing from its distributions (softmax, an inverse-CDF draw; Algorithm 2).
+  over its logits (a rule tried, not the runtime's) against drawing from its distributions (softmax, an
+  inverse-CDF draw; Algorithm 2: the runtime's).
 
     .venv/bin/python -m benchmarks.draw_noise --plan out/plan-walk-t1.json [--compare source|picks] [--limit 12]
         [--max-new-tokens 64] [--rounds 2] [--out benchmarks/results/draw_noise.json]
@@ -50,14 +51,14 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     noise = {"torch": sampling.torch_gumbel_offsets, "kernels": sampling.gumbel_offsets}
-    by_noise = LayeredLM.picks_cheaply
-    screen_only = property(lambda self: self._screen is not None)     # the rule before draws over every logit
+    rule = LayeredLM.picks_cheaply                                      # the runtime's: through an int8 screen only
+    on_kernels = property(lambda self: self._kernels is not None)       # tried: any engine on the kernels
     if a.compare == "source":
         sources = {"torch": lambda: setattr(decode, "gumbel_offsets", noise["torch"]),
                    "kernels": lambda: setattr(decode, "gumbel_offsets", noise["kernels"])}
     else:
-        sources = {"distributions": lambda: setattr(LayeredLM, "picks_cheaply", screen_only),
-                   "noise": lambda: setattr(LayeredLM, "picks_cheaply", by_noise)}
+        sources = {"distributions": lambda: setattr(LayeredLM, "picks_cheaply", rule),
+                   "noise": lambda: setattr(LayeredLM, "picks_cheaply", on_kernels)}
     plan = load_plan(a.plan)
     prov = plan.provenance
     print(f"loading {prov.model} ...", file=sys.stderr)
@@ -90,7 +91,7 @@ def main() -> None:
                     rows[name, k]["decode_seconds"] += res.stats["decode_seconds"]
             print(f"{name}: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     decode.gumbel_offsets = sampling.gumbel_offsets
-    LayeredLM.picks_cheaply = by_noise
+    LayeredLM.picks_cheaply = rule
     report = {"what": ("the noise of sampled draws, kernels' against torch's" if a.compare == "source" else
                        "draws by noise over every logit against draws from the distributions")
               + ", A/B in one process (benchmarks/draw_noise.py)",

@@ -194,47 +194,6 @@ def test_draws_by_noise_through_the_screen_follow_the_targets_distribution(peaky
     assert not any(_target_passes(HSD([Level("layer4", lm, 4)], []), 1.0, top_p=0.9))
 
 
-def _exact_of_engine(eng, temperature):
-    """Exact probability of every K-token continuation under ``eng``'s own processed distribution (its logits)."""
-    out = {}
-    for s in itertools.product(range(V), repeat=K - 1):
-        ids = PROMPT + list(s)
-        st = eng.new_state(len(ids) + 1)
-        eng.append(st, torch.tensor(ids))
-        eng.advance(st, eng.n_layers)
-        p = process_logits(eng.logits(st, eng.n_layers, len(PROMPT) - 1, len(ids)), temperature, 1.0)
-        pre = 1.0
-        for k in range(K - 1):
-            pre *= float(p[k, s[k]])
-        for x in range(V):
-            out[tuple(s) + (x,)] = pre * float(p[K - 1, x])
-    return out
-
-
-def test_a_target_without_a_screen_draws_by_the_kernels_noise_over_its_logits(peaky):
-    """A target on the kernels whose head has no int8 screen (a quantized copy: its int8 head read whole) still
-    draws by noise at top-p 1 (the kernels' noise over every logit costs less than a softmax and an inverse-CDF
-    draw): every pass ends in picks, the samples follow its own distribution alone and over a token drafter, and
-    the wrong correction fails."""
-    from hsd_opt.engine import kernels
-    from hsd_opt.engine.quantized import QuantizedLM
-
-    model, _ = peaky
-    q = QuantizedLM(model, bits=8)
-    if q._kernels is None or not kernels.makes_noise(q._kernels.lib):
-        pytest.skip("no kernels with vector instructions here: draws from the distributions")
-    assert q._screen is None and q.picks_cheaply
-    probs = _exact_of_engine(q, 1.0)
-    alone = HSD([Level("int8", q, 4)], [])
-    over = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("int8", q, 4)], [2])
-    for h in (alone, over):
-        assert all(_target_passes(h, 1.0))
-        p_ok = _pvalue(h, probs, 1.0, 1.0)
-        assert p_ok > 1e-3, p_ok
-    bad = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("int8", q, 4)], [2], residual=False)
-    assert _pvalue(bad, probs, 1.0, 1.0) < 1e-6
-
-
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The definition: sort the whole vocabulary, drop tokens whose preceding mass reaches top_p, renormalise."""
     p = torch.softmax(logits.float() / temperature, dim=-1)

@@ -59,14 +59,14 @@ def system_lines() -> list[str]:
 
 
 def sampling_line(lib) -> str:
-    """Where a sampled draw's noise comes from on the CPU with the kernels library ``lib`` (None: none loaded), and
-    so which engines draw by noise at top-p 1 (:func:`~hsd_opt.engine.kernels.makes_noise`)."""
+    """Where a sampled draw's noise comes from on the CPU with the kernels library ``lib`` (None: none loaded:
+    no screen, so no draws by noise; :func:`~hsd_opt.engine.kernels.makes_noise`)."""
     from hsd_opt.engine import kernels
 
     if kernels.makes_noise(lib):
         return ("sampling: the kernels make each draw's noise (splitmix64, vectorized logarithms); at top-p 1 a target "
-                "on them draws by noise, through its int8 screen or over its logits")
-    return ("sampling: torch's noise (torch.rand); at top-p 1 only a target with an int8 screen draws by noise"
+                "with an int8 screen draws by noise")
+    return ("sampling: torch's noise (torch.rand); at top-p 1 a target with an int8 screen draws by noise"
             if lib is not None else "sampling: torch's noise and distributions (no kernels)")
 
 

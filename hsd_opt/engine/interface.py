@@ -98,8 +98,7 @@ class Engine(Protocol):
 
     @property
     def picks_cheaply(self) -> bool:
-        """Whether draws by noise (:meth:`picks_many`) cost less than draws from the distributions (a float32 head's
-        int8 screen, or the kernels' noise over every logit)."""
+        """Whether :meth:`picks_many` reads less than every logit (a float32 head's int8 screen)."""
 
     def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
         """The rows of several reads ready for draws by offsets (:class:`Picks`), each row's picks those of its

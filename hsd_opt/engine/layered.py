@@ -672,11 +672,9 @@ class LayeredLM:
 
     @property
     def picks_cheaply(self) -> bool:
-        """Whether draws by noise (:meth:`picks_many`) cost less than draws from the distributions: on the kernels,
-        whose noise (:func:`~hsd_opt.engine.kernels.makes_noise`) costs less than a softmax and an inverse-CDF draw
-        over the vocabulary, through the head's int8 screen (a float32 head: a quarter of its bytes read) or over
-        every logit (another head)."""
-        return self._kernels is not None and (self._screen is not None or kernels.makes_noise(self._kernels.lib))
+        """Whether :meth:`picks_many` reads the model's own head through its int8 screen (a float32 head on the
+        kernels) rather than computing every logit."""
+        return self._screen is not None
 
     @torch.no_grad()
     def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:

@@ -371,8 +371,8 @@ def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[in
     if cfg.temperature > 0 and cfg.top_p >= 1.0 and getattr(eng, "picks_cheaply", False):
         draw_saving = time_draw_saving(eng, text, cfg.temperature, cfg.tmax + 1)
         log(f"draws by noise: the target's step {draw_saving[0] * 1e3:.2f} ms cheaper, its pass over {cfg.tmax + 1} "
-            f"tokens {draw_saving[-1] * 1e3:.2f} ms (noise and the largest instead of distributions; taken off its "
-            f"cost and its verification of token drafters)")
+            f"tokens {draw_saving[-1] * 1e3:.2f} ms (its int8 screen instead of every logit; taken off its cost and "
+            f"its verification of token drafters)")
     batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
     return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts, draw_saving)
 

@@ -657,9 +657,8 @@ class Decoding:
     def _draws_by_picks(self, k: int) -> bool:
         """Whether level ``k`` draws its tokens by the Gumbel-max form (:meth:`_draw`) rather than from its
         processed distribution: the top level (its distribution rows are wanted by no level above), sampling
-        without top-p, a grammar or log-probabilities, on an engine whose draws by noise cost less than from the
-        distributions (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same
-        distribution."""
+        without top-p, a grammar or log-probabilities, on an engine that reads less than every logit for it
+        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same distribution."""
         return (not self.greedy and k == len(self.hsd.levels) - 1 and self.top_p >= 1.0
                 and self.constraint is None and self.n_logprobs is None
                 and self.hsd.levels[k].engine.picks_cheaply)
