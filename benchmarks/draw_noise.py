@@ -79,6 +79,7 @@ def main() -> None:
     runners = {"target": hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[], source=a.plan),
                "plan": hsd_for_plan(plan, loaded, source=a.plan)}
     rows = {(r, k): {"tokens": 0, "decode_seconds": 0.0} for r in runners for k in sources}
+    old, new = list(sources)
     for name, h in runners.items():
         h.generate(ids[0], 8, temperature=a.temperature)                   # warm-up
         for rnd in range(a.rounds):
@@ -102,12 +103,10 @@ def main() -> None:
         for k in sources:
             r = rows[name, k]
             report[f"{name}_{k}"] = {"tokens": r["tokens"], "ms_per_token": 1e3 * r["decode_seconds"] / r["tokens"]}
-        old, new = list(sources)
         report[f"{name}_{new}_over_{old}"] = (report[f"{name}_{new}"]["ms_per_token"]
                                               / report[f"{name}_{old}"]["ms_per_token"])
     write_json(a.out, report, indent=1)
     print(f"one draw's noise: torch {draw_ms['torch']:.3f} ms, kernels {draw_ms['kernels']:.3f} ms")
-    old, new = list(sources)
     for name in runners:
         print(f"{name}: decode ms/token {old} {report[f'{name}_{old}']['ms_per_token']:.2f}, {new} "
               f"{report[f'{name}_{new}']['ms_per_token']:.2f} ({report[f'{name}_{new}_over_{old}']:.3f}x)")

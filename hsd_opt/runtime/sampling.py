@@ -102,7 +102,7 @@ def gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
 def torch_gumbel_offsets(vocab: int, generator: torch.Generator, temperature: float,
                          device: torch.device | str = "cpu") -> torch.Tensor:
     """:func:`gumbel_offsets` from ``torch.rand`` (``vocab`` uniforms of ``generator``) and ``torch.log``: its
-    source off the CPU or without the kernels."""
+    source off the CPU, on the portable build or without the kernels."""
     u = torch.rand(vocab, generator=generator, device=device).clamp_min_(LEAST_UNIFORM)
     return u.log_().neg_().log_().neg_().mul_(temperature)
 
