@@ -202,6 +202,25 @@ def test_seeded_sampling_is_reproducible_and_equals_hsd_run(tiny, served):
     assert len(others | {tuple(a)}) > 1  # the seed matters
 
 
+def test_penalties_and_logit_bias_equal_hsd_run_and_move_the_answer(tiny, served):
+    """``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` (chat and completions, greedy and seeded):
+    the answer ``hsd run`` gives with the same flags, not the answer without them."""
+    c = client(served[0])
+    plain = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, temperature=0)
+    plain_ids = plain.model_extra["hsd"]["token_ids"]
+    bias = {str(plain_ids[0]): -100}
+    flags = ("--frequency-penalty", 1.5, "--presence-penalty", 0.5, "--logit-bias", json.dumps(bias))
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, temperature=0, frequency_penalty=1.5,
+                             presence_penalty=0.5, logit_bias=bias)
+    ids = r.model_extra["hsd"]["token_ids"]
+    assert ids != plain_ids and ids[0] != plain_ids[0]
+    assert ids == hsd_run_ids(tiny[0], PROMPTS[2], "--raw", "--max-new-tokens", N, *flags)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, temperature=0.9,
+              seed=5, frequency_penalty=1.5, presence_penalty=0.5, logit_bias=bias)
+    chat = c.chat.completions.create(**kw).model_extra["hsd"]["token_ids"]
+    assert chat == hsd_run_ids(tiny[0], PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--seed", 5, *flags)
+
+
 def test_no_state_carries_over_between_requests(served):
     srv, _ = served
     c = client(srv)
@@ -329,7 +348,13 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "logprobs": -1}, 400, "logprobs", None),
     (COMP, {"model": MODEL, "prompt": "w1", "logprobs": True}, 400, "logprobs", None),
     (COMP, {"model": MODEL, "prompt": "w1", "top_logprobs": 2}, 400, "top_logprobs", None),
-    (COMP, {"model": MODEL, "prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "frequency_penalty": "high"}, 400, "frequency_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": [1, 2]}, 400, "logit_bias", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": {"w1": 5}}, 400, "logit_bias", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": {"99999": 5}}, 400, "logit_bias", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": 101}}, 400, "logit_bias", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": True}}, 400, "logit_bias", None),
     (COMP, {"model": MODEL, "prompt": "w1", "echo": True}, 400, "echo", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("inf")}, 400, "temperature", None),

@@ -147,6 +147,13 @@ def run_cmd(
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="With --json: each generated token's "
                                                                     "log-probability under the target and its N "
                                                                     "most likely alternatives (0 .. 20)."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="-2 .. 2: subtracted from a token's "
+                                                                             "logit per time it was generated."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="-2 .. 2: subtracted from the logit "
+                                                                           "of every token generated so far."),
+    logit_bias: Optional[str] = typer.Option(None, "--logit-bias", help="A JSON object from token ids to "
+                                                                        "offsets in -100 .. 100 added to their "
+                                                                        "logits, e.g. '{\"28\": -100}'."),
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
@@ -162,6 +169,7 @@ def run_cmd(
     if logprobs is not None and json_out is None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
     check_mode(mode)
+    penalties = parse_penalties(frequency_penalty, presence_penalty, logit_bias)
     check_outputs(("--json", json_out))
     check_turn_mode(turns)
     check_report_key(by)
@@ -170,6 +178,8 @@ def run_cmd(
         task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
     items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    if penalties is not None:
+        penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []
@@ -177,13 +187,45 @@ def run_cmd(
         which = plan_for_prompt(p, it.task, per_task)[3]
         for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
                                      max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index),
-                                     logprobs):
+                                     logprobs, penalties):
             lines.append(line)
             gens.append(gen)
     _print_run(gens, by, plans, mode)
     if json_out is not None:
         atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
         console.print(f"wrote {json_out}")
+
+
+def parse_penalties(frequency: float, presence: float, logit_bias: str | None):
+    """The :class:`~hsd_opt.runtime.penalties.Penalties` of ``--frequency-penalty``, ``--presence-penalty`` and
+    ``--logit-bias`` (a JSON object from token ids to numbers), None when nothing moves; a bad value is an
+    :class:`HsdError` naming its flag."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.runtime.penalties import Penalties, penalties_or_none
+
+    for flag, kw in (("--frequency-penalty", {"frequency": frequency}), ("--presence-penalty", {"presence": presence})):
+        try:
+            Penalties(**kw)
+        except HsdError as e:
+            raise HsdError(f"{flag}: {e}") from None
+    bias: dict[int, float] = {}
+    if logit_bias is not None:
+        try:
+            raw = json.loads(logit_bias)
+        except json.JSONDecodeError as e:
+            raise HsdError(f"--logit-bias: not JSON ({e.msg}); give an object such as '{{\"28\": -100}}'") from None
+        if not isinstance(raw, dict):
+            raise HsdError("--logit-bias: a JSON object from token ids to numbers expected, such as "
+                           "'{\"28\": -100}'")
+        for k, v in raw.items():
+            if not (k.isascii() and k.isdigit()):
+                raise HsdError(f"--logit-bias: {json.dumps(k)} is not a token id")
+            bias[int(k)] = v
+        try:
+            Penalties(bias=bias)
+        except HsdError as e:
+            raise HsdError(f"--logit-bias: {e}") from None
+    return penalties_or_none(frequency, presence, bias)
 
 
 def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):
@@ -229,11 +271,12 @@ def _streamer(tok, quiet: bool):
 
 def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool, max_new_tokens: int,
                 temperature: float, top_p: float, seed: int, quiet: bool,
-                grammar=None, logprobs: int | None = None) -> list[tuple[dict, object]]:
+                grammar=None, logprobs: int | None = None, penalties=None) -> list[tuple[dict, object]]:
     """Generate every turn of the prompt ``it`` (``turns``) with the runner ``h`` of plan ``which``, each turn after
     the model's own answers to the previous ones, streaming the text unless ``quiet``: one ``(JSON line,
     Generation)`` per turn (:func:`_turn_record`). ``grammar``: what every turn's output follows (None: none);
-    ``logprobs``: the alternatives listed with each token's log-probability in the line (None: none)."""
+    ``logprobs``: the alternatives listed with each token's log-probability in the line (None: none);
+    ``penalties``: the :class:`~hsd_opt.runtime.penalties.Penalties` of every turn (None: none)."""
     from hsd_opt.grammar.constraint import Constraint
     from hsd_opt.prompts import conversation_ids, user_turns
 
@@ -243,7 +286,8 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
         ids = conversation_ids(tok, it.turns, answers, raw)
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                          on_tokens=_streamer(tok, quiet),
-                         constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs)
+                         constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs,
+                         penalties=penalties)
         if not quiet:
             sys.stdout.write("\n")
         answer = tok.decode(res.token_ids, skip_special_tokens=True)

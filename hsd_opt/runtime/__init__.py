@@ -7,7 +7,8 @@
 """
 
 from hsd_opt.runtime.decode import HSD, GenerationResult, Level
+from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.runner import build_levels, hsd_for_plan
 from hsd_opt.runtime.sampling import process_logits
 
-__all__ = ["HSD", "Level", "GenerationResult", "process_logits", "build_levels", "hsd_for_plan"]
+__all__ = ["HSD", "Level", "GenerationResult", "Penalties", "process_logits", "build_levels", "hsd_for_plan"]

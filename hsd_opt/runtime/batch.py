@@ -49,6 +49,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
+from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups
 
 #: The least ``max_wait`` of a batch by default (ticks).
@@ -154,15 +155,17 @@ class Batch:
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
             on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None,
-            constraint: Constraint | None = None, task: str | None = None, logprobs: int | None = None) -> Entry:
+            constraint: Constraint | None = None, task: str | None = None, logprobs: int | None = None,
+            penalties: Penalties | None = None) -> Entry:
         """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
         load; ``constraint``: the grammar its output follows (its own state; None: none); ``task``: it runs that
         task's hierarchies when the batch has them (``by_task``); ``logprobs``: as :meth:`HSD.start` (the entry's
-        ``decoding.logprobs`` grows with each committed block, before ``on_tokens`` hears of it). Bad arguments
-        raise :class:`HsdError` here."""
+        ``decoding.logprobs`` grows with each committed block, before ``on_tokens`` hears of it); ``penalties``:
+        as :meth:`HSD.start`. Bad arguments raise :class:`HsdError` here."""
         hsd = (self.hierarchy_for(self.load + 1, task) if follows_load(temperature, seed)
                else self.hierarchy_for(1, task))
-        entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs),
+        entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs,
+                                penalties),
                       on_tokens, on_done, task=task)
         self.waiting.append(entry)
         return entry
@@ -327,9 +330,11 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
                   max_active: int = 8, temperature: float = 0.0, top_p: float = 1.0,
                   seeds: Sequence[int] | None = None,
                   constraints: Sequence[Constraint | None] | None = None,
-                  logprobs: int | None = None) -> list[GenerationResult]:
+                  logprobs: int | None = None,
+                  penalties: Sequence[Penalties | None] | None = None) -> list[GenerationResult]:
     """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order;
-    ``constraints``: each prompt's grammar state (or None); ``logprobs``: as :meth:`HSD.start`, for every prompt.
+    ``constraints``: each prompt's grammar state (or None); ``logprobs``: as :meth:`HSD.start`, for every prompt;
+    ``penalties``: each prompt's (or None).
     Raises the first error a sequence met."""
     batch = Batch(hierarchies, max_active)
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -340,7 +345,8 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
             if err is not None:
                 errors.append(err)
         batch.add(p, max_new_tokens, temperature, top_p, seeds[i] if seeds is not None else 0, on_done=done,
-                  constraint=constraints[i] if constraints is not None else None, logprobs=logprobs)
+                  constraint=constraints[i] if constraints is not None else None, logprobs=logprobs,
+                  penalties=penalties[i] if penalties is not None else None)
     batch.run()
     if errors:
         raise errors[0]

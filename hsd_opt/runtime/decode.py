@@ -45,9 +45,11 @@ import torch
 
 from hsd_opt.drafters.base import TokenDrafter
 from hsd_opt.engine.interface import EXACT_PASS, Engine, Picks
+from hsd_opt.engine.picks import LogitPicks
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
+from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import gumbel_offsets, process_logits, rejection_sample, sample_token
 from hsd_opt.seeds import seed_fits
 
@@ -328,18 +330,20 @@ class HSD:
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
               seed: int | None = 0, constraint: Constraint | None = None,
-              logprobs: int | None = None) -> "Decoding":
+              logprobs: int | None = None, penalties: Penalties | None = None) -> "Decoding":
         """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
         random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`);
         ``constraint``: the grammar its output follows (every level's logits masked), None: none; ``logprobs``:
         the number of alternatives (0 .. :data:`MAX_TOP_LOGPROBS`) each generated token's
-        :class:`TokenLogprob` lists, None: no log-probabilities."""
-        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs)
+        :class:`TokenLogprob` lists, None: no log-probabilities; ``penalties``: frequency and presence penalties
+        and logit biases every level's logits take (:mod:`hsd_opt.runtime.penalties`), None: none."""
+        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
                  on_tokens: Callable[[list[int]], bool | None] | None = None,
-                 constraint: Constraint | None = None, logprobs: int | None = None) -> GenerationResult:
+                 constraint: Constraint | None = None, logprobs: int | None = None,
+                 penalties: Penalties | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
 
         ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
@@ -349,7 +353,7 @@ class HSD:
         carries over. ``logprobs=k``: the result's :attr:`GenerationResult.logprobs` (the target's passes then read
         every logit, greedy too; the tokens are the same).
         """
-        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs)
+        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties)
         try:
             return d.run(on_tokens)
         finally:
@@ -371,7 +375,7 @@ class Decoding:
 
     def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, penalties: Penalties | None = None):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
@@ -395,6 +399,11 @@ class Decoding:
         self.limit = len(prompt) + int(max_new_tokens)
         #: the grammar the output follows (None: none): every level reads the masked model
         self.constraint = constraint
+        #: the penalties and biases every level's logits take (None: none; :mod:`hsd_opt.runtime.penalties`)
+        self.penalties = penalties if penalties is not None and penalties.active else None
+        if self.penalties is not None:
+            self.penalties.check_vocab(hsd.target.vocab_size)
+        self._bases: dict[int, torch.Tensor] = {}    # logits' width -> the biases as a row
         self.seq: list[int] = []
         self._engines: dict[int, tuple[Engine, HSD]] = {}      # id(engine) -> (engine, the hierarchy it came from)
         self._states: dict[int, DecodeState] = {}
@@ -556,19 +565,48 @@ class Decoding:
         """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; under a grammar, of
         its logits masked first (the masked model's distribution, then temperature and top-p)."""
         logits = yield from self._pass(k, start, end, False)
+        if self.penalties is not None:
+            logits = logits + self._offset_rows(k, start, end).to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
         return process_logits(logits, self.temperature, self.top_p)
+
+    def _offsets(self, k: int, p: int) -> torch.Tensor:
+        """The penalties' offsets ``[V]`` of level k's row at position ``p`` (the token at ``p + 1``: the tokens
+        generated up to ``p`` counted; :meth:`Penalties.offsets`), on the CPU."""
+        vocab = self.hsd.levels[k].engine.vocab_size
+        base = self._bases.get(vocab)
+        if base is None:
+            base = self._bases[vocab] = self.penalties.base(vocab)
+        return self.penalties.offsets(self.seq[self.n_prompt:p + 1], vocab, base)
+
+    def _offset_rows(self, k: int, start: int, end: int) -> torch.Tensor:
+        """:meth:`_offsets` at positions ``start .. end-1``: ``[end - start, V]``."""
+        return torch.stack([self._offsets(k, p) for p in range(start, end)])
+
+    def _greedy_rows(self, k: int, start: int, end: int) -> Generator[Pass, object, Callable[[int], int]]:
+        """Level k's greedy token of row ``i`` (position ``start + i``) as a function of ``i``, after its pass over
+        positions start..end-1: the ids of ``greedy_ids``; with penalties ``argmax(logits + offsets)`` of the row
+        (:meth:`_offsets`), computed when asked, through the engine's picks (or over the logits the target reads
+        for its log-probabilities). The grammar is not applied here."""
+        if self.penalties is None:
+            ids = yield from self._pass(k, start, end, True)
+            return ids.__getitem__
+        if self.n_logprobs is not None and k == len(self.hsd.levels) - 1:
+            picks = LogitPicks((yield from self._pass(k, start, end, False)))
+        else:
+            picks = yield from self._picks(k, start, end)
+        return lambda i: picks.pick(i, self._offsets(k, start + i))
 
     def _greedy(self, k: int, start: int, end: int) -> Generator[Pass, object, list[int]]:
         """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
         which need not compute every logit). Under a grammar, the argmax of the masked logits: a row whose argmax
         the grammar allows keeps it (the first maximum is the first allowed maximum too); the others are read
         again alone (:meth:`_masked_row`)."""
-        ids = yield from self._pass(k, start, end, True)
+        row = yield from self._greedy_rows(k, start, end)
+        ids = [row(i) for i in range(end - start)]
         if self.constraint is None:
             return ids
-        ids = list(ids)
         gen = self.seq[self.n_prompt:]
         for i, t in enumerate(ids):
             if not self.constraint.allows(gen, start + 1 + i - self.n_prompt, t):
@@ -619,14 +657,14 @@ class Decoding:
         whose argmax equals the draft keeps it (the draft is allowed), and a row whose argmax the grammar refuses
         is read again alone (:meth:`_masked_row`), so a long block reads no logits past its rejection."""
         d = len(drafts)
-        g = yield from self._pass(k, s - 1, s + d, True)  # g[i]: the level's argmax at position s + i
+        g = yield from self._greedy_rows(k, s - 1, s + d)  # g(i): the level's argmax at position s + i
         j = 0
         while True:
-            while j < d and drafts[j] == g[j]:
+            while j < d and drafts[j] == g(j):
                 j += 1
             if self.constraint is None:
-                return j, g[j]  # j <= d: row d is the bonus token's
-            t = g[j]
+                return j, g(j)  # j <= d: row d is the bonus token's
+            t = g(j)
             if not self.constraint.allows(self.seq[self.n_prompt:], s + j - self.n_prompt, t):
                 t = yield from self._masked_row(k, s - 1 + j)
             if j < d and t == drafts[j]:
@@ -642,6 +680,8 @@ class Decoding:
         if only is not None:
             return only
         logits = yield from self._pass(k, p, p + 1, False, keep=False)
+        if self.penalties is not None:
+            logits = logits + self._offsets(k, p).to(logits.device)
         return int(mask_logits(logits, self._allowed_rows(p, p + 1)).argmax(dim=-1)[0])
 
     def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
@@ -668,10 +708,14 @@ class Decoding:
         lv = self.hsd.levels[k]
         return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, False, picks=True))
 
-    def _draw(self, picks: Picks, i: int) -> int:
-        """A draw from row ``i``'s ``softmax(logits / T)``: the largest of its logits plus
-        :func:`~hsd_opt.runtime.sampling.gumbel_offsets` from this decoding's generator."""
-        return picks.pick(i, gumbel_offsets(self.hsd.target.vocab_size, self.gen, self.temperature, self.device))
+    def _draw(self, picks: Picks, i: int, k: int, p: int) -> int:
+        """A draw from row ``i``'s ``softmax(logits / T)`` (level ``k``'s row at position ``p``): the largest of its
+        logits plus :func:`~hsd_opt.runtime.sampling.gumbel_offsets` from this decoding's generator (plus the
+        penalties' offsets, which move the logits the draw is from)."""
+        noise = gumbel_offsets(self.hsd.target.vocab_size, self.gen, self.temperature, self.device)
+        if self.penalties is not None:
+            noise = noise + self._offsets(k, p).to(noise.device)
+        return picks.pick(i, noise)
 
     def _verify_picks(self, k: int, s: int, drafts: list[int]) -> Generator[Pass, object, tuple[int, int]]:
         """Algorithm 2 on one-hot ``drafts`` (a token drafter's, at positions ``s ..``) by draws: row ``i``'s draw
@@ -683,10 +727,10 @@ class Decoding:
         d = len(drafts)
         picks = yield from self._picks(k, s - 1, s + d)  # row i: the token at position s + i
         for i, x in enumerate(drafts):
-            t = self._draw(picks, i)
+            t = self._draw(picks, i, k, s - 1 + i)
             if t != x:
-                return i, (t if self.hsd.residual else self._draw(picks, i))
-        return d, self._draw(picks, d)
+                return i, (t if self.hsd.residual else self._draw(picks, i, k, s - 1 + i))
+        return d, self._draw(picks, d, k, s - 1 + d)
 
     def _draft(self) -> Generator[Pass, object, tuple[list[int], torch.Tensor | None]]:
         """Bottom level: exactly min(T_0, room) tokens autoregressively (fewer at EOS, or from a token drafter
@@ -728,7 +772,7 @@ class Decoding:
             elif self.greedy:
                 t = (yield from self._greedy(0, m - 1, m))[0]
             elif self._draws_by_picks(0):       # the target alone (level 0 is the top): no rows wanted
-                t = self._draw((yield from self._picks(0, m - 1, m)), 0)
+                t = self._draw((yield from self._picks(0, m - 1, m)), 0, 0, m - 1)
             else:
                 d = yield from self._dist(0, m - 1, m)
                 t = self._sample(d[0])
@@ -954,7 +998,7 @@ class Decoding:
         if self.greedy:
             t = (yield from self._greedy(k, m - 1, m))[0]
         elif self._draws_by_picks(k):
-            t = self._draw((yield from self._picks(k, m - 1, m)), 0)
+            t = self._draw((yield from self._picks(k, m - 1, m)), 0, k, m - 1)
         else:
             t = self._sample((yield from self._dist(k, m - 1, m))[0])
         self.stats[self.hsd.levels[k].name].calls += 1

@@ -221,7 +221,8 @@ class JobQueue:
             entry = self.batch.add(req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                    seed=req.seed, on_tokens=on_tokens, on_done=on_done,
                                    constraint=Constraint(req.grammar) if req.grammar is not None else None,
-                                   task=JSON_TASK if req.grammar is not None else None, logprobs=req.logprobs)
+                                   task=JSON_TASK if req.grammar is not None else None, logprobs=req.logprobs,
+                                   penalties=req.penalties)
             if req.logprobs is not None:
                 on_tokens.logprobs = entry.decoding.logprobs
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug

@@ -6,10 +6,11 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 ``stream_options.include_usage``, ``n`` (1 only), ``response_format`` (``text``, ``json_object``,
 ``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
 naming the problem) and log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions:
-``logprobs`` 0 .. 20 alternatives); chat also ``tools`` and ``tool_choice`` (a function called under the grammar
-of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are
-not supported (:data:`UNSUPPORTED`: penalties, logit biases, echo, best-of, suffix) are a 400 when given a value
-other than their default; other fields (``user``, ``metadata``, ...) are ignored.
+``logprobs`` 0 .. 20 alternatives), ``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token
+id -> -100 .. 100: :mod:`hsd_opt.runtime.penalties`); chat also ``tools`` and ``tool_choice`` (a function called
+under the grammar of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the
+answer and are not supported (:data:`UNSUPPORTED`: echo, best-of, suffix) are a 400 when given a value other than
+their default; other fields (``user``, ``metadata``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS
+from hsd_opt.runtime.penalties import MAX_BIAS, MAX_PENALTY, Penalties, penalties_or_none
 from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
@@ -76,7 +78,7 @@ class GenerationRequest:
     non-empty strings; ``grammar``: what the output follows (``response_format``, or the function ``tool_choice``
     calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message;
     ``logprobs``: the alternatives listed with each generated token's log-probability (0 .. 20), None: no
-    log-probabilities."""
+    log-probabilities; ``penalties``: frequency and presence penalties and logit biases, None: none."""
 
     kind: str
     model: str
@@ -91,6 +93,7 @@ class GenerationRequest:
     grammar: Grammar | None = None
     tool: ToolCall | None = None
     logprobs: int | None = None
+    penalties: Penalties | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -112,8 +115,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 #: Fields the answer would depend on that this server does not compute, with the value that asks nothing of it
 #: (what clients send by default; absent or null too): any other value is a 400 naming the field rather than an
 #: answer without it.
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1,
-               "suffix": ""}
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": ""}
 
 
 def _asks_nothing(v: Any, default: Any) -> bool:
@@ -184,6 +186,32 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'logprobs' must be in 0 .. {MAX_TOP_LOGPROBS}, got {n}", "logprobs")
     return n
+
+
+def _penalties(body: dict, info: ModelInfo) -> Penalties | None:
+    """``frequency_penalty`` and ``presence_penalty`` (numbers in -2 .. 2) and ``logit_bias`` (an object from
+    token ids, as strings, to numbers in -100 .. 100; ids of the model's tokenizer), None when nothing moves."""
+    pens = {}
+    for key in ("frequency_penalty", "presence_penalty"):
+        v = _number(body, key, 0.0)
+        if not -MAX_PENALTY <= v <= MAX_PENALTY:
+            raise bad_request(f"'{key}' must be in -{MAX_PENALTY:g} .. {MAX_PENALTY:g}, got {v:g}", key)
+        pens[key] = v
+    raw = body.get("logit_bias")
+    if raw is not None and not isinstance(raw, dict):
+        raise bad_request(f"'logit_bias' must be an object from token ids to numbers, got {_type_name(raw)}",
+                          "logit_bias")
+    bias: dict[int, float] = {}
+    vocab = len(info.tokenizer)
+    for k, v in (raw or {}).items():
+        if not (k.isascii() and k.isdigit()) or int(k) >= vocab:
+            raise bad_request(f"'logit_bias' keys must be token ids of the model (0 .. {vocab - 1}), got "
+                              f"{json.dumps(k)}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_BIAS <= v <= MAX_BIAS:
+            raise bad_request(f"'logit_bias' values must be numbers in -{MAX_BIAS:g} .. {MAX_BIAS:g}, got "
+                              f"{json.dumps(v)} for token {k}", "logit_bias")
+        bias[int(k)] = float(v)
+    return penalties_or_none(pens["frequency_penalty"], pens["presence_penalty"], bias)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -383,6 +411,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
     include_usage = _bool(opts or {}, "include_usage") if stream else False
     logprobs = _logprobs(body, kind)
+    penalties = _penalties(body, info)
     tool, grammar, told = _tool_call(body, info, logprobs) if kind == "chat" else (None, None, "")
     grammar = _response_format(body, info) or grammar   # with a call: checked, free text only (_tool_call)
     try:
@@ -404,4 +433,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar, tool, logprobs)
+                             grammar, tool, logprobs, penalties)

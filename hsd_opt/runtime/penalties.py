@@ -1,0 +1,91 @@
+"""Frequency and presence penalties and logit biases (the OpenAI API's ``frequency_penalty``, ``presence_penalty``
+and ``logit_bias``): the target they decode is the model with its logits moved before temperature and top-p,
+
+    ``logits[j] + bias[j] - frequency * c[j] - presence * (c[j] > 0)``
+
+where ``c[j]`` counts token ``j`` among the tokens generated before the position (the prompt's not counted, as the
+API defines it). The offsets depend on the prefix, so each row of a pass gets its own: a verify pass's row ``i``
+counts the drafts before it, which are the target's tokens wherever they are accepted. Every level of a hierarchy
+reads its logits moved the same way (its drafts then follow the target it drafts for), and greedy decoding takes
+``argmax(logits + offsets)`` through the engine's picks (:mod:`hsd_opt.engine.picks`: an int8 screen where the
+head has one), so the output stays the penalised target's, token for token.
+
+Units: offsets in logits (float32), shapes ``[V]`` per row; token ids below the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from hsd_opt.errors import HsdError
+
+#: The API's bounds: penalties in [-2, 2], biases in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What moves a sequence's logits (see the module doc). ``bias``: token id -> offset in logits."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    bias: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, v, lim in (("frequency_penalty", self.frequency, MAX_PENALTY),
+                             ("presence_penalty", self.presence, MAX_PENALTY)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -lim <= v <= lim):
+                raise HsdError(f"{name} must be a number in [-{lim:g}, {lim:g}], got {v!r}")
+        for t, b in self.bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise HsdError(f"logit_bias: token ids must be non-negative integers, got {t!r}")
+            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                    and -MAX_BIAS <= b <= MAX_BIAS):
+                raise HsdError(f"logit_bias[{t}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether anything moves (all zero: the model's own logits)."""
+        return bool(self.frequency or self.presence or any(self.bias.values()))
+
+    def check_vocab(self, vocab: int, where: str = "logit_bias") -> None:
+        """Refuse a biased token id the model does not have (``vocab`` its logits' width)."""
+        bad = sorted(t for t in self.bias if t >= vocab)
+        if bad:
+            raise HsdError(f"{where}: token id {bad[0]} is not in the model's vocabulary of {vocab}")
+
+    def base(self, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The biases as a row ``[vocab]`` float32 (zeros where none is given)."""
+        row = torch.zeros(vocab, dtype=torch.float32)
+        if self.bias:
+            row[torch.tensor(list(self.bias), dtype=torch.long)] = torch.tensor(list(self.bias.values()),
+                                                                                 dtype=torch.float32)
+        return row.to(device)
+
+    def offsets(self, generated: Sequence[int], vocab: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The offsets ``[vocab]`` float32 of the row after ``generated`` (the tokens generated so far):
+        ``bias - frequency * count - presence * (count > 0)``, computed in float32 on the tokens that occur (a
+        token generated ``c`` times: ``bias - (frequency * c + presence)``). ``base``: :meth:`base` made once."""
+        row = (self.base(vocab) if base is None else base).clone()
+        if generated and (self.frequency or self.presence):
+            ids, counts = torch.tensor(list(generated), dtype=torch.long).unique(return_counts=True)
+            ids, counts = ids.to(row.device), counts.to(row.device, torch.float32)
+            row.index_add_(0, ids, -(counts * self.frequency + self.presence))
+        return row
+
+    def rows(self, generated: Sequence[int], start: int, end: int, vocab: int,
+             base: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`offsets` after ``generated[:n]`` for ``n = start .. end-1``: ``[end - start, vocab]``."""
+        return torch.stack([self.offsets(generated[:n], vocab, base) for n in range(start, end)])
+
+
+def penalties_or_none(frequency: float = 0.0, presence: float = 0.0,
+                      bias: Mapping[int, float] | None = None) -> Penalties | None:
+    """A :class:`Penalties` of the arguments (checked), None when nothing moves."""
+    p = Penalties(frequency, presence, dict(bias or {}))
+    return p if p.active else None

@@ -1,0 +1,234 @@
+"""Frequency and presence penalties and logit biases: the offsets are the API's formula; HSD with them is lossless
+against the penalised target decoded alone (greedy token for token against an autoregressive reference that adds
+the offsets to every logit, at every depth, alone and in a batch, under a grammar, on the embedded model's
+screened head; sampled, the penalised target's distribution, which decoding that ignores the penalties fails)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.errors import HsdError
+from hsd_opt.runtime.batch import generate_many
+from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.penalties import Penalties, penalties_or_none
+from hsd_opt.runtime.sampling import process_logits
+from tests.helpers import AbstainingCycleDrafter, CycleDrafter, engine_logits, make_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PEN = Penalties(0.7, 0.4, {7: 2.5, 11: -3.0})
+
+
+def _offsets_by_formula(pen: Penalties, generated: list[int], vocab: int) -> torch.Tensor:
+    """The API's formula written out token by token: ``bias - (frequency * count + presence)`` where the token
+    occurs, ``bias`` elsewhere (float32 arithmetic, as the decoding's)."""
+    row = torch.zeros(vocab, dtype=torch.float32)
+    for t, b in pen.bias.items():
+        row[t] = b
+    for t in set(generated):
+        c = torch.tensor(float(generated.count(t)), dtype=torch.float32)
+        row[t] = row[t] + -(c * torch.tensor(pen.frequency, dtype=torch.float32)
+                            + torch.tensor(pen.presence, dtype=torch.float32))
+    return row
+
+
+def _reference(lm, prompt: list[int], n: int, pen: Penalties, eos: frozenset = frozenset()) -> list[int]:
+    """The penalised target decoded alone, greedy, from its whole logits: ``argmax(logits + offsets)`` per step."""
+    gen: list[int] = []
+    for _ in range(n):
+        logits = engine_logits(lm, torch.tensor(prompt + gen), len(prompt))[-1]
+        gen.append(int(torch.argmax(logits + _offsets_by_formula(pen, gen, logits.shape[-1]))))
+        if gen[-1] in eos:
+            break
+    return gen
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return LayeredLM(make_tiny_llama(seed=5, vocab_size=48, layers=6, scale=6.0))
+
+
+def _hierarchies(lm, vocab):
+    L = lm.n_layers
+    return [
+        ([Level("target", lm, L)], []),
+        ([Level("layer2", lm, 2), Level("target", lm, L)], [3]),
+        ([Level("cycle", drafter=CycleDrafter(vocab)), Level("layer3", lm, 3), Level("target", lm, L)], [2, 4]),
+        ([Level("abstaining", drafter=AbstainingCycleDrafter(vocab)), Level("target", lm, L)], [5]),
+    ]
+
+
+def test_offsets_are_the_apis_formula():
+    rng = random.Random(0)
+    for _ in range(20):
+        pen = Penalties(rng.uniform(-2, 2), rng.uniform(-2, 2),
+                        {rng.randrange(40): rng.uniform(-100, 100) for _ in range(rng.randint(0, 4))})
+        gen = [rng.randrange(40) for _ in range(rng.randint(0, 30))]
+        assert torch.equal(pen.offsets(gen, 40), _offsets_by_formula(pen, gen, 40))
+        rows = pen.rows(gen, 0, len(gen) + 1, 40)
+        assert rows.shape == (len(gen) + 1, 40)
+        for n in range(len(gen) + 1):
+            assert torch.equal(rows[n], pen.offsets(gen[:n], 40))
+    # a token twice: both penalties once, the frequency twice
+    assert Penalties(0.5, 0.25).offsets([3, 3, 4], 6).tolist() == [0, 0, 0, -1.25, -0.75, 0]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"frequency": 2.5}, r"frequency_penalty must be a number in \[-2, 2\], got 2.5"),
+    ({"presence": float("nan")}, r"presence_penalty must be a number in \[-2, 2\]"),
+    ({"bias": {-1: 1.0}}, r"logit_bias: token ids must be non-negative integers, got -1"),
+    ({"bias": {3: 101}}, r"logit_bias\[3\] must be a number in \[-100, 100\], got 101"),
+    ({"bias": {3: "1"}}, r"logit_bias\[3\] must be a number"),
+])
+def test_bad_penalties_are_refused_naming_the_field(kwargs, words):
+    with pytest.raises(HsdError, match=words):
+        Penalties(**kwargs)
+
+
+def test_a_biased_token_outside_the_vocabulary_is_refused(lm):
+    with pytest.raises(HsdError, match="logit_bias: token id 48 is not in the model's vocabulary of 48"):
+        HSD([Level("target", lm, lm.n_layers)], []).generate([3, 4], 2, penalties=Penalties(bias={48: 1.0}))
+
+
+def test_nothing_that_moves_is_no_penalties():
+    assert penalties_or_none() is None and penalties_or_none(0.0, 0.0, {5: 0.0}) is None
+    assert penalties_or_none(0.1) == Penalties(0.1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_with_penalties_is_the_penalised_targets_at_every_depth(lm, seed):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 48) for _ in range(rng.randint(1, 10))]
+    n = rng.randint(12, 30)
+    pen = Penalties(rng.uniform(0.2, 1.5), rng.uniform(0, 1), {rng.randrange(48): rng.uniform(-5, 5)})
+    ref = _reference(lm, prompt, n, pen)
+    assert ref != _reference(lm, prompt, n, Penalties())        # the penalties change this output
+    for levels, budgets in _hierarchies(lm, 48):
+        for mode in ("exact", "eager"):
+            for logprobs in (None, 2):
+                res = HSD(levels, budgets, mode=mode).generate(prompt, n, penalties=pen, logprobs=logprobs)
+                assert res.token_ids == ref, ([lv.name for lv in levels], mode, logprobs)
+
+
+def test_penalties_in_a_batch_equal_alone(lm):
+    """Sequences with other penalties, or none, share passes: each decodes what it decodes alone."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 48) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    pens = [PEN, None, Penalties(1.2), Penalties(bias={9: 4.0}), Penalties(0.3, 1.1)]
+    levels, budgets = _hierarchies(lm, 48)[2]
+    h = HSD(levels, budgets)
+    alone = [h.generate(p, 18, penalties=pen).token_ids for p, pen in zip(prompts, pens)]
+    together = generate_many(h, prompts, 18, max_active=3, penalties=pens)
+    assert [r.token_ids for r in together] == alone
+    sampled_alone = [h.generate(p, 18, temperature=0.9, seed=i, penalties=pen).token_ids
+                     for i, (p, pen) in enumerate(zip(prompts, pens))]
+    sampled = generate_many(h, prompts, 18, max_active=3, temperature=0.9, seeds=range(5), penalties=pens)
+    assert [r.token_ids for r in sampled] == sampled_alone
+
+
+def test_penalties_under_a_grammar_are_the_masked_penalised_targets():
+    """The offsets move the logits, the grammar masks them: greedy HSD equals the reference that does both."""
+    from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+    from hsd_opt.grammar.constraint import Constraint, mask_logits
+    from tests.helpers import JSON_TOKENS, TinyTokenizer
+
+    eos = 2
+    tok = TinyTokenizer(JSON_TOKENS)
+    grammar = GrammarCompiler(tok, eos, 64).compile(GrammarSpec.json_schema(
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+         "required": ["name", "n"], "additionalProperties": False}, "schema.json"))
+    eng = LayeredLM(make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0))
+    prompt = [5, 9, 12]
+    pen = Penalties(1.0, 0.5, {tok.encode("7")[0]: 3.0})
+    c, gen = Constraint(grammar), []
+    for _ in range(40):
+        logits = engine_logits(eng, torch.tensor(prompt + gen), len(prompt))[-1]
+        moved = logits + _offsets_by_formula(pen, gen, 64)
+        gen.append(int(mask_logits(moved[None], c.allowed(gen, len(gen))[None])[0].argmax()))
+        if gen[-1] == eos:
+            break
+    for levels, budgets in (([Level("target", eng, 4)], []),
+                            ([Level("cycle", drafter=CycleDrafter(64)), Level("layer2", eng, 2),
+                              Level("target", eng, 4)], [2, 3])):
+        res = HSD(levels, budgets, eos_ids=[eos]).generate(prompt, 40, constraint=Constraint(grammar), penalties=pen)
+        assert res.token_ids == gen, [lv.name for lv in levels]
+
+
+V, K, N = 12, 2, 1000
+PROMPT = [3, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    model = make_tiny_llama(seed=0, vocab_size=V, layers=4, scale=15.0)
+    return model, LayeredLM(model)
+
+
+def _exact(model, pen: Penalties, temperature: float, top_p: float) -> dict:
+    """The exact probability of every K-token continuation under the penalised target's processed distribution."""
+    out = {}
+    for s in itertools.product(range(V), repeat=K - 1):
+        with torch.no_grad():
+            lg = model(torch.tensor([PROMPT + list(s)])).logits[0, len(PROMPT) - 1:]
+        rows = torch.stack([lg[k] + _offsets_by_formula(pen, list(s[:k]), V) for k in range(K)])
+        p = process_logits(rows, temperature, top_p)
+        pre = 1.0
+        for k in range(K - 1):
+            pre *= float(p[k, s[k]])
+        for x in range(V):
+            out[tuple(s) + (x,)] = pre * float(p[K - 1, x])
+    return out
+
+
+def _pvalue(h, probs, temperature, top_p, pen):
+    from tests.test_runtime_sampling import _pvalue_of
+
+    return _pvalue_of(lambda seed: h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed,
+                                              penalties=pen).token_ids, probs)
+
+
+@pytest.mark.slow
+def test_sampled_with_penalties_follows_the_penalised_targets_distribution(peaky):
+    """Draws by noise (the target alone, over a token drafter: the screen's picks with the offsets added to the
+    noise) and distributions (exits verifying exits, top-p): the penalised target's distribution; decoding that
+    drops the penalties fails the same test."""
+    model, lm = peaky
+    assert lm.picks_cheaply
+    pen = Penalties(1.5, 1.0, {4: 1.5})
+    for temperature, top_p, levels, budgets in (
+            (1.0, 1.0, [Level("layer4", lm, 4)], []),
+            (0.8, 1.0, [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer4", lm, 4)], [2]),
+            (1.0, 0.9, [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3])):
+        probs = _exact(model, pen, temperature, top_p)
+        p_ok = _pvalue(HSD(levels, budgets), probs, temperature, top_p, pen)
+        assert p_ok > 1e-3, (temperature, top_p, p_ok)
+    probs = _exact(model, pen, 1.0, 1.0)
+    assert _pvalue(HSD([Level("layer4", lm, 4)], []), probs, 1.0, 1.0, None) < 1e-6
+
+
+def test_embedded_greedy_with_penalties_through_the_screen(embedded):
+    """On the embedded model (its float32 head read through the int8 screen, the offsets added to the screened
+    logits) and on its int4 copy as a target: HSD with penalties equals the reference from whole logits."""
+    from hsd_opt.drafters import make_token_drafter
+    from hsd_opt.engine.quantized import QuantizedLM
+    from hsd_opt.models.loading import eos_token_ids
+    from hsd_opt.prompts import encode_prompt
+
+    lm = LayeredLM(embedded.model)
+    assert lm.picks_cheaply
+    eos = frozenset(eos_token_ids(embedded))
+    prompt = encode_prompt(embedded.tokenizer, "List three fruits, then list them again.")
+    pen = Penalties(0.8, 0.6, {28: 2.0})
+    for target in (lm, QuantizedLM(embedded.model, bits=4)):
+        L = target.n_layers
+        ref = _reference(target, prompt, 16, pen, eos)
+        for levels, budgets in (([Level("target", target, L)], []),
+                                ([Level("lookup", drafter=make_token_drafter("ngram_context", q=2, w=4)),
+                                  Level("layer20", target, 20), Level("target", target, L)], [2, 4])):
+            res = HSD(levels, budgets, eos_ids=sorted(eos)).generate(prompt, 16, penalties=pen)
+            assert res.token_ids == ref, [lv.name for lv in levels]
