@@ -30,13 +30,13 @@ def peaky():
     torch.set_num_threads(n)
 
 
-def _exact(model, temperature, top_p):
+def _exact(model, temperature, top_p, top_k=0, min_p=0.0):
     """Exact probability of every K-token continuation under the target's processed distribution."""
     seqs = list(itertools.product(range(V), repeat=K - 1))
     ids = torch.tensor([PROMPT + list(s) for s in seqs])
     with torch.no_grad():
         lg = model(ids).logits[:, len(PROMPT) - 1:]
-    p = process_logits(lg.reshape(-1, V), temperature, top_p).reshape(len(seqs), K, V)
+    p = process_logits(lg.reshape(-1, V), temperature, top_p, top_k, min_p).reshape(len(seqs), K, V)
     out = {}
     for i, s in enumerate(seqs):
         pre = 1.0
@@ -47,9 +47,9 @@ def _exact(model, temperature, top_p):
     return out
 
 
-def _pvalue(h, probs, temperature, top_p):
-    return _pvalue_of(lambda seed: h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed).token_ids,
-                      probs)
+def _pvalue(h, probs, temperature, top_p, top_k=0, min_p=0.0):
+    return _pvalue_of(lambda seed: h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed,
+                                              top_k=top_k, min_p=min_p).token_ids, probs)
 
 
 def _pvalue_of(draw, probs):
@@ -163,10 +163,10 @@ class GreedyDrafter(CycleDrafter):
         return ctx[len(context):]
 
 
-def _target_passes(h: HSD, temperature: float, top_p: float = 1.0) -> list[bool]:
+def _target_passes(h: HSD, temperature: float, top_p: float = 1.0, **filters) -> list[bool]:
     """``picks`` of every pass of the target (its top level) in one generation."""
     passes: list[Pass] = []
-    d = h.start(PROMPT, K, temperature=temperature, top_p=top_p, seed=0)
+    d = h.start(PROMPT, K, temperature=temperature, top_p=top_p, seed=0, **filters)
     try:
         d.run(on_pass=passes.append)
     finally:
@@ -192,6 +192,69 @@ def test_draws_by_noise_through_the_screen_follow_the_targets_distribution(peaky
     bad = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2], residual=False)
     assert _pvalue(bad, _exact(model, 1.0, 1.0), 1.0, 1.0) < 1e-6
     assert not any(_target_passes(HSD([Level("layer4", lm, 4)], []), 1.0, top_p=0.9))
+
+
+def test_sampling_with_top_k_and_min_p_follows_the_filtered_targets_distribution(peaky):
+    """Top-k and min-p (with top-p, or alone over a token drafter: then the target reads its distributions, not
+    draws by noise): the filtered target's distribution at depth 2 and 3; decoding without the filters fails."""
+    model, lm = peaky
+    deep = HSD([Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3])
+    over = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2])
+    for h, temperature, top_p, top_k, min_p in ((deep, 1.0, 0.95, 4, 0.0), (over, 1.3, 1.0, 0, 0.1),
+                                                (over, 1.0, 1.0, 3, 0.05)):
+        assert not any(_target_passes(h, temperature, top_p, top_k=top_k, min_p=min_p))
+        probs = _exact(model, temperature, top_p, top_k, min_p)
+        p_ok = _pvalue(h, probs, temperature, top_p, top_k, min_p)
+        assert p_ok > 1e-3, (temperature, top_p, top_k, min_p, p_ok)
+    probs = _exact(model, 1.0, 1.0, 3, 0.05)
+    unfiltered = {tuple(over.generate(PROMPT, K, temperature=1.0, seed=s).token_ids) for s in range(300)}
+    assert any(probs[x] == 0 for x in unfiltered)     # tokens the filters never let through
+
+
+def _filtered_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                           min_p: float) -> torch.Tensor:
+    """The definitions in HF ``generate``'s order, each renormalising: the ``top_k`` largest of the sorted
+    probabilities, the nucleus of what is left, the tokens at least ``min_p`` times the largest."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    sp, idx = torch.sort(p, dim=-1, descending=True)
+    if top_k:
+        sp[..., top_k:] = 0.0
+        sp = sp / sp.sum(-1, keepdim=True)
+    if top_p < 1.0:
+        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+        sp = sp / sp.sum(-1, keepdim=True)
+    if min_p:
+        sp = sp.masked_fill(sp < min_p * sp[..., :1], 0.0)
+        sp = sp / sp.sum(-1, keepdim=True)
+    return torch.zeros_like(p).scatter_(-1, idx, sp)
+
+
+def test_top_k_and_min_p_are_their_definitions():
+    g = torch.Generator().manual_seed(11)
+    for _ in range(40):
+        m = int(torch.randint(1, 4, (), generator=g))
+        logits = torch.randn(m, 300, generator=g) * float(torch.rand((), generator=g) * 6 + 0.1)
+        t = float(torch.rand((), generator=g)) * 1.5 + 0.2
+        top_p = float(torch.rand((), generator=g)) * 0.5 + 0.5 if int(torch.randint(2, (), generator=g)) else 1.0
+        top_k = int(torch.randint(0, 40, (), generator=g))
+        min_p = float(torch.rand((), generator=g)) * 0.3 if int(torch.randint(2, (), generator=g)) else 0.0
+        got = process_logits(logits, t, top_p, top_k, min_p)
+        want = _filtered_by_full_sort(logits, t, top_p, top_k, min_p)
+        assert torch.equal(got > 0, want > 0), (t, top_p, top_k, min_p)
+        assert torch.allclose(got, want, rtol=1e-6, atol=0), (t, top_p, top_k, min_p)
+        if top_k:
+            assert int((got > 0).sum(-1).max()) <= top_k
+    p = process_logits(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 1.0, 1.0, 0, 0.3)   # e^-1 = 0.37 >= 0.3 > e^-2
+    assert (p > 0).tolist() == [[True, True, False, False]]
+
+
+@pytest.mark.parametrize("top_k, min_p, flag", [(-1, 0.0, "--top-k"), (2.5, 0.0, "--top-k"), (0, 1.5, "--min-p"),
+                                               (0, float("nan"), "--min-p")])
+def test_bad_filters_are_refused_naming_the_flag(top_k, min_p, flag):
+    from hsd_opt.runtime.decode import check_filters
+
+    with pytest.raises(HsdError, match=flag):
+        check_filters(top_k, min_p)
 
 
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -221,6 +221,18 @@ def test_penalties_and_logit_bias_equal_hsd_run_and_move_the_answer(tiny, served
     assert chat == hsd_run_ids(tiny[0], PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--seed", 5, *flags)
 
 
+def test_top_k_and_min_p_equal_hsd_run(tiny, served):
+    """llama.cpp's and vLLM's ``top_k`` and ``min_p`` (seeded samples): the answer of ``hsd run --top-k --min-p``;
+    ``top_k`` -1 is off, as 0."""
+    c = client(served[0])
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=1.2, seed=9)
+    got = c.completions.create(extra_body={"top_k": 3, "min_p": 0.1}, **kw).model_extra["hsd"]["token_ids"]
+    assert got == hsd_run_ids(tiny[0], PROMPTS[0], "--raw", "--max-new-tokens", N, "--temperature", 1.2, "--seed", 9,
+                              "--top-k", 3, "--min-p", 0.1)
+    off = c.completions.create(extra_body={"top_k": -1}, **kw).model_extra["hsd"]["token_ids"]
+    assert off == c.completions.create(**kw).model_extra["hsd"]["token_ids"]
+
+
 def test_no_state_carries_over_between_requests(served):
     srv, _ = served
     c = client(srv)
@@ -351,6 +363,9 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "presence_penalty": 2.5}, 400, "presence_penalty", None),
     (COMP, {"model": MODEL, "prompt": "w1", "frequency_penalty": "high"}, 400, "frequency_penalty", None),
     (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": [1, 2]}, 400, "logit_bias", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_k": -2}, 400, "top_k", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_k": 2.5}, 400, "top_k", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "min_p": 1.5}, 400, "min_p", None),
     (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": {"w1": 5}}, 400, "logit_bias", None),
     (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": {"99999": 5}}, 400, "logit_bias", None),
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": 101}}, 400, "logit_bias", None),

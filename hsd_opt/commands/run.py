@@ -113,6 +113,12 @@ def tasks_table(per: dict, by: str, plans: dict[str, tuple[list[str], list[int]]
     return t, notes
 
 
+MIN_P_HELP = "Sample among tokens at least this share of the most probable one's probability, in [0, 1] (0: off)."
+FREQUENCY_HELP = "-2 .. 2: subtracted from a token's logit per time it was generated."
+PRESENCE_HELP = "-2 .. 2: subtracted from the logit of every token generated so far."
+LOGIT_BIAS_HELP = "A JSON object from token ids to offsets in -100 .. 100 added to their logits, e.g. '{\"28\": -100}'."
+
+
 @cli_command
 def run_cmd(
     plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
@@ -132,6 +138,8 @@ def run_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens generated per prompt (per turn)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (lossless)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most probable tokens (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON line per prompt (per turn) here."),
@@ -147,13 +155,9 @@ def run_cmd(
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="With --json: each generated token's "
                                                                     "log-probability under the target and its N "
                                                                     "most likely alternatives (0 .. 20)."),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="-2 .. 2: subtracted from a token's "
-                                                                             "logit per time it was generated."),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="-2 .. 2: subtracted from the logit "
-                                                                           "of every token generated so far."),
-    logit_bias: Optional[str] = typer.Option(None, "--logit-bias", help="A JSON object from token ids to "
-                                                                        "offsets in -100 .. 100 added to their "
-                                                                        "logits, e.g. '{\"28\": -100}'."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQUENCY_HELP),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRESENCE_HELP),
+    logit_bias: Optional[str] = typer.Option(None, "--logit-bias", help=LOGIT_BIAS_HELP),
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
@@ -161,15 +165,15 @@ def run_cmd(
     from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_generation_args, check_logprobs, check_mode
+    from hsd_opt.runtime.decode import check_logprobs, check_mode
     from hsd_opt.runtime.runner import plan_for_prompt
 
-    check_generation_args(max_new_tokens, temperature, top_p, seed)
+    penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
+                                 presence_penalty, logit_bias)
     check_logprobs(logprobs)
     if logprobs is not None and json_out is None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
     check_mode(mode)
-    penalties = parse_penalties(frequency_penalty, presence_penalty, logit_bias)
     check_outputs(("--json", json_out))
     check_turn_mode(turns)
     check_report_key(by)
@@ -187,13 +191,23 @@ def run_cmd(
         which = plan_for_prompt(p, it.task, per_task)[3]
         for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
                                      max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index),
-                                     logprobs, penalties):
+                                     logprobs, penalties, top_k, min_p):
             lines.append(line)
             gens.append(gen)
     _print_run(gens, by, plans, mode)
     if json_out is not None:
         atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
         console.print(f"wrote {json_out}")
+
+
+def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
+                     frequency: float, presence: float, logit_bias: str | None):
+    """Check the generation flags (an :class:`HsdError` naming the flag) and return :func:`parse_penalties`'."""
+    from hsd_opt.runtime.decode import check_filters, check_generation_args
+
+    check_generation_args(max_new_tokens, temperature, top_p, seed)
+    check_filters(top_k, min_p)
+    return parse_penalties(frequency, presence, logit_bias)
 
 
 def parse_penalties(frequency: float, presence: float, logit_bias: str | None):
@@ -271,12 +285,14 @@ def _streamer(tok, quiet: bool):
 
 def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool, max_new_tokens: int,
                 temperature: float, top_p: float, seed: int, quiet: bool,
-                grammar=None, logprobs: int | None = None, penalties=None) -> list[tuple[dict, object]]:
+                grammar=None, logprobs: int | None = None, penalties=None, top_k: int = 0,
+                min_p: float = 0.0) -> list[tuple[dict, object]]:
     """Generate every turn of the prompt ``it`` (``turns``) with the runner ``h`` of plan ``which``, each turn after
     the model's own answers to the previous ones, streaming the text unless ``quiet``: one ``(JSON line,
     Generation)`` per turn (:func:`_turn_record`). ``grammar``: what every turn's output follows (None: none);
     ``logprobs``: the alternatives listed with each token's log-probability in the line (None: none);
-    ``penalties``: the :class:`~hsd_opt.runtime.penalties.Penalties` of every turn (None: none)."""
+    ``penalties``: the :class:`~hsd_opt.runtime.penalties.Penalties` of every turn (None: none); ``top_k``,
+    ``min_p``: sampling's filters (0: off)."""
     from hsd_opt.grammar.constraint import Constraint
     from hsd_opt.prompts import conversation_ids, user_turns
 
@@ -287,7 +303,7 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                          on_tokens=_streamer(tok, quiet),
                          constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs,
-                         penalties=penalties)
+                         penalties=penalties, top_k=top_k, min_p=min_p)
         if not quiet:
             sys.stdout.write("\n")
         answer = tok.decode(res.token_ids, skip_special_tokens=True)

@@ -156,16 +156,16 @@ class Batch:
             seed: int | None = 0, on_tokens: Callable[[list[int]], bool | None] | None = None,
             on_done: Callable[[GenerationResult | None, BaseException | None], None] | None = None,
             constraint: Constraint | None = None, task: str | None = None, logprobs: int | None = None,
-            penalties: Penalties | None = None) -> Entry:
+            penalties: Penalties | None = None, top_k: int = 0, min_p: float = 0.0) -> Entry:
         """Queue a sequence (prefilled by a later tick); ``seed`` None: a random one, and the sequence follows the
         load; ``constraint``: the grammar its output follows (its own state; None: none); ``task``: it runs that
         task's hierarchies when the batch has them (``by_task``); ``logprobs``: as :meth:`HSD.start` (the entry's
-        ``decoding.logprobs`` grows with each committed block, before ``on_tokens`` hears of it); ``penalties``:
-        as :meth:`HSD.start`. Bad arguments raise :class:`HsdError` here."""
+        ``decoding.logprobs`` grows with each committed block, before ``on_tokens`` hears of it); ``penalties``,
+        ``top_k``, ``min_p``: as :meth:`HSD.start`. Bad arguments raise :class:`HsdError` here."""
         hsd = (self.hierarchy_for(self.load + 1, task) if follows_load(temperature, seed)
                else self.hierarchy_for(1, task))
         entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs,
-                                penalties),
+                                penalties, top_k, min_p),
                       on_tokens, on_done, task=task)
         self.waiting.append(entry)
         return entry
@@ -331,10 +331,11 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
                   seeds: Sequence[int] | None = None,
                   constraints: Sequence[Constraint | None] | None = None,
                   logprobs: int | None = None,
-                  penalties: Sequence[Penalties | None] | None = None) -> list[GenerationResult]:
+                  penalties: Sequence[Penalties | None] | None = None, top_k: int = 0,
+                  min_p: float = 0.0) -> list[GenerationResult]:
     """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order;
     ``constraints``: each prompt's grammar state (or None); ``logprobs``: as :meth:`HSD.start`, for every prompt;
-    ``penalties``: each prompt's (or None).
+    ``penalties``: each prompt's (or None); ``top_k``, ``min_p``: as :meth:`HSD.start`, for every prompt.
     Raises the first error a sequence met."""
     batch = Batch(hierarchies, max_active)
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -346,7 +347,7 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
                 errors.append(err)
         batch.add(p, max_new_tokens, temperature, top_p, seeds[i] if seeds is not None else 0, on_done=done,
                   constraint=constraints[i] if constraints is not None else None, logprobs=logprobs,
-                  penalties=penalties[i] if penalties is not None else None)
+                  penalties=penalties[i] if penalties is not None else None, top_k=top_k, min_p=min_p)
     batch.run()
     if errors:
         raise errors[0]

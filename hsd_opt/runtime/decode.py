@@ -109,6 +109,15 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_p: float,
         raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}")
 
 
+def check_filters(top_k: int, min_p: float) -> None:
+    """Refuse a ``top_k`` that is not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1] (0: off) with a
+    one-line :class:`HsdError` naming the flag."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise HsdError(f"--top-k: expected an integer >= 0 (0: off), got {top_k}")
+    if not 0.0 <= min_p <= 1.0:
+        raise HsdError(f"--min-p: expected a value in [0, 1] (0: off), got {min_p}")
+
+
 @dataclass
 class Level:
     """One level of a hierarchy.
@@ -330,20 +339,23 @@ class HSD:
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
               seed: int | None = 0, constraint: Constraint | None = None,
-              logprobs: int | None = None, penalties: Penalties | None = None) -> "Decoding":
+              logprobs: int | None = None, penalties: Penalties | None = None, top_k: int = 0,
+              min_p: float = 0.0) -> "Decoding":
         """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
         random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`);
         ``constraint``: the grammar its output follows (every level's logits masked), None: none; ``logprobs``:
         the number of alternatives (0 .. :data:`MAX_TOP_LOGPROBS`) each generated token's
         :class:`TokenLogprob` lists, None: no log-probabilities; ``penalties``: frequency and presence penalties
-        and logit biases every level's logits take (:mod:`hsd_opt.runtime.penalties`), None: none."""
-        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties)
+        and logit biases every level's logits take (:mod:`hsd_opt.runtime.penalties`), None: none; ``top_k``,
+        ``min_p``: sampling's top-k and min-p filters (0: off; :func:`~hsd_opt.runtime.sampling.process_logits`)."""
+        return Decoding(self, prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties,
+                        top_k, min_p)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
                  on_tokens: Callable[[list[int]], bool | None] | None = None,
                  constraint: Constraint | None = None, logprobs: int | None = None,
-                 penalties: Penalties | None = None) -> GenerationResult:
+                 penalties: Penalties | None = None, top_k: int = 0, min_p: float = 0.0) -> GenerationResult:
         """Generate up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after EOS).
 
         ``on_tokens(ids)`` is called with each block of tokens the target commits (for streaming); when it
@@ -353,7 +365,8 @@ class HSD:
         carries over. ``logprobs=k``: the result's :attr:`GenerationResult.logprobs` (the target's passes then read
         every logit, greedy too; the tokens are the same).
         """
-        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties)
+        d = self.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs, penalties, top_k,
+                       min_p)
         try:
             return d.run(on_tokens)
         finally:
@@ -375,12 +388,16 @@ class Decoding:
 
     def __init__(self, hsd: HSD, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None,
-                 logprobs: int | None = None, penalties: Penalties | None = None):
+                 logprobs: int | None = None, penalties: Penalties | None = None, top_k: int = 0,
+                 min_p: float = 0.0):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HsdError("empty prompt: need at least one token")
         check_generation_args(max_new_tokens, temperature, top_p, seed)
+        check_filters(top_k, min_p)
         check_logprobs(logprobs)
+        #: sampling's top-k and min-p filters (0: off)
+        self.top_k, self.min_p = int(top_k), float(min_p)
         #: alternatives per generated token's log-probabilities (None: none are computed)
         self.n_logprobs = logprobs
         #: a :class:`TokenLogprob` per generated token so far (with ``logprobs``), aligned with ``seq[n_prompt:]``
@@ -569,7 +586,7 @@ class Decoding:
             logits = logits + self._offset_rows(k, start, end).to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
-        return process_logits(logits, self.temperature, self.top_p)
+        return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
     def _offsets(self, k: int, p: int) -> torch.Tensor:
         """The penalties' offsets ``[V]`` of level k's row at position ``p`` (the token at ``p + 1``: the tokens
@@ -697,10 +714,11 @@ class Decoding:
     def _draws_by_picks(self, k: int) -> bool:
         """Whether level ``k`` draws its tokens by the Gumbel-max form (:meth:`_draw`) rather than from its
         processed distribution: the top level (its distribution rows are wanted by no level above), sampling
-        without top-p, a grammar or log-probabilities, on an engine that reads less than every logit for it
-        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same distribution."""
+        without top-p, top-k, min-p, a grammar or log-probabilities, on an engine that reads less than every logit
+        for it (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same
+        distribution."""
         return (not self.greedy and k == len(self.hsd.levels) - 1 and self.top_p >= 1.0
-                and self.constraint is None and self.n_logprobs is None
+                and self.top_k == 0 and self.min_p == 0.0 and self.constraint is None and self.n_logprobs is None
                 and self.hsd.levels[k].engine.picks_cheaply)
 
     def _picks(self, k: int, start: int, end: int) -> Generator[Pass, object, Picks]:

@@ -17,9 +17,13 @@ from hsd_opt.engine import kernels
 from hsd_opt.errors import HsdError
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then top-p (nucleus):
-    keep the smallest set of most probable tokens whose mass reaches ``top_p`` (at least one), renormalise.
+def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then, in the order
+    of HF ``generate``'s warpers, each renormalising: top-k (``top_k`` > 0: the ``k`` most probable tokens, ties
+    broken as ``torch.topk`` breaks them), top-p (nucleus: the smallest set of most probable tokens whose mass
+    reaches ``top_p``, at least one), min-p (``min_p`` > 0: the tokens at least ``min_p`` times as probable as the
+    most probable one).
 
     The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
     reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
@@ -39,6 +43,10 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
         if not bool((top.sum(-1) > 0).all()):
             raise HsdError("sampling: the logits hold values that are not numbers")
         p[bad] = top / top.sum(-1, keepdim=True)
+    if 0 < top_k < p.shape[-1]:
+        v, i = torch.topk(p, top_k, dim=-1)
+        p = torch.zeros_like(p).scatter_(-1, i, v)
+        p = p / p.sum(-1, keepdim=True)
     if top_p < 1.0:
         v = p.shape[-1]
         k = min(64, v)
@@ -52,6 +60,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
         drop[..., 0] = False        # the most probable token stays (a top_p that rounds to 0 in float32 too)
         sp = sp.masked_fill(drop, 0.0)
         p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p / p.sum(-1, keepdim=True)
+    if min_p > 0.0:
+        p = p.masked_fill(p < min_p * p.max(-1, keepdim=True).values, 0.0)
         p = p / p.sum(-1, keepdim=True)
     return p
 

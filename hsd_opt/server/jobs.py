@@ -222,7 +222,7 @@ class JobQueue:
                                    seed=req.seed, on_tokens=on_tokens, on_done=on_done,
                                    constraint=Constraint(req.grammar) if req.grammar is not None else None,
                                    task=JSON_TASK if req.grammar is not None else None, logprobs=req.logprobs,
-                                   penalties=req.penalties)
+                                   penalties=req.penalties, top_k=req.top_k, min_p=req.min_p)
             if req.logprobs is not None:
                 on_tokens.logprobs = entry.decoding.logprobs
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug

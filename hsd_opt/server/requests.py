@@ -7,7 +7,8 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 ``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
 naming the problem) and log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions:
 ``logprobs`` 0 .. 20 alternatives), ``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token
-id -> -100 .. 100: :mod:`hsd_opt.runtime.penalties`); chat also ``tools`` and ``tool_choice`` (a function called
+id -> -100 .. 100: :mod:`hsd_opt.runtime.penalties`), ``top_k`` and ``min_p`` (llama.cpp's and vLLM's sampling
+filters, not the OpenAI API's); chat also ``tools`` and ``tool_choice`` (a function called
 under the grammar of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the
 answer and are not supported (:data:`UNSUPPORTED`: echo, best-of, suffix) are a 400 when given a value other than
 their default; other fields (``user``, ``metadata``, ...) are ignored.
@@ -78,7 +79,8 @@ class GenerationRequest:
     non-empty strings; ``grammar``: what the output follows (``response_format``, or the function ``tool_choice``
     calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message;
     ``logprobs``: the alternatives listed with each generated token's log-probability (0 .. 20), None: no
-    log-probabilities; ``penalties``: frequency and presence penalties and logit biases, None: none."""
+    log-probabilities; ``penalties``: frequency and presence penalties and logit biases, None: none; ``top_k``
+    (0: off) and ``min_p`` (0: off): sampling's filters."""
 
     kind: str
     model: str
@@ -94,6 +96,8 @@ class GenerationRequest:
     tool: ToolCall | None = None
     logprobs: int | None = None
     penalties: Penalties | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -401,6 +405,13 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    top_k = _int(body, "top_k")
+    if top_k is not None and top_k < 0 and top_k != -1:
+        raise bad_request(f"'top_k' must be an integer >= 0 (0 or -1: off), got {top_k}", "top_k")
+    top_k = max(top_k or 0, 0)
+    min_p = _number(body, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
     seed = _int(body, "seed")
     if seed is not None and not seed_fits(seed):
         raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}", "seed")
@@ -433,4 +444,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar, tool, logprobs, penalties)
+                             grammar, tool, logprobs, penalties, top_k, min_p)
