@@ -497,3 +497,17 @@ class TinyTokenizer:
 JSON_TOKENS = (["<pad>", "<s>", "</s>"] + list('{}[]":, ') + list("0123456789") + list("abcdefghijklmnopqrstuvwxyz")
                + ['{"', '":', '", ', ', "', '": ', "true", "false", "null", "ab", "cd", "ef", "gh", "ij", '":"',
                   '","', '"}', "10"])
+
+
+def four_hierarchies(lm, vocab: int) -> list[tuple[list, list[int]]]:
+    """``(levels, budgets)`` of four hierarchies over the target ``lm`` (``vocab`` its width): the target alone,
+    an exit under it, a token drafter under an exit under it (depth 3), and a drafter that abstains at times."""
+    from hsd_opt.runtime.decode import Level
+
+    L = lm.n_layers
+    return [
+        ([Level("target", lm, L)], []),
+        ([Level("layer2", lm, 2), Level("target", lm, L)], [3]),
+        ([Level("cycle", drafter=CycleDrafter(vocab)), Level("layer3", lm, 3), Level("target", lm, L)], [2, 4]),
+        ([Level("abstaining", drafter=AbstainingCycleDrafter(vocab)), Level("target", lm, L)], [5]),
+    ]

@@ -13,7 +13,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, MAX_TOP_LOGPROBS, Level
-from tests.helpers import AbstainingCycleDrafter, CycleDrafter, engine_logits, make_tiny_llama
+from tests.helpers import engine_logits, four_hierarchies, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def lm():
     return LayeredLM(make_tiny_llama(seed=5, vocab_size=48, layers=6, scale=6.0))
-
-
-def _hierarchies(lm, vocab):
-    L = lm.n_layers
-    return [
-        ([Level("target", lm, L)], []),
-        ([Level("layer2", lm, 2), Level("target", lm, L)], [3]),
-        ([Level("cycle", drafter=CycleDrafter(vocab)), Level("layer3", lm, 3), Level("target", lm, L)], [2, 4]),
-        ([Level("abstaining", drafter=AbstainingCycleDrafter(vocab)), Level("target", lm, L)], [5]),
-    ]
 
 
 def _reference_rows(lm, prompt, gen):
@@ -61,7 +51,7 @@ def test_greedy_logprobs_are_the_targets_and_change_no_token(lm, seed):
     n = rng.randint(8, 30)
     ref = HSD([Level("target", lm, lm.n_layers)], []).generate(prompt, n).token_ids
     rows = _reference_rows(lm, prompt, ref)
-    for levels, budgets in _hierarchies(lm, 48):
+    for levels, budgets in four_hierarchies(lm, 48):
         for k in (0, 3):
             for mode in ("exact", "eager"):
                 res = HSD(levels, budgets, mode=mode).generate(prompt, n, logprobs=k)
@@ -80,7 +70,7 @@ def test_an_eos_ends_the_logprobs_with_the_tokens(lm):
     ref = HSD([Level("target", lm, lm.n_layers)], []).generate(prompt, 20).token_ids
     eos = ref[5]
     want = ref[: ref.index(eos) + 1]
-    for levels, budgets in _hierarchies(lm, 48):
+    for levels, budgets in four_hierarchies(lm, 48):
         res = HSD(levels, budgets, eos_ids=[eos]).generate(prompt, 20, logprobs=2)
         assert res.token_ids == want
         _check(res, _reference_rows(lm, prompt, want), 2)
@@ -90,7 +80,7 @@ def test_sampled_logprobs_are_the_raw_targets_and_change_no_token(lm):
     """Sampled: the same draws with and without log-probabilities (same seed), each the target's own
     log-softmax (before temperature and top-p)."""
     prompt = [7, 3, 30, 11]
-    for levels, budgets in _hierarchies(lm, 48):
+    for levels, budgets in four_hierarchies(lm, 48):
         h = HSD(levels, budgets)
         for seed in (0, 1):
             plain = h.generate(prompt, 24, temperature=0.8, top_p=0.9, seed=seed)
@@ -102,7 +92,7 @@ def test_sampled_logprobs_are_the_raw_targets_and_change_no_token(lm):
 def test_logprobs_in_a_batch_equal_alone(lm):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 48) for _ in range(rng.randint(1, 9))] for _ in range(5)]
-    levels, budgets = _hierarchies(lm, 48)[2]
+    levels, budgets = four_hierarchies(lm, 48)[2]
     h = HSD(levels, budgets)
     alone = [h.generate(p, 16, logprobs=3) for p in prompts]
     together = generate_many(h, prompts, 16, max_active=3, logprobs=3)

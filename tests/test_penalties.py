@@ -17,7 +17,7 @@ from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.penalties import Penalties, penalties_or_none
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import AbstainingCycleDrafter, CycleDrafter, engine_logits, make_tiny_llama
+from tests.helpers import CycleDrafter, engine_logits, four_hierarchies, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,16 +51,6 @@ def _reference(lm, prompt: list[int], n: int, pen: Penalties, eos: frozenset = f
 @pytest.fixture(scope="module")
 def lm():
     return LayeredLM(make_tiny_llama(seed=5, vocab_size=48, layers=6, scale=6.0))
-
-
-def _hierarchies(lm, vocab):
-    L = lm.n_layers
-    return [
-        ([Level("target", lm, L)], []),
-        ([Level("layer2", lm, 2), Level("target", lm, L)], [3]),
-        ([Level("cycle", drafter=CycleDrafter(vocab)), Level("layer3", lm, 3), Level("target", lm, L)], [2, 4]),
-        ([Level("abstaining", drafter=AbstainingCycleDrafter(vocab)), Level("target", lm, L)], [5]),
-    ]
 
 
 def test_offsets_are_the_apis_formula():
@@ -108,7 +98,7 @@ def test_greedy_with_penalties_is_the_penalised_targets_at_every_depth(lm, seed)
     pen = Penalties(rng.uniform(0.2, 1.5), rng.uniform(0, 1), {rng.randrange(48): rng.uniform(-5, 5)})
     ref = _reference(lm, prompt, n, pen)
     assert ref != _reference(lm, prompt, n, Penalties())        # the penalties change this output
-    for levels, budgets in _hierarchies(lm, 48):
+    for levels, budgets in four_hierarchies(lm, 48):
         for mode in ("exact", "eager"):
             for logprobs in (None, 2):
                 res = HSD(levels, budgets, mode=mode).generate(prompt, n, penalties=pen, logprobs=logprobs)
@@ -120,7 +110,7 @@ def test_penalties_in_a_batch_equal_alone(lm):
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 48) for _ in range(rng.randint(1, 9))] for _ in range(5)]
     pens = [PEN, None, Penalties(1.2), Penalties(bias={9: 4.0}), Penalties(0.3, 1.1)]
-    levels, budgets = _hierarchies(lm, 48)[2]
+    levels, budgets = four_hierarchies(lm, 48)[2]
     h = HSD(levels, budgets)
     alone = [h.generate(p, 18, penalties=pen).token_ids for p, pen in zip(prompts, pens)]
     together = generate_many(h, prompts, 18, max_active=3, penalties=pens)
