@@ -604,7 +604,7 @@ class Decoding:
     def _greedy_rows(self, k: int, start: int, end: int) -> Generator[Pass, object, Callable[[int], int]]:
         """Level k's greedy token of row ``i`` (position ``start + i``) as a function of ``i``, after its pass over
         positions start..end-1: the ids of ``greedy_ids``; with penalties ``argmax(logits + offsets)`` of the row
-        (:meth:`_offsets`), computed when asked, through the engine's picks (or over the logits the target reads
+        (:meth:`_offsets`), computed when first asked, through the engine's picks (or over the logits the target reads
         for its log-probabilities). The grammar is not applied here."""
         if self.penalties is None:
             ids = yield from self._pass(k, start, end, True)
@@ -613,7 +613,14 @@ class Decoding:
             picks = LogitPicks((yield from self._pass(k, start, end, False)))
         else:
             picks = yield from self._picks(k, start, end)
-        return lambda i: picks.pick(i, self._offsets(k, start + i))
+        done: dict[int, int] = {}
+
+        def row(i: int) -> int:
+            if i not in done:
+                done[i] = picks.pick(i, self._offsets(k, start + i))
+            return done[i]
+
+        return row
 
     def _greedy(self, k: int, start: int, end: int) -> Generator[Pass, object, list[int]]:
         """Level k's greedy tokens at positions start..end-1 (the argmax of its logits, from ``greedy_ids``,
