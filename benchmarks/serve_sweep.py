@@ -5,6 +5,7 @@ setting), in one interleaved run.
 
     .venv/bin/python -m benchmarks.serve_sweep --plan out/plan.json --concurrency 1,2,4,8,16 \\
         [--requests 2] [--rounds 1] [--max-tokens 64] [--prompts FILE] [--stream-interval 1] \\
+        [--temperature T --top-p P --top-k K --min-p M] \\
         [--methods hsd,hsd_batch1,hsd_plain,llama,llama_spec] \\
         [--llama-server PATH --gguf-f32 FILE --gguf-draft FILE --spec-n-max 8 --spec-p-min 0.5] \\
         [--retime PROFILE | --predict PROFILE] [--plot out.png] [--out benchmarks/results/serve_sweep.json]
@@ -16,7 +17,9 @@ what runs before a method, llama.cpp's server for one, changes its figures). Bef
 waits ``--settle`` seconds and sends one 8-token request (not measured: a server idle while the others ran starts
 from cold caches). Then ``c`` client threads each send ``--requests`` streamed greedy chat requests one after the
 other (the suite's prompts in turn, ``--max-tokens`` new tokens each; with ``--temperature T [--top-p P]``
-sampled, unseeded, as a client that leaves the OpenAI API's default temperature of 1 asks), all starting together.
+sampled, unseeded, as a client that leaves the OpenAI API's default temperature of 1 asks; ``--top-k K --min-p M``
+send those filters to every server, so that llama.cpp's server, whose defaults are top-k 40 and min-p 0.05, and ours
+sample the same distribution), all starting together.
 The `hsd serve` processes start once and stay up (an idle one costs nothing; all three hold the model, so a large
 model needs the memory of three); llama.cpp's server is started per level with ``--parallel c``.
 
@@ -96,8 +99,9 @@ def free_port() -> int:
 
 
 def load_level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-               timeout: float, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """``clients`` threads x ``requests`` streamed requests each, started together; the figures of the level."""
+               timeout: float, temperature: float = 0.0, top_p: float = 1.0, extra: dict | None = None) -> dict:
+    """``clients`` threads x ``requests`` streamed requests each, started together (``extra``: fields every request
+    adds, :func:`stream_once`); the figures of the level."""
     from openai import OpenAI
 
     results: list[tuple[int, dict]] = []
@@ -110,7 +114,8 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
         for k in range(requests):
             j = (i * requests + k) % len(prompts)
             try:
-                results.append((j, stream_once(c, model, "chat", prompts[j], max_tokens, temperature, top_p)))
+                results.append((j, stream_once(c, model, "chat", prompts[j], max_tokens, temperature, top_p,
+                                               extra)))
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e)[:300])
 
@@ -245,6 +250,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: every request samples (unseeded), and answers are not compared with the plan's")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sent as top_k to every server (llama.cpp's default is 40; absent: each server's own)")
+    ap.add_argument("--min-p", type=float, default=None,
+                    help="sent as min_p to every server (llama.cpp's default is 0.05; absent: each server's own)")
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
     ap.add_argument("--max-batch", type=int, default=16)
@@ -308,10 +317,12 @@ def main() -> None:
                                    r"ready: .* at (http://\S+/v1)", a.timeout, env)
         report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "retime": a.retime,
                   "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
+                  "top_k": a.top_k, "min_p": a.min_p,
                   "requests_per_client": a.requests, "threads": a.threads, "max_batch": a.max_batch,
                   "stream_interval": a.stream_interval,
                   "host": host(), "cpu_count": os.cpu_count(),
                   "methods": {m: [] for m in methods}}
+        filters = {k: v for k, v in (("top_k", a.top_k), ("min_p", a.min_p)) if v is not None} or None
         runs = [(r, c) for r in range(a.rounds) for c in (levels if r % 2 == 0 else list(reversed(levels)))]
         for rnd, c in runs:
             # the order shifts by one per round at every level, so that over len(methods) rounds each method runs
@@ -344,7 +355,7 @@ def main() -> None:
                     warm_up(url, name, prompts[0])
                     ticks = cpu_ticks()
                     r = load_level(url, name, prompts, c, a.requests, a.max_tokens, a.timeout, a.temperature,
-                                   a.top_p)
+                                   a.top_p, filters)
                     r["steal_fraction"] = steal_between(ticks, cpu_ticks())
                     if timed:
                         r.update(predictor.after(h, mb, predictor.jobs(ours["ids"], lengths, c, a.requests),

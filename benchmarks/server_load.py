@@ -87,19 +87,20 @@ def stop_server(proc, timeout: float = 60) -> int:
 
 
 def stream_once(client, model: str, kind: str, prompt: str, max_tokens: int, temperature: float = 0.0,
-                top_p: float = 1.0) -> dict:
-    """One streamed request (greedy unless ``temperature`` > 0, then unseeded): text, token ids (from the ``hsd``
-    figures), tokens, and client-side times (seconds since the request was sent): ``ttft`` (first text),
-    ``total`` (last event)."""
+                top_p: float = 1.0, extra: dict | None = None) -> dict:
+    """One streamed request (greedy unless ``temperature`` > 0, then unseeded; ``extra``: fields beyond the OpenAI
+    API's, such as ``top_k``): text, token ids (from the ``hsd`` figures), tokens, and client-side times (seconds
+    since the request was sent): ``ttft`` (first text), ``total`` (last event)."""
     t0 = time.perf_counter()
     ttft, parts, hsd, usage = None, [], None, None
     if kind == "chat":
         it = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True}, extra_body=extra)
     else:
         it = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                       top_p=top_p, stream=True, stream_options={"include_usage": True})
+                                       top_p=top_p, stream=True, stream_options={"include_usage": True},
+                                       extra_body=extra)
     for ch in it:
         if ch.usage is not None:
             usage = ch.usage
