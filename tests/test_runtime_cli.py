@@ -174,6 +174,15 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--json", "TMPDIR"], "is a directory"),
     (["--prompt", "hi", "--logprobs", "2"], "give --json FILE"),
     (["--prompt", "hi", "--logprobs", "21", "--json", "x.jsonl"], "--logprobs: expected 0 .. 20"),
+    (["--prompt", "hi", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
+    (["--prompt", "hi", "--min-p", "1.5"], "--min-p: expected a value in [0, 1]"),
+    (["--prompt", "hi", "--frequency-penalty", "3"], "--frequency-penalty: frequency_penalty must be a number in"),
+    (["--prompt", "hi", "--presence-penalty", "-2.5"], "--presence-penalty: presence_penalty must be a number in"),
+    (["--prompt", "hi", "--logit-bias", "{x"], "--logit-bias: not JSON"),
+    (["--prompt", "hi", "--logit-bias", "[1]"], "--logit-bias: a JSON object from token ids to numbers expected"),
+    (["--prompt", "hi", "--logit-bias", '{"a": 1}'], '--logit-bias: "a" is not a token id'),
+    (["--prompt", "hi", "--logit-bias", '{"3": 1000}'], "--logit-bias: logit_bias[3] must be a number in"),
+    (["--prompt", "hi", "--logit-bias", '{"99999": 1}'], "--logit-bias: token id 99999 is not in the model's"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")

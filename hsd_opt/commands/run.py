@@ -215,30 +215,21 @@ def parse_penalties(frequency: float, presence: float, logit_bias: str | None):
     ``--logit-bias`` (a JSON object from token ids to numbers), None when nothing moves; a bad value is an
     :class:`HsdError` naming its flag."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.runtime.penalties import Penalties, penalties_or_none
+    from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
 
-    for flag, kw in (("--frequency-penalty", {"frequency": frequency}), ("--presence-penalty", {"presence": presence})):
-        try:
-            Penalties(**kw)
-        except HsdError as e:
-            raise HsdError(f"{flag}: {e}") from None
     bias: dict[int, float] = {}
     if logit_bias is not None:
         try:
             raw = json.loads(logit_bias)
         except json.JSONDecodeError as e:
             raise HsdError(f"--logit-bias: not JSON ({e.msg}); give an object such as '{{\"28\": -100}}'") from None
-        if not isinstance(raw, dict):
-            raise HsdError("--logit-bias: a JSON object from token ids to numbers expected, such as "
-                           "'{\"28\": -100}'")
-        for k, v in raw.items():
-            if not (k.isascii() and k.isdigit()):
-                raise HsdError(f"--logit-bias: {json.dumps(k)} is not a token id")
-            bias[int(k)] = v
+        bias = bias_from_json(raw, "--logit-bias")
+    for flag, kw in (("--frequency-penalty", {"frequency": frequency}), ("--presence-penalty", {"presence": presence}),
+                     ("--logit-bias", {"bias": bias})):
         try:
-            Penalties(bias=bias)
+            Penalties(**kw)
         except HsdError as e:
-            raise HsdError(f"--logit-bias: {e}") from None
+            raise HsdError(f"{flag}: {e}") from None
     return penalties_or_none(frequency, presence, bias)
 
 

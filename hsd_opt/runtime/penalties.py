@@ -15,6 +15,7 @@ Units: offsets in logits (float32), shapes ``[V]`` per row; token ids below the 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -82,6 +83,20 @@ class Penalties:
              base: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`offsets` after ``generated[:n]`` for ``n = start .. end-1``: ``[end - start, vocab]``."""
         return torch.stack([self.offsets(generated[:n], vocab, base) for n in range(start, end)])
+
+
+def bias_from_json(raw: object, where: str = "logit_bias") -> dict[int, float]:
+    """A ``logit_bias`` as JSON holds it (an object from token ids, as strings, to numbers) as ``{id: bias}``; a
+    value that is not such an object, or a key that is not a token id, is an :class:`HsdError` naming ``where``
+    (the biases' range is :class:`Penalties`' to check)."""
+    if not isinstance(raw, dict):
+        raise HsdError(f"{where}: a JSON object from token ids to numbers expected, such as '{{\"28\": -100}}'")
+    bias = {}
+    for k, v in raw.items():
+        if not (k.isascii() and k.isdigit()):
+            raise HsdError(f"{where}: {json.dumps(k)} is not a token id")
+        bias[int(k)] = v
+    return bias
 
 
 def penalties_or_none(frequency: float = 0.0, presence: float = 0.0,

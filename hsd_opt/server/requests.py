@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS
-from hsd_opt.runtime.penalties import MAX_BIAS, MAX_PENALTY, Penalties, penalties_or_none
+from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
 from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
@@ -195,27 +195,28 @@ def _logprobs(body: dict, kind: str) -> int | None:
 def _penalties(body: dict, info: ModelInfo) -> Penalties | None:
     """``frequency_penalty`` and ``presence_penalty`` (numbers in -2 .. 2) and ``logit_bias`` (an object from
     token ids, as strings, to numbers in -100 .. 100; ids of the model's tokenizer), None when nothing moves."""
-    pens = {}
-    for key in ("frequency_penalty", "presence_penalty"):
-        v = _number(body, key, 0.0)
-        if not -MAX_PENALTY <= v <= MAX_PENALTY:
-            raise bad_request(f"'{key}' must be in -{MAX_PENALTY:g} .. {MAX_PENALTY:g}, got {v:g}", key)
-        pens[key] = v
+    frequency = _number(body, "frequency_penalty", 0.0)
+    presence = _number(body, "presence_penalty", 0.0)
+    _field("frequency_penalty", lambda: Penalties(frequency=frequency))
+    _field("presence_penalty", lambda: Penalties(presence=presence))
     raw = body.get("logit_bias")
-    if raw is not None and not isinstance(raw, dict):
-        raise bad_request(f"'logit_bias' must be an object from token ids to numbers, got {_type_name(raw)}",
-                          "logit_bias")
-    bias: dict[int, float] = {}
-    vocab = len(info.tokenizer)
-    for k, v in (raw or {}).items():
-        if not (k.isascii() and k.isdigit()) or int(k) >= vocab:
-            raise bad_request(f"'logit_bias' keys must be token ids of the model (0 .. {vocab - 1}), got "
-                              f"{json.dumps(k)}", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_BIAS <= v <= MAX_BIAS:
-            raise bad_request(f"'logit_bias' values must be numbers in -{MAX_BIAS:g} .. {MAX_BIAS:g}, got "
-                              f"{json.dumps(v)} for token {k}", "logit_bias")
-        bias[int(k)] = float(v)
-    return penalties_or_none(pens["frequency_penalty"], pens["presence_penalty"], bias)
+    bias = {} if raw is None else _field("logit_bias", lambda: _bias(raw, len(info.tokenizer)))
+    return penalties_or_none(frequency, presence, bias)
+
+
+def _bias(raw: object, vocab: int) -> dict[int, float]:
+    """``logit_bias`` as ``{token id: bias}``, its ids below ``vocab`` (an :class:`HsdError` otherwise)."""
+    bias = bias_from_json(raw)
+    Penalties(bias=bias).check_vocab(vocab)
+    return bias
+
+
+def _field(key: str, make: Callable[[], Any]) -> Any:
+    """``make()``, or a 400 naming the field ``key`` for the :class:`HsdError` it raises."""
+    try:
+        return make()
+    except HsdError as e:
+        raise bad_request(str(e), key) from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
