@@ -579,27 +579,34 @@ class Decoding:
             self.logprobs.append(TokenLogprob(int(t), float(rows[i, t]), top))
 
     def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
-        """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; under a grammar, of
-        its logits masked first (the masked model's distribution, then temperature and top-p)."""
+        """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; of its logits moved by
+        the penalties and masked by the grammar first (:meth:`_moved`), then temperature and the filters."""
         logits = yield from self._pass(k, start, end, False)
+        return process_logits(self._moved(k, logits, start, end), self.temperature, self.top_p, self.top_k,
+                              self.min_p)
+
+    def _moved(self, k: int, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
+        the penalties (:meth:`_offset_rows`), then masked by the grammar."""
         if self.penalties is not None:
             logits = logits + self._offset_rows(k, start, end).to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
-        return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+        return logits
 
-    def _offsets(self, k: int, p: int) -> torch.Tensor:
-        """The penalties' offsets ``[V]`` of level k's row at position ``p`` (the token at ``p + 1``: the tokens
-        generated up to ``p`` counted; :meth:`Penalties.offsets`), on the CPU."""
+    def _offset_rows(self, k: int, start: int, end: int) -> torch.Tensor:
+        """The penalties' offsets of level k's rows at positions ``start .. end-1`` (row ``p``: the token at ``p +
+        1``, the tokens generated up to ``p`` counted; :meth:`Penalties.rows`): ``[end - start, V]``, on the CPU."""
         vocab = self.hsd.levels[k].engine.vocab_size
         base = self._bases.get(vocab)
         if base is None:
             base = self._bases[vocab] = self.penalties.base(vocab)
-        return self.penalties.offsets(self.seq[self.n_prompt:p + 1], vocab, base)
+        n = 1 - self.n_prompt
+        return self.penalties.rows(self.seq[self.n_prompt:], start + n, end + n, vocab, base)
 
-    def _offset_rows(self, k: int, start: int, end: int) -> torch.Tensor:
-        """:meth:`_offsets` at positions ``start .. end-1``: ``[end - start, V]``."""
-        return torch.stack([self._offsets(k, p) for p in range(start, end)])
+    def _offsets(self, k: int, p: int) -> torch.Tensor:
+        """:meth:`_offset_rows` of the one row at position ``p``: ``[V]``."""
+        return self._offset_rows(k, p, p + 1)[0]
 
     def _greedy_rows(self, k: int, start: int, end: int) -> Generator[Pass, object, Callable[[int], int]]:
         """Level k's greedy token of row ``i`` (position ``start + i``) as a function of ``i``, after its pass over
@@ -704,9 +711,7 @@ class Decoding:
         if only is not None:
             return only
         logits = yield from self._pass(k, p, p + 1, False, keep=False)
-        if self.penalties is not None:
-            logits = logits + self._offsets(k, p).to(logits.device)
-        return int(mask_logits(logits, self._allowed_rows(p, p + 1)).argmax(dim=-1)[0])
+        return int(self._moved(k, logits, p, p + 1).argmax(dim=-1)[0])
 
     def _allowed_rows(self, start: int, end: int) -> torch.Tensor:
         """The grammar's allowed tokens at the positions a pass reads (``start .. end-1``, each row the token
