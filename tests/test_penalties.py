@@ -159,14 +159,14 @@ def peaky():
     return model, LayeredLM(model)
 
 
-def _exact(model, pen: Penalties, temperature: float, top_p: float) -> dict:
+def _exact(model, pen: Penalties, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> dict:
     """The exact probability of every K-token continuation under the penalised target's processed distribution."""
     out = {}
     for s in itertools.product(range(V), repeat=K - 1):
         with torch.no_grad():
             lg = model(torch.tensor([PROMPT + list(s)])).logits[0, len(PROMPT) - 1:]
         rows = torch.stack([lg[k] + _offsets_by_formula(pen, list(s[:k]), V) for k in range(K)])
-        p = process_logits(rows, temperature, top_p)
+        p = process_logits(rows, temperature, top_p, top_k, min_p)
         pre = 1.0
         for k in range(K - 1):
             pre *= float(p[k, s[k]])
@@ -175,28 +175,31 @@ def _exact(model, pen: Penalties, temperature: float, top_p: float) -> dict:
     return out
 
 
-def _pvalue(h, probs, temperature, top_p, pen):
+def _pvalue(h, probs, temperature, top_p, pen, top_k=0, min_p=0.0):
     from tests.test_runtime_sampling import _pvalue_of
 
     return _pvalue_of(lambda seed: h.generate(PROMPT, K, temperature=temperature, top_p=top_p, seed=seed,
-                                              penalties=pen).token_ids, probs)
+                                              penalties=pen, top_k=top_k, min_p=min_p).token_ids, probs)
 
 
 @pytest.mark.slow
 def test_sampled_with_penalties_follows_the_penalised_targets_distribution(peaky):
     """Draws by noise (the target alone, over a token drafter: the screen's picks with the offsets added to the
-    noise) and distributions (exits verifying exits, top-p): the penalised target's distribution; decoding that
-    drops the penalties fails the same test."""
+    noise) and distributions (exits verifying exits, top-p; top-k and min-p: the window of the offset logits
+    through the screen): the penalised target's distribution; decoding that drops the penalties fails the same
+    test."""
     model, lm = peaky
     assert lm.picks_cheaply
     pen = Penalties(1.5, 1.0, {4: 1.5})
-    for temperature, top_p, levels, budgets in (
-            (1.0, 1.0, [Level("layer4", lm, 4)], []),
-            (0.8, 1.0, [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer4", lm, 4)], [2]),
-            (1.0, 0.9, [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3])):
-        probs = _exact(model, pen, temperature, top_p)
-        p_ok = _pvalue(HSD(levels, budgets), probs, temperature, top_p, pen)
-        assert p_ok > 1e-3, (temperature, top_p, p_ok)
+    exits = [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)]
+    for temperature, top_p, top_k, min_p, levels, budgets in (
+            (1.0, 1.0, 0, 0.0, [Level("layer4", lm, 4)], []),
+            (0.8, 1.0, 0, 0.0, [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer4", lm, 4)], [2]),
+            (1.0, 0.9, 0, 0.0, exits, [2, 3]),
+            (1.0, 1.0, 3, 0.05, exits, [2, 3])):
+        probs = _exact(model, pen, temperature, top_p, top_k, min_p)
+        p_ok = _pvalue(HSD(levels, budgets), probs, temperature, top_p, pen, top_k, min_p)
+        assert p_ok > 1e-3, (temperature, top_p, top_k, min_p, p_ok)
     probs = _exact(model, pen, 1.0, 1.0)
     assert _pvalue(HSD([Level("layer4", lm, 4)], []), probs, 1.0, 1.0, None) < 1e-6
 

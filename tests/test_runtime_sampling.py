@@ -165,6 +165,11 @@ class GreedyDrafter(CycleDrafter):
 
 def _target_passes(h: HSD, temperature: float, top_p: float = 1.0, **filters) -> list[bool]:
     """``picks`` of every pass of the target (its top level) in one generation."""
+    return [p.picks for p in _target_pass_list(h, temperature, top_p, **filters)]
+
+
+def _target_pass_list(h: HSD, temperature: float, top_p: float = 1.0, **filters) -> list[Pass]:
+    """Every pass of the target (its top level) in one generation."""
     passes: list[Pass] = []
     d = h.start(PROMPT, K, temperature=temperature, top_p=top_p, seed=0, **filters)
     try:
@@ -172,7 +177,7 @@ def _target_passes(h: HSD, temperature: float, top_p: float = 1.0, **filters) ->
     finally:
         d.close()
     top = h.levels[-1]
-    return [p.picks for p in passes if p.engine is top.engine and p.boundary == top.boundary]
+    return [p for p in passes if p.engine is top.engine and p.boundary == top.boundary]
 
 
 def test_draws_by_noise_through_the_screen_follow_the_targets_distribution(peaky):
@@ -196,13 +201,16 @@ def test_draws_by_noise_through_the_screen_follow_the_targets_distribution(peaky
 
 def test_sampling_with_top_k_and_min_p_follows_the_filtered_targets_distribution(peaky):
     """Top-k and min-p (with top-p, or alone over a token drafter: then the target reads its distributions, not
-    draws by noise): the filtered target's distribution at depth 2 and 3; decoding without the filters fails."""
+    draws by noise, and only the logits in the filters' window through its int8 screen; with top-p and no top-k
+    every logit): the filtered target's distribution at depth 2 and 3; decoding without the filters fails."""
     model, lm = peaky
     deep = HSD([Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3])
     over = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2])
     for h, temperature, top_p, top_k, min_p in ((deep, 1.0, 0.95, 4, 0.0), (over, 1.3, 1.0, 0, 0.1),
-                                                (over, 1.0, 1.0, 3, 0.05)):
-        assert not any(_target_passes(h, temperature, top_p, top_k=top_k, min_p=min_p))
+                                                (over, 1.0, 1.0, 3, 0.05), (over, 1.0, 0.9, 0, 0.1)):
+        passes = _target_pass_list(h, temperature, top_p, top_k=top_k, min_p=min_p)
+        assert not any(p.picks for p in passes)
+        assert all((p.window is not None) == (top_k > 0 or top_p == 1.0) for p in passes)
         probs = _exact(model, temperature, top_p, top_k, min_p)
         p_ok = _pvalue(h, probs, temperature, top_p, top_k, min_p)
         assert p_ok > 1e-3, (temperature, top_p, top_k, min_p, p_ok)

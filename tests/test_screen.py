@@ -284,3 +284,68 @@ def test_engine_picks_equal_the_argmax_of_each_reads_logits_plus_offsets(monkeyp
                 for _ in range(3):
                     o = _gumbel(lg.shape[1], g, 1.0)
                     assert picks.pick(i, o) == int((lg[i] + o).argmax())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
+def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distribution(temperature):
+    """``HeadScreen.window``: every token the top-k / min-p filters may keep of ``logits + offsets`` has its logit
+    bit for bit as the full head computes it, the others are ``-inf`` (most of the vocabulary: the window is
+    narrow), and the filtered distribution of the window equals that of the full logits (the same tokens, the
+    same probabilities to float32 rounding). Exact ties at the k-th place (rows 1000 and 2000) and offsets."""
+    import math
+
+    from hsd_opt.runtime.sampling import process_logits
+
+    w = _head(4000, 64, 13)
+    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
+    w[2000] = w[1000]
+    screen = HeadScreen(LIB, Mat.in_place(w))
+    g = torch.Generator().manual_seed(14)
+    narrow = 0
+    for trial in range(60):
+        m = 1 + trial % 4
+        h = torch.randn(m, 64, generator=g) * (0.5 + trial / 10)
+        if trial % 5 == 0:
+            h[0] = w[1000] * 2
+        off = torch.randn(m, 4000, generator=g) * 2 if trial % 2 else None
+        top_k, min_p = [(40, 0.0), (1, 0.0), (0, 0.05), (40, 0.05), (2, 0.2)][trial % 5]
+        below = -temperature * math.log(min_p) if min_p else math.inf
+        got = screen.window(h, screen.logits(h), top_k, below, off)
+        assert got is not None, trial
+        full = kernels.linear(LIB, screen.head, h)
+        kept = torch.isfinite(got)
+        assert torch.equal(got[kept], full[kept]), trial
+        moved = full + (off if off is not None else 0)
+        want = process_logits(moved, temperature, 1.0, top_k, min_p)
+        have = process_logits(got + (off if off is not None else 0), temperature, 1.0, top_k, min_p)
+        assert bool(kept[want > 0].all()), trial                      # every token the filters keep is there
+        assert torch.equal(have > 0, want > 0), trial
+        assert torch.allclose(have, want, rtol=1e-5, atol=1e-7), trial
+        narrow += int(kept.sum()) < m * 400
+    assert narrow > 40
+    h = torch.randn(1, 64, generator=g)
+    assert screen.window(h, screen.logits(h), 0, math.inf) is None         # no filter: every logit needed
+
+
+def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):
+    """``window_logits_many``: reads with at most MAX_POSITIONS rows in all through the screen (one int16 read;
+    the window's logits those of ``logits``, the rest ``-inf``), more over their logits (every one)."""
+    from hsd_opt.engine.interface import Window
+
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    sts = _five_states(eng, seed=7)
+    screened = []
+    logits = eng._screen.logits
+    monkeypatch.setattr(eng._screen, "logits", lambda h: screened.append(h.shape[0]) or logits(h))
+    for rows in ([1], [3, 1], [9, 8]):
+        reads = [(st, 4, st.n - r, st.n) for st, r in zip(sts, rows)]
+        screened.clear()
+        got = eng.window_logits_many(reads, [Window(3, 2.0)] * len(reads))
+        assert screened == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else []), rows
+        for (st, b, s0, s1), lg in zip(reads, got):
+            full = eng.logits(st, b, s0, s1)
+            kept = torch.isfinite(lg)
+            assert torch.equal(lg[kept], full[kept])
+            top3 = full.topk(3, dim=-1).indices
+            assert bool(kept.gather(1, top3).all())
+            assert bool(kept.all()) == (sum(rows) > MAX_POSITIONS)

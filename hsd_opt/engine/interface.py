@@ -7,6 +7,7 @@ torch path and the C kernels). Units: positions and token counts; shapes in the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -17,6 +18,18 @@ from hsd_opt.formats import EXACT_PASS  # noqa: F401  (the engines' name for it)
 #: An exit head: hidden ``[m, d]`` at its boundary -> logits ``[m, V]`` over the full vocabulary.
 ExitHead = Callable[[torch.Tensor], torch.Tensor]
 
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which logits of a read the sampler needs (top-k, min-p: the filters drop every other token whatever its
+    logit): those that may be among the ``top_k`` largest (``top_k`` > 0) and no more than ``below`` (logit units;
+    ``inf``: no such limit) under the largest, of the logits plus ``offsets`` (``[m, V]`` float32, finite, or None:
+    zero; the penalties' rows). The others may be ``-inf``."""
+
+    top_k: int
+    below: float
+    offsets: torch.Tensor | None = None
 
 
 class Picks(Protocol):
@@ -103,6 +116,12 @@ class Engine(Protocol):
     def picks_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[Picks]:
         """The rows of several reads ready for draws by offsets (:class:`Picks`), each row's picks those of its
         :meth:`logits` row."""
+
+    def window_logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]],
+                           windows: Sequence[Window]) -> list[torch.Tensor]:
+        """:meth:`logits_many` where each read's sampler needs only its :class:`Window`: every logit in it as
+        :meth:`logits` gives it, the others ``-inf`` or their values (through a float32 head's int8 screen where
+        :attr:`picks_cheaply`, else every logit)."""
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """The exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies, triton_attention
-from hsd_opt.engine.interface import ExitHead, Picks
+from hsd_opt.engine.interface import ExitHead, Picks, Window
 from hsd_opt.engine.picks import LogitPicks, ScreenPicks
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -692,6 +692,28 @@ class LayeredLM:
                 return [ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0])
                         for h, n, ra in zip(hidden.split(sizes), normed.split(sizes), a.split(sizes))]
         return [LogitPicks(lg) for lg in self.logits_many(reads)]
+
+    @torch.no_grad()
+    def window_logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]],
+                           windows: Sequence[Window]) -> list[torch.Tensor]:
+        """:meth:`logits_many` of ``reads`` where each read's sampler needs only its ``window`` (top-k, min-p):
+        through the head's int8 screen where it takes the reads (:meth:`_screen_hidden`; the screen logits of
+        every row in one call, :meth:`~hsd_opt.engine.screen.HeadScreen.window` per read): the window's logits
+        bit for bit what :meth:`logits` gives, the others ``-inf``; else (or where the screen steps aside for a
+        read) every logit."""
+        out: list[torch.Tensor | None] = [None] * len(reads)
+        hidden = self._screen_hidden(reads)
+        if hidden is not None:
+            normed = self._kernels.normed(hidden)
+            a = self._screen.logits(normed)
+            if a is not None:
+                sizes = [s1 - s0 for _, _, s0, s1 in reads]
+                for i, (n, ra, w) in enumerate(zip(normed.split(sizes), a.split(sizes), windows)):
+                    out[i] = self._screen.window(n, ra, w.top_k, w.below, w.offsets)
+        rest = [i for i, o in enumerate(out) if o is None]
+        for i, lg in zip(rest, self.logits_many([reads[i] for i in rest]) if rest else []):
+            out[i] = lg
+        return out
 
     @torch.no_grad()
     def logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]]) -> list[torch.Tensor]:

@@ -22,7 +22,10 @@ the argmax over the whole vocabulary, bit for bit.
 
 Sampling by the largest of the logits plus noise (Gumbel-max) asks the same question of the logits plus offsets
 (:meth:`HeadScreen.pick`): the candidates are the rows whose interval, shifted by their offset and widened for the
-rounding of the sums, reaches the highest shifted lower bound. Otherwise only for greedy decoding, and only where it
+rounding of the sums, reaches the highest shifted lower bound. Sampling with top-k or min-p asks for the logits of a
+window of each row's largest only (:meth:`HeadScreen.window`): every token that may be among the ``k`` largest, or
+within a given distance of the largest, gets its exact logit, the others ``-inf``; the filtered distribution is the
+same (the filters drop those tokens whatever their logits). Otherwise only for greedy decoding, and only where it
 pays: passes over at most
 :data:`MAX_POSITIONS` positions (batched decode steps and verify passes); a head
 with a bias, non-finite values or a flat distribution (more than :data:`MAX_CANDIDATES` candidates) gets the full
@@ -46,6 +49,14 @@ ROUNDING_MARGIN = 1e-4
 MAX_POSITIONS = 16
 #: More candidates than this (a flat distribution) and the full logits are cheaper.
 MAX_CANDIDATES = 1024
+#: Allowance (logit units, times one plus the threshold's magnitude) by which :meth:`HeadScreen.window` lowers its
+#: threshold: it covers the float32 rounding of the bounds plus offsets and of the filters' softmax, which compares
+#: probabilities rather than logits (both far smaller).
+WINDOW_SLACK = 1e-3
+#: Logit units below a row's largest lower bound within which :meth:`HeadScreen.window` first looks for top-k's
+#: ``k``-th largest (the whole row where fewer than ``k`` are there): a small top-k over a few hundred values
+#: instead of the vocabulary.
+WINDOW_REACH = 16.0
 
 
 class HeadScreen:
@@ -115,6 +126,44 @@ class HeadScreen:
         finite): the caller computes the logits."""
         return kernels.screen_pick(self.lib, self.head, h.float().contiguous(), a, self.c, self.wnorm,
                                    MAX_CANDIDATES, self.q16, offsets=offsets)
+
+    def window(self, h: torch.Tensor, a: torch.Tensor, top_k: int, below: float,
+               offsets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``[m, V]`` float32 at normed hidden ``h`` ``[m, d]`` of the tokens that may lie in a window of
+        each row's largest, every other ``-inf``: of ``logits + offsets`` (``offsets`` ``[m, V]`` float32, finite;
+        zero when None), those that may be among the ``top_k`` largest (``top_k`` > 0) and no more than ``below``
+        (logit units; ``inf``: no such limit) under the largest. Those tokens' values are exactly what
+        ``linear(head, h)`` gives (:func:`~hsd_opt.engine.kernels.rows_f32`; the offsets are not added); a token
+        left out is outside the window by its screen bound (``a`` ``[m, V]``: :meth:`logits`), less
+        :data:`WINDOW_SLACK`. None where the screen steps aside (values not finite, more than
+        :data:`MAX_CANDIDATES` candidates at a position): the caller computes the logits."""
+        e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm, self.q16)
+        if e is None:
+            return None
+        lo, hi = a - e, a + e
+        if offsets is not None:
+            lo, hi = lo + offsets, hi + offsets
+        most = lo.max(dim=1).values
+        floor = most - below
+        if 0 < top_k < a.shape[1]:
+            # the k-th largest lower bound, among those within reach of the largest (a small top-k) where k of
+            # them are; fewer there and it lies below the reach: min-p's floor is higher, else the whole row's
+            reach = below if below < torch.inf else WINDOW_REACH
+            for i in range(a.shape[0]):
+                near = lo[i][lo[i] >= most[i] - reach]
+                if near.numel() < top_k and below < torch.inf:
+                    continue
+                kth = torch.topk(near if near.numel() >= top_k else lo[i], top_k, sorted=False).values.min()
+                floor[i] = torch.maximum(floor[i], kth)
+        floor = floor - WINDOW_SLACK * (1 + floor.abs())
+        if not bool(torch.isfinite(floor).all()):
+            return None
+        pos, rows = (hi >= floor[:, None]).nonzero(as_tuple=True)
+        if int(torch.bincount(pos).max()) > MAX_CANDIDATES:
+            return None
+        out = torch.full(a.shape, -torch.inf)
+        out[pos, rows] = kernels.rows_f32(self.lib, self.head, rows, pos, h)
+        return out
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Greedy token ids ``[m]`` (int64) of the head at normed hidden ``h`` ``[m, d]``, equal to

@@ -18,15 +18,15 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    a copy the sequence held but did not run for a while takes them again too, instead of computing what it missed;
 3. serves the passes the sequences wait for, the passes on one engine in one batched call
    (:meth:`~hsd_opt.engine.interface.Engine.advance_many`, then ``greedy_ids_many`` / ``picks_many`` /
-   ``logits_many``), so a decode step of eight sequences reads each weight once, not eight times: the largest group
-   of one engine (on a tie, the engine lowest in the hierarchies), and every group with a sequence that has waited
-   ``max_wait`` ticks. Every round
-   ends in a pass of the target, so sequences out of step (one joined later, one's round was shorter) meet there: the
-   one ahead waits while those behind draft, they share that pass, and from there draft together. ``max_wait`` is by
-   default the most passes a round of the batch's hierarchies takes below its top (:func:`round_passes`; at least
-   3), so that those behind can arrive within it: a wait costs the batch nothing (the cores serve the others'
-   passes), a pass computed alone costs the call it could have shared. A request's first token (the target's pass
-   at the end of its prompt) waits for no one: it is served in the tick it is asked for;
+   ``window_logits_many`` / ``logits_many``), so a decode step of eight sequences reads each weight once, not eight
+   times: the largest group of one engine (on a tie, the engine lowest in the hierarchies), and every group with a
+   sequence that has waited ``max_wait`` ticks. Every round ends in a pass of the target, so sequences out of step (one
+   joined later, one's round was shorter) meet there: the one ahead waits while those behind draft, they share that
+   pass, and from there draft together. ``max_wait`` is by default the most passes a round of the batch's hierarchies
+   takes below its top (:func:`round_passes`; at least 3), so that those behind can arrive within it: a wait costs the
+   batch nothing (the cores serve the others' passes), a pass computed alone costs the call it could have shared. A
+   request's first token (the target's pass at the end of its prompt) waits for no one: it is served in the tick it is
+   asked for;
 4. resumes each sequence to its next pass, reporting the blocks its target commits (``on_tokens``) and its end
    (``on_done``).
 
@@ -264,9 +264,14 @@ class Batch:
         if greedy:
             for i, t in zip(greedy, eng.greedy_ids_many([passes[i].read for i in greedy])):
                 out[i] = t.tolist()
-        sampled = [i for i, p in enumerate(passes) if not p.greedy and not p.picks]
+        sampled = [i for i, p in enumerate(passes) if not p.greedy and not p.picks and p.window is None]
         if sampled:
             for i, lg in zip(sampled, eng.logits_many([passes[i].read for i in sampled])):
+                out[i] = lg
+        windowed = [i for i, p in enumerate(passes) if not p.greedy and p.window is not None]
+        if windowed:
+            got = eng.window_logits_many([passes[i].read for i in windowed], [passes[i].window for i in windowed])
+            for i, lg in zip(windowed, got):
                 out[i] = lg
         return out
 

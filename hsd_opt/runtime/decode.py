@@ -44,7 +44,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from hsd_opt.drafters.base import TokenDrafter
-from hsd_opt.engine.interface import EXACT_PASS, Engine, Picks
+from hsd_opt.engine.interface import EXACT_PASS, Engine, Picks, Window
 from hsd_opt.engine.picks import LogitPicks
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
@@ -227,7 +227,8 @@ class Pass:
     """What a decoding waits for: ``engine`` advances ``state`` to ``boundary``, then reads positions
     ``start .. end-1`` there: their greedy ids (a list of ints) when ``greedy``; with ``picks``, the rows ready
     for draws (:class:`~hsd_opt.engine.interface.Picks`: a sample by the Gumbel-max form, through the head's int8
-    screen where it has one); else their logits ``[m, V]``."""
+    screen where it has one); else their logits ``[m, V]``, with a ``window`` only those the sampler's filters may
+    keep (the others ``-inf`` or their values: :meth:`~hsd_opt.engine.interface.Engine.window_logits_many`)."""
 
     engine: Engine
     state: DecodeState
@@ -236,6 +237,7 @@ class Pass:
     end: int
     greedy: bool
     picks: bool = False
+    window: Window | None = None
 
     @property
     def read(self) -> tuple[DecodeState, int, int, int]:
@@ -257,6 +259,8 @@ def serve(p: Pass) -> list[int] | torch.Tensor | Picks:
         return p.engine.picks_many([p.read])[0]
     if p.greedy:
         return p.engine.greedy_ids(*p.read).tolist()
+    if p.window is not None:
+        return p.engine.window_logits_many([p.read], [p.window])[0]
     return p.engine.logits(*p.read)
 
 
@@ -552,13 +556,16 @@ class Decoding:
 
     # ------------------------------------------------------------------------------------------ levels
 
-    def _pass(self, k: int, start: int, end: int, greedy: bool, keep: bool = True) -> Generator[Pass, object, object]:
-        """Level k's pass over positions start..end-1: greedy ids, or logits ``[m, V]``. With log-probabilities
-        asked for, a pass of the target reads its logits, greedy too (the ids their argmax: the first maximum, as
-        ``greedy_ids``), and with ``keep`` their log-softmax rows are kept for :meth:`_record`."""
+    def _pass(self, k: int, start: int, end: int, greedy: bool, keep: bool = True,
+              window: Window | None = None) -> Generator[Pass, object, object]:
+        """Level k's pass over positions start..end-1: greedy ids, or logits ``[m, V]`` (with a ``window``, those
+        outside it possibly ``-inf``). With log-probabilities asked for, a pass of the target reads its logits,
+        greedy too (the ids their argmax: the first maximum, as ``greedy_ids``), and with ``keep`` their
+        log-softmax rows are kept for :meth:`_record`."""
         lv = self.hsd.levels[k]
         rows = self.n_logprobs is not None and k == len(self.hsd.levels) - 1
-        got = yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy and not rows)
+        got = yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy and not rows,
+                         window=None if rows else window)
         if not rows:
             return got
         if keep:
@@ -580,10 +587,33 @@ class Decoding:
 
     def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
         """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; of its logits moved by
-        the penalties and masked by the grammar first (:meth:`_moved`), then temperature and the filters."""
-        logits = yield from self._pass(k, start, end, False)
-        return process_logits(self._moved(k, logits, start, end), self.temperature, self.top_p, self.top_k,
-                              self.min_p)
+        the penalties and masked by the grammar first (:meth:`_moved`), then temperature and the filters. With a
+        :meth:`_window` the pass reads only the logits the filters may keep, and the filters run over the columns
+        some row holds (ties at top-k's ``k``-th place broken among them)."""
+        window = self._window(k, start, end)
+        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end)
+        if window is None:
+            return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+        # the filters over the columns some row holds (every other column is -inf in every row: probability 0)
+        cols = torch.isfinite(logits).any(dim=0).nonzero()[:, 0]
+        p = torch.zeros_like(logits)
+        p[:, cols] = process_logits(logits[:, cols], self.temperature, self.top_p, self.top_k, self.min_p)
+        return p
+
+    def _window(self, k: int, start: int, end: int) -> Window | None:
+        """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`), or None where
+        they need every logit: top-k keeps the ``k`` largest of the moved logits; min-p those within ``T ln(1 /
+        min_p)`` of the largest (``p >= min_p * max p``), both with top-p 1 (top-p after top-k needs all ``k``;
+        without top-k, the whole distribution's mass). Not under a grammar (its mask moves the largest), nor on
+        an engine without a cheap way to them (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
+        vocab = self.hsd.levels[k].engine.vocab_size
+        top_k = self.top_k if 0 < self.top_k < vocab else 0
+        below = -self.temperature * math.log(self.min_p) if self.min_p > 0 and self.top_p >= 1.0 else math.inf
+        if (top_k == 0 and below == math.inf) or self.constraint is not None \
+                or not self.hsd.levels[k].engine.picks_cheaply:
+            return None
+        offsets = self._offset_rows(k, start, end) if self.penalties is not None else None
+        return Window(top_k, below, offsets)
 
     def _moved(self, k: int, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
