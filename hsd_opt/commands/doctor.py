@@ -63,10 +63,11 @@ def sampling_line(lib) -> str:
     no screen, so no draws by noise; :func:`~hsd_opt.engine.kernels.makes_noise`)."""
     from hsd_opt.engine import kernels
 
+    screen = ("at top-p 1 a target with an int8 screen draws by noise, with top-k or min-p it computes only the "
+              "logits they may keep")
     if kernels.makes_noise(lib):
-        return ("sampling: the kernels make each draw's noise (splitmix64, vectorized logarithms); at top-p 1 a target "
-                "with an int8 screen draws by noise")
-    return ("sampling: torch's noise (torch.rand); at top-p 1 a target with an int8 screen draws by noise"
+        return f"sampling: the kernels make each draw's noise (splitmix64, vectorized logarithms); {screen}"
+    return (f"sampling: torch's noise (torch.rand); {screen}"
             if lib is not None else "sampling: torch's noise and distributions (no kernels)")
 
 
