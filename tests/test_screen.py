@@ -229,15 +229,20 @@ def _gumbel(shape, g: torch.Generator, temperature: float) -> torch.Tensor:
     return -(-u.log()).log() * temperature
 
 
+def _tied_screen(seed: int) -> tuple[torch.Tensor, HeadScreen]:
+    """A head of 4,000 rows (width 64) whose rows 1000 and 2000 are equal and the largest, and its screen."""
+    w = _head(4000, 64, seed)
+    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
+    w[2000] = w[1000]
+    return w, HeadScreen(LIB, Mat.in_place(w))
+
+
 @pytest.mark.parametrize("temperature", [1e-3, 0.7, 1.0, 3.0])
 def test_a_pick_with_offsets_equals_the_argmax_of_the_logits_plus_them(temperature):
     """The screen's pick of ``logits + offsets`` (sampling by noise, Gumbel-max) is ``(logits + offsets).argmax``
     bit for bit: random noise at several temperatures, exact and near ties in the logits, and offsets that make
     two rows' sums tie exactly (the first wins)."""
-    w = _head(4000, 64, 11)
-    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
-    w[2000] = w[1000]                                   # equal logits: equal sums where the offsets are equal
-    screen = HeadScreen(LIB, Mat.in_place(w))
+    w, screen = _tied_screen(11)                       # equal logits: equal sums where the offsets are equal
     g = torch.Generator().manual_seed(12)
     checked = 0
     for trial in range(120):
@@ -296,10 +301,7 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
 
     from hsd_opt.runtime.sampling import process_logits
 
-    w = _head(4000, 64, 13)
-    w[1000] = w[1000] / w[1000].norm() * w.norm(dim=1).max() * 2
-    w[2000] = w[1000]
-    screen = HeadScreen(LIB, Mat.in_place(w))
+    w, screen = _tied_screen(13)
     g = torch.Generator().manual_seed(14)
     narrow = 0
     for trial in range(60):

@@ -683,15 +683,26 @@ class LayeredLM:
         for bit what :meth:`logits` gives it. Through the head's int8 screen where it takes the reads
         (:meth:`_screen_hidden`; the screen logits of every row in one call); else over the logits
         (:meth:`logits_many`)."""
-        hidden = self._screen_hidden(reads)
-        if hidden is not None:
-            normed = self._kernels.normed(hidden)
-            a = self._screen.logits(normed)
-            if a is not None:
-                sizes = [s1 - s0 for _, _, s0, s1 in reads]
-                return [ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0])
-                        for h, n, ra in zip(hidden.split(sizes), normed.split(sizes), a.split(sizes))]
+        screened = self._screened_rows(reads)
+        if screened is not None:
+            return [ScreenPicks(self._screen, n, ra, lambda i, h=h: self._kernels.head(h[i:i + 1])[0])
+                    for h, n, ra in screened]
         return [LogitPicks(lg) for lg in self.logits_many(reads)]
+
+    def _screened_rows(self, reads: Sequence[tuple[DecodeState, int, int, int]]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """Per read, its hidden rows ``[m, d]``, their normed rows and their screen logits ``[m, V]``, the screen
+        logits of every row in one int16 read; None where the screen does not take the reads
+        (:meth:`_screen_hidden`) or their values are not finite."""
+        hidden = self._screen_hidden(reads)
+        if hidden is None:
+            return None
+        normed = self._kernels.normed(hidden)
+        a = self._screen.logits(normed)
+        if a is None:
+            return None
+        sizes = [s1 - s0 for _, _, s0, s1 in reads]
+        return list(zip(hidden.split(sizes), normed.split(sizes), a.split(sizes)))
 
     @torch.no_grad()
     def window_logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]],
@@ -702,14 +713,8 @@ class LayeredLM:
         bit for bit what :meth:`logits` gives, the others ``-inf``; else (or where the screen steps aside for a
         read) every logit."""
         out: list[torch.Tensor | None] = [None] * len(reads)
-        hidden = self._screen_hidden(reads)
-        if hidden is not None:
-            normed = self._kernels.normed(hidden)
-            a = self._screen.logits(normed)
-            if a is not None:
-                sizes = [s1 - s0 for _, _, s0, s1 in reads]
-                for i, (n, ra, w) in enumerate(zip(normed.split(sizes), a.split(sizes), windows)):
-                    out[i] = self._screen.window(n, ra, w.top_k, w.below, w.offsets)
+        for i, ((_, n, ra), w) in enumerate(zip(self._screened_rows(reads) or [], windows)):
+            out[i] = self._screen.window(n, ra, w.top_k, w.below, w.offsets)
         rest = [i for i, o in enumerate(out) if o is None]
         for i, lg in zip(rest, self.logits_many([reads[i] for i in rest]) if rest else []):
             out[i] = lg
