@@ -245,7 +245,9 @@ def test_no_state_carries_over_between_requests(served):
     assert again == first
     # fields a client sends at their defaults ask nothing of the server: the same answer
     defaults = c.completions.create(prompt=PROMPTS[2], logprobs=None, presence_penalty=0, frequency_penalty=0.0,
-                                    logit_bias={}, echo=False, best_of=1, user="u", **kw)
+                                    logit_bias={}, echo=False, best_of=1, user="u",
+                                    extra_body={"repetition_penalty": 1, "repeat_penalty": 1.0, "typical_p": 1,
+                                                "mirostat": 0, "min_tokens": 0, "ignore_eos": False}, **kw)
     assert defaults.model_extra["hsd"]["token_ids"] == first
 
 
@@ -371,6 +373,10 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": 101}}, 400, "logit_bias", None),
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": True}}, 400, "logit_bias", None),
     (COMP, {"model": MODEL, "prompt": "w1", "echo": True}, 400, "echo", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "repetition_penalty": 1.1}, 400, "repetition_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.3}, 400, "repeat_penalty", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "mirostat": 2}, 400, "mirostat", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "ignore_eos": True}, 400, "ignore_eos", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("inf")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1 \udfff"}, 400, "prompt", None),

@@ -10,8 +10,9 @@ naming the problem) and log-probabilities (chat: ``logprobs`` true and ``top_log
 id -> -100 .. 100: :mod:`hsd_opt.runtime.penalties`), ``top_k`` and ``min_p`` (llama.cpp's and vLLM's sampling
 filters, not the OpenAI API's); chat also ``tools`` and ``tool_choice`` (a function called
 under the grammar of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the
-answer and are not supported (:data:`UNSUPPORTED`: echo, best-of, suffix) are a 400 when given a value other than
-their default; other fields (``user``, ``metadata``, ...) are ignored.
+answer and are not supported (:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling
+extensions beyond top-k and min-p (repetition penalties, typical-p, mirostat, ...), are a 400 when given a value
+other than their default; other fields (``user``, ``metadata``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -118,8 +119,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 #: Fields the answer would depend on that this server does not compute, with the value that asks nothing of it
 #: (what clients send by default; absent or null too): any other value is a 400 naming the field rather than an
-#: answer without it.
-UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": ""}
+#: answer without it. The OpenAI API's, then llama.cpp's and vLLM's servers' sampling extensions.
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "",
+               "repetition_penalty": 1.0, "repeat_penalty": 1.0, "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0,
+               "dry_multiplier": 0.0, "xtc_probability": 0.0, "min_tokens": 0, "ignore_eos": False}
+#: What to send instead of an unsupported field, where the server has something near it.
+INSTEAD = {"repetition_penalty": "frequency_penalty or presence_penalty (additive, as the OpenAI API defines them)",
+           "repeat_penalty": "frequency_penalty or presence_penalty (additive, as the OpenAI API defines them)"}
 
 
 def _asks_nothing(v: Any, default: Any) -> bool:
@@ -127,7 +133,7 @@ def _asks_nothing(v: Any, default: Any) -> bool:
         return True
     if isinstance(default, bool) or isinstance(v, bool):
         return v is default
-    if isinstance(default, int):
+    if isinstance(default, (int, float)):
         return isinstance(v, (int, float)) and v == default
     return type(v) is type(default) and v == default
 
@@ -135,8 +141,9 @@ def _asks_nothing(v: Any, default: Any) -> bool:
 def _unsupported(body: dict) -> None:
     for key, default in UNSUPPORTED.items():
         if not _asks_nothing(body.get(key), default):
+            instead = f"; for something near it send {INSTEAD[key]}" if key in INSTEAD else ""
             raise bad_request(f"'{key}' is not supported by this server (got {json.dumps(body[key])}); leave it "
-                              f"out", key)
+                              f"out or send {json.dumps(default)}{instead}", key)
 
 
 def _type_name(x: Any) -> str:
