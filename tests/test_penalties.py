@@ -37,12 +37,27 @@ def _offsets_by_formula(pen: Penalties, generated: list[int], vocab: int) -> tor
     return row
 
 
+def _moved_by_formula(pen: Penalties, context: list[int], generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[V]`` of the row after ``context`` (the prompt's and the generated tokens; ``generated`` the
+    latter) moved as written out: :func:`_offsets_by_formula`, and for each distinct token of the context (its last
+    ``repetition_last``) ``r(l) - l`` added to its offset, ``r(l)`` ``l / repetition`` for ``l`` > 0, else ``l *
+    repetition`` (float32)."""
+    row = _offsets_by_formula(pen, generated, logits.shape[-1])
+    if pen.repetition != 1.0:
+        tail = context[-pen.repetition_last:] if pen.repetition_last else context
+        for t in sorted(set(tail)):
+            v = logits[t].float()
+            r = v / pen.repetition if float(v) > 0 else v * pen.repetition
+            row[t] = row[t] + (r - v)
+    return logits + row
+
+
 def _reference(lm, prompt: list[int], n: int, pen: Penalties, eos: frozenset = frozenset()) -> list[int]:
     """The penalised target decoded alone, greedy, from its whole logits: ``argmax(logits + offsets)`` per step."""
     gen: list[int] = []
     for _ in range(n):
         logits = engine_logits(lm, torch.tensor(prompt + gen), len(prompt))[-1]
-        gen.append(int(torch.argmax(logits + _offsets_by_formula(pen, gen, logits.shape[-1]))))
+        gen.append(int(torch.argmax(_moved_by_formula(pen, prompt + gen, gen, logits))))
         if gen[-1] in eos:
             break
     return gen
@@ -74,6 +89,9 @@ def test_offsets_are_the_apis_formula():
     ({"bias": {-1: 1.0}}, r"logit_bias: token ids must be non-negative integers, got -1"),
     ({"bias": {3: 101}}, r"logit_bias\[3\] must be a number in \[-100, 100\], got 101"),
     ({"bias": {3: "1"}}, r"logit_bias\[3\] must be a number"),
+    ({"repetition": 0.0}, r"the repetition penalty must be a number in \(0, 10\], got 0.0"),
+    ({"repetition": float("inf")}, r"the repetition penalty must be a number"),
+    ({"repetition": 1.1, "repetition_last": 0}, r"repeat_last_n must be a positive integer, got 0"),
 ])
 def test_bad_penalties_are_refused_naming_the_field(kwargs, words):
     with pytest.raises(HsdError, match=words):
@@ -88,6 +106,19 @@ def test_a_biased_token_outside_the_vocabulary_is_refused(lm):
 def test_nothing_that_moves_is_no_penalties():
     assert penalties_or_none() is None and penalties_or_none(0.0, 0.0, {5: 0.0}) is None
     assert penalties_or_none(0.1) == Penalties(0.1)
+    assert penalties_or_none(repetition=1.0, repetition_last=64) is None
+    assert penalties_or_none(repetition=1.2) == Penalties(repetition=1.2)
+
+
+def test_the_repetition_penalty_is_its_formula():
+    """The repeated tokens are the context's distinct ids (its last ``repetition_last``), and a logit ``l`` moves to
+    ``l / r`` where positive, ``l * r`` elsewhere."""
+    pen = Penalties(repetition=1.25, repetition_last=3)
+    assert pen.repeated([7, 1, 5, 5, 2]).tolist() == [2, 5]
+    assert Penalties(repetition=1.25).repeated([7, 1, 5, 5, 2]).tolist() == [1, 2, 5, 7]
+    assert Penalties(0.5).repeated([7, 1]).numel() == 0 and pen.repeated([]).numel() == 0
+    v = torch.tensor([2.5, -2.0, 0.0, 5.0])
+    assert torch.equal(v + pen.repetition_offsets(v), torch.tensor([2.0, -2.5, 0.0, 4.0]))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -95,7 +126,8 @@ def test_greedy_with_penalties_is_the_penalised_targets_at_every_depth(lm, seed)
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 48) for _ in range(rng.randint(1, 10))]
     n = rng.randint(12, 30)
-    pen = Penalties(rng.uniform(0.2, 1.5), rng.uniform(0, 1), {rng.randrange(48): rng.uniform(-5, 5)})
+    pen = Penalties(rng.uniform(0.2, 1.5), rng.uniform(0, 1), {rng.randrange(48): rng.uniform(-5, 5)},
+                    *[(1.0, None), (1.6, None), (1.3, 5)][seed])
     ref = _reference(lm, prompt, n, pen)
     assert ref != _reference(lm, prompt, n, Penalties())        # the penalties change this output
     for levels, budgets in four_hierarchies(lm, 48):
@@ -109,7 +141,7 @@ def test_penalties_in_a_batch_equal_alone(lm):
     """Sequences with other penalties, or none, share passes: each decodes what it decodes alone."""
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 48) for _ in range(rng.randint(1, 9))] for _ in range(5)]
-    pens = [PEN, None, Penalties(1.2), Penalties(bias={9: 4.0}), Penalties(0.3, 1.1)]
+    pens = [PEN, None, Penalties(1.2), Penalties(bias={9: 4.0}), Penalties(0.3, 1.1, repetition=1.4)]
     levels, budgets = four_hierarchies(lm, 48)[2]
     h = HSD(levels, budgets)
     alone = [h.generate(p, 18, penalties=pen).token_ids for p, pen in zip(prompts, pens)]
@@ -165,7 +197,7 @@ def _exact(model, pen: Penalties, temperature: float, top_p: float, top_k: int =
     for s in itertools.product(range(V), repeat=K - 1):
         with torch.no_grad():
             lg = model(torch.tensor([PROMPT + list(s)])).logits[0, len(PROMPT) - 1:]
-        rows = torch.stack([lg[k] + _offsets_by_formula(pen, list(s[:k]), V) for k in range(K)])
+        rows = torch.stack([_moved_by_formula(pen, PROMPT + list(s[:k]), list(s[:k]), lg[k]) for k in range(K)])
         p = process_logits(rows, temperature, top_p, top_k, min_p)
         pre = 1.0
         for k in range(K - 1):
@@ -191,17 +223,22 @@ def test_sampled_with_penalties_follows_the_penalised_targets_distribution(peaky
     model, lm = peaky
     assert lm.picks_cheaply
     pen = Penalties(1.5, 1.0, {4: 1.5})
+    repeats = Penalties(0.5, 0.0, {}, 2.0)               # the repetition penalty, over the prompt too
     exits = [Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)]
-    for temperature, top_p, top_k, min_p, levels, budgets in (
-            (1.0, 1.0, 0, 0.0, [Level("layer4", lm, 4)], []),
-            (0.8, 1.0, 0, 0.0, [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer4", lm, 4)], [2]),
-            (1.0, 0.9, 0, 0.0, exits, [2, 3]),
-            (1.0, 1.0, 3, 0.05, exits, [2, 3])):
+    cycle = [Level("cycle", drafter=CycleDrafter(V, step=1)), Level("layer4", lm, 4)]
+    for temperature, top_p, top_k, min_p, levels, budgets, pen in (
+            (1.0, 1.0, 0, 0.0, [Level("layer4", lm, 4)], [], pen),
+            (0.8, 1.0, 0, 0.0, cycle, [2], pen),
+            (1.0, 0.9, 0, 0.0, exits, [2, 3], pen),
+            (1.0, 1.0, 3, 0.05, exits, [2, 3], pen),
+            (1.0, 1.0, 0, 0.0, cycle, [2], repeats),
+            (1.0, 1.0, 3, 0.0, exits, [2, 3], repeats)):
         probs = _exact(model, pen, temperature, top_p, top_k, min_p)
         p_ok = _pvalue(HSD(levels, budgets), probs, temperature, top_p, pen, top_k, min_p)
         assert p_ok > 1e-3, (temperature, top_p, top_k, min_p, p_ok)
-    probs = _exact(model, pen, 1.0, 1.0)
-    assert _pvalue(HSD([Level("layer4", lm, 4)], []), probs, 1.0, 1.0, None) < 1e-6
+    for pen in (Penalties(1.5, 1.0, {4: 1.5}), repeats):
+        probs = _exact(model, pen, 1.0, 1.0)
+        assert _pvalue(HSD([Level("layer4", lm, 4)], []), probs, 1.0, 1.0, None) < 1e-6
 
 
 def test_embedded_greedy_with_penalties_through_the_screen(embedded):
@@ -217,7 +254,8 @@ def test_embedded_greedy_with_penalties_through_the_screen(embedded):
     eos = frozenset(eos_token_ids(embedded))
     prompt = encode_prompt(embedded.tokenizer, "List three fruits, then list them again.")
     pen = Penalties(0.8, 0.6, {28: 2.0})
-    for target in (lm, QuantizedLM(embedded.model, bits=4)):
+    for target, pen in ((lm, pen), (QuantizedLM(embedded.model, bits=4), pen), (lm, Penalties(repetition=1.3,
+                                                                                                 repetition_last=64))):
         L = target.n_layers
         ref = _reference(target, prompt, 16, pen, eos)
         for levels, budgets in (([Level("target", target, L)], []),

@@ -183,6 +183,8 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--logit-bias", '{"a": 1}'], '--logit-bias: "a" is not a token id'),
     (["--prompt", "hi", "--logit-bias", '{"3": 1000}'], "--logit-bias: logit_bias[3] must be a number in"),
     (["--prompt", "hi", "--logit-bias", '{"99999": 1}'], "--logit-bias: token id 99999 is not in the model's"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty: the repetition penalty must be a number"),
+    (["--prompt", "hi", "--repetition-penalty", "1.2", "--repeat-last-n", "-1"], "--repeat-last-n: a number of tokens"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")

@@ -221,6 +221,31 @@ def test_penalties_and_logit_bias_equal_hsd_run_and_move_the_answer(tiny, served
     assert chat == hsd_run_ids(tiny[0], PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--seed", 5, *flags)
 
 
+def test_repetition_penalties_equal_hsd_run(tiny, served):
+    """vLLM's ``repetition_penalty`` (the whole context) and llama.cpp's ``repeat_penalty`` (its last
+    ``repeat_last_n`` tokens, 64 by default, -1 all, 0 none): the answer of ``hsd run --repetition-penalty
+    [--repeat-last-n]``, greedy and seeded, and not the answer without it."""
+    c = client(served[0])
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=N, temperature=0)
+    plain = c.completions.create(**kw).model_extra["hsd"]["token_ids"]
+    run = ("--raw", "--max-new-tokens", N)
+    vllm = c.completions.create(extra_body={"repetition_penalty": 3.0}, **kw).model_extra["hsd"]["token_ids"]
+    assert vllm != plain and vllm == hsd_run_ids(tiny[0], PROMPTS[2], *run, "--repetition-penalty", 3.0)
+    llama = c.completions.create(extra_body={"repeat_penalty": 3.0, "repeat_last_n": 4}, **kw)
+    assert llama.model_extra["hsd"]["token_ids"] == hsd_run_ids(tiny[0], PROMPTS[2], *run, "--repetition-penalty",
+                                                                3.0, "--repeat-last-n", 4)
+    whole = c.completions.create(extra_body={"repeat_penalty": 3.0, "repeat_last_n": -1}, **kw)
+    assert whole.model_extra["hsd"]["token_ids"] == vllm
+    off = c.completions.create(extra_body={"repeat_penalty": 3.0, "repeat_last_n": 0}, **kw)
+    assert off.model_extra["hsd"]["token_ids"] == plain
+    default = c.completions.create(extra_body={"repeat_penalty": 3.0}, **kw).model_extra["hsd"]["token_ids"]
+    assert default == hsd_run_ids(tiny[0], PROMPTS[2], *run, "--repetition-penalty", 3.0, "--repeat-last-n", 64)
+    kw = dict(kw, temperature=0.9, seed=4)
+    sampled = c.completions.create(extra_body={"repetition_penalty": 1.5}, **kw).model_extra["hsd"]["token_ids"]
+    assert sampled == hsd_run_ids(tiny[0], PROMPTS[2], *run, "--temperature", 0.9, "--seed", 4,
+                                  "--repetition-penalty", 1.5)
+
+
 def test_top_k_and_min_p_equal_hsd_run(tiny, served):
     """llama.cpp's and vLLM's ``top_k`` and ``min_p`` (seeded samples): the answer of ``hsd run --top-k --min-p``;
     ``top_k`` -1 is off, as 0."""
@@ -246,8 +271,9 @@ def test_no_state_carries_over_between_requests(served):
     # fields a client sends at their defaults ask nothing of the server: the same answer
     defaults = c.completions.create(prompt=PROMPTS[2], logprobs=None, presence_penalty=0, frequency_penalty=0.0,
                                     logit_bias={}, echo=False, best_of=1, user="u",
-                                    extra_body={"repetition_penalty": 1, "repeat_penalty": 1.0, "typical_p": 1,
-                                                "mirostat": 0, "min_tokens": 0, "ignore_eos": False}, **kw)
+                                    extra_body={"repetition_penalty": 1, "repeat_penalty": 1.0, "repeat_last_n": 8,
+                                                "typical_p": 1, "mirostat": 0, "min_tokens": 0, "ignore_eos": False},
+                                    **kw)
     assert defaults.model_extra["hsd"]["token_ids"] == first
 
 
@@ -373,8 +399,12 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": 101}}, 400, "logit_bias", None),
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"3": True}}, 400, "logit_bias", None),
     (COMP, {"model": MODEL, "prompt": "w1", "echo": True}, 400, "echo", None),
-    (CHAT, {"model": MODEL, "messages": MSG, "repetition_penalty": 1.1}, 400, "repetition_penalty", None),
-    (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.3}, 400, "repeat_penalty", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": "x"}, 400, "repeat_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.1, "repetition_penalty": 1.1}, 400,
+     "repeat_penalty", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.1, "repeat_last_n": -2}, 400, "repeat_last_n", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "typical_p": 0.5}, 400, "typical_p", None),
     (CHAT, {"model": MODEL, "messages": MSG, "mirostat": 2}, 400, "mirostat", None),
     (COMP, {"model": MODEL, "prompt": "w1", "ignore_eos": True}, 400, "ignore_eos", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),
@@ -826,15 +856,18 @@ def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):
 
 @pytest.mark.slow
 def test_concurrent_requests_decode_together_and_each_is_its_own_answer(tiny, direct, caplog):
-    """Four clients at once with different prompts and lengths on a server decoding up to four together: /health
-    sees several in flight, and every answer is the one the plan gives the prompt alone."""
+    """Four clients at once with different prompts and lengths on a server decoding up to four together: its
+    batch holds several in flight at once (counted at each of its ticks; /health reports them), and every answer
+    is the one the plan gives the prompt alone."""
     from hsd_opt.prompts import encode_prompt
 
     runner, _, tok = direct
     app, jobs = prepare_server(tiny[0], device="cpu", max_batch=4)
     asks = [(PROMPTS[0], 30), (PROMPTS[1], 7), (STOP_PROMPT, 40), (PROMPTS[2], 19)]
     want = [runner.generate(encode_prompt(tok, p, raw=True), n).token_ids for p, n in asks]
-    seen_active = []
+    seen_active, at_ticks = [], []
+    tick = jobs.batch.tick
+    jobs.batch.tick = lambda: at_ticks.append(jobs.batch.in_flight) or tick()
     with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
         got: dict[int, list[int]] = {}
 
@@ -853,5 +886,5 @@ def test_concurrent_requests_decode_together_and_each_is_its_own_answer(tiny, di
             t.join(60)
         h = httpx.get(srv.url + "/health", timeout=30).json()
     assert [got[i] for i in range(4)] == want
-    assert max(seen_active) >= 2 and h["max_batch"] == 4 and h["completed"] == 4
+    assert max(at_ticks) >= 2 and max(seen_active) <= 4 and h["max_batch"] == 4 and h["completed"] == 4
     no_tracebacks(caplog)

@@ -117,6 +117,9 @@ MIN_P_HELP = "Sample among tokens at least this share of the most probable one's
 FREQUENCY_HELP = "-2 .. 2: subtracted from a token's logit per time it was generated."
 PRESENCE_HELP = "-2 .. 2: subtracted from the logit of every token generated so far."
 LOGIT_BIAS_HELP = "A JSON object from token ids to offsets in -100 .. 100 added to their logits, e.g. '{\"28\": -100}'."
+REPETITION_HELP = ("(0, 10]: the logit of every token of the context (prompt and output) divided by it where positive, "
+                   "multiplied by it elsewhere, as Hugging Face and llama.cpp do; 1: off.")
+REPEAT_LAST_N_HELP = "With --repetition-penalty: only the context's last N tokens (0: all of it)."
 
 
 @cli_command
@@ -158,6 +161,8 @@ def run_cmd(
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQUENCY_HELP),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRESENCE_HELP),
     logit_bias: Optional[str] = typer.Option(None, "--logit-bias", help=LOGIT_BIAS_HELP),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help=REPETITION_HELP),
+    repeat_last_n: int = typer.Option(0, "--repeat-last-n", help=REPEAT_LAST_N_HELP),
 ):
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
@@ -169,7 +174,7 @@ def run_cmd(
     from hsd_opt.runtime.runner import plan_for_prompt
 
     penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
-                                 presence_penalty, logit_bias)
+                                 presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
     check_logprobs(logprobs)
     if logprobs is not None and json_out is None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
@@ -201,19 +206,21 @@ def run_cmd(
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
-                     frequency: float, presence: float, logit_bias: str | None):
+                     frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
+                     last_n: int = 0):
     """Check the generation flags (an :class:`HsdError` naming the flag) and return :func:`parse_penalties`'."""
     from hsd_opt.runtime.decode import check_filters, check_generation_args
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
     check_filters(top_k, min_p)
-    return parse_penalties(frequency, presence, logit_bias)
+    return parse_penalties(frequency, presence, logit_bias, repetition, last_n)
 
 
-def parse_penalties(frequency: float, presence: float, logit_bias: str | None):
-    """The :class:`~hsd_opt.runtime.penalties.Penalties` of ``--frequency-penalty``, ``--presence-penalty`` and
-    ``--logit-bias`` (a JSON object from token ids to numbers), None when nothing moves; a bad value is an
-    :class:`HsdError` naming its flag."""
+def parse_penalties(frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
+                    last_n: int = 0):
+    """The :class:`~hsd_opt.runtime.penalties.Penalties` of ``--frequency-penalty``, ``--presence-penalty``,
+    ``--logit-bias`` (a JSON object from token ids to numbers), ``--repetition-penalty`` and ``--repeat-last-n``
+    (0: the whole context), None when nothing moves; a bad value is an :class:`HsdError` naming its flag."""
     from hsd_opt.errors import HsdError
     from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
 
@@ -224,13 +231,16 @@ def parse_penalties(frequency: float, presence: float, logit_bias: str | None):
         except json.JSONDecodeError as e:
             raise HsdError(f"--logit-bias: not JSON ({e.msg}); give an object such as '{{\"28\": -100}}'") from None
         bias = bias_from_json(raw, "--logit-bias")
+    if last_n < 0:
+        raise HsdError(f"--repeat-last-n: a number of tokens >= 0 expected (0: the whole context), got {last_n}")
+    last = last_n or None
     for flag, kw in (("--frequency-penalty", {"frequency": frequency}), ("--presence-penalty", {"presence": presence}),
-                     ("--logit-bias", {"bias": bias})):
+                     ("--logit-bias", {"bias": bias}), ("--repetition-penalty", {"repetition": repetition})):
         try:
             Penalties(**kw)
         except HsdError as e:
             raise HsdError(f"{flag}: {e}") from None
-    return penalties_or_none(frequency, presence, bias)
+    return penalties_or_none(frequency, presence, bias, repetition, last)
 
 
 def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):

@@ -41,6 +41,10 @@ class Picks(Protocol):
         """``argmax(logits[i] + offsets)`` (first index on ties, each sum rounded to float32): ``offsets`` ``[V]``
         float32, finite."""
 
+    def values(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s logits at token ``ids`` (int64 ``[n]``), as the read's logits hold them: ``[n]`` float32 on
+        the CPU."""
+
 
 class Backend(Protocol):
     """Runs decoder layers and the LM head of one model's weights."""

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from hsd_opt.engine import kernels
 from hsd_opt.engine.screen import HeadScreen
 
 
@@ -28,6 +29,10 @@ class LogitPicks:
     def pick(self, i: int, offsets: torch.Tensor) -> int:
         """``argmax(logits[i] + offsets)`` (first index on ties)."""
         return int(torch.argmax(self.logits[i] + offsets.to(self.logits.device)))
+
+    def values(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s logits at token ``ids`` (int64 ``[n]``): ``[n]`` float32 on the CPU."""
+        return self.logits[i, ids.to(self.logits.device)].float().cpu()
 
 
 class ScreenPicks:
@@ -46,3 +51,9 @@ class ScreenPicks:
         if got is not None:
             return int(got[0])
         return int(torch.argmax(self.full_row(i) + offsets))
+
+    def values(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s logits at token ``ids`` (int64 ``[n]``), bit for bit the head's
+        (:func:`~hsd_opt.engine.kernels.rows_f32`): ``[n]`` float32."""
+        ids = ids.to(torch.long)
+        return kernels.rows_f32(self.screen.lib, self.screen.head, ids, torch.zeros_like(ids), self.normed[i:i + 1])

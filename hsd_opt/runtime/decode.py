@@ -604,12 +604,14 @@ class Decoding:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`), or None where
         they need every logit: top-k keeps the ``k`` largest of the moved logits; min-p those within ``T ln(1 /
         min_p)`` of the largest (``p >= min_p * max p``), both with top-p 1 (top-p after top-k needs all ``k``;
-        without top-k, the whole distribution's mass). Not under a grammar (its mask moves the largest), nor on
-        an engine without a cheap way to them (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
+        without top-k, the whole distribution's mass). Not under a grammar (its mask moves the largest) or a
+        repetition penalty (its offsets need the logits), nor on an engine without a cheap way to them
+        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
         vocab = self.hsd.levels[k].engine.vocab_size
         top_k = self.top_k if 0 < self.top_k < vocab else 0
         below = -self.temperature * math.log(self.min_p) if self.min_p > 0 and self.top_p >= 1.0 else math.inf
         if (top_k == 0 and below == math.inf) or self.constraint is not None \
+                or (self.penalties is not None and self.penalties.repeats) \
                 or not self.hsd.levels[k].engine.picks_cheaply:
             return None
         offsets = self._offset_rows(k, start, end) if self.penalties is not None else None
@@ -619,7 +621,10 @@ class Decoding:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
         the penalties (:meth:`_offset_rows`), then masked by the grammar."""
         if self.penalties is not None:
-            logits = logits + self._offset_rows(k, start, end).to(logits.device)
+            rows = self._offset_rows(k, start, end)
+            for i in range(end - start):
+                self._repeat(rows[i], start + i, lambda ids, i=i: logits[i, ids.to(logits.device)].float().cpu())
+            logits = logits + rows.to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
         return logits
@@ -634,9 +639,22 @@ class Decoding:
         n = 1 - self.n_prompt
         return self.penalties.rows(self.seq[self.n_prompt:], start + n, end + n, vocab, base)
 
-    def _offsets(self, k: int, p: int) -> torch.Tensor:
-        """:meth:`_offset_rows` of the one row at position ``p``: ``[V]``."""
-        return self._offset_rows(k, p, p + 1)[0]
+    def _offsets(self, k: int, p: int, picks: Picks, i: int) -> torch.Tensor:
+        """The offsets of level k's row at position ``p`` (row ``i`` of ``picks``): ``[V]``, :meth:`_offset_rows`'
+        row with the repetition penalty's (:meth:`_repeat`) from the row's logits at the repeated tokens."""
+        row = self._offset_rows(k, p, p + 1)[0]
+        self._repeat(row, p, lambda ids: picks.values(i, ids))
+        return row
+
+    def _repeat(self, row: torch.Tensor, p: int, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Add to the offsets ``row`` ``[V]`` of the row at position ``p`` the repetition penalty's ``r(l) - l`` at
+        the tokens it repeats (:meth:`~hsd_opt.runtime.penalties.Penalties.repeated`, of ``seq[:p + 1]``;
+        ``values(ids)``: the row's logits there, float32 on the CPU); nothing without the penalty."""
+        if not self.penalties.repeats:
+            return
+        ids = self.penalties.repeated(self.seq[:p + 1])
+        if ids.numel():
+            row[ids] += self.penalties.repetition_offsets(values(ids)).to(row.device)
 
     def _greedy_rows(self, k: int, start: int, end: int) -> Generator[Pass, object, Callable[[int], int]]:
         """Level k's greedy token of row ``i`` (position ``start + i``) as a function of ``i``, after its pass over
@@ -654,7 +672,7 @@ class Decoding:
 
         def row(i: int) -> int:
             if i not in done:
-                done[i] = picks.pick(i, self._offsets(k, start + i))
+                done[i] = picks.pick(i, self._offsets(k, start + i, picks, i))
             return done[i]
 
         return row
@@ -774,7 +792,7 @@ class Decoding:
         penalties' offsets, which move the logits the draw is from)."""
         noise = gumbel_offsets(self.hsd.target.vocab_size, self.gen, self.temperature, self.device)
         if self.penalties is not None:
-            noise = noise + self._offsets(k, p).to(noise.device)
+            noise = noise + self._offsets(k, p, picks, i).to(noise.device)
         return picks.pick(i, noise)
 
     def _verify_picks(self, k: int, s: int, drafts: list[int]) -> Generator[Pass, object, tuple[int, int]]:

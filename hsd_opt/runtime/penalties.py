@@ -1,14 +1,20 @@
 """Frequency and presence penalties and logit biases (the OpenAI API's ``frequency_penalty``, ``presence_penalty``
-and ``logit_bias``): the target they decode is the model with its logits moved before temperature and top-p,
+and ``logit_bias``), and the repetition penalty (vLLM's ``repetition_penalty``, llama.cpp's ``repeat_penalty``):
+the target they decode is the model with its logits moved before temperature and top-p,
 
-    ``logits[j] + bias[j] - frequency * c[j] - presence * (c[j] > 0)``
+    ``r(logits[j]) + bias[j] - frequency * c[j] - presence * (c[j] > 0)``
 
 where ``c[j]`` counts token ``j`` among the tokens generated before the position (the prompt's not counted, as the
-API defines it). The offsets depend on the prefix, so each row of a pass gets its own: a verify pass's row ``i``
-counts the drafts before it, which are the target's tokens wherever they are accepted. Every level of a hierarchy
-reads its logits moved the same way (its drafts then follow the target it drafts for), and greedy decoding takes
-``argmax(logits + offsets)`` through the engine's picks (:mod:`hsd_opt.engine.picks`: an int8 screen where the
-head has one), so the output stays the penalised target's, token for token.
+API defines it), and ``r`` divides a positive logit by ``repetition`` and multiplies any other by it for every token
+of the context before the position (the prompt's too; with ``repetition_last``, of its last that many tokens), as
+Hugging Face's ``RepetitionPenaltyLogitsProcessor`` and llama.cpp do; other logits are left. In float32, as
+``logits + offsets``, a repeated token's offset holding ``r(l) - l`` (:meth:`Penalties.repetition_offsets`): those
+depend on the model's own logits at the repeated tokens, which a pass through the int8 screen computes exactly
+(:meth:`~hsd_opt.engine.interface.Picks.values`). The offsets depend on the prefix, so each row of a pass gets its
+own: a verify pass's row ``i`` counts the drafts before it, which are the target's tokens wherever they are accepted.
+Every level of a hierarchy reads its logits moved the same way (its drafts then follow the target it drafts for), and
+greedy decoding takes ``argmax(logits + offsets)`` through the engine's picks (:mod:`hsd_opt.engine.picks`: an int8
+screen where the head has one), so the output stays the penalised target's, token for token.
 
 Units: offsets in logits (float32), shapes ``[V]`` per row; token ids below the model's vocabulary.
 """
@@ -27,6 +33,8 @@ from hsd_opt.errors import HsdError
 #: The API's bounds: penalties in [-2, 2], biases in [-100, 100].
 MAX_PENALTY = 2.0
 MAX_BIAS = 100.0
+#: The repetition penalty's bound: a factor in (0, MAX_REPETITION] (1: none; below 1 favours repeating).
+MAX_REPETITION = 10.0
 
 
 @dataclass(frozen=True)
@@ -36,12 +44,22 @@ class Penalties:
     frequency: float = 0.0
     presence: float = 0.0
     bias: Mapping[int, float] = field(default_factory=dict)
+    #: the repetition penalty's factor (1: none) and how many of the context's last tokens it looks at (None: all)
+    repetition: float = 1.0
+    repetition_last: int | None = None
 
     def __post_init__(self):
         for name, v, lim in (("frequency_penalty", self.frequency, MAX_PENALTY),
                              ("presence_penalty", self.presence, MAX_PENALTY)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and -lim <= v <= lim):
                 raise HsdError(f"{name} must be a number in [-{lim:g}, {lim:g}], got {v!r}")
+        r = self.repetition
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+                and 0 < r <= MAX_REPETITION):
+            raise HsdError(f"the repetition penalty must be a number in (0, {MAX_REPETITION:g}], got {r!r}")
+        n = self.repetition_last
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise HsdError(f"repeat_last_n must be a positive integer, got {n!r}")
         for t, b in self.bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise HsdError(f"logit_bias: token ids must be non-negative integers, got {t!r}")
@@ -52,7 +70,27 @@ class Penalties:
     @property
     def active(self) -> bool:
         """Whether anything moves (all zero: the model's own logits)."""
-        return bool(self.frequency or self.presence or any(self.bias.values()))
+        return bool(self.frequency or self.presence or any(self.bias.values()) or self.repetition != 1.0)
+
+    @property
+    def repeats(self) -> bool:
+        """Whether the repetition penalty moves anything (its offsets depend on the logits)."""
+        return self.repetition != 1.0
+
+    def repeated(self, context: Sequence[int]) -> torch.Tensor:
+        """The token ids (int64, ascending, each once) whose logits the repetition penalty moves at the row after
+        ``context`` (the prompt's and the generated tokens up to that row): those of its last
+        :attr:`repetition_last` tokens (all: None); none without the penalty."""
+        if not self.repeats or not context:
+            return torch.empty(0, dtype=torch.long)
+        tail = context if self.repetition_last is None else context[-self.repetition_last:]
+        return torch.tensor(list(tail), dtype=torch.long).unique()
+
+    def repetition_offsets(self, values: torch.Tensor) -> torch.Tensor:
+        """``r(l) - l`` (float32) for the model's logits ``values`` at the repeated tokens: ``l / repetition`` where
+        ``l`` > 0, ``l * repetition`` elsewhere, less ``l``."""
+        v = values.float()
+        return torch.where(v > 0, v / self.repetition, v * self.repetition) - v
 
     def check_vocab(self, vocab: int, where: str = "logit_bias") -> None:
         """Refuse a biased token id the model does not have (``vocab`` its logits' width)."""
@@ -100,7 +138,8 @@ def bias_from_json(raw: object, where: str = "logit_bias") -> dict[int, float]:
 
 
 def penalties_or_none(frequency: float = 0.0, presence: float = 0.0,
-                      bias: Mapping[int, float] | None = None) -> Penalties | None:
+                      bias: Mapping[int, float] | None = None, repetition: float = 1.0,
+                      repetition_last: int | None = None) -> Penalties | None:
     """A :class:`Penalties` of the arguments (checked), None when nothing moves."""
-    p = Penalties(frequency, presence, dict(bias or {}))
+    p = Penalties(frequency, presence, dict(bias or {}), repetition, repetition_last)
     return p if p.active else None

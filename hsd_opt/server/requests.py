@@ -3,16 +3,17 @@
 
 Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` (1 only), ``response_format`` (``text``, ``json_object``,
-``json_schema``: the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400
-naming the problem) and log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions:
-``logprobs`` 0 .. 20 alternatives), ``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token
-id -> -100 .. 100: :mod:`hsd_opt.runtime.penalties`), ``top_k`` and ``min_p`` (llama.cpp's and vLLM's sampling
-filters, not the OpenAI API's); chat also ``tools`` and ``tool_choice`` (a function called
-under the grammar of its parameters: :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the
-answer and are not supported (:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling
-extensions beyond top-k and min-p (repetition penalties, typical-p, mirostat, ...), are a 400 when given a value
-other than their default; other fields (``user``, ``metadata``, ...) are ignored.
+``stream_options.include_usage``, ``n`` (1 only), ``response_format`` (``text``, ``json_object``, ``json_schema``:
+the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400 naming the problem) and
+log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions: ``logprobs`` 0 .. 20
+alternatives), ``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token id -> -100 .. 100:
+:mod:`hsd_opt.runtime.penalties`), ``top_k``, ``min_p`` and the repetition penalty (``repetition_penalty``, or
+``repeat_penalty`` with ``repeat_last_n``: llama.cpp's and vLLM's sampling extensions, not the OpenAI API's); chat
+also ``tools`` and ``tool_choice`` (a function called under the grammar of its parameters:
+:mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not supported
+(:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling extensions beyond these (typical-p,
+mirostat, ...), are a 400 when given a value other than their default; other fields (``user``, ``metadata``, ...) are
+ignored.
 """
 
 from __future__ import annotations
@@ -121,11 +122,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 #: (what clients send by default; absent or null too): any other value is a 400 naming the field rather than an
 #: answer without it. The OpenAI API's, then llama.cpp's and vLLM's servers' sampling extensions.
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "",
-               "repetition_penalty": 1.0, "repeat_penalty": 1.0, "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0,
-               "dry_multiplier": 0.0, "xtc_probability": 0.0, "min_tokens": 0, "ignore_eos": False}
-#: What to send instead of an unsupported field, where the server has something near it.
-INSTEAD = {"repetition_penalty": "frequency_penalty or presence_penalty (additive, as the OpenAI API defines them)",
-           "repeat_penalty": "frequency_penalty or presence_penalty (additive, as the OpenAI API defines them)"}
+               "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+               "min_tokens": 0, "ignore_eos": False}
+#: llama.cpp's server's default for ``repeat_last_n`` (the tokens its ``repeat_penalty`` looks back over).
+LLAMA_REPEAT_LAST_N = 64
 
 
 def _asks_nothing(v: Any, default: Any) -> bool:
@@ -141,9 +141,8 @@ def _asks_nothing(v: Any, default: Any) -> bool:
 def _unsupported(body: dict) -> None:
     for key, default in UNSUPPORTED.items():
         if not _asks_nothing(body.get(key), default):
-            instead = f"; for something near it send {INSTEAD[key]}" if key in INSTEAD else ""
             raise bad_request(f"'{key}' is not supported by this server (got {json.dumps(body[key])}); leave it "
-                              f"out or send {json.dumps(default)}{instead}", key)
+                              f"out or send {json.dumps(default)}", key)
 
 
 def _type_name(x: Any) -> str:
@@ -208,7 +207,28 @@ def _penalties(body: dict, info: ModelInfo) -> Penalties | None:
     _field("presence_penalty", lambda: Penalties(presence=presence))
     raw = body.get("logit_bias")
     bias = {} if raw is None else _field("logit_bias", lambda: _bias(raw, len(info.tokenizer)))
-    return penalties_or_none(frequency, presence, bias)
+    repetition, last = _repetition(body)
+    return penalties_or_none(frequency, presence, bias, repetition, last)
+
+
+def _repetition(body: dict) -> tuple[float, int | None]:
+    """The repetition penalty's factor and the context's tokens it looks at (None: all of them): vLLM's
+    ``repetition_penalty`` (over the whole context), or llama.cpp's ``repeat_penalty`` over its last
+    ``repeat_last_n`` tokens (default 64; -1: the whole context; 0: off); not both."""
+    vllm = _number(body, "repetition_penalty", 1.0)
+    llama = _number(body, "repeat_penalty", 1.0)
+    for key, v in (("repetition_penalty", vllm), ("repeat_penalty", llama)):
+        _field(key, lambda v=v: Penalties(repetition=v))
+    if vllm != 1.0 and llama != 1.0:
+        raise bad_request("send one of 'repetition_penalty' and 'repeat_penalty', not both", "repeat_penalty")
+    if llama == 1.0:
+        return vllm, None
+    n = _int(body, "repeat_last_n")
+    n = LLAMA_REPEAT_LAST_N if n is None else n
+    if n < -1:
+        raise bad_request(f"'repeat_last_n' must be -1 (the whole context), 0 (off) or a number of tokens, got {n}",
+                          "repeat_last_n")
+    return (1.0, None) if n == 0 else (llama, None if n == -1 else n)
 
 
 def _bias(raw: object, vocab: int) -> dict[int, float]:
