@@ -236,6 +236,28 @@ def test_draws_by_noise_depend_on_their_seed_only(tiny):
     assert max(rows) > 16 and min(rows) <= 16
 
 
+def test_filtered_samples_depend_on_their_seed_only(tiny):
+    """Sampled with top-k and min-p over a token drafter, the target reads the filters' window through its screen;
+    a seeded sequence's tokens are those it draws alone, whatever shares its passes, batches of more than the
+    screen's sixteen rows too (each read then through it alone)."""
+    if not HAVE_KERNELS:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    eng = LayeredLM(tiny)
+    h = HSD([Level("cycle", drafter=CycleDrafter(64)), Level("layer4", eng, 4)], [5], eos_ids=[2])
+    prompts = _prompts(5, seed=22)
+    seeds = [41, 42, 43, 44, 45]
+    kw = dict(temperature=1.3, top_k=5, min_p=0.02)
+    want = [h.generate(p, 24, seed=s, **kw).token_ids for p, s in zip(prompts, seeds)]
+    assert len({tuple(w) for w in want}) == 5
+    rows: list[int] = []
+    many = eng.window_logits_many
+    eng.window_logits_many = lambda reads, w: rows.append(sum(s1 - s0 for _, _, s0, s1 in reads)) or many(reads, w)
+    for active in (2, 5):
+        got = generate_many(h, prompts, 24, max_active=active, seeds=seeds, **kw)
+        assert [r.token_ids for r in got] == want, active
+    assert max(rows) > 16 and min(rows) <= 16
+
+
 def test_a_stop_asked_after_a_block_ends_only_that_sequence(tiny):
     eng = LayeredLM(tiny)
     _, h2, ar = _hierarchies(tiny, eng)

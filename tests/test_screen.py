@@ -330,8 +330,9 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
 
 
 def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):
-    """``window_logits_many``: reads with at most MAX_POSITIONS rows in all through the screen (one int16 read;
-    the window's logits those of ``logits``, the rest ``-inf``), more over their logits (every one)."""
+    """``window_logits_many``: reads with at most MAX_POSITIONS rows in all through the screen in one int16 read,
+    more each alone; either way the window's logits those of ``logits``, the rest ``-inf``, as the read alone gets
+    them."""
     from hsd_opt.engine.interface import Window
 
     eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
@@ -343,11 +344,11 @@ def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):
         reads = [(st, 4, st.n - r, st.n) for st, r in zip(sts, rows)]
         screened.clear()
         got = eng.window_logits_many(reads, [Window(3, 2.0)] * len(reads))
-        assert screened == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else []), rows
+        assert screened == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else rows), rows
         for (st, b, s0, s1), lg in zip(reads, got):
             full = eng.logits(st, b, s0, s1)
             kept = torch.isfinite(lg)
             assert torch.equal(lg[kept], full[kept])
             top3 = full.topk(3, dim=-1).indices
-            assert bool(kept.gather(1, top3).all())
-            assert bool(kept.all()) == (sum(rows) > MAX_POSITIONS)
+            assert bool(kept.gather(1, top3).all()) and not bool(kept.all())
+            assert torch.equal(lg, eng.window_logits_many([(st, b, s0, s1)], [Window(3, 2.0)])[0])  # as alone

@@ -710,11 +710,16 @@ class LayeredLM:
         """:meth:`logits_many` of ``reads`` where each read's sampler needs only its ``window`` (top-k, min-p):
         through the head's int8 screen where it takes the reads (:meth:`_screen_hidden`; the screen logits of
         every row in one call, :meth:`~hsd_opt.engine.screen.HeadScreen.window` per read): the window's logits
-        bit for bit what :meth:`logits` gives, the others ``-inf``; else (or where the screen steps aside for a
-        read) every logit."""
+        bit for bit what :meth:`logits` gives, the others ``-inf``; reads of more rows in all than it takes
+        together each through it alone, so that a read gets what it gets alone; else (or where the screen steps
+        aside for a read) every logit."""
         out: list[torch.Tensor | None] = [None] * len(reads)
-        for i, ((_, n, ra), w) in enumerate(zip(self._screened_rows(reads) or [], windows)):
-            out[i] = self._screen.window(n, ra, w.top_k, w.below, w.offsets)
+        screened = self._screened_rows(reads)
+        if screened is None and len(reads) > 1:     # too many rows together: each read as it is read alone
+            screened = [(got or [None])[0] for got in (self._screened_rows([r]) for r in reads)]
+        for i, (rows, w) in enumerate(zip(screened or [], windows)):
+            if rows is not None:
+                out[i] = self._screen.window(rows[1], rows[2], w.top_k, w.below, w.offsets)
         rest = [i for i, o in enumerate(out) if o is None]
         for i, lg in zip(rest, self.logits_many([reads[i] for i in rest]) if rest else []):
             out[i] = lg
