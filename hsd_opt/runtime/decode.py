@@ -619,7 +619,8 @@ class Decoding:
 
     def _moved(self, k: int, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
-        the penalties (:meth:`_offset_rows`), then masked by the grammar."""
+        the penalties (:meth:`_offset_rows`, with the repetition penalty's from these logits: :meth:`_repeat`),
+        then masked by the grammar."""
         if self.penalties is not None:
             rows = self._offset_rows(k, start, end)
             for i in range(end - start):
@@ -653,6 +654,7 @@ class Decoding:
         if not self.penalties.repeats:
             return
         ids = self.penalties.repeated(self.seq[:p + 1])
+        ids = ids[ids < row.numel()]            # a level whose logits are narrower than the tokenizer
         if ids.numel():
             row[ids] += self.penalties.repetition_offsets(values(ids)).to(row.device)
 
