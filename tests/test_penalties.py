@@ -147,10 +147,11 @@ def test_penalties_in_a_batch_equal_alone(lm):
     alone = [h.generate(p, 18, penalties=pen).token_ids for p, pen in zip(prompts, pens)]
     together = generate_many(h, prompts, 18, max_active=3, penalties=pens)
     assert [r.token_ids for r in together] == alone
-    sampled_alone = [h.generate(p, 18, temperature=0.9, seed=i, penalties=pen).token_ids
-                     for i, (p, pen) in enumerate(zip(prompts, pens))]
-    sampled = generate_many(h, prompts, 18, max_active=3, temperature=0.9, seeds=range(5), penalties=pens)
-    assert [r.token_ids for r in sampled] == sampled_alone
+    for kw in ({}, {"top_k": 6, "min_p": 0.01}):
+        sampled_alone = [h.generate(p, 18, temperature=0.9, seed=i, penalties=pen, **kw).token_ids
+                         for i, (p, pen) in enumerate(zip(prompts, pens))]
+        sampled = generate_many(h, prompts, 18, max_active=3, temperature=0.9, seeds=range(5), penalties=pens, **kw)
+        assert [r.token_ids for r in sampled] == sampled_alone, kw
 
 
 def test_penalties_under_a_grammar_are_the_masked_penalised_targets():

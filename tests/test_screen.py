@@ -312,14 +312,17 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
         off = torch.randn(m, 4000, generator=g) * 2 if trial % 2 else None
         top_k, min_p = [(40, 0.0), (1, 0.0), (0, 0.05), (40, 0.05), (2, 0.2)][trial % 5]
         below = -temperature * math.log(min_p) if min_p else math.inf
-        got = screen.window(h, screen.logits(h), top_k, below, off)
+        # every third trial: a repetition penalty on some tokens (the largest among them), pinned
+        pinned = tuple(torch.tensor(sorted({1000, 7, *torch.randint(0, 4000, (5,), generator=g).tolist()}))
+                       for _ in range(m)) if trial % 3 == 0 else ()
+        got = screen.window(h, screen.logits(h), top_k, below, off, pinned, _penalise)
         assert got is not None, trial
         full = kernels.linear(LIB, screen.head, h)
         kept = torch.isfinite(got)
         assert torch.equal(got[kept], full[kept]), trial
-        moved = full + (off if off is not None else 0)
+        moved = _moved(full, off, pinned)
         want = process_logits(moved, temperature, 1.0, top_k, min_p)
-        have = process_logits(got + (off if off is not None else 0), temperature, 1.0, top_k, min_p)
+        have = process_logits(_moved(got, off, pinned), temperature, 1.0, top_k, min_p)
         assert bool(kept[want > 0].all()), trial                      # every token the filters keep is there
         assert torch.equal(have > 0, want > 0), trial
         assert torch.allclose(have, want, rtol=1e-5, atol=1e-7), trial
@@ -327,6 +330,21 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
     assert narrow > 40
     h = torch.randn(1, 64, generator=g)
     assert screen.window(h, screen.logits(h), 0, math.inf) is None         # no filter: every logit needed
+
+
+def _penalise(v: torch.Tensor) -> torch.Tensor:
+    """A repetition penalty of 0.1's offsets ``r(l) - l`` (below 1: it raises the repeated tokens, into the
+    window from far below it)."""
+    return torch.where(v > 0, v / 0.1, v * 0.1) - v
+
+
+def _moved(logits: torch.Tensor, off: torch.Tensor | None, pinned) -> torch.Tensor:
+    """``logits + offsets``, the pinned tokens' offsets plus :func:`_penalise` of their logits where finite."""
+    row = torch.zeros_like(logits) if off is None else off.clone()
+    for i, ids in enumerate(pinned):
+        held = ids[torch.isfinite(logits[i, ids])]
+        row[i, held] += _penalise(logits[i, held])
+    return logits + row
 
 
 def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):

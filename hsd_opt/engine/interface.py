@@ -25,11 +25,15 @@ class Window:
     """Which logits of a read the sampler needs (top-k, min-p: the filters drop every other token whatever its
     logit): those that may be among the ``top_k`` largest (``top_k`` > 0) and no more than ``below`` (logit units;
     ``inf``: no such limit) under the largest, of the logits plus ``offsets`` (``[m, V]`` float32, finite, or None:
-    zero; the penalties' rows). The others may be ``-inf``."""
+    zero; the penalties' rows). At row ``i``'s tokens ``pinned[i]`` (int64 ids) the offset also gains
+    ``reoffset(l)`` of their logits ``l`` (float32 ``[n] -> [n]``: the repetition penalty's ``r(l) - l``), added
+    as ``l + (offsets + reoffset(l))``. The others may be ``-inf``."""
 
     top_k: int
     below: float
     offsets: torch.Tensor | None = None
+    pinned: tuple[torch.Tensor, ...] = ()
+    reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Picks(Protocol):

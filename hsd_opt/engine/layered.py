@@ -719,7 +719,7 @@ class LayeredLM:
             screened = [(got or [None])[0] for got in (self._screened_rows([r]) for r in reads)]
         for i, (rows, w) in enumerate(zip(screened or [], windows)):
             if rows is not None:
-                out[i] = self._screen.window(rows[1], rows[2], w.top_k, w.below, w.offsets)
+                out[i] = self._screen.window(rows[1], rows[2], w.top_k, w.below, w.offsets, w.pinned, w.reoffset)
         rest = [i for i, o in enumerate(out) if o is None]
         for i, lg in zip(rest, self.logits_many([reads[i] for i in rest]) if rest else []):
             out[i] = lg

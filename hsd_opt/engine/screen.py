@@ -36,6 +36,7 @@ Shapes: hidden ``[m, d]``, head ``[V, d]``; logits float32.
 from __future__ import annotations
 
 import threading
+from typing import Callable, Sequence
 
 import torch
 
@@ -128,14 +129,17 @@ class HeadScreen:
                                    MAX_CANDIDATES, self.q16, offsets=offsets)
 
     def window(self, h: torch.Tensor, a: torch.Tensor, top_k: int, below: float,
-               offsets: torch.Tensor | None = None) -> torch.Tensor | None:
+               offsets: torch.Tensor | None = None, pinned: Sequence[torch.Tensor] = (),
+               reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Logits ``[m, V]`` float32 at normed hidden ``h`` ``[m, d]`` of the tokens that may lie in a window of
         each row's largest, every other ``-inf``: of ``logits + offsets`` (``offsets`` ``[m, V]`` float32, finite;
         zero when None), those that may be among the ``top_k`` largest (``top_k`` > 0) and no more than ``below``
         (logit units; ``inf``: no such limit) under the largest. Those tokens' values are exactly what
         ``linear(head, h)`` gives (:func:`~hsd_opt.engine.kernels.rows_f32`; the offsets are not added); a token
         left out is outside the window by its screen bound (``a`` ``[m, V]``: :meth:`logits`), less
-        :data:`WINDOW_SLACK`. None where the screen steps aside (values not finite, more than
+        :data:`WINDOW_SLACK`. Row ``i``'s tokens ``pinned[i]`` (int64 ids) are moved by ``reoffset`` of their
+        logits too (:class:`~hsd_opt.engine.interface.Window`): their logits are computed first, and their moved
+        values stand for their bounds. None where the screen steps aside (values not finite, more than
         :data:`MAX_CANDIDATES` candidates at a position): the caller computes the logits."""
         e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm, self.q16)
         if e is None:
@@ -143,6 +147,11 @@ class HeadScreen:
         lo, hi = a - e, a + e
         if offsets is not None:
             lo, hi = lo + offsets, hi + offsets
+        for i, ids in enumerate(pinned):
+            if ids.numel():
+                v = kernels.rows_f32(self.lib, self.head, ids, torch.zeros_like(ids), h[i:i + 1])
+                add = reoffset(v) if offsets is None else offsets[i, ids] + reoffset(v)
+                lo[i, ids] = hi[i, ids] = v + add
         most = lo.max(dim=1).values
         floor = most - below
         if 0 < top_k < a.shape[1]:

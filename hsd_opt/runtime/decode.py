@@ -604,18 +604,22 @@ class Decoding:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`), or None where
         they need every logit: top-k keeps the ``k`` largest of the moved logits; min-p those within ``T ln(1 /
         min_p)`` of the largest (``p >= min_p * max p``), both with top-p 1 (top-p after top-k needs all ``k``;
-        without top-k, the whole distribution's mass). Not under a grammar (its mask moves the largest) or a
-        repetition penalty (its offsets need the logits), nor on an engine without a cheap way to them
-        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
+        without top-k, the whole distribution's mass); a repetition penalty's tokens pinned (their offsets depend on
+        their logits, which the engine computes first). Not under a grammar (its mask moves the largest), nor on an
+        engine without a cheap way to them (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
         vocab = self.hsd.levels[k].engine.vocab_size
         top_k = self.top_k if 0 < self.top_k < vocab else 0
         below = -self.temperature * math.log(self.min_p) if self.min_p > 0 and self.top_p >= 1.0 else math.inf
         if (top_k == 0 and below == math.inf) or self.constraint is not None \
-                or (self.penalties is not None and self.penalties.repeats) \
                 or not self.hsd.levels[k].engine.picks_cheaply:
             return None
-        offsets = self._offset_rows(k, start, end) if self.penalties is not None else None
-        return Window(top_k, below, offsets)
+        if self.penalties is None:
+            return Window(top_k, below)
+        offsets = self._offset_rows(k, start, end)
+        if not self.penalties.repeats:
+            return Window(top_k, below, offsets)
+        pinned = tuple(self._repeated(vocab, p) for p in range(start, end))
+        return Window(top_k, below, offsets, pinned, self.penalties.repetition_offsets)
 
     def _moved(self, k: int, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
@@ -649,14 +653,22 @@ class Decoding:
 
     def _repeat(self, row: torch.Tensor, p: int, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Add to the offsets ``row`` ``[V]`` of the row at position ``p`` the repetition penalty's ``r(l) - l`` at
-        the tokens it repeats (:meth:`~hsd_opt.runtime.penalties.Penalties.repeated`, of ``seq[:p + 1]``;
-        ``values(ids)``: the row's logits there, float32 on the CPU); nothing without the penalty."""
+        the tokens it repeats (:meth:`_repeated`; ``values(ids)``: the row's logits there, float32 on the CPU; a
+        token a window left out, ``-inf``, keeps its offset); nothing without the penalty."""
         if not self.penalties.repeats:
             return
-        ids = self.penalties.repeated(self.seq[:p + 1])
-        ids = ids[ids < row.numel()]            # a level whose logits are narrower than the tokenizer
+        ids = self._repeated(row.numel(), p)
         if ids.numel():
-            row[ids] += self.penalties.repetition_offsets(values(ids)).to(row.device)
+            v = values(ids)
+            held = torch.isfinite(v)
+            row[ids[held]] += self.penalties.repetition_offsets(v[held]).to(row.device)
+
+    def _repeated(self, vocab: int, p: int) -> torch.Tensor:
+        """The tokens the repetition penalty moves at the row at position ``p``
+        (:meth:`~hsd_opt.runtime.penalties.Penalties.repeated` of ``seq[:p + 1]``), those of a level's ``vocab``
+        (a level whose logits are narrower than the tokenizer): int64 ids."""
+        ids = self.penalties.repeated(self.seq[:p + 1])
+        return ids[ids < vocab]
 
     def _greedy_rows(self, k: int, start: int, end: int) -> Generator[Pass, object, Callable[[int], int]]:
         """Level k's greedy token of row ``i`` (position ``start + i``) as a function of ``i``, after its pass over
