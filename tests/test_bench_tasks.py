@@ -136,13 +136,15 @@ def test_sampling_runs_every_method_on_the_same_seeds(tiny):
     methods = ["hf_ar", "hf_prompt_lookup", "ar", "hsd", "hsd_task"]
     greedy, *_ = build_runners(plan, loaded, ["ar"], Sampling(), "exact", "plan", ["translation"])
     ref = [converse(greedy["ar"], loaded.tokenizer, it, "all", False, 6, Sampling()) for it in items]
-    # a nucleus that keeps only the most likely token: every method's sampler must give the greedy output
-    narrow = Sampling(temperature=0.9, top_p=1e-6, seed=5)
-    runners, *_ = build_runners(plan, loaded, methods, narrow, "exact", "plan", ["translation", "mt_bench", "qa"])
-    for m in methods:
-        for it, want in zip(items, ref):
-            got = converse(runners[m], loaded.tokenizer, it, "all", False, 6, narrow)
-            assert [g.token_ids for g in got] == [g.token_ids for g in want], (m, it.question_id)
+    # a nucleus, a top-k or a min-p that keeps only the most likely token: every method's sampler must give the
+    # greedy output (HF generate is handed each filter)
+    for narrow in (Sampling(temperature=0.9, top_p=1e-6, seed=5), Sampling(temperature=0.9, seed=5, top_k=1),
+                   Sampling(temperature=0.9, seed=5, min_p=1.0)):
+        runners, *_ = build_runners(plan, loaded, methods, narrow, "exact", "plan", ["translation", "mt_bench", "qa"])
+        for m in methods:
+            for it, want in zip(items, ref):
+                got = converse(runners[m], loaded.tokenizer, it, "all", False, 6, narrow)
+                assert [g.token_ids for g in got] == [g.token_ids for g in want], (m, it.question_id, narrow)
     # a wide nucleus: draws, the same ones again for the same seed, with every method
     wide = Sampling(temperature=1.5, top_p=0.95, seed=11)
     runners, *_ = build_runners(plan, loaded, methods, wide, "exact", "plan", ["translation", "mt_bench", "qa"])
@@ -160,7 +162,8 @@ def test_sampling_runs_every_method_on_the_same_seeds(tiny):
             assert sum(s.startswith(f"prompt {i + 1}/3 (") and f"), {m}: " in s and " tok/s)" in s
                        for s in said) == 1, (i, m, said)
         assert sum(s.startswith(f"prompt {i + 1}/3 done, elapsed ") and " ETA " in s for s in said) == 1
-    assert rep["sampling"] == {"temperature": 1.5, "top_p": 0.95, "seed": 11} and rep["reference"] is None
+    assert rep["sampling"] == {"temperature": 1.5, "top_p": 0.95, "seed": 11, "top_k": 0, "min_p": 0.0}
+    assert rep["reference"] is None
     assert "not compared under sampling" in rep["matches_reference_note"]
     for m, d in rep["methods"].items():
         assert d["matches_reference"] is None and d["tokens"] > 0, m
@@ -202,6 +205,9 @@ def test_run_uses_the_plan_of_each_prompts_task(tiny):
     ("bench", ["--limit-per-task", "0"], "--limit-per-task"),
     ("bench", ["--top-p", "0.5"], "--temperature > 0"),
     ("bench", ["--temperature", "0.5", "--top-p", "1.5"], "--top-p"),
+    ("bench", ["--top-k", "3"], "--top-k needs --temperature > 0"),
+    ("bench", ["--temperature", "0.5", "--min-p", "2"], "--min-p"),
+    ("bench", ["--temperature", "0.5", "--top-k", "-1"], "--top-k"),
     ("bench", ["--methods", "hsd,hsd_tasks"], "--methods"),
     ("run", ["--prompt", "w1", "--limit-per-task", "1"], "--limit-per-task"),
     ("run", ["--prompts", "QUESTIONS", "--task", "qa"], "--task"),

@@ -124,6 +124,9 @@ def bench_cmd(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs compared with our AR); "
                                                                  "> 0 samples with every method."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (sampling)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most probable tokens (0: off), every method."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Sample among the tokens at least M times as probable as the "
+                                                     "most probable one (0: off), every method."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed: prompt i uses seed + i with every method."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
@@ -162,10 +165,12 @@ def bench_cmd(
     if concurrency is not None:
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
                           target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
-                          retime, others={"--temperature": temperature != 0.0, "--turns": turns != "first",
+                          retime, others={"--temperature": temperature != 0.0, "--top-k": top_k != 0,
+                                          "--min-p": min_p != 0.0, "--turns": turns != "first",
                                           "--assistant": assistant is not None,
                                           "--json-schema": json_schema is not None, "--grammar": grammar is not None})
-    sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed)
+    sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed,
+                                        top_k, min_p)
     spec = grammar_spec(json_schema, grammar)
     retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
@@ -185,13 +190,14 @@ def bench_cmd(
 
 
 def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], turns: str, by: str,
-                  methods: Optional[str], temperature: float, top_p: float, seed: int):
+                  methods: Optional[str], temperature: float, top_p: float, seed: int, top_k: int = 0,
+                  min_p: float = 0.0):
     """The single-stream bench's options checked, each refused in one line naming its flag, and its prompts:
     ``(Sampling, the methods named by --methods or None for the default, the selected prompt items)``."""
     from hsd_opt.measure.bench import METHODS, Sampling, check_sampling, check_seeds
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
 
-    sampling = Sampling(temperature, top_p, seed)
+    sampling = Sampling(temperature, top_p, seed, top_k=top_k, min_p=min_p)
     check_sampling(sampling)
     check_turn_mode(turns)
     check_report_key(by)
@@ -230,7 +236,9 @@ def _bench_title(rep: dict, loaded, n_items: int, turns: str, max_new_tokens: in
     """The title of the single-stream bench's first table: prompts, generations, tokens, sampling, the machine."""
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
     how = ("greedy" if sampling.greedy
-           else f"sampling T={sampling.temperature:g}, top-p {sampling.top_p:g}, seed {sampling.seed}")
+           else f"sampling T={sampling.temperature:g}, top-p {sampling.top_p:g}"
+                f"{f', top-k {sampling.top_k}' if sampling.top_k else ''}"
+                f"{f', min-p {sampling.min_p:g}' if sampling.min_p else ''}, seed {sampling.seed}")
     return (f"hsd bench: {n_items} prompts ({n_gen} generations, turns: {turns}) x {max_new_tokens} tokens, "
             f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads{_variant(rep)})")
 

@@ -41,7 +41,7 @@ from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
 from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
-from hsd_opt.runtime.decode import check_generation_args
+from hsd_opt.runtime.decode import check_filters, check_generation_args
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
@@ -63,8 +63,9 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST_METHODS and m 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-p
-    with a seed per prompt and turn (:meth:`seed_for`); a prompt's output follows its grammar in ``grammars`` (by
+    """How every method decodes: greedy at ``temperature == 0``, else sampling from softmax(logits / T) then top-k
+    (``top_k`` > 0), top-p and min-p (``min_p`` > 0), as HF ``generate`` orders them, with a seed per prompt and turn
+    (:meth:`seed_for`); a prompt's output follows its grammar in ``grammars`` (by
     prompt index, a compiled :class:`~hsd_opt.grammar.compiler.Grammar`: ``--json-schema``/``--grammar``'s for
     every prompt, or a prompt line's own ``schema``), if it has one (our methods only)."""
 
@@ -72,6 +73,8 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     grammars: dict[int, Any] = field(default_factory=dict)
+    top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def constrained(self) -> bool:
@@ -94,15 +97,25 @@ class Sampling:
         return int(self.seed) + int(item) + SEED_STRIDE * int(turn)
 
     def to_dict(self) -> dict[str, float] | None:
-        return None if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return None if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                                         "top_k": self.top_k, "min_p": self.min_p}
+
+    @property
+    def filters(self) -> dict[str, float]:
+        """The keyword arguments of a generation's filters (``top_p``, ``top_k``, ``min_p``)."""
+        return {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
 
 
 def check_sampling(sampling: Sampling) -> None:
-    """Refuse what :func:`~hsd_opt.runtime.decode.check_generation_args` refuses (a temperature below 0 or not
-    finite, a top-p outside (0, 1], a seed beyond 64 bits), or a top-p below 1 at temperature 0 (one line)."""
+    """Refuse what :func:`~hsd_opt.runtime.decode.check_generation_args` and
+    :func:`~hsd_opt.runtime.decode.check_filters` refuse (a temperature below 0 or not finite, a top-p outside (0,
+    1], a seed beyond 64 bits, a top-k below 0, a min-p outside [0, 1]), or a filter at temperature 0 (one line)."""
     check_generation_args(1, sampling.temperature, sampling.top_p, sampling.seed)
-    if sampling.greedy and sampling.top_p < 1.0:
-        raise HsdError(f"--top-p {sampling.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+    check_filters(sampling.top_k, sampling.min_p)
+    for flag, on in (("--top-p", sampling.top_p < 1.0), ("--top-k", sampling.top_k > 0),
+                     ("--min-p", sampling.min_p > 0)):
+        if sampling.greedy and on:
+            raise HsdError(f"{flag} needs --temperature > 0 (at temperature 0 decoding is greedy)")
 
 
 def check_seeds(sampling: Sampling, items, turns: str) -> None:
@@ -126,9 +139,10 @@ def _hf_generate(loaded, ids: list[int], max_new: int, eos: list[int], sampling:
     pad = loaded.tokenizer.pad_token_id
     if sampling.greedy:
         how = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    else:  # the same processing as ours: temperature, then top-p, and no top-k (HF's default would be 50)
+    else:  # the same processing as ours: temperature, top-k (0: none; HF's default would be 50), top-p, min-p
         torch.manual_seed(seed)
-        how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+               "top_k": sampling.top_k, "min_p": sampling.min_p or None}
     out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, eos_token_id=eos,
                          pad_token_id=pad if pad is not None else eos[0], **how, **kw)
     new = out[0, len(ids):].tolist()
@@ -259,7 +273,7 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
 
 def _generate(h, ids: list[int], n: int, seed: int, sampling: Sampling, item: PromptItem):
     """``(token ids, stats)`` of one generation of at most ``n`` tokens of ``item`` by our runner ``h``."""
-    r = h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
+    r = h.generate(ids, n, temperature=sampling.temperature, **sampling.filters, seed=seed,
                    constraint=sampling.constraint(item))
     return r.token_ids, r.stats
 
@@ -389,7 +403,7 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
     """One generation of ``n`` tokens from ``ids`` by every hierarchy ``built`` (those of ``hsd_task`` included),
     then by every method: a method that raises is recorded in ``errors`` and dropped from ``runners``, said."""
     for h in built.values():
-        h.generate(ids, n, temperature=sampling.temperature, top_p=sampling.top_p,
+        h.generate(ids, n, temperature=sampling.temperature, **sampling.filters,
                    constraint=sampling.constraint(item))
     for m in list(runners):
         try:
