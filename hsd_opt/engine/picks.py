@@ -6,7 +6,8 @@ The sampler draws a token by adding noise to the logits and taking the largest (
 :func:`~hsd_opt.runtime.sampling.gumbel_offsets`); which token is largest is a greedy question, so the head's int8
 screen (:mod:`hsd_opt.engine.screen`) answers it from about a quarter of the head's bytes, its bound widened for
 the offsets' sums. Rows are picked one at a time: a verification draws row ``i + 1`` only when row ``i`` took its
-draft. Shapes: logits and offsets ``[V]`` float32 per row.
+draft. ``values(i, ids)`` gives a row's exact logits at a few tokens (offsets that depend on them: the repetition
+penalty's). Shapes: logits and offsets ``[V]`` float32 per row.
 """
 
 from __future__ import annotations
