@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from hsd_opt.engine import kernels
 from hsd_opt.engine.screen import HeadScreen
 
 
@@ -55,6 +54,5 @@ class ScreenPicks:
 
     def values(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Row ``i``'s logits at token ``ids`` (int64 ``[n]``), bit for bit the head's
-        (:func:`~hsd_opt.engine.kernels.rows_f32`): ``[n]`` float32."""
-        ids = ids.to(torch.long)
-        return kernels.rows_f32(self.screen.lib, self.screen.head, ids, torch.zeros_like(ids), self.normed[i:i + 1])
+        (:meth:`~hsd_opt.engine.screen.HeadScreen.row_values`): ``[n]`` float32."""
+        return self.screen.row_values(self.normed[i:i + 1], ids)

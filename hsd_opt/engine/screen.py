@@ -128,6 +128,12 @@ class HeadScreen:
         return kernels.screen_pick(self.lib, self.head, h.float().contiguous(), a, self.c, self.wnorm,
                                    MAX_CANDIDATES, self.q16, offsets=offsets)
 
+    def row_values(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The head's logits at token ``ids`` (int64 ``[n]``) of the one normed hidden row ``h`` ``[1, d]``: ``[n]``
+        float32, bit for bit the full head's (:func:`~hsd_opt.engine.kernels.rows_f32`)."""
+        ids = ids.to(torch.long)
+        return kernels.rows_f32(self.lib, self.head, ids, torch.zeros_like(ids), h)
+
     def window(self, h: torch.Tensor, a: torch.Tensor, top_k: int, below: float,
                offsets: torch.Tensor | None = None, pinned: Sequence[torch.Tensor] = (),
                reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -149,7 +155,7 @@ class HeadScreen:
             lo, hi = lo + offsets, hi + offsets
         for i, ids in enumerate(pinned):
             if ids.numel():
-                v = kernels.rows_f32(self.lib, self.head, ids, torch.zeros_like(ids), h[i:i + 1])
+                v = self.row_values(h[i:i + 1], ids)
                 add = reoffset(v) if offsets is None else offsets[i, ids] + reoffset(v)
                 lo[i, ids] = hi[i, ids] = v + add
         most = lo.max(dim=1).values

@@ -97,8 +97,7 @@ class Sampling:
         return int(self.seed) + int(item) + SEED_STRIDE * int(turn)
 
     def to_dict(self) -> dict[str, float] | None:
-        return None if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                                         "top_k": self.top_k, "min_p": self.min_p}
+        return None if self.greedy else {"temperature": self.temperature, **self.filters, "seed": self.seed}
 
     @property
     def filters(self) -> dict[str, float]:

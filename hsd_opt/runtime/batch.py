@@ -268,7 +268,7 @@ class Batch:
         if sampled:
             for i, lg in zip(sampled, eng.logits_many([passes[i].read for i in sampled])):
                 out[i] = lg
-        windowed = [i for i, p in enumerate(passes) if not p.greedy and p.window is not None]
+        windowed = [i for i, p in enumerate(passes) if p.window is not None]
         if windowed:
             got = eng.window_logits_many([passes[i].read for i in windowed], [passes[i].window for i in windowed])
             for i, lg in zip(windowed, got):

@@ -590,8 +590,9 @@ class Decoding:
         the penalties and masked by the grammar first (:meth:`_moved`), then temperature and the filters. With a
         :meth:`_window` the pass reads only the logits the filters may keep, and the filters run over the columns
         some row holds (ties at top-k's ``k``-th place broken among them)."""
-        window = self._window(k, start, end)
-        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end)
+        rows = self._offset_rows(k, start, end) if self.penalties is not None else None
+        window = self._window(k, start, end, rows)
+        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end, rows)
         if window is None:
             return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
         # the filters over the columns some row holds (every other column is -inf in every row: probability 0)
@@ -600,8 +601,9 @@ class Decoding:
         p[:, cols] = process_logits(logits[:, cols], self.temperature, self.top_p, self.top_k, self.min_p)
         return p
 
-    def _window(self, k: int, start: int, end: int) -> Window | None:
-        """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`), or None where
+    def _window(self, k: int, start: int, end: int, rows: torch.Tensor | None) -> Window | None:
+        """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`; ``rows``: the
+        penalties' offsets there, :meth:`_offset_rows`, or None without penalties), or None where
         they need every logit: top-k keeps the ``k`` largest of the moved logits; min-p those within ``T ln(1 /
         min_p)`` of the largest (``p >= min_p * max p``), both with top-p 1 (top-p after top-k needs all ``k``;
         without top-k, the whole distribution's mass); a repetition penalty's tokens pinned (their offsets depend on
@@ -615,18 +617,18 @@ class Decoding:
             return None
         if self.penalties is None:
             return Window(top_k, below)
-        offsets = self._offset_rows(k, start, end)
         if not self.penalties.repeats:
-            return Window(top_k, below, offsets)
+            return Window(top_k, below, rows)
         pinned = tuple(self._repeated(vocab, p) for p in range(start, end))
-        return Window(top_k, below, offsets, pinned, self.penalties.repetition_offsets)
+        return Window(top_k, below, rows, pinned, self.penalties.repetition_offsets)
 
-    def _moved(self, k: int, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _moved(self, k: int, logits: torch.Tensor, start: int, end: int,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
-        the penalties (:meth:`_offset_rows`, with the repetition penalty's from these logits: :meth:`_repeat`),
-        then masked by the grammar."""
+        the penalties (:meth:`_offset_rows`, or ``rows`` where the caller made them, left as they are; with the
+        repetition penalty's from these logits: :meth:`_repeat`), then masked by the grammar."""
         if self.penalties is not None:
-            rows = self._offset_rows(k, start, end)
+            rows = self._offset_rows(k, start, end) if rows is None else rows.clone()
             for i in range(end - start):
                 self._repeat(rows[i], start + i, lambda ids, i=i: logits[i, ids.to(logits.device)].float().cpu())
             logits = logits + rows.to(logits.device)

@@ -70,7 +70,7 @@ class Penalties:
     @property
     def active(self) -> bool:
         """Whether anything moves (all zero: the model's own logits)."""
-        return bool(self.frequency or self.presence or any(self.bias.values()) or self.repetition != 1.0)
+        return bool(self.frequency or self.presence or any(self.bias.values()) or self.repeats)
 
     @property
     def repeats(self) -> bool:
