@@ -2675,6 +2675,179 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const floa
     return rc & 2 ? -1 : rc;
 }
 
+/* The k-th largest (1 <= k <= n) of v [n], reordering v (quickselect, Hoare's partition about the middle value). */
+static float kth_largest(float *v, int n, int k) {
+    int lo = 0, hi = n - 1;
+    const int want = k - 1; /* its index in descending order */
+    while (lo < hi) {
+        const float p = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > p) i++;
+            while (v[j] < p) j--;
+            if (i <= j) {
+                const float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break; /* v[j + 1 .. i - 1] all equal p */
+    }
+    return v[want];
+}
+
+/* One position's window (hsd_screen_window): lo, hi [V] the bounds b_r -+ E_r (screen_row), the pinned tokens'
+ * exact moved values in place of theirs; returns the largest lower bound, *bad set for a value not finite. */
+static float window_bounds(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
+                           const long *pin_ids, const float *pin_vals, int npin, float *lo, float *hi, int *bad) {
+    float most = -INFINITY;
+    int r = 0;
+#if HSD_AVX512
+    __m512 mx = _mm512_set1_ps(-INFINITY), b, e;
+    const __m512 vh = _mm512_set1_ps(hn + dl), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps();
+    __mmask16 nf = 0;
+    for (; r + 16 <= V; r += 16) {
+        screen_row16(a, o, c, wn, r, vh, vd, &b, &e);
+        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);
+        const __m512 l = _mm512_sub_ps(b, e);
+        _mm512_storeu_ps(lo + r, l);
+        _mm512_storeu_ps(hi + r, _mm512_add_ps(b, e));
+        mx = _mm512_max_ps(mx, l);
+    }
+    if (nf) *bad = 1;
+    most = _mm512_reduce_max_ps(mx);
+#elif HSD_AVX2
+    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps(), b, e;
+    const __m256 vh = _mm256_set1_ps(hn + dl), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps();
+    for (; r + 8 <= V; r += 8) {
+        screen_row8(a, o, c, wn, r, vh, vd, &b, &e);
+        nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
+        const __m256 l = _mm256_sub_ps(b, e);
+        _mm256_storeu_ps(lo + r, l);
+        _mm256_storeu_ps(hi + r, _mm256_add_ps(b, e));
+        mx = _mm256_max_ps(mx, l);
+    }
+    if (_mm256_movemask_ps(nf)) *bad = 1;
+    float l8[8];
+    _mm256_storeu_ps(l8, mx);
+    for (int i = 0; i < 8; i++) most = l8[i] > most ? l8[i] : most;
+#endif
+    for (; r < V; r++) {
+        float b1, e1;
+        screen_row(a, o, c, wn, r, hn, dl, &b1, &e1);
+        if (!isfinite(b1)) *bad = 1;
+        lo[r] = b1 - e1;
+        hi[r] = b1 + e1;
+        most = lo[r] > most ? lo[r] : most;
+    }
+    if (npin) { /* a pinned token may have held the largest: the maximum again, over the values as they now are */
+        for (int j = 0; j < npin; j++) {
+            if (!isfinite(pin_vals[j])) *bad = 1;
+            lo[pin_ids[j]] = hi[pin_ids[j]] = pin_vals[j];
+        }
+        most = -INFINITY;
+        for (r = 0; r < V; r++) most = lo[r] > most ? lo[r] : most;
+    }
+    return most;
+}
+
+/* The logits of a window of each position's largest: out [m, V] (float32) holds, at each position t of normed
+ * hidden x [m, A->cols], the float32 head A's logits (computed as hsd_rows_f32 computes them; offsets not added)
+ * of the tokens that may be among the top_k (> 0; 0 or >= V: no such filter) largest of the logits plus offsets o
+ * [m, V] (NULL: none) and no more than `below` (logit units; INFINITY: no such limit) under the largest, and
+ * -INFINITY at every other token (engine/screen.py's HeadScreen.window). From the screen's logits a [m, V] (the
+ * int8 copy's, the activation in int16 of range q16): each token's interval [b_r - E_r, b_r + E_r] (screen_row);
+ * the npin pinned tokens (position pin_pos[j], token pin_ids[j], pin_pos ascending) have the exact value
+ * pin_vals[j] instead. The floor is the largest lower bound less `below`, raised to the top_k-th largest lower
+ * bound (sought among those within `reach` of the largest, or within `below` where it is finite; the whole row
+ * where fewer than top_k are there and `below` is infinite), then lowered by slack (1 + |floor|); the window is
+ * every token whose upper bound reaches it. work: nthreads * 3 * V floats, cand: nthreads * cap longs (scratch).
+ * Positions shared among nthreads threads. Returns 0; 1 when x, a or o holds a value that is not finite or a
+ * position has more than cap tokens in its window (the caller computes the logits); -1 on bad arguments. */
+int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const float *a, const float *o,
+                      const float *c, const float *wn, int top_k, float below, float reach, float slack,
+                      const long *pin_pos, const long *pin_ids, const float *pin_vals, int npin, int cap,
+                      float *out, float *work, long *cand, int nthreads) {
+    if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1 || q16 < 1 || top_k < 0 || npin < 0 || !(below >= 0.f)
+        || !(reach >= 0.f) || !(slack >= 0.f))
+        return -1;
+    const int K = A->cols, V = A->rows;
+    for (int j = 0; j < npin; j++)
+        if (pin_pos[j] < 0 || pin_pos[j] >= m || (j && pin_pos[j] < pin_pos[j - 1]) || pin_ids[j] < 0
+            || pin_ids[j] >= V)
+            return -1;
+    const int k = top_k < V ? top_k : 0;
+    int rc = 0;
+#pragma omp parallel num_threads(m > 1 ? nthreads : 1) reduction(| : rc)
+    {
+        const int id = omp_get_thread_num();
+        float *lo = work + (size_t)id * 3 * V, *hi = lo + V, *sel = hi + V;
+        long *cd = cand + (size_t)id * cap;
+        prefetch_t pf = {NULL, NULL};
+        int t0, t1;
+        share(m, 1, &t0, &t1);
+        for (int t = t0; t < t1 && !rc; t++) {
+            const float *at = a + (size_t)t * V, *xt = x + (size_t)t * K, *ot = o ? o + (size_t)t * V : NULL;
+            float hn, dl;
+            if (screen_norms(xt, K, q16, &hn, &dl)) {
+                rc |= 1;
+                break;
+            }
+            int p0 = 0, bad = 0;
+            while (p0 < npin && pin_pos[p0] < t) p0++;
+            int p1 = p0;
+            while (p1 < npin && pin_pos[p1] == t) p1++;
+            const float most = window_bounds(at, ot, c, wn, V, hn, dl, pin_ids + p0, pin_vals + p0, p1 - p0, lo, hi,
+                                             &bad);
+            if (bad) {
+                rc |= 1;
+                break;
+            }
+            float floor = most - below;
+            if (k > 0) {
+                const float near = most - (isinf(below) ? reach : below);
+                int n = 0;
+                for (int r = 0; r < V; r++)
+                    if (lo[r] >= near) sel[n++] = lo[r];
+                if (n < k && isinf(below)) {
+                    memcpy(sel, lo, sizeof(float) * (size_t)V);
+                    n = V;
+                }
+                if (n >= k) {
+                    const float kth = kth_largest(sel, n, k);
+                    floor = kth > floor ? kth : floor;
+                }
+            }
+            floor -= slack * (1.f + fabsf(floor));
+            if (!isfinite(floor)) {
+                rc |= 1;
+                break;
+            }
+            int n = 0;
+            for (int r = 0; r < V && n <= cap; r++)
+                if (hi[r] >= floor) {
+                    if (n == cap) n = cap + 1;
+                    else cd[n++] = r;
+                }
+            if (n > cap) {
+                rc |= 1;
+                break;
+            }
+            float *yt = out + (size_t)t * V;
+            for (int r = 0; r < V; r++) yt[r] = -INFINITY;
+            for (int j = 0; j < n; j += 4) {
+                const int kk = n - j < 4 ? n - j : 4;
+                float sc[4];
+                rows4_f32(A, cd + j, kk, xt, sc, &pf);
+                for (int i = 0; i < kk; i++) yt[cd[j + i]] = sc[i];
+            }
+        }
+    }
+    return rc;
+}
+
 /* ------------------------------------------------------------------------------------------ the exact forms */
 
 /* float32 -> float16 bits, rounded to nearest, ties to even, as torch's .half() (overflow to infinity, half

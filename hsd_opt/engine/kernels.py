@@ -96,6 +96,17 @@ class _CModel(ctypes.Structure):
 
 
 _LOCK = threading.Lock()
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of at least ``n`` values kept per thread under ``name`` (a kernel's scratch: a fresh one per call
+    costs page faults, the allocator handing large blocks back and taking them again)."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_SCRATCH, name, buf)
+    return buf
 _LIB: list = []  # [ctypes.CDLL or None] once tried
 _P = ctypes.c_void_p
 
@@ -253,6 +264,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_screen_pick.restype = ctypes.c_int
     lib.hsd_screen_pick.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
                                     ctypes.c_int, _P, ctypes.c_int]
+    lib.hsd_screen_window.restype = ctypes.c_int
+    lib.hsd_screen_window.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
+                                      ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P, _P, _P,
+                                      ctypes.c_int, ctypes.c_int, _P, _P, _P, ctypes.c_int]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     try:
@@ -828,6 +843,43 @@ def screen_pick(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tenso
                              None if offsets is None else offsets.data_ptr(),
                              c.data_ptr(), wnorm.data_ptr(), cap, out.data_ptr(),
                              nthreads or torch.get_num_threads())
+    if rc < 0:
+        raise HsdError("kernels: bad screen call")
+    return out if rc == 0 else None
+
+
+def screen_window(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, wnorm: torch.Tensor, q16: int,
+                  top_k: int, below: float, reach: float, slack: float, cap: int,
+                  offsets: torch.Tensor | None = None,
+                  pins: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  nthreads: int | None = None) -> torch.Tensor | None:
+    """The logits ``[m, V]`` float32 of a window of each position's largest (``hsd_screen_window``; what
+    :meth:`~hsd_opt.engine.screen.HeadScreen.window` states): at normed hidden ``x`` ``[m, d]``, from the screen's
+    logits ``a`` ``[m, V]`` (its constants ``c``, ``wnorm`` ``[V]``, int16 range ``q16``), the float32 ``head``'s
+    logits (as :func:`rows_f32` computes them) of the tokens that may be among the ``top_k`` largest of the logits
+    plus ``offsets`` (``[m, V]`` float32, finite; None: zero) and no more than ``below`` (logit units; ``inf``: no
+    limit) under the largest, ``-inf`` elsewhere. ``reach``: how far under the largest the ``top_k``-th is first
+    sought (where ``below`` is infinite); ``slack``: the floor's relative allowance. ``pins``: positions (ascending),
+    token ids (int64 ``[n]``) and exact moved values (float32 ``[n]``) that stand for those tokens' bounds. None
+    when a value is not finite or a position's window holds more than ``cap`` tokens."""
+    x, a = x.float().contiguous(), a.float().contiguous()
+    m, V = a.shape
+    if V != head.rows or x.shape != (m, head.cols):
+        raise HsdError("kernels: bad screen call")
+    if offsets is not None:
+        offsets = offsets.float().contiguous()
+        if offsets.shape != a.shape:
+            raise HsdError("kernels: bad screen call")
+    pos, ids, vals = pins if pins is not None else (torch.zeros(0, dtype=torch.int64),) * 2 + (torch.zeros(0),)
+    pos, ids = pos.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    vals = vals.float().contiguous()
+    nt = nthreads or torch.get_num_threads()
+    out = torch.empty(m, V, dtype=torch.float32)
+    work, cand = _scratch("window", nt * 3 * V, torch.float32), _scratch("window_ids", nt * cap, torch.int64)
+    rc = lib.hsd_screen_window(ctypes.byref(_struct(head)), x.data_ptr(), m, q16, a.data_ptr(),
+                               None if offsets is None else offsets.data_ptr(), c.data_ptr(), wnorm.data_ptr(),
+                               top_k, below, reach, slack, pos.data_ptr(), ids.data_ptr(), vals.data_ptr(),
+                               pos.numel(), cap, out.data_ptr(), work.data_ptr(), cand.data_ptr(), nt)
     if rc < 0:
         raise HsdError("kernels: bad screen call")
     return out if rc == 0 else None

@@ -55,7 +55,7 @@ MAX_CANDIDATES = 1024
 #: probabilities rather than logits (both far smaller).
 WINDOW_SLACK = 1e-3
 #: Logit units below a row's largest lower bound within which :meth:`HeadScreen.window` first looks for top-k's
-#: ``k``-th largest (the whole row where fewer than ``k`` are there): a small top-k over a few hundred values
+#: ``k``-th largest (the whole row where fewer than ``k`` are there): a selection over a few hundred values
 #: instead of the vocabulary.
 WINDOW_REACH = 16.0
 
@@ -147,38 +147,19 @@ class HeadScreen:
         logits too (:class:`~hsd_opt.engine.interface.Window`): their logits are computed first, and their moved
         values stand for their bounds. None where the screen steps aside (values not finite, more than
         :data:`MAX_CANDIDATES` candidates at a position): the caller computes the logits."""
-        e = kernels.screen_bounds(self.lib, h, self.c, self.wnorm, self.q16)
-        if e is None:
+        if not 0 < top_k < a.shape[1] and below == torch.inf:
             return None
-        lo, hi = a - e, a + e
-        if offsets is not None:
-            lo, hi = lo + offsets, hi + offsets
-        for i, ids in enumerate(pinned):
-            if ids.numel():
-                v = self.row_values(h[i:i + 1], ids)
-                add = reoffset(v) if offsets is None else offsets[i, ids] + reoffset(v)
-                lo[i, ids] = hi[i, ids] = v + add
-        most = lo.max(dim=1).values
-        floor = most - below
-        if 0 < top_k < a.shape[1]:
-            # the k-th largest lower bound, among those within reach of the largest (a small top-k) where k of
-            # them are; fewer there and it lies below the reach: min-p's floor is higher, else the whole row's
-            reach = below if below < torch.inf else WINDOW_REACH
-            for i in range(a.shape[0]):
-                near = lo[i][lo[i] >= most[i] - reach]
-                if near.numel() < top_k and below < torch.inf:
-                    continue
-                kth = torch.topk(near if near.numel() >= top_k else lo[i], top_k, sorted=False).values.min()
-                floor[i] = torch.maximum(floor[i], kth)
-        floor = floor - WINDOW_SLACK * (1 + floor.abs())
-        if not bool(torch.isfinite(floor).all()):
-            return None
-        pos, rows = (hi >= floor[:, None]).nonzero(as_tuple=True)
-        if int(torch.bincount(pos).max()) > MAX_CANDIDATES:
-            return None
-        out = torch.full(a.shape, -torch.inf)
-        out[pos, rows] = kernels.rows_f32(self.lib, self.head, rows, pos, h)
-        return out
+        h = h.float().contiguous()
+        pins = None
+        if any(ids.numel() for ids in pinned):
+            vals = []
+            for i, ids in enumerate(pinned):
+                v = self.row_values(h[i:i + 1], ids) if ids.numel() else torch.zeros(0)
+                vals.append(v + (reoffset(v) if offsets is None else offsets[i, ids] + reoffset(v)))
+            pins = (torch.cat([torch.full((ids.numel(),), i, dtype=torch.long) for i, ids in enumerate(pinned)]),
+                    torch.cat([ids.to(torch.long) for ids in pinned]), torch.cat(vals))
+        return kernels.screen_window(self.lib, self.head, h, a, self.c, self.wnorm, self.q16, top_k, below,
+                                     WINDOW_REACH, WINDOW_SLACK, MAX_CANDIDATES, offsets=offsets, pins=pins)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Greedy token ids ``[m]`` (int64) of the head at normed hidden ``h`` ``[m, d]``, equal to

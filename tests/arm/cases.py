@@ -13,6 +13,7 @@ then its arrays in a fixed order, every array as ``u32 length of a name, the nam
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine import weights as wq
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.engine.screen import HeadScreen
+from hsd_opt.engine.screen import WINDOW_REACH, WINDOW_SLACK, HeadScreen
 from tests.helpers import q4_1_weights, q8_0_weights
 
 #: Positions of x each linear case is checked at (the driver reads the same list from the file).
@@ -174,6 +175,20 @@ def write(path: Path) -> None:
     w.array("rows", rows)
     w.array("positions", positions)
     w.array("picked", kernels.rows_f32(lib, head, rows, positions, x))
+    # windows of the largest (hsd_screen_window): top-k alone; top-k and min-p's distance over offsets, tokens pinned
+    pins = (torch.tensor([0, 0, 3], dtype=torch.int64), torch.tensor([7, 500, 999], dtype=torch.int64),
+            torch.tensor([2.5, -1.0, 0.75]))
+    for top_k, below, off, pin in ((5, math.inf, None, None), (40, 3.0, offsets, pins)):
+        out = kernels.screen_window(lib, head, x, a, screen.c, screen.wnorm, screen.q16, top_k, below,
+                                    WINDOW_REACH, WINDOW_SLACK, 1024, offsets=off, pins=pin)
+        assert out is not None and 0 < int(torch.isfinite(out).sum()) < out.numel()
+        pos, ids, vals = pin if pin is not None else (torch.zeros(0, dtype=torch.int64),) * 2 + (torch.zeros(0),)
+        w.ints("window", top_k, int(off is not None), pos.numel())
+        w.floats("limits", below, WINDOW_REACH, WINDOW_SLACK)
+        w.array("pin_pos", pos)
+        w.array("pin_ids", ids)
+        w.array("pin_vals", vals)
+        w.array("window_out", out)
     # the exact forms made and checked (hsd_exact_q4f / q8f, hsd_exact_mismatch) and the screen's int8 copy
     w.array("case", b"exact")
     for kind, (rows, cols) in (("q4f", (37, 96)), ("q8f", (23, 128))):

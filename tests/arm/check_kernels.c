@@ -132,6 +132,18 @@ static void screen_case(int nt) {
     float *y = malloc(sizeof(float) * n);
     if (hsd_rows_f32(&head, rows.p, positions.p, n, x.p, y) != 0) die("hsd_rows_f32 refused its arguments");
     check("hsd_rows_f32", y, &want, sizeof(float) * n);
+    float *win = malloc(sizeof(float) * (size_t)m * V), *work = malloc(sizeof(float) * (size_t)nt * 3 * V);
+    long *cand = malloc(sizeof(long) * (size_t)nt * 1024);
+    for (int i = 0; i < 2; i++) {
+        const int32_t *wv = next("window").p;
+        const float *lim = next("limits").p;
+        arr_t pp = next("pin_pos"), pi = next("pin_ids"), pv = next("pin_vals"), wo = next("window_out");
+        if (hsd_screen_window(&head, x.p, m, q16, wa.p, wv[1] ? off.p : NULL, c.p, wn.p, wv[0], lim[0], lim[1], lim[2],
+                              pp.p, pi.p, pv.p, wv[2], 1024, win, work, cand, nt) != 0)
+            die("hsd_screen_window refused its arguments");
+        check(i ? "hsd_screen_window top-k, min-p, offsets, pins" : "hsd_screen_window top-k", win, &wo,
+              sizeof(float) * (size_t)m * V);
+    }
 }
 
 /* hsd_exact_q4f and hsd_exact_q8f on exact weights (the form, and -1) and on weights one ulp off in one place (the
