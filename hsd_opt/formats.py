@@ -364,6 +364,8 @@ class Provenance:
             without it is for its ``dtype``).
         temperature: the sampling temperature of the profiled generations (0: greedy).
         top_p: their nucleus share, in (0, 1].
+        top_k: their top-k (0: none), an integer >= 0.
+        min_p: their min-p (0: none), in [0, 1].
         costs_only: True for a profile of costs alone (``hsd profile --costs-only``: random weights, no
             acceptance rates), which ``hsd solve`` refuses until ``hsd profile merge-costs`` has given it rates.
         extra: every other field (prompts, timings, versions, ...), kept on round-trip.
@@ -378,6 +380,8 @@ class Provenance:
     target_precision: str | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     costs_only: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
@@ -403,7 +407,7 @@ class Provenance:
     def to_dict(self) -> dict[str, Any]:
         fields = {"model": self.model, "revision": self.revision, "heads": self.heads, "device": self.device,
                   "dtype": self.dtype, "target_precision": self.target_precision, "temperature": self.temperature,
-                  "top_p": self.top_p, "costs_only": self.costs_only}
+                  "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "costs_only": self.costs_only}
         return _json_object(fields, dict.fromkeys(fields), self.extra, self.key_order)
 
 
@@ -1120,7 +1124,7 @@ def _plan_models(raw: Any, source: str) -> list[PlanModel]:
 
 
 PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p",
-                     "costs_only")
+                     "top_k", "min_p", "costs_only")
 
 
 def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Provenance:
@@ -1130,7 +1134,8 @@ def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Prov
 
 def _provenance(raw: Any, source: str) -> Provenance:
     """A plan's ``provenance`` (absent or null: empty): the typed fields strings (``temperature`` a number >= 0,
-    ``top_p`` one in (0, 1], ``costs_only`` true or false) or null."""
+    ``top_p`` one in (0, 1], ``top_k`` an integer >= 0, ``min_p`` one in [0, 1], ``costs_only`` true or false) or
+    null."""
     if raw is None:
         return Provenance()
     if not isinstance(raw, dict):
@@ -1141,10 +1146,13 @@ def _provenance(raw: Any, source: str) -> Provenance:
     temperature = _optional(raw, "temperature", lambda v: _is_number(v) and v >= 0, "a temperature >= 0", source,
                             at)
     top_p = _optional(raw, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a share in (0, 1]", source, at)
+    top_k = _optional(raw, "top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                      "an integer >= 0", source, at)
+    min_p = _optional(raw, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a share in [0, 1]", source, at)
     costs_only = _optional(raw, "costs_only", lambda v: isinstance(v, bool), "true or false", source, at)
     extra = {k: v for k, v in raw.items() if k not in PROVENANCE_FIELDS}
-    return Provenance(**text, temperature=temperature, top_p=top_p, costs_only=costs_only, extra=extra,
-                      key_order=tuple(raw))
+    return Provenance(**text, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, costs_only=costs_only,
+                      extra=extra, key_order=tuple(raw))
 
 
 def _alternative(a: Any, source: str, tmax: int, at: str) -> Alternative:

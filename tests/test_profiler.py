@@ -482,8 +482,8 @@ def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_p
     costs, and to no token drafter's."""
     from hsd_opt.profiler import run as profiler_run
 
-    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1: [1.0 + t for t in
-                                                                                               range(tmax1)])
+    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1, **kw: [1.0 + t for t
+                                                                                                     in range(tmax1)])
     outs = {}
     for top_p in (0.9, 1.0):
         outs[top_p] = tmp_path / f"p{top_p}.json"
@@ -512,8 +512,8 @@ def test_a_target_that_draws_by_noise_is_costed_so(tiny, tmp_path, monkeypatch):
     it reads its distributions) nor off any other model's costs."""
     from hsd_opt.profiler import run as profiler_run
 
-    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1: [1.0 + t for t in
-                                                                                               range(tmax1)])
+    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1, **kw: [1.0 + t for t
+                                                                                                     in range(tmax1)])
     monkeypatch.setattr(profiler_run, "time_draw_saving", lambda eng, text, temperature, tmax1: [0.5 + 0.1 * t for t
                                                                                                 in range(tmax1)])
     out = tmp_path / "p.json"
@@ -534,6 +534,68 @@ def test_a_target_that_draws_by_noise_is_costed_so(tiny, tmp_path, monkeypatch):
         assert all(t + 1 < c < t + 1.5 for t, c in enumerate(e.verify_cost["layer4"]["layer2"]))
     assert prof.entry("layer4").cost == prof.context_costs[0].cost["layer4"]
     assert prof.verify_cost["layer4"]["lookup"] == prof.context_costs[0].verify_cost["layer4"]["lookup"]
+
+
+def test_a_profile_sampled_with_top_k_or_min_p_measures_the_filtered_target(tiny, tmp_path, monkeypatch):
+    """With ``--top-k``/``--min-p`` the acceptance rates are those of the filtered distributions: at top-k 1 every
+    distribution is one-hot on its largest logit, so a drafter's acceptance is its greedy agreement with the target
+    (unfiltered it is not). The filters are recorded, a profile merges only with one of the same filters, the
+    sampling work is timed with them, and what the target's engine saves by reading the filters' window
+    (``window_saving_seconds``, here a patched 0.5, 0.6, 0.7, 0.8 s) comes off every pass of each of its levels
+    (costs, cost curves, verification) where draws by noise do not apply."""
+    from hsd_opt.profiler import run as profiler_run
+
+    asked = []
+    monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1, **kw: asked.append(
+        kw) or [1.0 + t for t in range(tmax1)])
+    monkeypatch.setattr(profiler_run, "time_window_saving", lambda eng, text, temperature, top_k, min_p, tmax1: [
+        0.5 + 0.1 * t for t in range(tmax1)])
+    monkeypatch.setattr(profiler_run, "time_draw_saving", lambda *a: pytest.fail("draws by noise under a filter"))
+    outs = {}
+    for name, flags in (("k1", ["--top-k", "1"]), ("k1m", ["--top-k", "1", "--min-p", "0.05"]), ("none", [])):
+        outs[name] = tmp_path / f"{name}.json"
+        if name == "none":
+            monkeypatch.setattr(profiler_run, "time_draw_saving", lambda eng, text, temperature, tmax1: [0.0] * tmax1)
+        r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out",
+                  str(outs[name]), "--max-new-tokens", "6", "--layers", "1,2", "--token-drafters", "none",
+                  "--quantized", "none", "--temperature", "0.8", "--device", "cpu", *flags] + FAST)
+        assert r.exit_code == 0, r.output
+    prof, _ = load_profile(outs["k1"])
+    pv = prof.provenance
+    assert pv.top_k == 1 and pv.min_p == 0.0 and asked[0] == {"top_k": 1, "min_p": 0.0}
+    for d in ("layer1", "layer2"):
+        assert prof.accept(d, "layer4") == pytest.approx(prof.greedy_agreement[d]["layer4"], abs=1e-6)
+    plain, _ = load_profile(outs["none"])
+    assert any(abs(plain.accept(d, "layer4") - plain.greedy_agreement[d]["layer4"]) > 1e-3
+               for d in ("layer1", "layer2"))
+    assert pv.get("window_saving_seconds") == [0.5, 0.6, 0.7, 0.8]
+    assert plain.provenance.get("window_saving_seconds") is None
+    for e, p in zip(prof.context_costs, plain.context_costs):
+        for m in ("layer1", "layer2", "layer4"):
+            assert all(0.5 + 0.9 * t < c < 1 + 0.9 * t for t, c in enumerate(e.cost_curve[m])), m
+            assert all(c < q for c, q in zip(e.cost_curve[m], p.cost_curve[m])), m
+            assert e.cost[m] == pytest.approx(e.cost_curve[m][0])
+        assert all(0.5 + 0.9 * t < c < 1 + 0.9 * t for t, c in enumerate(e.verify_cost["layer4"]["layer1"]))
+    r = _cli(["profile", "merge", str(outs["k1"]), str(outs["k1m"]), "-o", str(tmp_path / "m.json")])
+    assert r.exit_code == 2 and "provenance.min_p" in r.output
+    r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out",
+              str(tmp_path / "x.json"), "--top-k", "40"])
+    assert r.exit_code == 2 and "--top-k 40 needs --temperature > 0" in r.output
+
+
+def test_time_window_saving_times_every_pass_size():
+    """What a pass over t = 1..tmax1 tokens saves by the filters' window: one finite value per t, on a target with
+    a screen; refused where the filters keep every logit."""
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.profiler.costs import time_window_saving
+    from tests.helpers import make_tiny_llama
+
+    eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
+    text = torch.randint(3, 64, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    c = time_window_saving(eng, text, 1.0, 40, 0.05, 5, repeats=2)
+    assert len(c) == 5 and all(abs(x) < 1.0 for x in c)
+    with pytest.raises(ValueError):
+        time_window_saving(eng, text, 1.0, 0, 0.0, 5)
 
 
 def test_time_draw_saving_times_every_pass_size():

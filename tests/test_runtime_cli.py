@@ -315,6 +315,29 @@ def test_run_warns_where_threads_or_kernel_variant_differ_from_the_plans(tiny_di
     assert "kernels, this run uses" in text and "profile again on this machine" in text
 
 
+def test_run_warns_where_its_sampling_differs_from_the_plans(tiny_dir, tmp_path):
+    """A plan's acceptance rates are for the sampling it was profiled with: a run that samples otherwise (greedy
+    against sampled, another temperature, other filters) says so, naming the plan; the same sampling, or a plan
+    that does not say, says nothing."""
+    sampled = _plan(tmp_path / "t1.json", tiny_dir / "m", temperature=1.0, top_p=1.0, top_k=40, min_p=0.05)
+    silent = _plan(tmp_path / "old.json", tiny_dir / "m")
+    base = ["run", "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"]
+    for plan, extra, said in (
+            (sampled, ["--temperature", "1", "--top-k", "40", "--min-p", "0.05"], None),
+            (silent, ["--temperature", "1"], None),
+            (sampled, [], "was profiled sampling at temperature 1, top-k 40, min-p 0.05; this run is greedy"),
+            (sampled, ["--temperature", "1"], "this run is sampling at temperature 1;"),
+            (sampled, ["--temperature", "0.7", "--top-k", "40", "--min-p", "0.05"],
+             "this run is sampling at temperature 0.7, top-k 40, min-p 0.05")):
+        res = runner.invoke(app, base + ["--plan", str(plan), *extra])
+        assert res.exit_code == 0, _out(res)
+        text = " ".join(_out(res).split())
+        if said is None:
+            assert "was profiled" not in text, extra
+        else:
+            assert said in text and str(plan) in text and "hsd profile takes the same sampling options" in text, extra
+
+
 def test_run_under_a_json_schema_equals_the_targets_masked_output(tiny_dir, tmp_path):
     """``hsd run --json-schema``: every hierarchy level reads the masked model, so the plan's tokens are the target's
     own masked greedy tokens; a regex grammar file constrains the same way."""

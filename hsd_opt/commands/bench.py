@@ -23,8 +23,9 @@ from hsd_opt.commands.common import (
     read_retime_profile,
     retime_text,
     retimed_levels,
+    warn_sampling,
 )
-from hsd_opt.console import console, warn
+from hsd_opt.console import console
 from hsd_opt.errors import HsdError
 from hsd_opt.prompts import JSON_TASK
 
@@ -178,7 +179,7 @@ def bench_cmd(
         items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     sampling = dataclasses.replace(sampling, grammars=grammars)
-    _warn_profiled_temperature(plan, p.provenance.temperature, temperature)
+    warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
                     assistant=assistant, retime=retime_profile, retime_source=str(retime))
@@ -205,14 +206,6 @@ def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task:
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
     check_seeds(sampling, items, turns)
     return sampling, ms, items
-
-
-def _warn_profiled_temperature(plan: Path, profiled: Optional[float], temperature: float) -> None:
-    """Warn where the plan was profiled greedy and this run samples, or the other way round (``profiled``: the
-    plan's provenance temperature, None when it does not say)."""
-    if profiled is not None and (profiled > 0) != (temperature > 0):
-        warn(f"{plan}: the plan was profiled {'greedy' if not profiled else f'at temperature {profiled:g}'}; its "
-             f"predictions are for that setting, not for this run's")
 
 
 def _add_machine(rep: dict, loaded) -> None:

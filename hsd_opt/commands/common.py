@@ -109,6 +109,16 @@ def warn_machine(plan, device: str) -> None:
         warn(f"{d}: its predicted speed may not hold here (profile again on this machine)")
 
 
+def warn_sampling(source, plan, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> None:
+    """Warn where this run samples otherwise than ``plan`` (read from ``source``) was profiled: its hierarchy and
+    predictions are for that setting (profile again with this run's sampling options)."""
+    from hsd_opt.runtime.runner import sampling_differences
+
+    for d in sampling_differences(plan, temperature, top_p, top_k, min_p):
+        warn(f"{source}: {d}; its hierarchy and predictions are for that setting (hsd profile takes the same "
+             f"sampling options)")
+
+
 def prepare_kernels(device: str) -> None:
     """On a CPU, load the decode kernels now, so that their one-time build (a few seconds) is announced on stderr
     rather than passing silently inside the first engine that wants them."""
@@ -182,6 +192,9 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
 
 
 JSON_SCHEMA_HELP = "A JSON schema (a .json file): the output is JSON that follows it (structured output)."
+TOP_K_HELP = "Sample among the K most probable tokens (0: off; llama.cpp's default: 40)."
+MIN_P_HELP = ("Sample among tokens at least this share of the most probable one's probability, in [0, 1] (0: off; "
+              "llama.cpp's default: 0.05).")
 GRAMMAR_HELP = ("A grammar file the output follows: a regular expression in a file ending .regex, else a Lark "
                 "grammar (llguidance's dialect).")
 

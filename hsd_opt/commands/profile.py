@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from hsd_opt.commands import options
-from hsd_opt.commands.common import check_outputs, cli_command, prepare_kernels
+from hsd_opt.commands.common import MIN_P_HELP, TOP_K_HELP, check_outputs, cli_command, prepare_kernels
 from hsd_opt.console import console, err_console, warn
 
 
@@ -18,6 +18,8 @@ def acceptance_table(prof, max_rows: int = 64) -> Table:
     """Rich table: per drafter, its cost, acceptance / greedy agreement against the target, and the 95% CI."""
     pv = prof.provenance
     how = (f"sampling at temperature {pv.temperature:g}, top-p {pv.get('top_p', 1.0):g}"
+           + (f", top-k {pv.top_k}" if pv.get("top_k", 0) else "")
+           + (f", min-p {pv.min_p:g}" if pv.get("min_p", 0.0) else "")
            if pv.temperature else "greedy")
     t = Table(title=f"acceptance against the target {prof.target}, {how} (cost = one warm decode step)")
     for c, j in (("drafter", "left"), ("kind", "left"), ("cost ms", "right"), ("accept", "right"),
@@ -114,6 +116,8 @@ def profile_cmd(
                                                                  "then uses softmax(logits)); > 0 samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] after the temperature, as `hsd run "
                                                      "--top-p` samples (needs --temperature > 0)."),
+    top_k: int = typer.Option(0, "--top-k", help=TOP_K_HELP + " Needs --temperature > 0."),
+    min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP + " Needs --temperature > 0."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Tokens the target generates per "
                                                                     "prompt (fewer at EOS)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -159,7 +163,7 @@ def profile_cmd(
     cfg = ProfileConfig(model=model, out=out, prompts=prompts, layers=exits, draft_models=list(draft_model),
                         draft_layers=draft_exits, quantized=copies, token_drafters=explicit,
                         token_drafters_left_out=left_out, heads=heads,
-                        temperature=temperature, top_p=top_p,
+                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         max_new_tokens=max_new_tokens, raw=raw, device=device, dtype=dtype,
                         target_precision=precision, seed=seed, cost_budget=budget,
                         resume=resume, tmax=tmax, cost_repeats=cost_repeats, cost_contexts=contexts,
@@ -169,10 +173,7 @@ def profile_cmd(
     prof = _run_profile(cfg, quiet)
     if prof is None or rank != 0:
         return
-    if costs_only:
-        _report_costs(prof, out, quiet)
-    else:
-        _report_profile(prof, out, quiet)
+    (_report_costs if costs_only else _report_profile)(prof, out, quiet)
 
 
 def _check_required(model: Optional[str], out: Optional[Path]) -> None:

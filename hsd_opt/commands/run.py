@@ -13,7 +13,9 @@ import typer
 from hsd_opt.commands.common import (
     GRAMMAR_HELP,
     JSON_SCHEMA_HELP,
+    MIN_P_HELP,
     TARGET_PRECISION_HELP,
+    TOP_K_HELP,
     check_outputs,
     cli_command,
     compile_grammar,
@@ -22,6 +24,7 @@ from hsd_opt.commands.common import (
     item_grammars,
     level_acceptance,
     load_plan_and_model,
+    warn_sampling,
 )
 from hsd_opt.console import console
 from hsd_opt.prompts import JSON_TASK
@@ -113,7 +116,6 @@ def tasks_table(per: dict, by: str, plans: dict[str, tuple[list[str], list[int]]
     return t, notes
 
 
-MIN_P_HELP = "Sample among tokens at least this share of the most probable one's probability, in [0, 1] (0: off)."
 FREQUENCY_HELP = "-2 .. 2: subtracted from a token's logit per time it was generated."
 PRESENCE_HELP = "-2 .. 2: subtracted from the logit of every token generated so far."
 LOGIT_BIAS_HELP = "A JSON object from token ids to offsets in -100 .. 100 added to their logits, e.g. '{\"28\": -100}'."
@@ -141,7 +143,7 @@ def run_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens generated per prompt (per turn)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (lossless)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most probable tokens (0: off)."),
+    top_k: int = typer.Option(0, "--top-k", help=TOP_K_HELP),
     min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -167,17 +169,14 @@ def run_cmd(
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
-    from hsd_opt.errors import HsdError
     from hsd_opt.jsonio import atomic_write_bytes
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_logprobs, check_mode
+    from hsd_opt.runtime.decode import check_mode
     from hsd_opt.runtime.runner import plan_for_prompt
 
     penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
                                  presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
-    check_logprobs(logprobs)
-    if logprobs is not None and json_out is None:
-        raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
+    _check_logprobs(logprobs, json_out)
     check_mode(mode)
     check_outputs(("--json", json_out))
     check_turn_mode(turns)
@@ -187,6 +186,7 @@ def run_cmd(
         task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
     items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     if penalties is not None:
         penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
@@ -203,6 +203,16 @@ def run_cmd(
     if json_out is not None:
         atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
         console.print(f"wrote {json_out}")
+
+
+def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
+    """Refuse a ``--logprobs`` out of range, or one without ``--json`` (where the log-probabilities go)."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.runtime.decode import check_logprobs
+
+    check_logprobs(logprobs)
+    if logprobs is not None and json_out is None:
+        raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,

@@ -125,6 +125,7 @@ class StepClock:
         costs = profile.context_costs[0].cost if profile.context_costs else {m.name: m.cost for m in profile.models}
         sampling = profile.provenance.get("sampling_seconds") or [0.0]
         saving = profile.provenance.get("draw_saving_seconds") or [0.0]   # the target's step by draws
+        window = profile.provenance.get("window_saving_seconds") or [0.0]  # its engine's steps by the filters' window
         engines: dict[int, dict[str, Any]] = {}
         for h in hierarchies:
             for lv in h.levels:
@@ -141,8 +142,8 @@ class StepClock:
                 raise HsdError(f"--retime: the profile has no cost for {top.name!r}")
             # the profiled cost includes the sampled distributions' processing (profiles made with a temperature)
             step = costs[top.name] - float(sampling[0])
-            if top.name == profile.target:      # its profiled step ends in draws: the step timed here in logits
-                step += float(saving[0])
+            if top.name == profile.target:      # its profiled step ends in draws or a window: timed here in logits
+                step += float(saving[0]) + float(window[0])
             step = max(step, 1e-9)
             self.engines.append({"engine": e["engine"], "names": sorted(e["names"]), "name": top.name,
                                  "boundary": top.boundary, "profiled": step, "measured": []})

@@ -22,8 +22,9 @@ from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
-MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "max_new_tokens", "raw", "dtype",
-                "target_precision", "layers", "draft_models", "draft_layers", "quantized", "token_drafters")
+MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "top_k", "min_p", "max_new_tokens",
+                "raw", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
+                "token_drafters")
 
 
 def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float | None:
@@ -182,7 +183,7 @@ def batch_costs_entries(prof: Profile, neural: Sequence[NeuralDrafter], batch: d
 def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
                   token_costs: dict[str, list[float]] | None = None,
                   sampling: Sequence[float] | None = None, draw_saving: Sequence[float] | None = None,
-                  target_name: str | None = None) -> list[ContextCosts]:
+                  target_name: str | None = None, window_saving: Sequence[float] | None = None) -> list[ContextCosts]:
     """Every model's step cost, cost curve and verify curves at each measured context, non-decreasing in t and
     in the context (:func:`~hsd_opt.profiler.costs.monotone_in_context`). ``lcs[id(engine)]`` is the list of
     :class:`~hsd_opt.profiler.costs.LayerCosts` of an engine, one per context (the same contexts for every
@@ -193,7 +194,11 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
     target that samples by draws through its screen) what the target's pass saves when it ends in draws: taken off
     its ``cost`` (the target alone draws each step) and off its curve for ``verify_cost[target][d]`` of every
     token drafter ``d`` (one-hot drafts, verified by draws), non-decreasing again; its ``cost_curve`` (a model
-    drafter below reads its distributions) keeps the pass with them."""
+    drafter below reads its distributions) keeps the pass with them. ``window_saving[t - 1]``
+    (:func:`~hsd_opt.profiler.costs.time_window_saving`; sampled with top-k or min-p through the target's screen)
+    what a pass over t tokens of the target's engine saves by reading the filters' window: taken off every curve of
+    each level on that engine that reads the model's own head (its ``cost``, ``cost_curve`` and ``verify_cost``),
+    non-decreasing again."""
     from hsd_opt.profiler.costs import isotonic, monotone_in_context
 
     tmax1 = tmax + 1
@@ -206,15 +211,17 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
               for nv in neural for nd in neural if nd.engine is nv.engine and nd.boundary < nv.boundary}
     tok = {n: isotonic(v) for n, v in (token_costs or {}).items()}
     if sampling is not None:
-        extra = list(sampling)[:tmax1]
-        extra += [extra[-1]] * (tmax1 - len(extra))
+        extra = _per_pass_size(sampling, tmax1)
         curves = {n: [[x + e for x, e in zip(row, extra)] for row in cv] for n, cv in curves.items()}
         verify = {k: [[x + e for x, e in zip(row, extra)] for row in cv] for k, cv in verify.items()}
+    if window_saving is not None and target_name in curves:
+        eng = next(nd.engine for nd in neural if nd.name == target_name)
+        on = {nd.name for nd in neural if nd.engine is eng and nd.boundary not in getattr(eng, "exit_heads", ())}
+        curves = {n: _less(cv, window_saving) if n in on else cv for n, cv in curves.items()}
+        verify = {k: _less(cv, window_saving) if k[0] in on else cv for k, cv in verify.items()}
     drawn = None
     if draw_saving is not None and target_name in curves:
-        save = list(draw_saving)[:tmax1]
-        save += [save[-1]] * (tmax1 - len(save))
-        drawn = [isotonic([max(x - s, 1e-9) for x, s in zip(row, save)]) for row in curves[target_name]]
+        drawn = _less(curves[target_name], draw_saving)
     out = []
     for k, c in enumerate(contexts):
         cost = {n: max(cv[k][0], 1e-9) for n, cv in curves.items()}
@@ -228,6 +235,20 @@ def context_costs(neural: Sequence[NeuralDrafter], lcs: dict, tmax: int,
                 vc.setdefault(target_name, {})[d] = list(drawn[k])
         out.append(ContextCosts(c, cost, {n: [max(x, 1e-9) for x in cv[k]] for n, cv in curves.items()}, vc))
     return out
+
+
+def _per_pass_size(values: Sequence[float], tmax1: int) -> list[float]:
+    """``values`` per pass size ``t = 1 ..``, cut or padded with its last to ``tmax1`` of them."""
+    out = list(values)[:tmax1]
+    return out + [out[-1]] * (tmax1 - len(out))
+
+
+def _less(curve: list[list[float]], saving: Sequence[float]) -> list[list[float]]:
+    """Each context's row of ``curve`` (seconds per pass size) less ``saving`` at that size, at least 1e-9 and
+    non-decreasing again."""
+    from hsd_opt.profiler.costs import isotonic
+
+    return [isotonic([max(x - s, 1e-9) for x, s in zip(row, _per_pass_size(saving, len(row)))]) for row in curve]
 
 
 def _neural_entries(neural: Sequence[NeuralDrafter], lcs: dict, first: ContextCosts) -> list[ModelEntry]:
@@ -257,13 +278,15 @@ def _cost_order(entries: list[ModelEntry], neural: Sequence[NeuralDrafter], targ
 
 def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairStats, lcs: dict, tmax: int,
                   target_name: str, token_costs: dict[str, list[float]] | None = None,
-                  sampling: Sequence[float] | None = None, draw_saving: Sequence[float] | None = None) -> Profile:
+                  sampling: Sequence[float] | None = None, draw_saving: Sequence[float] | None = None,
+                  window_saving: Sequence[float] | None = None) -> Profile:
     """The profile from the sums and the costs (:func:`context_costs`; ``sampling``: the per-pass cost of the
-    sampled distributions, in every model's costs; ``draw_saving``: what the target's pass saves by draws). The
+    sampled distributions, in every model's costs; ``draw_saving``: what the target's pass saves by draws;
+    ``window_saving``: what a pass of the target's engine saves by reading the filters' window). The
     top-level costs are those of the first (shortest) context, a token drafter's its mean ``propose`` time over
     the profiled positions; the costs at every context are in ``context_costs``
     (`docs/design.md#hsd-profile1`)."""
-    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name)
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name, window_saving)
     first = cc[0]
     entries = _neural_entries(neural, lcs, first)
     for d in tds:
@@ -281,12 +304,13 @@ def build_profile(neural: Sequence[NeuralDrafter], tds: Sequence, stats: PairSta
 
 def costs_profile(neural: Sequence[NeuralDrafter], tds: Sequence, lcs: dict, tmax: int, target_name: str,
                   token_costs: dict[str, list[float]], sampling: Sequence[float] | None = None,
-                  draw_saving: Sequence[float] | None = None) -> Profile:
+                  draw_saving: Sequence[float] | None = None, window_saving: Sequence[float] | None = None
+                  ) -> Profile:
     """A profile of costs alone (``hsd profile --costs-only``): the entries and costs :func:`build_profile` makes
     from the same timings, with no acceptance rates and no statistics. A token drafter's top-level cost is its
     ``propose`` seconds at the first context (there are no profiled positions to average over) and its draft
     rate 1 (``hsd profile merge-costs`` keeps the rates profile's)."""
-    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name)
+    cc = context_costs(neural, lcs, tmax, token_costs, sampling, draw_saving, target_name, window_saving)
     first = cc[0]
     entries = _neural_entries(neural, lcs, first)
     entries += [ModelEntry(d.name, d.kind, first.cost[d.name], False, None, {"config": d.config()}) for d in tds]

@@ -14,11 +14,12 @@ from hsd_opt.profiler.stats import PairStats
 
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
-RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "max_new_tokens",
-                 "raw", "seed", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
-                 "token_drafters", "shard", "max_prompts", "world_size")
-#: The value a setting had before it was recorded (files written before ``top_p`` existed sampled without it).
-SETTING_DEFAULTS = {"top_p": 1.0, "draft_layers": []}
+RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "top_k", "min_p",
+                 "max_new_tokens", "raw", "seed", "dtype", "target_precision", "layers", "draft_models", "draft_layers",
+                 "quantized", "token_drafters", "shard", "max_prompts", "world_size")
+#: The value a setting had before it was recorded (files written before ``top_p``, ``top_k`` or ``min_p`` existed
+#: sampled without them).
+SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": []}
 
 
 def setting(settings: dict[str, Any], name: str) -> Any:

@@ -673,10 +673,11 @@ def time_token_drafter(make: Callable[[], Any], stream: Sequence[int], context: 
 
 
 def time_sampling(logits: torch.Tensor, temperature: float, top_p: float, tmax1: int, repeats: int = 15,
-                  seed: int = 0) -> list[float]:
+                  seed: int = 0, top_k: int = 0, min_p: float = 0.0) -> list[float]:
     """Seconds the runtime spends, under sampling, on the distributions of one pass over ``t = 1 .. tmax1`` tokens
     beyond the pass itself: :func:`~hsd_opt.runtime.sampling.process_logits` on its ``t`` rows of logits (temperature,
-    then top-p) and one :func:`~hsd_opt.runtime.sampling.sample_token` (a draft, a correction or a bonus token).
+    then top-k, top-p, min-p) and one :func:`~hsd_opt.runtime.sampling.sample_token` (a draft, a correction or a
+    bonus token).
 
     ``logits`` ``[n, V]`` are real rows (the target's, over profiled text): how far top-p has to look depends on
     how peaked they are. Timed at ``t = 1`` and ``t = tmax1`` (median over ``repeats``, each on other rows), linear
@@ -690,7 +691,7 @@ def time_sampling(logits: torch.Tensor, temperature: float, top_p: float, tmax1:
     def once(t: int, k: int) -> float:
         rows = logits[(torch.arange(t) + k * t) % n]
         t0 = time.perf_counter()
-        p = process_logits(rows, temperature, top_p)
+        p = process_logits(rows, temperature, top_p, top_k, min_p)
         sample_token(p[-1], g)
         return time.perf_counter() - t0
 
@@ -710,11 +711,52 @@ def time_draw_saving(eng, text: Sequence[int], temperature: float, tmax1: int, r
     (:meth:`~hsd_opt.runtime.decode.Decoding._draws_by_picks`: the target alone, or over a token drafter, at top-p
     1) instead of in distributions: the read of its ``t`` rows of logits, their processing and one draw (what the
     pass costs beyond its layers in a profile made with a temperature), minus ``picks_many`` over the same rows and
-    a draw from each of them (every row drawn: a verification draws fewer, past a rejection none). Timed at every
-    ``t`` on the target's state over real ``text`` (``eng``: the target's engine, ``picks_cheaply``), the median of
-    ``repeats`` each after an untimed one, on other rows each time. Negative where the draws cost more."""
+    a draw from each of them (every row drawn: a verification draws fewer, past a rejection none). Timed as
+    :func:`_pass_saving` times (``eng``: the target's engine, ``picks_cheaply``). Negative where the draws cost
+    more."""
     from hsd_opt.runtime.sampling import gumbel_offsets, process_logits, sample_token
 
+    def full(read, g) -> None:
+        sample_token(process_logits(eng.logits_many([read])[0], temperature, 1.0)[-1], g)
+
+    def drawn(read, g) -> None:
+        picks = eng.picks_many([read])[0]
+        for i in range(picks.rows):
+            picks.pick(i, gumbel_offsets(eng.vocab_size, g, temperature, eng.device))
+
+    return _pass_saving(eng, text, tmax1, full, drawn, repeats, seed)
+
+
+def time_window_saving(eng, text: Sequence[int], temperature: float, top_k: int, min_p: float, tmax1: int,
+                       repeats: int = 9, seed: int = 0) -> list[float]:
+    """Seconds a pass of the target's engine over ``t = 1 .. tmax1`` tokens saves, sampled with top-k or min-p (at
+    top-p 1, or with top-k), when it reads only the filters' window through its int8 screen
+    (:meth:`~hsd_opt.engine.interface.Engine.window_logits_many`, as the runtime's ``Decoding._window`` asks) instead
+    of every logit: the read of its ``t`` rows, their processing (:func:`~hsd_opt.runtime.sampling.process_logits`)
+    and one draw, minus the window's read, :func:`~hsd_opt.runtime.sampling.window_probs` and one draw. Every level
+    on the engine whose exit reads the model's own head reads its window so (a verification or a draft step alike).
+    Timed as :func:`_pass_saving` times (``eng``: ``picks_cheaply``). Negative where the window costs more."""
+    from hsd_opt.runtime.sampling import filter_window, process_logits, sample_token, window_probs
+
+    window = filter_window(temperature, 1.0, top_k, min_p, eng.vocab_size)
+    if window is None:
+        raise ValueError("time_window_saving: the filters keep no window (top-k or min-p needed)")
+
+    def full(read, g) -> None:
+        sample_token(process_logits(eng.logits_many([read])[0], temperature, 1.0, top_k, min_p)[-1], g)
+
+    def windowed(read, g) -> None:
+        rows = eng.window_logits_many([read], [window])[0]
+        sample_token(window_probs(rows, temperature, 1.0, top_k, min_p)[-1], g)
+
+    return _pass_saving(eng, text, tmax1, full, windowed, repeats, seed)
+
+
+def _pass_saving(eng, text: Sequence[int], tmax1: int, full: Callable, cheap: Callable, repeats: int,
+                 seed: int) -> list[float]:
+    """Seconds ``cheap(read, generator)`` saves against ``full(read, generator)`` on a read ``(state, boundary,
+    start, end)`` of the engine's own head over ``t = 1 .. tmax1`` rows: at every ``t`` on ``eng``'s state over
+    real ``text``, the median of ``repeats`` each after an untimed one, on other rows each time."""
     n = max(64, tmax1 + 1)
     ids = text_of_length(list(text), n)
     st = eng.new_state(n)
@@ -722,27 +764,15 @@ def time_draw_saving(eng, text: Sequence[int], temperature: float, tmax1: int, r
     eng.advance(st, eng.n_layers)
     g = torch.Generator().manual_seed(seed)
     b = eng.n_layers
-
-    def full(s0: int, t: int) -> float:
-        t0 = now()
-        rows = eng.logits_many([(st, b, s0, s0 + t)])[0]
-        sample_token(process_logits(rows, temperature, 1.0)[-1], g)
-        return now() - t0
-
-    def drawn(s0: int, t: int) -> float:
-        t0 = now()
-        picks = eng.picks_many([(st, b, s0, s0 + t)])[0]
-        for i in range(t):
-            picks.pick(i, gumbel_offsets(eng.vocab_size, g, temperature, eng.device))
-        return now() - t0
-
     out = []
     for t in range(1, tmax1 + 1):
-        times: dict[Callable, list[float]] = {full: [], drawn: []}
+        times: dict[Callable, list[float]] = {full: [], cheap: []}
         for k in range(repeats):
-            s0 = (k * t) % (n - t)
-            for f in (full, drawn):
-                f(s0, t)
-                times[f].append(f(s0, t))
-        out.append(statistics.median(times[full]) - statistics.median(times[drawn]))
+            read = (st, b, (k * t) % (n - t), (k * t) % (n - t) + t)
+            for f in (full, cheap):
+                f(read, g)
+                t0 = now()
+                f(read, g)
+                times[f].append(now() - t0)
+        out.append(statistics.median(times[full]) - statistics.median(times[cheap]))
     return out

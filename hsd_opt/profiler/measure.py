@@ -40,10 +40,11 @@ from hsd_opt.runtime.sampling import process_logits, sample_token
 
 @torch.no_grad()
 def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, eos: set[int],
-             generator: torch.Generator | None = None, top_p: float = 1.0, constraint=None) -> list[int]:
+             generator: torch.Generator | None = None, top_p: float = 1.0, constraint=None, top_k: int = 0,
+             min_p: float = 0.0) -> list[int]:
     """The target's continuation of ``prompt_ids`` (greedy at T = 0, else sampled from the distribution processed
-    with ``temperature`` and ``top_p``), up to and including an EOS token; with ``constraint`` (a
-    :class:`~hsd_opt.grammar.constraint.Constraint`) the masked target's."""
+    with ``temperature`` and the filters ``top_k``, ``top_p``, ``min_p``), up to and including an EOS token; with
+    ``constraint`` (a :class:`~hsd_opt.grammar.constraint.Constraint`) the masked target's."""
     n = eng.n_layers
     st = eng.new_state(len(prompt_ids) + max_new_tokens + 1)
     eng.append(st, list(prompt_ids))
@@ -54,7 +55,7 @@ def generate(eng, prompt_ids: Sequence[int], max_new_tokens: int, temperature: f
         if constraint is not None:
             logits = mask_logits(logits[None], constraint.allowed(out, len(out))[None])[0]
         if temperature > 0:
-            probs = process_logits(logits[None], temperature, top_p)[0]
+            probs = process_logits(logits[None], temperature, top_p, top_k, min_p)[0]
             tok = sample_token(probs.cpu(), generator)
         else:
             tok = int(torch.argmax(logits))
@@ -107,11 +108,12 @@ def pairwise_overlap(P: torch.Tensor, block: int = 2048) -> torch.Tensor:
     return out
 
 
-def _probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def _probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+           min_p: float = 0.0) -> torch.Tensor:
     """Probabilities ``[m, V]`` a drafter's logits stand for: the runtime's processing at ``temperature > 0``
-    (temperature, then top-p), the plain ``softmax(logits)`` at 0."""
+    (temperature, then top-k, top-p, min-p), the plain ``softmax(logits)`` at 0."""
     if temperature > 0:
-        return process_logits(logits, temperature, top_p)
+        return process_logits(logits, temperature, top_p, top_k, min_p)
     return torch.softmax(logits, dim=-1)
 
 
@@ -132,7 +134,8 @@ def _masked(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, prompt_ids: Sequence[int],
                      continuation: Sequence[int], temperature: float, chunk: int = 16, top_p: float = 1.0,
-                     allowed: torch.Tensor | None = None, forced: np.ndarray | None = None):
+                     allowed: torch.Tensor | None = None, forced: np.ndarray | None = None, top_k: int = 0,
+                     min_p: float = 0.0):
     """Per-position statistics of one prompt + continuation (see the module doc).
 
     Returns ``(acc_nn [N, N, G], agree_nn [N, N, G], acc_tn [T, N, G], agree_tn [T, N, G], propose_seconds[T])``
@@ -141,14 +144,16 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
     (bool) its row at each generated position, ``forced`` ``[G]`` (bool) where it allows one token only; those
     positions are left out, so ``G`` is then the number of the others.
     """
-    out = _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed)
+    out = _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed,
+                          top_k, min_p)
     if forced is None or not forced.any():
         return out
     keep = ~np.asarray(forced, dtype=bool)
     return (*(a[..., keep] for a in out[:4]), out[4])
 
 
-def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed):
+def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed, top_k,
+                    min_p):
     """:func:`profile_sequence` at every generated position."""
     P, G = len(prompt_ids), len(continuation)
     full = list(prompt_ids) + list(continuation)
@@ -192,7 +197,7 @@ def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperatur
             if allowed is not None:
                 lg = _masked(lg, allowed[c0:c0 + m])
             am.append(lg.argmax(-1).cpu())
-            probs.append(_probs(lg, temperature, top_p).cpu())
+            probs.append(_probs(lg, temperature, top_p, top_k, min_p).cpu())
         Pm = torch.stack(probs)                     # [N, m, V]
         A = torch.stack(am)                         # [N, m]
         acc_nn[:, :, c0:c0 + m] = pairwise_overlap(Pm).double().numpy()

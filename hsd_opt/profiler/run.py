@@ -46,13 +46,15 @@ from hsd_opt.profiler.costs import (
     time_draw_saving,
     time_sampling,
     time_token_drafter,
+    time_window_saving,
 )
 from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
-from hsd_opt.runtime.decode import check_generation_args
+from hsd_opt.runtime.decode import check_filters, check_generation_args
+from hsd_opt.runtime.sampling import filter_window
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 from hsd_opt.version import __version__
 
@@ -80,6 +82,8 @@ class ProfileConfig:
     heads: Path | None = None
     temperature: float = 0.0
     top_p: float = 1.0                              # nucleus mass applied after the temperature (sampling only)
+    top_k: int = 0                                  # sample among the k most probable (0: off; sampling only)
+    min_p: float = 0.0                              # among those >= min_p x the most probable (0: off)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
     device: str = "auto"
@@ -154,12 +158,15 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
 
 def _validate(cfg: ProfileConfig) -> None:
     check_generation_args(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    check_filters(cfg.top_k, cfg.min_p)
     # prompt i is sampled with seed * SEED_STRIDE + i: every one a 64-bit integer
     if not (seed_fits(cfg.seed * SEED_STRIDE) and seed_fits((cfg.seed + 1) * SEED_STRIDE)):
         raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
                        f"seeds of the prompts are seed * {SEED_STRIDE} + i), got {cfg.seed}")
-    if cfg.top_p < 1.0 and cfg.temperature == 0:
-        raise HsdError(f"--top-p {cfg.top_p:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+    for flag, value, on in (("--top-p", cfg.top_p, cfg.top_p < 1.0), ("--top-k", cfg.top_k, cfg.top_k > 0),
+                            ("--min-p", cfg.min_p, cfg.min_p > 0)):
+        if on and cfg.temperature == 0:
+            raise HsdError(f"{flag} {value:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
 
@@ -224,7 +231,8 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
     return {
         "model": loaded.model_id, "revision": loaded.revision, "heads": str(cfg.heads) if cfg.heads else None,
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
-        "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "max_new_tokens": int(cfg.max_new_tokens),
+        "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),
+        "min_p": float(cfg.min_p), "max_new_tokens": int(cfg.max_new_tokens),
         "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": loaded.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
@@ -283,7 +291,7 @@ def _generate_continuations(cfg: ProfileConfig, loaded, eng, mine: list, ck, eos
         if cfg.temperature > 0:
             gen = torch.Generator().manual_seed(int(cfg.seed) * SEED_STRIDE + it.index)
         ck.continuations[str(it.index)] = generate(eng, ids, cfg.max_new_tokens, cfg.temperature, eos, gen,
-                                                   cfg.top_p, _constraint(grammars, it))
+                                                   cfg.top_p, _constraint(grammars, it), cfg.top_k, cfg.min_p)
         ck.save()
         if progress:
             progress.update(gid, advance=1)
@@ -302,7 +310,7 @@ def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, to
         allowed, forced = _grammar_rows(grammars, it, cont)
         acc_nn, agr_nn, acc_tn, agr_tn, secs = profile_sequence(
             pool.neural, [fresh_drafter(d) for d in tds], ids, cont, cfg.temperature, cfg.chunk, cfg.top_p,
-            allowed, forced)
+            allowed, forced, cfg.top_k, cfg.min_p)
         n_forced = int(forced.sum()) if forced is not None else 0
         measured = len(cont) - n_forced
         st = ck.stats
@@ -335,8 +343,9 @@ def _measure_prompts(cfg: ProfileConfig, loaded, pool, tds: list, mine: list, to
 @dataclass
 class _Costs:
     """What the cost phase measured: per engine its layer costs (``lcs``), the token drafters' costs, the cost
-    plan's record, the sampling seconds per pass size (None: greedy), the batch costs, the contexts (tokens), and
-    what the target's pass saves by draws per pass size (None: it draws from its distributions)."""
+    plan's record, the sampling seconds per pass size (None: greedy), the batch costs, the contexts (tokens),
+    what the target's pass saves by draws per pass size (None: it draws from its distributions) and what a pass of
+    its engine saves by reading the filters' window (None: no top-k or min-p, or no screen)."""
 
     lcs: dict
     token_costs: dict
@@ -345,6 +354,7 @@ class _Costs:
     batch: dict
     contexts: list[int]
     draw_saving: list[float] | None = None
+    window_saving: list[float] | None = None
 
 
 def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[int], log, warn) -> _Costs:
@@ -364,17 +374,25 @@ def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[in
     lcs, token_costs, plan_info = _measure_all_costs(cfg, by_engine, label, contexts, tds, text, log, warn)
     sampling = None
     if cfg.temperature > 0:
-        sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1)
+        sampling = time_sampling(_target_rows(eng, text, cfg.tmax + 1), cfg.temperature, cfg.top_p, cfg.tmax + 1,
+                                 top_k=cfg.top_k, min_p=cfg.min_p)
         log(f"sampling: {sampling[0] * 1e3:.2f} ms per draft step, {sampling[-1] * 1e3:.2f} ms per pass over "
-            f"{cfg.tmax + 1} tokens (temperature, top-p and a draw; added to every model's costs)")
-    draw_saving = None
-    if cfg.temperature > 0 and cfg.top_p >= 1.0 and getattr(eng, "picks_cheaply", False):
+            f"{cfg.tmax + 1} tokens (temperature, the filters and a draw; added to every model's costs)")
+    draw_saving = window_saving = None
+    cheap = cfg.temperature > 0 and getattr(eng, "picks_cheaply", False)
+    windowed = cheap and filter_window(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p, eng.vocab_size) is not None
+    if windowed:
+        window_saving = time_window_saving(eng, text, cfg.temperature, cfg.top_k, cfg.min_p, cfg.tmax + 1)
+        log(f"the filters' window: a pass of the target's engine over 1 token {window_saving[0] * 1e3:.2f} ms "
+            f"cheaper, over {cfg.tmax + 1} tokens {window_saving[-1] * 1e3:.2f} ms (its int8 screen and the "
+            f"window's logits instead of every logit; taken off every pass of its levels)")
+    elif cheap and cfg.top_p >= 1.0 and cfg.top_k == 0 and cfg.min_p == 0:
         draw_saving = time_draw_saving(eng, text, cfg.temperature, cfg.tmax + 1)
         log(f"draws by noise: the target's step {draw_saving[0] * 1e3:.2f} ms cheaper, its pass over {cfg.tmax + 1} "
             f"tokens {draw_saving[-1] * 1e3:.2f} ms (its int8 screen instead of every logit; taken off its cost and "
             f"its verification of token drafters)")
     batch = _measure_batch_costs(cfg, by_engine, label, contexts[0], text, log)
-    return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts, draw_saving)
+    return _Costs(lcs, token_costs, plan_info, sampling, batch, contexts, draw_saving, window_saving)
 
 
 def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, stats, costs: _Costs, pool,
@@ -390,9 +408,9 @@ def _provenance_record(cfg: ProfileConfig, settings: dict, loaded, heads_meta, s
         "generated_tokens": int(stats.counters["generated_tokens"]),
         "positions_by_task": positions_by_task(stats), "forced_by_task": forced_by_task(stats),
         **({"prompts_by_task": task_prompts, "prompt_tokens_by_task": task_prompt_tokens} if task_prompts else {}),
-        "temperature_note": ("acceptance uses softmax(logits / T) then top-p (the runtime's sampling "
-                             "distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for the TV "
-                             "acceptance and argmax for greedy_agreement"),
+        "temperature_note": ("acceptance uses softmax(logits / T) then top-k, top-p and min-p (the runtime's "
+                             "sampling distribution at every level); at T = 0 the plain softmax(logits) (T = 1) for "
+                             "the TV acceptance and argmax for greedy_agreement"),
         **_cost_record(cfg, loaded, costs, pool, timings, world, threads_note),
     }
 
@@ -414,9 +432,12 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
                       "decode step; with a temperature, sampling_seconds[t - 1] (processing a pass's t rows "
                       "of logits and one draw) is included in every model's pass over t tokens; a target that "
                       "draws by noise through its screen (top-p 1): draw_saving_seconds[t - 1] taken off its "
-                      "cost and off its verify_cost of each token drafter, not off its cost_curve",
+                      "cost and off its verify_cost of each token drafter, not off its cost_curve; sampled with "
+                      "top-k or min-p through the target's screen: window_saving_seconds[t - 1] taken off every "
+                      "pass over t tokens of each level on the target's engine (cost, cost_curve, verify_cost)",
         "sampling_seconds": costs.sampling,
         "draw_saving_seconds": costs.draw_saving,
+        "window_saving_seconds": costs.window_saving,
         "cost_model_check": {nd.name: costs.lcs[id(nd.engine)][0].check for nd in pool.neural
                              if nd.kind in ("target", "model", "quantized")},
         "timings": timings,
@@ -502,7 +523,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # assemble, with provenance, and write
     prof = build_profile(pool.neural, tds, stats, costs.lcs, cfg.tmax, target_name, costs.token_costs,
-                         costs.sampling, costs.draw_saving)
+                         costs.sampling, costs.draw_saving, costs.window_saving)
     prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
     timings = {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}
@@ -547,7 +568,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     t_cost = time.perf_counter()
     costs = _costs_phase(cfg, loaded, eng, pool, tds, [t for text in texts for t in text], log, warn)
     prof = costs_profile(pool.neural, tds, costs.lcs, cfg.tmax, f"layer{eng.n_layers}", costs.token_costs,
-                         costs.sampling, costs.draw_saving)
+                         costs.sampling, costs.draw_saving, costs.window_saving)
     prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
     timings = {"cost_seconds": round(time.perf_counter() - t_cost, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Sequence
 
 import torch
@@ -50,7 +50,14 @@ from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.penalties import Penalties
-from hsd_opt.runtime.sampling import gumbel_offsets, process_logits, rejection_sample, sample_token
+from hsd_opt.runtime.sampling import (
+    filter_window,
+    gumbel_offsets,
+    process_logits,
+    rejection_sample,
+    sample_token,
+    window_probs,
+)
 from hsd_opt.seeds import seed_fits
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
@@ -595,11 +602,7 @@ class Decoding:
         logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end, rows)
         if window is None:
             return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
-        # the filters over the columns some row holds (every other column is -inf in every row: probability 0)
-        cols = torch.isfinite(logits).any(dim=0).nonzero()[:, 0]
-        p = torch.zeros_like(logits)
-        p[:, cols] = process_logits(logits[:, cols], self.temperature, self.top_p, self.top_k, self.min_p)
-        return p
+        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
     def _window(self, k: int, start: int, end: int, rows: torch.Tensor | None) -> Window | None:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`; ``rows``: the
@@ -610,17 +613,15 @@ class Decoding:
         their logits, which the engine computes first). Not under a grammar (its mask moves the largest), nor on an
         engine without a cheap way to them (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`)."""
         vocab = self.hsd.levels[k].engine.vocab_size
-        top_k = self.top_k if 0 < self.top_k < vocab else 0
-        below = -self.temperature * math.log(self.min_p) if self.min_p > 0 and self.top_p >= 1.0 else math.inf
-        if (top_k == 0 and below == math.inf) or self.constraint is not None \
-                or not self.hsd.levels[k].engine.picks_cheaply:
+        window = filter_window(self.temperature, self.top_p, self.top_k, self.min_p, vocab)
+        if window is None or self.constraint is not None or not self.hsd.levels[k].engine.picks_cheaply:
             return None
         if self.penalties is None:
-            return Window(top_k, below)
+            return window
         if not self.penalties.repeats:
-            return Window(top_k, below, rows)
+            return replace(window, offsets=rows)
         pinned = tuple(self._repeated(vocab, p) for p in range(start, end))
-        return Window(top_k, below, rows, pinned, self.penalties.repetition_offsets)
+        return replace(window, offsets=rows, pinned=pinned, reoffset=self.penalties.repetition_offsets)
 
     def _moved(self, k: int, logits: torch.Tensor, start: int, end: int,
                rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -104,6 +104,28 @@ def machine_differences(plan, threads: int, variant: str | None) -> list[str]:
     return out
 
 
+def sampling_differences(plan, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                         min_p: float = 0.0) -> list[str]:
+    """How this run's sampling differs from the one ``plan`` was profiled with (its acceptance rates, and so its
+    hierarchy, are for that one): greedy against sampled, another temperature or other filters (a profile without
+    top-k or min-p recorded sampled without them). Empty where they agree or the plan does not say."""
+    prov = plan.provenance
+    if prov.temperature is None:
+        return []
+    was = _how(prov.temperature, prov.get("top_p", 1.0), prov.get("top_k", 0), prov.get("min_p", 0.0))
+    now = _how(temperature, top_p, top_k, min_p)
+    return [] if was == now else [f"the plan was profiled {was}; this run is {now}"]
+
+
+def _how(temperature: float, top_p: float, top_k: int, min_p: float) -> str:
+    """``greedy``, or ``sampling at temperature T`` and its filters, in words."""
+    if temperature == 0:
+        return "greedy"
+    filters = [f"top-k {top_k}" if top_k else "", f"top-p {top_p:g}" if top_p < 1.0 else "",
+               f"min-p {min_p:g}" if min_p else ""]
+    return f"sampling at temperature {temperature:g}" + "".join(f", {f}" for f in filters if f)
+
+
 def check_kinds(plan, source: str = "plan") -> None:
     """Refuse a plan whose hierarchy holds a level of a kind this runtime cannot build (the format allows any
     kind; a run needs one of the engines' or the token drafters'), naming ``source`` and the level: before any

@@ -11,9 +11,12 @@ Shapes: ``V`` the vocabulary; probabilities float32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hsd_opt.engine import kernels
+from hsd_opt.engine.interface import Window
 from hsd_opt.errors import HsdError
 
 
@@ -64,6 +67,26 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if min_p > 0.0:
         p = p.masked_fill(p < min_p * p.max(-1, keepdim=True).values, 0.0)
         p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def filter_window(temperature: float, top_p: float, top_k: int, min_p: float, vocab: int) -> Window | None:
+    """The window of each row's largest logits that sampling at ``temperature`` (> 0) with these filters keeps, or
+    None where it needs every logit: top-k keeps the ``k`` largest (a ``k`` of the whole ``vocab`` or more: no
+    such filter); min-p those within ``T ln(1 / min_p)`` of the largest (``p >= min_p * max p``), with top-p 1 only
+    (top-p after top-k needs the ``k`` tokens; without top-k, the whole distribution's mass)."""
+    k = top_k if 0 < top_k < vocab else 0
+    below = -temperature * math.log(min_p) if min_p > 0 and top_p >= 1.0 else math.inf
+    return None if k == 0 and below == math.inf else Window(k, below)
+
+
+def window_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """:func:`process_logits` of rows ``[m, V]`` read through a :func:`filter_window` (every logit outside the
+    window ``-inf``): the filters run over the columns some row holds (probability 0 elsewhere; a tie at top-k's
+    ``k``-th place broken among them)."""
+    cols = torch.isfinite(logits).any(dim=0).nonzero()[:, 0]
+    p = torch.zeros_like(logits)
+    p[:, cols] = process_logits(logits[:, cols], temperature, top_p, top_k, min_p)
     return p
 
 
