@@ -2546,9 +2546,9 @@ static inline void screen_row8(const float *a, const float *o, const float *c, c
 #endif
 
 /* The highest lower bound max_r (b_r - E_r) of one position's screen logits a [V] (offsets o [V] or NULL); *bad set
- * when a or o holds a value that is not finite. */
-static float screen_floor(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
-                          int *bad) {
+ * when a or o holds a value that is not finite. lo, hi [V] (or NULL): each row's b_r - E_r and b_r + E_r stored. */
+static float screen_spans(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
+                          float *lo, float *hi, int *bad) {
     float floor = -INFINITY;
     int r = 0;
 #if HSD_AVX512
@@ -2558,7 +2558,12 @@ static float screen_floor(const float *a, const float *o, const float *c, const 
     for (; r + 16 <= V; r += 16) {
         screen_row16(a, o, c, wn, r, vh, vd, &b, &e);
         nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);   /* inf - inf, NaN: not 0 */
-        mx = _mm512_max_ps(mx, _mm512_sub_ps(b, e));
+        const __m512 l = _mm512_sub_ps(b, e);
+        if (lo) {
+            _mm512_storeu_ps(lo + r, l);
+            _mm512_storeu_ps(hi + r, _mm512_add_ps(b, e));
+        }
+        mx = _mm512_max_ps(mx, l);
     }
     if (nf) *bad = 1;
     floor = _mm512_reduce_max_ps(mx);
@@ -2568,7 +2573,12 @@ static float screen_floor(const float *a, const float *o, const float *c, const 
     for (; r + 8 <= V; r += 8) {
         screen_row8(a, o, c, wn, r, vh, vd, &b, &e);
         nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
-        mx = _mm256_max_ps(mx, _mm256_sub_ps(b, e));
+        const __m256 l = _mm256_sub_ps(b, e);
+        if (lo) {
+            _mm256_storeu_ps(lo + r, l);
+            _mm256_storeu_ps(hi + r, _mm256_add_ps(b, e));
+        }
+        mx = _mm256_max_ps(mx, l);
     }
     if (_mm256_movemask_ps(nf)) *bad = 1;
     float l[8];
@@ -2579,8 +2589,12 @@ static float screen_floor(const float *a, const float *o, const float *c, const 
         float b1, e1;
         screen_row(a, o, c, wn, r, hn, dl, &b1, &e1);
         if (!isfinite(b1)) *bad = 1;
-        const float lo = b1 - e1;
-        floor = lo > floor ? lo : floor;
+        const float l1 = b1 - e1;
+        if (lo) {
+            lo[r] = l1;
+            hi[r] = b1 + e1;
+        }
+        floor = l1 > floor ? l1 : floor;
     }
     return floor;
 }
@@ -2627,7 +2641,7 @@ static int screen_collect(const float *a, const float *o, const float *c, const 
  * logits a [m, V] (the int8 copy's, the activation in int16 of range q16): the rows whose interval [a_r - e_r,
  * a_r + e_r] reaches the highest lower bound are the candidates, computed as hsd_rows_f32 computes them
  * (rows4_f32), and out[t] is the first of the largest. With offsets o [m, V] (NULL: none), out[t] is the first
- * largest of the sums l_r + o_r (float32) instead, the screen on a_r + o_r with its bound widened (screen_floor).
+ * largest of the sums l_r + o_r (float32) instead, the screen on a_r + o_r with its bound widened (screen_row).
  * Positions shared among nthreads threads (two vector passes over V and a few rows each). Returns 0; 1 when x or a
  * holds a value that is not finite or a position has more than cap candidates (the caller computes the logits);
  * -1 on bad arguments. */
@@ -2651,7 +2665,7 @@ int hsd_screen_pick(const hsd_mat *A, const float *x, int m, int q16, const floa
                 break;
             }
             int bad = 0;
-            const float floor = screen_floor(at, ot, c, wn, V, hn, dl, &bad);
+            const float floor = screen_spans(at, ot, c, wn, V, hn, dl, NULL, NULL, &bad);
             const int n = bad ? -1 : screen_collect(at, ot, c, wn, V, hn, dl, floor, cap, cand);
             if (n < 0) {
                 rc |= 1;
@@ -2698,57 +2712,25 @@ static float kth_largest(float *v, int n, int k) {
     return v[want];
 }
 
-/* One position's window (hsd_screen_window): lo, hi [V] the bounds b_r -+ E_r (screen_row), the pinned tokens'
- * exact moved values in place of theirs; returns the largest lower bound, *bad set for a value not finite. */
-static float window_bounds(const float *a, const float *o, const float *c, const float *wn, int V, float hn, float dl,
-                           const long *pin_ids, const float *pin_vals, int npin, float *lo, float *hi, int *bad) {
-    float most = -INFINITY;
-    int r = 0;
-#if HSD_AVX512
-    __m512 mx = _mm512_set1_ps(-INFINITY), b, e;
-    const __m512 vh = _mm512_set1_ps(hn + dl), vd = _mm512_set1_ps(dl), zero = _mm512_setzero_ps();
-    __mmask16 nf = 0;
-    for (; r + 16 <= V; r += 16) {
-        screen_row16(a, o, c, wn, r, vh, vd, &b, &e);
-        nf |= _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ);
-        const __m512 l = _mm512_sub_ps(b, e);
-        _mm512_storeu_ps(lo + r, l);
-        _mm512_storeu_ps(hi + r, _mm512_add_ps(b, e));
-        mx = _mm512_max_ps(mx, l);
+/* One position's window (hsd_screen_window) at normed hidden x [K]: lo, hi [V] the bounds b_r -+ E_r (screen_spans),
+ * the pinned tokens' exact moved values in place of theirs; returns the largest lower bound, *bad set for a value
+ * of x, a, o or the pins that is not finite. */
+static float window_bounds(const float *x, int K, int q16, const float *a, const float *o, const float *c,
+                           const float *wn, int V, const long *pin_ids, const float *pin_vals, int npin, float *lo,
+                           float *hi, int *bad) {
+    float hn, dl;
+    if (screen_norms(x, K, q16, &hn, &dl)) {
+        *bad = 1;
+        return 0.f;
     }
-    if (nf) *bad = 1;
-    most = _mm512_reduce_max_ps(mx);
-#elif HSD_AVX2
-    __m256 mx = _mm256_set1_ps(-INFINITY), nf = _mm256_setzero_ps(), b, e;
-    const __m256 vh = _mm256_set1_ps(hn + dl), vd = _mm256_set1_ps(dl), zero = _mm256_setzero_ps();
-    for (; r + 8 <= V; r += 8) {
-        screen_row8(a, o, c, wn, r, vh, vd, &b, &e);
-        nf = _mm256_or_ps(nf, _mm256_cmp_ps(_mm256_sub_ps(b, b), zero, _CMP_NEQ_UQ));
-        const __m256 l = _mm256_sub_ps(b, e);
-        _mm256_storeu_ps(lo + r, l);
-        _mm256_storeu_ps(hi + r, _mm256_add_ps(b, e));
-        mx = _mm256_max_ps(mx, l);
-    }
-    if (_mm256_movemask_ps(nf)) *bad = 1;
-    float l8[8];
-    _mm256_storeu_ps(l8, mx);
-    for (int i = 0; i < 8; i++) most = l8[i] > most ? l8[i] : most;
-#endif
-    for (; r < V; r++) {
-        float b1, e1;
-        screen_row(a, o, c, wn, r, hn, dl, &b1, &e1);
-        if (!isfinite(b1)) *bad = 1;
-        lo[r] = b1 - e1;
-        hi[r] = b1 + e1;
-        most = lo[r] > most ? lo[r] : most;
-    }
+    float most = screen_spans(a, o, c, wn, V, hn, dl, lo, hi, bad);
     if (npin) { /* a pinned token may have held the largest: the maximum again, over the values as they now are */
         for (int j = 0; j < npin; j++) {
             if (!isfinite(pin_vals[j])) *bad = 1;
             lo[pin_ids[j]] = hi[pin_ids[j]] = pin_vals[j];
         }
         most = -INFINITY;
-        for (r = 0; r < V; r++) most = lo[r] > most ? lo[r] : most;
+        for (int r = 0; r < V; r++) most = lo[r] > most ? lo[r] : most;
     }
     return most;
 }
@@ -2789,18 +2771,13 @@ int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const fl
         int t0, t1;
         share(m, 1, &t0, &t1);
         for (int t = t0; t < t1 && !rc; t++) {
-            const float *at = a + (size_t)t * V, *xt = x + (size_t)t * K, *ot = o ? o + (size_t)t * V : NULL;
-            float hn, dl;
-            if (screen_norms(xt, K, q16, &hn, &dl)) {
-                rc |= 1;
-                break;
-            }
+            const float *xt = x + (size_t)t * K, *ot = o ? o + (size_t)t * V : NULL;
             int p0 = 0, bad = 0;
             while (p0 < npin && pin_pos[p0] < t) p0++;
             int p1 = p0;
             while (p1 < npin && pin_pos[p1] == t) p1++;
-            const float most = window_bounds(at, ot, c, wn, V, hn, dl, pin_ids + p0, pin_vals + p0, p1 - p0, lo, hi,
-                                             &bad);
+            const float most = window_bounds(xt, K, q16, a + (size_t)t * V, ot, c, wn, V, pin_ids + p0, pin_vals + p0,
+                                             p1 - p0, lo, hi, &bad);
             if (bad) {
                 rc |= 1;
                 break;
