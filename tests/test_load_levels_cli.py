@@ -51,7 +51,9 @@ def test_solve_plans_every_load_level_and_serve_runs_them(profiled):
     for n, e in d["by_load"].items():
         assert e["tokens_per_s"] == pytest.approx(int(n) / e["expected_latency"])
         assert e["expected_latency"] <= e["batched_target_latency"] * (1 + 1e-9)
-    app, jobs = prepare_server(plan, device="cpu", max_batch=4)
+    said: list[str] = []
+    app, jobs = prepare_server(plan, device="cpu", max_batch=4, say=said.append)
+    assert any("(profiled greedy)" in m for m in said), said    # what the plan's rates are for
     assert sorted(jobs.batch.levels) == [1, 2, 4]
     assert len({id(h.target) for h in jobs.batch.levels.values()}) == 1
     one = run_cli("solve", "--profile", prof, "--tmax", "3", "--batch-sizes", "1", "--out", root / "one.json")

@@ -109,15 +109,23 @@ def sampling_differences(plan, temperature: float, top_p: float = 1.0, top_k: in
     """How this run's sampling differs from the one ``plan`` was profiled with (its acceptance rates, and so its
     hierarchy, are for that one): greedy against sampled, another temperature or other filters (a profile without
     top-k or min-p recorded sampled without them). Empty where they agree or the plan does not say."""
-    prov = plan.provenance
-    if prov.temperature is None:
+    was = profiled_sampling(plan)
+    if was is None:
         return []
-    was = _how(prov.temperature, prov.get("top_p", 1.0), prov.get("top_k", 0), prov.get("min_p", 0.0))
-    now = _how(temperature, top_p, top_k, min_p)
+    now = sampling_words(temperature, top_p, top_k, min_p)
     return [] if was == now else [f"the plan was profiled {was}; this run is {now}"]
 
 
-def _how(temperature: float, top_p: float, top_k: int, min_p: float) -> str:
+def profiled_sampling(plan) -> str | None:
+    """The sampling ``plan`` was profiled with, in words (:func:`sampling_words`; a profile without top-p, top-k or
+    min-p recorded sampled without them), or None where it does not say."""
+    prov = plan.provenance
+    if prov.temperature is None:
+        return None
+    return sampling_words(prov.temperature, prov.get("top_p", 1.0), prov.get("top_k", 0), prov.get("min_p", 0.0))
+
+
+def sampling_words(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> str:
     """``greedy``, or ``sampling at temperature T`` and its filters, in words."""
     if temperature == 0:
         return "greedy"
