@@ -548,7 +548,7 @@ def test_a_profile_sampled_with_top_k_or_min_p_measures_the_filtered_target(tiny
     asked = []
     monkeypatch.setattr(profiler_run, "time_sampling", lambda rows, temperature, top_p, tmax1, **kw: asked.append(
         kw) or [1.0 + t for t in range(tmax1)])
-    monkeypatch.setattr(profiler_run, "time_window_saving", lambda eng, text, temperature, top_k, min_p, tmax1: [
+    monkeypatch.setattr(profiler_run, "time_window_saving", lambda eng, text, temperature, top_p, top_k, min_p, tmax1: [
         0.5 + 0.1 * t for t in range(tmax1)])
     monkeypatch.setattr(profiler_run, "time_draw_saving", lambda *a: pytest.fail("draws by noise under a filter"))
     outs = {}
@@ -592,10 +592,10 @@ def test_time_window_saving_times_every_pass_size():
 
     eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
     text = torch.randint(3, 64, (80,), generator=torch.Generator().manual_seed(1)).tolist()
-    c = time_window_saving(eng, text, 1.0, 40, 0.05, 5, repeats=2)
+    c = time_window_saving(eng, text, 1.0, 1.0, 40, 0.05, 5, repeats=2)
     assert len(c) == 5 and all(abs(x) < 1.0 for x in c)
     with pytest.raises(ValueError):
-        time_window_saving(eng, text, 1.0, 0, 0.0, 5)
+        time_window_saving(eng, text, 1.0, 0.9, 0, 0.05, 5)     # min-p under top-p: every logit
 
 
 def test_time_draw_saving_times_every_pass_size():

@@ -727,27 +727,28 @@ def time_draw_saving(eng, text: Sequence[int], temperature: float, tmax1: int, r
     return _pass_saving(eng, text, tmax1, full, drawn, repeats, seed)
 
 
-def time_window_saving(eng, text: Sequence[int], temperature: float, top_k: int, min_p: float, tmax1: int,
-                       repeats: int = 9, seed: int = 0) -> list[float]:
-    """Seconds a pass of the target's engine over ``t = 1 .. tmax1`` tokens saves, sampled with top-k or min-p (at
-    top-p 1, or with top-k), when it reads only the filters' window through its int8 screen
-    (:meth:`~hsd_opt.engine.interface.Engine.window_logits_many`, as the runtime's ``Decoding._window`` asks) instead
-    of every logit: the read of its ``t`` rows, their processing (:func:`~hsd_opt.runtime.sampling.process_logits`)
-    and one draw, minus the window's read, :func:`~hsd_opt.runtime.sampling.window_probs` and one draw. Every level
-    on the engine whose exit reads the model's own head reads its window so (a verification or a draft step alike).
-    Timed as :func:`_pass_saving` times (``eng``: ``picks_cheaply``). Negative where the window costs more."""
+def time_window_saving(eng, text: Sequence[int], temperature: float, top_p: float, top_k: int, min_p: float,
+                       tmax1: int, repeats: int = 9, seed: int = 0) -> list[float]:
+    """Seconds a pass of the target's engine over ``t = 1 .. tmax1`` tokens saves, sampled with these filters
+    (top-k, or min-p at top-p 1: a :func:`~hsd_opt.runtime.sampling.filter_window`), when it reads only the filters'
+    window through its int8 screen (:meth:`~hsd_opt.engine.interface.Engine.window_logits_many`, as the runtime's
+    ``Decoding._window`` asks) instead of every logit: the read of its ``t`` rows, their processing
+    (:func:`~hsd_opt.runtime.sampling.process_logits`) and one draw, minus the window's read,
+    :func:`~hsd_opt.runtime.sampling.window_probs` and one draw. Every level on the engine whose exit reads the
+    model's own head reads its window so (a verification or a draft step alike). Timed as :func:`_pass_saving` times
+    (``eng``: ``picks_cheaply``). Negative where the window costs more."""
     from hsd_opt.runtime.sampling import filter_window, process_logits, sample_token, window_probs
 
-    window = filter_window(temperature, 1.0, top_k, min_p, eng.vocab_size)
+    window = filter_window(temperature, top_p, top_k, min_p, eng.vocab_size)
     if window is None:
         raise ValueError("time_window_saving: the filters keep no window (top-k or min-p needed)")
 
     def full(read, g) -> None:
-        sample_token(process_logits(eng.logits_many([read])[0], temperature, 1.0, top_k, min_p)[-1], g)
+        sample_token(process_logits(eng.logits_many([read])[0], temperature, top_p, top_k, min_p)[-1], g)
 
     def windowed(read, g) -> None:
         rows = eng.window_logits_many([read], [window])[0]
-        sample_token(window_probs(rows, temperature, 1.0, top_k, min_p)[-1], g)
+        sample_token(window_probs(rows, temperature, top_p, top_k, min_p)[-1], g)
 
     return _pass_saving(eng, text, tmax1, full, windowed, repeats, seed)
 

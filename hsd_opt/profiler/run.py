@@ -382,7 +382,8 @@ def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[in
     cheap = cfg.temperature > 0 and getattr(eng, "picks_cheaply", False)
     windowed = cheap and filter_window(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p, eng.vocab_size) is not None
     if windowed:
-        window_saving = time_window_saving(eng, text, cfg.temperature, cfg.top_k, cfg.min_p, cfg.tmax + 1)
+        window_saving = time_window_saving(eng, text, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                           cfg.tmax + 1)
         log(f"the filters' window: a pass of the target's engine over 1 token {window_saving[0] * 1e3:.2f} ms "
             f"cheaper, over {cfg.tmax + 1} tokens {window_saving[-1] * 1e3:.2f} ms (its int8 screen and the "
             f"window's logits instead of every logit; taken off every pass of its levels)")
