@@ -467,6 +467,13 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
         run_profile(cfg(out))
     with pytest.raises(InputFileError, match="max_new_tokens"):          # different settings: refused
         run_profile(cfg(out, max_new_tokens=7, resume=True))
+    sampled = tmp_path / "sampled.json.partial.json"                   # as if made at T = 1 (no top-k recorded)
+    d = json.loads(partial.read_text())
+    d["settings"]["temperature"] = 1.0
+    d["settings"].pop("top_k")
+    sampled.write_text(json.dumps(d))
+    with pytest.raises(InputFileError, match="top_k"):                   # other filters: refused
+        run_profile(cfg(tmp_path / "sampled.json", temperature=1.0, top_k=40, resume=True))
     done_again = []
     prof = run_profile(cfg(out, resume=True), on_prompt=done_again.append)
     assert len(done_again) == 3                                          # only the 3 missing prompts ran
