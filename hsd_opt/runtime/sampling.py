@@ -22,11 +22,13 @@ from hsd_opt.errors import HsdError
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
                    min_p: float = 0.0) -> torch.Tensor:
-    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): softmax(logits / temperature), then, in the order
-    of HF ``generate``'s warpers, each renormalising: top-k (``top_k`` > 0: the ``k`` most probable tokens, ties
-    broken as ``torch.topk`` breaks them), top-p (nucleus: the smallest set of most probable tokens whose mass
-    reaches ``top_p``, at least one), min-p (``min_p`` > 0: the tokens at least ``min_p`` times as probable as the
-    most probable one).
+    """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): in the order of HF ``generate``'s warpers, top-k
+    (``top_k`` > 0: the ``k`` largest logits, ties broken as ``torch.topk`` breaks them; every other token 0), then
+    softmax(logits / temperature) over what is kept, then, each renormalising, top-p (nucleus: the smallest set of
+    most probable tokens whose mass reaches ``top_p``, at least one) and min-p (``min_p`` > 0: the tokens at least
+    ``min_p`` times as probable as the most probable one). With top-k the softmax and the later filters run over
+    the ``k`` tokens alone (the same distribution as softmax over the row, cut to its ``k`` largest and
+    renormalised, without a pass of ``exp`` over the vocabulary).
 
     The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
     reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
@@ -35,10 +37,13 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     A temperature so small that ``logits / temperature`` overflows (a row's softmax is then not a number) gives that
     row softmax's limit as the temperature goes to 0: the same weight on each of its largest logits. A row whose
     logits are not numbers, or all ``-inf`` (every token masked), is an :class:`HsdError`."""
-    p = torch.softmax(logits.float() / temperature, dim=-1)
+    x, kept = logits.float(), None
+    if 0 < top_k < x.shape[-1]:
+        x, kept = torch.topk(x, top_k, dim=-1)
+    p = torch.softmax(x / temperature, dim=-1)
     bad = torch.isnan(p[..., 0])
     if bool(bad.any()):
-        top = logits.float()[bad]
+        top = x[bad]
         most = top.max(-1, keepdim=True).values
         if bool(torch.isneginf(most).any()):
             raise HsdError("sampling: every token of a row is masked (no token is allowed)")
@@ -46,10 +51,6 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
         if not bool((top.sum(-1) > 0).all()):
             raise HsdError("sampling: the logits hold values that are not numbers")
         p[bad] = top / top.sum(-1, keepdim=True)
-    if 0 < top_k < p.shape[-1]:
-        v, i = torch.topk(p, top_k, dim=-1)
-        p = torch.zeros_like(p).scatter_(-1, i, v)
-        p = p / p.sum(-1, keepdim=True)
     if top_p < 1.0:
         v = p.shape[-1]
         k = min(64, v)
@@ -67,6 +68,8 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if min_p > 0.0:
         p = p.masked_fill(p < min_p * p.max(-1, keepdim=True).values, 0.0)
         p = p / p.sum(-1, keepdim=True)
+    if kept is not None:
+        p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, p)
     return p
 
 
