@@ -75,16 +75,18 @@ def test_the_clock_gives_every_level_of_one_engine_the_same_factor():
 def test_a_sampled_profiles_step_is_compared_without_its_sampling_and_with_the_draws_saving():
     """A profile made with a temperature holds every model's step with its sampling work, and a target that draws
     by noise its step less what the draws save; the clock times steps that end in logits, so it compares the
-    target's with ``cost - sampling_seconds[0] + draw_saving_seconds[0]`` and an exit's with ``cost -
+    target's with ``cost - sampling_seconds[0] + draw_saving_seconds[0]`` (sampled with top-k or min-p, ``+
+    window_saving_seconds[0]``, what reading the filters' window saves) and an exit's with ``cost -
     sampling_seconds[0]``."""
     lm = LayeredLM(make_tiny_llama())
     h = HSD([Level("layer2", lm, 2), Level("layer4", lm, 4)], [3])
     models = [{"name": f"layer{b}", "kind": "early_exit", "cost": 0.01 * b} for b in (2, 4)]
-    for saving, want in ((None, 0.04 - 0.003), ([0.002, 0.004], 0.04 - 0.003 + 0.002)):
+    for saving, window, want in ((None, None, 0.04 - 0.003), ([0.002, 0.004], None, 0.04 - 0.003 + 0.002),
+                                 (None, [0.0015, 0.003], 0.04 - 0.003 + 0.0015)):
         prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4", "models": models,
                                   "acceptance": {"layer2": {"layer4": 0.5}},
-                                  "provenance": {"sampling_seconds": [0.003, 0.005],
-                                                 "draw_saving_seconds": saving}}, "<test>")[0]
+                                  "provenance": {"sampling_seconds": [0.003, 0.005], "draw_saving_seconds": saving,
+                                                 "window_saving_seconds": window}}, "<test>")[0]
         clock = StepClock(prof, [h], repeats=1, greedy=False)
         assert [e["profiled"] for e in clock.engines] == [pytest.approx(want)]
     h2 = HSD([Level("layer2", lm, 2)], [])                      # the exit's own step: no draws taken back
