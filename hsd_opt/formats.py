@@ -393,6 +393,14 @@ class Provenance:
         return default if v is None else v
 
     @property
+    def sampling(self) -> str | None:
+        """The sampling the profile was made with, in words (:func:`sampling_words`; one without top-p, top-k or
+        min-p recorded sampled without them), or None where it does not say."""
+        if self.temperature is None:
+            return None
+        return sampling_words(self.temperature, self.get("top_p", 1.0), self.get("top_k", 0), self.get("min_p", 0.0))
+
+    @property
     def threads(self) -> int | None:
         """The torch threads the profile's costs were measured with (None: not recorded)."""
         v = self.extra.get("torch_threads")
@@ -1121,6 +1129,15 @@ def _plan_models(raw: Any, source: str) -> list[PlanModel]:
         extra = {k: v for k, v in m.items() if k not in PLAN_MODEL_FIELDS}
         out.append(PlanModel(name, kind, cost, can_verify, layer, rate, ref, quant, config, extra, tuple(m)))
     return out
+
+
+def sampling_words(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> str:
+    """``greedy``, or ``sampling at temperature T`` and its filters, in words."""
+    if temperature == 0:
+        return "greedy"
+    filters = [f"top-k {top_k}" if top_k else "", f"top-p {top_p:g}" if top_p < 1.0 else "",
+               f"min-p {min_p:g}" if min_p else ""]
+    return f"sampling at temperature {temperature:g}" + "".join(f", {f}" for f in filters if f)
 
 
 PROVENANCE_FIELDS = ("model", "revision", "heads", "device", "dtype", "target_precision", "temperature", "top_p",

@@ -585,6 +585,8 @@ def test_a_profile_sampled_with_top_k_or_min_p_measures_the_filtered_target(tiny
         assert all(0.5 + 0.9 * t < c < 1 + 0.9 * t for t, c in enumerate(e.verify_cost["layer4"]["layer1"]))
     r = _cli(["profile", "merge", str(outs["k1"]), str(outs["k1m"]), "-o", str(tmp_path / "m.json")])
     assert r.exit_code == 2 and "provenance.min_p" in r.output
+    r = _cli(["solve", "--profile", str(outs["k1m"]), "--tmax", "3", "--out", str(tmp_path / "plan.json")])
+    assert r.exit_code == 0 and "for sampling at temperature 0.8, top-k 1, min-p 0.05" in " ".join(r.output.split())
     r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out",
               str(tmp_path / "x.json"), "--top-k", "40"])
     assert r.exit_code == 2 and "--top-k 40 needs --temperature > 0" in r.output

@@ -17,10 +17,7 @@ from hsd_opt.console import console, err_console, warn
 def acceptance_table(prof, max_rows: int = 64) -> Table:
     """Rich table: per drafter, its cost, acceptance / greedy agreement against the target, and the 95% CI."""
     pv = prof.provenance
-    how = (f"sampling at temperature {pv.temperature:g}, top-p {pv.get('top_p', 1.0):g}"
-           + (f", top-k {pv.top_k}" if pv.get("top_k", 0) else "")
-           + (f", min-p {pv.min_p:g}" if pv.get("min_p", 0.0) else "")
-           if pv.temperature else "greedy")
+    how = pv.sampling or "greedy"
     t = Table(title=f"acceptance against the target {prof.target}, {how} (cost = one warm decode step)")
     for c, j in (("drafter", "left"), ("kind", "left"), ("cost ms", "right"), ("accept", "right"),
                  ("95% CI", "right"), ("greedy agree", "right"), ("n", "right")):

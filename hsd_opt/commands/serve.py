@@ -67,7 +67,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     ``say(message)`` reports progress."""
     from hsd_opt.grammar.compiler import compiler_for
     from hsd_opt.prompts import encode_prompt
-    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan, profiled_sampling
+    from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
@@ -75,7 +75,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     say(f"loading {plan} and its model ...")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
-    profiled = profiled_sampling(p)
+    profiled = p.provenance.sampling
     say(f"building the hierarchy {chain}{f' (profiled {profiled})' if profiled else ''} on {loaded.device} ...")
     models = PlanModels(loaded)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)

@@ -39,7 +39,9 @@ def _context_note(plan) -> str:
 
 def plan_table(plan) -> Table:
     """Rich table: the plan, best single draft, best early exit, target alone, next-best alternatives."""
-    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.solver or '?'}{_context_note(plan)})")
+    how = plan.provenance.sampling
+    t = Table(title=f"hsd plan (tmax={plan.tmax}, solver={plan.solver or '?'}{_context_note(plan)}"
+                    f"{f'; for {how}' if how else ''})")
     t.add_column("")
     t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
     t.add_column("ms/token", justify="right")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization
+from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization, sampling_words
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
@@ -109,29 +109,11 @@ def sampling_differences(plan, temperature: float, top_p: float = 1.0, top_k: in
     """How this run's sampling differs from the one ``plan`` was profiled with (its acceptance rates, and so its
     hierarchy, are for that one): greedy against sampled, another temperature or other filters (a profile without
     top-k or min-p recorded sampled without them). Empty where they agree or the plan does not say."""
-    was = profiled_sampling(plan)
+    was = plan.provenance.sampling
     if was is None:
         return []
     now = sampling_words(temperature, top_p, top_k, min_p)
     return [] if was == now else [f"the plan was profiled {was}; this run is {now}"]
-
-
-def profiled_sampling(plan) -> str | None:
-    """The sampling ``plan`` was profiled with, in words (:func:`sampling_words`; a profile without top-p, top-k or
-    min-p recorded sampled without them), or None where it does not say."""
-    prov = plan.provenance
-    if prov.temperature is None:
-        return None
-    return sampling_words(prov.temperature, prov.get("top_p", 1.0), prov.get("top_k", 0), prov.get("min_p", 0.0))
-
-
-def sampling_words(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> str:
-    """``greedy``, or ``sampling at temperature T`` and its filters, in words."""
-    if temperature == 0:
-        return "greedy"
-    filters = [f"top-k {top_k}" if top_k else "", f"top-p {top_p:g}" if top_p < 1.0 else "",
-               f"min-p {min_p:g}" if min_p else ""]
-    return f"sampling at temperature {temperature:g}" + "".join(f", {f}" for f in filters if f)
 
 
 def check_kinds(plan, source: str = "plan") -> None:
