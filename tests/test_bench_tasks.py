@@ -205,7 +205,7 @@ def test_run_uses_the_plan_of_each_prompts_task(tiny):
     ("bench", ["--limit-per-task", "0"], "--limit-per-task"),
     ("bench", ["--top-p", "0.5"], "--temperature > 0"),
     ("bench", ["--temperature", "0.5", "--top-p", "1.5"], "--top-p"),
-    ("bench", ["--top-k", "3"], "--top-k needs --temperature > 0"),
+    ("bench", ["--top-k", "3"], "--top-k 3 needs --temperature > 0"),
     ("bench", ["--temperature", "0.5", "--min-p", "2"], "--min-p"),
     ("bench", ["--temperature", "0.5", "--top-k", "-1"], "--top-k"),
     ("bench", ["--methods", "hsd,hsd_tasks"], "--methods"),

@@ -11,7 +11,9 @@ import typer
 from hsd_opt.commands.common import (
     GRAMMAR_HELP,
     JSON_SCHEMA_HELP,
+    MIN_P_HELP,
     TARGET_PRECISION_HELP,
+    TOP_K_HELP,
     check_outputs,
     cli_command,
     compile_grammar,
@@ -27,6 +29,7 @@ from hsd_opt.commands.common import (
 )
 from hsd_opt.console import console
 from hsd_opt.errors import HsdError
+from hsd_opt.formats import sampling_words
 from hsd_opt.prompts import JSON_TASK
 
 
@@ -125,9 +128,8 @@ def bench_cmd(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs compared with our AR); "
                                                                  "> 0 samples with every method."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (sampling)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most probable tokens (0: off), every method."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Sample among the tokens at least M times as probable as the "
-                                                     "most probable one (0: off), every method."),
+    top_k: int = typer.Option(0, "--top-k", help=TOP_K_HELP + " Every method."),
+    min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP + " Every method."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed: prompt i uses seed + i with every method."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
@@ -228,10 +230,8 @@ def _add_machine(rep: dict, loaded) -> None:
 def _bench_title(rep: dict, loaded, n_items: int, turns: str, max_new_tokens: int, sampling) -> str:
     """The title of the single-stream bench's first table: prompts, generations, tokens, sampling, the machine."""
     n_gen = max((d.get("generations", 0) for d in rep["methods"].values()), default=0)
-    how = ("greedy" if sampling.greedy
-           else f"sampling T={sampling.temperature:g}, top-p {sampling.top_p:g}"
-                f"{f', top-k {sampling.top_k}' if sampling.top_k else ''}"
-                f"{f', min-p {sampling.min_p:g}' if sampling.min_p else ''}, seed {sampling.seed}")
+    how = sampling_words(sampling.temperature, **sampling.filters) + ("" if sampling.greedy else
+                                                                       f", seed {sampling.seed}")
     return (f"hsd bench: {n_items} prompts ({n_gen} generations, turns: {turns}) x {max_new_tokens} tokens, "
             f"{how} ({loaded.model_id}, {loaded.device}, {rep['torch_threads']} threads{_variant(rep)})")
 

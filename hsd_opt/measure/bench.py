@@ -41,7 +41,7 @@ from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
 from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
-from hsd_opt.runtime.decode import check_filters, check_generation_args
+from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
@@ -111,10 +111,7 @@ def check_sampling(sampling: Sampling) -> None:
     1], a seed beyond 64 bits, a top-k below 0, a min-p outside [0, 1]), or a filter at temperature 0 (one line)."""
     check_generation_args(1, sampling.temperature, sampling.top_p, sampling.seed)
     check_filters(sampling.top_k, sampling.min_p)
-    for flag, on in (("--top-p", sampling.top_p < 1.0), ("--top-k", sampling.top_k > 0),
-                     ("--min-p", sampling.min_p > 0)):
-        if sampling.greedy and on:
-            raise HsdError(f"{flag} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+    check_sampled_filters(sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
 
 
 def check_seeds(sampling: Sampling, items, turns: str) -> None:

@@ -53,7 +53,7 @@ from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
-from hsd_opt.runtime.decode import check_filters, check_generation_args
+from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
 from hsd_opt.runtime.sampling import filter_window
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 from hsd_opt.version import __version__
@@ -163,10 +163,7 @@ def _validate(cfg: ProfileConfig) -> None:
     if not (seed_fits(cfg.seed * SEED_STRIDE) and seed_fits((cfg.seed + 1) * SEED_STRIDE)):
         raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
                        f"seeds of the prompts are seed * {SEED_STRIDE} + i), got {cfg.seed}")
-    for flag, value, on in (("--top-p", cfg.top_p, cfg.top_p < 1.0), ("--top-k", cfg.top_k, cfg.top_k > 0),
-                            ("--min-p", cfg.min_p, cfg.min_p > 0)):
-        if on and cfg.temperature == 0:
-            raise HsdError(f"{flag} {value:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+    check_sampled_filters(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
 

@@ -116,6 +116,15 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_p: float,
         raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}")
 
 
+def check_sampled_filters(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
+    """Refuse a filter (top-p below 1, top-k, min-p) at temperature 0, where decoding is greedy and would ignore it:
+    a one-line :class:`HsdError` naming the flag and its value."""
+    for flag, value, on in (("--top-p", top_p, top_p < 1.0), ("--top-k", top_k, top_k > 0),
+                            ("--min-p", min_p, min_p > 0)):
+        if on and temperature == 0:
+            raise HsdError(f"{flag} {value:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
+
+
 def check_filters(top_k: int, min_p: float) -> None:
     """Refuse a ``top_k`` that is not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1] (0: off) with a
     one-line :class:`HsdError` naming the flag."""
@@ -630,8 +639,9 @@ class Decoding:
         repetition penalty's from these logits: :meth:`_repeat`), then masked by the grammar."""
         if self.penalties is not None:
             rows = self._offset_rows(k, start, end) if rows is None else rows.clone()
+            read = LogitPicks(logits)
             for i in range(end - start):
-                self._repeat(rows[i], start + i, lambda ids, i=i: logits[i, ids.to(logits.device)].float().cpu())
+                self._repeat(rows[i], start + i, lambda ids, i=i: read.values(i, ids))
             logits = logits + rows.to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
