@@ -218,11 +218,13 @@ def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
                      frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
                      last_n: int = 0):
-    """Check the generation flags (an :class:`HsdError` naming the flag) and return :func:`parse_penalties`'."""
-    from hsd_opt.runtime.decode import check_filters, check_generation_args
+    """Check the generation flags (an :class:`HsdError` naming the flag; a filter at temperature 0 is refused, as
+    ``hsd bench`` and ``hsd profile`` refuse it) and return :func:`parse_penalties`'."""
+    from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
 
     check_generation_args(max_new_tokens, temperature, top_p, seed)
     check_filters(top_k, min_p)
+    check_sampled_filters(temperature, top_p, top_k, min_p)
     return parse_penalties(frequency, presence, logit_bias, repetition, last_n)
 
 
