@@ -608,7 +608,8 @@ class Decoding:
         some row holds (ties at top-k's ``k``-th place broken among them)."""
         rows = self._offset_rows(k, start, end) if self.penalties is not None else None
         window = self._window(k, start, end, rows)
-        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end, rows)
+        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end, rows,
+                             window.pinned if window is not None and window.pinned else None)
         if window is None:
             return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
         return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
@@ -632,16 +633,18 @@ class Decoding:
         pinned = tuple(self._repeated(vocab, p) for p in range(start, end))
         return replace(window, offsets=rows, pinned=pinned, reoffset=self.penalties.repetition_offsets)
 
-    def _moved(self, k: int, logits: torch.Tensor, start: int, end: int,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _moved(self, k: int, logits: torch.Tensor, start: int, end: int, rows: torch.Tensor | None = None,
+               repeated: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
         the penalties (:meth:`_offset_rows`, or ``rows`` where the caller made them, left as they are; with the
-        repetition penalty's from these logits: :meth:`_repeat`), then masked by the grammar."""
+        repetition penalty's from these logits: :meth:`_repeat`, at each row's ``repeated`` ids where the caller
+        has them, a window's ``pinned``), then masked by the grammar."""
         if self.penalties is not None:
             rows = self._offset_rows(k, start, end) if rows is None else rows.clone()
             read = LogitPicks(logits)
             for i in range(end - start):
-                self._repeat(rows[i], start + i, lambda ids, i=i: read.values(i, ids))
+                self._repeat(rows[i], start + i, lambda ids, i=i: read.values(i, ids),
+                             repeated[i] if repeated is not None else None)
             logits = logits + rows.to(logits.device)
         if self.constraint is not None:
             logits = mask_logits(logits, self._allowed_rows(start, end))
@@ -664,13 +667,15 @@ class Decoding:
         self._repeat(row, p, lambda ids: picks.values(i, ids))
         return row
 
-    def _repeat(self, row: torch.Tensor, p: int, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _repeat(self, row: torch.Tensor, p: int, values: Callable[[torch.Tensor], torch.Tensor],
+                ids: torch.Tensor | None = None) -> None:
         """Add to the offsets ``row`` ``[V]`` of the row at position ``p`` the repetition penalty's ``r(l) - l`` at
-        the tokens it repeats (:meth:`_repeated`; ``values(ids)``: the row's logits there, float32 on the CPU; a
-        token a window left out, ``-inf``, keeps its offset); nothing without the penalty."""
+        the tokens it repeats (``ids``, or :meth:`_repeated` where None; ``values(ids)``: the row's logits there,
+        float32 on the CPU; a token a window left out, ``-inf``, keeps its offset); nothing without the penalty."""
         if not self.penalties.repeats:
             return
-        ids = self._repeated(row.numel(), p)
+        if ids is None:
+            ids = self._repeated(row.numel(), p)
         if ids.numel():
             v = values(ids)
             held = torch.isfinite(v)
