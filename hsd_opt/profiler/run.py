@@ -54,7 +54,7 @@ from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exi
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
-from hsd_opt.runtime.sampling import filter_window
+from hsd_opt.runtime.sampling import filter_window, unfiltered
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 from hsd_opt.version import __version__
 
@@ -384,7 +384,7 @@ def _costs_phase(cfg: ProfileConfig, loaded, eng, pool, tds: list, text: list[in
         log(f"the filters' window: a pass of the target's engine over 1 token {window_saving[0] * 1e3:.2f} ms "
             f"cheaper, over {cfg.tmax + 1} tokens {window_saving[-1] * 1e3:.2f} ms (its int8 screen and the "
             f"window's logits instead of every logit; taken off every pass of its levels)")
-    elif cheap and cfg.top_p >= 1.0 and cfg.top_k == 0 and cfg.min_p == 0:
+    elif cheap and unfiltered(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p):
         draw_saving = time_draw_saving(eng, text, cfg.temperature, cfg.tmax + 1)
         log(f"draws by noise: the target's step {draw_saving[0] * 1e3:.2f} ms cheaper, its pass over {cfg.tmax + 1} "
             f"tokens {draw_saving[-1] * 1e3:.2f} ms (its int8 screen instead of every logit; taken off its cost and "

@@ -56,6 +56,7 @@ from hsd_opt.runtime.sampling import (
     process_logits,
     rejection_sample,
     sample_token,
+    unfiltered,
     window_probs,
 )
 from hsd_opt.seeds import seed_fits
@@ -809,9 +810,8 @@ class Decoding:
         without top-p, top-k, min-p, a grammar or log-probabilities, on an engine that reads less than every logit
         for it (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same
         distribution."""
-        return (not self.greedy and k == len(self.hsd.levels) - 1 and self.top_p >= 1.0
-                and self.top_k == 0 and self.min_p == 0.0 and self.constraint is None and self.n_logprobs is None
-                and self.hsd.levels[k].engine.picks_cheaply)
+        return (k == len(self.hsd.levels) - 1 and unfiltered(self.temperature, self.top_p, self.top_k, self.min_p)
+                and self.constraint is None and self.n_logprobs is None and self.hsd.levels[k].engine.picks_cheaply)
 
     def _picks(self, k: int, start: int, end: int) -> Generator[Pass, object, Picks]:
         """Level k's rows at positions start..end-1 ready for draws (a pass with ``picks``)."""

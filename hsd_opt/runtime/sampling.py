@@ -73,6 +73,12 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return p
 
 
+def unfiltered(temperature: float, top_p: float, top_k: int, min_p: float) -> bool:
+    """Sampling (``temperature`` > 0) without top-p, top-k or min-p: the whole ``softmax(logits / T)``, which a
+    draw by noise (:func:`gumbel_offsets` added to the logits, the largest taken) reproduces without computing it."""
+    return temperature > 0 and top_p >= 1.0 and top_k == 0 and min_p == 0.0
+
+
 def filter_window(temperature: float, top_p: float, top_k: int, min_p: float, vocab: int) -> Window | None:
     """The window of each row's largest logits that sampling at ``temperature`` (> 0) with these filters keeps, or
     None where it needs every logit: top-k keeps the ``k`` largest (a ``k`` of the whole ``vocab`` or more: no
