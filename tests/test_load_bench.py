@@ -10,6 +10,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
+from hsd_opt.measure.bench import Sampling
 from hsd_opt.measure.load_bench import Request, level_figures, parse_concurrency, serve_clients
 from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import CycleDrafter, make_tiny_llama
@@ -51,6 +52,24 @@ def test_clients_send_in_a_closed_loop_and_get_the_targets_answers(tiny, max_bat
         own = [r for r in reqs if r.client == client]
         assert [r.prompt for r in own] == [(2 + 3 * client + k) % 4 for k in range(3)]
         assert all(b.submitted >= a.ended for a, b in zip(own, own[1:]))
+
+
+def test_sampled_clients_sample_with_the_filters(tiny):
+    """Sampled requests (unseeded) draw: at temperature 4 some answer differs from the target's greedy one (a load
+    bench that sent greedy requests fails this); with top-k 1 at the same temperature every answer is the greedy
+    one (a load bench that dropped the filters fails that); every request is served either way."""
+    eng = LayeredLM(tiny, kernels=HAVE_KERNELS)
+    plan = HSD([Level("cycle", drafter=CycleDrafter(64)), Level("layer4", eng, 4)], [2], eos_ids=[2])
+    ar = HSD([Level("layer4", eng, 4)], [], eos_ids=[2])
+    prompts = _prompts(4)
+    greedy = {j: ar.generate(p, 12).token_ids for j, p in enumerate(prompts)}
+    hot = serve_clients({1: plan, 2: ar}, prompts, clients=2, requests=4, max_new_tokens=12, max_batch=2,
+                        sampling=Sampling(4.0))
+    assert len(hot) == 8 and all(r.token_ids for r in hot)
+    assert any(r.token_ids != greedy[r.prompt] for r in hot)
+    top1 = serve_clients({1: plan, 2: ar}, prompts, clients=2, requests=4, max_new_tokens=12, max_batch=2,
+                         sampling=Sampling(4.0, top_k=1))
+    assert [r.token_ids for r in top1] == [greedy[r.prompt] for r in top1]
 
 
 def test_level_figures_from_request_times():

@@ -254,11 +254,32 @@ def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):
     assert png.stat().st_size > 1000 and "x batch1" in _out(res)
 
 
+def test_bench_under_load_samples_as_asked(tiny_dir, tmp_path):
+    """``hsd bench --concurrency 1,2 --temperature 1 --top-k 5``: the report says how it sampled, the answers are
+    not compared (null, ``-`` in the table), the title names the sampling, every request is served."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Write a list"}\n')
+    rep_path = tmp_path / "load.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2",
+                              "--requests", "2", "--max-new-tokens", "4", "--temperature", "1", "--top-k", "5",
+                              "--methods", "hsd,hsd_plain", "--json", str(rep_path), "--device", "cpu"])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert rep["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 5, "min_p": 0.0, "seed": None}
+    for lv, c in zip(rep["levels"], (1, 2)):
+        for f in lv["methods"].values():
+            assert f["equal_to_target"] is None and [r["requests"] for r in f["rounds"]] == [2 * c]
+    assert "sampling at temperature 1, top-k 5 (unseeded)" in " ".join(_out(res).split())
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--concurrency", "0"], "--concurrency: client counts must be >= 1"),
     (["--concurrency", "1,2", "--methods", "ar"],
      "--methods: unknown method 'ar'; known with --concurrency: hsd, hsd_batch1, hsd_plain"),
-    (["--concurrency", "2", "--temperature", "0.7"], "--temperature: not with --concurrency"),
+    (["--concurrency", "2", "--temperature", "0.7", "--seed", "3"], "--seed: not with --concurrency"),
+    (["--concurrency", "2", "--top-k", "3"], "--top-k 3 needs --temperature > 0"),
+    (["--concurrency", "2", "--temperature", "0.7", "--top-p", "1.5"], "--top-p"),
     (["--concurrency", "2", "--turns", "all", "--assistant", "x"], "--turns, --assistant: not with --concurrency"),
     (["--concurrency", "2", "--retime", "p.json"], "--retime: "),
     (["--concurrency", "2", "--requests", "0"], "--requests: expected >= 1"),

@@ -107,7 +107,8 @@ _METHODS_HELP = ("The methods to run, comma-separated, named as the report names
                  "only when named); hf_assisted with a draft model, hsd_task when the plan has plans per task. With "
                  "--concurrency: hsd, hsd_batch1, hsd_plain (default all three).")
 _CONCURRENCY_HELP = ("Serving under load instead: this many concurrent clients at each level, e.g. 1,2,4,8,16 "
-                     "(greedy, in one process, the scheduler of `hsd serve` without HTTP; see docs/cli.md).")
+                     "(in one process, the scheduler of `hsd serve` without HTTP; greedy, or sampled with "
+                     "--temperature and the filters, each request unseeded as an API client's; see docs/cli.md).")
 
 
 @cli_command
@@ -130,7 +131,9 @@ def bench_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (sampling)."),
     top_k: int = typer.Option(0, "--top-k", help=TOP_K_HELP + " Every method."),
     min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP + " Every method."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed: prompt i uses seed + i with every method."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 0): prompt i uses seed + i with "
+                                                            "every method. Not with --concurrency (its requests "
+                                                            "carry none)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
@@ -168,12 +171,12 @@ def bench_cmd(
     if concurrency is not None:
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
                           target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
-                          retime, others={"--temperature": temperature != 0.0, "--top-k": top_k != 0,
-                                          "--min-p": min_p != 0.0, "--turns": turns != "first",
+                          retime, (temperature, top_p, top_k, min_p),
+                          others={"--seed": seed is not None, "--turns": turns != "first",
                                           "--assistant": assistant is not None,
                                           "--json-schema": json_schema is not None, "--grammar": grammar is not None})
-    sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p, seed,
-                                        top_k, min_p)
+    sampling, ms, items = _bench_inputs(prompts, limit, limit_per_task, turns, by, methods, temperature, top_p,
+                                        0 if seed is None else seed, top_k, min_p)
     spec = grammar_spec(json_schema, grammar)
     retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
@@ -294,23 +297,28 @@ LOAD_LEGEND = ("agg: aggregate tokens/s (every token over the wall seconds of th
                "plan's predicted aggregate at this load level (by_load, decoding only); pred run (--retime): "
                "the whole level predicted, prompts and ramps included, at the speed timed right before and "
                "after it, and the measured aggregate over it; =target: every answer equals the target's greedy "
-               "answer alone")
+               "answer alone (sampled: not compared, -)")
 
 
 def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], by: str,
                max_new_tokens: int, json_out: Optional[Path], plot: Optional[Path], device: str,
                dtype: Optional[str], target_precision: Optional[str], model: Optional[str], raw: bool, mode: str,
                methods: Optional[str], concurrency: str, requests: int, max_batch: Optional[int], rounds: int,
-               retime: Optional[Path], others: dict[str, bool]) -> None:
+               retime: Optional[Path], how: tuple[float, float, int, float], others: dict[str, bool]) -> None:
     """``hsd bench --concurrency``: :mod:`hsd_opt.measure.load_bench` on the plan, a table per run, and the JSON
     report and plot when asked; with ``retime`` (a profile) the load levels of ``hsd`` and ``hsd_batch1`` chosen
-    again at the speed of the moment, as ``hsd serve --retime`` does. ``others``: flags of the single-stream bench
-    that do not apply (set: refused)."""
+    again at the speed of the moment, as ``hsd serve --retime`` does. ``how``: ``(temperature, top_p, top_k,
+    min_p)`` of every request (checked as the single-stream bench checks them). ``others``: flags of the
+    single-stream bench that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
+    from hsd_opt.measure.bench import Sampling, check_sampling
     from hsd_opt.measure.load_bench import plot_load, run_load_bench
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
 
+    temperature, top_p, top_k, min_p = how
+    sampling = Sampling(temperature, top_p, 0, top_k=top_k, min_p=min_p)
+    check_sampling(sampling)
     levels_c, mb, names = _load_options(concurrency, requests, rounds, max_batch, methods, others)
     check_report_key(by)
     items = select_items(load_prompts(prompts).items, limit, limit_per_task, by)
@@ -318,18 +326,20 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
         raise HsdError(f"--concurrency: {prompts}: the load bench does not follow the prompts' schemas; run the "
                        "single-stream bench (without --concurrency), or serve and send response_format")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     say = lambda s: console.print(s, style="dim")  # noqa: E731
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), retime, say)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
-                         log=say, predictor=predictor)
+                         log=say, predictor=predictor, sampling=sampling)
     if retimed is not None:
         rep["retime"] = retimed
     _add_load_machine(rep, started, plan, loaded)
     console.print(load_table(rep, f"hsd bench --concurrency: {len(ids)} prompts, {requests} requests per client x "
-                                  f"{max_new_tokens} tokens, greedy, {rounds} round{'s' * (rounds != 1)} "
+                                  f"{max_new_tokens} tokens, {sampling_words(temperature, top_p, top_k, min_p)}"
+                                  f"{'' if sampling.greedy else ' (unseeded)'}, {rounds} round{'s' * (rounds != 1)} "
                                   f"({loaded.model_id}, {loaded.device}, {rep['torch_threads']} "
                                   f"threads{_variant(rep)})", predicted_run=predictor is not None))
     console.print(LOAD_LEGEND, style="dim")
@@ -344,7 +354,7 @@ def _load_options(concurrency: str, requests: int, rounds: int, max_batch: Optio
 
     given = [flag for flag, on in others.items() if on]
     if given:
-        raise HsdError(f"{', '.join(given)}: not with --concurrency (greedy requests, one turn each)")
+        raise HsdError(f"{', '.join(given)}: not with --concurrency (unseeded requests, one turn each)")
     levels_c = parse_concurrency(concurrency)
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
@@ -411,5 +421,5 @@ def load_table(rep: dict, title: str, predicted_run: bool):
                       fmt(d.get("predicted_tokens_per_s"), ".1f"),
                       *([fmt(d.get("predicted_run_tokens_per_s"), ".1f"),
                          fmt(d.get("measured_over_predicted"), ".2f")] if predicted_run else []),
-                      "yes" if d["equal_to_target"] else "NO")
+                      {True: "yes", False: "NO", None: "-"}[d["equal_to_target"]])
     return t

@@ -1,10 +1,12 @@
 """``hsd bench --concurrency``: serving under load in one process, closed-loop clients against the batch scheduler
 ``hsd serve`` runs (:class:`~hsd_opt.runtime.batch.Batch`), without HTTP.
 
-At each concurrency ``c``, each method serves ``c`` clients; each client sends ``requests`` greedy requests one
-after the other, the next as soon as the previous answer ends, all ``c`` first requests at once. Client ``i``'s
-``k``-th request takes prompt ``(start + i * requests + k) mod n`` of the ``n`` prompts (``start`` advances by
-``c * requests`` per level, so levels and rounds see different prompts where there are enough).
+At each concurrency ``c``, each method serves ``c`` clients; each client sends ``requests`` requests one after the
+other (greedy, or sampled as a :class:`~hsd_opt.measure.bench.Sampling` says, without a seed, as an API client that
+sends none: each then follows the load), the next as soon as the previous answer ends, all ``c`` first requests
+at once. Client ``i``'s ``k``-th request takes prompt ``(start + i * requests + k) mod n`` of the ``n`` prompts
+(``start`` advances by ``c * requests`` per level, so levels and rounds see different prompts where there are
+enough).
 
 Methods (:data:`LOAD_METHODS`):
 
@@ -16,8 +18,9 @@ Methods (:data:`LOAD_METHODS`):
 Reported per method and concurrency (:func:`level_figures`): aggregate tokens/s (every generated token over the
 seconds from the first request to the last answer), time to the first token p50 / p95 (seconds from a request's
 submission to its first committed tokens, waiting for a place and the prompt included), tokens/s per stream p50
-(a request's tokens after the first over the seconds from its first tokens to its end), and whether every answer
-equals the target's greedy answer alone (``HSD.generate`` of the target, one prompt at a time). For ``hsd``: the
+(a request's tokens after the first over the seconds from its first tokens to its end), and, greedy, whether every
+answer equals the target's greedy answer alone (``HSD.generate`` of the target, one prompt at a time; sampled
+answers are not compared: None). For ``hsd``: the
 load level it ran at, that level's hierarchy and budgets, and where the concurrency is that level and the
 hierarchy the plan's there, the plan's predicted aggregate (``by_load``, the profile's costs, not re-timed). With
 several rounds the methods run in rotating order at each concurrency (what runs before a method changes its
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.jsonio import atomic_write
+from hsd_opt.measure.bench import Sampling
 from hsd_opt.measure.load_predictor import LoadPredictor, ratio
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
@@ -90,11 +94,14 @@ def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
 
 
 def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], clients: int,
-                  requests: int, max_new_tokens: int, max_batch: int, start: int = 0) -> list[Request]:
-    """Serve ``clients`` closed-loop clients of ``requests`` greedy requests each (see the module doc) with a
-    :class:`Batch` of ``hierarchies`` decoding at most ``max_batch`` sequences together; returns every request
-    in submission order. A request that fails raises its error."""
+                  requests: int, max_new_tokens: int, max_batch: int, start: int = 0,
+                  sampling: Sampling | None = None) -> list[Request]:
+    """Serve ``clients`` closed-loop clients of ``requests`` requests each (see the module doc; greedy, or sampled
+    as ``sampling`` says, unseeded) with a :class:`Batch` of ``hierarchies`` decoding at most ``max_batch``
+    sequences together; returns every request in submission order. A request that fails raises its error."""
     batch = Batch(hierarchies, max_batch)
+    how = {} if sampling is None or sampling.greedy else {"temperature": sampling.temperature, "seed": None,
+                                                          **sampling.filters}
     done: list[Request] = []
     errors: list[BaseException] = []
 
@@ -116,7 +123,7 @@ def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
             if k + 1 < requests:
                 submit(client, k + 1)
 
-        batch.add(prompts[idx], max_new_tokens, on_tokens=on_tokens, on_done=on_done)
+        batch.add(prompts[idx], max_new_tokens, on_tokens=on_tokens, on_done=on_done, **how)
 
     for i in range(clients):
         submit(i, 0)
@@ -168,15 +175,16 @@ PREDICTED_KEYS = ("predicted_run_tokens_per_s", "predicted_wall_seconds", "predi
 def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, HSD], int]],
                    target: HSD, prompts: Sequence[Sequence[int]], concurrency: Sequence[int], requests: int = 2,
                    max_new_tokens: int = 64, rounds: int = 1, log: Callable[[str], None] | None = None,
-                   predictor: LoadPredictor | None = None) -> dict[str, Any]:
+                   predictor: LoadPredictor | None = None, sampling: Sampling | None = None) -> dict[str, Any]:
     """Run every method of ``runners`` (name -> (hierarchies, max_batch), names from :data:`LOAD_METHODS`) at each
     client count of ``concurrency`` for ``rounds`` rounds (see the module doc) on ``prompts`` (token ids), each
-    answer checked against ``target``'s (the target alone, one prompt at a time). Returns the report:
+    answer checked against ``target``'s (the target alone, one prompt at a time) when greedy; ``sampling``: how the
+    requests sample (None or greedy: greedy; sampled answers are not compared). Returns the report:
     ``levels`` (one entry per client count: per method the medians over rounds, each round's figures, and for
     ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings. With
     ``predictor``, every method's run of a level is timed again right before and after it and replayed on the
     re-timed costs (:class:`~hsd_opt.measure.load_predictor.LoadPredictor`): per round and as medians
-    ``PREDICTED_KEYS``."""
+    ``PREDICTED_KEYS`` (sampled: over the lengths the answers had)."""
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
     if rounds < 1:
@@ -188,6 +196,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         for one in ({id(x): x for x in (h.values() if isinstance(h, Mapping) else [h])}).values():
             one.generate(list(prompts[0]), 2)
     reference: dict[int, list[int]] = {}
+    greedy = sampling is None or sampling.greedy
     methods = list(runners)
     levels: list[dict[str, Any]] = []
     start = 0
@@ -195,18 +204,19 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
         for r in range(rounds):
             picks = {(start + i) % len(prompts) for i in range(c * requests)}
-            for j in sorted(picks - set(reference)):
+            for j in sorted(picks - set(reference)) if greedy else ():
                 reference[j] = list(target.generate(list(prompts[j]), max_new_tokens).token_ids)
             shift = (r + li) % len(methods)
             for m in methods[shift:] + methods[:shift]:
                 h, mb = runners[m]
                 if predictor is not None:
                     predictor.retime(h, mb)
-                reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start)
-                fig = level_figures(reqs, reference)
+                reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start, sampling=sampling)
+                fig = level_figures(reqs, reference if greedy else None)
                 fig["round"] = r + 1
                 if predictor is not None:
-                    lengths = {j: len(ids) for j, ids in reference.items()}
+                    lengths = ({j: len(ids) for j, ids in reference.items()} if greedy
+                               else {q.prompt: len(q.token_ids or []) for q in reqs})
                     fig.update(predictor.after(h, mb, predictor.jobs(prompts, lengths, c, requests, start),
                                                fig["aggregate_tokens_per_s"]))
                 per_round[m].append(fig)
@@ -218,7 +228,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         for m in methods:
             keys = MEDIAN_KEYS + (PREDICTED_KEYS if predictor is not None else ())
             med = {k: _median([f.get(k) for f in per_round[m]]) for k in keys}
-            med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m])
+            med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m]) if greedy else None
             med["rounds"] = per_round[m]
             entry["methods"][m] = med
         if "hsd" in entry["methods"]:
@@ -229,7 +239,9 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             entry["hsd_over_plain"] = ratio(agg.get("hsd"), agg.get("hsd_plain"))
         levels.append(entry)
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
-            "max_new_tokens": max_new_tokens, "rounds": rounds, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
+            "sampling": None if greedy else {"temperature": sampling.temperature, **sampling.filters, "seed": None},
+            "rounds": rounds, "prompts": len(prompts),
             "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels}
 
 
