@@ -106,6 +106,8 @@ _METHODS_HELP = ("The methods to run, comma-separated, named as the report names
                  "hf_early_exit, hf_assisted, ar, single_draft, hsd, hsd_task. Default: all but hf_early_exit (slow: "
                  "only when named); hf_assisted with a draft model, hsd_task when the plan has plans per task. With "
                  "--concurrency: hsd, hsd_batch1, hsd_plain (default all three).")
+_SEED_HELP = ("Sampling seed (default 0): prompt i uses seed + i with every method. Not with --concurrency (its "
+              "requests carry none).")
 _CONCURRENCY_HELP = ("Serving under load instead: this many concurrent clients at each level, e.g. 1,2,4,8,16 "
                      "(in one process, the scheduler of `hsd serve` without HTTP; greedy, or sampled with "
                      "--temperature and the filters, each request unseeded as an API client's; see docs/cli.md).")
@@ -131,9 +133,7 @@ def bench_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (sampling)."),
     top_k: int = typer.Option(0, "--top-k", help=TOP_K_HELP + " Every method."),
     min_p: float = typer.Option(0.0, "--min-p", help=MIN_P_HELP + " Every method."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 0): prompt i uses seed + i with "
-                                                            "every method. Not with --concurrency (its requests "
-                                                            "carry none)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help=_SEED_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
