@@ -96,19 +96,20 @@ class _CModel(ctypes.Structure):
 
 
 _LOCK = threading.Lock()
+_LIB: list = []  # [ctypes.CDLL or None] once tried
+_P = ctypes.c_void_p
 _SCRATCH = threading.local()
 
 
-def _scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of at least ``n`` values kept per thread under ``name`` (a kernel's scratch: a fresh one per call
-    costs page faults, the allocator handing large blocks back and taking them again)."""
+def scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of at least ``n`` values kept per thread under ``name`` (a kernel's scratch or output read within
+    one call: a fresh one per call costs page faults, the allocator handing large blocks back and taking them
+    again)."""
     buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.numel() < n or buf.dtype != dtype:
         buf = torch.empty(n, dtype=dtype)
         setattr(_SCRATCH, name, buf)
     return buf
-_LIB: list = []  # [ctypes.CDLL or None] once tried
-_P = ctypes.c_void_p
 
 
 def compiler() -> str | None:
@@ -875,7 +876,7 @@ def screen_window(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Ten
     vals = vals.float().contiguous()
     nt = nthreads or torch.get_num_threads()
     out = torch.empty(m, V, dtype=torch.float32)
-    work, cand = _scratch("window", nt * 3 * V, torch.float32), _scratch("window_ids", nt * cap, torch.int64)
+    work, cand = scratch("window", nt * 3 * V, torch.float32), scratch("window_ids", nt * cap, torch.int64)
     rc = lib.hsd_screen_window(ctypes.byref(_struct(head)), x.data_ptr(), m, q16, a.data_ptr(),
                                None if offsets is None else offsets.data_ptr(), c.data_ptr(), wnorm.data_ptr(),
                                top_k, below, reach, slack, pos.data_ptr(), ids.data_ptr(), vals.data_ptr(),

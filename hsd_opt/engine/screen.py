@@ -35,7 +35,6 @@ Shapes: hidden ``[m, d]``, head ``[V, d]``; logits float32.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Sequence
 
 import torch
@@ -69,7 +68,6 @@ class HeadScreen:
         if head.kind != F32 or head.bias is not None or head.cols % GROUP:
             raise ValueError("the screen takes a float32 head without bias, its width a multiple of 32")
         self.lib, self.head = lib, head
-        self._buffers = threading.local()
         w = head.tensors[0]
         # the int8 copy (quantize_q8's codes and scales) and the norms rho_r = |Wq_r - W_r|, |W_r|: in one pass of
         # the kernels (float64 sums), else here in float32, a block of rows at a time
@@ -170,11 +168,8 @@ class HeadScreen:
         if h.shape[0] > MAX_POSITIONS:
             return None
         h = h.float().contiguous()
-        # the logits go into a buffer kept per thread: a fresh [m, V] tensor each step costs page faults (the
-        # allocator gives the memory back and takes it again)
-        buf = getattr(self._buffers, "a", None)
-        if buf is None or buf.numel() < h.shape[0] * self.head.rows:
-            buf = self._buffers.a = torch.empty(MAX_POSITIONS * self.head.rows, dtype=torch.float32)
+        # the logits go into a buffer kept per thread (kernels.scratch), read within this call only
+        buf = kernels.scratch("screen_logits", MAX_POSITIONS * self.head.rows, torch.float32)
         a = kernels.screen_i16(self.lib, self.packed, self.scale, self.head.rows, h, out=buf)
         if a is None:
             return None
