@@ -220,11 +220,9 @@ def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed
                      last_n: int = 0):
     """Check the generation flags (an :class:`HsdError` naming the flag; a filter at temperature 0 is refused, as
     ``hsd bench`` and ``hsd profile`` refuse it) and return :func:`parse_penalties`'."""
-    from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
+    from hsd_opt.runtime.decode import check_sampling_flags
 
-    check_generation_args(max_new_tokens, temperature, top_p, seed)
-    check_filters(top_k, min_p)
-    check_sampled_filters(temperature, top_p, top_k, min_p)
+    check_sampling_flags(max_new_tokens, temperature, top_p, top_k, min_p, seed)
     return parse_penalties(frequency, presence, logit_bias, repetition, last_n)
 
 

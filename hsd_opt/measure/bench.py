@@ -41,7 +41,7 @@ from hsd_opt.console import heartbeat
 from hsd_opt.errors import HsdError
 from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
-from hsd_opt.runtime.decode import check_filters, check_generation_args, check_sampled_filters
+from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.runner import eos_ids, hsd_for_plan, plan_target_precision, predicts_by_context, run_context
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
@@ -106,12 +106,10 @@ class Sampling:
 
 
 def check_sampling(sampling: Sampling) -> None:
-    """Refuse what :func:`~hsd_opt.runtime.decode.check_generation_args` and
-    :func:`~hsd_opt.runtime.decode.check_filters` refuse (a temperature below 0 or not finite, a top-p outside (0,
-    1], a seed beyond 64 bits, a top-k below 0, a min-p outside [0, 1]), or a filter at temperature 0 (one line)."""
-    check_generation_args(1, sampling.temperature, sampling.top_p, sampling.seed)
-    check_filters(sampling.top_k, sampling.min_p)
-    check_sampled_filters(sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+    """Refuse what :func:`~hsd_opt.runtime.decode.check_sampling_flags` refuses (a temperature below 0 or not
+    finite, a top-p outside (0, 1], a seed beyond 64 bits, a top-k below 0, a min-p outside [0, 1], a filter at
+    temperature 0), in one line."""
+    check_sampling_flags(1, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.seed)
 
 
 def check_seeds(sampling: Sampling, items, turns: str) -> None:

@@ -126,6 +126,16 @@ def check_sampled_filters(temperature: float, top_p: float, top_k: int, min_p: f
             raise HsdError(f"{flag} {value:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
 
 
+def check_sampling_flags(max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+                         seed: int | None = None) -> None:
+    """What a command refuses of its generation flags before it loads a model, each in one line naming the flag:
+    :func:`check_generation_args`, :func:`check_filters`, and a filter at temperature 0
+    (:func:`check_sampled_filters`; a request to the server may send one, and decodes greedy)."""
+    check_generation_args(max_new_tokens, temperature, top_p, seed)
+    check_filters(top_k, min_p)
+    check_sampled_filters(temperature, top_p, top_k, min_p)
+
+
 def check_filters(top_k: int, min_p: float) -> None:
     """Refuse a ``top_k`` that is not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1] (0: off) with a
     one-line :class:`HsdError` naming the flag."""
