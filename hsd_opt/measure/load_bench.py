@@ -240,7 +240,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         levels.append(entry)
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
             "max_new_tokens": max_new_tokens,
-            "sampling": None if greedy else {"temperature": sampling.temperature, **sampling.filters, "seed": None},
+            "sampling": None if greedy else {**sampling.to_dict(), "seed": None},
             "rounds": rounds, "prompts": len(prompts),
             "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels}
 
