@@ -58,7 +58,7 @@ def test_each_arm_variant_gives_the_portable_bytes_under_emulation(cases, tmp_pa
     out = _run([QEMU, "-L", SYSROOT, str(exe), str(cases)])
     features = int(out.splitlines()[0].rsplit(" ", 1)[1])
     assert features & ~variants.OPENMP == variant.features and bool(features & variants.OPENMP) == openmp
-    assert out.count("\nok ") >= 75 and "ok     hsd_gumbel" in out    # every case ran
+    assert out.count("\nok ") >= 78 and "ok     hsd_filter_probs" in out    # every case ran
 
 
 X86 = [v for v in variants.VARIANTS if v.arch in ("x86_64", "any")]
@@ -79,4 +79,5 @@ def test_every_x86_variant_this_cpu_runs_gives_the_portable_bytes(cases, tmp_pat
     features = int(out.splitlines()[0].rsplit(" ", 1)[1])
     assert features & ~variants.OPENMP == variant.features and bool(features & variants.OPENMP) == openmp
     assert "ok     hsd_layers" in out and "ok     hsd_screen_pick" in out and "ok     hsd_screen_pick offsets" in out \
-        and "ok     hsd_screen_window top-k, min-p, offsets, pins" in out and "ok     hsd_gumbel" in out
+        and "ok     hsd_screen_window top-k, min-p, offsets, pins" in out and "ok     hsd_gumbel" in out \
+        and "ok     hsd_filter_probs" in out

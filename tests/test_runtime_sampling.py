@@ -321,6 +321,42 @@ def test_sample_token_draws_from_its_weights_and_never_a_zero_one():
         assert set(_draws(sample_token, one, 50).nonzero().flatten().tolist()) == {k}
 
 
+def test_draws_over_a_support_are_the_draws_over_every_column():
+    """``sample_token`` and ``rejection_sample`` told the support (the columns outside which ``p`` is 0, as a
+    window's columns) draw over it alone and give, for the same generator, the same tokens as over every column:
+    the bonus, a correction after a one-hot draft and after a drafter's rows (its weight outside the support
+    too), rows whose draft lies outside the support included. A support that leaves out a positive column would
+    change the draws (the check can fail)."""
+    from hsd_opt.runtime.sampling import rejection_sample, sample_token
+
+    g = torch.Generator().manual_seed(3)
+    V, changed = 500, 0
+    for trial in range(200):
+        support = torch.randperm(V, generator=g)[:1 + trial % 40].sort().values
+        d = trial % 4
+        p = torch.zeros(d + 1, V)
+        p[:, support] = torch.rand(d + 1, len(support), generator=g) ** 4
+        p[:, support[0]] += 1e-3                 # every row positive somewhere
+        p /= p.sum(-1, keepdim=True)
+        drafts = [int(support[int(torch.randint(len(support), (), generator=g))]) if i % 3 else
+                  int(torch.randint(V, (), generator=g)) for i in range(d)]
+        q = None
+        if trial % 2:
+            q = torch.rand(d, V, generator=g) ** 8
+            q[torch.arange(d), drafts] += 1.0
+            q /= q.sum(-1, keepdim=True)
+        for seed in range(3):
+            a, b = (torch.Generator().manual_seed(seed) for _ in range(2))
+            assert sample_token(p[0], a, support) == sample_token(p[0], b)
+            a, b = (torch.Generator().manual_seed(seed) for _ in range(2))
+            assert rejection_sample(p, q, drafts, a, support=support) == rejection_sample(p, q, drafts, b)
+        if len(support) > 1:   # the same draws over too few columns differ somewhere
+            a, b = (torch.Generator().manual_seed(trial) for _ in range(2))
+            short = support[1:] if float(p[0, support[0]]) > 0.2 else support[:-1]
+            changed += sample_token(p[0], a, short) != sample_token(p[0], b)
+    assert changed > 0
+
+
 def test_temperatures_and_top_p_at_the_edges_of_float32():
     """A temperature so small that ``logits / T`` overflows gives softmax's limit (equal weight on the largest
     logits, masked ones never), a top-p that rounds to 0 in float32 keeps the most probable token; neither

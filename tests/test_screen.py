@@ -296,7 +296,8 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
     """``HeadScreen.window``: every token the top-k / min-p filters may keep of ``logits + offsets`` has its logit
     bit for bit as the full head computes it, the others are ``-inf`` (most of the vocabulary: the window is
     narrow), and the filtered distribution of the window equals that of the full logits (the same tokens, the
-    same probabilities to float32 rounding). Exact ties at the k-th place (rows 1000 and 2000) and offsets."""
+    same probabilities to float32 rounding); the columns it names are those some row holds. Exact ties at the k-th
+    place (rows 1000 and 2000) and offsets."""
     import math
 
     from hsd_opt.runtime.sampling import process_logits
@@ -315,10 +316,12 @@ def test_a_window_holds_every_logit_the_filters_keep_and_gives_their_distributio
         # every third trial: a repetition penalty on some tokens (the largest among them), pinned
         pinned = tuple(torch.tensor(sorted({1000, 7, *torch.randint(0, 4000, (5,), generator=g).tolist()}))
                        for _ in range(m)) if trial % 3 == 0 else ()
-        got = screen.window(h, screen.logits(h), top_k, below, off, pinned, _penalise)
-        assert got is not None, trial
+        window = screen.window(h, screen.logits(h), top_k, below, off, pinned, _penalise)
+        assert window is not None, trial
+        got, cols = window
         full = kernels.linear(LIB, screen.head, h)
         kept = torch.isfinite(got)
+        assert torch.equal(cols, kept.any(0).nonzero()[:, 0]), trial  # the columns: those some row holds
         assert torch.equal(got[kept], full[kept]), trial
         moved = _moved(full, off, pinned)
         want = process_logits(moved, temperature, 1.0, top_k, min_p)
@@ -349,8 +352,8 @@ def _moved(logits: torch.Tensor, off: torch.Tensor | None, pinned) -> torch.Tens
 
 def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):
     """``window_logits_many``: reads with at most MAX_POSITIONS rows in all through the screen in one int16 read,
-    more each alone; either way the window's logits those of ``logits``, the rest ``-inf``, as the read alone gets
-    them."""
+    more each alone; either way the window's logits those of ``logits``, the rest ``-inf``, its columns those some
+    row holds, as the read alone gets them."""
     from hsd_opt.engine.interface import Window
 
     eng = LayeredLM(make_tiny_llama(seed=3, scale=8.0))
@@ -363,10 +366,45 @@ def test_engine_window_logits_are_each_reads_logits_in_the_window(monkeypatch):
         screened.clear()
         got = eng.window_logits_many(reads, [Window(3, 2.0)] * len(reads))
         assert screened == ([sum(rows)] if sum(rows) <= MAX_POSITIONS else rows), rows
-        for (st, b, s0, s1), lg in zip(reads, got):
-            full = eng.logits(st, b, s0, s1)
+        for (st, b, s0, s1), w in zip(reads, got):
+            lg, full = w.logits, eng.logits(st, b, s0, s1)
             kept = torch.isfinite(lg)
             assert torch.equal(lg[kept], full[kept])
+            assert torch.equal(w.cols, kept.any(0).nonzero()[:, 0])
             top3 = full.topk(3, dim=-1).indices
             assert bool(kept.gather(1, top3).all()) and not bool(kept.all())
-            assert torch.equal(lg, eng.window_logits_many([(st, b, s0, s1)], [Window(3, 2.0)])[0])  # as alone
+            alone = eng.window_logits_many([(st, b, s0, s1)], [Window(3, 2.0)])[0]      # as alone
+            assert torch.equal(lg, alone.logits) and torch.equal(w.cols, alone.cols)
+
+
+def test_the_kernels_filters_over_a_window_are_process_logits():
+    """``kernels.filter_probs`` (``hsd_filter_probs``, what ``window_probs`` runs on the CPU): over rows whose
+    columns outside their window are ``-inf``, the distribution ``process_logits`` gives (the same tokens kept,
+    the same probabilities to float32 rounding; a token under ``e^-87.3`` of the largest counts as 0 there), with
+    top-k, top-p and min-p alone and together; among equal logits at top-k's ``k``-th place the lower column; a
+    row it cannot take (every column ``-inf``, a value not a number, ``x / T`` infinite) is left to
+    ``process_logits`` (None)."""
+    import math
+
+    from hsd_opt.runtime.sampling import process_logits
+
+    g = torch.Generator().manual_seed(21)
+    for trial in range(600):
+        m, n = 1 + trial % 5, int(torch.randint(1, 400, (), generator=g))
+        x = torch.randn(m, n, generator=g) * float(torch.rand((), generator=g) * 8)
+        x[torch.rand(m, n, generator=g) < 0.5] = -math.inf
+        x[torch.arange(m), torch.randint(n, (m,), generator=g)] = torch.randn(m, generator=g)
+        t = (0.3, 0.7, 1.0, 2.0)[trial % 4]
+        top_p, top_k, min_p = (1.0, 0.95, 0.5)[trial % 3], (0, 40, 3, 1, 0)[trial % 5], (0.0, 0.05, 0.2)[trial % 7 % 3]
+        got = kernels.filter_probs(LIB, x, t, top_p, top_k, min_p)
+        want = process_logits(x, t, top_p, top_k, min_p)
+        assert got is not None, trial
+        assert torch.equal(got > 1e-30, want > 1e-30), trial
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), trial
+        if top_k:
+            assert int((got > 0).sum(-1).max()) <= top_k
+    tied = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, -math.inf]])
+    assert kernels.filter_probs(LIB, tied, 1.0, 1.0, 2, 0.0)[0].tolist() == [0.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    for row in ([-math.inf, -math.inf], [0.0, math.nan], [1.0, 2.0]):
+        assert kernels.filter_probs(LIB, torch.tensor([row]), 1e-39 if row == [1.0, 2.0] else 1.0, 1.0, 0, 0.0) \
+            is None, row

@@ -36,6 +36,16 @@ class Window:
     reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class WindowLogits:
+    """A read through a :class:`Window`: ``logits`` ``[m, V]`` float32 (every logit in the window as
+    :meth:`Engine.logits` gives it, the others ``-inf`` or their values) and ``cols``, the columns some row's window
+    holds (int64, ascending; every other column ``-inf`` in every row), or None where every logit was computed."""
+
+    logits: torch.Tensor
+    cols: torch.Tensor | None = None
+
+
 class Picks(Protocol):
     """The rows of one read ready for draws (:mod:`hsd_opt.engine.picks`): ``rows`` of them."""
 
@@ -126,10 +136,10 @@ class Engine(Protocol):
         :meth:`logits` row."""
 
     def window_logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]],
-                           windows: Sequence[Window]) -> list[torch.Tensor]:
+                           windows: Sequence[Window]) -> list[WindowLogits]:
         """:meth:`logits_many` where each read's sampler needs only its :class:`Window`: every logit in it as
         :meth:`logits` gives it, the others ``-inf`` or their values (through a float32 head's int8 screen where
-        :attr:`picks_cheaply`, else every logit)."""
+        :attr:`picks_cheaply`, with the window's columns; else every logit)."""
 
     def head(self, hidden: torch.Tensor, boundary: int) -> torch.Tensor:
         """The exit head of ``boundary`` on hidden ``[m, d]`` -> float32 logits ``[m, V]``."""

@@ -120,7 +120,7 @@ typedef struct {
 } hsd_model;
 
 /* The layout version of the structs above; kernels.py's ABI_VERSION holds the same number. */
-int hsd_version(void) { return 16; }
+int hsd_version(void) { return 17; }
 /* 0: portable C; 1: 8-lane tiles (AVX2, or NEON's pairs of 4-lane registers); 2: AVX2 with 16-lane float32 tiles
  * (AVX-512). */
 int hsd_simd(void) { return HSD_AVX2 + HSD_AVX512 + HSD_NEON; }
@@ -2009,6 +2009,82 @@ void hsd_gumbel(uint64_t key, int n, float temperature, float *out, int nthreads
     }
 }
 
+/* A column of a row ranked for the sampling filters: its value and its column. */
+typedef struct {
+    float v;
+    int i;
+} ranked_t;
+
+/* qsort's order for ranked_t: the larger value first, the lower column first among equal values. */
+static int ranked_desc(const void *a, const void *b) {
+    const ranked_t *x = a, *y = b;
+    if (x->v != y->v) return x->v > y->v ? -1 : 1;
+    return x->i - y->i;
+}
+
+/* p[0 .. k-1] /= their sum (added in order). */
+static void renormalise(ranked_t *r, int k) {
+    float s = 0.f;
+    for (int j = 0; j < k; j++) s += r[j].v;
+    for (int j = 0; j < k; j++) r[j].v /= s;
+}
+
+/* Sampling's filters over the columns of a window (runtime/sampling.py's window_probs; process_logits' operations,
+ * to float32 rounding): for each of the m rows of x [m, n] (logits, -INFINITY at a column outside the row's
+ * window), p [m, n] its probabilities: the top_k (0: no such filter) largest of x / temperature (among equal
+ * values the lower column first), their softmax (hsd_exp; sums added in order, most probable first; a term under
+ * e^-87.3 of the largest counts as 0), then top-p's nucleus (top_p < 1: the most probable tokens until the mass
+ * before one reaches top_p, at least one), then min-p's (min_p > 0: those at least min_p times as probable as the
+ * most probable), each renormalising; 0 at every other column. Returns 0; 1 when a row holds a value that is not
+ * a number, no finite value, or +INFINITY after the division (the caller computes it: an error, or softmax's
+ * limit); -1 on bad arguments. */
+int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_p, int top_k, float min_p, float *p) {
+    if (m < 1 || n < 1 || !(temperature > 0.f) || !(top_p > 0.f) || top_k < 0 || !(min_p >= 0.f)) return -1;
+    ranked_t *r = malloc(sizeof(ranked_t) * (size_t)n);
+    if (!r) return -1;
+    int rc = 0;
+    for (int t = 0; t < m && !rc; t++) {
+        const float *xt = x + (size_t)t * n;
+        float *pt = p + (size_t)t * n;
+        int k = 0;
+        for (int j = 0; j < n; j++) {
+            const float y = xt[j] / temperature;
+            if (isnan(y)) rc = 1;
+            else if (y > -INFINITY) r[k].v = y, r[k++].i = j;
+        }
+        if (rc || k == 0) {
+            rc = 1;
+            break;
+        }
+        qsort(r, (size_t)k, sizeof(ranked_t), ranked_desc);
+        if (isinf(r[0].v)) {
+            rc = 1;
+            break;
+        }
+        if (top_k > 0 && top_k < k) k = top_k;
+        const float mx = r[0].v;
+        for (int j = 0; j < k; j++) r[j].v = r[j].v - mx < -87.3f ? 0.f : hsd_exp(r[j].v - mx);
+        renormalise(r, k);
+        if (top_p < 1.f) {
+            float before = 0.f;
+            int j = 1;
+            for (before = r[0].v; j < k && before < top_p; j++) before += r[j].v;
+            k = j;
+            renormalise(r, k);
+        }
+        if (min_p > 0.f) {
+            const float least = min_p * r[0].v;
+            for (int j = 0; j < k; j++)
+                if (r[j].v < least) r[j].v = 0.f;
+            renormalise(r, k);
+        }
+        memset(pt, 0, sizeof(float) * (size_t)n);
+        for (int j = 0; j < k; j++) pt[r[j].i] = r[j].v;
+    }
+    free(r);
+    return rc;
+}
+
 /* e[j] = e^(e[j] - max e) for the n scores; returns their sum, added in order: a softmax's numerators and
  * denominator, computed alike for one query head and for heads attended together. */
 static inline float exp_shifted(float *e, int n) {
@@ -2745,13 +2821,14 @@ static float window_bounds(const float *x, int K, int q16, const float *a, const
  * pin_vals[j] instead. The floor is the largest lower bound less `below`, raised to the top_k-th largest lower
  * bound (sought among those within `reach` of the largest, or within `below` where it is finite; the whole row
  * where fewer than top_k are there and `below` is infinite), then lowered by slack (1 + |floor|); the window is
- * every token whose upper bound reaches it. work: nthreads * 3 * V floats, cand: nthreads * cap longs (scratch).
- * Positions shared among nthreads threads. Returns 0; 1 when x, a or o holds a value that is not finite or a
+ * every token whose upper bound reaches it. work: nthreads * 3 * V floats (scratch); ids: m * cap longs and counts:
+ * m ints, out: position t's window, its counts[t] token ids ascending at ids + t * cap. Positions shared among
+ * nthreads threads. Returns 0; 1 when x, a or o holds a value that is not finite or a
  * position has more than cap tokens in its window (the caller computes the logits); -1 on bad arguments. */
 int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const float *a, const float *o,
                       const float *c, const float *wn, int top_k, float below, float reach, float slack,
                       const long *pin_pos, const long *pin_ids, const float *pin_vals, int npin, int cap,
-                      float *out, float *work, long *cand, int nthreads) {
+                      float *out, float *work, long *ids, int *counts, int nthreads) {
     if (A->type != HSD_F32 || A->bias || m < 1 || cap < 1 || q16 < 1 || top_k < 0 || npin < 0 || !(below >= 0.f)
         || !(reach >= 0.f) || !(slack >= 0.f))
         return -1;
@@ -2766,7 +2843,6 @@ int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const fl
     {
         const int id = omp_get_thread_num();
         float *lo = work + (size_t)id * 3 * V, *hi = lo + V, *sel = hi + V;
-        long *cd = cand + (size_t)id * cap;
         prefetch_t pf = {NULL, NULL};
         int t0, t1;
         share(m, 1, &t0, &t1);
@@ -2802,6 +2878,7 @@ int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const fl
                 rc |= 1;
                 break;
             }
+            long *cd = ids + (size_t)t * cap;
             int n = 0;
             for (int r = 0; r < V && n <= cap; r++)
                 if (hi[r] >= floor) {
@@ -2812,6 +2889,7 @@ int hsd_screen_window(const hsd_mat *A, const float *x, int m, int q16, const fl
                 rc |= 1;
                 break;
             }
+            counts[t] = n;
             float *yt = out + (size_t)t * V;
             for (int r = 0; r < V; r++) yt[r] = -INFINITY;
             for (int j = 0; j < n; j += 4) {

@@ -47,7 +47,7 @@ from hsd_opt.errors import HsdError
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
 #: struct or a function's arguments change.
-ABI_VERSION = 16
+ABI_VERSION = 17
 #: Passes over more positions than this go through torch where an exact torch path exists (prefill of a float32
 #: model: a blocked GEMM is faster there); quantized copies run such passes on the kernels too (in calls of at most
 #: :data:`BATCH_ROWS` positions).
@@ -268,7 +268,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hsd_screen_window.restype = ctypes.c_int
     lib.hsd_screen_window.argtypes = [ctypes.POINTER(_CMat), _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
                                       ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P, _P, _P,
-                                      ctypes.c_int, ctypes.c_int, _P, _P, _P, ctypes.c_int]
+                                      ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]
     lib.hsd_rms_norm.restype = None
     lib.hsd_rms_norm.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _P]
     try:
@@ -284,6 +284,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.hsd_gumbel.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_float, _P, ctypes.c_int]
         lib.hsd_log_rows.restype = None
         lib.hsd_log_rows.argtypes = [_P, ctypes.c_int, _P]
+        lib.hsd_filter_probs.restype = ctypes.c_int
+        lib.hsd_filter_probs.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                                         ctypes.c_float, _P]
     except AttributeError:          # a library of an older kernels.c (benchmarks/kernels_ab.py's baseline)
         pass
     return lib
@@ -749,6 +752,23 @@ def gumbel(lib, key: int, n: int, temperature: float) -> torch.Tensor:
     return out
 
 
+def filter_probs(lib, x: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                 min_p: float) -> torch.Tensor | None:
+    """Sampling's filters over a window's columns (``hsd_filter_probs``): rows ``x`` ``[m, n]`` of logits
+    (``-inf`` outside each row's window) -> probabilities ``[m, n]`` float32, what
+    :func:`~hsd_opt.runtime.sampling.process_logits` computes to float32 rounding (top-k's ties: the lower column
+    first), in one call rather than a score of small torch operations. None where a row holds a value that is not
+    a number, no finite value, or one that ``x / temperature`` makes infinite (``process_logits`` then gives its
+    error or softmax's limit)."""
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    rc = lib.hsd_filter_probs(x.data_ptr(), x.shape[0], x.shape[1], temperature, top_p, top_k, min_p,
+                              out.data_ptr())
+    if rc < 0:
+        raise HsdError("kernels: bad filter call")
+    return out if rc == 0 else None
+
+
 def screen_codes(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The greedy screen's int8 copy of a float32 head ``w`` ``[V, K]`` (K even): its codes in :func:`screen_i16`'s
     layout (:func:`pack_screen_codes` of :func:`~hsd_opt.engine.weights.quantize_q8`'s codes, the same bytes), its
@@ -853,9 +873,10 @@ def screen_window(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Ten
                   top_k: int, below: float, reach: float, slack: float, cap: int,
                   offsets: torch.Tensor | None = None,
                   pins: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  nthreads: int | None = None) -> torch.Tensor | None:
+                  nthreads: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The logits ``[m, V]`` float32 of a window of each position's largest (``hsd_screen_window``; what
-    :meth:`~hsd_opt.engine.screen.HeadScreen.window` states): at normed hidden ``x`` ``[m, d]``, from the screen's
+    :meth:`~hsd_opt.engine.screen.HeadScreen.window` states) and the window's columns (int64, ascending: every token
+    some position's window holds): at normed hidden ``x`` ``[m, d]``, from the screen's
     logits ``a`` ``[m, V]`` (its constants ``c``, ``wnorm`` ``[V]``, int16 range ``q16``), the float32 ``head``'s
     logits (as :func:`rows_f32` computes them) of the tokens that may be among the ``top_k`` largest of the logits
     plus ``offsets`` (``[m, V]`` float32, finite; None: zero) and no more than ``below`` (logit units; ``inf``: no
@@ -876,14 +897,21 @@ def screen_window(lib, head: Mat, x: torch.Tensor, a: torch.Tensor, c: torch.Ten
     vals = vals.float().contiguous()
     nt = nthreads or torch.get_num_threads()
     out = torch.empty(m, V, dtype=torch.float32)
-    work, cand = scratch("window", nt * 3 * V, torch.float32), scratch("window_ids", nt * cap, torch.int64)
+    work, cand = scratch("window", nt * 3 * V, torch.float32), scratch("window_ids", m * cap, torch.int64)
+    counts = torch.zeros(m, dtype=torch.int32)
     rc = lib.hsd_screen_window(ctypes.byref(_struct(head)), x.data_ptr(), m, q16, a.data_ptr(),
                                None if offsets is None else offsets.data_ptr(), c.data_ptr(), wnorm.data_ptr(),
                                top_k, below, reach, slack, pos.data_ptr(), ids.data_ptr(), vals.data_ptr(),
-                               pos.numel(), cap, out.data_ptr(), work.data_ptr(), cand.data_ptr(), nt)
+                               pos.numel(), cap, out.data_ptr(), work.data_ptr(), cand.data_ptr(),
+                               counts.data_ptr(), nt)
     if rc < 0:
         raise HsdError("kernels: bad screen call")
-    return out if rc == 0 else None
+    if rc:
+        return None
+    n = counts.tolist()
+    if m == 1:
+        return out, cand[:n[0]].clone()
+    return out, torch.unique(torch.cat([cand[t * cap:t * cap + n[t]] for t in range(m)]))
 
 
 def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

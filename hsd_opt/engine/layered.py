@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine import fixed, graphs, kernels, screen, stored_copies, triton_attention
-from hsd_opt.engine.interface import ExitHead, Picks, Window
+from hsd_opt.engine.interface import ExitHead, Picks, Window, WindowLogits
 from hsd_opt.engine.picks import LogitPicks, ScreenPicks
 from hsd_opt.engine.screen import HeadScreen
 from hsd_opt.engine.state import DecodeState, KeptHead, Rows
@@ -706,23 +706,24 @@ class LayeredLM:
 
     @torch.no_grad()
     def window_logits_many(self, reads: Sequence[tuple[DecodeState, int, int, int]],
-                           windows: Sequence[Window]) -> list[torch.Tensor]:
+                           windows: Sequence[Window]) -> list[WindowLogits]:
         """:meth:`logits_many` of ``reads`` where each read's sampler needs only its ``window`` (top-k, min-p):
         through the head's int8 screen where it takes the reads (:meth:`_screen_hidden`; the screen logits of
         every row in one call, :meth:`~hsd_opt.engine.screen.HeadScreen.window` per read): the window's logits
-        bit for bit what :meth:`logits` gives, the others ``-inf``; reads of more rows in all than it takes
-        together each through it alone, so that a read gets what it gets alone; else (or where the screen steps
-        aside for a read) every logit."""
-        out: list[torch.Tensor | None] = [None] * len(reads)
+        bit for bit what :meth:`logits` gives, the others ``-inf``, and its columns; reads of more rows in all
+        than it takes together each through it alone, so that a read gets what it gets alone; else (or where the
+        screen steps aside for a read) every logit (``cols`` None)."""
+        out: list[WindowLogits | None] = [None] * len(reads)
         screened = self._screened_rows(reads)
         if screened is None and len(reads) > 1:     # too many rows together: each read as it is read alone
             screened = [(got or [None])[0] for got in (self._screened_rows([r]) for r in reads)]
         for i, (rows, w) in enumerate(zip(screened or [], windows)):
             if rows is not None:
-                out[i] = self._screen.window(rows[1], rows[2], w.top_k, w.below, w.offsets, w.pinned, w.reoffset)
+                got = self._screen.window(rows[1], rows[2], w.top_k, w.below, w.offsets, w.pinned, w.reoffset)
+                out[i] = None if got is None else WindowLogits(*got)
         rest = [i for i, o in enumerate(out) if o is None]
         for i, lg in zip(rest, self.logits_many([reads[i] for i in rest]) if rest else []):
-            out[i] = lg
+            out[i] = WindowLogits(lg)
         return out
 
     @torch.no_grad()

@@ -134,7 +134,8 @@ class HeadScreen:
 
     def window(self, h: torch.Tensor, a: torch.Tensor, top_k: int, below: float,
                offsets: torch.Tensor | None = None, pinned: Sequence[torch.Tensor] = (),
-               reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+               reoffset: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Logits ``[m, V]`` float32 at normed hidden ``h`` ``[m, d]`` of the tokens that may lie in a window of
         each row's largest, every other ``-inf``: of ``logits + offsets`` (``offsets`` ``[m, V]`` float32, finite;
         zero when None), those that may be among the ``top_k`` largest (``top_k`` > 0) and no more than ``below``
@@ -143,7 +144,8 @@ class HeadScreen:
         left out is outside the window by its screen bound (``a`` ``[m, V]``: :meth:`logits`), less
         :data:`WINDOW_SLACK`. Row ``i``'s tokens ``pinned[i]`` (int64 ids) are moved by ``reoffset`` of their
         logits too (:class:`~hsd_opt.engine.interface.Window`): their logits are computed first, and their moved
-        values stand for their bounds. None where the screen steps aside (values not finite, more than
+        values stand for their bounds. With them the window's columns (int64, ascending: the tokens some row's
+        window holds). None where the screen steps aside (values not finite, more than
         :data:`MAX_CANDIDATES` candidates at a position): the caller computes the logits."""
         if not 0 < top_k < a.shape[1] and below == torch.inf:
             return None

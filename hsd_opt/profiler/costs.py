@@ -734,10 +734,10 @@ def time_window_saving(eng, text: Sequence[int], temperature: float, top_p: floa
     window through its int8 screen (:meth:`~hsd_opt.engine.interface.Engine.window_logits_many`, as the runtime's
     ``Decoding._window`` asks) instead of every logit: the read of its ``t`` rows, their processing
     (:func:`~hsd_opt.runtime.sampling.process_logits`) and one draw, minus the window's read,
-    :func:`~hsd_opt.runtime.sampling.window_probs` and one draw. Every level on the engine whose exit reads the
-    model's own head reads its window so (a verification or a draft step alike). Timed as :func:`_pass_saving` times
-    (``eng``: ``picks_cheaply``). Negative where the window costs more."""
-    from hsd_opt.runtime.sampling import filter_window, process_logits, sample_token, window_probs
+    :func:`~hsd_opt.runtime.sampling.window_probs` and one draw over its columns. Every level on the engine whose
+    exit reads the model's own head reads its window so (a verification or a draft step alike). Timed as
+    :func:`_pass_saving` times (``eng``: ``picks_cheaply``). Negative where the window costs more."""
+    from hsd_opt.runtime.sampling import filter_window, process_logits, sample_token, window_columns, window_probs
 
     window = filter_window(temperature, top_p, top_k, min_p, eng.vocab_size)
     if window is None:
@@ -747,8 +747,9 @@ def time_window_saving(eng, text: Sequence[int], temperature: float, top_p: floa
         sample_token(process_logits(eng.logits_many([read])[0], temperature, top_p, top_k, min_p)[-1], g)
 
     def windowed(read, g) -> None:
-        rows = eng.window_logits_many([read], [window])[0]
-        sample_token(window_probs(rows, temperature, top_p, top_k, min_p)[-1], g)
+        got = eng.window_logits_many([read], [window])[0]
+        cols = got.cols if got.cols is not None else window_columns(got.logits)
+        sample_token(window_probs(got.logits, temperature, top_p, top_k, min_p, cols)[-1], g, cols)
 
     return _pass_saving(eng, text, tmax1, full, windowed, repeats, seed)
 

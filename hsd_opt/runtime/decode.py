@@ -57,6 +57,7 @@ from hsd_opt.runtime.sampling import (
     rejection_sample,
     sample_token,
     unfiltered,
+    window_columns,
     window_probs,
 )
 from hsd_opt.seeds import seed_fits
@@ -612,18 +613,22 @@ class Decoding:
             top = sorted(zip(top_i[i].tolist(), top_v[i].tolist()), key=lambda c: (-c[1], c[0])) if k else []
             self.logprobs.append(TokenLogprob(int(t), float(rows[i, t]), top))
 
-    def _dist(self, k: int, start: int, end: int) -> Generator[Pass, object, torch.Tensor]:
+    def _dist(self, k: int, start: int, end: int
+              ) -> Generator[Pass, object, tuple[torch.Tensor, torch.Tensor | None]]:
         """Level k's processed probabilities (sampling) at positions start..end-1: [m, V]; of its logits moved by
         the penalties and masked by the grammar first (:meth:`_moved`), then temperature and the filters. With a
         :meth:`_window` the pass reads only the logits the filters may keep, and the filters run over the columns
-        some row holds (ties at top-k's ``k``-th place broken among them)."""
+        some row holds (ties at top-k's ``k``-th place broken among them). With them the support: the columns
+        outside which every row is 0 (int64, ascending), None for every column."""
         rows = self._offset_rows(k, start, end) if self.penalties is not None else None
         window = self._window(k, start, end, rows)
-        logits = self._moved(k, (yield from self._pass(k, start, end, False, window=window)), start, end, rows,
-                             window.pinned if window is not None and window.pinned else None)
+        got = yield from self._pass(k, start, end, False, window=window)
         if window is None:
-            return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p)
-        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+            logits = self._moved(k, got, start, end, rows)
+            return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p), None
+        logits = self._moved(k, got.logits, start, end, rows, window.pinned or None)
+        cols = window_columns(logits) if got.cols is None else got.cols
+        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p, cols), cols
 
     def _window(self, k: int, start: int, end: int, rows: torch.Tensor | None) -> Window | None:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`; ``rows``: the
@@ -811,8 +816,8 @@ class Decoding:
         gen = self.seq[self.n_prompt:]
         return torch.stack([self.constraint.allowed(gen, p + 1 - self.n_prompt) for p in range(start, end)])
 
-    def _sample(self, p: torch.Tensor) -> int:
-        return sample_token(p, self.gen)
+    def _sample(self, p: torch.Tensor, support: torch.Tensor | None = None) -> int:
+        return sample_token(p, self.gen, support)
 
     def _draws_by_picks(self, k: int) -> bool:
         """Whether level ``k`` draws its tokens by the Gumbel-max form (:meth:`_draw`) rather than from its
@@ -894,8 +899,8 @@ class Decoding:
             elif self._draws_by_picks(0):       # the target alone (level 0 is the top): no rows wanted
                 t = self._draw((yield from self._picks(0, m - 1, m)), 0, 0, m - 1)
             else:
-                d = yield from self._dist(0, m - 1, m)
-                t = self._sample(d[0])
+                d, support = yield from self._dist(0, m - 1, m)
+                t = self._sample(d[0], support)
                 rows.append(d)
             toks.append(t)
             self._append([t])
@@ -942,8 +947,9 @@ class Decoding:
             elif q is None and self._draws_by_picks(k):     # one-hot drafts under the top
                 j, fix = yield from self._verify_picks(k, s, drafts)
             else:
-                p = yield from self._dist(k, s - 1, s + d)  # rows i = distribution of the token at position s + i
-                j, fix = self._verify(p, q, drafts)
+                # rows i = distribution of the token at position s + i
+                p, support = yield from self._dist(k, s - 1, s + d)
+                j, fix = self._verify(p, q, drafts, support)
             stats.accepted += j
             if j < d:
                 stats.rejections += 1
@@ -967,10 +973,11 @@ class Decoding:
         probs = torch.cat(out_p)
         return out, probs[: len(out)]
 
-    def _verify(self, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]) -> tuple[int, int]:
+    def _verify(self, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
+                support: torch.Tensor | None = None) -> tuple[int, int]:
         """Algorithm 2 on the drafts (:func:`~hsd_opt.runtime.sampling.rejection_sample` with this decoding's
-        generator)."""
-        return rejection_sample(p, q, drafts, self.gen, residual=self.hsd.residual)
+        generator; ``support``: the columns outside which ``p`` is 0, None: every column)."""
+        return rejection_sample(p, q, drafts, self.gen, residual=self.hsd.residual, support=support)
 
     # ------------------------------------------------------------------------------------------ public
 
@@ -1120,7 +1127,8 @@ class Decoding:
         elif self._draws_by_picks(k):
             t = self._draw((yield from self._picks(k, m - 1, m)), 0, k, m - 1)
         else:
-            t = self._sample((yield from self._dist(k, m - 1, m))[0])
+            p, support = yield from self._dist(k, m - 1, m)
+            t = self._sample(p[0], support)
         self.stats[self.hsd.levels[k].name].calls += 1
         self._append([t])
         self._record(1)

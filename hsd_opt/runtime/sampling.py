@@ -89,24 +89,43 @@ def filter_window(temperature: float, top_p: float, top_k: int, min_p: float, vo
     return None if k == 0 and below == math.inf else Window(k, below)
 
 
-def window_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+def window_columns(logits: torch.Tensor) -> torch.Tensor:
+    """The columns of rows ``[m, V]`` that some row holds above ``-inf`` (int64, ascending): one reduction over the
+    rows, then one comparison a column (a fifth of ``isfinite(...).any(0)``'s time at 5 rows)."""
+    return (logits.amax(dim=0) > float("-inf")).nonzero()[:, 0]
+
+
+def window_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float,
+                 cols: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`process_logits` of rows ``[m, V]`` read through a :func:`filter_window` (every logit outside the
-    window ``-inf``): the filters run over the columns some row holds (probability 0 elsewhere; a tie at top-k's
-    ``k``-th place broken among them). The columns: those whose largest logit over the rows is above ``-inf`` (one
-    reduction over the rows, then one comparison a column: a fifth of ``isfinite(...).any(0)``'s time at 5 rows)."""
-    cols = (logits.amax(dim=0) > float("-inf")).nonzero()[:, 0]
+    window ``-inf``): the filters run over the columns some row holds (``cols``, int64 ascending, as the engine
+    returned them; None: :func:`window_columns`), probability 0 elsewhere (a tie at top-k's ``k``-th place broken
+    among them). On the CPU with the kernels, the filters are theirs (:func:`~hsd_opt.engine.kernels.filter_probs`:
+    one call, where ``process_logits`` is a score of small operations, each slow on data and code the model's
+    weights have just pushed out of the caches; among equal logits at top-k's ``k``-th place the lower column)."""
+    if cols is None:
+        cols = window_columns(logits)
+    x = logits[:, cols]
+    lib = kernels.load() if logits.device.type == "cpu" else None
+    kept = None
+    if lib is not None and kernels.has(lib, "hsd_filter_probs"):
+        kept = kernels.filter_probs(lib, x, temperature, top_p, top_k, min_p)
     p = torch.zeros_like(logits)
-    p[:, cols] = process_logits(logits[:, cols], temperature, top_p, top_k, min_p)
+    p[:, cols] = process_logits(x, temperature, top_p, top_k, min_p) if kept is None else kept
     return p
 
 
-def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
+def sample_token(p: torch.Tensor, generator: torch.Generator, support: torch.Tensor | None = None) -> int:
     """One draw from the distribution ``p`` ``[V]`` (non-negative weights with a positive sum, not necessarily
     normalised), by inverting its cumulative sum: the first index whose running sum (float64) exceeds ``u`` times
     the total, ``u`` uniform in [0, 1). A token of weight 0 is never drawn (its running sum equals the one before
     it). The same distribution as ``torch.multinomial(p, 1)``, at a small fraction of its time on a large
     vocabulary (one cumulative sum instead of its checks and set-up: about 0.08 ms against 1.2 ms for 49,152
-    tokens on this project's CPU)."""
+    tokens on this project's CPU). ``support``: the columns outside which ``p`` is 0 (int64, ascending; None:
+    every column). The sum then runs over them alone and gives the same running sums at them (a weight of 0 adds
+    nothing): the same token for the same ``generator``."""
+    if support is not None:
+        return int(support[sample_token(p[support], generator)])
     c = torch.cumsum(p, 0, dtype=torch.float64)
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device) * c[-1]
     i = int(torch.searchsorted(c, u, right=True))
@@ -152,13 +171,15 @@ def torch_gumbel_offsets(vocab: int, generator: torch.Generator, temperature: fl
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], generator: torch.Generator,
-                     residual: bool = True) -> tuple[int, int]:
+                     residual: bool = True, support: torch.Tensor | None = None) -> tuple[int, int]:
     """Verify ``d`` drafts by rejection sampling: ``p`` ``[d+1, V]`` the verifier's probabilities at the drafts'
     positions and one past, ``q`` ``[d, V]`` the drafter's (None: one-hot, a token drafter). Draft ``i`` is accepted
     with probability ``min(1, p_i(x_i) / q_i(x_i))``, in order; at the first rejection the token is drawn from the
     residual ``max(0, p - q)`` (renormalised), after ``d`` acceptances a bonus token from ``p[d]``. The output
     then has ``p``'s distribution, whatever ``q`` is. ``residual=False`` draws the correction from ``p`` instead: a
-    deliberately wrong sampler, for the statistical test that must reject it. Returns (accepted count, the
+    deliberately wrong sampler, for the statistical test that must reject it. ``support``: the columns outside
+    which every row of ``p`` is 0 (int64, ascending; None: every column), where the correction or bonus token is
+    drawn (the residual is 0 wherever ``p`` is: the same draw, over fewer columns). Returns (accepted count, the
     corrected or bonus token)."""
     d = len(drafts)
     x = torch.tensor(drafts, dtype=torch.long, device=p.device)
@@ -171,14 +192,16 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
     while j < d and ok[j]:
         j += 1
     if j == d:
-        return j, sample_token(p[d], generator)
+        return j, sample_token(p[d], generator, support)
     if not residual:
-        return j, sample_token(p[j], generator)
+        return j, sample_token(p[j], generator, support)
+    cols = slice(None) if support is None else support
     if q is not None:
-        r = (p[j] - q[j]).clamp_(min=0.0)
+        r = (p[j, cols] - q[j, cols]).clamp_(min=0.0)
     else:
-        r = p[j].clone()
-        r[drafts[j]] = 0.0
+        r = p[j, cols].clone()
+        r[drafts[j] if support is None else support == drafts[j]] = 0.0
     if float(r.sum()) <= 0.0:  # p == q up to rounding: the residual is empty, p itself is exact
-        r = p[j]
-    return j, sample_token(r, generator)
+        r = p[j, cols]
+    i = sample_token(r, generator)
+    return j, i if support is None else int(support[i])

@@ -179,9 +179,10 @@ def write(path: Path) -> None:
     pins = (torch.tensor([0, 0, 3], dtype=torch.int64), torch.tensor([7, 500, 999], dtype=torch.int64),
             torch.tensor([2.5, -1.0, 0.75]))
     for top_k, below, off, pin in ((5, math.inf, None, None), (40, 3.0, offsets, pins)):
-        out = kernels.screen_window(lib, head, x, a, screen.c, screen.wnorm, screen.q16, top_k, below,
+        got = kernels.screen_window(lib, head, x, a, screen.c, screen.wnorm, screen.q16, top_k, below,
                                     WINDOW_REACH, WINDOW_SLACK, 1024, offsets=off, pins=pin)
-        assert out is not None and 0 < int(torch.isfinite(out).sum()) < out.numel()
+        assert got is not None and 0 < int(torch.isfinite(got[0]).sum()) < got[0].numel()
+        out = got[0]
         pos, ids, vals = pin if pin is not None else (torch.zeros(0, dtype=torch.int64),) * 2 + (torch.zeros(0),)
         w.ints("window", top_k, int(off is not None), pos.numel())
         w.floats("limits", below, WINDOW_REACH, WINDOW_SLACK)
@@ -242,6 +243,18 @@ def write(path: Path) -> None:
     w.ints("n", ls.numel())
     w.array("x", ls)
     w.array("y", ly)
+    # sampling's filters over a window's columns: rows with columns outside their window, ties at top-k's k-th
+    fx = torch.randn(5, 300, generator=g) * 4
+    fx[torch.rand(5, 300, generator=g) < 0.4] = -math.inf
+    fx[1] = torch.round(fx[1])
+    for temperature, top_p, top_k, min_p in ((0.7, 0.95, 40, 0.05), (1.3, 1.0, 0, 0.1), (0.3, 0.5, 0, 0.0)):
+        probs = kernels.filter_probs(lib, fx, temperature, top_p, top_k, min_p)
+        assert probs is not None and 0 < int((probs > 0).sum()) < probs.numel()
+        w.array("case", b"filter")
+        w.ints("shape", *fx.shape, top_k)
+        w.floats("limits", temperature, top_p, min_p)
+        w.array("x", fx)
+        w.array("y", probs)
     w.array("case", b"end")
     w.f.close()
 

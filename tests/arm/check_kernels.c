@@ -133,16 +133,26 @@ static void screen_case(int nt) {
     if (hsd_rows_f32(&head, rows.p, positions.p, n, x.p, y) != 0) die("hsd_rows_f32 refused its arguments");
     check("hsd_rows_f32", y, &want, sizeof(float) * n);
     float *win = malloc(sizeof(float) * (size_t)m * V), *work = malloc(sizeof(float) * (size_t)nt * 3 * V);
-    long *cand = malloc(sizeof(long) * (size_t)nt * 1024);
+    long *cand = malloc(sizeof(long) * (size_t)m * 1024);
+    int *counts = malloc(sizeof(int) * (size_t)m);
     for (int i = 0; i < 2; i++) {
         const int32_t *wv = next("window").p;
         const float *lim = next("limits").p;
         arr_t pp = next("pin_pos"), pi = next("pin_ids"), pv = next("pin_vals"), wo = next("window_out");
         if (hsd_screen_window(&head, x.p, m, q16, wa.p, wv[1] ? off.p : NULL, c.p, wn.p, wv[0], lim[0], lim[1], lim[2],
-                              pp.p, pi.p, pv.p, wv[2], 1024, win, work, cand, nt) != 0)
+                              pp.p, pi.p, pv.p, wv[2], 1024, win, work, cand, counts, nt) != 0)
             die("hsd_screen_window refused its arguments");
         check(i ? "hsd_screen_window top-k, min-p, offsets, pins" : "hsd_screen_window top-k", win, &wo,
               sizeof(float) * (size_t)m * V);
+        for (int t = 0; t < m; t++) { /* each position's ids: its finite columns, ascending */
+            int j = 0;
+            for (int r = 0; r < V; r++) {
+                if (!isfinite(win[(size_t)t * V + r])) continue;
+                if (j >= counts[t] || cand[(size_t)t * 1024 + j] != r) die("hsd_screen_window: ids not its columns");
+                j++;
+            }
+            if (j != counts[t]) die("hsd_screen_window: more ids than columns");
+        }
     }
 }
 
@@ -205,6 +215,17 @@ static void gumbel_case(int nt) {
     check("hsd_gumbel", y, &want, sizeof(float) * n);
 }
 
+/* hsd_filter_probs on the stored rows: shape (m, n, top_k), limits (temperature, top_p, min_p). */
+static void filter_case(void) {
+    const int32_t *sh = next("shape").p;
+    const float *lim = next("limits").p;
+    arr_t x = next("x"), want = next("y");
+    float *y = malloc(sizeof(float) * (size_t)sh[0] * sh[1]);
+    if (hsd_filter_probs(x.p, sh[0], sh[1], lim[0], lim[1], sh[2], lim[2], y) != 0)
+        die("hsd_filter_probs refused its arguments");
+    check("hsd_filter_probs", y, &want, sizeof(float) * (size_t)sh[0] * sh[1]);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2 || !(in = fopen(argv[1], "rb"))) die("usage: check_kernels CASES.bin");
     const int nt = 2;
@@ -222,6 +243,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(kind, "exp")) rows_case("hsd_exp_rows", hsd_exp_rows);
         else if (!strcmp(kind, "gumbel")) gumbel_case(nt);
         else if (!strcmp(kind, "log")) rows_case("hsd_log_rows", hsd_log_rows);
+        else if (!strcmp(kind, "filter")) filter_case();
         else die("unknown case");
     }
     printf("%d passed, %d failed\n", passed, failed);
