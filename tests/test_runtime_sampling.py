@@ -237,6 +237,23 @@ def _filtered_by_full_sort(logits: torch.Tensor, temperature: float, top_p: floa
     return torch.zeros_like(p).scatter_(-1, idx, sp)
 
 
+def test_a_window_the_screen_steps_aside_for_is_read_and_filtered_whole(peaky, monkeypatch):
+    """Where the screen steps aside for a window (too many candidates, values not finite), the engine reads every
+    logit and the decoding filters them as without a window: the same seeded tokens, drafts verified and drawn
+    alike, as a decoding that asks for no window."""
+    from hsd_opt.runtime.decode import Decoding
+
+    model, lm = peaky
+    h = HSD([Level("greedy", drafter=GreedyDrafter(model)), Level("layer4", lm, 4)], [2])
+    kw = dict(temperature=1.0, top_k=3, min_p=0.05)
+    assert all(p.window is not None for p in _target_pass_list(h, **kw))
+    monkeypatch.setattr(lm._screen, "window", lambda *a, **k: None)
+    aside = [h.generate(PROMPT, 8, seed=s, **kw).token_ids for s in range(30)]
+    monkeypatch.setattr(Decoding, "_window", lambda self, *a: None)
+    assert all(p.window is None for p in _target_pass_list(h, **kw))
+    assert aside == [h.generate(PROMPT, 8, seed=s, **kw).token_ids for s in range(30)]
+
+
 def test_top_k_and_min_p_are_their_definitions():
     g = torch.Generator().manual_seed(11)
     for _ in range(40):

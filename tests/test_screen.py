@@ -408,3 +408,28 @@ def test_the_kernels_filters_over_a_window_are_process_logits():
     for row in ([-math.inf, -math.inf], [0.0, math.nan], [1.0, 2.0]):
         assert kernels.filter_probs(LIB, torch.tensor([row]), 1e-39 if row == [1.0, 2.0] else 1.0, 1.0, 0, 0.0) \
             is None, row
+
+
+def test_window_probs_takes_the_kernels_filters_for_a_window_and_process_logits_for_every_column(monkeypatch):
+    """``window_probs`` on the CPU: rows that leave columns out (a window) through ``kernels.filter_probs`` over
+    their columns (the same distribution as ``process_logits``, to rounding); rows holding every column (the engine
+    read every logit: the screen stepped aside) through ``process_logits`` itself, bit for bit, since the kernels'
+    filters sort every column they hold."""
+    import math
+
+    from hsd_opt.runtime.sampling import process_logits, window_probs
+
+    calls = []
+    real = kernels.filter_probs
+    monkeypatch.setattr(kernels, "filter_probs", lambda *a: calls.append(a[1].shape) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(3, 3000, generator=g) * 3
+    assert torch.equal(window_probs(full, 0.7, 0.95, 40, 0.05), process_logits(full, 0.7, 0.95, 40, 0.05))
+    assert calls == []
+    held = full.clone()
+    held[:, 100:] = -math.inf
+    held[1, 2000] = 5.0
+    got = window_probs(held, 0.7, 0.95, 40, 0.05)
+    assert calls == [(3, 101)]                                      # its 101 columns, in one call
+    want = process_logits(held, 0.7, 0.95, 40, 0.05)
+    assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-7)

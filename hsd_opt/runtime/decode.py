@@ -57,7 +57,6 @@ from hsd_opt.runtime.sampling import (
     rejection_sample,
     sample_token,
     unfiltered,
-    window_columns,
     window_probs,
 )
 from hsd_opt.seeds import seed_fits
@@ -623,12 +622,11 @@ class Decoding:
         rows = self._offset_rows(k, start, end) if self.penalties is not None else None
         window = self._window(k, start, end, rows)
         got = yield from self._pass(k, start, end, False, window=window)
-        if window is None:
-            logits = self._moved(k, got, start, end, rows)
+        logits = self._moved(k, got if window is None else got.logits, start, end, rows,
+                             window.pinned if window is not None and window.pinned else None)
+        if window is None or got.cols is None:   # every logit read (the screen may step aside for a window)
             return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p), None
-        logits = self._moved(k, got.logits, start, end, rows, window.pinned or None)
-        cols = window_columns(logits) if got.cols is None else got.cols
-        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p, cols), cols
+        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p, got.cols), got.cols
 
     def _window(self, k: int, start: int, end: int, rows: torch.Tensor | None) -> Window | None:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`; ``rows``: the

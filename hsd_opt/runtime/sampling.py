@@ -100,13 +100,15 @@ def window_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     """:func:`process_logits` of rows ``[m, V]`` read through a :func:`filter_window` (every logit outside the
     window ``-inf``): the filters run over the columns some row holds (``cols``, int64 ascending, as the engine
     returned them; None: :func:`window_columns`), probability 0 elsewhere (a tie at top-k's ``k``-th place broken
-    among them). On the CPU with the kernels, the filters are theirs (:func:`~hsd_opt.engine.kernels.filter_probs`:
-    one call, where ``process_logits`` is a score of small operations, each slow on data and code the model's
-    weights have just pushed out of the caches; among equal logits at top-k's ``k``-th place the lower column)."""
+    among them). On the CPU with the kernels, a window that leaves some column out goes through their filters
+    (:func:`~hsd_opt.engine.kernels.filter_probs`: one call, where ``process_logits`` is a score of small
+    operations, each slow on data and code the model's weights have just pushed out of the caches; among equal
+    logits at top-k's ``k``-th place the lower column); rows that hold every column (the engine read every logit)
+    through ``process_logits``, whose selections suit a whole vocabulary."""
     if cols is None:
         cols = window_columns(logits)
     x = logits[:, cols]
-    lib = kernels.load() if logits.device.type == "cpu" else None
+    lib = kernels.load() if logits.device.type == "cpu" and cols.numel() < logits.shape[1] else None
     kept = None
     if lib is not None and kernels.has(lib, "hsd_filter_probs"):
         kept = kernels.filter_probs(lib, x, temperature, top_p, top_k, min_p)
