@@ -258,6 +258,59 @@ def test_top_k_and_min_p_equal_hsd_run(tiny, served):
     assert off == c.completions.create(**kw).model_extra["hsd"]["token_ids"]
 
 
+def test_n_choices_are_each_the_answer_of_a_request_of_one(served):
+    """``n`` choices: sampled with a seed, choice ``i`` is the answer of the same request of one choice seeded
+    ``seed + i``; greedy, every choice is the greedy answer; unseeded, the choices differ. Usage counts the prompt
+    once and every choice's tokens; each choice carries its figures."""
+    c = client(served[0])
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=N, temperature=1.1)
+    r = c.chat.completions.create(n=3, seed=40, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    ones = [c.chat.completions.create(seed=40 + i, **kw) for i in range(3)]
+    assert [ch.message.content for ch in r.choices] == [o.choices[0].message.content for o in ones]
+    assert [ch.model_extra["hsd"]["token_ids"] for ch in r.choices] == \
+        [o.model_extra["hsd"]["token_ids"] for o in ones]
+    assert r.usage.prompt_tokens == ones[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    assert r.model_extra["hsd"]["token_ids"] == ones[0].model_extra["hsd"]["token_ids"]
+    greedy = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=0, n=4)
+    one = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=0)
+    assert [ch.text for ch in greedy.choices] == [one.choices[0].text] * 4
+    assert greedy.usage.completion_tokens == 4 * one.usage.completion_tokens
+    free = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=1.5, n=4)
+    assert len({tuple(ch.model_extra["hsd"]["token_ids"]) for ch in free.choices}) > 1
+
+
+def test_n_choices_streamed_interleave_by_index_and_equal_the_answer(served):
+    """Streamed, each choice's chunks carry its index (the chat's role delta first for each); the text of each
+    index is that choice's non-streamed text; one closing chunk per choice, the usage of all, then ``[DONE]``."""
+    srv, _ = served
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}]}),
+                       ("/v1/completions", {"prompt": PROMPTS[2]})):
+        body = {"model": MODEL, "max_tokens": N, "temperature": 1.1, "seed": 5, "n": 3, **body}
+        whole = httpx.post(srv.url + path, json=body, timeout=60).json()
+        with httpx.stream("POST", srv.url + path, timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            raw = r.read().decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        texts, ends, first = {}, [], {}
+        for ch in chunks[:-1]:
+            (choice,) = ch["choices"]
+            first.setdefault(choice["index"], choice)
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+            if choice["finish_reason"]:
+                ends.append(choice["index"])
+        want = [ch["message"]["content"] if "message" in ch else ch["text"] for ch in whole["choices"]]
+        assert [texts[i] for i in range(3)] == want and sorted(ends) == [0, 1, 2]
+        if "messages" in body:
+            assert all(first[i]["delta"].get("role") == "assistant" for i in range(3))
+
+
 def test_no_state_carries_over_between_requests(served):
     srv, _ = served
     c = client(srv)
@@ -415,7 +468,9 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
      "messages[0].content[0].text", None),
     (COMP, b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
-    (COMP, {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "n": 17}, 400, "n", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "n": 0}, 400, "n", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "n": 2, "seed": 2 ** 64 - 1}, 400, "seed", None),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": {"type": "function"}}, 400, "tools", None),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "code"}], "tool_choice": "required"}, 400,
      "tools[0]", None),

@@ -22,19 +22,8 @@ from starlette.routing import Route
 
 from hsd_opt.server.errors import ApiError, error_body
 from hsd_opt.server.jobs import Job, JobQueue, QueueFull
-from hsd_opt.server.requests import GenerationRequest, ModelInfo, parse_json, parse_request
-from hsd_opt.server.responses import (
-    DONE,
-    AnswerStream,
-    chunk,
-    completion_body,
-    hsd_figures,
-    logprobs_of,
-    new_id,
-    now,
-    sse,
-    usage_chunk,
-)
+from hsd_opt.server.requests import GenerationRequest, ModelInfo, choice_requests, parse_json, parse_request
+from hsd_opt.server.responses import DONE, ChoiceStream, completion_body, new_id, now, sse, usage_chunk
 
 log = logging.getLogger("hsd_opt.server")
 Event = tuple[str, Any]
@@ -130,24 +119,35 @@ class Service:
             parts.append(part)
         return b"".join(parts)
 
-    def submit(self, req: GenerationRequest) -> tuple[Job, asyncio.Queue]:
-        """Queue ``req``; its events arrive on the returned asyncio queue. 429 when the queue is full."""
+    def submit(self, reqs: list[GenerationRequest], n: int = 1) -> tuple[list[Job], asyncio.Queue]:
+        """Queue the decodings of an answer's ``n`` choices (``reqs``: one per choice, or one whose answer is every
+        choice's: :func:`~hsd_opt.server.requests.choice_requests`); their events arrive on the returned asyncio
+        queue as ``(choice index, event)``. 429 when the queue is full (the answer's jobs queued so far are
+        cancelled)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(ev: Event) -> None:  # called from the worker thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the event loop has closed: the server is gone
-                pass
+        def emitter(choices: range) -> Callable[[Event], None]:
+            def emit(ev: Event) -> None:  # called from the worker thread
+                try:
+                    for i in choices:
+                        loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:  # the event loop has closed: the server is gone
+                    pass
+            return emit
 
-        job = Job(req, emit)
-        try:
-            self.jobs.submit(job)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
-                           "queue_full") from None
-        return job, events
+        jobs: list[Job] = []
+        for i, req in enumerate(reqs):
+            job = Job(req, emitter(range(n) if len(reqs) == 1 else range(i, i + 1)))
+            try:
+                self.jobs.submit(job)
+            except QueueFull as e:
+                for queued in jobs:
+                    queued.cancel()
+                raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
+                               "queue_full") from None
+            jobs.append(job)
+        return jobs, events
 
     async def generate(self, request: Request, kind: str) -> Response | EventStream:
         try:
@@ -155,82 +155,70 @@ class Service:
         except ClientDisconnect:
             return Response(status_code=400)
         req = parse_request(parse_json(raw), kind, self.info)
-        job, events = self.submit(req)
+        jobs, events = self.submit(choice_requests(req), req.n)
         rid, created = new_id(kind), now()
         if req.stream:
             def gone():
-                job.cancel()
-                events.put_nowait(("gone", None))
+                for job in jobs:
+                    job.cancel()
+                events.put_nowait((-1, ("gone", None)))
 
             return EventStream(self._chunks(req, events, rid, created), gone)
-        outcome = await self._wait(request, job, events)
-        if outcome is None:  # the client went away; nobody reads this
+        outcomes = await self._wait(request, jobs, events, req.n)
+        if outcomes is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(completion_body(kind, rid, created, req.model, outcome, req.tool, self.info.tokenizer))
+        return JSONResponse(completion_body(kind, rid, created, req.model, outcomes, req.tool, self.info.tokenizer))
 
-    async def _wait(self, request: Request, job: Job, events: asyncio.Queue):
-        """The job's :class:`Outcome`, or None if the client disconnected first (the job is then cancelled)."""
+    async def _wait(self, request: Request, jobs: list[Job], events: asyncio.Queue, n: int):
+        """The :class:`Outcome` of each of the ``n`` choices, or None if the client disconnected first (the jobs
+        are then cancelled)."""
         disconnect = asyncio.ensure_future(_disconnected(request.receive))
+        outcomes: list = [None] * n
         try:
-            while True:
+            while any(o is None for o in outcomes):
                 get = asyncio.ensure_future(events.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
                     return None
-                kind, val = get.result()
+                i, (kind, val) = get.result()
                 if kind == "done":
-                    return val
-                if kind == "cancelled":
+                    outcomes[i] = val
+                elif kind == "cancelled":
                     raise ApiError(503, "the request was cancelled: the server is stopping", "server_error",
                                    None, "cancelled")
-                if kind == "error":
+                elif kind == "error":
                     raise ApiError(500, val, "server_error")
+            return outcomes
         finally:
             disconnect.cancel()
-            job.cancel()  # a no-op once it ended
+            for job in jobs:
+                job.cancel()  # a no-op once it ended
 
     async def _chunks(self, req: GenerationRequest, events: asyncio.Queue, rid: str,
                       created: int) -> AsyncIterator[bytes]:
+        """The stream of an answer: each choice's chunks (:class:`ChoiceStream`) as its events come, choices
+        interleaved; after the last choice's end, the usage (asked for) and ``[DONE]``; an error ends it."""
         kind, model = req.kind, req.model
-        answer = AnswerStream(req.tool if kind == "chat" else None)
-        pending: list = []      # log-probabilities of tokens whose text is not sent yet
-        offset = 0              # text_offset of the next token (completions)
-
-        def events_of(deltas):
-            nonlocal pending, offset
-            out = []
-            for d in deltas:
-                lps = None
-                if pending:
-                    lps = logprobs_of(kind, self.info.tokenizer, pending, offset)
-                    if kind != "chat":
-                        offset += sum(len(t) for t in lps["tokens"])
-                    pending = []
-                out.append(sse(chunk(kind, rid, created, model, text=d.get("content"), calls=d.get("tool_calls"),
-                                     logprobs=lps)))
-            return out
-
-        if kind == "chat":
-            yield sse(chunk(kind, rid, created, model, role=True))
-        for e in events_of(answer.opening()):                 # a named function's call opens at once
-            yield e
+        streams = [ChoiceStream(self.info.tokenizer, kind, model, req.tool, rid, created, i) for i in range(req.n)]
+        for c in streams:
+            for e in c.opening():
+                yield e
+        outcomes: list = [None] * req.n
         while True:
-            what, val = await events.get()
-            if what == "logprobs":
-                pending.extend(val)
-            elif what == "text":
-                for e in events_of(answer.piece(val)):
+            i, (what, val) = await events.get()
+            if what in ("logprobs", "text"):
+                for e in streams[i].event(what, val):
                     yield e
             elif what == "done":
-                last, finish = answer.end(val.finish_reason)
-                for e in events_of(last):
+                outcomes[i] = val
+                for e in streams[i].end(val):
                     yield e
-                yield sse(chunk(kind, rid, created, model, finish_reason=finish, extra={"hsd": hsd_figures(val)}))
-                if req.include_usage:
-                    yield sse(usage_chunk(kind, rid, created, model, val))
-                yield DONE
-                return
+                if all(o is not None for o in outcomes):
+                    if req.include_usage:
+                        yield sse(usage_chunk(kind, rid, created, model, outcomes))
+                    yield DONE
+                    return
             elif what == "cancelled":
                 yield sse(error_body("the request was cancelled: the server is stopping", "server_error", None,
                                      "cancelled"))

@@ -3,24 +3,24 @@
 
 Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` (1 only), ``response_format`` (``text``, ``json_object``, ``json_schema``:
-the output follows the grammar, :mod:`hsd_opt.grammar`; one that does not compile is a 400 naming the problem) and
-log-probabilities (chat: ``logprobs`` true and ``top_logprobs`` 0 .. 20; completions: ``logprobs`` 0 .. 20
-alternatives), ``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token id -> -100 .. 100:
+``stream_options.include_usage``, ``n`` (1 .. :data:`MAX_CHOICES` choices: :func:`choice_requests`),
+``response_format`` (``text``, ``json_object``, ``json_schema``: the output follows the grammar,
+:mod:`hsd_opt.grammar`; one that does not compile is a 400 naming the problem) and log-probabilities (chat:
+``logprobs`` true and ``top_logprobs`` 0 .. 20; completions: ``logprobs`` 0 .. 20 alternatives),
+``frequency_penalty``, ``presence_penalty`` (-2 .. 2) and ``logit_bias`` (token id -> -100 .. 100:
 :mod:`hsd_opt.runtime.penalties`), ``top_k``, ``min_p`` and the repetition penalty (``repetition_penalty``, or
 ``repeat_penalty`` with ``repeat_last_n``: llama.cpp's and vLLM's sampling extensions, not the OpenAI API's); chat
 also ``tools`` and ``tool_choice`` (a function called under the grammar of its parameters:
 :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not supported
-(:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling extensions beyond these (typical-p,
-mirostat, ...), are a 400 when given a value other than their default; other fields (``user``, ``metadata``, ...) are
-ignored.
-"""
+(:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling extensions beyond these
+(typical-p, mirostat, ...), are a 400 when given a value other than their default; other fields (``user``,
+``metadata``, ...) are ignored."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from hsd_opt.errors import HsdError
@@ -50,6 +50,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 #: At most this many stop strings (as the OpenAI API).
 MAX_STOP = 4
+#: The most choices (``n``) one request may ask for.
+MAX_CHOICES = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -82,7 +84,8 @@ class GenerationRequest:
     calls), None: free text; ``tool``: the answer is a function call (``tool_choice``), None: a message;
     ``logprobs``: the alternatives listed with each generated token's log-probability (0 .. 20), None: no
     log-probabilities; ``penalties``: frequency and presence penalties and logit biases, None: none; ``top_k``
-    (0: off) and ``min_p`` (0: off): sampling's filters."""
+    (0: off) and ``min_p`` (0: off): sampling's filters; ``n``: the choices the answer holds (1 ..
+    :data:`MAX_CHOICES`)."""
 
     kind: str
     model: str
@@ -100,6 +103,19 @@ class GenerationRequest:
     penalties: Penalties | None = None
     top_k: int = 0
     min_p: float = 0.0
+    n: int = 1
+
+
+def choice_requests(req: GenerationRequest) -> list[GenerationRequest]:
+    """The decodings that answer ``req``'s ``n`` choices, each a request of one choice: greedy (temperature 0), one
+    whose answer is every choice's (the target's greedy output is the same each time); sampled, one per choice,
+    choice ``i`` seeded ``seed + i`` where the request gives a seed (each reproducible, no two alike), else each
+    unseeded."""
+    if req.n == 1:
+        return [req]
+    if req.temperature == 0:
+        return [replace(req, n=1)]
+    return [replace(req, n=1, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -408,7 +424,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     Raises:
         ApiError: 400 for a missing or empty ``messages``/``prompt``, a field of the wrong type, ``max_tokens``
             < 1 or beyond the context (prompt + ``max_tokens`` > ``info.max_positions``), ``temperature`` < 0,
-            ``top_p`` outside (0, 1], ``n`` other than 1, more than 4 or empty ``stop`` strings, a
+            ``top_p`` outside (0, 1], ``n`` outside 1 .. :data:`MAX_CHOICES`, more than 4 or empty ``stop`` strings, a
             ``response_format`` that is malformed or does not compile; 404 for another model than ``info.name``.
     """
     model = body.get("model", info.name)
@@ -419,8 +435,9 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
                        "invalid_request_error", "model", "model_not_found")
     _unsupported(body)
     n = _int(body, "n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request), got {n}", "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be 1 .. {MAX_CHOICES} (choices in the answer), got {n}", "n")
     max_tokens = _int(body, "max_tokens")
     key = "max_tokens"
     if kind == "chat" and max_tokens is None:
@@ -441,8 +458,9 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if not 0.0 <= min_p <= 1.0:
         raise bad_request(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
     seed = _int(body, "seed")
-    if seed is not None and not seed_fits(seed):
-        raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}", "seed")
+    if seed is not None and not (seed_fits(seed) and seed_fits(seed + n - 1)):
+        raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1; with 'n', seed + n - 1 too: "
+                          f"choice i is seeded seed + i), got {seed}", "seed")
     stop = _stop(body)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -472,4 +490,4 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar, tool, logprobs, penalties, top_k, min_p)
+                             grammar, tool, logprobs, penalties, top_k, min_p, n)

@@ -52,10 +52,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(o: Outcome) -> dict[str, int]:
-    """``prompt_tokens``, ``completion_tokens`` (the ids returned: cut at a stop string) and their sum."""
-    n = len(o.token_ids)
-    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": n, "total_tokens": o.prompt_tokens + n}
+def usage(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """``prompt_tokens`` (the prompt's, once), ``completion_tokens`` (the ids returned, every choice's: cut at a
+    stop string) and their sum, of the answer whose choices are ``outcomes``."""
+    p, n = outcomes[0].prompt_tokens, sum(len(o.token_ids) for o in outcomes)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
 
 def hsd_figures(o: Outcome) -> dict[str, Any]:
@@ -193,28 +194,34 @@ class AnswerStream:
         return ([{"content": text}] if text else []), finish_reason
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, o: Outcome,
+def completion_body(kind: str, rid: str, created: int, model: str, outcomes: Sequence[Outcome],
                     tool: ToolCall | None = None, tokenizer: "PreTrainedTokenizerBase | None" = None) -> dict[str, Any]:
-    """The whole (non-streamed) response (a chat answer that is a function call where ``tool`` says so; the
-    ``tokenizer`` writes the tokens of log-probabilities, where the outcome has them)."""
-    lps = logprobs_of(kind, tokenizer, o.logprobs) if tokenizer is not None else None
-    if kind == "chat":
-        message, finish = chat_message(o, tool)
-        choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": o.text, "logprobs": lps, "finish_reason": o.finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [choice], "usage": usage(o), "hsd": hsd_figures(o)}
+    """The whole (non-streamed) response, choice ``i`` from ``outcomes[i]`` (a chat answer that is a function call
+    where ``tool`` says so; the ``tokenizer`` writes the tokens of log-probabilities, where the outcome has them).
+    ``hsd``: the first choice's figures; with more than one choice each also carries its own."""
+    choices = []
+    for i, o in enumerate(outcomes):
+        lps = logprobs_of(kind, tokenizer, o.logprobs) if tokenizer is not None else None
+        if kind == "chat":
+            message, finish = chat_message(o, tool)
+            choice = {"index": i, "message": message, "logprobs": lps, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": o.text, "logprobs": lps, "finish_reason": o.finish_reason}
+        if len(outcomes) > 1:
+            choice["hsd"] = hsd_figures(o)
+        choices.append(choice)
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
+            "model": model, "system_fingerprint": None, "choices": choices, "usage": usage(outcomes),
+            "hsd": hsd_figures(outcomes[0])}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
           finish_reason: str | None = None, extra: dict[str, Any] | None = None,
-          calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stream chunk: new ``text`` (chat: ``delta.content``), the chat's opening ``role`` delta, a function
-    call's delta (``calls``: :func:`tool_calls`), or the closing chunk with ``finish_reason`` (and ``extra`` fields
-    such as ``hsd``); ``logprobs``: those of the chunk's tokens (:func:`logprobs_of`)."""
+          calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
+          index: int = 0) -> dict[str, Any]:
+    """One stream chunk of choice ``index``: new ``text`` (chat: ``delta.content``), the chat's opening ``role``
+    delta, a function call's delta (``calls``: :func:`tool_calls`), or the closing chunk with ``finish_reason``
+    (and ``extra`` fields such as ``hsd``); ``logprobs``: those of the chunk's tokens (:func:`logprobs_of`)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -223,10 +230,10 @@ def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None
             delta = {"tool_calls": calls}
         elif text is not None:
             delta = {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
            "choices": [choice]}
@@ -234,11 +241,56 @@ def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None
     return out
 
 
-def usage_chunk(kind: str, rid: str, created: int, model: str, o: Outcome) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the ``usage``."""
+class ChoiceStream:
+    """The chunks of one choice of a streamed answer (``index``): the chat's opening role delta (and a named
+    function's opening call), its text and function-call deltas with their log-probabilities, its closing chunk."""
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", kind: str, model: str, tool: ToolCall | None, rid: str,
+                 created: int, index: int):
+        self.tokenizer, self.kind, self.model, self.rid, self.created, self.index = (
+            tokenizer, kind, model, rid, created, index)
+        self.answer = AnswerStream(tool if kind == "chat" else None)
+        self.pending: list = []      # log-probabilities of tokens whose text is not sent yet
+        self.offset = 0              # text_offset of the next token (completions)
+
+    def _chunk(self, **fields) -> bytes:
+        return sse(chunk(self.kind, self.rid, self.created, self.model, index=self.index, **fields))
+
+    def _deltas(self, deltas) -> list[bytes]:
+        out = []
+        for d in deltas:
+            lps = None
+            if self.pending:
+                lps = logprobs_of(self.kind, self.tokenizer, self.pending, self.offset)
+                if self.kind != "chat":
+                    self.offset += sum(len(t) for t in lps["tokens"])
+                self.pending = []
+            out.append(self._chunk(text=d.get("content"), calls=d.get("tool_calls"), logprobs=lps))
+        return out
+
+    def opening(self) -> list[bytes]:
+        """The chunks before any text: the chat's role delta, a named function's opening call."""
+        first = [self._chunk(role=True)] if self.kind == "chat" else []
+        return first + self._deltas(self.answer.opening())
+
+    def event(self, what: str, val) -> list[bytes]:
+        """The chunks of a ``"logprobs"`` (kept for the next text) or ``"text"`` event."""
+        if what == "logprobs":
+            self.pending.extend(val)
+            return []
+        return self._deltas(self.answer.piece(val))
+
+    def end(self, o: Outcome) -> list[bytes]:
+        """The last deltas and the closing chunk (its finish reason and the choice's ``hsd`` figures)."""
+        last, finish = self.answer.end(o.finish_reason)
+        return self._deltas(last) + [self._chunk(finish_reason=finish, extra={"hsd": hsd_figures(o)})]
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the ``usage`` of them all."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [], "usage": usage(o)}
+            "choices": [], "usage": usage(outcomes)}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
