@@ -2022,22 +2022,23 @@ static int ranked_desc(const void *a, const void *b) {
     return x->i - y->i;
 }
 
-/* p[0 .. k-1] /= their sum (added in order). */
+/* p[0 .. k-1] /= their sum (added in order, in double precision, then rounded). */
 static void renormalise(ranked_t *r, int k) {
-    float s = 0.f;
+    double s = 0.0;
     for (int j = 0; j < k; j++) s += r[j].v;
-    for (int j = 0; j < k; j++) r[j].v /= s;
+    const float sf = (float)s;
+    for (int j = 0; j < k; j++) r[j].v /= sf;
 }
 
 /* Sampling's filters over the columns of a window (runtime/sampling.py's window_probs; process_logits' operations,
  * to float32 rounding): for each of the m rows of x [m, n] (logits, -INFINITY at a column outside the row's
- * window), p [m, n] its probabilities: the top_k (0: no such filter) largest of x / temperature (among equal
- * values the lower column first), their softmax (hsd_exp; sums added in order, most probable first; a term under
- * e^-87.3 of the largest counts as 0), then top-p's nucleus (top_p < 1: the most probable tokens until the mass
- * before one reaches top_p, at least one), then min-p's (min_p > 0: those at least min_p times as probable as the
- * most probable), each renormalising; 0 at every other column. Returns 0; 1 when a row holds a value that is not
- * a number, no finite value, or +INFINITY after the division (the caller computes it: an error, or softmax's
- * limit); -1 on bad arguments. */
+ * window), p [m, n] its probabilities: the top_k (0: no such filter) largest of x / temperature (among equal values
+ * the lower column first), their softmax (hsd_exp; sums added in order, most probable first, in double precision; a
+ * term under e^-87.3 of the largest counts as 0), then top-p's nucleus (top_p < 1: the most probable tokens until
+ * the mass before one, in double precision, reaches top_p; at least one), then min-p's (min_p > 0: those at least
+ * min_p times as probable as the most probable), each renormalising; 0 at every other column. Returns 0; 1 when a
+ * row holds a value that is not a number, no finite value, or +INFINITY after the division (the caller computes it:
+ * an error, or softmax's limit); -1 on bad arguments. */
 int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_p, int top_k, float min_p, float *p) {
     if (m < 1 || n < 1 || !(temperature > 0.f) || !(top_p > 0.f) || top_k < 0 || !(min_p >= 0.f)) return -1;
     ranked_t *r = malloc(sizeof(ranked_t) * (size_t)n);
@@ -2066,9 +2067,9 @@ int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_
         for (int j = 0; j < k; j++) r[j].v = r[j].v - mx < -87.3f ? 0.f : hsd_exp(r[j].v - mx);
         renormalise(r, k);
         if (top_p < 1.f) {
-            float before = 0.f;
+            double before = r[0].v; /* the mass before token j, added in double precision */
             int j = 1;
-            for (before = r[0].v; j < k && before < top_p; j++) before += r[j].v;
+            for (; j < k && before < top_p; j++) before += r[j].v;
             k = j;
             renormalise(r, k);
         }
