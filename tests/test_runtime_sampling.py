@@ -229,7 +229,7 @@ def _filtered_by_full_sort(logits: torch.Tensor, temperature: float, top_p: floa
         sp[..., top_k:] = 0.0
         sp = sp / sp.sum(-1, keepdim=True)
     if top_p < 1.0:
-        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+        sp = sp.masked_fill((sp.cumsum(-1, dtype=torch.float64) - sp) >= top_p, 0.0)
         sp = sp / sp.sum(-1, keepdim=True)
     if min_p:
         sp = sp.masked_fill(sp < min_p * sp[..., :1], 0.0)
@@ -283,10 +283,11 @@ def test_bad_filters_are_refused_naming_the_flag(top_k, min_p, flag):
 
 
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The definition: sort the whole vocabulary, drop tokens whose preceding mass reaches top_p, renormalise."""
+    """The definition: sort the whole vocabulary, drop tokens whose preceding mass (float64) reaches top_p,
+    renormalise."""
     p = torch.softmax(logits.float() / temperature, dim=-1)
     sp, idx = torch.sort(p, dim=-1, descending=True)
-    sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+    sp = sp.masked_fill((sp.cumsum(-1, dtype=torch.float64) - sp) >= top_p, 0.0)
     p = torch.zeros_like(p).scatter_(-1, idx, sp)
     return p / p.sum(-1, keepdim=True)
 

@@ -32,7 +32,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
 
     The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
     reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
-    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost.
+    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost. The
+    mass before each token is summed in float64 (a float32 running sum over a nucleus of hundreds of tokens can end
+    it a token early or late).
 
     A temperature so small that ``logits / temperature`` overflows (a row's softmax is then not a number) gives that
     row softmax's limit as the temperature goes to 0: the same weight on each of its largest logits. A row whose
@@ -56,7 +58,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
         k = min(64, v)
         while True:
             sp, idx = torch.topk(p, k, dim=-1) if k < v else torch.sort(p, dim=-1, descending=True)
-            cum = sp.cumsum(-1)
+            cum = sp.cumsum(-1, dtype=torch.float64)  # the mass so far, exact to float64 over thousands of tokens
             if k >= v or bool((cum[..., -1] >= top_p).all()):
                 break
             k = min(4 * k, v)
