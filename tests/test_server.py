@@ -582,6 +582,9 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     with BackgroundServer(create_app(gated_jobs, svc.info), on_stop=gated_jobs.cancel_all) as srv:
         c = client(srv)
         results: list = []
+        with pytest.raises(openai.BadRequestError) as e:      # more sampled choices than the queue ever holds
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=2)
+        assert e.value.body["param"] == "n" and "--max-queue" in e.value.body["message"]
 
         def ask():
             results.append(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0))

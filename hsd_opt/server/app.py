@@ -155,7 +155,11 @@ class Service:
         except ClientDisconnect:
             return Response(status_code=400)
         req = parse_request(parse_json(raw), kind, self.info)
-        jobs, events = self.submit(choice_requests(req), req.n)
+        runs = choice_requests(req)
+        if len(runs) > self.jobs.max_queue:
+            raise ApiError(400, f"'n' asks for {len(runs)} sampled choices; this server queues at most "
+                                f"{self.jobs.max_queue} requests (hsd serve --max-queue)", "invalid_request_error", "n")
+        jobs, events = self.submit(runs, req.n)
         rid, created = new_id(kind), now()
         if req.stream:
             def gone():
