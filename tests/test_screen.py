@@ -433,3 +433,8 @@ def test_window_probs_takes_the_kernels_filters_for_a_window_and_process_logits_
     assert calls == [(3, 101)]                                      # its 101 columns, in one call
     want = process_logits(held, 0.7, 0.95, 40, 0.05)
     assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    # a top-k past 32 bits is no top-k; a temperature or top-p below float32's least is what process_logits makes
+    # of it (softmax's limit; the most probable token alone), not an error
+    for t, top_p, top_k, min_p in ((1.0, 1.0, 2 ** 32 + 5, 0.01), (1e-50, 1.0, 5, 0.0), (1.0, 1e-50, 5, 0.0)):
+        got, want = window_probs(held, t, top_p, top_k, min_p), process_logits(held, t, top_p, top_k, min_p)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-7), (t, top_p, top_k)

@@ -606,6 +606,26 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     no_tracebacks(caplog)
 
 
+def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
+    """``JobQueue.submit_all`` (an answer's ``n`` decodings): into a queue with fewer free places than jobs, none
+    is queued (a refused answer leaves no cancelled jobs taking places), and the refusal is counted once."""
+    from hsd_opt.server.jobs import Job, QueueFull
+    from hsd_opt.server.requests import choice_requests, parse_request
+
+    app, _ = prepare_server(tiny[0], device="cpu")
+    info = app.state.service.info
+    req = parse_request({"model": MODEL, "prompt": "w1", "max_tokens": 2, "n": 2, "seed": 3}, "completion", info)
+    runs = choice_requests(req)
+    assert [r.seed for r in runs] == [3, 4] and all(r.n == 1 for r in runs)
+    q = JobQueue(direct[0], info.tokenizer, max_queue=3)      # no worker: nothing leaves the queue
+    q.submit_all([Job(r, lambda ev: None) for r in runs])
+    with pytest.raises(QueueFull):
+        q.submit_all([Job(r, lambda ev: None) for r in runs])
+    assert q.waiting == 2 and q.counts["refused"] == 1
+    q.submit_all([Job(runs[0], lambda ev: None)])
+    assert q.waiting == 3
+
+
 def failing(runner, n: int):
     """A copy of the HSD ``runner`` whose first ``n`` generations fail after one block (a stand-in for a decoder
     bug); the later ones decode."""

@@ -2039,8 +2039,9 @@ static void renormalise(ranked_t *r, int k) {
  * min_p times as probable as the most probable), each renormalising; 0 at every other column. Returns 0; 1 when a
  * row holds a value that is not a number, no finite value, or +INFINITY after the division (the caller computes it:
  * an error, or softmax's limit); -1 on bad arguments. */
-int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_p, int top_k, float min_p, float *p) {
-    if (m < 1 || n < 1 || !(temperature > 0.f) || !(top_p > 0.f) || top_k < 0 || !(min_p >= 0.f)) return -1;
+int hsd_filter_probs(const float *x, int m, int n, double temperature, double top_p, int top_k, double min_p,
+                     float *p) {
+    if (m < 1 || n < 1 || !(temperature > 0.0) || !(top_p > 0.0) || top_k < 0 || !(min_p >= 0.0)) return -1;
     ranked_t *r = malloc(sizeof(ranked_t) * (size_t)n);
     if (!r) return -1;
     int rc = 0;
@@ -2049,7 +2050,7 @@ int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_
         float *pt = p + (size_t)t * n;
         int k = 0;
         for (int j = 0; j < n; j++) {
-            const float y = xt[j] / temperature;
+            const float y = (float)(xt[j] / temperature);
             if (isnan(y)) rc = 1;
             else if (y > -INFINITY) r[k].v = y, r[k++].i = j;
         }
@@ -2066,15 +2067,15 @@ int hsd_filter_probs(const float *x, int m, int n, float temperature, float top_
         const float mx = r[0].v;
         for (int j = 0; j < k; j++) r[j].v = r[j].v - mx < -87.3f ? 0.f : hsd_exp(r[j].v - mx);
         renormalise(r, k);
-        if (top_p < 1.f) {
+        if (top_p < 1.0) {
             double before = r[0].v; /* the mass before token j, added in double precision */
             int j = 1;
             for (; j < k && before < top_p; j++) before += r[j].v;
             k = j;
             renormalise(r, k);
         }
-        if (min_p > 0.f) {
-            const float least = min_p * r[0].v;
+        if (min_p > 0.0) {
+            const float least = (float)(min_p * r[0].v);
             for (int j = 0; j < k; j++)
                 if (r[j].v < least) r[j].v = 0.f;
             renormalise(r, k);

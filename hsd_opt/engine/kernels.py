@@ -285,8 +285,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.hsd_log_rows.restype = None
         lib.hsd_log_rows.argtypes = [_P, ctypes.c_int, _P]
         lib.hsd_filter_probs.restype = ctypes.c_int
-        lib.hsd_filter_probs.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int,
-                                         ctypes.c_float, _P]
+        lib.hsd_filter_probs.argtypes = [_P, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double,
+                                         ctypes.c_int, ctypes.c_double, _P]
     except AttributeError:          # a library of an older kernels.c (benchmarks/kernels_ab.py's baseline)
         pass
     return lib
@@ -762,6 +762,7 @@ def filter_probs(lib, x: torch.Tensor, temperature: float, top_p: float, top_k: 
     error or softmax's limit)."""
     x = x.float().contiguous()
     out = torch.empty_like(x)
+    top_k = top_k if 0 < top_k < x.shape[1] else 0         # a k of every column or more: no such filter
     rc = lib.hsd_filter_probs(x.data_ptr(), x.shape[0], x.shape[1], temperature, top_p, top_k, min_p,
                               out.data_ptr())
     if rc < 0:

@@ -122,8 +122,8 @@ class Service:
     def submit(self, reqs: list[GenerationRequest], n: int = 1) -> tuple[list[Job], asyncio.Queue]:
         """Queue the decodings of an answer's ``n`` choices (``reqs``: one per choice, or one whose answer is every
         choice's: :func:`~hsd_opt.server.requests.choice_requests`); their events arrive on the returned asyncio
-        queue as ``(choice index, event)``. 429 when the queue is full (the answer's jobs queued so far are
-        cancelled)."""
+        queue as ``(choice index, event)``. 429 when the queue has fewer free places than decodings (none is
+        queued then)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -136,17 +136,12 @@ class Service:
                     pass
             return emit
 
-        jobs: list[Job] = []
-        for i, req in enumerate(reqs):
-            job = Job(req, emitter(range(n) if len(reqs) == 1 else range(i, i + 1)))
-            try:
-                self.jobs.submit(job)
-            except QueueFull as e:
-                for queued in jobs:
-                    queued.cancel()
-                raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
-                               "queue_full") from None
-            jobs.append(job)
+        jobs = [Job(req, emitter(range(n) if len(reqs) == 1 else range(i, i + 1))) for i, req in enumerate(reqs)]
+        try:
+            self.jobs.submit_all(jobs)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
+                           "queue_full") from None
         return jobs, events
 
     async def generate(self, request: Request, kind: str) -> Response | EventStream:

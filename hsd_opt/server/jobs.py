@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.prompts import JSON_TASK
@@ -150,13 +150,21 @@ class JobQueue:
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` (FIFO). Raises :class:`QueueFull` when ``max_queue`` jobs already wait."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue ``jobs`` (an answer's choices, FIFO) all or none: :class:`QueueFull` when fewer places than
+        jobs are free (only the worker takes jobs out, so the places counted stay free)."""
         with self._lock:
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
+            free = self.max_queue - self._queue.qsize()
+            if free < len(jobs):
                 self.counts["refused"] += 1
-                raise QueueFull(f"{self.max_queue} requests are already waiting") from None
-            self._live.add(job)
+                raise QueueFull(f"{self.max_queue} requests are already waiting" if free <= 0 else
+                                f"{self.max_queue - free} of {self.max_queue} places are taken, "
+                                f"{len(jobs)} asked for")
+            for job in jobs:
+                self._queue.put_nowait(job)
+                self._live.add(job)
 
     @property
     def waiting(self) -> int:

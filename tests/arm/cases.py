@@ -252,7 +252,7 @@ def write(path: Path) -> None:
         assert probs is not None and 0 < int((probs > 0).sum()) < probs.numel()
         w.array("case", b"filter")
         w.ints("shape", *fx.shape, top_k)
-        w.floats("limits", temperature, top_p, min_p)
+        w.array("limits", struct.pack("<3d", temperature, top_p, min_p))
         w.array("x", fx)
         w.array("y", probs)
     w.array("case", b"end")

@@ -218,7 +218,7 @@ static void gumbel_case(int nt) {
 /* hsd_filter_probs on the stored rows: shape (m, n, top_k), limits (temperature, top_p, min_p). */
 static void filter_case(void) {
     const int32_t *sh = next("shape").p;
-    const float *lim = next("limits").p;
+    const double *lim = next("limits").p;
     arr_t x = next("x"), want = next("y");
     float *y = malloc(sizeof(float) * (size_t)sh[0] * sh[1]);
     if (hsd_filter_probs(x.p, sh[0], sh[1], lim[0], lim[1], sh[2], lim[2], y) != 0)
