@@ -280,6 +280,13 @@ def test_n_choices_are_each_the_answer_of_a_request_of_one(served):
     assert greedy.usage.completion_tokens == 4 * one.usage.completion_tokens
     free = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=1.5, n=4)
     assert len({tuple(ch.model_extra["hsd"]["token_ids"]) for ch in free.choices}) > 1
+    lp = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=1.1, seed=3, n=2, logprobs=1)
+    for i, ch in enumerate(lp.choices):           # each choice's log-probabilities, those of its request alone
+        one = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=1.1, seed=3 + i,
+                                   logprobs=1)
+        assert ch.logprobs.tokens == one.choices[0].logprobs.tokens
+        assert ch.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
+        assert len(ch.logprobs.tokens) == len(ch.model_extra["hsd"]["token_ids"])
 
 
 def test_n_choices_streamed_interleave_by_index_and_equal_the_answer(served):
