@@ -734,10 +734,11 @@ def time_window_saving(eng, text: Sequence[int], temperature: float, top_p: floa
     window through its int8 screen (:meth:`~hsd_opt.engine.interface.Engine.window_logits_many`, as the runtime's
     ``Decoding._window`` asks) instead of every logit: the read of its ``t`` rows, their processing
     (:func:`~hsd_opt.runtime.sampling.process_logits`) and one draw, minus the window's read,
-    :func:`~hsd_opt.runtime.sampling.window_probs` and one draw over its columns. Every level on the engine whose
-    exit reads the model's own head reads its window so (a verification or a draft step alike). Timed as
-    :func:`_pass_saving` times (``eng``: ``picks_cheaply``). Negative where the window costs more."""
-    from hsd_opt.runtime.sampling import filter_window, process_logits, sample_token, window_columns, window_probs
+    :func:`~hsd_opt.runtime.sampling.filtered_probs` and one draw over its columns, as ``Decoding._dist``. Every
+    level on the engine whose exit reads the model's own head reads its window so (a verification or a draft step
+    alike). Timed as :func:`_pass_saving` times (``eng``: ``picks_cheaply``). Negative where the window costs
+    more."""
+    from hsd_opt.runtime.sampling import filter_window, filtered_probs, process_logits, sample_token
 
     window = filter_window(temperature, top_p, top_k, min_p, eng.vocab_size)
     if window is None:
@@ -748,8 +749,8 @@ def time_window_saving(eng, text: Sequence[int], temperature: float, top_p: floa
 
     def windowed(read, g) -> None:
         got = eng.window_logits_many([read], [window])[0]
-        cols = got.cols if got.cols is not None else window_columns(got.logits)
-        sample_token(window_probs(got.logits, temperature, top_p, top_k, min_p, cols)[-1], g, cols)
+        p, support = filtered_probs(got.logits, got.cols, temperature, top_p, top_k, min_p)
+        sample_token(p[-1], g, support)
 
     return _pass_saving(eng, text, tmax1, full, windowed, repeats, seed)
 

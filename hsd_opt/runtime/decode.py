@@ -52,12 +52,11 @@ from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import (
     filter_window,
+    filtered_probs,
     gumbel_offsets,
-    process_logits,
     rejection_sample,
     sample_token,
     unfiltered,
-    window_probs,
 )
 from hsd_opt.seeds import seed_fits
 
@@ -624,9 +623,9 @@ class Decoding:
         got = yield from self._pass(k, start, end, False, window=window)
         logits = self._moved(k, got if window is None else got.logits, start, end, rows,
                              window.pinned if window is not None and window.pinned else None)
-        if window is None or got.cols is None:   # every logit read (the screen may step aside for a window)
-            return process_logits(logits, self.temperature, self.top_p, self.top_k, self.min_p), None
-        return window_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p, got.cols), got.cols
+        # every logit read without a window, or where the screen stepped aside for one (cols None)
+        return filtered_probs(logits, None if window is None else got.cols, self.temperature, self.top_p,
+                              self.top_k, self.min_p)
 
     def _window(self, k: int, start: int, end: int, rows: torch.Tensor | None) -> Window | None:
         """The logits the filters may keep at level k's positions start..end-1 (:class:`Window`; ``rows``: the

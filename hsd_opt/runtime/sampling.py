@@ -119,6 +119,17 @@ def window_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     return p
 
 
+def filtered_probs(logits: torch.Tensor, cols: torch.Tensor | None, temperature: float, top_p: float, top_k: int,
+                   min_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sampling distribution of rows ``[m, V]`` as a read gave them, and its support: through a window
+    (``cols``: the columns its rows hold, :class:`~hsd_opt.engine.interface.WindowLogits`), :func:`window_probs`
+    over those columns, which are the support; every logit read (``cols`` None), :func:`process_logits` of the
+    rows, support None (every column)."""
+    if cols is None:
+        return process_logits(logits, temperature, top_p, top_k, min_p), None
+    return window_probs(logits, temperature, top_p, top_k, min_p, cols), cols
+
+
 def sample_token(p: torch.Tensor, generator: torch.Generator, support: torch.Tensor | None = None) -> int:
     """One draw from the distribution ``p`` ``[V]`` (non-negative weights with a positive sum, not necessarily
     normalised), by inverting its cumulative sum: the first index whose running sum (float64) exceeds ``u`` times
