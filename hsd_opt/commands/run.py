@@ -258,8 +258,10 @@ def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):
     ``({plan name: runner}, {plan name: (hierarchy, budgets)})``. Every hierarchy is built first, so that the float
     weights none of them reads can then be released."""
     from hsd_opt.runtime.runner import PlanModels, hsd_for_plan, plan_for_prompt
+    from hsd_opt.runtime.state_pool import StatePool
 
     models = PlanModels(loaded)           # the plans per task share the target's engine, draft models and copies
+    models.pool = StatePool(reuse=True)   # a turn takes the keys and values of the conversation before it
     runners: dict[str, object] = {}
     plans: dict[str, tuple[list[str], list[int]]] = {}
     for it in items:

@@ -156,6 +156,11 @@ class Engine(Protocol):
         """Keep ``st``'s keys and values of :attr:`prompt_head` (just computed to layer ``upto``) for
         :meth:`take_head`."""
 
+    def stepwise(self, start: int, m: int, prompt: int = 0) -> bool:
+        """Whether a pass over ``m`` positions from ``start`` (the first ``prompt`` positions being the prompt)
+        computes bit for bit what ``m`` one-position steps compute (:attr:`DecodeState.stepwise` records whether
+        every pass over a state did)."""
+
     def can_share_prompt(self, src: "Engine") -> bool:
         """True when ``src``'s keys and values of a prompt can stand in for this engine's own."""
 

@@ -363,6 +363,8 @@ class LayeredLM:
         st.n = n
         st.lens = [min(x, n) for x in st.lens]
         st.prompt = min(st.prompt, n)
+        if n == 0:
+            st.stepwise = True
 
     def can_share_prompt(self, src: "LayeredLM") -> bool:
         """True when this engine is a copy (:attr:`is_copy`, e.g. a :class:`~hsd_opt.engine.quantized.QuantizedLM`)
@@ -395,6 +397,7 @@ class LayeredLM:
             st.k[l][:, :, :m] = src_st.k[l][:, :, :m].to(device=self.device, dtype=self.dtype)
             st.v[l][:, :, :m] = src_st.v[l][:, :, :m].to(device=self.device, dtype=self.dtype)
             st.lens[l] = m
+        st.stepwise = False     # another model's keys and values, not this one's steps
         return m
 
     def take_head(self, st: DecodeState, upto: int) -> bool:
@@ -412,6 +415,7 @@ class LayeredLM:
             st.lens[l] = n
         for b, rows in kept.resid.items():
             self._resid(st, b)[:n] = rows
+        st.stepwise = st.stepwise and kept.stepwise
         return True
 
     def keep_head(self, st: DecodeState, upto: int) -> None:
@@ -422,7 +426,7 @@ class LayeredLM:
             raise HsdError(f"keep_head: the state holds {st.n} tokens, not the prompt head's {n} computed")
         self._kept_head = KeptHead(st.tokens[:n].clone(), upto, [st.k[l][:, :, :n].clone() for l in range(upto)],
                                     [st.v[l][:, :, :n].clone() for l in range(upto)],
-                                    {b: r[:n].clone() for b, r in st.resid.items()})
+                                    {b: r[:n].clone() for b, r in st.resid.items()}, st.stepwise)
 
     # ------------------------------------------------------------------------------------------ compute
 
@@ -486,6 +490,12 @@ class LayeredLM:
             return m < self._kernels.prefill_on_torch_from and start + m <= kernels.PREFILL_ON_KERNELS_WITHIN
         return m <= kernels.MAX_PASS
 
+    def stepwise(self, start: int, m: int, prompt: int = 0) -> bool:
+        """Whether a pass over ``m`` positions from ``start`` (of a state whose first ``prompt`` positions are the
+        prompt) computes bit for bit what ``m`` one-position steps compute: where it runs on the kernels
+        (:meth:`_on_kernels`: their passes are batch-invariant)."""
+        return self._on_kernels(start, m, prompt)
+
     def rope(self, start: int, end: int):
         """Rotary tables ``(cos, sin)``, each ``[1, end - start, head_dim]``, for positions ``start .. end-1``.
 
@@ -543,6 +553,8 @@ class LayeredLM:
             while r < upto and st.lens[r] == x_start and r not in st.resid:
                 r += 1
             off = x_start - lo
+            if st.stepwise and not self._on_kernels(x_start, x.shape[0], st.prompt):
+                st.stepwise = False
             x = yield l, r, Rows(x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):

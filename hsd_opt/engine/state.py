@@ -28,6 +28,10 @@ class DecodeState:
             attention's tables take them (filled on first use).
         prompt: positions ``0 .. prompt-1`` are the prompt (set by the decoding before its prefill): a pass
             within them is a prompt pass, which a float32 model may compute on the torch path.
+        stepwise: every position held was computed as one-position steps compute it (on the decode kernels, whose
+            passes are batch-invariant), so its keys and values are a function of the tokens up to it alone and a
+            later sequence starting with those tokens may take them (False once a pass of another path, or keys
+            and values taken from another model, touched it; True again when cropped to nothing).
     """
 
     tokens: torch.Tensor
@@ -39,6 +43,7 @@ class DecodeState:
     cache_ptrs: tuple | None = None
     cache_table: np.ndarray | None = None
     prompt: int = 0
+    stepwise: bool = True
 
     @property
     def max_len(self) -> int:
@@ -52,7 +57,7 @@ class DecodeState:
         cache addresses are taken anew on first use)."""
         return DecodeState(self.tokens.clone(), self.n, list(self.lens), [k.clone() for k in self.k],
                            [v.clone() for v in self.v], {b: r.clone() for b, r in self.resid.items()},
-                           prompt=self.prompt)
+                           prompt=self.prompt, stepwise=self.stepwise)
 
 
 @dataclass
@@ -71,10 +76,11 @@ class Rows:
 class KeptHead:
     """An engine's keys, values and residual streams of a prompt head (the positions ``0 .. n-1`` of its tokens),
     computed by layers ``0 .. upto-1``: ``k``/``v`` per layer ``[1, n_kv, n, head_dim]``, ``resid`` boundary ->
-    ``[n, d]``."""
+    ``[n, d]``; ``stepwise``: that of the state they were kept of (:attr:`DecodeState.stepwise`)."""
 
     tokens: torch.Tensor
     upto: int
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     resid: dict[int, torch.Tensor]
+    stepwise: bool = True

@@ -58,6 +58,7 @@ from hsd_opt.runtime.sampling import (
     sample_token,
     unfiltered,
 )
+from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.seeds import seed_fits
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
@@ -71,16 +72,28 @@ PREFILL_CHUNK = 256
 ROUND_LAG = 2
 
 
-def prompt_pass_ends(n: int, head: int = 0) -> list[int]:
+def prompt_pass_ends(n: int, head: int = 0, taken: int = 0) -> list[int]:
     """Where the passes of a prompt of ``n`` positions end: the head of ``head`` positions (0: none) in a pass
     of its own, then passes of at most :data:`PREFILL_CHUNK` positions. A function of the prompt alone, so its
-    keys and values are the same whoever computes it."""
-    ends = [head] if 0 < head < n else []
-    a = ends[0] if ends else 0
+    keys and values are the same whoever computes it. ``taken`` > 0: the first ``taken`` positions were taken from
+    an earlier sequence (:func:`taking_is_exact`), the rest in passes of at most :data:`PREFILL_CHUNK` from there."""
+    ends = [head] if 0 < head < n and not taken else []
+    a = ends[0] if ends else taken
     while a < n:
         a = min(a + PREFILL_CHUNK, n)
         ends.append(a)
     return ends
+
+
+def taking_is_exact(eng: Engine, n: int, head: int, taken: int) -> bool:
+    """Whether a prompt of ``n`` positions (starting with a kept head of ``head``, 0: none) may take its first
+    ``taken`` positions from an earlier sequence that computed them stepwise (:attr:`DecodeState.stepwise`) and
+    still get its own passes' numbers bit for bit: every pass of its own (:func:`prompt_pass_ends`) and every pass
+    after the positions taken computes what one-position steps compute (:meth:`Engine.stepwise`), so both give
+    the steps' numbers. Not where a long pass of a float model runs on the torch path."""
+    passes = [(a, b) for ends, a0 in ((prompt_pass_ends(n, head), 0), (prompt_pass_ends(n, head, taken), taken))
+              for a, b in zip([a0] + ends[:-1], ends)]
+    return all(eng.stepwise(a, b - a, n) for a, b in passes)
 
 
 def follows_load(temperature: float, seed: int | None) -> bool:
@@ -311,10 +324,14 @@ class HSD:
             computing its own prefill (:meth:`~hsd_opt.engine.interface.Engine.share_prompt`). Its drafts change
             slightly, the output does not (drafts are verified). False, or no such level: every model prefills on
             its own.
+        pool: where decoding states no sequence holds wait for the next (:class:`StatePool`; hierarchies over the
+            same engines may share one); None: one of its own, which keeps one state per engine and takes no
+            positions from them.
     """
 
     def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
-                 mode: str = "exact", residual: bool = True, share_prompt: bool = True):
+                 mode: str = "exact", residual: bool = True, share_prompt: bool = True,
+                 pool: StatePool | None = None):
         levels = list(levels)
         if not levels or not levels[-1].is_model:
             raise HsdError("a hierarchy needs a model as its last level (the target)")
@@ -347,25 +364,42 @@ class HSD:
             if lv.is_model and all(lv.engine is not m for m in self.engines):
                 self.engines.append(lv.engine)
         self.bounds = {id(e): sorted({lv.boundary for lv in levels if lv.engine is e}) for e in self.engines}
-        self._free: dict[int, list[DecodeState]] = {}     # id(engine) -> states no decoding holds
+        self.pool = pool if pool is not None else StatePool()
 
     @property
     def target(self) -> Engine:
         return self.levels[-1].engine
 
-    def take_state(self, eng: Engine, max_len: int, bounds: Sequence[int]) -> DecodeState:
-        """A decoding state of ``eng`` with room for ``max_len`` tokens keeping ``bounds``: a free one (cropped to
-        nothing) when one is large enough, else a new one."""
-        free = self._free.get(id(eng), [])
-        for i, st in enumerate(free):
-            if st.max_len >= max_len and all(b in st.resid for b in bounds):
-                eng.crop(free.pop(i), 0)
-                return st
-        return eng.new_state(max(max_len, 256), save_boundaries=bounds)
+    def take_state(self, eng: Engine, max_len: int, bounds: Sequence[int],
+                   prompt: Sequence[int] | None = None) -> DecodeState:
+        """A decoding state of ``eng`` with room for ``max_len`` tokens keeping ``bounds`` (:meth:`StatePool.take`).
+        With ``prompt`` (and a pool that reuses), the state may hold the first positions of the prompt already,
+        computed by an earlier sequence (``st.n`` of them; :meth:`_usable`), else it holds nothing."""
+        top = max(bounds, default=0)
+        usable = None if prompt is None else (lambda st: self._usable(eng, st, prompt, top))
+        return self.pool.take(eng, max_len, bounds, usable)
+
+    @staticmethod
+    def _usable(eng: Engine, st: DecodeState, prompt: Sequence[int], top: int) -> int:
+        """Positions of the free state ``st`` a prompt may take: the tokens it starts with that ``st`` has computed
+        stepwise up to layer ``top`` (every layer, so that no later pass reads a residual stream it lacks), all
+        but the prompt's last, more than a kept head gives, and only where that is exact
+        (:func:`taking_is_exact`); else 0."""
+        n = len(prompt)
+        if not st.stepwise or top < eng.n_layers or n < 2:
+            return 0
+        m = min(min(st.lens), st.n, n - 1)
+        if m <= 0:
+            return 0
+        differ = (st.tokens[:m].cpu() != torch.tensor(prompt[:m], dtype=torch.long)).nonzero()
+        r = int(differ[0, 0]) if differ.numel() else m
+        head = len(eng.prompt_head)
+        head = head if list(prompt[:head]) == list(eng.prompt_head) else 0
+        return r if r > head and taking_is_exact(eng, n, head, r) else 0
 
     def give_state(self, eng: Engine, st: DecodeState) -> None:
-        """Return a state to the pool (one free state per engine is kept)."""
-        self._free[id(eng)] = [st]
+        """Return a state to the pool."""
+        self.pool.give(eng, st)
 
     def start(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
               seed: int | None = 0, constraint: Constraint | None = None,
@@ -461,7 +495,8 @@ class Decoding:
         self.done = False
         #: the prompt's last pass left to the first round's (prefill_passes(defer_last=True))
         self._deferred = False
-        #: prompt positions whose keys and values the target took from an earlier prompt (its template's head)
+        #: prompt positions whose keys and values the target took from an earlier prompt (its template's head, or
+        #: the positions a free state of the pool holds: :meth:`HSD.take_state`)
         self.prompt_reused = 0
         self._add(hsd)
         self.t0 = self.t1 = self.t2 = time.perf_counter()
@@ -486,7 +521,8 @@ class Decoding:
         st = self._states.get(id(eng))
         if st is None:
             bounds = self._bounds(eng)
-            st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds)
+            st = self.hsd.take_state(eng, self.limit + max(self.hsd.budgets) + 2, bounds,
+                                     None if self.seq else self.prompt)
             st.prompt = self.n_prompt
             if self.seq:
                 self._fill(eng, st, max(bounds))
@@ -1009,7 +1045,10 @@ class Decoding:
         prompt that starts with an engine's :attr:`~hsd_opt.engine.layered.LayeredLM.prompt_head` (and is longer)
         computes the head in a pass of its own, or takes the keys and values the engine kept of that pass for an
         earlier prompt (the same numbers; no pass, no yield). The passes depend on the prompt alone, so a prompt's
-        keys and values are the same whoever drives them (``hsd run`` or a batch). A :meth:`switch` asked for
+        keys and values are the same whoever drives them (``hsd run`` or a batch). A state the pool gives holding
+        the prompt's first positions already (:meth:`HSD.take_state`: an earlier sequence's, e.g. a conversation's
+        previous turn) computes only the rest, where every pass computes what steps compute, so the numbers are
+        still the prompt's own (:func:`taking_is_exact`). A :meth:`switch` asked for
         before applies first (the prompt is computed for the hierarchy of the first round).
 
         ``defer_last``: where the target is the hierarchy's only engine (its drafters are exits of it or token
@@ -1037,14 +1076,17 @@ class Decoding:
             src = next((o for o in done if hsd.share_prompt and eng is not target and eng.can_share_prompt(o)
                         and self._states[id(o)].lens[top_b - 1] >= n), None)
             if src is not None:
+                eng.crop(st, 0)
                 eng.append(st, ids)
                 eng.share_prompt(st, src, self._states[id(src)], top_b)
                 eng.advance(st, top_b)
             else:
                 head = len(eng.prompt_head)
                 head = head if self.prompt[:head] == list(eng.prompt_head) else 0
-                a = 0
-                for b in prompt_pass_ends(n, head):
+                a = taken = st.n                # positions of the prompt the state holds already (take_state)
+                if taken and eng is target:
+                    self.prompt_reused = taken
+                for b in prompt_pass_ends(n, head, taken):
                     eng.append(st, ids[a:b])
                     taken = b == head and eng.take_head(st, top_b)
                     if taken and eng is target:

@@ -20,6 +20,7 @@ from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization, sampling_wo
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.solver.context import latency_at
 
 if TYPE_CHECKING:
@@ -207,6 +208,9 @@ class PlanModels:
         self._float_engines: dict[int, LayeredLM] = {}          # id(draft model) -> its engine
         self._copies: dict[tuple[int, int, int, int], QuantizedLM] = {}   # (id(model), bits, group, head bits)
         self._heads: dict[int, tuple[int, ...]] = {}                       # id(tokenizer) -> its template's head
+        #: the decoding states every hierarchy built over these models gives back and takes (none reused unless a
+        #: command sets a pool that reuses: ``hsd run``, ``hsd serve --prompt-cache``)
+        self.pool = StatePool()
 
     def target(self, plan, source: str = "plan") -> Engine:
         """The engine of ``plan``'s target: a :class:`LayeredLM` over its weights (with the plan's trained heads),
@@ -353,8 +357,9 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
 
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
-    levels = build_levels(plan, models or PlanModels(loaded), source=source)
-    return HSD(levels, plan.budgets, eos_ids=eos_ids(loaded), mode=mode)
+    models = models or PlanModels(loaded)
+    return HSD(build_levels(plan, models, source=source), plan.budgets, eos_ids=eos_ids(loaded), mode=mode,
+               pool=models.pool)
 
 
 def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",

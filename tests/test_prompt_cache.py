@@ -1,0 +1,233 @@
+"""A prompt that starts with what an earlier sequence held (a conversation's next turn: the previous prompt and its
+answer) takes those positions' keys and values from the state that sequence gave back to the pool, where its own
+passes and the earlier ones all compute what one-position steps compute; the prompt's keys and values, and so its
+answer, are bit for bit those of computing it whole. Where a pass would take another path, nothing is taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsd_opt.engine import kernels
+from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.engine.quantized import QuantizedLM
+from hsd_opt.runtime.batch import generate_many
+from hsd_opt.runtime.decode import HSD, Level, prompt_pass_ends, taking_is_exact
+from hsd_opt.runtime.state_pool import StatePool, state_bytes
+from tests.helpers import make_tiny_llama
+
+HAVE_KERNELS = kernels.load() is not None
+HEAD = (5, 9, 11, 3, 7, 21)
+needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler here: the kernels cannot be built")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)
+
+
+def _engine(tiny, kind: str):
+    eng = {"f32": lambda: LayeredLM(tiny, kernels=True), "torch": lambda: LayeredLM(tiny, kernels=False),
+           "q8": lambda: QuantizedLM(tiny, bits=8, kernels=True)}[kind]()
+    eng.prompt_head = HEAD
+    return eng
+
+
+def _hsd(eng, pool=None):
+    return HSD([Level("layer2", eng, 2), Level("target", eng, 4)], [3], pool=pool)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 64, (n,), generator=g).tolist()
+
+
+def _prefilled(hsd: HSD, prompt: list[int]):
+    d = hsd.start(prompt, 8)
+    d.prefill()
+    return d
+
+
+def test_passes_after_taken_positions_start_there():
+    assert prompt_pass_ends(30, head=6, taken=20) == [30]
+    assert prompt_pass_ends(600, head=6, taken=100) == [356, 600]
+    assert prompt_pass_ends(30, head=6) == [6, 30]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["f32", "q8"])
+def test_a_next_turn_takes_the_conversation_before_it_bit_for_bit(tiny, kind):
+    """Turn 1 (head + 10 tokens) answered with 12 tokens, then turn 2 = turn 1 + answer + 7 new tokens: the second
+    prompt takes more positions than the head (those the first sequence computed), and after its prefill every
+    layer's keys and values, and the last position's logits, equal those of an engine computing it whole."""
+    eng = _engine(tiny, kind)
+    hsd = _hsd(eng, StatePool(reuse=True))
+    first = list(HEAD) + _tokens(1, 10)
+    answer = hsd.generate(first, 12).token_ids
+    second = first + answer + _tokens(2, 7)
+    d = _prefilled(hsd, second)
+    assert len(first) < d.prompt_reused < len(second)
+    fresh = _prefilled(_hsd(_engine(tiny, kind)), second)
+    assert fresh.prompt_reused == 0          # the fresh engine has no head kept either
+    n = len(second)
+    a, b = d._states[id(eng)], fresh._states[id(fresh.hsd.target)]
+    assert a.lens == b.lens
+    for l in range(4):
+        assert torch.equal(a.k[l][:, :, :n], b.k[l][:, :, :n]) and torch.equal(a.v[l][:, :, :n], b.v[l][:, :, :n])
+    assert torch.equal(eng.logits(a, 4, n - 1, n), fresh.hsd.target.logits(b, 4, n - 1, n))
+    d.close()
+    fresh.close()
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_answers_after_taken_positions_are_the_prompts_own(tiny, temperature):
+    """Greedy and seeded sampled answers of next turns, each after the answer before it, equal those of an engine
+    that computes every prompt whole; and the statistics count only the positions computed."""
+    eng = _engine(tiny, "f32")
+    hsd = _hsd(eng, StatePool(reuse=True))
+    convo = list(HEAD) + _tokens(3, 9)
+    for turn in range(3):
+        got = hsd.generate(convo, 10, temperature=temperature, seed=turn)
+        want = _hsd(_engine(tiny, "f32")).generate(convo, 10, temperature=temperature, seed=turn)
+        assert got.token_ids == want.token_ids
+        if turn:
+            assert got.stats["prefill_tokens"] < 10          # the new tokens, and the answer's last at most
+        convo = convo + got.token_ids + _tokens(10 + turn, 5)
+
+
+@needs_kernels
+def test_a_pool_that_does_not_reuse_takes_nothing(tiny):
+    eng = _engine(tiny, "f32")
+    hsd = _hsd(eng)                                          # a pool of its own: no reuse
+    first = list(HEAD) + _tokens(4, 10)
+    answer = hsd.generate(first, 8).token_ids
+    d = _prefilled(hsd, first + answer + [7])
+    assert d.prompt_reused == len(HEAD)                       # the kept head only
+    d.close()
+
+
+def test_nothing_is_taken_from_a_state_the_torch_path_computed(tiny):
+    """The torch path's passes are not batch-invariant: its states are not stepwise, and the next turn computes
+    every position (the head aside), with the same answer."""
+    eng = _engine(tiny, "torch")
+    hsd = _hsd(eng, StatePool(reuse=True))
+    first = list(HEAD) + _tokens(5, 10)
+    answer = hsd.generate(first, 8).token_ids
+    assert not hsd.pool.states(eng)[-1].stepwise
+    second = first + answer + [9, 10]
+    d = _prefilled(hsd, second)
+    assert d.prompt_reused == len(HEAD)
+    d.close()
+    assert hsd.generate(second, 8).token_ids == _hsd(_engine(tiny, "torch")).generate(second, 8).token_ids
+
+
+@needs_kernels
+def test_a_prompt_whose_own_pass_would_take_the_torch_path_takes_nothing(tiny):
+    """A float model's long prompt pass runs on the torch path: a prompt whose own passes include one cannot take
+    positions computed stepwise (they would differ from its own), nor can a state such a pass computed be taken."""
+    eng = _engine(tiny, "f32")
+    long = eng._kernels.prefill_on_torch_from
+    assert not taking_is_exact(eng, len(HEAD) + long + 4, len(HEAD), 20)
+    assert taking_is_exact(eng, len(HEAD) + 20, len(HEAD), 12)
+    hsd = _hsd(eng, StatePool(reuse=True))
+    short = list(HEAD) + _tokens(6, 10)
+    answer = hsd.generate(short, 8).token_ids
+    assert hsd.pool.states(eng)[-1].stepwise
+    longer = short + answer + _tokens(7, long + 4)            # its own passes: the head, then one of > long
+    d = _prefilled(hsd, longer)
+    assert d.prompt_reused == len(HEAD)
+    d.close()
+    assert not hsd.pool.states(eng)[-1].stepwise               # that pass ran on the torch path
+    after = longer + [4, 5]
+    got = hsd.generate(after, 6)
+    assert got.stats["prefill_tokens"] > long
+    assert got.token_ids == _hsd(_engine(tiny, "f32")).generate(after, 6).token_ids
+
+
+@needs_kernels
+def test_a_batch_of_next_turns_answers_each_as_alone(tiny):
+    """Next turns of three conversations decoded together after their first turns: each answer is the one an
+    engine computing the prompt whole gives it alone, and each took its own conversation's positions."""
+    eng = _engine(tiny, "f32")
+    hsd = _hsd(eng, StatePool(keep_bytes=1 << 30, reuse=True))
+    firsts = [list(HEAD) + _tokens(20 + i, 6 + 3 * i) for i in range(3)]
+    answers = [r.token_ids for r in generate_many(hsd, firsts, 9, max_active=3)]
+    seconds = [f + a + _tokens(30 + i, 4) for i, (f, a) in enumerate(zip(firsts, answers))]
+    got = generate_many(hsd, seconds, 9, max_active=3)
+    for p, r in zip(seconds, got):
+        assert r.token_ids == _hsd(_engine(tiny, "f32")).generate(p, 9).token_ids
+        assert r.stats["prefill_tokens"] <= 5
+
+
+@needs_kernels
+def test_a_state_too_short_for_the_next_turn_is_copied_into_a_longer_one(tiny):
+    """(A quantized model: its long passes run on the kernels too.)"""
+    eng = _engine(tiny, "q8")
+    pool = StatePool(reuse=True)
+    hsd = _hsd(eng, pool)
+    first = list(HEAD) + _tokens(8, 10)
+    answer = hsd.generate(first, 8).token_ids
+    small = pool.states(eng)[-1]
+    second = first + answer + _tokens(9, 300)                   # longer than the first state holds
+    assert small.max_len < len(second) + 8
+    d = _prefilled(hsd, second)
+    st = d._states[id(eng)]
+    assert st is not small and st.max_len >= len(second) + 8 and d.prompt_reused > len(first)
+    d.close()
+    assert hsd.generate(second, 8).token_ids == _hsd(_engine(tiny, "q8")).generate(second, 8).token_ids
+
+
+def test_the_pool_keeps_each_engines_latest_and_others_within_its_bytes(tiny):
+    a, b = _engine(tiny, "torch"), _engine(tiny, "torch")
+    one = state_bytes(a.new_state(256))
+    pool = StatePool(keep_bytes=one)
+    sa = [a.new_state(256) for _ in range(3)]
+    sb = b.new_state(256)
+    for st in sa:
+        pool.give(a, st)
+    pool.give(b, sb)
+    assert [id(s) for s in pool.states(a)] == [id(s) for s in sa[1:]]      # the latest, and one within the bytes
+    assert [id(s) for s in pool.states(b)] == [id(sb)]
+    taken = pool.take(a, 100, [])
+    assert taken is sa[1] and taken.n == 0                       # nothing reused: the least recently given
+    with pytest.raises(ValueError, match="keep_bytes"):
+        StatePool(keep_bytes=-1)
+
+
+def test_a_pool_without_bytes_keeps_one_state_per_engine(tiny):
+    a = _engine(tiny, "torch")
+    pool = StatePool()
+    states = [a.new_state(256) for _ in range(3)]
+    for st in states:
+        pool.give(a, st)
+    assert [id(s) for s in pool.states(a)] == [id(states[-1])]
+    assert pool.take(a, 10_000, []) is not states[-1]           # too short: a new one
+
+
+def test_cropping_to_nothing_makes_a_state_stepwise_again(tiny):
+    eng = _engine(tiny, "torch")
+    st = eng.new_state(64)
+    eng.append(st, list(HEAD) + [4, 5])
+    eng.advance(st, 4)
+    assert not st.stepwise
+    eng.crop(st, 3)
+    assert not st.stepwise
+    eng.crop(st, 0)
+    assert st.stepwise
+
+
+@needs_kernels
+def test_keys_and_values_from_another_model_are_not_stepwise(tiny):
+    src, copy = LayeredLM(tiny, kernels=True), QuantizedLM(tiny, bits=8, kernels=True)
+    prompt = list(HEAD) + [4, 5, 6]
+    s = src.new_state(64)
+    s.prompt = len(prompt)
+    src.append(s, prompt)
+    src.advance(s, 4)
+    assert s.stepwise
+    c = copy.new_state(64)
+    copy.append(c, prompt)
+    assert copy.share_prompt(c, src, s, 4) == len(prompt) - 1
+    assert not c.stepwise
+
