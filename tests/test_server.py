@@ -303,7 +303,9 @@ def test_n_choices_streamed_interleave_by_index_and_equal_the_answer(served):
         events = [e for e in raw.split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")   # cached tokens: the earlier request's
+        assert chunks[-1]["choices"] == [] and [chunks[-1]["usage"][k] for k in counts] == \
+            [whole["usage"][k] for k in counts]
         texts, ends, first = {}, [], {}
         for ch in chunks[:-1]:
             (choice,) = ch["choices"]
@@ -335,6 +337,30 @@ def test_no_state_carries_over_between_requests(served):
                                                 "typical_p": 1, "mirostat": 0, "min_tokens": 0, "ignore_eos": False},
                                     **kw)
     assert defaults.model_extra["hsd"]["token_ids"] == first
+
+
+def test_a_conversations_next_turn_reports_its_earlier_turns_cached_and_is_the_prompts_own(served, direct):
+    """A chat's second turn (the first turn, the answer, a new message) starts with the tokens of the first
+    request: the server takes them from the state that request left (``usage.prompt_tokens_details``) and the
+    answer is the one the plan gives the whole prompt computed afresh."""
+    from hsd_opt.prompts import chat_ids
+
+    srv, _ = served
+    runner, _, tok = direct
+    c = client(srv)
+    kw = dict(model=MODEL, max_tokens=N, temperature=0)
+    msgs = [{"role": "user", "content": "w5 w6 w7 w8 w9"}]
+    first = c.chat.completions.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "w11 w12"}]
+    second = c.chat.completions.create(messages=msgs, **kw)
+    prompt = chat_ids(tok, msgs)
+    assert second.usage.prompt_tokens == len(prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert second.model_extra["hsd"]["prefill_tokens"] == len(prompt) - cached
+    fresh = HSD(runner.levels, runner.budgets, eos_ids=runner.eos)         # a pool of its own: nothing to take
+    assert second.model_extra["hsd"]["token_ids"] == fresh.generate(prompt, N).token_ids
 
 
 def test_logprobs_are_the_targets_streamed_or_not_and_change_no_token(tiny, direct, served, caplog):

@@ -30,12 +30,19 @@ def served_name(model_id: str) -> str:
 #: ``--max-body`` by default: bytes of a request body (a long prompt is well under it).
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
+#: ``--prompt-cache`` by default: MiB of finished requests' decoding states kept for the prompts that start with
+#: their tokens (the next turns of conversations).
+DEFAULT_PROMPT_CACHE = 1024
+
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
-                     max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1) -> None:
+                     max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
+                     prompt_cache: int = 0) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
-    ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1 or
-    ``--stream-interval`` < 1."""
+    ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
+    ``--stream-interval`` < 1 or ``--prompt-cache`` < 0."""
+    if prompt_cache < 0:
+        raise HsdError(f"--prompt-cache: expected a number of MiB >= 0 (0: off), got {prompt_cache}")
     if not 0 <= port <= 65535:
         raise HsdError(f"--port: expected 0..65535, got {port}")
     if max_queue < 1:
@@ -57,17 +64,20 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
                    target_precision: Optional[str] = None, max_batch: int = 8,
                    max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
-                   stream_interval: int = 1) -> tuple[Any, Any]:
+                   stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
-    a request's text every ``stream_interval`` tokens (the app's lifespan starts and stops its worker).
+    a request's text every ``stream_interval`` tokens (the app's lifespan starts and stops its worker); finished
+    requests' decoding states are kept up to ``prompt_cache`` MiB for prompts that start with their tokens (a
+    conversation's next turn; 0: none kept, none reused).
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
     from hsd_opt.grammar.compiler import compiler_for
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
+    from hsd_opt.runtime.state_pool import StatePool
     from hsd_opt.server import JobQueue, ModelInfo, create_app
 
     say = say or (lambda m: None)
@@ -78,6 +88,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     profiled = p.provenance.sampling
     say(f"building the hierarchy {chain}{f' (profiled {profiled})' if profiled else ''} on {loaded.device} ...")
     models = PlanModels(loaded)
+    models.pool = StatePool(prompt_cache << 20, reuse=prompt_cache > 0)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     retimed = None
@@ -96,6 +107,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
                     json_runner=json_runner)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
+             "prompt_cache_mib": prompt_cache,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
     if json_runner is not None:
         about["json_hierarchy"] = [lv.name for lv in json_runner.levels]
@@ -138,6 +150,10 @@ def serve_cmd(
                                                                      "once): fewer chunks cost the server and its "
                                                                      "clients less CPU under load. 1: every "
                                                                      "committed block."),
+    prompt_cache: int = typer.Option(DEFAULT_PROMPT_CACHE, "--prompt-cache",
+                                     help="MiB of finished requests' keys and values kept for later prompts "
+                                          "that start with the same tokens (a conversation's next turn computes "
+                                          "only its new tokens; the output is unchanged). 0: off."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -163,14 +179,15 @@ def serve_cmd(
     from hsd_opt.runtime.decode import check_mode
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
-    check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval)
+    check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
+                     prompt_cache)
     check_mode(mode)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
                                      max_batch=max_batch, max_body=max_body, retime=retime,
-                                     stream_interval=stream_interval)
+                                     stream_interval=stream_interval, prompt_cache=prompt_cache)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service

@@ -52,18 +52,24 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(outcomes: Sequence[Outcome]) -> dict[str, int]:
+def usage(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """``prompt_tokens`` (the prompt's, once), ``completion_tokens`` (the ids returned, every choice's: cut at a
-    stop string) and their sum, of the answer whose choices are ``outcomes``."""
+    stop string) and their sum, of the answer whose choices are ``outcomes``; ``prompt_tokens_details.
+    cached_tokens``: the prompt's tokens the first choice's target did not compute (taken from an earlier request:
+    the chat template's head, a conversation's earlier turns), as the OpenAI API reports them."""
     p, n = outcomes[0].prompt_tokens, sum(len(o.token_ids) for o in outcomes)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    computed = outcomes[0].stats.get("prefill_tokens")
+    cached = 0 if computed is None else max(0, p - int(computed))
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def hsd_figures(o: Outcome) -> dict[str, Any]:
     """The HSD figures of one generation: ``hierarchy`` (bottom first) and ``budgets``, ``mode``,
     ``target_calls``, ``tokens_per_target_call``, ``acceptance`` (each verifying level's acceptance rate, by
     name), ``levels`` (per-level counters), ``generated_tokens`` (every token committed, past a stop string
-    too), ``token_ids`` (the returned ids), and times in seconds: ``queue_seconds``, ``prefill_seconds``,
+    too), ``token_ids`` (the returned ids), ``prefill_tokens`` (the prompt's positions its target computed), and
+    times in seconds: ``queue_seconds``, ``prefill_seconds``,
     ``decode_seconds``, ``seconds`` (prefill + decode) and ``tokens_per_s``."""
     s = o.stats
     levels = s.get("levels") or []
@@ -72,6 +78,7 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
         "target_calls": s.get("target_calls"), "tokens_per_target_call": s.get("tokens_per_target_call"),
         "acceptance": {lv["name"]: lv.get("acceptance_rate") for lv in levels[1:]},
         "levels": levels, "generated_tokens": s.get("tokens"), "token_ids": list(o.token_ids),
+        "prefill_tokens": s.get("prefill_tokens"),
         "queue_seconds": o.queue_seconds, "prefill_seconds": s.get("prefill_seconds"),
         "decode_seconds": s.get("decode_seconds"), "seconds": s.get("seconds"),
         "tokens_per_s": s.get("tokens_per_s"),
