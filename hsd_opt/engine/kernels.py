@@ -59,14 +59,14 @@ PREFILL_ON_TORCH_FROM = 40
 #: The same for a library with 16-lane float32 tiles (AVX-512, ``hsd_simd() == 2``), which stays ahead of the
 #: torch path over more positions (``benchmarks/prefill_path.py``).
 PREFILL_ON_TORCH_FROM_WIDE = 64
-#: The same for a 16-lane library reading every projection in the exact int4 form (``Q4F``): its passes read the
-#: weights from the first-level cache once de-quantized, and stay ahead of the torch path up to 512 positions in
-#: one pass (``benchmarks/prefill_path.py``), so every pass of a prompt (at most ``PREFILL_CHUNK``, 256) is theirs.
+#: The same for a library reading every projection in the exact int4 form (``Q4F``), of any width: its passes read
+#: the weights from the first-level cache once de-quantized, so every pass of a prompt (at most ``PREFILL_CHUNK``,
+#: 256) is theirs. With 16-lane tiles they stay ahead of the torch path up to 512 positions in one pass; with 8-lane
+#: tiles (AVX2, NEON) up to 96 and even at 128 on a Zen 3 (2026-11-28: torch/kernels 1.43 at 64, 1.08 at 96, 0.98
+#: at 128), ahead at every length to 1,000 in the runtime's passes with the AVX2 build on a Zen 5 (2026-12-05:
+#: 1.14 at 128, 1.01 at 256, 1.13 at 512; ``benchmarks/prefill_path.py``). A prompt computed on the kernels alone
+#: is computed as its steps compute it, so a later prompt may take its positions (``DecodeState.stepwise``).
 PREFILL_ON_TORCH_FROM_EXACT = 513
-#: The same for an 8-lane library (AVX2, NEON) reading every projection in the exact int4 form: ahead of the torch
-#: path up to 96 positions in one pass, even at 128 (``benchmarks/prefill_path.py`` on an AVX2-only EPYC, Zen 3
-#: class, 2026-11-28: torch/kernels 1.43 at 64, 1.08 at 96, 0.98 at 128).
-PREFILL_ON_TORCH_FROM_EXACT_NARROW = 112
 #: A prompt's pass that ends beyond this many positions takes the torch path whatever its length: over a long
 #: context the kernels' attention (a query at a time) loses ground to torch's (``benchmarks/prefill_path.py
 #: --chunked``: a prompt of 1,000 positions 1.07-1.13x faster all on the kernels, of 2,000 0.90-1.10x).
@@ -569,9 +569,8 @@ class KernelPath:
         #: a float32 prompt's pass over this many positions or more is faster on the torch path
         every_exact = bool(exact) and all(len(e) == len(PROJECTIONS) for e in exact)
         simd = lib.hsd_simd()
-        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM if simd == 0 or (simd == 1 and not every_exact) else
-                                      PREFILL_ON_TORCH_FROM_EXACT_NARROW if simd == 1 else
-                                      PREFILL_ON_TORCH_FROM_EXACT if every_exact else PREFILL_ON_TORCH_FROM_WIDE)
+        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM_EXACT if every_exact and simd >= 1 else
+                                      PREFILL_ON_TORCH_FROM if simd <= 1 else PREFILL_ON_TORCH_FROM_WIDE)
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))
