@@ -231,3 +231,36 @@ def test_keys_and_values_from_another_model_are_not_stepwise(tiny):
     assert copy.share_prompt(c, src, s, 4) == len(prompt) - 1
     assert not c.stepwise
 
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_prompt_copies_the_positions_of_one_still_decoding(tiny, temperature):
+    """The same prompt twice in one batch: the second copies the first's prompt positions while the first decodes
+    (it computes only the last position), and both answers are those of an engine computing the prompt alone."""
+    eng = _engine(tiny, "f32")
+    hsd = _hsd(eng, StatePool(reuse=True))
+    prompt = list(HEAD) + _tokens(40, 12)
+    got = generate_many(hsd, [prompt, prompt], 10, temperature=temperature, max_active=2, seeds=[3, 4])
+    assert [r.stats["prefill_tokens"] for r in got] == [len(prompt), 1]     # no head kept yet
+    for r, seed in zip(got, (3, 4)):
+        assert r.token_ids == _hsd(_engine(tiny, "f32")).generate(prompt, 10, temperature=temperature,
+                                                                  seed=seed).token_ids
+
+
+@needs_kernels
+def test_a_state_lent_by_a_decoding_dropped_unclosed_is_not_kept(tiny):
+    import gc
+
+    eng = _engine(tiny, "f32")
+    pool = StatePool(reuse=True)
+    hsd = _hsd(eng, pool)
+    prompt = list(HEAD) + _tokens(41, 12)
+    d = _prefilled(hsd, prompt)
+    assert len(pool._live) == 1
+    del d
+    gc.collect()
+    again = _prefilled(hsd, prompt)
+    assert again.prompt_reused == len(HEAD)                  # nothing left to copy from but the kept head
+    again.close()
+    assert pool._live == []

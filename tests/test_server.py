@@ -289,6 +289,24 @@ def test_n_choices_are_each_the_answer_of_a_request_of_one(served):
         assert len(ch.logprobs.tokens) == len(ch.model_extra["hsd"]["token_ids"])
 
 
+def test_an_answers_later_choices_copy_the_prompt_the_first_computed(served, direct):
+    """The choices of one answer share a prompt: the first computes it, the others copy its positions while it
+    decodes (all but the last, which each computes), and each is still the answer of its request of one."""
+    c = client(served[0])
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "w41 w42 w43 w44 w45 w46 w47"}], max_tokens=N,
+              temperature=1.1)
+    r = c.chat.completions.create(n=3, seed=70, **kw)
+    computed = [ch.model_extra["hsd"]["prefill_tokens"] for ch in r.choices]
+    assert computed[0] > 1 and computed[1:] == [1, 1]
+    runner, _, tok = direct
+    fresh = HSD(runner.levels, runner.budgets, eos_ids=runner.eos)
+    from hsd_opt.prompts import chat_ids
+
+    ids = chat_ids(tok, kw["messages"])
+    for i, ch in enumerate(r.choices):
+        assert ch.model_extra["hsd"]["token_ids"] == fresh.generate(ids, N, temperature=1.1, seed=70 + i).token_ids
+
+
 def test_n_choices_streamed_interleave_by_index_and_equal_the_answer(served):
     """Streamed, each choice's chunks carry its index (the chat's role delta first for each); the text of each
     index is that choice's non-streamed text; one closing chunk per choice, the usage of all, then ``[DONE]``."""

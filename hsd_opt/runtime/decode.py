@@ -1101,6 +1101,8 @@ class Decoding:
                         yield b if eng is target else n
                     a = b
             done.append(eng)
+        for eng in order:                       # later prompts may copy this one's positions while it decodes
+            self._engines[id(eng)][1].pool.lend(eng, self._states[id(eng)])
         _sync(self.device)
         self.t1 = time.perf_counter()
 

@@ -1,12 +1,15 @@
 """Decoding states no sequence holds, kept per engine for the sequences after: their memory (no allocation per
 generation), and the keys and values of the tokens they hold, which a prompt that starts with those tokens may take
-instead of computing them (a conversation's next turn starts with the previous turn's prompt and answer).
+instead of computing them (a conversation's next turn starts with the previous turn's prompt and answer). States
+a decoding still holds are lent too, for their prompts' positions to be copied (an answer's other choices, requests
+that share a system prompt).
 
 The pool knows nothing of passes: the decoding that takes a state says how many of its positions it can use
 (:meth:`StatePool.take`'s ``usable``), and so whether taking them is exact (``hsd_opt.runtime.decode``)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 from hsd_opt.engine.interface import Engine
@@ -39,31 +42,51 @@ class StatePool:
         self.keep_bytes = int(keep_bytes)
         self.reuse = reuse
         self._free: list[tuple[int, DecodeState]] = []     # (id(engine), state), least recently given first
+        self._live: list[tuple[int, weakref.ref]] = []       # (id(engine), state a decoding holds), lent to copy from
 
     def take(self, eng: Engine, max_len: int, bounds: Sequence[int],
              usable: Callable[[DecodeState], int] | None = None) -> DecodeState:
-        """A state of ``eng`` with room for ``max_len`` tokens keeping residual streams at ``bounds``: the free one
-        whose first ``usable(st)`` positions are the most (with :attr:`reuse`), cropped to them (copied into a new
-        state where it is too short); else the least recently given free one that fits, cropped to nothing; else a
-        new one."""
-        mine = [i for i, (key, st) in enumerate(self._free) if key == id(eng) and all(b in st.resid for b in bounds)]
-        best, keep = None, 0
+        """A state of ``eng`` with room for ``max_len`` tokens keeping residual streams at ``bounds``. With
+        :attr:`reuse` and ``usable``, the one whose first ``usable(st)`` positions are the most: a free state
+        cropped to them (copied into a new state where it is too short), or a state a decoding holds
+        (:meth:`lend`; at most its prompt) copied into a free or new one; else the least recently given free one
+        that fits, cropped to nothing; else a new one."""
+        def has(st: DecodeState) -> bool:
+            return all(b in st.resid for b in bounds)
+
+        mine = [i for i, (key, st) in enumerate(self._free) if key == id(eng) and has(st)]
+        best, keep, source = None, 0, None
         if self.reuse and usable is not None:
             for i in reversed(mine):                    # the most recent first: it wins a tie
                 n = usable(self._free[i][1])
                 if n > keep:
                     best, keep = i, n
+            for key, ref in self._live:
+                st = ref()
+                if key == id(eng) and st is not None and has(st):
+                    n = min(usable(st), st.prompt)
+                    if n > keep:
+                        best, keep, source = None, n, st
         if best is None:
             best = next((i for i in mine if self._free[i][1].max_len >= max_len), None)
-        if best is None:
-            return eng.new_state(max(max_len, 256), save_boundaries=bounds)
-        st = self._free.pop(best)[1]
+        st = self._free.pop(best)[1] if best is not None else eng.new_state(max(max_len, 256), save_boundaries=bounds)
+        if source is not None:
+            eng.crop(st, 0)
+            return _copy(st, source, keep)
         eng.crop(st, keep)
-        return st if st.max_len >= max_len else _grown(eng, st, max_len, bounds)
+        return st if st.max_len >= max_len else _copy(eng.new_state(max(max_len, 256), save_boundaries=bounds), st,
+                                                       st.n)
+
+    def lend(self, eng: Engine, st: DecodeState) -> None:
+        """Let later sequences copy the positions ``st`` holds of its prompt while a decoding holds it (an answer's
+        other choices, requests sharing a system prompt); until it is given back (:meth:`give`) or dropped."""
+        if self.reuse:
+            self._live = [(k, r) for k, r in self._live if r() is not None] + [(id(eng), weakref.ref(st))]
 
     def give(self, eng: Engine, st: DecodeState) -> None:
         """Take back a state no sequence holds, dropping the least recently given ones while those beyond each
         engine's most recent hold more than :attr:`keep_bytes`."""
+        self._live = [(k, r) for k, r in self._live if r() is not None and r() is not st]
         self._free.append((id(eng), st))
         latest = {key: i for i, (key, _) in enumerate(self._free)}
         extra = [i for i in range(len(self._free)) if latest[self._free[i][0]] != i]
@@ -81,15 +104,14 @@ class StatePool:
         return [st for key, st in self._free if key == id(eng)]
 
 
-def _grown(eng: Engine, st: DecodeState, max_len: int, bounds: Sequence[int]) -> DecodeState:
-    """A new state of ``eng`` with room for ``max_len`` tokens holding what ``st`` holds (its tokens, every
-    layer's keys and values, the residual streams at ``bounds``)."""
-    new = eng.new_state(max(max_len, 256), save_boundaries=bounds)
-    n = st.n
-    new.tokens[:n] = st.tokens[:n]
-    new.n, new.lens, new.stepwise, new.prompt = n, list(st.lens), st.stepwise, st.prompt
-    for dst, src in zip(new.k + new.v, st.k + st.v):
-        dst[:, :, :n] = src[:, :, :n]
-    for b, rows in new.resid.items():
-        rows[:n] = st.resid[b][:n]
-    return new
+def _copy(dst: DecodeState, src: DecodeState, n: int) -> DecodeState:
+    """``dst`` (empty, with room) holding ``src``'s first ``n`` positions: their tokens, every layer's keys and values
+    (``src`` has computed them all), the residual streams at the boundaries both keep."""
+    dst.tokens[:n] = src.tokens[:n]
+    dst.n, dst.lens, dst.stepwise, dst.prompt = n, [min(x, n) for x in src.lens], src.stepwise, min(src.prompt, n)
+    for d, s in zip(dst.k + dst.v, src.k + src.v):
+        d[:, :, :n] = s[:, :, :n]
+    for b, rows in dst.resid.items():
+        if b in src.resid:
+            rows[:n] = src.resid[b][:n]
+    return dst
