@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
 from benchmarks.serve_sweep import free_port
-from benchmarks.server_load import pct, start, stop_server
+from benchmarks.server_load import pct, run_clients, start, stop_server
 from hsd_opt.engine.variants import host
 
 METHODS = ("hsd", "hsd_nocache", "llama")
@@ -76,11 +75,8 @@ def level(url: str, convs: list[list[str]], clients: int, max_tokens: int, timeo
     model = OpenAI(base_url=url, api_key="none").models.list().data[0].id
     done: dict[int, list[dict]] = {}
     errors: list[str] = []
-    go = threading.Barrier(clients + 1)
 
-    def worker(i: int):
-        c = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
-        go.wait()
+    def worker(i: int, c):
         for j in range(i, len(convs), clients):
             try:
                 msgs = [{"role": "user", "content": convs[j][0]}]
@@ -90,14 +86,8 @@ def level(url: str, convs: list[list[str]], clients: int, max_tokens: int, timeo
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e)[:300])
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join(timeout)
-    wall = time.perf_counter() - t0
+    wall, _ = run_clients(clients, lambda i: OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout),
+                          worker, timeout)
     turns = [done[j] for j in sorted(done)]
     firsts, seconds = [t[0] for t in turns], [t[1] for t in turns]
     tokens = sum((r["tokens"] or 0) for t in turns for r in t)

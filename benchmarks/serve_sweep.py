@@ -58,12 +58,11 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.server_load import pct, start, stream_once
+from benchmarks.server_load import pct, run_clients, start, stream_once
 from benchmarks.server_load import stop_server as stop
 from hsd_opt.engine.variants import host
 
@@ -106,11 +105,8 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
 
     results: list[tuple[int, dict]] = []
     errors: list[str] = []
-    go = threading.Barrier(clients + 1)
 
-    def worker(i: int):
-        c = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
-        go.wait()
+    def worker(i: int, c):
         for k in range(requests):
             j = (i * requests + k) % len(prompts)
             try:
@@ -119,14 +115,8 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e)[:300])
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    for t in threads:
-        t.join(timeout)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu = run_clients(clients, lambda i: OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout),
+                            worker, timeout)
     rs = [r for _, r in results]
     tokens = sum(r["tokens"] for r in rs)
     per_stream = [r["tokens"] / r["total"] for r in rs if r["total"] > 0]

@@ -121,6 +121,27 @@ def stream_once(client, model: str, kind: str, prompt: str, max_tokens: int, tem
             "decode_seconds": (hsd or {}).get("decode_seconds")}
 
 
+def run_clients(clients: int, setup, work, timeout: float) -> tuple[float, float]:
+    """``work(i, setup(i))`` in ``clients`` threads, each set up first (a client object: not timed), then all
+    started together; returns the wall seconds from the start to the last thread's end (each waited for at most
+    ``timeout``) and the CPU seconds this process used meanwhile."""
+    go = threading.Barrier(clients + 1)
+
+    def run(i: int) -> None:
+        ready = setup(i)
+        go.wait()
+        work(i, ready)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.join(timeout)
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
 def pct(xs: list[float], q: float) -> float | None:
     """The ``q``-th percentile of the values of ``xs`` that are not None (linear between order statistics)."""
     from hsd_opt.measure.load_bench import percentile
