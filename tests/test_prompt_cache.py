@@ -12,7 +12,7 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.runtime.batch import generate_many
-from hsd_opt.runtime.decode import HSD, Level, prompt_pass_ends, taking_is_exact
+from hsd_opt.runtime.decode import HSD, Level, prompt_pass_ends, takable
 from hsd_opt.runtime.state_pool import StatePool, state_bytes
 from tests.helpers import make_tiny_llama
 
@@ -50,7 +50,8 @@ def _prefilled(hsd: HSD, prompt: list[int]):
 
 def test_passes_after_taken_positions_start_there():
     assert prompt_pass_ends(30, head=6, taken=20) == [30]
-    assert prompt_pass_ends(600, head=6, taken=100) == [356, 600]
+    assert prompt_pass_ends(600, head=6, taken=100) == [262, 518, 600]       # the prompt's own ends after 100
+    assert prompt_pass_ends(600, head=6, taken=262) == [518, 600]
     assert prompt_pass_ends(30, head=6) == [6, 30]
 
 
@@ -124,12 +125,10 @@ def test_nothing_is_taken_from_a_state_the_torch_path_computed(tiny):
 
 @needs_kernels
 def test_a_prompt_whose_own_pass_would_take_the_torch_path_takes_nothing(tiny):
-    """A float model's long prompt pass runs on the torch path: a prompt whose own passes include one cannot take
-    positions computed stepwise (they would differ from its own), nor can a state such a pass computed be taken."""
+    """A float model's long prompt pass runs on the torch path: a prompt whose own pass over positions is one such
+    cannot take them from a state that computed them otherwise (stepwise, or in another pass)."""
     eng = _engine(tiny, "f32")
     long = eng._kernels.prefill_on_torch_from
-    assert not taking_is_exact(eng, len(HEAD) + long + 4, len(HEAD), 20)
-    assert taking_is_exact(eng, len(HEAD) + 20, len(HEAD), 12)
     hsd = _hsd(eng, StatePool(reuse=True))
     short = list(HEAD) + _tokens(6, 10)
     answer = hsd.generate(short, 8).token_ids
@@ -143,6 +142,40 @@ def test_a_prompt_whose_own_pass_would_take_the_torch_path_takes_nothing(tiny):
     got = hsd.generate(after, 6)
     assert got.stats["prefill_tokens"] > long
     assert got.token_ids == _hsd(_engine(tiny, "f32")).generate(after, 6).token_ids
+
+
+@needs_kernels
+def test_a_long_conversation_takes_the_torch_paths_passes_it_shares(tiny, monkeypatch):
+    """Prompt passes as long as the torch path's threshold (the runtime's chunks on a long prompt): the next turn's
+    own passes over the first turn's full chunks are the very passes that computed them, so it takes them and the
+    stepwise rest; its keys and values are those of computing it whole. A prompt that differs inside a chunk
+    takes the chunks before it only."""
+    from hsd_opt.runtime import decode
+
+    eng = _engine(tiny, "f32")
+    chunk = eng._kernels.prefill_on_torch_from
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", chunk)
+    hsd = _hsd(eng, StatePool(reuse=True))
+    first = list(HEAD) + _tokens(50, 2 * chunk + 5)            # the head, two chunks off the kernels, 5 on them
+    answer = hsd.generate(first, 8).token_ids
+    held = hsd.pool.states(eng)[-1].off_steps
+    assert held.passes == [(6, 6 + chunk), (6 + chunk, 6 + 2 * chunk)] and held.unmatched_from is None
+    second = first + answer + _tokens(51, 3)
+    d = _prefilled(hsd, second)
+    assert d.prompt_reused >= len(first)
+    fresh = _prefilled(_hsd(_engine(tiny, "f32")), second)
+    n = len(second)
+    a, b = d._states[id(eng)], fresh._states[id(fresh.hsd.target)]
+    for l in range(4):
+        assert torch.equal(a.k[l][:, :, :n], b.k[l][:, :, :n]) and torch.equal(a.v[l][:, :, :n], b.v[l][:, :, :n])
+    d.close()
+    fresh.close()
+    other = list(first)
+    other[6 + chunk + 3] = (other[6 + chunk + 3] + 1) % 60 + 3   # a token of the second chunk changed
+    assert takable(eng, len(other), len(HEAD), hsd.pool.states(eng)[-1], 6 + chunk + 3) == 6 + chunk
+    got = hsd.generate(other, 6)
+    assert got.stats["prefill_tokens"] == len(other) - (6 + chunk)
+    assert got.token_ids == _hsd(_engine(tiny, "f32")).generate(other, 6).token_ids
 
 
 @needs_kernels

@@ -363,8 +363,7 @@ class LayeredLM:
         st.n = n
         st.lens = [min(x, n) for x in st.lens]
         st.prompt = min(st.prompt, n)
-        if n == 0:
-            st.stepwise = True
+        st.off_steps = st.off_steps.below(n)
 
     def can_share_prompt(self, src: "LayeredLM") -> bool:
         """True when this engine is a copy (:attr:`is_copy`, e.g. a :class:`~hsd_opt.engine.quantized.QuantizedLM`)
@@ -397,7 +396,7 @@ class LayeredLM:
             st.k[l][:, :, :m] = src_st.k[l][:, :, :m].to(device=self.device, dtype=self.dtype)
             st.v[l][:, :, :m] = src_st.v[l][:, :, :m].to(device=self.device, dtype=self.dtype)
             st.lens[l] = m
-        st.stepwise = False     # another model's keys and values, not this one's steps
+        st.off_steps.unmatched(0)   # another model's keys and values, not this one's steps
         return m
 
     def take_head(self, st: DecodeState, upto: int) -> bool:
@@ -415,7 +414,7 @@ class LayeredLM:
             st.lens[l] = n
         for b, rows in kept.resid.items():
             self._resid(st, b)[:n] = rows
-        st.stepwise = st.stepwise and kept.stepwise
+        st.off_steps = kept.off_steps.below(n)
         return True
 
     def keep_head(self, st: DecodeState, upto: int) -> None:
@@ -426,7 +425,7 @@ class LayeredLM:
             raise HsdError(f"keep_head: the state holds {st.n} tokens, not the prompt head's {n} computed")
         self._kept_head = KeptHead(st.tokens[:n].clone(), upto, [st.k[l][:, :, :n].clone() for l in range(upto)],
                                     [st.v[l][:, :, :n].clone() for l in range(upto)],
-                                    {b: r[:n].clone() for b, r in st.resid.items()}, st.stepwise)
+                                    {b: r[:n].clone() for b, r in st.resid.items()}, st.off_steps.below(n))
 
     # ------------------------------------------------------------------------------------------ compute
 
@@ -553,8 +552,8 @@ class LayeredLM:
             while r < upto and st.lens[r] == x_start and r not in st.resid:
                 r += 1
             off = x_start - lo
-            if st.stepwise and not self._on_kernels(x_start, x.shape[0], st.prompt):
-                st.stepwise = False
+            if not self._on_kernels(x_start, x.shape[0], st.prompt):
+                st.off_steps.note(x_start, n, x_start == 0 or n <= st.prompt)
             x = yield l, r, Rows(x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):

@@ -76,24 +76,39 @@ def prompt_pass_ends(n: int, head: int = 0, taken: int = 0) -> list[int]:
     """Where the passes of a prompt of ``n`` positions end: the head of ``head`` positions (0: none) in a pass
     of its own, then passes of at most :data:`PREFILL_CHUNK` positions. A function of the prompt alone, so its
     keys and values are the same whoever computes it. ``taken`` > 0: the first ``taken`` positions were taken from
-    an earlier sequence (:func:`taking_is_exact`), the rest in passes of at most :data:`PREFILL_CHUNK` from there."""
-    ends = [head] if 0 < head < n and not taken else []
-    a = ends[0] if ends else taken
+    an earlier sequence (:func:`takable`); the passes left are those ending after them, the first from ``taken``."""
+    ends = [head] if 0 < head < n else []
+    a = ends[0] if ends else 0
     while a < n:
         a = min(a + PREFILL_CHUNK, n)
         ends.append(a)
-    return ends
+    return [e for e in ends if e > taken]
 
 
-def taking_is_exact(eng: Engine, n: int, head: int, taken: int) -> bool:
-    """Whether a prompt of ``n`` positions (starting with a kept head of ``head``, 0: none) may take its first
-    ``taken`` positions from an earlier sequence that computed them stepwise (:attr:`DecodeState.stepwise`) and
-    still get its own passes' numbers bit for bit: every pass of its own (:func:`prompt_pass_ends`) and every pass
-    after the positions taken computes what one-position steps compute (:meth:`Engine.stepwise`), so both give
-    the steps' numbers. Not where a long pass of a float model runs on the torch path."""
-    passes = [(a, b) for ends, a0 in ((prompt_pass_ends(n, head), 0), (prompt_pass_ends(n, head, taken), taken))
-              for a, b in zip([a0] + ends[:-1], ends)]
-    return all(eng.stepwise(a, b - a, n) for a, b in passes)
+def takable(eng: Engine, n: int, head: int, src: DecodeState, upto: int) -> int:
+    """How many of its first ``upto`` positions a prompt of ``n`` positions (starting with a kept head of ``head``,
+    0: none) may take from ``src``, which holds the same tokens there, and still get bit for bit the numbers of its
+    own passes (:func:`prompt_pass_ends`): the positions of its passes that compute what one-position steps compute
+    (:meth:`Engine.stepwise`) where ``src`` computed them so too, and those of its passes off the kernels (a float
+    model's long prompt pass on the torch path) where ``src`` was computed by the very same pass
+    (:attr:`DecodeState.off_steps`); up to the first position where neither holds. A pass it takes only the first
+    positions of is computed as steps compute it, so its rest too (:func:`prompt_pass_ends` with ``taken``)."""
+    ends = prompt_pass_ends(n, head)
+    taken = 0
+    for a, b in zip([0] + ends[:-1], ends):
+        if a >= upto:
+            break
+        if eng.stepwise(a, b - a, n):
+            end = min(b, upto)
+            first = src.off_steps.first_within(a, end)
+            taken = end if first is None else first
+            if first is not None or end < b:
+                break
+        elif b <= upto and src.off_steps.computed_by(a, b):
+            taken = b
+        else:
+            break
+    return taken
 
 
 def follows_load(temperature: float, seed: int | None) -> bool:
@@ -381,12 +396,13 @@ class HSD:
 
     @staticmethod
     def _usable(eng: Engine, st: DecodeState, prompt: Sequence[int], top: int) -> int:
-        """Positions of the free state ``st`` a prompt may take: the tokens it starts with that ``st`` has computed
-        stepwise up to layer ``top`` (every layer, so that no later pass reads a residual stream it lacks), all
-        but the prompt's last, more than a kept head gives, and only where that is exact
-        (:func:`taking_is_exact`); else 0."""
+        """Positions of the state ``st`` a prompt may take: of the tokens it starts with that ``st`` has computed up
+        to every layer (no later pass then reads a residual stream they lack; ``top``, the layer the prompt is
+        computed to, must be the last), those :func:`takable` gives, all but the prompt's last, and more than a
+        kept head gives; else 0. Only on an engine whose steps run on the kernels (elsewhere the numbers of a pass
+        may depend on more than its positions and tokens)."""
         n = len(prompt)
-        if not st.stepwise or top < eng.n_layers or n < 2:
+        if top < eng.n_layers or n < 2 or not eng.stepwise(n, 1, n):
             return 0
         m = min(min(st.lens), st.n, n - 1)
         if m <= 0:
@@ -395,7 +411,8 @@ class HSD:
         r = int(differ[0, 0]) if differ.numel() else m
         head = len(eng.prompt_head)
         head = head if list(prompt[:head]) == list(eng.prompt_head) else 0
-        return r if r > head and taking_is_exact(eng, n, head, r) else 0
+        r = takable(eng, n, head, st, r)
+        return r if r > head else 0
 
     def give_state(self, eng: Engine, st: DecodeState) -> None:
         """Return a state to the pool."""
@@ -1048,7 +1065,7 @@ class Decoding:
         keys and values are the same whoever drives them (``hsd run`` or a batch). A state the pool gives holding
         the prompt's first positions already (:meth:`HSD.take_state`: an earlier sequence's, e.g. a conversation's
         previous turn) computes only the rest, where every pass computes what steps compute, so the numbers are
-        still the prompt's own (:func:`taking_is_exact`). A :meth:`switch` asked for
+        still the prompt's own (:func:`takable`). A :meth:`switch` asked for
         before applies first (the prompt is computed for the hierarchy of the first round).
 
         ``defer_last``: where the target is the hierarchy's only engine (its drafters are exits of it or token

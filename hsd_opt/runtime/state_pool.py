@@ -108,7 +108,8 @@ def _copy(dst: DecodeState, src: DecodeState, n: int) -> DecodeState:
     """``dst`` (empty, with room) holding ``src``'s first ``n`` positions: their tokens, every layer's keys and values
     (``src`` has computed them all), the residual streams at the boundaries both keep."""
     dst.tokens[:n] = src.tokens[:n]
-    dst.n, dst.lens, dst.stepwise, dst.prompt = n, [min(x, n) for x in src.lens], src.stepwise, min(src.prompt, n)
+    dst.n, dst.lens, dst.prompt = n, [min(x, n) for x in src.lens], min(src.prompt, n)
+    dst.off_steps = src.off_steps.below(n)
     for d, s in zip(dst.k + dst.v, src.k + src.v):
         d[:, :, :n] = s[:, :, :n]
     for b, rows in dst.resid.items():
