@@ -10,6 +10,9 @@ within each round; reported per length: the median over the rounds (milliseconds
 The threshold of this machine's kernels (``KernelPath.prefill_on_torch_from``) is the first length from which the
 torch path is faster. ``--chunked``: each prompt in the passes the runtime computes it in (``prompt_pass_ends``:
 at most ``PREFILL_CHUNK`` positions each, the later ones attending over the earlier), every pass on one path.
+``--within A,B``: instead, the runtime's own prefill (``Decoding.prefill``, each pass on the path the engine
+chooses) with the kernels' context for prompt passes (``KernelPath.prefill_within``) set to ``A`` and to ``B``
+positions in turn, reported as ``A`` over ``B``.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from hsd_opt.runtime.decode import prompt_pass_ends
 def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool, chunked: bool = False) -> float:
     """A prompt over ``ids`` (milliseconds) on the kernels or on the torch path: one pass, or (``chunked``) the
     runtime's passes."""
-    saved = kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN
+    saved = (kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN,
+             kernels.PREFILL_ON_KERNELS_WITHIN_WIDE)
     if on_kernels:  # every pass on the kernels, in the calls the runtime makes (each at most BATCH_ROWS rows)
         eng._kernels.prefill_on_torch_from = kernels.PREFILL_ON_KERNELS_WITHIN = 10**6
+        kernels.PREFILL_ON_KERNELS_WITHIN_WIDE = 10**6
     else:
         kernels.MAX_PASS, eng._kernels.prefill_on_torch_from = 0, 0
     try:
@@ -49,7 +54,40 @@ def prefill_ms(eng: LayeredLM, ids: torch.Tensor, on_kernels: bool, chunked: boo
             a = b
         return (time.perf_counter() - t0) * 1e3
     finally:
-        kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN = saved
+        (kernels.MAX_PASS, eng._kernels.prefill_on_torch_from, kernels.PREFILL_ON_KERNELS_WITHIN,
+         kernels.PREFILL_ON_KERNELS_WITHIN_WIDE) = saved
+
+
+def compare_within(eng: LayeredLM, text: list[int], lengths: list[int], limits: list[int], rounds: int,
+                   out: str | None) -> None:
+    """The runtime's prefill of a prompt of each length (seconds, median over the rounds) with the kernels'
+    context for prompt passes at each of ``limits`` in turn (the order alternating by round)."""
+    from hsd_opt.runtime.decode import HSD, Level
+
+    hsd = HSD([Level("target", eng, eng.n_layers)], [])
+    rows = []
+    for m in lengths:
+        ids = text_of_length(text, m)
+        got: dict[int, list[float]] = {lim: [] for lim in limits}
+        for r in range(rounds):
+            for lim in (limits if r % 2 == 0 else limits[::-1]):
+                kernels.PREFILL_ON_KERNELS_WITHIN = kernels.PREFILL_ON_KERNELS_WITHIN_WIDE = lim
+                d = hsd.start(ids, 1)
+                t0 = time.perf_counter()
+                d.prefill()
+                got[lim].append(time.perf_counter() - t0)
+                d.close()
+        med = {lim: statistics.median(v) for lim, v in got.items()}
+        a, b = limits
+        rows.append({"positions": m, **{f"within_{lim}_s": round(med[lim], 3) for lim in limits},
+                     "first_over_second": round(med[a] / med[b], 2)})
+        print(f"{m:5d} positions: within {a} {med[a]:.3f} s, within {b} {med[b]:.3f} s, {med[a] / med[b]:.2f}",
+              flush=True)
+    if out:
+        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "rounds": rounds,
+                  "simd": eng._kernels.lib.hsd_simd(), "within": limits, "lengths": rows}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 def main() -> None:
@@ -58,13 +96,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunked", action="store_true", help="the runtime's passes (at most PREFILL_CHUNK each), "
                     "not one pass")
+    ap.add_argument("--within", default=None, help="A,B: the runtime's prefill with prompt passes on the kernels "
+                    "within A and within B positions")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m")
     eng = LayeredLM(loaded.model)
     if not eng.uses_kernels:
         raise SystemExit("the kernels are unavailable here: nothing to compare")
-    text = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p)]
+    text = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p)] * 20
+    if a.within:
+        return compare_within(eng, text, [int(x) for x in a.lengths.split(",")],
+                              [int(x) for x in a.within.split(",")], a.rounds, a.out)
     rows = []
     for m in (int(x) for x in a.lengths.split(",")):
         ids = torch.tensor(text_of_length(text, m))

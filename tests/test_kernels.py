@@ -331,6 +331,7 @@ def test_a_prompt_pass_ending_beyond_the_kernels_context_takes_the_torch_path(ti
     verifications) stay on the kernels at any context."""
     lean = LayeredLM(tiny, kernels=True)
     monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN", 20)
+    monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN_WIDE", 20)
     m = min(10, lean._kernels.prefill_on_torch_from - 1)
     assert lean._on_kernels(0, m, 3 * m) and lean._on_kernels(m, m, 3 * m)
     assert not lean._on_kernels(20, m, 20 + m)                  # ends beyond 20: the torch path
@@ -343,6 +344,7 @@ def test_a_prompt_pass_ending_beyond_the_kernels_context_takes_the_torch_path(ti
         lean.advance(st, 4)
     ref = LayeredLM(tiny, kernels=True)
     monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN", 10**6)
+    monkeypatch.setattr(kernels, "PREFILL_ON_KERNELS_WITHIN_WIDE", 10**6)
     whole = ref.new_state(20 + m)
     whole.prompt = 20 + m
     for a in range(0, 20 + m, m):

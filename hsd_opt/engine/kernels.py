@@ -71,6 +71,10 @@ PREFILL_ON_TORCH_FROM_EXACT = 513
 #: context the kernels' attention (a query at a time) loses ground to torch's (``benchmarks/prefill_path.py
 #: --chunked``: a prompt of 1,000 positions 1.07-1.13x faster all on the kernels, of 2,000 0.90-1.10x).
 PREFILL_ON_KERNELS_WITHIN = 1024
+#: The same for a 16-lane library (AVX-512): its attention of several rows at a time stays ahead further
+#: (``benchmarks/prefill_path.py --chunked`` on a Zen 5, 2026-12-05: torch/kernels 1.56 at 1,000 positions, 1.27 at
+#: 2,000, 1.13 at 4,000; the AVX2 build there 0.84 at 2,000 and 0.73 at 4,000).
+PREFILL_ON_KERNELS_WITHIN_WIDE = 4096
 #: Rows of a matrix the kernels expand at a time into a thread's scratch (``HSD_SCRATCH_ROWS`` in ``kernels.c``).
 SCRATCH_ROWS = 8
 #: Rows computed in one call at most (of one sequence or several; a pass over more takes several calls).
@@ -569,8 +573,15 @@ class KernelPath:
         #: a float32 prompt's pass over this many positions or more is faster on the torch path
         every_exact = bool(exact) and all(len(e) == len(PROJECTIONS) for e in exact)
         simd = lib.hsd_simd()
+        #: 16-lane tiles (AVX-512): long contexts' prompt passes stay on the kernels further (prefill_within)
+        self.wide = simd >= 2
         self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM_EXACT if every_exact and simd >= 1 else
                                       PREFILL_ON_TORCH_FROM if simd <= 1 else PREFILL_ON_TORCH_FROM_WIDE)
+
+    def prefill_within(self) -> int:
+        """Positions within which a prompt's pass may end and stay on the kernels
+        (:data:`PREFILL_ON_KERNELS_WITHIN`, ``_WIDE`` for 16-lane tiles)."""
+        return PREFILL_ON_KERNELS_WITHIN_WIDE if self.wide else PREFILL_ON_KERNELS_WITHIN
 
     def _work_for(self, m: int, cache_len: int, nt: int) -> torch.Tensor:
         need = int(self.lib.hsd_work_floats(ctypes.byref(self.c), m, cache_len, nt))

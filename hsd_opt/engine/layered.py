@@ -477,7 +477,8 @@ class LayeredLM:
         positions (decode steps and verify passes: computed as the steps compute them); on a float32 model, a
         prompt's pass (from position 0, or within the first ``prompt`` positions, :attr:`DecodeState.prompt`) runs
         there when it is shorter than the kernels' ``prefill_on_torch_from`` positions and ends within
-        :data:`~hsd_opt.engine.kernels.PREFILL_ON_KERNELS_WITHIN` positions, else on the torch path (its
+        the kernels' ``prefill_within()`` positions (:data:`~hsd_opt.engine.kernels.PREFILL_ON_KERNELS_WITHIN`,
+        ``_WIDE`` for 16-lane ones), else on the torch path (its
         blocked GEMMs are faster there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, ``_WIDE`` for
         16-lane kernels, ``_EXACT`` for 16-lane kernels reading the exact int4 form; every method prefills a prompt
         in the same passes)."""
@@ -486,7 +487,7 @@ class LayeredLM:
         if self.long_passes_on_kernels:
             return True
         if (start == 0 or start + m <= prompt) and self._exact_long_passes:
-            return m < self._kernels.prefill_on_torch_from and start + m <= kernels.PREFILL_ON_KERNELS_WITHIN
+            return m < self._kernels.prefill_on_torch_from and start + m <= self._kernels.prefill_within()
         return m <= kernels.MAX_PASS
 
     def stepwise(self, start: int, m: int, prompt: int = 0) -> bool:
