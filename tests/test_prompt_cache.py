@@ -297,3 +297,54 @@ def test_a_state_lent_by_a_decoding_dropped_unclosed_is_not_kept(tiny):
     assert again.prompt_reused == len(HEAD)                  # nothing left to copy from but the kept head
     again.close()
     assert pool._live == []
+
+
+@needs_kernels
+def test_layers_catching_up_over_earlier_positions_match_no_prompt_pass(tiny):
+    """A prompt pass off the kernels to layer 2, then layers 2 and 3 catching up over those positions (a deeper
+    hierarchy after a switch): the upper layers were not computed by the prompt's own pass, so nothing there may
+    be taken as if they were."""
+    eng = _engine(tiny, "f32")
+    ids = list(HEAD) + _tokens(60, eng._kernels.prefill_on_torch_from + 4)
+    st = eng.new_state(256)
+    st.prompt = len(ids)
+    eng.append(st, ids)
+    eng.advance(st, 2)
+    assert st.off_steps.passes == [(0, len(ids))] and st.off_steps.unmatched_from is None
+    eng.advance(st, 4)
+    assert st.off_steps.unmatched_from == 0 and not st.off_steps.computed_by(0, len(ids))
+    assert takable(eng, len(ids) + 5, 0, st, len(ids)) == 0
+
+
+def test_a_pass_cut_by_a_crop_or_overlapped_matches_nothing():
+    from hsd_opt.engine.state import OffSteps
+
+    cut = OffSteps([(0, 10), (10, 20)]).below(15)
+    assert cut.passes == [(0, 10)] and cut.unmatched_from == 10 and cut.first_within(0, 15) == 0
+    assert cut.computed_by(0, 10) and not cut.computed_by(10, 20)
+    assert not OffSteps([(0, 10), (0, 20)]).computed_by(0, 10)
+    assert OffSteps().none and OffSteps().first_within(0, 100) is None
+
+
+@needs_kernels
+def test_a_copy_sharing_the_targets_prompt_keeps_its_prompt_length(tiny):
+    target, copy = LayeredLM(tiny, kernels=True), QuantizedLM(tiny, bits=8, kernels=True)
+    hsd = HSD([Level("q8", copy, 4), Level("target", target, 4)], [2], pool=StatePool(reuse=True))
+    prompt = list(HEAD) + _tokens(61, 9)
+    hsd.generate(prompt, 4)
+    d = _prefilled(hsd, prompt + [5, 6])
+    assert d._states[id(copy)].prompt == len(prompt) + 2 and not d._states[id(copy)].stepwise
+    d.close()
+
+
+def test_the_pool_forgets_the_states_of_an_engine_no_longer_held(tiny):
+    import gc
+
+    pool = StatePool(keep_bytes=1 << 30)
+    gone = _engine(tiny, "torch")
+    pool.give(gone, gone.new_state(256))
+    del gone
+    gc.collect()
+    kept = _engine(tiny, "torch")
+    pool.give(kept, kept.new_state(256))
+    assert len(pool._free) == 1 and pool.states(kept)

@@ -535,6 +535,7 @@ class LayeredLM:
         x: torch.Tensor | None = None
         x_start = n
         work = 0
+        whole = False       # the rows came in at the first layer (a pass over the layers, not a frontier's catch-up)
         l = 0
         while l < upto:
             start = st.lens[l]
@@ -543,18 +544,18 @@ class LayeredLM:
                 continue
             if l == 0:
                 x = self.embed(st.tokens[start:n]) if embedded is None else embedded
-                x_start = start
+                x_start, whole = start, True
             elif start < x_start:  # a frontier: positions this layer lacks but the one below had done before
                 old = st.resid[l][start:x_start]
                 x = old if x is None else torch.cat([old, x], dim=0)
-                x_start = start
+                x_start, whole = start, False
             # a run of layers l..r-1 that all lack exactly positions x_start..n-1, with no boundary to save inside
             r = l + 1
             while r < upto and st.lens[r] == x_start and r not in st.resid:
                 r += 1
             off = x_start - lo
             if not self._on_kernels(x_start, x.shape[0], st.prompt):
-                st.off_steps.note(x_start, n, x_start == 0 or n <= st.prompt)
+                st.off_steps.note(x_start, n, whole and (x_start == 0 or n <= st.prompt))
             x = yield l, r, Rows(x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):

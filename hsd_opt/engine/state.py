@@ -74,7 +74,8 @@ class OffSteps:
             kernels (the torch path's GEMMs: their numbers depend on the pass), in order. The same pass of another
             prompt over the same tokens computes the same numbers.
         unmatched_from: the first position computed otherwise and matched by no prompt's pass (a decode-time pass
-            off the kernels, keys and values taken from another model), None: none.
+            off the kernels, layers catching up over positions the layers below computed before, keys and values
+            taken from another model), None: none.
     """
 
     passes: list[tuple[int, int]] = field(default_factory=list)
@@ -97,9 +98,14 @@ class OffSteps:
         self.unmatched_from = start if self.unmatched_from is None else min(self.unmatched_from, start)
 
     def below(self, n: int) -> "OffSteps":
-        """The record of positions ``0 .. n-1`` alone (a state cropped or copied to ``n`` positions)."""
-        return OffSteps([(a, b) for a, b in self.passes if a < n],
-                        self.unmatched_from if self.unmatched_from is not None and self.unmatched_from < n else None)
+        """The record of positions ``0 .. n-1`` alone (a state cropped or copied to ``n`` positions): a pass that
+        ran past ``n`` matches no prompt's pass any more (positions from ``n`` on will be computed anew)."""
+        out = OffSteps([(a, b) for a, b in self.passes if b <= n],
+                       self.unmatched_from if self.unmatched_from is not None and self.unmatched_from < n else None)
+        for a, b in self.passes:
+            if a < n < b:
+                out.unmatched(a)
+        return out
 
     def first_within(self, start: int, end: int) -> int | None:
         """The first position of ``start .. end-1`` computed off the steps, None: every one as steps compute it."""
@@ -109,8 +115,10 @@ class OffSteps:
         return min(hits) if hits else None
 
     def computed_by(self, start: int, end: int) -> bool:
-        """Whether positions ``start .. end-1`` were computed by one pass over exactly them off the kernels."""
-        return (start, end) in self.passes and (self.unmatched_from is None or self.unmatched_from >= end)
+        """Whether positions ``start .. end-1`` were computed by one pass over exactly them off the kernels (and
+        by nothing else since)."""
+        return ((start, end) in self.passes and (self.unmatched_from is None or self.unmatched_from >= end)
+                and not any(a < end and b > start and (a, b) != (start, end) for a, b in self.passes))
 
 
 @dataclass

@@ -1094,6 +1094,7 @@ class Decoding:
                         and self._states[id(o)].lens[top_b - 1] >= n), None)
             if src is not None:
                 eng.crop(st, 0)
+                st.prompt = n
                 eng.append(st, ids)
                 eng.share_prompt(st, src, self._states[id(src)], top_b)
                 eng.advance(st, top_b)

@@ -41,8 +41,8 @@ class StatePool:
             raise ValueError(f"keep_bytes: expected >= 0, got {keep_bytes}")
         self.keep_bytes = int(keep_bytes)
         self.reuse = reuse
-        self._free: list[tuple[int, DecodeState]] = []     # (id(engine), state), least recently given first
-        self._live: list[tuple[int, weakref.ref]] = []       # (id(engine), state a decoding holds), lent to copy from
+        self._free: list[tuple[weakref.ref, DecodeState]] = []    # (engine, state), least recently given first
+        self._live: list[tuple[weakref.ref, weakref.ref]] = []     # (engine, state a decoding holds), lent
 
     def take(self, eng: Engine, max_len: int, bounds: Sequence[int],
              usable: Callable[[DecodeState], int] | None = None) -> DecodeState:
@@ -54,7 +54,7 @@ class StatePool:
         def has(st: DecodeState) -> bool:
             return all(b in st.resid for b in bounds)
 
-        mine = [i for i, (key, st) in enumerate(self._free) if key == id(eng) and has(st)]
+        mine = [i for i, (key, st) in enumerate(self._free) if key() is eng and has(st)]
         best, keep, source = None, 0, None
         if self.reuse and usable is not None:
             for i in reversed(mine):                    # the most recent first: it wins a tie
@@ -63,7 +63,7 @@ class StatePool:
                     best, keep = i, n
             for key, ref in self._live:
                 st = ref()
-                if key == id(eng) and st is not None and has(st):
+                if key() is eng and st is not None and has(st):
                     n = min(usable(st), st.prompt)
                     if n > keep:
                         best, keep, source = None, n, st
@@ -81,15 +81,15 @@ class StatePool:
         """Let later sequences copy the positions ``st`` holds of its prompt while a decoding holds it (an answer's
         other choices, requests sharing a system prompt); until it is given back (:meth:`give`) or dropped."""
         if self.reuse:
-            self._live = [(k, r) for k, r in self._live if r() is not None] + [(id(eng), weakref.ref(st))]
+            self._live = [(k, r) for k, r in self._live if r() is not None] + [(weakref.ref(eng), weakref.ref(st))]
 
     def give(self, eng: Engine, st: DecodeState) -> None:
         """Take back a state no sequence holds, dropping the least recently given ones while those beyond each
         engine's most recent hold more than :attr:`keep_bytes`."""
         self._live = [(k, r) for k, r in self._live if r() is not None and r() is not st]
-        self._free.append((id(eng), st))
-        latest = {key: i for i, (key, _) in enumerate(self._free)}
-        extra = [i for i in range(len(self._free)) if latest[self._free[i][0]] != i]
+        self._free = [(k, s) for k, s in self._free if k() is not None] + [(weakref.ref(eng), st)]  # engines alive
+        latest = {id(key()): i for i, (key, _) in enumerate(self._free)}
+        extra = [i for i in range(len(self._free)) if latest[id(self._free[i][0]())] != i]
         held = sum(state_bytes(self._free[i][1]) for i in extra)
         drop = set()
         for i in extra:
@@ -101,7 +101,7 @@ class StatePool:
 
     def states(self, eng: Engine) -> list[DecodeState]:
         """``eng``'s free states, least recently given first."""
-        return [st for key, st in self._free if key == id(eng)]
+        return [st for key, st in self._free if key() is eng]
 
 
 def _copy(dst: DecodeState, src: DecodeState, n: int) -> DecodeState:
