@@ -88,7 +88,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     profiled = p.provenance.sampling
     say(f"building the hierarchy {chain}{f' (profiled {profiled})' if profiled else ''} on {loaded.device} ...")
     models = PlanModels(loaded)
-    models.pool = StatePool(prompt_cache << 20, reuse=prompt_cache > 0)
+    on_cpu = str(loaded.device).startswith("cpu")       # elsewhere nothing is taken: keep no states beyond the latest
+    models.pool = StatePool(prompt_cache << 20 if on_cpu else 0, reuse=prompt_cache > 0)
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     retimed = None
