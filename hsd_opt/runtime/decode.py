@@ -323,7 +323,7 @@ class HSD:
 
     It holds the levels and the rules; each generation is a :class:`Decoding` of its own (its caches, token
     drafters' state, random generator and counters), so several can run at once over the same engines
-    (:mod:`hsd_opt.runtime.batch`). Decoding states are reused between generations (a pool per engine).
+    (:mod:`hsd_opt.runtime.batch`). Decoding states are reused between generations (:attr:`pool`, a :class:`StatePool`).
 
     Args:
         levels: bottom first, target last (``levels[-1]`` must be a model level). A depth-1 hierarchy is our
