@@ -57,7 +57,7 @@ def stats_table(stats: dict, predicted: float | None, title: str = "hsd run", at
     t.add_column("")
     t.add_column("value", justify="right")
     t.add_row("tokens", str(stats["tokens"]))
-    if stats.get("prefill_tokens") is not None:   # prompt positions computed (a template head kept: not again)
+    if stats.get("prefill_tokens") is not None:   # prompt positions computed (those taken: not again)
         rate = stats.get("prefill_tokens_per_s")
         t.add_row("prefill: tokens, seconds", f"{stats['prefill_tokens']}, {fmt(stats['prefill_seconds'], '.3f')}"
                   + (f" ({rate:.1f} tok/s)" if rate else ""))
