@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from hsd_opt.commands import bench, doctor, heads, models, profile, run, serve, solve
+from hsd_opt.commands import bench, chat, doctor, heads, models, profile, run, serve, solve
 from hsd_opt.console import error
 from hsd_opt.errors import HsdError
 
@@ -29,6 +29,7 @@ app.add_typer(profile.app, name="profile")
 app.command("solve")(solve.solve_cmd)
 app.command("simulate")(solve.simulate_cmd)
 app.command("run")(run.run_cmd)
+app.command("chat")(chat.chat_cmd)
 app.command("bench")(bench.bench_cmd)
 app.command("serve")(serve.serve_cmd)
 app.add_typer(heads.app, name="heads")

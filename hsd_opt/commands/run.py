@@ -274,7 +274,7 @@ def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):
     return runners, plans
 
 
-def _streamer(tok, quiet: bool):
+def text_streamer(tok, quiet: bool):
     """The ``on_tokens`` callback of one generation: it gathers the blocks of token ids and, unless ``quiet``,
     writes to stdout the text decoded so far that it has not written yet (waiting out an incomplete UTF-8
     sequence)."""
@@ -314,7 +314,7 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
     for k, text in enumerate(user_turns(it, turns)):
         ids = conversation_ids(tok, it.turns, answers, raw)
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                         on_tokens=_streamer(tok, quiet),
+                         on_tokens=text_streamer(tok, quiet),
                          constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs,
                          penalties=penalties, top_k=top_k, min_p=min_p)
         if not quiet:
