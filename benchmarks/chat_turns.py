@@ -6,6 +6,8 @@ second turn takes the first's keys and values), `hsd serve --prompt-cache 0` (co
     .venv/bin/python -m benchmarks.chat_turns --plan out/plan.json --questions QUESTIONS.jsonl \\
         [--llama-server PATH --gguf FILE] [--concurrency 1,4] [--limit 16] [--max-tokens 128] [--rounds 2] \\
         [--methods hsd,hsd_nocache,llama] [--out benchmarks/results/chat_turns.json]
+    .venv/bin/python -m benchmarks.chat_turns --plan out/plan.json --questions QUESTIONS.jsonl --in-process \
+        [--limit 30] [--max-tokens 128] [--out ...]
 
 At each number of clients ``c`` (levels in order, the methods' order shifted by one from round to round) ``c``
 threads start together and take the conversations in turn (``--limit`` of them, the first that have two turns),
@@ -13,7 +15,11 @@ greedy, streamed, ``--max-tokens`` each turn. Reported per method, level and rou
 (every turn's tokens over the wall time), time to the first token of first and of second turns (p50, seconds), the
 mean seconds of a second turn, the prompt tokens the server reported cached (``usage.prompt_tokens_details``), and
 whether the ``hsd*`` methods' answers are the same turn for turn at each round and level (the cache changes no
-token: ``hsd_answers_equal``)."""
+token: ``hsd_answers_equal``).
+
+``--in-process``: no servers; the plan in this process, each conversation's second turn generated after its first
+with a pool that takes the first turn's positions and with one that does not (the order alternating by
+conversation): decode ms/token and the second turns' prefill seconds of each, every answer compared."""
 
 from __future__ import annotations
 
@@ -101,6 +107,35 @@ def level(url: str, convs: list[list[str]], clients: int, max_tokens: int, timeo
             "answers": [[r["token_ids"] for r in t] for t in turns]}
 
 
+def in_process(plan: str, convs: list[list[str]], max_tokens: int) -> dict:
+    """The second turns with and without the prompt cache in this process (see the module's ``--in-process``)."""
+    from hsd_opt.commands.common import load_plan_and_model
+    from hsd_opt.prompts import chat_ids
+    from hsd_opt.runtime.runner import hsd_for_plan
+    from hsd_opt.runtime.state_pool import StatePool
+
+    p, loaded = load_plan_and_model(plan, None, "cpu", None, None, engines_only=True)
+    h, tok = hsd_for_plan(p, loaded), loaded.tokenizer
+    decode, prefill, tokens, equal = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}, 0, True
+    for i, (first, second) in enumerate(convs):
+        m1 = [{"role": "user", "content": first}]
+        answer = tok.decode(h.generate(chat_ids(tok, m1), max_tokens).token_ids, skip_special_tokens=True)
+        ids = chat_ids(tok, m1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": second}])
+        outs = {}
+        for reuse in ((True, False) if i % 2 == 0 else (False, True)):
+            h.pool = StatePool(reuse=reuse)
+            h.generate(chat_ids(tok, m1), max_tokens)          # the first turn's state in this pool
+            r = h.generate(ids, max_tokens)
+            outs[reuse] = r.token_ids
+            decode[reuse] += r.stats["decode_seconds"]
+            prefill[reuse] += r.stats["prefill_seconds"]
+        equal &= outs[True] == outs[False]
+        tokens += len(outs[True])
+    return {"conversations": len(convs), "second_turn_tokens": tokens, "answers_equal": equal,
+            "decode_ms_per_token": {"cache": 1000 * decode[True] / tokens, "no_cache": 1000 * decode[False] / tokens},
+            "second_turns_prefill_seconds": {"cache": prefill[True], "no_cache": prefill[False]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True)
@@ -115,8 +150,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--in-process", action="store_true", help="no servers: the cache's effect in this process")
     ap.add_argument("--out", default="benchmarks/results/chat_turns.json")
     a = ap.parse_args()
+    if a.in_process:
+        report = {"host": host(), "plan": a.plan, "max_tokens": a.max_tokens,
+                  **in_process(a.plan, conversations(a.questions, a.limit), a.max_tokens)}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in report.items() if k != "host"}), flush=True)
+        return
     methods = [m for m in a.methods.split(",") if m]
     if any(m not in METHODS for m in methods):
         sys.exit(f"--methods: expected some of {', '.join(METHODS)}, got {a.methods}")
