@@ -118,6 +118,12 @@ def pass_output(eng: "LayeredLM", greedy: bool) -> Callable:
     return eng.greedy_ids if greedy else eng.logits
 
 
+def _prompt_pass(start: int, end: int, prompt: int) -> bool:
+    """Whether a pass over positions ``start .. end-1`` is a prompt's pass: from position 0, or within the first
+    ``prompt`` positions (:attr:`DecodeState.prompt`)."""
+    return start == 0 or end <= prompt
+
+
 class LayeredLM:
     """Our own forward pass over a Hugging Face causal LM's weights, one layer range at a time.
 
@@ -480,13 +486,13 @@ class LayeredLM:
         the kernels' ``prefill_within()`` positions (:data:`~hsd_opt.engine.kernels.PREFILL_ON_KERNELS_WITHIN`,
         ``_WIDE`` for 16-lane ones), else on the torch path (its
         blocked GEMMs are faster there: :data:`~hsd_opt.engine.kernels.PREFILL_ON_TORCH_FROM`, ``_WIDE`` for
-        16-lane kernels, ``_EXACT`` for 16-lane kernels reading the exact int4 form; every method prefills a prompt
-        in the same passes)."""
+        16-lane kernels, ``_EXACT`` for kernels of either width reading the exact int4 form; every method prefills a
+        prompt in the same passes)."""
         if self._kernels is None:
             return False
         if self.long_passes_on_kernels:
             return True
-        if (start == 0 or start + m <= prompt) and self._exact_long_passes:
+        if _prompt_pass(start, start + m, prompt) and self._exact_long_passes:
             return m < self._kernels.prefill_on_torch_from and start + m <= self._kernels.prefill_within()
         return m <= kernels.MAX_PASS
 
@@ -555,7 +561,7 @@ class LayeredLM:
                 r += 1
             off = x_start - lo
             if not self._on_kernels(x_start, x.shape[0], st.prompt):
-                st.off_steps.note(x_start, n, whole and (x_start == 0 or n <= st.prompt))
+                st.off_steps.note(x_start, n, whole and _prompt_pass(x_start, n, st.prompt))
             x = yield l, r, Rows(x, st, x_start, cos_all[:, off:], sin_all[:, off:])
             work += x.shape[0] * (r - l)
             for j in range(l, r):

@@ -85,6 +85,13 @@ def prompt_pass_ends(n: int, head: int = 0, taken: int = 0) -> list[int]:
     return [e for e in ends if e > taken]
 
 
+def head_of(eng: Engine, prompt: Sequence[int]) -> int:
+    """Positions of ``eng``'s kept chat-template head (:attr:`Engine.prompt_head`) that ``prompt`` starts with: all
+    of them, or 0 where it starts otherwise."""
+    head = len(eng.prompt_head)
+    return head if list(prompt[:head]) == list(eng.prompt_head) else 0
+
+
 def takable(eng: Engine, n: int, head: int, src: DecodeState, upto: int) -> int:
     """How many of its first ``upto`` positions a prompt of ``n`` positions (starting with a kept head of ``head``,
     0: none) may take from ``src``, which holds the same tokens there, and still get bit for bit the numbers of its
@@ -409,8 +416,7 @@ class HSD:
             return 0
         differ = (st.tokens[:m].cpu() != torch.tensor(prompt[:m], dtype=torch.long)).nonzero()
         r = int(differ[0, 0]) if differ.numel() else m
-        head = len(eng.prompt_head)
-        head = head if list(prompt[:head]) == list(eng.prompt_head) else 0
+        head = head_of(eng, prompt)
         r = takable(eng, n, head, st, r)
         return r if r > head else 0
 
@@ -1099,12 +1105,11 @@ class Decoding:
                 eng.share_prompt(st, src, self._states[id(src)], top_b)
                 eng.advance(st, top_b)
             else:
-                head = len(eng.prompt_head)
-                head = head if self.prompt[:head] == list(eng.prompt_head) else 0
-                a = taken = st.n                # positions of the prompt the state holds already (take_state)
-                if taken and eng is target:
-                    self.prompt_reused = taken
-                for b in prompt_pass_ends(n, head, taken):
+                head = head_of(eng, self.prompt)
+                a = held = st.n                 # positions of the prompt the state holds already (take_state)
+                if held and eng is target:
+                    self.prompt_reused = held
+                for b in prompt_pass_ends(n, head, held):
                     eng.append(st, ids[a:b])
                     taken = b == head and eng.take_head(st, top_b)
                     if taken and eng is target:

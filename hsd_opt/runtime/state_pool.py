@@ -54,6 +54,9 @@ class StatePool:
         def has(st: DecodeState) -> bool:
             return all(b in st.resid for b in bounds)
 
+        def new() -> DecodeState:
+            return eng.new_state(max(max_len, 256), save_boundaries=bounds)
+
         mine = [i for i, (key, st) in enumerate(self._free) if key() is eng and has(st)]
         best, keep, source = None, 0, None
         if self.reuse and usable is not None:
@@ -69,13 +72,12 @@ class StatePool:
                         best, keep, source = None, n, st
         if best is None:
             best = next((i for i in mine if self._free[i][1].max_len >= max_len), None)
-        st = self._free.pop(best)[1] if best is not None else eng.new_state(max(max_len, 256), save_boundaries=bounds)
+        st = self._free.pop(best)[1] if best is not None else new()
         if source is not None:
             eng.crop(st, 0)
             return _copy(st, source, keep)
         eng.crop(st, keep)
-        return st if st.max_len >= max_len else _copy(eng.new_state(max(max_len, 256), save_boundaries=bounds), st,
-                                                       st.n)
+        return st if st.max_len >= max_len else _copy(new(), st, st.n)
 
     def lend(self, eng: Engine, st: DecodeState) -> None:
         """Let later sequences copy the positions ``st`` holds of its prompt while a decoding holds it (an answer's
