@@ -672,7 +672,7 @@ def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
     q.submit_all([Job(r, lambda ev: None) for r in runs])
     with pytest.raises(QueueFull):
         q.submit_all([Job(r, lambda ev: None) for r in runs])
-    assert q.waiting == 2 and q.counts["refused"] == 1
+    assert q.waiting == 2 and q.metrics.requests["refused"] == 1
     q.submit_all([Job(runs[0], lambda ev: None)])
     assert q.waiting == 3
 

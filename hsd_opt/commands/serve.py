@@ -106,7 +106,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
-                    json_runner=json_runner)
+                    json_runner=json_runner, metrics=_metrics(p, name, str(plan), loaded.device))
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
              "prompt_cache_mib": prompt_cache,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
@@ -115,6 +115,21 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     if retimed is not None:
         about["retime"] = retimed
     return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
+
+
+def _metrics(p, name: str, source: str, device) -> Any:
+    """The server's :class:`~hsd_opt.server.metrics.Metrics`: ``hsd_info`` names the model, the plan, its hierarchy,
+    the device and the kernel variant that runs (``hsd doctor``'s); the predictions are the plan's per load level
+    (its own at load 1 without ``by_load``)."""
+    from hsd_opt.engine import kernels
+    from hsd_opt.server.metrics import Metrics
+    from hsd_opt.version import __version__
+
+    kinfo = kernels.info() if str(device).startswith("cpu") else None
+    info = {"version": __version__, "model": name, "plan": source, "hierarchy": "<-".join(reversed(p.hierarchy)),
+            "device": str(device), "kernels": kinfo.variant if kinfo is not None else "none"}
+    predicted = {n: e.expected_latency for n, e in p.by_load.items()} or {1: p.expected_latency}
+    return Metrics(info, {n: v for n, v in predicted.items() if v is not None})
 
 
 def _json_runner(p, loaded, models, mode: str, source: str, say):

@@ -101,6 +101,10 @@ class StatePool:
             held -= state_bytes(self._free[i][1])
         self._free = [e for i, e in enumerate(self._free) if i not in drop]
 
+    def held_bytes(self) -> int:
+        """Bytes of the free states the pool holds (every engine's)."""
+        return sum(state_bytes(st) for key, st in self._free if key() is not None)
+
     def states(self, eng: Engine) -> list[DecodeState]:
         """``eng``'s free states, least recently given first."""
         return [st for key, st in self._free if key() is eng]

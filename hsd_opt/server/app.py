@@ -1,9 +1,10 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over one :class:`~hsd_opt.server.jobs.JobQueue`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. Every error is an OpenAI-style
-body (:mod:`hsd_opt.server.errors`); a refused request is logged as one access-log line, never a traceback.
-With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` is open.
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus' text
+format: :mod:`hsd_opt.server.metrics`). Every error is an OpenAI-style body (:mod:`hsd_opt.server.errors`); a
+refused request is logged as one access-log line, never a traceback. With an API key, every ``/v1`` route wants
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` are open.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from hsd_opt.server.errors import ApiError, error_body
@@ -269,10 +270,13 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": info.name, **svc.about, **jobs.status()})
 
+    async def metrics(request: Request):
+        return PlainTextResponse(jobs.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}; see /v1/chat/completions, /v1/completions, " \
-                  f"/v1/models, /health"
+                  f"/v1/models, /health, /metrics"
             return _error(ApiError(404, msg, "invalid_request_error", None, "not_found"))
         if exc.status_code == 405:
             msg = f"{request.method} is not allowed on {request.url.path}"
@@ -296,6 +300,7 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     app.state.service = svc

@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.prompts import JSON_TASK
 from hsd_opt.runtime.batch import Batch
+from hsd_opt.server.metrics import Metrics
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from hsd_opt.runtime.decode import HSD, GenerationResult, TokenLogprob
+    from hsd_opt.runtime.decode import HSD, Decoding, GenerationResult, TokenLogprob
 
 log = logging.getLogger("hsd_opt.server")
 
@@ -59,7 +60,8 @@ class Outcome:
         finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
         prompt_tokens: tokens of the prompt.
         stats: :meth:`HSD.generate`'s stats (``GenerationResult.stats``), every committed token counted.
-        queue_seconds: seconds the job waited before the worker took it.
+        queue_seconds: seconds the job waited before its prompt's computation began.
+        first_token_seconds: seconds from its arrival to its first token.
         logprobs: a :class:`~hsd_opt.runtime.decode.TokenLogprob` per returned id (log-probabilities asked for),
             else None.
     """
@@ -70,6 +72,7 @@ class Outcome:
     prompt_tokens: int
     stats: dict[str, Any]
     queue_seconds: float
+    first_token_seconds: float
     logprobs: "list[TokenLogprob] | None" = None
 
 
@@ -109,7 +112,8 @@ class JobQueue:
     """
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
-                 max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None):
+                 max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None,
+                 metrics: Metrics | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if stream_interval < 1:
@@ -121,7 +125,7 @@ class JobQueue:
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
         self._thread: threading.Thread | None = None
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0, "generated_tokens": 0}
+        self.metrics = metrics if metrics is not None else Metrics()
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -158,7 +162,7 @@ class JobQueue:
         with self._lock:
             free = self.max_queue - self._queue.qsize()
             if free < len(jobs):
-                self.counts["refused"] += 1
+                self.metrics.ended("refused")
                 raise QueueFull(f"{self.max_queue} requests are already waiting" if free <= 0 else
                                 f"{self.max_queue - free} of {self.max_queue} places are taken, "
                                 f"{len(jobs)} asked for")
@@ -180,7 +184,21 @@ class JobQueue:
         level = self.batch.hierarchy_for(max(self.batch.load, 1))
         return {"waiting": self.waiting, "max_queue": self.max_queue, "busy": active > 0, "active": active,
                 "max_batch": self.batch.max_active, "hierarchy": [lv.name for lv in level.levels],
-                "budgets": list(level.budgets[: len(level.levels) - 1]), **self.counts}
+                "budgets": list(level.budgets[: len(level.levels) - 1]), **self.metrics.requests,
+                "generated_tokens": self.metrics.generated_tokens}
+
+    def metrics_text(self) -> str:
+        """``GET /metrics``: :attr:`metrics` with the gauges of the moment (requests waiting and in flight, the
+        prompt cache's bytes), in Prometheus' text format."""
+        pools = {id(h.pool): h.pool for lv in (self.batch.levels, *self.batch.tasks.values()) for h in lv.values()}
+        held = sum(p.held_bytes() for p in pools.values())
+        return self.metrics.render({
+            "hsd_requests_waiting": ("Requests queued, or admitted and waiting for their prompt's computation.",
+                                     self.waiting),
+            "hsd_requests_running": ("Requests being decoded or prefilled.", self.batch.in_flight),
+            "hsd_max_batch": ("Most requests decoded together (--max-batch).", self.batch.max_active),
+            "hsd_prompt_cache_bytes": ("Bytes of finished requests' decoding states kept for later prompts.",
+                                       held)})
 
     # ------------------------------------------------------------------------------------------ worker
 
@@ -207,12 +225,14 @@ class JobQueue:
                 job = e.on_tokens.job
                 if job.cancelled and self.batch.drop(e):
                     self._end(job, "cancelled", None)
+            t = time.perf_counter()
             try:
                 self.batch.tick()
             except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
                 log.exception("generation failed")
                 for entry in self.batch.clear():
                     self._end(entry.on_tokens.job, "error", f"generation failed: {type(e).__name__}: {e}")
+            self.metrics.busy(time.perf_counter() - t)
 
     def _admit(self, job: Job) -> None:
         """Add ``job`` to the batch (or end it: cancelled while queued)."""
@@ -231,6 +251,7 @@ class JobQueue:
                                    constraint=Constraint(req.grammar) if req.grammar is not None else None,
                                    task=JSON_TASK if req.grammar is not None else None, logprobs=req.logprobs,
                                    penalties=req.penalties, top_k=req.top_k, min_p=req.min_p)
+            on_tokens.decoding = entry.decoding
             if req.logprobs is not None:
                 on_tokens.logprobs = entry.decoding.logprobs
         except Exception as e:  # noqa: BLE001 - arguments the request validation let through: a bug
@@ -242,11 +263,14 @@ class JobQueue:
             log.error("generation failed", exc_info=err)
             self._end(job, "error", f"generation failed: {type(err).__name__}: {err}")
             return
-        self.counts["generated_tokens"] += len(res.token_ids)
+        req, started = job.request, stream.started
+        began = stream.decoding.t0 if stream.decoding is not None else job.submitted
+        queued, first = began - job.submitted, (started[0] - job.submitted if started else None)
+        self.metrics.decoded(res.stats, len(req.prompt_ids), queued, first)
         if job.cancelled:
             self._end(job, "cancelled", None)
             return
-        text, started = stream.text, stream.started
+        text = stream.text
         rest = stream.held + text.finish()
         ids = list(text.ids) if text.stopped else list(res.token_ids)
         logprobs = res.logprobs[: len(ids)] if res.logprobs is not None else None
@@ -255,13 +279,12 @@ class JobQueue:
                 job.emit(("logprobs", logprobs[stream.sent_logprobs:]))
             job.emit(("text", rest))
         stopped = text.stopped or res.stats.get("stopped") == "eos"
-        waited = (started[0] if started else time.perf_counter()) - job.submitted
-        req = job.request
+        first = first if first is not None else time.perf_counter() - job.submitted
         self._end(job, "done", Outcome(ids, text.text, "stop" if stopped else "length", len(req.prompt_ids),
-                                       res.stats, waited, logprobs))
+                                       res.stats, queued, first, logprobs))
 
     def _end(self, job: Job, kind: str, value: Any) -> None:
-        self.counts[{"done": "completed", "cancelled": "cancelled", "error": "failed"}[kind]] += 1
+        self.metrics.ended({"done": "completed", "cancelled": "cancelled", "error": "failed"}[kind])
         with self._lock:
             self._live.discard(job)
         job.emit((kind, value))
@@ -281,6 +304,7 @@ class _Stream:
         self._sent = False
         self.logprobs: "list[TokenLogprob] | None" = None
         self.sent_logprobs = 0  # tokens whose log-probabilities were sent
+        self.decoding: "Decoding | None" = None   # the job's decoding, once added to the batch
 
     def __call__(self, block: list[int]) -> bool:
         if not self.started:

@@ -69,8 +69,8 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
     ``target_calls``, ``tokens_per_target_call``, ``acceptance`` (each verifying level's acceptance rate, by
     name), ``levels`` (per-level counters), ``generated_tokens`` (every token committed, past a stop string
     too), ``token_ids`` (the returned ids), ``prefill_tokens`` (the prompt's positions its target computed), and
-    times in seconds: ``queue_seconds``, ``prefill_seconds``,
-    ``decode_seconds``, ``seconds`` (prefill + decode) and ``tokens_per_s``."""
+    times in seconds: ``queue_seconds`` (before its prompt's computation began), ``first_token_seconds`` (from its
+    arrival), ``prefill_seconds``, ``decode_seconds``, ``seconds`` (prefill + decode) and ``tokens_per_s``."""
     s = o.stats
     levels = s.get("levels") or []
     return {
@@ -79,7 +79,8 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
         "acceptance": {lv["name"]: lv.get("acceptance_rate") for lv in levels[1:]},
         "levels": levels, "generated_tokens": s.get("tokens"), "token_ids": list(o.token_ids),
         "prefill_tokens": s.get("prefill_tokens"),
-        "queue_seconds": o.queue_seconds, "prefill_seconds": s.get("prefill_seconds"),
+        "queue_seconds": o.queue_seconds, "first_token_seconds": o.first_token_seconds,
+        "prefill_seconds": s.get("prefill_seconds"),
         "decode_seconds": s.get("decode_seconds"), "seconds": s.get("seconds"),
         "tokens_per_s": s.get("tokens_per_s"),
     }
