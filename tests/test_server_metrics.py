@@ -5,6 +5,7 @@ the prompt's computation, then the prefill, then the first token)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -15,7 +16,7 @@ from openai import OpenAI
 
 from hsd_opt.commands.serve import prepare_server
 from hsd_opt.server import BackgroundServer
-from hsd_opt.server.metrics import Metrics
+from hsd_opt.server.metrics import Metrics, stats_line
 from tests.helpers import TINY_CHAT_TEMPLATE, save_tiny, write_plan
 
 MODEL = "m"
@@ -76,11 +77,27 @@ def test_histograms_count_each_value_in_every_bucket_at_or_above_it_and_labels_a
     assert value(m, "hsd_time_to_first_token_seconds_count") == 1          # the second never got a first token
     assert value(m, "hsd_decode_seconds_per_token_count") == 1
     assert value(m, "hsd_prompt_tokens_total") == 20 and value(m, "hsd_prompt_tokens_cached_total") == 6
-    assert value(m, "hsd_generation_tokens_total") == 4 and value(m, "hsd_target_passes_total") == 3
+    assert value(m, "hsd_generation_tokens_total") == 0            # counted as committed (Metrics.committed)
+    assert value(m, "hsd_ended_generation_tokens_total") == 4 and value(m, "hsd_target_passes_total") == 3
     assert value(m, "hsd_level_accepted_total", level="t") == 1
     assert value(m, "hsd_level_drafted_total", level="ngram") == 3
     assert value(m, "hsd_plan_predicted_seconds_per_token", load="1") == 0.004
     assert value(m, "hsd_requests_waiting") == 2
+
+
+def test_a_stats_line_says_what_changed_over_its_period():
+    met = Metrics()
+    before = met.totals()
+    met.committed(30)
+    line = stats_line(met.totals(), before, 2.0, 1, 0)
+    assert line == "last 2.0 s: 30 tokens generated (15.0 tok/s), 1 running, 0 waiting"
+    met.decoded({"tokens": 30, "target_calls": 12, "prefill_tokens": 5,
+                 "levels": [{"name": "ngram", "calls": 12}, {"name": "layer30", "accepted": 18, "rejections": 6}]},
+                prompt_tokens=20, queue_seconds=0.0, first_token_seconds=0.1)
+    met.ended("completed")
+    line = stats_line(met.totals(), before, 2.0, 0, 0)
+    assert line.endswith("; 1 completed, 2.50 tokens per target pass, prompts 20 tokens, 15 taken from the cache, "
+                         "layer30 acceptance 0.75"), line
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +105,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
     model_dir = save_tiny(root / MODEL, chat_template=TINY_CHAT_TEMPLATE)
     plan = write_plan(root / "plan.json", model_dir, hierarchy=("ngram", "layer2", "layer4"), budgets=(1, 3))
-    app, jobs = prepare_server(plan, device="cpu", max_queue=16, api_key="k")
+    app, jobs = prepare_server(plan, device="cpu", max_queue=16, api_key="k", log_stats=0.01)
     with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
         yield srv
 
@@ -99,7 +116,8 @@ def scrape(srv) -> dict:
     return parse(r.text)
 
 
-def test_metrics_are_the_sums_of_what_the_answers_report(served):
+def test_metrics_are_the_sums_of_what_the_answers_report(served, caplog):
+    caplog.set_level(logging.INFO, logger="hsd_opt.server")
     c = OpenAI(base_url=served.url + "/v1", api_key="k", max_retries=0, timeout=60)
     before = scrape(served)
     assert value(before, "hsd_info", model=MODEL, hierarchy="layer4<-layer2<-ngram") == 1
@@ -125,6 +143,7 @@ def test_metrics_are_the_sums_of_what_the_answers_report(served):
     cached = sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
     assert cached > 0 and value(m, "hsd_prompt_tokens_cached_total") >= cached
     assert value(m, "hsd_generation_tokens_total") >= sum(f["generated_tokens"] for f in figures) + 1
+    assert value(m, "hsd_generation_tokens_total") == value(m, "hsd_ended_generation_tokens_total")
     assert value(m, "hsd_target_passes_total") > sum(f["target_calls"] for f in figures)
     for name in ("layer2", "layer4"):
         level = [lv for f in figures for lv in f["levels"] if lv["name"] == name]
@@ -138,3 +157,13 @@ def test_metrics_are_the_sums_of_what_the_answers_report(served):
     for f in figures:       # waiting, then the prefill (to the first token), within the time to the first token
         assert 0 <= f["queue_seconds"] and f["queue_seconds"] + f["prefill_seconds"] <= f["first_token_seconds"] + 1e-6
     assert httpx.get(served.url + "/v1/models", timeout=30).status_code == 401
+
+
+    def logged() -> int:      # the worker logs the last period once it is idle: every token in one period
+        lines = [r.getMessage() for r in caplog.records if r.name == "hsd_opt.server"]
+        return sum(int(x.group(1)) for x in (re.search(r": (\d+) tokens generated", y) for y in lines) if x)
+
+    end = time.monotonic() + 30
+    while logged() < value(m, "hsd_generation_tokens_total") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert logged() == value(m, "hsd_generation_tokens_total")

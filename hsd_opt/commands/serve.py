@@ -30,6 +30,9 @@ def served_name(model_id: str) -> str:
 #: ``--max-body`` by default: bytes of a request body (a long prompt is well under it).
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
+#: ``--log-stats`` by default: seconds between two lines of what the server did.
+DEFAULT_LOG_STATS = 10.0
+
 #: ``--prompt-cache`` by default: MiB of finished requests' decoding states kept for the prompts that start with
 #: their tokens (the next turns of conversations).
 DEFAULT_PROMPT_CACHE = 1024
@@ -37,10 +40,12 @@ DEFAULT_PROMPT_CACHE = 1024
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
-                     prompt_cache: int = 0) -> None:
+                     prompt_cache: int = 0, log_stats: float = 0.0) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
     ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
-    ``--stream-interval`` < 1 or ``--prompt-cache`` < 0."""
+    ``--stream-interval`` < 1, ``--prompt-cache`` < 0 or ``--log-stats`` < 0."""
+    if not log_stats >= 0:
+        raise HsdError(f"--log-stats: expected a number of seconds >= 0 (0: off), got {log_stats}")
     if prompt_cache < 0:
         raise HsdError(f"--prompt-cache: expected a number of MiB >= 0 (0: off), got {prompt_cache}")
     if not 0 <= port <= 65535:
@@ -64,13 +69,15 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    max_queue: int = 16, api_key: Optional[str] = None, say=None,
                    target_precision: Optional[str] = None, max_batch: int = 8,
                    max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
-                   stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE) -> tuple[Any, Any]:
+                   stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE,
+                   log_stats: float = 0.0) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
     a request's text every ``stream_interval`` tokens (the app's lifespan starts and stops its worker); finished
     requests' decoding states are kept up to ``prompt_cache`` MiB for prompts that start with their tokens (a
-    conversation's next turn; 0: none kept, none reused).
+    conversation's next turn; 0: none kept, none reused). ``log_stats``: seconds between two lines of what the
+    worker did (logged at INFO; 0: none).
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
@@ -106,7 +113,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
-                    json_runner=json_runner, metrics=_metrics(p, name, str(plan), loaded.device))
+                    json_runner=json_runner, metrics=_metrics(p, name, str(plan), loaded.device),
+                    stats_interval=log_stats)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
              "prompt_cache_mib": prompt_cache,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
@@ -170,6 +178,10 @@ def serve_cmd(
                                      help="MiB of finished requests' keys and values kept for later prompts "
                                           "that start with the same tokens (a conversation's next turn computes "
                                           "only its new tokens; the output is unchanged). 0: off."),
+    log_stats: float = typer.Option(DEFAULT_LOG_STATS, "--log-stats",
+                                    help="Seconds between two log lines of what the server did (tokens generated "
+                                         "and their rate, requests running and waiting, the completed requests' "
+                                         "tokens per target pass, prompt cache and acceptance rates). 0: none."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -196,14 +208,15 @@ def serve_cmd(
     from hsd_opt.server.serving import bind_socket, log_config, make_server
 
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
-                     prompt_cache)
+                     prompt_cache, log_stats)
     check_mode(mode)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
                                      max_batch=max_batch, max_body=max_body, retime=retime,
-                                     stream_interval=stream_interval, prompt_cache=prompt_cache)
+                                     stream_interval=stream_interval, prompt_cache=prompt_cache,
+                                     log_stats=log_stats)
         h, p = sock.getsockname()[:2]
         url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
         svc = app.state.service

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.prompts import JSON_TASK
 from hsd_opt.runtime.batch import Batch
-from hsd_opt.server.metrics import Metrics
+from hsd_opt.server.metrics import Metrics, stats_line
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
 
@@ -113,7 +113,7 @@ class JobQueue:
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
                  max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, stats_interval: float = 0.0):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if stream_interval < 1:
@@ -126,6 +126,8 @@ class JobQueue:
         self._live: set[Job] = set()  # waiting or running
         self._thread: threading.Thread | None = None
         self.metrics = metrics if metrics is not None else Metrics()
+        self.stats_interval = stats_interval
+        self._stats_from = (time.perf_counter(), self.metrics.totals())
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -206,11 +208,13 @@ class JobQueue:
         stopping = False
         while True:
             if not self.batch.busy:
+                self._stats_line(idle=True)
                 if stopping:
                     return
                 job = self._queue.get()          # idle: wait for a request
                 if job is None:
                     return
+                self._stats_from = (time.perf_counter(), self._stats_from[1])   # the idle time is no period's
                 self._admit(job)
             while self.batch.in_flight + self.batch.queued < self.batch.max_active:
                 try:
@@ -233,6 +237,24 @@ class JobQueue:
                 for entry in self.batch.clear():
                     self._end(entry.on_tokens.job, "error", f"generation failed: {type(e).__name__}: {e}")
             self.metrics.busy(time.perf_counter() - t)
+            self._stats_line()
+
+    def _stats_line(self, idle: bool = False) -> None:
+        """Log what the worker did since the last line, every :attr:`stats_interval` seconds, and when it turns
+        idle after doing something; an idle worker's clock starts again at its next request."""
+        if not self.stats_interval:
+            return
+        start, before = self._stats_from
+        now = time.perf_counter()
+        if not idle and now - start < self.stats_interval:
+            return
+        totals = self.metrics.totals()
+        if totals == before:
+            if idle:
+                self._stats_from = (now, totals)
+            return
+        log.info("%s", stats_line(totals, before, now - start, self.batch.in_flight, self.waiting))
+        self._stats_from = (now, totals)
 
     def _admit(self, job: Job) -> None:
         """Add ``job`` to the batch (or end it: cancelled while queued)."""
@@ -240,7 +262,7 @@ class JobQueue:
             self._end(job, "cancelled", None)
             return
         req = job.request
-        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop), self.stream_interval)
+        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop), self.stream_interval, self.metrics)
 
         def on_done(res: "GenerationResult | None", err: BaseException | None) -> None:
             self._done(job, on_tokens, res, err)
@@ -296,8 +318,8 @@ class _Stream:
     string or when the job is cancelled. With log-probabilities (:attr:`logprobs`: the decoding's growing list),
     each text event follows a ``"logprobs"`` event with those of the tokens fed to the text since the last."""
 
-    def __init__(self, job: Job, text: TextStream, interval: int = 1):
-        self.job, self.text, self.interval = job, text, interval
+    def __init__(self, job: Job, text: TextStream, interval: int = 1, metrics: Metrics | None = None):
+        self.job, self.text, self.interval, self.metrics = job, text, interval, metrics
         self.started: list[float] = []
         self.held = ""          # final text not sent yet
         self._tokens = 0        # tokens committed since the last text sent
@@ -309,6 +331,8 @@ class _Stream:
     def __call__(self, block: list[int]) -> bool:
         if not self.started:
             self.started.append(time.perf_counter())
+        if self.metrics is not None:
+            self.metrics.committed(len(block))
         if self.job.cancelled:
             return True
         self.held += self.text.feed(block)

@@ -58,7 +58,8 @@ class Metrics:
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.prompt_tokens = 0            # of the requests that ended (completed or cancelled while decoding)
         self.cached_tokens = 0            # of those, taken from an earlier request's state
-        self.generated_tokens = 0         # committed, of every decoding that ran
+        self.generated_tokens = 0         # committed, as they are (cancelled decodings' too)
+        self.ended_tokens = 0             # committed, of the decodings that ended
         self.target_passes = 0
         self.busy_seconds = 0.0
         self.levels: dict[str, dict[str, int]] = {}
@@ -76,6 +77,11 @@ class Metrics:
         with self._lock:
             self.busy_seconds += seconds
 
+    def committed(self, tokens: int) -> None:
+        """Count ``tokens`` the target just committed (a block)."""
+        with self._lock:
+            self.generated_tokens += tokens
+
     def decoded(self, stats: Mapping[str, Any], prompt_tokens: int, queue_seconds: float | None,
                 first_token_seconds: float | None) -> None:
         """Add one decoding that ran (finished, or stopped because its request was cancelled): its
@@ -85,7 +91,7 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.cached_tokens += 0 if computed is None else max(0, prompt_tokens - int(computed))
-            self.generated_tokens += int(stats.get("tokens") or 0)
+            self.ended_tokens += int(stats.get("tokens") or 0)
             self.target_passes += int(stats.get("target_calls") or 0)
             for lv in stats.get("levels") or []:
                 mine = self.levels.setdefault(lv["name"], dict.fromkeys(LEVEL_COUNTERS, 0))
@@ -115,11 +121,14 @@ class Metrics:
                         "Of those, tokens taken from an earlier request's keys and values (the prompt cache).",
                         [({}, self.cached_tokens)]))
             add(_series("hsd_generation_tokens_total", "counter",
-                        "Tokens the target committed (of cancelled requests too, up to where they stopped).",
+                        "Tokens the target committed, as it commits them (of cancelled requests too).",
                         [({}, self.generated_tokens)]))
+            add(_series("hsd_ended_generation_tokens_total", "counter",
+                        "Of those, the tokens of the decodings that ended (completed or cancelled).",
+                        [({}, self.ended_tokens)]))
             add(_series("hsd_target_passes_total", "counter",
-                        "The target's passes (steps and verify passes); tokens per pass = generation tokens / "
-                        "passes.", [({}, self.target_passes)]))
+                        "The target's passes (steps and verify passes) of the decodings that ended; tokens per pass "
+                        "= ended generation tokens / passes.", [({}, self.target_passes)]))
             names = sorted(self.levels)
             for k, what in (("calls", "Verify passes of a verifying level; draft calls of a bottom level."),
                             ("drafted", "Draft tokens a verifying level checked; tokens a bottom level proposed."),
@@ -144,6 +153,38 @@ class Metrics:
         for name, (what, value) in gauges.items():
             out.extend(_series(name, "gauge", what, [({}, value)]))
         return "\n".join(out) + "\n"
+
+
+    def totals(self) -> dict[str, float]:
+        """The counts a stats line compares between two moments: tokens committed, and of the decodings that
+        ended, their tokens, prompt tokens, of those cached, the target's passes, each level's ``accepted`` and
+        ``rejections``; requests completed."""
+        with self._lock:
+            t = {"generated": self.generated_tokens, "ended_tokens": self.ended_tokens, "prompt": self.prompt_tokens,
+                 "cached": self.cached_tokens, "passes": self.target_passes, "completed": self.requests["completed"]}
+            for name, c in self.levels.items():
+                t[f"accepted:{name}"], t[f"rejections:{name}"] = c["accepted"], c["rejections"]
+            return t
+
+
+def stats_line(now: dict[str, float], before: dict[str, float], seconds: float, running: int, waiting: int) -> str:
+    """One line of what a server did over the last ``seconds`` (``now`` and ``before``: :meth:`Metrics.totals`):
+    tokens generated and their rate, tokens per target pass, prompt tokens computed and taken from the cache,
+    requests completed, each verifying level's acceptance rate, requests in flight and waiting."""
+    d = {k: v - before.get(k, 0) for k, v in now.items()}
+    line = (f"last {seconds:.1f} s: {d['generated']:.0f} tokens generated ({d['generated'] / seconds:.1f} tok/s), "
+            f"{running} running, {waiting} waiting")
+    if not d["completed"]:
+        return line
+    ended = [f"{d['completed']:.0f} completed"]
+    if d["passes"]:
+        ended.append(f"{d['ended_tokens'] / d['passes']:.2f} tokens per target pass")
+    if d["prompt"]:
+        ended.append(f"prompts {d['prompt']:.0f} tokens, {d['cached']:.0f} taken from the cache")
+    acc = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("accepted:")}
+    ended += [f"{n} acceptance {a / (a + d[f'rejections:{n}']):.2f}" for n, a in sorted(acc.items())
+              if a + d[f"rejections:{n}"] > 0]
+    return line + "; " + ", ".join(ended)
 
 
 def _labels(labels: Mapping[str, str]) -> str:

@@ -41,9 +41,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def log_config() -> dict[str, Any]:
-    """uvicorn's logging set-up with the access log on stderr too (stdout stays for results)."""
+    """uvicorn's logging set-up with the access log on stderr too (stdout stays for results), and the package's
+    own loggers (``hsd_opt``: the worker's stats lines, failures) through uvicorn's default handler at INFO."""
     cfg = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     cfg["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    cfg["loggers"]["hsd_opt"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     return cfg
 
 
