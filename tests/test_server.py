@@ -542,6 +542,15 @@ BAD = [
         {"function": {"name": "f", "arguments": "{"}}]}]}, 400, "messages[1].tool_calls[0].function.arguments", None),
     (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model", "model_not_found"),
     ("/v1/embeddings", {"model": MODEL, "input": "w1"}, 404, None, "not_found"),
+    ("/tokenize", {"model": MODEL}, 400, "prompt", None),
+    ("/tokenize", {"prompt": "w1", "messages": MSG}, 400, "prompt", None),
+    ("/tokenize", {"content": 5}, 400, "content", None),
+    ("/tokenize", {"messages": []}, 400, "messages", None),
+    ("/tokenize", {"model": "gpt-4o", "prompt": "w1"}, 404, "model", "model_not_found"),
+    ("/detokenize", {"tokens": "w1"}, 400, "tokens", None),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens[1]", None),
+    ("/detokenize", {"tokens": [1, True]}, 400, "tokens[1]", None),
+    ("/detokenize", {}, 400, "tokens", None),
 ]
 
 
@@ -558,6 +567,27 @@ def test_bad_requests_get_an_error_body_and_no_traceback(served, caplog, path, b
     assert err["type"] == "invalid_request_error"
     assert any(f'"POST {path} HTTP/1.1" {status}' in r.getMessage() for r in caplog.records)  # the log was seen
     no_tracebacks(caplog)
+
+
+def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them_back(served, direct):
+    """``/tokenize`` of a chat body is the chat request's prompt (its ``usage.prompt_tokens`` and the ids
+    ``hsd run`` encodes), of a prompt the completion's; ``/detokenize`` gives the text back."""
+    from hsd_opt.prompts import chat_ids, encode_prompt
+
+    srv, _ = served
+    tok = direct[2]
+    msgs = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
+    r = httpx.post(srv.url + "/tokenize", json={"model": MODEL, "messages": msgs}, timeout=30).json()
+    answer = client(srv).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    assert r["tokens"] == chat_ids(tok, msgs) and r["count"] == answer.usage.prompt_tokens == len(r["tokens"])
+    assert r["max_model_len"] == 512
+    for key in ("prompt", "content"):
+        ids = httpx.post(srv.url + "/tokenize", json={key: PROMPTS[1]}, timeout=30).json()["tokens"]
+        assert ids == encode_prompt(tok, PROMPTS[1], raw=True)
+    assert httpx.post(srv.url + "/tokenize", json={"prompt": ""}, timeout=30).json()["tokens"] == []
+    ids = encode_prompt(tok, PROMPTS[0], raw=True)
+    back = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
+    assert back["prompt"] == back["content"] == tok.decode(ids) and "w2 w3" in back["prompt"]
 
 
 def test_wrong_method_and_the_openai_clients_view_of_errors(served, caplog):
@@ -588,6 +618,10 @@ def test_api_key_is_required_when_set(tiny, caplog):
         r = client(srv, api_key="sekrit").completions.create(model=MODEL, prompt="w1", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens >= 1
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 200  # open
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "w1"}, timeout=30).status_code == 401
+        ok = httpx.post(srv.url + "/tokenize", json={"prompt": "w1"}, timeout=30,
+                        headers={"authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
     no_tracebacks(caplog)
 
 

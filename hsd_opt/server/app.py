@@ -1,10 +1,11 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over one :class:`~hsd_opt.server.jobs.JobQueue`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus' text
-format: :mod:`hsd_opt.server.metrics`). Every error is an OpenAI-style body (:mod:`hsd_opt.server.errors`); a
-refused request is logged as one access-log line, never a traceback. With an API key, every ``/v1`` route wants
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` are open.
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (the
+ids a request decodes from, as vLLM and llama.cpp's server answer them), ``GET /health``, ``GET /metrics``
+(Prometheus' text format: :mod:`hsd_opt.server.metrics`). Every error is an OpenAI-style body
+(:mod:`hsd_opt.server.errors`); a refused request is logged as one access-log line, never a traceback. With an API
+key, every route but ``/health`` and ``/metrics`` wants ``Authorization: Bearer KEY`` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from starlette.routing import Route
 
 from hsd_opt.server.errors import ApiError, error_body
 from hsd_opt.server.jobs import Job, JobQueue, QueueFull
-from hsd_opt.server.requests import GenerationRequest, ModelInfo, choice_requests, parse_json, parse_request
+from hsd_opt.server.requests import (
+    GenerationRequest,
+    ModelInfo,
+    choice_requests,
+    parse_detokenize,
+    parse_json,
+    parse_request,
+    parse_tokenize,
+)
 from hsd_opt.server.responses import DONE, ChoiceStream, completion_body, new_id, now, sse, usage_chunk
 
 log = logging.getLogger("hsd_opt.server")
@@ -35,14 +44,19 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+#: The routes open without the API key (what a load balancer and a monitoring scraper read).
+OPEN_PATHS = ("/health", "/metrics")
+
+
 class ApiKeyMiddleware:
-    """Pure ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """Pure ASGI middleware: every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``
+    (compared in constant time)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -119,6 +133,16 @@ class Service:
                 raise too_big
             parts.append(part)
         return b"".join(parts)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """``POST /tokenize``: ``{"tokens", "count", "max_model_len"}`` (:func:`parse_tokenize`)."""
+        ids = parse_tokenize(parse_json(await self.body(request)), self.info)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.info.max_positions})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """``POST /detokenize``: ``{"prompt": text, "content": text}`` (:func:`parse_detokenize`)."""
+        text = self.info.tokenizer.decode(parse_detokenize(parse_json(await self.body(request)), self.info))
+        return JSONResponse({"prompt": text, "content": text})
 
     def submit(self, reqs: list[GenerationRequest], n: int = 1) -> tuple[list[Job], asyncio.Queue]:
         """Queue the decodings of an answer's ``n`` choices (``reqs``: one per choice, or one whose answer is every
@@ -276,7 +300,7 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}; see /v1/chat/completions, /v1/completions, " \
-                  f"/v1/models, /health, /metrics"
+                  f"/v1/models, /tokenize, /detokenize, /health, /metrics"
             return _error(ApiError(404, msg, "invalid_request_error", None, "not_found"))
         if exc.status_code == 405:
             msg = f"{request.method} is not allowed on {request.url.path}"
@@ -299,6 +323,8 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/tokenize", guarded(svc.tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(svc.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

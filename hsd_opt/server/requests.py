@@ -427,12 +427,8 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
             ``top_p`` outside (0, 1], ``n`` outside 1 .. :data:`MAX_CHOICES`, more than 4 or empty ``stop`` strings, a
             ``response_format`` that is malformed or does not compile; 404 for another model than ``info.name``.
     """
+    _served_model(body, info)
     model = body.get("model", info.name)
-    if not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {_type_name(model)}", "model")
-    if model != info.name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
-                       "invalid_request_error", "model", "model_not_found")
     _unsupported(body)
     n = _int(body, "n")
     n = 1 if n is None else n
@@ -491,3 +487,50 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
                              grammar, tool, logprobs, penalties, top_k, min_p, n)
+
+
+def _served_model(body: dict[str, Any], info: ModelInfo) -> None:
+    """A 400 for a ``model`` that is not a string, a 404 for another model than ``info.name`` (absent: served)."""
+    model = body.get("model", info.name)
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {_type_name(model)}", "model")
+    if model != info.name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {info.name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def parse_tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """``POST /tokenize``: the token ids a generation request would decode from: ``messages`` through the chat
+    template (as ``/v1/chat/completions``), or ``prompt`` (vLLM's name) or ``content`` (llama.cpp's) encoded as it is
+    (as ``/v1/completions``; empty: no tokens). A 400 naming the field for anything else, a 404 for another model."""
+    _served_model(body, info)
+    given = [k for k in ("messages", "prompt", "content") if k in body]
+    if len(given) != 1:
+        both = f", not {' and '.join(given)}" if given else ""
+        raise bad_request(f"send one of 'messages', 'prompt' or 'content'{both}", given[-1] if given else "prompt")
+    key = given[0]
+    try:
+        if key == "messages":
+            return chat_ids(info.tokenizer, _messages(body))
+        p = body[key]
+        if not isinstance(p, str):
+            raise bad_request(f"'{key}' must be a string, got {_type_name(p)}", key)
+        return encode_prompt(info.tokenizer, _text(p, key), raw=True) if p else []
+    except HsdError as e:
+        raise bad_request(str(e), key) from None
+
+
+def parse_detokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """``POST /detokenize``: ``tokens``, an array of token ids of the model's vocabulary (a 400 naming the field
+    otherwise; a 404 for another model)."""
+    _served_model(body, info)
+    if "tokens" not in body:
+        raise bad_request("missing required field 'tokens'", "tokens")
+    ids, vocab = body["tokens"], len(info.tokenizer)
+    if not isinstance(ids, list):
+        raise bad_request(f"'tokens' must be an array of token ids, got {_type_name(ids)}", "tokens")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise bad_request(f"'tokens[{i}]' must be a token id 0 .. {vocab - 1}, got {json.dumps(t)}",
+                              f"tokens[{i}]")
+    return ids
