@@ -625,6 +625,29 @@ def test_api_key_is_required_when_set(tiny, caplog):
     no_tracebacks(caplog)
 
 
+def test_web_pages_of_the_allowed_origins_may_call_the_server_and_their_preflight_needs_no_key(tiny):
+    preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    body = {"model": MODEL, "prompt": "w1", "max_tokens": 1, "temperature": 0}
+    for origins, allowed in (("*", True), ("http://localhost:3000,https://a.example", True),
+                             ("https://a.example", False), ("none", False)):
+        from hsd_opt.commands.serve import parse_origins
+
+        app, jobs = prepare_server(tiny[0], device="cpu", api_key="k", allowed_origins=parse_origins(origins))
+        with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+            r = httpx.options(srv.url + "/v1/completions", headers=preflight, timeout=30)
+            assert (r.status_code == 200) == allowed, (origins, r.status_code, r.text)
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30,
+                           headers={"origin": preflight["origin"], "authorization": "Bearer k"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+            assert ("access-control-allow-origin" in r.headers) == allowed
+            if not allowed:
+                continue
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers={"origin": preflight["origin"]},
+                           timeout=30)
+            assert r.status_code == 401                               # the key is still asked for
+
+
 # ------------------------------------------------------------------------------------------------ queue and load
 
 
@@ -932,6 +955,8 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
              (["--plan", plan, "--max-queue", "0"], "--max-queue"),
              (["--plan", plan, "--mode", "lazy"], "--mode"),
              (["--plan", plan, "--stream-interval", "0"], "--stream-interval"),
+             (["--plan", plan, "--log-stats", "-1"], "--log-stats"),
+             (["--plan", plan, "--allowed-origins", "localhost:3000"], "--allowed-origins"),
              (["--plan", plan, "--port", str(port)], "--port")]
     try:
         for args, needle in cases:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import typer
 
@@ -38,6 +38,23 @@ DEFAULT_LOG_STATS = 10.0
 DEFAULT_PROMPT_CACHE = 1024
 
 
+def parse_origins(text: str) -> list[str]:
+    """``--allowed-origins``: ``*`` (any), ``none`` or empty (none), or comma-separated origins, each
+    ``scheme://host[:port]`` (a one-line :class:`HsdError` naming the flag otherwise)."""
+    t = text.strip()
+    if t in ("", "none"):
+        return []
+    if t == "*":
+        return ["*"]
+    origins = [o.strip() for o in t.split(",")]
+    for o in origins:
+        scheme, sep, rest = o.partition("://")
+        if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
+            raise HsdError(f"--allowed-origins: {o!r} is not an origin (scheme://host[:port], e.g. "
+                           f"http://localhost:3000); '*' allows any, 'none' none")
+    return origins
+
+
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
                      prompt_cache: int = 0, log_stats: float = 0.0) -> None:
@@ -70,14 +87,15 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    target_precision: Optional[str] = None, max_batch: int = 8,
                    max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
                    stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE,
-                   log_stats: float = 0.0) -> tuple[Any, Any]:
+                   log_stats: float = 0.0, allowed_origins: Sequence[str] = ("*",)) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
     a request's text every ``stream_interval`` tokens (the app's lifespan starts and stops its worker); finished
     requests' decoding states are kept up to ``prompt_cache`` MiB for prompts that start with their tokens (a
     conversation's next turn; 0: none kept, none reused). ``log_stats``: seconds between two lines of what the
-    worker did (logged at INFO; 0: none).
+    worker did (logged at INFO; 0: none). ``allowed_origins``: the web origins whose scripts may call the server
+    (CORS; empty: none).
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
@@ -122,7 +140,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
         about["json_hierarchy"] = [lv.name for lv in json_runner.levels]
     if retimed is not None:
         about["retime"] = retimed
-    return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body), jobs
+    return create_app(jobs, info, api_key=api_key, about=about, max_body=max_body,
+                      allowed_origins=allowed_origins), jobs
 
 
 def _metrics(p, name: str, source: str, device) -> Any:
@@ -154,6 +173,24 @@ def _json_runner(p, loaded, models, mode: str, source: str, say):
                         models=models)
 
 
+def _serve(app, jobs, sock, what: str) -> None:
+    """Run ``app`` on ``sock`` until Ctrl-C, saying when it is ready (its URL and ``what``) and when it stopped."""
+    from hsd_opt.engine.kernels import release_thread_pool
+    from hsd_opt.server.serving import log_config, make_server
+
+    h, p = sock.getsockname()[:2]
+    url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
+    name = app.state.service.info.name
+    server = make_server(app, on_ready=lambda: err_console.print(f"ready: {name} at {url}/v1 ({what}); Ctrl-C stops"),
+                         on_stop=jobs.cancel_all, logging_config=log_config())
+    release_thread_pool()    # the decoding thread's OpenMP pool the only one (kernels.release_thread_pool)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+        pass
+    err_console.print("stopped")
+
+
 @cli_command
 def serve_cmd(
     plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON from `hsd solve`."),
@@ -182,6 +219,10 @@ def serve_cmd(
                                     help="Seconds between two log lines of what the server did (tokens generated "
                                          "and their rate, requests running and waiting, the completed requests' "
                                          "tokens per target pass, prompt cache and acceptance rates). 0: none."),
+    allowed_origins: str = typer.Option("*", "--allowed-origins",
+                                        help="Web pages whose scripts may call the server (CORS): '*' any (as "
+                                             "vLLM and llama-server), comma-separated origins "
+                                             "(http://localhost:3000), or 'none'."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -203,34 +244,21 @@ def serve_cmd(
     from hsd_opt.packages import need
 
     need("starlette", "uvicorn", what="hsd serve")
-    from hsd_opt.engine.kernels import release_thread_pool
     from hsd_opt.runtime.decode import check_mode
-    from hsd_opt.server.serving import bind_socket, log_config, make_server
+    from hsd_opt.server.serving import bind_socket
 
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
                      prompt_cache, log_stats)
     check_mode(mode)
+    origins = parse_origins(allowed_origins)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
                                      max_batch=max_batch, max_body=max_body, retime=retime,
                                      stream_interval=stream_interval, prompt_cache=prompt_cache,
-                                     log_stats=log_stats)
-        h, p = sock.getsockname()[:2]
-        url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
-        svc = app.state.service
-
-        def ready():
-            err_console.print(f"ready: {svc.info.name} at {url}/v1 (max batch {max_batch}, max queue {max_queue}"
-                              f"{', API key required' if api_key else ''}); Ctrl-C stops")
-
-        server = make_server(app, on_ready=ready, on_stop=jobs.cancel_all, logging_config=log_config())
-        release_thread_pool()    # the decoding thread's OpenMP pool the only one (kernels.release_thread_pool)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
-            pass
-        err_console.print("stopped")
+                                     log_stats=log_stats, allowed_origins=origins)
+        _serve(app, jobs, sock, f"max batch {max_batch}, max queue {max_queue}"
+                                f"{', API key required' if api_key else ''}")
     finally:
         sock.close()

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -254,10 +255,28 @@ class Service:
                 return
 
 
+async def _http_error(request: Request, exc: HTTPException):
+    """Starlette's own 404 and 405 (and any other HTTP error) as OpenAI-style error bodies."""
+    if exc.status_code == 404:
+        msg = f"no route {request.method} {request.url.path}; see /v1/chat/completions, /v1/completions, " \
+              f"/v1/models, /tokenize, /detokenize, /health, /metrics"
+        return _error(ApiError(404, msg, "invalid_request_error", None, "not_found"))
+    if exc.status_code == 405:
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        resp = _error(ApiError(405, msg, "invalid_request_error", None, "method_not_allowed"))
+        if exc.headers:
+            resp.headers.update(exc.headers)
+        return resp
+    return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+
 def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
-               about: dict[str, Any] | None = None, max_body: int = 4 * 1024 * 1024) -> Starlette:
+               about: dict[str, Any] | None = None, max_body: int = 4 * 1024 * 1024,
+               allowed_origins: Sequence[str] = ("*",)) -> Starlette:
     """The Starlette app serving ``jobs`` as the model ``info.name``. Its lifespan starts the queue's worker
-    and stops it (cancelling what is queued or running). ``about``: extra fields for ``GET /health`` (the plan,
+    and stops it (cancelling what is queued or running). ``allowed_origins``: the web pages' origins whose scripts
+    may call it (CORS; ``"*"``: any, as vLLM's and llama.cpp's servers by default; empty: none); a browser's
+    preflight is answered before the API key is asked for. ``about``: extra fields for ``GET /health`` (the plan,
     its hierarchy). ``max_body``: bytes of a request body at most (413 beyond)."""
     svc = Service(jobs, info, about, max_body)
 
@@ -297,19 +316,6 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
     async def metrics(request: Request):
         return PlainTextResponse(jobs.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 404:
-            msg = f"no route {request.method} {request.url.path}; see /v1/chat/completions, /v1/completions, " \
-                  f"/v1/models, /tokenize, /detokenize, /health, /metrics"
-            return _error(ApiError(404, msg, "invalid_request_error", None, "not_found"))
-        if exc.status_code == 405:
-            msg = f"{request.method} is not allowed on {request.url.path}"
-            resp = _error(ApiError(405, msg, "invalid_request_error", None, "method_not_allowed"))
-            if exc.headers:
-                resp.headers.update(exc.headers)
-            return resp
-        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         jobs.start()
@@ -328,8 +334,11 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     app.state.service = svc
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:                 # added last: outermost, so a preflight never meets the API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
