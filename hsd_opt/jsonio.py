@@ -33,14 +33,25 @@ def read_text(path: str | os.PathLike, expected: str = "a JSON file") -> str:
         raise InputFileError(str(path), "not UTF-8 text") from None
 
 
+def json_problem(e: Exception) -> str:
+    """What :func:`json.loads` refused, in words: malformed JSON (where), a number of more digits than Python reads
+    (``sys.get_int_max_str_digits``), or nesting too deep to read."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
+    if isinstance(e, RecursionError):
+        return "JSON whose arrays or objects nest too deeply to read"
+    return f"JSON with a number too long to read ({str(e).split(';')[0]})"
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; a missing file or malformed JSON raises :class:`InputFileError` naming the file."""
+    """Parse a JSON file; a missing file or JSON that cannot be read raises :class:`InputFileError` naming the
+    file."""
     p = Path(path)
     text = read_text(p)
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputFileError(str(p), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise InputFileError(str(p), json_problem(e)) from None
 
 
 def _umask() -> int:

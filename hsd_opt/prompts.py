@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.jsonio import read_bytes
+from hsd_opt.jsonio import json_problem, read_bytes
 
 DEFAULT_SUITE = "prompts.jsonl"
 #: The JSON-schema tasks shipped in the package (``hsd_opt/data/json_tasks.jsonl``): prompts with the schema of a
@@ -199,6 +199,8 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         except json.JSONDecodeError as e:
             raise InputFileError(str(p), f"malformed JSON ({e.msg} at column {e.colno}); {_EXPECTED}",
                                  where) from None
+        except (ValueError, RecursionError) as e:
+            raise InputFileError(str(p), f"{json_problem(e)}; {_EXPECTED}", where) from None
         items.append(_item(obj, len(items), str(p), where))
     if not items:
         raise InputFileError(str(p), f"empty prompt file: no prompts ({_EXPECTED})")

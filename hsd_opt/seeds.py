@@ -17,3 +17,10 @@ SEED_RANGE = (-2**63, 2**64 - 1)
 def seed_fits(seed: int) -> bool:
     """Whether a generator takes ``seed`` (:data:`SEED_RANGE`)."""
     return SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+
+
+def offset_seed(seed: int, k: int) -> int:
+    """``seed + k`` (stream ``k`` of a run seeded ``seed``, e.g. a conversation's turn), taken modulo ``2**64`` where
+    it leaves :data:`SEED_RANGE`: every ``k`` gets a seed a generator takes."""
+    s = seed + k
+    return s if seed_fits(s) else s % 2**64

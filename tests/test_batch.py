@@ -651,3 +651,37 @@ def test_clear_removes_every_sequence_and_closes_its_decoding(tiny):
     again = batch.add([5, 6, 7, 8], 3)
     batch.run()
     assert again.decoding.result().token_ids and len(again.decoding.result().token_ids) == 3
+
+
+def test_a_switched_sequence_reports_its_last_hierarchys_levels_bottom_first_and_each_verifiers_acceptance(tiny):
+    """A sequence that starts on the target alone and takes a deeper hierarchy after some tokens (following the
+    load) lists its counters with the last hierarchy's levels bottom first, then the levels it ran only before; the
+    server's ``acceptance`` names the levels that checked drafts, never the bottom drafter."""
+    from hsd_opt.server.responses import acceptance
+
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    d = ar.start(_prompts(1, seed=5)[0], 24, temperature=0.0)
+    seen = []
+
+    def on_pass(p):
+        seen.append(p)
+        if len(seen) == 4:
+            d.switch(h1)
+
+    res = d.run(on_pass=on_pass)
+    names = [lv["name"] for lv in res.stats["levels"]]
+    assert res.stats["hierarchy"] == ["cycle", "q4", "layer4"] and names == ["cycle", "q4", "layer4"]
+    acc = acceptance(res.stats["hierarchy"], res.stats["levels"])
+    assert set(acc) == {"q4", "layer4"} and acc["layer4"] is not None
+    d = h2.start(_prompts(1, seed=6)[0], 24, temperature=0.0)
+    seen.clear()
+
+    def to_ar(p):
+        seen.append(p)
+        if len(seen) == 6:
+            d.switch(ar)
+
+    res = d.run(on_pass=to_ar)
+    assert [lv["name"] for lv in res.stats["levels"]] == ["layer4", "layer2"]
+    assert set(acceptance(res.stats["hierarchy"], res.stats["levels"])) == {"layer4"}

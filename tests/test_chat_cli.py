@@ -12,6 +12,7 @@ from hsd_opt.formats import load_plan
 from hsd_opt.models.loading import load_model
 from hsd_opt.prompts import chat_ids
 from hsd_opt.runtime.runner import hsd_for_plan
+from hsd_opt.seeds import SEED_RANGE, offset_seed
 from tests.helpers import TINY_CHAT_TEMPLATE, save_tiny, write_plan
 
 
@@ -39,7 +40,7 @@ def _want(plan, model_dir, convos: list[list[str]], n: int, system: str | None =
         msgs = [{"role": "system", "content": system}] if system else []
         for text in lines:
             msgs.append({"role": "user", "content": text})
-            ids = runner.generate(chat_ids(tok, msgs), n, seed=seed + turn, **kw).token_ids
+            ids = runner.generate(chat_ids(tok, msgs), n, seed=offset_seed(seed, turn), **kw).token_ids
             answer = tok.decode(ids, skip_special_tokens=True)
             msgs.append({"role": "assistant", "content": answer})
             out.append(answer + "\n")
@@ -47,13 +48,14 @@ def _want(plan, model_dir, convos: list[list[str]], n: int, system: str | None =
     return "".join(out)
 
 
-@pytest.mark.parametrize("sampling", [(), ("--temperature", "0.9", "--seed", "5")])
+@pytest.mark.parametrize("sampling", [(), ("--temperature", "0.9", "--seed", "5"),
+                                      ("--temperature", "0.9", "--seed", str(SEED_RANGE[1]))])
 def test_each_answer_is_the_plans_answer_to_the_whole_conversation(tiny, sampling):
     plan, model_dir = tiny
     res = _chat(plan, ["w1 w2 w3", "w4 w5", "", "/reset", "w6 w7 w8 w9"], "--max-new-tokens", 9,
                 "--system", "w30 w31", *sampling)
     assert res.exit_code == 0, res.output
-    kw = {"temperature": 0.9, "seed": 5} if sampling else {}
+    kw = {"temperature": 0.9, "seed": int(sampling[-1])} if sampling else {}   # the last seed's turns wrap
     assert res.stdout == _want(plan, model_dir, [["w1 w2 w3", "w4 w5"], ["w6 w7 w8 w9"]], 9, "w30 w31", **kw)
     computed = [int(line.split(" tokens, ")[-1].split(" computed")[0]) for line in res.stderr.splitlines()
                 if line.endswith("computed]")]

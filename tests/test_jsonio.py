@@ -1,6 +1,7 @@
 """Files written atomically, with errors that name the path: a path that cannot be written is refused before any
 work (``check_writable``) or, found while writing, an :class:`OutputFileError` (an ``HsdError`` and an ``OSError``)
-that leaves nothing behind; a new file gets the permissions ``open`` would give it."""
+that leaves nothing behind; a new file gets the permissions ``open`` would give it. JSON read that Python's reader
+refuses (malformed, a number too long, nesting too deep): an error naming the file and the line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import stat
 
 import pytest
 
-from hsd_opt.errors import HsdError, OutputFileError
+from hsd_opt.errors import HsdError, InputFileError, OutputFileError
 from hsd_opt.jsonio import FILE_MODE, atomic_write, check_writable, read_json, write_json
+from hsd_opt.prompts import load_prompts
 from tests.helpers import cli_output, run_cli
 
 
@@ -66,3 +68,29 @@ def test_solve_refuses_an_output_it_cannot_write_before_solving(tmp_path):
         out = cli_output(r)
         assert r.exit_code == 2 and f"--out {path}" in out and why in out and "Traceback" not in out, out
         assert "hierarchy" not in out     # refused before the plan was solved and printed
+
+
+# JSON a user hands in that Python's reader refuses for other reasons than its syntax (a number of more digits than
+# it converts, nesting deeper than it recurses): an error naming the file and the line, never a traceback.
+HUGE = "7" * 5000
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("text,needle", [('{"a": ' + HUGE + "}", "a number too long to read"),
+                                         ('{"a": ' + DEEP + "}", "nest too deeply"),
+                                         ('{"a": ', "malformed JSON at line 1 column 7")])
+def test_a_json_file_python_cannot_read_is_an_error_naming_it(tmp_path, text, needle):
+    p = tmp_path / "x.json"
+    p.write_text(text)
+    with pytest.raises(InputFileError, match="x.json") as e:
+        read_json(p)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ['{"prompt": "hi", "n": ' + HUGE + "}", '{"prompt": ' + DEEP + "}"])
+def test_a_prompt_file_line_python_cannot_read_is_an_error_naming_the_line(tmp_path, bad):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "fine"}\n' + bad + "\n")
+    with pytest.raises(InputFileError, match="p.jsonl") as e:
+        load_prompts(p)
+    assert "line 2" in str(e.value)

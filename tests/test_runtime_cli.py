@@ -182,6 +182,8 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--frequency-penalty", "3"], "--frequency-penalty: frequency_penalty must be a number in"),
     (["--prompt", "hi", "--presence-penalty", "-2.5"], "--presence-penalty: presence_penalty must be a number in"),
     (["--prompt", "hi", "--logit-bias", "{x"], "--logit-bias: not JSON"),
+    (["--prompt", "hi", "--logit-bias", '{"3": ' + "1" * 5000 + "}"], "--logit-bias: not JSON that can be read (JSON "
+                                                                    "with a number too long"),
     (["--prompt", "hi", "--logit-bias", "[1]"], "--logit-bias: a JSON object from token ids to numbers expected"),
     (["--prompt", "hi", "--logit-bias", '{"a": 1}'], '--logit-bias: "a" is not a token id'),
     (["--prompt", "hi", "--logit-bias", '{"3": 1000}'], "--logit-bias: logit_bias[3] must be a number in"),

@@ -405,3 +405,18 @@ def test_generation_args_refuse_what_a_generator_cannot_take(args, flag):
         check_generation_args(*args)
     check_generation_args(4, 1.0, 1.0, 2**64 - 1)
     check_generation_args(4, 1.0, 1.0, -2**63)
+
+
+def test_a_temperature_past_the_noises_range_draws_from_the_distribution_near_uniform(peaky):
+    """Up to ``MAX_NOISE_TEMPERATURE`` a draw is by noise; hotter, the offsets ``T g`` would overflow float32 (the
+    first row with an infinite offset would win), so the draw goes through the distribution: at 1e35 and 1e308 the
+    tokens spread over the vocabulary as at 1e30."""
+    from hsd_opt.runtime.sampling import MAX_NOISE_TEMPERATURE
+
+    model, lm = peaky
+    alone = HSD([Level("layer4", lm, 4)], [])
+    assert all(_target_passes(alone, MAX_NOISE_TEMPERATURE))
+    for temperature in (MAX_NOISE_TEMPERATURE, 1e35, 1e308):
+        toks = alone.generate([3, 4, 5], 120, temperature=temperature, seed=1).token_ids
+        assert len(toks) == 120 and len(set(toks)) > V // 2 and max(toks) > V // 2, (temperature, sorted(set(toks)))
+    assert not any(_target_passes(alone, 1e35))

@@ -519,6 +519,7 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
      "messages[0].content[0].text", None),
     (COMP, b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
+    (COMP, b'{"prompt": "w1", "max_tokens": ' + b"1" * 5001 + b"}", 400, None, None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 17}, 400, "n", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 0}, 400, "n", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 2, "seed": 2 ** 64 - 1}, 400, "seed", None),

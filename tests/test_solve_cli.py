@@ -71,6 +71,13 @@ def test_malformed_json(tmp_path):
     _expect_error(run("solve", "--profile", p, "--tmax", 5), str(p), "malformed JSON")
 
 
+def test_json_python_cannot_read_names_the_file(tmp_path):
+    p = write(tmp_path, '{"format": "hsd-profile/1", "tmax": ' + "9" * 5000 + "}")
+    _expect_error(run("solve", "--profile", p, "--tmax", 5), str(p), "a number too long to read")
+    p = write(tmp_path, '{"format": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _expect_error(run("solve", "--profile", p, "--tmax", 5), str(p), "nest too deeply")
+
+
 def test_missing_file(tmp_path):
     _expect_error(run("solve", "--profile", tmp_path / "nope.json"), "nope.json", "not found")
 

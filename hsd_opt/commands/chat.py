@@ -21,6 +21,7 @@ from hsd_opt.commands.common import (
     warn_sampling,
 )
 from hsd_opt.console import err_console
+from hsd_opt.seeds import offset_seed
 
 #: A line that forgets the conversation (the system message stays).
 RESET = "/reset"
@@ -74,7 +75,7 @@ def chat_cmd(
         if not text.strip():
             continue
         answer = _answer(runner, loaded.tokenizer, messages + [{"role": "user", "content": text}], max_new_tokens,
-                         temperature, top_p, top_k, min_p, seed + turn, stats)
+                         temperature, top_p, top_k, min_p, offset_seed(seed, turn), stats)
         if answer is not None:
             messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
             turn += 1

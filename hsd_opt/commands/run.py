@@ -27,6 +27,7 @@ from hsd_opt.commands.common import (
     warn_sampling,
 )
 from hsd_opt.console import console
+from hsd_opt.jsonio import json_problem
 from hsd_opt.prompts import JSON_TASK
 
 
@@ -238,8 +239,9 @@ def parse_penalties(frequency: float, presence: float, logit_bias: str | None, r
     if logit_bias is not None:
         try:
             raw = json.loads(logit_bias)
-        except json.JSONDecodeError as e:
-            raise HsdError(f"--logit-bias: not JSON ({e.msg}); give an object such as '{{\"28\": -100}}'") from None
+        except (ValueError, RecursionError) as e:
+            raise HsdError(f"--logit-bias: not JSON that can be read ({json_problem(e)}); give an object such as "
+                           f"'{{\"28\": -100}}'") from None
         bias = bias_from_json(raw, "--logit-bias")
     if last_n < 0:
         raise HsdError(f"--repeat-last-n: a number of tokens >= 0 expected (0: the whole context), got {last_n}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import json_problem
 from hsd_opt.packages import need
 
 #: Grammar kinds a :class:`GrammarSpec` may name.
@@ -51,8 +52,8 @@ class GrammarSpec:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise HsdError(f"{source}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+            except (ValueError, RecursionError) as e:
+                raise HsdError(f"{source}: not JSON that can be read: {json_problem(e)}") from None
         if not isinstance(schema, dict):
             raise HsdError(f"{source}: a JSON schema must be an object, got {type(schema).__name__}")
         return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")), source)

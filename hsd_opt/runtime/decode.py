@@ -228,10 +228,16 @@ class LevelStats:
 
 
 def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]]) -> list[LevelStats]:
-    """Add one generation's per-level counters (``stats["levels"]``, bottom first) into ``total`` (a new list
-    when None) and return it: how ``hsd run`` and ``hsd bench`` report several prompts at once."""
-    total = total if total is not None else [LevelStats(lv["name"]) for lv in levels]
-    for a, b in zip(total, levels):
+    """Add one generation's per-level counters (``stats["levels"]``) into ``total`` (a new list when None), level
+    by name (a level new to ``total`` after the others), and return it: how ``hsd run`` and ``hsd bench`` report
+    several prompts at once."""
+    total = total if total is not None else []
+    mine = {a.name: a for a in total}
+    for b in levels:
+        a = mine.get(b["name"])
+        if a is None:
+            a = mine[b["name"]] = LevelStats(b["name"])
+            total.append(a)
         for k in ("calls", "drafted", "accepted", "rejections", "abstained"):
             setattr(a, k, getattr(a, k) + b.get(k, 0))
     return total
@@ -1213,11 +1219,17 @@ class Decoding:
             "seconds_per_token": (t2 - t1) / n if n else None,
             "target_calls": target_calls, "tokens_per_target_call": n / target_calls if target_calls else None,
             "hierarchy": [lv.name for lv in hsd.levels], "budgets": list(hsd.budgets[: depth - 1]),
-            "mode": hsd.mode, "levels": [s.to_dict() for s in self.stats.values()],
+            "mode": hsd.mode, "levels": [self.stats[name].to_dict() for name in self._level_order()],
             "stopped": ("eos" if out and out[-1] in hsd.eos else "callback" if self._asked_stop
                         else "max_new_tokens"),
         }
         return GenerationResult(out, stats, list(self.logprobs) if self.n_logprobs is not None else None)
+
+    def _level_order(self) -> list[str]:
+        """The names of the levels counted: the last hierarchy's, bottom first, then those of hierarchies it ran
+        before (a sequence that follows the load), in the order it took them on."""
+        names = [lv.name for lv in self.hsd.levels]
+        return names + [n for n in self.stats if n not in names]
 
     def close(self) -> None:
         """Give the decoding states back to the hierarchies' pools."""

@@ -75,10 +75,16 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return p
 
 
+#: The highest temperature drawn by noise: the offsets ``T g`` (``g`` up to about 16.6) stay finite in float32 (which
+#: ends at 3.4e38). Hotter draws go through the distribution (uniform over the vocabulary to float32's precision).
+MAX_NOISE_TEMPERATURE = 1e30
+
+
 def unfiltered(temperature: float, top_p: float, top_k: int, min_p: float) -> bool:
-    """Sampling (``temperature`` > 0) without top-p, top-k or min-p: the whole ``softmax(logits / T)``, which a
-    draw by noise (:func:`gumbel_offsets` added to the logits, the largest taken) reproduces without computing it."""
-    return temperature > 0 and top_p >= 1.0 and top_k == 0 and min_p == 0.0
+    """Sampling (``temperature`` > 0, at most :data:`MAX_NOISE_TEMPERATURE`) without top-p, top-k or min-p: the
+    whole ``softmax(logits / T)``, which a draw by noise (:func:`gumbel_offsets` added to the logits, the largest
+    taken) reproduces without computing it."""
+    return 0 < temperature <= MAX_NOISE_TEMPERATURE and top_p >= 1.0 and top_k == 0 and min_p == 0.0
 
 
 def filter_window(temperature: float, top_p: float, top_k: int, min_p: float, vocab: int) -> Window | None:

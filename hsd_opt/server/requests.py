@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
+from hsd_opt.jsonio import json_problem
 from hsd_opt.prompts import chat_ids, encode_prompt
 from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS
 from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
@@ -129,6 +130,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
             from None
     except RecursionError:
         raise bad_request("the request body nests arrays or objects too deeply to read") from None
+    except ValueError as e:        # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise bad_request(f"the request body cannot be read: {json_problem(e)}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
     return body

@@ -64,10 +64,19 @@ def usage(outcomes: Sequence[Outcome]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def acceptance(hierarchy: list[str], levels: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each verifying level's acceptance rate by name: the levels above the bottom of ``hierarchy`` (the last one a
+    decoding ran), and any other level that checked drafts (in a hierarchy it ran before, following the load)."""
+    above = set(hierarchy[1:])
+    return {lv["name"]: lv.get("acceptance_rate") for lv in levels
+            if lv["name"] in above or lv.get("acceptance_rate") is not None}
+
+
 def hsd_figures(o: Outcome) -> dict[str, Any]:
     """The HSD figures of one generation: ``hierarchy`` (bottom first) and ``budgets``, ``mode``,
     ``target_calls``, ``tokens_per_target_call``, ``acceptance`` (each verifying level's acceptance rate, by
-    name), ``levels`` (per-level counters), ``generated_tokens`` (every token committed, past a stop string
+    name: :func:`acceptance`), ``levels`` (per-level counters: the last hierarchy's bottom first, then levels of
+    hierarchies it ran before), ``generated_tokens`` (every token committed, past a stop string
     too), ``token_ids`` (the returned ids), ``prefill_tokens`` (the prompt's positions its target computed), and
     times in seconds: ``queue_seconds`` (before its prompt's computation began), ``first_token_seconds`` (from its
     arrival), ``prefill_seconds``, ``decode_seconds``, ``seconds`` (prefill + decode) and ``tokens_per_s``."""
@@ -76,7 +85,7 @@ def hsd_figures(o: Outcome) -> dict[str, Any]:
     return {
         "hierarchy": s.get("hierarchy"), "budgets": s.get("budgets"), "mode": s.get("mode"),
         "target_calls": s.get("target_calls"), "tokens_per_target_call": s.get("tokens_per_target_call"),
-        "acceptance": {lv["name"]: lv.get("acceptance_rate") for lv in levels[1:]},
+        "acceptance": acceptance(s.get("hierarchy") or [], levels),
         "levels": levels, "generated_tokens": s.get("tokens"), "token_ids": list(o.token_ids),
         "prefill_tokens": s.get("prefill_tokens"),
         "queue_seconds": o.queue_seconds, "first_token_seconds": o.first_token_seconds,
