@@ -113,8 +113,9 @@ class Metrics:
             add(_series("hsd_info", "gauge", "The served model and plan, the kernels that run (value 1).",
                         [(self.info, 1)]))
             add(_series("hsd_requests_total", "counter",
-                        "Requests by outcome: completed, cancelled (client gone, server stopping), failed, refused "
-                        "(queue full).", [({"outcome": k}, v) for k, v in self.requests.items()]))
+                        "Decodings by outcome (a request's n choices count n): completed, cancelled (client gone, "
+                        "server stopping), failed; and requests refused (queue full).",
+                        [({"outcome": k}, v) for k, v in self.requests.items()]))
             add(_series("hsd_prompt_tokens_total", "counter", "Prompt tokens of the decodings that ran.",
                         [({}, self.prompt_tokens)]))
             add(_series("hsd_prompt_tokens_cached_total", "counter",
