@@ -29,6 +29,9 @@ model needs the memory of three); llama.cpp's server is started per level with `
 - ``hsd_batch1``: the same plan with ``--max-batch 1``: one request at a time (as before batching).
 - ``hsd_plain``: the plan's target alone (a copy of the plan with its hierarchy ``[target]`` and no ``by_load``),
   ``--max-batch MAX``: batched decoding without speculation.
+- ``hsd_base``: ``hsd`` run by another checkout's code (``--baseline DIR``, e.g. a ``git worktree`` of an earlier
+  commit; its ``python -m hsd_opt`` imports that directory's package): the code before a change, interleaved with
+  it.
 - ``llama``: ``llama-server -m F32 --parallel c -t THREADS -c CTX`` (continuous batching, no speculation).
 - ``llama_spec``: the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max N --spec-draft-p-min P``.
 
@@ -68,7 +71,7 @@ from hsd_opt.engine.variants import host
 
 REPO = Path(__file__).resolve().parents[1]
 
-HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
+HSD_METHODS = ("hsd", "hsd_batch1", "hsd_plain", "hsd_base")
 LLAMA_METHODS = ("llama", "llama_spec")
 
 
@@ -159,7 +162,8 @@ def in_process(plan_path: str, prompts: list[str]) -> dict:
     levels = hsd_by_load(plan, loaded, models, source=plan_path, plan_runner=h) or h
     target = hsd_for_plan(plan, loaded, source=plan_path, hierarchy=[plan.hierarchy[-1]], budgets=[], models=models)
     return {"plan": h, "ids": [encode_prompt(loaded.tokenizer, p) for p in prompts],
-            "runs": {"hsd": (levels, None), "hsd_batch1": (levels, 1), "hsd_plain": (target, None)},
+            "runs": {"hsd": (levels, None), "hsd_batch1": (levels, 1), "hsd_plain": (target, None),
+                 "hsd_base": (levels, None)},
             "head": target.levels[-1].engine.prompt_head}
 
 
@@ -252,6 +256,8 @@ def main() -> None:
                     help="the plan's profile: predict every hsd* level whole, re-timed in this process around it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stream-interval", type=int, default=1, help="hsd serve --stream-interval of every hsd* server")
+    ap.add_argument("--baseline", help="another checkout of hsd-opt (a git worktree of an earlier commit): method "
+                                       "hsd_base serves the plan with its code")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf-f32", default=None)
     ap.add_argument("--gguf-draft", default=None)
@@ -273,6 +279,8 @@ def main() -> None:
     bad = [m for m in methods if m not in HSD_METHODS + LLAMA_METHODS]
     if bad:
         sys.exit(f"--methods: unknown {bad}; known: {', '.join(HSD_METHODS + LLAMA_METHODS)}")
+    if ("hsd_base" in methods) != bool(a.baseline):
+        sys.exit("--methods hsd_base and --baseline DIR go together")
     if any(m in LLAMA_METHODS for m in methods) and not (a.llama_server and a.gguf_f32):
         sys.exit("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
     prompts = load_prompts(a.prompts).texts
@@ -296,7 +304,8 @@ def main() -> None:
     env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}
     servers = {}
     hsd_args = {"hsd": (a.plan, a.max_batch, ["--retime", a.retime] if a.retime else []), "hsd_batch1": (a.plan, 1, []),
-                "hsd_plain": (str(plain_plan(a.plan, tmp / "plain.json")), a.max_batch, [])}
+                "hsd_plain": (str(plain_plan(a.plan, tmp / "plain.json")), a.max_batch, []),
+                "hsd_base": (str(Path(a.plan).resolve()), a.max_batch, [])}
     try:
         for m in methods:
             if m in HSD_METHODS:
@@ -304,7 +313,8 @@ def main() -> None:
                 servers[m] = start([sys.executable, "-m", "hsd_opt", "serve", "--plan", plan, "--host", "127.0.0.1",
                                     "--port", "0", "--max-batch", str(mb), "--max-queue", "64", "--device", "cpu",
                                     "--stream-interval", str(a.stream_interval), *extra],
-                                   r"ready: .* at (http://\S+/v1)", a.timeout, env)
+                                   r"ready: .* at (http://\S+/v1)", a.timeout, env,
+                                   cwd=a.baseline if m == "hsd_base" else None)
         report = {"started": started, "model": "smollm2-135m", "plan": a.plan, "retime": a.retime,
                   "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
                   "top_k": a.top_k, "min_p": a.min_p,

@@ -41,12 +41,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None):
-    """``(process, url, log lines)`` of a server started with ``cmd`` once a line of its output (stdout and stderr)
-    matches ``ready``, a regex whose group 1 is the base URL (without a group: the URL is ``""``, the caller knows
-    it). The output is drained into the list by a thread to the end (a full pipe would block the server)."""
+def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None, cwd: str | None = None):
+    """``(process, url, log lines)`` of a server started with ``cmd`` (in ``cwd``: None, this directory) once a line
+    of its output (stdout and stderr) matches ``ready``, a regex whose group 1 is the base URL (without a group: the
+    URL is ``""``, the caller knows it). The output is drained into the list by a thread to the end (a full pipe
+    would block the server)."""
     proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, cwd=cwd)
     lines: list[str] = []
     got: list[str] = []
     ok = threading.Event()
