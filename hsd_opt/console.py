@@ -14,6 +14,7 @@ import time
 from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 #: Columns of a console that is not a terminal (a log file, a pipe, CI). rich assumes 80 there and cuts table
 #: cells to "…"; a log has no width to respect, so the tables get room for every column. ``COLUMNS`` wins.
@@ -21,7 +22,9 @@ LOG_WIDTH = 160
 
 
 def _console(**kwargs) -> Console:
-    c = Console(highlight=False, **kwargs)
+    """A console that prints strings as they are (no rich markup: a path or a value with ``[...]`` in it is text);
+    a caller that styles passes ``markup=True`` or rich's ``Text``."""
+    c = Console(highlight=False, markup=False, **kwargs)
     if not c.is_terminal and not os.environ.get("COLUMNS"):
         c.width = LOG_WIDTH
     return c
@@ -33,7 +36,7 @@ err_console = _console(stderr=True, soft_wrap=True)
 
 def warn(message: str) -> None:
     """Print ``warning: message`` on stderr."""
-    err_console.print(f"[yellow]warning:[/] {message}", markup=True)
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", markup=True)
 
 
 def warn_some(messages: list[str], limit: int = 5) -> None:
@@ -46,7 +49,7 @@ def warn_some(messages: list[str], limit: int = 5) -> None:
 
 def error(message: str) -> None:
     """Print ``error: message`` on stderr (the one line a usage error gets)."""
-    err_console.print(f"[bold red]error:[/] {message}", markup=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True)
 
 
 def progress_bar(enabled: bool = True, transient: bool = False, fields: str = "", percent: bool = False,
@@ -68,9 +71,10 @@ def progress_bar(enabled: bool = True, transient: bool = False, fields: str = ""
         TimeRemainingColumn,
     )
 
-    cols = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn() if percent else MofNCompleteColumn()]
-    cols += [TextColumn(fields)] if fields else []
-    cols += [TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    cols = [TextColumn("{task.description}", markup=False), BarColumn(),
+            TaskProgressColumn() if percent else MofNCompleteColumn()]
+    cols += [TextColumn(fields, markup=False)] if fields else []
+    cols += [TimeElapsedColumn(), TextColumn("ETA", markup=False), TimeRemainingColumn()]
     # the speed behind the ETA over the last hour, not rich's default 30 s: long tasks advance once a minute
     return progress_class()(*cols, console=err_console, transient=transient, disable=not enabled, every=every,
                              percent=percent, speed_estimate_period=3600.0)

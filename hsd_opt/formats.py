@@ -830,6 +830,21 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
         if v is not None and not isinstance(v, dict):
             raise InputFileError(source, "expected an object", k)
         records[k] = v or {}
+    for task, rows in records["acceptance_by_task"].items():
+        at = f"acceptance_by_task.{task}"
+        if not isinstance(rows, dict) or not all(isinstance(r, dict) for r in rows.values()):
+            raise InputFileError(source, "expected an object {drafter: {verifier: rate}}", at)
+        for d, row in rows.items():
+            for v, a in row.items():
+                if not _is_number(a) or not 0.0 <= a <= 1.0:
+                    raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f"{at}.{d}.{v}")
+    for task, row in records["draft_rate_by_task"].items():
+        at = f"draft_rate_by_task.{task}"
+        if not isinstance(row, dict):
+            raise InputFileError(source, "expected an object {drafter: rate}", at)
+        for d, r in row.items():
+            if not _is_number(r) or not 0.0 <= r <= 1.0:
+                raise InputFileError(source, f"expected a draft rate in [0, 1], got {r!r}", f"{at}.{d}")
     k = "draft_rate_by_budget_by_task"
     for task, row in records[k].items():
         if not isinstance(row, dict):
@@ -1149,6 +1164,11 @@ def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Prov
     return _provenance(raw, source)
 
 
+#: A profile's counts per task in its provenance (prompts, their tokens, the positions measured): the contexts and
+#: rates of a task's plan are read from them.
+TASK_COUNTS = ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task")
+
+
 def _provenance(raw: Any, source: str) -> Provenance:
     """A plan's ``provenance`` (absent or null: empty): the typed fields strings (``temperature`` a number >= 0,
     ``top_p`` one in (0, 1], ``top_k`` an integer >= 0, ``min_p`` one in [0, 1], ``costs_only`` true or false) or
@@ -1167,6 +1187,11 @@ def _provenance(raw: Any, source: str) -> Provenance:
                       "an integer >= 0", source, at)
     min_p = _optional(raw, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a share in [0, 1]", source, at)
     costs_only = _optional(raw, "costs_only", lambda v: isinstance(v, bool), "true or false", source, at)
+    for k in TASK_COUNTS:
+        counts = _optional(raw, k, lambda v: isinstance(v, dict), "an object {task: count}", source, at)
+        for task, v in (counts or {}).items():
+            if not _is_number(v) or v < 0:
+                raise InputFileError(source, f"expected a count >= 0, got {v!r}", f"{at}{k}.{task}")
     extra = {k: v for k, v in raw.items() if k not in PROVENANCE_FIELDS}
     return Provenance(**text, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, costs_only=costs_only,
                       extra=extra, key_order=tuple(raw))

@@ -246,6 +246,8 @@ def test_profile_run_an_int4_target_and_refuse_another_precision(family, tmp_pat
     (["--draft-layers", "1"], "--draft-model"),
     (["--draft-model", "./no-such-model", "--draft-layers", "nope"], "--draft-layers: expected 'all', 'none'"),
     (["--layers", "4,x"], "--layers: expected 'all', 'none'"),
+    (["--layers", ""], "--layers: empty"),
+    (["--layers", ",,"], "--layers: empty"),
     (["--quantized", "./no-such-model:int4"], "--quantized"),
     (["--cost-budget", "soon"], "--cost-budget"),
     (["--cost-budget", "-3"], "--cost-budget")])

@@ -173,3 +173,19 @@ def test_a_batch_runs_a_sequence_of_a_task_with_its_hierarchy_and_the_others_wit
     assert e1.decoding.hsd is plain and e2.decoding.hsd is json_h      # load switches stay within the task's plans
     assert got["plain"].token_ids == plain.generate([5, 9, 13], 30).token_ids
     assert got["json"].token_ids == _masked_reference(engine, [5, 9, 13], 30, grammar)
+
+
+def test_asking_more_json_tasks_than_are_shipped_warns_and_takes_them_all():
+    from hsd_opt.profiler.run import ProfileConfig, _threads_and_prompts
+    from hsd_opt.prompts import json_tasks_path
+
+    shipped = len(load_prompts(json_tasks_path()).items)
+    said: list[str] = []
+    _, suite, items = _threads_and_prompts(ProfileConfig(model="m", out="o.json", json_tasks=shipped + 5, threads=1),
+                                           said.append)
+    assert sum(it.task == JSON_TASK for it in items) == shipped
+    assert said == [f"--json-tasks {shipped + 5}: the package ships {shipped} JSON-schema tasks; profiling all "
+                    f"{shipped}"]
+    said.clear()
+    _threads_and_prompts(ProfileConfig(model="m", out="o.json", json_tasks=shipped, threads=1), said.append)
+    assert said == []

@@ -126,6 +126,8 @@ def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     ("dtype", "provenance.dtype"),
     ("unknown_name", "hierarchy[0]"),
     ("unknown_kind", "hierarchy[0]: 'weird' is of kind 'martian', which this runtime cannot run"),
+    ("drafter_config", "p.json: models.ngram.config: bad config for ngram_context drafter"),
+    ("plan_dtype", "p.json: provenance.dtype: expected one of"),
 ])
 def test_bad_plans(tiny_dir, tmp_path, case, needle):
     m = tiny_dir / "m"
@@ -152,6 +154,12 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
         plan = _plan(tmp_path / "p.json", tmp_path / "no-such-model", hierarchy=("weird", "layer4"), budgets=(2,),
                      models=[{"name": "weird", "kind": "martian", "cost": 0.001},
                              {"name": "layer4", "kind": "target", "layer": 4}])
+    elif case == "drafter_config":   # a value the drafter refuses
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("ngram", "layer4"), budgets=(2,),
+                     models=[{"name": "ngram", "kind": "ngram_context", "config": {"q": -1, "w": 4}},
+                             {"name": "layer4", "kind": "target", "layer": 4}])
+    elif case == "plan_dtype":
+        plan = _plan(tmp_path / "p.json", m, dtype="int7", target_precision="float32")
     else:
         plan = _plan(tmp_path / "p.json", m, hierarchy=("mystery", "layer4"), budgets=(2,))
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + args)

@@ -133,6 +133,32 @@ def test_acceptance_out_of_range(tmp_path, value):
     _expect_error(run("solve", "--profile", p), str(p), "acceptance.m4.m5")
 
 
+@pytest.mark.parametrize("section,value,field", [
+    ("acceptance_by_task", {"qa": {"m4": {"m5": "NaN"}}}, "acceptance_by_task.qa.m4.m5"),
+    ("acceptance_by_task", {"qa": {"m4": {"m5": 1.5}}}, "acceptance_by_task.qa.m4.m5"),
+    ("acceptance_by_task", {"qa": {"m4": 0.5}}, "acceptance_by_task.qa"),
+    ("draft_rate_by_task", {"qa": {"m4": "x"}}, "draft_rate_by_task.qa.m4"),
+    ("provenance", {"prompt_tokens_by_task": "x"}, "provenance.prompt_tokens_by_task"),
+    ("provenance", {"positions_by_task": {"qa": -5}}, "provenance.positions_by_task.qa")])
+def test_bad_per_task_records_name_the_field(tmp_path, section, value, field):
+    """A profile's per-task rates and counts are checked when it is read (NaN and out-of-range rates too), so that
+    `hsd solve --task/--per-task` never plans from them."""
+    d = good_profile()
+    d[section] = value
+    p = write(tmp_path, json.dumps(d).replace('"NaN"', "NaN"))
+    _expect_error(run("solve", "--profile", p, "--task", "qa"), str(p), field)
+
+
+def test_messages_print_brackets_as_they_are(tmp_path):
+    """A path or a value with ``[...]`` in it is text in an error, not rich markup (which dropped or crashed on
+    it)."""
+    folder = tmp_path / "dir[x]"
+    folder.mkdir()
+    _expect_error(run("solve", "--profile", folder / "missing.json"), str(folder / "missing.json"))
+    odd = tmp_path / "[/]p.json"
+    _expect_error(run("solve", "--profile", odd), str(odd))
+
+
 @pytest.mark.parametrize("value", [0, -1.0, None])
 def test_bad_cost(tmp_path, value):
     d = good_profile()
@@ -185,6 +211,8 @@ def test_simulate_plan_with_other_target_and_bad_plan_fields(tmp_path):
     _expect_error(run("simulate", "--plan", bad, "--profile", DATA / "example_profile.json"), str(bad), "budgets")
     _expect_error(run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json",
                       "--rounds", 0), "--rounds")
+    _expect_error(run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json",
+                      "--seed", -1), "--seed")
 
 
 def test_target_only_plan_round_trips(tmp_path):
@@ -248,3 +276,15 @@ def test_a_profile_without_acceptance_rates_solves_to_the_target_alone_and_says_
     assert r.exit_code == 0, out
     assert "acceptance: no rates between its drafters" in out
     assert load_plan(str(tmp_path / "plan.json")).budgets == []
+
+
+@pytest.mark.parametrize("contexts", [0, 1])
+def test_a_context_asked_of_a_profile_without_costs_at_two_warns(tmp_path, contexts):
+    """``--context`` on a profile whose costs are at fewer than two contexts changes nothing, and says so."""
+    d = good_profile()
+    if contexts:
+        d["context_costs"] = [{"context": 64, "cost": {m["name"]: m["cost"] for m in d["models"]}}]
+    p = write(tmp_path, d)
+    res = run("solve", "--profile", p, "--context", 900, "--out", tmp_path / "plan.json")
+    assert res.exit_code == 0, out_of(res)
+    assert "--context 900" in out_of(res) and "one context only" in out_of(res)

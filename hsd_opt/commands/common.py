@@ -73,7 +73,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
-    from hsd_opt.models.loading import load_model
+    from hsd_opt.models.loading import DTYPE_NAMES, load_model
     from hsd_opt.runtime.runner import check_kinds, check_provenance, check_target_precision
 
     plan = load_plan(str(plan_path))
@@ -84,6 +84,9 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     check_target_precision(plan, str(plan_path), asked)
     check_kinds(plan, str(plan_path))
+    if not dtype and plan.provenance.dtype and plan.provenance.dtype.lower() not in DTYPE_NAMES:
+        raise InputFileError(str(plan_path), f"expected one of {', '.join(sorted(DTYPE_NAMES))}, got "
+                                             f"{plan.provenance.dtype!r}", "provenance.dtype")
     loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto",
                         engines_only=engines_only)
     check_provenance(plan, loaded, str(plan_path), asked)

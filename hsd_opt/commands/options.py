@@ -24,6 +24,8 @@ def layer_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
         return None
     if spec.strip().lower() == "none":
         return []
+    if not spec.replace(",", "").strip():
+        raise HsdError(f"{flag}: empty; expected 'all', 'none' or layer numbers like 4,8,14 or 2-6")
     out: list[int] = []
     for part in spec.split(","):
         a, dash, b = part.strip().partition("-")

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from hsd_opt.commands import options
 from hsd_opt.commands.common import MIN_P_HELP, TOP_K_HELP, check_outputs, cli_command, prepare_kernels
@@ -33,7 +34,7 @@ def acceptance_table(prof, max_rows: int = 64) -> Table:
                   "-" if not c else f"{c[0]:.3f}-{c[1]:.3f}", "-" if g is None else f"{g:.3f}",
                   str(cnt.get(m.name, {}).get(prof.target, "")))
     tg = prof.entry(prof.target)
-    t.add_row(f"[bold]{tg.name}[/]", tg.kind, f"{tg.cost * 1e3:.4g}", "1", "", "1", "")
+    t.add_row(Text(tg.name, style="bold"), tg.kind, f"{tg.cost * 1e3:.4g}", "1", "", "1", "")
     return t
 
 
@@ -229,7 +230,7 @@ def _exit_layers(layers: str, draft_layers: Optional[str], draft_model: List[str
 
     if draft_layers is not None and not draft_model:
         raise HsdError("--draft-layers: exits of draft models need --draft-model")
-    exits = options.layer_numbers(layers or "all", "--layers")
+    exits = options.layer_numbers(layers, "--layers")
     return exits, options.layer_numbers(draft_layers, "--draft-layers") if draft_layers is not None else []
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, warn, warn_some
@@ -46,7 +47,7 @@ def plan_table(plan) -> Table:
     t.add_column("hierarchy (target <- ... <- bottom, budgets in tokens)")
     t.add_column("ms/token", justify="right")
     t.add_column("speed-up", justify="right")
-    t.add_row("[bold]plan[/]", _chain(plan.hierarchy, plan.budgets), _ms(plan.expected_latency),
+    t.add_row(Text("plan", style="bold"), _chain(plan.hierarchy, plan.budgets), _ms(plan.expected_latency),
               f"{plan.expected_speedup:.3f}x")
     for key, label in (("best_single_draft", "best single draft"), ("best_early_exit", "best early exit")):
         b = plan.baselines.get(key)
@@ -213,7 +214,7 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
     elif set(sizes) - set(prof.batch_sizes):
         raise HsdError(f"--batch-sizes: {profile} has costs at batch sizes {', '.join(map(str, prof.batch_sizes))} "
                        f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
-    if context is not None and not prof.context_costs:
+    if context is not None and len(prof.context_costs) < 2:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
     return prof, sizes
 
@@ -276,7 +277,7 @@ def simulate_cmd(
     plan: Path = typer.Option(..., "--plan", help="hsd-plan/1 JSON written by `hsd solve`."),
     profile: Path = typer.Option(..., "--profile", help="hsd-profile/1 JSON the plan is checked against."),
     rounds: int = typer.Option(20000, "--rounds", help="Target verify rounds to simulate."),
-    seed: int = typer.Option(0, "--seed", help="Random seed (numpy)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (numpy; >= 0)."),
     context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache to take the costs at; "
                                                                  "default: the context the plan was solved for."),
 ):
@@ -285,6 +286,8 @@ def simulate_cmd(
 
     if rounds < 1:
         raise HsdError(f"--rounds: expected an integer >= 1, got {rounds}")
+    if seed < 0:
+        raise HsdError(f"--seed: expected an integer >= 0 (numpy's generator takes no negative seed), got {seed}")
     if context is not None and context < 1:
         raise HsdError(f"--context: expected a context length in tokens (>= 1), got {context}")
     prof, warnings = load_profile(profile)

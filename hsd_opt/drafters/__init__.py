@@ -53,7 +53,7 @@ def make_token_drafter(kind: str, **config) -> TokenDrafter:
             ng = ng if isinstance(ng, TokenDrafter) else make_token_drafter(**ng)
             bg = bg if isinstance(bg, TokenDrafter) else make_token_drafter(**bg)
             return MixedNgramDrafter(ng, bg, **config)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:      # a field the drafter lacks, a value it refuses
         raise HsdError(f"bad config for {kind} drafter: {e}") from None
     raise HsdError(f"unknown token drafter kind {kind!r} (known: {', '.join(TOKEN_DRAFTER_KINDS)})")
 

@@ -120,6 +120,10 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+#: The dtypes ``--dtype`` (and a plan's ``provenance.dtype``) may name.
+DTYPE_NAMES = frozenset({"auto", *_DTYPES})
+
+
 def resolve_dtype(spec: str, device: "torch.device") -> "torch.dtype":
     """``"auto"`` -> float32 on CPU, bfloat16 on CUDA when supported (else float16); or the named dtype."""
     import torch

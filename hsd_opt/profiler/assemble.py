@@ -23,7 +23,7 @@ from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
 MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "top_k", "min_p", "max_new_tokens",
-                "raw", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
+                "tmax", "raw", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
                 "token_drafters")
 
 

@@ -15,11 +15,11 @@ from hsd_opt.profiler.stats import PairStats
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "top_k", "min_p",
-                 "max_new_tokens", "raw", "seed", "dtype", "target_precision", "layers", "draft_models", "draft_layers",
-                 "quantized", "token_drafters", "shard", "max_prompts", "world_size")
+                 "max_new_tokens", "tmax", "raw", "seed", "dtype", "target_precision", "layers", "draft_models",
+                 "draft_layers", "quantized", "token_drafters", "shard", "max_prompts", "world_size")
 #: The value a setting had before it was recorded (files written before ``top_p``, ``top_k`` or ``min_p`` existed
-#: sampled without them).
-SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": []}
+#: sampled without them; before ``tmax`` was recorded, budgets were walked to the default 15).
+SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": [], "tmax": 15}
 
 
 def setting(settings: dict[str, Any], name: str) -> Any:
@@ -72,9 +72,16 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                 raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
                                                 f"rerun without --resume (or delete it) to start over",
                                      f"settings.{f}")
-        ck.stats = PairStats.from_dict(d["stats"])
-        ck.done = [int(x) for x in d.get("done", [])]
-        ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}
+        field = "stats"
+        try:
+            ck.stats = PairStats.from_dict(d["stats"])
+            field = "done"
+            ck.done = [int(x) for x in d.get("done", [])]
+            field = "continuations"
+            ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InputFileError(str(path), f"a damaged checkpoint ({type(e).__name__}: {e}); rerun without "
+                                            f"--resume (or delete it) to start over", field) from None
         log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
     elif resume:
         warn(f"--resume: no checkpoint at {path}; starting from the beginning")

@@ -52,7 +52,7 @@ from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
-from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
+from hsd_opt.prompts import PromptItem, PromptSuite, json_tasks_path, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
@@ -164,6 +164,10 @@ def _validate(cfg: ProfileConfig) -> None:
                        f"seeds of the prompts are seed * {SEED_STRIDE} + i), got {cfg.seed}")
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
+    if cfg.shard and cfg.token_drafters is not None and "aded" in cfg.token_drafters:
+        raise HsdError("--token-drafters aded: not with --shard (ADED's matrix is built from the continuations of "
+                       "every prompt, which a shard does not see: shards would measure different drafters); "
+                       "profile it in one run or with torchrun")
 
 
 def _load_target(cfg: ProfileConfig):
@@ -227,7 +231,7 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
         "model": loaded.model_id, "revision": loaded.revision, "heads": str(cfg.heads) if cfg.heads else None,
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),
-        "min_p": float(cfg.min_p), "max_new_tokens": int(cfg.max_new_tokens),
+        "min_p": float(cfg.min_p), "max_new_tokens": int(cfg.max_new_tokens), "tmax": int(cfg.tmax),
         "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": loaded.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
@@ -451,6 +455,9 @@ def _threads_and_prompts(cfg: ProfileConfig, warn) -> tuple[str, PromptSuite, li
     ``--json-tasks``) and the items this run profiles (``--max-prompts``)."""
     threads_note = set_threads(cfg.threads, warn)
     suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
+    shipped = len(load_prompts(json_tasks_path()).items) if cfg.json_tasks else 0
+    if cfg.json_tasks > shipped:
+        warn(f"--json-tasks {cfg.json_tasks}: the package ships {shipped} JSON-schema tasks; profiling all {shipped}")
     return threads_note, suite, suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
 
 
@@ -475,9 +482,12 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
     target_name = f"layer{eng.n_layers}"
+    left_out = cfg.token_drafters_left_out
+    if cfg.shard and cfg.token_drafters is None:
+        log("--shard: the default pool without aded (its matrix needs every prompt's continuation)")
+        left_out = (*left_out, "aded")
     pool = build_pool(loaded, eng, boundaries, cfg.draft_models, cfg.quantized, cfg.token_drafters, cfg.device,
-                      cfg.dtype, log, warn, cfg.draft_layers,
-                      left_out=cfg.token_drafters_left_out)
+                      cfg.dtype, log, warn, cfg.draft_layers, left_out=left_out)
     settings = _settings(cfg, loaded, heads_sha, suite, boundaries, pool, world, precision)
     stats = _new_stats(pool, suite.tasks, cfg.tmax)
 

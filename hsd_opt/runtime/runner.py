@@ -183,7 +183,10 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
             cfg = dict(e.config or {})
             cfg.pop("kind", None)
             cfg.setdefault("name", name)
-            levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
+            try:
+                levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
+            except HsdError as err:
+                raise InputFileError(source, str(err), f"models.{name}.config") from None
     if not levels[-1].is_model or levels[-1].engine is not target:
         raise InputFileError(source, "the last level must be the target model", "hierarchy")
     return levels
