@@ -197,7 +197,8 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HSD_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health and "
+                                               "/metrics."),
     max_queue: int = typer.Option(16, "--max-queue", help="Most requests waiting while --max-batch are decoded; "
                                                           "one more is answered 429."),
     max_batch: int = typer.Option(8, "--max-batch", help="Most requests decoded together (continuous batching; "

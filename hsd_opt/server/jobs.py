@@ -2,8 +2,9 @@
 requests together (continuous batching, :class:`~hsd_opt.runtime.batch.Batch`).
 
 The worker admits queued jobs in arrival order while fewer than ``max_batch`` are in flight and runs the batch's
-ticks: each tick prefills at most one new prompt and then serves one pass of every request in flight, the passes
-on one engine in one batched call; requests join and leave between ticks. ``max_batch=1`` decodes one request at a
+ticks: each tick prefills at most one new prompt and then serves the passes the batch's scheduler picks (the largest
+group of one engine, those that waited long enough, a request's first token: :meth:`Batch.tick`), the passes on one
+engine in one batched call; requests join and leave between ticks. ``max_batch=1`` decodes one request at a
 time. torch releases the GIL in its kernels, so the server's event loop stays responsive meanwhile. Each job
 reports through ``job.emit``, called from the worker thread with one event at a time:
 
@@ -144,7 +145,8 @@ class JobQueue:
                 job.cancel()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s)."""
+        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s for a place
+        in the queue, then up to ``timeout`` s for the worker)."""
         self.cancel_all()
         if self._thread is not None:
             try:  # the queue only holds cancelled jobs now, which the worker skips

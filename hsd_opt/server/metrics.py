@@ -113,8 +113,9 @@ class Metrics:
             add(_series("hsd_info", "gauge", "The served model and plan, the kernels that run (value 1).",
                         [(self.info, 1)]))
             add(_series("hsd_requests_total", "counter",
-                        "Decodings by outcome (a request's n choices count n): completed, cancelled (client gone, "
-                        "server stopping), failed; and requests refused (queue full).",
+                        "Decodings by outcome (a request's n sampled choices count n; greedy ones, decoded once, one): "
+                        "completed, cancelled (client gone, server stopping), failed; and requests refused (queue "
+                        "full).",
                         [({"outcome": k}, v) for k, v in self.requests.items()]))
             add(_series("hsd_prompt_tokens_total", "counter", "Prompt tokens of the decodings that ran.",
                         [({}, self.prompt_tokens)]))
@@ -149,8 +150,8 @@ class Metrics:
                            self.queue))
             add(_histogram("hsd_time_to_first_token_seconds", "Seconds from a request's arrival to its first "
                                                                "token.", self.first_token))
-            add(_histogram("hsd_decode_seconds_per_token", "A request's decode seconds per generated token (after "
-                                                            "its first).", self.per_token))
+            add(_histogram("hsd_decode_seconds_per_token", "A request's decode seconds (from its first token to its "
+                                                            "end) per generated token.", self.per_token))
         for name, (what, value) in gauges.items():
             out.extend(_series(name, "gauge", what, [({}, value)]))
         return "\n".join(out) + "\n"
