@@ -175,9 +175,12 @@ def test_a_batch_runs_a_sequence_of_a_task_with_its_hierarchy_and_the_others_wit
     assert got["json"].token_ids == _masked_reference(engine, [5, 9, 13], 30, grammar)
 
 
-def test_asking_more_json_tasks_than_are_shipped_warns_and_takes_them_all():
+def test_asking_more_json_tasks_than_are_shipped_warns_and_takes_them_all(monkeypatch):
+    from hsd_opt.profiler import run as profiler_run
     from hsd_opt.profiler.run import ProfileConfig, _threads_and_prompts
     from hsd_opt.prompts import json_tasks_path
+
+    monkeypatch.setattr(profiler_run, "set_threads", lambda threads, warn: "as it is")   # torch's threads untouched
 
     shipped = len(load_prompts(json_tasks_path()).items)
     said: list[str] = []
