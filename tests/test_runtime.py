@@ -237,6 +237,19 @@ def test_bad_hierarchies_and_inputs():
         h.generate([3], 0)
     with pytest.raises(HsdError, match="top-p"):
         h.generate([3], 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(HsdError, match="an integer >= 1, got 2.5"):
+        h.generate([3], 2.5)
+    with pytest.raises(HsdError, match="got text: encode it first"):
+        h.generate("w3 w4", 2)
+    for bad in (-1, lm.vocab_size):
+        with pytest.raises(HsdError, match=f"token id {bad}, outside the model's vocabulary 0 .. {lm.vocab_size - 1}"):
+            h.generate([3, bad, 4], 2)
+    # a hierarchy that knows the model's context refuses a generation past it (the server's check, for the API too)
+    ctx = HSD([Level("a", lm, 1), Level("t", lm, 4)], [2], max_positions=16)
+    with pytest.raises(HsdError, match=r"the prompt \(10 tokens\) \+ --max-new-tokens \(7\) exceeds the model's "
+                                       r"context of 16 positions"):
+        ctx.generate(list(range(3, 13)), 7)
+    assert len(ctx.generate(list(range(3, 13)), 6).token_ids) <= 6
 
 
 def test_process_logits_top_p():

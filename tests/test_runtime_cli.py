@@ -198,6 +198,8 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--logit-bias", '{"99999": 1}'], "--logit-bias: token id 99999 is not in the model's"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty: the repetition penalty must be a number"),
     (["--prompt", "hi", "--repetition-penalty", "1.2", "--repeat-last-n", "-1"], "--repeat-last-n: a number of tokens"),
+    (["--prompt", " ".join(["w5"] * 500), "--raw", "--max-new-tokens", "20"],
+     "+ --max-new-tokens (20) exceeds the model's context of 512 positions"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")
@@ -440,8 +442,8 @@ def test_bench_under_a_json_schema_runs_our_methods_masked_and_says_why_hf_does_
     rep = json.loads(out.read_text())
     assert rep["grammar"]["kind"] == "json_schema" and rep["reference"] == "ar"
     assert rep["methods"]["hsd"]["matches_reference"] is True
-    assert "HF generate does not follow the grammar" in rep["methods"]["hf_ar"]["error"]
-    assert "hf_ar: HF generate does not follow the grammar" in _out(res) and "not run" in _out(res)
+    assert "HF generate does not follow a grammar" in rep["methods"]["hf_ar"]["error"]
+    assert "hf_ar: HF generate does not follow a grammar" in _out(res) and "not run" in _out(res)
     assert set(rep["by_task"]) == {"json"}                   # under a grammar every prompt runs the plan for JSON
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--concurrency", "1,2",
                               "--json-schema", str(tmp_path / "s.json")])

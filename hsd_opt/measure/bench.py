@@ -231,7 +231,8 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     what it needs (nothing for a name not in :data:`METHODS`). ``hsd(hierarchy, budgets)``: our runner of one
     hierarchy, built once."""
     if m.startswith("hf_") and sampling.constrained:
-        return None, None, "HF generate does not follow the grammar (--json-schema, --grammar): not run"
+        return None, None, ("HF generate does not follow a grammar (--json-schema, --grammar, or a prompt's schema): "
+                            "not run")
     if m == "hf_ar":
         return _hf_runner(loaded, eos, sampling), None, None
     if m == "hf_prompt_lookup":

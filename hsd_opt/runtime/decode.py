@@ -36,6 +36,7 @@ Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32.
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -137,10 +138,30 @@ def check_mode(mode: str) -> None:
         raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
 
 
+def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max_positions: int | None) -> list[int]:
+    """``prompt_ids`` as a list of ints, refused with a one-line :class:`HsdError` when it is text (encode it first),
+    empty, holds an id outside ``0 .. vocab - 1``, or leaves no room for ``max_new_tokens`` in ``max_positions`` (the
+    model's context; None: unchecked)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise HsdError("the prompt must be token ids, got text: encode it first (hsd_opt.prompts.encode_prompt)")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise HsdError("empty prompt: need at least one token")
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise HsdError(f"the prompt holds token id {bad}, outside the model's vocabulary 0 .. {vocab - 1}")
+    if max_positions is not None and len(prompt) + max_new_tokens > max_positions:
+        raise HsdError(f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the model's "
+                       f"context of {max_positions} positions")
+    return prompt
+
+
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
-    """Refuse ``max_new_tokens < 1``, a ``temperature`` below 0 or not finite, ``top_p`` outside (0, 1] or a ``seed``
-    outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag (the CLI calls this
-    before loading a model; :meth:`HSD.generate` again)."""
+    """Refuse ``max_new_tokens`` not an integer >= 1, a ``temperature`` below 0 or not finite, ``top_p`` outside
+    (0, 1] or a ``seed`` outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag
+    (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise HsdError(f"--max-new-tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
     if not (temperature >= 0 and math.isfinite(temperature)):
@@ -359,7 +380,7 @@ class HSD:
 
     def __init__(self, levels: Sequence[Level], budgets: Sequence[int], eos_ids: Sequence[int] = (),
                  mode: str = "exact", residual: bool = True, share_prompt: bool = True,
-                 pool: StatePool | None = None):
+                 pool: StatePool | None = None, max_positions: int | None = None):
         levels = list(levels)
         if not levels or not levels[-1].is_model:
             raise HsdError("a hierarchy needs a model as its last level (the target)")
@@ -393,6 +414,8 @@ class HSD:
                 self.engines.append(lv.engine)
         self.bounds = {id(e): sorted({lv.boundary for lv in levels if lv.engine is e}) for e in self.engines}
         self.pool = pool if pool is not None else StatePool()
+        #: the model's context in positions (prompt + generated tokens at most; None: unchecked)
+        self.max_positions = max_positions
 
     @property
     def target(self) -> Engine:
@@ -483,10 +506,8 @@ class Decoding:
                  top_p: float = 1.0, seed: int | None = 0, constraint: Constraint | None = None,
                  logprobs: int | None = None, penalties: Penalties | None = None, top_k: int = 0,
                  min_p: float = 0.0):
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise HsdError("empty prompt: need at least one token")
         check_generation_args(max_new_tokens, temperature, top_p, seed)
+        prompt = check_prompt(prompt_ids, hsd.target.vocab_size, max_new_tokens, hsd.max_positions)
         check_filters(top_k, min_p)
         check_logprobs(logprobs)
         #: sampling's top-k and min-p filters (0: off)

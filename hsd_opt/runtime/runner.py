@@ -361,8 +361,9 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
     models = models or PlanModels(loaded)
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
     return HSD(build_levels(plan, models, source=source), plan.budgets, eos_ids=eos_ids(loaded), mode=mode,
-               pool=models.pool)
+               pool=models.pool, max_positions=int(context) if context else None)
 
 
 def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",
