@@ -812,14 +812,17 @@ def _pair_table(source: str, raw: Any, seen: set[str], at: str, names: tuple[str
     return out
 
 
+def _rate(source: str, a: Any, f: str, what: str = "an acceptance rate") -> float:
+    """``a`` as a float when it is a number in [0, 1], else refused naming field ``f`` (``what`` it should be)."""
+    if not _is_number(a) or not 0.0 <= a <= 1.0:
+        raise InputFileError(source, f"expected {what} in [0, 1], got {a!r}", f)
+    return float(a)
+
+
 def _acceptance(source: str, raw: Any, seen: set[str]) -> dict[str, dict[str, float]]:
     """``acceptance[drafter][verifier]``: rates in [0, 1], both names among the profile's models (``seen``)."""
-    def rate(a: Any, f: str) -> float:
-        if not _is_number(a) or not 0.0 <= a <= 1.0:
-            raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f)
-        return float(a)
-
-    return _pair_table(source, raw, seen, "acceptance", ("drafter", "verifier"), "rate", rate)
+    return _pair_table(source, raw, seen, "acceptance", ("drafter", "verifier"), "rate",
+                       lambda a, f: _rate(source, a, f))
 
 
 def _profile_records(source: str, d: dict) -> dict[str, dict]:
@@ -836,15 +839,13 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
             raise InputFileError(source, "expected an object {drafter: {verifier: rate}}", at)
         for d, row in rows.items():
             for v, a in row.items():
-                if not _is_number(a) or not 0.0 <= a <= 1.0:
-                    raise InputFileError(source, f"expected an acceptance rate in [0, 1], got {a!r}", f"{at}.{d}.{v}")
+                _rate(source, a, f"{at}.{d}.{v}")
     for task, row in records["draft_rate_by_task"].items():
         at = f"draft_rate_by_task.{task}"
         if not isinstance(row, dict):
             raise InputFileError(source, "expected an object {drafter: rate}", at)
         for d, r in row.items():
-            if not _is_number(r) or not 0.0 <= r <= 1.0:
-                raise InputFileError(source, f"expected a draft rate in [0, 1], got {r!r}", f"{at}.{d}")
+            _rate(source, r, f"{at}.{d}", "a draft rate")
     k = "draft_rate_by_budget_by_task"
     for task, row in records[k].items():
         if not isinstance(row, dict):

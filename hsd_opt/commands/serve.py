@@ -127,7 +127,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     tok = loaded.tokenizer
     for h in built:                                # warm-up: first passes allocate and compile
         h.generate(encode_prompt(tok, "Hello", raw=True), 2)
-    max_positions = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 2048)
+    max_positions = runner.max_positions or 2048          # the model's context (hsd_for_plan read it)
     name = model_name or served_name(loaded.model_id)
     info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,

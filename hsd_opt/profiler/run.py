@@ -52,7 +52,7 @@ from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
-from hsd_opt.prompts import PromptItem, PromptSuite, json_tasks_path, load_prompts, text_of_length, with_json_tasks
+from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
@@ -454,10 +454,11 @@ def _threads_and_prompts(cfg: ProfileConfig, warn) -> tuple[str, PromptSuite, li
     """Torch's threads set (:func:`set_threads`: its note), the suite (the shipped JSON-schema tasks added with
     ``--json-tasks``) and the items this run profiles (``--max-prompts``)."""
     threads_note = set_threads(cfg.threads, warn)
-    suite = with_json_tasks(load_prompts(cfg.prompts), cfg.json_tasks)
-    shipped = len(load_prompts(json_tasks_path()).items) if cfg.json_tasks else 0
-    if cfg.json_tasks > shipped:
-        warn(f"--json-tasks {cfg.json_tasks}: the package ships {shipped} JSON-schema tasks; profiling all {shipped}")
+    own = load_prompts(cfg.prompts)
+    suite = with_json_tasks(own, cfg.json_tasks)
+    added = len(suite.items) - len(own.items)           # every shipped one where fewer are shipped than asked for
+    if cfg.json_tasks > added:
+        warn(f"--json-tasks {cfg.json_tasks}: the package ships {added} JSON-schema tasks; profiling all {added}")
     return threads_note, suite, suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
 
 

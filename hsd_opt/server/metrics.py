@@ -46,6 +46,13 @@ class Histogram:
         self.n += 1
 
 
+def cached_tokens(prompt_tokens: int, stats: Mapping[str, Any]) -> int:
+    """The prompt's tokens a decoding did not compute (taken from an earlier request's state or the kept chat-template
+    head): ``prompt_tokens`` less its ``stats["prefill_tokens"]`` (0 where that is not reported)."""
+    computed = stats.get("prefill_tokens")
+    return 0 if computed is None else max(0, prompt_tokens - int(computed))
+
+
 class Metrics:
     """Counters and histograms of one server (see the module doc). ``info``: labels of the constant
     ``hsd_info`` series (the model, the plan, the kernels that run); ``predicted``: the plan's predicted seconds per
@@ -87,10 +94,10 @@ class Metrics:
         """Add one decoding that ran (finished, or stopped because its request was cancelled): its
         :meth:`~hsd_opt.runtime.decode.Decoding.result` ``stats``, its prompt's length, the seconds it waited
         before its prefill began and to its first token (None: it never got one)."""
-        computed = stats.get("prefill_tokens")
+        cached = cached_tokens(prompt_tokens, stats)
         with self._lock:
             self.prompt_tokens += prompt_tokens
-            self.cached_tokens += 0 if computed is None else max(0, prompt_tokens - int(computed))
+            self.cached_tokens += cached
             self.ended_tokens += int(stats.get("tokens") or 0)
             self.target_passes += int(stats.get("target_calls") or 0)
             for lv in stats.get("levels") or []:

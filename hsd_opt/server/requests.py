@@ -125,12 +125,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except UnicodeDecodeError:
         raise bad_request("the request body is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise bad_request(f"malformed JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}") \
-            from None
-    except RecursionError:
-        raise bad_request("the request body nests arrays or objects too deeply to read") from None
-    except ValueError as e:        # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+    except (ValueError, RecursionError) as e:   # malformed, a number too long, nested too deeply
         raise bad_request(f"the request body cannot be read: {json_problem(e)}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")

@@ -31,6 +31,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hsd_opt.server.jobs import Outcome
+from hsd_opt.server.metrics import cached_tokens
 from hsd_opt.server.text import bytes_text, token_bytes, token_text
 from hsd_opt.server.tools import ToolCall, as_call, new_call_id
 
@@ -58,8 +59,7 @@ def usage(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     cached_tokens``: the prompt's tokens the first choice's target did not compute (taken from an earlier request:
     the chat template's head, a conversation's earlier turns), as the OpenAI API reports them."""
     p, n = outcomes[0].prompt_tokens, sum(len(o.token_ids) for o in outcomes)
-    computed = outcomes[0].stats.get("prefill_tokens")
-    cached = 0 if computed is None else max(0, p - int(computed))
+    cached = cached_tokens(p, outcomes[0].stats)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
