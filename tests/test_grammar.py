@@ -89,6 +89,18 @@ def test_a_schema_that_is_not_json_or_not_an_object_is_refused():
         GrammarSpec.json_schema("{nope", "s.json")
     with pytest.raises(HsdError, match=r"s.json: a JSON schema must be an object, got list"):
         GrammarSpec.json_schema([1], "s.json")
+    for text in ('{"type": "number", "maximum": 1e400}', '{"type": "number", "minimum": NaN}'):
+        with pytest.raises(HsdError, match=r"s.json: holds a number that is not finite"):
+            GrammarSpec.json_schema(text, "s.json")
+
+
+def test_a_regex_files_spaces_are_the_patterns_own_only_its_last_line_break_is_not(tmp_path):
+    from hsd_opt.commands.common import grammar_spec
+
+    for text, pattern in ((" (yes|no)\n", " (yes|no)"), ("a+ \r\n", "a+ "), ("\tb", "\tb")):
+        (tmp_path / "g.regex").write_text(text, newline="")
+        spec = grammar_spec(None, tmp_path / "g.regex")
+        assert (spec.kind, spec.text) == ("regex", pattern)
 
 
 def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler, json_tok):

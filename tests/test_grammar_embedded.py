@@ -183,10 +183,26 @@ def test_a_function_call_is_the_masked_targets_answer_under_its_parameters(embed
         again = c.chat.completions.create(model="smollm2-135m", messages=history, max_tokens=N, temperature=0,
                                           tools=[WEATHER], tool_choice=named)
         assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
-        bad = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "strin"}}}
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-            "model": "smollm2-135m", "messages": msgs, "tools": [bad], "tool_choice": "required"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
+        cut = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
+                                        tools=[WEATHER], tool_choice=named, stop=[", "])
+        assert cut.choices[0].finish_reason == "stop"           # arguments cut by the stop string: not a call
+        assert cut.choices[0].message.tool_calls[0].function.arguments == call.function.arguments.split(", ")[0]
+        streamed_cut = [ch for ch in c.chat.completions.create(
+            model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0, tools=[WEATHER], tool_choice=named,
+            stop=[", "], stream=True) if ch.choices]
+        assert streamed_cut[-1].choices[0].finish_reason == "stop"
+        bad_parameters = (({"type": "strin"}, "required", "must describe an object"),
+                          ({"type": "string"}, named, "must describe an object"),
+                          ({"type": "object", "properties": {"a": {"type": "strin"}}}, named, "strin"))
+        for parameters, choice, why in bad_parameters:         # every function's parameters, named by index
+            bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": "smollm2-135m", "messages": msgs, "tools": [WEATHER, bad], "tool_choice": choice})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "tools[1].function.parameters", r.text
+            assert error["message"].startswith("'tools[1].function.parameters'") or \
+                error["message"].startswith("tools[1].function.parameters:"), error["message"]
+            assert why in error["message"]
 
 
 def test_auto_answers_a_call_or_text_the_masked_targets_answer_either_way(embedded):

@@ -10,6 +10,8 @@ import json
 import pytest
 
 from hsd_opt.server.errors import ApiError
+from hsd_opt.server.jobs import Outcome
+from hsd_opt.server.responses import AnswerStream, chat_message
 from hsd_opt.server.tools import (
     ANY_OBJECT,
     ToolCall,
@@ -79,6 +81,42 @@ def test_earlier_calls_are_their_json_and_an_answer_is_read_back_as_a_call():
     assert as_call(ToolCall(None), "{\"name\": \"clock\", \"arguments\": {}}") == ("clock", "{}")
     assert as_call(ToolCall(None), "{\"name\": \"clo") is None           # cut by max_tokens before its name ended
     assert as_call(ToolCall(None, True), "It is sunny.") is None           # "auto": text
+    deep = "[" * 100_000 + "]" * 100_000                                    # JSON that Python cannot read
+    with pytest.raises(ApiError) as e:
+        past_calls({"tool_calls": [{"function": {"name": "weather", "arguments": deep}}]}, 1)
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_calls[0].function.arguments"
+    assert as_call(ToolCall(None), deep) is None
+
+
+def test_a_functions_parameters_describe_an_object():
+    """Arguments are a JSON object: a schema without ``type`` gets ``"type": "object"`` beside its keywords, one
+    whose ``type`` allows an object keeps only that, any other is a 400 naming the function's parameters."""
+    def params(p):
+        return parse_tools({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": p}}]})
+
+    assert params({"properties": {"a": {"type": "string"}}})[1].parameters == {
+        "properties": {"a": {"type": "string"}}, "type": "object"}
+    assert params({"type": ["object", "null"]})[1].parameters == {"type": "object"}
+    for bad in ({"type": "string"}, {"type": ["array", "null"]}, [], "object"):
+        with pytest.raises(ApiError) as e:
+            params(bad)
+        assert e.value.status == 400 and e.value.param == "tools[1].function.parameters", bad
+
+
+def test_a_call_is_whole_only_where_the_answer_ended_at_the_end_of_sequence():
+    """``finish_reason`` ``"tool_calls"`` for a call that ended; one cut by ``max_tokens`` or a stop string keeps
+    ``"length"`` or ``"stop"`` (its arguments are not whole JSON), streamed or not."""
+    def outcome(text, finish, eos):
+        return Outcome([1], text, finish, 3, {}, 0.0, 0.0, None, eos)
+
+    whole, cut = "{\"city\": \"Oslo\"}", "{\"city\": \"Oslo\""
+    for o, want in ((outcome(whole, "stop", True), "tool_calls"), (outcome(cut, "stop", False), "stop"),
+                    (outcome(cut, "length", False), "length")):
+        message, finish = chat_message(o, ToolCall("weather"))
+        assert finish == want and message["tool_calls"][0]["function"]["arguments"] == o.text
+        stream = AnswerStream(ToolCall("weather"))
+        stream.opening(), stream.piece(o.text)
+        assert stream.end(o)[1] == want
 
 
 def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():

@@ -218,7 +218,9 @@ def grammar_spec(json_schema: Optional[Path], grammar: Optional[Path]):
         if grammar is not None:
             kind = "regex" if grammar.suffix == ".regex" else "lark"
             text = read_text(grammar, "a grammar")
-            return GrammarSpec(kind, text.strip() if kind == "regex" else text, f"--grammar {grammar}")
+            if kind == "regex":                    # the file's last line break, not the pattern's own spaces
+                text = text.removesuffix("\n").removesuffix("\r")
+            return GrammarSpec(kind, text, f"--grammar {grammar}")
     except InputFileError as e:
         raise HsdError(f"{'--json-schema' if json_schema is not None else '--grammar'} {e}") from None
     return None

@@ -56,7 +56,14 @@ class GrammarSpec:
                 raise HsdError(f"{source}: not JSON that can be read: {json_problem(e)}") from None
         if not isinstance(schema, dict):
             raise HsdError(f"{source}: a JSON schema must be an object, got {type(schema).__name__}")
-        return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")), source)
+        try:
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            raise HsdError(f"{source}: holds a number that is not finite (NaN, Infinity, or one beyond a double's "
+                           "range such as 1e400)") from None
+        except RecursionError:
+            raise HsdError(f"{source}: {json_problem(RecursionError())}") from None
+        return GrammarSpec("json_schema", text, source)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -65,6 +65,8 @@ class Outcome:
         first_token_seconds: seconds from its arrival to its first token.
         logprobs: a :class:`~hsd_opt.runtime.decode.TokenLogprob` per returned id (log-probabilities asked for),
             else None.
+        eos: whether the decoding ended at the model's end of sequence (not at a stop string or ``max_tokens``):
+            the answer is whole (a function call's arguments complete).
     """
 
     token_ids: list[int]
@@ -75,6 +77,7 @@ class Outcome:
     queue_seconds: float
     first_token_seconds: float
     logprobs: "list[TokenLogprob] | None" = None
+    eos: bool = False
 
 
 @dataclass(eq=False)
@@ -302,10 +305,10 @@ class JobQueue:
             if logprobs is not None:
                 job.emit(("logprobs", logprobs[stream.sent_logprobs:]))
             job.emit(("text", rest))
-        stopped = text.stopped or res.stats.get("stopped") == "eos"
+        eos = not text.stopped and res.stats.get("stopped") == "eos"
         first = first if first is not None else time.perf_counter() - job.submitted
-        self._end(job, "done", Outcome(ids, text.text, "stop" if stopped else "length", len(req.prompt_ids),
-                                       res.stats, queued, first, logprobs))
+        self._end(job, "done", Outcome(ids, text.text, "stop" if text.stopped or eos else "length",
+                                       len(req.prompt_ids), res.stats, queued, first, logprobs, eos))
 
     def _end(self, job: Job, kind: str, value: Any) -> None:
         self.metrics.ended({"done": "completed", "cancelled": "cancelled", "error": "failed"}[kind])

@@ -377,9 +377,14 @@ def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
         raise bad_request(f"'{where}' must be an object holding 'schema', got {_type_name(js)}", where)
     if "schema" not in js:
         raise bad_request(f"missing required field '{where}.schema'", f"{where}.schema")
-    where = f"{where}.schema"
+    return _compile_schema(js["schema"], info, f"{where}.schema")
+
+
+def _compile_schema(schema: Any, info: ModelInfo, where: str) -> Grammar:
+    """The JSON schema ``schema`` compiled for the model; a 400 naming ``where`` when it is not a schema that
+    compiles."""
     try:
-        spec = GrammarSpec.json_schema(js["schema"], where)
+        spec = GrammarSpec.json_schema(schema, where)
     except HsdError as e:
         raise bad_request(str(e), where) from None
     return _compile(spec, info, where)
@@ -403,17 +408,15 @@ def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolC
         raise bad_request("'response_format' and 'tools' ask for two different answers (with tools the answer is a "
                           "call, or text under tool_choice \"auto\"); give one of them, or tool_choice \"none\"",
                           "response_format")
-    names = [f.name for f in tools]
-    where = "tools" if call.name is None else f"tools[{names.index(call.name)}].function.parameters"
-    try:
-        spec = (GrammarSpec("lark", auto_grammar(call, tools), where) if call.auto else
-                GrammarSpec.json_schema(call_schema(call, tools), where))
-        return call, _compile(spec, info, where), instruction(call, tools)
-    except ApiError:
-        if call.name is None:                      # name the function whose parameters do not compile
-            for i, f in enumerate(tools):
-                _compile(GrammarSpec.json_schema(f.parameters), info, f"tools[{i}].function.parameters")
-        raise
+    for i, f in enumerate(tools):                  # each function's parameters compile, named where not
+        _compile_schema(f.parameters, info, f"tools[{i}].function.parameters")
+    if call.auto:
+        grammar = _compile(GrammarSpec("lark", auto_grammar(call, tools), "tools"), info, "tools")
+    else:
+        where = ("tools" if call.name is None else
+                 f"tools[{[f.name for f in tools].index(call.name)}].function.parameters")
+        grammar = _compile_schema(call_schema(call, tools), info, where)
+    return call, grammar, instruction(call, tools)
 
 
 def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> GenerationRequest:

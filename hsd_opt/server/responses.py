@@ -147,9 +147,10 @@ def logprobs_of(kind: str, tokenizer: "PreTrainedTokenizerBase", entries: Sequen
     return chat_logprobs(tokenizer, entries) if kind == "chat" else completion_logprobs(tokenizer, entries, offset)
 
 
-def call_finish(finish_reason: str) -> str:
-    """A function call's ``finish_reason``: ``"tool_calls"`` where the answer ended, else (``"length"``) as is."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def call_finish(o: Outcome) -> str:
+    """A function call's ``finish_reason``: ``"tool_calls"`` where the answer ended at the end of sequence (the
+    call whole), else as is (``"length"`` at ``max_tokens``, ``"stop"`` at a stop string: arguments cut short)."""
+    return "tool_calls" if o.eos else o.finish_reason
 
 
 def tool_calls(name: str, arguments: str, opening: bool = True) -> list[dict[str, Any]]:
@@ -167,7 +168,7 @@ def chat_message(o: Outcome, tool: ToolCall | None) -> tuple[dict[str, Any], str
     if call is None:
         return {"role": "assistant", "content": o.text}, o.finish_reason
     calls = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls(*call)]
-    return {"role": "assistant", "content": None, "tool_calls": calls}, call_finish(o.finish_reason)
+    return {"role": "assistant", "content": None, "tool_calls": calls}, call_finish(o)
 
 
 class AnswerStream:
@@ -201,14 +202,14 @@ class AnswerStream:
                 return [{"content": out}]
         return []
 
-    def end(self, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+    def end(self, o: Outcome) -> tuple[list[dict[str, Any]], str]:
         if self.mode == "args":
-            return [], call_finish(finish_reason)
+            return [], call_finish(o)
         text = "".join(self.held)
         call = as_call(self.tool, text) if self.tool is not None and self.mode == "hold" else None
         if call is not None:
-            return [{"tool_calls": tool_calls(*call)}], call_finish(finish_reason)
-        return ([{"content": text}] if text else []), finish_reason
+            return [{"tool_calls": tool_calls(*call)}], call_finish(o)
+        return ([{"content": text}] if text else []), o.finish_reason
 
 
 def completion_body(kind: str, rid: str, created: int, model: str, outcomes: Sequence[Outcome],
@@ -299,7 +300,7 @@ class ChoiceStream:
 
     def end(self, o: Outcome) -> list[bytes]:
         """The last deltas and the closing chunk (its finish reason and the choice's ``hsd`` figures)."""
-        last, finish = self.answer.end(o.finish_reason)
+        last, finish = self.answer.end(o)
         return self._deltas(last) + [self._chunk(finish_reason=finish, extra={"hsd": hsd_figures(o)})]
 
 

@@ -15,8 +15,8 @@ always parse and follow the function's ``parameters`` schema:
 The prompt gets the instruction (a system message, or the end of the first one) with each function's name,
 description and parameters, in the same format for every model (chat templates' own tool formats differ). The
 response has ``message.tool_calls`` (one call, id ``call_<hex>``, ``content`` null) and ``finish_reason``
-``"tool_calls"`` where the answer is a whole call; an answer cut by ``max_tokens`` keeps ``finish_reason``
-``"length"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn, given to the model
+``"tool_calls"`` where the answer is a whole call (it ended at the end of sequence); an answer cut by ``max_tokens``
+or a stop string keeps ``finish_reason`` ``"length"`` or ``"stop"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn, given to the model
 as the JSON of its calls) and ``tool`` results (their ``content``).
 """
 
@@ -76,11 +76,22 @@ def parse_tools(body: dict) -> list[Function]:
             raise bad_request(f"'{where}.function.name': {name!r} is given twice", f"{where}.function.name")
         if not isinstance(desc, str):
             raise bad_request(f"'{where}.function.description' must be a string", f"{where}.function.description")
-        if not isinstance(params, dict):
-            raise bad_request(f"'{where}.function.parameters' must be a JSON schema object",
-                              f"{where}.function.parameters")
-        out.append(Function(name, desc, params))
+        out.append(Function(name, desc, _object_schema(params, f"{where}.function.parameters")))
     return out
+
+
+def _object_schema(params: Any, where: str) -> dict[str, Any]:
+    """A function's ``parameters``: a JSON schema of an object (its arguments are a JSON object, as the OpenAI API
+    has them). A schema that gives no ``type`` gets ``"type": "object"`` beside its own keywords (a schema's
+    keywords all hold, so this asks only that the arguments be an object); one whose ``type`` does not allow an
+    object is a 400 naming ``where``."""
+    if not isinstance(params, dict):
+        raise bad_request(f"'{where}' must be a JSON schema object", where)
+    kind = params.get("type")
+    if kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return {**params, "type": "object"}
+    raise bad_request(f"'{where}' must describe an object (a function's arguments are a JSON object), got "
+                      f"\"type\": {json.dumps(kind)}", where)
 
 
 def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
@@ -165,7 +176,7 @@ def past_calls(m: dict, i: int) -> str | None:
                               f"{where}[{k}]")
         try:
             args = json.loads(f["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):
             raise bad_request(f"'{where}[{k}].function.arguments' is not JSON", f"{where}[{k}].function.arguments")
         out.append({"name": f["name"], "arguments": args})
     return json.dumps(out[0] if len(out) == 1 else out)
@@ -183,6 +194,6 @@ def as_call(call: ToolCall, text: str) -> tuple[str, str] | None:
         return call.name, text
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return (obj["name"], json.dumps(obj["arguments"])) if isinstance(obj, dict) and "name" in obj else None
