@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -21,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import read_json, write_json
+from hsd_opt.values import is_finite
 
 PROFILE_FORMAT = "hsd-profile/1"
 PLAN_FORMAT = "hsd-plan/1"
@@ -665,7 +665,7 @@ class Plan:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return isinstance(x, (int, float)) and is_finite(x)
 
 
 def _positive_curve(source: str, fieldname: str, v: Any) -> list[float]:
@@ -833,13 +833,17 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
         if v is not None and not isinstance(v, dict):
             raise InputFileError(source, "expected an object", k)
         records[k] = v or {}
-    for task, rows in records["acceptance_by_task"].items():
-        at = f"acceptance_by_task.{task}"
+    # greedy_agreement: the share of positions whose argmaxes agree, null for a pair without a counted position
+    tables = [("greedy_agreement", records["greedy_agreement"], "a share of positions", True)]
+    tables += [(f"acceptance_by_task.{task}", rows, "an acceptance rate", False)
+               for task, rows in records["acceptance_by_task"].items()]
+    for at, rows, what, nullable in tables:
         if not isinstance(rows, dict) or not all(isinstance(r, dict) for r in rows.values()):
             raise InputFileError(source, "expected an object {drafter: {verifier: rate}}", at)
         for d, row in rows.items():
             for v, a in row.items():
-                _rate(source, a, f"{at}.{d}.{v}")
+                if a is not None or not nullable:
+                    _rate(source, a, f"{at}.{d}.{v}", what)
     for task, row in records["draft_rate_by_task"].items():
         at = f"draft_rate_by_task.{task}"
         if not isinstance(row, dict):
@@ -1339,9 +1343,8 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
     context, context_from = _check_context_fields(d, source)
-    for key, entry in baselines.items():
-        if isinstance(entry, dict):
-            _check_latency_table(entry.get("latency_by_context"), source, f"baselines.{key}.latency_by_context")
+    for key, entry in baselines.items():                # as alternatives are: kept as they were read
+        _alternative(entry, source, tmax, f"baselines.{key}.")
     exact = d.get("exact_optimum")
     text = {k: _optional(d, k, lambda v: isinstance(v, str), "a string", source, "")
             for k in ("solver", "profile_sha256", "task")}

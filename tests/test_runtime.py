@@ -11,6 +11,7 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
+from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Decoding, Level
 from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
@@ -250,6 +251,23 @@ def test_bad_hierarchies_and_inputs():
                                        r"context of 16 positions"):
         ctx.generate(list(range(3, 13)), 7)
     assert len(ctx.generate(list(range(3, 13)), 6).token_ids) <= 6
+    # what a caller of the API may hand over by mistake is one line naming it, never a value cut to an integer
+    want = h.generate([3, 4], 3).token_ids
+    assert h.generate(torch.tensor([3, 4]), 3).token_ids == want            # a 1-D tensor of ids is a prompt
+    for prompt, words in ((torch.tensor([[3, 4]]), r"shape \(1, 2\) \(for a batch of one, pass its row"),
+                          ([[3, 4]], r"token ids \(integers\), got \[3, 4\] at position 0"),
+                          ([3.9, 4], r"got 3.9 at position 0"), (None, "a sequence of token ids, got NoneType")):
+        with pytest.raises(HsdError, match=words):
+            h.generate(prompt, 3)
+    for kwargs, words in (({"temperature": "1"}, "--temperature"), ({"temperature": 1.0, "seed": 1.5}, "--seed"),
+                          ({"temperature": 1.0, "top_p": "0.9"}, "--top-p")):
+        with pytest.raises(HsdError, match=words):
+            h.generate([3, 4], 3, **kwargs)
+    for budgets in (["a"], [2.7], [True]):
+        with pytest.raises(HsdError, match=r"budgets\[0\]"):
+            HSD([Level("a", lm, 1), Level("t", lm, 4)], budgets)
+    with pytest.raises(HsdError, match=r"seeds: expected one per prompt \(2\), got 1"):
+        generate_many(h, [[3, 4], [5]], 3, temperature=1.0, seeds=[1])
 
 
 def test_process_logits_top_p():

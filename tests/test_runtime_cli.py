@@ -127,6 +127,7 @@ def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     ("unknown_name", "hierarchy[0]"),
     ("unknown_kind", "hierarchy[0]: 'weird' is of kind 'martian', which this runtime cannot run"),
     ("drafter_config", "p.json: models.ngram.config: bad config for ngram_context drafter"),
+    ("mixed_config", "p.json: models.ngram.config: mixed_ngram drafter needs 'ngram' and 'bigram'"),
     ("plan_dtype", "p.json: provenance.dtype: expected one of"),
 ])
 def test_bad_plans(tiny_dir, tmp_path, case, needle):
@@ -157,6 +158,10 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     elif case == "drafter_config":   # a value the drafter refuses
         plan = _plan(tmp_path / "p.json", m, hierarchy=("ngram", "layer4"), budgets=(2,),
                      models=[{"name": "ngram", "kind": "ngram_context", "config": {"q": -1, "w": 4}},
+                             {"name": "layer4", "kind": "target", "layer": 4}])
+    elif case == "mixed_config":     # a mixed drafter without the drafters it mixes
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("ngram", "layer4"), budgets=(2,),
+                     models=[{"name": "ngram", "kind": "mixed_ngram", "config": {"k": 2, "w": 3}},
                              {"name": "layer4", "kind": "target", "layer": 4}])
     elif case == "plan_dtype":
         plan = _plan(tmp_path / "p.json", m, dtype="int7", target_precision="float32")

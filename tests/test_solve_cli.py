@@ -138,6 +138,8 @@ def test_acceptance_out_of_range(tmp_path, value):
     ("acceptance_by_task", {"qa": {"m4": {"m5": 1.5}}}, "acceptance_by_task.qa.m4.m5"),
     ("acceptance_by_task", {"qa": {"m4": 0.5}}, "acceptance_by_task.qa"),
     ("draft_rate_by_task", {"qa": {"m4": "x"}}, "draft_rate_by_task.qa.m4"),
+    ("greedy_agreement", {"m4": {"m5": 1.5}}, "greedy_agreement.m4.m5"),
+    ("greedy_agreement", {"m4": 0.5}, "greedy_agreement"),
     ("provenance", {"prompt_tokens_by_task": "x"}, "provenance.prompt_tokens_by_task"),
     ("provenance", {"positions_by_task": {"qa": -5}}, "provenance.positions_by_task.qa")])
 def test_bad_per_task_records_name_the_field(tmp_path, section, value, field):
@@ -159,7 +161,7 @@ def test_messages_print_brackets_as_they_are(tmp_path):
     _expect_error(run("solve", "--profile", odd), str(odd))
 
 
-@pytest.mark.parametrize("value", [0, -1.0, None])
+@pytest.mark.parametrize("value", [0, -1.0, None, 10 ** 400])
 def test_bad_cost(tmp_path, value):
     d = good_profile()
     d["models"][2]["cost"] = value

@@ -324,6 +324,20 @@ def test_bad_arguments():
         hierarchy_latency(prof, ["nope", "t"], [2])
     with pytest.raises(HsdError, match="budgets"):
         hierarchy_latency(prof, ["d0", "t"], [])
+    for budgets in ([4.5], ["4"], [True]):                  # refused, not cut to an integer
+        with pytest.raises(HsdError, match=r"budgets\[0\]: expected an integer >= 1"):
+            hierarchy_latency(prof, ["d0", "t"], budgets)
+    for a, t in ((1.5, 4), (-0.1, 4), ("0.5", 4), (0.5, 0), (0.5, 2.5)):
+        with pytest.raises(HsdError, match="gamma"):
+            gamma(a, t, 8)
+    with pytest.raises(HsdError, match="--top"):
+        solve(prof, 3, top=2.5)
+    with pytest.raises(HsdError, match="--min-gain"):
+        solve(prof, 3, min_gain="a")
+    from hsd_opt.solver.api import simulate
+    for kwargs, flag in (({"seed": -1}, "--seed"), ({"seed": None}, "--seed"), ({"rounds": "a"}, "--rounds")):
+        with pytest.raises(HsdError, match=flag):
+            simulate(prof, ["d0", "t"], [2], **kwargs)
 
 
 def test_target_alone_when_drafters_do_not_pay():

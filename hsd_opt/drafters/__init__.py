@@ -48,6 +48,8 @@ def make_token_drafter(kind: str, **config) -> TokenDrafter:
         if kind == "mixed_ngram":
             from hsd_opt.drafters.mixed import MixedNgramDrafter
 
+            if "ngram" not in config or "bigram" not in config:
+                raise HsdError("mixed_ngram drafter needs 'ngram' and 'bigram' (each a drafter's config)")
             ng = config.pop("ngram")
             bg = config.pop("bigram")
             ng = ng if isinstance(ng, TokenDrafter) else make_token_drafter(**ng)

@@ -341,7 +341,11 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
     """Decode ``prompts`` together (at most ``max_active`` at once) and return their results in order;
     ``constraints``: each prompt's grammar state (or None); ``logprobs``: as :meth:`HSD.start`, for every prompt;
     ``penalties``: each prompt's (or None); ``top_k``, ``min_p``: as :meth:`HSD.start`, for every prompt.
-    Raises the first error a sequence met."""
+    Raises the first error a sequence met, and :class:`HsdError` where ``seeds``, ``constraints`` or
+    ``penalties`` do not give one entry per prompt."""
+    for name, per_prompt in (("seeds", seeds), ("constraints", constraints), ("penalties", penalties)):
+        if per_prompt is not None and len(per_prompt) != len(prompts):
+            raise HsdError(f"{name}: expected one per prompt ({len(prompts)}), got {len(per_prompt)}")
     batch = Batch(hierarchies, max_active)
     results: list[GenerationResult | None] = [None] * len(prompts)
     errors: list[BaseException] = []

@@ -35,8 +35,6 @@ Units: seconds (wall time). Shapes: logits/probabilities ``[m, V]`` float32.
 
 from __future__ import annotations
 
-import math
-import numbers
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -61,6 +59,7 @@ from hsd_opt.runtime.sampling import (
 )
 from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.seeds import seed_fits
+from hsd_opt.values import is_finite, is_integer, is_real
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
 #: passes of this many, between which a batch serves the other sequences' rounds. Long enough that its passes take
@@ -144,7 +143,19 @@ def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max
     model's context; None: unchecked)."""
     if isinstance(prompt_ids, (str, bytes)):
         raise HsdError("the prompt must be token ids, got text: encode it first (hsd_opt.prompts.encode_prompt)")
-    prompt = [int(t) for t in prompt_ids]
+    if getattr(prompt_ids, "ndim", 1) != 1:                       # a tensor or array of another shape
+        raise HsdError(f"the prompt must be one sequence of token ids, got an array of shape "
+                       f"{tuple(prompt_ids.shape)} (for a batch of one, pass its row: ids[0])")
+    if hasattr(prompt_ids, "tolist"):
+        prompt_ids = prompt_ids.tolist()
+    try:
+        prompt = list(prompt_ids)
+    except TypeError:
+        raise HsdError(f"the prompt must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
+    i = next((i for i, t in enumerate(prompt) if not is_integer(t)), None)
+    if i is not None:
+        raise HsdError(f"the prompt must be token ids (integers), got {prompt[i]!r} at position {i}")
+    prompt = [int(t) for t in prompt]
     if not prompt:
         raise HsdError("empty prompt: need at least one token")
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -160,16 +171,16 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_p: float,
     """Refuse ``max_new_tokens`` not an integer >= 1, a ``temperature`` below 0 or not finite, ``top_p`` outside
     (0, 1] or a ``seed`` outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag
     (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+    if not is_integer(max_new_tokens):
         raise HsdError(f"--max-new-tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise HsdError(f"--temperature: expected a finite value >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p}")
-    if seed is not None and not seed_fits(seed):
-        raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed}")
+    if not (is_finite(temperature) and temperature >= 0):
+        raise HsdError(f"--temperature: expected a finite value >= 0, got {temperature!r}")
+    if not (is_real(top_p) and 0.0 < top_p <= 1.0):
+        raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p!r}")
+    if seed is not None and not (is_integer(seed) and seed_fits(seed)):
+        raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed!r}")
 
 
 def check_sampled_filters(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
@@ -387,7 +398,7 @@ class HSD:
         if len(budgets) != len(levels) - 1:
             raise HsdError(f"budgets: expected {len(levels) - 1} values for {len(levels)} levels, got {len(budgets)}")
         for i, t in enumerate(budgets):
-            if int(t) < 1:
+            if not is_integer(t) or t < 1:
                 raise HsdError(f"budgets[{i}]: expected a budget >= 1, got {t}")
         for lv in levels[1:]:
             if not lv.is_model:

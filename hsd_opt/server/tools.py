@@ -16,8 +16,9 @@ The prompt gets the instruction (a system message, or the end of the first one) 
 description and parameters, in the same format for every model (chat templates' own tool formats differ). The
 response has ``message.tool_calls`` (one call, id ``call_<hex>``, ``content`` null) and ``finish_reason``
 ``"tool_calls"`` where the answer is a whole call (it ended at the end of sequence); an answer cut by ``max_tokens``
-or a stop string keeps ``finish_reason`` ``"length"`` or ``"stop"`` with what was generated. Earlier turns may carry ``tool_calls`` (an assistant turn, given to the model
-as the JSON of its calls) and ``tool`` results (their ``content``).
+or a stop string keeps ``finish_reason`` ``"length"`` or ``"stop"`` with what was generated. Earlier turns may
+carry ``tool_calls`` (an assistant turn, given to the model as the JSON of its calls) and ``tool`` results (their
+``content``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from hsd_opt.solver.latency import best_single_draft, hierarchy_latency, target_
 from hsd_opt.solver.lp import solve_lp
 from hsd_opt.solver.simulate import SimResult
 from hsd_opt.solver.simulate import simulate as _simulate
+from hsd_opt.values import is_integer, is_real
 
 SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
 
@@ -131,8 +132,10 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     check_has_rates(full, "<profile>" if isinstance(profile, Profile) else str(profile))
     profile, ctx, ctx_from = resolve_context(full, context)
     resolved: dict = {}
-    if not 0.0 <= float(min_gain) < 1.0:
+    if not (is_real(min_gain) and 0.0 <= min_gain < 1.0):
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain!r}")
+    if not is_integer(top) or top < 1:
+        raise HsdError(f"--top: expected an integer >= 1, got {top!r}")
     inst = _checked_instance(profile, tmax, solver, max_depth)
     sol = _optimum_of(profile, inst, solver, max_depth)
     exact = sol
@@ -192,6 +195,8 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
         hierarchy, budgets = hierarchy.hierarchy, hierarchy.budgets
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")
-    if int(rounds) != rounds or rounds < 1:
+    if not is_integer(rounds) or rounds < 1:
         raise HsdError(f"--rounds: expected an integer >= 1, got {rounds!r}")
+    if not is_integer(seed) or seed < 0:
+        raise HsdError(f"--seed: expected an integer >= 0, got {seed!r}")
     return _simulate(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets, int(rounds), int(seed))

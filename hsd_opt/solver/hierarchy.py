@@ -19,6 +19,7 @@ from typing import Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
+from hsd_opt.values import is_integer
 
 
 @dataclass
@@ -46,7 +47,7 @@ def source_candidates(profile: Profile) -> list[str]:
 
 def check_max_depth(max_depth: int | None) -> None:
     """Raise :class:`HsdError` unless ``max_depth`` is None or an integer >= 1 (models including the target)."""
-    if max_depth is not None and (int(max_depth) != max_depth or max_depth < 1):
+    if max_depth is not None and (not is_integer(max_depth) or max_depth < 1):
         raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth!r}")
 
 

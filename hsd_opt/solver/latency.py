@@ -40,6 +40,7 @@ import numpy as np
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ModelEntry, Profile
 from hsd_opt.solver.hierarchy import source_candidates
+from hsd_opt.values import is_integer, is_real
 
 # ------------------------------------------------------------------------------------------------ gamma
 
@@ -58,9 +59,11 @@ def gamma(a: float, t: int, T: int) -> float:
         t: drafts per round (tokens), >= 1.
         T: tokens needed, >= 0.
     """
+    if not (is_real(a) and 0.0 <= a <= 1.0):
+        raise HsdError(f"gamma: the acceptance rate a must be in [0, 1], got {a!r}")
+    if not (is_integer(t) and t >= 1) or not is_integer(T):
+        raise HsdError(f"gamma: t must be an integer >= 1 and T an integer, got t={t!r}, T={T!r}")
     a, t, T = float(a), int(t), int(T)
-    if t < 1:
-        raise ValueError("gamma: t must be >= 1")
     if T <= 0:
         return 0.0
     p = [a ** (k - 1) * (1.0 - a) for k in range(1, t + 1)] + [a ** t]   # P(N = k), k = 1..t+1
@@ -284,7 +287,7 @@ def _check_hierarchy(profile: Profile, hierarchy: Sequence[str], budgets: Sequen
     if len(budgets) != len(hierarchy) - 1:
         raise HsdError(f"budgets: expected {len(hierarchy) - 1} budgets, got {len(budgets)}")
     for i, t in enumerate(budgets):
-        if int(t) != t or t < 1:
+        if not is_integer(t) or t < 1:
             raise HsdError(f"budgets[{i}]: expected an integer >= 1, got {t!r}")
     for lo, hi in zip(hierarchy[:-1], hierarchy[1:]):
         if profile.accept(lo, hi) is None:
@@ -302,8 +305,9 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
     Raises :class:`HsdError` for unknown models, a wrong target, a pair without a measured acceptance or a
     verifier that cannot verify. Does not require budgets to be non-decreasing (the solvers do).
     """
-    hierarchy, budgets = list(hierarchy), [int(b) for b in budgets]
+    hierarchy, budgets = list(hierarchy), list(budgets)
     _check_hierarchy(profile, hierarchy, budgets)
+    budgets = [int(b) for b in budgets]
     if len(hierarchy) == 1:
         return profile.entry(hierarchy[0]).cost
     bottom = profile.entry(hierarchy[0])
