@@ -84,7 +84,8 @@ def test_bench_by_task_adds_up_and_every_turn_follows_its_own_answer(tiny):
                     assert sum(t["levels"][i][k] for t in tasks) == lv[k], (m, i, k)
     # the plan of each prompt's task: translation ran its own plan, the others the plan itself
     ht = rep["methods"]["hsd_task"]
-    assert "levels" not in ht and set(ht["plans"]) == {"plan", "by_task.translation"}
+    assert "levels" not in ht and ht["plans"] == ["by_task.translation", "plan"]            # those that ran
+    assert set(ht["plan_hierarchies"]) == {"plan", "by_task.translation"}
     assert rep["by_task"]["translation"]["hsd_task"]["plans"] == ["by_task.translation"]
     assert rep["by_task"]["translation"]["hsd_task"]["levels"][0]["name"] == "ngram"
     assert rep["by_task"]["qa"]["hsd_task"]["plans"] == ["plan"]

@@ -132,6 +132,14 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
     plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-b"))
     with pytest.raises(HsdError, match="the profile is of model 'm-a', the plan of 'm-b'"):
         check_profile_for_plan(prof, plan, "p.json")
+    prof.provenance = Provenance(model="m-a", target_precision="int4")      # the int4 copy's costs
+    for plan_precision, refused in (("float32", True), ("int4", False), (None, False)):
+        plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-a", target_precision=plan_precision))
+        if refused:
+            with pytest.raises(HsdError, match="the profile is of target precision 'int4', the plan of 'float32'"):
+                check_profile_for_plan(prof, plan, "p.json")
+        else:
+            check_profile_for_plan(prof, plan, "p.json")
 
 
 @pytest.fixture(scope="module")

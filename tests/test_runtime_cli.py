@@ -478,3 +478,32 @@ def test_bench_follows_each_prompt_lines_own_schema(tiny_dir, tmp_path):
     assert under["text"].startswith('{"a": ') and not free["text"].startswith("{")
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2"])
     assert res.exit_code == 2 and "does not follow the prompts' schemas" in _out(res) and str(prompts) in _out(res)
+
+
+def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_path):
+    """No method that can run, a prompt that passes the model's context (512 positions here: HF's loop would have
+    decoded on past it), the load bench's options without --concurrency, and an output that is one of the inputs
+    or the other output: each one line, exit 2, nothing written."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n' + json.dumps({"prompt": "word " * 600}) + "\n")
+    before = plan.read_bytes()
+    cases = [
+        (["--methods", "hsd_task"], "--methods: none of the methods can run: hsd_task: "),
+        (["--prompts", str(prompts), "--methods", "hf_ar,ar"], f"--prompts {prompts}: prompt 2 has "),
+        (["--max-new-tokens", "600", "--methods", "hf_ar,ar", "--limit", "1"], "the suite: prompt 1 has "),
+        (["--requests", "3"], "--requests: only with --concurrency"),
+        (["--rounds", "2", "--max-batch", "4"], "--max-batch, --rounds: only with --concurrency"),
+        (["--json", str(plan)], f"--json {plan}: the same file as --plan"),
+        (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.json")], "the same file as --json"),
+        (["--methods", "hf_assisted", "--assistant", str(tmp_path / "nowhere")], f"--assistant {tmp_path}"),
+    ]
+    for args, needle in cases:
+        res = runner.invoke(app, ["bench", "--plan", str(plan), "--max-new-tokens", "4", *args])
+        assert res.exit_code == 2 and needle in _out(res) and "Traceback" not in _out(res), (args, _out(res))
+    assert plan.read_bytes() == before and not (tmp_path / "b.json").exists()
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    res = runner.invoke(app, ["solve", "--profile", str(profile), "--out", str(profile)])
+    assert res.exit_code == 2 and "--out" in _out(res) and "the same file as --profile" in _out(res), _out(res)
+    assert profile.read_text() == "{}"

@@ -146,13 +146,14 @@ def bench_cmd(
     mode: str = typer.Option("exact", "--mode", help="exact | eager (see hsd run)."),
     methods: Optional[str] = typer.Option(None, "--methods", help=_METHODS_HELP),
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help=_CONCURRENCY_HELP),
-    requests: int = typer.Option(2, "--requests", help="With --concurrency: requests per client, one after the "
-                                                       "other."),
+    requests: Optional[int] = typer.Option(None, "--requests", help="With --concurrency: requests per client, one "
+                                                                    "after the other (default 2)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="With --concurrency: sequences decoded "
                                                                       "together by hsd and hsd_plain (default: "
                                                                       "the largest concurrency)."),
-    rounds: int = typer.Option(1, "--rounds", help="With --concurrency: rounds at each level, the methods in "
-                                                   "rotating order; the report holds the medians."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="With --concurrency: rounds at each level, the "
+                                                                "methods in rotating order; the report holds the "
+                                                                "medians (default 1)."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help=JSON_SCHEMA_HELP + " Our methods only "
                                                                            "(HF generate does not follow it)."),
     grammar: Optional[Path] = typer.Option(None, "--grammar", help=GRAMMAR_HELP),
@@ -161,17 +162,17 @@ def bench_cmd(
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
     from hsd_opt.measure.bench import plot_report, run_bench
-    from hsd_opt.runtime.decode import check_mode
 
-    check_mode(mode)
-    check_outputs(("--json", json_out), ("--plot", plot))
-
-    if max_new_tokens < 1:
-        raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    if concurrency is not None:
+    _check_flags(mode, max_new_tokens, (("--json", json_out), ("--plot", plot)),
+                 [("--plan", plan), ("--prompts", prompts), ("--retime", retime), ("--json-schema", json_schema),
+                  ("--grammar", grammar)])
+    if concurrency is None:
+        _no_load_options(requests=requests, max_batch=max_batch, rounds=rounds)
+    else:
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
-                          target_precision, model, raw, mode, methods, concurrency, requests, max_batch, rounds,
-                          retime, (temperature, top_p, top_k, min_p),
+                          target_precision, model, raw, mode, methods, concurrency,
+                          2 if requests is None else requests, max_batch, 1 if rounds is None else rounds, retime,
+                          (temperature, top_p, top_k, min_p),
                           others={"--seed": seed is not None, "--turns": turns != "first",
                                           "--assistant": assistant is not None,
                                           "--json-schema": json_schema is not None, "--grammar": grammar is not None})
@@ -180,10 +181,7 @@ def bench_cmd(
     spec = grammar_spec(json_schema, grammar)
     retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    if spec is not None:                 # every answer under the grammar: each prompt runs the plan for JSON
-        items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
-    grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
-    sampling = dataclasses.replace(sampling, grammars=grammars)
+    items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
@@ -193,6 +191,44 @@ def bench_cmd(
         rep["grammar"] = {"kind": spec.kind, "source": spec.source}
     _print_bench(rep, _bench_title(rep, loaded, len(items), turns, max_new_tokens, sampling))
     write_outputs(rep, json_out, plot, plot_report)
+
+
+def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, prompts: Optional[Path]):
+    """``(items, sampling)`` ready for the model: with a grammar flag (``spec``) every prompt of task ``json`` (it
+    runs the plan for JSON), each one's room in the context checked, and their grammars compiled."""
+    from hsd_opt.measure.bench import check_room
+    from hsd_opt.runtime.runner import model_context
+
+    if spec is not None:
+        items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
+    check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
+    grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
+    return items, dataclasses.replace(sampling, grammars=grammars)
+
+
+def _check_flags(mode: str, max_new_tokens: int, outputs, inputs) -> None:
+    """``hsd bench``'s flags every run checks before any work: ``--mode``, ``--max-new-tokens``, and the outputs
+    (``(flag, path)``) against each other and the ``inputs`` (:func:`check_outputs`)."""
+    from hsd_opt.runtime.decode import check_mode
+
+    check_mode(mode)
+    check_outputs(*outputs, inputs=inputs)
+    if max_new_tokens < 1:
+        raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+
+
+def _no_load_options(**given: Optional[int]) -> None:
+    """Refuse the load bench's options (``--requests``, ``--max-batch``, ``--rounds``: None where not given) in a
+    single-stream bench, which would ignore them."""
+    flags = [f"--{name.replace('_', '-')}" for name, v in given.items() if v is not None]
+    if flags:
+        raise HsdError(f"{', '.join(flags)}: only with --concurrency (the load bench); the single-stream bench runs "
+                       "each prompt once per method")
+
+
+def _prompts_source(prompts: Optional[Path]) -> str:
+    """What errors call the prompts: ``--prompts FILE``, or the shipped suite."""
+    return f"--prompts {prompts}" if prompts is not None else "the suite"
 
 
 def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task: Optional[int], turns: str, by: str,
@@ -312,9 +348,10 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     single-stream bench that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
-    from hsd_opt.measure.bench import Sampling, check_sampling
+    from hsd_opt.measure.bench import Sampling, check_room, check_sampling
     from hsd_opt.measure.load_bench import plot_load, run_load_bench
     from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
+    from hsd_opt.runtime.runner import model_context
 
     temperature, top_p, top_k, min_p = how
     sampling = Sampling(temperature, top_p, 0, top_k=top_k, min_p=min_p)
@@ -330,6 +367,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     say = lambda s: console.print(s, style="dim")  # noqa: E731
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), retime, say)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
+    check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 import typer
 
@@ -38,14 +38,25 @@ def cli_command(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def check_outputs(*flags: tuple[str, Optional[Path]]) -> None:
+def check_outputs(*flags: tuple[str, Optional[Path]],
+                  inputs: Sequence[tuple[str, Optional[Path]]] = ()) -> None:
     """Refuse, before any work, each ``(flag, path)`` output a command could not write (see
-    :func:`hsd_opt.jsonio.check_writable`); paths that are None are not asked for."""
+    :func:`hsd_opt.jsonio.check_writable`), and one that is the same file as another output or as one of the
+    ``inputs`` (``(flag, path)``: files the command reads, which writing it would destroy); paths that are None
+    are not asked for."""
     from hsd_opt.jsonio import check_writable
 
+    seen = [(flag, Path(path).resolve()) for flag, path in inputs if path is not None]
     for flag, path in flags:
-        if path is not None:
-            check_writable(path, flag)
+        if path is None:
+            continue
+        check_writable(path, flag)
+        here = Path(path).resolve()
+        other = next((f for f, there in seen if there == here), None)
+        if other is not None:
+            raise HsdError(f"{flag} {path}: the same file as {other}; write it elsewhere (it would overwrite "
+                           f"what {other} holds)")
+        seen.append((flag, here))
 
 
 def fmt(x, spec: str = ".3g") -> str:

@@ -147,7 +147,7 @@ def profile_cmd(
     from hsd_opt.profiler.run import ProfileConfig
 
     _check_required(model, out)
-    check_outputs(("--out", out))
+    check_outputs(("--out", out), inputs=[("--prompts", prompts), ("--heads", heads)])
     _check_inputs(cost_repeats, max_prompts, threads, heads)
     contexts = tuple(options.cost_contexts(cost_contexts))
     batches = options.batch_sizes(batch_sizes)
@@ -315,7 +315,7 @@ def merge_cmd(
     from hsd_opt.formats import save_profile
     from hsd_opt.profiler.assemble import merge_profiles
 
-    check_outputs(("--out", out))
+    check_outputs(("--out", out), inputs=[("PROFILES", p) for p in profiles])
     prof = merge_profiles(profiles, warn=warn)
     save_profile(prof, out)
     pv = prof.provenance
@@ -337,7 +337,7 @@ def merge_costs_cmd(
     from hsd_opt.formats import load_profile, save_profile
     from hsd_opt.profiler.assemble import merge_costs
 
-    check_outputs(("--out", out))
+    check_outputs(("--out", out), inputs=[("--rates", rates), ("--costs", costs)])
     r, _ = load_profile(rates)
     c, _ = load_profile(costs)
     prof = merge_costs(r, c, str(rates), str(costs))

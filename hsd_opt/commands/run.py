@@ -179,7 +179,8 @@ def run_cmd(
                                  presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
     _check_logprobs(logprobs, json_out)
     check_mode(mode)
-    check_outputs(("--json", json_out))
+    check_outputs(("--json", json_out), inputs=[("--plan", plan), ("--prompts", prompts),
+                                               ("--json-schema", json_schema), ("--grammar", grammar)])
     check_turn_mode(turns)
     check_report_key(by)
     spec = grammar_spec(json_schema, grammar)

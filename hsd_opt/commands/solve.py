@@ -162,7 +162,7 @@ def solve_cmd(
 ):
     """Find the latency-optimal hierarchy of drafters and budgets for a profile (or for one task of it)."""
     _check_solve_options(tmax, solver, max_depth, top, min_gain, load_min_gain, task, per_task, context)
-    check_outputs(("--out", out))
+    check_outputs(("--out", out), inputs=[("--profile", profile)])
     full, sizes = _load_solve_profile(profile, batch_sizes, context)
     prof = _profile_to_solve(full, task, per_task)
     plan = _solve_plan(prof, full, task, per_task, sizes, tmax, solver, max_depth, top, min_gain, load_min_gain,

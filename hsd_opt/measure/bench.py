@@ -246,7 +246,7 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
         ref = assistant or assistant_ref(plan)
         if ref is None:
             return None, None, "the plan has no draft model to assist with: give --assistant MODEL"
-        draft = models.draft_model(ref)
+        draft = models.draft_model(ref, "--assistant" if assistant else "the plan's draft model")
         return (_hf_runner(loaded, eos, sampling, assistant_model=draft.model), {"assistant_model": draft.model_id},
                 None)
     if m == "ar":
@@ -292,7 +292,8 @@ def _hierarchy_runner(plan, hsd, hierarchy: list[str], budgets: list[int], key: 
 
 def _task_runner(plan, hsd, tasks: Sequence[str], sampling: Sampling) -> tuple[Runner, dict]:
     """``hsd_task``: each prompt runs its task's hierarchy (that of every task in ``tasks``, and the plan's own,
-    built now); its description names the plans."""
+    built now); its description holds each plan's hierarchy and budgets (``plan_hierarchies``; the report's
+    ``plans`` are those that ran)."""
     from hsd_opt.runtime.runner import plan_for_prompt, prediction_context
 
     plans = {}
@@ -307,7 +308,7 @@ def _task_runner(plan, hsd, tasks: Sequence[str], sampling: Sampling) -> tuple[R
         ctx = run_context(len(ids), len(toks))
         return toks, st, which, plan_for_prompt(plan, item.task, context=ctx)[2], prediction_context(plan, ctx)
 
-    return run, {"plans": plans}
+    return run, {"plan_hierarchies": plans}
 
 
 def _hf_runner(loaded, eos: list[int], sampling: Sampling, **kw) -> Runner:
@@ -368,8 +369,10 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     tok = loaded.tokenizer
     runners, desc, errors, built = build_runners(plan, loaded, methods, sampling, mode, source,
                                                  sorted({it.task for it in items}), extra, assistant)
+    _some_method_runs(runners, errors)
     ids0 = conversation_ids(tok, items[0].turns, [], raw)
     _warm_up(runners, built, errors, ids0, min(8, max_new_tokens), sampling, items[0], log)
+    _some_method_runs(runners, errors)
     clock = None
     if retime is not None:
         from hsd_opt.measure.retime import StepClock
@@ -391,6 +394,29 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
                                     "profile's costs scaled per engine by its step time measured before each "
                                     "prompt"}
     return report
+
+
+def _some_method_runs(runners: dict[str, Runner], errors: dict[str, str]) -> None:
+    """Refuse a bench none of whose methods can run, saying why each cannot (one line)."""
+    if not runners:
+        raise HsdError("--methods: none of the methods can run: "
+                       + "; ".join(f"{m}: {why}" for m, why in errors.items()))
+
+
+def check_room(items: Sequence[PromptItem], tokenizer, raw: bool, max_new_tokens: int, context: int | None,
+               source: str) -> None:
+    """Refuse, before any generation, a prompt whose first turn and ``max_new_tokens`` pass the model's ``context``
+    (tokens; None: unchecked), in one line naming ``source`` (the prompt file) and the prompt: every method would
+    stop at it (HF's ``generate`` only after decoding past the context)."""
+    if context is None:
+        return
+    for it in items:
+        n = len(conversation_ids(tokenizer, it.turns, [], raw))
+        if n + max_new_tokens > context:
+            which = f"prompt {it.index + 1}" + (f" (question_id {it.question_id})" if it.question_id is not None
+                                                else "")
+            raise HsdError(f"{source}: {which} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds "
+                           f"the model's context of {context} positions")
 
 
 def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], ids: list[int], n: int,

@@ -74,12 +74,14 @@ def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequenc
 
 
 def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
-    """Refuse a profile that cannot price ``plan``: another model, or a level it does not describe (``source``
-    names the profile in the error)."""
-    pm = profile.provenance.model
-    qm = plan.provenance.model
-    if pm and qm and pm != qm:
-        raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r}")
+    """Refuse a profile that cannot price ``plan``: of another model, revision, dtype or target precision (its
+    costs are another engine's), or missing a level of the plan (``source`` names the profile in the error)."""
+    for key, what in (("model", "model"), ("revision", "revision"), ("dtype", "dtype"),
+                      ("target_precision", "target precision")):
+        pv, qv = getattr(profile.provenance, key), getattr(plan.provenance, key)
+        if pv and qv and pv != qv:
+            raise HsdError(f"--retime {source}: the profile is of {what} {pv!r}, the plan of {qv!r} (provenance."
+                           f"{key}; give the profile the plan was solved from)")
     names = {m.name for m in profile.models}
     missing = [n for n in plan.hierarchy if n not in names]
     if missing:

@@ -447,8 +447,9 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
     return sorted(ids)
 
 
-def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
-    """Refuse a draft model whose tokenizer differs from the target's (vocab and special tokens)."""
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str, flag: str = "--draft-model") -> None:
+    """Refuse a draft model whose tokenizer differs from the target's (vocab and special tokens), naming ``flag``
+    (or the plan's field) and the model."""
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise HsdError(f"--draft-model {draft_name}: its tokenizer differs from the target's "
+        raise HsdError(f"{flag} {draft_name}: its tokenizer differs from the target's "
                        f"(vocab sizes {len(draft_tok)} vs {len(target_tok)}); drafts must share the target's tokens")

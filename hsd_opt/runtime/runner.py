@@ -151,7 +151,7 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
         kind = e.kind
         where = f"hierarchy[{i}] ({name})"
         if kind == "early_exit" and e.model is not None:     # an exit of a draft model
-            draft = models.draft_engine(models.draft_model(e.model))
+            draft = models.draft_engine(models.draft_model(e.model, f"{source}: {where}: model"))
             layer = e.layer
             if layer is None or not 1 <= layer <= draft.n_layers:
                 raise InputFileError(source, f"layer {layer!r} of {name!r}: the model {e.model} has layers "
@@ -172,7 +172,7 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
             ref = e.model
             if ref is None:
                 raise InputFileError(source, f"model entry {name!r} needs 'model' (id or path)", where)
-            draft = models.draft_engine(models.draft_model(ref))
+            draft = models.draft_engine(models.draft_model(ref, f"{source}: {where}: model"))
             levels.append(Level(name, draft, draft.n_layers))
         else:
             if i != 0:
@@ -251,16 +251,16 @@ class PlanModels:
             self._heads[id(tokenizer)] = template_head(tokenizer)
         return self._heads[id(tokenizer)]
 
-    def draft_model(self, ref: str) -> LoadedModel:
+    def draft_model(self, ref: str, flag: str = "--draft-model") -> LoadedModel:
         """The draft model ``ref`` (alias, id or path), loaded once on ``device``/``dtype`` (default: the
         target's), for the engines alone where the target was (``LoadedModel.engines_only``), and checked to
-        share the target's tokenizer."""
+        share the target's tokenizer; ``flag`` (or the plan's field) is what errors name."""
         from hsd_opt.models.loading import check_same_tokenizer, load_model, resolve_model_name
 
         key = (resolve_model_name(ref), self.device or self.loaded.device, self.dtype or self.loaded.dtype)
         if key not in self._drafts:
-            other = load_model(ref, device=key[1], dtype=key[2], engines_only=self.loaded.engines_only)
-            check_same_tokenizer(self.loaded.tokenizer, other.tokenizer, ref)
+            other = load_model(ref, device=key[1], dtype=key[2], flag=flag, engines_only=self.loaded.engines_only)
+            check_same_tokenizer(self.loaded.tokenizer, other.tokenizer, ref, flag)
             self._drafts[key] = other
         return self._drafts[key]
 
@@ -328,7 +328,7 @@ class PlanModels:
 def _quantized_level(models: PlanModels, name: str, e: PlanModel, source: str, where: str) -> Level:
     """A level over a quantized copy from a ``quantized`` entry: of the target, or with ``model`` of that draft
     model (one copy per model and setting)."""
-    model = models.draft_model(e.model).model if e.model else models.loaded.model
+    model = models.draft_model(e.model, f"{source}: {where}: model").model if e.model else models.loaded.model
     copy = models.copy(model, e.quantization, name, source, where)
     layer = copy.n_layers if e.layer is None else e.layer
     if not 1 <= layer <= copy.n_layers:
@@ -361,9 +361,14 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
     models = models or PlanModels(loaded)
-    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
     return HSD(build_levels(plan, models, source=source), plan.budgets, eos_ids=eos_ids(loaded), mode=mode,
-               pool=models.pool, max_positions=int(context) if context else None)
+               pool=models.pool, max_positions=model_context(loaded))
+
+
+def model_context(loaded: LoadedModel) -> int | None:
+    """The model's context in tokens (its ``max_position_embeddings``), None where its configuration has none."""
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    return int(context) if context else None
 
 
 def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",
