@@ -73,3 +73,35 @@ def test_drop_pages_gives_back_a_view_of_a_buffer():
     assert drop_pages(view) == 3 * 4096 and int(view[: 3 * 4096].sum()) == 0     # the pages read zeros now
     assert int(buf[:start].sum()) == start and int(view[3 * 4096:].sum()) == 100  # nothing else changed
     assert drop_pages(torch.ones(3 * 4096, dtype=torch.uint8)) == 0              # owns its storage
+
+
+
+def test_projections_the_kernels_read_in_an_exact_form_stay_in_the_files_pages(embedded):
+    """SmolLM2's projections are exact in int4 (a de-quantized Q4_1 file): its float engine on the kernels reads
+    those forms, so a model loaded for the engines alone keeps exactly its float32 projections in the file's pages
+    (no copy of ~400 MB at start) and moves the rest; the engine's logits are bit for bit those of an engine over
+    the model made wholly resident."""
+    import pytest
+
+    from hsd_opt.engine import kernels
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.engine.weights import linears
+    from hsd_opt.models.loading import load_model
+
+    lib = kernels.load()
+    if lib is None or lib.hsd_simd() < 1:
+        pytest.skip("no SIMD kernels here: the engine reads the float32 weights, all of them resident")
+    m = load_model("smollm2-135m", device="cpu", dtype="float32", engines_only=True).model
+    projections = [lin.weight for layer in m.model.layers for lin in linears(layer).values()]
+    at = [w.data_ptr() for w in projections]
+    eng, whole = LayeredLM(m), LayeredLM(embedded.model)
+    assert [w.data_ptr() for w in projections] == at                # read in their exact forms: left in place
+    ids = [1, 9690, 28, 2634, 314, 253, 1345, 30]
+    out = []
+    for e in (eng, whole):
+        st = e.new_state(64)
+        e.append(st, ids)
+        e.advance(st, e.n_layers)
+        out.append(e.logits(st, e.n_layers, 0, len(ids)))
+    assert torch.equal(out[0], out[1])
+    assert resident_weights(m) == sum(w.numel() * w.element_size() for w in projections)   # only they were left

@@ -40,10 +40,12 @@ from hsd_opt.engine.torch_path import TorchPath
 from hsd_opt.engine.weights import (
     F32,
     GROUP,
+    Mat,
     ModelWeights,
     check_supported,
     exact_int8,
     is_released,
+    linears,
     model_weights,
     release_float_weights,
     weight_readers,
@@ -91,6 +93,15 @@ def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
     """``setting``, or where it is None the environment ``variable`` (on unless ``0``; ``default`` where it is
     not set), read now."""
     return setting if setting is not None else os.environ.get(variable, default).strip() != "0"
+
+
+def _make_resident(model, exact: Sequence[Mapping[str, Mat]] | None) -> int:
+    """Make resident the weights of a model loaded for the engines alone that its float engine reads on every step
+    (:func:`~hsd_opt.models.memory.complete_residency`): all of them but the projections the kernels read in an
+    exact int4 form (``exact``, per layer), which stay in the file's pages (the torch path reads them only for
+    prompt passes past the kernels' reach). Returns the bytes moved."""
+    kept = [linears(layer)[name].weight for layer, forms in zip(model.model.layers, exact or ()) for name in forms]
+    return complete_residency(model, keep_in_place=kept)
 
 
 def torch_path_settings() -> dict[str, bool]:
@@ -169,15 +180,12 @@ class LayeredLM:
         if is_released(model):
             raise HsdError("the model's float weights were released after quantizing it; an engine over it "
                            "needs the model loaded anew")
-        complete_residency(model)   # it reads every weight on every step (a model loaded for the engines alone
-        #                             has its matrices resident only now)
-        self._build(model, model_weights(model), exit_heads, kernels)
+        self._build(model, model_weights(model), exit_heads, kernels, resident=True)
         weight_readers(model).engines.add(self)        # reads the weights in place: they stay while it lives
 
     def _build(self, model, weights: ModelWeights, exit_heads: Mapping[int, ExitHead] | None,
-               use_kernels: bool | None) -> None:
+               use_kernels: bool | None, resident: bool = False) -> None:
         cfg = model.config
-        self.model, self.weights = model, weights
         self.rotary = model.model.rotary_emb
         self.n_layers = len(weights.layers)
         self.n_heads = cfg.num_attention_heads
@@ -191,6 +199,10 @@ class LayeredLM:
         if use_kernels is not False:
             problem = kernels.layout_problem(weights, self.device, self.head_dim)
             lib = kernels.load_for_model(problem, required=bool(use_kernels))
+        exact, exact_head = self._exact_forms(model, weights, lib)
+        if resident and _make_resident(model, exact):
+            weights = model_weights(model)         # the moved weights: views into the resident buffer
+        self.model, self.weights = model, weights
         #: activations and caches: float32 on the kernels; else the model's dtype (a quantized copy: float32 on a
         #: CPU, bfloat16 elsewhere)
         if lib is not None:
@@ -200,15 +212,6 @@ class LayeredLM:
         else:
             self.dtype = weights.head.tensors[0].dtype
         self._torch = TorchPath(weights, self.dtype, self.n_heads, self.n_kv, self.head_dim)
-        exact = exact_head = None
-        if lib is not None and lib.hsd_simd() >= 1 and not weights.head.quantized:
-            # made by the kernels and checked by them against every float32 weight (each build)
-            exact = stored_copies.exact_int4_layers(model, weights, lib) if _setting(EXACT_INT4, "HSD_EXACT_INT4") \
-                else None
-            exact_head = None
-            if _setting(EXACT_INT8, "HSD_EXACT_INT8"):
-                exact_head = kernels.exact_q8f(lib, weights.head) if kernels.has(lib, "hsd_exact_q8f") \
-                    else exact_int8(weights.head)
         self._kernels = None if lib is None else kernels.KernelPath(lib, weights, self.n_heads, self.n_kv,
                                                                      self.head_dim, exact, exact_head)
         #: greedy tokens of a float32 kernel head without computing all its logits (None: no screen)
@@ -236,6 +239,21 @@ class LayeredLM:
                 self.attend_in_triton()
             if wanted["cuda_graphs"]:
                 self.replay_passes()
+
+    @staticmethod
+    def _exact_forms(model, weights: ModelWeights, lib) -> tuple[list | None, Mat | None]:
+        """``(exact int4 forms of the layers' projections, exact int8 form of the head)`` the kernels ``lib`` read
+        instead of a float32 model's weights (None where they do not, or the settings turn them off), made by the
+        kernels and checked by them against every float32 weight (each build)."""
+        if lib is None or lib.hsd_simd() < 1 or weights.head.quantized:
+            return None, None
+        exact = stored_copies.exact_int4_layers(model, weights, lib) if _setting(EXACT_INT4, "HSD_EXACT_INT4") \
+            else None
+        exact_head = None
+        if _setting(EXACT_INT8, "HSD_EXACT_INT8"):
+            exact_head = kernels.exact_q8f(lib, weights.head) if kernels.has(lib, "hsd_exact_q8f") \
+                else exact_int8(weights.head)
+        return exact, exact_head
 
     def read_codes(self) -> None:
         """Read this engine's quantized matrices on the torch path as codes with torch's weight-only kernels

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
@@ -54,11 +54,16 @@ def _was_moved(moved: dict, t) -> bool:
     return ref is not None and ref() is t
 
 
-def complete_residency(model) -> int:
+def complete_residency(model, keep_in_place: Iterable = ()) -> int:
     """:func:`resident_weights` for what is left of a model made resident in part (``load_model`` for the engines
     alone leaves its matrices in the file's pages until a float engine reads them); a model never made resident
-    (built in memory, not loaded) is left as it is. Returns the bytes moved."""
-    return resident_weights(model) if model in _MOVED else 0
+    (built in memory, not loaded) is left as it is. ``keep_in_place``: parameters left in the file's pages, which
+    the engine reads in another form on every step (a later call may still move them). Returns the bytes moved."""
+    if model not in _MOVED:
+        return 0
+    kept = {id(t) for t in keep_in_place}
+    names = {name for name, t in model.named_parameters() if id(t) in kept}
+    return resident_weights(model, which=lambda name: name not in names)
 
 
 def resident_weights(model, which: Callable[[str], bool] | None = None) -> int:
