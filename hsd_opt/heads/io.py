@@ -7,7 +7,9 @@ Metadata key ``hsd_heads`` holds JSON::
     {"format": "hsd-heads/1", "model": "embedded:smollm2-135m", "revision": "sha256:...",
      "hidden_size": 576, "vocab_size": 49152, "n_layers": 30, "layers": [1, 2, ...], "kind": "affine",
      "rank": null, "vocab_subset": null | K, "training_data_sha256": "...", "hsd_opt_version": "0.1.0",
-     "train": {...settings and per-layer held-out results...}}
+     "train": {...settings, "prompts" (absolute path or null), "tokens", "holdout", per-layer held-out results...}}
+
+``model`` is the loaded model's id; a local folder or ``.gguf`` file is recorded by its absolute path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.heads.modules import KINDS, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
-from hsd_opt.models.loading import unwrap_model
+from hsd_opt.models.loading import recorded_model_id, same_model, unwrap_model
 from hsd_opt.version import __version__
 
 FORMAT = "hsd-heads/1"
@@ -42,6 +44,7 @@ def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, mod
 
     m, mid, rev = unwrap_model(model)
     model_id = model_id if model_id is not None else (mid or getattr(m.config, "_name_or_path", "") or "")
+    model_id = recorded_model_id(model_id) if model_id else model_id     # a local model: its absolute path
     revision = revision if revision is not None else (rev or "")
     if not heads:
         raise HsdError("no heads to save")
@@ -105,6 +108,20 @@ def read_heads_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, header
 
 
+def _check_model(path: str, header: dict, model_id: str | None, revision: str | None) -> None:
+    """Refuse (:class:`HeadsModelMismatch`) a heads file whose ``header`` names another model than ``model_id`` or
+    another revision than ``revision`` (either unknown: not checked). A local model named otherwise than in
+    training (``tA``, ``./tA``, its absolute path) is the same model (:func:`same_model`), and so is one whose
+    revision (its weights' identity) is the one recorded."""
+    have_model, have_rev = header.get("model"), header.get("revision")
+    same_rev = bool(revision and have_rev and have_rev == revision)
+    if model_id and have_model and not same_rev and not same_model(have_model, model_id):
+        raise HeadsModelMismatch(path, "model", f"the heads were trained for {have_model!r}, not {model_id!r}")
+    if revision and have_rev and have_rev != revision:
+        raise HeadsModelMismatch(path, "revision", f"the heads were trained for revision {have_rev!r} of "
+                                                   f"{have_model!r}, but the loaded model is revision {revision!r}")
+
+
 def load_heads(path: str | Path, model, expected_model_id: str | None = None,
                expected_revision: str | None = None) -> tuple[dict[int, TranslatorHead], dict]:
     """Load a heads file for ``model`` (a ``LoadedModel`` or a ``transformers`` model) -> (boundary -> head, header).
@@ -125,13 +142,7 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
         if int(header[field]) != have:
             raise HeadsModelMismatch(p, field, f"the heads were trained for a model with {field} {header[field]}, "
                                                f"but this model has {have} (heads for {header.get('model')!r})")
-    if expected_model_id and header.get("model") and header["model"] != expected_model_id:
-        raise HeadsModelMismatch(p, "model", f"the heads were trained for {header['model']!r}, not "
-                                             f"{expected_model_id!r}")
-    if expected_revision and header.get("revision") and header["revision"] != expected_revision:
-        raise HeadsModelMismatch(p, "revision", f"the heads were trained for revision {header['revision']!r} of "
-                                                f"{header.get('model')!r}, but the loaded model is revision "
-                                                f"{expected_revision!r}")
+    _check_model(p, header, expected_model_id, expected_revision)
     vocab_ids = tensors.get("vocab_ids")
     if vocab_ids is not None:
         if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= header["vocab_size"] \

@@ -282,6 +282,25 @@ def resolve_model_name(name: str) -> str:
     return ALIASES.get(name.lower(), name) if isinstance(name, str) else name
 
 
+def recorded_model_id(name: str) -> str:
+    """``name`` as a heads file records the model it was made for: a local folder or ``.gguf`` file that exists as
+    its absolute path (the same model whichever folder it is named from), any other name (alias, hub id) as it
+    is."""
+    resolved = resolve_model_name(name)
+    if resolved.startswith(("embedded:", SPLIT_PREFIX)):
+        return resolved
+    p = Path(resolved)
+    return str(p.resolve()) if p.exists() else resolved
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether the model names ``a`` and ``b`` name one model: equal after :data:`ALIASES`, or local paths (however
+    written: ``tA``, ``./tA``, ``/abs/tA``) of one existing folder or file."""
+    if resolve_model_name(a) == resolve_model_name(b):
+        return True
+    return recorded_model_id(a) == recorded_model_id(b) and Path(recorded_model_id(a)).exists()
+
+
 def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     """``(source, directory or hub id to load from, revision)`` of the model ``name`` names (an alias, a hub id, a
     local directory or a ``.gguf`` file; see :func:`load_model`): a GGUF file is converted once into the cache

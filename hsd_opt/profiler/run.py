@@ -228,7 +228,8 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
     """What a profile was made with: what a resumed run must share (``checkpoint.RESUME_FIELDS``) and merged
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
-        "model": loaded.model_id, "revision": loaded.revision, "heads": str(cfg.heads) if cfg.heads else None,
+        "model": loaded.model_id, "revision": loaded.revision,
+        "heads": str(Path(cfg.heads).resolve()) if cfg.heads else None,     # absolute: a plan runs from any folder
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),
         "min_p": float(cfg.min_p), "max_new_tokens": int(cfg.max_new_tokens), "tmax": int(cfg.tmax),

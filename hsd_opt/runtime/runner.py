@@ -337,16 +337,34 @@ def _quantized_level(models: PlanModels, name: str, e: PlanModel, source: str, w
 
 
 def load_plan_heads(plan, loaded, source: str = "plan"):
-    """Trained exit heads named by ``provenance.heads`` (None when the plan uses the shared final head)."""
+    """Trained exit heads named by ``provenance.heads`` (None when the plan uses the shared final head), for
+    ``loaded`` (a :class:`LoadedModel`). Refused with an :class:`InputFileError` naming ``source`` and the field: a
+    heads file that is missing, damaged or made for another model or revision (``provenance.heads``), or whose
+    SHA-256 is not the one the profile recorded (``provenance.heads_sha256``; a plan without it is not checked)."""
+    from pathlib import Path
+
+    from hsd_opt.heads import load_heads
+    from hsd_opt.models.loading import file_sha256
+
     path = plan.provenance.heads
     if not path:
         return None
+    if not Path(path).is_file():
+        where = "" if Path(path).is_absolute() else f" (a relative path, read from {Path.cwd()})"
+        raise InputFileError(source, f"{path}: heads file not found{where}", "provenance.heads")
+    want = plan.provenance.get("heads_sha256")
+    if want is not None and not isinstance(want, str):
+        raise InputFileError(source, f"expected the heads file's sha256 as a string, got {want!r}",
+                             "provenance.heads_sha256")
+    if want:
+        have = file_sha256(Path(path))
+        if have != want:
+            raise InputFileError(source, f"{path} has sha256 {have[:16]}..., not the {want[:16]}... the profile was "
+                                         f"measured with (the heads file changed since)", "provenance.heads_sha256")
     try:
-        from hsd_opt.heads import load_heads
-    except ImportError:
-        raise InputFileError(source, "the plan uses trained exit heads but hsd_opt.heads.load_heads is not "
-                                     "available", "provenance.heads") from None
-    heads, _meta = load_heads(path, loaded.model)
+        heads, _meta = load_heads(path, loaded)
+    except HsdError as e:
+        raise InputFileError(source, str(e), "provenance.heads") from None
     return heads
 
 

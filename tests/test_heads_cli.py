@@ -1,0 +1,129 @@
+"""Trained exit heads through the command line and plans: heads tied to the model they were trained for (however
+its folder is named), plans that carry heads (their path, their hash, their model), damaged heads headers, bfloat16
+models, and the flags `hsd heads train` and `eval` refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsd_opt.errors import HsdError
+from hsd_opt.heads import TranslatorHead, load_heads, read_heads_file, save_heads
+from hsd_opt.models.loading import file_sha256, load_model
+from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan, write_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A folder with two tiny models ``tA`` and ``tB`` (one tokenizer, other weights), prompts, and a test cache."""
+    r = tmp_path_factory.mktemp("heads-cli")
+    save_tiny(r / "tA", seed=0, chat_template=TINY_CHAT_TEMPLATE)
+    save_tiny(r / "tB", seed=1, chat_template=TINY_CHAT_TEMPLATE)
+    write_prompts(r / "p.jsonl", n=6)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HSD_CACHE", str(r / "cache"))
+        yield r
+
+
+def _heads_for(loaded, path: Path, **kw) -> Path:
+    """Heads for layers 1 and 2 of ``loaded``, moved off the raw exit, saved to ``path``."""
+    g = torch.Generator().manual_seed(0)
+    heads = {b: TranslatorHead(loaded.model, "affine") for b in (1, 2)}
+    with torch.no_grad():
+        for h in heads.values():
+            h.weight.add_(0.05 * torch.randn(h.weight.shape, generator=g))
+    save_heads(path, heads, loaded, **kw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads_a(root):
+    """Heads trained (in effect) for ``tA``, loaded as ``tA`` from ``root``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        return _heads_for(load_model("tA", device="cpu", dtype="float32"), root / "hA.safetensors")
+
+
+def _run(plan: Path):
+    return run_cli("run", "--plan", plan, "--prompt", "w1 w2 w3", "--max-new-tokens", "3", "--device", "cpu")
+
+
+# ------------------------------------------------------------------------------------------ heads in a plan
+
+
+def test_a_plan_whose_heads_were_made_for_another_model_is_refused(root, heads_a):
+    res = _run(write_plan(root / "planB.json", root / "tB", heads=str(heads_a)))
+    assert res.exit_code == 2, cli_output(res)
+    assert f"planB.json: provenance.heads: {heads_a}: model: the heads were trained for" in cli_output(res)
+    assert "Traceback" not in cli_output(res)
+    res = _run(write_plan(root / "planA.json", root / "tA", heads=str(heads_a)))
+    assert res.exit_code == 0, cli_output(res)
+
+
+def test_a_plans_missing_heads_file_names_the_plan_and_the_field(root, heads_a, monkeypatch, tmp_path):
+    plan = write_plan(root / "planA_rel.json", root / "tA", heads="hA.safetensors")
+    monkeypatch.chdir(tmp_path)                 # the relative path is not there from this folder
+    res = _run(plan)
+    assert res.exit_code == 2, cli_output(res)
+    line = [ln for ln in cli_output(res).splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "planA_rel.json: provenance.heads: hA.safetensors: heads file not found" in line[0]
+
+
+def test_heads_overwritten_since_the_profile_are_refused_by_their_hash(root, heads_a, tmp_path):
+    heads = tmp_path / "h.safetensors"
+    heads.write_bytes(heads_a.read_bytes())
+    plan = write_plan(root / "planA_sha.json", root / "tA", heads=str(heads), heads_sha256=file_sha256(heads))
+    assert _run(plan).exit_code == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        _heads_for(load_model("tA", device="cpu", dtype="float32"), heads, training_data_sha256="other")
+    res = _run(plan)
+    assert res.exit_code == 2, cli_output(res)
+    assert "planA_sha.json: provenance.heads_sha256: " in cli_output(res)
+    assert "the heads file changed since" in cli_output(res)
+
+
+def test_a_profile_records_the_heads_by_their_absolute_path(root, heads_a, monkeypatch):
+    monkeypatch.chdir(root)
+    res = run_cli("profile", "--model", "tA", "--prompts", "p.jsonl", "--out", "prof.json", "--max-new-tokens", "4",
+                  "--token-drafters", "none", "--layers", "1,2", "--heads", "hA.safetensors", "--device", "cpu",
+                  "--tmax", "3", "--cost-repeats", "1", "--quiet", "--threads", "1")
+    assert res.exit_code == 0, cli_output(res)
+    prov = json.loads((root / "prof.json").read_text())["provenance"]
+    assert prov["heads"] == str(heads_a.resolve()) and prov["heads_sha256"] == file_sha256(heads_a)
+
+
+# ------------------------------------------------------------------------------------------ the model's name
+
+
+def test_heads_load_for_the_same_local_model_however_its_folder_is_named(root, heads_a, tmp_path, monkeypatch):
+    monkeypatch.chdir(root)
+    assert read_heads_file(heads_a)[1]["model"] == str((root / "tA").resolve())
+    for name in ("tA", "./tA", str(root / "tA")):
+        hs, _ = load_heads(heads_a, load_model(name, device="cpu", dtype="float32"))
+        assert sorted(hs) == [1, 2]
+    with pytest.raises(HsdError, match="model: the heads were trained for"):
+        load_heads(heads_a, load_model("./tB", device="cpu", dtype="float32"))
+    monkeypatch.chdir(tmp_path)             # another folder: the absolute path still names tA
+    hs, _ = load_heads(heads_a, load_model(str(root / "tA"), device="cpu", dtype="float32"))
+    assert sorted(hs) == [1, 2]
+    res = run_cli("profile", "--model", root / "tA", "--prompts", root / "p.jsonl", "--out", tmp_path / "p.json",
+                  "--max-new-tokens", "2", "--token-drafters", "none", "--layers", "1,2", "--heads", heads_a,
+                  "--device", "cpu", "--tmax", "3", "--cost-repeats", "1", "--quiet", "--threads", "1")
+    assert res.exit_code == 0, cli_output(res)
+
+
+def test_heads_that_recorded_a_relative_name_load_by_the_revision(root, tmp_path, monkeypatch):
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+    monkeypatch.chdir(tmp_path)             # "tA" is no folder here: recorded as given, as earlier versions did
+    path = _heads_for(loaded, tmp_path / "old.safetensors", model_id="tA")
+    assert read_heads_file(path)[1]["model"] == "tA"
+    hs, _ = load_heads(path, loaded)        # the same weights (revision): the same model
+    assert sorted(hs) == [1, 2]
+    with pytest.raises(HsdError, match="model: the heads were trained for 'tA'"):
+        load_heads(path, load_model(str(root / "tB"), device="cpu", dtype="float32"))
