@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.heads import TranslatorHead, load_heads, read_heads_file, save_heads
 from hsd_opt.models.loading import file_sha256, load_model
 from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan, write_prompts
@@ -127,3 +127,60 @@ def test_heads_that_recorded_a_relative_name_load_by_the_revision(root, tmp_path
     assert sorted(hs) == [1, 2]
     with pytest.raises(HsdError, match="model: the heads were trained for 'tA'"):
         load_heads(path, load_model(str(root / "tB"), device="cpu", dtype="float32"))
+
+
+# ------------------------------------------------------------------------------------------ damaged headers
+
+
+def _damaged(src: Path, dst: Path, **edit) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        header = json.loads(f.metadata()["hsd_heads"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in edit.items():
+        if k.startswith("train_"):
+            header["train"] = dict(header.get("train") or {}, **{k[len("train_"):]: v})
+        else:
+            header[k] = v
+    save_file(tensors, str(dst), metadata={"hsd_heads": json.dumps(header)})
+    return dst
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"layers": 5}, "layers"), ({"layers": []}, "layers"), ({"layers": [1, 1]}, "layers"),
+    ({"layers": [True, 2]}, "layers"), ({"hidden_size": "abc"}, "hidden_size"), ({"n_layers": 0}, "n_layers"),
+    ({"kind": "lowrank", "rank": "x"}, "rank"), ({"train": "x"}, "train"), ({"train_settings": "x"}, "train.settings"),
+    ({"train_tokens": "abc"}, "train.tokens"), ({"train_tokens": -5}, "train.tokens"),
+    ({"train_holdout": 5}, "train.holdout"), ({"train_prompts": 3}, "train.prompts"),
+    ({"train_settings": {"seed": "s"}}, "train.settings.seed"), ({"model": 7}, "model")])
+def test_a_damaged_header_names_the_file_and_the_field(heads_a, tmp_path, edit, field):
+    bad = _damaged(heads_a, tmp_path / "bad.safetensors", **edit)
+    with pytest.raises(InputFileError, match=rf"bad\.safetensors: {field}: expected ") as e:
+        read_heads_file(bad)
+    assert e.value.field == field
+
+
+def test_damaged_tensors_are_refused(root, heads_a, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(heads_a), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+    for name, change, field in (("nan", {"layer1.weight": torch.full_like(tensors["layer1.weight"], float("nan"))},
+                                 "layer1.weight"),
+                                ("float_ids", {"vocab_ids": torch.tensor([5.7, 9.2])}, "vocab_ids"),
+                                ("dup_ids", {"vocab_ids": torch.tensor([5, 5, 7])}, "vocab_ids")):
+        path = tmp_path / f"{name}.safetensors"
+        save_file({**tensors, **change}, str(path), metadata=meta)
+        with pytest.raises(InputFileError, match=rf"{name}\.safetensors: {field}: "):
+            load_heads(path, loaded)
+
+
+def test_heads_eval_refuses_a_damaged_header_in_one_line(heads_a, tmp_path):
+    bad = _damaged(heads_a, tmp_path / "bad.safetensors", train_tokens="abc")
+    res = run_cli("heads", "eval", "--model", "no-such-model", "--heads", bad)
+    assert res.exit_code == 2 and "Traceback" not in cli_output(res)
+    assert "bad.safetensors: train.tokens: expected an integer >= 1 or null, got 'abc'" in cli_output(res)

@@ -23,6 +23,7 @@ from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.heads.modules import KINDS, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import recorded_model_id, same_model, unwrap_model
+from hsd_opt.values import is_finite, is_integer
 from hsd_opt.version import __version__
 
 FORMAT = "hsd-heads/1"
@@ -100,12 +101,47 @@ def read_heads_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         got = header.get("format") if isinstance(header, dict) else header
         raise InputFileError(str(p), f"expected format {FORMAT!r}, got {got!r}", "format")
+    _check_header(str(p), header)
+    return tensors, header
+
+
+def _check_header(path: str, header: dict) -> None:
+    """Refuse (:class:`InputFileError` naming ``path`` and the field) a header whose fields are missing or of the
+    wrong type: sizes integers >= 1, ``layers`` a non-empty list of distinct integers, a known ``kind``, ``rank``
+    and ``vocab_subset`` integers >= 1 or null, ``model`` and ``revision`` strings or null, and ``train`` (the
+    training settings ``hsd heads eval`` reuses) an object whose ``settings``, ``tokens``, ``holdout`` and
+    ``prompts`` are what training wrote."""
     for key in ("hidden_size", "vocab_size", "n_layers", "layers", "kind"):
         if key not in header:
-            raise InputFileError(str(p), "missing from the header", key)
+            raise InputFileError(path, "missing from the header", key)
     if header["kind"] not in KINDS:
-        raise InputFileError(str(p), f"unknown head kind {header['kind']!r} (known: {', '.join(KINDS)})", "kind")
-    return tensors, header
+        raise InputFileError(path, f"unknown head kind {header['kind']!r} (known: {', '.join(KINDS)})", "kind")
+    count = (lambda v: is_integer(v) and v >= 1, "an integer >= 1")
+    checks = {"hidden_size": count, "vocab_size": count, "n_layers": count,
+              "layers": (lambda v: isinstance(v, list) and len(v) > 0 and all(is_integer(b) for b in v)
+                         and len(set(v)) == len(v), "a non-empty list of distinct layer numbers"),
+              "rank": (lambda v: v is None or count[0](v), "an integer >= 1 or null"),
+              "vocab_subset": (lambda v: v is None or count[0](v), "an integer >= 1 or null"),
+              "model": (lambda v: v is None or isinstance(v, str), "a string or null"),
+              "revision": (lambda v: v is None or isinstance(v, str), "a string or null"),
+              "train": (lambda v: v is None or isinstance(v, dict), "an object or null")}
+    _check_fields(path, header, checks, "")
+    train = header.get("train") or {}
+    _check_fields(path, train, {
+        "settings": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+        "tokens": (lambda v: v is None or count[0](v), "an integer >= 1 or null"),
+        "holdout": (lambda v: v is None or is_finite(v) and 0 < v < 1, "a share in (0, 1) or null"),
+        "prompts": (lambda v: v is None or isinstance(v, str), "a path or null")}, "train.")
+    _check_fields(path, train.get("settings") or {},
+                  {"seed": (lambda v: v is None or is_integer(v), "an integer or null")}, "train.settings.")
+
+
+def _check_fields(path: str, obj: dict, checks: dict, prefix: str) -> None:
+    """Each field of ``checks`` (name -> (test, what it should be)) present in ``obj`` passes its test, or an
+    :class:`InputFileError` names ``path`` and ``prefix`` + the field."""
+    for key, (ok, what) in checks.items():
+        if key in obj and not ok(obj[key]):
+            raise InputFileError(path, f"expected {what}, got {obj[key]!r}", prefix + key)
 
 
 def _check_model(path: str, header: dict, model_id: str | None, revision: str | None) -> None:
@@ -145,9 +181,11 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
     _check_model(p, header, expected_model_id, expected_revision)
     vocab_ids = tensors.get("vocab_ids")
     if vocab_ids is not None:
-        if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= header["vocab_size"] \
-                or int(vocab_ids.min()) < 0:
-            raise InputFileError(p, "must be a non-empty 1-D tensor of token ids below vocab_size", "vocab_ids")
+        if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or vocab_ids.dtype.is_floating_point \
+                or vocab_ids.dtype == torch.bool or int(vocab_ids.max()) >= header["vocab_size"] \
+                or int(vocab_ids.min()) < 0 or vocab_ids.unique().numel() != vocab_ids.numel():
+            raise InputFileError(p, "must be a non-empty 1-D tensor of distinct integer token ids below vocab_size",
+                                 "vocab_ids")
     dev = m.lm_head.weight.device
     heads: dict[int, TranslatorHead] = {}
     n_layers = int(cfg.num_hidden_layers)
@@ -170,6 +208,8 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
             if tuple(t.shape) != want:
                 raise InputFileError(p, f"shape {tuple(t.shape)}, expected {want} for hidden size {d}",
                                      f"layer{b}.{n}")
+            if not bool(torch.isfinite(t).all()):
+                raise InputFileError(p, "holds NaN or infinite values", f"layer{b}.{n}")
             state[n] = t
         with torch.no_grad():
             for n, t in state.items():
