@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.heads import TranslatorHead, load_heads, read_heads_file, save_heads
+from hsd_opt.heads import RawHead, TranslatorHead, evaluate_heads, load_heads, read_heads_file, save_heads
 from hsd_opt.models.loading import file_sha256, load_model
-from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, run_cli, save_tiny, write_plan, write_prompts
+from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, make_tiny_llama, run_cli, save_tiny, write_plan, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -184,3 +184,41 @@ def test_heads_eval_refuses_a_damaged_header_in_one_line(heads_a, tmp_path):
     res = run_cli("heads", "eval", "--model", "no-such-model", "--heads", bad)
     assert res.exit_code == 2 and "Traceback" not in cli_output(res)
     assert "bad.safetensors: train.tokens: expected an integer >= 1 or null, got 'abc'" in cli_output(res)
+
+
+# ------------------------------------------------------------------------------------------ bfloat16
+
+
+def test_the_raw_exit_runs_on_a_bfloat16_model():
+    m = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32).to(torch.bfloat16)
+    z = RawHead(m)(torch.randn(3, 32))          # float32 hidden states into a bfloat16 LM head
+    assert z.shape == (3, 64) and z.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 64, (12,), generator=g).tolist() for _ in range(2)]
+    raw = evaluate_heads(m, {1: RawHead(m)}, seqs)[1]
+    untrained = evaluate_heads(m, {1: TranslatorHead(m)}, seqs)[1]     # starts as the raw exit
+    assert 0 < raw["acceptance"] <= 1 and raw["acceptance"] == pytest.approx(untrained["acceptance"], abs=1e-6)
+
+
+def test_heads_train_and_eval_run_in_bfloat16(root, tmp_path):
+    out = tmp_path / "bf.safetensors"
+    res = run_cli("heads", "train", "--model", root / "tA", "--prompts", root / "p.jsonl", "--tokens", "64",
+                  "--epochs", "1", "--out", out, "--device", "cpu", "--dtype", "bfloat16", "--layers", "1,2")
+    assert res.exit_code == 0, cli_output(res)
+    res = run_cli("heads", "eval", "--model", root / "tA", "--heads", out, "--device", "cpu", "--dtype", "bfloat16")
+    assert res.exit_code == 0, cli_output(res)
+
+
+
+
+def test_training_text_is_cached_per_dtype(root):
+    """A bfloat16 model writes other text than its float32 weights: each gets its own cached training text."""
+    from hsd_opt.heads import generate_training_sequences
+
+    prompts = ["w1 w2 w3", "w4 w5"]
+    kw = dict(tokens=48, seed=3, progress=False)
+    f32 = generate_training_sequences(load_model(str(root / "tA"), device="cpu", dtype="float32"), prompts, **kw)
+    bf16 = load_model(str(root / "tA"), device="cpu", dtype="bfloat16")
+    fresh = generate_training_sequences(bf16, prompts, cache=False, **kw)
+    assert fresh != f32
+    assert generate_training_sequences(bf16, prompts, **kw) == fresh

@@ -1,8 +1,8 @@
 """Training text for exit heads: continuations the target model itself generates from the prompt suite.
 
 Generated token sequences (chat template + prompt + continuation) are cached in
-``<cache>/heads-data/<key>.json`` keyed by the model id and revision, a hash of the prompts and the generation
-settings, so repeated runs skip generation.
+``<cache>/heads-data/<key>.json`` keyed by the model id, revision and dtype (a bfloat16 model writes other text),
+a hash of the prompts and the generation settings, so repeated runs skip generation.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
     per_prompt = max(1, math.ceil(tokens / len(prompts)))
     new = min(max_new, per_prompt)
     samples = max(1, math.ceil(per_prompt / new))
-    settings = {"model": loaded.model_id, "revision": loaded.revision, "prompts": hashlib.sha256(
+    settings = {"model": loaded.model_id, "revision": loaded.revision, "dtype": loaded.dtype, "prompts": hashlib.sha256(
         json.dumps(list(prompts)).encode()).hexdigest(), "new": new, "samples": samples, "temperature": temperature,
         "top_p": top_p, "seed": seed, "v": 2}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]

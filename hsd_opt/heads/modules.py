@@ -111,7 +111,9 @@ class TranslatorHead(nn.Module):
 
 
 class RawHead:
-    """The untrained logit lens (the model's final norm + LM head), optionally over a vocabulary subset."""
+    """The untrained logit lens (the model's final norm + LM head), optionally over a vocabulary subset. Callable:
+    hidden ``[m, d]`` (any float dtype; cast to the LM head's, as :meth:`TranslatorHead.translate` does) -> logits
+    ``[m, V]`` in the model's dtype."""
 
     def __init__(self, model, vocab_ids: torch.Tensor | None = None):
         self.norm, self.lm_head = model.model.norm, model.lm_head
@@ -121,7 +123,7 @@ class RawHead:
             self.sub_weight = self.lm_head.weight.detach()[vocab_ids].clone()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        n = self.norm(hidden)
+        n = self.norm(hidden.to(self.lm_head.weight.dtype))
         if self.vocab_ids is None:
             return self.lm_head(n)
         z = n @ self.sub_weight.T
