@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.heads import RawHead, TranslatorHead, evaluate_heads, load_heads, read_heads_file, save_heads
+from hsd_opt.heads import RawHead, TranslatorHead, evaluate_heads, load_heads, read_heads_file, save_heads, train_heads
 from hsd_opt.models.loading import file_sha256, load_model
 from tests.helpers import TINY_CHAT_TEMPLATE, cli_output, make_tiny_llama, run_cli, save_tiny, write_plan, write_prompts
 
@@ -209,6 +209,73 @@ def test_heads_train_and_eval_run_in_bfloat16(root, tmp_path):
     assert res.exit_code == 0, cli_output(res)
 
 
+# ------------------------------------------------------------------------------------------ flags and data
+
+
+def test_heads_eval_reads_the_training_prompts_from_any_folder(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(root)
+    out = tmp_path / "h.safetensors"
+    res = run_cli("heads", "train", "--model", "tA", "--prompts", "p.jsonl", "--tokens", "64", "--epochs", "1",
+                  "--out", out, "--device", "cpu", "--layers", "1,2")
+    assert res.exit_code == 0, cli_output(res)
+    assert read_heads_file(out)[1]["train"]["prompts"] == str(root / "p.jsonl")
+    given = tmp_path / "given.json"
+    res = run_cli("heads", "eval", "--model", "tA", "--heads", out, "--device", "cpu", "--prompts", "p.jsonl",
+                  "--json", given)
+    assert res.exit_code == 0, cli_output(res)
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "default.json"
+    res = run_cli("heads", "eval", "--model", root / "tA", "--heads", out, "--device", "cpu", "--json", default)
+    assert res.exit_code == 0, cli_output(res)
+    assert json.loads(default.read_text())["layers"] == json.loads(given.read_text())["layers"]
+
+
+def test_heads_eval_says_when_the_training_prompts_are_gone(root, heads_a, tmp_path):
+    gone = tmp_path / "gone.jsonl"
+    path = _damaged(heads_a, tmp_path / "h.safetensors", train_prompts=str(gone))
+    res = run_cli("heads", "eval", "--model", root / "tA", "--heads", path, "--device", "cpu")
+    assert res.exit_code == 2, cli_output(res)
+    assert f"the heads were trained on the prompts in {gone}, which is not there; give --prompts" in \
+        " ".join(cli_output(res).split())
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_heads_eval_refuses_tokens_below_one_before_loading(heads_a, tokens):
+    res = run_cli("heads", "eval", "--model", "no-such-model", "--heads", heads_a, "--tokens", tokens)
+    assert res.exit_code == 2 and "--tokens: expected an integer >= 1" in cli_output(res), cli_output(res)
+
+
+@pytest.mark.parametrize("rank", ["0", "-3"])
+def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
+    res = run_cli("heads", "train", "--model", "no-such-model", "--kind", "lowrank", "--rank", rank,
+                  "--out", tmp_path / "h.safetensors")
+    assert res.exit_code == 2 and f"--rank: expected an integer >= 1, got {rank}" in cli_output(res), cli_output(res)
+
+
+def test_train_heads_refuses_rank_zero():
+    m = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32)
+    with pytest.raises(HsdError, match="--rank: expected an integer >= 1, got 0"):
+        train_heads(m, [1], [[5, 6, 7, 8]] * 4, kind="lowrank", rank=0, progress=False)
+
+
+def test_one_training_sequence_is_refused(root, tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text((root / "p.jsonl").read_text().splitlines()[0] + "\n")
+    res = run_cli("heads", "train", "--model", root / "tA", "--prompts", one, "--tokens", "32", "--epochs", "1",
+                  "--out", tmp_path / "h.safetensors", "--device", "cpu")
+    assert res.exit_code == 2, cli_output(res)
+    assert "1 sequence of training text, and at least 2 are needed" in " ".join(cli_output(res).split())
+    assert not (tmp_path / "h.safetensors").exists()
+
+
+@pytest.mark.parametrize("content", [[1, 2], {"settings": None}, {"x": 1}])
+def test_resuming_from_a_checkpoint_that_is_not_one_is_refused(tmp_path, content):
+    ck = tmp_path / "h.ckpt"
+    torch.save(content, str(ck))
+    m = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32)
+    seqs = [list(range(5, 25))] * 4
+    with pytest.raises(HsdError, match=r"h\.ckpt: not a heads training checkpoint"):
+        train_heads(m, [1], seqs, epochs=1, progress=False, checkpoint=ck, resume=True, evaluate=False)
 
 
 def test_training_text_is_cached_per_dtype(root):

@@ -27,11 +27,17 @@ def results_table(title: str, before: dict, after: dict) -> Table:
 
 
 def _data(loaded, prompts: Optional[Path], tokens: int, holdout: float, seed: int):
+    """The target's own text from ``prompts`` (None: the shipped suite), about ``tokens`` tokens, split by ``seed``
+    with a ``holdout`` share held out: (train sequences, their prompt lengths, held-out ones, theirs). Fewer than
+    two sequences (nothing to hold out) is an :class:`HsdError`."""
     from hsd_opt.heads.data import generate_training_sequences, split_indices
     from hsd_opt.prompts import load_prompts
 
     plist = load_prompts(prompts).texts
     seqs, plens = generate_training_sequences(loaded, plist, tokens=tokens, seed=seed, with_prompt_lens=True)
+    if len(seqs) < 2:
+        raise HsdError(f"{prompts or 'the prompt suite'}: {len(seqs)} sequence of training text, and at least 2 are "
+                       f"needed (one is held out for the evaluation): give more prompts, or --tokens above 256")
     tr, ho = split_indices(len(seqs), holdout, seed)
     return ([seqs[i] for i in tr], [plens[i] for i in tr], [seqs[i] for i in ho], [plens[i] for i in ho])
 
@@ -55,7 +61,7 @@ def train(
     epochs: int = typer.Option(3, "--epochs"),
     lr: float = typer.Option(2e-3, "--lr"),
     kind: str = typer.Option("affine", "--kind", help="affine | lowrank"),
-    rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator."),
+    rank: int = typer.Option(64, "--rank", help="Rank of the lowrank translator (>= 1)."),
     vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
                                                                 "tokens (cheaper shallow exits)."),
     train_vocab: str = typer.Option("auto", "--train-vocab", help=_TRAIN_VOCAB_HELP),
@@ -81,6 +87,8 @@ def train(
         raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
     if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
         raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
+    if rank < 1:
+        raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")
     wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
@@ -98,7 +106,7 @@ def train(
                       seed=seed, checkpoint=ckpt, resume=resume,
                       log=lambda s: err_console.print(s, markup=False))
     save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
-               train=dict(res.summary(), prompts=str(prompts) if prompts else None, tokens=tokens,
+               train=dict(res.summary(), prompts=str(prompts.resolve()) if prompts else None, tokens=tokens,
                           holdout=holdout))
     ckpt.unlink(missing_ok=True)
     console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
@@ -113,7 +121,8 @@ def evaluate(
     heads: Path = typer.Option(..., "--heads", help="Heads file (.safetensors) from `hsd heads train`."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt suite; default: the one the heads "
                                                                    "were trained on (held-out split)."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Default: as in training."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens of text the target generates (>= 1); "
+                                                               "default: as in training."),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     threads: int = typer.Option(0, "--threads"),
@@ -127,14 +136,21 @@ def evaluate(
     from hsd_opt.models.loading import load_model
 
     check_outputs(("--json", json_out))
+    if tokens is not None and tokens < 1:
+        raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")
+    if prompts is not None and not prompts.is_file():
+        raise HsdError(f"{prompts}: file not found")
+    _, header = read_heads_file(heads)  # a missing/corrupt file fails before the model loads
+    tr = header.get("train") or {}
+    if prompts is None and tr.get("prompts"):
+        prompts = Path(tr["prompts"])
+        if not prompts.is_file():
+            raise HsdError(f"{heads}: the heads were trained on the prompts in {prompts}, which is not there; give "
+                           f"--prompts (the held-out split is drawn from them)")
     if threads:
         torch.set_num_threads(threads)
-    read_heads_file(heads)  # a missing/corrupt file fails before the model loads
     loaded = load_model(model, device=device, dtype=dtype)
     hs, header = load_heads(heads, loaded)
-    tr = header.get("train") or {}
-    if prompts is None and tr.get("prompts") and Path(tr["prompts"]).is_file():
-        prompts = Path(tr["prompts"])
     seed = int((tr.get("settings") or {}).get("seed") or 0)
     _, _, ho, ho_st = _data(loaded, prompts, tokens or int(tr.get("tokens") or 4096),
                             float(tr.get("holdout") or 0.2), seed)

@@ -37,6 +37,7 @@ from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
 from hsd_opt.seeds import SEED_STRIDE
+from hsd_opt.values import is_integer
 
 
 @dataclass
@@ -201,6 +202,8 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     """
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "lowrank" and (not is_integer(rank) or rank < 1):
+        raise HsdError(f"--rank: expected an integer >= 1, got {rank!r}")
     m, _, _ = unwrap_model(model)
     eng = LayeredLM(m)
     layers = sorted(set(int(b) for b in layers))
@@ -290,7 +293,8 @@ def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_h
 def _new_heads(m, layers, settings: dict, vocab_ids: torch.Tensor | None) -> dict[int, TranslatorHead]:
     """One untrained head per boundary (``settings``' kind and rank; over ``vocab_ids`` when a reduced
     vocabulary); a low-rank head's V drawn from the seed (N(0, 1 / hidden size))."""
-    kind, rank = settings["kind"], settings["rank"] or 64
+    kind = settings["kind"]
+    rank = settings["rank"] if kind == "lowrank" else 64     # an affine head has no rank (its settings say None)
     heads = {b: TranslatorHead(m, kind, rank=rank, vocab_ids=vocab_ids) for b in layers}
     g = torch.Generator().manual_seed(settings["seed"])
     for b in layers:  # lowrank V init: deterministic per seed
@@ -338,15 +342,23 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt, say) -> tup
     except Exception as e:
         raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it or run without "
                        f"--resume") from None
-    if ck.get("settings") != ck_settings:
-        diff = sorted(k for k in ck_settings if ck.get("settings", {}).get(k) != ck_settings[k])
+    if not isinstance(ck, dict) or not isinstance(ck.get("settings"), dict):
+        raise HsdError(f"{checkpoint}: not a heads training checkpoint (a {type(ck).__name__} without settings); "
+                       f"delete it or run without --resume")
+    if ck["settings"] != ck_settings:
+        diff = sorted(k for k in ck_settings if ck["settings"].get(k) != ck_settings[k])
         raise HsdError(f"{checkpoint}: the checkpoint was made with different settings or data "
                        f"({', '.join(diff)}); delete it or run without --resume")
-    for b, h in heads.items():
-        h.load_state_dict(ck["heads"][b])
-    opt.load_state_dict(ck["opt"])
-    say(f"resuming from {checkpoint}: epoch {ck['epoch'] + 1}, sequence {ck['seq']}, step {ck['step']}")
-    return ck["epoch"], ck["seq"], ck["step"], ck["history"], ck["elapsed"]
+    try:
+        for b, h in heads.items():
+            h.load_state_dict(ck["heads"][b])
+        opt.load_state_dict(ck["opt"])
+        at = (int(ck["epoch"]), int(ck["seq"]), int(ck["step"]), list(ck["history"]), float(ck["elapsed"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise HsdError(f"{checkpoint}: a damaged heads training checkpoint ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); delete it or run without --resume") from None
+    say(f"resuming from {checkpoint}: epoch {at[0] + 1}, sequence {at[1]}, step {at[2]}")
+    return at
 
 
 def _save_checkpoint(path, ck_settings: dict, heads: dict, opt, epoch: int, seq: int, step: int, history: list,
