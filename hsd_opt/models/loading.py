@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsd_opt.cache import cache_dir
+from hsd_opt.cache import CACHE_ENV, cache_dir
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
@@ -241,8 +241,13 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     need("gguf", what=f"reading {gguf.name}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    except OSError as e:
+        where = f"{CACHE_ENV}={cache_dir()}" if os.environ.get(CACHE_ENV) else str(cache_dir())
+        raise HsdError(f"{where}: the cache cannot hold the converted {gguf.name} (making {root}: "
+                       f"{e.strerror or e}); point {CACHE_ENV} at a folder you can write") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -320,7 +325,7 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
         gguf = Path(resolved)
         if not gguf.is_file():
             raise HsdError(f"{flag} {name}: GGUF file not found")
-        path, revision = convert_gguf(gguf)
+        path, revision = _convert_given_gguf(gguf, name, flag)
         source, load_from = "gguf", str(path)
     elif Path(resolved).exists():
         p = Path(resolved)
@@ -336,6 +341,33 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
         raise HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
                        f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
     return source, load_from, revision
+
+
+def _convert_given_gguf(gguf: Path, name: str, flag: str) -> tuple[Path, str]:
+    """:func:`convert_gguf` of a ``.gguf`` file the user named (``flag`` ``name``): one that is empty, does not start
+    with the GGUF magic bytes, or that the GGUF reader cannot read (its error's type and message said) is an
+    :class:`HsdError` naming it."""
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise HsdError(f"{flag} {name}: cannot read {gguf} ({e.strerror or e})") from None
+    if magic != b"GGUF":
+        what = "an empty file" if not magic else "it does not start with the GGUF magic bytes"
+        raise HsdError(f"{flag} {name}: {gguf} is not a GGUF file ({what})")
+    try:
+        return convert_gguf(gguf)
+    except HsdError:
+        raise
+    except Exception as e:  # the GGUF reader's errors on a damaged file: ValueError, struct.error, KeyError, ...
+        raise HsdError(f"{flag} {name}: cannot read {gguf} as a GGUF model ({type(e).__name__}: "
+                       f"{_first_line(e)})") from None
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, spaces collapsed, cut to ``limit`` characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model",
@@ -363,21 +395,24 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
     resolved = resolve_model_name(name)
     source, load_from, revision = model_source(name, flag)
     model = None
+    step = "the model"
     try:
         if engines_only and source != "hub":
             from hsd_opt.models.direct import load_direct
 
             model = load_direct(load_from, dt)
+        step = "its tokenizer"
         tokenizer = load_tokenizer(load_from, source)
+        step = "the model"
         if model is None:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
-    except OSError as e:
-        if source == "hub":
+    except (OSError, ValueError) as e:  # transformers: OSError for missing files, ValueError for unreadable ones
+        if source == "hub" and isinstance(e, OSError):
             raise HsdError(f"{flag} {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
                            f"cache ({str(e).splitlines()[0]})") from None
-        raise HsdError(f"{flag} {name}: cannot load {load_from}: {str(e).splitlines()[0]}") from None
+        raise HsdError(f"{flag} {name}: cannot load {step} from {load_from}: {_first_line(e)}") from None
     if source == "hub":
         revision = getattr(model.config, "_commit_hash", None) or ""
     model.to(dev)
