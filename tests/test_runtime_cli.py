@@ -507,3 +507,17 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
     res = runner.invoke(app, ["solve", "--profile", str(profile), "--out", str(profile)])
     assert res.exit_code == 2 and "--out" in _out(res) and "the same file as --profile" in _out(res), _out(res)
     assert profile.read_text() == "{}"
+
+
+def test_a_plan_runs_with_its_model_named_by_any_path(tiny_dir, tmp_path, monkeypatch):
+    """A plan made for a local model runs with ``--model`` naming the same folder another way (relative, with
+    ``./``, absolute); another folder is still refused."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    monkeypatch.chdir(tiny_dir)
+    for name in ("m", "./m", str(tiny_dir / "m")):
+        res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "2",
+                                  "--model", name])
+        assert res.exit_code == 0, (name, _out(res))
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "2",
+                              "--model", "./other"])
+    assert res.exit_code == 2 and "provenance.model" in _out(res), _out(res)

@@ -23,7 +23,7 @@ from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
-from hsd_opt.models.loading import eos_token_ids, file_sha256
+from hsd_opt.models.loading import eos_token_ids, file_sha256, recorded_model_id
 from hsd_opt.profiler.assemble import (
     batch_costs_entries,
     build_profile,
@@ -228,7 +228,7 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
     """What a profile was made with: what a resumed run must share (``checkpoint.RESUME_FIELDS``) and merged
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
-        "model": loaded.model_id, "revision": loaded.revision,
+        "model": recorded_model_id(loaded.model_id), "revision": loaded.revision,   # a local model: absolute
         "heads": str(Path(cfg.heads).resolve()) if cfg.heads else None,     # absolute: a plan runs from any folder
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),

@@ -61,11 +61,11 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
     """Refuse a plan profiled on another model, revision or dtype than ``loaded`` (a :class:`LoadedModel`), or
     for another target precision than ``target_precision`` (``--target-precision``; None or ``auto``: the
     plan's own)."""
-    from hsd_opt.models.loading import resolve_model_name
+    from hsd_opt.models.loading import same_model
 
     prov = plan.provenance
     want = prov.model
-    if want and resolve_model_name(want) != loaded.model_id:
+    if want and not same_model(want, loaded.model_id):
         raise InputFileError(source, f"the plan was made for model {want!r}, not {loaded.model_id!r}",
                              "provenance.model")
     rev = prov.revision
