@@ -78,14 +78,17 @@ def test_an_eos_ends_the_logprobs_with_the_tokens(lm):
 
 def test_sampled_logprobs_are_the_raw_targets_and_change_no_token(lm):
     """Sampled: the same draws with and without log-probabilities (same seed), each the target's own
-    log-softmax (before temperature and top-p)."""
+    log-softmax (before temperature and the filters): at top-p 1, where the target draws by the Gumbel-max form
+    (it drew from its distribution, consuming the seed's stream otherwise, when they were asked for), and with
+    top-p, top-k or min-p (which read only a window of logits without them: with top-k or min-p a traceback)."""
     prompt = [7, 3, 30, 11]
     for levels, budgets in four_hierarchies(lm, 48):
         h = HSD(levels, budgets)
-        for seed in (0, 1):
-            plain = h.generate(prompt, 24, temperature=0.8, top_p=0.9, seed=seed)
-            res = h.generate(prompt, 24, temperature=0.8, top_p=0.9, seed=seed, logprobs=4)
-            assert res.token_ids == plain.token_ids
+        for seed, filters in ((0, {"top_p": 0.9}), (1, {"top_p": 0.9}), (0, {}), (1, {}), (0, {"top_k": 5}),
+                              (1, {"min_p": 0.1}), (2, {"top_k": 8, "min_p": 0.05})):
+            plain = h.generate(prompt, 24, temperature=0.8, seed=seed, **filters)
+            res = h.generate(prompt, 24, temperature=0.8, seed=seed, logprobs=4, **filters)
+            assert res.token_ids == plain.token_ids, (seed, filters)
             _check(res, _reference_rows(lm, prompt, res.token_ids), 4)
 
 
@@ -132,6 +135,12 @@ def test_embedded_logprobs_on_the_kernels(embedded):
             res = HSD(levels, budgets, eos_ids=eos).generate(prompt, 12, logprobs=5)
             assert res.token_ids == ref
             _check(res, rows, 5)
+            for filters in ({}, {"top_k": 40}, {"min_p": 0.05}):      # sampled: draws through the screen without
+                h = HSD(levels, budgets, eos_ids=eos)                  # log-probabilities, the same tokens
+                plain = h.generate(prompt, 12, temperature=0.9, seed=5, **filters)
+                res = h.generate(prompt, 12, temperature=0.9, seed=5, logprobs=2, **filters)
+                assert res.token_ids == plain.token_ids, filters
+                _check(res, _reference_rows(target, prompt, res.token_ids), 2)
 
 
 def test_token_bytes_of_a_byte_level_tokenizer_join_into_its_text(embedded):

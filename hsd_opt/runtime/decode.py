@@ -686,7 +686,7 @@ class Decoding:
         greedy too (the ids their argmax: the first maximum, as ``greedy_ids``), and with ``keep`` their
         log-softmax rows are kept for :meth:`_record`."""
         lv = self.hsd.levels[k]
-        rows = self.n_logprobs is not None and k == len(self.hsd.levels) - 1
+        rows = self._reads_rows(k)
         got = yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, greedy and not rows,
                          window=None if rows else window)
         if not rows:
@@ -694,6 +694,10 @@ class Decoding:
         if keep:
             self._rows = torch.log_softmax(got.float(), dim=-1)
         return got.argmax(dim=-1).tolist() if greedy else got
+
+    def _reads_rows(self, k: int) -> bool:
+        """Whether level ``k``'s passes read every logit of their rows: the target's, with log-probabilities."""
+        return self.n_logprobs is not None and k == len(self.hsd.levels) - 1
 
     def _record(self, n: int) -> None:
         """The log-probabilities of the ``n`` tokens the target just committed, from the rows of its last pass
@@ -716,7 +720,7 @@ class Decoding:
         some row holds (ties at top-k's ``k``-th place broken among them). With them the support: the columns
         outside which every row is 0 (int64, ascending), None for every column."""
         rows = self._offset_rows(k, start, end) if self.penalties is not None else None
-        window = self._window(k, start, end, rows)
+        window = None if self._reads_rows(k) else self._window(k, start, end, rows)   # it reads every logit
         got = yield from self._pass(k, start, end, False, window=window)
         logits = self._moved(k, got if window is None else got.logits, start, end, rows,
                              window.pinned if window is not None and window.pinned else None)
@@ -806,10 +810,7 @@ class Decoding:
         if self.penalties is None:
             ids = yield from self._pass(k, start, end, True)
             return ids.__getitem__
-        if self.n_logprobs is not None and k == len(self.hsd.levels) - 1:
-            picks = LogitPicks((yield from self._pass(k, start, end, False)))
-        else:
-            picks = yield from self._picks(k, start, end)
+        picks = yield from self._picks(k, start, end)
         done: dict[int, int] = {}
 
         def row(i: int) -> int:
@@ -916,14 +917,18 @@ class Decoding:
     def _draws_by_picks(self, k: int) -> bool:
         """Whether level ``k`` draws its tokens by the Gumbel-max form (:meth:`_draw`) rather than from its
         processed distribution: the top level (its distribution rows are wanted by no level above), sampling
-        without top-p, top-k, min-p, a grammar or log-probabilities, on an engine that reads less than every logit
-        for it (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same
-        distribution."""
+        without top-p, top-k, min-p or a grammar, on an engine that reads less than every logit for it
+        (:attr:`~hsd_opt.engine.interface.Engine.picks_cheaply`). Either way a draw from the same distribution;
+        log-probabilities do not change which (:meth:`_picks` then reads every logit), so a seed draws the same
+        tokens with them as without."""
         return (k == len(self.hsd.levels) - 1 and unfiltered(self.temperature, self.top_p, self.top_k, self.min_p)
-                and self.constraint is None and self.n_logprobs is None and self.hsd.levels[k].engine.picks_cheaply)
+                and self.constraint is None and self.hsd.levels[k].engine.picks_cheaply)
 
     def _picks(self, k: int, start: int, end: int) -> Generator[Pass, object, Picks]:
-        """Level k's rows at positions start..end-1 ready for draws (a pass with ``picks``)."""
+        """Level k's rows at positions start..end-1 ready for draws (a pass with ``picks``; with
+        log-probabilities, the pass that reads every logit, its rows kept for :meth:`_record`)."""
+        if self._reads_rows(k):
+            return LogitPicks((yield from self._pass(k, start, end, False)))
         lv = self.hsd.levels[k]
         return (yield Pass(lv.engine, self._state(lv.engine), lv.boundary, start, end, False, picks=True))
 
