@@ -735,6 +735,37 @@ def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
     assert q.waiting == 3
 
 
+def test_a_request_cancelled_while_it_waits_frees_its_place_at_once(tiny, direct):
+    """A client that leaves while its request waits (the job cancelled in the queue) frees its place at once: it is
+    not counted as waiting, a new request takes the place (it was a 429 until the worker reached the job), and the
+    worker ends it as cancelled at its next tick, without decoding it."""
+    from hsd_opt.server.jobs import Job, QueueFull
+    from hsd_opt.server.requests import parse_request
+
+    app, _ = prepare_server(tiny[0], device="cpu")
+    req = parse_request({"model": MODEL, "prompt": "w1", "max_tokens": 2}, "completion", app.state.service.info)
+    q = JobQueue(direct[0], app.state.service.info.tokenizer, max_queue=2)      # no worker yet
+    events: dict[int, list] = {}
+    jobs = [Job(req, lambda ev, i=i: events.setdefault(i, []).append(ev[0])) for i in range(4)]
+    q.submit_all(jobs[:2])
+    with pytest.raises(QueueFull):
+        q.submit(jobs[2])
+    jobs[0].cancel()
+    assert q.waiting == 1 and q.status()["waiting"] == 1
+    q.submit(jobs[2])                                     # the cancelled job's place
+    with pytest.raises(QueueFull):
+        q.submit(jobs[3])
+    q.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        q.stop()
+    assert events[0] == ["cancelled"] and events[1][-1] == "done" and events[2][-1] == "done"
+    assert q.metrics.requests["cancelled"] == 1 and q.metrics.requests["completed"] == 2
+
+
 def failing(runner, n: int):
     """A copy of the HSD ``runner`` whose first ``n`` generations fail after one block (a stand-in for a decoder
     bug); the later ones decode."""

@@ -125,7 +125,9 @@ class JobQueue:
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         self.stream_interval = stream_interval
         self.batch = Batch(runner, max_batch, by_task={JSON_TASK: json_runner} if json_runner is not None else None)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        #: waiting jobs, FIFO: at most ``max_queue`` not cancelled (a cancelled one's place is free at once; the
+        #: worker takes it out at its next tick)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
         self._thread: threading.Thread | None = None
@@ -148,14 +150,10 @@ class JobQueue:
                 job.cancel()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s for a place
-        in the queue, then up to ``timeout`` s for the worker)."""
+        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s for it)."""
         self.cancel_all()
         if self._thread is not None:
-            try:  # the queue only holds cancelled jobs now, which the worker skips
-                self._queue.put(None, timeout=timeout)
-            except queue.Full:
-                pass
+            self._queue.put(None)            # the queue only holds cancelled jobs now, which the worker skips
             self._thread.join(timeout)
             self._thread = None
 
@@ -165,9 +163,10 @@ class JobQueue:
 
     def submit_all(self, jobs: Sequence[Job]) -> None:
         """Queue ``jobs`` (an answer's choices, FIFO) all or none: :class:`QueueFull` when fewer places than
-        jobs are free (only the worker takes jobs out, so the places counted stay free)."""
+        jobs are free (a place is taken by a job waiting that was not cancelled; only this adds jobs, so the places
+        counted stay free)."""
         with self._lock:
-            free = self.max_queue - self._queue.qsize()
+            free = self.max_queue - self._queued()
             if free < len(jobs):
                 self.metrics.ended("refused")
                 raise QueueFull(f"{self.max_queue} requests are already waiting" if free <= 0 else
@@ -177,10 +176,26 @@ class JobQueue:
                 self._queue.put_nowait(job)
                 self._live.add(job)
 
+    def _queued(self) -> int:
+        """Jobs in the queue that were not cancelled (those that were wait for the worker to take them out)."""
+        with self._queue.mutex:
+            return sum(1 for job in self._queue.queue if job is not None and not job.cancelled)
+
+    def _drop_cancelled(self) -> None:
+        """Take the cancelled jobs out of the queue and end them (``cancelled``): a client that left while its
+        request waited is counted now, not when the request's turn would have come."""
+        with self._queue.mutex:
+            gone = [job for job in self._queue.queue if job is not None and job.cancelled]
+            if gone:
+                self._queue.queue = type(self._queue.queue)(job for job in self._queue.queue
+                                                            if job is None or not job.cancelled)
+        for job in gone:
+            self._end(job, "cancelled", None)
+
     @property
     def waiting(self) -> int:
-        """Jobs not yet in flight (queued, or admitted and waiting for their prefill to begin)."""
-        return self._queue.qsize() + self.batch.queued
+        """Jobs not yet in flight (queued and not cancelled, or admitted and waiting for their prefill to begin)."""
+        return self._queued() + self.batch.queued
 
     def status(self) -> dict[str, Any]:
         """``waiting``, ``active`` (requests being decoded or prefilled), ``max_batch``, ``busy``, the load level's
@@ -230,6 +245,7 @@ class JobQueue:
                     stopping = True
                     break
                 self._admit(job)
+            self._drop_cancelled()
             for e in self.batch.starting:     # cancelled before their prefill ended: never decoded
                 job = e.on_tokens.job
                 if job.cancelled and self.batch.drop(e):
