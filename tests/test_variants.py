@@ -182,3 +182,20 @@ def test_a_compiler_without_openmp_gets_a_one_thread_build_said_once(tmp_path, m
     monkeypatch.setattr(kernels, "_INFO", [])
     again = []
     assert kernels.load(log=again.append) is not None and not again      # cached: no build, nothing said
+
+
+@pytest.mark.skipif(not compiler_has_openmp(), reason="the compiler here cannot build with OpenMP")
+@pytest.mark.slow
+def test_one_build_without_openmp_asked_for_leaves_the_next_with_openmp(tmp_path, monkeypatch):
+    """``HSD_OPENMP=0`` once builds a one-thread library into the cache; a later load without it builds and loads
+    the OpenMP one (the one-thread library was taken for a failed OpenMP build and kept every command on one
+    thread)."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    for wanted, openmp in (("0", False), (None, True)):
+        if wanted is None:
+            monkeypatch.delenv("HSD_OPENMP", raising=False)
+        else:
+            monkeypatch.setenv("HSD_OPENMP", wanted)
+        monkeypatch.setattr(kernels, "_LIB", [])
+        monkeypatch.setattr(kernels, "_INFO", [])
+        assert kernels.load() is not None and kernels.info().openmp is openmp

@@ -371,18 +371,26 @@ def provenance(device: str | torch.device) -> dict | None:
     return None if i is None else {"variant": i.variant, "openmp": i.openmp}
 
 
+def _openmp_failed_mark(cc: str, variant: Variant) -> Path:
+    """The file beside ``variant``'s libraries in the cache that says its OpenMP build failed with ``cc`` here
+    (holding the compiler's message)."""
+    return library_path(cc, variant, True).with_suffix(".openmp-failed")
+
+
 def _load_variant(cc: str, variant: Variant,
                   log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool, Path]:
     """``variant``'s library, bound and checked, whether it has OpenMP and its path: built with OpenMP unless
-    :func:`openmp_wanted` says no or that build fails (then without, said once to ``log``; a library built without
-    and none with in the cache means that build failed here before, and is not tried again).
+    :func:`openmp_wanted` says no or that build fails (then without, said once to ``log``, and the failure marked
+    beside the library in the cache, so that it is not tried again; a library built without OpenMP because
+    ``HSD_OPENMP=0`` asked once is not such a mark).
 
     Raises:
         HsdError: the build failed (the OpenMP build's message) or the library is not this module's layout.
     """
     omp = openmp_wanted()
     path = library_path(cc, variant, omp)
-    if omp and not path.is_file() and library_path(cc, variant, False).is_file():
+    failed = _openmp_failed_mark(cc, variant)
+    if omp and not path.is_file() and failed.is_file() and library_path(cc, variant, False).is_file():
         omp, path = False, library_path(cc, variant, False)
     if not path.is_file():
         try:
@@ -395,6 +403,10 @@ def _load_variant(cc: str, variant: Variant,
                 build(cc, path, variant, log, openmp=False)
             except HsdError:
                 raise first from None
+            try:
+                failed.write_text(f"{str(first)[:2000]}\n")
+            except OSError:
+                pass                           # tried again next time
             if log:
                 log(f"hsd-opt: {cc} cannot build with OpenMP; the kernels run on one thread")
     lib = _bind(ctypes.CDLL(str(path)))
