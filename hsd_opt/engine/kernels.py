@@ -43,6 +43,7 @@ from hsd_opt.engine.state import DecodeState, Rows
 from hsd_opt.engine.variants import Variant
 from hsd_opt.engine.weights import BF16, F32, GROUP, PROJECTIONS, Q4F, Q8, Q8F, Mat, ModelWeights
 from hsd_opt.errors import HsdError
+from hsd_opt.values import env_switch
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: The layout of the structs below; ``hsd_version()`` in ``kernels.c`` returns the same number. Bump both when a
@@ -127,7 +128,7 @@ def compiler() -> str | None:
 def openmp_wanted() -> bool:
     """False where ``HSD_OPENMP=0`` asks for a build without OpenMP (what a compiler that cannot build with it gets
     anyway: the kernels then run on the calling thread)."""
-    return os.environ.get("HSD_OPENMP", "1").strip().lower() not in ("0", "off", "no", "false")
+    return env_switch("HSD_OPENMP", True)
 
 
 def libomp_dir(cc: str | None = None) -> Path | None:

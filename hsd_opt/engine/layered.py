@@ -25,7 +25,6 @@ engine over quantized weights. Shapes: batch size 1. Hidden states ``[m, d]`` fo
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
@@ -52,6 +51,7 @@ from hsd_opt.engine.weights import (
 )
 from hsd_opt.errors import HsdError
 from hsd_opt.models.memory import complete_residency
+from hsd_opt.values import env_switch
 
 __all__ = ["DecodeState", "LayeredLM", "is_released", "pass_output", "release_float_weights"]
 
@@ -90,9 +90,9 @@ TRITON_ATTENTION: bool | None = None
 
 
 def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
-    """``setting``, or where it is None the environment ``variable`` (on unless ``0``; ``default`` where it is
-    not set), read now."""
-    return setting if setting is not None else os.environ.get(variable, default).strip() != "0"
+    """``setting``, or where it is None the environment ``variable`` (:func:`~hsd_opt.values.env_switch`: 1 or 0,
+    on or off, ...; ``default`` where it is not set), read now."""
+    return setting if setting is not None else env_switch(variable, default.strip() != "0")
 
 
 def _make_resident(model, exact: Sequence[Mapping[str, Mat]] | None) -> int:

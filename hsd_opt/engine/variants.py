@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsd_opt.errors import HsdError
+from hsd_opt.values import OFF_WORDS
 
 #: Bits of ``hsd_features()`` (kernels.c).
 AVX2, AVX512, VNNI, NEON, DOTPROD, OPENMP = 1, 2, 4, 8, 16, 32
@@ -126,7 +127,7 @@ def runnable(features: frozenset[str], arch: str | None = None) -> list[Variant]
 
 def disabled() -> bool:
     """True where ``HSD_KERNELS=0`` (or off, no, false) turns the kernels off: every engine takes the torch path."""
-    return os.environ.get("HSD_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+    return os.environ.get("HSD_KERNELS", "1").strip().lower() in OFF_WORDS
 
 
 def choose(features: frozenset[str] | None = None, forced: str | None = None,
