@@ -91,3 +91,14 @@ def test_ctrl_c_during_an_answer_drops_that_turn_and_the_chat_goes_on(tiny, monk
     assert "(stopped" in res.stderr
     monkeypatch.setattr(HSD, "generate", real)
     assert res.stdout == "\n" + _want(plan, model_dir, [["w6 w7 w8 w9"]], 7)
+
+
+def test_a_line_that_is_not_utf8_is_dropped_with_one_line_and_the_chat_goes_on(tiny):
+    """Bytes that are not UTF-8 on stdin (a traceback, or the chat template's error under another locale's
+    decoding): that line is refused naming it, and the conversation goes on as without it."""
+    plan, model_dir = tiny
+    res = CliRunner().invoke(app, ["chat", "--plan", str(plan), "--device", "cpu", "--max-new-tokens", "6"],
+                             input=b"w1 w2 w3\ncaf\xe9 \xff\nw4 w5\n")
+    assert res.exit_code == 0, res.output
+    assert "error: line 2 of the input is not UTF-8 text: the turn is dropped" in res.stderr
+    assert res.stdout == _want(plan, model_dir, [["w1 w2 w3", "w4 w5"]], 6)

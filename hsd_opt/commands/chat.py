@@ -68,7 +68,11 @@ def chat_cmd(
                       f"end of input ends")
     messages = list(start)
     turn = 0
-    for text in _lines():
+    for number, text in enumerate(_lines(), 1):
+        if text is None:
+            err_console.print(f"error: line {number} of the input is not UTF-8 text: the turn is dropped",
+                              markup=False)
+            continue
         if text.strip() == RESET:
             messages = list(start)
             continue
@@ -82,18 +86,24 @@ def chat_cmd(
 
 
 def _lines():
-    """The lines of stdin without their line ends, a ``> `` prompt on stderr before each where stdin is a
-    terminal."""
+    """The lines of stdin without their line ends (None for one that is not UTF-8 text), a ``> `` prompt on stderr
+    before each where stdin is a terminal."""
+    raw = getattr(sys.stdin, "buffer", None)     # bytes where there are, whatever the locale's decoding
     while True:
         if sys.stdin.isatty():
             err_console.print("> ", end="")
         try:
-            line = sys.stdin.readline()
+            line = raw.readline() if raw is not None else sys.stdin.readline()
         except KeyboardInterrupt:              # Ctrl-C at the prompt ends, as end of input does
             return
         if not line:
             return
-        yield line.rstrip("\r\n")
+        try:
+            text = line.decode("utf-8") if isinstance(line, bytes) else line
+            text.encode("utf-8")               # a text stream's undecodable bytes read as lone surrogates
+        except UnicodeError:
+            text = None
+        yield None if text is None else text.rstrip("\r\n")
 
 
 def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
