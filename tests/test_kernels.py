@@ -552,3 +552,20 @@ def test_releasing_the_thread_pool_frees_this_threads_workers_and_leaves_the_ker
     th.join()
     assert got["team"] == n and torch.equal(got["y"], want)
     assert torch.equal(kernels.linear(LIB, mat, x), want)      # and on this thread again (a new pool)
+
+
+def test_doctor_says_why_the_kernels_are_unavailable_and_which_compiler(monkeypatch):
+    """``hsd doctor`` names the cause on its kernels line (it said "HSD_KERNELS=0, or see the line above", which
+    neither was) and always has a compiler line (none without kernels)."""
+    from hsd_opt.commands.doctor import system_lines
+
+    monkeypatch.setattr(kernels, "_LIB", [])
+    monkeypatch.setattr(kernels, "_INFO", [])
+    monkeypatch.setattr(kernels, "_WHY", [])
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning):
+        lines = system_lines()
+    assert any(s.startswith("kernels: unavailable (no C compiler found") for s in lines), lines
+    assert any(s.startswith("compiler: none found (install gcc or clang, or set CC)") for s in lines), lines
+    monkeypatch.setenv("HSD_KERNELS", "0")
+    assert any(s.startswith("kernels: unavailable (HSD_KERNELS=0 turns them off)") for s in system_lines())

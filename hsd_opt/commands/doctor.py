@@ -44,12 +44,13 @@ def system_lines() -> list[str]:
              f"variants this CPU runs: {', '.join(runs)}"]
     info = kernels.info()
     if info is None:
-        lines.append("kernels: unavailable (HSD_KERNELS=0, or see the line above): decoding on the CPU uses torch's "
+        lines.append(f"kernels: unavailable ({kernels.unavailable_reason()}): decoding on the CPU uses torch's "
                      f"operations, {kernels.TORCH_PATH_SLOWDOWN}")
     else:
         lines.append(info.line(torch.get_num_threads()))
-        lines.append(f"compiler: {info.compiler}; HSD_KERNELS=<variant> forces one, HSD_OPENMP=0 builds without "
-                     f"OpenMP")
+    cc = info.compiler if info is not None else kernels.compiler()
+    lines.append(f"compiler: {cc or 'none found (install gcc or clang, or set CC)'}; HSD_KERNELS=<variant> forces "
+                 f"one, HSD_OPENMP=0 builds without OpenMP")
     lines.append(sampling_line(kernels.load() if info is not None else None))
     if torch.cuda.is_available():
         lines.append(cuda_line())

@@ -232,8 +232,9 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
-            raise HsdError(f"compiling {source.name} ({variant.name}) failed: "
-                           f"{(res.stderr or res.stdout).strip()[:2000]}")
+            said = (res.stderr or res.stdout).strip()[:2000]
+            raise HsdError(f"compiling {source.name} ({variant.name}) with {cc} failed: "
+                           f"{said or f'exit status {res.returncode}, nothing said'}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -355,6 +356,15 @@ class KernelInfo:
 
 
 _INFO: list = []  # [KernelInfo] of the library in _LIB
+_WHY: list = []   # [why the kernels are unavailable] where _LIB holds None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels engines use are unavailable here, in words (loading them first), or None where they load."""
+    if variants.disabled():
+        return "HSD_KERNELS=0 turns them off"
+    load(log=lambda m: None)
+    return None if _INFO else (_WHY[-1] if _WHY else "unknown")
 
 
 def info() -> KernelInfo | None:
@@ -454,6 +464,8 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
             _LIB.append(lib)
             if lib is not None:
                 _INFO.append(KernelInfo(chosen.name, reason, omp, path, cc))
+            else:
+                _WHY.append(why)
         return lib
 
 
