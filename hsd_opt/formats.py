@@ -187,7 +187,7 @@ class Profile:
             (:attr:`ModelEntry.draft_rate_by_budget`).
         stats: the additive statistics the rates come from (``PairStats`` as JSON), for exact merges; None
             where a profile was made another way (or is a task's view).
-        task: the task whose view this is (:func:`~hsd_opt.solver.tasks.task_profile`); None for the profile
+        task: the task whose view this is (:func:`~hsd_opt.solver.task_view.task_profile`); None for the profile
             itself. Never written to a file.
     """
 

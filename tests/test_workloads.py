@@ -14,7 +14,7 @@ from hsd_opt.formats import Plan, load_plan, plan_from_dict, profile_from_dict
 from hsd_opt.measure.report import Generation, Totals, totals_by
 from hsd_opt.prompts import conversation_ids, encode_prompt, load_prompts, select_items, user_turns
 from hsd_opt.runtime.runner import plan_for_prompt
-from hsd_opt.solver import evaluate, solve, solve_tasks, task_profile
+from hsd_opt.solver import evaluate, simulate, solve, solve_tasks, task_profile
 from hsd_opt.solver.brute import brute
 from tests.helpers import cli_output, random_profile, run_cli
 
@@ -281,6 +281,10 @@ def test_cli_solve_per_task_and_task(tmp_path):
         assert (p.hierarchy, p.budgets) == (e.hierarchy, e.budgets)
         assert p.expected_latency == pytest.approx(e.expected_latency, rel=1e-12)
         assert p.task == task and p.profile_sha256 == plan.profile_sha256
+        sim = simulate(prof, p, rounds=2000)                    # the task's acceptance, as the plan was solved
+        assert sim.predicted == pytest.approx(p.expected_latency, rel=1e-12), task
+        r = run_cli("simulate", "--plan", one, "--profile", prof, "--rounds", 2000)
+        assert r.exit_code == 0 and "differs from the profile's model" not in cli_output(r), cli_output(r)
     assert plan.by_task["summarization"].hierarchy != plan.by_task["qa"].hierarchy
     for args, needle in ((["--task", "rag"], "qa, summarization"), (["--task", "qa", "--per-task"], "one of"),
                          ):

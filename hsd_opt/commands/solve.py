@@ -222,7 +222,7 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
 def _profile_to_solve(full, task: Optional[str], per_task: bool):
     """The profile the main plan is solved from: ``full``, or its statistics for ``task`` (the drafters without
     them warned about); ``--per-task`` needs a profile with statistics per task."""
-    from hsd_opt.solver.tasks import profile_tasks, task_profile
+    from hsd_opt.solver.task_view import profile_tasks, task_profile
 
     if task is not None:
         prof, fallbacks = task_profile(full, task)
@@ -240,7 +240,8 @@ def _solve_plan(prof, full, task: Optional[str], per_task: bool, sizes: list[int
     with its plans per task (``per_task``) and per load level (more than one batch size in ``sizes``)."""
     from hsd_opt.solver.api import solve
     from hsd_opt.solver.batch import solve_loads
-    from hsd_opt.solver.tasks import solve_tasks, task_positions
+    from hsd_opt.solver.task_view import task_positions
+    from hsd_opt.solver.tasks import solve_tasks
 
     plan = solve(prof, tmax, solver=solver, max_depth=max_depth, top=top, min_gain=min_gain, context=context)
     if task is not None:

@@ -33,7 +33,7 @@ from hsd_opt.runtime.decode import HSD
 from hsd_opt.solver.batch import LOAD_MIN_GAIN, at_batch, choose_loads
 from hsd_opt.solver.context import profile_at_context
 from hsd_opt.solver.latency import hierarchy_latency
-from hsd_opt.solver.tasks import profile_tasks, task_profile
+from hsd_opt.solver.task_view import profile_tasks, task_profile
 
 
 def _scaled(v, f: float):
@@ -63,7 +63,7 @@ def scale_costs(profile: Profile, factor: Mapping[str, float]) -> Profile:
 def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
                     factor: Mapping[str, float], context: float | None = None, task: str | None = None) -> float:
     """Predicted seconds per token of ``hierarchy``/``budgets`` with ``profile``'s costs scaled by ``factor``
-    (:func:`scale_costs`), under ``task``'s acceptance when given (:func:`~hsd_opt.solver.tasks.task_profile`),
+    (:func:`scale_costs`), under ``task``'s acceptance when given (:func:`~hsd_opt.solver.task_view.task_profile`),
     at ``context`` tokens when given and the profile has costs at several contexts."""
     p = scale_costs(profile, factor)
     if task is not None:

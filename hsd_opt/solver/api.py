@@ -22,6 +22,7 @@ from hsd_opt.solver.latency import best_single_draft, hierarchy_latency, target_
 from hsd_opt.solver.lp import solve_lp
 from hsd_opt.solver.simulate import SimResult
 from hsd_opt.solver.simulate import simulate as _simulate
+from hsd_opt.solver.task_view import task_profile
 from hsd_opt.values import is_integer, is_real
 
 SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
@@ -188,11 +189,16 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
              context: float | None = None) -> SimResult:
     """Monte-Carlo seconds per token of a hierarchy (or a :class:`Plan`) under IID acceptance, with its
     standard error and the predicted value, at ``context`` tokens (default: a plan's own ``context``, else the
-    profile's typical context; ignored without ``context_costs``); see :mod:`hsd_opt.solver.simulate`."""
+    profile's typical context; ignored without ``context_costs``); a plan for one task (``hsd solve --task``) under
+    that task's acceptance (:func:`~hsd_opt.solver.task_view.task_profile`), as it was solved; see
+    :mod:`hsd_opt.solver.simulate`."""
     if isinstance(hierarchy, Plan):
+        plan = hierarchy
         if context is None:
-            context = hierarchy.context
-        hierarchy, budgets = hierarchy.hierarchy, hierarchy.budgets
+            context = plan.context
+        hierarchy, budgets = plan.hierarchy, plan.budgets
+        if plan.task is not None:
+            profile = task_profile(_as_profile(profile), plan.task)[0]
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")
     if not is_integer(rounds) or rounds < 1:

@@ -107,7 +107,7 @@ def typical_context(profile: Profile, task: str | None = None) -> tuple[int | No
     mean cost per token is the cost at ``P + G / 2``. These are also the positions the acceptance rates were
     measured on. Without recorded prompt lengths: the first measured context. ``(None, None)`` for a profile
     whose costs do not depend on the context (no ``context_costs``). ``task`` defaults to the task of a task's
-    view (``Profile.task``, :func:`~hsd_opt.solver.tasks.task_profile`)."""
+    view (``Profile.task``, :func:`~hsd_opt.solver.task_view.task_profile`)."""
     if not profile.context_costs:
         return None, None
     prov = profile.provenance
