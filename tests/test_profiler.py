@@ -22,7 +22,7 @@ from hsd_opt.profiler.pool import NeuralDrafter, default_quantized, exit_boundar
 from hsd_opt.profiler.run import ProfileConfig, run_profile
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import load_prompts
-from tests.helpers import make_tiny_llama, run_cli, save_tiny, write_prompts
+from tests.helpers import cli_output, make_tiny_llama, run_cli, save_tiny, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 # One torch thread in every profile run of this file: float32 reductions split over 2 threads differ from 1
@@ -1008,3 +1008,25 @@ def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch
     names, left_out = _token_drafter_names("bigram", flags)
     tds, _ = _pool_token_drafters(names, loaded, set(), warnings.append, left_out)
     assert [d.name for d in tds] == ["bigram"] and len(built) == 1
+
+
+def test_ctrl_c_says_where_the_finished_prompts_are_only_where_they_were_kept(tiny, tmp_path, monkeypatch):
+    """Interrupted, ``hsd profile`` names the partial file and ``--resume`` where the file is there, else says
+    nothing was kept (it pointed at a file that did not exist, and suggested ``--resume`` to ``--costs-only``);
+    exit code 130 either way."""
+    import hsd_opt.profiler.run as run_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run_profile", interrupted)
+    out = tmp_path / "p.json"
+    args = ["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out", str(out),
+            "--device", "cpu"]
+    r = _cli(args)
+    assert r.exit_code == 130 and "interrupted before any prompt's statistics were kept" in cli_output(r)
+    (tmp_path / "p.json.partial.json").write_text("{}")
+    r = _cli(args)
+    assert r.exit_code == 130 and f"are in {tmp_path / 'p.json.partial.json'}; rerun with --resume" in cli_output(r)
+    r = _cli(args + ["--costs-only"])
+    assert r.exit_code == 130 and "(--costs-only keeps none)" in cli_output(r) and "--resume" not in cli_output(r)

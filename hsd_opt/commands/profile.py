@@ -236,7 +236,10 @@ def _exit_layers(layers: str, draft_layers: Optional[str], draft_model: List[str
 
 def _run_profile(cfg, quiet: bool):
     """Run the profiler on ``cfg`` (the kernels loaded first, said on stderr, unless ``quiet``): the profile, or
-    None where this process writes none. Ctrl-C says where the finished prompts are and exits with code 130."""
+    None where this process writes none. Ctrl-C says where the finished prompts are (or that none were kept) and
+    exits with code 130."""
+    from hsd_opt.profiler.checkpoint import partial_path
+    from hsd_opt.profiler.dist import dist_info
     from hsd_opt.profiler.run import run_profile
 
     if not quiet:
@@ -244,8 +247,14 @@ def _run_profile(cfg, quiet: bool):
     try:
         return run_profile(cfg, log=(lambda s: None) if quiet else (lambda s: console.print(s)), warn=warn)
     except KeyboardInterrupt:
-        err_console.print(f"interrupted: the statistics of every finished prompt are in {cfg.out}.partial.json; "
-                          f"rerun with --resume to continue")
+        partial = partial_path(Path(cfg.out), *dist_info())
+        if not cfg.costs_only and partial.is_file():
+            err_console.print(f"interrupted: the statistics of every finished prompt are in {partial}; rerun with "
+                              f"--resume to continue", markup=False)
+        else:
+            kept = " (--costs-only keeps none)" if cfg.costs_only else ""
+            err_console.print(f"interrupted before any prompt's statistics were kept{kept}: run it again",
+                              markup=False)
         raise typer.Exit(130)
 
 

@@ -289,8 +289,8 @@ def resolve_model_name(name: str) -> str:
 
 def recorded_model_id(name: str) -> str:
     """``name`` as heads files and profiles record the model they were made for: a local folder or ``.gguf`` file
-    that exists as its absolute path (the same model whichever folder it is named from), any other name (alias, hub id) as it
-    is."""
+    that exists as its absolute path (the same model whichever folder it is named from), any other name (alias,
+    hub id) as it is."""
     resolved = resolve_model_name(name)
     if resolved.startswith(("embedded:", SPLIT_PREFIX)):
         return resolved
