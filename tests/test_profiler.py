@@ -437,6 +437,15 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     assert m.context_costs == first.context_costs and m.contexts == [64, 507]
     for key in ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task"):
         assert m.provenance.get(key) == f.provenance.get(key), key
+    # both shards make the whole set: the merged profile is no shard, and merging a shard into it again is said
+    assert m.provenance.get("shard") is None and m.provenance.get("shards") is None
+    r = _cli(["profile", "merge", str(merged), str(parts[1]), "-o", str(tmp_path / "twice.json")])
+    assert r.exit_code == 0 and "overlap" in cli_output(r) and "counted twice" in cli_output(r), cli_output(r)
+    from hsd_opt.profiler.assemble import _merged_shards, _overlap
+    assert _overlap([(0, 3)], [(1, 3), (2, 3)]) is False and _overlap([(0, 3)], [(0, 2)]) is True
+    assert _overlap(None, [(1, 3)]) is True
+    assert _merged_shards({"s": [("a", [(0, 3)]), ("b", [(2, 3)])]}) == [[0, 3], [2, 3]]
+    assert _merged_shards({"s": [("a", [(0, 2)]), ("b", [(1, 2)])]}) is None
     # a profile of a different model is refused, naming the field
     other = tmp_path / "other.json"
     r = _cli(["profile", "--model", str(tiny["other_tok"]), "--prompts", str(tiny["prompts"]), "--out", str(other),

@@ -331,6 +331,32 @@ def _records(res: dict) -> dict:
     return {k: res.get(k) or {} for k in PROFILE_RECORDS}
 
 
+def _shards(prov: dict) -> list[tuple[int, int]] | None:
+    """The shards of its prompt set a profile's statistics cover (``(i, n)``: shard ``i`` of ``n``), None for the
+    whole set."""
+    if prov.get("shards"):
+        return [tuple(s) for s in prov["shards"]]
+    return [tuple(prov["shard"])] if prov.get("shard") else None
+
+
+def _overlap(a: list | None, b: list | None) -> bool:
+    """Whether two coverages of one prompt set may share prompts: either is the whole set, they share a shard, or
+    they cut the set into a different number of shards."""
+    return a is None or b is None or any(x == y or x[1] != y[1] for x in a for y in b)
+
+
+def _merged_shards(covered: dict) -> list[list[int]] | None:
+    """The ``shards`` a merged profile records: those of its one prompt set, where its profiles were shards that do
+    not make the whole set together; None where they do, where one covered the whole set, or for several sets."""
+    if len(covered) != 1:
+        return None
+    parts = [s for _, shards in next(iter(covered.values())) for s in (shards or [None])]
+    if None in parts or len({n for _, n in parts}) != 1:
+        return None
+    union = sorted(set(parts))
+    return None if len(union) == union[0][1] else [list(s) for s in union]
+
+
 def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> Profile:
     """Combine profiles of the same model and settings exactly: the raw sums (``stats``) are added and every
     rate is recomputed. Costs, cost curves and verify costs are the FIRST profile's (costs are measurements of
@@ -351,7 +377,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     p0, first = profs[0]
     prov0 = first.provenance.to_dict()
     stats = PairStats.from_dict(first.stats)
-    seen = {(prov0.get("prompts_sha256"), str(prov0.get("shard")))}
+    covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0))]}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
         prov = prof.provenance.to_dict()
@@ -366,11 +392,13 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
-        key = (prov.get("prompts_sha256"), str(prov.get("shard")))
-        if key in seen and prov.get("world_size", 1) == 1:
-            warn(f"{p}: same prompt set and shard as an earlier profile: its positions are counted twice")
-        seen.add(key)
-        prompt_sets.append(prov.get("prompts_sha256"))
+        sha, shards = prov.get("prompts_sha256"), _shards(prov)
+        clash = next((q for q, other in covered.get(sha, []) if _overlap(shards, other)), None)
+        if clash is not None and prov.get("world_size", 1) == 1:
+            warn(f"{p}: its prompts overlap {clash}'s (the same prompt set, and shards that are not disjoint): "
+                 f"their positions are counted twice")
+        covered.setdefault(sha, []).append((p, shards))
+        prompt_sets.append(sha)
         stats = stats.merge(s)
     entries = [_rates_of(e, stats) if e.name in stats.token else e for e in first.models]
     order = [e.name for e in entries]
@@ -382,6 +410,10 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
                  "positions_by_task": positions_by_task(stats), "forced_by_task": forced_by_task(stats),
                  "costs_from": str(p0)})
+    prov.pop("shard", None)
+    merged_shards = _merged_shards(covered)
+    if merged_shards is not None:
+        prov["shards"] = merged_shards
     # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
     complete = all(set(prompts_by_task(PairStats.from_dict(pr.stats))[0]) ==
                    set(PairStats.from_dict(pr.stats).tasks) for _, pr in profs)
