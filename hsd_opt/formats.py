@@ -1054,13 +1054,23 @@ def _check_latency_table(v: Any, source: str, at: str) -> None:
         last = pt[0]
 
 
+#: Where the context a plan is solved for came from (a plan's ``context_from``).
+CONTEXT_GIVEN = "given"
+CONTEXT_PROMPTS = "profile_prompts"
+CONTEXT_TASK_PROMPTS = "task_prompts"
+CONTEXT_FIRST = "first_measured_context"
+CONTEXT_SOURCES = (CONTEXT_GIVEN, CONTEXT_PROMPTS, CONTEXT_TASK_PROMPTS, CONTEXT_FIRST)
+
+
 def _check_context_fields(d: dict, source: str, at: str = "") -> tuple[float | None, str | None]:
-    """The optional ``context`` (tokens >= 1), ``context_from`` (a string) and ``latency_by_context`` of a plan or
-    of one of its entries (``at``: the prefix of the fields' names). Returns ``(context, context_from)``."""
+    """The optional ``context`` (tokens >= 1), ``context_from`` (one of :data:`CONTEXT_SOURCES`) and
+    ``latency_by_context`` of a plan or of one of its entries (``at``: the prefix of the fields' names). Returns
+    ``(context, context_from)``."""
     c = d.get("context")
     if c is not None and (not _is_number(c) or c < 1):
         raise InputFileError(source, f"expected a context length in tokens (>= 1), got {c!r}", at + "context")
-    source_of = _optional(d, "context_from", lambda v: isinstance(v, str), "a string", source, at)
+    source_of = _optional(d, "context_from", lambda v: v in CONTEXT_SOURCES, f"one of {', '.join(CONTEXT_SOURCES)}",
+                          source, at)
     _check_latency_table(d.get("latency_by_context"), source, at + "latency_by_context")
     return c, source_of
 
@@ -1339,7 +1349,7 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
         v = d.get(key)
         if not _is_number(v) or v <= 0:
             raise InputFileError(source, f"expected a number > 0, got {v!r}", key)
-    baselines = d.get("baselines", {})
+    baselines = d.get("baselines") or {}
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
     context, context_from = _check_context_fields(d, source)
@@ -1361,6 +1371,14 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
                                    source, ""),
                 key_order=tuple(d), **text)
     _check_level_entries(plan, plan.hierarchy, source, "")
+    others = [(f"baselines.{key}.", e["hierarchy"]) for key, e in baselines.items()]
+    others += [(f"alternatives[{i}].", a.hierarchy) for i, a in enumerate(plan.alternatives)]
+    others += [("exact_optimum.", plan.exact_optimum.hierarchy)] if plan.exact_optimum is not None else []
+    for at, hierarchy in others:             # every hierarchy a command may run: its levels described, target last
+        _check_level_entries(plan, hierarchy, source, at)
+        if hierarchy[-1] != h[-1]:
+            raise InputFileError(source, f"ends with {hierarchy[-1]!r}, but the plan's target is {h[-1]!r}",
+                                 at + "hierarchy")
     for task, e in plan.by_task.items():
         _check_level_entries(plan, e.hierarchy, source, f"by_task.{task}.")
     for n, e in plan.by_load.items():

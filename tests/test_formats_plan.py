@@ -228,7 +228,13 @@ BAD = [
     (_set("solver", 1), "solver", "a string"),
     (_set("max_depth", 0), "max_depth", "integer >= 1"),
     (_set("min_gain", 1.5), "min_gain", "[0, 1)"),
-    (_set("context_from", 3), "context_from", "a string"),
+    (_set("context_from", 3), "context_from", "one of given, profile_prompts"),
+    (_set("context_from", "nope"), "context_from", "one of given, profile_prompts"),
+    (_set("baselines.best_single_draft", {"hierarchy": ["zz", "layer4"], "budgets": [2], "expected_latency": 0.01}),
+     "baselines.best_single_draft.hierarchy[0]", "not described in the plan's models"),
+    (_set("alternatives.0.hierarchy", ["ngram", "layer2"]), "alternatives[0].hierarchy", "the plan's target"),
+    (_set("exact_optimum", {"hierarchy": ["layer2", "ngram", "layer4"], "budgets": [2, 3], "expected_latency": 0.01}),
+     "exact_optimum.hierarchy[1]", "may only be the bottom level"),
     (_set("by_load", [1]), "by_load", "an object"),
     (_set("by_load.0", {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}), "by_load.0",
      "sequences >= 1"),
@@ -254,9 +260,10 @@ def test_a_malformed_section_is_refused_at_load_with_the_file_and_field(tmp_path
 
 def test_a_null_section_reads_as_absent():
     d = _base()
-    d.update(models=None, provenance=None, alternatives=None, by_task=None, exact_optimum=None)
+    d.update(models=None, provenance=None, alternatives=None, by_task=None, exact_optimum=None, baselines=None)
     plan = plan_from_dict(d)
-    assert (plan.models, plan.provenance, plan.alternatives, plan.by_task) == ([], Provenance(), [], {})
+    assert (plan.models, plan.provenance, plan.alternatives, plan.by_task, plan.baselines) == \
+        ([], Provenance(), [], {}, {})
 
 
 def test_a_bad_quantization_is_refused_by_every_command_that_loads_the_plan(tmp_path):

@@ -23,14 +23,10 @@ from dataclasses import replace
 from typing import Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import Profile
+from hsd_opt.formats import CONTEXT_FIRST, CONTEXT_GIVEN, CONTEXT_PROMPTS, CONTEXT_TASK_PROMPTS, Profile
 from hsd_opt.solver.latency import curve_at, hierarchy_latency
 
-#: Where the context a plan is solved for came from (the plan's ``context_from``).
-CONTEXT_GIVEN = "given"
-CONTEXT_PROMPTS = "profile_prompts"
-CONTEXT_TASK_PROMPTS = "task_prompts"
-CONTEXT_FIRST = "first_measured_context"
+__all__ = ["CONTEXT_FIRST", "CONTEXT_GIVEN", "CONTEXT_PROMPTS", "CONTEXT_TASK_PROMPTS"]
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
