@@ -220,11 +220,13 @@ def write_plan(path: Path, model_dir, hierarchy=("layer1", "layer2", "layer4"), 
                         {"name": "layer2", "kind": "early_exit", "layer": 2},
                         {"name": "ngram", "kind": "ngram_context", "config": {"q": 2, "w": 4}},
                         {"name": "layer4", "kind": "target", "layer": 4}]
+    target = hierarchy[-1]                 # the baselines run the plan's target, as a solved plan's do
+    baselines = {"target_only": {"hierarchy": [target], "budgets": [], "expected_latency": 0.015}}
+    if target == "layer4":
+        baselines["best_single_draft"] = {"hierarchy": ["layer2", "layer4"], "budgets": [3],
+                                          "expected_latency": 0.012, "expected_speedup": 1.25}
     d = {"format": "hsd-plan/1", "tmax": 8, "hierarchy": list(hierarchy), "budgets": list(budgets),
-         "expected_latency": 0.01, "expected_speedup": 1.5,
-         "baselines": {"target_only": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.015},
-                       "best_single_draft": {"hierarchy": ["layer2", "layer4"], "budgets": [3],
-                                             "expected_latency": 0.012, "expected_speedup": 1.25}},
+         "expected_latency": 0.01, "expected_speedup": 1.5, "baselines": baselines,
          "models": models,
          "provenance": {"model": str(model_dir), "revision": None, "heads": None, "device": "cpu",
                         "dtype": "float32", **prov}}

@@ -204,7 +204,7 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty: the repetition penalty must be a number"),
     (["--prompt", "hi", "--repetition-penalty", "1.2", "--repeat-last-n", "-1"], "--repeat-last-n: a number of tokens"),
     (["--prompt", " ".join(["w5"] * 500), "--raw", "--max-new-tokens", "20"],
-     "+ --max-new-tokens (20) exceeds the model's context of 512 positions"),
+     "with --max-new-tokens 20 that exceeds the model's context of 512 positions"),
 ])
 def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     plan = _plan(tmp_path / "p.json", tiny_dir / "m")
@@ -521,3 +521,62 @@ def test_a_plan_runs_with_its_model_named_by_any_path(tiny_dir, tmp_path, monkey
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "2",
                               "--model", "./other"])
     assert res.exit_code == 2 and "provenance.model" in _out(res), _out(res)
+
+
+def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_turn(tiny_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Ctrl-C (or an error) after some prompts: their lines are written to --json and said, exit 130 (they were
+    all lost); sampled, prompt i turn k is seeded ``seed + i + 1000003 k`` as ``hsd bench`` seeds it (every prompt
+    and turn had the same seed)."""
+    import hsd_opt.commands.run as run_module
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.prompts import encode_prompt
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Hello there", "Count: 1 2 3", "Why?")))
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "6",
+                              "--temperature", "0.9", "--seed", "5", "--json", str(out), "--quiet"])
+    assert res.exit_code == 0, _out(res)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    loaded = load_model(str(tiny_dir / "m"), device="cpu")
+    h = hsd_for_plan(load_plan(plan), loaded)
+    for i, x in enumerate(lines):
+        want = h.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 6, temperature=0.9, seed=5 + i).token_ids
+        assert x["token_ids"] == want, i
+
+    real, calls = run_module._run_prompt, []
+
+    def stopped_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "_run_prompt", stopped_at_the_second)
+    out.unlink()
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "6",
+                              "--temperature", "0.9", "--seed", "5", "--json", str(out), "--quiet"])
+    assert res.exit_code == 130 and f"the 1 turns of the prompts finished are in {out}" in _out(res), _out(res)
+    kept = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["prompt"], x["token_ids"]) for x in kept] == [(x["prompt"], x["token_ids"]) for x in lines[:1]]
+
+
+def test_the_streamed_text_is_the_answers_text_whole_characters_included(embedded, capsys):
+    """Blocks that end inside a character of several UTF-8 bytes: the complete characters before it are written
+    at once, and what is left when the answer ends (it held the whole block back, and dropped the rest)."""
+    from hsd_opt.commands.run import text_streamer
+
+    tok = embedded.tokenizer
+    text = "🌟🌟 party 🎉🎂 ok 日本語"
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in (1, 2, 3):
+        stream = text_streamer(tok, False)
+        for i in range(0, len(ids) - cut, cut):               # the last block never comes: a cut answer
+            stream(ids[i:i + cut])
+        partial = tok.decode(ids[: (len(ids) - cut - 1) // cut * cut + cut], skip_special_tokens=True)
+        stream.finish(partial)
+        assert capsys.readouterr().out == partial, cut

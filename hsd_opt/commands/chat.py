@@ -115,10 +115,11 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
     from hsd_opt.prompts import chat_ids
 
     t0 = time.perf_counter()
+    stream = text_streamer(tok, False)
     try:
         ids = chat_ids(tok, messages)
         res = runner.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              on_tokens=text_streamer(tok, False), top_k=top_k, min_p=min_p)
+                              on_tokens=stream, top_k=top_k, min_p=min_p)
     except HsdError as e:
         err_console.print(f"error: {e}", markup=False)
         return None
@@ -126,10 +127,12 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
         sys.stdout.write("\n")
         err_console.print("(stopped: the turn is dropped)", markup=False)
         return None
+    answer = tok.decode(res.token_ids, skip_special_tokens=True)
+    stream.finish(answer)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats:
         s, wall = res.stats, time.perf_counter() - t0
         err_console.print(f"[{len(res.token_ids)} tokens, {len(res.token_ids) / wall:.1f} tok/s; prompt "
                           f"{len(ids)} tokens, {s.get('prefill_tokens', len(ids))} computed]", markup=False)
-    return tok.decode(res.token_ids, skip_special_tokens=True)
+    return answer

@@ -26,8 +26,8 @@ from hsd_opt.commands.common import (
     load_plan_and_model,
     warn_sampling,
 )
-from hsd_opt.console import console
-from hsd_opt.jsonio import json_problem
+from hsd_opt.console import console, err_console
+from hsd_opt.jsonio import atomic_write_bytes, json_problem
 from hsd_opt.prompts import JSON_TASK
 
 
@@ -170,19 +170,14 @@ def run_cmd(
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
-    from hsd_opt.jsonio import atomic_write_bytes
-    from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_mode
-    from hsd_opt.runtime.runner import plan_for_prompt
+    from hsd_opt.errors import HsdError
+    from hsd_opt.measure.bench import check_room
+    from hsd_opt.runtime.runner import model_context, plan_for_prompt
 
     penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
                                  presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
-    _check_logprobs(logprobs, json_out)
-    check_mode(mode)
-    check_outputs(("--json", json_out), inputs=[("--plan", plan), ("--prompts", prompts),
-                                               ("--json-schema", json_schema), ("--grammar", grammar)])
-    check_turn_mode(turns)
-    check_report_key(by)
+    _check_flags(logprobs, json_out, mode, turns, by, [("--plan", plan), ("--prompts", prompts),
+                                                        ("--json-schema", json_schema), ("--grammar", grammar)])
     spec = grammar_spec(json_schema, grammar)
     if spec is not None and prompt is not None and task is None:
         task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
@@ -191,20 +186,49 @@ def run_cmd(
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     if penalties is not None:
         penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
+    check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded),
+               f"--prompts {prompts}" if prompts is not None else "--prompt")
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []
-    for it in items:
-        which = plan_for_prompt(p, it.task, per_task)[3]
-        for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
-                                     max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index),
-                                     logprobs, penalties, top_k, min_p):
-            lines.append(line)
-            gens.append(gen)
+    try:
+        for it in items:
+            which = plan_for_prompt(p, it.task, per_task)[3]
+            for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
+                                         max_new_tokens, temperature, top_p, seed, quiet, grammars.get(it.index),
+                                         logprobs, penalties, top_k, min_p):
+                lines.append(line)
+                gens.append(gen)
+    except (KeyboardInterrupt, HsdError):        # what was finished is kept, and said
+        _write_lines(json_out, lines, partial=True)
+        raise
     _print_run(gens, by, plans, mode)
-    if json_out is not None:
-        atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
+    _write_lines(json_out, lines)
+
+
+def _write_lines(json_out: Path | None, lines: list[dict], partial: bool = False) -> None:
+    """Write ``lines`` (one JSON object per turn) to ``--json`` atomically, saying so; ``partial``: the run stopped
+    before its end, and the lines are those of the prompts it finished (nothing written where it finished none)."""
+    if json_out is None or (partial and not lines):
+        return
+    atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
+    if partial:
+        err_console.print(f"stopped: the {len(lines)} turns of the prompts finished are in {json_out}", markup=False)
+    else:
         console.print(f"wrote {json_out}")
+
+
+def _check_flags(logprobs: int | None, json_out: Path | None, mode: str, turns: str, by: str, inputs) -> None:
+    """``hsd run``'s flags checked before anything loads: ``--logprobs``, ``--mode``, ``--turns``, ``--by``, and
+    ``--json`` against the files the run reads (``inputs``: ``(flag, path)``)."""
+    from hsd_opt.prompts import check_report_key, check_turn_mode
+    from hsd_opt.runtime.decode import check_mode
+
+    _check_logprobs(logprobs, json_out)
+    check_mode(mode)
+    check_outputs(("--json", json_out), inputs=inputs)
+    check_turn_mode(turns)
+    check_report_key(by)
 
 
 def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
@@ -279,23 +303,24 @@ def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):
 
 def text_streamer(tok, quiet: bool):
     """The ``on_tokens`` callback of one generation: it gathers the blocks of token ids and, unless ``quiet``,
-    writes to stdout the text decoded so far that it has not written yet (waiting out an incomplete UTF-8
-    sequence)."""
+    writes to stdout the text decoded so far that it has not written yet, but for a trailing incomplete UTF-8
+    sequence (decoded as U+FFFD), which waits for the next block. ``stream.finish(answer)`` writes what is left of
+    the whole ``answer`` at the end, so stdout holds the answer's text."""
     got: list[int] = []
     shown = [""]
 
-    def stream(block):
-        got.extend(block)
-        if quiet:
-            return
-        s = tok.decode(got, skip_special_tokens=True)
-        if s.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next block
-            return
-        if s.startswith(shown[0]):
+    def write(s: str) -> None:
+        if not quiet and s.startswith(shown[0]) and len(s) > len(shown[0]):
             sys.stdout.write(s[len(shown[0]):])
             sys.stdout.flush()
             shown[0] = s
 
+    def stream(block):
+        got.extend(block)
+        if not quiet:
+            write(tok.decode(got, skip_special_tokens=True).rstrip("\ufffd"))
+
+    stream.finish = write
     return stream
 
 
@@ -311,18 +336,21 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
     ``min_p``: sampling's filters (0: off)."""
     from hsd_opt.grammar.constraint import Constraint
     from hsd_opt.prompts import conversation_ids, user_turns
+    from hsd_opt.seeds import SEED_STRIDE, offset_seed
 
     out: list[tuple[dict, object]] = []
     answers: list[str] = []
     for k, text in enumerate(user_turns(it, turns)):
         ids = conversation_ids(tok, it.turns, answers, raw)
-        res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                         on_tokens=text_streamer(tok, quiet),
+        stream = text_streamer(tok, quiet)
+        res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                         seed=offset_seed(seed, it.index + SEED_STRIDE * k), on_tokens=stream,
                          constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs,
                          penalties=penalties, top_k=top_k, min_p=min_p)
+        answer = tok.decode(res.token_ids, skip_special_tokens=True)
+        stream.finish(answer)
         if not quiet:
             sys.stdout.write("\n")
-        answer = tok.decode(res.token_ids, skip_special_tokens=True)
         answers.append(answer)
         line, gen = _turn_record(p, it, k, text, which, per_task, len(ids), res, answer)
         if res.logprobs is not None:
