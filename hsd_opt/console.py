@@ -22,9 +22,10 @@ LOG_WIDTH = 160
 
 
 def _console(**kwargs) -> Console:
-    """A console that prints strings as they are (no rich markup: a path or a value with ``[...]`` in it is text);
-    a caller that styles passes ``markup=True`` or rich's ``Text``."""
-    c = Console(highlight=False, markup=False, **kwargs)
+    """A console that prints strings as they are (no rich markup: a path or a value with ``[...]`` in it is text;
+    no emoji codes: ``:x:`` in a path stays ``:x:``); a caller that styles passes ``markup=True`` or rich's
+    ``Text``."""
+    c = Console(highlight=False, markup=False, emoji=False, **kwargs)
     if not c.is_terminal and not os.environ.get("COLUMNS"):
         c.width = LOG_WIDTH
     return c

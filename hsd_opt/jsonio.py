@@ -124,9 +124,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
     in memory whole first. A new file gets :data:`FILE_MODE`, a replaced one keeps its permissions.
 
     A reader never sees a half-written file, and an interrupted write leaves the old file intact. A path that
-    cannot be written (a directory, a folder that cannot be made, no room) raises :class:`HsdError` naming it.
+    cannot be written (a directory, a folder that cannot be made, no room) raises :class:`HsdError` naming it. A
+    symbolic link is followed: the file it points to is replaced, the link stays.
     """
-    p = Path(path)
+    p = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     parent = _parent(p)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)

@@ -36,6 +36,20 @@ def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(t
     write_json(tmp_path / "new" / "p.json", {"a": 1})         # the write makes it
 
 
+def test_a_link_is_written_through_and_stays_a_link(tmp_path):
+    """Writing to a symbolic link replaces the file it points to, not the link (it became a file of its own, and
+    the file it pointed to kept its old bytes)."""
+    from hsd_opt.jsonio import atomic_write_bytes
+
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "t.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_bytes(link, b"new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
     path = tmp_path / "p.json"
     write_json(path, {"a": 1})

@@ -141,6 +141,15 @@ def test_bench_under_load_with_retime_reports_the_levels_it_ran(profiled):
                                                                    / one["predicted_run_tokens_per_s"])
             assert "1" in one["factors"]["batch"] and one["factors"]["prompt_seconds"]
             assert m["predicted_run_tokens_per_s"] == one["predicted_run_tokens_per_s"]
+    # two clients decoded one at a time (--max-batch 1) run level 1's plan, and the report says so (it said 2)
+    r = run_cli("bench", "--plan", path, "--concurrency", "2", "--max-batch", "1", "--methods", "hsd",
+                "--requests", "1", "--max-new-tokens", "4", "--prompts", root / "p.jsonl", "--json", out,
+                "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    assert json.loads(out.read_text())["levels"][0]["methods"]["hsd"]["load_level"] == 1
+    # a --retime file that cannot serve is refused before any hierarchy is built
+    r = run_cli("bench", "--plan", path, "--concurrency", "2", "--retime", root / "nowhere.json", "--device", "cpu")
+    assert r.exit_code == 2 and "nowhere.json" in cli_output(r) and "building" not in cli_output(r)
 
 
 @pytest.mark.parametrize("args,flag", [(("solve", "--batch-sizes", "1,3"), "--batch-sizes"),

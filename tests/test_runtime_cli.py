@@ -298,7 +298,7 @@ def test_bench_under_load_samples_as_asked(tiny_dir, tmp_path):
     (["--concurrency", "2", "--top-k", "3"], "--top-k 3 needs --temperature > 0"),
     (["--concurrency", "2", "--temperature", "0.7", "--top-p", "1.5"], "--top-p"),
     (["--concurrency", "2", "--turns", "all", "--assistant", "x"], "--turns, --assistant: not with --concurrency"),
-    (["--concurrency", "2", "--retime", "p.json"], "--retime: "),
+    (["--concurrency", "2", "--retime", "p.json"], "--retime p.json: file not found"),     # before the model loads
     (["--concurrency", "2", "--requests", "0"], "--requests: expected >= 1"),
     (["--concurrency", "2", "--max-batch", "0"], "--max-batch: expected >= 1"),
 ])

@@ -159,6 +159,8 @@ def test_messages_print_brackets_as_they_are(tmp_path):
     _expect_error(run("solve", "--profile", folder / "missing.json"), str(folder / "missing.json"))
     odd = tmp_path / "[/]p.json"
     _expect_error(run("solve", "--profile", odd), str(odd))
+    emoji = tmp_path / "no:x:p.json"                          # an emoji code is text too (it printed ❌)
+    _expect_error(run("solve", "--profile", emoji), str(emoji))
 
 
 @pytest.mark.parametrize("value", [0, -1.0, None, 10 ** 400])

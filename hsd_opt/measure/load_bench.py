@@ -232,7 +232,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
             med["rounds"] = per_round[m]
             entry["methods"][m] = med
         if "hsd" in entry["methods"]:
-            entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], c))
+            entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], min(c, runners["hsd"][1])))
         agg = {m: entry["methods"][m]["aggregate_tokens_per_s"] for m in methods}
         if "hsd" in agg:
             entry["hsd_over_batch1"] = ratio(agg.get("hsd"), agg.get("hsd_batch1"))
