@@ -94,10 +94,13 @@ demo-family: $(VENV)/.installed
 	@echo "  $(PY) -m benchmarks.llama_anchor --plan $(FAMILY_OUT)/plan-int4.json --llama-bench LLAMA_BENCH --gguf <the 1.5B GGUF fetched above>"
 
 test-family: $(VENV)/.installed
-	HSD_FAMILY_PLAN=$${HSD_FAMILY_PLAN:-$(FAMILY_OUT)/plan.json} $(PY) -m pytest -q -p no:cacheprovider -m family tests
+	@plan=$${HSD_FAMILY_PLAN:-$(FAMILY_OUT)/plan.json}; if [ ! -f "$$plan" ]; then \
+	  echo "test-family: no plan at $$plan: make demo-family prints the commands that make it (or set HSD_FAMILY_PLAN)"; \
+	  exit 2; fi; \
+	HSD_FAMILY_PLAN=$$plan $(PY) -m pytest -q -p no:cacheprovider -m family tests
 
 bench: $(VENV)/.model
-	$(PY) -m benchmarks.solver_scaling
+	$(PY) -m benchmarks.solver_scaling --out out/solver_scaling.json
 
 clean:
 	rm -rf $(VENV) $(OUT) *.egg-info

@@ -60,7 +60,9 @@ def _set_rate(rate: float) -> Callable[[dict], None]:
         for m in d["models"]:
             if m.get("draft_rate", 1.0) < 1.0:
                 m["draft_rate"] = max(m["draft_rate"], rate)
-                if m.get("draft_rate_by_budget"):          # the share of rounds at every budget too
+                if m["draft_rate"] >= 1.0:                 # a drafter that never abstains has no shares per budget
+                    m.pop("draft_rate_by_budget", None)
+                elif m.get("draft_rate_by_budget"):        # the share of rounds at every budget too
                     m["draft_rate_by_budget"] = [max(f, rate) for f in m["draft_rate_by_budget"]]
     return change
 

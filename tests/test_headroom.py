@@ -69,3 +69,7 @@ def test_rates_only_rise(headroom, raw):
     lookup["draft_rate_by_budget"] = [0.2, 0.1, 0.05]
     headroom._set_rate(0.15)(walked)
     assert lookup["draft_rate_by_budget"] == [0.2, 0.15, 0.15]
+    headroom._set_rate(1.0)(walked)             # a drafter that never abstains: no shares per budget, and it loads
+    assert lookup["draft_rate"] == 1.0 and "draft_rate_by_budget" not in lookup
+    from hsd_opt.formats import profile_from_dict
+    profile_from_dict(walked, "<what-if>")
