@@ -45,7 +45,13 @@ def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None, c
     """``(process, url, log lines)`` of a server started with ``cmd`` (in ``cwd``: None, this directory) once a line
     of its output (stdout and stderr) matches ``ready``, a regex whose group 1 is the base URL (without a group: the
     URL is ``""``, the caller knows it). The output is drained into the list by a thread to the end (a full pipe
-    would block the server)."""
+    would block the server). A program that is not there exits with one line (llama.cpp's binaries: README's
+    Development section builds them)."""
+    exe = cmd[0]
+    if os.sep in exe and not os.access(exe, os.X_OK):
+        print(f"error: {exe} is not an executable program (llama.cpp's server: README's Development section "
+              f"builds it)", file=sys.stderr)
+        sys.exit(2)
     proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})}, cwd=cwd)
     lines: list[str] = []
