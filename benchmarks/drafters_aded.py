@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks.drafters_common import (
     RESULTS,
+    SMOL,
     greedy_generations,
     load_model,
     machine_load,
@@ -108,7 +109,7 @@ def main() -> None:
     t_start = time.time()
     model, tok = load_model()
     gens = greedy_generations(model, tok, a.max_new_tokens, per_task=a.per_task or None)
-    res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
+    res = {"model": SMOL,
            "w": a.w, "threshold": a.threshold, "prompts": len(gens),
            "generated_tokens": sum(len(g["gen_ids"]) for g in gens), "load_before": machine_load()}
     if a.drafters_only and Path(a.out).exists():

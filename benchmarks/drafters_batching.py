@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.drafters_common import RESULTS, load_model, machine_load, target_forward_seconds
+from benchmarks.drafters_common import RESULTS, SMOL, load_model, machine_load, target_forward_seconds
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tok = load_model()
-    res = {"model": "SmolLM2-135M-Instruct (/tmp/smol)" if tok is not None else "tiny random Llama",
+    res = {"model": SMOL,
            "stat": f"min of {a.reps} after 1 warm-up", "free_threshold": a.free, "load_before": machine_load(),
            "grid": []}
     t_start = time.time()

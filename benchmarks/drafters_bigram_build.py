@@ -20,7 +20,7 @@ from hsd_opt.engine.variants import host
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="/tmp/smol")
+    ap.add_argument("--model", default="smollm2-135m", help="an alias, a directory or a .gguf file")
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--cache-dir", default=None)
@@ -28,9 +28,9 @@ def main() -> None:
     ap.add_argument("--bos", default="auto", help="'auto' (config BOS), an id, or 'none'")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafters_bigram_build.json"))
     a = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from benchmarks.drafters_common import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    model, _ = load_model(a.model)
     h = model_fingerprint(model)
     t0 = time.perf_counter()
     bos = None if a.bos == "none" else (a.bos if a.bos == "auto" else int(a.bos))

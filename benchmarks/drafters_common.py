@@ -16,20 +16,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-SMOL = os.environ.get("HSD_SMOL", "/tmp/smol")
+#: The model the drafter benchmarks measure: ``HSD_SMOL`` (an alias, a directory or a .gguf file), else the
+#: embedded SmolLM2-135M-Instruct.
+SMOL = os.environ.get("HSD_SMOL", "smollm2-135m")
 
 
 def load_model(path: str = SMOL):
-    """``(model, tokenizer)`` of the embedded model, or ``(tiny random Llama, None)`` when it is missing."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """``(model, tokenizer)`` of ``path`` (an alias, a directory or a .gguf file) in float32 on the CPU, loaded as
+    ``hsd`` loads it; a name that does not load exits with its one-line error."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.models.loading import load_model as load
 
-    if Path(path, "config.json").exists():
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return m, AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(cfg).eval(), None
+    try:
+        loaded = load(path, device="cpu", dtype="float32", flag="HSD_SMOL")
+    except HsdError as e:
+        raise SystemExit(f"error: {e}") from None
+    return loaded.model.eval(), loaded.tokenizer
 
 
 def prompts(path: Path = ROOT / "data" / "prompts.jsonl", per_task: int | None = None) -> list[dict]:
