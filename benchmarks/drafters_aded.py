@@ -1,6 +1,6 @@
 """ADED's MCTS cost per call vs its iteration count, against the target's forward time (ADED, arXiv 2407.12021).
 
-1. The target (SmolLM2-135M-Instruct from /tmp/smol) greedily generates 64 tokens for the first 3 prompts
+1. The target (the embedded SmolLM2-135M-Instruct, or ``HSD_SMOL``) greedily generates 64 tokens for the first 3 prompts
    of every task of data/prompts.jsonl (cached in /tmp/hsdbench).
 2. Two folds: the tri-gram matrix is built from the prompts + generations of one half of the suite (the
    default ADED corpus: text the target itself generates) and evaluated on the other half, so no continuation

@@ -5,8 +5,8 @@ Times one target forward on an input block of ``k`` rows x ``(w + 1)`` new token
 decoding. On a GPU the block is memory bound (flat) up to a point; on this 2-core CPU it is not.
 
 Usage: .venv/bin/python -m benchmarks.drafters_batching [--ctx 256] [--k 1 2 4 8 16] [--w 0 1 3 7]
-Writes benchmarks/results/drafters_batching.json. Model: /tmp/smol (SmolLM2-135M) when present, else a tiny
-random Llama (recorded in the JSON).
+Writes benchmarks/results/drafters_batching.json. Model: the embedded SmolLM2-135M-Instruct (``HSD_SMOL``: another
+alias, folder or .gguf file), recorded in the JSON.
 """
 
 from __future__ import annotations

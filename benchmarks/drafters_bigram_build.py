@@ -1,6 +1,6 @@
 """Time the one-off model-bigram table build (N-Grammys paper, arXiv 2411.03786, Sec. 4.1) for the embedded model.
 
-Usage: .venv/bin/python -m benchmarks.drafters_bigram_build [--model /tmp/smol] [--top-k 16] [--batch-size 256]
+Usage: .venv/bin/python -m benchmarks.drafters_bigram_build [--model smollm2-135m] [--top-k 16] [--batch-size 256]
 Writes benchmarks/results/drafters_bigram_build.json and the table into $HSD_CACHE (or --cache-dir).
 """
 
