@@ -62,6 +62,16 @@ def _streamed(client: httpx.Client, url: str, body: dict, hang_up: bool) -> tupl
     return 200, "".join(text), finish
 
 
+def _can_check_schemas() -> bool:
+    """Whether the ``jsonschema`` package is here to check answers against their schemas (else they are checked to
+    parse only, which the report says: ``schemas_checked``)."""
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _check(task: dict, kind: str, status: int, text: str, finish: str | None) -> str | None:
     """What is wrong with an answer, or None."""
     if status != 200:
@@ -164,9 +174,13 @@ def main() -> None:
               "latency_by_kind": {k: _spread([r["seconds"] for r in answered if r["kind"] == k]) for k in KINDS},
               "slowest": sorted(({"i": r["i"], "task": r["task"], "kind": r["kind"], "seconds": r["seconds"],
                                   "finish": r["finish"]} for r in answered), key=lambda r: -r["seconds"])[:10],
-              "health_after": health, "server_exit_code": code}
+              "health_after": health, "server_exit_code": code,
+              "schemas_checked": _can_check_schemas()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    if not report["schemas_checked"]:
+        print("note: jsonschema is not installed here: answers were checked to parse, not against their schemas "
+              "(pip install jsonschema)")
     print(f"{len(rows)} requests, {report['answered_200']} answered (200), {report['ended']} ended; problems: "
           f"{len(problems)}; greedy answers that differ: {report['greedy_disagreements']}; server exit "
           f"{code}; {res['wall_seconds']:.0f} s; wrote {a.out}")
