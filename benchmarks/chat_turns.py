@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
 from benchmarks.serve_sweep import free_port
 from benchmarks.server_load import pct, run_clients, start, stop_server
 from hsd_opt.engine.variants import host
@@ -216,4 +217,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

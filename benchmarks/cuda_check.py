@@ -40,6 +40,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.entry import run
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -238,4 +240,4 @@ def check_server(plan: Path, device: str, texts: list[str], news: list[int], wan
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -35,6 +35,7 @@ from benchmarks.drafters_common import (
     summarize,
     target_forward_seconds,
 )
+from benchmarks.entry import run
 from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
 from hsd_opt.drafters.bigram import BigramDrafter, BigramTable
 from hsd_opt.drafters.mixed import MixedNgramDrafter
@@ -153,4 +154,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

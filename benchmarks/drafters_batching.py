@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.drafters_common import RESULTS, SMOL, load_model, machine_load, target_forward_seconds
+from benchmarks.entry import run
 
 
 def main() -> None:
@@ -64,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

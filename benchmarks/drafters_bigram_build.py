@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.drafters.bigram import build_bigram_table, model_fingerprint, table_path
 from hsd_opt.engine.variants import host
 
@@ -52,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.entry import run
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

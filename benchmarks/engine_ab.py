@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
 from hsd_opt.engine.variants import host
 
 HERE = Path(__file__).resolve().parents[1]
@@ -177,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

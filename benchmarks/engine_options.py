@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.timing import median_pass
 from hsd_opt.models.random_weights import TINY, config_of, random_model
@@ -96,4 +97,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

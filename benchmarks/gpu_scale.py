@@ -72,6 +72,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.engine import graphs
 from hsd_opt.engine.timing import median_pass, now
 from hsd_opt.errors import HsdError
@@ -596,4 +597,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.entry import run
 from benchmarks.json_schema_bench import quantiles_ms
 from hsd_opt.engine.variants import host
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
@@ -205,4 +206,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.commands.options import layer_numbers
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.heads import generate_training_sequences, head_layers, load_heads, save_heads, train_heads
@@ -166,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

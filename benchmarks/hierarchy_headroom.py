@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.entry import run
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import profile_from_dict
 from hsd_opt.jsonio import write_json
@@ -146,4 +147,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

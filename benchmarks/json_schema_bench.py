@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
 from hsd_opt.engine.variants import host
 from hsd_opt.formats import load_plan
 from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
@@ -219,4 +220,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.entry import run
 from benchmarks.serve_sweep import free_port, served_name
 from benchmarks.server_load import start, start_server, stop_server
 from hsd_opt.engine.variants import host
@@ -136,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

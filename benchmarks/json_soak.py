@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.entry import run
 from benchmarks.json_serve import TASKS, _name, run_clients
 from benchmarks.server_load import start_server, stop_server
 from hsd_opt.engine.variants import host
@@ -187,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -42,6 +42,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.entry import run
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -228,4 +230,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

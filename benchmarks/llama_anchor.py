@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
 from hsd_opt.engine.variants import host
 
 
@@ -242,4 +243,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

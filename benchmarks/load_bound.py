@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.formats import load_plan
 from hsd_opt.jsonio import write_json
 from hsd_opt.measure.load_bench import serve_clients
@@ -147,4 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -33,6 +33,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.entry import run
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -149,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
 from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.variants import host
 from hsd_opt.errors import HsdError
@@ -186,4 +187,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

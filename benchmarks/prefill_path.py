@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.entry import run
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.models.loading import load_model
@@ -128,4 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.entry import run
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -109,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.entry import run
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

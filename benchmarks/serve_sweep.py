@@ -65,6 +65,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.entry import run
 from benchmarks.server_load import pct, run_clients, start, stream_once
 from benchmarks.server_load import stop_server as stop
 from hsd_opt.engine.variants import host
@@ -397,4 +398,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -343,9 +343,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from hsd_opt.errors import HsdError
+    from benchmarks.entry import run
 
-    try:
-        main()
-    except HsdError as e:
-        raise SystemExit(f"error: {e}") from None
+    run(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.entry import run
 from hsd_opt.formats import profile_from_dict
 from hsd_opt.solver.api import optimum, solve
 from hsd_opt.solver.dp import dp, dp_ranked
@@ -99,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

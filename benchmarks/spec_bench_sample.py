@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks.entry import run
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -73,3 +73,22 @@ def test_rates_only_rise(headroom, raw):
     assert lookup["draft_rate"] == 1.0 and "draft_rate_by_budget" not in lookup
     from hsd_opt.formats import profile_from_dict
     profile_from_dict(walked, "<what-if>")
+
+
+def test_a_benchmarks_bad_input_is_one_line_and_exit_2(capsys):
+    """``benchmarks.entry.run``: an error of the input (an HsdError, a file that is not there) is ``error: ...``
+    and exit 2, not a traceback; a script's exit code passes through."""
+    import pytest
+
+    from benchmarks.entry import run
+    from hsd_opt.errors import InputFileError
+
+    def bad_plan():
+        raise InputFileError("/nowhere/plan.json", "file not found")
+
+    with pytest.raises(SystemExit) as e:
+        run(bad_plan)
+    assert e.value.code == 2 and capsys.readouterr().err == "error: /nowhere/plan.json: file not found\n"
+    with pytest.raises(SystemExit) as e:
+        run(lambda: 1)
+    assert e.value.code == 1
