@@ -190,7 +190,10 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
     except UnicodeDecodeError:
         raise InputFileError(str(p), "not UTF-8 text") from None
     items: list[PromptItem] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # lines end at "\n" (and "\r\n") only: U+2028, U+2029 and U+0085, which JSON writes unescaped inside a
+    # string (json.dumps(..., ensure_ascii=False)), are text of the line, not line ends
+    for lineno, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"line {lineno}"

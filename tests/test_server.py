@@ -1108,3 +1108,43 @@ def test_concurrent_requests_decode_together_and_each_is_its_own_answer(tiny, di
     assert [got[i] for i in range(4)] == want
     assert max(at_ticks) >= 2 and max(seen_active) <= 4 and h["max_batch"] == 4 and h["completed"] == 4
     no_tracebacks(caplog)
+
+
+def test_a_stop_string_ends_the_text_at_the_token_that_completes_it_whole_characters_or_not(embedded):
+    """Feeding one id at a time, the text ends at the first id whose decoded text, up to a character whose bytes
+    are still coming, holds a stop string: cut before the stop (what precedes it handed out whole, half characters
+    included), the ids ending at that id; at the end of the answer (``max_tokens``, EOS) a stop in the whole text
+    still cuts. The reference decodes every prefix whole."""
+    import random
+
+    tok = embedded.tokenizer
+
+    def reference(ids, stop):
+        for k in range(1, len(ids) + 1):
+            whole = tok.decode(ids[:k], skip_special_tokens=True).rstrip("\ufffd")
+            hits = [i for i in (whole.find(s) for s in stop) if i >= 0]
+            if hits:
+                return whole[:min(hits)], ids[:k], True
+        full = tok.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+        return (full[:min(hits)], ids, True) if hits else (full, ids, False)
+
+    def streamed(ids, stop):
+        ts = TextStream(tok, stop)
+        text = "".join(ts.feed([t]) for t in ids) + ts.finish()
+        return text, ts.ids, ts.stopped
+
+    cases = [(tok.encode("Привет, пока", add_special_tokens=False), ["по"]),          # the id after it was kept
+             (tok.encode("Привет, пока", add_special_tokens=False)[:8], ["по"]),      # ends in half a character
+             (tok.encode("Answer:", add_special_tokens=False) + [459], [": "]),
+             ([218, 218] + tok.encode(" x", add_special_tokens=False), [" x"]),       # stray bytes before the stop
+             ([459] + tok.encode("Hello…", add_special_tokens=False), ["Hel"])]
+    rng = random.Random(1)
+    natural = tok.encode("Café naïve — 東京は晴れ 🙂🚀 «déjà vu» — Привет, пока! ✓ " * 3, add_special_tokens=False)
+    for _ in range(40):
+        ids = natural[rng.randrange(20):][: rng.randint(5, 40)]
+        text = tok.decode(ids, skip_special_tokens=True).replace("\ufffd", "")
+        i = rng.randrange(max(1, len(text) - 2))
+        cases.append((ids, [text[i:i + rng.randint(1, 3)] or "x"]))
+    for ids, stop in cases:
+        assert streamed(ids, stop) == reference(ids, stop), (ids, stop)

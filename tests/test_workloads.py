@@ -294,3 +294,15 @@ def test_cli_solve_per_task_and_task(tmp_path):
     bare.write_text(json.dumps({k: v for k, v in _task_profile_dict().items() if k != "acceptance_by_task"}))
     r = run_cli("solve", "--profile", bare, "--per-task")
     assert r.exit_code == 2 and "no per-task statistics" in cli_output(r)
+
+
+def test_a_prompt_holding_unicode_line_separators_is_one_line(tmp_path):
+    """JSON writes U+2028, U+2029 and U+0085 unescaped inside a string (``ensure_ascii=False``): they are text of
+    the line, not line ends (the line was cut there and refused as malformed JSON); CRLF files read as LF ones."""
+    texts = ["a\u2028b", "c\u2029d", "e\x85f"]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\r\n")
+    assert [it.prompt for it in load_prompts(path).items] == texts
+    path.write_text(json.dumps({"prompt": "x\u2028y"}, ensure_ascii=False) + "\n{bad\n")
+    with pytest.raises(InputFileError, match="line 2"):
+        load_prompts(path)

@@ -114,21 +114,27 @@ class TextStream:
         for t in block:
             self.ids.append(int(t))
             full = self._decode()
-            if full.endswith("\ufffd"):
-                continue
-            cut = self._find_stop(full)
+            whole = full.rstrip("\ufffd")     # the text before a character whose bytes are still coming
+            cut = self._find_stop(whole)      # final already: a stop string in it ends the text at this token
             if cut >= 0:
                 self.stopped = True
-                out.append(self._advance(full[:cut]))
+                out.append(self._advance(full[:cut], final=True))
                 break
-            out.append(self._advance(full))
+            if whole == full:
+                out.append(self._advance(full))
         return "".join(out)
 
     def finish(self) -> str:
-        """The generation ended (EOS, ``max_tokens``, a stop string): the text still held back."""
+        """The generation ended (EOS, ``max_tokens``, a stop string): the text still held back, up to a stop
+        string where the whole text holds one (:attr:`stopped` then)."""
         if self.stopped:
             return ""
-        return self._advance(self._decode(), final=True)
+        full = self._decode()
+        cut = self._find_stop(full) if self.stop else -1
+        if cut >= 0:
+            self.stopped = True
+            return self._advance(full[:cut], final=True)
+        return self._advance(full, final=True)
 
 
 def _byte_level_table() -> dict[str, int]:
