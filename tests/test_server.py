@@ -718,6 +718,7 @@ def test_full_queue_answers_429(tiny, direct, caplog):
 def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
     """``JobQueue.submit_all`` (an answer's ``n`` decodings): into a queue with fewer free places than jobs, none
     is queued (a refused answer leaves no cancelled jobs taking places), and the refusal is counted once."""
+    from hsd_opt.server.errors import ApiError
     from hsd_opt.server.jobs import Job, QueueFull
     from hsd_opt.server.requests import choice_requests, parse_request
 
@@ -726,6 +727,12 @@ def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
     req = parse_request({"model": MODEL, "prompt": "w1", "max_tokens": 2, "n": 2, "seed": 3}, "completion", info)
     runs = choice_requests(req)
     assert [r.seed for r in runs] == [3, 4] and all(r.n == 1 for r in runs)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}]}       # the newer name wins, both checked
+    assert parse_request({**chat, "max_tokens": 2, "max_completion_tokens": 5}, "chat", info).max_tokens == 5
+    assert parse_request({**chat, "max_tokens": 2}, "chat", info).max_tokens == 2
+    with pytest.raises(ApiError) as e:
+        parse_request({**chat, "max_tokens": 2, "max_completion_tokens": 0}, "chat", info)
+    assert e.value.param == "max_completion_tokens"
     q = JobQueue(direct[0], info.tokenizer, max_queue=3)      # no worker: nothing leaves the queue
     q.submit_all([Job(r, lambda ev: None) for r in runs])
     with pytest.raises(QueueFull):

@@ -80,6 +80,11 @@ def test_earlier_calls_are_their_json_and_an_answer_is_read_back_as_a_call():
     assert as_call(ToolCall("weather"), "{\"city\": \"Oslo\"}") == ("weather", "{\"city\": \"Oslo\"}")
     assert as_call(ToolCall(None), "{\"name\": \"clock\", \"arguments\": {}}") == ("clock", "{}")
     assert as_call(ToolCall(None), "{\"name\": \"clo") is None           # cut by max_tokens before its name ended
+    # cut after the name: a call with the arguments written so far (it came back as the call's JSON as text)
+    assert as_call(ToolCall(None), "{\"name\": \"clock\", \"argum") == ("clock", "")
+    assert as_call(ToolCall(None, True), "{\"name\": \"weather\", \"arguments\": {\"city\": \"Os") == \
+        ("weather", "{\"city\": \"Os")
+    assert as_call(ToolCall(None), "{\"name\": \"clock\"}, x") is None
     assert as_call(ToolCall(None, True), "It is sunny.") is None           # "auto": text
     deep = "[" * 100_000 + "]" * 100_000                                    # JSON that Python cannot read
     with pytest.raises(ApiError) as e:

@@ -435,12 +435,13 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"'n' must be 1 .. {MAX_CHOICES} (choices in the answer), got {n}", "n")
-    max_tokens = _int(body, "max_tokens")
-    key = "max_tokens"
-    if kind == "chat" and max_tokens is None:
-        max_tokens, key = _int(body, "max_completion_tokens"), "max_completion_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{key}' must be at least 1, got {max_tokens}", key)
+    # chat: max_completion_tokens (the OpenAI API's name now) wins over the deprecated max_tokens; each is checked
+    limits = {key: _int(body, key) for key in (("max_completion_tokens", "max_tokens") if kind == "chat"
+                                               else ("max_tokens",))}
+    for key, v in limits.items():
+        if v is not None and v < 1:
+            raise bad_request(f"'{key}' must be at least 1, got {v}", key)
+    max_tokens = next((v for v in limits.values() if v is not None), None)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise bad_request(f"'temperature' must be a finite number >= 0, got {temperature:g}", "temperature")

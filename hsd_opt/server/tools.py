@@ -188,13 +188,39 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+#: The opening of a call of one of several functions as the grammar lays it out (``{"name": "<fn>", "arguments":
+#: ...``): its name, then what comes before the arguments, which a cut answer holds in part.
+_NAMED = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)"', re.DOTALL)
+_BEFORE_ARGUMENTS = ', "arguments": '
+
+
+def _cut_call(text: str) -> tuple[str, str] | None:
+    """``(name, arguments so far)`` of a call cut after its name (the arguments empty where the cut came before
+    them), None before the name is whole."""
+    named = _NAMED.match(text)
+    if named is None:
+        return None
+    rest = text[named.end():]
+    if rest.startswith(_BEFORE_ARGUMENTS):
+        arguments = rest[len(_BEFORE_ARGUMENTS):]
+    elif _BEFORE_ARGUMENTS.startswith(rest):
+        arguments = ""
+    else:
+        return None
+    try:
+        return json.loads(f'"{named.group(1)}"'), arguments
+    except ValueError:
+        return None
+
+
 def as_call(call: ToolCall, text: str) -> tuple[str, str] | None:
-    """``(name, arguments)`` of the answer ``text``, or None where it is not a whole call (text under ``"auto"``, or
-    cut by ``max_tokens`` before its name is complete)."""
+    """``(name, arguments)`` of the answer ``text``, or None where it is not a call (text under ``"auto"``, or cut
+    by ``max_tokens`` or a stop string before its name is complete). A call cut after its name has the arguments
+    written so far (not whole JSON: its ``finish_reason`` says so)."""
     if call.name is not None:
         return call.name, text
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):
-        return None
+        return _cut_call(text)
     return (obj["name"], json.dumps(obj["arguments"])) if isinstance(obj, dict) and "name" in obj else None
