@@ -15,6 +15,7 @@ from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
     TOP_K_HELP,
     check_outputs,
+    check_retime,
     cli_command,
     compile_grammar,
     fmt,
@@ -365,14 +366,10 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     retime_profile = read_retime_profile(retime)          # its file checked before the model loads
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
     if retime_profile is not None:                       # and against the plan before any hierarchy is built
-        from hsd_opt.measure.retime import check_profile_for_plan
-
-        if not p.by_load:
-            raise HsdError(f"--retime: {plan} has no plans per load level to choose again (hsd solve --batch-sizes)")
-        check_profile_for_plan(retime_profile, p, str(retime))
+        check_retime(p, retime_profile, str(plan), retime)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     say = lambda s: console.print(s, style="dim")  # noqa: E731
-    by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), retime, say, retime_profile)
+    by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), say, retime_profile)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
@@ -412,10 +409,10 @@ def _load_options(concurrency: str, requests: int, rounds: int, max_batch: Optio
     return levels_c, mb, names
 
 
-def _load_runners(p, loaded, mode: str, source: str, retime: Optional[Path], say, profile=None):
+def _load_runners(p, loaded, mode: str, source: str, say, profile=None):
     """The runners ``hsd bench --concurrency`` compares, built once over shared models: ``(hsd's runner by load
-    level, the target alone, the re-timing record or None, the load predictor or None)``; with ``retime`` (a
-    profile; ``profile``: it, read already) the load levels chosen again at the speed of the moment
+    level, the target alone, the re-timing record or None, the load predictor or None)``; with ``profile``
+    (``--retime``'s, checked against the plan) the load levels chosen again at the speed of the moment
     (:func:`retimed_levels`)."""
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
 
@@ -425,12 +422,11 @@ def _load_runners(p, loaded, mode: str, source: str, retime: Optional[Path], say
     by_load = hsd_by_load(p, loaded, models, mode=mode, source=source, log=say, plan_runner=runner) or runner
     target = hsd_for_plan(p, loaded, mode=mode, source=source, hierarchy=[p.hierarchy[-1]], budgets=[],
                           models=models)
-    if retime is None:
+    if profile is None:
         return by_load, target, None, None
     from hsd_opt.measure.load_predictor import LoadPredictor
 
-    by_load, retimed, profile = retimed_levels(p, loaded, models, runner, by_load, retime, mode, source, say,
-                                               profile=profile)
+    by_load, retimed = retimed_levels(p, loaded, models, runner, by_load, profile, mode, source, say)
     predictor = LoadPredictor(profile, retime_text(loaded.tokenizer), head=target.levels[-1].engine.prompt_head)
     return by_load, target, retimed, predictor
 

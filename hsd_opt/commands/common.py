@@ -168,22 +168,28 @@ def read_retime_profile(retime: Optional[Path]) -> Optional["Profile"]:
     return profile
 
 
-def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: str, source: str, say,
-                   profile: Optional["Profile"] = None) -> tuple[dict, dict, "Profile"]:
-    """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``): check the profile against the
-    plan, time one step of every engine the plan's hierarchies run (on the suite's prompts), and choose each load
-    level's hierarchy again among the plan's own, its levels' and the target alone at those step times
-    (:func:`~hsd_opt.measure.retime.retime_load_levels`); ``say`` hears the factors and each level that
-    changes. ``profile``: the one ``retime`` names where the caller has read it already (:func:`read_retime_profile`;
-    else it is read here). Returns the level -> runner map, the report and the profile."""
-    from hsd_opt.measure.retime import check_profile_for_plan, retime_load_levels
-    from hsd_opt.runtime.runner import hsd_for_plan
+def check_retime(p, profile: "Profile", source: str, retime: Path) -> None:
+    """``--retime PROFILE`` (read by :func:`read_retime_profile`) against the plan ``p`` (``source`` names it),
+    before any hierarchy is built: the plan has plans per load level to choose again, and the profile prices them
+    (:func:`~hsd_opt.measure.retime.check_profile_for_plan`)."""
+    from hsd_opt.measure.retime import check_profile_for_plan
 
     if not p.by_load:
         raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
                        f"--batch-sizes)")
-    profile = profile if profile is not None else read_retime_profile(retime)
     check_profile_for_plan(profile, p, str(retime))
+
+
+def retimed_levels(p, loaded, models, runner, levels: dict, profile: "Profile", mode: str, source: str,
+                   say) -> tuple[dict, dict]:
+    """``hsd serve --retime PROFILE`` (and ``hsd bench --concurrency --retime``), the profile checked against the
+    plan already (:func:`check_retime`): time one step of every engine the plan's hierarchies run (on the suite's
+    prompts), and choose each load level's hierarchy again among the plan's own, its levels' and the target alone
+    at those step times (:func:`~hsd_opt.measure.retime.retime_load_levels`); ``say`` hears the factors and each
+    level that changes. Returns the level -> runner map and the report."""
+    from hsd_opt.measure.retime import retime_load_levels
+    from hsd_opt.runtime.runner import hsd_for_plan
+
     built = {(tuple(p.hierarchy), tuple(p.budgets)): runner}
     for n, e in p.by_load.items():
         built.setdefault((tuple(e.hierarchy), tuple(e.budgets)), levels[n])
@@ -202,7 +208,7 @@ def retimed_levels(p, loaded, models, runner, levels: dict, retime: Path, mode: 
     for n, e in report["levels"].items():
         if (e["chosen"], e["budgets"]) != (e["plan"], e["plan_budgets"]):
             say(f"load level {n}: {chain(e['plan'], e['plan_budgets'])} -> {chain(e['chosen'], e['budgets'])}")
-    return new, report, profile
+    return new, report
 
 
 JSON_SCHEMA_HELP = "A JSON schema (a .json file): the output is JSON that follows it (structured output)."

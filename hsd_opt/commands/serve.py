@@ -9,6 +9,7 @@ import typer
 
 from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
+    check_retime,
     cli_command,
     load_plan_and_model,
     read_retime_profile,
@@ -109,6 +110,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     retime_profile = read_retime_profile(retime)     # before the long load
     say(f"loading {plan} and its model ...")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    if retime_profile is not None:                   # before the hierarchies are built
+        check_retime(p, retime_profile, str(plan), retime)
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
     profiled = p.provenance.sampling
     say(f"building the hierarchy {chain}{f' (profiled {profiled})' if profiled else ''} on {loaded.device} ...")
@@ -118,9 +121,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     levels = hsd_by_load(p, loaded, models, mode=mode, source=str(plan), log=say, plan_runner=runner)
     retimed = None
-    if retime is not None:
-        levels, retimed, _ = retimed_levels(p, loaded, models, runner, levels, retime, mode, str(plan), say,
-                                            retime_profile)
+    if retime_profile is not None:
+        levels, retimed = retimed_levels(p, loaded, models, runner, levels, retime_profile, mode, str(plan), say)
     json_runner = _json_runner(p, loaded, models, mode, str(plan), say)
     built = list({id(h): h for h in (runner, *levels.values(), *([json_runner] if json_runner else []))}.values())
     models.release_unused_floats(p, [[lv.name for lv in h.levels] for h in built], log=say)
