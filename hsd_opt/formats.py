@@ -1017,8 +1017,10 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     write_json(path, profile.to_dict())
 
 
-def _check_levels(d: dict, source: str, tmax: int, at: str = "") -> tuple[list[str], list[int]]:
-    """``hierarchy`` and ``budgets`` of a plan (or of its ``by_task`` entry at ``at``), validated."""
+def _check_levels(d: dict, source: str, tmax: int, at: str = "",
+                  target: str | None = None) -> tuple[list[str], list[int]]:
+    """``hierarchy`` and ``budgets`` of a plan (or of its entry at ``at``: ending with the plan's ``target`` where
+    given), validated."""
     h = d.get("hierarchy")
     if not isinstance(h, list) or not h or not all(isinstance(x, str) and x for x in h):
         raise InputFileError(source, "expected a non-empty list of model names, target last", at + "hierarchy")
@@ -1034,6 +1036,8 @@ def _check_levels(d: dict, source: str, tmax: int, at: str = "") -> tuple[list[s
         if i and t < b[i - 1]:
             raise InputFileError(source, f"budgets must be non-decreasing (T_0 <= T_1 <= ...), got {b}",
                                  at + "budgets")
+    if target is not None and h[-1] != target:
+        raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}", at + "hierarchy")
     return list(h), list(b)
 
 
@@ -1212,11 +1216,12 @@ def _provenance(raw: Any, source: str) -> Provenance:
                       extra=extra, key_order=tuple(raw))
 
 
-def _alternative(a: Any, source: str, tmax: int, at: str) -> Alternative:
-    """An entry of ``alternatives`` or ``exact_optimum`` (``at``: the prefix of its fields' names)."""
+def _alternative(a: Any, source: str, tmax: int, at: str, target: str) -> Alternative:
+    """An entry of ``alternatives``, ``exact_optimum`` or ``baselines`` (``at``: the prefix of its fields' names),
+    ending with the plan's ``target``."""
     if not isinstance(a, dict):
         raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
-    h, b = _check_levels(a, source, tmax, at)
+    h, b = _check_levels(a, source, tmax, at, target)
     latency = _positive_latency(a, source, at)
     speedup = _optional(a, "expected_speedup", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
     _check_latency_table(a.get("latency_by_context"), source, at + "latency_by_context")
@@ -1225,12 +1230,12 @@ def _alternative(a: Any, source: str, tmax: int, at: str) -> Alternative:
     return Alternative(h, b, latency, speedup, a.get("latency_by_context"), extra, tuple(a))
 
 
-def _alternatives(raw: Any, source: str, tmax: int) -> list[Alternative]:
+def _alternatives(raw: Any, source: str, tmax: int, target: str) -> list[Alternative]:
     if raw is None:
         return []
     if not isinstance(raw, list):
         raise InputFileError(source, "expected a list of {hierarchy, budgets, expected_latency}", "alternatives")
-    return [_alternative(a, source, tmax, f"alternatives[{i}].") for i, a in enumerate(raw)]
+    return [_alternative(a, source, tmax, f"alternatives[{i}].", target) for i, a in enumerate(raw)]
 
 
 def _is_latency(v: Any) -> bool:
@@ -1247,9 +1252,7 @@ def _task_plan(e: Any, source: str, tmax: int, target: str, at: str) -> TaskPlan
     """An entry of ``by_task``: a valid hierarchy ending with the plan's target (``at``: its fields' prefix)."""
     if not isinstance(e, dict):
         raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
-    h, b = _check_levels(e, source, tmax, at)
-    if h[-1] != target:
-        raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}", at + "hierarchy")
+    h, b = _check_levels(e, source, tmax, at, target)
     latency = _positive_latency(e, source, at)
     speedup = _optional(e, "expected_speedup", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
     positions = _optional(e, "positions", lambda v: _is_int(v) and v >= 0, "a count of positions", source, at)
@@ -1294,10 +1297,7 @@ def _by_load(raw: Any, source: str, tmax: int, target: str) -> dict[int, LoadPla
             raise InputFileError(source, f"expected a number of sequences >= 1 as the key, got {key!r}", at[:-1])
         if not isinstance(e, dict):
             raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
-        h, b = _check_levels(e, source, tmax, at)
-        if h[-1] != target:
-            raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}",
-                                 at + "hierarchy")
+        h, b = _check_levels(e, source, tmax, at, target)
         latency = _positive_latency(e, source, at)
         tps = _optional(e, "tokens_per_s", lambda v: _is_number(v) and v > 0, "a number > 0", source, at)
         base = _optional(e, "batched_target_latency", _is_latency, "seconds per token > 0", source, at)
@@ -1354,15 +1354,15 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
         raise InputFileError(source, "expected an object", "baselines")
     context, context_from = _check_context_fields(d, source)
     for key, entry in baselines.items():                # as alternatives are: kept as they were read
-        _alternative(entry, source, tmax, f"baselines.{key}.")
+        _alternative(entry, source, tmax, f"baselines.{key}.", h[-1])
     exact = d.get("exact_optimum")
     text = {k: _optional(d, k, lambda v: isinstance(v, str), "a string", source, "")
             for k in ("solver", "profile_sha256", "task")}
     plan = Plan(tmax, h, b, float(d["expected_latency"]), float(d["expected_speedup"]), baselines,
                 {k: v for k, v in d.items() if k not in PLAN_CORE_FIELDS + PLAN_SECTIONS},
                 models=_plan_models(d.get("models"), source), provenance=_provenance(d.get("provenance"), source),
-                alternatives=_alternatives(d.get("alternatives"), source, tmax),
-                exact_optimum=None if exact is None else _alternative(exact, source, tmax, "exact_optimum."),
+                alternatives=_alternatives(d.get("alternatives"), source, tmax, h[-1]),
+                exact_optimum=None if exact is None else _alternative(exact, source, tmax, "exact_optimum.", h[-1]),
                 by_task=_by_task(d.get("by_task"), source, tmax, h[-1]), context=context, context_from=context_from,
                 by_load=_by_load(d.get("by_load"), source, tmax, h[-1]),
                 latency_by_context=d.get("latency_by_context"),
@@ -1370,19 +1370,13 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
                 min_gain=_optional(d, "min_gain", lambda v: _is_number(v) and 0 <= v < 1, "a fraction in [0, 1)",
                                    source, ""),
                 key_order=tuple(d), **text)
-    _check_level_entries(plan, plan.hierarchy, source, "")
-    others = [(f"baselines.{key}.", e["hierarchy"]) for key, e in baselines.items()]
-    others += [(f"alternatives[{i}].", a.hierarchy) for i, a in enumerate(plan.alternatives)]
-    others += [("exact_optimum.", plan.exact_optimum.hierarchy)] if plan.exact_optimum is not None else []
-    for at, hierarchy in others:             # every hierarchy a command may run: its levels described, target last
+    runs = [("", plan.hierarchy)] + [(f"baselines.{key}.", e["hierarchy"]) for key, e in baselines.items()]
+    runs += [(f"alternatives[{i}].", a.hierarchy) for i, a in enumerate(plan.alternatives)]
+    runs += [("exact_optimum.", plan.exact_optimum.hierarchy)] if plan.exact_optimum is not None else []
+    runs += [(f"by_task.{task}.", e.hierarchy) for task, e in plan.by_task.items()]
+    runs += [(f"by_load.{n}.", e.hierarchy) for n, e in plan.by_load.items()]
+    for at, hierarchy in runs:               # every hierarchy a command may run: its levels described
         _check_level_entries(plan, hierarchy, source, at)
-        if hierarchy[-1] != h[-1]:
-            raise InputFileError(source, f"ends with {hierarchy[-1]!r}, but the plan's target is {h[-1]!r}",
-                                 at + "hierarchy")
-    for task, e in plan.by_task.items():
-        _check_level_entries(plan, e.hierarchy, source, f"by_task.{task}.")
-    for n, e in plan.by_load.items():
-        _check_level_entries(plan, e.hierarchy, source, f"by_load.{n}.")
     return plan
 
 
