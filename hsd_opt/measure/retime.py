@@ -28,6 +28,7 @@ from hsd_opt.engine.state import DecodeState
 from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
+from hsd_opt.models.loading import same_model
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD
 from hsd_opt.solver.batch import LOAD_MIN_GAIN, at_batch, choose_loads
@@ -76,8 +77,11 @@ def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequenc
 def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     """Refuse a profile that cannot price ``plan``: of another model, revision, dtype or target precision (its
     costs are another engine's), or missing a level of the plan (``source`` names the profile in the error)."""
-    for key, what in (("model", "model"), ("revision", "revision"), ("dtype", "dtype"),
-                      ("target_precision", "target precision")):
+    pm, qm = profile.provenance.model, plan.provenance.model
+    if pm and qm and not same_model(pm, qm):           # one local model however its path is written
+        raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r} (provenance.model; "
+                       f"give the profile the plan was solved from)")
+    for key, what in (("revision", "revision"), ("dtype", "dtype"), ("target_precision", "target precision")):
         pv, qv = getattr(profile.provenance, key), getattr(plan.provenance, key)
         if pv and qv and pv != qv:
             raise HsdError(f"--retime {source}: the profile is of {what} {pv!r}, the plan of {qv!r} (provenance."
