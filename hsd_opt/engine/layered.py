@@ -89,10 +89,10 @@ COMPILE: bool | None = None
 TRITON_ATTENTION: bool | None = None
 
 
-def _setting(setting: bool | None, variable: str, default: str = "1") -> bool:
+def _setting(setting: bool | None, variable: str, default: bool = True) -> bool:
     """``setting``, or where it is None the environment ``variable`` (:func:`~hsd_opt.values.env_switch`: 1 or 0,
     on or off, ...; ``default`` where it is not set), read now."""
-    return setting if setting is not None else env_switch(variable, default.strip() != "0")
+    return setting if setting is not None else env_switch(variable, default)
 
 
 def _make_resident(model, exact: Sequence[Mapping[str, Mat]] | None) -> int:
@@ -109,11 +109,11 @@ def torch_path_settings() -> dict[str, bool]:
     at one shape, :data:`FIXED_SHAPES`), ``compiled`` (their layers compiled, :data:`COMPILE`), ``cuda_graphs``
     (replays them, :data:`CUDA_GRAPHS`), ``weight_only`` (a quantized copy reads its codes, :data:`WEIGHT_ONLY`) and
     ``triton_attention`` (their attention in Triton kernels, :data:`TRITON_ATTENTION`)."""
-    return {"fixed_shapes": _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1"),
-            "compiled": _setting(COMPILE, "HSD_COMPILE", "0"),
-            "cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", "0"),
-            "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", "0"),
-            "triton_attention": _setting(TRITON_ATTENTION, "HSD_TRITON_ATTENTION", "0")}
+    return {"fixed_shapes": _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", True),
+            "compiled": _setting(COMPILE, "HSD_COMPILE", False),
+            "cuda_graphs": _setting(CUDA_GRAPHS, "HSD_CUDA_GRAPHS", False),
+            "weight_only": _setting(WEIGHT_ONLY, "HSD_WEIGHT_ONLY", False),
+            "triton_attention": _setting(TRITON_ATTENTION, "HSD_TRITON_ATTENTION", False)}
 
 
 def _check_computed(st: DecodeState, boundary: int, end: int) -> None:
@@ -230,7 +230,7 @@ class LayeredLM:
         self._fixed = False
         self._graphs: graphs.GraphedPasses | None = None
         cuda = self.device.type == "cuda"
-        if lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", "1" if cuda else "0"):   # a CPU: when asked
+        if lib is None and _setting(FIXED_SHAPES, "HSD_FIXED_SHAPES", cuda):   # a CPU: when asked
             self.fix_shapes()
         if lib is None and cuda:
             if wanted["compiled"]:
