@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
+from hsd_opt.values import is_real
 
 
 def profile_tasks(profile: Profile) -> list[str]:
@@ -21,7 +22,7 @@ def profile_tasks(profile: Profile) -> list[str]:
 def task_positions(profile: Profile, task: str) -> int | None:
     """Generated positions the profile measured for ``task`` (None when not recorded)."""
     n = (profile.provenance.get("positions_by_task") or {}).get(task)
-    return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+    return int(n) if is_real(n) else None
 
 
 def forced_share(profile: Profile, task: str) -> float | None:
@@ -29,7 +30,7 @@ def forced_share(profile: Profile, task: str) -> float | None:
     did not record it): decoding takes those without a pass."""
     forced = (profile.provenance.get("forced_by_task") or {}).get(task)
     measured = task_positions(profile, task)
-    if not isinstance(forced, (int, float)) or isinstance(forced, bool) or forced <= 0 or measured is None:
+    if not is_real(forced) or forced <= 0 or measured is None:
         return None
     return float(forced) / (float(forced) + measured)
 
