@@ -98,8 +98,12 @@ def _parent(p: Path) -> Path:
 def check_writable(path: str | os.PathLike, flag: str) -> None:
     """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a path under a
     file, a folder where no file can be created (tried with a temporary file, removed at once), a folder to be made
-    under one the process cannot write. Makes no folder. :class:`HsdError` naming ``flag`` and the path."""
+    under one the process cannot write, ``-`` (which reads as standard output; a file of that name would be a
+    surprise). Makes no folder. :class:`HsdError` naming ``flag`` and the path."""
     p = Path(path)
+    if str(path) == "-":
+        raise HsdError(f"{flag} -: expected a file name (the file is written whole, atomically: it cannot be "
+                       f"standard output)")
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
     parent = p.parent

@@ -36,6 +36,16 @@ def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(t
     write_json(tmp_path / "new" / "p.json", {"a": 1})         # the write makes it
 
 
+def test_a_dash_is_refused_rather_than_written_as_a_file_named_dash(tmp_path, monkeypatch):
+    """``--json -`` reads as standard output; the outputs are written whole and atomically, so it is refused
+    rather than leaving a file called ``-`` in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HsdError, match=r"^--json -: expected a file name"):
+        check_writable("-", "--json")
+    check_writable("./-", "--json")             # a file that happens to be called so, asked for as such: fine
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_link_is_written_through_and_stays_a_link(tmp_path):
     """Writing to a symbolic link replaces the file it points to, not the link (it became a file of its own, and
     the file it pointed to kept its old bytes)."""
