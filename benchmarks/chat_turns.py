@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, seconds, whole
 from benchmarks.serve_sweep import free_port
 from benchmarks.server_load import pct, run_clients, start, stop_server
 from hsd_opt.engine.variants import host
@@ -144,13 +144,13 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf", default=None, help="the model file llama-server serves")
     ap.add_argument("--methods", default="hsd,hsd_nocache,llama")
-    ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--limit", type=int, default=16, help="conversations per level")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--concurrency", type=counts, default="1,4")
+    ap.add_argument("--limit", type=count, default=16, help="conversations per level")
+    ap.add_argument("--max-tokens", type=count, default=128)
+    ap.add_argument("--rounds", type=count, default=2)
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--ctx", type=whole, default=16384)
+    ap.add_argument("--timeout", type=seconds, default=600)
     ap.add_argument("--in-process", action="store_true", help="no servers: the cache's effect in this process")
     ap.add_argument("--out", default="benchmarks/results/chat_turns.json")
     a = ap.parse_args()
@@ -178,7 +178,7 @@ def main() -> None:
               "conversations": len(convs), "runs": []}
     try:
         for rnd in range(a.rounds):
-            for li, c in enumerate(int(x) for x in a.concurrency.split(",")):
+            for li, c in enumerate(a.concurrency):
                 k = (rnd + li) % len(methods)
                 for m in methods[k:] + methods[:k]:
                     proc = None

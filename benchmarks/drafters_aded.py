@@ -35,7 +35,7 @@ from benchmarks.drafters_common import (
     summarize,
     target_forward_seconds,
 )
-from benchmarks.entry import run
+from benchmarks.entry import count, run, whole
 from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
 from hsd_opt.drafters.bigram import BigramDrafter, BigramTable
 from hsd_opt.drafters.mixed import MixedNgramDrafter
@@ -97,11 +97,11 @@ def run_sweep(a, model, gens, res):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
-    ap.add_argument("--w", type=int, default=4)
-    ap.add_argument("--threshold", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--per-task", type=int, default=3, help="prompts per task of data/prompts.jsonl (0: all)")
+    ap.add_argument("--iters", type=count, nargs="+", default=[1, 5, 10, 25, 50, 100, 150, 300])
+    ap.add_argument("--w", type=count, default=4)
+    ap.add_argument("--threshold", type=whole, default=2)
+    ap.add_argument("--max-new-tokens", type=count, default=64)
+    ap.add_argument("--per-task", type=whole, default=3, help="prompts per task of data/prompts.jsonl (0: all)")
     ap.add_argument("--bigram-table", default=None, help="default: the table of drafters_bigram_build.json")
     ap.add_argument("--out", default=str(RESULTS / "drafters_aded.json"))
     ap.add_argument("--drafters-only", action="store_true",

@@ -17,18 +17,18 @@ import time
 from pathlib import Path
 
 from benchmarks.drafters_common import RESULTS, SMOL, load_model, machine_load, target_forward_seconds
-from benchmarks.entry import run
+from benchmarks.entry import count, positive, run, whole
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ctx", type=int, nargs="+", default=[256])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--w", type=int, nargs="+", default=[0, 1, 3, 7])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0,
+    ap.add_argument("--ctx", type=count, nargs="+", default=[256])
+    ap.add_argument("--k", type=count, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--w", type=whole, nargs="+", default=[0, 1, 3, 7])
+    ap.add_argument("--reps", type=count, default=3)
+    ap.add_argument("--threads", type=whole, default=0,
                     help="torch threads (0: torch default); 1 is far more stable when the machine is oversubscribed")
-    ap.add_argument("--free", type=float, default=1.25, help="slowdown still counted as 'free'")
+    ap.add_argument("--free", type=positive, default=1.25, help="slowdown still counted as 'free'")
     ap.add_argument("--out", default=str(RESULTS / "drafters_batching.json"))
     a = ap.parse_args()
     import torch

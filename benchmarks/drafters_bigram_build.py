@@ -14,19 +14,29 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run, whole
 from hsd_opt.drafters.bigram import build_bigram_table, model_fingerprint, table_path
 from hsd_opt.engine.variants import host
+
+
+def bos_flag(text: str) -> str | int | None:
+    """``--bos``: ``'auto'`` (the config's BOS), ``'none'`` (None) or a token id (0 or more)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return whole(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a token id >= 0, got {text!r}") from None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m", help="an alias, a directory or a .gguf file")
-    ap.add_argument("--top-k", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--top-k", type=count, default=16)
+    ap.add_argument("--batch-size", type=count, default=256)
     ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--rows", type=int, default=None, help="build only this many rows (probe)")
-    ap.add_argument("--bos", default="auto", help="'auto' (config BOS), an id, or 'none'")
+    ap.add_argument("--rows", type=count, default=None, help="build only this many rows (probe)")
+    ap.add_argument("--bos", type=bos_flag, default="auto", help="'auto' (config BOS), an id, or 'none'")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafters_bigram_build.json"))
     a = ap.parse_args()
     from benchmarks.drafters_common import load_model
@@ -34,9 +44,8 @@ def main() -> None:
     model, _ = load_model(a.model)
     h = model_fingerprint(model)
     t0 = time.perf_counter()
-    bos = None if a.bos == "none" else (a.bos if a.bos == "auto" else int(a.bos))
     load = os.getloadavg()
-    table = build_bigram_table(model, top_k=a.top_k, batch_size=a.batch_size, vocab_size=a.rows, bos_id=bos)
+    table = build_bigram_table(model, top_k=a.top_k, batch_size=a.batch_size, vocab_size=a.rows, bos_id=a.bos)
     secs = time.perf_counter() - t0
     table.meta["model_hash"] = h
     res = {"model": a.model, "model_hash": h, "rows": table.vocab_size, "top_k": a.top_k,

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.entry import run
+from benchmarks.entry import count, positive, run
 
 
 def main() -> None:
@@ -32,11 +32,11 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--compare", choices=["source", "picks"], default="source")
     ap.add_argument("--prompts", default=None, help="default: the project's suite")
-    ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limit", type=count, default=12)
+    ap.add_argument("--max-new-tokens", type=count, default=64)
+    ap.add_argument("--rounds", type=count, default=2)
+    ap.add_argument("--temperature", type=positive, default=1.0)
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--out", default="benchmarks/results/draw_noise.json")
     a = ap.parse_args()
 

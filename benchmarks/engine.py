@@ -27,8 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import at_least, count, counts, run, whole
 from hsd_opt.engine.variants import host
+
+
+def exit_layers(text: str) -> list[int]:
+    """``--exits``: layer numbers (1 or more), comma-separated, or nothing (no early exit timed)."""
+    return counts(text) if text.strip() else []
 
 
 def _ms(xs):
@@ -56,13 +61,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--t", default="1,2,3,4,8,12,16", help="pass sizes (tokens)")
-    ap.add_argument("--exits", default="15,22", help="early exits to time besides the target")
+    ap.add_argument("--t", type=counts, default="1,2,3,4,8,12,16", help="pass sizes (tokens)")
+    ap.add_argument("--exits", type=exit_layers, default="15,22", help="early exits to time besides the target")
     ap.add_argument("--quantized", default="int8,int4")
-    ap.add_argument("--context", type=int, default=64, help="tokens already in the cache")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new", type=int, default=64, help="tokens for the AR comparisons")
+    ap.add_argument("--context", type=whole, default=64, help="tokens already in the cache")
+    ap.add_argument("--rounds", type=count, default=7)
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--new", type=at_least(2), default=64, help="tokens for the AR comparisons (2 or more)")
     ap.add_argument("--llama-bench", default=None, help="a llama-bench binary (llama.cpp) for anchor figures")
     ap.add_argument("--gguf-f32", default=None, help="the model as an F32 GGUF, for llama-bench")
     ap.add_argument("--gguf-q4", default=None, help="the model in its stored 4-bit GGUF, for llama-bench")
@@ -81,8 +86,7 @@ def main() -> None:
     from hsd_opt.runtime.decode import HSD, Level
 
     torch.set_num_threads(a.threads)
-    ts = [int(x) for x in a.t.split(",")]
-    exits = [int(x) for x in a.exits.split(",") if x.strip()]
+    ts, exits = a.t, a.exits
     print(f"loading {a.model} ({a.dtype}) ...", file=sys.stderr)
     loaded = load_model(a.model, device="cpu", dtype=a.dtype)
     model = loaded.model

@@ -36,6 +36,11 @@ from pathlib import Path
 from benchmarks.entry import run
 from hsd_opt.engine.variants import host
 
+try:
+    from benchmarks.entry import count, whole
+except ImportError:  # the worker in a baseline tree older than them (its flags are the checked ones of main)
+    count = whole = int
+
 HERE = Path(__file__).resolve().parents[1]
 DEFAULT_PLAN = HERE / "benchmarks" / "results" / "bench_suite_2026-11-26_plan.json"
 
@@ -127,10 +132,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", help="the other checkout (its repository root)")
     ap.add_argument("--plan", default=str(DEFAULT_PLAN))
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--prompts", type=int, default=4, help="suite prompts per round")
-    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
-    ap.add_argument("--batch", type=int, default=8, help="prompts decoded together (0: none)")
+    ap.add_argument("--rounds", type=count, default=6)
+    ap.add_argument("--prompts", type=count, default=4, help="suite prompts per round")
+    ap.add_argument("--new", type=count, default=64, help="new tokens per prompt")
+    ap.add_argument("--batch", type=whole, default=8, help="prompts decoded together (0: none)")
     ap.add_argument("--out", default=str(HERE / "benchmarks" / "results" / "engine_ab.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()

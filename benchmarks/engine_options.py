@@ -22,14 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=count, default=7)
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--compile", action="store_true", help="also torch.compile the stack (slow to compile)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "engine_options.json"))
     a = ap.parse_args()

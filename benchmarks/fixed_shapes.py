@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.timing import median_pass
 from hsd_opt.models.random_weights import TINY, config_of, random_model
@@ -73,11 +73,11 @@ def timing(config: str, device: str, dtype: torch.dtype, repeats: int, context: 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--prompts", type=count, default=12)
+    ap.add_argument("--new", type=count, default=40)
     ap.add_argument("--timing-config", default="qwen2.5-coder-0.5b")
     ap.add_argument("--timing-dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=count, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "fixed_shapes_cpu.json"))
     a = ap.parse_args(argv)

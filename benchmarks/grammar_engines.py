@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 from benchmarks.json_schema_bench import quantiles_ms
 from hsd_opt.engine.variants import host
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
@@ -149,8 +149,8 @@ def _engines(tok, eos, vocab) -> tuple[list, dict[str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", type=int, default=60)
-    ap.add_argument("--sweep-mb", type=int, default=100, help="MB read between two masks in the cold run")
+    ap.add_argument("--limit", type=count, default=60)
+    ap.add_argument("--sweep-mb", type=count, default=100, help="MB read between two masks in the cold run")
     ap.add_argument("--out", default="benchmarks/results/grammar_engines.json")
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", device="cpu")

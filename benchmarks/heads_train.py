@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, positive, run, whole
 from hsd_opt.commands.options import layer_numbers
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.heads import generate_training_sequences, head_layers, load_heads, save_heads, train_heads
@@ -62,19 +62,22 @@ def step_cost(model, heads_by_name: dict, layers: list[int], ctx: list[int], rep
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a loaded 2-core machine)")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=count, default=1, help="torch threads (1 is fastest on a loaded 2-core machine)")
+    ap.add_argument("--tokens", type=count, default=4096)
+    ap.add_argument("--epochs", type=count, default=3)
+    ap.add_argument("--lr", type=positive, default=2e-3)
     ap.add_argument("--layers", default="all")
     ap.add_argument("--kind", default="affine")
-    ap.add_argument("--vocab-subset", type=int, default=4096, help="K of the reduced-vocabulary head trained "
+    ap.add_argument("--vocab-subset", type=whole, default=4096, help="K of the reduced-vocabulary head trained "
                     "for the step-cost comparison (0: skip)")
     ap.add_argument("--subset-layers", default="2,4,8,14")
     ap.add_argument("--cost-layers", default="2,4,8,14")
     ap.add_argument("--out", default=str(ROOT / "out" / "heads-smollm2.safetensors"))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "heads_train.json"))
     args = ap.parse_args()
+    for flag, spec in (("--layers", args.layers), ("--subset-layers", args.subset_layers),
+                       ("--cost-layers", args.cost_layers)):
+        layer_numbers(spec, flag)          # the syntax, before the model loads and the heads train
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

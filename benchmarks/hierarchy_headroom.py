@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import profile_from_dict
 from hsd_opt.jsonio import write_json
@@ -111,7 +111,7 @@ def _usage_error(message: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True, help="hsd-profile/1 JSON")
-    ap.add_argument("--tmax", type=int, default=15, help="largest budget (tokens), as for hsd solve")
+    ap.add_argument("--tmax", type=count, default=15, help="largest budget (tokens), as for hsd solve")
     ap.add_argument("--json", help="write the what-ifs here (JSON, atomically)")
     a = ap.parse_args()
     try:

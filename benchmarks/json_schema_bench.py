@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, nonnegative, run, whole
 from hsd_opt.engine.variants import host
 from hsd_opt.formats import load_plan
 from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
@@ -127,10 +127,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True)
     ap.add_argument("--json-plan", default=None, help="a plan with a plan for task json (by_task)")
-    ap.add_argument("--skip", type=int, default=0, help="leave out the first N tasks")
-    ap.add_argument("--limit", type=int, default=60)
-    ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled (seed per task), outputs not "
+    ap.add_argument("--skip", type=whole, default=0, help="leave out the first N tasks")
+    ap.add_argument("--limit", type=count, default=60)
+    ap.add_argument("--max-new-tokens", type=count, default=200)
+    ap.add_argument("--temperature", type=nonnegative, default=0.0, help="> 0: sampled (seed per task), outputs not "
                     "compared; every method's output checked")
     ap.add_argument("--out", default="benchmarks/results/json_schema_bench.json")
     a = ap.parse_args()

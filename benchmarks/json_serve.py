@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, seconds, whole
 from benchmarks.serve_sweep import free_port, served_name
 from benchmarks.server_load import start, start_server, stop_server
 from hsd_opt.engine.variants import host
@@ -95,17 +95,17 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--skip", type=int, default=0, help="leave out the first N tasks (e.g. those profiled)")
-    ap.add_argument("--limit", type=int, default=60)
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--concurrency", type=counts, default="1,8")
+    ap.add_argument("--skip", type=whole, default=0, help="leave out the first N tasks (e.g. those profiled)")
+    ap.add_argument("--limit", type=count, default=60)
+    ap.add_argument("--max-tokens", type=count, default=200)
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--ctx", type=whole, default=16384)
+    ap.add_argument("--timeout", type=seconds, default=300)
     ap.add_argument("--out", default="benchmarks/results/json_serve.json")
     a = ap.parse_args()
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][a.skip:a.skip + a.limit]
-    levels = [int(c) for c in a.concurrency.split(",")]
+    levels = a.concurrency
     hsd, hsd_url, _ = start_server(a.plan, 64, None, "cpu", a.timeout)
     report = {"host": host(), "plan": a.plan, "gguf": a.gguf,
               "max_tokens": a.max_tokens, "tasks": len(tasks), "levels": []}

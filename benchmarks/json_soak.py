@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run, seconds
 from benchmarks.json_serve import TASKS, _name, run_clients
 from benchmarks.server_load import start_server, stop_server
 from hsd_opt.engine.variants import host
@@ -145,10 +145,10 @@ def _spread(xs: list[float]) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--requests", type=count, default=1000)
+    ap.add_argument("--clients", type=count, default=8)
+    ap.add_argument("--max-tokens", type=count, default=64)
+    ap.add_argument("--timeout", type=seconds, default=300)
     ap.add_argument("--out", default="benchmarks/results/json_soak.json")
     a = ap.parse_args()
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()]

@@ -42,7 +42,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, whole
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,13 +72,13 @@ def main() -> None:
     ap.add_argument("--baseline", required=True,
                     help="the kernels.c to compare this tree's against, or 'float32': this tree's kernels reading "
                          "the float32 weights instead of their exact forms, or 'float32-head': only the head")
-    ap.add_argument("--batches", default="2,4,5,7,8,11")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=7, help="timed steps per library, batch size and round")
+    ap.add_argument("--batches", type=counts, default="2,4,5,7,8,11")
+    ap.add_argument("--rounds", type=count, default=6)
+    ap.add_argument("--steps", type=count, default=7, help="timed steps per library, batch size and round")
     ap.add_argument("--changes-numerics", action="store_true",
                     help="the candidate changes an element's operations: report how far its logits are from the "
                          "baseline's (largest difference, argmax agreement) instead of requiring equal bits")
-    ap.add_argument("--positions", default="1",
+    ap.add_argument("--positions", type=counts, default="1",
                     help="new positions per sequence and step, one or a list (a verification pass; 1: a decode "
                          "step); every batch size is timed at each")
     ap.add_argument("--greedy", action="store_true",
@@ -86,11 +86,11 @@ def main() -> None:
                          "do) instead of the whole head's logits")
     ap.add_argument("--engine", choices=("float32", "int4", "int8"), default="float32",
                     help="the engine timed: the float32 target (its exact forms) or its int4 / int8 copy")
-    ap.add_argument("--level", type=int, default=0,
+    ap.add_argument("--level", type=whole, default=0,
                     help="instead of steps: this many suite prompts, each prefilled and decoded for --max-tokens "
                          "with at most B at a time (generate_many, the target alone, the template's head kept): "
                          "a served level of plain batching, timed whole, once per round")
-    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt with --level")
+    ap.add_argument("--max-tokens", type=count, default=64, help="new tokens per prompt with --level")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kernels_ab.json"))
     a = ap.parse_args()
 
@@ -107,8 +107,7 @@ def main() -> None:
     base_src = Path(a.baseline)
     if not float32_baseline and not base_src.is_file():
         sys.exit(f"--baseline: no file {base_src}")
-    batches = [int(x) for x in a.batches.split(",")]
-    positions = [int(x) for x in a.positions.split(",")]
+    batches, positions = a.batches, a.positions
     cases = [(n, p) for n in batches for p in (positions if not a.level else [1])]   # (sequences, positions)
     cc = kernels.compiler()
     if cc is None or kernels.load() is None:

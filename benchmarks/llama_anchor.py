@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run, whole
 from hsd_opt.engine.variants import host
 
 
@@ -119,12 +119,12 @@ def main() -> None:
     ap.add_argument("--gguf", required=True, help="the GGUF file the plan's model was loaded from")
     ap.add_argument("--prompts", default=None, help="prompt file (default: the shipped suite)")
     ap.add_argument("--task", default="code", help="keep the suite's prompts of this task ('' for all)")
-    ap.add_argument("--limit", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--limit", type=count, default=6)
+    ap.add_argument("--max-new-tokens", type=count, default=64)
     ap.add_argument("--methods", default="ar,single_draft,hsd")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--depth", type=int, default=64, help="llama-bench context before its decode test (tokens)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=count, default=2)
+    ap.add_argument("--depth", type=whole, default=64, help="llama-bench context before its decode test (tokens)")
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--retime", default=None, help="the profile the plan was solved from (hsd bench --retime)")
     ap.add_argument("--speculative", default=None, help="a llama-speculative-simple binary (llama.cpp)")
     ap.add_argument("--gguf-draft", default=None, help="the draft model's GGUF file (draft-* configurations)")

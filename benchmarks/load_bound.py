@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 from hsd_opt.formats import load_plan
 from hsd_opt.jsonio import write_json
 from hsd_opt.measure.load_bench import serve_clients
@@ -95,10 +95,10 @@ def _parts(eng, text: list[int], seqs: int, ctx: int = 90, repeats: int = 6) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plan", required=True, type=Path)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", type=count, default=8)
+    ap.add_argument("--requests", type=count, default=2)
+    ap.add_argument("--rounds", type=count, default=3)
+    ap.add_argument("--max-tokens", type=count, default=64)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     plan = load_plan(a.plan)

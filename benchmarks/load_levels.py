@@ -33,7 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, whole
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,15 +42,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--profile", required=True)
-    ap.add_argument("--levels", default="1,2,4,8,16")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--levels", type=counts, default="1,2,4,8,16")
+    ap.add_argument("--rounds", type=count, default=2)
+    ap.add_argument("--max-new-tokens", type=count, default=64)
     ap.add_argument("--prompts", default=None)
-    ap.add_argument("--max-wait", type=int, default=None,
+    ap.add_argument("--max-wait", type=whole, default=None,
                     help="the scheduler's max_wait (ticks; default: the batch's own, a round's draft passes)")
-    ap.add_argument("--per-level", type=int, default=3, help="prompts per level, as a multiple of B: more than B "
+    ap.add_argument("--per-level", type=count, default=3, help="prompts per level, as a multiple of B: more than B "
                                                              "wait and join as others end")
-    ap.add_argument("--clock-repeats", type=int, default=15, help="timed steps per engine per re-timing")
+    ap.add_argument("--clock-repeats", type=count, default=15, help="timed steps per engine per re-timing")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "load_levels.json"))
     a = ap.parse_args()
 
@@ -79,7 +79,7 @@ def main() -> None:
     text = [t for x in ids for t in x]
     clock = StepClock(profile, list(levels.values()), repeats=a.clock_repeats, text=text)
     want: dict[int, list[int]] = {}
-    sizes = [int(x) for x in a.levels.split(",")]
+    sizes = a.levels
     level_of = {b: nearest_level(plan.by_load, b) for b in sizes}      # the level the scheduler runs there
     at_load = {b: StepClock(profile, [levels[level_of[b]]], repeats=a.clock_repeats, text=text, batch=b)
                for b in sizes}
@@ -111,7 +111,7 @@ def main() -> None:
                 if full:
                     steady_s += time.perf_counter() - t0
                     steady_tokens += committed[0] - before
-            whole = time.perf_counter() - t_all
+            whole_s = time.perf_counter() - t_all
             speed_after, load_after = clock.measure(), at_load[b].measure()  # before and after, averaged
             factors = {k: (speed_before[k] + speed_after[k]) / 2 for k in speed_before}
             load_factors = {k: (load_before[k] + load_after[k]) / 2 for k in load_before}
@@ -127,14 +127,14 @@ def main() -> None:
                    "context": ctx, "predicted_tokens_per_s": pred, "retimed_tokens_per_s": pred_rt,
                    "retimed_at_load_tokens_per_s": pred_load,
                    "measured_steady_tokens_per_s": meas, "steady_seconds": steady_s,
-                   "measured_whole_tokens_per_s": tokens / whole, "retimed_over_measured":
+                   "measured_whole_tokens_per_s": tokens / whole_s, "retimed_over_measured":
                    pred_rt / meas if meas else None, "retimed_at_load_over_measured":
                    pred_load / meas if meas else None, "factors": factors, "factors_at_load": load_factors,
                    "equal_to_target": all(got[k] == want[j] for k, j in enumerate(picks))}
             rows.append(row)
             print(f"round {r + 1} B={b:2d} {' <- '.join(reversed(e.hierarchy)):32s} predicted {pred:6.1f} "
                   f"re-timed {pred_rt:6.1f} (at the load {pred_load:6.1f}) measured {meas or float('nan'):6.1f} "
-                  f"tok/s (whole run {tokens / whole:6.1f}) equal {row['equal_to_target']}", flush=True)
+                  f"tok/s (whole run {tokens / whole_s:6.1f}) equal {row['equal_to_target']}", flush=True)
             write_json(a.out, {"started": started, "plan": a.plan, "profile": a.profile,
                                "max_new_tokens": a.max_new_tokens, "torch_threads": torch.get_num_threads(),
                                "rows": rows})

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import at_least, count, run
 from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.variants import host
 from hsd_opt.errors import HsdError
@@ -119,16 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidate", type=Path, default=HERE / "hsd_opt" / "engine" / "kernels.c")
     ap.add_argument("--variant", default=None, help="the kernel variant both are built for (default: this CPU's)")
     ap.add_argument("--positions", type=parse_positions, default=parse_positions("1-8"))
-    ap.add_argument("--passes", type=int, default=40, help="timed passes of each library per number of positions")
+    ap.add_argument("--passes", type=at_least(2), default=40,
+                    help="timed passes of each library per number of positions")
     ap.add_argument("--distinct-layers", type=int, default=LAYERS, choices=range(1, LAYERS + 1), metavar="1..30")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
     a = ap.parse_args(argv)
     for flag, path in (("--baseline", a.baseline), ("--candidate", a.candidate)):
         if not path.is_file():
             ap.error(f"{flag}: no such file: {path}")
-    if a.passes < 2 or a.threads < 1:
-        ap.error("--passes must be at least 2 and --threads at least 1")
     try:
         variant = variants.BY_NAME[a.variant] if a.variant else variants.choose()[0]
     except KeyError:

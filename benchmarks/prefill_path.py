@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, whole
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.models.loading import load_model
@@ -91,14 +91,22 @@ def compare_within(eng: LayeredLM, text: list[int], lengths: list[int], limits: 
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def within_pair(text: str) -> list[int]:
+    """``--within A,B``: two numbers of positions (0 or more)."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected two numbers of positions A,B, got {text!r}")
+    return [whole(p) for p in parts]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="8,16,24,32,40,48,64,96")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--lengths", type=counts, default="8,16,24,32,40,48,64,96")
+    ap.add_argument("--rounds", type=count, default=7)
     ap.add_argument("--chunked", action="store_true", help="the runtime's passes (at most PREFILL_CHUNK each), "
                     "not one pass")
-    ap.add_argument("--within", default=None, help="A,B: the runtime's prefill with prompt passes on the kernels "
-                    "within A and within B positions")
+    ap.add_argument("--within", type=within_pair, default=None, help="A,B: the runtime's prefill with prompt "
+                    "passes on the kernels within A and within B positions")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m")
@@ -107,10 +115,9 @@ def main() -> None:
         raise SystemExit("the kernels are unavailable here: nothing to compare")
     text = [t for p in load_prompts().texts for t in encode_prompt(loaded.tokenizer, p)] * 20
     if a.within:
-        return compare_within(eng, text, [int(x) for x in a.lengths.split(",")],
-                              [int(x) for x in a.within.split(",")], a.rounds, a.out)
+        return compare_within(eng, text, a.lengths, a.within, a.rounds, a.out)
     rows = []
-    for m in (int(x) for x in a.lengths.split(",")):
+    for m in a.lengths:
         ids = torch.tensor(text_of_length(text, m))
         got: dict[str, list[float]] = {"kernels": [], "torch": []}
         for r in range(a.rounds):

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run, whole
 from hsd_opt.engine.variants import host
 
 
@@ -129,10 +129,10 @@ def main() -> None:
     ap.add_argument("--llama-bench", required=True, help="a llama-bench binary (llama.cpp)")
     ap.add_argument("--gguf", required=True, help="the GGUF file the plan's model was loaded from")
     ap.add_argument("--lengths", default="128,512,1024", help="prompt lengths in tokens, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=3, help="runs per length and round, each side")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode", type=int, default=0, metavar="N",
+    ap.add_argument("--rounds", type=count, default=3)
+    ap.add_argument("--reps", type=count, default=3, help="runs per length and round, each side")
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--decode", type=whole, default=0, metavar="N",
                     help="also decode N tokens at each length as depth (0: prompts only)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prompt_anchor.json"))
     a = ap.parse_args()
@@ -140,10 +140,6 @@ def main() -> None:
         lengths = parse_lengths(a.lengths)
     except ValueError as e:
         ap.error(str(e))
-    if a.rounds < 1 or a.reps < 1 or a.threads < 1:
-        ap.error("--rounds, --reps and --threads: at least 1")
-    if a.decode < 0:
-        ap.error("--decode: a token count, 0 or more")
     if not os.path.isfile(a.gguf):
         ap.error(f"--gguf: no file at {a.gguf}")
     if not os.access(a.llama_bench, os.X_OK):

@@ -19,7 +19,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,10 +28,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
-    ap.add_argument("--prompts-used", type=int, default=16)
-    ap.add_argument("--active", type=int, default=8, help="sequences decoded together")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prompts-used", type=count, default=16)
+    ap.add_argument("--active", type=count, default=8, help="sequences decoded together")
+    ap.add_argument("--max-new-tokens", type=count, default=64)
+    ap.add_argument("--rounds", type=count, default=4)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prompt_head.json"))
     a = ap.parse_args()
 

@@ -17,21 +17,31 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, run, whole
+
+
+def hierarchy_flag(text: str) -> tuple[str, list[str], list[int]]:
+    """``--hierarchy NAME=m0,m1,...,target:T0,T1,...`` -> ``(NAME, models, budgets)``; the budgets whole numbers of 1
+    or more (none: no budgets)."""
+    name, eq, rest = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=m0,m1,...,target:T0,T1,..., got {text!r}")
+    h, _, b = rest.partition(":")
+    return name, h.split(","), counts(b) if b else []
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"))
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--per-task", type=int, default=None, help="take the first N prompts of each task instead")
+    ap.add_argument("--limit", type=count, default=4)
+    ap.add_argument("--per-task", type=count, default=None, help="take the first N prompts of each task instead")
     ap.add_argument("--profile", default=None, help="hsd-profile/1 to predict latency of extra hierarchies")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--alternatives", type=int, default=2, help="also run the plan's first N alternatives")
-    ap.add_argument("--hierarchy", action="append", default=[],
+    ap.add_argument("--max-new-tokens", type=count, default=32)
+    ap.add_argument("--alternatives", type=whole, default=2, help="also run the plan's first N alternatives")
+    ap.add_argument("--hierarchy", type=hierarchy_flag, action="append", default=[],
                     help="extra hierarchy NAME=m0,m1,...,target:T0,T1,... (repeatable)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 when the load is high)")
+    ap.add_argument("--threads", type=whole, default=None, help="torch threads (default: 1 when the load is high)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "runtime_bench"))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--methods", default=None, help="comma list, as hsd bench --methods (default: hsd bench's "
@@ -55,10 +65,8 @@ def main() -> None:
     extra = {}
     for i, alt in enumerate(plan.alternatives[: a.alternatives], 2):
         extra[f"alt{i}"] = (alt.hierarchy, alt.budgets)
-    for spec in a.hierarchy:
-        name, rest = spec.split("=", 1)
-        h, _, b = rest.partition(":")
-        extra[name] = (h.split(","), [int(x) for x in b.split(",") if x])
+    for name, h, b in a.hierarchy:
+        extra[name] = (h, b)
     rows = load_prompts(a.prompts).items
     rows = select_items(rows, per_task=a.per_task) if a.per_task else rows[: a.limit]
     t0 = time.time()

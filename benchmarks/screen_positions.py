@@ -16,18 +16,18 @@ import statistics
 import sys
 import time
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run, whole
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--prompts", default=None, help="default: the project's suite")
-    ap.add_argument("--limit", type=int, default=24)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--old", type=int, default=2)
-    ap.add_argument("--new", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limit", type=count, default=24)
+    ap.add_argument("--max-new-tokens", type=count, default=64)
+    ap.add_argument("--old", type=whole, default=2)
+    ap.add_argument("--new", type=whole, default=10)
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--out", default="benchmarks/results/screen_positions.json")
     a = ap.parse_args()
 

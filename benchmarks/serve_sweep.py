@@ -65,7 +65,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import count, counts, fraction, nonnegative, run, seconds, whole
 from benchmarks.server_load import pct, run_clients, start, stream_once
 from benchmarks.server_load import stop_server as stop
 from hsd_opt.engine.variants import host
@@ -238,35 +238,35 @@ def plot(report: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
-    ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
-    ap.add_argument("--rounds", type=int, default=1, help="sweeps over the levels (in turn, then reversed)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--concurrency", type=counts, default="1,2,4,8,16")
+    ap.add_argument("--requests", type=count, default=2, help="requests per client, one after the other")
+    ap.add_argument("--rounds", type=count, default=1, help="sweeps over the levels (in turn, then reversed)")
+    ap.add_argument("--max-tokens", type=count, default=64)
+    ap.add_argument("--temperature", type=nonnegative, default=0.0,
                     help="> 0: every request samples (unseeded), and answers are not compared with the plan's")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=None,
+    ap.add_argument("--top-p", type=fraction, default=1.0)
+    ap.add_argument("--top-k", type=whole, default=None,
                     help="sent as top_k to every server (llama.cpp's default is 40; absent: each server's own)")
-    ap.add_argument("--min-p", type=float, default=None,
+    ap.add_argument("--min-p", type=fraction, default=None,
                     help="sent as min_p to every server (llama.cpp's default is 0.05; absent: each server's own)")
     ap.add_argument("--prompts", default=None, help="prompt file (default: the suite)")
     ap.add_argument("--methods", default="hsd,hsd_batch1,hsd_plain")
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-batch", type=count, default=16)
     ap.add_argument("--retime", default=None, help="the plan's profile: hsd serve --retime for the hsd method")
     ap.add_argument("--predict", default=None,
                     help="the plan's profile: predict every hsd* level whole, re-timed in this process around it")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--stream-interval", type=int, default=1, help="hsd serve --stream-interval of every hsd* server")
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--stream-interval", type=count, default=1, help="hsd serve --stream-interval of every hsd* server")
     ap.add_argument("--baseline", help="another checkout of hsd-opt (a git worktree of an earlier commit): method "
                                        "hsd_base serves the plan with its code")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf-f32", default=None)
     ap.add_argument("--gguf-draft", default=None)
-    ap.add_argument("--spec-n-max", type=int, default=8)
-    ap.add_argument("--spec-p-min", type=float, default=0.5)
-    ap.add_argument("--ctx", type=int, default=16384, help="llama-server -c (split between its slots)")
-    ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--settle", type=float, default=2.0,
+    ap.add_argument("--spec-n-max", type=count, default=8)
+    ap.add_argument("--spec-p-min", type=fraction, default=0.5)
+    ap.add_argument("--ctx", type=whole, default=16384, help="llama-server -c (split between its slots)")
+    ap.add_argument("--timeout", type=seconds, default=900.0)
+    ap.add_argument("--settle", type=nonnegative, default=2.0,
                     help="seconds of quiet before each method's level (after the previous one's server stopped)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_sweep.json"))
@@ -275,7 +275,7 @@ def main() -> None:
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import load_prompts
 
-    levels = [int(x) for x in a.concurrency.split(",")]
+    levels = a.concurrency
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in HSD_METHODS + LLAMA_METHODS]
     if bad:

@@ -38,6 +38,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.entry import count, run, seconds, whole
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -198,18 +200,16 @@ def main() -> None:
     ap.add_argument("--plan", default=str(REPO / "out" / "plan.json"))
     ap.add_argument("--url", default=None, help="use a running server (…/v1) instead of starting one")
     ap.add_argument("--prompts", default=None, help="JSON-lines prompts (default: the shipped suite)")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=4, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", type=count, default=8)
+    ap.add_argument("--requests", type=count, default=4, help="requests per client")
+    ap.add_argument("--max-tokens", type=count, default=64)
     ap.add_argument("--kind", choices=("chat", "completion"), default="chat")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server and the direct run")
+    ap.add_argument("--threads", type=whole, default=None, help="torch threads of the server and the direct run")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds for start-up and for each phase")
+    ap.add_argument("--timeout", type=seconds, default=1800, help="seconds for start-up and for each phase")
     ap.add_argument("--no-direct", action="store_true", help="skip the direct HSD.generate comparison")
     ap.add_argument("--out", required=True, help="JSON report path")
     a = ap.parse_args()
-    if a.clients < 1 or a.requests < 1 or a.max_tokens < 1:
-        raise SystemExit("--clients, --requests and --max-tokens must be >= 1")
 
     from openai import OpenAI
 
@@ -247,9 +247,9 @@ def main() -> None:
                 if what == "server":
                     seq[p] = stream_once(probe, model, a.kind, p, a.max_tokens)
                     continue
-                ids, seconds = direct(p, worker=what == "direct")
+                ids, secs = direct(p, worker=what == "direct")
                 runs[what]["tokens"] += len(ids)
-                runs[what]["seconds"] += seconds
+                runs[what]["seconds"] += secs
                 runs[what].setdefault("ids", {})[p] = ids
         print(f"sequential: {len(seq)} requests done", flush=True)
 
@@ -343,6 +343,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.entry import run
-
     run(main)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.entry import run
+from benchmarks.entry import count, run
 from hsd_opt.formats import profile_from_dict
 from hsd_opt.solver.api import optimum, solve
 from hsd_opt.solver.dp import dp, dp_ranked
@@ -74,7 +74,7 @@ def measure(K: int, tmax: int, repeats: int, ranked: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "solver_scaling.json"))
     args = ap.parse_args()
     headline = [measure(80, 32, args.repeats, True), measure(32, 15, args.repeats, True)]

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.entry import run
+from benchmarks.entry import run, whole
 
 
 def main() -> None:
@@ -28,10 +28,10 @@ def main() -> None:
     ap.add_argument("--questions", required=True, help="Spec-Bench question file (JSON lines)")
     ap.add_argument("--eval-out", required=True)
     ap.add_argument("--profile-out", required=True)
-    ap.add_argument("--eval-per-group", type=int, default=10)
-    ap.add_argument("--eval-per-mt-category", type=int, default=2)
-    ap.add_argument("--profile-per-group", type=int, default=6)
-    ap.add_argument("--profile-per-mt-category", type=int, default=1)
+    ap.add_argument("--eval-per-group", type=whole, default=10)
+    ap.add_argument("--eval-per-mt-category", type=whole, default=2)
+    ap.add_argument("--profile-per-group", type=whole, default=6)
+    ap.add_argument("--profile-per-mt-category", type=whole, default=1)
     a = ap.parse_args()
 
     from hsd_opt.errors import HsdError

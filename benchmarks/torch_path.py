@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.entry import run
+from benchmarks.entry import at_least, count, run
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.models.loading import load_model
@@ -43,8 +43,8 @@ def step_ms(eng, ids: torch.Tensor, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=count, default=4)
+    ap.add_argument("--steps", type=at_least(3), default=16)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m")

@@ -1,0 +1,123 @@
+"""The benchmark scripts' numeric flags (`benchmarks/entry.py`'s types): a bad value is refused by argparse before
+anything is loaded, one line naming the flag and the value, exit code 2, no traceback; the defaults given as
+strings (comma lists) are parsed to what the scripts use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.engine import exit_layers
+from benchmarks.entry import at_least, count, counts, fraction, nonnegative, positive, seconds, whole
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("fn, text, want", [
+    (count, "1", 1), (count, " 12 ", 12), (whole, "0", 0), (whole, "7", 7), (at_least(3), "3", 3),
+    (counts, "1,4", [1, 4]), (counts, "8, 2 ,16", [8, 2, 16]), (counts, "5", [5]),
+    (seconds, "0.5", 0.5), (seconds, "600", 600.0), (positive, "2e-3", 2e-3), (nonnegative, "0", 0.0),
+    (fraction, "0", 0.0), (fraction, "1", 1.0), (fraction, "0.95", 0.95),
+])
+def test_a_good_value_is_parsed(fn, text, want):
+    assert fn(text) == want
+
+
+@pytest.mark.parametrize("fn, text", [
+    (count, "0"), (count, "-1"), (count, "2.5"), (count, "a"), (count, ""), (whole, "-1"), (whole, "x"),
+    (at_least(3), "2"), (seconds, "0"), (seconds, "-5"), (seconds, "nan"), (seconds, "inf"), (seconds, "soon"),
+    (positive, "0"), (nonnegative, "-0.1"), (nonnegative, "inf"), (fraction, "1.5"), (fraction, "-0.1"),
+    (fraction, "nan"),
+])
+def test_a_bad_value_is_refused_naming_it(fn, text):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"got {text!r}")):
+        fn(text)
+
+
+@pytest.mark.parametrize("text, item", [("1,a", "a"), ("1,,2", ""), ("4,0", "0"), ("", ""), ("1,", ""),
+                                        ("2,-3", "-3")])
+def test_a_bad_list_names_the_item_and_the_list(text, item):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"got {item!r} in {text!r}")):
+        counts(text)
+
+
+def test_the_errors_are_argparses_one_line_with_exit_2(capsys):
+    ap = argparse.ArgumentParser(prog="bench")
+    ap.add_argument("--rounds", type=count, default=2)
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--rounds", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "bench: error: argument --rounds: expected a whole number >= 1, got '0'"
+
+
+def test_no_early_exit_is_an_empty_exits_list():
+    assert exit_layers("") == [] and exit_layers("15,22") == [15, 22]
+    with pytest.raises(argparse.ArgumentTypeError):
+        exit_layers("15,x")
+
+
+def test_non_finite_numbers_are_not_seconds():
+    assert math.isfinite(seconds("1e300"))
+    with pytest.raises(argparse.ArgumentTypeError):
+        seconds("1e400")                                    # inf once parsed
+
+
+@pytest.mark.parametrize("script, args", [
+    ("chat_turns", ["--plan", "p", "--questions", "q", "--concurrency", "1,a"]),
+    ("chat_turns", ["--plan", "p", "--questions", "q", "--rounds", "0"]),
+    ("chat_turns", ["--plan", "p", "--questions", "q", "--timeout", "-5"]),
+    ("serve_sweep", ["--plan", "p", "--top-p", "1.5"]),
+    ("json_soak", ["--plan", "p", "--clients", "0"]),
+    ("engine", ["--new", "1"]),
+    ("load_levels", ["--plan", "p", "--profile", "q", "--levels", "1,,2"]),
+    ("kernels_ab", ["--baseline", "b", "--positions", "0"]),
+    ("runtime_bench", ["--plan", "p", "--hierarchy", "alt=a,target:x"]),
+    ("server_load", ["--out", "o", "--timeout", "nan"]),
+    ("engine_ab", ["--rounds", "-1"]),
+])
+def test_a_script_refuses_a_bad_flag_in_one_line_before_loading_anything(script, args):
+    flag = next(a for a in args[::-1] if a.startswith("--"))
+    res = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"error: argument {flag}: " in res.stderr.splitlines()[-1] and "Traceback" not in res.stderr
+
+
+def test_a_layer_list_is_checked_before_the_model_loads():
+    res = subprocess.run([sys.executable, "-m", "benchmarks.heads_train", "--cost-layers", "2,x"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.splitlines()[-1].startswith("error: --cost-layers: ")
+
+
+@pytest.mark.parametrize("script, required, flag, want", [
+    ("chat_turns", ["--plan", "p", "--questions", "q"], "concurrency", [1, 4]),
+    ("engine", [], "t", [1, 2, 3, 4, 8, 12, 16]),
+    ("engine", [], "exits", [15, 22]),
+    ("gpu_scale", [], "batches", [1, 2, 4, 8, 16, 32, 64]),
+    ("json_serve", ["--plan", "p", "--llama-server", "l", "--gguf", "g"], "concurrency", [1, 8]),
+    ("kernels_ab", ["--baseline", "b"], "batches", [2, 4, 5, 7, 8, 11]),
+    ("load_levels", ["--plan", "p", "--profile", "q"], "levels", [1, 2, 4, 8, 16]),
+    ("prefill_path", [], "lengths", [8, 16, 24, 32, 40, 48, 64, 96]),
+    ("serve_sweep", ["--plan", "p"], "concurrency", [1, 2, 4, 8, 16]),
+])
+def test_a_list_flags_default_is_parsed_to_its_list(monkeypatch, script, required, flag, want):
+    """The script's own parser, stopped once it has parsed (its defaults, the required flags given)."""
+    real, parsed = argparse.ArgumentParser.parse_args, {}
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parsed.update(vars(real(self, required, namespace)))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"benchmarks.{script}").main()
+    assert parsed[flag] == want
