@@ -165,8 +165,12 @@ def main() -> None:
     items = load_prompts(a.prompts).items
     if a.task:
         items = [it for it in items if it.task == a.task]
+    if not items:
+        ap.error(f"--task: no prompt of task {a.task!r} in {a.prompts or 'the shipped suite'}")
     items = select_items(items, limit=a.limit)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not methods:
+        ap.error("--methods: expected a comma-separated list of methods, got none")
     # llama.cpp's speculative runs start from the text of the chat-templated prompts our methods start from
     spec_texts = [loaded.tokenizer.decode(encode_prompt(loaded.tokenizer, it.prompt)) for it in items if configs]
     n_gen = a.max_new_tokens

@@ -3,9 +3,13 @@ prints (its log format of the `llama-cpp-python` 0.3.36 sdist), and refuses what
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from benchmarks.llama_anchor import parse_spec_config, parse_spec_output
+from tests.helpers import save_tiny, write_plan
 
 PRINTED = """\
 0.12.277.195 I encoded   16 tokens in    0.518 seconds, speed:   30.868 t/s
@@ -39,3 +43,22 @@ def test_a_configuration_is_a_type_and_an_optional_draft_length(text, want):
 def test_a_malformed_configuration_names_the_flag(text):
     with pytest.raises(ValueError, match="--spec-configs"):
         parse_spec_config(text)
+
+
+@pytest.mark.parametrize("flags, said", [(["--task", "no-such-task"], "--task: no prompt of task 'no-such-task'"),
+                                         (["--methods", " , "], "--methods: expected")])
+def test_prompts_and_methods_are_checked_before_llama_bench_runs(tmp_path, flags, said):
+    """A task without prompts or an empty method list is refused before the first (minutes long) llama-bench run:
+    the llama-bench given here would leave a mark if it ran."""
+    model_dir = save_tiny(tmp_path / "m")
+    plan = write_plan(tmp_path / "plan.json", model_dir, hierarchy=("ngram", "layer4"), budgets=(1,))
+    mark = tmp_path / "ran"
+    bench = tmp_path / "llama-bench"
+    bench.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    bench.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    res = subprocess.run([sys.executable, "-m", "benchmarks.llama_anchor", "--plan", str(plan), "--llama-bench",
+                          str(bench), "--gguf", str(gguf), *flags], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and said in res.stderr.splitlines()[-1], res.stderr
+    assert "Traceback" not in res.stderr and not mark.exists()
