@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hsd_opt.errors import HsdError
+
 #: The environment variable that moves the cache directory.
 CACHE_ENV = "HSD_CACHE"
 
@@ -17,3 +19,12 @@ CACHE_ENV = "HSD_CACHE"
 def cache_dir() -> Path:
     """The project's cache directory: ``$HSD_CACHE`` or ``~/.cache/hsd-opt`` (not created here)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hsd-opt")
+
+
+def cache_error(what: str, folder: Path, e: OSError) -> HsdError:
+    """The one-line error for a cache that cannot hold ``what`` (``"the compiled kernels"``): making or writing
+    ``folder`` (under the cache) failed with ``e``. Names the cache as the user set it (``HSD_CACHE=...`` when
+    set) and says how to move it."""
+    where = f"{CACHE_ENV}={cache_dir()}" if os.environ.get(CACHE_ENV) else str(cache_dir())
+    return HsdError(f"{where}: the cache cannot hold {what} (making {folder}: {e.strerror or e}); point "
+                    f"{CACHE_ENV} at a folder you can write")

@@ -457,6 +457,16 @@ def test_a_failed_build_is_reported_once_and_leaves_the_torch_path(tmp_path, mon
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.partial"))
 
 
+def test_a_cache_that_cannot_hold_the_library_is_named_with_how_to_move_it(tmp_path, monkeypatch):
+    """HSD_CACHE naming a file: the kernels are unavailable, and the reason names HSD_CACHE and what to do."""
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "a_file"))
+    said = []
+    assert kernels.load(log=said.append, variant="portable") is None
+    assert any(f"HSD_CACHE={tmp_path / 'a_file'}: the cache cannot hold the compiled kernels" in s
+               and "point HSD_CACHE at a folder you can write" in s for s in said), said
+
+
 @pytest.mark.slow
 def test_the_library_is_checked_against_this_modules_structs(tmp_path, monkeypatch):
     """A library whose ``hsd_version`` or struct layout differs from kernels.py's (an edit to one side only) is

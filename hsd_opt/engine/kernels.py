@@ -219,12 +219,19 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     Raises:
         HsdError: the compiler failed (its message is included).
     """
+    from hsd_opt.cache import cache_dir, cache_error
+
     variant = _variant(variant)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
+    except OSError as e:
+        if cache_dir() in out.parents:
+            raise cache_error("the compiled kernels", out.parent, e) from None
+        raise HsdError(f"cannot write the compiled kernels in {out.parent} ({e.strerror or e})") from None
     if log:
         log(f"compiling the CPU decode kernels ({variant.name}{'' if openmp else ', no OpenMP'}) with {cc} "
             f"(once per machine; a few seconds) ...")
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
     source = source or SOURCE
     cmd = [cc, *flags(variant, openmp, cc), *(f"-D{d}" for d in defines), str(source), "-o", tmp,

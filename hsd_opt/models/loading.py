@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsd_opt.cache import CACHE_ENV, cache_dir
+from hsd_opt.cache import cache_dir, cache_error
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
@@ -245,9 +245,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     except OSError as e:
-        where = f"{CACHE_ENV}={cache_dir()}" if os.environ.get(CACHE_ENV) else str(cache_dir())
-        raise HsdError(f"{where}: the cache cannot hold the converted {gguf.name} (making {root}: "
-                       f"{e.strerror or e}); point {CACHE_ENV} at a folder you can write") from None
+        raise cache_error(f"the converted {gguf.name}", root, e) from None
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
