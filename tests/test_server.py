@@ -508,6 +508,10 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.1, "repetition_penalty": 1.1}, 400,
      "repeat_penalty", None),
     (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.1, "repeat_last_n": -2}, 400, "repeat_last_n", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "repeat_last_n": -2}, 400, "repeat_last_n", None),    # checked alone too
+    (CHAT, {"model": MODEL, "messages": MSG, "repeat_last_n": "x"}, 400, "repeat_last_n", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 3, "max_completion_tokens": 511}, 400,
+     "max_completion_tokens", "context_length_exceeded"),           # the limit that counts is the one named
     (COMP, {"model": MODEL, "prompt": "w1", "typical_p": 0.5}, 400, "typical_p", None),
     (CHAT, {"model": MODEL, "messages": MSG, "mirostat": 2}, 400, "mirostat", None),
     (COMP, {"model": MODEL, "prompt": "w1", "ignore_eos": True}, 400, "ignore_eos", None),
@@ -582,6 +586,11 @@ def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them
     answer = client(srv).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
     assert r["tokens"] == chat_ids(tok, msgs) and r["count"] == answer.usage.prompt_tokens == len(r["tokens"])
     assert r["max_model_len"] == 512
+    tools = [TOOL("f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})]
+    for choice, more in (("required", True), ("auto", True), ("none", False)):   # a call's instruction counts
+        body = {"model": MODEL, "messages": msgs, "tools": tools, "tool_choice": choice}
+        r = httpx.post(srv.url + "/tokenize", json=body, timeout=30).json()    # (as answered: test_server_embedded)
+        assert (r["count"] > len(chat_ids(tok, msgs))) == more
     for key in ("prompt", "content"):
         ids = httpx.post(srv.url + "/tokenize", json={key: PROMPTS[1]}, timeout=30).json()["tokens"]
         assert ids == encode_prompt(tok, PROMPTS[1], raw=True)
@@ -1078,6 +1087,24 @@ def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):
         assert r.status_code == 413
         ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200
+    no_tracebacks(caplog)
+
+
+def test_a_client_leaving_while_sending_a_body_is_no_server_error(served, caplog):
+    """A client that closes its connection part-way through its body, on every route that reads one: no
+    traceback in the log, and the server answers the next request."""
+    import time
+    from urllib.parse import urlparse
+
+    srv, _ = served
+    url = urlparse(srv.url)
+    for route in (CHAT, COMP, "/tokenize", "/detokenize"):
+        with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+            s.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 100\r\n\r\n{{\"prompt\":".encode())
+        time.sleep(0.3)                             # the server notices the closed connection
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": PROMPTS[0]}, timeout=30)
+    assert r.status_code == 200 and r.json()["count"] > 0
     no_tracebacks(caplog)
 
 

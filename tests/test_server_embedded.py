@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -50,6 +51,15 @@ def test_server_on_the_embedded_plan_is_lossless(embedded):
         stop = raw_text.strip().split()[2]  # the third word of the answer
         cut = c.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=N, temperature=0, stop=stop)
         assert cut.choices[0].text == raw_text[: raw_text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+        tools = [{"type": "function", "function": {"name": "fib", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer"}}}}}]
+        for choice in ("required", "auto"):     # /tokenize counts what a request with tools decodes from
+            counted = httpx.post(srv.url + "/tokenize", json={"messages": msgs, "tools": tools, "tool_choice": choice},
+                                 timeout=60).json()["count"]
+            r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=1, temperature=0,
+                                          tools=tools, tool_choice=choice)
+            assert counted == r.usage.prompt_tokens > len(encode_prompt(tok, PROMPT))
 
         kw = dict(model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0.8, top_p=0.9, seed=11)
         a, b = (c.chat.completions.create(**kw).model_extra["hsd"]["token_ids"] for _ in range(2))

@@ -286,6 +286,8 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
                 return await fn(request)
             except ApiError as e:
                 return _error(e)
+            except ClientDisconnect:                # the client left while sending its body: no one to answer
+                return Response(status_code=400)
             except Exception as e:  # a bug: logged with its traceback, answered with an error body
                 log.exception("%s %s failed", request.method, request.url.path)
                 return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))

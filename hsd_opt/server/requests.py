@@ -235,13 +235,13 @@ def _repetition(body: dict) -> tuple[float, int | None]:
         _field(key, lambda v=v: Penalties(repetition=v))
     if vllm != 1.0 and llama != 1.0:
         raise bad_request("send one of 'repetition_penalty' and 'repeat_penalty', not both", "repeat_penalty")
-    if llama == 1.0:
-        return vllm, None
-    n = _int(body, "repeat_last_n")
+    n = _int(body, "repeat_last_n")              # checked whether or not a repeat_penalty uses it
     n = LLAMA_REPEAT_LAST_N if n is None else n
     if n < -1:
         raise bad_request(f"'repeat_last_n' must be -1 (the whole context), 0 (off) or a number of tokens, got {n}",
                           "repeat_last_n")
+    if llama == 1.0:
+        return vllm, None
     return (1.0, None) if n == 0 else (llama, None if n == -1 else n)
 
 
@@ -441,7 +441,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     for key, v in limits.items():
         if v is not None and v < 1:
             raise bad_request(f"'{key}' must be at least 1, got {v}", key)
-    max_tokens = next((v for v in limits.values() if v is not None), None)
+    key, max_tokens = next(((k, v) for k, v in limits.items() if v is not None), (None, None))
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise bad_request(f"'temperature' must be a finite number >= 0, got {temperature:g}", "temperature")
@@ -512,8 +512,11 @@ def parse_tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
         raise bad_request(f"send one of 'messages', 'prompt' or 'content'{both}", given[-1] if given else "prompt")
     key = given[0]
     try:
-        if key == "messages":
-            return chat_ids(info.tokenizer, _messages(body))
+        if key == "messages":                   # with the instruction a function call adds, as a chat request
+            tools = parse_tools(body)
+            call = parse_tool_choice(body, tools)
+            msgs = _messages(body)
+            return chat_ids(info.tokenizer, msgs if call is None else with_instruction(msgs, instruction(call, tools)))
         p = body[key]
         if not isinstance(p, str):
             raise bad_request(f"'{key}' must be a string, got {_type_name(p)}", key)
