@@ -131,3 +131,34 @@ def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():
     lark = auto_grammar(ToolCall(None, True), tools)
     assert lark.startswith("start: call | TEXT\n") and json.dumps(call_schema(ToolCall(None), tools)) in lark
     assert "TEXT: /\\s*[^{\\s][\\s\\S]*/" in lark
+
+
+def test_a_functions_references_into_its_own_parameters_point_there_in_the_answers_schema():
+    """``$ref`` s into a function's own ``parameters`` (its ``$defs``, ``"#"`` itself) reach the same schemas once
+    the parameters sit under a branch of the answer's schema: a call that follows them is allowed to its end, one
+    that follows the wrapper (a name and arguments where the function recurses) is not; data is left as it is."""
+    from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+    from hsd_opt.grammar.constraint import Constraint
+    from tests.helpers import JSON_TOKENS, TinyTokenizer
+
+    params = {"type": "object", "$defs": {"u": {"enum": ["c", "f"]}, "enum": {"const": {"$ref": "#"}}},
+              "properties": {"u": {"$ref": "#/$defs/u"}, "k": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["u", "k"], "additionalProperties": False}
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "g"}},
+                                   {"type": "function", "function": {"name": "f", "parameters": params}}]})
+    schema = call_schema(ToolCall(None), tools)
+    args = schema["anyOf"][1]["properties"]["arguments"]
+    assert args["properties"]["u"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/u"}
+    assert args["properties"]["k"]["anyOf"][0] == {"$ref": "#/anyOf/1/properties/arguments"}
+    assert args["$defs"]["enum"] == {"const": {"$ref": "#"}}               # a const's value is data
+    tok = TinyTokenizer(JSON_TOKENS)
+    constraint = Constraint(GrammarCompiler(tok, 2, 64).compile(GrammarSpec.json_schema(schema, "tools")))
+
+    def allowed(call: dict) -> bool:
+        seq = tok.encode(json.dumps(call))
+        return constraint.allowed_prefix([], 0, seq) == len(seq) and constraint.accepting(seq)
+
+    assert allowed({"name": "f", "arguments": {"u": "c", "k": {"u": "f", "k": None}}})
+    assert not allowed({"name": "f", "arguments": {"u": "c", "k": {"name": "f", "arguments": {}}}})
+    assert not allowed({"name": "f", "arguments": {"u": "ab", "k": None}})
+    assert allowed({"name": "g", "arguments": {}})

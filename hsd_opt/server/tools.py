@@ -125,8 +125,38 @@ def call_schema(call: ToolCall, tools: list[Function]) -> dict[str, Any]:
     ``{"name": <its name>, "arguments": <its parameters>}``."""
     if call.name is not None:
         return next(f.parameters for f in tools if f.name == call.name)
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                       "required": ["name", "arguments"], "additionalProperties": False} for f in tools]}
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
+                                                        "arguments": rebased(f.parameters,
+                                                                             f"#/anyOf/{i}/properties/arguments")},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for i, f in enumerate(tools)]}
+
+
+#: The keywords whose values are data, not schemas: a ``"$ref"`` key in them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+#: The keywords whose values map names to schemas.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebased(schema: Any, root: str) -> Any:
+    """``schema`` to be placed at the JSON pointer ``root`` (``"#/anyOf/0/properties/arguments"``) of another
+    document: each reference into itself (``"#"``, ``"#/$defs/x"``) made to point at the same place there; other
+    references (anchors ``"#name"``, other documents) and data (``const``, ``enum``, ...) unchanged."""
+    if isinstance(schema, list):
+        return [rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = root + v[1:]
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k in _NAMED_SCHEMAS and isinstance(v, dict):     # keys are names (one may be "$ref" or "enum")
+            out[k] = {name: rebased(s, root) for name, s in v.items()}
+        else:
+            out[k] = rebased(v, root)
+    return out
 
 
 def auto_grammar(call: ToolCall, tools: list[Function]) -> str:
