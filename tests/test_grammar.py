@@ -94,6 +94,24 @@ def test_a_schema_that_is_not_json_or_not_an_object_is_refused():
             GrammarSpec.json_schema(text, "s.json")
 
 
+def test_an_integer_a_double_cannot_hold_where_it_bounds_or_fixes_a_value_is_refused(compiler, json_tok):
+    """The grammar engine holds a schema's numbers as doubles: ``const`` 12345678901234567890 gave the i64
+    maximum and ``minimum``/``maximum`` 2**53 + 1 gave 2**53, answers outside the schema. Such integers are refused,
+    naming where; 2**53 itself and big integers in keywords that bound no value are kept (and 2**53 is answered)."""
+    for schema, where in (({"type": "integer", "const": 12345678901234567890}, "/const"),
+                          ({"properties": {"a": {"minimum": 2**53 + 1, "maximum": 2**53 + 1}}},
+                           "/properties/a/minimum"),
+                          ({"enum": [1, [2, {"x": -2**60}]]}, "/enum/1/1/x"),
+                          ({"type": "number", "exclusiveMaximum": -2**53 - 1}, "/exclusiveMaximum"),
+                          ({"type": "integer", "multipleOf": 2**54 + 1}, "/multipleOf")):
+        with pytest.raises(HsdError, match=f"^s.json: the integer -?[0-9]+ at {where} is beyond"):
+            GrammarSpec.json_schema(schema, "s.json")
+    GrammarSpec.json_schema({"type": "integer", "default": 2**70}, "s.json")
+    grammar = compiler.compile(GrammarSpec.json_schema({"type": "integer", "const": 2**53}, "s.json"))
+    seq = json_tok.encode(str(2**53)) + [EOS]
+    assert Constraint(grammar).allowed_prefix([], 0, seq) == len(seq)
+
+
 def test_a_regex_files_spaces_are_the_patterns_own_only_its_last_line_break_is_not(tmp_path):
     from hsd_opt.commands.common import grammar_spec
 

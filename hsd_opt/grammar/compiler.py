@@ -63,12 +63,37 @@ class GrammarSpec:
                            "range such as 1e400)") from None
         except RecursionError:
             raise HsdError(f"{source}: {json_problem(RecursionError())}") from None
+        big = _inexact_integer(schema)
+        if big is not None:
+            where, n = big
+            raise HsdError(f"{source}: the integer {n} at {where} is beyond what structured output holds exactly "
+                           f"(-2**53 .. 2**53, a double's whole numbers); an answer could break the schema")
         return GrammarSpec("json_schema", text, source)
 
     @property
     def key(self) -> tuple[str, str]:
         """What the cache is keyed by (the source is only for messages)."""
         return self.kind, self.text
+
+
+#: The keywords whose numbers bound or fix a value (llguidance holds them as doubles).
+_VALUE_KEYWORDS = frozenset({"const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                             "multipleOf"})
+#: The largest integer every double next to it tells apart.
+_EXACT = 2 ** 53
+
+
+def _inexact_integer(schema: Any, where: str = "", values: bool = False) -> tuple[str, int] | None:
+    """The first integer past +-2**53 in a keyword of :data:`_VALUE_KEYWORDS` of ``schema`` (at any depth), as
+    ``(JSON pointer, value)``; None when there is none. ``values``: ``schema`` is such a keyword's value."""
+    if isinstance(schema, int) and not isinstance(schema, bool):
+        return (where or "/", schema) if values and abs(schema) > _EXACT else None
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    for k, v in items:
+        found = _inexact_integer(v, f"{where}/{k}", values or (isinstance(schema, dict) and k in _VALUE_KEYWORDS))
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass(frozen=True)
