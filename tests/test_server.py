@@ -509,6 +509,10 @@ BAD = [
      "repeat_penalty", None),
     (COMP, {"model": MODEL, "prompt": "w1", "repeat_penalty": 1.1, "repeat_last_n": -2}, 400, "repeat_last_n", None),
     (COMP, {"model": MODEL, "prompt": "w1", "repeat_last_n": -2}, 400, "repeat_last_n", None),    # checked alone too
+    (COMP, {"model": MODEL, "prompt": "w1", "tools": [TOOL("f")], "tool_choice": "required"}, 400, "tools", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "tool_choice": "none"}, 400, "tool_choice", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "functions": [{"name": "f"}]}, 400, "functions", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "function_call": "auto"}, 400, "function_call", None),
     (CHAT, {"model": MODEL, "messages": MSG, "repeat_last_n": "x"}, 400, "repeat_last_n", None),
     (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 3, "max_completion_tokens": 511}, 400,
      "max_completion_tokens", "context_length_exceeded"),           # the limit that counts is the one named

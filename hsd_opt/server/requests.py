@@ -159,6 +159,19 @@ def _unsupported(body: dict) -> None:
                               f"out or send {json.dumps(default)}", key)
 
 
+def _calls_elsewhere(body: dict, kind: str) -> None:
+    """A 400 for function-call fields a ``kind`` request cannot follow (they would be ignored): ``tools`` and
+    ``tool_choice`` on a completion, the older ``functions`` and ``function_call`` anywhere."""
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}' (the OpenAI API's older form of function calls) is not supported; send "
+                              f"'tools' and 'tool_choice' to /v1/chat/completions", key)
+    for key in ("tools", "tool_choice"):
+        if kind != "chat" and body.get(key) is not None:
+            raise bad_request(f"'{key}' is for /v1/chat/completions: a completion is text (or follows its "
+                              f"'response_format')", key)
+
+
 def _type_name(x: Any) -> str:
     return "null" if x is None else {bool: "boolean", int: "integer", float: "number", str: "string",
                                      list: "array", dict: "object"}.get(type(x), type(x).__name__)
@@ -431,6 +444,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     _served_model(body, info)
     model = body.get("model", info.name)
     _unsupported(body)
+    _calls_elsewhere(body, kind)
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
