@@ -412,6 +412,12 @@ def test_run_under_a_json_schema_equals_the_targets_masked_output(tiny_dir, tmp_
         assert got != ar.generate(encode_prompt(loaded.tokenizer, "Hello"), 24).token_ids
         text = loaded.tokenizer.decode(got, skip_special_tokens=True)
         assert text.startswith("{\"a\": ") if flag == "--json-schema" else text[:4].rstrip("-").isdigit()
+        cut = "(cut at --max-new-tokens"
+        assert (cut in _out(res)) == (not Constraint(grammar).accepting(got))
+        res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "Hello", "--max-new-tokens", "2", flag,
+                                  str(path), "--device", "cpu", "--quiet"])
+        assert res.exit_code == 0 and f"{cut} 2: the answer does not yet complete what {flag} {path} asks)" in \
+            _out(res), _out(res)
 
 
 @pytest.mark.parametrize("extra,needle", [

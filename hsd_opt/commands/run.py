@@ -351,6 +351,11 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
         stream.finish(answer)
         if not quiet:
             sys.stdout.write("\n")
+        if (grammar is not None and res.stats.get("stopped") == "max_new_tokens"
+                and not Constraint(grammar).accepting(res.token_ids)):
+            sys.stdout.flush()
+            err_console.print(f"(cut at --max-new-tokens {max_new_tokens}: the answer does not yet complete what "
+                              f"{grammar.spec.source} asks)", markup=False)
         answers.append(answer)
         line, gen = _turn_record(p, it, k, text, which, per_task, len(ids), res, answer)
         if res.logprobs is not None:
