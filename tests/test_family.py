@@ -85,13 +85,17 @@ def _ar(plan_path, prompt="w1 w2 w3 w1 w2", n=10):
 
 
 @pytest.mark.slow
-def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path):
+def test_profile_solve_run_with_copies_of_the_draft_model(family, tmp_path, monkeypatch):
     """The small model, its int4 copy and an int8 copy of the target in one profile; the int4 copy of the small
     model under the target, and under its own float model, runs lossless and takes the prompt cache of the
-    small model's engine when that engine is a level."""
+    small model's engine when that engine is a level. The draft model, named relative to the working folder, is
+    recorded by its absolute path: the plan runs from another folder."""
     prof_path = tmp_path / "prof.json"
-    prof = _profile(family, prof_path, "--draft-model", family["small"], "--layers", "2", "--draft-layers", "1",
-                    "--quantized", f"int8,{family['small']}:int4")
+    monkeypatch.chdir(family["small"].parent)
+    small = family["small"].name
+    prof = _profile(family, prof_path, "--draft-model", small, "--layers", "2", "--draft-layers", "1",
+                    "--quantized", f"int8,{small}:int4")
+    monkeypatch.chdir(tmp_path)
     e = {m["name"]: m for m in prof["models"]}
     assert set(e) == {"layer2", "layer4", "small-layer1", "small", "small-int4", "int8", "lookup"}
     assert e["small-layer1"]["kind"] == "early_exit" and e["small-layer1"]["layer"] == 1
