@@ -263,6 +263,16 @@ def test_solve_and_merges_refuse_a_costs_only_profile_where_rates_are_needed(tmp
         assert len(out.strip().splitlines()) <= 3          # one error line (wrapped at most by the console)
     with pytest.raises(InputFileError, match="provenance.costs_only"):
         solve(costs, 3)
+    r = rates.to_dict()
+    r["provenance"] = {**r.get("provenance", {}), "model": "m", "target_precision": "float32"}
+    save_profile(profile_from_dict(r, "rates.json")[0], tmp_path / "rates.json")
+    for field, value in (("temperature", 1.0), ("top_k", 40), ("min_p", 0.05), ("target_precision", "int4")):
+        d2 = {**d, "provenance": {**d["provenance"], field: value}}       # costs measured under another setting
+        save_profile(profile_from_dict(d2, "other.json")[0], tmp_path / "other.json")
+        res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "other.json",
+                      "-o", tmp_path / "m.json")
+        out = " ".join(cli_output(res).split())
+        assert res.exit_code == 2 and f"provenance.{field}" in out and not (tmp_path / "m.json").exists(), out
     res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", c, "-o",
                   tmp_path / "m.json")
     assert res.exit_code == 0, cli_output(res)

@@ -425,6 +425,24 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                    stats=stats.to_dict(), **_records(res))
 
 
+#: The settings that change what a cost measures (the target's sampling work, the target's own precision): the
+#: costs merged with rates must have been measured with the rates' (the device and its dtype may differ).
+COST_FIELDS = ("temperature", "top_p", "top_k", "min_p", "target_precision")
+
+
+def _same_costed_work(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> None:
+    """Refuse ``costs`` measured under other :data:`COST_FIELDS` than ``rates`` (naming the field); a
+    ``target_precision`` is compared only where both files record one."""
+    a, b = rates.provenance.to_dict(), costs.provenance.to_dict()
+    for f in COST_FIELDS:
+        if f == "target_precision" and (a.get(f) is None or b.get(f) is None):
+            continue
+        if setting(a, f) != setting(b, f):
+            raise InputFileError(costs_source, f"its costs were measured with {f} = {setting(b, f)!r}, "
+                                               f"{rates_source}'s rates with {setting(a, f)!r}: measure the costs "
+                                               f"with the same setting", f"provenance.{f}")
+
+
 def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> Profile:
     """A profile with ``rates``' acceptance rates, statistics, draft rates and provenance and ``costs``' costs:
     its drafters' step costs, cost curves, verify costs, context and batch costs, and each model entry's
@@ -436,7 +454,8 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
 
     Raises:
         InputFileError: ``rates`` is a costs-only profile; ``costs`` lacks a drafter of ``rates``, has it as
-            another kind, or has another target (naming the file and the drafter).
+            another kind, has another target, or was measured with other :data:`COST_FIELDS` (naming the file and
+            the drafter or field).
     """
     if rates.provenance.costs_only:
         raise InputFileError(rates_source, "a costs-only profile has no acceptance rates to keep: give it as "
@@ -445,6 +464,7 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     if costs.target != rates.target:
         raise InputFileError(costs_source, f"its target is {costs.target!r}, {rates_source}'s {rates.target!r}",
                              "target")
+    _same_costed_work(rates, costs, rates_source, costs_source)
     names = set(rates.names)
     missing = [n for n in rates.names if n not in costs.names]
     if missing:
