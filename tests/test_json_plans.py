@@ -192,3 +192,7 @@ def test_asking_more_json_tasks_than_are_shipped_warns_and_takes_them_all(monkey
     said.clear()
     _threads_and_prompts(ProfileConfig(model="m", out="o.json", json_tasks=shipped, threads=1), said.append)
     assert said == []
+    _, suite, items = _threads_and_prompts(ProfileConfig(model="m", out="o.json", json_tasks=3, max_prompts=2,
+                                                         threads=1), said.append)
+    assert [it.task == JSON_TASK for it in items] == [False, False, True, True, True]   # --max-prompts: the suite's
+    assert items[:2] == suite.items[:2] and items[2:] == suite.items[-3:]

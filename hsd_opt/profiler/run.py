@@ -453,14 +453,16 @@ def _cost_record(cfg: ProfileConfig, loaded, costs: _Costs, pool, timings: dict,
 
 def _threads_and_prompts(cfg: ProfileConfig, warn) -> tuple[str, PromptSuite, list[PromptItem]]:
     """Torch's threads set (:func:`set_threads`: its note), the suite (the shipped JSON-schema tasks added with
-    ``--json-tasks``) and the items this run profiles (``--max-prompts``)."""
+    ``--json-tasks``) and the items this run profiles: the first ``--max-prompts`` of the suite or file, then
+    every JSON-schema task asked for."""
     threads_note = set_threads(cfg.threads, warn)
     own = load_prompts(cfg.prompts)
     suite = with_json_tasks(own, cfg.json_tasks)
     added = len(suite.items) - len(own.items)           # every shipped one where fewer are shipped than asked for
     if cfg.json_tasks > added:
         warn(f"--json-tasks {cfg.json_tasks}: the package ships {added} JSON-schema tasks; profiling all {added}")
-    return threads_note, suite, suite.items[: cfg.max_prompts] if cfg.max_prompts is not None else suite.items
+    mine = own.items[: cfg.max_prompts] if cfg.max_prompts is not None else own.items
+    return threads_note, suite, list(mine) + list(suite.items[len(own.items):])
 
 
 def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = None,
