@@ -441,6 +441,20 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     assert m.provenance.get("shard") is None and m.provenance.get("shards") is None
     r = _cli(["profile", "merge", str(merged), str(parts[1]), "-o", str(tmp_path / "twice.json")])
     assert r.exit_code == 0 and "overlap" in cli_output(r) and "counted twice" in cli_output(r), cli_output(r)
+    d = json.loads(parts[0].read_text())
+    for seeds, said in (((0, 1), False), ((3, 3), True)):   # sampled with other seeds: other samples, not twice
+        for k, seed in enumerate(seeds):
+            d["provenance"].update(temperature=1.0, seed=seed)
+            (tmp_path / f"s{k}.json").write_text(json.dumps(d))
+        r = _cli(["profile", "merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "-o",
+                  str(tmp_path / "s.json")])
+        assert r.exit_code == 0 and ("counted twice" in cli_output(r)) == said, cli_output(r)
+    d = json.loads(parts[1].read_text())
+    for damage in ({}, {**d["stats"], "neural": 5}, {**d["stats"], "nn": []}):
+        (tmp_path / "bad.json").write_text(json.dumps({**d, "stats": damage}))
+        r = _cli(["profile", "merge", str(parts[0]), str(tmp_path / "bad.json"), "-o", str(tmp_path / "b.json")])
+        out = cli_output(r)
+        assert r.exit_code == 2 and "bad.json" in out and "stats" in out and "Traceback" not in out, out
     from hsd_opt.profiler.assemble import _merged_shards, _overlap
     assert _overlap([(0, 3)], [(1, 3), (2, 3)]) is False and _overlap([(0, 3)], [(0, 2)]) is True
     assert _overlap(None, [(1, 3)]) is True

@@ -357,6 +357,15 @@ def _merged_shards(covered: dict) -> list[list[int]] | None:
     return None if len(union) == union[0][1] else [list(s) for s in union]
 
 
+def _raw_stats(path: Path, prof: Profile) -> PairStats:
+    """``prof``'s raw statistics, read; a damaged ``stats`` is an :class:`InputFileError` naming ``path``."""
+    try:
+        return PairStats.from_dict(prof.stats)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        what = f"missing {e}" if isinstance(e, KeyError) else str(e)
+        raise InputFileError(str(path), f"its raw statistics cannot be read ({what})", "stats") from None
+
+
 def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> Profile:
     """Combine profiles of the same model and settings exactly: the raw sums (``stats``) are added and every
     rate is recomputed. Costs, cost curves and verify costs are the FIRST profile's (costs are measurements of
@@ -376,7 +385,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         profs.append((Path(p), prof))
     p0, first = profs[0]
     prov0 = first.provenance.to_dict()
-    stats = PairStats.from_dict(first.stats)
+    stats = _raw_stats(p0, first)
     covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0))]}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
@@ -388,18 +397,23 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if prof.target != first.target:
             raise InputFileError(str(p), f"cannot merge: target {prof.target!r} but {p0} has {first.target!r}",
                                  "target")
-        s = PairStats.from_dict(prof.stats)
+        s = _raw_stats(p, prof)
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
         sha, shards = prov.get("prompts_sha256"), _shards(prov)
+        # sampled with another seed, the same prompts are other samples: not counted twice
+        resampled = setting(prov, "temperature") > 0 and prov.get("seed") != prov0.get("seed")
         clash = next((q for q, other in covered.get(sha, []) if _overlap(shards, other)), None)
-        if clash is not None and prov.get("world_size", 1) == 1:
+        if clash is not None and prov.get("world_size", 1) == 1 and not resampled:
             warn(f"{p}: its prompts overlap {clash}'s (the same prompt set, and shards that are not disjoint): "
                  f"their positions are counted twice")
         covered.setdefault(sha, []).append((p, shards))
         prompt_sets.append(sha)
-        stats = stats.merge(s)
+        try:
+            stats = stats.merge(s)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputFileError(str(p), f"cannot merge its statistics with {p0}'s ({e})", "stats") from None
     entries = [_rates_of(e, stats) if e.name in stats.token else e for e in first.models]
     order = [e.name for e in entries]
     res = results_from_stats(stats, order, {e.name: e.can_verify for e in entries}, first.target)
