@@ -498,7 +498,7 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
         run_profile(cfg(out, max_new_tokens=7, resume=True))
     with pytest.raises(InputFileError, match="tmax"):                    # budgets walked further: refused
         run_profile(cfg(out, tmax=3, resume=True))
-    for field, bad in (("stats", "garbage"), ("done", ["x"]), ("continuations", {"0": "abc"})):
+    for field, bad in (("stats", "garbage"), ("done", ["x"]), ("continuations", {"0": "abc"}), ("settings", [])):
         damaged = tmp_path / f"damaged-{field}.json"
         d = json.loads(partial.read_text())
         d[field] = bad

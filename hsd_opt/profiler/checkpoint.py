@@ -66,6 +66,9 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
             raise InputFileError(str(path), f"not a profiler checkpoint (expected format {PARTIAL_FORMAT!r})",
                                  "format")
         theirs = d.get("settings", {})
+        if not isinstance(theirs, dict):
+            raise InputFileError(str(path), "a damaged checkpoint (its settings are not an object); rerun without "
+                                            "--resume (or delete it) to start over", "settings")
         for f in RESUME_FIELDS:
             was, now = setting(theirs, f), setting(settings, f)
             if was != now:
