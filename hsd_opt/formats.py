@@ -1186,12 +1186,14 @@ def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Prov
 #: A profile's counts per task in its provenance (prompts, their tokens, the positions measured): the contexts and
 #: rates of a task's plan are read from them.
 TASK_COUNTS = ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task")
+#: The same over all tasks: the context a plan is solved for is read from them.
+TOTAL_COUNTS = ("prompt_count", "prompt_tokens", "generated_tokens")
 
 
 def _provenance(raw: Any, source: str) -> Provenance:
     """A plan's ``provenance`` (absent or null: empty): the typed fields strings (``temperature`` a number >= 0,
-    ``top_p`` one in (0, 1], ``top_k`` an integer >= 0, ``min_p`` one in [0, 1], ``costs_only`` true or false) or
-    null."""
+    ``top_p`` one in (0, 1], ``top_k`` an integer >= 0, ``min_p`` one in [0, 1], ``costs_only`` true or false,
+    the :data:`TOTAL_COUNTS` and :data:`TASK_COUNTS` finite counts >= 0) or null."""
     if raw is None:
         return Provenance()
     if not isinstance(raw, dict):
@@ -1206,6 +1208,8 @@ def _provenance(raw: Any, source: str) -> Provenance:
                       "an integer >= 0", source, at)
     min_p = _optional(raw, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a share in [0, 1]", source, at)
     costs_only = _optional(raw, "costs_only", lambda v: isinstance(v, bool), "true or false", source, at)
+    for k in TOTAL_COUNTS:
+        _optional(raw, k, lambda v: _is_number(v) and v >= 0, "a count >= 0", source, at)
     for k in TASK_COUNTS:
         counts = _optional(raw, k, lambda v: isinstance(v, dict), "an object {task: count}", source, at)
         for task, v in (counts or {}).items():

@@ -230,6 +230,21 @@ def test_bad_context_costs_name_the_field(mutate, field, needle):
     assert str(e.value).startswith(f"p.json: {field}: ") and needle in str(e.value)
 
 
+@pytest.mark.parametrize("key,value", [("prompt_tokens", float("nan")), ("generated_tokens", float("inf")),
+                                       ("prompt_count", -1), ("prompt_tokens", "many"),
+                                       ("positions_by_task", {"chat": float("nan")})])
+def test_the_counts_a_context_is_read_from_are_finite_counts(key, value):
+    """The provenance's counts that the solved context is read from: a NaN, an infinity, a negative count or a
+    string is refused naming the field (NaN was a ValueError deep in the solver)."""
+    d = {"format": "hsd-profile/1", "target": "t", "models": [{"name": "d0", "cost": 0.1}, {"name": "t", "cost": 1.0}],
+         "acceptance": {"d0": {"t": 0.5}},
+         "provenance": {"prompt_count": 2, "prompt_tokens": 100, "generated_tokens": 60}}
+    profile_from_dict(d)
+    d["provenance"][key] = value
+    with pytest.raises(InputFileError, match=f"^p.json: provenance.{key}"):
+        profile_from_dict(d, "p.json")
+
+
 @pytest.mark.parametrize("path,value,needle", [
     ("context", 0, "context length"),
     ("latency_by_context", [[64, 0.1], [64, 0.2]], "contexts must increase"),
