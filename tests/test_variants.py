@@ -199,3 +199,17 @@ def test_one_build_without_openmp_asked_for_leaves_the_next_with_openmp(tmp_path
         monkeypatch.setattr(kernels, "_LIB", [])
         monkeypatch.setattr(kernels, "_INFO", [])
         assert kernels.load() is not None and kernels.info().openmp is openmp
+
+
+def test_a_bad_hsd_openmp_is_an_error_naming_it_not_a_silent_torch_path(monkeypatch):
+    """``HSD_OPENMP=maybe`` is refused naming the variable (it made the kernels "unavailable" and every command
+    ran on torch's slower path), before anything is built or cached."""
+    monkeypatch.setenv("HSD_OPENMP", "maybe")
+    monkeypatch.setattr(kernels, "_LIB", [])
+    monkeypatch.setattr(kernels, "_INFO", [])
+    monkeypatch.setattr(kernels, "_WHY", [])
+    with pytest.raises(HsdError, match="^HSD_OPENMP='maybe': expected 1 or 0"):
+        kernels.load()
+    assert kernels._LIB == []                   # nothing decided: a fixed setting loads as usual
+    monkeypatch.setenv("HSD_OPENMP", "on")
+    assert kernels.load() is not None

@@ -395,17 +395,16 @@ def _openmp_failed_mark(cc: str, variant: Variant) -> Path:
     return library_path(cc, variant, True).with_suffix(".openmp-failed")
 
 
-def _load_variant(cc: str, variant: Variant,
-                  log: Callable[[str], None] | None) -> tuple[ctypes.CDLL, bool, Path]:
+def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
+                  omp: bool) -> tuple[ctypes.CDLL, bool, Path]:
     """``variant``'s library, bound and checked, whether it has OpenMP and its path: built with OpenMP unless
-    :func:`openmp_wanted` says no or that build fails (then without, said once to ``log``, and the failure marked
-    beside the library in the cache, so that it is not tried again; a library built without OpenMP because
-    ``HSD_OPENMP=0`` asked once is not such a mark).
+    ``omp`` is False (:func:`openmp_wanted` said no) or that build fails (then without, said once to ``log``, and
+    the failure marked beside the library in the cache, so that it is not tried again; a library built without
+    OpenMP because ``HSD_OPENMP=0`` asked once is not such a mark).
 
     Raises:
         HsdError: the build failed (the OpenMP build's message) or the library is not this module's layout.
     """
-    omp = openmp_wanted()
     path = library_path(cc, variant, omp)
     failed = _openmp_failed_mark(cc, variant)
     if omp and not path.is_file() and failed.is_file() and library_path(cc, variant, False).is_file():
@@ -442,7 +441,8 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
     that a build starts.
 
     Raises:
-        HsdError: ``HSD_KERNELS`` names no variant, or one this CPU cannot run.
+        HsdError: ``HSD_KERNELS`` names no variant, or one this CPU cannot run; ``HSD_OPENMP`` is neither on nor
+            off.
     """
     if variant is None and variants.disabled():
         return None
@@ -454,12 +454,13 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
         else:
             chosen, reason = variants.BY_NAME[variant], "asked for"
         lib, why, omp, path = None, None, False, None
+        wanted = openmp_wanted()                # a bad HSD_OPENMP is the user's error, not an unavailable build
         cc = compiler()
         if cc is None:
             why = "no C compiler found: install gcc or clang, or set CC"
         else:
             try:
-                lib, omp, path = _load_variant(cc, chosen, log)
+                lib, omp, path = _load_variant(cc, chosen, log, wanted)
             except (HsdError, OSError, subprocess.SubprocessError) as e:
                 lib, why = None, str(e)
         if why is not None:
