@@ -1346,8 +1346,9 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     if d.get("format") != PLAN_FORMAT:
         raise InputFileError(source, f"expected {PLAN_FORMAT!r}, got {d.get('format')!r}", "format")
     tmax = d.get("tmax")
-    if not _is_int(tmax) or tmax < 1:
-        raise InputFileError(source, f"expected an integer >= 1, got {tmax!r}", "tmax")
+    if not _is_int(tmax) or not 1 <= tmax < EXACT_PASS:
+        raise InputFileError(source, f"expected an integer in 1..{EXACT_PASS - 1} (a verification over more "
+                                     f"positions would not be computed as the target's steps), got {tmax!r}", "tmax")
     h, b = _check_levels(d, source, tmax)
     for key in ("expected_latency", "expected_speedup"):
         v = d.get(key)

@@ -226,6 +226,7 @@ BAD = [
     (_set("baselines.target_only", 3), "baselines.target_only", "an object"),
     (_set("expected_latency", 10 ** 400), "expected_latency", "> 0"),
     (_set("solver", 1), "solver", "a string"),
+    (_set("tmax", 64), "tmax", "an integer in 1..63"),
     (_set("max_depth", 0), "max_depth", "integer >= 1"),
     (_set("min_gain", 1.5), "min_gain", "[0, 1)"),
     (_set("context_from", 3), "context_from", "one of given, profile_prompts"),

@@ -334,6 +334,9 @@ def test_bad_arguments():
         solve(prof, 3, top=2.5)
     with pytest.raises(HsdError, match="--min-gain"):
         solve(prof, 3, min_gain="a")
+    for tmax in (64, 0, 2.5):                  # a plan of budget 64 verifies over 65 positions: refused when run
+        with pytest.raises(HsdError, match=r"--tmax: expected an integer in 1\.\.63"):
+            solve(prof, tmax)
     from hsd_opt.solver.api import simulate
     for kwargs, flag in (({"seed": -1}, "--seed"), ({"seed": None}, "--seed"), ({"rounds": "a"}, "--rounds")):
         with pytest.raises(HsdError, match=flag):

@@ -12,7 +12,7 @@ from rich.text import Text
 from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import EXACT_PASS, check_has_rates, load_plan, load_profile, plan_from_dict, save_plan
+from hsd_opt.formats import check_has_rates, load_plan, load_profile, plan_from_dict, save_plan
 from hsd_opt.solver.batch import LOAD_MIN_GAIN
 
 
@@ -176,11 +176,9 @@ def solve_cmd(
 def _check_solve_options(tmax: int, solver: str, max_depth: Optional[int], top: int, min_gain: float,
                          load_min_gain: float, task: Optional[str], per_task: bool, context: Optional[int]) -> None:
     """Refuse, in one line naming the flag, a value of ``hsd solve`` out of its range (before any file is read)."""
-    from hsd_opt.solver.api import SOLVERS
+    from hsd_opt.solver.api import SOLVERS, check_plan_tmax
 
-    if not 1 <= tmax < EXACT_PASS:
-        raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (a verification over more positions "
-                       f"is not computed as the target's steps), got {tmax}")
+    check_plan_tmax(tmax)
     if solver not in SOLVERS:
         raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
     if max_depth is not None and max_depth < 1:

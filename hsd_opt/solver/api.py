@@ -11,7 +11,7 @@ import os
 from typing import Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import PLAN_FORMAT, Plan, Profile, check_has_rates, load_profile, plan_from_dict
+from hsd_opt.formats import EXACT_PASS, PLAN_FORMAT, Plan, Profile, check_has_rates, load_profile, plan_from_dict
 from hsd_opt.solver.brute import brute, brute_ranked
 from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
 from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
@@ -46,6 +46,14 @@ def resolve_context(profile: Profile, context: float | None = None) -> tuple[Pro
     else:
         ctx, source = typical_context(profile)
     return profile_at_context(profile, ctx), ctx, source
+
+
+def check_plan_tmax(tmax: int) -> None:
+    """Refuse a plan's largest budget outside 1 .. ``EXACT_PASS - 1`` (tokens): a verification over more positions
+    would not be computed as the target's steps, and a plan that asks for one is refused when run."""
+    if not (is_integer(tmax) and 1 <= tmax < EXACT_PASS):
+        raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (a verification over more positions "
+                       f"would not be computed as the target's steps), got {tmax!r}")
 
 
 def _checked_instance(profile: Profile, tmax: int, solver: str, max_depth: int | None) -> Instance:
@@ -104,7 +112,7 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
 
     Args:
         profile: a :class:`Profile` or a path to ``hsd-profile/1``.
-        tmax: largest budget (tokens), >= 1.
+        tmax: largest budget (tokens), 1 .. ``EXACT_PASS - 1`` (63).
         solver: ``dp`` (default, exact Bellman recursion), ``lp`` (GSP LP, scipy HiGHS), ``lp-cvxpy``,
             ``brute`` (enumeration; small pools only).
         max_depth: most models in the hierarchy, target included (2 = one drafter + target); None: no limit.
@@ -131,6 +139,7 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
     """
     full = _as_profile(profile)
     check_has_rates(full, "<profile>" if isinstance(profile, Profile) else str(profile))
+    check_plan_tmax(tmax)
     profile, ctx, ctx_from = resolve_context(full, context)
     resolved: dict = {}
     if not (is_real(min_gain) and 0.0 <= min_gain < 1.0):
