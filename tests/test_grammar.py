@@ -376,3 +376,23 @@ def test_sampling_where_the_grammar_forces_a_token_keeps_the_masked_distribution
 
     assert _pvalue(draw(ok), probs) > 1e-3
     assert _pvalue(draw(bad), probs) < 1e-6
+
+
+def test_a_seeded_sample_through_forced_tokens_is_the_same_with_logprobs_and_in_a_batch():
+    """Where the grammar allows one token, a level takes it without a draw. The target alone with
+    log-probabilities, or in a batch whose prompt pass is deferred (a 70-token prompt), runs the pass anyway: the
+    token must still be taken without a draw, or every later draw of the seed moves (it did, for every seed)."""
+    from tests.helpers import make_tiny_llama
+
+    tok = TinyTokenizer(["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "bc", "ca", "x", "y", "z"])
+    grammar = GrammarCompiler(tok, EOS, 12).compile(GrammarSpec("regex", "ab[abxyz]{1,3}c[abxyz]{2,6}"))
+    lm = LayeredLM(make_tiny_llama(seed=0, vocab_size=12, layers=4, scale=15.0))
+    h = HSD([Level("t", lm, 4)], [], eos_ids=[EOS])
+    for prompt in ([3, 5, 7], [3, 5, 7, 9] * 17 + [3, 5]):
+        for seed in range(6):
+            alone = h.generate(prompt, 10, temperature=1.0, seed=seed, constraint=Constraint(grammar)).token_ids
+            assert alone[0] == 6 and tok.decode(alone).startswith("ab")          # the forced token
+            lp = h.generate(prompt, 10, temperature=1.0, seed=seed, constraint=Constraint(grammar), logprobs=0)
+            batched = generate_many(h, [prompt], 10, temperature=1.0, seeds=[seed],
+                                    constraints=[Constraint(grammar)])[0]
+            assert lp.token_ids == alone and batched.token_ids == alone, (prompt[:4], seed)
