@@ -405,6 +405,13 @@ def test_the_kernels_filters_over_a_window_are_process_logits():
             assert int((got > 0).sum(-1).max()) <= top_k
     tied = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, -math.inf]])
     assert kernels.filter_probs(LIB, tied, 1.0, 1.0, 2, 0.0)[0].tolist() == [0.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    for k in (1, 2, 4):                           # process_logits keeps the same tied columns (torch.topk: any)
+        assert torch.equal(process_logits(tied, 1.0, 1.0, k, 0.0), kernels.filter_probs(LIB, tied, 1.0, 1.0, k, 0.0))
+    many = torch.zeros(3, 40)
+    many[:, 5] = 1.0
+    many[1, 30:] = 2.0                             # ten tied above the rest
+    kept = (process_logits(many, 0.7, 1.0, 4, 0.0) > 0).nonzero().tolist()
+    assert kept == [[0, 0], [0, 1], [0, 2], [0, 5], [1, 30], [1, 31], [1, 32], [1, 33], [2, 0], [2, 1], [2, 2], [2, 5]]
     for row in ([-math.inf, -math.inf], [0.0, math.nan], [1.0, 2.0]):
         assert kernels.filter_probs(LIB, torch.tensor([row]), 1e-39 if row == [1.0, 2.0] else 1.0, 1.0, 0, 0.0) \
             is None, row

@@ -23,7 +23,7 @@ from hsd_opt.errors import HsdError
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
                    min_p: float = 0.0) -> torch.Tensor:
     """Logits ``[m, V]`` -> probabilities ``[m, V]`` (float32): in the order of HF ``generate``'s warpers, top-k
-    (``top_k`` > 0: the ``k`` largest logits, ties broken as ``torch.topk`` breaks them; every other token 0), then
+    (``top_k`` > 0: the ``k`` largest logits, :func:`top_k_columns`; every other token 0), then
     softmax(logits / temperature) over what is kept, then, each renormalising, top-p (nucleus: the smallest set of
     most probable tokens whose mass reaches ``top_p``, at least one) and min-p (``min_p`` > 0: the tokens at least
     ``min_p`` times as probable as the most probable one). With top-k the softmax and the later filters run over
@@ -41,7 +41,8 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     logits are not numbers, or all ``-inf`` (every token masked), is an :class:`HsdError`."""
     x, kept = logits.float(), None
     if 0 < top_k < x.shape[-1]:
-        x, kept = torch.topk(x, top_k, dim=-1)
+        kept = top_k_columns(x, top_k)
+        x = x.gather(-1, kept)
     p = torch.softmax(x / temperature, dim=-1)
     bad = torch.isnan(p[..., 0])
     if bool(bad.any()):
@@ -73,6 +74,19 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if kept is not None:
         p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, p)
     return p
+
+
+def top_k_columns(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The columns of each row's ``k`` largest values (``x`` ``[..., V]``, ``0 < k < V``): int64 ``[..., k]``,
+    ascending. Among values equal to the ``k``-th largest, the lower columns, as the kernels' filters keep them
+    (``torch.topk`` keeps any), so that a row's filtered distribution does not depend on which path read it."""
+    kth = torch.topk(x, k, dim=-1).values[..., -1:]
+    above = x > kth
+    tied = x == kth
+    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    if not bool((keep.sum(-1) == k).all()):     # values that are not numbers: as topk has them (refused later)
+        return torch.topk(x, k, dim=-1).indices
+    return keep.nonzero()[:, -1].view(*x.shape[:-1], k)
 
 
 #: The highest temperature drawn by noise: the offsets ``T g`` (``g`` up to about 16.6) stay finite in float32 (which
