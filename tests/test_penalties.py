@@ -89,7 +89,9 @@ def test_offsets_are_the_apis_formula():
     ({"bias": {-1: 1.0}}, r"logit_bias: token ids must be non-negative integers, got -1"),
     ({"bias": {3: 101}}, r"logit_bias\[3\] must be a number in \[-100, 100\], got 101"),
     ({"bias": {3: "1"}}, r"logit_bias\[3\] must be a number"),
-    ({"repetition": 0.0}, r"the repetition penalty must be a number in \(0, 10\], got 0.0"),
+    ({"repetition": 0.0}, r"the repetition penalty must be a number in \[0.1, 10\], got 0.0"),
+    ({"repetition": 1e-39}, r"in \[0.1, 10\], got 1e-39"),        # logits / 1e-39: out of float32's range
+    ({"repetition": 0.099}, r"in \[0.1, 10\], got 0.099"),
     ({"repetition": float("inf")}, r"the repetition penalty must be a number"),
     ({"repetition": 1.1, "repetition_last": 0}, r"repeat_last_n must be a positive integer, got 0"),
 ])

@@ -120,8 +120,8 @@ def tasks_table(per: dict, by: str, plans: dict[str, tuple[list[str], list[int]]
 FREQUENCY_HELP = "-2 .. 2: subtracted from a token's logit per time it was generated."
 PRESENCE_HELP = "-2 .. 2: subtracted from the logit of every token generated so far."
 LOGIT_BIAS_HELP = "A JSON object from token ids to offsets in -100 .. 100 added to their logits, e.g. '{\"28\": -100}'."
-REPETITION_HELP = ("(0, 10]: the logit of every token of the context (prompt and output) divided by it where positive, "
-                   "multiplied by it elsewhere, as Hugging Face and llama.cpp do; 1: off.")
+REPETITION_HELP = ("0.1 .. 10: the logit of every token of the context (prompt and output) divided by it where "
+                   "positive, multiplied by it elsewhere, as Hugging Face and llama.cpp do; 1: off.")
 REPEAT_LAST_N_HELP = "With --repetition-penalty: only the context's last N tokens (0: all of it)."
 
 

@@ -33,8 +33,11 @@ from hsd_opt.errors import HsdError
 #: The API's bounds: penalties in [-2, 2], biases in [-100, 100].
 MAX_PENALTY = 2.0
 MAX_BIAS = 100.0
-#: The repetition penalty's bound: a factor in (0, MAX_REPETITION] (1: none; below 1 favours repeating).
+#: The repetition penalty's bounds: a factor in [1 / MAX_REPETITION, MAX_REPETITION] (1: none; below 1 favours
+#: repeating). A smaller factor would divide a logit out of float32's range (an infinite logit: a token certain
+#: on one path, one among equals on another).
 MAX_REPETITION = 10.0
+MIN_REPETITION = 1 / MAX_REPETITION
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class Penalties:
                 raise HsdError(f"{name} must be a number in [-{lim:g}, {lim:g}], got {v!r}")
         r = self.repetition
         if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
-                and 0 < r <= MAX_REPETITION):
-            raise HsdError(f"the repetition penalty must be a number in (0, {MAX_REPETITION:g}], got {r!r}")
+                and MIN_REPETITION <= r <= MAX_REPETITION):
+            raise HsdError(f"the repetition penalty must be a number in [{MIN_REPETITION:g}, {MAX_REPETITION:g}], "
+                           f"got {r!r}")
         n = self.repetition_last
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise HsdError(f"repeat_last_n must be a positive integer, got {n!r}")
