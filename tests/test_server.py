@@ -1021,9 +1021,11 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny, stop):
     """``hsd serve`` in a subprocess: progress and the ready line on stderr, a request, a bad request logged
-    without a traceback, and Ctrl-C during an open stream: the stream ends at once, the process exits 0."""
+    without a traceback, and Ctrl-C (or SIGTERM, what service managers send) during an open stream: the stream
+    ends at once, the process says it stopped and exits 0."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "serve", "--plan", str(tiny[0]), "--port", "0",
                              "--device", "cpu"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -1059,7 +1061,7 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
         t = threading.Thread(target=long_stream)
         t.start()
         assert started.wait(60)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=60)
         t.join(60)
         assert not t.is_alive() and len(ended) == 1 and "server is stopping" in ended[0], ended
@@ -1072,6 +1074,21 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny):
     assert "loading" in log and "stopped" in log and "Traceback" not in log
     assert '"POST /v1/completions HTTP/1.1" 400' in log
     assert "timeout graceful shutdown exceeded" not in log  # the open stream ended when its job was cancelled
+
+
+def test_a_port_is_claimed_when_bound_so_a_second_server_is_refused_before_it_loads():
+    """Two servers started together: the second's bind fails at once, naming the flags (it bound too, loaded its
+    model, then crashed with a traceback when it began to listen)."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.server.serving import bind_socket
+
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(HsdError, match=f"--host 127.0.0.1 --port {port}: cannot listen there"):
+            bind_socket("127.0.0.1", port)
+    finally:
+        first.close()
 
 
 def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -186,11 +187,20 @@ def _serve(app, jobs, sock, what: str) -> None:
     server = make_server(app, on_ready=lambda: err_console.print(f"ready: {name} at {url}/v1 ({what}); Ctrl-C stops"),
                          on_stop=jobs.cancel_all, logging_config=log_config())
     release_thread_pool()    # the decoding thread's OpenMP pool the only one (kernels.release_thread_pool)
+    # uvicorn handles SIGINT and SIGTERM, then raises the signal again with the handler it found: SIGTERM (what
+    # systemd, docker and kubernetes send) then ends as Ctrl-C does, not killed with status 143
+    before = signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
         pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
     err_console.print("stopped")
+
+
+def _as_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @cli_command

@@ -17,8 +17,13 @@ from hsd_opt.errors import HsdError
 GRACEFUL_SECONDS = 5.0
 
 
+#: Connections the kernel queues before the server accepts them (uvicorn's default).
+LISTEN_BACKLOG = 2048
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``port`` 0: a free port, read it with ``getsockname()``).
+    """A TCP socket bound to ``host:port`` and listening (``port`` 0: a free port, read it with
+    ``getsockname()``): a second server started before the first has loaded its model is refused at once.
 
     Raises:
         HsdError: the address cannot be resolved or bound (in use, not an address of this machine), naming the
@@ -33,6 +38,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)     # claimed now: another bound-but-not-listening socket would share the port
     except OSError as e:
         sock.close()
         raise HsdError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
