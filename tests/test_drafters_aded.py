@@ -116,3 +116,31 @@ def test_aded_drafter_propose_observe_and_rebuild(tmp_path):
     fresh = AdedDrafter(str(tmp_path / "tri.npz"), iterations=50, increment=0.2)
     again = AdedDrafter(str(tmp_path / "tri.npz"), iterations=50, increment=0.2)
     assert fresh.propose(seq[:50], 4) == again.propose(seq[:50], 4)  # deterministic for a seed and matrix
+
+
+def test_each_fork_adapts_its_own_copy_and_the_drafter_it_came_from_never_changes():
+    """What one sequence teaches the matrix (reset on its prompt, observe on its tokens) reaches no other fork and
+    not the drafter built from the plan: a sequence drafts the same after any other, and the matrix does not grow
+    (it did, request after request, in a long-running server)."""
+    m, seq = _random_matrix()
+    base = AdedDrafter(m, iterations=30)
+    rows, probs = len(base.matrix.table), {k: dict(v) for k, v in base.matrix.table.items()}
+    a, b = seq[:40], seq[100:140]
+
+    def drafts(prompt, after=None):
+        if after is not None:                   # another sequence first: reset, drafts, observed tokens
+            other = base.fork()
+            other.reset(after)
+            other.observe(after, [5, 6, 7, 8])
+            other.propose(after + [5, 6, 7, 8], 4)
+        d = base.fork()
+        d.reset(prompt)
+        out = [d.propose(prompt[:i], 4) for i in range(len(prompt) - 6, len(prompt) + 1)]
+        d.observe(prompt, [9, 10, 11])
+        return out + [d.propose(prompt + [9, 10, 11], 4)]
+
+    assert drafts(b) == drafts(b, after=a) == drafts(b, after=b)
+    assert len(base.matrix.table) == rows and base.matrix.table == probs
+    f = base.fork()
+    f.reset(a)
+    assert f.matrix.table != probs and base.matrix.table == probs       # the fork adapted, its source did not

@@ -73,6 +73,18 @@ class TrigramMatrix:
             self._by_last.setdefault(b, set()).add(a)
         self._sorted: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
         self._merged: dict[int, tuple[list[int], list[float]]] = {}
+        self._shared: set[tuple[int, int]] = set()   # rows this matrix shares with the one it was forked from
+
+    def fork(self) -> "TrigramMatrix":
+        """A matrix for one sequence: the same probabilities, its own adaptation (:meth:`adjust` copies a shared row
+        before changing it), so that what one sequence teaches it reaches no other and the saved matrix never
+        grows. O(rows) to make; the rows themselves are copied only when adjusted."""
+        new = copy.copy(self)
+        new.table = dict(self.table)
+        new._shared = set(self.table)
+        new._by_last = {b: set(a) for b, a in self._by_last.items()}
+        new._sorted, new._merged = dict(self._sorted), dict(self._merged)
+        return new
 
     # ---- building / IO ------------------------------------------------------------------------------
     @classmethod
@@ -165,6 +177,9 @@ class TrigramMatrix:
             if d is None:
                 d = self.table[(a, b)] = {}
                 self._by_last.setdefault(b, set()).add(a)
+            elif (a, b) in self._shared:         # the matrix it was forked from still reads this row
+                d = self.table[(a, b)] = dict(d)
+                self._shared.discard((a, b))
             cur = d.get(c)
             d[c] = increment if cur is None else min(cur + increment, max_prob)
             self._sorted.pop((a, b), None)
@@ -306,8 +321,9 @@ class AdedDrafter(TokenDrafter):
     """ADED as a drafter: MCTS over the adaptive tri-gram matrix; single draft = best candidate, batch = top k.
 
     The search depth is the requested length (``n`` or ``w``); ``depth`` is the default recorded in the config.
-    ``observe`` applies Algorithm 2 (when ``adapt``). The matrix keeps learning across sequences (as in the
-    paper); rebuilding from :meth:`config` starts again from the saved matrix file.
+    ``observe`` applies Algorithm 2 (when ``adapt``) within a sequence: each :meth:`fork` (a generation, a
+    request) adapts a copy of the matrix it was built with (:meth:`TrigramMatrix.fork`), so nothing one request
+    teaches it reaches the next, and a long-running server's matrix does not grow.
     """
 
     kind = "aded"
@@ -325,9 +341,11 @@ class AdedDrafter(TokenDrafter):
         self._memo: tuple | None = None
 
     def fork(self) -> "AdedDrafter":
-        """A drafter for another sequence; the trigram matrix (and what adapting teaches it) stays shared: its
-        drafts may then depend on the other sequences decoded since, never the output (drafts are verified)."""
+        """A drafter for another sequence, adapting its own copy of the matrix (see the class doc)."""
         new = copy.copy(self)
+        new.matrix = self.matrix.fork()
+        new.maker = copy.copy(self.maker)
+        new.maker.matrix = new.matrix
         new._memo = None
         return new
 
