@@ -262,6 +262,82 @@ def test_factory_rebuilds_from_config(table, tmp_path):
         make_token_drafter("ngram_context", bogus=1)
 
 
+@pytest.mark.parametrize("kind,config,said", [
+    ("ngram_context", {"w": -3}, "w must be an integer >= 1, got -3"),
+    ("ngram_context", {"max_occurrences": 0}, "max_occurrences must be an integer >= 1"),
+    ("ngram_context", {"q": 2.7}, "q must be an integer in 1 .. 64, got 2.7"),
+    ("ngram_context", {"q": 10 ** 7}, "q must be an integer in 1 .. 64"),
+    ("ngram_context", {"q": "2"}, "q must be an integer in 1 .. 64, got '2'"),
+    ("ngram_context", {"abstain": "no"}, "abstain must be true or false, got 'no'"),
+    ("ngram_context", {"name": 5}, "name must be a non-empty string"),
+    ("aded", {"c2": 0}, "c2 must be a number in (0, inf], got 0"),
+    ("aded", {"c1": float("nan")}, "c1 must be a number in [0, inf]"),
+    ("aded", {"iterations": 10 ** 9}, "iterations must be an integer in 1 .. 100000"),
+    ("aded", {"iterations": 0}, "iterations must be an integer in 1 .. 100000"),
+    ("aded", {"max_children": 0}, "max_children must be an integer >= 1"),
+    ("aded", {"increment": -1}, "increment must be a number in [0, 1]"),
+    ("mixed_ngram", {"k": 0}, "k must be an integer >= 1"),
+    ("mixed_ngram", {"ngram": {"kind": "bigram_model", "table": "T"}}, "its 'ngram' must be a ngram_context"),
+    ("mixed_ngram", {"bigram": {"kind": "ngram_context"}}, "its 'bigram' must be a bigram_model or unigram_model"),
+    ("mixed_ngram", {"bigram": 3}, "its 'bigram' must be a bigram_model or unigram_model drafter's config, got int"),
+])
+def test_a_config_out_of_range_is_refused_naming_the_field(table, tmp_path, kind, config, said):
+    """A hand-edited plan's drafter values are refused when the drafter is built, naming the field (they crashed
+    at the first draft, hung, or were read as something else: abstain "no" as true)."""
+    from hsd_opt.drafters.aded import TrigramMatrix
+
+    table.save(tmp_path / "t.npz")
+    TrigramMatrix({(1, 2): {3: 1.0}}).save(tmp_path / "m.npz")
+    base = {"aded": {"matrix": str(tmp_path / "m.npz")},
+            "mixed_ngram": {"ngram": {"kind": "ngram_context"},
+                            "bigram": {"kind": "bigram_model", "table": str(tmp_path / "t.npz")}}}.get(kind, {})
+    full = {**base, **{k: (str(tmp_path / "t.npz") if v == "T" else v) for k, v in config.items()}}
+    if isinstance(full.get("ngram"), dict) and full["ngram"].get("table") == "T":
+        full["ngram"] = {**full["ngram"], "table": str(tmp_path / "t.npz")}
+    with pytest.raises(HsdError) as e:
+        make_token_drafter(kind, **full)
+    assert said in str(e.value), str(e.value)
+
+
+def test_a_damaged_table_is_refused_naming_it_and_a_damaged_cache_file_is_built_again(model, table, tmp_path):
+    """A cut ``.npz`` (a crash, a full disk) is one line naming the file where it is a plan's; in the cache it is
+    built again and replaced."""
+    from hsd_opt.drafters.aded import TrigramMatrix
+    from hsd_opt.errors import InputFileError
+
+    table.save(tmp_path / "t.npz")
+    TrigramMatrix({(1, 2): {3: 1.0}}).save(tmp_path / "m.npz")
+    for name, kind, key in (("t.npz", "bigram_model", "table"), ("m.npz", "aded", "matrix")):
+        data = (tmp_path / name).read_bytes()
+        for cut in (data[: len(data) // 2], b""):
+            (tmp_path / name).write_bytes(cut)
+            with pytest.raises(InputFileError, match=f"{name}: not a "):
+                make_token_drafter(kind, **{key: str(tmp_path / name)})
+    built = load_or_build_bigram_table(model, "k1", top_k=4, cache_dir=tmp_path, bos_id=None, progress=False)
+    path = table_path(tmp_path, "k1", 4, None)
+    path.write_bytes(path.read_bytes()[:100])
+    again = load_or_build_bigram_table(model, "k1", top_k=4, cache_dir=tmp_path, bos_id=None, progress=False)
+    assert np.array_equal(again.ids, built.ids)
+    with pytest.raises(InputFileError):             # no model to build it from: the damaged file is named
+        path.write_bytes(b"")
+        load_or_build_bigram_table(None, "k1", top_k=4, cache_dir=tmp_path, bos_id=None)
+
+
+def test_a_drafted_id_outside_the_targets_vocabulary_is_an_error_not_a_crash(model):
+    """A table or matrix made for a model of a larger vocabulary drafts ids the target has no row for: one line
+    naming the drafter (it was an IndexError deep in the embedding)."""
+    from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+    from hsd_opt.engine.layered import LayeredLM
+    from hsd_opt.runtime.decode import HSD, Level
+
+    lm = LayeredLM(model)
+    rows = {(a, b): {5000: 1.0} for a in range(64) for b in [*range(64), 5000]}    # 5000 after any pair
+    aded = AdedDrafter(TrigramMatrix(rows), iterations=5)
+    h = HSD([Level("aded", drafter=aded), Level("t", lm, 2)], [3])
+    with pytest.raises(HsdError, match="drafter 'aded' proposed token id 5000, outside the target's vocabulary"):
+        h.generate([3, 1, 2], 4)
+
+
 def _toy_logits_fn(V=6, T=8):
     """A deterministic toy 'model': next-token logits depend on the last two tokens only (cheap, exact)."""
     g = torch.Generator().manual_seed(1)

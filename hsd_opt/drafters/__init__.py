@@ -52,9 +52,15 @@ def make_token_drafter(kind: str, **config) -> TokenDrafter:
                 raise HsdError("mixed_ngram drafter needs 'ngram' and 'bigram' (each a drafter's config)")
             ng = config.pop("ngram")
             bg = config.pop("bigram")
-            ng = ng if isinstance(ng, TokenDrafter) else make_token_drafter(**ng)
-            bg = bg if isinstance(bg, TokenDrafter) else make_token_drafter(**bg)
-            return MixedNgramDrafter(ng, bg, **config)
+            parts = []
+            for part, v, kinds in (("ngram", ng, ("ngram_context",)),
+                                   ("bigram", bg, ("bigram_model", "unigram_model"))):
+                d = v if isinstance(v, TokenDrafter) else make_token_drafter(**v) if isinstance(v, dict) else None
+                if d is None or d.kind not in kinds:
+                    raise HsdError(f"mixed_ngram drafter: its {part!r} must be a {' or '.join(kinds)} drafter's "
+                                   f"config, got {getattr(d, 'kind', None) or type(v).__name__}")
+                parts.append(d)
+            return MixedNgramDrafter(*parts, **config)
     except (TypeError, ValueError) as e:      # a field the drafter lacks, a value it refuses
         raise HsdError(f"bad config for {kind} drafter: {e}") from None
     raise HsdError(f"unknown token drafter kind {kind!r} (known: {', '.join(TOKEN_DRAFTER_KINDS)})")

@@ -51,7 +51,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from hsd_opt.drafters.base import TokenDrafter, read_npz_table
+from hsd_opt.drafters.base import TokenDrafter, check_settings, read_npz_table
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.seeds import SEED_STRIDE
 
@@ -317,6 +317,10 @@ class MctsDraftMaker:
         return out[: self.n_candidates]
 
 
+#: The most MCTS iterations a draft may take (each a walk of the tree: 10^5 takes seconds a draft).
+MAX_ITERATIONS = 100_000
+
+
 class AdedDrafter(TokenDrafter):
     """ADED as a drafter: MCTS over the adaptive tri-gram matrix; single draft = best candidate, batch = top k.
 
@@ -332,6 +336,12 @@ class AdedDrafter(TokenDrafter):
                  c2: float = 8.0, depth: int = 4, n_candidates: int = 24, max_children: int = 16, seed: int = 0,
                  adapt: bool = True, increment: float = 0.1, max_prob: float = 1.0, max_length: int = 64,
                  backoff: bool = True, name: str = "aded"):
+        check_settings(ints={"iterations": (iterations, 1, MAX_ITERATIONS), "depth": (depth, 1, None),
+                             "n_candidates": (n_candidates, 1, None), "max_children": (max_children, 1, None),
+                             "max_length": (max_length, 3, None), "seed": (seed, 0, None)},
+                       reals={"c1": (c1, 0.0, math.inf, False), "c2": (c2, 0.0, math.inf, True),
+                              "increment": (increment, 0.0, 1.0, False), "max_prob": (max_prob, 0.0, 1.0, True)},
+                       flags={"adapt": adapt, "backoff": backoff})
         self.matrix = matrix if isinstance(matrix, TrigramMatrix) else TrigramMatrix.load(matrix, backoff=backoff)
         self.matrix.backoff = backoff
         self.maker = MctsDraftMaker(self.matrix, iterations, c1, c2, depth, n_candidates, max_children, seed)

@@ -73,6 +73,7 @@ def read_npz_table(path, what: str, fmt: str, keys: Sequence[str]) -> tuple[dict
     table (``what`` says which), or has another ``format`` than ``fmt``.
     """
     import json
+    import zipfile
 
     import numpy as np
 
@@ -84,8 +85,29 @@ def read_npz_table(path, what: str, fmt: str, keys: Sequence[str]) -> tuple[dict
             arrays = {k: z[k] for k in keys}
     except FileNotFoundError:
         raise InputFileError(str(path), f"{what} not found") from None
-    except (KeyError, ValueError, OSError) as e:
-        raise InputFileError(str(path), f"not a {what} ({e})") from None
+    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:     # a cut or damaged file too
+        raise InputFileError(str(path), f"not a {what} ({e or type(e).__name__})") from None
     if meta.get("format") != fmt:
         raise InputFileError(str(path), f"format {meta.get('format')!r}, expected {fmt!r}")
     return arrays, meta
+
+
+def check_settings(ints: dict[str, tuple[object, int, int | None]] = {},
+                   reals: dict[str, tuple[object, float, float, bool]] = {},
+                   flags: dict[str, object] = {}) -> None:
+    """Refuse a drafter's configuration values with a ``ValueError`` naming the field (the plan loader names the
+    model entry): ``ints`` ``{name: (value, least, most or None)}`` integers in range; ``reals`` ``{name: (value,
+    low, high, low_open)}`` finite numbers in ``[low, high]`` (``(low, high]`` where ``low_open``); ``flags``
+    ``{name: value}`` true or false."""
+    from hsd_opt.values import is_finite, is_integer
+
+    for name, (v, least, most) in ints.items():
+        if not is_integer(v) or v < least or (most is not None and v > most):
+            span = f">= {least}" if most is None else f"in {least} .. {most}"
+            raise ValueError(f"{name} must be an integer {span}, got {v!r}")
+    for name, (v, low, high, low_open) in reals.items():
+        if not is_finite(v) or not (low < v if low_open else low <= v) or v > high:
+            raise ValueError(f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], got {v!r}")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be true or false, got {v!r}")

@@ -40,7 +40,7 @@ import numpy as np
 from hsd_opt.cache import cache_dir as default_cache_dir
 from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, read_npz_table
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.models.loading import cache_keyword
 
@@ -314,7 +314,12 @@ def load_or_build_bigram_table(
         bos_id = resolve_bos(model, bos_id)
     path = table_path(cache_dir, model_hash, top_k, bos_id)
     if path.exists():
-        return BigramTable.load(path)
+        try:
+            return BigramTable.load(path)
+        except InputFileError:
+            if model is None:                   # nothing to build it again from: say which file is damaged
+                raise
+            # a damaged cache file (cut by a crash, a full disk): built again and replaced below
     if model is None:
         raise HsdError(f"no cached bigram table at {path} and no model given to build it")
     table = build_bigram_table(model, top_k=top_k, batch_size=batch_size, bos_id=bos_id, progress=progress)

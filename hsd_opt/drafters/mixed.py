@@ -18,7 +18,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hsd_opt.drafters.base import TokenDrafter
+from hsd_opt.drafters.base import TokenDrafter, check_settings
 from hsd_opt.drafters.bigram import BigramDrafter
 from hsd_opt.drafters.ngram import ContextNgramDrafter
 from hsd_opt.errors import HsdError
@@ -43,6 +43,7 @@ class MixedNgramDrafter(TokenDrafter):
 
     def __init__(self, ngram: ContextNgramDrafter, bigram: BigramDrafter, k: int = 5, w: int = 4,
                  name: str = "mixed"):
+        check_settings(ints={"k": (k, 1, None), "w": (w, 1, None)})
         self.ngram, self.bigram, self.k, self.w, self.name = ngram, bigram, int(k), int(w), name
         self.last_sources: list[str] = []  # per row of the last batch: "ngram" | "bigram" (for ablations)
 

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hsd_opt.drafters.base import TokenDrafter
+from hsd_opt.drafters.base import TokenDrafter, check_settings
+
+#: The longest query an n-gram drafter keeps an index for (each length one index, rebuilt per sequence).
+MAX_Q = 64
 
 
 class ContextNgramDrafter(TokenDrafter):
@@ -50,8 +53,12 @@ class ContextNgramDrafter(TokenDrafter):
 
     def __init__(self, q: int = 2, w: int = 4, min_q: int = 1, max_occurrences: int = 512, name: str = "ngram",
                  abstain: bool = False):
-        if q < 1 or min_q < 1 or min_q > q:
+        check_settings(ints={"q": (q, 1, MAX_Q), "w": (w, 1, None), "min_q": (min_q, 1, None),
+                             "max_occurrences": (max_occurrences, 1, None)}, flags={"abstain": abstain})
+        if min_q > q:
             raise ValueError(f"need 1 <= min_q <= q, got q={q}, min_q={min_q}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.q, self.w, self.min_q, self.max_occurrences = int(q), int(w), int(min_q), int(max_occurrences)
         self.name = name
         self.abstain = self.may_abstain = bool(abstain)

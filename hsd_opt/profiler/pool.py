@@ -153,9 +153,11 @@ def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], No
     seqs = [allc[k] for k in sorted(allc, key=int)]
     h = hashlib.sha256(repr(seqs).encode()).hexdigest()[:16]
     path = cache_dir() / "aded" / f"aded-{h}.npz"
-    if path.exists():
-        m = TrigramMatrix.load(path)
-    else:
+    try:
+        m = TrigramMatrix.load(path) if path.exists() else None
+    except InputFileError:                      # a damaged cache file: counted again and replaced
+        m = None
+    if m is None:
         m = TrigramMatrix.from_sequences(seqs)
         m.save(path)
     if len(m) == 0:

@@ -981,6 +981,10 @@ class Decoding:
                 st_stats.drafted += len(forced)
                 return forced, None
             toks = self._cut_eos([int(t) for t in drafter.propose(self.seq, n)][:n])
+            bad = next((t for t in toks if not 0 <= t < hsd.target.vocab_size), None)
+            if bad is not None:
+                raise HsdError(f"drafter {lv.name!r} proposed token id {bad}, outside the target's vocabulary 0 .. "
+                               f"{hsd.target.vocab_size - 1} (a table or matrix made for another model?)")
             short = len(toks) != n and (not toks or toks[-1] not in hsd.eos)
             if short and not drafter.may_abstain:
                 raise HsdError(f"drafter {lv.name!r} returned {len(toks)} tokens, expected {n}")
