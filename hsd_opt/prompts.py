@@ -187,8 +187,9 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
     raw = read_bytes(p, "a JSON-lines prompt file")
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputFileError(str(p), "not UTF-8 text") from None
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise InputFileError(str(p), "not UTF-8 text", f"line {line}") from None
     items: list[PromptItem] = []
     # lines end at "\n" (and "\r\n") only: U+2028, U+2029 and U+0085, which JSON writes unescaped inside a
     # string (json.dumps(..., ensure_ascii=False)), are text of the line, not line ends

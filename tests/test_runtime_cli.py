@@ -103,6 +103,24 @@ def test_bench_tiny(tiny_dir, tmp_path):
     assert "hf_early_exit" not in _out(res)
 
 
+def test_bench_says_not_run_for_a_method_the_plan_lacks_and_sampled_tasks_are_not_compared(tiny_dir, tmp_path):
+    """A method the plan has nothing for (``hsd_task`` without plans per task) reads "not run" in the table, not
+    "error"; sampled, every entry's ``matches_reference`` is null, each task's too (the tasks' lacked it)."""
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there", "task": "a"}\n{"prompt": "Write a list", "task": "b"}\n')
+    rep_path = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "4",
+                              "--methods", "ar,hsd_task", "--temperature", "1", "--seed", "3", "--json",
+                              str(rep_path)])
+    assert res.exit_code == 0, _out(res)
+    row = next(line for line in _out(res).splitlines() if line.strip().startswith("hsd_task"))
+    assert "not run" in row and "error" not in row, row
+    rep = json.loads(rep_path.read_text())
+    assert rep["methods"]["ar"]["matches_reference"] is None
+    assert [rep["by_task"][t]["ar"]["matches_reference"] for t in ("a", "b")] == [None, None]
+
+
 def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
     prompts = tmp_path / "p.jsonl"
@@ -231,6 +249,13 @@ def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "--methods: unknown method 'warp'" in _out(res) and "hf_early_exit" in _out(res)
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", " , "])
     assert res.exit_code == 2 and "--methods" in _out(res) and "Traceback" not in _out(res)
+    for methods, said in (("hsd,hsd", "--methods: hsd given twice"), ("hsd,,ar", "an empty item")):
+        res = runner.invoke(app, ["bench", "--plan", str(plan), "--methods", methods])
+        assert res.exit_code == 2 and said in " ".join(_out(res).split()), _out(res)
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(bad)])
+    assert res.exit_code == 2 and f"{bad}: line 2: not UTF-8 text" in " ".join(_out(res).split()), _out(res)
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--temperature", "1", "--seed", str(2**64 - 1),
                               "--limit", "2", "--methods", "hsd"])   # prompt 2's seed is one past 64 bits
     assert res.exit_code == 2 and "--seed: the seeds of these prompts" in _out(res) and "tok/s" not in _out(res)

@@ -320,7 +320,13 @@ def write_outputs(rep: dict, json_out: Optional[Path], plot: Optional[Path], dra
 def method_names(text: str, known: tuple[str, ...], where: str = "") -> list[str]:
     """The methods ``--methods`` names (comma-separated), each one of ``known``; else :class:`HsdError` naming the
     flag and the known ones (``where``: when they apply, as " with --concurrency")."""
-    names = [m.strip() for m in text.split(",") if m.strip()]
+    names = [m.strip() for m in text.split(",")]
+    if len(names) > 1 and "" in names:
+        raise HsdError(f"--methods {text!r}: an empty item (two commas, or one at an end)")
+    names = [m for m in names if m]
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:
+        raise HsdError(f"--methods: {', '.join(twice)} given twice")
     bad = [m for m in names if m not in known]
     if bad or not names:
         raise HsdError(f"--methods: unknown method {', '.join(map(repr, bad)) or '(none given)'}; known{where}: "

@@ -240,12 +240,12 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     if m == "hf_early_exit":
         ex = _best_exit(plan)
         if ex is None:
-            return None, None, "neither the plan nor its alternatives use an early exit to self-speculate with"
+            return None, None, "neither the plan nor its alternatives use an early exit to self-speculate with: not run"
         return _hf_runner(loaded, eos, sampling, assistant_early_exit=ex), {"assistant_early_exit": ex}, None
     if m == "hf_assisted":
         ref = assistant or assistant_ref(plan)
         if ref is None:
-            return None, None, "the plan has no draft model to assist with: give --assistant MODEL"
+            return None, None, "the plan has no draft model to assist with (give --assistant MODEL): not run"
         draft = models.draft_model(ref, "--assistant" if assistant else "the plan's draft model")
         return (_hf_runner(loaded, eos, sampling, assistant_model=draft.model), {"assistant_model": draft.model_id},
                 None)
@@ -254,14 +254,14 @@ def _method_runner(m: str, plan, loaded, models, hsd, eos: list[int], sampling: 
     if m == "single_draft":
         bsd = plan.baselines.get("best_single_draft") or None
         if not bsd:
-            return None, None, "the plan has no baselines.best_single_draft"
+            return None, None, "the plan has no baselines.best_single_draft: not run"
         return (*_hierarchy_runner(plan, hsd, list(bsd["hierarchy"]), list(bsd["budgets"]), "best_single_draft",
                                    sampling), None)
     if m == "hsd":
         return (*_hierarchy_runner(plan, hsd, list(plan.hierarchy), list(plan.budgets), "plan", sampling), None)
     if m == "hsd_task":
         if not plan.tasks:
-            return None, None, "the plan has no plans per task (by_task): solve with hsd solve --per-task"
+            return None, None, "the plan has no plans per task (by_task; hsd solve --per-task makes them): not run"
         return (*_task_runner(plan, hsd, tasks, sampling), None)
     return None, None, None
 
@@ -480,6 +480,8 @@ def _method_reports(gens: dict[str, list[Generation]], desc: dict, errors: dict[
             td = t.to_dict()
             if outs is not None:
                 add_matches(td, t.items, outs, ref)
+            elif not sampling.greedy:
+                td["matches_reference"] = None
             report["by_task"].setdefault(task, {})[m] = td
     add_speedups(report["methods"])
     for ms in report["by_task"].values():
