@@ -140,6 +140,16 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
                 check_profile_for_plan(prof, plan, "p.json")
         else:
             check_profile_for_plan(prof, plan, "p.json")
+    prof.provenance = Provenance(model="m-a", temperature=1.0, top_k=40)    # a sampled profile's costs
+    for kw, refused in (({"temperature": 0.0}, "temperature 1.0, the plan of 0.0"),
+                        ({"temperature": 1.0, "top_k": 0}, "top-k 40, the plan of 0"),
+                        ({"temperature": 1.0, "top_k": 40}, None), ({}, None)):
+        plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-a", **kw))
+        if refused:
+            with pytest.raises(HsdError, match=f"the profile is of {refused}"):
+                check_profile_for_plan(prof, plan, "p.json")
+        else:
+            check_profile_for_plan(prof, plan, "p.json")
 
 
 @pytest.fixture(scope="module")

@@ -76,14 +76,16 @@ def retimed_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequenc
 
 def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     """Refuse a profile that cannot price ``plan``: of another model, revision, dtype or target precision (its
-    costs are another engine's), or missing a level of the plan (``source`` names the profile in the error)."""
+    costs are another engine's), made with other sampling settings (the target's work differs), or missing a level
+    of the plan (``source`` names the profile in the error)."""
     pm, qm = profile.provenance.model, plan.provenance.model
     if pm and qm and not same_model(pm, qm):           # one local model however its path is written
         raise HsdError(f"--retime {source}: the profile is of model {pm!r}, the plan of {qm!r} (provenance.model; "
                        f"give the profile the plan was solved from)")
-    for key, what in (("revision", "revision"), ("dtype", "dtype"), ("target_precision", "target precision")):
+    for key, what in (("revision", "revision"), ("dtype", "dtype"), ("target_precision", "target precision"),
+                      ("temperature", "temperature"), ("top_p", "top-p"), ("top_k", "top-k"), ("min_p", "min-p")):
         pv, qv = getattr(profile.provenance, key), getattr(plan.provenance, key)
-        if pv and qv and pv != qv:
+        if pv is not None and qv is not None and pv != qv:      # sampling settings: the target's work differs
             raise HsdError(f"--retime {source}: the profile is of {what} {pv!r}, the plan of {qv!r} (provenance."
                            f"{key}; give the profile the plan was solved from)")
     names = {m.name for m in profile.models}
