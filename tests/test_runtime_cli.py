@@ -237,6 +237,26 @@ def test_bad_run_inputs(tiny_dir, tmp_path, extra, needle):
     assert needle in _out(res) and "Traceback" not in _out(res)
 
 
+def test_a_later_turn_that_can_pass_the_context_is_refused_before_anything_runs(tiny_dir, tmp_path):
+    """``--turns all``: a second turn after an answer of up to --max-new-tokens can pass the context: refused
+    up front naming the file, prompt and turn (bench ran HF's methods past the context, then stopped with an
+    error naming no prompt and no report); with --turns first the same file runs."""
+    plan = _plan(tmp_path / "p.json", tiny_dir / "m")
+    prompts = tmp_path / "two.jsonl"
+    turns = [" ".join(["w5"] * 120), "w6 w7"]                 # the first turn about 240 tokens
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": turns}) + "\n")
+    for cmd in ("run", "bench"):
+        res = runner.invoke(app, [cmd, "--plan", str(plan), "--prompts", str(prompts), "--raw", "--max-new-tokens",
+                                  "200", "--turns", "all", "--device", "cpu"] + (["--methods", "ar"] if cmd == "bench"
+                                                                                else ["--quiet"]))
+        out = " ".join(_out(res).split())
+        assert res.exit_code == 2 and "(question_id 1), turn 2:" in out and "512 positions" in out, out
+        assert "tok/s" not in out and "Traceback" not in out
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompts", str(prompts), "--raw", "--max-new-tokens",
+                              "200", "--device", "cpu", "--quiet"])
+    assert res.exit_code == 0, _out(res)
+
+
 def test_malformed_plan_and_bench_flags(tiny_dir, tmp_path):
     p = tmp_path / "p.json"
     p.write_text('{"format": "hsd-plan/9"}')

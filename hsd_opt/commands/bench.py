@@ -182,7 +182,7 @@ def bench_cmd(
     spec = grammar_spec(json_schema, grammar)
     retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
-    items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts)
+    items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts, turns)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
                     sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
@@ -194,15 +194,16 @@ def bench_cmd(
     write_outputs(rep, json_out, plot, plot_report)
 
 
-def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, prompts: Optional[Path]):
+def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, prompts: Optional[Path], turns: str):
     """``(items, sampling)`` ready for the model: with a grammar flag (``spec``) every prompt of task ``json`` (it
-    runs the plan for JSON), each one's room in the context checked, and their grammars compiled."""
+    runs the plan for JSON), each one's room in the context checked (every turn run), and their grammars
+    compiled."""
     from hsd_opt.measure.bench import check_room
     from hsd_opt.runtime.runner import model_context
 
     if spec is not None:
         items = [dataclasses.replace(it, task=JSON_TASK) for it in items]
-    check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
+    check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts), turns)
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     return items, dataclasses.replace(sampling, grammars=grammars)
 

@@ -187,7 +187,7 @@ def run_cmd(
     if penalties is not None:
         penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
     check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded),
-               f"--prompts {prompts}" if prompts is not None else "--prompt")
+               f"--prompts {prompts}" if prompts is not None else "--prompt", turns)
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []
