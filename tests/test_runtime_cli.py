@@ -121,6 +121,33 @@ def test_bench_says_not_run_for_a_method_the_plan_lacks_and_sampled_tasks_are_no
     assert [rep["by_task"][t]["ar"]["matches_reference"] for t in ("a", "b")] == [None, None]
 
 
+def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the third prompt: the report (table and --json) holds the two prompts every method finished,
+    says it stopped, and the command exits 130 (it wrote nothing and said nothing)."""
+    from hsd_opt.measure import bench as bench_mod
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(1, 5)))
+    real, calls = bench_mod.converse, []
+
+    def converse(runner, tok, it, *a, **kw):
+        calls.append(it.index)
+        if it.index == 2 and calls.count(2) == 2:        # the second method of the third prompt
+            raise KeyboardInterrupt
+        return real(runner, tok, it, *a, **kw)
+
+    monkeypatch.setattr(bench_mod, "converse", converse)
+    rep_path = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "4",
+                              "--methods", "ar,hsd", "--json", str(rep_path)])
+    assert res.exit_code == 130, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert rep["prompts"] == 2 and rep["stopped"]["prompts_done"] == 2 and rep["stopped"]["prompts_asked"] == 4
+    assert all(rep["methods"][m]["matches_reference"] is True for m in ("ar", "hsd"))
+    assert "stopped: the report holds the 2 of 4 prompts" in " ".join(_out(res).split())
+
+
 def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
     prompts = tmp_path / "p.jsonl"

@@ -28,7 +28,7 @@ from hsd_opt.commands.common import (
     retimed_levels,
     warn_sampling,
 )
-from hsd_opt.console import console
+from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import sampling_words
 from hsd_opt.prompts import JSON_TASK
@@ -190,8 +190,18 @@ def bench_cmd(
     _add_machine(rep, loaded)
     if spec is not None:
         rep["grammar"] = {"kind": spec.kind, "source": spec.source}
-    _print_bench(rep, _bench_title(rep, loaded, len(items), turns, max_new_tokens, sampling))
+    _print_bench(rep, _bench_title(rep, loaded, rep["prompts"], turns, max_new_tokens, sampling))
     write_outputs(rep, json_out, plot, plot_report)
+    _exit_if_stopped(rep)
+
+
+def _exit_if_stopped(rep: dict) -> None:
+    """After a report of the prompts finished before Ctrl-C: say so and exit 130, as an interrupt does."""
+    stopped = rep.get("stopped")
+    if stopped:
+        err_console.print(f"stopped: the report holds the {stopped['prompts_done']} of {stopped['prompts_asked']} "
+                          f"prompts every method finished", markup=False)
+        raise typer.Exit(130)
 
 
 def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, prompts: Optional[Path], turns: str):

@@ -342,7 +342,8 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
               assistant: str | None = None, retime: "Profile | None" = None,
               retime_source: str = "profile") -> dict[str, Any]:
     """Benchmark ``methods`` (default: :func:`default_methods`) over ``prompts``; returns the JSON report
-    ``{"methods": {...}, "by_task": {task: {...}}, ...}``.
+    ``{"methods": {...}, "by_task": {task: {...}}, ...}``; stopped by Ctrl-C after a prompt every method finished,
+    the report of those, with ``stopped``.
 
     ``extra`` adds more of our hierarchies drawn from the plan's models: ``{name: (hierarchy, budgets)}``;
     ``assistant``: the draft model of ``hf_assisted`` (default: the plan's, :func:`assistant_ref`).
@@ -378,10 +379,14 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
         from hsd_opt.measure.retime import StepClock
 
         clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
-    gens = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime, log)
+    gens, done = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime,
+                             log)
     report = _method_reports(gens, desc, errors, by, sampling)
     _reference_notes(report, plan, source, loaded.dtype, sampling)
-    report.update({"sampling": sampling.to_dict(), "prompts": len(items), "turns": turns, "by": by,
+    if done < len(items):
+        report["stopped"] = {"prompts_done": done, "prompts_asked": len(items),
+                             "note": "stopped by Ctrl-C: the prompts every method finished"}
+    report.update({"sampling": sampling.to_dict(), "prompts": done, "turns": turns, "by": by,
                    "max_new_tokens": max_new_tokens, "mode": mode,
                    "plan": {"hierarchy": plan.hierarchy, "budgets": plan.budgets,
                             "expected_latency": plan.expected_latency, "tasks": plan.tasks, "context": plan.context},
@@ -448,26 +453,35 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
                 max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log) -> dict[str, list]:
     """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
     prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
-    again at that speed (:func:`_retime`). Returns the :class:`Generation` s of each method, in prompt order."""
+    again at that speed (:func:`_retime`). Returns the :class:`Generation` s of each method, in prompt order, and
+    how many prompts every method finished: fewer than ``items`` after Ctrl-C (those finished are kept; none
+    finished: the interrupt goes on)."""
     names = list(runners)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
-    t_start = time.monotonic()
-    for i, it in enumerate(items):
-        order = names[i % len(names):] + names[: i % len(names)]
-        factor = clock.measure() if clock is not None else None
-        for m in order:
-            where = f"prompt {i + 1}/{len(items)} ({it.category or it.task}), {m}"
-            with heartbeat(log, where):
-                new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
-            if factor is not None:
-                _retime(new, m, desc, plan, retime, factor)
-            gens[m] += new
-            n_tok, secs = sum(len(g.token_ids) for g in new), sum(g.seconds for g in new)
-            log(f"{where}: {n_tok} tokens in {secs:.1f} s ({n_tok / secs if secs > 0 else 0:.2f} tok/s)")
-        elapsed = time.monotonic() - t_start
-        left = elapsed / (i + 1) * (len(items) - i - 1)
-        log(f"prompt {i + 1}/{len(items)} done, elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")
-    return gens
+    t_start, done = time.monotonic(), 0
+    try:
+        for i, it in enumerate(items):
+            order = names[i % len(names):] + names[: i % len(names)]
+            factor = clock.measure() if clock is not None else None
+            for m in order:
+                where = f"prompt {i + 1}/{len(items)} ({it.category or it.task}), {m}"
+                with heartbeat(log, where):
+                    new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+                if factor is not None:
+                    _retime(new, m, desc, plan, retime, factor)
+                gens[m] += new
+                n_tok, secs = sum(len(g.token_ids) for g in new), sum(g.seconds for g in new)
+                log(f"{where}: {n_tok} tokens in {secs:.1f} s ({n_tok / secs if secs > 0 else 0:.2f} tok/s)")
+            done = i + 1
+            elapsed = time.monotonic() - t_start
+            left = elapsed / (i + 1) * (len(items) - i - 1)
+            log(f"prompt {i + 1}/{len(items)} done, elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")
+    except KeyboardInterrupt:               # Ctrl-C: the prompts every method finished are reported
+        if done == 0:
+            raise
+        kept = {it.index for it in items[:done]}
+        gens = {m: [g for g in gs if g.item in kept] for m, gs in gens.items()}
+    return gens, done
 
 
 def _method_reports(gens: dict[str, list[Generation]], desc: dict, errors: dict[str, str], by: str,
