@@ -252,6 +252,53 @@ def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
     assert res.exit_code == 2 and f"--rank: expected an integer >= 1, got {rank}" in cli_output(res), cli_output(res)
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--lr", "inf"], "--lr: expected a finite number > 0, got inf"),
+    (["--lr", "-1"], "--lr: expected a finite number > 0, got -1"),
+    (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+    (["--seed", str(10 ** 17)], "--seed: expected an integer of magnitude below"),
+    (["--threads", "-1"], "--threads: expected an integer >= 0"),
+])
+def test_heads_train_refuses_bad_numbers_before_loading(tmp_path, flags, said):
+    """An infinite learning rate trained NaN heads and wrote them; a huge seed and negative threads were
+    tracebacks after the training text was generated."""
+    res = run_cli("heads", "train", "--model", "no-such-model", "--out", tmp_path / "h.safetensors", *flags)
+    assert res.exit_code == 2 and said in cli_output(res) and "Traceback" not in cli_output(res), cli_output(res)
+
+
+def test_heads_outputs_never_replace_what_the_command_reads(root, heads_a, tmp_path):
+    """``eval --json`` the heads file, ``train --out`` the prompts or a file in the model's folder: refused
+    before anything loads, the files untouched (each was overwritten)."""
+    before = {p: p.read_bytes() for p in (heads_a, root / "p.jsonl", root / "tA" / "config.json")}
+    for args, said in ((["eval", "--model", "tA", "--heads", heads_a, "--json", heads_a], "the same file as --heads"),
+                       (["train", "--model", "tA", "--prompts", root / "p.jsonl", "--out", root / "p.jsonl"],
+                        "the same file as --prompts"),
+                       (["train", "--model", str(root / "tA"), "--out", root / "tA" / "config.json"],
+                        "inside the model's folder")):
+        res = run_cli("heads", *args)
+        assert res.exit_code == 2 and said in " ".join(cli_output(res).split()), cli_output(res)
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_a_header_that_disagrees_with_the_tensors_is_refused(root, heads_a, tmp_path):
+    """A header saying vocab_subset where no vocab_ids tensor is (or another count), or another rank than the
+    tensors': refused naming the field (the heads loaded as something else)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+    small = _heads_for(loaded, tmp_path / "small.safetensors")
+    with safe_open(str(small), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    from hsd_opt.heads.io import META_KEY
+
+    header = json.loads(meta[META_KEY])
+    path = tmp_path / "subset.safetensors"
+    save_file(tensors, str(path), metadata={**meta, META_KEY: json.dumps({**header, "vocab_subset": 4})})
+    with pytest.raises(InputFileError, match=r"subset\.safetensors: vocab_ids: the header's vocab_subset 4 does not"):
+        load_heads(path, loaded)
+
+
 def test_train_heads_refuses_rank_zero():
     m = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32)
     with pytest.raises(HsdError, match="--rank: expected an integer >= 1, got 0"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +12,7 @@ from rich.table import Table
 from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
+from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
 
 def results_table(title: str, before: dict, after: dict) -> Table:
@@ -82,13 +84,19 @@ def train(
 
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    check_outputs(("--out", out))
+    _check_output_beside(out, model, prompts)
     if train_vocab not in TRAIN_VOCABS:
         raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
     if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
         raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
     if rank < 1:
         raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise HsdError(f"--lr: expected a finite number > 0, got {lr}")
+    if not (seed_fits(seed * SEED_STRIDE) and seed_fits((seed + 1) * SEED_STRIDE)):
+        raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
+                       f"training's draws are seeded seed * {SEED_STRIDE} + ...), got {seed}")
+    _check_threads(threads)
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")
     wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
@@ -101,10 +109,16 @@ def train(
         raise HsdError(f"--vocab-subset {vocab_subset} is not smaller than the vocabulary")
     tr, tr_st, ho, ho_st = _data(loaded, prompts, tokens, holdout, seed)
     ckpt = Path(str(out) + ".ckpt")
-    res = train_heads(loaded, bs, tr, starts=tr_st, held_out=ho, held_out_starts=ho_st, kind=kind, rank=rank,
-                      vocab_subset=vocab_subset or None, epochs=epochs, lr=lr, train_vocab=train_vocab,
-                      seed=seed, checkpoint=ckpt, resume=resume,
-                      log=lambda s: err_console.print(s, markup=False))
+    try:
+        res = train_heads(loaded, bs, tr, starts=tr_st, held_out=ho, held_out_starts=ho_st, kind=kind, rank=rank,
+                          vocab_subset=vocab_subset or None, epochs=epochs, lr=lr, train_vocab=train_vocab,
+                          seed=seed, checkpoint=ckpt, resume=resume,
+                          log=lambda s: err_console.print(s, markup=False))
+    except KeyboardInterrupt:
+        kept = (f"{ckpt} holds the training as of its last checkpoint; the same command with --resume goes on "
+                f"from there" if ckpt.is_file() else "no checkpoint was written yet")
+        err_console.print(f"stopped: {kept}", markup=False)
+        raise typer.Exit(130) from None
     save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
                train=dict(res.summary(), prompts=str(prompts.resolve()) if prompts else None, tokens=tokens,
                           holdout=holdout))
@@ -112,6 +126,21 @@ def train(
     console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
                                 res.before, res.after))
     console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
+
+
+def _check_output_beside(out: Path, model: str, prompts: Optional[Path]) -> None:
+    """Refuse an ``--out`` the training would destroy: the ``--prompts`` file, or a file inside the local model
+    folder ``model`` (its weights, config or tokenizer)."""
+    check_outputs(("--out", out), inputs=[("--prompts", prompts)])
+    folder = Path(model)
+    if folder.is_dir() and folder.resolve() in Path(out).resolve().parents:
+        raise HsdError(f"--out {out}: inside the model's folder {model} (it could replace the model's own files); "
+                       f"write it elsewhere")
+
+
+def _check_threads(threads: int) -> None:
+    if threads < 0:
+        raise HsdError(f"--threads: expected an integer >= 0 (0: torch's default), got {threads}")
 
 
 @app.command("eval")
@@ -135,7 +164,8 @@ def evaluate(
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
 
-    check_outputs(("--json", json_out))
+    check_outputs(("--json", json_out), inputs=[("--heads", heads), ("--prompts", prompts)])
+    _check_threads(threads)
     if tokens is not None and tokens < 1:
         raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")
     if prompts is not None and not prompts.is_file():

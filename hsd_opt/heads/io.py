@@ -180,6 +180,10 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
                                                f"but this model has {have} (heads for {header.get('model')!r})")
     _check_model(p, header, expected_model_id, expected_revision)
     vocab_ids = tensors.get("vocab_ids")
+    k = header.get("vocab_subset")
+    if (k is None) != (vocab_ids is None) or (vocab_ids is not None and vocab_ids.numel() != k):
+        raise InputFileError(p, f"the header's vocab_subset {k} does not match the tensor ("
+                                f"{'none' if vocab_ids is None else f'{vocab_ids.numel()} ids'})", "vocab_ids")
     if vocab_ids is not None:
         if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or vocab_ids.dtype.is_floating_point \
                 or vocab_ids.dtype == torch.bool or int(vocab_ids.max()) >= header["vocab_size"] \
@@ -193,10 +197,7 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
     for b in header["layers"]:
         if not isinstance(b, int) or not 1 <= b < n_layers:
             raise InputFileError(p, f"layer {b!r} outside 1..{n_layers - 1}", "layers")
-        rank = int(header.get("rank") or 64)
-        if header["kind"] == "lowrank":
-            u = tensors.get(f"layer{b}.u")
-            rank = int(u.shape[1]) if u is not None and u.dim() == 2 else rank
+        rank = int(header.get("rank") or 64)     # the tensors' shapes are checked against it below
         head = TranslatorHead(m, header["kind"], rank=rank, vocab_ids=vocab_ids)
         names = ["weight", "bias"] if header["kind"] == "affine" else ["u", "v", "bias"]
         state = {}

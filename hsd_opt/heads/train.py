@@ -492,7 +492,7 @@ def _evaluate_trained(m, heads: dict, held, held_st, before: dict, vocab_ids: to
     after = evaluate_heads(m, heads, held, held_st)
     if vocab_ids is None and settings.get("revert_worse") and before:
         for b in heads:  # a head that does worse than the raw lens on held-out text becomes the raw lens
-            if after[b]["acceptance"] < before[b]["acceptance"]:
+            if not after[b]["acceptance"] >= before[b]["acceptance"]:      # NaN (a diverged head) too
                 with torch.no_grad():
                     for prm in heads[b].parameters():
                         prm.zero_()
