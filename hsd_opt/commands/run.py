@@ -199,8 +199,8 @@ def run_cmd(
                                          logprobs, penalties, top_k, min_p):
                 lines.append(line)
                 gens.append(gen)
-    except (KeyboardInterrupt, HsdError):        # what was finished is kept, and said
-        _write_lines(json_out, lines, partial=True)
+    except (KeyboardInterrupt, HsdError) as e:   # what was finished is kept, and said
+        _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt))
         raise
     _print_run(gens, by, plans, mode)
     _write_lines(json_out, lines)
@@ -239,6 +239,15 @@ def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
     check_logprobs(logprobs)
     if logprobs is not None and json_out is None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
+
+
+def _stopped(json_out: Optional[Path], lines: list[dict], cut_stream: bool) -> None:
+    """A run stopped part-way: end the streamed line it cut (``cut_stream``), then write and say the finished
+    prompts' ``--json`` lines."""
+    if cut_stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    _write_lines(json_out, lines, partial=True)
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,

