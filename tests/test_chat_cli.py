@@ -117,3 +117,13 @@ def test_a_system_message_the_template_refuses_is_refused_at_start(tmp_path):
     errors = [x for x in res.output.splitlines() if x.startswith("error:")]
     assert res.exit_code == 2 and len(errors) == 1 and errors[0].startswith("error: --system:"), res.output
     assert "System role not supported" in errors[0] and "ready" not in res.output
+
+
+def test_no_standard_input_at_all_ends_the_chat(tiny, monkeypatch):
+    """``hsd chat <&-`` (stdin closed: ``sys.stdin`` is None) ends as end of input does (it was a traceback)."""
+    import sys
+
+    from hsd_opt.commands import chat
+
+    monkeypatch.setattr(sys, "stdin", None)
+    assert list(chat._lines()) == []

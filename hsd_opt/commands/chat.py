@@ -107,6 +107,8 @@ def _check_start(loaded, start: list[dict[str, str]], max_new_tokens: int) -> No
 def _lines():
     """The lines of stdin without their line ends (None for one that is not UTF-8 text), a ``> `` prompt on stderr
     before each where stdin is a terminal."""
+    if sys.stdin is None:                       # no standard input at all (closed): nothing to read
+        return
     raw = getattr(sys.stdin, "buffer", None)     # bytes where there are, whatever the locale's decoding
     while True:
         if sys.stdin.isatty():
