@@ -343,6 +343,33 @@ def test_bench_under_load_reports_every_method_and_level(tiny_dir, tmp_path):
     assert png.stat().st_size > 1000 and "x batch1" in _out(res)
 
 
+def test_bench_under_load_stopped_part_way_reports_the_levels_finished(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the second load level: the table and --json hold the first level, ``stopped`` says so, exit
+    130 (it kept nothing)."""
+    from hsd_opt.measure import load_bench
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Write a list"}\n')
+    real = load_bench.serve_clients
+
+    def serve(h, prompts, c, *a, **kw):
+        if c == 2:
+            raise KeyboardInterrupt
+        return real(h, prompts, c, *a, **kw)
+
+    monkeypatch.setattr(load_bench, "serve_clients", serve)
+    rep_path = tmp_path / "load.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2",
+                              "--requests", "1", "--max-new-tokens", "4", "--methods", "hsd,hsd_plain", "--json",
+                              str(rep_path), "--device", "cpu"])
+    assert res.exit_code == 130, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert [lv["clients"] for lv in rep["levels"]] == [1] and rep["stopped"]["levels_done"] == 1
+    assert all(f["equal_to_target"] for f in rep["levels"][0]["methods"].values())
+    assert "stopped: the report holds the 1 of 2 load levels" in " ".join(_out(res).split())
+
+
 def test_bench_under_load_samples_as_asked(tiny_dir, tmp_path):
     """``hsd bench --concurrency 1,2 --temperature 1 --top-k 5``: the report says how it sampled, the answers are
     not compared (null, ``-`` in the table), the title names the sampling, every request is served."""

@@ -199,8 +199,7 @@ def _exit_if_stopped(rep: dict) -> None:
     """After a report of the prompts finished before Ctrl-C: say so and exit 130, as an interrupt does."""
     stopped = rep.get("stopped")
     if stopped:
-        err_console.print(f"stopped: the report holds the {stopped['prompts_done']} of {stopped['prompts_asked']} "
-                          f"prompts every method finished", markup=False)
+        err_console.print(f"stopped: {stopped['said']}", markup=False)
         raise typer.Exit(130)
 
 
@@ -403,6 +402,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                                   f"threads{_variant(rep)})", predicted_run=predictor is not None))
     console.print(LOAD_LEGEND, style="dim")
     write_outputs(rep, json_out, plot, plot_load)
+    _exit_if_stopped(rep)
 
 
 def _load_options(concurrency: str, requests: int, rounds: int, max_batch: Optional[int], methods: Optional[str],

@@ -385,7 +385,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     _reference_notes(report, plan, source, loaded.dtype, sampling)
     if done < len(items):
         report["stopped"] = {"prompts_done": done, "prompts_asked": len(items),
-                             "note": "stopped by Ctrl-C: the prompts every method finished"}
+                             "said": f"the report holds the {done} of {len(items)} prompts every method finished"}
     report.update({"sampling": sampling.to_dict(), "prompts": done, "turns": turns, "by": by,
                    "max_new_tokens": max_new_tokens, "mode": mode,
                    "plan": {"hierarchy": plan.hierarchy, "budgets": plan.budgets,

@@ -184,7 +184,8 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
     ``hsd`` the hierarchy and predicted aggregate of the plan's load level), and the settings. With
     ``predictor``, every method's run of a level is timed again right before and after it and replayed on the
     re-timed costs (:class:`~hsd_opt.measure.load_predictor.LoadPredictor`): per round and as medians
-    ``PREDICTED_KEYS`` (sampled: over the lengths the answers had)."""
+    ``PREDICTED_KEYS`` (sampled: over the lengths the answers had). Stopped by Ctrl-C after a level, the report
+    of the levels finished, with ``stopped``."""
     if requests < 1:
         raise HsdError(f"--requests: expected >= 1, got {requests}")
     if rounds < 1:
@@ -200,49 +201,65 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
     methods = list(runners)
     levels: list[dict[str, Any]] = []
     start = 0
-    for li, c in enumerate(concurrency):
-        per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-        for r in range(rounds):
-            picks = {(start + i) % len(prompts) for i in range(c * requests)}
-            for j in sorted(picks - set(reference)) if greedy else ():
-                reference[j] = list(target.generate(list(prompts[j]), max_new_tokens).token_ids)
-            shift = (r + li) % len(methods)
-            for m in methods[shift:] + methods[:shift]:
-                h, mb = runners[m]
-                if predictor is not None:
-                    predictor.retime(h, mb)
-                reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start, sampling=sampling)
-                fig = level_figures(reqs, reference if greedy else None)
-                fig["round"] = r + 1
-                if predictor is not None:
-                    lengths = ({j: len(ids) for j, ids in reference.items()} if greedy
-                               else {q.prompt: len(q.token_ids or []) for q in reqs})
-                    fig.update(predictor.after(h, mb, predictor.jobs(prompts, lengths, c, requests, start),
-                                               fig["aggregate_tokens_per_s"]))
-                per_round[m].append(fig)
-                pred = fig.get("predicted_run_tokens_per_s")
-                log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "
-                    f"TTFT p50 {fig['ttft_p50_s']:.2f} s" + (f" (predicted {pred:.1f})" if pred else ""))
-            start += c * requests
-        entry: dict[str, Any] = {"clients": c, "methods": {}}
-        for m in methods:
-            keys = MEDIAN_KEYS + (PREDICTED_KEYS if predictor is not None else ())
-            med = {k: _median([f.get(k) for f in per_round[m]]) for k in keys}
-            med["equal_to_target"] = all(f["equal_to_target"] for f in per_round[m]) if greedy else None
-            med["rounds"] = per_round[m]
-            entry["methods"][m] = med
-        if "hsd" in entry["methods"]:
-            entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], min(c, runners["hsd"][1])))
-        agg = {m: entry["methods"][m]["aggregate_tokens_per_s"] for m in methods}
-        if "hsd" in agg:
-            entry["hsd_over_batch1"] = ratio(agg.get("hsd"), agg.get("hsd_batch1"))
-            entry["hsd_over_plain"] = ratio(agg.get("hsd"), agg.get("hsd_plain"))
-        levels.append(entry)
+    stopped = None
+    try:
+        for li, c in enumerate(concurrency):
+            per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            for r in range(rounds):
+                picks = {(start + i) % len(prompts) for i in range(c * requests)}
+                for j in sorted(picks - set(reference)) if greedy else ():
+                    reference[j] = list(target.generate(list(prompts[j]), max_new_tokens).token_ids)
+                shift = (r + li) % len(methods)
+                for m in methods[shift:] + methods[:shift]:
+                    h, mb = runners[m]
+                    if predictor is not None:
+                        predictor.retime(h, mb)
+                    reqs = serve_clients(h, prompts, c, requests, max_new_tokens, mb, start=start, sampling=sampling)
+                    fig = level_figures(reqs, reference if greedy else None)
+                    fig["round"] = r + 1
+                    if predictor is not None:
+                        lengths = ({j: len(ids) for j, ids in reference.items()} if greedy
+                                   else {q.prompt: len(q.token_ids or []) for q in reqs})
+                        fig.update(predictor.after(h, mb, predictor.jobs(prompts, lengths, c, requests, start),
+                                                   fig["aggregate_tokens_per_s"]))
+                    per_round[m].append(fig)
+                    pred = fig.get("predicted_run_tokens_per_s")
+                    log(f"{c} client{'s' * (c != 1)}, round {r + 1}: {m} {fig['aggregate_tokens_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {fig['ttft_p50_s']:.2f} s" + (f" (predicted {pred:.1f})" if pred else ""))
+                start += c * requests
+            levels.append(_level_entry(plan, runners, c, per_round, predictor is not None, greedy))
+    except KeyboardInterrupt:             # Ctrl-C: the levels every method finished are reported
+        if not levels:
+            raise
+        stopped = {"levels_done": len(levels), "levels_asked": len(concurrency),
+                   "said": f"the report holds the {len(levels)} of {len(concurrency)} load levels every method "
+                           f"finished"}
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
             "max_new_tokens": max_new_tokens,
             "sampling": None if greedy else {**sampling.to_dict(), "seed": None},
             "rounds": rounds, "prompts": len(prompts),
-            "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels}
+            "max_batch": {m: mb for m, (_, mb) in runners.items()}, "methods": methods, "levels": levels,
+            **({"stopped": stopped} if stopped else {})}
+
+
+def _level_entry(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, HSD], int]], c: int,
+                 per_round: dict[str, list[dict[str, Any]]], predicted: bool, greedy: bool) -> dict[str, Any]:
+    """The report's entry of the level of ``c`` clients: per method the medians over its rounds (``per_round``),
+    whether every answer equalled the target's (greedy), what ``hsd`` ran, and ``hsd``'s ratios to the others."""
+    entry: dict[str, Any] = {"clients": c, "methods": {}}
+    for m, figs in per_round.items():
+        keys = MEDIAN_KEYS + (PREDICTED_KEYS if predicted else ())
+        med = {k: _median([f.get(k) for f in figs]) for k in keys}
+        med["equal_to_target"] = all(f["equal_to_target"] for f in figs) if greedy else None
+        med["rounds"] = figs
+        entry["methods"][m] = med
+    if "hsd" in entry["methods"]:
+        entry["methods"]["hsd"].update(_ran(plan, runners["hsd"][0], min(c, runners["hsd"][1])))
+    agg = {m: e["aggregate_tokens_per_s"] for m, e in entry["methods"].items()}
+    if "hsd" in agg:
+        entry["hsd_over_batch1"] = ratio(agg.get("hsd"), agg.get("hsd_batch1"))
+        entry["hsd_over_plain"] = ratio(agg.get("hsd"), agg.get("hsd_plain"))
+    return entry
 
 
 def _ran(plan: "Plan", hierarchies: HSD | Mapping[int, HSD], c: int) -> dict[str, Any]:
