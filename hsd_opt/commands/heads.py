@@ -12,7 +12,7 @@ from rich.table import Table
 from hsd_opt.commands.common import check_outputs, cli_command
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
-from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
+from hsd_opt.seeds import check_strided_seed
 
 
 def results_table(title: str, before: dict, after: dict) -> Table:
@@ -93,9 +93,7 @@ def train(
         raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
     if not (math.isfinite(lr) and lr > 0):
         raise HsdError(f"--lr: expected a finite number > 0, got {lr}")
-    if not (seed_fits(seed * SEED_STRIDE) and seed_fits((seed + 1) * SEED_STRIDE)):
-        raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
-                       f"training's draws are seeded seed * {SEED_STRIDE} + ...), got {seed}")
+    check_strided_seed(seed, "the training's draws")
     _check_threads(threads)
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")

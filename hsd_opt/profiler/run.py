@@ -55,7 +55,7 @@ from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
-from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
+from hsd_opt.seeds import SEED_STRIDE, check_strided_seed
 from hsd_opt.version import __version__
 
 DEFAULT_MAX_NEW_TOKENS = 24
@@ -158,10 +158,7 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
 
 def _validate(cfg: ProfileConfig) -> None:
     check_sampling_flags(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
-    # prompt i is sampled with seed * SEED_STRIDE + i: every one a 64-bit integer
-    if not (seed_fits(cfg.seed * SEED_STRIDE) and seed_fits((cfg.seed + 1) * SEED_STRIDE)):
-        raise HsdError(f"--seed: expected an integer of magnitude below {SEED_RANGE[1] // SEED_STRIDE // 2} (the "
-                       f"seeds of the prompts are seed * {SEED_STRIDE} + i), got {cfg.seed}")
+    check_strided_seed(cfg.seed, "the prompts")     # prompt i is sampled with seed * SEED_STRIDE + i
     if cfg.tmax < 1:
         raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
     if cfg.shard and cfg.token_drafters is not None and "aded" in cfg.token_drafters:
