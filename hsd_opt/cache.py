@@ -22,9 +22,11 @@ def cache_dir() -> Path:
 
 
 def cache_error(what: str, folder: Path, e: OSError) -> HsdError:
-    """The one-line error for a cache that cannot hold ``what`` (``"the compiled kernels"``): making or writing
-    ``folder`` (under the cache) failed with ``e``. Names the cache as the user set it (``HSD_CACHE=...`` when
-    set) and says how to move it."""
+    """The one-line error for a folder that cannot hold ``what`` (``"the compiled kernels"``): making or writing
+    ``folder`` failed with ``e``. Under the cache, it names the cache as the user set it (``HSD_CACHE=...`` when
+    set) and says how to move it; elsewhere (a folder the caller was given), it names the folder."""
+    if cache_dir() not in Path(folder).parents:
+        return HsdError(f"{folder}: cannot write {what} there ({e.strerror or e})")
     where = f"{CACHE_ENV}={cache_dir()}" if os.environ.get(CACHE_ENV) else str(cache_dir())
     return HsdError(f"{where}: the cache cannot hold {what} (making {folder}: {e.strerror or e}); point "
                     f"{CACHE_ENV} at a folder you can write")

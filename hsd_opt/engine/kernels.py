@@ -219,16 +219,14 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     Raises:
         HsdError: the compiler failed (its message is included).
     """
-    from hsd_opt.cache import cache_dir, cache_error
+    from hsd_opt.cache import cache_error
 
     variant = _variant(variant)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     except OSError as e:
-        if cache_dir() in out.parents:
-            raise cache_error("the compiled kernels", out.parent, e) from None
-        raise HsdError(f"cannot write the compiled kernels in {out.parent} ({e.strerror or e})") from None
+        raise cache_error("the compiled kernels", out.parent, e) from None
     if log:
         log(f"compiling the CPU decode kernels ({variant.name}{'' if openmp else ', no OpenMP'}) with {cc} "
             f"(once per machine; a few seconds) ...")

