@@ -352,16 +352,16 @@ def _run_prompt(h, p, tok, it, which: str, turns: str, per_task: bool, raw: bool
     for k, text in enumerate(user_turns(it, turns)):
         ids = conversation_ids(tok, it.turns, answers, raw)
         stream = text_streamer(tok, quiet)
+        constraint = Constraint(grammar) if grammar is not None else None
         res = h.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p,
                          seed=offset_seed(seed, it.index + SEED_STRIDE * k), on_tokens=stream,
-                         constraint=Constraint(grammar) if grammar is not None else None, logprobs=logprobs,
-                         penalties=penalties, top_k=top_k, min_p=min_p)
+                         constraint=constraint, logprobs=logprobs, penalties=penalties, top_k=top_k, min_p=min_p)
         answer = tok.decode(res.token_ids, skip_special_tokens=True)
         stream.finish(answer)
         if not quiet:
             sys.stdout.write("\n")
-        if (grammar is not None and res.stats.get("stopped") == "max_new_tokens"
-                and not Constraint(grammar).accepting(res.token_ids)):
+        if (constraint is not None and res.stats.get("stopped") == "max_new_tokens"
+                and not constraint.accepting(res.token_ids)):       # its matcher already stands at their end
             sys.stdout.flush()
             err_console.print(f"(cut at --max-new-tokens {max_new_tokens}: the answer does not yet complete what "
                               f"{grammar.spec.source} asks)", markup=False)
