@@ -386,6 +386,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     p0, first = profs[0]
     prov0 = first.provenance.to_dict()
     stats = _raw_stats(p0, first)
+    read = [stats]                                  # each file's own statistics, read once
     covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0))]}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
@@ -398,6 +399,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
             raise InputFileError(str(p), f"cannot merge: target {prof.target!r} but {p0} has {first.target!r}",
                                  "target")
         s = _raw_stats(p, prof)
+        read.append(s)
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
@@ -429,8 +431,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     if merged_shards is not None:
         prov["shards"] = merged_shards
     # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
-    complete = all(set(prompts_by_task(PairStats.from_dict(pr.stats))[0]) ==
-                   set(PairStats.from_dict(pr.stats).tasks) for _, pr in profs)
+    complete = all(set(prompts_by_task(one)[0]) == set(one.tasks) for one in read)
     for key, v in zip(("prompts_by_task", "prompt_tokens_by_task"), prompts_by_task(stats)):
         prov.pop(key, None)
         if v and complete:
