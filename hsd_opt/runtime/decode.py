@@ -858,16 +858,6 @@ class Decoding:
             out.append(t)
         return out
 
-    def _grammar_only(self) -> int | None:
-        """The one token the grammar allows next (None: several, or no grammar). Where a level's pass ran anyway
-        (log-probabilities wanted, or the pass too long to defer: :meth:`_forced` said none), its masked
-        distribution is one-hot on it; taking it without a draw keeps the seed's later draws those of the run that
-        took it without the pass."""
-        if self.constraint is None:
-            return None
-        gen = self.seq[self.n_prompt:]
-        return self.constraint.only(gen, len(gen))
-
     def _forced_block(self, k: int, s: int, drafts: list[int]) -> bool:
         """Whether every draft (at positions ``s ..``) is the one token the grammar allows there, so that level
         ``k`` (below the top) takes them without its pass: its masked distribution is one-hot at each. Only while
@@ -1013,8 +1003,10 @@ class Decoding:
                 t = self._draw((yield from self._picks(0, m - 1, m)), 0, 0, m - 1)
             else:
                 d, support = yield from self._dist(0, m - 1, m)
-                t = self._grammar_only()        # one token allowed: taken without a draw, as where no pass ran
-                t = self._sample(d[0], support) if t is None else t
+                # a token the grammar forces (the pass ran anyway: logprobs, or one too long to defer) is taken
+                # without a draw, as where no pass ran, so the seed's later draws stay those of that run
+                only = self._forced(1)
+                t = only[0] if only else self._sample(d[0], support)
                 rows.append(d)
             toks.append(t)
             self._append([t])
