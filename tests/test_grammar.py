@@ -107,6 +107,12 @@ def test_an_integer_a_double_cannot_hold_where_it_bounds_or_fixes_a_value_is_ref
         with pytest.raises(HsdError, match=f"^s.json: the integer -?[0-9]+ at {where} is beyond"):
             GrammarSpec.json_schema(schema, "s.json")
     GrammarSpec.json_schema({"type": "integer", "default": 2**70}, "s.json")
+    # properties (and definitions) named like value keywords are names: their defaults bound nothing
+    GrammarSpec.json_schema({"properties": {"enum": {"type": "integer", "default": 2**70},
+                                            "minimum": {"examples": [2**60]}},
+                             "$defs": {"const": {"default": 2**60}}}, "s.json")
+    with pytest.raises(HsdError, match="at /properties/enum/maximum is beyond"):
+        GrammarSpec.json_schema({"properties": {"enum": {"type": "integer", "maximum": 2**60}}}, "s.json")
     grammar = compiler.compile(GrammarSpec.json_schema({"type": "integer", "const": 2**53}, "s.json"))
     seq = json_tok.encode(str(2**53)) + [EOS]
     assert Constraint(grammar).allowed_prefix([], 0, seq) == len(seq)

@@ -81,16 +81,22 @@ _VALUE_KEYWORDS = frozenset({"const", "enum", "minimum", "maximum", "exclusiveMi
                              "multipleOf"})
 #: The largest integer every double next to it tells apart.
 _EXACT = 2 ** 53
+#: The keywords whose value maps names (of properties, definitions) to schemas: its keys are no keywords.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def _inexact_integer(schema: Any, where: str = "", values: bool = False) -> tuple[str, int] | None:
+def _inexact_integer(schema: Any, where: str = "", values: bool = False,
+                     names: bool = False) -> tuple[str, int] | None:
     """The first integer past +-2**53 in a keyword of :data:`_VALUE_KEYWORDS` of ``schema`` (at any depth), as
-    ``(JSON pointer, value)``; None when there is none. ``values``: ``schema`` is such a keyword's value."""
+    ``(JSON pointer, value)``; None when there is none. ``values``: ``schema`` is such a keyword's value;
+    ``names``: ``schema`` maps names to schemas (a property called ``enum`` is no keyword)."""
     if isinstance(schema, int) and not isinstance(schema, bool):
         return (where or "/", schema) if values and abs(schema) > _EXACT else None
     items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    keywords = isinstance(schema, dict) and not values and not names
     for k, v in items:
-        found = _inexact_integer(v, f"{where}/{k}", values or (isinstance(schema, dict) and k in _VALUE_KEYWORDS))
+        found = _inexact_integer(v, f"{where}/{k}", values or (keywords and k in _VALUE_KEYWORDS),
+                                 keywords and k in _NAMED_SCHEMAS)
         if found is not None:
             return found
     return None
