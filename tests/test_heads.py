@@ -178,6 +178,33 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tiny, tmp_path):
         train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, **dict(kw, lr=5e-3))
 
 
+def test_an_epoch_resumed_midway_records_the_whole_epochs_mean_loss(tiny, tmp_path, monkeypatch):
+    """A checkpoint written mid-epoch keeps the epoch's loss so far: the resumed run's history equals an
+    uninterrupted run's (it counted only the sequences after the resume)."""
+    import hsd_opt.heads.train as train_mod
+
+    seqs = _seqs(6, 30)
+    kw = dict(epochs=2, lr=1e-2, progress=False, evaluate=False, train_vocab="full")
+    full = train_heads(tiny, [2, 3], seqs, **kw)
+    ckpt, real, calls = tmp_path / "h.ckpt", train_mod._train_sequence, []
+
+    def stop_in_the_second_epoch(*a, **k):
+        calls.append(1)
+        if len(calls) == 10:  # midway through the second epoch (5 training sequences per epoch, 1 held out)
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "_train_sequence", stop_in_the_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, checkpoint_every=0.0, **kw)
+    monkeypatch.setattr(train_mod, "_train_sequence", real)
+    msgs = []
+    resumed = train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, log=msgs.append, **kw)
+    assert any(m.startswith("resuming from") and "epoch 2, sequence 4" in m for m in msgs), msgs
+    assert [h["train_loss"] for h in resumed.history] == pytest.approx([h["train_loss"] for h in full.history],
+                                                                      rel=1e-5)
+
+
 def test_head_layers():
     assert head_layers(None, 5) == [1, 2, 3, 4]
     assert head_layers([4, 2, 3, 4], 30) == [2, 3, 4]

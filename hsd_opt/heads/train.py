@@ -267,7 +267,7 @@ def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_h
     opt = torch.optim.Adam([p for h in heads.values() for p in h.parameters()], lr=settings["lr"])
     ck_settings = dict(settings, data_sha256=data_hash, n_layers=eng.n_layers, hidden_size=eng.hidden_size,
                        vocab_size=eng.vocab_size)
-    start: tuple[int, int, int, list, float] = (0, 0, 0, [], 0.0)
+    start: tuple[int, int, int, list, float, tuple] = (0, 0, 0, [], 0.0, (0.0, 0, 0.0))
     if checkpoint and resume and Path(checkpoint).is_file():
         start = _resume(checkpoint, eng.device, ck_settings, heads, opt, say)
     history, elapsed0 = start[3], start[4]
@@ -333,10 +333,11 @@ def _softmax_vocab(settings: dict, vocab_ids: torch.Tensor | None, cand: torch.T
     return _SoftmaxVocab(base_ids, rest, n_neg, corr)
 
 
-def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt, say) -> tuple[int, int, int, list, float]:
+def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
+            say) -> tuple[int, int, int, list, float, tuple]:
     """Load the heads' and the optimiser's state from ``checkpoint``, which must have been made with
-    ``ck_settings`` (the settings and the data's hash): ``(epoch, sequence, step, history, elapsed seconds)`` to
-    go on from."""
+    ``ck_settings`` (the settings and the data's hash): ``(epoch, sequence, step, history, elapsed seconds,
+    the epoch's loss so far)`` to go on from (the loss: ``(sum, positions, seconds)``, :func:`_save_checkpoint`)."""
     try:
         ck = torch.load(str(checkpoint), map_location=device, weights_only=False)
     except Exception as e:
@@ -353,8 +354,10 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt, say) -> tup
         for b, h in heads.items():
             h.load_state_dict(ck["heads"][b])
         opt.load_state_dict(ck["opt"])
-        at = (int(ck["epoch"]), int(ck["seq"]), int(ck["step"]), list(ck["history"]), float(ck["elapsed"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        part = ck.get("epoch_loss", (0.0, 0, 0.0))
+        at = (int(ck["epoch"]), int(ck["seq"]), int(ck["step"]), list(ck["history"]), float(ck["elapsed"]),
+              (float(part[0]), int(part[1]), float(part[2])))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise HsdError(f"{checkpoint}: a damaged heads training checkpoint ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); delete it or run without --resume") from None
     say(f"resuming from {checkpoint}: epoch {at[0] + 1}, sequence {at[1]}, step {at[2]}")
@@ -362,13 +365,15 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt, say) -> tup
 
 
 def _save_checkpoint(path, ck_settings: dict, heads: dict, opt, epoch: int, seq: int, step: int, history: list,
-                     elapsed: float) -> None:
+                     elapsed: float, epoch_loss: tuple = (0.0, 0, 0.0)) -> None:
     """Write the heads, the optimiser and the position in the data (``epoch``, ``seq``, ``step``) to ``path``,
-    atomically, with ``ck_settings`` to check a resume against and the seconds trained so far."""
+    atomically, with ``ck_settings`` to check a resume against, the seconds trained so far and, mid-epoch, the
+    epoch's loss so far (``(sum of the steps' mean KL weighted by positions, positions, seconds)``: a resumed
+    epoch's mean loss is the whole epoch's)."""
     buf = io.BytesIO()
     torch.save({"settings": ck_settings, "heads": {b: h.state_dict() for b, h in heads.items()},
                 "opt": opt.state_dict(), "epoch": epoch, "seq": seq, "step": step, "history": history,
-                "elapsed": elapsed}, buf)
+                "elapsed": elapsed, "epoch_loss": list(epoch_loss)}, buf)
     atomic_write_bytes(path, buf.getvalue())
 
 
@@ -387,30 +392,31 @@ def _run_epochs(eng, layers, heads: dict, opt, train_seqs, train_st, settings: d
     """The epochs from ``start`` (``(epoch, sequence, step, history, elapsed seconds)``, :func:`_resume`): each
     visits the training sequences in an order drawn from the seed and the epoch, appends its mean loss to the
     history, and ends with a checkpoint (also written every ``checkpoint_every`` seconds)."""
-    epoch0, seq0, step, history, elapsed0 = start
+    epoch0, seq0, step, history, elapsed0, part = start
     bt = settings["batch_tokens"]
     steps_per_epoch = sum(math.ceil(max(0, len(s) - max(0, a - 1)) / bt) for s, a in zip(train_seqs, train_st))
     total_steps = max(1, steps_per_epoch * settings["epochs"])
     t_run = last_ck = time.time()
 
-    def save(epoch: int, seq: int, step: int) -> None:
+    def save(epoch: int, seq: int, step: int, epoch_loss: tuple = (0.0, 0, 0.0)) -> None:
         if checkpoint:
             _save_checkpoint(checkpoint, ck_settings, heads, opt, epoch, seq, step, history,
-                             elapsed0 + time.time() - t_run)
+                             elapsed0 + time.time() - t_run, epoch_loss)
 
     with progress_bar(progress, fields="loss {task.fields[loss]}") as prog:
         task = prog.add_task(f"training {len(layers)} heads", total=total_steps, completed=step, loss="-")
         for epoch in range(epoch0, settings["epochs"]):
             g = torch.Generator().manual_seed(settings["seed"] * 1000 + epoch)
             order = torch.randperm(len(train_seqs), generator=g)
-            loss, t_ep = (0.0, 0), time.time()
+            resumed = epoch == epoch0 and seq0 > 0
+            loss, t_ep = ((part[0], part[1]), time.time() - part[2]) if resumed else ((0.0, 0), time.time())
             for si in range(seq0 if epoch == epoch0 else 0, len(train_seqs)):
                 i = int(order[si])
                 step, loss = _train_sequence(eng, layers, heads, opt, train_seqs[i], max(0, train_st[i] - 1), vocab,
                                              settings, epoch, i, step, total_steps, loss,
                                              lambda x: prog.update(task, advance=1, loss=f"{x:.3f}"))
                 if checkpoint and time.time() - last_ck > checkpoint_every:
-                    save(epoch, si + 1, step)
+                    save(epoch, si + 1, step, (*loss, time.time() - t_ep))
                     last_ck = time.time()
             history.append({"epoch": epoch + 1, "train_loss": loss[0] / max(1, loss[1]),
                             "seconds": round(time.time() - t_ep, 2)})
