@@ -7,6 +7,8 @@ line and exit with code 2.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
 import typer
@@ -50,6 +52,13 @@ def main() -> None:
     except HsdError as e:  # raised outside a wrapped command (e.g. in a callback)
         error(str(e))
         sys.exit(2)
+    except OSError as e:  # output that cannot be written (a closed pipe is click's: a quiet exit 1)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # files are written atomically and name themselves (HsdError): this is the terminal's output, stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        error(f"cannot write the output: {e.strerror}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

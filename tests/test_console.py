@@ -1,9 +1,13 @@
-"""Progress output when stderr is not a terminal (a log file, a pipe, CI)."""
+"""Terminal output: progress when stderr is not a terminal (a log file, a pipe, CI); stdout that cannot be written."""
 
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
+import pytest
 from rich.console import Console
 from rich.progress import TextColumn
 
@@ -102,3 +106,14 @@ def test_tables_in_a_log_are_not_cut_to_80_columns(monkeypatch):
     assert "…" not in out.getvalue() and "speed-up over HF generate" in out.getvalue()
     monkeypatch.setenv("COLUMNS", "100")
     assert _console(file=io.StringIO()).width == 100
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_output_that_cannot_be_written_is_one_error_line_not_a_traceback():
+    """stdout on a full disk (``/dev/full``): one line naming the cause and exit 1, no traceback (a closed pipe
+    is a quiet exit 1: click's)."""
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "hsd_opt", "models", "list"], stdout=full,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    assert res.returncode == 1
+    assert res.stderr.strip() == "error: cannot write the output: No space left on device", res.stderr
