@@ -455,6 +455,10 @@ def TOOL(name, **function):  # noqa: N802 - a request body's part, as the table 
 BAD = [
     (COMP, b"{bad json", 400, None, None),
     (COMP, b"\xff\xfe", 400, None, None),
+    (COMP, json.dumps({"prompt": "w1"}).encode("utf-16"), 400, None, None),    # JSON, but not UTF-8
+    (COMP, json.dumps({"prompt": "w1"}).encode("utf-32-le"), 400, None, None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage", None),
     (COMP, [1, 2], 400, None, None),
     (CHAT, {"model": MODEL}, 400, "messages", None),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),
@@ -599,6 +603,9 @@ def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them
         ids = httpx.post(srv.url + "/tokenize", json={key: PROMPTS[1]}, timeout=30).json()["tokens"]
         assert ids == encode_prompt(tok, PROMPTS[1], raw=True)
     assert httpx.post(srv.url + "/tokenize", json={"prompt": ""}, timeout=30).json()["tokens"] == []
+    developer = [{"role": "developer", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
+    assert httpx.post(srv.url + "/tokenize", json={"messages": developer}, timeout=30).json()["tokens"] == \
+        chat_ids(tok, msgs)     # the developer message is the system message
     ids = encode_prompt(tok, PROMPTS[0], raw=True)
     back = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
     assert back["prompt"] == back["content"] == tok.decode(ids) and "w2 w3" in back["prompt"]

@@ -122,7 +122,7 @@ def choice_requests(req: GenerationRequest) -> list[GenerationRequest]:
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 (malformed JSON, not UTF-8, not an object)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))   # json.loads would take UTF-16 and UTF-32 bytes too
     except UnicodeDecodeError:
         raise bad_request("the request body is not UTF-8 text") from None
     except (ValueError, RecursionError) as e:   # malformed, a number too long, nested too deeply
@@ -195,12 +195,13 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(v)
 
 
-def _bool(body: dict, key: str) -> bool:
+def _bool(body: dict, key: str, name: str | None = None) -> bool:
+    """``body[key]`` as a boolean (absent or null: False); ``name``: the field's full name in errors (``key``)."""
     v = body.get(key)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {_type_name(v)}", key)
+        raise bad_request(f"'{name or key}' must be a boolean, got {_type_name(v)}", name or key)
     return v
 
 
@@ -335,7 +336,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
         content = _content(m, i)
         if role == "assistant" and not content.strip():
             content = past_calls(m, i) or content
-        out.append({"role": role, "content": content})
+        # the OpenAI API's developer message is the system message (the template knows no developer role)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise bad_request("every message in 'messages' is empty", "messages")
     return out
@@ -478,7 +480,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
-    include_usage = _bool(opts or {}, "include_usage") if stream else False
+    include_usage = _bool(opts or {}, "include_usage", "stream_options.include_usage") if stream else False
     logprobs = _logprobs(body, kind)
     penalties = _penalties(body, info)
     tool, grammar, told = _tool_call(body, info, logprobs) if kind == "chat" else (None, None, "")
