@@ -44,7 +44,8 @@ class ModelEntry:
         kind: one of :data:`KNOWN_KINDS` (others allowed).
         cost: seconds for one forward step of one token with a warm cache.
         can_verify: whether it yields next-token distributions for given positions (n-gram drafters cannot;
-            they may only be the bottom level of a hierarchy).
+            they may only be the bottom level of a hierarchy); true only for a kind of :data:`VERIFIER_KINDS`
+            (its default there, false elsewhere).
         layer: for ``early_exit``/``target`` of a layered model, the number of decoder layers run (1-based).
         extra: any other fields of the entry, kept on round-trip.
         draft_rate: share of the calls in which it proposes a block, in (0, 1]; below 1 only for a drafter that
@@ -744,9 +745,12 @@ def _model_entry(source: str, m: Any, f: str, seen: set[str]) -> ModelEntry:
     cost = m.get("cost")
     if not _is_number(cost) or cost <= 0:
         raise InputFileError(source, f"expected a cost in seconds > 0, got {cost!r}", f + ".cost")
-    can_verify = m.get("can_verify", True)
+    can_verify = m.get("can_verify", kind in VERIFIER_KINDS)
     if not isinstance(can_verify, bool):
         raise InputFileError(source, f"expected true or false, got {can_verify!r}", f + ".can_verify")
+    if can_verify and kind not in VERIFIER_KINDS:   # a plan's check decides by kind: the solver must too
+        raise InputFileError(source, f"a {kind!r} gives no next-token distributions, so it cannot verify (only "
+                                     f"{', '.join(VERIFIER_KINDS)} can): can_verify must be false", f + ".can_verify")
     layer = m.get("layer")
     if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
         raise InputFileError(source, f"expected a layer index >= 0, got {layer!r}", f + ".layer")
@@ -1183,9 +1187,9 @@ def provenance_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Prov
     return _provenance(raw, source)
 
 
-#: A profile's counts per task in its provenance (prompts, their tokens, the positions measured): the contexts and
-#: rates of a task's plan are read from them.
-TASK_COUNTS = ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task")
+#: A profile's counts per task in its provenance (prompts, their tokens, the positions measured, the tokens a grammar
+#: forced): the contexts and rates of a task's plan are read from them.
+TASK_COUNTS = ("prompts_by_task", "prompt_tokens_by_task", "positions_by_task", "forced_by_task")
 #: The same over all tasks: the context a plan is solved for is read from them.
 TOTAL_COUNTS = ("prompt_count", "prompt_tokens", "generated_tokens")
 

@@ -288,6 +288,24 @@ def test_a_profile_with_a_bad_quantization_is_refused_at_load():
         profile_from_dict(d, "p.json")
 
 
+def test_only_a_kind_that_gives_distributions_verifies_and_that_is_can_verifys_default():
+    """The solver picks verifiers by ``can_verify``, a plan's check by kind: a token drafter (or an unknown kind)
+    marked able to verify made ``hsd solve`` refuse its own plan; it is refused at load, naming the field."""
+    from hsd_opt import solve
+
+    d = _profile_dict()
+    for m in d["models"]:
+        del m["can_verify"]
+    prof, _ = profile_from_dict(copy.deepcopy(d), "p.json")
+    assert [m.can_verify for m in prof.models] == [False, True, True, True]
+    for kind in ("ngram_context", "my_drafter"):
+        d["models"][0].update(kind=kind, can_verify=True)
+        with pytest.raises(InputFileError, match=r"^p.json: models\[0\].can_verify: a '" + kind + "' gives no"):
+            profile_from_dict(copy.deepcopy(d), "p.json")
+    d["models"][0] = {"name": "k", "kind": "my_drafter", "cost": 0.0005}    # unknown kind: a token drafter
+    assert solve(profile_from_dict(d, "p.json")[0], 4).hierarchy[-1] == "t"
+
+
 @pytest.mark.parametrize("where,value,message", [
     ("k", [0.3, 0.0], r"models\[0\].draft_rate_by_budget\[1\]: expected a share of rounds in \(0, 1\]"),
     ("k", [], r"models\[0\].draft_rate_by_budget: expected a non-empty list"),

@@ -141,7 +141,8 @@ def test_acceptance_out_of_range(tmp_path, value):
     ("greedy_agreement", {"m4": {"m5": 1.5}}, "greedy_agreement.m4.m5"),
     ("greedy_agreement", {"m4": 0.5}, "greedy_agreement"),
     ("provenance", {"prompt_tokens_by_task": "x"}, "provenance.prompt_tokens_by_task"),
-    ("provenance", {"positions_by_task": {"qa": -5}}, "provenance.positions_by_task.qa")])
+    ("provenance", {"positions_by_task": {"qa": -5}}, "provenance.positions_by_task.qa"),
+    ("provenance", {"forced_by_task": [3]}, "provenance.forced_by_task")])
 def test_bad_per_task_records_name_the_field(tmp_path, section, value, field):
     """A profile's per-task rates and counts are checked when it is read (NaN and out-of-range rates too), so that
     `hsd solve --task/--per-task` never plans from them."""
@@ -149,6 +150,17 @@ def test_bad_per_task_records_name_the_field(tmp_path, section, value, field):
     d[section] = value
     p = write(tmp_path, json.dumps(d).replace('"NaN"', "NaN"))
     _expect_error(run("solve", "--profile", p, "--task", "qa"), str(p), field)
+
+
+def test_a_task_whose_every_token_its_grammar_forced_plans_without_a_forced_share(tmp_path):
+    """No position measured (every token forced): the share is unknown, not 1 (which the plan refused)."""
+    d = good_profile()
+    d["acceptance_by_task"] = {"qa": {"m4": {"m5": 0.5}}}
+    d["provenance"] = {"positions_by_task": {"qa": 0}, "forced_by_task": {"qa": 5}}
+    out = tmp_path / "plan.json"
+    r = run("solve", "--profile", write(tmp_path, json.dumps(d)), "--per-task", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert load_plan(out).by_task["qa"].forced_share is None
 
 
 def test_messages_print_brackets_as_they_are(tmp_path):
@@ -200,6 +212,16 @@ def test_simulate_plan_with_unknown_model(tmp_path):
     bad = write(tmp_path, d, "bad_plan.json")
     _expect_error(run("simulate", "--plan", bad, "--profile", DATA / "example_profile.json"),
                   str(bad), "hierarchy[0]", "ghost")
+
+
+def test_simulating_a_tasks_plan_under_a_profile_without_that_task_names_the_plans_task(tmp_path):
+    d = good_profile()
+    d["acceptance_by_task"] = {"qa": {"m4": {"m5": 0.5}}}
+    plan_path = tmp_path / "plan.json"
+    assert run("solve", "--profile", write(tmp_path, d), "--task", "qa", "--out", plan_path).exit_code == 0
+    res = run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json")
+    _expect_error(res, "the plan (solved for task 'qa'): the profile has no per-task statistics")
+    assert "--task" not in out_of(res)      # simulate has no such flag
 
 
 def test_simulate_plan_with_other_target_and_bad_plan_fields(tmp_path):

@@ -207,7 +207,7 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
             context = plan.context
         hierarchy, budgets = plan.hierarchy, plan.budgets
         if plan.task is not None:
-            profile = task_profile(_as_profile(profile), plan.task)[0]
+            profile = task_profile(_as_profile(profile), plan.task, f"the plan (solved for task {plan.task!r})")[0]
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")
     if not is_integer(rounds) or rounds < 1:

@@ -27,15 +27,15 @@ def task_positions(profile: Profile, task: str) -> int | None:
 
 def forced_share(profile: Profile, task: str) -> float | None:
     """The share of ``task``'s generated tokens its grammar forced (None: the task had no grammar, or the profile
-    did not record it): decoding takes those without a pass."""
+    did not record it, or measured none of its positions): decoding takes those without a pass."""
     forced = (profile.provenance.get("forced_by_task") or {}).get(task)
     measured = task_positions(profile, task)
-    if not is_real(forced) or forced <= 0 or measured is None:
+    if not is_real(forced) or forced <= 0 or not measured:
         return None
     return float(forced) / (float(forced) + measured)
 
 
-def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
+def task_profile(profile: Profile, task: str, asker: str = "--task") -> tuple[Profile, list[str]]:
     """``profile`` as the prompts of ``task`` see it, and the pairs that fell back to the overall value.
 
     Every measured pair takes the task's acceptance where the task has data for it; an abstaining token drafter
@@ -44,14 +44,15 @@ def task_profile(profile: Profile, task: str) -> tuple[Profile, list[str]]:
     (``"draft_rate of drafter"``) kept at the overall value.
 
     Raises:
-        HsdError: the profile has no per-task statistics, or none for ``task`` (naming the tasks it has).
+        HsdError: the profile has no per-task statistics, or none for ``task`` (naming the tasks it has), the
+        message led by ``asker`` (what asked for the task: the flag, or a plan solved for it).
     """
     tasks = profile_tasks(profile)
     if not tasks:
-        raise HsdError("--task: the profile has no per-task statistics (acceptance_by_task); profile a prompt file "
+        raise HsdError(f"{asker}: the profile has no per-task statistics (acceptance_by_task); profile a prompt file "
                        "whose lines name their task (or Spec-Bench questions) to get them")
     if task not in tasks:
-        raise HsdError(f"--task: the profile has no statistics for task {task!r}; it has {', '.join(tasks)}")
+        raise HsdError(f"{asker}: the profile has no statistics for task {task!r}; it has {', '.join(tasks)}")
     acc_t = profile.acceptance_by_task[task] or {}
     rates_t = profile.draft_rate_by_task.get(task) or {}
     fallbacks: list[str] = []
