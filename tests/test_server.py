@@ -1003,7 +1003,7 @@ def test_a_served_stream_with_an_interval_has_fewer_chunks_and_the_same_text(tin
     no_tracebacks(caplog)
 
 
-def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
+def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
     plan = tiny[0]
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -1016,6 +1016,8 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
              (["--plan", plan, "--stream-interval", "0"], "--stream-interval"),
              (["--plan", plan, "--log-stats", "-1"], "--log-stats"),
              (["--plan", plan, "--allowed-origins", "localhost:3000"], "--allowed-origins"),
+             (["--plan", plan, "--api-key", "", "--port", str(port)], "--api-key (or HSD_API_KEY): an empty key"),
+             (["--plan", plan, "--api-key", " k", "--port", str(port)], "--api-key (or HSD_API_KEY): a key must be"),
              (["--plan", plan, "--port", str(port)], "--port")]
     try:
         for args, needle in cases:
@@ -1023,6 +1025,9 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path):
             out = cli_output(res)
             errors = [x for x in out.splitlines() if x.startswith("error:")]
             assert res.exit_code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in out, out
+        monkeypatch.setenv("HSD_API_KEY", "")     # set but empty, as ``HSD_API_KEY=$UNSET``: not an open server
+        out = cli_output(run_cli("serve", "--plan", plan, "--port", str(port)))    # (checked before the port)
+        assert "an empty key would leave the server open" in out, out
     finally:
         taken.close()
 

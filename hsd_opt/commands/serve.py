@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -59,10 +60,18 @@ def parse_origins(text: str) -> list[str]:
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
-                     prompt_cache: int = 0, log_stats: float = 0.0) -> None:
+                     prompt_cache: int = 0, log_stats: float = 0.0, api_key: Optional[str] = None) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
     ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
-    ``--stream-interval`` < 1, ``--prompt-cache`` < 0 or ``--log-stats`` < 0."""
+    ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, or an ``--api-key`` that is empty
+    (``--api-key "$KEY"`` of an unset variable: a server open to anyone) or that no header can carry as given."""
+    if api_key is not None:
+        if not api_key.strip():
+            raise HsdError("--api-key (or HSD_API_KEY): an empty key would leave the server open to anyone; give "
+                           "a key, or leave both out for a server without one")
+        if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
+            raise HsdError("--api-key (or HSD_API_KEY): a key must be printable ASCII without spaces around it "
+                           "(what an Authorization header carries)")
     if not log_stats >= 0:
         raise HsdError(f"--log-stats: expected a number of seconds >= 0 (0: off), got {log_stats}")
     if prompt_cache < 0:
@@ -260,8 +269,10 @@ def serve_cmd(
     from hsd_opt.runtime.decode import check_mode
     from hsd_opt.server.serving import bind_socket
 
+    if api_key is None and os.environ.get("HSD_API_KEY") == "":    # set but empty: the option parser drops it
+        api_key = ""
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
-                     prompt_cache, log_stats)
+                     prompt_cache, log_stats, api_key)
     check_mode(mode)
     origins = parse_origins(allowed_origins)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
