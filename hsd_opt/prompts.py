@@ -135,6 +135,16 @@ def with_json_tasks(suite: PromptSuite, n: int) -> PromptSuite:
     return PromptSuite(suite.items + extra, sha, f"{suite.source} + {len(extra)} JSON-schema tasks ({JSON_TASKS})")
 
 
+def _check_text(text: str, field: str, source: str, where: str) -> None:
+    """Refuse ``text`` that is no Unicode text: a lone surrogate (JSON's ``"\\ud800"``), which no tokenizer
+    reads."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputFileError(source, f"{field} holds a lone surrogate ({text[e.start]!a} at character {e.start}): "
+                                     f"not Unicode text", where) from None
+
+
 def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
     """One line's object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
     if not isinstance(obj, dict):
@@ -143,6 +153,7 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputFileError(source, '"prompt" must be a non-empty string', where)
+        _check_text(prompt, '"prompt"', source, where)
         schema = obj.get("schema")
         if schema is not None and not isinstance(schema, dict):
             raise InputFileError(source, f'"schema" must be a JSON schema object, got {type(schema).__name__}',
@@ -158,6 +169,7 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         for k, t in enumerate(turns):
             if not isinstance(t, str) or not t.strip():
                 raise InputFileError(source, f'"turns"[{k}] must be a non-empty string', where)
+            _check_text(t, f'"turns"[{k}]', source, where)
         cat = obj.get("category")
         if not isinstance(cat, str) or not cat:
             raise InputFileError(source, f'"category" must be a non-empty string (Spec-Bench format), got {cat!r}',
@@ -186,7 +198,7 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         source = str(p)
     raw = read_bytes(p, "a JSON-lines prompt file")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")     # a byte-order mark (some editors write one)
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise InputFileError(str(p), "not UTF-8 text", f"line {line}") from None

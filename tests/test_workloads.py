@@ -71,6 +71,8 @@ def test_select_items_per_task_is_deterministic(tmp_path):
     ('["a", "list"]', "Spec-Bench question"),
     ('{"prompt": 3}', '"prompt" must be a non-empty string'),
     ('{"question_id": 1, "category": "qa", "turns": ["unterminated"', "malformed JSON"),
+    ('{"prompt": "a\\ud800b"}', '"prompt" holds a lone surrogate'),       # valid JSON, no Unicode text
+    ('{"question_id": 1, "category": "qa", "turns": ["ok", "\\udfff"]}', '"turns"[1] holds a lone surrogate'),
 ])
 def test_bad_lines_are_named(tmp_path, line, needle):
     path = _write(tmp_path / "bad.jsonl", [SPEC_BENCH[0], line])
@@ -306,3 +308,9 @@ def test_a_prompt_holding_unicode_line_separators_is_one_line(tmp_path):
     path.write_text(json.dumps({"prompt": "x\u2028y"}, ensure_ascii=False) + "\n{bad\n")
     with pytest.raises(InputFileError, match="line 2"):
         load_prompts(path)
+
+
+def test_a_prompt_file_may_start_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hello"}).encode() + b"\n")
+    assert [it.prompt for it in load_prompts(path).items] == ["hello"]
