@@ -13,9 +13,10 @@ do not hang on near-ties, and ours can be compared with HF's token for token).
 
 Measured (every figure a median of ``--repeats`` timings, the device synchronised around each):
 
-- ``bandwidth``: a device-to-device copy of ``--copy-mb`` MB (bytes read plus written per second); ``floor_ms``:
-  the bytes a decode step reads (the layers' and the LM head's weights: ``read_bytes``) at half that rate (read
-  alone);
+- ``bandwidth``: a device-to-device copy of ``--copy-mb`` MB (bytes read plus written per second, as copy
+  bandwidths are quoted); ``floor_ms``: the bytes a decode step reads (the layers' and the LM head's weights:
+  ``read_bytes``) at that rate (the memory's whole rate serves a stream of reads as it serves a copy's reads and
+  writes: 7B in bfloat16 at an H200's 4.3 TB/s, 3.1 ms);
 - ``step_ms``: our decode step (every layer over one appended token, then the greedy token: the engine's passes are
   timed as every cost measurement times them, ``hsd_opt.engine.timing``) at ``--context`` tokens;
   ``pass_ms[t]``: a verification pass over ``t`` new positions; ``batch_ms[B]``: one step of ``B`` sequences
@@ -58,7 +59,10 @@ Measured (every figure a median of ``--repeats`` timings, the device synchronise
 - ``ours_tok_s``: our AR loop (``HSD`` with the target alone) over ``--new`` tokens after a ``--context``-token
   prompt, decode only; ``hf_eager_tok_s``: HF ``generate`` (dynamic cache), decode only (the total less a
   one-token generate); ``hf_compiled_tok_s``: with a static cache and ``torch.compile`` of the forward
-  (``reduce-overhead``), where it compiles (the error otherwise); ``*_equal``: their greedy tokens equal ours.
+  (``reduce-overhead``), where it compiles (the error otherwise; each timed generate is the second of two of its
+  length, the first compiling for it); ``*_equal``: their greedy tokens equal ours;
+- ``section_seconds``: each section's seconds, in the order run: the engine's figures, then these generations
+  (the headline figures first), then the rest; the JSON is written after each section.
 """
 
 from __future__ import annotations
@@ -456,10 +460,15 @@ def hf_generations(model, device: str, prompt: list[int], new: int, ours: list[i
         o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return now() - t0, o[0, len(prompt):].tolist()
 
+    def second_run(n: int):
+        """The second of two runs of ``n`` tokens: a static cache is sized by ``n``, so the first compiles (and
+        records) for that size; timing it would time the compiler."""
+        hf_run(n)
+        return hf_run(n)
+
     def decode_rate():
-        hf_run(2)
-        one, _ = hf_run(1)
-        total, toks = hf_run(new)
+        one, _ = second_run(1)
+        total, toks = second_run(new)
         return (new - 1) / max(total - one, 1e-9), toks
 
     if not compiled:
@@ -513,20 +522,39 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "transformers": transformers.__version__, "context": a.context,
               "build_seconds": round(time.perf_counter() - t0, 2)}
 
-    def save() -> None:
-        """Write what is measured so far (a run stopped by a time limit keeps it)."""
-        report["seconds"] = round(time.perf_counter() - t0, 1)
+    sections = report.setdefault("section_seconds", {})
+    last = [time.perf_counter()]
+
+    def save(section: str) -> None:
+        """Write what is measured so far (a run stopped by a time limit keeps it), with the seconds of the section
+        that ends here."""
+        t = time.perf_counter()
+        sections[section] = round(t - last[0], 1)
+        last[0] = t
+        report["seconds"] = round(t - t0, 1)
         write_json(Path(a.out), report)
+
+    def hf_ratios() -> None:
+        for k in ("ours", "ours_replayed"):
+            if report.get("hf_eager_tok_s") and report.get(f"{k}_tok_s"):
+                report[f"{k}_over_hf_eager"] = report[f"{k}_tok_s"] / report["hf_eager_tok_s"]
 
     bw = copy_bandwidth(a.device, a.copy_mb, a.repeats)
     figs = engine_figures(model, a.device, a.context, ts, batches, a.repeats)
     read = figs["weight_bytes"]               # the layers' and the head's matrices: what a step reads
-    report.update(bandwidth_gb_s=bw / 1e9, read_bytes=read, floor_ms=read / (bw / 2) * 1e3, **figs)
+    report.update(bandwidth_gb_s=bw / 1e9, read_bytes=read, floor_ms=read / bw * 1e3, **figs)
     report.update(with_ratios(figs, report["floor_ms"]))
     report["fixed_shapes"] = engine(model).fixed_shapes
-    save()
+    save("engine")
+    # the headline figures first (a later section's compile that runs long must not lose them)
+    figs, prompt, ours = generations(model, a.context, a.new, None)
+    report.update(figs)
+    if not a.no_hf:
+        report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=False))
+    hf_ratios()
+    save("generations")
     report["exactness"] = exactness(model, a.context, triton=a.triton)
-    save()
+    save("exactness")
     big = 32 if 32 in batches else max(batches)      # a batch's step: what its sequences add to the launches
     for name, how in (("kernels", {}), ("kernels_batch", {"batch": big}),
                       ("kernels_batch_triton", {"batch": big, "triton": True})):
@@ -536,7 +564,8 @@ def main(argv: list[str] | None = None) -> dict:
             report[name] = kernel_figures(model, a.context, **how)
         except Exception as e:  # noqa: BLE001 (a figure to report; the rest still runs)
             report[name] = f"{type(e).__name__}: {str(e)[:300]}"
-        save()
+        save(name)
+
     def variant(name: str, few: bool = False, **how) -> bool:
         """The step, passes and batches of :func:`engine` ``(model, **how)`` with their ratios, as ``report[name]``
         (the error instead where it fails: a figure to report; the rest still runs); ``few``: only the first and
@@ -551,10 +580,10 @@ def main(argv: list[str] | None = None) -> dict:
         return True
 
     variant("own_shapes", fixed_shapes=False)     # what fixed shapes cost: each pass at its own shapes
-    save()
+    save("own_shapes")
     if a.triton:   # a batch's attention in two kernels a layer instead of its sequences' own calls
         variant("triton", few=True, triton=True)
-        save()
+        save("triton")
     # the engine's passes replayed from CUDA graphs; on a CPU, from the recorder that calls them again (a dry run)
     record = None if a.no_graphs else graphs.cuda_graph if a.device.startswith("cuda") else graphs.calls_again
     if not a.no_graphs:
@@ -563,34 +592,31 @@ def main(argv: list[str] | None = None) -> dict:
                 and isinstance(report["graph_ms"][1], float):
             report["graph_step_over_floor"] = report["graph_ms"][1] / report["floor_ms"]
         report["matmul"] = matmul_figures(config_of(a.config), a.device, dtype, a.repeats)
-        save()
+        save("graphs_matmul")
         report["copies"] = copy_figures(model, a.context, a.repeats)
         for fig in report["copies"].values():
             for v in fig.values():
                 if isinstance(v, dict):
                     v["step_over_target"] = v["1_ms"] / report["step_ms"]
-        save()
+        save("copies")
         if not variant("replayed", record=record):
             record = None
-        save()
+        save("replayed")
         if a.triton and record is not None:
             variant("triton_replayed", few=True, record=record, triton=True)
-            save()
+            save("triton_replayed")
         variant("compiled", record=record, compiled=True)   # the small kernels fused, replayed
-    save()
-    figs, prompt, ours = generations(model, a.context, a.new, record)
-    report.update(figs)
-    if not a.no_hf:
-        report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=False))
-    for k in ("ours", "ours_replayed"):
-        if report.get("hf_eager_tok_s") and report.get(f"{k}_tok_s"):
-            report[f"{k}_over_hf_eager"] = report[f"{k}_tok_s"] / report["hf_eager_tok_s"]
-    save()
+        save("compiled")
+    if record is not None:                  # the AR loop replaying its steps (the op-by-op one's figures kept)
+        figs, _, _ = generations(model, a.context, a.new, record)
+        report.update({k: v for k, v in figs.items() if k.startswith("ours_replayed")})
+        hf_ratios()
+        save("generations_replayed")
     if not (a.no_hf or a.no_compile):       # last: compiling may take minutes
         report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=True))
         if report.get("hf_compiled_tok_s") and report.get("ours_tok_s"):
             report["ours_over_hf_compiled"] = report["ours_tok_s"] / report["hf_compiled_tok_s"]
-    save()
+        save("hf_compiled")
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in report.items()
                       if not isinstance(v, dict)}))
     return report
