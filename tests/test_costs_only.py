@@ -273,10 +273,30 @@ def test_solve_and_merges_refuse_a_costs_only_profile_where_rates_are_needed(tmp
                       "-o", tmp_path / "m.json")
         out = " ".join(cli_output(res).split())
         assert res.exit_code == 2 and f"provenance.{field}" in out and not (tmp_path / "m.json").exists(), out
+    d3 = {**d, "provenance": {**d["provenance"], "tmax": 2}}       # cost curves shorter than the rates' tmax
+    r["provenance"]["tmax"] = 3
+    save_profile(profile_from_dict(r, "rates.json")[0], tmp_path / "rates.json")
+    save_profile(profile_from_dict(d3, "other.json")[0], tmp_path / "other.json")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "other.json",
+                  "-o", tmp_path / "m.json")
+    assert res.exit_code == 2 and "provenance.tmax" in cli_output(res) and "--tmax 3" in cli_output(res)
     res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", c, "-o",
                   tmp_path / "m.json")
     assert res.exit_code == 0, cli_output(res)
     assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", "3").exit_code == 0
+    # a GPU's bfloat16 target, rates measured in float32 on a CPU: the same model's numbers up to rounding; the
+    # merged profile (and a plan from it) is for the target the costs timed
+    d4 = {**d, "provenance": {**d["provenance"], "dtype": "bfloat16", "target_precision": "bfloat16"}}
+    r["provenance"]["dtype"] = "float32"
+    save_profile(profile_from_dict(r, "rates.json")[0], tmp_path / "rates.json")
+    save_profile(profile_from_dict(d4, "bf16.json")[0], tmp_path / "bf16.json")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "bf16.json",
+                  "-o", tmp_path / "m16.json")
+    assert res.exit_code == 0, cli_output(res)
+    prov = load_profile(tmp_path / "m16.json")[0].provenance
+    assert (prov.dtype, prov.target_precision) == ("bfloat16", "bfloat16")
+    assert prov.get("rates_measured_with") == {"dtype": "float32", "target_precision": "float32"}
+    assert prov.get("costs_from")["model"] == "m"
 
 
 def test_costs_only_is_typed_and_checked():
@@ -333,3 +353,19 @@ def test_the_costs_record_how_the_torch_path_ran(tiny, tmp_path, monkeypatch):
     assert res.exit_code == 0, cli_output(res)
     assert load_profile(tmp_path / "merged.json")[0].provenance.get("costs_from")["torch_path"]["weight_only"]
     assert rates.provenance.get("torch_path")["weight_only"] is True
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1, got 0"),
+    ({"vocab_size": 0}, "vocab_size must be an integer >= 1, got 0"),
+    ({"hidden_size": 30, "num_attention_heads": 4}, "cannot build a causal LM of this configuration .*hidden size"),
+    ({"pad_token_id": 10**6}, "cannot build a causal LM of this configuration"),
+])
+def test_a_configuration_no_model_can_be_built_of_is_one_error_naming_the_flag(tmp_path, change, needle):
+    """transformers refuses some of these with an assertion or a validation error of its own: one line too."""
+    from hsd_opt.models.random_weights import config_of, load_random
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config_of("tiny"), **change}))
+    with pytest.raises(HsdError, match=f"^--model.*{needle}"):
+        load_random(str(path), device="cpu", dtype="float32")

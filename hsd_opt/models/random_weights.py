@@ -65,6 +65,10 @@ def _read_config(path: Path, flag: str) -> dict[str, Any]:
         raise HsdError(f"{flag} {path}: not a readable config.json ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("num_hidden_layers"), int):
         raise HsdError(f"{flag} {path}: not a model configuration (no num_hidden_layers)")
+    for key in ("num_hidden_layers", "vocab_size", "hidden_size"):
+        v = raw.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise HsdError(f"{flag} {path}: {key} must be an integer >= 1, got {v!r}")
     return {k: v for k, v in raw.items() if not k.startswith("_")}
 
 
@@ -83,8 +87,8 @@ def random_model(config: dict[str, Any], device: "str | torch.device", dtype: "t
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.get("model_type", "llama"), **kw))
-    except (TypeError, ValueError, KeyError) as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # noqa: BLE001 (transformers' checks raise assertions and validation errors of its own)
+        why = " ".join(str(e).split()) or type(e).__name__      # one line (some span several)
         raise HsdError(f"{flag}: cannot build a causal LM of this configuration "
                        f"({why if len(why) <= 160 else why[:160] + '...'})") from None
     finally:

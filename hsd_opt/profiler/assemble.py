@@ -441,16 +441,25 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
 
 
 #: The settings that change what a cost measures (the target's sampling work, the target's own precision): the
-#: costs merged with rates must have been measured with the rates' (the device and its dtype may differ).
+#: costs merged with rates must have been measured with the rates' (the device and its dtype may differ, so may
+#: one float precision from another: a plan for a GPU's bfloat16 target from rates measured in float32 on a CPU).
 COST_FIELDS = ("temperature", "top_p", "top_k", "min_p", "target_precision")
+#: The targets that compute the model's own numbers, up to rounding (int8 and int4 targets are other models).
+FLOAT_PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def _same_costed_work(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> None:
     """Refuse ``costs`` measured under other :data:`COST_FIELDS` than ``rates`` (naming the field); a
-    ``target_precision`` is compared only where both files record one."""
+    ``target_precision`` is compared only where both files record one, and two of :data:`FLOAT_PRECISIONS` are
+    the same model's; refuse ``costs`` of a smaller ``tmax`` (its cost curves stop short of the rates')."""
     a, b = rates.provenance.to_dict(), costs.provenance.to_dict()
+    ta, tb = a.get("tmax"), b.get("tmax")
+    if isinstance(ta, int) and isinstance(tb, int) and tb < ta:
+        raise InputFileError(costs_source, f"its costs were measured up to tmax {tb}, {rates_source}'s rates up to "
+                                           f"{ta}: measure the costs with --tmax {ta} or more", "provenance.tmax")
     for f in COST_FIELDS:
-        if f == "target_precision" and (a.get(f) is None or b.get(f) is None):
+        if f == "target_precision" and (a.get(f) is None or b.get(f) is None
+                                        or {a[f], b[f]} <= set(FLOAT_PRECISIONS)):
             continue
         if setting(a, f) != setting(b, f):
             raise InputFileError(costs_source, f"its costs were measured with {f} = {setting(b, f)!r}, "
@@ -504,8 +513,14 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     batches = [BatchCosts(b.batch, only(b.ratio), b.context, only(b.pass_seconds)) for b in costs.batch_costs]
     prov = rates.provenance.to_dict()
     cp = costs.provenance
-    prov["costs_from"] = {"file": costs_source, "device": cp.device, "dtype": cp.dtype, "kernels": cp.get("kernels"),
+    prov["costs_from"] = {"file": costs_source, "model": cp.model, "device": cp.device, "dtype": cp.dtype,
+                          "target_precision": cp.target_precision, "kernels": cp.get("kernels"),
                           "torch_path": cp.get("torch_path"),
                           "torch_threads": cp.threads, "date": cp.get("date"), "costs_only": bool(cp.costs_only)}
+    # the plan is for the target the costs timed: runs load it in their dtype (the rates' differed by rounding)
+    for f in ("dtype", "target_precision"):
+        if cp.get(f) is not None and prov.get(f) is not None and cp.get(f) != prov.get(f):
+            prov.setdefault("rates_measured_with", {})[f] = prov[f]
+            prov[f] = cp.get(f)
     return replace(rates, models=models, verify_cost=pairs(costs.verify_cost), cost_curve=only(costs.cost_curve),
                    context_costs=contexts, batch_costs=batches, provenance=provenance_from_dict(prov, rates_source))
