@@ -63,6 +63,8 @@ def _umask() -> int:
 #: The permissions a new file gets here (``0o666`` less the process's umask, read once at import), as ``open``
 #: would give it; a temporary file is created private and given these before it takes the file's name.
 FILE_MODE = 0o666 & ~_umask()
+#: The same for a new folder (``0o777`` less the umask), as ``mkdir`` gives it (``mkdtemp`` makes one private).
+FOLDER_MODE = 0o777 & ~_umask()
 
 
 def _give_mode(tmp: str, p: Path) -> None:

