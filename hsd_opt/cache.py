@@ -17,8 +17,9 @@ CACHE_ENV = "HSD_CACHE"
 
 
 def cache_dir() -> Path:
-    """The project's cache directory: ``$HSD_CACHE`` or ``~/.cache/hsd-opt`` (not created here)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hsd-opt")
+    """The project's cache directory: ``$HSD_CACHE`` (``~`` expanded, made absolute: one cache whichever folder a
+    command runs in) or ``~/.cache/hsd-opt`` (not created here)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hsd-opt").expanduser().absolute()
 
 
 def cache_error(what: str, folder: Path, e: OSError) -> HsdError:

