@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -411,6 +412,24 @@ def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch)
     assert path.is_file() and said and "compiling" in said[0]
     assert not list(path.parent.glob("*.partial"))       # written atomically
     assert kernels.library_path(cc, openmp=omp) == path   # same source, compiler and CPU: the same file
+
+
+@pytest.mark.slow
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    """A library cut short in the cache (a full disk, a copy) made every run fall back to the torch path, warning,
+    and was never rebuilt."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    monkeypatch.setenv("HSD_OPENMP", "0")
+    cc = kernels.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = kernels.library_path(cc, variants.BY_NAME["portable"], openmp=False)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF cut short")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no "kernels unavailable" warning
+        lib = kernels.load(variant="portable")
+    assert lib is not None and lib.hsd_simd() == 0 and path.stat().st_size > 1000
 
 
 @pytest.mark.slow

@@ -424,7 +424,15 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
                 pass                           # tried again next time
             if log:
                 log(f"hsd-opt: {cc} cannot build with OpenMP; the kernels run on one thread")
-    lib = _bind(ctypes.CDLL(str(path)))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        # a cached library that does not load (a write cut short, a damaged disk): built again, once (a library
+        # that loads is never replaced in-process: the loader would hand back the first one for its path)
+        path.unlink(missing_ok=True)
+        build(cc, path, variant, log, openmp=omp)
+        lib = ctypes.CDLL(str(path))
+    lib = _bind(lib)
     check_layout(lib)
     return lib, omp, path
 
