@@ -7,7 +7,7 @@ second turn takes the first's keys and values), `hsd serve --prompt-cache 0` (co
         [--llama-server PATH --gguf FILE] [--concurrency 1,4] [--limit 16] [--max-tokens 128] [--rounds 2] \\
         [--methods hsd,hsd_nocache,llama] [--out benchmarks/results/chat_turns.json]
     .venv/bin/python -m benchmarks.chat_turns --plan out/plan.json --questions QUESTIONS.jsonl --in-process \
-        [--limit 30] [--max-tokens 128] [--out ...]
+        [--limit 16] [--max-tokens 128] [--out ...]
 
 At each number of clients ``c`` (levels in order, the methods' order shifted by one from round to round) ``c``
 threads start together and take the conversations in turn (``--limit`` of them, the first that have two turns),

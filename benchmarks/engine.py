@@ -2,7 +2,7 @@
 its early exits and its quantized copies, against the weight-read floor and HF `generate` measured in the same
 run, with llama.cpp's `llama-bench` on the same GGUF as an anchor when a binary is given.
 
-    .venv/bin/python -m benchmarks.engine [--model smollm2-135m] [--t 1,2,4,8,16] [--exits 15,22]
+    .venv/bin/python -m benchmarks.engine [--model smollm2-135m] [--t 1,2,3,4,8,12,16] [--exits 15,22]
         [--llama-bench PATH --gguf-f32 FILE --gguf-q4 FILE] [--out benchmarks/results/engine.json]
 
 Every figure is a median over interleaved rounds (each round times every engine and t once), so a slow spell of a

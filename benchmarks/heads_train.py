@@ -5,7 +5,7 @@ reports held-out acceptance (sum_x min(p_exit, p_final)) and greedy agreement vs
 (raw logit lens) and after training, the training time, and the one-token decode step cost of exits with the
 full LM head vs a reduced-vocabulary draft head.
 
-    .venv/bin/python -m benchmarks.heads_train [--threads 2] [--tokens 4096] [--epochs 3] \
+    .venv/bin/python -m benchmarks.heads_train [--threads 1] [--tokens 4096] [--epochs 3] \
         [--out out/heads-smollm2.safetensors] [--json benchmarks/results/heads_train.json]
 """
 

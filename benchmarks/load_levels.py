@@ -3,7 +3,7 @@
 of ``B`` sequences decoded together, and every greedy answer against the target's own.
 
     .venv/bin/python -m benchmarks.load_levels --plan out/plan.json --profile out/profile.json \\
-        [--levels 1,2,4,8,16] [--rounds 2] [--max-new-tokens 64] [--max-wait 3] [--clock-repeats 15] \
+        [--levels 1,2,4,8,16] [--rounds 2] [--max-new-tokens 64] [--max-wait SECONDS] [--clock-repeats 15] \
         [--out benchmarks/results/load_levels.json]
 
 Per round and level ``B`` (levels in turn, the order reversed every other round): every engine of the plan's

@@ -1,7 +1,7 @@
 """Runtime benchmark: `hsd bench` on the embedded SmolLM2-135M with a solved plan, plus extra
 hierarchies from the same plan's pool (its ranked alternatives), written to benchmarks/results/.
 
-    .venv/bin/python -m benchmarks.runtime_bench --plan plan.json --limit 4 --max-new-tokens 32 [--alternatives 3]
+    .venv/bin/python -m benchmarks.runtime_bench --plan plan.json --limit 4 --max-new-tokens 32 [--alternatives 2]
 
 Writes runtime_bench.json (the `hsd bench` report + the machine's load), runtime_bench.png and prints a markdown
 table. Timings on a shared 2-core machine are noisy: compare ratios from one run (methods interleave per prompt).
