@@ -82,3 +82,26 @@ def test_the_device_run_imports_none_of_what_a_gpu_machine_lacks(lacking, tmp_pa
     assert json.loads(costs.read_text())["provenance"]["costs_only"] is True
     assert json.loads(plan.read_text())["hierarchy"]
     assert json.loads((tmp_path / "gpu_scale.json").read_text())["hf_eager_equal"] is True
+
+
+def test_the_device_run_leaves_few_files_refreshed_after_every_step(tmp_path):
+    """A lent device gives back at most 8 files from its output folder: the run leaves three there (the work folder
+    bundled, the steps, gpu_scale's JSON), whatever folder it is started from; every step's log is in the bundle.
+    The steps' Python is a stand-in here that writes ``{}`` where it is given ``--out``/``-o``."""
+    import tarfile
+
+    stub = tmp_path / "py"
+    stub.write_text('#!/usr/bin/env bash\nout=""\nwhile [ $# -gt 0 ]; do case "$1" in --out|-o) out=$2;; esac; '
+                    'shift; done\n[ -n "$out" ] && echo "{}" >"$out"\necho ran\n')
+    stub.chmod(0o755)
+    out, work = tmp_path / "out", tmp_path / "work"
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), str(out)], cwd=tmp_path,
+                         env={**os.environ, "PY": str(stub), "WORK": str(work)}, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_run.tar.gz", "gpu_scale.json", "steps.tsv"]
+    steps = (out / "steps.tsv").read_text().splitlines()[1:]
+    assert len(steps) == 9 and all(line.split("\t")[1] == "0" for line in steps), steps
+    with tarfile.open(out / "gpu_run.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {f"{line.split()[0]}.log" for line in steps} <= names and "family_plan_replayed.json" in names
