@@ -250,6 +250,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         os.chmod(tmp, FOLDER_MODE)               # as the cache's other folders (mkdtemp makes it private)
     except OSError as e:
         raise cache_error(f"the converted {gguf.name}", root, e) from None
+    writing = False
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -258,6 +259,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
             del model.config.quantization_config
         model.hf_quantizer = None
         model.is_quantized = False
+        writing = True
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         revision = "sha256:" + digest
@@ -267,11 +269,12 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         os.replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError" and "I/O error" in str(e):
+        if writing and (isinstance(e, OSError) or type(e).__name__ == "SafetensorError" and "I/O error" in str(e)):
             # writing the copy failed (a full disk: safetensors says so in an error of its own)
             raise cache_error(f"the converted {gguf.name}", tmp, OSError(_first_line(e))) from None
         raise
     return out, revision
+
 
 #: Seconds without a write after which a conversion's temporary folder is one a killed process left behind.
 STALE_CONVERSION_SECONDS = 3600.0
