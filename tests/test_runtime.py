@@ -268,6 +268,18 @@ def test_bad_hierarchies_and_inputs():
             HSD([Level("a", lm, 1), Level("t", lm, 4)], budgets)
     with pytest.raises(HsdError, match=r"seeds: expected one per prompt \(2\), got 1"):
         generate_many(h, [[3, 4], [5]], 3, temperature=1.0, seeds=[1])
+    # cheapest first, target last: an exit above a deeper one of the same model (or the target below an exit)
+    # decoded the lower level's greedy output as if it were the target's
+    for levels in ([Level("b", lm, 2), Level("a", lm, 1), Level("t", lm, 4)], [Level("t", lm, 4), Level("a", lm, 4)]):
+        with pytest.raises(HsdError, match="must read deeper than those below it"):
+            HSD(levels, [1] * (len(levels) - 1))
+    with pytest.raises(HsdError, match="level 'x': neither an engine nor a drafter"):
+        HSD([Level("x"), Level("t", lm, 4)], [2])
+    assert HSD([Level("a", lm, 1), Level("t", lm, 4)], [2], eos_ids=None).generate([3, 4], 3).token_ids == want
+    for kwargs, words in (({"logprobs": True}, "--logprobs: expected a number of alternatives 0 .. 20, got True"),
+                          ({"logprobs": 2.5}, "got 2.5"), ({"temperature": 1.0, "min_p": "x"}, "--min-p")):
+        with pytest.raises(HsdError, match=words):
+            h.generate([3, 4], 3, **kwargs)
 
 
 def test_process_logits_top_p():

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hsd_opt.cli import app
+from hsd_opt.errors import InputFileError
 from tests.helpers import make_tiny_llama, write_plan
 
 runner = CliRunner()
@@ -55,6 +56,9 @@ def test_run_streams_and_writes_json_equal_to_ar(tiny_dir, tmp_path):
     loaded = load_model(str(tiny_dir / "m"), device="cpu")
     p = load_plan(plan)
     ar = hsd_for_plan(p, loaded, hierarchy=["layer4"], budgets=[])
+    other = _plan(tmp_path / "other.json", tiny_dir / "other-model")      # made for another model: refused, as
+    with pytest.raises(InputFileError, match="provenance.model: the plan was made for model"):   # hsd run does
+        hsd_for_plan(load_plan(other), loaded)
     for x in lines:
         assert set(x) >= {"prompt", "token_ids", "text", "stats"}
         ref = ar.generate(encode_prompt(loaded.tokenizer, x["prompt"]), 9).token_ids

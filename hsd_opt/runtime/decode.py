@@ -207,8 +207,8 @@ def check_filters(top_k: int, min_p: float) -> None:
     one-line :class:`HsdError` naming the flag."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise HsdError(f"--top-k: expected an integer >= 0 (0: off), got {top_k}")
-    if not 0.0 <= min_p <= 1.0:
-        raise HsdError(f"--min-p: expected a value in [0, 1] (0: off), got {min_p}")
+    if not is_real(min_p) or not 0.0 <= min_p <= 1.0:
+        raise HsdError(f"--min-p: expected a value in [0, 1] (0: off), got {min_p!r}")
 
 
 @dataclass
@@ -230,6 +230,21 @@ class Level:
     @property
     def is_model(self) -> bool:
         return self.engine is not None
+
+
+def _check_order(levels: Sequence[Level]) -> None:
+    """Refuse a hierarchy in which a level reads a model no deeper than a level below it that reads the same
+    model (an exit above a deeper exit, or the target below one of its exits): cheapest first, target last."""
+    seen: dict[int, Level] = {}
+    for lv in levels:
+        if not lv.is_model:
+            continue
+        below = seen.get(id(lv.engine))
+        if below is not None and lv.boundary <= below.boundary:
+            raise HsdError(f"{lv.name!r} (layer {lv.boundary}) verifies {below.name!r} (layer {below.boundary}) of the "
+                           f"same model: each level must read deeper than those below it (cheapest first, target "
+                           f"last)")
+        seen[id(lv.engine)] = lv
 
 
 @dataclass
@@ -284,8 +299,8 @@ def check_logprobs(logprobs: int | None) -> None:
     """Refuse a number of alternatives to list with each token's log-probability outside 0 ..
     :data:`MAX_TOP_LOGPROBS` with a one-line :class:`HsdError` naming the flag (as :func:`check_generation_args`:
     the CLI calls this before loading a model, a decoding again); None asks for none."""
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise HsdError(f"--logprobs: expected 0 .. {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+    if logprobs is not None and not (is_integer(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise HsdError(f"--logprobs: expected a number of alternatives 0 .. {MAX_TOP_LOGPROBS}, got {logprobs!r}")
 
 
 @dataclass
@@ -393,8 +408,12 @@ class HSD:
                  mode: str = "exact", residual: bool = True, share_prompt: bool = True,
                  pool: StatePool | None = None, max_positions: int | None = None):
         levels = list(levels)
+        for lv in levels:
+            if not lv.is_model and lv.drafter is None:
+                raise HsdError(f"level {lv.name!r}: neither an engine nor a drafter")
         if not levels or not levels[-1].is_model:
             raise HsdError("a hierarchy needs a model as its last level (the target)")
+        _check_order(levels)
         if len(budgets) != len(levels) - 1:
             raise HsdError(f"budgets: expected {len(levels) - 1} values for {len(levels)} levels, got {len(budgets)}")
         for i, t in enumerate(budgets):
@@ -414,7 +433,7 @@ class HSD:
         #: the most positions a verification pass computes (drafts and the position before them)
         self.longest = longest
         self.budgets = [int(t) for t in budgets] or [1]
-        self.eos = frozenset(int(e) for e in eos_ids)
+        self.eos = frozenset(int(e) for e in eos_ids or ())
         self.mode = mode
         self.residual = residual  # False only in tests: a deliberately wrong sampler (resample from p)
         self.share_prompt = share_prompt

@@ -372,7 +372,9 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
                  budgets=None, models: PlanModels | None = None) -> HSD:
     """An :class:`HSD` runner for ``plan`` (or for ``hierarchy``/``budgets`` drawn from the same plan's models),
     over ``models`` (a new :class:`PlanModels` of ``loaded`` when None: pass one to share engines between
-    runners)."""
+    runners). A plan made for another model, revision or dtype than ``loaded`` is refused
+    (:func:`check_provenance`), as ``hsd run`` refuses it."""
+    check_provenance(plan, loaded, source)
     if hierarchy is not None:
         from copy import copy
 
