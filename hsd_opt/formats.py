@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
-from hsd_opt.errors import InputFileError
+from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import read_json, write_json
 from hsd_opt.values import is_finite
 
@@ -1017,7 +1017,10 @@ def load_profile(path: str | os.PathLike) -> tuple[Profile, list[str]]:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
-    """Write ``profile`` atomically."""
+    """Write ``profile`` atomically (:class:`HsdError` for anything but a :class:`Profile`: a plan written as a
+    profile was refused only when read)."""
+    if not isinstance(profile, Profile):
+        raise HsdError(f"save_profile: expected a Profile, got {type(profile).__name__}")
     write_json(path, profile.to_dict())
 
 
@@ -1395,5 +1398,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    """Write ``plan`` atomically."""
+    """Write ``plan`` atomically (:class:`HsdError` for anything but a :class:`Plan`)."""
+    if not isinstance(plan, Plan):
+        raise HsdError(f"save_plan: expected a Plan, got {type(plan).__name__}")
     write_json(path, plan.to_dict())

@@ -314,3 +314,25 @@ def test_a_context_asked_of_a_profile_without_costs_at_two_warns(tmp_path, conte
     res = run("solve", "--profile", p, "--context", 900, "--out", tmp_path / "plan.json")
     assert res.exit_code == 0, out_of(res)
     assert "--context 900" in out_of(res) and "one context only" in out_of(res)
+
+
+def test_the_python_api_refuses_what_it_cannot_use_in_one_line(tmp_path):
+    """A dict for a profile, budgets past a plan's or none, a profile saved as a plan: HsdError naming what to do
+    (a TypeError from pathlib, a latency for a budget of 10**6, a file refused only when read back)."""
+    from hsd_opt import evaluate, save_plan, save_profile, solve
+    from hsd_opt.errors import HsdError
+
+    d = good_profile()
+    for call in (lambda: solve(d, 4), lambda: evaluate(None, ["m4", "m5", "m6"], [2, 3])):
+        with pytest.raises(HsdError, match="expected a Profile or the path of a profile file, got"):
+            call()
+    prof, _ = load_profile(DATA / "example_profile.json")
+    for budgets, words in (([4, 10**6], r"budgets\[1\]: expected a budget in 1..63 tokens, got 1000000"),
+                           (None, "budgets: expected a list of budgets")):
+        with pytest.raises(HsdError, match=words):
+            evaluate(prof, ["m4", "m5", "m6"], budgets)
+    with pytest.raises(HsdError, match="save_plan: expected a Plan, got Profile"):
+        save_plan(prof, tmp_path / "plan.json")
+    with pytest.raises(HsdError, match="save_profile: expected a Profile, got Plan"):
+        save_profile(solve(prof, 4), tmp_path / "p.json")
+    assert not list(tmp_path.iterdir())

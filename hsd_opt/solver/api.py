@@ -29,7 +29,14 @@ SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
 
 
 def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
-    return profile if isinstance(profile, Profile) else load_profile(profile)[0]
+    """``profile``, or the profile read from that path; :class:`HsdError` for anything else (a dict:
+    :func:`~hsd_opt.formats.profile_from_dict` reads one)."""
+    if isinstance(profile, Profile):
+        return profile
+    if not isinstance(profile, (str, os.PathLike)):
+        raise HsdError(f"profile: expected a Profile or the path of a profile file, got {type(profile).__name__} "
+                       f"(a dict: profile_from_dict(d)[0])")
+    return load_profile(profile)[0]
 
 
 def resolve_context(profile: Profile, context: float | None = None) -> tuple[Profile, float | None, str | None]:
@@ -189,7 +196,13 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
 def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], budgets: Sequence[int],
              context: float | None = None) -> float:
     """Expected seconds per token of ``hierarchy`` (cheapest first, target last) with ``budgets`` (tokens), at
-    ``context`` tokens (default: the profile's typical context; ignored without ``context_costs``)."""
+    ``context`` tokens (default: the profile's typical context; ignored without ``context_costs``). Budgets are
+    1 .. ``EXACT_PASS - 1`` tokens, as a plan's."""
+    if not isinstance(budgets, Sequence) or isinstance(budgets, str):
+        raise HsdError(f"budgets: expected a list of budgets in tokens, got {type(budgets).__name__}")
+    for i, t in enumerate(budgets):
+        if not (is_integer(t) and 1 <= t < EXACT_PASS):
+            raise HsdError(f"budgets[{i}]: expected a budget in 1..{EXACT_PASS - 1} tokens, got {t!r}")
     return hierarchy_latency(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets)
 
 

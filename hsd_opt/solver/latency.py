@@ -298,7 +298,9 @@ def _check_hierarchy(profile: Profile, hierarchy: Sequence[str], budgets: Sequen
 
 def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int]) -> float:
     """Expected seconds per generated token of HSD with ``hierarchy`` (cheapest first, target last) and
-    ``budgets`` (``budgets[i]`` = T_i tokens, one per level below the target). ``[target]`` alone: its cost.
+    ``budgets`` (``budgets[i]`` = T_i tokens, one per level below the target), on the costs ``profile`` holds at
+    its top level (with ``context_costs``, its first context's: :func:`hsd_opt.evaluate` takes the profile at a
+    context first, as the solvers do). ``[target]`` alone: its cost.
     The formulas of the module docstring (`docs/design.md#latency-of-a-hierarchy`,
     `docs/design.md#abstaining-drafters`).
 
