@@ -22,7 +22,7 @@ import torch
 from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
+from hsd_opt.formats import EXACT_PASS, Profile, profile_from_dict, provenance_from_dict, save_profile
 from hsd_opt.models.loading import eos_token_ids, file_sha256, recorded_model_id
 from hsd_opt.profiler.assemble import (
     batch_costs_entries,
@@ -56,6 +56,7 @@ from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_lengt
 from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
 from hsd_opt.seeds import SEED_STRIDE, check_strided_seed
+from hsd_opt.values import is_integer
 from hsd_opt.version import __version__
 
 DEFAULT_MAX_NEW_TOKENS = 24
@@ -159,8 +160,12 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
 def _validate(cfg: ProfileConfig) -> None:
     check_sampling_flags(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
     check_strided_seed(cfg.seed, "the prompts")     # prompt i is sampled with seed * SEED_STRIDE + i
-    if cfg.tmax < 1:
-        raise HsdError(f"--tmax: expected >= 1, got {cfg.tmax}")
+    if not (is_integer(cfg.tmax) and 1 <= cfg.tmax < EXACT_PASS):   # a plan's budgets stop there: longer is waste
+        raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (the largest budget a plan may have), "
+                       f"got {cfg.tmax!r}")
+    bad = [c for c in cfg.cost_contexts if not (is_integer(c) and c >= 1)]
+    if bad or not cfg.cost_contexts:
+        raise HsdError(f"--cost-contexts: expected context lengths in tokens >= 1, got {list(cfg.cost_contexts)!r}")
     if cfg.shard and cfg.token_drafters is not None and "aded" in cfg.token_drafters:
         raise HsdError("--token-drafters aded: not with --shard (ADED's matrix is built from the continuations of "
                        "every prompt, which a shard does not see: shards would measure different drafters); "
