@@ -753,13 +753,31 @@ def test_an_answers_choices_are_queued_all_or_none(tiny, direct):
     with pytest.raises(ApiError) as e:
         parse_request({**chat, "max_tokens": 2, "max_completion_tokens": 0}, "chat", info)
     assert e.value.param == "max_completion_tokens"
-    q = JobQueue(direct[0], info.tokenizer, max_queue=3)      # no worker: nothing leaves the queue
+    q = JobQueue(direct[0], info.tokenizer, max_queue=2)      # no worker: nothing leaves the queue; 1 + 2 places
     q.submit_all([Job(r, lambda ev: None) for r in runs])
     with pytest.raises(QueueFull):
         q.submit_all([Job(r, lambda ev: None) for r in runs])
     assert q.waiting == 2 and q.metrics.requests["refused"] == 1
     q.submit_all([Job(runs[0], lambda ev: None)])
     assert q.waiting == 3
+
+
+def test_a_burst_that_fits_the_batch_and_the_queue_is_taken_before_the_worker_reaches_it(tiny, direct):
+    """``--max-batch`` requests decode and ``--max-queue`` more wait: requests that arrive together (or while a long
+    prompt is computed) sit in the hand-off queue until the worker's next step, and were all counted against
+    ``--max-queue`` (8 at once on a server of 8 + 2 places: 3 answered, 5 refused)."""
+    from hsd_opt.server.jobs import Job, QueueFull
+    from hsd_opt.server.requests import parse_request
+
+    app, _ = prepare_server(tiny[0], device="cpu")
+    info = app.state.service.info
+    req = parse_request({"model": MODEL, "prompt": "w1", "max_tokens": 2}, "completion", info)
+    q = JobQueue(direct[0], info.tokenizer, max_queue=2, max_batch=8)     # no worker: none admitted yet
+    for _ in range(10):
+        q.submit(Job(req, lambda ev: None))
+    with pytest.raises(QueueFull, match="8 requests are being decoded and 2 already wait"):
+        q.submit(Job(req, lambda ev: None))
+    assert q.metrics.requests["refused"] == 1
 
 
 def test_a_request_cancelled_while_it_waits_frees_its_place_at_once(tiny, direct):
@@ -771,7 +789,7 @@ def test_a_request_cancelled_while_it_waits_frees_its_place_at_once(tiny, direct
 
     app, _ = prepare_server(tiny[0], device="cpu")
     req = parse_request({"model": MODEL, "prompt": "w1", "max_tokens": 2}, "completion", app.state.service.info)
-    q = JobQueue(direct[0], app.state.service.info.tokenizer, max_queue=2)      # no worker yet
+    q = JobQueue(direct[0], app.state.service.info.tokenizer, max_queue=1)      # no worker yet: 1 + 1 places
     events: dict[int, list] = {}
     jobs = [Job(req, lambda ev, i=i: events.setdefault(i, []).append(ev[0])) for i in range(4)]
     q.submit_all(jobs[:2])

@@ -163,15 +163,20 @@ class JobQueue:
 
     def submit_all(self, jobs: Sequence[Job]) -> None:
         """Queue ``jobs`` (an answer's choices, FIFO) all or none: :class:`QueueFull` when fewer places than
-        jobs are free (a place is taken by a job waiting that was not cancelled; only this adds jobs, so the places
-        counted stay free)."""
+        jobs are free. The server holds ``max_batch`` jobs decoding and ``max_queue`` waiting: a place is taken by
+        every job not ended and not cancelled, wherever it is (decoding, admitted, or still in the hand-off queue,
+        which the worker empties only between its steps: counting those against ``max_queue`` alone refused a
+        burst of requests that fit the batch). Only this adds jobs, so the places counted stay free."""
         with self._lock:
-            free = self.max_queue - self._queued()
+            places = self.batch.max_active + self.max_queue
+            taken = sum(1 for job in self._live if not job.cancelled)
+            free = places - taken
             if free < len(jobs):
                 self.metrics.ended("refused")
-                raise QueueFull(f"{self.max_queue} requests are already waiting" if free <= 0 else
-                                f"{self.max_queue - free} of {self.max_queue} places are taken, "
-                                f"{len(jobs)} asked for")
+                raise QueueFull(f"{self.batch.max_active} requests are being decoded and {self.max_queue} already "
+                                f"wait" if free <= 0 else
+                                f"{taken} of {places} places ({self.batch.max_active} decoding, {self.max_queue} "
+                                f"waiting) are taken, {len(jobs)} asked for")
             for job in jobs:
                 self._queue.put_nowait(job)
                 self._live.add(job)
