@@ -336,3 +336,12 @@ def test_the_python_api_refuses_what_it_cannot_use_in_one_line(tmp_path):
     with pytest.raises(HsdError, match="save_profile: expected a Profile, got Plan"):
         save_profile(solve(prof, 4), tmp_path / "p.json")
     assert not list(tmp_path.iterdir())
+
+
+def test_merging_one_path_given_as_a_string_is_one_line():
+    """``merge_profiles("p.json")`` iterated over the path's characters (``/: is a directory``)."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.profiler.assemble import merge_profiles
+
+    with pytest.raises(HsdError, match="give a list of profiles, got one path 'p.json'"):
+        merge_profiles("p.json")

@@ -148,6 +148,9 @@ def test_gamma_exact_values():
         for t in range(1, 11):
             for T in range(1, 11):
                 assert math.isclose(tab[p, t - 1, T - 1], gamma(a, t, T), rel_tol=1e-12)
+    for args in (([0.5], 2, 3), (0.5, [2], 3), (1.5, 2, 3), (0.5, 2, 3.5)):    # one line, not lru_cache's TypeError
+        with pytest.raises(HsdError, match="^gamma: "):
+            gamma(*args)
 
 
 def _round_counts_reference(a, f, t, T):

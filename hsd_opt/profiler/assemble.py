@@ -3,6 +3,7 @@ profiles of the same model exactly (see ``docs/design.md#the-profiler`` and ``do
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -373,6 +374,8 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     from hsd_opt.formats import load_profile
 
     warn = warn or (lambda s: None)
+    if isinstance(paths, (str, os.PathLike)):
+        raise HsdError(f"hsd profile merge: give a list of profiles, got one path {str(paths)!r}")
     if len(paths) < 2:
         raise HsdError("hsd profile merge: give at least two profiles")
     profs = []

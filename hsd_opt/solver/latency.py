@@ -45,7 +45,6 @@ from hsd_opt.values import is_integer, is_real
 # ------------------------------------------------------------------------------------------------ gamma
 
 
-@lru_cache(maxsize=65536)
 def gamma(a: float, t: int, T: int) -> float:
     """Expected number of draft/verify rounds until at least ``T`` tokens are accumulated (exact).
 
@@ -63,7 +62,12 @@ def gamma(a: float, t: int, T: int) -> float:
         raise HsdError(f"gamma: the acceptance rate a must be in [0, 1], got {a!r}")
     if not (is_integer(t) and t >= 1) or not is_integer(T):
         raise HsdError(f"gamma: t must be an integer >= 1 and T an integer, got t={t!r}, T={T!r}")
-    a, t, T = float(a), int(t), int(T)
+    return _gamma(float(a), int(t), int(T))
+
+
+@lru_cache(maxsize=65536)
+def _gamma(a: float, t: int, T: int) -> float:
+    """:func:`gamma` of checked arguments (cached: the arguments must be hashable, which the checks ensure)."""
     if T <= 0:
         return 0.0
     p = [a ** (k - 1) * (1.0 - a) for k in range(1, t + 1)] + [a ** t]   # P(N = k), k = 1..t+1
