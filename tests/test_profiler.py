@@ -181,6 +181,9 @@ def test_exit_boundaries_and_the_default_copies():
         exit_boundaries([5], 4)
     with pytest.raises(HsdError, match="--draft-layers: layer 0"):
         exit_boundaries([2, 0], 4, "--draft-layers")
+    for bad in ("4,30", [2, "3"], [2.5]):      # a ProfileConfig built in Python: no int("4,30") ValueError
+        with pytest.raises(HsdError, match="--layers: expected layer numbers"):
+            exit_boundaries(bad, 4)
     assert default_quantized("cpu") == [(None, "int8"), (None, "int4")] and default_quantized("meta") == []
 
 

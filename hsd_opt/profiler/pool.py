@@ -18,6 +18,7 @@ from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.models.random_weights import RANDOM_SOURCE
 from hsd_opt.profiler.dist import all_gather
 from hsd_opt.prompts import PromptItem, encode_prompt
+from hsd_opt.values import is_integer
 
 if TYPE_CHECKING:   # the engine, drafters and models are imported when a pool is built
     from hsd_opt.drafters.base import TokenDrafter
@@ -35,6 +36,8 @@ def exit_boundaries(layers: Sequence[int] | None, n_layers: int, flag: str = "--
     repeats allowed; None: every layer 1..n; empty: no early exit) sorted and without repeats, with the model's
     last layer n always added. Boundaries count decoder layers run (layer b = the residual stream after b layers).
     A layer outside 1..n raises :class:`HsdError` naming ``flag``."""
+    if layers is not None and (isinstance(layers, str) or not all(is_integer(v) for v in layers)):
+        raise HsdError(f"{flag}: expected layer numbers (a list of integers), got {layers!r}")
     wanted = list(range(1, n_layers + 1)) if layers is None else [int(v) for v in layers]
     for v in wanted:
         if not 1 <= v <= n_layers:
