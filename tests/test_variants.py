@@ -13,13 +13,18 @@ ZEN3 = "flags\t\t: fpu sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2\n"
 ZEN4 = ZEN3.rstrip() + " avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
 SKYLAKE_X = ZEN3.rstrip() + " avx512f avx512dq avx512bw avx512vl\n"
 ALDER_LAKE = ZEN3.rstrip() + " avx_vnni\n"
-GRAVITON3 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp sve\n"
+GRAVITON3 = ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma "
+             "lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp "
+             "svei8mm svebf16 i8mm bf16 dgh rng\n")
+#: A CPU (or VM) reporting the dot product without the Armv8.1 atomics the armv8.2-a build may use: plain NEON.
+DOT_NO_LSE = "Features\t: fp asimd evtstrm crc32 asimddp\n"
 CORTEX_A72 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid\n"
 
 
 @pytest.mark.parametrize("cpuinfo,arch,want", [
     (ZEN3, "x86_64", "avx2"), (ZEN4, "x86_64", "avx512-vnni"), (SKYLAKE_X, "x86_64", "avx512"),
     (ALDER_LAKE, "x86_64", "avx2-vnni"), (GRAVITON3, "aarch64", "neon-dotprod"), (CORTEX_A72, "aarch64", "neon"),
+    (DOT_NO_LSE, "aarch64", "neon"),
     ("flags\t: fpu sse2\n", "x86_64", "portable"), ("", "riscv64", "portable")])
 def test_the_widest_variant_the_cpu_runs_is_chosen(cpuinfo, arch, want):
     v, why = variants.choose(variants.cpu_features(cpuinfo), forced="", arch=arch)

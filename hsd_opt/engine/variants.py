@@ -56,6 +56,8 @@ _X86_AVX2 = ("avx2", "fma", "f16c")
 _X86_AVX512 = _X86_AVX2 + ("avx512f", "avx512dq", "avx512bw", "avx512vl")
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _AVX512_FLAGS = _AVX2_FLAGS + ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
+#: What an Armv8.2-A CPU has (Linux's names): SIMD, LSE atomics, rounding doubling multiplies, CRC32.
+_ARMV82 = ("asimd", "atomics", "asimdrdm", "crc32")
 
 #: Every variant, widest first: :func:`choose` takes the first one the CPU runs.
 VARIANTS: tuple[Variant, ...] = (
@@ -64,7 +66,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("avx512", "x86_64", _X86_AVX512, _AVX512_FLAGS, AVX2 | AVX512),
     Variant("avx2-vnni", "x86_64", _X86_AVX2 + ("avx_vnni",), _AVX2_FLAGS + ("-mavxvnni",), AVX2 | VNNI),
     Variant("avx2", "x86_64", _X86_AVX2, _AVX2_FLAGS, AVX2),
-    Variant("neon-dotprod", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",), NEON | DOTPROD),
+    # -march=armv8.2-a lets the compiler use what Armv8.1-8.2 make mandatory (LSE atomics in the OpenMP runtime's
+    # code, RDM, CRC32): a CPU must report those too, not only the dot product
+    Variant("neon-dotprod", "aarch64", _ARMV82 + ("asimddp",), ("-march=armv8.2-a+dotprod",), NEON | DOTPROD),
     Variant("neon", "aarch64", ("asimd",), ("-march=armv8-a",), NEON),
     Variant("portable", "any", (), ("-DHSD_PORTABLE",), 0),
 )
@@ -96,7 +100,7 @@ def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
     if cpuinfo is None and platform.system() == "Darwin":
         if machine() == "aarch64":
             dot = _sysctl("hw.optional.arm.FEAT_DotProd").strip() == "1"
-            return frozenset({"asimd"} | ({"asimddp"} if dot else set()))
+            return frozenset({"asimd"} | ({"asimddp", *_ARMV82} if dot else set()))   # Apple's: Armv8.4-A and up
         words = _sysctl("machdep.cpu.features", "machdep.cpu.leaf7_features").split()
         return frozenset(_MAC_X86[w] for w in words if w in _MAC_X86)
     if cpuinfo is None:
