@@ -611,3 +611,37 @@ def test_doctor_refuses_a_bad_on_off_setting_as_every_command_does(variable, mon
     monkeypatch.setenv(variable, "2")
     res = CliRunner().invoke(app, ["doctor"])
     assert res.exit_code == 2 and f"{variable}='2': expected 1 or 0" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_a_compiler_that_cannot_build_the_widest_variant_falls_to_the_next_and_remembers(tmp_path, monkeypatch):
+    """A compiler too old for one flag (GCC 10 and -mavxvnni) gave no kernels at all, the torch path, and tried the
+    failing builds again on every command: the next variant this CPU runs is built instead, said once, and the
+    failure is remembered in the cache."""
+    import shutil
+
+    chosen, _ = variants.choose(forced="")
+    ok = variants.runnable(variants.cpu_features())
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if chosen.name == "portable" or cc is None:
+        pytest.skip("no SIMD variant here, or no gcc")
+    nxt = ok[ok.index(chosen) + 1]
+    refused = next(f for f in chosen.flags if f not in nxt.flags)
+    wrapper = tmp_path / "old-cc"
+    wrapper.write_text(f'#!/bin/sh\nfor a; do [ "$a" = "{refused}" ] && {{ echo "unrecognized command-line option '
+                       f"'{refused}'\" >&2; exit 1; }}; done\nexec {cc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("HSD_OPENMP", "0")
+    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    said: list[str] = []
+    for attempt in range(2):
+        for name in ("_LIB", "_INFO", "_WHY"):
+            monkeypatch.setattr(kernels, name, [])
+        said.clear()
+        lib = kernels.load(log=said.append)
+        assert lib is not None and kernels.info().variant == nxt.name, said
+        assert kernels.info().why.startswith(f"{wrapper} cannot build {chosen.name}"), kernels.info().why
+        tried = [s for s in said if s.startswith("compiling") and f"({chosen.name}," in s]
+        assert (len(tried) == 1) if attempt == 0 else not tried, said      # the second load does not try again

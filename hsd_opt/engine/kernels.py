@@ -437,6 +437,48 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
     return lib, omp, path
 
 
+def _build_failed_mark(cc: str, variant: Variant) -> Path:
+    """The file beside ``variant``'s libraries in the cache that says ``cc`` could not build it here (holding the
+    compiler's message): the next load goes straight to a narrower variant (a new compiler or source: another
+    folder, tried afresh)."""
+    return library_path(cc, variant, False).with_suffix(".build-failed")
+
+
+def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], None] | None,
+                omp: bool) -> tuple[ctypes.CDLL | None, Variant, bool, Path | None, str | None, str]:
+    """The first of ``candidates`` (the chosen variant, then narrower ones this CPU runs) that ``cc`` builds and
+    loads: ``(library, its variant, OpenMP, path, why none loaded or None, what was passed over or "")``. One that
+    fails is marked in the cache (:func:`_build_failed_mark`) and said once to ``log``; a marked one is passed
+    over, the last never."""
+    passed: list[str] = []
+    why: str | None = None
+    for i, v in enumerate(candidates):
+        last = i == len(candidates) - 1
+        mark = _build_failed_mark(cc, v)
+        if mark.is_file() and not last:
+            passed.append(v.name)
+            continue
+        try:
+            lib, has_omp, path = _load_variant(cc, v, log, omp)
+        except (HsdError, OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+            if last:
+                break
+            try:
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.write_text(f"{why[:2000]}\n")
+            except OSError:
+                pass                               # tried again next time
+            if log:
+                log(f"hsd-opt: {cc} cannot build the {v.name} kernels ({why.splitlines()[0][:200]}); trying "
+                    f"{candidates[i + 1].name}")
+            passed.append(v.name)
+            continue
+        fell = f"{cc} cannot build {', '.join(passed)}" if passed else ""
+        return lib, v, has_omp, path, None, fell
+    return None, candidates[0], False, None, why, ""
+
+
 def load(log: Callable[[str], None] | None = None, variant: str | None = None) -> ctypes.CDLL | None:
     """The kernels library (compiled on first use, then cached on disk), or None where it cannot be had: no C
     compiler, a failed build, a library whose layout differs (:func:`check_layout`), or ``HSD_KERNELS=0`` in the
@@ -465,10 +507,13 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
         if cc is None:
             why = "no C compiler found: install gcc or clang, or set CC"
         else:
-            try:
-                lib, omp, path = _load_variant(cc, chosen, log, wanted)
-            except (HsdError, OSError, subprocess.SubprocessError) as e:
-                lib, why = None, str(e)
+            # chosen, not forced: a compiler that cannot build it (too old for a flag) falls to the next variant
+            chosen_by_us = variant is None and not reason.startswith("forced")
+            later = variants.runnable(variants.cpu_features()) if chosen_by_us else [chosen]
+            candidates = [chosen] + [v for v in later[later.index(chosen) + 1:]] if chosen in later else [chosen]
+            lib, chosen, omp, path, why, fell = _load_first(cc, candidates, log, wanted)
+            if fell:
+                reason = f"{fell}; the next this CPU runs"
         if why is not None:
             if log:
                 log(unavailable_warning(why))
