@@ -645,3 +645,20 @@ def test_a_compiler_that_cannot_build_the_widest_variant_falls_to_the_next_and_r
         assert kernels.info().why.startswith(f"{wrapper} cannot build {chosen.name}"), kernels.info().why
         tried = [s for s in said if s.startswith("compiling") and f"({chosen.name}," in s]
         assert (len(tried) == 1) if attempt == 0 else not tried, said      # the second load does not try again
+
+
+def test_a_cc_that_is_not_one_program_here_is_refused_not_replaced(monkeypatch, tmp_path):
+    """``CC=/opt/clang-17/bin/clang`` (not there) and ``CC="ccache gcc"`` built with ``cc`` without a word."""
+    import shutil
+
+    for value, words in (("/nonexistent/clang-17", "CC=/nonexistent/clang-17: no such program"),
+                         ("ccache gcc", "CC='ccache gcc': give one compiler program")):
+        monkeypatch.setenv("CC", value)
+        with pytest.raises(HsdError, match=words):
+            kernels.compiler()
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc:
+        monkeypatch.setenv("CC", cc)
+        assert kernels.compiler() == cc
+    monkeypatch.setenv("CC", "")
+    assert kernels.compiler() in (None, "cc", "gcc", "clang")

@@ -118,9 +118,23 @@ def scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def compiler() -> str | None:
-    """The C compiler to build the kernels with: ``$CC``, else the first of cc, gcc, clang on the PATH."""
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
+    """The C compiler to build the kernels with: ``$CC``, else the first of cc, gcc, clang on the PATH (None: none).
+
+    Raises:
+        HsdError: ``$CC`` is set to a program that is not there, or to several words (``ccache gcc``: the build
+            runs one program), rather than building with another compiler than the one asked for.
+    """
+    asked = os.environ.get("CC", "").strip()
+    if asked:
+        if len(asked.split()) > 1:
+            raise HsdError(f"CC={asked!r}: give one compiler program (a path, or a name on PATH) to build the kernels "
+                           f"with, or unset CC")
+        if not shutil.which(asked):
+            raise HsdError(f"CC={asked}: no such program (a path, or a name on PATH); unset CC to use cc, gcc or "
+                           f"clang")
+        return asked
+    for cc in ("cc", "gcc", "clang"):
+        if shutil.which(cc):
             return cc
     return None
 
