@@ -582,6 +582,9 @@ class Plan:
         task: the task whose acceptance it was solved with (``hsd solve --task``), or None.
         by_load: sequences in flight -> the plan of that load level (``hsd solve --batch-sizes``; the server
             runs the level's hierarchy); empty without.
+        load_min_gain: the least time a load level's speculation had to save against plain batching (a
+            fraction; ``hsd solve --load-min-gain``), or None (no load levels, or not recorded): ``--retime``
+            chooses the levels again with it.
         key_order: the keys of the object read, in order (empty when built in memory); ``to_dict`` keeps it.
 
     ``plan_from_dict`` fills every typed field from the file and validates it; ``to_dict`` writes back the same
@@ -609,6 +612,7 @@ class Plan:
     profile_sha256: str | None = None
     task: str | None = None
     by_load: dict[int, LoadPlan] = field(default_factory=dict)
+    load_min_gain: float | None = None
     key_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -655,10 +659,12 @@ class Plan:
                   "exact_optimum": None if self.exact_optimum is None else self.exact_optimum.to_dict(),
                   "provenance": self.provenance.to_dict(), "models": [m.to_dict() for m in self.models],
                   "task": self.task, "by_task": {t: e.to_dict() for t, e in self.by_task.items()},
-                  "by_load": {str(n): e.to_dict() for n, e in sorted(self.by_load.items())}}
+                  "by_load": {str(n): e.to_dict() for n, e in sorted(self.by_load.items())},
+                  "load_min_gain": self.load_min_gain}
         defaults = {"solver": None, "max_depth": None, "min_gain": None, "profile_sha256": None, "alternatives": [],
                     "context": None, "context_from": None, "latency_by_context": None, "exact_optimum": None,
-                    "provenance": {}, "models": [], "task": None, "by_task": {}, "by_load": {}}
+                    "provenance": {}, "models": [], "task": None, "by_task": {}, "by_load": {},
+                    "load_min_gain": None}
         return _json_object(fields, defaults, self.extra, self.key_order)
 
 
@@ -1335,7 +1341,8 @@ def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str)
 
 PLAN_CORE_FIELDS = ("format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines")
 PLAN_SECTIONS = ("models", "provenance", "alternatives", "exact_optimum", "by_task", "context", "context_from",
-                 "latency_by_context", "solver", "max_depth", "min_gain", "profile_sha256", "task", "by_load")
+                 "latency_by_context", "solver", "max_depth", "min_gain", "profile_sha256", "task", "by_load",
+                 "load_min_gain")
 
 
 def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
@@ -1381,6 +1388,8 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
                 max_depth=_optional(d, "max_depth", lambda v: _is_int(v) and v >= 1, "an integer >= 1", source, ""),
                 min_gain=_optional(d, "min_gain", lambda v: _is_number(v) and 0 <= v < 1, "a fraction in [0, 1)",
                                    source, ""),
+                load_min_gain=_optional(d, "load_min_gain", lambda v: _is_number(v) and 0 <= v < 1,
+                                        "a fraction in [0, 1)", source, ""),
                 key_order=tuple(d), **text)
     runs = [("", plan.hierarchy)] + [(f"baselines.{key}.", e["hierarchy"]) for key, e in baselines.items()]
     runs += [(f"alternatives[{i}].", a.hierarchy) for i, a in enumerate(plan.alternatives)]

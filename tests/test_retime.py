@@ -143,6 +143,7 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
     prof.provenance = Provenance(model="m-a", temperature=1.0, top_k=40)    # a sampled profile's costs
     for kw, refused in (({"temperature": 0.0}, "temperature 1.0, the plan of 0.0"),
                         ({"temperature": 1.0, "top_k": 0}, "top-k 40, the plan of 0"),
+                        ({"temperature": 1.0}, "top-k 40, the plan of 0"),     # not recorded with a temperature: off
                         ({"temperature": 1.0, "top_k": 40}, None), ({}, None)):
         plan = Plan(8, ["layer4"], [], 0.01, 1.0, provenance=Provenance(model="m-a", **kw))
         if refused:
@@ -150,6 +151,52 @@ def test_a_profile_that_cannot_price_the_plan_is_refused():
                 check_profile_for_plan(prof, plan, "p.json")
         else:
             check_profile_for_plan(prof, plan, "p.json")
+
+
+def test_the_load_levels_are_checked_against_the_profile_and_a_sampled_profile_is_clocked_in_logits(monkeypatch):
+    """A level's drafter the profile lacks, or a load level it has no batch costs at, failed only after the model
+    loaded, naming no --retime; a sampled profile's steps were timed as greedy ones (about 18% cheaper here), and
+    the load levels chosen again with 0.25 whatever the plan was solved with."""
+    from hsd_opt.formats import LoadPlan
+    from hsd_opt.measure import retime
+
+    models = [{"name": n, "kind": k, "cost": c} for n, k, c in (("layer2", "early_exit", 0.004),
+                                                                ("layer4", "target", 0.01))]
+    prof = profile_from_dict({"format": "hsd-profile/1", "target": "layer4", "models": models,
+                              "acceptance": {"layer2": {"layer4": 0.5}},
+                              "batch_costs": [{"batch": 2, "ratio": {"layer2": 1.5, "layer4": 1.5}}]}, "<test>")[0]
+    level = LoadPlan(["lookup", "layer4"], [2], 0.01, 100.0)
+    plan = Plan(8, ["layer4"], [], 0.01, 1.0, by_load={1: level})
+    with pytest.raises(HsdError, match="--retime p.json: the profile does not describe lookup"):
+        check_profile_for_plan(prof, plan, "p.json")
+    plan = Plan(8, ["layer4"], [], 0.01, 1.0, by_load={2: LoadPlan(["layer2", "layer4"], [2], 0.01, 100.0),
+                                                       4: LoadPlan(["layer4"], [], 0.01, 100.0)})
+    with pytest.raises(HsdError, match="no costs at the plan's load levels 4"):
+        check_profile_for_plan(prof, plan, "p.json")
+    assert retime.greedy_costs(prof)
+    prof.provenance = Provenance(temperature=0.7)
+    assert not retime.greedy_costs(prof)
+    seen = {}
+
+    class Clock:
+        def __init__(self, profile, runs, **kw):
+            seen["greedy"] = kw.get("greedy")
+
+        def measure(self):
+            pass
+
+        def factors(self):
+            return {}
+
+    def choose(profile, loads, built, gain, context=None):
+        seen["gain"] = gain
+        return {}
+
+    monkeypatch.setattr(retime, "StepClock", Clock)
+    monkeypatch.setattr(retime, "choose_loads", choose)
+    plan.load_min_gain = 0.0
+    retime.retime_load_levels(plan, prof, {(("layer4",), ()): None})
+    assert seen == {"greedy": False, "gain": 0.0}
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def loads_table(plan) -> Table:
     t = Table(title="plans per load level (sequences decoded together; decoding only: a served load also "
                     "computes prompts, which hsd bench --concurrency --retime predicts)")
     for c, j in (("sequences", "right"), ("hierarchy (budgets in tokens)", "left"), ("ms/token each", "right"),
-                 ("tokens/s in all", "right"), ("batched target alone", "right"), ("gain", "right")):
+                 ("tokens/s in all", "right"), ("batched target alone", "right"), ("speed-up", "right")):
         t.add_column(c, justify=j)
     for n, e in plan.by_load.items():
         base = e.batched_target_latency
@@ -137,13 +137,14 @@ def solve_cmd(
                                             help="Most models in the hierarchy, target included."),
     top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
     min_gain: float = typer.Option(0.03, "--min-gain",
-                                   help="Add a second drafter level (or more) only if predicted at least "
-                                        "this fraction faster than the best plan with fewer levels "
-                                        "(measurement noise); 0 = the exact optimum."),
+                                   help="Add a second drafter level (or more) only if it is predicted to take "
+                                        "at least this fraction less time per token than the best plan with "
+                                        "fewer levels (measurement noise); 0 = the exact optimum."),
     load_min_gain: float = typer.Option(LOAD_MIN_GAIN, "--load-min-gain",
                                         help="At a load level above one sequence (--batch-sizes), speculate "
-                                             "only if predicted at least this fraction faster than plain "
-                                             "batched decoding; 0 = the model's optimum."),
+                                             "only if it is predicted to take at least this fraction less time "
+                                             "per token than plain batched decoding (0.25: 1.33x its speed); 0 = "
+                                             "the model's optimum."),
     task: Optional[str] = typer.Option(None, "--task", help="Solve for the prompts of one task: the profile's "
                                                             "acceptance for that task (acceptance_by_task)."),
     per_task: bool = typer.Option(False, "--per-task", help="Also solve every task of the profile and add the "
@@ -254,6 +255,7 @@ def _solve_plan(prof, full, task: Optional[str], per_task: bool, sizes: list[int
     if len(sizes) > 1:
         plan.by_load = solve_loads(prof, tmax, sizes, solver=solver, max_depth=max_depth, min_gain=min_gain,
                                    load_min_gain=load_min_gain, context=context)
+        plan.load_min_gain = load_min_gain          # what --retime chooses the levels again with
     return plan
 
 

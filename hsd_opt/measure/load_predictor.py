@@ -48,7 +48,7 @@ import torch
 from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
-from hsd_opt.measure.retime import StepClock, scale_costs
+from hsd_opt.measure.retime import StepClock, greedy_costs, scale_costs
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
 from hsd_opt.runtime.schedule import Occupancy, level_at
@@ -373,7 +373,8 @@ class LoadPredictor:
     def _clock(self, runs: list[HSD], batch: int) -> StepClock:
         key = (tuple(sorted(id(h) for h in runs)), batch)
         if key not in self._clocks:
-            self._clocks[key] = StepClock(self.profile, runs, repeats=self.repeats, text=self.text, batch=batch)
+            self._clocks[key] = StepClock(self.profile, runs, repeats=self.repeats, text=self.text, batch=batch,
+                                          greedy=greedy_costs(self.profile))
         return self._clocks[key]
 
     def retime(self, hierarchies: HSD | Mapping[int, HSD], max_batch: int, again: bool = False) -> dict:

@@ -85,14 +85,34 @@ def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     for key, what in (("revision", "revision"), ("dtype", "dtype"), ("target_precision", "target precision"),
                       ("temperature", "temperature"), ("top_p", "top-p"), ("top_k", "top-k"), ("min_p", "min-p")):
         pv, qv = getattr(profile.provenance, key), getattr(plan.provenance, key)
+        if key in FILTER_OFF and profile.provenance.temperature is not None and plan.provenance.temperature is not None:
+            pv, qv = FILTER_OFF[key] if pv is None else pv, FILTER_OFF[key] if qv is None else qv   # absent: off
         if pv is not None and qv is not None and pv != qv:      # sampling settings: the target's work differs
             raise HsdError(f"--retime {source}: the profile is of {what} {pv!r}, the plan of {qv!r} (provenance."
                            f"{key}; give the profile the plan was solved from)")
     names = {m.name for m in profile.models}
-    missing = [n for n in plan.hierarchy if n not in names]
+    levels = [plan.hierarchy] + [e.hierarchy for e in plan.by_load.values()]
+    missing = sorted({n for h in levels for n in h if n not in names})
     if missing:
         raise HsdError(f"--retime {source}: the profile does not describe {', '.join(missing)} (give the profile "
                        f"the plan was solved from)")
+    sizes = {b.batch for b in profile.batch_costs} | {1}
+    lacking = sorted(n for n in plan.by_load if n not in sizes)
+    if lacking:
+        raise HsdError(f"--retime {source}: the profile has no costs at the plan's load levels "
+                       f"{', '.join(map(str, lacking))} (batch_costs; give the profile the plan was solved from)")
+
+
+#: A sampling filter's value where a file does not record it: off (a profile or plan without ``top_k`` sampled
+#: without it).
+FILTER_OFF = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def greedy_costs(profile: Profile) -> bool:
+    """Whether ``profile``'s step costs were timed as greedy decoding's passes (temperature 0 or not recorded: the
+    greedy token) rather than sampling's (the logits): how a clock must time a step to compare with them."""
+    t = profile.provenance.temperature
+    return t is None or t == 0
 
 
 def profile_task(profile: Profile, plan, task: str | None) -> str | None:
@@ -221,11 +241,12 @@ def retime_load_levels(plan, profile: Profile, built: Mapping[tuple[tuple[str, .
     target = ((profile.target,), ())
     if target not in built:
         raise HsdError("re-timing the load levels needs the target alone among the built hierarchies")
-    clock = StepClock(profile, list(built.values()), repeats=repeats, text=text)
+    clock = StepClock(profile, list(built.values()), repeats=repeats, text=text, greedy=greedy_costs(profile))
     for _ in range(max(1, measurements)):
         clock.measure()
     factors = clock.factors()
-    gain = LOAD_MIN_GAIN if load_min_gain is None else load_min_gain
+    gain = load_min_gain if load_min_gain is not None else (
+        plan.load_min_gain if plan.load_min_gain is not None else LOAD_MIN_GAIN)
     chosen = choose_loads(scale_costs(profile, factors), list(plan.by_load), list(built), gain,
                           context=plan.context)
     levels = {n: built[(tuple(e.hierarchy), tuple(e.budgets))] for n, e in chosen.items()}
