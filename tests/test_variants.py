@@ -31,6 +31,9 @@ def test_the_widest_variant_the_cpu_runs_is_chosen(cpuinfo, arch, want):
     assert v.name == want and why
     if want == "avx2":
         assert "avx_vnni" in why                    # why not the next wider one
+    if want == "portable":                          # what the narrowest SIMD variant of this architecture needs
+        assert why == ("no SIMD variant this CPU runs: it lacks avx2, fma, f16c for avx2" if arch == "x86_64" else
+                       f"no SIMD variant for {arch} CPUs"), why
 
 
 def test_a_forced_variant_is_taken_or_refused_naming_what_the_cpu_lacks(monkeypatch):

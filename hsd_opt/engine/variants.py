@@ -161,9 +161,12 @@ def choose(features: frozenset[str] | None = None, forced: str | None = None,
             raise HsdError(f"HSD_KERNELS={forced}: this CPU lacks {', '.join(lack)} (it runs {runs})")
         return v, f"forced by HSD_KERNELS={forced}"
     best = ok[0]
-    wider = [v for v in VARIANTS if v.arch == best.arch and VARIANTS.index(v) < VARIANTS.index(best)]
+    here = arch or machine()
+    wider = [v for v in VARIANTS if v.arch == (here if best.arch == "any" else best.arch)
+             and VARIANTS.index(v) < VARIANTS.index(best)]
     if best.name == "portable":
-        why = f"no SIMD variant for this CPU ({machine()})"
+        why = (f"no SIMD variant this CPU runs: it lacks {', '.join(missing(wider[-1], features, arch))} for "
+               f"{wider[-1].name}" if wider else f"no SIMD variant for {here} CPUs")
     elif wider:
         why = f"the widest this CPU runs; it lacks {', '.join(missing(wider[-1], features, arch))} for {wider[-1].name}"
     else:
