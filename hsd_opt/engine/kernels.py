@@ -469,7 +469,8 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
     for i, v in enumerate(candidates):
         last = i == len(candidates) - 1
         mark = _build_failed_mark(cc, v)
-        if mark.is_file() and not last:
+        built = any(library_path(cc, v, o).is_file() for o in (True, False))   # since the mark: it builds after all
+        if mark.is_file() and not built and not last:
             passed.append(v.name)
             continue
         try:
@@ -524,7 +525,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
             # chosen, not forced: a compiler that cannot build it (too old for a flag) falls to the next variant
             chosen_by_us = variant is None and not reason.startswith("forced")
             later = variants.runnable(variants.cpu_features()) if chosen_by_us else [chosen]
-            candidates = [chosen] + [v for v in later[later.index(chosen) + 1:]] if chosen in later else [chosen]
+            candidates = [chosen] + later[later.index(chosen) + 1:] if chosen in later else [chosen]
             lib, chosen, omp, path, why, fell = _load_first(cc, candidates, log, wanted)
             if fell:
                 reason = f"{fell}; the next this CPU runs"
