@@ -235,7 +235,7 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
     (["--prompt", "hi", "--target-precision", "int4"], "provenance.target_precision"),
     (["--prompt", "hi", "--json", "TMPDIR"], "is a directory"),
     (["--prompt", "hi", "--logprobs", "2"], "give --json FILE"),
-    (["--prompt", "hi", "--logprobs", "21", "--json", "x.jsonl"], "--logprobs: expected 0 .. 20"),
+    (["--prompt", "hi", "--logprobs", "21", "--json", "x.jsonl"], "--logprobs: expected a number of"),
     (["--prompt", "hi", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
     (["--prompt", "hi", "--min-p", "1.5"], "--min-p: expected a value in [0, 1]"),
     (["--prompt", "hi", "--top-k", "40"], "--top-k 40 needs --temperature > 0"),
