@@ -257,7 +257,8 @@ def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
     (["--lr", "-1"], "--lr: expected a finite number > 0, got -1"),
     (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
     (["--seed", str(10 ** 17)], "--seed: expected an integer of magnitude below"),
-    (["--threads", "-1"], "--threads: expected an integer >= 0"),
+    (["--threads", "-1"], "--threads: expected an integer in 0..4096"),
+    (["--threads", str(10 ** 20)], "--threads: expected an integer in 0..4096"),     # torch's C int overflowed
 ])
 def test_heads_train_refuses_bad_numbers_before_loading(tmp_path, flags, said):
     """An infinite learning rate trained NaN heads and wrote them; a huge seed and negative threads were

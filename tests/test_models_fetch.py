@@ -449,3 +449,14 @@ def test_a_truncated_weights_file_is_one_line(tmp_path, monkeypatch):
     weights.write_bytes(weights.read_bytes()[:200])
     with pytest.raises(HsdError, match=f"^--model {model}: cannot load the model from {model}: "):
         load_model(str(model), device="cpu")
+
+
+def test_a_model_name_no_file_system_takes_or_an_empty_one_is_one_line(tmp_path, monkeypatch):
+    """A 5,000-character name was an OSError (File name too long) traceback in every command taking --model; an
+    empty one read as the current folder."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    with pytest.raises(HsdError, match=r"^--model L{77}\.\.\.: not a model alias, hub id or path"):
+        load_model("L" * 5000, device="cpu")
+    for empty in ("", "  "):
+        with pytest.raises(HsdError, match="^--draft-model: empty name"):
+            load_model(empty, device="cpu", flag="--draft-model")

@@ -721,7 +721,7 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
     cases.append((r, "--cost-contexts: expected context lengths in tokens"))
     for flags, needle in [(["--cost-repeats", "0"], "--cost-repeats: expected >= 1"),
                           (["--max-prompts", "0"], "--max-prompts: expected >= 1"),
-                          (["--threads", "-1"], "--threads: expected >= 0"),
+                          (["--threads", "-1"], "--threads: expected an integer in 0..4096"),
                           (["--tmax", "64"], "--tmax: expected an integer in 1..63"),
                           (["--layers", "5-2"], "--layers: the range '5-2' runs backwards"),
                           (["--out", str(tmp_path)], "is a directory"),

@@ -1034,6 +1034,7 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
              (["--plan", plan, "--stream-interval", "0"], "--stream-interval"),
              (["--plan", plan, "--log-stats", "-1"], "--log-stats"),
              (["--plan", plan, "--allowed-origins", "localhost:3000"], "--allowed-origins"),
+             (["--plan", plan, "--host", "h" * 300], "not a valid host name"),      # (a label over 63 characters)
              (["--plan", plan, "--api-key", "", "--port", str(port)], "--api-key (or HSD_API_KEY): an empty key"),
              (["--plan", plan, "--api-key", " k", "--port", str(port)], "--api-key (or HSD_API_KEY): a key must be"),
              (["--plan", plan, "--port", str(port)], "--port")]

@@ -345,3 +345,9 @@ def test_merging_one_path_given_as_a_string_is_one_line():
 
     with pytest.raises(HsdError, match="give a list of profiles, got one path 'p.json'"):
         merge_profiles("p.json")
+
+
+def test_huge_counts_are_refused_before_any_work():
+    """``--top 10**9`` allocated terabytes in the solver (a MemoryError traceback)."""
+    res = run("solve", "--profile", DATA / "example_profile.json", "--top", str(10**9))
+    _expect_error(res, "--top: expected an integer in 1..1000")

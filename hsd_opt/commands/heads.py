@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from hsd_opt.commands.common import check_outputs, cli_command
+from hsd_opt.commands.options import MAX_THREADS
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 from hsd_opt.seeds import check_strided_seed
@@ -137,8 +138,8 @@ def _check_output_beside(out: Path, model: str, prompts: Optional[Path]) -> None
 
 
 def _check_threads(threads: int) -> None:
-    if threads < 0:
-        raise HsdError(f"--threads: expected an integer >= 0 (0: torch's default), got {threads}")
+    if not 0 <= threads <= MAX_THREADS:
+        raise HsdError(f"--threads: expected an integer in 0..{MAX_THREADS} (0: torch's default), got {threads}")
 
 
 @app.command("eval")

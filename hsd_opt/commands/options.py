@@ -13,6 +13,9 @@ import re
 
 from hsd_opt.errors import HsdError
 
+#: The most torch threads ``--threads`` asks for (torch takes a C int; no machine has more cores).
+MAX_THREADS = 4096
+
 
 def layer_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
     """The layer numbers a ``--layers`` value names, unsorted and unchecked against the model: ``None`` for

@@ -200,8 +200,8 @@ def _check_inputs(cost_repeats: int, max_prompts: Optional[int], threads: int, h
         raise HsdError(f"--cost-repeats: expected >= 1 (timings per cost), got {cost_repeats}")
     if max_prompts is not None and max_prompts < 1:
         raise HsdError(f"--max-prompts: expected >= 1, got {max_prompts}")
-    if threads < 0:
-        raise HsdError(f"--threads: expected >= 0 (0: auto), got {threads}")
+    if not 0 <= threads <= options.MAX_THREADS:
+        raise HsdError(f"--threads: expected an integer in 0..{options.MAX_THREADS} (0: auto), got {threads}")
 
 
 def _token_drafter_names(spec: Optional[str], left_out: dict[str, bool]) -> tuple[list[str] | None, tuple[str, ...]]:

@@ -174,6 +174,10 @@ def solve_cmd(
         console.print(f"wrote {out}")
 
 
+#: The most alternatives ``--top`` keeps (the solvers hold every one per state: more is memory, not insight).
+MAX_TOP = 1000
+
+
 def _check_solve_options(tmax: int, solver: str, max_depth: Optional[int], top: int, min_gain: float,
                          load_min_gain: float, task: Optional[str], per_task: bool, context: Optional[int]) -> None:
     """Refuse, in one line naming the flag, a value of ``hsd solve`` out of its range (before any file is read)."""
@@ -184,8 +188,8 @@ def _check_solve_options(tmax: int, solver: str, max_depth: Optional[int], top: 
         raise HsdError(f"--solver: expected one of {', '.join(SOLVERS)}, got {solver!r}")
     if max_depth is not None and max_depth < 1:
         raise HsdError(f"--max-depth: expected an integer >= 1 (models including the target), got {max_depth}")
-    if top < 1:
-        raise HsdError(f"--top: expected an integer >= 1, got {top}")
+    if not 1 <= top <= MAX_TOP:
+        raise HsdError(f"--top: expected an integer in 1..{MAX_TOP} (alternatives kept), got {top}")
     if not 0.0 <= min_gain < 1.0:
         raise HsdError(f"--min-gain: expected a fraction in [0, 1), got {min_gain}")
     if not 0.0 <= load_min_gain < 1.0:

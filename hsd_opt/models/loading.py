@@ -345,6 +345,8 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     local directory or a ``.gguf`` file; see :func:`load_model`): a GGUF file is converted once into the cache
     (:func:`convert_gguf`), nothing is downloaded. Raises :class:`HsdError` naming ``flag`` (the option or argument
     that gave ``name``) for a name that is none of them."""
+    if not isinstance(name, str) or not name.strip():
+        raise HsdError(f"{flag}: empty name: give a model alias, hub id, folder or .gguf file")
     resolved = resolve_model_name(name)
     revision = ""
     if resolved.startswith("embedded:"):
@@ -365,7 +367,7 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
             raise HsdError(f"{flag} {name}: GGUF file not found")
         path, revision = convert_named_gguf(gguf, name, flag)
         source, load_from = "gguf", str(path)
-    elif Path(resolved).exists():
+    elif _exists(resolved, name, flag):
         p = Path(resolved)
         if not (p / "config.json").is_file():
             raise HsdError(f"{flag} {name}: {p} is not a transformers model directory (no config.json)")
@@ -402,6 +404,17 @@ def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256:
     except Exception as e:  # the GGUF reader's errors on a damaged file: ValueError, struct.error, KeyError, ...
         raise HsdError(f"{flag} {name}: cannot read {gguf} as a GGUF model ({type(e).__name__}: "
                        f"{_first_line(e)}){tail}") from None
+
+
+def _exists(path: str, name: str, flag: str) -> bool:
+    """Whether ``path`` names something on disk; a name no file system takes (too long, a NUL byte) is an
+    :class:`HsdError` naming ``flag``, not an ``OSError``."""
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError) as e:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise HsdError(f"{flag} {shown}: not a model alias, hub id or path this machine can read "
+                       f"({getattr(e, 'strerror', None) or e})") from None
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

@@ -33,6 +33,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise HsdError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    except UnicodeError:                          # a label over 63 characters, a name the IDNA codec refuses
+        raise HsdError(f"--host {host[:80]}: not a valid host name") from None
     family, kind, proto, _, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
