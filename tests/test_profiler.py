@@ -1069,3 +1069,16 @@ def test_a_prompt_that_cannot_fit_the_context_with_its_answer_is_refused_before_
     text = " ".join(cli_output(r).split())
     assert r.exit_code == 2 and f"{prompts}: prompt 2 has " in text and "context of 512 positions" in text, text
     assert not out.exists() and not (tmp_path / "p.json.partial.json").exists()
+
+
+def test_an_unknown_draft_model_is_refused_before_the_target_loads(tiny, tmp_path, monkeypatch):
+    """It was refused only after the target had loaded (about 10 s on the embedded model)."""
+    import hsd_opt.models.loading as loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--out",
+              str(tmp_path / "p.json"), "--device", "cpu", "--draft-model", "no-such-draft"])
+    assert r.exit_code == 2 and "--draft-model no-such-draft: unknown model or alias" in r.output, r.output

@@ -345,8 +345,7 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     local directory or a ``.gguf`` file; see :func:`load_model`): a GGUF file is converted once into the cache
     (:func:`convert_gguf`), nothing is downloaded. Raises :class:`HsdError` naming ``flag`` (the option or argument
     that gave ``name``) for a name that is none of them."""
-    if not isinstance(name, str) or not name.strip():
-        raise HsdError(f"{flag}: empty name: give a model alias, hub id, folder or .gguf file")
+    check_model_name(name, flag)
     resolved = resolve_model_name(name)
     revision = ""
     if resolved.startswith("embedded:"):
@@ -378,9 +377,27 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     elif "/" in resolved and not resolved.startswith((".", "/")):
         source, load_from = "hub", resolved
     else:
-        raise HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
-                       f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
+        raise _unknown_model(name, flag)
     return source, load_from, revision
+
+
+def _unknown_model(name: str, flag: str) -> HsdError:
+    return HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
+                    f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
+
+
+def check_model_name(name: str, flag: str = "--model") -> None:
+    """Refuse, without reading any model, a ``name`` that :func:`model_source` would refuse for its form alone:
+    empty, or neither an alias, a hub id (``org/name``), a ``.gguf`` file name nor a path that exists (a command
+    checks its model flags before minutes of loading)."""
+    if not isinstance(name, str) or not name.strip():
+        raise HsdError(f"{flag}: empty name: give a model alias, hub id, folder or .gguf file")
+    resolved = resolve_model_name(name)
+    if resolved.startswith(("embedded:", SPLIT_PREFIX)) or resolved.lower().endswith(".gguf"):
+        return
+    if _exists(resolved, name, flag) or ("/" in resolved and not resolved.startswith((".", "/"))):
+        return
+    raise _unknown_model(name, flag)
 
 
 def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256: str | None = None) -> tuple[Path, str]:

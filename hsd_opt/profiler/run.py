@@ -23,7 +23,7 @@ from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import EXACT_PASS, Profile, profile_from_dict, provenance_from_dict, save_profile
-from hsd_opt.models.loading import eos_token_ids, file_sha256, recorded_model_id
+from hsd_opt.models.loading import check_model_name, eos_token_ids, file_sha256, recorded_model_id
 from hsd_opt.profiler.assemble import (
     batch_costs_entries,
     build_profile,
@@ -159,6 +159,9 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
 
 def _validate(cfg: ProfileConfig) -> None:
     check_sampling_flags(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
+    if not cfg.costs_only:           # (a costs-only run also takes a shipped configuration's name)
+        for name in cfg.draft_models:
+            check_model_name(name, "--draft-model")     # before the target loads (~10 s of it)
     check_strided_seed(cfg.seed, "the prompts")     # prompt i is sampled with seed * SEED_STRIDE + i
     if not (is_integer(cfg.tmax) and 1 <= cfg.tmax < EXACT_PASS):   # a plan's budgets stop there: longer is waste
         raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (the largest budget a plan may have), "
