@@ -283,6 +283,31 @@ def conversation_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = (
     return encode_prompt(tokenizer, "\n\n".join(parts), raw=True)
 
 
+def check_room(items: Sequence[PromptItem], tokenizer, raw: bool, max_new_tokens: int, context: int | None,
+               source: str, turns: str = "first") -> None:
+    """Refuse, before any generation, a conversation that can pass the model's ``context`` (tokens; None:
+    unchecked), in one line naming ``source`` (the prompt file), the prompt and the turn: each of its user turns
+    run (``turns``: :func:`user_turns`) after answers of up to ``max_new_tokens`` each, with ``max_new_tokens`` to
+    generate. Decoding would stop at it (HF's ``generate`` only after decoding past the context), a later turn
+    after the earlier turns had run (``hsd run``, ``hsd bench``, ``hsd profile``)."""
+    if context is None:
+        return
+    for it in items:
+        for k in range(len(user_turns(it, turns))):
+            n = len(conversation_ids(tokenizer, it.turns, [""] * k, raw)) + k * max_new_tokens
+            if n + max_new_tokens <= context:
+                continue
+            which = f"prompt {it.index + 1}" + (f" (question_id {it.question_id})" if it.question_id is not None
+                                                else "")
+            if k == 0:
+                raise HsdError(f"{source}: {which} has {n} tokens; with --max-new-tokens {max_new_tokens} that "
+                               f"exceeds the model's context of {context} positions")
+            raise HsdError(f"{source}: {which}, turn {k + 1}: its turns so far and {k} answer(s) of up to "
+                           f"--max-new-tokens {max_new_tokens} make up to {n} tokens; with {max_new_tokens} more "
+                           f"that can exceed the model's context of {context} positions (lower --max-new-tokens, "
+                           f"or --turns first)")
+
+
 def chat_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of a conversation ``[{"role": ..., "content": ...}, ...]`` ready for the model's next turn: the
     tokenizer's chat template with the generation prompt, or (a tokenizer without a template) the plain encoding

@@ -207,7 +207,7 @@ def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, pro
     """``(items, sampling)`` ready for the model: with a grammar flag (``spec``) every prompt of task ``json`` (it
     runs the plan for JSON), each one's room in the context checked (every turn run), and their grammars
     compiled."""
-    from hsd_opt.measure.bench import check_room
+    from hsd_opt.prompts import check_room
     from hsd_opt.runtime.runner import model_context
 
     if spec is not None:
@@ -365,9 +365,9 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     single-stream bench that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
-    from hsd_opt.measure.bench import Sampling, check_room, check_sampling
+    from hsd_opt.measure.bench import Sampling, check_sampling
     from hsd_opt.measure.load_bench import plot_load, run_load_bench
-    from hsd_opt.prompts import check_report_key, encode_prompt, load_prompts, select_items
+    from hsd_opt.prompts import check_report_key, check_room, encode_prompt, load_prompts, select_items
     from hsd_opt.runtime.runner import model_context
 
     temperature, top_p, top_k, min_p = how

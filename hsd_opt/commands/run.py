@@ -171,7 +171,7 @@ def run_cmd(
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.measure.bench import check_room
+    from hsd_opt.prompts import check_room
     from hsd_opt.runtime.runner import model_context, plan_for_prompt
 
     penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,

@@ -52,7 +52,7 @@ from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
-from hsd_opt.prompts import PromptItem, PromptSuite, load_prompts, text_of_length, with_json_tasks
+from hsd_opt.prompts import PromptItem, PromptSuite, check_room, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
 from hsd_opt.seeds import SEED_STRIDE, check_strided_seed
@@ -624,7 +624,9 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
                      progress, on_prompt, world: int, warn) -> list:
     """The continuations (:func:`_generate_continuations`), then every drafter measured on them
     (:func:`_measure_prompts`; ADED built from them when wanted); returns the token drafters measured."""
-    _check_room(cfg, loaded, pool, mine, source)
+    # a prompt that with --max-new-tokens would pass the fewest positions a model of the pool holds: refused
+    check_room(mine, loaded.tokenizer, cfg.raw, cfg.max_new_tokens, _max_positions(nd.engine for nd in pool.neural),
+               source)
     grammars = _grammars(loaded, mine, source)
     _generate_continuations(cfg, loaded, eng, mine, ck, eos, source, progress, grammars)
     tds = list(pool.token)
@@ -632,19 +634,6 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
         tds.append(build_aded(ck.continuations, world, warn))
     _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, source, progress, on_prompt, grammars)
     return tds
-
-
-def _check_room(cfg: ProfileConfig, loaded, pool, items: list, source: str) -> None:
-    """Refuse, before any generation, a prompt of ``items`` that with ``--max-new-tokens`` would pass the fewest
-    positions a model of the pool holds (as ``hsd run`` and ``hsd bench`` refuse it), naming it."""
-    context = _max_positions(nd.engine for nd in pool.neural)
-    if context is None:
-        return
-    for it in items:
-        n = len(encode_item(loaded, it, cfg.raw, source))
-        if n + cfg.max_new_tokens > context:
-            raise HsdError(f"{source}: prompt {it.index + 1} has {n} tokens; with --max-new-tokens "
-                           f"{cfg.max_new_tokens} that exceeds the model's context of {context} positions")
 
 
 def _new_stats(pool, tasks: list[str], tmax: int) -> PairStats:
