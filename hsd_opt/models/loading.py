@@ -374,16 +374,9 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
         weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
         if weights:
             revision = "local:" + hashlib.sha256(_file_stamp(weights[0]).encode()).hexdigest()[:16]
-    elif "/" in resolved and not resolved.startswith((".", "/")):
+    else:                       # check_model_name let nothing else through: a hub id (org/name)
         source, load_from = "hub", resolved
-    else:
-        raise _unknown_model(name, flag)
     return source, load_from, revision
-
-
-def _unknown_model(name: str, flag: str) -> HsdError:
-    return HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
-                    f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
 
 
 def check_model_name(name: str, flag: str = "--model") -> None:
@@ -397,7 +390,8 @@ def check_model_name(name: str, flag: str = "--model") -> None:
         return
     if _exists(resolved, name, flag) or ("/" in resolved and not resolved.startswith((".", "/"))):
         return
-    raise _unknown_model(name, flag)
+    raise HsdError(f"{flag} {name}: unknown model or alias; known: {known_models_text()}; "
+                   f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
 
 
 def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256: str | None = None) -> tuple[Path, str]:
