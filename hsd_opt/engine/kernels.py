@@ -512,8 +512,9 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
     with _LOCK:
         if variant is None and _LIB:
             return _LIB[0]
+        features = variants.cpu_features()
         if variant is None:
-            chosen, reason = variants.choose()
+            chosen, reason = variants.choose(features)
         else:
             chosen, reason = variants.BY_NAME[variant], "asked for"
         lib, why, omp, path = None, None, False, None
@@ -524,7 +525,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
         else:
             # chosen, not forced: a compiler that cannot build it (too old for a flag) falls to the next variant
             chosen_by_us = variant is None and not reason.startswith("forced")
-            later = variants.runnable(variants.cpu_features()) if chosen_by_us else [chosen]
+            later = variants.runnable(features) if chosen_by_us else [chosen]
             candidates = [chosen] + later[later.index(chosen) + 1:] if chosen in later else [chosen]
             lib, chosen, omp, path, why, fell = _load_first(cc, candidates, log, wanted)
             if fell:
