@@ -267,7 +267,7 @@ def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_h
     opt = torch.optim.Adam([p for h in heads.values() for p in h.parameters()], lr=settings["lr"])
     ck_settings = dict(settings, data_sha256=data_hash, n_layers=eng.n_layers, hidden_size=eng.hidden_size,
                        vocab_size=eng.vocab_size)
-    start: tuple[int, int, int, list, float, tuple] = (0, 0, 0, [], 0.0, (0.0, 0, 0.0))
+    start: tuple[int, int, int, list, float, tuple] = (0, 0, 0, [], 0.0, NO_LOSS)
     if checkpoint and resume and Path(checkpoint).is_file():
         start = _resume(checkpoint, eng.device, ck_settings, heads, opt, say)
     history, elapsed0 = start[3], start[4]
@@ -333,6 +333,11 @@ def _softmax_vocab(settings: dict, vocab_ids: torch.Tensor | None, cand: torch.T
     return _SoftmaxVocab(base_ids, rest, n_neg, corr)
 
 
+#: An epoch's loss before its first sequence: ``(sum of the steps' mean KL weighted by positions, positions,
+#: seconds)``, what a checkpoint keeps of the epoch under way (:func:`_save_checkpoint`).
+NO_LOSS = (0.0, 0, 0.0)
+
+
 def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
             say) -> tuple[int, int, int, list, float, tuple]:
     """Load the heads' and the optimiser's state from ``checkpoint``, which must have been made with
@@ -354,7 +359,7 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
         for b, h in heads.items():
             h.load_state_dict(ck["heads"][b])
         opt.load_state_dict(ck["opt"])
-        part = ck.get("epoch_loss", (0.0, 0, 0.0))
+        part = ck.get("epoch_loss", NO_LOSS)             # (a checkpoint written before it was kept)
         at = (int(ck["epoch"]), int(ck["seq"]), int(ck["step"]), list(ck["history"]), float(ck["elapsed"]),
               (float(part[0]), int(part[1]), float(part[2])))
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
@@ -365,7 +370,7 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
 
 
 def _save_checkpoint(path, ck_settings: dict, heads: dict, opt, epoch: int, seq: int, step: int, history: list,
-                     elapsed: float, epoch_loss: tuple = (0.0, 0, 0.0)) -> None:
+                     elapsed: float, epoch_loss: tuple = NO_LOSS) -> None:
     """Write the heads, the optimiser and the position in the data (``epoch``, ``seq``, ``step``) to ``path``,
     atomically, with ``ck_settings`` to check a resume against, the seconds trained so far and, mid-epoch, the
     epoch's loss so far (``(sum of the steps' mean KL weighted by positions, positions, seconds)``: a resumed
@@ -398,7 +403,7 @@ def _run_epochs(eng, layers, heads: dict, opt, train_seqs, train_st, settings: d
     total_steps = max(1, steps_per_epoch * settings["epochs"])
     t_run = last_ck = time.time()
 
-    def save(epoch: int, seq: int, step: int, epoch_loss: tuple = (0.0, 0, 0.0)) -> None:
+    def save(epoch: int, seq: int, step: int, epoch_loss: tuple = NO_LOSS) -> None:
         if checkpoint:
             _save_checkpoint(checkpoint, ck_settings, heads, opt, epoch, seq, step, history,
                              elapsed0 + time.time() - t_run, epoch_loss)
