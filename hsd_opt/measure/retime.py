@@ -29,6 +29,7 @@ from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import ContextCosts, Profile
 from hsd_opt.models.loading import same_model
+from hsd_opt.profiler.checkpoint import setting
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD
 from hsd_opt.solver.batch import LOAD_MIN_GAIN, at_batch, choose_loads
@@ -85,8 +86,8 @@ def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
     for key, what in (("revision", "revision"), ("dtype", "dtype"), ("target_precision", "target precision"),
                       ("temperature", "temperature"), ("top_p", "top-p"), ("top_k", "top-k"), ("min_p", "min-p")):
         pv, qv = getattr(profile.provenance, key), getattr(plan.provenance, key)
-        if key in FILTER_OFF and profile.provenance.temperature is not None and plan.provenance.temperature is not None:
-            pv, qv = FILTER_OFF[key] if pv is None else pv, FILTER_OFF[key] if qv is None else qv   # absent: off
+        if key in FILTERS and profile.provenance.temperature is not None and plan.provenance.temperature is not None:
+            pv, qv = setting(profile.provenance.to_dict(), key), setting(plan.provenance.to_dict(), key)  # absent: off
         if pv is not None and qv is not None and pv != qv:      # sampling settings: the target's work differs
             raise HsdError(f"--retime {source}: the profile is of {what} {pv!r}, the plan of {qv!r} (provenance."
                            f"{key}; give the profile the plan was solved from)")
@@ -103,9 +104,9 @@ def check_profile_for_plan(profile: Profile, plan, source: str) -> None:
                        f"{', '.join(map(str, lacking))} (batch_costs; give the profile the plan was solved from)")
 
 
-#: A sampling filter's value where a file does not record it: off (a profile or plan without ``top_k`` sampled
-#: without it).
-FILTER_OFF = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+#: The sampling filters: a file of a temperature that does not record one sampled without it (its
+#: :data:`~hsd_opt.profiler.checkpoint.SETTING_DEFAULTS` value).
+FILTERS = ("top_p", "top_k", "min_p")
 
 
 def greedy_costs(profile: Profile) -> bool:
