@@ -419,34 +419,42 @@ def copy_figures(model, context: int, repeats: int, kinds=(("int8", 8), ("int4",
     return out
 
 
-def generations(model, context: int, new: int, record=None) -> tuple[dict, list[int], list[int]]:
-    """Tokens/s of our AR loop over ``new`` tokens after a ``context``-token prompt; with ``record``, also of our
-    AR loop replaying its steps from recordings (``ours_replayed_tok_s``; ``ours_replayed_equal``: its tokens equal
-    the op-by-op loop's; ``ours_replayed_hsd_equal``: a hierarchy over it gives its AR tokens). Returns the figures,
-    the prompt and our tokens (what :func:`hf_generations` compares HF's with)."""
+def _ar_loop(lm, prompt: list[int], new: int) -> tuple[float | None, list[int]]:
+    """Tokens/s of the AR loop (``HSD`` with the target alone) on ``lm`` over ``new`` tokens after ``prompt``,
+    decode only (after a warm-up), and its tokens."""
     from hsd_opt.runtime.decode import HSD, Level
 
+    ar = HSD([Level("target", lm, lm.n_layers)], [])
+    ar.generate(prompt, 4)
+    res = ar.generate(prompt, new)
+    sec = res.stats.get("decode_seconds")
+    return (len(res.token_ids) / sec if sec else None), res.token_ids
+
+
+def generations(model, context: int, new: int) -> tuple[dict, list[int], list[int]]:
+    """Tokens/s of our AR loop over ``new`` tokens after a ``context``-token prompt. Returns the figures, the
+    prompt and our tokens (what :func:`hf_generations` and :func:`replayed_generations` compare theirs with)."""
     eng = engine(model)
     prompt = torch.randint(3, eng.vocab_size, (context,), generator=torch.Generator().manual_seed(2)).tolist()
+    rate, ours = _ar_loop(eng, prompt, new)
+    return {"ours_tok_s": rate, "ours_tokens": len(ours)}, prompt, ours
 
-    def ar_loop(lm) -> tuple[float | None, list[int]]:
-        ar = HSD([Level("target", lm, lm.n_layers)], [])
-        ar.generate(prompt, 4)
-        res = ar.generate(prompt, new)
-        sec = res.stats.get("decode_seconds")
-        return (len(res.token_ids) / sec if sec else None), res.token_ids
 
-    rate, ours = ar_loop(eng)
-    out = {"ours_tok_s": rate, "ours_tokens": len(ours)}
-    if record is not None:
-        replaying = engine(model, record=record)
-        out["ours_replayed_tok_s"], toks = ar_loop(replaying)
-        out["ours_replayed_equal"] = toks == ours
-        # verify passes replayed too: the middle exit drafting 3 tokens for the model's head, lossless
-        L = replaying.n_layers
-        hsd = HSD([Level(f"layer{L // 2}", replaying, L // 2), Level("target", replaying, L)], [3])
-        out["ours_replayed_hsd_equal"] = hsd.generate(prompt, new).token_ids == toks
-    return out, prompt, ours
+def replayed_generations(model, prompt: list[int], new: int, ours: list[int], record) -> dict:
+    """Our AR loop replaying its steps from recordings made by ``record`` (``ours_replayed_tok_s``;
+    ``ours_replayed_equal``: its tokens equal the op-by-op loop's ``ours``; ``ours_replayed_hsd_equal``: a hierarchy
+    over it gives its AR tokens)."""
+    from hsd_opt.runtime.decode import HSD, Level
+
+    replaying = engine(model, record=record)
+    out: dict = {}
+    out["ours_replayed_tok_s"], toks = _ar_loop(replaying, prompt, new)
+    out["ours_replayed_equal"] = toks == ours
+    # verify passes replayed too: the middle exit drafting 3 tokens for the model's head, lossless
+    L = replaying.n_layers
+    hsd = HSD([Level(f"layer{L // 2}", replaying, L // 2), Level("target", replaying, L)], [3])
+    out["ours_replayed_hsd_equal"] = hsd.generate(prompt, new).token_ids == toks
+    return out
 
 
 def hf_generations(model, device: str, prompt: list[int], new: int, ours: list[int], compiled: bool) -> dict:
@@ -547,7 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["fixed_shapes"] = engine(model).fixed_shapes
     save("engine")
     # the headline figures first (a later section's compile that runs long must not lose them)
-    figs, prompt, ours = generations(model, a.context, a.new, None)
+    figs, prompt, ours = generations(model, a.context, a.new)
     report.update(figs)
     if not a.no_hf:
         report.update(hf_generations(model, a.device, prompt, a.new, ours, compiled=False))
@@ -607,9 +615,8 @@ def main(argv: list[str] | None = None) -> dict:
             save("triton_replayed")
         variant("compiled", record=record, compiled=True)   # the small kernels fused, replayed
         save("compiled")
-    if record is not None:                  # the AR loop replaying its steps (the op-by-op one's figures kept)
-        figs, _, _ = generations(model, a.context, a.new, record)
-        report.update({k: v for k, v in figs.items() if k.startswith("ours_replayed")})
+    if record is not None:                  # the AR loop replaying its steps, against the op-by-op one run above
+        report.update(replayed_generations(model, prompt, a.new, ours, record))
         hf_ratios()
         save("generations_replayed")
     if not (a.no_hf or a.no_compile):       # last: compiling may take minutes
