@@ -168,6 +168,10 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tiny, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, log=boom, **kw)
     assert ckpt.is_file()
+    kept = ckpt.read_bytes()
+    with pytest.raises(HsdError, match="a checkpoint of an interrupted training exists; pass --resume"):
+        train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, **kw)      # --resume forgotten: it was replaced
+    assert ckpt.read_bytes() == kept
     msgs = []
     resumed = train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, log=msgs.append, **kw)
     assert any(m.startswith("resuming") for m in msgs)

@@ -267,6 +267,17 @@ def test_heads_train_refuses_bad_numbers_before_loading(tmp_path, flags, said):
     assert res.exit_code == 2 and said in cli_output(res) and "Traceback" not in cli_output(res), cli_output(res)
 
 
+def test_heads_train_without_resume_keeps_an_interrupted_runs_checkpoint(tmp_path):
+    """Rerun without ``--resume`` after a Ctrl-C, the training started over and its first save replaced the
+    checkpoint the interruption had said was kept; now refused before anything loads, the checkpoint untouched."""
+    ckpt = tmp_path / "h.safetensors.ckpt"
+    ckpt.write_bytes(b"an interrupted training")
+    res = run_cli("heads", "train", "--model", "no-such-model", "--out", tmp_path / "h.safetensors")
+    out = " ".join(cli_output(res).split())
+    assert res.exit_code == 2 and f"{ckpt}: a checkpoint of an interrupted training exists; pass --resume" in out, out
+    assert ckpt.read_bytes() == b"an interrupted training"
+
+
 def test_heads_outputs_never_replace_what_the_command_reads(root, heads_a, tmp_path):
     """``eval --json`` the heads file, ``train --out`` the prompts or a file in the model's folder: refused
     before anything loads, the files untouched (each was overwritten)."""

@@ -80,7 +80,7 @@ def train(
 
     from hsd_opt.commands.options import layer_numbers
     from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
-    from hsd_opt.heads.train import TRAIN_VOCABS
+    from hsd_opt.heads.train import TRAIN_VOCABS, check_checkpoint
     from hsd_opt.models.loading import load_model
 
     if kind not in KINDS:
@@ -99,6 +99,8 @@ def train(
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")
     wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
+    ckpt = Path(str(out) + ".ckpt")
+    check_checkpoint(ckpt, resume)
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(model, device=device, dtype=dtype)
@@ -107,7 +109,6 @@ def train(
     if vocab_subset and vocab_subset >= loaded.model.lm_head.weight.shape[0]:
         raise HsdError(f"--vocab-subset {vocab_subset} is not smaller than the vocabulary")
     tr, tr_st, ho, ho_st = _data(loaded, prompts, tokens, holdout, seed)
-    ckpt = Path(str(out) + ".ckpt")
     try:
         res = train_heads(loaded, bs, tr, starts=tr_st, held_out=ho, held_out_starts=ho_st, kind=kind, rank=rank,
                           vocab_subset=vocab_subset or None, epochs=epochs, lr=lr, train_vocab=train_vocab,

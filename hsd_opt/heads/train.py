@@ -204,6 +204,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "lowrank" and (not is_integer(rank) or rank < 1):
         raise HsdError(f"--rank: expected an integer >= 1, got {rank!r}")
+    check_checkpoint(checkpoint, resume)
     m, _, _ = unwrap_model(model)
     eng = LayeredLM(m)
     layers = sorted(set(int(b) for b in layers))
@@ -242,6 +243,14 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     finally:
         for p, r in zip(m.parameters(), requires):
             p.requires_grad_(r)
+
+
+def check_checkpoint(checkpoint: str | Path | None, resume: bool) -> None:
+    """Refuse to start over where an interrupted training left ``checkpoint`` and ``resume`` is off: its first
+    save would replace the checkpoint (hours of training), as the profiler refuses its own."""
+    if checkpoint and not resume and Path(checkpoint).exists():
+        raise HsdError(f"{checkpoint}: a checkpoint of an interrupted training exists; pass --resume to continue "
+                       f"it, or delete it to start over")
 
 
 def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
@@ -346,15 +355,15 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
     try:
         ck = torch.load(str(checkpoint), map_location=device, weights_only=False)
     except Exception as e:
-        raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it or run without "
-                       f"--resume") from None
+        raise HsdError(f"{checkpoint}: cannot read the training checkpoint ({e}); delete it to start "
+                       f"over") from None
     if not isinstance(ck, dict) or not isinstance(ck.get("settings"), dict):
         raise HsdError(f"{checkpoint}: not a heads training checkpoint (a {type(ck).__name__} without settings); "
-                       f"delete it or run without --resume")
+                       f"delete it to start over")
     if ck["settings"] != ck_settings:
         diff = sorted(k for k in ck_settings if ck["settings"].get(k) != ck_settings[k])
         raise HsdError(f"{checkpoint}: the checkpoint was made with different settings or data "
-                       f"({', '.join(diff)}); delete it or run without --resume")
+                       f"({', '.join(diff)}); delete it to start over")
     try:
         for b, h in heads.items():
             h.load_state_dict(ck["heads"][b])
@@ -364,7 +373,7 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
               (float(part[0]), int(part[1]), float(part[2])))
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise HsdError(f"{checkpoint}: a damaged heads training checkpoint ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''}); delete it or run without --resume") from None
+                       f"{str(e).splitlines()[0] if str(e) else ''}); delete it to start over") from None
     say(f"resuming from {checkpoint}: epoch {at[0] + 1}, sequence {at[1]}, step {at[2]}")
     return at
 

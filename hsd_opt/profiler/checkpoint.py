@@ -67,13 +67,13 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                                  "format")
         theirs = d.get("settings", {})
         if not isinstance(theirs, dict):
-            raise InputFileError(str(path), "a damaged checkpoint (its settings are not an object); rerun without "
-                                            "--resume (or delete it) to start over", "settings")
+            raise InputFileError(str(path), "a damaged checkpoint (its settings are not an object); delete it to "
+                                            "start over", "settings")
         for f in RESUME_FIELDS:
             was, now = setting(theirs, f), setting(settings, f)
             if was != now:
                 raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
-                                                f"rerun without --resume (or delete it) to start over",
+                                                f"delete it to start over",
                                      f"settings.{f}")
         field = "stats"
         try:
@@ -83,8 +83,8 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
             field = "continuations"
             ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InputFileError(str(path), f"a damaged checkpoint ({type(e).__name__}: {e}); rerun without "
-                                            f"--resume (or delete it) to start over", field) from None
+            raise InputFileError(str(path), f"a damaged checkpoint ({type(e).__name__}: {e}); delete it to start "
+                                            f"over", field) from None
         log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
     elif resume:
         warn(f"--resume: no checkpoint at {path}; starting from the beginning")
