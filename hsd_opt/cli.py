@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 
 import typer
 
 from hsd_opt.commands import bench, chat, doctor, heads, models, profile, run, serve, solve
 from hsd_opt.console import error
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, Terminated
 
 app = typer.Typer(
     name="hsd",
@@ -46,7 +47,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=doctor.versi
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. SIGTERM is raised as :class:`~hsd_opt.errors.Terminated` (a Ctrl-C), so that
+    ``hsd bench``, ``run --json``, ``profile`` and ``heads train`` keep what they finished when ``timeout`` or a
+    scheduler stops them; the exit status is then 143, as the signal's own."""
+    terminated: list[int] = []
+
+    def on_sigterm(signum, frame) -> None:
+        terminated.append(signum)
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         app()
     except HsdError as e:  # raised outside a wrapped command (e.g. in a callback)
@@ -59,6 +69,10 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         error(f"cannot write the output: {e.strerror}")
         sys.exit(1)
+    except SystemExit:
+        if terminated:
+            sys.exit(128 + signal.SIGTERM)
+        raise
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ class HsdError(Exception):
     """A usage or input error: bad flag, bad file, bad field. Printed as one line, exit code 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``timeout``, ``kill``, batch schedulers and service managers send), raised where Ctrl-C is,
+    so that a long command keeps and reports the work it finished; the command line then exits with status 143
+    (128 + SIGTERM), as a process the signal ended does. A subclass, so that code which must end on it but only
+    pause on Ctrl-C (``hsd chat``) can tell them apart."""
+
+
 class OutputFileError(HsdError, OSError):
     """A file that cannot be written (a directory, a folder that cannot be made, no room): the message names it.
     Also an :class:`OSError`, so that code which writes only a cache and goes on without it still does."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -154,6 +156,31 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
         if isinstance(e, OSError):
             raise _cannot_write(p, e) from None
         raise
+
+
+#: Seconds without a write after which a temporary file or folder is one a killed process left behind (a live one
+#: writes more often: a download, a conversion, a copy streamed to disk).
+STALE_SECONDS = 3600.0
+
+
+def remove_stale(paths) -> None:
+    """Remove each of ``paths`` (temporary files, or folders with what they hold) in which nothing was written for
+    :data:`STALE_SECONDS`: what a process killed part-way (SIGKILL, out of memory, power) left behind, never the
+    work under way of another process sharing the folder. Errors are ignored (another process removed it)."""
+    now = time.time()
+    for p in paths:
+        try:
+            times = [p.stat().st_mtime] + ([f.stat().st_mtime for f in p.rglob("*")] if p.is_dir() else [])
+        except OSError:
+            continue
+        if now - max(times) > STALE_SECONDS:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

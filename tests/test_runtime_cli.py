@@ -152,6 +152,50 @@ def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_d
     assert "stopped: the report holds the 2 of 4 prompts" in " ".join(_out(res).split())
 
 
+@pytest.mark.slow
+def test_bench_ended_by_sigterm_reports_the_prompts_it_finished(tiny_dir, tmp_path):
+    """``timeout``, ``kill`` and schedulers send SIGTERM: ``hsd bench --json`` (a process) keeps the prompts it
+    finished as a Ctrl-C does and exits 143, the signal's own status (it was killed with nothing written)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(1, 200)))
+    rep_path = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "bench", "--plan", str(plan), "--prompts",
+                                 str(prompts), "--max-new-tokens", "8", "--methods", "ar,hsd", "--json", str(rep_path),
+                                 "--device", "cpu"], stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+    lines = []
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:       # the progress lines (stdout)
+            line = proc.stdout.readline()
+            lines.append(line)
+            if not line or line.startswith("prompt 2/199 done"):
+                break
+        assert lines[-1].startswith("prompt 2/199 done"), "".join(lines) + err_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = err_path.read_text()
+    log = "".join(lines) + out + err
+    assert proc.returncode == 128 + signal.SIGTERM, log
+    rep = json.loads(rep_path.read_text())
+    assert rep["prompts"] >= 2 and rep["stopped"]["prompts_done"] == rep["prompts"], rep.get("stopped")
+    assert all(rep["methods"][m]["matches_reference"] is True for m in ("ar", "hsd"))
+    assert "Traceback" not in log and "stopped: the report holds" in " ".join(log.split())
+
+
 def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
     prompts = tmp_path / "p.jsonl"

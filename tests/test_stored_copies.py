@@ -101,6 +101,29 @@ def test_a_stale_quantizer_version_is_removed_when_the_copy_is_stored_again(cach
     assert len(names) == 1 and names[0] != old.name
 
 
+def test_a_copy_a_killed_process_left_half_written_is_removed_when_one_is_stored(cache, monkeypatch):
+    """A copy streamed to disk by a process killed outright (SIGKILL, out of memory) stays as a hidden ``.partial``
+    of up to a few GB: removed once an hour old when the next copy of that model is stored; a fresh one (another
+    process writing it now) kept."""
+    import os
+    import time
+
+    from hsd_opt.jsonio import STALE_SECONDS
+
+    model = make_tiny_llama(seed=5)
+    model.hsd_weights_key = "gguf|sha256:abc|float32"
+    QuantizedLM(model, bits=4, kernels=True)
+    name = next(cache.glob("*.pt")).name
+    dead, live = cache / f".{name}.dead.partial", cache / f".{name}.live.partial"
+    for p in (dead, live):
+        p.write_bytes(b"half a copy")
+    old = time.time() - 2 * STALE_SECONDS
+    os.utime(dead, (old, old))
+    monkeypatch.setattr(stored_copies, "FORMAT", stored_copies.FORMAT + 1)   # stored again under a new name
+    QuantizedLM(model, bits=4, kernels=True)
+    assert not dead.exists() and live.exists()
+
+
 def test_a_model_changed_after_loading_does_not_get_the_copy_of_its_old_weights(cache):
     model = make_tiny_llama(seed=5)
     model.hsd_weights_key = "gguf|sha256:abc|float32"

@@ -132,7 +132,7 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
     """Generate and stream the answer to ``messages``; its text, or None where the conversation cannot go on (its
     error printed: the turn is dropped, the conversation kept)."""
     from hsd_opt.commands.run import text_streamer
-    from hsd_opt.errors import HsdError
+    from hsd_opt.errors import HsdError, Terminated
     from hsd_opt.prompts import chat_ids
 
     t0 = time.perf_counter()
@@ -144,6 +144,8 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
     except HsdError as e:
         err_console.print(f"error: {e}", markup=False)
         return None
+    except Terminated:                         # SIGTERM ends the conversation
+        raise
     except KeyboardInterrupt:                  # Ctrl-C stops this answer, not the conversation
         sys.stdout.write("\n")
         err_console.print("(stopped: the turn is dropped)", markup=False)

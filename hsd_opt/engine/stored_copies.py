@@ -29,7 +29,7 @@ import torch
 
 from hsd_opt.engine import kernels
 from hsd_opt.engine import weights as wq
-from hsd_opt.jsonio import atomic_write
+from hsd_opt.jsonio import atomic_write, remove_stale
 
 #: Bumped when the stored layout changes in a way the quantizer's source does not show.
 FORMAT = 1
@@ -137,6 +137,7 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
         for old in path.parent.glob(stem + "-*.pt"):
             if old != path:
                 old.unlink(missing_ok=True)
+        remove_stale(path.parent.glob(f".{stem}-*.pt.*.partial"))   # copies a killed process left half-written
     except OSError as e:
         warnings.warn(f"could not store the quantized copy in {path.parent} ({e}); it will be quantized again "
                       f"next time", stacklevel=2)

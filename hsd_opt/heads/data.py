@@ -63,8 +63,11 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
     seqs, plens = _generate_batched(model, encoded, new, tok.eos_token_id, temperature, top_p, seed,
                                     batch_size, progress)
     if cache:
-        write_json(path, {"settings": settings, "seconds": round(time.time() - t0, 2), "sequences": seqs,
-                          "prompt_lens": plens}, indent=None)
+        try:
+            write_json(path, {"settings": settings, "seconds": round(time.time() - t0, 2), "sequences": seqs,
+                              "prompt_lens": plens}, indent=None)
+        except OSError:         # a cache that cannot be written is only slower next time: the text is here
+            pass
     return (seqs, plens) if with_prompt_lens else seqs
 
 

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 from hsd_opt.cache import cache_dir
 from hsd_opt.console import progress_bar
 from hsd_opt.errors import HsdError
-from hsd_opt.jsonio import FILE_MODE
+from hsd_opt.jsonio import FILE_MODE, remove_stale
 from hsd_opt.models.loading import convert_named_gguf, converted_dir, file_sha256, is_converted
 from hsd_opt.models.registry import SplitGguf, gguf_path, human_bytes, parts_dir
 
@@ -253,14 +253,12 @@ def check_free_space(where: Path, needs: dict[str, int], label: str) -> None:
                        f"free; free some space or set HSD_CACHE to a larger disk")
 
 
-def remove_stale(spec: SplitGguf, cache: Path) -> None:
-    """Remove what an earlier fetch killed without cleaning up left behind (temporary download directories and
-    partial GGUF files of ``spec``)."""
-    for p in parts_dir(spec, cache).glob(".download-*"):
-        shutil.rmtree(p, ignore_errors=True)
+def remove_stale_fetches(spec: SplitGguf, cache: Path) -> None:
+    """Remove what an earlier fetch of ``spec`` killed without cleaning up left behind (temporary download
+    directories, partial GGUF files), once nothing was written in them for :data:`~hsd_opt.jsonio.STALE_SECONDS`:
+    a fetch of the same model running beside this one (a shared cache) keeps its files."""
     out = gguf_path(spec, cache)
-    for p in out.parent.glob(f".{out.name}.*.partial"):
-        p.unlink(missing_ok=True)
+    remove_stale([*parts_dir(spec, cache).glob(".download-*"), *out.parent.glob(f".{out.name}.*.partial")])
 
 
 def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Downloader | None = None,
@@ -289,7 +287,7 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
     pdir, out = parts_dir(spec, cache), gguf_path(spec, cache)
     seconds: dict[str, float] = {}
     downloaded, assembled = 0, False
-    remove_stale(spec, cache)
+    remove_stale_fetches(spec, cache)
 
     if out.is_file():
         _check_assembled(spec, out, verify, seconds, say)

@@ -16,14 +16,13 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsd_opt.cache import cache_dir, cache_error
 from hsd_opt.errors import HsdError
-from hsd_opt.jsonio import FOLDER_MODE, write_json
+from hsd_opt.jsonio import FOLDER_MODE, remove_stale, write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 from hsd_opt.packages import need
 
@@ -245,7 +244,7 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
 
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_conversions(root)
+        remove_stale(root.glob(".convert-*"))   # conversions killed part-way
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
         os.chmod(tmp, FOLDER_MODE)               # as the cache's other folders (mkdtemp makes it private)
     except OSError as e:
@@ -276,10 +275,6 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     return out, revision
 
 
-#: Seconds without a write after which a conversion's temporary folder is one a killed process left behind.
-STALE_CONVERSION_SECONDS = 3600.0
-
-
 def _converted_revision(meta: Path) -> str | None:
     """The revision a converted copy's ``hsd_source.json`` records; None where there is none or it is damaged (the
     copy is then made again)."""
@@ -288,19 +283,6 @@ def _converted_revision(meta: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return revision if isinstance(revision, str) and revision else None
-
-
-def _remove_stale_conversions(root: Path) -> None:
-    """Remove the temporary folders of conversions killed part-way (no file in them written for
-    :data:`STALE_CONVERSION_SECONDS`): a copy left half-written takes as much room as a whole one."""
-    now = time.time()
-    for tmp in root.glob(".convert-*"):
-        try:
-            newest = max([tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.iterdir()])
-        except OSError:
-            continue
-        if now - newest > STALE_CONVERSION_SECONDS:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetched_gguf(alias: str, name: str | None = None, flag: str = "--model") -> Path:
