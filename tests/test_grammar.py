@@ -94,6 +94,17 @@ def test_a_schema_that_is_not_json_or_not_an_object_is_refused():
             GrammarSpec.json_schema(text, "s.json")
 
 
+def test_a_schemas_own_compiler_options_are_refused_and_cannot_loosen_it(compiler):
+    """``x-guidance`` (llguidance's options in a schema) took precedence over the layout: ``lenient`` let
+    ``uniqueItems`` through unchecked (``[1, 1]`` allowed), a separator made output in another layout."""
+    with pytest.raises(HsdError, match="s.json: x-guidance: the compiler's own options are not taken"):
+        GrammarSpec.json_schema({"x-guidance": {"lenient": True}, "type": "array", "items": {"type": "integer"},
+                                 "uniqueItems": True}, "s.json")
+    with pytest.raises(HsdError, match="uniqueItems"):             # without it, refused as ever
+        compiler.compile(GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"},
+                                                  "uniqueItems": True}, "s.json"))
+
+
 def test_an_integer_a_double_cannot_hold_where_it_bounds_or_fixes_a_value_is_refused(compiler, json_tok):
     """The grammar engine holds a schema's numbers as doubles: ``const`` 12345678901234567890 gave the i64
     maximum and ``minimum``/``maximum`` 2**53 + 1 gave 2**53, answers outside the schema. Such integers are refused,

@@ -73,6 +73,10 @@ def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
             model="smollm2-135m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=N,
             temperature=0, response_format=fmt, stream=True) if ch.choices)
         assert streamed == got[1].choices[0].message.content
+        llama_form = c.chat.completions.create(   # llama.cpp's server's form: the schema in response_format.schema
+            model="smollm2-135m", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=N, temperature=0,
+            response_format={"type": "json_object", "schema": SCHEMA})
+        assert llama_form.model_extra["hsd"]["token_ids"] == want[0]      # (was any JSON object: the schema ignored)
 
         free = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": QUESTIONS[0]}],
                                          max_tokens=N, temperature=0)
@@ -84,6 +88,7 @@ def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
                              "response_format.json_schema.schema"),
                             ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}},   # no output
                              "response_format.json_schema.schema"),
+                            ({"type": "json_object", "schema": {"type": "strin"}}, "response_format.schema"),
                             ({"type": "yaml"}, "response_format.type"), ("json", "response_format")]:
             r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
                 "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "response_format": body})

@@ -553,6 +553,11 @@ BAD = [
             "response_format": {"type": "json_object"}}, 400, "response_format", None),
     (CHAT, {"model": MODEL, "messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
         {"function": {"name": "f", "arguments": "{"}}]}]}, 400, "messages[1].tool_calls[0].function.arguments", None),
+    # llama.cpp's and vLLM's fields for constrained output were ignored: free text where a schema was asked for
+    (CHAT, {"model": MODEL, "messages": MSG, "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "json_schema": {"type": "object"}}, 400, "json_schema", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w1", "grammar": "root ::= \"a\""}, 400, "grammar", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model", "model_not_found"),
     ("/v1/embeddings", {"model": MODEL, "input": "w1"}, 404, None, "not_found"),
     ("/tokenize", {"model": MODEL}, 400, "prompt", None),

@@ -86,6 +86,10 @@ def test_earlier_calls_are_their_json_and_an_answer_is_read_back_as_a_call():
         ("weather", "{\"city\": \"Os")
     assert as_call(ToolCall(None), "{\"name\": \"clock\"}, x") is None
     assert as_call(ToolCall(None, True), "It is sunny.") is None           # "auto": text
+    # the arguments as written, not parsed and written again (1e400 came back as Infinity, not JSON; digits past a
+    # double's were lost; "Zürich" escaped): what a call of a named function returns too
+    for args in ('{"x": 1e400}', '{"x": 0.1000000000000000000001, "y": 1e3}', '{"city": "Zürich"}', '{"a": 1, "a": 2}'):
+        assert as_call(ToolCall(None), f'{{"name": "f", "arguments": {args}}}') == ("f", args)
     deep = "[" * 100_000 + "]" * 100_000                                    # JSON that Python cannot read
     with pytest.raises(ApiError) as e:
         past_calls({"tool_calls": [{"function": {"name": "weather", "arguments": deep}}]}, 1)
@@ -127,10 +131,28 @@ def test_a_call_is_whole_only_where_the_answer_ended_at_the_end_of_sequence():
 def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():
     """``"auto"``'s grammar: a call's JSON as in ``"required"``, or text whose first character past white space is
     not ``{`` (read back as a message: :func:`as_call` None)."""
+    from hsd_opt.grammar.compiler import JSON_LAYOUT, GrammarCompiler, GrammarSpec
+    from hsd_opt.grammar.constraint import Constraint
+    from tests.helpers import JSON_TOKENS, TinyTokenizer
+
     tools = parse_tools({"tools": TOOLS})
     lark = auto_grammar(ToolCall(None, True), tools)
-    assert lark.startswith("start: call | TEXT\n") and json.dumps(call_schema(ToolCall(None), tools)) in lark
+    schema = {**call_schema(ToolCall(None), tools), "x-guidance": JSON_LAYOUT}
+    assert lark.startswith("start: call | TEXT\n") and json.dumps(schema) in lark
     assert "TEXT: /\\s*[^{\\s][\\s\\S]*/" in lark
+    tok = TinyTokenizer(JSON_TOKENS)
+    one = parse_tools({"tools": [{"type": "function", "function": {"name": "g"}}]})
+    constraint = Constraint(GrammarCompiler(tok, 2, 64).compile(GrammarSpec("lark", auto_grammar(ToolCall(None, True),
+                                                                                                  one))))
+
+    def allowed(text: str) -> bool:
+        seq = tok.encode(text) + [2]
+        return constraint.allowed_prefix([], 0, seq) == len(seq)
+
+    # the call in the one layout of "required" and every JSON answer (Lark's %json took flexible white space: a
+    # call could run on spaces to max_tokens, and one cut short was not read back as a call)
+    assert allowed('{"name": "g", "arguments": {}}') and allowed("hi")
+    assert not allowed('{"name":"g",  "arguments":{}}') and not allowed('{"name": "g",  "arguments": {}}')
 
 
 def test_a_functions_references_into_its_own_parameters_point_there_in_the_answers_schema():

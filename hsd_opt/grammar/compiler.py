@@ -26,8 +26,9 @@ from hsd_opt.packages import need
 KINDS = ("json_schema", "json_object", "lark", "regex")
 #: Compiled grammars a :class:`GrammarCompiler` keeps (least recently used dropped first).
 CACHE_SIZE = 256
-#: The JSON layout every schema and JSON object is produced in.
-JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+#: The JSON layout every schema and JSON object is produced in, with every keyword checked (llguidance's options,
+#: given as overrides: a schema's own ``x-guidance`` cannot change them).
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", ", "lenient": False}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class GrammarSpec:
                 raise HsdError(f"{source}: not JSON that can be read: {json_problem(e)}") from None
         if not isinstance(schema, dict):
             raise HsdError(f"{source}: a JSON schema must be an object, got {type(schema).__name__}")
+        if "x-guidance" in schema:   # llguidance's options: another layout, keywords it cannot check let through
+            raise HsdError(f"{source}: x-guidance: the compiler's own options are not taken (JSON is written in one "
+                           f"layout, and a keyword that cannot be checked is refused); leave it out")
         try:
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except ValueError:
@@ -209,9 +213,9 @@ class GrammarCompiler:
             raise HsdError(f"{spec.source}: unknown grammar kind {spec.kind!r} (expected one of {', '.join(KINDS)})")
         try:
             if spec.kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_LAYOUT)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_LAYOUT)
             elif spec.kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
             elif spec.kind == "lark":
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
             else:

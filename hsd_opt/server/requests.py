@@ -152,11 +152,23 @@ def _asks_nothing(v: Any, default: Any) -> bool:
     return type(v) is type(default) and v == default
 
 
+_AS_SCHEMA = 'send the schema as response_format {"type": "json_schema", "json_schema": {"schema": ...}}'
+_SCHEMAS_ONLY = "this server constrains answers by JSON schemas (response_format) only"
+#: llama.cpp's and vLLM's servers' own fields for constrained output: any value but null is a 400 naming the field
+#: (ignored, they gave free text where the client asked for a schema), with what this server takes instead.
+OTHER_CONSTRAINTS = {"json_schema": _AS_SCHEMA, "guided_json": _AS_SCHEMA, "structured_outputs": _AS_SCHEMA,
+                     "guided_choice": "send an enum schema as response_format", "guided_regex": _SCHEMAS_ONLY,
+                     "guided_grammar": _SCHEMAS_ONLY, "grammar": _SCHEMAS_ONLY}
+
+
 def _unsupported(body: dict) -> None:
     for key, default in UNSUPPORTED.items():
         if not _asks_nothing(body.get(key), default):
             raise bad_request(f"'{key}' is not supported by this server (got {json.dumps(body[key])}); leave it "
                               f"out or send {json.dumps(default)}", key)
+    for key, instead in OTHER_CONSTRAINTS.items():
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}' is not supported by this server: {instead}", key)
 
 
 def _calls_elsewhere(body: dict, kind: str) -> None:
@@ -385,6 +397,8 @@ def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
     if kind == "text":
         return None
     if kind == "json_object":
+        if rf.get("schema") is not None:     # llama.cpp's server's form of a schema
+            return _compile_schema(rf["schema"], info, "response_format.schema")
         return _compile(GrammarSpec("json_object", "", "response_format"), info, "response_format")
     js = rf.get("json_schema")
     where = "response_format.json_schema"

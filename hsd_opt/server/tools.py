@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hsd_opt.grammar.compiler import JSON_LAYOUT
 from hsd_opt.server.errors import bad_request
 
 #: A function name as the OpenAI API allows it.
@@ -160,10 +161,11 @@ def rebased(schema: Any, root: str) -> Any:
 
 
 def auto_grammar(call: ToolCall, tools: list[Function]) -> str:
-    """The Lark grammar of an ``"auto"`` answer: a call (:func:`call_schema`) or text whose first character past
-    white space is not ``{``."""
-    return (f"start: call | TEXT\ncall: %json {json.dumps(call_schema(call, tools))}\n"
-            "TEXT: /\\s*[^{\\s][\\s\\S]*/\n")
+    """The Lark grammar of an ``"auto"`` answer: a call (:func:`call_schema`, in the layout of every other JSON
+    answer: Lark's ``%json`` takes its options from the schema's ``x-guidance``, else flexible white space) or text
+    whose first character past white space is not ``{``."""
+    schema = {**call_schema(call, tools), "x-guidance": JSON_LAYOUT}
+    return f"start: call | TEXT\ncall: %json {json.dumps(schema)}\nTEXT: /\\s*[^{{\\s][\\s\\S]*/\n"
 
 
 def instruction(call: ToolCall, tools: list[Function]) -> str:
@@ -253,4 +255,18 @@ def as_call(call: ToolCall, text: str) -> tuple[str, str] | None:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return _cut_call(text)
-    return (obj["name"], json.dumps(obj["arguments"])) if isinstance(obj, dict) and "name" in obj else None
+    return (obj["name"], _arguments_text(text, obj)) if isinstance(obj, dict) and "name" in obj else None
+
+
+def _arguments_text(text: str, obj: dict) -> str:
+    """The arguments of the whole call ``text`` (read as ``obj``) as the model wrote them: parsed and written again
+    they changed (``1e400`` became ``Infinity``, not JSON; digits past a double's were lost; repeated keys
+    merged), and a call of a named function returns its text as written."""
+    named = _NAMED.match(text)
+    if named is not None and text.startswith(_BEFORE_ARGUMENTS, named.end()):
+        start = named.end() + len(_BEFORE_ARGUMENTS)
+        try:
+            return text[start:json.JSONDecoder().raw_decode(text, start)[1]]
+        except (ValueError, RecursionError):
+            pass
+    return json.dumps(obj.get("arguments"))
