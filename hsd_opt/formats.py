@@ -694,7 +694,8 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     entry (checked as in a plan; kept in the entry's ``extra``), an acceptance outside [0, 1] or naming an unknown
     model, a target that cannot verify. Warned, not refused: an acceptance triple that breaks the
     triangle bound a[i][j] + a[j][k] <= a[i][k] + 1 (HSD paper, arXiv 2510.19705, App. B.3), beyond a 0.02
-    tolerance for noise.
+    tolerance for noise, and a model whose step was timed twice with results too far apart
+    (:func:`drift_warnings`).
     """
     if not isinstance(d, dict):
         raise InputFileError(source, "expected a JSON object")
@@ -719,7 +720,7 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
         raise InputFileError(source, "expected an object (the profiler's statistics)", "stats")
     prof = Profile(target, models, acceptance, verify_cost, cost_curve, extra, context_costs, batch_costs,
                    provenance=_provenance(d.get("provenance"), source), stats=stats, **records)
-    return prof, triangle_warnings(prof, source)
+    return prof, triangle_warnings(prof, source) + drift_warnings(prof, source)
 
 
 def _model_entries(source: str, raw: Any) -> list[ModelEntry]:
@@ -1005,6 +1006,27 @@ def triangle_warnings(profile: Profile, source: str = "<profile>", tol: float = 
         out.append(f"{source}: acceptance: {names[i]}->{names[j]} ({a[i, j]:.3f}) + {names[j]}->{names[k]} "
                    f"({a[j, k]:.3f}) exceeds {names[i]}->{names[k]} ({a[i, k]:.3f}) + 1: breaks the triangle bound "
                    f"(HSD paper, App. B.3)")
+    return out
+
+
+def drift_warnings(profile: Profile, source: str = "<profile>", tol: float = 0.10) -> list[str]:
+    """One line where the target's ``cost`` (its step timed in the rounds over every pass size) and its
+    ``step_measured`` (its step timed alone, earlier in the same profile) differ by more than ``tol`` (a share of
+    the smaller): the machine's speed moved while the costs were measured (other work, a CPU settling after heavy
+    work), so the costs may describe neither speed and a plan solved from them may not fit the machine. The
+    target's step is what autoregressive decoding costs, against which every plan's gain is priced. (A quantized
+    copy's two timings differ by up to a fifth on a quiet machine: not a sign of drift.)"""
+    out = []
+    for m in profile.models:
+        step = m.extra.get("step_measured")
+        if m.kind != "target" or not isinstance(step, (int, float)) or not step > 0 or not m.cost > 0:
+            continue
+        hi, lo = max(m.cost, step), min(m.cost, step)
+        if hi > lo * (1 + tol):
+            out.append(f"{source}: models.{m.name}: its step was timed at {step * 1e3:.2f} ms and then at "
+                       f"{m.cost * 1e3:.2f} ms in this profile ({hi / lo - 1:.0%} apart): the machine's speed moved "
+                       f"while costs were measured, and a plan solved from them may not fit it; profile again on a "
+                       f"quiet machine (hsd bench --retime prices a run at the speed of the moment)")
     return out
 
 
