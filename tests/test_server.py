@@ -716,9 +716,15 @@ def test_full_queue_answers_429(tiny, direct, caplog):
     with BackgroundServer(create_app(gated_jobs, svc.info), on_stop=gated_jobs.cancel_all) as srv:
         c = client(srv)
         results: list = []
-        with pytest.raises(openai.BadRequestError) as e:      # more sampled choices than the queue ever holds
-            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=2)
-        assert e.value.body["param"] == "n" and "--max-queue" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:      # more sampled choices than the server ever holds
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=3)
+        assert e.value.body["param"] == "n" and "holds at most 2 requests (1 decoding, 1 waiting" in \
+            e.value.body["message"]
+        # two fit one decoding and one waiting: answered (they were refused as more than --max-queue)
+        gate.set()
+        assert len(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0,
+                                        n=2).choices) == 2
+        gate.clear()
 
         def ask():
             results.append(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0))
@@ -736,7 +742,7 @@ def test_full_queue_answers_429(tiny, direct, caplog):
         first.join(60)
         second.join(60)
         assert len(results) == 2 and results[0].choices[0].text == results[1].choices[0].text
-        assert _poll(srv.url, lambda h: h["completed"] == 2)["refused"] == 1
+        assert _poll(srv.url, lambda h: h["completed"] == 4)["refused"] == 1
     no_tracebacks(caplog)
 
 

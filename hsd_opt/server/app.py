@@ -177,9 +177,11 @@ class Service:
             return Response(status_code=400)
         req = parse_request(parse_json(raw), kind, self.info)
         runs = choice_requests(req)
-        if len(runs) > self.jobs.max_queue:
-            raise ApiError(400, f"'n' asks for {len(runs)} sampled choices; this server queues at most "
-                                f"{self.jobs.max_queue} requests (hsd serve --max-queue)", "invalid_request_error", "n")
+        if len(runs) > self.jobs.places:     # never admitted, however idle the server
+            raise ApiError(400, f"'n' asks for {len(runs)} sampled choices; this server holds at most "
+                                f"{self.jobs.places} requests ({self.jobs.batch.max_active} decoding, "
+                                f"{self.jobs.max_queue} waiting: hsd serve --max-batch, --max-queue)",
+                           "invalid_request_error", "n")
         jobs, events = self.submit(runs, req.n)
         rid, created = new_id(kind), now()
         if req.stream:

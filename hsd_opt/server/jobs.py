@@ -168,7 +168,7 @@ class JobQueue:
         which the worker empties only between its steps: counting those against ``max_queue`` alone refused a
         burst of requests that fit the batch). Only this adds jobs, so the places counted stay free."""
         with self._lock:
-            places = self.batch.max_active + self.max_queue
+            places = self.places
             taken = sum(1 for job in self._live if not job.cancelled)
             free = places - taken
             if free < len(jobs):
@@ -180,6 +180,11 @@ class JobQueue:
             for job in jobs:
                 self._queue.put_nowait(job)
                 self._live.add(job)
+
+    @property
+    def places(self) -> int:
+        """The most jobs the server holds at once: ``max_batch`` decoding and ``max_queue`` waiting."""
+        return self.batch.max_active + self.max_queue
 
     def _queued(self) -> int:
         """Jobs in the queue that were not cancelled (those that were wait for the worker to take them out)."""
