@@ -272,6 +272,28 @@ def test_greedy_hsd_under_a_grammar_equals_masked_autoregressive_decoding(compil
         assert out.token_ids == ref.token_ids, (kind, prompt)
 
 
+def _subset_heads(model, layers, ids):
+    """Reduced-vocabulary exit heads (``hsd heads train --vocab-subset``, untrained: the logit lens on ``ids``):
+    ``-inf`` at every other token."""
+    from hsd_opt.heads import TranslatorHead
+
+    return LayeredLM(model, {b: TranslatorHead(model, vocab_ids=torch.tensor(ids)) for b in layers})
+
+
+def test_greedy_hsd_with_heads_that_cannot_propose_what_the_grammar_allows_is_the_targets(compiler):
+    """Drafting heads over letters only, under a schema whose structure ('{', '"', digits ...) lies outside them:
+    their masked rows held no token, so they drafted token 0 and the grammar refused it (an error, exit 2);
+    such a row drafts from the allowed tokens and the output is the masked target's."""
+    model = make_tiny_llama(seed=3, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)
+    letters = [i for i, t in enumerate(JSON_TOKENS) if t.isalpha() and len(t) == 1]
+    lm = _subset_heads(model, (1, 2), letters)
+    ar = HSD([Level("layer4", LayeredLM(model), 4)], [], eos_ids=[EOS])
+    h = HSD([Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3], eos_ids=[EOS])
+    for prompt in PROMPTS:
+        ref = ar.generate(prompt, 60, constraint=Constraint(_schema(compiler)))
+        assert h.generate(prompt, 60, constraint=Constraint(_schema(compiler))).token_ids == ref.token_ids
+
+
 def test_log_probabilities_under_a_grammar_are_the_raw_targets_and_change_no_token(compiler, engine):
     """Under a grammar (forced tokens included, which a lone target otherwise takes without a pass), the tokens
     with log-probabilities are the masked decoding's, and each value is the target's unmasked log-softmax there."""
@@ -373,6 +395,20 @@ def test_sampling_under_a_grammar_has_the_masked_models_distribution_and_a_wrong
     p_bad = _pvalue(draw(HSD([levels[1], levels[3]], [3], residual=False)), probs)
     assert p_ok > 1e-3, p_ok
     assert p_bad < 1e-6, p_bad
+
+
+@pytest.mark.slow
+def test_sampling_with_heads_that_cannot_propose_what_the_grammar_allows_keeps_the_masked_distribution(peaky):
+    """Drafting heads whose vocabulary (c, bc, ca, z) the grammar refuses everywhere: every draft row was empty
+    ("every token of a row is masked", an error); drawn from the allowed tokens instead, a proper draft
+    distribution, the output has the masked target's distribution."""
+    model, _ = peaky
+    grammar = GrammarCompiler(TinyTokenizer(SMALL_TOKENS), EOS, V).compile(GrammarSpec("regex", REGEX))
+    lm = _subset_heads(model, (1, 2), [5, 7, 8, 11])
+    h = HSD([Level("layer1", lm, 1), Level("layer2", lm, 2), Level("layer4", lm, 4)], [2, 3])
+    p = _pvalue(lambda seed: h.generate(PROMPT, K, temperature=1.0, seed=seed,
+                                        constraint=Constraint(grammar)).token_ids, _exact_masked(model, grammar))
+    assert p > 1e-3, p
 
 
 @pytest.mark.slow

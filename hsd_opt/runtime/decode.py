@@ -519,6 +519,19 @@ class HSD:
             d.close()
 
 
+def _uniform_where_empty(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits [m, V]`` (masked) with each row that holds no finite logit set to 0 at its ``allowed [m, V]``
+    tokens: a drafter that cannot propose any token the grammar allows (a reduced-vocabulary head, ``-inf``
+    outside its vocabulary) proposes one of them uniformly, a proper draft distribution, so verification keeps
+    the target's output (greedy: the first allowed token). Its argmax was token 0, refused by the grammar; its
+    distribution had no mass to sample from."""
+    empty = torch.isneginf(logits).all(dim=-1)
+    if not bool(empty.any()):
+        return logits
+    fill = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    return torch.where(empty[:, None] & allowed, fill, logits)
+
+
 class Decoding:
     """One sequence decoded by a hierarchy: its tokens, a decoding state per engine, its token drafters (forked from
     the hierarchy's), its random generator and its counters.
@@ -771,7 +784,9 @@ class Decoding:
         """Level k's ``logits`` ``[m, V]`` at positions start..end-1 as this decoding's target reads them: moved by
         the penalties (:meth:`_offset_rows`, or ``rows`` where the caller made them, left as they are; with the
         repetition penalty's from these logits: :meth:`_repeat`, at each row's ``repeated`` ids where the caller
-        has them, a window's ``pinned``), then masked by the grammar."""
+        has them, a window's ``pinned``), then masked by the grammar. A drafter's row that the grammar leaves
+        empty (a reduced-vocabulary head where only tokens outside its vocabulary are allowed) drafts from the
+        allowed tokens, uniformly (:func:`_uniform_where_empty`)."""
         if self.penalties is not None:
             rows = self._offset_rows(k, start, end) if rows is None else rows.clone()
             read = LogitPicks(logits)
@@ -780,7 +795,10 @@ class Decoding:
                              repeated[i] if repeated is not None else None)
             logits = logits + rows.to(logits.device)
         if self.constraint is not None:
-            logits = mask_logits(logits, self._allowed_rows(start, end))
+            allowed = self._allowed_rows(start, end).to(logits.device)
+            logits = mask_logits(logits, allowed)
+            if k < len(self.hsd.levels) - 1:
+                logits = _uniform_where_empty(logits, allowed)
         return logits
 
     def _offset_rows(self, k: int, start: int, end: int) -> torch.Tensor:
