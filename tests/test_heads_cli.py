@@ -337,6 +337,24 @@ def test_resuming_from_a_checkpoint_that_is_not_one_is_refused(tmp_path, content
         train_heads(m, [1], seqs, epochs=1, progress=False, checkpoint=ck, resume=True, evaluate=False)
 
 
+def test_heads_eval_with_other_tokens_holds_out_the_prompts_training_held_out(root):
+    """``heads eval --tokens`` other than training's made more samples of each prompt and split the sequences
+    anew: prompts the heads were trained on came back as held-out text (the agreement inflated). Held out by
+    prompt, the held-out prompts are training's whatever the tokens, and no prompt is on both sides."""
+    from hsd_opt.commands.heads import _data
+
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+
+    def prompts_of(seqs, starts):
+        return {tuple(s[:a]) for s, a in zip(seqs, starts)}
+
+    tr, tr_st, ho, ho_st = _data(loaded, root / "p.jsonl", 300, 0.34, 0)      # train --tokens 300: 1 sample each
+    _, _, ho2, ho2_st = _data(loaded, root / "p.jsonl", 3000, 0.34, 0)        # eval --tokens 3000: 2 samples each
+    assert len(ho2) == 2 * len(ho)
+    assert prompts_of(ho2, ho2_st) == prompts_of(ho, ho_st)
+    assert not prompts_of(ho2, ho2_st) & prompts_of(tr, tr_st)
+
+
 def test_training_text_is_cached_per_dtype(root):
     """A bfloat16 model writes other text than its float32 weights: each gets its own cached training text."""
     from hsd_opt.heads import generate_training_sequences

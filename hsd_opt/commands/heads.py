@@ -31,8 +31,9 @@ def results_table(title: str, before: dict, after: dict) -> Table:
 
 def _data(loaded, prompts: Optional[Path], tokens: int, holdout: float, seed: int):
     """The target's own text from ``prompts`` (None: the shipped suite), about ``tokens`` tokens, split by ``seed``
-    with a ``holdout`` share held out: (train sequences, their prompt lengths, held-out ones, theirs). Fewer than
-    two sequences (nothing to hold out) is an :class:`HsdError`."""
+    with a ``holdout`` share of the prompts held out (of the sequences, for one prompt): (train sequences, their
+    prompt lengths, held-out ones, theirs). Fewer than two sequences (nothing to hold out) is an
+    :class:`HsdError`."""
     from hsd_opt.heads.data import generate_training_sequences, split_indices
     from hsd_opt.prompts import load_prompts
 
@@ -41,7 +42,15 @@ def _data(loaded, prompts: Optional[Path], tokens: int, holdout: float, seed: in
     if len(seqs) < 2:
         raise HsdError(f"{prompts or 'the prompt suite'}: {len(seqs)} sequence of training text, and at least 2 are "
                        f"needed (one is held out for the evaluation): give more prompts, or --tokens above 256")
-    tr, ho = split_indices(len(seqs), holdout, seed)
+    per = len(seqs) // len(plist)             # each prompt's samples, in the prompts' order
+    if len(plist) >= 2 and per * len(plist) == len(seqs):
+        # held out by prompt: the same prompts whatever --tokens (more tokens, more samples of each), and no
+        # prompt on both sides (its samples split between training and evaluation)
+        kept, held = split_indices(len(plist), holdout, seed)
+        tr = [i for p in kept for i in range(p * per, (p + 1) * per)]
+        ho = [i for p in held for i in range(p * per, (p + 1) * per)]
+    else:
+        tr, ho = split_indices(len(seqs), holdout, seed)
     return ([seqs[i] for i in tr], [plens[i] for i in tr], [seqs[i] for i in ho], [plens[i] for i in ho])
 
 
