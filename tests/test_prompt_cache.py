@@ -228,6 +228,31 @@ def test_the_pool_keeps_each_engines_latest_and_others_within_its_bytes(tiny):
         StatePool(keep_bytes=-1)
 
 
+@needs_kernels
+def test_a_kept_conversation_outlives_other_clients_requests_in_between(tiny):
+    """``hsd serve --prompt-cache``: between two turns of a conversation, another client's request (sharing
+    nothing past the template head) and a request sharing only the conversation's first turn's prompt (an edited
+    answer, a regenerated one) took the kept state and cropped it: the pool held one conversation per request
+    decoding at once, whatever its bytes, and the next turn computed its whole prompt again. Within the bytes,
+    each gets a new state (the partial one a copy of the shared positions) and the next turn takes its whole
+    conversation; every answer is the one computed without the pool."""
+    eng = _engine(tiny, "f32")
+    pool = StatePool(keep_bytes=1 << 30, reuse=True)
+    hsd, fresh = _hsd(eng, pool), _hsd(eng)
+    x1 = list(HEAD) + _tokens(1, 10)
+    ans = hsd.generate(x1, 12).token_ids
+    other = hsd.generate(list(HEAD) + _tokens(2, 10), 12)
+    edited = x1 + _tokens(4, 3)                                  # the first turn's prompt, another answer
+    forked = hsd.generate(edited, 6)
+    assert forked.stats["prefill_tokens"] <= len(edited) - len(x1)    # x1's positions (at least) copied
+    x2 = x1 + ans + _tokens(3, 5)
+    got = hsd.generate(x2, 4)
+    assert got.stats["prefill_tokens"] == 6, got.stats["prefill_tokens"]   # the 5 new, the answer's last token
+    assert len(pool.states(eng)) == 4
+    for prompt, res, n in ((list(HEAD) + _tokens(2, 10), other, 12), (edited, forked, 6), (x2, got, 4)):
+        assert res.token_ids == fresh.generate(prompt, n).token_ids
+
+
 def test_a_pool_without_bytes_keeps_one_state_per_engine(tiny):
     a = _engine(tiny, "torch")
     pool = StatePool()

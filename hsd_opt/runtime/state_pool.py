@@ -50,7 +50,9 @@ class StatePool:
         :attr:`reuse` and ``usable``, the one whose first ``usable(st)`` positions are the most: a free state
         cropped to them (copied into a new state where it is too short), or a state a decoding holds
         (:meth:`lend`; at most its prompt) copied into a free or new one; else the least recently given free one
-        that fits, cropped to nothing; else a new one."""
+        that fits, cropped to nothing; else a new one. While the free states hold no more than
+        :attr:`keep_bytes` (a server's prompt cache), none is cropped for another prompt: one that shares only
+        part of a free state copies that part into a new state, and one that shares nothing gets a new state."""
         def has(st: DecodeState) -> bool:
             return all(b in st.resid for b in bounds)
 
@@ -70,7 +72,14 @@ class StatePool:
                     n = min(usable(st), st.prompt)
                     if n > keep:
                         best, keep, source = None, n, st
-        if best is None:
+        # within the bytes the pool keeps, a state kept for another conversation stays whole: a prompt that shares
+        # only its first positions copies them, one that shares none gets a new state (taken and cropped, a client
+        # in between two turns of another's conversation wiped it, so the pool held one conversation per request
+        # decoding at once, whatever its bytes)
+        room = self.reuse and self.keep_bytes > 0 and self.held_bytes() <= self.keep_bytes
+        if room and best is not None and keep < self._free[best][1].n:
+            best, source = None, self._free[best][1]
+        if best is None and not room:
             best = next((i for i in mine if self._free[i][1].max_len >= max_len), None)
         st = self._free.pop(best)[1] if best is not None else new()
         if source is not None:
