@@ -68,7 +68,11 @@ def test_bad_flags_exit_2_with_one_line(tiny):
     plan, _ = tiny
     for flags, needle in [(("--max-new-tokens", 0), "--max-new-tokens"), (("--system", " "), "--system"),
                           (("--mode", "lazy"), "--mode"), (("--top-p", 0), "--top-p"),
-                          (("--max-new-tokens", 512), "--max-new-tokens 512: the model's context is 512")]:
+                          (("--max-new-tokens", 512), "--max-new-tokens 512: the model's context is 512"),
+                          # no turn could fit: every line was its own error, and the chat exited 0
+                          (("--max-new-tokens", 511), "--max-new-tokens 511: a one-word message makes a prompt of"),
+                          (("--system", " ".join(["w5"] * 600), "--max-new-tokens", 8),
+                           "--system: a one-word message makes a prompt of")]:
         res = _chat(plan, ["w1"], *flags)
         errors = [x for x in res.output.splitlines() if x.startswith("error:")]
         assert res.exit_code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in res.output

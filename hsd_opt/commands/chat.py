@@ -88,7 +88,9 @@ def chat_cmd(
 
 def _check_start(loaded, start: list[dict[str, str]], max_new_tokens: int) -> None:
     """Refuse, before the first message, what would fail every turn: ``--max-new-tokens`` that leaves no room for
-    a message in the model's context, a ``--system`` message the chat template refuses."""
+    a message in the model's context, a ``--system`` message the chat template refuses, or a shortest turn (the
+    system message and a one-word message) that with ``--max-new-tokens`` passes the context, naming ``--system``
+    where the rest would fit without it."""
     from hsd_opt.errors import HsdError
     from hsd_opt.prompts import chat_ids
     from hsd_opt.runtime.runner import model_context
@@ -97,11 +99,18 @@ def _check_start(loaded, start: list[dict[str, str]], max_new_tokens: int) -> No
     if context is not None and max_new_tokens >= context:
         raise HsdError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} positions, which "
                        f"leaves no room for a message")
-    if start:
-        try:
-            chat_ids(loaded.tokenizer, start + [{"role": "user", "content": "x"}])
-        except HsdError as e:
-            raise HsdError(f"--system: {e}") from None
+    try:
+        least = len(chat_ids(loaded.tokenizer, start + [{"role": "user", "content": "x"}]))   # the shortest turn
+    except HsdError as e:
+        if not start:
+            raise
+        raise HsdError(f"--system: {e}") from None
+    if context is not None and least + max_new_tokens > context:
+        without = len(chat_ids(loaded.tokenizer, [{"role": "user", "content": "x"}])) if start else least
+        flag = "--system" if start and without + max_new_tokens <= context else f"--max-new-tokens {max_new_tokens}"
+        raise HsdError(f"{flag}: a one-word message makes a prompt of {least} tokens"
+                       f"{' with the system message' if start else ''}, and with --max-new-tokens {max_new_tokens} "
+                       f"that exceeds the model's context of {context} positions: no turn could be answered")
 
 
 def _lines():
