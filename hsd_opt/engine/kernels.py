@@ -60,14 +60,18 @@ PREFILL_ON_TORCH_FROM = 40
 #: The same for a library with 16-lane float32 tiles (AVX-512, ``hsd_simd() == 2``), which stays ahead of the
 #: torch path over more positions (``benchmarks/prefill_path.py``).
 PREFILL_ON_TORCH_FROM_WIDE = 64
-#: The same for a library reading every projection in the exact int4 form (``Q4F``), of any width: its passes read
-#: the weights from the first-level cache once de-quantized, so every pass of a prompt (at most ``PREFILL_CHUNK``,
-#: 256) is theirs. With 16-lane tiles they stay ahead of the torch path up to 512 positions in one pass; with 8-lane
-#: tiles (AVX2, NEON) up to 96 and even at 128 on a Zen 3 (2026-11-28: torch/kernels 1.43 at 64, 1.08 at 96, 0.98
-#: at 128), ahead at every length to 1,000 in the runtime's passes with the AVX2 build on a Zen 5 (2026-12-05:
-#: 1.14 at 128, 1.01 at 256, 1.13 at 512; ``benchmarks/prefill_path.py``). A prompt computed on the kernels alone
-#: is computed as its steps compute it, so a later prompt may take its positions (``DecodeState.stepwise``).
+#: The same for a library reading every projection in the exact int4 form (``Q4F``) with 16-lane tiles (AVX-512):
+#: its passes read the weights from the first-level cache once de-quantized, and stay ahead of the torch path up to
+#: 512 positions in one pass, so every pass of a prompt (at most ``PREFILL_CHUNK``, 256) is theirs. A prompt computed
+#: on the kernels alone is computed as its steps compute it, so a later prompt may take its positions
+#: (``DecodeState.stepwise``).
 PREFILL_ON_TORCH_FROM_EXACT = 513
+#: The same with 8-lane tiles (AVX2, NEON): on a Zen 3, the AVX2-only CPU they are for, the torch path is faster
+#: from about 112 positions (2026-12-05, ``benchmarks/prefill_path.py``: torch/kernels 1.26 at 80, 1.06 at 96, 0.99
+#: at 112, 0.78-0.89 at 256 to 512 in one pass, 0.73-0.87 over the runtime's passes of 256 to 1,000 positions;
+#: 2026-11-28: 1.08 at 96, 0.98 at 128). The AVX2 build on a Zen 5 (four 256-bit FMA pipes) stayed ahead to 1,000;
+#: such a CPU runs the AVX-512 library. NEON is not timed (no Arm machine here): the same value.
+PREFILL_ON_TORCH_FROM_EXACT_NARROW = 112
 #: A prompt's pass that ends beyond this many positions takes the torch path whatever its length: over a long
 #: context the kernels' attention (a query at a time) loses ground to torch's (``benchmarks/prefill_path.py
 #: --chunked``: a prompt of 1,000 positions 1.07-1.13x faster all on the kernels, of 2,000 0.90-1.10x).
@@ -675,8 +679,11 @@ class KernelPath:
         simd = lib.hsd_simd()
         #: 16-lane tiles (AVX-512): long contexts' prompt passes stay on the kernels further (prefill_within)
         self.wide = simd >= 2
-        self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM_EXACT if every_exact and simd >= 1 else
-                                      PREFILL_ON_TORCH_FROM if simd <= 1 else PREFILL_ON_TORCH_FROM_WIDE)
+        if every_exact and simd >= 1:
+            self.prefill_on_torch_from = (PREFILL_ON_TORCH_FROM_EXACT if simd >= 2 else
+                                          PREFILL_ON_TORCH_FROM_EXACT_NARROW)
+        else:
+            self.prefill_on_torch_from = PREFILL_ON_TORCH_FROM if simd <= 1 else PREFILL_ON_TORCH_FROM_WIDE
 
     def prefill_within(self) -> int:
         """Positions within which a prompt's pass may end and stay on the kernels
