@@ -262,11 +262,10 @@ def _arguments_text(text: str, obj: dict) -> str:
     """The arguments of the whole call ``text`` (read as ``obj``) as the model wrote them: parsed and written again
     they changed (``1e400`` became ``Infinity``, not JSON; digits past a double's were lost; repeated keys
     merged), and a call of a named function returns its text as written."""
-    named = _NAMED.match(text)
-    if named is not None and text.startswith(_BEFORE_ARGUMENTS, named.end()):
-        start = named.end() + len(_BEFORE_ARGUMENTS)
+    cut = _cut_call(text)                  # (name, the text from the arguments on)
+    if cut is not None and cut[1]:
         try:
-            return text[start:json.JSONDecoder().raw_decode(text, start)[1]]
+            return cut[1][:json.JSONDecoder().raw_decode(cut[1])[1]]
         except (ValueError, RecursionError):
             pass
     return json.dumps(obj.get("arguments"))
