@@ -267,3 +267,34 @@ def test_training_works_with_autograd_globally_off(tiny):
         assert not torch.equal(r.heads[2].weight, torch.zeros_like(r.heads[2].weight))
     finally:
         torch.set_grad_enabled(prev)
+
+
+def test_a_reduced_vocabulary_heads_evaluation_says_the_mass_it_cannot_draft(tiny):
+    """The KL of a head over a reduced vocabulary is to the final layer renormalised on that vocabulary, so the
+    evaluation also reports the final layer's mass outside it: here the final layer itself cut to 16 tokens (KL 0
+    on its vocabulary, acceptance = the mass inside), against the mass computed from the model's own logits."""
+    seqs = _seqs(2, 12)
+    vocab = torch.arange(0, 64, 4)
+    r = evaluate_heads(tiny, {4: RawHead(tiny, vocab)}, seqs)[4]
+    with torch.no_grad():
+        p = torch.cat([torch.softmax(tiny(torch.tensor([s])).logits[0].float(), -1) for s in seqs])
+    outside = (1 - p[:, vocab].sum(-1)).mean().item()
+    assert outside > 0.3
+    assert r["outside"] == pytest.approx(outside, abs=1e-4)
+    assert r["acceptance"] == pytest.approx(1 - outside, abs=1e-4) and r["kl"] == pytest.approx(0, abs=1e-4)
+    assert evaluate_heads(tiny, {4: RawHead(tiny)}, seqs)[4]["outside"] == 0
+
+
+def test_the_heads_table_shows_the_mass_outside_a_reduced_vocabulary():
+    from rich.console import Console
+
+    from hsd_opt.commands.heads import results_table
+
+    def shown(after):
+        c = Console(width=200, record=True)
+        c.print(results_table("t", {2: {"acceptance": 0.5, "greedy": 0.5, "kl": 1.0}}, after))
+        return c.export_text()
+
+    full = shown({2: {"acceptance": 0.6, "greedy": 0.6, "kl": 0.5, "outside": 0.0}})
+    reduced = shown({2: {"acceptance": 0.6, "greedy": 0.6, "kl": 0.5, "outside": 0.21}})
+    assert "outside" not in full and "mass outside its vocab" in reduced and "0.210" in reduced

@@ -17,15 +17,20 @@ from hsd_opt.seeds import check_strided_seed
 
 
 def results_table(title: str, before: dict, after: dict) -> Table:
-    """Per-layer held-out acceptance / greedy agreement / KL vs the final layer, raw lens vs trained head."""
+    """Per-layer held-out acceptance / greedy agreement / KL vs the final layer, raw lens vs trained head; for heads
+    over a reduced vocabulary also the final layer's mass outside it (their KL is to the final layer renormalised on
+    their vocabulary, which alone would flatter them)."""
+    reduced = any(d.get("outside", 0.0) > 0 for d in after.values())
     t = Table(title=title)
-    for c in ("layer", "accept raw", "accept head", "greedy raw", "greedy head", "KL raw", "KL head"):
+    cols = ["layer", "accept raw", "accept head", "greedy raw", "greedy head", "KL raw",
+            "KL head (on its vocab)" if reduced else "KL head"] + (["mass outside its vocab"] if reduced else [])
+    for c in cols:
         t.add_column(c, justify="right")
     for b in sorted(after):
         bf, af = before.get(b, {}), after[b]
         f = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
         t.add_row(str(b), f(bf, "acceptance"), f(af, "acceptance"), f(bf, "greedy"), f(af, "greedy"),
-                  f(bf, "kl"), f(af, "kl"))
+                  f(bf, "kl"), f(af, "kl"), *([f(af, "outside")] if reduced else []))
     return t
 
 

@@ -107,14 +107,17 @@ def evaluate_heads(model, heads: Mapping[int, Callable], sequences: Sequence[Seq
 
     For every position ``p >= starts[i] - 1`` (default: every position): acceptance ``sum_x min(q(x), p(x))``
     (the expected acceptance of one drafted token under speculative sampling), greedy agreement
-    ``argmax q == argmax p``, and KL(p || q) (for a head with ``-inf`` logits — a reduced vocabulary — the KL to
-    ``p`` renormalised on the head's support). Returns boundary -> means over positions.
+    ``argmax q == argmax p``, KL(p || q), and ``outside``: the target's mass on tokens the head cannot draft
+    (``-inf`` logits: a reduced vocabulary; 0 for a full one). For a head with such tokens KL(p || q) is infinite,
+    so ``kl`` is then the KL to ``p`` renormalised on the head's support: read it with ``outside`` beside it (a
+    head can be close to ``p`` on its vocabulary and still miss a fifth of ``p``'s mass). Returns boundary ->
+    means over positions.
     """
     m, _, _ = unwrap_model(model)
     eng = LayeredLM(m)
     layers = sorted(heads)
     n = eng.n_layers
-    sums = {b: {"acceptance": 0.0, "greedy": 0.0, "kl": 0.0} for b in layers}
+    sums = {b: {"acceptance": 0.0, "greedy": 0.0, "kl": 0.0, "outside": 0.0} for b in layers}
     count = 0
     for i, seq in enumerate(sequences):
         hs = eng.hidden_states(seq, layers + [n])
@@ -141,6 +144,7 @@ def evaluate_heads(model, heads: Mapping[int, Callable], sequences: Sequence[Seq
                     pr = pm / mass
                     kl = torch.where(support & (pr > 0), pr * (pr.clamp_min(1e-30).log() - logq),
                                      torch.zeros_like(pr)).sum(-1)
+                    s["outside"] += (1.0 - pm.sum(-1)).clamp_min(0.0).sum().item()
                 s["kl"] += kl.sum().item()
             count += e - a
     return {b: {k: (v / count if count else float("nan")) for k, v in sums[b].items()} for b in layers}
