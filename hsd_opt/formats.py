@@ -66,11 +66,18 @@ class ModelEntry:
     draft_rate: float = 1.0
     draft_rate_by_budget: tuple[float, ...] = ()
 
+    @property
+    def abstains(self) -> bool:
+        """Whether it proposes in fewer than every round at some budget: ``draft_rate`` below 1, or a share of
+        rounds per budget below 1 (a task's view of a drafter that proposed at every position of the task's
+        prompts, but not a block of every budget in every round: :func:`~hsd_opt.solver.task_view.task_profile`)."""
+        return self.draft_rate < 1.0 or any(r < 1.0 for r in self.draft_rate_by_budget)
+
     def rate_at(self, budget: int) -> float:
         """The share of rounds in which it proposes a block of ``budget`` tokens: ``draft_rate_by_budget`` at
         ``budget`` (its last figure past its end), else ``draft_rate``."""
         rates = self.draft_rate_by_budget
-        if not rates or self.draft_rate >= 1.0:
+        if not rates:
             return self.draft_rate
         return float(rates[max(1, min(int(budget), len(rates))) - 1])
 
@@ -87,7 +94,7 @@ class ModelEntry:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify}
         if self.layer is not None:
             d["layer"] = self.layer
-        if self.draft_rate < 1.0:
+        if self.abstains:
             d["draft_rate"] = self.draft_rate
             if self.draft_rate_by_budget:
                 d["draft_rate_by_budget"] = list(self.draft_rate_by_budget)
@@ -768,8 +775,11 @@ def _model_entry(source: str, m: Any, f: str, seen: set[str]) -> ModelEntry:
         raise InputFileError(source, "below 1 only for a drafter that cannot verify (can_verify: false)",
                              f + ".draft_rate")
     by_budget = _rates_by_budget(source, m.get("draft_rate_by_budget"), f + ".draft_rate_by_budget")
-    if by_budget and rate >= 1.0:
-        raise InputFileError(source, "only for a drafter that abstains (draft_rate below 1)",
+    if by_budget and rate >= 1.0 and min(by_budget) >= 1.0:
+        raise InputFileError(source, "only for a drafter that abstains (draft_rate or a share below 1)",
+                             f + ".draft_rate_by_budget")
+    if by_budget and can_verify:
+        raise InputFileError(source, "only for a drafter that cannot verify (can_verify: false)",
                              f + ".draft_rate_by_budget")
     _rebuild_fields(m, source, f + ".")
     extra = {k: v for k, v in m.items()

@@ -310,7 +310,8 @@ def test_only_a_kind_that_gives_distributions_verifies_and_that_is_can_verifys_d
     ("k", [0.3, 0.0], r"models\[0\].draft_rate_by_budget\[1\]: expected a share of rounds in \(0, 1\]"),
     ("k", [], r"models\[0\].draft_rate_by_budget: expected a non-empty list"),
     ("k", 0.3, r"models\[0\].draft_rate_by_budget: expected a non-empty list"),
-    ("e", [0.3], r"models\[1\].draft_rate_by_budget: only for a drafter that abstains"),
+    ("e", [1.0, 1.0], r"models\[1\].draft_rate_by_budget: only for a drafter that abstains"),
+    ("e", [0.3], r"models\[1\].draft_rate_by_budget: only for a drafter that cannot verify"),
     ("task", [1.5], r"draft_rate_by_budget_by_task.qa.k\[0\]: expected a share of rounds"),
 ])
 def test_a_drafters_shares_of_rounds_per_budget_are_checked_at_load(where, value, message):

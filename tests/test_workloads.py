@@ -4,6 +4,7 @@ force on it, the ``by_task`` section of a plan, which plan a prompt of a task ru
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -200,6 +201,26 @@ def test_task_view_takes_the_tasks_figures_and_names_fallbacks():
     bare, _ = profile_from_dict({k: v for k, v in _task_profile_dict().items() if k != "acceptance_by_task"})
     with pytest.raises(HsdError, match="no per-task statistics"):
         task_profile(bare, "qa")
+
+
+def test_a_task_where_the_drafter_proposed_at_every_position_keeps_its_shares_of_rounds_per_budget():
+    """A lookup that proposed at every position of a task's prompts (its task draft rate 1) still proposes a block
+    of 2+ tokens in a share of rounds only: its task view abstains there. The shares were dropped at a task rate of
+    exactly 1, the drafter priced as proposing every block (a plan 2.5x too optimistic), unlike at 0.999."""
+    d = _task_profile_dict()
+    lat = {}
+    for r in (0.999, 1.0):
+        d["draft_rate_by_task"] = {"summarization": {"k": r}}
+        d["draft_rate_by_budget_by_task"] = {"summarization": {"k": [r, 0.2, 0.1, 0.05]}}
+        view, _ = task_profile(profile_from_dict(copy.deepcopy(d))[0], "summarization")
+        assert view.entry("k").abstains and [view.entry("k").rate_at(T) for T in (1, 2, 4)] == [r, 0.2, 0.05]
+        plan = solve(view, 4)
+        assert plan.expected_latency == pytest.approx(solve(view, 4, solver="brute").expected_latency, rel=1e-9)
+        assert plan.expected_latency == pytest.approx(evaluate(view, plan.hierarchy, plan.budgets), rel=1e-9)
+        lat[r] = evaluate(view, ["k", "t"], [4])
+        again, _ = profile_from_dict(view.to_dict())           # written and read back: the same shares
+        assert [again.entry("k").rate_at(T) for T in (1, 2, 4)] == [r, 0.2, 0.05]
+    assert lat[1.0] == pytest.approx(lat[0.999], rel=0.01)
 
 
 def test_plans_per_task_are_each_tasks_optimum_dp_equals_brute_force():

@@ -42,7 +42,8 @@ class Instance:
             (for a drafter k that abstains: ``M``, the expected rounds in which k proposes).
         vcost: ``vcost[i]`` = ``(len(below[i]), tmax)`` seconds of a round of ``i`` over a block of ``l`` drafts
             of k: its verify pass plus k's expected catch-up (:func:`~hsd_opt.solver.latency.round_cost`).
-        abst: ``abst[i]`` = int array of the rows ``kk`` of ``below[i]`` whose drafter abstains (``draft_rate < 1``).
+        abst: ``abst[i]`` = int array of the rows ``kk`` of ``below[i]`` whose drafter abstains
+            (:attr:`~hsd_opt.formats.ModelEntry.abstains`).
         gam_u: ``gam_u[i]`` = ``(len(abst[i]), tmax, tmax)``: ``U``, expected rounds in which it abstains.
         v_abst: ``v_abst[i]`` = ``(len(abst[i]),)`` seconds of such a round: ``i``'s pass over one token plus the
             drafter's call.
@@ -84,7 +85,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     D = len(names)
     entries = [profile.entry(n) for n in names]
     cost = np.array([e.cost for e in entries], dtype=float)
-    rate = np.array([e.draft_rate for e in entries], dtype=float)
+    abstains = [e.abstains for e in entries]
     rate_t = np.array([rates_by_budget(e, tmax) for e in entries], dtype=float).reshape(D, tmax)   # [k, l - 1]
     can_verify = np.array([e.can_verify for e in entries], dtype=bool)
     below: list[np.ndarray] = []
@@ -105,7 +106,7 @@ def build_instance(profile: Profile, tmax: int) -> Instance:
     for i in range(D):
         n = len(below[i])
         g = table[p: p + n]
-        ab = np.array([kk for kk, k in enumerate(below[i]) if rate[k] < 1.0], dtype=int)
+        ab = np.array([kk for kk, k in enumerate(below[i]) if abstains[k]], dtype=int)
         if len(ab):
             M, U = round_tables(np.array(pairs_a[p: p + n])[ab], rate_t[below[i][ab]], tmax)
             g = g.copy()
