@@ -15,8 +15,8 @@ edge                       mu                                  cost
 
 ``v_i(k, l)`` is the round cost of :func:`hsd_opt.solver.latency.round_cost`: the verify pass over ``l + 1``
 tokens (``c_i`` with scalar costs) plus k's expected catch-up after a fully accepted block.
-Into a drafter ``k`` that abstains (``draft_rate < 1``): ``mu = M`` and the cost adds ``U (v_i(1) + c_k)``
-for the rounds without a block; the source edge adds ``src_add`` (:mod:`hsd_opt.solver.instance`).
+Into a drafter ``k`` that abstains (:attr:`~hsd_opt.formats.ModelEntry.abstains`): ``mu = M`` and the cost adds
+``U (v_i(1) + c_k)`` for the rounds without a block; the source edge adds ``src_add`` (:mod:`hsd_opt.solver.instance`).
 With ``max_depth`` the drafter vertices carry a third element, the number of drafters still allowed including
 this one: ``(name, j, r)``; verify edges go from ``r`` to ``r - 1`` (`docs/design.md#depth-and-min-gain`). Only
 vertices reachable from the source are kept. Building is O(D^2 tmax^2) Python objects: use it for inspection and
