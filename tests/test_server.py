@@ -532,6 +532,14 @@ BAD = [
      "messages[0].content[0].text", None),
     (COMP, b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
     (COMP, b'{"prompt": "w1", "max_tokens": ' + b"1" * 5001 + b"}", 400, None, None),
+    # whole numbers past a float's range (float() overflows) and a logit_bias key past int()'s 4,300 digits: each a
+    # 400 naming its field, not a 500
+    (COMP, f'{{"model": "{MODEL}", "prompt": "w1", "temperature": 1{"0" * 400}}}'.encode(), 400, "temperature", None),
+    (CHAT, f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "w1"}}], "frequency_penalty": '
+           f'-1{"0" * 400}}}'.encode(), 400, "frequency_penalty", None),
+    (COMP, f'{{"model": "{MODEL}", "prompt": "w1", "logit_bias": {{"3": 1{"0" * 400}}}}}'.encode(), 400,
+     "logit_bias", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 17}, 400, "n", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 0}, 400, "n", None),
     (COMP, {"model": MODEL, "prompt": "w1", "n": 2, "seed": 2 ** 64 - 1}, 400, "seed", None),
@@ -1245,3 +1253,35 @@ def test_a_stop_string_ends_the_text_at_the_token_that_completes_it_whole_charac
         cases.append((ids, [text[i:i + rng.randint(1, 3)] or "x"]))
     for ids, stop in cases:
         assert streamed(ids, stop) == reference(ids, stop), (ids, stop)
+
+
+def test_a_request_is_read_and_tokenized_off_the_event_loop(served, monkeypatch):
+    """Reading a body and tokenizing its prompt (seconds for a prompt of megabytes) run in a worker thread, not on
+    the event loop that streams every other client's answer: each parser here finds no running loop in its thread,
+    and the answers are the same as ever."""
+    import asyncio
+
+    import hsd_opt.server.app as app_module
+
+    on_loop = []
+
+    def watched(fn):
+        def call(*args, **kw):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(fn.__name__)
+            except RuntimeError:
+                pass
+            return fn(*args, **kw)
+        return call
+
+    for name in ("parse_request", "parse_tokenize", "parse_detokenize"):
+        monkeypatch.setattr(app_module, name, watched(getattr(app_module, name)))
+    srv, _ = served
+    out = client(srv).completions.create(model=MODEL, prompt="w1 w2", max_tokens=3, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens >= 1
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "w1 w2"}).json()["tokens"]
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["content"] == "w1 w2"
+    bad = httpx.post(srv.url + COMP, json={"model": MODEL, "prompt": "w1", "top_p": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"     # errors still reach the client
+    assert on_loop == []

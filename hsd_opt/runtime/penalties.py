@@ -67,9 +67,9 @@ class Penalties:
         for t, b in self.bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise HsdError(f"logit_bias: token ids must be non-negative integers, got {t!r}")
-            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
-                    and -MAX_BIAS <= b <= MAX_BIAS):
-                raise HsdError(f"logit_bias[{t}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}")
+            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -MAX_BIAS <= b <= MAX_BIAS):
+                shown = f"an integer of {len(str(b))} digits" if isinstance(b, int) and abs(b) > 1e300 else repr(b)
+                raise HsdError(f"logit_bias[{t}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {shown}")
 
     @property
     def active(self) -> bool:
@@ -135,8 +135,9 @@ def bias_from_json(raw: object, where: str = "logit_bias") -> dict[int, float]:
         raise HsdError(f"{where}: a JSON object from token ids to numbers expected, such as '{{\"28\": -100}}'")
     bias = {}
     for k, v in raw.items():
-        if not (k.isascii() and k.isdigit()):
-            raise HsdError(f"{where}: {json.dumps(k)} is not a token id")
+        if not (k.isascii() and k.isdigit()) or len(k) > 18:     # past 10**18 no vocabulary has the id
+            shown = json.dumps(k) if len(k) <= 40 else f"a key of {len(k)} characters"
+            raise HsdError(f"{where}: {shown} is not a token id")
         bias[int(k)] = v
     return bias
 

@@ -137,12 +137,15 @@ class Service:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """``POST /tokenize``: ``{"tokens", "count", "max_model_len"}`` (:func:`parse_tokenize`)."""
-        ids = parse_tokenize(parse_json(await self.body(request)), self.info)
+        raw = await self.body(request)
+        ids = await asyncio.to_thread(lambda: parse_tokenize(parse_json(raw), self.info))    # off the event loop
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.info.max_positions})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         """``POST /detokenize``: ``{"prompt": text, "content": text}`` (:func:`parse_detokenize`)."""
-        text = self.info.tokenizer.decode(parse_detokenize(parse_json(await self.body(request)), self.info))
+        raw = await self.body(request)
+        text = await asyncio.to_thread(lambda: self.info.tokenizer.decode(parse_detokenize(parse_json(raw),
+                                                                                           self.info)))
         return JSONResponse({"prompt": text, "content": text})
 
     def submit(self, reqs: list[GenerationRequest], n: int = 1) -> tuple[list[Job], asyncio.Queue]:
@@ -175,7 +178,9 @@ class Service:
             raw = await self.body(request)
         except ClientDisconnect:
             return Response(status_code=400)
-        req = parse_request(parse_json(raw), kind, self.info)
+        # read, tokenized and checked in a thread: a prompt of megabytes takes seconds to tokenize, which on the
+        # event loop would stall every other client's stream
+        req = await asyncio.to_thread(lambda: parse_request(parse_json(raw), kind, self.info))
         runs = choice_requests(req)
         if len(runs) > self.jobs.places:     # never admitted, however idle the server
             raise ApiError(400, f"'n' asks for {len(runs)} sampled choices; this server holds at most "

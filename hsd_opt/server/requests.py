@@ -204,7 +204,11 @@ def _number(body: dict, key: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad_request(f"'{key}' must be a number, got {_type_name(v)} {json.dumps(v)}", key)
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:            # an integer of hundreds of digits: past every float
+        raise bad_request(f"'{key}' must be a number within a float's range, got an integer of {len(str(v))} "
+                          f"digits", key) from None
 
 
 def _bool(body: dict, key: str, name: str | None = None) -> bool:
