@@ -200,6 +200,10 @@ def test_seeded_sampling_is_reproducible_and_equals_hsd_run(tiny, served):
                             "--seed", 7)
     others = {tuple(c.chat.completions.create(seed=s, **kw).model_extra["hsd"]["token_ids"]) for s in (1, 2, 3)}
     assert len(others | {tuple(a)}) > 1  # the seed matters
+    # -1, llama-server's default seed, means none: each answer drawn afresh; -2 is a seed like any other
+    unseeded = {tuple(c.chat.completions.create(seed=-1, **kw).model_extra["hsd"]["token_ids"]) for _ in range(4)}
+    assert len(unseeded) > 1
+    assert len({tuple(c.chat.completions.create(seed=-2, **kw).model_extra["hsd"]["token_ids"]) for _ in range(2)}) == 1
 
 
 def test_penalties_and_logit_bias_equal_hsd_run_and_move_the_answer(tiny, served):

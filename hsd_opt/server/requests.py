@@ -490,6 +490,8 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if not 0.0 <= min_p <= 1.0:
         raise bad_request(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
     seed = _int(body, "seed")
+    if seed == -1:                   # llama-server's "no seed" (its default): sampled unseeded, as without one
+        seed = None
     if seed is not None and not (seed_fits(seed) and seed_fits(seed + n - 1)):
         raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1; with 'n', seed + n - 1 too: "
                           f"choice i is seeded seed + i), got {seed}", "seed")
