@@ -6,10 +6,13 @@
         [--concurrency 1,8] [--skip 0] [--limit 60] [--max-tokens 200] [--out benchmarks/results/json_serve.json]
 
 At each number of clients ``c`` both servers answer every task once (``c`` client threads taking the tasks in turn;
-the servers' order alternates between levels); llama.cpp's server runs with ``--parallel c``. With a plan that has a
+the servers' order alternates between levels, ``--first`` going first at the first: give the other in a second run);
+llama.cpp's server runs with ``--parallel c`` and ``-t THREADS``, `hsd serve` with as many threads
+(``OMP_NUM_THREADS``). With a plan that has a
 plan for task ``json`` (``hsd solve --per-task``), `hsd serve` answers these requests with it. Reported per server
 and level: aggregate completion tokens/s (every completion token over the wall time from the first request to the
-last answer), how many answers ended (``finish_reason`` ``"stop"``), and how many of those parse as JSON.
+last answer), how many answers ended (``finish_reason`` ``"stop"``), how many of those parse as JSON, and how many
+requests failed (an HTTP error or a dropped connection: counted, not lost with its client thread).
 """
 
 from __future__ import annotations
@@ -83,11 +86,18 @@ def run_clients(work: list, clients: int, one) -> tuple[list, float]:
 
 def level(url: str, tasks: list[dict], clients: int, max_tokens: int) -> dict:
     """Every task answered once by ``clients`` threads: aggregate tokens/s, ended and parsing counts."""
-    out, wall = run_clients(tasks, clients, lambda client, t: answer(client, url, t, max_tokens))
-    tokens = sum(x["tokens"] for x in out)
-    return {"clients": clients, "answers": len(out), "tokens": tokens, "wall_seconds": wall,
-            "aggregate_tokens_per_s": tokens / wall, "ended": sum(x["ended"] for x in out),
-            "ended_and_parse": sum(x["ended"] and x["parses"] for x in out), "rows": out}
+    def attempt(client: httpx.Client, t: dict) -> dict:
+        try:
+            return answer(client, url, t, max_tokens)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:    # counted, not lost with its thread
+            return {"task": t["name"], "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+    out, wall = run_clients(tasks, clients, attempt)
+    done = [x for x in out if "error" not in x]
+    tokens = sum(x["tokens"] for x in done)
+    return {"clients": clients, "answers": len(done), "errors": len(out) - len(done), "tokens": tokens,
+            "wall_seconds": wall, "aggregate_tokens_per_s": tokens / wall, "ended": sum(x["ended"] for x in done),
+            "ended_and_parse": sum(x["ended"] and x["parses"] for x in done), "rows": out}
 
 
 def main() -> None:
@@ -102,12 +112,14 @@ def main() -> None:
     ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--ctx", type=whole, default=16384)
     ap.add_argument("--timeout", type=seconds, default=300)
+    ap.add_argument("--first", choices=("hsd", "llama"), default="hsd", help="the server that goes first at the "
+                    "first level (the order alternates between levels)")
     ap.add_argument("--out", default="benchmarks/results/json_serve.json")
     a = ap.parse_args()
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines() if x.strip()][a.skip:a.skip + a.limit]
     levels = a.concurrency
-    hsd, hsd_url, _ = start_server(a.plan, 64, None, "cpu", a.timeout)
-    report = {"host": host(), "plan": a.plan, "gguf": a.gguf,
+    hsd, hsd_url, _ = start_server(a.plan, 64, a.threads, "cpu", a.timeout)
+    report = {"host": host(), "plan": a.plan, "gguf": a.gguf, "threads": a.threads, "first": a.first,
               "max_tokens": a.max_tokens, "tasks": len(tasks), "levels": []}
     try:
         for i, c in enumerate(levels):
@@ -118,13 +130,15 @@ def main() -> None:
             try:
                 row = {"clients": c}
                 order = [("hsd", hsd_url), ("llama", f"http://127.0.0.1:{port}/v1")]
+                if a.first == "llama":
+                    order.reverse()
                 for name, url in (order if i % 2 == 0 else order[::-1]):
                     with httpx.Client() as client:             # warm-up, not measured
                         answer(client, url, tasks[0], 8)
                     row[name] = level(url, tasks, c, a.max_tokens)
                     r = row[name]
                     print(f"{c} clients, {name}: {r['aggregate_tokens_per_s']:.1f} tok/s, ended {r['ended']}/"
-                          f"{r['answers']}, parse {r['ended_and_parse']}", flush=True)
+                          f"{r['answers']}, parse {r['ended_and_parse']}, failed {r['errors']}", flush=True)
                 row["hsd_over_llama"] = row["hsd"]["aggregate_tokens_per_s"] / row["llama"]["aggregate_tokens_per_s"]
                 report["levels"].append(row)
             finally:

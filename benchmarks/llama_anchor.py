@@ -9,20 +9,24 @@
          [--spec-configs draft-simple:2,draft-simple:4,ngram-cache]]
 
 Each round runs `llama-bench -t THREADS -p 0 -n N -d DEPTH -r 3` (decode only: N tokens after DEPTH tokens of
-context), then `run_bench` over the prompts (every method, interleaved per prompt, as `hsd bench` does), then
-`llama-bench` again. Reported per method: decode tokens/s (generated tokens over decode seconds: prefill
-excluded, as llama-bench's `tg` test excludes it), tokens/s with prefill, and the ratio of decode tokens/s to the
-median llama.cpp decode tokens/s of the same round. llama.cpp runs the file in its stored quantization; a plan
+context) before the first prompt and again after every `--llama-every` prompts of `run_bench` (every method,
+interleaved per prompt, as `hsd bench` does) and after the last, so that llama.cpp is sampled across the round's
+whole spell rather than at its two ends. Reported per method: decode tokens/s, tokens/s with prefill, and the ratio
+of decode tokens/s to the mean of the round's llama.cpp runs (their spread beside it). Decode tokens/s counts the
+tokens that took a decode pass over the decode seconds (prefill excluded, as llama-bench's `tg` test excludes it):
+a generation's first token is read from its prompt's pass, so each generation's first token is not counted
+(llama-bench pays a pass for every token it counts). llama.cpp runs the file in its stored quantization; a plan
 made for `--target-precision int4` runs the same weights as our int4 groups (docs/design.md#target-precision).
 `--retime PROFILE` (the profile the plan was solved from) prices every generation again at the engines' speed of
 the moment, as `hsd bench --retime` does. The report is written after every round, so an interrupted run keeps
 the rounds it finished.
 
-`--speculative BIN` adds llama.cpp's own speculative decoding to every round (after our methods, before the
-second `llama-bench`): `llama-speculative-simple` greedy (`--temp 0 --top-k 1`) on each prompt, its text the
+`--speculative BIN` adds llama.cpp's own speculative decoding to every round, each prompt right after our methods
+ran it: `llama-speculative-simple` greedy (`--temp 0 --top-k 1`) on each prompt, its text the
 chat-templated prompt our methods start from, once per `--spec-configs` entry `TYPE[:N_MAX]` (`--spec-type TYPE`,
 `--spec-draft-n-max N_MAX`; `draft-*` types draft with `--gguf-draft`). Reported per configuration: decode
-tokens/s (its tokens over its decode seconds, as it prints them: prefill and model loading excluded), the draft
+tokens/s (its tokens over its decode seconds, as it prints them: prefill and model loading excluded; its clock
+includes the pass over the prompt's last token, which gives its first token), the draft
 acceptance, and the ratio of our plan's decode tokens/s to it. Its outputs are llama.cpp's greedy text on the
 file's own arithmetic, not compared with ours.
 """
@@ -125,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=count, default=2)
     ap.add_argument("--depth", type=whole, default=64, help="llama-bench context before its decode test (tokens)")
     ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--llama-every", type=count, default=3,
+                    help="run llama-bench again after every N prompts (and after the last)")
     ap.add_argument("--retime", default=None, help="the profile the plan was solved from (hsd bench --retime)")
     ap.add_argument("--speculative", default=None, help="a llama-speculative-simple binary (llama.cpp)")
     ap.add_argument("--gguf-draft", default=None, help="the draft model's GGUF file (draft-* configurations)")
@@ -178,29 +184,38 @@ def main() -> None:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     for r in range(a.rounds):
         log(f"round {r + 1}/{a.rounds}: llama-bench ...")
-        before = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
-        log(f"  llama.cpp decode {before['tok_s']:.2f} tok/s; hsd bench over {len(items)} prompts ...")
+        runs_llama = [llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)]
+        log(f"  llama.cpp decode {runs_llama[0]['tok_s']:.2f} tok/s; hsd bench over {len(items)} prompts ...")
+        spec_runs: dict[str, list[dict]] = {c: [] for c in configs}
+
+        def between(i: int) -> None:      # after prompt i: llama.cpp's speculative runs of it, llama-bench now and then
+            for config in configs:
+                spec_runs[config].append(llama_speculative(a.speculative, a.gguf, a.gguf_draft, config,
+                                                           spec_texts[i], n_gen, a.threads))
+            if (i + 1) % a.llama_every == 0 or i + 1 == len(items):
+                runs_llama.append(llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3))
+                log(f"  llama.cpp decode {runs_llama[-1]['tok_s']:.2f} tok/s after prompt {i + 1}")
+
         rep = run_bench(plan, loaded, items, max_new_tokens=n_gen, methods=methods, log=log, retime=retime,
-                        retime_source=a.retime or "profile")
+                        retime_source=a.retime or "profile", between=between)
         spec = {}
-        for config in configs:
-            runs = [llama_speculative(a.speculative, a.gguf, a.gguf_draft, config, text, n_gen, a.threads)
-                    for text in spec_texts]
+        for config, runs in spec_runs.items():
             tokens, seconds = sum(r["tokens"] for r in runs), sum(r["decode_seconds"] for r in runs)
             drafted = sum(r["drafted"] for r in runs)
             spec[config] = {"decode_tok_s": tokens / seconds, "tokens": tokens, "decode_seconds": seconds,
                             "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
                             "drafted": drafted, "runs": runs}
             log(f"  llama.cpp speculative {config}: decode {tokens / seconds:.2f} tok/s")
-        after = llama_decode(a.llama_bench, a.gguf, a.threads, n_gen, a.depth, 3)
-        llama = statistics.median([before["tok_s"], after["tok_s"]])
+        rates = [x["tok_s"] for x in runs_llama]
+        llama = statistics.fmean(rates)
         ours = {}
         for m, d in rep["methods"].items():
             if "error" in d:
                 ours[m] = {"error": d["error"]}
                 continue
-            dec = d["tokens"] / d["decode_seconds"] if d.get("decode_seconds") else None
-            ours[m] = {"decode_tok_s": dec, "tok_s": d.get("tokens_per_s"),
+            counted = d["tokens"] - d["generations"]          # each generation's first token came with its prompt
+            dec = counted / d["decode_seconds"] if d.get("decode_seconds") and counted > 0 else None
+            ours[m] = {"decode_tok_s": dec, "decode_tokens": counted, "tok_s": d.get("tokens_per_s"),
                        "decode_vs_llama_cpp": dec / llama if dec else None,
                        "tokens_per_target_call": d.get("tokens_per_target_call"),
                        "predicted_ms_per_token": _ms(d.get("predicted_seconds_per_token")),
@@ -211,11 +226,11 @@ def main() -> None:
         for d in spec.values():
             d["vs_llama_cpp_decode"] = d["decode_tok_s"] / llama
             d["plan_vs_this"] = plan_tok_s / d["decode_tok_s"] if plan_tok_s else None
-        log(f"  llama.cpp decode {after['tok_s']:.2f} tok/s after")
         for m, d in ours.items():
             if "error" not in d and d["decode_tok_s"]:
                 log(f"  {m}: decode {d['decode_tok_s']:.2f} tok/s = {d['decode_vs_llama_cpp']:.2f}x llama.cpp")
-        rounds.append({"llama_cpp_before": before, "llama_cpp_after": after, "llama_cpp_decode_tok_s": llama,
+        rounds.append({"llama_cpp_runs": runs_llama, "llama_cpp_decode_tok_s": llama,
+                       "llama_cpp_spread": [min(rates), max(rates)],
                        "ours": ours, "llama_cpp_speculative": spec, "bench": rep})
         report = {
             "what": "a plan against llama.cpp on the same GGUF (benchmarks/llama_anchor.py)",
@@ -238,8 +253,10 @@ def main() -> None:
         mine = "-" if d["plan_vs_this"] is None else f"{d['plan_vs_this']:.2f}x"
         return f"{d['decode_tok_s']:.2f} ({acc}; {mine})"
 
-    print_table(["llama.cpp decode tok/s"] + [f"{m} decode tok/s (x llama.cpp)" for m in methods],
-                [[f"{rd['llama_cpp_decode_tok_s']:.2f}"] + [ours_cell(rd, m) for m in methods] for rd in rounds])
+    cols = ["llama.cpp decode tok/s (its runs' range)"] + [f"{m} decode tok/s (x llama.cpp)" for m in methods]
+    print_table(cols,
+                [[f"{rd['llama_cpp_decode_tok_s']:.2f} ({rd['llama_cpp_spread'][0]:.1f}-"
+                  f"{rd['llama_cpp_spread'][1]:.1f})"] + [ours_cell(rd, m) for m in methods] for rd in rounds])
     if configs:
         print_table([f"llama.cpp {c} decode tok/s (acceptance; our plan x this)" for c in configs],
                     [[spec_cell(rd, c) for c in configs] for rd in rounds])

@@ -18,7 +18,8 @@ median of llama.cpp's two runs, and ours over llama.cpp. The report is written a
 ``--decode N`` adds a decode test at each length as depth: `llama-bench -p 0 -n N -d L1,L2,..` (N tokens decoded
 one at a time after L tokens of context, the context's processing not timed), run in the same two places of each
 round, and ours: the target alone generates N tokens greedily after the same L ids (or fewer, where it ends the
-text), REPS times; reported: its tokens over its decode seconds (prefill excluded), the median over the reps.
+text), REPS times; reported: its tokens after the first (read from the prompt's pass) over its decode seconds
+(prefill excluded), the median over the reps.
 Every step at depth L reads the keys and values of L positions: the test compares the attention's cost as the
 context grows, beside the weights' (the same at every depth).
 """
@@ -111,12 +112,17 @@ def ours_seconds(runner, ids: list[int], reps: int) -> tuple[float, int]:
 
 
 def ours_decode(runner, ids: list[int], n_gen: int, reps: int) -> tuple[float, int]:
-    """The median over ``reps`` greedy generations of ``n_gen`` tokens after ``ids`` of their tokens over their
-    decode seconds (prefill excluded), and the tokens generated (the same every time)."""
+    """The median over ``reps`` greedy generations of ``n_gen`` tokens after ``ids`` of their decoded tokens over
+    their decode seconds (prefill excluded), and the tokens generated (the same every time). The first token is read
+    from the prompt's pass, so the tokens that took a decode pass are one fewer than those generated (llama-bench's
+    decode test pays a pass for every token it counts)."""
     rates, counts = [], set()
     for _ in range(reps):
         res = runner.generate(ids, max_new_tokens=n_gen)
-        rates.append(res.stats["tokens"] / res.stats["decode_seconds"])
+        if res.stats["tokens"] < 2:
+            raise SystemExit(f"the greedy generation after {len(ids)} ids ended after {res.stats['tokens']} token: "
+                             f"no decode pass to time")
+        rates.append((res.stats["tokens"] - 1) / res.stats["decode_seconds"])
         counts.add(res.stats["tokens"])
     if len(counts) != 1:
         raise SystemExit(f"the greedy generation after {len(ids)} ids changed length between runs: {sorted(counts)}")

@@ -62,3 +62,45 @@ def test_prompts_and_methods_are_checked_before_llama_bench_runs(tmp_path, flags
                           str(bench), "--gguf", str(gguf), *flags], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and said in res.stderr.splitlines()[-1], res.stderr
     assert "Traceback" not in res.stderr and not mark.exists()
+
+
+def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_counted(tmp_path):
+    """A round samples llama.cpp's decode speed before the first prompt, after every ``--llama-every`` prompts and
+    after the last, and runs llama.cpp's speculative decoding of each prompt right after ours: the order the fake
+    binaries log. The reference is the mean of the round's llama-bench runs, and our decode tokens/s counts only the
+    tokens that took a decode pass (a generation's first token comes from its prompt's pass)."""
+    import json
+
+    model_dir = save_tiny(tmp_path / "m")
+    plan = write_plan(tmp_path / "plan.json", model_dir, hierarchy=("ngram", "layer4"), budgets=(1,))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}", "task": "t"}) + "\n"
+                               for i in range(1, 4)))
+    order, counter = tmp_path / "order.log", tmp_path / "n"
+    bench = tmp_path / "llama-bench"
+    bench.write_text(f"#!/bin/sh\nn=$(cat {counter} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {counter}\n"
+                     f"echo bench >> {order}\n"
+                     f"echo '[{{\"n_gen\": 4, \"avg_ts\": '$((n * 100))'}}]'\n")
+    spec = tmp_path / "llama-speculative-simple"
+    spec.write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -p ] && echo \"spec $2\" >> {order}; shift; done\n"
+                    f"cat <<'END'\n{PRINTED}END\n")
+    for b in (bench, spec):
+        b.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.llama_anchor", "--plan", str(plan), "--llama-bench",
+                          str(bench), "--gguf", str(gguf), "--prompts", str(prompts), "--task", "", "--rounds", "1",
+                          "--max-new-tokens", "4", "--methods", "ar", "--llama-every", "2",
+                          "--speculative", str(spec), "--spec-configs", "ngram-cache", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    steps = [line.split()[0] for line in order.read_text().splitlines()]
+    assert steps == ["bench", "spec", "spec", "bench", "spec", "bench"]
+    rd = json.loads(out.read_text())["rounds"][0]
+    assert [r["tok_s"] for r in rd["llama_cpp_runs"]] == [100, 200, 300] and rd["llama_cpp_decode_tok_s"] == 200
+    bench_ar, ours = rd["bench"]["methods"]["ar"], rd["ours"]["ar"]
+    assert ours["decode_tokens"] == bench_ar["tokens"] - 3
+    assert ours["decode_tok_s"] == pytest.approx((bench_ar["tokens"] - 3) / bench_ar["decode_seconds"])
+    assert ours["decode_vs_llama_cpp"] == pytest.approx(ours["decode_tok_s"] / 200)
+    assert len(rd["llama_cpp_speculative"]["ngram-cache"]["runs"]) == 3

@@ -53,3 +53,17 @@ def test_a_depth_without_its_decode_test_is_named():
     out = json.dumps([_row(0, 32, 120.0, 512), _row(512, 0, 290.0)])
     with pytest.raises(ValueError, match=r"64 tokens at depth \[512\]"):
         decode_rates(out, [512], 64)
+
+
+def test_our_decode_rate_counts_the_tokens_that_took_a_decode_pass():
+    """A generation's first token is read from its prompt's pass (prefill), so of 5 tokens decoded in 1 s, 4 took a
+    decode pass: 4 tok/s, as llama-bench's decode test counts a pass per token (5 gave us 1.25x for free on 4)."""
+    from types import SimpleNamespace
+
+    from benchmarks.prompt_anchor import ours_decode
+
+    class Runner:
+        def generate(self, ids, max_new_tokens):
+            return SimpleNamespace(stats={"tokens": 5, "decode_seconds": 1.0})
+
+    assert ours_decode(Runner(), [1, 2, 3], 5, 3) == (4.0, 5)

@@ -340,7 +340,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
               source: str = "plan", extra: dict[str, tuple[list[str], list[int]]] | None = None,
               turns: str = "first", sampling: Sampling | None = None, by: str = "group",
               assistant: str | None = None, retime: "Profile | None" = None,
-              retime_source: str = "profile") -> dict[str, Any]:
+              retime_source: str = "profile", between: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Benchmark ``methods`` (default: :func:`default_methods`) over ``prompts``; returns the JSON report
     ``{"methods": {...}, "by_task": {task: {...}}, ...}``; stopped by Ctrl-C after a prompt every method finished,
     the report of those, with ``stopped``.
@@ -352,6 +352,8 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     plan was solved from (a :class:`~hsd_opt.formats.Profile`; ``retime_source`` names it in errors): before each
     prompt the engines' steps are timed (:class:`~hsd_opt.measure.retime.StepClock`) and every generation of ours
     is priced again with the profile's costs scaled to that speed (``retimed_predicted_seconds_per_token``).
+    ``between(i)`` is called after prompt ``i`` (every method finished it), before the next: a benchmark
+    interleaves another program's runs with the prompts (llama.cpp's, ``benchmarks/llama_anchor.py``).
     """
     log = log or (lambda s: None)
     sampling = sampling or Sampling()
@@ -380,7 +382,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
 
         clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
     gens, done = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime,
-                             log)
+                             log, between)
     report = _method_reports(gens, desc, errors, by, sampling)
     _reference_notes(report, plan, source, loaded.dtype, sampling)
     if done < len(items):
@@ -425,10 +427,11 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
 
 
 def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns: str, raw: bool,
-                max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log) -> dict[str, list]:
+                max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log,
+                between: Callable[[int], None] | None = None) -> dict[str, list]:
     """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
     prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
-    again at that speed (:func:`_retime`). Returns the :class:`Generation` s of each method, in prompt order, and
+    again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i``. Returns the :class:`Generation` s of each method, in prompt order, and
     how many prompts every method finished: fewer than ``items`` after Ctrl-C (those finished are kept; none
     finished: the interrupt goes on)."""
     names = list(runners)
@@ -448,6 +451,8 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
                 n_tok, secs = sum(len(g.token_ids) for g in new), sum(g.seconds for g in new)
                 log(f"{where}: {n_tok} tokens in {secs:.1f} s ({n_tok / secs if secs > 0 else 0:.2f} tok/s)")
             done = i + 1
+            if between is not None:
+                between(i)
             elapsed = time.monotonic() - t_start
             left = elapsed / (i + 1) * (len(items) - i - 1)
             log(f"prompt {i + 1}/{len(items)} done, elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")
