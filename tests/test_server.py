@@ -200,6 +200,9 @@ def test_seeded_sampling_is_reproducible_and_equals_hsd_run(tiny, served):
                             "--seed", 7)
     others = {tuple(c.chat.completions.create(seed=s, **kw).model_extra["hsd"]["token_ids"]) for s in (1, 2, 3)}
     assert len(others | {tuple(a)}) > 1  # the seed matters
+    # top_p 0 (the OpenAI API and llama-server take it): the most probable token alone, the greedy answer
+    greedy = c.chat.completions.create(**dict(kw, temperature=0)).model_extra["hsd"]["token_ids"]
+    assert c.chat.completions.create(**dict(kw, top_p=0)).model_extra["hsd"]["token_ids"] == greedy
     # -1, llama-server's default seed, means none: each answer drawn afresh; -2 is a seed like any other
     unseeded = {tuple(c.chat.completions.create(seed=-1, **kw).model_extra["hsd"]["token_ids"]) for _ in range(4)}
     assert len(unseeded) > 1
@@ -483,7 +486,7 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": -0.1}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": "hot"}, 400, "temperature", None),
-    (COMP, {"model": MODEL, "prompt": "w1", "top_p": 0}, 400, "top_p", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "top_p": -0.1}, 400, "top_p", None),
     (COMP, {"model": MODEL, "prompt": "w1", "top_p": 1.01}, 400, "top_p", None),
     (COMP, {"model": MODEL, "prompt": "w1", "stop": 5}, 400, "stop", None),
     (COMP, {"model": MODEL, "prompt": "w1", "stop": [""]}, 400, "stop", None),
@@ -1286,6 +1289,6 @@ def test_a_request_is_read_and_tokenized_off_the_event_loop(served, monkeypatch)
     assert out.choices[0].text and out.usage.completion_tokens >= 1
     ids = httpx.post(srv.url + "/tokenize", json={"prompt": "w1 w2"}).json()["tokens"]
     assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["content"] == "w1 w2"
-    bad = httpx.post(srv.url + COMP, json={"model": MODEL, "prompt": "w1", "top_p": 0})
+    bad = httpx.post(srv.url + COMP, json={"model": MODEL, "prompt": "w1", "top_p": 1.5})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"     # errors still reach the client
     assert on_loop == []

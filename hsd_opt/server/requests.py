@@ -458,7 +458,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     Raises:
         ApiError: 400 for a missing or empty ``messages``/``prompt``, a field of the wrong type, ``max_tokens``
             < 1 or beyond the context (prompt + ``max_tokens`` > ``info.max_positions``), ``temperature`` < 0,
-            ``top_p`` outside (0, 1], ``n`` outside 1 .. :data:`MAX_CHOICES`, more than 4 or empty ``stop`` strings, a
+            ``top_p`` outside [0, 1], ``n`` outside 1 .. :data:`MAX_CHOICES`, more than 4 or empty ``stop`` strings, a
             ``response_format`` that is malformed or does not compile; 404 for another model than ``info.name``.
     """
     _served_model(body, info)
@@ -480,12 +480,14 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise bad_request(f"'temperature' must be a finite number >= 0, got {temperature:g}", "temperature")
     top_p = _number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    if not 0.0 <= top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in [0, 1], got {top_p:g}", "top_p")
     top_k = _int(body, "top_k")
     if top_k is not None and top_k < 0 and top_k != -1:
         raise bad_request(f"'top_k' must be an integer >= 0 (0 or -1: off), got {top_k}", "top_k")
     top_k = max(top_k or 0, 0)
+    if top_p == 0.0:                 # the smallest nucleus, the most probable token alone (as the OpenAI API and
+        temperature, top_p = 0.0, 1.0    # llama-server take 0): the greedy answer
     min_p = _number(body, "min_p", 0.0)
     if not 0.0 <= min_p <= 1.0:
         raise bad_request(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
