@@ -431,9 +431,9 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
                 between: Callable[[int], None] | None = None) -> dict[str, list]:
     """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
     prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
-    again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i``. Returns the :class:`Generation` s of each method, in prompt order, and
-    how many prompts every method finished: fewer than ``items`` after Ctrl-C (those finished are kept; none
-    finished: the interrupt goes on)."""
+    again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i``. Returns the :class:`Generation` s of
+    each method, in prompt order, and how many prompts every method finished: fewer than ``items`` after Ctrl-C
+    (those finished are kept; none finished: the interrupt goes on)."""
     names = list(runners)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     t_start, done = time.monotonic(), 0
