@@ -144,3 +144,14 @@ def test_each_fork_adapts_its_own_copy_and_the_drafter_it_came_from_never_change
     f = base.fork()
     f.reset(a)
     assert f.matrix.table != probs and base.matrix.table == probs       # the fork adapted, its source did not
+    # and the other way: a drafter that adapts after it was forked (the source, or a fork forked again) does
+    # not change what its forks read: each copies a shared row before changing it, on either side
+    src = AdedDrafter(TrigramMatrix({k: dict(v) for k, v in probs.items()}), iterations=30)
+    child = src.fork()
+    before = {k: dict(v) for k, v in child.matrix.table.items()}
+    src.reset(a)
+    src.observe(a, [5, 6, 7, 8])
+    assert src.matrix.table != before and child.matrix.table == before
+    grandchild = child.fork()
+    child.reset(b)
+    assert child.matrix.table != before and grandchild.matrix.table == before

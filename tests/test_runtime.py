@@ -214,6 +214,19 @@ def test_abstaining_drafters_at_the_bottom_are_lossless():
         assert h.generate(prompt, 30).token_ids == ref
     with pytest.raises(HsdError, match="returned 1 tokens, expected 3"):   # only a drafter that may abstain may
         HSD([Level("cut", drafter=_Short(40)), Level("layer4", lm, 4)], [3]).generate(prompt, 5)
+    # a drafter that drafts by appending to the context it is given (the decoding's own sequence) is refused: the
+    # appended tokens would be taken as the target's
+    with pytest.raises(HsdError, match="drafter 'cut' changed the context it was given"):
+        HSD([Level("cut", drafter=_Appending(40)), Level("layer4", lm, 4)], [3]).generate(prompt, 5)
+
+
+class _Appending(CycleDrafter):
+    name = "cut"
+
+    def propose(self, context, n):
+        out = super().propose(context, n)
+        context.append(out[0])
+        return out
 
 
 class _Short(CycleDrafter):

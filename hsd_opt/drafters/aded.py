@@ -77,11 +77,13 @@ class TrigramMatrix:
 
     def fork(self) -> "TrigramMatrix":
         """A matrix for one sequence: the same probabilities, its own adaptation (:meth:`adjust` copies a shared row
-        before changing it), so that what one sequence teaches it reaches no other and the saved matrix never
-        grows. O(rows) to make; the rows themselves are copied only when adjusted."""
+        before changing it, in the fork and in this matrix alike), so that what one sequence teaches it reaches no
+        other and the saved matrix never grows. O(rows) to make; the rows themselves are copied only when
+        adjusted."""
         new = copy.copy(self)
         new.table = dict(self.table)
         new._shared = set(self.table)
+        self._shared = set(self.table)       # this matrix's own changes must not reach the fork either
         new._by_last = {b: set(a) for b, a in self._by_last.items()}
         new._sorted, new._merged = dict(self._sorted), dict(self._merged)
         return new

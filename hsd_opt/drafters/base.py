@@ -41,7 +41,9 @@ class TokenDrafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, context: Sequence[int], n: int) -> list[int]:
         """Return EXACTLY ``n`` token ids continuing ``context`` (prompt + generated so far); a drafter with
-        :attr:`may_abstain` returns at most ``n`` (``[]``: it abstains).
+        :attr:`may_abstain` returns at most ``n`` (``[]``: it abstains). ``context`` is the decoding's own
+        sequence, not a copy: read it, never change it (the runtime refuses a drafter that appends to it or
+        changes its last token).
 
         Deterministic: the same context gives the same proposal (q is one-hot). When nothing matches,
         each implementation documents its fallback; only an abstaining drafter returns fewer than ``n`` ids.

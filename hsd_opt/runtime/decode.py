@@ -1007,7 +1007,11 @@ class Decoding:
                 self._append(forced)
                 st_stats.drafted += len(forced)
                 return forced, None
+            n_seq, last = len(self.seq), self.seq[-1]
             toks = self._cut_eos([int(t) for t in drafter.propose(self.seq, n)][:n])
+            if len(self.seq) != n_seq or self.seq[-1] != last:    # it is the sequence itself, not a copy
+                raise HsdError(f"drafter {lv.name!r} changed the context it was given (TokenDrafter.propose only "
+                               f"reads it): the output would no longer be the target's")
             bad = next((t for t in toks if not 0 <= t < hsd.target.vocab_size), None)
             if bad is not None:
                 raise HsdError(f"drafter {lv.name!r} proposed token id {bad}, outside the target's vocabulary 0 .. "
