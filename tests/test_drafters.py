@@ -323,6 +323,38 @@ def test_a_damaged_table_is_refused_naming_it_and_a_damaged_cache_file_is_built_
         load_or_build_bigram_table(None, "k1", top_k=4, cache_dir=tmp_path, bos_id=None)
 
 
+def test_a_table_whose_arrays_do_not_fit_together_is_refused_naming_the_array(table, tmp_path):
+    """A file that unzips but holds wrong values (arrays of other lengths or shapes, negative or too large ids, a NaN)
+    is one line naming the file and the array: it loaded, then crashed a search (NaN), drafted ids the target
+    refused, or read wrong rows."""
+    import json
+
+    from hsd_opt.drafters.aded import MATRIX_FORMAT, TrigramMatrix
+    from hsd_opt.drafters.bigram import TABLE_FORMAT, BigramTable
+    from hsd_opt.errors import InputFileError
+
+    good = {"a": np.array([1, 2], np.int32), "b": np.array([2, 3], np.int32), "c": np.array([3, 1], np.int32),
+            "p": np.array([0.5, 1.0], np.float32)}
+    for change, field in (({"c": np.array([3], np.int32)}, "c"), ({"a": np.array([1, -2], np.int32)}, "a"),
+                          ({"p": np.array([0.5, np.nan], np.float32)}, "p")):
+        np.savez(tmp_path / "m.npz", **{**good, **change}, meta=np.array(json.dumps({"format": MATRIX_FORMAT})))
+        with pytest.raises(InputFileError, match=rf"m.npz: {field}: "):
+            TrigramMatrix.load(tmp_path / "m.npz")
+    np.savez(tmp_path / "m.npz", **good, meta=np.array(json.dumps({"format": MATRIX_FORMAT})))
+    assert TrigramMatrix.load(tmp_path / "m.npz").get(2, 3, 1) == 1.0
+    arrays = {"ids": table.ids, "probs": table.probs, "unigram_ids": table.unigram_ids,
+              "unigram_logp": table.unigram_logp}
+    bad_ids = table.ids.copy()
+    bad_ids[5, 0] = table.vocab_size
+    for change, field in (({"ids": bad_ids}, "ids"), ({"probs": table.probs[:, :3]}, "ids"),
+                          ({"ids": table.ids[:, 0]}, "ids"), ({"unigram_ids": table.unigram_ids - 100}, "unigram_ids")):
+        np.savez(tmp_path / "t.npz", **{**arrays, **change}, meta=np.array(json.dumps({"format": TABLE_FORMAT})))
+        with pytest.raises(InputFileError, match=rf"t.npz: {field}: "):
+            BigramTable.load(tmp_path / "t.npz")
+    np.savez(tmp_path / "t.npz", **arrays, meta=np.array(json.dumps({"format": TABLE_FORMAT})))
+    assert np.array_equal(BigramTable.load(tmp_path / "t.npz").ids, table.ids)
+
+
 def test_a_drafted_id_outside_the_targets_vocabulary_is_an_error_not_a_crash(model):
     """A table or matrix made for a model of a larger vocabulary drafts ids the target has no row for: one line
     naming the drafter (it was an IndexError deep in the embedding)."""

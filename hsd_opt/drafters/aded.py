@@ -52,6 +52,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from hsd_opt.drafters.base import TokenDrafter, check_settings, read_npz_table
+from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.seeds import SEED_STRIDE
 
@@ -127,6 +128,7 @@ class TrigramMatrix:
     @classmethod
     def load(cls, path: str | os.PathLike, backoff: bool = True) -> "TrigramMatrix":
         z, meta = read_npz_table(path, "tri-gram matrix", MATRIX_FORMAT, ("a", "b", "c", "p"))
+        _check_arrays(path, z)
         a, b, c, p = (z[k].tolist() for k in ("a", "b", "c", "p"))
         meta.pop("format", None)
         table: dict[tuple[int, int], dict[int, float]] = {}
@@ -190,6 +192,22 @@ class TrigramMatrix:
         if touched:
             self.version += 1
         return touched
+
+
+def _check_arrays(path, z: dict) -> None:
+    """The arrays of a saved matrix, each one-dimensional and of one length, token ids >= 0 and values in [0, 1]:
+    :class:`InputFileError` naming ``path`` and the array otherwise (a damaged file read as valid drafted ids the
+    target refuses, or crashed a search on a NaN)."""
+    n = len(z["p"]) if np.ndim(z["p"]) == 1 else -1
+    for k in ("a", "b", "c", "p"):
+        if np.ndim(z[k]) != 1 or len(z[k]) != n:
+            raise InputFileError(str(path), f"arrays a, b, c and p of one length expected, got shapes "
+                                            f"{', '.join(str(np.shape(z[x])) for x in 'abcp')}", k)
+        if k != "p" and n and int(np.min(z[k])) < 0:
+            raise InputFileError(str(path), f"token ids >= 0 expected, got {int(np.min(z[k]))}", k)
+    if n and not (np.isfinite(z["p"]).all() and 0 <= float(np.min(z["p"])) and float(np.max(z["p"])) <= 1):
+        raise InputFileError(str(path), "values in [0, 1] expected (a NaN, an infinity or a value out of range)",
+                             "p")
 
 
 class _Node:

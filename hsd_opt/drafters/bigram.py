@@ -71,6 +71,26 @@ def table_path(cache_dir: str | os.PathLike | None, model_hash: str, top_k: int,
     return root / f"bigram-{model_hash}-k{top_k}{suffix}.npz"  # suffix "" = built without a prefix
 
 
+def _check_table(path, z: dict) -> None:
+    """The arrays of a saved table: ``ids`` ``[V, k]`` of token ids below ``V`` (each is a row's index too),
+    ``probs`` of its shape, ``unigram_ids`` ``[U]`` below ``V`` with ``unigram_logp`` of its shape, ``V, k, U >= 1``;
+    :class:`InputFileError` naming ``path`` and the array otherwise (a damaged file gave an IndexError or wrong
+    rows)."""
+    from hsd_opt.errors import InputFileError
+
+    ids, uni = z["ids"], z["unigram_ids"]
+    if ids.ndim != 2 or 0 in ids.shape or z["probs"].shape != ids.shape:
+        raise InputFileError(str(path), f"ids [V, k] and probs of its shape expected, got {ids.shape} and "
+                                        f"{z['probs'].shape}", "ids")
+    if uni.ndim != 1 or not len(uni) or z["unigram_logp"].shape != uni.shape:
+        raise InputFileError(str(path), f"unigram_ids [U] and unigram_logp of its shape expected, got {uni.shape} "
+                                        f"and {z['unigram_logp'].shape}", "unigram_ids")
+    for k, a in (("ids", ids), ("unigram_ids", uni)):
+        if int(a.min()) < 0 or int(a.max()) >= ids.shape[0]:
+            raise InputFileError(str(path), f"token ids in 0 .. {ids.shape[0] - 1} (its rows) expected, got "
+                                            f"{int(a.min())} .. {int(a.max())}", k)
+
+
 @dataclass
 class BigramTable:
     """Top-k bigram table plus the unigram ranking of one model.
@@ -120,6 +140,7 @@ class BigramTable:
     def load(cls, path: str | os.PathLike) -> "BigramTable":
         """Read a table written by :meth:`save`; raises :class:`InputFileError` on a bad file."""
         z, meta = read_npz_table(path, "bigram table", TABLE_FORMAT, ("ids", "probs", "unigram_ids", "unigram_logp"))
+        _check_table(path, z)
         return cls(z["ids"], z["probs"], z["unigram_ids"], z["unigram_logp"], meta, str(path))
 
     # ---- lookups -----------------------------------------------------------------------------------------
