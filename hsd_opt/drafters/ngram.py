@@ -23,8 +23,10 @@ Choices where the paper is silent (documented here, tested in tests/test_drafter
 
 Index: ``positions[q][gram]`` = increasing list of positions ``i`` with ``seq[i-q:i] == gram`` (the continuation
 starts at ``i``). It is kept in sync incrementally with the context passed to any call (append when the
-context extends the indexed sequence, pop the tail when it was rolled back), so ``propose`` costs
-O(q + occurrences) rather than O(len(context)).
+context extends the indexed sequence, pop the tail when it was rolled back), so ``propose`` indexes only the new
+tokens and scans O(q + occurrences) entries; what grows with the context is one comparison of the context with the
+indexed sequence (list equality, in C: about 35 us at 8,000 tokens against a step's milliseconds), which finds a
+rollback whatever the caller did.
 """
 
 from __future__ import annotations
