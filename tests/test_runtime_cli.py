@@ -733,3 +733,21 @@ def test_the_streamed_text_is_the_answers_text_whole_characters_included(embedde
         partial = tok.decode(ids[: (len(ids) - cut - 1) // cut * cut + cut], skip_special_tokens=True)
         stream.finish(partial)
         assert capsys.readouterr().out == partial, cut
+
+
+def test_a_plans_missing_model_is_named_as_the_plans_and_an_empty_model_flag_is_refused(tmp_path):
+    """Where the model comes from the plan (no --model), an error loading it names the plan's field, not a --model
+    the user never gave; ``--model ""`` was silently the plan's model."""
+    from tests.helpers import cli_output, run_cli, save_tiny
+
+    plan = write_plan(tmp_path / "plan.json", save_tiny(tmp_path / "m"), hierarchy=("ngram", "layer4"), budgets=(1,))
+    d = json.loads(plan.read_text())
+    gone = tmp_path / "no-such-model"
+    d["provenance"]["model"] = str(gone)
+    plan.write_text(json.dumps(d))
+    res = run_cli("run", "--plan", plan, "--prompt", "w1", "--max-new-tokens", 2)
+    out = cli_output(res)
+    assert res.exit_code == 2 and f"error: {plan}: provenance.model {gone}: " in out and "--model" not in out, out
+    for empty in ("", "  "):
+        res = run_cli("run", "--plan", plan, "--model", empty, "--prompt", "w1")
+        assert res.exit_code == 2 and "--model: an empty name" in cli_output(res), cli_output(res)

@@ -88,7 +88,11 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.runtime.runner import check_kinds, check_provenance, check_target_precision
 
     plan = load_plan(str(plan_path))
+    if model is not None and not model.strip():
+        raise HsdError("--model: an empty name; name the plan's model, or leave the flag out (the plan's "
+                       "provenance.model)")
     name = model or plan.provenance.model
+    flag = "--model" if model else f"{plan_path}: provenance.model"     # errors name where the model came from
     if not name:
         raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
                              "provenance.model")
@@ -99,7 +103,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
         raise InputFileError(str(plan_path), f"expected one of {', '.join(sorted(DTYPE_NAMES))}, got "
                                              f"{plan.provenance.dtype!r}", "provenance.dtype")
     loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto",
-                        engines_only=engines_only)
+                        engines_only=engines_only, flag=flag)
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
     warn_machine(plan, loaded.device)
