@@ -348,7 +348,16 @@ def template_head(tokenizer) -> tuple[int, ...]:
 
 
 def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """The token ids of ``messages`` through the tokenizer's chat template, with the generation prompt; a template
+    that fails (a syntax error, an undefined name) is an :class:`HsdError` saying so, not a traceback."""
+    from jinja2 import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:
+        where = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise HsdError(f"{where}: its chat template fails ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                       f"fix it (chat_template.jinja or tokenizer_config.json), or give --raw") from None
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]
     ids = list(out)

@@ -751,3 +751,18 @@ def test_a_plans_missing_model_is_named_as_the_plans_and_an_empty_model_flag_is_
     for empty in ("", "  "):
         res = run_cli("run", "--plan", plan, "--model", empty, "--prompt", "w1")
         assert res.exit_code == 2 and "--model: an empty name" in cli_output(res), cli_output(res)
+
+
+def test_a_broken_chat_template_is_one_line_not_a_traceback(tmp_path):
+    """A model whose chat template does not compile (or names what is undefined) says so, with what to do; it was a
+    jinja2 traceback in every command that encodes a prompt."""
+    from tests.helpers import cli_output, run_cli, save_tiny
+
+    for template in ("{% for m in messages %}{{ m.content }", "{{ messages[0].content | no_such_filter }}"):
+        model = save_tiny(tmp_path / "m", chat_template=template)
+        plan = write_plan(tmp_path / "plan.json", model, hierarchy=("ngram", "layer4"), budgets=(1,))
+        res = run_cli("run", "--plan", plan, "--prompt", "w1", "--max-new-tokens", 2)
+        out = cli_output(res)
+        assert res.exit_code == 2 and "its chat template fails" in out and "--raw" in out, out
+        assert "Traceback" not in out
+        assert run_cli("run", "--plan", plan, "--prompt", "w1", "--max-new-tokens", 2, "--raw").exit_code == 0
