@@ -203,3 +203,31 @@ def test_without_batch_costs_only_loads_of_one_sequence_are_predicted():
     assert pred.predict(h, 2, jobs)["predicted_run_tokens_per_s"] is None
     one = pred.predict(h, 1, jobs)["predicted_run_tokens_per_s"]
     assert one == pytest.approx(6 / (0.010 * 6 + 0.014 + 0.016 + 0.002))   # two prompts of 3 and 5, 6 steps
+
+
+@pytest.mark.parametrize("change, said", [
+    ([1, 2], "a JSON object of the model's settings expected, got list"),
+    (None, "a JSON object of the model's settings expected, got NoneType"),
+    ({"vocab_size": "60"}, 'vocab_size: an integer >= 1 expected, got "60"'),
+    ({"hidden_size": None}, "hidden_size: an integer >= 1 expected, got null"),
+    ({"num_attention_heads": 0}, "num_attention_heads: an integer >= 1 expected, got 0"),
+    ({"num_hidden_layers": "4"}, 'num_hidden_layers: an integer >= 1 expected, got "4"'),
+    ({"eos_token_id": "x"}, 'eos_token_id: a token id (an integer >= 0), a list of them or null expected, got "x"'),
+])
+def test_a_config_of_the_wrong_types_is_one_line_naming_the_field(tmp_path, change, said):
+    """Wrong types in a model directory's config.json were a TypeError, ZeroDivisionError or validation traceback
+    deep in transformers, in every command that loads a model."""
+    import json
+
+    from hsd_opt.errors import HsdError
+    from hsd_opt.models.loading import load_model
+    from tests.helpers import save_tiny
+
+    model = save_tiny(tmp_path / "m")
+    cfg = model / "config.json"
+    d = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**d, **change} if isinstance(change, dict) else change))
+    for engines_only in (False, True):
+        with pytest.raises(HsdError) as e:
+            load_model(str(model), device="cpu", engines_only=engines_only)
+        assert str(e.value).startswith(f"--model {model}: {cfg}: ") and said in str(e.value), str(e.value)

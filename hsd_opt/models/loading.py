@@ -422,6 +422,45 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: ``config.json`` fields that are counts (an integer >= 1 wherever given) and token ids (an integer >= 0, a list of
+#: them, or null): what transformers takes them as, checked before it reads them.
+CONFIG_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings", "head_dim")
+CONFIG_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: Counts that may be null (transformers then derives them).
+CONFIG_OPTIONAL = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_config(directory: str | Path, where: str) -> None:
+    """The ``config.json`` of a model directory, where there is one: a JSON object whose counts and token ids
+    (:data:`CONFIG_COUNTS`, :data:`CONFIG_IDS`) have the types transformers reads them as; :class:`HsdError` naming
+    ``where`` (the flag and name), the file and the field otherwise (a string, a list or a zero there was a
+    TypeError, ZeroDivisionError or validation traceback deep in transformers)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return                                  # transformers says what is missing
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise HsdError(f"{where}: {path}: not a JSON object ({_first_line(e)})") from None
+    if not isinstance(fields, dict):
+        raise HsdError(f"{where}: {path}: a JSON object of the model's settings expected, got "
+                       f"{type(fields).__name__}")
+
+    def is_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for k in CONFIG_COUNTS:
+        v = fields.get(k)
+        if k in fields and not (is_id(v) and v >= 1) and not (v is None and k in CONFIG_OPTIONAL):
+            raise HsdError(f"{where}: {path}: {k}: an integer >= 1 expected, got {json.dumps(v)[:60]}")
+    for k in CONFIG_IDS:
+        v = fields.get(k)
+        if v is not None and not (is_id(v) or (isinstance(v, list) and all(is_id(x) for x in v))):
+            raise HsdError(f"{where}: {path}: {k}: a token id (an integer >= 0), a list of them or null expected, "
+                           f"got {json.dumps(v)[:60]}")
+
+
 def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str = "--model",
                engines_only: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer.
@@ -446,6 +485,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
     dt = resolve_dtype(dtype, dev)
     resolved = resolve_model_name(name)
     source, load_from, revision = model_source(name, flag)
+    if source != "hub":
+        check_config(load_from, f"{flag} {name}")
     model = None
     step = "the model"
     try:
