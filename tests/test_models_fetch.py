@@ -130,6 +130,19 @@ def test_an_assembled_file_is_checked_against_its_sha256_before_it_is_converted(
     assert not converted_dir(out, spec.sha256).exists()
 
 
+def test_a_file_assembled_now_is_not_hashed_again_before_its_conversion(tmp_path, monkeypatch):
+    """Assembly checks the sha256 as it writes the file; the conversion right after takes that check (a second pass
+    over a gigabyte otherwise). The synthetic file is no GGUF, so the conversion itself then fails, later."""
+    import hsd_opt.models.loading as loading
+
+    spec, index, _ = synthetic(tmp_path)
+    hashed = []
+    monkeypatch.setattr(loading, "file_sha256", lambda path, *a, **k: hashed.append(path) or "0" * 64)
+    with pytest.raises(HsdError, match="is not a GGUF file"):
+        fetch_split_gguf(spec, cache=tmp_path / "cache", downloader=LocalDownloader(index), convert=True)
+    assert hashed == []
+
+
 def test_a_sha256_mismatch_names_both_digests_and_leaves_nothing(tmp_path):
     spec, index, data = synthetic(tmp_path)
     bad = SplitGguf(**{**spec.__dict__, "sha256": "0" * 64})

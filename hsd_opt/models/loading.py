@@ -377,17 +377,19 @@ def check_model_name(name: str, flag: str = "--model") -> None:
                    f"or give a Hugging Face id (org/name), a local directory, or a .gguf file")
 
 
-def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256: str | None = None) -> tuple[Path, str]:
+def convert_named_gguf(gguf: Path, name: str, flag: str, hint: str = "", sha256: str | None = None,
+                       checked: bool = False) -> tuple[Path, str]:
     """:func:`convert_gguf` of a ``.gguf`` file the user named (``flag`` ``name``: a file, or an alias whose file
     is in the cache): one that is empty, does not start with the GGUF magic bytes, or that the GGUF reader cannot
     read (its error's type and message said) is an :class:`HsdError` naming it, ending with ``hint`` (what to do
     about a damaged one). With ``sha256`` (a registry's file), a file not yet converted must have that digest: its
-    copy is kept under that name, so a damaged or foreign file of the right size would stay the model."""
+    copy is kept under that name, so a damaged or foreign file of the right size would stay the model (``checked``:
+    the caller has just checked it, as a fetch does while it assembles the file)."""
     tail = f"; {hint}" if hint else ""
     try:
         with open(gguf, "rb") as f:
             magic = f.read(4)
-        digest = file_sha256(gguf) if sha256 and not is_converted(gguf, sha256) else sha256
+        digest = file_sha256(gguf) if sha256 and not checked and not is_converted(gguf, sha256) else sha256
     except OSError as e:
         raise HsdError(f"{flag} {name}: cannot read {gguf} ({e.strerror or e})") from None
     if digest != sha256:
