@@ -666,6 +666,36 @@ def test_api_key_is_required_when_set(tiny, caplog):
     no_tracebacks(caplog)
 
 
+def test_routes_answer_with_a_trailing_slash_and_without_v1_as_llama_server(served, direct, caplog):
+    """``/v1/completions/`` (a base URL with a slash too many) is answered in place, not redirected (307: httpx
+    and the OpenAI client do not follow it for a POST); ``/completions``, ``/chat/completions`` and ``/models``
+    (llama-server's paths, a base URL without ``/v1``) are the same routes."""
+    srv, _ = served
+    caplog.set_level(logging.INFO)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+    want = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    for path in ("/v1/completions/", "/completions", "/completions/"):
+        r = httpx.post(srv.url + path, json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (path, r.status_code)
+    msg = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 5, "temperature": 0}
+    want = httpx.post(srv.url + "/v1/chat/completions", json=msg, timeout=30).json()["choices"][0]["message"]
+    for path in ("/v1/chat/completions/", "/chat/completions"):
+        r = httpx.post(srv.url + path, json=msg, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"] == want, path
+    for path in ("/models", "/v1/models/", f"/models/{MODEL}", "/health/"):
+        assert httpx.get(srv.url + path, timeout=30).status_code == 200, path
+    assert httpx.post(srv.url + "/v2/completions/", json=body, timeout=30).status_code == 404
+    no_tracebacks(caplog)
+
+
+def test_api_key_guards_every_spelling_of_a_route(tiny):
+    app, jobs = prepare_server(tiny[0], device="cpu", api_key="sekrit")
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        for path in ("/v1/models/", "/models", "/models/"):
+            assert httpx.get(srv.url + path, timeout=30).status_code == 401, path
+        assert httpx.get(srv.url + "/health/", timeout=30).status_code == 200   # open, as /health
+
+
 def test_web_pages_of_the_allowed_origins_may_call_the_server_and_their_preflight_needs_no_key(tiny):
     preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
                  "access-control-request-headers": "authorization, content-type"}

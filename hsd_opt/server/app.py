@@ -69,6 +69,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class TrailingSlashMiddleware:
+    """Pure ASGI middleware: ``/v1/completions/`` is ``/v1/completions`` (a client's base URL with a slash too
+    many), answered in place instead of Starlette's redirect, which clients do not follow for a ``POST``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            scope["raw_path"] = scope["path"].encode()
+        await self.app(scope, receive, send)
+
+
 class EventStream:
     """An ASGI response of server-sent events from ``chunks``; when the client disconnects, ``on_disconnect``
     is called at once (it cancels the job and wakes ``chunks``), and nothing more is sent."""
@@ -334,10 +349,9 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
             await asyncio.to_thread(jobs.stop)
 
     routes = [
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        *(Route(prefix + path, guarded(fn), methods=[method]) for prefix in ("/v1", "")   # llama-server's too
+          for path, fn, method in (("/chat/completions", chat, "POST"), ("/completions", completions, "POST"),
+                                   ("/models", models, "GET"), ("/models/{model:path}", model, "GET"))),
         Route("/tokenize", guarded(svc.tokenize), methods=["POST"]),
         Route("/detokenize", guarded(svc.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -350,4 +364,5 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
     if allowed_origins:                 # added last: outermost, so a preflight never meets the API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(TrailingSlashMiddleware)     # outermost: the API key's open paths see the plain path
     return app
