@@ -389,6 +389,29 @@ def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeyp
     assert (out / "hsd_source.json").is_file() and not old.exists()
 
 
+def test_a_converted_copy_is_readable_as_the_cache_s_other_files(tmp_path, monkeypatch):
+    """The de-quantized copy's weights get the mode a new file gets here (safetensors writes its file private:
+    a cache shared through ``$HSD_CACHE`` could not load it as another user)."""
+    import stat
+
+    import transformers
+
+    import hsd_opt.models.loading as loading
+    from hsd_opt.jsonio import FILE_MODE
+    from tests.helpers import save_tiny
+
+    src = save_tiny(tmp_path / "src")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF stand-in: the model is read from a saved folder")
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        real = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda c, *a, _r=real, **k: _r(c, str(src))))
+    out, _ = loading.convert_gguf(g, quiet=True)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {FILE_MODE}, modes
+
+
 def _one_error_line(res) -> str:
     """The single ``error:`` line of a failed command (exit code 2, no traceback)."""
     err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]

@@ -3,10 +3,13 @@ names, refused with what the CPU lacks; and the loaded library is that variant, 
 
 from __future__ import annotations
 
+import stat
+
 import pytest
 
 from hsd_opt.engine import kernels, variants
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import FOLDER_MODE
 from tests.helpers import compiler_has_openmp
 
 ZEN3 = "flags\t\t: fpu sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2\n"
@@ -164,6 +167,7 @@ def test_every_x86_variant_compiles_here_even_where_the_cpu_cannot_run_it(tmp_pa
             pytest.skip(f"{kernels.compiler()} does not know {variant.name}'s flags: {str(e)[:200]}")
         raise
     assert out.is_file() and out.stat().st_size > 10_000
+    assert stat.S_IMODE(out.stat().st_mode) == FOLDER_MODE    # readable by all who share the cache, as a folder
 
 
 @pytest.mark.skipif(kernels.compiler() is None or not __import__("sys").platform.startswith("linux"),

@@ -238,6 +238,7 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
         HsdError: the compiler failed (its message is included).
     """
     from hsd_opt.cache import cache_error
+    from hsd_opt.jsonio import FOLDER_MODE
 
     variant = _variant(variant)
     try:
@@ -258,6 +259,7 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
             said = (res.stderr or res.stdout).strip()[:2000]
             raise HsdError(f"compiling {source.name} ({variant.name}) with {cc} failed: "
                            f"{said or f'exit status {res.returncode}, nothing said'}")
+        os.chmod(tmp, FOLDER_MODE)  # a library readable by all who share the cache (mkstemp made it private)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

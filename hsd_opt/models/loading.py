@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hsd_opt.cache import cache_dir, cache_error
 from hsd_opt.errors import HsdError
-from hsd_opt.jsonio import FOLDER_MODE, remove_stale, write_json
+from hsd_opt.jsonio import FILE_MODE, FOLDER_MODE, remove_stale, write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 from hsd_opt.packages import need
 
@@ -263,6 +263,8 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         tok.save_pretrained(str(tmp))
         revision = "sha256:" + digest
         (tmp / "hsd_source.json").write_text(json.dumps({"gguf": str(gguf), "revision": revision}))
+        for f in tmp.iterdir():      # safetensors writes its file private: readable as the cache's other files
+            os.chmod(f, FILE_MODE)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
