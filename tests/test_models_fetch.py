@@ -412,6 +412,29 @@ def test_a_converted_copy_is_readable_as_the_cache_s_other_files(tmp_path, monke
     assert "model.safetensors" in modes and set(modes.values()) == {FILE_MODE}, modes
 
 
+def test_a_local_model_s_revision_changes_with_any_shard_or_its_config(tmp_path):
+    """A model directory's revision follows every weights file and config.json: a replaced second shard made the
+    same revision (only the first file was stamped), and the quantized copies of the old weights were reused."""
+    import os
+
+    from hsd_opt.models.loading import local_revision, model_source
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    assert local_revision(d) == ""
+    for i in (1, 2):
+        (d / f"model-0000{i}-of-00002.safetensors").write_bytes(b"x" * 10)
+    seen = {local_revision(d)}
+    assert model_source(str(d))[2] == next(iter(seen)) and next(iter(seen)).startswith("local:")
+    for f, data in (("model-00002-of-00002.safetensors", b"y" * 11), ("config.json", '{"a": 1}')):
+        (d / f).write_bytes(data if isinstance(data, bytes) else data.encode())
+        os.utime(d / f, (1e9, 1e9))
+        seen.add(local_revision(d))
+    assert len(seen) == 3
+    assert local_revision(d) == local_revision(d)           # nothing changed: the same revision
+
+
 def _one_error_line(res) -> str:
     """The single ``error:`` line of a failed command (exit code 2, no traceback)."""
     err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]

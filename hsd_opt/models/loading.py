@@ -176,6 +176,17 @@ def _file_stamp(path: Path) -> str:
     return f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
 
 
+def local_revision(directory: Path) -> str:
+    """``local:<16 hex>``: the revision of a model directory, from the stamps (:func:`_file_stamp`) of its
+    ``config.json`` and of every weights file (every shard: a replaced later shard is another model, whose quantized
+    copies and profiles must not be reused); empty without weights files."""
+    weights = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    if not weights:
+        return ""
+    stamps = "\n".join(_file_stamp(f) for f in (directory / "config.json", *weights))
+    return "local:" + hashlib.sha256(stamps.encode()).hexdigest()[:16]
+
+
 def gguf_sha256(gguf: Path, sha256: str | None = None) -> str:
     """The SHA-256 (hex) of ``gguf``'s bytes: ``sha256`` when the caller knows it, else remembered in the cache's
     index by the file's path, size and mtime, else computed (a second or a few per GB) and remembered. The index
@@ -356,9 +367,7 @@ def model_source(name: str, flag: str = "--model") -> tuple[str, str, str]:
         if not (p / "config.json").is_file():
             raise HsdError(f"{flag} {name}: {p} is not a transformers model directory (no config.json)")
         source, load_from = "local", str(p)
-        weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
-        if weights:
-            revision = "local:" + hashlib.sha256(_file_stamp(weights[0]).encode()).hexdigest()[:16]
+        revision = local_revision(p)
     else:                       # check_model_name let nothing else through: a hub id (org/name)
         source, load_from = "hub", resolved
     return source, load_from, revision
