@@ -36,7 +36,8 @@ def test_the_answer_follows_the_named_functions_parameters_or_one_branch_per_fun
     assert call_schema(ToolCall("weather"), tools) == PARAMS
     branches = call_schema(ToolCall(None), tools)["anyOf"]
     assert [b["properties"]["name"] for b in branches] == [{"const": "weather"}, {"const": "clock"}]
-    assert [b["properties"]["arguments"] for b in branches] == [PARAMS, ANY_OBJECT]
+    assert [b["properties"]["arguments"] for b in branches] == [{"$id": f"urn:hsd:tools:{i}", **p}
+                                                                for i, p in enumerate((PARAMS, ANY_OBJECT))]
     assert all(b["required"] == ["name", "arguments"] and b["additionalProperties"] is False for b in branches)
 
 
@@ -156,9 +157,11 @@ def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():
 
 
 def test_a_functions_references_into_its_own_parameters_point_there_in_the_answers_schema():
-    """``$ref`` s into a function's own ``parameters`` (its ``$defs``, ``"#"`` itself) reach the same schemas once
-    the parameters sit under a branch of the answer's schema: a call that follows them is allowed to its end, one
-    that follows the wrapper (a name and arguments where the function recurses) is not; data is left as it is."""
+    """``$ref`` s into a function's own ``parameters`` (its ``$defs``, ``"#"`` itself, an ``$anchor``; with or
+    without an ``$id`` of its own) reach its own schemas once the parameters sit under a branch of the answer's
+    schema: a call that follows them is allowed to its end, one that follows the wrapper (a name and arguments where
+    the function recurses) or another function's anchor of the same name is not. (Rewriting the pointers left
+    anchors shared between functions, and missed the pointers of a function with an ``$id``: a 400.)"""
     from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
     from hsd_opt.grammar.constraint import Constraint
     from tests.helpers import JSON_TOKENS, TinyTokenizer
@@ -166,13 +169,17 @@ def test_a_functions_references_into_its_own_parameters_point_there_in_the_answe
     params = {"type": "object", "$defs": {"u": {"enum": ["c", "f"]}, "enum": {"const": {"$ref": "#"}}},
               "properties": {"u": {"$ref": "#/$defs/u"}, "k": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
               "required": ["u", "k"], "additionalProperties": False}
-    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "g"}},
-                                   {"type": "function", "function": {"name": "f", "parameters": params}}]})
+
+    def anchored(kind: str, **more) -> dict:
+        return {"type": "object", "$defs": {"x": {"$anchor": "v", "type": kind}}, "properties": {"a": {"$ref": "#v"}},
+                "required": ["a"], "additionalProperties": False, **more}
+
+    with_id = {"$id": "https://example.com/p.json", "$defs": {"n": {"enum": [5, 6]}}, "type": "object",
+               "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"], "additionalProperties": False}
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
+        ("g", ANY_OBJECT), ("f", params), ("i", anchored("integer")), ("b", anchored("boolean")), ("d", with_id))]})
     schema = call_schema(ToolCall(None), tools)
-    args = schema["anyOf"][1]["properties"]["arguments"]
-    assert args["properties"]["u"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/u"}
-    assert args["properties"]["k"]["anyOf"][0] == {"$ref": "#/anyOf/1/properties/arguments"}
-    assert args["$defs"]["enum"] == {"const": {"$ref": "#"}}               # a const's value is data
+    assert schema["anyOf"][4]["properties"]["arguments"] == with_id                # its own $id kept
     tok = TinyTokenizer(JSON_TOKENS)
     constraint = Constraint(GrammarCompiler(tok, 2, 64).compile(GrammarSpec.json_schema(schema, "tools")))
 
@@ -184,3 +191,6 @@ def test_a_functions_references_into_its_own_parameters_point_there_in_the_answe
     assert not allowed({"name": "f", "arguments": {"u": "c", "k": {"name": "f", "arguments": {}}}})
     assert not allowed({"name": "f", "arguments": {"u": "ab", "k": None}})
     assert allowed({"name": "g", "arguments": {}})
+    assert allowed({"name": "i", "arguments": {"a": 10}}) and not allowed({"name": "i", "arguments": {"a": True}})
+    assert allowed({"name": "b", "arguments": {"a": True}}) and not allowed({"name": "b", "arguments": {"a": 10}})
+    assert allowed({"name": "d", "arguments": {"a": 5}}) and not allowed({"name": "d", "arguments": {"a": 7}})

@@ -123,41 +123,23 @@ def parse_tool_choice(body: dict, tools: list[Function]) -> ToolCall | None:
 
 def call_schema(call: ToolCall, tools: list[Function]) -> dict[str, Any]:
     """The JSON schema the answer follows: the named function's ``parameters``, or one branch per function of
-    ``{"name": <its name>, "arguments": <its parameters>}``."""
+    ``{"name": <its name>, "arguments": <its parameters>}``, each function's parameters a schema resource of their
+    own (:func:`own_resource`)."""
     if call.name is not None:
         return next(f.parameters for f in tools if f.name == call.name)
     return {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
-                                                        "arguments": rebased(f.parameters,
-                                                                             f"#/anyOf/{i}/properties/arguments")},
+                                                        "arguments": own_resource(f.parameters, i)},
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for i, f in enumerate(tools)]}
 
 
-#: The keywords whose values are data, not schemas: a ``"$ref"`` key in them is not a reference.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-#: The keywords whose values map names to schemas.
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
-def rebased(schema: Any, root: str) -> Any:
-    """``schema`` to be placed at the JSON pointer ``root`` (``"#/anyOf/0/properties/arguments"``) of another
-    document: each reference into itself (``"#"``, ``"#/$defs/x"``) made to point at the same place there; other
-    references (anchors ``"#name"``, other documents) and data (``const``, ``enum``, ...) unchanged."""
-    if isinstance(schema, list):
-        return [rebased(s, root) for s in schema]
-    if not isinstance(schema, dict):
+def own_resource(schema: Any, i: int) -> Any:
+    """The ``i``-th function's ``parameters`` with an ``$id`` (``urn:hsd:tools:<i>``) unless it has one: placed
+    in the document of every function's call, its references (``"#"``, ``"#/$defs/x"``, anchors ``"#name"``)
+    still resolve within it, and two functions' anchors of one name stay apart."""
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-            out[k] = root + v[1:]
-        elif k in _DATA_KEYWORDS:
-            out[k] = v
-        elif k in _NAMED_SCHEMAS and isinstance(v, dict):     # keys are names (one may be "$ref" or "enum")
-            out[k] = {name: rebased(s, root) for name, s in v.items()}
-        else:
-            out[k] = rebased(v, root)
-    return out
+    return {"$id": f"urn:hsd:tools:{i}", **schema}
 
 
 def auto_grammar(call: ToolCall, tools: list[Function]) -> str:
