@@ -53,6 +53,9 @@ def _schema(compiler):
     (GrammarSpec("lark", "start: foo(", "--grammar g.lark"), "--grammar g.lark: "),
     (GrammarSpec("regex", "[a-z", "--grammar r.txt"), "unclosed character class"),
     (GrammarSpec("yaml", "a: 1", "--grammar"), "unknown grammar kind 'yaml'"),
+    # the compiler's advice named an option the spec refuses (x-guidance): what to write instead
+    (GrammarSpec.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "s.json"),
+     "s.json: oneOf: only branches that no value can match two of are taken"),
     # compiled, but no output can follow them: refused when compiled, not while decoding
     (GrammarSpec.json_schema({"$ref": "#"}, "response_format"), "response_format: no output can follow it"),
     (GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
@@ -118,6 +121,9 @@ def test_an_integer_a_double_cannot_hold_where_it_bounds_or_fixes_a_value_is_ref
         with pytest.raises(HsdError, match=f"^s.json: the integer -?[0-9]+ at {where} is beyond"):
             GrammarSpec.json_schema(schema, "s.json")
     GrammarSpec.json_schema({"type": "integer", "default": 2**70}, "s.json")
+    # an example or default object's keys are data: its "const" is no keyword
+    GrammarSpec.json_schema({"type": "object", "examples": [{"const": 2**60}], "default": {"enum": [2**60]}},
+                            "s.json")
     # properties (and definitions) named like value keywords are names: their defaults bound nothing
     GrammarSpec.json_schema({"properties": {"enum": {"type": "integer", "default": 2**70},
                                             "minimum": {"examples": [2**60]}},
@@ -145,6 +151,44 @@ def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler
     while (t := c.only(forced, len(forced))) is not None:         # the tokens the grammar forces at the start
         forced.append(t)
     assert json_tok.decode(forced).startswith('{"name')
+
+
+def test_the_cache_of_compiled_grammars_is_safe_across_threads(json_tok, monkeypatch):
+    """The server compiles in worker threads: one thread's hit and another's eviction of the same entry between the
+    lookup and its move to the end was a KeyError (a 500). A lookup that dwells is here made to meet an eviction."""
+    import threading
+    import time
+
+    import hsd_opt.grammar.compiler as compiler_module
+
+    monkeypatch.setattr(compiler_module, "CACHE_SIZE", 1)
+    comp = GrammarCompiler(json_tok, EOS, 64)
+    first = comp.compile(GrammarSpec.json_schema({"type": "integer"}, "a"))
+    inside = threading.Event()
+
+    class Dwelling(type(comp._cache)):
+        def get(self, key, default=None):
+            hit = super().get(key, default)
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                time.sleep(0.3)             # the other compile evicts the entry now, unless the cache is locked
+            return hit
+
+    comp._cache = Dwelling(comp._cache)
+    got, errors = [], []
+
+    def hit():
+        try:
+            got.append(comp.compile(GrammarSpec.json_schema({"type": "integer"}, "a")))
+        except Exception as e:  # noqa: BLE001 - the failure under test
+            errors.append(e)
+
+    t = threading.Thread(target=hit)
+    t.start()
+    assert inside.wait(10)
+    comp.compile(GrammarSpec.json_schema({"type": "boolean"}, "b"))      # evicts "a" (one entry kept)
+    t.join()
+    assert not errors and got == [first]
 
 
 def test_allowed_rows_follow_a_valid_output_and_end_only_where_the_grammar_accepts(compiler, json_tok):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -87,6 +88,8 @@ _VALUE_KEYWORDS = frozenset({"const", "enum", "minimum", "maximum", "exclusiveMi
 _EXACT = 2 ** 53
 #: The keywords whose value maps names (of properties, definitions) to schemas: its keys are no keywords.
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+#: The keywords whose values are data that constrains no answer (an ``examples`` object's ``const`` is no keyword).
+_ANNOTATIONS = frozenset({"default", "examples", "title", "description", "$comment"})
 
 
 def _inexact_integer(schema: Any, where: str = "", values: bool = False,
@@ -99,6 +102,8 @@ def _inexact_integer(schema: Any, where: str = "", values: bool = False,
     items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
     keywords = isinstance(schema, dict) and not values and not names
     for k, v in items:
+        if keywords and k in _ANNOTATIONS:
+            continue
         found = _inexact_integer(v, f"{where}/{k}", values or (keywords and k in _VALUE_KEYWORDS),
                                  keywords and k in _NAMED_SCHEMAS)
         if found is not None:
@@ -166,6 +171,16 @@ def _one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _said(message: str) -> str:
+    """The compiler's ``message`` on one line, its advice to set one of its options (which the spec refuses,
+    ``x-guidance``) put as what to write instead."""
+    line = _one_line(message)
+    if "coerce_one_of" in line:
+        return ("oneOf: only branches that no value can match two of are taken (llguidance cannot make sure that "
+                "exactly one matches); where a value may match several, write anyOf")
+    return line
+
+
 class GrammarCompiler:
     """Compiles :class:`GrammarSpec` s for one tokenizer (see the module doc). The tokenizer's tables are built at
     the first compile (about half a second for a 49,152-token vocabulary), then kept.
@@ -188,24 +203,27 @@ class GrammarCompiler:
         self._source = tokenizer
         self._tokenizer = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()   # the server compiles in worker threads: the cache is one for all of them
 
     def tokenizer(self):
         """llguidance's tables of the tokenizer, built on first use; an :class:`HsdError` when it cannot read it."""
-        if self._tokenizer is None:
-            tok = _ll_tokenizer(self._source, list(self.eos_ids))
-            if tok.vocab_size > self.vocab_size:
-                raise HsdError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's "
-                               f"{self.vocab_size} logits")
-            self._tokenizer = tok
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                tok = _ll_tokenizer(self._source, list(self.eos_ids))
+                if tok.vocab_size > self.vocab_size:
+                    raise HsdError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's "
+                                   f"{self.vocab_size} logits")
+                self._tokenizer = tok
+            return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """``spec`` compiled (from the cache when seen before); an :class:`HsdError` naming ``spec.source`` and
         the problem when it does not compile."""
-        hit = self._cache.get(spec.key)
-        if hit is not None:
-            self._cache.move_to_end(spec.key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(spec.key)
+            if hit is not None:
+                self._cache.move_to_end(spec.key)
+                return hit
         need("llguidance", what="a JSON schema or grammar")
         import llguidance
 
@@ -221,16 +239,17 @@ class GrammarCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
         except (ValueError, TypeError) as e:
-            raise HsdError(f"{spec.source}: {_one_line(str(e))}") from None
+            raise HsdError(f"{spec.source}: {_said(str(e))}") from None
         tokenizer = self.tokenizer()
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise HsdError(f"{spec.source}: {_one_line(template.get_error())}")
+            raise HsdError(f"{spec.source}: {_said(template.get_error())}")
         _check_start(template, spec, self.max_positions)
         out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids)
-        self._cache[spec.key] = out
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[spec.key] = out
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return out
 
 
