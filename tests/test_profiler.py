@@ -150,6 +150,9 @@ def test_pairstats_merge_flat_json_and_ci():
     assert total.n("ng", "b") == 42 and total.acceptance("b", "ng") is None
     with pytest.raises(ValueError):
         total.merge(PairStats(["a", "b"], [], ["code"]))
+    one = PairStats(["a", "b"], [], ["code"])
+    one.add_neural("code", np.full((2, 2, 1), 0.7), np.ones((2, 2, 1)))
+    assert one.ci95("a", "b") == [0.0, 1.0]          # one position tells no spread (it was 0.7-0.7)
 
 
 def test_results_keep_every_drafter_target_pair_whatever_the_measured_costs():
@@ -458,6 +461,12 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
         r = _cli(["profile", "merge", str(parts[0]), str(tmp_path / "bad.json"), "-o", str(tmp_path / "b.json")])
         out = cli_output(r)
         assert r.exit_code == 2 and "bad.json" in out and "stats" in out and "Traceback" not in out, out
+    for key, value in (("shard", "x"), ("shard", 3), ("shards", [1, 2]), ("shard", [2, 2])):   # were tracebacks
+        prov = {k: v for k, v in d["provenance"].items() if k not in ("shard", "shards")}
+        (tmp_path / "bad.json").write_text(json.dumps({**d, "provenance": {**prov, key: value}}))
+        r = _cli(["profile", "merge", str(parts[0]), str(tmp_path / "bad.json"), "-o", str(tmp_path / "b.json")])
+        out = cli_output(r)
+        assert r.exit_code == 2 and f"bad.json: provenance.{key}: expected shards" in out, out
     from hsd_opt.profiler.assemble import _merged_shards, _overlap
     assert _overlap([(0, 3)], [(1, 3), (2, 3)]) is False and _overlap([(0, 3)], [(0, 2)]) is True
     assert _overlap(None, [(1, 3)]) is True
@@ -508,6 +517,28 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
         Path(str(damaged) + ".partial.json").write_text(json.dumps(d))
         with pytest.raises(InputFileError, match=f"partial.json: {field}: a damaged checkpoint"):
             run_profile(cfg(damaged, resume=True))
+
+    def first(d):
+        return str(d["done"][0])
+
+    # damage a resumed run took as it was: prompts profiled again and added ("45 prompts" of 40), one exit's
+    # acceptance taken for another's, a profile without rates, tokens the model cannot have produced (a traceback)
+    for field, damage in (("done", lambda d: d.pop("done")),
+                          ("stats.neural", lambda d: d["stats"]["neural"].reverse()),
+                          ("stats.tasks", lambda d: d["stats"]["tasks"].__setitem__(0, "other")),
+                          ("stats.counters", lambda d: d["stats"]["counters"].clear()),
+                          ("stats", lambda d: d["stats"]["nn"][0][0][0].__setitem__(1, float("nan"))),
+                          ("done", lambda d: d["stats"]["counters"].__setitem__("prompts", 5.0)),
+                          ("continuations", lambda d: d["continuations"].pop(first(d))),
+                          (None, lambda d: d["continuations"][first(d)].append(10 ** 6)),
+                          (None, lambda d: d["continuations"][first(d)].extend([4] * 7))):
+        damaged = tmp_path / "damaged.json"
+        d = json.loads(partial.read_text())
+        damage(d)
+        Path(str(damaged) + ".partial.json").write_text(json.dumps(d))
+        field = field or f"continuations.{first(json.loads(partial.read_text()))}"
+        with pytest.raises(InputFileError, match=f"partial.json: {field}: a damaged checkpoint"):
+            run_profile(cfg(damaged, resume=True))
     sampled = tmp_path / "sampled.json.partial.json"                   # as if made at T = 1 (no top-k recorded)
     d = json.loads(partial.read_text())
     d["settings"]["temperature"] = 1.0
@@ -522,6 +553,35 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     a = PairStats.from_dict(prof.stats)
     b = PairStats.from_dict(ref.stats)
     _same_stats(a, b)
+
+
+def test_a_draft_model_whose_weights_changed_is_not_resumed(tiny, tmp_path):
+    """A checkpoint recorded the draft models' names only: one re-saved with other weights was resumed, its
+    sums of the old weights mixed with the new (acceptance 0.523 where a run of the new one measured 0.526)."""
+    import os
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny["copy"], draft)
+
+    class Crash(Exception):
+        pass
+
+    def crash(k):
+        raise Crash()
+
+    def cfg(**kw):
+        return ProfileConfig(model=str(tiny["model"]), out=tmp_path / "p.json", prompts=tiny["prompts"],
+                             max_new_tokens=4, device="cpu", token_drafters=["ngram"], tmax=2, cost_repeats=1,
+                             curve_repeats=1, progress=False, threads=1, draft_models=[str(draft)], **kw)
+
+    with pytest.raises(Crash):
+        run_profile(cfg(), on_prompt=crash)
+    save_tiny(draft, seed=5)                                     # other weights, the same name and size
+    for f in draft.iterdir():
+        os.utime(f, (1e9, 1e9))
+    with pytest.raises(InputFileError, match="settings.draft_revisions"):
+        run_profile(cfg(resume=True))
 
 
 def test_sampled_profile_records_top_p_and_merges_only_with_the_same(tiny, tmp_path, monkeypatch):
@@ -681,6 +741,30 @@ def test_torchrun_two_gloo_ranks_equal_single_run(full_run, tiny, tmp_path):
     prof, _ = load_profile(out)
     assert prof.provenance.get("world_size") == 2
     assert not list(tmp_path.glob("*.partial*"))
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_of_which_one_has_a_schemas_prompt_merge(tmp_path):
+    """A rank that profiled a JSON schema's prompt keeps counters (its forced tokens) the others lack: the
+    all-reduce of vectors of different lengths aborted the run (gloo: "data size doesn't match")."""
+    from tests.helpers import save_tiny_family
+
+    big, _ = save_tiny_family(tmp_path / "fam")
+    prompts = tmp_path / "p.jsonl"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    prompts.write_text("\n".join(json.dumps(x) for x in ({"prompt": "a b c a b", "task": "chat"},
+                                                        {"prompt": "d e", "task": "chat"},
+                                                        {"prompt": "give json", "schema": schema})) + "\n")
+    out = tmp_path / "dist.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "hsd_opt", "profile", "--model", str(big), "--prompts", str(prompts),
+           "--out", str(out), "--max-new-tokens", "6", "--token-drafters", "ngram", "--quantized", "none",
+           "--cost-contexts", "8", "--batch-sizes", "1", "--device", "cpu"] + FAST
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    st = _stats(out)
+    assert st.counters["prompts"] == 3 and st.counters["forced_tokens.json"] > 0
 
 
 # ------------------------------------------------------------------------------------------- bad input

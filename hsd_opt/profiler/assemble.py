@@ -3,6 +3,7 @@ profiles of the same model exactly (see ``docs/design.md#the-profiler`` and ``do
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +25,8 @@ from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
 MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "top_k", "min_p", "max_new_tokens",
-                "tmax", "raw", "dtype", "target_precision", "layers", "draft_models", "draft_layers", "quantized",
-                "token_drafters")
+                "tmax", "raw", "dtype", "target_precision", "layers", "draft_models", "draft_revisions", "draft_layers",
+                "quantized", "token_drafters")
 
 
 def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float | None:
@@ -332,12 +333,18 @@ def _records(res: dict) -> dict:
     return {k: res.get(k) or {} for k in PROFILE_RECORDS}
 
 
-def _shards(prov: dict) -> list[tuple[int, int]] | None:
+def _shards(prov: dict, path: Path | str = "profile") -> list[tuple[int, int]] | None:
     """The shards of its prompt set a profile's statistics cover (``(i, n)``: shard ``i`` of ``n``), None for the
-    whole set."""
-    if prov.get("shards"):
-        return [tuple(s) for s in prov["shards"]]
-    return [tuple(prov["shard"])] if prov.get("shard") else None
+    whole set; :class:`InputFileError` naming ``path`` and the field where one is not a pair ``0 <= i < n``."""
+    field = "provenance.shards" if prov.get("shards") else "provenance.shard"
+    given = prov["shards"] if prov.get("shards") else [prov["shard"]] if prov.get("shard") else None
+    if given is None:
+        return None
+    if not isinstance(given, list) or not all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            and 0 <= s[0] < s[1] for s in given):
+        raise InputFileError(str(path), f"expected shards as [i, n] with 0 <= i < n, got {json.dumps(given)}", field)
+    return [tuple(s) for s in given]
 
 
 def _overlap(a: list | None, b: list | None) -> bool:
@@ -390,7 +397,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     prov0 = first.provenance.to_dict()
     stats = _raw_stats(p0, first)
     read = [stats]                                  # each file's own statistics, read once
-    covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0))]}
+    covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0, p0))]}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
         prov = prof.provenance.to_dict()
@@ -406,7 +413,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
-        sha, shards = prov.get("prompts_sha256"), _shards(prov)
+        sha, shards = prov.get("prompts_sha256"), _shards(prov, p)
         # sampled with another seed, the same prompts are other samples: not counted twice
         resampled = setting(prov, "temperature") > 0 and prov.get("seed") != prov0.get("seed")
         clash = next((q for q, other in covered.get(sha, []) if _overlap(shards, other)), None)

@@ -16,10 +16,11 @@ PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
 RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "top_k", "min_p",
                  "max_new_tokens", "tmax", "raw", "seed", "dtype", "target_precision", "layers", "draft_models",
-                 "draft_layers", "quantized", "token_drafters", "shard", "max_prompts", "world_size")
+                 "draft_revisions", "draft_layers", "quantized", "token_drafters", "shard", "max_prompts", "world_size")
 #: The value a setting had before it was recorded (files written before ``top_p``, ``top_k`` or ``min_p`` existed
-#: sampled without them; before ``tmax`` was recorded, budgets were walked to the default 15).
-SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": [], "tmax": 15}
+#: sampled without them; before ``tmax`` was recorded, budgets were walked to the default 15; before the draft models'
+#: revisions were, a file vouches for none).
+SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": [], "tmax": 15, "draft_revisions": []}
 
 
 def setting(settings: dict[str, Any], name: str) -> Any:
@@ -55,10 +56,11 @@ class Checkpoint:
 
 
 def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank: int, world: int, resume: bool,
-                    log: Callable[[str], None], warn: Callable[[str], None]) -> Checkpoint:
+                    log: Callable[[str], None], warn: Callable[[str], None], vocab: int | None = None) -> Checkpoint:
     """A fresh checkpoint at ``path``, or with ``resume`` the one found there (its settings must equal
-    ``settings`` in every :data:`RESUME_FIELDS`). Without ``resume``, an existing checkpoint is refused rather
-    than overwritten."""
+    ``settings`` in every :data:`RESUME_FIELDS`, its contents hold together: :func:`check_resumed`; ``vocab``: the
+    target's logits, which bound a continuation's token ids). Without ``resume``, an existing checkpoint is
+    refused rather than overwritten."""
     ck = Checkpoint(path, settings, stats, rank, world)
     if resume and path.exists():
         d = read_json(path)
@@ -79,12 +81,13 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
         try:
             ck.stats = PairStats.from_dict(d["stats"])
             field = "done"
-            ck.done = [int(x) for x in d.get("done", [])]
+            ck.done = [int(x) for x in d["done"]]
             field = "continuations"
-            ck.continuations = {str(k): [int(t) for t in v] for k, v in d.get("continuations", {}).items()}
+            ck.continuations = {str(k): [int(t) for t in v] for k, v in d["continuations"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputFileError(str(path), f"a damaged checkpoint ({type(e).__name__}: {e}); delete it to start "
                                             f"over", field) from None
+        check_resumed(ck, stats, int(settings["max_new_tokens"]), vocab)
         log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
     elif resume:
         warn(f"--resume: no checkpoint at {path}; starting from the beginning")
@@ -92,3 +95,39 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
         raise HsdError(f"{path}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
                        f"delete it to start over")
     return ck
+
+
+def check_resumed(ck: Checkpoint, fresh: PairStats, max_new_tokens: int, vocab: int | None) -> None:
+    """Refuse (:class:`InputFileError` naming the field) a checkpoint whose contents do not hold together with the
+    run that resumes it: statistics of other drafters or tasks, or in another order (``fresh``: the run's empty
+    ones), without a counter the run keeps, with sums that are not finite or are negative, a count of prompts that
+    is not the prompts done, a prompt done twice or without its continuation, a continuation longer than
+    ``max_new_tokens`` or with a token outside ``0 .. vocab - 1``. Any of them would be mixed into the profile."""
+    import numpy as np
+
+    def bad(what: str, field: str) -> InputFileError:
+        return InputFileError(str(ck.path), f"a damaged checkpoint ({what}); delete it to start over", field)
+
+    st = ck.stats
+    for name in ("neural", "token", "tasks"):
+        if getattr(st, name) != getattr(fresh, name):
+            raise bad(f"its {name} are {getattr(st, name)}, this run's {getattr(fresh, name)}", f"stats.{name}")
+    lacking = sorted(set(fresh.counters) - set(st.counters))
+    if lacking:
+        raise bad(f"no counter {lacking[0]!r}", "stats.counters")
+    values = np.concatenate([st.nn.ravel(), st.tn.ravel(), np.array(list(st.counters.values()), dtype=np.float64)])
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise bad("a sum that is negative or not finite", "stats")
+    if len(set(ck.done)) != len(ck.done) or st.counters["prompts"] != len(ck.done):
+        raise bad(f"{len(ck.done)} prompts done ({len(set(ck.done))} distinct), {st.counters['prompts']:g} counted",
+                  "done")
+    missing = [i for i in ck.done if str(i) not in ck.continuations]
+    if missing:
+        raise bad(f"prompt {missing[0]} done without its continuation", "continuations")
+    for k, ids in ck.continuations.items():
+        if len(ids) > max_new_tokens:
+            raise bad(f"prompt {k}'s continuation has {len(ids)} tokens, more than max_new_tokens "
+                      f"{max_new_tokens}", f"continuations.{k}")
+        if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+            raise bad(f"prompt {k}'s continuation holds a token outside 0..{vocab - 1 if vocab else 'the vocabulary'}",
+                      f"continuations.{k}")

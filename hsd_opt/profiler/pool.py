@@ -75,6 +75,7 @@ class NeuralDrafter:
     engine: LayeredLM
     boundary: int
     model_id: str | None = None
+    revision: str | None = None    # of the draft model ``model_id`` (its weights' identity)
 
 
 def build_token_drafters(names: Sequence[str] | None, loaded, explicit: bool, warn: Callable[[str], None]):
@@ -286,8 +287,8 @@ def _draft_model_drafters(loaded, ref: str, draft_layers: Sequence[int] | None, 
         if f"{name}-layer{b}" in taken:
             raise HsdError(f"--draft-layers: name {name}-layer{b} is already used by another drafter")
         taken.add(f"{name}-layer{b}")
-        out.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id))
-    out.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id))
+        out.append(NeuralDrafter(f"{name}-layer{b}", "early_exit", deng, b, dlm.model_id, dlm.revision))
+    out.append(NeuralDrafter(name, "model", deng, deng.n_layers, dlm.model_id, dlm.revision))
     return out, DraftSource(dlm, name, True)
 
 
@@ -306,19 +307,20 @@ def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str
         if eng.is_copy:
             raise HsdError(f"--quantized {kind}: the target is itself a quantized copy (--target-precision); "
                            f"copies of it are no drafters (quantize draft models: MODEL:{kind})")
-        src, qname, model_id, what = loaded.model, kind, None, "the target"
+        src, qname, model_id, revision, what = loaded.model, kind, None, None, "the target"
     else:
         ds = find_draft(ref, drafts)
         if ds is None:
             dlm = _load_draft(loaded, ref, "--quantized", device, dtype, costs_only)
             ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
-        src, qname, model_id, what = ds.loaded.model, f"{ds.name}-{kind}", ds.loaded.model_id, ds.name
+        src, qname, what = ds.loaded.model, f"{ds.name}-{kind}", ds.name
+        model_id, revision = ds.loaded.model_id, ds.loaded.revision
     if qname in taken:
         raise HsdError(f"--quantized: name {qname!r} is already used by another drafter")
     log(f"quantizing a copy of {what}: {qname}")
     qeng = QuantizedLM(src, bits=bits, group_size=group, head_bits=head_bits, name=qname)
     taken.add(qname)
-    return NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id)
+    return NeuralDrafter(qname, "quantized", qeng, qeng.n_layers, model_id, revision)
 
 
 def _pool_token_drafters(token_drafters: Sequence[str] | None, loaded, taken: set[str],

@@ -48,7 +48,7 @@ from hsd_opt.profiler.costs import (
     time_token_drafter,
     time_window_saving,
 )
-from hsd_opt.profiler.dist import all_reduce_sum, barrier, dist_info
+from hsd_opt.profiler.dist import all_gather, all_reduce_sum, barrier, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
@@ -241,6 +241,7 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
         "raw": bool(cfg.raw),
         "seed": int(cfg.seed), "dtype": loaded.dtype, "target_precision": precision, "layers": list(boundaries),
         "draft_models": [nd.model_id for nd in pool.neural if nd.kind == "model"],
+        "draft_revisions": sorted({f"{nd.model_id}@{nd.revision}" for nd in pool.neural if nd.model_id}),
         "draft_layers": sorted({nd.boundary for nd in pool.neural if nd.kind == "early_exit" and nd.model_id}),
         "quantized": [nd.name for nd in pool.neural if nd.kind == "quantized"],
         "token_drafters": [f"{d.kind}:{d.name}" for d in pool.token] + (["aded:aded"] if pool.want_aded else []),
@@ -502,7 +503,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # resume
     ck = open_checkpoint(partial_path(Path(cfg.out), rank, world), settings, stats, rank, world, cfg.resume, log,
-                         warn)
+                         warn, eng.vocab_size)
     mine = _my_prompts(items, cfg.shard, rank, world)
     done = set(ck.done)
     todo = [it for it in mine if it.index not in done]
@@ -525,7 +526,9 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     stats = ck.stats
 
     # reduce: the sums of every rank (rank 0 goes on alone)
-    if world > 1:
+    if world > 1:   # the counters every rank keeps (a rank without a schema's prompt counts no forced tokens)
+        for key in set().union(*all_gather(sorted(stats.counters), world)):
+            stats.counters.setdefault(key, 0.0)
         stats.load_flat(all_reduce_sum(stats.flat(), eng.device))
         if rank != 0:
             barrier()

@@ -159,8 +159,10 @@ class PairStats:
         if c is None or c[COUNT] <= 0:
             return None
         n = c[COUNT]
+        if n < 2:                       # one position tells no spread: the interval is every rate
+            return [0.0, 1.0]
         mean = c[SUM] / n
-        var = max(0.0, c[SUMSQ] / n - mean * mean) * (n / (n - 1) if n > 1 else 0.0)
+        var = max(0.0, c[SUMSQ] / n - mean * mean) * (n / (n - 1))
         h = Z95 * math.sqrt(var / n)
         return [float(max(0.0, mean - h)), float(min(1.0, mean + h))]
 
