@@ -153,6 +153,12 @@ def test_pairstats_merge_flat_json_and_ci():
     one = PairStats(["a", "b"], [], ["code"])
     one.add_neural("code", np.full((2, 2, 1), 0.7), np.ones((2, 2, 1)))
     assert one.ci95("a", "b") == [0.0, 1.0]          # one position tells no spread (it was 0.7-0.7)
+    good = one.to_dict()
+    for damage in ({"tasks": ["code", "code"]}, {"nn": np.full((4, 1, 2, 2), np.nan).tolist()},
+                   {"nn": np.full((4, 1, 2, 2), -1.0).tolist()}, {"counters": {"prompts": -1}},
+                   {"tn": np.zeros((4, 1, 2, 1)).tolist()}):           # merged as they were: NaN written out
+        with pytest.raises(ValueError):
+            PairStats.from_dict({**good, **damage})
 
 
 def test_results_keep_every_drafter_target_pair_whatever_the_measured_costs():

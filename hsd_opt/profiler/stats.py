@@ -174,11 +174,19 @@ class PairStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PairStats":
+        """The statistics :meth:`to_dict` wrote; a ``ValueError`` (or ``KeyError``, ``TypeError``) for a dict that
+        is not such: names repeated, arrays of other shapes, sums or counters negative or not finite."""
         s = cls(d["neural"], d["token"], d["tasks"], d.get("counters", {}).keys())
+        for name in ("neural", "token", "tasks"):
+            if len(set(getattr(s, name))) != len(getattr(s, name)):
+                raise ValueError(f"{name} {getattr(s, name)} names one twice")
         nn = np.asarray(d["nn"], dtype=np.float64)
         tn = np.asarray(d["tn"], dtype=np.float64)
-        if nn.shape != s.nn.shape or tn.size != s.tn.size:
+        if nn.shape != s.nn.shape or tn.size != s.tn.size or (tn.ndim == 4 and tn.shape != s.tn.shape):
             raise ValueError(f"statistics arrays of shape {nn.shape}/{tn.shape}, expected {s.nn.shape}/{s.tn.shape}")
         s.nn, s.tn = nn, tn.reshape(s.tn.shape)
         s.counters = {k: float(v) for k, v in d.get("counters", {}).items()}
+        values = np.concatenate([s.nn.ravel(), s.tn.ravel(), np.array(list(s.counters.values()), dtype=np.float64)])
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise ValueError("a sum or counter that is negative or not finite")
         return s
