@@ -545,6 +545,9 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
         field = field or f"continuations.{first(json.loads(partial.read_text()))}"
         with pytest.raises(InputFileError, match=f"partial.json: {field}: a damaged checkpoint"):
             run_profile(cfg(damaged, resume=True))
+    left = tmp_path / ".run.json.partial.json.x1y2.partial"           # a save a SIGKILL cut short, long ago
+    left.write_text("{")
+    os.utime(left, (1e9, 1e9))
     sampled = tmp_path / "sampled.json.partial.json"                   # as if made at T = 1 (no top-k recorded)
     d = json.loads(partial.read_text())
     d["settings"]["temperature"] = 1.0
@@ -555,6 +558,7 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     done_again = []
     prof = run_profile(cfg(out, resume=True), on_prompt=done_again.append)
     assert len(done_again) == 3                                          # only the 3 missing prompts ran
+    assert not left.exists()
     assert out.exists() and not partial.exists()
     a = PairStats.from_dict(prof.stats)
     b = PairStats.from_dict(ref.stats)

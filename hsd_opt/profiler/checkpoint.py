@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.jsonio import read_json, write_json
+from hsd_opt.jsonio import read_json, remove_stale, write_json
 from hsd_opt.profiler.stats import PairStats
 
 PARTIAL_FORMAT = "hsd-profile-partial/1"
@@ -62,6 +62,7 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
     target's logits, which bound a continuation's token ids). Without ``resume``, an existing checkpoint is
     refused rather than overwritten."""
     ck = Checkpoint(path, settings, stats, rank, world)
+    remove_stale(path.parent.glob(f".{path.name}.*.partial"))     # a save a killed run left half-written
     if resume and path.exists():
         d = read_json(path)
         if not isinstance(d, dict) or d.get("format") != PARTIAL_FORMAT:
