@@ -248,9 +248,33 @@ def test_a_kept_conversation_outlives_other_clients_requests_in_between(tiny):
     x2 = x1 + ans + _tokens(3, 5)
     got = hsd.generate(x2, 4)
     assert got.stats["prefill_tokens"] == 6, got.stats["prefill_tokens"]   # the 5 new, the answer's last token
-    assert len(pool.states(eng)) == 4
+    assert len(pool.states(eng)) == 3           # x2 took x1's state itself (it held nothing x2 did not take)
     for prompt, res, n in ((list(HEAD) + _tokens(2, 10), other, 12), (edited, forked, 6), (x2, got, 4)):
         assert res.token_ids == fresh.generate(prompt, n).token_ids
+
+
+@needs_kernels
+def test_a_full_pool_drops_the_conversations_unused_longest_not_a_recent_one(tiny):
+    """The pool's room was measured with each engine's latest state, which its bytes leave out: once full, it
+    stayed full, and a client sharing a recent conversation's system prompt cropped that conversation's state
+    (its next turn computed 15 positions again) while older conversations' states stayed. Each turn also kept a
+    copy of the turns before it."""
+    eng = _engine(tiny, "f32")
+    one = state_bytes(eng.new_state(256, [2, 4]))
+    pool = StatePool(keep_bytes=3 * one, reuse=True)             # three states beyond the latest
+    hsd, fresh = _hsd(eng, pool), _hsd(eng)
+    for s in range(3):
+        hsd.generate(list(HEAD) + _tokens(100 + s, 6), 8)        # other clients' conversations, older
+        assert pool.kept_bytes() <= pool.keep_bytes
+    system = list(HEAD) + _tokens(1, 4)
+    x1 = system + _tokens(2, 4)
+    ans = hsd.generate(x1, 8).token_ids                          # conversation X, turn 1
+    hsd.generate(system + _tokens(3, 4), 8)                      # client Y: the same system prompt
+    x2 = x1 + ans + _tokens(4, 3)
+    got = hsd.generate(x2, 4)
+    assert got.stats["prefill_tokens"] <= 4, got.stats["prefill_tokens"]   # the 3 new (and the last answer token)
+    assert got.token_ids == fresh.generate(x2, 4).token_ids
+    assert pool.kept_bytes() <= pool.keep_bytes and len(pool.states(eng)) == 4
 
 
 def test_a_pool_without_bytes_keeps_one_state_per_engine(tiny):

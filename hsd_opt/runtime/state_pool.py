@@ -76,9 +76,11 @@ class StatePool:
         # only its first positions copies them, one that shares none gets a new state (taken and cropped, a client
         # in between two turns of another's conversation wiped it, so the pool held one conversation per request
         # decoding at once, whatever its bytes)
-        room = self.reuse and self.keep_bytes > 0 and self.held_bytes() <= self.keep_bytes
-        if room and best is not None and keep < self._free[best][1].n:
-            best, source = None, self._free[best][1]
+        # (the bytes measured as :meth:`give` keeps them: beyond each engine's most recent state, which always
+        # stays, so that a full pool drops the states unused longest instead of cropping a recent one)
+        room = self.reuse and self.keep_bytes > 0 and self.kept_bytes() <= self.keep_bytes
+        if room and best is not None and keep < max(self._free[best][1].lens, default=0):
+            best, source = None, self._free[best][1]     # it holds positions past those taken: it stays whole
         if best is None and not room:
             best = next((i for i in mine if self._free[i][1].max_len >= max_len), None)
         st = self._free.pop(best)[1] if best is not None else new()
@@ -99,8 +101,7 @@ class StatePool:
         engine's most recent hold more than :attr:`keep_bytes`."""
         self._live = [(k, r) for k, r in self._live if r() is not None and r() is not st]
         self._free = [(k, s) for k, s in self._free if k() is not None] + [(weakref.ref(eng), st)]  # engines alive
-        latest = {id(key()): i for i, (key, _) in enumerate(self._free)}
-        extra = [i for i in range(len(self._free)) if latest[id(self._free[i][0]())] != i]
+        extra = self._beyond_latest()
         held = sum(state_bytes(self._free[i][1]) for i in extra)
         drop = set()
         for i in extra:
@@ -110,9 +111,20 @@ class StatePool:
             held -= state_bytes(self._free[i][1])
         self._free = [e for i, e in enumerate(self._free) if i not in drop]
 
+    def _beyond_latest(self) -> list[int]:
+        """Indices into the free states of those beyond each engine's most recent one (those :attr:`keep_bytes`
+        bounds), least recently given first."""
+        latest = {id(key()): i for i, (key, _) in enumerate(self._free) if key() is not None}
+        return [i for i, (key, _) in enumerate(self._free) if key() is not None and latest[id(key())] != i]
+
     def held_bytes(self) -> int:
         """Bytes of the free states the pool holds (every engine's)."""
         return sum(state_bytes(st) for key, st in self._free if key() is not None)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the free states beyond each engine's most recent one: what :attr:`keep_bytes` bounds (a
+        server's ``--prompt-cache``)."""
+        return sum(state_bytes(self._free[i][1]) for i in self._beyond_latest())
 
     def states(self, eng: Engine) -> list[DecodeState]:
         """``eng``'s free states, least recently given first."""

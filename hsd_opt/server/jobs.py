@@ -223,14 +223,14 @@ class JobQueue:
         """``GET /metrics``: :attr:`metrics` with the gauges of the moment (requests waiting and in flight, the
         prompt cache's bytes), in Prometheus' text format."""
         pools = {id(h.pool): h.pool for lv in (self.batch.levels, *self.batch.tasks.values()) for h in lv.values()}
-        held = sum(p.held_bytes() for p in pools.values())
+        held = sum(p.held_bytes() for p in pools.values() if p.reuse)    # without reuse, none serves a prompt
         return self.metrics.render({
             "hsd_requests_waiting": ("Requests queued, or admitted and waiting for their prompt's computation.",
                                      self.waiting),
             "hsd_requests_running": ("Requests being decoded or prefilled.", self.batch.in_flight),
             "hsd_max_batch": ("Most requests decoded together (--max-batch).", self.batch.max_active),
-            "hsd_prompt_cache_bytes": ("Bytes of finished requests' decoding states kept for later prompts.",
-                                       held)})
+            "hsd_prompt_cache_bytes": ("Bytes of finished requests' decoding states kept for later prompts "
+                                       "(--prompt-cache bounds those beyond each engine's most recent one).", held)})
 
     # ------------------------------------------------------------------------------------------ worker
 
