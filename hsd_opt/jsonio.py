@@ -79,6 +79,13 @@ def _give_mode(tmp: str, p: Path) -> None:
         pass
 
 
+def _not_regular(p: Path) -> str:
+    """Why ``p`` (a device, a pipe, a socket) is not written: the file would take its name, and the device or pipe
+    would be gone (``--out /dev/null`` as root removed the device)."""
+    return "not a regular file (a device, pipe or socket); the file is written whole and renamed into place, " \
+           "which would replace it: give a file path"
+
+
 def _cannot_write(p: Path, e: OSError) -> OutputFileError:
     if isinstance(e, OutputFileError):
         return e
@@ -110,6 +117,8 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
                        f"standard output)")
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
+    if p.exists() and not p.is_file():
+        raise HsdError(f"{flag} {path}: {_not_regular(p)}")
     parent = p.parent
     existing = next(a for a in (parent, *parent.parents) if a.exists())
     if not existing.is_dir():
@@ -136,6 +145,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
     symbolic link is followed: the file it points to is replaced, the link stays.
     """
     p = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise OutputFileError(f"{p}: cannot write it: {_not_regular(p)}")
     parent = _parent(p)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)

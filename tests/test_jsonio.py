@@ -36,6 +36,21 @@ def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(t
     write_json(tmp_path / "new" / "p.json", {"a": 1})         # the write makes it
 
 
+def test_a_device_or_a_pipe_is_refused_not_replaced_by_a_file(tmp_path):
+    """``--out /dev/null`` as root renamed a file onto the device (``/dev/full`` became a 3 KB file), and a FIFO
+    was replaced by a file: the outputs are renamed into place, so a path that is not a regular file is refused,
+    before the work and at the write, and left as it was."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        with pytest.raises(HsdError, match=f"^--out {path}: not a regular file"):
+            check_writable(path, "--out")
+        with pytest.raises(OutputFileError, match="not a regular file"):
+            write_json(path, {"a": 1})
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["fifo"]
+
+
 def test_a_dash_is_refused_rather_than_written_as_a_file_named_dash(tmp_path, monkeypatch):
     """``--json -`` reads as standard output; the outputs are written whole and atomically, so it is refused
     rather than leaving a file called ``-`` in the working folder."""
