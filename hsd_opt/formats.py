@@ -1071,6 +1071,8 @@ def _check_levels(d: dict, source: str, tmax: int, at: str = "",
         raise InputFileError(source, "expected a non-empty list of model names, target last", at + "hierarchy")
     if len(set(h)) != len(h):
         raise InputFileError(source, f"a model appears twice in {h}", at + "hierarchy")
+    if target is not None and h[-1] != target:
+        raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}", at + "hierarchy")
     b = d.get("budgets")
     if not isinstance(b, list) or len(b) != len(h) - 1:
         raise InputFileError(source, f"expected {len(h) - 1} budgets (one per level below the target)",
@@ -1081,8 +1083,6 @@ def _check_levels(d: dict, source: str, tmax: int, at: str = "",
         if i and t < b[i - 1]:
             raise InputFileError(source, f"budgets must be non-decreasing (T_0 <= T_1 <= ...), got {b}",
                                  at + "budgets")
-    if target is not None and h[-1] != target:
-        raise InputFileError(source, f"ends with {h[-1]!r}, but the plan's target is {target!r}", at + "hierarchy")
     return list(h), list(b)
 
 
@@ -1395,7 +1395,10 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
     if not _is_int(tmax) or not 1 <= tmax < EXACT_PASS:
         raise InputFileError(source, f"expected an integer in 1..{EXACT_PASS - 1} (a verification over more "
                                      f"positions would not be computed as the target's steps), got {tmax!r}", "tmax")
-    h, b = _check_levels(d, source, tmax)
+    named = d.get("target")                 # written by the solver; the hierarchy's last level is the target
+    if named is not None and not (isinstance(named, str) and named):
+        raise InputFileError(source, f"expected the target's name, got {named!r}", "target")
+    h, b = _check_levels(d, source, tmax, target=named)
     for key in ("expected_latency", "expected_speedup"):
         v = d.get(key)
         if not _is_number(v) or v <= 0:

@@ -156,7 +156,7 @@ def test_levels_take_their_entry_or_one_inferred_from_the_name():
 def _base() -> dict:
     """A valid plan with every section, for the malformed variants below."""
     return {"format": "hsd-plan/1", "tmax": 8, "hierarchy": ["ngram", "layer2", "layer4"], "budgets": [2, 3],
-            "expected_latency": 0.01, "expected_speedup": 1.5,
+            "expected_latency": 0.01, "expected_speedup": 1.5, "target": "layer4",
             "baselines": {"target_only": {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.015}},
             "solver": "dp", "max_depth": None, "min_gain": 0.03,
             "alternatives": [{"hierarchy": ["layer2", "layer4"], "budgets": [3], "expected_latency": 0.012,
@@ -188,6 +188,12 @@ def _set(path: str, value):
 
 
 BAD = [
+    # a wrong level was blamed on the first baseline ("baselines.target_only.hierarchy: ... the plan's target is
+    # 'nope'"), one in by_load on its budgets, and the plan's own "target" was never read
+    (_set("hierarchy", ["ngram", "nope"]), "hierarchy", "ends with 'nope', but the plan's target is 'layer4'"),
+    (_set("target", "layer2"), "hierarchy", "ends with 'layer4', but the plan's target is 'layer2'"),
+    (_set("target", 4), "target", "the target's name"),
+    (_set("by_load.1.hierarchy", ["nope"]), "by_load.1.hierarchy", "ends with 'nope'"),
     (_set("models", {"name": "x"}), "models", "a list of model entries"),
     (_set("models.1", "layer2"), "models[1]", "an object"),
     (_set("models.2.name", ""), "models[2].name", "non-empty string"),
