@@ -682,13 +682,15 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and is_finite(x)
 
 
-def _positive_curve(source: str, fieldname: str, v: Any) -> list[float]:
+def _positive_curve(source: str, fieldname: str, v: Any, unit: str = "seconds") -> list[float]:
+    """A list of numbers > 0 for t = 1..n tokens: seconds, or (``unit`` "ratios") a batch's ratios."""
+    item = "a cost in seconds" if unit == "seconds" else "a ratio"
     if not isinstance(v, list) or not v:
-        raise InputFileError(source, "expected a non-empty list of seconds for t = 1..n tokens", fieldname)
+        raise InputFileError(source, f"expected a non-empty list of {unit} for t = 1..n tokens", fieldname)
     out = []
     for i, s in enumerate(v):
         if not _is_number(s) or s <= 0:
-            raise InputFileError(source, f"expected a cost in seconds > 0, got {s!r}", f"{fieldname}[{i}]")
+            raise InputFileError(source, f"expected {item} > 0, got {s!r}", f"{fieldname}[{i}]")
         out.append(float(s))
     return out
 
@@ -974,7 +976,13 @@ def _batch_costs(source: str, raw: Any, seen: set[str]) -> list[BatchCosts]:
         for name, r in ratio_raw.items():
             if name not in seen:
                 raise InputFileError(source, f"unknown model {name!r}", f"{at}.ratio.{name}")
-            ratio[name] = float(r) if _is_number(r) and r > 0 else _positive_curve(source, f"{at}.ratio.{name}", r)
+            if isinstance(r, list):
+                ratio[name] = _positive_curve(source, f"{at}.ratio.{name}", r, "ratios")
+            elif _is_number(r) and r > 0:
+                ratio[name] = float(r)
+            else:
+                raise InputFileError(source, f"expected a ratio > 0 or a list of ratios per t, got {r!r}",
+                                     f"{at}.ratio.{name}")
         context = _optional(e, "context", lambda v: _is_int(v) and v >= 1, "an integer >= 1", source, at + ".")
         secs = _cost_curves(source, e.get("pass_seconds", {}) or {}, seen, at + ".pass_seconds")
         out.append(BatchCosts(int(b), ratio, context, secs))

@@ -384,11 +384,15 @@ def test_batch_costs_are_typed_checked_and_round_trip():
     assert prof.batch_sizes == [1, 2, 4] and prof.batch_costs[0].ratio["d"] == [1.2, 1.5, 1.8]
     assert prof.to_dict()["batch_costs"] == good
     assert profile_from_dict(_profile(None))[0].batch_sizes == [1]
-    for bad, field in (([{"batch": 1, "ratio": {}}], "batch_costs[0].batch"),
-                       ([good[1], good[0]], "batch_costs[1].batch"),
-                       ([{"batch": 2, "ratio": {"x": 2.0}}], "batch_costs[0].ratio.x"),
-                       ([{"batch": 2, "ratio": {"d": [1.0, -1.0]}}], "batch_costs[0].ratio.d[1]"),
-                       ([{"batch": 2, "ratio": []}], "batch_costs[0].ratio")):
+    for bad, field, words in (([{"batch": 1, "ratio": {}}], "batch_costs[0].batch", "batch size"),
+                              ([good[1], good[0]], "batch_costs[1].batch", "increase"),
+                              ([{"batch": 2, "ratio": {"x": 2.0}}], "batch_costs[0].ratio.x", "unknown model"),
+                              ([{"batch": 2, "ratio": {"d": [1.0, -1.0]}}], "batch_costs[0].ratio.d[1]",
+                               "expected a ratio > 0, got -1.0"),
+                              # a ratio was said to be a list of seconds
+                              ([{"batch": 2, "ratio": {"d": -2}}], "batch_costs[0].ratio.d",
+                               "expected a ratio > 0 or a list of ratios per t, got -2"),
+                              ([{"batch": 2, "ratio": []}], "batch_costs[0].ratio", "an object")):
         with pytest.raises(InputFileError) as err:
             profile_from_dict(_profile(bad), "p.json")
-        assert err.value.field == field
+        assert err.value.field == field and words in str(err.value), err.value
