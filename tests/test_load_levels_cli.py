@@ -87,7 +87,7 @@ def test_levels_that_run_one_hierarchy_share_one_runner(profiled):
     assert len({id(h.target) for h in levels.values()} | {id(own.target)}) == 1
 
 
-def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profiled):
+def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profiled, monkeypatch):
     """``hsd serve --retime PROFILE``: each engine's step timed at start, every load level served by one of the
     plan's hierarchies (its own, its levels', the target alone) over the same engines, the choice reported in
     ``/health``'s ``retime``; a plan without load levels, or a profile of another model, is refused naming the
@@ -120,6 +120,17 @@ def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profi
     other["provenance"]["model"] = "someone/else"
     (root / "other.json").write_text(json.dumps(other))
     with pytest.raises(HsdError, match="--retime .*other.json: the profile is of model"):
+        prepare_server(path, device="cpu", retime=root / "other.json")
+    import hsd_opt.commands.serve as serve_command
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the profile was checked against the plan")
+
+    monkeypatch.setattr(serve_command, "load_plan_and_model", no_load)   # the docs: "exits 2 before the model loads"
+    other["provenance"]["model"] = json.loads(prof.read_text())["provenance"]["model"]
+    other["batch_costs"] = []
+    (root / "other.json").write_text(json.dumps(other))
+    with pytest.raises(HsdError, match="--retime .*other.json: the profile has no costs at the plan's load"):
         prepare_server(path, device="cpu", retime=root / "other.json")
 
 
