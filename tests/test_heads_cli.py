@@ -259,6 +259,11 @@ def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
     (["--seed", str(10 ** 17)], "--seed: expected an integer of magnitude below"),
     (["--threads", "-1"], "--threads: expected an integer in 0..4096"),
     (["--threads", str(10 ** 20)], "--threads: expected an integer in 0..4096"),     # torch's C int overflowed
+    # one line named four flags whichever was wrong
+    (["--holdout", "1"], "--holdout: expected a fraction in (0, 1), got 1.0"),
+    (["--epochs", "0"], "--epochs: expected an integer >= 1, got 0"),
+    (["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
+    (["--vocab-subset", "-2"], "--vocab-subset: expected an integer >= 0 (0: all), got -2"),
 ])
 def test_heads_train_refuses_bad_numbers_before_loading(tmp_path, flags, said):
     """An infinite learning rate trained NaN heads and wrote them; a huge seed and negative threads were

@@ -102,8 +102,12 @@ def train(
     _check_output_beside(out, model, prompts)
     if train_vocab not in TRAIN_VOCABS:
         raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
-    if epochs < 1 or tokens < 1 or vocab_subset < 0 or not 0 < holdout < 1:
-        raise HsdError("--epochs and --tokens must be >= 1, --vocab-subset >= 0, --holdout in (0, 1)")
+    for flag, value, ok, what in (("--epochs", epochs, epochs >= 1, "an integer >= 1"),
+                                  ("--tokens", tokens, tokens >= 1, "an integer >= 1"),
+                                  ("--vocab-subset", vocab_subset, vocab_subset >= 0, "an integer >= 0 (0: all)"),
+                                  ("--holdout", holdout, 0 < holdout < 1, "a fraction in (0, 1)")):
+        if not ok:
+            raise HsdError(f"{flag}: expected {what}, got {value}")
     if rank < 1:
         raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
     if not (math.isfinite(lr) and lr > 0):
