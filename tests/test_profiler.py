@@ -565,6 +565,15 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     _same_stats(a, b)
 
 
+def test_a_left_checkpoint_without_resume_is_refused_before_the_model_loads(tmp_path):
+    """It was refused once the target, its copies and the draft models were loaded (minutes for a large model)."""
+    out = tmp_path / "p.json"
+    Path(str(out) + ".partial.json").write_text("{}")
+    cfg = ProfileConfig(model=str(tmp_path / "no-such-model"), out=out, device="cpu", progress=False)
+    with pytest.raises(HsdError, match="a checkpoint of an interrupted run exists; pass --resume"):
+        run_profile(cfg)
+
+
 def test_a_draft_model_whose_weights_changed_is_not_resumed(tiny, tmp_path):
     """A checkpoint recorded the draft models' names only: one re-saved with other weights was resumed, its
     sums of the old weights mixed with the new (acceptance 0.523 where a run of the new one measured 0.526)."""

@@ -487,6 +487,10 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # validate, load the target, then the pool
     _validate(cfg)
+    partial = partial_path(Path(cfg.out), rank, world)
+    if partial.exists() and not cfg.resume:        # said before minutes of loading (open_checkpoint says it too)
+        raise HsdError(f"{partial}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
+                       f"delete it to start over")
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
