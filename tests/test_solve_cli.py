@@ -333,6 +333,19 @@ def test_a_context_asked_of_a_profile_without_costs_at_two_warns(tmp_path, conte
     assert "--context 900" in out_of(res) and "one context only" in out_of(res)
 
 
+def test_a_context_far_past_the_profiled_ones_warns_that_costs_are_extended(tmp_path):
+    """``--context 10000000`` on costs measured up to 128 tokens was taken silently, its costs a straight line
+    drawn 78,000 times past the last measurement."""
+    d = good_profile()
+    d["context_costs"] = [{"context": c, "cost": {m["name"]: m["cost"] * k for m in d["models"]}}
+                          for c, k in ((64, 1.0), (128, 1.1))]
+    p = write(tmp_path, d)
+    for context, said in ((200, False), (10_000_000, True)):
+        res = run("solve", "--profile", p, "--context", context, "--out", tmp_path / "plan.json")
+        assert res.exit_code == 0, out_of(res)
+        assert ("measured costs up to 128 tokens" in out_of(res)) == said, out_of(res)
+
+
 def test_the_python_api_refuses_what_it_cannot_use_in_one_line(tmp_path):
     """A dict for a profile, budgets past a plan's or none, a profile saved as a plan: HsdError naming what to do
     (a TypeError from pathlib, a latency for a budget of 10**6, a file refused only when read back)."""

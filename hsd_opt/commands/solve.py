@@ -219,6 +219,9 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
                        f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
     if context is not None and len(prof.context_costs) < 2:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
+    elif context is not None and context > 2 * prof.contexts[-1]:
+        warn(f"--context {context}: {profile} measured costs up to {prof.contexts[-1]} tokens; they are extended "
+             f"linearly past it, further than it measured (profile with --cost-contexts up to the context you run)")
     return prof, sizes
 
 
