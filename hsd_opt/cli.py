@@ -69,10 +69,19 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         error(f"cannot write the output: {e.strerror}")
         sys.exit(1)
-    except SystemExit:
+    except SystemExit as e:
+        if e.code == 130 and _unhandled_interrupt(e):   # a command that keeps nothing: typer's silent 130
+            error("interrupted: stopped before it finished")
         if terminated:
             sys.exit(128 + signal.SIGTERM)
         raise
+
+
+def _unhandled_interrupt(e: SystemExit) -> bool:
+    """Whether ``e`` is typer's exit for a Ctrl-C (or SIGTERM) that no command caught (those that keep what they
+    finished say so themselves and exit 130): typer raises its ``Exit(130)`` from the ``KeyboardInterrupt``."""
+    exc = e.__context__
+    return exc is not None and isinstance(exc.__cause__, KeyboardInterrupt)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,7 @@ def test_bench_ended_by_sigterm_reports_the_prompts_it_finished(tiny_dir, tmp_pa
     assert rep["prompts"] >= 2 and rep["stopped"]["prompts_done"] == rep["prompts"], rep.get("stopped")
     assert all(rep["methods"][m]["matches_reference"] is True for m in ("ar", "hsd"))
     assert "Traceback" not in log and "stopped: the report holds" in " ".join(log.split())
+    assert "interrupted:" not in log                       # said once, by the command that kept its report
 
 
 def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):

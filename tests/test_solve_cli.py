@@ -346,6 +346,27 @@ def test_a_context_far_past_the_profiled_ones_warns_that_costs_are_extended(tmp_
         assert ("measured costs up to 128 tokens" in out_of(res)) == said, out_of(res)
 
 
+@pytest.mark.slow
+def test_ctrl_c_in_a_command_that_keeps_nothing_says_so(tmp_path):
+    """Typer turns a Ctrl-C no command caught into a silent exit 130: ``hsd simulate --rounds 1000000000`` stopped
+    without a word. It says it was interrupted, in one line, without a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    plan_path = tmp_path / "plan.json"
+    assert run("solve", "--profile", DATA / "example_profile.json", "--tmax", 4, "--out", plan_path).exit_code == 0
+    proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "simulate", "--plan", str(plan_path), "--profile",
+                             str(DATA / "example_profile.json"), "--rounds", str(10 ** 9)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6)                          # past the imports: simulating
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in out + err, out + err
+    assert err.strip() == "error: interrupted: stopped before it finished", err
+
+
 def test_the_python_api_refuses_what_it_cannot_use_in_one_line(tmp_path):
     """A dict for a profile, budgets past a plan's or none, a profile saved as a plan: HsdError naming what to do
     (a TypeError from pathlib, a latency for a budget of 10**6, a file refused only when read back)."""
