@@ -135,6 +135,25 @@ def test_an_integer_a_double_cannot_hold_where_it_bounds_or_fixes_a_value_is_ref
     assert Constraint(grammar).allowed_prefix([], 0, seq) == len(seq)
 
 
+def test_what_constrains_nothing_or_counts_with_a_float_is_taken_as_json_schema_reads_it(compiler, json_tok):
+    """``"uniqueItems": false`` (no constraint) and ``"minItems": 2.0`` (JSON Schema's count 2) were refused by the
+    compiler; they compile, and the count holds. ``uniqueItems: true``, which it cannot check, is still refused,
+    and a property named ``uniqueItems`` stays a property."""
+    g = compiler.compile(GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 2.0,
+                                                  "uniqueItems": False}, "s.json"))
+    assert json.loads(g.spec.text) == {"type": "array", "items": {"type": "integer"}, "minItems": 2}
+
+    def accepted(text: str) -> bool:
+        seq = json_tok.encode(text) + [EOS]
+        return Constraint(g).allowed_prefix([], 0, seq) == len(seq)
+
+    assert accepted("[1, 2]") and not accepted("[1]")
+    with pytest.raises(HsdError, match="uniqueItems"):
+        compiler.compile(GrammarSpec.json_schema({"type": "array", "uniqueItems": True}, "s.json"))
+    named = {"type": "object", "properties": {"uniqueItems": {"const": False}}, "required": ["uniqueItems"]}
+    assert json.loads(GrammarSpec.json_schema(named, "s.json").text) == named
+
+
 def test_a_regex_files_spaces_are_the_patterns_own_only_its_last_line_break_is_not(tmp_path):
     from hsd_opt.commands.common import grammar_spec
 

@@ -62,6 +62,7 @@ class GrammarSpec:
             raise HsdError(f"{source}: x-guidance: the compiler's own options are not taken (JSON is written in one "
                            f"layout, and a keyword that cannot be checked is refused); leave it out")
         try:
+            schema = _normalized(schema)
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except ValueError:
             raise HsdError(f"{source}: holds a number that is not finite (NaN, Infinity, or one beyond a double's "
@@ -90,6 +91,35 @@ _EXACT = 2 ** 53
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 #: The keywords whose values are data that constrains no answer (an ``examples`` object's ``const`` is no keyword).
 _ANNOTATIONS = frozenset({"default", "examples", "title", "description", "$comment"})
+
+
+#: The keywords that count (items, characters, properties): 2.0 is the count 2 (JSON Schema takes it).
+_COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"})
+#: The keywords whose values are data (a value's ``uniqueItems`` key is no keyword).
+_DATA = _ANNOTATIONS | {"const", "enum"}
+
+
+def _normalized(schema: Any, names: bool = False) -> Any:
+    """``schema`` with what constrains nothing or says a count as a float written as the compiler takes it:
+    ``"uniqueItems": false`` left out (the compiler knows no ``uniqueItems`` and refused it), a count ``2.0`` as
+    ``2`` (it refused it: "expected positive integer"). ``names``: ``schema`` maps names to schemas. Data
+    (``const``, ``enum``, ``default``, ``examples``, ...) is left as it is."""
+    if isinstance(schema, list):
+        return [_normalized(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if names:
+        return {k: _normalized(v) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k == "uniqueItems" and v is False:
+            continue
+        if k in _COUNTS and isinstance(v, float) and v.is_integer() and v >= 0:
+            v = int(v)
+        elif k not in _DATA:
+            v = _normalized(v, k in _NAMED_SCHEMAS and isinstance(v, dict))
+        out[k] = v
+    return out
 
 
 def _inexact_integer(schema: Any, where: str = "", values: bool = False,
