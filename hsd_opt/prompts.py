@@ -145,6 +145,16 @@ def _check_text(text: str, field: str, source: str, where: str) -> None:
                                      f"not Unicode text", where) from None
 
 
+def check_utf8(text: str, flag: str) -> None:
+    """Refuse, naming ``flag``, text given on the command line that was not UTF-8 (Python reads such bytes of
+    ``argv`` as lone surrogates, which no tokenizer reads: a TypeError once the model had loaded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HsdError(f"{flag}: not UTF-8 text ({text[e.start]!a} at character {e.start}: a byte that is no "
+                       f"UTF-8); give the text in UTF-8") from None
+
+
 def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
     """One line's object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
     if not isinstance(obj, dict):

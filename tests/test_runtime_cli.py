@@ -678,7 +678,7 @@ def test_a_plan_runs_with_its_model_named_by_any_path(tiny_dir, tmp_path, monkey
 
 
 def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_turn(tiny_dir, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, capsys):
     """Ctrl-C (or an error) after some prompts: their lines are written to --json and said, exit 130 (they were
     all lost); sampled, prompt i turn k is seeded ``seed + i + 1000003 k`` as ``hsd bench`` seeds it (every prompt
     and turn had the same seed)."""
@@ -717,6 +717,22 @@ def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_t
     assert res.exit_code == 130 and f"the 1 turns of the prompts finished are in {out}" in _out(res), _out(res)
     kept = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["prompt"], x["token_ids"]) for x in kept] == [(x["prompt"], x["token_ids"]) for x in lines[:1]]
+    import signal
+    import sys
+
+    from hsd_opt import cli
+
+    calls.clear()                   # the console script: the stop said once (not also "interrupted" by the CLI)
+    monkeypatch.setattr(sys, "argv", ["hsd", "run", "--plan", str(plan), "--prompts", str(prompts),
+                                      "--max-new-tokens", "6", "--json", str(out), "--quiet"])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "turns of the prompts finished" in err and "interrupted" not in err, err
 
 
 def test_the_streamed_text_is_the_answers_text_whole_characters_included(embedded, capsys):
@@ -734,6 +750,38 @@ def test_the_streamed_text_is_the_answers_text_whole_characters_included(embedde
         partial = tok.decode(ids[: (len(ids) - cut - 1) // cut * cut + cut], skip_special_tokens=True)
         stream.finish(partial)
         assert capsys.readouterr().out == partial, cut
+
+
+def test_streamed_text_goes_on_where_a_longer_decode_rewrites_what_was_written(capsys):
+    """A byte-fallback decoder (Llama 2's) reads a run of byte tokens that turns invalid as U+FFFD, the character
+    it printed before included: the stream wrote nothing more, the rest of the answer lost from stdout."""
+    from hsd_opt.commands.run import text_streamer
+
+    class Rewriting:
+        texts = {1: "Hello\u00e9", 2: "Hello\ufffd\ufffd", 3: "Hello\ufffd\ufffd world.",
+                 4: "Hello\ufffd\ufffd world. The end."}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self.texts[len(ids)]
+
+    stream = text_streamer(Rewriting(), False)
+    for t in (1, 2, 3):
+        stream([t])
+    stream.finish(Rewriting.texts[4])
+    printed = capsys.readouterr().out
+    assert printed.endswith(" world. The end.") and len(printed) == len(Rewriting.texts[4]), printed
+
+
+def test_text_given_on_the_command_line_that_is_not_utf8_is_one_line(tmp_path):
+    """Bytes of argv that are no UTF-8 (Python's lone surrogates) were a TypeError traceback from the tokenizer once
+    the model had loaded (``--prompt``), or a chat template's refusal (``hsd chat --system``)."""
+    from tests.helpers import cli_output, run_cli, save_tiny
+
+    plan = write_plan(tmp_path / "plan.json", save_tiny(tmp_path / "m"), hierarchy=("ngram", "layer4"), budgets=(1,))
+    for args in (("run", "--plan", plan, "--prompt", "w1 \udcff w2"), ("chat", "--plan", plan, "--system", "\udcff")):
+        res = run_cli(*args)
+        flag = args[3]
+        assert res.exit_code == 2 and f"error: {flag}: not UTF-8 text" in cli_output(res), cli_output(res)
 
 
 def test_a_plans_missing_model_is_named_as_the_plans_and_an_empty_model_flag_is_refused(tmp_path):

@@ -50,6 +50,7 @@ def chat_cmd(
     (the turn is dropped) or, at the prompt, ends."""
     from hsd_opt.commands.run import sampling_options
     from hsd_opt.errors import HsdError
+    from hsd_opt.prompts import check_utf8
     from hsd_opt.runtime.decode import check_mode
     from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
     from hsd_opt.runtime.state_pool import StatePool
@@ -58,6 +59,8 @@ def chat_cmd(
     check_mode(mode)
     if system is not None and not system.strip():
         raise HsdError("--system: empty message")
+    if system is not None:
+        check_utf8(system, "--system")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     models = PlanModels(loaded)

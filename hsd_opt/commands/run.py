@@ -4,6 +4,7 @@ task."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,7 @@ from hsd_opt.commands.common import (
     warn_sampling,
 )
 from hsd_opt.console import console, err_console
+from hsd_opt.errors import Terminated
 from hsd_opt.jsonio import atomic_write_bytes, json_problem
 from hsd_opt.prompts import JSON_TASK
 
@@ -34,13 +36,14 @@ from hsd_opt.prompts import JSON_TASK
 def _items(prompt: Optional[str], prompts: Optional[Path], task: Optional[str], limit_per_task: Optional[int],
            by: str):
     from hsd_opt.errors import HsdError
-    from hsd_opt.prompts import PromptItem, load_prompts, select_items
+    from hsd_opt.prompts import PromptItem, check_utf8, load_prompts, select_items
 
     if (prompt is None) == (prompts is None):
         raise HsdError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompt is not None:
         if not prompt.strip():
             raise HsdError("--prompt: empty prompt")
+        check_utf8(prompt, "--prompt")
         if limit_per_task is not None:
             raise HsdError("--limit-per-task applies to --prompts FILE")
         return [PromptItem(0, prompt, task or "other")]
@@ -201,6 +204,8 @@ def run_cmd(
                 gens.append(gen)
     except (KeyboardInterrupt, HsdError) as e:   # what was finished is kept, and said
         _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt))
+        if isinstance(e, KeyboardInterrupt):     # said: exit as the signal does, without a second line
+            raise typer.Exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130) from None
         raise
     _print_run(gens, by, plans, mode)
     _write_lines(json_out, lines)
@@ -314,12 +319,14 @@ def text_streamer(tok, quiet: bool):
     """The ``on_tokens`` callback of one generation: it gathers the blocks of token ids and, unless ``quiet``,
     writes to stdout the text decoded so far that it has not written yet, but for a trailing incomplete UTF-8
     sequence (decoded as U+FFFD), which waits for the next block. ``stream.finish(answer)`` writes what is left of
-    the whole ``answer`` at the end, so stdout holds the answer's text."""
+    the whole ``answer`` at the end, so stdout holds the answer's text. Where a decode of more tokens rewrites text
+    already written (a byte-fallback decoder reads an invalid run of byte tokens as U+FFFD, the valid character
+    it printed included), what was written stays and the text past its length goes on (it stopped for good)."""
     got: list[int] = []
     shown = [""]
 
     def write(s: str) -> None:
-        if not quiet and s.startswith(shown[0]) and len(s) > len(shown[0]):
+        if not quiet and len(s) > len(shown[0]):
             sys.stdout.write(s[len(shown[0]):])
             sys.stdout.flush()
             shown[0] = s
