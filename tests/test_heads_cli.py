@@ -228,6 +228,18 @@ def test_heads_eval_reads_the_training_prompts_from_any_folder(root, tmp_path, m
     res = run_cli("heads", "eval", "--model", root / "tA", "--heads", out, "--device", "cpu", "--json", default)
     assert res.exit_code == 0, cli_output(res)
     assert json.loads(default.read_text())["layers"] == json.loads(given.read_text())["layers"]
+    # prompts added to the training's file since: its split drawn again held prompts the heads were trained on
+    changed = tmp_path / "changed.jsonl"
+    changed.write_bytes((root / "p.jsonl").read_bytes())
+    res = run_cli("heads", "train", "--model", root / "tA", "--prompts", changed, "--tokens", "64", "--epochs", "1",
+                  "--out", out, "--device", "cpu", "--layers", "1,2")
+    assert res.exit_code == 0, cli_output(res)
+    with open(changed, "a") as f:
+        f.write(json.dumps({"prompt": "w7 w8 w9"}) + "\n")
+    for given_prompts in ((), ("--prompts", changed)):
+        res = run_cli("heads", "eval", "--model", root / "tA", "--heads", out, "--device", "cpu", *given_prompts)
+        assert res.exit_code == 2 and "which has changed since (train.prompts_sha256)" in cli_output(res), \
+            cli_output(res)
 
 
 def test_heads_eval_says_when_the_training_prompts_are_gone(root, heads_a, tmp_path):
@@ -371,6 +383,23 @@ def test_training_text_is_cached_per_dtype(root):
     fresh = generate_training_sequences(bf16, prompts, cache=False, **kw)
     assert fresh != f32
     assert generate_training_sequences(bf16, prompts, **kw) == fresh
+
+
+def test_training_text_is_cached_per_chat_template(root):
+    """The cache was keyed by the prompts' texts: a local model whose chat template changed (its revision is its
+    config and weights) got the text its old template had written, and its heads trained on it."""
+    from hsd_opt.heads import generate_training_sequences
+    from tests.helpers import TINY_CHAT_TEMPLATE
+
+    loaded = load_model(str(root / "tA"), device="cpu", dtype="float32")
+    kw = dict(tokens=24, seed=5, progress=False)
+    old = generate_training_sequences(loaded, ["w1 w2"], **kw)
+    loaded.tokenizer.chat_template = TINY_CHAT_TEMPLATE.replace("<s> assistant", "<s> w50 w51 assistant")
+    try:
+        new = generate_training_sequences(loaded, ["w1 w2"], **kw)
+        assert new != old and new == generate_training_sequences(loaded, ["w1 w2"], cache=False, **kw)
+    finally:
+        loaded.tokenizer.chat_template = TINY_CHAT_TEMPLATE
 
 
 def test_training_text_is_returned_where_the_cache_cannot_keep_it(root, tmp_path, monkeypatch):

@@ -82,7 +82,8 @@ def train(
     vocab_subset: int = typer.Option(0, "--vocab-subset", help="K > 0: draft heads over the K most frequent "
                                                                 "tokens (cheaper shallow exits)."),
     train_vocab: str = typer.Option("auto", "--train-vocab", help=_TRAIN_VOCAB_HELP),
-    holdout: float = typer.Option(0.2, "--holdout", help="Fraction of sequences held out for evaluation."),
+    holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the prompts held out for evaluation (of "
+                                                         "the sequences, for a single prompt)."),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
@@ -139,11 +140,31 @@ def train(
         raise typer.Exit(130) from None
     save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
                train=dict(res.summary(), prompts=str(prompts.resolve()) if prompts else None, tokens=tokens,
-                          holdout=holdout))
+                          holdout=holdout, prompts_sha256=_file_sha256(prompts) if prompts else None))
     ckpt.unlink(missing_ok=True)
     console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
                                 res.before, res.after))
     console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
+
+
+def _file_sha256(path: Path) -> str:
+    """The SHA-256 (hex) of a prompt file's bytes."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_same_prompts(heads: Path, prompts: Path, tr: dict) -> None:
+    """Refuse to draw the held-out split again from the training's prompt file where it changed since the heads
+    were trained (``train.prompts_sha256``): with another number of prompts the split is another, and prompts the
+    heads were trained on were scored as held out."""
+    want = tr.get("prompts_sha256")
+    if not want or not tr.get("prompts") or Path(tr["prompts"]).resolve() != prompts.resolve():
+        return
+    if _file_sha256(prompts) != want:
+        raise HsdError(f"{heads}: the heads were trained on {prompts}, which has changed since (train.prompts_sha256):"
+                       f" its held-out split drawn again would hold prompts they were trained on; give --prompts with "
+                       f"prompts they have not seen")
 
 
 def _check_output_beside(out: Path, model: str, prompts: Optional[Path]) -> None:
@@ -195,6 +216,8 @@ def evaluate(
         if not prompts.is_file():
             raise HsdError(f"{heads}: the heads were trained on the prompts in {prompts}, which is not there; give "
                            f"--prompts (the held-out split is drawn from them)")
+    if prompts is not None:
+        _check_same_prompts(heads, prompts, tr)
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(model, device=device, dtype=dtype)

@@ -2,7 +2,8 @@
 
 Generated token sequences (chat template + prompt + continuation) are cached in
 ``<cache>/heads-data/<key>.json`` keyed by the model id, revision and dtype (a bfloat16 model writes other text),
-a hash of the prompts and the generation settings, so repeated runs skip generation.
+a hash of the prompts' token ids (through the chat template: a changed template is other text) and the
+generation settings, so repeated runs skip generation.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
     per_prompt = max(1, math.ceil(tokens / len(prompts)))
     new = min(max_new, per_prompt)
     samples = max(1, math.ceil(per_prompt / new))
+    ids = [encode_prompt(tok, p) for p in prompts]     # the ids, not the texts: a changed chat template is new text
     settings = {"model": loaded.model_id, "revision": loaded.revision, "dtype": loaded.dtype, "prompts": hashlib.sha256(
-        json.dumps(list(prompts)).encode()).hexdigest(), "new": new, "samples": samples, "temperature": temperature,
-        "top_p": top_p, "seed": seed, "v": 2}
+        json.dumps(ids).encode()).hexdigest(), "eos": tok.eos_token_id, "new": new, "samples": samples,
+        "temperature": temperature, "top_p": top_p, "seed": seed, "v": 3}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "heads-data" / f"{key}.json"
     if cache and path.is_file():
@@ -58,7 +60,7 @@ def generate_training_sequences(loaded, prompts: Sequence[str], tokens: int = 40
                 return (seqs, list(map(int, obj["prompt_lens"]))) if with_prompt_lens else seqs
         except Exception:
             pass
-    encoded = [encode_prompt(tok, p) for p in prompts for _ in range(samples)]
+    encoded = [x for x in ids for _ in range(samples)]
     t0 = time.time()
     seqs, plens = _generate_batched(model, encoded, new, tok.eos_token_id, temperature, top_p, seed,
                                     batch_size, progress)
