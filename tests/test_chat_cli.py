@@ -109,6 +109,16 @@ def test_a_line_that_is_not_utf8_is_dropped_with_one_line_and_the_chat_goes_on(t
     assert res.stdout == _want(plan, model_dir, [["w1 w2 w3", "w4 w5"]], 6)
 
 
+def test_a_turn_past_the_context_says_reset_starts_over(tiny):
+    """A conversation that no longer fits failed every later turn the same way, the error not saying what to do."""
+    plan, _ = tiny
+    res = _chat(plan, ["w1 w2", " ".join(["w3"] * 600), "/reset", "w4 w5"], "--max-new-tokens", 4)
+    assert res.exit_code == 0, res.output
+    err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "context" in err[0] and err[0].endswith("/reset starts the conversation over"), err
+    assert len(res.stdout.splitlines()) == 2                     # the first turn's answer and the last's
+
+
 def test_a_system_message_the_template_refuses_is_refused_at_start(tmp_path):
     """``--system`` with a model whose chat template has no system role: one line naming the flag, exit 2,
     before the first message (every turn failed instead)."""

@@ -154,7 +154,8 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
         res = runner.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               on_tokens=stream, top_k=top_k, min_p=min_p)
     except HsdError as e:
-        err_console.print(f"error: {e}", markup=False)
+        full = "context" in str(e) and len(messages) > 2     # every later turn would fail as this one did
+        err_console.print(f"error: {e}" + ("; /reset starts the conversation over" if full else ""), markup=False)
         return None
     except Terminated:                         # SIGTERM ends the conversation
         raise
