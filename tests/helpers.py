@@ -303,6 +303,23 @@ class AbstainingCycleDrafter(CycleDrafter):
 # ------------------------------------------------------------------------------------------------ solver instances
 
 
+def chi_square_pvalue(samples, probs: dict) -> float:
+    """Chi-square p-value of ``samples`` (hashable outcomes) against the exact distribution ``probs`` (outcome ->
+    probability): the outcomes expected 5 times or more each a cell (the test's validity), the rest one cell."""
+    from scipy.stats import chisquare
+
+    n = len(samples)
+    cnt: dict = {}
+    for x in samples:
+        cnt[x] = cnt.get(x, 0) + 1
+    big = [k for k in sorted(probs, key=probs.get, reverse=True) if probs[k] * n >= 5]
+    obs, exp = [cnt.get(k, 0) for k in big], [probs[k] * n for k in big]
+    if n - sum(exp) > 1e-6:
+        obs.append(n - sum(obs))
+        exp.append(n - sum(exp))
+    return chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
+
+
 def random_profile(rng: np.random.Generator, n_drafters: int, *, non_verifying: bool = False,
                    verify_cost: bool = False, cost_curve: bool = False, missing: float = 0.2,
                    abstaining: bool = False, contexts: bool = False, growing: bool = False) -> Profile:

@@ -18,7 +18,14 @@ from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import JSON_TOKENS, AbstainingCycleDrafter, CycleDrafter, TinyTokenizer, make_tiny_llama
+from tests.helpers import (
+    JSON_TOKENS,
+    AbstainingCycleDrafter,
+    CycleDrafter,
+    TinyTokenizer,
+    chi_square_pvalue,
+    make_tiny_llama,
+)
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {
@@ -425,19 +432,9 @@ def _exact_masked(model, grammar):
 
 
 def _pvalue(draw, probs):
-    from scipy.stats import chisquare
-
-    cnt: dict[tuple, int] = {}
-    for seed in range(N):
-        ids = tuple(draw(seed))
-        assert len(ids) == K and probs[ids] > 0           # never a token the grammar refuses
-        cnt[ids] = cnt.get(ids, 0) + 1
-    big = [k for k in sorted(probs, key=probs.get, reverse=True) if probs[k] * N >= 5]
-    obs, exp = [cnt.get(k, 0) for k in big], [probs[k] * N for k in big]
-    if N - sum(exp) > 1e-6:
-        obs.append(N - sum(obs))
-        exp.append(N - sum(exp))
-    return chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
+    samples = [tuple(draw(seed)) for seed in range(N)]
+    assert all(len(ids) == K and probs[ids] > 0 for ids in samples)       # never a token the grammar refuses
+    return chi_square_pvalue(samples, probs)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.penalties import Penalties, penalties_or_none
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import CycleDrafter, engine_logits, four_hierarchies, make_tiny_llama
+from tests.helpers import CycleDrafter, chi_square_pvalue, engine_logits, four_hierarchies, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -266,23 +266,11 @@ def _exact_tree(model, pen: Penalties, length: int, prune: float = 1e-7) -> dict
 
 def _marginal_pvalue(samples: list[tuple], probs: dict, idx: tuple[int, ...]) -> float:
     """Chi-square p-value of the samples' tokens at positions ``idx`` against their marginal under ``probs``."""
-    from scipy.stats import chisquare
-
     want: dict[tuple, float] = {}
     for seq, q in probs.items():
         key = tuple(seq[i] for i in idx)
         want[key] = want.get(key, 0.0) + q
-    n = len(samples)
-    got: dict[tuple, int] = {}
-    for seq in samples:
-        key = tuple(seq[i] for i in idx)
-        got[key] = got.get(key, 0) + 1
-    big = [k for k in sorted(want, key=want.get, reverse=True) if want[k] * n >= 5]
-    obs, exp = [got.get(k, 0) for k in big], [want[k] * n for k in big]
-    if n - sum(exp) > 1e-6:
-        obs.append(n - sum(obs))
-        exp.append(n - sum(exp))
-    return chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
+    return chi_square_pvalue([tuple(seq[i] for i in idx) for seq in samples], want)
 
 
 @pytest.mark.slow

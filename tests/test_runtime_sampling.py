@@ -13,7 +13,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level, Pass, check_generation_args
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
+from tests.helpers import AbstainingCycleDrafter, CycleDrafter, chi_square_pvalue, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
 PROMPT = [3, 5, 7]
@@ -55,22 +55,9 @@ def _pvalue(h, probs, temperature, top_p, top_k=0, min_p=0.0, n=N):
 def _pvalue_of(draw, probs, n=N):
     """Chi-square p-value of ``n`` samples ``draw(seed)`` (seeds 0..n-1) against the exact distribution
     ``probs``."""
-    from scipy.stats import chisquare
-
-    N = n
-    cnt: dict[tuple, int] = {}
-    for seed in range(N):
-        ids = tuple(draw(seed))
-        assert len(ids) == K and probs[ids] > 0  # never a token outside the top-p nucleus
-        cnt[ids] = cnt.get(ids, 0) + 1
-    big = [k for k in sorted(probs, key=probs.get, reverse=True) if probs[k] * N >= 5]  # chi-square validity
-    obs = [cnt.get(k, 0) for k in big]
-    exp = [probs[k] * N for k in big]
-    rest_o, rest_e = N - sum(obs), N - sum(exp)
-    if rest_e > 1e-6:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    return chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
+    samples = [tuple(draw(seed)) for seed in range(n)]
+    assert all(len(ids) == K and probs[ids] > 0 for ids in samples)  # never a token outside the top-p nucleus
+    return chi_square_pvalue(samples, probs)
 
 
 def test_sampling_depth3_matches_autoregressive_and_wrong_sampler_fails(peaky):
