@@ -487,10 +487,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # validate, load the target, then the pool
     _validate(cfg)
-    partial = partial_path(Path(cfg.out), rank, world)
-    if partial.exists() and not cfg.resume:        # said before minutes of loading (open_checkpoint says it too)
-        raise HsdError(f"{partial}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
-                       f"delete it to start over")
+    _refuse_left_checkpoint(cfg, rank, world)
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
@@ -530,10 +527,8 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     stats = ck.stats
 
     # reduce: the sums of every rank (rank 0 goes on alone)
-    if world > 1:   # the counters every rank keeps (a rank without a schema's prompt counts no forced tokens)
-        for key in set().union(*all_gather(sorted(stats.counters), world)):
-            stats.counters.setdefault(key, 0.0)
-        stats.load_flat(all_reduce_sum(stats.flat(), eng.device))
+    if world > 1:
+        _sum_over_ranks(stats, world, eng.device)
         if rank != 0:
             barrier()
             return None
@@ -641,6 +636,23 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
         tds.append(build_aded(ck.continuations, world, warn))
     _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, source, progress, on_prompt, grammars)
     return tds
+
+
+def _refuse_left_checkpoint(cfg: ProfileConfig, rank: int, world: int) -> None:
+    """Refuse, before minutes of loading, a run without ``--resume`` whose checkpoint an interrupted run left
+    (:func:`~hsd_opt.profiler.checkpoint.open_checkpoint` refuses it too, once the pool is built)."""
+    partial = partial_path(Path(cfg.out), rank, world)
+    if partial.exists() and not cfg.resume:
+        raise HsdError(f"{partial}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
+                       f"delete it to start over")
+
+
+def _sum_over_ranks(stats: PairStats, world: int, device) -> None:
+    """``stats`` made the sums of every torchrun rank's: one all-reduce over the counters every rank keeps (their
+    union: a rank without a schema's prompt counts no forced tokens, and vectors of different lengths aborted)."""
+    for key in set().union(*all_gather(sorted(stats.counters), world)):
+        stats.counters.setdefault(key, 0.0)
+    stats.load_flat(all_reduce_sum(stats.flat(), device))
 
 
 def _new_stats(pool, tasks: list[str], tmax: int) -> PairStats:
