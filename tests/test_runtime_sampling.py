@@ -139,6 +139,16 @@ def test_sampling_is_reproducible(peaky):
     assert a == b and len(a) == 10
 
 
+def test_a_top_k_of_the_whole_vocabulary_draws_as_no_top_k(peaky):
+    """A top-k of the vocabulary or more filters nothing: seeded, it now draws what no top-k draws (it drew through
+    the distribution where no top-k draws by noise: the same distribution, other tokens for one seed)."""
+    _, lm = peaky
+    h = HSD([Level("layer1", lm, 1), Level("layer4", lm, 4)], [3])
+    for seed in range(6):
+        off = h.generate(PROMPT, 8, temperature=1.0, seed=seed).token_ids
+        assert all(h.generate(PROMPT, 8, temperature=1.0, seed=seed, top_k=k).token_ids == off for k in (V, 10 * V))
+
+
 class GreedyDrafter(CycleDrafter):
     """Proposes the target's own greedy continuation: drafts that a draw often takes (a peaky target), so that a
     wrong correction after a rejection shows in the counts."""

@@ -553,8 +553,10 @@ class Decoding:
         prompt = check_prompt(prompt_ids, hsd.target.vocab_size, max_new_tokens, hsd.max_positions)
         check_filters(top_k, min_p)
         check_logprobs(logprobs)
-        #: sampling's top-k and min-p filters (0: off)
-        self.top_k, self.min_p = int(top_k), float(min_p)
+        #: sampling's top-k and min-p filters (0: off; a top-k of the whole vocabulary or more filters nothing, and is
+        #: off: the same draws as 0, by noise where nothing else filters)
+        self.top_k = 0 if top_k >= hsd.target.vocab_size else int(top_k)
+        self.min_p = float(min_p)
         #: alternatives per generated token's log-probabilities (None: none are computed)
         self.n_logprobs = logprobs
         #: a :class:`TokenLogprob` per generated token so far (with ``logprobs``), aligned with ``seq[n_prompt:]``
