@@ -276,6 +276,7 @@ def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
     (["--epochs", "0"], "--epochs: expected an integer >= 1, got 0"),
     (["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
     (["--vocab-subset", "-2"], "--vocab-subset: expected an integer >= 0 (0: all), got -2"),
+    (["--layers", "none"], "--layers none: heads are trained for some layers"),      # refused once loaded
 ])
 def test_heads_train_refuses_bad_numbers_before_loading(tmp_path, flags, said):
     """An infinite learning rate trained NaN heads and wrote them; a huge seed and negative threads were

@@ -118,6 +118,8 @@ def train(
     if prompts is not None and not prompts.is_file():
         raise HsdError(f"{prompts}: file not found")
     wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
+    if wanted == []:
+        raise HsdError("--layers none: heads are trained for some layers; give 'all' or layer numbers like 4,8,14")
     ckpt = Path(str(out) + ".ckpt")
     check_checkpoint(ckpt, resume)
     if threads:
