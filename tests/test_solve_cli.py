@@ -346,6 +346,18 @@ def test_a_context_far_past_the_profiled_ones_warns_that_costs_are_extended(tmp_
         assert ("measured costs up to 128 tokens" in out_of(res)) == said, out_of(res)
 
 
+def test_batch_costs_without_a_drafters_ratio_name_the_file_and_field(tmp_path):
+    """The solver's refusal named no file ("the profile's batch_costs at batch 2 has no ratio for ...")."""
+    d = good_profile()
+    names = [m["name"] for m in d["models"]]
+    d["batch_costs"] = [{"batch": 2, "ratio": {n: 1.5 for n in names[1:]}}]
+    p = write(tmp_path, d)
+    _expect_error(run("solve", "--profile", p, "--tmax", 4, "--out", tmp_path / "plan.json"),
+                  f"{p}: batch_costs[0].ratio: no ratio at batch 2 for {names[0]}")
+    res = run("solve", "--profile", p, "--tmax", 4, "--batch-sizes", 1, "--out", tmp_path / "plan.json")
+    assert res.exit_code == 0, out_of(res)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_command_that_keeps_nothing_says_so(tmp_path):
     """Typer turns a Ctrl-C no command caught into a silent exit 130: ``hsd simulate --rounds 1000000000`` stopped

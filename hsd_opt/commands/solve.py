@@ -217,6 +217,12 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
     elif set(sizes) - set(prof.batch_sizes):
         raise HsdError(f"--batch-sizes: {profile} has costs at batch sizes {', '.join(map(str, prof.batch_sizes))} "
                        f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
+    for i, bc in enumerate(prof.batch_costs):
+        missing = [m.name for m in prof.models if m.name not in bc.ratio]
+        if bc.batch in sizes and missing:          # named here, with the file (the solver knows no file)
+            raise InputFileError(str(profile), f"no ratio at batch {bc.batch} for {', '.join(missing)} (a drafter "
+                                               f"its batch timings did not cover: profile again, or solve with "
+                                               f"--batch-sizes 1)", f"batch_costs[{i}].ratio")
     if context is not None and len(prof.context_costs) < 2:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
     elif context is not None and context > 2 * prof.contexts[-1]:
