@@ -152,6 +152,33 @@ def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_d
     assert "stopped: the report holds the 2 of 4 prompts" in " ".join(_out(res).split())
 
 
+def test_a_method_that_fails_part_way_is_dropped_and_the_bench_reports_the_others(tiny_dir, tmp_path, monkeypatch):
+    """A method raising on a later prompt (HF out of memory on a long one) ended the bench with a traceback, every
+    finished prompt lost; and where the one that failed was ar, the note said ar was not asked for."""
+    from hsd_opt.measure import bench as bench_mod
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(1, 5)))
+    real, calls = bench_mod.converse, []
+
+    def converse(runner, tok, it, *a, **kw):
+        calls.append(it.index)
+        if it.index == 2 and calls.count(2) == 1:        # the first method of the third prompt: ar, in this order
+            raise RuntimeError("out of memory")
+        return real(runner, tok, it, *a, **kw)
+
+    monkeypatch.setattr(bench_mod, "converse", converse)
+    rep_path = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "4",
+                              "--methods", "ar,hsd", "--json", str(rep_path)])
+    assert res.exit_code == 0, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert rep["prompts"] == 4 and rep["methods"]["ar"]["error"] == "failed on prompt 3: RuntimeError: out of memory"
+    assert rep["methods"]["hsd"]["tokens"] > 0 and "stopped" not in rep
+    assert rep["matches_reference_note"].startswith("not compared: ar, the greedy reference, failed")
+
+
 @pytest.mark.slow
 def test_bench_ended_by_sigterm_reports_the_prompts_it_finished(tiny_dir, tmp_path):
     """``timeout``, ``kill`` and schedulers send SIGTERM: ``hsd bench --json`` (a process) keeps the prompts it
@@ -417,6 +444,22 @@ def test_bench_under_load_stopped_part_way_reports_the_levels_finished(tiny_dir,
     assert [lv["clients"] for lv in rep["levels"]] == [1] and rep["stopped"]["levels_done"] == 1
     assert all(f["equal_to_target"] for f in rep["levels"][0]["methods"].values())
     assert "stopped: the report holds the 1 of 2 load levels" in " ".join(_out(res).split())
+    # a request that fails (out of memory at a larger batch) ended the bench with a traceback, the levels lost
+
+    def failing(h, prompts, c, *a, **kw):
+        if c == 2:
+            raise RuntimeError("out of memory")
+        return real(h, prompts, c, *a, **kw)
+
+    monkeypatch.setattr(load_bench, "serve_clients", failing)
+    rep_path.unlink()
+    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--concurrency", "1,2",
+                              "--requests", "1", "--max-new-tokens", "4", "--methods", "hsd,hsd_plain", "--json",
+                              str(rep_path), "--device", "cpu"])
+    assert res.exit_code == 1, _out(res)
+    rep = json.loads(rep_path.read_text())
+    assert [lv["clients"] for lv in rep["levels"]] == [1] and rep["stopped"]["failed"] == "RuntimeError: out of memory"
+    assert "a request failed (RuntimeError: out of memory); the report holds the 1 of 2" in " ".join(_out(res).split())
 
 
 def test_bench_under_load_samples_as_asked(tiny_dir, tmp_path):

@@ -196,11 +196,12 @@ def bench_cmd(
 
 
 def _exit_if_stopped(rep: dict) -> None:
-    """After a report of the prompts finished before Ctrl-C: say so and exit 130, as an interrupt does."""
+    """After a report of the prompts finished before Ctrl-C: say so and exit 130, as an interrupt does (1 where a
+    request failed: the load bench's levels finished before it)."""
     stopped = rep.get("stopped")
     if stopped:
         err_console.print(f"stopped: {stopped['said']}", markup=False)
-        raise typer.Exit(130)
+        raise typer.Exit(1 if stopped.get("failed") else 130)
 
 
 def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, prompts: Optional[Path], turns: str):

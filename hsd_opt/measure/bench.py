@@ -382,7 +382,7 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
 
         clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
     gens, done = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime,
-                             log, between)
+                             log, between, errors)
     report = _method_reports(gens, desc, errors, by, sampling)
     _reference_notes(report, plan, source, loaded.dtype, sampling)
     if done < len(items):
@@ -428,12 +428,14 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
 
 def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns: str, raw: bool,
                 max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log,
-                between: Callable[[int], None] | None = None) -> dict[str, list]:
+                between: Callable[[int], None] | None = None,
+                errors: dict[str, str] | None = None) -> dict[str, list]:
     """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
     prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
     again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i``. Returns the :class:`Generation` s of
     each method, in prompt order, and how many prompts every method finished: fewer than ``items`` after Ctrl-C
-    (those finished are kept; none finished: the interrupt goes on)."""
+    (those finished are kept; none finished: the interrupt goes on). A method that raises on a prompt is dropped
+    from the report (:func:`_drop_failed`), the others go on."""
     names = list(runners)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     t_start, done = time.monotonic(), 0
@@ -442,9 +444,15 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
             order = names[i % len(names):] + names[: i % len(names)]
             factor = clock.measure() if clock is not None else None
             for m in order:
+                if m not in runners:
+                    continue
                 where = f"prompt {i + 1}/{len(items)} ({it.category or it.task}), {m}"
-                with heartbeat(log, where):
-                    new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+                try:
+                    with heartbeat(log, where):
+                        new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
+                except Exception as e:  # noqa: BLE001 - HF may refuse or run out of memory on a longer prompt
+                    _drop_failed(m, e, i, runners, gens, errors if errors is not None else {}, log)
+                    continue
                 if factor is not None:
                     _retime(new, m, desc, plan, retime, factor)
                 gens[m] += new
@@ -462,6 +470,18 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
         kept = {it.index for it in items[:done]}
         gens = {m: [g for g in gs if g.item in kept] for m, gs in gens.items()}
     return gens, done
+
+
+def _drop_failed(m: str, e: Exception, i: int, runners: dict, gens: dict, errors: dict[str, str], log) -> None:
+    """Method ``m`` raised ``e`` on prompt ``i``: recorded in ``errors``, said, and dropped from ``runners`` and
+    ``gens`` (a method's figures over fewer prompts than the others' would not compare); an :class:`HsdError`
+    where no method is left (it ended the bench with a traceback, every finished prompt lost)."""
+    errors[m] = f"failed on prompt {i + 1}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    del runners[m]
+    gens.pop(m, None)
+    log(f"{m}: dropped ({errors[m]})")
+    if not runners:
+        raise HsdError("every method failed: " + "; ".join(f"{k}: {why}" for k, why in errors.items())) from None
 
 
 def _method_reports(gens: dict[str, list[Generation]], desc: dict, errors: dict[str, str], by: str,
@@ -509,6 +529,9 @@ def _reference_notes(report: dict[str, Any], plan, source: str, dtype, sampling:
     if not sampling.greedy:
         report["matches_reference_note"] = ("not compared under sampling: outputs are draws (the tests prove that "
                                             "the sampler keeps the target's distribution)")
+    elif report["reference"] is None and "error" in report["methods"].get("ar", {}):
+        report["matches_reference_note"] = (f"not compared: ar, the greedy reference, failed "
+                                            f"({report['methods']['ar']['error']})")
     elif report["reference"] is None:
         report["matches_reference_note"] = ("not compared: the greedy reference is our AR loop, and this run did "
                                             "not include ar in --methods")

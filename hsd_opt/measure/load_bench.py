@@ -234,6 +234,13 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
         stopped = {"levels_done": len(levels), "levels_asked": len(concurrency),
                    "said": f"the report holds the {len(levels)} of {len(concurrency)} load levels every method "
                            f"finished"}
+    except Exception as e:  # noqa: BLE001 - a request failed (out of memory at a larger batch): what finished stays
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not levels:
+            raise HsdError(f"the load bench failed before its first level finished: {why}") from None
+        stopped = {"levels_done": len(levels), "levels_asked": len(concurrency), "failed": why,
+                   "said": f"a request failed ({why}); the report holds the {len(levels)} of {len(concurrency)} "
+                           f"load levels every method finished"}
     return {"kind": "load", "concurrency": list(concurrency), "requests": requests,
             "max_new_tokens": max_new_tokens,
             "sampling": None if greedy else {**sampling.to_dict(), "seed": None},
