@@ -125,9 +125,9 @@ def test_bench_says_not_run_for_a_method_the_plan_lacks_and_sampled_tasks_are_no
     assert [rep["by_task"][t]["ar"]["matches_reference"] for t in ("a", "b")] == [None, None]
 
 
-def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_dir, tmp_path, monkeypatch):
-    """Ctrl-C during the third prompt: the report (table and --json) holds the two prompts every method finished,
-    says it stopped, and the command exits 130 (it wrote nothing and said nothing)."""
+def _bench_raising_at_the_third_prompt(tiny_dir, tmp_path, monkeypatch, error: BaseException, nth: int):
+    """``hsd bench --methods ar,hsd`` over 4 prompts whose ``nth`` method (1 or 2, in the order of the third
+    prompt: ar, hsd) raises ``error`` there: ``(result, the --json report)``."""
     from hsd_opt.measure import bench as bench_mod
 
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
@@ -137,16 +137,22 @@ def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_d
 
     def converse(runner, tok, it, *a, **kw):
         calls.append(it.index)
-        if it.index == 2 and calls.count(2) == 2:        # the second method of the third prompt
-            raise KeyboardInterrupt
+        if it.index == 2 and calls.count(2) == nth:
+            raise error
         return real(runner, tok, it, *a, **kw)
 
     monkeypatch.setattr(bench_mod, "converse", converse)
     rep_path = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "4",
                               "--methods", "ar,hsd", "--json", str(rep_path)])
+    return res, json.loads(rep_path.read_text())
+
+
+def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the third prompt: the report (table and --json) holds the two prompts every method finished,
+    says it stopped, and the command exits 130 (it wrote nothing and said nothing)."""
+    res, rep = _bench_raising_at_the_third_prompt(tiny_dir, tmp_path, monkeypatch, KeyboardInterrupt(), 2)
     assert res.exit_code == 130, _out(res)
-    rep = json.loads(rep_path.read_text())
     assert rep["prompts"] == 2 and rep["stopped"]["prompts_done"] == 2 and rep["stopped"]["prompts_asked"] == 4
     assert all(rep["methods"][m]["matches_reference"] is True for m in ("ar", "hsd"))
     assert "stopped: the report holds the 2 of 4 prompts" in " ".join(_out(res).split())
@@ -155,25 +161,8 @@ def test_bench_stopped_part_way_reports_the_prompts_every_method_finished(tiny_d
 def test_a_method_that_fails_part_way_is_dropped_and_the_bench_reports_the_others(tiny_dir, tmp_path, monkeypatch):
     """A method raising on a later prompt (HF out of memory on a long one) ended the bench with a traceback, every
     finished prompt lost; and where the one that failed was ar, the note said ar was not asked for."""
-    from hsd_opt.measure import bench as bench_mod
-
-    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(1, 5)))
-    real, calls = bench_mod.converse, []
-
-    def converse(runner, tok, it, *a, **kw):
-        calls.append(it.index)
-        if it.index == 2 and calls.count(2) == 1:        # the first method of the third prompt: ar, in this order
-            raise RuntimeError("out of memory")
-        return real(runner, tok, it, *a, **kw)
-
-    monkeypatch.setattr(bench_mod, "converse", converse)
-    rep_path = tmp_path / "bench.json"
-    res = runner.invoke(app, ["bench", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "4",
-                              "--methods", "ar,hsd", "--json", str(rep_path)])
+    res, rep = _bench_raising_at_the_third_prompt(tiny_dir, tmp_path, monkeypatch, RuntimeError("out of memory"), 1)
     assert res.exit_code == 0, _out(res)
-    rep = json.loads(rep_path.read_text())
     assert rep["prompts"] == 4 and rep["methods"]["ar"]["error"] == "failed on prompt 3: RuntimeError: out of memory"
     assert rep["methods"]["hsd"]["tokens"] > 0 and "stopped" not in rep
     assert rep["matches_reference_note"].startswith("not compared: ar, the greedy reference, failed")
