@@ -30,3 +30,9 @@ class InputFileError(HsdError):
         self.field = field
         where = f"{self.path}: {field}: " if field else f"{self.path}: "
         super().__init__(where + message)
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` as the words a report or an error line gives it: its type and the first line of its message."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}"

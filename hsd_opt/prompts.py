@@ -135,24 +135,31 @@ def with_json_tasks(suite: PromptSuite, n: int) -> PromptSuite:
     return PromptSuite(suite.items + extra, sha, f"{suite.source} + {len(extra)} JSON-schema tasks ({JSON_TASKS})")
 
 
-def _check_text(text: str, field: str, source: str, where: str) -> None:
-    """Refuse ``text`` that is no Unicode text: a lone surrogate (JSON's ``"\\ud800"``), which no tokenizer
-    reads."""
+def _lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate, which no tokenizer reads (JSON's ``"\\ud800"``, or a byte of
+    ``argv`` that is no UTF-8, as Python reads it); None for Unicode text."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InputFileError(source, f"{field} holds a lone surrogate ({text[e.start]!a} at character {e.start}): "
-                                     f"not Unicode text", where) from None
+        return e.start
+    return None
+
+
+def _check_text(text: str, field: str, source: str, where: str) -> None:
+    """Refuse ``text`` that is no Unicode text (:func:`_lone_surrogate`)."""
+    at = _lone_surrogate(text)
+    if at is not None:
+        raise InputFileError(source, f"{field} holds a lone surrogate ({text[at]!a} at character {at}): "
+                                     f"not Unicode text", where)
 
 
 def check_utf8(text: str, flag: str) -> None:
     """Refuse, naming ``flag``, text given on the command line that was not UTF-8 (Python reads such bytes of
-    ``argv`` as lone surrogates, which no tokenizer reads: a TypeError once the model had loaded)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise HsdError(f"{flag}: not UTF-8 text ({text[e.start]!a} at character {e.start}: a byte that is no "
-                       f"UTF-8); give the text in UTF-8") from None
+    ``argv`` as lone surrogates: a TypeError from the tokenizer once the model had loaded)."""
+    at = _lone_surrogate(text)
+    if at is not None:
+        raise HsdError(f"{flag}: not UTF-8 text ({text[at]!a} at character {at}: a byte that is no UTF-8); give "
+                       f"the text in UTF-8")
 
 
 def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:

@@ -121,12 +121,12 @@ def test_serve_retime_chooses_each_level_again_among_the_plans_hierarchies(profi
     (root / "other.json").write_text(json.dumps(other))
     with pytest.raises(HsdError, match="--retime .*other.json: the profile is of model"):
         prepare_server(path, device="cpu", retime=root / "other.json")
-    import hsd_opt.commands.serve as serve_command
+    import hsd_opt.models.loading as loading
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the profile was checked against the plan")
 
-    monkeypatch.setattr(serve_command, "load_plan_and_model", no_load)   # the docs: "exits 2 before the model loads"
+    monkeypatch.setattr(loading, "load_model", no_load)        # the docs: "exits 2 before the model loads"
     other["provenance"]["model"] = json.loads(prof.read_text())["provenance"]["model"]
     other["batch_costs"] = []
     (root / "other.json").write_text(json.dumps(other))

@@ -15,7 +15,6 @@ from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
     TOP_K_HELP,
     check_outputs,
-    check_retime,
     cli_command,
     compile_grammar,
     fmt,
@@ -23,6 +22,7 @@ from hsd_opt.commands.common import (
     item_grammars,
     level_acceptance,
     load_plan_and_model,
+    plan_check_for_retime,
     read_retime_profile,
     retime_text,
     retimed_levels,
@@ -30,7 +30,7 @@ from hsd_opt.commands.common import (
 )
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import load_plan, sampling_words
+from hsd_opt.formats import sampling_words
 from hsd_opt.prompts import JSON_TASK
 
 
@@ -380,10 +380,9 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     if any(it.schema is not None for it in items):
         raise HsdError(f"--concurrency: {prompts}: the load bench does not follow the prompts' schemas; run the "
                        "single-stream bench (without --concurrency), or serve and send response_format")
-    retime_profile = read_retime_profile(retime)          # its file checked before the model loads
-    if retime_profile is not None:                       # and against the plan
-        check_retime(load_plan(str(plan)), retime_profile, str(plan), retime)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    retime_profile = read_retime_profile(retime)          # its file and its fit to the plan, before the model loads
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
+                                    check_plan=plan_check_for_retime(retime_profile, plan, retime))
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     say = lambda s: console.print(s, style="dim")  # noqa: E731
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), say, retime_profile)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 import typer
 
@@ -76,11 +76,13 @@ TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, 
 
 
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
-                        target_precision: Optional[str] = None, engines_only: bool = False):
+                        target_precision: Optional[str] = None, engines_only: bool = False,
+                        check_plan: Optional[Callable[[Any], None]] = None):
     """Load the plan and the model it names (or ``model``, which must match the plan's provenance); refuse a
     plan made for another target precision than ``target_precision`` (None: the plan's own). ``engines_only``:
     the model serves the engines alone (`hsd run`, `hsd serve`; see
-    :func:`~hsd_opt.models.loading.load_model`)."""
+    :func:`~hsd_opt.models.loading.load_model`). ``check_plan(plan)``: a command's own check of the plan, run
+    before the model loads."""
     from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
@@ -88,6 +90,8 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.runtime.runner import check_kinds, check_provenance, check_target_precision
 
     plan = load_plan(str(plan_path))
+    if check_plan is not None:
+        check_plan(plan)
     if model is not None and not model.strip():
         raise HsdError("--model: an empty name; name the plan's model, or leave the flag out (the plan's "
                        "provenance.model)")
@@ -182,6 +186,14 @@ def check_retime(p, profile: "Profile", source: str, retime: Path) -> None:
         raise HsdError(f"--retime: {source} has no plans per load level to choose again (hsd solve "
                        f"--batch-sizes)")
     check_profile_for_plan(profile, p, str(retime))
+
+
+def plan_check_for_retime(profile: Optional["Profile"], plan_path: Path, retime: Optional[Path]):
+    """The ``check_plan`` of :func:`load_plan_and_model` for ``--retime PROFILE`` (:func:`check_retime`; None
+    without the flag)."""
+    if profile is None:
+        return None
+    return lambda p: check_retime(p, profile, str(plan_path), retime)
 
 
 def retimed_levels(p, loaded, models, runner, levels: dict, profile: "Profile", mode: str, source: str,

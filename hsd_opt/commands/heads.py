@@ -96,7 +96,7 @@ def train(
     from hsd_opt.commands.options import layer_numbers
     from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
     from hsd_opt.heads.train import TRAIN_VOCABS, check_checkpoint
-    from hsd_opt.models.loading import load_model
+    from hsd_opt.models.loading import file_sha256, load_model
 
     if kind not in KINDS:
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
@@ -142,18 +142,11 @@ def train(
         raise typer.Exit(130) from None
     save_heads(out, res.heads, loaded, training_data_sha256=res.data_sha256,
                train=dict(res.summary(), prompts=str(prompts.resolve()) if prompts else None, tokens=tokens,
-                          holdout=holdout, prompts_sha256=_file_sha256(prompts) if prompts else None))
+                          holdout=holdout, prompts_sha256=file_sha256(prompts) if prompts else None))
     ckpt.unlink(missing_ok=True)
     console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
                                 res.before, res.after))
     console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
-
-
-def _file_sha256(path: Path) -> str:
-    """The SHA-256 (hex) of a prompt file's bytes."""
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _check_same_prompts(heads: Path, prompts: Path, tr: dict) -> None:
@@ -163,7 +156,9 @@ def _check_same_prompts(heads: Path, prompts: Path, tr: dict) -> None:
     want = tr.get("prompts_sha256")
     if not want or not tr.get("prompts") or Path(tr["prompts"]).resolve() != prompts.resolve():
         return
-    if _file_sha256(prompts) != want:
+    from hsd_opt.models.loading import file_sha256
+
+    if file_sha256(prompts) != want:
         raise HsdError(f"{heads}: the heads were trained on {prompts}, which has changed since (train.prompts_sha256):"
                        f" its held-out split drawn again would hold prompts they were trained on; give --prompts with "
                        f"prompts they have not seen")

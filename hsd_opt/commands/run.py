@@ -4,7 +4,6 @@ task."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -28,7 +27,6 @@ from hsd_opt.commands.common import (
     warn_sampling,
 )
 from hsd_opt.console import console, err_console
-from hsd_opt.errors import Terminated
 from hsd_opt.jsonio import atomic_write_bytes, json_problem
 from hsd_opt.prompts import JSON_TASK
 
@@ -204,8 +202,8 @@ def run_cmd(
                 gens.append(gen)
     except (KeyboardInterrupt, HsdError) as e:   # what was finished is kept, and said
         _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt))
-        if isinstance(e, KeyboardInterrupt):     # said: exit as the signal does, without a second line
-            raise typer.Exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130) from None
+        if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line (143 for SIGTERM: cli.main)
+            raise typer.Exit(130) from None
         raise
     _print_run(gens, by, plans, mode)
     _write_lines(json_out, lines)

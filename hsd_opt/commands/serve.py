@@ -11,9 +11,9 @@ import typer
 
 from hsd_opt.commands.common import (
     TARGET_PRECISION_HELP,
-    check_retime,
     cli_command,
     load_plan_and_model,
+    plan_check_for_retime,
     read_retime_profile,
     retimed_levels,
 )
@@ -110,7 +110,6 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
-    from hsd_opt.formats import load_plan
     from hsd_opt.grammar.compiler import compiler_for
     from hsd_opt.prompts import encode_prompt
     from hsd_opt.runtime.runner import PlanModels, hsd_by_load, hsd_for_plan
@@ -119,10 +118,9 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
 
     say = say or (lambda m: None)
     retime_profile = read_retime_profile(retime)     # before the long load, and against the plan
-    if retime_profile is not None:
-        check_retime(load_plan(str(plan)), retime_profile, str(plan), retime)
     say(f"loading {plan} and its model ...")
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True,
+                                    check_plan=plan_check_for_retime(retime_profile, plan, retime))
     chain = " -> ".join(p.hierarchy) + (f" (T={list(p.budgets)})" if p.budgets else "")
     profiled = p.provenance.sampling
     say(f"building the hierarchy {chain}{f' (profiled {profiled})' if profiled else ''} on {loaded.device} ...")

@@ -205,6 +205,7 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
     ``--batch-sizes`` (each one the
     profile has costs at), else every one it has. Warns where ``--context`` has only one context's costs to use."""
     from hsd_opt.commands.options import batch_sizes as parse_batch_sizes
+    from hsd_opt.solver.batch import LACKING_RATIO, lacking_ratios
 
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     prof, warnings = load_profile(profile)
@@ -218,11 +219,10 @@ def _load_solve_profile(profile: Path, batch_sizes: Optional[str], context: Opti
         raise HsdError(f"--batch-sizes: {profile} has costs at batch sizes {', '.join(map(str, prof.batch_sizes))} "
                        f"only (profile with --batch-sizes {','.join(map(str, sizes))})")
     for i, bc in enumerate(prof.batch_costs):
-        missing = [m.name for m in prof.models if m.name not in bc.ratio]
-        if bc.batch in sizes and missing:          # named here, with the file (the solver knows no file)
-            raise InputFileError(str(profile), f"no ratio at batch {bc.batch} for {', '.join(missing)} (a drafter "
-                                               f"its batch timings did not cover: profile again, or solve with "
-                                               f"--batch-sizes 1)", f"batch_costs[{i}].ratio")
+        missing = lacking_ratios(prof, bc) if bc.batch in sizes else []
+        if missing:          # named here, with the file (the solver's own refusal knows no file)
+            raise InputFileError(str(profile), f"no ratio at batch {bc.batch} for {', '.join(missing)} "
+                                               f"({LACKING_RATIO})", f"batch_costs[{i}].ratio")
     if context is not None and len(prof.context_costs) < 2:
         warn(f"--context {context}: {profile} has its costs at one context only; they are used as they are")
     elif context is not None and context > 2 * prof.contexts[-1]:

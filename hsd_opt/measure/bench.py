@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from hsd_opt.console import heartbeat
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, one_line
 from hsd_opt.measure.report import Generation, add_matches, add_speedups, outputs_by_item, plot_report, totals_by
 from hsd_opt.prompts import PromptItem, check_report_key, check_turn_mode, conversation_ids, user_turns
 from hsd_opt.runtime.decode import check_sampling_flags
@@ -421,7 +421,7 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
         try:
             runners[m](ids, n, sampling.seed, item)
         except Exception as e:  # noqa: BLE001 - HF may refuse a generation mode for this model
-            errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            errors[m] = one_line(e)
             del runners[m]
             log(f"{m}: skipped ({errors[m]})")
 
@@ -476,7 +476,7 @@ def _drop_failed(m: str, e: Exception, i: int, runners: dict, gens: dict, errors
     """Method ``m`` raised ``e`` on prompt ``i``: recorded in ``errors``, said, and dropped from ``runners`` and
     ``gens`` (a method's figures over fewer prompts than the others' would not compare); an :class:`HsdError`
     where no method is left (it ended the bench with a traceback, every finished prompt lost)."""
-    errors[m] = f"failed on prompt {i + 1}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    errors[m] = f"failed on prompt {i + 1}: {one_line(e)}"
     del runners[m]
     gens.pop(m, None)
     log(f"{m}: dropped ({errors[m]})")

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, one_line
 from hsd_opt.formats import nearest_level
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.measure.bench import Sampling
@@ -235,7 +235,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
                    "said": f"the report holds the {len(levels)} of {len(concurrency)} load levels every method "
                            f"finished"}
     except Exception as e:  # noqa: BLE001 - a request failed (out of memory at a larger batch): what finished stays
-        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        why = one_line(e)
         if not levels:
             raise HsdError(f"the load bench failed before its first level finished: {why}") from None
         stopped = {"levels_done": len(levels), "levels_asked": len(concurrency), "failed": why,

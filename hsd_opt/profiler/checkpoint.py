@@ -92,10 +92,16 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
         log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
     elif resume:
         warn(f"--resume: no checkpoint at {path}; starting from the beginning")
-    elif path.exists():
+    refuse_left_checkpoint(path, resume)
+    return ck
+
+
+def refuse_left_checkpoint(path: Path, resume: bool) -> None:
+    """Refuse, without ``resume``, to start over a checkpoint an interrupted run left at ``path`` (its first save
+    would replace it); a run checks it before it loads anything, and again as it opens the checkpoint."""
+    if not resume and path.exists():
         raise HsdError(f"{path}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
                        f"delete it to start over")
-    return ck
 
 
 def check_resumed(ck: Checkpoint, fresh: PairStats, max_new_tokens: int, vocab: int | None) -> None:

@@ -34,7 +34,7 @@ from hsd_opt.profiler.assemble import (
     walk_key,
 )
 from hsd_opt.profiler.batch_costs import measure_batch_costs
-from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path
+from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path, refuse_left_checkpoint
 from hsd_opt.profiler.costs import (
     DEFAULT_CONTEXTS,
     PREFILL_CHUNK,
@@ -487,7 +487,7 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
 
     # validate, load the target, then the pool
     _validate(cfg)
-    _refuse_left_checkpoint(cfg, rank, world)
+    refuse_left_checkpoint(partial_path(Path(cfg.out), rank, world), cfg.resume)   # before minutes of loading
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
@@ -636,15 +636,6 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
         tds.append(build_aded(ck.continuations, world, warn))
     _measure_prompts(cfg, loaded, pool, tds, mine, todo, ck, eos, source, progress, on_prompt, grammars)
     return tds
-
-
-def _refuse_left_checkpoint(cfg: ProfileConfig, rank: int, world: int) -> None:
-    """Refuse, before minutes of loading, a run without ``--resume`` whose checkpoint an interrupted run left
-    (:func:`~hsd_opt.profiler.checkpoint.open_checkpoint` refuses it too, once the pool is built)."""
-    partial = partial_path(Path(cfg.out), rank, world)
-    if partial.exists() and not cfg.resume:
-        raise HsdError(f"{partial}: a checkpoint of an interrupted run exists; pass --resume to continue it, or "
-                       f"delete it to start over")
 
 
 def _sum_over_ranks(stats: PairStats, world: int, device) -> None:

@@ -40,6 +40,15 @@ def _scaled(v: float | list[float], r: float | list[float]) -> float | list[floa
     return [float(x) * _ratio_at(r, t) for t, x in enumerate(v, 1)]
 
 
+#: What a batch size's costs lacking a drafter's ratio means, and what to do.
+LACKING_RATIO = "a drafter the profile's batch timings did not cover: profile again, or solve with --batch-sizes 1"
+
+
+def lacking_ratios(profile: Profile, bc: BatchCosts) -> list[str]:
+    """The models of ``profile`` that its batch costs ``bc`` give no ratio for (it cannot be priced there)."""
+    return [m.name for m in profile.models if m.name not in bc.ratio]
+
+
 def at_batch(profile: Profile, batch: int) -> Profile:
     """``profile`` with every cost that of the batched pass at ``batch`` sequences (batch 1: the profile itself).
 
@@ -51,11 +60,10 @@ def at_batch(profile: Profile, batch: int) -> Profile:
     if bc is None:
         raise HsdError(f"--batch-sizes: the profile has no costs at batch {batch} (it has "
                        f"{', '.join(map(str, profile.batch_sizes))}; profile with --batch-sizes)")
-    missing = [m.name for m in profile.models if m.name not in bc.ratio]
+    missing = lacking_ratios(profile, bc)
     if missing:
-        raise HsdError(f"the profile's batch_costs at batch {batch} has no ratio for {', '.join(missing)} (a "
-                       f"drafter the profile's batch timings did not cover: profile again, or solve with "
-                       f"--batch-sizes 1)")
+        raise HsdError(f"the profile's batch_costs at batch {batch} has no ratio for {', '.join(missing)} "
+                       f"({LACKING_RATIO})")
     r = bc.ratio
     models = [replace(m, cost=m.cost * _ratio_at(r[m.name], 1)) for m in profile.models]
     curves = {name: _scaled(v, r[name]) for name, v in profile.cost_curve.items()}
