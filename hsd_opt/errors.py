@@ -7,6 +7,11 @@ class HsdError(Exception):
     """A usage or input error: bad flag, bad file, bad field. Printed as one line, exit code 2."""
 
 
+class ContextFull(HsdError):
+    """A prompt that, with the tokens asked for after it, passes the model's context (``hsd chat``: a conversation
+    that no longer fits, which every later turn would pass too)."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what ``timeout``, ``kill``, batch schedulers and service managers send), raised where Ctrl-C is,
     so that a long command keeps and reports the work it finished; the command line then exits with status 143

@@ -144,7 +144,7 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
     """Generate and stream the answer to ``messages``; its text, or None where the conversation cannot go on (its
     error printed: the turn is dropped, the conversation kept)."""
     from hsd_opt.commands.run import text_streamer
-    from hsd_opt.errors import HsdError, Terminated
+    from hsd_opt.errors import ContextFull, HsdError, Terminated
     from hsd_opt.prompts import chat_ids
 
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
         res = runner.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               on_tokens=stream, top_k=top_k, min_p=min_p)
     except HsdError as e:
-        full = "context" in str(e) and len(messages) > 2     # every later turn would fail as this one did
+        full = isinstance(e, ContextFull) and len(messages) > 2    # every later turn would fail as this one did
         err_console.print(f"error: {e}" + ("; /reset starts the conversation over" if full else ""), markup=False)
         return None
     except Terminated:                         # SIGTERM ends the conversation

@@ -46,7 +46,7 @@ from hsd_opt.drafters.base import TokenDrafter
 from hsd_opt.engine.interface import EXACT_PASS, Engine, Picks, Window
 from hsd_opt.engine.picks import LogitPicks
 from hsd_opt.engine.state import DecodeState
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import ContextFull, HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import (
@@ -162,8 +162,8 @@ def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max
     if bad is not None:
         raise HsdError(f"the prompt holds token id {bad}, outside the model's vocabulary 0 .. {vocab - 1}")
     if max_positions is not None and len(prompt) + max_new_tokens > max_positions:
-        raise HsdError(f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the model's "
-                       f"context of {max_positions} positions")
+        raise ContextFull(f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
+                          f"model's context of {max_positions} positions")
     return prompt
 
 
