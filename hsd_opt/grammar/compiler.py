@@ -62,14 +62,13 @@ class GrammarSpec:
             raise HsdError(f"{source}: x-guidance: the compiler's own options are not taken (JSON is written in one "
                            f"layout, and a keyword that cannot be checked is refused); leave it out")
         try:
-            schema = _normalized(schema)
+            schema, big = _normalized(schema)
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except ValueError:
             raise HsdError(f"{source}: holds a number that is not finite (NaN, Infinity, or one beyond a double's "
                            "range such as 1e400)") from None
         except RecursionError:
             raise HsdError(f"{source}: {json_problem(RecursionError())}") from None
-        big = _inexact_integer(schema)
         if big is not None:
             where, n = big
             raise HsdError(f"{source}: the integer {n} at {where} is beyond what structured output holds exactly "
@@ -99,43 +98,44 @@ _COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minPrope
 _DATA = _ANNOTATIONS | {"const", "enum"}
 
 
-def _normalized(schema: Any, names: bool = False) -> Any:
-    """``schema`` with what constrains nothing or says a count as a float written as the compiler takes it:
-    ``"uniqueItems": false`` left out (the compiler knows no ``uniqueItems`` and refused it), a count ``2.0`` as
-    ``2`` (it refused it: "expected positive integer"). ``names``: ``schema`` maps names to schemas. Data
-    (``const``, ``enum``, ``default``, ``examples``, ...) is left as it is."""
+def _normalized(schema: Any, where: str = "", names: bool = False) -> tuple[Any, tuple[str, int] | None]:
+    """``schema`` with what constrains nothing or says a count as a float written as the compiler takes it, and
+    the first integer past +-2**53 in a keyword of :data:`_VALUE_KEYWORDS` (at any depth) as ``(JSON pointer,
+    value)``, None when there is none (llguidance holds them as doubles). Written: ``"uniqueItems": false`` left
+    out (the compiler knows no ``uniqueItems`` and refused it), a count ``2.0`` as ``2`` (it refused it: "expected
+    positive integer"); data (``const``, ``enum``, ``default``, ``examples``, ...) is left as it is. ``names``:
+    ``schema`` maps names to schemas (a property called ``enum`` is no keyword)."""
     if isinstance(schema, list):
-        return [_normalized(s) for s in schema]
+        walked = [_normalized(s, f"{where}/{i}") for i, s in enumerate(schema)]
+        return [s for s, _ in walked], next((big for _, big in walked if big is not None), None)
     if not isinstance(schema, dict):
-        return schema
-    if names:
-        return {k: _normalized(v) for k, v in schema.items()}
-    out = {}
+        return schema, None
+    out, first = {}, None
     for k, v in schema.items():
-        if k == "uniqueItems" and v is False:
+        at, big = f"{where}/{k}", None
+        if names:
+            v, big = _normalized(v, at)
+        elif k == "uniqueItems" and v is False:
             continue
-        if k in _COUNTS and isinstance(v, float) and v.is_integer() and v >= 0:
+        elif k in _COUNTS and isinstance(v, float) and v.is_integer() and v >= 0:
             v = int(v)
+        elif k in _VALUE_KEYWORDS:
+            big = _inexact_integer(v, at)
         elif k not in _DATA:
-            v = _normalized(v, k in _NAMED_SCHEMAS and isinstance(v, dict))
+            v, big = _normalized(v, at, k in _NAMED_SCHEMAS and isinstance(v, dict))
         out[k] = v
-    return out
+        first = big if first is None else first
+    return out, first
 
 
-def _inexact_integer(schema: Any, where: str = "", values: bool = False,
-                     names: bool = False) -> tuple[str, int] | None:
-    """The first integer past +-2**53 in a keyword of :data:`_VALUE_KEYWORDS` of ``schema`` (at any depth), as
-    ``(JSON pointer, value)``; None when there is none. ``values``: ``schema`` is such a keyword's value;
-    ``names``: ``schema`` maps names to schemas (a property called ``enum`` is no keyword)."""
-    if isinstance(schema, int) and not isinstance(schema, bool):
-        return (where or "/", schema) if values and abs(schema) > _EXACT else None
-    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
-    keywords = isinstance(schema, dict) and not values and not names
+def _inexact_integer(value: Any, where: str) -> tuple[str, int] | None:
+    """The first integer past +-2**53 in ``value`` (a keyword's data, at any depth) as ``(JSON pointer, value)``;
+    None when there is none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (where, value) if abs(value) > _EXACT else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        if keywords and k in _ANNOTATIONS:
-            continue
-        found = _inexact_integer(v, f"{where}/{k}", values or (keywords and k in _VALUE_KEYWORDS),
-                                 keywords and k in _NAMED_SCHEMAS)
+        found = _inexact_integer(v, f"{where}/{k}")
         if found is not None:
             return found
     return None
