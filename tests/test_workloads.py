@@ -223,6 +223,20 @@ def test_a_task_where_the_drafter_proposed_at_every_position_keeps_its_shares_of
     assert lat[1.0] == pytest.approx(lat[0.999], rel=0.01)
 
 
+def test_a_drafter_abstaining_only_per_budget_takes_the_tasks_rates():
+    """A drafter whose overall rate is 1 but whose shares of rounds per budget are below it abstains (a task's view
+    written out and read back holds one): its task's rates were dropped without a word, the overall ones kept."""
+    d = _task_profile_dict()
+    d["models"][0].update(draft_rate=1.0, draft_rate_by_budget=[1.0, 0.8, 0.6])
+    prof, _ = profile_from_dict(d)
+    assert prof.entry("k").abstains
+    view, fb = task_profile(prof, "summarization")
+    assert fb == [] and view.entry("k").draft_rate == 0.9
+    assert [view.entry("k").rate_at(T) for T in (1, 2, 3)] == [0.8, 0.7, 0.6]
+    view, fb = task_profile(prof, "qa")                     # no rates of its own: the overall ones, and said
+    assert "draft_rate of k" in fb and [view.entry("k").rate_at(T) for T in (1, 2, 3)] == [1.0, 0.8, 0.6]
+
+
 def test_plans_per_task_are_each_tasks_optimum_dp_equals_brute_force():
     rng = np.random.default_rng(7)
     for case in range(12):

@@ -138,8 +138,9 @@ def solve_cmd(
     top: int = typer.Option(5, "--top", help="Show this many ranked hierarchies (plan + alternatives)."),
     min_gain: float = typer.Option(0.03, "--min-gain",
                                    help="Add a second drafter level (or more) only if it is predicted to take "
-                                        "at least this fraction less time per token than the best plan with "
-                                        "fewer levels (measurement noise); 0 = the exact optimum."),
+                                        "at least this fraction less time per token than the plan it replaces "
+                                        "(the one chosen with fewer levels: measurement noise); 0 = the exact "
+                                        "optimum."),
     load_min_gain: float = typer.Option(LOAD_MIN_GAIN, "--load-min-gain",
                                         help="At a load level above one sequence (--batch-sizes), speculate "
                                              "only if it is predicted to take at least this fraction less time "

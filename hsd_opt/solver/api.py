@@ -126,9 +126,9 @@ def solve(profile: Profile | str | os.PathLike, tmax: int, solver: str = "dp", m
         top: how many hierarchies to rank; ``alternatives`` holds the next-best ``top - 1`` distinct ones
             (computed by the ranked dp, or by enumeration with ``brute``).
         min_gain: 0 (default) = the exact optimum. ``g > 0``: a hierarchy of three or more models is chosen only
-            when it is predicted at least a fraction ``g`` faster than the best one with fewer models (measured
-            costs and acceptance rates are noisy; a deeper plan that wins by less than their error may well lose
-            when run). A single draft is always weighed against the target alone without this margin
+            when it is predicted at least a fraction ``g`` faster than the plan it replaces, the one chosen with
+            fewer models (measured costs and acceptance rates are noisy; a deeper plan that wins by less than their
+            error may well lose when run). A single draft is always weighed against the target alone without this margin
             (:func:`~hsd_opt.solver.hierarchy.pick_by_min_gain`, `docs/design.md#depth-and-min-gain`).
             The exact optimum is then kept in ``exact_optimum`` when it differs.
         context: tokens in the KV cache the costs are taken at, for a profile with ``context_costs``

@@ -11,7 +11,10 @@ same numbers. A profile without ``context_costs`` is returned unchanged.
 For a fixed hierarchy and budgets the latency is a linear function of the costs with coefficients that depend
 on acceptance rates and budgets only, so it is itself piecewise linear in the context with the same knots:
 :func:`latency_table` lists it at the measured contexts, and :func:`interpolate` over that table gives the exact
-latency at any context (:func:`latency_at`), which is what ``hsd run`` needs without the profile.
+latency at any context (:func:`latency_at`), which is what ``hsd run`` needs without the profile. Exact where the
+cost curves grow with the positions of a pass, as measured ones do: a curve that falls somewhere is clamped (a
+catch-up pass costs at least nothing, a curve is extended by a slope of at least 0), and a clamp that holds at one
+measured context and not at the next bends the latency between them, where the table is then an approximation.
 
 Units: contexts in tokens, costs and latencies in seconds.
 """

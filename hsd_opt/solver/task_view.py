@@ -67,7 +67,7 @@ def task_profile(profile: Profile, task: str, asker: str = "--task") -> tuple[Pr
     by_budget_t = profile.draft_rate_by_budget_by_task.get(task) or {}
     models = []
     for m in profile.models:
-        if m.draft_rate < 1.0:
+        if m.abstains:
             r = rates_t.get(m.name)
             if r is None:
                 fallbacks.append(f"draft_rate of {m.name}")
