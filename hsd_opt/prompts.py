@@ -386,8 +386,9 @@ def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """Token ids of ``prompt``: the tokenizer's chat template (one user turn + generation prompt) unless
     ``raw`` or the tokenizer has none; otherwise the plain encoding (with the tokenizer's special tokens).
-    An empty or blank prompt, or one that encodes to no tokens, raises :class:`HsdError`."""
-    if not isinstance(prompt, str) or not prompt.strip():
+    An empty prompt, a blank one through the template, or one that encodes to no tokens raises :class:`HsdError`
+    (raw whitespace is text a model completes: the server's ``"prompt": "\\n"``)."""
+    if not isinstance(prompt, str) or not (prompt if raw else prompt.strip()):
         raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
     if not raw and getattr(tokenizer, "chat_template", None):
         return _chat_ids(tokenizer, [{"role": "user", "content": prompt}])

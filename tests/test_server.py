@@ -1322,3 +1322,39 @@ def test_a_request_is_read_and_tokenized_off_the_event_loop(served, monkeypatch)
     bad = httpx.post(srv.url + COMP, json={"model": MODEL, "prompt": "w1", "top_p": 1.5})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"     # errors still reach the client
     assert on_loop == []
+
+
+class _ByteTokenizer:
+    """A tokenizer without a chat template: a text's UTF-8 bytes are its ids (a conversation is its contents
+    joined by blank lines)."""
+
+    def __call__(self, text, **kw):
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode()
+
+
+def test_an_assistant_turn_with_text_and_calls_keeps_both_and_whitespace_is_a_prompt():
+    """An earlier assistant turn that says something and calls a function (as OpenAI's models answer) gives the
+    model its text and its call (the call was dropped: the tool's result then answered a call never made), and
+    its calls are checked; whitespace is a prompt OpenAI's API completes (refused as empty)."""
+    from hsd_opt.server.errors import ApiError
+    from hsd_opt.server.requests import ModelInfo, parse_request
+
+    info = ModelInfo("m", _ByteTokenizer(), 4096)
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = _ByteTokenizer().decode(parse_request({"messages": msgs}, "chat", info).prompt_ids)
+    assert text == 'Weather?\n\nLet me check.\n{"name": "weather", "arguments": {"city": "Oslo"}}\n\nsunny'
+    msgs[1]["tool_calls"] = [{"function": {"name": "weather", "arguments": "{"}}]
+    with pytest.raises(ApiError) as e:
+        parse_request({"messages": msgs}, "chat", info)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+    assert parse_request({"prompt": "\n", "max_tokens": 2}, "completion", info).prompt_ids == [10]
+    assert parse_request({"messages": [{"role": "user", "content": " "}]}, "chat", info).prompt_ids == [32]
+    for body, kind in (({"prompt": ""}, "completion"), ({"messages": [{"role": "user", "content": ""}]}, "chat")):
+        with pytest.raises(ApiError, match="empty"):
+            parse_request(body, kind, info)

@@ -350,11 +350,12 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                               f"messages[{i}].role")
         content = _content(m, i)
-        if role == "assistant" and not content.strip():
-            content = past_calls(m, i) or content
+        calls = past_calls(m, i) if role == "assistant" else None
+        if calls:            # its calls after its text, where a client's turn has both (the model sees both)
+            content = f"{content}\n{calls}" if content.strip() else calls
         # the OpenAI API's developer message is the system message (the template knows no developer role)
         out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["content"].strip() for m in out):
+    if not any(m["content"] for m in out):      # whitespace is text a model completes, as OpenAI's API takes it
         raise bad_request("every message in 'messages' is empty", "messages")
     return out
 
@@ -368,7 +369,7 @@ def _prompt(body: dict) -> str:
     if not isinstance(p, str):
         raise bad_request(f"'prompt' must be a string (or an array of one string), got {_type_name(p)}", "prompt")
     _text(p, "prompt")
-    if not p.strip():
+    if not p:                     # whitespace is text a model completes, as OpenAI's API takes it
         raise bad_request("'prompt' is empty", "prompt")
     return p
 
