@@ -155,3 +155,23 @@ def test_each_fork_adapts_its_own_copy_and_the_drafter_it_came_from_never_change
     grandchild = child.fork()
     child.reset(b)
     assert child.matrix.table != before and grandchild.matrix.table == before
+
+
+@pytest.mark.parametrize("max_length", [3, 5, 64])
+def test_a_drafter_given_its_history_at_once_adapts_as_one_given_it_round_by_round(max_length):
+    """A drafter taken on mid-sequence (a switched hierarchy) is given every generated token in one ``observe``:
+    its matrix must be the one a drafter observing round by round holds (only the last ``max_length`` tokens were
+    raised, so its drafts, not the output, differed between a run alone and batched)."""
+    rng = random.Random(max_length)
+    prompt, gen = [rng.randrange(12) for _ in range(10)], [rng.randrange(12) for _ in range(100)]
+    base = AdedDrafter(TrigramMatrix({}), max_length=max_length)
+    rounds, whole = base.fork(), base.fork()
+    rounds.reset(prompt)
+    whole.reset(prompt)
+    ctx = list(prompt)
+    for i in range(0, len(gen), 3):
+        rounds.observe(ctx, gen[i:i + 3])
+        ctx += gen[i:i + 3]
+    whole.observe(prompt, gen)
+    assert whole.matrix.table == rounds.matrix.table and len(whole.matrix) > len(base.matrix)
+    assert whole.propose(ctx, 4) == rounds.propose(ctx, 4)

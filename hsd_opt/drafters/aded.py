@@ -11,8 +11,9 @@
 * :meth:`TrigramMatrix.adjust` — appendix Algorithm 2, literally: over the last ``max_length`` tokens, every
   tri-gram's value becomes ``min(p + increment, max_prob)`` if present, else ``increment``. The paper gives no
   values for ``increment`` / ``max_prob``; we default to 0.1 / 1.0. :class:`AdedDrafter` applies it in
-  ``observe`` to the tri-grams ENDING in the accepted tokens (``context[-2:] + accepted``), so each occurrence
-  raises its tri-gram once, and in ``reset`` to the prompt's last ``max_length`` tokens.
+  ``observe`` to the tri-grams ENDING in the accepted tokens (``context[-2:] + accepted``, in windows of
+  ``max_length`` tokens when they are more), so each occurrence raises its tri-gram once, and in ``reset`` to the
+  prompt's last ``max_length`` tokens.
 
 * :class:`MctsDraftMaker` — appendix Algorithm 1 with PUCT (Eq. 2) and exploration weight (Eq. 3)::
 
@@ -385,9 +386,15 @@ class AdedDrafter(TokenDrafter):
             self.matrix.adjust(list(prompt_ids), self.max_length, self.increment, self.max_prob)
 
     def observe(self, context: Sequence[int], accepted: Sequence[int]) -> None:
+        """Raise every tri-gram that ends in one of ``accepted`` (the tokens after ``context``), in order: in
+        windows of ``max_length`` tokens overlapping by two, so a drafter taken on mid-sequence and given the whole
+        history at once adapts as one given it round by round (one call's ``adjust`` reads its last
+        ``max_length`` tokens only)."""
         if self.adapt and accepted:
             tail = list(context[-2:]) + list(accepted)
-            self.matrix.adjust(tail, self.max_length, self.increment, self.max_prob)
+            for start in range(0, len(tail) - 2, self.max_length - 2):
+                self.matrix.adjust(tail[start:start + self.max_length], self.max_length, self.increment,
+                                   self.max_prob)
 
     def _ranked(self, context: Sequence[int], w: int) -> list[list[int]]:
         a = int(context[-2]) if len(context) >= 2 else -1
