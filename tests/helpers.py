@@ -84,6 +84,23 @@ def engine_logits(eng, ids: torch.Tensor, split: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def stepwise_greedy(eng, prompt, n: int, eos=()) -> list[int]:
+    """The target's greedy tokens read one step at a time off ``eng``'s logits at its last layer (the argmax of the
+    row, computed whole: no decoding loop, no greedy screen, no verify pass), ending after a token of ``eos``:
+    the reference a decoder's greedy output must equal. ``prompt``: token ids; at most ``n`` new tokens."""
+    st = eng.new_state(len(prompt) + n + 1)
+    eng.append(st, torch.tensor(list(prompt)))
+    out: list[int] = []
+    while len(out) < n:
+        eng.advance(st, eng.n_layers)
+        m = len(prompt) + len(out)
+        out.append(int(eng.logits(st, eng.n_layers, m - 1, m)[0].argmax()))
+        if out[-1] in eos:
+            break
+        eng.append(st, torch.tensor([out[-1]]))
+    return out
+
+
 def steps_pass_and_reference(eng, ref, prompt: torch.Tensor, ids: torch.Tensor, max_len: int,
                              boundaries=()) -> tuple:
     """Three states after ``prompt``: ``ids`` appended to one through ``eng``'s decode steps, to one in one verify

@@ -88,10 +88,18 @@ def test_a_grammar_that_forces_more_tokens_than_the_context_is_refused(json_tok)
         GrammarSpec.json_schema({"const": [1, 2, 3, 4, 5, 6, 7, 8]}, "s.json"))
 
 
-def test_a_schema_that_may_hold_itself_compiles(compiler):
-    """Recursion that can end (the property optional) is a grammar like any other."""
-    compiler.compile(GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {
-        "next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "s.json"))
+def test_a_schema_that_may_hold_itself_compiles(compiler, json_tok):
+    """Recursion that can end (the property optional) is a grammar like any other: objects nested in it are
+    followed to any depth, the output ends only after the outermost one, and a value that is no object is
+    refused at each depth."""
+    c = Constraint(compiler.compile(GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {
+        "next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "s.json")))
+    ids = json_tok.encode('{"next": {"next": {}}}')
+    assert c.allowed_prefix(ids, 0, ids + [EOS]) == len(ids) + 1
+    assert not any(c.allows(ids, i, EOS) for i in range(len(ids)))
+    for text in ('{"next": 1', '{"next": {"next": "'):
+        bad = json_tok.encode(text)
+        assert c.allowed_prefix(bad, 0, bad) == len(bad) - 1
 
 
 def test_a_schema_that_is_not_json_or_not_an_object_is_refused():

@@ -14,13 +14,17 @@ from hsd_opt.errors import HsdError
 from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Decoding, Level
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama
+from tests.helpers import AbstainingCycleDrafter, CycleDrafter, make_tiny_llama, stepwise_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ar(lm, prompt, n, eos=()):
-    return HSD([Level("target", lm, lm.n_layers)], [], eos_ids=eos).generate(prompt, n).token_ids
+    """The target's greedy tokens (the reference, read step by step off its logits), checked to be what the target
+    alone decodes."""
+    want = stepwise_greedy(lm, prompt, n, eos)
+    assert HSD([Level("target", lm, lm.n_layers)], [], eos_ids=eos).generate(prompt, n).token_ids == want
+    return want
 
 
 def _random_hierarchy(rng, lm, other, vocab):
