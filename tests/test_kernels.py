@@ -648,6 +648,41 @@ def test_a_compiler_that_cannot_build_the_widest_variant_falls_to_the_next_and_r
         assert (len(tried) == 1) if attempt == 0 else not tried, said      # the second load does not try again
 
 
+@pytest.mark.skipif(not compiler_has_openmp(), reason="the compiler here cannot build with OpenMP")
+@pytest.mark.slow
+def test_a_build_stopped_once_is_not_remembered_as_one_the_compiler_cannot_make(tmp_path, monkeypatch):
+    """The out-of-memory killer stopping the compiler once (gcc: "Killed signal terminated program cc1") marked
+    OpenMP, then the variant, as failing for good: every later command ran on one thread, or a narrower variant.
+    This run goes on with another build; the next builds the chosen variant with OpenMP."""
+    import shutil
+
+    chosen, _ = variants.choose(forced="")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if chosen.name == "portable" or cc is None:
+        pytest.skip("no SIMD variant here (one build to try), or no gcc")
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "oom-cc"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo x >> {calls};; esac\n'        # builds, not probes
+                       f'[ "$(wc -l < {calls} 2>/dev/null || echo 0)" -eq 1 ] && {{ echo "gcc: fatal error: '
+                       f'Killed signal terminated program cc1" >&2; exit 1; }}\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    monkeypatch.delenv("HSD_OPENMP", raising=False)
+    for attempt in range(2):
+        for name in ("_LIB", "_INFO", "_WHY"):
+            monkeypatch.setattr(kernels, name, [])
+        said: list[str] = []
+        assert kernels.load(log=said.append) is not None
+        marks = [p.name for p in (tmp_path / "cache").rglob("*") if p.suffix in (".openmp-failed", ".build-failed")]
+        assert marks == [], marks
+        if attempt == 0:
+            assert any(f"building the {chosen.name} kernels with {wrapper} was stopped" in s for s in said), said
+            assert "was stopped" in kernels.info().why
+    assert kernels.info().variant == chosen.name and kernels.info().openmp, kernels.info()
+
+
 def test_a_cc_that_is_not_one_program_here_is_refused_not_replaced(monkeypatch, tmp_path):
     """``CC=/opt/clang-17/bin/clang`` (not there) and ``CC="ccache gcc"`` built with ``cc`` without a word."""
     import shutil

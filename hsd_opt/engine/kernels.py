@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -229,13 +230,25 @@ def library_path(cc: str, variant: Variant | str = "portable", openmp: bool = Tr
     return cache_dir() / "kernels" / h.hexdigest()[:16] / f"hsd_kernels-{variant.name}{suffix}.so"
 
 
+class BuildStopped(HsdError):
+    """The compiler did not finish for a reason of the moment (killed by a signal, as the out-of-memory killer does;
+    out of memory or disk; past the time allowed): the build is tried again next time, not remembered as one the
+    compiler cannot make."""
+
+
+#: What a compiler driver says when the program it ran was stopped, or the machine ran out of something (gcc: "Killed
+#: signal terminated program cc1"; clang: "... failed due to signal", "unable to execute command").
+_STOPPED = re.compile(r"signal terminated program|due to signal|unable to execute command|no space left on device|"
+                      r"cannot allocate memory|out of memory|virtual memory exhausted", re.IGNORECASE)
+
+
 def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable[[str], None] | None = None,
           source: Path | None = None, defines: Sequence[str] = (), openmp: bool = True) -> Path:
     """Compile ``kernels.c`` (or ``source``, another version of it) for ``variant`` into ``out`` (written
     atomically); ``defines``: more macros to define; ``openmp``: with OpenMP threads.
 
     Raises:
-        HsdError: the compiler failed (its message is included).
+        HsdError: the compiler failed (its message is included); :class:`BuildStopped` where it was stopped.
     """
     from hsd_opt.cache import cache_error
     from hsd_opt.jsonio import FOLDER_MODE
@@ -253,12 +266,18 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
     source = source or SOURCE
     cmd = [cc, *flags(variant, openmp, cc), *(f"-D{d}" for d in defines), str(source), "-o", tmp,
            *link_flags(openmp, cc)]
+    what = f"compiling {source.name} ({variant.name}) with {cc}"
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            raise BuildStopped(f"{what} took more than 600 s and was stopped") from None
         if res.returncode != 0:
             said = (res.stderr or res.stdout).strip()[:2000]
-            raise HsdError(f"compiling {source.name} ({variant.name}) with {cc} failed: "
-                           f"{said or f'exit status {res.returncode}, nothing said'}")
+            stopped = res.returncode < 0 or _STOPPED.search(said) is not None
+            raise (BuildStopped if stopped else HsdError)(
+                f"{what} {'was stopped' if stopped else 'failed'}: "
+                f"{said or f'exit status {res.returncode}, nothing said'}")
         os.chmod(tmp, FOLDER_MODE)  # a library readable by all who share the cache (mkstemp made it private)
         os.replace(tmp, out)
     finally:
@@ -431,7 +450,7 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
         try:
             build(cc, path, variant, log, openmp=omp)
         except HsdError as first:
-            if not omp:
+            if not omp or isinstance(first, BuildStopped):      # stopped: neither a build without it nor a mark
                 raise
             omp, path = False, library_path(cc, variant, False)
             try:
@@ -469,8 +488,9 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
     """The first of ``candidates`` (the chosen variant, then narrower ones this CPU runs) that ``cc`` builds and
     loads: ``(library, its variant, OpenMP, path, why none loaded or None, what was passed over or "")``. One that
     fails is marked in the cache (:func:`_build_failed_mark`) and said once to ``log``; a marked one is passed
-    over, the last never."""
+    over, the last never. One whose build was stopped (:class:`BuildStopped`) is passed over in this run only."""
     passed: list[str] = []
+    stopped_ones: list[str] = []
     why: str | None = None
     for i, v in enumerate(candidates):
         last = i == len(candidates) - 1
@@ -485,17 +505,23 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
             why = str(e)
             if last:
                 break
-            try:
-                mark.parent.mkdir(parents=True, exist_ok=True)
-                mark.write_text(f"{why[:2000]}\n")
-            except OSError:
-                pass                               # tried again next time
+            stopped = isinstance(e, BuildStopped)      # of the moment: this run goes on, the next tries it again
+            if not stopped:
+                try:
+                    mark.parent.mkdir(parents=True, exist_ok=True)
+                    mark.write_text(f"{why[:2000]}\n")
+                except OSError:
+                    pass                               # tried again next time
             if log:
-                log(f"hsd-opt: {cc} cannot build the {v.name} kernels ({why.splitlines()[0][:200]}); trying "
-                    f"{candidates[i + 1].name}")
-            passed.append(v.name)
+                said = (f"building the {v.name} kernels with {cc} was stopped" if stopped
+                        else f"{cc} cannot build the {v.name} kernels")
+                log(f"hsd-opt: {said} ({why.splitlines()[0][:200]}); trying {candidates[i + 1].name}"
+                    + (" for this run" if stopped else ""))
+            (stopped_ones if stopped else passed).append(v.name)
             continue
-        fell = f"{cc} cannot build {', '.join(passed)}" if passed else ""
+        fell = "; ".join(([f"{cc} cannot build {', '.join(passed)}"] if passed else [])
+                         + ([f"building {', '.join(stopped_ones)} was stopped (tried again next run)"]
+                            if stopped_ones else []))
         return lib, v, has_omp, path, None, fell
     return None, candidates[0], False, None, why, ""
 
