@@ -371,6 +371,26 @@ def test_converted_models_are_keyed_by_content_not_path(tmp_path, monkeypatch):
     assert calls == [c]
 
 
+def test_a_gguf_written_over_with_its_old_size_and_time_is_hashed_anew(tmp_path, monkeypatch):
+    """A file replaced in place by one of the same size, its time set back (``cp -p``, ``rsync -t``, an archive's
+    whole seconds) kept the old digest, the old model's converted copy and revision: the wrong weights ran."""
+    import os
+
+    import hsd_opt.models.loading as loading
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "model.gguf"
+    g.write_bytes(b"GGUF weights of one model")
+    old = loading.converted_dir(g)
+    st = g.stat()
+    with open(g, "r+b") as f:                       # the same inode, size and (set back) time
+        f.write(b"GGUF weights of another")
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert g.stat().st_mtime_ns == st.st_mtime_ns and g.stat().st_size == st.st_size
+    assert loading.converted_dir(g) != old
+    assert loading.gguf_sha256(g) == loading.file_sha256(g)
+
+
 def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeypatch):
     import json
 

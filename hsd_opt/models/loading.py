@@ -166,13 +166,17 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-#: Where the cache remembers the SHA-256 of each GGUF file it has seen, by path, size and mtime.
+#: Where the cache remembers the SHA-256 of each GGUF file it has seen, by :func:`_file_stamp` (``exact``).
 SHA256_INDEX = "sha256-index.json"
 
 
-def _file_stamp(path: Path) -> str:
-    """``path|size|mtime``: what tells a file apart from a replaced one without reading it."""
+def _file_stamp(path: Path, exact: bool = False) -> str:
+    """``path|size|mtime`` (seconds): what tells a file apart from a replaced one without reading it. ``exact``:
+    ``path|size|mtime ns|inode|ctime ns``, which a file written over in place with its old size and time (``cp -p``,
+    ``rsync -t``, an archive's whole seconds) does not keep: ``utime`` cannot set the status change time."""
     st = path.stat()
+    if exact:
+        return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
     return f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
 
 
@@ -189,9 +193,10 @@ def local_revision(directory: Path) -> str:
 
 def gguf_sha256(gguf: Path, sha256: str | None = None) -> str:
     """The SHA-256 (hex) of ``gguf``'s bytes: ``sha256`` when the caller knows it, else remembered in the cache's
-    index by the file's path, size and mtime, else computed (a second or a few per GB) and remembered. The index
-    is rewritten atomically; a lost entry is only computed again."""
-    stamp = _file_stamp(gguf)
+    index by the file's exact stamp (:func:`_file_stamp`: the file whose copy runs as the target must be the one
+    there now), else computed (a second or a few per GB) and remembered. The index is rewritten atomically; a lost
+    entry is only computed again."""
+    stamp = _file_stamp(gguf, exact=True)
     index = cache_dir() / "models" / SHA256_INDEX
     try:
         known = json.loads(index.read_text())
