@@ -232,6 +232,7 @@ def test_bench_reports_predictions_retimed_at_the_measured_speed(tiny):
                 "--device", "cpu")
     assert r.exit_code == 0, cli_output(r)
     assert "retimed" in cli_output(r) and "retime layer4 (layer1, layer2, layer4)" in " ".join(cli_output(r).split())
+    assert "prompt 1/1 done" in r.stderr and "prompt 1/1" not in r.stdout     # progress apart from the report
     rep = json.loads(out.read_text())
     assert png.stat().st_size > 1000
     e = rep["retime"]["engines"]["layer4"]

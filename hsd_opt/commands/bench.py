@@ -34,6 +34,11 @@ from hsd_opt.formats import sampling_words
 from hsd_opt.prompts import JSON_TASK
 
 
+def _progress(line: str) -> None:
+    """A progress line: on stderr, apart from the report (stdout)."""
+    err_console.print(line, style="dim", markup=False)
+
+
 def _row(d: dict, retimed: bool = False) -> list[str]:
     pr, me = d.get("predicted_seconds_per_token"), d.get("seconds_per_token")
     rt = d.get("retimed_predicted_seconds_per_token")
@@ -185,8 +190,8 @@ def bench_cmd(
     items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts, turns)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
-                    sampling=sampling, by=by, log=lambda s: console.print(s, style="dim"), source=str(plan),
-                    assistant=assistant, retime=retime_profile, retime_source=str(retime))
+                    sampling=sampling, by=by, log=_progress, source=str(plan), assistant=assistant,
+                    retime=retime_profile, retime_source=str(retime))
     _add_machine(rep, loaded)
     if spec is not None:
         rep["grammar"] = {"kind": spec.kind, "source": spec.source}
@@ -384,7 +389,7 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
                                     check_plan=plan_check_for_retime(retime_profile, plan, retime))
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
-    say = lambda s: console.print(s, style="dim")  # noqa: E731
+    say = _progress
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), say, retime_profile)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
