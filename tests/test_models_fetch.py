@@ -432,6 +432,40 @@ def test_a_converted_copy_is_readable_as_the_cache_s_other_files(tmp_path, monke
     assert "model.safetensors" in modes and set(modes.values()) == {FILE_MODE}, modes
 
 
+def test_a_conversion_finished_first_by_another_process_stands(tmp_path, monkeypatch):
+    """Two ``hsd models fetch`` of one file at once: the one finishing second deleted the first one's copy (which
+    that process may be loading) to put its own in place, or failed with "Directory not empty" as a cache it cannot
+    write. The copy that is there stands, and the second one's is dropped."""
+    import json
+    import shutil
+
+    import transformers
+
+    import hsd_opt.models.loading as loading
+    from tests.helpers import save_tiny
+
+    src = save_tiny(tmp_path / "src")
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF stand-in: the model is read from a saved folder")
+    out = loading.converted_dir(g)
+    real_model = transformers.AutoModelForCausalLM.from_pretrained.__func__
+    real_tok = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def tokenizer_then_the_other_finishes(c, *a, **k):
+        tok = real_tok(c, str(src))
+        shutil.copytree(src, out)                       # the other process's copy, renamed into place
+        (out / "hsd_source.json").write_text(json.dumps({"gguf": str(g), "revision": "sha256:other"}))
+        return tok
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda c, *a, **k: real_model(c, str(src))))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(tokenizer_then_the_other_finishes))
+    assert loading.convert_gguf(g, quiet=True) == (out, "sha256:other")
+    assert json.loads((out / "hsd_source.json").read_text())["revision"] == "sha256:other"
+    assert not list(out.parent.glob(".convert-*"))
+
+
 def test_a_local_model_s_revision_changes_with_any_shard_or_its_config(tmp_path):
     """A model directory's revision follows every weights file and config.json: a replaced second shard made the
     same revision (only the first file was stamped), and the quantized copies of the old weights were reused."""

@@ -281,9 +281,19 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
         (tmp / "hsd_source.json").write_text(json.dumps({"gguf": str(gguf), "revision": revision}))
         for f in tmp.iterdir():      # safetensors writes its file private: readable as the cache's other files
             os.chmod(f, FILE_MODE)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        done = _converted_revision(meta)     # another process converting the same file finished first: its copy
+        if done is None:                     # stands (it may be loading it); only a damaged one is replaced
+            if out.exists():
+                shutil.rmtree(out)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                done = _converted_revision(meta)     # finished between the two: ours is dropped
+                if done is None:
+                    raise
+        if done is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out, done
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if writing and (isinstance(e, OSError) or type(e).__name__ == "SafetensorError" and "I/O error" in str(e)):
