@@ -4,6 +4,7 @@ decoding as the torch path, built once and cached, and refused or skipped cleanl
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -599,6 +600,22 @@ def test_doctor_says_why_the_kernels_are_unavailable_and_which_compiler(monkeypa
     assert any(s.startswith("compiler: none found (install gcc or clang, or set CC)") for s in lines), lines
     monkeypatch.setenv("HSD_KERNELS", "0")
     assert any(s.startswith("kernels: unavailable (HSD_KERNELS=0 turns them off)") for s in system_lines())
+
+
+@pytest.mark.skipif(not compiler_has_openmp() or (os.cpu_count() or 1) < 2,
+                    reason="no OpenMP build here, or one core (one thread asked)")
+@pytest.mark.slow
+def test_doctor_says_the_threads_a_kernel_call_gets_not_those_asked():
+    """Under ``OMP_THREAD_LIMIT=1`` (a batch system's limit) a kernel call runs on one thread: doctor said torch's
+    count of threads."""
+    import subprocess
+
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1", "OMP_NUM_THREADS": "2"}
+    env.pop("HSD_KERNELS", None)
+    res = subprocess.run([sys.executable, "-m", "hsd_opt.cli", "doctor"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    line = next(s for s in res.stdout.splitlines() if s.startswith("kernels:"))
+    assert "; 1 OpenMP thread of the 2 asked (" in line, line
 
 
 @pytest.mark.parametrize("variable", ["HSD_EXACT_INT4", "HSD_FIXED_SHAPES", "HSD_WEIGHT_ONLY", "HSD_OPENMP"])

@@ -48,7 +48,9 @@ def system_lines() -> list[str]:
         lines.append(f"kernels: unavailable ({kernels.unavailable_reason()}): decoding on the CPU uses torch's "
                      f"operations, {kernels.TORCH_PATH_SLOWDOWN}")
     else:
-        lines.append(info.line(torch.get_num_threads()))
+        asked = torch.get_num_threads()
+        got = kernels.team(kernels.load(), asked)[0] if info.openmp else 1       # what a kernel call gets
+        lines.append(info.line(got, asked))
     cc = info.compiler if info is not None else kernels.compiler()
     lines.append(f"compiler: {cc or 'none found (install gcc or clang, or set CC)'}; HSD_KERNELS=<variant> forces "
                  f"one, HSD_OPENMP=0 builds without OpenMP")

@@ -393,9 +393,15 @@ class KernelInfo:
     path: Path
     compiler: str
 
-    def line(self, threads: int) -> str:
-        """One line: the variant, why, the threads a call uses (``threads``) and where the library lives."""
-        th = f"{threads} OpenMP threads" if self.openmp else "1 thread (built without OpenMP)"
+    def line(self, threads: int, asked: int | None = None) -> str:
+        """One line: the variant, why, the threads a call gets (``threads``: its OpenMP team, :func:`team`; of
+        ``asked``, torch's count, where the OpenMP runtime gives fewer) and where the library lives."""
+        if not self.openmp:
+            th = "1 thread (built without OpenMP)"
+        else:
+            th = f"{threads} OpenMP thread{'s' * (threads != 1)}"
+            if asked is not None and threads < asked:
+                th += f" of the {asked} asked (the OpenMP runtime gives fewer: OMP_THREAD_LIMIT, OMP_DYNAMIC)"
         return f"kernels: {self.variant} ({self.why}); {th}; {self.path}"
 
 
