@@ -13,7 +13,7 @@ from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level, Pass, check_generation_args
 from hsd_opt.runtime.sampling import process_logits
-from tests.helpers import AbstainingCycleDrafter, CycleDrafter, chi_square_pvalue, make_tiny_llama
+from tests.helpers import CycleDrafter, chi_square_pvalue, make_tiny_llama
 
 V, K, N = 12, 2, 1000  # vocab, tokens per sample, samples (seeds 0..N-1)
 PROMPT = [3, 5, 7]
@@ -84,14 +84,39 @@ def test_sampling_token_drafter_temperature_top_p(peaky):
     assert p_bad < 1e-6, p_bad
 
 
-def test_sampling_with_an_abstaining_drafter(peaky):
-    """A bottom drafter that proposes nothing, half a block or a whole block: the target's distribution still."""
+class _AbstainsAfterEven(CycleDrafter):
+    """Proposes nothing after an even token, a whole block after an odd one (as a lookup that finds no match):
+    within the samples' two tokens it abstains at the first or the second round. Counts its calls of each kind."""
+
+    name, may_abstain = "abstaining", True
+
+    def __init__(self, vocab: int, step: int = 1):
+        super().__init__(vocab, step)
+        self.calls = {"abstained": 0, "proposed": 0}
+
+    def propose(self, context, n):
+        abstains = context[-1] % 2 == 0
+        self.calls["abstained" if abstains else "proposed"] += 1
+        return [] if abstains else super().propose(context, n)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_sampling_with_an_abstaining_drafter(peaky, depth):
+    """A bottom drafter that abstains in some rounds: the target's distribution still, over a middle level (depth 3:
+    the wrong sampler fails) and right under the target (depth 2: a draw by noise where it abstains). The drafter
+    before abstained in no sample (by context length, never reached within two tokens), and a round that took the
+    target's argmax where the drafter abstained passed."""
     model, lm = peaky
     probs = _exact(model, 1.0, 1.0)
-    levels = [Level("abstaining", drafter=AbstainingCycleDrafter(V, step=1)), Level("layer2", lm, 2),
-              Level("layer4", lm, 4)]
-    p_ok = _pvalue(HSD(levels, [2, 2]), probs, 1.0, 1.0)
+    drafter = _AbstainsAfterEven(V)
+    mid = [Level("layer2", lm, 2)] if depth == 3 else []
+    levels, budgets = [Level("abstaining", drafter=drafter), *mid, Level("layer4", lm, 4)], [2] * (depth - 1)
+    p_ok = _pvalue(HSD(levels, budgets), probs, 1.0, 1.0)
     assert p_ok > 1e-3, p_ok
+    assert min(drafter.calls.values()) > N // 10, drafter.calls
+    if depth == 3:
+        p_bad = _pvalue(HSD(levels, budgets, residual=False), probs, 1.0, 1.0)
+        assert p_bad < 1e-6, p_bad
 
 
 def _switching(ha: HSD, hb: HSD):
