@@ -514,12 +514,53 @@ def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny
     batch.tick()                                    # the short prompt in one pass, and its first token
     second = batch.add(long, 10, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
     before, ticks = len(blocks), 0
-    while second in batch.waiting or batch.prefilling is second:
+    while second in batch.waiting or second in batch.prefilling:
         batch.tick()
         ticks += 1
     assert ticks == 4 and len(blocks) - before == 4         # a token of the other sequence in every one of them
     batch.run()
     assert [got[0], got[1]] == want
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one_s_passes(tiny, monkeypatch):
+    """A short request that arrives while a long prompt is computed (passes of 8: 40 positions in 5 ticks) gets its
+    first token in the tick after, not after the long prompt's remaining passes (it waited for all of them), and the
+    long prompt resumes after it; two long prompts that arrive together are computed one after the other, in
+    arrival order. Every answer is its prompt's own."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(tiny)
+    _, _, ar = _hierarchies(tiny, eng)
+    g = torch.Generator().manual_seed(11)
+    longs = [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(2)]
+    short = torch.randint(3, 64, (5,), generator=g).tolist()
+    want = {"a": ar.generate(longs[0], 6).token_ids, "b": ar.generate(longs[1], 6).token_ids,
+            "s": ar.generate(short, 6).token_ids}
+    for burst in (False, True):
+        batch = Batch(ar, max_active=4)
+        got: dict[str, list[int]] = {}
+        first: dict[str, int] = {}
+        tick = 0
+
+        def add(name, prompt):
+            return batch.add(prompt, 6, on_tokens=lambda toks: first.setdefault(name, tick),
+                             on_done=lambda res, err: got.__setitem__(name, res.token_ids))
+
+        a = add("a", longs[0])
+        b = add("b", longs[1]) if burst else None
+        for tick in range(1, 3):
+            batch.tick()
+        assert a in batch.prefilling and (b is None or b in batch.waiting)     # the first come is computed first
+        if not burst:
+            add("s", short)
+            tick = 3
+            batch.tick()
+            assert first == {"s": 3} and a in batch.prefilling                  # its first token at once
+        while batch.busy:
+            tick += 1
+            batch.tick()
+        assert (first["a"] < first["b"]) if burst else (first["s"] < first["a"] == 6)    # alone: 5
+        assert got == {k: want[k] for k in got} and len(got) == 2
+
 
 
 def test_an_unseeded_sample_follows_the_load_a_seeded_one_keeps_its_hierarchy(tiny):
@@ -622,7 +663,7 @@ def test_random_schedules_keep_every_answer_its_own(tiny, seed):
         batch.tick()
         tick += 1
         assert tick < 10_000
-    assert not batch.active and not batch.waiting and batch.prefilling is None
+    assert not batch.active and not batch.waiting and not batch.prefilling
     for i in range(n):
         assert len(done[i]) == 1 and done[i][0][1] is None, (i, done[i])
         got = done[i][0][0].token_ids

@@ -3,9 +3,9 @@ batch and the load predictor both run it (``tests/test_load_model.py`` checks th
 
 from __future__ import annotations
 
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, prefill_turn, served_groups
 
-OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (False, True)
+OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (0, 1, 2)
                for w in (0, 1, 3, 9) if d + p <= m]
 
 
@@ -15,18 +15,26 @@ def test_the_load_counts_those_in_flight_and_those_that_take_a_free_place():
         assert occ.load == min(occ.max_active, occ.in_flight + occ.waiting), occ
 
 
-def test_a_prompt_begins_alone_with_a_free_place_and_leaves_the_load_as_it_was():
+def test_a_prompt_may_begin_with_a_free_place_and_leaves_the_load_as_it_was():
     for occ in OCCUPANCIES:
-        assert occ.admits() == (not occ.prefilling and occ.waiting > 0 and occ.in_flight < occ.max_active), occ
-        if occ.admits():   # the oldest waiting one is prefilled: the level it was chosen for stays in force
-            after = Occupancy(occ.decoding, True, occ.waiting - 1, occ.max_active)
-            assert after.load == occ.load and not after.admits(), occ
+        assert occ.admits() == (occ.waiting > 0 and occ.in_flight < occ.max_active), occ
+        if occ.admits():   # the oldest waiting one begins: the level it was chosen for stays in force
+            after = Occupancy(occ.decoding, occ.prefilling + 1, occ.waiting - 1, occ.max_active)
+            assert after.load == occ.load, occ
             assert level_at((1, 2, 4, 8), after) == level_at((1, 2, 4, 8), occ), occ
 
 
+def test_the_prompt_with_the_fewest_positions_left_takes_the_prefill_pass():
+    assert prefill_turn([], None) is None
+    assert prefill_turn([], 300) == 0                        # the oldest waiting one begins
+    assert prefill_turn([700], 20) == 1                      # a short one goes before a long one's passes
+    assert prefill_turn([700], 700) == 0 and prefill_turn([700], 900) == 0     # a tie: the one begun
+    assert prefill_turn([500, 40], None) == 1 and prefill_turn([40, 40], 40) == 0
+
+
 def test_the_level_in_force_is_the_nearest_on_a_log_scale():
-    assert [level_at((1, 2, 4, 8), Occupancy(n, False, 0, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 4, 8, 8, 8]
-    assert level_at((1, 8), Occupancy(1, True, 5, 8)) == 8          # 2 in flight, 5 waiting for a place: 7
+    assert [level_at((1, 2, 4, 8), Occupancy(n, 0, 0, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 4, 8, 8, 8]
+    assert level_at((1, 8), Occupancy(1, 1, 5, 8)) == 8          # 2 in flight, 5 waiting for a place: 7
 
 
 def _g(key, size, rank=0, waited=0, first=False):

@@ -1358,3 +1358,16 @@ def test_an_assistant_turn_with_text_and_calls_keeps_both_and_whitespace_is_a_pr
     for body, kind in (({"prompt": ""}, "completion"), ({"messages": [{"role": "user", "content": ""}]}, "chat")):
         with pytest.raises(ApiError, match="empty"):
             parse_request(body, kind, info)
+
+
+def test_the_short_behind_long_benchmark_times_every_request(served):
+    """``benchmarks/ttft_behind_long.py`` against a running server: every request answered, each short one's first
+    token before its end, and the same text as the short request sent alone where the prompt is the same."""
+    from benchmarks.ttft_behind_long import SHORT, measure, timed_stream
+
+    srv, _ = served
+    rep = measure(srv.url, repeats=30, shorts=2, gap=0.05, max_tokens=3, text="w1 w2 w3 ")
+    assert rep["long_prompt_tokens"] >= 90
+    for r in [rep["alone"], rep["long"], *rep["shorts"]]:
+        assert r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["total_s"] and r["text"]
+    assert timed_stream(srv.url, SHORT, 3, 60)["text"] == rep["alone"]["text"]

@@ -6,7 +6,8 @@ flight ramps up at the start, dips while a client waits for its next request to 
 end. :func:`predict_level` runs the policy :class:`~hsd_opt.runtime.batch.Batch` runs (the functions of
 :mod:`hsd_opt.runtime.schedule`: admission, the level in force, who takes it) on costs instead of passes:
 
-- a request waits until fewer than ``max_batch`` sequences are in flight and no other prompt is being computed,
+- a request waits until fewer than ``max_batch`` sequences are in flight and its prompt has the turn (of those
+  begun and the oldest waiting one, the fewest positions left: :func:`~hsd_opt.runtime.schedule.prefill_turn`),
   then its prompt takes one tick per pass of the target (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`: a kept
   prompt head is taken, not computed; the rest in passes of at most ``PREFILL_CHUNK`` positions), the last of
   them also computing the prompt on every other engine of its hierarchy; it decodes from that tick on (its first
@@ -51,7 +52,7 @@ from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, greedy_costs, scale_costs
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import HSD, prompt_pass_ends
-from hsd_opt.runtime.schedule import Occupancy, level_at
+from hsd_opt.runtime.schedule import Occupancy, level_at, prefill_turn
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -202,7 +203,7 @@ class LoadCosts:
         """Seconds of each tick of ``job``'s prompt: one per pass of the target; the last also computes the
         prompt on every other engine of ``spec`` (its last position only on an engine that shares the target's)."""
         n = job.head + job.positions
-        ends = [b for b in prompt_pass_ends(n, job.head) if b > job.head] or [n]
+        ends = pass_ends(job)
         starts = [min(job.head, n - 1)] + ends[:-1]         # a prompt computes its last position at least
         ticks = [self.prompt_pass(spec.prefill[0], b - a) for a, b in zip(starts, ends)]
         for m in spec.prefill[1:]:
@@ -211,7 +212,14 @@ class LoadCosts:
         return ticks
 
 
-@dataclass
+def pass_ends(job: Job) -> list[int]:
+    """Where the passes of ``job``'s prompt end (prompt positions), one per tick of its prefill: those after its kept
+    head (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`), its last position at least."""
+    n = job.head + job.positions
+    return [b for b in prompt_pass_ends(n, job.head) if b > job.head] or [n]
+
+
+@dataclass(eq=False)
 class _Seq:
     client: int
     job: Job
@@ -219,7 +227,14 @@ class _Seq:
     spec: Spec | None = None
     holds: frozenset[str] = frozenset()
     ticks: list[float] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    computed: int = 0
     left: int = 0
+
+    @property
+    def positions(self) -> int:
+        """Its prompt's positions."""
+        return self.job.head + self.job.positions
 
 
 @dataclass
@@ -257,27 +272,32 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
     waiting = [_Seq(i, jobs[0], 0.0) for i, jobs in enumerate(clients) if jobs]
     sent = {i: 1 for i in range(len(clients))}
     active: list[_Seq] = []
-    prefilling: _Seq | None = None
+    prefilling: list[_Seq] = []
     ttft: list[float] = []
     decoding: list[int] = []
     tokens = 0
 
     def occupancy() -> Occupancy:
-        return Occupancy(len(active), prefilling is not None, len(waiting), max_batch)
+        return Occupancy(len(active), len(prefilling), len(waiting), max_batch)
 
-    while waiting or active or prefilling is not None:
+    while waiting or active or prefilling:
         ended: list[_Seq] = []
         joined: _Seq | None = None
         dt = 0.0
-        if occupancy().admits():
-            prefilling = waiting.pop(0)
+        nxt = waiting[0].positions if occupancy().admits() else None
+        turn = prefill_turn([s.positions - s.computed for s in prefilling], nxt)
+        if turn == len(prefilling):
+            s = waiting.pop(0)
+            prefilling.append(s)
             spec = specs[level_at(specs, occupancy())]
-            prefilling.spec, prefilling.holds = spec, spec.engines
-            prefilling.ticks = costs.prefill(spec, prefilling.job)
-        if prefilling is not None:
-            dt += prefilling.ticks.pop(0)
-            if not prefilling.ticks:          # the prompt computed: it decodes from this tick on
-                s, prefilling = prefilling, None
+            s.spec, s.holds = spec, spec.engines
+            s.ticks, s.ends = costs.prefill(spec, s.job), pass_ends(s.job)
+        if turn is not None:
+            s = prefilling[turn]
+            dt += s.ticks.pop(0)
+            s.computed = s.ends.pop(0)
+            if not s.ticks:                   # the prompt computed: it decodes from this tick on
+                prefilling.remove(s)
                 s.left = s.job.tokens
                 active.append(s)
                 joined = s

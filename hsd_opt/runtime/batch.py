@@ -3,12 +3,14 @@
 A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.decode.Decoding` (its own caches,
 drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
-1. prefills the oldest waiting sequence, one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a new
-   request's prompt costs the others one such pass per round, a long prompt several; its first token comes after its
-   prefill and its first round, not after the others finish), for the hierarchy of the load it starts under (those in
-   flight, it, and those waiting for a place). Where the target is that hierarchy's only engine, the prompt's last
-   pass is left to the sequence's first round (``prefill_passes(defer_last=True)``): step 3 computes it in the call
-   that serves the others' rounds, each weight read once for all their rows;
+1. computes one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a new request's prompt costs the others
+   one such pass per round, a long prompt several; its first token comes after its prefill and its first round, not
+   after the others finish): of the prompt with the fewest positions left among those begun and the oldest waiting
+   sequence where a place is free (:func:`~hsd_opt.runtime.schedule.prefill_turn`: a short request that arrives
+   while a long prompt is computed is not held behind its passes), which begins with the hierarchy of the load it
+   starts under (those in flight, it, and those waiting for a place). Where the target is that hierarchy's only
+   engine, the prompt's last pass is left to the sequence's first round (``prefill_passes(defer_last=True)``): step 3
+   computes it in the call that serves the others' rounds, each weight read once for all their rows;
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current load
    level (of its task's hierarchies where it has one: ``by_task``), applied at its next round (a round under way
    drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if that costs no more than a prefill on it
@@ -50,7 +52,7 @@ from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 from hsd_opt.runtime.penalties import Penalties
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, served_groups
+from hsd_opt.runtime.schedule import Group, Occupancy, level_at, prefill_turn, served_groups
 
 #: The least ``max_wait`` of a batch by default (ticks).
 MIN_WAIT = 3
@@ -88,6 +90,7 @@ class Entry:
     waited: int = 0
     prefill: Generator | None = None
     task: str | None = None
+    computed: int = 0           # prompt positions its prefill has computed so far
 
 
 def _load_levels(hierarchies: HSD | Mapping[int, HSD]) -> dict[int, HSD]:
@@ -128,8 +131,9 @@ class Batch:
             self._rank[id(lv.engine)] = min(i, self._rank.get(id(lv.engine), i))
         self.waiting: list[Entry] = []
         self.active: list[Entry] = []
-        #: the sequence whose prompt is being computed (a pass per tick), in flight but not decoding yet
-        self.prefilling: Entry | None = None
+        #: the sequences whose prompt is being computed (one pass per tick among them), in the order they began: in
+        #: flight but not decoding yet
+        self.prefilling: list[Entry] = []
 
     def hierarchy_for(self, n: int, task: str | None = None) -> HSD:
         """The hierarchy of the load level for ``n`` sequences in flight (:func:`~hsd_opt.formats.nearest_level`: the
@@ -140,7 +144,7 @@ class Batch:
     @property
     def occupancy(self) -> Occupancy:
         """The batch's sequences counted by state, as the scheduler's policy decides on them."""
-        return Occupancy(len(self.active), self.prefilling is not None, len(self.waiting), self.max_active)
+        return Occupancy(len(self.active), len(self.prefilling), len(self.waiting), self.max_active)
 
     @property
     def in_flight(self) -> int:
@@ -174,8 +178,8 @@ class Batch:
         """Remove a sequence that waits or is being prefilled (never decoded); False when it is neither."""
         if entry in self.waiting:
             self.waiting.remove(entry)
-        elif entry is self.prefilling:
-            self.prefilling = None
+        elif entry in self.prefilling:
+            self.prefilling.remove(entry)
             entry.prefill.close()
         else:
             return False
@@ -184,8 +188,8 @@ class Batch:
 
     @property
     def starting(self) -> list[Entry]:
-        """The sequences not decoding yet: those waiting, then the one being prefilled."""
-        return self.waiting + ([self.prefilling] if self.prefilling is not None else [])
+        """The sequences not decoding yet: those waiting, then those being prefilled."""
+        return self.waiting + self.prefilling
 
     @property
     def queued(self) -> int:
@@ -200,7 +204,7 @@ class Batch:
         """Remove every sequence, decoding, being prefilled or waiting (after a :meth:`tick` that failed), each
         decoding closed; returns them, decoding ones first, for the caller to end their requests."""
         entries = self.active + self.starting
-        self.active, self.waiting, self.prefilling = [], [], None
+        self.active, self.waiting, self.prefilling = [], [], []
         for e in entries:
             e.decoding.close()
         return entries
@@ -208,10 +212,12 @@ class Batch:
     def tick(self) -> int:
         """One round of the scheduler (see the module doc; its policy: :mod:`hsd_opt.runtime.schedule`); returns
         the passes served."""
-        if self.occupancy.admits():
+        nxt = self.waiting[0].decoding.n_prompt if self.occupancy.admits() else None
+        turn = prefill_turn([e.decoding.n_prompt - e.computed for e in self.prefilling], nxt)
+        if turn == len(self.prefilling):
             self._begin(self.waiting.pop(0))
-        if self.prefilling is not None:
-            self._prefill_pass(self.prefilling)
+        if turn is not None:
+            self._prefill_pass(self.prefilling[turn])
         occupancy = self.occupancy                  # those in flight and those about to join
         level = {t: lv[level_at(lv, occupancy)] for t, lv in ((None, self.levels), *self.tasks.items())}
         for e in self.active:
@@ -276,7 +282,7 @@ class Batch:
         return out
 
     def _begin(self, e: Entry) -> None:
-        self.prefilling = e                     # in flight from its prefill on
+        self.prefilling.append(e)               # in flight from its prefill on
         if e.decoding.follows_load:  # the load it starts under: those in flight, it, and those waiting for a place
             e.decoding.switch(self.hierarchy_for(self.load, e.task))
         e.prefill = e.decoding.prefill_passes(defer_last=True)
@@ -284,15 +290,15 @@ class Batch:
     def _prefill_pass(self, e: Entry) -> None:
         """One pass of ``e``'s prefill; after its last, ``e`` decodes: run to its first pass."""
         try:
-            next(e.prefill)
-            return                              # more of the prompt next tick
+            e.computed = next(e.prefill)
+            return                              # more of the prompt at a later tick
         except StopIteration:
             pass
         except Exception as err:  # noqa: BLE001 - a bug: end this sequence, keep the others
-            self.prefilling = None
+            self.prefilling.remove(e)
             self._finish(e, err)
             return
-        self.prefilling = None
+        self.prefilling.remove(e)
         self.active.append(e)
         try:
             e.steps = e.decoding.steps()

@@ -4,8 +4,9 @@
 (:mod:`hsd_opt.measure.load_predictor`) runs it on priced ones, so the two cannot drift apart. A tick decides,
 in this order:
 
-1. whether the oldest waiting sequence begins its prompt (:meth:`Occupancy.admits`: no other prompt is being
-   computed and fewer than ``max_active`` sequences are in flight);
+1. whose prompt takes the tick's prefill pass (:func:`prefill_turn`): of the prompts being computed and the oldest
+   waiting sequence (where fewer than ``max_active`` are in flight: :meth:`Occupancy.admits`), the one with the
+   fewest positions left, so that a short prompt is not held behind a long one's passes;
 2. the load level in force (:func:`level_at`): the plan level nearest, on a log scale, to the sequences in flight
    and those about to take a place (:attr:`Occupancy.load`);
 3. which sequences take that level's hierarchy: one that follows the load and can take it for no more than a
@@ -31,20 +32,20 @@ class Occupancy:
 
     Attributes:
         decoding: sequences decoding (their prompt computed).
-        prefilling: whether a sequence's prompt is being computed (one at a time).
+        prefilling: sequences whose prompt is being computed (begun, a pass per tick among them).
         waiting: sequences added and not yet in flight.
         max_active: sequences decoded together at most.
     """
 
     decoding: int
-    prefilling: bool
+    prefilling: int
     waiting: int
     max_active: int
 
     @property
     def in_flight(self) -> int:
         """Sequences decoding or being prefilled."""
-        return self.decoding + int(self.prefilling)
+        return self.decoding + self.prefilling
 
     @property
     def load(self) -> int:
@@ -52,8 +53,19 @@ class Occupancy:
         return self.in_flight + max(0, min(self.waiting, self.max_active - self.in_flight))
 
     def admits(self) -> bool:
-        """Whether the oldest waiting sequence begins its prompt now."""
-        return not self.prefilling and self.waiting > 0 and self.in_flight < self.max_active
+        """Whether the oldest waiting sequence may begin its prompt now (a place is free for it)."""
+        return self.waiting > 0 and self.in_flight < self.max_active
+
+
+def prefill_turn(left: Sequence[int], next_waiting: int | None) -> int | None:
+    """Whose prompt takes this tick's prefill pass: an index into ``left`` (the positions each prompt being computed
+    has left, in the order they began), ``len(left)`` for the oldest waiting sequence (``next_waiting``: its prompt's
+    positions; None where it may not begin), None for none. The fewest positions left first: a short prompt that
+    arrives while a long one is computed goes before the long one's remaining passes (its first token after a pass or
+    two, not after the whole long prompt), which resumes after it; a tie goes to the prompt begun first, the waiting
+    one last, so a burst of equal prompts is computed one after the other in arrival order."""
+    sizes = [*left, *([] if next_waiting is None else [next_waiting])]
+    return min(range(len(sizes)), key=lambda i: (sizes[i], i)) if sizes else None
 
 
 def level_at(levels: Iterable[int], occupancy: Occupancy) -> int:
