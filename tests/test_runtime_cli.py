@@ -183,28 +183,27 @@ def test_bench_ended_by_sigterm_reports_the_prompts_it_finished(tiny_dir, tmp_pa
     prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(1, 200)))
     rep_path = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    err_path = tmp_path / "stderr.txt"
-    with open(err_path, "w") as err_file:
+    out_path = tmp_path / "stdout.txt"
+    with open(out_path, "w") as out_file:
         proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "bench", "--plan", str(plan), "--prompts",
                                  str(prompts), "--max-new-tokens", "8", "--methods", "ar,hsd", "--json", str(rep_path),
-                                 "--device", "cpu"], stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+                                 "--device", "cpu"], stdout=out_file, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
     try:
         end = time.monotonic() + 120
-        while time.monotonic() < end:       # the progress lines (stdout)
-            line = proc.stdout.readline()
+        while time.monotonic() < end:       # the progress lines (stderr)
+            line = proc.stderr.readline()
             lines.append(line)
             if not line or line.startswith("prompt 2/199 done"):
                 break
-        assert lines[-1].startswith("prompt 2/199 done"), "".join(lines) + err_path.read_text()
+        assert lines[-1].startswith("prompt 2/199 done"), "".join(lines) + out_path.read_text()
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    err = err_path.read_text()
-    log = "".join(lines) + out + err
+    log = "".join(lines) + err + out_path.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, log
     rep = json.loads(rep_path.read_text())
     assert rep["prompts"] >= 2 and rep["stopped"]["prompts_done"] == rep["prompts"], rep.get("stopped")
