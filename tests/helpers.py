@@ -84,17 +84,21 @@ def engine_logits(eng, ids: torch.Tensor, split: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def stepwise_greedy(eng, prompt, n: int, eos=()) -> list[int]:
+def stepwise_greedy(eng, prompt, n: int, eos=(), constraint=None) -> list[int]:
     """The target's greedy tokens read one step at a time off ``eng``'s logits at its last layer (the argmax of the
     row, computed whole: no decoding loop, no greedy screen, no verify pass), ending after a token of ``eos``:
-    the reference a decoder's greedy output must equal. ``prompt``: token ids; at most ``n`` new tokens."""
+    the reference a decoder's greedy output must equal. ``prompt``: token ids; at most ``n`` new tokens;
+    ``constraint``: a grammar's state (:class:`~hsd_opt.grammar.constraint.Constraint`) masking each row."""
     st = eng.new_state(len(prompt) + n + 1)
     eng.append(st, torch.tensor(list(prompt)))
     out: list[int] = []
     while len(out) < n:
         eng.advance(st, eng.n_layers)
         m = len(prompt) + len(out)
-        out.append(int(eng.logits(st, eng.n_layers, m - 1, m)[0].argmax()))
+        row = eng.logits(st, eng.n_layers, m - 1, m)[0]
+        if constraint is not None:
+            row = row.masked_fill(~constraint.allowed(out, len(out)), float("-inf"))
+        out.append(int(row.argmax()))
         if out[-1] in eos:
             break
         eng.append(st, torch.tensor([out[-1]]))

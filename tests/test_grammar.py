@@ -25,6 +25,7 @@ from tests.helpers import (
     TinyTokenizer,
     chi_square_pvalue,
     make_tiny_llama,
+    stepwise_greedy,
 )
 
 EOS = 2
@@ -308,20 +309,7 @@ def test_unconstrained_greedy_output_is_not_json_here(compiler, json_tok, engine
 
 def _stepwise_masked_greedy(eng, prompt, n, grammar):
     """Masked greedy decoding one step at a time, read off the engine's logits: the reference."""
-    c = Constraint(grammar)
-    st = eng.new_state(len(prompt) + n + 1)
-    eng.append(st, torch.tensor(prompt))
-    out: list[int] = []
-    for _ in range(n):
-        eng.advance(st, eng.n_layers)
-        m = len(prompt) + len(out)
-        row = eng.logits(st, eng.n_layers, m - 1, m)[0]
-        t = int(row.masked_fill(~c.allowed(out, len(out)), float("-inf")).argmax())
-        out.append(t)
-        if t == EOS:
-            break
-        eng.append(st, torch.tensor([t]))
-    return out
+    return stepwise_greedy(eng, prompt, n, eos=(EOS,), constraint=Constraint(grammar))
 
 
 def test_masked_decoding_equals_the_stepwise_reference_and_skips_the_forced_tokens_passes(compiler, engine):

@@ -389,14 +389,13 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
                                     check_plan=plan_check_for_retime(retime_profile, plan, retime))
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
-    say = _progress
-    by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), say, retime_profile)
+    by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), _progress, retime_profile)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
     check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded), _prompts_source(prompts))
     ids = [encode_prompt(loaded.tokenizer, it.prompt, raw=raw) for it in items]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rep = run_load_bench(p, {m: table[m] for m in names}, target, ids, levels_c, requests, max_new_tokens, rounds,
-                         log=say, predictor=predictor, sampling=sampling)
+                         log=_progress, predictor=predictor, sampling=sampling)
     if retimed is not None:
         rep["retime"] = retimed
     _add_load_machine(rep, started, plan, loaded)

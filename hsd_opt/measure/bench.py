@@ -428,14 +428,13 @@ def _warm_up(runners: dict[str, Runner], built: dict, errors: dict[str, str], id
 
 def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns: str, raw: bool,
                 max_new_tokens: int, sampling: Sampling, clock, desc: dict, plan, retime, log,
-                between: Callable[[int], None] | None = None,
-                errors: dict[str, str] | None = None) -> dict[str, list]:
+                between: Callable[[int], None] | None, errors: dict[str, str]) -> dict[str, list]:
     """Every method's conversation of every prompt (:func:`converse`), the methods in an order rotating with the
     prompt; with a ``clock`` (``--retime``) the engines' steps timed before each prompt and our generations priced
-    again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i``. Returns the :class:`Generation` s of
-    each method, in prompt order, and how many prompts every method finished: fewer than ``items`` after Ctrl-C
-    (those finished are kept; none finished: the interrupt goes on). A method that raises on a prompt is dropped
-    from the report (:func:`_drop_failed`), the others go on."""
+    again at that speed (:func:`_retime`); ``between(i)`` after prompt ``i`` (None: nothing). Returns the
+    :class:`Generation` s of each method, in prompt order, and how many prompts every method finished: fewer than
+    ``items`` after Ctrl-C (those finished are kept; none finished: the interrupt goes on). A method that raises on
+    a prompt is dropped from the report, its error in ``errors`` (:func:`_drop_failed`), the others go on."""
     names = list(runners)
     gens: dict[str, list[Generation]] = {m: [] for m in names}
     t_start, done = time.monotonic(), 0
@@ -451,7 +450,7 @@ def _timed_runs(runners: dict[str, Runner], items: list[PromptItem], tok, turns:
                     with heartbeat(log, where):
                         new = converse(runners[m], tok, it, turns, raw, max_new_tokens, sampling)
                 except Exception as e:  # noqa: BLE001 - HF may refuse or run out of memory on a longer prompt
-                    _drop_failed(m, e, i, runners, gens, errors if errors is not None else {}, log)
+                    _drop_failed(m, e, i, runners, gens, errors, log)
                     continue
                 if factor is not None:
                     _retime(new, m, desc, plan, retime, factor)
