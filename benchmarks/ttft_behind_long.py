@@ -53,7 +53,10 @@ def measure(url: str, repeats: int, shorts: int, gap: float, max_tokens: int, ti
     import httpx
 
     long_prompt = text * repeats
-    tokens = httpx.post(f"{url}/tokenize", json={"prompt": long_prompt}, timeout=timeout).json()
+    try:
+        tokens = httpx.post(f"{url}/tokenize", json={"prompt": long_prompt}, timeout=timeout).json()
+    except httpx.HTTPError as e:                   # no server there: one line naming the flag
+        raise HsdError(f"--url {url}: {type(e).__name__}: {e}") from None
     out: dict = {"url": url, "long_prompt_tokens": tokens.get("count", len(tokens.get("tokens", []))),
                  "alone": timed_stream(url, SHORT, max_tokens, timeout), "shorts": [None] * shorts}
     errors: list[BaseException] = []

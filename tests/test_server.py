@@ -1371,3 +1371,14 @@ def test_the_short_behind_long_benchmark_times_every_request(served):
     for r in [rep["alone"], rep["long"], *rep["shorts"]]:
         assert r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["total_s"] and r["text"]
     assert timed_stream(srv.url, SHORT, 3, 60)["text"] == rep["alone"]["text"]
+
+
+def test_the_short_behind_long_benchmark_names_a_url_with_no_server():
+    from benchmarks.ttft_behind_long import measure
+    from hsd_opt.errors import HsdError
+
+    with socket.socket() as s:                      # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(HsdError, match=f"--url http://127.0.0.1:{port}: ConnectError"):
+        measure(f"http://127.0.0.1:{port}", repeats=2, shorts=1, gap=0.0, max_tokens=2, timeout=5)
