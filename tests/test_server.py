@@ -466,6 +466,8 @@ BAD = [
     (COMP, json.dumps({"prompt": "w1"}).encode("utf-32-le"), 400, None, None),
     (COMP, {"model": MODEL, "prompt": "w1", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "stream": False, "stream_options": {}}, 400, "stream_options", None),
     (COMP, [1, 2], 400, None, None),
     (CHAT, {"model": MODEL}, 400, "messages", None),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),

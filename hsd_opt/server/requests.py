@@ -503,6 +503,8 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"'stream_options' must be an object, got {_type_name(opts)}", "stream_options")
+    if opts is not None and not stream:     # as the OpenAI API and vLLM: options of a stream not asked for
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = _bool(opts or {}, "include_usage", "stream_options.include_usage") if stream else False
     logprobs = _logprobs(body, kind)
     penalties = _penalties(body, info)
