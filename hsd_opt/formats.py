@@ -238,10 +238,23 @@ class Profile:
         raise KeyError(name)
 
     def accept(self, drafter: str, verifier: str) -> float | None:
-        """``acceptance[drafter][verifier]`` or ``None`` when not measured. A model always accepts itself (1.0)."""
+        """``acceptance[drafter][verifier]`` or ``None`` when not measured. A model always accepts itself (1.0).
+
+        Between two models that both verify, the rate is one figure of the pair (the expected overlap of their
+        distributions, ``sum min(p, q)``, or how often their argmax agree: the same either way round), kept once,
+        the cheaper first in the cost order of the run that measured it; so a pair stored the other way round is
+        read too, as costs of another device or context may order the two the other way
+        (``hsd profile merge-costs``, ``hsd solve --context``)."""
         if drafter == verifier:
             return 1.0
-        return self.acceptance.get(drafter, {}).get(verifier)
+        a = self.acceptance.get(drafter, {}).get(verifier)
+        if a is None and all(self._verifies(n) for n in (drafter, verifier)):
+            a = self.acceptance.get(verifier, {}).get(drafter)
+        return a
+
+    def _verifies(self, name: str) -> bool:
+        """Whether ``name`` is a model of the pool that verifies (False for a name not in it)."""
+        return any(m.name == name and m.can_verify for m in self.models)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": PROFILE_FORMAT, "target": self.target,

@@ -1108,6 +1108,37 @@ def test_merge_costs_takes_one_profiles_rates_and_anothers_costs(tmp_path):
     assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", 6, "--out", tmp_path / "p.json").exit_code == 0
 
 
+def test_costs_that_order_two_models_the_other_way_keep_their_measured_pair(tmp_path):
+    """A pair of verifying models is stored once, the cheaper first in the order the rates were measured in;
+    costs of another device that order them the other way round (``merge-costs``) still give the solver that pair
+    (it offered the pair to neither order before); a token drafter's pair is never read backwards."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from hsd_opt.profiler.assemble import merge_costs
+    from hsd_opt.solver.hierarchy import cost_order
+    from hsd_opt.solver.instance import build_instance
+    from tests.helpers import random_profile
+
+    here = random_profile(np.random.default_rng(5), 6, missing=0.0, abstaining=True)
+    costs = replace(here, models=[replace(m, cost=m.cost if m.name == here.target else 0.9 - m.cost)
+                                  for m in here.models])          # every drafter's cost order reversed
+    merged = merge_costs(here, costs, "here.json", "there.json")
+    stored = [(d, v) for d, row in here.acceptance.items() for v in row if v != here.target]
+    both = [(d, v) for d, v in stored if here.entry(d).can_verify and here.entry(v).can_verify]
+    assert both, "the random pool has pairs of verifying drafters"
+    for d, v in both:                                   # now v is the cheaper: it drafts for d
+        assert merged.accept(v, d) == here.acceptance[d][v]
+    for d, v in stored:
+        if not here.entry(d).can_verify:
+            assert merged.accept(v, d) is None
+    inst = build_instance(merged, 4)
+    offered = {(inst.names[k], inst.names[i]) for i, ks in enumerate(inst.below) for k in ks}
+    assert offered == {(v, d) for d, v in both}
+    assert cost_order(merged)[: len(inst.names)] == inst.names
+
+
 def test_no_flags_leave_the_rest_of_the_default_pool_as_it_was(tiny, monkeypatch, tmp_path):
     """``--no-ngram`` (any ``--no-*``) takes one drafter out of the default pool and leaves the others its own: a
     bigram table not yet cached is skipped with a warning, not built (minutes on a real model); named in
