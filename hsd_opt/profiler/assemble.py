@@ -347,6 +347,16 @@ def _shards(prov: dict, path: Path | str = "profile") -> list[tuple[int, int]] |
     return [tuple(s) for s in given]
 
 
+def _prompt_set(prov: dict, path: Path | str) -> str | None:
+    """The SHA-256 of the prompt set a profile was measured on (None where not recorded); an
+    :class:`InputFileError` naming ``path`` and the field where it is not a string."""
+    sha = prov.get("prompts_sha256")
+    if sha is not None and not isinstance(sha, str):
+        raise InputFileError(str(path), f"expected the prompt set's SHA-256 as a string, got {json.dumps(sha)}",
+                             "provenance.prompts_sha256")
+    return sha
+
+
 def _overlap(a: list | None, b: list | None) -> bool:
     """Whether two coverages of one prompt set may share prompts: either is the whole set, they share a shard, or
     they cut the set into a different number of shards."""
@@ -397,7 +407,7 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     prov0 = first.provenance.to_dict()
     stats = _raw_stats(p0, first)
     read = [stats]                                  # each file's own statistics, read once
-    covered = {prov0.get("prompts_sha256"): [(p0, _shards(prov0, p0))]}
+    covered = {_prompt_set(prov0, p0): [(p0, _shards(prov0, p0))]}
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
         prov = prof.provenance.to_dict()
@@ -413,11 +423,11 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
-        sha, shards = prov.get("prompts_sha256"), _shards(prov, p)
+        sha, shards = _prompt_set(prov, p), _shards(prov, p)
         # sampled with another seed, the same prompts are other samples: not counted twice
-        resampled = setting(prov, "temperature") > 0 and prov.get("seed") != prov0.get("seed")
+        resampled = (setting(prov, "temperature") or 0) > 0 and prov.get("seed") != prov0.get("seed")
         clash = next((q for q, other in covered.get(sha, []) if _overlap(shards, other)), None)
-        if clash is not None and prov.get("world_size", 1) == 1 and not resampled:
+        if clash is not None and not resampled:     # (a torchrun profile's ranks are one file: the whole set)
             warn(f"{p}: its prompts overlap {clash}'s (the same prompt set, and shards that are not disjoint): "
                  f"their positions are counted twice")
         covered.setdefault(sha, []).append((p, shards))
