@@ -6,6 +6,7 @@ hierarchy."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hsd_opt.errors import InputFileError
 from hsd_opt.formats import load_plan, load_profile
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
 from hsd_opt.grammar.constraint import Constraint, mask_logits
+from hsd_opt.profiler import measure
 from hsd_opt.profiler.measure import generate, profile_sequence
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.run import ProfileConfig, run_profile
@@ -75,7 +77,8 @@ def test_the_profilers_continuation_under_a_grammar_is_masked_decodings(engine, 
         assert cont[-1] == EOS and Constraint(grammar).accepting(cont)
 
 
-def test_under_a_grammar_the_profiler_compares_masked_models_and_leaves_forced_positions_out(engine, grammar):
+def test_under_a_grammar_the_profiler_compares_masked_models_and_leaves_forced_positions_out(engine, grammar,
+                                                                                               monkeypatch):
     prompt = [5, 9, 13]
     cont = generate(engine, prompt, 60, 0.0, {EOS}, constraint=Constraint(grammar))
     c = Constraint(grammar)
@@ -109,6 +112,11 @@ def test_under_a_grammar_the_profiler_compares_masked_models_and_leaves_forced_p
         else:
             assert np.isnan(acc_t[0, 1, j])
     assert np.isnan(acc_t[0, 1]).any()
+    # a token drafter's seconds are those of the positions kept, the calls it is counted for (its cost per call)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    *_, secs = profile_sequence(neural, [CycleDrafter(64)], prompt, cont, 0.0, chunk=5, allowed=allowed, forced=forced)
+    assert secs.tolist() == [len(keep)]             # one tick a timed call
 
 
 @pytest.fixture(scope="module")

@@ -142,10 +142,11 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
     as numpy arrays (``i < j`` filled for the neural ones), ``G = len(continuation)``; ``acc_tn`` is NaN (and
     ``agree_tn`` False) at positions where a token drafter abstained. Under a grammar: ``allowed`` ``[G, V]``
     (bool) its row at each generated position, ``forced`` ``[G]`` (bool) where it allows one token only; those
-    positions are left out, so ``G`` is then the number of the others.
+    positions are left out, so ``G`` is then the number of the others, and ``propose_seconds`` the seconds of
+    each token drafter's ``propose`` calls at them (decoding asks no drafter where the grammar forces the token).
     """
     out = _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed,
-                          top_k, min_p)
+                          top_k, min_p, forced)
     if forced is None or not forced.any():
         return out
     keep = ~np.asarray(forced, dtype=bool)
@@ -153,8 +154,8 @@ def profile_sequence(neural: Sequence[NeuralDrafter], token_drafters: Sequence, 
 
 
 def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperature, chunk, top_p, allowed, top_k,
-                    min_p):
-    """:func:`profile_sequence` at every generated position."""
+                    min_p, forced=None):
+    """:func:`profile_sequence` at every generated position (``propose_seconds`` at those ``forced`` leaves out)."""
     P, G = len(prompt_ids), len(continuation)
     full = list(prompt_ids) + list(continuation)
     N, T = len(neural), len(token_drafters)
@@ -174,7 +175,8 @@ def _sequence_stats(neural, token_drafters, prompt_ids, continuation, temperatur
             ctx = full[:P + g]
             t0 = time.perf_counter()
             prop = d.propose(ctx, 1)
-            secs[ti] += time.perf_counter() - t0
+            if forced is None or not forced[g]:
+                secs[ti] += time.perf_counter() - t0
             props[ti, g] = int(prop[0]) if prop else -1      # -1: it abstained (NaN in acc_tn)
             if allowed is not None and prop and not _allows(allowed[g], int(props[ti, g])):
                 props[ti, g] = -1                              # refused by the grammar: decoding cuts it
