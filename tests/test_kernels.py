@@ -55,6 +55,21 @@ def test_linear_is_the_matrix_product_of_its_weights(kind, rows, cols):
         assert not torch.equal(deq, w)
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
+def test_a_row_that_is_not_finite_gives_no_finite_output(kind):
+    """An input row holding a NaN or an infinity makes every output of that row not finite, as the float product
+    does (the int8 activations of the integer path cannot hold one: a NaN came out as plausible numbers); the rows
+    beside it are what they are alone."""
+    g = torch.Generator().manual_seed(11)
+    mat = _mat(kind, torch.randn(8, 64, generator=g), None)
+    x = torch.randn(4, 64, generator=g)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    got = kernels.linear(LIB, mat, x)
+    assert not torch.isfinite(got[1:3]).any()
+    for i in (0, 3):
+        assert torch.equal(got[i], kernels.linear(LIB, mat, x[i:i + 1])[0]) and torch.isfinite(got[i]).all()
+
+
 def _integer_reference(mat: wq.Mat, x: torch.Tensor) -> torch.Tensor:
     """int4 / int8 rows times int8 activations, the scheme of kernels.c's integer path, in float64: each
     position's input quantized per group of 32 columns to round(x * 127 / max|x|), scale max|x| / 127."""

@@ -22,6 +22,7 @@
  * buffer of hsd_work_floats() floats). Build: cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC.
  */
 #define _GNU_SOURCE /* syscall(SYS_gettid) */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -694,7 +695,9 @@ static inline int int_path(const hsd_mat *A) {
     return (A->type == HSD_Q4 || A->type == HSD_Q8) && A->cols % HSD_GROUP == 0;
 }
 
-/* Quantize x [m, K] (row stride xs) for the integer path into q [m, K], d and s [m, K / 32]. */
+/* Quantize x [m, K] (row stride xs) for the integer path into q [m, K], d and s [m, K / 32]. A group with a
+ * value that is not finite gets codes 0 and d = s = NaN: every product over it is NaN, as the float product's
+ * (int8 codes cannot hold it; the int8 path reads d alone, so a NaN skipped by the maximum was lost). */
 static void quantize_x(const float *x, int xs, int m, int K, int8_t *q, float *d, float *s) {
     const int G = K / HSD_GROUP;
     for (int t = 0; t < m; t++)
@@ -702,10 +705,17 @@ static void quantize_x(const float *x, int xs, int m, int K, int8_t *q, float *d
             const float *p = x + (size_t)t * xs + g * HSD_GROUP;
             int8_t *o = q + (size_t)t * K + g * HSD_GROUP;
             float amax = 0.f, sum = 0.f;
+            int finite = 1;
             for (int j = 0; j < HSD_GROUP; j++) {
                 float a = fabsf(p[j]);
+                finite &= a <= FLT_MAX;
                 amax = a > amax ? a : amax;
                 sum += p[j];
+            }
+            if (!finite) {
+                memset(o, 0, HSD_GROUP);
+                d[(size_t)t * G + g] = s[(size_t)t * G + g] = NAN;
+                continue;
             }
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
             for (int j = 0; j < HSD_GROUP; j++) o[j] = (int8_t)nearbyintf(p[j] * inv);
