@@ -2176,7 +2176,7 @@ static int max_cols(const hsd_model *M) {
 long hsd_work_floats(const hsd_model *M, int m, int cache_len, int nthreads) {
     const long H = M->n_heads, KV = M->n_kv, hd = M->head_dim, d = M->hidden, I = M->inter;
     const long mk = max_cols(M);
-    return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + mk / 4 + 2 * (mk / HSD_GROUP) + 16)
+    return (long)m * (d + (H + 2 * KV) * hd + H * hd + 2 * I + (mk + 3) / 4 + 2 * (mk / HSD_GROUP) + 16)
         + (long)nthreads * ((long)HSD_ATTENTION_ROWS * (H / KV) * (cache_len + 16) + (long)HSD_SCRATCH_ROWS * mk + 16);
 }
 
@@ -2206,7 +2206,8 @@ int hsd_layers(const hsd_model *M, int l0, int l1, float *x, int m, const int32_
     float *xd = gu + (size_t)m * 2 * I;                  /* [m, mk / 32] quantized inputs: scales */
     float *xsum = xd + (size_t)m * (mk / HSD_GROUP);      /* [m, mk / 32] group sums */
     int8_t *xq = (int8_t *)(xsum + (size_t)m * (mk / HSD_GROUP)); /* [m, mk] */
-    float *scr = (float *)(xq + (size_t)m * mk) + 16;  /* per thread: attention scores, expanded weight rows */
+    /* per thread: attention scores, expanded weight rows; after xq rounded up to whole floats (aligned for any mk) */
+    float *scr = (float *)xq + ((size_t)m * mk + 3) / 4 + 16;
     const int rep = H / KV;
     const size_t att_scratch = (size_t)HSD_ATTENTION_ROWS * rep * (max_len + 16);
     const size_t per_thread = att_scratch + HSD_SCRATCH_ROWS * (size_t)mk + 16;
