@@ -1115,6 +1115,15 @@ def test_merge_costs_takes_one_profiles_rates_and_anothers_costs(tmp_path):
     assert run_cli("solve", "--profile", tmp_path / "m.json", "--tmax", 6, "--out", tmp_path / "p.json").exit_code == 0
 
 
+def test_json_tasks_on_a_tokenizer_llguidance_cannot_read_name_the_flag(tiny, tmp_path):
+    """A schema's grammar needs a tokenizer llguidance reads (the tiny word-level one is not): the error names
+    the flag that brought the schemas in, one line, exit 2."""
+    r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--json-tasks", "1",
+              "--out", str(tmp_path / "p.json"), "--device", "cpu"] + FAST)
+    out = cli_output(r)
+    assert r.exit_code == 2 and "--json-tasks" in out and "llguidance" in out and "Traceback" not in out, out
+
+
 def test_costs_that_order_two_models_the_other_way_keep_their_measured_pair(tmp_path):
     """A pair of verifying models is stored once, the cheaper first in the order the rates were measured in;
     costs of another device that order them the other way round (``merge-costs``) still give the solver that pair

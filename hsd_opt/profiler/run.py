@@ -263,7 +263,12 @@ def _grammars(loaded, items: Sequence[PromptItem], source: str) -> dict[int, Any
         return {}
     from hsd_opt.grammar.compiler import compiler_for, schema_grammars
 
-    return schema_grammars(compiler_for(loaded), items, source)
+    try:
+        compiler = compiler_for(loaded)
+        compiler.tokenizer()                        # its tables: where the tokenizer is one llguidance cannot read
+    except HsdError as e:
+        raise HsdError(f"the prompts with a JSON schema (--json-tasks, or {source}'s \"schema\" fields): {e}") from None
+    return schema_grammars(compiler, items, source)
 
 
 def _constraint(grammars: dict[int, Any], it: PromptItem):
