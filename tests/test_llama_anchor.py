@@ -81,9 +81,10 @@ def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_cou
     bench.write_text(f"#!/bin/sh\nn=$(cat {counter} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {counter}\n"
                      f"echo bench >> {order}\n"
                      f"echo '[{{\"n_gen\": 4, \"avg_ts\": '$((n * 100))'}}]'\n")
-    spec = tmp_path / "llama-speculative-simple"
-    spec.write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -p ] && echo \"spec $2\" >> {order}; shift; done\n"
-                    f"cat <<'END'\n{PRINTED}END\n")
+    spec = tmp_path / "llama-speculative-simple"     # 5 tokens (-n 4 and its last pass's), 9 past -n on prompt 2
+    spec.write_text(f"#!/bin/sh\nn=5\nwhile [ $# -gt 0 ]; do [ \"$1\" = -p ] && echo \"spec $2\" >> {order} && "
+                    f"case \"$2\" in *w2\\ w3\\ w4*) n=9;; esac; shift; done\n"
+                    f"cat <<END\n{PRINTED.replace('decoded   73 tokens', 'decoded   $n tokens')}END\n")
     for b in (bench, spec):
         b.chmod(0o755)
     gguf = tmp_path / "m.gguf"
@@ -91,7 +92,7 @@ def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_cou
     out = tmp_path / "r.json"
     res = subprocess.run([sys.executable, "-m", "benchmarks.llama_anchor", "--plan", str(plan), "--llama-bench",
                           str(bench), "--gguf", str(gguf), "--prompts", str(prompts), "--task", "", "--rounds", "1",
-                          "--max-new-tokens", "4", "--methods", "ar", "--llama-every", "2",
+                          "--max-new-tokens", "4", "--methods", "ar,hsd", "--llama-every", "2",
                           "--speculative", str(spec), "--spec-configs", "ngram-cache", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -103,4 +104,13 @@ def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_cou
     assert ours["decode_tokens"] == bench_ar["tokens"] - 3
     assert ours["decode_tok_s"] == pytest.approx((bench_ar["tokens"] - 3) / bench_ar["decode_seconds"])
     assert ours["decode_vs_llama_cpp"] == pytest.approx(ours["decode_tok_s"] / 200)
-    assert len(rd["llama_cpp_speculative"]["ngram-cache"]["runs"]) == 3
+    # a run of llama.cpp's past -n is left out, and the plan is rated against it over the same prompts
+    sp = rd["llama_cpp_speculative"]["ngram-cache"]
+    assert len(sp["runs"]) == 3 and [r["tokens"] for r in sp["runs"]] == [5, 9, 5] and sp["past_n"] == [1]
+    assert sp["tokens"] == 10 and sp["decode_tok_s"] == pytest.approx(10 / (2 * 8.71))
+    by = rd["bench"]["by_task"]
+    kept = [by[g]["hsd"] for g in ("t #1", "t #3")]
+    plan = sum(d["tokens"] - d["generations"] for d in kept) / sum(d["decode_seconds"] for d in kept)
+    assert sp["plan_decode_tok_s_same_prompts"] == pytest.approx(plan)
+    assert sp["plan_vs_this"] == pytest.approx(plan / sp["decode_tok_s"])
+    assert "prompts 2 left out" in res.stderr + res.stdout
