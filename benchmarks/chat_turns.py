@@ -167,7 +167,7 @@ def main() -> None:
     if "llama" in methods and not (a.llama_server and a.gguf):
         sys.exit("--methods llama: give --llama-server and --gguf")
     convs = conversations(a.questions, a.limit)
-    env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}  # llama-server's -t
     servers = {}
     for m, cache in (("hsd", []), ("hsd_nocache", ["--prompt-cache", "0"])):
         if m in methods:

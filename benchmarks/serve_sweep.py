@@ -37,21 +37,21 @@ model needs the memory of three); llama.cpp's server is started per level with `
 
 With ``--rounds N`` the levels are swept N times (in turn, then reversed), and the report adds the median of each
 method and level over the rounds (the plot draws the medians). Reported per method and level: aggregate tokens/s
-(every completion token over the wall time from the first request to the last answer), time to the first token
-p50/p95 (seconds), tokens/s per stream (p50), and for the ``hsd*`` methods whether every answer equals the plan's
-own ``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate
-at that load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each
-stream's tokens over its decode seconds, times ``c``). With ``--predict PROFILE`` every ``hsd*`` level is also
-predicted whole, prompts and ramps included (``hsd_opt.measure.load_predictor``, as ``hsd bench --concurrency
---retime`` predicts it): the engines the method's server runs are timed in this process right before its level
-(the server idle) and right after it, and the report adds ``predicted_run_tokens_per_s`` and
+(every completion token over the wall time from the first request to the last answer), time to the first token p50/p95
+(seconds), tokens/s per stream (p50), and for the ``hsd*`` methods whether every answer equals the plan's own
+``HSD.generate`` on the prompt (greedy: the target's tokens) and, for ``hsd``, the plan's predicted aggregate at that
+load (``by_load``, the level's hierarchy) next to the measured decode aggregate (the mean of each stream's tokens but
+its first, which comes with its prompt's pass, over its decode seconds, times ``c``). With ``--predict PROFILE`` every
+``hsd*`` level is also predicted whole, prompts and ramps included (``hsd_opt.measure.load_predictor``, as ``hsd bench
+--concurrency --retime`` predicts it): the engines the method's server runs are timed in this process right before its
+level (the server idle) and right after it, and the report adds ``predicted_run_tokens_per_s`` and
 ``measured_over_predicted`` (what HTTP, the server's text decoding and streaming add shows there). Where the kernel
-reports it (``/proc/stat`` on Linux), each
-method's level also records the share of the machine's CPU time the hypervisor gave to others while it ran
-(``steal_fraction``, 0 to 1): a level run in a spell of high steal is slow for reasons outside the method (a low
-share does not prove the opposite: the cores can run slow without any time being stolen). Each level also records
-``client_cpu_seconds``: the CPU time the client threads (this process) used while it ran, time the server did not
-have on a machine whose cores serve both (the benchmark's own cost, the same kind for every method).
+reports it (``/proc/stat`` on Linux), each method's level also records the share of the machine's CPU time the
+hypervisor gave to others while it ran (``steal_fraction``, 0 to 1): a level run in a spell of high steal is slow for
+reasons outside the method (a low share does not prove the opposite: the cores can run slow without any time being
+stolen). Each level also records ``client_cpu_seconds``: the CPU time the client threads (this process) used while it
+ran, time the server did not have on a machine whose cores serve both (the benchmark's own cost, the same kind for
+every method).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def load_level(url: str, model: str, prompts: list[str], clients: int, requests:
     rs = [r for _, r in results]
     tokens = sum(r["tokens"] for r in rs)
     per_stream = [r["tokens"] / r["total"] for r in rs if r["total"] > 0]
-    decode = [r["tokens"] / r["decode_seconds"] for r in rs if r.get("decode_seconds")]
+    # a stream's first token is read from its prompt's pass, before its decode clock starts: not counted
+    decode = [(r["tokens"] - 1) / r["decode_seconds"] for r in rs if r.get("decode_seconds") and r["tokens"] > 1]
     return {"clients": clients, "requests": len(rs), "errors": errors, "wall_seconds": wall, "client_cpu_seconds": cpu,
             "aggregate_tokens_per_s": tokens / wall if wall > 0 else None, "tokens": tokens,
             "ttft_p50": pct([r["ttft"] for r in rs], 50), "ttft_p95": pct([r["ttft"] for r in rs], 95),

@@ -54,7 +54,9 @@ def measure(url: str, repeats: int, shorts: int, gap: float, max_tokens: int, ti
 
     long_prompt = text * repeats
     try:
-        tokens = httpx.post(f"{url}/tokenize", json={"prompt": long_prompt}, timeout=timeout).json()
+        # "content": llama-server's name, which hsd serve reads too ("prompt" is vLLM's, and llama-server's answer
+        # to it is no tokens)
+        tokens = httpx.post(f"{url}/tokenize", json={"content": long_prompt}, timeout=timeout).json()
     except httpx.HTTPError as e:                   # no server there: one line naming the flag
         raise HsdError(f"--url {url}: {type(e).__name__}: {e}") from None
     out: dict = {"url": url, "long_prompt_tokens": tokens.get("count", len(tokens.get("tokens", []))),
