@@ -235,7 +235,11 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
     assert res.exit_code == 2 and "--kind" in res.output
     res = runner.invoke(app, ["heads", "train", "--prompts", str(tmp_path / "p.jsonl"),
                               "--out", str(tmp_path / "h.safetensors")])
-    assert res.exit_code == 2 and "p.jsonl: file not found" in res.output
+    assert res.exit_code == 2 and "--prompts " in res.output and "p.jsonl: file not found" in res.output
+    for cmd in (["train", "--out", str(tmp_path / "h.safetensors")],         # a directory: said so (not "not found")
+                ["eval", "--heads", str(tmp_path / "missing.safetensors")]):
+        res = runner.invoke(app, ["heads", *cmd, "--prompts", str(tmp_path)])
+        assert res.exit_code == 2 and f"--prompts {tmp_path}: is a directory" in res.output, res.output
 
 
 def test_batched_generation_matches_layered_greedy(tiny):

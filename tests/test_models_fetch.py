@@ -344,6 +344,11 @@ def test_a_split_alias_refuses_the_loading_flags_before_any_download(tmp_path, m
     assert res.stderr.strip() == ("error: --device, --dtype: qwen2.5-coder-0.5b is a split-GGUF alias, downloaded, "
                                   "assembled and converted but not loaded here; fetch it without --device and --dtype")
     assert not (tmp_path / "cache" / "downloads").exists()
+    gguf = tmp_path / "m.gguf"               # and the split aliases' flags are refused for any other model
+    gguf.write_bytes(b"GGUF")
+    res = run_cli("models", "fetch", str(gguf), "--keep-parts", "--verify")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.stderr.strip().startswith("error: --keep-parts, --verify: for split-GGUF aliases only"), res.stderr
 
 
 def test_converted_models_are_keyed_by_content_not_path(tmp_path, monkeypatch):

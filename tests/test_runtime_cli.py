@@ -682,6 +682,7 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
         (["--json", str(plan)], f"--json {plan}: the same file as --plan"),
         (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.json")], "the same file as --json"),
         (["--methods", "hf_assisted", "--assistant", str(tmp_path / "nowhere")], f"--assistant {tmp_path}"),
+        (["--methods", "hf_assisted,ar", "--assistant", " "], "--assistant: the name is empty"),   # was ignored
     ]
     for args, needle in cases:
         res = runner.invoke(app, ["bench", "--plan", str(plan), "--max-new-tokens", "4", *args])

