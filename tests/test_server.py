@@ -994,6 +994,40 @@ def test_text_stream_holds_back_possible_stops_and_half_characters():
     assert ts.feed([0, 3]) == "" and ts.feed([4]) == "abé" and ts.feed([2]) == "x"
 
 
+def _sentencepiece_like():
+    """A fast tokenizer made as Llama-2's is (a BPE over "▁"-joined words with byte fallback; its decoder turns "▁"
+    into spaces, reads byte pieces and strips the first space), trained here on one sentence."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.train_from_iterator(["Hello world, the capital of France is Paris."] * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_sentencepiece_answer_keeps_its_first_space_and_its_tokens_bytes():
+    """A SentencePiece decoder strips the first space of what it decodes: an answer read after the prompt's last
+    ids keeps it (prompt text + answer text = the text of all the ids, as the OpenAI API and vLLM give it; it was
+    lost), and each token's bytes are its piece ("▁Pa": " Pa"; a byte piece: that byte, not U+FFFD)."""
+    from hsd_opt.server.text import token_bytes
+
+    tok = _sentencepiece_like()
+    prompt, pa = tok.encode("Hello"), tok.convert_tokens_to_ids("\u2581Pa")
+    assert tok.decode([pa]) == "Pa"                     # alone: the space stripped
+    ts = TextStream(tok, (), prompt)
+    got = ts.feed([pa, pa]) + ts.finish()
+    assert got == " Pa Pa" and tok.decode(prompt) + got == tok.decode(prompt + [pa, pa])
+    stopped = TextStream(tok, [" Pa P"], prompt)        # a stop string across the first space
+    assert stopped.feed([pa, pa, pa]) == "" and stopped.stopped and stopped.text == ""
+    e2 = tok.convert_tokens_to_ids("<0xE2>")
+    assert token_bytes(tok, pa) == b" Pa" and token_bytes(tok, e2) == b"\xe2"
+    assert token_bytes(tok, tok.eos_token_id) == tok.decode([tok.eos_token_id]).encode()
+
+
 class _Decodes:
     """A tokenizer's ``decode`` alone (no backend to read): decoded whole every time, and the ids it was asked
     to decode counted."""

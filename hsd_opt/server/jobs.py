@@ -293,7 +293,8 @@ class JobQueue:
             self._end(job, "cancelled", None)
             return
         req = job.request
-        on_tokens = _Stream(job, TextStream(self.tokenizer, req.stop), self.stream_interval, self.metrics)
+        text = TextStream(self.tokenizer, req.stop, req.prompt_ids)      # read after the prompt's last ids
+        on_tokens = _Stream(job, text, self.stream_interval, self.metrics)
 
         def on_done(res: "GenerationResult | None", err: BaseException | None) -> None:
             self._done(job, on_tokens, res, err)

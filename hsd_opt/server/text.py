@@ -1,6 +1,8 @@
 """From committed token blocks to streamed text: incremental decoding and stop strings.
 
-The text a client sees is ``tokenizer.decode(ids, skip_special_tokens=True)`` of the generated ids. Text is
+The text a client sees is ``tokenizer.decode(ids, skip_special_tokens=True)`` of the generated ids, read after the
+prompt's last :data:`CONTEXT` ids where the decoder strips the first space of what it decodes (SentencePiece's,
+:func:`strips_first_space`: ``"▁Pa"`` first is ``" Pa"`` after the prompt, as vLLM gives it). Text is
 handed out as soon as it is final: not while it ends in an incomplete UTF-8 sequence (``"\\ufffd"``), and not
 the tail that could still become a stop string. With stop strings the ids are decoded one token at a time, so
 the generation is cut at the token that completes the first stop string and the text just before it.
@@ -14,6 +16,9 @@ and only the ids after it are decoded again: the same text, from a window of at 
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -22,6 +27,8 @@ if TYPE_CHECKING:
 #: Ids after the kept text that each decode reads at least once it is kept (a kept point moves on once this many
 #: ids past it decode to text ending in a whole character).
 WINDOW = 8
+#: The prompt's last ids a decoder that is not a concatenation reads the generated ids after.
+CONTEXT = 4
 
 
 def decodes_by_concatenation(tokenizer: "PreTrainedTokenizerBase") -> bool:
@@ -30,6 +37,27 @@ def decodes_by_concatenation(tokenizer: "PreTrainedTokenizerBase") -> bool:
     that cleans up no spaces. Other decoders (SentencePiece's, which strip the first space; WordPiece's) are
     decoded whole every time."""
     return _byte_level(tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+
+
+@functools.lru_cache(maxsize=16)
+def _decoder_types(tokenizer: "PreTrainedTokenizerBase") -> tuple[str, ...]:
+    """The types of a fast tokenizer's decoder steps (``("Replace", "ByteFallback", ...)`` for a sequence of them;
+    empty where it has no ``tokenizers`` decoder)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return ()
+    try:
+        state = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return (type(decoder).__name__,)
+    return tuple(d.get("type") for d in state.get("decoders", [state]))
+
+
+def strips_first_space(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether the decoder drops the space that starts what it decodes (SentencePiece's: a ``Strip`` of one leading
+    space after ``"▁"`` became spaces, or a ``Metaspace`` decoder): an answer decoded alone would lose its first
+    space, so it is read after the prompt's last ids."""
+    return any(t in ("Strip", "Metaspace") for t in _decoder_types(tokenizer))
 
 
 def _byte_level(tokenizer: "PreTrainedTokenizerBase") -> bool:
@@ -48,7 +76,7 @@ class TextStream:
         stopped: a stop string was found; ``text`` ends just before it and ``ids`` at the token completing it.
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = (), context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
@@ -59,11 +87,17 @@ class TextStream:
         self._concat = decodes_by_concatenation(tokenizer)
         self._kept_ids = 0  # ids[:_kept_ids] decode to _kept_text, which ends in a whole character
         self._kept_text = ""
+        self._context = [int(t) for t in context[len(context) - CONTEXT:]] if strips_first_space(tokenizer) else []
+        self._context_text = tokenizer.decode(self._context, skip_special_tokens=True) if self._context else ""
 
     def _decode(self) -> str:
         """``decode(ids)``; by concatenation, the kept text and the ids after it decoded (moving the kept point
         on once at least :data:`WINDOW` ids after it end in a whole character)."""
         if not self._concat:
+            if self._context:
+                full = self.tokenizer.decode(self._context + self.ids, skip_special_tokens=True)
+                if full.startswith(self._context_text):
+                    return full[len(self._context_text):]
             return self.tokenizer.decode(self.ids, skip_special_tokens=True)
         tail = self.tokenizer.decode(self.ids[self._kept_ids:], skip_special_tokens=True)
         full = self._kept_text + tail
@@ -154,14 +188,31 @@ def _byte_level_table() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_table()
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
-    """The bytes token ``token_id`` stands for: a byte-level BPE token's own bytes (part of a character, maybe),
-    else its text alone in UTF-8 (special tokens included)."""
-    if _byte_level(tokenizer):
+    """The bytes token ``token_id`` stands for: a byte-level BPE token's own bytes (part of a character, maybe); a
+    SentencePiece token's piece with ``"▁"`` as a space (``"▁Pa"``: ``b" Pa"``), its byte fallback ``<0xE2>`` as
+    that byte; else its text alone in UTF-8 (special tokens included)."""
+    types = _decoder_types(tokenizer)
+    if types and ("ByteLevel" in types or "Replace" in types):
         piece = tokenizer.convert_ids_to_tokens(int(token_id))
-        if isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
+        if isinstance(piece, str) and "ByteLevel" in types and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
+        byte = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) and "ByteFallback" in types else None
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if isinstance(piece, str) and "Replace" in types and int(token_id) not in _special_ids(tokenizer):
+            return piece.replace("\u2581", " ").encode("utf-8")
     return tokenizer.decode([int(token_id)]).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=16)
+def _special_ids(tokenizer: "PreTrainedTokenizerBase") -> frozenset[int]:
+    """The ids of the fast tokenizer's special tokens (their text is what ``decode`` gives, not a piece)."""
+    added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
+    return frozenset(i for i, t in added.items() if t.special)
 
 
 def bytes_text(b: bytes) -> str:
