@@ -180,6 +180,13 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tiny, tmp_path):
         torch.testing.assert_close(resumed.heads[b](h), full.heads[b](h))
     with pytest.raises(HsdError, match="different settings"):
         train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, **dict(kw, lr=5e-3))
+    ck = torch.load(str(ckpt), weights_only=False)        # an optimizer moment of another shape: refused naming
+    state = next(iter(ck["opt"]["state"].values()))          # the file (it was torch's traceback at the first step)
+    state["exp_avg"] = torch.zeros(3)
+    torch.save(ck, str(ckpt))
+    with pytest.raises(HsdError, match=r"h\.ckpt: a damaged heads training checkpoint \(ValueError: the optimizer's "
+                                       r"exp_avg has shape \(3,\)"):
+        train_heads(tiny, [2, 3], seqs, checkpoint=ckpt, resume=True, **kw)
 
 
 def test_an_epoch_resumed_midway_records_the_whole_epochs_mean_loss(tiny, tmp_path, monkeypatch):

@@ -372,6 +372,7 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
         for b, h in heads.items():
             h.load_state_dict(ck["heads"][b])
         opt.load_state_dict(ck["opt"])
+        _check_moments(opt)
         part = ck.get("epoch_loss", NO_LOSS)             # (a checkpoint written before it was kept)
         at = (int(ck["epoch"]), int(ck["seq"]), int(ck["step"]), list(ck["history"]), float(ck["elapsed"]),
               (float(part[0]), int(part[1]), float(part[2])))
@@ -380,6 +381,17 @@ def _resume(checkpoint, device, ck_settings: dict, heads: dict, opt,
                        f"{str(e).splitlines()[0] if str(e) else ''}); delete it to start over") from None
     say(f"resuming from {checkpoint}: epoch {at[0] + 1}, sequence {at[1]}, step {at[2]}")
     return at
+
+
+def _check_moments(opt) -> None:
+    """Raise ValueError where a state tensor the optimizer took (Adam's moments) has another shape than its
+    parameter: ``load_state_dict`` takes it, and the first step would fail with torch's traceback."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, t in opt.state.get(p, {}).items():
+                if torch.is_tensor(t) and t.dim() > 0 and t.shape != p.shape:
+                    raise ValueError(f"the optimizer's {name} has shape {tuple(t.shape)}, its parameter "
+                                     f"{tuple(p.shape)}")
 
 
 def _save_checkpoint(path, ck_settings: dict, heads: dict, opt, epoch: int, seq: int, step: int, history: list,
