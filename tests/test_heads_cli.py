@@ -242,6 +242,38 @@ def test_heads_eval_reads_the_training_prompts_from_any_folder(root, tmp_path, m
             cli_output(res)
 
 
+def test_heads_eval_cuts_the_held_out_sequences_where_training_cut_them(root, tmp_path, monkeypatch):
+    """Training reads at most ``max_len`` tokens of a sequence, held-out ones too (its recorded figures are over
+    those); ``heads eval`` cuts where the heads file says training cut (it read them whole)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import hsd_opt.heads as heads_pkg
+    from hsd_opt.heads.io import META_KEY
+
+    out = tmp_path / "h.safetensors"
+    res = run_cli("heads", "train", "--model", root / "tA", "--prompts", root / "p.jsonl", "--tokens", "64",
+                  "--epochs", "1", "--out", out, "--device", "cpu", "--layers", "1,2")
+    assert res.exit_code == 0, cli_output(res)
+    with safe_open(str(out), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    header = json.loads(meta[META_KEY])
+    header["train"]["settings"]["max_len"] = 6
+    cut = tmp_path / "cut.safetensors"
+    save_file(tensors, str(cut), metadata={**meta, META_KEY: json.dumps(header)})
+    lengths, real = [], heads_pkg.evaluate_heads
+
+    def spy(model, heads, sequences, starts=None, **kw):
+        lengths.append(max(len(s) for s in sequences))
+        return real(model, heads, sequences, starts, **kw)
+
+    monkeypatch.setattr(heads_pkg, "evaluate_heads", spy)
+    for path in (out, cut):
+        res = run_cli("heads", "eval", "--model", root / "tA", "--heads", path, "--device", "cpu")
+        assert res.exit_code == 0, cli_output(res)
+    assert lengths[0] == lengths[1] > 6 and lengths[2] == lengths[3] == 6, lengths
+
+
 def test_heads_eval_says_when_the_training_prompts_are_gone(root, heads_a, tmp_path):
     gone = tmp_path / "gone.jsonl"
     path = _damaged(heads_a, tmp_path / "h.safetensors", train_prompts=str(gone))

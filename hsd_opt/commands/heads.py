@@ -203,6 +203,7 @@ def evaluate(
     import torch
 
     from hsd_opt.heads import RawHead, evaluate_heads, load_heads, read_heads_file
+    from hsd_opt.heads.train import MAX_LEN
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
 
@@ -227,6 +228,8 @@ def evaluate(
     seed = int((tr.get("settings") or {}).get("seed") or 0)
     _, _, ho, ho_st = _data(loaded, prompts, tokens or int(tr.get("tokens") or 4096),
                             float(tr.get("holdout") or 0.2), seed)
+    max_len = int((tr.get("settings") or {}).get("max_len") or MAX_LEN)
+    ho = [list(s)[:max_len] for s in ho]        # cut where training cut its sequences (its held-out figures' too)
     before = evaluate_heads(loaded, {b: RawHead(loaded.model) for b in hs}, ho, ho_st)
     after = evaluate_heads(loaded, hs, ho, ho_st)
     n = loaded.model.config.num_hidden_layers

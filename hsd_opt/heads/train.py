@@ -82,6 +82,8 @@ class TrainResult:
 
 #: What ``train_vocab`` takes (module doc): ``auto`` (candidates on a CPU, full on CUDA), ``full``, ``candidates``.
 TRAIN_VOCABS = ("auto", "full", "candidates")
+#: Tokens of a sequence training reads at most, held-out ones too (longer ones are cut there).
+MAX_LEN = 1024
 
 
 def head_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
@@ -183,7 +185,7 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
                 held_out_starts: Sequence[int] | None = None, holdout: float = 0.2, kind: str = "affine",
                 rank: int = 64, vocab_subset: int | None = None, epochs: int = 3, lr: float = 2e-3,
                 batch_tokens: int = 32, train_vocab: str = "auto", negatives: int = 1024, topk: int = 32,
-                max_len: int = 1024, seed: int = 0, checkpoint: str | Path | None = None, resume: bool = False,
+                max_len: int = MAX_LEN, seed: int = 0, checkpoint: str | Path | None = None, resume: bool = False,
                 checkpoint_every: float = 60.0, evaluate: bool = True, revert_worse: bool = True, progress: bool = True,
                 log: Callable[[str], None] | None = None) -> TrainResult:
     """Train one exit head per boundary in ``layers`` to match the final layer's next-token distribution.
