@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 #: Ids after the kept text that each decode reads at least once it is kept (a kept point moves on once this many
 #: ids past it decode to text ending in a whole character).
 WINDOW = 8
-#: The prompt's last ids a decoder that is not a concatenation reads the generated ids after.
+#: The prompt's last ids the generated ids are decoded after, by a decoder that strips the first space
+#: (:func:`strips_first_space`).
 CONTEXT = 4
 
 
