@@ -172,9 +172,7 @@ def bench_cmd(
     _check_flags(mode, max_new_tokens, (("--json", json_out), ("--plot", plot)),
                  [("--plan", plan), ("--prompts", prompts), ("--retime", retime), ("--json-schema", json_schema),
                   ("--grammar", grammar)])
-    if assistant is not None and not assistant.strip():
-        raise HsdError("--assistant: the name is empty (a draft model: an alias, hub id, directory or .gguf file; "
-                       "leave the flag out for the plan's draft model)")
+    _check_assistant(assistant)
     if concurrency is None:
         _no_load_options(requests=requests, max_batch=max_batch, rounds=rounds)
     else:
@@ -235,6 +233,13 @@ def _check_flags(mode: str, max_new_tokens: int, outputs, inputs) -> None:
     check_outputs(*outputs, inputs=inputs)
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+
+
+def _check_assistant(assistant: Optional[str]) -> None:
+    """Refuse an empty ``--assistant`` (None: not given, the plan's draft model)."""
+    if assistant is not None and not assistant.strip():
+        raise HsdError("--assistant: the name is empty (a draft model: an alias, hub id, directory or .gguf file; "
+                       "leave the flag out for the plan's draft model)")
 
 
 def _no_load_options(**given: Optional[int]) -> None:
