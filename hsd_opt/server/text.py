@@ -64,8 +64,7 @@ def strips_first_space(tokenizer: "PreTrainedTokenizerBase") -> bool:
 def _byte_level(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether ``tokenizer`` is a fast tokenizer with a byte-level decoder (each token's bytes joined, then read as
     UTF-8)."""
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    return type(decoder).__name__ == "ByteLevel"
+    return _decoder_types(tokenizer) == ("ByteLevel",)
 
 
 class TextStream:
@@ -197,14 +196,16 @@ def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
     SentencePiece token's piece with ``"▁"`` as a space (``"▁Pa"``: ``b" Pa"``), its byte fallback ``<0xE2>`` as
     that byte; else its text alone in UTF-8 (special tokens included)."""
     types = _decoder_types(tokenizer)
-    if types and ("ByteLevel" in types or "Replace" in types):
+    if _byte_level(tokenizer):
         piece = tokenizer.convert_ids_to_tokens(int(token_id))
-        if isinstance(piece, str) and "ByteLevel" in types and all(c in _BYTE_LEVEL for c in piece):
+        if isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
+    elif "Replace" in types:
+        piece = tokenizer.convert_ids_to_tokens(int(token_id))
         byte = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) and "ByteFallback" in types else None
         if byte:
             return bytes([int(byte.group(1), 16)])
-        if isinstance(piece, str) and "Replace" in types and int(token_id) not in _special_ids(tokenizer):
+        if isinstance(piece, str) and int(token_id) not in _special_ids(tokenizer):
             return piece.replace("\u2581", " ").encode("utf-8")
     return tokenizer.decode([int(token_id)]).encode("utf-8")
 
