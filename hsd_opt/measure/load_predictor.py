@@ -117,6 +117,11 @@ class Job:
     tokens: int
     head: int = 0
 
+    @property
+    def length(self) -> int:
+        """Its prompt's positions, the kept head's included."""
+        return self.head + self.positions
+
 
 def _at(values: Sequence[float], t: int) -> float:
     """A cost curve ``[s_1 .. s_n]`` at ``t`` positions; past ``n`` extended by the slope over its upper half."""
@@ -202,9 +207,8 @@ class LoadCosts:
     def prefill(self, spec: Spec, job: Job) -> list[float]:
         """Seconds of each tick of ``job``'s prompt: one per pass of the target; the last also computes the
         prompt on every other engine of ``spec`` (its last position only on an engine that shares the target's)."""
-        n = job.head + job.positions
         ends = pass_ends(job)
-        starts = [min(job.head, n - 1)] + ends[:-1]         # a prompt computes its last position at least
+        starts = [min(job.head, job.length - 1)] + ends[:-1]         # a prompt computes its last position at least
         ticks = [self.prompt_pass(spec.prefill[0], b - a) for a, b in zip(starts, ends)]
         for m in spec.prefill[1:]:
             ticks[-1] += (self.prompt_pass(m, 1) if m in spec.shared
@@ -215,8 +219,7 @@ class LoadCosts:
 def pass_ends(job: Job) -> list[int]:
     """Where the passes of ``job``'s prompt end (prompt positions), one per tick of its prefill: those after its kept
     head (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`), its last position at least."""
-    n = job.head + job.positions
-    return [b for b in prompt_pass_ends(n, job.head) if b > job.head] or [n]
+    return [b for b in prompt_pass_ends(job.length, job.head) if b > job.head] or [job.length]
 
 
 @dataclass(eq=False)
@@ -230,11 +233,6 @@ class _Seq:
     ends: list[int] = field(default_factory=list)
     computed: int = 0
     left: int = 0
-
-    @property
-    def positions(self) -> int:
-        """Its prompt's positions."""
-        return self.job.head + self.job.positions
 
 
 @dataclass
@@ -284,8 +282,8 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         ended: list[_Seq] = []
         joined: _Seq | None = None
         dt = 0.0
-        nxt = waiting[0].positions if occupancy().admits() else None
-        turn = prefill_turn([s.positions - s.computed for s in prefilling], nxt)
+        nxt = waiting[0].job.length if occupancy().admits() else None
+        turn = prefill_turn([s.job.length - s.computed for s in prefilling], nxt)
         if turn == len(prefilling):
             s = waiting.pop(0)
             prefilling.append(s)
@@ -459,7 +457,7 @@ class LoadPredictor:
         context = self.context
         if context is None:            # the mean of the requests' contexts halfway through their answers
             every = [j for row in clients for j in row]
-            context = statistics.fmean(j.head + j.positions + j.tokens / 2 for j in every) if every else None
+            context = statistics.fmean(j.length + j.tokens / 2 for j in every) if every else None
         costs = LoadCosts(self.profile, self._factors, self._prompts, context)
         levels = {k: spec_of(h) for k, h in _hierarchies(hierarchies).items()}
         p = predict_level(costs, levels, clients, max_batch)
