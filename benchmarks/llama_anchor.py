@@ -121,15 +121,21 @@ def spec_summary(runs: list[dict], n: int) -> dict:
             "past_n": [i for i, r in enumerate(runs) if r["tokens"] > n + 1], "runs": runs}
 
 
+def decode_rate(totals: list[dict]) -> float | None:
+    """Decode tokens/s of a method's report totals (``hsd bench``'s, of the whole run or of groups): the tokens that
+    took a decode pass (each generation's first came with its prompt's pass) over their decode seconds; None
+    without either."""
+    counted = sum(d["tokens"] - d["generations"] for d in totals)
+    seconds = sum(d.get("decode_seconds") or 0.0 for d in totals)
+    return counted / seconds if counted > 0 and seconds > 0 else None
+
+
 def plan_rate(rep: dict, groups: list[str]) -> float | None:
-    """The plan's (method ``hsd``) decode tokens/s over the report's ``groups`` (one a prompt): the tokens that
-    took a decode pass (each generation's first came with its prompt) over their decode seconds; None without."""
+    """The plan's (method ``hsd``) :func:`decode_rate` over the report's ``groups`` (one a prompt); None without."""
     per = [rep["by_task"].get(g, {}).get("hsd") for g in groups]
     if not per or any(d is None or "error" in d for d in per):
         return None
-    counted = sum(d["tokens"] - d["generations"] for d in per)
-    seconds = sum(d.get("decode_seconds") or 0.0 for d in per)
-    return counted / seconds if counted > 0 and seconds > 0 else None
+    return decode_rate(per)
 
 
 def print_table(columns: list[str], rows: list[list[str]]) -> None:
@@ -244,9 +250,9 @@ def main() -> None:
             if "error" in d:
                 ours[m] = {"error": d["error"]}
                 continue
-            counted = d["tokens"] - d["generations"]          # each generation's first token came with its prompt
-            dec = counted / d["decode_seconds"] if d.get("decode_seconds") and counted > 0 else None
-            ours[m] = {"decode_tok_s": dec, "decode_tokens": counted, "tok_s": d.get("tokens_per_s"),
+            dec = decode_rate([d])
+            ours[m] = {"decode_tok_s": dec, "decode_tokens": d["tokens"] - d["generations"],
+                       "tok_s": d.get("tokens_per_s"),
                        "decode_vs_llama_cpp": dec / llama if dec else None,
                        "tokens_per_target_call": d.get("tokens_per_target_call"),
                        "predicted_ms_per_token": _ms(d.get("predicted_seconds_per_token")),
