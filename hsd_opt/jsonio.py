@@ -110,7 +110,9 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a path under a
     file, a folder where no file can be created (tried with a temporary file, removed at once), a folder to be made
     under one the process cannot write, ``-`` (which reads as standard output; a file of that name would be a
-    surprise). Makes no folder. :class:`HsdError` naming ``flag`` and the path."""
+    surprise). Leaves no folder made (a folder to be made is tried with a temporary one in the nearest that exists:
+    ``os.access`` grants root any folder, even one of a pseudo-filesystem such as ``/proc`` where none can be made).
+    :class:`HsdError` naming ``flag`` and the path."""
     p = Path(path)
     if str(path) == "-":
         raise HsdError(f"{flag} -: expected a file name (the file is written whole, atomically: it cannot be "
@@ -124,8 +126,11 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     if not existing.is_dir():
         raise HsdError(f"{flag} {path}: cannot write it: {existing} is a file, not a folder")
     if existing != parent:          # the folders to be made: the nearest that exists must take them
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise HsdError(f"{flag} {path}: cannot write it: {existing} is not writable")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".partial", dir=existing))
+        except OSError as e:
+            raise HsdError(f"{flag} {path}: cannot write it: no folder can be made in {existing} "
+                           f"({e.strerror or e})") from None
         return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=parent)

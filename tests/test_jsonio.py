@@ -36,6 +36,17 @@ def test_paths_that_cannot_be_written_are_refused_naming_the_flag_and_the_path(t
     write_json(tmp_path / "new" / "p.json", {"a": 1})         # the write makes it
 
 
+def test_a_folder_that_cannot_be_made_is_refused_before_the_work_even_as_root(tmp_path):
+    """``os.access`` grants root every folder: ``--json /proc/x/out.json`` (a pseudo-filesystem where no folder can
+    be made) passed the check and failed after the work. A read-only folder refuses the same way as a non-root
+    user sees it; nothing is left behind where a folder can be made."""
+    with pytest.raises(HsdError, match=r"^--json /proc/hsd-x/out.json: cannot write it: no folder can be made in "
+                                       r"/proc \("):
+        check_writable("/proc/hsd-x/out.json", "--json")
+    check_writable(tmp_path / "a" / "b" / "out.json", "--json")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_device_or_a_pipe_is_refused_not_replaced_by_a_file(tmp_path):
     """``--out /dev/null`` as root renamed a file onto the device (``/dev/full`` became a 3 KB file), and a FIFO
     was replaced by a file: the outputs are renamed into place, so a path that is not a regular file is refused,
