@@ -12,7 +12,8 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import BatchCosts, ContextCosts, profile_from_dict
 from hsd_opt.solver.api import evaluate, solve
 from hsd_opt.solver.batch import at_batch, choose_loads, solve_loads
-from hsd_opt.solver.latency import target_only
+from hsd_opt.solver.context import profile_at_context
+from hsd_opt.solver.latency import target_only, verify_cost
 from tests.helpers import random_profile
 
 
@@ -39,20 +40,52 @@ def test_batch_one_is_the_profile_itself():
     assert at_batch(prof, 1) is prof
 
 
+def _ratio(r, t):
+    return r if isinstance(r, float) else r[min(t, len(r)) - 1]
+
+
+def _priced_as_the_design_says(prof, b, r, models=("q", "t")):
+    """Every pass the latency model prices on ``b`` (a step, a pass over t of a model's curve, a verify pass of
+    every pair) costs what it costs on ``prof`` times the model's ratio at the same t, within the curves and past
+    their ends."""
+    for m in models:
+        assert b.entry(m).cost == pytest.approx(prof.entry(m).cost * _ratio(r[m], 1))
+        for t in range(1, 25):
+            assert verify_cost(b, m, "x", t) == pytest.approx(verify_cost(prof, m, "x", t) * _ratio(r[m], t)), (m, t)
+            for d in prof.verify_cost.get(m, {}):
+                assert verify_cost(b, m, d, t) == pytest.approx(verify_cost(prof, m, d, t) * _ratio(r[m], t))
+
+
 def test_every_cost_is_times_its_ratio_at_the_same_pass_size():
     prof = _profile()
     b = at_batch(prof, 4)
     r = prof.batch_costs[1].ratio
-    assert b.entry("t").cost == pytest.approx(prof.entry("t").cost * r["t"][0])
+    _priced_as_the_design_says(prof, b, r)
     assert b.entry("ngram").cost == pytest.approx(prof.entry("ngram").cost * 4)
-    assert b.cost_curve["q"] == pytest.approx([c * x for c, x in zip(prof.cost_curve["q"], r["q"])])
-    assert b.verify_cost["t"]["q"] == pytest.approx([c * x for c, x in zip(prof.verify_cost["t"]["q"], r["t"])])
     assert b.acceptance == prof.acceptance and not b.batch_costs
     with pytest.raises(HsdError, match="--batch-sizes: the profile has no costs at batch 3"):
         at_batch(prof, 3)
     partial = dataclasses.replace(prof, batch_costs=[BatchCosts(2, {"t": 1.0})])
     with pytest.raises(HsdError, match="no ratio for ngram, q"):
         at_batch(partial, 2)
+
+
+@pytest.mark.parametrize("costs", ["scalar", "scalar verify", "short curves"])
+def test_a_cost_given_as_one_number_or_a_short_curve_is_scaled_at_the_pass_size_it_prices(costs):
+    """A model priced by one number (every pass the same seconds), a pair's verify cost given as one number, and a
+    curve shorter than the passes a plan makes were scaled by the ratio of a one-token pass, or point by point and
+    then extended from the scaled points: a batch-2 verify pass over 4 tokens priced 1.0 s or 3.7 s where its
+    measured ratio makes it 1.9 s, and the load plans' latencies under- or over-stated."""
+    prof = _profile()
+    if costs == "scalar":
+        prof = dataclasses.replace(prof, cost_curve={}, verify_cost={})
+    elif costs == "scalar verify":
+        prof = dataclasses.replace(prof, cost_curve={}, verify_cost={"t": {"q": 0.03}})
+    else:
+        prof = dataclasses.replace(prof, cost_curve={m: c[:2] for m, c in prof.cost_curve.items()},
+                                   verify_cost={"t": {"q": prof.verify_cost["t"]["q"][:3]}})
+    for bc in prof.batch_costs:
+        _priced_as_the_design_says(prof, at_batch(prof, bc.batch), bc.ratio)
 
 
 def test_context_costs_are_scaled_too():
@@ -62,9 +95,13 @@ def test_context_costs_are_scaled_too():
                                        {k: [x * 1.2 for x in v] for k, v in prof.cost_curve.items()})]
     b = at_batch(prof, 8)
     r = prof.batch_costs[2].ratio
-    assert b.context_costs[1].cost["t"] == pytest.approx(0.03 * r["t"][0])
-    assert b.context_costs[1].cost_curve["q"] == pytest.approx([x * 1.2 * y for x, y in
-                                                               zip(prof.cost_curve["q"], r["q"])])
+    for ctx in (64, 300, 512, 2048):
+        _priced_as_the_design_says(profile_at_context(prof, ctx), profile_at_context(b, ctx), r)
+    only_numbers = dataclasses.replace(prof, cost_curve={}, verify_cost={}, context_costs=[
+        ContextCosts(c.context, c.cost, {}) for c in prof.context_costs])
+    b = at_batch(only_numbers, 8)
+    for ctx in (64, 300, 2048):
+        _priced_as_the_design_says(profile_at_context(only_numbers, ctx), profile_at_context(b, ctx), r)
 
 
 def test_load_levels_speculate_alone_and_decode_plainly_under_load():

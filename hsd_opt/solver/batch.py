@@ -23,7 +23,7 @@ from typing import Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import BatchCosts, ContextCosts, LoadPlan, Profile
 from hsd_opt.solver.api import evaluate, resolve_context, solve
-from hsd_opt.solver.latency import target_only
+from hsd_opt.solver.latency import curve_at, target_only
 
 
 def _ratio_at(r: float | list[float], t: int) -> float:
@@ -34,10 +34,21 @@ def _ratio_at(r: float | list[float], t: int) -> float:
 
 
 def _scaled(v: float | list[float], r: float | list[float]) -> float | list[float]:
-    """A cost (a number: one step, or a curve over t) times its ratio at the same t."""
-    if isinstance(v, (int, float)):
-        return float(v) * _ratio_at(r, 1)
-    return [float(x) * _ratio_at(r, t) for t, x in enumerate(v, 1)]
+    """A cost (a number: the seconds of a pass over any t, or a curve over t = 1..n, extended past its end as
+    :func:`~hsd_opt.solver.latency.curve_at` extends it) times its ratio at the same t. A number where both are
+    numbers; else a curve long enough that past its end :func:`~hsd_opt.solver.latency.curve_at` extends it as the
+    cost's extension times the ratio's last value (one point past the ratio curve's end, where its value holds)."""
+    if not isinstance(r, list):
+        return float(v) * float(r) if not isinstance(v, list) else [float(x) * float(r) for x in v]
+    n = max(len(v) if isinstance(v, list) else 1, len(r) + 1)
+    return [(curve_at(v, t) if isinstance(v, list) else float(v)) * _ratio_at(r, t) for t in range(1, n + 1)]
+
+
+def _curves_of_scalar_costs(costs: dict[str, float], curves: dict[str, list[float]], r: dict) -> dict:
+    """The curves a batch size gives models priced by one number (``costs``) and by no curve (``curves``: those
+    that price them where they are given), where their ratio is a curve: the batched pass over t costs the number
+    times the ratio at t."""
+    return {m: _scaled(c, r[m]) for m, c in costs.items() if m not in curves and isinstance(r[m], list)}
 
 
 #: What a batch size's costs lacking a drafter's ratio means, and what to do.
@@ -67,9 +78,11 @@ def at_batch(profile: Profile, batch: int) -> Profile:
     r = bc.ratio
     models = [replace(m, cost=m.cost * _ratio_at(r[m.name], 1)) for m in profile.models]
     curves = {name: _scaled(v, r[name]) for name, v in profile.cost_curve.items()}
+    curves.update(_curves_of_scalar_costs({m.name: m.cost for m in profile.models}, profile.cost_curve, r))
     verify = {v: {d: _scaled(c, r[v]) for d, c in row.items()} for v, row in profile.verify_cost.items()}
-    contexts = [ContextCosts(c.context, {n: float(_scaled(x, r[n])) for n, x in c.cost.items()},
-                             {n: _scaled(x, r[n]) for n, x in c.cost_curve.items()},
+    contexts = [ContextCosts(c.context, {n: x * _ratio_at(r[n], 1) for n, x in c.cost.items()},
+                             {**{n: _scaled(x, r[n]) for n, x in c.cost_curve.items()},
+                              **_curves_of_scalar_costs(c.cost, {**profile.cost_curve, **c.cost_curve}, r)},
                              {v: {d: _scaled(x, r[v]) for d, x in row.items()} for v, row in c.verify_cost.items()})
                 for c in profile.context_costs]
     return replace(profile, models=models, verify_cost=verify, cost_curve=curves, context_costs=contexts,
