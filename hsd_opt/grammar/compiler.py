@@ -306,11 +306,10 @@ def _check_start(template, spec: GrammarSpec, max_positions: int | None = None) 
 def compiler_for(loaded) -> GrammarCompiler:
     """A :class:`GrammarCompiler` for a loaded model (:class:`~hsd_opt.models.loading.LoadedModel`): its tokenizer,
     its end-of-sequence ids and its LM head's rows (the width of every engine's logits over it)."""
-    from hsd_opt.models.loading import eos_token_ids
+    from hsd_opt.models.loading import eos_token_ids, model_positions
 
     width = loaded.model.get_output_embeddings().weight.shape[0]
-    return GrammarCompiler(loaded.tokenizer, eos_token_ids(loaded), width,
-                           getattr(loaded.model.config, "max_position_embeddings", None))
+    return GrammarCompiler(loaded.tokenizer, eos_token_ids(loaded), width, model_positions(loaded.model.config))
 
 
 def schema_grammars(compiler: GrammarCompiler, items, source: str) -> dict[int, Grammar]:

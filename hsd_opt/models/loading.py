@@ -612,6 +612,23 @@ def transformers_tokenizer(load_from: str, source: str):
     return tokenizer
 
 
+def model_positions(config) -> int | None:
+    """The context in tokens a model's own output is computed for: its ``max_position_embeddings``, or its
+    attention window where the configuration puts one in force and it is shorter (``layer_types`` with a
+    ``"sliding_attention"`` layer, or ``sliding_window`` without ``use_sliding_window: false``, as Mistral's). The
+    engine attends over every position, which is the windowed model's own attention only up to its window. None
+    where the configuration gives neither."""
+    n = getattr(config, "max_position_embeddings", None)
+    sizes = [int(n)] if isinstance(n, int) and not isinstance(n, bool) and n > 0 else []
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    in_force = ("sliding_attention" in types if isinstance(types, (list, tuple))
+                else getattr(config, "use_sliding_window", True) is not False)
+    if in_force and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        sizes.append(window)
+    return min(sizes) if sizes else None
+
+
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
     """EOS ids of a loaded model, sorted: the generation config's (may be a list), the model config's and the
     tokenizer's."""

@@ -23,7 +23,13 @@ from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import EXACT_PASS, Profile, profile_from_dict, provenance_from_dict, save_profile
-from hsd_opt.models.loading import check_model_name, eos_token_ids, file_sha256, recorded_model_id
+from hsd_opt.models.loading import (
+    check_model_name,
+    eos_token_ids,
+    file_sha256,
+    model_positions,
+    recorded_model_id,
+)
 from hsd_opt.profiler.assemble import (
     batch_costs_entries,
     build_profile,
@@ -702,9 +708,9 @@ def _measure_batch_costs(cfg: ProfileConfig, by_engine: dict, label: dict[int, s
 
 
 def _max_positions(engines) -> int | None:
-    """The fewest positions any of ``engines``' models holds (``max_position_embeddings``; None: unknown)."""
-    ns = [getattr(getattr(e.model, "config", None), "max_position_embeddings", None) for e in engines]
-    ns = [int(n) for n in ns if isinstance(n, int) and n > 0]
+    """The fewest positions any of ``engines``' models is computed for (:func:`model_positions`; None: unknown)."""
+    ns = [model_positions(getattr(e.model, "config", None)) for e in engines]
+    ns = [n for n in ns if n is not None]
     return min(ns) if ns else None
 
 

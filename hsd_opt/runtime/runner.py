@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization, sampling_words
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
+from hsd_opt.models.loading import model_positions
 from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
 from hsd_opt.runtime.state_pool import StatePool
@@ -386,9 +387,10 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
 
 
 def model_context(loaded: LoadedModel) -> int | None:
-    """The model's context in tokens (its ``max_position_embeddings``), None where its configuration has none."""
-    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
-    return int(context) if context else None
+    """The model's context in tokens (:func:`~hsd_opt.models.loading.model_positions`: its
+    ``max_position_embeddings``, or its attention window where one is in force), None where its configuration has
+    neither."""
+    return model_positions(getattr(loaded.model, "config", None))
 
 
 def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exact", source: str = "plan",
