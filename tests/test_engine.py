@@ -167,3 +167,28 @@ def test_dynamic_rotary_embeddings_are_not_tabled(tiny_llama, monkeypatch):
     assert lm._rope_table is None
     c2, s2 = lm._rope_direct(3, 8)
     assert torch.equal(c, c2) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_an_empty_read_is_empty_on_both_paths_and_the_embeddings_are_no_exit(kernels):
+    """``logits``/``greedy_ids`` over ``start == end`` are ``[0, V]``/``[0]`` as the interface says (the kernel path
+    raised: ``torch.cat`` of no blocks, the screen refusing 0 rows), for the model and its quantized copies; a state
+    asked to keep boundary 0 is refused (nothing writes the embeddings there: its exit read zeros)."""
+    from hsd_opt.engine import kernels as kernel_lib
+    from hsd_opt.engine.quantized import QuantizedLM
+
+    if kernels and kernel_lib.load() is None:
+        pytest.skip("no C compiler for the kernels")
+    model = make_tiny_llama(seed=6)
+    for eng in (LayeredLM(model, kernels=kernels), QuantizedLM(model, bits=8, kernels=kernels),
+                QuantizedLM(model, bits=4, kernels=kernels)):
+        assert eng.uses_kernels == kernels
+        n = eng.n_layers
+        st = eng.new_state(16, save_boundaries=[n])
+        eng.append(st, [5, 6, 7])
+        eng.advance(st, n)
+        assert eng.logits(st, n, 3, 3).shape == (0, eng.vocab_size)
+        assert eng.greedy_ids(st, n, 3, 3).shape == (0,)
+        assert eng.greedy_ids(st, n, 0, 3).tolist() == eng.logits(st, n, 0, 3).argmax(-1).tolist()
+        with pytest.raises(HsdError, match="layer 0 is out of range: the model has layers 1.."):
+            eng.new_state(16, save_boundaries=[0, n])

@@ -782,6 +782,8 @@ class KernelPath:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on hidden ``[m, d]`` -> float32 logits ``[m, V]``, in blocks of
         :data:`MAX_PASS` rows (every row computed as a decode step computes it)."""
+        if hidden.shape[0] == 0:
+            return torch.empty(0, self.head_mat.rows, dtype=torch.float32)
         blocks = [self._head_rows(self.normed(hidden[i:i + MAX_PASS])) for i in range(0, hidden.shape[0], MAX_PASS)]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 

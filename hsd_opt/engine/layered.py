@@ -365,7 +365,7 @@ class LayeredLM:
         return st
 
     def _resid(self, st: DecodeState, b: int) -> torch.Tensor:
-        if not 0 <= b <= self.n_layers:
+        if not 1 <= b <= self.n_layers:     # boundary 0, the embeddings, is not kept: nothing writes it
             raise HsdError(f"layer {b} is out of range: the model has layers 1..{self.n_layers}")
         if b not in st.resid:
             st.resid[b] = torch.zeros(st.max_len, self.hidden_size, dtype=self.dtype, device=self.device)

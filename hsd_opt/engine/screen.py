@@ -169,6 +169,8 @@ class HeadScreen:
         their float32 logits from one kernel call (:func:`~hsd_opt.engine.kernels.screen_pick`)."""
         if h.shape[0] > MAX_POSITIONS:
             return None
+        if h.shape[0] == 0:
+            return torch.empty(0, dtype=torch.long)
         h = h.float().contiguous()
         # the logits go into a buffer kept per thread (kernels.scratch), read within this call only
         buf = kernels.scratch("screen_logits", MAX_POSITIONS * self.head.rows, torch.float32)
