@@ -359,7 +359,9 @@ def test_no_state_carries_over_between_requests(served):
     defaults = c.completions.create(prompt=PROMPTS[2], logprobs=None, presence_penalty=0, frequency_penalty=0.0,
                                     logit_bias={}, echo=False, best_of=1, user="u",
                                     extra_body={"repetition_penalty": 1, "repeat_penalty": 1.0, "repeat_last_n": 8,
-                                                "typical_p": 1, "mirostat": 0, "min_tokens": 0, "ignore_eos": False},
+                                                "typical_p": 1, "mirostat": 0, "min_tokens": 0, "ignore_eos": False,
+                                                "stop_token_ids": [], "bad_words": [], "n_predict": -1,
+                                                "allowed_token_ids": None, "include_stop_str_in_output": False},
                                     **kw)
     assert defaults.model_extra["hsd"]["token_ids"] == first
 
@@ -532,6 +534,13 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "typical_p": 0.5}, 400, "typical_p", None),
     (CHAT, {"model": MODEL, "messages": MSG, "mirostat": 2}, 400, "mirostat", None),
     (COMP, {"model": MODEL, "prompt": "w1", "ignore_eos": True}, 400, "ignore_eos", None),
+    # vLLM's and llama.cpp's fields that change the answer were answered without it (stop_token_ids did not stop)
+    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": [5]}, 400, "stop_token_ids", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "include_stop_str_in_output": True, "stop": ["x"]}, 400,
+     "include_stop_str_in_output", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "allowed_token_ids": [5]}, 400, "allowed_token_ids", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "bad_words": ["w1"]}, 400, "bad_words", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "n_predict": 2}, 400, "n_predict", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1", "temperature": float("inf")}, 400, "temperature", None),
     (COMP, {"model": MODEL, "prompt": "w1 \udfff"}, 400, "prompt", None),

@@ -13,8 +13,8 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 also ``tools`` and ``tool_choice`` (a function called under the grammar of its parameters:
 :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not supported
 (:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling extensions beyond these
-(typical-p, mirostat, ...), are a 400 when given a value other than their default; other fields (``user``,
-``metadata``, ...) are ignored."""
+(typical-p, mirostat, stop token ids, ...), are a 400 when given a value other than their default; other fields
+(``user``, ``metadata``, ...) are ignored."""
 
 from __future__ import annotations
 
@@ -137,7 +137,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 #: answer without it. The OpenAI API's, then llama.cpp's and vLLM's servers' sampling extensions.
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "",
                "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-               "min_tokens": 0, "ignore_eos": False}
+               "min_tokens": 0, "ignore_eos": False, "n_predict": -1, "dynatemp_range": 0.0, "n_probs": 0,
+               "stop_token_ids": [], "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": [],
+               "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+               "truncate_prompt_tokens": None}
 #: llama.cpp's server's default for ``repeat_last_n`` (the tokens its ``repeat_penalty`` looks back over).
 LLAMA_REPEAT_LAST_N = 64
 
