@@ -28,9 +28,9 @@ chat-templated prompt our methods start from, once per `--spec-configs` entry `T
 tokens/s (its tokens over its decode seconds, as it prints them: prefill and model loading excluded; its clock
 includes the pass over the prompt's last token, which gives its first token), the draft
 acceptance, and the ratio of our plan's decode tokens/s to it. Its outputs are llama.cpp's greedy text on the
-file's own arithmetic, not compared with ours. A run that decodes past ``-n`` (``ngram-mod`` drafts past it where its
-text repeats) is left out of its configuration's rate and named (:func:`spec_summary`), and the plan is rated against
-it over the same prompts: ours stop at ``-n``.
+file's own arithmetic, not compared with ours. A run that decodes past ``-n`` by more than a last verify pass gives
+(``ngram-mod`` drafts up to 64 tokens past it where its text repeats) is left out of its configuration's rate and named
+(:func:`spec_summary`), and the plan is rated against it over the same prompts: ours stop at ``-n``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def llama_decode(binary: str, gguf: str, threads: int, n: int, depth: int, reps:
             "depth": depth, "threads": threads, "reps": reps}
 
 
-SPEC_LINES = {"decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
+SPEC_LINES = {"decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", "n_draft": r"n_draft\s*=\s*(\d+)",
               "encoded": r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds",
               "drafted": r"n_drafted\s*=\s*(\d+)", "accepted": r"n_accept\s*=\s*(\d+)"}
 
@@ -79,7 +79,8 @@ def parse_spec_config(text: str) -> tuple[str, int | None]:
 
 def parse_spec_output(text: str) -> dict:
     """The counts `llama-speculative-simple` prints at its end: tokens and seconds decoded (and encoded: the
-    prompt), tokens drafted and accepted. A missing line raises ValueError naming it."""
+    prompt), tokens drafted and accepted, and its draft length ``n_draft`` (``--spec-draft-n-max``, 3 unless set).
+    A missing line raises ValueError naming it."""
     out = {}
     for key, pattern in SPEC_LINES.items():
         m = re.search(pattern, text)
@@ -87,7 +88,8 @@ def parse_spec_output(text: str) -> dict:
             raise ValueError(f"no '{key}' line in llama-speculative-simple's output")
         out[key] = [float(g) for g in m.groups()] if len(m.groups()) > 1 else int(m.group(1))
     return {"tokens": int(out["decoded"][0]), "decode_seconds": out["decoded"][1],
-            "prompt_tokens": int(out["encoded"][0]), "drafted": out["drafted"], "accepted": out["accepted"]}
+            "prompt_tokens": int(out["encoded"][0]), "drafted": out["drafted"], "accepted": out["accepted"],
+            "n_draft": out["n_draft"]}
 
 
 def llama_speculative(binary: str, gguf: str, draft: str | None, config: str, prompt: str, n: int,
@@ -109,16 +111,19 @@ def llama_speculative(binary: str, gguf: str, draft: str | None, config: str, pr
 
 def spec_summary(runs: list[dict], n: int) -> dict:
     """One configuration's runs of a round (one per prompt, :func:`parse_spec_output`) summed: decode tokens/s
-    over the runs that decoded at most ``n + 1`` tokens (it prints ``-n`` tokens and the one its last pass gives);
-    a run past that (``ngram-mod`` drafts past ``-n`` where the text repeats, 161 tokens for 96 asked) decoded
-    other tokens than ours, which stop at ``n``: it is left out, its prompt's index in ``past_n``, and our plan is
-    rated over the same prompts (:func:`plan_rate`). With every run past ``n`` the rate is None."""
-    kept = [r for r in runs if r["tokens"] <= n + 1]
+    over the runs that decoded at most ``n + 1 + n_draft`` tokens (``-n``, the one its last pass gives, and the
+    drafts of a last verify pass, which the draft model's drafter does not cut at ``-n``: up to 73 tokens for 64
+    at a draft length of 8, every pass an ordinary one). A run past that (``ngram-mod`` drafts up to 64 tokens past
+    ``-n`` where the text repeats, 161 tokens for 96 asked) decoded other tokens than ours, which stop at ``n``: it
+    is left out, its prompt's index in ``past_n``, and our plan is rated over the same prompts (:func:`plan_rate`).
+    With every run past that the rate is None."""
+    past = [i for i, r in enumerate(runs) if r["tokens"] > n + 1 + r["n_draft"]]
+    kept = [r for i, r in enumerate(runs) if i not in past]
     tokens, seconds = sum(r["tokens"] for r in kept), sum(r["decode_seconds"] for r in kept)
     drafted = sum(r["drafted"] for r in kept)
     return {"decode_tok_s": tokens / seconds if seconds > 0 else None, "tokens": tokens, "decode_seconds": seconds,
             "acceptance": sum(r["accepted"] for r in kept) / drafted if drafted else None, "drafted": drafted,
-            "past_n": [i for i, r in enumerate(runs) if r["tokens"] > n + 1], "runs": runs}
+            "past_n": past, "runs": runs}
 
 
 def decode_rate(totals: list[dict]) -> float | None:
@@ -241,8 +246,8 @@ def main() -> None:
             past, rate = spec[config]["past_n"], spec[config]["decode_tok_s"]
             log(f"  llama.cpp speculative {config}: decode "
                 + ("-" if rate is None else f"{rate:.2f} tok/s")
-                + (f" (prompts {', '.join(str(i + 1) for i in past)} left out: decoded past -n {n_gen})" if past
-                   else ""))
+                + (f" (prompts {', '.join(str(i + 1) for i in past)} left out: decoded past -n {n_gen} by more "
+                   f"than a last pass)" if past else ""))
         rates = [x["tok_s"] for x in runs_llama]
         llama = statistics.fmean(rates)
         ours = {}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.llama_anchor import parse_spec_config, parse_spec_output
+from benchmarks.llama_anchor import parse_spec_config, parse_spec_output, spec_summary
 from tests.helpers import save_tiny, write_plan
 
 PRINTED = """\
@@ -25,7 +25,23 @@ PRINTED = """\
 
 def test_the_counts_are_read_from_the_lines_that_carry_them():
     got = parse_spec_output("some generated text\n" + PRINTED)
-    assert got == {"tokens": 73, "decode_seconds": 8.71, "prompt_tokens": 16, "drafted": 99, "accepted": 60}
+    assert got == {"tokens": 73, "decode_seconds": 8.71, "prompt_tokens": 16, "drafted": 99, "accepted": 60,
+                   "n_draft": 8}
+
+
+def test_a_run_past_n_by_a_last_verify_pass_counts_and_one_past_that_is_left_out():
+    """The draft model's drafter does not cut its last draft at ``-n``: at a draft length of 2 / 4 / 8 every run
+    decoded 66-73 tokens for 64 and was left out (no rate at all); only a run past ``-n + 1 + n_draft`` (``ngram-mod``
+    drafting 64 tokens past it where the text repeats) decoded what a verify pass does not explain."""
+    def run(tokens, n_draft, seconds=1.0):
+        return {"tokens": tokens, "decode_seconds": seconds, "prompt_tokens": 9, "drafted": 10, "accepted": 5,
+                "n_draft": n_draft}
+
+    draft = spec_summary([run(65, 8), run(73, 8), run(66, 2)], 64)
+    assert draft["past_n"] == [] and draft["decode_tok_s"] == pytest.approx((65 + 73 + 66) / 3.0)
+    mod = spec_summary([run(65, 3), run(161, 3, 2.0), run(68, 3)], 96)
+    assert mod["past_n"] == [1] and mod["decode_tok_s"] == pytest.approx((65 + 68) / 2.0)
+    assert spec_summary([run(75, 8)], 64)["decode_tok_s"] is None
 
 
 def test_output_without_a_count_is_an_error_naming_it():
@@ -81,9 +97,10 @@ def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_cou
     bench.write_text(f"#!/bin/sh\nn=$(cat {counter} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {counter}\n"
                      f"echo bench >> {order}\n"
                      f"echo '[{{\"n_gen\": 4, \"avg_ts\": '$((n * 100))'}}]'\n")
-    spec = tmp_path / "llama-speculative-simple"     # 5 tokens (-n 4 and its last pass's), 9 past -n on prompt 2
+    spec = tmp_path / "llama-speculative-simple"     # 5 tokens (-n 4 and its last pass's); on prompt 2, 20: past
+    # -n 4, its last token and a last verify pass of 8 drafts
     spec.write_text(f"#!/bin/sh\nn=5\nwhile [ $# -gt 0 ]; do [ \"$1\" = -p ] && echo \"spec $2\" >> {order} && "
-                    f"case \"$2\" in *w2\\ w3\\ w4*) n=9;; esac; shift; done\n"
+                    f"case \"$2\" in *w2\\ w3\\ w4*) n=20;; esac; shift; done\n"
                     f"cat <<END\n{PRINTED.replace('decoded   73 tokens', 'decoded   $n tokens')}END\n")
     for b in (bench, spec):
         b.chmod(0o755)
@@ -106,7 +123,7 @@ def test_llama_cpp_runs_are_spread_over_the_round_and_the_first_token_is_not_cou
     assert ours["decode_vs_llama_cpp"] == pytest.approx(ours["decode_tok_s"] / 200)
     # a run of llama.cpp's past -n is left out, and the plan is rated against it over the same prompts
     sp = rd["llama_cpp_speculative"]["ngram-cache"]
-    assert len(sp["runs"]) == 3 and [r["tokens"] for r in sp["runs"]] == [5, 9, 5] and sp["past_n"] == [1]
+    assert len(sp["runs"]) == 3 and [r["tokens"] for r in sp["runs"]] == [5, 20, 5] and sp["past_n"] == [1]
     assert sp["tokens"] == 10 and sp["decode_tok_s"] == pytest.approx(10 / (2 * 8.71))
     by = rd["bench"]["by_task"]
     kept = [by[g]["hsd"] for g in ("t #1", "t #3")]
