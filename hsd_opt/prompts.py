@@ -178,6 +178,7 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         task = obj.get("task", JSON_TASK if schema is not None else "other")
         if not isinstance(task, str) or not task:
             raise InputFileError(source, f'"task" must be a non-empty string, got {task!r}', where)
+        _check_text(task, '"task"', source, where)
         return PromptItem(index, prompt, task, schema=schema)
     if "turns" in obj:
         turns = obj["turns"]
@@ -194,6 +195,9 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         qid = obj.get("question_id")
         if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (int, str))):
             raise InputFileError(source, f'"question_id" must be an integer or a string, got {qid!r}', where)
+        _check_text(cat, '"category"', source, where)
+        if isinstance(qid, str):
+            _check_text(qid, '"question_id"', source, where)
         return PromptItem(index, turns[0], spec_bench_group(cat), cat, qid, tuple(turns))
     raise InputFileError(source, f'missing "prompt" (or Spec-Bench\'s "turns"): {_EXPECTED}', where)
 
@@ -300,18 +304,25 @@ def conversation_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = (
     return encode_prompt(tokenizer, "\n\n".join(parts), raw=True)
 
 
+#: The text an earlier answer stands in as when :func:`check_room` counts a later turn's tokens (one token).
+STAND_IN = "x"
+
+
 def check_room(items: Sequence[PromptItem], tokenizer, raw: bool, max_new_tokens: int, context: int | None,
                source: str, turns: str = "first") -> None:
     """Refuse, before any generation, a conversation that can pass the model's ``context`` (tokens; None:
     unchecked), in one line naming ``source`` (the prompt file), the prompt and the turn: each of its user turns
     run (``turns``: :func:`user_turns`) after answers of up to ``max_new_tokens`` each, with ``max_new_tokens`` to
     generate. Decoding would stop at it (HF's ``generate`` only after decoding past the context), a later turn
-    after the earlier turns had run (``hsd run``, ``hsd bench``, ``hsd profile``)."""
+    after the earlier turns had run (``hsd run``, ``hsd bench``, ``hsd profile``). Each earlier answer is counted as
+    ``max_new_tokens`` tokens besides a one-token stand-in that keeps the separators around it as they will be
+    (empty answers joined the blank lines around them: ``"\n\n\n\n"`` is 2 tokens where ``"\n\n"`` on each side of
+    an answer is 4); an answer whose text encodes to more tokens than were generated is not foreseen."""
     if context is None:
         return
     for it in items:
         for k in range(len(user_turns(it, turns))):
-            n = len(conversation_ids(tokenizer, it.turns, [""] * k, raw)) + k * max_new_tokens
+            n = len(conversation_ids(tokenizer, it.turns, [STAND_IN] * k, raw)) + k * max_new_tokens
             if n + max_new_tokens <= context:
                 continue
             which = f"prompt {it.index + 1}" + (f" (question_id {it.question_id})" if it.question_id is not None

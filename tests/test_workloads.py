@@ -74,6 +74,10 @@ def test_select_items_per_task_is_deterministic(tmp_path):
     ('{"question_id": 1, "category": "qa", "turns": ["unterminated"', "malformed JSON"),
     ('{"prompt": "a\\ud800b"}', '"prompt" holds a lone surrogate'),       # valid JSON, no Unicode text
     ('{"question_id": 1, "category": "qa", "turns": ["ok", "\\udfff"]}', '"turns"[1] holds a lone surrogate'),
+    # the other fields that are printed: a traceback at the summary table, after every prompt had run
+    ('{"prompt": "ok", "task": "\\ud800"}', '"task" holds a lone surrogate'),
+    ('{"question_id": 1, "category": "q\\ud800", "turns": ["ok"]}', '"category" holds a lone surrogate'),
+    ('{"question_id": "\\udc00", "category": "qa", "turns": ["ok"]}', '"question_id" holds a lone surrogate'),
 ])
 def test_bad_lines_are_named(tmp_path, line, needle):
     path = _write(tmp_path / "bad.jsonl", [SPEC_BENCH[0], line])
@@ -110,6 +114,33 @@ def test_later_turns_follow_the_models_own_answers():
     assert raw == tok("w1 w2\n\nw7\n\nw3\n\nw9\n\nw4 w5")["input_ids"]
     with pytest.raises(HsdError, match="user turns"):
         conversation_ids(tok, turns[:1], ["w7"])
+
+
+def test_the_room_a_later_turn_is_checked_for_holds_the_answers_it_can_follow():
+    """``check_room`` counted a later turn with empty answers, whose blank lines on either side ran together
+    (``"\\n\\n\\n\\n"`` is 2 tokens of the embedded model's, ``"\\n\\n"`` twice 4): a run it passed stopped
+    at the second turn. Whatever answer of up to ``max_new_tokens`` tokens comes first, the second turn and its
+    answer fit in the least context it passes."""
+    from hsd_opt.models.loading import load_tokenizer, model_source
+    from hsd_opt.prompts import PromptItem, check_room
+
+    tok = load_tokenizer(model_source("smollm2-135m")[1], "embedded")
+    it = PromptItem(0, "What is 2+2?", "t", turns=("What is 2+2?", "And 3+3?"))
+    answers = ["Four.", "4", "It is four.\n", "\n\nFour", " four", "Four!\n\n"]
+    for raw in (True, False):
+        for n_new in (2, 3, 5):
+            least = next(c for c in range(1, 200) if _passes(check_room, it, tok, raw, n_new, c))
+            for a in answers:
+                if len(encode_prompt(tok, a, raw=True)) <= n_new:
+                    assert len(conversation_ids(tok, it.turns, [a], raw)) + n_new <= least, (raw, n_new, a)
+
+
+def _passes(check_room, it, tok, raw, n_new, context) -> bool:
+    try:
+        check_room([it], tok, raw, n_new, context, "f.jsonl", "all")
+    except HsdError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ totals
