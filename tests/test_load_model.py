@@ -169,6 +169,30 @@ def test_the_prediction_makes_the_schedulers_ticks(monkeypatch, max_batch):
     assert p.tokens == sum(len(r.token_ids) for r in reqs)
 
 
+def test_sampled_requests_on_one_prompt_are_priced_at_their_own_answers_lengths():
+    """Sampled, the requests on one prompt end at lengths of their own (an end-of-sequence drawn early): they were
+    priced at the last one's length (4 requests answered 43 tokens, priced 48)."""
+    from hsd_opt.measure.bench import Sampling
+    from hsd_opt.measure.load_bench import answer_lengths
+
+    eng = LayeredLM(make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0),
+                    kernels=HAVE_KERNELS)
+    ar = HSD([Level("layer4", eng, 4)], [], eos_ids=list(range(2, 34)))      # half the vocabulary ends an answer
+    prompts = [[5, 9, 14]]
+    for seed in range(20):
+        torch.manual_seed(seed)
+        reqs = serve_clients(ar, prompts, clients=2, requests=3, max_new_tokens=12, max_batch=2,
+                             sampling=Sampling(temperature=1.0))
+        if len({len(r.token_ids) for r in reqs}) > 1:
+            break
+    assert len({len(r.token_ids) for r in reqs}) > 1
+    jobs = LoadPredictor(_profile()).jobs(prompts, answer_lengths(reqs), clients=2, requests=3)
+    mine = {}
+    for r in reqs:
+        mine.setdefault(r.client, []).append(max(1, len(r.token_ids)))
+    assert [[j.tokens for j in row] for row in jobs] == [mine[0], mine[1]]
+
+
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler here: the kernels cannot be built")
 def test_spec_of_a_built_hierarchy_names_its_engines_and_the_copy_that_shares_the_prompt():
     model = make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0)

@@ -265,3 +265,22 @@ def test_bench_retime_bad_profile_is_a_usage_error(tiny):
                     "--retime", path, "--device", "cpu")
         assert r.exit_code == 2, cli_output(r)
         assert needle in cli_output(r) and "Traceback" not in cli_output(r)
+
+
+def test_bench_clocks_steps_as_the_profile_timed_them_whatever_the_run_samples(tiny, monkeypatch):
+    """The clock compares a step with the profile's: sampling a run of a greedy profile, its steps were timed as
+    sampling's (ending in logits) against the profile's greedy ones, which the factor then took for drift."""
+    from hsd_opt.measure import retime
+
+    seen = []
+    real = retime.StepClock.__init__
+
+    def init(self, profile, hierarchies, **kw):
+        seen.append(kw.get("greedy"))
+        real(self, profile, hierarchies, **kw)
+
+    monkeypatch.setattr(retime.StepClock, "__init__", init)
+    r = run_cli("bench", "--plan", tiny["plan"], "--prompts", tiny["prompts"], "--limit", 1, "--max-new-tokens", 3,
+                "--methods", "ar", "--retime", tiny["profile"], "--temperature", 1, "--device", "cpu")
+    assert r.exit_code == 0, cli_output(r)
+    assert seen == [True]

@@ -378,9 +378,10 @@ def run_bench(plan, loaded, prompts: Sequence[str | PromptItem], max_new_tokens:
     _some_method_runs(runners, errors)
     clock = None
     if retime is not None:
-        from hsd_opt.measure.retime import StepClock
+        from hsd_opt.measure.retime import StepClock, greedy_costs
 
-        clock = StepClock(retime, list(built.values()), text=ids0, greedy=sampling.greedy)
+        # timed as the profile's steps were (a sampled profile's end in logits), whatever this run samples
+        clock = StepClock(retime, list(built.values()), text=ids0, greedy=greedy_costs(retime))
     gens, done = _timed_runs(runners, items, tok, turns, raw, max_new_tokens, sampling, clock, desc, plan, retime,
                              log, between, errors)
     report = _method_reports(gens, desc, errors, by, sampling)

@@ -133,6 +133,19 @@ def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
     return done
 
 
+def answer_lengths(reqs: Sequence[Request]) -> dict[tuple[int, int], int]:
+    """Each sampled request's answer length in tokens, by ``(client, k)`` (its client's ``k``-th request; ``reqs``
+    in submission order, as :func:`serve_clients` returns them): requests on one prompt answer at lengths of their
+    own."""
+    seen: dict[int, int] = {}
+    out = {}
+    for q in reqs:
+        k = seen.get(q.client, 0)
+        seen[q.client] = k + 1
+        out[(q.client, k)] = len(q.token_ids or [])
+    return out
+
+
 def percentile(xs: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile of ``xs`` (linear between order statistics); None when empty."""
     if not xs:
@@ -218,8 +231,7 @@ def run_load_bench(plan: "Plan", runners: Mapping[str, tuple[HSD | Mapping[int, 
                     fig = level_figures(reqs, reference if greedy else None)
                     fig["round"] = r + 1
                     if predictor is not None:
-                        lengths = ({j: len(ids) for j, ids in reference.items()} if greedy
-                                   else {q.prompt: len(q.token_ids or []) for q in reqs})
+                        lengths = {j: len(ids) for j, ids in reference.items()} if greedy else answer_lengths(reqs)
                         fig.update(predictor.after(h, mb, predictor.jobs(prompts, lengths, c, requests, start),
                                                    fig["aggregate_tokens_per_s"]))
                     per_round[m].append(fig)

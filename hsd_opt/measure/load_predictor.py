@@ -419,11 +419,12 @@ class LoadPredictor:
         return {"batch": {str(b): f for b, f in factors.items()},
                 "prompt_seconds": {m: [list(p) for p in pts] for m, pts in prompts.items()}}
 
-    def jobs(self, prompts: Sequence[Sequence[int]], lengths: Mapping[int, int], clients: int, requests: int,
+    def jobs(self, prompts: Sequence[Sequence[int]], lengths: Mapping, clients: int, requests: int,
              start: int = 0) -> list[list[Job]]:
         """The requests of ``clients`` closed-loop clients as :func:`~hsd_opt.measure.load_bench.serve_clients`
-        sends them: client ``i``'s ``k``-th on prompt ``(start + i * requests + k) mod n``, generating
-        ``lengths[prompt]`` tokens (its answer's length)."""
+        sends them: client ``i``'s ``k``-th on prompt ``(start + i * requests + k) mod n``, generating its answer's
+        length in tokens: ``lengths[(i, k)]`` where given (sampled: each request its own), else ``lengths[prompt]``
+        (greedy: every request of a prompt the same)."""
         h = len(self.head)
         out = []
         for i in range(clients):
@@ -432,7 +433,8 @@ class LoadPredictor:
                 j = (start + i * requests + k) % len(prompts)
                 p = list(prompts[j])
                 kept = h if h and len(p) > h and p[:h] == self.head else 0
-                row.append(Job(len(p) - kept, max(1, int(lengths[j])), kept))
+                n = lengths[(i, k)] if (i, k) in lengths else lengths[j]
+                row.append(Job(len(p) - kept, max(1, int(n)), kept))
             out.append(row)
         return out
 
