@@ -38,9 +38,7 @@ if not PLAN:
 def family_plan():
     from hsd_opt.commands.common import load_plan_and_model
     from hsd_opt.models.loading import eos_token_ids
-    from hsd_opt.runtime.runner import hsd_for_plan
-
-    from hsd_opt.runtime.runner import PlanModels
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
 
     plan, loaded = load_plan_and_model(Path(PLAN), None, "cpu", None)
     eos = eos_token_ids(loaded)
