@@ -25,6 +25,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import FILE_MODE, FOLDER_MODE, remove_stale, write_json
 from hsd_opt.models.registry import SPLIT_GGUFS, SPLIT_PREFIX, fetch_hint, gguf_path, split_gguf
 from hsd_opt.packages import need
+from hsd_opt.values import is_integer
 
 if TYPE_CHECKING:   # transformers and torch are imported when a model is loaded, not with this module
     import torch
@@ -619,12 +620,12 @@ def model_positions(config) -> int | None:
     engine attends over every position, which is the windowed model's own attention only up to its window. None
     where the configuration gives neither."""
     n = getattr(config, "max_position_embeddings", None)
-    sizes = [int(n)] if isinstance(n, int) and not isinstance(n, bool) and n > 0 else []
+    sizes = [int(n)] if is_integer(n) and n > 0 else []
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     in_force = ("sliding_attention" in types if isinstance(types, (list, tuple))
                 else getattr(config, "use_sliding_window", True) is not False)
-    if in_force and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+    if in_force and is_integer(window) and window > 0:
         sizes.append(window)
     return min(sizes) if sizes else None
 
