@@ -3,6 +3,7 @@ exactly, bad input exits with code 2 and one clear line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -791,6 +792,32 @@ def test_torchrun_ranks_of_which_one_has_a_schemas_prompt_merge(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     st = _stats(out)
     assert st.counters["prompts"] == 3 and st.counters["forced_tokens.json"] > 0
+
+
+def test_run_profile_destroys_the_process_group_it_made_and_leaves_a_callers(tiny, tmp_path, monkeypatch):
+    """A group left alive at exit meets the interpreter's teardown with gloo's threads running, which now and then
+    aborted a torchrun rank after its work was written; a caller's own group is the caller's to close."""
+    import torch.distributed as dist
+
+    from hsd_opt.profiler.dist import ensure_process_group
+
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    cfg = ProfileConfig(model=str(tiny["model"]), out=tmp_path / "a.json", prompts=tiny["prompts"],
+                        max_new_tokens=3, device="cpu", token_drafters=["ngram"], tmax=2, cost_repeats=1,
+                        curve_repeats=1, progress=False, threads=1, batch_sizes=(1,), cost_contexts=(8,))
+    try:
+        ensure_process_group(torch.device("cpu"))              # as the profiler's first collective makes it
+        assert dist.is_initialized()
+        run_profile(cfg)
+        assert not dist.is_initialized()
+        dist.init_process_group(backend="gloo")                # the caller's own
+        run_profile(dataclasses.replace(cfg, out=tmp_path / "b.json"))
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------- bad input

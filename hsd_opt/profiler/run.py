@@ -54,7 +54,7 @@ from hsd_opt.profiler.costs import (
     time_token_drafter,
     time_window_saving,
 )
-from hsd_opt.profiler.dist import all_gather, all_reduce_sum, barrier, dist_info
+from hsd_opt.profiler.dist import all_gather, all_reduce_sum, barrier, close_process_group, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
@@ -494,6 +494,15 @@ def run_profile(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None = No
     warn = warn or (lambda s: None)
     if cfg.costs_only:
         return run_costs_only(cfg, log, warn)
+    try:
+        return _profile_ranks(cfg, on_prompt, log, warn)
+    finally:
+        close_process_group()       # under torchrun: before the interpreter's teardown meets gloo's threads
+
+
+def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, log: Callable[[str], None],
+                   warn: Callable[[str], None]) -> Profile | None:
+    """:func:`run_profile` of this process (one torchrun rank, or the whole run): the profile on rank 0."""
     rank, world = dist_info()
 
     # validate, load the target, then the pool
