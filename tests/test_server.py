@@ -189,6 +189,37 @@ def test_stop_strings_cut_the_text_before_them(served, direct):
     assert r3.choices[0].text == text and r3.choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_stop_token_ids_end_the_output_at_the_first_of_them_generated(served, direct):
+    """vLLM's ``stop_token_ids``: the output ends with the first of them generated, its text kept (a special
+    token's dropped, as every special token's), ``finish_reason`` "stop"; the earlier of it and a stop string
+    ends the text; ids never generated change nothing."""
+    c = client(served[0])
+    _, _, tok = direct
+    r = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0)
+    ids, text = r.model_extra["hsd"]["token_ids"], r.choices[0].text
+    assert len(ids) >= 6
+    for k in (0, 3):
+        n = ids.index(ids[k]) + 1                     # its first occurrence
+        kw = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0,
+                  extra_body={"stop_token_ids": [ids[k], ids[k]]})
+        r2 = c.completions.create(**kw)
+        assert r2.model_extra["hsd"]["token_ids"] == ids[:n] and r2.usage.completion_tokens == n
+        assert r2.choices[0].text == tok.decode(ids[:n], skip_special_tokens=True)
+        assert r2.choices[0].finish_reason == "stop"
+        streamed, last = stream_completion(c, STOP_PROMPT, max_tokens=N, temperature=0,
+                                           extra_body={"stop_token_ids": [ids[k]]})
+        assert streamed == r2.choices[0].text and last.choices[0].finish_reason == "stop"
+    later = next(t for t in ids if ids.index(t) >= 3)
+    before = tok.decode(ids[:2], skip_special_tokens=True).split()[-1]     # a stop string ending before it
+    r3 = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0, stop=before,
+                              extra_body={"stop_token_ids": [later]})
+    assert r3.choices[0].text == text[:text.find(before)] and len(r3.model_extra["hsd"]["token_ids"]) <= 2
+    unseen = next(t for t in range(len(tok)) if t not in ids)
+    r4 = c.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=N, temperature=0,
+                              extra_body={"stop_token_ids": [unseen]})
+    assert r4.model_extra["hsd"]["token_ids"] == ids and r4.choices[0].finish_reason == r.choices[0].finish_reason
+
+
 def test_seeded_sampling_is_reproducible_and_equals_hsd_run(tiny, served):
     c = client(served[0])
     kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, temperature=0.9,
@@ -534,8 +565,12 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "w1", "typical_p": 0.5}, 400, "typical_p", None),
     (CHAT, {"model": MODEL, "messages": MSG, "mirostat": 2}, 400, "mirostat", None),
     (COMP, {"model": MODEL, "prompt": "w1", "ignore_eos": True}, 400, "ignore_eos", None),
-    # vLLM's and llama.cpp's fields that change the answer were answered without it (stop_token_ids did not stop)
-    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": [5]}, 400, "stop_token_ids", None),
+    # vLLM's and llama.cpp's fields that change the answer were answered without it
+    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": 5}, 400, "stop_token_ids", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": ["5"]}, 400, "stop_token_ids", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "stop_token_ids": [True]}, 400, "stop_token_ids", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "stop_token_ids": [10**9]}, 400, "stop_token_ids", None),
     (CHAT, {"model": MODEL, "messages": MSG, "include_stop_str_in_output": True, "stop": ["x"]}, 400,
      "include_stop_str_in_output", None),
     (COMP, {"model": MODEL, "prompt": "w1", "allowed_token_ids": [5]}, 400, "allowed_token_ids", None),

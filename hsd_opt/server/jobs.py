@@ -293,7 +293,7 @@ class JobQueue:
             self._end(job, "cancelled", None)
             return
         req = job.request
-        text = TextStream(self.tokenizer, req.stop, req.prompt_ids)      # read after the prompt's last ids
+        text = TextStream(self.tokenizer, req.stop, req.prompt_ids, req.stop_ids)   # read after the prompt's ids
         on_tokens = _Stream(job, text, self.stream_interval, self.metrics)
 
         def on_done(res: "GenerationResult | None", err: BaseException | None) -> None:

@@ -2,7 +2,7 @@
 :class:`GenerationRequest`; every refusal is an :class:`~hsd_opt.server.errors.ApiError` (400) naming the field.
 
 Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``max_tokens`` (chat also
-``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids`` (vLLM's), ``stream``,
 ``stream_options.include_usage``, ``n`` (1 .. :data:`MAX_CHOICES` choices: :func:`choice_requests`),
 ``response_format`` (``text``, ``json_object``, ``json_schema``: the output follows the grammar,
 :mod:`hsd_opt.grammar`; one that does not compile is a 400 naming the problem) and log-probabilities (chat:
@@ -13,7 +13,7 @@ Honoured fields: ``model``, ``messages`` (chat) or ``prompt`` (completions), ``m
 also ``tools`` and ``tool_choice`` (a function called under the grammar of its parameters:
 :mod:`hsd_opt.server.tools`). Fields of the OpenAI API that would change the answer and are not supported
 (:data:`UNSUPPORTED`: echo, best-of, suffix), and llama.cpp's and vLLM's sampling extensions beyond these
-(typical-p, mirostat, stop token ids, ...), are a 400 when given a value other than their default; other fields
+(typical-p, mirostat, bad words, ...), are a 400 when given a value other than their default; other fields
 (``user``, ``metadata``, ...) are ignored."""
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class GenerationRequest:
     ``logprobs``: the alternatives listed with each generated token's log-probability (0 .. 20), None: no
     log-probabilities; ``penalties``: frequency and presence penalties and logit biases, None: none; ``top_k``
     (0: off) and ``min_p`` (0: off): sampling's filters; ``n``: the choices the answer holds (1 ..
-    :data:`MAX_CHOICES`)."""
+    :data:`MAX_CHOICES`); ``stop_ids``: token ids that end the output where one is generated (vLLM's
+    ``stop_token_ids``; kept in the output, its text too unless it is a special token)."""
 
     kind: str
     model: str
@@ -105,6 +106,7 @@ class GenerationRequest:
     top_k: int = 0
     min_p: float = 0.0
     n: int = 1
+    stop_ids: tuple[int, ...] = ()
 
 
 def choice_requests(req: GenerationRequest) -> list[GenerationRequest]:
@@ -138,7 +140,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "",
                "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
                "min_tokens": 0, "ignore_eos": False, "n_predict": -1, "dynatemp_range": 0.0, "n_probs": 0,
-               "stop_token_ids": [], "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": [],
+               "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": [],
                "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
                "truncate_prompt_tokens": None}
 #: llama.cpp's server's default for ``repeat_last_n`` (the tokens its ``repeat_penalty`` looks back over).
@@ -305,6 +307,21 @@ def _stop(body: dict) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise bad_request("'stop' strings must not be empty", "stop")
     return tuple(stops)
+
+
+def _stop_ids(body: dict, vocab: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: an array of the model's token ids (``0 .. vocab - 1``); absent or null: none."""
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(f"'stop_token_ids' must be an array of token ids (integers), got {_type_name(v)} "
+                          f"{json.dumps(v)[:80]}", "stop_token_ids")
+    bad = [t for t in v if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"'stop_token_ids': {bad[0]} is not a token id of this model (0 .. {vocab - 1})",
+                          "stop_token_ids")
+    return tuple(dict.fromkeys(v))
 
 
 def _text(s: str, where: str) -> str:
@@ -502,6 +519,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1; with 'n', seed + n - 1 too: "
                           f"choice i is seeded seed + i), got {seed}", "seed")
     stop = _stop(body)
+    stop_ids = _stop_ids(body, len(info.tokenizer))
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -532,7 +550,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"the prompt ({len(ids)} tokens) + '{key}' ({max_tokens}) exceeds the model's context "
                           f"of {info.max_positions} tokens", key, "context_length_exceeded")
     return GenerationRequest(kind, model, ids, max_tokens, temperature, top_p, seed, stop, stream, include_usage,
-                             grammar, tool, logprobs, penalties, top_k, min_p, n)
+                             grammar, tool, logprobs, penalties, top_k, min_p, n, stop_ids)
 
 
 def _served_model(body: dict[str, Any], info: ModelInfo) -> None:

@@ -73,12 +73,16 @@ class TextStream:
     Attributes:
         ids: every id fed so far (up to and including the token that completed a stop string).
         text: the text handed out so far.
-        stopped: a stop string was found; ``text`` ends just before it and ``ids`` at the token completing it.
+        stopped: a stop string was found (``text`` ends just before it and ``ids`` at the token completing it), or a
+            token of ``stop_ids`` was fed (``ids`` end with it; ``text`` holds its text unless it is a special
+            token, as vLLM's ``stop_token_ids``).
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = (), context: Sequence[int] = ()):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = (), context: Sequence[int] = (),
+                 stop_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
@@ -138,10 +142,10 @@ class TextStream:
 
     def feed(self, block: Sequence[int]) -> str:
         """Take one committed block of ids; return the text it makes final ('' if none). After a stop string
-        nothing more is taken."""
+        or a stop id nothing more is taken."""
         if self.stopped:
             return ""
-        if not self.stop:
+        if not self.stop and not self.stop_ids:
             self.ids.extend(int(t) for t in block)
             return self._advance(self._decode())
         out = []
@@ -149,10 +153,10 @@ class TextStream:
             self.ids.append(int(t))
             full = self._decode()
             whole = full.rstrip("\ufffd")     # the text before a character whose bytes are still coming
-            cut = self._find_stop(whole)      # final already: a stop string in it ends the text at this token
-            if cut >= 0:
+            cut = self._find_stop(whole) if self.stop else -1   # final already: a stop string ends the text here
+            if cut >= 0 or int(t) in self.stop_ids:
                 self.stopped = True
-                out.append(self._advance(full[:cut], final=True))
+                out.append(self._advance(full[:cut] if cut >= 0 else full, final=True))
                 break
             if whole == full:
                 out.append(self._advance(full))
