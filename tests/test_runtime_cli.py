@@ -238,6 +238,11 @@ def test_bench_runs_hf_early_exit_when_named(tiny_dir, tmp_path):
     ("drafter_config", "p.json: models.ngram.config: bad config for ngram_context drafter"),
     ("mixed_config", "p.json: models.ngram.config: mixed_ngram drafter needs 'ngram' and 'bigram'"),
     ("plan_dtype", "p.json: provenance.dtype: expected one of"),
+    # a table or matrix made for a larger vocabulary: refused before decoding (it failed when a draft reached
+    # such an id, part of the answer already written)
+    ("bigram_vocab", "p.json: models.big.config: 'big' drafts token ids up to"),
+    ("aded_vocab", "p.json: models.big.config: 'big' drafts token ids up to"),
+    ("mixed_vocab", "p.json: models.big.config: 'big' drafts token ids up to"),
 ])
 def test_bad_plans(tiny_dir, tmp_path, case, needle):
     m = tiny_dir / "m"
@@ -274,6 +279,20 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
                              {"name": "layer4", "kind": "target", "layer": 4}])
     elif case == "plan_dtype":
         plan = _plan(tmp_path / "p.json", m, dtype="int7", target_precision="float32")
+    elif case.endswith("_vocab"):
+        from hsd_opt.drafters.aded import TrigramMatrix
+        from hsd_opt.drafters.bigram import random_bigram_table
+
+        vocab = json.loads((m / "config.json").read_text())["vocab_size"]
+        table = random_bigram_table(vocab + 200, top_k=4).save(tmp_path / "t.npz")
+        matrix = TrigramMatrix({(1, 2): {3: 0.5, vocab: 0.5}}).save(tmp_path / "m.npz")
+        config = {"bigram": {"kind": "bigram_model", "table": str(table)},
+                  "aded": {"kind": "aded", "matrix": str(matrix)},
+                  "mixed": {"kind": "mixed_ngram", "ngram": {"kind": "ngram_context"},
+                            "bigram": {"kind": "bigram_model", "table": str(table)}}}[case.split("_")[0]]
+        plan = _plan(tmp_path / "p.json", m, hierarchy=("big", "layer4"), budgets=(2,),
+                     models=[{"name": "big", "kind": config["kind"], "config": config},
+                             {"name": "layer4", "kind": "target", "layer": 4}])
     else:
         plan = _plan(tmp_path / "p.json", m, hierarchy=("mystery", "layer4"), budgets=(2,))
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "3"] + args)

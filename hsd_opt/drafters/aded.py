@@ -115,6 +115,10 @@ class TrigramMatrix:
     def __len__(self) -> int:
         return sum(len(v) for v in self.table.values())
 
+    def largest_id(self) -> int | None:
+        """The largest token id the matrix may draft (a tri-gram's last token; None: an empty matrix)."""
+        return max((c for d in self.table.values() for c in d), default=None)
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``.npz`` with int32 arrays ``a, b, c``, float32 ``p`` and a JSON ``meta`` string (atomic)."""
         path = Path(path)
@@ -370,6 +374,9 @@ class AdedDrafter(TokenDrafter):
         self.max_prob, self.max_length = float(max_prob), int(max_length)
         self.name = name
         self._memo: tuple | None = None
+
+    def largest_id(self) -> int | None:
+        return self.matrix.largest_id()
 
     def fork(self) -> "AdedDrafter":
         """A drafter for another sequence, adapting its own copy of the matrix (see the class doc)."""

@@ -60,6 +60,12 @@ class TokenDrafter(abc.ABC):
     def observe(self, context: Sequence[int], accepted: Sequence[int]) -> None:
         """``accepted`` tokens were just verified and appended after ``context``. Default: no-op."""
 
+    def largest_id(self) -> int | None:
+        """The largest token id this drafter may propose that is not in the context it is given (a table's or a
+        matrix's), or None where it proposes only tokens of the context. A plan refuses a drafter whose largest id
+        is past its target's vocabulary (a table made for another model) before it decodes anything."""
+        return None
+
     def config(self) -> dict:
         """JSON-able parameters that rebuild this drafter with :func:`hsd_opt.drafters.make_token_drafter`."""
         return {"kind": self.kind, "name": self.name}

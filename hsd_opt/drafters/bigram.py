@@ -118,6 +118,11 @@ class BigramTable:
     def top_k(self) -> int:
         return int(self.ids.shape[1])
 
+    @property
+    def largest_id(self) -> int:
+        """The largest token id the table holds (next tokens and the unigram's ranking)."""
+        return max(int(self.ids.max(initial=0)), int(self.unigram_ids.max(initial=0)))
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write an ``.npz`` atomically (:func:`hsd_opt.jsonio.atomic_write`)."""
         import json
@@ -386,6 +391,9 @@ class BigramDrafter(TokenDrafter):
             rows.append(list(rows[-1]))
         return rows
 
+    def largest_id(self) -> int:
+        return self.table.largest_id
+
     def config(self) -> dict:
         return {"kind": self.kind, "name": self.name, "table": self.table.path, "top_k": self.table.top_k}
 
@@ -413,6 +421,9 @@ class UnigramDrafter(TokenDrafter):
         while len(rows) < k:
             rows.append(list(rows[-1]))
         return rows
+
+    def largest_id(self) -> int:
+        return self.table.largest_id
 
     def config(self) -> dict:
         return {"kind": self.kind, "name": self.name, "table": self.table.path, "top_k": self.table.top_k}

@@ -52,6 +52,9 @@ class MixedNgramDrafter(TokenDrafter):
         new.ngram, new.bigram, new.last_sources = self.ngram.fork(), self.bigram.fork(), []
         return new
 
+    def largest_id(self) -> int | None:
+        return max((i for i in (self.ngram.largest_id(), self.bigram.largest_id()) if i is not None), default=None)
+
     def reset(self, prompt_ids: Sequence[int]) -> None:
         self.ngram.reset(prompt_ids)
         self.bigram.reset(prompt_ids)

@@ -179,18 +179,31 @@ def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
             if i != 0:
                 raise InputFileError(source, f"{name!r} ({kind}) cannot verify: a token drafter may only be the "
                                              f"bottom level", where)
-            from hsd_opt.drafters import make_token_drafter
-
-            cfg = dict(e.config or {})
-            cfg.pop("kind", None)
-            cfg.setdefault("name", name)
-            try:
-                levels.append(Level(name, drafter=make_token_drafter(kind, **cfg)))
-            except HsdError as err:
-                raise InputFileError(source, str(err), f"models.{name}.config") from None
+            levels.append(Level(name, drafter=_token_drafter(name, kind, e.config, target.vocab_size, source)))
     if not levels[-1].is_model or levels[-1].engine is not target:
         raise InputFileError(source, "the last level must be the target model", "hierarchy")
     return levels
+
+
+def _token_drafter(name: str, kind: str, config: dict | None, vocab: int, source: str):
+    """The token drafter ``name`` of a plan (its ``kind`` and ``config``), refused naming its config where it cannot
+    be built or drafts ids past the target's ``vocab`` (a table or matrix made for another model: found before
+    anything is decoded, not when a draft reaches such an id)."""
+    from hsd_opt.drafters import make_token_drafter
+
+    cfg = dict(config or {})
+    cfg.pop("kind", None)
+    cfg.setdefault("name", name)
+    try:
+        drafter = make_token_drafter(kind, **cfg)
+    except HsdError as err:
+        raise InputFileError(source, str(err), f"models.{name}.config") from None
+    largest = drafter.largest_id()
+    if largest is not None and largest >= vocab:
+        raise InputFileError(source, f"{name!r} drafts token ids up to {largest}, past the target's vocabulary 0 .. "
+                                     f"{vocab - 1} (a table or matrix made for another model?)",
+                             f"models.{name}.config")
+    return drafter
 
 
 class PlanModels:
