@@ -154,7 +154,11 @@ def _damaged(src: Path, dst: Path, **edit) -> Path:
     ({"kind": "lowrank", "rank": "x"}, "rank"), ({"train": "x"}, "train"), ({"train_settings": "x"}, "train.settings"),
     ({"train_tokens": "abc"}, "train.tokens"), ({"train_tokens": -5}, "train.tokens"),
     ({"train_holdout": 5}, "train.holdout"), ({"train_prompts": 3}, "train.prompts"),
-    ({"train_settings": {"seed": "s"}}, "train.settings.seed"), ({"model": 7}, "model")])
+    ({"train_settings": {"seed": "s"}}, "train.settings.seed"), ({"model": 7}, "model"),
+    # hsd heads eval cuts the held-out sequences at it: a traceback after generating them, or a silent slice
+    ({"train_settings": {"max_len": "abc"}}, "train.settings.max_len"),
+    ({"train_settings": {"max_len": [1]}}, "train.settings.max_len"),
+    ({"train_settings": {"max_len": -3}}, "train.settings.max_len")])
 def test_a_damaged_header_names_the_file_and_the_field(heads_a, tmp_path, edit, field):
     bad = _damaged(heads_a, tmp_path / "bad.safetensors", **edit)
     with pytest.raises(InputFileError, match=rf"bad\.safetensors: {field}: expected ") as e:

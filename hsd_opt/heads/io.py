@@ -109,8 +109,8 @@ def _check_header(path: str, header: dict) -> None:
     """Refuse (:class:`InputFileError` naming ``path`` and the field) a header whose fields are missing or of the
     wrong type: sizes integers >= 1, ``layers`` a non-empty list of distinct integers, a known ``kind``, ``rank``
     and ``vocab_subset`` integers >= 1 or null, ``model`` and ``revision`` strings or null, and ``train`` (the
-    training settings ``hsd heads eval`` reuses) an object whose ``settings``, ``tokens``, ``holdout`` and
-    ``prompts`` are what training wrote."""
+    training settings ``hsd heads eval`` reuses) an object whose ``settings`` (its ``seed`` and ``max_len``),
+    ``tokens``, ``holdout`` and ``prompts`` are what training wrote."""
     for key in ("hidden_size", "vocab_size", "n_layers", "layers", "kind"):
         if key not in header:
             raise InputFileError(path, "missing from the header", key)
@@ -133,7 +133,8 @@ def _check_header(path: str, header: dict) -> None:
         "holdout": (lambda v: v is None or is_finite(v) and 0 < v < 1, "a share in (0, 1) or null"),
         "prompts": (lambda v: v is None or isinstance(v, str), "a path or null")}, "train.")
     _check_fields(path, train.get("settings") or {},
-                  {"seed": (lambda v: v is None or is_integer(v), "an integer or null")}, "train.settings.")
+                  {"seed": (lambda v: v is None or is_integer(v), "an integer or null"),
+                   "max_len": (lambda v: v is None or count[0](v), "an integer >= 1 or null")}, "train.settings.")
 
 
 def _check_fields(path: str, obj: dict, checks: dict, prefix: str) -> None:
