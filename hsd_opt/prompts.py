@@ -82,6 +82,12 @@ class PromptItem:
         """What a report groups this item under: its task (``by="group"``) or its raw category."""
         return self.category if by == "category" else self.task
 
+    def content_sha256(self) -> str:
+        """The SHA-256 (16 hex digits) of what the model is given: the turns and the schema (not the task or the
+        place in its file): the same prompt in two files, or twice in one, has one."""
+        text = json.dumps([list(self.turns), self.schema], sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
 
 @dataclass(frozen=True)
 class PromptSuite:

@@ -455,6 +455,7 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     r = _cli(["profile", "merge", str(merged), str(parts[1]), "-o", str(tmp_path / "twice.json")])
     assert r.exit_code == 0 and "overlap" in cli_output(r) and "counted twice" in cli_output(r), cli_output(r)
     d = json.loads(parts[0].read_text())
+    d["provenance"].pop("prompt_keys")      # files made before prompt keys: told apart by their sets and seeds
     for seeds, said in (((0, 1), False), ((3, 3), True)):   # sampled with other seeds: other samples, not twice
         for k, seed in enumerate(seeds):
             d["provenance"].update(temperature=1.0, seed=seed)
@@ -792,6 +793,69 @@ def test_torchrun_ranks_of_which_one_has_a_schemas_prompt_merge(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     st = _stats(out)
     assert st.counters["prompts"] == 3 and st.counters["forced_tokens.json"] > 0
+
+
+def test_merges_tell_the_same_prompts_and_draws_apart_whatever_their_files_and_refuse_other_tokenizers(tmp_path):
+    """A merge says which positions it counts twice by the prompts each file measured (their content, and the draw
+    where sampled), not by the files' names: the same prompts in two prompt files, a sampled file merged twice
+    beside another seed's; shards of one prompt set with other ``--max-prompts`` are refused. A model whose
+    tokenizer or chat template changed, its weights not, is another model to a resume and a merge."""
+    from tests.helpers import TINY_CHAT_TEMPLATE
+
+    model = save_tiny(tmp_path / "m")
+    lines = (tmp_path / "all.jsonl", tmp_path / "more.jsonl")
+    write_prompts(tmp_path / "src.jsonl", n=4)
+    src = (tmp_path / "src.jsonl").read_text().splitlines(keepends=True)
+    lines[0].write_text("".join(src[:3]))
+    lines[1].write_text("".join(src[:3] + src[3:] + ["{\"prompt\": \"w5 w6 w7\", \"task\": \"chat\"}\n"]))
+
+    def profile(out: str, prompts: Path, *extra: str):
+        r = _cli(["profile", "--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / out),
+                  "--max-new-tokens", "4", "--token-drafters", "ngram", "--quantized", "none", "--cost-contexts",
+                  "8", "--device", "cpu", *extra] + FAST)
+        assert r.exit_code == 0, cli_output(r)
+        return str(tmp_path / out)
+
+    def merge(*files: str):
+        return _cli(["profile", "merge", *files, "-o", str(tmp_path / "merged.json")])
+
+    a, b = profile("a.json", lines[0]), profile("b.json", lines[1])        # two files, three prompts in both
+    r = merge(a, b)
+    assert r.exit_code == 0 and "3 of them the same prompt" in cli_output(r), cli_output(r)
+    t0, t1 = (profile(f"t{s}.json", lines[0], "--temperature", "1", "--seed", str(s)) for s in (0, 1))
+    r = merge(t0, t1)
+    assert r.exit_code == 0 and "counted twice" not in cli_output(r), cli_output(r)
+    m01 = tmp_path / "m01.json"
+    (tmp_path / "merged.json").rename(m01)
+    for files in ((t0, t1, t1), (str(m01), t1)):      # t1's draws twice, the second file or a merge holding it
+        r = merge(*files)
+        assert r.exit_code == 0 and "same prompt and draw" in cli_output(r), cli_output(r)
+    s0, s1 = profile("s0.json", lines[1], "--shard", "0/2"), profile("s1.json", lines[1], "--shard", "1/2",
+                                                                     "--max-prompts", "2")
+    r = merge(s0, s1)
+    assert r.exit_code == 2 and "provenance.max_prompts" in cli_output(r), cli_output(r)
+    # the chat template changed in place: the revision (config and weights) is the same, the tokenizer is not
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TINY_CHAT_TEMPLATE}))
+    c = profile("c.json", lines[0])
+    assert load_profile(c)[0].provenance.get("revision") == load_profile(a)[0].provenance.get("revision")
+    r = merge(a, c)
+    assert r.exit_code == 2 and "provenance.tokenizer_sha256" in cli_output(r), cli_output(r)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    crashed = ProfileConfig(model=str(model), out=tmp_path / "r.json", prompts=lines[0], max_new_tokens=4,
+                            device="cpu", token_drafters=["ngram"], tmax=2, cost_repeats=1, curve_repeats=1,
+                            progress=False, threads=1, cost_contexts=(8,))
+
+    def crash(k):
+        raise RuntimeError("crashed")
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_profile(crashed, on_prompt=crash)
+    partial = Path(str(tmp_path / "r.json") + ".partial.json")
+    assert partial.is_file()
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TINY_CHAT_TEMPLATE}))
+    with pytest.raises(InputFileError, match="settings.tokenizer_sha256"):
+        run_profile(dataclasses.replace(crashed, resume=True))
 
 
 def test_run_profile_destroys_the_process_group_it_made_and_leaves_a_callers(tiny, tmp_path, monkeypatch):

@@ -19,14 +19,14 @@ from hsd_opt.formats import (
     check_has_rates,
     provenance_from_dict,
 )
-from hsd_opt.profiler.checkpoint import setting
+from hsd_opt.profiler.checkpoint import differs, setting
 from hsd_opt.profiler.pool import NeuralDrafter
 from hsd_opt.profiler.stats import PairStats
 
 #: Settings profiles must share to be merged.
-MERGE_FIELDS = ("model", "revision", "heads_sha256", "temperature", "top_p", "top_k", "min_p", "max_new_tokens",
-                "tmax", "raw", "dtype", "target_precision", "layers", "draft_models", "draft_revisions", "draft_layers",
-                "quantized", "token_drafters")
+MERGE_FIELDS = ("model", "revision", "tokenizer_sha256", "heads_sha256", "temperature", "top_p", "top_k", "min_p",
+                "max_new_tokens", "tmax", "raw", "dtype", "target_precision", "layers", "draft_models",
+                "draft_revisions", "draft_layers", "quantized", "token_drafters")
 
 
 def draft_rate(stats: PairStats, token: str, task: str | None = None) -> float | None:
@@ -357,6 +357,78 @@ def _prompt_set(prov: dict, path: Path | str) -> str | None:
     return sha
 
 
+def _prompt_keys(prov: dict, path: Path | str) -> list[str] | None:
+    """The keys of the prompts a profile measured (``provenance.prompt_keys``:
+    :func:`~hsd_opt.profiler.run.prompt_keys`; None where not recorded); an :class:`InputFileError` naming
+    ``path`` and the field where they are not a list of strings."""
+    keys = prov.get("prompt_keys")
+    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise InputFileError(str(path), "expected a list of prompt keys (strings)", "provenance.prompt_keys")
+    return keys
+
+
+class _Coverage:
+    """The prompts the profiles of a merge measured, added one file at a time: :meth:`add` warns of those counted
+    twice (by prompt keys, :func:`_prompt_keys`; by prompt set and shards where a file has none) and refuses a
+    file of a prompt set merged with another ``--max-prompts``; :meth:`record` is what the merged provenance says
+    it covers."""
+
+    def __init__(self, path: Path, prov: dict, warn: Callable[[str], None]):
+        self.warn = warn
+        self.covered: dict = {}     # prompt set -> [(path, shards, seed, max_prompts)]
+        self.kept: list = []        # each file's prompt keys (None: not recorded)
+        self.measured: dict = {}    # prompt key -> the first file that measured it
+        self._keep(path, prov, _prompt_keys(prov, path))
+
+    def _keep(self, path: Path, prov: dict, keys: list[str] | None) -> None:
+        self.kept.append(keys)
+        for k in keys or []:
+            self.measured.setdefault(k, path)
+        self.covered.setdefault(_prompt_set(prov, path), []).append(
+            (path, _shards(prov, path), prov.get("seed"), prov.get("max_prompts")))
+
+    def add(self, path: Path, prov: dict) -> None:
+        same_set = self.covered.get(_prompt_set(prov, path), [])
+        _check_prompt_limit(path, prov, same_set)
+        keys = _prompt_keys(prov, path)
+        if keys is not None and all(k is not None for k in self.kept):
+            twice = [k for k in keys if k in self.measured]
+            if twice:
+                self.warn(f"{path}: its prompts overlap {self.measured[twice[0]]}'s ({len(twice)} of them the same "
+                          f"prompt{' and draw' if '@' in twice[0] else ''}): their positions are counted twice")
+        else:                       # files made before prompt keys were recorded: by their sets and shards
+            sampled = (setting(prov, "temperature") or 0) > 0
+            shards = _shards(prov, path)
+            clash = next((q for q, other, seed, _ in same_set if _overlap(shards, other)
+                          and not (sampled and prov.get("seed") != seed)), None)
+            if clash is not None:   # (sampled with another seed: other samples, not counted twice)
+                self.warn(f"{path}: its prompts overlap {clash}'s (the same prompt set, and shards that are not "
+                          f"disjoint): their positions are counted twice")
+        self._keep(path, prov, keys)
+
+    def record(self) -> dict:
+        """The merged provenance's ``prompt_keys`` (where every file has them) and ``shards`` (where its files are
+        shards of one prompt set that do not make the whole set)."""
+        out: dict = {}
+        if all(k is not None for k in self.kept):
+            out["prompt_keys"] = [k for keys in self.kept for k in keys]
+        shards = _merged_shards(self.covered)
+        if shards is not None:
+            out["shards"] = shards
+        return out
+
+
+def _check_prompt_limit(path: Path, prov: dict, same_set: list) -> None:
+    """Refuse (naming ``provenance.max_prompts``) a profile of a prompt set already merged from a profile with
+    another ``--max-prompts`` (``same_set``: ``(path, shards, seed, max_prompts)`` of those): the shards of one run
+    share it, and a merge of others would say it covers the set's shards where it holds only some of their
+    prompts."""
+    for q, _, _, theirs in same_set[:1]:
+        if prov.get("max_prompts") != theirs:
+            raise InputFileError(str(path), f"cannot merge: max_prompts = {prov.get('max_prompts')!r} but {q} (the "
+                                            f"same prompt set) has {theirs!r}", "provenance.max_prompts")
+
+
 def _overlap(a: list | None, b: list | None) -> bool:
     """Whether two coverages of one prompt set may share prompts: either is the whole set, they share a shard, or
     they cut the set into a different number of shards."""
@@ -368,7 +440,7 @@ def _merged_shards(covered: dict) -> list[list[int]] | None:
     not make the whole set together; None where they do, where one covered the whole set, or for several sets."""
     if len(covered) != 1:
         return None
-    parts = [s for _, shards in next(iter(covered.values())) for s in (shards or [None])]
+    parts = [s for _, shards, *_ in next(iter(covered.values())) for s in (shards or [None])]
     if None in parts or len({n for _, n in parts}) != 1:
         return None
     union = sorted(set(parts))
@@ -407,12 +479,12 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
     prov0 = first.provenance.to_dict()
     stats = _raw_stats(p0, first)
     read = [stats]                                  # each file's own statistics, read once
-    covered = {_prompt_set(prov0, p0): [(p0, _shards(prov0, p0))]}
+    coverage = _Coverage(p0, prov0, warn)
     prompt_sets = [prov0.get("prompts_sha256")]
     for p, prof in profs[1:]:
         prov = prof.provenance.to_dict()
         for f in MERGE_FIELDS:
-            if setting(prov, f) != setting(prov0, f):
+            if differs(prov, prov0, f):
                 raise InputFileError(str(p), f"cannot merge: {f} = {setting(prov, f)!r} but {p0} has "
                                              f"{setting(prov0, f)!r}", f"provenance.{f}")
         if prof.target != first.target:
@@ -423,15 +495,8 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
         if s.neural + s.token != stats.neural + stats.token:
             raise InputFileError(str(p), f"cannot merge: drafters {s.neural + s.token} differ from {p0}'s "
                                          f"{stats.neural + stats.token}", "stats")
-        sha, shards = _prompt_set(prov, p), _shards(prov, p)
-        # sampled with another seed, the same prompts are other samples: not counted twice
-        resampled = (setting(prov, "temperature") or 0) > 0 and prov.get("seed") != prov0.get("seed")
-        clash = next((q for q, other in covered.get(sha, []) if _overlap(shards, other)), None)
-        if clash is not None and not resampled:     # (a torchrun profile's ranks are one file: the whole set)
-            warn(f"{p}: its prompts overlap {clash}'s (the same prompt set, and shards that are not disjoint): "
-                 f"their positions are counted twice")
-        covered.setdefault(sha, []).append((p, shards))
-        prompt_sets.append(sha)
+        coverage.add(p, prov)
+        prompt_sets.append(prov.get("prompts_sha256"))
         try:
             stats = stats.merge(s)
         except (KeyError, TypeError, ValueError) as e:
@@ -446,10 +511,9 @@ def merge_profiles(paths: Sequence[Path], warn: Callable[[str], None] | None = N
                  "generated_tokens": int(stats.counters.get("generated_tokens", 0)),
                  "positions_by_task": positions_by_task(stats), "forced_by_task": forced_by_task(stats),
                  "costs_from": str(p0)})
-    prov.pop("shard", None)
-    merged_shards = _merged_shards(covered)
-    if merged_shards is not None:
-        prov["shards"] = merged_shards
+    for key in ("shard", "prompt_keys"):
+        prov.pop(key, None)
+    prov.update(coverage.record())
     # per-task prompt lengths only when every merged file counted them (else the sums would cover some files only)
     complete = all(set(prompts_by_task(one)[0]) == set(one.tasks) for one in read)
     for key, v in zip(("prompts_by_task", "prompt_tokens_by_task"), prompts_by_task(stats)):

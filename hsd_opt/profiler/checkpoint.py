@@ -14,13 +14,27 @@ from hsd_opt.profiler.stats import PairStats
 
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
-RESUME_FIELDS = ("model", "revision", "heads_sha256", "prompts_sha256", "temperature", "top_p", "top_k", "min_p",
-                 "max_new_tokens", "tmax", "raw", "seed", "dtype", "target_precision", "layers", "draft_models",
-                 "draft_revisions", "draft_layers", "quantized", "token_drafters", "shard", "max_prompts", "world_size")
+RESUME_FIELDS = ("model", "revision", "tokenizer_sha256", "heads_sha256", "prompts_sha256", "temperature", "top_p",
+                 "top_k", "min_p", "max_new_tokens", "tmax", "raw", "seed", "dtype", "target_precision", "layers",
+                 "draft_models", "draft_revisions", "draft_layers", "quantized", "token_drafters", "shard",
+                 "max_prompts", "world_size")
 #: The value a setting had before it was recorded (files written before ``top_p``, ``top_k`` or ``min_p`` existed
 #: sampled without them; before ``tmax`` was recorded, budgets were walked to the default 15; before the draft models'
 #: revisions were, a file vouches for none).
 SETTING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "draft_layers": [], "tmax": 15, "draft_revisions": []}
+
+
+#: Settings compared only where both files record them (a file made before one was recorded vouches for nothing).
+RECORDED_ONLY = ("tokenizer_sha256",)
+
+
+def differs(a: dict[str, Any], b: dict[str, Any], name: str) -> bool:
+    """Whether two files' settings differ in ``name`` (:func:`setting`; one of :data:`RECORDED_ONLY` only where
+    both record it)."""
+    x, y = setting(a, name), setting(b, name)
+    if name in RECORDED_ONLY and (x is None or y is None):
+        return False
+    return x != y
 
 
 def setting(settings: dict[str, Any], name: str) -> Any:
@@ -74,7 +88,7 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                                             "start over", "settings")
         for f in RESUME_FIELDS:
             was, now = setting(theirs, f), setting(settings, f)
-            if was != now:
+            if differs(theirs, settings, f):
                 raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
                                                 f"delete it to start over",
                                      f"settings.{f}")

@@ -10,6 +10,8 @@ ranks (:mod:`~hsd_opt.profiler.dist`), time the costs (:mod:`~hsd_opt.profiler.c
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -240,6 +242,7 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
         "model": recorded_model_id(loaded.model_id), "revision": loaded.revision,   # a local model: absolute
+        "tokenizer_sha256": tokenizer_sha256(loaded),
         "heads": str(Path(cfg.heads).resolve()) if cfg.heads else None,     # absolute: a plan runs from any folder
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),
@@ -254,6 +257,35 @@ def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundar
         "shard": list(cfg.shard) if cfg.shard else None,
         "max_prompts": cfg.max_prompts, "world_size": world,
     }
+
+
+#: Text whose token ids stand for a tokenizer's vocabulary, merges and normalisation in
+#: :func:`tokenizer_sha256`.
+TOKENIZER_PROBE = ("The quick brown fox; def f(x): return x ** 2  # ünïcödé, 日本語, emoji \U0001f600\n\t"
+                   "  1234567 + 0.5 = ?  <|im_start|> </s> [INST]")
+
+
+def tokenizer_sha256(loaded) -> str | None:
+    """The SHA-256 (16 hex digits) of what the model's tokenizer makes of text: its size, the ids of
+    :data:`TOKENIZER_PROBE`, its chat template and the model's EOS ids (None without a tokenizer). A model directory
+    whose tokenizer or chat template was changed, its weights not, keeps its revision: this tells the two apart
+    (a resumed profile, a merge of profiles, would mix prompts encoded two ways)."""
+    tok = loaded.tokenizer
+    if tok is None:
+        return None
+    template = getattr(tok, "chat_template", None)
+    what = [len(tok), list(tok.encode(TOKENIZER_PROBE, add_special_tokens=False)),
+            template if isinstance(template, (str, dict)) else None, eos_token_ids(loaded)]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prompt_keys(items: Sequence[PromptItem], temperature: float, seed: int) -> list[str]:
+    """One key per prompt of ``items`` (the prompts a profile measured): its content's SHA-256
+    (:meth:`~hsd_opt.prompts.PromptItem.content_sha256`) and, sampled, ``@`` the seed its continuation was drawn with
+    (``seed * SEED_STRIDE + index``). Two profiles that share a key measured the same positions, whatever their
+    files, shards, ``--max-prompts`` or ``--json-tasks``: ``hsd profile merge`` says so."""
+    return [it.content_sha256() + (f"@{int(seed) * SEED_STRIDE + it.index}" if temperature > 0 else "")
+            for it in items]
 
 
 def _my_prompts(items: list[PromptItem], shard, rank: int, world: int) -> list[PromptItem]:
@@ -509,6 +541,9 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     _validate(cfg)
     refuse_left_checkpoint(partial_path(Path(cfg.out), rank, world), cfg.resume)   # before minutes of loading
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
+    if cfg.shard and not _my_prompts(items, cfg.shard, 0, 1):
+        raise HsdError(f"--shard {cfg.shard[0]}/{cfg.shard[1]}: none of the {len(items)} prompts is in it (prompt k "
+                       f"is in shard k % {cfg.shard[1]}); a profile of no prompts has no rates")
     t_start = time.perf_counter()
     loaded, eng, heads_sha, heads_meta, precision = _load_target(cfg)
     boundaries = exit_boundaries(cfg.layers, eng.n_layers)
@@ -564,9 +599,9 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     prof.batch_costs = batch_costs_entries(prof, pool.neural, costs.batch, costs.contexts[0])
     timings = {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}
-    prof.provenance = provenance_from_dict(
-        _provenance_record(cfg, settings, loaded, heads_meta, stats, costs, pool, timings, world, threads_note),
-        str(cfg.out))
+    record = _provenance_record(cfg, settings, loaded, heads_meta, stats, costs, pool, timings, world, threads_note)
+    record["prompt_keys"] = prompt_keys(_my_prompts(items, cfg.shard, 0, 1), cfg.temperature, cfg.seed)
+    prof.provenance = provenance_from_dict(record, str(cfg.out))
     _write(prof, Path(cfg.out), world, warn)
     return prof
 
