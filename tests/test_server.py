@@ -614,6 +614,13 @@ BAD = [
             "response_format": {"type": "json_object"}}, 400, "response_format", None),
     (CHAT, {"model": MODEL, "messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
         {"function": {"name": "f", "arguments": "{"}}]}]}, 400, "messages[1].tool_calls[0].function.arguments", None),
+    # a schema under a response_format type that does not read it was ignored: free text or any object
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "text", "json_schema": {"schema": {
+        "type": "object"}}}}, 400, "response_format.json_schema", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object", "json_schema": {
+        "schema": {"type": "object"}}}}, 400, "response_format.json_schema", None),
+    (COMP, {"model": MODEL, "prompt": "w1", "response_format": {"type": "text", "schema": {"type": "object"}}}, 400,
+     "response_format.schema", None),
     # llama.cpp's and vLLM's fields for constrained output were ignored: free text where a schema was asked for
     (CHAT, {"model": MODEL, "messages": MSG, "guided_json": {"type": "object"}}, 400, "guided_json", None),
     (CHAT, {"model": MODEL, "messages": MSG, "json_schema": {"type": "object"}}, 400, "json_schema", None),

@@ -156,6 +156,30 @@ def test_an_auto_answer_is_a_call_or_text_that_does_not_open_a_json_object():
     assert not allowed('{"name":"g",  "arguments":{}}') and not allowed('{"name": "g",  "arguments": {}}')
 
 
+def test_parameters_compile_under_auto_as_under_required():
+    """A function's parameters are written as every schema is (``"uniqueItems": false`` left out, a count ``1.0``
+    as ``1``) in ``"auto"``'s grammar too: the default ``tool_choice`` refused what ``"required"`` took (a 400)."""
+    from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+    from hsd_opt.grammar.constraint import Constraint
+    from tests.helpers import JSON_TOKENS, TinyTokenizer
+
+    params = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": False, "minItems": 1.0}},
+              "required": ["xs"], "additionalProperties": False}
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "g", "parameters": params}}]})
+    tok = TinyTokenizer(JSON_TOKENS)
+    compiler = GrammarCompiler(tok, 2, 64)
+    compiler.compile(GrammarSpec.json_schema(call_schema(ToolCall(None), tools)))          # "required"
+    constraint = Constraint(compiler.compile(GrammarSpec("lark", auto_grammar(ToolCall(None, True), tools))))
+
+    def allowed(text: str) -> bool:
+        seq = tok.encode(text) + [2]
+        return constraint.allowed_prefix([], 0, seq) == len(seq)
+
+    assert allowed('{"name": "g", "arguments": {"xs": [1]}}') and allowed("hi")
+    assert not allowed('{"name": "g", "arguments": {"xs": []}}')           # minItems still holds
+
+
 def test_a_functions_references_into_its_own_parameters_point_there_in_the_answers_schema():
     """``$ref`` s into a function's own ``parameters`` (its ``$defs``, ``"#"`` itself, an ``$anchor``; with or
     without an ``$id`` of its own) reach its own schemas once the parameters sit under a branch of the answer's

@@ -419,6 +419,12 @@ def _response_format(body: dict, info: ModelInfo) -> Grammar | None:
     if kind not in RESPONSE_FORMATS:
         raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got "
                           f"{json.dumps(kind)}", "response_format.type")
+    for key in ("json_schema", "schema"):    # a schema the type given would leave unread: not an answer without it
+        if rf.get(key) is not None and (kind, key) not in (("json_schema", "json_schema"), ("json_object", "schema")):
+            raise bad_request(f"'response_format.{key}' is read with type \"json_schema\" (or llama.cpp's "
+                              f"\"json_object\" with 'schema'), not with type {json.dumps(kind)}; send "
+                              f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": ...}}}}",
+                              f"response_format.{key}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -465,7 +471,8 @@ def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolC
     for i, f in enumerate(tools):                  # each function's parameters compile, named where not
         _compile_schema(f.parameters, info, f"tools[{i}].function.parameters")
     if call.auto:
-        grammar = _compile(GrammarSpec("lark", auto_grammar(call, tools), "tools"), info, "tools")
+        grammar = _compile(GrammarSpec("lark", _field("tools", lambda: auto_grammar(call, tools)), "tools"), info,
+                           "tools")
     else:
         where = ("tools" if call.name is None else
                  f"tools[{[f.name for f in tools].index(call.name)}].function.parameters")

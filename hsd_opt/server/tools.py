@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hsd_opt.grammar.compiler import JSON_LAYOUT
+from hsd_opt.grammar.compiler import JSON_LAYOUT, GrammarSpec
 from hsd_opt.server.errors import bad_request
 
 #: A function name as the OpenAI API allows it.
@@ -145,8 +145,11 @@ def own_resource(schema: Any, i: int) -> Any:
 def auto_grammar(call: ToolCall, tools: list[Function]) -> str:
     """The Lark grammar of an ``"auto"`` answer: a call (:func:`call_schema`, in the layout of every other JSON
     answer: Lark's ``%json`` takes its options from the schema's ``x-guidance``, else flexible white space) or text
-    whose first character past white space is not ``{``."""
-    schema = {**call_schema(call, tools), "x-guidance": JSON_LAYOUT}
+    whose first character past white space is not ``{``. The schema as :meth:`GrammarSpec.json_schema` writes it
+    for every other answer (what constrains nothing left out, counts as integers): the same parameters compile
+    under ``"auto"`` as under ``"required"``. :class:`~hsd_opt.errors.HsdError` where it is no schema."""
+    written = json.loads(GrammarSpec.json_schema(call_schema(call, tools), "tools").text)
+    schema = {**written, "x-guidance": JSON_LAYOUT}
     return f"start: call | TEXT\ncall: %json {json.dumps(schema)}\nTEXT: /\\s*[^{{\\s][\\s\\S]*/\n"
 
 
