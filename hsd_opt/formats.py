@@ -736,7 +736,7 @@ def profile_from_dict(d: Any, source: str = "<profile>") -> tuple[Profile, list[
     known = {"format", "target", "models", "acceptance", "verify_cost", "cost_curve", "context_costs", "batch_costs",
              "provenance", "stats", *PROFILE_RECORDS}
     extra = {k: v for k, v in d.items() if k not in known}
-    records = _profile_records(source, d)
+    records = _profile_records(source, d, seen)
     stats = d.get("stats")
     if stats is not None and not isinstance(stats, dict):
         raise InputFileError(source, "expected an object (the profiler's statistics)", "stats")
@@ -861,8 +861,9 @@ def _acceptance(source: str, raw: Any, seen: set[str]) -> dict[str, dict[str, fl
                        lambda a, f: _rate(source, a, f))
 
 
-def _profile_records(source: str, d: dict) -> dict[str, dict]:
-    """The profile's :data:`PROFILE_RECORDS`, each an object (empty where absent)."""
+def _profile_records(source: str, d: dict, seen: set[str]) -> dict[str, dict]:
+    """The profile's :data:`PROFILE_RECORDS`, each an object (empty where absent); the drafters and verifiers of
+    their rates among the profile's models (``seen``: a rate of another name was left unread)."""
     records = {}
     for k in PROFILE_RECORDS:
         v = d.get(k)
@@ -878,6 +879,9 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
             raise InputFileError(source, "expected an object {drafter: {verifier: rate}}", at)
         for d, row in rows.items():
             for v, a in row.items():
+                unknown = next((x for x in (d, v) if x not in seen), None)
+                if unknown is not None:
+                    raise InputFileError(source, f"unknown model {unknown!r} (not in models)", f"{at}.{d}.{v}")
                 if a is not None or not nullable:
                     _rate(source, a, f"{at}.{d}.{v}", what)
     for task, row in records["draft_rate_by_task"].items():
@@ -885,6 +889,8 @@ def _profile_records(source: str, d: dict) -> dict[str, dict]:
         if not isinstance(row, dict):
             raise InputFileError(source, "expected an object {drafter: rate}", at)
         for d, r in row.items():
+            if d not in seen:
+                raise InputFileError(source, f"unknown model {d!r} (not in models)", f"{at}.{d}")
             _rate(source, r, f"{at}.{d}", "a draft rate")
     k = "draft_rate_by_budget_by_task"
     for task, row in records[k].items():
@@ -1363,8 +1369,9 @@ def _by_load(raw: Any, source: str, tmax: int, target: str) -> dict[int, LoadPla
     out: dict[int, LoadPlan] = {}
     for key, e in raw.items():
         at = f"by_load.{key}."
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
-            raise InputFileError(source, f"expected a number of sequences >= 1 as the key, got {key!r}", at[:-1])
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and key[0] != "0" and len(key) <= 9):
+            raise InputFileError(source, f"expected a number of sequences >= 1 as the key (decimal digits, no leading "
+                                         f"zero), got {key!r}", at[:-1])
         if not isinstance(e, dict):
             raise InputFileError(source, "expected an object {hierarchy, budgets, expected_latency}", at[:-1])
         h, b = _check_levels(e, source, tmax, at, target)
@@ -1424,7 +1431,8 @@ def plan_from_dict(d: Any, source: str = "<plan>") -> Plan:
         v = d.get(key)
         if not _is_number(v) or v <= 0:
             raise InputFileError(source, f"expected a number > 0, got {v!r}", key)
-    baselines = d.get("baselines") or {}
+    baselines = d.get("baselines")
+    baselines = {} if baselines is None else baselines
     if not isinstance(baselines, dict):
         raise InputFileError(source, "expected an object", "baselines")
     context, context_from = _check_context_fields(d, source)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,14 @@ BAD = [
     (_set("by_load.8.hierarchy", ["layer2", "ngram", "layer4"]), "by_load.8.budgets", "2 budgets"),
     (_set("by_load.8.tokens_per_s", 0), "by_load.8.tokens_per_s", "a number > 0"),
     (_set("by_load.8.expected_latency", -1), "by_load.8.expected_latency", "> 0"),
+    # keys int() cannot read (a traceback), or that name a level another key names (one entry overwrote the other)
+    (_set("by_load.\u00b2", {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}), "by_load.\u00b2",
+     "sequences >= 1"),
+    (_set("by_load." + "9" * 30, {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}),
+     "by_load." + "9" * 30, "sequences >= 1"),
+    (_set("by_load.01", {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}), "by_load.01",
+     "no leading zero"),
+    (_set("baselines", []), "baselines", "an object"),
 ]
 
 
@@ -292,6 +301,21 @@ def test_a_profile_with_a_bad_quantization_is_refused_at_load():
     d["models"][2]["quantization"]["group_size"] = "32"
     with pytest.raises(InputFileError, match=r"^p.json: models\[2\].quantization.group_size: "):
         profile_from_dict(d, "p.json")
+
+
+def test_a_per_task_rate_of_a_model_the_profile_lacks_is_refused_at_load():
+    """A per-task rate names its drafter and verifier among the profile's models, as ``acceptance`` does: one of
+    another name was left unread, and the task's plan silently took the overall rate in its place."""
+    for record, change, field in (
+            ("acceptance_by_task", lambda r: r["qa"]["k"].update(tx=0.5), "acceptance_by_task.qa.k.tx"),
+            ("acceptance_by_task", lambda r: r["qa"].update(nosuch={"t": 0.9}), "acceptance_by_task.qa.nosuch.t"),
+            ("greedy_agreement", lambda r: r.update(zz={"t": 0.5}), "greedy_agreement.zz.t"),
+            ("draft_rate_by_task", lambda r: r.update(qa={"kk": 0.5}), "draft_rate_by_task.qa.kk")):
+        d = _profile_dict()
+        d.setdefault(record, {})
+        change(d[record])
+        with pytest.raises(InputFileError, match=rf"^p.json: {re.escape(field)}: unknown model"):
+            profile_from_dict(d, "p.json")
 
 
 def test_only_a_kind_that_gives_distributions_verifies_and_that_is_can_verifys_default():
