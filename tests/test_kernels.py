@@ -716,6 +716,44 @@ def test_a_build_stopped_once_is_not_remembered_as_one_the_compiler_cannot_make(
     assert kernels.info().variant == chosen.name and kernels.info().openmp, kernels.info()
 
 
+@pytest.mark.slow
+def test_a_failure_of_every_variant_is_the_toolchains_and_not_remembered_against_one(tmp_path, monkeypatch):
+    """A compiler that builds nothing (C headers missing: every variant and the portable one fail alike) marked the
+    chosen variant as one it cannot build: once the headers were installed, every later command ran the portable
+    kernels. Nothing is marked; the next load builds the chosen variant; :func:`variants.host` names the variant
+    that loaded (it named the chosen one whatever ran)."""
+    import shutil
+
+    chosen, _ = variants.choose(forced="")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if chosen.name == "portable" or cc is None:
+        pytest.skip("no SIMD variant here (one build to try), or no gcc")
+    broken = tmp_path / "no-headers"
+    broken.write_text("")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) [ -e {broken} ] && {{ echo "kernels.c:1: fatal error: '
+                       f'math.h: No such file or directory" >&2; exit 1; }};; esac\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("HSD_OPENMP", "0")
+    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    monkeypatch.setattr(variants, "_LOADED", [], raising=False)
+    for attempt in range(2):
+        for name in ("_LIB", "_INFO", "_WHY"):
+            monkeypatch.setattr(kernels, name, [])
+        said: list[str] = []
+        lib = kernels.load(log=said.append)
+        marks = [p.name for p in (tmp_path / "cache").rglob("*.build-failed")]
+        assert marks == [], marks
+        if attempt == 0:
+            assert lib is None and variants.host()["kernels"] == "unavailable", said
+            broken.unlink()                                 # the headers installed; the compiler is the same
+        else:
+            assert lib is not None and kernels.info().variant == chosen.name, said
+            assert variants.host()["kernels"] == chosen.name
+
+
 def test_a_cc_that_is_not_one_program_here_is_refused_not_replaced(monkeypatch, tmp_path):
     """``CC=/opt/clang-17/bin/clang`` (not there) and ``CC="ccache gcc"`` built with ``cc`` without a word."""
     import shutil

@@ -494,9 +494,11 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
     """The first of ``candidates`` (the chosen variant, then narrower ones this CPU runs) that ``cc`` builds and
     loads: ``(library, its variant, OpenMP, path, why none loaded or None, what was passed over or "")``. One that
     fails is marked in the cache (:func:`_build_failed_mark`) and said once to ``log``; a marked one is passed
-    over, the last never. One whose build was stopped (:class:`BuildStopped`) is passed over in this run only."""
+    over, the last never. One whose build was stopped (:class:`BuildStopped`) is passed over in this run only. Where
+    the last fails too, the marks this call made are taken back: what failed was the toolchain, not a variant."""
     passed: list[str] = []
     stopped_ones: list[str] = []
+    marked: list[Path] = []
     why: str | None = None
     for i, v in enumerate(candidates):
         last = i == len(candidates) - 1
@@ -516,6 +518,7 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
                 try:
                     mark.parent.mkdir(parents=True, exist_ok=True)
                     mark.write_text(f"{why[:2000]}\n")
+                    marked.append(mark)
                 except OSError:
                     pass                               # tried again next time
             if log:
@@ -529,6 +532,8 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
                          + ([f"building {', '.join(stopped_ones)} was stopped (tried again next run)"]
                             if stopped_ones else []))
         return lib, v, has_omp, path, None, fell
+    for mark in marked:         # every candidate failed, the last too: the compiler's or the system's failure (no C
+        mark.unlink(missing_ok=True)     # headers, a failed exec), not the variants': each is tried again next run
     return None, candidates[0], False, None, why, ""
 
 
@@ -579,6 +584,7 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
                 _INFO.append(KernelInfo(chosen.name, reason, omp, path, cc))
             else:
                 _WHY.append(why)
+            variants.note_loaded(chosen.name if lib is not None else "unavailable")
         return lib
 
 

@@ -198,16 +198,31 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     return platform.processor() or machine()
 
 
+#: The variant this process's kernels were loaded as (``["unavailable"]`` where none loaded), once they were:
+#: :func:`note_loaded`, which the kernels' loader calls.
+_LOADED: list[str] = []
+
+
+def note_loaded(name: str) -> None:
+    """Record the variant the kernels were loaded as (``"unavailable"``: none loaded), for :func:`host`: it can
+    differ from :func:`choose`'s where the chosen one did not build here and a narrower one runs."""
+    _LOADED[:] = [name]
+
+
 def host(cpuinfo: str | None = None, arch: str | None = None) -> dict:
     """What a benchmark report records of the machine it ran on: ``"cpu"`` (:func:`cpu_name`), ``"arch"``,
     ``"cpus"`` (logical CPUs), ``"isa"`` (the instruction-set features the variants tell apart that the CPU has,
-    sorted) and ``"kernels"``: the variant this process loads (``$HSD_KERNELS`` honoured; ``"off"`` where
+    sorted) and ``"kernels"``: the variant this process loaded (:func:`note_loaded`; ``"unavailable"`` where none
+    did), or before it loads any the one it would choose (``$HSD_KERNELS`` honoured; ``"off"`` where
     ``HSD_KERNELS=0`` turns the kernels off; the refusal's text where it names a variant this CPU cannot run).
     ``cpuinfo``, ``arch``: the text of ``/proc/cpuinfo`` and the architecture to read instead of this machine's
     (tests)."""
+    this_machine = cpuinfo is None and arch is None
     features, arch = cpu_features(cpuinfo), arch or machine()
     if disabled():
         kernels = "off"
+    elif _LOADED and this_machine:
+        kernels = _LOADED[0]
     else:
         try:
             kernels = choose(features, arch=arch)[0].name
