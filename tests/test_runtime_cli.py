@@ -728,6 +728,38 @@ def test_a_plan_runs_with_its_model_named_by_any_path(tiny_dir, tmp_path, monkey
     assert res.exit_code == 2 and "provenance.model" in _out(res), _out(res)
 
 
+@pytest.mark.slow
+def test_run_writes_its_json_when_the_terminal_output_cannot_be_written(tiny_dir, tmp_path):
+    """stdout closed (``| head``) or full: the ``--json`` file still holds every finished prompt's line (nothing
+    was written, even with every prompt done: the tables went to stdout first)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Hello there", "Count: 1 2 3", "Why?")))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for name in ("full", "closed"):
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "hsd_opt", "run", "--plan", str(plan), "--prompts", str(prompts),
+               "--max-new-tokens", "6", "--device", "cpu", "--json", str(out), "--quiet"]
+        if name == "full":
+            with open("/dev/full", "w") as full:
+                r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+            err = r.stderr
+        else:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            proc.stdout.close()                     # the reader went away before the first line
+            err = proc.stderr.read()
+            proc.wait(timeout=300)
+            r = proc
+        assert r.returncode != 0 and "Traceback" not in err, err
+        kept = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        assert [x["prompt"] for x in kept] == ["Hello there", "Count: 1 2 3", "Why?"], (name, err)
+
+
 def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_turn(tiny_dir, tmp_path,
                                                                                     monkeypatch, capsys):
     """Ctrl-C (or an error) after some prompts: their lines are written to --json and said, exit 130 (they were

@@ -205,13 +205,21 @@ def run_cmd(
         if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line (143 for SIGTERM: cli.main)
             raise typer.Exit(130) from None
         raise
-    _print_run(gens, by, plans, mode)
+    except (OSError, SystemExit):                # stdout closed (| head: rich exits 1) or full: the answers still
+        _write_lines(json_out, lines, partial=True)  # go to --json
+        raise
+    try:
+        _print_run(gens, by, plans, mode)
+    except (OSError, SystemExit):
+        _write_lines(json_out, lines, partial=True)
+        raise
     _write_lines(json_out, lines)
 
 
 def _write_lines(json_out: Path | None, lines: list[dict], partial: bool = False) -> None:
     """Write ``lines`` (one JSON object per turn) to ``--json`` atomically, saying so; ``partial``: the run stopped
-    before its end, and the lines are those of the prompts it finished (nothing written where it finished none)."""
+    before its end, or its output to the terminal could not be written, and the lines are those of the prompts it
+    finished (said on stderr; nothing written where it finished none)."""
     if json_out is None or (partial and not lines):
         return
     atomic_write_bytes(json_out, "".join(json.dumps(x) + "\n" for x in lines).encode())
