@@ -612,6 +612,26 @@ def test_a_truncated_weights_file_is_one_line(tmp_path, monkeypatch):
         load_model(str(model), device="cpu")
 
 
+@pytest.mark.parametrize("engines_only", [False, True])
+def test_a_folder_whose_files_read_as_json_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch, engines_only):
+    """transformers raises KeyError, TypeError, AttributeError or its own validation errors for a tokenizer or
+    config of the wrong shape (an unknown activation, a tokenizer.json of ``[]``): a traceback in every command
+    taking --model, where a truncated file was one line."""
+    import json
+
+    from tests.helpers import save_tiny
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    for k, (file, change) in enumerate((("tokenizer.json", lambda d: []), ("tokenizer.json", lambda d: None),
+                                        ("tokenizer_config.json", lambda d: []),
+                                        ("config.json", lambda d: {**d, "hidden_act": "gelu_fancy"}))):
+        model = save_tiny(tmp_path / f"m{k}")
+        path = model / file
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+        with pytest.raises(HsdError, match=f"^--model {model}: cannot load (its tokenizer|the model) from {model}: "):
+            load_model(str(model), device="cpu", engines_only=engines_only)
+
+
 def test_a_model_name_no_file_system_takes_or_an_empty_one_is_one_line(tmp_path, monkeypatch):
     """A 5,000-character name was an OSError (File name too long) traceback in every command taking --model; an
     empty one read as the current folder."""

@@ -530,15 +530,16 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", flag: str =
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dt)
-    except Exception as e:  # transformers: OSError for missing files, ValueError for unreadable ones
-        if not isinstance(e, (OSError, ValueError)) and type(e).__name__ != "SafetensorError":
+    except Exception as e:  # transformers: OSError for missing files, ValueError for unreadable ones, and KeyError,
+        if isinstance(e, (HsdError, MemoryError)):   # TypeError, its validation errors for files of the wrong shape
             raise
         if source == "hub" and isinstance(e, OSError):
             raise HsdError(f"{flag} {name}: cannot load {resolved!r} from the Hugging Face hub or its local "
                            f"cache ({str(e).splitlines()[0]})") from None
         # a copy this package converted is made again once deleted; a folder of the user's is theirs to mend
         again = f"; delete {load_from} and it is converted again" if source in ("gguf", "embedded") else ""
-        raise HsdError(f"{flag} {name}: cannot load {step} from {load_from}: {_first_line(e)}{again}") from None
+        what = _first_line(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {_first_line(e)}"
+        raise HsdError(f"{flag} {name}: cannot load {step} from {load_from}: {what}{again}") from None
     if source == "hub":
         revision = getattr(model.config, "_commit_hash", None) or ""
     model.to(dev)
@@ -598,8 +599,8 @@ def transformers_tokenizer(load_from: str, source: str):
             if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
                 try:
                     return cls.from_pretrained(load_from)
-                except (OSError, ValueError, TypeError):
-                    pass            # asked of AutoTokenizer below, which says what is wrong
+                except Exception:   # noqa: BLE001 - asked of AutoTokenizer below, which says what is wrong
+                    pass
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(load_from)
