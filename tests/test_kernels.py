@@ -647,6 +647,18 @@ def test_doctor_refuses_a_bad_on_off_setting_as_every_command_does(variable, mon
     assert res.exit_code == 2 and f"{variable}='2': expected 1 or 0" in res.output, res.output
 
 
+def _compiler_wrapper(path, script: str, cc: str, monkeypatch):
+    """A compiler at ``path`` that runs the shell ``script`` and then ``cc`` with its arguments, set as ``CC`` with a
+    fresh cache under ``path``'s folder, no OpenMP, the variant chosen (not forced)."""
+    path.write_text(f'#!/bin/sh\n{script}\nexec {cc} "$@"\n')
+    path.chmod(0o755)
+    monkeypatch.setenv("HSD_CACHE", str(path.parent / "cache"))
+    monkeypatch.setenv("CC", str(path))
+    monkeypatch.setenv("HSD_OPENMP", "0")
+    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    return path
+
+
 @pytest.mark.slow
 def test_a_compiler_that_cannot_build_the_widest_variant_falls_to_the_next_and_remembers(tmp_path, monkeypatch):
     """A compiler too old for one flag (GCC 10 and -mavxvnni) gave no kernels at all, the torch path, and tried the
@@ -661,14 +673,8 @@ def test_a_compiler_that_cannot_build_the_widest_variant_falls_to_the_next_and_r
         pytest.skip("no SIMD variant here, or no gcc")
     nxt = ok[ok.index(chosen) + 1]
     refused = next(f for f in chosen.flags if f not in nxt.flags)
-    wrapper = tmp_path / "old-cc"
-    wrapper.write_text(f'#!/bin/sh\nfor a; do [ "$a" = "{refused}" ] && {{ echo "unrecognized command-line option '
-                       f"'{refused}'\" >&2; exit 1; }}; done\nexec {cc} \"$@\"\n")
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("HSD_OPENMP", "0")
-    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    wrapper = _compiler_wrapper(tmp_path / "old-cc", f'for a; do [ "$a" = "{refused}" ] && {{ echo "unrecognized '
+                                f"command-line option '{refused}'\" >&2; exit 1; }}; done", cc, monkeypatch)
     said: list[str] = []
     for attempt in range(2):
         for name in ("_LIB", "_INFO", "_WHY"):
@@ -730,14 +736,8 @@ def test_a_failure_of_every_variant_is_the_toolchains_and_not_remembered_against
         pytest.skip("no SIMD variant here (one build to try), or no gcc")
     broken = tmp_path / "no-headers"
     broken.write_text("")
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) [ -e {broken} ] && {{ echo "kernels.c:1: fatal error: '
-                       f'math.h: No such file or directory" >&2; exit 1; }};; esac\nexec {cc} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("HSD_OPENMP", "0")
-    monkeypatch.delenv("HSD_KERNELS", raising=False)
+    _compiler_wrapper(tmp_path / "cc", f'case " $* " in *" -o "*) [ -e {broken} ] && {{ echo "kernels.c:1: fatal '
+                      f'error: math.h: No such file or directory" >&2; exit 1; }};; esac', cc, monkeypatch)
     monkeypatch.setattr(variants, "_LOADED", [], raising=False)
     for attempt in range(2):
         for name in ("_LIB", "_INFO", "_WHY"):
