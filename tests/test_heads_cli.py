@@ -301,9 +301,10 @@ def test_heads_train_refuses_a_rank_below_one_before_loading(tmp_path, rank):
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--lr", "inf"], "--lr: expected a finite number > 0, got inf"),
-    (["--lr", "-1"], "--lr: expected a finite number > 0, got -1"),
-    (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr: expected a number in (0, 1] (Adam's step size), got inf"),
+    (["--lr", "-1"], "--lr: expected a number in (0, 1] (Adam's step size), got -1"),
+    (["--lr", "nan"], "--lr: expected a number in (0, 1] (Adam's step size), got nan"),
+    (["--lr", "1e300"], "--lr: expected a number in (0, 1]"),        # past float32: a traceback at Adam's step
     (["--seed", str(10 ** 17)], "--seed: expected an integer of magnitude below"),
     (["--threads", "-1"], "--threads: expected an integer in 0..4096"),
     (["--threads", str(10 ** 20)], "--threads: expected an integer in 0..4096"),     # torch's C int overflowed

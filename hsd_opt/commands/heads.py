@@ -15,6 +15,9 @@ from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 from hsd_opt.seeds import check_strided_seed
 
+#: The largest ``--lr`` taken: Adam's step size, for which 1 is already far past any use (2e-3 by default).
+MAX_LR = 1.0
+
 
 def results_table(title: str, before: dict, after: dict) -> Table:
     """Per-layer held-out acceptance / greedy agreement / KL vs the final layer, raw lens vs trained head; for heads
@@ -111,8 +114,8 @@ def train(
             raise HsdError(f"{flag}: expected {what}, got {value}")
     if rank < 1:
         raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise HsdError(f"--lr: expected a finite number > 0, got {lr}")
+    if not (math.isfinite(lr) and 0 < lr <= MAX_LR):   # past float32's range Adam's first step overflowed
+        raise HsdError(f"--lr: expected a number in (0, {MAX_LR:g}] (Adam's step size), got {lr}")
     check_strided_seed(seed, "the training's draws")
     _check_threads(threads)
     _check_prompts(prompts)
