@@ -3,10 +3,11 @@ task."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -171,7 +172,6 @@ def run_cmd(
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
-    from hsd_opt.errors import HsdError
     from hsd_opt.prompts import check_room
     from hsd_opt.runtime.runner import model_context, plan_for_prompt
 
@@ -192,7 +192,7 @@ def run_cmd(
     runners, plans = _plan_runners(p, loaded, items, per_task, mode, str(plan))
     grammars = item_grammars(items, compile_grammar(spec, loaded), loaded, str(prompts))
     lines, gens = [], []
-    try:
+    with _keeping_finished(json_out, lines, quiet):
         for it in items:
             which = plan_for_prompt(p, it.task, per_task)[3]
             for line, gen in _run_prompt(runners[which], p, loaded.tokenizer, it, which, turns, per_task, raw,
@@ -200,20 +200,27 @@ def run_cmd(
                                          logprobs, penalties, top_k, min_p):
                 lines.append(line)
                 gens.append(gen)
-    except (KeyboardInterrupt, HsdError) as e:   # what was finished is kept, and said
+        _print_run(gens, by, plans, mode)
+    _write_lines(json_out, lines)
+
+
+@contextlib.contextmanager
+def _keeping_finished(json_out: Path | None, lines: list[dict], quiet: bool) -> Iterator[None]:
+    """A run, or the report after it, stopped part-way: the ``--json`` lines of the prompts finished (``lines``,
+    as they grow) are written and said. Ctrl-C: exit 130 (143 for SIGTERM: ``cli.main``), the streamed line it cut
+    ended; an error raised on; stdout closed (``| head``: rich exits 1) or full: its error raised on."""
+    from hsd_opt.errors import HsdError
+
+    try:
+        yield
+    except (KeyboardInterrupt, HsdError) as e:
         _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt))
-        if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line (143 for SIGTERM: cli.main)
+        if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line
             raise typer.Exit(130) from None
         raise
-    except (OSError, SystemExit):                # stdout closed (| head: rich exits 1) or full: the answers still
-        _write_lines(json_out, lines, partial=True)  # go to --json
-        raise
-    try:
-        _print_run(gens, by, plans, mode)
     except (OSError, SystemExit):
         _write_lines(json_out, lines, partial=True)
         raise
-    _write_lines(json_out, lines)
 
 
 def _write_lines(json_out: Path | None, lines: list[dict], partial: bool = False) -> None:
