@@ -309,11 +309,13 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stop_ids(body: dict, vocab: int) -> tuple[int, ...]:
-    """vLLM's ``stop_token_ids``: an array of the model's token ids (``0 .. vocab - 1``); absent or null: none."""
+def _stop_ids(body: dict, info: ModelInfo) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: an array of the model's token ids (below its tokenizer's size); absent or null:
+    none."""
     v = body.get("stop_token_ids")
     if v is None:
         return ()
+    vocab = len(info.tokenizer)
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise bad_request(f"'stop_token_ids' must be an array of token ids (integers), got {_type_name(v)} "
                           f"{json.dumps(v)[:80]}", "stop_token_ids")
@@ -526,7 +528,7 @@ def parse_request(body: dict[str, Any], kind: str, info: ModelInfo) -> Generatio
         raise bad_request(f"'seed' must be a 64-bit integer (-2**63 .. 2**64 - 1; with 'n', seed + n - 1 too: "
                           f"choice i is seeded seed + i), got {seed}", "seed")
     stop = _stop(body)
-    stop_ids = _stop_ids(body, len(info.tokenizer))
+    stop_ids = _stop_ids(body, info)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
