@@ -252,6 +252,17 @@ def test_simulate_plan_with_other_target_and_bad_plan_fields(tmp_path):
     d["budgets"] = [3, 2] + d["budgets"][2:]
     bad = write(tmp_path, d, "bad_budgets.json")
     _expect_error(run("simulate", "--plan", bad, "--profile", DATA / "example_profile.json"), str(bad), "budgets")
+    # a plan made for another model than the profile's (each file records it): its rates say nothing of the plan
+    d = json.loads(plan_path.read_text())
+    example = json.loads((DATA / "example_profile.json").read_text())
+    for field, mine, theirs in (("model", "m-a", "m-b"), ("revision", "r1", "r2"),
+                                ("target_precision", "int4", "float32")):
+        d["provenance"] = {**(d.get("provenance") or {}), field: mine}
+        example["provenance"] = {**example["provenance"], field: theirs}
+        other = write(tmp_path, example, f"other_{field}.json")
+        _expect_error(run("simulate", "--plan", write(tmp_path, d, f"plan_{field}.json"), "--profile", other),
+                      f"provenance.{field}")
+        example["provenance"][field] = mine                  # the same in both: on to the next field
     _expect_error(run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json",
                       "--rounds", 0), "--rounds")
     _expect_error(run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json",

@@ -110,6 +110,14 @@ def _warn_fallbacks(fallbacks: dict[str, list[str]]) -> None:
 
 
 def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
+    """Refuse (naming the plan's field) a plan that is not of ``profile``'s models: another target model, revision
+    or target precision where both files record it, a level the profile lacks, another target, a pair without an
+    acceptance rate, a verifier that cannot verify."""
+    for field in ("model", "revision", "target_precision"):
+        mine, theirs = plan.provenance.get(field), profile.provenance.get(field)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise InputFileError(plan_path, f"the plan is for {field} {mine!r}, the profile for {theirs!r}",
+                                 f"provenance.{field}")
     names = set(profile.names)
     for i, m in enumerate(plan.hierarchy):
         if m not in names:
