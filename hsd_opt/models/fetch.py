@@ -281,6 +281,8 @@ def _one_fetch_at_a_time(spec: SplitGguf, cache: Path, say: Callable[[str], None
         except BlockingIOError:
             say(f"another fetch of {spec.alias} is running in this cache: waiting for it")
             fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass                # a file system without locks (some network mounts): fetched as before, unlocked
         yield
 
 
