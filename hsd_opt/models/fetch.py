@@ -273,6 +273,11 @@ def _one_fetch_at_a_time(spec: SplitGguf, cache: Path, say: Callable[[str], None
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         f = open(lock, "a")
+    except PermissionError:     # another user's lock file in a shared cache: a read-only open locks as well
+        try:
+            f = open(lock)
+        except OSError as e:
+            raise HsdError(f"HSD_CACHE={cache}: cannot open {lock} ({e.strerror or e})") from None
     except OSError as e:
         raise HsdError(f"HSD_CACHE={cache}: cannot write {lock} ({e.strerror or e})") from None
     with f:
