@@ -541,7 +541,8 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     _validate(cfg)
     refuse_left_checkpoint(partial_path(Path(cfg.out), rank, world), cfg.resume)   # before minutes of loading
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
-    if cfg.shard and not _my_prompts(items, cfg.shard, 0, 1):
+    shard_items = _my_prompts(items, cfg.shard, 0, 1)       # every rank's together: what the profile measures
+    if cfg.shard and not shard_items:
         raise HsdError(f"--shard {cfg.shard[0]}/{cfg.shard[1]}: none of the {len(items)} prompts is in it (prompt k "
                        f"is in shard k % {cfg.shard[1]}); a profile of no prompts has no rates")
     t_start = time.perf_counter()
@@ -600,7 +601,7 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     timings = {"profiling_seconds": round(profiling_seconds, 3), "cost_seconds": round(cost_seconds, 3),
                "total_seconds": round(time.perf_counter() - t_start, 3)}
     record = _provenance_record(cfg, settings, loaded, heads_meta, stats, costs, pool, timings, world, threads_note)
-    record["prompt_keys"] = prompt_keys(_my_prompts(items, cfg.shard, 0, 1), cfg.temperature, cfg.seed)
+    record["prompt_keys"] = prompt_keys(shard_items, cfg.temperature, cfg.seed)
     prof.provenance = provenance_from_dict(record, str(cfg.out))
     _write(prof, Path(cfg.out), world, warn)
     return prof

@@ -41,6 +41,7 @@ from hsd_opt.server.tools import (
     past_calls,
     with_instruction,
 )
+from hsd_opt.values import is_integer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -316,7 +317,7 @@ def _stop_ids(body: dict, info: ModelInfo) -> tuple[int, ...]:
     if v is None:
         return ()
     vocab = len(info.tokenizer)
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if not isinstance(v, list) or not all(is_integer(t) for t in v):
         raise bad_request(f"'stop_token_ids' must be an array of token ids (integers), got {_type_name(v)} "
                           f"{json.dumps(v)[:80]}", "stop_token_ids")
     bad = [t for t in v if not 0 <= t < vocab]

@@ -153,7 +153,7 @@ class TextStream:
             self.ids.append(int(t))
             full = self._decode()
             whole = full.rstrip("\ufffd")     # the text before a character whose bytes are still coming
-            cut = self._find_stop(whole) if self.stop else -1   # final already: a stop string ends the text here
+            cut = self._find_stop(whole)      # final already: a stop string in it ends the text at this token
             if cut >= 0 or int(t) in self.stop_ids:
                 self.stopped = True
                 out.append(self._advance(full[:cut] if cut >= 0 else full, final=True))
