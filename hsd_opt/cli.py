@@ -57,6 +57,7 @@ def main() -> None:
         raise Terminated
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    _replace_unencodable(sys.stdout)
     try:
         app()
     except HsdError as e:  # raised outside a wrapped command (e.g. in a callback)
@@ -75,6 +76,14 @@ def main() -> None:
         if terminated:
             sys.exit(128 + signal.SIGTERM)
         raise
+
+
+def _replace_unencodable(stream) -> None:
+    """Have ``stream`` (stdout) write ``?`` for a character its encoding cannot hold (``PYTHONIOENCODING=ascii``,
+    a Latin-1 locale) instead of raising mid-answer: the text streamed to a terminal is shown as it can be, and
+    ``--json`` files, written as UTF-8, hold it exactly."""
+    if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
 
 
 def _unhandled_interrupt(e: SystemExit) -> bool:

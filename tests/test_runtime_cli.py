@@ -760,6 +760,34 @@ def test_run_writes_its_json_when_the_terminal_output_cannot_be_written(tiny_dir
         assert [x["prompt"] for x in kept] == ["Hello there", "Count: 1 2 3", "Why?"], (name, err)
 
 
+@pytest.mark.slow
+def test_run_on_a_terminal_that_cannot_encode_the_answer_shows_what_it_can(tmp_path):
+    """stdout in an encoding without the answer's characters (``PYTHONIOENCODING=ascii``, a Latin-1 locale): they
+    are written as ``?`` and the run goes on; ``--json`` holds the exact text (it was a UnicodeEncodeError traceback
+    mid-answer, the finished prompts' lines lost)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = _plan(tmp_path / "plan.json", "smollm2-135m", hierarchy=("layer30",), budgets=(),
+                 models=[{"name": "layer30", "kind": "target", "layer": 30}])      # the embedded model
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Say hi.", "Say cat in Chinese.", "Why?")))
+    out = tmp_path / "answers.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, "-m", "hsd_opt", "run", "--plan", str(plan), "--prompts", str(prompts),
+                        "--max-new-tokens", "16", "--device", "cpu", "--json", str(out)],
+                       capture_output=True, env=env, timeout=300)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    texts = [json.loads(x)["text"] for x in out.read_text(encoding="utf-8").splitlines()]
+    assert len(texts) == 3 and any(not t.isascii() for t in texts), texts     # the case itself: not ASCII
+    shown = r.stdout.decode("ascii")
+    for t in texts:
+        assert t.encode("ascii", "replace").decode("ascii") in shown, (t, shown)
+
+
 def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_turn(tiny_dir, tmp_path,
                                                                                     monkeypatch, capsys):
     """Ctrl-C (or an error) after some prompts: their lines are written to --json and said, exit 130 (they were
