@@ -90,6 +90,30 @@ def test_damaged_and_mismatched_files_are_replaced(cache, monkeypatch):
     assert torch.load(path, weights_only=True)["lm_head"][0].shape[0] == model.lm_head.weight.shape[0]
 
 
+def test_a_copy_changed_in_place_on_disk_is_quantized_again_not_used(cache):
+    """Bytes of a stored matrix flipped in place (same size: the file reads and its shapes fit): the checksum
+    refuses it, said once, the copy is quantized again (the same logits as a fresh one) and stored anew (it was
+    used as it was: an int4 target became another model)."""
+    model = make_tiny_llama(seed=5)
+    model.hsd_weights_key = "gguf|sha256:abc|float32"
+    want = _logits(QuantizedLM(model, bits=4, kernels=True))
+    path = next(cache.glob("*.pt"))
+    codes = torch.load(path, weights_only=True)["layers.0.q"][0]
+    raw = bytearray(path.read_bytes())
+    at = raw.find(codes.contiguous().numpy().tobytes()[:64])           # the first layer's codes in the archive
+    assert at > 0
+    raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    path.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="changed on disk") as said:
+        assert torch.equal(_logits(QuantizedLM(model, bits=4, kernels=True)), want)
+    assert len(said) == 1
+    assert torch.equal(torch.load(path, weights_only=True)["layers.0.q"][0], codes)     # stored anew
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_logits(QuantizedLM(model, bits=4, kernels=True)), want)
+
+
 def test_a_stale_quantizer_version_is_removed_when_the_copy_is_stored_again(cache, monkeypatch):
     model = make_tiny_llama(seed=5)
     model.hsd_weights_key = "gguf|sha256:abc|float32"

@@ -10,8 +10,10 @@ A stored copy lives under ``<cache>/quantized/`` (``$HSD_CACHE``, default ``~/.c
 after the weights key and the setting (bits, head bits), and after the quantizer's code: a change to
 :func:`~hsd_opt.engine.weights.quantize_q4` or :func:`~hsd_opt.engine.weights.quantize_q8` makes the old files
 unreachable, and the next save of that model and setting removes them. Files are written atomically (a
-temporary file renamed into place); a file that cannot be read, or whose tensors do not have the shapes the
-model needs, is ignored and written again; a failed write only costs the next process the quantization.
+temporary file renamed into place); each matrix's tensors are stored with the CRC-32 of their bytes, checked
+when the matrix is read (in memory, about 2 GB/s). A file that cannot be read, or whose tensors do not have the
+shapes the model needs or their checksum (changed in place on disk), is ignored (said once) and written again; a
+failed write only costs the next process the quantization.
 
 Within one process, a matrix is quantized once for every copy of its model at the same bits: the ``int4`` and
 ``int4-head4`` copies of a model share their layers' tensors and differ only in their heads (:func:`matrix`).
@@ -23,6 +25,7 @@ import hashlib
 import inspect
 import warnings
 import weakref
+import zlib
 from pathlib import Path
 
 import torch
@@ -31,8 +34,9 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine import weights as wq
 from hsd_opt.jsonio import atomic_write, remove_stale
 
-#: Bumped when the stored layout changes in a way the quantizer's source does not show.
-FORMAT = 1
+#: Bumped when the stored layout changes in a way the quantizer's source does not show (2: each matrix's tensors
+#: followed by their CRC-32).
+FORMAT = 2
 
 #: The matrices made in this process, by ``(id of the float weight, bits)``: two copies of one model at the same
 #: bits (``int4`` and ``int4-head4``) share their layers' tensors instead of holding them twice. Both the weight
@@ -108,9 +112,10 @@ def stored_path(weights_key: str, bits: int, head_bits: int) -> Path:
     return cache_dir() / "quantized" / f"{model}-int{bits}-head{head_bits}-{_code_hash()}.pt"
 
 
-def load_stored(weights_key: str | None, bits: int, head_bits: int) -> dict[str, list[torch.Tensor]] | None:
-    """The stored tensors of each matrix (``name -> Mat tensors``), or None (no key, no file, unreadable). The
-    tensors are mapped from the file, read only when used; :func:`matrix` copies the ones it takes into memory."""
+def load_stored(weights_key: str | None, bits: int, head_bits: int) -> StoredCopy | None:
+    """The stored tensors of each matrix (``name -> Mat tensors + [CRC-32]``), or None (no key, no file,
+    unreadable). The tensors are mapped from the file, read only when used; :func:`matrix` copies the ones it takes
+    into memory and checks them there."""
     if not weights_key:
         return None
     path = stored_path(weights_key, bits, head_bits)
@@ -120,9 +125,17 @@ def load_stored(weights_key: str | None, bits: int, head_bits: int) -> dict[str,
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - a damaged file is ignored and written again
         return None
-    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+    if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
         return None
-    return data
+    return StoredCopy(data, path)
+
+
+class StoredCopy(dict):
+    """The matrices of a stored copy (``name -> Mat tensors + [CRC-32]``), mapped from the file at ``path``."""
+
+    def __init__(self, data: dict, path: Path):
+        super().__init__(data)
+        self.path = path
 
 
 def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dict[str, list[torch.Tensor]]) -> None:
@@ -131,8 +144,9 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
     if not weights_key:
         return
     path = stored_path(weights_key, bits, head_bits)
+    checked = {name: [*ts, torch.tensor([_crc32(ts)], dtype=torch.int64)] for name, ts in tensors.items()}
     try:
-        atomic_write(path, lambda f: torch.save(tensors, f))   # streamed: a copy is up to a few GB
+        atomic_write(path, lambda f: torch.save(checked, f))   # streamed: a copy is up to a few GB
         stem = path.name.rsplit("-", 1)[0]
         for old in path.parent.glob(stem + "-*.pt"):
             if old != path:
@@ -143,24 +157,44 @@ def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dic
                       f"next time", stacklevel=2)
 
 
-def matrix(stored: dict[str, list[torch.Tensor]] | None, name: str, bits: int, weight: torch.Tensor,
+def matrix(stored: StoredCopy | None, name: str, bits: int, weight: torch.Tensor,
            bias: torch.Tensor | None, fresh: dict[str, list[torch.Tensor]]) -> wq.Mat:
     """The ``bits`` copy of ``weight`` for the kernels: the one another copy of this process already made of
     the same tensor (shared, not duplicated), else from ``stored`` when it holds ``name`` with the shapes this
-    weight needs, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
+    weight needs and its checksum, else quantized now (and its tensors recorded in ``fresh``, to be saved)."""
     rows, cols = weight.shape
     kind = wq.Q8 if bits == 8 else wq.Q4
     mat = _made(weight, bits, bias)
     if mat is not None:
         return mat
     got = (stored or {}).get(name)
-    if got is not None and _fits(got, kind, rows, cols):   # copied out of the mapped file: the engine holds
-        mat = wq.Mat(kind, rows, cols, [t.to(weight.device, copy=True) for t in got], bias)   # memory, not pages
+    if got is not None and _fits(got[:-1], kind, rows, cols) and _is_crc(got[-1]):
+        copied = [t.to("cpu", copy=True) for t in got[:-1]]   # out of the mapped file: memory, not pages
+        if _crc32(copied) == int(got[-1][0]):
+            mat = wq.Mat(kind, rows, cols, [t.to(weight.device) for t in copied], bias)
+        else:
+            warnings.warn(f"the stored quantized copy {getattr(stored, 'path', '')} changed on disk (a matrix does not "
+                          f"match its checksum); quantizing again and storing it anew", stacklevel=2)
+            got = None
     else:
+        got = None
+    if got is None:
         mat = wq.quantize(weight, bits, bias)
         fresh[name] = list(mat.tensors)
     _remember(weight, bits, mat)
     return mat
+
+
+def _is_crc(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int64 and tuple(t.shape) == (1,)
+
+
+def _crc32(tensors: list[torch.Tensor]) -> int:
+    """CRC-32 of the bytes of ``tensors`` (CPU tensors), one after the other."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 def _fits(tensors: list[torch.Tensor], kind: int, rows: int, cols: int) -> bool:
