@@ -334,14 +334,21 @@ def test_heads_train_without_resume_keeps_an_interrupted_runs_checkpoint(tmp_pat
 
 
 def test_heads_outputs_never_replace_what_the_command_reads(root, heads_a, tmp_path):
-    """``eval --json`` the heads file, ``train --out`` the prompts or a file in the model's folder: refused
-    before anything loads, the files untouched (each was overwritten)."""
-    before = {p: p.read_bytes() for p in (heads_a, root / "p.jsonl", root / "tA" / "config.json")}
+    """``eval --json`` the heads file, ``train --out`` the prompts, a file in the model's folder or the model's
+    own GGUF file, ``eval --json`` in the model's folder: refused before anything loads, the files untouched (each
+    was overwritten; a GGUF was replaced by the heads)."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF a model")
+    before = {p: p.read_bytes() for p in (heads_a, root / "p.jsonl", root / "tA" / "config.json", gguf,
+                                          root / "tA" / "tokenizer.json")}
     for args, said in ((["eval", "--model", "tA", "--heads", heads_a, "--json", heads_a], "the same file as --heads"),
                        (["train", "--model", "tA", "--prompts", root / "p.jsonl", "--out", root / "p.jsonl"],
                         "the same file as --prompts"),
                        (["train", "--model", str(root / "tA"), "--out", root / "tA" / "config.json"],
-                        "inside the model's folder")):
+                        "inside the folder of --model"),
+                       (["train", "--model", str(gguf), "--out", gguf], "the same file as --model"),
+                       (["eval", "--model", str(root / "tA"), "--heads", heads_a, "--json",
+                         root / "tA" / "tokenizer.json"], "inside the folder of --model")):
         res = run_cli("heads", *args)
         assert res.exit_code == 2 and said in " ".join(cli_output(res).split()), cli_output(res)
     assert all(p.read_bytes() == b for p, b in before.items())

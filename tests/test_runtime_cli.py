@@ -700,6 +700,8 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
         (["--rounds", "2", "--max-batch", "4"], "--max-batch, --rounds: only with --concurrency"),
         (["--json", str(plan)], f"--json {plan}: the same file as --plan"),
         (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.json")], "the same file as --json"),
+        (["--json", str(tiny_dir / "m" / "config.json")], "inside the folder of"),     # the plan's model
+        (["--concurrency", "1", "--plot", str(tiny_dir / "m" / "model.safetensors")], "inside the folder of"),
         (["--methods", "hf_assisted", "--assistant", str(tmp_path / "nowhere")], f"--assistant {tmp_path}"),
         (["--methods", "hf_assisted,ar", "--assistant", " "], "--assistant: the name is empty"),   # was ignored
     ]
@@ -707,6 +709,17 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
         res = runner.invoke(app, ["bench", "--plan", str(plan), "--max-new-tokens", "4", *args])
         assert res.exit_code == 2 and needle in _out(res) and "Traceback" not in _out(res), (args, _out(res))
     assert plan.read_bytes() == before and not (tmp_path / "b.json").exists()
+    config = (tiny_dir / "m" / "config.json").read_text()
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--json",
+                              str(tiny_dir / "m" / "config.json")])
+    assert res.exit_code == 2 and "provenance.model" in _out(res) and "inside the folder of" in _out(res), _out(res)
+    assert (tiny_dir / "m" / "config.json").read_text() == config
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF a model")
+    for args in (["--model", str(gguf)], ["--model", "tiny", "--draft-model", str(gguf)]):
+        res = runner.invoke(app, ["profile", *args, "--prompts", str(prompts), "--out", str(gguf)])
+        assert res.exit_code == 2 and f"the same file as {args[-2]}" in _out(res), _out(res)   # it was replaced
+    assert gguf.read_bytes() == b"GGUF a model"
     profile = tmp_path / "profile.json"
     profile.write_text("{}")
     res = runner.invoke(app, ["solve", "--profile", str(profile), "--out", str(profile)])

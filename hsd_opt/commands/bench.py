@@ -187,7 +187,8 @@ def bench_cmd(
                                         0 if seed is None else seed, top_k, min_p)
     spec = grammar_spec(json_schema, grammar)
     retime_profile = read_retime_profile(retime)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
+                                    outputs=[("--json", json_out), ("--plot", plot)])
     items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts, turns)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
@@ -395,7 +396,8 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
                        "single-stream bench (without --concurrency), or serve and send response_format")
     retime_profile = read_retime_profile(retime)          # its file and its fit to the plan, before the model loads
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
-                                    check_plan=plan_check_for_retime(retime_profile, plan, retime))
+                                    check_plan=plan_check_for_retime(retime_profile, plan, retime),
+                                    outputs=[("--json", json_out), ("--plot", plot)])
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), _progress, retime_profile)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}

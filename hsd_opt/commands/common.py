@@ -42,11 +42,12 @@ def check_outputs(*flags: tuple[str, Optional[Path]],
                   inputs: Sequence[tuple[str, Optional[Path]]] = ()) -> None:
     """Refuse, before any work, each ``(flag, path)`` output a command could not write (see
     :func:`hsd_opt.jsonio.check_writable`), and one that is the same file as another output or as one of the
-    ``inputs`` (``(flag, path)``: files the command reads, which writing it would destroy); paths that are None
-    are not asked for."""
+    ``inputs`` (``(flag, path)``: files the command reads, which writing it would destroy), or a file already
+    inside an input that is a folder (a local model's); paths that are None are not asked for."""
     from hsd_opt.jsonio import check_writable
 
     seen = [(flag, Path(path).resolve()) for flag, path in inputs if path is not None]
+    folders = [(flag, there) for flag, there in seen if there.is_dir()]
     for flag, path in flags:
         if path is None:
             continue
@@ -56,7 +57,17 @@ def check_outputs(*flags: tuple[str, Optional[Path]],
         if other is not None:
             raise HsdError(f"{flag} {path}: the same file as {other}; write it elsewhere (it would overwrite "
                            f"what {other} holds)")
+        inside = next((f for f, there in folders if there in here.parents), None) if here.exists() else None
+        if inside is not None:
+            raise HsdError(f"{flag} {path}: a file inside the folder of {inside} (it would replace one of its "
+                           f"files); write it elsewhere")
         seen.append((flag, here))
+
+
+def local_model(flag: str, model: Optional[str]) -> list[tuple[str, Path]]:
+    """``[(flag, path)]`` where ``model`` names a file or folder here (a GGUF file, a model folder: an input
+    :func:`check_outputs` keeps outputs off), else ``[]`` (an alias, a hub id, None)."""
+    return [(flag, Path(model))] if model and Path(model).exists() else []
 
 
 def fmt(x, spec: str = ".3g") -> str:
@@ -77,12 +88,14 @@ TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, 
 
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
                         target_precision: Optional[str] = None, engines_only: bool = False,
-                        check_plan: Optional[Callable[[Any], None]] = None):
+                        check_plan: Optional[Callable[[Any], None]] = None,
+                        outputs: Sequence[tuple[str, Optional[Path]]] = ()):
     """Load the plan and the model it names (or ``model``, which must match the plan's provenance); refuse a
     plan made for another target precision than ``target_precision`` (None: the plan's own). ``engines_only``:
     the model serves the engines alone (`hsd run`, `hsd serve`; see
     :func:`~hsd_opt.models.loading.load_model`). ``check_plan(plan)``: a command's own check of the plan, run
-    before the model loads."""
+    before the model loads. ``outputs`` (``(flag, path)``) are refused where they are the local model's file or
+    inside its folder (:func:`check_outputs`)."""
     from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.formats import load_plan
@@ -100,6 +113,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     if not name:
         raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
                              "provenance.model")
+    check_outputs(*outputs, inputs=local_model(flag, name))
     _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
     check_target_precision(plan, str(plan_path), asked)
     check_kinds(plan, str(plan_path))

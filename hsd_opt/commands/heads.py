@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hsd_opt.commands.common import check_outputs, cli_command
+from hsd_opt.commands.common import check_outputs, cli_command, local_model
 from hsd_opt.commands.options import MAX_THREADS
 from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
@@ -167,13 +167,9 @@ def _check_same_prompts(heads: Path, prompts: Path, tr: dict) -> None:
 
 
 def _check_output_beside(out: Path, model: str, prompts: Optional[Path]) -> None:
-    """Refuse an ``--out`` the training would destroy: the ``--prompts`` file, or a file inside the local model
-    folder ``model`` (its weights, config or tokenizer)."""
-    check_outputs(("--out", out), inputs=[("--prompts", prompts)])
-    folder = Path(model)
-    if folder.is_dir() and folder.resolve() in Path(out).resolve().parents:
-        raise HsdError(f"--out {out}: inside the model's folder {model} (it could replace the model's own files); "
-                       f"write it elsewhere")
+    """Refuse an ``--out`` the training would destroy: the ``--prompts`` file, the local model file ``model`` (a
+    GGUF) or a file inside its folder (its weights, config or tokenizer)."""
+    check_outputs(("--out", out), inputs=[("--prompts", prompts), *local_model("--model", model)])
 
 
 def _check_prompts(prompts: Optional[Path]) -> None:
@@ -210,7 +206,8 @@ def evaluate(
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
 
-    check_outputs(("--json", json_out), inputs=[("--heads", heads), ("--prompts", prompts)])
+    check_outputs(("--json", json_out), inputs=[("--heads", heads), ("--prompts", prompts),
+                                                *local_model("--model", model)])
     _check_threads(threads)
     if tokens is not None and tokens < 1:
         raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")

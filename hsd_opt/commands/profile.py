@@ -11,7 +11,14 @@ from rich.table import Table
 from rich.text import Text
 
 from hsd_opt.commands import options
-from hsd_opt.commands.common import MIN_P_HELP, TOP_K_HELP, check_outputs, cli_command, prepare_kernels
+from hsd_opt.commands.common import (
+    MIN_P_HELP,
+    TOP_K_HELP,
+    check_outputs,
+    cli_command,
+    local_model,
+    prepare_kernels,
+)
 from hsd_opt.console import console, err_console, warn
 
 
@@ -147,7 +154,8 @@ def profile_cmd(
     from hsd_opt.profiler.run import ProfileConfig
 
     _check_required(model, out)
-    check_outputs(("--out", out), inputs=[("--prompts", prompts), ("--heads", heads)])
+    check_outputs(("--out", out), inputs=[("--prompts", prompts), ("--heads", heads), *local_model("--model", model),
+                                         *(m for d in draft_model for m in local_model("--draft-model", d))])
     _check_inputs(cost_repeats, max_prompts, threads, heads)
     contexts = tuple(options.cost_contexts(cost_contexts))
     batches = options.batch_sizes(batch_sizes)

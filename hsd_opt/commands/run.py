@@ -183,7 +183,8 @@ def run_cmd(
     if spec is not None and prompt is not None and task is None:
         task = JSON_TASK                      # an answer under a grammar runs the plan for JSON, if it has one
     items = _items(prompt, prompts, task, limit_per_task, by)
-    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True,
+                                    outputs=[("--json", json_out)])
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     if penalties is not None:
         penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
