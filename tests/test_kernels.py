@@ -769,3 +769,27 @@ def test_a_cc_that_is_not_one_program_here_is_refused_not_replaced(monkeypatch, 
         assert kernels.compiler() == cc
     monkeypatch.setenv("CC", "")
     assert kernels.compiler() in (None, "cc", "gcc", "clang")
+
+
+def test_an_unusable_hsd_libomp_leaves_the_kernels_unavailable_not_the_command_failed(tmp_path, monkeypatch):
+    """``HSD_LIBOMP`` naming a folder without the runtime: the kernels are unavailable, said once (every command
+    that loaded them exited 2, ``hsd doctor`` too), no variant marked as one the compiler cannot build; with
+    ``HSD_OPENMP=0`` the folder is not read and the kernels build without OpenMP (it exited 2 as well)."""
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HSD_LIBOMP", str(tmp_path))
+    monkeypatch.setenv("HSD_KERNELS", "portable")
+    monkeypatch.delenv("HSD_OPENMP", raising=False)
+    if kernels.compiler() is None:
+        pytest.skip("no C compiler here")
+    for openmp in ("1", "0"):
+        monkeypatch.setenv("HSD_OPENMP", openmp)
+        for name in ("_LIB", "_INFO", "_WHY"):
+            monkeypatch.setattr(kernels, name, [])
+        said: list[str] = []
+        lib = kernels.load(log=said.append)
+        marks = [p.name for p in (tmp_path / "cache").rglob("*") if p.suffix in (".openmp-failed", ".build-failed")]
+        assert marks == [], marks
+        if openmp == "1":
+            assert lib is None and len(said) == 1 and f"HSD_LIBOMP={tmp_path}: no libomp" in said[0], said
+        else:
+            assert lib is not None and not kernels.info().openmp, said

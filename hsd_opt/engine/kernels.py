@@ -449,8 +449,8 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
         HsdError: the build failed (the OpenMP build's message) or the library is not this module's layout.
     """
     path = library_path(cc, variant, omp)
-    failed = _openmp_failed_mark(cc, variant)
-    if omp and not path.is_file() and failed.is_file() and library_path(cc, variant, False).is_file():
+    failed = _openmp_failed_mark(cc, variant) if omp else None      # (its path: the OpenMP build's flags)
+    if failed and not path.is_file() and failed.is_file() and library_path(cc, variant, False).is_file():
         omp, path = False, library_path(cc, variant, False)
     if not path.is_file():
         try:
@@ -503,7 +503,7 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
     for i, v in enumerate(candidates):
         last = i == len(candidates) - 1
         mark = _build_failed_mark(cc, v)
-        built = any(library_path(cc, v, o).is_file() for o in (True, False))   # since the mark: it builds after all
+        built = any(_built(cc, v, o) for o in (True, False))   # since the mark: it builds after all
         if mark.is_file() and not built and not last:
             passed.append(v.name)
             continue
@@ -537,6 +537,24 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
     return None, candidates[0], False, None, why, ""
 
 
+def _built(cc: str, v: Variant, openmp: bool) -> bool:
+    """Whether ``v``'s library (with or without OpenMP) is in the cache (an OpenMP build with ``$HSD_LIBOMP``
+    unusable: not)."""
+    try:
+        return library_path(cc, v, openmp).is_file()
+    except HsdError:
+        return False
+
+
+def _bad_libomp(cc: str) -> str | None:
+    """Why ``$HSD_LIBOMP`` cannot be used with ``cc`` (:func:`libomp_dir`), or None."""
+    try:
+        libomp_dir(cc)
+    except HsdError as e:
+        return str(e)
+    return None
+
+
 def load(log: Callable[[str], None] | None = None, variant: str | None = None) -> ctypes.CDLL | None:
     """The kernels library (compiled on first use, then cached on disk), or None where it cannot be had: no C
     compiler, a failed build, a library whose layout differs (:func:`check_layout`), or ``HSD_KERNELS=0`` in the
@@ -565,6 +583,8 @@ def load(log: Callable[[str], None] | None = None, variant: str | None = None) -
         cc = compiler()
         if cc is None:
             why = "no C compiler found: install gcc or clang, or set CC"
+        elif wanted and (bad := _bad_libomp(cc)):
+            why = bad                           # the user's runtime folder: no variant is to blame
         else:
             # chosen, not forced: a compiler that cannot build it (too old for a flag) falls to the next variant
             chosen_by_us = variant is None and not reason.startswith("forced")
