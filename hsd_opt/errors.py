@@ -7,6 +7,11 @@ class HsdError(Exception):
     """A usage or input error: bad flag, bad file, bad field. Printed as one line, exit code 2."""
 
 
+class SettingError(HsdError):
+    """An environment setting (``HSD_*``) with a value it does not take: the message names the variable, and
+    nothing that merely read it while loading a file blames the file."""
+
+
 class ContextFull(HsdError):
     """A prompt that, with the tokens asked for after it, passes the model's context (``hsd chat``: a conversation
     that no longer fits, which every later turn would pass too)."""

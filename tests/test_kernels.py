@@ -793,3 +793,40 @@ def test_an_unusable_hsd_libomp_leaves_the_kernels_unavailable_not_the_command_f
             assert lib is None and len(said) == 1 and f"HSD_LIBOMP={tmp_path}: no libomp" in said[0], said
         else:
             assert lib is not None and not kernels.info().openmp, said
+
+
+@pytest.mark.parametrize("variable", ["HSD_EXACT_INT4", "HSD_WEIGHT_ONLY", "HSD_COMPILE"])
+def test_every_command_refuses_a_bad_on_off_setting_first_naming_only_it(variable, monkeypatch, tmp_path):
+    """A setting what runs never reads (an int4 target and ``HSD_EXACT_INT4``) was accepted; one read while a
+    plan's int4 target was built was blamed on the plan file (``plan.json: provenance.target_precision: ...``).
+    Every command refuses it first, in one line naming the variable alone (the plan here does not even exist)."""
+    from typer.testing import CliRunner
+
+    from hsd_opt.cli import app
+
+    monkeypatch.setenv(variable, "maybe")
+    for args in (["run", "--plan", str(tmp_path / "plan.json"), "--prompt", "hi"],
+                 ["solve", "--profile", str(tmp_path / "profile.json")]):
+        res = CliRunner().invoke(app, args)
+        out = " ".join(res.output.split())
+        assert res.exit_code == 2 and out.startswith(f"error: {variable}='maybe': expected 1 or 0"), out
+        assert "plan.json" not in out and "profile.json" not in out, out
+
+
+def test_a_setting_read_while_a_plans_copy_is_built_is_not_blamed_on_the_plan(monkeypatch):
+    """The runtime's models of a plan wrap what building a quantized copy raises as the plan's entry, but not a
+    setting's error."""
+    from hsd_opt.errors import InputFileError, SettingError
+    from hsd_opt.formats import Quantization
+    from hsd_opt.runtime import runner
+
+    def bad_setting(*a, **k):
+        raise SettingError("HSD_WEIGHT_ONLY='maybe': expected 1 or 0")
+
+    monkeypatch.setattr("hsd_opt.engine.quantized.QuantizedLM", bad_setting)
+    models = runner.PlanModels.__new__(runner.PlanModels)
+    models._copies = {}
+    q = Quantization(bits=4, group_size=32, head_bits=8)
+    with pytest.raises(SettingError) as e:
+        models.copy(object(), q, "int4", "plan.json", "provenance.target_precision")
+    assert not isinstance(e.value, InputFileError) and "plan.json" not in str(e.value)

@@ -26,11 +26,15 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def cli_command(fn: F) -> F:
-    """Wrap a command so :class:`HsdError` becomes one line on stderr and exit code 2, never a traceback."""
+    """Wrap a command so :class:`HsdError` becomes one line on stderr and exit code 2, never a traceback; the
+    environment's on/off settings are checked first (:func:`~hsd_opt.values.check_env_switches`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from hsd_opt.values import check_env_switches
+
         try:
+            check_env_switches()
             return fn(*args, **kwargs)
         except HsdError as e:
             raise fail(str(e)) from None

@@ -107,20 +107,11 @@ def cuda_line() -> str:
             f"reading their codes {state('weight_only', 'HSD_WEIGHT_ONLY')}")
 
 
-#: The environment's on/off settings (docs/cli.md, "Environment"), each read where it applies.
-ON_OFF_VARIABLES = ("HSD_OPENMP", "HSD_EXACT_INT4", "HSD_EXACT_INT8", "HSD_FIXED_SHAPES", "HSD_WEIGHT_ONLY",
-                    "HSD_COMPILE", "HSD_CUDA_GRAPHS", "HSD_TRITON_ATTENTION")
-
-
 @cli_command
 def doctor_cmd() -> None:
     """Print what runs here: the kernel variant for this CPU and why, threads, the library's cache, versions."""
     from hsd_opt.console import err_console
     from hsd_opt.engine import kernels
-    from hsd_opt.values import env_switch
-
-    for variable in ON_OFF_VARIABLES:       # a bad value is an error here as in every command that reads it
-        env_switch(variable, True)
     kernels.load(log=lambda m: err_console.print(m))
     for line in system_lines():
         console.print(line, soft_wrap=True)

@@ -49,7 +49,7 @@ from hsd_opt.engine.weights import (
     release_float_weights,
     weight_readers,
 )
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, SettingError
 from hsd_opt.models.memory import complete_residency
 from hsd_opt.values import env_switch
 
@@ -297,7 +297,7 @@ class LayeredLM:
         """
         why = triton_attention.unavailable(self.device)
         if why is not None:
-            raise HsdError(f"HSD_TRITON_ATTENTION: {why}")
+            raise SettingError(f"HSD_TRITON_ATTENTION: {why}")
         self.fix_shapes()
         self._torch.triton_attention = self._fixed
 

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import HsdError, SettingError
 from hsd_opt.values import OFF_WORDS
 
 #: Bits of ``hsd_features()`` (kernels.c).
@@ -149,16 +149,16 @@ def choose(features: frozenset[str] | None = None, forced: str | None = None,
     ok = runnable(features, arch)
     if forced and forced not in ("auto", "1", "on", "yes", "true"):
         if forced not in BY_NAME:
-            raise HsdError(f"HSD_KERNELS={forced}: no such kernel variant (one of {', '.join(BY_NAME)}, auto, or 0 "
+            raise SettingError(f"HSD_KERNELS={forced}: no such kernel variant (one of {', '.join(BY_NAME)}, auto, or 0 "
                            f"for the torch path)")
         v = BY_NAME[forced]
         lack = missing(v, features, arch)
         runs = ", ".join(x.name for x in ok)
         if v.arch not in ("any", arch or machine()):
-            raise HsdError(f"HSD_KERNELS={forced}: that variant is for {v.arch} CPUs, this is {arch or machine()} "
+            raise SettingError(f"HSD_KERNELS={forced}: that variant is for {v.arch} CPUs, this is {arch or machine()} "
                            f"(it runs {runs})")
         if lack:
-            raise HsdError(f"HSD_KERNELS={forced}: this CPU lacks {', '.join(lack)} (it runs {runs})")
+            raise SettingError(f"HSD_KERNELS={forced}: this CPU lacks {', '.join(lack)} (it runs {runs})")
         return v, f"forced by HSD_KERNELS={forced}"
     best = ok[0]
     here = arch or machine()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from hsd_opt.errors import HsdError, InputFileError
+from hsd_opt.errors import HsdError, InputFileError, SettingError
 from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization, sampling_words
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.models.loading import model_positions
@@ -301,6 +301,8 @@ class PlanModels:
             try:
                 self._copies[key] = QuantizedLM(model, bits=q.bits, group_size=q.group_size, head_bits=q.head_bits,
                                                 name=name)
+            except SettingError:
+                raise                                   # the environment's, not the plan's
             except HsdError as err:
                 raise InputFileError(source, f"quantized entry {name!r}: {err}", where) from None
             self._copies[key].prompt_head = self._head(self.loaded.tokenizer)
