@@ -379,6 +379,26 @@ def test_train_heads_refuses_rank_zero():
         train_heads(m, [1], [[5, 6, 7, 8]] * 4, kind="lowrank", rank=0, progress=False)
 
 
+@pytest.mark.parametrize("kw, said", [
+    ({"lr": -1}, "lr: expected a number in (0, 1]"),                      # Adam's own ValueError
+    ({"lr": float("nan")}, "lr: expected a number in (0, 1]"),
+    ({"batch_tokens": 0}, "batch_tokens: expected an integer >= 1"),      # ZeroDivisionError
+    ({"epochs": 0}, "epochs: expected an integer >= 1"),                  # returned untrained heads
+    ({"holdout": 1.5}, "holdout: expected a fraction in (0, 1)"),         # returned, nothing held out
+    ({"layers": 1}, "layers: expected a non-empty list of layer numbers"),   # TypeError
+    ({"layers": ["x"]}, "layers: expected a non-empty list of layer numbers"),   # ValueError of int()
+    ({"token_sequences": [[5, 6, 7, 64]] * 4}, "token_sequences[0]: token ids must be in 0..63"),   # IndexError
+])
+def test_train_heads_refuses_bad_arguments_naming_them(kw, said):
+    """The Python API's ``train_heads`` checks what the CLI's flags check (raw errors deep inside, or heads
+    returned untrained)."""
+    m = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32)
+    args = {"layers": [1], "token_sequences": [[5, 6, 7, 8]] * 4, **kw}
+    with pytest.raises(HsdError) as e:
+        train_heads(m, args.pop("layers"), args.pop("token_sequences"), progress=False, evaluate=False, **args)
+    assert str(e.value).startswith(said), str(e.value)
+
+
 def test_one_training_sequence_is_refused(root, tmp_path):
     one = tmp_path / "one.jsonl"
     one.write_text((root / "p.jsonl").read_text().splitlines()[0] + "\n")

@@ -15,9 +15,6 @@ from hsd_opt.console import console, err_console
 from hsd_opt.errors import HsdError
 from hsd_opt.seeds import check_strided_seed
 
-#: The largest ``--lr`` taken: Adam's step size, for which 1 is already far past any use (2e-3 by default).
-MAX_LR = 1.0
-
 
 def results_table(title: str, before: dict, after: dict) -> Table:
     """Per-layer held-out acceptance / greedy agreement / KL vs the final layer, raw lens vs trained head; for heads
@@ -98,7 +95,7 @@ def train(
 
     from hsd_opt.commands.options import layer_numbers
     from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
-    from hsd_opt.heads.train import TRAIN_VOCABS, check_checkpoint
+    from hsd_opt.heads.train import MAX_LR, TRAIN_VOCABS, check_checkpoint
     from hsd_opt.models.loading import file_sha256, load_model
 
     if kind not in KINDS:

@@ -37,7 +37,10 @@ from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
 from hsd_opt.seeds import SEED_STRIDE
-from hsd_opt.values import is_integer
+from hsd_opt.values import is_integer, is_real
+
+#: The largest learning rate training takes (past float32's range Adam's first step overflows).
+MAX_LR = 1.0
 
 
 @dataclass
@@ -180,6 +183,32 @@ def frequent_vocab(expected_counts: torch.Tensor, k: int) -> torch.Tensor:
     return expected_counts.topk(k).indices.sort().values
 
 
+def _check_schedule(epochs, lr, batch_tokens, max_len, holdout) -> None:
+    """The training's numbers as :func:`train_heads` takes them (the CLI checks its flags first); ``holdout``
+    None: not used (held-out sequences given)."""
+    for name, value, ok, what in (
+            ("epochs", epochs, is_integer(epochs) and epochs >= 1, "an integer >= 1"),
+            ("batch_tokens", batch_tokens, is_integer(batch_tokens) and batch_tokens >= 1, "an integer >= 1"),
+            ("max_len", max_len, is_integer(max_len) and max_len >= 1, "an integer >= 1"),
+            ("holdout", holdout, holdout is None or (is_real(holdout) and 0 < holdout < 1), "a fraction in (0, 1)"),
+            ("lr", lr, is_real(lr) and math.isfinite(lr) and 0 < lr <= MAX_LR,
+             f"a number in (0, {MAX_LR:g}] (Adam's step size)")):
+        if not ok:
+            raise HsdError(f"{name}: expected {what}, got {value!r}")
+
+
+def _layer_list(layers, n_layers: int) -> list[int]:
+    """``layers`` (boundaries 1..n_layers-1, a sequence of integers) sorted, without repeats."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers \
+            or not all(is_integer(b) for b in layers):
+        raise HsdError(f"layers: expected a non-empty list of layer numbers, got {layers!r}")
+    out = sorted(set(int(b) for b in layers))
+    for b in out:
+        if not 1 <= b < n_layers:
+            raise HsdError(f"layer {b} is out of range: exit heads go after layers 1..{n_layers - 1}")
+    return out
+
+
 def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence[int]], *,
                 held_out: Sequence[Sequence[int]] | None = None, starts: Sequence[int] | None = None,
                 held_out_starts: Sequence[int] | None = None, holdout: float = 0.2, kind: str = "affine",
@@ -210,14 +239,16 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
         raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "lowrank" and (not is_integer(rank) or rank < 1):
         raise HsdError(f"--rank: expected an integer >= 1, got {rank!r}")
+    _check_schedule(epochs, lr, batch_tokens, max_len, holdout if held_out is None else None)
     check_checkpoint(checkpoint, resume)
     m, _, _ = unwrap_model(model)
     eng = LayeredLM(m)
-    layers = sorted(set(int(b) for b in layers))
-    for b in layers:
-        if not 1 <= b < eng.n_layers:
-            raise HsdError(f"layer {b} is out of range: exit heads go after layers 1..{eng.n_layers - 1}")
+    layers = _layer_list(layers, eng.n_layers)
     seqs = [list(map(int, s))[:max_len] for s in token_sequences]
+    vocab = m.get_input_embeddings().weight.shape[0]
+    for i, s in enumerate(seqs):
+        if any(not 0 <= t < vocab for t in s):
+            raise HsdError(f"token_sequences[{i}]: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
     st = list(starts) if starts is not None else [0] * len(seqs)
     if held_out is None:
         tr, ho = split_indices(len(seqs), holdout, seed)
