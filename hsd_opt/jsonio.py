@@ -13,9 +13,16 @@ from typing import Any, BinaryIO, Callable
 from hsd_opt.errors import HsdError, InputFileError, OutputFileError
 
 
+def check_path(path: Any) -> None:
+    """Refuse a ``path`` that is not a path (``str`` or ``os.PathLike``): the API's callers' None or open file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise HsdError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}")
+
+
 def read_bytes(path: str | os.PathLike, expected: str = "a JSON file") -> bytes:
     """The bytes of a file; missing, a directory or unreadable raises :class:`InputFileError` naming the file
     (``expected`` says what kind of file was wanted)."""
+    check_path(path)
     p = Path(path)
     try:
         return p.read_bytes()
@@ -48,6 +55,7 @@ def json_problem(e: Exception) -> str:
 def read_json(path: str | os.PathLike) -> Any:
     """Parse a JSON file; a missing file or JSON that cannot be read raises :class:`InputFileError` naming the
     file."""
+    check_path(path)
     p = Path(path)
     text = read_text(p)
     try:
@@ -149,6 +157,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
     cannot be written (a directory, a folder that cannot be made, no room) raises :class:`HsdError` naming it. A
     symbolic link is followed: the file it points to is replaced, the link stays.
     """
+    check_path(path)
     p = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if p.exists() and not p.is_file() and not p.is_dir():
         raise OutputFileError(f"{p}: cannot write it: {_not_regular(p)}")

@@ -144,3 +144,11 @@ def test_a_prompt_file_line_python_cannot_read_is_an_error_naming_the_line(tmp_p
     with pytest.raises(InputFileError, match="p.jsonl") as e:
         load_prompts(p)
     assert "line 2" in str(e.value)
+
+
+def test_a_path_that_is_not_a_path_is_named_not_a_pathlib_traceback(tmp_path):
+    """``load_plan(None)``, ``save_plan(plan, None)``: pathlib's TypeError; now one line naming the argument."""
+    for call in (lambda: read_json(None), lambda: write_json(None, {}), lambda: read_json(3),
+                 lambda: atomic_write(None, lambda f: None)):
+        with pytest.raises(HsdError, match="path: expected a file path"):
+            call()

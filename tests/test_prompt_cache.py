@@ -11,6 +11,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.engine.quantized import QuantizedLM
+from hsd_opt.errors import HsdError
 from hsd_opt.runtime.batch import generate_many
 from hsd_opt.runtime.decode import HSD, Level, prompt_pass_ends, takable
 from hsd_opt.runtime.state_pool import StatePool, state_bytes
@@ -224,8 +225,11 @@ def test_the_pool_keeps_each_engines_latest_and_others_within_its_bytes(tiny):
     assert [id(s) for s in pool.states(b)] == [id(sb)]
     taken = pool.take(a, 100, [])
     assert taken is sa[1] and taken.n == 0                       # nothing reused: the least recently given
-    with pytest.raises(ValueError, match="keep_bytes"):
-        StatePool(keep_bytes=-1)
+    for kw, said in (({"keep_bytes": -1}, "keep_bytes: expected an integer >= 0"),
+                     ({"keep_bytes": 1.5}, "keep_bytes: expected an integer >= 0"),
+                     ({"reuse": "yes"}, "reuse: expected True or False")):      # ValueError; "yes" was taken
+        with pytest.raises(HsdError, match=said):
+            StatePool(**kw)
 
 
 @needs_kernels

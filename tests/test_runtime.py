@@ -246,8 +246,10 @@ def test_bad_hierarchies_and_inputs():
         HSD([Level("a", lm, 1), Level("c", drafter=CycleDrafter(64)), Level("t", lm, 4)], [1, 2])
     with pytest.raises(HsdError, match="budgets"):
         HSD([Level("a", lm, 1), Level("t", lm, 4)], [1, 2])
-    with pytest.raises(HsdError, match="budget >= 1"):
+    with pytest.raises(HsdError, match="an integer >= 1, got 0"):
         HSD([Level("a", lm, 1), Level("t", lm, 4)], [0])
+    with pytest.raises(HsdError, match=r"budgets\[0\]: expected an integer >= 1, got '3'"):   # "got 3": which?
+        HSD([Level("a", lm, 1), Level("t", lm, 4)], ["3"])
     h = HSD([Level("a", lm, 1), Level("t", lm, 4)], [2])
     with pytest.raises(HsdError, match="empty prompt"):
         h.generate([], 4)
@@ -279,6 +281,11 @@ def test_bad_hierarchies_and_inputs():
     for kwargs, words in (({"temperature": "1"}, "--temperature"), ({"temperature": 1.0, "seed": 1.5}, "--seed"),
                           ({"temperature": 1.0, "top_p": "0.9"}, "--top-p")):
         with pytest.raises(HsdError, match=words):
+            h.generate([3, 4], 3, **kwargs)
+    for kwargs, words in (({"penalties": {"repeat": 1.1}}, "penalties: expected None or a hsd_opt.runtime"),
+                          ({"constraint": "json"}, "constraint: expected None or a hsd_opt.grammar"),
+                          ({"on_tokens": 5}, "on_tokens: expected None or a function, got int")):
+        with pytest.raises(HsdError, match=words):                # AttributeError or TypeError mid-generation
             h.generate([3, 4], 3, **kwargs)
     for budgets in (["a"], [2.7], [True]):
         with pytest.raises(HsdError, match=r"budgets\[0\]"):

@@ -939,3 +939,19 @@ def test_a_broken_chat_template_is_one_line_not_a_traceback(tmp_path):
         assert res.exit_code == 2 and "its chat template fails" in out and "--raw" in out, out
         assert "Traceback" not in out
         assert run_cli("run", "--plan", plan, "--prompt", "w1", "--max-new-tokens", 2, "--raw").exit_code == 0
+
+
+def test_hsd_for_plan_refuses_what_is_not_a_plan_or_a_loaded_model(tiny_dir, tmp_path):
+    """The README's runtime call handed a path or None: AttributeError on ``provenance`` or ``model_id``."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.formats import load_plan
+    from hsd_opt.models.loading import load_model
+    from hsd_opt.runtime.runner import hsd_for_plan
+
+    plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
+    loaded = load_model(str(tiny_dir / "m"), device="cpu", dtype="float32")
+    for args, said in (((None, loaded), "plan: expected a Plan .*got NoneType"),
+                       ((str(plan), loaded), "plan: expected a Plan .*got str"),
+                       ((load_plan(plan), None), "loaded: expected a LoadedModel .*got NoneType")):
+        with pytest.raises(HsdError, match=said):
+            hsd_for_plan(*args)

@@ -517,3 +517,20 @@ def test_ranked_dp_any_top_matches_enumeration(seed):
         for top in (1, 2, 3, 5):
             got = dp_ranked(inst, top, md)
             assert [g.latency for g in got] == pytest.approx([w.latency for w in want[:top]], rel=REL), (md, top)
+
+
+def test_hierarchy_latency_refuses_what_is_not_a_profile_or_a_list_naming_it():
+    """A path for the profile (``evaluate`` takes one) and None for a list were AttributeError and TypeError deep
+    inside; :func:`evaluate` gets the list checks too."""
+    from hsd_opt.solver.api import evaluate
+
+    prof = random_profile(np.random.default_rng(0), 3)
+    chain = [prof.names[0], prof.target]
+    for args, said in (((str(Path("profile.json")), chain, [2]), "profile: expected a Profile"),
+                       ((prof, None, [2]), "hierarchy: expected a list, got NoneType"),
+                       ((prof, chain, None), "budgets: expected a list, got NoneType"),
+                       ((prof, prof.target, []), "hierarchy: expected a list, got str")):
+        with pytest.raises(HsdError, match=said):
+            hierarchy_latency(*args)
+    with pytest.raises(HsdError, match="budgets: expected a list"):
+        evaluate(prof, chain, None)

@@ -418,7 +418,7 @@ class HSD:
             raise HsdError(f"budgets: expected {len(levels) - 1} values for {len(levels)} levels, got {len(budgets)}")
         for i, t in enumerate(budgets):
             if not is_integer(t) or t < 1:
-                raise HsdError(f"budgets[{i}]: expected a budget >= 1, got {t}")
+                raise HsdError(f"budgets[{i}]: expected an integer >= 1, got {t!r}")
         for lv in levels[1:]:
             if not lv.is_model:
                 raise HsdError(f"{lv.name!r} cannot verify: a token drafter may only be the bottom level")
@@ -553,6 +553,10 @@ class Decoding:
         prompt = check_prompt(prompt_ids, hsd.target.vocab_size, max_new_tokens, hsd.max_positions)
         check_filters(top_k, min_p)
         check_logprobs(logprobs)
+        for name, value, kind in (("constraint", constraint, Constraint), ("penalties", penalties, Penalties)):
+            if value is not None and not isinstance(value, kind):
+                raise HsdError(f"{name}: expected None or a {kind.__module__}.{kind.__name__}, got "
+                               f"{type(value).__name__}")
         #: sampling's top-k and min-p filters (0: off; a top-k of the whole vocabulary or more filters nothing, and is
         #: off: the same draws as 0, by noise where nothing else filters)
         self.top_k = 0 if top_k >= hsd.target.vocab_size else int(top_k)
@@ -1227,6 +1231,9 @@ class Decoding:
         """Prefill and decode to the end with every pass served alone (:meth:`HSD.generate`'s loop); returns
         :meth:`result`. ``on_tokens`` as in :meth:`HSD.generate`; ``on_pass(p)`` hears each pass before it is
         served (a driver may :meth:`switch` the hierarchy there, as a batch does between rounds)."""
+        for name, fn in (("on_tokens", on_tokens), ("on_pass", on_pass)):
+            if fn is not None and not callable(fn):
+                raise HsdError(f"{name}: expected None or a function, got {type(fn).__name__}")
         self.prefill()
         steps = self.steps()
         reply: object = None

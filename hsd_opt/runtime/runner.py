@@ -390,6 +390,13 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
     over ``models`` (a new :class:`PlanModels` of ``loaded`` when None: pass one to share engines between
     runners). A plan made for another model, revision or dtype than ``loaded`` is refused
     (:func:`check_provenance`), as ``hsd run`` refuses it."""
+    from hsd_opt.formats import Plan
+    from hsd_opt.models.loading import LoadedModel
+
+    if not isinstance(plan, Plan):
+        raise HsdError(f"plan: expected a Plan (hsd_opt.load_plan(path)), got {type(plan).__name__}")
+    if not isinstance(loaded, LoadedModel):
+        raise HsdError(f"loaded: expected a LoadedModel (hsd_opt.load_model(name)), got {type(loaded).__name__}")
     check_provenance(plan, loaded, source)
     if hierarchy is not None:
         from copy import copy

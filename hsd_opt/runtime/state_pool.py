@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 from hsd_opt.engine.interface import Engine
 from hsd_opt.engine.state import DecodeState
+from hsd_opt.errors import HsdError
+from hsd_opt.values import is_integer
 
 #: Bytes of free states a pool keeps by default beyond one per engine: none (the pool then only saves allocations
 #: and holds each engine's last sequence).
@@ -37,8 +39,10 @@ class StatePool:
     """
 
     def __init__(self, keep_bytes: int = DEFAULT_KEEP_BYTES, reuse: bool = False):
-        if keep_bytes < 0:
-            raise ValueError(f"keep_bytes: expected >= 0, got {keep_bytes}")
+        if not is_integer(keep_bytes) or keep_bytes < 0:
+            raise HsdError(f"keep_bytes: expected an integer >= 0, got {keep_bytes!r}")
+        if not isinstance(reuse, bool):
+            raise HsdError(f"reuse: expected True or False, got {reuse!r}")
         self.keep_bytes = int(keep_bytes)
         self.reuse = reuse
         self._free: list[tuple[weakref.ref, DecodeState]] = []    # (engine, state), least recently given first

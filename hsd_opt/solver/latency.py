@@ -311,6 +311,12 @@ def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Seque
     Raises :class:`HsdError` for unknown models, a wrong target, a pair without a measured acceptance or a
     verifier that cannot verify. Does not require budgets to be non-decreasing (the solvers do).
     """
+    if not isinstance(profile, Profile):
+        raise HsdError(f"profile: expected a Profile (hsd_opt.load_profile(path)[0]; hsd_opt.evaluate takes a path "
+                       f"too), got {type(profile).__name__}")
+    for name, value in (("hierarchy", hierarchy), ("budgets", budgets)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise HsdError(f"{name}: expected a list, got {type(value).__name__}")
     hierarchy, budgets = list(hierarchy), list(budgets)
     _check_hierarchy(profile, hierarchy, budgets)
     budgets = [int(b) for b in budgets]
