@@ -100,9 +100,10 @@ def test_a_copy_changed_in_place_on_disk_is_quantized_again_not_used(cache):
     path = next(cache.glob("*.pt"))
     codes = torch.load(path, weights_only=True)["layers.0.q"][0]
     raw = bytearray(path.read_bytes())
-    at = raw.find(codes.contiguous().numpy().tobytes()[:64])           # the first layer's codes in the archive
-    assert at > 0
-    raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    for name in ("layers.0.q", "layers.1.down"):                        # two matrices' codes in the archive
+        at = raw.find(torch.load(path, weights_only=True)[name][0].contiguous().numpy().tobytes()[:64])
+        assert at > 0
+        raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
     path.write_bytes(bytes(raw))
     with pytest.warns(UserWarning, match="changed on disk") as said:
         assert torch.equal(_logits(QuantizedLM(model, bits=4, kernels=True)), want)

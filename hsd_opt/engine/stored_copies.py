@@ -136,6 +136,7 @@ class StoredCopy(dict):
     def __init__(self, data: dict, path: Path):
         super().__init__(data)
         self.path = path
+        self.said_changed = False       # a matrix's checksum failed, and it was said
 
 
 def save_stored(weights_key: str | None, bits: int, head_bits: int, tensors: dict[str, list[torch.Tensor]]) -> None:
@@ -173,8 +174,7 @@ def matrix(stored: StoredCopy | None, name: str, bits: int, weight: torch.Tensor
         if _crc32(copied) == int(got[-1][0]):
             mat = wq.Mat(kind, rows, cols, [t.to(weight.device) for t in copied], bias)
         else:
-            warnings.warn(f"the stored quantized copy {getattr(stored, 'path', '')} changed on disk (a matrix does not "
-                          f"match its checksum); quantizing again and storing it anew", stacklevel=2)
+            _say_changed(stored)
             got = None
     else:
         got = None
@@ -183,6 +183,14 @@ def matrix(stored: StoredCopy | None, name: str, bits: int, weight: torch.Tensor
         fresh[name] = list(mat.tensors)
     _remember(weight, bits, mat)
     return mat
+
+
+def _say_changed(stored: StoredCopy | None) -> None:
+    """Warn, once per stored copy read, that a matrix of it does not match its checksum."""
+    if stored is not None and not stored.said_changed:
+        stored.said_changed = True
+        warnings.warn(f"the stored quantized copy {stored.path} changed on disk (a matrix does not match its "
+                      f"checksum); quantizing again and storing it anew", stacklevel=3)
 
 
 def _is_crc(t) -> bool:
