@@ -345,10 +345,10 @@ def test_heads_outputs_never_replace_what_the_command_reads(root, heads_a, tmp_p
                        (["train", "--model", "tA", "--prompts", root / "p.jsonl", "--out", root / "p.jsonl"],
                         "the same file as --prompts"),
                        (["train", "--model", str(root / "tA"), "--out", root / "tA" / "config.json"],
-                        "inside the folder of --model"),
+                        "a file of the model in the folder of --model"),
                        (["train", "--model", str(gguf), "--out", gguf], "the same file as --model"),
                        (["eval", "--model", str(root / "tA"), "--heads", heads_a, "--json",
-                         root / "tA" / "tokenizer.json"], "inside the folder of --model")):
+                         root / "tA" / "tokenizer.json"], "a file of the model in the folder of --model")):
         res = run_cli("heads", *args)
         assert res.exit_code == 2 and said in " ".join(cli_output(res).split()), cli_output(res)
     assert all(p.read_bytes() == b for p, b in before.items())

@@ -700,8 +700,8 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
         (["--rounds", "2", "--max-batch", "4"], "--max-batch, --rounds: only with --concurrency"),
         (["--json", str(plan)], f"--json {plan}: the same file as --plan"),
         (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.json")], "the same file as --json"),
-        (["--json", str(tiny_dir / "m" / "config.json")], "inside the folder of"),     # the plan's model
-        (["--concurrency", "1", "--plot", str(tiny_dir / "m" / "model.safetensors")], "inside the folder of"),
+        (["--json", str(tiny_dir / "m" / "config.json")], "a file of the model in the folder of"),   # plan's model
+        (["--concurrency", "1", "--plot", str(tiny_dir / "m" / "model.safetensors")], "a file of the model in the"),
         (["--methods", "hf_assisted", "--assistant", str(tmp_path / "nowhere")], f"--assistant {tmp_path}"),
         (["--methods", "hf_assisted,ar", "--assistant", " "], "--assistant: the name is empty"),   # was ignored
     ]
@@ -712,7 +712,8 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
     config = (tiny_dir / "m" / "config.json").read_text()
     res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--json",
                               str(tiny_dir / "m" / "config.json")])
-    assert res.exit_code == 2 and "provenance.model" in _out(res) and "inside the folder of" in _out(res), _out(res)
+    said = " ".join(_out(res).split())
+    assert res.exit_code == 2 and "provenance.model" in said and "a file of the model in the folder of" in said, said
     assert (tiny_dir / "m" / "config.json").read_text() == config
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF a model")
@@ -955,3 +956,23 @@ def test_hsd_for_plan_refuses_what_is_not_a_plan_or_a_loaded_model(tiny_dir, tmp
                        ((load_plan(plan), None), "loaded: expected a LoadedModel .*got NoneType")):
         with pytest.raises(HsdError, match=said):
             hsd_for_plan(*args)
+
+
+def test_an_output_beside_a_local_models_files_is_written_over_theirs_refused(tmp_path):
+    """An output in a model's folder: a profile or report there (new, or from an earlier run) is written; one of
+    the model's own files (weights, configuration, tokenizer) is refused, as the model's GGUF file itself is."""
+    from hsd_opt.commands.common import check_outputs, local_model
+    from hsd_opt.errors import HsdError
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "tokenizer_config.json", "profile.json"):
+        (folder / name).write_text("{}")
+    for out in ("profile.json", "new-report.json"):
+        check_outputs(("--out", folder / out), inputs=local_model("--model", str(folder)))
+    for name in ("config.json", "model-00001-of-00002.safetensors", "tokenizer_config.json"):
+        with pytest.raises(HsdError, match="a file of the model in the folder of --model"):
+            check_outputs(("--out", folder / name), inputs=local_model("--model", str(folder)))
+    with pytest.raises(HsdError, match="the same file as --model"):
+        check_outputs(("--out", folder / "profile.json"), inputs=local_model("--model", str(folder / "profile.json")))
+    assert local_model("--model", "smollm2-135m") == [] and local_model("--model", None) == []

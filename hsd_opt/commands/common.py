@@ -46,8 +46,8 @@ def check_outputs(*flags: tuple[str, Optional[Path]],
                   inputs: Sequence[tuple[str, Optional[Path]]] = ()) -> None:
     """Refuse, before any work, each ``(flag, path)`` output a command could not write (see
     :func:`hsd_opt.jsonio.check_writable`), and one that is the same file as another output or as one of the
-    ``inputs`` (``(flag, path)``: files the command reads, which writing it would destroy), or a file already
-    inside an input that is a folder (a local model's); paths that are None are not asked for."""
+    ``inputs`` (``(flag, path)``: files the command reads, which writing it would destroy), or one of the model's
+    own files inside an input that is a folder (a local model's); paths that are None are not asked for."""
     from hsd_opt.jsonio import check_writable
 
     seen = [(flag, Path(path).resolve()) for flag, path in inputs if path is not None]
@@ -61,11 +61,24 @@ def check_outputs(*flags: tuple[str, Optional[Path]],
         if other is not None:
             raise HsdError(f"{flag} {path}: the same file as {other}; write it elsewhere (it would overwrite "
                            f"what {other} holds)")
-        inside = next((f for f, there in folders if there in here.parents), None) if here.exists() else None
+        inside = next((f for f, there in folders if there in here.parents), None) if _model_file(here) else None
         if inside is not None:
-            raise HsdError(f"{flag} {path}: a file inside the folder of {inside} (it would replace one of its "
-                           f"files); write it elsewhere")
+            raise HsdError(f"{flag} {path}: a file of the model in the folder of {inside} (its weights, "
+                           f"configuration or tokenizer); write it elsewhere")
         seen.append((flag, here))
+
+
+#: What a model folder's own files are named like: weights, configuration, tokenizer, chat template.
+_MODEL_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".model", ".jinja", ".tiktoken")
+_MODEL_NAMES = ("config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
+                "vocab.json", "merges.txt", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _model_file(path: Path) -> bool:
+    """Whether ``path`` exists and is named as a model folder's own files are (:data:`_MODEL_NAMES`,
+    :data:`_MODEL_SUFFIXES`, ``tokenizer*``): an output beside them (a profile, a report) is not one."""
+    name = path.name.lower()
+    return path.exists() and (name in _MODEL_NAMES or name.startswith("tokenizer") or name.endswith(_MODEL_SUFFIXES))
 
 
 def local_model(flag: str, model: Optional[str]) -> list[tuple[str, Path]]:
