@@ -181,3 +181,28 @@ def test_hsd_run_on_the_embedded_model_imports_no_transformers(embedded, tmp_pat
     want = embedded.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     assert got["token_ids"] == want
     assert got["text"] == hf.decode(want, skip_special_tokens=True)
+
+
+def test_the_eos_ids_are_the_files_and_the_special_tokens_that_end_a_text(embedded):
+    """Qwen2.5's GGUF names ``<|im_end|>`` as EOS alone, and its ``<|endoftext|>`` went on into a made-up next turn
+    (llama.cpp ends there, as Qwen's own generation config does): the tokenizer's special tokens of llama.cpp's
+    end-of-generation texts are EOS ids too; an ordinary token of such a text (Qwen's ``</s>``) is not."""
+    from types import SimpleNamespace
+
+    from hsd_opt.models.loading import eos_token_ids
+
+    assert eos_token_ids(embedded) == [0, 2]                 # SmolLM2: <|im_end|> named, <|endoftext|> special
+    qwen = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(eos_token_id=2)), tokenizer=qwen2_tokenizer())
+    assert eos_token_ids(qwen) == [0, 2]
+
+    class Plain:            # "</s>" a token of the vocabulary, as text: kept by a decode that skips special tokens
+        eos_token_id = 5
+
+        def encode(self, text, add_special_tokens=False):
+            return [9] if text == "</s>" else [1, 2]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "</s>" if list(ids) == [9] else "?"
+
+    plain = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(eos_token_id=None)), tokenizer=Plain())
+    assert eos_token_ids(plain) == [5]

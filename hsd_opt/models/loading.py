@@ -631,9 +631,19 @@ def model_positions(config) -> int | None:
     return min(sizes) if sizes else None
 
 
+#: The texts of the special tokens that end a generation whatever the files name as EOS: llama.cpp's list
+#: (``llama-vocab.cpp``, its end-of-generation tokens found by their text; Qwen2.5's GGUF names ``<|im_end|>`` as
+#: EOS, while its ``<|endoftext|>`` ends a text too, as Qwen's own generation config says).
+END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>")
+
+
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
-    """EOS ids of a loaded model, sorted: the generation config's (may be a list), the model config's and the
-    tokenizer's."""
+    """EOS ids of a loaded model, sorted: the generation config's (may be a list), the model config's, the
+    tokenizer's, and those of the tokenizer's special tokens whose text is one of
+    :data:`END_OF_GENERATION_TEXTS` (a vocabulary's ordinary token of such a text, as Qwen's ``</s>``, is text)."""
     ids: set[int] = set()
     gc = getattr(loaded.model, "generation_config", None)
     for src in (getattr(gc, "eos_token_id", None), getattr(loaded.model.config, "eos_token_id", None),
@@ -642,7 +652,21 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
             ids.add(src)
         elif isinstance(src, (list, tuple)):
             ids.update(int(x) for x in src)
-    return sorted(ids)
+    return sorted(ids | _special_end_ids(loaded.tokenizer))
+
+
+def _special_end_ids(tok) -> set[int]:
+    """The ids of ``tok``'s special tokens (one id, dropped by a decode that skips special tokens) whose text is
+    one of :data:`END_OF_GENERATION_TEXTS`."""
+    out: set[int] = set()
+    for text in END_OF_GENERATION_TEXTS:
+        try:
+            ids = tok.encode(text, add_special_tokens=False)
+            if len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == "" and tok.decode(ids) == text:
+                out.add(int(ids[0]))
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say: the files' EOS ids alone
+            continue
+    return out
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str, flag: str = "--draft-model") -> None:
