@@ -52,14 +52,17 @@ bundle() {  # the work folder so far into OUT_DIR, each file replaced whole
 step() {  # step NAME LIMIT COMMAND...: run COMMAND with a time limit, its output in NAME.log, its seconds in steps.tsv
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$((limit * SCALE))" "$@" >"$WORK/$name.log" 2>&1
+  # SIGTERM at the limit (hsd keeps what it finished), SIGKILL 3 s later: a step that lingers after the signal
+  # (a long call that does not return to the interpreter) cannot eat the later steps' time
+  timeout -k 3 "$((limit * SCALE))" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$WORK/steps.tsv"
   echo "$name: exit $rc, $((SECONDS - t0)) s"; tail -n 3 "$WORK/$name.log"
   bundle
 }
 
-# time limits, seconds: 30 + 240 + 120 + 2 * (70 + 10 + 10) = 570, within a 600 s call
+# time limits, seconds: 30 + 240 + 120 + 2 * (70 + 10 + 10) = 570, and 3 s each to die after SIGTERM: 597, within a
+# 600 s call
 printf 'step\texit\tseconds\n' >"$WORK/steps.tsv"
 step doctor 30 $PY -m hsd_opt doctor
 step gpu_scale 240 $PY -m benchmarks.gpu_scale --config "$CONFIG" --device "$DEVICE" $SCALE_FLAGS \
