@@ -11,9 +11,9 @@ after the weights key and the setting (bits, head bits), and after the quantizer
 :func:`~hsd_opt.engine.weights.quantize_q4` or :func:`~hsd_opt.engine.weights.quantize_q8` makes the old files
 unreachable, and the next save of that model and setting removes them. Files are written atomically (a
 temporary file renamed into place); each matrix's tensors are stored with the CRC-32 of their bytes, checked
-when the matrix is read (in memory, about 2 GB/s). A file that cannot be read, or whose tensors do not have the
-shapes the model needs or their checksum (changed in place on disk), is ignored (said once) and written again; a
-failed write only costs the next process the quantization.
+once the matrix is copied into memory (one pass over its bytes). A file that cannot be read, or whose tensors do
+not have the shapes the model needs or their checksum (changed in place on disk), is ignored (said once) and
+written again; a failed write only costs the next process the quantization.
 
 Within one process, a matrix is quantized once for every copy of its model at the same bits: the ``int4`` and
 ``int4-head4`` copies of a model share their layers' tensors and differ only in their heads (:func:`matrix`).
