@@ -382,7 +382,10 @@ def test_ctrl_c_in_a_command_that_keeps_nothing_says_so(tmp_path):
     assert run("solve", "--profile", DATA / "example_profile.json", "--tmax", 4, "--out", plan_path).exit_code == 0
     proc = subprocess.Popen([sys.executable, "-m", "hsd_opt", "simulate", "--plan", str(plan_path), "--profile",
                              str(DATA / "example_profile.json"), "--rounds", str(10 ** 9)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C as a terminal delivers it, whatever this process inherited (a test run started
+                            # in the background of a script ignores SIGINT, and so would the command)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(6)                          # past the imports: simulating
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
