@@ -55,13 +55,11 @@ def json_problem(e: Exception) -> str:
 def read_json(path: str | os.PathLike) -> Any:
     """Parse a JSON file; a missing file or JSON that cannot be read raises :class:`InputFileError` naming the
     file."""
-    check_path(path)
-    p = Path(path)
-    text = read_text(p)
+    text = read_text(path)                      # the path checked there
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as e:
-        raise InputFileError(str(p), json_problem(e)) from None
+        raise InputFileError(str(Path(path)), json_problem(e)) from None
 
 
 def _umask() -> int:

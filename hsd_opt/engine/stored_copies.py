@@ -168,21 +168,29 @@ def matrix(stored: StoredCopy | None, name: str, bits: int, weight: torch.Tensor
     mat = _made(weight, bits, bias)
     if mat is not None:
         return mat
-    got = (stored or {}).get(name)
-    if got is not None and _fits(got[:-1], kind, rows, cols) and _is_crc(got[-1]):
-        copied = [t.to("cpu", copy=True) for t in got[:-1]]   # out of the mapped file: memory, not pages
-        if _crc32(copied) == int(got[-1][0]):
-            mat = wq.Mat(kind, rows, cols, [t.to(weight.device) for t in copied], bias)
-        else:
-            _say_changed(stored)
-            got = None
+    tensors = _stored_tensors(stored, name, kind, rows, cols)
+    if tensors is not None:
+        mat = wq.Mat(kind, rows, cols, [t.to(weight.device) for t in tensors], bias)
     else:
-        got = None
-    if got is None:
         mat = wq.quantize(weight, bits, bias)
         fresh[name] = list(mat.tensors)
     _remember(weight, bits, mat)
     return mat
+
+
+def _stored_tensors(stored: StoredCopy | None, name: str, kind: int, rows: int,
+                    cols: int) -> list[torch.Tensor] | None:
+    """The tensors of matrix ``name`` copied out of the mapped file (memory, not pages) where ``stored`` holds
+    them with the shapes a ``rows`` x ``cols`` matrix of ``kind`` needs and their checksum, else None (a failed
+    checksum said once)."""
+    got = (stored or {}).get(name)
+    if got is None or not _fits(got[:-1], kind, rows, cols) or not _is_crc(got[-1]):
+        return None
+    copied = [t.to("cpu", copy=True) for t in got[:-1]]
+    if _crc32(copied) != int(got[-1][0]):
+        _say_changed(stored)
+        return None
+    return copied
 
 
 def _say_changed(stored: StoredCopy | None) -> None:
@@ -190,7 +198,7 @@ def _say_changed(stored: StoredCopy | None) -> None:
     if stored is not None and not stored.said_changed:
         stored.said_changed = True
         warnings.warn(f"the stored quantized copy {stored.path} changed on disk (a matrix does not match its "
-                      f"checksum); quantizing again and storing it anew", stacklevel=3)
+                      f"checksum); quantizing again and storing it anew", stacklevel=4)
 
 
 def _is_crc(t) -> bool:
