@@ -186,14 +186,22 @@ def test_hsd_run_on_the_embedded_model_imports_no_transformers(embedded, tmp_pat
 def test_the_eos_ids_are_the_files_and_the_special_tokens_that_end_a_text(embedded):
     """Qwen2.5's GGUF names ``<|im_end|>`` as EOS alone, and its ``<|endoftext|>`` went on into a made-up next turn
     (llama.cpp ends there, as Qwen's own generation config does): the tokenizer's special tokens of llama.cpp's
-    end-of-generation texts are EOS ids too; an ordinary token of such a text (Qwen's ``</s>``) is not."""
+    end-of-generation texts are EOS ids too, its fill-in-the-middle pad, repository and file separator tokens
+    included (llama.cpp ends there as well); an ordinary token of such a text (Qwen's ``</s>``) is not."""
     from types import SimpleNamespace
 
     from hsd_opt.models.loading import eos_token_ids
 
-    assert eos_token_ids(embedded) == [0, 2]                 # SmolLM2: <|im_end|> named, <|endoftext|> special
+    # SmolLM2: <|im_end|> named, <|endoftext|> special, and <reponame> (4), which llama.cpp takes as its
+    # fill-in-the-middle repository token and so as an end of generation
+    assert eos_token_ids(embedded) == [0, 2, 4]
     qwen = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(eos_token_id=2)), tokenizer=qwen2_tokenizer())
     assert eos_token_ids(qwen) == [0, 2]
+    coder = qwen2_tokenizer()       # Qwen2.5-Coder's fill-in-the-middle tokens: llama.cpp ends at pad, repo, file_sep
+    coder.add_special_tokens({"additional_special_tokens": ["<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>",
+                                                            "<|file_sep|>"]})
+    fim = [coder.convert_tokens_to_ids(t) for t in ("<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")]
+    assert eos_token_ids(SimpleNamespace(model=qwen.model, tokenizer=coder)) == [0, 2] + fim[1:]
 
     class Plain:            # "</s>" a token of the vocabulary, as text: kept by a decode that skips special tokens
         eos_token_id = 5

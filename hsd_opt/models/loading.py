@@ -637,7 +637,11 @@ def model_positions(config) -> int | None:
 END_OF_GENERATION_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>")
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>",
+    # fill-in-the-middle pad, repository and file separator tokens: llama.cpp ends there too (a code model such as
+    # Qwen2.5-Coder goes on to another file of a made-up repository past them)
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+    "<REPO>", "<reponame>", "<|file_sep|>")
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
