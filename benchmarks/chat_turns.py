@@ -33,20 +33,19 @@ from benchmarks.entry import count, counts, run, seconds, whole
 from benchmarks.serve_sweep import free_port
 from benchmarks.server_load import pct, run_clients, start, stop_server
 from hsd_opt.engine.variants import host
+from hsd_opt.errors import HsdError
 
 METHODS = ("hsd", "hsd_nocache", "llama")
 
 
 def conversations(path: str, limit: int) -> list[list[str]]:
-    """The user turns of the first ``limit`` questions of ``path`` with two turns or more."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            turns = json.loads(line).get("turns") or []
-            if len(turns) >= 2:
-                out.append([str(t) for t in turns[:2]])
+    """The first two user turns of the first ``limit`` questions of ``path`` (a prompt file, checked line by line
+    as ``hsd profile --prompts`` checks it) with two turns or more."""
+    from hsd_opt.prompts import load_prompts
+
+    out = [list(it.turns[:2]) for it in load_prompts(path).items if len(it.turns) >= 2]
     if not out:
-        raise SystemExit(f"{path}: no question with two turns")
+        raise HsdError(f"{path}: no question with two turns")
     return out[:limit]
 
 
@@ -163,9 +162,9 @@ def main() -> None:
         return
     methods = [m for m in a.methods.split(",") if m]
     if any(m not in METHODS for m in methods):
-        sys.exit(f"--methods: expected some of {', '.join(METHODS)}, got {a.methods}")
+        raise HsdError(f"--methods: expected some of {', '.join(METHODS)}, got {a.methods}")
     if "llama" in methods and not (a.llama_server and a.gguf):
-        sys.exit("--methods llama: give --llama-server and --gguf")
+        raise HsdError("--methods llama: give --llama-server and --gguf")
     convs = conversations(a.questions, a.limit)
     env = {"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": str(a.threads)}  # llama-server's -t
     servers = {}

@@ -23,14 +23,11 @@ SMOL = os.environ.get("HSD_SMOL", "smollm2-135m")
 
 def load_model(path: str = SMOL):
     """``(model, tokenizer)`` of ``path`` (an alias, a directory or a .gguf file) in float32 on the CPU, loaded as
-    ``hsd`` loads it; a name that does not load exits with its one-line error."""
-    from hsd_opt.errors import HsdError
+    ``hsd`` loads it; a name that does not load raises its one-line error (:func:`benchmarks.entry.run` prints it
+    and exits 2)."""
     from hsd_opt.models.loading import load_model as load
 
-    try:
-        loaded = load(path, device="cpu", dtype="float32", flag="HSD_SMOL")
-    except HsdError as e:
-        raise SystemExit(f"error: {e}") from None
+    loaded = load(path, device="cpu", dtype="float32", flag="HSD_SMOL")
     return loaded.model.eval(), loaded.tokenizer
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks.entry import run
 from hsd_opt.engine.variants import host
+from hsd_opt.errors import HsdError
 
 try:
     from benchmarks.entry import count, whole
@@ -143,7 +144,7 @@ def main() -> None:
         print(json.dumps(worker(a.plan, a.prompts, a.new, a.batch)))
         return
     if not a.baseline or not (Path(a.baseline) / "hsd_opt").is_dir():
-        sys.exit(f"--baseline: expected a checkout of hsd-opt (a folder with hsd_opt/), got {a.baseline!r}")
+        raise HsdError(f"--baseline: expected a checkout of hsd-opt (a folder with hsd_opt/), got {a.baseline!r}")
     trees = {"baseline": str(Path(a.baseline).resolve()), "candidate": str(HERE)}
     a.plan = str(Path(a.plan).resolve())                 # the workers run in the trees' folders
     runs: dict[str, list[dict]] = {k: [] for k in trees}

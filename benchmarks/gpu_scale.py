@@ -79,17 +79,13 @@ import torch
 from benchmarks.entry import count, counts, positive, run
 from hsd_opt.engine import graphs
 from hsd_opt.engine.timing import median_pass, now
-from hsd_opt.errors import HsdError
 from hsd_opt.models import random_weights
 
 
 def config_of(name: str) -> dict:
     """The configuration named ``name`` (a shipped one, ``tiny``, or a config.json path), HF's keys only
-    (:func:`hsd_opt.models.random_weights.config_of`; a bad name exits with its one line)."""
-    try:
-        return random_weights.config_of(name, "--config")
-    except HsdError as e:
-        raise SystemExit(str(e)) from None
+    (:func:`hsd_opt.models.random_weights.config_of`; a bad name raises its one-line error)."""
+    return random_weights.config_of(name, "--config")
 
 
 def build(config: dict, device: str, dtype: torch.dtype, peak: float, seed: int = 0):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.entry import count, nonnegative, run, whole
 from hsd_opt.engine.variants import host
+from hsd_opt.errors import HsdError
 from hsd_opt.formats import load_plan
 from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
 from hsd_opt.grammar.constraint import Constraint
@@ -147,7 +148,7 @@ def main() -> None:
     if a.json_plan:
         jp = load_plan(a.json_plan)
         if "json" not in jp.by_task:
-            raise SystemExit(f"--json-plan {a.json_plan}: no plan for task json (by_task); solve with --per-task")
+            raise HsdError(f"--json-plan {a.json_plan}: no plan for task json (by_task); solve with --per-task")
         e = jp.by_task["json"]
         json_levels = {"hierarchy": e.hierarchy, "budgets": e.budgets}
         methods["json_plan"] = (hsd_for_plan(jp, loaded, hierarchy=e.hierarchy, budgets=e.budgets), True)

@@ -43,6 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.entry import count, counts, run, whole
+from hsd_opt.errors import HsdError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,10 +104,11 @@ def main() -> None:
 
     float32_baseline = a.baseline in ("float32", "float32-head")
     if float32_baseline and a.engine != "float32":
-        sys.exit(f"--baseline {a.baseline} compares the float32 target's weight forms: not with --engine {a.engine}")
+        raise HsdError(f"--baseline {a.baseline} compares the float32 target's weight forms: "
+                       f"not with --engine {a.engine}")
     base_src = Path(a.baseline)
     if not float32_baseline and not base_src.is_file():
-        sys.exit(f"--baseline: no file {base_src}")
+        raise HsdError(f"--baseline: no file {base_src}")
     batches, positions = a.batches, a.positions
     cases = [(n, p) for n in batches for p in (positions if not a.level else [1])]   # (sequences, positions)
     cc = kernels.compiler()
@@ -119,7 +121,7 @@ def main() -> None:
         got = (ctypes.c_long * 6)()
         base_lib.hsd_layout(got)
         if list(got)[1:] != kernels.expected_layout()[1:]:     # the version may differ; the structs may not
-            sys.exit(f"--baseline: its structs are laid out as {list(got)}, this tree's as "
+            raise HsdError(f"--baseline: its structs are laid out as {list(got)}, this tree's as "
                      f"{kernels.expected_layout()}")
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")

@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.entry import count, counts, run, whole
+from hsd_opt.errors import HsdError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def main() -> None:
     models = PlanModels(loaded)
     levels = hsd_by_load(plan, loaded, models)
     if not levels:
-        sys.exit(f"--plan: {a.plan} has no plans per load level (solve with --batch-sizes)")
+        raise HsdError(f"--plan: {a.plan} has no plans per load level (solve with --batch-sizes)")
     ar = hsd_for_plan(plan, loaded, hierarchy=[plan.hierarchy[-1]], budgets=[], models=models)
     texts = load_prompts(a.prompts).texts
     ids = [encode_prompt(loaded.tokenizer, t) for t in texts]

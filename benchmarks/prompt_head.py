@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.entry import count, run
+from hsd_opt.errors import HsdError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def main() -> None:
     engines = {id(e): e for h in (levels.values() if isinstance(levels, dict) else [levels]) for e in h.engines}
     heads = {k: e.prompt_head for k, e in engines.items()}
     if not any(heads.values()):
-        sys.exit(f"--plan: the model of {a.plan} has no chat-template head to keep")
+        raise HsdError(f"--plan: the model of {a.plan} has no chat-template head to keep")
     ids = [encode_prompt(loaded.tokenizer, t) for t in load_prompts(a.prompts).texts[:a.prompts_used]]
 
     def run(keep: bool) -> tuple[float, float, list[list[int]]]:

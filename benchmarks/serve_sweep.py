@@ -69,6 +69,7 @@ from benchmarks.entry import count, counts, fraction, nonnegative, run, seconds,
 from benchmarks.server_load import pct, run_clients, start, stream_once
 from benchmarks.server_load import stop_server as stop
 from hsd_opt.engine.variants import host
+from hsd_opt.errors import HsdError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -280,17 +281,17 @@ def main() -> None:
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in HSD_METHODS + LLAMA_METHODS]
     if bad:
-        sys.exit(f"--methods: unknown {bad}; known: {', '.join(HSD_METHODS + LLAMA_METHODS)}")
+        raise HsdError(f"--methods: unknown {bad}; known: {', '.join(HSD_METHODS + LLAMA_METHODS)}")
     if ("hsd_base" in methods) != bool(a.baseline):
-        sys.exit("--methods hsd_base and --baseline DIR go together")
+        raise HsdError("--methods hsd_base and --baseline DIR go together")
     if any(m in LLAMA_METHODS for m in methods) and not (a.llama_server and a.gguf_f32):
-        sys.exit("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
+        raise HsdError("--methods llama*: give --llama-server and --gguf-f32 (and --gguf-draft for llama_spec)")
     prompts = load_prompts(a.prompts).texts
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     refs, predictor = [], None
     if a.predict and a.retime:
-        sys.exit("--predict: not with --retime (the served hsd would choose its hierarchies again; the prediction "
-                 "prices the plan's)")
+        raise HsdError("--predict: not with --retime (the served hsd would choose its hierarchies again; the "
+                       "prediction prices the plan's)")
     if any(m in HSD_METHODS for m in methods):
         print("references (the plan's own answers, one prompt at a time) ...", flush=True)
         ours = in_process(a.plan, prompts)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from benchmarks.entry import run, whole
@@ -37,13 +36,10 @@ def main() -> None:
     from hsd_opt.errors import HsdError
     from hsd_opt.prompts import MT_BENCH_CATEGORIES, load_prompts, spec_bench_group
 
-    try:
-        items = load_prompts(a.questions).items          # checks every line (a clear error names a bad one)
-    except HsdError as e:
-        sys.exit(f"error: {e}")
+    items = load_prompts(a.questions).items          # checks every line (a clear error names a bad one)
     lines = [ln for ln in Path(a.questions).read_text(encoding="utf-8").splitlines() if ln.strip()]
     if len(lines) != len(items):
-        sys.exit(f"error: {a.questions}: expected one question per non-empty line")
+        raise HsdError(f"{a.questions}: expected one question per non-empty line")
     seen: dict[str, int] = {}
     ev, pr = [], []
     for line in lines:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import re
 import subprocess
 import sys
@@ -89,6 +90,34 @@ def test_a_script_refuses_a_bad_flag_in_one_line_before_loading_anything(script,
                          cwd=REPO, timeout=120)
     assert res.returncode == 2, res.stderr
     assert f"error: argument {flag}: " in res.stderr.splitlines()[-1] and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("chat_turns", ["--plan", "p", "--questions", "{bad}", "--in-process"], "{bad}: line 1: malformed JSON"),
+    ("chat_turns", ["--plan", "p", "--questions", "{list}", "--in-process"], "{list}: line 1: "),
+    ("chat_turns", ["--plan", "p", "--questions", "{one_turn}", "--in-process"], "{one_turn}: no question with two"),
+    ("chat_turns", ["--plan", "p", "--questions", "q", "--methods", "foo"], "--methods: expected some of"),
+    ("spec_bench_sample", ["--questions", "{missing}", "--eval-out", "e", "--profile-out", "p"], "{missing}: "),
+    ("spec_bench_sample", ["--questions", "{bad}", "--eval-out", "e", "--profile-out", "p"], "{bad}: line 1: "),
+    ("serve_sweep", ["--plan", "p", "--methods", "foo"], "--methods: unknown ['foo']"),
+    ("serve_sweep", ["--plan", "p", "--methods", "hsd_base"], "--methods hsd_base and --baseline DIR go together"),
+    ("engine_ab", ["--baseline", "{missing}"], "--baseline: expected a checkout of hsd-opt"),
+    ("gpu_scale", ["--config", "no-such-model", "--device", "cpu"], "--config"),
+])
+def test_a_scripts_own_input_check_is_one_line_with_exit_2(tmp_path, script, args, says):
+    """Past argparse, a script's checks of its input (a file's lines, a list of methods) raise ``HsdError``, which
+    :func:`benchmarks.entry.run` prints as one ``error:`` line with exit code 2, as the ``hsd`` commands do (a
+    ``sys.exit(message)`` exited 1; a question file's bad line was a traceback)."""
+    files = {"bad": "{\n", "list": "[1]\n", "one_turn": '{"question_id": 1, "category": "writing", "turns": ["a"]}\n'}
+    names = {k: str(tmp_path / f"{k}.jsonl") for k in (*files, "missing")}
+    for k, text in files.items():
+        Path(names[k]).write_text(text)
+    args = [a.format(**names) for a in args]
+    res = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.splitlines()[-1].startswith(f"error: {says.format(**names)}"), res.stderr
 
 
 def test_a_layer_list_is_checked_before_the_model_loads():

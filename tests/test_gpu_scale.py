@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_scale
+from hsd_opt.errors import HsdError
 
 
 @pytest.mark.slow
@@ -112,5 +113,5 @@ def test_the_shipped_configurations_are_the_models_they_name():
     assert (seven["hidden_size"], seven["intermediate_size"], seven["num_hidden_layers"]) == (4096, 11008, 32)
     one = gpu_scale.config_of("tinyllama-1.1b")
     assert (one["hidden_size"], one["num_hidden_layers"], one["num_key_value_heads"]) == (2048, 22, 4)
-    with pytest.raises(SystemExit, match="no configuration"):
+    with pytest.raises(HsdError, match="no configuration"):
         gpu_scale.config_of("no-such-model")
