@@ -1469,3 +1469,26 @@ def test_the_short_behind_long_benchmark_names_a_url_with_no_server():
         port = s.getsockname()[1]
     with pytest.raises(HsdError, match=f"--url http://127.0.0.1:{port}: ConnectError"):
         measure(f"http://127.0.0.1:{port}", repeats=2, shorts=1, gap=0.0, max_tokens=2, timeout=5)
+
+
+def test_a_seeded_sample_runs_the_plans_own_hierarchy_whatever_its_load_levels(tiny):
+    """A plan's load levels need not hold its own hierarchy at level 1 (``--min-gain`` may keep more levels in the
+    plan itself, a plan may be solved for ``--batch-sizes 2,4``, ``--retime`` chooses level 1 again): a seeded
+    sampled request still runs the plan's own hierarchy, so that its seed gives what ``hsd run`` gives."""
+    plan, _ = tiny
+    d = json.loads(plan.read_text())
+    level = {"expected_latency": 0.01, "tokens_per_s": 100.0, "batched_target_latency": 0.012}
+    d["by_load"] = {"1": {"hierarchy": ["layer2", "layer4"], "budgets": [3], **level},
+                    "4": {"hierarchy": ["layer4"], "budgets": [], **level}}
+    levels = plan.parent / "levels.json"
+    levels.write_text(json.dumps(d))
+    app, jobs = prepare_server(levels, device="cpu", max_queue=4)
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        c = client(srv)
+        for seed, extra in ((7, {}), (11, {"top_p": 0.9}), (3, {"extra_body": {"top_k": 5, "min_p": 0.05}})):
+            got = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=N, temperature=0.9, seed=seed, **extra)
+            flags = ["--top-p", extra["top_p"]] if "top_p" in extra else []
+            flags += ["--top-k", 5, "--min-p", 0.05] if "extra_body" in extra else []
+            assert got.model_extra["hsd"]["token_ids"] == hsd_run_ids(
+                plan, PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--seed", seed, *flags)

@@ -143,7 +143,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
                     json_runner=json_runner, metrics=_metrics(p, name, str(plan), loaded.device),
-                    stats_interval=log_stats)
+                    stats_interval=log_stats, seeded=runner)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
              "prompt_cache_mib": prompt_cache,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}

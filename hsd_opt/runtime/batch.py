@@ -37,8 +37,9 @@ independent of the rows beside them; the torch path runs sequences one by one), 
 prefilled in the passes ``hsd run`` prefills it in. So a greedy sequence's tokens are those of ``hsd run`` on its
 prompt whatever shares its passes and whichever hierarchy each round uses (every round ends in the target's own
 argmax). A sampled sequence without a seed follows the load too (every round samples from the target's
-distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the one for a single
-sequence: its draws depend only on its seed, not on the load. Units: seconds; token counts.
+distribution, whichever hierarchy drafts); one with a seed keeps the hierarchy it started with, the plan's own
+(``seeded``) or else the one for a single sequence: its draws depend only on its seed, not on the load. Units:
+seconds; token counts.
 """
 
 from __future__ import annotations
@@ -113,13 +114,17 @@ class Batch:
             pending pass is served every tick; None: :func:`round_passes` of the hierarchies, at least 3).
         by_task: the hierarchies (one, or one per load level) of the sequences added with a ``task`` (e.g. those
             under a grammar: a plan's plan for task ``json``); every other sequence runs ``hierarchies``.
+        seeded: the hierarchy a seeded sampled sequence without a task keeps from start to end, so that its seed
+            gives what ``hsd run`` gives with it: the plan's own (None: the load level nearest one sequence's; a
+            plan's level 1 may differ from the plan's own, or be missing, or be chosen again at start).
     """
 
     def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None,
-                 by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None):
+                 by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None, seeded: HSD | None = None):
         self.levels = _load_levels(hierarchies)
         self.tasks = {t: _load_levels(h) for t, h in (by_task or {}).items()}
-        every = [h for lv in (self.levels, *self.tasks.values()) for h in lv.values()]
+        self.seeded = seeded
+        every = [h for lv in (self.levels, *self.tasks.values()) for h in lv.values()] + ([seeded] if seeded else [])
         if len({id(h.target) for h in every}) != 1:
             raise HsdError("every load level's hierarchy must run over the same target engine")
         if max_active < 1:
@@ -166,8 +171,10 @@ class Batch:
         task's hierarchies when the batch has them (``by_task``); ``logprobs``: as :meth:`HSD.start` (the entry's
         ``decoding.logprobs`` grows with each committed block, before ``on_tokens`` hears of it); ``penalties``,
         ``top_k``, ``min_p``: as :meth:`HSD.start`. Bad arguments raise :class:`HsdError` here."""
-        hsd = (self.hierarchy_for(self.load + 1, task) if follows_load(temperature, seed)
-               else self.hierarchy_for(1, task))
+        if follows_load(temperature, seed):
+            hsd = self.hierarchy_for(self.load + 1, task)
+        else:
+            hsd = self.seeded if self.seeded is not None and task not in self.tasks else self.hierarchy_for(1, task)
         entry = Entry(hsd.start(prompt_ids, max_new_tokens, temperature, top_p, seed, constraint, logprobs,
                                 penalties, top_k, min_p),
                       on_tokens, on_done, task=task)

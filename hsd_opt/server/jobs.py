@@ -106,6 +106,8 @@ class JobQueue:
         runner: what decodes: one hierarchy (an :class:`HSD`), or load level -> hierarchy (a load-aware plan's).
         json_runner: what decodes a request under a grammar (``response_format``), the same way: the plan's plan
             for task ``json`` (None: ``runner``).
+        seeded: the hierarchy of a seeded sampled request without a grammar, the plan's own, as ``hsd run`` decodes
+            it (None: ``runner``'s level for one sequence).
         tokenizer: the model's tokenizer (decoding text, stop strings).
         max_queue: most requests that may wait while ``max_batch`` are decoded (>= 1); one more is refused
             (:class:`QueueFull`).
@@ -117,14 +119,15 @@ class JobQueue:
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
                  max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None,
-                 metrics: Metrics | None = None, stats_interval: float = 0.0):
+                 metrics: Metrics | None = None, stats_interval: float = 0.0, seeded: "HSD | None" = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         self.stream_interval = stream_interval
-        self.batch = Batch(runner, max_batch, by_task={JSON_TASK: json_runner} if json_runner is not None else None)
+        self.batch = Batch(runner, max_batch, by_task={JSON_TASK: json_runner} if json_runner is not None else None,
+                           seeded=seeded)
         #: waiting jobs, FIFO: at most ``max_queue`` not cancelled (a cancelled one's place is free at once; the
         #: worker takes it out at its next tick)
         self._queue: queue.Queue[Job | None] = queue.Queue()
