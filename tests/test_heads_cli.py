@@ -388,6 +388,15 @@ def test_train_heads_refuses_rank_zero():
     ({"layers": 1}, "layers: expected a non-empty list of layer numbers"),   # TypeError
     ({"layers": ["x"]}, "layers: expected a non-empty list of layer numbers"),   # ValueError of int()
     ({"token_sequences": [[5, 6, 7, 64]] * 4}, "token_sequences[0]: token ids must be in 0..63"),   # IndexError
+    ({"token_sequences": [[5, 6.5, 7, 8]] * 4}, "token_sequences[0]: token ids must be in 0..63"),  # 6 silently
+    ({"vocab_subset": -5}, "vocab_subset: expected None or an integer in 1..63"),      # torch's RuntimeError
+    ({"vocab_subset": 64}, "vocab_subset: expected None or an integer in 1..63"),      # the whole vocabulary
+    ({"vocab_subset": 2.5}, "vocab_subset: expected None or an integer in 1..63"),     # recorded 2.5, trained on 2
+    ({"negatives": -1}, "negatives: expected an integer >= 0"),                        # math domain error
+    ({"topk": -3}, "topk: expected an integer >= 0"),                                  # torch's RuntimeError
+    ({"starts": [1]}, "starts: expected one integer >= 0 per sequence (4), got 1"),    # IndexError
+    ({"held_out": [[5, 6, 99]]}, "held_out[0]: token ids must be in 0..63"),           # IndexError in embed
+    ({"held_out": [[5, 6, 7]], "held_out_starts": [0, 1]}, "held_out_starts: expected one integer >= 0 per"),
 ])
 def test_train_heads_refuses_bad_arguments_naming_them(kw, said):
     """The Python API's ``train_heads`` checks what the CLI's flags check (raw errors deep inside, or heads
@@ -397,6 +406,16 @@ def test_train_heads_refuses_bad_arguments_naming_them(kw, said):
     with pytest.raises(HsdError) as e:
         train_heads(m, args.pop("layers"), args.pop("token_sequences"), progress=False, evaluate=False, **args)
     assert str(e.value).startswith(said), str(e.value)
+
+
+@pytest.mark.parametrize("model", [None, "smollm2-135m", 3])
+def test_the_heads_functions_refuse_what_is_not_a_model_naming_it(tmp_path, model):
+    """``train_heads`` and ``load_heads`` take a loaded model or a ``transformers`` one; a path, None or a number
+    was an ``AttributeError`` deep inside."""
+    with pytest.raises(HsdError, match="model: expected a LoadedModel"):
+        train_heads(model, [1], [[5, 6, 7, 8]] * 4, progress=False, evaluate=False)
+    with pytest.raises(HsdError, match="model: expected a LoadedModel"):
+        load_heads(tmp_path / "h.safetensors", model)
 
 
 def test_one_training_sequence_is_refused(root, tmp_path):

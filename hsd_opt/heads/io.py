@@ -167,8 +167,8 @@ def load_heads(path: str | Path, model, expected_model_id: str | None = None,
     vocabulary size, layer count, or — when known from ``LoadedModel`` or the ``expected_*`` arguments — model id
     and revision. A missing or corrupt file raises :class:`InputFileError`.
     """
-    tensors, header = read_heads_file(path)
     m, mid, rev = unwrap_model(model)
+    tensors, header = read_heads_file(path)
     expected_model_id = expected_model_id if expected_model_id is not None else mid
     expected_revision = expected_revision if expected_revision is not None else rev
     p = str(path)

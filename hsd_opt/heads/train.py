@@ -209,6 +209,39 @@ def _layer_list(layers, n_layers: int) -> list[int]:
     return out
 
 
+def _check_vocab_sizes(vocab_subset, negatives, topk, vocab: int) -> None:
+    """``vocab_subset`` (None or 1..vocab-1 tokens), ``negatives`` and ``topk`` (integers >= 0) as
+    :func:`train_heads` takes them (the CLI checks its flags first)."""
+    if vocab_subset is not None and not (is_integer(vocab_subset) and 1 <= vocab_subset < vocab):
+        raise HsdError(f"vocab_subset: expected None or an integer in 1..{vocab - 1} (fewer tokens than the "
+                       f"vocabulary), got {vocab_subset!r}")
+    for name, value in (("negatives", negatives), ("topk", topk)):
+        if not (is_integer(value) and value >= 0):
+            raise HsdError(f"{name}: expected an integer >= 0, got {value!r}")
+
+
+def _token_lists(name: str, sequences, vocab: int, max_len: int) -> list[list[int]]:
+    """``sequences`` (token id sequences, argument ``name``) as lists of at most ``max_len`` ids, each checked to
+    be in the vocabulary."""
+    out = []
+    for i, s in enumerate(sequences):
+        ids = list(s)
+        if not all(is_integer(t) and 0 <= t < vocab for t in ids):
+            raise HsdError(f"{name}[{i}]: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
+        out.append([int(t) for t in ids][:max_len])
+    return out
+
+
+def _start_list(name: str, starts, n: int) -> list[int]:
+    """``starts`` (argument ``name``: one index >= 0 per sequence, ``n`` of them; None: 0 each) as a list."""
+    if starts is None:
+        return [0] * n
+    out = list(starts)
+    if len(out) != n or not all(is_integer(a) and a >= 0 for a in out):
+        raise HsdError(f"{name}: expected one integer >= 0 per sequence ({n}), got {len(out)} values")
+    return [int(a) for a in out]
+
+
 def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence[int]], *,
                 held_out: Sequence[Sequence[int]] | None = None, starts: Sequence[int] | None = None,
                 held_out_starts: Sequence[int] | None = None, holdout: float = 0.2, kind: str = "affine",
@@ -244,20 +277,18 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     m, _, _ = unwrap_model(model)
     eng = LayeredLM(m)
     layers = _layer_list(layers, eng.n_layers)
-    seqs = [list(map(int, s))[:max_len] for s in token_sequences]
     vocab = m.get_input_embeddings().weight.shape[0]
-    for i, s in enumerate(seqs):
-        if any(not 0 <= t < vocab for t in s):
-            raise HsdError(f"token_sequences[{i}]: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-    st = list(starts) if starts is not None else [0] * len(seqs)
+    _check_vocab_sizes(vocab_subset, negatives, topk, vocab)
+    seqs = _token_lists("token_sequences", token_sequences, vocab, max_len)
+    st = _start_list("starts", starts, len(seqs))
     if held_out is None:
         tr, ho = split_indices(len(seqs), holdout, seed)
         train_seqs, held = [seqs[i] for i in tr], [seqs[i] for i in ho]
         train_st, held_st = [st[i] for i in tr], [st[i] for i in ho]
     else:
         train_seqs, train_st = seqs, st
-        held = [list(map(int, s))[:max_len] for s in held_out]
-        held_st = list(held_out_starts) if held_out_starts is not None else [0] * len(held)
+        held = _token_lists("held_out", held_out, vocab, max_len)
+        held_st = _start_list("held_out_starts", held_out_starts, len(held))
     if not train_seqs or sum(max(0, len(s) - max(0, a - 1)) for s, a in zip(train_seqs, train_st)) == 0:
         raise HsdError("no training positions: give more or longer sequences")
     data_hash = sequences_sha256(train_seqs + [[-1]] + held)

@@ -84,9 +84,12 @@ class LoadedModel:
 
 def unwrap_model(model) -> tuple[Any, str | None, str | None]:
     """``(model, model_id, revision)`` from a :class:`LoadedModel` or a bare ``transformers`` model (whose id and
-    revision are then None)."""
+    revision are then None); anything else (a path, None) raises :class:`HsdError` naming the argument ``model``."""
     if all(hasattr(model, a) for a in ("model", "model_id", "tokenizer")):
         return model.model, model.model_id, model.revision
+    if not all(hasattr(model, a) for a in ("config", "get_input_embeddings", "lm_head")):
+        raise HsdError(f"model: expected a LoadedModel (hsd_opt.load_model) or a transformers causal LM, got "
+                       f"{type(model).__name__}")
     return model, None, None
 
 
