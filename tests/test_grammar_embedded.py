@@ -208,6 +208,13 @@ def test_a_function_call_is_the_masked_targets_answer_under_its_parameters(embed
             assert error["message"].startswith("'tools[1].function.parameters'") or \
                 error["message"].startswith("tools[1].function.parameters:"), error["message"]
             assert why in error["message"]
+        # under "none" the answer is text, but parameters that do not compile are refused all the same, and by
+        # /tokenize (which answered ids for a body the chat route refuses)
+        bad = {"type": "function", "function": {"name": "bad", "parameters": bad_parameters[2][0]}}
+        for path, extra in (("/v1/chat/completions", {"tool_choice": "none"}), ("/tokenize", {})):
+            r = httpx.post(srv.url + path, timeout=60, json={"model": "smollm2-135m", "messages": msgs,
+                                                              "tools": [WEATHER, bad], **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters", r.text
 
 
 def test_auto_answers_a_call_or_text_the_masked_targets_answer_either_way(embedded):

@@ -1492,3 +1492,17 @@ def test_a_seeded_sample_runs_the_plans_own_hierarchy_whatever_its_load_levels(t
             flags += ["--top-k", 5, "--min-p", 0.05] if "extra_body" in extra else []
             assert got.model_extra["hsd"]["token_ids"] == hsd_run_ids(
                 plan, PROMPTS[0], "--max-new-tokens", N, "--temperature", 0.9, "--seed", seed, *flags)
+
+
+def test_tools_under_none_are_answered_by_a_server_that_cannot_constrain(served):
+    """The tiny model's tokenizer is not one llguidance reads, so this server refuses structured output; with
+    ``tool_choice`` ``"none"`` the answer is free text, which it can give (the tools' parameters are checked where
+    the server can compile them), and ``/tokenize`` gives the ids of that request."""
+    import httpx
+
+    body = {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "max_tokens": 3, "temperature": 0}
+    r = httpx.post(served[0].url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+    assert r.status_code == 200 and not r.json()["choices"][0]["message"].get("tool_calls"), r.text
+    assert httpx.post(served[0].url + "/v1/chat/completions", json=body, timeout=60).status_code == 400   # "auto"
+    assert httpx.post(served[0].url + "/tokenize", json={"messages": MSG, "tools": [TOOL("f")]},
+                      timeout=60).status_code == 200

@@ -32,6 +32,7 @@ from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_no
 from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
+    Function,
     ToolCall,
     auto_grammar,
     call_schema,
@@ -453,6 +454,28 @@ def _compile_schema(schema: Any, info: ModelInfo, where: str) -> Grammar:
     return _compile(spec, info, where)
 
 
+def _compile_tools(tools: list[Function], info: ModelInfo, unused: bool = False) -> None:
+    """Compile each function's ``parameters``: one that does not compile is a 400 naming it, whatever
+    ``tool_choice`` says (``"none"`` included) and on ``/tokenize``. ``unused``: the answer does not follow them
+    (``"none"``, ``/tokenize``), so a server that cannot constrain its output (no grammar compiler, or a tokenizer
+    llguidance cannot read) leaves them unchecked rather than refuse the request."""
+    if unused and not _can_constrain(info):
+        return
+    for i, f in enumerate(tools):
+        _compile_schema(f.parameters, info, f"tools[{i}].function.parameters")
+
+
+def _can_constrain(info: ModelInfo) -> bool:
+    """Whether the server can compile a grammar for its model's tokenizer."""
+    if info.grammars is None:
+        return False
+    try:
+        info.grammars.tokenizer()
+    except HsdError:
+        return False
+    return True
+
+
 def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolCall | None, Grammar | None, str]:
     """A chat request's function call (``tools``, ``tool_choice``): the call, the grammar of its answer and the
     instruction for the prompt; ``(None, None, "")`` for none. A 400 naming the field for a malformed one, for a
@@ -461,6 +484,7 @@ def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolC
     tools = parse_tools(body)
     call = parse_tool_choice(body, tools)
     if call is None:
+        _compile_tools(tools, info, unused=True)
         return None, None, ""
     if logprobs is not None:
         raise bad_request("'logprobs' with 'tools' is not supported: the answer may be a call, which has no "
@@ -471,8 +495,7 @@ def _tool_call(body: dict, info: ModelInfo, logprobs: int | None) -> tuple[ToolC
         raise bad_request("'response_format' and 'tools' ask for two different answers (with tools the answer is a "
                           "call, or text under tool_choice \"auto\"); give one of them, or tool_choice \"none\"",
                           "response_format")
-    for i, f in enumerate(tools):                  # each function's parameters compile, named where not
-        _compile_schema(f.parameters, info, f"tools[{i}].function.parameters")
+    _compile_tools(tools, info)
     if call.auto:
         grammar = _compile(GrammarSpec("lark", _field("tools", lambda: auto_grammar(call, tools)), "tools"), info,
                            "tools")
@@ -587,6 +610,7 @@ def parse_tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
         if key == "messages":                   # with the instruction a function call adds, as a chat request
             tools = parse_tools(body)
             call = parse_tool_choice(body, tools)
+            _compile_tools(tools, info, unused=True)
             msgs = _messages(body)
             return chat_ids(info.tokenizer, msgs if call is None else with_instruction(msgs, instruction(call, tools)))
         p = body[key]
