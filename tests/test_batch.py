@@ -726,3 +726,68 @@ def test_a_switched_sequence_reports_its_last_hierarchys_levels_bottom_first_and
     res = d.run(on_pass=to_ar)
     assert [lv["name"] for lv in res.stats["levels"]] == ["layer4", "layer2"]
     assert set(acceptance(res.stats["hierarchy"], res.stats["levels"])) == {"layer4"}
+
+
+def _drive(d) -> None:
+    """Run a decoding's steps to the end, every pass served alone."""
+    steps = d.steps()
+    try:
+        item = next(steps)
+        while True:
+            item = steps.send(serve(item) if isinstance(item, Pass) else None)
+    except StopIteration:
+        pass
+
+
+def test_a_decoding_runs_in_its_order_prefill_once_steps_then_close(tiny):
+    """A second ``prefill`` added the prompt again, and its result was the prompt as the generated answer;
+    ``steps`` before ``prefill`` failed deep in torch, and after ``close`` took fresh states and kept them."""
+    eng = LayeredLM(tiny)
+    h1, _, ar = _hierarchies(tiny, eng)
+    prompt = _prompts(1, seed=5)[0]
+    d = h1.start(prompt, 6)
+    with pytest.raises(HsdError, match="call prefill"):
+        next(d.steps())
+    d.prefill()
+    with pytest.raises(HsdError, match="prefills once"):
+        d.prefill()
+    with pytest.raises(HsdError, match="switch: expected an HSD"):
+        d.switch("ar")
+    _drive(d)
+    assert d.result().token_ids == ar.generate(prompt, 6).token_ids
+    d.close()
+    d.close()                                      # again: nothing
+    with pytest.raises(HsdError, match="closed"):
+        next(d.steps())
+    assert d._states == {}
+
+
+def test_batch_and_generate_many_refuse_arguments_of_another_form_naming_them(tiny):
+    eng = LayeredLM(tiny)
+    h1, h2, ar = _hierarchies(tiny, eng)
+    for kw, said in (({"hierarchies": {1: "h1"}}, "hierarchies: expected an HSD or a mapping"),
+                     ({"hierarchies": {"a": h1}}, "hierarchies: expected an HSD or a mapping"),
+                     ({"hierarchies": [h1, ar]}, "hierarchies: expected an HSD or a mapping"),
+                     ({"hierarchies": {0: h1}}, "hierarchies: expected an HSD or a mapping"),
+                     ({"by_task": [h1]}, "by_task: expected a mapping"),
+                     ({"by_task": {"json": "x"}}, "by_task['json']: expected an HSD or a mapping"),
+                     ({"seeded": "h1"}, "seeded: expected an HSD or None"),
+                     ({"max_active": None}, "--max-batch: expected >= 1"),
+                     ({"max_wait": "x"}, "max_wait: expected None or an integer >= 0")):
+        with pytest.raises(HsdError) as e:
+            Batch(**{"hierarchies": h1, **kw})
+        assert str(e.value).startswith(said), str(e.value)
+    prompts = _prompts(3, seed=2)
+    with pytest.raises(HsdError, match="seeds: expected a list, one per prompt, got int"):
+        generate_many(h1, prompts, 4, temperature=1.0, seeds=5)
+    with pytest.raises(HsdError, match="prompts: expected a list of token id lists, got generator"):
+        generate_many(h1, (p for p in prompts), 4)
+
+
+def test_load_levels_are_built_over_one_plans_models():
+    """``hsd_by_load`` without the :class:`PlanModels` gave each level engines of its own (a second copy of every
+    model, and a batch that refused them as another target)."""
+    from hsd_opt.runtime.runner import hsd_by_load
+
+    with pytest.raises(HsdError, match="models: expected the PlanModels"):
+        hsd_by_load(None, None, None)

@@ -88,8 +88,8 @@ def unwrap_model(model) -> tuple[Any, str | None, str | None]:
     if all(hasattr(model, a) for a in ("model", "model_id", "tokenizer")):
         return model.model, model.model_id, model.revision
     if not all(hasattr(model, a) for a in ("config", "get_input_embeddings", "lm_head")):
-        raise HsdError(f"model: expected a LoadedModel (hsd_opt.load_model) or a transformers causal LM, got "
-                       f"{type(model).__name__}")
+        raise HsdError(f"model: expected a LoadedModel (hsd_opt.models.loading.load_model) or a transformers "
+                       f"causal LM, got {type(model).__name__}")
     return model, None, None
 
 

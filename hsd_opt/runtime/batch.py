@@ -54,6 +54,7 @@ from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.schedule import Group, Occupancy, level_at, prefill_turn, served_groups
+from hsd_opt.values import is_integer
 
 #: The least ``max_wait`` of a batch by default (ticks).
 MIN_WAIT = 3
@@ -94,12 +95,16 @@ class Entry:
     computed: int = 0           # prompt positions its prefill has computed so far
 
 
-def _load_levels(hierarchies: HSD | Mapping[int, HSD]) -> dict[int, HSD]:
-    """Load level -> hierarchy, sorted (one hierarchy: every level's)."""
-    levels = {1: hierarchies} if isinstance(hierarchies, HSD) else dict(hierarchies)
-    if not levels or any(int(k) < 1 for k in levels):
-        raise HsdError("a batch needs hierarchies for load levels >= 1")
-    return dict(sorted((int(k), h) for k, h in levels.items()))
+def _load_levels(hierarchies: HSD | Mapping[int, HSD], name: str = "hierarchies") -> dict[int, HSD]:
+    """Load level -> hierarchy, sorted (one hierarchy: every level's); argument ``name`` of another form, an
+    :class:`HsdError` naming it."""
+    if isinstance(hierarchies, HSD):
+        return {1: hierarchies}
+    if not isinstance(hierarchies, Mapping) or not hierarchies \
+            or not all(is_integer(k) and k >= 1 and isinstance(h, HSD) for k, h in hierarchies.items()):
+        raise HsdError(f"{name}: expected an HSD or a mapping of load levels (integers >= 1) to HSDs, got "
+                       f"{type(hierarchies).__name__}")
+    return dict(sorted((int(k), h) for k, h in hierarchies.items()))
 
 
 class Batch:
@@ -122,13 +127,19 @@ class Batch:
     def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None,
                  by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None, seeded: HSD | None = None):
         self.levels = _load_levels(hierarchies)
-        self.tasks = {t: _load_levels(h) for t, h in (by_task or {}).items()}
+        if by_task is not None and not isinstance(by_task, Mapping):
+            raise HsdError(f"by_task: expected a mapping of tasks to hierarchies, got {type(by_task).__name__}")
+        self.tasks = {t: _load_levels(h, f"by_task[{t!r}]") for t, h in (by_task or {}).items()}
+        if seeded is not None and not isinstance(seeded, HSD):
+            raise HsdError(f"seeded: expected an HSD or None, got {type(seeded).__name__}")
         self.seeded = seeded
         every = [h for lv in (self.levels, *self.tasks.values()) for h in lv.values()] + ([seeded] if seeded else [])
         if len({id(h.target) for h in every}) != 1:
             raise HsdError("every load level's hierarchy must run over the same target engine")
-        if max_active < 1:
-            raise HsdError(f"--max-batch: expected >= 1, got {max_active}")
+        if not (is_integer(max_active) and max_active >= 1):
+            raise HsdError(f"--max-batch: expected >= 1, got {max_active!r}")
+        if max_wait is not None and not (is_integer(max_wait) and max_wait >= 0):
+            raise HsdError(f"max_wait: expected None or an integer >= 0 (ticks), got {max_wait!r}")
         self.max_active = int(max_active)
         self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in every)) if max_wait is None else int(max_wait))
         self._rank: dict[int, int] = {}            # id(engine) -> its lowest level in any hierarchy
@@ -356,7 +367,11 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
     ``penalties``: each prompt's (or None); ``top_k``, ``min_p``: as :meth:`HSD.start`, for every prompt.
     Raises the first error a sequence met, and :class:`HsdError` where ``seeds``, ``constraints`` or
     ``penalties`` do not give one entry per prompt."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+        raise HsdError(f"prompts: expected a list of token id lists, got {type(prompts).__name__}")
     for name, per_prompt in (("seeds", seeds), ("constraints", constraints), ("penalties", penalties)):
+        if per_prompt is not None and (not isinstance(per_prompt, Sequence) or isinstance(per_prompt, (str, bytes))):
+            raise HsdError(f"{name}: expected a list, one per prompt, got {type(per_prompt).__name__}")
         if per_prompt is not None and len(per_prompt) != len(prompts):
             raise HsdError(f"{name}: expected one per prompt ({len(prompts)}), got {len(per_prompt)}")
     batch = Batch(hierarchies, max_active)

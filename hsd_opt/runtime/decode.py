@@ -592,6 +592,7 @@ class Decoding:
         self._next: HSD | None = None
         self._asked_stop = False
         self.done = False
+        self._closed = False            # close() gave the states back: nothing more runs
         #: the prompt's last pass left to the first round's (prefill_passes(defer_last=True))
         self._deferred = False
         #: prompt positions whose keys and values the target took from an earlier prompt (its template's head, or
@@ -1140,6 +1141,8 @@ class Decoding:
         (:meth:`_cut_short`). Only for a sequence that :attr:`follows_load`."""
         if not self.follows_load:
             raise HsdError("switch: a seeded sample keeps its hierarchy (its seed reproduces it)")
+        if not isinstance(hsd, HSD):
+            raise HsdError(f"switch: expected an HSD (a hierarchy), got {type(hsd).__name__}")
         if hsd.target is not self.hsd.target:
             raise HsdError("switch: another hierarchy over the same target engine expected")
         self._next = hsd if hsd is not self.hsd else None
@@ -1176,6 +1179,9 @@ class Decoding:
         prompt's last position and so first advances it over the positions not computed yet: a batch computes
         those positions in its call for the other sequences' rounds (:meth:`Engine.advance_many`; the same numbers
         as alone). The prefill's seconds (:meth:`result`) then run to the first token."""
+        self._check_open("prefill")
+        if self.seq:
+            raise HsdError("prefill: the prompt is computed already (a Decoding prefills once)")
         self.t0 = time.perf_counter()
         if self._next is not None:              # a switch asked for before the first round: prefill its engines
             self.hsd, self._next = self._next, None
@@ -1255,6 +1261,9 @@ class Decoding:
         target's own, from the prompt's last position the prefill computed (its head only), committed before the
         first round of drafts: the first token of a request waits for no drafting (the others' passes included,
         under load)."""
+        self._check_open("steps")
+        if not self.seq:
+            raise HsdError("steps: the prompt is not computed: call prefill() first")
         first = True
         while not self._ended() and not self._asked_stop:
             if self._next is not None:
@@ -1326,11 +1335,16 @@ class Decoding:
         return names + [n for n in self.stats if n not in names]
 
     def close(self) -> None:
-        """Give the decoding states back to the hierarchies' pools."""
+        """Give the decoding states back to the hierarchies' pools (again: nothing); the decoding runs no more."""
         for key, st in self._states.items():
             eng, hsd = self._engines[key]
             hsd.give_state(eng, st)
         self._states = {}
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise HsdError(f"{what}: the decoding is closed (its states are given back)")
 
 
 def _sync(device) -> None:

@@ -396,13 +396,16 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
     if not isinstance(plan, Plan):
         raise HsdError(f"plan: expected a Plan (hsd_opt.load_plan(path)), got {type(plan).__name__}")
     if not isinstance(loaded, LoadedModel):
-        raise HsdError(f"loaded: expected a LoadedModel (hsd_opt.load_model(name)), got {type(loaded).__name__}")
+        raise HsdError(f"loaded: expected a LoadedModel (hsd_opt.models.loading.load_model(name)), "
+                       f"got {type(loaded).__name__}")
     check_provenance(plan, loaded, source)
     if hierarchy is not None:
         from copy import copy
 
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
+    if models is not None and not isinstance(models, PlanModels):
+        raise HsdError(f"models: expected a PlanModels or None, got {type(models).__name__}")
     models = models or PlanModels(loaded)
     return HSD(build_levels(plan, models, source=source), plan.budgets, eos_ids=eos_ids(loaded), mode=mode,
                pool=models.pool, max_positions=model_context(loaded))
@@ -420,6 +423,9 @@ def hsd_by_load(plan, loaded: LoadedModel, models: PlanModels, mode: str = "exac
     """An :class:`HSD` per load level of ``plan`` (``plan.by_load``; empty for a plan without them), every one over
     ``models``' engines; levels that run the same hierarchy and budgets share one runner, and those that run the
     plan's own share ``plan_runner`` when given (built already). ``log`` hears each hierarchy as it is built."""
+    if not isinstance(models, PlanModels):
+        raise HsdError(f"models: expected the PlanModels every level's hierarchy runs over, got "
+                       f"{type(models).__name__}")
     built: dict[tuple, HSD] = {}
     if plan_runner is not None:
         built[(tuple(plan.hierarchy), tuple(plan.budgets))] = plan_runner
