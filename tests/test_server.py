@@ -1447,6 +1447,22 @@ def test_an_assistant_turn_with_text_and_calls_keeps_both_and_whitespace_is_a_pr
             parse_request(body, kind, info)
 
 
+def test_a_request_without_tools_reads_no_grammar_tokenizer():
+    """Checking a request's tools reads the grammar compiler's tokenizer (llguidance's tables: built on first use,
+    a long build for a large vocabulary, tried again per request where it fails); a request without tools, on the
+    chat route or ``/tokenize``, reads none."""
+    from hsd_opt.server.requests import ModelInfo, parse_request, parse_tokenize
+
+    class Compiler:
+        def tokenizer(self):
+            raise AssertionError("the grammar tokenizer was read for a request without tools")
+
+    info = ModelInfo("m", _ByteTokenizer(), 4096, grammars=Compiler())
+    msgs = [{"role": "user", "content": "Weather?"}]
+    assert parse_request({"messages": msgs}, "chat", info).prompt_ids == list(b"Weather?")
+    assert parse_tokenize({"messages": msgs}, info) == list(b"Weather?")
+
+
 def test_the_short_behind_long_benchmark_times_every_request(served):
     """``benchmarks/ttft_behind_long.py`` against a running server: every request answered, each short one's first
     token before its end, and the same text as the short request sent alone where the prompt is the same."""

@@ -459,7 +459,7 @@ def _compile_tools(tools: list[Function], info: ModelInfo, unused: bool = False)
     ``tool_choice`` says (``"none"`` included) and on ``/tokenize``. ``unused``: the answer does not follow them
     (``"none"``, ``/tokenize``), so a server that cannot constrain its output (no grammar compiler, or a tokenizer
     llguidance cannot read) leaves them unchecked rather than refuse the request."""
-    if unused and not _can_constrain(info):
+    if not tools or (unused and not _can_constrain(info)):    # a request without tools reads no tokenizer
         return
     for i, f in enumerate(tools):
         _compile_schema(f.parameters, info, f"tools[{i}].function.parameters")
