@@ -122,7 +122,7 @@ def main() -> None:
         base_lib.hsd_layout(got)
         if list(got)[1:] != kernels.expected_layout()[1:]:     # the version may differ; the structs may not
             raise HsdError(f"--baseline: its structs are laid out as {list(got)}, this tree's as "
-                     f"{kernels.expected_layout()}")
+                           f"{kernels.expected_layout()}")
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     engines, exact = _engines(a, loaded, float32_baseline)

@@ -228,7 +228,7 @@ def _token_lists(name: str, sequences, vocab: int, max_len: int) -> list[list[in
         ids = list(s)
         if not all(is_integer(t) and 0 <= t < vocab for t in ids):
             raise HsdError(f"{name}[{i}]: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-        out.append([int(t) for t in ids][:max_len])
+        out.append([int(t) for t in ids[:max_len]])
     return out
 
 

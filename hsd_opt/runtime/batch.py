@@ -370,9 +370,11 @@ def generate_many(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequen
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
         raise HsdError(f"prompts: expected a list of token id lists, got {type(prompts).__name__}")
     for name, per_prompt in (("seeds", seeds), ("constraints", constraints), ("penalties", penalties)):
-        if per_prompt is not None and (not isinstance(per_prompt, Sequence) or isinstance(per_prompt, (str, bytes))):
+        if per_prompt is None:
+            continue
+        if not isinstance(per_prompt, Sequence) or isinstance(per_prompt, (str, bytes)):
             raise HsdError(f"{name}: expected a list, one per prompt, got {type(per_prompt).__name__}")
-        if per_prompt is not None and len(per_prompt) != len(prompts):
+        if len(per_prompt) != len(prompts):
             raise HsdError(f"{name}: expected one per prompt ({len(prompts)}), got {len(per_prompt)}")
     batch = Batch(hierarchies, max_active)
     results: list[GenerationResult | None] = [None] * len(prompts)
