@@ -668,10 +668,13 @@ def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them
     assert r["tokens"] == chat_ids(tok, msgs) and r["count"] == answer.usage.prompt_tokens == len(r["tokens"])
     assert r["max_model_len"] == 512
     tools = [TOOL("f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})]
-    for choice, more in (("required", True), ("auto", True), ("none", False)):   # a call's instruction counts
-        body = {"model": MODEL, "messages": msgs, "tools": tools, "tool_choice": choice}
-        r = httpx.post(srv.url + "/tokenize", json=body, timeout=30).json()    # (as answered: test_server_embedded)
-        assert (r["count"] > len(chat_ids(tok, msgs))) == more
+    for choice in ("required", "auto", "none"):     # this server cannot constrain a call: refused as the chat
+        body = {"model": MODEL, "messages": msgs, "tools": tools, "tool_choice": choice}     # route refuses it
+        r = httpx.post(srv.url + "/tokenize", json=body, timeout=30)    # (a call counted: test_server_embedded)
+        if choice == "none":
+            assert r.json()["tokens"] == chat_ids(tok, msgs)
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
     for key in ("prompt", "content"):
         ids = httpx.post(srv.url + "/tokenize", json={key: PROMPTS[1]}, timeout=30).json()["tokens"]
         assert ids == encode_prompt(tok, PROMPTS[1], raw=True)
@@ -1463,6 +1466,27 @@ def test_a_request_without_tools_reads_no_grammar_tokenizer():
     assert parse_tokenize({"messages": msgs}, info) == list(b"Weather?")
 
 
+def test_tokenize_refuses_tools_the_chat_route_refuses_on_a_server_that_cannot_constrain():
+    """On a server without a grammar compiler, a chat request whose answer follows its tools (``tool_choice``
+    "auto", "required" or a named function) is a 400 naming the tool's parameters; ``/tokenize`` of the same body
+    refuses the same way (it answered the ids of a request the server does not decode), and under "none" both
+    read the body (the answer does not follow the tools)."""
+    from hsd_opt.server.errors import ApiError
+    from hsd_opt.server.requests import ModelInfo, parse_request, parse_tokenize
+
+    info = ModelInfo("m", _ByteTokenizer(), 4096)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "Weather?"}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "weather"}}):
+        body = {"messages": msgs, "tools": [tool], "tool_choice": choice}
+        for parse in (lambda b: parse_request(b, "chat", info), lambda b: parse_tokenize(b, info)):
+            with pytest.raises(ApiError, match="cannot constrain") as e:
+                parse(body)
+            assert e.value.status == 400 and e.value.param == "tools[0].function.parameters"
+    body = {"messages": msgs, "tools": [tool], "tool_choice": "none"}
+    assert parse_tokenize(body, info) == parse_request(body, "chat", info).prompt_ids == list(b"Weather?")
+
+
 def test_the_short_behind_long_benchmark_times_every_request(served):
     """``benchmarks/ttft_behind_long.py`` against a running server: every request answered, each short one's first
     token before its end, and the same text as the short request sent alone where the prompt is the same."""
@@ -1513,12 +1537,14 @@ def test_a_seeded_sample_runs_the_plans_own_hierarchy_whatever_its_load_levels(t
 def test_tools_under_none_are_answered_by_a_server_that_cannot_constrain(served):
     """The tiny model's tokenizer is not one llguidance reads, so this server refuses structured output; with
     ``tool_choice`` ``"none"`` the answer is free text, which it can give (the tools' parameters are checked where
-    the server can compile them), and ``/tokenize`` gives the ids of that request."""
+    the server can compile them), and ``/tokenize`` gives the ids of that request; under "auto" both refuse."""
     import httpx
 
     body = {"model": MODEL, "messages": MSG, "tools": [TOOL("f")], "max_tokens": 3, "temperature": 0}
     r = httpx.post(served[0].url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
     assert r.status_code == 200 and not r.json()["choices"][0]["message"].get("tool_calls"), r.text
     assert httpx.post(served[0].url + "/v1/chat/completions", json=body, timeout=60).status_code == 400   # "auto"
-    assert httpx.post(served[0].url + "/tokenize", json={"messages": MSG, "tools": [TOOL("f")]},
+    tokenize = {"messages": MSG, "tools": [TOOL("f")]}
+    assert httpx.post(served[0].url + "/tokenize", json=tokenize, timeout=60).status_code == 400
+    assert httpx.post(served[0].url + "/tokenize", json={**tokenize, "tool_choice": "none"},
                       timeout=60).status_code == 200

@@ -610,7 +610,7 @@ def parse_tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
         if key == "messages":                   # with the instruction a function call adds, as a chat request
             tools = parse_tools(body)
             call = parse_tool_choice(body, tools)
-            _compile_tools(tools, info, unused=True)
+            _compile_tools(tools, info, unused=call is None)    # a call the chat route cannot constrain: refused
             msgs = _messages(body)
             return chat_ids(info.tokenizer, msgs if call is None else with_instruction(msgs, instruction(call, tools)))
         p = body[key]
