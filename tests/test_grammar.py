@@ -188,6 +188,27 @@ def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler
     assert json_tok.decode(forced).startswith('{"name')
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_tried_once_and_every_compile_says_why(monkeypatch):
+    """A tokenizer whose tables cannot be built fails the first compile with the reason, and every later one with
+    the same reason without building them again (each structured request on such a server retried it)."""
+    import hsd_opt.grammar.compiler as compiler_module
+
+    tries = []
+
+    def unreadable(tokenizer, eos_ids):
+        tries.append(tokenizer)
+        raise HsdError("structured output needs a tokenizer llguidance reads: not this one")
+
+    monkeypatch.setattr(compiler_module, "_ll_tokenizer", unreadable)
+    compiler = GrammarCompiler(object(), EOS, 64)
+    for _ in range(3):
+        with pytest.raises(HsdError, match="needs a tokenizer llguidance reads: not this one"):
+            compiler.compile(GrammarSpec.json_schema({"type": "object"}, "schema.json"))
+        with pytest.raises(HsdError, match="not this one"):
+            compiler.tokenizer()
+    assert len(tries) == 1
+
+
 def test_the_cache_of_compiled_grammars_is_safe_across_threads(json_tok, monkeypatch):
     """The server compiles in worker threads: one thread's hit and another's eviction of the same entry between the
     lookup and its move to the end was a KeyError (a 500). A lookup that dwells is here made to meet an eviction."""

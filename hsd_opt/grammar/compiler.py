@@ -232,17 +232,25 @@ class GrammarCompiler:
         self.max_positions = max_positions
         self._source = tokenizer
         self._tokenizer = None
+        self._unreadable: HsdError | None = None     # why the tables cannot be built, once found (not tried again)
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()   # the server compiles in worker threads: the cache is one for all of them
 
     def tokenizer(self):
-        """llguidance's tables of the tokenizer, built on first use; an :class:`HsdError` when it cannot read it."""
+        """llguidance's tables of the tokenizer, built on first use; an :class:`HsdError` when it cannot read it
+        (found once: every later call raises the same error without trying again)."""
         with self._lock:
+            if self._unreadable is not None:
+                raise HsdError(str(self._unreadable))
             if self._tokenizer is None:
-                tok = _ll_tokenizer(self._source, list(self.eos_ids))
-                if tok.vocab_size > self.vocab_size:
-                    raise HsdError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's "
-                                   f"{self.vocab_size} logits")
+                try:
+                    tok = _ll_tokenizer(self._source, list(self.eos_ids))
+                    if tok.vocab_size > self.vocab_size:
+                        raise HsdError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's "
+                                       f"{self.vocab_size} logits")
+                except HsdError as e:
+                    self._unreadable = e
+                    raise
                 self._tokenizer = tok
             return self._tokenizer
 
