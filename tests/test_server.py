@@ -1082,6 +1082,23 @@ def test_a_sentencepiece_answer_keeps_its_first_space_and_its_tokens_bytes():
     assert token_bytes(tok, tok.eos_token_id) == tok.decode([tok.eos_token_id]).encode()
 
 
+def test_completion_logprobs_name_each_alternative_apart_parts_of_characters_by_their_bytes():
+    """A text completion's ``top_logprobs`` is an object keyed by token: tokens that are parts of characters
+    (whose text is U+FFFD alike) are named ``bytes:`` and their escapes, as the OpenAI API names them, so each
+    alternative keeps its own value (they overwrote one another: 2 of 3 alternatives, the chosen token's value
+    the least likely one's); ``text_offset`` counts such a token's text as before."""
+    from hsd_opt.runtime.decode import TokenLogprob
+    from hsd_opt.server.responses import completion_logprobs
+
+    tok = _sentencepiece_like()
+    e2, e3, pa = (tok.convert_tokens_to_ids(t) for t in ("<0xE2>", "<0xE3>", "\u2581Pa"))
+    entries = [TokenLogprob(e2, -1.0, [(e2, -1.0), (pa, -1.5), (e3, -2.0)]), TokenLogprob(pa, -0.5, [(pa, -0.5)])]
+    lp = completion_logprobs(tok, entries, offset=7)
+    assert lp["tokens"] == ["bytes:\\xe2", " Pa"] and lp["token_logprobs"] == [-1.0, -0.5]
+    assert lp["top_logprobs"] == [{"bytes:\\xe2": -1.0, " Pa": -1.5, "bytes:\\xe3": -2.0}, {" Pa": -0.5}]
+    assert lp["text_offset"] == [7, 8]
+
+
 class _Decodes:
     """A tokenizer's ``decode`` alone (no backend to read): decoded whole every time, and the ids it was asked
     to decode counted."""

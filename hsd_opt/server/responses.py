@@ -125,18 +125,32 @@ def chat_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["Token
 
 def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"],
                         offset: int = 0) -> dict[str, Any]:
-    """A text completion's ``logprobs``: ``tokens`` (each token's text), ``token_logprobs``, ``top_logprobs`` (a
-    text -> log-probability object per token) and ``text_offset`` (where each token's text starts: ``offset``
-    plus the lengths of the tokens' texts before it)."""
+    """A text completion's ``logprobs``: ``tokens`` (each token's :func:`completion_token`), ``token_logprobs``,
+    ``top_logprobs`` (a token -> log-probability object per token, most likely first; a token whose name another
+    one took keeps the first, more likely, value) and ``text_offset`` (where each token's text starts: ``offset``
+    plus the lengths of the tokens' texts before it, a part of a character one U+FFFD)."""
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
-        tok = token_text(tokenizer, e.token)
         offsets.append(offset)
-        offset += len(tok)
-        tokens.append(tok)
+        offset += len(token_text(tokenizer, e.token))
+        tokens.append(completion_token(tokenizer, e.token))
         values.append(_lp(e.logprob))
-        tops.append({token_text(tokenizer, t): _lp(v) for t, v in e.top})
+        top: dict[str, float] = {}
+        for t, v in e.top:
+            top.setdefault(completion_token(tokenizer, t), _lp(v))
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_token(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> str:
+    """A token as a text completion's ``logprobs`` name it: its text, or where its bytes are not whole characters
+    (a part of one), ``bytes:`` and their escapes (``"bytes:\\xe6\\x97"``), as the OpenAI API writes them (their
+    text, U+FFFD each, would give several tokens one name in ``top_logprobs``)."""
+    b = token_bytes(tokenizer, token_id)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
 def logprobs_of(kind: str, tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"] | None,
