@@ -583,6 +583,8 @@ BAD = [
      None),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
      "messages[0].content[0].text", None),
+    (CHAT, {"model": MODEL, "messages": MSG, "stop": "w1 \ud800"}, 400, "stop", None),      # a stop never met
+    (COMP, {"model": MODEL, "prompt": "w1", "stop": ["w2", "\udfff"]}, 400, "stop[1]", None),
     (COMP, b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
     (COMP, b'{"prompt": "w1", "max_tokens": ' + b"1" * 5001 + b"}", 400, None, None),
     # whole numbers past a float's range (float() overflows) and a logit_bias key past int()'s 4,300 digits: each a

@@ -308,7 +308,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad_request(f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise bad_request("'stop' strings must not be empty", "stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop" if isinstance(v, str) else f"stop[{i}]") for i, s in enumerate(stops))
 
 
 def _stop_ids(body: dict, info: ModelInfo) -> tuple[int, ...]:
