@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -1386,9 +1387,13 @@ def _by_load(raw: Any, source: str, tmax: int, target: str) -> dict[int, LoadPla
 
 def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str) -> None:
     """With a ``models`` section, every level of ``hierarchy`` (at ``at + "hierarchy"``) is described (or named
-    ``layer<N>``), and every level above the bottom can verify (its kind is one of :data:`VERIFIER_KINDS`)."""
+    ``layer<N>``), every level above the bottom can verify (its kind is one of :data:`VERIFIER_KINDS`), and the
+    levels that read one model (the target's exits and the target; a draft model's exits and the whole model)
+    read it deeper and deeper up the hierarchy (cheapest first, target last: the runtime refuses any other
+    order)."""
     if not plan.models:
         return
+    deepest: dict[str | None, tuple[str, float]] = {}     # model (None: the target's) -> its level read so far
     for i, name in enumerate(hierarchy):
         e = plan.level_entry(name, i == len(hierarchy) - 1)
         if e is None:
@@ -1397,6 +1402,29 @@ def _check_level_entries(plan: Plan, hierarchy: list[str], source: str, at: str)
         if i > 0 and e.kind not in VERIFIER_KINDS:
             raise InputFileError(source, f"{name!r} ({e.kind}) cannot verify: a token drafter may only be the "
                                          f"bottom level", f"{at}hierarchy[{i}]")
+        depth = _depth_read(e)
+        if depth is None:
+            continue
+        below = deepest.get(e.model)
+        if below is not None and depth <= below[1]:
+            raise InputFileError(source, f"{name!r} ({_layers(depth)}) verifies {below[0]!r} ({_layers(below[1])}) "
+                                         f"of the same model: each level must read deeper than those below it "
+                                         f"(cheapest first, target last)", f"{at}hierarchy[{i}]")
+        deepest[e.model] = (name, depth)
+
+
+def _depth_read(e: PlanModel) -> float | None:
+    """How deep a level reads its model: an exit's (or the target's) layer, every layer (infinity) for a whole
+    draft model; None where the entry does not say (a quantized copy; an exit without its layer)."""
+    if e.kind in ("early_exit", "target") and _is_int(e.layer):
+        return float(e.layer)
+    if e.kind == "model" and e.model is not None:
+        return math.inf
+    return None
+
+
+def _layers(depth: float) -> str:
+    return "every layer" if math.isinf(depth) else f"layer {int(depth)}"
 
 
 PLAN_CORE_FIELDS = ("format", "tmax", "hierarchy", "budgets", "expected_latency", "expected_speedup", "baselines")

@@ -258,6 +258,16 @@ BAD = [
     (_set("by_load.01", {"hierarchy": ["layer4"], "budgets": [], "expected_latency": 0.01}), "by_load.01",
      "no leading zero"),
     (_set("baselines", []), "baselines", "an object"),
+    # exits of one model in an order the runtime refuses (a run found it after loading the model, naming no file;
+    # simulate predicted a latency for it): each level reads deeper than those below it
+    (_set("by_task.qa", {"hierarchy": ["layer3", "layer2", "layer4"], "budgets": [2, 3], "expected_latency": 0.01}),
+     "by_task.qa.hierarchy[1]", "'layer2' (layer 2) verifies 'layer3' (layer 3) of the same model"),
+    (_set("by_load.8", {"hierarchy": ["ngram", "layer3", "layer2", "layer4"], "budgets": [2, 3, 4],
+                        "expected_latency": 0.01}), "by_load.8.hierarchy[2]", "must read deeper"),
+    (lambda d: (d["models"].extend([{"name": "d", "kind": "model", "model": "small"},
+                                    {"name": "d3", "kind": "early_exit", "model": "small", "layer": 3}]),
+                d.update(hierarchy=["d", "d3", "layer4"], budgets=[2, 3])),
+     "hierarchy[1]", "'d3' (layer 3) verifies 'd' (every layer) of the same model"),
 ]
 
 
