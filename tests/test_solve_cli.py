@@ -237,7 +237,8 @@ def test_simulating_a_tasks_plan_under_a_profile_without_that_task_names_the_pla
     plan_path = tmp_path / "plan.json"
     assert run("solve", "--profile", write(tmp_path, d), "--task", "qa", "--out", plan_path).exit_code == 0
     res = run("simulate", "--plan", plan_path, "--profile", DATA / "example_profile.json")
-    _expect_error(res, "the plan (solved for task 'qa'): the profile has no per-task statistics")
+    _expect_error(res, f"{plan_path}: task: the plan was solved for task 'qa', which the profile has no statistics "
+                       f"for; it has no per-task statistics")
     assert "--task" not in out_of(res)      # simulate has no such flag
 
 

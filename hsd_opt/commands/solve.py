@@ -14,6 +14,7 @@ from hsd_opt.console import console, warn, warn_some
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import check_has_rates, load_plan, load_profile, plan_from_dict, save_plan
 from hsd_opt.solver.batch import LOAD_MIN_GAIN
+from hsd_opt.solver.task_view import profile_tasks
 
 
 def _ms(seconds: float) -> str:
@@ -111,13 +112,18 @@ def _warn_fallbacks(fallbacks: dict[str, list[str]]) -> None:
 
 def _check_plan_against_profile(plan, plan_path: str, profile) -> None:
     """Refuse (naming the plan's field) a plan that is not of ``profile``'s models: another target model, revision
-    or target precision where both files record it, a level the profile lacks, another target, a pair without an
-    acceptance rate, a verifier that cannot verify."""
+    or target precision where both files record it, a task the profile has no statistics for, a level the
+    profile lacks, another target, a pair without an acceptance rate, a verifier that cannot verify."""
     for field in ("model", "revision", "target_precision"):
         mine, theirs = plan.provenance.get(field), profile.provenance.get(field)
         if mine is not None and theirs is not None and mine != theirs:
             raise InputFileError(plan_path, f"the plan is for {field} {mine!r}, the profile for {theirs!r}",
                                  f"provenance.{field}")
+    tasks = profile_tasks(profile)
+    if plan.task is not None and plan.task not in tasks:
+        has = f"it has {', '.join(tasks)}" if tasks else "it has no per-task statistics (acceptance_by_task)"
+        raise InputFileError(plan_path, f"the plan was solved for task {plan.task!r}, which the profile has no "
+                                        f"statistics for; {has}", "task")
     names = set(profile.names)
     for i, m in enumerate(plan.hierarchy):
         if m not in names:
