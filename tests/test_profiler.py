@@ -525,12 +525,14 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
         run_profile(cfg(out, max_new_tokens=7, resume=True))
     with pytest.raises(InputFileError, match="tmax"):                    # budgets walked further: refused
         run_profile(cfg(out, tmax=3, resume=True))
-    for field, bad in (("stats", "garbage"), ("done", ["x"]), ("continuations", {"0": "abc"}), ("settings", [])):
+    for field, bad, named in (("stats", "garbage", "stats"), ("done", ["x"], "done"),
+                              ("continuations", {"0": "abc"}, "continuations.0"), ("settings", [], "settings"),
+                              ("rank", "x", "rank"), ("rank", True, "rank")):
         damaged = tmp_path / f"damaged-{field}.json"
         d = json.loads(partial.read_text())
         d[field] = bad
         Path(str(damaged) + ".partial.json").write_text(json.dumps(d))
-        with pytest.raises(InputFileError, match=f"partial.json: {field}: a damaged checkpoint"):
+        with pytest.raises(InputFileError, match=f"partial.json: {named}: a damaged checkpoint"):
             run_profile(cfg(damaged, resume=True))
 
     def first(d):
@@ -546,7 +548,15 @@ def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
                           ("done", lambda d: d["stats"]["counters"].__setitem__("prompts", 5.0)),
                           ("continuations", lambda d: d["continuations"].pop(first(d))),
                           (None, lambda d: d["continuations"][first(d)].append(10 ** 6)),
-                          (None, lambda d: d["continuations"][first(d)].extend([4] * 7))):
+                          (None, lambda d: d["continuations"][first(d)].extend([4] * 7)),
+                          # indices that are no prompt of the run (a prompt's statistics counted twice, another
+                          # never measured), read from a bool or a float, or a key int() cannot read (a traceback)
+                          ("done", lambda d: d["done"].__setitem__(-1, 99)),
+                          ("done", lambda d: d["done"].__setitem__(0, True)),
+                          ("done", lambda d: d["done"].__setitem__(0, 0.7)),
+                          ("continuations.abc", lambda d: d["continuations"].__setitem__("abc", [1, 2])),
+                          ("continuations.99", lambda d: d["continuations"].__setitem__("99", [1, 2])),
+                          (None, lambda d: d["continuations"][first(d)].__setitem__(0, 3.5))):
         damaged = tmp_path / "damaged.json"
         d = json.loads(partial.read_text())
         damage(d)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import read_json, remove_stale, write_json
 from hsd_opt.profiler.stats import PairStats
+from hsd_opt.values import is_integer
 
 PARTIAL_FORMAT = "hsd-profile-partial/1"
 #: Settings a checkpoint must share with the run that resumes it.
@@ -70,10 +71,12 @@ class Checkpoint:
 
 
 def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank: int, world: int, resume: bool,
-                    log: Callable[[str], None], warn: Callable[[str], None], vocab: int | None = None) -> Checkpoint:
+                    log: Callable[[str], None], warn: Callable[[str], None], vocab: int | None = None,
+                    prompts: Collection[int] | None = None) -> Checkpoint:
     """A fresh checkpoint at ``path``, or with ``resume`` the one found there (its settings must equal
-    ``settings`` in every :data:`RESUME_FIELDS`, its contents hold together: :func:`check_resumed`; ``vocab``: the
-    target's logits, which bound a continuation's token ids). Without ``resume``, an existing checkpoint is
+    ``settings`` in every :data:`RESUME_FIELDS`, its rank ``rank``, its contents hold together:
+    :func:`check_resumed`; ``vocab``: the target's logits, which bound a continuation's token ids; ``prompts``:
+    the indices of this rank's prompts, the only ones it may hold). Without ``resume``, an existing checkpoint is
     refused rather than overwritten."""
     ck = Checkpoint(path, settings, stats, rank, world)
     remove_stale(path.parent.glob(f".{path.name}.*.partial"))     # a save a killed run left half-written
@@ -92,22 +95,36 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                 raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
                                                 f"delete it to start over",
                                      f"settings.{f}")
+        if d.get("rank", rank) != rank or isinstance(d.get("rank"), bool):
+            raise InputFileError(str(path), f"a damaged checkpoint (rank {d.get('rank')!r}, at the path of rank "
+                                            f"{rank}); delete it to start over", "rank")
         field = "stats"
         try:
             ck.stats = PairStats.from_dict(d["stats"])
             field = "done"
-            ck.done = [int(x) for x in d["done"]]
+            ck.done = _integers(d["done"], path, field)
             field = "continuations"
-            ck.continuations = {str(k): [int(t) for t in v] for k, v in d["continuations"].items()}
+            ck.continuations = {str(k): _integers(v, path, f"continuations.{k}")
+                                for k, v in d["continuations"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputFileError(str(path), f"a damaged checkpoint ({type(e).__name__}: {e}); delete it to start "
                                             f"over", field) from None
-        check_resumed(ck, stats, int(settings["max_new_tokens"]), vocab)
+        check_resumed(ck, stats, int(settings["max_new_tokens"]), vocab, prompts)
         log(f"resuming from {path}: {len(ck.done)} prompt(s) already profiled")
     elif resume:
         warn(f"--resume: no checkpoint at {path}; starting from the beginning")
     refuse_left_checkpoint(path, resume)
     return ck
+
+
+def _integers(v: Any, path: Path, field: str) -> list[int]:
+    """``v``, a list of integers (prompt indices, token ids), else a damaged checkpoint naming ``field`` (a bool
+    or a float was read as an integer)."""
+    if not isinstance(v, list) or not all(is_integer(x) for x in v):
+        bad = v if not isinstance(v, list) else next(x for x in v if not is_integer(x))
+        raise InputFileError(str(path), f"a damaged checkpoint (expected a list of integers, holding {bad!r}); "
+                                        f"delete it to start over", field)
+    return [int(x) for x in v]
 
 
 def refuse_left_checkpoint(path: Path, resume: bool) -> None:
@@ -118,13 +135,15 @@ def refuse_left_checkpoint(path: Path, resume: bool) -> None:
                        f"delete it to start over")
 
 
-def check_resumed(ck: Checkpoint, fresh: PairStats, max_new_tokens: int, vocab: int | None) -> None:
+def check_resumed(ck: Checkpoint, fresh: PairStats, max_new_tokens: int, vocab: int | None,
+                  prompts: Collection[int] | None = None) -> None:
     """Refuse (:class:`InputFileError` naming the field) a checkpoint whose contents do not hold together with the
     run that resumes it: statistics of other drafters or tasks, or in another order (``fresh``: the run's empty
     ones), without a counter the run keeps, a count of prompts that is not the prompts done, a prompt done twice
-    or without its continuation, a continuation longer than ``max_new_tokens`` or with a token outside
-    ``0 .. vocab - 1``. Any of them would be mixed into the profile (sums that are not finite or are negative are
-    refused as the statistics are read: :meth:`PairStats.from_dict`)."""
+    or without its continuation, a prompt (done or continued) that is not one of ``prompts`` (this rank's
+    indices), a continuation longer than ``max_new_tokens`` or with a token outside ``0 .. vocab - 1``. Any of
+    them would be mixed into the profile (sums that are not finite or are negative are refused as the statistics
+    are read: :meth:`PairStats.from_dict`)."""
 
     def bad(what: str, field: str) -> InputFileError:
         return InputFileError(str(ck.path), f"a damaged checkpoint ({what}); delete it to start over", field)
@@ -139,6 +158,15 @@ def check_resumed(ck: Checkpoint, fresh: PairStats, max_new_tokens: int, vocab: 
     if len(set(ck.done)) != len(ck.done) or st.counters["prompts"] != len(ck.done):
         raise bad(f"{len(ck.done)} prompts done ({len(set(ck.done))} distinct), {st.counters['prompts']:g} counted",
                   "done")
+    if prompts is not None:
+        mine = set(prompts)
+        stray = [i for i in ck.done if i not in mine]
+        if stray:
+            raise bad(f"prompt {stray[0]} is done, but is not one of this run's {len(mine)} prompts", "done")
+        stray_keys = [k for k in ck.continuations if not (k.isdecimal() and str(int(k)) == k and int(k) in mine)]
+        if stray_keys:
+            raise bad(f"a continuation of {stray_keys[0]!r}, which is not one of this run's {len(mine)} prompts",
+                      f"continuations.{stray_keys[0]}")
     missing = [i for i in ck.done if str(i) not in ck.continuations]
     if missing:
         raise bad(f"prompt {missing[0]} done without its continuation", "continuations")

@@ -559,9 +559,9 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     stats = _new_stats(pool, suite.tasks, cfg.tmax)
 
     # resume
-    ck = open_checkpoint(partial_path(Path(cfg.out), rank, world), settings, stats, rank, world, cfg.resume, log,
-                         warn, eng.vocab_size)
     mine = _my_prompts(items, cfg.shard, rank, world)
+    ck = open_checkpoint(partial_path(Path(cfg.out), rank, world), settings, stats, rank, world, cfg.resume, log,
+                         warn, eng.vocab_size, [it.index for it in mine])
     done = set(ck.done)
     todo = [it for it in mine if it.index not in done]
 
