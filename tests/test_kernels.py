@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -447,6 +448,28 @@ def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatc
         warnings.simplefilter("error")           # no "kernels unavailable" warning
         lib = kernels.load(variant="portable")
     assert lib is not None and lib.hsd_simd() == 0 and path.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_cached_library_cut_short_past_its_headers_is_built_again_not_a_bus_error(tmp_path):
+    """A library cut short after its headers (a copy stopped midway) loaded without an error and killed the process
+    with a bus error (SIGBUS) at its first use, every run; now it is found cut short and built again. Run in a
+    child process, which such a crash does not take the tests down with."""
+    env = {**os.environ, "HSD_CACHE": str(tmp_path), "HSD_OPENMP": "0"}
+    load = ("from hsd_opt.engine import kernels, variants\n"
+            "lib = kernels.load(variant='portable')\n"
+            "print(lib.hsd_simd(), kernels.library_path(kernels.compiler(), variants.BY_NAME['portable'], False))")
+    first = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    simd, path = first.stdout.split()
+    whole = Path(path).read_bytes()
+    assert kernels.library_is_whole(Path(path))
+    for size in (20_000, len(whole) // 2, len(whole) - 1):
+        Path(path).write_bytes(whole[:size])
+        assert not kernels.library_is_whole(Path(path))
+        again = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, (size, again.returncode, again.stderr)
+        assert again.stdout.split() == [simd, path] and Path(path).stat().st_size == len(whole)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ import os
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -449,6 +450,9 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
         HsdError: the build failed (the OpenMP build's message) or the library is not this module's layout.
     """
     path = library_path(cc, variant, omp)
+    for p in {path, library_path(cc, variant, False)}:
+        if p.is_file() and not library_is_whole(p):     # cut short: the loader would map pages past its end (a
+            p.unlink(missing_ok=True)                   # bus error, no exception), so built again instead
     failed = _openmp_failed_mark(cc, variant) if omp else None      # (its path: the OpenMP build's flags)
     if failed and not path.is_file() and failed.is_file() and library_path(cc, variant, False).is_file():
         omp, path = False, library_path(cc, variant, False)
@@ -480,6 +484,35 @@ def _load_variant(cc: str, variant: Variant, log: Callable[[str], None] | None,
     lib = _bind(lib)
     check_layout(lib)
     return lib, omp, path
+
+
+def library_is_whole(path: Path) -> bool:
+    """Whether the shared library at ``path`` holds every byte its ELF headers point to (its program headers'
+    segments, its section headers). A library cut short (a copy or a disk that failed midway; :func:`build` itself
+    writes atomically) is not: loading one maps pages past the end of the file, and the first read of them kills
+    the process with a bus error, which no exception reports. A file that is not ELF (a Mach-O library) is left
+    to the loader's own checks."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if data[:4] != b"\x7fELF":
+        return len(data) >= 4
+    if len(data) < 0x40 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return False
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    # e_phoff, e_shoff; e_phentsize, e_phnum, e_shentsize, e_shnum (ELF64 / ELF32 layouts)
+    phoff, shoff = struct.unpack_from(order + ("QQ" if wide else "II"), data, 0x20 if wide else 0x1C)
+    phent, phnum, shent, shnum = struct.unpack_from(order + "HHHH", data, 0x36 if wide else 0x2A)
+    if phoff + phent * phnum > len(data) or shoff + shent * shnum > len(data):
+        return False
+    for i in range(phnum):
+        at = phoff + i * phent
+        offset, size = (struct.unpack_from(order + "QxxxxxxxxxxxxxxxxQ", data, at + 8) if wide else
+                        struct.unpack_from(order + "IxxxxxxxxI", data, at + 4))    # p_offset, p_filesz
+        if offset + size > len(data):
+            return False
+    return True
 
 
 def _build_failed_mark(cc: str, variant: Variant) -> Path:
