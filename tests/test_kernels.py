@@ -425,10 +425,15 @@ def test_the_library_is_built_once_and_found_in_the_cache(tmp_path, monkeypatch)
     cc, omp = kernels.compiler(), compiler_has_openmp()
     path = kernels.library_path(cc, openmp=omp)
     assert str(path).startswith(str(tmp_path)) and not path.exists()
+    path.parent.mkdir(parents=True)
+    killed, busy = path.parent / "tmpold.so.partial", path.parent / "tmpnow.so.partial"
+    for p in (killed, busy):        # a killed build's compiler wrote on long ago; another build writes now
+        p.write_bytes(b"\x7fELF")
+    os.utime(killed, (1e9, 1e9))
     said = []
     kernels.build(cc, path, log=said.append, openmp=omp)
     assert path.is_file() and said and "compiling" in said[0]
-    assert not list(path.parent.glob("*.partial"))       # written atomically
+    assert list(path.parent.glob("*.partial")) == [busy]      # written atomically; the old one removed
     assert kernels.library_path(cc, openmp=omp) == path   # same source, compiler and CPU: the same file
 
 

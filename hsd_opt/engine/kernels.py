@@ -252,11 +252,12 @@ def build(cc: str, out: Path, variant: Variant | str = "portable", log: Callable
         HsdError: the compiler failed (its message is included); :class:`BuildStopped` where it was stopped.
     """
     from hsd_opt.cache import cache_error
-    from hsd_opt.jsonio import FOLDER_MODE
+    from hsd_opt.jsonio import FOLDER_MODE, remove_stale
 
     variant = _variant(variant)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(out.parent.glob("*.so.partial"))     # what a compiler wrote on for a killed build, long ago
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     except OSError as e:
         raise cache_error("the compiled kernels", out.parent, e) from None
