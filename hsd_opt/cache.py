@@ -22,12 +22,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hsd-opt").expanduser().absolute()
 
 
-def cache_error(what: str, folder: Path, e: OSError) -> HsdError:
+class UnwritableFolder(HsdError):
+    """A folder (the cache's, or one the caller was given) that cannot hold what was to be written there: no
+    narrower variant or other attempt can do better (:func:`cache_error`)."""
+
+
+def cache_error(what: str, folder: Path, e: OSError) -> UnwritableFolder:
     """The one-line error for a folder that cannot hold ``what`` (``"the compiled kernels"``): making or writing
     ``folder`` failed with ``e``. Under the cache, it names the cache as the user set it (``HSD_CACHE=...`` when
     set) and says how to move it; elsewhere (a folder the caller was given), it names the folder."""
     if cache_dir() not in Path(folder).parents:
-        return HsdError(f"{folder}: cannot write {what} there ({e.strerror or e})")
+        return UnwritableFolder(f"{folder}: cannot write {what} there ({e.strerror or e})")
     where = f"{CACHE_ENV}={cache_dir()}" if os.environ.get(CACHE_ENV) else str(cache_dir())
-    return HsdError(f"{where}: the cache cannot hold {what} (making {folder}: {e.strerror or e}); point "
+    return UnwritableFolder(f"{where}: the cache cannot hold {what} (making {folder}: {e.strerror or e}); point "
                     f"{CACHE_ENV} at a folder you can write")

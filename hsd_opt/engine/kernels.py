@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from hsd_opt.cache import UnwritableFolder
 from hsd_opt.engine import variants
 from hsd_opt.engine.interface import EXACT_PASS
 from hsd_opt.engine.state import DecodeState, Rows
@@ -545,7 +546,7 @@ def _load_first(cc: str, candidates: Sequence[Variant], log: Callable[[str], Non
             lib, has_omp, path = _load_variant(cc, v, log, omp)
         except (HsdError, OSError, subprocess.SubprocessError) as e:
             why = str(e)
-            if last:
+            if last or isinstance(e, UnwritableFolder):     # a cache that holds no library holds no narrower one
                 break
             stopped = isinstance(e, BuildStopped)      # of the moment: this run goes on, the next tries it again
             if not stopped:
