@@ -650,6 +650,8 @@ def test_doctor_says_why_the_kernels_are_unavailable_and_which_compiler(monkeypa
     assert any(s.startswith("compiler: none found (install gcc or clang, or set CC)") for s in lines), lines
     monkeypatch.setenv("HSD_KERNELS", "0")
     assert any(s.startswith("kernels: unavailable (HSD_KERNELS=0 turns them off)") for s in system_lines())
+    monkeypatch.setenv("HSD_KERNELS", " Off ")      # the value given, not another word for it
+    assert any(s.startswith("kernels: unavailable (HSD_KERNELS=Off turns them off)") for s in system_lines())
 
 
 @pytest.mark.skipif(not compiler_has_openmp() or (os.cpu_count() or 1) < 2,

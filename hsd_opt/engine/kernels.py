@@ -415,7 +415,7 @@ _WHY: list = []   # [why the kernels are unavailable] where _LIB holds None
 def unavailable_reason() -> str | None:
     """Why the kernels engines use are unavailable here, in words (loading them first), or None where they load."""
     if variants.disabled():
-        return "HSD_KERNELS=0 turns them off"
+        return f"HSD_KERNELS={os.environ.get('HSD_KERNELS', '').strip()} turns them off"
     load(log=lambda m: None)
     return None if _INFO else (_WHY[-1] if _WHY else "unknown")
 
