@@ -1257,10 +1257,16 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny, stop):
         t = threading.Thread(target=long_stream)
         t.start()
         assert started.wait(60)
+        late = _half_sent(url, {"prompt": STOP_PROMPT, "max_tokens": 400, "temperature": 0})
+        time.sleep(1.0)                      # its headers read (a connection not read yet is closed unanswered)
         proc.send_signal(stop)
+        time.sleep(1.0)
+        late.sendall(b"}")                   # its body whole after the signal: refused, not decoded then cut off
+        answer = late.makefile("rb").read().decode()
         _, err = proc.communicate(timeout=60)
         t.join(60)
         assert not t.is_alive() and len(ended) == 1 and "server is stopping" in ended[0], ended
+        assert answer.startswith("HTTP/1.1 503") and '"code":"cancelled"' in answer.replace(" ", ""), answer
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1270,6 +1276,20 @@ def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny, stop):
     assert "loading" in log and "stopped" in log and "Traceback" not in log
     assert '"POST /v1/completions HTTP/1.1" 400' in log
     assert "timeout graceful shutdown exceeded" not in log  # the open stream ended when its job was cancelled
+
+
+def _half_sent(url: str, body: dict):
+    """A socket that sent a completion request to ``url`` (``http://host:port/v1``) but its body's last byte
+    (``}``), which the caller sends when it likes."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data) + data[:-1])
+    return sock
 
 
 def test_a_port_is_claimed_when_bound_so_a_second_server_is_refused_before_it_loads():
@@ -1285,6 +1305,21 @@ def test_a_port_is_claimed_when_bound_so_a_second_server_is_refused_before_it_lo
             bind_socket("127.0.0.1", port)
     finally:
         first.close()
+
+
+def test_a_body_still_arriving_when_the_server_has_stopped_waiting_is_answered_503(tiny, caplog):
+    """A client whose body had not all come when the server began to stop, nor by the end of its grace period,
+    is answered 503 (the server is stopping) with an error body, and the log holds no traceback (uvicorn's
+    cancelling of the request logged one and answered a plain-text 500)."""
+    app, jobs = prepare_server(tiny[0], device="cpu")
+    srv = BackgroundServer(app, on_stop=jobs.stop_taking).__enter__()
+    slow = _half_sent(srv.url + "/v1", {"prompt": PROMPTS[0], "max_tokens": 2})
+    time.sleep(0.5)
+    srv.stop()                  # waits out the grace period, then cancels what still runs
+    answer = slow.makefile("rb").read().decode()
+    assert answer.startswith("HTTP/1.1 503") and '"code":"cancelled"' in answer.replace(" ", ""), answer
+    said = [r.getMessage() for r in caplog.records]
+    assert not any(r.exc_info for r in caplog.records) and not any("Traceback" in m or "ASGI" in m for m in said)
 
 
 def test_a_body_over_max_body_is_answered_413_unread(tiny, caplog):

@@ -193,7 +193,7 @@ def _serve(app, jobs, sock, what: str) -> None:
     url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
     name = app.state.service.info.name
     server = make_server(app, on_ready=lambda: err_console.print(f"ready: {name} at {url}/v1 ({what}); Ctrl-C stops"),
-                         on_stop=jobs.cancel_all, logging_config=log_config())
+                         on_stop=jobs.stop_taking, logging_config=log_config())
     release_thread_pool()    # the decoding thread's OpenMP pool the only one (kernels.release_thread_pool)
     # uvicorn handles SIGINT and SIGTERM, then raises the signal again with the handler it found: SIGTERM (what
     # systemd, docker and kubernetes send) then ends as Ctrl-C does, not killed with status 143

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from hsd_opt.server.errors import ApiError, error_body
-from hsd_opt.server.jobs import Job, JobQueue, QueueFull
+from hsd_opt.server.jobs import Job, JobQueue, QueueFull, Stopping
 from hsd_opt.server.requests import (
     GenerationRequest,
     ModelInfo,
@@ -38,6 +38,11 @@ from hsd_opt.server.responses import DONE, ChoiceStream, completion_body, new_id
 
 log = logging.getLogger("hsd_opt.server")
 Event = tuple[str, Any]
+
+
+def _stopping_error() -> ApiError:
+    """A request the server did not take (or stopped reading) because it is stopping: 503."""
+    return ApiError(503, "the server is stopping; the request was not taken", "server_error", None, "cancelled")
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -186,6 +191,8 @@ class Service:
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry later", "rate_limit_error", None,
                            "queue_full") from None
+        except Stopping:
+            raise _stopping_error() from None
         return jobs, events
 
     async def generate(self, request: Request, kind: str) -> Response | EventStream:
@@ -310,6 +317,8 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
                 return _error(e)
             except ClientDisconnect:                # the client left while sending its body: no one to answer
                 return Response(status_code=400)
+            except asyncio.CancelledError:          # the server stopped waiting for it (its body still arriving,
+                return _error(_stopping_error())     # past the grace period): an answer, not uvicorn's traceback
             except Exception as e:  # a bug: logged with its traceback, answered with an error body
                 log.exception("%s %s failed", request.method, request.url.path)
                 return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))

@@ -51,6 +51,10 @@ class QueueFull(Exception):
     """Raised by :meth:`JobQueue.submit` when ``max_queue`` requests already wait."""
 
 
+class Stopping(Exception):
+    """Raised by :meth:`JobQueue.submit` once the server began to stop (:meth:`JobQueue.stop_taking`)."""
+
+
 @dataclass
 class Outcome:
     """A finished generation.
@@ -133,6 +137,7 @@ class JobQueue:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
+        self._stopping = False        # no job is taken any more (stop_taking)
         self._thread: threading.Thread | None = None
         self.metrics = metrics if metrics is not None else Metrics()
         self.stats_interval = stats_interval
@@ -152,9 +157,17 @@ class JobQueue:
             for job in list(self._live):
                 job.cancel()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every job, let the worker finish the current tick and end (waits up to ``timeout`` s for it)."""
+    def stop_taking(self) -> None:
+        """The server is stopping: cancel every waiting and running job and refuse every later one
+        (:class:`Stopping`; a request whose body was still arriving would be decoded and then cut off)."""
+        with self._lock:
+            self._stopping = True
         self.cancel_all()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel every job, refuse new ones, let the worker finish the current tick and end (waits up to
+        ``timeout`` s for it)."""
+        self.stop_taking()
         if self._thread is not None:
             self._queue.put(None)            # the queue only holds cancelled jobs now, which the worker skips
             self._thread.join(timeout)
@@ -166,11 +179,14 @@ class JobQueue:
 
     def submit_all(self, jobs: Sequence[Job]) -> None:
         """Queue ``jobs`` (an answer's choices, FIFO) all or none: :class:`QueueFull` when fewer places than
-        jobs are free. The server holds ``max_batch`` jobs decoding and ``max_queue`` waiting: a place is taken by
-        every job not ended and not cancelled, wherever it is (decoding, admitted, or still in the hand-off queue,
-        which the worker empties only between its steps: counting those against ``max_queue`` alone refused a
-        burst of requests that fit the batch). Only this adds jobs, so the places counted stay free."""
+        jobs are free, :class:`Stopping` once the server began to stop. The server holds ``max_batch`` jobs
+        decoding and ``max_queue`` waiting: a place is taken by every job not ended and not cancelled, wherever it
+        is (decoding, admitted, or still in the hand-off queue, which the worker empties only between its steps:
+        counting those against ``max_queue`` alone refused a burst of requests that fit the batch). Only this adds
+        jobs, so the places counted stay free."""
         with self._lock:
+            if self._stopping:
+                raise Stopping("the server is stopping")
             places = self.places
             taken = sum(1 for job in self._live if not job.cancelled)
             free = places - taken

@@ -92,7 +92,7 @@ class BackgroundServer:
         with BackgroundServer(app) as srv:
             OpenAI(base_url=srv.url + "/v1", api_key="x")
 
-    ``on_stop`` is called when the server begins to stop (e.g. ``jobs.cancel_all``). Logging is left as the
+    ``on_stop`` is called when the server begins to stop (e.g. ``jobs.stop_taking``). Logging is left as the
     process has it (uvicorn's loggers ``uvicorn.error`` and ``uvicorn.access`` propagate to the root).
     """
 
