@@ -1084,10 +1084,13 @@ def load_profile(path: str | os.PathLike) -> tuple[Profile, list[str]]:
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     """Write ``profile`` atomically (:class:`HsdError` for anything but a :class:`Profile`: a plan written as a
-    profile was refused only when read)."""
+    profile was refused only when read; an :class:`InputFileError` naming the path, not written, and the field for
+    one that :func:`load_profile` would refuse, as a rate outside [0, 1] set in Python)."""
     if not isinstance(profile, Profile):
         raise HsdError(f"save_profile: expected a Profile, got {type(profile).__name__}")
-    write_json(path, profile.to_dict())
+    d = profile.to_dict()
+    profile_from_dict(d, f"{path} (not written)")
+    write_json(path, d)
 
 
 def _check_levels(d: dict, source: str, tmax: int, at: str = "",
@@ -1499,7 +1502,11 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    """Write ``plan`` atomically (:class:`HsdError` for anything but a :class:`Plan`)."""
+    """Write ``plan`` atomically (:class:`HsdError` for anything but a :class:`Plan`; an :class:`InputFileError`
+    naming the path, not written, and the field for one that :func:`load_plan` would refuse, as budgets changed
+    in Python to decrease)."""
     if not isinstance(plan, Plan):
         raise HsdError(f"save_plan: expected a Plan, got {type(plan).__name__}")
-    write_json(path, plan.to_dict())
+    d = plan.to_dict()
+    plan_from_dict(d, f"{path} (not written)")
+    write_json(path, d)

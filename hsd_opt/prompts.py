@@ -405,7 +405,12 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     ``raw`` or the tokenizer has none; otherwise the plain encoding (with the tokenizer's special tokens).
     An empty prompt, a blank one through the template, or one that encodes to no tokens raises :class:`HsdError`
     (raw whitespace is text a model completes: the server's ``"prompt": "\\n"``)."""
-    if not isinstance(prompt, str) or not (prompt if raw else prompt.strip()):
+    if not isinstance(prompt, str):
+        raise HsdError(f"the prompt must be text (str), got {type(prompt).__name__}")
+    if not callable(tokenizer):
+        raise HsdError(f"tokenizer: expected the model's tokenizer (load_model(...).tokenizer), got "
+                       f"{type(tokenizer).__name__}")
+    if not (prompt if raw else prompt.strip()):
         raise HsdError("empty prompt: give some text with --prompt (or non-empty 'prompt' fields in --prompts)")
     if not raw and getattr(tokenizer, "chat_template", None):
         return _chat_ids(tokenizer, [{"role": "user", "content": prompt}])

@@ -15,6 +15,7 @@ Metadata key ``hsd_heads`` holds JSON::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -47,8 +48,13 @@ def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, mod
     model_id = model_id if model_id is not None else (mid or getattr(m.config, "_name_or_path", "") or "")
     model_id = recorded_model_id(model_id) if model_id else model_id     # a local model: its absolute path
     revision = revision if revision is not None else (rev or "")
-    if not heads:
-        raise HsdError("no heads to save")
+    if not isinstance(heads, dict) or not heads:
+        raise HsdError(f"heads: expected a dict of exit layers to heads, got {type(heads).__name__} "
+                       f"{'(empty)' if heads == {} else ''}".rstrip())
+    bad = next((b for b, h in heads.items() if not (is_integer(b) and isinstance(h, TranslatorHead))), None)
+    if bad is not None:
+        raise HsdError(f"heads[{bad!r}]: expected an exit layer (an integer) to a TranslatorHead, got "
+                       f"{type(heads[bad]).__name__}")
     layers = sorted(heads)
     first = heads[layers[0]]
     tensors: dict[str, torch.Tensor] = {}
@@ -81,6 +87,8 @@ def read_heads_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Tensors and header of a heads file; a missing, corrupt or foreign file raises :class:`InputFileError`."""
     from safetensors import safe_open
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise HsdError(f"path: expected the path of a heads file, got {type(path).__name__}")
     p = Path(path)
     if not p.exists():
         raise InputFileError(str(p), "file not found")

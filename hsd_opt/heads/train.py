@@ -223,9 +223,14 @@ def _check_vocab_sizes(vocab_subset, negatives, topk, vocab: int) -> None:
 def _token_lists(name: str, sequences, vocab: int, max_len: int) -> list[list[int]]:
     """``sequences`` (token id sequences, argument ``name``) as lists of at most ``max_len`` ids, each checked to
     be in the vocabulary."""
+    unordered = (str, bytes, dict, set, frozenset)      # text, or no order: not a list of sequences of ids
+    if isinstance(sequences, unordered) or not hasattr(sequences, "__iter__"):
+        raise HsdError(f"{name}: expected a list of token id sequences, got {type(sequences).__name__}")
     out = []
     for i, s in enumerate(sequences):
-        ids = list(s)
+        if isinstance(s, unordered) or not hasattr(s, "__iter__"):
+            raise HsdError(f"{name}[{i}]: expected a sequence of token ids, got {type(s).__name__}")
+        ids = s.tolist() if hasattr(s, "tolist") else list(s)
         if not all(is_integer(t) and 0 <= t < vocab for t in ids):
             raise HsdError(f"{name}[{i}]: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
         out.append([int(t) for t in ids[:max_len]])

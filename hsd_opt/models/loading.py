@@ -396,7 +396,10 @@ def check_model_name(name: str, flag: str = "--model") -> None:
     """Refuse, without reading any model, a ``name`` that :func:`model_source` would refuse for its form alone:
     empty, or neither an alias, a hub id (``org/name``), a ``.gguf`` file name nor a path that exists (a command
     checks its model flags before minutes of loading)."""
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str):
+        raise HsdError(f"{flag}: expected a model alias, hub id, folder or .gguf file as a str, got "
+                       f"{type(name).__name__}")
+    if not name.strip():
         raise HsdError(f"{flag}: empty name: give a model alias, hub id, folder or .gguf file")
     resolved = resolve_model_name(name)
     if resolved.startswith(("embedded:", SPLIT_PREFIX)) or resolved.lower().endswith(".gguf"):

@@ -148,6 +148,8 @@ def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max
                        f"{tuple(prompt_ids.shape)} (for a batch of one, pass its row: ids[0])")
     if hasattr(prompt_ids, "tolist"):
         prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (dict, set, frozenset)):    # no order, or not ids: a dict's keys were taken
+        raise HsdError(f"the prompt must be a sequence of token ids, got {type(prompt_ids).__name__}")
     try:
         prompt = list(prompt_ids)
     except TypeError:

@@ -54,7 +54,8 @@ class Penalties:
     def __post_init__(self):
         for name, v, lim in (("frequency_penalty", self.frequency, MAX_PENALTY),
                              ("presence_penalty", self.presence, MAX_PENALTY)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and -lim <= v <= lim):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and -lim <= v <= lim):
                 raise HsdError(f"{name} must be a number in [-{lim:g}, {lim:g}], got {v!r}")
         r = self.repetition
         if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
@@ -64,6 +65,8 @@ class Penalties:
         n = self.repetition_last
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise HsdError(f"repeat_last_n must be a positive integer, got {n!r}")
+        if not isinstance(self.bias, dict):
+            raise HsdError(f"logit_bias: expected a dict of token ids to numbers, got {type(self.bias).__name__}")
         for t, b in self.bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise HsdError(f"logit_bias: token ids must be non-negative integers, got {t!r}")

@@ -399,6 +399,9 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
         raise HsdError(f"loaded: expected a LoadedModel (hsd_opt.models.loading.load_model(name)), "
                        f"got {type(loaded).__name__}")
     check_provenance(plan, loaded, source)
+    for name, value in (("hierarchy", hierarchy), ("budgets", budgets)):
+        if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+            raise HsdError(f"{name}: expected a list, got {type(value).__name__}")
     if hierarchy is not None:
         from copy import copy
 

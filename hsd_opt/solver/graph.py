@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile
 from hsd_opt.solver.hierarchy import drafter_limit
 from hsd_opt.solver.instance import Instance, build_instance
@@ -40,6 +41,9 @@ def build_gsp_graph(profile: Profile | Instance, tmax: int | None = None, max_de
     """Build the GSP DiGraph. ``graph.graph`` holds ``source``, ``target``, ``tmax``, ``max_depth``."""
     import networkx as nx  # imported here: the dp solver and the CLI's start-up do without it
 
+    if not isinstance(profile, (Profile, Instance)):
+        raise HsdError(f"profile: expected a Profile (hsd_opt.load_profile(path)[0]) or an Instance, got "
+                       f"{type(profile).__name__}")
     inst = profile if isinstance(profile, Instance) else build_instance(profile, tmax)
     D, T = len(inst.names), inst.tmax
     dmax = drafter_limit(D, max_depth)

@@ -60,8 +60,8 @@ def gamma(a: float, t: int, T: int) -> float:
     """
     if not (is_real(a) and 0.0 <= a <= 1.0):
         raise HsdError(f"gamma: the acceptance rate a must be in [0, 1], got {a!r}")
-    if not (is_integer(t) and t >= 1) or not is_integer(T):
-        raise HsdError(f"gamma: t must be an integer >= 1 and T an integer, got t={t!r}, T={T!r}")
+    if not (is_integer(t) and t >= 1) or not (is_integer(T) and T >= 0):
+        raise HsdError(f"gamma: t must be an integer >= 1 and T an integer >= 0, got t={t!r}, T={T!r}")
     return _gamma(float(a), int(t), int(T))
 
 
@@ -281,7 +281,9 @@ def _check_hierarchy(profile: Profile, hierarchy: Sequence[str], budgets: Sequen
     names = set(profile.names)
     if not hierarchy:
         raise HsdError("hierarchy: empty; expected model names, target last")
-    for m in hierarchy:
+    for i, m in enumerate(hierarchy):
+        if not isinstance(m, str):
+            raise HsdError(f"hierarchy[{i}]: expected a model's name, got {type(m).__name__} {m!r}")
         if m not in names:
             raise HsdError(f"hierarchy: model {m!r} is not in the profile ({', '.join(profile.names)})")
     if hierarchy[-1] != profile.target:

@@ -81,8 +81,8 @@ def simulate(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int],
 
     ``chunk`` target rounds are simulated at once (memory grows with chunk times the rounds per round).
     """
+    predicted = hierarchy_latency(profile, hierarchy, budgets)    # also validates the hierarchy (a list of names)
     hierarchy, budgets = list(hierarchy), list(budgets)
-    predicted = hierarchy_latency(profile, hierarchy, budgets)    # also validates the hierarchy
     budgets = [int(b) for b in budgets]
     rng = np.random.default_rng(seed)
     n = len(hierarchy) - 1
