@@ -858,6 +858,18 @@ def test_run_keeps_the_finished_prompts_when_stopped_and_seeds_each_prompt_and_t
         signal.signal(signal.SIGTERM, before)
     err = capsys.readouterr().err
     assert e.value.code == 130 and "turns of the prompts finished" in err and "interrupted" not in err, err
+    def stopped_at_the_first(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "_run_prompt", stopped_at_the_first)      # nothing finished: said, not silent
+    out.unlink()
+    base = ["run", "--plan", str(plan), "--prompts", str(prompts), "--max-new-tokens", "6", "--quiet"]
+    res = runner.invoke(app, [*base, "--json", str(out)])
+    assert res.exit_code == 130 and "interrupted: stopped before it finished" in _out(res) and not out.exists()
+    monkeypatch.setattr(run_module, "_run_prompt", stopped_at_the_second)     # without --json: said where they are
+    calls.clear()
+    res = runner.invoke(app, base)
+    assert res.exit_code == 130 and "the 1 turns of the prompts finished are printed above" in _out(res), _out(res)
 
 
 def test_the_streamed_text_is_the_answers_text_whole_characters_included(embedded, capsys):

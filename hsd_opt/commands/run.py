@@ -27,7 +27,7 @@ from hsd_opt.commands.common import (
     load_plan_and_model,
     warn_sampling,
 )
-from hsd_opt.console import console, err_console
+from hsd_opt.console import console, err_console, error
 from hsd_opt.jsonio import atomic_write_bytes, json_problem
 from hsd_opt.prompts import JSON_TASK
 
@@ -215,7 +215,8 @@ def _keeping_finished(json_out: Path | None, lines: list[dict], quiet: bool) -> 
     try:
         yield
     except (KeyboardInterrupt, HsdError) as e:
-        _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt))
+        _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt),
+                 interrupted=isinstance(e, KeyboardInterrupt))
         if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line
             raise typer.Exit(130) from None
         raise
@@ -260,13 +261,18 @@ def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
         raise HsdError("--logprobs: the log-probabilities go to the --json file; give --json FILE")
 
 
-def _stopped(json_out: Optional[Path], lines: list[dict], cut_stream: bool) -> None:
+def _stopped(json_out: Optional[Path], lines: list[dict], cut_stream: bool, interrupted: bool = False) -> None:
     """A run stopped part-way: end the streamed line it cut (``cut_stream``), then write and say the finished
-    prompts' ``--json`` lines."""
+    prompts' ``--json`` lines; ``interrupted`` (Ctrl-C, SIGTERM) with none to write, say that in one line (it
+    exited silently)."""
     if cut_stream:
         sys.stdout.write("\n")
         sys.stdout.flush()
     _write_lines(json_out, lines, partial=True)
+    if interrupted and not lines:
+        error("interrupted: stopped before it finished")
+    elif interrupted and json_out is None:
+        err_console.print(f"stopped: the {len(lines)} turns of the prompts finished are printed above", markup=False)
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
