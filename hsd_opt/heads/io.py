@@ -49,8 +49,8 @@ def save_heads(path: str | Path, heads: dict[int, TranslatorHead], model, *, mod
     model_id = recorded_model_id(model_id) if model_id else model_id     # a local model: its absolute path
     revision = revision if revision is not None else (rev or "")
     if not isinstance(heads, dict) or not heads:
-        raise HsdError(f"heads: expected a dict of exit layers to heads, got {type(heads).__name__} "
-                       f"{'(empty)' if heads == {} else ''}".rstrip())
+        got = "an empty dict" if isinstance(heads, dict) else type(heads).__name__
+        raise HsdError(f"heads: expected a dict of exit layers to heads, got {got}")
     bad = next((b for b, h in heads.items() if not (is_integer(b) and isinstance(h, TranslatorHead))), None)
     if bad is not None:
         raise HsdError(f"heads[{bad!r}]: expected an exit layer (an integer) to a TranslatorHead, got "

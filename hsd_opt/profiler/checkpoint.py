@@ -95,7 +95,7 @@ def open_checkpoint(path: Path, settings: dict[str, Any], stats: PairStats, rank
                 raise InputFileError(str(path), f"this checkpoint was made with {f} = {was!r}, this run has {now!r}; "
                                                 f"delete it to start over",
                                      f"settings.{f}")
-        if d.get("rank", rank) != rank or isinstance(d.get("rank"), bool):
+        if not (is_integer(d.get("rank", rank)) and d.get("rank", rank) == rank):     # (true == 1: refused too)
             raise InputFileError(str(path), f"a damaged checkpoint (rank {d.get('rank')!r}, at the path of rank "
                                             f"{rank}); delete it to start over", "rank")
         field = "stats"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from hsd_opt.server.jobs import Outcome
 from hsd_opt.server.metrics import cached_tokens
-from hsd_opt.server.text import bytes_text, token_bytes, token_text
+from hsd_opt.server.text import bytes_text, token_bytes
 from hsd_opt.server.tools import ToolCall, as_call, new_call_id
 
 if TYPE_CHECKING:
@@ -125,28 +125,28 @@ def chat_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["Token
 
 def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence["TokenLogprob"],
                         offset: int = 0) -> dict[str, Any]:
-    """A text completion's ``logprobs``: ``tokens`` (each token's :func:`completion_token`), ``token_logprobs``,
+    """A text completion's ``logprobs``: ``tokens`` (each token's :func:`completion_name`), ``token_logprobs``,
     ``top_logprobs`` (a token -> log-probability object per token, most likely first; a token whose name another
     one took keeps the first, more likely, value) and ``text_offset`` (where each token's text starts: ``offset``
     plus the lengths of the tokens' texts before it, a part of a character one U+FFFD)."""
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
+        b = token_bytes(tokenizer, e.token)
         offsets.append(offset)
-        offset += len(token_text(tokenizer, e.token))
-        tokens.append(completion_token(tokenizer, e.token))
+        offset += len(bytes_text(b))
+        tokens.append(completion_name(b))
         values.append(_lp(e.logprob))
         top: dict[str, float] = {}
         for t, v in e.top:
-            top.setdefault(completion_token(tokenizer, t), _lp(v))
+            top.setdefault(completion_name(token_bytes(tokenizer, t)), _lp(v))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def completion_token(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> str:
-    """A token as a text completion's ``logprobs`` name it: its text, or where its bytes are not whole characters
-    (a part of one), ``bytes:`` and their escapes (``"bytes:\\xe6\\x97"``), as the OpenAI API writes them (their
-    text, U+FFFD each, would give several tokens one name in ``top_logprobs``)."""
-    b = token_bytes(tokenizer, token_id)
+def completion_name(b: bytes) -> str:
+    """A token's bytes ``b`` as a text completion's ``logprobs`` name the token: their text, or where they are not
+    whole characters (a part of one), ``bytes:`` and their escapes (``"bytes:\\xe6\\x97"``), as the OpenAI API
+    writes them (their text, U+FFFD each, would give several tokens one name in ``top_logprobs``)."""
     try:
         return b.decode("utf-8")
     except UnicodeDecodeError:
