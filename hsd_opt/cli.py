@@ -15,7 +15,7 @@ import sys
 import typer
 
 from hsd_opt.commands import bench, chat, doctor, heads, models, profile, run, serve, solve
-from hsd_opt.console import error
+from hsd_opt.console import INTERRUPTED, error
 from hsd_opt.errors import HsdError, Terminated
 
 app = typer.Typer(
@@ -72,7 +72,7 @@ def main() -> None:
         sys.exit(1)
     except SystemExit as e:
         if e.code == 130 and _unhandled_interrupt(e):   # a command that keeps nothing: typer's silent 130
-            error("interrupted: stopped before it finished")
+            error(INTERRUPTED)
         if terminated:
             sys.exit(128 + signal.SIGTERM)
         raise

@@ -48,6 +48,10 @@ def warn_some(messages: list[str], limit: int = 5) -> None:
         warn(f"... and {len(messages) - limit} more like these")
 
 
+#: The line of a command stopped by Ctrl-C or SIGTERM before it finished anything it keeps.
+INTERRUPTED = "interrupted: stopped before it finished"
+
+
 def error(message: str) -> None:
     """Print ``error: message`` on stderr (the one line a usage error gets)."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True)

@@ -27,7 +27,7 @@ from hsd_opt.commands.common import (
     load_plan_and_model,
     warn_sampling,
 )
-from hsd_opt.console import console, err_console, error
+from hsd_opt.console import INTERRUPTED, console, err_console, error
 from hsd_opt.jsonio import atomic_write_bytes, json_problem
 from hsd_opt.prompts import JSON_TASK
 
@@ -270,7 +270,7 @@ def _stopped(json_out: Optional[Path], lines: list[dict], cut_stream: bool, inte
         sys.stdout.flush()
     _write_lines(json_out, lines, partial=True)
     if interrupted and not lines:
-        error("interrupted: stopped before it finished")
+        error(INTERRUPTED)
     elif interrupted and json_out is None:
         err_console.print(f"stopped: the {len(lines)} turns of the prompts finished are printed above", markup=False)
 

@@ -40,9 +40,12 @@ log = logging.getLogger("hsd_opt.server")
 Event = tuple[str, Any]
 
 
-def _stopping_error() -> ApiError:
-    """A request the server did not take (or stopped reading) because it is stopping: 503."""
-    return ApiError(503, "the server is stopping; the request was not taken", "server_error", None, "cancelled")
+def _stopping_error(taken: bool = False) -> ApiError:
+    """The 503 of a request the server is stopping for: one it did not take (or stopped reading), or one it had
+    ``taken`` (waiting or decoding) and cancelled."""
+    msg = "the request was cancelled: the server is stopping" if taken else \
+        "the server is stopping; the request was not taken"
+    return ApiError(503, msg, "server_error", None, "cancelled")
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -239,8 +242,7 @@ class Service:
                 if kind == "done":
                     outcomes[i] = val
                 elif kind == "cancelled":
-                    raise ApiError(503, "the request was cancelled: the server is stopping", "server_error",
-                                   None, "cancelled")
+                    raise _stopping_error(taken=True)
                 elif kind == "error":
                     raise ApiError(500, val, "server_error")
             return outcomes
@@ -274,8 +276,7 @@ class Service:
                     yield DONE
                     return
             elif what == "cancelled":
-                yield sse(error_body("the request was cancelled: the server is stopping", "server_error", None,
-                                     "cancelled"))
+                yield sse(_stopping_error(taken=True).body())
                 return
             elif what == "error":
                 yield sse(error_body(val, "server_error"))
