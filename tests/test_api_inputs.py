@@ -25,6 +25,7 @@ from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.prompts import encode_prompt
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import process_logits
+from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.solver.graph import build_gsp_graph
 from tests.helpers import make_tiny_llama, save_tiny, write_plan
 
@@ -106,6 +107,13 @@ def test_penalties_prompts_and_models_refuse_values_of_another_form():
     for prompt in ({1: 2}, {1, 2}):                  # a dict's keys were decoded
         with pytest.raises(HsdError, match="the prompt must be a sequence of token ids"):
             runner.generate(prompt, 4)
+    with pytest.raises(HsdError, match="pool: a StatePool, not int"):   # an AttributeError at the next generate
+        runner.pool = 5
+    with pytest.raises(HsdError, match="pool: a StatePool, not dict"):
+        HSD([Level("t", eng, eng.n_layers)], [], pool={})
+    runner.pool = StatePool(reuse=True)
+    alone = HSD([Level("t", eng, eng.n_layers)], [])
+    assert runner.generate([1, 2, 3], 4).token_ids == alone.generate([1, 2, 3], 4).token_ids
 
 
 def test_a_plans_runner_refuses_a_hierarchy_given_as_a_string(tmp_path):

@@ -453,6 +453,18 @@ class HSD:
     def target(self) -> Engine:
         return self.levels[-1].engine
 
+    @property
+    def pool(self) -> StatePool:
+        """Where decoding states no sequence holds wait for the next (a :class:`StatePool`; set one that reuses
+        for prompts to take the keys and values of earlier ones)."""
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: StatePool) -> None:
+        if not isinstance(pool, StatePool):
+            raise HsdError(f"pool: a StatePool, not {type(pool).__name__}")
+        self._pool = pool
+
     def take_state(self, eng: Engine, max_len: int, bounds: Sequence[int],
                    prompt: Sequence[int] | None = None) -> DecodeState:
         """A decoding state of ``eng`` with room for ``max_len`` tokens keeping ``bounds`` (:meth:`StatePool.take`).
