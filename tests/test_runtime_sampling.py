@@ -305,10 +305,10 @@ def test_top_k_and_min_p_are_their_definitions():
 @pytest.mark.parametrize("top_k, min_p, flag", [(-1, 0.0, "--top-k"), (2.5, 0.0, "--top-k"), (0, 1.5, "--min-p"),
                                                (0, float("nan"), "--min-p")])
 def test_bad_filters_are_refused_naming_the_flag(top_k, min_p, flag):
-    from hsd_opt.runtime.decode import check_filters
+    from hsd_opt.runtime.decode import check_sampling_flags
 
     with pytest.raises(HsdError, match=flag):
-        check_filters(top_k, min_p)
+        check_sampling_flags(8, 1.0, 1.0, top_k, min_p)
 
 
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

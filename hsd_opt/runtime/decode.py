@@ -50,6 +50,7 @@ from hsd_opt.errors import ContextFull, HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import (
+    check_filters,
     filter_window,
     filtered_probs,
     gumbel_offsets,
@@ -59,7 +60,7 @@ from hsd_opt.runtime.sampling import (
 )
 from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.seeds import seed_fits
-from hsd_opt.values import is_finite, is_integer, is_real
+from hsd_opt.values import is_integer
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
 #: passes of this many, between which a batch serves the other sequences' rounds. Long enough that its passes take
@@ -169,6 +170,10 @@ def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max
     return prompt
 
 
+#: the command-line flags of the generation arguments, the names their errors give (:func:`check_filters`)
+FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
+
+
 def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
     """Refuse ``max_new_tokens`` not an integer >= 1, a ``temperature`` below 0 or not finite, ``top_p`` outside
     (0, 1] or a ``seed`` outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag
@@ -177,10 +182,7 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_p: float,
         raise HsdError(f"--max-new-tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    if not (is_finite(temperature) and temperature >= 0):
-        raise HsdError(f"--temperature: expected a finite value >= 0, got {temperature!r}")
-    if not (is_real(top_p) and 0.0 < top_p <= 1.0):
-        raise HsdError(f"--top-p: expected a value in (0, 1], got {top_p!r}")
+    check_filters(temperature, top_p, names=FLAGS)
     if seed is not None and not (is_integer(seed) and seed_fits(seed)):
         raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed!r}")
 
@@ -200,17 +202,8 @@ def check_sampling_flags(max_new_tokens: int, temperature: float, top_p: float, 
     :func:`check_generation_args`, :func:`check_filters`, and a filter at temperature 0
     (:func:`check_sampled_filters`; a request to the server may send one, and decodes greedy)."""
     check_generation_args(max_new_tokens, temperature, top_p, seed)
-    check_filters(top_k, min_p)
+    check_filters(top_k=top_k, min_p=min_p, names=FLAGS)
     check_sampled_filters(temperature, top_p, top_k, min_p)
-
-
-def check_filters(top_k: int, min_p: float) -> None:
-    """Refuse a ``top_k`` that is not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1] (0: off) with a
-    one-line :class:`HsdError` naming the flag."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise HsdError(f"--top-k: expected an integer >= 0 (0: off), got {top_k}")
-    if not is_real(min_p) or not 0.0 <= min_p <= 1.0:
-        raise HsdError(f"--min-p: expected a value in [0, 1] (0: off), got {min_p!r}")
 
 
 @dataclass
@@ -565,7 +558,7 @@ class Decoding:
                  min_p: float = 0.0):
         check_generation_args(max_new_tokens, temperature, top_p, seed)
         prompt = check_prompt(prompt_ids, hsd.target.vocab_size, max_new_tokens, hsd.max_positions)
-        check_filters(top_k, min_p)
+        check_filters(top_k=top_k, min_p=min_p, names=FLAGS)
         check_logprobs(logprobs)
         for name, value, kind in (("constraint", constraint, Constraint), ("penalties", penalties, Penalties)):
             if value is not None and not isinstance(value, kind):

@@ -20,18 +20,23 @@ from hsd_opt.engine.interface import Window
 from hsd_opt.errors import HsdError
 from hsd_opt.values import is_finite, is_integer, is_real
 
+#: the names :func:`check_filters` gives each filter by default (its argument's; the CLI passes its flags')
+ARGUMENTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
 
-def _check_filters(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
-    """:func:`process_logits`'s arguments, refused naming the one out of range (a negative temperature reversed
-    the distribution, NaN made it greedy, a min-p above 1 made it NaN)."""
+
+def check_filters(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                  names: dict[str, str] = ARGUMENTS) -> None:
+    """Refuse a ``temperature`` below 0 or not finite (a negative one reversed the distribution, NaN made it
+    greedy), a ``top_p`` outside (0, 1], a ``top_k`` not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1]
+    (0: off; above 1 every probability was NaN): a one-line :class:`HsdError` naming the value by ``names``."""
     if not (is_finite(temperature) and temperature >= 0):
-        raise HsdError(f"temperature: expected a finite value >= 0, got {temperature!r}")
+        raise HsdError(f"{names['temperature']}: expected a finite value >= 0, got {temperature!r}")
     if not (is_real(top_p) and 0.0 < top_p <= 1.0):
-        raise HsdError(f"top_p: expected a value in (0, 1], got {top_p!r}")
+        raise HsdError(f"{names['top_p']}: expected a value in (0, 1], got {top_p!r}")
     if not (is_integer(top_k) and top_k >= 0):
-        raise HsdError(f"top_k: expected an integer >= 0 (0: off), got {top_k!r}")
+        raise HsdError(f"{names['top_k']}: expected an integer >= 0 (0: off), got {top_k!r}")
     if not (is_real(min_p) and 0.0 <= min_p <= 1.0):
-        raise HsdError(f"min_p: expected a value in [0, 1] (0: off), got {min_p!r}")
+        raise HsdError(f"{names['min_p']}: expected a value in [0, 1] (0: off), got {min_p!r}")
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
@@ -55,7 +60,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     logits are not numbers, or all ``-inf`` (every token masked), is an :class:`HsdError`, and so is a
     ``temperature`` below 0 or not finite, a ``top_p`` outside (0, 1], a ``top_k`` not an integer >= 0 or a
     ``min_p`` outside [0, 1]."""
-    _check_filters(temperature, top_p, top_k, min_p)
+    check_filters(temperature, top_p, top_k, min_p)
     x, kept = logits.float(), None
     if 0 < top_k < x.shape[-1]:
         kept = top_k_columns(x, top_k)
