@@ -340,7 +340,13 @@ def test_a_table_whose_arrays_do_not_fit_together_is_refused_naming_the_array(ta
         np.savez(tmp_path / "m.npz", **{**good, **change}, meta=np.array(json.dumps({"format": MATRIX_FORMAT})))
         with pytest.raises(InputFileError, match=rf"m.npz: {field}: "):
             TrigramMatrix.load(tmp_path / "m.npz")
-    np.savez(tmp_path / "m.npz", **good, meta=np.array(json.dumps({"format": MATRIX_FORMAT})))
+    meta = np.array(json.dumps({"format": MATRIX_FORMAT}))
+    for change, field in (({"meta": np.array("[1, 2]")}, "meta"), ({"meta": np.array("null")}, "meta"),  # crashed
+                          ({"p": np.array(["x", "y"])}, "p"), ({"c": np.array([3.0, 1.0])}, "c")):  # a TypeError
+        np.savez(tmp_path / "m.npz", **{**good, "meta": meta, **change})
+        with pytest.raises(InputFileError, match=rf"m.npz: {field}: not a tri-gram matrix"):
+            TrigramMatrix.load(tmp_path / "m.npz")
+    np.savez(tmp_path / "m.npz", **good, meta=meta)
     assert TrigramMatrix.load(tmp_path / "m.npz").get(2, 3, 1) == 1.0
     arrays = {"ids": table.ids, "probs": table.probs, "unigram_ids": table.unigram_ids,
               "unigram_logp": table.unigram_logp}
@@ -351,8 +357,32 @@ def test_a_table_whose_arrays_do_not_fit_together_is_refused_naming_the_array(ta
         np.savez(tmp_path / "t.npz", **{**arrays, **change}, meta=np.array(json.dumps({"format": TABLE_FORMAT})))
         with pytest.raises(InputFileError, match=rf"t.npz: {field}: "):
             BigramTable.load(tmp_path / "t.npz")
+    for change, field in (({"meta": np.array("null")}, "meta"), ({"probs": table.probs.astype(str)}, "probs"),
+                          ({"unigram_ids": table.unigram_ids.astype(np.float32)}, "unigram_ids")):
+        np.savez(tmp_path / "t.npz", **{**arrays, "meta": np.array(json.dumps({"format": TABLE_FORMAT})), **change})
+        with pytest.raises(InputFileError, match=rf"t.npz: {field}: not a bigram table"):
+            BigramTable.load(tmp_path / "t.npz")
     np.savez(tmp_path / "t.npz", **arrays, meta=np.array(json.dumps({"format": TABLE_FORMAT})))
     assert np.array_equal(BigramTable.load(tmp_path / "t.npz").ids, table.ids)
+
+
+def test_a_proposal_of_another_size_or_form_is_refused_naming_the_argument(table):
+    """``propose(ctx, 2.5)`` was a TypeError from a slice, ``propose_batch`` with ``k`` 0 or below returned a row
+    (ADED's differing for 0 and -1); each drafter now refuses them naming ``n``, ``k`` or ``w``."""
+    from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
+
+    ctx = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafters = [ContextNgramDrafter(), AdedDrafter(TrigramMatrix.from_sequences([[1, 2, 3, 4] * 3])),
+                BigramDrafter(table), MixedNgramDrafter(ContextNgramDrafter(), BigramDrafter(table))]
+    for d in drafters:
+        d.reset(ctx)
+        for n in (2.5, "3", None, float("nan"), -1, True):
+            with pytest.raises(HsdError, match=r"^n: expected an integer >= 0"):
+                d.propose(ctx, n)
+        for k, w, said in ((0, 2, "k: "), (-1, 2, "k: "), (2.0, 2, "k: "), (2, 1.5, "w: ")):
+            with pytest.raises(HsdError, match=f"^{said}expected an integer"):
+                d.propose_batch(ctx, k, w)
+        assert d.propose(ctx, np.int64(2)) == d.propose(ctx, 2) and len(d.propose_batch(ctx, 3, 2)) == 3
 
 
 def test_a_drafted_id_outside_the_targets_vocabulary_is_an_error_not_a_crash(model):

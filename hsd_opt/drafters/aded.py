@@ -52,7 +52,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from hsd_opt.drafters.base import TokenDrafter, check_settings, read_npz_table
+from hsd_opt.drafters.base import TokenDrafter, check_proposal, check_settings, read_npz_table
 from hsd_opt.errors import InputFileError
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.seeds import SEED_STRIDE
@@ -132,7 +132,7 @@ class TrigramMatrix:
 
     @classmethod
     def load(cls, path: str | os.PathLike, backoff: bool = True) -> "TrigramMatrix":
-        z, meta = read_npz_table(path, "tri-gram matrix", MATRIX_FORMAT, ("a", "b", "c", "p"))
+        z, meta = read_npz_table(path, "tri-gram matrix", MATRIX_FORMAT, ("a", "b", "c", "p"), ids=("a", "b", "c"))
         _check_arrays(path, z)
         a, b, c, p = (z[k].tolist() for k in ("a", "b", "c", "p"))
         meta.pop("format", None)
@@ -420,6 +420,7 @@ class AdedDrafter(TokenDrafter):
         return row + [fill] * (n - len(row))
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
+        check_proposal(n)
         if n <= 0:
             return []
         rows = self._ranked(context, n)
@@ -427,6 +428,7 @@ class AdedDrafter(TokenDrafter):
         return self._pad(rows[0] if rows else [], n, last)
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        check_proposal(w, k, "w")
         rows = self._ranked(context, w)[:k]
         last = int(context[-1]) if len(context) else 0
         out = [self._pad(r, w, last) for r in rows] or [self._pad([], w, last)]

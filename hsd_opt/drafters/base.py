@@ -47,6 +47,8 @@ class TokenDrafter(abc.ABC):
 
         Deterministic: the same context gives the same proposal (q is one-hot). When nothing matches,
         each implementation documents its fallback; only an abstaining drafter returns fewer than ``n`` ids.
+        An implementation refuses an ``n`` (and :meth:`propose_batch` a ``k`` or ``w``) of another form or range
+        with :func:`check_proposal`.
         """
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
@@ -55,6 +57,7 @@ class TokenDrafter(abc.ABC):
         Implementations that can rank several continuations return exactly ``k`` rows (padding with
         duplicates of lower-ranked rows if they have fewer distinct ones, documented per class).
         """
+        check_proposal(w, k, "w")
         return [self.propose(context, w)]
 
     def observe(self, context: Sequence[int], accepted: Sequence[int]) -> None:
@@ -74,11 +77,26 @@ class TokenDrafter(abc.ABC):
         return f"{type(self).__name__}({self.config()})"
 
 
-def read_npz_table(path, what: str, fmt: str, keys: Sequence[str]) -> tuple[dict, dict]:
+def check_proposal(n: object, k: object = 1, width: str = "n") -> None:
+    """Refuse the size of a proposal asked of a drafter (:meth:`TokenDrafter.propose`, :meth:`~TokenDrafter.
+    propose_batch`): ``n`` tokens per row an integer >= 0 (``width``: its argument's name), ``k`` rows an integer
+    >= 1; an :class:`~hsd_opt.errors.HsdError` naming the argument (a float was a TypeError from a slice, ``k`` 0 or
+    below gave a row)."""
+    from hsd_opt.errors import HsdError
+    from hsd_opt.values import is_integer
+
+    if not is_integer(n) or n < 0:
+        raise HsdError(f"{width}: expected an integer >= 0 (tokens per proposal), got {n!r}")
+    if not is_integer(k) or k < 1:
+        raise HsdError(f"k: expected an integer >= 1 (proposals), got {k!r}")
+
+
+def read_npz_table(path, what: str, fmt: str, keys: Sequence[str], ids: Sequence[str] = ()) -> tuple[dict, dict]:
     """Arrays ``keys`` and the JSON ``meta`` of an ``.npz`` table written by a drafter's ``save``.
 
     Raises :class:`~hsd_opt.errors.InputFileError` naming ``path`` when the file is missing, is not such a
-    table (``what`` says which), or has another ``format`` than ``fmt``.
+    table (``what`` says which: its ``meta`` not a JSON object, an array not of numbers, one of ``ids`` (token
+    ids) not of integers), or has another ``format`` than ``fmt``.
     """
     import json
     import zipfile
@@ -95,6 +113,12 @@ def read_npz_table(path, what: str, fmt: str, keys: Sequence[str]) -> tuple[dict
         raise InputFileError(str(path), f"{what} not found") from None
     except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:     # a cut or damaged file too
         raise InputFileError(str(path), f"not a {what} ({e or type(e).__name__})") from None
+    if not isinstance(meta, dict):
+        raise InputFileError(str(path), f"not a {what} (not a JSON object)", "meta")
+    for k, a in arrays.items():
+        if a.dtype.kind not in ("iu" if k in ids else "iuf"):
+            raise InputFileError(str(path), f"not a {what} (its {k} holds {a.dtype}, not "
+                                            f"{'token ids' if k in ids else 'numbers'})", k)
     if meta.get("format") != fmt:
         raise InputFileError(str(path), f"format {meta.get('format')!r}, expected {fmt!r}")
     return arrays, meta

@@ -39,7 +39,7 @@ import numpy as np
 
 from hsd_opt.cache import cache_dir as default_cache_dir
 from hsd_opt.console import progress_bar
-from hsd_opt.drafters.base import TokenDrafter, read_npz_table
+from hsd_opt.drafters.base import TokenDrafter, check_proposal, read_npz_table
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.jsonio import atomic_write
 from hsd_opt.models.loading import cache_keyword
@@ -142,7 +142,8 @@ class BigramTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "BigramTable":
         """Read a table written by :meth:`save`; raises :class:`InputFileError` on a bad file."""
-        z, meta = read_npz_table(path, "bigram table", TABLE_FORMAT, ("ids", "probs", "unigram_ids", "unigram_logp"))
+        z, meta = read_npz_table(path, "bigram table", TABLE_FORMAT, ("ids", "probs", "unigram_ids", "unigram_logp"),
+                                  ids=("ids", "unigram_ids"))
         _check_table(path, z)
         return cls(z["ids"], z["probs"], z["unigram_ids"], z["unigram_logp"], meta, str(path))
 
@@ -374,6 +375,7 @@ class BigramDrafter(TokenDrafter):
         return None
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
+        check_proposal(n)
         x = self._start(context)
         if x is None:
             first = int(self.table.unigram_ids[0])
@@ -381,6 +383,7 @@ class BigramDrafter(TokenDrafter):
         return self.table.greedy_chain(x, n)
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        check_proposal(w, k, "w")
         x = self._start(context)
         if x is None:
             rows = [[int(u)] + self.table.greedy_chain(int(u), w - 1) for u in self.table.unigram_ids[:k]]
@@ -411,12 +414,14 @@ class UnigramDrafter(TokenDrafter):
         self.name = name
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
+        check_proposal(n)
         if n <= 0:
             return []
         first = int(self.table.unigram_ids[0])
         return [first] + self.table.greedy_chain(first, n - 1)
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        check_proposal(w, k, "w")
         rows = [([int(u)] + self.table.greedy_chain(int(u), w - 1))[:w] for u in self.table.unigram_ids[:k]]
         while len(rows) < k:
             rows.append(list(rows[-1]))

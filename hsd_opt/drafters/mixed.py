@@ -18,7 +18,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hsd_opt.drafters.base import TokenDrafter, check_settings
+from hsd_opt.drafters.base import TokenDrafter, check_proposal, check_settings
 from hsd_opt.drafters.bigram import BigramDrafter
 from hsd_opt.drafters.ngram import ContextNgramDrafter
 from hsd_opt.errors import HsdError
@@ -64,9 +64,11 @@ class MixedNgramDrafter(TokenDrafter):
         self.bigram.observe(context, accepted)
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
+        check_proposal(n)
         return self.propose_batch(context, 1, n)[0]
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        check_proposal(w, k, "w")
         rows = self.ngram.candidates(context, k, w)
         sources = ["ngram"] * len(rows)
         if len(rows) < k:

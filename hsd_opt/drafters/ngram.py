@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hsd_opt.drafters.base import TokenDrafter, check_settings
+from hsd_opt.drafters.base import TokenDrafter, check_proposal, check_settings
 
 #: The longest query an n-gram drafter keeps an index for (each length one index, rebuilt per sequence).
 MAX_Q = 64
@@ -153,6 +153,7 @@ class ContextNgramDrafter(TokenDrafter):
         return out
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
+        check_proposal(n)
         if n <= 0:
             return []
         top = self.candidates(context, 1, n)
@@ -183,6 +184,7 @@ class ContextNgramDrafter(TokenDrafter):
         return out
 
     def propose_batch(self, context: Sequence[int], k: int, w: int) -> list[list[int]]:
+        check_proposal(w, k, "w")
         rows = self.candidates(context, k, w)
         if len(rows) < k:
             pad = self.propose(context, w)
