@@ -309,3 +309,20 @@ def test_the_heads_table_shows_the_mass_outside_a_reduced_vocabulary():
     full = shown({2: {"acceptance": 0.6, "greedy": 0.6, "kl": 0.5, "outside": 0.0}})
     reduced = shown({2: {"acceptance": 0.6, "greedy": 0.6, "kl": 0.5, "outside": 0.21}})
     assert "outside" not in full and "mass outside its vocab" in reduced and "0.210" in reduced
+
+
+def test_heads_saved_with_the_bare_model_of_a_loaded_one_load_for_it(trained, tmp_path):
+    """``save_heads(path, heads, loaded.model)`` recorded the model's config path (a GGUF's conversion folder) and
+    no revision, which ``load_heads(path, loaded)`` then refused as another model; the bare model now carries the
+    id and revision of the :class:`LoadedModel` that holds it."""
+    from hsd_opt.models.loading import LoadedModel
+
+    model = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32, scale=20.0)
+    model.config._name_or_path = str(tmp_path / "converted-from-gguf")
+    loaded = LoadedModel(model, None, "embedded:tiny", "sha256:" + "ab" * 32, "embedded", "cpu", "float32")
+    header = save_heads(tmp_path / "h.safetensors", trained.heads, loaded.model)
+    assert (header["model"], header["revision"]) == ("embedded:tiny", "sha256:" + "ab" * 32)
+    heads, _ = load_heads(tmp_path / "h.safetensors", loaded)
+    assert sorted(heads) == LAYERS
+    other = make_tiny_llama(seed=0, vocab_size=64, layers=4, hidden=32, scale=20.0)   # held by no LoadedModel
+    assert save_heads(tmp_path / "o.safetensors", trained.heads, other)["revision"] == ""

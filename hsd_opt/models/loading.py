@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,20 +78,36 @@ class LoadedModel:
     #: plan's draft models are loaded so too
     engines_only: bool = False
 
+    def __post_init__(self) -> None:
+        try:
+            _ORIGINS[self.model] = (self.model_id, self.revision)
+        except TypeError:       # a model that takes no weak reference: known by its LoadedModel alone
+            pass
+
     def provenance(self) -> dict[str, Any]:
         return {"model": self.model_id, "revision": self.revision, "source": self.source,
                 "device": self.device, "dtype": self.dtype}
 
 
+#: the id and revision of each model a :class:`LoadedModel` holds, for :func:`unwrap_model` given the bare model
+#: (its config names a GGUF's conversion folder, not the model it came from)
+_ORIGINS: "weakref.WeakKeyDictionary[Any, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
 def unwrap_model(model) -> tuple[Any, str | None, str | None]:
     """``(model, model_id, revision)`` from a :class:`LoadedModel` or a bare ``transformers`` model (whose id and
-    revision are then None); anything else (a path, None) raises :class:`HsdError` naming the argument ``model``."""
+    revision are those of the :class:`LoadedModel` that held it in this process, else None); anything else (a path,
+    None) raises :class:`HsdError` naming the argument ``model``."""
     if all(hasattr(model, a) for a in ("model", "model_id", "tokenizer")):
         return model.model, model.model_id, model.revision
     if not all(hasattr(model, a) for a in ("config", "get_input_embeddings", "lm_head")):
         raise HsdError(f"model: expected a LoadedModel (hsd_opt.models.loading.load_model) or a transformers "
                        f"causal LM, got {type(model).__name__}")
-    return model, None, None
+    try:
+        model_id, revision = _ORIGINS.get(model, (None, None))
+    except TypeError:           # unhashable: not one a LoadedModel held
+        model_id = revision = None
+    return model, model_id, revision
 
 
 def cache_keyword(model) -> str:
