@@ -921,6 +921,9 @@ def test_bad_inputs_exit_2(tiny, tmp_path):
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--draft-model",
                      str(tiny["other_tok"])])
     cases.append((r, "tokenizer differs"))
+    r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--quantized",
+                     f"{tiny['other_tok']}:int8"])
+    cases += [(r, "tokenizer differs"), (r, "error: --quantized ")]      # it named --draft-model, not given
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--token-drafters", "foo"])
     cases.append((r, "unknown token drafter"))
     r = _cli(base + ["--model", str(tiny["model"]), "--prompts", str(tiny["prompts"]), "--top-p", "0.9"])

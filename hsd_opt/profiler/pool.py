@@ -262,7 +262,7 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
     except HsdError as e:
         raise HsdError(str(e).replace("--model", flag, 1)) from None
     if loaded.tokenizer is not None and dlm.tokenizer is not None:
-        check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref)
+        check_same_tokenizer(loaded.tokenizer, dlm.tokenizer, ref, flag)
     elif loaded.model.config.vocab_size != dlm.model.config.vocab_size:
         raise HsdError(f"{flag} {ref}: its vocabulary ({dlm.model.config.vocab_size} tokens) differs from the "
                        f"target's ({loaded.model.config.vocab_size}); drafts must share the target's tokens")
