@@ -25,6 +25,20 @@ def write(tmp_path, obj, name="profile.json") -> Path:
     return p
 
 
+@pytest.mark.parametrize("measured", [4, 8, None])
+def test_solve_says_when_the_plans_budgets_pass_what_the_profile_measured(tmp_path, measured):
+    """A profile made with ``--tmax 4`` solved at ``--tmax 10`` gave budgets up to 8 priced on cost curves
+    extended past their ends, silently."""
+    prof = good_profile()
+    if measured is not None:
+        prof["provenance"]["tmax"] = measured
+    res = run("solve", "--profile", write(tmp_path, prof), "--tmax", 10, "--min-gain", 0)
+    text = " ".join(out_of(res).split())
+    assert res.exit_code == 0, text
+    said = f"measured budgets up to {measured} (hsd profile --tmax {measured}); the plan's budget of 8 is priced"
+    assert (said in text) == (measured == 4), text
+
+
 def test_solve_writes_plan_and_simulate_agrees(tmp_path):
     plan_path = tmp_path / "plan.json"
     res = run("solve", "--profile", DATA / "example_profile.json", "--tmax", 10, "--out", plan_path,

@@ -184,6 +184,7 @@ def solve_cmd(
     plan = _solve_plan(prof, full, task, per_task, sizes, tmax, solver, max_depth, top, min_gain, load_min_gain,
                        context)
     _print_plan(plan, per_task, min_gain)
+    _warn_past_measured(plan, full, profile)
     if out is not None:
         save_plan(plan, out)
         console.print(f"wrote {out}")
@@ -285,6 +286,21 @@ def _solve_plan(prof, full, task: Optional[str], per_task: bool, sizes: list[int
                                    load_min_gain=load_min_gain, context=context)
         plan.load_min_gain = load_min_gain          # what --retime chooses the levels again with
     return plan
+
+
+def _warn_past_measured(plan, prof, profile: Path) -> None:
+    """Say where the plan (or one of its plans per task or load level) hands up more tokens than the profile
+    measured passes for (its ``--tmax``): those budgets are priced by extending its cost curves (and an abstaining
+    drafter's share of rounds) past their ends."""
+    from hsd_opt.values import is_integer
+
+    measured = prof.provenance.get("tmax")
+    entries = [plan, *plan.by_task.values(), *plan.by_load.values()]
+    used = max((t for e in entries for t in e.budgets), default=0)
+    if is_integer(measured) and used > measured:
+        warn(f"{profile} measured budgets up to {measured} (hsd profile --tmax {measured}); the plan's budget of "
+             f"{used} is priced by extending its cost curves past what it measured: profile with --tmax {used} or "
+             f"more to measure it, or solve with --tmax {measured}")
 
 
 def _print_plan(plan, per_task: bool, min_gain: float) -> None:
