@@ -696,6 +696,17 @@ def _special_end_ids(tok) -> set[int]:
     return out
 
 
+def check_same_width(target, draft, draft_name: str, flag: str = "--draft-model") -> None:
+    """Refuse a draft model (a :class:`LoadedModel`) whose head has another number of rows than the target's
+    (a model padded to another width, as Qwen2.5-7B's 152,064 rows against the 0.5B's 151,936, though their
+    tokenizer is one): their distributions would not line up, and a token one has no row for would reach the
+    other; ``flag`` (or the plan's field) and the model are named."""
+    have, want = int(draft.model.config.vocab_size), int(target.model.config.vocab_size)
+    if have != want:
+        raise HsdError(f"{flag} {draft_name}: its head has {have:,} rows, the target's {want:,} (the same "
+                       f"tokenizer, padded to another width); a draft model of another width is not supported")
+
+
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str, flag: str = "--draft-model") -> None:
     """Refuse a draft model whose tokenizer differs from the target's (vocab and special tokens), naming ``flag``
     (or the plan's field) and the model."""

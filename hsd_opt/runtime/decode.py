@@ -417,6 +417,11 @@ class HSD:
         for lv in levels[1:]:
             if not lv.is_model:
                 raise HsdError(f"{lv.name!r} cannot verify: a token drafter may only be the bottom level")
+        width = levels[-1].engine.vocab_size
+        for lv in levels[:-1]:
+            if lv.is_model and lv.engine.vocab_size != width:
+                raise HsdError(f"level {lv.name!r}: its head has {lv.engine.vocab_size} rows, the target's {width}; "
+                               f"a level of another width is not supported (its distributions would not line up)")
         check_mode(mode)
         # exact: a level verifies at most the budget below it; eager: what every level below hands up at most
         longest = (max(budgets, default=0) if mode == "exact" else sum(int(t) for t in budgets)) + 1
