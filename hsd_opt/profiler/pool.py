@@ -250,7 +250,8 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
     """Load the draft model ``ref`` (named by ``flag`` in errors); in a costs-only run as the target is loaded
     (:func:`~hsd_opt.models.random_weights.load_for_costs`: its own weights where they are on this machine, else
     random weights of its configuration): refused when its tokenizer differs from the target's (its vocabulary
-    size, where either has no tokenizer), or when it is the target itself."""
+    size, where either has no tokenizer), when its head has another number of rows, or when it is the target
+    itself."""
     from hsd_opt.models.loading import check_same_tokenizer, check_same_width, load_model, recorded_model_id
     from hsd_opt.models.random_weights import load_for_costs
 
