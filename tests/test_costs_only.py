@@ -299,6 +299,43 @@ def test_solve_and_merges_refuse_a_costs_only_profile_where_rates_are_needed(tmp
     assert prov.get("costs_from")["model"] == "m"
 
 
+def test_a_merge_takes_the_costs_machine_and_refuses_costs_of_another_model(tmp_path):
+    """The merged profile kept the rates' threads, kernel variant and sampling time (``hsd run`` then warned of a
+    machine it was not, and ``--retime`` took the rates' sampling time out of the costs' passes), and took the costs
+    of a model of another shape or tokenizer silently."""
+    import numpy as np
+
+    from hsd_opt.formats import save_profile
+    from hsd_opt.runtime.runner import machine_differences
+    from hsd_opt.solver.api import solve
+    from tests.helpers import random_profile
+
+    shape = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
+    rates = random_profile(np.random.default_rng(2), 4).to_dict()
+    rates["provenance"] = {"model": "m", "torch_threads": 1, "kernels": {"variant": "avx2", "openmp": True},
+                           "sampling_seconds": [1e-4, 2e-4], "model_shape": shape, "tokenizer_sha256": "aa"}
+    costs = {**rates, "acceptance": {}}
+    costs["provenance"] = {"model": "m.config", "costs_only": True, "torch_threads": 16, "sampling_seconds": [5e-3],
+                           "kernels": {"variant": "avx512", "openmp": True}, "model_shape": shape}
+    save_profile(profile_from_dict(rates, "r.json")[0], tmp_path / "r.json")
+    save_profile(profile_from_dict(costs, "c.json")[0], tmp_path / "c.json")
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "r.json", "--costs", tmp_path / "c.json",
+                  "-o", tmp_path / "m.json")
+    assert res.exit_code == 0, cli_output(res)
+    prov = load_profile(tmp_path / "m.json")[0].provenance
+    assert (prov.threads, prov.kernel_variant, prov.get("sampling_seconds")) == (16, "avx512", [5e-3])
+    assert prov.get("rates_measured_with")["torch_threads"] == 1 and prov.get("tokenizer_sha256") == "aa"
+    plan = solve(load_profile(tmp_path / "m.json")[0], 3)
+    assert machine_differences(plan, 16, "avx512") == [] and len(machine_differences(plan, 1, "avx2")) == 2
+    for field, value in (("model_shape", {**shape, "hidden_size": 128}), ("tokenizer_sha256", "bb")):
+        other = {**costs, "provenance": {**costs["provenance"], field: value}}
+        save_profile(profile_from_dict(other, "o.json")[0], tmp_path / "o.json")
+        res = run_cli("profile", "merge-costs", "--rates", tmp_path / "r.json", "--costs", tmp_path / "o.json",
+                      "-o", tmp_path / "m2.json")
+        out = " ".join(cli_output(res).split())
+        assert res.exit_code == 2 and f"provenance.{field}" in out and not (tmp_path / "m2.json").exists(), out
+
+
 def test_costs_only_is_typed_and_checked():
     d = {"format": "hsd-profile/1", "target": "t", "models": [{"name": "t", "kind": "target", "cost": 1.0}],
          "acceptance": {}, "provenance": {"costs_only": True}}

@@ -551,6 +551,32 @@ def _same_costed_work(rates: Profile, costs: Profile, rates_source: str, costs_s
                                                f"with the same setting", f"provenance.{f}")
 
 
+#: The provenance fields that say where and how costs were timed: a merged profile takes them from the costs' file
+#: (what ``hsd run`` compares with the machine it runs on, the sampling time ``hsd bench --retime`` takes out of
+#: each cost), the rates' own kept in ``rates_measured_with``.
+MACHINE_FIELDS = ("device", "torch_threads", "threads_note", "kernels", "torch_path", "torch", "cpu_count", "host",
+                  "load_average", "cost_contexts", "cost_plan", "cost_model", "cost_model_check", "sampling_seconds",
+                  "draw_saving_seconds", "window_saving_seconds")
+
+
+def _same_model(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> None:
+    """Refuse ``costs`` of a model of another shape (``model_shape``) or tokenizer (``tokenizer_sha256``) than
+    ``rates``', each compared where both files record it (their ids differ rightly: a GGUF's rates and its shipped
+    configuration's costs)."""
+    a, b = rates.provenance.to_dict(), costs.provenance.to_dict()
+    sa, sb = a.get("model_shape"), b.get("model_shape")
+    if isinstance(sa, dict) and isinstance(sb, dict):
+        differ = [f"{k} {sb.get(k)} against {sa.get(k)}" for k in sorted(set(sa) | set(sb))
+                  if sa.get(k) is not None and sb.get(k) is not None and sa.get(k) != sb.get(k)]
+        if differ:
+            raise InputFileError(costs_source, f"its costs are of another model than {rates_source}'s rates "
+                                               f"({', '.join(differ)})", "provenance.model_shape")
+    ta, tb = a.get("tokenizer_sha256"), b.get("tokenizer_sha256")
+    if ta and tb and ta != tb:
+        raise InputFileError(costs_source, f"its model's tokenizer differs from {rates_source}'s (tokenizer_sha256 "
+                                           f"{tb} against {ta})", "provenance.tokenizer_sha256")
+
+
 def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source: str) -> Profile:
     """A profile with ``rates``' acceptance rates, statistics, draft rates and provenance and ``costs``' costs:
     its drafters' step costs, cost curves, verify costs, context and batch costs, and each model entry's
@@ -558,12 +584,12 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
     the models' own (any device computes the same numbers up to rounding), the costs the device's. The pool is
     ``rates``'; ``costs`` must hold each of its drafters under the same name and kind (a drafter only in
     ``costs`` is left out; a costs-only profile, ``hsd profile --costs-only``, is one). The provenance records
-    where the costs came from (``costs_from``).
+    where the costs came from (``costs_from``) and takes their :data:`MACHINE_FIELDS`.
 
     Raises:
         InputFileError: ``rates`` is a costs-only profile; ``costs`` lacks a drafter of ``rates``, has it as
-            another kind, has another target, or was measured with other :data:`COST_FIELDS` (naming the file and
-            the drafter or field).
+            another kind, has another target, is of a model of another shape or tokenizer, or was measured with
+            other :data:`COST_FIELDS` (naming the file and the drafter or field).
     """
     if rates.provenance.costs_only:
         raise InputFileError(rates_source, "a costs-only profile has no acceptance rates to keep: give it as "
@@ -573,6 +599,7 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
         raise InputFileError(costs_source, f"its target is {costs.target!r}, {rates_source}'s {rates.target!r}",
                              "target")
     _same_costed_work(rates, costs, rates_source, costs_source)
+    _same_model(rates, costs, rates_source, costs_source)
     names = set(rates.names)
     missing = [n for n in rates.names if n not in costs.names]
     if missing:
@@ -606,5 +633,11 @@ def merge_costs(rates: Profile, costs: Profile, rates_source: str, costs_source:
         if cp.get(f) is not None and prov.get(f) is not None and cp.get(f) != prov.get(f):
             prov.setdefault("rates_measured_with", {})[f] = prov[f]
             prov[f] = cp.get(f)
+    for f in MACHINE_FIELDS:           # and for the machine they were timed on
+        if prov.get(f) != cp.get(f):
+            if prov.get(f) is not None:
+                prov.setdefault("rates_measured_with", {})[f] = prov.pop(f)
+            if cp.get(f) is not None:
+                prov[f] = cp.get(f)
     return replace(rates, models=models, verify_cost=pairs(costs.verify_cost), cost_curve=only(costs.cost_curve),
                    context_costs=contexts, batch_costs=batches, provenance=provenance_from_dict(prov, rates_source))

@@ -236,13 +236,21 @@ def quantized_target(loaded, precision: str):
                        f"({e})") from None
 
 
+def model_shape(config) -> dict[str, int | None]:
+    """The sizes of a model's configuration that make its costs (layers, widths, heads, vocabulary): a merge of
+    rates and costs refuses costs of a model of another shape."""
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    return {k: (int(v) if isinstance(v, int) else None) for k in keys for v in [getattr(config, k, None)]}
+
+
 def _settings(cfg: ProfileConfig, loaded, heads_sha, suite: PromptSuite, boundaries, pool: Pool, world: int,
               precision: str) -> dict:
     """What a profile was made with: what a resumed run must share (``checkpoint.RESUME_FIELDS``) and merged
     profiles must share (``assemble.MERGE_FIELDS``)."""
     return {
         "model": recorded_model_id(loaded.model_id), "revision": loaded.revision,   # a local model: absolute
-        "tokenizer_sha256": tokenizer_sha256(loaded),
+        "tokenizer_sha256": tokenizer_sha256(loaded), "model_shape": model_shape(loaded.model.config),
         "heads": str(Path(cfg.heads).resolve()) if cfg.heads else None,     # absolute: a plan runs from any folder
         "heads_sha256": heads_sha, "prompts": suite.source, "prompts_sha256": suite.sha256,
         "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "top_k": int(cfg.top_k),
