@@ -79,7 +79,9 @@ import torch
 from benchmarks.entry import count, counts, positive, run
 from hsd_opt.engine import graphs
 from hsd_opt.engine.timing import median_pass, now
+from hsd_opt.errors import HsdError
 from hsd_opt.models import random_weights
+from hsd_opt.models.loading import resolve_device
 
 
 def config_of(name: str) -> dict:
@@ -511,7 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_scale.json"))
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (a dry run: --config tiny --device cpu)")
+        raise HsdError(f"--device {a.device}: no CUDA device here (a dry run: --config tiny --device cpu)")
+    resolve_device(a.device)           # a device torch does not know: named by --device, not by --config
     import transformers
 
     from hsd_opt.jsonio import write_json

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.engine import exit_layers
 from benchmarks.entry import at_least, count, counts, fraction, nonnegative, positive, seconds, whole
@@ -103,6 +104,9 @@ def test_a_script_refuses_a_bad_flag_in_one_line_before_loading_anything(script,
     ("serve_sweep", ["--plan", "p", "--methods", "hsd_base"], "--methods hsd_base and --baseline DIR go together"),
     ("engine_ab", ["--baseline", "{missing}"], "--baseline: expected a checkout of hsd-opt"),
     ("gpu_scale", ["--config", "no-such-model", "--device", "cpu"], "--config"),
+    ("gpu_scale", ["--config", "tiny", "--device", "foo"], "--device: expected auto, cpu, cuda"),  # blamed --config
+    pytest.param("gpu_scale", ["--config", "tiny", "--device", "cuda:0"], "--device cuda:0: no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),   # exit 1
 ])
 def test_a_scripts_own_input_check_is_one_line_with_exit_2(tmp_path, script, args, says):
     """Past argparse, a script's checks of its input (a file's lines, a list of methods) raise ``HsdError``, which
