@@ -754,6 +754,21 @@ def test_api_key_guards_every_spelling_of_a_route(tiny):
         assert httpx.get(srv.url + "/health/", timeout=30).status_code == 200   # open, as /health
 
 
+def test_allowed_origins_are_refused_unless_origins_and_written_as_a_browser_sends_them():
+    """A port that is not a number, a query, a fragment, a user or an empty host passed as an origin; an upper-case
+    host or a default port never matched a browser's ``Origin`` (compared as a string), silently."""
+    from hsd_opt.commands.serve import parse_origins
+    from hsd_opt.errors import HsdError
+
+    for bad in ("http://localhost:abc", "http://localhost:99999", "http://a.com?x=1", "http://user@a.com",
+                "http://a.com#f", "http://a b", "http://:3000", "http://a.com:", "localhost:3000"):
+        with pytest.raises(HsdError, match="--allowed-origins: .* is not an origin"):
+            parse_origins(bad)
+    assert parse_origins("http://LocalHost:3000, http://localhost:80,https://a.com:443,https://a.com:8443") == \
+        ["http://localhost:3000", "http://localhost", "https://a.com", "https://a.com:8443"]
+    assert parse_origins("http://[::1]:3000") == ["http://[::1]:3000"] and parse_origins(" none ") == []
+
+
 def test_web_pages_of_the_allowed_origins_may_call_the_server_and_their_preflight_needs_no_key(tiny):
     preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
                  "access-control-request-headers": "authorization, content-type"}

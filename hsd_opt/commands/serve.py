@@ -43,19 +43,36 @@ DEFAULT_PROMPT_CACHE = 1024
 
 def parse_origins(text: str) -> list[str]:
     """``--allowed-origins``: ``*`` (any), ``none`` or empty (none), or comma-separated origins, each
-    ``scheme://host[:port]`` (a one-line :class:`HsdError` naming the flag otherwise)."""
+    ``scheme://host[:port]`` (a one-line :class:`HsdError` naming the flag otherwise), written as a browser sends
+    its ``Origin`` header, which the server compares as a string: the host in lower case, a scheme's default port
+    left out (``http://LocalHost:80`` allows ``http://localhost``)."""
     t = text.strip()
     if t in ("", "none"):
         return []
     if t == "*":
         return ["*"]
-    origins = [o.strip() for o in t.split(",")]
-    for o in origins:
-        scheme, sep, rest = o.partition("://")
-        if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
-            raise HsdError(f"--allowed-origins: {o!r} is not an origin (scheme://host[:port], e.g. "
-                           f"http://localhost:3000); '*' allows any, 'none' none")
-    return origins
+    return [_origin(o.strip()) for o in t.split(",")]
+
+
+def _origin(o: str) -> str:
+    """One origin of ``--allowed-origins`` as a browser writes it (:func:`parse_origins`)."""
+    from urllib.parse import urlsplit
+
+    bad = HsdError(f"--allowed-origins: {o!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000); "
+                   f"'*' allows any, 'none' none")
+    scheme, sep, rest = o.partition("://")
+    if not sep or scheme not in ("http", "https") or not rest or any(c in rest for c in "/?#@ \t"):
+        raise bad
+    try:
+        parts = urlsplit(o)
+        host, port = parts.hostname, parts.port
+    except ValueError:                           # a port that is not a number in 0..65535
+        raise bad from None
+    if not host or rest.endswith(":") or port == 0:
+        raise bad
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+    default = {"http": 80, "https": 443}[scheme]
+    return f"{scheme}://{host}" + ("" if port in (None, default) else f":{port}")
 
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
