@@ -288,12 +288,9 @@ def test_solve_and_merges_refuse_a_costs_only_profile_where_rates_are_needed(tmp
     # merged profile (and a plan from it) is for the target the costs timed
     d4 = {**d, "provenance": {**d["provenance"], "dtype": "bfloat16", "target_precision": "bfloat16"}}
     r["provenance"]["dtype"] = "float32"
-    save_profile(profile_from_dict(r, "rates.json")[0], tmp_path / "rates.json")
-    save_profile(profile_from_dict(d4, "bf16.json")[0], tmp_path / "bf16.json")
-    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates.json", "--costs", tmp_path / "bf16.json",
-                  "-o", tmp_path / "m16.json")
+    res, merged = _merge_dicts(tmp_path, r, d4)
     assert res.exit_code == 0, cli_output(res)
-    prov = load_profile(tmp_path / "m16.json")[0].provenance
+    prov = merged.provenance
     assert (prov.dtype, prov.target_precision) == ("bfloat16", "bfloat16")
     assert prov.get("rates_measured_with") == {"dtype": "float32", "target_precision": "float32"}
     assert prov.get("costs_from")["model"] == "m"
@@ -305,7 +302,6 @@ def test_a_merge_takes_the_costs_machine_and_refuses_costs_of_another_model(tmp_
     of a model of another shape or tokenizer silently."""
     import numpy as np
 
-    from hsd_opt.formats import save_profile
     from hsd_opt.runtime.runner import machine_differences
     from hsd_opt.solver.api import solve
     from tests.helpers import random_profile
@@ -317,23 +313,31 @@ def test_a_merge_takes_the_costs_machine_and_refuses_costs_of_another_model(tmp_
     costs = {**rates, "acceptance": {}}
     costs["provenance"] = {"model": "m.config", "costs_only": True, "torch_threads": 16, "sampling_seconds": [5e-3],
                            "kernels": {"variant": "avx512", "openmp": True}, "model_shape": shape}
-    save_profile(profile_from_dict(rates, "r.json")[0], tmp_path / "r.json")
-    save_profile(profile_from_dict(costs, "c.json")[0], tmp_path / "c.json")
-    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "r.json", "--costs", tmp_path / "c.json",
-                  "-o", tmp_path / "m.json")
+    res, merged = _merge_dicts(tmp_path, rates, costs)
     assert res.exit_code == 0, cli_output(res)
-    prov = load_profile(tmp_path / "m.json")[0].provenance
+    prov = merged.provenance
     assert (prov.threads, prov.kernel_variant, prov.get("sampling_seconds")) == (16, "avx512", [5e-3])
     assert prov.get("rates_measured_with")["torch_threads"] == 1 and prov.get("tokenizer_sha256") == "aa"
-    plan = solve(load_profile(tmp_path / "m.json")[0], 3)
+    plan = solve(merged, 3)
     assert machine_differences(plan, 16, "avx512") == [] and len(machine_differences(plan, 1, "avx2")) == 2
     for field, value in (("model_shape", {**shape, "hidden_size": 128}), ("tokenizer_sha256", "bb")):
-        other = {**costs, "provenance": {**costs["provenance"], field: value}}
-        save_profile(profile_from_dict(other, "o.json")[0], tmp_path / "o.json")
-        res = run_cli("profile", "merge-costs", "--rates", tmp_path / "r.json", "--costs", tmp_path / "o.json",
-                      "-o", tmp_path / "m2.json")
+        res, merged = _merge_dicts(tmp_path, rates, {**costs, "provenance": {**costs["provenance"], field: value}})
         out = " ".join(cli_output(res).split())
-        assert res.exit_code == 2 and f"provenance.{field}" in out and not (tmp_path / "m2.json").exists(), out
+        assert res.exit_code == 2 and f"provenance.{field}" in out and merged is None, out
+
+
+def _merge_dicts(tmp_path, rates: dict, costs: dict):
+    """``hsd profile merge-costs`` of the profiles ``rates`` and ``costs`` (as dicts, saved first): its result and
+    the merged profile (None where none was written)."""
+    from hsd_opt.formats import save_profile
+
+    out = tmp_path / "merged-dicts.json"
+    out.unlink(missing_ok=True)
+    for d, name in ((rates, "rates-dict.json"), (costs, "costs-dict.json")):
+        save_profile(profile_from_dict(d, name)[0], tmp_path / name)
+    res = run_cli("profile", "merge-costs", "--rates", tmp_path / "rates-dict.json", "--costs",
+                  tmp_path / "costs-dict.json", "-o", out)
+    return res, (load_profile(out)[0] if out.exists() else None)
 
 
 def test_costs_only_is_typed_and_checked():
