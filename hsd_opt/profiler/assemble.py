@@ -563,7 +563,7 @@ def _same_model(rates: Profile, costs: Profile, rates_source: str, costs_source:
     """Refuse ``costs`` of a model of another shape (``model_shape``) or tokenizer (``tokenizer_sha256``) than
     ``rates``', each compared where both files record it (their ids differ rightly: a GGUF's rates and its shipped
     configuration's costs)."""
-    a, b = rates.provenance.to_dict(), costs.provenance.to_dict()
+    a, b = rates.provenance, costs.provenance
     sa, sb = a.get("model_shape"), b.get("model_shape")
     if isinstance(sa, dict) and isinstance(sb, dict):
         differ = [f"{k} {sb.get(k)} against {sa.get(k)}" for k in sorted(set(sa) | set(sb))
