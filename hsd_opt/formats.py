@@ -434,6 +434,13 @@ class Provenance:
         v = self.extra.get("kernels")
         return v.get("variant") if isinstance(v, dict) and isinstance(v.get("variant"), str) else None
 
+    @property
+    def kernel_openmp(self) -> bool | None:
+        """Whether the CPU kernels the profile's costs were measured on had OpenMP threads (None: not recorded, or
+        no kernels)."""
+        v = self.extra.get("kernels")
+        return v.get("openmp") if isinstance(v, dict) and isinstance(v.get("openmp"), bool) else None
+
     def to_dict(self) -> dict[str, Any]:
         fields = {"model": self.model, "revision": self.revision, "heads": self.heads, "device": self.device,
                   "dtype": self.dtype, "target_precision": self.target_precision, "temperature": self.temperature,

@@ -554,6 +554,28 @@ def test_run_warns_where_threads_or_kernel_variant_differ_from_the_plans(tiny_di
     assert "kernels, this run uses" in text and "profile again on this machine" in text
 
 
+def test_a_plan_timed_with_openmp_threads_differs_from_kernels_without(tiny_dir, tmp_path):
+    """Kernels built without OpenMP (``HSD_OPENMP=0``) run each call on one thread: a plan whose costs were timed
+    with OpenMP threads (or without) says so where either side runs more than one thread; one thread each, the
+    same variant and threads, or a plan that does not record it, says nothing."""
+    from hsd_opt.formats import load_plan
+    from hsd_opt.runtime.runner import machine_differences
+
+    def plan(openmp):
+        return load_plan(_plan(tmp_path / f"{openmp}.json", tiny_dir / "m", torch_threads=2,
+                               kernels={"variant": "avx2", **({} if openmp is None else {"openmp": openmp})}))
+
+    timed_with, timed_without, silent = plan(True), plan(False), plan(None)
+    said = machine_differences(timed_with, 2, "avx2", False)
+    assert len(said) == 1 and "with OpenMP threads, this run's are without OpenMP (HSD_OPENMP=0" in said[0]
+    assert "without OpenMP" in machine_differences(timed_without, 2, "avx2", True)[0]
+    assert machine_differences(timed_with, 2, "avx2", True) == []
+    assert machine_differences(silent, 2, "avx2", False) == []
+    one = load_plan(_plan(tmp_path / "one.json", tiny_dir / "m", torch_threads=1,
+                          kernels={"variant": "avx2", "openmp": True}))
+    assert machine_differences(one, 1, "avx2", False) == []
+
+
 def test_run_warns_where_its_sampling_differs_from_the_plans(tiny_dir, tmp_path):
     """A plan's acceptance rates are for the sampling it was profiled with: a run that samples otherwise (greedy
     against sampled, another temperature, other filters) says so, naming the plan; the same sampling, or a plan

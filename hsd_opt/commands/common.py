@@ -146,8 +146,8 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
 
 
 def warn_machine(plan, device: str) -> None:
-    """Warn where this run's threads or CPU kernel variant differ from those the plan's costs were measured with:
-    its predicted speed then may not hold here (profile again on this machine)."""
+    """Warn where this run's threads, CPU kernel variant or kernels' OpenMP threads differ from those the plan's
+    costs were measured with: its predicted speed then may not hold here (profile again on this machine)."""
     import torch
 
     from hsd_opt.models.loading import resolve_device
@@ -158,7 +158,8 @@ def warn_machine(plan, device: str) -> None:
     from hsd_opt.engine import kernels
 
     ran = kernels.provenance(device)
-    for d in machine_differences(plan, torch.get_num_threads(), ran["variant"] if ran else None):
+    for d in machine_differences(plan, torch.get_num_threads(), ran["variant"] if ran else None,
+                                 ran["openmp"] if ran else None):
         warn(f"{d}: its predicted speed may not hold here (profile again on this machine)")
 
 

@@ -93,16 +93,22 @@ def check_target_precision(plan, source: str = "plan", target_precision: str | N
                              "provenance.target_precision")
 
 
-def machine_differences(plan, threads: int, variant: str | None) -> list[str]:
+def machine_differences(plan, threads: int, variant: str | None, openmp: bool | None = None) -> list[str]:
     """How this run's machine differs from the one ``plan``'s costs were measured on: the torch threads
-    (``threads`` now) and the CPU kernel variant (``variant`` now; None: no kernels). Empty where they agree or
-    the plan does not say."""
+    (``threads`` now), the CPU kernel variant (``variant`` now; None: no kernels) and, where either side runs more
+    than one thread, whether the kernels have OpenMP threads (``openmp`` now; without, a kernel call runs on one
+    thread). Empty where they agree or the plan does not say."""
     prov, out = plan.provenance, []
     if prov.threads is not None and prov.threads != threads:
         out.append(f"the plan's costs were measured with {prov.threads} thread(s), this run uses {threads}")
     if prov.kernel_variant is not None and prov.kernel_variant != variant:
         out.append(f"the plan's costs were measured on the {prov.kernel_variant} kernels, this run uses "
                    f"{variant or 'the torch path'}")
+    elif (variant is not None and openmp is not None and prov.kernel_openmp not in (None, openmp)
+          and max(threads, prov.threads or 1) > 1):
+        words = {True: "with OpenMP threads", False: "without OpenMP (HSD_OPENMP=0, or a compiler without it)"}
+        out.append(f"the plan's costs were measured on kernels {words[prov.kernel_openmp]}, this run's are "
+                   f"{words[openmp]}")
     return out
 
 
