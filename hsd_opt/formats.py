@@ -95,9 +95,9 @@ class ModelEntry:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "cost": self.cost, "can_verify": self.can_verify}
         if self.layer is not None:
             d["layer"] = self.layer
-        if self.abstains:
+        if self.abstains or self.draft_rate != 1.0:     # one above 1 or NaN set in Python: written, so refused
             d["draft_rate"] = self.draft_rate
-            if self.draft_rate_by_budget:
+            if self.abstains and self.draft_rate_by_budget:
                 d["draft_rate_by_budget"] = list(self.draft_rate_by_budget)
         d.update(self.extra)
         return d

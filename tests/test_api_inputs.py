@@ -38,7 +38,7 @@ def example():
 
 
 def test_the_solvers_refuse_hierarchies_budgets_and_profiles_of_another_form(example):
-    cases = ((lambda: simulate(example, ["m5", "m6"], 5), "budgets: expected a list, got int"),
+    cases = ((lambda: simulate(example, ["m5", "m6"], 5), "budgets: expected a list of budgets in tokens, got int"),
              (lambda: simulate(example, "m6", []), "hierarchy: expected a list, got str"),    # not its letters
              (lambda: evaluate(example, [["m5"], "m6"], [1]), "hierarchy[0]: expected a model's name, got list"),
              (lambda: build_gsp_graph(str(EXAMPLE), 5), "profile: expected a Profile"),
@@ -65,6 +65,40 @@ def test_a_profile_or_plan_load_would_refuse_is_not_written(example, tmp_path):
     with pytest.raises(InputFileError, match=r"p\.json \(not written\): budgets: "):
         save_plan(plan, tmp_path / "p.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json"]
+
+
+def test_the_solvers_refuse_a_profile_built_in_python_that_a_file_could_not_hold(example, tmp_path):
+    """A Profile built or changed in Python went to the solvers unchecked: a rate of 1.5 gave a plan predicting
+    115x, one NaN rate the target alone, a NaN cost a NaN latency, a cost of 0 a ZeroDivisionError, an unknown target
+    a bare ValueError; ``save_profile`` dropped a draft rate above 1 (or NaN) and wrote the file. Each is refused
+    now, naming the field, as ``load_profile`` refuses it in a file."""
+    from dataclasses import replace
+
+    def rate(a):
+        table = {d: dict(row) for d, row in example.acceptance.items()}
+        table["m5"]["m6"] = a
+        return replace(example, acceptance=table)
+
+    def model(i, **kw):
+        models = list(example.models)
+        models[i] = replace(models[i], **kw)
+        return replace(example, models=models)
+
+    cases = ((lambda: solve(rate(1.5), 10), r"profile: acceptance\.m5\.m6: .*\[0, 1\], got 1\.5"),
+             (lambda: solve(rate(float("nan")), 10), r"acceptance\.m5\.m6: .*got nan"),
+             (lambda: simulate(rate(-0.2), ["m5", "m6"], [4]), r"acceptance\.m5\.m6: .*got -0\.2"),
+             (lambda: evaluate(model(5, cost=float("nan")), ["m5", "m6"], [4]), r"models\[5\]\.cost: .*got nan"),
+             (lambda: solve(model(5, cost=0.0), 10), r"models\[5\]\.cost: .*> 0, got 0\.0"),
+             (lambda: solve(model(0, draft_rate=2.0), 10), r"models\[0\]\.draft_rate: .*got 2\.0"),
+             (lambda: solve(replace(example, target="zz"), 10), r"profile: target: 'zz' is not among models"),
+             (lambda: save_profile(model(0, draft_rate=float("nan")), tmp_path / "p.json"),
+              r"p\.json \(not written\): models\[0\]\.draft_rate"),
+             (lambda: simulate(example, ["m5", "m6"], [100]), r"budgets\[0\]: expected a budget in 1\.\.63"))
+    for call, said in cases:
+        with pytest.raises(HsdError, match=said):
+            call()
+    assert not (tmp_path / "p.json").exists()
+    assert solve(rate(0.5), 10).expected_latency > 0 and evaluate(example, ["m4", "m5", "m6"], [8, 4]) > 0
 
 
 @pytest.mark.parametrize("kw, said", [
@@ -125,6 +159,7 @@ def test_a_plans_runner_refuses_a_hierarchy_given_as_a_string(tmp_path):
     model_dir = save_tiny(tmp_path / "m")
     plan, loaded = load_plan(write_plan(tmp_path / "plan.json", model_dir)), load_model(str(model_dir), device="cpu")
     for kw, said in (({"hierarchy": "layer4", "budgets": []}, "hierarchy: expected a list, got str"),
+                     ({"hierarchy": [], "budgets": []}, "hierarchy: empty"),       # an IndexError
                      ({"hierarchy": ["layer2", "layer4"], "budgets": 3}, "budgets: expected a list, got int")):
         with pytest.raises(HsdError, match=said):
             hsd_for_plan(plan, loaded, **kw)

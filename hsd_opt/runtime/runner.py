@@ -412,6 +412,8 @@ def hsd_for_plan(plan, loaded: LoadedModel, mode: str = "exact", source: str = "
     if hierarchy is not None:
         from copy import copy
 
+        if not hierarchy:
+            raise HsdError("hierarchy: empty; expected names of the plan's models, bottom first, the target last")
         plan = copy(plan)
         plan.hierarchy, plan.budgets = list(hierarchy), list(budgets or [])
     if models is not None and not isinstance(models, PlanModels):

@@ -8,10 +8,19 @@ that context (:func:`~hsd_opt.solver.context.profile_at_context`; by default at 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import EXACT_PASS, PLAN_FORMAT, Plan, Profile, check_has_rates, load_profile, plan_from_dict
+from hsd_opt.formats import (
+    EXACT_PASS,
+    PLAN_FORMAT,
+    Plan,
+    Profile,
+    check_has_rates,
+    load_profile,
+    plan_from_dict,
+    profile_from_dict,
+)
 from hsd_opt.solver.brute import brute, brute_ranked
 from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
 from hsd_opt.solver.dp import dp, dp_by_depth, dp_ranked
@@ -30,8 +39,12 @@ SOLVERS = ("dp", "lp", "lp-cvxpy", "brute")
 
 def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
     """``profile``, or the profile read from that path; :class:`HsdError` for anything else (a dict:
-    :func:`~hsd_opt.formats.profile_from_dict` reads one)."""
+    :func:`~hsd_opt.formats.profile_from_dict` reads one). A :class:`Profile` built or changed in Python is checked
+    as :func:`~hsd_opt.formats.load_profile` checks a file (an :class:`InputFileError` naming ``profile`` and the
+    field: a rate outside [0, 1] or NaN, a cost that is not a number > 0, a target the models lack), so that no
+    plan or latency is computed from values a file could not hold."""
     if isinstance(profile, Profile):
+        profile_from_dict(profile.to_dict(), "profile")
         return profile
     if not isinstance(profile, (str, os.PathLike)):
         raise HsdError(f"profile: expected a Profile or the path of a profile file, got {type(profile).__name__} "
@@ -197,13 +210,18 @@ def evaluate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str], bud
              context: float | None = None) -> float:
     """Expected seconds per token of ``hierarchy`` (cheapest first, target last) with ``budgets`` (tokens), at
     ``context`` tokens (default: the profile's typical context; ignored without ``context_costs``). Budgets are
-    1 .. ``EXACT_PASS - 1`` tokens, as a plan's."""
+    1 .. ``EXACT_PASS - 1`` tokens, as a plan's, in any order (a plan's, as the solvers', are non-decreasing)."""
+    _check_budgets(budgets)
+    return hierarchy_latency(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets)
+
+
+def _check_budgets(budgets: Any) -> None:
+    """Refuse ``budgets`` that are not a list of integers in 1 .. ``EXACT_PASS - 1`` (tokens), naming the item."""
     if not isinstance(budgets, Sequence) or isinstance(budgets, str):
         raise HsdError(f"budgets: expected a list of budgets in tokens, got {type(budgets).__name__}")
     for i, t in enumerate(budgets):
         if not (is_integer(t) and 1 <= t < EXACT_PASS):
             raise HsdError(f"budgets[{i}]: expected a budget in 1..{EXACT_PASS - 1} tokens, got {t!r}")
-    return hierarchy_latency(resolve_context(_as_profile(profile), context)[0], hierarchy, budgets)
 
 
 def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Plan,
@@ -213,7 +231,7 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
     standard error and the predicted value, at ``context`` tokens (default: a plan's own ``context``, else the
     profile's typical context; ignored without ``context_costs``); a plan for one task (``hsd solve --task``) under
     that task's acceptance (:func:`~hsd_opt.solver.task_view.task_profile`), as it was solved; see
-    :mod:`hsd_opt.solver.simulate`."""
+    :mod:`hsd_opt.solver.simulate`. Budgets as :func:`evaluate` takes them."""
     if isinstance(hierarchy, Plan):
         plan = hierarchy
         if context is None:
@@ -223,6 +241,7 @@ def simulate(profile: Profile | str | os.PathLike, hierarchy: Sequence[str] | Pl
             profile = task_profile(_as_profile(profile), plan.task, f"the plan (solved for task {plan.task!r})")[0]
     if budgets is None:
         raise HsdError("simulate: budgets are required with a hierarchy")
+    _check_budgets(budgets)
     if not is_integer(rounds) or rounds < 1:
         raise HsdError(f"--rounds: expected an integer >= 1, got {rounds!r}")
     if not is_integer(seed) or seed < 0:
