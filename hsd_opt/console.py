@@ -133,6 +133,8 @@ def progress_class():
         def __init__(self, *columns, every: float = 10.0, percent: bool = False, **kwargs):
             super().__init__(*columns, **kwargs)
             self._every, self._percent, self._last_line = every, percent, {}
+            if not self.console.is_terminal:    # else the live display prints its bar after the plain lines
+                self.live.transient = True
 
         def _line(self, task_id) -> None:
             if self.disable or self.console.is_terminal:
@@ -167,5 +169,10 @@ def progress_class():
         def advance(self, task_id, advance: float = 1) -> None:
             super().advance(task_id, advance)
             self._line(task_id)
+
+        def stop(self) -> None:
+            if self.disable or self.console.is_terminal:
+                return super().stop()
+            self.live.stop()            # without rich's blank line that ends its bar
 
     return LoggedProgress

@@ -32,6 +32,17 @@ def test_not_a_terminal_prints_plain_lines_with_counts_and_eta():
     assert lines[-1].endswith("ETA 0:00:00")
 
 
+def test_not_a_terminal_gets_the_plain_lines_only():
+    """The live display printed its bar once more when it stopped (``generating ━━━ 3/3 ...``), and rich a blank
+    line after it, below the plain lines of a log file."""
+    out = io.StringIO()
+    with _progress(out, every=0.0) as prog:
+        for name in ("generating", "profiling"):
+            task = prog.add_task(name, total=2)
+            prog.advance(task, 2)
+    assert [ln.split(",")[0] for ln in out.getvalue().split("\n")] == ["generating: 2/2", "profiling: 2/2", ""]
+
+
 def test_lines_are_throttled_but_completion_is_always_reported():
     out = io.StringIO()
     with _progress(out, every=3600.0, percent=True) as prog:
