@@ -654,11 +654,6 @@ def load_for_model(problem: str | None, required: bool) -> ctypes.CDLL | None:
     return lib
 
 
-def available(device: torch.device | str) -> bool:
-    """True when the kernels can run passes on ``device`` (CPU only) and the library loads."""
-    return torch.device(device).type == "cpu" and load() is not None
-
-
 def team(lib: ctypes.CDLL, nthreads: int) -> tuple[int, list[int]]:
     """The OpenMP team a kernel call with ``nthreads`` threads gets: its size and each thread's OS thread id (on
     Linux; elsewhere the team member numbers)."""

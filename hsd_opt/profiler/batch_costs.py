@@ -67,15 +67,3 @@ def measure_batch_costs(eng: Engine, batch_sizes: Sequence[int], tmax: int, text
             on_step(f"round {r + 1} of {warmup + repeats}")
     secs = {b: _interpolate(grid, isotonic([statistics.median(times[b, t]) for t in grid]), tmax1) for b in sizes}
     return {b: ([s / s1 for s, s1 in zip(secs[b], secs[1])], secs[b]) for b in sizes if b > 1}
-
-
-def seconds_estimate(step_seconds: float, batch_sizes: Sequence[int], tmax: int, repeats: int = 3,
-                     warmup: int = 1, row_fraction: float = 0.2) -> float:
-    """A rough estimate of :func:`measure_batch_costs`'s seconds for an engine whose decode step takes
-    ``step_seconds``: every pass of the rounds, a row of a batched pass costing ``row_fraction`` of a step."""
-    grid = t_grid(tmax + 1)
-    rows = sum(b * t for b in set(batch_sizes) | {1} for t in grid)
-    passes = len(set(batch_sizes) | {1}) * len(grid)
-    return (warmup + repeats) * step_seconds * (passes + row_fraction * rows)
-
-
