@@ -1116,6 +1116,27 @@ def test_completion_logprobs_name_each_alternative_apart_parts_of_characters_by_
     assert lp["text_offset"] == [7, 8]
 
 
+def test_a_streamed_completions_text_offset_counts_a_part_of_a_character_as_one():
+    """Streamed, ``text_offset`` moved on by the length of each token's name: 10 for ``bytes:\\xe2`` where the
+    answer unstreamed counts its text, one U+FFFD."""
+    import json
+
+    from hsd_opt.runtime.decode import TokenLogprob
+    from hsd_opt.server.responses import ChoiceStream, completion_logprobs
+
+    tok = _sentencepiece_like()
+    e2, pa = (tok.convert_tokens_to_ids(t) for t in ("<0xE2>", "\u2581Pa"))
+    entries = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in (e2, pa, e2, pa)]
+    stream = ChoiceStream(tok, "completion", "m", None, "id", 0, 0)
+    offsets = []
+    for entry, text in zip(entries, ("\ufffd", " Pa", "\ufffd", " Pa")):
+        stream.event("logprobs", [entry])
+        for raw in stream.event("text", text):
+            lp = json.loads(raw[len(b"data: "):])["choices"][0]["logprobs"]
+            offsets += lp["text_offset"] if lp else []
+    assert offsets == completion_logprobs(tok, entries)["text_offset"] == [0, 1, 4, 5]
+
+
 class _Decodes:
     """A tokenizer's ``decode`` alone (no backend to read): decoded whole every time, and the ids it was asked
     to decode counted."""

@@ -133,7 +133,7 @@ def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence[
     for e in entries:
         b = token_bytes(tokenizer, e.token)
         offsets.append(offset)
-        offset += len(bytes_text(b))
+        offset += offset_length(b)
         tokens.append(completion_name(b))
         values.append(_lp(e.logprob))
         top: dict[str, float] = {}
@@ -141,6 +141,12 @@ def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence[
             top.setdefault(completion_name(token_bytes(tokenizer, t)), _lp(v))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def offset_length(b: bytes) -> int:
+    """Characters a token of bytes ``b`` takes in ``text_offset``'s count: its text's, a part of a character one
+    U+FFFD (not the length of its ``bytes:`` name)."""
+    return len(bytes_text(b))
 
 
 def completion_name(b: bytes) -> str:
@@ -295,7 +301,7 @@ class ChoiceStream:
             if self.pending:
                 lps = logprobs_of(self.kind, self.tokenizer, self.pending, self.offset)
                 if self.kind != "chat":
-                    self.offset += sum(len(t) for t in lps["tokens"])
+                    self.offset += sum(offset_length(token_bytes(self.tokenizer, e.token)) for e in self.pending)
                 self.pending = []
             out.append(self._chunk(text=d.get("content"), calls=d.get("tool_calls"), logprobs=lps))
         return out
