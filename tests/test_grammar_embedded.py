@@ -168,6 +168,10 @@ def test_a_function_call_is_the_masked_targets_answer_under_its_parameters(embed
         assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
         assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        listed = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
+                                           tools=[WEATHER], tool_choice=named,
+                                           extra_body={"stop_token_ids": [want[-1]]})   # ended by the EOS listed
+        assert listed.model_extra["hsd"]["token_ids"] == want and listed.choices[0].finish_reason == "tool_calls"
 
         either = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=N, temperature=0,
                                            tools=[WEATHER, CLOCK], tool_choice="required")

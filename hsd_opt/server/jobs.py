@@ -351,7 +351,9 @@ class JobQueue:
             if logprobs is not None:
                 job.emit(("logprobs", logprobs[stream.sent_logprobs:]))
             job.emit(("text", rest))
-        eos = not text.stopped and res.stats.get("stopped") == "eos"
+        # at the end of sequence: also where a stop id is the end-of-sequence token that ended it (vLLM's clients
+        # list it in stop_token_ids), not where a stop string or a stop id came before it
+        eos = res.stats.get("stopped") == "eos" and (not text.stopped or len(ids) == len(res.token_ids))
         first = first if first is not None else time.perf_counter() - job.submitted
         self._end(job, "done", Outcome(ids, text.text, "stop" if text.stopped or eos else "length",
                                        len(req.prompt_ids), res.stats, queued, first, logprobs, eos))
