@@ -681,6 +681,11 @@ def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them
         ids = httpx.post(srv.url + "/tokenize", json={key: PROMPTS[1]}, timeout=30).json()["tokens"]
         assert ids == encode_prompt(tok, PROMPTS[1], raw=True)
     assert httpx.post(srv.url + "/tokenize", json={"prompt": ""}, timeout=30).json()["tokens"] == []
+    other = {"max_tokens": 0, "response_format": {"type": "xml"}, "logprobs": "yes"}   # fields that make no ids
+    assert httpx.post(srv.url + "/tokenize", json={"messages": msgs, **other}, timeout=30).json()["tokens"] == \
+        chat_ids(tok, msgs)
+    long = httpx.post(srv.url + "/tokenize", json={"prompt": " ".join(["w1"] * 600)}, timeout=30).json()
+    assert long["count"] > long["max_model_len"] == 512          # counted, for the client to compare
     developer = [{"role": "developer", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
     assert httpx.post(srv.url + "/tokenize", json={"messages": developer}, timeout=30).json()["tokens"] == \
         chat_ids(tok, msgs)     # the developer message is the system message
