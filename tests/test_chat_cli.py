@@ -110,13 +110,17 @@ def test_a_line_that_is_not_utf8_is_dropped_with_one_line_and_the_chat_goes_on(t
 
 
 def test_a_turn_past_the_context_says_reset_starts_over(tiny):
-    """A conversation that no longer fits failed every later turn the same way, the error not saying what to do."""
+    """A conversation that no longer fits failed every later turn the same way, the error not saying what to do;
+    a message too long even alone said to /reset too, which would not help."""
     plan, _ = tiny
-    res = _chat(plan, ["w1 w2", " ".join(["w3"] * 600), "/reset", "w4 w5"], "--max-new-tokens", 4)
+    res = _chat(plan, ["w1 w2", " ".join(["w3"] * 600), " ".join(["w3"] * 250), " ".join(["w4"] * 250), "/reset",
+                       "w4 w5"], "--max-new-tokens", 4)
     assert res.exit_code == 0, res.output
     err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert len(err) == 1 and "context" in err[0] and err[0].endswith("/reset starts the conversation over"), err
-    assert len(res.stdout.splitlines()) == 2                     # the first turn's answer and the last's
+    assert len(err) == 2 and all("context" in e for e in err), err
+    assert err[0].endswith("the message is too long even alone"), err
+    assert err[1].endswith("/reset starts the conversation over"), err
+    assert len(res.stdout.splitlines()) == 3                     # the first, third and last turns' answers
 
 
 def test_a_system_message_the_template_refuses_is_refused_at_start(tmp_path):

@@ -116,6 +116,16 @@ def _check_start(loaded, start: list[dict[str, str]], max_new_tokens: int) -> No
                        f"that exceeds the model's context of {context} positions: no turn could be answered")
 
 
+def _fits_alone(runner, tok, messages: list[dict], max_new_tokens: int) -> bool:
+    """Whether the last of ``messages``, after the system message where there is one but without the turns between,
+    fits the model's context with ``max_new_tokens`` (False where there are no turns between)."""
+    from hsd_opt.prompts import chat_ids
+
+    alone = [m for m in messages[:1] if m["role"] == "system"] + messages[-1:]
+    limit = runner.max_positions
+    return len(alone) < len(messages) and (limit is None or len(chat_ids(tok, alone)) + max_new_tokens <= limit)
+
+
 def _lines():
     """The lines of stdin without their line ends (None for one that is not UTF-8 text), a ``> `` prompt on stderr
     before each where stdin is a terminal."""
@@ -154,8 +164,11 @@ def _answer(runner, tok, messages: list[dict], max_new_tokens: int, temperature:
         res = runner.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               on_tokens=stream, top_k=top_k, min_p=min_p)
     except HsdError as e:
-        full = isinstance(e, ContextFull) and len(messages) > 2    # every later turn would fail as this one did
-        err_console.print(f"error: {e}" + ("; /reset starts the conversation over" if full else ""), markup=False)
+        hint = ""
+        if isinstance(e, ContextFull):      # the earlier turns filled the context (every later turn would fail as
+            hint = ("; /reset starts the conversation over" if _fits_alone(runner, tok, messages, max_new_tokens)
+                    else "; the message is too long even alone")    # this one did), or the message alone does
+        err_console.print(f"error: {e}{hint}", markup=False)
         return None
     except Terminated:                         # SIGTERM ends the conversation
         raise
