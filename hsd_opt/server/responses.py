@@ -128,7 +128,7 @@ def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence[
     """A text completion's ``logprobs``: ``tokens`` (each token's :func:`completion_name`), ``token_logprobs``,
     ``top_logprobs`` (a token -> log-probability object per token, most likely first; a token whose name another
     one took keeps the first, more likely, value) and ``text_offset`` (where each token's text starts: ``offset``
-    plus the lengths of the tokens' texts before it, a part of a character one U+FFFD)."""
+    plus the lengths of the tokens' texts before it, :func:`offset_length`)."""
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
         b = token_bytes(tokenizer, e.token)
@@ -144,8 +144,8 @@ def completion_logprobs(tokenizer: "PreTrainedTokenizerBase", entries: Sequence[
 
 
 def offset_length(b: bytes) -> int:
-    """Characters a token of bytes ``b`` takes in ``text_offset``'s count: its text's, a part of a character one
-    U+FFFD (not the length of its ``bytes:`` name)."""
+    """Characters a token of bytes ``b`` takes in ``text_offset``'s count: its :func:`bytes_text`'s, not the length
+    of its ``bytes:`` name."""
     return len(bytes_text(b))
 
 

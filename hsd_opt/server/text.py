@@ -222,7 +222,8 @@ def _special_ids(tokenizer: "PreTrainedTokenizerBase") -> frozenset[int]:
 
 
 def bytes_text(b: bytes) -> str:
-    """A token's bytes read as UTF-8 (a part of a character reads as U+FFFD)."""
+    """A token's bytes read as UTF-8, U+FFFD for a character's first bytes cut short and for each lone
+    continuation byte (``errors="replace"``)."""
     return b.decode("utf-8", errors="replace")
 
 
