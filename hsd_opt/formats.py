@@ -97,7 +97,8 @@ class ModelEntry:
             d["layer"] = self.layer
         if self.abstains or self.draft_rate != 1.0:     # one above 1 or NaN set in Python: written, so refused
             d["draft_rate"] = self.draft_rate
-            if self.abstains and self.draft_rate_by_budget:
+        if self.abstains or any(r != 1.0 for r in self.draft_rate_by_budget):   # likewise
+            if self.draft_rate_by_budget:
                 d["draft_rate_by_budget"] = list(self.draft_rate_by_budget)
         d.update(self.extra)
         return d
@@ -1089,15 +1090,22 @@ def load_profile(path: str | os.PathLike) -> tuple[Profile, list[str]]:
     return profile_from_dict(read_json(path), str(path))
 
 
+def check_profile(profile: Profile, source: str = "profile") -> dict[str, Any]:
+    """Refuse a :class:`Profile` built or changed in Python that :func:`load_profile` would refuse in a file (an
+    :class:`InputFileError` naming ``source`` and the field: a rate outside [0, 1] or NaN, a cost that is not a
+    number > 0, a target the models lack); its ``to_dict()`` where it passes."""
+    d = profile.to_dict()
+    profile_from_dict(d, source)
+    return d
+
+
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     """Write ``profile`` atomically (:class:`HsdError` for anything but a :class:`Profile`: a plan written as a
     profile was refused only when read; an :class:`InputFileError` naming the path, not written, and the field for
-    one that :func:`load_profile` would refuse, as a rate outside [0, 1] set in Python)."""
+    one that :func:`load_profile` would refuse, as a rate outside [0, 1] set in Python: :func:`check_profile`)."""
     if not isinstance(profile, Profile):
         raise HsdError(f"save_profile: expected a Profile, got {type(profile).__name__}")
-    d = profile.to_dict()
-    profile_from_dict(d, f"{path} (not written)")
-    write_json(path, d)
+    write_json(path, check_profile(profile, f"{path} (not written)"))
 
 
 def _check_levels(d: dict, source: str, tmax: int, at: str = "",

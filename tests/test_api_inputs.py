@@ -71,8 +71,12 @@ def test_the_solvers_refuse_a_profile_built_in_python_that_a_file_could_not_hold
     """A Profile built or changed in Python went to the solvers unchecked: a rate of 1.5 gave a plan predicting
     115x, one NaN rate the target alone, a NaN cost a NaN latency, a cost of 0 a ZeroDivisionError, an unknown target
     a bare ValueError; ``save_profile`` dropped a draft rate above 1 (or NaN) and wrote the file. Each is refused
-    now, naming the field, as ``load_profile`` refuses it in a file."""
+    now, naming the field, as ``load_profile`` refuses it in a file; ``hierarchy_latency`` (the solvers' inner
+    formula) refuses the values it reads."""
     from dataclasses import replace
+
+    from hsd_opt import hierarchy_latency
+    from hsd_opt.solver import optimum
 
     def rate(a):
         table = {d: dict(row) for d, row in example.acceptance.items()}
@@ -93,7 +97,15 @@ def test_the_solvers_refuse_a_profile_built_in_python_that_a_file_could_not_hold
              (lambda: solve(replace(example, target="zz"), 10), r"profile: target: 'zz' is not among models"),
              (lambda: save_profile(model(0, draft_rate=float("nan")), tmp_path / "p.json"),
               r"p\.json \(not written\): models\[0\]\.draft_rate"),
-             (lambda: simulate(example, ["m5", "m6"], [100]), r"budgets\[0\]: expected a budget in 1\.\.63"))
+             (lambda: simulate(example, ["m5", "m6"], [100]), r"budgets\[0\]: expected a budget in 1\.\.63"),
+             (lambda: solve(model(0, draft_rate_by_budget=(float("nan"),) * 4), 10),
+              r"models\[0\]\.draft_rate_by_budget\[0\]: .*got nan"),
+             (lambda: optimum(rate(1.5), 10), r"profile: acceptance\.m5\.m6: .*got 1\.5"),
+             (lambda: build_gsp_graph(model(5, cost=0.0), 10), r"models\[5\]\.cost"),
+             (lambda: hierarchy_latency(rate(1.5), ["m5", "m6"], [4]), r"acceptance\.m5\.m6: .*got 1\.5"),
+             (lambda: hierarchy_latency(model(5, cost=float("nan")), ["m5", "m6"], [4]), r"m6: expected a cost"),
+             (lambda: hierarchy_latency(model(0, draft_rate_by_budget=(float("nan"),)),
+                                        ["m1", "m6"], [2]), r"m1: expected a share of rounds"))
     for call, said in cases:
         with pytest.raises(HsdError, match=said):
             call()

@@ -17,9 +17,9 @@ from hsd_opt.formats import (
     Plan,
     Profile,
     check_has_rates,
+    check_profile,
     load_profile,
     plan_from_dict,
-    profile_from_dict,
 )
 from hsd_opt.solver.brute import brute, brute_ranked
 from hsd_opt.solver.context import CONTEXT_GIVEN, check_context, latency_table, profile_at_context, typical_context
@@ -44,7 +44,7 @@ def _as_profile(profile: Profile | str | os.PathLike) -> Profile:
     field: a rate outside [0, 1] or NaN, a cost that is not a number > 0, a target the models lack), so that no
     plan or latency is computed from values a file could not hold."""
     if isinstance(profile, Profile):
-        profile_from_dict(profile.to_dict(), "profile")
+        check_profile(profile)
         return profile
     if not isinstance(profile, (str, os.PathLike)):
         raise HsdError(f"profile: expected a Profile or the path of a profile file, got {type(profile).__name__} "
@@ -102,8 +102,11 @@ def optimum(profile: Profile, tmax: int, solver: str = "dp", max_depth: int | No
     tokens (default: the profile's typical context; ignored without ``context_costs``).
 
     ``lp``/``lp-cvxpy`` report the exact latency of the decoded hierarchy (the LP objective is in ``info``).
+    ``profile`` is checked as :func:`solve` checks it.
     """
-    profile, _, _ = resolve_context(profile, context)
+    if not isinstance(profile, Profile):
+        raise HsdError(f"profile: expected a Profile (hsd_opt.load_profile(path)[0]), got {type(profile).__name__}")
+    profile, _, _ = resolve_context(_as_profile(profile), context)
     return _optimum_of(profile, _checked_instance(profile, tmax, solver, max_depth), solver, max_depth)
 
 

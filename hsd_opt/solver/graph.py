@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hsd_opt.errors import HsdError
-from hsd_opt.formats import Profile
+from hsd_opt.formats import Profile, check_profile
 from hsd_opt.solver.hierarchy import drafter_limit
 from hsd_opt.solver.instance import Instance, build_instance
 
@@ -44,6 +44,8 @@ def build_gsp_graph(profile: Profile | Instance, tmax: int | None = None, max_de
     if not isinstance(profile, (Profile, Instance)):
         raise HsdError(f"profile: expected a Profile (hsd_opt.load_profile(path)[0]) or an Instance, got "
                        f"{type(profile).__name__}")
+    if isinstance(profile, Profile):
+        check_profile(profile)          # built in Python: checked as a file is
     inst = profile if isinstance(profile, Instance) else build_instance(profile, tmax)
     D, T = len(inst.names), inst.tmax
     dmax = drafter_limit(D, max_depth)

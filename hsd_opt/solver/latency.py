@@ -32,6 +32,7 @@ under the target, ``L = (f (v_K + B_0) + (1 - f) (v_K(1) + c[m_0])) / (f (1 + a 
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Sequence
 
@@ -296,10 +297,21 @@ def _check_hierarchy(profile: Profile, hierarchy: Sequence[str], budgets: Sequen
         if not is_integer(t) or t < 1:
             raise HsdError(f"budgets[{i}]: expected an integer >= 1, got {t!r}")
     for lo, hi in zip(hierarchy[:-1], hierarchy[1:]):
-        if profile.accept(lo, hi) is None:
+        a = profile.accept(lo, hi)
+        if a is None:
             raise HsdError(f"acceptance.{lo}.{hi}: not measured, so {hi!r} cannot verify {lo!r}")
+        if not (is_real(a) and 0.0 <= a <= 1.0):       # the values the formula reads (a Profile built in Python)
+            raise HsdError(f"acceptance.{lo}.{hi}: expected an acceptance rate in [0, 1], got {a!r}")
         if not profile.entry(hi).can_verify:
             raise HsdError(f"hierarchy: {hi!r} cannot verify (can_verify: false); it may only be the bottom level")
+    for m in hierarchy:
+        cost = profile.entry(m).cost
+        if not (is_real(cost) and 0.0 < cost < math.inf):
+            raise HsdError(f"{m}: expected a cost in seconds > 0, got {cost!r}")
+    if budgets:
+        f = profile.entry(hierarchy[0]).rate_at(int(budgets[0]))
+        if not (is_real(f) and 0.0 < f <= 1.0):
+            raise HsdError(f"{hierarchy[0]}: expected a share of rounds with a block in (0, 1], got {f!r}")
 
 
 def hierarchy_latency(profile: Profile, hierarchy: Sequence[str], budgets: Sequence[int]) -> float:
