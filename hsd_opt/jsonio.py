@@ -112,17 +112,23 @@ def _parent(p: Path) -> Path:
     return parent
 
 
+def written_path(path: str | os.PathLike) -> Path:
+    """The file :func:`atomic_write` writes for ``path``: the one a symbolic link points to (the link stays), else
+    ``path``."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
 def check_writable(path: str | os.PathLike, flag: str) -> None:
     """Refuse, before any work, an output path :func:`atomic_write` could not write: a directory, a path under a
     file, a folder where no file can be created (tried with a temporary file, removed at once), a folder to be made
     under one the process cannot write, ``-`` (which reads as standard output; a file of that name would be a
     surprise). Leaves no folder made (a folder to be made is tried with a temporary one in the nearest that exists:
     ``os.access`` grants root any folder, even one of a pseudo-filesystem such as ``/proc`` where none can be made).
-    :class:`HsdError` naming ``flag`` and the path."""
-    p = Path(path)
+    :class:`HsdError` naming ``flag`` and the path. A symbolic link is checked where it points, as it is written."""
     if str(path) == "-":
         raise HsdError(f"{flag} -: expected a file name (the file is written whole, atomically: it cannot be "
                        f"standard output)")
+    p = written_path(path)
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
     if p.exists() and not p.is_file():
@@ -156,7 +162,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> N
     symbolic link is followed: the file it points to is replaced, the link stays.
     """
     check_path(path)
-    p = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    p = written_path(path)
     if p.exists() and not p.is_file() and not p.is_dir():
         raise OutputFileError(f"{p}: cannot write it: {_not_regular(p)}")
     parent = _parent(p)

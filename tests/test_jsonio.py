@@ -47,6 +47,19 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_work_even_as_root(tm
     assert os.listdir(tmp_path) == []
 
 
+def test_a_link_is_checked_where_it_points_as_it_is_written(tmp_path):
+    """The check tried the link's own folder, the write the folder it points into: ``--json link`` to a place no
+    file can be written passed the check and failed after the work (the answers lost)."""
+    doomed, fine = tmp_path / "doomed.json", tmp_path / "fine.json"
+    doomed.symlink_to("/proc/hsd-x/out.json")
+    with pytest.raises(HsdError, match=rf"^--json {doomed}: cannot write it: no folder can be made in /proc"):
+        check_writable(doomed, "--json")
+    fine.symlink_to(tmp_path / "sub" / "real.json")
+    check_writable(fine, "--json")
+    write_json(fine, {"a": 1})
+    assert fine.is_symlink() and read_json(tmp_path / "sub" / "real.json") == {"a": 1}
+
+
 def test_a_device_or_a_pipe_is_refused_not_replaced_by_a_file(tmp_path):
     """``--out /dev/null`` as root renamed a file onto the device (``/dev/full`` became a 3 KB file), and a FIFO
     was replaced by a file: the outputs are renamed into place, so a path that is not a regular file is refused,
