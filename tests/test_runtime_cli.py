@@ -302,6 +302,8 @@ def test_bad_plans(tiny_dir, tmp_path, case, needle):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--prompt", "  "], "empty prompt"),
+    (["--prompt", "hi", "--task", ""], "--task: empty"),                   # ran as task "other"
+    (["--prompt", "hi", "--task", "co\udcffde"], "--task"),                # went into --json as a lone surrogate
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--prompt", "hi", "--top-p", "0"], "--top-p"),
     (["--prompt", "hi", "--temperature", "-1"], "--temperature"),

@@ -45,6 +45,10 @@ def _items(prompt: Optional[str], prompts: Optional[Path], task: Optional[str], 
         check_utf8(prompt, "--prompt")
         if limit_per_task is not None:
             raise HsdError("--limit-per-task applies to --prompts FILE")
+        if task is not None:                 # as a prompt file's "task" is checked
+            if not task.strip():
+                raise HsdError("--task: empty; name the prompt's task (e.g. code), or leave the flag out")
+            check_utf8(task, "--task")
         return [PromptItem(0, prompt, task or "other")]
     if task is not None:
         raise HsdError("--task applies to --prompt TEXT (the lines of --prompts name their own task)")
