@@ -62,6 +62,7 @@ class PromptItem:
         question_id: Spec-Bench's ``question_id`` (None for our own lines).
         turns: every user turn, the first being ``prompt`` (one turn for our own lines).
         schema: the JSON schema the answer must follow (our lines' ``"schema"``, an object), or None.
+        line: its line in the file (1-based), or None for a prompt not read from a file.
     """
 
     index: int
@@ -71,6 +72,12 @@ class PromptItem:
     question_id: Any = None
     turns: tuple[str, ...] = ()
     schema: dict | None = field(default=None, compare=False)
+    line: int | None = field(default=None, compare=False)
+
+    @property
+    def place(self) -> str:
+        """Where it stands, for messages: ``line N`` of its file, else ``prompt N`` (1-based)."""
+        return f"line {self.line}" if self.line is not None else f"prompt {self.index + 1}"
 
     def __post_init__(self):
         if not self.category:
@@ -168,8 +175,9 @@ def check_utf8(text: str, flag: str) -> None:
                        f"the text in UTF-8")
 
 
-def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
-    """One line's object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
+def _item(obj: Any, index: int, source: str, line: int) -> PromptItem:
+    """Line ``line``'s object as a :class:`PromptItem` (ours or Spec-Bench's), or a refusal naming the line."""
+    where = f"line {line}"
     if not isinstance(obj, dict):
         raise InputFileError(source, _EXPECTED, where)
     if "prompt" in obj:
@@ -185,7 +193,7 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         if not isinstance(task, str) or not task:
             raise InputFileError(source, f'"task" must be a non-empty string, got {task!r}', where)
         _check_text(task, '"task"', source, where)
-        return PromptItem(index, prompt, task, schema=schema)
+        return PromptItem(index, prompt, task, schema=schema, line=line)
     if "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns:
@@ -204,7 +212,7 @@ def _item(obj: Any, index: int, source: str, where: str) -> PromptItem:
         _check_text(cat, '"category"', source, where)
         if isinstance(qid, str):
             _check_text(qid, '"question_id"', source, where)
-        return PromptItem(index, turns[0], spec_bench_group(cat), cat, qid, tuple(turns))
+        return PromptItem(index, turns[0], spec_bench_group(cat), cat, qid, tuple(turns), line=line)
     raise InputFileError(source, f'missing "prompt" (or Spec-Bench\'s "turns"): {_EXPECTED}', where)
 
 
@@ -244,7 +252,7 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
                                  where) from None
         except (ValueError, RecursionError) as e:
             raise InputFileError(str(p), f"{json_problem(e)}; {_EXPECTED}", where) from None
-        items.append(_item(obj, len(items), str(p), where))
+        items.append(_item(obj, len(items), str(p), lineno))
     if not items:
         raise InputFileError(str(p), f"empty prompt file: no prompts ({_EXPECTED})")
     return PromptSuite(items, hashlib.sha256(raw).hexdigest(), source)
@@ -331,7 +339,7 @@ def check_room(items: Sequence[PromptItem], tokenizer, raw: bool, max_new_tokens
             n = len(conversation_ids(tokenizer, it.turns, [STAND_IN] * k, raw)) + k * max_new_tokens
             if n + max_new_tokens <= context:
                 continue
-            which = f"prompt {it.index + 1}" + (f" (question_id {it.question_id})" if it.question_id is not None
+            which = it.place + (f" (question_id {it.question_id})" if it.question_id is not None
                                                 else "")
             if k == 0:
                 raise HsdError(f"{source}: {which} has {n} tokens; with --max-new-tokens {max_new_tokens} that "

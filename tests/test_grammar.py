@@ -78,6 +78,18 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_its_source_and_proble
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_prompt_files_schema_that_does_not_compile_names_its_line_and_field(compiler, tmp_path):
+    """It said ``prompt 2``, its place among the prompts (blank lines skipped), where the file's other errors say
+    its line."""
+    from hsd_opt.grammar.compiler import schema_grammars
+    from hsd_opt.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('\n{"prompt": "a"}\n\n{"prompt": "b", "schema": {"type": "strin"}}\n')
+    with pytest.raises(HsdError, match=r'p\.jsonl, line 4, "schema": Invalid type: strin'):
+        schema_grammars(compiler, load_prompts(path).items, str(path))
+
+
 def test_a_grammar_that_forces_more_tokens_than_the_context_is_refused(json_tok):
     """Forced tokens are counted, not taken, beyond the model's context (taking them costs seconds by the tens of
     thousands): an answer under such a grammar could never end."""

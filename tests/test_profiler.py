@@ -1341,12 +1341,12 @@ def test_ctrl_c_says_where_the_finished_prompts_are_only_where_they_were_kept(ti
 def test_a_prompt_that_cannot_fit_the_context_with_its_answer_is_refused_before_any_work(tiny, tmp_path):
     """``hsd run`` and ``hsd bench`` refuse it; ``hsd profile`` measured it past the model's positions."""
     prompts = tmp_path / "long.jsonl"
-    prompts.write_text(json.dumps({"prompt": "w1"}) + "\n" + json.dumps({"prompt": " ".join(["w2"] * 600)}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "w1"}) + "\n\n" + json.dumps({"prompt": " ".join(["w2"] * 600)}) + "\n")
     out = tmp_path / "p.json"
     r = _cli(["profile", "--model", str(tiny["model"]), "--prompts", str(prompts), "--out", str(out), "--device",
               "cpu", "--max-new-tokens", "4"])
     text = " ".join(cli_output(r).split())
-    assert r.exit_code == 2 and f"{prompts}: prompt 2 has " in text and "context of 512 positions" in text, text
+    assert r.exit_code == 2 and f"{prompts}: line 3 has " in text and "context of 512 positions" in text, text
     assert not out.exists() and not (tmp_path / "p.json.partial.json").exists()
 
 

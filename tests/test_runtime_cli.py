@@ -714,12 +714,12 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(tiny_dir, tmp_
     or the other output: each one line, exit 2, nothing written."""
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m")
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Hello there"}\n' + json.dumps({"prompt": "word " * 600}) + "\n")
+    prompts.write_text('{"prompt": "Hello there"}\n\n' + json.dumps({"prompt": "word " * 600}) + "\n")
     before = plan.read_bytes()
     cases = [
         (["--methods", "hsd_task"], "--methods: none of the methods can run: hsd_task: "),
-        (["--prompts", str(prompts), "--methods", "hf_ar,ar"], f"--prompts {prompts}: prompt 2 has "),
-        (["--max-new-tokens", "600", "--methods", "hf_ar,ar", "--limit", "1"], "the suite: prompt 1 has "),
+        (["--prompts", str(prompts), "--methods", "hf_ar,ar"], f"--prompts {prompts}: line 3 has "),   # its line
+        (["--max-new-tokens", "600", "--methods", "hf_ar,ar", "--limit", "1"], "the suite: line 1 has "),
         (["--requests", "3"], "--requests: only with --concurrency"),
         (["--rounds", "2", "--max-batch", "4"], "--max-batch, --rounds: only with --concurrency"),
         (["--json", str(plan)], f"--json {plan}: the same file as --plan"),

@@ -323,5 +323,5 @@ def compiler_for(loaded) -> GrammarCompiler:
 def schema_grammars(compiler: GrammarCompiler, items, source: str) -> dict[int, Grammar]:
     """The compiled grammar of every prompt item with a JSON ``schema`` (:class:`~hsd_opt.prompts.PromptItem`), by
     item index; a schema that does not compile is an :class:`HsdError` naming ``source`` and the prompt."""
-    return {it.index: compiler.compile(GrammarSpec.json_schema(it.schema, f"{source}, prompt {it.index + 1}"))
+    return {it.index: compiler.compile(GrammarSpec.json_schema(it.schema, f'{source}, {it.place}, "schema"'))
             for it in items if it.schema is not None}

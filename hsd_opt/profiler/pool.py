@@ -184,7 +184,7 @@ def fresh_drafter(d):
 def encode_item(loaded, it: PromptItem, raw: bool, source: str) -> list[int]:
     ids = encode_prompt(loaded.tokenizer, it.prompt, raw)
     if not ids:
-        raise InputFileError(source, "prompt encodes to no tokens", f"line of prompt {it.index + 1}")
+        raise InputFileError(source, "prompt encodes to no tokens", it.place)
     return ids
 
 
