@@ -143,7 +143,8 @@ def with_json_tasks(suite: PromptSuite, n: int) -> PromptSuite:
     if n <= 0:
         return suite
     tasks = load_prompts(json_tasks_path())
-    extra = [replace(it, index=len(suite.items) + k) for k, it in enumerate(tasks.items[:n])]
+    # their lines are of the shipped file, not of the suite the messages name: placed by their index there
+    extra = [replace(it, index=len(suite.items) + k, line=None) for k, it in enumerate(tasks.items[:n])]
     sha = hashlib.sha256(f"{suite.sha256} {tasks.sha256} {len(extra)}".encode()).hexdigest()
     return PromptSuite(suite.items + extra, sha, f"{suite.source} + {len(extra)} JSON-schema tasks ({JSON_TASKS})")
 

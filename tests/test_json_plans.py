@@ -63,6 +63,9 @@ def test_the_shipped_json_tasks_join_a_suite_numbered_after_it():
     assert [it.index for it in extra] == list(range(len(suite.items), len(suite.items) + 3))
     assert all(it.task == JSON_TASK and isinstance(it.schema, dict) for it in extra)
     assert both.sha256 != suite.sha256 and with_json_tasks(suite, 0) is suite
+    # messages name the joined suite: a task is placed there, not by its line of the shipped file (line 1 again)
+    assert [it.place for it in extra] == [f"prompt {len(suite.items) + k}" for k in (1, 2, 3)]
+    assert suite.items[0].place == "line 1"
 
 
 def _masked_reference(eng, prompt, n, g):
