@@ -124,11 +124,18 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     under one the process cannot write, ``-`` (which reads as standard output; a file of that name would be a
     surprise). Leaves no folder made (a folder to be made is tried with a temporary one in the nearest that exists:
     ``os.access`` grants root any folder, even one of a pseudo-filesystem such as ``/proc`` where none can be made).
-    :class:`HsdError` naming ``flag`` and the path. A symbolic link is checked where it points, as it is written."""
+    :class:`HsdError` naming ``flag`` and the path. A symbolic link is checked where it points, as it is written,
+    and in its own folder, where files beside it go (a profile's checkpoint ``<out>.partial.json``)."""
     if str(path) == "-":
         raise HsdError(f"{flag} -: expected a file name (the file is written whole, atomically: it cannot be "
                        f"standard output)")
-    p = written_path(path)
+    _check_place(written_path(path), flag, path)
+    if os.path.islink(path):
+        _check_place(Path(path), flag, path)
+
+
+def _check_place(p: Path, flag: str, path: str | os.PathLike) -> None:
+    """:func:`check_writable`'s checks of the file ``p`` (``path`` as given, or where its link points)."""
     if not p.name or p.is_dir():
         raise HsdError(f"{flag} {str(path) or repr('')}: is a directory, expected a file path")
     if p.exists() and not p.is_file():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 import pytest
 
@@ -47,9 +48,10 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_work_even_as_root(tm
     assert os.listdir(tmp_path) == []
 
 
-def test_a_link_is_checked_where_it_points_as_it_is_written(tmp_path):
+def test_a_link_is_checked_where_it_points_as_it_is_written(tmp_path, monkeypatch):
     """The check tried the link's own folder, the write the folder it points into: ``--json link`` to a place no
-    file can be written passed the check and failed after the work (the answers lost)."""
+    file can be written passed the check and failed after the work (the answers lost). Its own folder is still
+    checked: files beside it (a profile's checkpoint) are written there."""
     doomed, fine = tmp_path / "doomed.json", tmp_path / "fine.json"
     doomed.symlink_to("/proc/hsd-x/out.json")
     with pytest.raises(HsdError, match=rf"^--json {doomed}: cannot write it: no folder can be made in /proc"):
@@ -58,6 +60,19 @@ def test_a_link_is_checked_where_it_points_as_it_is_written(tmp_path):
     check_writable(fine, "--json")
     write_json(fine, {"a": 1})
     assert fine.is_symlink() and read_json(tmp_path / "sub" / "real.json") == {"a": 1}
+    ro = tmp_path / "ro"                 # a folder where no file can be made, holding a link to a writable one
+    ro.mkdir()
+    (ro / "P.json").symlink_to(tmp_path / "w" / "P.json")
+    made = tempfile.mkstemp
+
+    def refused_in_ro(*args, dir=None, **kw):
+        if dir is not None and os.path.samefile(dir, ro):
+            raise PermissionError(1, "Operation not permitted")
+        return made(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused_in_ro)
+    with pytest.raises(HsdError, match=r"--out .*ro/P\.json: cannot write there \(Operation not permitted"):
+        check_writable(ro / "P.json", "--out")        # a profile's checkpoint goes beside the link
 
 
 def test_a_device_or_a_pipe_is_refused_not_replaced_by_a_file(tmp_path):
