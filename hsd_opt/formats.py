@@ -97,9 +97,9 @@ class ModelEntry:
             d["layer"] = self.layer
         if self.abstains or self.draft_rate != 1.0:     # one above 1 or NaN set in Python: written, so refused
             d["draft_rate"] = self.draft_rate
-        if self.abstains or any(r != 1.0 for r in self.draft_rate_by_budget):   # likewise
-            if self.draft_rate_by_budget:
-                d["draft_rate_by_budget"] = list(self.draft_rate_by_budget)
+        by_budget = self.draft_rate_by_budget           # likewise
+        if by_budget and (self.abstains or any(r != 1.0 for r in by_budget)):
+            d["draft_rate_by_budget"] = list(by_budget)
         d.update(self.extra)
         return d
 
