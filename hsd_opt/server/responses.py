@@ -300,8 +300,9 @@ class ChoiceStream:
             lps = None
             if self.pending:
                 lps = logprobs_of(self.kind, self.tokenizer, self.pending, self.offset)
-                if self.kind != "chat":
-                    self.offset += sum(offset_length(token_bytes(self.tokenizer, e.token)) for e in self.pending)
+                if self.kind != "chat":         # the next token starts where the last one sent ends
+                    last = token_bytes(self.tokenizer, self.pending[-1].token)
+                    self.offset = lps["text_offset"][-1] + offset_length(last)
                 self.pending = []
             out.append(self._chunk(text=d.get("content"), calls=d.get("tool_calls"), logprobs=lps))
         return out
