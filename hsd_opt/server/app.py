@@ -77,6 +77,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class CorsMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (an origin, method or header not allowed) answers the
+    API's JSON error body, as every other refusal does (Starlette answers plain text)."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        what = response.body.decode("utf-8", "replace")          # "Disallowed CORS origin, headers"
+        err = ApiError(response.status_code, f"{what} (the server's --allowed-origins names the pages allowed)",
+                       "invalid_request_error", None, "cors_refused")
+        kept = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
+        return JSONResponse(err.body(), status_code=err.status, headers=kept)
+
+
 class TrailingSlashMiddleware:
     """Pure ASGI middleware: ``/v1/completions/`` is ``/v1/completions`` (a client's base URL with a slash too
     many), answered in place instead of Starlette's redirect, which clients do not follow for a ``POST``."""
@@ -372,7 +387,7 @@ def create_app(jobs: JobQueue, info: ModelInfo, api_key: str | None = None,
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if allowed_origins:                 # added last: outermost, so a preflight never meets the API key
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+        app.add_middleware(CorsMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(TrailingSlashMiddleware)     # outermost: the API key's open paths see the plain path
     return app
