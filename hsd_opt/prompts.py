@@ -217,6 +217,18 @@ def _item(obj: Any, index: int, source: str, line: int) -> PromptItem:
     raise InputFileError(source, f'missing "prompt" (or Spec-Bench\'s "turns"): {_EXPECTED}', where)
 
 
+def _check_new_id(item: PromptItem, first_line: dict[Any, int], source: str) -> None:
+    """Refuse ``item`` when its Spec-Bench ``question_id`` is an earlier line's (``first_line``: each id's line so
+    far, updated): output records are told apart by it. The message names both lines."""
+    qid = item.question_id
+    if qid is None:
+        return
+    if qid in first_line:
+        raise InputFileError(source, f'"question_id" {qid!r} again (first on line {first_line[qid]}): every '
+                                     "question needs its own", f"line {item.line}")
+    first_line[qid] = item.line
+
+
 def load_prompts(path: str | Path | None = None) -> PromptSuite:
     """Read and validate a prompt file (ours or Spec-Bench's format); ``None`` means the suite shipped in the
     package.
@@ -239,6 +251,7 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         line = raw[:e.start].count(b"\n") + 1
         raise InputFileError(str(p), "not UTF-8 text", f"line {line}") from None
     items: list[PromptItem] = []
+    first_line: dict[Any, int] = {}
     # lines end at "\n" (and "\r\n") only: U+2028, U+2029 and U+0085, which JSON writes unescaped inside a
     # string (json.dumps(..., ensure_ascii=False)), are text of the line, not line ends
     for lineno, line in enumerate(text.split("\n"), 1):
@@ -254,6 +267,7 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         except (ValueError, RecursionError) as e:
             raise InputFileError(str(p), f"{json_problem(e)}; {_EXPECTED}", where) from None
         items.append(_item(obj, len(items), str(p), lineno))
+        _check_new_id(items[-1], first_line, str(p))
     if not items:
         raise InputFileError(str(p), f"empty prompt file: no prompts ({_EXPECTED})")
     return PromptSuite(items, hashlib.sha256(raw).hexdigest(), source)

@@ -78,6 +78,8 @@ def test_select_items_per_task_is_deterministic(tmp_path):
     ('{"prompt": "ok", "task": "\\ud800"}', '"task" holds a lone surrogate'),
     ('{"question_id": 1, "category": "q\\ud800", "turns": ["ok"]}', '"category" holds a lone surrogate'),
     ('{"question_id": "\\udc00", "category": "qa", "turns": ["ok"]}', '"question_id" holds a lone surrogate'),
+    # two records of one id could not be told apart in --json output (accepted silently before)
+    ('{"question_id": 82, "category": "qa", "turns": ["ok"]}', '"question_id" 82 again (first on line 1)'),
 ])
 def test_bad_lines_are_named(tmp_path, line, needle):
     path = _write(tmp_path / "bad.jsonl", [SPEC_BENCH[0], line])
