@@ -142,7 +142,9 @@ def run_cmd(
     turns: str = typer.Option("first", "--turns", help="first | all: every turn of a multi-turn prompt, each "
                                                        "after the model's own answer to the previous one."),
     limit_per_task: Optional[int] = typer.Option(None, "--limit-per-task", help="Use the first N prompts of "
-                                                                                "each task of --prompts."),
+                                                                                "each task of --prompts (of each "
+                                                                                "category with --by category), in "
+                                                                                "file order."),
     by: str = typer.Option("group", "--by", help="Report per group (the task) or per category (Spec-Bench)."),
     per_task: bool = typer.Option(True, "--per-task/--no-per-task", help="Run a prompt of a known task with the "
                                                                          "plan's plan for that task (by_task), "
