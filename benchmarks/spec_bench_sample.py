@@ -15,7 +15,6 @@ file itself is the user's; nothing of it goes into the repository (write the sam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -33,17 +32,16 @@ def main() -> None:
     ap.add_argument("--profile-per-mt-category", type=whole, default=1)
     a = ap.parse_args()
 
-    from hsd_opt.errors import HsdError
     from hsd_opt.prompts import MT_BENCH_CATEGORIES, load_prompts, spec_bench_group
 
     items = load_prompts(a.questions).items          # checks every line (a clear error names a bad one)
-    lines = [ln for ln in Path(a.questions).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if len(lines) != len(items):
-        raise HsdError(f"{a.questions}: expected one question per non-empty line")
+    # each item's line as load_prompts read it: a byte-order mark skipped, lines ended at "\n" only (U+2028 in a
+    # question is text), a "\r" before it dropped
+    text = Path(a.questions).read_bytes().decode("utf-8").removeprefix("\ufeff").split("\n")
     seen: dict[str, int] = {}
     ev, pr = [], []
-    for line in lines:
-        cat = json.loads(line).get("category", "")
+    for it in items:
+        line, cat = text[it.line - 1].removesuffix("\r"), it.category
         key = cat if cat in MT_BENCH_CATEGORIES else spec_bench_group(cat)
         n_ev = a.eval_per_mt_category if cat in MT_BENCH_CATEGORIES else a.eval_per_group
         n_pr = a.profile_per_mt_category if cat in MT_BENCH_CATEGORIES else a.profile_per_group

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
 import re
@@ -122,6 +123,26 @@ def test_a_scripts_own_input_check_is_one_line_with_exit_2(tmp_path, script, arg
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr
     assert res.stderr.splitlines()[-1].startswith(f"error: {says.format(**names)}"), res.stderr
+
+
+def test_the_spec_bench_samples_take_every_file_the_prompt_reader_takes_and_copy_its_lines(tmp_path):
+    """A byte-order mark, CRLF line ends and U+2028 inside a question (text, not a line end) are read as
+    ``load_prompts`` reads them: each sample holds the questions' lines as they are (the script split lines itself:
+    a traceback on the mark, a refusal on U+2028)."""
+    qs = [{"question_id": i, "category": c, "turns": [f"q{i}\u2028second line"]}
+          for i, c in enumerate(["writing", "qa", "writing", "qa", "rag"])]
+    lines = [json.dumps(q, ensure_ascii=False) for q in qs]
+    src = tmp_path / "q.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n\r\n")
+    res = subprocess.run([sys.executable, "-m", "benchmarks.spec_bench_sample", "--questions", str(src),
+                          "--eval-out", "e.jsonl", "--profile-out", "p.jsonl", "--eval-per-group", "1",
+                          "--eval-per-mt-category", "1", "--profile-per-group", "1", "--profile-per-mt-category", "1"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr
+    ev = (tmp_path / "e.jsonl").read_text(encoding="utf-8").split("\n")
+    pr = (tmp_path / "p.jsonl").read_text(encoding="utf-8").split("\n")
+    assert ev == [lines[0], lines[1], lines[4], ""] and pr == [lines[2], lines[3], ""]
 
 
 def test_a_layer_list_is_checked_before_the_model_loads():
