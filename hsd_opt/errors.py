@@ -17,6 +17,16 @@ class ContextFull(HsdError):
     that no longer fits, which every later turn would pass too)."""
 
 
+class GrammarStopped(HsdError):
+    """A grammar the engine compiled but cannot follow further partway through an output: a limit of llguidance's
+    own that this grammar reaches there (its parser's items per token, its lexer's expressions), not a bug of the
+    decoding. ``source`` names the grammar (``--json-schema FILE``, ``response_format.json_schema.schema``)."""
+
+    def __init__(self, source: str, message: str):
+        self.source = source
+        super().__init__(f"{source}: {message}")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what ``timeout``, ``kill``, batch schedulers and service managers send), raised where Ctrl-C is,
     so that a long command keeps and reports the work it finished; the command line then exits with status 143

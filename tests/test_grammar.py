@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hsd_opt.engine.layered import LayeredLM
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import GrammarStopped, HsdError
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.runtime.batch import generate_many
@@ -52,6 +52,41 @@ def engine():
 
 def _schema(compiler):
     return compiler.compile(GrammarSpec.json_schema(SCHEMA, "schema.json"))
+
+
+def _stops_at(grammar, tokens: list[int]) -> int | None:
+    """How many of ``tokens`` a fresh sequence under ``grammar`` takes before the engine stops (a
+    :class:`GrammarStopped`), None if it takes them all; the error is one line naming the grammar's source."""
+    c = Constraint(grammar)
+    for n in range(len(tokens) + 1):
+        try:
+            c.bits(tokens, n)
+        except GrammarStopped as e:
+            assert str(e).startswith(f"{grammar.spec.source}: the grammar engine (llguidance) cannot follow it past ")
+            assert "\n" not in str(e) and "<state>" not in str(e) and e.source == grammar.spec.source
+            return n
+    return None
+
+
+@pytest.mark.parametrize("schema, text", [
+    # llguidance's lexer runs out of expressions some tokens in (the pattern compiles and passes the start check)
+    ({"type": "string", "pattern": "^((a{0,100}){0,100}){0,100}$"}, '"' + "a" * 60),
+    # its parser's row limit, met on the first token the mask allows (500 optional properties)
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}, '{}'),
+])
+def test_a_grammar_past_the_engines_limits_stops_with_one_line_and_does_not_spoil_the_next_sequence(
+        compiler, json_tok, schema, text):
+    """A limit of the grammar engine met while decoding is a :class:`GrammarStopped` naming the grammar's source
+    in one line (it was an ``HsdError`` ending in a dump of the engine's state and grammar, 14 KB for 500
+    properties), and the cached grammar it came from is dropped: its copies share the engine's lexer state, so
+    every later sequence with that schema failed at once (after 0 tokens) until the cache let it go."""
+    ids = {t: i for i, t in enumerate(JSON_TOKENS)}
+    tokens = [ids[ch] for ch in text]
+    spec = GrammarSpec.json_schema(schema, "limit.json")
+    first = _stops_at(compiler.compile(spec), tokens)
+    assert first is not None
+    again = compiler.compile(GrammarSpec.json_schema(schema, "response_format.json_schema.schema"))
+    assert _stops_at(again, tokens) == first                    # a fresh grammar, named as the new caller names it
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -193,7 +228,8 @@ def test_a_regex_files_spaces_are_the_patterns_own_only_its_last_line_break_is_n
 
 def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler, json_tok):
     g = _schema(compiler)
-    assert compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), "other source")) is g
+    again = compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), "other source"))
+    assert again.template is g.template and again.spec.source == "other source"     # kept, named as asked
     c, forced = Constraint(g), []
     while (t := c.only(forced, len(forced))) is not None:         # the tokens the grammar forces at the start
         forced.append(t)

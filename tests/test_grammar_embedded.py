@@ -97,6 +97,29 @@ def test_the_served_plan_under_a_schema_is_the_masked_targets_answer(embedded):
             assert err["param"] == field and err["type"] == "invalid_request_error", err
 
 
+def test_a_schema_past_the_grammar_engines_limits_is_a_400_naming_it_streamed_or_not(embedded):
+    """500 optional properties compile but reach llguidance's parser row limit at the first token: the answer is a
+    400 naming ``response_format.json_schema.schema`` in one line (code ``grammar_limit``), streamed as the
+    stream's error event; it was a 500 "generation failed" with the engine's 14 KB state dump and a traceback in
+    the log. The server goes on serving."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write JSON."}], "max_tokens": 8,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}
+    app, jobs = prepare_server(SOLVED_PLAN, device="cpu")
+    with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+        url = srv.url + "/v1/chat/completions"
+        r = httpx.post(url, json=body, timeout=120)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema" and err["code"] == "grammar_limit", err
+        assert "cannot follow it" in err["message"] and "<state>" not in err["message"] and len(err["message"]) < 600
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "grammar_limit", events[-1]
+        r = httpx.post(url, json={**body, "response_format": {"type": "json_object"}}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
 def test_a_plan_with_a_plan_for_json_serves_response_format_requests_with_it(embedded, tmp_path):
     """hsd serve runs a request under a grammar with the plan's plan for task json (by_task) and every other
     request with the plan's own hierarchy; the answers stay the masked target's and the target's."""

@@ -662,6 +662,22 @@ def test_bad_grammar_inputs_exit_2_naming_the_flag(tiny_dir, tmp_path, extra, ne
     assert needle in _out(res) and "Traceback" not in _out(res)
 
 
+def test_a_schema_past_the_grammar_engines_limit_stops_the_run_with_exit_2_naming_the_flag(tiny_dir, tmp_path):
+    """500 optional properties compile but meet llguidance's parser row limit at the answer's first token: exit 2
+    with one line naming ``--json-schema FILE`` (it said ``grammar: token ... is not allowed`` and the engine's
+    state and grammar, 14 KB), the streamed text's line ended first (the error was printed after the ``{``)."""
+    plan = _plan(tmp_path / "p.json", tiny_dir / "m")
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}))
+    res = runner.invoke(app, ["run", "--plan", str(plan), "--prompt", "hi", "--max-new-tokens", "4", "--json-schema",
+                              str(path), "--device", "cpu"])
+    assert res.exit_code == 2, _out(res)
+    said = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert said == [ln for ln in said if ln.startswith(f"error: --json-schema {path}: the grammar engine (llguidance) "
+                                                       "cannot follow it past ")] and len(said) == 1, _out(res)
+    assert "<state>" not in _out(res) and res.stdout.endswith("\n"), repr(res.stdout)
+
+
 def test_bench_under_a_json_schema_runs_our_methods_masked_and_says_why_hf_does_not_run(tiny_dir, tmp_path):
     plan = _plan(tmp_path / "plan.json", tiny_dir / "m", hierarchy=("ngram", "layer2", "layer4"), budgets=(2, 3))
     prompts = tmp_path / "p.jsonl"

@@ -215,13 +215,14 @@ def run_cmd(
 def _keeping_finished(json_out: Path | None, lines: list[dict], quiet: bool) -> Iterator[None]:
     """A run, or the report after it, stopped part-way: the ``--json`` lines of the prompts finished (``lines``,
     as they grow) are written and said. Ctrl-C: exit 130 (143 for SIGTERM: ``cli.main``), the streamed line it cut
-    ended; an error raised on; stdout closed (``| head``: rich exits 1) or full: its error raised on."""
-    from hsd_opt.errors import HsdError
+    ended (by a :class:`~hsd_opt.errors.GrammarStopped` too); an error raised on; stdout closed (``| head``: rich
+    exits 1) or full: its error raised on."""
+    from hsd_opt.errors import GrammarStopped, HsdError
 
     try:
         yield
-    except (KeyboardInterrupt, HsdError) as e:
-        _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, KeyboardInterrupt),
+    except (KeyboardInterrupt, HsdError) as e:      # the grammar engine's limit too stops an answer being streamed
+        _stopped(json_out, lines, cut_stream=not quiet and isinstance(e, (KeyboardInterrupt, GrammarStopped)),
                  interrupted=isinstance(e, KeyboardInterrupt))
         if isinstance(e, KeyboardInterrupt):     # said: exit 130 without a second line
             raise typer.Exit(130) from None

@@ -13,11 +13,12 @@ tokens the grammar forces are few and known (:meth:`~hsd_opt.grammar.constraint.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.jsonio import json_problem
@@ -152,6 +153,9 @@ class Grammar:
     vocab_size: int
     width: int
     eos_ids: tuple[int, ...]
+    forget: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
+    """Drops it from its compiler's cache: the copies of ``template`` share llguidance's lexer state, so once one
+    ran past a limit of the engine every later copy fails at once (a :class:`~hsd_opt.errors.GrammarStopped`)."""
 
 
 class _TokenList:
@@ -261,7 +265,7 @@ class GrammarCompiler:
             hit = self._cache.get(spec.key)
             if hit is not None:
                 self._cache.move_to_end(spec.key)
-                return hit
+                return hit if hit.spec == spec else replace(hit, spec=spec)     # named as this caller names it
         need("llguidance", what="a JSON schema or grammar")
         import llguidance
 
@@ -283,12 +287,20 @@ class GrammarCompiler:
         if template.is_error():
             raise HsdError(f"{spec.source}: {_said(template.get_error())}")
         _check_start(template, spec, self.max_positions)
-        out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids)
+        out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids,
+                      forget=functools.partial(self._forget, spec.key, template))
         with self._lock:
             self._cache[spec.key] = out
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return out
+
+    def _forget(self, key: tuple[str, str], template: Any) -> None:
+        """Drop the cached grammar of ``key`` if it is still the one of ``template`` (see :attr:`Grammar.forget`)."""
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit.template is template:
+                del self._cache[key]
 
 
 def _check_start(template, spec: GrammarSpec, max_positions: int | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hsd_opt.errors import HsdError
+from hsd_opt.errors import GrammarStopped, HsdError
 from hsd_opt.grammar.compiler import Grammar
 
 
@@ -77,7 +77,7 @@ class Constraint:
             b = np.empty(self._words, dtype=np.int32)
             self._matcher.unsafe_compute_mask_ptr(b.ctypes.data, b.nbytes)
             if self._matcher.is_error():
-                raise HsdError(f"grammar: {self._matcher.get_error()}")
+                raise self._stopped(length)
         self._bits[length] = b
         return b
 
@@ -139,12 +139,24 @@ class Constraint:
             n = self._matcher.try_consume_tokens(rest)
             if n != len(rest):
                 self._at.extend(rest[:n])
+                if self._matcher.is_error():        # the engine's own limit, met on an allowed token
+                    raise self._stopped(c + n)
                 raise HsdError(f"grammar: token {rest[n]} after {c + n} generated tokens is not allowed "
                                f"({self._matcher.get_error() or 'refused'})")
             self._at.extend(rest)
         if ended and not self._matcher.is_accepting():
             raise HsdError(f"grammar: the end of sequence after {len(body)} generated tokens is not allowed")
         return ended
+
+    def _stopped(self, length: int) -> GrammarStopped:
+        """The error of a matcher that ran past a limit of llguidance's after ``length`` generated tokens, on one
+        line (its message goes on with a dump of its state and the grammar); the grammar is dropped from its
+        compiler's cache, whose copies share the state that ran past it."""
+        self.grammar.forget()
+        why = " ".join(self._matcher.get_error().split("<state>")[0].split()) or "refused"
+        return GrammarStopped(self.grammar.spec.source, f"the grammar engine (llguidance) cannot follow it past "
+                                                        f"{length} generated tokens ({why}); a simpler schema may "
+                                                        f"pass (fewer optional properties, smaller repeats)")
 
 
 def mask_logits(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

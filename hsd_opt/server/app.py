@@ -259,7 +259,7 @@ class Service:
                 elif kind == "cancelled":
                     raise _stopping_error(taken=True)
                 elif kind == "error":
-                    raise ApiError(500, val, "server_error")
+                    raise val if isinstance(val, ApiError) else ApiError(500, val, "server_error")
             return outcomes
         finally:
             disconnect.cancel()
@@ -294,7 +294,7 @@ class Service:
                 yield sse(_stopping_error(taken=True).body())
                 return
             elif what == "error":
-                yield sse(error_body(val, "server_error"))
+                yield sse(val.body() if isinstance(val, ApiError) else error_body(val, "server_error"))
                 return
             else:  # "gone": the client disconnected
                 return

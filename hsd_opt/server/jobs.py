@@ -15,7 +15,9 @@ reports through ``job.emit``, called from the worker thread with one event at a 
   text was made of, and those whose text is held back: a possible stop string);
 - ``("done", Outcome)``: the generation ended (EOS, ``max_tokens`` or a stop string);
 - ``("cancelled", None)``: the job was cancelled (the client went away, the server is stopping);
-- ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request).
+- ``("error", str)``: the generation failed (logged with its traceback: a bug, never a bad request);
+- ``("error", ApiError)``: the request's grammar met a limit of the grammar engine partway (a 400 naming the
+  field: :class:`~hsd_opt.errors.GrammarStopped`, logged on one line).
 
 Cancelling a job (:meth:`Job.cancel`, thread-safe) frees its place at the next committed block: the ``on_tokens``
 callback sees the flag and asks the decoding to stop. A job cancelled while it waits is skipped. Every request is
@@ -32,9 +34,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from hsd_opt.errors import GrammarStopped
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.prompts import JSON_TASK
 from hsd_opt.runtime.batch import Batch
+from hsd_opt.server.errors import bad_request
 from hsd_opt.server.metrics import Metrics, stats_line
 from hsd_opt.server.requests import GenerationRequest
 from hsd_opt.server.text import TextStream
@@ -332,6 +336,10 @@ class JobQueue:
             self._end(job, "error", f"generation failed: {type(e).__name__}: {e}")
 
     def _done(self, job: Job, stream: "_Stream", res: "GenerationResult | None", err: BaseException | None) -> None:
+        if isinstance(err, GrammarStopped):     # the request's grammar, not a bug: its field is named
+            log.warning("%s", err)
+            self._end(job, "error", bad_request(str(err), err.source, "grammar_limit"))
+            return
         if err is not None:
             log.error("generation failed", exc_info=err)
             self._end(job, "error", f"generation failed: {type(err).__name__}: {err}")
