@@ -43,7 +43,7 @@ except ImportError:  # the worker in a baseline tree older than them (its flags 
     count = whole = int
 
 HERE = Path(__file__).resolve().parents[1]
-DEFAULT_PLAN = HERE / "benchmarks" / "results" / "bench_suite_2026-11-26_plan.json"
+DEFAULT_PLAN = HERE / "tests" / "data" / "runtime_bench_lookup_plan.json"   # the embedded model's lookup <- int4
 
 
 def count_work(cls) -> dict[str, int]:

@@ -152,6 +152,23 @@ def test_a_layer_list_is_checked_before_the_model_loads():
     assert res.stderr.splitlines()[-1].startswith("error: --cost-layers: ")
 
 
+def test_the_ab_scripts_default_plan_is_there(monkeypatch):
+    """``benchmarks.engine_ab`` run with its default ``--plan`` reads a plan that exists (the clean-up of
+    ``benchmarks/results/`` had removed it: every run without ``--plan`` stopped with file not found)."""
+    from hsd_opt.formats import load_plan
+
+    real, parsed = argparse.ArgumentParser.parse_args, {}
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parsed.update(vars(real(self, ["--baseline", "b"], namespace)))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    with pytest.raises(SystemExit):
+        importlib.import_module("benchmarks.engine_ab").main()
+    assert load_plan(parsed["plan"]).hierarchy
+
+
 @pytest.mark.parametrize("script, required, flag, want", [
     ("chat_turns", ["--plan", "p", "--questions", "q"], "concurrency", [1, 4]),
     ("engine", [], "t", [1, 2, 3, 4, 8, 12, 16]),
