@@ -226,6 +226,24 @@ def test_a_regex_files_spaces_are_the_patterns_own_only_its_last_line_break_is_n
         assert (spec.kind, spec.text) == ("regex", pattern)
 
 
+def test_a_sequence_beside_one_that_ran_past_the_engines_limit_goes_on_as_alone(json_tok):
+    """Two requests with one schema hold copies of one cached matcher, which share llguidance's lexer state: when
+    one runs past the engine's limit, the other (already decoding, or admitted later with the grammar it was given
+    when parsed) goes on as it would alone, on a matcher built anew for it (it was refused an allowed token, a
+    500 served, or stopped at 0 tokens), while the first stops where it stops alone."""
+    compiler = GrammarCompiler(json_tok, EOS, 64)
+    ids = {t: i for i, t in enumerate(JSON_TOKENS)}
+    spec = GrammarSpec.json_schema({"type": "string", "pattern": "^((a{0,100}){0,100}){0,100}$"}, "s.json")
+    alone = _stops_at(GrammarCompiler(json_tok, EOS, 64).compile(spec), [ids[ch] for ch in '"' + "a" * 60])
+    gx, gy = compiler.compile(spec), compiler.compile(spec)          # parsed one after the other: one matcher
+    y, short = Constraint(gy), [ids[ch] for ch in '"aaaa']
+    assert [len(y.allowed(short, n).nonzero()) > 0 for n in range(3)] == [True] * 3
+    assert _stops_at(gx, [ids[ch] for ch in '"' + "a" * 60]) == alone
+    for n in range(len(short) + 1):                                    # y goes on, then a later copy of gy
+        assert y.allows(short, n, short[n]) if n < len(short) else y.allowed(short, n).any()
+    assert _stops_at(gy, short) is None and _stops_at(compiler.compile(spec), short) is None
+
+
 def test_a_compiled_grammar_is_kept_and_its_properties_keep_their_order(compiler, json_tok):
     g = _schema(compiler)
     again = compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), "other source"))

@@ -155,7 +155,10 @@ class Grammar:
     eos_ids: tuple[int, ...]
     forget: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
     """Drops it from its compiler's cache: the copies of ``template`` share llguidance's lexer state, so once one
-    ran past a limit of the engine every later copy fails at once (a :class:`~hsd_opt.errors.GrammarStopped`)."""
+    ran past a limit of the engine every copy fails (a :class:`~hsd_opt.errors.GrammarStopped`)."""
+    fresh: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
+    """A new matcher in the start state that shares nothing with ``template``'s copies (built anew: milliseconds
+    to seconds, as the compile); None: none can be built."""
 
 
 class _TokenList:
@@ -288,7 +291,8 @@ class GrammarCompiler:
             raise HsdError(f"{spec.source}: {_said(template.get_error())}")
         _check_start(template, spec, self.max_positions)
         out = Grammar(spec, template, tokenizer.vocab_size, self.vocab_size, self.eos_ids,
-                      forget=functools.partial(self._forget, spec.key, template))
+                      forget=functools.partial(self._forget, spec.key, template),
+                      fresh=functools.partial(llguidance.LLMatcher, tokenizer, grammar, log_level=0))
         with self._lock:
             self._cache[spec.key] = out
             if len(self._cache) > CACHE_SIZE:

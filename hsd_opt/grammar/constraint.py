@@ -45,6 +45,7 @@ class Constraint:
         self.vocab_size = grammar.width
         self._eos = frozenset(grammar.eos_ids)
         self._matcher = grammar.template.deep_copy()
+        self._own = False                        # a matcher built anew for this sequence alone (see _renew)
         self._at: list[int] = []                 # the tokens the matcher has consumed
         self._path: list[int] = []               # the prefix the kept bits and rows belong to
         self._bits: dict[int, np.ndarray] = {}       # length -> allowed tokens after path[:length], packed
@@ -77,6 +78,8 @@ class Constraint:
             b = np.empty(self._words, dtype=np.int32)
             self._matcher.unsafe_compute_mask_ptr(b.ctypes.data, b.nbytes)
             if self._matcher.is_error():
+                if self._renew():
+                    return self.bits(generated, length)
                 raise self._stopped(length)
         self._bits[length] = b
         return b
@@ -130,29 +133,41 @@ class Constraint:
         ends with the end of sequence (allowed only where the grammar accepts; the matcher stays before it)."""
         ended = bool(tokens) and tokens[-1] in self._eos
         body = tokens[:-1] if ended else tokens
-        c = _common(self._at, body, len(body))
-        if c < len(self._at):
-            self._matcher.rollback(len(self._at) - c)
-            del self._at[c:]
-        rest = body[c:]
-        if rest:
-            n = self._matcher.try_consume_tokens(rest)
-            if n != len(rest):
-                self._at.extend(rest[:n])
-                if self._matcher.is_error():        # the engine's own limit, met on an allowed token
-                    raise self._stopped(c + n)
-                raise HsdError(f"grammar: token {rest[n]} after {c + n} generated tokens is not allowed "
-                               f"({self._matcher.get_error() or 'refused'})")
-            self._at.extend(rest)
+        while True:
+            c = _common(self._at, body, len(body))
+            if c < len(self._at):
+                self._matcher.rollback(len(self._at) - c)
+                del self._at[c:]
+            rest = body[c:]
+            n = self._matcher.try_consume_tokens(rest) if rest else 0
+            self._at.extend(rest[:n])
+            if n == len(rest):
+                break
+            if self._renew():                      # a shared state another sequence broke: again on our own
+                continue
+            if self._matcher.is_error():            # the engine's own limit, met on an allowed token
+                raise self._stopped(c + n)
+            raise HsdError(f"grammar: token {rest[n]} after {c + n} generated tokens is not allowed "
+                           f"({self._matcher.get_error() or 'refused'})")
         if ended and not self._matcher.is_accepting():
             raise HsdError(f"grammar: the end of sequence after {len(body)} generated tokens is not allowed")
         return ended
 
-    def _stopped(self, length: int) -> GrammarStopped:
-        """The error of a matcher that ran past a limit of llguidance's after ``length`` generated tokens, on one
-        line (its message goes on with a dump of its state and the grammar); the grammar is dropped from its
-        compiler's cache, whose copies share the state that ran past it."""
+    def _renew(self) -> bool:
+        """After the matcher refused an allowed token or failed: drop the grammar from its compiler's cache and,
+        unless this sequence already has one, take a matcher of its own built anew (the copies of one template
+        share llguidance's lexer state, which another sequence may have run past a limit); the caller then moves it
+        to the prefix again. False where it had one already (the failure is this sequence's own)."""
         self.grammar.forget()
+        if self._own or self.grammar.fresh is None:
+            return False
+        self._matcher, self._own, self._at = self.grammar.fresh(), True, []
+        return True
+
+    def _stopped(self, length: int) -> GrammarStopped:
+        """The error of this sequence's own matcher (:meth:`_renew` gave it one) that ran past a limit of
+        llguidance's after ``length`` generated tokens, on one line (its message goes on with a dump of its state
+        and the grammar)."""
         why = " ".join(self._matcher.get_error().split("<state>")[0].split()) or "refused"
         return GrammarStopped(self.grammar.spec.source, f"the grammar engine (llguidance) cannot follow it past "
                                                         f"{length} generated tokens ({why}); a simpler schema may "
