@@ -774,6 +774,25 @@ def test_allowed_origins_are_refused_unless_origins_and_written_as_a_browser_sen
     assert parse_origins("http://[::1]:3000") == ["http://[::1]:3000"] and parse_origins(" none ") == []
 
 
+@pytest.mark.parametrize("origins, extra, says, not_says", [
+    (["https://a.example"], {}, "Disallowed CORS origin (the server's --allowed-origins", "Private Network"),
+    # an allowed origin asking for Private Network Access: no --allowed-origins would change the answer
+    (["*"], {"access-control-request-private-network": "true"}, "Disallowed CORS private-network (a public page",
+     "--allowed-origins"),
+])
+def test_a_refused_preflight_says_what_refused_it(origins, extra, says, not_says):
+    from starlette.datastructures import Headers
+
+    from hsd_opt.server.app import CorsMiddleware
+
+    m = CorsMiddleware(None, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    r = m.preflight_response(Headers({"origin": "http://localhost:3000", "access-control-request-method": "POST",
+                                      **extra}))
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 400 and err["code"] == "cors_refused" and err["message"].startswith(says), err
+    assert not_says not in err["message"]
+
+
 def test_web_pages_of_the_allowed_origins_may_call_the_server_and_their_preflight_needs_no_key(tiny):
     preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
                  "access-control-request-headers": "authorization, content-type"}
@@ -789,6 +808,8 @@ def test_web_pages_of_the_allowed_origins_may_call_the_server_and_their_prefligh
             if not allowed and origins != "none":       # refused by the CORS check: the API's error body
                 assert r.status_code == 400 and r.json()["error"]["code"] == "cors_refused", r.text
                 assert r.json()["error"]["message"].startswith("Disallowed CORS origin")
+            elif not allowed:                           # none: no preflight answered (the key is asked for)
+                assert r.status_code == 401, r.text
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30,
                            headers={"origin": preflight["origin"], "authorization": "Bearer k"})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1

@@ -85,8 +85,12 @@ class CorsMiddleware(CORSMiddleware):
         response = super().preflight_response(request_headers)
         if response.status_code < 400:
             return response
-        what = response.body.decode("utf-8", "replace")          # "Disallowed CORS origin, headers"
-        err = ApiError(response.status_code, f"{what} (the server's --allowed-origins names the pages allowed)",
+        what = response.body.decode("utf-8", "replace")          # "Disallowed CORS origin, private-network"
+        failed = what.removeprefix("Disallowed CORS ").split(", ")
+        why = [h for f, h in (("origin", "the server's --allowed-origins names the pages allowed"),
+                              ("private-network", "a public page may not call this server at a private address: "
+                                                  "it grants no Private Network Access")) if f in failed]
+        err = ApiError(response.status_code, f"{what} ({'; '.join(why)})" if why else what,
                        "invalid_request_error", None, "cors_refused")
         kept = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
         return JSONResponse(err.body(), status_code=err.status, headers=kept)
