@@ -34,6 +34,7 @@ from benchmarks.serve_sweep import free_port
 from benchmarks.server_load import pct, run_clients, start, stop_server
 from hsd_opt.engine.variants import host
 from hsd_opt.errors import HsdError
+from hsd_opt.jsonio import write_json
 
 METHODS = ("hsd", "hsd_nocache", "llama")
 
@@ -157,7 +158,7 @@ def main() -> None:
         report = {"host": host(), "plan": a.plan, "max_tokens": a.max_tokens,
                   **in_process(a.plan, conversations(a.questions, a.limit), a.max_tokens)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(a.out, report, indent=2)
         print(json.dumps({k: v for k, v in report.items() if k != "host"}), flush=True)
         return
     methods = [m for m in a.methods.split(",") if m]
@@ -211,7 +212,7 @@ def main() -> None:
     for r in report["runs"]:
         r.pop("answers")                                    # compared above; the token ids are not kept
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report, indent=2)
     print(f"wrote {a.out}; hsd answers equal with and without the cache: {report.get('hsd_answers_equal')}")
 
 

@@ -40,6 +40,7 @@ from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
 from hsd_opt.drafters.bigram import BigramDrafter, BigramTable
 from hsd_opt.drafters.mixed import MixedNgramDrafter
 from hsd_opt.drafters.ngram import ContextNgramDrafter
+from hsd_opt.jsonio import write_json
 
 
 def folds(gens):
@@ -150,7 +151,7 @@ def main() -> None:
     res["load_after"] = machine_load()
     res["wall_seconds"] = time.time() - t_start
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(a.out, res, indent=1)
 
 
 if __name__ == "__main__":

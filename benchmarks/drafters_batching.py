@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.drafters_common import RESULTS, SMOL, load_model, machine_load, target_forward_seconds
 from benchmarks.entry import count, positive, run, whole
+from hsd_opt.jsonio import write_json
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
     res["load_after"] = machine_load()
     res["wall_seconds"] = time.time() - t_start
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(a.out, res, indent=1)
     print(json.dumps(frontier, indent=1))
 
 

@@ -17,6 +17,7 @@ import torch
 from benchmarks.entry import count, run, whole
 from hsd_opt.drafters.bigram import build_bigram_table, model_fingerprint, table_path
 from hsd_opt.engine.variants import host
+from hsd_opt.jsonio import write_json
 
 
 def bos_flag(text: str) -> str | int | None:
@@ -57,7 +58,7 @@ def main() -> None:
         res["table"] = str(path)
         res["table_bytes"] = os.path.getsize(path)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(a.out, res, indent=2)
     print(json.dumps(res, indent=2))
 
 

@@ -177,7 +177,9 @@ def main() -> None:
               "work": {k: v[0]["work"] for k, v in runs.items()}, "batch": a.batch,
               "runs": {k: [{f: x[f] for f in figures(a.batch)} for x in v] for k, v in runs.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    from hsd_opt.jsonio import write_json  # here: the worker may run in a baseline tree without it
+
+    write_json(a.out, report, indent=1)
     print(json.dumps({"median": med, "candidate_over_baseline": ratio, "same_tokens_in_both_trees": same,
                       "plan_equals_ar": lossless, "same_work_in_both_trees": same_work,
                       "work": report["work"]}, indent=1))

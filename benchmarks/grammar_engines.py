@@ -34,6 +34,7 @@ from benchmarks.entry import count, run
 from benchmarks.json_schema_bench import quantiles_ms
 from hsd_opt.engine.variants import host
 from hsd_opt.grammar.compiler import GrammarCompiler, GrammarSpec
+from hsd_opt.jsonio import write_json
 from hsd_opt.models.loading import eos_token_ids, load_model
 
 
@@ -201,7 +202,7 @@ def main() -> None:
               f"{r['compile']}; mask in cache {r['mask_in_cache']}; after a {a.sweep_mb} MB sweep "
               f"{r['mask_after_sweep']}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(a.out, report, indent=1)
     print(f"wrote {a.out}")
 
 

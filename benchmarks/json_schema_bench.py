@@ -30,6 +30,7 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import load_plan
 from hsd_opt.grammar.compiler import GrammarSpec, compiler_for
 from hsd_opt.grammar.constraint import Constraint
+from hsd_opt.jsonio import write_json
 from hsd_opt.models.loading import eos_token_ids, load_model
 from hsd_opt.prompts import chat_ids
 from hsd_opt.runtime import decode
@@ -209,7 +210,7 @@ def main() -> None:
     report["ended_and_parse"] = sum(r["ended"] and r["parses"] for r in rows)
     report["ended"] = sum(r["ended"] for r in rows)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report, indent=2)
     for m, r in report["methods"].items():
         print(f"{m}: {r['decode_tokens_per_s']:.1f} tok/s decode, {r['tokens_per_target_pass']:.2f} tokens per "
               f"target pass, grammar {r['grammar_ms_per_token']:.3f} ms/token")

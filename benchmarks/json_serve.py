@@ -31,6 +31,7 @@ from benchmarks.entry import count, counts, run, seconds, whole
 from benchmarks.serve_sweep import free_port, served_name
 from benchmarks.server_load import start, start_server, stop_server
 from hsd_opt.engine.variants import host
+from hsd_opt.jsonio import write_json
 
 TASKS = Path(__file__).resolve().parents[1] / "hsd_opt" / "data" / "json_tasks.jsonl"
 
@@ -146,7 +147,7 @@ def main() -> None:
     finally:
         stop_server(hsd)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report, indent=2)
     print(f"wrote {a.out}")
 
 

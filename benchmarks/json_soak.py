@@ -27,6 +27,7 @@ from benchmarks.entry import count, run, seconds
 from benchmarks.json_serve import TASKS, _name, run_clients
 from benchmarks.server_load import start_server, stop_server
 from hsd_opt.engine.variants import host
+from hsd_opt.jsonio import write_json
 
 KINDS = ("greedy", "greedy_stream", "sampled", "json_object", "hang_up")
 
@@ -178,7 +179,7 @@ def main() -> None:
               "health_after": health, "server_exit_code": code,
               "schemas_checked": _can_check_schemas()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report, indent=2)
     if not report["schemas_checked"]:
         print("note: jsonschema is not installed here: answers were checked to parse, not against their schemas "
               "(pip install jsonschema)")

@@ -18,7 +18,6 @@ positions in turn, reported as ``A`` over ``B``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from benchmarks.entry import count, counts, run, whole
 from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
+from hsd_opt.jsonio import write_json
 from hsd_opt.models.loading import load_model
 from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length
 from hsd_opt.runtime.decode import prompt_pass_ends
@@ -88,7 +88,7 @@ def compare_within(eng: LayeredLM, text: list[int], lengths: list[int], limits: 
         report = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "rounds": rounds,
                   "simd": eng._kernels.lib.hsd_simd(), "within": limits, "lengths": rows}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+        write_json(out, report, indent=1)
 
 
 def within_pair(text: str) -> list[int]:
@@ -132,7 +132,7 @@ def main() -> None:
               "simd": eng._kernels.lib.hsd_simd(), "lengths": rows}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_json(a.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ table. Timings on a shared 2-core machine are noisy: compare ratios from one run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.entry import count, counts, run, whole
+from hsd_opt.jsonio import write_json
 
 
 def hierarchy_flag(text: str) -> tuple[str, list[str], list[int]]:
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--hierarchy", type=hierarchy_flag, action="append", default=[],
                     help="extra hierarchy NAME=m0,m1,...,target:T0,T1,... (repeatable)")
     ap.add_argument("--threads", type=whole, default=None, help="torch threads (default: 1 when the load is high)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "runtime_bench"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "runtime_bench"),
+                    help="the reports' path without its ending: writes OUT.json and OUT.png")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--methods", default=None, help="comma list, as hsd bench --methods (default: hsd bench's "
                     "default methods and hf_early_exit, the set the recorded results ran)")
@@ -96,7 +97,7 @@ def main() -> None:
                     d["measured_over_predicted"] = d["seconds_per_token"] / d["predicted_seconds_per_token"]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(str(out) + ".json").write_text(json.dumps(rep, indent=2) + "\n")
+    write_json(str(out) + ".json", rep, indent=2)
     plot_report(rep, str(out) + ".png")
     print(f"\n{rep['command']}\n")
     print("| method | hierarchy (budgets) | tokens/s | vs hf_ar | vs ar | tok/target call | ms/tok predicted | "

@@ -72,6 +72,12 @@ def start(cmd: list[str], ready: str, timeout: float, env: dict | None = None, c
     threading.Thread(target=drain, daemon=True).start()
     if not ok.wait(timeout) or not got:
         proc.kill()
+        said = [ln.strip()[len("error: "):] for ln in lines if ln.startswith("error: ")]
+        if said and proc.wait() not in (0, -signal.SIGKILL):    # it refused its input in one line (exit 2): say it
+            from hsd_opt.errors import HsdError
+
+            name = "hsd serve" if "hsd_opt" in cmd else os.path.basename(str(exe))
+            raise HsdError(f"{name} did not start: {said[-1]}")
         raise SystemExit(f"{' '.join(map(str, cmd[:4]))} did not become ready:\n" + "".join(lines[-20:]))
     return proc, got[0], lines
 

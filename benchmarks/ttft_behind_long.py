@@ -3,13 +3,12 @@
     .venv/bin/python -m benchmarks.ttft_behind_long --url http://127.0.0.1:8000 --repeats 200 --shorts 3 \\
         --out short_ttft.json
 
-Steps: a short streamed completion alone (its time to the first token with nothing else to do); then a long one
-(the text ``--text`` repeated ``--repeats`` times) and, ``--gap`` seconds after it and after each other, ``--shorts``
-short ones, each in a thread; every request greedy, ``--max-tokens`` tokens, timed from its sending to its first
-streamed text and to its end (seconds, on this machine's clock). Prints and writes (``--out``, atomically) each
-request's figures and the long prompt's token count (the server's ``/tokenize``). Any server with the OpenAI
-completions API and ``/tokenize`` (``hsd serve``; llama.cpp's ``llama-server`` answers ``/tokenize`` too).
-"""
+Steps: a short streamed completion alone (its time to the first token with nothing else to do); then a long one (a
+fixed sentence, ``LONG_TEXT``, repeated ``--repeats`` times) and, ``--gap`` seconds after it and after each other,
+``--shorts`` short ones, each in a thread; every request greedy, ``--max-tokens`` tokens, timed from its sending to
+its first streamed text and to its end (seconds, on this machine's clock). Prints and writes (``--out``, atomically)
+each request's figures and the long prompt's token count (the server's ``/tokenize``). Any server with the OpenAI
+completions API and ``/tokenize`` (``hsd serve``; llama.cpp's ``llama-server`` answers ``/tokenize`` too). """
 
 from __future__ import annotations
 

@@ -102,6 +102,9 @@ def test_a_script_refuses_a_bad_flag_in_one_line_before_loading_anything(script,
     ("spec_bench_sample", ["--questions", "{missing}", "--eval-out", "e", "--profile-out", "p"], "{missing}: "),
     ("spec_bench_sample", ["--questions", "{bad}", "--eval-out", "e", "--profile-out", "p"], "{bad}: line 1: "),
     ("serve_sweep", ["--plan", "p", "--methods", "foo"], "--methods: unknown ['foo']"),
+    # the server it starts refused the plan in one line: said as that line (three lines and exit 1 before)
+    ("server_load", ["--plan", "{missing}", "--out", "o.json"], "hsd serve did not start: {missing}: file not found"),
+    ("json_soak", ["--plan", "{missing}"], "hsd serve did not start: {missing}: file not found"),
     ("serve_sweep", ["--plan", "p", "--methods", "hsd_base"], "--methods hsd_base and --baseline DIR go together"),
     ("engine_ab", ["--baseline", "{missing}"], "--baseline: expected a checkout of hsd-opt"),
     ("gpu_scale", ["--config", "no-such-model", "--device", "cpu"], "--config"),
@@ -143,6 +146,15 @@ def test_the_spec_bench_samples_take_every_file_the_prompt_reader_takes_and_copy
     ev = (tmp_path / "e.jsonl").read_text(encoding="utf-8").split("\n")
     pr = (tmp_path / "p.jsonl").read_text(encoding="utf-8").split("\n")
     assert ev == [lines[0], lines[1], lines[4], ""] and pr == [lines[2], lines[3], ""]
+
+
+def test_every_report_a_script_writes_is_written_atomically():
+    """A report goes through ``write_json`` (a temporary file, then a rename): nine scripts wrote theirs in place,
+    so an interrupted or failed write left a broken JSON file where a good one had been."""
+    in_place = re.compile(r"Path\([^\n]*\)\.write_text\(json\.dumps\(")
+    bad = [f"{p.name}:{i}" for p in sorted((REPO / "benchmarks").glob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if in_place.search(line)]
+    assert not bad, bad
 
 
 def test_a_layer_list_is_checked_before_the_model_loads():
