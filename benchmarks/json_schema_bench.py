@@ -126,7 +126,7 @@ def _run(h, ids, n, grammar, skip: bool, temperature: float = 0.0, seed: int = 0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--json-plan", default=None, help="a plan with a plan for task json (by_task)")
     ap.add_argument("--skip", type=whole, default=0, help="leave out the first N tasks")

@@ -102,7 +102,7 @@ def level(url: str, tasks: list[dict], clients: int, max_tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--gguf", required=True)

@@ -144,7 +144,7 @@ def _spread(xs: list[float]) -> dict | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--requests", type=count, default=1000)
     ap.add_argument("--clients", type=count, default=8)

@@ -93,7 +93,7 @@ def _parts(eng, text: list[int], seqs: int, ctx: int = 90, repeats: int = 6) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", required=True, type=Path)
     ap.add_argument("--clients", type=count, default=8)
     ap.add_argument("--requests", type=count, default=2)

@@ -73,7 +73,7 @@ def measure(K: int, tmax: int, repeats: int, ranked: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "solver_scaling.json"))
     args = ap.parse_args()
