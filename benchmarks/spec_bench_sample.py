@@ -32,16 +32,14 @@ def main() -> None:
     ap.add_argument("--profile-per-mt-category", type=whole, default=1)
     a = ap.parse_args()
 
-    from hsd_opt.prompts import MT_BENCH_CATEGORIES, load_prompts, spec_bench_group
+    from hsd_opt.prompts import MT_BENCH_CATEGORIES, load_prompts, spec_bench_group, text_lines
 
     items = load_prompts(a.questions).items          # checks every line (a clear error names a bad one)
-    # each item's line as load_prompts read it: a byte-order mark skipped, lines ended at "\n" only (U+2028 in a
-    # question is text), a "\r" before it dropped
-    text = Path(a.questions).read_bytes().decode("utf-8").removeprefix("\ufeff").split("\n")
+    text = text_lines(Path(a.questions).read_bytes().decode("utf-8"))     # each item's line as load_prompts read it
     seen: dict[str, int] = {}
     ev, pr = [], []
     for it in items:
-        line, cat = text[it.line - 1].removesuffix("\r"), it.category
+        line, cat = text[it.line - 1], it.category
         key = cat if cat in MT_BENCH_CATEGORIES else spec_bench_group(cat)
         n_ev = a.eval_per_mt_category if cat in MT_BENCH_CATEGORIES else a.eval_per_group
         n_pr = a.profile_per_mt_category if cat in MT_BENCH_CATEGORIES else a.profile_per_group

@@ -229,6 +229,14 @@ def _check_new_id(item: PromptItem, first_line: dict[Any, int], source: str) -> 
     first_line[qid] = item.line
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines file's ``text`` as :func:`load_prompts` reads them (line N is item N - 1): a
+    byte-order mark (some editors write one) skipped, lines ended at ``"\\n"`` (and ``"\\r\\n"``) only: U+2028,
+    U+2029 and U+0085, which JSON writes unescaped inside a string (``json.dumps(..., ensure_ascii=False)``), are
+    text of the line, not line ends."""
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
+
+
 def load_prompts(path: str | Path | None = None) -> PromptSuite:
     """Read and validate a prompt file (ours or Spec-Bench's format); ``None`` means the suite shipped in the
     package.
@@ -246,16 +254,13 @@ def load_prompts(path: str | Path | None = None) -> PromptSuite:
         source = str(p)
     raw = read_bytes(p, "a JSON-lines prompt file")
     try:
-        text = raw.decode("utf-8").removeprefix("\ufeff")     # a byte-order mark (some editors write one)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise InputFileError(str(p), "not UTF-8 text", f"line {line}") from None
     items: list[PromptItem] = []
     first_line: dict[Any, int] = {}
-    # lines end at "\n" (and "\r\n") only: U+2028, U+2029 and U+0085, which JSON writes unescaped inside a
-    # string (json.dumps(..., ensure_ascii=False)), are text of the line, not line ends
-    for lineno, line in enumerate(text.split("\n"), 1):
-        line = line.removesuffix("\r")
+    for lineno, line in enumerate(text_lines(text), 1):
         if not line.strip():
             continue
         where = f"line {lineno}"
