@@ -551,3 +551,27 @@ def four_hierarchies(lm, vocab: int) -> list[tuple[list, list[int]]]:
         ([Level("cycle", drafter=CycleDrafter(vocab)), Level("layer3", lm, 3), Level("target", lm, L)], [2, 4]),
         ([Level("abstaining", drafter=AbstainingCycleDrafter(vocab)), Level("target", lm, L)], [5]),
     ]
+
+
+def timing_calls(contexts, n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
+                 curve_repeats: int = 3, shared: bool = False, plan=None, chunk: int | None = None) -> int:
+    """How many times ``measure_costs`` calls ``on_step`` with these settings before any refinement, counted from
+    the passes ``plan_passes`` lists: one per prefill chunk of the longest context (``shared``: one per context,
+    the prompt taken from another engine's states), one per direct step check, one per timed segment and one per
+    direct round of each directly timed t."""
+    from hsd_opt.profiler.costs import CostPlan, plan_passes
+    from hsd_opt.runtime.decode import PREFILL_CHUNK
+
+    plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
+    ctxs = sorted(set(int(c) for c in contexts))
+    prefill = len(ctxs) if shared else -(-ctxs[-1] // (chunk or PREFILL_CHUNK)) + len(ctxs) - 1
+    n = plan_passes(plan, ctxs, n_boundaries, tmax)
+    n_check = n["steps"].get(1, 0) // (plan.warmup + plan.repeats)
+    return prefill + n_check + sum(n["segments"].values()) + len(n["direct"]) * plan.direct_rounds
+
+
+def refinement_bound(plan, tmax: int) -> int:
+    """The most ``on_step`` calls a refinement of the direct timings adds: every t off the grid, all rounds."""
+    from hsd_opt.profiler.costs import t_grid
+
+    return 0 if plan.direct_every_t else (tmax + 1 - len(t_grid(tmax + 1))) * plan.direct_rounds

@@ -338,10 +338,11 @@ def test_refinement_times_directly_where_the_scale_moves():
 
 @pytest.mark.parametrize("level", ["full", "grid", "coarse"])
 def test_cost_plans_bound_the_timing_calls(level):
-    """Every plan times what it promises: the progress callback fires ``measure_steps`` times plus at most
-    ``refine_bound`` refinements (announced through ``on_extend``), the engine's passes are bounded by the
+    """Every plan times what it promises: the progress callback fires ``timing_calls`` times plus at most
+    ``refinement_bound`` refinements (announced through ``on_extend``), the engine's passes are bounded by the
     plan's pass count, and every curve still covers t = 1..tmax+1."""
-    from hsd_opt.profiler.costs import calibrate, cost_plan, measure_costs, measure_steps, plan_passes, refine_bound
+    from hsd_opt.profiler.costs import calibrate, cost_plan, measure_costs, plan_passes
+    from tests.helpers import refinement_bound, timing_calls
 
     eng = LayeredLM(make_tiny_llama(seed=3))
     plan = cost_plan(level, repeats=3, warmup=1, curve_repeats=2)
@@ -352,8 +353,8 @@ def test_cost_plans_bound_the_timing_calls(level):
     steps, extended = [], []
     lcs = measure_costs(eng, [1, 2, 4], tmax=7, contexts=[8, 40], on_step=lambda m, s: steps.append((m, s)),
                         plan=plan, calib=calib, on_extend=lambda n, s: extended.append(n), chunk=16)
-    n = measure_steps([8, 40], 3, tmax=7, plan=plan, chunk=16)
-    assert len(steps) == n + sum(extended) and sum(extended) <= refine_bound(plan, 7)
+    n = timing_calls([8, 40], 3, tmax=7, plan=plan, chunk=16)
+    assert len(steps) == n + sum(extended) and sum(extended) <= refinement_bound(plan, 7)
     assert all(s > 0 for _, s in steps)
     passes = plan_passes(plan, [8, 40], 3, 7)
     direct = sum(passes["direct"].values()) + 2 * sum(extended)

@@ -1073,10 +1073,10 @@ def test_verify_curve_runs_lower_layers_on_the_last_draft():
 def test_measure_costs_times_every_context_through_the_engine():
     """Costs at two contexts, timed through the engine's public calls: one result per context, the whole model
     timed directly at the first, every curve non-decreasing in t; the progress callback fires as often as
-    ``measure_steps`` says (the profiler's progress bar total)."""
+    the passes ``plan_passes`` lists say (one call per prefill chunk, step check, segment and direct round)."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.profiler.costs import measure_costs, measure_steps
-    from tests.helpers import make_tiny_llama
+    from hsd_opt.profiler.costs import measure_costs
+    from tests.helpers import make_tiny_llama, timing_calls
 
     steps: list[str] = []
     eng = LayeredLM(make_tiny_llama(seed=7))
@@ -1084,7 +1084,7 @@ def test_measure_costs_times_every_context_through_the_engine():
     lcs = measure_costs(eng, [1, 4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[300, 8],
                         on_step=lambda m, s: steps.append(m), keep_states=states)
     assert [lc.context for lc in lcs] == [8, 300] and sorted(states) == [8, 300] and states[300].n == 300
-    assert len(steps) == measure_steps([8, 300], 2, tmax=3, repeats=1, warmup=0, curve_repeats=1)
+    assert len(steps) == timing_calls([8, 300], 2, tmax=3, repeats=1, warmup=0, curve_repeats=1)
     assert any("prefill 300/300" in s for s in steps)
     from hsd_opt.engine.quantized import QuantizedLM
 
@@ -1092,7 +1092,7 @@ def test_measure_costs_times_every_context_through_the_engine():
     qsteps: list[str] = []
     qlcs = measure_costs(q, [4], tmax=3, repeats=1, warmup=0, curve_repeats=1, contexts=[8, 300],
                          on_step=lambda m, s: qsteps.append(m), share_from=(eng, states))
-    assert len(qsteps) == measure_steps([8, 300], 1, tmax=3, repeats=1, warmup=0, curve_repeats=1, shared=True)
+    assert len(qsteps) == timing_calls([8, 300], 1, tmax=3, repeats=1, warmup=0, curve_repeats=1, shared=True)
     assert "context 300: prefill 300/300 tokens (shared)" in qsteps and len(qlcs) == 2
     first, second = lcs
     assert len(first.full) == 4 and all(x > 0 for x in first.full)

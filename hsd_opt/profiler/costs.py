@@ -300,27 +300,6 @@ def plan_passes(plan: CostPlan, contexts: Sequence[int], n_boundaries: int, tmax
     return {"steps": steps, "segments": seg, "direct": direct}
 
 
-def measure_steps(contexts: Sequence[int], n_boundaries: int, tmax: int = 15, repeats: int = 5, warmup: int = 2,
-                  curve_repeats: int = 3, check: bool = True, step_check: bool = True, shared: bool = False,
-                  plan: CostPlan | None = None, chunk: int = PREFILL_CHUNK) -> int:
-    """How many times :func:`measure_costs` calls ``on_step`` with these settings before any refinement (a
-    progress bar's total; ``shared``: the prompt is shared from another engine's states). A refinement adds at
-    most :func:`refine_bound` more."""
-    plan = plan or CostPlan("full", max(0, warmup), max(1, repeats), max(1, curve_repeats))
-    ctxs = sorted(set(int(c) for c in contexts))
-    prefill = len(ctxs) if shared else -(-ctxs[-1] // chunk) + len(ctxs) - 1
-    n = plan_passes(plan, ctxs, n_boundaries, tmax, check, step_check)
-    n_check = len(_check_boundaries(list(range(n_boundaries)))) if step_check else 0
-    return prefill + n_check + sum(n["segments"].values()) + len(n["direct"]) * plan.direct_rounds
-
-
-def refine_bound(plan: CostPlan, tmax: int) -> int:
-    """The most ``on_step`` calls a refinement of the direct timings adds (every t off the grid, all rounds)."""
-    if plan.direct_every_t:
-        return 0
-    return (tmax + 1 - len(t_grid(tmax + 1))) * plan.direct_rounds
-
-
 def estimate_seconds(plan: CostPlan, calib: Calibration, contexts: Sequence[int], n_boundaries: int, tmax: int,
                      shared: bool = False) -> float:
     """Seconds :func:`measure_costs` is expected to take for one engine under ``plan`` (refinements aside): its
@@ -525,11 +504,11 @@ def measure_costs(eng, boundaries: Sequence[int], tmax: int = 15, repeats: int =
                   greedy: bool = True, text: Sequence[int] | None = None) -> list[LayerCosts]:
     """Time the exits ``boundaries`` of ``eng`` at every context of ``contexts`` (see the module doc): one
     :class:`LayerCosts` per context, in increasing context order. ``on_step(message, seconds)`` is called after
-    every prefill chunk, direct step check and timed pass size (:func:`measure_steps` counts them; ``seconds``:
+    every prefill chunk, direct step check and timed pass size (``seconds``:
     what ``calib`` expects the step to take): a progress bar moves at least every few seconds. ``plan``
     (default: the full plan of ``repeats``, ``warmup`` and ``curve_repeats``) says what is timed; a refinement of
-    the direct timings first calls ``on_extend(steps, seconds)`` with what it adds (at most
-    :func:`refine_bound` steps, and within ``refine_seconds`` as ``calib`` prices them; None: no limit).
+    the direct timings first calls ``on_extend(steps, seconds)`` with what it adds (at most every t off the grid,
+    all direct rounds, and within ``refine_seconds`` as ``calib`` prices them; None: no limit).
 
     Only the longest context is prefilled (``chunk`` tokens per call); the shorter ones copy its first keys and
     values. ``keep_states``: a dict that receives this engine's prefilled states by context. ``share_from =
