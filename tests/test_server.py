@@ -689,6 +689,10 @@ def test_tokenize_gives_the_ids_a_request_decodes_from_and_detokenize_reads_them
     developer = [{"role": "developer", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
     assert httpx.post(srv.url + "/tokenize", json={"messages": developer}, timeout=30).json()["tokens"] == \
         chat_ids(tok, msgs)     # the developer message is the system message
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "text", "text": "w7"}]}]
+    joined = [{"role": "user", "content": "w5 w6\nw7"}]       # text parts joined by a newline, as llama.cpp and vLLM
+    assert httpx.post(srv.url + "/tokenize", json={"messages": parts}, timeout=30).json()["tokens"] == \
+        chat_ids(tok, joined) != chat_ids(tok, [{"role": "user", "content": "w5 w6w7"}])
     ids = encode_prompt(tok, PROMPTS[0], raw=True)
     back = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
     assert back["prompt"] == back["content"] == tok.decode(ids) and "w2 w3" in back["prompt"]

@@ -353,7 +353,7 @@ def _content(m: dict, i: int) -> str:
                 raise bad_request(f"{where}[{k}]: only text parts ({{\"type\": \"text\", \"text\": \"...\"}}) "
                                   f"are supported", f"{where}[{k}]")
             parts.append(_text(part["text"], f"{where}[{k}].text"))
-        return "".join(parts)
+        return "\n".join(parts)          # as llama.cpp's server and vLLM join a message's text parts
     raise bad_request(f"'{where}' must be a string or an array of text parts, got {_type_name(c)}", where)
 
 
