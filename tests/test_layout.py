@@ -271,6 +271,15 @@ def test_the_package_ships_its_type_marker_and_suite():
     assert (PKG / "data" / "prompts.jsonl").is_file()
 
 
+def test_the_declared_licence_ships_its_text():
+    """pyproject.toml declares Apache-2.0, and its text is the LICENSE file at the root, which setuptools puts in
+    the wheel and the sdist (its default ``license-files``; none set otherwise)."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'(?m)^license = "Apache-2.0"$', pyproject) and "license-files" not in pyproject
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
 def test_the_version_is_the_projects():
     import hsd_opt
     from hsd_opt.version import __version__
