@@ -32,3 +32,32 @@ def test_a_cache_named_with_a_tilde_or_relatively_is_one_absolute_folder(monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HSD_CACHE", "rel")
     assert cache_dir() == tmp_path / "rel" and cache_dir().is_absolute()
+
+
+def test_a_cache_that_cannot_hold_adeds_matrix_or_a_bigram_table_says_so_before_the_work(monkeypatch, tmp_path):
+    """ADED's tri-gram matrix and the bigram table are kept in the cache: one that cannot take them (here a path
+    under a file, which not even root can make) is one line naming ``HSD_CACHE`` and the fix, before the matrix is
+    counted or the table built (minutes of work, then a bare 'cannot write' naming a file)."""
+    import pytest
+
+    import hsd_opt.drafters.aded as aded
+    import hsd_opt.drafters.bigram as bigram
+    from hsd_opt.cache import UnwritableFolder
+    from hsd_opt.profiler.pool import build_aded
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("HSD_CACHE", str(blocker / "cache"))
+
+    def never(*a, **k):
+        pytest.fail("the work ran before the cache was found unwritable")
+
+    monkeypatch.setattr(aded.TrigramMatrix, "from_sequences", classmethod(never))
+    monkeypatch.setattr(bigram, "build_bigram_table", never)
+    for make in (lambda: build_aded({"0": [5, 6, 7, 5, 6, 7]}, 1, lambda m: None),
+                 lambda: bigram.load_or_build_bigram_table(object(), "abc", top_k=4, bos_id=None)):
+        with pytest.raises(UnwritableFolder) as e:
+            make()
+        msg = str(e.value)
+        assert msg.startswith(f"HSD_CACHE={blocker / 'cache'}: the cache cannot hold") and "\n" not in msg
+        assert "point HSD_CACHE at a folder you can write" in msg

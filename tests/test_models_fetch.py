@@ -504,6 +504,32 @@ def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeyp
     assert (out / "hsd_source.json").is_file() and not old.exists()
 
 
+def test_a_copy_under_the_old_path_key_moved_by_another_process_first_is_read_where_it_went(tmp_path, monkeypatch):
+    """Two processes find the old copy at once; the other moves it first, so this one's move finds nothing to move:
+    it reads the copy where the other moved it (it reported the GGUF as damaged)."""
+    import json
+    import os
+
+    import hsd_opt.models.loading as loading
+
+    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "env" / "model.gguf"
+    g.parent.mkdir()
+    g.write_bytes(b"GGUF bytes")
+    old = loading._path_keyed_dir(g)
+    old.mkdir(parents=True)
+    (old / "hsd_source.json").write_text(json.dumps({"gguf": str(g), "revision": "sha256:abc"}))
+    real = os.replace
+
+    def beaten(src, dst):                      # the other process's move, then this one's, which finds nothing
+        real(src, dst)
+        real(src, dst)
+
+    monkeypatch.setattr(loading.os, "replace", beaten)
+    out, rev = loading.convert_gguf(g)
+    assert out == loading.converted_dir(g) and rev == "sha256:abc" and not old.exists()
+
+
 def test_a_converted_copy_is_readable_as_the_cache_s_other_files(tmp_path, monkeypatch):
     """The de-quantized copy's weights get the mode a new file gets here (safetensors writes its file private:
     a cache shared through ``$HSD_CACHE`` could not load it as another user)."""

@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from hsd_opt.cache import cache_dir as default_cache_dir
+from hsd_opt.cache import writable_folder
 from hsd_opt.console import progress_bar
 from hsd_opt.drafters.base import TokenDrafter, check_proposal, read_npz_table
 from hsd_opt.errors import HsdError, InputFileError
@@ -347,6 +348,7 @@ def load_or_build_bigram_table(
             # a damaged cache file (cut by a crash, a full disk): built again and replaced below
     if model is None:
         raise HsdError(f"no cached bigram table at {path} and no model given to build it")
+    writable_folder(path.parent, "the bigram table")            # before minutes of building, not after
     table = build_bigram_table(model, top_k=top_k, batch_size=batch_size, bos_id=bos_id, progress=progress)
     table.meta["model_hash"] = model_hash
     table.save(path)

@@ -272,7 +272,10 @@ def convert_gguf(gguf: Path, quiet: bool = False, sha256: str | None = None) -> 
     meta = out / "hsd_source.json"
     legacy = _path_keyed_dir(gguf)
     if not meta.is_file() and (legacy / "hsd_source.json").is_file():
-        os.replace(legacy, out)               # a copy made before the content key: moved, not made again
+        try:
+            os.replace(legacy, out)           # a copy made before the content key: moved, not made again
+        except OSError:                       # another process moved it first (or could not): read what is there
+            pass
     revision = _converted_revision(meta)
     if revision is not None:
         return out, revision

@@ -147,7 +147,7 @@ def aded_available(explicit: bool) -> bool:
 def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
     """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
     the cache under a content hash so its config() rebuilds it."""
-    from hsd_opt.cache import cache_dir
+    from hsd_opt.cache import cache_dir, writable_folder
     from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
 
     allc = dict(conts)
@@ -162,6 +162,7 @@ def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], No
     except InputFileError:                      # a damaged cache file: counted again and replaced
         m = None
     if m is None:
+        writable_folder(path.parent, "ADED's tri-gram matrix")
         m = TrigramMatrix.from_sequences(seqs)
         m.save(path)
     if len(m) == 0:
