@@ -494,16 +494,16 @@ def test_a_copy_left_behind_while_the_load_was_high_takes_the_targets_keys_and_v
     assert widest[0] <= 1 + 2 + 2                        # a round's own positions: lag, cycle's 2 drafts, the bonus
 
 def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny, monkeypatch):
-    """A prompt of 30 positions with passes of 8 takes 4 ticks to prefill, and a sequence already decoding commits
-    a token in each of them (it does not wait for the whole prompt); both answers are their prompts' own, with the
-    same passes alone."""
+    """Prompts first (``prefill_share`` 1): a prompt of 30 positions with passes of 8 takes 4 ticks to prefill, and
+    a sequence already decoding commits a token in each of them (it does not wait for the whole prompt); both
+    answers are their prompts' own, with the same passes alone."""
     monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
     eng = LayeredLM(tiny)
     _, _, ar = _hierarchies(tiny, eng)
     g = torch.Generator().manual_seed(9)
     short, long = torch.randint(3, 64, (5,), generator=g).tolist(), torch.randint(3, 64, (30,), generator=g).tolist()
     want = [ar.generate(short, 20).token_ids, ar.generate(long, 10).token_ids]
-    batch = Batch(ar, max_active=2)
+    batch = Batch(ar, max_active=2, prefill_share=1.0)            # prompts first: a prompt pass in every tick
     got: dict[int, list[int]] = {}
     blocks: list[list[int]] = []
 
@@ -522,6 +522,83 @@ def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny
     assert [got[0], got[1]] == want
 
 
+@pytest.mark.parametrize("share", [0.5, 0.25])
+def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(tiny, monkeypatch, share):
+    """On a clock where a call of the engine costs a second per position of its longest row, a long prompt (30
+    positions, passes of 8) computed while another sequence decodes: after each of its passes the decoding sequence
+    gets ``(1 - share) / share`` times that pass's seconds of decoding (at most a tick more) before the next pass
+    (with ``share`` 1 it got one step per pass); the long prompt is still computed, and both answers are their
+    prompts' own."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(tiny)
+    _, _, ar = _hierarchies(tiny, eng)
+    g = torch.Generator().manual_seed(21)
+    short, long = torch.randint(3, 64, (5,), generator=g).tolist(), torch.randint(3, 64, (30,), generator=g).tolist()
+    want = [ar.generate(short, 60).token_ids, ar.generate(long, 4).token_ids]
+    now, events = [0.0], []                     # ("prompt" | "decode", seconds)
+    real_advance, real_many = eng.advance, eng.advance_many
+
+    def advance(st, upto):                      # returns positions computed, summed over layers
+        out = real_advance(st, upto)
+        now[0] += out / eng.n_layers
+        events.append(("prompt", out / eng.n_layers))
+        return out
+
+    def advance_many(work):
+        out = real_many(work)
+        now[0] += max(out) / eng.n_layers
+        events.append(("decode", max(out) / eng.n_layers))
+        return out
+
+    monkeypatch.setattr(eng, "advance", advance)
+    monkeypatch.setattr(eng, "advance_many", advance_many)
+    batch = Batch(ar, max_active=2, prefill_share=share, clock=lambda: now[0])
+    got: dict[int, list[int]] = {}
+    batch.add(short, 60, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    batch.tick()
+    events.clear()
+    batch.add(long, 4, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    batch.run()
+    assert [got[0], got[1]] == want
+    prompts = [i for i, (kind, _) in enumerate(events) if kind == "prompt"]
+    assert [events[i][1] for i in prompts] == [8, 8, 8]           # the fourth pass is the first round's (6 + 1)
+    owed = (1 - share) / share
+    for a, b in zip(prompts, prompts[1:]):
+        decoded = sum(s for kind, s in events[a + 1:b])
+        assert owed * events[a][1] <= decoded <= owed * events[a][1] + 1
+
+
+def test_a_prompts_last_pass_is_not_held_for_the_decoding_sequences(tiny, monkeypatch):
+    """While the decoding sequences are owed time after a long prompt's pass, a short request that arrives takes its
+    only pass in the next tick (its first token waits for no one), and its answer is its prompt's own."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(tiny)
+    _, _, ar = _hierarchies(tiny, eng)
+    g = torch.Generator().manual_seed(23)
+    first, long, short = (torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 30, 6))
+    now = [0.0]
+    real = eng.advance
+
+    def advance(st, upto):                      # a prompt pass costs a second per position
+        out = real(st, upto)
+        now[0] += out / eng.n_layers
+        return out
+
+    monkeypatch.setattr(eng, "advance", advance)
+    batch = Batch(ar, max_active=3, prefill_share=0.25, clock=lambda: now[0])
+    got: dict[int, list[int]] = {}
+    batch.add(first, 40, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
+    batch.tick()
+    batch.add(long, 3, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    batch.tick()                                # the long prompt's first pass: 8 s, 24 s owed to the first one
+    assert batch.share.owed > 0 and batch.prefilling
+    third = batch.add(short, 5, on_done=lambda res, err: got.__setitem__(2, res.token_ids))
+    batch.tick()
+    assert third in batch.active and batch.share.owed > 0
+    batch.run()
+    assert [got[0], got[1], got[2]] == [ar.generate(p, n).token_ids for p, n in ((first, 40), (long, 3), (short, 5))]
+
+
 def test_a_short_prompt_is_not_held_behind_a_long_one_s_passes(tiny, monkeypatch):
     """A short request that arrives while a long prompt is computed (passes of 8: 40 positions in 5 ticks) gets its
     first token in the tick after, not after the long prompt's remaining passes (it waited for all of them), and the
@@ -536,7 +613,7 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_s_passes(tiny, monkeypatch
     want = {"a": ar.generate(longs[0], 6).token_ids, "b": ar.generate(longs[1], 6).token_ids,
             "s": ar.generate(short, 6).token_ids}
     for burst in (False, True):
-        batch = Batch(ar, max_active=4)
+        batch = Batch(ar, max_active=4, prefill_share=1.0)
         got: dict[str, list[int]] = {}
         first: dict[str, int] = {}
         tick = 0

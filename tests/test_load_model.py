@@ -4,6 +4,8 @@ on its cost curve, a shared prompt at one position); one request alone costs its
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -147,9 +149,10 @@ def test_a_sequence_takes_a_copy_that_shares_the_targets_keys_and_values_when_th
 
 @pytest.mark.parametrize("max_batch", [1, 2, 3])
 def test_the_prediction_makes_the_schedulers_ticks(monkeypatch, max_batch):
-    """3 clients x 2 requests on the target alone (prompts of 3 to 21 positions, passes of at most 8): the real
-    scheduler's decode passes, tick by tick, serve as many sequences as the prediction decodes; and it makes as many
-    prompt passes."""
+    """3 clients x 2 requests on the target alone (prompts of 3 to 21 positions, passes of at most 8), prompts first
+    (``prefill_share`` 1: the batch's share follows its clock, the prediction's its prices): the real scheduler's
+    decode passes, tick by tick, serve as many sequences as the prediction decodes; and it makes as many prompt
+    passes."""
     monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
     eng = LayeredLM(make_tiny_llama(seed=5, vocab_size=64, layers=4, hidden=64, heads=4, kv_heads=2, scale=8.0),
                     kernels=HAVE_KERNELS)
@@ -160,13 +163,34 @@ def test_the_prediction_makes_the_schedulers_ticks(monkeypatch, max_batch):
     real_serve, real_prefill = Batch._serve, Batch._prefill_pass
     monkeypatch.setattr(Batch, "_serve", staticmethod(lambda ps: served.append(len(ps)) or real_serve(ps)))
     monkeypatch.setattr(Batch, "_prefill_pass", lambda self, e: prefills.append(1) or real_prefill(self, e))
-    reqs = serve_clients(ar, prompts, clients=3, requests=2, max_new_tokens=9, max_batch=max_batch, start=1)
+    reqs = serve_clients(ar, prompts, clients=3, requests=2, max_new_tokens=9, max_batch=max_batch, start=1,
+                         prefill_share=1.0)
     lengths = {r.prompt: len(r.token_ids) for r in reqs}
     jobs = LoadPredictor(_profile()).jobs(prompts, lengths, clients=3, requests=2, start=1)
-    p = predict_level(LoadCosts(_profile()), {1: PLAIN}, jobs, max_batch)
+    p = predict_level(LoadCosts(_profile()), {1: PLAIN}, jobs, max_batch, prefill_share=1.0)
     assert p.decoding == served
     assert len(prefills) == sum(len(LoadCosts(_profile()).prefill(PLAIN, j)) for row in jobs for j in row)
     assert p.tokens == sum(len(r.token_ids) for r in reqs)
+
+
+def test_a_long_prompt_lets_a_decoding_request_go_on_in_the_share_of_the_time_left(monkeypatch):
+    """A short request decoding while a long prompt (60 positions, passes of 8) is computed: the prediction gives
+    the prompt passes at most ``share`` of the time, so the short request ends sooner and the long one's first
+    token comes later than prompts first; the same tokens in all; after each prompt pass the short one decodes for
+    as many ticks as it is owed, except before the prompt's last pass."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    costs = LoadCosts(_profile())
+    short, long = Job(positions=3, tokens=40), Job(positions=60, tokens=2)
+    runs = {s: predict_level(costs, {1: PLAIN}, [[short], [long]], max_batch=2, prefill_share=s)
+            for s in (1.0, 0.5, 0.25)}
+    assert len({r.tokens for r in runs.values()}) == 1
+    first = {s: r.ttft[1] for s, r in runs.items()}                # the long prompt's first token
+    assert first[1.0] < first[0.5] < first[0.25]
+    passes, step = costs.prefill(PLAIN, long), costs.decode(PLAIN, 1)
+    for share in (1.0, 0.5):     # each pass owes the short one ceil(owed / step) ticks (at least its own), and the
+        per_pass = max(1, math.ceil(passes[0] * (1 - share) / share / step - 1e-9))      # last pass is held by none
+        assert runs[share].decoding.index(2) == (len(passes) - 2) * per_pass + 2
+    assert 2 not in runs[0.25].decoding                           # the short one ends before the long one decodes
 
 
 def test_sampled_requests_on_one_prompt_are_priced_at_their_own_answers_lengths():

@@ -3,7 +3,7 @@ batch and the load predictor both run it (``tests/test_load_model.py`` checks th
 
 from __future__ import annotations
 
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, prefill_turn, served_groups
+from hsd_opt.runtime.schedule import Group, Occupancy, PrefillShare, level_at, prefill_turn, served_groups
 
 OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (0, 1, 2)
                for w in (0, 1, 3, 9) if d + p <= m]
@@ -53,3 +53,37 @@ def test_a_group_that_waited_long_enough_or_holds_a_first_token_is_served_too_in
     assert served_groups(groups, max_wait=3) == ["a", "b", "d"]
     assert served_groups(groups, max_wait=2) == ["a", "b", "c", "d"]
     assert served_groups(groups, max_wait=0) == ["a", "b", "c", "d"]     # 0: every pending pass every tick
+
+
+def test_prompt_passes_take_at_most_their_share_of_the_time_while_others_decode():
+    """After a prompt pass of ``p`` seconds with sequences decoding, the next pass that is not its prompt's last is
+    due once they have decoded ``p * (1 - share) / share`` seconds; a prompt's last pass is always due; with nothing
+    decoding a pass is always due and nothing is owed; share 1 owes nothing."""
+    import math
+
+    for share in (0.25, 0.5, 0.8, 1.0):
+        s = PrefillShare(share)
+        assert s.due(0, False) and s.due(3, False)
+        s.prefilled(2.0, decoding=3)
+        owed = 2.0 * (1 - share) / share
+        assert math.isclose(s.owed, owed) and s.due(3, False) == (share == 1.0) and s.due(0, False)
+        assert s.due(3, True)                              # a prompt's last pass: its first token waits for no one
+        s.decoded(owed * 0.75)
+        assert s.due(3, False) == (share == 1.0)
+        s.decoded(owed * 0.25 + 1e-12)
+        assert s.due(3, False)
+        s.decoded(5.0)
+        assert s.owed == 0.0                               # decoding time is not saved up for later prompts
+        s.prefilled(2.0, decoding=3)
+        s.prefilled(1.0, decoding=0)                       # everyone else ended: nothing is owed to anyone
+        assert s.owed == 0.0 and s.due(1, False)
+
+
+def test_a_share_outside_zero_to_one_is_refused_naming_the_flag():
+    import pytest
+
+    from hsd_opt.errors import HsdError
+
+    for bad in (0, -0.5, 1.5, float("nan"), True, "0.5", None):
+        with pytest.raises(HsdError, match="--prefill-share"):
+            PrefillShare(bad)

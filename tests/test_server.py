@@ -714,6 +714,20 @@ def test_wrong_method_and_the_openai_clients_view_of_errors(served, caplog):
     no_tracebacks(caplog)
 
 
+def test_the_prefill_share_reaches_the_batch_and_health_says_it(tiny):
+    """``--prefill-share`` is the batch's (its default the scheduler's own), and ``/health`` says it."""
+    from hsd_opt.commands.serve import DEFAULT_PREFILL_SHARE
+    from hsd_opt.runtime.schedule import PREFILL_SHARE
+
+    assert DEFAULT_PREFILL_SHARE == PREFILL_SHARE
+    for share in (None, 0.3):
+        app, jobs = prepare_server(tiny[0], device="cpu", **({} if share is None else {"prefill_share": share}))
+        want = PREFILL_SHARE if share is None else share
+        assert jobs.batch.share.share == want
+        with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
+            assert httpx.get(srv.url + "/health", timeout=30).json()["prefill_share"] == want
+
+
 def test_api_key_is_required_when_set(tiny, caplog):
     app, jobs = prepare_server(tiny[0], device="cpu", api_key="sekrit")
     with BackgroundServer(app, on_stop=jobs.cancel_all) as srv:
@@ -1267,6 +1281,9 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
              (["--plan", plan, "--mode", "lazy"], "--mode"),
              (["--plan", plan, "--stream-interval", "0"], "--stream-interval"),
              (["--plan", plan, "--log-stats", "-1"], "--log-stats"),
+             (["--plan", plan, "--prefill-share", "0"], "--prefill-share"),
+             (["--plan", plan, "--prefill-share", "1.5"], "--prefill-share"),
+             (["--plan", plan, "--prefill-share", "nan"], "--prefill-share"),
              (["--plan", plan, "--allowed-origins", "localhost:3000"], "--allowed-origins"),
              (["--plan", plan, "--host", "h" * 300], "not a valid host name"),      # (a label over 63 characters)
              (["--plan", plan, "--api-key", "", "--port", str(port)], "--api-key (or HSD_API_KEY): an empty key"),

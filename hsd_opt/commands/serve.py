@@ -39,6 +39,9 @@ DEFAULT_LOG_STATS = 10.0
 #: ``--prompt-cache`` by default: MiB of finished requests' decoding states kept for the prompts that start with
 #: their tokens (the next turns of conversations).
 DEFAULT_PROMPT_CACHE = 1024
+#: ``--prefill-share``: the batch scheduler's own default (:data:`hsd_opt.runtime.schedule.PREFILL_SHARE`; this module
+#: does not import the runtime, which imports torch).
+DEFAULT_PREFILL_SHARE = 0.5
 
 
 def parse_origins(text: str) -> list[str]:
@@ -77,10 +80,12 @@ def _origin(o: str) -> str:
 
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
-                     prompt_cache: int = 0, log_stats: float = 0.0, api_key: Optional[str] = None) -> None:
+                     prompt_cache: int = 0, log_stats: float = 0.0, api_key: Optional[str] = None,
+                     prefill_share: float = DEFAULT_PREFILL_SHARE) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
     ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
-    ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, or an ``--api-key`` that is empty
+    ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, ``--prefill-share`` outside (0, 1],
+    or an ``--api-key`` that is empty
     (``--api-key "$KEY"`` of an unset variable: a server open to anyone) or that no header can carry as given."""
     if api_key is not None:
         if not api_key.strip():
@@ -89,6 +94,8 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
             raise HsdError("--api-key (or HSD_API_KEY): a key must be printable ASCII without spaces around it "
                            "(what an Authorization header carries)")
+    if not 0 < prefill_share <= 1:
+        raise HsdError(f"--prefill-share: expected a number in (0, 1] (1: prompts first), got {prefill_share}")
     if not log_stats >= 0:
         raise HsdError(f"--log-stats: expected a number of seconds >= 0 (0: off), got {log_stats}")
     if prompt_cache < 0:
@@ -115,7 +122,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    target_precision: Optional[str] = None, max_batch: int = 8,
                    max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
                    stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE,
-                   log_stats: float = 0.0, allowed_origins: Sequence[str] = ("*",)) -> tuple[Any, Any]:
+                   log_stats: float = 0.0, allowed_origins: Sequence[str] = ("*",),
+                   prefill_share: float = DEFAULT_PREFILL_SHARE) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
@@ -123,7 +131,8 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     requests' decoding states are kept up to ``prompt_cache`` MiB for prompts that start with their tokens (a
     conversation's next turn; 0: none kept, none reused). ``log_stats``: seconds between two lines of what the
     worker did (logged at INFO; 0: none). ``allowed_origins``: the web origins whose scripts may call the server
-    (CORS; empty: none).
+    (CORS; empty: none). ``prefill_share``: the share of the time prompt passes take at most while requests decode
+    (:class:`~hsd_opt.runtime.schedule.PrefillShare`).
     ``retime``: the profile the plan was solved from; each load level's hierarchy is then chosen again among the
     plan's at the engines' step times measured now (:func:`~hsd_opt.commands.common.retimed_levels`).
     ``say(message)`` reports progress."""
@@ -160,9 +169,9 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
     info = ModelInfo(name, tok, max_positions, default_max_tokens, compiler_for(loaded))
     jobs = JobQueue(levels or runner, tok, max_queue=max_queue, max_batch=max_batch, stream_interval=stream_interval,
                     json_runner=json_runner, metrics=_metrics(p, name, str(plan), loaded.device),
-                    stats_interval=log_stats, seeded=runner)
+                    stats_interval=log_stats, seeded=runner, prefill_share=prefill_share)
     about = {"plan": str(plan), "mode": mode, "max_positions": max_positions, "stream_interval": stream_interval,
-             "prompt_cache_mib": prompt_cache,
+             "prompt_cache_mib": prompt_cache, "prefill_share": prefill_share,
              "load_levels": {str(n): [lv.name for lv in h.levels] for n, h in levels.items()}}
     if json_runner is not None:
         about["json_hierarchy"] = [lv.name for lv in json_runner.levels]
@@ -261,6 +270,13 @@ def serve_cmd(
                                         help="Web pages whose scripts may call the server (CORS): '*' any (as "
                                              "vLLM and llama-server), comma-separated origins "
                                              "(http://localhost:3000), or 'none'."),
+    prefill_share: float = typer.Option(DEFAULT_PREFILL_SHARE, "--prefill-share",
+                                        help="The share of the time a long prompt takes at most while other "
+                                             "requests decode: it is computed in passes of 256 positions, and "
+                                             "the requests decoding get the rest of the time between them "
+                                             "instead of a token per pass (a prompt's last pass is never held). "
+                                             "1: prompts first (the shortest time to a long prompt's first "
+                                             "token, the longest stalls of the others)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
                                                                         "plan's model, e.g. smollm2-135m)."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens",
@@ -288,7 +304,7 @@ def serve_cmd(
     if api_key is None and os.environ.get("HSD_API_KEY") == "":    # set but empty: the option parser drops it
         api_key = ""
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
-                     prompt_cache, log_stats, api_key)
+                     prompt_cache, log_stats, api_key, prefill_share)
     check_mode(mode)
     origins = parse_origins(allowed_origins)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
@@ -297,7 +313,7 @@ def serve_cmd(
                                      api_key, say=lambda m: err_console.print(m), target_precision=target_precision,
                                      max_batch=max_batch, max_body=max_body, retime=retime,
                                      stream_interval=stream_interval, prompt_cache=prompt_cache,
-                                     log_stats=log_stats, allowed_origins=origins)
+                                     log_stats=log_stats, allowed_origins=origins, prefill_share=prefill_share)
         _serve(app, jobs, sock, f"max batch {max_batch}, max queue {max_queue}"
                                 f"{', API key required' if api_key else ''}")
     finally:

@@ -50,6 +50,7 @@ from hsd_opt.measure.bench import Sampling
 from hsd_opt.measure.load_predictor import LoadPredictor, ratio
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
+from hsd_opt.runtime.schedule import PREFILL_SHARE
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Plan
@@ -95,11 +96,12 @@ def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
 
 def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], clients: int,
                   requests: int, max_new_tokens: int, max_batch: int, start: int = 0,
-                  sampling: Sampling | None = None) -> list[Request]:
+                  sampling: Sampling | None = None, prefill_share: float = PREFILL_SHARE) -> list[Request]:
     """Serve ``clients`` closed-loop clients of ``requests`` requests each (see the module doc; greedy, or sampled
     as ``sampling`` says, unseeded) with a :class:`Batch` of ``hierarchies`` decoding at most ``max_batch``
-    sequences together; returns every request in submission order. A request that fails raises its error."""
-    batch = Batch(hierarchies, max_batch)
+    sequences together, prompt passes taking at most ``prefill_share`` of the time while others decode (as
+    ``hsd serve``); returns every request in submission order. A request that fails raises its error."""
+    batch = Batch(hierarchies, max_batch, prefill_share=prefill_share)
     how = {} if sampling is None or sampling.greedy else {"temperature": sampling.temperature, "seed": None,
                                                           **sampling.filters}
     done: list[Request] = []

@@ -51,8 +51,8 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, greedy_costs, scale_costs
 from hsd_opt.prompts import text_of_length
-from hsd_opt.runtime.decode import HSD, prompt_pass_ends
-from hsd_opt.runtime.schedule import Occupancy, level_at, prefill_turn
+from hsd_opt.runtime.decode import HSD, last_pass, prompt_pass_ends
+from hsd_opt.runtime.schedule import PREFILL_SHARE, Occupancy, PrefillShare, level_at, prefill_turn
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -257,15 +257,17 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequence[Sequence[Job]],
-                  max_batch: int) -> LevelPrediction:
+                  max_batch: int, prefill_share: float = PREFILL_SHARE) -> LevelPrediction:
     """Replay the batch scheduler (see the module doc) on ``clients`` (each client's requests, sent one after the
     other, every client's first at time 0) with ``levels`` (load level -> what it runs) decoding at most
-    ``max_batch`` sequences together."""
+    ``max_batch`` sequences together, prompt passes taking at most ``prefill_share`` of the time while sequences
+    decode (:class:`~hsd_opt.runtime.schedule.PrefillShare`, on the priced seconds)."""
     if not levels:
         raise HsdError("no load levels to predict with")
     if max_batch < 1:
         raise HsdError(f"--max-batch: expected >= 1, got {max_batch}")
     specs = dict(sorted((int(k), v) for k, v in levels.items()))
+    share = PrefillShare(prefill_share)
     now = 0.0
     waiting = [_Seq(i, jobs[0], 0.0) for i, jobs in enumerate(clients) if jobs]
     sent = {i: 1 for i in range(len(clients))}
@@ -283,7 +285,10 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         joined: _Seq | None = None
         dt = 0.0
         nxt = waiting[0].job.length if occupancy().admits() else None
-        turn = prefill_turn([s.job.length - s.computed for s in prefilling], nxt)
+        left = [s.job.length - s.computed for s in prefilling] + ([nxt] if nxt is not None else [])
+        turn = prefill_turn(left[:len(prefilling)], nxt)
+        if turn is not None and not share.due(len(active), last_pass(left[turn])):
+            turn = None
         if turn == len(prefilling):
             s = waiting.pop(0)
             prefilling.append(s)
@@ -293,6 +298,7 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         if turn is not None:
             s = prefilling[turn]
             dt += s.ticks.pop(0)
+            share.prefilled(dt, len(active))
             s.computed = s.ends.pop(0)
             if not s.ticks:                   # the prompt computed: it decodes from this tick on
                 prefilling.remove(s)
@@ -306,7 +312,9 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         groups: dict[Spec, int] = {}
         for s in active:
             groups[s.spec] = groups.get(s.spec, 0) + 1
-        dt += sum(costs.decode(sp, n) for sp, n in groups.items())
+        decode = sum(costs.decode(sp, n) for sp, n in groups.items())
+        share.decoded(decode)
+        dt += decode
         if active:
             decoding.append(len(active))
         for s in active:

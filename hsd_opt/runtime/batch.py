@@ -3,11 +3,15 @@
 A :class:`Batch` holds the sequences in flight, each a :class:`~hsd_opt.runtime.decode.Decoding` (its own caches,
 drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 
-1. computes one pass of at most ``PREFILL_CHUNK`` prompt positions per tick (a new request's prompt costs the others
-   one such pass per round, a long prompt several; its first token comes after its prefill and its first round, not
-   after the others finish): of the prompt with the fewest positions left among those begun and the oldest waiting
-   sequence where a place is free (:func:`~hsd_opt.runtime.schedule.prefill_turn`: a short request that arrives
-   while a long prompt is computed is not held behind its passes), which begins with the hierarchy of the load it
+1. computes one pass of at most ``PREFILL_CHUNK`` prompt positions in a tick where one is due (a new request's
+   prompt costs the others one such pass per round, a long prompt several; its first token comes after its prefill
+   and its first round, not after the others finish; while sequences decode, prompt passes take at most
+   ``prefill_share`` of the time, :class:`~hsd_opt.runtime.schedule.PrefillShare`, timed with the batch's clock, all
+   but a prompt's last pass held for it, so a long prompt does not hold the others to a token per pass): of the
+   prompt with the fewest positions left among
+   those begun and the oldest waiting sequence where a place is free
+   (:func:`~hsd_opt.runtime.schedule.prefill_turn`: a short request that arrives while a long prompt is computed is
+   not held behind its passes), which begins with the hierarchy of the load it
    starts under (those in flight, it, and those waiting for a place). Where the target is that hierarchy's only
    engine, the prompt's last pass is left to the sequence's first round (``prefill_passes(defer_last=True)``): step 3
    computes it in the call that serves the others' rounds, each weight read once for all their rows;
@@ -51,9 +55,17 @@ from typing import Callable, Generator, Mapping, Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
-from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
+from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load, last_pass
 from hsd_opt.runtime.penalties import Penalties
-from hsd_opt.runtime.schedule import Group, Occupancy, level_at, prefill_turn, served_groups
+from hsd_opt.runtime.schedule import (
+    PREFILL_SHARE,
+    Group,
+    Occupancy,
+    PrefillShare,
+    level_at,
+    prefill_turn,
+    served_groups,
+)
 from hsd_opt.values import is_integer
 
 #: The least ``max_wait`` of a batch by default (ticks).
@@ -122,10 +134,14 @@ class Batch:
         seeded: the hierarchy a seeded sampled sequence without a task keeps from start to end, so that its seed
             gives what ``hsd run`` gives with it: the plan's own (None: the load level nearest one sequence's; a
             plan's level 1 may differ from the plan's own, or be missing, or be chosen again at start).
+        prefill_share: the share of the time prompt passes take at most while sequences decode, in (0, 1]
+            (:class:`~hsd_opt.runtime.schedule.PrefillShare`; 1: a prompt pass every tick, prompts first).
+        clock: seconds, for the share (``time.perf_counter``).
     """
 
     def __init__(self, hierarchies: HSD | Mapping[int, HSD], max_active: int = 8, max_wait: int | None = None,
-                 by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None, seeded: HSD | None = None):
+                 by_task: Mapping[str, HSD | Mapping[int, HSD]] | None = None, seeded: HSD | None = None,
+                 prefill_share: float = PREFILL_SHARE, clock: Callable[[], float] = time.perf_counter):
         self.levels = _load_levels(hierarchies)
         if by_task is not None and not isinstance(by_task, Mapping):
             raise HsdError(f"by_task: expected a mapping of tasks to hierarchies, got {type(by_task).__name__}")
@@ -141,6 +157,8 @@ class Batch:
         if max_wait is not None and not (is_integer(max_wait) and max_wait >= 0):
             raise HsdError(f"max_wait: expected None or an integer >= 0 (ticks), got {max_wait!r}")
         self.max_active = int(max_active)
+        self.share = PrefillShare(prefill_share)
+        self.clock = clock
         self.max_wait = (max(MIN_WAIT, *(round_passes(h) for h in every)) if max_wait is None else int(max_wait))
         self._rank: dict[int, int] = {}            # id(engine) -> its lowest level in any hierarchy
         for i, lv in ((i, lv) for h in every for i, lv in enumerate(h.levels) if lv.is_model):
@@ -231,11 +249,16 @@ class Batch:
         """One round of the scheduler (see the module doc; its policy: :mod:`hsd_opt.runtime.schedule`); returns
         the passes served."""
         nxt = self.waiting[0].decoding.n_prompt if self.occupancy.admits() else None
-        turn = prefill_turn([e.decoding.n_prompt - e.computed for e in self.prefilling], nxt)
+        left = [e.decoding.n_prompt - e.computed for e in self.prefilling] + ([nxt] if nxt is not None else [])
+        turn = prefill_turn(left[:len(self.prefilling)], nxt)
+        if turn is not None and not self.share.due(len(self.active), last_pass(left[turn])):
+            turn = None                             # the others decode first (the prompts' share of the time)
         if turn == len(self.prefilling):
             self._begin(self.waiting.pop(0))
         if turn is not None:
+            decoding, t0 = len(self.active), self.clock()
             self._prefill_pass(self.prefilling[turn])
+            self.share.prefilled(self.clock() - t0, decoding)
         occupancy = self.occupancy                  # those in flight and those about to join
         level = {t: lv[level_at(lv, occupancy)] for t, lv in ((None, self.levels), *self.tasks.items())}
         for e in self.active:
@@ -247,7 +270,7 @@ class Batch:
             groups.setdefault(id(e.pending.engine), []).append(e)
         views = [Group(k, len(es), self._rank.get(k, 0), max(e.waited for e in es),
                        any(e.first_token is None for e in es)) for k, es in groups.items()]
-        served = 0
+        served, t0 = 0, self.clock()
         for key in served_groups(views, self.max_wait):
             entries = groups.pop(key)
             for e in entries:
@@ -264,6 +287,7 @@ class Batch:
         for entries in groups.values():       # not served: they wait a tick more
             for e in entries:
                 e.waited += 1
+        self.share.decoded(self.clock() - t0)
         return served
 
     def run(self) -> None:

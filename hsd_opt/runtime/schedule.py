@@ -6,7 +6,9 @@ in this order:
 
 1. whose prompt takes the tick's prefill pass (:func:`prefill_turn`): of the prompts being computed and the oldest
    waiting sequence (where fewer than ``max_active`` are in flight: :meth:`Occupancy.admits`), the one with the
-   fewest positions left, so that a short prompt is not held behind a long one's passes;
+   fewest positions left, so that a short prompt is not held behind a long one's passes; and whether that pass is
+   due (:class:`PrefillShare`: while sequences decode, the passes of a long prompt that leave more of it for later
+   take at most a share of the time, so that they do not hold every decoding sequence to one token per pass);
 2. the load level in force (:func:`level_at`): the plan level nearest, on a log scale, to the sequences in flight
    and those about to take a place (:attr:`Occupancy.load`);
 3. which sequences take that level's hierarchy: one that follows the load and can take it for no more than a
@@ -14,15 +16,17 @@ in this order:
 4. which groups of pending passes (one group per engine) are served (:func:`served_groups`).
 
 The predictor prices a tick by the expected seconds per token of the hierarchies in use, not pass by pass, so it
-runs steps 1 to 3 and not step 4 (what that leaves out: the module doc of the predictor). Units: sequence counts
-and ticks.
+runs steps 1 to 3 and not step 4 (what that leaves out: the module doc of the predictor); the batch keeps the
+prompts' share with the seconds it measures, the predictor with those it prices. Units: sequence counts, ticks,
+seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Sequence
 
+from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 
 
@@ -55,6 +59,47 @@ class Occupancy:
     def admits(self) -> bool:
         """Whether the oldest waiting sequence may begin its prompt now (a place is free for it)."""
         return self.waiting > 0 and self.in_flight < self.max_active
+
+
+#: The share of the time a batch's prompts take at most while other sequences decode (:class:`PrefillShare`).
+PREFILL_SHARE = 0.5
+
+
+@dataclass
+class PrefillShare:
+    """How much of the time a long prompt's passes may take while sequences decode: after a prompt pass of ``p``
+    seconds with sequences decoding, ``p * (1 - share) / share`` seconds of decoding are owed to them before the
+    next pass that leaves more of its prompt for later (``share`` 0.5: as long as the pass took), so a long prompt
+    computed in many passes lets every decoding sequence go on at about ``1 - share`` of its speed instead of one
+    token per pass. A prompt's last pass (a short prompt's only one) is never held: a new request's first token
+    waits for no decoding, and requests that keep arriving join the batch as soon as before. With nothing
+    decoding, prompts take every tick; ``share`` 1: a prompt pass every tick (prompts first). Which passes compute
+    a prompt does not change (every sequence's numbers stay those of ``hsd run``), only when they run.
+
+    Attributes:
+        share: the share of the time, in (0, 1].
+        owed: seconds of decoding owed before the next prompt pass.
+    """
+
+    share: float = PREFILL_SHARE
+    owed: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.share, (int, float)) and not isinstance(self.share, bool) and 0 < self.share <= 1):
+            raise HsdError(f"--prefill-share: expected a number in (0, 1], got {self.share!r}")
+
+    def due(self, decoding: int, last: bool) -> bool:
+        """Whether a prompt pass may run this tick, with ``decoding`` sequences decoding; ``last``: it is its
+        prompt's last pass."""
+        return decoding == 0 or last or self.owed <= 0.0
+
+    def prefilled(self, seconds: float, decoding: int) -> None:
+        """A prompt pass took ``seconds`` while ``decoding`` sequences decoded (0: nothing is owed)."""
+        self.owed = self.owed + seconds * (1.0 - self.share) / self.share if decoding else 0.0
+
+    def decoded(self, seconds: float) -> None:
+        """The decoding sequences' passes took ``seconds``."""
+        self.owed = max(0.0, self.owed - seconds)
 
 
 def prefill_turn(left: Sequence[int], next_waiting: int | None) -> int | None:

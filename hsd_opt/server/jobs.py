@@ -38,6 +38,7 @@ from hsd_opt.errors import GrammarStopped
 from hsd_opt.grammar.constraint import Constraint
 from hsd_opt.prompts import JSON_TASK
 from hsd_opt.runtime.batch import Batch
+from hsd_opt.runtime.schedule import PREFILL_SHARE
 from hsd_opt.server.errors import bad_request
 from hsd_opt.server.metrics import Metrics, stats_line
 from hsd_opt.server.requests import GenerationRequest
@@ -123,11 +124,14 @@ class JobQueue:
         stream_interval: tokens committed between two ``"text"`` events of a job (>= 1; 1: every committed block
             with text); fewer events cost the event loop and the clients less CPU, which a server on a few cores
             shares with its decoding.
+        prefill_share: the share of the time prompt passes take at most while requests decode (the batch's,
+            :class:`~hsd_opt.runtime.schedule.PrefillShare`).
     """
 
     def __init__(self, runner: "HSD | dict[int, HSD]", tokenizer: "PreTrainedTokenizerBase", max_queue: int = 16,
                  max_batch: int = 1, stream_interval: int = 1, json_runner: "HSD | dict[int, HSD] | None" = None,
-                 metrics: Metrics | None = None, stats_interval: float = 0.0, seeded: "HSD | None" = None):
+                 metrics: Metrics | None = None, stats_interval: float = 0.0, seeded: "HSD | None" = None,
+                 prefill_share: float = PREFILL_SHARE):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if stream_interval < 1:
@@ -135,7 +139,7 @@ class JobQueue:
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         self.stream_interval = stream_interval
         self.batch = Batch(runner, max_batch, by_task={JSON_TASK: json_runner} if json_runner is not None else None,
-                           seeded=seeded)
+                           seeded=seeded, prefill_share=prefill_share)
         #: waiting jobs, FIFO: at most ``max_queue`` not cancelled (a cancelled one's place is free at once; the
         #: worker takes it out at its next tick)
         self._queue: queue.Queue[Job | None] = queue.Queue()
