@@ -11,7 +11,9 @@ end. :func:`predict_level` runs the policy :class:`~hsd_opt.runtime.batch.Batch`
   then its prompt takes one tick per pass of the target (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`: a kept
   prompt head is taken, not computed; the rest in passes of at most ``PREFILL_CHUNK`` positions), the last of
   them also computing the prompt on every other engine of its hierarchy; it decodes from that tick on (its first
-  token is read in that tick's decode pass);
+  token is read in that tick's decode pass); while sequences decode, a pass that leaves more of its prompt for later
+  waits until they were given their share of the time (:class:`~hsd_opt.runtime.schedule.PrefillShare` on the
+  priced seconds, as the batch keeps it on measured ones);
 - the hierarchy is the load level's of the sequences in flight and those about to join (as the batch picks it);
   a sequence takes the level's hierarchy when it holds a state of every engine of it (it was prefilled on them)
   or lacks only quantized copies that take the keys and values of an engine it holds (as the batch's
