@@ -486,27 +486,11 @@ def test_a_gguf_written_over_with_its_old_size_and_time_is_hashed_anew(tmp_path,
     assert loading.gguf_sha256(g) == loading.file_sha256(g)
 
 
-def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeypatch):
-    import json
-
-    import hsd_opt.models.loading as loading
-
-    monkeypatch.setenv("HSD_CACHE", str(tmp_path / "cache"))
-    g = tmp_path / "env" / "model.gguf"
-    g.parent.mkdir()
-    g.write_bytes(b"GGUF bytes")
-    old = loading._path_keyed_dir(g)
-    old.mkdir(parents=True)
-    (old / "hsd_source.json").write_text(json.dumps({"gguf": str(g), "revision": "sha256:abc"}))
-    assert loading.is_converted(g)
-    out, rev = loading.convert_gguf(g)           # would need transformers and a real GGUF if it converted
-    assert out == loading.converted_dir(g) and rev == "sha256:abc"
-    assert (out / "hsd_source.json").is_file() and not old.exists()
-
-
-def test_a_copy_under_the_old_path_key_moved_by_another_process_first_is_read_where_it_went(tmp_path, monkeypatch):
-    """Two processes find the old copy at once; the other moves it first, so this one's move finds nothing to move:
-    it reads the copy where the other moved it (it reported the GGUF as damaged)."""
+@pytest.mark.parametrize("beaten", [False, True])
+def test_a_copy_under_the_old_path_key_is_moved_not_made_again(tmp_path, monkeypatch, beaten):
+    """A converted copy kept under the old path key is moved to the content key, not converted again; where two
+    processes find it at once and the other moves it first (``beaten``: this one's move finds nothing to move), it
+    is read where the other moved it (it was reported as a damaged GGUF)."""
     import json
     import os
 
@@ -519,15 +503,13 @@ def test_a_copy_under_the_old_path_key_moved_by_another_process_first_is_read_wh
     old = loading._path_keyed_dir(g)
     old.mkdir(parents=True)
     (old / "hsd_source.json").write_text(json.dumps({"gguf": str(g), "revision": "sha256:abc"}))
-    real = os.replace
-
-    def beaten(src, dst):                      # the other process's move, then this one's, which finds nothing
-        real(src, dst)
-        real(src, dst)
-
-    monkeypatch.setattr(loading.os, "replace", beaten)
-    out, rev = loading.convert_gguf(g)
-    assert out == loading.converted_dir(g) and rev == "sha256:abc" and not old.exists()
+    assert loading.is_converted(g)
+    if beaten:
+        real = os.replace
+        monkeypatch.setattr(loading.os, "replace", lambda src, dst: (real(src, dst), real(src, dst)))
+    out, rev = loading.convert_gguf(g)           # would need transformers and a real GGUF if it converted
+    assert out == loading.converted_dir(g) and rev == "sha256:abc"
+    assert (out / "hsd_source.json").is_file() and not old.exists()
 
 
 def test_a_converted_copy_is_readable_as_the_cache_s_other_files(tmp_path, monkeypatch):
