@@ -164,6 +164,15 @@ def _hierarchies(tiny, eng):
     return h1, h2, ar
 
 
+def _chunked_ar(tiny, monkeypatch, seed: int, *sizes: int):
+    """Prompt passes of 8 positions, the target alone over a fresh engine, and random prompts of ``sizes``."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    eng = LayeredLM(tiny)
+    _, _, ar = _hierarchies(tiny, eng)
+    g = torch.Generator().manual_seed(seed)
+    return eng, ar, [torch.randint(3, 64, (n,), generator=g).tolist() for n in sizes]
+
+
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 64, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
@@ -497,11 +506,7 @@ def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny
     """Prompts first (``prefill_share`` 1): a prompt of 30 positions with passes of 8 takes 4 ticks to prefill, and
     a sequence already decoding commits a token in each of them (it does not wait for the whole prompt); both
     answers are their prompts' own, with the same passes alone."""
-    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
-    eng = LayeredLM(tiny)
-    _, _, ar = _hierarchies(tiny, eng)
-    g = torch.Generator().manual_seed(9)
-    short, long = torch.randint(3, 64, (5,), generator=g).tolist(), torch.randint(3, 64, (30,), generator=g).tolist()
+    _, ar, (short, long) = _chunked_ar(tiny, monkeypatch, 9, 5, 30)
     want = [ar.generate(short, 20).token_ids, ar.generate(long, 10).token_ids]
     batch = Batch(ar, max_active=2, prefill_share=1.0)            # prompts first: a prompt pass in every tick
     got: dict[int, list[int]] = {}
@@ -529,11 +534,7 @@ def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(
     gets ``(1 - share) / share`` times that pass's seconds of decoding (at most a tick more) before the next pass
     (with ``share`` 1 it got one step per pass); the long prompt is still computed, and both answers are their
     prompts' own."""
-    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
-    eng = LayeredLM(tiny)
-    _, _, ar = _hierarchies(tiny, eng)
-    g = torch.Generator().manual_seed(21)
-    short, long = torch.randint(3, 64, (5,), generator=g).tolist(), torch.randint(3, 64, (30,), generator=g).tolist()
+    eng, ar, (short, long) = _chunked_ar(tiny, monkeypatch, 21, 5, 30)
     want = [ar.generate(short, 60).token_ids, ar.generate(long, 4).token_ids]
     now, events = [0.0], []                     # ("prompt" | "decode", seconds)
     real_advance, real_many = eng.advance, eng.advance_many
@@ -571,11 +572,7 @@ def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(
 def test_a_prompts_last_pass_is_not_held_for_the_decoding_sequences(tiny, monkeypatch):
     """While the decoding sequences are owed time after a long prompt's pass, a short request that arrives takes its
     only pass in the next tick (its first token waits for no one), and its answer is its prompt's own."""
-    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
-    eng = LayeredLM(tiny)
-    _, _, ar = _hierarchies(tiny, eng)
-    g = torch.Generator().manual_seed(23)
-    first, long, short = (torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 30, 6))
+    eng, ar, (first, long, short) = _chunked_ar(tiny, monkeypatch, 23, 5, 30, 6)
     now = [0.0]
     real = eng.advance
 
@@ -604,12 +601,7 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_s_passes(tiny, monkeypatch
     first token in the tick after, not after the long prompt's remaining passes (it waited for all of them), and the
     long prompt resumes after it; two long prompts that arrive together are computed one after the other, in
     arrival order. Every answer is its prompt's own."""
-    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
-    eng = LayeredLM(tiny)
-    _, _, ar = _hierarchies(tiny, eng)
-    g = torch.Generator().manual_seed(11)
-    longs = [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(2)]
-    short = torch.randint(3, 64, (5,), generator=g).tolist()
+    _, ar, (*longs, short) = _chunked_ar(tiny, monkeypatch, 11, 40, 40, 5)
     want = {"a": ar.generate(longs[0], 6).token_ids, "b": ar.generate(longs[1], 6).token_ids,
             "s": ar.generate(short, 6).token_ids}
     for burst in (False, True):
