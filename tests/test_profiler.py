@@ -496,6 +496,29 @@ def test_shards_merge_equals_single_run(full_run, tiny, tmp_path):
     assert r.exit_code == 2 and "provenance.model" in r.output
 
 
+def test_a_cache_that_cannot_keep_adeds_matrix_is_said_before_the_continuations_are_generated(tiny, tmp_path,
+                                                                                              monkeypatch):
+    """ADED's matrix is counted from the continuations and kept in the cache: a cache that cannot keep it (here
+    its ``aded`` a file) stops the profile with one line naming ``HSD_CACHE`` before the target generates them (it
+    stopped after every continuation was generated)."""
+    import hsd_opt.profiler.run as run_module
+    from hsd_opt.cache import UnwritableFolder, cache_dir
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if (cache_dir() / "kernels").is_dir():             # the kernels built already, not built again
+        (cache / "kernels").symlink_to(cache_dir() / "kernels")
+    (cache / "aded").write_text("not a folder")
+    monkeypatch.setenv("HSD_CACHE", str(cache))
+    monkeypatch.setattr(run_module, "_generate_continuations",
+                        lambda *a, **k: pytest.fail("the continuations were generated first"))
+    cfg = ProfileConfig(model=str(tiny["model"]), out=tmp_path / "p.json", prompts=tiny["prompts"],
+                        max_new_tokens=6, device="cpu", token_drafters=["ngram", "aded"], tmax=2, cost_repeats=1,
+                        curve_repeats=1, progress=False)
+    with pytest.raises(UnwritableFolder, match=f"HSD_CACHE={cache}: the cache cannot hold ADED's tri-gram matrix"):
+        run_profile(cfg)
+
+
 def test_resume_after_interruption_equals_uninterrupted(tiny, tmp_path):
     def cfg(out, **kw):
         base = dict(model=str(tiny["model"]), out=out, prompts=tiny["prompts"], max_new_tokens=6, device="cpu",

@@ -144,10 +144,19 @@ def aded_available(explicit: bool) -> bool:
     return False
 
 
+def aded_store() -> Path:
+    """The folder under the cache that keeps ADED's tri-gram matrices, made and checked to take a file
+    (:func:`~hsd_opt.cache.writable_folder`): a profile checks it before generating the continuations the matrix
+    is counted from."""
+    from hsd_opt.cache import cache_dir, writable_folder
+
+    return writable_folder(cache_dir() / "aded", "ADED's tri-gram matrix")
+
+
 def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], None]):
     """ADED's tri-gram matrix from the target's continuations of the whole suite (all ranks: gathered), saved in
     the cache under a content hash so its config() rebuilds it."""
-    from hsd_opt.cache import cache_dir, writable_folder
+    from hsd_opt.cache import cache_dir
     from hsd_opt.drafters.aded import AdedDrafter, TrigramMatrix
 
     allc = dict(conts)
@@ -162,7 +171,7 @@ def build_aded(conts: dict[str, list[int]], world: int, warn: Callable[[str], No
     except InputFileError:                      # a damaged cache file: counted again and replaced
         m = None
     if m is None:
-        writable_folder(path.parent, "ADED's tri-gram matrix")
+        aded_store()
         m = TrigramMatrix.from_sequences(seqs)
         m.save(path)
     if len(m) == 0:

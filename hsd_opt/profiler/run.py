@@ -58,7 +58,7 @@ from hsd_opt.profiler.costs import (
 )
 from hsd_opt.profiler.dist import all_gather, all_reduce_sum, barrier, close_process_group, dist_info
 from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
-from hsd_opt.profiler.pool import Pool, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
+from hsd_opt.profiler.pool import Pool, aded_store, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, check_room, load_prompts, text_of_length, with_json_tasks
 from hsd_opt.runtime.decode import check_sampling_flags
@@ -694,6 +694,8 @@ def _profile_prompts(cfg: ProfileConfig, loaded, eng, pool, mine: list, todo: li
     check_room(mine, loaded.tokenizer, cfg.raw, cfg.max_new_tokens, _max_positions(nd.engine for nd in pool.neural),
                source)
     grammars = _grammars(loaded, mine, source)
+    if pool.want_aded:
+        aded_store()                          # a cache that cannot keep its matrix: said before the generation
     _generate_continuations(cfg, loaded, eng, mine, ck, eos, source, progress, grammars)
     tds = list(pool.token)
     if pool.want_aded:
