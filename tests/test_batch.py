@@ -569,31 +569,67 @@ def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(
         assert owed * events[a][1] <= decoded <= owed * events[a][1] + 1
 
 
-def test_a_prompts_last_pass_is_not_held_for_the_decoding_sequences(tiny, monkeypatch):
-    """While the decoding sequences are owed time after a long prompt's pass, a short request that arrives takes its
-    only pass in the next tick (its first token waits for no one), and its answer is its prompt's own."""
-    eng, ar, (first, long, short) = _chunked_ar(tiny, monkeypatch, 23, 5, 30, 6)
+def _priced_clock(eng, monkeypatch) -> list[float]:
+    """From now on ``eng``'s calls advance a clock (returned, its one entry the seconds): a second per position of a
+    call's longest row, a prompt's pass or a batched call."""
     now = [0.0]
-    real = eng.advance
+    real_advance, real_many = eng.advance, eng.advance_many
 
-    def advance(st, upto):                      # a prompt pass costs a second per position
-        out = real(st, upto)
+    def advance(st, upto):                      # returns positions computed, summed over layers
+        out = real_advance(st, upto)
         now[0] += out / eng.n_layers
         return out
 
+    def advance_many(work):
+        out = real_many(work)
+        now[0] += max(out) / eng.n_layers
+        return out
+
     monkeypatch.setattr(eng, "advance", advance)
+    monkeypatch.setattr(eng, "advance_many", advance_many)
+    return now
+
+
+@pytest.mark.parametrize("third_size", [6, 30])
+def test_a_prompts_first_pass_is_not_held_for_the_decoding_sequences(tiny, monkeypatch, third_size):
+    """While the decoding sequences are owed time after a long prompt's pass, a request that arrives takes its first
+    pass in the next tick (a short one: its only pass, its first token waiting for no one; a long one: instead of
+    the begun prompt's held pass), and every answer is its prompt's own."""
+    eng, ar, (first, long, third) = _chunked_ar(tiny, monkeypatch, 23, 5, 30, third_size)
+    now = _priced_clock(eng, monkeypatch)
     batch = Batch(ar, max_active=3, prefill_share=0.25, clock=lambda: now[0])
     got: dict[int, list[int]] = {}
     batch.add(first, 40, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
     batch.tick()
-    batch.add(long, 3, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
+    second = batch.add(long, 3, on_done=lambda res, err: got.__setitem__(1, res.token_ids))
     batch.tick()                                # the long prompt's first pass: 8 s, 24 s owed to the first one
-    assert batch.share.owed > 0 and batch.prefilling
-    third = batch.add(short, 5, on_done=lambda res, err: got.__setitem__(2, res.token_ids))
+    assert batch.share.owed > 0 and second.computed == 8
+    entry = batch.add(third, 5, on_done=lambda res, err: got.__setitem__(2, res.token_ids))
     batch.tick()
-    assert third in batch.active and batch.share.owed > 0
+    assert batch.share.owed > 0 and second.computed == 8
+    assert entry in batch.active if third_size == 6 else entry.computed == 8
     batch.run()
-    assert [got[0], got[1], got[2]] == [ar.generate(p, n).token_ids for p, n in ((first, 40), (long, 3), (short, 5))]
+    assert [got[0], got[1], got[2]] == [ar.generate(p, n).token_ids for p, n in ((first, 40), (long, 3), (third, 5))]
+
+
+def test_a_stream_of_short_requests_does_not_hold_a_long_prompt(tiny, monkeypatch):
+    """A short request every other tick beside a decoding sequence: their passes end their prompts and owe nothing,
+    so a long prompt's passes wait only for what its own passes owe, and it is computed (its passes were held for
+    ever, every short pass adding to what was owed)."""
+    eng, _, (first, long, short) = _chunked_ar(tiny, monkeypatch, 29, 5, 60, 6)
+    h1 = _hierarchies(tiny, eng)[0]             # a quantized copy beside the target: every prompt pass computed apart
+    now = _priced_clock(eng, monkeypatch)
+    batch = Batch(h1, max_active=8, prefill_share=0.5, clock=lambda: now[0])
+    batch.add(first, 200)
+    batch.tick()
+    second = batch.add(long, 2)
+    ticks = 0
+    while second.first_token is None and ticks < 200:
+        if ticks % 2 == 0:
+            batch.add(short, 2)
+        batch.tick()
+        ticks += 1
+    assert second.first_token is not None and ticks < 120, (ticks, second.computed, batch.share.owed)
 
 
 def test_a_short_prompt_is_not_held_behind_a_long_one_s_passes(tiny, monkeypatch):

@@ -3,7 +3,15 @@ batch and the load predictor both run it (``tests/test_load_model.py`` checks th
 
 from __future__ import annotations
 
-from hsd_opt.runtime.schedule import Group, Occupancy, PrefillShare, level_at, prefill_turn, served_groups
+from hsd_opt.runtime.schedule import (
+    Group,
+    Occupancy,
+    PrefillShare,
+    level_at,
+    prefill_turn,
+    prompt_pass,
+    served_groups,
+)
 
 OCCUPANCIES = [Occupancy(d, p, w, m) for m in (1, 2, 4, 8) for d in range(m + 1) for p in (0, 1, 2)
                for w in (0, 1, 3, 9) if d + p <= m]
@@ -56,27 +64,40 @@ def test_a_group_that_waited_long_enough_or_holds_a_first_token_is_served_too_in
 
 
 def test_prompt_passes_take_at_most_their_share_of_the_time_while_others_decode():
-    """After a prompt pass of ``p`` seconds with sequences decoding, the next pass that is not its prompt's last is
-    due once they have decoded ``p * (1 - share) / share`` seconds; a prompt's last pass is always due; with nothing
-    decoding a pass is always due and nothing is owed; share 1 owes nothing."""
+    """After a pass of ``p`` seconds that left more of its prompt, with sequences decoding, a begun prompt's next
+    pass is due once they have decoded ``p * (1 - share) / share`` seconds; with nothing decoding a pass is always
+    due and nothing is owed; share 1 owes nothing."""
     import math
 
     for share in (0.25, 0.5, 0.8, 1.0):
         s = PrefillShare(share)
-        assert s.due(0, False) and s.due(3, False)
+        assert s.due(0) and s.due(3)
         s.prefilled(2.0, decoding=3)
         owed = 2.0 * (1 - share) / share
-        assert math.isclose(s.owed, owed) and s.due(3, False) == (share == 1.0) and s.due(0, False)
-        assert s.due(3, True)                              # a prompt's last pass: its first token waits for no one
+        assert math.isclose(s.owed, owed) and s.due(3) == (share == 1.0) and s.due(0)
         s.decoded(owed * 0.75)
-        assert s.due(3, False) == (share == 1.0)
+        assert s.due(3) == (share == 1.0)
         s.decoded(owed * 0.25 + 1e-12)
-        assert s.due(3, False)
+        assert s.due(3)
         s.decoded(5.0)
         assert s.owed == 0.0                               # decoding time is not saved up for later prompts
         s.prefilled(2.0, decoding=3)
         s.prefilled(1.0, decoding=0)                       # everyone else ended: nothing is owed to anyone
-        assert s.owed == 0.0 and s.due(1, False)
+        assert s.owed == 0.0 and s.due(1)
+
+
+def test_a_begun_prompts_next_pass_waits_while_time_is_owed_and_a_waiting_prompts_first_pass_goes_instead():
+    """``prompt_pass`` is ``prefill_turn`` while nothing is owed; while time is owed, a begun prompt's next pass
+    gives way to the oldest waiting sequence's first pass (never held), or to none."""
+    owing = PrefillShare(0.5)
+    owing.prefilled(1.0, decoding=2)
+    for left in ([], [5], [40, 3], [300]):
+        for nxt in (None, 1, 10, 500):
+            turn = prefill_turn(left, nxt)
+            assert prompt_pass(left, nxt, PrefillShare(0.5), decoding=2) == turn        # nothing owed
+            assert prompt_pass(left, nxt, owing, decoding=0) == turn                    # no one decodes
+            held = prompt_pass(left, nxt, owing, decoding=2)
+            assert held == (turn if turn == len(left) else (len(left) if nxt is not None else None))
 
 
 def test_a_share_outside_zero_to_one_is_refused_naming_the_flag():

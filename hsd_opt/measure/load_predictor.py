@@ -11,9 +11,9 @@ end. :func:`predict_level` runs the policy :class:`~hsd_opt.runtime.batch.Batch`
   then its prompt takes one tick per pass of the target (:func:`~hsd_opt.runtime.decode.prompt_pass_ends`: a kept
   prompt head is taken, not computed; the rest in passes of at most ``PREFILL_CHUNK`` positions), the last of
   them also computing the prompt on every other engine of its hierarchy; it decodes from that tick on (its first
-  token is read in that tick's decode pass); while sequences decode, a pass that leaves more of its prompt for later
-  waits until they were given their share of the time (:class:`~hsd_opt.runtime.schedule.PrefillShare` on the
-  priced seconds, as the batch keeps it on measured ones);
+  token is read in that tick's decode pass); while sequences decode, a begun prompt's next pass waits until they
+  were given their share of the time (:func:`~hsd_opt.runtime.schedule.prompt_pass`, the share kept on the priced
+  seconds as the batch keeps it on measured ones);
 - the hierarchy is the load level's of the sequences in flight and those about to join (as the batch picks it);
   a sequence takes the level's hierarchy when it holds a state of every engine of it (it was prefilled on them)
   or lacks only quantized copies that take the keys and values of an engine it holds (as the batch's
@@ -53,8 +53,8 @@ from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
 from hsd_opt.measure.retime import StepClock, greedy_costs, scale_costs
 from hsd_opt.prompts import text_of_length
-from hsd_opt.runtime.decode import HSD, last_pass, prompt_pass_ends
-from hsd_opt.runtime.schedule import PREFILL_SHARE, Occupancy, PrefillShare, level_at, prefill_turn
+from hsd_opt.runtime.decode import HSD, prompt_pass_ends
+from hsd_opt.runtime.schedule import PREFILL_SHARE, Occupancy, PrefillShare, level_at, prompt_pass
 from hsd_opt.solver.api import evaluate, resolve_context
 from hsd_opt.solver.batch import at_batch
 
@@ -287,10 +287,7 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         joined: _Seq | None = None
         dt = 0.0
         nxt = waiting[0].job.length if occupancy().admits() else None
-        left = [s.job.length - s.computed for s in prefilling] + ([nxt] if nxt is not None else [])
-        turn = prefill_turn(left[:len(prefilling)], nxt)
-        if turn is not None and not share.due(len(active), last_pass(left[turn])):
-            turn = None
+        turn = prompt_pass([s.job.length - s.computed for s in prefilling], nxt, share, len(active))
         if turn == len(prefilling):
             s = waiting.pop(0)
             prefilling.append(s)
@@ -300,7 +297,8 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         if turn is not None:
             s = prefilling[turn]
             dt += s.ticks.pop(0)
-            share.prefilled(dt, len(active))
+            if s.ticks:                       # more of its prompt left: the decoding sequences are owed
+                share.prefilled(dt, len(active))
             s.computed = s.ends.pop(0)
             if not s.ticks:                   # the prompt computed: it decodes from this tick on
                 prefilling.remove(s)

@@ -6,8 +6,8 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
 1. computes one pass of at most ``PREFILL_CHUNK`` prompt positions in a tick where one is due (a new request's
    prompt costs the others one such pass per round, a long prompt several; its first token comes after its prefill
    and its first round, not after the others finish; while sequences decode, prompt passes take at most
-   ``prefill_share`` of the time, :class:`~hsd_opt.runtime.schedule.PrefillShare`, timed with the batch's clock, all
-   but a prompt's last pass held for it, so a long prompt does not hold the others to a token per pass): of the
+   ``prefill_share`` of the time, :class:`~hsd_opt.runtime.schedule.PrefillShare`, timed with the batch's clock, a
+   prompt's first pass never held, so a long prompt does not hold the others to a token per pass): of the
    prompt with the fewest positions left among
    those begun and the oldest waiting sequence where a place is free
    (:func:`~hsd_opt.runtime.schedule.prefill_turn`: a short request that arrives while a long prompt is computed is
@@ -55,7 +55,7 @@ from typing import Callable, Generator, Mapping, Sequence
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
-from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load, last_pass
+from hsd_opt.runtime.decode import HSD, Committed, Decoding, GenerationResult, Pass, follows_load
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.schedule import (
     PREFILL_SHARE,
@@ -63,7 +63,7 @@ from hsd_opt.runtime.schedule import (
     Occupancy,
     PrefillShare,
     level_at,
-    prefill_turn,
+    prompt_pass,
     served_groups,
 )
 from hsd_opt.values import is_integer
@@ -249,16 +249,15 @@ class Batch:
         """One round of the scheduler (see the module doc; its policy: :mod:`hsd_opt.runtime.schedule`); returns
         the passes served."""
         nxt = self.waiting[0].decoding.n_prompt if self.occupancy.admits() else None
-        left = [e.decoding.n_prompt - e.computed for e in self.prefilling] + ([nxt] if nxt is not None else [])
-        turn = prefill_turn(left[:len(self.prefilling)], nxt)
-        if turn is not None and not self.share.due(len(self.active), last_pass(left[turn])):
-            turn = None                             # the others decode first (the prompts' share of the time)
+        turn = prompt_pass([e.decoding.n_prompt - e.computed for e in self.prefilling], nxt, self.share,
+                           len(self.active))
         if turn == len(self.prefilling):
             self._begin(self.waiting.pop(0))
         if turn is not None:
-            decoding, t0 = len(self.active), self.clock()
-            self._prefill_pass(self.prefilling[turn])
-            self.share.prefilled(self.clock() - t0, decoding)
+            e, decoding, t0 = self.prefilling[turn], len(self.active), self.clock()
+            self._prefill_pass(e)
+            if e in self.prefilling:                # more of its prompt left: the decoding sequences are owed
+                self.share.prefilled(self.clock() - t0, decoding)
         occupancy = self.occupancy                  # those in flight and those about to join
         level = {t: lv[level_at(lv, occupancy)] for t, lv in ((None, self.levels), *self.tasks.items())}
         for e in self.active:

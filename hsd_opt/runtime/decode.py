@@ -73,12 +73,6 @@ PREFILL_CHUNK = 256
 ROUND_LAG = 2
 
 
-def last_pass(left: int) -> bool:
-    """Whether a prompt with ``left`` positions still to compute is computed in one more pass (at most
-    :data:`PREFILL_CHUNK`; a kept head's pass of its own aside)."""
-    return left <= PREFILL_CHUNK
-
-
 def prompt_pass_ends(n: int, head: int = 0, taken: int = 0) -> list[int]:
     """Where the passes of a prompt of ``n`` positions end: the head of ``head`` positions (0: none) in a pass
     of its own, then passes of at most :data:`PREFILL_CHUNK` positions. A function of the prompt alone, so its

@@ -6,9 +6,10 @@ in this order:
 
 1. whose prompt takes the tick's prefill pass (:func:`prefill_turn`): of the prompts being computed and the oldest
    waiting sequence (where fewer than ``max_active`` are in flight: :meth:`Occupancy.admits`), the one with the
-   fewest positions left, so that a short prompt is not held behind a long one's passes; and whether that pass is
-   due (:class:`PrefillShare`: while sequences decode, the passes of a long prompt that leave more of it for later
-   take at most a share of the time, so that they do not hold every decoding sequence to one token per pass);
+   fewest positions left, so that a short prompt is not held behind a long one's passes; where that is a begun
+   prompt's next pass while the decoding sequences are owed time (:class:`PrefillShare`: a long prompt's passes
+   take at most a share of the time, so that they do not hold every decoding sequence to one token per pass), the
+   oldest waiting sequence's first pass goes instead, or none (:func:`prompt_pass`);
 2. the load level in force (:func:`level_at`): the plan level nearest, on a log scale, to the sequences in flight
    and those about to take a place (:attr:`Occupancy.load`);
 3. which sequences take that level's hierarchy: one that follows the load and can take it for no more than a
@@ -67,12 +68,12 @@ PREFILL_SHARE = 0.5
 
 @dataclass
 class PrefillShare:
-    """How much of the time a long prompt's passes may take while sequences decode: after a prompt pass of ``p``
-    seconds with sequences decoding, ``p * (1 - share) / share`` seconds of decoding are owed to them before the
-    next pass that leaves more of its prompt for later (``share`` 0.5: as long as the pass took), so a long prompt
-    computed in many passes lets every decoding sequence go on at about ``1 - share`` of its speed instead of one
-    token per pass. A prompt's last pass (a short prompt's only one) is never held: a new request's first token
-    waits for no decoding, and requests that keep arriving join the batch as soon as before. With nothing
+    """How much of the time a long prompt's passes may take while sequences decode: after a pass of ``p`` seconds
+    that leaves more of its prompt for later, with sequences decoding, ``p * (1 - share) / share`` seconds of
+    decoding are owed to them before a begun prompt's next pass (``share`` 0.5: as long as the pass took), so a long
+    prompt computed in many passes lets every decoding sequence go on at about ``1 - share`` of its speed instead of
+    one token per pass. A prompt's first pass is never held and a pass that ends its prompt owes nothing, so a short
+    prompt (one pass) is computed as soon as before and a stream of them does not hold a long one. With nothing
     decoding, prompts take every tick; ``share`` 1: a prompt pass every tick (prompts first). Which passes compute
     a prompt does not change (every sequence's numbers stay those of ``hsd run``), only when they run.
 
@@ -88,13 +89,13 @@ class PrefillShare:
         if not (isinstance(self.share, (int, float)) and not isinstance(self.share, bool) and 0 < self.share <= 1):
             raise HsdError(f"--prefill-share: expected a number in (0, 1], got {self.share!r}")
 
-    def due(self, decoding: int, last: bool) -> bool:
-        """Whether a prompt pass may run this tick, with ``decoding`` sequences decoding; ``last``: it is its
-        prompt's last pass."""
-        return decoding == 0 or last or self.owed <= 0.0
+    def due(self, decoding: int) -> bool:
+        """Whether a begun prompt's next pass may run this tick, with ``decoding`` sequences decoding."""
+        return decoding == 0 or self.owed <= 0.0
 
     def prefilled(self, seconds: float, decoding: int) -> None:
-        """A prompt pass took ``seconds`` while ``decoding`` sequences decoded (0: nothing is owed)."""
+        """A pass that left more of its prompt for later took ``seconds`` while ``decoding`` sequences decoded (0:
+        nothing is owed)."""
         self.owed = self.owed + seconds * (1.0 - self.share) / self.share if decoding else 0.0
 
     def decoded(self, seconds: float) -> None:
@@ -111,6 +112,16 @@ def prefill_turn(left: Sequence[int], next_waiting: int | None) -> int | None:
     one last, so a burst of equal prompts is computed one after the other in arrival order."""
     sizes = [*left, *([] if next_waiting is None else [next_waiting])]
     return min(range(len(sizes)), key=lambda i: (sizes[i], i)) if sizes else None
+
+
+def prompt_pass(left: Sequence[int], next_waiting: int | None, share: PrefillShare, decoding: int) -> int | None:
+    """Whose prompt takes this tick's pass, as :func:`prefill_turn` (same arguments), except that a begun prompt's
+    next pass waits while the ``decoding`` sequences are owed time (``share``): the oldest waiting sequence's first
+    pass goes instead where it may begin (``len(left)``), else none (None)."""
+    turn = prefill_turn(left, next_waiting)
+    if turn is None or turn == len(left) or share.due(decoding):
+        return turn
+    return len(left) if next_waiting is not None else None
 
 
 def level_at(levels: Iterable[int], occupancy: Occupancy) -> int:
