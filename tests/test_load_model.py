@@ -177,7 +177,7 @@ def test_a_long_prompt_lets_a_decoding_request_go_on_in_the_share_of_the_time_le
     """A short request decoding while a long prompt (60 positions, passes of 8) is computed: the prediction gives
     the prompt passes at most ``share`` of the time, so the short request ends sooner and the long one's first
     token comes later than prompts first; the same tokens in all; after each prompt pass the short one decodes for
-    as many ticks as it is owed."""
+    as many ticks as it is owed, but for the last pass."""
     monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
     costs = LoadCosts(_profile())
     short, long = Job(positions=3, tokens=40), Job(positions=60, tokens=2)
@@ -187,9 +187,9 @@ def test_a_long_prompt_lets_a_decoding_request_go_on_in_the_share_of_the_time_le
     first = {s: r.ttft[1] for s, r in runs.items()}                # the long prompt's first token
     assert first[1.0] < first[0.5] < first[0.25]
     passes, step = costs.prefill(PLAIN, long), costs.decode(PLAIN, 1)
-    for share in (1.0, 0.5):     # each pass but the last owes the short one ceil(owed / step) ticks (its own too)
-        per_pass = max(1, math.ceil(passes[0] * (1 - share) / share / step - 1e-9))
-        assert runs[share].decoding.index(2) == (len(passes) - 1) * per_pass + 1
+    for share in (1.0, 0.5):     # each pass owes the short one ceil(owed / step) ticks (its own too), and the last
+        per_pass = max(1, math.ceil(passes[0] * (1 - share) / share / step - 1e-9))    # (at most a pass) waits for none
+        assert runs[share].decoding.index(2) == (len(passes) - 2) * per_pass + 2
     assert 2 not in runs[0.25].decoding                           # the short one ends before the long one decodes
 
 

@@ -88,16 +88,19 @@ def test_prompt_passes_take_at_most_their_share_of_the_time_while_others_decode(
 
 def test_a_begun_prompts_next_pass_waits_while_time_is_owed_and_a_waiting_prompts_first_pass_goes_instead():
     """``prompt_pass`` is ``prefill_turn`` while nothing is owed; while time is owed, a begun prompt's next pass
-    gives way to the oldest waiting sequence's first pass (never held), or to none."""
+    gives way to the oldest waiting sequence's first pass (never held), or to none, unless only the target's last
+    pass is left of it (at most a pass's positions, more than none: none left is its other engines' passes)."""
     owing = PrefillShare(0.5)
     owing.prefilled(1.0, decoding=2)
-    for left in ([], [5], [40, 3], [300]):
+    for left in ([], [5], [0], [40, 3], [40, 0], [300], [300, 40]):
         for nxt in (None, 1, 10, 500):
             turn = prefill_turn(left, nxt)
-            assert prompt_pass(left, nxt, PrefillShare(0.5), decoding=2) == turn        # nothing owed
-            assert prompt_pass(left, nxt, owing, decoding=0) == turn                    # no one decodes
-            held = prompt_pass(left, nxt, owing, decoding=2)
-            assert held == (turn if turn == len(left) else (len(left) if nxt is not None else None))
+            assert prompt_pass(left, nxt, PrefillShare(0.5), decoding=2, chunk=8) == turn        # nothing owed
+            assert prompt_pass(left, nxt, owing, decoding=0, chunk=8) == turn                    # no one decodes
+            held = prompt_pass(left, nxt, owing, decoding=2, chunk=8)
+            last = turn is not None and turn < len(left) and 0 < left[turn] <= 8
+            assert held == (turn if turn == len(left) or last else (len(left) if nxt is not None else None))
+    assert prompt_pass([3], None, owing, decoding=2, chunk=8) == 0 and prompt_pass([0], None, owing, 2, 8) is None
 
 
 def test_a_share_outside_zero_to_one_is_refused_naming_the_flag():

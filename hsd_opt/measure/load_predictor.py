@@ -48,6 +48,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+import hsd_opt.runtime.decode as decode_module
 from hsd_opt.engine.timing import median_pass
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import Profile, nearest_level
@@ -287,7 +288,8 @@ def predict_level(costs: LoadCosts, levels: Mapping[int, Spec], clients: Sequenc
         joined: _Seq | None = None
         dt = 0.0
         nxt = waiting[0].job.length if occupancy().admits() else None
-        turn = prompt_pass([s.job.length - s.computed for s in prefilling], nxt, share, len(active))
+        turn = prompt_pass([s.job.length - s.computed for s in prefilling], nxt, share, len(active),
+                           decode_module.PREFILL_CHUNK)
         if turn == len(prefilling):
             s = waiting.pop(0)
             prefilling.append(s)

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Mapping, Sequence
 
+import hsd_opt.runtime.decode as decode_module
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import nearest_level
 from hsd_opt.grammar.constraint import Constraint
@@ -250,7 +251,7 @@ class Batch:
         the passes served."""
         nxt = self.waiting[0].decoding.n_prompt if self.occupancy.admits() else None
         turn = prompt_pass([e.decoding.n_prompt - e.computed for e in self.prefilling], nxt, self.share,
-                           len(self.active))
+                           len(self.active), decode_module.PREFILL_CHUNK)
         if turn == len(self.prefilling):
             self._begin(self.waiting.pop(0))
         if turn is not None:

@@ -72,8 +72,9 @@ class PrefillShare:
     that leaves more of its prompt for later, with sequences decoding, ``p * (1 - share) / share`` seconds of
     decoding are owed to them before a begun prompt's next pass (``share`` 0.5: as long as the pass took), so a long
     prompt computed in many passes lets every decoding sequence go on at about ``1 - share`` of its speed instead of
-    one token per pass. A prompt's first pass is never held and a pass that ends its prompt owes nothing, so a short
-    prompt (one pass) is computed as soon as before and a stream of them does not hold a long one. With nothing
+    one token per pass. A prompt's first pass is never held, nor the target's last (:func:`prompt_pass`), and a
+    pass that ends its prompt owes nothing, so a short prompt (one pass) is computed as soon as before and a stream
+    of them does not hold a long one. With nothing
     decoding, prompts take every tick; ``share`` 1: a prompt pass every tick (prompts first). Which passes compute
     a prompt does not change (every sequence's numbers stay those of ``hsd run``), only when they run.
 
@@ -114,12 +115,16 @@ def prefill_turn(left: Sequence[int], next_waiting: int | None) -> int | None:
     return min(range(len(sizes)), key=lambda i: (sizes[i], i)) if sizes else None
 
 
-def prompt_pass(left: Sequence[int], next_waiting: int | None, share: PrefillShare, decoding: int) -> int | None:
+def prompt_pass(left: Sequence[int], next_waiting: int | None, share: PrefillShare, decoding: int,
+                chunk: int) -> int | None:
     """Whose prompt takes this tick's pass, as :func:`prefill_turn` (same arguments), except that a begun prompt's
-    next pass waits while the ``decoding`` sequences are owed time (``share``): the oldest waiting sequence's first
-    pass goes instead where it may begin (``len(left)``), else none (None)."""
+    next pass waits while the ``decoding`` sequences are owed time (``share``), unless the target's last pass is all
+    that is left of it (``0 < left <= chunk``, the positions of a pass: e.g. the few positions of a conversation's
+    next turn past a pass's end): the oldest waiting sequence's first pass goes instead where it may begin
+    (``len(left)``), else none (None). A begun prompt with nothing left on the target (0) computes it on its other
+    engines (a draft model's passes), and waits."""
     turn = prefill_turn(left, next_waiting)
-    if turn is None or turn == len(left) or share.due(decoding):
+    if turn is None or turn == len(left) or 0 < left[turn] <= chunk or share.due(decoding):
         return turn
     return len(left) if next_waiting is not None else None
 
