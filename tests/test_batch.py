@@ -527,6 +527,33 @@ def test_a_long_prompt_is_prefilled_a_pass_per_tick_while_the_others_decode(tiny
     assert [got[0], got[1]] == want
 
 
+def _priced_clock(eng, monkeypatch, events: list | None = None) -> list[float]:
+    """From now on ``eng``'s calls advance a clock (returned, its one entry the seconds): a second per position of a
+    call's longest row, a prompt's pass or a batched call; each call also appended to ``events`` as ``("prompt" |
+    "decode", seconds)`` where given."""
+    now = [0.0]
+    real_advance, real_many = eng.advance, eng.advance_many
+
+    def charge(kind: str, seconds: float) -> None:
+        now[0] += seconds
+        if events is not None:
+            events.append((kind, seconds))
+
+    def advance(st, upto):                      # returns positions computed, summed over layers
+        out = real_advance(st, upto)
+        charge("prompt", out / eng.n_layers)
+        return out
+
+    def advance_many(work):
+        out = real_many(work)
+        charge("decode", max(out) / eng.n_layers)
+        return out
+
+    monkeypatch.setattr(eng, "advance", advance)
+    monkeypatch.setattr(eng, "advance_many", advance_many)
+    return now
+
+
 @pytest.mark.parametrize("share", [0.5, 0.25])
 def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(tiny, monkeypatch, share):
     """On a clock where a call of the engine costs a second per position of its longest row, a long prompt (30
@@ -536,23 +563,8 @@ def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(
     prompts' own."""
     eng, ar, (short, long) = _chunked_ar(tiny, monkeypatch, 21, 5, 30)
     want = [ar.generate(short, 60).token_ids, ar.generate(long, 4).token_ids]
-    now, events = [0.0], []                     # ("prompt" | "decode", seconds)
-    real_advance, real_many = eng.advance, eng.advance_many
-
-    def advance(st, upto):                      # returns positions computed, summed over layers
-        out = real_advance(st, upto)
-        now[0] += out / eng.n_layers
-        events.append(("prompt", out / eng.n_layers))
-        return out
-
-    def advance_many(work):
-        out = real_many(work)
-        now[0] += max(out) / eng.n_layers
-        events.append(("decode", max(out) / eng.n_layers))
-        return out
-
-    monkeypatch.setattr(eng, "advance", advance)
-    monkeypatch.setattr(eng, "advance_many", advance_many)
+    events: list[tuple[str, float]] = []
+    now = _priced_clock(eng, monkeypatch, events)
     batch = Batch(ar, max_active=2, prefill_share=share, clock=lambda: now[0])
     got: dict[int, list[int]] = {}
     batch.add(short, 60, on_done=lambda res, err: got.__setitem__(0, res.token_ids))
@@ -567,27 +579,6 @@ def test_while_others_decode_prompt_passes_take_at_most_their_share_of_the_time(
     for a, b in zip(prompts, prompts[1:]):
         decoded = sum(s for kind, s in events[a + 1:b])
         assert owed * events[a][1] <= decoded <= owed * events[a][1] + 1
-
-
-def _priced_clock(eng, monkeypatch) -> list[float]:
-    """From now on ``eng``'s calls advance a clock (returned, its one entry the seconds): a second per position of a
-    call's longest row, a prompt's pass or a batched call."""
-    now = [0.0]
-    real_advance, real_many = eng.advance, eng.advance_many
-
-    def advance(st, upto):                      # returns positions computed, summed over layers
-        out = real_advance(st, upto)
-        now[0] += out / eng.n_layers
-        return out
-
-    def advance_many(work):
-        out = real_many(work)
-        now[0] += max(out) / eng.n_layers
-        return out
-
-    monkeypatch.setattr(eng, "advance", advance)
-    monkeypatch.setattr(eng, "advance_many", advance_many)
-    return now
 
 
 @pytest.mark.parametrize("third_size", [6, 30])
