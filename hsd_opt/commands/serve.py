@@ -87,6 +87,8 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
     ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, ``--prefill-share`` outside (0, 1],
     or an ``--api-key`` that is empty
     (``--api-key "$KEY"`` of an unset variable: a server open to anyone) or that no header can carry as given."""
+    from hsd_opt.runtime.schedule import PrefillShare  # here: the runtime imports torch, not wanted at start-up
+
     if api_key is not None:
         if not api_key.strip():
             raise HsdError("--api-key (or HSD_API_KEY): an empty key would leave the server open to anyone; give "
@@ -94,8 +96,7 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
             raise HsdError("--api-key (or HSD_API_KEY): a key must be printable ASCII without spaces around it "
                            "(what an Authorization header carries)")
-    if not 0 < prefill_share <= 1:
-        raise HsdError(f"--prefill-share: expected a number in (0, 1] (1: prompts first), got {prefill_share}")
+    PrefillShare(prefill_share)                 # its own check: one line naming the flag
     if not log_stats >= 0:
         raise HsdError(f"--log-stats: expected a number of seconds >= 0 (0: off), got {log_stats}")
     if prompt_cache < 0:
