@@ -7,14 +7,13 @@ drafters, random generator), and drives them in ticks. Each :meth:`Batch.tick`
    prompt costs the others one such pass per round, a long prompt several; its first token comes after its prefill
    and its first round, not after the others finish; while sequences decode, prompt passes take at most
    ``prefill_share`` of the time, :class:`~hsd_opt.runtime.schedule.PrefillShare`, timed with the batch's clock, a
-   prompt's first pass never held, so a long prompt does not hold the others to a token per pass): of the
-   prompt with the fewest positions left among
-   those begun and the oldest waiting sequence where a place is free
+   prompt's first pass never held, so a long prompt does not hold the others to a token per pass): of the prompt
+   with the fewest positions left among those begun and the oldest waiting sequence where a place is free
    (:func:`~hsd_opt.runtime.schedule.prefill_turn`: a short request that arrives while a long prompt is computed is
-   not held behind its passes), which begins with the hierarchy of the load it
-   starts under (those in flight, it, and those waiting for a place). Where the target is that hierarchy's only
-   engine, the prompt's last pass is left to the sequence's first round (``prefill_passes(defer_last=True)``): step 3
-   computes it in the call that serves the others' rounds, each weight read once for all their rows;
+   not held behind its passes), which begins with the hierarchy of the load it starts under (those in flight, it,
+   and those waiting for a place). Where the target is that hierarchy's only engine, the prompt's last pass is left
+   to the sequence's first round (``prefill_passes(defer_last=True)``): step 3 computes it in the call that serves
+   the others' rounds, each weight read once for all their rows;
 2. gives every sequence that follows the load (greedy, or sampled without a seed) the hierarchy of the current load
    level (of its task's hierarchies where it has one: ``by_task``), applied at its next round (a round under way
    drafts no further, :meth:`~hsd_opt.runtime.decode.Decoding.switch`), if that costs no more than a prefill on it

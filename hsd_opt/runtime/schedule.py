@@ -24,7 +24,7 @@ seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 from hsd_opt.errors import HsdError
@@ -74,9 +74,9 @@ class PrefillShare:
     prompt computed in many passes lets every decoding sequence go on at about ``1 - share`` of its speed instead of
     one token per pass. A prompt's first pass is never held, nor the target's last (:func:`prompt_pass`), and a
     pass that ends its prompt owes nothing, so a short prompt (one pass) is computed as soon as before and a stream
-    of them does not hold a long one. With nothing
-    decoding, prompts take every tick; ``share`` 1: a prompt pass every tick (prompts first). Which passes compute
-    a prompt does not change (every sequence's numbers stay those of ``hsd run``), only when they run.
+    of them does not hold a long one. With nothing decoding, prompts take every tick; ``share`` 1: a prompt pass
+    every tick (prompts first). Which passes compute a prompt does not change (every sequence's numbers stay those
+    of ``hsd run``), only when they run.
 
     Attributes:
         share: the share of the time, in (0, 1].
@@ -84,7 +84,7 @@ class PrefillShare:
     """
 
     share: float = PREFILL_SHARE
-    owed: float = field(default=0.0)
+    owed: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.share, (int, float)) and not isinstance(self.share, bool) and 0 < self.share <= 1):
