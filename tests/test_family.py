@@ -14,7 +14,7 @@ from hsd_opt.engine.layered import LayeredLM, is_released, release_float_weights
 from hsd_opt.engine.quantized import QuantizedLM
 from hsd_opt.errors import HsdError
 from hsd_opt.runtime.decode import HSD, Level
-from tests.helpers import cli_output, make_tiny_llama, run_cli, save_tiny_family, write_prompts
+from tests.helpers import cli_output, make_tiny_llama, make_tiny_qwen2_family, run_cli, save_tiny_family, write_prompts
 
 FAST = ["--tmax", "3", "--cost-repeats", "1", "--quiet", "--threads", "1", "--max-new-tokens", "6",
         "--device", "cpu", "--cost-contexts", "16", "--token-drafters", "lookup"]
@@ -140,6 +140,77 @@ def test_a_copy_with_an_int4_head_drafts_and_runs_lossless(family, tmp_path):
     h8, h4 = QuantizedLM(small.model, bits=4), QuantizedLM(small.model, bits=4, head_bits=4)
     hidden = torch.randn(3, small.model.config.hidden_size)
     assert not torch.equal(h8.head(hidden, h8.n_layers), h4.head(hidden, h4.n_layers))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("width", [56, 72])
+def test_match_width_keeps_the_drafts_rows_and_zeros_or_drops_the_rest(tied, width):
+    """A draft model given the target's width keeps its own rows of embeddings and head (tied or not, as they
+    were), gets rows of zeros beyond them or loses its last ones, computes the same logits for its own tokens,
+    says its new width to the engines, and is stored under another weights key."""
+    from types import SimpleNamespace
+
+    from hsd_opt.models.loading import match_width
+
+    model = make_tiny_qwen2_family(seed=2, vocab_size=64, layers=1, tied=tied)
+    model.hsd_weights_key = "local|abc|float32"
+    embed, head = model.get_input_embeddings().weight.clone(), model.get_output_embeddings().weight.clone()
+    ids = torch.tensor([[3, 9, 27, 50]])
+    before = model(ids).logits[0]
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=width)))
+    assert match_width(target, SimpleNamespace(model=model)) == width - 64
+    assert match_width(target, SimpleNamespace(model=model)) == 0
+    keep = min(width, 64)
+    new_embed, new_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert new_embed.shape == (width, 64) and new_head.shape == (width, 64) and (new_head is new_embed) == tied
+    assert torch.equal(new_embed[:keep], embed[:keep]) and torch.equal(new_head[:keep], head[:keep])
+    assert not new_embed[keep:].any() and not new_head[keep:].any()
+    assert model.config.vocab_size == width and model.hsd_weights_key == f"local|abc|float32|rows{width}"
+    after = model(ids).logits[0]
+    assert after.shape == (4, width) and torch.allclose(after[:, :keep], before[:, :keep], atol=1e-5)
+    assert not after[:, keep:].any()
+    assert LayeredLM(model).vocab_size == width
+
+
+def _with_width(src, dst, width: int, extra_scale: float = 0.0):
+    """The model in ``src`` saved in ``dst`` with its tokenizer and ``width`` rows of embeddings and head (the
+    first rows its own; rows beyond them ``extra_scale`` times normal noise)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    have = model.config.vocab_size
+    model.resize_token_embeddings(width, mean_resizing=False)
+    with torch.no_grad():
+        if width > have:
+            extra = torch.randn(width - have, model.config.hidden_size)
+            model.get_input_embeddings().weight[have:] = extra_scale * extra
+    model.save_pretrained(str(dst))
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dst))
+    return dst
+
+
+@pytest.mark.slow
+def test_a_draft_model_padded_to_another_width_takes_the_targets_and_drafts_losslessly(family, tmp_path):
+    """A draft model of the target's tokenizer whose head has another number of rows (as Qwen2.5-7B's 152,064
+    against the 0.5B's 151,936: padding beyond the tokenizer's tokens) was refused; it now takes the target's
+    width (rows of zeros, or its last rows dropped) and profiles, solves and runs losslessly, greedy and sampled.
+    The drafts are copies of the target: a narrower one drafts right where the target's choice has a row in it;
+    a wider one, whose extra rows would win every argmax, drafts exactly the target's tokens once they are
+    dropped (every draft accepted)."""
+    prof_path, plan_path = tmp_path / "prof.json", tmp_path / "plan.json"
+    for name, width, scale in (("narrow", 120, 0.0), ("wide", 136, 50.0)):
+        draft = _with_width(family["big"], tmp_path / name, width, scale)
+        prof = _profile(family, prof_path, "--draft-model", draft, "--layers", "none")
+        assert {m["name"] for m in prof["models"]} >= {name, "layer4"}
+        _plan(prof_path, plan_path, [name, "layer4"], [3])
+        row = _run_json(plan_path, tmp_path / "run.jsonl")
+        assert row["token_ids"] == _ar(plan_path) and len(row["token_ids"]) == 10
+        draft_level, target_level = row["stats"]["levels"]
+        assert target_level["accepted"] > 0 and draft_level["drafted"] == target_level["drafted"]
+        if name == "wide":
+            assert target_level["accepted"] == target_level["drafted"]
+        sampled = _run_json(plan_path, tmp_path / "sampled.jsonl", "--temperature", "1", "--seed", "3")
+        assert 1 <= len(sampled["token_ids"]) <= 10 and all(0 <= t < 128 for t in sampled["token_ids"])
 
 
 def test_a_copy_shares_the_prompt_of_its_own_model(family, monkeypatch):

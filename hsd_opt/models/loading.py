@@ -699,15 +699,43 @@ def _special_end_ids(tok) -> set[int]:
     return out
 
 
-def check_same_width(target, draft, draft_name: str, flag: str = "--draft-model") -> None:
-    """Refuse a draft model (a :class:`LoadedModel`) whose head has another number of rows than the target's
-    (a model padded to another width, as Qwen2.5-7B's 152,064 rows against the 0.5B's 151,936, though their
-    tokenizer is one): their distributions would not line up, and a token one has no row for would reach the
-    other; ``flag`` (or the plan's field) and the model are named."""
-    have, want = int(draft.model.config.vocab_size), int(target.model.config.vocab_size)
-    if have != want:
-        raise HsdError(f"{flag} {draft_name}: its head has {have:,} rows, the target's {want:,} (the same "
-                       f"tokenizer, padded to another width); a draft model of another width is not supported")
+def match_width(target, draft) -> int:
+    """Give a draft model (a :class:`LoadedModel` of the target's tokenizer) the target's head width, in place: a
+    model padded to another number of rows, as Qwen2.5-7B's 152,064 against the 0.5B's 151,936 (the tokenizer's
+    151,665 tokens and padding), gets rows of zeros (a narrower one: its embeddings and head grow, the new tokens'
+    logits 0) or loses its last rows (a wider one: tokens the target has no row for). In Qwen's case these rows
+    are of ids no text encodes to; and what the draft proposes is verified by the target, so the output is
+    unchanged whatever they hold: only how often the draft is right could move. The weights key of its
+    stored quantized copies (``model.hsd_weights_key``) gains the width. Returns the rows added (negative:
+    removed), 0 when the widths agree."""
+    import torch
+
+    want, have = int(target.model.config.vocab_size), int(draft.model.config.vocab_size)
+    if want == have:
+        return 0
+    model = draft.model
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embed.weight
+    with torch.no_grad():
+        embed.weight = torch.nn.Parameter(_rows(embed.weight, want), requires_grad=False)
+        embed.num_embeddings = want
+        head.weight = embed.weight if tied else torch.nn.Parameter(_rows(head.weight, want), requires_grad=False)
+        if getattr(head, "bias", None) is not None:
+            head.bias = torch.nn.Parameter(_rows(head.bias, want), requires_grad=False)
+        head.out_features = want
+    model.config.vocab_size = want
+    if getattr(model, "hsd_weights_key", None):
+        model.hsd_weights_key = f"{model.hsd_weights_key}|rows{want}"
+    return want - have
+
+
+def _rows(t, n: int):
+    """``t`` (``[rows, ...]``) with its first ``n`` rows, zeros after its own."""
+    import torch
+
+    if n <= t.shape[0]:
+        return t[:n].clone()
+    return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str, flag: str = "--draft-model") -> None:

@@ -260,9 +260,9 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
     """Load the draft model ``ref`` (named by ``flag`` in errors); in a costs-only run as the target is loaded
     (:func:`~hsd_opt.models.random_weights.load_for_costs`: its own weights where they are on this machine, else
     random weights of its configuration): refused when its tokenizer differs from the target's (its vocabulary
-    size, where either has no tokenizer), when its head has another number of rows, or when it is the target
-    itself."""
-    from hsd_opt.models.loading import check_same_tokenizer, check_same_width, load_model, recorded_model_id
+    size, where either has no tokenizer) or when it is the target itself; a head of another number of rows is
+    given the target's (:func:`~hsd_opt.models.loading.match_width`)."""
+    from hsd_opt.models.loading import check_same_tokenizer, load_model, match_width, recorded_model_id
     from hsd_opt.models.random_weights import load_for_costs
 
     try:
@@ -277,7 +277,7 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
     elif loaded.model.config.vocab_size != dlm.model.config.vocab_size:
         raise HsdError(f"{flag} {ref}: its vocabulary ({dlm.model.config.vocab_size} tokens) differs from the "
                        f"target's ({loaded.model.config.vocab_size}); drafts must share the target's tokens")
-    check_same_width(loaded, dlm, ref, flag)
+    match_width(loaded, dlm)
     dlm.model_id = recorded_model_id(dlm.model_id)      # a local model: its absolute path (plans run anywhere)
     if dlm.model_id == recorded_model_id(loaded.model_id):
         raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")

@@ -421,7 +421,8 @@ class HSD:
         for lv in levels[:-1]:
             if lv.is_model and lv.engine.vocab_size != width:
                 raise HsdError(f"level {lv.name!r}: its head has {lv.engine.vocab_size} rows, the target's {width}; "
-                               f"a level of another width is not supported (its distributions would not line up)")
+                               f"a level of another width is not supported (its distributions would not line up; "
+                               f"hsd_opt.models.loading.match_width gives a loaded draft model the target's)")
         check_mode(mode)
         # exact: a level verifies at most the budget below it; eager: what every level below hands up at most
         longest = (max(budgets, default=0) if mode == "exact" else sum(int(t) for t in budgets)) + 1

@@ -273,15 +273,16 @@ class PlanModels:
 
     def draft_model(self, ref: str, flag: str = "--draft-model") -> LoadedModel:
         """The draft model ``ref`` (alias, id or path), loaded once on ``device``/``dtype`` (default: the
-        target's), for the engines alone where the target was (``LoadedModel.engines_only``), and checked to
-        share the target's tokenizer; ``flag`` (or the plan's field) is what errors name."""
-        from hsd_opt.models.loading import check_same_tokenizer, check_same_width, load_model, resolve_model_name
+        target's), for the engines alone where the target was (``LoadedModel.engines_only``), checked to share
+        the target's tokenizer and given its head width (:func:`~hsd_opt.models.loading.match_width`); ``flag``
+        (or the plan's field) is what errors name."""
+        from hsd_opt.models.loading import check_same_tokenizer, load_model, match_width, resolve_model_name
 
         key = (resolve_model_name(ref), self.device or self.loaded.device, self.dtype or self.loaded.dtype)
         if key not in self._drafts:
             other = load_model(ref, device=key[1], dtype=key[2], flag=flag, engines_only=self.loaded.engines_only)
             check_same_tokenizer(self.loaded.tokenizer, other.tokenizer, ref, flag)
-            check_same_width(self.loaded, other, ref, flag)
+            match_width(self.loaded, other)
             self._drafts[key] = other
         return self._drafts[key]
 
