@@ -1302,6 +1302,16 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
         taken.close()
 
 
+def test_a_serve_flag_error_comes_before_torch_is_imported(tiny):
+    """A mistyped flag of ``hsd serve`` is said at once: importing the runtime (torch, seconds) waited for it."""
+    code = ("import sys, atexit\natexit.register(lambda: print('torch' in sys.modules))\n"
+            "from hsd_opt.cli import app\n"
+            f"app(['serve', '--plan', {str(tiny[0])!r}, '--max-batch', '0'])\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--max-batch" in res.stderr, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_serve_command_says_ready_serves_and_stops_on_ctrl_c(tiny, stop):

@@ -87,8 +87,6 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
     ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, ``--prefill-share`` outside (0, 1],
     or an ``--api-key`` that is empty
     (``--api-key "$KEY"`` of an unset variable: a server open to anyone) or that no header can carry as given."""
-    from hsd_opt.runtime.schedule import PrefillShare  # here: the runtime imports torch, not wanted at start-up
-
     if api_key is not None:
         if not api_key.strip():
             raise HsdError("--api-key (or HSD_API_KEY): an empty key would leave the server open to anyone; give "
@@ -96,7 +94,6 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
             raise HsdError("--api-key (or HSD_API_KEY): a key must be printable ASCII without spaces around it "
                            "(what an Authorization header carries)")
-    PrefillShare(prefill_share)                 # its own check: one line naming the flag
     if not log_stats >= 0:
         raise HsdError(f"--log-stats: expected a number of seconds >= 0 (0: off), got {log_stats}")
     if prompt_cache < 0:
@@ -115,6 +112,9 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         raise HsdError(f"--default-max-tokens: expected >= 1, got {default_max_tokens}")
     if model_name is not None and not model_name.strip():
         raise HsdError("--model-name: empty name")
+    from hsd_opt.runtime.schedule import PrefillShare  # last: the runtime imports torch (seconds)
+
+    PrefillShare(prefill_share)                 # its own check: one line naming the flag
 
 
 def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto", dtype: Optional[str] = None,
@@ -299,13 +299,13 @@ def serve_cmd(
     from hsd_opt.packages import need
 
     need("starlette", "uvicorn", what="hsd serve")
-    from hsd_opt.runtime.decode import check_mode
-    from hsd_opt.server.serving import bind_socket
-
     if api_key is None and os.environ.get("HSD_API_KEY") == "":    # set but empty: the option parser drops it
         api_key = ""
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
                      prompt_cache, log_stats, api_key, prefill_share)
+    from hsd_opt.runtime.decode import check_mode  # the runtime imports torch: after the flags' own checks
+    from hsd_opt.server.serving import bind_socket
+
     check_mode(mode)
     origins = parse_origins(allowed_origins)
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
