@@ -193,15 +193,19 @@ def _with_width(src, dst, width: int, extra_scale: float = 0.0):
 def test_a_draft_model_padded_to_another_width_takes_the_targets_and_drafts_losslessly(family, tmp_path):
     """A draft model of the target's tokenizer whose head has another number of rows (as Qwen2.5-7B's 152,064
     against the 0.5B's 151,936: padding beyond the tokenizer's tokens) was refused; it now takes the target's
-    width (rows of zeros, or its last rows dropped) and profiles, solves and runs losslessly, greedy and sampled.
+    width (rows of zeros, or its last rows dropped; the profile says so) and profiles, solves and runs losslessly,
+    greedy and sampled.
     The drafts are copies of the target: a narrower one drafts right where the target's choice has a row in it;
     a wider one, whose extra rows would win every argmax, drafts exactly the target's tokens once they are
     dropped (every draft accepted)."""
     prof_path, plan_path = tmp_path / "prof.json", tmp_path / "plan.json"
     for name, width, scale in (("narrow", 120, 0.0), ("wide", 136, 50.0)):
         draft = _with_width(family["big"], tmp_path / name, width, scale)
-        prof = _profile(family, prof_path, "--draft-model", draft, "--layers", "none")
-        assert {m["name"] for m in prof["models"]} >= {name, "layer4"}
+        r = run_cli("profile", "--model", family["big"], "--prompts", family["prompts"], "--out", prof_path,
+                    *[f for f in FAST if f != "--quiet"], "--draft-model", draft, "--layers", "none")
+        said = "8 rows of zeros added" if name == "narrow" else "its last 8 rows dropped"
+        assert r.exit_code == 0 and f"its head has {width:,} rows, the target's 128: {said}" in cli_output(r)
+        assert {m["name"] for m in json.loads(prof_path.read_text())["models"]} >= {name, "layer4"}
         _plan(prof_path, plan_path, [name, "layer4"], [3])
         row = _run_json(plan_path, tmp_path / "run.jsonl")
         assert row["token_ids"] == _ar(plan_path) and len(row["token_ids"]) == 10

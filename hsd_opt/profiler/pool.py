@@ -243,7 +243,7 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     for dm in draft_models:
         if find_draft(dm, drafts) is not None:
             raise HsdError(f"--draft-model: {dm} is given twice")
-        found, ds = _draft_model_drafters(loaded, dm, draft_layers, device, dtype, taken, costs_only)
+        found, ds = _draft_model_drafters(loaded, dm, draft_layers, device, dtype, taken, log, costs_only)
         neural += found
         drafts[ds.loaded.model_id] = ds
     if quantized is None:
@@ -256,12 +256,13 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     return Pool(neural, tds, want_aded, [ds.loaded for ds in drafts.values()])
 
 
-def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only: bool = False):
+def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, log: Callable[[str], None],
+                costs_only: bool = False):
     """Load the draft model ``ref`` (named by ``flag`` in errors); in a costs-only run as the target is loaded
     (:func:`~hsd_opt.models.random_weights.load_for_costs`: its own weights where they are on this machine, else
     random weights of its configuration): refused when its tokenizer differs from the target's (its vocabulary
     size, where either has no tokenizer) or when it is the target itself; a head of another number of rows is
-    given the target's (:func:`~hsd_opt.models.loading.match_width`)."""
+    given the target's (:func:`~hsd_opt.models.loading.match_width`), and that is said (``log``)."""
     from hsd_opt.models.loading import check_same_tokenizer, load_model, match_width, recorded_model_id
     from hsd_opt.models.random_weights import load_for_costs
 
@@ -277,7 +278,11 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
     elif loaded.model.config.vocab_size != dlm.model.config.vocab_size:
         raise HsdError(f"{flag} {ref}: its vocabulary ({dlm.model.config.vocab_size} tokens) differs from the "
                        f"target's ({loaded.model.config.vocab_size}); drafts must share the target's tokens")
-    match_width(loaded, dlm)
+    rows = match_width(loaded, dlm)
+    if rows:
+        width = loaded.model.config.vocab_size
+        log(f"{ref}: its head has {width - rows:,} rows, the target's {width:,}: "
+            f"{f'{rows:,} rows of zeros added' if rows > 0 else f'its last {-rows:,} rows dropped'}")
     dlm.model_id = recorded_model_id(dlm.model_id)      # a local model: its absolute path (plans run anywhere)
     if dlm.model_id == recorded_model_id(loaded.model_id):
         raise HsdError(f"{flag} {ref}: that is the target itself (its copies are --quantized int8,int4)")
@@ -285,12 +290,13 @@ def _load_draft(loaded, ref: str, flag: str, device: str, dtype: str, costs_only
 
 
 def _draft_model_drafters(loaded, ref: str, draft_layers: Sequence[int] | None, device: str, dtype: str,
-                          taken: set[str], costs_only: bool = False) -> tuple[list[NeuralDrafter], "DraftSource"]:
+                          taken: set[str], log: Callable[[str], None],
+                          costs_only: bool = False) -> tuple[list[NeuralDrafter], "DraftSource"]:
     """The drafters of one ``--draft-model``: its early exits at ``draft_layers`` (its own layer numbers), then
     the whole model, over one engine; and its :class:`DraftSource`. Their names are added to ``taken``."""
     from hsd_opt.engine.layered import LayeredLM
 
-    dlm = _load_draft(loaded, ref, "--draft-model", device, dtype, costs_only)
+    dlm = _load_draft(loaded, ref, "--draft-model", device, dtype, log, costs_only)
     deng = LayeredLM(dlm.model)
     name = short_name(dlm.model_id, taken)
     taken.add(name)
@@ -323,7 +329,7 @@ def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str
     else:
         ds = find_draft(ref, drafts)
         if ds is None:
-            dlm = _load_draft(loaded, ref, "--quantized", device, dtype, costs_only)
+            dlm = _load_draft(loaded, ref, "--quantized", device, dtype, log, costs_only)
             ds = drafts[dlm.model_id] = DraftSource(dlm, short_name(dlm.model_id, taken), False)
         src, qname, what = ds.loaded.model, f"{ds.name}-{kind}", ds.name
         model_id, revision = ds.loaded.model_id, ds.loaded.revision
