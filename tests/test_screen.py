@@ -381,7 +381,8 @@ def test_the_kernels_filters_over_a_window_are_process_logits():
     """``kernels.filter_probs`` (``hsd_filter_probs``, what ``window_probs`` runs on the CPU): over rows whose
     columns outside their window are ``-inf``, the distribution ``process_logits`` gives (the same tokens kept,
     the same probabilities to float32 rounding; a token under ``e^-87.3`` of the largest counts as 0 there), with
-    top-k, top-p and min-p alone and together; among equal logits at top-k's ``k``-th place the lower column; a
+    top-k, top-p and min-p alone and together; among equal logits at top-k's ``k``-th place or at top-p's edge the
+    lower columns; a
     row it cannot take (every column ``-inf``, a value not a number, ``x / T`` infinite) is left to
     ``process_logits`` (None)."""
     import math
@@ -412,6 +413,16 @@ def test_the_kernels_filters_over_a_window_are_process_logits():
     many[1, 30:] = 2.0                             # ten tied above the rest
     kept = (process_logits(many, 0.7, 1.0, 4, 0.0) > 0).nonzero().tolist()
     assert kept == [[0, 0], [0, 1], [0, 2], [0, 5], [1, 30], [1, 31], [1, 32], [1, 33], [2, 0], [2, 1], [2, 2], [2, 5]]
+    edge = torch.full((2, 150), -5.0)              # top-p's edge among 100 equal logits: the lower columns kept
+    edge[:, 20:120] = 0.0
+    edge[:, 0] = torch.tensor([3.0, 1.0])
+    for top_p, top_k in ((0.5, 0), (0.8, 0), (0.5, 110)):
+        want = kernels.filter_probs(LIB, edge, 1.0, top_p, top_k, 0.0)
+        got = process_logits(edge, 1.0, top_p, top_k, 0.0)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-7), (top_p, top_k)
+        for row in got:
+            kept = (row > 0).nonzero().flatten().tolist()
+            assert kept == [0, *range(20, 19 + len(kept))] and 2 < len(kept) < 101, (top_p, top_k, kept)
     for row in ([-math.inf, -math.inf], [0.0, math.nan], [1.0, 2.0]):
         assert kernels.filter_probs(LIB, torch.tensor([row]), 1e-39 if row == [1.0, 2.0] else 1.0, 1.0, 0, 0.0) \
             is None, row

@@ -51,7 +51,8 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
 
     The nucleus is found among the ``k`` most probable tokens (``torch.topk``, k = 64, 256, ... until their mass
     reaches ``top_p``; a full sort only when it never does), which gives the same probabilities as sorting the
-    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost. The
+    whole vocabulary — the same values in the same order, the same cumulative sums — at a fraction of its cost; of
+    tokens equal in probability at the nucleus' edge the lower columns are kept, as the kernels keep them. The
     mass before each token is summed in float64 (a float32 running sum over a nucleus of hundreds of tokens can end
     it a token early or late).
 
@@ -80,15 +81,14 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
         v = p.shape[-1]
         k = min(64, v)
         while True:
-            sp, idx = torch.topk(p, k, dim=-1) if k < v else torch.sort(p, dim=-1, descending=True)
+            sp = (torch.topk(p, k, dim=-1) if k < v else torch.sort(p, dim=-1, descending=True)).values
             cum = sp.cumsum(-1, dtype=torch.float64)  # the mass so far, exact to float64 over thousands of tokens
             if k >= v or bool((cum[..., -1] >= top_p).all()):
                 break
             k = min(4 * k, v)
         drop = (cum - sp) >= top_p  # mass strictly before this token already reaches top_p
         drop[..., 0] = False        # the most probable token stays (a top_p that rounds to 0 in float32 too)
-        sp = sp.masked_fill(drop, 0.0)
-        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p.masked_fill(~_nucleus(p, sp, (~drop).sum(-1, keepdim=True)), 0.0)
         p = p / p.sum(-1, keepdim=True)
     if min_p > 0.0:
         p = p.masked_fill(p < min_p * p.max(-1, keepdim=True).values, 0.0)
@@ -96,6 +96,17 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if kept is not None:
         p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, p)
     return p
+
+
+def _nucleus(p: torch.Tensor, sp: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Which tokens of rows ``p`` ``[m, V]`` a nucleus of ``n`` (``[m, 1]``) tokens keeps, given the rows' largest
+    probabilities in descending order ``sp`` (``[m, >= n]``): those above the ``n``-th largest, and among those equal
+    to it the lower columns, as the kernels' filters keep them (``torch.topk``'s order among equal values is any;
+    how many are kept does not depend on it, the cumulative sums being the same)."""
+    least = sp.gather(-1, n - 1)
+    above = p > least
+    tied = p == least
+    return above | (tied & (tied.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
 
 
 def top_k_columns(x: torch.Tensor, k: int) -> torch.Tensor:
