@@ -198,6 +198,26 @@ def test_costs_only_draft_models_follow_the_same_rule_as_the_target(tiny, tmp_pa
         assert list(load_profile(out)[0].provenance.get("draft_sources").values()) == [want]
 
 
+def test_costs_only_a_configuration_without_a_tokenizer_takes_a_draft_model(tiny, tmp_path):
+    """A ``config.json`` alone in its folder (no tokenizer) as the target, with a draft model of its vocabulary: the
+    draft is checked by its vocabulary's size, as the target has no tokenizer (transformers made a Qwen2 tokenizer
+    of one token there, and the draft was refused as of another tokenizer, "vocab sizes 100 vs 1")."""
+    import shutil
+
+    from tests.helpers import save_tiny_family
+
+    big, small = save_tiny_family(tmp_path / "family")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(big / "config.json", bare / "config.json")
+    out = tmp_path / "c.json"
+    res = run_cli("profile", "--model", bare / "config.json", "--prompts", tiny["prompts"], "--draft-model", small,
+                  "--out", out, "--costs-only", "--layers", "none", "--quantized", "none", "--token-drafters",
+                  "ngram", "--cost-contexts", "16", "--batch-sizes", "1", *FAST)
+    assert res.exit_code == 0, cli_output(res)
+    assert {"small", "layer4", "ngram"} <= set(load_profile(out)[0].names)
+
+
 def test_costs_only_from_a_bare_configuration(tmp_path):
     """A configuration without a tokenizer (``tiny``, as the shipped ones): random weights of its shapes, the
     token drafters timed on the prompts' UTF-8 bytes as ids."""

@@ -133,13 +133,16 @@ def _hub_config(model_id: str, flag: str) -> dict[str, Any]:
 
 
 def _tokenizer(where: str | Path):
-    """The tokenizer saved at ``where`` (a directory or a hub id), or None where there is none."""
+    """The tokenizer saved at ``where`` (a directory or a hub id), or None where there is none: where loading it
+    fails, or gives a tokenizer of at most one token (transformers makes one of the configuration's end token alone
+    from a folder that holds a ``config.json`` and no tokenizer)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(where))
+        tok = AutoTokenizer.from_pretrained(str(where))
     except (OSError, ValueError, TypeError):
         return None
+    return tok if len(tok) > 1 else None
 
 
 def weights_here(name: str) -> bool:
