@@ -716,10 +716,8 @@ def test_wrong_method_and_the_openai_clients_view_of_errors(served, caplog):
 
 def test_the_prefill_share_reaches_the_batch_and_health_says_it(tiny):
     """``--prefill-share`` is the batch's (its default the scheduler's own), and ``/health`` says it."""
-    from hsd_opt.commands.serve import DEFAULT_PREFILL_SHARE
     from hsd_opt.runtime.schedule import PREFILL_SHARE
 
-    assert DEFAULT_PREFILL_SHARE == PREFILL_SHARE
     for share in (None, 0.3):
         app, jobs = prepare_server(tiny[0], device="cpu", **({} if share is None else {"prefill_share": share}))
         want = PREFILL_SHARE if share is None else share
@@ -1302,13 +1300,15 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
         taken.close()
 
 
-def test_a_serve_flag_error_comes_before_torch_is_imported(tiny):
+@pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--prefill-share", "2"), ("--mode", "lazy"),
+                                        ("--allowed-origins", "ftp://x")])
+def test_a_serve_flag_error_comes_before_torch_is_imported(tiny, flag, value):
     """A mistyped flag of ``hsd serve`` is said at once: importing the runtime (torch, seconds) waited for it."""
     code = ("import sys, atexit\natexit.register(lambda: print('torch' in sys.modules))\n"
             "from hsd_opt.cli import app\n"
-            f"app(['serve', '--plan', {str(tiny[0])!r}, '--max-batch', '0'])\n")
+            f"app(['serve', '--plan', {str(tiny[0])!r}, {flag!r}, {value!r}])\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "--max-batch" in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2 and flag in res.stderr, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False"
 
 

@@ -228,7 +228,7 @@ def _prepared(items, sampling, spec, loaded, raw: bool, max_new_tokens: int, pro
 def _check_flags(mode: str, max_new_tokens: int, outputs, inputs) -> None:
     """``hsd bench``'s flags every run checks before any work: ``--mode``, ``--max-new-tokens``, and the outputs
     (``(flag, path)``) against each other and the ``inputs`` (:func:`check_outputs`)."""
-    from hsd_opt.runtime.decode import check_mode
+    from hsd_opt.runtime.modes import check_mode
 
     check_mode(mode)
     check_outputs(*outputs, inputs=inputs)

@@ -51,7 +51,7 @@ def chat_cmd(
     from hsd_opt.commands.run import sampling_options
     from hsd_opt.errors import HsdError
     from hsd_opt.prompts import check_utf8
-    from hsd_opt.runtime.decode import check_mode
+    from hsd_opt.runtime.modes import check_mode
     from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
     from hsd_opt.runtime.state_pool import StatePool
 

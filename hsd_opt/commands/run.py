@@ -249,7 +249,7 @@ def _check_flags(logprobs: int | None, json_out: Path | None, mode: str, turns: 
     """``hsd run``'s flags checked before anything loads: ``--logprobs``, ``--mode``, ``--turns``, ``--by``, and
     ``--json`` against the files the run reads (``inputs``: ``(flag, path)``)."""
     from hsd_opt.prompts import check_report_key, check_turn_mode
-    from hsd_opt.runtime.decode import check_mode
+    from hsd_opt.runtime.modes import check_mode
 
     _check_logprobs(logprobs, json_out)
     check_mode(mode)

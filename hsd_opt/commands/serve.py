@@ -19,6 +19,8 @@ from hsd_opt.commands.common import (
 )
 from hsd_opt.console import err_console
 from hsd_opt.errors import HsdError
+from hsd_opt.runtime.modes import check_mode
+from hsd_opt.runtime.schedule import PREFILL_SHARE, PrefillShare
 
 
 def served_name(model_id: str) -> str:
@@ -39,9 +41,8 @@ DEFAULT_LOG_STATS = 10.0
 #: ``--prompt-cache`` by default: MiB of finished requests' decoding states kept for the prompts that start with
 #: their tokens (the next turns of conversations).
 DEFAULT_PROMPT_CACHE = 1024
-#: ``--prefill-share``: the batch scheduler's own default (:data:`hsd_opt.runtime.schedule.PREFILL_SHARE`; this module
-#: does not import the runtime, which imports torch).
-DEFAULT_PREFILL_SHARE = 0.5
+#: ``--prefill-share``: the batch scheduler's own default
+DEFAULT_PREFILL_SHARE = PREFILL_SHARE
 
 
 def parse_origins(text: str) -> list[str]:
@@ -112,8 +113,6 @@ def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_n
         raise HsdError(f"--default-max-tokens: expected >= 1, got {default_max_tokens}")
     if model_name is not None and not model_name.strip():
         raise HsdError("--model-name: empty name")
-    from hsd_opt.runtime.schedule import PrefillShare  # last: the runtime imports torch (seconds)
-
     PrefillShare(prefill_share)                 # its own check: one line naming the flag
 
 
@@ -303,11 +302,10 @@ def serve_cmd(
         api_key = ""
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
                      prompt_cache, log_stats, api_key, prefill_share)
-    from hsd_opt.runtime.decode import check_mode  # the runtime imports torch: after the flags' own checks
-    from hsd_opt.server.serving import bind_socket
-
     check_mode(mode)
     origins = parse_origins(allowed_origins)
+    from hsd_opt.server.serving import bind_socket  # the server imports torch: after the flags' own checks
+
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
     try:
         app, jobs = prepare_server(plan, model, device, dtype, mode, model_name, default_max_tokens, max_queue,

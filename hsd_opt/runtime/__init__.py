@@ -7,11 +7,25 @@
     h.pool = StatePool(reuse=True)               # a prompt starting with an earlier one's tokens takes their keys
 """
 
-from hsd_opt.runtime.decode import HSD, GenerationResult, Level
-from hsd_opt.runtime.penalties import Penalties
-from hsd_opt.runtime.runner import build_levels, hsd_for_plan
-from hsd_opt.runtime.sampling import process_logits
-from hsd_opt.runtime.state_pool import StatePool
+import importlib
 
-__all__ = ["HSD", "Level", "GenerationResult", "Penalties", "StatePool", "process_logits", "build_levels",
-           "hsd_for_plan"]
+#: Each name this package exports, and its module: imported on first use, so that a module of the runtime that
+#: needs no torch (``schedule``, ``modes``) is read without it (a command's flags are checked in a fraction of a
+#: second, not after torch's import).
+_EXPORTS = {"HSD": "decode", "Level": "decode", "GenerationResult": "decode", "Penalties": "penalties",
+            "StatePool": "state_pool", "process_logits": "sampling", "build_levels": "runner",
+            "hsd_for_plan": "runner"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -48,6 +48,7 @@ from hsd_opt.engine.picks import LogitPicks
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import ContextFull, HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
+from hsd_opt.runtime.modes import check_mode
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import (
     check_filters,
@@ -125,17 +126,6 @@ def follows_load(temperature: float, seed: int | None) -> bool:
     distribution only; a seeded sample keeps its hierarchy, so that its seed reproduces it whatever shares its
     passes."""
     return temperature == 0 or seed is None
-
-
-#: How levels hand drafts up (``--mode``): ``exact``, a level's budget per call (the latency model); ``eager``,
-#: every verified token.
-MODES = ("exact", "eager")
-
-
-def check_mode(mode: str) -> None:
-    """Refuse a ``--mode`` other than :data:`MODES` (one line naming the flag)."""
-    if mode not in MODES:
-        raise HsdError(f"--mode: expected exact or eager, got {mode!r}")
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max_positions: int | None) -> list[int]:
