@@ -41,8 +41,6 @@ DEFAULT_LOG_STATS = 10.0
 #: ``--prompt-cache`` by default: MiB of finished requests' decoding states kept for the prompts that start with
 #: their tokens (the next turns of conversations).
 DEFAULT_PROMPT_CACHE = 1024
-#: ``--prefill-share``: the batch scheduler's own default
-DEFAULT_PREFILL_SHARE = PREFILL_SHARE
 
 
 def parse_origins(text: str) -> list[str]:
@@ -82,7 +80,7 @@ def _origin(o: str) -> str:
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
                      prompt_cache: int = 0, log_stats: float = 0.0, api_key: Optional[str] = None,
-                     prefill_share: float = DEFAULT_PREFILL_SHARE) -> None:
+                     prefill_share: float = PREFILL_SHARE) -> None:
     """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
     ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
     ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, ``--prefill-share`` outside (0, 1],
@@ -123,7 +121,7 @@ def prepare_server(plan: Path, model: Optional[str] = None, device: str = "auto"
                    max_body: int = DEFAULT_MAX_BODY, retime: Optional[Path] = None,
                    stream_interval: int = 1, prompt_cache: int = DEFAULT_PROMPT_CACHE,
                    log_stats: float = 0.0, allowed_origins: Sequence[str] = ("*",),
-                   prefill_share: float = DEFAULT_PREFILL_SHARE) -> tuple[Any, Any]:
+                   prefill_share: float = PREFILL_SHARE) -> tuple[Any, Any]:
     """Load the plan and its model and build the hierarchy as ``hsd run`` does (quantized copies included; with
     a plan per load level, ``by_load``, every level's), warm it up, and return ``(app, jobs)``: the Starlette
     app and its :class:`~hsd_opt.server.JobQueue`, which decodes up to ``max_batch`` requests together and streams
@@ -270,7 +268,7 @@ def serve_cmd(
                                         help="Web pages whose scripts may call the server (CORS): '*' any (as "
                                              "vLLM and llama-server), comma-separated origins "
                                              "(http://localhost:3000), or 'none'."),
-    prefill_share: float = typer.Option(DEFAULT_PREFILL_SHARE, "--prefill-share",
+    prefill_share: float = typer.Option(PREFILL_SHARE, "--prefill-share",
                                         help="The share of the time a long prompt takes at most while other "
                                              "requests decode: it is computed in passes of 256 positions, and "
                                              "the requests decoding get the rest of the time between them "
