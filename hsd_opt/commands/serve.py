@@ -272,7 +272,8 @@ def serve_cmd(
                                         help="The share of the time a long prompt takes at most while other "
                                              "requests decode: it is computed in passes of 256 positions, and "
                                              "the requests decoding get the rest of the time between them "
-                                             "instead of a token per pass (a prompt's first pass is never held). "
+                                             "instead of a token per pass (a prompt's first pass and the "
+                                             "target's last are never held). "
                                              "1: prompts first (the shortest time to a long prompt's first "
                                              "token, the longest stalls of the others)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients send (default: the "
