@@ -156,7 +156,8 @@ def main() -> None:
     from hsd_opt.commands.common import load_plan_and_model
     from hsd_opt.jsonio import write_json
     from hsd_opt.prompts import encode_prompt, load_prompts, text_of_length
-    from hsd_opt.runtime.runner import hsd_for_plan, plan_target_precision
+    from hsd_opt.runtime.plan_checks import plan_target_precision
+    from hsd_opt.runtime.runner import hsd_for_plan
 
     torch.set_num_threads(a.threads)
     plan, loaded = load_plan_and_model(Path(a.plan), None, "cpu", None)

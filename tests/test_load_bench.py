@@ -11,7 +11,8 @@ from hsd_opt.engine import kernels
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.measure.bench import Sampling
-from hsd_opt.measure.load_bench import Request, level_figures, parse_concurrency, serve_clients
+from hsd_opt.measure.load_bench import Request, level_figures, serve_clients
+from hsd_opt.measure.methods import parse_concurrency
 from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import CycleDrafter, make_tiny_llama
 

@@ -11,8 +11,9 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
+from hsd_opt.runtime.arguments import MAX_TOP_LOGPROBS
 from hsd_opt.runtime.batch import generate_many
-from hsd_opt.runtime.decode import HSD, MAX_TOP_LOGPROBS, Level
+from hsd_opt.runtime.decode import HSD, Level
 from tests.helpers import engine_logits, four_hierarchies, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -611,7 +611,8 @@ def test_a_left_checkpoint_without_resume_is_refused_before_the_model_loads(tmp_
     """It was refused once the target, its copies and the draft models were loaded (minutes for a large model)."""
     out = tmp_path / "p.json"
     Path(str(out) + ".partial.json").write_text("{}")
-    cfg = ProfileConfig(model=str(tmp_path / "no-such-model"), out=out, device="cpu", progress=False)
+    # a hub id (its name passes the checks before loading; loading it would fail: no network)
+    cfg = ProfileConfig(model="no-such-org/no-such-model", out=out, device="cpu", progress=False)
     with pytest.raises(HsdError, match="a checkpoint of an interrupted run exists; pass --resume"):
         run_profile(cfg)
 

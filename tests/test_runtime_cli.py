@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -1028,3 +1030,46 @@ def test_an_output_beside_a_local_models_files_is_written_over_theirs_refused(tm
     with pytest.raises(HsdError, match="the same file as --model"):
         check_outputs(("--out", folder / "profile.json"), inputs=local_model("--model", str(folder / "profile.json")))
     assert local_model("--model", "smollm2-135m") == [] and local_model("--model", None) == []
+
+
+_KIND = [{"name": "weird", "kind": "martian"}, {"name": "layer4", "kind": "target", "layer": 4}]
+_PROFILE = ["profile", "--model", "smollm2-135m", "--out", "p.json"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--prompt", "hi", "--mode", "lazy"], "--mode"),
+    (["run", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
+    (["run", "--prompt", "hi", "--top-k", "5"], "--top-k 5 needs --temperature > 0"),
+    (["run", "--prompt", "hi", "--logit-bias", '{"1": 1000}'], "--logit-bias"),
+    (["run", "--prompt", "hi", "--repetition-penalty", "50"], "--repetition-penalty"),
+    (["run", "--prompt", "hi", "--logprobs", "99", "--json", "out.jsonl"], "--logprobs"),
+    (["run", "--prompt", "hi", "--target-precision", "int4"], "provenance.target_precision"),
+    (["chat", "--min-p", "2", "--temperature", "1"], "--min-p"),
+    (["bench", "--methods", "nope"], "--methods"),
+    (["bench", "--concurrency", "0"], "--concurrency"),
+    (["bench", "--concurrency", "2", "--top-p", "2", "--temperature", "1"], "--top-p"),
+    (["bench", "--temperature", "1", "--seed", str(2**64 - 1)], "--seed"),
+    (["bench", "--target-precision", "int8"], "provenance.target_precision"),
+    ([*_PROFILE, "--tmax", "0"], "--tmax"),
+    ([*_PROFILE, "--quantized", "int3"], "--quantized"),
+    ([*_PROFILE, "--target-precision", "int2"], "--target-precision"),
+    ([*_PROFILE, "--temperature", "nan"], "--temperature"),
+    (["run", "--prompt", "hi", "--plan-kind"], "hierarchy[0]: 'weird' is of kind 'martian'"),
+    (["run", "--prompt", "hi", "--model", "no-such-model"], "--model no-such-model: unknown model"),
+    (["profile", "--model", "no-such-model", "--out", "p.json"], "--model no-such-model: unknown model"),
+    ([*_PROFILE, "--prompts", "none.jsonl"], "none.jsonl: file not found"),
+])
+def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path, args, needle):
+    """A mistyped flag of ``hsd run``, ``chat``, ``bench`` or ``profile``, and a plan the run cannot take, is said
+    at once (exit 2, naming the flag or the plan's field): importing the runtime (torch, seconds) waited for it."""
+    if args[-1] == "--plan-kind":
+        args = [*args[:-1], "--plan", str(_plan(tmp_path / "k.json", tiny_dir / "m", hierarchy=("weird", "layer4"),
+                                                 budgets=(2,), models=_KIND))]
+    elif args[0] != "profile":
+        args = [*args, "--plan", str(_plan(tmp_path / "p.json", tiny_dir / "m"))]
+    code = ("import sys, atexit\natexit.register(lambda: print('torch' in sys.modules))\n"
+            f"from hsd_opt.cli import app\napp({args!r})\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False"
+

@@ -11,7 +11,8 @@ import torch
 
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
-from hsd_opt.runtime.decode import HSD, Level, Pass, check_generation_args
+from hsd_opt.runtime.arguments import check_generation_args
+from hsd_opt.runtime.decode import HSD, Level, Pass
 from hsd_opt.runtime.sampling import process_logits
 from tests.helpers import CycleDrafter, chi_square_pvalue, make_tiny_llama
 
@@ -305,7 +306,7 @@ def test_top_k_and_min_p_are_their_definitions():
 @pytest.mark.parametrize("top_k, min_p, flag", [(-1, 0.0, "--top-k"), (2.5, 0.0, "--top-k"), (0, 1.5, "--min-p"),
                                                (0, float("nan"), "--min-p")])
 def test_bad_filters_are_refused_naming_the_flag(top_k, min_p, flag):
-    from hsd_opt.runtime.decode import check_sampling_flags
+    from hsd_opt.runtime.arguments import check_sampling_flags
 
     with pytest.raises(HsdError, match=flag):
         check_sampling_flags(8, 1.0, 1.0, top_k, min_p)

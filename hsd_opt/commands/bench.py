@@ -167,8 +167,6 @@ def bench_cmd(
     """Benchmark on the same prompts: HF generate (AR, prompt lookup, assisted by the draft model, and with
     --methods its early-exit self-speculation), our AR loop, the plan's best single draft, the HSD plan (and its
     plans per task), overall and per task."""
-    from hsd_opt.measure.bench import plot_report, run_bench
-
     _check_flags(mode, max_new_tokens, (("--json", json_out), ("--plot", plot)),
                  [("--plan", plan), ("--prompts", prompts), ("--retime", retime), ("--json-schema", json_schema),
                   ("--grammar", grammar)])
@@ -189,6 +187,8 @@ def bench_cmd(
     retime_profile = read_retime_profile(retime)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
                                     outputs=[("--json", json_out), ("--plot", plot)])
+    from hsd_opt.measure.bench import plot_report, run_bench  # (torch, loaded with the model by now)
+
     items, sampling = _prepared(items, sampling, spec, loaded, raw, max_new_tokens, prompts, turns)
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     rep = run_bench(p, loaded, items, max_new_tokens, raw=raw, mode=mode, methods=ms, turns=turns,
@@ -262,7 +262,7 @@ def _bench_inputs(prompts: Optional[Path], limit: Optional[int], limit_per_task:
                   min_p: float = 0.0):
     """The single-stream bench's options checked, each refused in one line naming its flag, and its prompts:
     ``(Sampling, the methods named by --methods or None for the default, the selected prompt items)``."""
-    from hsd_opt.measure.bench import METHODS, Sampling, check_sampling, check_seeds
+    from hsd_opt.measure.methods import METHODS, Sampling, check_sampling, check_seeds
     from hsd_opt.prompts import check_report_key, check_turn_mode, load_prompts, select_items
 
     sampling = Sampling(temperature, top_p, seed, top_k=top_k, min_p=min_p)
@@ -380,10 +380,8 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     single-stream bench that do not apply (set: refused)."""
     from datetime import datetime, timezone
 
-    from hsd_opt.measure.bench import Sampling, check_sampling
-    from hsd_opt.measure.load_bench import plot_load, run_load_bench
+    from hsd_opt.measure.methods import Sampling, check_sampling
     from hsd_opt.prompts import check_report_key, check_room, encode_prompt, load_prompts, select_items
-    from hsd_opt.runtime.runner import model_context
 
     temperature, top_p, top_k, min_p = how
     sampling = Sampling(temperature, top_p, 0, top_k=top_k, min_p=min_p)
@@ -398,6 +396,10 @@ def bench_load(plan: Path, prompts: Optional[Path], limit: Optional[int], limit_
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision,
                                     check_plan=plan_check_for_retime(retime_profile, plan, retime),
                                     outputs=[("--json", json_out), ("--plot", plot)])
+    # the measurement's and the runtime's modules import torch (seconds): after the flags are checked
+    from hsd_opt.measure.load_bench import plot_load, run_load_bench
+    from hsd_opt.runtime.runner import model_context
+
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     by_load, target, retimed, predictor = _load_runners(p, loaded, mode, str(plan), _progress, retime_profile)
     table = {"hsd": (by_load, mb), "hsd_batch1": (by_load, 1), "hsd_plain": (target, mb)}
@@ -423,7 +425,7 @@ def _load_options(concurrency: str, requests: int, rounds: int, max_batch: Optio
                   others: dict[str, bool]) -> tuple[list[int], int, list[str]]:
     """``hsd bench --concurrency``'s options checked, each refused in one line naming its flag: ``(the numbers of
     clients, the largest batch, the methods to run)``; ``others`` as :func:`bench_load` takes them."""
-    from hsd_opt.measure.load_bench import LOAD_METHODS, parse_concurrency
+    from hsd_opt.measure.methods import LOAD_METHODS, parse_concurrency
 
     given = [flag for flag, on in others.items() if on]
     if given:

@@ -52,8 +52,6 @@ def chat_cmd(
     from hsd_opt.errors import HsdError
     from hsd_opt.prompts import check_utf8
     from hsd_opt.runtime.modes import check_mode
-    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
-    from hsd_opt.runtime.state_pool import StatePool
 
     sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, 0.0, 0.0, None)
     check_mode(mode)
@@ -62,6 +60,10 @@ def chat_cmd(
     if system is not None:
         check_utf8(system, "--system")
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True)
+    # the runtime's modules import torch (seconds): after the flags are checked
+    from hsd_opt.runtime.runner import PlanModels, hsd_for_plan
+    from hsd_opt.runtime.state_pool import StatePool
+
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
     models = PlanModels(loaded)
     models.pool = StatePool(reuse=True)        # each turn takes the conversation before it

@@ -103,6 +103,40 @@ TARGET_PRECISION_HELP = ("The target the plan must have been made for: float32, 
                          "(refused otherwise). Default: the plan's provenance.target_precision.")
 
 
+def read_plan(plan_path: Path, target_precision: Optional[str] = None):
+    """The plan at ``plan_path``, refused (one line naming the flag, or the file and its field) where this runtime
+    cannot run it: a bad ``--target-precision``, a plan made for another target precision, a level of a kind no
+    engine or drafter builds. Without torch's import: a command calls it before anything slow loads."""
+    from hsd_opt.commands.options import resolve_target_precision
+    from hsd_opt.formats import load_plan
+    from hsd_opt.runtime.plan_checks import check_kinds, check_target_precision
+
+    _, asked = resolve_target_precision(target_precision, None)
+    plan = load_plan(str(plan_path))
+    check_target_precision(plan, str(plan_path), asked)
+    check_kinds(plan, str(plan_path))
+    return plan
+
+
+def plan_model(plan, plan_path: Path, model: Optional[str] = None) -> tuple[str, str]:
+    """``(the model to load, what its errors name)``: ``model`` (``--model``) or the plan's
+    ``provenance.model``, its name checked (:func:`~hsd_opt.models.loading.check_model_name`: an alias, hub id,
+    ``.gguf`` file or a path that exists) without torch's import."""
+    from hsd_opt.errors import InputFileError
+    from hsd_opt.models.loading import check_model_name
+
+    if model is not None and not model.strip():
+        raise HsdError("--model: an empty name; name the plan's model, or leave the flag out (the plan's "
+                       "provenance.model)")
+    name = model or plan.provenance.model
+    flag = "--model" if model else f"{plan_path}: provenance.model"     # errors name where the model came from
+    if not name:
+        raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
+                             "provenance.model")
+    check_model_name(name, flag)          # (load_model checks it again, after torch's import)
+    return name, flag
+
+
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
                         target_precision: Optional[str] = None, engines_only: bool = False,
                         check_plan: Optional[Callable[[Any], None]] = None,
@@ -115,30 +149,21 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     inside its folder (:func:`check_outputs`)."""
     from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
-    from hsd_opt.formats import load_plan
     from hsd_opt.models.loading import DTYPE_NAMES, load_model
-    from hsd_opt.runtime.runner import check_kinds, check_provenance, check_target_precision
 
-    plan = load_plan(str(plan_path))
+    plan = read_plan(plan_path, target_precision)
     if check_plan is not None:
         check_plan(plan)
-    if model is not None and not model.strip():
-        raise HsdError("--model: an empty name; name the plan's model, or leave the flag out (the plan's "
-                       "provenance.model)")
-    name = model or plan.provenance.model
-    flag = "--model" if model else f"{plan_path}: provenance.model"     # errors name where the model came from
-    if not name:
-        raise InputFileError(str(plan_path), "the plan names no model (provenance.model); give --model",
-                             "provenance.model")
+    name, flag = plan_model(plan, plan_path, model)
     check_outputs(*outputs, inputs=local_model(flag, name))
-    _, asked = resolve_target_precision(target_precision, None)   # a bad value is refused before loading anything
-    check_target_precision(plan, str(plan_path), asked)
-    check_kinds(plan, str(plan_path))
+    _, asked = resolve_target_precision(target_precision, None)
     if not dtype and plan.provenance.dtype and plan.provenance.dtype.lower() not in DTYPE_NAMES:
         raise InputFileError(str(plan_path), f"expected one of {', '.join(sorted(DTYPE_NAMES))}, got "
                                              f"{plan.provenance.dtype!r}", "provenance.dtype")
     loaded = load_model(name, device=device, dtype=dtype or plan.provenance.dtype or "auto",
                         engines_only=engines_only, flag=flag)
+    from hsd_opt.runtime.runner import check_provenance  # (torch, loaded with the model by now)
+
     check_provenance(plan, loaded, str(plan_path), asked)
     prepare_kernels(loaded.device)
     warn_machine(plan, loaded.device)

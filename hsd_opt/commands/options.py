@@ -3,8 +3,8 @@
 Every parser here refuses a malformed value with a one-line :class:`~hsd_opt.errors.HsdError` naming its flag, before
 any model is loaded. What the values mean (which layers a model has, which quantized copies exist, what the default
 pool is) is the lower layers' business: these functions only read the syntax and check names against the tables
-the engine keeps (:data:`~hsd_opt.engine.quantized.QUANT_KINDS`, :data:`~hsd_opt.engine.quantized.COPY_KINDS`,
-:data:`~hsd_opt.engine.quantized.TARGET_PRECISIONS`). They import nothing heavy at module level.
+the engine keeps (:data:`~hsd_opt.engine.precisions.QUANT_KINDS`, :data:`~hsd_opt.engine.precisions.COPY_KINDS`,
+:data:`~hsd_opt.engine.precisions.TARGET_PRECISIONS`). They import nothing heavy at module level.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def layer_numbers(spec: str, flag: str = "--layers") -> list[int] | None:
 
 def quant_spec(name: str) -> tuple[int, int]:
     """``"int8"`` -> (8, 0); ``"int4"`` -> (4, 32): (bits, group size) of a
-    :data:`~hsd_opt.engine.quantized.QUANT_KINDS` name (case and spaces ignored). Anything else raises
+    :data:`~hsd_opt.engine.precisions.QUANT_KINDS` name (case and spaces ignored). Anything else raises
     :class:`HsdError` naming ``--quantized``."""
-    from hsd_opt.engine.quantized import QUANT_KINDS
+    from hsd_opt.engine.precisions import QUANT_KINDS
 
     s = str(name).strip().lower()
     if s in QUANT_KINDS:
@@ -57,9 +57,9 @@ def quant_spec(name: str) -> tuple[int, int]:
 
 def copy_spec(name: str) -> tuple[int, int, int]:
     """A ``--quantized`` kind as (bits, group size, LM head bits): ``"int4"`` -> (4, 32, 8), ``"int4-head4"`` ->
-    (4, 32, 4) (:data:`~hsd_opt.engine.quantized.COPY_KINDS`). Anything else raises :class:`HsdError` naming
+    (4, 32, 4) (:data:`~hsd_opt.engine.precisions.COPY_KINDS`). Anything else raises :class:`HsdError` naming
     ``--quantized``."""
-    from hsd_opt.engine.quantized import COPY_KINDS
+    from hsd_opt.engine.precisions import COPY_KINDS
 
     s = str(name).strip().lower()
     if s in COPY_KINDS:
@@ -69,12 +69,12 @@ def copy_spec(name: str) -> tuple[int, int, int]:
 
 def quantized_copies(spec: str | None) -> list[tuple[str | None, str]] | None:
     """The ``--quantized`` flag as ``(model, kind)`` pairs: ``int8``/``int4``/``int4-head4``
-    (:data:`~hsd_opt.engine.quantized.COPY_KINDS`, lower-cased) are copies of the target (``model`` None),
+    (:data:`~hsd_opt.engine.precisions.COPY_KINDS`, lower-cased) are copies of the target (``model`` None),
     ``MODEL:int4`` a copy of the draft model ``MODEL`` (an alias, id or path as ``--draft-model`` takes it; the kind
     follows the last colon). ``None`` (flag not given) -> None: the profiler's default
     (:func:`hsd_opt.profiler.pool.default_quantized`); ``"none"`` -> []. Repeats are dropped; a bad kind or an
     empty model raises :class:`HsdError` naming ``--quantized``."""
-    from hsd_opt.engine.quantized import COPY_KINDS
+    from hsd_opt.engine.precisions import COPY_KINDS
 
     if spec is None:
         return None
@@ -105,8 +105,8 @@ def resolve_target_precision(precision: str | None, dtype: str | None) -> tuple[
     model is loaded in (a different explicit ``--dtype`` is refused); ``int8``/``int4`` load the model in
     ``dtype`` (auto: float32 on a CPU) and quantize it. ``precision`` None or ``"auto"``: the loaded dtype
     (returned as None, to be read off the loaded model). The precision returned is one of
-    :data:`~hsd_opt.engine.quantized.TARGET_PRECISIONS` or None. :class:`HsdError` names the flag on bad input."""
-    from hsd_opt.engine.quantized import QUANT_KINDS, TARGET_PRECISIONS
+    :data:`~hsd_opt.engine.precisions.TARGET_PRECISIONS` or None. :class:`HsdError` names the flag on bad input."""
+    from hsd_opt.engine.precisions import QUANT_KINDS, TARGET_PRECISIONS
 
     p = (precision or "auto").strip().lower()
     d = None if dtype in (None, "", "auto") else dtype

@@ -48,7 +48,7 @@ def acceptance_table(prof, max_rows: int = 64) -> Table:
 def parse_cost_budget(spec: str) -> float | None:
     """``--cost-budget``: ``auto`` -> the default seconds, ``none`` -> None (no budget), else seconds > 0."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.profiler.run import DEFAULT_COST_BUDGET
+    from hsd_opt.profiler.config import DEFAULT_COST_BUDGET
 
     s = spec.strip().lower()
     if s == "auto":
@@ -150,8 +150,8 @@ def profile_cmd(
     """Measure acceptance rates a(i, j) and costs of early exits, draft models and token drafters."""
     if ctx.invoked_subcommand is not None:
         return
+    from hsd_opt.profiler.config import ProfileConfig, check_config
     from hsd_opt.profiler.dist import dist_info
-    from hsd_opt.profiler.run import ProfileConfig
 
     _check_required(model, out)
     check_outputs(("--out", out), inputs=[("--prompts", prompts), ("--heads", heads), *local_model("--model", model),
@@ -176,8 +176,8 @@ def profile_cmd(
                         batch_sizes=tuple(batches), shard=options.shard(shard),
                         max_prompts=max_prompts, json_tasks=json_tasks, progress=not quiet, threads=threads,
                         costs_only=costs_only)
-    prof = _run_profile(cfg, quiet)
-    if prof is None or rank != 0:
+    check_config(cfg)                     # before the profiler's modules (torch) load
+    if (prof := _run_profile(cfg, quiet)) is None or rank != 0:
         return
     (_report_costs if costs_only else _report_profile)(prof, out, quiet)
 
@@ -196,9 +196,10 @@ def _check_inputs(cost_repeats: int, max_prompts: Optional[int], threads: int, h
     """Refuse, naming the flag, a count of ``hsd profile`` out of its range or a heads file that cannot be read
     (before anything is loaded)."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.heads import read_heads_file
 
     if heads is not None:
+        from hsd_opt.heads import read_heads_file  # (torch: only where a heads file is given)
+
         try:
             read_heads_file(heads)
         except HsdError as e:

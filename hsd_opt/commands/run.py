@@ -178,11 +178,8 @@ def run_cmd(
     """Generate with the plan's hierarchy (lossless HSD), streaming text, then print stats (overall, per task).
     With --json-schema or --grammar the output follows it (every level reads the masked model; lossless against
     masked decoding of the target alone)."""
-    from hsd_opt.prompts import check_room
-    from hsd_opt.runtime.runner import model_context, plan_for_prompt
-
-    penalties = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
-                                 presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
+    penalty_kw = sampling_options(max_new_tokens, temperature, top_p, seed, top_k, min_p, frequency_penalty,
+                                  presence_penalty, logit_bias, repetition_penalty, repeat_last_n)
     _check_flags(logprobs, json_out, mode, turns, by, [("--plan", plan), ("--prompts", prompts),
                                                         ("--json-schema", json_schema), ("--grammar", grammar)])
     spec = grammar_spec(json_schema, grammar)
@@ -191,7 +188,13 @@ def run_cmd(
     items = _items(prompt, prompts, task, limit_per_task, by)
     p, loaded = load_plan_and_model(plan, model, device, dtype, target_precision, engines_only=True,
                                     outputs=[("--json", json_out)])
+    # the runtime's modules import torch (seconds): after the flags are checked
+    from hsd_opt.prompts import check_room
+    from hsd_opt.runtime.penalties import penalties_or_none
+    from hsd_opt.runtime.runner import model_context, plan_for_prompt
+
     warn_sampling(plan, p, temperature, top_p, top_k, min_p)
+    penalties = penalties_or_none(**penalty_kw)
     if penalties is not None:
         penalties.check_vocab(len(loaded.tokenizer), "--logit-bias")
     check_room(items, loaded.tokenizer, raw, max_new_tokens, model_context(loaded),
@@ -261,7 +264,7 @@ def _check_flags(logprobs: int | None, json_out: Path | None, mode: str, turns: 
 def _check_logprobs(logprobs: int | None, json_out: Path | None) -> None:
     """Refuse a ``--logprobs`` out of range, or one without ``--json`` (where the log-probabilities go)."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.runtime.decode import check_logprobs
+    from hsd_opt.runtime.arguments import check_logprobs
 
     check_logprobs(logprobs)
     if logprobs is not None and json_out is None:
@@ -284,22 +287,23 @@ def _stopped(json_out: Optional[Path], lines: list[dict], cut_stream: bool, inte
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
                      frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
-                     last_n: int = 0):
+                     last_n: int = 0) -> dict[str, object]:
     """Check the generation flags (an :class:`HsdError` naming the flag; a filter at temperature 0 is refused, as
-    ``hsd bench`` and ``hsd profile`` refuse it) and return :func:`parse_penalties`'."""
-    from hsd_opt.runtime.decode import check_sampling_flags
+    ``hsd bench`` and ``hsd profile`` refuse it) and return :func:`penalty_options`', without importing torch."""
+    from hsd_opt.runtime.arguments import check_sampling_flags
 
     check_sampling_flags(max_new_tokens, temperature, top_p, top_k, min_p, seed)
-    return parse_penalties(frequency, presence, logit_bias, repetition, last_n)
+    return penalty_options(frequency, presence, logit_bias, repetition, last_n)
 
 
-def parse_penalties(frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
-                    last_n: int = 0):
-    """The :class:`~hsd_opt.runtime.penalties.Penalties` of ``--frequency-penalty``, ``--presence-penalty``,
-    ``--logit-bias`` (a JSON object from token ids to numbers), ``--repetition-penalty`` and ``--repeat-last-n``
-    (0: the whole context), None when nothing moves; a bad value is an :class:`HsdError` naming its flag."""
+def penalty_options(frequency: float, presence: float, logit_bias: str | None, repetition: float = 1.0,
+                    last_n: int = 0) -> dict[str, object]:
+    """The keyword arguments of :func:`~hsd_opt.runtime.penalties.penalties_or_none` that ``--frequency-penalty``,
+    ``--presence-penalty``, ``--logit-bias`` (a JSON object from token ids to numbers), ``--repetition-penalty``
+    and ``--repeat-last-n`` (0: the whole context) give, checked; a bad value is an :class:`HsdError` naming its
+    flag."""
     from hsd_opt.errors import HsdError
-    from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
+    from hsd_opt.runtime.arguments import bias_from_json, check_penalties
 
     bias: dict[int, float] = {}
     if logit_bias is not None:
@@ -311,14 +315,14 @@ def parse_penalties(frequency: float, presence: float, logit_bias: str | None, r
         bias = bias_from_json(raw, "--logit-bias")
     if last_n < 0:
         raise HsdError(f"--repeat-last-n: a number of tokens >= 0 expected (0: the whole context), got {last_n}")
-    last = last_n or None
     for flag, kw in (("--frequency-penalty", {"frequency": frequency}), ("--presence-penalty", {"presence": presence}),
                      ("--logit-bias", {"bias": bias}), ("--repetition-penalty", {"repetition": repetition})):
         try:
-            Penalties(**kw)
+            check_penalties(**kw)
         except HsdError as e:
             raise HsdError(f"{flag}: {e}") from None
-    return penalties_or_none(frequency, presence, bias, repetition, last)
+    return {"frequency": frequency, "presence": presence, "bias": bias, "repetition": repetition,
+            "repetition_last": last_n or None}
 
 
 def _plan_runners(p, loaded, items, per_task: bool, mode: str, source: str):

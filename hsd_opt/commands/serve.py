@@ -14,6 +14,8 @@ from hsd_opt.commands.common import (
     cli_command,
     load_plan_and_model,
     plan_check_for_retime,
+    plan_model,
+    read_plan,
     read_retime_profile,
     retimed_levels,
 )
@@ -80,12 +82,14 @@ def _origin(o: str) -> str:
 def check_serve_args(port: int, max_queue: int, default_max_tokens: int, model_name: Optional[str],
                      max_batch: int = 1, max_body: int = DEFAULT_MAX_BODY, stream_interval: int = 1,
                      prompt_cache: int = 0, log_stats: float = 0.0, api_key: Optional[str] = None,
-                     prefill_share: float = PREFILL_SHARE) -> None:
-    """One-line :class:`HsdError` naming the flag for a port outside 0..65535, ``--max-queue`` < 1,
+                     prefill_share: float = PREFILL_SHARE, mode: str = "exact") -> None:
+    """One-line :class:`HsdError` naming the flag for a ``--mode`` that is not one of
+    :data:`~hsd_opt.runtime.modes.MODES`, a port outside 0..65535, ``--max-queue`` < 1,
     ``--default-max-tokens`` < 1, an empty ``--model-name``, ``--max-batch`` < 1, ``--max-body`` < 1,
     ``--stream-interval`` < 1, ``--prompt-cache`` < 0, ``--log-stats`` < 0, ``--prefill-share`` outside (0, 1],
     or an ``--api-key`` that is empty
     (``--api-key "$KEY"`` of an unset variable: a server open to anyone) or that no header can carry as given."""
+    check_mode(mode)
     if api_key is not None:
         if not api_key.strip():
             raise HsdError("--api-key (or HSD_API_KEY): an empty key would leave the server open to anyone; give "
@@ -300,9 +304,9 @@ def serve_cmd(
     if api_key is None and os.environ.get("HSD_API_KEY") == "":    # set but empty: the option parser drops it
         api_key = ""
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
-                     prompt_cache, log_stats, api_key, prefill_share)
-    check_mode(mode)
+                     prompt_cache, log_stats, api_key, prefill_share, mode)
     origins = parse_origins(allowed_origins)
+    plan_model(read_plan(plan, target_precision), plan, model)   # said before the port is taken
     from hsd_opt.server.serving import bind_socket  # the server imports torch: after the flags' own checks
 
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once

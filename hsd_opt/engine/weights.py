@@ -21,14 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from hsd_opt.engine.ops import norm_eps
+from hsd_opt.engine.precisions import GROUP
 from hsd_opt.errors import HsdError
 
 #: Matrix kinds: float32 and bfloat16 (a model's own weights), int8 per output row, int4 in groups of 32 columns,
 #: and float32 weights held as int4 codes (:func:`exact_int4`) or int8 codes (:func:`exact_int8`) that give them
 #: exactly.
 F32, BF16, Q8, Q4, Q4F, Q8F = 0, 1, 2, 3, 4, 5
-#: Input columns per int4 group (a scale and a minimum each), and the group of the kernels' int8 activations.
-GROUP = 32
 #: Rows handled at a time where a whole matrix would need a float32 temporary (quantizing a 49,152-row head).
 ROW_BLOCK = 4096
 #: Architectures the engine computes (pre-norm decoder layers with q/k/v/o projections and a gated MLP).

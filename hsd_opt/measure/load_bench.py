@@ -2,13 +2,13 @@
 ``hsd serve`` runs (:class:`~hsd_opt.runtime.batch.Batch`), without HTTP.
 
 At each concurrency ``c``, each method serves ``c`` clients; each client sends ``requests`` requests one after the
-other (greedy, or sampled as a :class:`~hsd_opt.measure.bench.Sampling` says, without a seed, as an API client that
+other (greedy, or sampled as a :class:`~hsd_opt.measure.methods.Sampling` says, without a seed, as an API client that
 sends none: each then follows the load), the next as soon as the previous answer ends, all ``c`` first requests
 at once. Client ``i``'s ``k``-th request takes prompt ``(start + i * requests + k) mod n`` of the ``n`` prompts
 (``start`` advances by ``c * requests`` per level, so levels and rounds see different prompts where there are
 enough).
 
-Methods (:data:`LOAD_METHODS`):
+Methods (:data:`~hsd_opt.measure.methods.LOAD_METHODS`):
 
 - ``hsd``: the plan, with its hierarchy per load level (``by_load``; a plan without them runs its own hierarchy at
   every load), ``max_batch`` sequences decoded together (``hsd serve --plan PLAN --max-batch MAX``);
@@ -46,17 +46,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from hsd_opt.errors import HsdError, one_line
 from hsd_opt.formats import nearest_level
 from hsd_opt.jsonio import atomic_write
-from hsd_opt.measure.bench import Sampling
 from hsd_opt.measure.load_predictor import LoadPredictor, ratio
+from hsd_opt.measure.methods import Sampling
 from hsd_opt.runtime.batch import Batch
 from hsd_opt.runtime.decode import HSD
 from hsd_opt.runtime.schedule import PREFILL_SHARE
 
 if TYPE_CHECKING:
     from hsd_opt.formats import Plan
-
-#: The methods of a load benchmark, as the report names them.
-LOAD_METHODS = ("hsd", "hsd_batch1", "hsd_plain")
 
 
 @dataclass
@@ -71,27 +68,6 @@ class Request:
     first: float | None = None
     ended: float | None = None
     token_ids: list[int] | None = None
-
-
-def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
-    """Client counts from ``"1,2,4,8"``: distinct integers >= 1, in the order given. Bad text raises
-    :class:`HsdError` naming ``flag``."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            c = int(part)
-        except ValueError:
-            raise HsdError(f"{flag}: expected client counts like 1,2,4,8, got {part!r}") from None
-        if c < 1:
-            raise HsdError(f"{flag}: client counts must be >= 1, got {c}")
-        if c not in out:
-            out.append(c)
-    if not out:
-        raise HsdError(f"{flag}: expected client counts like 1,2,4,8, got {text!r}")
-    return out
 
 
 def serve_clients(hierarchies: HSD | Mapping[int, HSD], prompts: Sequence[Sequence[int]], clients: int,

@@ -12,8 +12,8 @@ merge), :mod:`~hsd_opt.profiler.checkpoint` (resume), :mod:`~hsd_opt.profiler.di
 
 from hsd_opt.profiler.stats import PairStats
 
-_LAZY = {  # modules that import torch: loaded on first use
-    "ProfileConfig": "run", "run_profile": "run", "merge_profiles": "assemble", "build_profile": "assemble",
+_LAZY = {  # loaded on first use (all but config import torch)
+    "ProfileConfig": "config", "run_profile": "run", "merge_profiles": "assemble", "build_profile": "assemble",
     "profile_sequence": "measure", "pairwise_overlap": "measure", "measure_costs": "costs", "LayerCosts": "costs",
 }
 

@@ -55,9 +55,6 @@ from hsd_opt.errors import HsdError
 from hsd_opt.prompts import text_of_length
 from hsd_opt.runtime.decode import PREFILL_CHUNK  # prompts are prefilled in the passes decoding uses
 
-#: Context lengths (tokens) the costs are measured at unless ``--cost-contexts`` says otherwise.
-DEFAULT_CONTEXTS = (64, 512, 2048)
-
 
 def fit_contexts(contexts: Sequence[int], max_positions: int | None, tmax: int) -> list[int]:
     """The contexts that fit in ``max_positions`` (the model's) with a pass of ``tmax + 1`` tokens after them:

@@ -51,7 +51,7 @@ def default_quantized(device) -> list[tuple[str | None, str]]:
     (where their kernels run), else none; as ``(model, kind)`` pairs (model None: the target)."""
     import torch
 
-    from hsd_opt.engine.quantized import QUANT_KINDS
+    from hsd_opt.engine.precisions import QUANT_KINDS
 
     return [(None, k) for k in QUANT_KINDS] if torch.device(device).type == "cpu" else []
 
@@ -223,7 +223,7 @@ def build_pool(loaded, eng, boundaries: Sequence[int], draft_models: Sequence[st
     ``eng`` (over its own weights, or a quantized copy of it that is the target itself): its exits at
     ``boundaries`` (the last is the target), each of ``draft_models`` (loaded on ``device``/``dtype``, refused
     when its tokenizer differs), the ``quantized`` copies (``(model, kind)`` pairs, ``kind`` one of
-    :data:`~hsd_opt.engine.quantized.COPY_KINDS`: ``(None, "int4")`` a copy of the target, ``("MODEL", "int4")``
+    :data:`~hsd_opt.engine.precisions.COPY_KINDS`: ``(None, "int4")`` a copy of the target, ``("MODEL", "int4")``
     of a draft model; None: :func:`default_quantized`, none when the target is itself a copy) and the named
     ``token_drafters`` (None: the default pool, less the names in ``left_out``: those left are still the default
     pool's, skipped where unavailable, not built on request). Names are unique; a copy of draft model ``D`` is
@@ -316,7 +316,8 @@ def _quantized_drafter(loaded, eng, ref: str | None, kind: str, drafts: dict[str
     """The quantized copy ``kind`` of the target (``ref`` None) or of the draft model ``ref`` (loaded now and
     added to ``drafts`` when it is no drafter itself), said; its name (``D-int4``, or the kind for the target's)
     added to ``taken``."""
-    from hsd_opt.engine.quantized import COPY_KINDS, QuantizedLM
+    from hsd_opt.engine.precisions import COPY_KINDS
+    from hsd_opt.engine.quantized import QuantizedLM
 
     if kind not in COPY_KINDS:
         raise HsdError(f"--quantized: expected {', '.join(COPY_KINDS)}, got {kind!r}")

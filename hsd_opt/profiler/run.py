@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,9 +24,8 @@ import torch
 from hsd_opt.engine import kernels, variants
 from hsd_opt.engine.kernels import MAX_PASS
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.formats import EXACT_PASS, Profile, profile_from_dict, provenance_from_dict, save_profile
+from hsd_opt.formats import Profile, profile_from_dict, provenance_from_dict, save_profile
 from hsd_opt.models.loading import (
-    check_model_name,
     eos_token_ids,
     file_sha256,
     model_positions,
@@ -43,8 +42,8 @@ from hsd_opt.profiler.assemble import (
 )
 from hsd_opt.profiler.batch_costs import measure_batch_costs
 from hsd_opt.profiler.checkpoint import open_checkpoint, partial_path, refuse_left_checkpoint
+from hsd_opt.profiler.config import ProfileConfig, check_config
 from hsd_opt.profiler.costs import (
-    DEFAULT_CONTEXTS,
     PREFILL_CHUNK,
     calibrate,
     choose_plan,
@@ -61,60 +60,12 @@ from hsd_opt.profiler.measure import generate, profile_sequence, walk_rounds
 from hsd_opt.profiler.pool import Pool, aded_store, build_aded, build_pool, encode_item, exit_boundaries, fresh_drafter
 from hsd_opt.profiler.stats import PairStats
 from hsd_opt.prompts import PromptItem, PromptSuite, check_room, load_prompts, text_of_length, with_json_tasks
-from hsd_opt.runtime.decode import check_sampling_flags
 from hsd_opt.runtime.sampling import filter_window, unfiltered
-from hsd_opt.seeds import SEED_STRIDE, check_strided_seed
-from hsd_opt.values import is_integer
+from hsd_opt.seeds import SEED_STRIDE
 from hsd_opt.version import __version__
 
-DEFAULT_MAX_NEW_TOKENS = 24
-#: ``--cost-budget auto``: seconds the cost phase may take (the most thorough cost plan that fits is used).
-DEFAULT_COST_BUDGET = 480.0
 #: Seconds a progress tick of the cost phase may take at most, where the calibration lets a prefill chunk fit.
 PROGRESS_SECONDS = 3.0
-
-
-@dataclass
-class ProfileConfig:
-    """Everything ``hsd profile`` takes (see ``hsd profile --help`` for the flags), as typed values: the flag
-    strings are parsed by :mod:`hsd_opt.commands.options`."""
-
-    model: str
-    out: Path
-    prompts: Path | None = None
-    layers: Sequence[int] | None = None             # early exits (layer numbers); None: every layer
-    draft_models: list[str] = field(default_factory=list)
-    draft_layers: Sequence[int] | None = ()         # early exits of each draft model too; None: every layer
-    quantized: Sequence[tuple[str | None, str]] | None = None  # (model, kind) copies; None: pool.default_quantized
-    token_drafters: list[str] | None = None        # None: the default pool (those whose modules exist)
-    token_drafters_left_out: tuple[str, ...] = ()  # names left out of the default pool (token_drafters None)
-    heads: Path | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0                              # nucleus mass applied after the temperature (sampling only)
-    top_k: int = 0                                  # sample among the k most probable (0: off; sampling only)
-    min_p: float = 0.0                              # among those >= min_p x the most probable (0: off)
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    raw: bool = False
-    device: str = "auto"
-    dtype: str = "auto"                             # the target's and the draft models' (auto | float32 | ...)
-    target_precision: str | None = None             # None: dtype's; float32/bfloat16/float16 (the target's dtype,
-                                                    # draft models keep dtype); int8/int4: a quantized target
-    seed: int = 0
-    resume: bool = False
-    tmax: int = 15
-    cost_repeats: int = 5
-    cost_warmup: int = 2
-    curve_repeats: int = 2
-    cost_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # tokens in the KV cache the costs are measured at
-    batch_sizes: tuple[int, ...] = (1,)            # sequences decoded together to time passes at (batch_costs)
-    cost_budget: float | None = DEFAULT_COST_BUDGET  # seconds for the cost phase (None: the full plan)
-    shard: tuple[int, int] | None = None            # (k, n): this run does prompts i with i % n == k
-    max_prompts: int | None = None
-    json_tasks: int = 0                             # the first N shipped JSON-schema tasks join the suite
-    chunk: int = 16
-    progress: bool = True
-    threads: int = 0                                # CPU threads for torch (0: torch's default)
-    costs_only: bool = False                        # costs alone, on random weights (run_costs_only)
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -165,24 +116,6 @@ def set_threads(threads: int, warn: Callable[[str], None], busy: Callable[[], fl
     return "torch default"
 
 
-def _validate(cfg: ProfileConfig) -> None:
-    check_sampling_flags(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
-    if not cfg.costs_only:           # (a costs-only run also takes a shipped configuration's name)
-        for name in cfg.draft_models:
-            check_model_name(name, "--draft-model")     # before the target loads (~10 s of it)
-    check_strided_seed(cfg.seed, "the prompts")     # prompt i is sampled with seed * SEED_STRIDE + i
-    if not (is_integer(cfg.tmax) and 1 <= cfg.tmax < EXACT_PASS):   # a plan's budgets stop there: longer is waste
-        raise HsdError(f"--tmax: expected an integer in 1..{EXACT_PASS - 1} (the largest budget a plan may have), "
-                       f"got {cfg.tmax!r}")
-    bad = [c for c in cfg.cost_contexts if not (is_integer(c) and c >= 1)]
-    if bad or not cfg.cost_contexts:
-        raise HsdError(f"--cost-contexts: expected context lengths in tokens >= 1, got {list(cfg.cost_contexts)!r}")
-    if cfg.shard and cfg.token_drafters is not None and "aded" in cfg.token_drafters:
-        raise HsdError("--token-drafters aded: not with --shard (ADED's matrix is built from the continuations of "
-                       "every prompt, which a shard does not see: shards would measure different drafters); "
-                       "profile it in one run or with torchrun")
-
-
 def _load_target(cfg: ProfileConfig):
     """``(loaded model, the target's engine, heads sha256 or None, heads metadata, target precision)``: a
     :class:`LayeredLM` over the loaded weights (random ones built from the model's configuration with
@@ -190,7 +123,7 @@ def _load_target(cfg: ProfileConfig):
     int8|int4`` a :class:`~hsd_opt.engine.quantized.QuantizedLM` of them on the CPU kernels, which is then the
     target itself (its greedy output is the reference)."""
     from hsd_opt.engine.layered import LayeredLM
-    from hsd_opt.engine.quantized import QUANT_KINDS, TARGET_PRECISIONS
+    from hsd_opt.engine.precisions import QUANT_KINDS, TARGET_PRECISIONS
     from hsd_opt.models.loading import load_model
 
     precision = cfg.target_precision
@@ -225,7 +158,8 @@ def quantized_target(loaded, precision: str):
     """The ``precision`` (``int8``/``int4``) copy of ``loaded``'s model as a target: on the CPU kernels only, whose
     batch invariance makes its verify passes compute exactly what its own decode steps compute (so greedy HSD
     over it equals its own autoregressive loop); :class:`HsdError` naming ``--target-precision`` otherwise."""
-    from hsd_opt.engine.quantized import QUANT_KINDS, QuantizedLM
+    from hsd_opt.engine.precisions import QUANT_KINDS
+    from hsd_opt.engine.quantized import QuantizedLM
 
     bits, group = QUANT_KINDS[precision]
     n = loaded.model.config.num_hidden_layers
@@ -546,7 +480,7 @@ def _profile_ranks(cfg: ProfileConfig, on_prompt: Callable[[int], None] | None, 
     rank, world = dist_info()
 
     # validate, load the target, then the pool
-    _validate(cfg)
+    check_config(cfg)
     refuse_left_checkpoint(partial_path(Path(cfg.out), rank, world), cfg.resume)   # before minutes of loading
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
     shard_items = _my_prompts(items, cfg.shard, 0, 1)       # every rank's together: what the profile measures
@@ -632,7 +566,7 @@ def run_costs_only(cfg: ProfileConfig, log: Callable[[str], None], warn: Callabl
     prompts' token ids (:func:`costs_texts`; ADED's matrix is built from them). Returns the profile
     (:func:`~hsd_opt.profiler.assemble.costs_profile`): no acceptance rates, ``provenance.costs_only`` true.
     Refuses ``--resume``, ``--shard`` and several processes (:func:`_check_costs_only`)."""
-    _validate(cfg)
+    check_config(cfg)
     _check_costs_only(cfg)
     threads_note, suite, items = _threads_and_prompts(cfg, warn)
     t_start = time.perf_counter()

@@ -48,10 +48,10 @@ from hsd_opt.engine.picks import LogitPicks
 from hsd_opt.engine.state import DecodeState
 from hsd_opt.errors import ContextFull, HsdError
 from hsd_opt.grammar.constraint import Constraint, mask_logits
+from hsd_opt.runtime.arguments import FLAGS, check_filters, check_generation_args, check_logprobs
 from hsd_opt.runtime.modes import check_mode
 from hsd_opt.runtime.penalties import Penalties
 from hsd_opt.runtime.sampling import (
-    check_filters,
     filter_window,
     filtered_probs,
     gumbel_offsets,
@@ -60,7 +60,6 @@ from hsd_opt.runtime.sampling import (
     unfiltered,
 )
 from hsd_opt.runtime.state_pool import StatePool
-from hsd_opt.seeds import seed_fits
 from hsd_opt.values import is_integer
 
 #: Prompt positions per pass of a prefill (:meth:`Decoding.prefill_passes`): a longer prompt is computed in
@@ -160,42 +159,6 @@ def check_prompt(prompt_ids: Sequence[int], vocab: int, max_new_tokens: int, max
     return prompt
 
 
-#: the command-line flags of the generation arguments, the names their errors give (:func:`check_filters`)
-FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
-
-
-def check_generation_args(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
-    """Refuse ``max_new_tokens`` not an integer >= 1, a ``temperature`` below 0 or not finite, ``top_p`` outside
-    (0, 1] or a ``seed`` outside :data:`~hsd_opt.seeds.SEED_RANGE` with a one-line :class:`HsdError` naming the flag
-    (the CLI calls this before loading a model; :meth:`HSD.generate` again)."""
-    if not is_integer(max_new_tokens):
-        raise HsdError(f"--max-new-tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise HsdError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
-    check_filters(temperature, top_p, names=FLAGS)
-    if seed is not None and not (is_integer(seed) and seed_fits(seed)):
-        raise HsdError(f"--seed: expected a 64-bit integer (-2**63 .. 2**64 - 1), got {seed!r}")
-
-
-def check_sampled_filters(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
-    """Refuse a filter (top-p below 1, top-k, min-p) at temperature 0, where decoding is greedy and would ignore it:
-    a one-line :class:`HsdError` naming the flag and its value."""
-    for flag, value, on in (("--top-p", top_p, top_p < 1.0), ("--top-k", top_k, top_k > 0),
-                            ("--min-p", min_p, min_p > 0)):
-        if on and temperature == 0:
-            raise HsdError(f"{flag} {value:g} needs --temperature > 0 (at temperature 0 decoding is greedy)")
-
-
-def check_sampling_flags(max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-                         seed: int | None = None) -> None:
-    """What a command refuses of its generation flags before it loads a model, each in one line naming the flag:
-    :func:`check_generation_args`, :func:`check_filters`, and a filter at temperature 0
-    (:func:`check_sampled_filters`; a request to the server may send one, and decodes greedy)."""
-    check_generation_args(max_new_tokens, temperature, top_p, seed)
-    check_filters(top_k=top_k, min_p=min_p, names=FLAGS)
-    check_sampled_filters(temperature, top_p, top_k, min_p)
-
-
 @dataclass
 class Level:
     """One level of a hierarchy.
@@ -273,19 +236,6 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
         for k in ("calls", "drafted", "accepted", "rejections", "abstained"):
             setattr(a, k, getattr(a, k) + b.get(k, 0))
     return total
-
-
-#: The most alternatives a generated token's log-probabilities list (``logprobs=k``; the OpenAI API's
-#: ``top_logprobs`` limit).
-MAX_TOP_LOGPROBS = 20
-
-
-def check_logprobs(logprobs: int | None) -> None:
-    """Refuse a number of alternatives to list with each token's log-probability outside 0 ..
-    :data:`MAX_TOP_LOGPROBS` with a one-line :class:`HsdError` naming the flag (as :func:`check_generation_args`:
-    the CLI calls this before loading a model, a decoding again); None asks for none."""
-    if logprobs is not None and not (is_integer(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
-        raise HsdError(f"--logprobs: expected a number of alternatives 0 .. {MAX_TOP_LOGPROBS}, got {logprobs!r}")
 
 
 @dataclass
@@ -493,7 +443,7 @@ class HSD:
         """A new :class:`Decoding` of ``prompt_ids`` by this hierarchy (nothing computed yet); ``seed`` None: a
         random one, and a batch may switch the sequence's hierarchy with the load (:attr:`Decoding.follows_load`);
         ``constraint``: the grammar its output follows (every level's logits masked), None: none; ``logprobs``:
-        the number of alternatives (0 .. :data:`MAX_TOP_LOGPROBS`) each generated token's
+        the number of alternatives (0 .. :data:`~hsd_opt.runtime.arguments.MAX_TOP_LOGPROBS`) each generated token's
         :class:`TokenLogprob` lists, None: no log-probabilities; ``penalties``: frequency and presence penalties
         and logit biases every level's logits take (:mod:`hsd_opt.runtime.penalties`), None: none; ``top_k``,
         ``min_p``: sampling's top-k and min-p filters (0: off; :func:`~hsd_opt.runtime.sampling.process_logits`)."""

@@ -21,23 +21,13 @@ Units: offsets in logits (float32), shapes ``[V]`` per row; token ids below the 
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
 from hsd_opt.errors import HsdError
-
-#: The API's bounds: penalties in [-2, 2], biases in [-100, 100].
-MAX_PENALTY = 2.0
-MAX_BIAS = 100.0
-#: The repetition penalty's bounds: a factor in [1 / MAX_REPETITION, MAX_REPETITION] (1: none; below 1 favours
-#: repeating). A smaller factor would divide a logit out of float32's range (an infinite logit: a token certain
-#: on one path, one among equals on another).
-MAX_REPETITION = 10.0
-MIN_REPETITION = 1 / MAX_REPETITION
+from hsd_opt.runtime.arguments import check_penalties
 
 
 @dataclass(frozen=True)
@@ -52,27 +42,7 @@ class Penalties:
     repetition_last: int | None = None
 
     def __post_init__(self):
-        for name, v, lim in (("frequency_penalty", self.frequency, MAX_PENALTY),
-                             ("presence_penalty", self.presence, MAX_PENALTY)):
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                    and -lim <= v <= lim):
-                raise HsdError(f"{name} must be a number in [-{lim:g}, {lim:g}], got {v!r}")
-        r = self.repetition
-        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
-                and MIN_REPETITION <= r <= MAX_REPETITION):
-            raise HsdError(f"the repetition penalty must be a number in [{MIN_REPETITION:g}, {MAX_REPETITION:g}], "
-                           f"got {r!r}")
-        n = self.repetition_last
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise HsdError(f"repeat_last_n must be a positive integer, got {n!r}")
-        if not isinstance(self.bias, dict):
-            raise HsdError(f"logit_bias: expected a dict of token ids to numbers, got {type(self.bias).__name__}")
-        for t, b in self.bias.items():
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise HsdError(f"logit_bias: token ids must be non-negative integers, got {t!r}")
-            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -MAX_BIAS <= b <= MAX_BIAS):
-                shown = f"an integer of {len(str(b))} digits" if isinstance(b, int) and abs(b) > 1e300 else repr(b)
-                raise HsdError(f"logit_bias[{t}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {shown}")
+        check_penalties(self.frequency, self.presence, self.bias, self.repetition, self.repetition_last)
 
     @property
     def active(self) -> bool:
@@ -128,21 +98,6 @@ class Penalties:
              base: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`offsets` after ``generated[:n]`` for ``n = start .. end-1``: ``[end - start, vocab]``."""
         return torch.stack([self.offsets(generated[:n], vocab, base) for n in range(start, end)])
-
-
-def bias_from_json(raw: object, where: str = "logit_bias") -> dict[int, float]:
-    """A ``logit_bias`` as JSON holds it (an object from token ids, as strings, to numbers) as ``{id: bias}``; a
-    value that is not such an object, or a key that is not a token id, is an :class:`HsdError` naming ``where``
-    (the biases' range is :class:`Penalties`' to check)."""
-    if not isinstance(raw, dict):
-        raise HsdError(f"{where}: a JSON object from token ids to numbers expected, such as '{{\"28\": -100}}'")
-    bias = {}
-    for k, v in raw.items():
-        if not (k.isascii() and k.isdigit()) or len(k) > 18:     # past 10**18 no vocabulary has the id
-            shown = json.dumps(k) if len(k) <= 40 else f"a key of {len(k)} characters"
-            raise HsdError(f"{where}: {shown} is not a token id")
-        bias[int(k)] = v
-    return bias
 
 
 def penalties_or_none(frequency: float = 0.0, presence: float = 0.0,

@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from hsd_opt.errors import HsdError, InputFileError, SettingError
-from hsd_opt.formats import VERIFIER_KINDS, PlanModel, Quantization, sampling_words
+from hsd_opt.formats import PlanModel, Quantization, sampling_words
 from hsd_opt.models.loading import eos_token_ids as eos_ids  # noqa: F401  (re-exported)
 from hsd_opt.models.loading import model_positions
 from hsd_opt.prompts import template_head
 from hsd_opt.runtime.decode import HSD, Level
+from hsd_opt.runtime.plan_checks import check_kinds, check_target_precision, plan_entries, plan_target_precision
 from hsd_opt.runtime.state_pool import StatePool
 from hsd_opt.solver.context import latency_at
 
@@ -31,31 +32,6 @@ if TYPE_CHECKING:
     from hsd_opt.models.loading import LoadedModel
 
 MODEL_KINDS = ("target", "early_exit")
-
-
-def plan_entries(plan, source: str = "plan") -> dict[str, PlanModel]:
-    """Name -> model entry for every level of ``plan`` (from ``plan.models``, else inferred for ``layer<N>``:
-    :meth:`~hsd_opt.formats.Plan.level_entry`)."""
-    out = {}
-    for i, name in enumerate(plan.hierarchy):
-        e = plan.level_entry(name, i == len(plan.hierarchy) - 1)
-        if e is None:
-            raise InputFileError(source, f"{name!r} is not described in the plan's models (and is not a "
-                                         f"'layer<N>' exit)", f"hierarchy[{i}]")
-        out[name] = e
-    return out
-
-
-def plan_target_precision(plan, source: str = "plan") -> str:
-    """The target precision ``plan`` was profiled for: ``provenance.target_precision``, else (plans made before
-    it was recorded) the ``dtype``, else ``float32``. An unknown value raises :class:`InputFileError`."""
-    from hsd_opt.engine.quantized import TARGET_PRECISIONS
-
-    p = plan.provenance.target_precision or plan.provenance.dtype or "float32"
-    if p not in TARGET_PRECISIONS:
-        raise InputFileError(source, f"unknown target precision {p!r} (known: {', '.join(TARGET_PRECISIONS)})",
-                             "provenance.target_precision")
-    return p
 
 
 def check_provenance(plan, loaded, source: str = "plan", target_precision: str | None = None) -> None:
@@ -79,18 +55,6 @@ def check_provenance(plan, loaded, source: str = "plan", target_precision: str |
                                      f"{loaded.dtype} (another target, with its own greedy output: profile and "
                                      f"solve for it, or drop --dtype)", "provenance.dtype")
     check_target_precision(plan, source, target_precision)
-
-
-def check_target_precision(plan, source: str = "plan", target_precision: str | None = None) -> None:
-    """Refuse a plan made for another target precision than ``target_precision`` (None or ``auto``: the plan's
-    own), naming ``source`` and ``provenance.target_precision``: before the model is loaded."""
-    made = plan_target_precision(plan, source)
-    asked = (target_precision or "auto").strip().lower()
-    if asked not in ("auto", made):
-        raise InputFileError(source, f"the plan was made for the {made} target, not the {asked} one (another "
-                                     f"target, with its own greedy output: profile and solve with "
-                                     f"--target-precision {asked}, or drop --target-precision)",
-                             "provenance.target_precision")
 
 
 def machine_differences(plan, threads: int, variant: str | None, openmp: bool | None = None) -> list[str]:
@@ -122,20 +86,6 @@ def sampling_differences(plan, temperature: float, top_p: float = 1.0, top_k: in
         return []
     now = sampling_words(temperature, top_p, top_k, min_p)
     return [] if was == now else [f"the plan was profiled {was}; this run is {now}"]
-
-
-def check_kinds(plan, source: str = "plan") -> None:
-    """Refuse a plan whose hierarchy holds a level of a kind this runtime cannot build (the format allows any
-    kind; a run needs one of the engines' or the token drafters'), naming ``source`` and the level: before any
-    model is loaded."""
-    from hsd_opt.drafters import TOKEN_DRAFTER_KINDS
-
-    known = (*VERIFIER_KINDS, *TOKEN_DRAFTER_KINDS)
-    entries = plan_entries(plan, source)
-    for i, name in enumerate(plan.hierarchy):
-        if entries[name].kind not in known:
-            raise InputFileError(source, f"{name!r} is of kind {entries[name].kind!r}, which this runtime cannot "
-                                         f"run (known: {', '.join(known)})", f"hierarchy[{i}]")
 
 
 def build_levels(plan, models: PlanModels, source: str = "plan") -> list[Level]:
@@ -240,7 +190,7 @@ class PlanModels:
         or, for a plan made for an ``int8``/``int4`` target (``provenance.target_precision``), that quantized copy
         on the CPU kernels."""
         from hsd_opt.engine.layered import LayeredLM
-        from hsd_opt.engine.quantized import QUANT_KINDS
+        from hsd_opt.engine.precisions import QUANT_KINDS
 
         precision = plan_target_precision(plan, source)
         key = (precision, plan.provenance.heads)
@@ -324,7 +274,7 @@ class PlanModels:
         Returns the bytes released. For ``hsd run`` and ``hsd serve``; ``hsd bench`` keeps them (its Hugging Face
         baselines run the float models)."""
         from hsd_opt.engine.layered import is_released, release_float_weights
-        from hsd_opt.engine.quantized import QUANT_KINDS
+        from hsd_opt.engine.precisions import QUANT_KINDS
         from hsd_opt.models.loading import resolve_model_name
 
         entries = {e.name: e for e in plan.models}

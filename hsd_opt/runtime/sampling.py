@@ -18,25 +18,7 @@ import torch
 from hsd_opt.engine import kernels
 from hsd_opt.engine.interface import Window
 from hsd_opt.errors import HsdError
-from hsd_opt.values import is_finite, is_integer, is_real
-
-#: the names :func:`check_filters` gives each filter by default (its argument's; the CLI passes its flags')
-ARGUMENTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
-
-
-def check_filters(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                  names: dict[str, str] = ARGUMENTS) -> None:
-    """Refuse a ``temperature`` below 0 or not finite (a negative one reversed the distribution, NaN made it
-    greedy), a ``top_p`` outside (0, 1], a ``top_k`` not an integer >= 0 (0: off) or a ``min_p`` outside [0, 1]
-    (0: off; above 1 every probability was NaN): a one-line :class:`HsdError` naming the value by ``names``."""
-    if not (is_finite(temperature) and temperature >= 0):
-        raise HsdError(f"{names['temperature']}: expected a finite value >= 0, got {temperature!r}")
-    if not (is_real(top_p) and 0.0 < top_p <= 1.0):
-        raise HsdError(f"{names['top_p']}: expected a value in (0, 1], got {top_p!r}")
-    if not (is_integer(top_k) and top_k >= 0):
-        raise HsdError(f"{names['top_k']}: expected an integer >= 0 (0: off), got {top_k!r}")
-    if not (is_real(min_p) and 0.0 <= min_p <= 1.0):
-        raise HsdError(f"{names['min_p']}: expected a value in [0, 1] (0: off), got {min_p!r}")
+from hsd_opt.runtime.arguments import check_filters
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,

@@ -27,8 +27,8 @@ from hsd_opt.errors import HsdError
 from hsd_opt.grammar.compiler import Grammar, GrammarCompiler, GrammarSpec
 from hsd_opt.jsonio import json_problem
 from hsd_opt.prompts import chat_ids, encode_prompt
-from hsd_opt.runtime.decode import MAX_TOP_LOGPROBS
-from hsd_opt.runtime.penalties import Penalties, bias_from_json, penalties_or_none
+from hsd_opt.runtime.arguments import MAX_TOP_LOGPROBS, bias_from_json
+from hsd_opt.runtime.penalties import Penalties, penalties_or_none
 from hsd_opt.seeds import seed_fits
 from hsd_opt.server.errors import ApiError, bad_request
 from hsd_opt.server.tools import (
