@@ -43,6 +43,8 @@ def _check(res, rows, k):
         assert all(v == float(rows[i, j]) for j, v in lp.top)
         if k:
             assert lp.top[0][1] == float(rows[i].max())
+        want = sorted(range(rows.shape[-1]), key=lambda j: (-float(rows[i, j]), j))[:k]
+        assert [j for j, _ in lp.top] == want        # the k most likely, equal ones by lower id (at the k-th too)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -60,6 +62,20 @@ def test_greedy_logprobs_are_the_targets_and_change_no_token(lm, seed):
                 _check(res, rows, k)
                 if k:     # greedy: each token is the most likely one
                     assert all(lp.top[0][0] == lp.token for lp in res.logprobs)
+
+
+def test_alternatives_tied_at_the_last_place_are_the_lower_ids():
+    """A head whose rows 3.. are one row: their log-probabilities are equal at every position, and the
+    alternatives listed after the distinct ones are the lowest of those ids (``torch.topk`` returns any of them)."""
+    model = make_tiny_llama(seed=5, vocab_size=48, layers=2, scale=6.0)
+    with torch.no_grad():
+        model.lm_head.weight[3:] = model.lm_head.weight[3]
+    tied = LayeredLM(model)
+    prompt = [5, 9, 4]
+    ref = HSD([Level("target", tied, tied.n_layers)], []).generate(prompt, 6).token_ids
+    rows = _reference_rows(tied, prompt, ref)
+    for k in (4, 8):
+        _check(HSD([Level("target", tied, tied.n_layers)], []).generate(prompt, 6, logprobs=k), rows, k)
 
 
 def test_no_logprobs_unless_asked(lm):

@@ -238,6 +238,16 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
     return total
 
 
+def most_likely(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` largest values of ``row`` ``[V]`` as ``(id, value)``, largest first; of equal values the lower ids
+    first, and kept where they tie at the ``k``-th place (``torch.topk`` keeps any of them)."""
+    k = min(k, row.numel())
+    if k <= 0:
+        return []
+    cols = (row >= row.topk(k).values[-1]).nonzero().flatten()     # the k largest and whatever ties the k-th
+    return sorted(zip(cols.tolist(), row[cols].tolist()), key=lambda c: (-c[1], c[0]))[:k]
+
+
 @dataclass
 class TokenLogprob:
     """The target's log-probability of one generated token (natural log, of the target model's own distribution:
@@ -698,11 +708,8 @@ class Decoding:
             return
         rows = self._rows[:n].cpu()
         toks = self.seq[len(self.seq) - n:]
-        k = self.n_logprobs
-        top_v, top_i = rows.topk(k, dim=-1) if k else (None, None)
         for i, t in enumerate(toks):
-            top = sorted(zip(top_i[i].tolist(), top_v[i].tolist()), key=lambda c: (-c[1], c[0])) if k else []
-            self.logprobs.append(TokenLogprob(int(t), float(rows[i, t]), top))
+            self.logprobs.append(TokenLogprob(int(t), float(rows[i, t]), most_likely(rows[i], self.n_logprobs)))
 
     def _dist(self, k: int, start: int, end: int
               ) -> Generator[Pass, object, tuple[torch.Tensor, torch.Tensor | None]]:
