@@ -5,6 +5,9 @@ Python API (plain functions over plain dataclasses)::
     from hsd_opt import load_profile, solve, evaluate, simulate
 """
 
+from importlib import resources
+from pathlib import Path
+
 from hsd_opt.errors import HsdError, InputFileError
 from hsd_opt.formats import (
     ModelEntry,
@@ -20,8 +23,13 @@ from hsd_opt.formats import (
 from hsd_opt.solver import build_gsp_graph, evaluate, gamma, hierarchy_latency, simulate, solve
 from hsd_opt.version import __version__
 
+#: The HSD paper's App. B.3 example profile ("Hierarchical Speculative Decoding", arXiv 2510.19705), shipped with
+#: the package: costs in the example's units, for trying the solver (``load_profile(EXAMPLE_PROFILE)``,
+#: ``hsd solve --profile``).
+EXAMPLE_PROFILE = Path(str(resources.files("hsd_opt").joinpath("data", "example_profile.json")))
+
 __all__ = [
-    "HsdError", "InputFileError", "ModelEntry", "Plan", "Profile", "load_plan", "load_profile",
+    "EXAMPLE_PROFILE", "HsdError", "InputFileError", "ModelEntry", "Plan", "Profile", "load_plan", "load_profile",
     "plan_from_dict", "profile_from_dict", "save_plan", "save_profile", "__version__",
 ]
 __all__ += ["solve", "evaluate", "simulate", "gamma", "hierarchy_latency", "build_gsp_graph"]
