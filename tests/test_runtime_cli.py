@@ -1058,14 +1058,18 @@ _PROFILE = ["profile", "--model", "smollm2-135m", "--out", "p.json"]
     (["run", "--prompt", "hi", "--model", "no-such-model"], "--model no-such-model: unknown model"),
     (["profile", "--model", "no-such-model", "--out", "p.json"], "--model no-such-model: unknown model"),
     ([*_PROFILE, "--prompts", "none.jsonl"], "none.jsonl: file not found"),
+    (["heads", "train", "--out", "h.safetensors", "--kind", "square"], "--kind"),
+    (["heads", "train", "--out", "h.safetensors", "--lr", "5"], "--lr"),
+    (["heads", "eval", "--heads", "h.safetensors", "--tokens", "0"], "--tokens"),
 ])
 def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path, args, needle):
-    """A mistyped flag of ``hsd run``, ``chat``, ``bench`` or ``profile``, and a plan the run cannot take, is said
-    at once (exit 2, naming the flag or the plan's field): importing the runtime (torch, seconds) waited for it."""
+    """A mistyped flag of ``hsd run``, ``chat``, ``bench``, ``profile`` or ``heads``, and a plan the run cannot take,
+    is said at once (exit 2, naming the flag or the plan's field): importing the runtime (torch, seconds) waited
+    for it."""
     if args[-1] == "--plan-kind":
         args = [*args[:-1], "--plan", str(_plan(tmp_path / "k.json", tiny_dir / "m", hierarchy=("weird", "layer4"),
                                                  budgets=(2,), models=_KIND))]
-    elif args[0] != "profile":
+    elif args[0] not in ("profile", "heads"):
         args = [*args, "--plan", str(_plan(tmp_path / "p.json", tiny_dir / "m"))]
     code = ("import sys, atexit\natexit.register(lambda: print('torch' in sys.modules))\n"
             f"from hsd_opt.cli import app\napp({args!r})\n")

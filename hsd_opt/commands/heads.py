@@ -91,11 +91,8 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT.ckpt if present."),
 ):
     """Train per-layer exit heads on text the target generates from the prompt suite."""
-    import torch
-
     from hsd_opt.commands.options import layer_numbers
-    from hsd_opt.heads import KINDS, head_layers, save_heads, train_heads
-    from hsd_opt.heads.train import MAX_LR, TRAIN_VOCABS, check_checkpoint
+    from hsd_opt.heads.settings import KINDS, MAX_LR, TRAIN_VOCABS, check_checkpoint
     from hsd_opt.models.loading import file_sha256, load_model
 
     if kind not in KINDS:
@@ -121,6 +118,11 @@ def train(
         raise HsdError("--layers none: heads are trained for some layers; give 'all' or layer numbers like 4,8,14")
     ckpt = Path(str(out) + ".ckpt")
     check_checkpoint(ckpt, resume)
+    # torch's import (seconds): after the flags are checked
+    import torch
+
+    from hsd_opt.heads import head_layers, save_heads, train_heads
+
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(model, device=device, dtype=dtype)
@@ -196,10 +198,7 @@ def evaluate(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the table as JSON."),
 ):
     """Per-layer held-out acceptance and greedy agreement with the final layer: raw exits vs trained heads."""
-    import torch
-
-    from hsd_opt.heads import RawHead, evaluate_heads, load_heads, read_heads_file
-    from hsd_opt.heads.train import MAX_LEN
+    from hsd_opt.heads.settings import MAX_LEN
     from hsd_opt.jsonio import write_json
     from hsd_opt.models.loading import load_model
 
@@ -209,6 +208,11 @@ def evaluate(
     if tokens is not None and tokens < 1:
         raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")
     _check_prompts(prompts)
+    # torch's import (seconds): after the flags are checked
+    import torch
+
+    from hsd_opt.heads import RawHead, evaluate_heads, load_heads, read_heads_file
+
     _, header = read_heads_file(heads)  # a missing/corrupt file fails before the model loads
     tr = header.get("train") or {}
     if prompts is None and tr.get("prompts"):

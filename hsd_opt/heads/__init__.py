@@ -1,12 +1,29 @@
 """Trained early-exit heads (``docs/design.md#trained-exit-heads``): translator heads distilled to the final layer,
 their file format, training and evaluation. See :mod:`hsd_opt.heads.modules`, :mod:`hsd_opt.heads.train`,
-:mod:`hsd_opt.heads.io`."""
+:mod:`hsd_opt.heads.io`; :mod:`hsd_opt.heads.settings` holds what training takes, without torch."""
 
-from hsd_opt.heads.data import generate_training_sequences, sequences_sha256, split_sequences
-from hsd_opt.heads.io import FORMAT, HeadsModelMismatch, load_heads, read_heads_file, save_heads
-from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
-from hsd_opt.heads.train import TrainResult, evaluate_heads, frequent_vocab, head_layers, train_heads
+import importlib
 
-__all__ = ["FORMAT", "KINDS", "HeadsModelMismatch", "RawHead", "TrainResult", "TranslatorHead", "evaluate_heads",
-           "frequent_vocab", "generate_training_sequences", "head_layers", "load_heads",
-           "read_heads_file", "save_heads", "sequences_sha256", "split_sequences", "train_heads"]
+#: Each name this package exports, and its module: imported on first use, so that ``settings`` is read without
+#: torch (``hsd heads train`` checks its flags before torch's import).
+_EXPORTS = {
+    "generate_training_sequences": "data", "sequences_sha256": "data", "split_sequences": "data",
+    "FORMAT": "io", "HeadsModelMismatch": "io", "load_heads": "io", "read_heads_file": "io", "save_heads": "io",
+    "KINDS": "settings", "RawHead": "modules", "TranslatorHead": "modules",
+    "TrainResult": "train", "evaluate_heads": "train", "frequent_vocab": "train", "head_layers": "train",
+    "train_heads": "train",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

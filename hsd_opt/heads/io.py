@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from hsd_opt.errors import HsdError, InputFileError
-from hsd_opt.heads.modules import KINDS, TranslatorHead
+from hsd_opt.heads.modules import TranslatorHead
+from hsd_opt.heads.settings import KINDS
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import recorded_model_id, same_model, unwrap_model
 from hsd_opt.values import is_finite, is_integer

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-KINDS = ("affine", "lowrank")
+from hsd_opt.heads.settings import KINDS
 
 
 class TranslatorHead(nn.Module):

@@ -33,14 +33,12 @@ from hsd_opt.console import progress_bar
 from hsd_opt.engine.layered import LayeredLM
 from hsd_opt.errors import HsdError
 from hsd_opt.heads.data import sequences_sha256, split_indices
-from hsd_opt.heads.modules import KINDS, RawHead, TranslatorHead
+from hsd_opt.heads.modules import RawHead, TranslatorHead
+from hsd_opt.heads.settings import KINDS, MAX_LEN, MAX_LR, TRAIN_VOCABS, check_checkpoint
 from hsd_opt.jsonio import atomic_write_bytes
 from hsd_opt.models.loading import unwrap_model
 from hsd_opt.seeds import SEED_STRIDE
 from hsd_opt.values import is_integer, is_real
-
-#: The largest learning rate training takes (past float32's range Adam's first step overflows).
-MAX_LR = 1.0
 
 
 @dataclass
@@ -81,12 +79,6 @@ class TrainResult:
                 "history": self.history,
                 "layers": {str(b): {"before": self.before.get(b), "after": self.after.get(b)}
                            for b in sorted(self.heads)}}
-
-
-#: What ``train_vocab`` takes (module doc): ``auto`` (candidates on a CPU, full on CUDA), ``full``, ``candidates``.
-TRAIN_VOCABS = ("auto", "full", "candidates")
-#: Tokens of a sequence training reads at most, held-out ones too (longer ones are cut there).
-MAX_LEN = 1024
 
 
 def head_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
@@ -316,14 +308,6 @@ def train_heads(model, layers: Sequence[int], token_sequences: Sequence[Sequence
     finally:
         for p, r in zip(m.parameters(), requires):
             p.requires_grad_(r)
-
-
-def check_checkpoint(checkpoint: str | Path | None, resume: bool) -> None:
-    """Refuse to start over where an interrupted training left ``checkpoint`` and ``resume`` is off: its first
-    save would replace the checkpoint (hours of training), as the profiler refuses its own."""
-    if checkpoint and not resume and Path(checkpoint).exists():
-        raise HsdError(f"{checkpoint}: a checkpoint of an interrupted training exists; pass --resume to continue "
-                       f"it, or delete it to start over")
 
 
 def _train(eng, m, layers, train_seqs, train_st, held, held_st, settings, data_hash, checkpoint, resume,
