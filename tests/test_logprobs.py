@@ -78,6 +78,17 @@ def test_alternatives_tied_at_the_last_place_are_the_lower_ids():
         _check(HSD([Level("target", tied, tied.n_layers)], []).generate(prompt, 6, logprobs=k), rows, k)
 
 
+def test_most_likely_lists_k_even_where_a_row_holds_nan():
+    """A NaN ranks above every number, as ``torch.topk`` ranks it: a broken model's row still lists ``k``
+    alternatives, NaN ones by lower id."""
+    from hsd_opt.runtime.decode import most_likely
+
+    nan = float("nan")
+    assert [j for j, _ in most_likely(torch.full((6,), nan), 3)] == [0, 1, 2]
+    assert [j for j, _ in most_likely(torch.tensor([1.0, nan, 2.0, 3.0, nan]), 3)] == [1, 4, 3]
+    assert most_likely(torch.tensor([1.0, 2.0]), 5) == [(1, 2.0), (0, 1.0)]
+
+
 def test_no_logprobs_unless_asked(lm):
     assert HSD([Level("target", lm, lm.n_layers)], []).generate([5, 6, 7], 4).logprobs is None
 

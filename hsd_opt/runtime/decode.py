@@ -240,12 +240,15 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
 
 def most_likely(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     """The ``k`` largest values of ``row`` ``[V]`` as ``(id, value)``, largest first; of equal values the lower ids
-    first, and kept where they tie at the ``k``-th place (``torch.topk`` keeps any of them)."""
+    first, and kept where they tie at the ``k``-th place (``torch.topk`` keeps any of them). A NaN ranks above
+    every number, as ``torch.topk`` ranks it (a row of a broken model still lists ``k``)."""
     k = min(k, row.numel())
     if k <= 0:
         return []
-    cols = (row >= row.topk(k).values[-1]).nonzero().flatten()     # the k largest and whatever ties the k-th
-    return sorted(zip(cols.tolist(), row[cols].tolist()), key=lambda c: (-c[1], c[0]))[:k]
+    rank = torch.where(torch.isnan(row), torch.tensor(float("inf"), dtype=row.dtype), row)
+    cols = (rank >= rank.topk(k).values[-1]).nonzero().flatten()     # the k largest and whatever ties the k-th
+    picked = sorted(zip(cols.tolist(), rank[cols].tolist()), key=lambda c: (-c[1], c[0]))[:k]
+    return [(j, float(row[j])) for j, _ in picked]
 
 
 @dataclass
