@@ -1061,6 +1061,10 @@ _PROFILE = ["profile", "--model", "smollm2-135m", "--out", "p.json"]
     (["heads", "train", "--out", "h.safetensors", "--kind", "square"], "--kind"),
     (["heads", "train", "--out", "h.safetensors", "--lr", "5"], "--lr"),
     (["heads", "eval", "--heads", "h.safetensors", "--tokens", "0"], "--tokens"),
+    (["run", "--prompt", "hi", "--device", "tpu"], "--device"),
+    (["bench", "--dtype", "float64"], "--dtype"),
+    ([*_PROFILE, "--device", "cuda:x"], "--device"),
+    (["heads", "train", "--out", "h.safetensors", "--dtype", "f64"], "--dtype"),
 ])
 def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path, args, needle):
     """A mistyped flag of ``hsd run``, ``chat``, ``bench``, ``profile`` or ``heads``, and a plan the run cannot take,

@@ -137,6 +137,20 @@ def plan_model(plan, plan_path: Path, model: Optional[str] = None) -> tuple[str,
     return name, flag
 
 
+def check_load(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
+               target_precision: Optional[str] = None):
+    """What :func:`load_plan_and_model` refuses without torch's import, before anything slow loads:
+    ``--device`` and ``--dtype`` that name nothing (:func:`~hsd_opt.models.loading.check_device_name`,
+    :func:`~hsd_opt.models.loading.check_dtype_name`), the plan (:func:`read_plan`) and its model's name
+    (:func:`plan_model`). Returns ``(plan, model name, what its errors name)``."""
+    from hsd_opt.models.loading import check_device_name, check_dtype_name
+
+    check_device_name(device)
+    check_dtype_name(dtype)
+    plan = read_plan(plan_path, target_precision)
+    return (plan, *plan_model(plan, plan_path, model))
+
+
 def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
                         target_precision: Optional[str] = None, engines_only: bool = False,
                         check_plan: Optional[Callable[[Any], None]] = None,
@@ -151,10 +165,9 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     from hsd_opt.errors import InputFileError
     from hsd_opt.models.loading import DTYPE_NAMES, load_model
 
-    plan = read_plan(plan_path, target_precision)
+    plan, name, flag = check_load(plan_path, model, device, dtype, target_precision)
     if check_plan is not None:
         check_plan(plan)
-    name, flag = plan_model(plan, plan_path, model)
     check_outputs(*outputs, inputs=local_model(flag, name))
     _, asked = resolve_target_precision(target_precision, None)
     if not dtype and plan.provenance.dtype and plan.provenance.dtype.lower() not in DTYPE_NAMES:

@@ -91,33 +91,11 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT.ckpt if present."),
 ):
     """Train per-layer exit heads on text the target generates from the prompt suite."""
-    from hsd_opt.commands.options import layer_numbers
-    from hsd_opt.heads.settings import KINDS, MAX_LR, TRAIN_VOCABS, check_checkpoint
     from hsd_opt.models.loading import file_sha256, load_model
 
-    if kind not in KINDS:
-        raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    _check_output_beside(out, model, prompts)
-    if train_vocab not in TRAIN_VOCABS:
-        raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
-    for flag, value, ok, what in (("--epochs", epochs, epochs >= 1, "an integer >= 1"),
-                                  ("--tokens", tokens, tokens >= 1, "an integer >= 1"),
-                                  ("--vocab-subset", vocab_subset, vocab_subset >= 0, "an integer >= 0 (0: all)"),
-                                  ("--holdout", holdout, 0 < holdout < 1, "a fraction in (0, 1)")):
-        if not ok:
-            raise HsdError(f"{flag}: expected {what}, got {value}")
-    if rank < 1:
-        raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
-    if not (math.isfinite(lr) and 0 < lr <= MAX_LR):   # past float32's range Adam's first step overflowed
-        raise HsdError(f"--lr: expected a number in (0, {MAX_LR:g}] (Adam's step size), got {lr}")
-    check_strided_seed(seed, "the training's draws")
-    _check_threads(threads)
-    _check_prompts(prompts)
-    wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
-    if wanted == []:
-        raise HsdError("--layers none: heads are trained for some layers; give 'all' or layer numbers like 4,8,14")
+    wanted = _check_train_flags(model, layers, out, prompts, tokens, epochs, lr, kind, rank, vocab_subset,
+                                train_vocab, holdout, device, dtype, threads, seed, resume)
     ckpt = Path(str(out) + ".ckpt")
-    check_checkpoint(ckpt, resume)
     # torch's import (seconds): after the flags are checked
     import torch
 
@@ -148,6 +126,42 @@ def train(
     console.print(results_table(f"held-out agreement with layer {n} ({res.heldout_positions} positions)",
                                 res.before, res.after))
     console.print(f"trained {len(bs)} heads in {res.seconds:.1f} s; wrote {out}")
+
+
+def _check_train_flags(model: str, layers: str, out: Path, prompts: Optional[Path], tokens: int, epochs: int,
+                       lr: float, kind: str, rank: int, vocab_subset: int, train_vocab: str, holdout: float,
+                       device: str, dtype: str, threads: int, seed: int, resume: bool) -> Optional[list[int]]:
+    """``hsd heads train``'s flags checked before torch's import, each refused in one line naming it; returns
+    ``--layers`` as layer numbers (None: all; the range is checked once the model is loaded)."""
+    from hsd_opt.commands.options import layer_numbers
+    from hsd_opt.heads.settings import KINDS, MAX_LR, TRAIN_VOCABS, check_checkpoint
+    from hsd_opt.models.loading import check_device_name, check_dtype_name
+
+    if kind not in KINDS:
+        raise HsdError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    _check_output_beside(out, model, prompts)
+    if train_vocab not in TRAIN_VOCABS:
+        raise HsdError(f"--train-vocab: expected auto, full or candidates, got {train_vocab!r}")
+    for flag, value, ok, what in (("--epochs", epochs, epochs >= 1, "an integer >= 1"),
+                                  ("--tokens", tokens, tokens >= 1, "an integer >= 1"),
+                                  ("--vocab-subset", vocab_subset, vocab_subset >= 0, "an integer >= 0 (0: all)"),
+                                  ("--holdout", holdout, 0 < holdout < 1, "a fraction in (0, 1)")):
+        if not ok:
+            raise HsdError(f"{flag}: expected {what}, got {value}")
+    if rank < 1:
+        raise HsdError(f"--rank: expected an integer >= 1, got {rank}")
+    if not (math.isfinite(lr) and 0 < lr <= MAX_LR):   # past float32's range Adam's first step overflowed
+        raise HsdError(f"--lr: expected a number in (0, {MAX_LR:g}] (Adam's step size), got {lr}")
+    check_strided_seed(seed, "the training's draws")
+    _check_threads(threads)
+    _check_prompts(prompts)
+    wanted = layer_numbers(layers)         # the syntax, before loading anything (the range once loaded)
+    if wanted == []:
+        raise HsdError("--layers none: heads are trained for some layers; give 'all' or layer numbers like 4,8,14")
+    check_checkpoint(Path(str(out) + ".ckpt"), resume)
+    check_device_name(device)
+    check_dtype_name(dtype)
+    return wanted
 
 
 def _check_same_prompts(heads: Path, prompts: Path, tr: dict) -> None:
@@ -200,7 +214,7 @@ def evaluate(
     """Per-layer held-out acceptance and greedy agreement with the final layer: raw exits vs trained heads."""
     from hsd_opt.heads.settings import MAX_LEN
     from hsd_opt.jsonio import write_json
-    from hsd_opt.models.loading import load_model
+    from hsd_opt.models.loading import check_device_name, check_dtype_name, load_model
 
     check_outputs(("--json", json_out), inputs=[("--heads", heads), ("--prompts", prompts),
                                                 *local_model("--model", model)])
@@ -208,6 +222,8 @@ def evaluate(
     if tokens is not None and tokens < 1:
         raise HsdError(f"--tokens: expected an integer >= 1 (leave it out for the training's count), got {tokens}")
     _check_prompts(prompts)
+    check_device_name(device)
+    check_dtype_name(dtype)
     # torch's import (seconds): after the flags are checked
     import torch
 

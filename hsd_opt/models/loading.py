@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -123,10 +124,29 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+#: What ``--device`` may name besides ``auto``: a device type torch runs a model on, and its index.
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
+
+
+def check_device_name(spec: str | None) -> None:
+    """Refuse a ``--device`` that is not ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (nor ``mps``/``xpu``, which
+    torch names too), without torch's import; whether the machine has it is :func:`resolve_device`'s to say."""
+    if spec not in (None, "", "auto") and not (isinstance(spec, str) and _DEVICE.fullmatch(spec)):
+        raise HsdError(f"--device: expected auto, cpu, cuda or cuda:N, got {spec!r}")
+
+
+def check_dtype_name(spec: str | None) -> None:
+    """Refuse a ``--dtype`` that is not ``auto`` or one of :data:`DTYPE_NAMES`' (any case), without torch's
+    import."""
+    if spec not in (None, "", "auto") and not (isinstance(spec, str) and spec.lower() in _DTYPES):
+        raise HsdError(f"--dtype: expected auto, float32, float16 or bfloat16, got {spec!r}")
+
+
 def resolve_device(spec: str = "auto"):
     """``"auto"`` -> CUDA when available, else CPU; ``"cpu"``/``"cuda"``/``"cuda:N"`` as given (checked)."""
     import torch
 
+    check_device_name(spec)
     if spec in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
@@ -153,10 +173,8 @@ def resolve_dtype(spec: str, device: "torch.device") -> "torch.dtype":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    name = _DTYPES.get(spec.lower())
-    if name is None:
-        raise HsdError(f"--dtype: expected auto, float32, float16 or bfloat16, got {spec!r}")
-    return getattr(torch, name)
+    check_dtype_name(spec)
+    return getattr(torch, _DTYPES[spec.lower()])
 
 
 def known_models_text() -> str:

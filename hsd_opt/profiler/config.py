@@ -10,7 +10,7 @@ from typing import Sequence
 
 from hsd_opt.errors import HsdError
 from hsd_opt.formats import EXACT_PASS
-from hsd_opt.models.loading import check_model_name
+from hsd_opt.models.loading import check_device_name, check_dtype_name, check_model_name
 from hsd_opt.prompts import load_prompts
 from hsd_opt.runtime.arguments import check_sampling_flags
 from hsd_opt.seeds import check_strided_seed
@@ -68,11 +68,14 @@ class ProfileConfig:
 
 def check_config(cfg: ProfileConfig) -> None:
     """Refuse, in one line naming the flag, what ``cfg`` may not hold before anything loads: the sampling flags
-    (:func:`~hsd_opt.runtime.arguments.check_sampling_flags`), the model's and the draft models' names, a prompt
+    (:func:`~hsd_opt.runtime.arguments.check_sampling_flags`), ``--device`` and ``--dtype`` names, the model's and
+    the draft models' names, a prompt
     file that cannot be read (:func:`~hsd_opt.prompts.load_prompts`), a seed whose prompts' seeds
     leave 64 bits, a ``tmax`` out of 1 .. :data:`~hsd_opt.formats.EXACT_PASS` - 1, cost contexts that are not
     positive token counts, ADED with a shard."""
     check_sampling_flags(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
+    check_device_name(cfg.device)
+    check_dtype_name(cfg.dtype)
     if not cfg.costs_only:           # (a costs-only run also takes a shipped configuration's name)
         check_model_name(cfg.model, "--model")
         for name in cfg.draft_models:
