@@ -1065,6 +1065,7 @@ _PROFILE = ["profile", "--model", "smollm2-135m", "--out", "p.json"]
     (["bench", "--dtype", "float64"], "--dtype"),
     ([*_PROFILE, "--device", "cuda:x"], "--device"),
     (["heads", "train", "--out", "h.safetensors", "--dtype", "f64"], "--dtype"),
+    (["bench", "--assistant", "no-such-model"], "--assistant no-such-model: unknown model"),
 ])
 def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path, args, needle):
     """A mistyped flag of ``hsd run``, ``chat``, ``bench``, ``profile`` or ``heads``, and a plan the run cannot take,

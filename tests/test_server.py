@@ -1303,7 +1303,7 @@ def test_serve_flag_errors_exit_2_with_one_line(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--prefill-share", "2"), ("--mode", "lazy"),
                                         ("--allowed-origins", "ftp://x"), ("--target-precision", "int9"),
                                         ("--target-precision", "int8"), ("--model", "no-such-model"),
-                                        ("--device", "tpu")])
+                                        ("--device", "tpu"), ("--retime", "none.json")])
 def test_a_serve_flag_error_comes_before_torch_is_imported(tiny, flag, value):
     """A mistyped flag of ``hsd serve``, or a plan made for another target precision than it asks, is said at
     once: importing the runtime (torch, seconds) waited for it."""

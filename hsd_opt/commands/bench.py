@@ -170,9 +170,9 @@ def bench_cmd(
     _check_flags(mode, max_new_tokens, (("--json", json_out), ("--plot", plot)),
                  [("--plan", plan), ("--prompts", prompts), ("--retime", retime), ("--json-schema", json_schema),
                   ("--grammar", grammar)])
-    _check_assistant(assistant)
     if concurrency is None:
         _no_load_options(requests=requests, max_batch=max_batch, rounds=rounds)
+        _check_assistant(assistant)
     else:
         return bench_load(plan, prompts, limit, limit_per_task, by, max_new_tokens, json_out, plot, device, dtype,
                           target_precision, model, raw, mode, methods, concurrency,
@@ -237,10 +237,15 @@ def _check_flags(mode: str, max_new_tokens: int, outputs, inputs) -> None:
 
 
 def _check_assistant(assistant: Optional[str]) -> None:
-    """Refuse an empty ``--assistant`` (None: not given, the plan's draft model)."""
+    """Refuse an empty ``--assistant`` (None: not given, the plan's draft model), or a name no model has
+    (:func:`~hsd_opt.models.loading.check_model_name`: before the target loads)."""
+    from hsd_opt.models.loading import check_model_name
+
     if assistant is not None and not assistant.strip():
         raise HsdError("--assistant: the name is empty (a draft model: an alias, hub id, directory or .gguf file; "
                        "leave the flag out for the plan's draft model)")
+    if assistant is not None:
+        check_model_name(assistant, "--assistant")
 
 
 def _no_load_options(**given: Optional[int]) -> None:

@@ -138,16 +138,18 @@ def plan_model(plan, plan_path: Path, model: Optional[str] = None) -> tuple[str,
 
 
 def check_load(plan_path: Path, model: Optional[str], device: str, dtype: Optional[str],
-               target_precision: Optional[str] = None):
+               target_precision: Optional[str] = None, retime: Optional[Path] = None):
     """What :func:`load_plan_and_model` refuses without torch's import, before anything slow loads:
     ``--device`` and ``--dtype`` that name nothing (:func:`~hsd_opt.models.loading.check_device_name`,
-    :func:`~hsd_opt.models.loading.check_dtype_name`), the plan (:func:`read_plan`) and its model's name
-    (:func:`plan_model`). Returns ``(plan, model name, what its errors name)``."""
+    :func:`~hsd_opt.models.loading.check_dtype_name`), the plan (:func:`read_plan`), its model's name
+    (:func:`plan_model`) and a ``--retime`` profile that cannot be read (:func:`read_retime_profile`; its fit to
+    the plan is checked with the runtime). Returns ``(plan, model name, what its errors name)``."""
     from hsd_opt.models.loading import check_device_name, check_dtype_name
 
     check_device_name(device)
     check_dtype_name(dtype)
     plan = read_plan(plan_path, target_precision)
+    read_retime_profile(retime, say_warnings=False)      # (read again, and its warnings said, by the command)
     return (plan, *plan_model(plan, plan_path, model))
 
 
@@ -230,9 +232,10 @@ def retime_text(tokenizer) -> list[int]:
     return [t for s in load_prompts().texts[:8] for t in encode_prompt(tokenizer, s)]
 
 
-def read_retime_profile(retime: Optional[Path]) -> Optional["Profile"]:
-    """The profile ``--retime`` names (its load warnings printed), read before any model is loaded; None without
-    the flag. :class:`HsdError` naming ``--retime`` and the file when it cannot be read."""
+def read_retime_profile(retime: Optional[Path], say_warnings: bool = True) -> Optional["Profile"]:
+    """The profile ``--retime`` names (its load warnings printed, unless ``say_warnings`` is off), read before any
+    model is loaded; None without the flag. :class:`HsdError` naming ``--retime`` and the file when it cannot be
+    read."""
     if retime is None:
         return None
     from hsd_opt.console import warn_some
@@ -242,7 +245,8 @@ def read_retime_profile(retime: Optional[Path]) -> Optional["Profile"]:
         profile, warnings = load_profile(retime)
     except HsdError as e:
         raise HsdError(f"--retime {e}") from None
-    warn_some(warnings)
+    if say_warnings:
+        warn_some(warnings)
     return profile
 
 

@@ -305,7 +305,7 @@ def serve_cmd(
     check_serve_args(port, max_queue, default_max_tokens, model_name, max_batch, max_body, stream_interval,
                      prompt_cache, log_stats, api_key, prefill_share, mode)
     origins = parse_origins(allowed_origins)
-    check_load(plan, model, device, dtype, target_precision)     # said before the port is taken
+    check_load(plan, model, device, dtype, target_precision, retime)     # said before the port is taken
     from hsd_opt.server.serving import bind_socket  # the server imports torch: after the flags' own checks
 
     sock = bind_socket(host, port)  # before the long load: a taken port fails at once
