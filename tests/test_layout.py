@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module imports only from its own layer or below, and subpackages form no cycle):
 
-0. ``errors``, ``jsonio``, ``console``, ``cache``, ``seeds``, ``version``, ``packages``
+0. ``errors``, ``jsonio``, ``console``, ``cache``, ``seeds``, ``version``, ``packages``, ``values``, ``lazy``
 1. ``formats``, ``prompts``
 2. ``solver``, ``engine``, ``drafters``, ``models``, ``grammar``
 3. ``runtime``, ``profiler``, ``heads``
@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "hsd_opt"
 LAYERS = {
-    "errors": 0, "jsonio": 0, "console": 0, "cache": 0, "seeds": 0, "version": 0, "packages": 0, "values": 0,
+    "errors": 0, "jsonio": 0, "console": 0, "cache": 0, "seeds": 0, "version": 0, "packages": 0, "values": 0, "lazy": 0,
     "formats": 1, "prompts": 1,
     "solver": 2, "engine": 2, "drafters": 2, "models": 2, "grammar": 2,
     "runtime": 3, "profiler": 3, "heads": 3,

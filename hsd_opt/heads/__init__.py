@@ -2,7 +2,7 @@
 their file format, training and evaluation. See :mod:`hsd_opt.heads.modules`, :mod:`hsd_opt.heads.train`,
 :mod:`hsd_opt.heads.io`; :mod:`hsd_opt.heads.settings` holds what training takes, without torch."""
 
-import importlib
+from hsd_opt.lazy import lazy_exports
 
 #: Each name this package exports, and its module: imported on first use, so that ``settings`` is read without
 #: torch (``hsd heads train`` checks its flags before torch's import).
@@ -15,15 +15,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

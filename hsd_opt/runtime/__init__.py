@@ -7,25 +7,13 @@
     h.pool = StatePool(reuse=True)               # a prompt starting with an earlier one's tokens takes their keys
 """
 
-import importlib
+from hsd_opt.lazy import lazy_exports
 
-#: Each name this package exports, and its module: imported on first use, so that a module of the runtime that
-#: needs no torch (``schedule``, ``modes``) is read without it (a command's flags are checked in a fraction of a
-#: second, not after torch's import).
+#: Each name this package exports, and its module: imported on first use (:mod:`hsd_opt.lazy`), so that a module
+#: of the runtime that needs no torch (``schedule``, ``modes``, ``arguments``, ``plan_checks``) is read without it.
 _EXPORTS = {"HSD": "decode", "Level": "decode", "GenerationResult": "decode", "Penalties": "penalties",
             "StatePool": "state_pool", "process_logits": "sampling", "build_levels": "runner",
             "hsd_for_plan": "runner"}
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
