@@ -1066,6 +1066,7 @@ _PROFILE = ["profile", "--model", "smollm2-135m", "--out", "p.json"]
     ([*_PROFILE, "--device", "cuda:x"], "--device"),
     (["heads", "train", "--out", "h.safetensors", "--dtype", "f64"], "--dtype"),
     (["bench", "--assistant", "no-such-model"], "--assistant no-such-model: unknown model"),
+    (["models", "fetch", "smollm2-135m", "--device", "tpu"], "--device"),
 ])
 def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path, args, needle):
     """A mistyped flag of ``hsd run``, ``chat``, ``bench``, ``profile`` or ``heads``, and a plan the run cannot take,
@@ -1074,7 +1075,7 @@ def test_a_flag_or_plan_error_comes_before_torch_is_imported(tiny_dir, tmp_path,
     if args[-1] == "--plan-kind":
         args = [*args[:-1], "--plan", str(_plan(tmp_path / "k.json", tiny_dir / "m", hierarchy=("weird", "layer4"),
                                                  budgets=(2,), models=_KIND))]
-    elif args[0] not in ("profile", "heads"):
+    elif args[0] not in ("profile", "heads", "models"):
         args = [*args, "--plan", str(_plan(tmp_path / "p.json", tiny_dir / "m"))]
     code = ("import sys, atexit\natexit.register(lambda: print('torch' in sys.modules))\n"
             f"from hsd_opt.cli import app\napp({args!r})\n")

@@ -69,8 +69,10 @@ def fetch(name: str = typer.Argument("smollm2-135m", help="alias, hub id, direct
     if given:
         raise HsdError(f"{', '.join(given)}: for split-GGUF aliases only (hsd models list), which {name} is not; "
                        f"fetch it without {' and '.join(given)}")
-    from hsd_opt.models.loading import load_model
+    from hsd_opt.models.loading import check_device_name, check_dtype_name, load_model
 
+    check_device_name(device)             # before torch's import (load_model's)
+    check_dtype_name(dtype)
     t0 = time.perf_counter()
     loaded = load_model(name, device=device or "cpu", dtype=dtype or "auto", flag="hsd models fetch")
     cfg = loaded.model.config

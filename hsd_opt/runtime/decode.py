@@ -240,8 +240,8 @@ def add_levels(total: list[LevelStats] | None, levels: Sequence[dict[str, Any]])
 
 def most_likely(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     """The ``k`` largest values of ``row`` ``[V]`` as ``(id, value)``, largest first; of equal values the lower ids
-    first, and kept where they tie at the ``k``-th place (``torch.topk`` keeps any of them). A NaN ranks above
-    every number, as ``torch.topk`` ranks it (a row of a broken model still lists ``k``)."""
+    first, and kept where they tie at the ``k``-th place (``torch.topk`` keeps any of them). A NaN ranks as
+    ``+inf`` (above every finite number, as ``torch.topk`` ranks it; a row of a broken model still lists ``k``)."""
     k = min(k, row.numel())
     if k <= 0:
         return []
