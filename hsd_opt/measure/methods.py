@@ -12,6 +12,7 @@ from hsd_opt.prompts import PromptItem
 from hsd_opt.runtime.arguments import check_sampling_flags
 from hsd_opt.seeds import SEED_RANGE, SEED_STRIDE, seed_fits
 
+#: Every method of the single-stream bench, as the report names it.
 METHODS = ("hf_ar", "hf_prompt_lookup", "hf_early_exit", "hf_assisted", "ar", "single_draft", "hsd", "hsd_task")
 #: Methods that run only when named: ``hf_early_exit`` (Hugging Face's early-exit self-speculation, which is slow
 #: enough on a CPU to take most of a default bench's time).
