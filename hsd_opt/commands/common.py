@@ -163,7 +163,6 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     :func:`~hsd_opt.models.loading.load_model`). ``check_plan(plan)``: a command's own check of the plan, run
     before the model loads. ``outputs`` (``(flag, path)``) are refused where they are the local model's file or
     inside its folder (:func:`check_outputs`)."""
-    from hsd_opt.commands.options import resolve_target_precision
     from hsd_opt.errors import InputFileError
     from hsd_opt.models.loading import DTYPE_NAMES, load_model
 
@@ -171,7 +170,6 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
     if check_plan is not None:
         check_plan(plan)
     check_outputs(*outputs, inputs=local_model(flag, name))
-    _, asked = resolve_target_precision(target_precision, None)
     if not dtype and plan.provenance.dtype and plan.provenance.dtype.lower() not in DTYPE_NAMES:
         raise InputFileError(str(plan_path), f"expected one of {', '.join(sorted(DTYPE_NAMES))}, got "
                                              f"{plan.provenance.dtype!r}", "provenance.dtype")
@@ -179,7 +177,7 @@ def load_plan_and_model(plan_path: Path, model: Optional[str], device: str, dtyp
                         engines_only=engines_only, flag=flag)
     from hsd_opt.runtime.runner import check_provenance  # (torch, loaded with the model by now)
 
-    check_provenance(plan, loaded, str(plan_path), asked)
+    check_provenance(plan, loaded, str(plan_path), target_precision)   # (read_plan checked the flag's value)
     prepare_kernels(loaded.device)
     warn_machine(plan, loaded.device)
     return plan, loaded
